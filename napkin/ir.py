@@ -1,0 +1,313 @@
+"""The napkin IR: one readable block of immutable node definitions.
+
+A diagram is a set of wires (named axes), input tensors laid out along those
+wires, boxes (``Let`` statements) that compute new tensors from expressions,
+the outputs, and a schedule saying where each part lives and how wires are
+tiled at each memory level.
+
+Every node is a frozen dataclass carrying its source location.  Locations
+take no part in equality (``compare=False``), so ``parse(print(ir)) == ir``
+holds even though printing moves things around.
+
+Passes never mutate these nodes; analyses return reports and rewrites return
+new nodes (``dataclasses.replace``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass(frozen=True)
+class Loc:
+    """A span in the source text: 1-based line and column of its start."""
+
+    line: int = 0
+    col: int = 0
+    end_line: int = 0
+    end_col: int = 0
+
+
+NOLOC = Loc()
+
+
+def _loc() -> Loc:
+    return field(default=NOLOC, compare=False, repr=False)
+
+
+# --------------------------------------------------------------------------
+# Element types.  bytes per element; fp8 exists for the cost model only.
+# --------------------------------------------------------------------------
+
+DTYPE_BYTES = {
+    "fp64": 8,
+    "fp32": 4,
+    "tf32": 4,
+    "fp16": 2,
+    "bf16": 2,
+    "e4m3": 1,
+    "e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "bool": 1,
+}
+FLOAT_DTYPES = ("fp64", "fp32", "fp16", "bf16", "e4m3", "e5m2")
+INT_DTYPES = ("int64", "int32", "bool")
+
+
+# --------------------------------------------------------------------------
+# Expressions (the elementwise language inside boxes).
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Num:
+    """A numeric constant; ``inf`` is ``Num(float('inf'))``."""
+
+    value: Union[int, float]
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class WireIndex:
+    """The index along a wire, e.g. ``q`` and ``x`` in a causal mask ``x <= q``."""
+
+    wire: str
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class WireSize:
+    """The size of a wire, written ``|d|`` (so a scale reads ``|d|^-0.5``)."""
+
+    wire: str
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor used in an expression.
+
+    ``wires`` is None when the tensor is used along its own declared wires
+    (``Q``), or a relabelling, one wire per declared wire in order
+    (``doc[b, q]`` reads a tensor declared ``doc[b, x]`` along ``q``).
+    """
+
+    name: str
+    wires: Optional[tuple[str, ...]] = None
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Unary:
+    """``-e`` or ``not e``."""
+
+    op: str
+    operand: "Expr"
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Binary:
+    """Arithmetic ``+ - * / ^``, comparisons ``< <= > >= == !=``, ``and``, ``or``."""
+
+    op: str
+    lhs: "Expr"
+    rhs: "Expr"
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Call:
+    """An elementwise function: exp, exp2, log, log2, sqrt, tanh, sigmoid,
+    abs, relu, max, min, where."""
+
+    fn: str
+    args: tuple["Expr", ...]
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """A reduction that removes ``wires``: ``sum[d](Q * K)`` is a contraction,
+    ``max[x](S)``, ``logsumexp[x](S)``.  op is sum, max, min or logsumexp."""
+
+    op: str
+    wires: tuple[str, ...]
+    body: "Expr"
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Normalize:
+    """A normaliser that keeps its wire: ``softmax[x](S)``."""
+
+    op: str
+    wire: str
+    body: "Expr"
+    loc: Loc = _loc()
+
+
+Expr = Union[Num, WireIndex, WireSize, TensorRef, Unary, Binary, Call, Reduce, Normalize]
+
+UNARY_OPS = ("-", "not")
+ARITH_OPS = ("+", "-", "*", "/", "^")
+COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
+LOGIC_OPS = ("and", "or")
+BINARY_OPS = ARITH_OPS + COMPARE_OPS + LOGIC_OPS
+# function name -> number of arguments
+FUNCTIONS = {
+    "exp": 1, "exp2": 1, "log": 1, "log2": 1, "sqrt": 1, "rsqrt": 1,
+    "tanh": 1, "sigmoid": 1, "abs": 1, "relu": 1,
+    "max": 2, "min": 2, "where": 3,
+}
+REDUCTIONS = ("sum", "max", "min", "logsumexp")
+NORMALIZERS = ("softmax",)
+
+
+# --------------------------------------------------------------------------
+# Declarations and boxes.
+# --------------------------------------------------------------------------
+
+# One dimension of a stored tensor: one wire, or several wires flattened
+# row-major, written ``(hk g)``.  Grouped-query attention stores query heads
+# as ``(hk g)``: kv head ``hk`` serves the ``g`` query heads of its group.
+Axis = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """A named axis.  size None means symbolic: bound from shapes at call time."""
+
+    name: str
+    size: Optional[int] = None
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Input:
+    """An input tensor: ``in Q[b, h, q, d] : fp16``."""
+
+    name: str
+    axes: tuple[Axis, ...]
+    dtype: str
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Let:
+    """A box: ``S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5``.
+
+    ``axes`` is the declared layout of the result; the checker proves its
+    wires equal the wires the expression produces.  dtype None means "the
+    accumulator type" for intermediates and "the first input's type" for
+    outputs.
+    """
+
+    name: str
+    axes: tuple[Axis, ...]
+    dtype: Optional[str]
+    expr: Expr
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Output:
+    """``out O``: a tensor the launcher returns, in declaration order."""
+
+    name: str
+    loc: Loc = _loc()
+
+
+# --------------------------------------------------------------------------
+# The schedule: memory levels, tiling of wires, placement, accumulator.
+# --------------------------------------------------------------------------
+
+LEVELS = ("devices", "hbm", "smem", "regs")  # outermost first
+PROFILES = ("h100", "h200", "a100", "cpu")
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A wire relabelled at one level.
+
+    kind is "group" (split across processors: grid programs or devices) or
+    "stream" (fed through a loop in chunks).  With ``by`` the number is the
+    block size (``group q by 128``: 128 queries per program); with ``across``
+    it is the number of parts (``group q across 2``: two rows of devices).
+    """
+
+    wire: str
+    kind: str
+    size: int
+    across: bool = False
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Level:
+    """One memory level: its tiles, the tensors it holds, its capacity in bytes
+    (None: taken from the device profile)."""
+
+    name: str
+    capacity: Optional[int] = None
+    tiles: tuple[Tile, ...] = ()
+    holds: tuple[str, ...] = ()
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``schedule on h100 { ... }``.  accumulate is the accumulator dtype;
+    tf32 lets fp32 contractions use tf32 tensor cores."""
+
+    profile: Optional[str] = None
+    accumulate: str = "fp32"
+    tf32: bool = False
+    levels: tuple[Level, ...] = ()
+    loc: Loc = _loc()
+
+
+@dataclass(frozen=True)
+class Diagram:
+    name: str
+    wires: tuple[Wire, ...]
+    inputs: tuple[Input, ...]
+    lets: tuple[Let, ...]
+    outputs: tuple[Output, ...]
+    schedule: Optional[Schedule] = None
+    loc: Loc = _loc()
+
+    # -- lookups (pure helpers, no caching so the node stays a plain value) --
+    def wire(self, name: str) -> Optional[Wire]:
+        return next((w for w in self.wires if w.name == name), None)
+
+    def tensor(self, name: str) -> Optional[Union[Input, Let]]:
+        for t in self.inputs + self.lets:
+            if t.name == name:
+                return t
+        return None
+
+    def level(self, name: str) -> Optional[Level]:
+        if self.schedule is None:
+            return None
+        return next((lv for lv in self.schedule.levels if lv.name == name), None)
+
+
+def axis_wires(axes: tuple[Axis, ...]) -> tuple[str, ...]:
+    """The wires of a layout, flattened: ``(b, (hk g), q)`` -> ``(b, hk, g, q)``."""
+    return tuple(w for axis in axes for w in axis)
+
+
+def walk(expr: Expr):
+    """Yield every node of an expression tree, parents before children."""
+    yield expr
+    if isinstance(expr, Unary):
+        yield from walk(expr.operand)
+    elif isinstance(expr, Binary):
+        yield from walk(expr.lhs)
+        yield from walk(expr.rhs)
+    elif isinstance(expr, Call):
+        for a in expr.args:
+            yield from walk(a)
+    elif isinstance(expr, (Reduce, Normalize)):
+        yield from walk(expr.body)

@@ -1,0 +1,319 @@
+"""Pass 1: text -> IR.  ``parse(text, filename) -> Diagram``.
+
+A Lark LALR parser (strict, positions propagated) and one Transformer that
+builds the frozen nodes of ``napkin.ir``.  A grammar rule without a handler
+fails loudly (``__default__``).  Lark's own errors are rewritten into a
+``NapkinError`` saying, in words, what was expected at the caret.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import lark
+from lark import Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
+from . import ir
+from .errors import Diagnostic, NapkinError
+from .resources import grammar_text
+
+# Units a capacity may be given in.
+UNITS = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
+         "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+@functools.lru_cache(maxsize=1)
+def _parser() -> lark.Lark:
+    return lark.Lark(grammar_text(), parser="lalr", strict=True,
+                     propagate_positions=True, maybe_placeholders=False)
+
+
+def parse(text: str, filename: str = "<input>") -> ir.Diagram:
+    """Parse ``.ncd`` text into a Diagram.  Raises NapkinError on bad input."""
+    try:
+        tree = _parser().parse(text)
+    except UnexpectedInput as err:
+        raise NapkinError([_syntax_diagnostic(err, text)], filename=filename, source=text) from None
+    try:
+        return _Build().transform(tree)
+    except VisitError as err:
+        if isinstance(err.orig_exc, NapkinError):
+            raise err.orig_exc.with_source(filename, text) from None
+        raise err.orig_exc
+
+
+def _loc_of(meta_or_token) -> ir.Loc:
+    m = meta_or_token
+    if getattr(m, "empty", False):
+        return ir.NOLOC
+    return ir.Loc(m.line, m.column, m.end_line, m.end_column)
+
+
+# --------------------------------------------------------------------------
+# Lark errors in words.
+# --------------------------------------------------------------------------
+
+_WORDS = {"NAME": "a name", "NUMBER": "a number", "COMPARE": "a comparison",
+          "ADD_OP": "'+' or '-'", "MUL_OP": "'*' or '/'", "$END": "the end of the file"}
+
+
+def _describe(terminal: str) -> str:
+    if terminal in _WORDS:
+        return _WORDS[terminal]
+    for t in _parser().terminals:
+        if t.name == terminal and t.pattern.type == "str":
+            return repr(t.pattern.value)
+    return terminal.lower()
+
+
+def _expected(names) -> str:
+    words = sorted({_describe(n) for n in names})
+    if len(words) == 1:
+        return words[0]
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
+    if isinstance(err, UnexpectedToken):
+        tok = err.token
+        if tok.type == "$END":
+            what = "unexpected end of file"
+            lines = text.rstrip().splitlines() or [""]
+            loc = ir.Loc(len(lines), len(lines[-1]) + 1)
+        else:
+            what = f"unexpected {_describe(tok.type) if tok.type not in ('NAME', 'NUMBER') else repr(str(tok))}"
+            loc = ir.Loc(tok.line, tok.column, tok.end_line or tok.line,
+                         tok.end_column or tok.column + len(str(tok)))
+        return Diagnostic(what, loc, hint=f"expected {_expected(err.expected)}")
+    if isinstance(err, UnexpectedCharacters):
+        char = err.char
+        return Diagnostic(f"unexpected character {char!r}", ir.Loc(err.line, err.column),
+                          hint=f"expected {_expected(err.allowed)}" if err.allowed else None)
+    if isinstance(err, UnexpectedEOF):  # pragma: no cover - LALR reports $END tokens
+        return Diagnostic("unexpected end of file", ir.Loc(1, 1),
+                          hint=f"expected {_expected(err.expected)}")
+    return Diagnostic(str(err).splitlines()[0], ir.Loc(getattr(err, "line", 0), getattr(err, "column", 0)))
+
+
+# --------------------------------------------------------------------------
+# Tree -> IR.
+# --------------------------------------------------------------------------
+
+def _number(tok: Token):
+    text = str(tok)
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    return float(text)
+
+
+def _whole(tok: Token, what: str) -> int:
+    value = _number(tok)
+    if not isinstance(value, int):
+        raise NapkinError([Diagnostic(f"{what} must be a whole number, not {tok}", _loc_of(tok))])
+    return value
+
+
+@v_args(meta=True, inline=True)
+class _Build(Transformer):
+    """One handler per surviving grammar rule; anything else is a bug."""
+
+    def __default__(self, data, children, meta):
+        raise NotImplementedError(f"napkin's grammar rule {data!r} has no IR handler")
+
+    # ---- top level ----
+    def start(self, meta, name, *items):
+        wires, inputs, lets, outputs, schedules = [], [], [], [], []
+        for item in items:
+            if isinstance(item, list) and item and isinstance(item[0], ir.Wire):
+                wires.extend(item)
+            elif isinstance(item, list):
+                outputs.extend(item)
+            elif isinstance(item, ir.Input):
+                inputs.append(item)
+            elif isinstance(item, ir.Let):
+                lets.append(item)
+            elif isinstance(item, ir.Schedule):
+                schedules.append(item)
+            else:  # pragma: no cover
+                raise NotImplementedError(f"unhandled item {item!r}")
+        if len(schedules) > 1:
+            raise NapkinError([Diagnostic("a diagram has one schedule; this is the second",
+                                          schedules[1].loc)])
+        wire_names = {w.name for w in wires}
+        lets = [ir.Let(l.name, l.axes, l.dtype, _resolve(l.expr, wire_names), l.loc) for l in lets]
+        return ir.Diagram(str(name), tuple(wires), tuple(inputs), tuple(lets), tuple(outputs),
+                          schedules[0] if schedules else None, _loc_of(name))
+
+    def wire_decl(self, meta, *items):
+        return list(items)
+
+    def wire_item(self, meta, name, size=None):
+        return ir.Wire(str(name), None if size is None else _whole(size, "a wire size"), _loc_of(name))
+
+    def input_decl(self, meta, name, layout, dtype):
+        return ir.Input(str(name), layout, str(dtype), _loc_of(name))
+
+    def layout(self, meta, *axes):
+        return tuple(axes)
+
+    def single_axis(self, meta, name):
+        return (str(name),)
+
+    def group_axis(self, meta, *names):
+        return tuple(str(n) for n in names)
+
+    def let(self, meta, name, layout, *rest):
+        dtype, expr = (str(rest[0]), rest[1]) if len(rest) == 2 else (None, rest[0])
+        return ir.Let(str(name), layout, dtype, expr, _loc_of(name))
+
+    def output_decl(self, meta, *names):
+        return [ir.Output(str(n), _loc_of(n)) for n in names]
+
+    # ---- schedule ----
+    def schedule(self, meta, *items):
+        profile = None
+        if items and isinstance(items[0], Token):
+            profile, items = str(items[0]), items[1:]
+        accumulate, tf32, levels = "fp32", False, []
+        for item in items:
+            if isinstance(item, ir.Level):
+                levels.append(item)
+            elif item[0] == "accumulate":
+                accumulate = item[1]
+            else:
+                flag, loc = item[1], item[2]
+                if flag != "tf32":
+                    raise NapkinError([Diagnostic(f"unknown option 'allow {flag}'", loc,
+                                                  hint="the only option is 'allow tf32'")])
+                tf32 = True
+        return ir.Schedule(profile, accumulate, tf32, tuple(levels), _loc_of(meta))
+
+    def accumulate(self, meta, dtype):
+        return ("accumulate", str(dtype))
+
+    def allow(self, meta, flag):
+        return ("allow", str(flag), _loc_of(flag))
+
+    def level(self, meta, name, *items):
+        capacity, tiles, holds = None, [], []
+        for item in items:
+            if isinstance(item, int):
+                capacity = item
+            elif item and isinstance(item[0], ir.Tile):
+                tiles.extend(item)
+            else:
+                holds.extend(item)
+        return ir.Level(str(name), capacity, tuple(tiles), tuple(holds), _loc_of(name))
+
+    def capacity(self, meta, number, unit=None):
+        scale = 1
+        if unit is not None:
+            if str(unit) not in UNITS:
+                raise NapkinError([Diagnostic(f"unknown unit {str(unit)!r}", _loc_of(unit),
+                                              hint="units are " + ", ".join(UNITS))])
+            scale = UNITS[str(unit)]
+        value = _number(number) * scale
+        if value != int(value) or value <= 0:
+            raise NapkinError([Diagnostic(f"a capacity must be a positive whole number of bytes, not {value}",
+                                          _loc_of(number))])
+        return int(value)
+
+    def group(self, meta, *tiles):
+        return [ir.Tile(t.wire, "group", t.size, t.across, t.loc) for t in tiles]
+
+    def stream(self, meta, *tiles):
+        return [ir.Tile(t.wire, "stream", t.size, t.across, t.loc) for t in tiles]
+
+    def hold(self, meta, *names):
+        return [str(n) for n in names]
+
+    def tile_by(self, meta, wire, size):
+        return ir.Tile(str(wire), "", _whole(size, "a block size"), False, _loc_of(wire))
+
+    def tile_across(self, meta, wire, size):
+        return ir.Tile(str(wire), "", _whole(size, "a device count"), True, _loc_of(wire))
+
+    # ---- expressions ----
+    def or_(self, meta, lhs, rhs):
+        return ir.Binary("or", lhs, rhs, _loc_of(meta))
+
+    def and_(self, meta, lhs, rhs):
+        return ir.Binary("and", lhs, rhs, _loc_of(meta))
+
+    def not_(self, meta, operand):
+        return ir.Unary("not", operand, _loc_of(meta))
+
+    def compare(self, meta, lhs, op, rhs):
+        return ir.Binary(str(op), lhs, rhs, _loc_of(meta))
+
+    def binop(self, meta, lhs, op, rhs):
+        return ir.Binary(str(op), lhs, rhs, _loc_of(meta))
+
+    def pow(self, meta, base, exponent):
+        return ir.Binary("^", base, exponent, _loc_of(meta))
+
+    def neg(self, meta, operand):
+        # Fold a negated literal into the literal, so -0.5 and -inf are numbers
+        # (and print back the same way).
+        if isinstance(operand, ir.Num):
+            return ir.Num(-operand.value, _loc_of(meta))
+        return ir.Unary("-", operand, _loc_of(meta))
+
+    def number(self, meta, tok):
+        return ir.Num(_number(tok), _loc_of(tok))
+
+    def inf(self, meta):
+        return ir.Num(float("inf"), _loc_of(meta))
+
+    def name(self, meta, tok):
+        # Wire index or tensor: resolved in start(), once all wires are known.
+        return ir.TensorRef(str(tok), None, _loc_of(tok))
+
+    def relabel(self, meta, name, *wires):
+        return ir.TensorRef(str(name), tuple(str(w) for w in wires), _loc_of(meta))
+
+    def reduce(self, meta, op, *rest):
+        *wires, body = rest
+        op_name, loc = str(op), _loc_of(meta)
+        if op_name in ir.NORMALIZERS:
+            if len(wires) != 1:
+                raise NapkinError([Diagnostic(f"{op_name} normalises along one wire, not {len(wires)}", loc)])
+            return ir.Normalize(op_name, str(wires[0]), body, loc)
+        if op_name not in ir.REDUCTIONS:
+            raise NapkinError([Diagnostic(f"unknown reduction {op_name!r}", _loc_of(op),
+                                          hint="reductions are " + ", ".join(ir.REDUCTIONS + ir.NORMALIZERS))])
+        return ir.Reduce(op_name, tuple(str(w) for w in wires), body, loc)
+
+    def call(self, meta, fn, *args):
+        name = str(fn)
+        if name not in ir.FUNCTIONS:
+            raise NapkinError([Diagnostic(f"unknown function {name!r}", _loc_of(fn),
+                                          hint="functions are " + ", ".join(ir.FUNCTIONS))])
+        if len(args) != ir.FUNCTIONS[name]:
+            raise NapkinError([Diagnostic(
+                f"{name} takes {ir.FUNCTIONS[name]} argument{'s' if ir.FUNCTIONS[name] > 1 else ''}, "
+                f"not {len(args)}", _loc_of(fn))])
+        return ir.Call(name, tuple(args), _loc_of(meta))
+
+    def size(self, meta, wire):
+        return ir.WireSize(str(wire), _loc_of(meta))
+
+
+def _resolve(expr: ir.Expr, wires: set[str]) -> ir.Expr:
+    """Bare names that are wires become WireIndex; the rest stay tensors."""
+    if isinstance(expr, ir.TensorRef):
+        if expr.wires is None and expr.name in wires:
+            return ir.WireIndex(expr.name, expr.loc)
+        return expr
+    if isinstance(expr, ir.Unary):
+        return ir.Unary(expr.op, _resolve(expr.operand, wires), expr.loc)
+    if isinstance(expr, ir.Binary):
+        return ir.Binary(expr.op, _resolve(expr.lhs, wires), _resolve(expr.rhs, wires), expr.loc)
+    if isinstance(expr, ir.Call):
+        return ir.Call(expr.fn, tuple(_resolve(a, wires) for a in expr.args), expr.loc)
+    if isinstance(expr, ir.Reduce):
+        return ir.Reduce(expr.op, expr.wires, _resolve(expr.body, wires), expr.loc)
+    if isinstance(expr, ir.Normalize):
+        return ir.Normalize(expr.op, expr.wire, _resolve(expr.body, wires), expr.loc)
+    return expr
