@@ -1,0 +1,38 @@
+"""napkin: attention kernels from neural circuit diagrams.
+
+Pipeline: text --parse--> IR --check--> IR --cost--> report
+                                       --codegen--> generated/NAME.py
+                                       --render--> picture
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+from .errors import Diagnostic, NapkinError  # noqa: E402
+
+
+def load_text(text: str, filename: str = "<input>"):
+    """Parse and check diagram text; raise NapkinError listing every problem."""
+    from .check import check
+    from .parse import parse
+
+    diagram = parse(text, filename)
+    problems = check(diagram)
+    if problems:
+        raise NapkinError(problems, filename=filename, source=text)
+    return diagram
+
+
+def load(path) -> "object":
+    """Parse and check an .ncd file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise NapkinError(f"cannot read {path}: {err.strerror}", filename=str(path)) from None
+    return load_text(text, str(path))
+
+
+__all__ = ["Diagnostic", "NapkinError", "load", "load_text", "__version__"]
