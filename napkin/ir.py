@@ -198,9 +198,9 @@ class Let:
     """A box: ``S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5``.
 
     ``axes`` is the declared layout of the result; the checker proves its
-    wires equal the wires the expression produces.  dtype None means "the
-    accumulator type" for intermediates and "the first input's type" for
-    outputs.
+    wires equal the wires the expression produces.  dtype None means the
+    accumulator type (fp32 by default), for outputs too: an undeclared lse is
+    fp32.
     """
 
     name: str

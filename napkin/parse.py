@@ -8,6 +8,7 @@ fails loudly (``__default__``).  Lark's own errors are rewritten into a
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import lark
@@ -23,10 +24,41 @@ UNITS = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
          "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 
 
+# Deeper expressions are refused: the tree walks here and in later passes
+# recurse (several frames a level), and Python stops at 1000 frames.
+MAX_DEPTH = 100
+
+
+class _Keyword(Exception):
+    """A reserved word lexed as a NAME (see _no_keywords)."""
+
+    def __init__(self, token: Token):
+        super().__init__(str(token))
+        self.token = token
+
+
+def _no_keywords(token: Token) -> Token:
+    # Lark's contextual lexer reads a keyword as a NAME wherever the keyword
+    # itself cannot appear (``wire out``, or ``out`` after a dangling ``+``).
+    # Either way the keyword is misplaced, and saying so beats the confusing
+    # error the parse would run into further on.
+    if str(token) in _keywords():
+        raise _Keyword(token)
+    return token
+
+
 @functools.lru_cache(maxsize=1)
 def _parser() -> lark.Lark:
     return lark.Lark(grammar_text(), parser="lalr", strict=True,
-                     propagate_positions=True, maybe_placeholders=False)
+                     propagate_positions=True, maybe_placeholders=False,
+                     lexer_callbacks={"NAME": _no_keywords})
+
+
+@functools.lru_cache(maxsize=1)
+def _keywords() -> frozenset[str]:
+    """The grammar's words (wire, in, by, inf, ...): they cannot be names."""
+    return frozenset(t.pattern.value for t in _parser().terminals
+                     if t.pattern.type == "str" and re.fullmatch(r"[A-Za-z_]\w*", t.pattern.value))
 
 
 def parse(text: str, filename: str = "<input>") -> ir.Diagram:
@@ -35,12 +67,36 @@ def parse(text: str, filename: str = "<input>") -> ir.Diagram:
         tree = _parser().parse(text)
     except UnexpectedInput as err:
         raise NapkinError([_syntax_diagnostic(err, text)], filename=filename, source=text) from None
+    except _Keyword as err:
+        tok = err.token
+        raise NapkinError([Diagnostic(f"unexpected {str(tok)!r}", _loc_of(tok),
+                                      hint=f"'{tok}' is a reserved word, so it cannot be a name")],
+                          filename=filename, source=text) from None
+    try:
+        _check_depth(tree)
+    except NapkinError as err:
+        raise err.with_source(filename, text) from None
     try:
         return _Build().transform(tree)
     except VisitError as err:
         if isinstance(err.orig_exc, NapkinError):
             raise err.orig_exc.with_source(filename, text) from None
         raise err.orig_exc
+
+
+def _check_depth(tree: lark.Tree) -> None:
+    """Refuse an expression deeper than MAX_DEPTH, without recursing to find out."""
+    stack = [(tree, -1, tree)]  # the root of a box's expression is at depth 1
+    while stack:
+        node, depth, item = stack.pop()
+        if depth > MAX_DEPTH:  # only a box's expression nests: item is a let
+            name = item.children[0]
+            raise NapkinError([Diagnostic(f"the expression of box {str(name)!r} is nested too deeply "
+                                          f"(more than {MAX_DEPTH} levels)", _loc_of(name),
+                                          hint="split it into several boxes")])
+        for child in node.children:
+            if isinstance(child, lark.Tree):
+                stack.append((child, depth + 1, child if depth == -1 else item))
 
 
 def _loc_of(meta_or_token) -> ir.Loc:
@@ -57,6 +113,20 @@ def _loc_of(meta_or_token) -> ir.Loc:
 _WORDS = {"NAME": "a name", "NUMBER": "a number", "COMPARE": "a comparison",
           "ADD_OP": "'+' or '-'", "MUL_OP": "'*' or '/'", "$END": "the end of the file"}
 
+# Sets of terminals that a hint names with one phrase, so that it reads
+# "expected an expression" rather than listing seven tokens.  Each applies
+# when its defining members are all expected; it then swallows its other
+# members too.
+_PHRASES = (
+    ("an expression", {"NAME", "NUMBER", "LPAR"},
+     {"NAME", "NUMBER", "LPAR", "MINUS", "INF", "NOT", "VBAR"}),
+    ("an operator", {"ADD_OP", "MUL_OP"},
+     {"ADD_OP", "MUL_OP", "CIRCUMFLEX", "COMPARE", "AND", "OR"}),
+    # After a complete statement: another one (a box starts with its NAME).
+    ("a new statement", {"WIRE", "IN", "OUT", "SCHEDULE"},
+     {"WIRE", "IN", "OUT", "SCHEDULE", "NAME", "$END"}),
+)
+
 
 def _describe(terminal: str) -> str:
     if terminal in _WORDS:
@@ -68,7 +138,13 @@ def _describe(terminal: str) -> str:
 
 
 def _expected(names) -> str:
-    words = sorted({_describe(n) for n in names})
+    names = set(names)
+    words = set()
+    for phrase, defining, members in _PHRASES:
+        if defining <= names:
+            names -= members
+            words.add(phrase)
+    words = sorted(words | {_describe(n) for n in names})
     if len(words) == 1:
         return words[0]
     return ", ".join(words[:-1]) + " or " + words[-1]
@@ -77,18 +153,30 @@ def _expected(names) -> str:
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
     if isinstance(err, UnexpectedToken):
         tok = err.token
+        # accepts: the terminals that really lead somewhere from this state.
+        # LALR's own expected set is often wider (merged look-aheads) or,
+        # after default reductions, narrower than what the writer could type.
+        expected = set(err.accepts or err.expected)
         if tok.type == "$END":
             what = "unexpected end of file"
             lines = text.rstrip().splitlines() or [""]
             loc = ir.Loc(len(lines), len(lines[-1]) + 1)
         else:
-            what = f"unexpected {_describe(tok.type) if tok.type not in ('NAME', 'NUMBER') else repr(str(tok))}"
+            shown = str(tok) if len(str(tok)) <= 24 else str(tok)[:20] + "..."
+            what = f"unexpected {shown!r}"
             loc = ir.Loc(tok.line, tok.column, tok.end_line or tok.line,
                          tok.end_column or tok.column + len(str(tok)))
-        return Diagnostic(what, loc, hint=f"expected {_expected(err.expected)}")
+        hint = f"expected {_expected(expected)}"
+        # The usual slips, spelled out.
+        if tok.type == "COMPARE" and "COMPARE" not in expected and "AND" in expected:
+            what, hint = "comparisons do not chain", "write 'a < b and b < c'"
+        elif tok.type == "EQUAL" and "COMPARE" in expected:
+            hint = "to compare, write '=='"
+        elif str(tok) == "*" and text[:tok.start_pos].rstrip().endswith("*"):
+            hint = "a power is written with '^', as in x^2"
+        return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
-        char = err.char
-        return Diagnostic(f"unexpected character {char!r}", ir.Loc(err.line, err.column),
+        return Diagnostic(f"unexpected character {err.char!r}", ir.Loc(err.line, err.column),
                           hint=f"expected {_expected(err.allowed)}" if err.allowed else None)
     if isinstance(err, UnexpectedEOF):  # pragma: no cover - LALR reports $END tokens
         return Diagnostic("unexpected end of file", ir.Loc(1, 1),
@@ -103,7 +191,11 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
 def _number(tok: Token):
     text = str(tok)
     if re.fullmatch(r"\d+", text):
-        return int(text)
+        try:
+            return int(text)
+        except ValueError:  # past Python's limit on digits converted (4300 by default)
+            raise NapkinError([Diagnostic(f"a number with {len(text)} digits is too long",
+                                          _loc_of(tok))]) from None
     return float(text)
 
 
@@ -214,7 +306,7 @@ class _Build(Transformer):
                                               hint="units are " + ", ".join(UNITS))])
             scale = UNITS[str(unit)]
         value = _number(number) * scale
-        if value != int(value) or value <= 0:
+        if not math.isfinite(value) or value != int(value) or value <= 0:
             raise NapkinError([Diagnostic(f"a capacity must be a positive whole number of bytes, not {value}",
                                           _loc_of(number))])
         return int(value)

@@ -1,0 +1,582 @@
+"""Pass 2: semantic checks.  ``check(diagram) -> list[Diagnostic]``.
+
+The checker reads a parsed Diagram and reports every problem it finds, not
+just the first, each at the source location of the offending node, sorted by
+position.  It never changes the IR.  The passes, in order:
+
+1. names: hostile names (they flow into generated Python), duplicates, one
+   wire given two sizes;
+2. layouts and dtypes of inputs and boxes;
+3. boxes: every expression is walked once, inferring its wires and whether it
+   is a number or a boolean, resolving names, relabels and reductions; the
+   wires a box's expression produces must equal its declared layout;
+4. outputs and the schedule (profile, levels, tiles, holds);
+5. streamability of every streamed wire (see ``_Stream``);
+6. capacity: the tiles resident at a level must fit it (napkin.tiling).
+
+Passes 5 and 6 need resolved names, so they skip what earlier passes found
+broken instead of piling follow-on errors on top.
+"""
+from __future__ import annotations
+
+import builtins
+import difflib
+import keyword
+import re
+from typing import Optional
+
+from . import ir, tiling
+from .errors import Diagnostic
+
+# Names the generated module defines or imports itself; a diagram name must not
+# shadow them.  (Names starting with "_" are banned outright.)
+RESERVED = frozenset({
+    "torch", "triton", "tl", "math", "os", "sys", "reference",
+    "example_inputs", "INPUTS", "OUTPUTS", "WIRES", "NAPKIN_VERSION", "SOURCE_HASH",
+})
+ACCUMULATE_DTYPES = ("fp32", "fp16", "bf16", "fp64")
+MIN_DOT_BLOCK = 16  # tl.dot needs every matrix dimension >= 16
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_BUILTINS = frozenset(dir(builtins))
+_NUM, _BOOL = "number", "boolean"
+
+
+def check(diagram: ir.Diagram) -> list[Diagnostic]:
+    """Every problem in ``diagram``, sorted by (line, col); empty when it is sound."""
+    checker = _Checker(diagram)
+    checker.run()
+    unique = list(dict.fromkeys(checker.errors))  # same message at the same spot once
+    return sorted(unique, key=lambda d: (d.loc.line, d.loc.col))
+
+
+def hostile_name(name: str) -> Optional[str]:
+    """Why ``name`` cannot be used in generated Python, or None when it can."""
+    if name.startswith("_"):
+        return f"'{name}' starts with an underscore: such names are reserved for napkin's generated code"
+    if not _NAME.fullmatch(name):
+        return f"'{name}' is not a plain name: use ASCII letters, digits and '_', starting with a letter"
+    if keyword.iskeyword(name):
+        return f"'{name}' is a Python keyword"
+    if keyword.issoftkeyword(name):
+        return f"'{name}' is a Python soft keyword"
+    if name in _BUILTINS:
+        return f"'{name}' shadows a Python builtin"
+    if name in RESERVED:
+        return f"'{name}' is reserved: the generated module uses that name itself"
+    return None
+
+
+def _closest(name: str, *groups) -> Optional[str]:
+    """'did you mean X?' for the closest name, trying each group of candidates in turn."""
+    for candidates in groups:
+        match = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
+        if match:
+            return f"did you mean '{match[0]}'?"
+    return None
+
+
+def _layout(axes) -> str:
+    return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in axes) + "]"
+
+
+def _show(e: ir.Expr) -> str:
+    """A compact rendering of an expression, for messages."""
+    def sub(x):
+        return f"({_show(x)})" if isinstance(x, (ir.Binary, ir.Unary)) else _show(x)
+    if isinstance(e, ir.Num):
+        return {float("inf"): "inf", float("-inf"): "-inf"}.get(e.value, repr(e.value))
+    if isinstance(e, ir.WireIndex):
+        return e.wire
+    if isinstance(e, ir.WireSize):
+        return f"|{e.wire}|"
+    if isinstance(e, ir.TensorRef):
+        return e.name if e.wires is None else f"{e.name}[{', '.join(e.wires)}]"
+    if isinstance(e, ir.Unary):
+        return f"{e.op}{' ' if e.op == 'not' else ''}{sub(e.operand)}"
+    if isinstance(e, ir.Binary):
+        return f"{sub(e.lhs)} {e.op} {sub(e.rhs)}"
+    if isinstance(e, ir.Call):
+        return f"{e.fn}({', '.join(_show(a) for a in e.args)})"
+    wires = e.wires if isinstance(e, ir.Reduce) else (e.wire,)
+    return f"{e.op}[{', '.join(wires)}]({_show(e.body)})"
+
+
+class _Checker:
+    def __init__(self, diagram: ir.Diagram):
+        self.d = diagram
+        self.errors: list[Diagnostic] = []
+        self.wire_names = {w.name for w in diagram.wires}
+        self.tensor_names = {t.name for t in diagram.inputs + diagram.lets}
+        self.kinds: dict[str, str] = {}           # tensor -> number/boolean
+        self.contraction_wires: set[str] = set()  # wires of the factors of sum[w](A * B)
+        self.broken_boxes: set[str] = set()       # boxes with unresolved names
+        self.names_ok = True                      # no unknown names or dtypes anywhere
+        self.memo: dict[int, tuple] = {}          # id(expr) -> (expr, inferred wires and kind)
+
+    def err(self, message: str, loc: ir.Loc, hint: Optional[str] = None) -> None:
+        self.errors.append(Diagnostic(message, loc, hint))
+
+    def unknown(self, what: str, name: str, loc: ir.Loc, candidates, where: str = "", more=()) -> None:
+        self.names_ok = False
+        self.err(f"unknown {what} '{name}'{where}", loc, _closest(name, candidates, more))
+
+    def run(self) -> None:
+        self.check_names()
+        self.check_layouts()
+        self.check_boxes()
+        self.check_outputs()
+        schedule_ok = self.check_schedule()
+        for level in self.d.schedule.levels if self.d.schedule else ():
+            for wire in tiling.streamed_wires(self.d, level.name) if level.name in ir.LEVELS else ():
+                if wire in self.wire_names:
+                    _Stream(self, wire).run()
+        if self.d.schedule and schedule_ok and self.names_ok and not self.errors:
+            self.check_capacity()
+
+    # ---- 1. names ------------------------------------------------------------
+
+    def check_names(self) -> None:
+        d = self.d
+        decls = [("diagram", d.name, d.loc, None)]
+        decls += [("wire", w.name, w.loc, w.size) for w in d.wires]
+        decls += [("input", t.name, t.loc, None) for t in d.inputs]
+        decls += [("box", t.name, t.loc, None) for t in d.lets]
+        seen: dict[str, tuple] = {}
+        for i, (kind, name, loc, size) in sorted(enumerate(decls), key=lambda x: (x[1][2].line, x[1][2].col)):
+            why = hostile_name(name)
+            if why:
+                self.err(why, loc, "rename it: names become Python identifiers in the generated code")
+            first = seen.setdefault(name, (kind, loc, size, i))
+            if first[3] == i:
+                continue
+            if kind == first[0] == "wire" and None not in (size, first[2]) and size != first[2]:
+                self.err(f"one wire given two sizes: '{name}' is {size} here but {first[2]} "
+                         f"at line {first[1].line}", loc)
+            else:
+                article = "an" if first[0][0] in "aeiou" else "a"
+                self.err(f"duplicate name '{name}': already declared as {article} {first[0]} "
+                         f"at line {first[1].line}", loc, "wires, tensors and the diagram share one namespace")
+
+    # ---- 2. layouts and dtypes -------------------------------------------------
+
+    def check_layouts(self) -> None:
+        for tensor in self.d.inputs + self.d.lets:
+            self.check_wire_list(ir.axis_wires(tensor.axes), tensor.loc, f"the layout of {tensor.name}")
+            if tensor.dtype is not None:
+                self.check_dtype(tensor.dtype, tensor.loc)
+
+    def check_wire_list(self, wires, loc: ir.Loc, where: str) -> bool:
+        """Unknown or repeated wires in a layout, relabel or reduction."""
+        ok = True
+        for i, w in enumerate(wires):
+            if w not in self.wire_names:
+                self.unknown("wire", w, loc, self.wire_names, f" in {where}")
+                ok = False
+            elif w in wires[:i]:
+                self.err(f"wire '{w}' appears twice in {where}", loc)
+                ok = False
+        return ok
+
+    def check_dtype(self, dtype: str, loc: ir.Loc) -> bool:
+        if dtype in ir.DTYPE_BYTES:
+            return True
+        self.names_ok = False
+        hint = _closest(dtype, ir.DTYPE_BYTES)
+        self.err(f"unknown dtype '{dtype}'", loc,
+                 (hint + " " if hint else "") + "dtypes are " + ", ".join(ir.DTYPE_BYTES))
+        return False
+
+    # ---- 3. boxes ----------------------------------------------------------------
+
+    def check_boxes(self) -> None:
+        env: dict[str, frozenset] = {}  # tensors defined so far -> their wires
+        for t in self.d.inputs:
+            if t.name not in env:
+                env[t.name] = frozenset(ir.axis_wires(t.axes))
+                self.kinds[t.name] = _BOOL if t.dtype == "bool" else _NUM
+        for let in self.d.lets:
+            self.box, self.env, self.poisoned = let, env, False
+            wires, kind = self.infer(let.expr)
+            declared = ir.axis_wires(let.axes)
+            if not self.poisoned and all(w in self.wire_names for w in declared):
+                self.compare_wires(let, set(declared), wires)
+            if self.poisoned:
+                self.broken_boxes.add(let.name)
+            if let.name not in env:
+                env[let.name] = frozenset(declared)
+                self.kinds[let.name] = kind
+
+    def compare_wires(self, let: ir.Let, declared: set[str], produced: frozenset) -> None:
+        order = [w.name for w in self.d.wires]
+        extra = sorted(produced - declared, key=order.index)
+        missing = sorted(declared - produced, key=order.index)
+        if extra:
+            ws, it = ", ".join(extra), "it" if len(extra) == 1 else "them"
+            self.err(f"{let.name} declares {_layout(let.axes)} but its expression has {ws} too: "
+                     f"reduce {it} (sum[{ws}](...)) or declare {it}", let.loc)
+        if missing:
+            ws = ", ".join(missing)
+            self.err(f"{let.name} declares {_layout(let.axes)} but its expression has no {ws}", let.loc,
+                     f"a box has exactly the wires of its expression: drop {ws} from the layout")
+
+    def infer(self, e: ir.Expr) -> tuple[frozenset, str]:
+        """The wires ``e`` produces and whether it is a number or a boolean.
+        Remembered per node, so later questions about a subexpression are free."""
+        if id(e) not in self.memo:
+            self.memo[id(e)] = (e, self.infer_node(e))  # keep e alive so its id stays unique
+        return self.memo[id(e)][1]
+
+    def infer_node(self, e: ir.Expr) -> tuple[frozenset, str]:
+        if isinstance(e, ir.Num):
+            return frozenset(), _NUM
+        if isinstance(e, (ir.WireIndex, ir.WireSize)):
+            if e.wire not in self.wire_names:
+                self.poisoned = True
+                self.unknown("wire", e.wire, e.loc, self.wire_names)
+                return frozenset(), _NUM
+            return frozenset([e.wire] if isinstance(e, ir.WireIndex) else []), _NUM
+        if isinstance(e, ir.TensorRef):
+            return self.infer_ref(e)
+        if isinstance(e, ir.Unary):
+            wires, kind = self.infer(e.operand)
+            want = _BOOL if e.op == "not" else _NUM
+            if kind != want:
+                self.err(f"'{e.op}' needs a {want}, not a {kind}", e.loc, _KIND_HINT[want])
+            return wires, want
+        if isinstance(e, ir.Binary):
+            return self.infer_binary(e)
+        if isinstance(e, ir.Call):
+            return self.infer_call(e)
+        if isinstance(e, ir.Reduce):
+            return self.infer_reduce(e)
+        return self.infer_normalize(e)
+
+    def infer_ref(self, e: ir.TensorRef) -> tuple[frozenset, str]:
+        if e.name not in self.env:
+            self.poisoned = True
+            later = next((t for t in self.d.lets if t.name == e.name), None)
+            if later is self.box:
+                self.err(f"{e.name} uses itself", e.loc, "a box can only use tensors defined before it")
+            elif later is not None:
+                self.err(f"{e.name} is used before it is defined (line {later.loc.line})", e.loc,
+                         "define boxes before the boxes that use them")
+            elif e.wires is None:
+                # a mistyped tensor is likelier than a mistyped one-letter wire
+                self.unknown("name", e.name, e.loc, self.tensor_names, more=self.wire_names)
+            else:
+                self.unknown("tensor", e.name, e.loc, self.tensor_names)
+            return frozenset(), _NUM
+        kind = self.kinds.get(e.name, _NUM)
+        if e.wires is None:
+            return self.env[e.name], kind
+        declared = ir.axis_wires(self.d.tensor(e.name).axes)
+        shown = _show(e)
+        if not self.check_wire_list(e.wires, e.loc, shown):
+            self.poisoned = True
+        elif len(e.wires) != len(declared):
+            self.poisoned = True
+            self.err(f"{shown} gives {len(e.wires)} wire{'s' if len(e.wires) != 1 else ''} but "
+                     f"{e.name} is declared along {len(declared)}: {_layout(tuple((w,) for w in declared))}",
+                     e.loc, "a relabel names one wire per declared wire, in order")
+        else:
+            for old, new in zip(declared, e.wires):
+                a, b = self.d.wire(old), self.d.wire(new)
+                if a and b and a.size is not None and b.size is not None and a.size != b.size:
+                    self.err(f"one wire given two sizes: {shown} reads {old} (= {a.size}) "
+                             f"as {new} (= {b.size})", e.loc)
+        return frozenset(e.wires), kind
+
+    def infer_binary(self, e: ir.Binary) -> tuple[frozenset, str]:
+        (lw, lk), (rw, rk) = self.infer(e.lhs), self.infer(e.rhs)
+        kinds = {lk, rk}
+        if e.op in ir.ARITH_OPS:
+            if _BOOL in kinds:
+                self.err(f"'{e.op}' needs numbers, not a boolean", e.loc, _KIND_HINT[_NUM])
+            return lw | rw, _NUM
+        if e.op in ir.LOGIC_OPS:
+            if _NUM in kinds:
+                self.err(f"'{e.op}' needs booleans, not a number", e.loc, _KIND_HINT[_BOOL])
+            return lw | rw, _BOOL
+        if e.op in ("==", "!="):
+            if len(kinds) > 1:
+                self.err(f"'{e.op}' compares a boolean with a number", e.loc)
+        elif _BOOL in kinds:
+            self.err(f"'{e.op}' compares numbers, not booleans", e.loc, "== and != compare booleans")
+        return lw | rw, _BOOL
+
+    def infer_call(self, e: ir.Call) -> tuple[frozenset, str]:
+        args = [self.infer(a) for a in e.args]
+        wires = frozenset().union(*(w for w, _ in args))
+        if e.fn == "where" and len(args) == 3:
+            if args[0][1] != _BOOL:
+                self.err("where's condition must be a boolean (a comparison), not a number",
+                         e.args[0].loc, "compare it, e.g. where(x <= q, S, -inf)")
+            if args[1][1] != args[2][1]:
+                self.err("where's two branches must both be numbers or both booleans", e.loc)
+            return wires, args[1][1]
+        if any(k == _BOOL for _, k in args):
+            self.err(f"{e.fn} needs numbers, not a boolean", e.loc, _KIND_HINT[_NUM])
+        return wires, _NUM
+
+    def infer_reduce(self, e: ir.Reduce) -> tuple[frozenset, str]:
+        body, kind = self.infer(e.body)
+        head = f"{e.op}[{', '.join(e.wires)}]"
+        if kind == _BOOL:
+            self.err(f"{head} needs numbers, not booleans", e.loc, _KIND_HINT[_NUM])
+        if not self.check_wire_list(e.wires, e.loc, head):
+            self.poisoned = True
+            return body - set(e.wires), _NUM
+        factors = self.factors(e)
+        for w in e.wires:
+            if self.poisoned:
+                break
+            if w not in body:
+                self.err(f"{head} reduces {w}, but its operand has no {w}", e.loc,
+                         f"its operand is along {_layout(tuple((x,) for x in sorted(body)))}")
+            elif factors and (w in factors[0][1]) != (w in factors[1][1]):
+                (has, _), (lacks, _) = factors if w in factors[0][1] else factors[::-1]
+                self.err(f"{head} contracts nothing: {w} is in {has} but not in {lacks}", e.loc,
+                         f"a contraction joins a wire of both factors; check the layouts of {has} and {lacks}")
+        return body - set(e.wires), _NUM
+
+    def factors(self, e: ir.Reduce):
+        """For sum[w](A * B): ((A, wires of A), (B, wires of B)) when both factors
+        are tensors (a contraction), else None.  Records the contracted wires."""
+        if e.op != "sum" or not isinstance(e.body, ir.Binary) or e.body.op != "*":
+            return None
+        lw, rw = self.infer(e.body.lhs)[0], self.infer(e.body.rhs)[0]  # remembered: no new errors
+        self.contraction_wires |= lw | rw
+        if isinstance(e.body.lhs, ir.TensorRef) and isinstance(e.body.rhs, ir.TensorRef):
+            return (_show(e.body.lhs), lw), (_show(e.body.rhs), rw)
+        return None
+
+    def infer_normalize(self, e: ir.Normalize) -> tuple[frozenset, str]:
+        body, kind = self.infer(e.body)
+        head = f"{e.op}[{e.wire}]"
+        if kind == _BOOL:
+            self.err(f"{head} needs numbers, not booleans", e.loc, _KIND_HINT[_NUM])
+        if not self.check_wire_list((e.wire,), e.loc, head):
+            self.poisoned = True
+        elif e.wire not in body and not self.poisoned:
+            self.err(f"{head} normalises along {e.wire}, but its operand has no {e.wire}", e.loc)
+        return body, _NUM
+
+    # ---- 4. outputs and schedule -------------------------------------------------
+
+    def check_outputs(self) -> None:
+        seen = set()
+        for out in self.d.outputs:
+            if out.name not in self.tensor_names:
+                self.unknown("tensor", out.name, out.loc, self.tensor_names, " in out")
+            elif out.name in seen:
+                self.err(f"'{out.name}' is already an output", out.loc)
+            seen.add(out.name)
+
+    def check_schedule(self) -> bool:
+        """Checks the schedule; True when its levels are sound enough to measure."""
+        s = self.d.schedule
+        if s is None:
+            return True
+        before = len(self.errors)
+        profiles = set(ir.PROFILES) | set(tiling.profile_table())
+        if s.profile is not None and s.profile not in profiles:
+            hint = _closest(s.profile, profiles)
+            self.err(f"unknown profile '{s.profile}'", s.loc,
+                     (hint + " " if hint else "") + "profiles are " + ", ".join(sorted(profiles)))
+        if self.check_dtype(s.accumulate, s.loc) and s.accumulate not in ACCUMULATE_DTYPES:
+            self.err(f"cannot accumulate in {s.accumulate}: the accumulator must be "
+                     + ", ".join(ACCUMULATE_DTYPES[:-1]) + " or " + ACCUMULATE_DTYPES[-1], s.loc)
+        seen: dict[str, ir.Level] = {}
+        held: dict[str, ir.Level] = {}
+        for level in s.levels:
+            if level.name not in ir.LEVELS:
+                hint = _closest(level.name, ir.LEVELS)
+                self.err(f"unknown level '{level.name}'", level.loc,
+                         (hint + " " if hint else "") + "levels are " + ", ".join(ir.LEVELS))
+            elif level.name in seen:
+                self.err(f"level {level.name} appears twice (first at line {seen[level.name].loc.line})",
+                         level.loc)
+            else:
+                inner = [n for n in seen if ir.LEVELS.index(n) > ir.LEVELS.index(level.name)]
+                if inner:
+                    self.err(f"level {level.name} comes after level {inner[0]}: levels go outermost first "
+                             f"({', '.join(ir.LEVELS)})", level.loc)
+                seen[level.name] = level
+            self.check_tiles(level)
+            for name in level.holds:
+                if name not in self.tensor_names:
+                    self.unknown("tensor", name, level.loc, self.tensor_names, " in hold")
+                elif name in held:
+                    self.err(f"{name} is held at both level {held[name].name} and level {level.name}",
+                             level.loc, "a tensor lives at one level")
+                else:
+                    held[name] = level
+        return len(self.errors) == before
+
+    def check_tiles(self, level: ir.Level) -> None:
+        devices = level.name == "devices"
+        tiled: set[str] = set()
+        streamed: Optional[str] = None
+        for t in level.tiles:
+            if t.wire not in self.wire_names:
+                self.unknown("wire", t.wire, t.loc, self.wire_names, f" in level {level.name}")
+            elif t.wire in tiled:
+                self.err(f"wire {t.wire} is tiled twice in level {level.name}", t.loc)
+            tiled.add(t.wire)
+            if t.kind == "stream":
+                if streamed is not None and streamed != t.wire:
+                    self.err(f"level {level.name} streams {streamed} and {t.wire}: "
+                             "at most one wire is streamed per level", t.loc)
+                streamed = streamed or t.wire
+            if t.across and not devices:
+                self.err(f"'{t.kind} {t.wire} across {t.size}' splits {t.wire} over devices: "
+                         "'across' belongs in level devices", t.loc,
+                         f"write '{t.kind} {t.wire} by N' for blocks of N")
+            elif devices and not t.across:
+                self.err(f"level devices splits wires over devices: write '{t.kind} {t.wire} across N', "
+                         "not 'by'", t.loc)
+            elif t.across and t.size < 1:
+                self.err(f"cannot split {t.wire} across {t.size} devices", t.loc)
+            elif not t.across:
+                self.check_block(t)
+
+    def check_block(self, t: ir.Tile) -> None:
+        if t.size < 1 or t.size & (t.size - 1):
+            low = 1 << max(t.size.bit_length() - 1, 0)
+            self.err(f"block size {t.size} for {t.wire} is not a power of two", t.loc,
+                     f"try {low} or {low * 2}")
+        elif 1 < t.size < MIN_DOT_BLOCK and t.wire in self.contraction_wires:
+            self.err(f"block size {t.size} for {t.wire} is too small: {t.wire} takes part in a "
+                     f"contraction, and matrix products (tl.dot) need blocks of at least {MIN_DOT_BLOCK}",
+                     t.loc, f"use 1 or a power of two >= {MIN_DOT_BLOCK}")
+
+    # ---- 6. capacity ---------------------------------------------------------------
+
+    def check_capacity(self) -> None:
+        for level in self.d.schedule.levels:
+            capacity = tiling.level_capacity(self.d, level.name)
+            if capacity is None:
+                continue
+            try:
+                tiles = tiling.level_footprint(self.d, level.name, {})
+            except tiling.UnboundWire:
+                continue  # a symbolic wire untiled here: its size is known only at call time
+            total = sum(b for _, _, b in tiles)
+            if total <= capacity:
+                continue
+            source = "its own capacity" if level.capacity is not None else self.d.schedule.profile
+            biggest = sorted(tiles, key=lambda t: -t[2])[:3]
+            self.err(f"tiles at level {level.name} need {total} bytes but its capacity is {capacity} "
+                     f"bytes ({source}): over by {total - capacity} bytes", level.loc,
+                     "biggest tiles: " + ", ".join(f"{n} {b} bytes" for n, _, b in biggest)
+                     + "; smaller blocks shrink them")
+
+
+_KIND_HINT = {
+    _NUM: "where(cond, a, b) turns a condition into numbers",
+    _BOOL: "compare first, e.g. x <= q",
+}
+
+
+# --------------------------------------------------------------------------
+# 5. Streamability.
+# --------------------------------------------------------------------------
+
+class _Stream:
+    """Can every box be computed chunk by chunk along the streamed wire w?
+
+    Each value gets three facts: ``along`` (it still varies along w),
+    ``done`` (it depends on a reduction over w that is complete only after
+    the last chunk: (op, description)) and ``soft`` (it is a softmax over w,
+    whose normaliser is likewise complete only at the end: (description,
+    box name or None)).  A value both ``along`` and ``done`` cannot be
+    computed per chunk.  A ``soft`` value streams only when it flows
+    linearly (through * and /) into a sum over w, which rescales its
+    accumulator as the running max moves: the online-softmax trick.
+    """
+
+    def __init__(self, checker: _Checker, wire: str):
+        self.c, self.w, self.d = checker, wire, checker.d
+        self.info: dict[str, tuple] = {}
+
+    def run(self) -> None:
+        for t in self.d.inputs:
+            self.info.setdefault(t.name, (self.w in ir.axis_wires(t.axes), None, None))
+        for let in self.d.lets:
+            if let.name in self.info or let.name in self.c.broken_boxes:
+                continue
+            self.box, self.reported = let.name, False
+            along, done, soft = self.eval(let.expr)
+            if soft is not None and soft[1] is None:
+                soft = (soft[0], let.name)
+            self.info[let.name] = (along, done, soft)
+        for out in self.d.outputs:
+            soft = self.info.get(out.name, (False, None, None))[2]
+            if soft is not None:
+                self.bad_softmax(soft, f"the output list (out {out.name})", out.loc)
+
+    def eval(self, e: ir.Expr) -> tuple:
+        w = self.w
+        if isinstance(e, (ir.Num, ir.WireSize)):
+            return False, None, None
+        if isinstance(e, ir.WireIndex):
+            return e.wire == w, None, None
+        if isinstance(e, ir.TensorRef):
+            along, done, soft = self.info.get(e.name, (False, None, None))
+            if e.wires is not None:
+                along = w in e.wires
+            return self.settle(e, along, done, soft)
+        if isinstance(e, ir.Reduce):
+            along, done, soft = self.eval(e.body)
+            head = f"{e.op}[{', '.join(e.wires)}]"
+            if soft is not None and e.op != "sum":
+                self.bad_softmax(soft, f"{head} in {self.box}", e.loc)
+                soft = None
+            if w in e.wires and along:
+                return False, (e.op, f"{head} of {_show(e.body)}"), None
+            return along, done, soft
+        if isinstance(e, ir.Normalize):
+            along, done, soft = self.eval(e.body)
+            if soft is not None:
+                self.bad_softmax(soft, f"{e.op}[{e.wire}] in {self.box}", e.loc)
+            if e.wire == w:
+                return True, None, (f"{e.op}[{w}] of {_show(e.body)}", None)
+            return along, done, None
+        children = [e.operand] if isinstance(e, ir.Unary) else [e.lhs, e.rhs] if isinstance(e, ir.Binary) \
+            else list(e.args)
+        facts = [self.eval(x) for x in children]
+        softs = [i for i, f in enumerate(facts) if f[2] is not None]
+        soft = None
+        if softs:
+            linear = isinstance(e, ir.Binary) and len(softs) == 1 and (e.op == "*" or (e.op == "/" and softs == [0]))
+            if linear:
+                soft = facts[softs[0]][2]
+            else:
+                what = e.fn if isinstance(e, ir.Call) else f"'{e.op}'"
+                self.bad_softmax(facts[softs[0]][2], f"{what} in {self.box}", e.loc)
+        along = any(f[0] for f in facts)
+        done = next((f[1] for f in facts if f[1] is not None), None)
+        return self.settle(e, along, done, soft)
+
+    def settle(self, e: ir.Expr, along: bool, done, soft) -> tuple:
+        """Report a completed reduction over w used beside values along w."""
+        if along and done is not None:
+            if not self.reported:
+                self.reported = True
+                op, what = done
+                hint = (f"softmax[{self.w}] streams with a running max" if op in ("max", "logsumexp")
+                        else f"reduce over {self.w} last, or do not stream {self.w} at this level")
+                self.c.err(f"{self.box} uses {what} beside values along {self.w}: that {op} is complete only "
+                           f"after the last chunk of {self.w}, so {self.box} cannot be computed chunk by chunk",
+                           e.loc, hint)
+            done = None  # reported once; do not cascade into later boxes
+        return along, done, soft
+
+    def bad_softmax(self, soft: tuple, consumer: str, loc: ir.Loc) -> None:
+        what, box = soft
+        subject = f"{box} (a {what})" if box else what
+        ref = box or "softmax(...)"
+        self.c.err(f"{subject} cannot stream over {self.w}: {consumer} uses it, but a softmax over a "
+                   f"streamed wire can only feed a sum over it, as in sum[{self.w}]({ref} * V)", loc,
+                   f"its normaliser is complete only after the last chunk of {self.w}; "
+                   f"stream another wire, or do not stream {self.w}")

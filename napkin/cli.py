@@ -1,0 +1,358 @@
+"""The ``napkin`` command line: check, compile, demo, and the subcommands
+other modules register (cost, render, report).
+
+Errors: a ``NapkinError`` is the user's problem, so only its rendered text
+(file:line:col, source line, caret, hint) is printed and the exit status is 1.
+Any other exception is napkin's bug: one line saying so, exit status 2, and
+the traceback only with ``--traceback``.
+
+Extending: a module ``napkin.X`` that wants a subcommand defines
+``register_cli(subparsers)``.  It calls ``subparsers.add_parser(...)``, adds
+its arguments, and sets ``func=handler`` with ``handler(args) -> int``.
+``_register_plugins`` below calls it for every module in ``PLUGINS`` that
+exists, so the command line never imports a pass that has not been written.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from . import __version__
+from .errors import NapkinError
+
+# Modules that may add subcommands through register_cli(subparsers).
+PLUGINS = ("cost", "render")
+
+# Where the bundled examples live when napkin runs from a checkout (or an
+# editable install): the folder above the package.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_FILE = "examples/attention.ncd"
+
+# Sizes the demo gives symbolic wires: small and not multiples of the block
+# sizes (200 is ragged against 128 and 64), so edge masking is exercised and
+# the run takes seconds under Triton's CPU interpreter.
+DEMO_SIZES = {"b": 1, "h": 2, "q": 200, "x": 200, "hk": 2, "g": 2,
+              "m": 200, "n": 200, "k": 200}
+DEMO_OTHER_SIZE = 64  # any other symbolic wire
+
+# Max abs error (against a float64 reference) the demo accepts per output dtype.
+DEMO_TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3, "float64": 1e-6}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 user error, 2 bug)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --traceback is global but users type it anywhere (also after the
+    # subcommand, whose parser may come from another module), so it is taken
+    # out of argv here rather than declared on every subparser.
+    cut = argv.index("--") if "--" in argv else len(argv)
+    show_traceback = "--traceback" in argv[:cut]
+    argv = [a for i, a in enumerate(argv) if i >= cut or a != "--traceback"]
+    try:
+        parser = build_parser(strict=show_traceback)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as stop:  # --help, --version, usage errors
+            return _exit_code(stop)
+        return int(args.func(args) or 0)
+    except NapkinError as err:
+        print(str(err), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # anything else is a bug in napkin
+        if show_traceback:
+            traceback.print_exc()
+        else:
+            print(f"napkin: internal error: {type(err).__name__}: {err} "
+                  "(this is a bug; rerun with --traceback for details)", file=sys.stderr)
+        return 2
+
+
+def _exit_code(stop: SystemExit) -> int:
+    if stop.code is None:
+        return 0
+    return stop.code if isinstance(stop.code, int) else 2
+
+
+def build_parser(strict: bool = False) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="napkin",
+        description="Attention kernels, cost reports and pictures from neural circuit diagrams (.ncd).",
+    )
+    parser.add_argument("--version", action="version", version=f"napkin {__version__}")
+    parser.add_argument("--traceback", action="store_true",
+                        help="show the Python traceback of an internal error")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("check", help="parse and check .ncd files")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("compile", help="write the Triton module for each .ncd file")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("-o", "--out", default="generated", metavar="DIR",
+                   help="folder for the generated modules (default: generated)")
+    p.add_argument("--render", action="store_true", help="also draw each diagram beside its module")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("demo", help="compile a diagram, run it on small inputs and compare with the reference")
+    p.add_argument("file", nargs="?", default=DEMO_FILE, metavar="FILE",
+                   help=f"the diagram (default: {DEMO_FILE})")
+    p.add_argument("--size", action="append", default=[], metavar="WIRE=N",
+                   help="size of a symbolic wire (repeatable)")
+    p.set_defaults(func=cmd_demo)
+
+    _register_plugins(sub, strict)
+    return parser
+
+
+def _register_plugins(sub, strict: bool = False) -> None:
+    """Let each plugin module add its subcommands.  A plugin that fails to
+    import is a bug, but it must not take ``napkin check`` down with it: it is
+    reported in one line and its subcommands are left out (``--traceback``
+    makes it fatal, to see where it broke)."""
+    for name in PLUGINS:
+        try:
+            register = _provided(name, "register_cli")
+            if register is not None:
+                register(sub)
+        except Exception as err:
+            if strict:
+                raise
+            print(f"napkin: internal error: the subcommands of napkin.{name} are unavailable: "
+                  f"{type(err).__name__}: {err} (this is a bug)", file=sys.stderr)
+
+
+def _provided(module: str, attr: str):
+    """``napkin.<module>.<attr>`` if that module exists and defines it, else
+    None: passes other engineers are still writing may be absent or partial."""
+    if importlib.util.find_spec(f"napkin.{module}") is None:
+        return None
+    return getattr(importlib.import_module(f"napkin.{module}"), attr, None)
+
+
+def _plural(n: int, word: str) -> str:
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}es" if word.endswith("x") else f"{n} {word}s"
+
+
+# --------------------------------------------------------------------------
+# napkin check
+# --------------------------------------------------------------------------
+
+def cmd_check(args) -> int:
+    """Check every file, even after a failure; exit 1 if any failed."""
+    import napkin
+
+    failed = False
+    for path in args.files:
+        try:
+            d = napkin.load(path)
+        except NapkinError as err:
+            print(str(err), file=sys.stderr)
+            failed = True
+            continue
+        print(f"{path}: ok ({_plural(len(d.wires), 'wire')}, {_plural(len(d.inputs), 'input')}, "
+              f"{_plural(len(d.lets), 'box')}, {_plural(len(d.outputs), 'output')})")
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------
+# napkin compile
+# --------------------------------------------------------------------------
+
+def cmd_compile(args) -> int:
+    import napkin
+
+    failed = False
+    out_dir = Path(args.out)
+    for path in args.files:
+        try:
+            write_module = _provided("codegen", "write_module")
+            if write_module is not None:
+                written = Path(write_module(path, out_dir))
+                print(f"wrote {written}")
+                if args.render:
+                    _render_beside(path, written)
+            else:
+                print(_summary(napkin.load(path), path))
+        except NapkinError as err:
+            print(str(err), file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
+
+
+def _render_beside(path, module_path: Path) -> None:
+    render_file = _provided("render", "render_file")
+    if render_file is None:
+        print("napkin: rendering is not available in this version; skipped", file=sys.stderr)
+        return
+    out = render_file(path, module_path.with_suffix(".svg"))
+    print(f"wrote {out if out is not None else module_path.with_suffix('.svg')}")
+
+
+def _summary(d, path) -> str:
+    """The checked IR in a few lines: what compile prints until codegen exists."""
+    from .ir import axis_wires
+
+    def layout(axes):
+        return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in axes) + "]"
+
+    lines = [f"{path}: diagram {d.name} checked (code generation is not available yet)",
+             "  wires:   " + ", ".join(w.name if w.size is None else f"{w.name}={w.size}" for w in d.wires)]
+    lines += [f"  input:   {t.name}{layout(t.axes)} : {t.dtype}" for t in d.inputs]
+    lines += [f"  box:     {t.name}{layout(t.axes)} : {t.dtype or 'accumulator'}"
+              f"  ({len(axis_wires(t.axes))} wires)" for t in d.lets]
+    lines.append("  outputs: " + ", ".join(o.name for o in d.outputs))
+    if d.schedule is not None:
+        for lv in d.schedule.levels:
+            tiles = ", ".join(f"{t.kind} {t.wire} {'across' if t.across else 'by'} {t.size}" for t in lv.tiles)
+            lines.append(f"  level {lv.name}: {tiles or '-'}; holds {', '.join(lv.holds) or '-'}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# napkin demo: the README's main job
+# --------------------------------------------------------------------------
+
+def cmd_demo(args) -> int:
+    path = _find_demo_file(args.file)
+    requested = _parse_sizes(args.size)
+
+    # Triton reads TRITON_INTERPRET when it is imported, so decide before any
+    # import of triton (torch itself does not import it).
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"
+    device = "cuda" if cuda else "cpu"
+
+    import napkin
+
+    diagram = napkin.load(path)
+    sizes = _demo_sizes(diagram, requested, path)
+    write_module = _provided("codegen", "write_module")
+    if write_module is None:
+        raise NapkinError("napkin demo needs the code generator (napkin/codegen.py), "
+                          "which this version does not have yet", filename=str(path))
+
+    print(f"{path}: diagram {diagram.name}, sizes "
+          + ", ".join(f"{k}={v}" for k, v in sizes.items())
+          + f", on {'the GPU' if cuda else 'the CPU (Triton interpreter)'}")
+    with tempfile.TemporaryDirectory(prefix="napkin-demo-") as tmp:
+        module = _import_file(Path(write_module(path, Path(tmp))))
+        try:
+            ok = _run_and_compare(module, diagram, sizes, device, torch)
+        finally:
+            sys.modules.pop(module.__name__, None)
+
+    summary_lines = _provided("cost", "summary_lines")
+    if summary_lines is not None:
+        print("cost model:")
+        for line in summary_lines(diagram, sizes):
+            print("  " + line)
+    if not ok:
+        print("napkin demo: the kernel's outputs differ from the reference", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _find_demo_file(name: str) -> Path:
+    """FILE as given, else relative to the repository root (so ``napkin demo``
+    works from any folder of a checkout)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    if not path.is_absolute() and (REPO_ROOT / path).is_file():
+        return REPO_ROOT / path
+    raise NapkinError(f"no such file: {name}", filename="napkin")
+
+
+def _parse_sizes(items: list[str]) -> dict[str, int]:
+    sizes = {}
+    for item in items:
+        wire, eq, value = item.partition("=")
+        if not eq or not wire.strip() or not value.strip().isdigit() or int(value) <= 0:
+            raise NapkinError(f"--size expects WIRE=N with N a positive whole number, not {item!r}",
+                              filename="napkin")
+        sizes[wire.strip()] = int(value)
+    return sizes
+
+
+def _demo_sizes(diagram, requested: dict[str, int], path) -> dict[str, int]:
+    """A size for every symbolic wire: the user's, else a small default."""
+    known = {w.name: w for w in diagram.wires}
+    for name, value in requested.items():
+        if name not in known:
+            raise NapkinError(f"--size {name}={value}: diagram {diagram.name} has no wire {name!r}",
+                              filename=str(path))
+        if known[name].size is not None and known[name].size != value:
+            raise NapkinError(f"--size {name}={value}: wire {name} is fixed at {known[name].size}",
+                              filename=str(path))
+    return {w.name: requested.get(w.name, DEMO_SIZES.get(w.name, DEMO_OTHER_SIZE))
+            for w in diagram.wires if w.size is None}
+
+
+def _import_file(path: Path):
+    """Import a generated module by file path.  It is registered in
+    sys.modules while it runs (Triton's JIT looks its functions' source up)."""
+    name = f"napkin_demo_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _run_and_compare(module, diagram, sizes, device, torch) -> bool:
+    """Run the launcher and the float64 reference on the same inputs; print
+    the max abs error of each output.  True when all are within tolerance."""
+    inputs = module.example_inputs(sizes, dtype=torch.float16, device=device, seed=0)
+    launcher = getattr(module, diagram.name)
+
+    def wide(t):
+        return t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+
+    if isinstance(inputs, dict):
+        got = launcher(**inputs)
+        want = module.reference(**{k: wide(v) for k, v in inputs.items()})
+    else:
+        got = launcher(*inputs)
+        want = module.reference(*[wide(v) for v in inputs])
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    want = want if isinstance(want, (tuple, list)) else (want,)
+
+    ok = True
+    for out, g, w in zip(diagram.outputs, got, want):
+        err = _max_abs_error(g, w, torch)
+        # The tolerance follows the dtype the kernel actually returned.
+        dtype = str(g.dtype).replace("torch.", "")
+        tol = DEMO_TOLERANCE.get(dtype, 2e-2)
+        good = err <= tol
+        ok = ok and good
+        print(f"  {out.name}{list(g.shape)} {dtype}: max abs error {err:.2e} vs float64 reference "
+              f"({'ok' if good else 'TOO LARGE'}, tolerance {tol:g})")
+    return ok
+
+
+def _max_abs_error(got, want, torch) -> float:
+    g, w = got.double(), want.double().to(got.device)
+    # Equal entries (including matching infinities, e.g. the -inf
+    # logsumexp of a fully masked row) count as exact.
+    diff = torch.where(g == w, torch.zeros_like(g), (g - w).abs())
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    return float(diff.max()) if diff.numel() else 0.0

@@ -1,0 +1,148 @@
+"""Lower bounds on hbm traffic at a given on-chip capacity M (in elements).
+
+The general form is H* = sum_t alpha_t * M^(-beta_t) (background section 1):
+
+* matmul-like, one contraction sum[k](A * B), with a = A's own wires, c = B's
+  own wires, batch = wires both share besides k:
+      H* = batch * (2*a*k*c / sqrt(M) + a*c)                (beta = 1/2)
+* attention-like, S = sum[d](Q * K) feeding O = sum[x](P * V):
+      H* = batch * (rows*d + rows*dv + x*(d + dv)^2 * rows / M)   (beta = 1)
+  which is 2qd + 4xqd^2/M per head when dv = d.  The last term is the K and V
+  re-reads: a program holding g query rows (its Q tile and O accumulator,
+  g*(d + dv) <= M) reads all x*(d + dv) keys and values once per g rows.
+* anything else: the compulsory traffic, every input read and output written
+  once (no reuse bound is known to napkin for it).
+
+The bound is in elements of the operands; bytes multiply by the operands'
+element size, with M = capacity in bytes / element size.  That is where the
+q^(1 + beta) effect comes from: halving the element size halves the bytes of
+each element moved and doubles how many fit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import ir, tiling
+from .model import contraction_factors, node_wires
+from .symbolic import Poly
+
+
+@dataclass(frozen=True)
+class BoundShape:
+    kind: str                       # "attention", "matmul" or "compulsory"
+    batch: tuple[str, ...] = ()
+    rows: tuple[str, ...] = ()      # a (matmul) / query rows (attention)
+    inner: tuple[str, ...] = ()     # k (matmul) / d (attention)
+    cols: tuple[str, ...] = ()      # c (matmul) / x (attention)
+    value: tuple[str, ...] = ()     # dv (attention)
+    dtype: str = "fp16"             # the operands' element type
+
+
+def _contractions(diagram: ir.Diagram):
+    """(let, reduce node, (A, B)) for every contraction, in order."""
+    out = []
+    for let in diagram.lets:
+        for node in ir.walk(let.expr):
+            f = contraction_factors(node, diagram)
+            if f:
+                out.append((let, node, f))
+    return out
+
+
+def _depends_on(diagram: ir.Diagram, name: str, target: str) -> bool:
+    todo, seen = [name], set()
+    while todo:
+        n = todo.pop()
+        if n == target:
+            return True
+        t = diagram.tensor(n)
+        if n in seen or not isinstance(t, ir.Let):
+            continue
+        seen.add(n)
+        todo += [r.name for r in ir.walk(t.expr) if isinstance(r, ir.TensorRef)]
+    return False
+
+
+def _operand_dtype(diagram: ir.Diagram, exprs) -> str:
+    """The narrowest input dtype among the operands (what feeds the tensor cores)."""
+    names = [r.name for e in exprs for r in ir.walk(e) if isinstance(r, ir.TensorRef)
+             and isinstance(diagram.tensor(r.name), ir.Input)]
+    dtypes = [tiling.tensor_dtype(diagram, n) for n in names] or \
+             [t.dtype for t in diagram.inputs if t.dtype in ir.FLOAT_DTYPES] or ["fp32"]
+    return min(dtypes, key=lambda d: (ir.DTYPE_BYTES[d], d))
+
+
+def _ordered(diagram: ir.Diagram, wires) -> tuple[str, ...]:
+    return tuple(w.name for w in diagram.wires if w.name in wires)
+
+
+def bound_shape(diagram: ir.Diagram) -> BoundShape:
+    cons = _contractions(diagram)
+    if len(cons) == 1:
+        _, node, (a, b) = cons[0]
+        wa, wb, k = node_wires(diagram, a), node_wires(diagram, b), set(node.wires)
+        batch = (wa & wb) - k
+        return BoundShape("matmul", _ordered(diagram, batch), _ordered(diagram, wa - batch - k),
+                          _ordered(diagram, k), _ordered(diagram, wb - batch - k),
+                          dtype=_operand_dtype(diagram, (a, b)))
+    if len(cons) == 2:
+        (let1, n1, (a, b)), (let2, n2, (p, v)) = cons
+        if not _feeds(diagram, let1, p):
+            p, v = v, p
+        if _feeds(diagram, let1, p) and not _feeds(diagram, let1, v):
+            xs = set(n2.wires)
+            wa, wb, wv = node_wires(diagram, a), node_wires(diagram, b), node_wires(diagram, v)
+            if xs & wa:            # the key side is the one carrying x
+                a, b, wa, wb = b, a, wb, wa
+            ds = set(n1.wires)
+            batch = (wa & wb) - ds
+            return BoundShape("attention", _ordered(diagram, batch), _ordered(diagram, wa - batch - ds),
+                              _ordered(diagram, ds), _ordered(diagram, xs),
+                              _ordered(diagram, wv - batch - xs), dtype=_operand_dtype(diagram, (a, b, v)))
+    return BoundShape("compulsory", dtype=_operand_dtype(diagram, [let.expr for let in diagram.lets]))
+
+
+def _feeds(diagram: ir.Diagram, let: ir.Let, expr: ir.Expr) -> bool:
+    """Does ``expr`` read ``let`` (directly or through other boxes)?"""
+    return any(isinstance(r, ir.TensorRef) and _depends_on(diagram, r.name, let.name)
+               for r in ir.walk(expr))
+
+
+def _prod(sizes: dict[str, int], wires) -> int:
+    return math.prod(sizes[w] for w in wires)
+
+
+def _sym(wires, wire_sym) -> Poly:
+    p = Poly.const(1)
+    for w in wires:
+        p = p * wire_sym(w)
+    return p
+
+
+def bound_formula(shape: BoundShape, wire_sym, compulsory: Poly) -> str:
+    if shape.kind == "matmul":
+        b, a, k, c = (_sym(w, wire_sym) for w in (shape.batch, shape.rows, shape.inner, shape.cols))
+        return f"{b * a * k * c * 2}/sqrt(M) + {b * a * c}"
+    if shape.kind == "attention":
+        b, r, d, x, dv = (_sym(w, wire_sym) for w in
+                          (shape.batch, shape.rows, shape.inner, shape.cols, shape.value))
+        dd = d + dv
+        return f"{b * r * dd} + ({b * x * r * dd * dd})/M"
+    return str(compulsory)
+
+
+def bound_elements(shape: BoundShape, sizes: dict[str, int], m: float,
+                   compulsory: Optional[int]) -> tuple[float, float]:
+    """(bound in elements, its capacity-dependent re-read term)."""
+    if shape.kind == "matmul":
+        b, a, k, c = (_prod(sizes, w) for w in (shape.batch, shape.rows, shape.inner, shape.cols))
+        reread = b * 2 * a * k * c / math.sqrt(m)
+        return reread + b * a * c, reread
+    if shape.kind == "attention":
+        b, r, d, x, dv = (_prod(sizes, w) for w in
+                          (shape.batch, shape.rows, shape.inner, shape.cols, shape.value))
+        reread = b * x * r * (d + dv) ** 2 / m
+        return b * r * (d + dv) + reread, reread
+    return float(compulsory or 0), 0.0

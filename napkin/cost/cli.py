@@ -1,0 +1,134 @@
+"""``napkin cost FILE``: the cost report on the command line.
+
+    napkin cost examples/attention.ncd --size b=1 -D h=16 -D q=4096 -D x=4096
+    napkin cost examples/attention.ncd -D ... --device a100 --json
+    napkin cost examples/attention.ncd -D ... --tune [--top 5] [--objective transfers]
+    napkin cost examples/attention.ncd -D ... --dtypes fp32,fp16,e4m3
+
+Bad options (a wire the diagram lacks, a size that is not a positive whole
+number, an unknown device or dtype) are NapkinErrors: exit status 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from .. import ir
+from ..errors import NapkinError
+from .analysis import analyse
+from .profiles import profile_names
+from .report import format_text, human, seconds
+from .tune import tune
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("cost", help="predict traffic, FLOPs and time of a diagram's schedule")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N", dest="sizes",
+                   help="size of a symbolic wire (repeatable)")
+    p.add_argument("--device", "--profile", dest="device", default=None, metavar="NAME",
+                   help="device profile: " + ", ".join(profile_names()) + " (default: the diagram's)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--tune", action="store_true", help="search block sizes and print the best few")
+    p.add_argument("--top", type=int, default=5, metavar="N", help="how many tuning results (default 5)")
+    p.add_argument("--objective", choices=("time", "transfers"), default="time",
+                   help="what the tile search minimises (default: predicted time)")
+    p.add_argument("--dtypes", default=None, metavar="LIST",
+                   help="compare the diagram with every tensor in each of these dtypes, e.g. fp32,fp16")
+    p.set_defaults(func=handler)
+
+
+def parse_sizes(items) -> dict[str, int]:
+    sizes = {}
+    for item in items:
+        wire, eq, value = item.partition("=")
+        wire, value = wire.strip(), value.strip()
+        if not eq or not wire:
+            raise NapkinError(f"--size expects WIRE=N, not {item!r}")
+        if not value.isdigit() or int(value) <= 0:
+            raise NapkinError(f"--size {item}: the size of {wire} must be a positive whole number, not {value!r}")
+        sizes[wire] = int(value)
+    return sizes
+
+
+def handler(args) -> int:
+    import napkin
+
+    diagram = napkin.load(args.file)
+    try:
+        sizes = parse_sizes(args.sizes)
+        if args.dtypes:
+            print(json.dumps(dtype_table(diagram, sizes, args.device, _dtypes(args.dtypes)), indent=2)
+                  if args.json else format_dtype_table(dtype_table(diagram, sizes, args.device,
+                                                                   _dtypes(args.dtypes))))
+            return 0
+        if args.tune:
+            results = tune(diagram, sizes, args.device, top=args.top, objective=args.objective)
+            print(json.dumps(tune_dicts(results), indent=2) if args.json else format_tune(diagram, results))
+            return 0
+        report = analyse(diagram, sizes, args.device)
+    except NapkinError as err:
+        raise err.with_source(args.file, None) from None
+    print(report.to_json() if args.json else format_text(report))
+    return 0
+
+
+def _dtypes(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    for d in out:
+        if d not in ir.FLOAT_DTYPES:
+            raise NapkinError(f"--dtypes: {d!r} is not a float dtype ({', '.join(ir.FLOAT_DTYPES)})")
+    return out
+
+
+def tune_dicts(results) -> list[dict]:
+    return [{"blocks": dict(r.blocks), "time_s": r.time_s, "hbm_bytes": r.hbm_bytes, "bound": r.bound,
+             "footprint": [{"level": lv, "bytes": b, "capacity": c} for lv, b, c in r.footprint]}
+            for r in results]
+
+
+def format_tune(diagram, results) -> str:
+    if not results:
+        return f"napkin cost --tune: no block sizes fit every level of {diagram.name}"
+    lines = [f"best blocks for {diagram.name}:"]
+    for i, r in enumerate(results, 1):
+        blocks = " ".join(f"{w}={b}" for w, b in r.blocks)
+        fp = ", ".join(f"{lv} {human(b, 'B')}/{human(c, 'B')}" for lv, b, c in r.footprint)
+        lines.append(f"{i}. {blocks}: {seconds(r.time_s)} ({r.bound}-bound), hbm {human(r.hbm_bytes, 'B')}; {fp}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# The same diagram in other dtypes (the q^(1 + beta) effect).
+# --------------------------------------------------------------------------
+
+def recast(diagram: ir.Diagram, dtype: str) -> ir.Diagram:
+    """A copy with every input, and every box that declares a dtype, in ``dtype``."""
+    return dataclasses.replace(
+        diagram,
+        inputs=tuple(dataclasses.replace(t, dtype=dtype) if t.dtype in ir.FLOAT_DTYPES else t
+                     for t in diagram.inputs),
+        lets=tuple(dataclasses.replace(t, dtype=dtype) if t.dtype in ir.FLOAT_DTYPES else t
+                   for t in diagram.lets))
+
+
+def dtype_table(diagram, sizes, device, dtypes) -> list[dict]:
+    rows = []
+    for dt in dtypes:
+        d = recast(diagram, dt)
+        r = analyse(d, sizes, device)
+        best = tune(d, sizes, device, top=1, objective="transfers") if r.hbm_bytes is not None else []
+        rows.append({"dtype": dt, "hbm_bytes": r.hbm_bytes, "bound_bytes": r.bound.bytes,
+                     "bound_reread_bytes": r.bound.reread_bytes,
+                     "tuned_blocks": dict(best[0].blocks) if best else None,
+                     "tuned_hbm_bytes": best[0].hbm_bytes if best else None})
+    return rows
+
+
+def format_dtype_table(rows) -> str:
+    head = ["dtype", "schedule hbm", "bound", "bound re-read term", "tuned hbm", "tuned blocks"]
+    body = [[r["dtype"], human(r["hbm_bytes"], "B"), human(r["bound_bytes"], "B"),
+             human(r["bound_reread_bytes"], "B"), human(r["tuned_hbm_bytes"], "B"),
+             " ".join(f"{w}={b}" for w, b in (r["tuned_blocks"] or {}).items())] for r in rows]
+    widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head] + body)

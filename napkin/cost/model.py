@@ -1,0 +1,406 @@
+"""The kernel model: which kernels a schedule runs, what each moves, what it computes.
+
+This is the part of the cost pass that must agree with the code generator
+byte for byte (tests/test_bytecount.py checks it against counted bytes).
+
+Kernels.  A box whose result lives in hbm (an output, or an intermediate the
+schedule holds in hbm) is *materialised*: written out, read back by whoever
+uses it.  Every other box is fused into the kernel of the materialised boxes
+that use it.  Materialised boxes sharing a fused box share a kernel (O and
+lse both read S and P in FlashAttention: one kernel).  An unfused schedule
+(S and P held in hbm) therefore runs several kernels, each costed alone.
+
+Loads and stores, per kernel.  One program per block of the wires grouped at
+the tiling level; the streamed wire, if the kernel has it, is walked in
+chunks (steps).  A program loads every tensor tile that lacks the streamed
+wire once before the loop, every tile that has it once per visited step, and
+stores each output tile once (per step if the output itself has the streamed
+wire, as an unfused S does).  A tile is clipped at ragged edges, so the
+elements a tensor moves are the sum over visited (program, step) pairs of
+its clipped tile extent.  A tensor read through a relabel (doc[b, q]) is a
+load of its own.  A kernel that writes a tensor along the streamed wire but
+needs a statistic over that wire first (softmax written out) reads its
+streamed inputs twice: one pass for the statistics, one to write.
+
+Block skipping.  With an affine mask (causal, sliding window) the kernel
+skips the steps whose block is wholly masked; napkin/masks.py says which.
+Only kernels that store nothing along the streamed wire may skip.
+
+FLOPs, per box element as written: a contraction sum[k](A * B) costs 2 per
+element of its operand grid; every other arithmetic, comparison or
+selection 1; exp, log, tanh, sigmoid, sqrt and rsqrt run on the
+special-function unit (counted apart: it is a separate ceiling); softmax costs
+4 plus one exp per element, logsumexp 3 plus one exp (a logsumexp of the same
+scores a softmax in the same kernel already normalises costs only its final
+log).  The online softmax's rescaling is not counted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Optional
+
+from .. import ir, tiling
+from .symbolic import Poly
+
+TRANSCENDENTAL = {"exp": 1, "exp2": 1, "log": 1, "log2": 1, "sqrt": 1, "rsqrt": 1,
+                  "tanh": 1, "sigmoid": 1}
+_SIGMOID_EXTRA = 2  # sigmoid(x) = 1 / (1 + exp(-x)): one exp and two more ops
+
+
+# --------------------------------------------------------------------------
+# The tiling a kernel runs under.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tiling:
+    """Blocks of one on-chip level: grouped wires (grid) and the streamed wire."""
+
+    level: str
+    groups: tuple[tuple[str, int], ...] = ()
+    stream: Optional[tuple[str, int]] = None
+
+
+def chip_levels(diagram: ir.Diagram) -> list[str]:
+    """The tiled levels below hbm, outermost first (smem, then regs)."""
+    if diagram.schedule is None:
+        return []
+    return [lv.name for lv in diagram.schedule.levels
+            if lv.name in ("smem", "regs") and any(not t.across for t in lv.tiles)]
+
+
+def tiling_at(diagram: ir.Diagram, level_name: str) -> Tiling:
+    """The effective blocks at an on-chip level: for each wire, the innermost
+    on-chip level down to this one that tiles it decides (a regs level's
+    smaller blocks refine smem's)."""
+    groups: dict[str, int] = {}
+    stream = None
+    for name in chip_levels(diagram):
+        for t in diagram.level(name).tiles:
+            if t.across:
+                continue
+            if t.kind == "group":
+                groups[t.wire] = t.size
+                if stream and stream[0] == t.wire:
+                    stream = None
+            else:
+                stream = (t.wire, t.size)
+                groups.pop(t.wire, None)
+        if name == level_name:
+            break
+    return Tiling(level_name, tuple(groups.items()), stream)
+
+
+def device_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
+    level = diagram.level("devices")
+    return tuple(t for t in level.tiles if t.across) if level else ()
+
+
+# --------------------------------------------------------------------------
+# Kernels.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Access:
+    """One tensor moved by a kernel: read along ``wires`` (a relabel reads
+    other wires than the declared ones) or written."""
+
+    tensor: str
+    wires: tuple[str, ...]
+    kind: str          # "load" or "store"
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Kernel:
+    index: int
+    boxes: tuple[str, ...]       # every box computed, in declaration order
+    stores: tuple[str, ...]      # the materialised ones
+    accesses: tuple[Access, ...]  # loads then stores
+    wires: tuple[str, ...]       # every wire the kernel's boxes touch
+    two_pass: bool               # streamed inputs read twice (see module doc)
+    skips: bool                  # may skip masked blocks
+
+
+def is_materialised(diagram: ir.Diagram, name: str) -> bool:
+    return tiling.home_level(diagram, name) in ("devices", "hbm")
+
+
+def refs(expr: ir.Expr) -> list[ir.TensorRef]:
+    return [n for n in ir.walk(expr) if isinstance(n, ir.TensorRef)]
+
+
+def ref_wires(diagram: ir.Diagram, ref: ir.TensorRef) -> tuple[str, ...]:
+    return ref.wires if ref.wires is not None else ir.axis_wires(diagram.tensor(ref.name).axes)
+
+
+def kernels(diagram: ir.Diagram) -> list[Kernel]:
+    """The kernels a schedule runs, in order of their first box."""
+    lets = {let.name: let for let in diagram.lets}
+    order = [let.name for let in diagram.lets]
+    mat = [n for n in order if is_materialised(diagram, n)]
+
+    def fused_closure(name: str) -> set[str]:
+        seen, todo = {name}, [name]
+        while todo:
+            for r in refs(lets[todo.pop()].expr):
+                if r.name in lets and r.name not in seen and not is_materialised(diagram, r.name):
+                    seen.add(r.name)
+                    todo.append(r.name)
+        return seen
+
+    # Union materialised boxes whose fused closures share a box.
+    groups: list[tuple[set[str], set[str]]] = []  # (materialised, all boxes)
+    for name in mat:
+        closure = fused_closure(name)
+        merged_mat, merged_all = {name}, set(closure)
+        rest = []
+        for g_mat, g_all in groups:
+            if (g_all - g_mat) & (closure - {name}):
+                merged_mat |= g_mat
+                merged_all |= g_all
+            else:
+                rest.append((g_mat, g_all))
+        groups = rest + [(merged_mat, merged_all)]
+    groups.sort(key=lambda g: min(order.index(n) for n in g[1]))
+
+    out = []
+    for index, (g_mat, g_all) in enumerate(groups):
+        boxes = tuple(n for n in order if n in g_all)
+        loads: dict[tuple, Access] = {}
+        wires: set[str] = set()
+        for n in boxes:
+            let = lets[n]
+            wires |= set(ir.axis_wires(let.axes)) | tiling.reduced_wires(let.expr)
+            for r in refs(let.expr):
+                if r.name in g_all:
+                    continue
+                w = ref_wires(diagram, r)
+                wires |= set(w)
+                loads.setdefault((r.name, w), Access(r.name, w, "load", tiling.tensor_dtype(diagram, r.name)))
+        stores = tuple(n for n in boxes if n in g_mat)
+        accesses = tuple(loads.values()) + tuple(
+            Access(n, ir.axis_wires(lets[n].axes), "store", tiling.tensor_dtype(diagram, n)) for n in stores)
+        ordered = tuple(w.name for w in diagram.wires if w.name in wires)
+        out.append(_finish(diagram, index, boxes, stores, accesses, ordered))
+    return out
+
+
+def _finish(diagram, index, boxes, stores, accesses, wires) -> Kernel:
+    levels = chip_levels(diagram)
+    stream = tiling_at(diagram, levels[0]).stream if levels else None
+    s = stream[0] if stream and stream[0] in wires else None
+    stores_along = s is not None and any(s in a.wires for a in accesses if a.kind == "store")
+    needs_stat = s is not None and any(
+        (isinstance(node, ir.Reduce) and s in node.wires) or (isinstance(node, ir.Normalize) and node.wire == s)
+        for n in boxes for node in ir.walk(diagram.tensor(n).expr))
+    return Kernel(index, boxes, stores, accesses, wires,
+                  two_pass=stores_along and needs_stat, skips=s is not None and not stores_along)
+
+
+# --------------------------------------------------------------------------
+# Counting what a kernel moves.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Visited:
+    """The (row block, step) pairs a masked kernel visits: ``row`` is the
+    grouped wire the mask reads, the steps run along the streamed wire."""
+
+    row: str
+    pairs: frozenset  # {(row_block_index, step_index)}
+
+
+def clip(size: int, block: int, index: int) -> int:
+    """Elements of block ``index`` of a wire of ``size`` cut in ``block``s."""
+    return max(0, min(block, size - index * block))
+
+
+def kernel_tiling(kernel: Kernel, tiles: Tiling) -> tuple[dict[str, int], Optional[tuple[str, int]]]:
+    """The grid wires and the stream restricted to the kernel's wires."""
+    groups = {w: b for w, b in tiles.groups if w in kernel.wires}
+    stream = tiles.stream if tiles.stream and tiles.stream[0] in kernel.wires else None
+    return groups, stream
+
+
+def count_access(access: Access, kernel: Kernel, tiles: Tiling, sizes: dict[str, int],
+                 visited: Optional[Visited] = None) -> int:
+    """Elements ``access`` moves: the sum over visited (program, step) pairs of
+    its clipped tile.  Every factor is exact for the given sizes."""
+    groups, stream = kernel_tiling(kernel, tiles)
+    s = stream[0] if stream else None
+    carries_s = s is not None and s in access.wires
+    passes = 2 if (kernel.two_pass and carries_s and access.kind == "load") else 1
+    count = 1
+    for w in access.wires:
+        if w not in groups and w != s:
+            count *= sizes[w]
+    row = visited.row if (visited is not None and kernel.skips) else None
+    for w, block in groups.items():
+        if w == row:
+            continue
+        count *= sizes[w] if w in access.wires else math.ceil(sizes[w] / block)
+    if row is None:
+        return count * (sizes[s] if carries_s else 1) * passes
+    rblock = groups[row]
+    r_extent = (lambda i: clip(sizes[row], rblock, i)) if row in access.wires else (lambda i: 1)
+    if carries_s:
+        chunk = stream[1]
+        pair_sum = sum(r_extent(i) * clip(sizes[s], chunk, j) for i, j in visited.pairs)
+    else:
+        pair_sum = sum(r_extent(i) for i in range(math.ceil(sizes[row] / rblock)))
+    return count * pair_sum * passes
+
+
+def access_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym: Callable[[str], Poly]) -> Poly:
+    """The symbolic count (dense, assuming every block is whole): the tile's
+    wires times, for each grid wire the tensor lacks, the number of blocks."""
+    groups, stream = kernel_tiling(kernel, tiles)
+    s = stream[0] if stream else None
+    poly = Poly.const(2 if (kernel.two_pass and s in access.wires and access.kind == "load") else 1)
+    for w in access.wires:
+        poly = poly * wire_sym(w)
+    for w, block in groups.items():
+        if w not in access.wires:
+            poly = poly * wire_sym(w) / block_sym(w, block)
+    return poly
+
+
+def block_sym(wire: str, block: int) -> Poly:
+    """``g_q`` for a real block; a block of 1 (one program per index) is just 1."""
+    return Poly.const(1) if block == 1 else Poly.sym(f"g_{wire}")
+
+
+def access_fetches_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym) -> Poly:
+    """How many times each element of the tile is fetched (the re-read factor)."""
+    groups, stream = kernel_tiling(kernel, tiles)
+    s = stream[0] if stream else None
+    poly = Poly.const(2 if (kernel.two_pass and s in access.wires and access.kind == "load") else 1)
+    for w, block in groups.items():
+        if w not in access.wires:
+            poly = poly * wire_sym(w) / block_sym(w, block)
+    return poly
+
+
+def visited_area(visited: Optional[Visited], kernel: Kernel, tiles: Tiling,
+                 sizes: dict[str, int]) -> Optional[tuple[str, str, int]]:
+    """(row wire, streamed wire, visited row x step area) for a skipping kernel."""
+    groups, stream = kernel_tiling(kernel, tiles)
+    if visited is None or not kernel.skips or stream is None or visited.row not in groups:
+        return None
+    row, s = visited.row, stream[0]
+    area = sum(clip(sizes[row], groups[row], i) * clip(sizes[s], stream[1], j) for i, j in visited.pairs)
+    return row, s, area
+
+
+# --------------------------------------------------------------------------
+# FLOPs.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Work:
+    """Operations as (category, wires, multiplier) items; category is
+    "contraction", "other" or "exp"."""
+
+    items: tuple[tuple[str, frozenset, int], ...]
+
+
+def node_wires(diagram: ir.Diagram, e: ir.Expr) -> frozenset:
+    if isinstance(e, ir.WireIndex):
+        return frozenset([e.wire])
+    if isinstance(e, ir.TensorRef):
+        return frozenset(ref_wires(diagram, e))
+    if isinstance(e, ir.Unary):
+        return node_wires(diagram, e.operand)
+    if isinstance(e, ir.Binary):
+        return node_wires(diagram, e.lhs) | node_wires(diagram, e.rhs)
+    if isinstance(e, ir.Call):
+        return frozenset().union(*(node_wires(diagram, a) for a in e.args))
+    if isinstance(e, ir.Reduce):
+        return node_wires(diagram, e.body) - set(e.wires)
+    if isinstance(e, ir.Normalize):
+        return node_wires(diagram, e.body)
+    return frozenset()
+
+
+def contraction_factors(e: ir.Expr, diagram: ir.Diagram):
+    """(A, B) for sum[k](A * B) with both factors varying, else None."""
+    if isinstance(e, ir.Reduce) and e.op == "sum" and isinstance(e.body, ir.Binary) and e.body.op == "*":
+        if node_wires(diagram, e.body.lhs) and node_wires(diagram, e.body.rhs):
+            return e.body.lhs, e.body.rhs
+    return None
+
+
+def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
+    items: list[tuple[str, frozenset, int]] = []
+    softmaxed = {(n.wire, n.body) for b in kernel.boxes for n in ir.walk(diagram.tensor(b).expr)
+                 if isinstance(n, ir.Normalize)}
+
+    def visit(e: ir.Expr) -> None:
+        wires = node_wires(diagram, e)
+        if isinstance(e, (ir.Num, ir.WireIndex, ir.WireSize, ir.TensorRef)):
+            return
+        factors = contraction_factors(e, diagram)
+        if factors:
+            items.append(("contraction", node_wires(diagram, e.body), 2))
+            visit(factors[0])
+            visit(factors[1])
+            return
+        if isinstance(e, ir.Reduce):
+            body = node_wires(diagram, e.body)
+            if e.op == "logsumexp":
+                if not (len(e.wires) == 1 and (e.wires[0], e.body) in softmaxed):
+                    items.extend([("other", body, 3), ("exp", body, 1)])
+                items.extend([("exp", wires, 1), ("other", wires, 1)])   # log(l) + m
+            else:
+                items.append(("other", body, 1))
+            visit(e.body)
+            return
+        if isinstance(e, ir.Normalize):
+            items.extend([("other", wires, 4), ("exp", wires, 1)])
+            visit(e.body)
+            return
+        if isinstance(e, ir.Call) and e.fn in TRANSCENDENTAL:
+            items.append(("exp", wires, 1))
+            if e.fn == "sigmoid":
+                items.append(("other", wires, _SIGMOID_EXTRA))
+        else:
+            items.append(("other", wires, 1))
+        for child in (e.operand,) if isinstance(e, ir.Unary) else \
+                (e.lhs, e.rhs) if isinstance(e, ir.Binary) else e.args:
+            visit(child)
+
+    for b in kernel.boxes:
+        visit(diagram.tensor(b).expr)
+    return Work(tuple(items))
+
+
+def work_numbers(work: Work, sizes: dict[str, int], area: Optional[tuple[str, str, int]]) -> dict[str, int]:
+    """Operations per category; items over both masked wires count the visited area only."""
+    out = {"contraction": 0, "other": 0, "exp": 0}
+    for cat, wires, mult in work.items:
+        n = mult
+        if area is not None and area[0] in wires and area[1] in wires:
+            n *= area[2]
+            wires = wires - {area[0], area[1]}
+        for w in wires:
+            n *= sizes[w]
+        out[cat] += n
+    return out
+
+
+def work_polys(work: Work, wire_sym: Callable[[str], Poly]) -> dict[str, Poly]:
+    out = {"contraction": Poly(), "other": Poly(), "exp": Poly()}
+    for cat, wires, mult in work.items:
+        p = Poly.const(mult)
+        for w in sorted(wires):
+            p = p * wire_sym(w)
+        out[cat] = out[cat] + p
+    return out
+
+
+def exact(value: Fraction) -> int:
+    if value.denominator != 1:
+        raise ValueError(f"expected a whole number, got {value}")
+    return value.numerator

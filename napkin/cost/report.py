@@ -1,0 +1,285 @@
+"""The cost report: plain records, their JSON form, and the table people read.
+
+Every record is a frozen dataclass of JSON-native values (str, int, float,
+bool, None, tuples of those or of records), so ``to_json`` is mechanical and
+``from_json(to_json(r)) == r`` holds.  The JSON carries ``schema`` so
+consumers can tell versions apart; bump SCHEMA when a field changes meaning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
+from typing import Optional
+
+from .devices import CommRow, DeviceComm
+
+SCHEMA = "napkin.cost/1"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One tensor crossing one level boundary in one kernel."""
+
+    boundary: str            # "hbm/smem": outer level / inner level
+    kernel: int
+    tensor: str
+    wires: tuple[str, ...]   # the wires it is read or written along
+    direction: str           # "load" or "store"
+    dtype: str
+    formula: str             # elements, symbolic (whole blocks, no skipping)
+    fetches_formula: str     # times each element crosses, symbolic
+    elements: Optional[int]  # exact for the sizes given (ragged edges, skipped blocks)
+    bytes: Optional[int]
+    fetches: Optional[float]  # elements / the tensor's size
+
+
+@dataclass(frozen=True)
+class BoundaryTotal:
+    boundary: str
+    formula_bytes: str
+    load_elements: Optional[int]
+    load_bytes: Optional[int]
+    store_elements: Optional[int]
+    store_bytes: Optional[int]
+
+
+@dataclass(frozen=True)
+class Resident:
+    tensor: str
+    elements: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Footprint:
+    level: str
+    capacity: Optional[int]
+    bytes: Optional[int]     # None: a symbolic wire it depends on is unbound
+    tiles: tuple[Resident, ...]
+    fits: Optional[bool]
+
+
+@dataclass(frozen=True)
+class Flops:
+    contraction_formula: str
+    other_formula: str
+    exp_formula: str
+    contraction: Optional[int]
+    other: Optional[int]
+    exp: Optional[int]
+    contraction_dtype: str
+    skipped_fraction: Optional[float]  # share of the dense (row, step) area skipped by masks
+
+
+@dataclass(frozen=True)
+class Roofline:
+    profile: str
+    contraction_rate: float
+    contraction_s: float
+    exp_s: float
+    other_s: float
+    hbm_s: float
+    communication_s: float
+    estimate_s: float
+    bound: str               # "compute", "exp", "other", "bandwidth"
+    intensity: float         # FLOPs per hbm byte
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    kind: str                # "attention", "matmul", "compulsory"
+    formula: str             # in elements, M = capacity in elements
+    capacity_level: str
+    capacity_bytes: Optional[int]
+    element_bytes: int
+    elements: Optional[float]
+    bytes: Optional[float]
+    reread_bytes: Optional[float]   # the capacity-dependent term alone
+    ratio: Optional[float]          # schedule's hbm bytes / bound bytes
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    index: int
+    boxes: tuple[str, ...]
+    stores: tuple[str, ...]
+    grid: tuple[tuple[str, int], ...]   # wire, block
+    stream: Optional[tuple[str, int]]
+    programs: Optional[int]
+    steps: Optional[int]                # chunks along the streamed wire
+    visited_steps: Optional[int]        # (program, step) pairs run, after block skipping
+    two_pass: bool
+
+
+@dataclass(frozen=True)
+class CostReport:
+    schema: str
+    diagram: str
+    profile: str
+    sizes: tuple[tuple[str, int], ...]   # every bound wire, declaration order
+    per_device: bool                     # numbers are per device (a devices level exists)
+    kernels: tuple[KernelInfo, ...]
+    transfers: tuple[Transfer, ...]
+    totals: tuple[BoundaryTotal, ...]
+    footprints: tuple[Footprint, ...]
+    flops: Flops
+    bound: LowerBound
+    roofline: Optional[Roofline]
+    devices: Optional[DeviceComm]
+    notes: tuple[str, ...]
+
+    @property
+    def hbm_bytes(self) -> Optional[int]:
+        """Bytes crossing the hbm boundary (loads + stores), per device."""
+        t = next((t for t in self.totals if t.boundary.startswith("hbm/")), None)
+        if t is None or t.load_bytes is None:
+            return None
+        return t.load_bytes + t.store_bytes
+
+    def to_dict(self) -> dict:
+        return _plain(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def from_json(text_or_dict) -> CostReport:
+    """Rebuild a CostReport from ``to_json`` output (checks the schema)."""
+    data = json.loads(text_or_dict) if isinstance(text_or_dict, str) else text_or_dict
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"not a {SCHEMA} report: schema {data.get('schema')!r}")
+    return _build(CostReport, data)
+
+
+_TYPES = {c.__name__: c for c in (Transfer, BoundaryTotal, Resident, Footprint, Flops, Roofline,
+                                  LowerBound, KernelInfo, CostReport, CommRow, DeviceComm)}
+
+
+def _build(tp, value):
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _build(inner[0], value)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_build(args[0], v) for v in value)
+        return tuple(_build(a, v) for a, v in zip(args, value))
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp, globalns={**globals(), **_TYPES})
+        return tp(**{f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(tp)})
+    if tp is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+# --------------------------------------------------------------------------
+# Text.
+# --------------------------------------------------------------------------
+
+def human(n: Optional[float], unit: str = "") -> str:
+    """1234567 -> '1.23M'; exact below 10000."""
+    if n is None:
+        return "?"
+    if abs(n) < 10000:
+        s = f"{n:g}" if isinstance(n, float) else str(n)
+    else:
+        for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(n) >= scale:
+                s = f"{n / scale:.3g}{suffix}"
+                break
+    return s + unit
+
+
+def seconds(t: Optional[float]) -> str:
+    if t is None:
+        return "?"
+    for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if t >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t / 1e-9:.3g} ns"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 or not c[:1].isdigit() and c != "?" else c.rjust(w)
+                              for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def format_text(r: CostReport) -> str:
+    out = [f"napkin cost: diagram {r.diagram} on {r.profile}"
+           + (f", sizes " + " ".join(f"{k}={v}" for k, v in r.sizes) if r.sizes else ", symbolic sizes")
+           + (" (per device)" if r.per_device else "")]
+    for k in r.kernels:
+        grid = " ".join(f"{w}/{b}" for w, b in k.grid) or "one program"
+        stream = f", stream {k.stream[0]} by {k.stream[1]}" if k.stream else ""
+        run = ""
+        if k.programs is not None:
+            run = f": {k.programs} programs"
+            if k.steps is not None:
+                run += f" x {k.steps} steps"
+                if k.visited_steps is not None and k.visited_steps != k.programs * k.steps:
+                    run += f", {k.visited_steps} (program, step) pairs visited after block skipping"
+        out.append(f"kernel {k.index} ({', '.join(k.boxes)} -> {', '.join(k.stores)}): grid {grid}{stream}{run}"
+                   + (" [two passes]" if k.two_pass else ""))
+    out.append("")
+    out.append("transfers")
+    rows = [[t.boundary, str(t.kernel), t.tensor, t.direction, t.dtype, t.formula, human(t.elements),
+             human(t.bytes, "B"), "?" if t.fetches is None else f"{t.fetches:.4g}"] for t in r.transfers]
+    out += _table(["boundary", "k", "tensor", "dir", "dtype", "elements (symbolic)", "elements",
+                   "bytes", "fetches"], rows)
+    for t in r.totals:
+        out.append(f"total {t.boundary}: loads {human(t.load_bytes, 'B')}, stores {human(t.store_bytes, 'B')}"
+                   f"  = {t.formula_bytes} bytes")
+    if r.devices:
+        d = r.devices
+        out.append("")
+        out.append(f"devices: {d.devices} ("
+                   + ", ".join(f"{k} {w} across {n}" for w, k, n in d.grid) + f"), link {d.link}")
+        rows = [[c.tensor, c.collective, str(c.group), c.dtype, c.formula, human(c.bytes_received, "B"),
+                 human(c.bytes_sent, "B")] for c in d.rows]
+        out += _table(["tensor", "collective", "group", "dtype", "received (symbolic bytes)", "received",
+                       "sent"], rows)
+        out.append(f"per device: received {human(d.bytes_received, 'B')}, sent {human(d.bytes_sent, 'B')}, "
+                   f"{d.steps} communication steps, {seconds(d.time_s)} on {d.link}")
+    out.append("")
+    out.append("resident per level")
+    for f in r.footprints:
+        cap = human(f.capacity, "B") if f.capacity else "unknown"
+        used = human(f.bytes, "B")
+        tiles = ", ".join(f"{t.tensor} {human(t.bytes, 'B')}" for t in f.tiles)
+        status = "" if f.fits is None else (" fits" if f.fits else " DOES NOT FIT")
+        out.append(f"  {f.level}: {used} of {cap}{status} ({tiles})")
+    fl = r.flops
+    out.append("")
+    out.append(f"flops: contraction {human(fl.contraction)} ({fl.contraction_formula}, {fl.contraction_dtype}), "
+               f"other {human(fl.other)}, exp {human(fl.exp)} ({fl.exp_formula})")
+    if fl.skipped_fraction:
+        out.append(f"  block skipping drops {fl.skipped_fraction:.1%} of the (row, step) area")
+    b = r.bound
+    out.append(f"lower bound ({b.kind}, M = {human(b.capacity_bytes, 'B')} of {b.capacity_level} "
+               f"/ {b.element_bytes} B): {b.formula} = {human(b.bytes, 'B')}"
+               + (f"; schedule/bound = {b.ratio:.3g}" if b.ratio is not None else ""))
+    if r.roofline:
+        rf = r.roofline
+        out.append(f"roofline on {rf.profile}: {seconds(rf.estimate_s)}, {rf.bound}-bound "
+                   f"(compute {seconds(rf.contraction_s)}, exp {seconds(rf.exp_s)}, other {seconds(rf.other_s)}, "
+                   f"hbm {seconds(rf.hbm_s)}"
+                   + (f", communication {seconds(rf.communication_s)}" if rf.communication_s else "")
+                   + f"); intensity {rf.intensity:.3g} FLOP/B")
+    for note in r.notes:
+        out.append(f"note: {note}")
+    return "\n".join(out)

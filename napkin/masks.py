@@ -1,0 +1,377 @@
+"""Masks: which blocks of a score matrix a kernel may skip.
+
+A masked score is written ``where(pred, s, -inf)``.  When a masked score
+contributes nothing to any reduction downstream (see ``value_when_masked``),
+a block of (row range, streamed range) on which ``pred`` is false everywhere
+need not be loaded or computed.  This module holds the pure functions both
+sides need, so the kernel and the cost pass agree on what is visited:
+
+* ``mask_node(expr)``: the first ``where(pred, s, -inf)`` in a score.
+* ``classify_block(pred, ranges, sizes)``: EMPTY / PARTIAL / FULL for a block,
+  by interval arithmetic over affine comparisons (``and``/``or``/``not``
+  combine; anything data-dependent, like ``doc[b, q] == doc``, is PARTIAL).
+* ``stream_bounds(pred, row, col, sizes)``: the affine conjuncts of ``pred``
+  that bound the streamed wire ``col`` in terms of the row wire.  The kernel's
+  loop runs over ``[start rounded down to a block, stop)`` computed from them
+  (codegen renders the very same formula in Triton), and
+* ``visited_blocks(...)`` lists the (row block, col block) pairs that loop
+  visits, computed in Python with the same formula: this is exactly what the
+  kernel loads.
+
+Ranges are half-open ``(start, stop)`` like Python's ``range``.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from . import ir
+
+NEG_INF = float("-inf")
+
+
+class BlockClass(enum.Enum):
+    EMPTY = "empty"      # pred false everywhere: skippable
+    PARTIAL = "partial"  # pred true somewhere, or unknown
+    FULL = "full"        # pred true everywhere
+
+
+# --------------------------------------------------------------------------
+# Finding the mask.
+# --------------------------------------------------------------------------
+
+def _is_neg_inf(e: ir.Expr) -> bool:
+    return isinstance(e, ir.Num) and e.value == NEG_INF
+
+
+def mask_node(expr: ir.Expr) -> Optional[ir.Call]:
+    """The outermost ``where(pred, s, -inf)`` (or ``where(pred, -inf, s)``) in
+    ``expr``, parents first; None when the score is not masked."""
+    for node in ir.walk(expr):
+        if isinstance(node, ir.Call) and node.fn == "where":
+            if _is_neg_inf(node.args[2]) or _is_neg_inf(node.args[1]):
+                return node
+    return None
+
+
+def mask_predicate(node: ir.Call) -> ir.Expr:
+    """The condition under which the masked score is kept (not -inf)."""
+    pred, then, _ = node.args
+    return ir.Unary("not", pred) if _is_neg_inf(then) else pred
+
+
+# --------------------------------------------------------------------------
+# Does a masked score contribute nothing?  A tiny abstract interpreter: the
+# mask node is -inf, every other leaf is "some finite number" (None).
+# --------------------------------------------------------------------------
+
+def value_when_masked(expr: ir.Expr, node: ir.Expr, sizes: Mapping[str, int] = {}) -> Optional[float]:
+    """The value ``expr`` takes wherever ``node`` is -inf, when that value is a
+    constant whatever the other (finite) leaves are; else None.
+
+    exp(-inf) = 0, sigmoid(-inf) = 0, relu(-inf)^2 = 0 and 0 * finite = 0, so a
+    softmax, a sigmoid or a squared-relu of a masked score contributes 0 to a
+    sum; ``S * S`` is +inf, so it does not, and that diagram visits every block.
+    """
+    return _Masked(node, sizes).eval(expr)
+
+
+class _Masked:
+    def __init__(self, node, sizes):
+        self.node, self.sizes = node, sizes
+
+    def eval(self, e: ir.Expr) -> Optional[float]:
+        if e == self.node:
+            return NEG_INF
+        if isinstance(e, ir.Num):
+            return float(e.value)
+        if isinstance(e, ir.WireSize) and e.wire in self.sizes:
+            return float(self.sizes[e.wire])
+        if isinstance(e, ir.Unary) and e.op == "-":
+            v = self.eval(e.operand)
+            return None if v is None else -v
+        if isinstance(e, ir.Binary) and e.op in ir.ARITH_OPS:
+            return self.arith(e.op, self.eval(e.lhs), self.eval(e.rhs))
+        if isinstance(e, ir.Call):
+            return self.call(e)
+        return None  # indices, tensors, reductions, booleans: unknown
+
+    @staticmethod
+    def arith(op, a, b) -> Optional[float]:
+        if a is not None and b is not None:
+            try:
+                v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b,
+                     "/": lambda: a / b, "^": lambda: a ** b}[op]()
+            except (ZeroDivisionError, OverflowError, ValueError):
+                return None
+            return None if isinstance(v, complex) or math.isnan(v) else float(v)
+        known = a if a is not None else b
+        if known is None:
+            return None
+        # one side is an unknown finite number
+        if op in "+-" and math.isinf(known):
+            return known if (op == "+" or a is not None) else -known
+        if op == "*" and known == 0:
+            return 0.0
+        if op == "/" and a == 0:
+            return 0.0  # 0 / finite (the unknown divisor is assumed nonzero, as in the reference)
+        return None
+
+    def call(self, e: ir.Call) -> Optional[float]:
+        if e.fn == "where":
+            a, b = self.eval(e.args[1]), self.eval(e.args[2])
+            return a if a is not None and a == b else None
+        args = [self.eval(a) for a in e.args]
+        if e.fn in ("max", "min"):
+            a, b = args
+            pick = max if e.fn == "max" else min
+            if a is not None and b is not None:
+                return pick(a, b)
+            known = a if a is not None else b
+            # max(-inf, finite) is the finite one: unknown; min(-inf, .) = -inf
+            if known == NEG_INF and e.fn == "min":
+                return NEG_INF
+            if known == -NEG_INF and e.fn == "max":
+                return -NEG_INF
+            return None
+        (v,) = args
+        if v is None:
+            return None
+        fns = {"exp": lambda t: math.exp(t) if t < 700 else math.inf,
+               "exp2": lambda t: 2.0 ** t if t < 1000 else math.inf,
+               "sigmoid": lambda t: 0.0 if t == NEG_INF else 1.0 if t == -NEG_INF else 1 / (1 + math.exp(-t)),
+               "relu": lambda t: max(t, 0.0), "abs": abs,
+               "tanh": math.tanh,
+               "log": lambda t: NEG_INF if t == 0 else math.log(t),
+               "log2": lambda t: NEG_INF if t == 0 else math.log2(t),
+               "sqrt": math.sqrt,
+               "rsqrt": lambda t: math.inf if t == 0 else 1 / math.sqrt(t)}
+        try:
+            out = fns[e.fn](v)
+        except (ValueError, OverflowError, KeyError):
+            return None
+        return None if math.isnan(out) else float(out)
+
+
+# --------------------------------------------------------------------------
+# Affine forms: {wire: coeff} for indices, {"|w|": coeff} for sizes still
+# symbolic, {"": const}.
+# --------------------------------------------------------------------------
+
+Affine = dict
+
+
+def affine(e: ir.Expr, sizes: Mapping[str, int] = {}) -> Optional[Affine]:
+    """``e`` as an affine form over wire indices and symbolic sizes, or None."""
+    if isinstance(e, ir.Num):
+        return None if math.isinf(e.value) else {"": e.value}
+    if isinstance(e, ir.WireIndex):
+        return {e.wire: 1}
+    if isinstance(e, ir.WireSize):
+        return {"": sizes[e.wire]} if e.wire in sizes else {f"|{e.wire}|": 1}
+    if isinstance(e, ir.Unary) and e.op == "-":
+        a = affine(e.operand, sizes)
+        return None if a is None else _scale(a, -1)
+    if isinstance(e, ir.Binary) and e.op in ("+", "-", "*"):
+        a, b = affine(e.lhs, sizes), affine(e.rhs, sizes)
+        if a is None or b is None:
+            return None
+        if e.op == "*":
+            if set(a) <= {""}:
+                return _scale(b, a.get("", 0))
+            if set(b) <= {""}:
+                return _scale(a, b.get("", 0))
+            return None
+        return _add(a, _scale(b, -1) if e.op == "-" else b)
+    return None
+
+
+def _scale(a: Affine, k) -> Affine:
+    return {key: v * k for key, v in a.items() if v * k != 0}
+
+
+def _add(a: Affine, b: Affine) -> Affine:
+    out = dict(a)
+    for key, v in b.items():
+        out[key] = out.get(key, 0) + v
+    return {key: v for key, v in out.items() if v != 0}
+
+
+def _range_of(form: Affine, ranges, sizes) -> Optional[tuple[float, float]]:
+    """Inclusive [lo, hi] of an affine form over half-open index ranges."""
+    lo = hi = 0.0
+    for key, c in form.items():
+        if key == "":
+            lo, hi = lo + c, hi + c
+        elif key.startswith("|"):
+            wire = key[1:-1]
+            if wire not in sizes:
+                return None
+            lo, hi = lo + c * sizes[wire], hi + c * sizes[wire]
+        else:
+            if key not in ranges:
+                return None
+            start, stop = ranges[key]
+            a, b = c * start, c * (stop - 1)
+            lo, hi = lo + min(a, b), hi + max(a, b)
+    return lo, hi
+
+
+# --------------------------------------------------------------------------
+# Classifying one block.
+# --------------------------------------------------------------------------
+
+def classify_block(pred: ir.Expr, ranges: Mapping[str, tuple[int, int]],
+                   sizes: Mapping[str, int]) -> BlockClass:
+    """EMPTY when ``pred`` is false at every point of the block, FULL when true
+    at every point, else PARTIAL.  ``ranges`` maps wires to half-open index
+    ranges (a wire missing from it is unknown); ``sizes`` binds ``|w|``."""
+    truth = _truth(pred, ranges, sizes)
+    return {False: BlockClass.EMPTY, True: BlockClass.FULL}.get(truth, BlockClass.PARTIAL)
+
+
+def _truth(e: ir.Expr, ranges, sizes) -> Optional[bool]:
+    """True / False when ``e`` has that value on the whole block, else None."""
+    if isinstance(e, ir.Unary) and e.op == "not":
+        t = _truth(e.operand, ranges, sizes)
+        return None if t is None else not t
+    if isinstance(e, ir.Binary) and e.op in ("and", "or"):
+        a, b = _truth(e.lhs, ranges, sizes), _truth(e.rhs, ranges, sizes)
+        if e.op == "and":
+            return False if False in (a, b) else True if a is True and b is True else None
+        return True if True in (a, b) else False if a is False and b is False else None
+    if isinstance(e, ir.Binary) and e.op in ir.COMPARE_OPS:
+        la, ra = affine(e.lhs, sizes), affine(e.rhs, sizes)
+        if la is None or ra is None:
+            return None
+        span = _range_of(_add(la, _scale(ra, -1)), ranges, sizes)
+        if span is None:
+            return None
+        lo, hi = span  # of lhs - rhs
+        if e.op == "<":
+            return True if hi < 0 else False if lo >= 0 else None
+        if e.op == "<=":
+            return True if hi <= 0 else False if lo > 0 else None
+        if e.op == ">":
+            return True if lo > 0 else False if hi <= 0 else None
+        if e.op == ">=":
+            return True if lo >= 0 else False if hi < 0 else None
+        if e.op == "==":
+            return True if lo == hi == 0 else False if lo > 0 or hi < 0 else None
+        return False if lo == hi == 0 else True if lo > 0 or hi < 0 else None
+    return None
+
+
+# --------------------------------------------------------------------------
+# Loop bounds along the streamed wire.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Bound:
+    """One affine conjunct solved for the streamed index c:
+
+    lower: c >= row_coeff * r + rest;   upper: c <= row_coeff * r + rest.
+    ``rest`` is an affine form over symbolic sizes and a constant (ints).
+    Over a block of rows [r0, r1], a lower bound is smallest at r0 when
+    row_coeff > 0 (else at r1); an upper bound is largest at r1 when
+    row_coeff > 0 (else at r0).
+    """
+
+    kind: str
+    row_coeff: int
+    rest: tuple[tuple[str, int], ...]
+
+    def at_row(self) -> str:
+        """Which end of the row block gives the loosest bound: "first" or "last"."""
+        if self.kind == "lower":
+            return "first" if self.row_coeff > 0 else "last"
+        return "last" if self.row_coeff > 0 else "first"
+
+
+def _conjuncts(e: ir.Expr):
+    if isinstance(e, ir.Binary) and e.op == "and":
+        yield from _conjuncts(e.lhs)
+        yield from _conjuncts(e.rhs)
+    else:
+        yield e
+
+
+def stream_bounds(pred: ir.Expr, row: str, col: str,
+                  sizes: Mapping[str, int] = {}) -> tuple[Bound, ...]:
+    """The conjuncts of ``pred`` that bound index ``col`` by an integer affine
+    function of index ``row`` (coefficient of col +-1, integer coefficients,
+    no other index).  ``sizes`` are the fixed wire sizes folded to numbers."""
+    bounds = []
+    for c in _conjuncts(pred):
+        if not (isinstance(c, ir.Binary) and c.op in ("<", "<=", ">", ">=", "==")):
+            continue
+        la, ra = affine(c.lhs, sizes), affine(c.rhs, sizes)
+        if la is None or ra is None:
+            continue
+        diff = _add(la, _scale(ra, -1))  # lhs - rhs
+        forms = {"<": [_add(diff, {"": 1})], "<=": [diff], ">": [_add(_scale(diff, -1), {"": 1})],
+                 ">=": [_scale(diff, -1)], "==": [diff, _scale(diff, -1)]}[c.op]
+        for form in forms:  # form <= 0
+            b = _solve(form, row, col)
+            if b is not None:
+                bounds.append(b)
+    return tuple(bounds)
+
+
+def _solve(form: Affine, row: str, col: str) -> Optional[Bound]:
+    if any(not float(v).is_integer() for v in form.values()):
+        return None
+    form = {k: int(v) for k, v in form.items()}
+    cc = form.get(col, 0)
+    if cc not in (1, -1):
+        return None
+    others = [k for k in form if k not in ("", row, col) and not k.startswith("|")]
+    if others:
+        return None
+    # cc*c + cr*r + rest <= 0
+    cr = form.get(row, 0)
+    rest = {k: v for k, v in form.items() if k not in (row, col)}
+    if cc == 1:   # c <= -cr*r - rest
+        return Bound("upper", -cr, tuple(sorted((k, -v) for k, v in rest.items())))
+    return Bound("lower", cr, tuple(sorted(rest.items())))  # c >= cr*r + rest
+
+
+def _rest_value(rest, sizes) -> int:
+    total = 0
+    for key, v in rest:
+        total += v if key == "" else v * sizes[key[1:-1]]
+    return total
+
+
+def stream_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int,
+                 col_size: int, sizes: Mapping[str, int]) -> tuple[int, int]:
+    """[start, stop) of the streamed index for rows [row_start, row_stop)
+    (already clipped to the row size), before rounding start to a block.
+    The kernel computes exactly this (see codegen's rendering of Bound)."""
+    first, last = row_start, row_stop - 1
+    start, stop = 0, col_size
+    for b in bounds:
+        r = first if b.at_row() == "first" else last
+        value = b.row_coeff * r + _rest_value(b.rest, sizes)
+        if b.kind == "lower":
+            start = max(start, value)
+        else:
+            stop = min(stop, value + 1)
+    return start, stop
+
+
+def visited_blocks(bounds: tuple[Bound, ...], row_size: int, col_size: int,
+                   block_row: int, block_col: int,
+                   sizes: Mapping[str, int] = {}) -> list[tuple[int, int]]:
+    """(row block, col block) pairs the kernel's loop visits, in order.  With
+    no bounds that is every pair; ``sizes`` binds the ``|w|`` in the bounds."""
+    out = []
+    for i in range(-(-row_size // block_row)):
+        row_start = i * block_row
+        start, stop = stream_range(bounds, row_start, min(row_start + block_row, row_size),
+                                   col_size, sizes)
+        first = (start // block_col) * block_col
+        out.extend((i, j // block_col) for j in range(first, stop, block_col))
+    return out

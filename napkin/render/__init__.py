@@ -1,0 +1,233 @@
+"""Pictures and reports of diagrams.
+
+Public API:
+
+* ``to_dot(diagram, costs=None) -> str``: the Graphviz text (dot.py), pure;
+* ``report_html(diagram, costs, svg, ...) -> str``: the one-page report
+  (report.py), pure;
+* ``render_file(path, out_path, sizes=None, profile=None, costs=True) -> Path``:
+  load a .ncd file and draw it to .svg/.png/.pdf/.dot (``napkin compile
+  --render`` calls it); returns the path written, which ends in .dot when
+  Graphviz's ``dot`` program is missing;
+* ``write_report(path, out_path, sizes=None, profile=None) -> Path``;
+* ``register_cli(subparsers)``: ``napkin render`` and ``napkin report``;
+* ``python -m napkin.render --docs`` redraws the README's pictures.
+
+Only drawing pictures runs a program (``dot``); everything up to the DOT
+text is a pure function of the IR and the cost report.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ..errors import NapkinError
+from .costs import DEFAULT_SIZES, default_sizes, try_costs
+from .dot import to_dot
+from .report import report_html
+
+FORMATS = ("svg", "png", "pdf", "dot")
+INSTALL_HINT = ("install Graphviz for pictures (Debian/Ubuntu: apt-get install graphviz; "
+                "macOS: brew install graphviz; conda: conda install -c conda-forge graphviz)")
+DOT_TIMEOUT_S = 120
+
+__all__ = ["to_dot", "report_html", "render_file", "write_report", "register_cli",
+           "run_dot", "dot_program", "DEFAULT_SIZES", "FORMATS"]
+
+
+# --------------------------------------------------------------------------
+# Running Graphviz.
+# --------------------------------------------------------------------------
+
+def dot_program() -> Optional[str]:
+    """The path of Graphviz's ``dot``, or None when it is not installed."""
+    return shutil.which("dot")
+
+
+def run_dot(dot_text: str, fmt: str) -> bytes:
+    """``dot -T<fmt>`` on the text.  ``dot`` rejecting napkin's own output is
+    napkin's bug, so that raises RuntimeError, not NapkinError."""
+    program = dot_program()
+    if program is None:
+        raise FileNotFoundError("Graphviz's dot program is not installed")
+    done = subprocess.run([program, f"-T{fmt}"], input=dot_text.encode(), capture_output=True,
+                          timeout=DOT_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"dot -T{fmt} failed: {done.stderr.decode(errors='replace').strip()}")
+    return done.stdout
+
+
+def svg_text(dot_text: str) -> Optional[str]:
+    """The picture as inline SVG (no XML prolog), or None without ``dot``."""
+    if dot_program() is None:
+        return None
+    svg = run_dot(dot_text, "svg").decode()
+    return svg[svg.index("<svg"):] if "<svg" in svg else svg
+
+
+def _format_of(out_path: Path) -> str:
+    fmt = out_path.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise NapkinError(f"cannot draw to {out_path.name!r}: the name must end in "
+                          + ", ".join("." + f for f in FORMATS))
+    return fmt
+
+
+def _write(out_path: Path, data) -> None:
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, str):
+            out_path.write_text(data)
+        else:
+            out_path.write_bytes(data)
+    except OSError as err:
+        raise NapkinError(f"cannot write {out_path}: {err.strerror}") from None
+
+
+# --------------------------------------------------------------------------
+# Files.
+# --------------------------------------------------------------------------
+
+def draw(diagram, out_path, costs=None) -> Path:
+    """Draw a checked diagram to ``out_path`` (format from its suffix).
+
+    Without ``dot`` it writes the DOT text beside, as ``<out>.dot``, says
+    how to install Graphviz on stderr (one line), and returns that path.
+    """
+    out_path = Path(out_path)
+    fmt = _format_of(out_path)
+    text = to_dot(diagram, costs)
+    if fmt == "dot":
+        _write(out_path, text)
+        return out_path
+    if dot_program() is None:
+        fallback = out_path.with_suffix(".dot")
+        _write(fallback, text)
+        print(f"napkin: Graphviz's dot was not found, so wrote {fallback} instead of {out_path}; "
+              + INSTALL_HINT, file=sys.stderr)
+        return fallback
+    _write(out_path, run_dot(text, fmt))
+    return out_path
+
+
+def _load(path):
+    import napkin
+
+    return napkin.load(path)
+
+
+def render_file(path, out_path, sizes: Optional[dict] = None, profile: Optional[str] = None,
+                costs: bool = True) -> Path:
+    """Load and check ``path``, draw it to ``out_path``; the path written.
+
+    With ``costs`` the edges carry the bytes the cost pass predicts at
+    ``sizes`` (symbolic wires not given take DEFAULT_SIZES); if the cost
+    pass is missing or fails, the picture is drawn without them.
+    """
+    diagram = _load(path)
+    report = None
+    if costs:
+        report, _ = try_costs(diagram, _checked_sizes(diagram, sizes or {}), profile)
+    return draw(diagram, out_path, report)
+
+
+def write_report(path, out_path, sizes: Optional[dict] = None, profile: Optional[str] = None) -> Path:
+    """Load ``path`` and write the one-page HTML report to ``out_path``."""
+    diagram = _load(path)
+    given = _checked_sizes(diagram, sizes or {})
+    report, why = try_costs(diagram, given, profile)
+    dot_text = to_dot(diagram, report)
+    html = report_html(diagram, report, svg_text(dot_text), dot_text=dot_text,
+                       sizes=default_sizes(diagram, given), why_no_costs=why,
+                       profile=_profile(diagram, report, profile))
+    out_path = Path(out_path)
+    _write(out_path, html)
+    return out_path
+
+
+def _profile(diagram, report, profile: Optional[str]):
+    """The device profile the report is against (None when unavailable)."""
+    key = report.profile if report is not None else (
+        profile or (diagram.schedule.profile if diagram.schedule else None) or "h100")
+    try:
+        from ..cost import get_profile
+    except ImportError:
+        return None
+    try:
+        return get_profile(key)
+    except NapkinError:
+        return None
+
+
+def _checked_sizes(diagram, sizes: dict) -> dict:
+    """The user's sizes, refused (NapkinError) for a wire the diagram lacks
+    or a fixed wire given another size."""
+    for name, value in sizes.items():
+        wire = diagram.wire(name)
+        if wire is None:
+            raise NapkinError(f"--size {name}={value}: diagram {diagram.name} has no wire {name!r} "
+                              f"(its wires: {', '.join(w.name for w in diagram.wires)})")
+        if wire.size is not None and wire.size != value:
+            raise NapkinError(f"--size {name}={value}: wire {name} is fixed at {wire.size}")
+    return sizes
+
+
+# --------------------------------------------------------------------------
+# The command line.
+# --------------------------------------------------------------------------
+
+def _parse_sizes(items) -> dict[str, int]:
+    sizes = {}
+    for item in items:
+        wire, eq, value = item.partition("=")
+        wire, value = wire.strip(), value.strip()
+        if not eq or not wire or not value.isdigit() or int(value) <= 0:
+            raise NapkinError(f"--size expects WIRE=N with N a positive whole number, not {item!r}")
+        sizes[wire] = int(value)
+    return sizes
+
+
+def _common(p) -> None:
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N", dest="sizes",
+                   help="size of a symbolic wire for the byte counts (repeatable; default "
+                        + " ".join(f"{k}={v}" for k, v in DEFAULT_SIZES.items()) + ")")
+    p.add_argument("--device", "--profile", dest="device", default=None, metavar="NAME",
+                   help="device profile for the costs (default: the diagram's)")
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("render", help="draw a diagram and its schedule (svg, png, pdf or dot)")
+    _common(p)
+    p.add_argument("-o", "--out", default=None, metavar="OUT",
+                   help="output file; the format follows its suffix (default: FILE's name + .svg)")
+    p.add_argument("--no-costs", action="store_true", help="leave the byte counts off the edges")
+    p.set_defaults(func=_cmd_render)
+
+    p = subparsers.add_parser("report", help="write a one-page HTML report: picture, costs, roofline")
+    _common(p)
+    p.add_argument("-o", "--out", default=None, metavar="OUT",
+                   help="output file (default: FILE's name + .html)")
+    p.set_defaults(func=_cmd_report)
+
+
+def _default_out(path: str, suffix: str) -> Path:
+    return Path(Path(path).stem + suffix)
+
+
+def _cmd_render(args) -> int:
+    out = Path(args.out) if args.out else _default_out(args.file, ".svg")
+    _format_of(out)  # refuse a bad suffix before any work
+    written = render_file(args.file, out, _parse_sizes(args.sizes), args.device, costs=not args.no_costs)
+    print(f"wrote {written}")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    out = Path(args.out) if args.out else _default_out(args.file, ".html")
+    written = write_report(args.file, out, _parse_sizes(args.sizes), args.device)
+    print(f"wrote {written}")
+    return 0

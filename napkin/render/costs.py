@@ -1,0 +1,86 @@
+"""The cost pass's report, read the way the pictures need it.
+
+The picture only needs, per level boundary, how many bytes each tensor moves
+across it, in which direction, in which kernel.  ``traffic_from`` turns a
+``napkin.cost`` report into that table.  A boundary is named by its inner
+level ("smem" is the hbm -> shared-memory boundary, "hbm" the devices -> hbm
+one).  No report gives an empty table: the picture never depends on the cost
+pass being present or working.
+
+``try_costs`` runs the cost pass and turns any failure into a reason string,
+because a picture without byte labels is better than no picture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+# Sizes the pictures and the report give symbolic wires when the user gives
+# none: one sequence of 4096 tokens, 16 heads (8 kv heads of 2 in GQA), a
+# 4096-square matmul.  Any other symbolic wire gets OTHER_SIZE.
+DEFAULT_SIZES = {"b": 1, "h": 16, "hk": 8, "g": 2, "q": 4096, "x": 4096,
+                 "m": 4096, "n": 4096, "k": 4096}
+OTHER_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes moved: ``moves[(inner level, tensor, "load"|"store", kernel)]``,
+    kernel None for traffic between devices; ``kernel_of[box]``."""
+
+    moves: dict = field(default_factory=dict)
+    kernel_of: dict = field(default_factory=dict)
+    sizes: tuple = ()
+
+    def get(self, inner: str, tensor: str, direction: str, box: Optional[str]) -> Optional[float]:
+        kernel = self.kernel_of.get(box) if box is not None else None
+        return self.moves.get((inner, tensor, direction, kernel))
+
+
+def traffic_from(costs) -> Traffic:
+    """Read a cost report (``napkin.cost``'s CostReport, duck-typed)."""
+    if costs is None:
+        return Traffic()
+    moves: dict = {}
+    for t in getattr(costs, "transfers", ()) or ():
+        if t.bytes is None:
+            continue
+        inner = t.boundary.split("/")[-1]
+        key = (inner, t.tensor, t.direction, t.kernel)
+        moves[key] = moves.get(key, 0) + t.bytes
+    devices = getattr(costs, "devices", None)
+    for row in getattr(devices, "rows", ()) or ():
+        if row.bytes_received is None:
+            continue
+        # Gathers and ring passes bring inputs in; a merge exchanges partial results.
+        direction = "store" if row.collective.startswith("merge") else "load"
+        key = ("hbm", row.tensor, direction, None)
+        moves[key] = moves.get(key, 0) + row.bytes_received
+    kernel_of = {box: k.index for k in getattr(costs, "kernels", ()) or () for box in k.boxes}
+    return Traffic(moves, kernel_of, tuple(getattr(costs, "sizes", ()) or ()))
+
+
+def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:
+    """A size for every symbolic wire: the user's, else DEFAULT_SIZES."""
+    given = dict(given or {})
+    return {w.name: given.get(w.name, DEFAULT_SIZES.get(w.name, OTHER_SIZE))
+            for w in diagram.wires if w.size is None}
+
+
+def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = None):
+    """(report, None) from the cost pass at ``default_sizes``, or (None, why not).
+
+    A NapkinError (the user's bad profile name, say) still propagates; any
+    other failure of the cost pass only costs the picture its byte labels.
+    """
+    from ..errors import NapkinError
+    try:
+        from .. import cost
+    except ImportError:
+        return None, "the cost pass (napkin.cost) is not available"
+    try:
+        return cost.analyse(diagram, default_sizes(diagram, sizes), profile), None
+    except NapkinError:
+        raise
+    except Exception as err:
+        return None, f"the cost pass failed: {type(err).__name__}: {err}"

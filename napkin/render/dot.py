@@ -1,0 +1,587 @@
+"""Diagram -> Graphviz DOT text: ``to_dot(diagram, costs=None) -> str``.
+
+A pure function: the same IR (and cost report) always gives the same bytes,
+so the text can be golden-tested and the picture diffed in review.
+
+What the picture shows, left to right (rankdir=LR):
+
+* A tensor that lives in memory is a cylinder in the colour of its level; an
+  operation (a ``Let``) is a rounded box.  When a box's result stays where the
+  box runs (a fused intermediate such as S or P in FlashAttention) the box
+  *is* the tensor; otherwise an edge carries the result to its own cylinder
+  (O written back to HBM), and that edge crosses the level boundary.
+* A tensor flowing into a box is one edge drawn as parallel lines, one line
+  per wire, each wire in its own colour everywhere in the picture (Graphviz's
+  ``color="a:b:c"``).  Its label names the wires in those colours, with the
+  schedule's tiling: ``q[128]`` grouped in blocks of 128 (one per program),
+  ``q[2 dev]`` split over 2 devices, ``x~64`` streamed in chunks of 64.  An
+  edge carrying a streamed wire is dashed: the tensor arrives chunk by chunk.
+* A wire a box sums away (contraction or reduction) leaves the bundle and
+  runs into a small dot in the wire's colour beside the box; every input
+  carrying that wire joins at the same dot, so ``sum[d](Q * K)`` shows Q's d
+  and K's d meeting, and nothing called d comes out.
+* An input that is not woven over a wire of the box (K has no q) is
+  broadcast over it; the edge says so, and says it is re-read once per block
+  when that wire is grouped - the term the cost model charges for.
+* Memory levels are nested clusters, outermost first (devices, HBM, SMEM,
+  registers), each titled with its capacity and tiles.  With a devices level
+  that splits wires, a "peer devices" node stands for the rest of the grid:
+  gathered inputs come from it, partial results are merged through it.
+* With a cost report, an edge that crosses a level boundary carries the
+  bytes that tensor moves across it.
+"""
+from __future__ import annotations
+
+import html
+import textwrap
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import ir, tiling
+from ..printer import expr_text
+from .costs import Traffic, traffic_from
+
+# One colour per wire, in declaration order (Tableau 10, dark enough to read
+# as text on the pale level fills).  Wraps after ten wires.
+AXIS_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
+                "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")
+
+# Memory levels as the napkin paper colours them: (title, cluster fill,
+# cluster border, tensor fill).
+LEVEL_STYLE = {
+    "devices": ("devices", "#f2f2f2", "#8a8a8a", "#d9d9d9"),
+    "hbm": ("HBM", "#e3eefa", "#6b9bd1", "#b9d3f0"),
+    "smem": ("shared memory", "#e6f5e0", "#6fb05a", "#c4e6b6"),
+    "regs": ("registers", "#fdeedd", "#e0a060", "#f8d3a8"),
+}
+SHORT = {"devices": "devices", "hbm": "HBM", "smem": "SMEM", "regs": "regs"}  # for byte labels
+FONT = "Helvetica"
+NOTE_COLOUR = "#555555"      # broadcast notes, byte counts
+REREAD_COLOUR = "#b03030"    # broadcast over a grouped wire: re-read per block
+BOX_WRAP = 34                # characters per line of a box's expression
+
+
+# --------------------------------------------------------------------------
+# Small text helpers.
+# --------------------------------------------------------------------------
+
+def _q(text: str) -> str:
+    """A DOT double-quoted string."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _h(text: str) -> str:
+    """Text escaped for a DOT HTML-like label.  "]" too: Graphviz 2.43's XML
+    reader holds a bare "]" back (it might open "]]>") and prints it in
+    front of the next run of text, one line down."""
+    return html.escape(text, quote=True).replace("]", "&#93;")
+
+
+def _attrs(**attrs) -> str:
+    """``[k=v, ...]`` in the given order; HTML labels (``<...>``) go unquoted."""
+    parts = []
+    for key, value in attrs.items():
+        if value is None:
+            continue
+        text = str(value)
+        parts.append(f"{key}={text if text.startswith('<') else _q(text)}")
+    return "[" + ", ".join(parts) + "]"
+
+
+def _table(rows, align: str = "center") -> str:
+    """Rows of HTML-label text stacked in a borderless table (see ``_h`` for
+    the bracket)."""
+    cells = "".join(f'<tr><td align="{align}">{row.replace("]", "&#93;")}</td></tr>'
+                    for row in rows if row)
+    return f'<table border="0" cellborder="0" cellspacing="0" cellpadding="1">{cells}</table>'
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, three significant figures: 1.07 GB, 512 B."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+# --------------------------------------------------------------------------
+# What each box reads: wires per input, summed-away wires, broadcasts.
+# --------------------------------------------------------------------------
+
+def _ordered(items) -> tuple[str, ...]:
+    """Distinct items in first-seen order (deterministic, unlike a set)."""
+    return tuple(dict.fromkeys(items))
+
+
+def read_wires(diagram: ir.Diagram, ref: ir.TensorRef) -> tuple[str, ...]:
+    """The wires a reference reads along: its relabelling, else the tensor's own."""
+    if ref.wires is not None:
+        return ref.wires
+    tensor = diagram.tensor(ref.name)
+    return ir.axis_wires(tensor.axes) if tensor is not None else ()
+
+
+def expr_wires(diagram: ir.Diagram, e: ir.Expr) -> tuple[str, ...]:
+    """The wires an expression produces: elementwise ops weave (union),
+    reductions remove theirs, normalisers keep theirs."""
+    if isinstance(e, ir.TensorRef):
+        return read_wires(diagram, e)
+    if isinstance(e, ir.WireIndex):
+        return (e.wire,)
+    if isinstance(e, ir.Unary):
+        return expr_wires(diagram, e.operand)
+    if isinstance(e, ir.Binary):
+        return _ordered(expr_wires(diagram, e.lhs) + expr_wires(diagram, e.rhs))
+    if isinstance(e, ir.Call):
+        return _ordered(w for a in e.args for w in expr_wires(diagram, a))
+    if isinstance(e, ir.Reduce):
+        return tuple(w for w in expr_wires(diagram, e.body) if w not in e.wires)
+    if isinstance(e, ir.Normalize):
+        return expr_wires(diagram, e.body)
+    return ()
+
+
+@dataclass(frozen=True)
+class Use:
+    """How one box reads one tensor (all its references together).
+
+    kept: wires that survive into the box's result; summed: wires the box
+    sums away (they run into the join dot); broadcast: wires of the
+    surrounding expression the tensor lacks (it is copied along them).
+    """
+
+    tensor: str
+    kept: tuple[str, ...]
+    summed: tuple[str, ...]
+    broadcast: tuple[str, ...]
+
+
+def box_uses(diagram: ir.Diagram, let: ir.Let) -> list[Use]:
+    """The tensors a box reads, in order of first reference."""
+    reads: dict[str, list] = {}
+    summed: dict[str, list] = {}
+    scope: dict[str, list] = {}
+
+    def visit(e: ir.Expr, removing: tuple[str, ...], around: tuple[str, ...]):
+        # ``around`` is the wires of the innermost enclosing reduction's body
+        # (or of the whole expression): what a reference is woven against.
+        if isinstance(e, ir.TensorRef):
+            wires = read_wires(diagram, e)
+            reads.setdefault(e.name, []).extend(wires)
+            summed.setdefault(e.name, []).extend(w for w in wires if w in removing)
+            scope.setdefault(e.name, []).extend(around)
+            return
+        if isinstance(e, ir.Reduce):
+            visit(e.body, removing + e.wires, expr_wires(diagram, e.body))
+            return
+        children = ()
+        if isinstance(e, ir.Unary):
+            children = (e.operand,)
+        elif isinstance(e, ir.Binary):
+            children = (e.lhs, e.rhs)
+        elif isinstance(e, ir.Call):
+            children = e.args
+        elif isinstance(e, ir.Normalize):
+            children = (e.body,)
+        for child in children:
+            visit(child, removing, around)
+
+    visit(let.expr, (), expr_wires(diagram, let.expr))
+    # Broadcast wires are listed in the order of the box's own layout (then
+    # any it sums away), not in the order the expression happens to meet them.
+    rank = {w: i for i, w in enumerate(_ordered(ir.axis_wires(let.axes) + tuple(
+        w for node in ir.walk(let.expr) if isinstance(node, ir.Reduce) for w in node.wires)))}
+    uses = []
+    for name, wires in reads.items():
+        wires = _ordered(wires)
+        gone = _ordered(summed[name])
+        copied = [w for w in _ordered(scope[name]) if w not in wires]
+        copied.sort(key=lambda w: rank.get(w, len(rank)))
+        uses.append(Use(name, tuple(w for w in wires if w not in gone), gone, tuple(copied)))
+    return uses
+
+
+# --------------------------------------------------------------------------
+# The schedule, as the picture needs it.
+# --------------------------------------------------------------------------
+
+def tiles_of(diagram: ir.Diagram) -> dict[str, list[tuple[str, ir.Tile]]]:
+    """wire -> [(level, tile)], outermost level first."""
+    out: dict[str, list] = {}
+    levels = diagram.schedule.levels if diagram.schedule else ()
+    for name in ir.LEVELS:
+        for level in levels:
+            if level.name == name:
+                for tile in level.tiles:
+                    out.setdefault(tile.wire, []).append((name, tile))
+    return out
+
+
+def tile_text(tile: ir.Tile) -> str:
+    """``[128]`` grouped by 128, ``[2 dev]`` grouped across 2, ``~64``, ``~4 dev``."""
+    size = f"{tile.size} dev" if tile.across else str(tile.size)
+    return f"[{size}]" if tile.kind == "group" else f"~{size}"
+
+
+def level_path(diagram: ir.Diagram) -> tuple[str, ...]:
+    """The levels drawn, outermost first: the declared ones plus HBM, where
+    inputs and outputs live even when the schedule does not name it."""
+    if diagram.schedule is None:
+        return ()
+    named = {lv.name for lv in diagram.schedule.levels} | {"hbm"}
+    return tuple(name for name in ir.LEVELS if name in named)
+
+
+def compute_level(diagram: ir.Diagram) -> Optional[str]:
+    """Where the boxes run: the innermost tiled level (None: no schedule)."""
+    if diagram.schedule is None:
+        return None
+    return tiling.innermost_tiled_level(diagram)
+
+
+def _device_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
+    level = diagram.level("devices")
+    return tuple(t for t in level.tiles if t.across) if level else ()
+
+
+# --------------------------------------------------------------------------
+# The drawing.
+# --------------------------------------------------------------------------
+
+class _Picture:
+    """Collects the DOT statements; ``text()`` assembles them in a fixed order."""
+
+    def __init__(self, diagram: ir.Diagram, traffic: Traffic):
+        self.d = diagram
+        self.traffic = traffic
+        self.colour = {w.name: AXIS_COLOURS[i % len(AXIS_COLOURS)]
+                       for i, w in enumerate(diagram.wires)}
+        self.tiles = tiles_of(diagram)
+        self.levels = level_path(diagram)
+        self.run_at = compute_level(diagram)
+        self.nodes: dict[Optional[str], list[str]] = {}   # level (None: outside) -> node lines
+        self.edges: list[str] = []
+        self.labelled: set[tuple] = set()                 # traffic keys already shown
+        self.outputs = [o.name for o in diagram.outputs]
+
+    # ---- where things live ----
+    def home(self, name: str) -> Optional[str]:
+        if self.d.schedule is None:
+            return None
+        return tiling.home_level(self.d, name)
+
+    def fused(self, let: ir.Let) -> bool:
+        """The box is its own tensor: the result stays where the box runs."""
+        return self.home(let.name) == self.run_at
+
+    def source(self, name: str) -> str:
+        """The node a tensor's consumers read from."""
+        let = self.d.tensor(name)
+        if isinstance(let, ir.Let) and self.fused(let):
+            return f"op_{name}"
+        return f"t_{name}"
+
+    def add_node(self, level: Optional[str], line: str) -> None:
+        self.nodes.setdefault(level, []).append(line)
+
+    # ---- labels ----
+    def wire_name(self, wire: str) -> str:
+        """A wire name in its colour (node labels: the tiling is on the edges)."""
+        return f'<font color="{self.colour.get(wire, "#000000")}">{_h(wire)}</font>'
+
+    def wire_label(self, wire: str) -> str:
+        """A wire name in its colour with its tiling: grouped bold, streamed italic."""
+        tiles = self.tiles.get(wire, [])
+        text = self.wire_name(wire)
+        text += "".join(_h(tile_text(t)) for _, t in tiles)
+        if any(t.kind == "group" for _, t in tiles):
+            text = f"<b>{text}</b>"
+        if any(t.kind == "stream" for _, t in tiles):
+            text = f"<i>{text}</i>"
+        return text
+
+    def streamed(self, wires) -> bool:
+        return any(t.kind == "stream" for w in wires for _, t in self.tiles.get(w, []))
+
+    def broadcast_note(self, wires: tuple[str, ...]) -> list[str]:
+        """Label rows for an input the box broadcasts over ``wires``."""
+        if not wires:
+            return []
+        rows = [f'<font color="{NOTE_COLOUR}">broadcast over {_h(" ".join(wires))}</font>']
+        grouped = [w for w in wires if any(t.kind == "group" for _, t in self.tiles.get(w, []))]
+        if grouped:
+            rows.append(f'<font color="{REREAD_COLOUR}">re-read per {_h(" ".join(grouped))} block</font>')
+        return rows
+
+    def bytes_note(self, tensor: str, src_level: Optional[str], dst_level: Optional[str],
+                   box: Optional[str] = None) -> list[str]:
+        """Label rows: the bytes ``tensor`` moves across each boundary between
+        two levels (loads going in, stores coming out), in the kernel that
+        computes ``box``; each figure goes on the first edge that crosses."""
+        if src_level is None or dst_level is None or src_level == dst_level:
+            return []
+        a, b = ir.LEVELS.index(src_level), ir.LEVELS.index(dst_level)
+        direction = "load" if a < b else "store"
+        rows = []
+        for inner in ir.LEVELS[min(a, b) + 1: max(a, b) + 1]:
+            moved = self.traffic.get(inner, tensor, direction, box)
+            key = (inner, tensor, direction, self.traffic.kernel_of.get(box))
+            if moved is None or key in self.labelled:
+                continue
+            self.labelled.add(key)
+            outer = ir.LEVELS[ir.LEVELS.index(inner) - 1]
+            if outer == "devices":
+                what = "between devices"
+            else:
+                ends = (outer, inner) if direction == "load" else (inner, outer)
+                what = f"{SHORT[ends[0]]}&#8594;{SHORT[ends[1]]}"
+            rows.append(f'<font color="{NOTE_COLOUR}">{what}: {_h(format_bytes(moved))}</font>')
+        return rows
+
+    def edge(self, src: str, dst: str, wires: tuple[str, ...], notes: list[str] = (), **extra) -> None:
+        """An edge carrying ``wires``.  A labelled edge runs through its label,
+        a text node of its own placed in the outer of the two levels it joins:
+        Graphviz keeps nodes out of clusters they do not belong to, whereas
+        plain edge labels may land on a cluster's title."""
+        colours = ":".join(self.colour.get(w, "#000000") for w in wires) or "#000000"
+        rows = [" ".join(self.wire_label(w) for w in wires)] + list(notes)
+        style = extra.pop("style", None) or ("dashed" if self.streamed(wires) else None)
+        if not any(rows):
+            self.edges.append(f"  {src} -> {dst} " + _attrs(color=colours, style=style, **extra) + ";")
+            return
+        mid = f"e{len(self.edges)}"
+        ends = [lv for lv in (self.node_level(src), self.node_level(dst)) if lv is not None]
+        where = max(ends, key=ir.LEVELS.index) if ends else None
+        self.add_node(where, f"    {mid} " + _attrs(
+            shape="plain", fontsize="11", label=f"<{_table(rows)}>") + ";")
+        self.edges.append(f"  {src} -> {mid} " + _attrs(
+            color=colours, style=style, arrowhead="none", **extra) + ";")
+        if dst.startswith("j_"):
+            extra.setdefault("arrowhead", "none")   # wires meet at the dot
+        self.edges.append(f"  {mid} -> {dst} " + _attrs(color=colours, style=style, **extra) + ";")
+
+    # ---- nodes ----
+    def tensor_node(self, name: str, wires_of_layout: tuple[ir.Axis, ...], dtype: str) -> None:
+        level = self.home(name)
+        fill = LEVEL_STYLE[level][3] if level else "#ffffff"
+        layout = ", ".join(
+            self.wire_name(a[0]) if len(a) == 1 else "(" + " ".join(self.wire_name(w) for w in a) + ")"
+            for a in wires_of_layout)
+        out = " (out)" if name in self.outputs else ""
+        label = "<" + _table([f"<b>{_h(name)}</b>{_h(out)}", f"[{layout}] : {_h(dtype)}"]) + ">"
+        self.add_node(level, f"    t_{name} " + _attrs(
+            shape="cylinder", style="filled", fillcolor=fill, label=label,
+            penwidth="2.5" if out else None) + ";")
+
+    def box_node(self, let: ir.Let) -> None:
+        text = textwrap.wrap(f"{let.name} = {expr_text(let.expr)}", BOX_WRAP) or [let.name]
+        body = "<br/>".join(_h(line) for line in text)
+        layout = " ".join(self.wire_name(w) for w in ir.axis_wires(let.axes))
+        fused = self.d.schedule is None or self.fused(let)
+        tag = ""
+        if fused and let.name in self.outputs:
+            tag = " (out)"
+        head = f"<b>{_h(let.name)}</b>{_h(tag)} [{layout}]"
+        label = "<" + _table([head, f'<font point-size="10">{body}</font>']) + ">"
+        self.add_node(self.run_at, f"    op_{let.name} " + _attrs(
+            shape="box", style="rounded,filled", fillcolor="#ffffff", label=label,
+            peripheries=2 if tag else None) + ";")
+
+    # ---- the whole diagram ----
+    def build(self) -> None:
+        d = self.d
+        for t in d.inputs:
+            self.tensor_node(t.name, t.axes, t.dtype)
+        for let in d.lets:
+            self.box_node(let)
+            if d.schedule is not None and not self.fused(let):
+                self.tensor_node(let.name, let.axes, tiling.tensor_dtype(d, let.name))
+        for let in d.lets:
+            self.wire_box(let)
+        self.devices()
+
+    def node_level(self, node: str) -> Optional[str]:
+        """The level cluster a node id is drawn in."""
+        if node.startswith("peers"):
+            return "devices"
+        if node.startswith(("op_", "j_")):
+            return self.run_at
+        return self.home(node.split("_", 1)[1])
+
+    def wire_box(self, let: ir.Let) -> None:
+        box = f"op_{let.name}"
+        joins: dict[str, str] = {}
+        for use in box_uses(self.d, let):
+            src = self.source(use.tensor)
+            crossing = self.bytes_note(use.tensor, self.node_level(src), self.run_at, let.name)
+            notes = self.broadcast_note(use.broadcast) + crossing
+            if use.kept:
+                self.edge(src, box, use.kept, notes)
+                notes = []
+            for wire in use.summed:
+                if wire not in joins:
+                    joins[wire] = f"j_{let.name}_{wire}"
+                self.edge(src, joins[wire], (wire,), notes)
+                notes = []
+        for wire, join in joins.items():
+            # The dot where the summed wires meet; a short, unlabelled stub
+            # carries it into the box, with no arrow: nothing comes out.
+            colour = self.colour.get(wire, "#000000")
+            self.add_node(self.run_at, f"    {join} " + _attrs(
+                shape="point", width="0.12", color=colour, fillcolor=colour) + ";")
+            self.edges.append(f"  {join} -> {box} " + _attrs(
+                color=colour, arrowhead="none", penwidth="2", weight="4") + ";")
+        if self.d.schedule is not None and not self.fused(let):
+            wires = ir.axis_wires(let.axes)
+            self.edge(box, f"t_{let.name}", wires,
+                      self.bytes_note(let.name, self.run_at, self.home(let.name), let.name))
+
+    def devices(self) -> None:
+        """The rest of the device grid, drawn twice so no edge runs backwards:
+        on the left, where inputs come from (gathered when a box broadcasts
+        them over a wire split across devices, passed round the ring when
+        they carry a wire streamed across devices); on the right, where the
+        partial results of a box that sums away a split wire are merged."""
+        tiles = _device_tiles(self.d)
+        if not tiles:
+            return
+        split = {t.wire: t for t in tiles}
+        grid = " x ".join(str(t.size) for t in tiles if t.kind == "group") or "1"
+        desc = f"grid {grid}" + "".join(f", ring of {t.size} over {t.wire}"
+                                        for t in tiles if t.kind == "stream")
+        arrivals = []
+        for t in self.d.inputs:
+            gather, travel = [], []
+            for let in self.d.lets:
+                for use in box_uses(self.d, let):
+                    if use.tensor == t.name:
+                        gather += [w for w in use.broadcast if w in split and split[w].kind == "group"]
+                        travel += [w for w in use.kept + use.summed
+                                   if w in split and split[w].kind == "stream"]
+            # A tensor that rides the ring reaches every device that way; only
+            # the others are gathered.
+            if travel:
+                arrivals.append((t.name, f"round the ring over {' '.join(_ordered(travel))}"))
+            elif gather:
+                arrivals.append((t.name, f"gathered over {' '.join(_ordered(gather))}"))
+        merges = []
+        for name in self.outputs:
+            let = self.d.tensor(name)
+            if isinstance(let, ir.Let):
+                merged = sorted(w for w in tiling.reduced_wires(let.expr)
+                                if w in split and split[w].kind == "group")
+                if merged:
+                    merges.append((name, " ".join(merged)))
+        for node, title, used in (("peers_in", "peer devices", arrivals),
+                                  ("peers_out", "peer devices: merge", merges)):
+            if used:
+                self.add_node("devices", f"    {node} " + _attrs(
+                    shape="box3d", style="filled", fillcolor=LEVEL_STYLE["devices"][3],
+                    label="<" + _table([f"<b>{_h(title)}</b>", _h(desc)]) + ">") + ";")
+        for name, what in arrivals:
+            note = f'<font color="{NOTE_COLOUR}">{_h(what)}</font>'
+            self.edge("peers_in", self.source(name), (),
+                      [note] + self.bytes_note(name, "devices", "hbm"), style="dashed")
+        for name, wires in merges:
+            note = f'<font color="{NOTE_COLOUR}">partial state, merged over {_h(wires)}</font>'
+            self.edge(self.source(name), "peers_out", (),
+                      [note] + self.bytes_note(name, "hbm", "devices"), style="dashed")
+
+    # ---- assembly ----
+    def cluster(self, depth: int, out: list[str]) -> None:
+        name = self.levels[depth]
+        title, fill, border, _ = LEVEL_STYLE[name]
+        pad = "  " * (depth + 1)
+        out.append(f"{pad}subgraph cluster_{name} {{")
+        out.append(f"{pad}  " + " ".join(f"{k}={_q(v)};" for k, v in (
+            ("style", "filled,rounded"), ("fillcolor", fill), ("color", border),
+            ("labelloc", "t"), ("labeljust", "r"), ("margin", "12"))))
+        out.append(f"{pad}  label=<{self.cluster_title(name, title)}>;")
+        out.extend(pad + line[2:] for line in self.nodes.get(name, []))
+        if depth + 1 < len(self.levels):
+            self.cluster(depth + 1, out)
+        out.append(f"{pad}}}")
+
+    def cluster_title(self, name: str, title: str) -> str:
+        head = f"<b>{_h(title)}</b>"
+        capacity = tiling.level_capacity(self.d, name) if name != "devices" else None
+        if capacity is not None:
+            head += " " + _h(format_bytes(capacity))
+        level = self.d.level(name)
+        groups = [t for t in level.tiles if t.kind == "group"] if level else []
+        streams = [t for t in level.tiles if t.kind == "stream"] if level else []
+        parts = []
+        if groups:
+            what = "devices" if all(t.across for t in groups) else "grid"
+            parts.append(f"{what}: " + " ".join(self.tile_label(t) for t in groups))
+        if streams:
+            parts.append("stream " + " ".join(self.tile_label(t) for t in streams))
+        return head + ("<br/>" + "; ".join(parts) if parts else "")
+
+    def tile_label(self, tile: ir.Tile) -> str:
+        return f'<font color="{self.colour.get(tile.wire, "#000000")}">{_h(tile.wire)}</font>{_h(tile_text(tile))}'
+
+    def legend(self, title: str) -> str:
+        """The graph's caption, under the picture: the title, the wire
+        colours, the levels, and what each mark means."""
+        wires = "  ".join(
+            f'<font color="{self.colour[w.name]}"><b>{_h(w.name)}</b></font>'
+            + (f"={w.size}" if w.size is not None else "") for w in self.d.wires)
+        levels = "".join(
+            f'<td bgcolor="{LEVEL_STYLE[name][3]}" border="1" color="{LEVEL_STYLE[name][2]}">'
+            f"{_h(LEVEL_STYLE[name][0])}</td>" for name in self.levels)
+        keys = ["wires: " + wires, "one coloured line per wire"]
+        every = [t for tiles in self.tiles.values() for _, t in tiles]
+        for kind, across, what in (("group", False, "grouped in blocks of {n}, one per program"),
+                                   ("group", True, "split over {n} devices"),
+                                   ("stream", False, "dashed: streamed in chunks of {n}"),
+                                   ("stream", True, "dashed: streamed round a ring of {n} devices")):
+            # The largest tile of each kind makes the clearest example.
+            tile = max((t for t in every if t.kind == kind and t.across == across),
+                       key=lambda t: t.size, default=None)
+            if tile is not None:
+                mark = "b" if kind == "group" else "i"
+                keys.append(f"<{mark}>{_h(tile.wire + tile_text(tile))}</{mark}> "
+                            + _h(what.format(n=tile.size)))
+        more = ["&#9679; wires meeting at a dot are summed away",
+                "broadcast: the input lacks that wire and is copied along it",
+                "cylinder: a tensor in memory; box: an operation"]
+        row = lambda cells: "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
+        inner = lambda cells, extra="": (
+            '<table border="0" cellborder="0" cellspacing="6" cellpadding="2">'
+            + "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + extra + "</tr></table>")
+        return ('<<table border="0" cellborder="0" cellspacing="0" cellpadding="0">'
+                + row([f'<font point-size="14"><b>{_h(title)}</b></font>'])
+                + (row([_h("bytes moved at " + " ".join(f"{w}={n}" for w, n in self.traffic.sizes))])
+                   if self.traffic.moves else "")
+                + row([inner(keys)])
+                + row([inner(more, levels)])
+                + "</table>>")
+
+    def text(self) -> str:
+        d = self.d
+        title = f"{d.name}"
+        if d.schedule is not None:
+            title += f": schedule on {d.schedule.profile or 'the default device'}"
+            title += f", accumulate {d.schedule.accumulate}"
+        out = [f"digraph {_q(d.name)} {{",
+               "  " + " ".join(f"{k}={_q(v)};" for k, v in (
+                   ("rankdir", "LR"), ("newrank", "true"), ("nodesep", "0.35"),
+                   ("ranksep", "0.4"), ("fontname", FONT), ("fontsize", "11"), ("labelloc", "b"))),
+               f"  label={self.legend(title)};",
+               f"  node [fontname={_q(FONT)}, fontsize=\"12\"];",
+               f"  edge [fontname={_q(FONT)}, fontsize=\"11\", penwidth=\"1.5\"];"]
+        out.extend(self.nodes.get(None, []))
+        if self.levels:
+            self.cluster(0, out)
+        out.extend(self.edges)
+        out.append("}")
+        return "\n".join(out) + "\n"
+
+
+def to_dot(diagram: ir.Diagram, costs=None) -> str:
+    """The DOT text for a checked diagram; ``costs`` (a cost report, optional)
+    adds the bytes each tensor moves across each level boundary."""
+    picture = _Picture(diagram, traffic_from(costs))
+    picture.build()
+    return picture.text()

@@ -1,0 +1,209 @@
+"""Tiles and residency: what lives at each memory level under a schedule.
+
+Pure functions from the IR (plus a table of wire sizes) to numbers.  The
+checker uses them to reject schedules whose tiles overflow a level; the cost
+model uses them for M_l, the data resident at level l.
+
+Vocabulary (see docs/SEMANTICS-DRAFT.md, "Schedule"):
+
+* The *extent* of wire w at level L is how much of w one processor of L sees:
+  the block size N if L tiles w ``by N``, ceil(outer extent / N) if L tiles w
+  ``across N``, otherwise the extent at the enclosing level.  Above the
+  first level the extent is the full size of w.  A block larger than the
+  wire is still a whole block (the kernel masks the tail), so it counts at N.
+* The *home* of a tensor is the level that holds it (``hold``); otherwise
+  inputs and outputs live in hbm and an intermediate is fused into the
+  innermost level that has tiles (hbm when no level has any).
+* A level is *on chip* when it is smem, or regs with tiles of its own.  Every
+  tensor a box reads passes through the on-chip levels below its home, so its
+  tile is resident there; so is an accumulator (in the accumulator dtype) for
+  each box that reduces the wire streamed at that level.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import tomllib
+from pathlib import Path
+from typing import Optional
+
+from . import ir
+
+# Used when napkin/profiles.toml is absent or lacks an entry: bytes per level.
+FALLBACK_CAPACITIES = {
+    "h100": {"smem": 232448, "regs": 65536 * 4},
+    "h200": {"smem": 232448, "regs": 65536 * 4},
+    "a100": {"smem": 166912, "regs": 65536 * 4},
+    "cpu": {"smem": 1048576},
+}
+
+PROFILES_TOML = Path(__file__).resolve().parent / "profiles.toml"
+
+
+class UnboundWire(LookupError):
+    """A footprint needs the size of a symbolic wire that no level tiles and
+    that ``sizes`` does not give.  ``wire`` names it."""
+
+    def __init__(self, wire: str):
+        super().__init__(f"the size of wire {wire!r} is not known")
+        self.wire = wire
+
+
+# --------------------------------------------------------------------------
+# Device profiles.
+# --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def profile_table() -> dict[str, dict[str, int]]:
+    """Capacities in bytes per profile and level: profiles.toml over the fallback."""
+    table = {name: dict(levels) for name, levels in FALLBACK_CAPACITIES.items()}
+    if PROFILES_TOML.is_file():
+        with PROFILES_TOML.open("rb") as f:
+            data = tomllib.load(f)
+        for name, body in data.get("profiles", {}).items():
+            levels = body.get("levels", {}) if isinstance(body, dict) else {}
+            entry = table.setdefault(name, {})
+            for level, value in levels.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    entry[level] = value
+    return table
+
+
+def level_capacity(diagram: ir.Diagram, level_name: str) -> Optional[int]:
+    """The level's own ``capacity``, else its profile's, else None (unknown)."""
+    level = diagram.level(level_name)
+    if level is not None and level.capacity is not None:
+        return level.capacity
+    profile = diagram.schedule.profile if diagram.schedule else None
+    if profile is None:
+        return None
+    return profile_table().get(profile, {}).get(level_name)
+
+
+# --------------------------------------------------------------------------
+# Extents, homes, dtypes.
+# --------------------------------------------------------------------------
+
+def _levels_through(level_name: str) -> tuple[str, ...]:
+    if level_name not in ir.LEVELS:
+        raise ValueError(f"unknown level {level_name!r}")
+    return ir.LEVELS[: ir.LEVELS.index(level_name) + 1]
+
+
+def tile_extent(diagram: ir.Diagram, level_name: str, wire: str,
+                sizes: dict[str, int]) -> Optional[int]:
+    """How much of ``wire`` one processor of ``level_name`` sees (None: unknown).
+
+    A fixed wire's declared size wins over ``sizes``; ``sizes`` binds the
+    symbolic ones.
+    """
+    declared = diagram.wire(wire)
+    extent = declared.size if declared is not None and declared.size is not None else sizes.get(wire)
+    for name in _levels_through(level_name):
+        level = diagram.level(name)
+        for tile in level.tiles if level else ():
+            if tile.wire != wire:
+                continue
+            if not tile.across:
+                extent = tile.size
+            elif extent is not None:
+                extent = math.ceil(extent / tile.size)
+    return extent
+
+
+def tensor_dtype(diagram: ir.Diagram, name: str) -> str:
+    """The element type of a tensor: an input's own; a box's declared one, else
+    the accumulator's (so an undeclared lse output is fp32, as FlashAttention's is:
+    partial results merged across devices need it)."""
+    tensor = diagram.tensor(name)
+    if isinstance(tensor, ir.Input):
+        return tensor.dtype
+    if tensor is not None and tensor.dtype is not None:
+        return tensor.dtype
+    return accumulator_dtype(diagram)
+
+
+def accumulator_dtype(diagram: ir.Diagram) -> str:
+    return diagram.schedule.accumulate if diagram.schedule else "fp32"
+
+
+def innermost_tiled_level(diagram: ir.Diagram) -> str:
+    """Where intermediates held nowhere are fused: the innermost level with tiles."""
+    tiled = [lv.name for lv in diagram.schedule.levels if lv.tiles] if diagram.schedule else []
+    tiled = [name for name in ir.LEVELS if name in tiled]
+    return tiled[-1] if tiled else "hbm"
+
+
+def home_level(diagram: ir.Diagram, name: str) -> str:
+    """The level a tensor lives at (see the module docstring)."""
+    for level in diagram.schedule.levels if diagram.schedule else ():
+        if name in level.holds:
+            return level.name
+    if isinstance(diagram.tensor(name), ir.Input) or any(o.name == name for o in diagram.outputs):
+        return "hbm"
+    return innermost_tiled_level(diagram)
+
+
+def is_on_chip(diagram: ir.Diagram, level_name: str) -> bool:
+    level = diagram.level(level_name)
+    return level_name == "smem" or (level_name == "regs" and level is not None and bool(level.tiles))
+
+
+def streamed_wires(diagram: ir.Diagram, level_name: str) -> tuple[str, ...]:
+    level = diagram.level(level_name)
+    return tuple(t.wire for t in level.tiles if t.kind == "stream") if level else ()
+
+
+def reduced_wires(expr: ir.Expr) -> set[str]:
+    """Every wire some reduction in ``expr`` removes."""
+    return {w for node in ir.walk(expr) if isinstance(node, ir.Reduce) for w in node.wires}
+
+
+def tensors_read(diagram: ir.Diagram) -> set[str]:
+    """Names of the tensors some box reads."""
+    return {node.name for let in diagram.lets for node in ir.walk(let.expr)
+            if isinstance(node, ir.TensorRef)}
+
+
+# --------------------------------------------------------------------------
+# Footprints.
+# --------------------------------------------------------------------------
+
+def tile_elements(diagram: ir.Diagram, level_name: str, name: str, sizes: dict[str, int]) -> int:
+    """Elements of one tile of tensor ``name`` at a level; raises UnboundWire."""
+    count = 1
+    for wire in ir.axis_wires(diagram.tensor(name).axes):
+        extent = tile_extent(diagram, level_name, wire, sizes)
+        if extent is None:
+            raise UnboundWire(wire)
+        count *= extent
+    return count
+
+
+def level_footprint(diagram: ir.Diagram, level_name: str,
+                    sizes: dict[str, int]) -> list[tuple[str, int, int]]:
+    """The tiles resident at a level: (tensor name, elements, bytes), in
+    declaration order, each tensor once.
+
+    Raises UnboundWire when a tile's extent depends on a symbolic wire that
+    neither a tile nor ``sizes`` bounds.  Assumes a checked diagram (known
+    names and dtypes).
+    """
+    depth = ir.LEVELS.index(level_name)
+    on_chip = is_on_chip(diagram, level_name)
+    read = tensors_read(diagram)
+    streamed = set(streamed_wires(diagram, level_name))
+    out = []
+    for tensor in diagram.inputs + diagram.lets:
+        name = tensor.name
+        home = home_level(diagram, name)
+        reduces_stream = isinstance(tensor, ir.Let) and bool(streamed & reduced_wires(tensor.expr))
+        if on_chip and reduces_stream:
+            dtype = accumulator_dtype(diagram)
+        elif home == level_name or (on_chip and name in read and ir.LEVELS.index(home) < depth):
+            dtype = tensor_dtype(diagram, name)
+        else:
+            continue
+        elements = tile_elements(diagram, level_name, name, sizes)
+        out.append((name, elements, elements * ir.DTYPE_BYTES[dtype]))
+    return out

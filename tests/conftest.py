@@ -1,0 +1,62 @@
+"""Shared pytest set-up for napkin's tests.
+
+* ``TRITON_INTERPRET=1`` is set here, at import, when no CUDA GPU is present:
+  Triton reads it when it is first imported, so it must be in the environment
+  before any test module imports triton (conftest is imported first).
+* ``--update-golden`` rewrites golden files instead of comparing with them;
+  tests read it through the ``update_golden`` fixture.
+* markers: ``gpu`` (skipped unless CUDA is available) and ``slow``.
+* the repository root goes on ``sys.path`` so ``import generated.X`` works
+  whatever folder pytest was started from.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # napkin needs torch, but let collection report that
+        return False
+    return bool(torch.cuda.is_available())
+
+
+CUDA = _cuda_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-golden", action="store_true", default=False,
+        help="rewrite golden files from the current output instead of comparing",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def update_golden(request) -> bool:
+    """True when the run was started with ``--update-golden``."""
+    return bool(request.config.getoption("--update-golden"))

@@ -1,0 +1,539 @@
+"""The checker (napkin.check) and the tiling arithmetic it shares with the cost model.
+
+Each error kind gets a small diagram; tests assert the exact message and that
+the location points at the offending text (``pos`` finds that text's line
+and column, so the expected spot is stated as the snippet it should be).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from strategies import any_diagrams, attention_diagrams, matmul_diagrams
+
+import napkin
+from napkin import ir, tiling
+from napkin.check import RESERVED, check, hostile_name
+from napkin.parse import parse
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.ncd"))
+
+HEAD = """diagram t
+wire b, h, q, x
+wire d = 64
+in Q[b, h, q, d] : fp16
+in K[b, h, x, d] : fp16
+in V[b, h, x, d] : fp16
+"""
+FLASH = """
+schedule on h100 {
+  level hbm { hold Q, K, V, O }
+  level smem {
+    group b by 1, h by 1, q by 128
+    stream x by 64
+  }
+}
+"""
+ATTENTION = """S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5
+P[b, h, q, x] = softmax[x](S)
+O[b, h, q, d] : fp16 = sum[x](P * V)
+out O
+"""
+
+
+def errors(text: str):
+    return check(parse(text, "t.ncd"))
+
+
+def one(text: str):
+    found = errors(text)
+    assert len(found) == 1, [d.message for d in found]
+    return found[0]
+
+
+def pos(text: str, snippet: str, nth: int = 0) -> tuple[int, int]:
+    """1-based (line, col) of the nth occurrence of snippet in text."""
+    at = -1
+    for _ in range(nth + 1):
+        at = text.index(snippet, at + 1)
+    line = text.count("\n", 0, at) + 1
+    return line, at - (text.rfind("\n", 0, at) + 1) + 1
+
+
+def where(diag) -> tuple[int, int]:
+    return diag.loc.line, diag.loc.col
+
+
+# ---- the shipped examples ---------------------------------------------------------
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_check_clean(path):
+    diagram = napkin.load(path)
+    assert check(diagram) == []
+
+
+def test_examples_exist():
+    assert len(EXAMPLES) >= 5
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(attention_diagrams() | matmul_diagrams())
+def test_drawn_valid_diagrams_check_clean(diagram):
+    assert check(diagram) == []
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(any_diagrams())
+def test_arbitrary_diagrams_give_diagnostics_never_crashes(diagram):
+    found = check(diagram)
+    assert all(isinstance(d, napkin.Diagnostic) and d.message for d in found)
+    assert found == sorted(found, key=lambda d: (d.loc.line, d.loc.col))
+
+
+def test_check_is_deterministic_and_leaves_the_ir_alone():
+    text = HEAD + "S[b, h, q] = Q * Kk\nout S, Z\n"
+    diagram = parse(text)
+    before = repr(diagram)
+    assert errors(text) == check(diagram) == check(diagram)
+    assert repr(diagram) == before
+
+
+# ---- names -------------------------------------------------------------------------
+
+def test_unknown_tensor_in_expression_with_hint():
+    text = HEAD + "S[b, h, q, x] = sum[d](Q * Kk)\nout S\n"
+    d = one(text)
+    assert d.message == "unknown name 'Kk'"
+    assert d.hint == "did you mean 'K'?"
+    assert where(d) == pos(text, "Kk")
+
+
+def test_unknown_wire_in_layout_reduction_relabel_and_tile():
+    text = HEAD + ("S[b, h, qq, x] = sum[dd](Q * K[b, h, y, d])\nout S\n"
+                   "schedule { level smem { group qx by 16 } }\n")
+    found = errors(text)
+    assert [(d.message, where(d)) for d in found] == [
+        ("unknown wire 'qq' in the layout of S", pos(text, "S[")),
+        ("unknown wire 'dd' in sum[dd]", pos(text, "sum[dd]")),
+        ("unknown wire 'y' in K[b, h, y, d]", pos(text, "K[b, h, y")),
+        ("unknown wire 'qx' in level smem", pos(text, "qx")),
+    ]
+    assert found[0].hint == "did you mean 'q'?"
+
+
+def test_unknown_tensor_in_hold_and_out():
+    text = HEAD + ATTENTION + "out Oo\nschedule { level hbm { hold Q, Vv } }\n"
+    found = errors(text)
+    assert [(d.message, where(d)) for d in found] == [
+        ("unknown tensor 'Oo' in out", pos(text, "Oo")),
+        ("unknown tensor 'Vv' in hold", pos(text, "hbm")),
+    ]
+    assert found[0].hint == "did you mean 'O'?"
+
+
+def test_duplicate_names_share_one_namespace():
+    text = HEAD + "in K[b, x] : fp16\nq[b, h, q] = sum[d](Q)\nt[b, h, x, d] = K\nout q\n"
+    found = errors(text)
+    assert [(d.message, where(d)) for d in found] == [
+        ("duplicate name 'K': already declared as an input at line 5", (7, 4)),
+        ("duplicate name 'q': already declared as a wire at line 2", (8, 1)),
+        ("duplicate name 't': already declared as a diagram at line 1", (9, 1)),
+    ]
+
+
+def test_wire_twice_in_one_layout():
+    text = HEAD + "in A[b, q, q] : fp16\nout A\n"
+    d = one(text)
+    assert d.message == "wire 'q' appears twice in the layout of A"
+    assert where(d) == pos(text, "A[")
+
+
+def test_one_wire_given_two_sizes_in_declarations():
+    text = "diagram t\nwire d = 64\nwire n, d = 128\nin A[d] : fp16\nout A\n"
+    d = one(text)
+    assert d.message == "one wire given two sizes: 'd' is 128 here but 64 at line 2"
+    assert where(d) == (3, 9)
+
+
+def test_one_wire_given_two_sizes_in_a_relabel():
+    text = ("diagram t\nwire b\nwire q = 128\nwire x = 64\nin doc[b, x] : int32\n"
+            "M[b, q] = doc[b, q] * 1\nout M\n")
+    d = one(text)
+    assert d.message == "one wire given two sizes: doc[b, q] reads x (= 64) as q (= 128)"
+    assert where(d) == pos(text, "doc[b, q]")
+
+
+def test_relabel_arity_mismatch():
+    text = HEAD + "in doc[b, x] : int32\nM[b, q] = doc[b, h, q] * 1\nout M\n"
+    d = one(text)
+    assert d.message == "doc[b, h, q] gives 3 wires but doc is declared along 2: [b, x]"
+    assert where(d) == pos(text, "doc[b, h, q]")
+
+
+def test_used_before_defined():
+    text = HEAD + "P[b, h, q, x] = softmax[x](S)\nS[b, h, q, x] = sum[d](Q * K)\nout P\n"
+    d = one(text)
+    assert d.message == "S is used before it is defined (line 8)"
+    assert where(d) == (7, 28)
+
+
+@pytest.mark.parametrize("name, why", [
+    ("import", "'import' is a Python keyword"),
+    ("__class__", "'__class__' starts with an underscore: such names are reserved for napkin's generated code"),
+    ("print", "'print' shadows a Python builtin"),
+    ("eval", "'eval' shadows a Python builtin"),
+    ("match", "'match' is a Python soft keyword"),
+    ("torch", "'torch' is reserved: the generated module uses that name itself"),
+    ("SOURCE_HASH", "'SOURCE_HASH' is reserved: the generated module uses that name itself"),
+])
+def test_hostile_tensor_names(name, why):
+    text = HEAD + f"in {name}[b] : fp16\nout {name}\n"
+    d = one(text)
+    assert d.message == why
+    assert where(d) == (7, 4)
+    assert "generated code" in d.hint
+
+
+def test_hostile_wire_and_diagram_names():
+    text = "diagram tl\nwire len, ok\nin A[ok] : fp16\nout A\n"
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("'tl' is reserved: the generated module uses that name itself", (1, 9)),
+        ("'len' shadows a Python builtin", (2, 6)),
+    ]
+
+
+def test_hostile_name_function():
+    assert hostile_name("attention") is None
+    assert hostile_name("d_head2") is None
+    assert hostile_name("2x") is not None and hostile_name("héad") is not None
+    assert {"torch", "triton", "tl", "math", "reference", "example_inputs", "INPUTS"} <= RESERVED
+
+
+# ---- dtypes ---------------------------------------------------------------------------
+
+def test_unknown_dtypes():
+    text = HEAD + "in A[b] : fp17\nB[b] : float = A * 2\nout B\nschedule { accumulate fp31 }\n"
+    found = errors(text)
+    assert [(d.message, where(d)) for d in found] == [
+        ("unknown dtype 'fp17'", (7, 4)),
+        ("unknown dtype 'float'", (8, 1)),
+        ("unknown dtype 'fp31'", pos(text, "schedule")),
+    ]
+    assert found[0].hint.startswith("did you mean 'fp16'? dtypes are fp64, fp32")
+
+
+def test_accumulate_must_be_a_float():
+    text = HEAD + ATTENTION + "schedule { accumulate int32 }\n"
+    d = one(text)
+    assert d.message == "cannot accumulate in int32: the accumulator must be fp32, fp16, bf16 or fp64"
+
+
+# ---- box wires, reductions, contractions --------------------------------------------
+
+def test_box_has_an_unreduced_wire():
+    text = HEAD + "S[b, h, q, x] = Q * K\nout S\n"
+    d = one(text)
+    assert d.message == ("S declares [b, h, q, x] but its expression has d too: "
+                         "reduce it (sum[d](...)) or declare it")
+    assert where(d) == (7, 1)
+
+
+def test_box_misses_a_declared_wire():
+    text = HEAD + "O[b, h, q, d] = sum[d](Q)\nout O\n"
+    d = one(text)
+    assert d.message == "O declares [b, h, q, d] but its expression has no d"
+
+
+def test_grouped_axis_layout_is_its_wires():
+    text = "diagram t\nwire hk, g, q\nin Q[(hk g), q] : fp16\nS[hk, g] = sum[q](Q)\nT[(g hk), q] = Q * 2\nout S, T\n"
+    assert errors(text) == []
+
+
+def test_reduction_over_a_missing_wire():
+    text = HEAD + "M[b, h, q, d] = max[x](Q)\nout M\n"
+    d = one(text)
+    assert d.message == "max[x] reduces x, but its operand has no x"
+    assert where(d) == pos(text, "max[x]")
+
+
+def test_softmax_over_a_missing_wire():
+    text = HEAD + "P[b, h, q, d] = softmax[x](Q)\nout P\n"
+    d = one(text)
+    assert d.message == "softmax[x] normalises along x, but its operand has no x"
+    assert where(d) == pos(text, "softmax")
+
+
+def test_contraction_over_a_wire_of_one_factor():
+    text = HEAD.replace("in K[b, h, x, d]", "in K[b, h, x]") + "S[b, h, q, x] = sum[d](Q * K)\nout S\n"
+    d = one(text)
+    assert d.message == "sum[d] contracts nothing: d is in Q but not in K"
+    assert where(d) == pos(text, "sum[d]")
+
+
+# ---- booleans and numbers --------------------------------------------------------------
+
+def test_where_condition_must_be_boolean():
+    text = HEAD + "S[b, h, q, x] = where(sum[d](Q * K), 1, 0)\nout S\n"
+    d = one(text)
+    assert d.message == "where's condition must be a boolean (a comparison), not a number"
+    assert where(d) == pos(text, "sum[d]")
+
+
+def test_arithmetic_on_booleans():
+    text = HEAD + "S[b, h, q, x] = (x <= q) * sum[d](Q * K)\nout S\n"
+    d = one(text)
+    assert d.message == "'*' needs numbers, not a boolean"
+    assert d.hint == "where(cond, a, b) turns a condition into numbers"
+
+
+def test_ordering_booleans_and_logic_on_numbers():
+    text = HEAD + "A[q, x] = where((x <= q) < (q <= x), 1, 0)\nB[q, x] = where(x and q, 1, 0)\nout A, B\n"
+    assert [d.message for d in errors(text)] == [
+        "'<' compares numbers, not booleans",
+        "'and' needs booleans, not a number",
+    ]
+
+
+def test_boolean_inputs_and_comparisons_are_fine():
+    text = HEAD + ("in keep[b, x] : bool\n"
+                   "S[b, h, q, x] = where(keep and x <= q and not (q == x), sum[d](Q * K), -inf)\nout S\n")
+    assert errors(text) == []
+
+
+# ---- the schedule ---------------------------------------------------------------------
+
+def test_unknown_profile_and_level():
+    text = HEAD + ATTENTION + "schedule on H100 {\n  level shmem { }\n}\n"
+    found = errors(text)
+    assert [(d.message, where(d)) for d in found] == [
+        ("unknown profile 'H100'", pos(text, "schedule")),
+        ("unknown level 'shmem'", pos(text, "shmem")),
+    ]
+    assert found[0].hint.startswith("did you mean 'h100'?")
+    assert found[1].hint.startswith("did you mean 'smem'?")
+
+
+def test_levels_out_of_order_and_repeated():
+    text = HEAD + ATTENTION + "schedule {\n  level smem { }\n  level hbm { }\n  level smem { }\n}\n"
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("level hbm comes after level smem: levels go outermost first (devices, hbm, smem, regs)",
+         pos(text, "hbm")),
+        ("level smem appears twice (first at line 12)", pos(text, "smem", 1)),
+    ]
+
+
+def test_across_only_at_devices_and_by_only_elsewhere():
+    text = HEAD + ATTENTION + ("schedule {\n  level devices { group q by 128 }\n"
+                               "  level smem { stream x across 4 }\n}\n")
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("level devices splits wires over devices: write 'group q across N', not 'by'",
+         pos(text, "q by 128")),
+        ("'stream x across 4' splits x over devices: 'across' belongs in level devices",
+         pos(text, "x across")),
+    ]
+
+
+def test_device_count_must_be_positive():
+    text = HEAD + ATTENTION + "schedule { level devices { group q across 0 } }\n"
+    d = one(text)
+    assert d.message == "cannot split q across 0 devices"
+    assert where(d) == pos(text, "q across")
+
+
+def test_tiles_twice_two_streams_and_block_sizes():
+    text = HEAD + ATTENTION + ("schedule {\n  level smem {\n    group q by 96, q by 128, b by 2\n"
+                               "    stream x by 64, h by 1\n  }\n}\n")
+    found = errors(text)
+    assert [(d.message, where(d)) for d in found] == [
+        ("block size 96 for q is not a power of two", pos(text, "q by 96")),
+        ("wire q is tiled twice in level smem", pos(text, "q by 128")),
+        ("block size 2 for b is too small: b takes part in a contraction, and matrix products "
+         "(tl.dot) need blocks of at least 16", pos(text, "b by 2")),
+        ("level smem streams x and h: at most one wire is streamed per level", pos(text, "h by 1")),
+    ]
+    assert found[0].hint == "try 64 or 128"
+
+
+def test_small_blocks_on_wires_outside_contractions_are_fine():
+    # x is not in any contraction here, and a block bigger than a fixed wire is masked.
+    text = "diagram t\nwire q, x\nwire d = 8\nin A[q, x, d] : fp32\nB[q, x, d] = A * 2\nout B\n" \
+           "schedule on h100 { level smem { group q by 4, x by 2, d by 64 } }\n"
+    assert errors(text) == []
+
+
+def test_hold_unknown_and_held_twice():
+    text = HEAD + ATTENTION + "schedule {\n  level hbm { hold Q, O }\n  level smem { hold S, O }\n}\n"
+    d = one(text)
+    assert d.message == "O is held at both level hbm and level smem"
+    assert where(d) == pos(text, "smem")
+
+
+# ---- streamability ------------------------------------------------------------------------
+
+MANUAL_SOFTMAX = HEAD + """S[b, h, q, x] = sum[d](Q * K)
+M[b, h, q] = max[x](S)
+P[b, h, q, x] = exp(S - M)
+O[b, h, q, d] : fp16 = sum[x](P * V)
+out O
+"""
+
+
+def test_completed_max_beside_streamed_values():
+    d = one(MANUAL_SOFTMAX + FLASH)
+    assert d.message == ("P uses max[x] of S beside values along x: that max is complete only after "
+                         "the last chunk of x, so P cannot be computed chunk by chunk")
+    assert d.hint == "softmax[x] streams with a running max"
+    assert where(d) == pos(MANUAL_SOFTMAX, "S - M")
+
+
+def test_the_same_diagram_is_fine_without_streaming_x():
+    assert errors(MANUAL_SOFTMAX + FLASH.replace("stream x by 64", "group x by 64")) == []
+    assert errors(MANUAL_SOFTMAX) == []
+
+
+def test_completion_flows_through_boxes():
+    text = HEAD + ("S[b, h, q, x] = sum[d](Q * K)\nl[b, h, q] = sum[x](exp(S))\nr[b, h, q] = 1 / l\n"
+                   "P[b, h, q, x] = exp(S) * r\nout P\n") + FLASH.replace("O }", "P }")
+    d = one(text)
+    assert d.message.startswith("P uses sum[x] of exp(S) beside values along x: that sum is complete")
+    assert where(d) == pos(text, "exp(S) * r")
+
+
+SOFTMAX_HEAD = HEAD + "S[b, h, q, x] = sum[d](Q * K)\nP[b, h, q, x] = softmax[x](S)\n"
+
+
+@pytest.mark.parametrize("body, consumer, snippet", [
+    ("E[b, h, q, x] = exp(P)\nO[b, h, q, d] = sum[x](E * V)\nout O\n", "exp in E", "exp(P)"),
+    ("m[b, h, q] = max[x](P)\nout m\n", "max[x] in m", "max[x](P)"),
+    ("O[b, h, q, d] = sum[x]((P + 1) * V)\nout O\n", "'+' in O", "P + 1"),
+    ("O[b, h, q, d] = sum[x](P * V)\nout O, P\n", "the output list (out P)", "P\n"),
+])
+def test_streamed_softmax_feeds_only_a_sum(body, consumer, snippet):
+    text = SOFTMAX_HEAD + body + FLASH.replace("hold Q, K, V, O }", "}")
+    d = one(text)
+    assert d.message == (f"P (a softmax[x] of S) cannot stream over x: {consumer} uses it, but a softmax "
+                         "over a streamed wire can only feed a sum over it, as in sum[x](P * V)")
+    assert where(d) == pos(text, snippet, text.count(snippet) - 1 if snippet == "P\n" else 0)
+
+
+@pytest.mark.parametrize("body", [
+    "O[b, h, q, d] = sum[x](P * V)\nout O\n",
+    "O[b, h, q, d] = sum[x](V * (P / 2))\nout O\n",
+    "n[b, h, q] = sum[x](P)\nout n\n",
+    "lse[b, h, q] = logsumexp[x](S)\nz[b, h, q] = sum[x](exp(S) * 2)\nout lse, z\n",
+])
+def test_streaming_reductions_that_are_fine(body):
+    assert errors(SOFTMAX_HEAD + body + FLASH.replace("hold Q, K, V, O }", "}")) == []
+
+
+# ---- capacity and tiling --------------------------------------------------------------------
+
+MATMUL = """diagram mm
+wire m = 4096
+wire n = 4096
+wire k = 4096
+in A[m, k] : fp16
+in B[k, n] : fp16
+C[m, n] : fp16 = sum[k](A * B)
+out C
+schedule on h100 {
+  level hbm { hold A, B, C }
+  level smem CAPACITY {
+    group m by 256, n by 256
+    stream k by 64
+  }
+}
+"""
+
+
+def test_capacity_overflow_with_a_declared_capacity():
+    text = MATMUL.replace("CAPACITY", "capacity 200 KiB")
+    d = one(text)
+    # A 256x64 fp16 + B 64x256 fp16 + C's 256x256 fp32 accumulator = 32768 + 32768 + 262144
+    assert d.message == ("tiles at level smem need 327680 bytes but its capacity is 204800 bytes "
+                         "(its own capacity): over by 122880 bytes")
+    assert d.hint == "biggest tiles: C 262144 bytes, A 32768 bytes, B 32768 bytes; smaller blocks shrink them"
+    assert where(d) == pos(text, "smem")
+
+
+def test_capacity_overflow_against_the_profile():
+    text = MATMUL.replace("CAPACITY", "")
+    capacity = tiling.level_capacity(parse(text), "smem")
+    assert capacity == tiling.profile_table()["h100"]["smem"]
+    d = one(text)
+    assert d.message == (f"tiles at level smem need 327680 bytes but its capacity is {capacity} bytes "
+                         f"(h100): over by {327680 - capacity} bytes")
+
+
+def test_capacity_fits_with_smaller_blocks_and_is_skipped_for_symbolic_wires():
+    assert errors(MATMUL.replace("CAPACITY", "").replace("by 256", "by 128")) == []
+    symbolic = MATMUL.replace("wire m = 4096\nwire n = 4096\nwire k = 4096", "wire m, n, k")
+    big = symbolic.replace("CAPACITY", "capacity 1 KiB").replace("group m by 256, n by 256", "")
+    assert errors(big) == []  # A's tile spans all of m: unknown until call time
+
+
+def test_tile_extent_by_across_and_inherited():
+    d = napkin.load(Path(__file__).resolve().parent.parent / "examples" / "attention_2d.ncd")
+    sizes = {"b": 2, "h": 8, "q": 1000, "x": 4096}
+    assert tiling.tile_extent(d, "devices", "q", sizes) == 500
+    assert tiling.tile_extent(d, "hbm", "x", sizes) == 2048
+    assert tiling.tile_extent(d, "smem", "x", sizes) == 64
+    assert tiling.tile_extent(d, "smem", "d", {}) == 64
+    assert tiling.tile_extent(d, "hbm", "b", {}) is None
+
+
+def test_level_footprint_of_flash_attention():
+    d = napkin.load(Path(__file__).resolve().parent.parent / "examples" / "attention.ncd")
+    q, x, dh = 128, 64, 64
+    assert tiling.level_footprint(d, "smem", {}) == [
+        ("Q", q * dh, q * dh * 2), ("K", x * dh, x * dh * 2), ("V", x * dh, x * dh * 2),
+        ("S", q * x, q * x * 4), ("P", q * x, q * x * 4),
+        ("O", q * dh, q * dh * 4),  # fp32 accumulator for the fp16 output
+        ("lse", q, q * 4),
+    ]
+    with pytest.raises(tiling.UnboundWire):
+        tiling.level_footprint(d, "hbm", {})
+    hbm = dict((n, e) for n, e, _ in tiling.level_footprint(d, "hbm", {"b": 1, "h": 2, "q": 10, "x": 20}))
+    assert hbm == {"Q": 2 * 10 * 64, "K": 2 * 20 * 64, "V": 2 * 20 * 64, "O": 2 * 10 * 64, "lse": 20}
+
+
+def test_home_levels():
+    d = napkin.load(Path(__file__).resolve().parent.parent / "examples" / "matmul.ncd")
+    assert tiling.home_level(d, "A") == "hbm"
+    text = HEAD + ATTENTION + "schedule { level smem { group q by 64 } level regs { group x by 16 } }\n"
+    d2 = parse(text)
+    assert tiling.home_level(d2, "S") == "regs"
+    assert tiling.home_level(d2, "O") == "hbm"
+    assert tiling.tensor_dtype(d2, "S") == "fp32" and tiling.tensor_dtype(d2, "O") == "fp16"
+
+
+# ---- everything at once ------------------------------------------------------------------------
+
+def test_every_error_is_reported_in_order():
+    text = """diagram t
+wire b, q, x
+wire d = 64
+in Q[b, q, d] : fp16
+in K[b, x, d] : fp17
+in print[b] : fp16
+S[b, q, x] = sum[d](Q * Kx)
+T[b, q] = Q * 2
+out S, Z
+schedule on h100 {
+  level smem { group q by 100 }
+}
+"""
+    with pytest.raises(napkin.NapkinError) as info:
+        napkin.load_text(text, "t.ncd")
+    found = info.value.diagnostics
+    assert [(d.message, where(d)) for d in found] == [
+        ("unknown dtype 'fp17'", (5, 4)),
+        ("'print' shadows a Python builtin", (6, 4)),
+        ("unknown name 'Kx'", (7, 25)),
+        ("T declares [b, q] but its expression has d too: reduce it (sum[d](...)) or declare it", (8, 1)),
+        ("unknown tensor 'Z' in out", (9, 8)),
+        ("block size 100 for q is not a power of two", (11, 22)),
+    ]
+    rendered = str(info.value)
+    assert "t.ncd:7:25: unknown name 'Kx'" in rendered and "hint: did you mean 'K'?" in rendered

@@ -1,0 +1,350 @@
+"""The command line: exit statuses, exact error text, the plugin hook, demo.
+
+Most tests call ``napkin.cli.main`` in-process (fast); a few run
+``python -m napkin`` as a subprocess to prove the real entry point works.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import napkin
+from napkin import cli
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((REPO / "examples").glob("*.ncd"))
+ATTENTION = (REPO / "examples" / "attention.ncd").read_text()
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def variant(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    """examples/attention.ncd with one edit, written to tmp_path/name."""
+    assert old in ATTENTION, old
+    path = tmp_path / name
+    path.write_text(ATTENTION.replace(old, new, 1))
+    return path
+
+
+# --------------------------------------------------------------------------
+# check
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_check_accepts_every_example(capsys, path):
+    code, out, err = run(capsys, "check", str(path))
+    assert (code, err) == (0, "")
+    d = napkin.load(path)
+    assert out.startswith(f"{path}: ok ({len(d.wires)} wires, ")
+    assert out.endswith(" outputs)\n") or out.endswith(" 1 output)\n")
+
+
+def test_check_counts_wires_inputs_boxes_outputs(capsys):
+    code, out, _ = run(capsys, "check", str(REPO / "examples" / "attention.ncd"),
+                       str(REPO / "examples" / "matmul.ncd"))
+    assert code == 0
+    assert out.splitlines() == [
+        f"{REPO}/examples/attention.ncd: ok (5 wires, 3 inputs, 4 boxes, 2 outputs)",
+        f"{REPO}/examples/matmul.ncd: ok (3 wires, 2 inputs, 1 box, 1 output)",
+    ]
+
+
+# Each case: an edit to attention.ncd and the exact text napkin must print.
+BAD = {
+    "typo": (
+        "P[b, h, q, x] = softmax[x](S)", "P[b, h, q, x] = softmx[x](S)",
+        "{f}:16:17: unknown reduction 'softmx'\n"
+        "    P[b, h, q, x] = softmx[x](S)                # normalise along the keys\n"
+        "                    ^^^^^^\n"
+        "  hint: reductions are sum, max, min, logsumexp, softmax\n"),
+    "syntax": (
+        "in V[b, h, x, d] : fp16", "in V[b, h, x, d] fp16",
+        "{f}:13:18: unexpected 'fp16'\n"
+        "    in V[b, h, x, d] fp16\n"
+        "                     ^^^^\n"
+        "  hint: expected ':'\n"),
+    "unknown_wire": (
+        "sum[x](P * V)", "sum[y](P * V)",
+        "{f}:17:24: unknown wire 'y' in sum[y]\n"
+        "    O[b, h, q, d] : fp16 = sum[y](P * V)         # PV\n"
+        "                           ^^^^^^^^^^^^^\n"),
+    "unknown_tensor": (
+        "sum[x](P * V)", "sum[x](P * W)",
+        "{f}:17:35: unknown name 'W'\n"
+        "    O[b, h, q, d] : fp16 = sum[x](P * W)         # PV\n"
+        "                                      ^\n"),
+    "size_conflict": (
+        "wire d = 64              # fixed", "wire d = 64\nwire d = 128",
+        "{f}:10:6: one wire given two sizes: 'd' is 128 here but 64 at line 9\n"
+        "    wire d = 128\n"
+        "         ^\n"),
+    "over_capacity": (
+        "q by 128", "q by 4096",
+        "{f}:27:9: tiles at level smem need 3702784 bytes but its capacity is 232448 bytes (h100): "
+        "over by 3470336 bytes\n"
+        "      level smem {{\n"
+        "            ^^^^\n"
+        "  hint: biggest tiles: S 1048576 bytes, P 1048576 bytes, O 1048576 bytes; "
+        "smaller blocks shrink them\n"),
+    "hostile_name": (
+        "wire b, h, q, x ", "wire b, h, q, x, lambda ",
+        "{f}:8:18: 'lambda' is a Python keyword\n"
+        "    wire b, h, q, x, lambda          # symbolic: bound from tensor shapes at call time\n"
+        "                     ^^^^^^\n"
+        "  hint: rename it: names become Python identifiers in the generated code\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_check_reports_errors_exactly(capsys, tmp_path, case):
+    old, new, expected = BAD[case]
+    path = variant(tmp_path, f"{case}.ncd", old, new)
+    code, out, err = run(capsys, "check", str(path))
+    assert code == 1
+    assert out == ""
+    assert "Traceback" not in err
+    assert err == expected.format(f=path)
+
+
+def test_check_goes_on_after_a_bad_file(capsys, tmp_path):
+    bad = variant(tmp_path, "bad.ncd", "softmax[x]", "softmx[x]")
+    good = REPO / "examples" / "causal.ncd"
+    code, out, err = run(capsys, "check", str(bad), str(good), str(tmp_path / "missing.ncd"))
+    assert code == 1
+    assert out == f"{good}: ok (5 wires, 3 inputs, 4 boxes, 2 outputs)\n"
+    assert f"{bad}:16:17: unknown reduction 'softmx'" in err
+    assert f"{tmp_path}/missing.ncd: cannot read {tmp_path}/missing.ncd: No such file or directory" in err
+
+
+# --------------------------------------------------------------------------
+# global flags and internal errors
+# --------------------------------------------------------------------------
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert (code, out) == (0, "napkin 0.1.0\n")
+
+
+def test_help_lists_the_subcommands(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    assert out.startswith("usage: napkin ")
+    for word in ("check", "compile", "demo", "--traceback", "--version"):
+        assert word in out
+
+
+def test_no_subcommand_is_a_usage_error(capsys):
+    code, _, err = run(capsys)
+    assert code == 2
+    assert "usage: napkin" in err
+
+
+def _explode(*args, **kwargs):
+    raise RuntimeError("boom")
+
+
+def test_internal_error_is_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.setattr(napkin, "load", _explode)
+    code, out, err = run(capsys, "check", str(EXAMPLES[0]))
+    assert code == 2
+    assert err.endswith("napkin: internal error: RuntimeError: boom "
+                        "(this is a bug; rerun with --traceback for details)\n")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_traceback_flag_shows_the_traceback(capsys, monkeypatch, where):
+    monkeypatch.setattr(napkin, "load", _explode)
+    argv = ["--traceback", "check", str(EXAMPLES[0])]
+    if where == "after":
+        argv = ["check", str(EXAMPLES[0]), "--traceback"]
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert "Traceback (most recent call last)" in err
+    assert "RuntimeError: boom" in err
+
+
+# --------------------------------------------------------------------------
+# the plugin hook: register_cli(subparsers)
+# --------------------------------------------------------------------------
+
+def _fake_plugin(monkeypatch, name: str, module: types.ModuleType) -> None:
+    module.__spec__ = importlib.machinery.ModuleSpec(f"napkin.{name}", None)
+    monkeypatch.setitem(sys.modules, f"napkin.{name}", module)
+    monkeypatch.setattr(cli, "PLUGINS", (name,))
+
+
+def test_plugins_register_subcommands(capsys, monkeypatch):
+    plugin = types.ModuleType("napkin.fakeplugin")
+
+    def register_cli(subparsers):
+        p = subparsers.add_parser("fake", help="a plugin command")
+        p.add_argument("word")
+        p.set_defaults(func=lambda args: print(f"fake {args.word}") or 3)
+
+    plugin.register_cli = register_cli
+    _fake_plugin(monkeypatch, "fakeplugin", plugin)
+    assert run(capsys, "fake", "hello")[:2] == (3, "fake hello\n")
+
+
+def test_a_broken_plugin_does_not_break_check(capsys, monkeypatch):
+    plugin = types.ModuleType("napkin.brokenplugin")
+    plugin.register_cli = _explode
+    _fake_plugin(monkeypatch, "brokenplugin", plugin)
+    code, out, err = run(capsys, "check", str(EXAMPLES[0]))
+    assert code == 0 and out.endswith("1 output)\n")
+    assert "napkin.brokenplugin are unavailable: RuntimeError: boom" in err
+    # With --traceback the broken plugin is fatal, so its traceback shows.
+    code, _, err = run(capsys, "--traceback", "check", str(EXAMPLES[0]))
+    assert code == 2 and "Traceback" in err
+
+
+def test_a_missing_plugin_is_skipped(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "PLUGINS", ("no_such_module_here",))
+    assert run(capsys, "check", str(EXAMPLES[0]))[0] == 0
+
+
+# --------------------------------------------------------------------------
+# compile and demo
+# --------------------------------------------------------------------------
+
+def test_compile_writes_a_module_or_summarises(capsys, tmp_path):
+    code, out, err = run(capsys, "compile", str(REPO / "examples" / "matmul.ncd"), "-o", str(tmp_path))
+    assert code == 0, err
+    if cli._provided("codegen", "write_module") is not None:
+        assert out == f"wrote {tmp_path / 'matmul.py'}\n"
+        assert (tmp_path / "matmul.py").is_file()
+    else:
+        assert "diagram matmul checked" in out
+        assert "  level smem: group m by 128, group n by 128, stream k by 32; holds -" in out
+
+
+def test_compile_reports_errors(capsys, tmp_path):
+    bad = variant(tmp_path, "bad.ncd", "softmax[x]", "softmx[x]")
+    code, out, err = run(capsys, "compile", str(bad), "-o", str(tmp_path))
+    assert code == 1 and f"{bad}:16:17: unknown reduction 'softmx'" in err
+    assert not (tmp_path / "attention.py").exists()
+
+
+def test_demo_default_sizes_are_small_and_cover_symbolic_wires():
+    d = napkin.load(REPO / "examples" / "gqa.ncd")
+    assert cli._demo_sizes(d, {}, "gqa.ncd") == {"b": 1, "hk": 2, "g": 2, "q": 200, "x": 200}
+    assert cli._demo_sizes(d, {"q": 7}, "gqa.ncd")["q"] == 7
+
+
+def test_demo_finds_the_example_from_any_folder(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert cli._find_demo_file(cli.DEMO_FILE) == REPO / "examples" / "attention.ncd"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "q"], "napkin: --size expects WIRE=N with N a positive whole number, not 'q'\n"),
+    (["--size", "q=0"], "napkin: --size expects WIRE=N with N a positive whole number, not 'q=0'\n"),
+    (["--size", "z=3"], "{f}: --size z=3: diagram attention has no wire 'z'\n"),
+    (["--size", "d=32"], "{f}: --size d=32: wire d is fixed at 64\n"),
+    (["nowhere.ncd"], "napkin: no such file: nowhere.ncd\n"),
+])
+def test_demo_rejects_bad_arguments(capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(REPO)
+    code, _, err = run(capsys, "demo", *argv)
+    assert code == 1
+    assert err.endswith(message.format(f="examples/attention.ncd"))
+
+
+FAKE_MODULE = """
+import torch
+
+def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(sizes["r"], sizes["n"], generator=gen)
+    return {"X": X.to(dtype=dtype, device=device)}
+
+def reference(X):
+    assert X.dtype == torch.float64
+    return X * 2, X.sum(-1)
+
+def scale(X):
+    assert X.dtype == torch.float16
+    return (X.float() * 2 + ERROR).to(X.dtype), X.float().sum(-1)
+"""
+SCALE = "diagram scale\nwire r, n\nin X[r, n] : fp16\nY[r, n] : fp16 = 2 * X\ntotal[r] = sum[n](X)\nout Y, total\n"
+
+
+def _fake_passes(monkeypatch, error: float, calls: list):
+    """Stand-ins for codegen.write_module and cost.summary_lines, so the demo's
+    own work (sizes, import by path, float64 comparison, report) is tested
+    whatever state the real passes are in."""
+    def write_module(path, out_dir):
+        target = Path(out_dir) / "scale.py"
+        target.write_text(FAKE_MODULE.replace("ERROR", repr(error)))
+        calls.append(("write_module", Path(path).name))
+        return target
+
+    def summary_lines(diagram, sizes):
+        calls.append(("summary_lines", diagram.name, dict(sizes)))
+        return ["hbm traffic: 1 byte"]
+
+    fakes = {("codegen", "write_module"): write_module, ("cost", "summary_lines"): summary_lines}
+    real = cli._provided
+    monkeypatch.setattr(cli, "_provided", lambda m, a: fakes.get((m, a)) or real(m, a))
+
+
+@pytest.mark.parametrize("error, code", [(0.0, 0), (0.5, 1)])
+def test_demo_compares_with_the_float64_reference(capsys, monkeypatch, tmp_path, error, code):
+    (tmp_path / "scale.ncd").write_text(SCALE)
+    monkeypatch.chdir(tmp_path)
+    calls: list = []
+    _fake_passes(monkeypatch, error, calls)
+    got, out, err = run(capsys, "demo", "scale.ncd", "--size", "n=100")
+    assert got == code, err
+    assert calls == [("write_module", "scale.ncd"), ("summary_lines", "scale", {"r": 64, "n": 100})]
+    lines = out.splitlines()
+    import torch
+
+    where = "the GPU" if torch.cuda.is_available() else "the CPU (Triton interpreter)"
+    assert lines[0] == f"scale.ncd: diagram scale, sizes r=64, n=100, on {where}"
+    verdict = "ok" if error == 0 else "TOO LARGE"
+    assert lines[1].startswith("  Y[64, 100] float16: max abs error ")
+    assert lines[1].endswith(f"vs float64 reference ({verdict}, tolerance 0.02)")
+    assert lines[2].startswith("  total[64] float32: max abs error ")
+    assert lines[3:] == ["cost model:", "  hbm traffic: 1 byte"]
+    if code:
+        assert err == "napkin demo: the kernel's outputs differ from the reference\n"
+    assert "napkin_demo_scale" not in sys.modules  # the temporary module is dropped
+
+
+@pytest.mark.skipif(cli._provided("codegen", "write_module") is None, reason="napkin.codegen not there yet")
+def test_demo_runs_the_kernel_and_compares(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, out, err = run(capsys, "demo", "--size", "q=70", "--size", "x=90")
+    assert code == 0, err
+    assert "max abs error" in out
+    for line in out.splitlines():
+        if "max abs error" in line:
+            assert "(ok," in line
+
+
+# --------------------------------------------------------------------------
+# the real entry point, as a subprocess
+# --------------------------------------------------------------------------
+
+def test_python_dash_m_napkin(tmp_path):
+    bad = variant(tmp_path, "bad.ncd", "softmax[x]", "softmx[x]")
+    proc = subprocess.run([sys.executable, "-m", "napkin", "check", *map(str, EXAMPLES), str(bad)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout.count(": ok (") == len(EXAMPLES)
+    assert proc.stderr == BAD["typo"][2].format(f=bad)
+    version = subprocess.run([sys.executable, "-m", "napkin", "--version"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (version.returncode, version.stdout) == (0, "napkin 0.1.0\n")
