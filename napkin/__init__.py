@@ -29,9 +29,14 @@ def load(path) -> "object":
     """Parse and check an .ncd file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise NapkinError(f"cannot read {path}: {err.strerror}", filename=str(path)) from None
+    except UnicodeDecodeError as err:  # a ValueError, not an OSError
+        line = err.object.count(b"\n", 0, err.start) + 1
+        col = err.start - (err.object.rfind(b"\n", 0, err.start) + 1) + 1
+        raise NapkinError(f"cannot read {path}: not UTF-8 text (byte {err.object[err.start]:#04x} "
+                          f"at line {line}, column {col})", filename=str(path)) from None
     return load_text(text, str(path))
 
 

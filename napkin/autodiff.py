@@ -34,11 +34,8 @@ Normaliser layer (pure data: a ``GradRule``)
     ``GradRule.layouts``, so the backward code generator turns them into
     Triton exactly as it does the forward's expressions.
 
-Reference semantics
-    ``evaluate(expr, env, layouts, wires) -> torch.Tensor``: a small
-    wire-named interpreter (broadcast by wire name, reductions, softmax with
-    the "fully masked row gives 0" convention).  Tests check every formula
-    here against torch.autograd with it; it is also usable as a reference.
+tests/test_autodiff.py checks every formula here against torch.autograd in
+float64, through a small wire-named interpreter of the IR (``evaluate``).
 """
 from __future__ import annotations
 
@@ -61,6 +58,18 @@ def _is_num(e: ir.Expr, value) -> bool:
 
 def _contains(e: ir.Expr, sub: ir.Expr) -> bool:
     return any(node == sub for node in ir.walk(e))
+
+
+def _children(e: ir.Expr) -> tuple:
+    if isinstance(e, ir.Unary):
+        return (e.operand,)
+    if isinstance(e, ir.Binary):
+        return (e.lhs, e.rhs)
+    if isinstance(e, ir.Call):
+        return e.args
+    if isinstance(e, (ir.Reduce, ir.Normalize)):
+        return (e.body,)
+    return ()
 
 
 def _map(e: ir.Expr, f) -> ir.Expr:
@@ -424,12 +433,14 @@ def _ref(name: str) -> ir.TensorRef:
 class GradRule:
     """The backward of one streamed attention, as IR (see the comment above).
 
-    kind      "softmax" (form a) or "sums" (form b); lse_grad says (c) is added.
+    kind      "softmax" (form a) or "sums" (form b); lse_grad: (c) is added.
     key       the streamed wire the normaliser reduces (x).
     value     the name of the value input V.
-    bound     placeholder -> the diagram's name for it (S -> score box, O, lse).
-    layouts   placeholder -> its wires.
-    grads_in  incoming gradients: ("dO",) or ("dO", "dlse").
+    layouts   placeholder -> its wires, for every placeholder the rule uses.
+    forward, rows, tile, input_grads: (name, expression) bindings, in order.
+    saved     forward values the backward reads; grads_in: ("dO"[, "dlse"]).
+    raw       the raw contraction R stands for (None: the tile starts at S).
+    bound     placeholder -> the diagram's name for it (S, O, lse), from grad_plan.
     """
 
     kind: str
@@ -450,7 +461,7 @@ class GradRule:
         return dict(self.layouts)[name]
 
     def binding(self, name: str) -> ir.Expr:
-        """The expression bound to ``name`` in forward, rows or tile."""
+        """The expression bound to ``name`` in forward, rows or tile (the last one wins)."""
         return dict(self.forward + self.rows + self.tile)[name]
 
 
@@ -471,12 +482,17 @@ class _Wires:
         return tuple(w for w in self.value if w not in self.score)
 
     @property
-    def out(self):           # O: (b, h, q, d)
-        return self.row + self.feat
-
-    @property
     def query(self):         # the score's wires V lacks, summed for dV and dK: (q,)
         return tuple(w for w in self.score if w not in self.value)
+
+    def of(self, placeholder: str) -> tuple[str, ...]:
+        """A placeholder's wires: score-shaped, output-shaped (row + feat) or one per row."""
+        base = placeholder[1:] if placeholder.startswith("d") and placeholder != "delta" else placeholder
+        if base in ("S", "R", "P") or base[0] == "A":
+            return self.score
+        if base == "O" or base[0] == "N":
+            return self.row + self.feat
+        return self.row  # lse, delta, Z_j
 
 
 def _roles(key, score_wires, value_wires) -> _Wires:
@@ -488,69 +504,8 @@ def _roles(key, score_wires, value_wires) -> _Wires:
     return w
 
 
-def _rowsum(wires: tuple[str, ...], body: ir.Expr) -> ir.Expr:
-    return ir.Reduce("sum", wires, body) if wires else body
-
-
-def _score_part(score, raw, w: _Wires):
-    """The tile's first binding (S from R) and the raw contraction's input grads."""
-    if score is None:
-        return [], [], {}
-    s_of_r = substitute(score, raw, _ref("R")) if raw is not None else score
-    first = [("S", s_of_r)]
-    if raw is None:
-        return first, [], {}
-    body = raw.body
-    if not (isinstance(raw, ir.Reduce) and raw.op == "sum" and isinstance(body, ir.Binary)
-            and body.op == "*" and all(isinstance(t, ir.TensorRef) and t.wires is None
-                                       for t in (body.lhs, body.rhs))):
-        raise ValueError("the raw score must be a contraction sum[w](A * B) of two inputs")
-    return first, [("dR", simplify(_mul(_ref("dS"), diff(s_of_r, _ref("R")))))], {"R": w.score, "dR": w.score}
-
-
-def _contraction_grads(raw, layouts: Mapping[str, tuple[str, ...]], score_wires) -> list:
-    """R = sum[w](A * B): dA = sum over R's wires A lacks of dR * B, and alike for B."""
-    a, b = raw.body.lhs, raw.body.rhs
-    grads = []
-    for this, other in ((a, b), (b, a)):
-        missing = tuple(x for x in score_wires if x not in layouts[this.name])
-        grads.append((this.name, _rowsum(missing, simplify(ir.Binary("*", _ref("dR"), other)))))
-    return grads
-
-
-def softmax_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str], *,
-                 value: str = "V", lse_grad: bool = False, score: Optional[ir.Expr] = None,
-                 raw: Optional[ir.Expr] = None,
-                 input_layouts: Mapping[str, tuple[str, ...]] = None) -> GradRule:
-    """Form (a), optionally with (c): O = sum[key](softmax[key](S) * V) [, lse].
-
-    score/raw: the score box's expression and the raw contraction in it;
-    input_layouts (name -> wires) is then needed to sum dQ, dK.
-    """
-    w = _roles(key, score_wires, value_wires)
-    S, O, dO, lse, P = (_ref(n) for n in ("S", "O", "dO", "lse", "P"))
-    forward = (("P", ir.Normalize("softmax", key, S)),
-               ("O", ir.Reduce("sum", (key,), ir.Binary("*", P, _ref(value)))),
-               ("lse", ir.Reduce("logsumexp", (key,), S)))
-    # dS = P (dP - delta) + P dlse = P (dP - (delta - dlse)): fold dlse into delta.
-    delta = ir.Reduce("sum", w.feat, ir.Binary("*", dO, O))
-    if lse_grad:
-        delta = ir.Binary("-", delta, _ref("dlse"))
-    first, last, extra = _score_part(score, raw, w)
-    tile = first + [
-        ("P", _recompute_p()),
-        ("dP", ir.Reduce("sum", w.feat, ir.Binary("*", dO, _ref(value)))),
-        ("dS", ir.Binary("*", P, ir.Binary("-", _ref("dP"), _ref("delta")))),
-    ] + last
-    layouts = {"S": w.score, "O": w.out, "dO": w.out, "lse": w.row, "delta": w.row,
-               "P": w.score, "dP": w.score, "dS": w.score, **extra}
-    if lse_grad:
-        layouts["dlse"] = w.row
-    grads = _contraction_grads(raw, input_layouts, w.score) if last else []
-    grads.append((value, _rowsum(w.query, ir.Binary("*", P, dO))))
-    return GradRule("softmax", key, value, lse_grad, tuple(sorted(layouts.items())), forward,
-                    ("O", "lse"), ("dO", "dlse") if lse_grad else ("dO",),
-                    (("delta", delta),), tuple(tile), tuple(grads), raw)
+def _sum(wires: tuple[str, ...], body: ir.Expr) -> ir.Expr:
+    return ir.Reduce("sum", tuple(wires), body) if wires else body
 
 
 def _recompute_p() -> ir.Expr:
@@ -559,12 +514,37 @@ def _recompute_p() -> ir.Expr:
     return ir.Call("where", (ir.Binary("==", lse, NEG_INF), ZERO, ir.Call("exp", (ir.Binary("-", S, lse),))))
 
 
+def softmax_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str], *,
+                 value: str = "V", lse_grad: bool = False, score: Optional[ir.Expr] = None,
+                 raw: Optional[ir.Expr] = None,
+                 input_layouts: Optional[Mapping[str, tuple[str, ...]]] = None) -> GradRule:
+    """Form (a), optionally with (c): O = sum[key](softmax[key](S) * V) [, lse].
+
+    score: the score box's expression (then S is the tile's first binding);
+    raw: the contraction in it that R stands for, with input_layouts
+    (input name -> wires) to sum its inputs' gradients.
+    """
+    w = _roles(key, score_wires, value_wires)
+    S, O, dO, P = _ref("S"), _ref("O"), _ref("dO"), _ref("P")
+    forward = [("P", ir.Normalize("softmax", key, S)),
+               ("O", ir.Reduce("sum", (key,), ir.Binary("*", P, _ref(value)))),
+               ("lse", ir.Reduce("logsumexp", (key,), S))]
+    # dS = P (dP - delta) + P dlse = P (dP - (delta - dlse)): fold dlse into delta.
+    delta = ir.Reduce("sum", w.feat, ir.Binary("*", dO, O))
+    if lse_grad:
+        delta = ir.Binary("-", delta, _ref("dlse"))
+    tile = [("P", _recompute_p()), ("dP", ir.Reduce("sum", w.feat, ir.Binary("*", dO, _ref(value))))]
+    ds = ir.Binary("*", P, ir.Binary("-", _ref("dP"), _ref("delta")))
+    return _assemble("softmax", w, value, lse_grad, forward, [("delta", delta)], tile, ds,
+                     ir.Binary("*", P, dO), score, raw, input_layouts)
+
+
 def sums_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str],
               contractions: Sequence[ir.Expr], rowsums: Sequence[ir.Expr], output: ir.Expr, *,
               value: str = "V", lse_grad: bool = False, score: Optional[ir.Expr] = None,
               raw: Optional[ir.Expr] = None,
-              input_layouts: Mapping[str, tuple[str, ...]] = None) -> GradRule:
-    """Form (b), optionally with (c).
+              input_layouts: Optional[Mapping[str, tuple[str, ...]]] = None) -> GradRule:
+    """Form (b), optionally with (c); the keyword arguments as for softmax_rule.
 
     contractions: a_i, elementwise in TensorRef("S"), with N_i = sum[key](a_i * V);
     rowsums: c_j with Z_j = sum[key](c_j); output: F over TensorRef("N0").., ("Z0")..
@@ -572,50 +552,62 @@ def sums_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str],
     w = _roles(key, score_wires, value_wires)
     if not contractions:
         raise ValueError("an attention output needs at least one contraction with V")
-    S, dO = _ref("S"), _ref("dO")
-    V = _ref(value)
-    n = len(contractions)
+    S, dO, V = _ref("S"), _ref("dO"), _ref(value)
+    A = [(_ref(f"A{i}"), _ref(f"dA{i}"), _ref(f"dN{i}"), a) for i, a in enumerate(contractions)]
     forward = [(f"N{i}", ir.Reduce("sum", (key,), ir.Binary("*", a, V))) for i, a in enumerate(contractions)]
     forward += [(f"Z{j}", ir.Reduce("sum", (key,), c)) for j, c in enumerate(rowsums)]
     forward.append(("O", output))
-    if lse_grad:
-        forward.append(("lse", ir.Reduce("logsumexp", (key,), S)))
-    rows = [(f"dN{i}", simplify(_mul(dO, diff(output, _ref(f"N{i}"))))) for i in range(n)]
-    rows += [(f"dZ{j}", simplify(_rowsum(w.feat, _mul(dO, diff(output, _ref(f"Z{j}"))))))
-             for j in range(len(rowsums))]
-    first, last, extra = _score_part(score, raw, w)
-    tile = first + [(f"A{i}", a) for i, a in enumerate(contractions)]
-    if lse_grad:
-        tile.append(("P", _recompute_p()))
-    tile += [(f"dA{i}", ir.Reduce("sum", w.feat, ir.Binary("*", _ref(f"dN{i}"), V))) for i in range(n)]
-    # dS = sum_i a_i'(S) dA_i + sum_j c_j'(S) dZ_j [+ P dlse]; a_i inside a_i' is read back as A_i.
-    ds = ZERO
-    for i, a in enumerate(contractions):
-        ds = _add(ds, _mul(substitute(diff(a, S), a, _ref(f"A{i}")), _ref(f"dA{i}")))
+    # dN_i = dO dF/dN_i; dZ_j = rowsum(dO dF/dZ_j), Z_j having no feature wire.
+    rows = [(f"dN{i}", _mul(dO, diff(output, _ref(f"N{i}")))) for i in range(len(A))]
+    rows += [(f"dZ{j}", _sum(w.feat, _mul(dO, diff(output, _ref(f"Z{j}"))))) for j in range(len(rowsums))]
+    tile = [(a_ref.name, a) for a_ref, _, _, a in A]
+    tile += [(da.name, ir.Reduce("sum", w.feat, ir.Binary("*", dn, V))) for _, da, dn, _ in A]
+    # dS = sum_i a_i'(S) dA_i + sum_j c_j'(S) dZ_j; a_i inside a_i' is read back as A_i.
+    ds, dv = ZERO, ZERO
+    for a_ref, da, dn, a in A:
+        ds = _add(ds, _mul(substitute(diff(a, S), a, a_ref), da))
+        dv = _add(dv, ir.Binary("*", a_ref, dn))
     for j, c in enumerate(rowsums):
         ds = _add(ds, _mul(diff(c, S), _ref(f"dZ{j}")))
+    return _assemble("sums", w, value, lse_grad, forward, rows, tile, ds, dv, score, raw, input_layouts)
+
+
+def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, score, raw,
+              input_layouts) -> GradRule:
+    """The parts every rule shares: lse, S from R, dR, input gradients, layouts."""
     if lse_grad:
-        ds = _add(ds, _mul(_ref("P"), _ref("dlse")))
-    tile.append(("dS", simplify(ds)))
-    tile += last
-    layouts = {"S": w.score, "O": w.out, "dO": w.out, "dS": w.score, **extra}
-    for i in range(n):
-        layouts.update({f"N{i}": w.out, f"dN{i}": w.out, f"A{i}": w.score, f"dA{i}": w.score})
-    for j in range(len(rowsums)):
-        layouts.update({f"Z{j}": w.row, f"dZ{j}": w.row})
-    if lse_grad:
-        layouts.update({"lse": w.row, "dlse": w.row, "P": w.score})
-    grads = _contraction_grads(raw, input_layouts, w.score) if last else []
-    dv = ZERO
-    for i in range(n):
-        dv = _add(dv, ir.Binary("*", _ref(f"A{i}"), _ref(f"dN{i}")))
-    grads.append((value, _rowsum(w.query, dv)))
-    # saved: the forward values the backward reads.
-    used = {node.name for _, e in rows + tile for node in ir.walk(e) if isinstance(node, ir.TensorRef)}
-    saved = tuple(name for name, _ in forward if name in used)
-    return GradRule("sums", key, value, lse_grad, tuple(sorted(layouts.items())), tuple(forward),
-                    saved, ("dO", "dlse") if lse_grad else ("dO",), tuple(rows), tuple(tile),
-                    tuple(grads), raw)
+        if kind == "sums":  # softmax folded dlse into delta already
+            forward = forward + [("lse", ir.Reduce("logsumexp", (w.key,), _ref("S")))]
+            tile = [("P", _recompute_p())] + tile
+            ds = _add(ds, _mul(_ref("P"), _ref("dlse")))
+    tile = tile + [("dS", simplify(ds))]
+    grads = [(value, _sum(w.query, dv))]
+    if score is not None:
+        s_of_r = substitute(score, raw, _ref("R")) if raw is not None else score
+        tile = [("S", s_of_r)] + tile
+    if raw is not None:
+        if score is None or input_layouts is None:
+            raise ValueError("a raw contraction needs the score expression and the input layouts")
+        body = raw.body if isinstance(raw, ir.Reduce) else None
+        if not (raw.op == "sum" and isinstance(body, ir.Binary) and body.op == "*"
+                and all(isinstance(t, ir.TensorRef) and t.wires is None for t in (body.lhs, body.rhs))):
+            raise ValueError("the raw score must be a contraction sum[w](A * B) of two inputs")
+        tile.append(("dR", _mul(_ref("dS"), diff(s_of_r, _ref("R")))))
+        # R = sum[w](A * B): dA sums dR * B over the wires of R that A lacks, and alike for B.
+        grads = [(this.name, _sum(tuple(x for x in w.score if x not in input_layouts[this.name]),
+                                  ir.Binary("*", _ref("dR"), other)))
+                 for this, other in ((body.lhs, body.rhs), (body.rhs, body.lhs))] + grads
+    rows = tuple((n, simplify(e)) for n, e in rows)
+    tile = tuple((n, simplify(e)) for n, e in tile)
+    used = {node.name for _, e in forward + list(rows + tile) + grads for node in ir.walk(e)
+            if isinstance(node, ir.TensorRef)} | {n for n, _ in forward + list(rows + tile)}
+    layouts = tuple((n, w.of(n)) for n in sorted(used) if is_placeholder(n))
+    # saved: forward values the backward reads and does not recompute itself (P is recomputed).
+    rebound = {n for n, _ in rows + tile}
+    saved = tuple(n for n, _ in forward
+                  if n not in rebound and any(_contains(e, _ref(n)) for _, e in rows + tile))
+    return GradRule(kind, w.key, value, lse_grad, layouts, tuple(forward), saved,
+                    ("dO", "dlse") if lse_grad else ("dO",), rows, tile, tuple(grads), raw)
 
 
 # --------------------------------------------------------------------------
@@ -648,7 +640,8 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
     attention, lse_name = None, None
     for out in diagram.outputs:
         if out.name not in lets or out.name == score_let.name:
-            raise ValueError(f"output {out.name} is not computed from the scores {score_let.name}")
+            raise ValueError(f"output {out.name} is the score box or an input: "
+                             "no normaliser to differentiate")
         e = inline(lets[out.name].expr)
         if isinstance(e, ir.Reduce) and e.op == "logsumexp":
             if e.body != _ref("S") or len(e.wires) != 1:
@@ -731,7 +724,10 @@ class _Form:
             raise ValueError("a contraction must multiply by the value tensor once")
         rest = [(f, p) for f, p in keyed if not (vs and f == vs[0])]
         weight = _product(rest)
-        if any(isinstance(n, (ir.Reduce, ir.Normalize)) for n in ir.walk(weight)) and not self._is_softmax(weight):
+        reduced = [n for n in ir.walk(weight) if isinstance(n, (ir.Reduce, ir.Normalize))]
+        if reduced and not self._is_softmax(weight):
+            if any(isinstance(n, ir.Normalize) for n in reduced):
+                raise ValueError("softmax must normalise the score box itself: sum[x](softmax[x](S) * V)")
             raise ValueError("the weights inside a sum along the key wire must be elementwise in the scores")
         if vs:
             if self.v not in (None, vs[0].name):
@@ -768,11 +764,7 @@ class _Form:
             return e.wire == self.key
         if isinstance(e, ir.Reduce) and self.key in e.wires:
             return False
-        if isinstance(e, (ir.Unary, ir.Binary, ir.Call, ir.Reduce, ir.Normalize)):
-            children = []
-            _map(e, lambda c: children.append(c) or c)
-            return any(self._keyed(c) for c in children)
-        return False
+        return any(self._keyed(c) for c in _children(e))
 
 
 def _factors(e: ir.Expr, power: int = 1) -> list:
@@ -793,116 +785,3 @@ def _product(factors) -> ir.Expr:
     for f in den:
         out = ir.Binary("/", out, f)
     return simplify(out)
-
-
-# --------------------------------------------------------------------------
-# evaluate: the reference meaning of an expression, wires matched by name.
-# --------------------------------------------------------------------------
-
-def evaluate(expr: ir.Expr, env: Mapping, layouts: Mapping[str, tuple[str, ...]],
-             wires: Sequence[str], sizes: Optional[Mapping[str, int]] = None):
-    """Evaluate ``expr`` with torch; the result has one dimension per wire in ``wires``.
-
-    env maps tensor names to torch tensors with one dimension per wire of
-    ``layouts[name]`` (flattened axes such as (hk g) unflattened).  Wire sizes
-    come from those shapes, or ``sizes`` for a wire no tensor has.  A wire
-    index is 0..size-1 (float64).  Elementwise operations broadcast by wire
-    name; softmax of a fully masked (all -inf) row is 0 and its logsumexp is
-    -inf, computed so that autograd through them gives 0, not NaN.
-    """
-    import torch
-
-    size = dict(sizes or {})
-    for name, t in env.items():
-        if name in layouts:
-            for w, n in zip(layouts[name], t.shape):
-                if size.setdefault(w, n) != n:
-                    raise ValueError(f"wire {w} has size {size[w]} and {n} ({name})")
-    t, have = _Eval(torch, env, layouts, size).run(expr)
-    wires = tuple(wires)
-    if not set(have) <= set(wires):
-        raise ValueError(f"the result has wires {have}, more than the {wires} asked for")
-    return _align(t, have, wires).expand(*(size[w] for w in wires))
-
-
-def _align(t, have: tuple, want: tuple):
-    """t (dimensions ``have``) permuted into ``want``'s order, size 1 where it lacks a wire."""
-    present = [w for w in want if w in have]
-    if have:
-        t = t.permute([have.index(w) for w in present])
-    return t.reshape([t.shape[present.index(w)] if w in have else 1 for w in want])
-
-
-class _Eval:
-    def __init__(self, torch, env, layouts, size):
-        self.torch, self.env, self.layouts, self.size = torch, env, layouts, size
-
-    def run(self, e):
-        """(tensor, its wires) for e."""
-        torch = self.torch
-        f64 = torch.float64
-        if isinstance(e, ir.Num):
-            return torch.tensor(float(e.value), dtype=f64), ()
-        if isinstance(e, ir.WireIndex):
-            return torch.arange(self.size[e.wire], dtype=f64), (e.wire,)
-        if isinstance(e, ir.WireSize):
-            return torch.tensor(float(self.size[e.wire]), dtype=f64), ()
-        if isinstance(e, ir.TensorRef):
-            declared = self.layouts[e.name]
-            wires = e.wires if e.wires is not None else declared
-            if len(wires) != len(declared) or len(set(wires)) != len(wires):
-                raise ValueError(f"cannot read {e.name} {declared} along {wires}")
-            return self.env[e.name], tuple(wires)
-        if isinstance(e, ir.Unary):
-            t, w = self.run(e.operand)
-            return (-t if e.op == "-" else torch.logical_not(t)), w
-        if isinstance(e, (ir.Binary, ir.Call)):
-            parts = [self.run(a) for a in ((e.lhs, e.rhs) if isinstance(e, ir.Binary) else e.args)]
-            wires = tuple(dict.fromkeys(w for _, ws in parts for w in ws))
-            args = [_align(t, ws, wires) for t, ws in parts]
-            return self._apply(e.op if isinstance(e, ir.Binary) else e.fn, args), wires
-        if isinstance(e, ir.Reduce):
-            t, w = self.run(e.body)
-            for extra in (x for x in e.wires if x not in w):  # summing a constant along a wire
-                t, w = t.unsqueeze(-1).expand(*t.shape, self.size[extra]), w + (extra,)
-            dims = [w.index(x) for x in e.wires]
-            rest = tuple(x for x in w if x not in e.wires)
-            if e.op == "sum":
-                return t.sum(dims), rest
-            if e.op in ("max", "min"):
-                return (t.amax(dims) if e.op == "max" else t.amin(dims)), rest
-            dead = t.amax(dims, keepdim=True) == float("-inf")
-            safe = torch.where(dead, torch.zeros_like(t), t)  # keeps autograd NaN-free
-            return torch.where(_squeeze(dead, dims),
-                               torch.tensor(float("-inf"), dtype=t.dtype), torch.logsumexp(safe, dims)), rest
-        if isinstance(e, ir.Normalize):
-            t, w = self.run(e.body)
-            dim = w.index(e.wire)
-            dead = t.amax(dim, keepdim=True) == float("-inf")
-            safe = torch.where(dead, torch.zeros_like(t), t)
-            return torch.where(dead, torch.zeros_like(t), torch.softmax(safe, dim)), w
-        raise ValueError(f"cannot evaluate {type(e).__name__}")  # pragma: no cover
-
-    def _apply(self, op, a):
-        torch = self.torch
-        table = {
-            "+": lambda: a[0] + a[1], "-": lambda: a[0] - a[1], "*": lambda: a[0] * a[1],
-            "/": lambda: a[0] / a[1], "^": lambda: torch.pow(a[0], a[1]),
-            "<": lambda: a[0] < a[1], "<=": lambda: a[0] <= a[1], ">": lambda: a[0] > a[1],
-            ">=": lambda: a[0] >= a[1], "==": lambda: a[0] == a[1], "!=": lambda: a[0] != a[1],
-            "and": lambda: torch.logical_and(a[0], a[1]), "or": lambda: torch.logical_or(a[0], a[1]),
-            "exp": lambda: torch.exp(a[0]), "exp2": lambda: torch.exp2(a[0]),
-            "log": lambda: torch.log(a[0]), "log2": lambda: torch.log2(a[0]),
-            "sqrt": lambda: torch.sqrt(a[0]), "rsqrt": lambda: torch.rsqrt(a[0]),
-            "tanh": lambda: torch.tanh(a[0]), "sigmoid": lambda: torch.sigmoid(a[0]),
-            "abs": lambda: torch.abs(a[0]), "relu": lambda: torch.relu(a[0]),
-            "max": lambda: torch.maximum(a[0], a[1]), "min": lambda: torch.minimum(a[0], a[1]),
-            "where": lambda: torch.where(a[0].bool(), a[1], a[2]),
-        }
-        return table[op]()
-
-
-def _squeeze(t, dims):
-    for d in sorted(dims, reverse=True):
-        t = t.squeeze(d)
-    return t

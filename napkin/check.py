@@ -207,7 +207,7 @@ class _Checker:
                 self.kinds[let.name] = kind
 
     def compare_wires(self, let: ir.Let, declared: set[str], produced: frozenset) -> None:
-        order = [w.name for w in self.d.wires]
+        order = [w.name for w in self.d.wires] + sorted(produced | declared)  # undeclared wires last
         extra = sorted(produced - declared, key=order.index)
         missing = sorted(declared - produced, key=order.index)
         if extra:

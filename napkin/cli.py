@@ -179,6 +179,7 @@ def cmd_compile(args) -> int:
         try:
             write_module = _provided("codegen", "write_module")
             if write_module is not None:
+                out_dir.mkdir(parents=True, exist_ok=True)
                 written = Path(write_module(path, out_dir))
                 print(f"wrote {written}")
                 if args.render:

@@ -29,7 +29,7 @@ class Diagnostic:
             head = f"{filename}: {self.message}"
             return head + (f"\n  hint: {self.hint}" if self.hint else "")
         out = [f"{filename}:{self.loc.line}:{self.loc.col}: {self.message}"]
-        lines = source.splitlines() if source is not None else []
+        lines = source.replace("\r\n", "\n").split("\n") if source is not None else []  # as Lark counts lines
         if 0 < self.loc.line <= len(lines):
             text = lines[self.loc.line - 1].expandtabs(1)
             out.append("    " + text)

@@ -29,22 +29,13 @@ UNITS = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
 MAX_DEPTH = 100
 
 
-class _Keyword(Exception):
-    """A reserved word lexed as a NAME (see _no_keywords)."""
-
-    def __init__(self, token: Token):
-        super().__init__(str(token))
-        self.token = token
-
-
 def _no_keywords(token: Token) -> Token:
     # Lark's contextual lexer reads a keyword as a NAME wherever the keyword
     # itself cannot appear (``wire out``, or ``out`` after a dangling ``+``).
-    # Either way the keyword is misplaced, and saying so beats the confusing
-    # error the parse would run into further on.
-    if str(token) in _keywords():
-        raise _Keyword(token)
-    return token
+    # Either way the keyword is misplaced: handing the parser the keyword
+    # itself makes it stop right there, expecting what belongs there.
+    keyword = _keywords().get(str(token))
+    return token if keyword is None else Token.new_borrow_pos(keyword, str(token), token)
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,10 +46,11 @@ def _parser() -> lark.Lark:
 
 
 @functools.lru_cache(maxsize=1)
-def _keywords() -> frozenset[str]:
-    """The grammar's words (wire, in, by, inf, ...): they cannot be names."""
-    return frozenset(t.pattern.value for t in _parser().terminals
-                     if t.pattern.type == "str" and re.fullmatch(r"[A-Za-z_]\w*", t.pattern.value))
+def _keywords() -> dict[str, str]:
+    """The grammar's words (wire, in, by, inf, ...), which cannot be names,
+    and their terminals (WIRE, IN, ...)."""
+    return {t.pattern.value: t.name for t in _parser().terminals
+            if t.pattern.type == "str" and re.fullmatch(r"[A-Za-z_]\w*", t.pattern.value)}
 
 
 def parse(text: str, filename: str = "<input>") -> ir.Diagram:
@@ -67,11 +59,6 @@ def parse(text: str, filename: str = "<input>") -> ir.Diagram:
         tree = _parser().parse(text)
     except UnexpectedInput as err:
         raise NapkinError([_syntax_diagnostic(err, text)], filename=filename, source=text) from None
-    except _Keyword as err:
-        tok = err.token
-        raise NapkinError([Diagnostic(f"unexpected {str(tok)!r}", _loc_of(tok),
-                                      hint=f"'{tok}' is a reserved word, so it cannot be a name")],
-                          filename=filename, source=text) from None
     try:
         _check_depth(tree)
     except NapkinError as err:
@@ -159,7 +146,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         expected = set(err.accepts or err.expected)
         if tok.type == "$END":
             what = "unexpected end of file"
-            lines = text.rstrip().splitlines() or [""]
+            lines = text.rstrip(" \t\f\r\n").split("\n")  # Lark's whitespace, Lark's lines
             loc = ir.Loc(len(lines), len(lines[-1]) + 1)
         else:
             shown = str(tok) if len(str(tok)) <= 24 else str(tok)[:20] + "..."
@@ -174,6 +161,8 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
             hint = "to compare, write '=='"
         elif str(tok) == "*" and text[:tok.start_pos].rstrip().endswith("*"):
             hint = "a power is written with '^', as in x^2"
+        elif str(tok) in _keywords() and "NAME" in expected:
+            hint += f" ('{tok}' is a reserved word, so it cannot be a name)"
         return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
         return Diagnostic(f"unexpected character {err.char!r}", ir.Loc(err.line, err.column),

@@ -323,6 +323,21 @@ def test_demo_compares_with_the_float64_reference(capsys, monkeypatch, tmp_path,
     assert "napkin_demo_scale" not in sys.modules  # the temporary module is dropped
 
 
+def test_compile_render_draws_beside_the_module(capsys, monkeypatch, tmp_path):
+    (tmp_path / "scale.ncd").write_text(SCALE)
+    monkeypatch.chdir(tmp_path)
+    _fake_passes(monkeypatch, 0.0, [])
+    code, out, err = run(capsys, "compile", "scale.ncd", "-o", "gen", "--render")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "wrote gen/scale.py"
+    if cli._provided("render", "render_file") is None:
+        assert "rendering is not available" in err
+    else:  # an SVG, or .dot text when graphviz's dot is missing
+        assert lines[1] in ("wrote gen/scale.svg", "wrote gen/scale.dot")
+        assert (tmp_path / lines[1].split()[1]).stat().st_size > 0
+
+
 @pytest.mark.skipif(cli._provided("codegen", "write_module") is None, reason="napkin.codegen not there yet")
 def test_demo_runs_the_kernel_and_compares(capsys, monkeypatch):
     monkeypatch.chdir(REPO)

@@ -49,6 +49,17 @@ def test_pyproject_ships_grammar_templates_and_profiles_as_package_data():
     assert (REPO / "templates").is_dir()
 
 
+def test_pyproject_lists_every_subpackage():
+    """A subpackage missing from the explicit list would be left out of a
+    non-editable install (and only there), so compare with the tree."""
+    listed = set(_pyproject()["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "napkin").rglob("*.py")
+             if "__pycache__" not in p.parts}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
+    for folder in ("grammars", "templates"):  # regular packages once installed
+        assert (REPO / folder / "__init__.py").is_file()
+
+
 def test_pyproject_version_and_dependencies():
     project = _pyproject()["project"]
     assert project["dynamic"] == ["version"]

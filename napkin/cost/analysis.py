@@ -16,6 +16,7 @@ not counted (the device table counts what they send).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from fractions import Fraction
 from typing import Mapping, Optional
@@ -25,7 +26,7 @@ from ..errors import NapkinError
 from . import bounds as bounds_mod
 from .devices import communication, device_count
 from .model import (Kernel, Tiling, Visited, access_fetches_poly, access_poly, chip_levels, count_access,
-                    device_tiles, kernel_tiling, kernel_work, kernels, tiling_at, visited_area,
+                    device_tiles, kernel_tiling, kernel_work, kernels, dram_fractions, tiling_at, visited_area,
                     work_numbers, work_polys)
 from .profiles import Profile, get_profile
 from .report import (SCHEMA, BoundaryTotal, CostReport, Flops, Footprint, KernelInfo, LowerBound, Resident,
@@ -104,6 +105,11 @@ def _local_sizes(diagram: ir.Diagram, sizes: dict[str, int]) -> list[dict[str, i
     return [dict(base, **{wire: c}) for c in chunks if c > 0]
 
 
+def _device_extent(diagram: ir.Diagram, sizes: dict[str, int], wire: str) -> int:
+    groups, _ = _device_split(diagram)
+    return math.ceil(sizes[wire] / groups[wire]) if wire in groups else sizes[wire]
+
+
 def _wire_sym(diagram: ir.Diagram):
     split = {t.wire for t in device_tiles(diagram)}
 
@@ -119,22 +125,63 @@ def _launches_poly(diagram: ir.Diagram) -> Poly:
 
 def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str, int]) -> Optional[Visited]:
     """The (row block, step) pairs a masked kernel visits (napkin/masks.py),
-    or None when it visits every pair."""
+    or None when it visits every pair.
+
+    Whether a kernel may skip at all is the code generator's decision (a
+    masked score must contribute nothing downstream: exp(-inf) = 0 does,
+    S * S does not), so its plan is asked first; for a schedule it cannot
+    emit, a kernel whose mask bounds the streamed wire skips."""
     groups, stream = kernel_tiling(kernel, tiles)
     if not kernel.skips or stream is None or device_tiles(diagram):
         return None
+    col, chunk = stream
+    decided = _codegen_bounds(diagram)
+    if decided is not None:
+        row, found = decided
+        if not found or row not in groups or col != decided_col(diagram):
+            return None
+        return Visited(row, frozenset(masks.visited_blocks(found, sizes[row], sizes[col], groups[row],
+                                                           chunk, sizes)))
     node = next((masks.mask_node(diagram.tensor(b).expr) for b in kernel.boxes
                  if masks.mask_node(diagram.tensor(b).expr) is not None), None)
     if node is None:
         return None
     pred = masks.mask_predicate(node)
-    col, chunk = stream
     for row, block in groups.items():
         found = masks.stream_bounds(pred, row, col, sizes)
         if found:
-            pairs = masks.visited_blocks(found, sizes[row], sizes[col], block, chunk, sizes)
-            return Visited(row, frozenset(pairs))
+            return Visited(row, frozenset(masks.visited_blocks(found, sizes[row], sizes[col], block, chunk,
+                                                               sizes)))
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(diagram: ir.Diagram):
+    """The code generator's attention plan, or None (no codegen, not attention,
+    or a schedule it refuses)."""
+    try:
+        from ..codegen import lower
+    except ImportError:
+        return None
+    try:
+        plan = lower.lower(diagram)
+    except NapkinError:
+        return None
+    return plan if getattr(plan, "family", None) == "attention" else None
+
+
+def _codegen_bounds(diagram: ir.Diagram):
+    """(row wire, loop bounds) from the generated kernel's plan: empty bounds
+    when it visits every block; None when there is no plan to ask."""
+    plan = _plan(diagram)
+    if plan is None:
+        return None
+    return plan.row, (tuple(plan.bounds) if plan.skip is not None else ())
+
+
+def decided_col(diagram: ir.Diagram) -> Optional[str]:
+    plan = _plan(diagram)
+    return plan.col if plan is not None else None
 
 
 # --------------------------------------------------------------------------
@@ -166,31 +213,46 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
         boundaries.append((f"{levels[0]}/{levels[1]}", tiling_at(diagram, levels[1])))
     transfers, totals, infos = [], [], []
     visited_by_kernel: dict[int, list] = {}
+    window = int(prof["sm_count"])
+    working_set = 0
+    dram = 0
     for name, tl in boundaries:
         load_e = load_b = store_e = store_b = 0
         total_poly = Poly()
         for k in ks:
             visits = [_visited(diagram, k, tl, s) for s in launches]
             visited_by_kernel.setdefault(k.index, visits)
+            reach = []
+            if name.startswith("hbm/"):
+                for s in launches:
+                    fractions, ws = dram_fractions(k, tl, s, window, prof["l2_bytes"])
+                    working_set = max(working_set, ws)
+                    reach.append(fractions)
             for acc in k.accesses:
                 eb = ir.DTYPE_BYTES[acc.dtype]
                 poly = access_poly(acc, k, tl, wire_sym) * n_launch
                 total_poly = total_poly + poly * eb
                 elements = sum(count_access(acc, k, tl, s, v) for s, v in zip(launches, visits)) \
                     if known else None
-                size = math.prod(full[w] for w in acc.wires) if known else None
+                # the tensor as one device holds it (all of a wire streamed across devices)
+                size = math.prod(_device_extent(diagram, full, w) for w in acc.wires) if known else None
                 transfers.append(Transfer(
                     name, k.index, acc.tensor, acc.wires, acc.kind, acc.dtype, str(poly),
                     str(access_fetches_poly(acc, k, tl, wire_sym) * n_launch),
                     elements, None if elements is None else elements * eb,
                     None if elements is None else round(elements / size, 6)))
+                if known and name.startswith("hbm/"):
+                    for s, v, fractions in zip(launches, visits, reach):
+                        issued = count_access(acc, k, tl, s, v)
+                        dram += round(issued * fractions.get(acc, 1.0)) * eb
                 if known:
                     if acc.kind == "load":
                         load_e, load_b = load_e + elements, load_b + elements * eb
                     else:
                         store_e, store_b = store_e + elements, store_b + elements * eb
         totals.append(BoundaryTotal(name, str(total_poly), *(
-            (load_e, load_b, store_e, store_b) if known else (None,) * 4)))
+            (load_e, load_b, store_e, store_b) if known else (None,) * 4),
+            dram if known and name.startswith("hbm/") else None))
 
     for k in ks:
         groups, stream = kernel_tiling(k, tiles)
@@ -275,13 +337,15 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
         t_c = fl["contraction"] / rate
         t_e = fl["exp"] / prof["exp_rate"]
         t_o = fl["other"] / prof["peak_flops_fp32"]
-        t_m = (hbm_bytes or 0) / prof["hbm_bandwidth"]
+        dram_bytes = totals[0].dram_bytes if totals else 0
+        t_m = dram_bytes / prof["hbm_bandwidth"]
+        t_issued = (hbm_bytes or 0) / prof["hbm_bandwidth"]
         t_comm = comm.time_s if comm else 0.0
         parts = {"compute": t_c, "exp": t_e, "other": t_o, "bandwidth": t_m}
         which = max(parts, key=lambda key: (parts[key], key))
         total_flops = fl["contraction"] + fl["other"] + fl["exp"]
-        roof = Roofline(prof.key, rate, t_c, t_e, t_o, t_m, t_comm, parts[which] + t_comm, which,
-                        total_flops / hbm_bytes if hbm_bytes else 0.0)
+        roof = Roofline(prof.key, rate, t_c, t_e, t_o, t_m, t_issued, working_set, t_comm,
+                        parts[which] + t_comm, which, total_flops / dram_bytes if dram_bytes else 0.0)
     if comm is not None:
         notes.append(f"numbers are per device (busiest of {device_count(diagram)})"
                      "; block skipping is not modelled across devices")

@@ -35,6 +35,8 @@ def register_cli(subparsers) -> None:
                    help="what the tile search minimises (default: predicted time)")
     p.add_argument("--dtypes", default=None, metavar="LIST",
                    help="compare the diagram with every tensor in each of these dtypes, e.g. fp32,fp16")
+    p.add_argument("--capacities", default=None, metavar="LIST",
+                   help="compare shared-memory capacities in bytes, e.g. 65536,131072,262144")
     p.set_defaults(func=handler)
 
 
@@ -58,9 +60,12 @@ def handler(args) -> int:
     try:
         sizes = parse_sizes(args.sizes)
         if args.dtypes:
-            print(json.dumps(dtype_table(diagram, sizes, args.device, _dtypes(args.dtypes)), indent=2)
-                  if args.json else format_dtype_table(dtype_table(diagram, sizes, args.device,
-                                                                   _dtypes(args.dtypes))))
+            rows = dtype_table(diagram, sizes, args.device, _dtypes(args.dtypes))
+            print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, "dtype"))
+            return 0
+        if args.capacities:
+            rows = capacity_table(diagram, sizes, args.device, _capacities(args.capacities))
+            print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, "smem capacity"))
             return 0
         if args.tune:
             results = tune(diagram, sizes, args.device, top=args.top, objective=args.objective)
@@ -112,22 +117,49 @@ def recast(diagram: ir.Diagram, dtype: str) -> ir.Diagram:
                    for t in diagram.lets))
 
 
+def with_capacity(diagram: ir.Diagram, level: str, capacity: int) -> ir.Diagram:
+    """A copy whose ``level`` has the given capacity in bytes."""
+    levels = tuple(dataclasses.replace(lv, capacity=capacity) if lv.name == level else lv
+                   for lv in diagram.schedule.levels)
+    return dataclasses.replace(diagram, schedule=dataclasses.replace(diagram.schedule, levels=levels))
+
+
+def _sweep_row(key: str, value, d: ir.Diagram, sizes, device) -> dict:
+    r = analyse(d, sizes, device)
+    best = tune(d, sizes, device, top=1, objective="transfers") if r.hbm_bytes is not None else []
+    return {key: value, "hbm_bytes": r.hbm_bytes, "bound_bytes": r.bound.bytes,
+            "bound_reread_bytes": r.bound.reread_bytes,
+            "tuned_blocks": dict(best[0].blocks) if best else None,
+            "tuned_hbm_bytes": best[0].hbm_bytes if best else None}
+
+
 def dtype_table(diagram, sizes, device, dtypes) -> list[dict]:
-    rows = []
-    for dt in dtypes:
-        d = recast(diagram, dt)
-        r = analyse(d, sizes, device)
-        best = tune(d, sizes, device, top=1, objective="transfers") if r.hbm_bytes is not None else []
-        rows.append({"dtype": dt, "hbm_bytes": r.hbm_bytes, "bound_bytes": r.bound.bytes,
-                     "bound_reread_bytes": r.bound.reread_bytes,
-                     "tuned_blocks": dict(best[0].blocks) if best else None,
-                     "tuned_hbm_bytes": best[0].hbm_bytes if best else None})
-    return rows
+    return [_sweep_row("dtype", dt, recast(diagram, dt), sizes, device) for dt in dtypes]
 
 
-def format_dtype_table(rows) -> str:
-    head = ["dtype", "schedule hbm", "bound", "bound re-read term", "tuned hbm", "tuned blocks"]
-    body = [[r["dtype"], human(r["hbm_bytes"], "B"), human(r["bound_bytes"], "B"),
+def capacity_table(diagram, sizes, device, capacities) -> list[dict]:
+    if diagram.level("smem") is None:
+        raise NapkinError(f"diagram {diagram.name} has no smem level to resize")
+    return [_sweep_row("smem capacity", c, with_capacity(diagram, "smem", c), sizes, device)
+            for c in capacities]
+
+
+def _capacities(text: str) -> list[int]:
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) <= 0:
+            raise NapkinError(f"--capacities: {item!r} is not a positive whole number of bytes")
+        out.append(int(item))
+    return out
+
+
+def format_sweep(rows, key: str) -> str:
+    """The same diagram at several dtypes or capacities: the schedule as written,
+    the lower bound (and its capacity-dependent term), and the best blocks the
+    tile search finds for the fewest transfers."""
+    head = [key, "schedule hbm", "bound", "bound re-read term", "tuned hbm", "tuned blocks"]
+    body = [[str(r[key]), human(r["hbm_bytes"], "B"), human(r["bound_bytes"], "B"),
              human(r["bound_reread_bytes"], "B"), human(r["tuned_hbm_bytes"], "B"),
              " ".join(f"{w}={b}" for w, b in (r["tuned_blocks"] or {}).items())] for r in rows]
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]

@@ -42,6 +42,7 @@ NVLINK_DOMAIN = 8  # GPUs per NVLink domain (one DGX/HGX node)
 class CommRow:
     tensor: str
     collective: str       # "all-gather", "ring pass" or "merge (all-to-all)"
+    among: tuple[str, ...]  # the device-split wires whose parts the collective spans
     group: int            # devices in the collective
     steps: int
     dtype: str
@@ -110,7 +111,8 @@ def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[di
         how many devices share it."""
         poly, n, share = Poly.const(1), 1, p
         for w in wires:
-            poly = poly * wire_sym(w)
+            # all chunks of a wire streamed across devices pass through each device
+            poly = poly * (Poly.sym(w) if stream and w == stream[0] else wire_sym(w))
             if w in groups:
                 share //= groups[w]
             if n is not None:
@@ -120,7 +122,8 @@ def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[di
     def add(name, wires, dtype, collective, share, steps, poly, n):
         frac = Poly.const(1) - Poly.const(1) / share_sym(wires, collective)
         nbytes = None if n is None else (n - n // share) * ir.DTYPE_BYTES[dtype]
-        rows.append(CommRow(name, collective, share, steps, dtype, str(poly * frac * ir.DTYPE_BYTES[dtype]),
+        among = (stream[0],) if collective == "ring pass" else tuple(w for w in groups if w not in wires)
+        rows.append(CommRow(name, collective, among, share, steps, dtype, str(poly * frac * ir.DTYPE_BYTES[dtype]),
                             nbytes, nbytes))
 
     def share_sym(wires, collective) -> Poly:
@@ -193,7 +196,8 @@ def _value_wires(diagram: ir.Diagram, kernel: Kernel) -> set[str]:
 
 def _steps(rows: list[CommRow]) -> int:
     """Tensors in the same collective among the same devices move together."""
-    seen: dict[tuple[str, int], int] = {}
+    seen: dict[tuple, int] = {}
     for r in rows:
-        seen[(r.collective, r.group)] = max(seen.get((r.collective, r.group), 0), r.steps)
+        key = (r.collective, r.among)
+        seen[key] = max(seen.get(key, 0), r.steps)
     return sum(seen.values())

@@ -263,13 +263,16 @@ def access_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym: Callabl
         poly = poly * wire_sym(w)
     for w, block in groups.items():
         if w not in access.wires:
-            poly = poly * wire_sym(w) / block_sym(w, block)
+            poly = poly * wire_sym(w) / block_sym(w, block, tiles.level)
     return poly
 
 
-def block_sym(wire: str, block: int) -> Poly:
-    """``g_q`` for a real block; a block of 1 (one program per index) is just 1."""
-    return Poly.const(1) if block == 1 else Poly.sym(f"g_{wire}")
+def block_sym(wire: str, block: int, level: str = "smem") -> Poly:
+    """``g_q`` for a real block (``g_q_regs`` for a regs level's); a block of 1
+    (one program per index) is just 1."""
+    if block == 1:
+        return Poly.const(1)
+    return Poly.sym(f"g_{wire}" if level == "smem" else f"g_{wire}_{level}")
 
 
 def access_fetches_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym) -> Poly:
@@ -279,7 +282,7 @@ def access_fetches_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym)
     poly = Poly.const(2 if (kernel.two_pass and s in access.wires and access.kind == "load") else 1)
     for w, block in groups.items():
         if w not in access.wires:
-            poly = poly * wire_sym(w) / block_sym(w, block)
+            poly = poly * wire_sym(w) / block_sym(w, block, tiles.level)
     return poly
 
 
@@ -339,8 +342,9 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
 
     def visit(e: ir.Expr) -> None:
         wires = node_wires(diagram, e)
-        if isinstance(e, (ir.Num, ir.WireIndex, ir.WireSize, ir.TensorRef)):
-            return
+        if isinstance(e, (ir.Num, ir.WireIndex, ir.WireSize, ir.TensorRef)) or \
+                (not wires and not isinstance(e, ir.Reduce)):
+            return  # leaves, and constants computed once (|d|^-0.5)
         factors = contraction_factors(e, diagram)
         if factors:
             items.append(("contraction", node_wires(diagram, e.body), 2))
@@ -404,3 +408,60 @@ def exact(value: Fraction) -> int:
     if value.denominator != 1:
         raise ValueError(f"expected a whole number, got {value}")
     return value.numerator
+
+
+# --------------------------------------------------------------------------
+# What reaches DRAM: re-reads that stay in L2.
+#
+# The transfers above are what the kernel issues (and what the byte counter
+# measures).  DRAM sees less: programs run in waves of one per SM, in launch
+# order, and the programs of a wave walk the streamed wire roughly in step,
+# so a tile several programs of one wave read comes from DRAM once per wave
+# and from L2 after that, as long as one step's shared tiles fit in L2.
+# Across waves nothing is assumed to survive.  A two-pass kernel's second
+# pass is assumed to miss.  This is an estimate, used only for the roofline.
+# --------------------------------------------------------------------------
+
+def launch_order(groups: dict[str, int]) -> list[str]:
+    """Grid wires, fastest-varying first, as the kernels launch them: the
+    blocked wires (grid axis 0, then 1) in schedule order, then the batch
+    wires (block 1) flattened with the last one fastest."""
+    blocked = [w for w, b in groups.items() if b > 1]
+    batch = [w for w, b in groups.items() if b == 1]
+    return blocked + batch[::-1]
+
+
+def shared_loads(kernel: Kernel, tiles: Tiling) -> list[Access]:
+    """Loads several programs read: those lacking a grid wire."""
+    groups, _ = kernel_tiling(kernel, tiles)
+    return [a for a in kernel.accesses if a.kind == "load" and any(w not in a.wires for w in groups)]
+
+
+def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: int,
+                   l2_bytes: float) -> tuple[dict[Access, float], int]:
+    """For each shared load, the fraction of its issued bytes that reaches
+    DRAM; and one step's shared working set of the first wave, in bytes."""
+    import numpy as np
+
+    groups, stream = kernel_tiling(kernel, tiles)
+    order = launch_order(groups)
+    counts = [math.ceil(sizes[w] / groups[w]) for w in order]
+    linear = np.arange(math.prod(counts), dtype=np.int64)
+    index, rest = {}, linear
+    for w, n in zip(order, counts):
+        index[w], rest = rest % n, rest // n
+    waves = linear // wave
+    first = linear < wave
+    fractions, step_bytes = {}, 0
+    for acc in shared_loads(kernel, tiles):
+        key = waves.copy()
+        for w, n in zip(order, counts):
+            if w in acc.wires:
+                key = key * n + index[w]
+        fractions[acc] = np.unique(key).size / linear.size
+        per_step = math.prod(groups[w] if w in groups else stream[1] if stream and w == stream[0]
+                             else sizes[w] for w in acc.wires)
+        step_bytes += np.unique(key[first]).size * per_step * ir.DTYPE_BYTES[acc.dtype]
+    if step_bytes > l2_bytes:
+        fractions = {a: 1.0 for a in fractions}
+    return fractions, step_bytes

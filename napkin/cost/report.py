@@ -43,6 +43,7 @@ class BoundaryTotal:
     load_bytes: Optional[int]
     store_elements: Optional[int]
     store_bytes: Optional[int]
+    dram_bytes: Optional[int]   # estimate: re-reads served by L2 when they fit (hbm boundary only)
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,13 @@ class Roofline:
     contraction_s: float
     exp_s: float
     other_s: float
-    hbm_s: float
+    hbm_s: float             # the DRAM estimate at hbm bandwidth
+    hbm_issued_s: float      # every issued byte at hbm bandwidth (no L2 reuse)
+    l2_working_set: int      # bytes one step of the first wave shares (must fit l2_bytes)
     communication_s: float
     estimate_s: float
     bound: str               # "compute", "exp", "other", "bandwidth"
-    intensity: float         # FLOPs per hbm byte
+    intensity: float         # FLOPs per DRAM byte (the estimate)
 
 
 @dataclass(frozen=True)
@@ -212,10 +215,16 @@ def seconds(t: Optional[float]) -> str:
     return f"{t / 1e-9:.3g} ns"
 
 
+_NUMERIC = {"k", "elements", "bytes", "fetches", "group", "received", "sent"}
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Left-aligned text columns, right-aligned number columns."""
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 or not c[:1].isdigit() and c != "?" else c.rjust(w)
-                              for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    def fmt(r):
+        return "  ".join(c.rjust(w) if h in _NUMERIC else c.ljust(w)
+                         for c, w, h in zip(r, widths, header)).rstrip()
     return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
 
 
@@ -244,6 +253,8 @@ def format_text(r: CostReport) -> str:
     for t in r.totals:
         out.append(f"total {t.boundary}: loads {human(t.load_bytes, 'B')}, stores {human(t.store_bytes, 'B')}"
                    f"  = {t.formula_bytes} bytes")
+        if t.dram_bytes is not None and t.dram_bytes != t.load_bytes + t.store_bytes:
+            out.append(f"  of which reach DRAM (re-reads hit L2): {human(t.dram_bytes, 'B')}")
     if r.devices:
         d = r.devices
         out.append("")
@@ -278,6 +289,7 @@ def format_text(r: CostReport) -> str:
         out.append(f"roofline on {rf.profile}: {seconds(rf.estimate_s)}, {rf.bound}-bound "
                    f"(compute {seconds(rf.contraction_s)}, exp {seconds(rf.exp_s)}, other {seconds(rf.other_s)}, "
                    f"hbm {seconds(rf.hbm_s)}"
+                   + (f" [{seconds(rf.hbm_issued_s)} if no re-read hit L2]" if rf.hbm_issued_s != rf.hbm_s else "")
                    + (f", communication {seconds(rf.communication_s)}" if rf.communication_s else "")
                    + f"); intensity {rf.intensity:.3g} FLOP/B")
     for note in r.notes:

@@ -103,7 +103,7 @@ class Poly:
     def __str__(self) -> str:
         if not self.terms:
             return "0"
-        ordered = sorted(self.terms, key=lambda t: (-sum(max(e, 0) for _, e in t[0]),
+        ordered = sorted(self.terms, key=lambda t: (-sum(max(e, 0) for _, e in t[0]), t[1] < 0,
                                                       _mono_str(t[0], Fraction(1))))
         out = ""
         for i, (m, c) in enumerate(ordered):

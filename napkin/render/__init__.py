@@ -71,8 +71,9 @@ def svg_text(dot_text: str) -> Optional[str]:
 def _format_of(out_path: Path) -> str:
     fmt = out_path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
-        raise NapkinError(f"cannot draw to {out_path.name!r}: the name must end in "
-                          + ", ".join("." + f for f in FORMATS))
+        raise NapkinError(f"unknown picture format {out_path.suffix or '(none)'!r}: the name must end in "
+                          + ", ".join("." + f for f in FORMATS[:-1]) + " or ." + FORMATS[-1],
+                          filename=str(out_path))
     return fmt
 
 
@@ -84,7 +85,7 @@ def _write(out_path: Path, data) -> None:
         else:
             out_path.write_bytes(data)
     except OSError as err:
-        raise NapkinError(f"cannot write {out_path}: {err.strerror}") from None
+        raise NapkinError(f"cannot write {out_path}: {err.strerror}", filename=str(out_path)) from None
 
 
 # --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ class Traffic:
     moves: dict = field(default_factory=dict)
     kernel_of: dict = field(default_factory=dict)
     sizes: tuple = ()
+    per_device: bool = False
 
     def get(self, inner: str, tensor: str, direction: str, box: Optional[str]) -> Optional[float]:
         kernel = self.kernel_of.get(box) if box is not None else None
@@ -57,7 +58,8 @@ def traffic_from(costs) -> Traffic:
         key = ("hbm", row.tensor, direction, None)
         moves[key] = moves.get(key, 0) + row.bytes_received
     kernel_of = {box: k.index for k in getattr(costs, "kernels", ()) or () for box in k.boxes}
-    return Traffic(moves, kernel_of, tuple(getattr(costs, "sizes", ()) or ()))
+    return Traffic(moves, kernel_of, tuple(getattr(costs, "sizes", ()) or ()),
+                   bool(getattr(costs, "per_device", False)))
 
 
 def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:

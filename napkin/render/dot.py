@@ -25,10 +25,13 @@ What the picture shows, left to right (rankdir=LR):
   when that wire is grouped - the term the cost model charges for.
 * Memory levels are nested clusters, outermost first (devices, HBM, SMEM,
   registers), each titled with its capacity and tiles.  With a devices level
-  that splits wires, a "peer devices" node stands for the rest of the grid:
-  gathered inputs come from it, partial results are merged through it.
+  that splits wires, "peer devices" nodes stand for the rest of the grid:
+  gathered (or ring-passed) inputs come from one on the left, partial
+  results are merged through one on the right.
 * With a cost report, an edge that crosses a level boundary carries the
-  bytes that tensor moves across it.
+  bytes that tensor moves across it (loads on the way in, stores out).
+* Edge labels are small text nodes the edge runs through (see ``edge``), so
+  they never sit on a cluster's title.
 """
 from __future__ import annotations
 
@@ -249,7 +252,13 @@ def _device_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
 # --------------------------------------------------------------------------
 
 class _Picture:
-    """Collects the DOT statements; ``text()`` assembles them in a fixed order."""
+    """Collects the DOT statements; ``text()`` assembles them in a fixed order.
+
+    Node ids: ``t.NAME`` a tensor in memory, ``op.NAME`` a box, ``j.BOX.WIRE``
+    the dot where BOX sums WIRE away, ``e.N`` an edge's label, ``peers.in`` /
+    ``peers.out`` the rest of the device grid.  A napkin name cannot contain
+    a dot, so ids never collide.
+    """
 
     def __init__(self, diagram: ir.Diagram, traffic: Traffic):
         self.d = diagram
@@ -262,6 +271,7 @@ class _Picture:
         self.nodes: dict[Optional[str], list[str]] = {}   # level (None: outside) -> node lines
         self.edges: list[str] = []
         self.labelled: set[tuple] = set()                 # traffic keys already shown
+        self.label_count = 0                              # edge label nodes so far
         self.outputs = [o.name for o in diagram.outputs]
 
     # ---- where things live ----
@@ -278,8 +288,8 @@ class _Picture:
         """The node a tensor's consumers read from."""
         let = self.d.tensor(name)
         if isinstance(let, ir.Let) and self.fused(let):
-            return f"op_{name}"
-        return f"t_{name}"
+            return f"op.{name}"
+        return f"t.{name}"
 
     def add_node(self, level: Optional[str], line: str) -> None:
         self.nodes.setdefault(level, []).append(line)
@@ -340,25 +350,27 @@ class _Picture:
 
     def edge(self, src: str, dst: str, wires: tuple[str, ...], notes: list[str] = (), **extra) -> None:
         """An edge carrying ``wires``.  A labelled edge runs through its label,
-        a text node of its own placed in the outer of the two levels it joins:
+        a text node of its own placed in the inner of the two levels it joins:
         Graphviz keeps nodes out of clusters they do not belong to, whereas
-        plain edge labels may land on a cluster's title."""
+        plain edge labels may land on a cluster's title, and the edge then
+        enters the inner cluster from the side rather than through its title."""
         colours = ":".join(self.colour.get(w, "#000000") for w in wires) or "#000000"
         rows = [" ".join(self.wire_label(w) for w in wires)] + list(notes)
         style = extra.pop("style", None) or ("dashed" if self.streamed(wires) else None)
         if not any(rows):
-            self.edges.append(f"  {src} -> {dst} " + _attrs(color=colours, style=style, **extra) + ";")
+            self.edges.append(f"  {_q(src)} -> {_q(dst)} " + _attrs(color=colours, style=style, **extra) + ";")
             return
-        mid = f"e{len(self.edges)}"
+        mid = f"e.{self.label_count}"
+        self.label_count += 1
         ends = [lv for lv in (self.node_level(src), self.node_level(dst)) if lv is not None]
         where = max(ends, key=ir.LEVELS.index) if ends else None
-        self.add_node(where, f"    {mid} " + _attrs(
+        self.add_node(where, f"    {_q(mid)} " + _attrs(
             shape="plain", fontsize="11", label=f"<{_table(rows)}>") + ";")
-        self.edges.append(f"  {src} -> {mid} " + _attrs(
+        self.edges.append(f"  {_q(src)} -> {_q(mid)} " + _attrs(
             color=colours, style=style, arrowhead="none", **extra) + ";")
-        if dst.startswith("j_"):
+        if dst.startswith("j."):
             extra.setdefault("arrowhead", "none")   # wires meet at the dot
-        self.edges.append(f"  {mid} -> {dst} " + _attrs(color=colours, style=style, **extra) + ";")
+        self.edges.append(f"  {_q(mid)} -> {_q(dst)} " + _attrs(color=colours, style=style, **extra) + ";")
 
     # ---- nodes ----
     def tensor_node(self, name: str, wires_of_layout: tuple[ir.Axis, ...], dtype: str) -> None:
@@ -369,7 +381,7 @@ class _Picture:
             for a in wires_of_layout)
         out = " (out)" if name in self.outputs else ""
         label = "<" + _table([f"<b>{_h(name)}</b>{_h(out)}", f"[{layout}] : {_h(dtype)}"]) + ">"
-        self.add_node(level, f"    t_{name} " + _attrs(
+        self.add_node(level, f"    {_q('t.' + name)} " + _attrs(
             shape="cylinder", style="filled", fillcolor=fill, label=label,
             penwidth="2.5" if out else None) + ";")
 
@@ -383,9 +395,9 @@ class _Picture:
             tag = " (out)"
         head = f"<b>{_h(let.name)}</b>{_h(tag)} [{layout}]"
         label = "<" + _table([head, f'<font point-size="10">{body}</font>']) + ">"
-        self.add_node(self.run_at, f"    op_{let.name} " + _attrs(
+        self.add_node(self.run_at, f"    {_q('op.' + let.name)} " + _attrs(
             shape="box", style="rounded,filled", fillcolor="#ffffff", label=label,
-            peripheries=2 if tag else None) + ";")
+            penwidth="2.5" if tag else None) + ";")
 
     # ---- the whole diagram ----
     def build(self) -> None:
@@ -402,14 +414,14 @@ class _Picture:
 
     def node_level(self, node: str) -> Optional[str]:
         """The level cluster a node id is drawn in."""
-        if node.startswith("peers"):
+        if node.startswith("peers."):
             return "devices"
-        if node.startswith(("op_", "j_")):
+        if node.startswith(("op.", "j.")):
             return self.run_at
-        return self.home(node.split("_", 1)[1])
+        return self.home(node.split(".", 1)[1])
 
     def wire_box(self, let: ir.Let) -> None:
-        box = f"op_{let.name}"
+        box = f"op.{let.name}"
         joins: dict[str, str] = {}
         for use in box_uses(self.d, let):
             src = self.source(use.tensor)
@@ -420,20 +432,20 @@ class _Picture:
                 notes = []
             for wire in use.summed:
                 if wire not in joins:
-                    joins[wire] = f"j_{let.name}_{wire}"
+                    joins[wire] = f"j.{let.name}.{wire}"
                 self.edge(src, joins[wire], (wire,), notes)
                 notes = []
         for wire, join in joins.items():
             # The dot where the summed wires meet; a short, unlabelled stub
             # carries it into the box, with no arrow: nothing comes out.
             colour = self.colour.get(wire, "#000000")
-            self.add_node(self.run_at, f"    {join} " + _attrs(
+            self.add_node(self.run_at, f"    {_q(join)} " + _attrs(
                 shape="point", width="0.12", color=colour, fillcolor=colour) + ";")
-            self.edges.append(f"  {join} -> {box} " + _attrs(
+            self.edges.append(f"  {_q(join)} -> {_q(box)} " + _attrs(
                 color=colour, arrowhead="none", penwidth="2", weight="4") + ";")
         if self.d.schedule is not None and not self.fused(let):
             wires = ir.axis_wires(let.axes)
-            self.edge(box, f"t_{let.name}", wires,
+            self.edge(box, f"t.{let.name}", wires,
                       self.bytes_note(let.name, self.run_at, self.home(let.name), let.name))
 
     def devices(self) -> None:
@@ -472,19 +484,19 @@ class _Picture:
                                 if w in split and split[w].kind == "group")
                 if merged:
                     merges.append((name, " ".join(merged)))
-        for node, title, used in (("peers_in", "peer devices", arrivals),
-                                  ("peers_out", "peer devices: merge", merges)):
+        for node, title, used in (("peers.in", "peer devices", arrivals),
+                                  ("peers.out", "peer devices: merge", merges)):
             if used:
-                self.add_node("devices", f"    {node} " + _attrs(
+                self.add_node("devices", f"    {_q(node)} " + _attrs(
                     shape="box3d", style="filled", fillcolor=LEVEL_STYLE["devices"][3],
                     label="<" + _table([f"<b>{_h(title)}</b>", _h(desc)]) + ">") + ";")
         for name, what in arrivals:
             note = f'<font color="{NOTE_COLOUR}">{_h(what)}</font>'
-            self.edge("peers_in", self.source(name), (),
+            self.edge("peers.in", self.source(name), (),
                       [note] + self.bytes_note(name, "devices", "hbm"), style="dashed")
         for name, wires in merges:
             note = f'<font color="{NOTE_COLOUR}">partial state, merged over {_h(wires)}</font>'
-            self.edge(self.source(name), "peers_out", (),
+            self.edge(self.source(name), "peers.out", (),
                       [note] + self.bytes_note(name, "hbm", "devices"), style="dashed")
 
     # ---- assembly ----
@@ -552,7 +564,8 @@ class _Picture:
             + "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + extra + "</tr></table>")
         return ('<<table border="0" cellborder="0" cellspacing="0" cellpadding="0">'
                 + row([f'<font point-size="14"><b>{_h(title)}</b></font>'])
-                + (row([_h("bytes moved at " + " ".join(f"{w}={n}" for w, n in self.traffic.sizes))])
+                + (row([_h("bytes moved" + (" per device" if self.traffic.per_device else "") + " at "
+                              + " ".join(f"{w}={n}" for w, n in self.traffic.sizes))])
                    if self.traffic.moves else "")
                 + row([inner(keys)])
                 + row([inner(more, levels)])

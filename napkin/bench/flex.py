@@ -1,0 +1,611 @@
+"""A diagram's FlexAttention equivalent, emitted as Python source from the IR.
+
+FlexAttention computes ``softmax(score_mod(Q K^T * scale) masked by mask_mod) V``
+(plus the row log-sum-exp).  A napkin diagram of the form
+
+    S = f(sum[d](Q * K), indices, side tensors)      (one contraction)
+    O = sum[x](softmax[x](S) * V)                     (optionally lse = logsumexp[x](S))
+
+maps onto it as follows, and ``emit(diagram)`` writes that mapping out as a
+small self-contained module (``FlexSource.text``):
+
+* scale: when the contraction is multiplied (or divided) by a constant,
+  ``sum[d](Q * K) * |d|^-0.5``, the constant becomes flex_attention's
+  ``scale`` and score_mod sees the already-scaled score, exactly as flex
+  computes it.  Otherwise ``scale=1.0`` and score_mod applies everything, so
+  the scale is never applied twice or dropped.
+* mask: every ``where(pred, s, -inf)`` wrapped around the whole score (and
+  not reading the score itself) becomes mask_mod, so a BlockMask can skip
+  empty blocks; what is left is score_mod (None when it is the identity).
+* indices: the query wire reads ``q_idx``, the key wire ``kv_idx``, the
+  batch wire ``b`` and the head wire ``h``.  Grouped-query heads stored as
+  ``(hk g)`` become ``enable_gqa=True``; there flex's ``h`` is the query head,
+  so hk reads ``h // |g|`` and g reads ``h % |g|``.
+* side tensors are captured by the mods and indexed with those names:
+  ``slope[h]``, ``doc[b, q]`` -> ``doc[b, q_idx]``.
+
+Anything else has no FlexAttention equivalent (sigmoid attention, an L2
+normaliser, a matmul, a score reading V ...) and ``emit`` raises
+``NoFlexEquivalent`` saying why: the benchmark reports that rather than
+timing something that computes a different function.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import ir, tiling
+from ..errors import NapkinError
+from ..printer import expr_text
+
+TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
+                "int64": "int64", "int32": "int32", "bool": "bool"}
+
+# The placeholder that stands for flex's ``score`` argument inside the IR.
+SCORE = ir.TensorRef("score")
+
+_CALLS = {"exp": "torch.exp", "exp2": "torch.exp2", "log": "torch.log", "log2": "torch.log2",
+          "sqrt": "torch.sqrt", "rsqrt": "torch.rsqrt", "tanh": "torch.tanh",
+          "sigmoid": "torch.sigmoid", "abs": "torch.abs", "relu": "torch.relu"}
+
+
+class NoFlexEquivalent(NapkinError):
+    """The diagram computes something FlexAttention cannot express."""
+
+    def __init__(self, diagram: str, why: str):
+        self.why = why
+        super().__init__(f"diagram {diagram}: no FlexAttention equivalent: {why}")
+
+
+@dataclass(frozen=True)
+class FlexSource:
+    """What ``emit`` found, and the module text.  ``causal`` / ``plain`` tell the
+    SDPA baseline whether it can compute the same function (is_causal, or no
+    mask and no score_mod at all)."""
+
+    diagram: str
+    text: str
+    scale: float
+    enable_gqa: bool
+    has_score_mod: bool
+    mask: Optional[str]          # the mask predicate as napkin text, None if unmasked
+    causal: bool                 # the mask is exactly key <= query
+    causal_part: bool            # key <= query is one of the mask's conjuncts
+    side: tuple[str, ...]        # inputs the mods read
+    outputs: tuple[str, ...]
+
+    @property
+    def plain(self) -> bool:
+        return not self.has_score_mod and self.mask is None and not self.side
+
+
+# --------------------------------------------------------------------------
+# Recognising the attention.
+# --------------------------------------------------------------------------
+
+def _inline(d: ir.Diagram, e: ir.Expr, refuse) -> ir.Expr:
+    """e with every box it reads substituted in (boxes are names, not storage)."""
+    if isinstance(e, ir.TensorRef):
+        let = next((t for t in d.lets if t.name == e.name), None)
+        if let is None:
+            return e
+        if e.wires is not None and tuple(e.wires) != ir.axis_wires(let.axes):
+            refuse(f"the box {e.name} is read relabelled ({e.name}[{', '.join(e.wires)}])")
+        return _inline(d, let.expr, refuse)
+    return _rebuild(e, lambda c: _inline(d, c, refuse))
+
+
+def _rebuild(e: ir.Expr, f) -> ir.Expr:
+    """e with f applied to each direct child."""
+    if isinstance(e, ir.Unary):
+        return ir.Unary(e.op, f(e.operand))
+    if isinstance(e, ir.Binary):
+        return ir.Binary(e.op, f(e.lhs), f(e.rhs))
+    if isinstance(e, ir.Call):
+        return ir.Call(e.fn, tuple(f(a) for a in e.args))
+    if isinstance(e, ir.Reduce):
+        return ir.Reduce(e.op, e.wires, f(e.body))
+    if isinstance(e, ir.Normalize):
+        return ir.Normalize(e.op, e.wire, f(e.body))
+    return e
+
+
+def _replace(e: ir.Expr, old: ir.Expr, new: ir.Expr) -> ir.Expr:
+    return new if e == old else _rebuild(e, lambda c: _replace(c, old, new))
+
+
+def _product_factors(e: ir.Expr) -> list:
+    if isinstance(e, ir.Binary) and e.op == "*":
+        return _product_factors(e.lhs) + _product_factors(e.rhs)
+    return [e]
+
+
+def _is_neg_inf(e: ir.Expr) -> bool:
+    return isinstance(e, ir.Num) and e.value == float("-inf")
+
+
+def _const(e: ir.Expr, d: ir.Diagram) -> Optional[float]:
+    """The value of e when it is made of numbers and fixed wire sizes only."""
+    if isinstance(e, ir.Num):
+        return float(e.value)
+    if isinstance(e, ir.WireSize):
+        w = d.wire(e.wire)
+        return float(w.size) if w is not None and w.size is not None else None
+    if isinstance(e, ir.Unary) and e.op == "-":
+        v = _const(e.operand, d)
+        return None if v is None else -v
+    if isinstance(e, ir.Binary) and e.op in ir.ARITH_OPS:
+        a, b = _const(e.lhs, d), _const(e.rhs, d)
+        if a is None or b is None:
+            return None
+        try:
+            v = {"+": a + b, "-": a - b, "*": a * b}.get(e.op)
+            if v is None:
+                v = a / b if e.op == "/" else a ** b
+        except (ZeroDivisionError, OverflowError):
+            return None
+        return None if isinstance(v, complex) or math.isnan(v) else float(v)
+    return None
+
+
+@dataclass
+class _Roles:
+    """Which wire plays which part in flex's (B, H, L, E) layout."""
+
+    row: str                      # q
+    key: str                      # x
+    dim: str                      # d, contracted in the score
+    vdim: str                     # V's feature wire (d again, usually)
+    batch: Optional[str]          # b, or None (then B = 1)
+    head: Optional[ir.Axis]       # ("h",) or ("hk", "g") for GQA, or None (H = 1)
+
+    @property
+    def gqa(self) -> bool:
+        return self.head is not None and len(self.head) == 2
+
+    @property
+    def kv_head(self) -> Optional[str]:
+        return self.head[0] if self.head is not None else None
+
+
+class _Analysis:
+    """Takes a diagram apart into flex's pieces, or refuses with a reason."""
+
+    def __init__(self, d: ir.Diagram):
+        self.d = d
+
+    def refuse(self, why: str):
+        raise NoFlexEquivalent(self.d.name, why)
+
+    def run(self):
+        d = self.d
+        lets = {t.name: t for t in d.lets}
+        attention, lse, score = None, None, None
+        for out in d.outputs:
+            if out.name not in lets:
+                self.refuse(f"output {out.name} is an input, not an attention output")
+            e = _inline(d, lets[out.name].expr, self.refuse)
+            if isinstance(e, ir.Reduce) and e.op == "logsumexp" and len(e.wires) == 1:
+                lse, s = out.name, e.body
+                key = e.wires[0]
+            elif isinstance(e, ir.Reduce) and e.op == "sum" and len(e.wires) == 1 and attention is None:
+                attention, key = out.name, e.wires[0]
+                s, value = self._softmax_times_value(out.name, e)
+            else:
+                self.refuse(f"output {out.name} is neither softmax attention sum[x](softmax[x](S) * V) "
+                            "nor its logsumexp[x](S)")
+            if score is not None and (s != score or key != self.key):
+                self.refuse("the outputs do not share one score and key wire")
+            score, self.key = s, key
+        if attention is None:
+            self.refuse("no output contracts softmax weights with a value tensor")
+        self.attention, self.lse, self.value = attention, lse, value
+        self.raw, self.q, self.k = self._contraction(score)
+        self.roles = self._roles()
+        return score
+
+    def _softmax_times_value(self, name: str, e: ir.Reduce):
+        factors = _product_factors(e.body)
+        soft = [f for f in factors if isinstance(f, ir.Normalize)]
+        rest = [f for f in factors if not isinstance(f, ir.Normalize)]
+        if len(soft) != 1 or soft[0].op != "softmax" or soft[0].wire != e.wires[0]:
+            shown = expr_text(e)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            self.refuse(f"output {name} = {shown} is not softmax attention sum[{e.wires[0]}]"
+                        f"(softmax[{e.wires[0]}](S) * V), and flex_attention only normalises with softmax")
+        if len(rest) != 1 or not isinstance(rest[0], ir.TensorRef) or rest[0].wires is not None \
+                or not isinstance(self.d.tensor(rest[0].name), ir.Input):
+            self.refuse(f"output {name} must be sum[x](softmax[x](S) * V) with V an input read along its own wires")
+        return soft[0].body, self.d.tensor(rest[0].name)
+
+    def _contraction(self, score: ir.Expr):
+        raws = [n for n in ir.walk(score) if isinstance(n, (ir.Reduce, ir.Normalize))]
+        if len({r for r in raws}) != 1 or not isinstance(raws[0], ir.Reduce):
+            self.refuse("the score must hold exactly one contraction sum[d](Q * K) and no other reduction")
+        raw = raws[0]
+        body = raw.body
+        ok = (raw.op == "sum" and len(raw.wires) == 1 and isinstance(body, ir.Binary) and body.op == "*"
+              and all(isinstance(t, ir.TensorRef) and t.wires is None
+                      and isinstance(self.d.tensor(t.name), ir.Input) for t in (body.lhs, body.rhs)))
+        if not ok:
+            self.refuse("the score's contraction is not sum[d](Q * K) of two inputs")
+        a, b = (self.d.tensor(t.name) for t in (body.lhs, body.rhs))
+        with_key = [t for t in (a, b) if self.key in ir.axis_wires(t.axes)]
+        if len(with_key) != 1:
+            self.refuse(f"exactly one side of the contraction must carry the key wire {self.key}")
+        k = with_key[0]
+        return raw, (b if k is a else a), k
+
+    def _roles(self) -> _Roles:
+        dim, key = self.raw.wires[0], self.key
+        kw = set(ir.axis_wires(self.k.axes))
+        row, gqa, shared = [], [], []
+        for axis in self.q.axes:
+            if axis == (dim,):
+                continue
+            if len(axis) == 1 and axis[0] not in kw:
+                row.append(axis[0])
+            elif len(axis) == 1:
+                shared.append(axis)
+            elif len(axis) == 2 and axis[0] in kw and axis[1] not in kw:
+                gqa.append(axis)      # (hk g): query head i uses kv head i // |g|, as enable_gqa does
+            else:
+                self.refuse(f"{self.q.name}'s axis ({' '.join(axis)}) has no place in flex's (B, H, L, E) layout")
+        if len(row) != 1 or len(gqa) > 1 or len(shared) + len(gqa) > 2 or (gqa and len(shared) > 1):
+            self.refuse(f"{self.q.name}{_layout(self.q.axes)} is not a (batch, heads, queries, dim) layout")
+        if gqa:
+            batch, head = (shared[0][0] if shared else None), gqa[0]
+        else:
+            batch = shared[0][0] if len(shared) == 2 else None
+            head = shared[-1] if shared else None
+        vw = [w for w in ir.axis_wires(self.value.axes) if w not in (batch, key) and (head is None or w != head[0])]
+        if len(vw) != 1:
+            self.refuse(f"{self.value.name}{_layout(self.value.axes)} is not a (batch, heads, keys, dim) layout")
+        roles = _Roles(row[0], key, dim, vw[0], batch, head)
+        kv = [w for w in (batch, roles.kv_head) if w is not None]
+        for t, last in ((self.k, dim), (self.value, vw[0])):
+            want = {(w,) for w in kv + [key, last]}
+            if set(t.axes) != want or len(t.axes) != len(want):
+                self.refuse(f"{t.name}{_layout(t.axes)} is not a (batch, heads, keys, dim) layout")
+        return roles
+
+
+def _layout(axes) -> str:
+    return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in axes) + "]"
+
+
+# --------------------------------------------------------------------------
+# Rendering the score and mask expressions as Python.
+# --------------------------------------------------------------------------
+
+class _Py:
+    """IR expression -> Python source over flex's (score, b, h, q_idx, kv_idx)."""
+
+    def __init__(self, d: ir.Diagram, roles: _Roles, analysis: _Analysis):
+        self.d, self.roles, self.an = d, roles, analysis
+        self.side: list[str] = []        # inputs read, in first-use order
+        self.sizes: list[str] = []       # symbolic wire sizes needed
+
+    def size(self, wire: str) -> str:
+        w = self.d.wire(wire)
+        if w is not None and w.size is not None:
+            return str(w.size)
+        if wire not in self.sizes:
+            self.sizes.append(wire)
+        return f"size_{wire}"
+
+    def index(self, wire: str) -> str:
+        r = self.roles
+        if wire == r.row:
+            return "q_idx"
+        if wire == r.key:
+            return "kv_idx"
+        if wire == r.batch:
+            return "b"
+        if r.head is not None and not r.gqa and wire == r.head[0]:
+            return "h"
+        if r.gqa and wire == r.head[0]:
+            return f"(h // {self.size(r.head[1])})"
+        if r.gqa and wire == r.head[1]:
+            return f"(h % {self.size(r.head[1])})"
+        self.an.refuse(f"the score reads wire {wire}, which has no FlexAttention index")
+
+    def tensor(self, ref: ir.TensorRef) -> str:
+        t = self.d.tensor(ref.name)
+        if t.name in (self.an.q.name, self.an.k.name, self.an.value.name):
+            self.an.refuse(f"the score reads {t.name} outside the contraction")
+        if t.name not in self.side:
+            self.side.append(t.name)
+        wires = list(ref.wires if ref.wires is not None else ir.axis_wires(t.axes))
+        parts = []
+        for axis in t.axes:
+            read, wires = tuple(wires[:len(axis)]), wires[len(axis):]
+            if self.roles.gqa and read == self.roles.head:
+                parts.append("h")      # (hk g) flattened is exactly flex's query head
+                continue
+            text = self.index(read[0])
+            for w in read[1:]:         # row-major flattening
+                text = f"({text} * {self.size(w)} + {self.index(w)})"
+            parts.append(text)
+        return f"{t.name}[{', '.join(parts)}]"
+
+    def __call__(self, e: ir.Expr) -> str:
+        if e == SCORE:
+            return "score"
+        value = _const(e, self.d)
+        if value is not None and not isinstance(e, ir.Num):
+            return _number(value)
+        if isinstance(e, ir.Num):
+            return _number(e.value)
+        if isinstance(e, ir.WireIndex):
+            return self.index(e.wire)
+        if isinstance(e, ir.WireSize):
+            return self.size(e.wire)
+        if isinstance(e, ir.TensorRef):
+            return self.tensor(e)
+        if isinstance(e, ir.Unary):
+            return f"(-{self(e.operand)})" if e.op == "-" else f"torch.logical_not({self(e.operand)})"
+        if isinstance(e, ir.Binary):
+            if e.op == "^":
+                exponent = _const(e.rhs, self.d)
+                if exponent is not None:   # a float exponent: an int index base stays legal
+                    return f"({self(e.lhs)} ** {float(exponent)!r})"
+                return f"torch.pow({self(e.lhs)}, {self(e.rhs)})"
+            op = {"and": "&", "or": "|"}.get(e.op, e.op)
+            return f"({self(e.lhs)} {op} {self(e.rhs)})"
+        if isinstance(e, ir.Call):
+            args = [self(a) for a in e.args]
+            if e.fn == "where":
+                return f"torch.where({', '.join(args)})"
+            if e.fn in ("max", "min"):  # torch.maximum wants two tensors; where takes a number
+                cmp = ">=" if e.fn == "max" else "<="
+                return f"torch.where({args[0]} {cmp} {args[1]}, {args[0]}, {args[1]})"
+            return f"{_CALLS[e.fn]}({args[0]})"
+        self.an.refuse(f"cannot express {type(e).__name__} in a score_mod")
+
+
+def _number(v) -> str:
+    if isinstance(v, float) and math.isinf(v):
+        return "math.inf" if v > 0 else "-math.inf"
+    return repr(v)
+
+
+def _peel_masks(score: ir.Expr) -> tuple[list[ir.Expr], ir.Expr]:
+    """Split ``where(p1, where(p2, s, -inf), -inf)`` into ([p1, p2], s).  A
+    predicate that reads the score is data, not a mask: it stays in score_mod."""
+    preds = []
+    while isinstance(score, ir.Call) and score.fn == "where":
+        pred, then, other = score.args
+        if _is_neg_inf(other) and not _is_neg_inf(then):
+            keep, rest = pred, then
+        elif _is_neg_inf(then) and not _is_neg_inf(other):
+            keep, rest = ir.Unary("not", pred), other
+        else:
+            break
+        if any(n == SCORE for n in ir.walk(keep)):
+            break
+        preds.append(keep)
+        score = rest
+    return preds, score
+
+
+def _take_scale(score: ir.Expr, d: ir.Diagram) -> tuple[float, ir.Expr]:
+    """(scale, score with ``SCORE * c`` replaced by SCORE) when the score is
+    used once, multiplied or divided by a constant; else (1.0, score)."""
+    if sum(1 for n in ir.walk(score) if n == SCORE) != 1:
+        return 1.0, score
+    for node in ir.walk(score):
+        if isinstance(node, ir.Binary) and node.op in ("*", "/") and SCORE in (node.lhs, node.rhs):
+            other = node.rhs if node.lhs == SCORE else node.lhs
+            c = _const(other, d)
+            if c is None or c == 0 or (node.op == "/" and node.lhs != SCORE) or not math.isfinite(c):
+                continue
+            return (c if node.op == "*" else 1.0 / c), _replace(score, node, SCORE)
+    return 1.0, score
+
+
+def _causal_conjunct(p: ir.Expr, roles: _Roles) -> bool:
+    q, x = ir.WireIndex(roles.row), ir.WireIndex(roles.key)
+    return p in (ir.Binary("<=", x, q), ir.Binary(">=", q, x))
+
+
+def _conjuncts(p: ir.Expr) -> list:
+    if isinstance(p, ir.Binary) and p.op == "and":
+        return _conjuncts(p.lhs) + _conjuncts(p.rhs)
+    return [p]
+
+
+# --------------------------------------------------------------------------
+# The emitted module.
+# --------------------------------------------------------------------------
+
+def emit(diagram: ir.Diagram) -> FlexSource:
+    """The FlexAttention module for ``diagram``; NoFlexEquivalent if it has none."""
+    an = _Analysis(diagram)
+    score = _replace(an.run(), an.raw, SCORE)
+    roles = an.roles
+    preds, body = _peel_masks(score)
+    scale, body = _take_scale(body, diagram)
+    py = _Py(diagram, roles, an)
+    score_text = py(body) if body != SCORE else None
+    mask_text = " & ".join(py(p) if len(preds) == 1 else f"({py(p)})" for p in preds) if preds else None
+    side = tuple(t.name for t in diagram.inputs if t.name in py.side)   # diagram order
+    lines = _module(diagram, an, roles, scale, score_text, mask_text, side, py.sizes)
+    mask = " and ".join(expr_text(p) for p in preds) if preds else None
+    outs = tuple(o.name for o in diagram.outputs)
+    conjuncts = [c for p in preds for c in _conjuncts(p)]
+    causal = len(conjuncts) == 1 and _causal_conjunct(conjuncts[0], roles)
+    return FlexSource(diagram.name, "\n".join(lines) + "\n", scale, roles.gqa, score_text is not None,
+                      mask, causal, any(_causal_conjunct(c, roles) for c in conjuncts), side, outs)
+
+
+def _flex_order(axes, roles: _Roles, last: str, kv: bool):
+    """(permutation, how many size-1 dims to add in front) taking a tensor laid
+    out along ``axes`` to flex's (B, H, L, E)."""
+    head = None if roles.head is None else ((roles.kv_head,) if kv else roles.head)
+    seq = roles.key if kv else roles.row
+    want = [a for a in ((roles.batch,) if roles.batch else None, head, (seq,), (last,) if last else None)
+            if a is not None]
+    perm = [list(axes).index(a) for a in want]
+    missing = (roles.batch is None) + (roles.head is None)
+    return perm, missing
+
+
+def _arrange(name: str, perm: list[int], missing: int) -> str:
+    text = name
+    if perm != sorted(perm):
+        text += f".permute({', '.join(map(str, perm))})"
+    return text + ".unsqueeze(0)" * missing
+
+
+def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str]:
+    names = [t.name for t in d.inputs]
+    q, k, v = an.q.name, an.k.name, an.value.name
+    lines = [
+        f'"""FlexAttention equivalent of the napkin diagram `{d.name}`.',
+        "",
+        "Written by napkin.bench.flex from the diagram's IR (edit the diagram, not this",
+        f"file).  flex_attention computes score = ({q} . {k}) * SCALE, applies score_mod,",
+        "drops the entries mask_mod rejects (the where(..., -inf) of the diagram), and",
+        f"normalises with softmax before contracting with {v}.",
+        '"""',
+        "import math",
+        "",
+        "import torch",
+        "from torch.nn.attention import flex_attention as _flex",
+        "",
+        f"DIAGRAM = {d.name!r}",
+        f"INPUTS = {tuple(names)!r}",
+        f"OUTPUTS = {tuple(o.name for o in d.outputs)!r}",
+        f"SCALE = {scale!r}",
+        f"ENABLE_GQA = {roles.gqa!r}",
+        "_compiled = None  # torch.compile(flex_attention), made on first use",
+        "",
+        "",
+        f"def make_mods({''.join(s + ', ' for s in side)}sizes):",
+        '    """score_mod and mask_mod (None when there is none), closing over the side',
+        '    tensors and the wire sizes they read."""',
+    ]
+    lines += [f"    size_{w} = sizes[{w!r}]" for w in sizes]
+    if score_text is None:
+        lines += ["    score_mod = None  # the score is used as flex_attention computes it"]
+    else:
+        lines += ["", "    def score_mod(score, b, h, q_idx, kv_idx):", f"        return {score_text}"]
+    if mask_text is None:
+        lines += ["    mask_mod = None  # nothing is masked"]
+    else:
+        lines += ["", "    def mask_mod(b, h, q_idx, kv_idx):", f"        return {mask_text}"]
+    lines += ["", "    return score_mod, mask_mod", "", ""]
+    qperm, qmiss = _flex_order(an.q.axes, roles, roles.dim, kv=False)
+    kperm, kmiss = _flex_order(an.k.axes, roles, roles.dim, kv=True)
+    vperm, vmiss = _flex_order(an.value.axes, roles, roles.vdim, kv=True)
+    params = ", ".join(names)
+    lines += [
+        f"def arrange({params}):",
+        '    """(q, k, v) in the (B, H, L, E) layout flex_attention and SDPA take."""',
+        f"    return {_arrange(q, qperm, qmiss)}, {_arrange(k, kperm, kmiss)}, {_arrange(v, vperm, vmiss)}",
+        "",
+        "",
+        "def finish(out, lse=None):",
+        '    """(B, H, L, E) out and (B, H, L) lse back in the diagram\'s layouts, dtypes',
+        '    and output order, as a tuple; an output not computed (lse None) is None."""',
+        f"    return {_outputs(d, an, roles)}",
+        "",
+        "",
+        f"def prepare({params}, *, compiled=False):",
+        '    """Arrange the inputs and build the block mask once; returns a callable',
+        "    with no arguments computing the outputs (a tuple in OUTPUTS order), so",
+        '    a benchmark times flex_attention alone."""',
+        "    global _compiled",
+        f"    q, k, v = arrange({params})",
+        f"    sizes = {_size_exprs(d, sizes)}",
+        f"    score_mod, mask_mod = make_mods({''.join(s + ', ' for s in side)}sizes)",
+        "    block_mask = None",
+        "    if mask_mod is not None:",
+        "        block_mask = _flex.create_block_mask(mask_mod, q.shape[0], q.shape[1], q.shape[2],",
+        "                                             k.shape[2], device=q.device)",
+        "    attend = _flex.flex_attention",
+        "    if compiled:",
+        "        if _compiled is None:",
+        "            _compiled = torch.compile(_flex.flex_attention, dynamic=False)",
+        "        attend = _compiled",
+        "",
+        "    def run():",
+        "        out, aux = attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=SCALE,",
+        "                          enable_gqa=ENABLE_GQA, return_aux=_flex.AuxRequest(lse=True))",
+        "        return finish(out, aux.lse)",
+        "",
+        "    return run",
+    ]
+    return lines
+
+
+def _size_exprs(d: ir.Diagram, wires: list[str]) -> str:
+    """A dict literal binding each needed symbolic wire to a shape lookup."""
+    items = []
+    for w in wires:
+        items.append(f"{w!r}: {_shape_of(d, w)}")
+    return "{" + ", ".join(items) + "}"
+
+
+def _shape_of(d: ir.Diagram, wire: str) -> str:
+    """Python reading ``wire``'s size from the inputs' shapes."""
+    for t in d.inputs:
+        for i, axis in enumerate(t.axes):
+            if axis == (wire,):
+                return f"{t.name}.shape[{i}]"
+    for t in d.inputs:                    # only inside a flattened axis: divide the others out
+        for i, axis in enumerate(t.axes):
+            if wire in axis:
+                others = [w for w in axis if w != wire]
+                div = " * ".join(_shape_of(d, w) if d.wire(w).size is None else str(d.wire(w).size)
+                                 for w in others)
+                return f"{t.name}.shape[{i}] // ({div})"
+    raise NoFlexEquivalent(d.name, f"no input shape gives the size of wire {wire}")
+
+
+def _outputs(d: ir.Diagram, an: _Analysis, roles: _Roles) -> str:
+    """finish()'s return expression: flex's (B, H, L, E) out and (B, H, L) lse
+    taken back to the diagram's layouts and dtypes, in its output order."""
+    parts = []
+    for o in d.outputs:
+        let = d.tensor(o.name)
+        is_out = o.name == an.attention
+        last = roles.vdim if is_out else None
+        have = [a for a in ((roles.batch,) if roles.batch else None, roles.head, (roles.row,),
+                            (last,) if last else None) if a is not None]
+        text = "out" if is_out else "lse"
+        if roles.batch is None:
+            text += ".squeeze(0)"
+        if roles.head is None:
+            text += ".squeeze(0)"
+        perm = [have.index(a) for a in let.axes]
+        if perm != sorted(perm):
+            text += f".permute({', '.join(map(str, perm))})"
+        dtype = TORCH_DTYPES.get(tiling.tensor_dtype(d, o.name), "float32")
+        text += f".to(torch.{dtype})"
+        parts.append(text if is_out else f"None if lse is None else {text}")
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
+def load(diagram: ir.Diagram) -> types.ModuleType:
+    """The emitted module, executed.  It is registered in sys.modules under a
+    name unique to its text: torch.compile (which flex_attention runs even
+    when called eagerly) looks the mods' globals up by module name."""
+    src = emit(diagram)
+    name = f"napkin_flex_{diagram.name}_{hashlib.sha256(src.text.encode()).hexdigest()[:12]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module = types.ModuleType(name)
+    module.__dict__["FLEX_SOURCE"] = src
+    sys.modules[name] = module
+    try:
+        exec(compile(src.text, f"<flex equivalent of {diagram.name}>", "exec"), module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module

@@ -1,0 +1,385 @@
+"""Lowering of the STREAMED ATTENTION family (see lower.py for the plan).
+
+Steps, for a diagram whose outputs reduce the streamed wire x over a score
+tile that holds a contraction ``sum[d](Q * K)``:
+
+1. roles: the score contraction(s) give the row wire (q: the row side's own
+   wire the schedule groups) and the batch wires (the score's other wires);
+2. each reduction along x becomes an accumulator (``Accum``): softmax is
+   rewritten exp(E) / sum[x](exp(E)) with a guarded division; x-invariant
+   factors move out of sums; a factor exp(E) makes an "expsum" sharing a
+   running max per E; a factor along the value wire makes the step a tl.dot;
+3. exp(m) cancels in ratios of expsums (acc / l), logsumexp is m + log(l);
+4. tiles: inputs read inside the score are loaded (before the loop when they
+   lack x), boxes the accumulators use get per-step variables;
+5. skipping: the first ``where(pred, s, -inf)`` is the mask; blocks where it
+   is false may be skipped when every accumulator's body is its identity at
+   a -inf score (``masks.value_when_masked``); the loop bounds come from the
+   predicate's affine conjuncts (``masks.stream_bounds``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .. import ir, masks, tiling
+from .lower import (
+    DEFAULT_BLOCK_ROW, DEFAULT_BLOCK_STREAM, Accum, AttentionPlan, Dot, Output, SafeDiv, Var, _ExpSum,
+    _LogExpSum, _Loads, _block, _check_batch, _factors, _finalise_leaves, _group_block, _precision, _product,
+    _red_wires, _show, _streamed, nodes, read_wires, unsupported, walk_until, wires_of,
+)
+
+_LN2 = math.log(2.0)
+
+
+def lower_attention(d: ir.Diagram, exprs: dict, col: str) -> AttentionPlan:
+    return _Attention(d, exprs, col).plan()
+
+
+class _Attention:
+    def __init__(self, d: ir.Diagram, exprs: dict, col: str):
+        self.d, self.exprs, self.col = d, exprs, col
+        self.accums: list[Accum] = []
+        self.groups: dict[object, str] = {}   # exponent E -> running-max var
+        self.taken: set[str] = set()
+        self.dots: list[Dot] = []
+        self.step_subst: dict = {}
+        self.tiles: list[tuple[str, object]] = []
+
+    def plan(self) -> AttentionPlan:
+        d, col = self.d, self.col
+        outs = [self.exprs[o.name] for o in d.outputs]
+        contractions = []
+        for e in outs:
+            for n in nodes(e):
+                if isinstance(n, ir.Reduce) and col not in n.wires and n not in contractions:
+                    contractions.append(n)
+        if not contractions:
+            raise unsupported(f"diagram {d.name}", "the reductions along the streamed wire need a score "
+                              "contraction such as sum[d](Q * K)", d.loc)
+        sides = [self.sides(c) for c in contractions]
+        self.row = row = self.row_wire(contractions[0], sides[0])
+        self.score_wires = frozenset().union(*(wires_of(d, c) for c in contractions))
+        order = [w.name for w in d.wires]
+        self.batch = batch = tuple(w for w in order if w in self.score_wires and w not in (row, col))
+        _check_batch(d, batch)
+
+        finals = [self.lower_final(e, f"output {o.name}") for e, o in zip(outs, d.outputs)]
+        step_loads = _Loads(d, "step", self.taken)
+        for i, (c, side) in enumerate(zip(contractions, sides)):
+            self.step_subst[c] = self.dot(c, side, i, step_loads)
+        tile_exprs = [x for a in self.accums for x in (a.exponent, a.tile) if x is not None]
+        self.name_tiles(tile_exprs)
+        self.tile_loads([(e, False) for e in tile_exprs] + [(t, True) for _, t in self.tiles], step_loads)
+        accums = [self.bind_value(a, step_loads) for a in self.accums]
+        dims = {c.wires[0] for c in contractions} | {a.value.cols for a in accums if a.value is not None}
+
+        outputs = []
+        pre = _Loads(d, "pre", self.taken)
+        for o, fin in zip(d.outputs, finals):
+            let = d.tensor(o.name)
+            wires = ir.axis_wires(let.axes)
+            extra = [w for w in wires if w not in set(batch) | {row}]
+            if len(extra) > 1:
+                raise unsupported(f"output {o.name}", f"it keeps {', '.join(extra)} besides the row wire "
+                                  f"{row}; a program holds at most one more wire", let.loc)
+            cols = extra[0] if extra else None
+            fin = _finish(fin)
+            subst = {n: n.name for n in nodes(fin) if isinstance(n, Var)}
+            _finalise_leaves(d, fin, subst, pre, row, cols, set(batch) | {row} | set(extra), f"output {o.name}")
+            outputs.append(Output(o.name, let.axes, wires, tiling.tensor_dtype(d, o.name), fin, row, cols,
+                                  tuple(subst.items())))
+            if cols is not None:
+                dims.add(cols)
+        skip, bounds = self.skipping(accums)
+        blocks = ((row, _block(_group_block(d, row), DEFAULT_BLOCK_ROW, row)),
+                  (col, _block(_streamed(d), DEFAULT_BLOCK_STREAM, col)))
+        loads = tuple(pre.loads) + tuple(ld for ld in step_loads.loads if ld.phase == "pre") \
+            + tuple(ld for ld in step_loads.loads if ld.phase == "step")
+        return AttentionPlan(
+            d, row, col, batch, blocks, tuple(w for w in order if w in dims), loads, tuple(self.dots),
+            tuple(self.tiles), tuple(self.step_subst.items()),
+            tuple((m, e) for e, m in self.groups.items()), tuple(accums), tuple(outputs), bounds, skip,
+            _precision(d))
+
+    # ---- roles of the wires ----
+    def row_wire(self, c: ir.Reduce, sides) -> str:
+        """The blocked wire: the row side's own wire that the schedule groups
+        by more than 1, else its last own wire (q in Q[b, h, q, d])."""
+        d = self.d
+        a, b = sides
+        own = [w for w in read_wires(d, a) if w not in c.wires and w not in read_wires(d, b)]
+        grouped = [w for w in own if (t := _group_block(d, w)) is not None and t.size > 1]
+        if grouped:
+            return grouped[-1]
+        if not own:
+            raise unsupported(_show(c), f"its factor {a.name} has no wire of its own to block", c.loc)
+        return own[-1]
+
+    def sides(self, c: ir.Reduce) -> tuple[ir.TensorRef, ir.TensorRef]:
+        """(row side, streamed side) of a score contraction sum[w](A * B)."""
+        d, col = self.d, self.col
+        body = c.body
+        ok = (c.op == "sum" and isinstance(body, ir.Binary) and body.op == "*"
+              and isinstance(body.lhs, ir.TensorRef) and isinstance(body.rhs, ir.TensorRef)
+              and all(isinstance(d.tensor(r.name), ir.Input) for r in (body.lhs, body.rhs)))
+        if not ok:
+            raise unsupported(_show(c), "a score contraction must be sum[w](A * B) of two inputs", c.loc)
+        if len(c.wires) != 1:
+            raise unsupported(_show(c), "a score contraction joins one wire", c.loc)
+        a, b = body.lhs, body.rhs
+        if col in read_wires(d, a):
+            a, b = b, a
+        if col in read_wires(d, a) or col not in read_wires(d, b):
+            raise unsupported(_show(c), f"exactly one factor must carry the streamed wire {col}", c.loc)
+        return a, b
+
+    def dot(self, c: ir.Reduce, sides, i: int, loads: _Loads) -> str:
+        d = self.d
+        a, b = sides
+        (w,) = c.wires
+        for ref, own in ((a, self.row), (b, self.col)):
+            ws = read_wires(d, ref)
+            extra = set(ws) - {own, w} - set(self.batch)
+            if own not in ws or extra:
+                raise unsupported(_show(c), f"{ref.name} must be along {own}, {w} and batch wires only",
+                                  ref.loc)
+        lhs = loads.get(a, self.row, w, "pre")
+        rhs = loads.get(b, self.col, w, "step")
+        var = f"_qk{i}" if i else "_qk"
+        self.taken.add(var)
+        self.dots.append(Dot(var, lhs, rhs, w))
+        return var
+
+    def name_tiles(self, tile_exprs) -> None:
+        """Per-step variables for the boxes the accumulators use (readable code)."""
+        d = self.d
+        used = {n for e in tile_exprs for n in nodes(e)}
+        for let in d.lets:
+            e = self.exprs[let.name]
+            if e in used and e not in self.step_subst and not isinstance(e, (ir.TensorRef, ir.Num)) \
+                    and self.col in wires_of(d, e):
+                var = f"_{let.name}"
+                self.taken.add(var)
+                self.tiles.append((var, e))
+                self.step_subst[e] = var
+
+    def tile_loads(self, exprs, loads: _Loads) -> None:
+        d, row, col = self.d, self.row, self.col
+        allowed = set(self.batch) | {row, col}
+        for e, named in exprs:  # a named box's own root is its variable: look inside it
+            for n in walk_until(e, self.step_subst, skip_root=named):
+                if isinstance(n, ir.TensorRef):
+                    ws = read_wires(d, n)
+                    extra = set(ws) - allowed
+                    if extra:
+                        raise unsupported(f"{n.name}", f"it is read along {', '.join(sorted(extra))} inside "
+                                          f"the score, which is a tile over ({row}, {col})", n.loc)
+                    phase = "step" if col in ws else "pre"
+                    ld = loads.get(n, row if row in ws else None, col if col in ws else None, phase)
+                    self.step_subst[n] = ld.var
+                elif isinstance(n, ir.WireIndex) and n.wire not in allowed:
+                    raise unsupported(f"index {n.wire}", f"the score is a tile over ({row}, {col})", n.loc)
+                elif isinstance(n, (ir.Reduce, ir.Normalize)):
+                    raise unsupported(_show(n), "this reduction cannot be computed inside the loop", n.loc)
+
+    def bind_value(self, a: Accum, loads: _Loads) -> Accum:
+        if a.value is None:
+            return a
+        ref = a.value  # a TensorRef until now
+        ws = read_wires(self.d, ref)
+        dv = [w for w in ws if w not in set(self.batch) | {self.col}]
+        if len(dv) != 1 or self.col not in ws:
+            raise unsupported(f"{ref.name} in sum[{self.col}](... * {ref.name})",
+                              f"the value factor must be along {self.col}, batch wires and one more wire",
+                              ref.loc)
+        ld = loads.get(ref, self.col, dv[0], "step")
+        return Accum(a.var, a.op, a.tile, a.exponent, a.group, ld)
+
+    # ---- reductions along the streamed wire ----
+    def lower_final(self, e, what: str):
+        """Replace reductions along x by accumulator placeholders."""
+        col = self.col
+        if isinstance(e, ir.Reduce) and col in e.wires:
+            return self.lower_reduce(e)
+        if isinstance(e, ir.Normalize) and e.wire == col:
+            raise unsupported(f"{e.op}[{col}]", f"its result keeps {col}; a streamed kernel can only sum it "
+                              f"over {col}, as in sum[{col}](P * V)", e.loc)
+        if isinstance(e, ir.Unary):
+            return ir.Unary(e.op, self.lower_final(e.operand, what), e.loc)
+        if isinstance(e, ir.Binary):
+            return self.cancel(ir.Binary(e.op, self.lower_final(e.lhs, what), self.lower_final(e.rhs, what),
+                                         e.loc))
+        if isinstance(e, SafeDiv):
+            return self.cancel(SafeDiv(self.lower_final(e.lhs, what), self.lower_final(e.rhs, what)))
+        if isinstance(e, ir.Call):
+            args = tuple(self.lower_final(a, what) for a in e.args)
+            if e.fn == "log" and isinstance(args[0], _ExpSum):
+                return _LogExpSum(args[0].acc, args[0].group)
+            return ir.Call(e.fn, args, e.loc)
+        if col in wires_of(self.d, e):
+            raise unsupported(what, f"it keeps the streamed wire {col}", getattr(e, "loc", ir.NOLOC))
+        return e
+
+    def lower_reduce(self, node: ir.Reduce):
+        d, col = self.d, self.col
+        if node.wires != (col,):
+            raise unsupported(_show(node), f"it reduces {', '.join(node.wires)} at once; a streamed kernel "
+                              f"reduces {col} alone", node.loc)
+        body = self.softmax_to_exp(node.body)
+        if node.op == "logsumexp":
+            self.no_inner_reduction(node, body)
+            acc, group = self.accum("expsum", None, body, None)
+            return _LogExpSum(acc, group)
+        if node.op != "sum":
+            self.no_inner_reduction(node, body)
+            return Var(self.accum(node.op, body, None, None)[0])
+        num, den = _factors(body)
+        outside = [f for f in num if col not in wires_of(d, f)]
+        outside_den = [(f, s) for f, s in den if col not in wires_of(d, f)]
+        inside = [f for f in num if col in wires_of(d, f)]
+        inside_den = [f for f, s in den if col in wires_of(d, f)]
+        values = [f for f in inside if isinstance(f, ir.TensorRef) and isinstance(d.tensor(f.name), ir.Input)
+                  and not set(read_wires(d, f)) <= self.score_wires]
+        if len(values) > 1:
+            raise unsupported(_show(node), "it multiplies two value tensors", node.loc)
+        value = values[0] if values else None
+        rest = [f for f in inside if f is not value]
+        exps = [f.args[0] for f in rest if isinstance(f, ir.Call) and f.fn == "exp"]
+        rest = [f for f in rest if not (isinstance(f, ir.Call) and f.fn == "exp")]
+        tile = _product(rest)
+        for f in inside_den:
+            tile = ir.Binary("/", tile if tile is not None else ir.Num(1.0), f)
+        for part in exps + ([tile] if tile is not None else []):
+            self.no_inner_reduction(node, part)
+        if exps:
+            exponent = exps[0]
+            for e in exps[1:]:
+                exponent = ir.Binary("+", exponent, e)
+            acc, group = self.accum("expsum", tile, exponent, value)
+            result = _ExpSum(acc, group)
+        else:
+            acc, _ = self.accum("sum", tile if tile is not None or value is not None else ir.Num(1.0),
+                                None, value)
+            result = Var(acc)
+        for f in outside:
+            result = ir.Binary("*", result, self.lower_final(f, _show(node)))
+        for f, safe in outside_den:
+            lowered = self.lower_final(f, _show(node))
+            result = self.cancel(SafeDiv(result, lowered) if safe else ir.Binary("/", result, lowered))
+        return result
+
+    def no_inner_reduction(self, node, part) -> None:
+        for n in nodes(part):
+            if isinstance(n, (ir.Reduce, ir.Normalize)) and self.col in _red_wires(n):
+                raise unsupported(_show(node), f"it uses a reduction over {self.col} inside a reduction "
+                                  f"over {self.col}", n.loc, f"write softmax[{self.col}](S) for a normalised score")
+
+    def softmax_to_exp(self, e):
+        """softmax[x](E) -> exp(E) / sum[x](exp(E)), the division guarded."""
+        if isinstance(e, ir.Normalize) and e.wire == self.col:
+            body = self.softmax_to_exp(e.body)
+            ex = ir.Call("exp", (body,), e.loc)
+            return SafeDiv(ex, ir.Reduce("sum", (self.col,), ex, e.loc))
+        if isinstance(e, ir.Unary):
+            return ir.Unary(e.op, self.softmax_to_exp(e.operand), e.loc)
+        if isinstance(e, ir.Binary):
+            return ir.Binary(e.op, self.softmax_to_exp(e.lhs), self.softmax_to_exp(e.rhs), e.loc)
+        if isinstance(e, ir.Call):
+            return ir.Call(e.fn, tuple(self.softmax_to_exp(a) for a in e.args), e.loc)
+        return e
+
+    def accum(self, op, tile, exponent, value) -> tuple[str, Optional[str]]:
+        group = None
+        if op == "expsum":
+            group = self.groups.get(exponent)
+            if group is None:
+                group = f"_m{len(self.groups)}" if self.groups else "_m"
+                self.taken.add(group)
+                self.groups[exponent] = group
+        for a in self.accums:
+            if (a.op, a.tile, a.exponent, a.value) == (op, tile, exponent, value):
+                return a.var, a.group
+        var = _acc_name(op, value, self.taken)
+        self.taken.add(var)
+        self.accums.append(Accum(var, op, tile, exponent, group, value))
+        return var, group
+
+    def cancel(self, e):
+        """exp(m) * acc / (exp(m) * l) -> acc / l: the scales cancel exactly."""
+        if isinstance(e, SafeDiv) or (isinstance(e, ir.Binary) and e.op == "/"):
+            top, bottom = _expsum_factors(e.lhs), _expsum_factors(e.rhs)
+            common = {g for g in top if top.count(g) == 1} & {g for g in bottom if bottom.count(g) == 1}
+            if common:
+                lhs, rhs = _drop_scale(e.lhs, common), _drop_scale(e.rhs, common)
+                return SafeDiv(lhs, rhs) if isinstance(e, SafeDiv) else ir.Binary("/", lhs, rhs, e.loc)
+        return e
+
+    # ---- skipping masked blocks ----
+    def skipping(self, accums):
+        """(mask predicate, loop bounds) when blocks where the mask is false
+        everywhere contribute nothing to any accumulator; else (None, ())."""
+        d = self.d
+        fixed = {w.name: w.size for w in d.wires if w.size is not None}
+        node = None
+        for a in accums:
+            for x in (a.exponent, a.tile):
+                if x is not None and node is None:
+                    node = masks.mask_node(x)
+        if node is None:
+            return None, ()
+        for a in accums:
+            if a.op == "expsum":
+                body = ir.Call("exp", (a.exponent,))
+                if a.tile is not None:
+                    body = ir.Binary("*", body, a.tile)
+                want = 0.0
+            else:
+                body = a.tile if a.tile is not None else ir.Num(1.0)
+                want = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}[a.op]
+            if masks.value_when_masked(body, node, fixed) != want:
+                return None, ()
+        pred = masks.mask_predicate(node)
+        return pred, masks.stream_bounds(pred, self.row, self.col, fixed)
+
+
+def _finish(e):
+    """Render the lowering placeholders: an expsum keeps exp2(m) * acc (m in
+    log2 units), a logsumexp is m * ln 2 + log(acc)."""
+    if isinstance(e, _ExpSum):
+        return ir.Binary("*", ir.Call("exp2", (Var(e.group),)), Var(e.acc))
+    if isinstance(e, _LogExpSum):
+        return ir.Binary("+", ir.Binary("*", Var(e.group), ir.Num(_LN2)), ir.Call("log", (Var(e.acc),)))
+    if isinstance(e, ir.Unary):
+        return ir.Unary(e.op, _finish(e.operand), e.loc)
+    if isinstance(e, ir.Binary):
+        return ir.Binary(e.op, _finish(e.lhs), _finish(e.rhs), e.loc)
+    if isinstance(e, SafeDiv):
+        return SafeDiv(_finish(e.lhs), _finish(e.rhs))
+    if isinstance(e, ir.Call):
+        return ir.Call(e.fn, tuple(_finish(a) for a in e.args), e.loc)
+    return e
+
+
+def _acc_name(op, value, taken) -> str:
+    base = {"max": "_max", "min": "_min"}.get(op, "_acc" if value is not None else "_l")
+    var, n = base, 1
+    while var in taken:
+        var, n = f"{base}{n}", n + 1
+    return var
+
+
+def _expsum_factors(e) -> list[str]:
+    if isinstance(e, _ExpSum):
+        return [e.group]
+    if isinstance(e, ir.Binary) and e.op == "*":
+        return _expsum_factors(e.lhs) + _expsum_factors(e.rhs)
+    return []
+
+
+def _drop_scale(e, groups: set):
+    if isinstance(e, _ExpSum) and e.group in groups:
+        return Var(e.acc)
+    if isinstance(e, ir.Binary) and e.op == "*":
+        return ir.Binary("*", _drop_scale(e.lhs, groups), _drop_scale(e.rhs, groups), e.loc)
+    return e

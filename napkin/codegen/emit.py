@@ -1,0 +1,427 @@
+"""Kernel plan -> module text: fill the Jinja skeletons with generated code.
+
+The templates (templates/*.py.jinja, loaded as package data) hold the
+skeleton: program ids, the loop over the streamed wire, loads and stores,
+and the run-time argument checks.  Everything the diagram says is generated
+here from the plan: the tl.dot contractions, the score expression, the mask
+and the loop bounds derived from it, the streaming state (init / update /
+finalise), block sizes, dtypes, the reference and the tables.
+
+Naming in generated code: the user's tensor names are the kernel's pointer
+arguments and the launcher's parameters; every other name starts with an
+underscore (the checker forbids such names in diagrams, so they cannot
+clash): ``_offs_q`` / ``_ok_q`` (indices and bounds mask along q),
+``_i_b`` (a batch index), ``_size_x``, ``_st_Q_d`` (Q's stride along d),
+``_BLOCK_q`` (a constexpr block size).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+from .. import ir
+from . import lower as L
+from .exprs import Ctx, triton
+from .reference import reference_lines
+
+LOG2E = repr(math.log2(math.e))
+NEG_INF = 'float("-inf")'
+POS_INF = 'float("inf")'
+
+
+@functools.lru_cache(maxsize=1)
+def environment():
+    """The Jinja environment, built once per process (compile stays fast)."""
+    import jinja2
+
+    from ..resources import data_dir
+
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
+        undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+        trim_blocks=True, lstrip_blocks=True, autoescape=False)
+
+
+# --------------------------------------------------------------------------
+# Names and small renderings.
+# --------------------------------------------------------------------------
+
+class _Names:
+    def __init__(self, d: ir.Diagram, blocks: dict[str, int], dims: tuple[str, ...]):
+        self.d = d
+        self.fixed = {w.name: w.size for w in d.wires if w.size is not None}
+        self.blocks = blocks
+        self.dims = dims
+
+    def size(self, w: str) -> str:
+        return str(self.fixed[w]) if w in self.fixed else f"_size_{w}"
+
+    def block(self, w: str) -> str:
+        return f"_BLOCK_{w}"
+
+    def exact(self, w: str) -> bool:
+        """A padded dim whose block is exactly its size needs no mask."""
+        return w in self.dims and w in self.fixed and L._dim_block(self.d, w) == self.fixed[w]
+
+    def index(self, w: str, rows: Optional[str], cols: Optional[str]) -> str:
+        if w == rows:
+            return f"_offs_{w}[:, None]"
+        if w == cols:
+            return f"_offs_{w}[None, :]"
+        return f"_i_{w}"
+
+    def mask(self, rows: Optional[str], cols: Optional[str]) -> list[str]:
+        parts = []
+        if rows is not None and not self.exact(rows):
+            parts.append(f"_ok_{rows}[:, None]")
+        if cols is not None and not self.exact(cols):
+            parts.append(f"_ok_{cols}[None, :]")
+        return parts
+
+    def ctx(self, rows, cols, subst, kinds) -> Ctx:
+        index = {w.name: self.index(w.name, rows, cols) for w in self.d.wires}
+        sizes = {w.name: self.size(w.name) for w in self.d.wires}
+        return Ctx(index=index, size=sizes, fixed=self.fixed, subst=dict(subst), kinds=kinds)
+
+
+def _kinds(d: ir.Diagram) -> dict[str, str]:
+    return {t.name: "int" if t.dtype in ("int32", "int64") else "bool" if t.dtype == "bool" else "float"
+            for t in d.inputs}
+
+
+def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols) -> str:
+    declared = ir.axis_wires(d.tensor(tensor).axes)
+    terms = [f"{names.index(rw, rows, cols)} * _st_{tensor}_{dw}" for dw, rw in zip(declared, wires)]
+    return f"{tensor} + " + " + ".join(terms)
+
+
+def _load(d: ir.Diagram, names: _Names, ld: L.Load) -> dict:
+    mask = names.mask(ld.rows, ld.cols)
+    other = "0" if _kinds(d).get(ld.tensor) != "float" else "0.0"
+    return {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols),
+            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else ""}
+
+
+def _store(d: ir.Diagram, names: _Names, out: L.Output) -> dict:
+    mask = names.mask(out.rows, out.cols)
+    return {"ptr": _pointer(d, names, out.name, out.wires, out.rows, out.cols),
+            "value": f"_out_{out.name}.to({out.name}.dtype.element_ty)",
+            "mask": f", mask={' & '.join(mask)}" if mask else ""}
+
+
+def _decode(names: _Names, batch: tuple[str, ...]) -> str:
+    """Per-wire batch indices from the flat program id (innermost wire last)."""
+    if not batch:
+        return "# (no batch wires: one program per block)"
+    lines = []
+    for w in reversed(batch[1:]):
+        lines.append(f"_i_{w} = _batch % {names.size(w)}")
+        lines.append(f"_batch = _batch // {names.size(w)}")
+    lines.append(f"_i_{batch[0]} = _batch")
+    return "\n".join(lines)
+
+
+def _params(d: ir.Diagram, names: _Names, blocks: list[str]) -> tuple[list[str], list[str]]:
+    tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
+    sizes = [f"_size_{w.name}" for w in d.wires if w.size is None]
+    strides = [f"_st_{t}_{w}" for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]
+    return tensors + sizes + strides + [f"{b}: tl.constexpr" for b in blocks], sizes
+
+
+def _wire_block_args(names: _Names, dims) -> list[str]:
+    out = []
+    for w in dims:
+        value = str(L._dim_block(names.d, w)) if w in names.fixed else f'_dim_block(_sz["{w}"])'
+        out.append(f"{names.block(w)}={value}")
+    return out
+
+
+def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str]) -> str:
+    tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
+    sizes = [f'_sz["{w.name}"]' for w in d.wires if w.size is None]
+    strides = [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors]
+    args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks + extra)]
+    body = ",\n        ".join(args)
+    return f"if math.prod(_grid) > 0:\n    {kernel}[_grid](\n        {body},\n    )"
+
+
+def _options(d: ir.Diagram, wires: list[str]) -> list[str]:
+    opts = [f"block_{w}" for w in wires] + ["num_warps", "num_stages"]
+    clash = sorted(set(opts) & {t.name for t in d.inputs})
+    if clash:
+        t = d.tensor(clash[0])
+        raise L.unsupported(f"input {t.name}", f"the launcher has an option named {t.name}", t.loc,
+                            "rename the input")
+    return opts
+
+
+# --------------------------------------------------------------------------
+# Attention.
+# --------------------------------------------------------------------------
+
+def _full(d, e, row, col, code, names) -> str:
+    """A tile expression broadcast to the full (row, col) block when it lacks a wire."""
+    ws = L.wires_of(d, e)
+    if row in ws and col in ws:
+        return code
+    return f"tl.broadcast_to({code}, [{names.block(row)}, {names.block(col)}])"
+
+
+def attention_context(plan: L.AttentionPlan) -> dict:
+    d = plan.diagram
+    blocks = dict(plan.blocks)
+    names = _Names(d, blocks, plan.dims)
+    kinds = _kinds(d)
+    row, col = plan.row, plan.col
+    br, bc = names.block(row), names.block(col)
+    ok = f"_ok_{col}[None, :]"
+    step_subst = dict(plan.step_subst)
+    lines = []
+    dtypes = {t.name: t.dtype for t in d.inputs}
+    for dot in plan.dots:
+        rhs = dot.rhs.var if dtypes[dot.rhs.tensor] == dtypes[dot.lhs.tensor] else \
+            f"{dot.rhs.var}.to({dot.lhs.var}.dtype)"
+        lines.append(f'{dot.var} = tl.dot({dot.lhs.var}, tl.trans({rhs}), input_precision="{plan.precision}")')
+    for var, e in plan.tiles:
+        own = {k: v for k, v in step_subst.items() if v != var}
+        lines.append(f"{var} = {triton(e, names.ctx(row, col, own, kinds))}")
+    ctx = names.ctx(row, col, step_subst, kinds)
+    init = []
+    for i, (m, e) in enumerate(plan.groups):
+        sfx = "" if i == 0 else str(i)
+        init.append(f"{m} = tl.full([{br}, 1], {NEG_INF}, tl.float32)  # running max of the exponent, log2 units")
+        code = _full(d, e, row, col, triton(e, ctx), names)
+        lines += [
+            f"# online softmax state {m}: rescale by 2^(m_old - m_new); log2(e) folded in",
+            f"_s{sfx} = tl.where({ok}, ({code}) * {LOG2E}, {NEG_INF})",
+            f"_m_new{sfx} = tl.maximum({m}, tl.max(_s{sfx}, 1)[:, None])",
+            f"_m_use{sfx} = tl.where(_m_new{sfx} == {NEG_INF}, 0.0, _m_new{sfx})  # all -inf so far: no NaN",
+            f"_alpha{sfx} = tl.exp2({m} - _m_use{sfx})",
+            f"_p{sfx} = tl.exp2(_s{sfx} - _m_use{sfx})",
+            f"{m} = _m_new{sfx}",
+        ]
+    group_sfx = {m: ("" if i == 0 else str(i)) for i, (m, _) in enumerate(plan.groups)}
+    for j, a in enumerate(plan.accums):
+        shape = f"[{br}, {names.block(a.value.cols)}]" if a.value is not None else f"[{br}, 1]"
+        fill = {"max": NEG_INF, "min": POS_INF}.get(a.op, "0.0")
+        init.append(f"{a.var} = tl.full({shape}, {fill}, tl.float32)" if fill != "0.0"
+                    else f"{a.var} = tl.zeros({shape}, tl.float32)")
+        tile = None if a.tile is None else _full(d, a.tile, row, col, triton(a.tile, ctx), names)
+        if a.op == "expsum":
+            sfx = group_sfx[a.group]
+            w = f"_p{sfx}" if tile is None else f"tl.where({ok}, _p{sfx} * ({tile}), 0.0)"
+            scale = f"{a.var} * _alpha{sfx}"
+        else:
+            fill_in = {"sum": "0.0", "max": NEG_INF, "min": POS_INF}[a.op]
+            lines.append(f"_t{j} = tl.where({ok}, {tile}, {fill_in})")
+            w, scale = f"_t{j}", a.var
+        if a.op in ("max", "min"):
+            fn = "tl.maximum" if a.op == "max" else "tl.minimum"
+            red = "tl.max" if a.op == "max" else "tl.min"
+            lines.append(f"{a.var} = {fn}({a.var}, {red}({w}, 1)[:, None])")
+        elif a.value is not None:
+            v = a.value.var
+            lines.append(f'{a.var} = {scale} + tl.dot(({w}).to({v}.dtype), {v}, input_precision="{plan.precision}")')
+        else:
+            lines.append(f"{a.var} = {scale} + tl.sum({w}, 1)[:, None]")
+    finalise, stores = _finalise(d, names, plan.outputs, kinds, {a.var: a for a in plan.accums})
+    blocks_list = [br, bc] + [names.block(w) for w in plan.dims]
+    params, sizes = _params(d, names, blocks_list)
+    opts = _options(d, [row, col])
+    launch = [f'_br = _block_size(block_{row}, "{row}", "block_{row}")',
+              f'_bc = _block_size(block_{col}, "{col}", "block_{col}")',
+              f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
+              f'_grid = (triton.cdiv(_sz["{row}"], _br), '
+              + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
+    block_args = [f"{br}=_br", f"{bc}=_bc"] + _wire_block_args(names, plan.dims)
+    launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
+                               ["num_warps=num_warps or (8 if _br >= 128 else 4)", "num_stages=num_stages or 2"]))
+    return {
+        "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
+        "decode": _decode(names, plan.batch),
+        "row": _wire_ctx(names, row), "col": _wire_ctx(names, col),
+        "dims": [_wire_ctx(names, w) for w in plan.dims],
+        "pre_loads": [_load(d, names, ld) for ld in plan.loads if ld.phase == "pre"],
+        "step_loads": [_load(d, names, ld) for ld in plan.loads if ld.phase == "step"],
+        "init": "\n".join(init), "bounds": _bounds(names, plan), "step": "\n".join(lines),
+        "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
+        "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]),
+        "options": opts,
+    }
+
+
+def _wire_ctx(names: _Names, w: str) -> dict:
+    return {"wire": w, "offs": f"_offs_{w}", "ok": f"_ok_{w}", "block": names.block(w), "size": names.size(w)}
+
+
+def _finalise(d, names: _Names, outputs, kinds, accums: dict) -> tuple[str, list]:
+    lines, stores = [], []
+    for out in outputs:
+        ctx = names.ctx(out.rows, out.cols, dict(out.subst), kinds)
+        code = triton(out.expr, ctx)
+        has_cols = out.cols is None or _has_wire(d, out.expr, out.cols, accums)
+        if not has_cols:
+            code = f"tl.broadcast_to({code}, [{names.block(out.rows)}, {names.block(out.cols)}])"
+        lines.append(f"_out_{out.name} = {code}")
+        stores.append(_store(d, names, out))
+    return "\n".join(lines), stores
+
+
+def _has_wire(d, e, wire, accums) -> bool:
+    for n in L.nodes(e):
+        if isinstance(n, L.Var) and n.name in accums and accums[n.name].value is not None:
+            if accums[n.name].value.cols == wire:
+                return True
+        elif wire in L.wires_of(d, n) and not isinstance(n, L.Var):
+            return True
+    return False
+
+
+def _bounds(names: _Names, plan: L.AttentionPlan) -> str:
+    """The x range [_lo, _hi) from the mask's affine bounds: the same formula
+    as napkin.masks.stream_range, so the kernel visits exactly
+    masks.visited_blocks."""
+    row, col = plan.row, plan.col
+    lines = ["_lo = 0", f"_hi = {names.size(col)}"]
+    if not plan.bounds:
+        lines[0] += f"  # {'no mask' if plan.skip is None else 'the mask has no affine bound'}: every block"
+        return "\n".join(lines)
+    if any(b.at_row() == "last" for b in plan.bounds):
+        lines.append(f"_row_last = tl.minimum(_row0 + {names.block(row)}, {names.size(row)}) - 1")
+    lower = False
+    for b in plan.bounds:
+        r = "_row0" if b.at_row() == "first" else "_row_last"
+        terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
+        for key, v in b.rest:
+            if key == "":
+                terms.append(str(v))
+            else:
+                w = key[1:-1]
+                terms.append(names.size(w) if v == 1 else f"{v} * {names.size(w)}")
+        value = " + ".join(terms) or "0"
+        value = value.replace("+ -", "- ")
+        if b.kind == "lower":
+            lower = True
+            lines.append(f"_lo = tl.maximum(_lo, {value})  # {col} >= ... for the block's {b.at_row()} row")
+        else:
+            lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {col} <= ... for the block's {b.at_row()} row")
+    if lower:
+        lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Contraction.
+# --------------------------------------------------------------------------
+
+def contraction_context(plan: L.ContractionPlan) -> dict:
+    d = plan.diagram
+    blocks = dict(plan.blocks)
+    names = _Names(d, blocks, plan.dims)
+    kinds = _kinds(d)
+    row, col, red = plan.row, plan.col, plan.red
+    dtypes = {t.name: t.dtype for t in d.inputs}
+    rhs = plan.rhs.var if dtypes[plan.rhs.tensor] == dtypes[plan.lhs.tensor] else f"{plan.rhs.var}.to({plan.lhs.var}.dtype)"
+    step = f'_acc = tl.dot({plan.lhs.var}, {rhs}, _acc, input_precision="{plan.precision}")'
+    finalise, stores = _finalise(d, names, plan.outputs, kinds, {})
+    blocks_list = [names.block(w) for w in (row, col, red)]
+    params, sizes = _params(d, names, blocks_list)
+    opts = _options(d, [row, col, red])
+    launch = [f'_br = _block_size(block_{row}, "{row}", "block_{row}")',
+              f'_bc = _block_size(block_{col}, "{col}", "block_{col}")',
+              f'_bk = _block_size(block_{red}, "{red}", "block_{red}")',
+              f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
+              f'_grid = (triton.cdiv(_sz["{row}"], _br), triton.cdiv(_sz["{col}"], _bc), '
+              + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
+    block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk"]
+    launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
+                               ["num_warps=num_warps or (8 if _br * _bc >= 128 * 128 else 4)",
+                                "num_stages=num_stages or 2"]))
+    return {
+        "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
+        "decode": _decode(names, plan.batch),
+        "row": _wire_ctx(names, row), "col": _wire_ctx(names, col), "red": _wire_ctx(names, red),
+        "pre_loads": [_load(d, names, ld) for ld in plan.loads],
+        "step_loads": [_load(d, names, ld) for ld in (plan.lhs, plan.rhs)],
+        "step": step, "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
+        "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]),
+        "options": opts,
+    }
+
+
+# --------------------------------------------------------------------------
+# The module.
+# --------------------------------------------------------------------------
+
+def _tuple(items) -> str:
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def _q(s: str) -> str:
+    return f'"{s}"'
+
+
+def _layout_repr(axes) -> str:
+    return _tuple(_tuple(_q(w) for w in axis) for axis in axes)
+
+
+def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: str) -> dict:
+    d = plan.diagram
+    ctx = attention_context(plan) if plan.family == "attention" else contraction_context(plan)
+    tensors = list(d.inputs) + [d.tensor(o.name) for o in d.outputs]
+    out_dtypes = {o.name: o.dtype for o in plan.outputs}
+    layouts = "{\n" + "".join(f'    "{t.name}": {_layout_repr(t.axes)},\n' for t in tensors) + "}"
+    dtypes = "{" + ", ".join(f'"{t.name}": "{t.dtype if isinstance(t, ir.Input) else out_dtypes[t.name]}"'
+                             for t in tensors) + "}"
+    relabels = []
+    for t in d.inputs:
+        declared = ir.axis_wires(t.axes)
+        for let in d.lets:
+            for n in ir.walk(let.expr):
+                if isinstance(n, ir.TensorRef) and n.name == t.name and n.wires is not None:
+                    for dw, rw in zip(declared, n.wires):
+                        if dw != rw and (t.name, dw, rw) not in relabels:
+                            relabels.append((t.name, dw, rw))
+    blocks = "{" + ", ".join(f'"{w}": {n}' for w, n in plan.blocks) + "}"
+    ref_inputs = []
+    for t in d.inputs:
+        wires = ir.axis_wires(t.axes)
+        conv = ".to(_c)" if t.dtype not in ir.INT_DTYPES else ""
+        if len(wires) != len(t.axes):
+            shape = ", ".join(f'_sz["{w}"]' for w in wires)
+            ref_inputs.append(f"{t.name} = {t.name}.reshape({shape}){conv}")
+        elif conv:
+            ref_inputs.append(f"{t.name} = {t.name}{conv}")
+    returns = [f'{o.name}.reshape(_shape("{o.name}", _sz)).to(_out_dtype("{o.name}", _cls))' for o in d.outputs]
+    ctx.update({
+        "docstring": docstring, "version": version, "source_hash": source_hash, "name": d.name,
+        "inputs": _tuple(_q(t.name) for t in d.inputs), "outputs": _tuple(_q(o.name) for o in d.outputs),
+        "wires": "{" + ", ".join(f'"{w.name}": {w.size}' for w in d.wires) + "}",
+        "layouts": layouts, "dtypes": dtypes,
+        "relabels": _tuple(_tuple(_q(x) for x in r) for r in relabels), "blocks": blocks,
+        "input_params": ", ".join(t.name for t in d.inputs),
+        "input_tuple": ", ".join(t.name for t in d.inputs) + ("," if len(d.inputs) == 1 else ""),
+        "returns": ", ".join(o.name for o in d.outputs),
+        "reference_inputs": ref_inputs, "reference_body": reference_lines(d),
+        "reference_returns": ", ".join(returns) if len(returns) > 1 else returns[0],
+        "launcher_doc": _launcher_doc(plan, ctx["options"]),
+    })
+    return ctx
+
+
+def _launcher_doc(plan: L.Plan, options) -> str:
+    d = plan.diagram
+    outs = ", ".join(o.name for o in d.outputs)
+    blocks = ", ".join(f"block_{w}={n}" for w, n in plan.blocks)
+    return (f'"""Run the kernel: {", ".join(t.name for t in d.inputs)} -> {outs}.\n\n'
+            f"Block sizes default to the schedule's ({blocks}); smaller ones\n"
+            "(e.g. 16 or 32) keep runs under TRITON_INTERPRET=1 fast.  num_warps and\n"
+            'num_stages go to Triton."""')
+
+
+def render(plan: L.Plan, **kw) -> str:
+    template = environment().get_template(f"{plan.family}.py.jinja")
+    text = template.render(**module_context(plan, **kw))
+    return text.rstrip("\n") + "\n"

@@ -1,0 +1,284 @@
+"""Expressions -> source text: Triton (kernels) and torch (the reference).
+
+Pure functions over IR expressions (plus the lowering's own leaves, Var and
+SafeDiv).  A ``Ctx`` says what the leaves become in the generated code:
+
+* ``index[w]``: the index along wire w, e.g. ``_offs_q[:, None]`` (rows of a
+  tile), ``_offs_x[None, :]`` (columns) or ``_i_b`` (a batch program id);
+* ``size[w]``: the size of a symbolic wire (``_size_x``); fixed sizes fold;
+* ``subst``: nodes the kernel already holds in a variable (a loaded tile, a
+  tl.dot result, a box computed earlier in the step, an accumulator).
+
+Constants fold at compile time (``|d|^-0.5`` with d = 64 is ``0.125``).
+Every function is written with what both Triton 3.6 and 3.9 provide: tanh
+and sigmoid go through exp (helpers ``_tanh`` / ``_sigmoid`` in the module),
+relu is a where, max/min propagate NaN like torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from .. import ir
+from .lower import SafeDiv, Var
+
+# Python operator precedence (higher binds tighter), for minimal parentheses.
+_PREC = {"|": 1, "&": 2, "cmp": 0, "+": 4, "-": 4, "*": 5, "/": 5, "neg": 6, "**": 7, "atom": 9}
+_COMPARE = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
+
+
+@dataclass(frozen=True)
+class Ctx:
+    index: Mapping[str, str]
+    size: Mapping[str, str]
+    fixed: Mapping[str, int]
+    subst: Mapping[object, str] = field(default_factory=dict)
+    kinds: Mapping[str, str] = field(default_factory=dict)  # input name -> "float"/"int"/"bool"
+
+
+# --------------------------------------------------------------------------
+# Constant folding.
+# --------------------------------------------------------------------------
+
+_MATH = {
+    "exp": math.exp, "exp2": lambda v: 2.0 ** v, "log": math.log, "log2": math.log2,
+    "sqrt": math.sqrt, "rsqrt": lambda v: 1.0 / math.sqrt(v), "abs": abs,
+    "tanh": math.tanh, "sigmoid": lambda v: 1.0 / (1.0 + math.exp(-v)), "relu": lambda v: max(v, 0),
+    "max": max, "min": min,
+}
+
+
+def fold(e, fixed: Mapping[str, int]):
+    """The value of a constant subexpression (numbers and fixed sizes), else None."""
+    if isinstance(e, ir.Num):
+        return e.value
+    if isinstance(e, ir.WireSize):
+        return fixed.get(e.wire)
+    if isinstance(e, ir.Unary) and e.op == "-":
+        v = fold(e.operand, fixed)
+        return None if v is None else -v
+    if isinstance(e, ir.Binary) and e.op in ir.ARITH_OPS:
+        a, b = fold(e.lhs, fixed), fold(e.rhs, fixed)
+        if a is None or b is None:
+            return None
+        try:
+            if e.op == "+":
+                return a + b
+            if e.op == "-":
+                return a - b
+            if e.op == "*":
+                return a * b
+            if e.op == "/":
+                return a / b
+            v = a ** b
+            return None if isinstance(v, complex) else v
+        except (ZeroDivisionError, OverflowError):
+            return None
+    if isinstance(e, ir.Call) and e.fn in _MATH:
+        args = [fold(a, fixed) for a in e.args]
+        if any(a is None for a in args):
+            return None
+        try:
+            return _MATH[e.fn](*args)
+        except (ValueError, OverflowError, ZeroDivisionError):
+            return None
+    return None
+
+
+def number(v) -> str:
+    """A Python literal for a folded constant (deterministic: repr)."""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, int):
+        return str(v)
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else 'float("-inf")'
+    if math.isnan(v):
+        return 'float("nan")'
+    if v == int(v) and abs(v) < 1e15:
+        return f"{int(v)}.0"
+    return repr(float(v))
+
+
+def integer_exponent(e, fixed) -> Optional[int]:
+    v = fold(e, fixed)
+    if v is not None and float(v).is_integer() and abs(v) <= 8:
+        return int(v)
+    return None
+
+
+# --------------------------------------------------------------------------
+# Shared walker: renders with a table of function spellings.
+# --------------------------------------------------------------------------
+
+class _Render:
+    """Returns (code, precedence, kind); kind is "int", "float" or "bool"."""
+
+    FUN: dict = {}
+    AND, OR, NOT = "&", "|", "~"
+
+    def __init__(self, ctx: Ctx):
+        self.ctx = ctx
+
+    def __call__(self, e) -> str:
+        return self.r(e)[0]
+
+    def wrap(self, part, prec: int) -> str:
+        code, p, _ = part
+        return code if p > prec else f"({code})"
+
+    def r(self, e):
+        ctx = self.ctx
+        if e in ctx.subst:
+            return ctx.subst[e], _PREC["atom"], self.kind_of(e)
+        v = fold(e, ctx.fixed)
+        if v is not None:
+            code = number(v)
+            prec = _PREC["atom"] if not code.startswith("-") else _PREC["neg"]
+            return code, prec, "int" if isinstance(v, int) else "float"
+        if isinstance(e, Var):
+            return e.name, _PREC["atom"], "float"
+        if isinstance(e, ir.WireIndex):
+            return ctx.index[e.wire], _PREC["atom"], "int"
+        if isinstance(e, ir.WireSize):
+            return ctx.size[e.wire], _PREC["atom"], "int"
+        if isinstance(e, ir.TensorRef):
+            raise KeyError(f"no variable for tensor {e.name}")  # lowering maps every read
+        if isinstance(e, ir.Unary):
+            x = self.r(e.operand)
+            if e.op == "-":
+                return f"-{self.wrap(x, _PREC['neg'] - 1)}", _PREC["neg"], x[2]
+            return self.negate(x), _PREC["neg"], "bool"
+        if isinstance(e, SafeDiv):
+            return self.safe_div(self.r(e.lhs), self.r(e.rhs)), _PREC["atom"], "float"
+        if isinstance(e, ir.Binary):
+            return self.binary(e)
+        if isinstance(e, ir.Call):
+            return self.call(e)
+        raise TypeError(f"cannot render {type(e).__name__}")
+
+    def kind_of(self, e) -> str:
+        if isinstance(e, ir.TensorRef):
+            return self.ctx.kinds.get(e.name, "float")
+        if isinstance(e, (ir.WireIndex, ir.WireSize)):
+            return "int"
+        if isinstance(e, ir.Binary) and e.op in ir.COMPARE_OPS + ir.LOGIC_OPS:
+            return "bool"
+        return "float"
+
+    def binary(self, e: ir.Binary):
+        op = e.op
+        if op == "^":
+            return self.power(e)
+        a, b = self.r(e.lhs), self.r(e.rhs)
+        if op in ir.COMPARE_OPS:
+            return f"{self.wrap(a, _PREC['+'] - 1)} {op} {self.wrap(b, _PREC['+'] - 1)}", _PREC["cmp"], "bool"
+        if op in ir.LOGIC_OPS:
+            sym = self.AND if op == "and" else self.OR
+            p = _PREC["&" if op == "and" else "|"]
+            return f"{self.wrap(a, p - 1)} {sym} {self.wrap(b, p)}", p, "bool"
+        p = _PREC[op]
+        kind = "float" if "float" in (a[2], b[2]) or op == "/" else "int"
+        if op == "/" and a[2] != "float" and b[2] != "float":
+            a = (self.to_float(a), _PREC["atom"], "float")
+        return f"{self.wrap(a, p - 1)} {op} {self.wrap(b, p)}", p, kind
+
+    def power(self, e: ir.Binary):
+        n = integer_exponent(e.rhs, self.ctx.fixed)
+        base = self.r(e.lhs)
+        if n is not None:
+            if n == 0:
+                return "1.0", _PREC["atom"], "float"
+            term = " * ".join([self.wrap(base, _PREC["*"])] * abs(n))
+            if n > 0:
+                return term, _PREC["*"], base[2]
+            return f"1.0 / ({term})", _PREC["*"], "float"
+        return self.general_power(base, self.r(e.rhs)), _PREC["atom"], "float"
+
+    def call(self, e: ir.Call):
+        args = [self.r(a) for a in e.args]
+        if e.fn == "where":
+            c, a, b = args
+            kind = "bool" if a[2] == b[2] == "bool" else "float" if "float" in (a[2], b[2]) else "int"
+            return self.where(c[0], a[0], b[0]), _PREC["atom"], kind
+        if e.fn in ("max", "min"):
+            a, b = args
+            kind = "float" if "float" in (a[2], b[2]) else "int"
+            return self.FUN[e.fn].format(a[0], b[0]), _PREC["atom"], kind
+        (a,) = args
+        arg = a[0] if a[2] == "float" or e.fn in ("abs", "relu") else self.to_float(a)
+        kind = a[2] if e.fn in ("abs", "relu") else "float"
+        return self.FUN[e.fn].format(arg), _PREC["atom"], kind
+
+
+class TritonRender(_Render):
+    FUN = {
+        "exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})", "log2": "tl.log2({})",
+        "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})", "abs": "tl.abs({})",
+        "tanh": "_tanh({})", "sigmoid": "_sigmoid({})", "relu": "_relu({})",
+        "max": "tl.maximum({}, {}, propagate_nan=tl.PropagateNan.ALL)",
+        "min": "tl.minimum({}, {}, propagate_nan=tl.PropagateNan.ALL)",
+    }
+
+    def negate(self, x) -> str:
+        return f"~{self.wrap(x, _PREC['neg'])}"
+
+    def to_float(self, x) -> str:
+        return f"{self.wrap(x, _PREC['*'])} * 1.0"  # works on tensors and scalars alike
+
+    def where(self, c, a, b) -> str:
+        return f"tl.where({c}, {a}, {b})"
+
+    def safe_div(self, a, b) -> str:
+        return f"_safe_div({a[0]}, {b[0]})"
+
+    def general_power(self, base, exp) -> str:
+        return f"tl.exp2({self.wrap(exp, _PREC['*'])} * tl.log2({self.to_float(base) if base[2] != 'float' else base[0]}))"
+
+
+def triton(e, ctx: Ctx) -> str:
+    """Triton source for ``e`` in context ``ctx``."""
+    return TritonRender(ctx)(e)
+
+
+class TorchRender(_Render):
+    """Eager torch for the reference.  Operands are already aligned to a
+    common wire order by the caller (reference.py), so this renders scalars
+    and same-shaped tensors; ``scalar`` says every leaf is a Python number,
+    so math functions are used instead of torch ones."""
+
+    FUN = {
+        "exp": "torch.exp({})", "exp2": "torch.exp2({})", "log": "torch.log({})", "log2": "torch.log2({})",
+        "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})", "abs": "torch.abs({})",
+        "tanh": "torch.tanh({})", "sigmoid": "torch.sigmoid({})", "relu": "torch.relu({})",
+        "max": "_maximum({}, {})", "min": "_minimum({}, {})",
+    }
+
+    def negate(self, x) -> str:
+        return f"~{self.wrap(x, _PREC['neg'])}"
+
+    def to_float(self, x) -> str:
+        return x[0]
+
+    def where(self, c, a, b) -> str:
+        return f"torch.where({c}, {a}, {b})"
+
+    def safe_div(self, a, b) -> str:
+        return f"_safe_div({a[0]}, {b[0]})"
+
+    def general_power(self, base, exp) -> str:
+        return f"{self.wrap(base, _PREC['**'])} ** {self.wrap(exp, _PREC['**'] - 1)}"
+
+    def power(self, e: ir.Binary):
+        base, exp = self.r(e.lhs), self.r(e.rhs)
+        return f"{self.wrap(base, _PREC['**'])} ** {self.wrap(exp, _PREC['**'] - 1)}", _PREC["**"], base[2]
+
+
+class ScalarRender(TorchRender):
+    """Scalars of the reference (symbolic sizes): Python's math module."""
+
+    FUN = {k: v.replace("torch.", "math.") for k, v in TorchRender.FUN.items()}
+    FUN.update({"rsqrt": "1.0 / math.sqrt({})", "sigmoid": "1.0 / (1.0 + math.exp(-({})))",
+                "relu": "max({}, 0)", "max": "max({}, {})", "min": "min({}, {})", "abs": "abs({})",
+                "exp2": "2.0 ** ({})"})

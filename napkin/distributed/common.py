@@ -1,0 +1,98 @@
+"""What ATTENTION2D and Ring Attention share: argument checking through the
+handshake, padding rows, and the outputs in the diagram's order."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import groups as G
+from .commcount import phase
+from .layouts import TokenLayout
+from .local import Roles
+
+SCHEME_CODES = {"attention2d": 1, "ring": 2}
+
+
+def split_side(r: Roles, side: dict) -> dict:
+    missing = [n for n in r.side if n not in side]
+    extra = [n for n in side if n not in r.side]
+    if missing or extra:
+        raise ValueError(f"side inputs: expected {', '.join(r.side) or 'none'}"
+                         + (f"; missing {', '.join(missing)}" if missing else "")
+                         + (f"; unexpected {', '.join(extra)}" if extra else ""))
+    return {n: side[n] for n in r.side}
+
+
+def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict, q_lay: TokenLayout,
+              x_lay: TokenLayout, group_seq: Sequence, timeout: float, where: callable) -> None:
+    """Exchange every rank's shapes, dtypes and lengths; raise the same
+    ValueError on every rank when they disagree or do not fit the layouts.
+    ``where(part)`` names a device in messages."""
+    if len(tokens) != len(r.tokens):
+        # every rank of a correct program passes the same count; a wrong count
+        # is caught here before any collective, and the peers time out
+        raise ValueError(f"expected {len(r.tokens)} token inputs ({', '.join(r.tokens)}), got {len(tokens)}")
+    tensors = list(tokens) + [side[n] for n in r.side]
+    names = list(r.tokens) + list(r.side)
+    head = [SCHEME_CODES[scheme], q_lay.length, x_lay.length]
+    with phase("check"):
+        table = G.exchange_meta(G.describe(head, tensors), group_seq, timeout, tokens[0].device)
+    first = table[0]
+    for part in range(1, table.shape[0]):
+        row = table[part]
+        if torch.equal(row, first):
+            continue
+        if not torch.equal(row[:G.META_HEAD], first[:G.META_HEAD]):
+            raise ValueError(f"{where(part)} called with scheme/lengths {row[:G.META_HEAD].tolist()} but "
+                             f"{where(0)} with {first[:G.META_HEAD].tolist()} (scheme code, q_len, x_len)")
+        for k, name in enumerate(names):
+            if G.decode(row, k) != G.decode(first, k):
+                raise ValueError(f"{name} differs across devices: {where(part)} has {G.decode(row, k)}, "
+                                 f"{where(0)} has {G.decode(first, k)}")
+    for k, name in enumerate(r.tokens):
+        wire = r.token_wire[k]
+        lay = q_lay if wire == r.query else x_lay
+        got = G.shape_at(first, k)[r.token_axis[k]]
+        if got != lay.rows:
+            raise ValueError(
+                f"{name} holds {got} rows along {wire} on each device, but {lay.length} tokens in the "
+                f"{lay.kind} layout over {lay.parts} devices need {lay.rows} (padding included); "
+                f"cut full tensors with napkin.distributed shard helpers")
+
+
+def pad_rows(out: torch.Tensor, lse: Optional[torch.Tensor], pos: torch.Tensor, length: int, axis: int):
+    """Padding query rows (positions >= length) read O = 0 and lse = -inf,
+    like a row that sees no key."""
+    if int(pos.max()) < length:
+        return out, lse
+    shape = [1] * out.dim()
+    shape[axis] = pos.numel()
+    pad = (pos >= length).to(out.device)
+    out = torch.where(pad.view(shape), torch.zeros((), dtype=out.dtype, device=out.device), out)
+    if lse is not None:
+        lse = torch.where(pad.view(shape[:lse.dim()]), torch.full((), float("-inf"), dtype=lse.dtype,
+                                                                  device=lse.device), lse)
+    return out, lse
+
+
+def zero_rows(t: torch.Tensor, pos: torch.Tensor, length: int, axis: int) -> torch.Tensor:
+    if int(pos.max()) < length:
+        return t
+    shape = [1] * t.dim()
+    shape[axis] = pos.numel()
+    return torch.where((pos >= length).to(t.device).view(shape), torch.zeros((), dtype=t.dtype, device=t.device), t)
+
+
+def results(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor]):
+    """The outputs in the diagram's order: one tensor, or a tuple."""
+    got = tuple(out if name == r.value else lse for name in r.outputs)
+    return got[0] if len(got) == 1 else got
+
+
+def row_delta(r: Roles, dO: torch.Tensor, out: torch.Tensor, dlse: Optional[torch.Tensor]) -> torch.Tensor:
+    """delta = rowsum(dO * O) - dlse, in O's (accumulator) dtype."""
+    prod = dO.to(out.dtype) * out
+    dims = tuple(range(out.dim() - r.value_axes, out.dim()))
+    delta = prod.sum(dims) if dims else prod
+    return delta - dlse.to(delta.dtype) if dlse is not None else delta

@@ -1,0 +1,268 @@
+"""Process-group plumbing: device grids and rings, collectives with deadlines,
+and the handshake that turns a shape mismatch into an error on every rank.
+
+Every collective here is called as ``torch.distributed.NAME`` at call time, so
+the communication counter (commcount.py) sees it, and every wait is bounded by
+a timeout: a peer that failed or never called gives a RuntimeError that says
+what was being waited for, never a hang.
+
+A grid is R x C devices; device (i, j) is part ``i * C + j`` of the token
+layout.  ``row_group`` holds the C devices of grid row i (group rank j) and
+``col_group`` the R devices of grid column j (group rank i).  A
+``DeviceMesh`` of shape (R, C) from ``init_device_mesh`` gives exactly that:
+mesh dimension 1 is the row group and dimension 0 the column group.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = 300.0  # seconds; every wait is bounded by the caller's timeout
+
+
+# --------------------------------------------------------------------------
+# Grids and rings.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Grid2D:
+    rows: int
+    cols: int
+    i: int
+    j: int
+    row_group: Any
+    col_group: Any
+
+    @property
+    def parts(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def part(self) -> int:
+        """This device's index in the cyclic token layout."""
+        return self.i * self.cols + self.j
+
+    def validate(self) -> "Grid2D":
+        """Check that group ranks are grid coordinates: all-gathers return
+        blocks in group-rank order, and the layout arithmetic relies on it."""
+        for name, group, size, idx in (("row", self.row_group, self.cols, self.j),
+                                       ("column", self.col_group, self.rows, self.i)):
+            if dist.get_world_size(group) != size:
+                raise ValueError(f"the {name} group has {dist.get_world_size(group)} ranks; "
+                                 f"a {self.rows} x {self.cols} grid needs {size}")
+            if dist.get_rank(group) != idx:
+                raise ValueError(f"device ({self.i}, {self.j}) has rank {dist.get_rank(group)} in its {name} "
+                                 f"group; it must be {idx} (order the group's ranks by grid coordinate)")
+        return self
+
+
+def grid_from_mesh(mesh) -> Grid2D:
+    """A Grid2D over a 2-D DeviceMesh (dimension 0: rows, dimension 1: columns)."""
+    if mesh.ndim != 2:
+        raise ValueError(f"ATTENTION2D needs a 2-D device mesh, got {mesh.ndim} dimensions")
+    i, j = mesh.get_coordinate()
+    r, c = mesh.shape
+    return Grid2D(r, c, i, j, row_group=mesh.get_group(1), col_group=mesh.get_group(0)).validate()
+
+
+def new_grid(rows: int, cols: int, ranks: Optional[Sequence[int]] = None) -> Grid2D:
+    """Make the row and column groups of an R x C grid from plain process
+    groups.  Collective: every rank of the default group must call it (torch
+    requires that for ``new_group``).  ``ranks`` (default 0..R*C-1) lists the
+    global ranks in grid order."""
+    ranks = list(range(rows * cols)) if ranks is None else list(ranks)
+    if len(ranks) != rows * cols:
+        raise ValueError(f"a {rows} x {cols} grid needs {rows * cols} ranks, got {len(ranks)}")
+    if sorted(ranks) != ranks:
+        raise ValueError("grid ranks must be increasing (torch orders group members by global rank)")
+    me = dist.get_rank()
+    mine = None
+    row_groups = [dist.new_group(ranks[i * cols:(i + 1) * cols]) for i in range(rows)]
+    col_groups = [dist.new_group(ranks[j::cols]) for j in range(cols)]
+    if me in ranks:
+        i, j = divmod(ranks.index(me), cols)
+        mine = Grid2D(rows, cols, i, j, row_groups[i], col_groups[j]).validate()
+    return mine
+
+
+def as_grid(grid) -> Grid2D:
+    if isinstance(grid, Grid2D):
+        return grid
+    if hasattr(grid, "get_group") and hasattr(grid, "get_coordinate"):
+        return grid_from_mesh(grid)
+    raise TypeError(f"expected a 2-D DeviceMesh or a Grid2D (napkin.distributed.new_grid), got {type(grid).__name__}")
+
+
+@dataclass(frozen=True)
+class Ring:
+    size: int
+    rank: int
+    group: Any
+    next: int   # global rank of the next device (what this one sends to)
+    prev: int   # global rank of the previous device (what this one receives from)
+
+
+def as_ring(group=None) -> Ring:
+    """A ring over a process group (None: the default group), a 1-D
+    DeviceMesh, or a Ring."""
+    if isinstance(group, Ring):
+        return group
+    if hasattr(group, "get_group") and hasattr(group, "get_coordinate"):
+        if group.ndim != 1:
+            raise ValueError(f"Ring Attention needs a 1-D device mesh, got {group.ndim} dimensions")
+        group = group.get_group(0)
+    pg = group if group is not None else dist.group.WORLD
+    size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    return Ring(size, rank, pg, dist.get_global_rank(pg, (rank + 1) % size),
+                dist.get_global_rank(pg, (rank - 1) % size))
+
+
+# --------------------------------------------------------------------------
+# Collectives with deadlines.  Tensors are exchanged token-dimension first.
+# --------------------------------------------------------------------------
+
+def wait(work, timeout: float, what: str) -> None:
+    """Wait for an async work handle, at most ``timeout`` seconds."""
+    if work is None:
+        return
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"napkin.distributed: {what} did not finish within {timeout:g} s on rank {dist.get_rank()} "
+            f"({err}); a peer may have failed or not made the same call") from err
+
+
+def _all_gather(out, inp, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def all_gather_rows(t: torch.Tensor, dim: int, group, timeout: float, what: str) -> torch.Tensor:
+    """Concatenate every group member's ``t`` along ``dim``, in group-rank order."""
+    k = dist.get_world_size(group)
+    if k == 1:
+        return t
+    x = t.movedim(dim, 0).contiguous()
+    out = x.new_empty((k * x.shape[0],) + tuple(x.shape[1:]))
+    wait(_all_gather(out, x, group), timeout, f"all-gather of {what}")
+    return out.movedim(0, dim)
+
+
+def all_to_all_rows(buf: torch.Tensor, group, timeout: float, what: str) -> torch.Tensor:
+    """buf [k, ...]: row c goes to member c; returns [k, ...] with row c from member c."""
+    k = dist.get_world_size(group)
+    if k == 1:
+        return buf
+    buf = buf.contiguous()
+    out = torch.empty_like(buf)
+    wait(dist.all_to_all_single(out, buf, group=group, async_op=True), timeout, f"all-to-all of {what}")
+    return out
+
+
+def reduce_scatter_rows(t: torch.Tensor, dim: int, group, timeout: float, what: str) -> torch.Tensor:
+    """t holds k blocks along ``dim`` (one per member, in group-rank order);
+    returns the sum over members of this member's block.
+
+    NCCL has reduce-scatter; on other backends (gloo's has been missing or
+    naive) it is an all-to-all followed by a local sum, which moves the same
+    bytes: each rank sends every peer that peer's block once.
+    """
+    k = dist.get_world_size(group)
+    if k == 1:
+        return t
+    x = t.movedim(dim, 0).contiguous()
+    n = x.shape[0] // k
+    if dist.get_backend(group) == "nccl":
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        out = x.new_empty((n,) + tuple(x.shape[1:]))
+        wait(fn(out, x, group=group, async_op=True), timeout, f"reduce-scatter of {what}")
+    else:
+        got = torch.empty_like(x)
+        wait(dist.all_to_all_single(got, x, group=group, async_op=True), timeout, f"reduce-scatter of {what}")
+        out = got.view((k, n) + tuple(x.shape[1:])).sum(0)
+    return out.movedim(0, dim)
+
+
+class RingPass:
+    """Tensors on their way to the next device while the previous one's arrive.
+
+    Started before the step's computation and waited for after it, so the
+    transfer overlaps the local attention (double buffering)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], ring: Ring, timeout: float, what: str):
+        self.timeout, self.what = timeout, what
+        self.sending = [t.contiguous() for t in tensors]
+        self.received = [torch.empty_like(t) for t in self.sending]
+        self.works = []
+        for tag, (s, r) in enumerate(zip(self.sending, self.received)):
+            self.works.append(dist.isend(s, ring.next, group=ring.group, tag=tag))
+            self.works.append(dist.irecv(r, ring.prev, group=ring.group, tag=tag))
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            wait(w, self.timeout, f"ring pass of {self.what}")
+        return self.received
+
+
+# --------------------------------------------------------------------------
+# The handshake: every rank learns every rank's shapes before any big
+# collective, so a mismatch raises the same clear error everywhere.
+# --------------------------------------------------------------------------
+
+MAX_TENSORS = 8
+DIMS = 5
+META_HEAD = 3                         # scheme code, q_len, x_len
+META_LEN = META_HEAD + MAX_TENSORS * (3 + DIMS)
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16,
+           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def describe(head: Sequence[int], tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """This rank's call as a fixed-length int64 vector."""
+    if len(tensors) > MAX_TENSORS:
+        raise ValueError(f"at most {MAX_TENSORS} tensor arguments, got {len(tensors)}")
+    vec = [int(h) for h in head]
+    for t in list(tensors) + [None] * (MAX_TENSORS - len(tensors)):
+        if t is None:
+            vec += [-1] * (3 + DIMS)
+            continue
+        if t.dim() > DIMS:
+            raise ValueError(f"tensors of at most {DIMS} dimensions, got shape {tuple(t.shape)}")
+        code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+        vec += [code, int(t.requires_grad), t.dim()] + list(t.shape) + [0] * (DIMS - t.dim())
+    return torch.tensor(vec, dtype=torch.int64)
+
+
+def decode(row: torch.Tensor, index: int) -> str:
+    """One tensor's entry of a handshake vector, as 'shape dtype'."""
+    base = META_HEAD + index * (3 + DIMS)
+    code, grad, nd = (int(v) for v in row[base:base + 3])
+    if code < 0:
+        return "absent"
+    shape = tuple(int(v) for v in row[base + 3:base + 3 + nd])
+    dtype = str(_DTYPES[code]).replace("torch.", "") if code < len(_DTYPES) else "other dtype"
+    return f"{shape} {dtype}" + (" requires_grad" if grad else "")
+
+
+def shape_at(row: torch.Tensor, index: int) -> tuple[int, ...]:
+    base = META_HEAD + index * (3 + DIMS)
+    return tuple(int(v) for v in row[base + 3:base + 3 + int(row[base + 2])])
+
+
+def exchange_meta(vec: torch.Tensor, groups: Sequence, timeout: float, device=None) -> torch.Tensor:
+    """All ranks' vectors, [parts, META_LEN], identical on every rank.
+
+    ``groups`` are gathered over in order: for a grid (row, column), so the
+    second all-gather spreads whole rows and every rank sees every device;
+    part index = i * C + j."""
+    table = vec.to(device) if device is not None else vec
+    table = table.view(1, -1)
+    for g in groups:
+        if dist.get_world_size(g) > 1:
+            table = all_gather_rows(table.reshape(1, -1), 0, g, timeout, "the shape handshake")
+    return table.reshape(-1, vec.numel()).cpu()

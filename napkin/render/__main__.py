@@ -1,0 +1,43 @@
+"""``python -m napkin.render --docs [DIR]``: redraw the README's pictures.
+
+Writes attention.png and attention_2d.png (the shipped examples, with the
+cost pass's byte counts at the default sizes) into DIR, by default the
+repository's docs/ folder.  Needs Graphviz's ``dot``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import dot_program, render_file, INSTALL_HINT
+
+REPO = Path(__file__).resolve().parent.parent.parent
+DOCS_PICTURES = ("attention", "attention_2d")
+
+
+def write_docs(folder: Path) -> list[Path]:
+    """Draw each of DOCS_PICTURES from examples/ into ``folder``; the paths."""
+    return [render_file(REPO / "examples" / f"{name}.ncd", Path(folder) / f"{name}.png")
+            for name in DOCS_PICTURES]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m napkin.render",
+                                     description="Redraw the pictures the README shows.")
+    parser.add_argument("--docs", nargs="?", const=str(REPO / "docs"), default=None, metavar="DIR",
+                        help="write attention.png and attention_2d.png into DIR (default: docs/)")
+    args = parser.parse_args(argv)
+    if args.docs is None:
+        parser.print_help()
+        return 2
+    if dot_program() is None:
+        print("napkin: the README's pictures need Graphviz's dot; " + INSTALL_HINT, file=sys.stderr)
+        return 1
+    for path in write_docs(Path(args.docs)):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

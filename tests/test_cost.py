@@ -1,0 +1,460 @@
+"""The cost pass (napkin/cost/): formulas, exact counts, bounds, devices, tuning, CLI.
+
+The counts are checked three ways: against a brute-force walk over every
+(program, step) pair of the kernel model (this file), against the symbolic
+formulas at sizes the blocks divide (this file), and against the bytes the
+generated kernels really move under the Triton interpreter
+(tests/test_cost_counted.py... see test_counted_bytes_* below).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import napkin
+from napkin import ir, tiling
+from napkin.cost import analyse, from_json, summary_lines, tune, with_blocks
+from napkin.cost import bounds, model, profiles
+from napkin.cost.analysis import _visited
+from napkin.cost.symbolic import Poly
+from napkin.errors import NapkinError
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((REPO / "examples").glob("*.ncd"))
+
+
+def load(name: str) -> ir.Diagram:
+    return napkin.load(REPO / "examples" / f"{name}.ncd")
+
+
+def sizes_for(d: ir.Diagram, n: int, heads: int = 2) -> dict[str, int]:
+    """n for every sequence-like symbolic wire, ``heads`` for head wires, 1 for b."""
+    small = {"b": 1, "h": heads, "hk": heads, "g": 2}
+    return {w.name: small.get(w.name, n) for w in d.wires if w.size is None}
+
+
+# --------------------------------------------------------------------------
+# Symbolic arithmetic.
+# --------------------------------------------------------------------------
+
+def test_poly_arithmetic_and_printing():
+    q, x, d, g = (Poly.sym(s) for s in ("q", "x", "d", "g_q"))
+    h = 2 * x * d * q / g + 2 * q * d
+    assert str(h) == "2*d*q*x/g_q + 2*d*q"
+    assert h.evaluate({"q": 256, "x": 512, "d": 64, "g_q": 128}) == 2 * 512 * 64 * 2 + 2 * 256 * 64
+    assert str(q - q) == "0" and (q - q).is_zero()
+    assert str(Poly.const(1) - Poly.const(1) / Poly.sym("P")) == "1 - 1/P"
+    assert str(q * Fraction(1, 3)) == "q/3"
+    with pytest.raises(ValueError):
+        q / (q + x)
+
+
+# --------------------------------------------------------------------------
+# Kernels and counts.
+# --------------------------------------------------------------------------
+
+def test_flash_attention_is_one_kernel_and_naive_is_four():
+    (k,) = model.kernels(load("attention"))
+    assert k.boxes == ("S", "P", "O", "lse") and k.stores == ("O", "lse") and not k.two_pass
+    ks = model.kernels(load("naive_attention"))
+    assert [k.stores for k in ks] == [("S",), ("P",), ("O",), ("lse",)]
+    assert [k.two_pass for k in ks] == [False, True, False, False]
+    # a kernel that writes along the streamed wire may not skip blocks
+    assert [k.skips for k in ks] == [False, False, True, True]
+
+
+def brute_force(d: ir.Diagram, sizes: dict[str, int]) -> dict[tuple[int, str, str, tuple], int]:
+    """Elements per (kernel, tensor, direction, wires): walk every program and
+    every visited step and add up clipped tile extents, one at a time."""
+    levels = model.chip_levels(d)
+    tiles = model.tiling_at(d, levels[0])
+    out = {}
+    for k in model.kernels(d):
+        groups, stream = model.kernel_tiling(k, tiles)
+        visited = _visited(d, k, tiles, sizes)
+        grid = [range(math.ceil(sizes[w] / b)) for w, b in groups.items()]
+        steps = range(math.ceil(sizes[stream[0]] / stream[1])) if stream else [None]
+        for acc in k.accesses:
+            total = 0
+            for prog in itertools.product(*grid):
+                index = dict(zip(groups, prog))
+
+                def extent(step):
+                    n = 1
+                    for w in acc.wires:
+                        if w in groups:
+                            n *= model.clip(sizes[w], groups[w], index[w])
+                        elif stream and w == stream[0]:
+                            n *= model.clip(sizes[w], stream[1], step)
+                        else:
+                            n *= sizes[w]
+                    return n
+                if stream and stream[0] in acc.wires:
+                    for step in steps:
+                        if visited is not None and (index[visited.row], step) not in visited.pairs:
+                            continue
+                        total += extent(step) * (2 if k.two_pass and acc.kind == "load" else 1)
+                else:
+                    total += extent(None)
+            out[(k.index, acc.tensor, acc.kind, acc.wires)] = total
+    return out
+
+
+SINGLE_DEVICE = [p.stem for p in EXAMPLES if "devices" not in p.read_text()]
+
+
+@pytest.mark.parametrize("name", SINGLE_DEVICE)
+@pytest.mark.parametrize("n", [64, 200, 333])
+def test_counts_match_a_brute_force_walk(name, n):
+    d = load(name)
+    sizes = tiling_sizes = sizes_for(d, n)
+    r = analyse(d, tiling_sizes)
+    expected = brute_force(d, {**{w.name: w.size for w in d.wires if w.size}, **sizes})
+    got = {(t.kernel, t.tensor, t.direction, t.wires): t.elements for t in r.transfers}
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", [n for n in SINGLE_DEVICE if "mask" not in n])
+def test_formulas_equal_counts_when_blocks_divide(name):
+    """Without masks and with sizes the blocks divide, the symbolic formula is exact."""
+    d = load(name)
+    sizes = sizes_for(d, 512)
+    r = analyse(d, sizes)
+    env = dict(r.sizes)
+    for lv in d.schedule.levels:
+        for t in lv.tiles:
+            env[f"g_{t.wire}" if t.kind == "group" else f"s_{t.wire}"] = t.size
+    skipping = r.flops.skipped_fraction
+    for t in r.transfers:
+        value = _eval(t.formula, env)
+        if skipping and t.fetches_formula != "1" and t.tensor in ("K", "V"):
+            assert t.elements < value   # skipped blocks: fewer than the dense formula
+        else:
+            assert t.elements == value, t
+
+
+def _eval(formula: str, env) -> Fraction:
+    """Evaluate a printed formula (a*b/c + ... with ^) exactly."""
+    expr = formula.replace("^", "**")
+    return Fraction(eval(expr, {"__builtins__": {}}, {k: Fraction(v) for k, v in env.items()}))
+
+
+def mask_truth(pred: str, q: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return {"causal": x <= q, "sliding_window": (x <= q) & (q - x < 256)}[pred]
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window"])
+@pytest.mark.parametrize("n,bq,bx", [(200, 64, 32), (1000, 128, 64), (333, 32, 128), (700, 16, 16)])
+def test_visited_steps_are_exactly_the_blocks_with_a_live_score(name, n, bq, bx):
+    d = with_blocks(load(name), {"q": bq, "x": bx})
+    sizes = {**sizes_for(d, n), "d": 64}
+    (k,) = model.kernels(d)
+    v = _visited(d, k, model.tiling_at(d, "smem"), sizes)
+    q, x = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    live = mask_truth(name, q, x)
+    want = {(i, j) for i in range(math.ceil(n / bq)) for j in range(math.ceil(n / bx))
+            if live[i * bq:(i + 1) * bq, j * bx:(j + 1) * bx].any()}
+    assert v.row == "q" and set(v.pairs) == want
+
+
+def test_document_mask_visits_every_block():
+    d = load("document_mask")
+    (k,) = model.kernels(d)
+    assert _visited(d, k, model.tiling_at(d, "smem"), sizes_for(d, 300) | {"d": 64}) is None
+
+
+def test_flops_of_attention_and_causal_skipping():
+    d = load("attention")
+    sizes = {"b": 2, "h": 3, "q": 256, "x": 512}
+    r = analyse(d, sizes)
+    assert r.flops.contraction == 4 * 2 * 3 * 256 * 512 * 64
+    assert r.flops.exp == 2 * 3 * 256 * 512 + 2 * 3 * 256     # softmax exps + lse's log
+    assert r.flops.contraction_formula == "4*b*d*h*q*x"
+    c = analyse(load("causal"), {"b": 1, "h": 1, "q": 1024, "x": 1024})
+    dense = 4 * 1024 * 1024 * 64
+    # 128-row blocks, 64-column steps: row block i visits 2(i+1) steps of 8192 scores
+    visited = sum(2 * (i + 1) for i in range(8)) * 128 * 64
+    assert c.flops.contraction == dense * visited // (1024 * 1024)
+    assert c.flops.skipped_fraction == pytest.approx(1 - visited / 1024**2)
+
+
+def test_naive_attention_moves_the_score_matrix():
+    naive, flash = load("naive_attention"), load("attention")
+    sizes = {"b": 1, "h": 4, "q": 1024, "x": 1024}
+    rn, rf = analyse(naive, sizes), analyse(flash, sizes)
+    qx = 4 * 1024 * 1024 * 4   # fp32 scores, bytes
+    # S written once, read twice (softmax's two passes) and once more (lse); P written and read
+    assert rn.hbm_bytes - rf.hbm_bytes == qx * (1 + 2 + 1 + 1 + 1)
+    assert rn.bound.bytes == rf.bound.bytes   # same computation, same bound
+    assert rn.bound.ratio > 10 * rf.bound.ratio
+
+
+# --------------------------------------------------------------------------
+# Scaling laws, in napkin's own numbers.
+# --------------------------------------------------------------------------
+
+def _at_capacity(d: ir.Diagram, capacity: int) -> ir.Diagram:
+    levels = tuple(dataclasses.replace(lv, capacity=capacity) if lv.name == "smem" else lv
+                   for lv in d.schedule.levels)
+    return dataclasses.replace(d, schedule=dataclasses.replace(d.schedule, levels=levels))
+
+
+def test_attention_reread_term_halves_when_capacity_doubles():
+    d = load("attention")
+    sizes = {"b": 1, "h": 8, "q": 8192, "x": 8192}
+    a = analyse(_at_capacity(d, 128 * 1024), sizes).bound
+    b = analyse(_at_capacity(d, 256 * 1024), sizes).bound
+    assert a.kind == "attention"
+    assert b.reread_bytes == pytest.approx(a.reread_bytes / 2, rel=1e-12)
+    # and the schedule's own re-read term halves when its query block doubles
+    k128 = next(t for t in analyse(d, sizes).transfers if t.tensor == "K")
+    k256 = next(t for t in analyse(with_blocks(d, {"q": 256}), sizes).transfers if t.tensor == "K")
+    assert k256.bytes * 2 == k128.bytes
+
+
+def test_matmul_reread_term_falls_by_sqrt2_when_capacity_doubles():
+    d = load("matmul")
+    sizes = {"m": 4096, "n": 4096, "k": 4096}
+    a = analyse(_at_capacity(d, 128 * 1024), sizes).bound
+    b = analyse(_at_capacity(d, 256 * 1024), sizes).bound
+    assert a.kind == "matmul"
+    assert a.reread_bytes / b.reread_bytes == pytest.approx(math.sqrt(2), rel=1e-12)
+
+
+@pytest.mark.parametrize("name,factor", [("attention", 4.0), ("matmul", 2 ** 1.5)])
+def test_halving_element_size_cuts_bound_traffic_by_q_to_1_plus_beta(name, factor):
+    from napkin.cost.cli import recast
+    d = load(name)
+    sizes = sizes_for(d, 8192, heads=8)
+    wide = analyse(recast(d, "fp32"), sizes).bound
+    narrow = analyse(recast(d, "fp16"), sizes).bound
+    assert wide.capacity_bytes == narrow.capacity_bytes
+    assert wide.reread_bytes / narrow.reread_bytes == pytest.approx(factor, rel=1e-12)
+
+
+# --------------------------------------------------------------------------
+# Bounds.
+# --------------------------------------------------------------------------
+
+def test_bound_shapes():
+    s = bounds.bound_shape(load("gqa"))
+    assert (s.kind, s.batch, s.rows, s.inner, s.cols, s.value) == \
+        ("attention", ("b", "hk"), ("g", "q"), ("d",), ("x",), ("d",))
+    s = bounds.bound_shape(load("matmul"))
+    assert (s.kind, s.rows, s.inner, s.cols) == ("matmul", ("m",), ("k",), ("n",))
+
+
+def test_attention_bound_matches_the_paper_form():
+    d = load("attention")
+    sizes = {"b": 1, "h": 1, "q": 4096, "x": 2048}
+    b = analyse(d, sizes).bound
+    m = 232448 / 2
+    assert b.elements == pytest.approx(2 * 4096 * 64 + 4 * 2048 * 4096 * 64 ** 2 / m, rel=1e-12)
+    assert b.formula == "2*b*d*h*q + (4*b*d^2*h*q*x)/M"
+
+
+# --------------------------------------------------------------------------
+# Devices.
+# --------------------------------------------------------------------------
+
+def _devices(d: ir.Diagram, tiles: list[tuple[str, str, int]]) -> ir.Diagram:
+    level = ir.Level("devices", None, tuple(ir.Tile(w, k, n, True) for w, k, n in tiles))
+    rest = tuple(lv for lv in d.schedule.levels if lv.name != "devices")
+    return dataclasses.replace(d, schedule=dataclasses.replace(d.schedule, levels=(level,) + rest))
+
+
+@pytest.mark.parametrize("p", [4, 16, 64])
+def test_ring_traffic_is_2_n_hkv_b_times_p_minus_1_over_p(p):
+    d = _devices(load("ring_attention"), [("q", "group", p), ("x", "stream", p)])
+    n, h = 8192, 8
+    r = analyse(d, {"b": 1, "h": h, "q": n, "x": n})
+    assert r.devices.devices == p and r.devices.steps == p - 1
+    assert r.devices.bytes_received == 2 * n * h * 64 * 2 * (p - 1) // p
+    assert r.devices.bytes_sent == r.devices.bytes_received
+
+
+def test_attention2d_square_grid_traffic():
+    p, n, h = 16, 8192, 8
+    d = _devices(load("attention_2d"), [("q", "group", 4), ("x", "group", 4)])
+    r = analyse(d, {"b": 1, "h": h, "q": n, "x": n})
+    hd, b = h * 64, 2
+    gather = (n // 4) * (3 / 4) * hd * b * 3          # Q along the row, K and V along the column
+    merge = (n // 4) * (3 / 4) * (hd * 4 + h * 4)     # O and lse partials in fp32
+    assert r.devices.bytes_received == gather + merge
+    assert r.devices.steps == 3 + 3 + 3
+    ring = analyse(_devices(load("ring_attention"), [("q", "group", p), ("x", "stream", p)]),
+                   {"b": 1, "h": h, "q": n, "x": n})
+    assert ring.devices.bytes_received / r.devices.bytes_received > 1.5
+
+
+# --------------------------------------------------------------------------
+# Tuning.
+# --------------------------------------------------------------------------
+
+def test_tune_fits_capacity_and_ranks_deterministically():
+    d = load("attention")
+    sizes = {"b": 1, "h": 8, "q": 4096, "x": 4096}
+    best = tune(d, sizes, top=5, objective="transfers")
+    assert best and best == tune(d, sizes, top=5, objective="transfers")
+    assert [r.hbm_bytes for r in best] == sorted(r.hbm_bytes for r in best)
+    for r in best:
+        assert all(b in (16, 32, 64, 128, 256) for _, b in r.blocks)
+        assert all(used <= cap for _, used, cap in r.footprint if cap)
+        assert r.hbm_bytes == analyse(with_blocks(d, r.block), sizes).hbm_bytes
+    # every fitting candidate was considered: nothing that fits beats the winner
+    for bq, bx in itertools.product((16, 32, 64, 128, 256), repeat=2):
+        cand = with_blocks(d, {"q": bq, "x": bx})
+        used = sum(b for _, _, b in tiling.level_footprint(cand, "smem", sizes))
+        if used <= 232448:
+            assert analyse(cand, sizes).hbm_bytes >= best[0].hbm_bytes
+    assert len(tune(d, sizes, top=2)) == 2
+
+
+def test_tune_respects_a_small_capacity():
+    d = _at_capacity(load("matmul"), 48 * 1024)
+    results = tune(d, {"m": 1024, "n": 1024, "k": 1024}, top=10)
+    assert results
+    for r in results:
+        (smem,) = [(used, cap) for level, used, cap in r.footprint if level == "smem"]
+        assert smem[0] <= smem[1] == 48 * 1024
+    assert ("m", 256) not in results[0].blocks    # 256 x 256 fp32 accumulators alone need 256 KiB
+
+
+# --------------------------------------------------------------------------
+# Reports, JSON, profiles, CLI.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_json_round_trips(path):
+    d = napkin.load(path)
+    for sizes in ({}, sizes_for(d, 300)):
+        r = analyse(d, sizes)
+        text = r.to_json()
+        data = json.loads(text)
+        assert data["schema"] == "napkin.cost/1"
+        assert from_json(text) == r
+        assert json.loads(from_json(text).to_json()) == data
+
+
+def test_analysis_leaves_the_diagram_alone_and_is_deterministic():
+    d = load("causal")
+    before = repr(d)
+    a = analyse(d, {"b": 1, "h": 2, "q": 300, "x": 300}).to_json()
+    assert repr(d) == before
+    assert analyse(d, {"b": 1, "h": 2, "q": 300, "x": 300}).to_json() == a
+    assert summary_lines(d) == summary_lines(d)
+
+
+def test_summary_lines():
+    d = load("attention")
+    sym = summary_lines(d)
+    assert any("4*b*d*h*q*x/g_q" in line for line in sym)
+    num = summary_lines(d, {"b": 1, "h": 2, "q": 200, "x": 200})
+    assert any(line.startswith("schedule / lower bound = ") for line in num)
+    assert len(num) <= 8
+
+
+def test_every_profile_figure_has_a_source_and_capacities_agree_with_the_checker():
+    for key in profiles.profile_names():
+        p = profiles.get_profile(key)
+        for figure in list(p.figures) + list(p.levels):
+            assert p.sources.get(figure), f"{key}.{figure} has no source"
+        for level, cap in tiling.FALLBACK_CAPACITIES.get(key, {}).items():
+            assert p.capacity(level) == cap
+    assert profiles.get_profile("h100").capacity("smem") == 232448
+    assert profiles.get_profile("a100").capacity("smem") == 166912
+    with pytest.raises(NapkinError, match="unknown device profile 'h900'"):
+        profiles.get_profile("h900")
+
+
+def run_cli(*argv, capsys):
+    from napkin.cli import main
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_table_and_json(capsys):
+    f = str(REPO / "examples" / "attention.ncd")
+    code, out, err = run_cli("cost", f, "--size", "b=1", "-D", "h=16", "-D", "q=4096", "-D", "x=4096",
+                             capsys=capsys)
+    assert code == 0, err
+    assert "hbm/smem" in out and "roofline on h100" in out and "lower bound (attention" in out
+    code, out, err = run_cli("cost", f, "-D", "b=1", "-D", "h=2", "-D", "q=300", "-D", "x=300", "--json",
+                             "--device", "a100", capsys=capsys)
+    assert code == 0, err
+    r = from_json(out)
+    assert r.profile == "a100" and dict(r.sizes)["q"] == 300
+
+
+def test_cli_tune_and_dtypes(capsys):
+    f = str(REPO / "examples" / "matmul.ncd")
+    code, out, err = run_cli("cost", f, "-D", "m=1024", "-D", "n=1024", "-D", "k=1024", "--tune", "--top", "3",
+                             capsys=capsys)
+    assert code == 0, err
+    assert out.splitlines()[1].startswith("1. ") and len(out.splitlines()) == 4
+    code, out, err = run_cli("cost", f, "-D", "m=1024", "-D", "n=1024", "-D", "k=1024",
+                             "--dtypes", "fp32,fp16", "--json", capsys=capsys)
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["dtype"] for r in rows] == ["fp32", "fp16"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-D", "z=4"], "has no wire 'z'"),
+    (["-D", "q=lots"], "must be a positive whole number"),
+    (["-D", "q=0"], "must be a positive whole number"),
+    (["--size", "q"], "expects WIRE=N"),
+    (["-D", "d=32"], "fixed at 64"),
+    (["--device", "tpu"], "unknown device profile 'tpu'"),
+    (["--dtypes", "fp17"], "not a float dtype"),
+])
+def test_cli_bad_options_exit_1(args, message, capsys):
+    code, out, err = run_cli("cost", str(REPO / "examples" / "attention.ncd"), *args, capsys=capsys)
+    assert code == 1
+    assert message in err and "Traceback" not in err
+
+
+def test_ring_versus_attention2d_follows_the_background_claims():
+    """Section 2 of the background: for multi-head attention ATTENTION2D's
+    advantage grows like sqrt(P); with GQA (g = 8) a square grid wins only
+    when sqrt(P) > g + 1, a rectangular grid once P > 4g."""
+    from napkin.cost import compare
+    rows = compare.table(ps=(16, 64, 256), n=4096, d=64)
+    mha = {r["P"]: r for r in rows if r["heads"] == "MHA"}
+    assert 1.5 < mha[16]["ring_over_square"] < mha[64]["ring_over_square"] < mha[256]["ring_over_square"]
+    assert mha[256]["ring_over_square"] / mha[64]["ring_over_square"] == pytest.approx(2, rel=0.15)
+    gqa = {r["P"]: r for r in rows if r["heads"] != "MHA"}
+    assert gqa[64]["ring_over_square"] < 1 < gqa[256]["ring_over_square"]      # sqrt 64 = 8 < 9 < 16
+    assert gqa[16]["ring_over_best"] < 1 < gqa[64]["ring_over_best"]           # 16 < 4g = 32 < 64
+    assert gqa[64]["best_grid"] != "8x8"
+
+
+def test_dram_estimate_counts_shared_tiles_once_per_wave():
+    d = load("attention")
+    # 4 heads of 8 query blocks = 32 programs: one wave; K and V come from DRAM once
+    r = analyse(d, {"b": 1, "h": 4, "q": 1024, "x": 1024})
+    once = 4 * 1024 * 64 * 2
+    assert r.totals[0].dram_bytes == 4 * once + 4 * 1024 * 4   # Q, K, V, O once; lse fp32
+    assert r.totals[0].load_bytes > r.totals[0].dram_bytes
+    assert r.roofline.hbm_s < r.roofline.hbm_issued_s
+
+
+def test_cli_capacity_sweep_shows_the_tuned_reread_term_halving(capsys):
+    f = str(REPO / "examples" / "attention.ncd")
+    code, out, err = run_cli("cost", f, "-D", "b=1", "-D", "h=4", "-D", "q=8192", "-D", "x=8192",
+                             "--capacities", "57344,114688,229376", "--json", capsys=capsys)
+    assert code == 0, err
+    rows = json.loads(out)
+    reread = [r["bound_reread_bytes"] for r in rows]
+    assert reread[0] == pytest.approx(2 * reread[1]) and reread[1] == pytest.approx(2 * reread[2])
+    assert [r["tuned_blocks"]["q"] for r in rows] == [64, 128, 256]
+    code, out, err = run_cli("cost", f, "--capacities", "lots", capsys=capsys)
+    assert code == 1 and "not a positive whole number" in err

@@ -1,0 +1,389 @@
+"""The parser: each construct of the language, and the exact text of its errors.
+
+Errors are compared in full, as a user sees them: ``file:line:col: message``,
+the source line, the caret line and ``hint: ...``.
+"""
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+
+from napkin import ir
+from napkin.errors import NapkinError
+from napkin.parse import MAX_DEPTH, _keywords, parse
+
+from strategies import KEYWORDS
+
+HEAD = "diagram t\nwire q, x\nwire d = 4\n"
+
+
+def box(expr: str) -> ir.Expr:
+    """The expression of a one-box diagram over wires q, x, d."""
+    return parse(HEAD + f"S[q] = {expr}\n").lets[0].expr
+
+
+def error(text: str) -> str:
+    with pytest.raises(NapkinError) as info:
+        parse(textwrap.dedent(text), "t.ncd")
+    return str(info.value)
+
+
+def T(name, wires=None):
+    return ir.TensorRef(name, wires)
+
+
+def B(op, lhs, rhs):
+    return ir.Binary(op, lhs, rhs)
+
+
+N = ir.Num
+q, x = ir.WireIndex("q"), ir.WireIndex("x")
+
+
+# --------------------------------------------------------------------------
+# Constructs.
+# --------------------------------------------------------------------------
+
+def test_wires_symbolic_and_fixed():
+    d = parse("diagram w\nwire b, h\nwire d = 64, e\nwire q")
+    assert d.name == "w"
+    assert d.wires == (ir.Wire("b"), ir.Wire("h"), ir.Wire("d", 64), ir.Wire("e"), ir.Wire("q"))
+
+
+def test_inputs_with_grouped_axes():
+    d = parse("diagram g\nwire b, hk, g, q, d\nin Q[b, (hk g), q, d] : fp16\nin R[(b hk g)] : fp32")
+    assert d.inputs == (ir.Input("Q", (("b",), ("hk", "g"), ("q",), ("d",)), "fp16"),
+                        ir.Input("R", (("b", "hk", "g"),), "fp32"))
+
+
+def test_box_with_and_without_dtype():
+    d = parse(HEAD + "S[d, (q x)] : fp16 = 1\nT[q] = 2\n")
+    assert d.lets == (ir.Let("S", (("d",), ("q", "x")), "fp16", N(1)), ir.Let("T", (("q",),), None, N(2)))
+
+
+def test_outputs_in_order():
+    assert parse("diagram o\nout O, lse\nout Z").outputs == (ir.Output("O"), ir.Output("lse"), ir.Output("Z"))
+
+
+def test_bare_wire_names_are_indices_and_other_names_tensors():
+    # d is declared after the box that uses it: resolution happens at the end.
+    d = parse("diagram r\nS[q] = q + Q + d\nwire q\nwire d = 2")
+    assert d.lets[0].expr == B("+", B("+", q, T("Q")), ir.WireIndex("d"))
+
+
+def test_relabel():
+    assert box("doc[b, q] == doc") == B("==", T("doc", ("b", "q")), T("doc"))
+
+
+def test_reductions_and_contraction():
+    assert box("sum[d](Q * K)") == ir.Reduce("sum", ("d",), B("*", T("Q"), T("K")))
+    assert box("sum[d, x](A)") == ir.Reduce("sum", ("d", "x"), T("A"))
+    for op in ("max", "min", "logsumexp"):
+        assert box(f"{op}[x](S)") == ir.Reduce(op, ("x",), T("S"))
+
+
+def test_softmax_is_a_normaliser():
+    assert box("softmax[x](S)") == ir.Normalize("softmax", "x", T("S"))
+
+
+def test_calls():
+    assert box("where(x <= q, exp(S), max(S, 0))") == ir.Call("where", (
+        B("<=", x, q), ir.Call("exp", (T("S"),)), ir.Call("max", (T("S"), N(0)))))
+
+
+def test_size():
+    assert box("|d|") == ir.WireSize("d")
+    assert box("log(|x|)") == ir.Call("log", (ir.WireSize("x"),))
+
+
+def test_power_is_right_associative_with_signed_exponents():
+    assert box("|d|^-0.5") == B("^", ir.WireSize("d"), N(-0.5))
+    assert box("2^-x") == B("^", N(2), ir.Unary("-", x))
+    assert box("a^b^c") == B("^", T("a"), B("^", T("b"), T("c")))
+    assert box("-x^2") == ir.Unary("-", B("^", x, N(2)))
+    assert box("(-x)^2") == B("^", ir.Unary("-", x), N(2))
+
+
+def test_negative_literals_fold():
+    assert box("-inf") == N(-math.inf)
+    assert box("inf") == N(math.inf)
+    assert box("-2") == N(-2) and isinstance(box("-2").value, int)
+    assert box("- -2") == N(2)
+    assert box("-(0.5)") == N(-0.5)
+    assert box("-x") == ir.Unary("-", x)
+    assert box("a - -1") == B("-", T("a"), N(-1))
+
+
+def test_numbers_keep_int_or_float():
+    assert [type(box(t).value) for t in ("7", "7.", ".5", "1e3", "2.5E-2")] == [int, float, float, float, float]
+    assert box("1e3").value == 1000.0 and box("2.5E-2").value == 0.025
+
+
+def test_precedence():
+    # d is a wire here, so it reads as its index
+    sum_ = B("+", ir.WireIndex("d"), B("*", T("e"), T("f")))
+    assert box("a or b and not c < d + e * f") == B(
+        "or", T("a"), B("and", T("b"), ir.Unary("not", B("<", T("c"), sum_))))
+    assert box("a - b - c") == B("-", B("-", T("a"), T("b")), T("c"))
+    assert box("a / b * c") == B("*", B("/", T("a"), T("b")), T("c"))
+    assert box("-a * b") == B("*", ir.Unary("-", T("a")), T("b"))
+
+
+def test_comparisons_and_logic():
+    for op in ir.COMPARE_OPS:
+        assert box(f"x {op} q") == B(op, x, q)
+    assert box("not (x < q) or x == 3 and q != 1") == B(
+        "or", ir.Unary("not", B("<", x, q)), B("and", B("==", x, N(3)), B("!=", q, N(1))))
+
+
+def test_comments_and_whitespace_anywhere():
+    d = parse("# head\ndiagram c # after the name\n\twire b  # a wire\n\n\nout b # the end, no newline")
+    assert d.wires == (ir.Wire("b"),) and d.outputs == (ir.Output("b"),)
+
+
+def test_names_may_start_with_a_keyword():
+    d = parse("diagram a\nwire inx, bylaw, notice, orx, andy\nin info[inx] : fp16\n"
+              "S[inx] = notice and orx or andy\n")
+    assert d.lets[0].expr == B("or", B("and", ir.WireIndex("notice"), ir.WireIndex("orx")),
+                               ir.WireIndex("andy"))
+
+
+def test_the_reserved_words():
+    assert set(_keywords()) == KEYWORDS
+
+
+SCHEDULE = """\
+diagram s
+schedule on h100 {
+  accumulate fp16
+  allow tf32
+  level devices { group q across 2  stream x across 4 }
+  level hbm { hold Q, K  hold V }
+  level smem capacity 228 KiB {
+    group b by 1, q by 128
+    stream x by 64
+    hold S, P
+  }
+  level regs {}
+}
+"""
+
+
+def test_schedule():
+    s = parse(SCHEDULE).schedule
+    assert (s.profile, s.accumulate, s.tf32) == ("h100", "fp16", True)
+    assert s.levels == (
+        ir.Level("devices", None, (ir.Tile("q", "group", 2, True), ir.Tile("x", "stream", 4, True))),
+        ir.Level("hbm", None, (), ("Q", "K", "V")),
+        ir.Level("smem", 228 * 1024, (ir.Tile("b", "group", 1), ir.Tile("q", "group", 128),
+                                      ir.Tile("x", "stream", 64)), ("S", "P")),
+        ir.Level("regs"),
+    )
+
+
+def test_schedule_defaults():
+    s = parse("diagram s\nschedule { }").schedule
+    assert s == ir.Schedule(None, "fp32", False, ())
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("4096", 4096), ("4096 B", 4096), ("2 KB", 2000), ("3 MB", 3 * 10**6), ("1 GB", 10**9),
+    ("228 KiB", 228 * 1024), ("1.5 KiB", 1536), ("2 MiB", 2 << 20), ("80 GiB", 80 << 30), ("1e3", 1000),
+])
+def test_capacity_units(text, nbytes):
+    assert parse(f"diagram c\nschedule {{ level smem capacity {text} {{}} }}").level("smem").capacity == nbytes
+
+
+def test_locations():
+    d = parse("diagram loc\nwire q\n\nS[q] = q + 1\n  out S")
+    assert d.loc == ir.Loc(1, 9, 1, 12)
+    assert (d.lets[0].loc.line, d.lets[0].loc.col) == (4, 1)
+    plus = d.lets[0].expr
+    assert (plus.loc.line, plus.loc.col, plus.rhs.loc.col) == (4, 8, 12)
+    assert (d.outputs[0].loc.line, d.outputs[0].loc.col) == (5, 7)
+
+
+def test_nesting_up_to_the_limit_parses():
+    depth = MAX_DEPTH - 1
+    assert parse("diagram n\nS[q] = " + "-" * depth + "a").lets[0].expr is not None
+    e = parse("diagram n\nS[q] = " + "exp(" * depth + "a" + ")" * depth).lets[0].expr
+    assert sum(1 for _ in ir.walk(e)) == depth + 1
+    # Parentheses alone add no depth.
+    assert parse("diagram n\nS[q] = " + "(" * 1000 + "a" + ")" * 1000).lets[0].expr == T("a")
+
+
+# --------------------------------------------------------------------------
+# Syntax errors, in full.
+# --------------------------------------------------------------------------
+
+ERRORS = {
+    "missing diagram name": ("diagram", """\
+t.ncd:1:8: unexpected end of file
+    diagram
+           ^
+  hint: expected a name"""),
+    "not a diagram": ("wire a\n", """\
+t.ncd:1:1: unexpected 'wire'
+    wire a
+    ^^^^
+  hint: expected 'diagram'"""),
+    "missing colon before dtype": ("diagram a\nin Q[b] fp16\n", """\
+t.ncd:2:9: unexpected 'fp16'
+    in Q[b] fp16
+            ^^^^
+  hint: expected ':'"""),
+    "empty expression": ("diagram a\nS[b] = \nout S\n", """\
+t.ncd:3:1: unexpected 'out'
+    out S
+    ^^^
+  hint: expected an expression ('out' is a reserved word, so it cannot be a name)"""),
+    "dangling operator at end of file": ("diagram a\nS[b] = a and\n", """\
+t.ncd:2:13: unexpected end of file
+    S[b] = a and
+                ^
+  hint: expected an expression"""),
+    "two operators": ("diagram a\nS[b] = a + * b\n", """\
+t.ncd:2:12: unexpected '*'
+    S[b] = a + * b
+               ^
+  hint: expected an expression"""),
+    "unclosed parenthesis": ("diagram a\nS[b] = (a + b\n", """\
+t.ncd:2:14: unexpected end of file
+    S[b] = (a + b
+                 ^
+  hint: expected ')' or 'or'"""),
+    "chained comparison": ("diagram a\nS[b] = a < b < c\n", """\
+t.ncd:2:14: comparisons do not chain
+    S[b] = a < b < c
+                 ^
+  hint: write 'a < b and b < c'"""),
+    "single equals": ("diagram a\nS[b] = where(x = q, 1, 0)\n", """\
+t.ncd:2:16: unexpected '='
+    S[b] = where(x = q, 1, 0)
+                   ^
+  hint: to compare, write '=='"""),
+    "python power": ("diagram a\nS[b] = x ** 2\n", """\
+t.ncd:2:11: unexpected '*'
+    S[b] = x ** 2
+              ^
+  hint: a power is written with '^', as in x^2"""),
+    "bad character": ("diagram a\nS[b] = a $ b\n", """\
+t.ncd:2:10: unexpected character '$'
+    S[b] = a $ b
+             ^
+  hint: expected '(', ')', ',', '[', a name or an operator"""),
+    "keyword as a name": ("diagram a\nwire b, in\n", """\
+t.ncd:2:9: unexpected 'in'
+    wire b, in
+            ^^
+  hint: expected a name ('in' is a reserved word, so it cannot be a name)"""),
+    "tile without by": ("diagram a\nschedule { level smem { group q 64 } }\n", """\
+t.ncd:2:33: unexpected '64'
+    schedule { level smem { group q 64 } }
+                                    ^^
+  hint: expected 'across' or 'by'"""),
+    "unclosed schedule": ("diagram a\nschedule {\n  level smem { group q by 64 }\n", """\
+t.ncd:3:31: unexpected end of file
+      level smem { group q by 64 }
+                                  ^
+  hint: expected 'accumulate', 'allow', 'level' or '}'"""),
+    "statement expected": ("diagram a\n123\n", """\
+t.ncd:2:1: unexpected '123'
+    123
+    ^^^
+  hint: expected a new statement"""),
+    "empty group axis": ("diagram a\nin Q[()] : fp16\n", """\
+t.ncd:2:7: unexpected ')'
+    in Q[()] : fp16
+          ^
+  hint: expected a name"""),
+    "missing capacity number": ("diagram a\nschedule { level smem capacity KiB {} }\n", """\
+t.ncd:2:32: unexpected 'KiB'
+    schedule { level smem capacity KiB {} }
+                                   ^^^
+  hint: expected a number"""),
+}
+
+
+@pytest.mark.parametrize("text, expected", ERRORS.values(), ids=ERRORS.keys())
+def test_syntax_error_text(text, expected):
+    assert error(text) == expected
+
+
+# --------------------------------------------------------------------------
+# Errors found while building the IR, in full.
+# --------------------------------------------------------------------------
+
+BUILD_ERRORS = {
+    "fractional wire size": ("diagram a\nwire d = 1.5\n", """\
+t.ncd:2:10: a wire size must be a whole number, not 1.5
+    wire d = 1.5
+             ^^^"""),
+    "fractional block": ("diagram a\nschedule { level smem { stream x by 6.4 } }\n", """\
+t.ncd:2:37: a block size must be a whole number, not 6.4
+    schedule { level smem { stream x by 6.4 } }
+                                        ^^^"""),
+    "unknown function": ("diagram a\nS[b] = foo(a)\n", """\
+t.ncd:2:8: unknown function 'foo'
+    S[b] = foo(a)
+           ^^^
+  hint: functions are exp, exp2, log, log2, sqrt, rsqrt, tanh, sigmoid, abs, relu, max, min, where"""),
+    "wrong arity": ("diagram a\nS[b] = where(x < q, 1)\n", """\
+t.ncd:2:8: where takes 3 arguments, not 2
+    S[b] = where(x < q, 1)
+           ^^^^^"""),
+    "unknown reduction": ("diagram a\nS[b] = softmx[x](S)\n", """\
+t.ncd:2:8: unknown reduction 'softmx'
+    S[b] = softmx[x](S)
+           ^^^^^^
+  hint: reductions are sum, max, min, logsumexp, softmax"""),
+    "softmax over two wires": ("diagram a\nS[b] = softmax[x, q](S)\n", """\
+t.ncd:2:8: softmax normalises along one wire, not 2
+    S[b] = softmax[x, q](S)
+           ^^^^^^^^^^^^^^^^"""),
+    "unknown unit": ("diagram a\nschedule { level smem capacity 2 KiBs {} }\n", """\
+t.ncd:2:34: unknown unit 'KiBs'
+    schedule { level smem capacity 2 KiBs {} }
+                                     ^^^^
+  hint: units are B, KB, MB, GB, KiB, MiB, GiB"""),
+    "fractional capacity": ("diagram a\nschedule { level smem capacity 0.5 B {} }\n", """\
+t.ncd:2:32: a capacity must be a positive whole number of bytes, not 0.5
+    schedule { level smem capacity 0.5 B {} }
+                                   ^^^"""),
+    "infinite capacity": ("diagram a\nschedule { level smem capacity 1e400 {} }\n", """\
+t.ncd:2:32: a capacity must be a positive whole number of bytes, not inf
+    schedule { level smem capacity 1e400 {} }
+                                   ^^^^^"""),
+    "unknown option": ("diagram a\nschedule { allow fp8 }\n", """\
+t.ncd:2:18: unknown option 'allow fp8'
+    schedule { allow fp8 }
+                     ^^^
+  hint: the only option is 'allow tf32'"""),
+    "two schedules": ("diagram a\nschedule { }\nschedule on h100 { }\n", """\
+t.ncd:3:1: a diagram has one schedule; this is the second
+    schedule on h100 { }
+    ^^^^^^^^^^^^^^^^^^^^"""),
+    "too deep": ("diagram a\nwire b\nS[b] = " + "-" * MAX_DEPTH + "b\n", f"""\
+t.ncd:3:1: the expression of box 'S' is nested too deeply (more than {MAX_DEPTH} levels)
+    S[b] = {"-" * MAX_DEPTH}b
+    ^
+  hint: split it into several boxes"""),
+    "too many digits": ("diagram a\nwire d = " + "9" * 5000 + "\n", "t.ncd:2:10: a number with 5000 digits is too long"),
+}
+
+
+@pytest.mark.parametrize("text, expected", BUILD_ERRORS.values(), ids=BUILD_ERRORS.keys())
+def test_build_error_text(text, expected):
+    got = error(text)
+    if "digits" in expected:  # the source line is 5000 characters long: compare the head
+        got = got.splitlines()[0]
+    assert got == expected
+
+
+def test_deep_left_associative_chain_is_refused_not_a_crash():
+    # 'a + a + ... + a' nests to the left: a RecursionError in Lark's
+    # transformer before the depth limit existed.
+    with pytest.raises(NapkinError, match="nested too deeply"):
+        parse("diagram a\nS[b] = a" + " + a" * 5000)

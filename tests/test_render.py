@@ -1,0 +1,427 @@
+"""Rendering: the DOT text (golden files and what it must show), drawing with
+and without Graphviz, the HTML report and its charts, the CLI.
+
+Golden files live in tests/golden/render/; refresh them with
+``pytest tests/test_render.py --update-golden`` and review the diff.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+import types
+import xml.etree.ElementTree as ET
+import zlib
+from pathlib import Path
+
+import pytest
+
+import napkin
+from napkin import render
+from napkin.cli import main as cli_main
+from napkin.render import costs as render_costs
+from napkin.render.dot import box_uses, to_dot
+from napkin.render.report import report_html
+from napkin.render.roofline import roofline_svg, time_bars_svg
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "render"
+GOLDEN_EXAMPLES = ("attention", "attention_2d", "ring_attention", "gqa", "document_mask", "matmul")
+HAVE_DOT = shutil.which("dot") is not None
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_dot = pytest.mark.skipif(not HAVE_DOT, reason="Graphviz's dot is not installed")
+
+
+def load(name: str):
+    return napkin.load(EXAMPLES / f"{name}.ncd")
+
+
+def dot_of(name: str) -> str:
+    return to_dot(load(name))
+
+
+# --------------------------------------------------------------------------
+# Reading the DOT text back (just enough for the assertions below).
+# --------------------------------------------------------------------------
+
+_EDGE = re.compile(r'^\s*"([^"]+)" -> "([^"]+)" \[(.*)\];$')
+_NODE = re.compile(r'^\s*"([^"]+)" \[(.*)\];$')
+
+
+def edges(text: str) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """(source, destination) -> [(label, attributes)], with the label nodes
+    (``e.N``) that labelled edges run through joined back up: ``label`` is the
+    label node's, ``attributes`` the edge's own (colour, style, arrows)."""
+    raw = [m.groups() for m in map(_EDGE.match, text.splitlines()) if m]
+    labels = {m.group(1): m.group(2) for m in map(_NODE.match, text.splitlines())
+              if m and re.fullmatch(r"e\.\d+", m.group(1))}
+    into = {dst: src for src, dst, _ in raw if dst in labels}
+    out: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for src, dst, attrs in raw:
+        if dst in labels:
+            continue
+        if src in labels:
+            out.setdefault((into[src], dst), []).append((labels[src], attrs))
+        else:
+            out.setdefault((src, dst), []).append(("", attrs))
+    return out
+
+
+def label(e, src: str, dst: str) -> str:
+    """The plain text of the (first) edge from src to dst."""
+    return plain(e[(src, dst)][0][0])
+
+
+def attrs(e, src: str, dst: str) -> str:
+    return e[(src, dst)][0][1]
+
+
+def clusters_of(text: str) -> dict[str, tuple[str, ...]]:
+    """node -> the clusters it is declared in, outermost first."""
+    stack: list[str] = []
+    where = {}
+    for line in text.splitlines():
+        opened = re.match(r"^\s*subgraph (cluster_\w+) \{$", line)
+        if opened:
+            stack.append(opened.group(1))
+        elif line.strip() == "}" and stack:
+            stack.pop()
+        else:
+            m = _NODE.match(line)
+            if m:
+                where[m.group(1)] = tuple(stack)
+    return where
+
+
+def plain(label: str) -> str:
+    """An HTML label's text without its tags."""
+    return re.sub(r"<[^>]*>", "", label).replace("&#93;", "]").replace("&#8594;", "->")
+
+
+# --------------------------------------------------------------------------
+# Golden files.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", GOLDEN_EXAMPLES)
+def test_dot_matches_golden(name, update_golden):
+    text = dot_of(name)
+    golden = GOLDEN / f"{name}.dot"
+    if update_golden:
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert golden.is_file(), f"no golden file {golden}; run pytest --update-golden"
+    assert text == golden.read_text(), f"{name}: DOT text changed; review and run pytest --update-golden"
+
+
+def test_dot_is_deterministic():
+    from napkin.printer import to_text
+    assert dot_of("attention_2d") == dot_of("attention_2d")
+    # A re-parsed copy of the same diagram (comments and layout gone) draws the same picture.
+    d = load("gqa")
+    assert to_dot(napkin.load_text(to_text(d), "copy.ncd")) == to_dot(d)
+
+
+@needs_dot
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.ncd")), ids=lambda p: p.stem)
+def test_dot_accepts_every_example(path):
+    svg = render.run_dot(to_dot(napkin.load(path)), "svg").decode()
+    ET.fromstring(svg[svg.index("<svg"):])  # well-formed
+
+
+# --------------------------------------------------------------------------
+# What the picture shows.
+# --------------------------------------------------------------------------
+
+def test_each_wire_has_one_colour_everywhere():
+    text = dot_of("attention")
+    colours: dict[str, set[str]] = {}
+    for colour, wire in re.findall(r'<font color="(#[0-9a-f]{6})">(\w+)</font>', text):
+        colours.setdefault(wire, set()).add(colour)
+    assert set(colours) >= {"b", "h", "q", "x", "d"}
+    assert all(len(c) == 1 for c in colours.values()), colours
+    assert len({next(iter(c)) for c in colours.values()}) == len(colours), "two wires share a colour"
+    # The parallel lines of an edge are the wires' colours, in order: Q -> S carries b h q.
+    line = re.search(r'color="([^"]+)"', attrs(edges(text), "t.Q", "op.S")).group(1)
+    assert line.split(":") == [next(iter(colours[w])) for w in ("b", "h", "q")]
+
+
+def test_contracted_wires_meet_at_a_dot_beside_their_box():
+    e = edges(dot_of("attention"))
+    # d leaves Q and K, meets at one point, and only a stub runs into S.
+    assert ("t.Q", "j.S.d") in e and ("t.K", "j.S.d") in e
+    assert ("j.S.d", "op.S") in e
+    assert 'arrowhead="none"' in attrs(e, "j.S.d", "op.S")
+    # x is contracted in O: P and V meet; and nothing called d reaches S directly.
+    assert ("op.P", "j.O.x") in e and ("t.V", "j.O.x") in e
+    q_to_s = label(e, "t.Q", "op.S")
+    assert "d" not in re.findall(r"\b(\w)\[", q_to_s) and "q[128]" in q_to_s
+
+
+def test_broadcast_inputs_are_marked():
+    e = edges(dot_of("attention"))
+    k_label = label(e, "t.K", "op.S")
+    assert "broadcast over q" in k_label and "re-read per q block" in k_label
+    q_label = label(e, "t.Q", "op.S")
+    # Q lacks x, but x is streamed, not grouped: no re-read is charged for it.
+    assert "broadcast over x" in q_label and "re-read" not in q_label
+
+
+def test_box_uses_lists_broadcasts_in_layout_order():
+    d = load("alibi")
+    uses = {u.tensor: u for u in box_uses(d, d.tensor("S"))}
+    assert uses["slope"].broadcast == ("b", "q", "x")
+    assert uses["Q"].summed == ("d",) and uses["Q"].kept == ("b", "h", "q")
+    assert uses["K"].broadcast == ("q",)
+
+
+def test_streamed_wire_is_dashed_and_grouped_labelled():
+    e = edges(dot_of("attention"))
+    assert 'style="dashed"' in attrs(e, "t.K", "op.S")          # K arrives in chunks along x
+    assert 'style="dashed"' not in attrs(e, "t.Q", "op.S")
+    assert "x~64" in label(e, "t.K", "op.S")
+    e2 = edges(dot_of("attention_2d"))
+    assert "q[2 dev][128]" in label(e2, "t.Q", "op.S")
+    assert "x[2 dev]~64" in label(e2, "t.K", "op.S")
+
+
+def test_levels_are_nested_clusters_holding_their_tensors():
+    where = clusters_of(dot_of("attention_2d"))
+    assert where["t.Q"] == ("cluster_devices", "cluster_hbm")
+    assert where["op.S"] == ("cluster_devices", "cluster_hbm", "cluster_smem")
+    assert where["t.O"] == ("cluster_devices", "cluster_hbm")       # O is written back
+    assert where["op.O"][-1] == "cluster_smem"                        # computed on chip
+    assert where["peers.in"] == ("cluster_devices",)
+    e = edges(dot_of("attention_2d"))
+    assert "gathered over x" in label(e, "peers.in", "t.Q")
+    assert "merged over x" in label(e, "t.O", "peers.out")
+    ring = edges(dot_of("ring_attention"))
+    assert "round the ring over x" in label(ring, "peers.in", "t.K")
+
+
+def test_unfused_schedule_writes_the_intermediate_out():
+    text = (EXAMPLES / "attention.ncd").read_text().replace("hold Q, K, V, O, lse", "hold Q, K, V, O, lse, S")
+    text = text.replace("hold S, P", "hold P")
+    d = napkin.load_text(text, "unfused.ncd")
+    text = to_dot(d)
+    where, e = clusters_of(text), edges(text)
+    assert where["t.S"][-1] == "cluster_hbm"
+    assert ("op.S", "t.S") in e and ("t.S", "op.P") in e
+
+
+def test_no_schedule_draws_no_clusters():
+    text = (EXAMPLES / "matmul.ncd").read_text()
+    text = text[:text.index("\nschedule")]
+    d = napkin.load_text(text, "plain.ncd")
+    dot = to_dot(d)
+    assert "subgraph" not in dot
+    assert ("t.A", "j.C.k") in edges(dot)
+
+
+# --------------------------------------------------------------------------
+# Bytes from the cost pass.
+# --------------------------------------------------------------------------
+
+def _fake_report():
+    T = types.SimpleNamespace
+    transfers = (T(boundary="hbm/smem", kernel=0, tensor="K", direction="load", bytes=268_435_456),
+                 T(boundary="hbm/smem", kernel=0, tensor="O", direction="store", bytes=8_388_608))
+    return T(transfers=transfers, devices=None, kernels=(T(index=0, boxes=("S", "P", "O", "lse")),),
+             sizes=(("b", 1), ("h", 16)), per_device=False)
+
+
+def test_bytes_go_on_the_edges_that_cross_the_boundary():
+    text = to_dot(load("attention"), _fake_report())
+    e = edges(text)
+    assert "HBM->SMEM: 268 MB" in label(e, "t.K", "op.S")
+    assert "SMEM->HBM: 8.39 MB" in label(e, "op.O", "t.O")
+    assert "HBM->" not in label(e, "t.Q", "op.S")   # no figure given for Q
+    assert text.count("268 MB") == 1                       # once, not on K's d edge too
+    assert "bytes moved at b=1 h=16" in plain(text)
+
+
+def test_real_cost_report_labels_every_crossing_edge():
+    d = load("attention")
+    report, why = render_costs.try_costs(d)
+    if report is None:
+        pytest.skip(f"cost pass unavailable: {why}")
+    e = edges(to_dot(d, report))
+    for tensor in ("Q", "K", "V"):
+        assert "HBM->SMEM" in label(e, f"t.{tensor}", "op.S" if tensor != "V" else "op.O")
+
+
+def test_picture_survives_a_failing_cost_pass(monkeypatch, tmp_path):
+    import napkin.cost
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("boom")
+    monkeypatch.setattr(napkin.cost, "analyse", broken)
+    out = render.render_file(EXAMPLES / "attention.ncd", tmp_path / "a.dot")
+    text = out.read_text()
+    assert "op.S" in text and "HBM->" not in plain(text)
+    assert render_costs.try_costs(load("attention"))[1].startswith("the cost pass failed")
+
+
+# --------------------------------------------------------------------------
+# Files and the command line.
+# --------------------------------------------------------------------------
+
+@needs_dot
+@pytest.mark.parametrize("fmt,magic", [("svg", b"<?xml"), ("png", b"\x89PNG"), ("pdf", b"%PDF")])
+def test_render_file_formats(tmp_path, fmt, magic):
+    out = render.render_file(EXAMPLES / "matmul.ncd", tmp_path / f"m.{fmt}", costs=False)
+    assert out == tmp_path / f"m.{fmt}"
+    assert out.read_bytes().startswith(magic)
+
+
+def test_without_dot_writes_the_dot_text_and_says_how_to_install(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(render, "dot_program", lambda: None)
+    out = render.render_file(EXAMPLES / "matmul.ncd", tmp_path / "m.svg", costs=False)
+    assert out == tmp_path / "m.dot" and out.read_text().startswith('digraph "matmul"')
+    assert not (tmp_path / "m.svg").exists()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "install Graphviz" in err and "apt-get install graphviz" in err
+
+
+def test_cli_render_and_report(tmp_path, capsys):
+    target = tmp_path / "a.dot"
+    assert cli_main(["render", str(EXAMPLES / "attention.ncd"), "-o", str(target), "--size", "q=1000"]) == 0
+    assert "q=1000" in target.read_text()
+    page = tmp_path / "r.html"
+    assert cli_main(["report", str(EXAMPLES / "attention.ncd"), "-o", str(page)]) == 0
+    assert page.read_text().startswith("<!DOCTYPE html>")
+    assert f"wrote {page}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["render", "FILE", "-o", "x.jpg"], "unknown picture format '.jpg'"),
+    (["render", "FILE", "-o", "x.dot", "--size", "zz=4"], "has no wire 'zz'"),
+    (["render", "FILE", "-o", "x.dot", "--size", "d=32"], "fixed at 64"),
+    (["render", "FILE", "-o", "x.dot", "--size", "q=-1"], "positive whole number"),
+    (["report", "FILE", "-o", "x.html", "--device", "tpu9"], "unknown device profile"),
+])
+def test_cli_refuses_bad_options(tmp_path, capsys, argv, words):
+    argv = [str(EXAMPLES / "attention.ncd") if a == "FILE" else
+            str(tmp_path / a) if a.startswith("x.") else a for a in argv]
+    assert cli_main(argv) == 1
+    assert words in capsys.readouterr().err
+
+
+@needs_dot
+def test_docs_command_writes_the_readme_pictures(tmp_path):
+    from napkin.render.__main__ import main
+    assert main(["--docs", str(tmp_path)]) == 0
+    for name in ("attention", "attention_2d"):
+        assert (tmp_path / f"{name}.png").read_bytes().startswith(b"\x89PNG")
+
+
+# --------------------------------------------------------------------------
+# The report and its charts.
+# --------------------------------------------------------------------------
+
+def _synthetic_costs():
+    """Round numbers whose chart positions are known: 1 TFLOP of contractions,
+    4 ms of HBM time at 1 TB/s (4 GB from DRAM), 8 GB issued before L2
+    reuse, a 1 GB lower bound."""
+    T = types.SimpleNamespace
+    roof = T(profile="h100", contraction_rate=1e15, contraction_s=1e-3, exp_s=5e-4, other_s=2e-4,
+             hbm_s=4e-3, hbm_issued_s=8e-3, communication_s=0.0, estimate_s=4e-3, bound="bandwidth")
+    return T(roofline=roof, flops=T(contraction=1e12), hbm_bytes=8e9, bound=T(bytes=1e9))
+
+
+def test_roofline_places_the_points_on_the_roofs():
+    svg = roofline_svg(_synthetic_costs(), {"hbm_bandwidth": 1e12})
+    root = ET.fromstring(svg)
+    circles = root.findall("{http://www.w3.org/2000/svg}circle")
+    assert len(circles) == 6                     # three points, three key markers
+    # 4 GB from DRAM: intensity 250 FLOP/B, 250 TFLOP/s = flops / estimate, on the memory roof.
+    assert "this schedule: 250 TFLOP/s at 250 FLOP/B" in svg
+    assert "same, without L2 reuse: 125 TFLOP/s at 125 FLOP/B" in svg
+    # The lower bound (1 GB) sits at intensity 1000, on the roof's flat part.
+    assert "I/O lower bound: 1 PFLOP/s at 1e+03 FLOP/B" in svg
+    sched, issued, bound = (float(c.get("cx")) for c in circles[0::2])
+    assert issued < sched < bound
+    assert roofline_svg(types.SimpleNamespace(roofline=None), {"hbm_bandwidth": 1e12}) is None
+    assert roofline_svg(_synthetic_costs(), None) is None
+
+
+def test_time_bars_mark_the_bound():
+    svg = time_bars_svg(_synthetic_costs())
+    ET.fromstring(svg)
+    widths = [float(w) for w in re.findall(r'<rect x="170" y="[\d.]+" width="([\d.]+)"', svg)]
+    assert len(widths) == 5 and max(widths) == widths[4]      # HBM without L2 reuse is longest,
+    assert widths[3] == widths[4] / 2                          # twice real HBM time,
+    assert svg.count("#d62728") == 1                           # and the bound (HBM) the only red bar
+    assert re.search(r'#d62728"/>\s*<text[^>]*>4 ms', svg)
+
+
+def test_report_is_self_contained_and_degrades_without_costs():
+    d = load("attention")
+    page = report_html(d, None, None, dot_text="digraph x {}", why_no_costs="no cost pass here")
+    assert "No cost tables: no cost pass here" in page and "digraph x {}" in page
+    for forbidden in ("<script", "<link", "src=", "@import", "url("):
+        assert forbidden not in page
+    report, _ = render_costs.try_costs(d)
+    if report is not None:
+        from napkin.cost import get_profile
+        full = report_html(d, report, "<svg></svg>", profile=get_profile("h100"))
+        assert "Roofline" in full and "Where the time goes" in full and "<svg></svg>" in full
+        assert full == report_html(d, report, "<svg></svg>", profile=get_profile("h100"))
+        for forbidden in ("<script", "<link", "src=", "url("):
+            assert forbidden not in full
+
+
+def _png_pixels(data: bytes):
+    """(width, height, rows of RGB bytes) of an 8-bit RGB/RGBA PNG."""
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        chunks[kind] = chunks.get(kind, b"") + data[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert depth == 8 and colour in (2, 6), (depth, colour)
+    bpp = 3 if colour == 2 else 4
+    raw, stride = zlib.decompress(chunks[b"IDAT"]), width * bpp
+    rows, prev = [], bytearray(stride)
+    for y in range(height):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                line[i] = (line[i] + a) & 255
+            elif kind == 2:
+                line[i] = (line[i] + b) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line[j] for j in range(stride) if j % bpp < 3) if bpp == 4 else bytes(line))
+        prev = line
+    return width, height, rows
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
+def test_report_screenshot_in_headless_chromium(tmp_path):
+    page = render.write_report(EXAMPLES / "attention.ncd", tmp_path / "report.html")
+    shot = tmp_path / "shot.png"
+    done = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}", "--hide-scrollbars",
+         f"--screenshot={shot}", "--window-size=1000,700", page.resolve().as_uri()],
+        capture_output=True, timeout=120)
+    assert shot.is_file(), done.stderr.decode(errors="replace")[-2000:]
+    width, height, rows = _png_pixels(shot.read_bytes())
+    assert (width, height) == (1000, 700)
+    pixels = [row[i:i + 3] for row in rows[::4] for i in range(0, len(row), 12)]
+    white = sum(p == b"\xff\xff\xff" for p in pixels)
+    assert white < 0.97 * len(pixels), "the screenshot is (almost) blank"
+    # The time bars are SVG: the bound's red bar must have been painted.
+    report, _ = render_costs.try_costs(load("attention"))
+    if report is not None:
+        assert any(p == b"\xd6\x27\x28" for row in rows for p in (row[i:i + 3] for i in range(0, len(row), 3)))
