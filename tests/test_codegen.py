@@ -315,8 +315,10 @@ def test_classify_block_by_interval_arithmetic():
     assert masks.classify_block(window, {"q": (32, 48), "x": (0, 16)}, {}) is C.EMPTY
     assert masks.classify_block(_pred("not (x <= q)"), {"q": (16, 32), "x": (0, 16)}, {}) is C.EMPTY
     assert masks.classify_block(_pred("x > q or x < 2"), {"q": (16, 32), "x": (0, 2)}, {}) is C.FULL
-    assert masks.classify_block(_pred("x <= q - |x| + |q|"), {"q": (0, 4), "x": (8, 16)}, {"q": 4, "x": 16}) \
-        is C.PARTIAL
+    bottom_right = _pred("x <= q + |x| - |q|")  # causal aligned to the last key
+    assert masks.classify_block(bottom_right, {"q": (0, 4), "x": (0, 16)}, {"q": 4, "x": 16}) is C.PARTIAL
+    assert masks.classify_block(bottom_right, {"q": (0, 4), "x": (0, 12)}, {"q": 4, "x": 16}) is C.FULL
+    assert masks.classify_block(bottom_right, {"q": (0, 4), "x": (0, 16)}, {"q": 4}) is C.PARTIAL  # |x| unknown
     doc = parse(diagram_text("in doc[b, x] : int32\nin A[b, q, x] : fp32\n"
                              "S[b, q, x] = where(doc[b, q] == doc, A, -inf)\nout S"))
     pred = masks.mask_predicate(masks.mask_node(doc.lets[0].expr))
@@ -345,8 +347,13 @@ def test_stream_bounds_and_visited_blocks():
     assert set(visited) == needed and len(visited) == len(needed)
     assert masks.visited_blocks((), 40, 40, 32, 16) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     shifted = masks.stream_bounds(_pred("x <= q + |x| - |q|"), "q", "x")
-    assert masks.visited_blocks(shifted, 2, 64, 16, 16) == [(0, 0), (0, 1), (0, 2), (0, 3)]
-    assert masks.visited_blocks(shifted, 20, 40, 16, 16) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert masks.visited_blocks(shifted, 2, 64, 16, 16, {"q": 2, "x": 64}) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    # 20 queries against 40 keys: rows 0..15 see keys up to 35, rows 16..19 up to 39
+    assert masks.visited_blocks(shifted, 20, 40, 16, 16, {"q": 20, "x": 40}) == \
+        [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert masks.visited_blocks(shifted, 20, 64, 16, 16, {"q": 20, "x": 64}) == \
+        [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
+    assert masks.visited_blocks(masks.stream_bounds(_pred("x >= 40"), "q", "x"), 16, 64, 16, 16) == [(0, 2), (0, 3)]
 
 
 # --------------------------------------------------------------------------

@@ -106,12 +106,10 @@ class _Call:
 
     def __init__(self, fn: Attention2D, g: G.Grid2D, ql: TokenLayout, xl: TokenLayout, timeout: float, side):
         self.fn, self.g, self.ql, self.xl, self.timeout, self.side = fn, g, ql, xl, timeout, side
-        dev = None
         self.my_q = ql.positions(g.part)
         # positions of the gathered blocks, in all-gather (group rank) order
         self.q_pos = torch.cat([ql.positions(g.i * g.cols + j) for j in range(g.cols)])
         self.x_pos = torch.cat([xl.positions(i * g.cols + g.j) for i in range(g.rows)])
-        del dev
 
     def gather_tokens(self, tokens, query_side: bool):
         r, g = self.fn.roles, self.g

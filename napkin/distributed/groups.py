@@ -194,12 +194,14 @@ class RingPass:
     Started before the step's computation and waited for after it, so the
     transfer overlaps the local attention (double buffering)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], ring: Ring, timeout: float, what: str):
+    def __init__(self, tensors: Sequence[torch.Tensor], ring: Ring, timeout: float, what: str,
+                 first_tag: int = 0):
         self.timeout, self.what = timeout, what
         self.sending = [t.contiguous() for t in tensors]
         self.received = [torch.empty_like(t) for t in self.sending]
         self.works = []
-        for tag, (s, r) in enumerate(zip(self.sending, self.received)):
+        # distinct tags per concurrent pass keep messages from pairing up wrongly
+        for tag, (s, r) in enumerate(zip(self.sending, self.received), start=first_tag):
             self.works.append(dist.isend(s, ring.next, group=ring.group, tag=tag))
             self.works.append(dist.irecv(r, ring.prev, group=ring.group, tag=tag))
 

@@ -42,8 +42,8 @@ from typing import Callable, Optional
 import torch
 
 from .. import ir
-from ..autodiff import evaluate
 from ..errors import Diagnostic, NapkinError
+from .evaluate import Evaluator
 from .merge import partial_weight
 
 _QPOS, _XPOS, _XVALID, _QLEN, _XLEN = "_qpos", "_xpos", "_xvalid", "_qlen", "_xlen"
@@ -344,14 +344,14 @@ class EagerLocal:
         env[_QLEN] = torch.tensor(float(q_len), dtype=acc, device=dev)
         env[_XLEN] = torch.tensor(float(x_len), dtype=acc, device=dev)
         for name, expr in self.lets:
-            env[name] = evaluate(expr, env, self.layouts, self.layouts[name])
+            env[name] = Evaluator(env, self.layouts, acc, dev).run(expr, self.layouts[name])
         o = d.tensor(r.value)
         out = env[r.value].reshape(_stored_shape(env[r.value], o)).to(acc)
         if r.family == "sum":
             return out, None
         rows_axes = o.axes[:len(o.axes) - r.value_axes]
         if self.lse_expr is not None:
-            lse = evaluate(self.lse_expr, env, self.layouts, ir.axis_wires(rows_axes))
+            lse = Evaluator(env, self.layouts, acc, dev).run(self.lse_expr, ir.axis_wires(rows_axes))
         else:
             lse = env[r.lse]
         return out, lse.reshape(out.shape[:out.dim() - r.value_axes]).to(acc)

@@ -1,0 +1,196 @@
+"""The benchmark's record: a JSON file and a markdown table under bench/results/.
+
+Both are named ``<device>-<date>`` (``nvidia-h100-80gb-hbm3-2025-06-01.json``),
+with ``-2``, ``-3`` ... added when a run that day already wrote one, so no
+result is ever overwritten.  The JSON is the record (schema below, checked by
+``validate``); the markdown is written from it alone.
+
+Schema ``napkin-bench/1``::
+
+    schema, smoke (bool: a CPU smoke run, never a performance number),
+    timing (how times were taken), date, command, flop_convention,
+    device {name, kind, capability}, versions {napkin, torch, triton, python},
+    rows: [{diagram, file, source_hash, dtype, sizes {wire: n},
+            shape {batch, heads, kv_heads, q_len, kv_len, dim, value_dim},
+            causal, flops {fwd, bwd}, config {launcher option: value} | null,
+            config_source, check {sizes, tolerance, ok, errors {impl: {output: err}}},
+            results: [{impl, pass, ms, tflops, equivalent, note, error}],
+            ratios {pass: {baseline: napkin speed / baseline speed}}}]
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+from ..errors import NapkinError
+
+SCHEMA = "napkin-bench/1"
+PASSES = ("fwd", "bwd")
+
+_TOP = {"schema": str, "smoke": bool, "timing": str, "date": str, "command": str,
+        "flop_convention": str, "device": dict, "versions": dict, "rows": list}
+_ROW = {"diagram": str, "file": str, "source_hash": str, "dtype": str, "sizes": dict, "shape": dict,
+        "causal": bool, "flops": dict, "config_source": str, "check": dict, "results": list,
+        "ratios": dict}
+_RESULT = {"impl": str, "pass": str, "equivalent": bool, "note": str}
+
+
+def attention_flops(shape: dict, causal: bool) -> dict:
+    """Forward and backward FLOPs by the usual attention convention:
+    2 * B * H * Lq * Lk * (d + dv) forward (4 B H N^2 d when d = dv and
+    Lq = Lk), halved when causal, and 2.5x that for the backward."""
+    fwd = 2.0 * shape["batch"] * shape["heads"] * shape["q_len"] * shape["kv_len"] \
+        * (shape["dim"] + shape["value_dim"])
+    if causal:
+        fwd *= 0.5
+    return {"fwd": fwd, "bwd": 2.5 * fwd}
+
+
+def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
+    if ms is None or ms <= 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def ratios(results: list[dict]) -> dict:
+    """pass -> {baseline: napkin's speed over the baseline's} (> 1: napkin is faster)."""
+    out = {}
+    for p in PASSES:
+        mine = next((r["ms"] for r in results if r["impl"] == "napkin" and r["pass"] == p and r["ms"]), None)
+        if mine is None:
+            continue
+        out[p] = {r["impl"]: r["ms"] / mine for r in results
+                  if r["impl"] != "napkin" and r["pass"] == p and r["ms"]}
+    return out
+
+
+# --------------------------------------------------------------------------
+# Validation.
+# --------------------------------------------------------------------------
+
+def validate(data: dict) -> None:
+    """Raise NapkinError naming the first thing that does not fit the schema."""
+    def need(obj, spec, where):
+        if not isinstance(obj, dict):
+            raise NapkinError(f"bench results: {where} is not an object")
+        for key, kind in spec.items():
+            if key not in obj:
+                raise NapkinError(f"bench results: {where} lacks {key!r}")
+            if not isinstance(obj[key], kind):
+                raise NapkinError(f"bench results: {where}.{key} is not a {kind.__name__}")
+
+    need(data, _TOP, "the file")
+    if data["schema"] != SCHEMA:
+        raise NapkinError(f"bench results: schema {data['schema']!r}, expected {SCHEMA!r}")
+    for i, row in enumerate(data["rows"]):
+        need(row, _ROW, f"rows[{i}]")
+        for j, r in enumerate(row["results"]):
+            need(r, _RESULT, f"rows[{i}].results[{j}]")
+            if r["pass"] not in PASSES:
+                raise NapkinError(f"bench results: rows[{i}].results[{j}].pass is {r['pass']!r}")
+            for key in ("ms", "tflops"):
+                if r.get(key) is not None and not isinstance(r[key], (int, float)):
+                    raise NapkinError(f"bench results: rows[{i}].results[{j}].{key} is not a number")
+
+
+# --------------------------------------------------------------------------
+# Writing.
+# --------------------------------------------------------------------------
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def result_paths(out_dir: Path, device: str, date: str) -> tuple[Path, Path]:
+    """The first unused ``<device>-<date>[-N].{json,md}`` pair in out_dir."""
+    stem = f"{slug(device)}-{date}"
+    n = 1
+    while True:
+        name = stem if n == 1 else f"{stem}-{n}"
+        json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+        if not json_path.exists() and not md_path.exists():
+            return json_path, md_path
+        n += 1
+
+
+def write(data: dict, out_dir) -> tuple[Path, Path]:
+    validate(data)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = result_paths(out_dir, data["device"]["name"], data["date"])
+    json_path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    md_path.write_text(markdown(data))
+    return json_path, md_path
+
+
+def _num(v: Optional[float], digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def markdown(data: dict) -> str:
+    """One table per pass: napkin's TFLOP/s, then each baseline's TFLOP/s with
+    napkin's speed ratio to it.  A dagger marks a speed reference that does
+    not compute the diagram's function."""
+    lines = [f"# napkin bench: {data['device']['name']}, {data['date']}", ""]
+    if data["smoke"]:
+        lines += ["**SMOKE RUN: not performance numbers.** " + data["timing"], ""]
+    else:
+        lines += [f"Timing: {data['timing']}.  FLOPs: {data['flop_convention']}.", ""]
+    lines += [f"Command: `{data['command']}`", "",
+              "Versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items()), ""]
+    impls = []
+    for row in data["rows"]:
+        for r in row["results"]:
+            if r["impl"] != "napkin" and r["impl"] not in impls:
+                impls.append(r["impl"])
+    notes: list[str] = []
+    for p in PASSES:
+        body = [_row_cells(row, p, impls, notes) for row in data["rows"]]
+        body = [b for b in body if b is not None]
+        if not body:
+            continue
+        head = ["diagram", "dtype", "B", "H", "N", "d", "causal", "check", "napkin ms", "napkin TFLOP/s"] \
+            + [f"{i} TFLOP/s (napkin x)" for i in impls]
+        lines += [f"## {'Forward' if p == 'fwd' else 'Backward'}", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(b) + " |" for b in body]
+        lines.append("")
+    if any(not r["equivalent"] for row in data["rows"] for r in row["results"]):
+        lines += ["\u2020 a speed reference: plain softmax attention at the same sizes, not the "
+                  "diagram's function, so never checked against the reference.", ""]
+    if notes:
+        lines += ["Notes:", ""] + [f"{i + 1}. {n}" for i, n in enumerate(notes)] + [""]
+    return "\n".join(lines)
+
+
+def _row_cells(row: dict, p: str, impls: list[str], notes: list[str]) -> Optional[list[str]]:
+    got = {r["impl"]: r for r in row["results"] if r["pass"] == p}
+    if not got:
+        return None
+    s = row["shape"]
+    mine = got.get("napkin")
+    cells = [row["diagram"], row["dtype"], str(s["batch"]), str(s["heads"]), str(s["q_len"]),
+             str(s["dim"]), "yes" if row["causal"] else "no", "ok" if row["check"].get("ok") else "FAILED",
+             _num(mine and mine.get("ms"), 3), _num(mine and mine.get("tflops"))]
+    if mine and mine.get("error"):
+        cells[-1] = _note(notes, f"napkin {row['diagram']} {p}: {mine['error']}")
+    for impl in impls:
+        r = got.get(impl)
+        if r is None:
+            cells.append("")
+        elif r.get("error"):
+            cells.append(_note(notes, f"{impl} on {row['diagram']}: {r['error']}"))
+        else:
+            ratio = row["ratios"].get(p, {}).get(impl)
+            mark = "" if r["equivalent"] else " \u2020"
+            cells.append(f"{_num(r.get('tflops'))}{mark}" + (f" ({ratio:.2f}x)" if ratio else ""))
+    return cells
+
+
+def _note(notes: list[str], text: str) -> str:
+    text = text.replace("|", "/")
+    if text not in notes:
+        notes.append(text)
+    return f"n/a [{notes.index(text) + 1}]"
