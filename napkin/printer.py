@@ -107,11 +107,9 @@ def _layout(axes: tuple[ir.Axis, ...]) -> str:
 
 
 def _axis(axis: ir.Axis) -> str:
-    if len(axis) == 1:
-        return axis[0]
-    if len(axis) < 2:
+    if not axis:
         raise ValueError("an axis needs at least one wire")
-    return "(" + " ".join(axis) + ")"
+    return axis[0] if len(axis) == 1 else "(" + " ".join(axis) + ")"
 
 
 def _let(let: ir.Let) -> str:

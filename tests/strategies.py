@@ -15,8 +15,9 @@ Three families, from most to least constrained:
   (the -inf convention of softmax, or a denominator bounded away from 0).
 * ``matmul_diagrams()``: valid tiled matrix products ``C = sum[k](A * B)``.
 * ``any_diagrams()``: syntactically valid but semantically arbitrary
-  diagrams (unknown dtypes, dangling names, odd numbers); for testing the
-  printer and parser, which must round-trip them all, never for the checker.
+  diagrams (unknown dtypes, dangling names, odd numbers), built from the
+  ``expressions`` strategy; the printer and parser must round-trip them all,
+  and the checker must answer them with diagnostics, never a crash.
 
 Wire sizes are either symbolic (``Wire.size is None``: the test picks a size
 at run time) or fixed and small; a test that runs a drawn diagram must read

@@ -25,21 +25,7 @@ from typing import Callable, Optional
 # SDPBackend member names -> our labels, in the order they are reported.
 SDPA_BACKENDS = (("FLASH_ATTENTION", "sdpa-flash"), ("CUDNN_ATTENTION", "sdpa-cudnn"),
                  ("EFFICIENT_ATTENTION", "sdpa-efficient"))
-CPU_SDPA_BACKENDS = (("MATH", "sdpa-math"),)   # smoke runs only: the CPU has no fused kernels to compare
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The attention's sizes in SDPA's terms (B, H, L, E)."""
-
-    batch: int
-    heads: int          # query heads
-    kv_heads: int
-    q_len: int
-    kv_len: int
-    dim: int
-    value_dim: int
-    dtype: str          # torch dtype name of Q, K, V
+CPU_SDPA_BACKENDS = (("MATH", "sdpa-math"),)   # added on the CPU (smoke runs), where math is what runs
 
 
 @dataclass(frozen=True)
@@ -66,15 +52,17 @@ def flex_baseline(flex_module, compiled: bool) -> Baseline:
     return Baseline("flex", True, note, prepare)
 
 
-def sdpa_baselines(flex_module, shape: Shape, device: str) -> list[Baseline]:
-    """One baseline per SDPA backend this torch knows (all on CUDA; math on the CPU)."""
+def sdpa_baselines(flex_module, shape: dict, device: str) -> list[Baseline]:
+    """One baseline per SDPA backend this torch knows (plus math on the CPU);
+    whether each can run a shape is found out by running it.  ``shape`` is
+    flex.attention_shape's dict (B, H, L, E sizes and the causal flags)."""
     import torch
     from torch.nn.attention import SDPBackend
 
     src = flex_module.FLEX_SOURCE if flex_module is not None else None
     same = src is not None and not src.side and not src.has_score_mod and (src.mask is None or src.causal)
-    causal = src is not None and (src.causal if same else src.causal_part)
-    backends = SDPA_BACKENDS if device == "cuda" else CPU_SDPA_BACKENDS
+    causal = src.causal if same else shape["causal_part"]
+    backends = SDPA_BACKENDS + (CPU_SDPA_BACKENDS if device == "cpu" else ())
     out = []
     for member, label in backends:
         backend = getattr(SDPBackend, member, None)
@@ -86,7 +74,7 @@ def sdpa_baselines(flex_module, shape: Shape, device: str) -> list[Baseline]:
             note = ("speed reference: plain " + ("causal " if causal else "")
                     + "softmax attention at the same sizes, not the diagram's function")
         out.append(Baseline(label, same, note, _sdpa_prepare(backend, flex_module if same else None, causal,
-                                                             src.scale if same else shape.dim ** -0.5, torch)))
+                                                             src.scale if same else shape["dim"] ** -0.5, torch)))
     return out
 
 
@@ -94,20 +82,20 @@ def _sdpa_prepare(backend, flex_module, causal: bool, scale: float, torch) -> Ca
     from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    def prepare(inputs, shape: Shape, device, grad=False):
+    def prepare(inputs, shape: dict, device, grad=False):
         if flex_module is not None:
             q, k, v = flex_module.arrange(*inputs)
         else:
             gen = torch.Generator(device="cpu").manual_seed(1)
-            dtype = getattr(torch, shape.dtype)
+            dtype = getattr(torch, shape["dtype"])
 
             def make(h, n, e):
-                t = torch.randn(shape.batch, h, n, e, generator=gen).to(device=device, dtype=dtype)
+                t = torch.randn(shape["batch"], h, n, e, generator=gen).to(device=device, dtype=dtype)
                 return t.requires_grad_(grad)
 
-            q = make(shape.heads, shape.q_len, shape.dim)
-            k = make(shape.kv_heads, shape.kv_len, shape.dim)
-            v = make(shape.kv_heads, shape.kv_len, shape.value_dim)
+            q = make(shape["heads"], shape["q_len"], shape["dim"])
+            k = make(shape["kv_heads"], shape["kv_len"], shape["dim"])
+            v = make(shape["kv_heads"], shape["kv_len"], shape["value_dim"])
         gqa = q.shape[1] != k.shape[1]
 
         def run():

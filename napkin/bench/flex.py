@@ -38,7 +38,7 @@ import types
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import ir, tiling
+from .. import ir, masks, tiling
 from ..errors import NapkinError
 from ..printer import expr_text
 
@@ -207,6 +207,34 @@ class _Analysis:
         self.raw, self.q, self.k = self._contraction(score)
         self.roles = self._roles()
         return score
+
+    def loose(self) -> "_Roles":
+        """The roles of any streamed attention, softmax or not (sigmoid, L2):
+        the one contraction sum[d](Q * K) of two inputs, and the value input V
+        some sum along the key wire multiplies by.  For the SDPA speed
+        reference, which needs only the sizes."""
+        d = self.d
+        self.exprs = exprs = [_inline(d, d.tensor(o.name).expr, self.refuse) for o in d.outputs
+                              if isinstance(d.tensor(o.name), ir.Let)]
+        nodes = [n for e in exprs for n in ir.walk(e)]
+        raws = {n for n in nodes if isinstance(n, ir.Reduce) and n.op == "sum" and len(n.wires) == 1
+                and isinstance(n.body, ir.Binary) and n.body.op == "*"
+                and all(isinstance(t, ir.TensorRef) and isinstance(d.tensor(t.name), ir.Input)
+                        for t in (n.body.lhs, n.body.rhs))}
+        if len(raws) != 1:
+            self.refuse("not an attention: no single contraction sum[d](Q * K) of two inputs")
+        raw = raws.pop()
+        operands = {raw.body.lhs.name, raw.body.rhs.name}
+        found = {(f.name, n.wires[0]) for n in nodes if isinstance(n, ir.Reduce) and n.op == "sum"
+                 and len(n.wires) == 1 and n != raw for f in _product_factors(n.body)
+                 if isinstance(f, ir.TensorRef) and f.name not in operands
+                 and isinstance(d.tensor(f.name), ir.Input) and n.wires[0] in ir.axis_wires(d.tensor(f.name).axes)}
+        if len(found) != 1:
+            self.refuse("not an attention: no single value input contracted along the key wire")
+        value, self.key = found.pop()
+        self.value = d.tensor(value)
+        self.raw, self.q, self.k = self._contraction(raw)
+        return self._roles()
 
     def _softmax_times_value(self, name: str, e: ir.Reduce):
         factors = _product_factors(e.body)
@@ -441,6 +469,35 @@ def emit(diagram: ir.Diagram) -> FlexSource:
     causal = len(conjuncts) == 1 and _causal_conjunct(conjuncts[0], roles)
     return FlexSource(diagram.name, "\n".join(lines) + "\n", scale, roles.gqa, score_text is not None,
                       mask, causal, any(_causal_conjunct(c, roles) for c in conjuncts), side, outs)
+
+
+def attention_roles(diagram: ir.Diagram) -> _Roles:
+    """Which wire is the batch, the heads (``(hk g)`` for GQA), the queries,
+    the keys and the head dims, for any streamed attention (softmax or not);
+    NoFlexEquivalent when the diagram is not an attention at all."""
+    return _Analysis(diagram).loose()
+
+
+def attention_shape(diagram: ir.Diagram, sizes) -> dict:
+    """The attention's sizes in SDPA's (B, H, L, E) terms, for any streamed
+    attention (softmax or not): batch, heads (query), kv_heads, q_len,
+    kv_len, dim, value_dim; the causal flags; ``operands``, the names of
+    Q, K and V.  ``sizes`` binds the symbolic wires."""
+    an = _Analysis(diagram)
+    roles = an.loose()
+    preds = [masks.mask_predicate(n) for n in (masks.mask_node(e) for e in an.exprs) if n is not None]
+    conjuncts = list(dict.fromkeys(c for p in preds for c in _conjuncts(p)))   # each output repeats the mask
+    full = {w.name: w.size for w in diagram.wires if w.size is not None}
+    full.update(sizes)
+    heads = math.prod(full[w] for w in roles.head) if roles.head else 1
+    return {"batch": full[roles.batch] if roles.batch else 1, "heads": heads,
+            "kv_heads": full[roles.kv_head] if roles.head else 1,
+            "q_len": full[roles.row], "kv_len": full[roles.key],
+            "dim": full[roles.dim], "value_dim": full[roles.vdim],
+            # FLOPs are halved only for exactly causal masks (the usual convention)
+            "causal": len(conjuncts) == 1 and _causal_conjunct(conjuncts[0], roles),
+            "causal_part": any(_causal_conjunct(c, roles) for c in conjuncts),
+            "operands": [an.q.name, an.k.name, an.value.name]}
 
 
 def _flex_order(axes, roles: _Roles, last: str, kv: bool):

@@ -26,8 +26,8 @@ from ..errors import NapkinError
 from . import bounds as bounds_mod
 from .devices import communication, device_count
 from .model import (Kernel, Tiling, Visited, access_fetches_poly, access_poly, chip_levels, count_access,
-                    device_tiles, kernel_tiling, kernel_work, kernels, dram_fractions, tiling_at, visited_area,
-                    work_numbers, work_polys)
+                    device_tiles, dram_fractions, kernel_tiling, kernel_work, kernels, tiling_at, visited_area,
+                    visited_spans, work_numbers, work_polys)
 from .profiles import Profile, get_profile
 from .report import (SCHEMA, BoundaryTotal, CostReport, Flops, Footprint, KernelInfo, LowerBound, Resident,
                      Roofline, Transfer)
@@ -140,8 +140,7 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
         row, found = decided
         if not found or row not in groups or col != decided_col(diagram):
             return None
-        return Visited(row, frozenset(masks.visited_blocks(found, sizes[row], sizes[col], groups[row],
-                                                           chunk, sizes)))
+        return Visited(row, visited_spans(found, sizes[row], sizes[col], groups[row], chunk, sizes))
     node = next((masks.mask_node(diagram.tensor(b).expr) for b in kernel.boxes
                  if masks.mask_node(diagram.tensor(b).expr) is not None), None)
     if node is None:
@@ -150,8 +149,7 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
     for row, block in groups.items():
         found = masks.stream_bounds(pred, row, col, sizes)
         if found:
-            return Visited(row, frozenset(masks.visited_blocks(found, sizes[row], sizes[col], block, chunk,
-                                                               sizes)))
+            return Visited(row, visited_spans(found, sizes[row], sizes[col], block, chunk, sizes))
     return None
 
 
@@ -195,170 +193,187 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     Symbolic wires missing from ``sizes`` leave the numeric fields None; the
     formulas are always there.
     """
-    prof = resolve_profile(diagram, profile)
-    bound_sizes = bind_sizes(diagram, sizes)
-    known = all(w.name in bound_sizes for w in diagram.wires)
-    full = bound_sizes if known else None
-    launches = _local_sizes(diagram, full) if known else []
-    wire_sym = _wire_sym(diagram)
-    n_launch = _launches_poly(diagram)
-    levels = chip_levels(diagram)
-    tiles = tiling_at(diagram, levels[0]) if levels else Tiling("hbm")
-    ks = kernels(diagram)
-    notes: list[str] = []
+    c = _Context(diagram, resolve_profile(diagram, profile), bind_sizes(diagram, sizes))
+    transfers, totals = _transfers(c)
+    flops = _flops(c)
+    bound = _lower_bound(c, totals)
+    comm = communication(diagram, c.kernels, c.full, c.prof, c.wire_sym)
+    notes = []
+    if comm is not None:
+        notes.append(f"numbers are per device (busiest of {device_count(diagram)})"
+                     "; block skipping is not modelled across devices")
+    if any(k.two_pass for k in c.kernels):
+        notes.append("a kernel writes a normalised tensor along its streamed wire: "
+                     "it reads its streamed inputs twice (statistics, then values)")
+    if not c.known:
+        missing = [w.name for w in diagram.wires if w.name not in c.bound]
+        notes.append("give sizes for " + ", ".join(missing) + " (--size WIRE=N) for numbers")
+    sizes_out = tuple((w.name, c.bound[w.name]) for w in diagram.wires if w.name in c.bound)
+    return CostReport(SCHEMA, diagram.name, c.prof.key, sizes_out, comm is not None, _kernel_infos(c),
+                      tuple(transfers), tuple(totals), _footprints(c), flops, bound,
+                      _roofline(c, flops, totals, comm), comm, tuple(notes))
 
-    # -- transfers across hbm / first on-chip level (and on-chip / regs) -------
-    boundaries = [("hbm/" + levels[0], tiles)] if levels else []
-    if len(levels) > 1:
-        boundaries.append((f"{levels[0]}/{levels[1]}", tiling_at(diagram, levels[1])))
-    transfers, totals, infos = [], [], []
-    visited_by_kernel: dict[int, list] = {}
-    window = int(prof["sm_count"])
-    working_set = 0
-    dram = 0
+
+class _Context:
+    """What every step of the pass needs: the diagram, the profile, the sizes
+    (one table per kernel launch on the busiest device), the kernels, the
+    tiling, and the visited steps of each kernel in each launch."""
+
+    def __init__(self, diagram: ir.Diagram, prof: Profile, bound: dict[str, int]):
+        self.d, self.prof, self.bound = diagram, prof, bound
+        self.known = all(w.name in bound for w in diagram.wires)
+        self.full = bound if self.known else None
+        self.launches = _local_sizes(diagram, bound) if self.known else []
+        self.wire_sym = _wire_sym(diagram)
+        self.n_launch = _launches_poly(diagram)
+        self.levels = chip_levels(diagram)
+        self.tiles = tiling_at(diagram, self.levels[0]) if self.levels else Tiling("hbm")
+        self.kernels = kernels(diagram)
+        self.visits = {k.index: [_visited(diagram, k, self.tiles, s) for s in self.launches]
+                       for k in self.kernels}
+        self.working_set = 0   # the largest one-step L2 working set seen (bytes)
+
+
+def _transfers(c: _Context) -> tuple[list[Transfer], list[BoundaryTotal]]:
+    """Every tensor crossing hbm/first on-chip level (and on-chip/regs), per
+    kernel, with the totals and the DRAM estimate of the hbm boundary."""
+    boundaries = [("hbm/" + c.levels[0], c.tiles)] if c.levels else []
+    if len(c.levels) > 1:
+        boundaries.append((f"{c.levels[0]}/{c.levels[1]}", tiling_at(c.d, c.levels[1])))
+    transfers, totals = [], []
     for name, tl in boundaries:
-        load_e = load_b = store_e = store_b = 0
+        hbm = name.startswith("hbm/")
+        loads, stores, dram = [0, 0], [0, 0], 0   # [elements, bytes]
         total_poly = Poly()
-        for k in ks:
-            visits = [_visited(diagram, k, tl, s) for s in launches]
-            visited_by_kernel.setdefault(k.index, visits)
-            reach = []
-            if name.startswith("hbm/"):
-                for s in launches:
-                    fractions, ws = dram_fractions(k, tl, s, window, prof["l2_bytes"])
-                    working_set = max(working_set, ws)
+        for k in c.kernels:
+            visits = c.visits[k.index] if hbm else [_visited(c.d, k, tl, s) for s in c.launches]
+            reach = [{}] * len(c.launches)
+            if hbm:
+                reach = []
+                for s in c.launches:
+                    fractions, ws = dram_fractions(k, tl, s, int(c.prof["sm_count"]), c.prof["l2_bytes"])
+                    c.working_set = max(c.working_set, ws)
                     reach.append(fractions)
             for acc in k.accesses:
                 eb = ir.DTYPE_BYTES[acc.dtype]
-                poly = access_poly(acc, k, tl, wire_sym) * n_launch
+                poly = access_poly(acc, k, tl, c.wire_sym) * c.n_launch
                 total_poly = total_poly + poly * eb
-                elements = sum(count_access(acc, k, tl, s, v) for s, v in zip(launches, visits)) \
-                    if known else None
-                # the tensor as one device holds it (all of a wire streamed across devices)
-                size = math.prod(_device_extent(diagram, full, w) for w in acc.wires) if known else None
+                elements = size = None
+                if c.known:
+                    issued = [count_access(acc, k, tl, s, v) for s, v in zip(c.launches, visits)]
+                    elements = sum(issued)
+                    dram += sum(round(n * f.get(acc, 1.0)) for n, f in zip(issued, reach)) * eb
+                    # the tensor as one device holds it (all of a wire streamed across devices)
+                    size = math.prod(_device_extent(c.d, c.full, w) for w in acc.wires)
+                    side = loads if acc.kind == "load" else stores
+                    side[0] += elements
+                    side[1] += elements * eb
                 transfers.append(Transfer(
                     name, k.index, acc.tensor, acc.wires, acc.kind, acc.dtype, str(poly),
-                    str(access_fetches_poly(acc, k, tl, wire_sym) * n_launch),
+                    str(access_fetches_poly(acc, k, tl, c.wire_sym) * c.n_launch),
                     elements, None if elements is None else elements * eb,
                     None if elements is None else round(elements / size, 6)))
-                if known and name.startswith("hbm/"):
-                    for s, v, fractions in zip(launches, visits, reach):
-                        issued = count_access(acc, k, tl, s, v)
-                        dram += round(issued * fractions.get(acc, 1.0)) * eb
-                if known:
-                    if acc.kind == "load":
-                        load_e, load_b = load_e + elements, load_b + elements * eb
-                    else:
-                        store_e, store_b = store_e + elements, store_b + elements * eb
-        totals.append(BoundaryTotal(name, str(total_poly), *(
-            (load_e, load_b, store_e, store_b) if known else (None,) * 4),
-            dram if known and name.startswith("hbm/") else None))
+        numbers = (*loads, *stores) if c.known else (None,) * 4
+        totals.append(BoundaryTotal(name, str(total_poly), *numbers, dram if c.known and hbm else None))
+    return transfers, totals
 
-    for k in ks:
-        groups, stream = kernel_tiling(k, tiles)
+
+def _kernel_infos(c: _Context) -> tuple[KernelInfo, ...]:
+    infos = []
+    for k in c.kernels:
+        groups, stream = kernel_tiling(k, c.tiles)
         programs = steps = visited_steps = None
-        if known:
-            programs = sum(math.prod(math.ceil(s[w] / b) for w, b in groups.items()) for s in launches)
-            steps = math.ceil(launches[0][stream[0]] / stream[1]) if stream else None
-            visits = visited_by_kernel.get(k.index, [])
-            if stream and visits and visits[0] is not None:
-                other = math.prod(math.ceil(full[w] / b) for w, b in groups.items() if w != visits[0].row)
-                visited_steps = other * len(visits[0].pairs)
-            elif stream:
-                visited_steps = programs * steps
+        if c.known:
+            programs = sum(math.prod(math.ceil(s[w] / b) for w, b in groups.items()) for s in c.launches)
+            if stream:
+                steps = math.ceil(c.launches[0][stream[0]] / stream[1])
+                v = c.visits[k.index][0] if c.visits[k.index] else None
+                visited_steps = programs * steps if v is None else \
+                    math.prod(math.ceil(c.full[w] / b) for w, b in groups.items() if w != v.row) * v.count
         infos.append(KernelInfo(k.index, k.boxes, k.stores, tuple(groups.items()), stream,
                                 programs, steps, visited_steps, k.two_pass))
+    return tuple(infos)
 
-    # -- FLOPs ------------------------------------------------------------------
+
+def _flops(c: _Context) -> Flops:
     fl = {"contraction": 0, "other": 0, "exp": 0}
     fl_poly = {"contraction": Poly(), "other": Poly(), "exp": Poly()}
     dense_area = skipped_area = 0
-    for k in ks:
-        work = kernel_work(diagram, k)
-        for cat, p in work_polys(work, wire_sym).items():
-            fl_poly[cat] = fl_poly[cat] + p * n_launch
-        for s, v in zip(launches, visited_by_kernel.get(k.index, [None] * len(launches))):
-            area = visited_area(v, k, tiles, s)
+    for k in c.kernels:
+        work = kernel_work(c.d, k)
+        for cat, p in work_polys(work, c.wire_sym).items():
+            fl_poly[cat] = fl_poly[cat] + p * c.n_launch
+        for s, v in zip(c.launches, c.visits[k.index]):
+            area = visited_area(v, k, c.tiles, s)
             for cat, n in work_numbers(work, s, area).items():
                 fl[cat] += n
             if area is not None:
                 dense_area += s[area[0]] * s[area[1]]
                 skipped_area += s[area[0]] * s[area[1]] - area[2]
-    shape = bounds_mod.bound_shape(diagram)
-    flops = Flops(str(fl_poly["contraction"]), str(fl_poly["other"]), str(fl_poly["exp"]),
-                  *((fl["contraction"], fl["other"], fl["exp"]) if known else (None,) * 3),
-                  shape.dtype, (skipped_area / dense_area) if dense_area else None)
+    numbers = (fl["contraction"], fl["other"], fl["exp"]) if c.known else (None,) * 3
+    return Flops(str(fl_poly["contraction"]), str(fl_poly["other"]), str(fl_poly["exp"]), *numbers,
+                 bounds_mod.bound_shape(c.d).dtype, (skipped_area / dense_area) if dense_area else None)
 
-    # -- footprints -------------------------------------------------------------
-    footprints = []
-    for lv in (diagram.schedule.levels if diagram.schedule else ()):
+
+def _footprints(c: _Context) -> tuple[Footprint, ...]:
+    """The tiles resident at each level (napkin/tiling.py, as the checker sums them)."""
+    out = []
+    for lv in (c.d.schedule.levels if c.d.schedule else ()):
         if lv.name == "devices":
             continue
-        capacity = lv.capacity if lv.capacity is not None else prof.capacity(lv.name)
+        capacity = lv.capacity if lv.capacity is not None else c.prof.capacity(lv.name)
         try:
-            res = tiling.level_footprint(diagram, lv.name, dict(bound_sizes))
+            res = tiling.level_footprint(c.d, lv.name, dict(c.bound))
         except tiling.UnboundWire:
-            footprints.append(Footprint(lv.name, capacity, None, (), None))
+            out.append(Footprint(lv.name, capacity, None, (), None))
             continue
         used = sum(b for _, _, b in res)
-        footprints.append(Footprint(lv.name, capacity, used, tuple(Resident(*t) for t in res),
-                                    None if capacity is None else used <= capacity))
+        out.append(Footprint(lv.name, capacity, used, tuple(Resident(*t) for t in res),
+                             None if capacity is None else used <= capacity))
+    return tuple(out)
 
-    # -- lower bound ------------------------------------------------------------
-    chip = levels[0] if levels else "smem"
-    cap_level = diagram.level(chip)
-    cap_bytes = cap_level.capacity if cap_level is not None and cap_level.capacity else prof.capacity(chip)
+
+def _lower_bound(c: _Context, totals: list[BoundaryTotal]) -> LowerBound:
+    shape = bounds_mod.bound_shape(c.d)
+    chip = c.levels[0] if c.levels else "smem"
+    level = c.d.level(chip)
+    cap_bytes = level.capacity if level is not None and level.capacity else c.prof.capacity(chip)
     eb = ir.DTYPE_BYTES[shape.dtype]
-    compulsory = Poly()
-    for t in diagram.inputs:
-        compulsory = compulsory + _sym(ir.axis_wires(t.axes), wire_sym)
-    for o in diagram.outputs:
-        compulsory = compulsory + _sym(ir.axis_wires(diagram.tensor(o.name).axes), wire_sym)
-    formula = bounds_mod.bound_formula(shape, wire_sym, compulsory)
-    hbm_bytes = None
-    if totals and known:
-        hbm_bytes = totals[0].load_bytes + totals[0].store_bytes
-    if known and cap_bytes:
-        local = launches[0] if len(launches) == 1 else dict(launches[0], **{
-            _device_split(diagram)[1][0]: full[_device_split(diagram)[1][0]]})
-        comp = compulsory_elements(diagram, local)
-        elements, reread = bounds_mod.bound_elements(shape, local, cap_bytes / eb, comp)
-        ratio = hbm_bytes / (elements * eb) if hbm_bytes is not None and elements else None
-        bound = LowerBound(shape.kind, formula, chip, cap_bytes, eb, elements, elements * eb, reread * eb,
-                           None if ratio is None else round(ratio, 6))
-    else:
-        bound = LowerBound(shape.kind, formula, chip, cap_bytes, eb, None, None, None, None)
+    groups, _ = _device_split(c.d)
 
-    # -- devices and roofline ---------------------------------------------------
-    comm = communication(diagram, ks, full, prof, wire_sym)
-    roof = None
-    if known:
-        rate, _ = prof.contraction_rate(shape.dtype, diagram.schedule.tf32 if diagram.schedule else False)
-        t_c = fl["contraction"] / rate
-        t_e = fl["exp"] / prof["exp_rate"]
-        t_o = fl["other"] / prof["peak_flops_fp32"]
-        dram_bytes = totals[0].dram_bytes if totals else 0
-        t_m = dram_bytes / prof["hbm_bandwidth"]
-        t_issued = (hbm_bytes or 0) / prof["hbm_bandwidth"]
-        t_comm = comm.time_s if comm else 0.0
-        parts = {"compute": t_c, "exp": t_e, "other": t_o, "bandwidth": t_m}
-        which = max(parts, key=lambda key: (parts[key], key))
-        total_flops = fl["contraction"] + fl["other"] + fl["exp"]
-        roof = Roofline(prof.key, rate, t_c, t_e, t_o, t_m, t_issued, working_set, t_comm,
-                        parts[which] + t_comm, which, total_flops / dram_bytes if dram_bytes else 0.0)
-    if comm is not None:
-        notes.append(f"numbers are per device (busiest of {device_count(diagram)})"
-                     "; block skipping is not modelled across devices")
-    if any(k.two_pass for k in ks):
-        notes.append("a kernel writes a normalised tensor along its streamed wire: "
-                     "it reads its streamed inputs twice (statistics, then values)")
-    if not known:
-        missing = [w.name for w in diagram.wires if w.name not in bound_sizes]
-        notes.append("give sizes for " + ", ".join(missing) + " (--size WIRE=N) for numbers")
-    sizes_out = tuple((w.name, bound_sizes[w.name]) for w in diagram.wires if w.name in bound_sizes)
-    return CostReport(SCHEMA, diagram.name, prof.key, sizes_out, comm is not None, tuple(infos),
-                      tuple(transfers), tuple(totals), tuple(footprints), flops, bound, roof, comm,
-                      tuple(notes))
+    def share(w: str) -> Poly:
+        """One device's problem: its share of each grouped wire, all of a streamed one."""
+        return Poly.sym(w) / Poly.sym(f"P_{w}") if w in groups else Poly.sym(w)
+    compulsory = Poly()
+    for t in list(c.d.inputs) + [c.d.tensor(o.name) for o in c.d.outputs]:
+        compulsory = compulsory + _sym(ir.axis_wires(t.axes), share)
+    formula = bounds_mod.bound_formula(shape, share, compulsory)
+    if not (c.known and cap_bytes):
+        return LowerBound(shape.kind, formula, chip, cap_bytes, eb, None, None, None, None)
+    local = {w: _device_extent(c.d, c.full, w) for w in c.full}
+    elements, reread = bounds_mod.bound_elements(shape, local, cap_bytes / eb,
+                                                 compulsory_elements(c.d, local))
+    hbm = totals[0].load_bytes + totals[0].store_bytes if totals else None
+    ratio = round(hbm / (elements * eb), 6) if hbm is not None and elements else None
+    return LowerBound(shape.kind, formula, chip, cap_bytes, eb, elements, elements * eb, reread * eb, ratio)
+
+
+def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> Optional[Roofline]:
+    """The largest of the compute, exp, other and DRAM times, plus communication."""
+    if not c.known:
+        return None
+    prof = c.prof
+    rate, _ = prof.contraction_rate(flops.contraction_dtype, c.d.schedule.tf32 if c.d.schedule else False)
+    dram = totals[0].dram_bytes if totals else 0
+    issued = totals[0].load_bytes + totals[0].store_bytes if totals else 0
+    parts = {"compute": flops.contraction / rate, "exp": flops.exp / prof["exp_rate"],
+             "other": flops.other / prof["peak_flops_fp32"], "bandwidth": dram / prof["hbm_bandwidth"]}
+    which = max(parts, key=lambda key: (parts[key], key))
+    t_comm = comm.time_s if comm else 0.0
+    total = flops.contraction + flops.other + flops.exp
+    return Roofline(prof.key, rate, parts["compute"], parts["exp"], parts["other"], parts["bandwidth"],
+                    issued / prof["hbm_bandwidth"], c.working_set, t_comm, parts[which] + t_comm, which,
+                    total / dram if dram else 0.0)
 
 
 def _sym(wires, wire_sym) -> Poly:

@@ -205,11 +205,45 @@ def _finish(diagram, index, boxes, stores, accesses, wires) -> Kernel:
 
 @dataclass(frozen=True)
 class Visited:
-    """The (row block, step) pairs a masked kernel visits: ``row`` is the
-    grouped wire the mask reads, the steps run along the streamed wire."""
+    """The steps a masked kernel visits: for row block i of the grouped wire
+    ``row`` the mask reads, the steps ``spans[i] = (first, stop)`` along the
+    streamed wire (a contiguous range, as the kernel's loop runs)."""
 
     row: str
-    pairs: frozenset  # {(row_block_index, step_index)}
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def pairs(self) -> frozenset:
+        """Every visited (row block, step) pair."""
+        return frozenset((i, j) for i, (a, b) in enumerate(self.spans) for j in range(a, b))
+
+    @property
+    def count(self) -> int:
+        return sum(max(0, b - a) for a, b in self.spans)
+
+
+def visited_spans(bounds, row_size: int, col_size: int, block_row: int, block_col: int,
+                  sizes) -> tuple[tuple[int, int], ...]:
+    """Per row block, the [first, stop) steps the kernel's loop visits: the
+    range napkin/masks.py's stream_range gives, its start rounded down to a
+    block, exactly as masks.visited_blocks enumerates it (a test checks they
+    agree), without listing every pair."""
+    from .. import masks
+
+    spans = []
+    for i in range(-(-row_size // block_row)):
+        start, stop = masks.stream_range(bounds, i * block_row, min((i + 1) * block_row, row_size),
+                                         col_size, sizes)
+        first = start // block_col
+        spans.append((first, max(first, -(-stop // block_col))))
+    return tuple(spans)
+
+
+def clipped_sum(size: int, block: int, first: int, stop: int) -> int:
+    """sum(clip(size, block, j) for j in range(first, stop))."""
+    if stop <= first:
+        return 0
+    return max(0, min(stop * block, size) - first * block)
 
 
 def clip(size: int, block: int, index: int) -> int:
@@ -247,7 +281,7 @@ def count_access(access: Access, kernel: Kernel, tiles: Tiling, sizes: dict[str,
     r_extent = (lambda i: clip(sizes[row], rblock, i)) if row in access.wires else (lambda i: 1)
     if carries_s:
         chunk = stream[1]
-        pair_sum = sum(r_extent(i) * clip(sizes[s], chunk, j) for i, j in visited.pairs)
+        pair_sum = sum(r_extent(i) * clipped_sum(sizes[s], chunk, a, b) for i, (a, b) in enumerate(visited.spans))
     else:
         pair_sum = sum(r_extent(i) for i in range(math.ceil(sizes[row] / rblock)))
     return count * pair_sum * passes
@@ -293,7 +327,8 @@ def visited_area(visited: Optional[Visited], kernel: Kernel, tiles: Tiling,
     if visited is None or not kernel.skips or stream is None or visited.row not in groups:
         return None
     row, s = visited.row, stream[0]
-    area = sum(clip(sizes[row], groups[row], i) * clip(sizes[s], stream[1], j) for i, j in visited.pairs)
+    area = sum(clip(sizes[row], groups[row], i) * clipped_sum(sizes[s], stream[1], a, b)
+               for i, (a, b) in enumerate(visited.spans))
     return row, s, area
 
 

@@ -36,6 +36,7 @@ local by autograd, so a kernel without its own backward still trains.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -317,16 +318,15 @@ class EagerLocal:
         sizes = {w.name: w.size for w in d.wires if w.size is not None}
         given = dict(zip(r.tokens, tokens))
         given.update(side)
+        missing = [n for n in r.tokens + r.side if n not in given]
+        if missing:
+            raise ValueError(f"missing input(s) {', '.join(missing)}")
+        lens = {r.query: q_len, r.key: x_len}
+        pairs = [(given[n], d.tensor(n), lens if n in r.side else {}) for n in r.tokens + r.side]
+        _bind(pairs, sizes)
         env = {}
-        for name in r.tokens + r.side:
-            if name not in given:
-                raise ValueError(f"missing input {name}")
-            t = given[name]
-            if t.is_floating_point():
-                t = t.to(acc)
-            decl = d.tensor(name)
-            lens = {r.query: q_len, r.key: x_len} if name in r.side else {}
-            env[name] = _unflatten(t, decl, sizes, lens)
+        for t, decl, glob in pairs:
+            env[decl.name] = _unflatten(t.to(acc) if t.is_floating_point() else t, decl, sizes, glob)
         for alias, (name, wires) in self.side_reads.items():
             t = env[name]
             for dim, w in enumerate(wires):
@@ -357,29 +357,37 @@ class EagerLocal:
         return out, lse.reshape(out.shape[:out.dim() - r.value_axes]).to(acc)
 
 
-def _unflatten(t: torch.Tensor, decl: ir.Input, sizes: dict, lens: dict) -> torch.Tensor:
-    """t reshaped to one dimension per wire; binds and checks wire sizes."""
-    if t.dim() != len(decl.axes):
-        raise ValueError(f"{decl.name} has {t.dim()} dimensions, its layout {decl.axes} has {len(decl.axes)}")
+def _bind(pairs, sizes: dict) -> None:
+    """Bind wire sizes from tensor shapes, solving flattened axes such as
+    (hk g) once all but one of their wires are known (repeat until stable).
+    Side inputs see their token wires at the global lengths, not bound here."""
+    changed = True
+    while changed:
+        changed = False
+        for t, decl, glob in pairs:
+            if t.dim() != len(decl.axes):
+                raise ValueError(f"{decl.name} has {t.dim()} dimensions; its layout has {len(decl.axes)}")
+            for axis, n in zip(decl.axes, t.shape):
+                known = {w: glob.get(w, sizes.get(w)) for w in axis}
+                unknown = [w for w in axis if known[w] is None]
+                if len(unknown) == 1:
+                    rest = math.prod(known[w] for w in axis if w != unknown[0])
+                    if n % rest:
+                        raise ValueError(f"{decl.name}: {n} is not a multiple of {rest} along ({' '.join(axis)})")
+                    sizes[unknown[0]] = n // rest
+                    changed = True
+
+
+def _unflatten(t: torch.Tensor, decl: ir.Input, sizes: dict, glob: dict) -> torch.Tensor:
+    """t reshaped to one dimension per wire, its sizes checked."""
     shape = []
     for axis, n in zip(decl.axes, t.shape):
-        known = {w: lens.get(w, sizes.get(w)) for w in axis}
-        unknown = [w for w in axis if known[w] is None]
-        prod = 1
-        for w in axis:
-            prod *= known[w] or 1
-        if len(unknown) > 1:
-            raise ValueError(f"cannot tell the sizes of {', '.join(unknown)} from {decl.name}'s shape; "
-                             "pass the tensor that fixes them first")
-        if unknown:
-            if n % prod:
-                raise ValueError(f"{decl.name}: {n} is not a multiple of {prod} along ({' '.join(axis)})")
-            known[unknown[0]] = n // prod
-            if unknown[0] not in lens:
-                sizes[unknown[0]] = n // prod
-        elif prod != n:
-            raise ValueError(f"{decl.name} has size {n} along ({' '.join(axis)}), expected {prod}")
-        shape += [known[w] for w in axis]
+        wires = [glob.get(w, sizes.get(w)) for w in axis]
+        if None in wires:
+            raise ValueError(f"cannot tell the sizes of ({' '.join(axis)}) from {decl.name}'s shape")
+        if math.prod(wires) != n:
+            raise ValueError(f"{decl.name} has size {n} along ({' '.join(axis)}), expected {math.prod(wires)}")
+        shape += wires
     return t.reshape(shape)
 
 

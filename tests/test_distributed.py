@@ -1,0 +1,448 @@
+"""ATTENTION2D and Ring Attention across processes (gloo on the CPU).
+
+The multi-process part runs once per module: a fixture spawns 4 ranks, each
+runs every case below (forward, backward, byte counts) and the error cases,
+and writes what it saw to a JSON file; the tests then assert on those
+results, one test per case and property.  Every wait has a timeout and the
+fixture kills the ranks after a deadline, so a bug cannot hang the suite.
+
+References are independent of napkin: explicit float64 torch math (with
+autograd for gradients) and scaled_dot_product_attention.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import napkin
+from napkin.distributed import (Attention2D, CommCounter, RingAttention, TokenLayout, merge_softmax,
+                                predicted_comm, roles)
+from napkin.errors import NapkinError
+
+REPO = Path(__file__).resolve().parent.parent
+WORLD = 4
+D = 16
+DEADLINE_S = 240
+
+# --------------------------------------------------------------------------
+# Diagrams: the shipped examples with a small head dim, and two variants.
+# --------------------------------------------------------------------------
+
+_VARIANTS = {
+    # grouped-query attention with a causal mask
+    "gqa_causal": ("gqa", "S[b, hk, g, q, x] = sum[d](Q * K) * |d|^-0.5",
+                   "S[b, hk, g, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)"),
+    # a strict mask: query 0 sees no key at all (O = 0, lse = -inf, no NaN)
+    "strict": ("causal", "where(x <= q,", "where(x < q,"),
+}
+
+
+def diagram_text(name: str) -> str:
+    base, old, new = _VARIANTS.get(name, (name, None, None))
+    text = (REPO / "examples" / f"{base}.ncd").read_text()
+    if old is not None:
+        assert old in text
+        text = text.replace(old, new)
+    for fixed in ("wire d = 64", "wire d = 128"):
+        text = text.replace(fixed, f"wire d = {D}")
+    return text
+
+
+def load(name: str):
+    return napkin.load_text(diagram_text(name), f"{name}.ncd")
+
+
+# --------------------------------------------------------------------------
+# The cases every rank runs.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    scheme: str        # "2x2", "1x4", "4x1" (ATTENTION2D grids) or "ring"
+    diagram: str
+    n_q: int
+    n_x: int
+    dtype: str = "float64"
+
+    @property
+    def name(self) -> str:
+        return f"{self.scheme}-{self.diagram}-q{self.n_q}-x{self.n_x}-{self.dtype}"
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return (4, 2) if self.diagram.startswith("gqa") else (2, 2)
+
+    @property
+    def causal(self) -> bool:
+        return self.diagram in ("causal", "gqa_causal", "alibi")
+
+    @property
+    def family(self) -> str:
+        return "sum" if self.diagram == "sigmoid_attention" else "softmax"
+
+    @property
+    def grid(self):
+        return (WORLD,) if self.scheme == "ring" else tuple(int(v) for v in self.scheme.split("x"))
+
+
+def cases() -> list[Case]:
+    out = []
+    for scheme in ("2x2", "1x4", "4x1", "ring"):
+        for diagram in ("attention", "causal", "gqa", "gqa_causal"):
+            for n in (16, 13):
+                out.append(Case(scheme, diagram, n, n))
+    for scheme in ("2x2", "ring"):
+        out += [Case(scheme, "attention", 13, 19), Case(scheme, "alibi", 13, 13),
+                Case(scheme, "sigmoid_attention", 13, 13), Case(scheme, "strict", 13, 13),
+                Case(scheme, "causal", 13, 13, "float32")]
+    return out
+
+
+CASES = cases()
+CASE_IDS = [c.name for c in CASES]
+
+
+def reference(case: Case, q, k, v, slope=None):
+    """Explicit float64 attention, independent of napkin."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    qi = torch.arange(q.shape[2])[:, None]
+    xi = torch.arange(k.shape[2])[None, :]
+    if case.diagram == "sigmoid_attention":
+        return torch.sigmoid(s - math.log(k.shape[2])) @ vv, None
+    if case.diagram == "alibi":
+        s = s + slope[None, :, None, None] * (xi - qi)
+    if case.causal:
+        s = s.masked_fill(xi > qi, float("-inf"))
+    if case.diagram == "strict":
+        s = s.masked_fill(xi >= qi, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(torch.isneginf(lse)[..., None], torch.zeros_like(s), torch.softmax(s, -1).nan_to_num(0.0))
+    return p @ vv, lse
+
+
+def _err(a, b) -> float:
+    """Max abs difference; inf when the -inf entries differ, nan on NaN."""
+    a, b = a.detach().double(), b.detach().double()
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return float("nan")
+    if not torch.equal(torch.isinf(a), torch.isinf(b)) or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
+        return float("inf")
+    fin = torch.isfinite(a)
+    return float((a[fin] - b[fin]).abs().max()) if fin.any() else 0.0
+
+
+def run_case(case: Case, grids: dict, rank: int) -> dict:
+    dtype = getattr(torch, case.dtype)
+    gen = torch.Generator().manual_seed(1234)
+    hq, hkv = case.heads
+    q = torch.randn(1, hq, case.n_q, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, hkv, case.n_x, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, hkv, case.n_x, D, generator=gen, dtype=torch.float64)
+    g_out = torch.randn(1, hq, case.n_q, D, generator=gen, dtype=torch.float64)
+    g_lse = torch.randn(1, hq, case.n_q, generator=gen, dtype=torch.float64)
+    side = {"slope": torch.tensor([0.5, 0.25], dtype=torch.float64)} if case.diagram == "alibi" else {}
+
+    # reference: float64 autograd
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_o, ref_lse = reference(case, *leaves, **side)
+    torch.autograd.backward([ref_o] + ([ref_lse] if ref_lse is not None else []),
+                            [g_out] + ([g_lse] if ref_lse is not None else []))
+    ref_grads = [t.grad for t in leaves]
+    if case.diagram in ("attention", "causal", "gqa", "gqa_causal"):
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=True)
+    else:
+        sdpa = None
+
+    diagram = load(case.diagram)
+    ring = case.scheme == "ring"
+    fn = RingAttention(diagram) if ring else Attention2D(diagram)
+    where = dict(group=None) if ring else dict(grid=grids[case.scheme])
+    place = where["group"] if ring else where["grid"]
+
+    def shard(t, n):
+        return fn.shard(t.to(dtype), place, n, 2)
+
+    mine = [shard(q, case.n_q).requires_grad_(True), shard(k, case.n_x).requires_grad_(True),
+            shard(v, case.n_x).requires_grad_(True)]
+    side = {n: t.to(dtype) for n, t in side.items()}
+    with CommCounter() as cc:
+        out = fn(*mine, q_len=case.n_q, x_len=case.n_x, timeout=30.0, **side, **where)
+        o, lse = (out if isinstance(out, tuple) else (out, None))
+        if lse is None and ref_lse is not None:   # the diagram does not output lse
+            ref_lse_check = None
+        else:
+            ref_lse_check = ref_lse
+        full_o = fn.gather(o.detach(), place, case.n_q, 2, timeout=30.0)
+        full_lse = fn.gather(lse.detach(), place, case.n_q, 2, timeout=30.0) if lse is not None else None
+        outs, grads = [o], [shard(g_out, case.n_q)]
+        if lse is not None:
+            outs.append(lse)
+            grads.append(shard(g_lse, case.n_q))
+        if lse is None and ref_lse is not None:
+            # the loss only reaches O: redo the reference gradient without lse
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            r_o, _ = reference(case, *leaves, **{n: t.double() for n, t in side.items()})
+            r_o.backward(g_out)
+            ref_grads = [t.grad for t in leaves]
+        torch.autograd.backward(outs, grads)
+        full_grads = [fn.gather(t.grad, place, n, 2, timeout=30.0)
+                      for t, n in zip(mine, (case.n_q, case.n_x, case.n_x))]
+    sizes = dict(b=1, hq=hq, hkv=hkv, d=D, q=case.n_q, x=case.n_x)
+    scheme = "ring" if ring else "attention2d"
+    return {
+        "o": _err(full_o, ref_o),
+        "lse": _err(full_lse, ref_lse_check) if ref_lse_check is not None else 0.0,
+        "sdpa": _err(full_o, sdpa) if sdpa is not None else 0.0,
+        "grads": [_err(a, b) for a, b in zip(full_grads, ref_grads)],
+        "counted": {ph: list(cc.total(ph)) for ph in ("check", "forward", "backward")},
+        "predicted": {ph: list(predicted_comm(scheme, case.grid, sizes, case.dtype.replace("float", "fp"),
+                                              ph, case.family)[rank])
+                      for ph in ("check", "forward", "backward")},
+    }
+
+
+def _expect_error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def error_cases(grids: dict, rank: int) -> dict:
+    import torch.distributed as dist
+    gen = torch.Generator().manual_seed(7)
+    full = torch.randn(1, 2, 16, D, generator=gen, dtype=torch.float64)
+    a2d = Attention2D(load("attention"))
+    rg = RingAttention(load("attention"))
+    mesh = grids["2x2"]
+    out = {}
+    q = a2d.shard(full, mesh, 16, 2)
+    bad = q[:, :1] if rank == 3 else q             # rank 3 has one head fewer
+    out["mismatch"] = _expect_error(lambda: a2d(bad, q, q, grid=mesh, q_len=16, timeout=20.0))
+    out["rows"] = _expect_error(lambda: a2d(q, q, q, grid=mesh, q_len=9, timeout=20.0))
+    rq = rg.shard(full, None, 16, 2)
+    rk = rq.float() if rank == 1 else rq
+    out["dtype"] = _expect_error(lambda: rg(rq, rk, rq, q_len=16, timeout=20.0))
+    # last: rank 0 never calls; the others must give up after the timeout
+    fresh = dist.new_group(list(range(WORLD)))
+    t0 = time.monotonic()
+    if rank == 0:
+        out["timeout"] = "skipped"
+    else:
+        out["timeout"] = _expect_error(lambda: rg(rq, rq, rq, group=fresh, q_len=16, timeout=2.0))
+    out["timeout_s"] = time.monotonic() - t0
+    return out
+
+
+def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from napkin.distributed import new_grid
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    grids = {"2x2": init_device_mesh("cpu", (2, 2)), "1x4": new_grid(1, 4), "4x1": new_grid(4, 1)}
+    results = {}
+    for case in CASES:
+        try:
+            results[case.name] = run_case(case, grids, rank)
+        except Exception as err:  # recorded, so one broken case does not hide the others
+            results[case.name] = {"error": f"{type(err).__name__}: {err}"}
+    results["errors"] = error_cases(grids, rank)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    # ranks 1..3 left a handshake pending on the timed-out group: leave
+    # without tearing the groups down collectively
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    import torch.multiprocessing as mp
+    out = tmp_path_factory.mktemp("distributed")
+    ctx = mp.start_processes(_worker, args=(WORLD, str(out / "init"), str(out)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {WORLD} ranks did not finish within {DEADLINE_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+# --------------------------------------------------------------------------
+# Multi-process tests.
+# --------------------------------------------------------------------------
+
+def _tol(case: Case) -> float:
+    return 1e-10 if case.dtype == "float64" else 2e-5
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_forward_matches_reference(suite, case):
+    for rank, res in enumerate(suite):
+        got = res[case.name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["o"] <= _tol(case), f"rank {rank}: O error {got['o']}"
+        assert got["lse"] <= _tol(case), f"rank {rank}: lse error {got['lse']}"
+        assert got["sdpa"] <= _tol(case), f"rank {rank}: O vs SDPA {got['sdpa']}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_backward_matches_reference(suite, case):
+    for rank, res in enumerate(suite):
+        got = res[case.name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        for name, e in zip("QKV", got["grads"]):
+            assert e <= 10 * _tol(case), f"rank {rank}: d{name} error {e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_counted_bytes_equal_prediction(suite, case):
+    for rank, res in enumerate(suite):
+        got = res[case.name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["counted"] == got["predicted"], f"rank {rank}"
+
+
+def test_attention2d_sends_fewer_bytes_than_ring_multihead(suite):
+    a2d = suite[0][Case("2x2", "attention", 16, 16).name]["counted"]["forward"][0]
+    ring = suite[0][Case("ring", "attention", 16, 16).name]["counted"]["forward"][0]
+    assert 0 < a2d < ring
+
+
+def test_mismatched_shapes_raise_on_every_rank(suite):
+    for rank, res in enumerate(suite):
+        msg = res["errors"]["mismatch"]
+        assert msg.startswith("ValueError") and "differs across devices" in msg, f"rank {rank}: {msg}"
+
+
+def test_rows_that_do_not_fit_the_layout_raise_on_every_rank(suite):
+    for rank, res in enumerate(suite):
+        msg = res["errors"]["rows"]
+        assert msg.startswith("ValueError") and "need 3" in msg, f"rank {rank}: {msg}"
+
+
+def test_mismatched_dtypes_raise_on_every_rank(suite):
+    for rank, res in enumerate(suite):
+        msg = res["errors"]["dtype"]
+        assert msg.startswith("ValueError") and "float32" in msg, f"rank {rank}: {msg}"
+
+
+def test_a_missing_peer_times_out_instead_of_hanging(suite):
+    for rank, res in enumerate(suite[1:], start=1):
+        msg = res["errors"]["timeout"]
+        assert msg.startswith("RuntimeError") and "did not finish within 2 s" in msg, f"rank {rank}: {msg}"
+        assert res["errors"]["timeout_s"] < 15
+
+
+# --------------------------------------------------------------------------
+# Single-process tests: layouts, merge, roles, predictions.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["cyclic", "zigzag", "contiguous"])
+@pytest.mark.parametrize("n", [1, 7, 16, 19])
+def test_layout_round_trip_and_cover(kind, n):
+    lay = TokenLayout(kind, 4, n)
+    full = torch.arange(n * 3, dtype=torch.float32).reshape(1, n, 3)
+    parts = lay.shards(full, 1)
+    assert all(p.shape == (1, lay.rows, 3) for p in parts)
+    assert torch.equal(lay.unshard(parts, 1), full)
+    pos = torch.sort(lay.all_positions()).values
+    assert torch.equal(pos, torch.arange(lay.padded))     # every position exactly once
+    for p in range(4):                                     # padding rows are zeros
+        pad = lay.positions(p) >= n
+        assert torch.all(parts[p][:, pad] == 0)
+
+
+def test_layout_positions():
+    assert TokenLayout("cyclic", 4, 10).positions(1).tolist() == [1, 5, 9]
+    assert TokenLayout("zigzag", 2, 8).positions(0).tolist() == [0, 1, 6, 7]
+    assert TokenLayout("zigzag", 2, 8).positions(1).tolist() == [2, 3, 4, 5]
+    assert TokenLayout("contiguous", 4, 10).positions(3).tolist() == [9, 10, 11]
+
+
+def test_merge_equals_softmax_over_all_keys():
+    gen = torch.Generator().manual_seed(0)
+    s = torch.randn(3, 5, 12, generator=gen, dtype=torch.float64) * 30     # large scores
+    v = torch.randn(12, 4, generator=gen, dtype=torch.float64)
+    s[0, 0, :] = float("-inf")                                              # a row with no key
+    s[1, 2, :6] = float("-inf")                                             # a part with no key
+    parts = [slice(0, 6), slice(6, 9), slice(9, 12)]
+    outs, lses = [], []
+    for sl in parts:
+        lse = torch.logsumexp(s[..., sl], -1)
+        p = torch.softmax(s[..., sl], -1).nan_to_num(0.0)
+        outs.append(p @ v[sl])
+        lses.append(lse)
+    o, lse = merge_softmax(torch.stack(outs), torch.stack(lses))
+    full_lse = torch.logsumexp(s, -1)
+    full_o = (torch.softmax(s, -1).nan_to_num(0.0)) @ v
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(full_lse))
+    fin = torch.isfinite(full_lse)
+    assert torch.allclose(lse[fin], full_lse[fin], rtol=0, atol=1e-12)
+    assert torch.allclose(o, full_o, rtol=0, atol=1e-12)
+    assert not torch.isnan(o).any()
+
+
+def test_merge_does_not_overflow_in_fp32():
+    outs = torch.ones(2, 1, 3)
+    lses = torch.tensor([[1000.0], [999.0]])
+    o, lse = merge_softmax(outs, lses)
+    assert torch.isfinite(o).all() and torch.allclose(o, torch.ones(1, 3))
+    assert abs(float(lse) - (1000.0 + math.log1p(math.exp(-1.0)))) < 1e-3
+
+
+def test_merge_refuses_half_precision_states():
+    with pytest.raises(ValueError, match="float32 or float64"):
+        merge_softmax(torch.ones(2, 1, 3, dtype=torch.bfloat16), torch.zeros(2, 1))
+
+
+def test_roles_read_the_devices_level():
+    assert roles(load("attention_2d")).scheme == ("attention2d", (2, 2))
+    assert roles(load("ring_attention")).scheme == ("ring", (4,))
+    r = roles(load("gqa"))
+    assert (r.tokens, r.token_wire, r.lse, r.family) == (("Q", "K", "V"), ("q", "x", "x"), "lse", "softmax")
+    assert roles(load("sigmoid_attention")).family == "sum"
+    assert roles(load("alibi")).side == ("slope",)
+
+
+def test_roles_refuse_what_cannot_be_merged():
+    with pytest.raises(NapkinError, match="query and key wires"):
+        roles(load("matmul"))
+    text = diagram_text("attention").replace("out O, lse", "M[b, h, q] = max[x](S)\nout O, M")
+    with pytest.raises(NapkinError, match="neither a sum nor a logsumexp"):
+        roles(napkin.load_text(text))
+
+
+def test_prediction_ratio_grows_with_devices():
+    """Ring / ATTENTION2D forward bytes for multi-head attention, square
+    grids: the per-device traffic of ATTENTION2D falls like 1/sqrt(P)."""
+    sizes = dict(b=1, hq=32, hkv=32, d=128, q=8192)
+    ratios = []
+    for side in (2, 4, 8):
+        p = side * side
+        a2d = predicted_comm("attention2d", (side, side), sizes, "bf16")[0][0]
+        ring = predicted_comm("ring", (p,), sizes, "bf16")[0][0]
+        ratios.append(ring / a2d)
+    assert ratios[0] < ratios[1] < ratios[2]
+
+
+def test_predicted_comm_one_by_one_grid_sends_nothing():
+    sizes = dict(b=1, hq=2, hkv=2, d=16, q=13)
+    assert predicted_comm("attention2d", (1, 1), sizes, "fp32") == [(0, 0)]
