@@ -54,10 +54,14 @@ DEFAULT_BLOCKS_3 = ((128, 128, 32), (128, 64, 32), (64, 64, 32), (128, 128, 64),
 
 def runtime_source(diagram_hash: str, wires: Sequence[str]) -> str:
     """The cache-reading code for a generated module (see the template)."""
-    from .codegen.emit import environment
+    import jinja2
 
-    template = environment().get_template("autotune.py.jinja")
-    return template.render(diagram_hash=diagram_hash, wires=repr(tuple(wires))).rstrip("\n") + "\n"
+    from .resources import data_dir
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    text = env.get_template("autotune.py.jinja").render(diagram_hash=diagram_hash, wires=repr(tuple(wires)))
+    return text.strip("\n") + "\n"
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,13 +133,15 @@ def tiled_wires(diagram: ir.Diagram) -> list[str]:
     return out
 
 
-def _schedule_blocks(diagram: ir.Diagram, wires: list[str]) -> dict[str, int]:
+def tiled_blocks(diagram: ir.Diagram) -> dict[str, int]:
+    """The schedule's own block for each of ``tiled_wires``, in order."""
+    wires = tiled_wires(diagram)
     found = {}
     for lv in diagram.schedule.levels if diagram.schedule else ():
         for t in lv.tiles:
             if t.wire in wires and not t.across and lv.name in ("smem", "regs"):
                 found[t.wire] = t.size
-    return found
+    return {w: found[w] for w in wires if w in found}
 
 
 def block_choices(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None,
@@ -143,7 +149,7 @@ def block_choices(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     """Block sizes to try, best first: the schedule's own, then the cost
     pass's ``top`` picks (or the default list when it cannot search)."""
     wires = tiled_wires(diagram)
-    out = [_schedule_blocks(diagram, wires)]
+    out = [tiled_blocks(diagram)]
     try:
         from .cost import tune
         ranked = [r.block for r in tune(diagram, sizes, profile, top=top)]

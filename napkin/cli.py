@@ -1,5 +1,5 @@
 """The ``napkin`` command line: check, compile, demo, and the subcommands
-other modules register (cost, render, report).
+other modules register (cost, render, report, bench).
 
 Errors: a ``NapkinError`` is the user's problem, so only its rendered text
 (file:line:col, source line, caret, hint) is printed and the exit status is 1.
@@ -28,7 +28,7 @@ from . import __version__
 from .errors import NapkinError
 
 # Modules that may add subcommands through register_cli(subparsers).
-PLUGINS = ("cost", "render")
+PLUGINS = ("cost", "render", "bench")
 
 # Where the bundled examples live when napkin runs from a checkout (or an
 # editable install): the folder above the package.
@@ -244,14 +244,14 @@ def cmd_demo(args) -> int:
     sizes = _demo_sizes(diagram, requested, path)
     write_module = _provided("codegen", "write_module")
     if write_module is None:
-        raise NapkinError("napkin demo needs the code generator (napkin/codegen.py), "
+        raise NapkinError("napkin demo needs the code generator (napkin.codegen), "
                           "which this version does not have yet", filename=str(path))
 
-    print(f"{path}: diagram {diagram.name}, sizes "
-          + ", ".join(f"{k}={v}" for k, v in sizes.items())
-          + f", on {'the GPU' if cuda else 'the CPU (Triton interpreter)'}")
     with tempfile.TemporaryDirectory(prefix="napkin-demo-") as tmp:
         module = _import_file(Path(write_module(path, Path(tmp))))
+        print(f"{path}: diagram {diagram.name}, sizes "
+              + ", ".join(f"{k}={v}" for k, v in sizes.items())
+              + f", on {'the GPU' if cuda else 'the CPU (Triton interpreter)'}")
         try:
             ok = _run_and_compare(module, diagram, sizes, device, torch)
         finally:

@@ -363,3 +363,21 @@ def test_python_dash_m_napkin(tmp_path):
     version = subprocess.run([sys.executable, "-m", "napkin", "--version"],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
     assert (version.returncode, version.stdout) == (0, "napkin 0.1.0\n")
+
+
+@pytest.mark.skipif(cli._provided("codegen", "write_module") is None, reason="napkin.codegen not there yet")
+def test_napkin_demo_as_the_readme_runs_it(tmp_path):
+    """`napkin demo` with no arguments, from another folder, with no
+    TRITON_INTERPRET set: the demo must find the example and pick the
+    interpreter itself on a machine without a GPU."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, "-m", "napkin", "demo"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{REPO / 'examples' / 'attention.ncd'}: diagram attention, "
+                                  "sizes b=1, h=2, q=200, x=200, on ")
+    assert proc.stdout.count("(ok, tolerance") == 2
+    assert "cost model:" in proc.stdout

@@ -72,7 +72,7 @@ def launcher(m):
 def run(m, inputs, **opts):
     fn = launcher(m)
     names = fn.__code__.co_varnames[:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
-    opts = {**{k: v for k, v in FAST.items() if k in names}, **opts}
+    opts = {k: v for k, v in {**FAST, **opts}.items() if k in names}
     out = fn(*inputs, **opts)
     return out if isinstance(out, tuple) else (out,)
 
@@ -248,6 +248,27 @@ def test_inputs_scaled_by_100_do_not_overflow(name):
         assert_accurate(out, reference(m, inputs, torch.float64), reference(m, inputs), f"{name} x100")
 
 
+def test_wide_output_from_16_bit_inputs_keeps_fp32_accuracy():
+    """O declared fp32 with fp16 inputs: the weights multiplied with V are
+    kept to ~22 bits (_SPLIT_WEIGHTS), so O is as accurate as an fp32
+    reference of the same inputs, not limited by fp16 weights."""
+    m = example("attention", ("O[b, h, q, d] : fp16", "O[b, h, q, d] : fp32"))
+    inputs, (o, lse) = check(m, {"b": 1, "h": 2, "q": 40, "x": 70}, torch.float16, label="fp32 O")
+    assert o.dtype == torch.float32
+    m16 = example("attention")
+    (o16, _) = run(m16, inputs)
+    assert o16.dtype == torch.float16
+
+
+def test_empty_wires():
+    m = example("attention")
+    q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 5, "x": 1}, dtype=torch.float32)
+    o, lse = run(m, (q, k[:, :, :0], v[:, :, :0]))  # no keys: O = 0, lse = -inf, as the reference says
+    ro, rlse = reference(m, (q, k[:, :, :0], v[:, :, :0]))
+    assert torch.equal(o, ro) and torch.equal(lse, rlse) and torch.isneginf(lse).all()
+    assert run(m, (q[:, :, :0], k, v))[0].shape == (1, 2, 0, 64)
+
+
 MASKED = """diagram masked
 wire b, h, q, x
 wire d = 16
@@ -272,6 +293,7 @@ def test_fully_masked_rows_give_zero_and_lse_minus_inf():
         assert torch.isfinite(o).all()
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")
 def test_nan_and_inf_propagate_as_in_the_reference():
     m = example("attention")
     q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 40, "x": 40}, dtype=torch.float32)

@@ -20,7 +20,7 @@ returns no log-sum-exp).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 # SDPBackend member names -> our labels, in the order they are reported.
 SDPA_BACKENDS = (("FLASH_ATTENTION", "sdpa-flash"), ("CUDNN_ATTENTION", "sdpa-cudnn"),
@@ -69,7 +69,8 @@ def sdpa_baselines(flex_module, shape: dict, device: str) -> list[Baseline]:
         if backend is None:
             continue
         if same:
-            note = "the same function" + (", is_causal" if causal else "") + (", enable_gqa" if src.enable_gqa else "")
+            note = ("the same function" + (", is_causal" if causal else "")
+                    + (", enable_gqa" if src.enable_gqa else ""))
         else:
             note = ("speed reference: plain " + ("causal " if causal else "")
                     + "softmax attention at the same sizes, not the diagram's function")
@@ -115,14 +116,3 @@ def _sdpa_prepare(backend, flex_module, causal: bool, scale: float, torch) -> Ca
 def first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
-
-
-def availability(run: Callable) -> Optional[str]:
-    """None when ``run`` works, else why not (one line).  Each SDPA backend
-    refuses shapes, dtypes and devices of its own; asking it is the only
-    reliable test."""
-    try:
-        run()
-    except RuntimeError as err:
-        return first_line(err)
-    return None

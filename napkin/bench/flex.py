@@ -51,6 +51,13 @@ SCORE = ir.TensorRef("score")
 _CALLS = {"exp": "torch.exp", "exp2": "torch.exp2", "log": "torch.log", "log2": "torch.log2",
           "sqrt": "torch.sqrt", "rsqrt": "torch.rsqrt", "tanh": "torch.tanh",
           "sigmoid": "torch.sigmoid", "abs": "torch.abs", "relu": "torch.relu"}
+# The same on plain Python numbers: a part of the score made only of numbers
+# and call-time wire sizes (1 / sqrt(|x|)) is not a tensor inside the mods.
+_SCALAR_CALLS = {"exp": "math.exp({})", "exp2": "2.0 ** ({})", "log": "math.log({})",
+                 "log2": "math.log2({})", "sqrt": "math.sqrt({})", "rsqrt": "(1.0 / math.sqrt({}))",
+                 "tanh": "math.tanh({})", "sigmoid": "(1.0 / (1.0 + math.exp(-({}))))",
+                 "abs": "abs({})", "relu": "max({}, 0)", "max": "max({}, {})", "min": "min({}, {})",
+                 "where": "({1} if {0} else {2})"}
 
 
 class NoFlexEquivalent(NapkinError):
@@ -197,7 +204,7 @@ class _Analysis:
                 s, value = self._softmax_times_value(out.name, e)
             else:
                 self.refuse(f"output {out.name} is neither softmax attention sum[x](softmax[x](S) * V) "
-                            "nor its logsumexp[x](S)")
+                            "nor its logsumexp[x](S), and flex_attention only normalises with softmax")
             if score is not None and (s != score or key != self.key):
                 self.refuse("the outputs do not share one score and key wire")
             score, self.key = s, key
@@ -375,18 +382,25 @@ class _Py:
             return self.size(e.wire)
         if isinstance(e, ir.TensorRef):
             return self.tensor(e)
+        scalar = not any(isinstance(n, (ir.WireIndex, ir.TensorRef)) for n in ir.walk(e))
         if isinstance(e, ir.Unary):
-            return f"(-{self(e.operand)})" if e.op == "-" else f"torch.logical_not({self(e.operand)})"
+            if e.op == "-":
+                return f"(-{self(e.operand)})"
+            return f"(not {self(e.operand)})" if scalar else f"torch.logical_not({self(e.operand)})"
         if isinstance(e, ir.Binary):
             if e.op == "^":
                 exponent = _const(e.rhs, self.d)
                 if exponent is not None:   # a float exponent: an int index base stays legal
                     return f"({self(e.lhs)} ** {float(exponent)!r})"
+                if scalar:
+                    return f"({self(e.lhs)} ** {self(e.rhs)})"
                 return f"torch.pow({self(e.lhs)}, {self(e.rhs)})"
             op = {"and": "&", "or": "|"}.get(e.op, e.op)
             return f"({self(e.lhs)} {op} {self(e.rhs)})"
         if isinstance(e, ir.Call):
             args = [self(a) for a in e.args]
+            if scalar:
+                return _SCALAR_CALLS[e.fn].format(*args)
             if e.fn == "where":
                 return f"torch.where({', '.join(args)})"
             if e.fn in ("max", "min"):  # torch.maximum wants two tensors; where takes a number
@@ -411,7 +425,7 @@ def _peel_masks(score: ir.Expr) -> tuple[list[ir.Expr], ir.Expr]:
         if _is_neg_inf(other) and not _is_neg_inf(then):
             keep, rest = pred, then
         elif _is_neg_inf(then) and not _is_neg_inf(other):
-            keep, rest = ir.Unary("not", pred), other
+            keep, rest = _negate(pred), other
         else:
             break
         if any(n == SCORE for n in ir.walk(keep)):
@@ -419,6 +433,19 @@ def _peel_masks(score: ir.Expr) -> tuple[list[ir.Expr], ir.Expr]:
         preds.append(keep)
         score = rest
     return preds, score
+
+
+_FLIP = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
+
+
+def _negate(pred: ir.Expr) -> ir.Expr:
+    """not pred; a comparison of indices flips instead (not x > q is x <= q),
+    so a causal mask written either way is recognised.  Comparisons reading
+    tensors keep the ``not``: a float NaN compares false both ways."""
+    if isinstance(pred, ir.Binary) and pred.op in _FLIP \
+            and not any(isinstance(n, ir.TensorRef) for n in ir.walk(pred)):
+        return ir.Binary(_FLIP[pred.op], pred.lhs, pred.rhs)
+    return ir.Unary("not", pred)
 
 
 def _take_scale(score: ir.Expr, d: ir.Diagram) -> tuple[float, ir.Expr]:
@@ -447,6 +474,13 @@ def _conjuncts(p: ir.Expr) -> list:
     return [p]
 
 
+def _causal_flags(preds: list, roles: _Roles) -> tuple[bool, bool]:
+    """(the mask is exactly key <= query, key <= query is one of its conjuncts)."""
+    conjuncts = list(dict.fromkeys(c for p in preds for c in _conjuncts(p)))
+    causal = [_causal_conjunct(c, roles) for c in conjuncts]
+    return causal == [True], any(causal)
+
+
 # --------------------------------------------------------------------------
 # The emitted module.
 # --------------------------------------------------------------------------
@@ -460,15 +494,14 @@ def emit(diagram: ir.Diagram) -> FlexSource:
     scale, body = _take_scale(body, diagram)
     py = _Py(diagram, roles, an)
     score_text = py(body) if body != SCORE else None
-    mask_text = " & ".join(py(p) if len(preds) == 1 else f"({py(p)})" for p in preds) if preds else None
+    mask_text = " & ".join(py(p) for p in preds) if preds else None   # comparisons come parenthesised
     side = tuple(t.name for t in diagram.inputs if t.name in py.side)   # diagram order
     lines = _module(diagram, an, roles, scale, score_text, mask_text, side, py.sizes)
     mask = " and ".join(expr_text(p) for p in preds) if preds else None
     outs = tuple(o.name for o in diagram.outputs)
-    conjuncts = [c for p in preds for c in _conjuncts(p)]
-    causal = len(conjuncts) == 1 and _causal_conjunct(conjuncts[0], roles)
+    causal, causal_part = _causal_flags(preds, roles)
     return FlexSource(diagram.name, "\n".join(lines) + "\n", scale, roles.gqa, score_text is not None,
-                      mask, causal, any(_causal_conjunct(c, roles) for c in conjuncts), side, outs)
+                      mask, causal, causal_part, side, outs)
 
 
 def attention_roles(diagram: ir.Diagram) -> _Roles:
@@ -485,8 +518,9 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
     Q, K and V.  ``sizes`` binds the symbolic wires."""
     an = _Analysis(diagram)
     roles = an.loose()
-    preds = [masks.mask_predicate(n) for n in (masks.mask_node(e) for e in an.exprs) if n is not None]
-    conjuncts = list(dict.fromkeys(c for p in preds for c in _conjuncts(p)))   # each output repeats the mask
+    nodes = [n for n in (masks.mask_node(e) for e in an.exprs) if n is not None]
+    preds = [_negate(n.args[0]) if _is_neg_inf(n.args[1]) else n.args[0] for n in nodes]
+    causal, causal_part = _causal_flags(preds, roles)    # (each output repeats the mask)
     full = {w.name: w.size for w in diagram.wires if w.size is not None}
     full.update(sizes)
     heads = math.prod(full[w] for w in roles.head) if roles.head else 1
@@ -495,8 +529,7 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
             "q_len": full[roles.row], "kv_len": full[roles.key],
             "dim": full[roles.dim], "value_dim": full[roles.vdim],
             # FLOPs are halved only for exactly causal masks (the usual convention)
-            "causal": len(conjuncts) == 1 and _causal_conjunct(conjuncts[0], roles),
-            "causal_part": any(_causal_conjunct(c, roles) for c in conjuncts),
+            "causal": causal, "causal_part": causal_part,
             "operands": [an.q.name, an.k.name, an.value.name]}
 
 

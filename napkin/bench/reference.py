@@ -155,7 +155,7 @@ class _Eval:
             t, w = self(ir.Reduce("sum", tuple(x for x in e.wires if x in wires), e.body))
             return t * math.prod(self.sizes[x] for x in e.wires if x not in wires), w
         rest = tuple(w for w in wires if w not in e.wires)
-        spec = f"{''.join(letter[w] for w in wa)},{''.join(letter[w] for w in wb)}->{''.join(letter[w] for w in rest)}"
+        spec = ",".join("".join(letter[w] for w in ws) for ws in (wa, wb)) + "->" + "".join(letter[w] for w in rest)
         a = a.double() if a.dtype != self.torch.float64 else a
         b = b.double() if b.dtype != self.torch.float64 else b
         return self.torch.einsum(spec, a, b), rest

@@ -126,7 +126,11 @@ def write(data: dict, out_dir) -> tuple[Path, Path]:
 
 
 def _num(v: Optional[float], digits: int = 1) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
+    """Fixed decimals, but three significant digits for small values (a CPU
+    smoke run's TFLOP/s would otherwise all read 0.0)."""
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}" if abs(v) >= 1 or v == 0 else f"{v:.3g}"
 
 
 def markdown(data: dict) -> str:
@@ -185,12 +189,11 @@ def _row_cells(row: dict, p: str, impls: list[str], notes: list[str]) -> Optiona
         else:
             ratio = row["ratios"].get(p, {}).get(impl)
             mark = "" if r["equivalent"] else " \u2020"
-            cells.append(f"{_num(r.get('tflops'))}{mark}" + (f" ({ratio:.2f}x)" if ratio else ""))
+            cells.append(f"{_num(r.get('tflops'))}{mark}" + (f" ({ratio:.3g}x)" if ratio else ""))
     return cells
 
 
 def _note(notes: list[str], text: str) -> str:
-    text = text.replace("|", "/")
     if text not in notes:
         notes.append(text)
     return f"n/a [{notes.index(text) + 1}]"

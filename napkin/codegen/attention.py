@@ -19,18 +19,14 @@ tile that holds a contraction ``sum[d](Q * K)``:
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from .. import ir, masks, tiling
 from .lower import (
-    DEFAULT_BLOCK_ROW, DEFAULT_BLOCK_STREAM, Accum, AttentionPlan, Dot, Output, SafeDiv, Var, _ExpSum,
+    DEFAULT_BLOCK_ROW, DEFAULT_BLOCK_STREAM, Accum, AttentionPlan, Dot, LogSumExp, Output, SafeDiv, Var, _ExpSum,
     _LogExpSum, _Loads, _block, _check_batch, _factors, _finalise_leaves, _group_block, _precision, _product,
     _red_wires, _show, _streamed, nodes, read_wires, unsupported, walk_until, wires_of,
 )
-
-_LN2 = math.log(2.0)
-
 
 def lower_attention(d: ir.Diagram, exprs: dict, col: str) -> AttentionPlan:
     return _Attention(d, exprs, col).plan()
@@ -345,11 +341,11 @@ class _Attention:
 
 def _finish(e):
     """Render the lowering placeholders: an expsum keeps exp2(m) * acc (m in
-    log2 units), a logsumexp is m * ln 2 + log(acc)."""
+    log2 units), a logsumexp is m * ln 2 + log(acc) (LogSumExp)."""
     if isinstance(e, _ExpSum):
         return ir.Binary("*", ir.Call("exp2", (Var(e.group),)), Var(e.acc))
     if isinstance(e, _LogExpSum):
-        return ir.Binary("+", ir.Binary("*", Var(e.group), ir.Num(_LN2)), ir.Call("log", (Var(e.acc),)))
+        return LogSumExp(e.group, e.acc)
     if isinstance(e, ir.Unary):
         return ir.Unary(e.op, _finish(e.operand), e.loc)
     if isinstance(e, ir.Binary):

@@ -202,6 +202,7 @@ def attention_context(plan: L.AttentionPlan) -> dict:
             f"{m} = _m_new{sfx}",
         ]
     group_sfx = {m: ("" if i == 0 else str(i)) for i, (m, _) in enumerate(plan.groups)}
+    split = False
     for j, a in enumerate(plan.accums):
         shape = f"[{br}, {names.block(a.value.cols)}]" if a.value is not None else f"[{br}, 1]"
         fill = {"max": NEG_INF, "min": POS_INF}.get(a.op, "0.0")
@@ -222,11 +223,17 @@ def attention_context(plan: L.AttentionPlan) -> dict:
             lines.append(f"{a.var} = {fn}({a.var}, {red}({w}, 1)[:, None])")
         elif a.value is not None:
             v = a.value.var
-            lines.append(f'{a.var} = {scale} + tl.dot(({w}).to({v}.dtype), {v}, input_precision="{plan.precision}")')
+            dot = f'tl.dot(_w{j}, {v}, input_precision="{plan.precision}")'
+            lines += [f"_w{j} = ({w}).to({v}.dtype)",
+                      f"{a.var} = {scale} + {dot}",
+                      "if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost",
+                      f'    {a.var} += tl.dot(({w} - _w{j}.to(tl.float32)).to({v}.dtype), {v}, '
+                      f'input_precision="{plan.precision}")']
+            split = True
         else:
             lines.append(f"{a.var} = {scale} + tl.sum({w}, 1)[:, None]")
     finalise, stores = _finalise(d, names, plan.outputs, kinds, {a.var: a for a in plan.accums})
-    blocks_list = [br, bc] + [names.block(w) for w in plan.dims]
+    blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + (["_SPLIT_WEIGHTS"] if split else [])
     params, sizes = _params(d, names, blocks_list)
     opts = _options(d, [row, col])
     launch = [f'_br = _block_size(block_{row}, "{row}", "block_{row}")',
@@ -235,6 +242,12 @@ def attention_context(plan: L.AttentionPlan) -> dict:
               f'_grid = (triton.cdiv(_sz["{row}"], _br), '
               + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
     block_args = [f"{br}=_br", f"{bc}=_bc"] + _wire_block_args(names, plan.dims)
+    if split:  # only outputs that use a weighted sum of V decide it (not lse, say)
+        inputs = ", ".join(t.name for t in d.inputs)
+        valued = {a.var for a in plan.accums if a.value is not None}
+        outputs = ", ".join(o.name for o in plan.outputs
+                            if any(isinstance(n, L.Var) and n.name in valued for n in L.nodes(o.expr)))
+        block_args.append(f"_SPLIT_WEIGHTS=_wider([{outputs}], [{inputs}])")
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ["num_warps=num_warps or (8 if _br >= 128 else 4)", "num_stages=num_stages or 2"]))
     return {
@@ -252,7 +265,8 @@ def attention_context(plan: L.AttentionPlan) -> dict:
 
 
 def _wire_ctx(names: _Names, w: str) -> dict:
-    return {"wire": w, "offs": f"_offs_{w}", "ok": f"_ok_{w}", "block": names.block(w), "size": names.size(w)}
+    return {"wire": w, "offs": f"_offs_{w}", "ok": f"_ok_{w}", "block": names.block(w), "size": names.size(w),
+            "exact": names.exact(w)}
 
 
 def _finalise(d, names: _Names, outputs, kinds, accums: dict) -> tuple[str, list]:

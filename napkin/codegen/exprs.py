@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from .. import ir
-from .lower import SafeDiv, Var
+from .lower import LogSumExp, SafeDiv, Var
 
 # Python operator precedence (higher binds tighter), for minimal parentheses.
 _PREC = {"|": 1, "&": 2, "cmp": 0, "+": 4, "-": 4, "*": 5, "/": 5, "neg": 6, "**": 7, "atom": 9}
@@ -152,6 +152,8 @@ class _Render:
             return self.negate(x), _PREC["neg"], "bool"
         if isinstance(e, SafeDiv):
             return self.safe_div(self.r(e.lhs), self.r(e.rhs)), _PREC["atom"], "float"
+        if isinstance(e, LogSumExp):
+            return f"_logsumexp({e.m}, {e.l})", _PREC["atom"], "float"
         if isinstance(e, ir.Binary):
             return self.binary(e)
         if isinstance(e, ir.Call):

@@ -66,6 +66,16 @@ class SafeDiv:
 
 
 @dataclass(frozen=True)
+class LogSumExp:
+    """A finished logsumexp: m * ln 2 + log(l), -inf where l == 0 (m is the
+    running max in log2 units, l the sum of 2^(E log2 e - m))."""
+
+    m: str
+    l: str
+    loc: ir.Loc = field(default=ir.NOLOC, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class _ExpSum:
     """During lowering: the value exp(m) * acc of an expsum accumulator."""
 
@@ -395,12 +405,15 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
         raise unsupported(f"sum[{red}](...)", "the streamed contraction must multiply two inputs, A * B", node.loc)
     out_wires = ir.axis_wires(let.axes)
     lw, rw = set(read_wires(d, body.lhs)), set(read_wires(d, body.rhs))
-    free = [w for w in out_wires if (w in lw) != (w in rw)]
-    if len(free) != 2 or (free[0] in lw) == (free[1] in lw):
-        raise unsupported(f"sum[{red}](...)", "a matrix product needs one free wire on each factor "
-                          f"(got {', '.join(free) or 'none'})", node.loc)
-    row, col = free
-    a, b = (body.lhs, body.rhs) if row in lw else (body.rhs, body.lhs)
+    # The blocked wires: on each factor, the free wire the schedule groups by
+    # more than 1, else the last free wire; any other output wire is a batch
+    # wire (one program per index), broadcast over the factor that lacks it.
+    own = [[w for w in out_wires if w in side and w not in other] for side, other in ((lw, rw), (rw, lw))]
+    if not all(own):
+        raise unsupported(f"sum[{red}](...)", "a matrix product needs a free wire on each factor", node.loc)
+    row, col = (next((w for w in reversed(ws) if (t := _group_block(d, w)) is not None and t.size > 1), ws[-1])
+                for ws in own)
+    a, b = body.lhs, body.rhs
     tiled = {row, col, red}
     batch = tuple(w for w in (x.name for x in d.wires) if w in set(out_wires) - tiled)
     for ref, allowed in ((a, {row, red}), (b, {col, red})):

@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 
 from .analysis import analyse, bind_sizes, with_blocks
 from .profiles import Profile, get_profile, profile_names
-from .report import SCHEMA, CostReport, format_text, from_json, human
+from .report import SCHEMA, CostReport, format_text, from_json, human, seconds
 from .tune import TuneResult, tune
 from .cli import register_cli
 
@@ -46,16 +46,11 @@ def summary_lines(diagram, sizes: Optional[Mapping[str, int]] = None) -> list[st
         lines.append(f"schedule / lower bound = {b.ratio:.3g}")
     if r.roofline is not None:
         rf = r.roofline
-        lines.append(f"roofline on {rf.profile}: {_s(rf.estimate_s)}, {rf.bound}-bound")
+        lines.append(f"roofline on {rf.profile}: {seconds(rf.estimate_s)}, {rf.bound}-bound")
     if r.devices is not None and r.devices.bytes_received is not None:
         d = r.devices
         lines.append(f"per device: receives {human(d.bytes_received, 'B')} in {d.steps} steps over {d.link}")
     return lines
-
-
-def _s(t: float) -> str:
-    from .report import seconds
-    return seconds(t)
 
 
 __all__ = ["analyse", "summary_lines", "tune", "TuneResult", "with_blocks", "bind_sizes", "register_cli",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from fractions import Fraction
 from typing import Mapping, Optional
 
 from .. import ir, masks, tiling

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir, tiling
-from .model import Kernel, device_tiles
+from .model import Kernel, contraction_factors, device_tiles, node_wires
 from .symbolic import Poly
 
 NVLINK_DOMAIN = 8  # GPUs per NVLink domain (one DGX/HGX node)
@@ -183,7 +183,6 @@ def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[di
 def _value_wires(diagram: ir.Diagram, kernel: Kernel) -> set[str]:
     """Wires an output has that its row statistics lack (d of O): the wires
     of the value operand of the last contraction that are not reduced."""
-    from .model import contraction_factors, node_wires
     out: set[str] = set()
     for b in kernel.boxes:
         for n in ir.walk(diagram.tensor(b).expr):

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Callable, Optional
 
 from .. import ir, tiling
@@ -438,11 +437,6 @@ def work_polys(work: Work, wire_sym: Callable[[str], Poly]) -> dict[str, Poly]:
         out[cat] = out[cat] + p
     return out
 
-
-def exact(value: Fraction) -> int:
-    if value.denominator != 1:
-        raise ValueError(f"expected a whole number, got {value}")
-    return value.numerator
 
 
 # --------------------------------------------------------------------------

@@ -211,55 +211,72 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def predicted_comm(scheme: str, grid, sizes: dict, dtype, phase: str = "forward",
-                   family: str = "softmax") -> list[tuple[int, int]]:
-    """Bytes (sent, received) of each rank, in rank order, for one call.
+@dataclass(frozen=True)
+class Term:
+    """One collective of a call: ``steps`` exchanges of ``nbytes`` each per
+    rank (an all-gather among k ranks is k-1 blocks; a ring pass one step)."""
+
+    what: str
+    group: str        # "row", "column" (ATTENTION2D grid) or "ring"
+    steps: int
+    nbytes: int
+
+
+def comm_terms(scheme: str, grid, sizes: dict, dtype, phase: str = "forward",
+               family: str = "softmax") -> list[Term]:
+    """The collectives napkin's wrappers run for one call (per rank).
 
     scheme: "attention2d" (grid = (R, C)) or "ring" (grid = (P,) or P).
     sizes: b, hq, hkv, d, q (query tokens) and optionally x (key tokens,
     default q).  dtype: of Q, K, V (and so of O and dO).  phase: "forward",
     "backward" or "check" (the shape handshake before the forward).
     family: "softmax" (states carry lse) or "sum".
-    The counts are uniform over ranks because padding gives every rank the
-    same number of rows.
     """
     e = _ELEMENT[_dtype_name(dtype)]
     a = accumulator_bytes(dtype)
     b, hq, hkv, d = sizes["b"], sizes["hq"], sizes["hkv"], sizes["d"]
     nq_tok, nx_tok = sizes["q"], sizes.get("x", sizes["q"])
     soft = family == "softmax"
+    if phase not in ("check", "forward", "backward"):
+        raise ValueError(f"unknown phase {phase!r}")
     if scheme == "attention2d":
         r, c = grid
         p = r * c
         nq, nx = _ceil_div(nq_tok, p), _ceil_div(nx_tok, p)
-        q_row = nq * b * hq * d           # one rank's Q (or O, dO) elements
-        l_row = nq * b * hq               # one rank's lse (or delta) elements
-        kv_col = nx * b * hkv * d         # one rank's K (or V) elements
+        q_blk = nq * b * hq * d           # one rank's Q (or O, dO) elements
+        l_blk = nq * b * hq               # one rank's lse (or delta) elements
+        kv_blk = nx * b * hkv * d         # one rank's K (or V) elements
         if phase == "check":
-            moved = (c - 1) * META_BYTES + (r - 1) * c * META_BYTES
+            terms = [Term("shapes", "row", c - 1, META_BYTES), Term("shapes", "column", r - 1, c * META_BYTES)]
         elif phase == "forward":
-            moved = ((c - 1) * q_row * e                          # all-gather Q in the row
-                     + 2 * (r - 1) * kv_col * e                    # all-gather K, V in the column
-                     + (c - 1) * (q_row + (l_row if soft else 0)) * a)  # all-to-all of partial states
-        elif phase == "backward":
-            moved = ((c - 1) * (2 * q_row * e + (2 * l_row * a if soft else 0))  # Q, dO, lse, delta
-                     + 2 * (r - 1) * kv_col * e                    # K, V
-                     + (c - 1) * q_row * a                         # reduce-scatter dQ
-                     + 2 * (r - 1) * kv_col * a)                   # reduce-scatter dK, dV
+            terms = [Term("Q", "row", c - 1, q_blk * e), Term("K, V", "column", r - 1, 2 * kv_blk * e),
+                     Term("partial states", "row", c - 1, (q_blk + (l_blk if soft else 0)) * a)]
         else:
-            raise ValueError(f"unknown phase {phase!r}")
+            terms = [Term("Q, dO" + (", lse, delta" if soft else ""), "row", c - 1,
+                          2 * q_blk * e + (2 * l_blk * a if soft else 0)),
+                     Term("K, V", "column", r - 1, 2 * kv_blk * e),
+                     Term("dQ (reduce-scatter)", "row", c - 1, q_blk * a),
+                     Term("dK, dV (reduce-scatter)", "column", r - 1, 2 * kv_blk * a)]
     elif scheme == "ring":
         p = grid if isinstance(grid, int) else grid[0]
-        nx = 2 * _ceil_div(nx_tok, 2 * p)
-        kv = nx * b * hkv * d
+        kv_blk = 2 * _ceil_div(nx_tok, 2 * p) * b * hkv * d
         if phase == "check":
-            moved = (p - 1) * META_BYTES
+            terms = [Term("shapes", "ring", p - 1, META_BYTES)]
         elif phase == "forward":
-            moved = (p - 1) * 2 * kv * e                          # K, V passed P-1 times
-        elif phase == "backward":
-            moved = (p - 1) * 2 * kv * e + p * 2 * kv * a         # K, V again; dK, dV P times
+            terms = [Term("K, V", "ring", p - 1, 2 * kv_blk * e)]
         else:
-            raise ValueError(f"unknown phase {phase!r}")
+            terms = [Term("K, V", "ring", p - 1, 2 * kv_blk * e), Term("dK, dV", "ring", p, 2 * kv_blk * a)]
     else:
         raise ValueError(f"unknown scheme {scheme!r}; expected 'attention2d' or 'ring'")
+    return [t for t in terms if t.steps > 0]
+
+
+def predicted_comm(scheme: str, grid, sizes: dict, dtype, phase: str = "forward",
+                   family: str = "softmax") -> list[tuple[int, int]]:
+    """Bytes (sent, received) of each rank, in rank order, for one call of
+    napkin's wrappers (arguments as ``comm_terms``).  Every rank sends what
+    it receives, and the counts are uniform over ranks because padding gives
+    every rank the same number of rows."""
+    moved = sum(t.steps * t.nbytes for t in comm_terms(scheme, grid, sizes, dtype, phase, family))
+    p = grid[0] * grid[1] if scheme == "attention2d" else (grid if isinstance(grid, int) else grid[0])
     return [(moved, moved)] * p

@@ -125,6 +125,8 @@ class Evaluator:
         raise ValueError(f"unknown function {fn}")
 
     def _reduce(self, e: ir.Reduce):
+        if e.op == "sum" and isinstance(e.body, ir.Binary) and e.body.op == "*":
+            return self._contract(e)
         t, w = self.eval(e.body)
         for extra in e.wires:              # a body constant along a reduced wire
             if extra not in w:
@@ -146,3 +148,31 @@ class Evaluator:
         raise ValueError(f"unknown reduction {e.op}")
 
 
+
+    def _contract(self, e: ir.Reduce):
+        """sum over wires of a product, as one einsum: the product of all the
+        factors' wires (b, h, q, x, d for Q * K) is never materialised."""
+        factors, stack = [], [e.body]
+        while stack:
+            f = stack.pop()
+            if isinstance(f, ir.Binary) and f.op == "*":
+                stack += [f.rhs, f.lhs]
+            else:
+                factors.append(f)
+        vals = [self.eval(f) for f in factors]
+        wires = tuple(dict.fromkeys(w for _, ws in vals for w in ws))
+        letters = {w: chr(ord("a") + i) for i, w in enumerate(wires)}
+        if len(letters) > 26:
+            raise ValueError("too many wires for one contraction")
+        dtype = vals[0][0].dtype
+        for t, _ in vals[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+        if dtype == torch.bool:
+            dtype = self.dtype
+        keep = tuple(w for w in wires if w not in e.wires)
+        spec = ",".join("".join(letters[w] for w in ws) for _, ws in vals) + "->" + "".join(letters[w] for w in keep)
+        out = torch.einsum(spec, *[t.to(dtype) for t, _ in vals])
+        for w in e.wires:                  # a reduced wire no factor has: each term counted |w| times
+            if w not in wires:
+                out = out * self.sizes[w]
+        return out, keep

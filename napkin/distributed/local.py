@@ -304,11 +304,33 @@ class EagerLocal:
                 return ir.TensorRef(alias)
             valid = ir.TensorRef(_XVALID)
             if isinstance(n, ir.Reduce) and r.key in n.wires:
+                facs = _factors(n.body)
+                if n.op == "sum" and len(facs) > 1:
+                    # mask one factor along the key wire, so the sum stays a
+                    # product (one einsum, nothing of size q*x*d is built);
+                    # padded rows of the other factors are zeros, finite
+                    k = next((i for i, f in enumerate(facs) if r.key in self._wires_of(f)), None)
+                    if k is not None:
+                        facs[k] = ir.Call("where", (valid, facs[k], ir.Num(0.0)))
+                        body = facs[0]
+                        for f in facs[1:]:
+                            body = ir.Binary("*", body, f)
+                        return dataclasses.replace(n, body=body)
                 return dataclasses.replace(n, body=ir.Call("where", (valid, n.body, ir.Num(_IDENTITY[n.op]))))
             if isinstance(n, ir.Normalize) and n.wire == r.key:
                 return dataclasses.replace(n, body=ir.Call("where", (valid, n.body, ir.Num(float("-inf")))))
             return n
         return _map(e, sub)
+
+    def _wires_of(self, e: ir.Expr) -> set[str]:
+        """Wires of a (rewritten) expression: position tensors count as their wire."""
+        out: set[str] = set()
+        for n in ir.walk(e):
+            if isinstance(n, ir.TensorRef):
+                out |= set(n.wires if n.wires is not None else self.layouts.get(n.name, ()))
+            elif isinstance(n, ir.WireIndex):
+                out.add(n.wire)
+        return out
 
     def __call__(self, *tokens, q_pos, x_pos, q_len, x_len, **side):
         r, d = self.r, self.r.diagram

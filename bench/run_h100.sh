@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The benchmark a session with a lent H100 (or H200) runs, in stages that each
+# fit one 10-minute device command.  Usage, from the repository root:
+#
+#     bench/run_h100.sh [env|test|main|variants|others|sweep|all]   (default: all)
+#
+# Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
+# comes back), else bench/results; copy them into bench/results/ and commit
+# them.  The autotune cache goes beside them unless NAPKIN_CACHE is set, so
+# the tuned configs come back too.
+#
+# The targets (issue "Speed on a real GPU", background section 4): 16K tokens,
+# head dim 128, bf16, causal and not, then the variants.  With the h100
+# preset, --seqlen 16K gives batch 1 (16K tokens per batch) and 16 heads
+# (hidden 2048 / 128).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+OUT_DIR="${NAPKIN_BENCH_OUT:-${OUT:-bench/results}}"
+export NAPKIN_CACHE="${NAPKIN_CACHE:-$OUT_DIR/autotune-cache}"
+PYTHON="${PYTHON:-python}"
+BENCH=("$PYTHON" -m napkin.bench --preset h100 --out "$OUT_DIR")
+TARGET=(--seqlen 16K --head-dim 128 --dtype bfloat16)
+
+stage_env() {
+  # What machine and software the numbers come from; fails early without CUDA.
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv || true
+  "$PYTHON" - <<'EOF'
+import torch, triton
+print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
+assert torch.cuda.is_available(), "no CUDA device: these numbers need a GPU"
+p = torch.cuda.get_device_properties(0)
+print(p.name, "capability", f"{p.major}.{p.minor}", "SMs", p.multi_processor_count,
+      "smem/block opt-in", getattr(p, "shared_memory_per_block_optin", "?"))
+EOF
+}
+
+stage_test() {
+  # The GPU-marked tests (bf16 kernels, the real timing path, the autotune cache).
+  "$PYTHON" -m pytest -q -m gpu tests/
+}
+
+stage_main() {
+  # Plain and causal attention at the target, forward and backward, tuned first.
+  "${BENCH[@]}" examples/attention.ncd examples/causal.ncd "${TARGET[@]}" --autotune
+}
+
+stage_variants() {
+  # The FlexAttention-expressible variants at the target size.
+  "${BENCH[@]}" examples/sliding_window.ncd examples/softcap.ncd examples/alibi.ncd \
+    examples/document_mask.ncd "${TARGET[@]}" --autotune
+  "${BENCH[@]}" examples/gqa.ncd "${TARGET[@]}" --group 4 --autotune
+}
+
+stage_others() {
+  # Variants FlexAttention cannot express: compared with SDPA as a speed reference only.
+  "${BENCH[@]}" examples/sigmoid_attention.ncd examples/l2_attention.ncd examples/relu2_attention.ncd \
+    "${TARGET[@]}" --autotune
+}
+
+stage_sweep() {
+  # The FlashAttention papers' grid for plain and causal attention: lengths
+  # 1K-16K, head dims 64 and 128, bf16 and fp16; configs from the cache when
+  # the main stage tuned that bucket, else the schedule's.
+  "${BENCH[@]}" examples/attention.ncd examples/causal.ncd --seqlen 1K,2K,4K,8K,16K \
+    --head-dim 64,128 --dtype bfloat16,float16
+}
+
+stage="${1:-all}"
+case "$stage" in
+  env|test|main|variants|others|sweep) "stage_$stage" ;;
+  all) for s in env test main variants others sweep; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|main|variants|others|sweep|all]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,569 @@
+"""``napkin bench``: a compiled diagram against SDPA and FlexAttention.
+
+For every diagram file, dtype and head dim the harness compiles a variant of
+the diagram (the file itself when nothing changes; otherwise the same IR
+with its fixed wires and fp16/bf16 declarations rewritten, printed back to
+text so the module's SOURCE_HASH and the autotune key follow the variant),
+then for every (batch, heads, length) point:
+
+1. picks the launch config: tuned now (``--autotune``), else from the
+   autotune cache, else the schedule's own blocks;
+2. checks napkin and every baseline that computes the same function against
+   the float64 reference *before* timing anything; an implementation that
+   fails is reported, not timed.  The reference materialises the q x x
+   scores, so when they would exceed CHECK_ELEMENTS the check runs at batch
+   1, one (kv) head and shorter lengths; at the full size napkin's outputs
+   are then compared with FlexAttention's, which costs nothing extra (the
+   warm-up calls produce both);
+3. times forward and backward: on CUDA with triton.testing.do_bench (median
+   after warm-up, CUDA events); on the CPU with a wall clock under Triton's
+   interpreter, a smoke test of the plumbing that is labelled, in the JSON
+   and the table, as not a performance number;
+4. reports TFLOP/s (results.attention_flops) and napkin's speed ratio to
+   each baseline, and writes bench/results/<device>-<date>.{json,md}.
+
+Symbolic wires get their sizes from their role, found in the IR (not from
+their names): batch -> --batch, heads -> --heads (for GQA's (hk g): hk =
+heads / --group, g = --group), queries and keys -> --seqlen; any other
+wire needs --size WIRE=N.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import inspect
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+from .. import autotune, ir
+from ..errors import NapkinError
+from . import baselines, flex, reference, results
+
+CHECK_ELEMENTS = 1 << 26        # largest reference box (float64: 512 MiB) checked at full size
+TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3}   # max abs error vs float64
+NAPKIN_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+DO_BENCH = {"warmup": 25, "rep": 100}   # milliseconds, triton.testing.do_bench
+
+# Presets: lists of values, crossed.  h100 follows the FlashAttention papers'
+# grid: 16K tokens per batch (batch = 16384 / seqlen) and a hidden size of
+# 2048 (heads = 2048 / head dim), lengths 1K to 32K.
+PRESETS = {
+    "smoke": {"seqlen": [64], "batch": [1], "heads": [2], "head_dim": [], "dtype": ["float16"],
+              "group": 2, "reps": 2},
+    "h100": {"seqlen": [1024, 2048, 4096, 8192, 16384, 32768], "tokens": 16384, "hidden": 2048,
+             "head_dim": [64, 128, 256], "dtype": ["bfloat16", "float16"], "group": 4, "reps": 0},
+}
+
+
+# --------------------------------------------------------------------------
+# Command line.
+# --------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", metavar="FILE", help="attention diagrams (.ncd)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="smoke",
+                   help="the grid to run (default smoke: tiny, any machine); flags below override it")
+    p.add_argument("--seqlen", metavar="N,...", help="sequence lengths, e.g. 1K,4K,16K")
+    p.add_argument("--batch", metavar="N,...", help="batch sizes (default: preset)")
+    p.add_argument("--heads", metavar="N,...", help="query heads (default: preset)")
+    p.add_argument("--head-dim", metavar="N,...", help="override the diagram's fixed wires (its head dim)")
+    p.add_argument("--dtype", metavar="T,...", help="float16, bfloat16, float32 for the fp16/bf16 tensors")
+    p.add_argument("--group", type=int, help="query heads per kv head for GQA diagrams")
+    p.add_argument("--size", action="append", default=[], metavar="WIRE=N", help="any other symbolic wire")
+    p.add_argument("--no-backward", action="store_true", help="time the forward pass only")
+    p.add_argument("--autotune", action="store_true",
+                   help="tune block sizes / num_warps / num_stages first (GPU only; cached on disk)")
+    p.add_argument("--reps", type=int, help="CPU smoke: timed repetitions (default 2)")
+    p.add_argument("--out", default="bench/results", metavar="DIR",
+                   help="where the JSON and markdown go (default bench/results)")
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="time a compiled diagram against SDPA and FlexAttention")
+    add_arguments(p)
+    p.set_defaults(func=lambda args: run(args, "napkin bench"))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m napkin.bench``: the same command without the napkin CLI."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args, "python -m napkin.bench")
+    except NapkinError as err:
+        print(str(err), file=sys.stderr)
+        return 1
+
+
+def command_line(args, prog: str) -> str:
+    """The command that reproduces this run: the files and every flag that
+    differs from its default, in a fixed order (recorded with the results)."""
+    parts = [prog] + list(args.files)
+    defaults = vars(build_parser().parse_args(list(args.files)))
+    for key, value in vars(args).items():
+        if key in ("files", "func", "command") or value == defaults.get(key, value) or key not in defaults:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, list):
+            parts += [f"{flag} {v}" for v in value]
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m napkin.bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return parser
+
+
+def parse_list(text: Optional[str], what: str, kind=int) -> Optional[list]:
+    """"1K,4K,16384" -> [1024, 4096, 16384]; None stays None."""
+    if text is None:
+        return None
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if kind is int:
+            scale = 1024 if item[-1:] in "kK" and item[:-1].isdigit() else 1
+            digits = item[:-1] if scale > 1 else item
+            if not digits.isdigit() or int(digits) <= 0:
+                raise NapkinError(f"--{what} expects positive whole numbers (1K = 1024), not {item!r}")
+            out.append(int(digits) * scale)
+        else:
+            if item not in TOLERANCE:
+                raise NapkinError(f"--{what}: {item!r} is not one of {', '.join(TOLERANCE)}")
+            out.append(item)
+    return out
+
+
+def _extra_sizes(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        wire, eq, value = item.partition("=")
+        if not eq or not value.strip().isdigit() or int(value) <= 0:
+            raise NapkinError(f"--size expects WIRE=N with N a positive whole number, not {item!r}")
+        out[wire.strip()] = int(value)
+    return out
+
+
+# --------------------------------------------------------------------------
+# The run.
+# --------------------------------------------------------------------------
+
+def run(args, prog: str) -> int:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # Triton reads this when first imported: the generated modules import it.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # Eager FlexAttention is what a CPU smoke run means to use: no need to say so per call.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    preset = PRESETS[args.preset]
+    seqlens = parse_list(args.seqlen, "seqlen") or preset["seqlen"]
+    dtypes = parse_list(args.dtype, "dtype", str) or preset["dtype"]
+    head_dims = parse_list(args.head_dim, "head-dim") or preset["head_dim"] or [None]
+    grid = {"seqlens": seqlens, "batch": parse_list(args.batch, "batch"), "heads": parse_list(args.heads, "heads"),
+            "group": args.group or preset["group"], "extra": _extra_sizes(args.size), "preset": preset}
+    reps = args.reps or preset["reps"] or 2
+    device = "cuda" if cuda else "cpu"
+    rows, failed = [], False
+    with tempfile.TemporaryDirectory(prefix="napkin-bench-") as build:
+        for path in args.files:
+            for dtype in dtypes:
+                for head_dim in head_dims:
+                    # One diagram napkin cannot compile (or that is no attention)
+                    # must not cost the rest of a long GPU run: say so, go on.
+                    try:
+                        rows += _bench_variant(path, dtype, head_dim, grid, device, args, reps, Path(build))
+                    except NapkinError as err:
+                        print(str(err), file=sys.stderr)
+                        failed = True
+    if not rows:
+        return 1
+    data = _record(rows, command_line(args, prog), device, reps)
+    json_path, md_path = results.write(data, args.out)
+    print(results.markdown(data))
+    print(f"wrote {json_path} and {md_path}")
+    return 0 if not failed and all(r["check"]["ok"] for r in rows) else 1
+
+
+def _record(rows: list[dict], command: str, device: str, reps: int) -> dict:
+    import torch
+    import triton
+
+    from .. import __version__
+
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        cap = ".".join(map(str, torch.cuda.get_device_capability()))
+        timing = (f"triton.testing.do_bench median (CUDA events) after {DO_BENCH['warmup']} ms warm-up, "
+                  f"over {DO_BENCH['rep']} ms")
+    else:
+        name, cap = "cpu", ""
+        timing = (f"CPU smoke run: wall-clock median of {reps} calls after one warm-up, napkin under "
+                  "TRITON_INTERPRET=1 and eager FlexAttention; NOT a performance number")
+    return {
+        "schema": results.SCHEMA, "smoke": device != "cuda", "timing": timing,
+        "date": datetime.date.today().isoformat(), "command": command,
+        "flop_convention": "2*B*H*Lq*Lk*(d+dv) forward (4*B*H*N^2*d), x0.5 when the mask is exactly "
+                           "causal, backward 2.5x forward; other masks are counted dense",
+        "device": {"name": name, "kind": device, "capability": cap},
+        "versions": {"napkin": __version__, "torch": torch.__version__, "triton": triton.__version__,
+                     "python": platform.python_version()},
+        "rows": rows,
+    }
+
+
+# --------------------------------------------------------------------------
+# One diagram variant: compile it once, then every size point.
+# --------------------------------------------------------------------------
+
+def variant(diagram: ir.Diagram, text: str, dtype: str, head_dim: Optional[int]) -> tuple[ir.Diagram, str]:
+    """The diagram with fp16/bf16 declarations set to ``dtype`` and its fixed
+    wires set to ``head_dim``; the file's own text when nothing changes."""
+    import napkin
+    from ..printer import to_text
+
+    want = NAPKIN_DTYPE[dtype]
+
+    def retype(t):
+        return replace(t, dtype=want) if t.dtype in ("fp16", "bf16") else t
+
+    wires = tuple(replace(w, size=head_dim) if w.size is not None and head_dim else w for w in diagram.wires)
+    changed = replace(diagram, wires=wires, inputs=tuple(map(retype, diagram.inputs)),
+                      lets=tuple(map(retype, diagram.lets)))
+    if changed == diagram:
+        return diagram, text
+    changed = _fit_blocks(changed)
+    new_text = to_text(changed)
+    return napkin.load_text(new_text, f"{diagram.name} ({dtype}, fixed wires = {head_dim})"), new_text
+
+
+def _fit_blocks(d: ir.Diagram) -> ir.Diagram:
+    """A larger head dim or dtype can overflow shared memory with the
+    schedule's blocks (d = 256 with q by 128): halve the largest on-chip block
+    until the tiles fit, as a user would edit the schedule."""
+    from .. import tiling
+    from ..cost import with_blocks
+
+    capacity = tiling.level_capacity(d, "smem")
+    blocks = {w: b for w, b in autotune.tiled_blocks(d).items()}
+    while capacity is not None and blocks:
+        try:
+            used = sum(b for _, _, b in tiling.level_footprint(d, "smem", {}))
+        except tiling.UnboundWire:
+            return d                      # a footprint that depends on call-time sizes: leave it
+        wire = max(blocks, key=lambda w: (blocks[w], -list(blocks).index(w)))
+        if used <= capacity or blocks[wire] <= 16:
+            return d
+        blocks[wire] //= 2
+        d = with_blocks(d, blocks)
+    return d
+
+
+def _compile(diagram: ir.Diagram, text: str, path: str, build: Path):
+    from ..codegen import emit_module
+
+    source = emit_module(diagram, source_text=text, source_path=path)
+    digest = autotune.diagram_hash(text)
+    name = f"napkin_bench_{diagram.name}_{digest[:12]}"
+    if name in sys.modules:
+        return sys.modules[name], digest
+    target = build / f"{name}.py"
+    target.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, target)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module      # Triton's JIT looks the kernel's source up through it
+    spec.loader.exec_module(module)
+    return module, digest
+
+
+def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> list[dict]:
+    import napkin
+
+    diagram = napkin.load(path)
+    base = variant(diagram, Path(path).read_text(), dtype, head_dim)
+    try:
+        roles = flex.attention_roles(base[0])
+    except flex.NoFlexEquivalent as err:
+        raise NapkinError(f"napkin bench compares attention diagrams ({err.why})", filename=str(path)) from None
+    module, digest = _compile(*base, path, build)
+    try:
+        flex_module, flex_why = flex.load(base[0]), None
+    except flex.NoFlexEquivalent as err:
+        flex_module, flex_why = None, err.why
+    ctx = {"path": path, "diagram": base[0], "module": module, "digest": digest, "dtype": dtype,
+           "flex": flex_module, "flex_why": flex_why, "device": device, "reps": reps, "args": args}
+    rows = []
+    for sizes in point_sizes(base[0], roles, grid):
+        rows.append(_bench_point(ctx, sizes))
+    return rows
+
+
+def point_sizes(diagram: ir.Diagram, roles, grid: dict) -> list[dict[str, int]]:
+    """One {wire: size} per grid point, in a fixed order."""
+    preset = grid["preset"]
+    out = []
+    head_dim = diagram.wire(roles.dim).size or 64
+    for n in grid["seqlens"]:
+        batches = grid["batch"] or preset.get("batch") or [max(1, preset["tokens"] // n)]
+        heads_list = grid["heads"] or preset.get("heads") or [max(1, preset["hidden"] // head_dim)]
+        for batch in batches:
+            for heads in heads_list:
+                sizes = {roles.row: n, roles.key: n}
+                if roles.batch:
+                    sizes[roles.batch] = batch
+                if roles.gqa:
+                    g = grid["group"]
+                    if heads % g:
+                        raise NapkinError(f"--heads {heads} is not a multiple of --group {g} (GQA)")
+                    sizes[roles.head[0]], sizes[roles.head[1]] = heads // g, g
+                elif roles.head:
+                    sizes[roles.head[0]] = heads
+                sizes.update(grid["extra"])
+                missing = [w.name for w in diagram.wires if w.size is None and w.name not in sizes]
+                if missing:
+                    raise NapkinError(f"diagram {diagram.name}: no size for wire {missing[0]}; "
+                                      f"pass --size {missing[0]}=N")
+                out.append({w.name: sizes[w.name] for w in diagram.wires if w.size is None})
+    return out
+
+
+def check_sizes(diagram: ir.Diagram, roles, sizes: dict[str, int]) -> dict[str, int]:
+    """The sizes the reference can afford: the real ones when its biggest box
+    fits CHECK_ELEMENTS, else batch 1 and one (kv) head, then both lengths
+    halved until it fits (not below 128)."""
+    if reference.reference_elements(diagram, sizes) <= CHECK_ELEMENTS:
+        return dict(sizes)
+    small = dict(sizes)
+    for w in (roles.batch, roles.kv_head):
+        if w in small:
+            small[w] = 1
+    while reference.reference_elements(diagram, small) > CHECK_ELEMENTS and \
+            max(small[roles.row], small[roles.key]) > 128:
+        small[roles.row] = max(128, small[roles.row] // 2)
+        small[roles.key] = max(128, small[roles.key] // 2)
+    return small
+
+
+# --------------------------------------------------------------------------
+# One grid point.
+# --------------------------------------------------------------------------
+
+def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
+    d, module, device, dtype = ctx["diagram"], ctx["module"], ctx["device"], ctx["dtype"]
+    shape = flex.attention_shape(d, sizes)
+    shape.update(dtype=dtype, inputs=[t.name for t in d.inputs])
+    flops = results.attention_flops(shape, shape["causal"])
+    launcher = getattr(module, d.name)
+    config, source = _choose_config(ctx, sizes, launcher)
+    impls = [baselines.Baseline("napkin", True, "the generated Triton kernel", _napkin_prepare(launcher, config))]
+    if ctx["flex"] is not None:
+        impls.append(baselines.flex_baseline(ctx["flex"], compiled=device == "cuda"))
+    impls += baselines.sdpa_baselines(ctx["flex"], shape, device)
+
+    check = _check(ctx, impls, sizes)
+    out: list[dict] = []
+    if ctx["flex"] is None:
+        out.append(_result("flex", "fwd", False, "FlexAttention", error=f"no FlexAttention equivalent: "
+                                                                       f"{ctx['flex_why']}"))
+    full = reference.example_inputs(d, sizes, device=device, seed=0)
+    first = {}
+    for impl in impls:
+        failed = check["errors"].get(impl.name, {}).get("error") if impl.equivalent else None
+        if failed:
+            out.append(_result(impl.name, "fwd", impl.equivalent, impl.note, error=f"not timed: {failed}"))
+            continue
+        out.append(_time_forward(impl, full, shape, device, ctx["reps"], flops["fwd"], first))
+        if not ctx["args"].no_backward:
+            out.append(_time_backward(impl, full, shape, device, ctx["reps"], flops["bwd"]))
+    _full_size_check(check, first, d, dtype)
+    return {
+        "diagram": d.name, "file": str(ctx["path"]), "source_hash": ctx["digest"], "dtype": dtype,
+        "sizes": sizes, "shape": {k: shape[k] for k in ("batch", "heads", "kv_heads", "q_len", "kv_len",
+                                                         "dim", "value_dim")},
+        "causal": shape["causal"], "flops": flops, "config": config, "config_source": source,
+        "check": check, "results": out, "ratios": results.ratios(out),
+    }
+
+
+def _napkin_prepare(launcher, config: Optional[dict]):
+    options = dict(config or {})
+
+    def prepare(inputs, shape, device, grad=False):
+        def go():
+            got = launcher(*inputs, **options)
+            return got if isinstance(got, tuple) else (got,)
+        return go
+
+    return prepare
+
+
+def _choose_config(ctx: dict, sizes: dict, launcher) -> tuple[Optional[dict], str]:
+    """(launcher options, where they came from).  Only options the launcher
+    takes are kept (a config tuned for another module version may carry more)."""
+    import torch
+
+    d, device = ctx["diagram"], ctx["device"]
+    accepted = set(inspect.signature(launcher).parameters)
+    if device != "cuda":
+        return None, "schedule (CPU smoke run: no tuning)"
+    key = autotune.cache_key(ctx["digest"], autotune.device_name(device), sizes, autotune.symbolic_wires(d))
+    cache = autotune.Cache()
+    if ctx["args"].autotune:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        capacity = getattr(props, "shared_memory_per_block_optin", None)
+        configs, _ = autotune.candidates(d, sizes, capacity=capacity)
+        inputs = reference.example_inputs(d, sizes, device=device, seed=0)
+
+        def call(**options):
+            return launcher(*inputs, **{k: v for k, v in options.items() if k in accepted})
+
+        tuned = autotune.autotune(call, configs, _cuda_ms, cache=cache, key=key, diagram=d.name, sizes=sizes)
+        config, source = tuned.best.kwargs(), ("cache" if tuned.cached else "autotune")
+    else:
+        hit = cache.get(key)
+        if hit is None:
+            return None, "schedule"
+        config, source = hit.kwargs(), "cache"
+    return {k: v for k, v in config.items() if k in accepted}, source
+
+
+# --------------------------------------------------------------------------
+# Checking.
+# --------------------------------------------------------------------------
+
+def max_abs_error(got, want) -> float:
+    """Max |got - want|, equal entries (matching infinities) counting as exact and NaN as infinite."""
+    import torch
+
+    g, w = got.double(), want.double().to(got.device)
+    diff = torch.where(g == w, torch.zeros_like(g), (g - w).abs())
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def _check(ctx: dict, impls: list, sizes: dict) -> dict:
+    d, module, device, dtype = ctx["diagram"], ctx["module"], ctx["device"], ctx["dtype"]
+    roles = flex.attention_roles(d)
+    small = check_sizes(d, roles, sizes)
+    inputs = reference.example_inputs(d, small, device=device, seed=0)
+    wide = [t.double() if t.is_floating_point() else t for t in inputs]
+    want = module.reference(*wide)
+    want = want if isinstance(want, tuple) else (want,)
+    tol = TOLERANCE[dtype]
+    shape = flex.attention_shape(d, small)
+    shape["dtype"] = dtype
+    errors = {}
+    for impl in impls:
+        if not impl.equivalent:
+            continue
+        try:
+            got = impl.prepare(inputs, shape, device)()
+        except Exception as err:  # noqa: BLE001 - one implementation failing must not stop the others
+            errors[impl.name] = {"error": baselines.first_line(err)}
+            continue
+        errs = {o.name: max_abs_error(g, w) for o, g, w in zip(d.outputs, got, want) if g is not None}
+        bad = {k: v for k, v in errs.items() if not v <= tol}
+        errors[impl.name] = dict(errs)
+        if bad:
+            errors[impl.name]["error"] = "wrong: " + ", ".join(f"{k} max abs error {v:.3g} > {tol:g}"
+                                                               for k, v in bad.items())
+    ok = "error" not in errors.get("napkin", {"error": "not run"})
+    return {"sizes": small, "tolerance": tol, "ok": ok, "errors": errors}
+
+
+def _full_size_check(check: dict, first: dict, d: ir.Diagram, dtype: str) -> None:
+    """At the full size: napkin's warm-up outputs against FlexAttention's."""
+    if "napkin" not in first or "flex" not in first:
+        return
+    errs = {o.name: max_abs_error(a, b) for o, a, b in zip(d.outputs, first["napkin"], first["flex"])
+            if a is not None and b is not None}
+    limit = 2 * TOLERANCE[dtype]
+    check["full_size_vs_flex"] = {"errors": errs, "tolerance": limit, "ok": all(v <= limit for v in errs.values())}
+    check["ok"] = check["ok"] and check["full_size_vs_flex"]["ok"]
+
+
+# --------------------------------------------------------------------------
+# Timing.
+# --------------------------------------------------------------------------
+
+def _cuda_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=DO_BENCH["warmup"], rep=DO_BENCH["rep"], return_mode="median"))
+
+
+def _cpu_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _ms(fn, device: str, reps: int) -> float:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+        return _cuda_ms(fn)
+    return _cpu_ms(fn, reps)
+
+
+def _result(impl, p, equivalent, note, ms=None, flops=None, error=None) -> dict:
+    return {"impl": impl, "pass": p, "ms": ms, "tflops": results.tflops(flops, ms) if flops else None,
+            "equivalent": equivalent, "note": note, "error": error}
+
+
+def _time_forward(impl, inputs, shape, device, reps, flops, first: dict) -> dict:
+    try:
+        fn = impl.prepare(inputs, shape, device)
+        first[impl.name] = fn()       # warm-up (and compile); kept for the full-size check
+        ms = _ms(fn, device, reps)
+    except Exception as err:  # noqa: BLE001 - e.g. an SDPA backend refusing this shape
+        return _result(impl.name, "fwd", impl.equivalent, impl.note, error=baselines.first_line(err))
+    return _result(impl.name, "fwd", impl.equivalent, impl.note, ms, flops)
+
+
+def _time_backward(impl, inputs, shape, device, reps, flops) -> dict:
+    """Time d(outputs)/d(Q, K, V) for a fixed upstream gradient, the forward
+    graph built once outside the timed region."""
+    import torch
+
+    operands = set(shape["operands"])
+    try:
+        grads = [t.detach().clone().requires_grad_(t.is_floating_point() and n in operands)
+                 for n, t in zip(shape["inputs"], inputs)]
+        fn = impl.prepare(grads, shape, device, grad=True)
+        outs = [o for o in fn() if o is not None and o.is_floating_point()]
+        leaves = list(getattr(fn, "leaves", [t for t in grads if t.requires_grad]))
+        if not outs or not outs[0].requires_grad:
+            return _result(impl.name, "bwd", impl.equivalent, impl.note,
+                           error="no backward (its outputs do not require grad)")
+        out = outs[0]
+        upstream = torch.randn_like(out)
+
+        def step():
+            return torch.autograd.grad(out, leaves, upstream, retain_graph=True)
+
+        step()
+        ms = _ms(step, device, reps)
+    except Exception as err:  # noqa: BLE001 - e.g. FlexAttention has no backward on the CPU
+        return _result(impl.name, "bwd", impl.equivalent, impl.note, error=baselines.first_line(err))
+    return _result(impl.name, "bwd", impl.equivalent, impl.note, ms, flops)

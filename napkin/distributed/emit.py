@@ -1,0 +1,65 @@
+"""The distributed part of a generated module (templates/distributed.py.jinja).
+
+``distributed_source(diagram)`` returns Python text to append to the module
+napkin.codegen writes for a diagram with a devices level: a function
+``NAME_distributed(Q, K, V, mesh, *, q_len, ...)`` (ATTENTION2D; for Ring
+Attention the second-to-last argument is a process group, default the
+world) plus ``NAME_distributed_shard`` and ``NAME_distributed_gather``.
+The text is deterministic: the same diagram gives the same bytes.
+"""
+from __future__ import annotations
+
+import functools
+
+from .. import ir
+from .local import roles
+
+
+@functools.lru_cache(maxsize=1)
+def _environment():
+    import jinja2
+
+    from ..resources import data_dir
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              autoescape=False)
+
+
+def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
+    """The module text, or "" when the diagram has no devices level.
+    Raises NapkinError when the diagram cannot be distributed."""
+    from ..printer import to_text
+
+    r = roles(diagram)
+    if r.scheme is None:
+        return ""
+    scheme, grid = r.scheme
+    ring = scheme == "ring"
+    side = list(r.side)
+    ctx = dict(
+        title="Ring Attention" if ring else "ATTENTION2D",
+        cls="RingAttention" if ring else "Attention2D",
+        name=diagram.name,
+        fname=f"{diagram.name}_distributed",
+        text_literal=_literal(to_text(diagram)),
+        label_literal=repr(label or f"{diagram.name}.ncd"),
+        tokens=", ".join(r.tokens),
+        place="group" if ring else "mesh",
+        place_kw="group" if ring else "grid",
+        place_default="=None" if ring else "",
+        place_doc=("group: the ring's process group or 1-D DeviceMesh (None: the default group)." if ring else
+                   "mesh: a 2-D DeviceMesh (init_device_mesh(device, (R, C))) or a napkin Grid2D."),
+        layout="zigzag" if ring else "cyclic",
+        grid_note=f", a ring of {grid[0]}" if ring else f", a {grid[0]} x {grid[1]} grid",
+        outputs=", ".join(r.outputs),
+        side_params="".join(f", {n}" for n in side),
+        side_args="".join(f", {n}={n}" for n in side),
+    )
+    return _environment().get_template("distributed.py.jinja").render(**ctx)
+
+
+def _literal(text: str) -> str:
+    """A Python string literal for multi-line text, readable in the module."""
+    if '"""' in text or "\\" in text:
+        return repr(text)
+    return '"""\\\n' + text + '"""'

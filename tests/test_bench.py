@@ -1,0 +1,490 @@
+"""The benchmark's GPU-independent half: FlexAttention emission, FLOP
+arithmetic, the autotune cache and candidates, the results files, and the
+harness end to end in its CPU smoke mode.
+
+FlexAttention runs eagerly on the CPU in torch >= 2.5 (unfused, forward
+only), so the emitted score_mod / mask_mod are checked numerically here
+against an eager float64 evaluation of the same diagram.  Sizes are tiny:
+the eager path materialises the scores.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+import napkin
+from napkin import autotune
+from napkin.bench import flex, harness, reference, results
+from napkin.errors import NapkinError
+
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+SIZES = {"b": 2, "h": 2, "q": 40, "x": 40, "hk": 2, "g": 2}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_flex():
+    # Eager flex_attention warns on every call that it is not compiled: intended here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        yield
+
+
+def _fp32(text: str):
+    """The diagram with fp16 declarations made fp32, so flex's output is not
+    rounded to fp16 and the comparison can be tight."""
+    d = napkin.load_text(text)
+    return harness.variant(d, text, "float32", None)[0]
+
+
+def _flex_vs_reference(d, sizes=SIZES, seed=0):
+    """Max abs difference per output between the emitted flex module (float64
+    inputs) and the float64 reference."""
+    inputs = reference.example_inputs(d, sizes, seed=seed)
+    wide = [t.double() if t.is_floating_point() else t for t in inputs]
+    want = reference.reference(d, inputs, sizes)
+    got = flex.load(d).prepare(*wide)()
+    assert len(got) == len(want) == len(d.outputs)
+    return [float((g.double() - w).abs().max()) for g, w in zip(got, want)]
+
+
+# --------------------------------------------------------------------------
+# FlexAttention emission: numerics.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["attention", "causal", "softcap", "alibi", "document_mask", "gqa"])
+def test_flex_matches_the_reference(name):
+    d = _fp32((EXAMPLES / f"{name}.ncd").read_text())
+    errors = _flex_vs_reference(d)
+    assert max(errors) < 1e-5, errors
+
+
+def test_flex_sliding_window_with_a_window_shorter_than_the_sequence():
+    # The shipped window (256) exceeds any tiny test length; 8 keeps it visible.
+    text = (EXAMPLES / "sliding_window.ncd").read_text().replace("q - x < 256", "q - x < 8")
+    d = _fp32(text)
+    assert max(_flex_vs_reference(d)) < 1e-5
+    src = flex.emit(d)
+    assert src.mask == "x <= q and q - x < 8" and not src.causal and src.causal_part
+
+
+def test_a_wrong_scale_would_be_caught():
+    # The same diagram with another scale must NOT match the original's
+    # reference: the check above is sensitive to the scale flex is given.
+    text = (EXAMPLES / "attention.ncd").read_text()
+    d = _fp32(text)
+    other = _fp32(text.replace("|d|^-0.5", "|d|^-0.25"))
+    inputs = reference.example_inputs(d, SIZES)
+    want = reference.reference(d, inputs, SIZES)[0]
+    got = flex.load(other).prepare(*[t.double() for t in inputs])()[0]
+    assert float((got.double() - want).abs().max()) > 1e-2
+
+
+FLEX_LAYOUT = """
+diagram bshd
+wire b, q, x, h
+wire d = 16
+in Q[b, q, h, d] : fp32
+in K[b, x, h, d] : fp32
+in V[b, x, h, d] : fp32
+S[b, h, q, x] = where(x > q, -inf, sum[d](Q * K) / sqrt(|x|))
+P[b, h, q, x] = softmax[x](S)
+O[b, q, h, d] : fp32 = sum[x](P * V)
+lse[h, b, q] = logsumexp[x](S)
+out lse, O
+"""
+
+
+def test_flex_permutes_layouts_and_keeps_a_symbolic_scale_in_score_mod():
+    d = napkin.load_text(FLEX_LAYOUT)
+    src = flex.emit(d)
+    # |x| is not known until call time: it cannot be flex's constant scale.
+    assert src.scale == 1.0 and src.has_score_mod and "size_x" in src.text
+    assert src.causal  # where(x > q, -inf, s) keeps x <= q
+    assert ".permute(0, 2, 1, 3)" in src.text
+    sizes = {"b": 2, "q": 24, "x": 24, "h": 3}
+    assert max(_flex_vs_reference(d, sizes)) < 1e-6
+
+
+GQA_SLOPE = """
+diagram gqa_alibi
+wire b, hk, g, q, x
+wire d = 16
+in Q[b, (hk g), q, d] : fp32
+in K[b, hk, x, d] : fp32
+in V[b, hk, x, d] : fp32
+in slope[hk] : fp32
+in bias[(hk g)] : fp32
+S[b, hk, g, q, x] = sum[d](Q * K) * |d|^-0.5 + slope * (x - q) + bias
+P[b, hk, g, q, x] = softmax[x](S)
+O[b, (hk g), q, d] : fp32 = sum[x](P * V)
+out O
+"""
+
+
+def test_flex_gqa_side_tensors_index_kv_heads_and_query_heads():
+    d = napkin.load_text(GQA_SLOPE)
+    src = flex.emit(d)
+    assert src.enable_gqa and src.side == ("slope", "bias")
+    assert "slope[(h // size_g)]" in src.text and "bias[h]" in src.text
+    assert max(_flex_vs_reference(d, {"b": 1, "hk": 2, "g": 3, "q": 20, "x": 20})) < 1e-6
+
+
+def test_flex_emission_facts_for_the_examples():
+    load = lambda n: napkin.load(EXAMPLES / f"{n}.ncd")  # noqa: E731
+    plain = flex.emit(load("attention"))
+    assert plain.plain and plain.scale == 64 ** -0.5 and plain.mask is None
+    assert "score_mod = None" in plain.text and "mask_mod = None" in plain.text
+    causal = flex.emit(load("causal"))
+    assert causal.causal and causal.mask == "x <= q" and not causal.has_score_mod
+    softcap = flex.emit(load("softcap"))
+    assert softcap.has_score_mod and softcap.scale == pytest.approx(128 ** -0.5)
+    assert "torch.tanh((score / 50))" in softcap.text   # the scale went to flex, not score_mod
+    doc = flex.emit(load("document_mask"))
+    assert "doc[b, q_idx] == doc[b, kv_idx]" in doc.text and not doc.has_score_mod
+    assert flex.emit(load("gqa")).enable_gqa
+    # pure function: the same IR gives the same text
+    assert flex.emit(load("alibi")).text == flex.emit(load("alibi")).text
+
+
+@pytest.mark.parametrize("name, why", [
+    ("sigmoid_attention", "only normalises with softmax"),
+    ("l2_attention", "only normalises with softmax"),
+    ("relu2_attention", "only normalises with softmax"),
+    ("matmul", "only normalises with softmax"),
+])
+def test_diagrams_flex_cannot_express_are_refused(name, why):
+    with pytest.raises(flex.NoFlexEquivalent) as err:
+        flex.emit(napkin.load(EXAMPLES / f"{name}.ncd"))
+    assert "no FlexAttention equivalent" in str(err.value) and why in err.value.why
+
+
+def test_attention_shape_of_softmax_and_other_normalisers():
+    sizes = {"b": 2, "h": 3, "q": 100, "x": 90, "hk": 2, "g": 4}
+    s = flex.attention_shape(napkin.load(EXAMPLES / "gqa.ncd"), sizes)
+    assert (s["batch"], s["heads"], s["kv_heads"], s["q_len"], s["kv_len"], s["dim"]) == (2, 8, 2, 100, 90, 128)
+    assert flex.attention_shape(napkin.load(EXAMPLES / "relu2_attention.ncd"), sizes)["causal"]
+    sw = flex.attention_shape(napkin.load(EXAMPLES / "sliding_window.ncd"), sizes)
+    assert not sw["causal"] and sw["causal_part"]
+    with pytest.raises(flex.NoFlexEquivalent, match="not an attention"):
+        flex.attention_roles(napkin.load(EXAMPLES / "matmul.ncd"))
+
+
+# --------------------------------------------------------------------------
+# FLOPs and ratios.
+# --------------------------------------------------------------------------
+
+def test_attention_flops_follow_the_convention():
+    shape = {"batch": 2, "heads": 16, "q_len": 16384, "kv_len": 16384, "dim": 128, "value_dim": 128}
+    dense = results.attention_flops(shape, causal=False)
+    assert dense["fwd"] == 4 * 2 * 16 * 16384 ** 2 * 128
+    assert dense["bwd"] == 2.5 * dense["fwd"]
+    assert results.attention_flops(shape, causal=True)["fwd"] == dense["fwd"] / 2
+    # 4*1*1*1024^2*64 FLOPs in 1 ms
+    assert results.tflops(4 * 1024 ** 2 * 64, 1.0) == pytest.approx(0.268435456)
+    assert results.tflops(1e12, None) is None
+
+
+def test_ratios_are_napkin_speed_over_baseline_speed():
+    rows = [{"impl": "napkin", "pass": "fwd", "ms": 2.0}, {"impl": "flex", "pass": "fwd", "ms": 4.0},
+            {"impl": "sdpa-flash", "pass": "fwd", "ms": 1.0}, {"impl": "flex", "pass": "bwd", "ms": 3.0}]
+    assert results.ratios(rows) == {"fwd": {"flex": 2.0, "sdpa-flash": 0.5}}
+
+
+# --------------------------------------------------------------------------
+# Autotune: cache keys, the runtime snippet, tuning, candidates.
+# --------------------------------------------------------------------------
+
+WIRES = ("b", "h", "q", "x")
+
+
+def _sizes(n, b=1, h=16):
+    return {"b": b, "h": h, "q": n, "x": n}
+
+
+def test_shape_bucket_rounds_each_wire_up_to_a_power_of_two():
+    assert autotune.shape_bucket(_sizes(3000, b=1, h=12), WIRES) == (("b", 1), ("h", 16), ("q", 4096), ("x", 4096))
+    assert autotune.shape_bucket(_sizes(4096), WIRES)[2] == ("q", 4096)
+    assert autotune.shape_bucket(_sizes(4097), WIRES)[2] == ("q", 8192)
+
+
+def test_cache_round_trip_and_bucket_hits(tmp_path, monkeypatch):
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    cache = autotune.Cache()
+    assert cache.path == tmp_path / "autotune.json"
+    config = autotune.Config((("q", 128), ("x", 64)), 8, 3)
+    key = autotune.cache_key("abc", "NVIDIA H100", _sizes(3000), WIRES)
+    cache.put(key, config, ms=1.5)
+    data = json.loads(cache.path.read_text())
+    assert data["schema"] == autotune.SCHEMA
+    assert data["entries"][key]["config"] == {"block_q": 128, "block_x": 64, "num_warps": 8, "num_stages": 3}
+    same_bucket = autotune.cache_key("abc", "NVIDIA H100", _sizes(4000), WIRES)
+    assert cache.get(same_bucket) == config
+    for other in (autotune.cache_key("abc", "NVIDIA H100", _sizes(5000), WIRES),   # next bucket
+                  autotune.cache_key("abc", "NVIDIA H200", _sizes(3000), WIRES),   # other device
+                  autotune.cache_key("abd", "NVIDIA H100", _sizes(3000), WIRES)):  # other diagram
+        assert cache.get(other) is None
+    # another entry keeps the first
+    cache.put(autotune.cache_key("abc", "NVIDIA H100", _sizes(9000), WIRES), config, ms=2.0)
+    assert len(cache.entries()) == 2 and cache.get(same_bucket) == config
+
+
+def test_a_corrupt_or_foreign_cache_reads_as_empty(tmp_path, monkeypatch):
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    (tmp_path / "autotune.json").write_text("{not json")
+    assert autotune.Cache().entries() == {}
+    (tmp_path / "autotune.json").write_text(json.dumps({"schema": "other/9", "entries": {"k": {}}}))
+    assert autotune.Cache().get("k") is None
+
+
+def test_runtime_snippet_reads_what_the_writer_stored(tmp_path, monkeypatch):
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    source = autotune.runtime_source("f00d", WIRES)
+    imports = {line.split()[1] for line in source.splitlines() if line.startswith(("import ", "from "))}
+    assert imports <= {"json", "os", "torch"}, imports   # a generated module may import little
+    ns: dict = {}
+    exec(compile(source, "<snippet>", "exec"), ns)
+    assert ns["_autotune_lookup"](_sizes(1000), "cpu") is None
+    cache = autotune.Cache()
+    cache.put(autotune.cache_key("f00d", "cpu", _sizes(1000), WIRES), autotune.Config((("q", 64), ("x", 32)), 4, 2))
+    # the memo notices the file changed; a length in the same bucket hits
+    assert ns["_autotune_lookup"](_sizes(1000), "cpu")["block_q"] == 64
+    assert ns["_autotune_lookup"](_sizes(600), "cpu")["block_x"] == 32
+    assert ns["_autotune_lookup"](_sizes(1100), "cpu") is None
+    filled = ns["_autotune_fill"]({"block_q": None, "block_x": 16, "num_warps": None, "num_stages": None},
+                                  _sizes(1000), "cpu")
+    assert filled == {"block_q": 64, "block_x": 16, "num_warps": 4, "num_stages": 2}   # explicit wins
+
+
+def test_autotune_keeps_the_fastest_skips_failures_and_caches(tmp_path):
+    cache = autotune.Cache(tmp_path / "c.json")
+    configs = [autotune.Config((("q", q), ("x", 64)), w, 2) for q in (64, 128) for w in (4, 8)]
+    fake_ms = {(64, 4): 3.0, (64, 8): 2.5, (128, 4): 1.25, (128, 8): None}
+    timed = []
+
+    def fn(block_q, block_x, num_warps, num_stages):
+        if fake_ms[(block_q, num_warps)] is None:
+            raise RuntimeError("out of resources")
+        return fake_ms[(block_q, num_warps)]
+
+    def bench(call):
+        timed.append(1)
+        return call()
+
+    tuned = autotune.autotune(fn, configs, bench, cache=cache, key="k", diagram="attention")
+    assert tuned.best == autotune.Config((("q", 128), ("x", 64)), 4, 2) and tuned.ms == 1.25
+    assert not tuned.cached and [t.ms is None for t in tuned.trials] == [False, False, False, True]
+    assert "out of resources" in tuned.trials[3].error
+    assert cache.entries()["k"]["diagram"] == "attention"
+    timed.clear()
+    again = autotune.autotune(fn, configs, bench, cache=cache, key="k")
+    assert again.cached and again.best == tuned.best and timed == []   # no retuning
+    with pytest.raises(NapkinError, match="no configuration that runs"):
+        autotune.autotune(fn, configs[3:], bench)
+
+
+def test_smem_estimate_counts_pipelined_tiles():
+    d = napkin.load(EXAMPLES / "attention.ncd")
+    c = autotune.Config((("q", 128), ("x", 64)), 4, 2)
+    # Q tile 128 x 64 fp16 once; K and V tiles 64 x 64 fp16, two stages each.
+    assert autotune.smem_bytes(d, c, _sizes(4096)) == 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2
+    c3 = autotune.Config((("q", 128), ("x", 64)), 4, 3)
+    assert autotune.smem_bytes(d, c3, _sizes(4096)) == 128 * 64 * 2 + 3 * 2 * 64 * 64 * 2
+
+
+def test_candidates_are_pruned_by_shared_memory_capacity():
+    d = napkin.load(EXAMPLES / "attention.ncd")
+    sizes = _sizes(16384)
+    roomy, roomy_pruned = autotune.candidates(d, sizes, capacity=1 << 30)
+    assert roomy and all("warps" in p.why for p in roomy_pruned)
+    assert roomy[0].blocks == (("q", 128), ("x", 64))          # the schedule's own comes first
+    tight, pruned = autotune.candidates(d, sizes, capacity=50_000)
+    assert tight and len(tight) < len(roomy)
+    assert all(autotune.smem_bytes(d, c, sizes) <= 50_000 for c in tight)
+    over = [p for p in pruned if "shared memory" in p.why]
+    assert over and all(autotune.smem_bytes(d, p.config, sizes) > 50_000 for p in over)
+    # a warp gets at least 16 rows
+    assert all(dict(c.blocks)["q"] >= 16 * c.num_warps for c in roomy)
+    assert autotune.candidates(d, sizes) == autotune.candidates(d, sizes)   # deterministic
+
+
+# --------------------------------------------------------------------------
+# Results files.
+# --------------------------------------------------------------------------
+
+def _data(smoke=True) -> dict:
+    shape = {"batch": 1, "heads": 2, "kv_heads": 2, "q_len": 64, "kv_len": 64, "dim": 64, "value_dim": 64}
+    flops = results.attention_flops(shape, causal=True)
+    rows = [{"impl": "napkin", "pass": "fwd", "ms": 2.0, "tflops": results.tflops(flops["fwd"], 2.0),
+             "equivalent": True, "note": "", "error": None},
+            {"impl": "flex", "pass": "fwd", "ms": 3.0, "tflops": results.tflops(flops["fwd"], 3.0),
+             "equivalent": True, "note": "", "error": None},
+            {"impl": "sdpa-flash", "pass": "fwd", "ms": 1.0, "tflops": results.tflops(flops["fwd"], 1.0),
+             "equivalent": False, "note": "speed reference", "error": None},
+            {"impl": "sdpa-cudnn", "pass": "fwd", "ms": None, "tflops": None, "equivalent": True,
+             "note": "", "error": "RuntimeError: no kernel | for this"}]
+    return {"schema": results.SCHEMA, "smoke": smoke, "timing": "test timing", "date": "2025-01-02",
+            "command": "napkin bench x.ncd", "flop_convention": "test", "versions": {"torch": "t"},
+            "device": {"name": "NVIDIA H100 80GB HBM3", "kind": "cuda", "capability": "9.0"},
+            "rows": [{"diagram": "causal", "file": "x.ncd", "source_hash": "h", "dtype": "bfloat16",
+                      "sizes": {"q": 64}, "shape": shape, "causal": True, "flops": flops, "config": None,
+                      "config_source": "schedule", "check": {"ok": True, "errors": {}},
+                      "results": rows, "ratios": results.ratios(rows)}]}
+
+
+def test_results_are_written_as_json_and_markdown_without_overwriting(tmp_path):
+    data = _data(smoke=False)
+    j1, m1 = results.write(data, tmp_path)
+    assert j1.name == "nvidia-h100-80gb-hbm3-2025-01-02.json" and m1.suffix == ".md"
+    assert json.loads(j1.read_text()) == data
+    j2, _ = results.write(data, tmp_path)
+    assert j2.name == "nvidia-h100-80gb-hbm3-2025-01-02-2.json" and j1.exists()
+    md = m1.read_text()
+    assert "| causal | bfloat16 | 1 | 2 | 64 | 64 | yes | ok | 2.000 |" in md
+    assert "(1.5x)" in md                      # flex takes 3 ms, napkin 2 ms
+    assert "\u2020 (0.5x)" in md and "speed reference" in md
+    # the cell points at a note below the table, so a '|' in the message cannot break the table
+    assert "| n/a [1] |" in md and "1. sdpa-cudnn on causal: RuntimeError: no kernel | for this" in md
+    assert "SMOKE" not in md
+
+
+def test_smoke_results_say_so(tmp_path):
+    _, md = results.write(_data(smoke=True), tmp_path)
+    assert "SMOKE RUN: not performance numbers" in md.read_text()
+
+
+def test_validate_names_what_is_wrong():
+    results.validate(_data())
+    broken = _data()
+    del broken["rows"][0]["results"][0]["impl"]
+    with pytest.raises(NapkinError, match=r"rows\[0\]\.results\[0\] lacks 'impl'"):
+        results.validate(broken)
+    wrong = _data()
+    wrong["schema"] = "napkin-bench/0"
+    with pytest.raises(NapkinError, match="schema"):
+        results.validate(wrong)
+
+
+# --------------------------------------------------------------------------
+# Harness pieces and the smoke run end to end.
+# --------------------------------------------------------------------------
+
+def test_parse_list_and_its_errors():
+    assert harness.parse_list("1K, 16K,300", "seqlen") == [1024, 16384, 300]
+    assert harness.parse_list(None, "seqlen") is None
+    assert harness.parse_list("bfloat16,float16", "dtype", str) == ["bfloat16", "float16"]
+    for bad in ("0", "1.5K", "x"):
+        with pytest.raises(NapkinError, match="--seqlen"):
+            harness.parse_list(bad, "seqlen")
+    with pytest.raises(NapkinError, match="--dtype"):
+        harness.parse_list("fp8", "dtype", str)
+
+
+def test_grid_sizes_follow_roles_and_presets():
+    gqa = napkin.load(EXAMPLES / "gqa.ncd")
+    roles = flex.attention_roles(gqa)
+    grid = {"seqlens": [2048], "batch": None, "heads": [8], "group": 4, "extra": {},
+            "preset": harness.PRESETS["h100"]}
+    assert harness.point_sizes(gqa, roles, grid) == [{"b": 8, "hk": 2, "g": 4, "q": 2048, "x": 2048}]
+    grid["heads"] = [6]
+    with pytest.raises(NapkinError, match="multiple of --group"):
+        harness.point_sizes(gqa, roles, grid)
+    att = napkin.load(EXAMPLES / "attention.ncd")
+    grid = {"seqlens": [16384], "batch": None, "heads": None, "group": 4, "extra": {},
+            "preset": harness.PRESETS["h100"]}
+    # 16K tokens per batch and hidden 2048 with d = 64
+    assert harness.point_sizes(att, flex.attention_roles(att), grid) == [{"b": 1, "h": 32, "q": 16384, "x": 16384}]
+
+
+def test_check_sizes_shrink_only_when_the_reference_would_not_fit():
+    d = napkin.load(EXAMPLES / "attention.ncd")
+    roles = flex.attention_roles(d)
+    small = {"b": 2, "h": 4, "q": 1024, "x": 1024}
+    assert harness.check_sizes(d, roles, small) == small
+    big = harness.check_sizes(d, roles, {"b": 8, "h": 16, "q": 16384, "x": 16384})
+    assert big == {"b": 1, "h": 1, "q": 8192, "x": 8192}
+    assert reference.reference_elements(d, big) <= harness.CHECK_ELEMENTS
+
+
+def test_variant_rewrites_dtypes_and_head_dim():
+    path = EXAMPLES / "causal.ncd"
+    d, text = napkin.load(path), path.read_text()
+    same, same_text = harness.variant(d, text, "float16", None)
+    assert same is d and same_text is text            # the file's own hash is kept
+    v, vtext = harness.variant(d, text, "bfloat16", 128)
+    assert v.wire("d").size == 128 and {t.dtype for t in v.inputs} == {"bf16"}
+    assert v.tensor("O").dtype == "bf16" and v.tensor("lse").dtype is None
+    assert napkin.load_text(vtext) == v
+
+
+def test_reference_agrees_with_the_generated_modules_reference(tmp_path):
+    codegen = pytest.importorskip("napkin.codegen")
+    module, _ = harness._compile(napkin.load(EXAMPLES / "alibi.ncd"),
+                                 (EXAMPLES / "alibi.ncd").read_text(), "examples/alibi.ncd", tmp_path)
+    d = napkin.load(EXAMPLES / "alibi.ncd")
+    inputs = module.example_inputs(SIZES, dtype=torch.float32)
+    wide = [t.double() for t in inputs]
+    theirs = module.reference(*wide)
+    mine = reference.reference(d, inputs, SIZES)[0]
+    assert codegen is not None and float((theirs - mine).abs().max()) < 1e-12
+
+
+@pytest.mark.slow
+def test_napkin_bench_smoke_run_end_to_end(tmp_path, capsys):
+    from napkin.cli import main
+
+    status = main(["bench", str(EXAMPLES / "causal.ncd"), "--seqlen", "48", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    (json_path,) = tmp_path.glob("cpu-*.json")
+    data = json.loads(json_path.read_text())
+    results.validate(data)
+    assert data["smoke"] and "NOT a performance number" in data["timing"]
+    assert data["command"].startswith("napkin bench ") and "--seqlen 48" in data["command"]
+    (row,) = data["rows"]
+    assert row["check"]["ok"] and row["check"]["sizes"] == {"b": 1, "h": 2, "q": 48, "x": 48}
+    assert row["check"]["errors"]["napkin"]["O"] < harness.TOLERANCE["float16"]
+    assert row["check"]["full_size_vs_flex"]["ok"]
+    fwd = {r["impl"]: r for r in row["results"] if r["pass"] == "fwd"}
+    assert fwd["napkin"]["ms"] > 0 and fwd["flex"]["ms"] > 0 and fwd["sdpa-math"]["equivalent"]
+    assert math.isclose(row["ratios"]["fwd"]["flex"], fwd["flex"]["ms"] / fwd["napkin"]["ms"])
+    assert "SMOKE RUN" in out and str(json_path) in out
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --------------------------------------------------------------------------
+# On a GPU (skipped without one): the real timing path and the autotune cache.
+# --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path, monkeypatch):
+    from napkin.cli import main
+
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path / "cache"))
+    argv = ["bench", str(EXAMPLES / "causal.ncd"), "--seqlen", "1000", "--batch", "2", "--heads", "4",
+            "--dtype", "bfloat16", "--head-dim", "128", "--out", str(tmp_path / "out")]
+    assert main(argv + ["--autotune"]) == 0
+    assert main([a if a != "1000" else "1024" for a in argv]) == 0   # a new length, same bucket
+    # the second run of the day gets the "-2" name
+    paths = sorted((tmp_path / "out").glob("*.json"), key=lambda p: (len(p.name), p.name))
+    first, second = (json.loads(p.read_text()) for p in paths)
+    for data in (first, second):
+        results.validate(data)
+        (row,) = data["rows"]
+        assert not data["smoke"] and row["check"]["ok"] and row["check"]["full_size_vs_flex"]["ok"]
+        fwd = {r["impl"]: r for r in row["results"] if r["pass"] == "fwd"}
+        assert fwd["napkin"]["tflops"] > 0 and fwd["flex"]["tflops"] > 0
+        assert fwd["sdpa-flash"]["equivalent"] and fwd["sdpa-flash"]["ms"] > 0
+    assert first["rows"][0]["config_source"] == "autotune"
+    # 1000 and 1024 share a bucket: the second run reads the tuned config, no retuning.
+    assert second["rows"][0]["sizes"]["q"] == 1024
+    assert second["rows"][0]["config_source"] == "cache"
+    assert second["rows"][0]["config"] == first["rows"][0]["config"]
