@@ -257,7 +257,12 @@ def emitted_case(grids: dict) -> dict:
     o, lse = ns["attention_2d_distributed"](shard(q, mesh, 13, 2), shard(k, mesh, 13, 2), shard(v, mesh, 13, 2),
                                             mesh, q_len=13, timeout=20.0)
     full = ns["attention_2d_distributed_gather"](o, mesh, 13, 2, timeout=20.0)
-    return {"o": _err(full, torch.nn.functional.scaled_dot_product_attention(q, k, v))}
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    # Ring Attention over a 1-D DeviceMesh instead of a process group
+    from torch.distributed.device_mesh import init_device_mesh
+    ring, line = RingAttention(load("ring_attention")), init_device_mesh("cpu", (WORLD,))
+    o2, _ = ring(*(ring.shard(t, line, 13, 2) for t in (q, k, v)), group=line, q_len=13, timeout=20.0)
+    return {"o": _err(full, ref), "ring_mesh": _err(ring.gather(o2, line, 13, 2, timeout=20.0), ref)}
 
 
 def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
@@ -345,11 +350,12 @@ def test_attention2d_sends_fewer_bytes_than_ring_multihead(suite):
     assert 0 < a2d < ring
 
 
-def test_emitted_distributed_function_runs(suite):
+def test_emitted_function_and_ring_over_a_device_mesh(suite):
     for rank, res in enumerate(suite):
         got = res["emitted"]
         assert "error" not in got, f"rank {rank}: {got.get('error')}"
         assert got["o"] <= 1e-10, f"rank {rank}: {got['o']}"
+        assert got["ring_mesh"] <= 1e-10, f"rank {rank}: {got['ring_mesh']}"
 
 
 def test_mismatched_shapes_raise_on_every_rank(suite):

@@ -77,4 +77,4 @@ def partial_weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     whose merged lse is -inf (no key at all, or padding rows)."""
     dead = torch.isneginf(lse_part) | torch.isneginf(lse)
     diff = torch.where(dead, torch.zeros_like(lse_part), lse_part - lse)
-    return torch.where(dead, torch.zeros_like(lse_part), torch.exp(diff) * 0 + 1)
+    return torch.where(dead, torch.zeros_like(lse_part), torch.exp(diff))
