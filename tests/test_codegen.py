@@ -108,6 +108,15 @@ def test_header_names_source_version_hash_and_cost(path):
     assert summary.strip(), "the cost summary is empty"
 
 
+def test_header_has_its_own_cost_lines_without_the_cost_pass(monkeypatch):
+    monkeypatch.setitem(sys.modules, "napkin.cost", None)  # importing it now fails
+    doc = ast.get_docstring(ast.parse(emit_file(REPO / "examples/causal.ncd")))
+    assert "FLOPs: 2*64 + 2*64 per (q, x) pair, only where the mask lets a block through" in doc
+    assert "tiling: q by 128 per program (x b, h), x streamed by 64" in doc
+    doc = ast.get_docstring(ast.parse(emit_file(REPO / "examples/matmul.ncd")))
+    assert "FLOPs: 2*|k| per element of C" in doc
+
+
 def test_symbolic_wires_are_runtime_arguments_and_blocks_constexpr():
     text = emit_file(REPO / "examples/attention.ncd")
     kernel = text[text.index("def _attention_kernel("):text.index("):\n", text.index("def _attention_kernel("))]
@@ -377,6 +386,10 @@ def test_plans_derive_their_streaming_state():
     assert _plan("causal").bounds and _plan("sliding_window").bounds
     assert _plan("document_mask").skip is not None and not _plan("document_mask").bounds
     assert _plan("matmul").family == "contraction"
+    assert napkin.codegen.visited_blocks(napkin.load(REPO / "examples/matmul.ncd"), {}) is None
+    causal = napkin.load(REPO / "examples/causal.ncd")
+    assert napkin.codegen.visited_blocks(causal, {"q": 256, "x": 256}) == [(0, 0), (0, 1), (1, 0), (1, 1),
+                                                                           (1, 2), (1, 3)]
 
 
 def test_a_body_that_is_not_zero_at_minus_inf_visits_every_block():

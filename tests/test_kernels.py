@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 
 import napkin
-from napkin.codegen import emit_module, visited_blocks
+from napkin import masks
+from napkin.codegen import emit_module, lower, visited_blocks
 from napkin.printer import to_text
+from strategies import attention_diagrams, matmul_diagrams
 
 REPO = Path(__file__).resolve().parent.parent
 REFUSED = {"naive_attention", "attention_fp8"}
@@ -313,8 +315,8 @@ def test_nan_and_inf_propagate_as_in_the_reference():
 
 def _blocks_loaded(m, inputs, tensor_index, block_x, **opts):
     """(program row block, x block) pairs whose rows of one input were loaded."""
-    from triton.runtime import interpreter
     import numpy as np
+    from triton.runtime import interpreter
 
     t = inputs[tensor_index]
     start, row_bytes = t.data_ptr(), t.stride(2) * t.element_size()
@@ -352,12 +354,28 @@ def test_kernel_visits_exactly_the_blocks_masks_lists(name, replace):
     every = {(i, j) for i in range(4) for j in range(6)}
     assert expected < every  # something was skipped
     # and nothing needed was skipped: each unmasked (q, x) pair's block is visited
-    pred = napkin.codegen.lower.lower(diagram).skip
-    from napkin import masks
+    pred = lower.lower(diagram).skip
     needed = {(i, j) for i in range(4) for j in range(6)
               if masks.classify_block(pred, {"q": (32 * i, min(32 * i + 32, 100)),
                                              "x": (16 * j, min(16 * j + 16, 90))}, sizes) != masks.BlockClass.EMPTY}
     assert needed <= expected
+
+
+def test_loads_discipline_in_bytes():
+    """Each program loads its Q tile once, K and V once per visited step, and
+    stores each output tile once: for unmasked attention every (b, h) reads
+    all of K and V once per block of queries, and Q, O, lse move once."""
+    from napkin.bytecount import ByteCounter
+
+    m = example("attention")
+    q, k, v = m.example_inputs({"b": 2, "h": 2, "q": 70, "x": 50}, dtype=torch.float16)
+    with ByteCounter(tensors={"Q": q, "K": k, "V": v}) as counted:
+        o, lse = run(m, (q, k, v))
+    blocks = -(-70 // FAST["block_q"])
+    assert counted.loads["Q"] == q.numel() * 2
+    assert counted.loads["K"] == counted.loads["V"] == blocks * k.numel() * 2
+    assert counted.store_bytes == o.numel() * 2 + lse.numel() * 4
+    assert set(counted.loads) == {"Q", "K", "V"}
 
 
 # --------------------------------------------------------------------------
@@ -386,11 +404,6 @@ def _drawn_check(diagram, key: str):
     out = run(m, inputs, **{k: None for k in FAST})  # the drawn schedule's own blocks (16..64)
     assert_accurate(out, reference(m, inputs, torch.float64), reference(m, inputs), to_text(diagram))
 
-
-try:
-    from strategies import attention_diagrams, matmul_diagrams
-except ImportError:  # pragma: no cover - the strategies ship with the test suite
-    attention_diagrams = matmul_diagrams = None
 
 _SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -44,10 +44,7 @@ def _cost_lines(diagram: ir.Diagram, plan) -> list[str]:
     except ImportError:
         summary_lines = None
     if summary_lines is not None:
-        try:
-            return list(summary_lines(diagram))
-        except TypeError:
-            return list(summary_lines(diagram, {}))
+        return list(summary_lines(diagram))  # symbolic sizes: formulas only, deterministic
     return _own_cost_lines(diagram, plan)
 
 
@@ -121,9 +118,10 @@ def _docstring(d: ir.Diagram, plan, label: str, version: str, digest: str) -> st
 
 
 def write_module(path, out_dir="generated") -> Path:
-    """Load, check and compile an .ncd file into OUT_DIR/NAME.py (named after
-    the file's stem... the diagram), written atomically: a failure leaves
-    nothing half-written.  Creates OUT_DIR and an __init__.py in it."""
+    """Load, check and compile an .ncd file into OUT_DIR/NAME.py, NAME being
+    the diagram's name.  Written atomically (a temporary file, then
+    os.replace): a failure leaves nothing half-written.  Creates OUT_DIR and
+    an __init__.py in it when missing.  Returns the module's path."""
     import napkin
 
     path = Path(path)

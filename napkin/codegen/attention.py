@@ -71,7 +71,6 @@ class _Attention:
         dims = {c.wires[0] for c in contractions} | {a.value.cols for a in accums if a.value is not None}
 
         outputs = []
-        pre = _Loads(d, "pre", self.taken)
         for o, fin in zip(d.outputs, finals):
             let = d.tensor(o.name)
             wires = ir.axis_wires(let.axes)
@@ -82,15 +81,17 @@ class _Attention:
             cols = extra[0] if extra else None
             fin = _finish(fin)
             subst = {n: n.name for n in nodes(fin) if isinstance(n, Var)}
-            _finalise_leaves(d, fin, subst, pre, row, cols, set(batch) | {row} | set(extra), f"output {o.name}")
+            _finalise_leaves(d, fin, subst, step_loads, row, cols, set(batch) | {row} | set(extra),
+                             f"output {o.name}")
             outputs.append(Output(o.name, let.axes, wires, tiling.tensor_dtype(d, o.name), fin, row, cols,
                                   tuple(subst.items())))
             if cols is not None:
                 dims.add(cols)
         skip, bounds = self.skipping(accums)
-        blocks = ((row, _block(_group_block(d, row), DEFAULT_BLOCK_ROW, row)),
-                  (col, _block(_streamed(d), DEFAULT_BLOCK_STREAM, col)))
-        loads = tuple(pre.loads) + tuple(ld for ld in step_loads.loads if ld.phase == "pre") \
+        blocks = ((row, _block(_group_block(d, row), DEFAULT_BLOCK_ROW)),
+                  (col, _block(_streamed(d), DEFAULT_BLOCK_STREAM)))
+        # one table for every load, so each tile is loaded once (pre-loop first)
+        loads = tuple(ld for ld in step_loads.loads if ld.phase == "pre") \
             + tuple(ld for ld in step_loads.loads if ld.phase == "step")
         return AttentionPlan(
             d, row, col, batch, blocks, tuple(w for w in order if w in dims), loads, tuple(self.dots),

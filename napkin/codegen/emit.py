@@ -48,10 +48,9 @@ def environment():
 # --------------------------------------------------------------------------
 
 class _Names:
-    def __init__(self, d: ir.Diagram, blocks: dict[str, int], dims: tuple[str, ...]):
+    def __init__(self, d: ir.Diagram, dims: tuple[str, ...]):
         self.d = d
         self.fixed = {w.name: w.size for w in d.wires if w.size is not None}
-        self.blocks = blocks
         self.dims = dims
 
     def size(self, w: str) -> str:
@@ -170,8 +169,7 @@ def _full(d, e, row, col, code, names) -> str:
 
 def attention_context(plan: L.AttentionPlan) -> dict:
     d = plan.diagram
-    blocks = dict(plan.blocks)
-    names = _Names(d, blocks, plan.dims)
+    names = _Names(d, plan.dims)
     kinds = _kinds(d)
     row, col = plan.row, plan.col
     br, bc = names.block(row), names.block(col)
@@ -331,12 +329,12 @@ def _bounds(names: _Names, plan: L.AttentionPlan) -> str:
 
 def contraction_context(plan: L.ContractionPlan) -> dict:
     d = plan.diagram
-    blocks = dict(plan.blocks)
-    names = _Names(d, blocks, plan.dims)
+    names = _Names(d, plan.dims)
     kinds = _kinds(d)
     row, col, red = plan.row, plan.col, plan.red
     dtypes = {t.name: t.dtype for t in d.inputs}
-    rhs = plan.rhs.var if dtypes[plan.rhs.tensor] == dtypes[plan.lhs.tensor] else f"{plan.rhs.var}.to({plan.lhs.var}.dtype)"
+    rhs = plan.rhs.var if dtypes[plan.rhs.tensor] == dtypes[plan.lhs.tensor] else \
+        f"{plan.rhs.var}.to({plan.lhs.var}.dtype)"
     step = f'_acc = tl.dot({plan.lhs.var}, {rhs}, _acc, input_precision="{plan.precision}")'
     finalise, stores = _finalise(d, names, plan.outputs, kinds, {})
     blocks_list = [names.block(w) for w in (row, col, red)]

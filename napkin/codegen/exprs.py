@@ -236,7 +236,8 @@ class TritonRender(_Render):
         return f"_safe_div({a[0]}, {b[0]})"
 
     def general_power(self, base, exp) -> str:
-        return f"tl.exp2({self.wrap(exp, _PREC['*'])} * tl.log2({self.to_float(base) if base[2] != 'float' else base[0]}))"
+        base_code = self.to_float(base) if base[2] != "float" else base[0]
+        return f"tl.exp2({self.wrap(exp, _PREC['*'])} * tl.log2({base_code}))"
 
 
 def triton(e, ctx: Ctx) -> str:

@@ -1,28 +1,23 @@
 """IR -> kernel plan: pattern-match a checked diagram into one of two families.
 
 CONTRACTION (matmul, bmm): one output box ``C = f(sum[k](A * B))``; the two
-free wires of C are blocked (one program per output tile), k is streamed.
+free wires of C are blocked (one program per output tile, the rest of C's
+wires are batch wires), k is streamed; f is an elementwise epilogue.
 
-STREAMED ATTENTION: every output is a *finalise* expression of reductions
-along the streamed wire x of elementwise functions of a score tile over
-(row wire q, x); the score holds contractions ``sum[d](Q * K)`` done with
-tl.dot.  The lowering:
+STREAMED ATTENTION (attention.py): every output is a *finalise* expression of
+reductions along the streamed wire x of elementwise functions of a score
+tile over (row wire q, x) holding contractions ``sum[d](Q * K)`` (tl.dot).
 
-1. inlines every box into the outputs (boxes are names, not materialised);
-2. rewrites ``softmax[x](E)`` as ``exp(E) / sum[x](exp(E))`` with a guarded
-   division (a row that is entirely -inf gives 0, as the semantics say);
-3. turns each reduction over x into an *accumulator*: x-invariant factors of
-   a sum's body move outside it; a factor ``exp(E)`` makes it an "expsum",
-   kept as exp(m) * acc with a running max m of E shared by every expsum of
-   the same E (the online-softmax state: rescale by exp(m_old - m_new));
-   ``logsumexp[x](E)`` is log of an expsum; a factor along the value wire
-   (V[x, d]) makes the step a tl.dot; max / min keep a running max / min;
-4. cancels exp(m) between numerator and denominator (acc / l) and renders a
-   logsumexp as m + log(l), so nothing overflows.
+``lower(diagram)`` inlines every box into the outputs (boxes are names, not
+materialised), picks the family, and returns a frozen plan: IR expressions
+plus the lowering's own leaves (``Var``, ``SafeDiv``, ``LogSumExp``), with
+``subst`` maps naming the nodes the kernel already holds in variables.
+exprs.py renders expressions, emit.py the module.  Nothing here mutates the
+IR.  A diagram napkin cannot emit raises NapkinError("napkin cannot emit a
+kernel for ...: why") at the offending node.
 
-The plan holds IR expressions whose leaves the kernel already holds are
-named in ``subst`` maps (node -> kernel variable); exprs.py renders them.
-Nothing here mutates the IR.
+Device levels (``across``) are ignored: a distributed schedule compiles as
+its single-device kernel.
 """
 from __future__ import annotations
 
@@ -304,7 +299,8 @@ def _refuse_unfused(d: ir.Diagram) -> None:
                 raise unsupported(
                     f"diagram {d.name}", f"the schedule holds the intermediate {name} in {level.name}, an "
                     "unfused schedule (written out and read back); napkin's kernels keep intermediates on chip",
-                    level.loc, f"drop {name} from 'hold' in level {level.name} (the cost report can still compare both)")
+                    level.loc,
+                    f"drop {name} from 'hold' in level {level.name} (the cost report can still compare both)")
 
 
 def _check_dtypes(d: ir.Diagram) -> None:
@@ -312,6 +308,10 @@ def _check_dtypes(d: ir.Diagram) -> None:
         if t.dtype not in KERNEL_DTYPES + ("fp64",) and t.dtype not in ir.INT_DTYPES:
             raise unsupported(f"input {t.name}", f"its dtype {t.dtype} has no Triton kernel path here; "
                               "kernels read fp16, bf16, fp32 or integer inputs", t.loc)
+    for out in d.outputs:
+        dtype = tiling.tensor_dtype(d, out.name)
+        if dtype not in KERNEL_DTYPES + ("fp64",) + ir.INT_DTYPES:
+            raise unsupported(f"output {out.name}", f"its dtype {dtype} has no Triton kernel path here", out.loc)
     acc = tiling.accumulator_dtype(d)
     if acc != "fp32":
         loc = d.schedule.loc if d.schedule else d.loc
@@ -319,7 +319,8 @@ def _check_dtypes(d: ir.Diagram) -> None:
                           "write 'accumulate fp32'")
 
 
-def _block(tile: Optional[ir.Tile], default: int, wire: str) -> int:
+def _block(tile: Optional[ir.Tile], default: int) -> int:
+    """A block size from the schedule (tl.dot needs at least 16)."""
     size = tile.size if tile is not None else default
     return max(size, MIN_DOT)
 
@@ -423,8 +424,8 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
                               "does not keep and the product does not contract", ref.loc)
     _check_batch(d, batch)
     dm, dn, dk = DEFAULT_BLOCK_MATMUL
-    blocks = ((row, _block(_group_block(d, row), dm, row)), (col, _block(_group_block(d, col), dn, col)),
-              (red, _block(_streamed(d), dk, red)))
+    blocks = ((row, _block(_group_block(d, row), dm)), (col, _block(_group_block(d, col), dn)),
+              (red, _block(_streamed(d), dk)))
     lhs = Load("_a", a.name, read_wires(d, a), row, red, "step")
     rhs = Load("_b", b.name, read_wires(d, b), red, col, "step")
     side = _Loads(d, "pre", {"_a", "_b", "_acc"})
