@@ -84,7 +84,7 @@ def test_emit_is_deterministic_and_independent_of_how_the_path_is_given(path):
 
 
 @pytest.mark.parametrize("path", COMPILED, ids=lambda p: p.stem)
-def test_module_imports_only_torch_and_triton(path):
+def test_module_imports_only_torch_and_triton(path):  # (and the standard library)
     tree = ast.parse(emit_file(path))
     imported = set()
     for node in ast.walk(tree):
@@ -92,7 +92,7 @@ def test_module_imports_only_torch_and_triton(path):
             imported |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module or "")
-    assert imported <= {"math", "os", "torch", "triton", "triton.language"}, imported
+    assert imported <= {"json", "math", "os", "torch", "triton", "triton.language"}, imported
 
 
 @pytest.mark.parametrize("path", COMPILED, ids=lambda p: p.stem)
@@ -219,6 +219,27 @@ def test_bad_calls_raise_clear_errors(modules):
         att(q, k, [1.0])
     with pytest.raises(ValueError, match="block_q must be a power of two >= 16, not 24"):
         att(q, k, v, block_q=24)
+
+
+def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp_path):
+    """A launch without explicit options reads the tuned config cached for its
+    shape bucket (napkin.autotune writes it); explicit options always win.  A
+    deliberately invalid cached block proves the cache was read, without
+    launching anything."""
+    import json
+
+    from napkin import autotune
+
+    m = modules["attention"]
+    sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
+    key = autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, ("b", "h", "q", "x"))
+    (tmp_path / "autotune.json").write_text(json.dumps(
+        {"schema": autotune.SCHEMA, "entries": {key: {"config": {"block_q": 24, "block_x": 16}}}}))
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="block_q must be a power of two >= 16, not 24"):
+        m.attention(*_qkv())
+    with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 8"):
+        m.attention(*_qkv(), block_q=16, block_x=8)  # explicit options win over the cache
 
 
 def test_cpu_tensors_need_the_interpreter(modules, monkeypatch):

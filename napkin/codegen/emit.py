@@ -20,7 +20,7 @@ import functools
 import math
 from typing import Optional
 
-from .. import ir
+from .. import ir, masks
 from . import lower as L
 from .exprs import Ctx, triton
 from .reference import reference_lines
@@ -145,6 +145,13 @@ def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str])
     return f"if math.prod(_grid) > 0:\n    {kernel}[_grid](\n        {body},\n    )"
 
 
+def _fill_options(opts: list[str]) -> list[str]:
+    """Options left None take the tuned config cached for this shape bucket
+    (templates/autotune.py.jinja), else the schedule's defaults."""
+    pairs = ", ".join(f'"{o}": {o}' for o in opts)
+    return [f"_opts = _autotune_fill({{{pairs}}}, _sz, _dev)"]
+
+
 def _options(d: ir.Diagram, wires: list[str]) -> list[str]:
     opts = [f"block_{w}" for w in wires] + ["num_warps", "num_stages"]
     clash = sorted(set(opts) & {t.name for t in d.inputs})
@@ -234,11 +241,12 @@ def attention_context(plan: L.AttentionPlan) -> dict:
     blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + (["_SPLIT_WEIGHTS"] if split else [])
     params, sizes = _params(d, names, blocks_list)
     opts = _options(d, [row, col])
-    launch = [f'_br = _block_size(block_{row}, "{row}", "block_{row}")',
-              f'_bc = _block_size(block_{col}, "{col}", "block_{col}")',
-              f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
-              f'_grid = (triton.cdiv(_sz["{row}"], _br), '
-              + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
+    launch = _fill_options(opts) + [
+        f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
+        f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
+        f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
+        f'_grid = (triton.cdiv(_sz["{row}"], _br), '
+        + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
     block_args = [f"{br}=_br", f"{bc}=_bc"] + _wire_block_args(names, plan.dims)
     if split:  # only outputs that use a weighted sum of V decide it (not lse, say)
         inputs = ", ".join(t.name for t in d.inputs)
@@ -247,7 +255,8 @@ def attention_context(plan: L.AttentionPlan) -> dict:
                             if any(isinstance(n, L.Var) and n.name in valued for n in L.nodes(o.expr)))
         block_args.append(f"_SPLIT_WEIGHTS=_wider([{outputs}], [{inputs}])")
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
-                               ["num_warps=num_warps or (8 if _br >= 128 else 4)", "num_stages=num_stages or 2"]))
+                               ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)',
+                                'num_stages=_opts["num_stages"] or 2']))
     return {
         "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch),
@@ -301,23 +310,24 @@ def _bounds(names: _Names, plan: L.AttentionPlan) -> str:
         return "\n".join(lines)
     if any(b.at_row() == "last" for b in plan.bounds):
         lines.append(f"_row_last = tl.minimum(_row0 + {names.block(row)}, {names.size(row)}) - 1")
+    def affine(b: "masks.Bound", r: str, size) -> str:
+        terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
+        for key, v in b.rest:
+            term = str(v) if key == "" else size(key[1:-1]) if v == 1 else f"{v} * {size(key[1:-1])}"
+            terms.append(term)
+        return (" + ".join(terms) or "0").replace("+ -", "- ")
+
     lower = False
     for b in plan.bounds:
         r = "_row0" if b.at_row() == "first" else "_row_last"
-        terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
-        for key, v in b.rest:
-            if key == "":
-                terms.append(str(v))
-            else:
-                w = key[1:-1]
-                terms.append(names.size(w) if v == 1 else f"{v} * {names.size(w)}")
-        value = " + ".join(terms) or "0"
-        value = value.replace("+ -", "- ")
+        value = affine(b, r, names.size)
+        why = f"{col} {'>=' if b.kind == 'lower' else '<='} {affine(b, row, lambda w: f'|{w}|')}, " \
+              f"loosest at the block's {b.at_row()} row"
         if b.kind == "lower":
             lower = True
-            lines.append(f"_lo = tl.maximum(_lo, {value})  # {col} >= ... for the block's {b.at_row()} row")
+            lines.append(f"_lo = tl.maximum(_lo, {value})  # {why}")
         else:
-            lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {col} <= ... for the block's {b.at_row()} row")
+            lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {why}")
     if lower:
         lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
     return "\n".join(lines)
@@ -340,16 +350,17 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
     blocks_list = [names.block(w) for w in (row, col, red)]
     params, sizes = _params(d, names, blocks_list)
     opts = _options(d, [row, col, red])
-    launch = [f'_br = _block_size(block_{row}, "{row}", "block_{row}")',
-              f'_bc = _block_size(block_{col}, "{col}", "block_{col}")',
-              f'_bk = _block_size(block_{red}, "{red}", "block_{red}")',
+    launch = _fill_options(opts) + [
+              f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
+              f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
+              f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
               f'_grid = (triton.cdiv(_sz["{row}"], _br), triton.cdiv(_sz["{col}"], _bc), '
               + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
     block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk"]
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
-                               ["num_warps=num_warps or (8 if _br * _bc >= 128 * 128 else 4)",
-                                "num_stages=num_stages or 2"]))
+                               ['num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4)',
+                                'num_stages=_opts["num_stages"] or 2']))
     return {
         "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch),
@@ -417,6 +428,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "input_tuple": ", ".join(t.name for t in d.inputs) + ("," if len(d.inputs) == 1 else ""),
         "returns": ", ".join(o.name for o in d.outputs),
         "reference_inputs": ref_inputs, "reference_body": reference_lines(d),
+        "autotune_wires": repr(tuple(w.name for w in d.wires if w.size is None)),
         "reference_returns": ", ".join(returns) if len(returns) > 1 else returns[0],
         "launcher_doc": _launcher_doc(plan, ctx["options"]),
     })
