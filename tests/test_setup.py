@@ -66,7 +66,7 @@ def test_pyproject_version_and_dependencies():
     assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "napkin.__version__"}
     assert napkin.__version__ == "0.1.0"
     names = {re.split(r"[<>=!~ \[]", dep)[0] for dep in project["dependencies"]}
-    assert names == {"lark", "interegular", "jinja2", "torch", "triton", "graphviz"}
+    assert names == {"lark", "interegular", "jinja2", "torch", "triton", "numpy", "graphviz"}
     assert set(project["optional-dependencies"]["test"]) == {"pytest", "hypothesis"}
 
 
