@@ -77,18 +77,30 @@ fi
 pip_install "${build_flags[@]}" --config-settings editable_mode=compat -e "$target"
 
 # 3. graphviz's dot (optional).
+# apt_install PKG: quietly, as root with apt-get only; refresh the lists once
+# if the first try fails.  Returns non-zero when it could not.
+apt_install() {
+  command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]] || return 1
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null 2>&1 && return 0
+  apt-get update -qq >/dev/null 2>&1 \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null 2>&1
+}
 if ! command -v dot >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]] \
-     && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null 2>&1 \
-          || { apt-get update -qq >/dev/null 2>&1 \
-               && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null 2>&1; }; }; then
-    :
-  else
+  if ! apt_install graphviz; then
     echo "install.sh: graphviz's 'dot' is not installed; pictures will be written as .dot text (install graphviz for SVG)"
   fi
 fi
 
-# 4. One line to say it worked, and how to run it when the script folder is
+# 4. With --test: Debian's chromium, for the test that opens `napkin report`'s
+# HTML page in a headless browser and checks the screenshot is not blank
+# (that one test skips, saying why, where chromium cannot be had).
+if [[ $with_test == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
+  if ! apt_install chromium; then
+    echo "install.sh: chromium is not installed; the HTML report's screenshot test will skip"
+  fi
+fi
+
+# 5. One line to say it worked, and how to run it when the script folder is
 # not on PATH.
 version="$("$PY" -m napkin --version)"
 if command -v napkin >/dev/null 2>&1; then

@@ -375,3 +375,59 @@ def visited_blocks(bounds: tuple[Bound, ...], row_size: int, col_size: int,
         first = (start // block_col) * block_col
         out.extend((i, j // block_col) for j in range(first, stop, block_col))
     return out
+
+
+# --------------------------------------------------------------------------
+# The same visited set seen from a block of the streamed wire: the backward
+# pass's dK/dV kernel gives each program a block j of the streamed wire and
+# loops over row blocks, and must visit exactly the (row block, j) pairs the
+# forward visits (visited_blocks), no more (it would add masked work) and no
+# fewer (it would drop gradient).
+#
+# The forward visits (i, j) iff  start_i // bc <= j  and  j * bc < stop_i,
+# with start_i the largest lower bound (and 0) and stop_i the smallest upper
+# bound plus one (and the column size).  Split per bound, each condition is
+# monotone in the row that bound is evaluated at (a block's first or last
+# row, both non-decreasing in i), so each bound keeps a half-line of row
+# blocks and the visited rows of column block j are one interval [lo, hi).
+# Every division below has a non-negative numerator (clamped first) and a
+# positive divisor, so floor division means the same in Python and Triton.
+# --------------------------------------------------------------------------
+
+def row_block_range(bounds: tuple[Bound, ...], col_block: int, row_size: int,
+                    block_row: int, block_col: int, sizes: Mapping[str, int] = {}) -> tuple[int, int]:
+    """[lo, hi) of the row blocks whose forward loop visits column block
+    ``col_block``; the code generator renders this same formula in Triton."""
+    nblocks = -(-row_size // block_row)
+    lo, hi = 0, nblocks
+    for b in bounds:
+        a, c = b.row_coeff, _rest_value(b.rest, sizes)
+        if b.kind == "upper":          # visited iff a * r + c >= j * bc
+            need = col_block * block_col - c
+        else:                          # visited iff a * r + c <= (j + 1) * bc - 1
+            need = c - (col_block + 1) * block_col + 1
+            a = -a                     # the same as -a * r - c >= -(j + 1) * bc + 1
+        # now: visited iff a * r >= need, r the bound's row of the block
+        if a == 0:
+            if need > 0:
+                return 0, 0
+        elif a > 0:                    # r >= ceil(need / a): r is the block's last row
+            t = (max(need, 0) + a - 1) // a
+            lo = max(lo, nblocks if t >= row_size else t // block_row)
+        else:                          # r <= floor(-need / |a|): r is the block's first row
+            if need > 0:
+                return 0, 0
+            hi = min(hi, (-need) // (-a) // block_row + 1)
+    return lo, max(lo, hi)
+
+
+def visited_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size: int,
+                             block_row: int, block_col: int,
+                             sizes: Mapping[str, int] = {}) -> list[tuple[int, int]]:
+    """(row block, col block) pairs the backward's column-major loop visits,
+    column block by column block; as a set it equals ``visited_blocks``."""
+    out = []
+    for j in range(-(-col_size // block_col)):
+        lo, hi = row_block_range(bounds, j, row_size, block_row, block_col, sizes)
+        out.extend((i, j) for i in range(lo, hi))
+    return out

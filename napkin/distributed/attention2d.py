@@ -12,7 +12,7 @@ Forward, on device (i, j):
   2. run the local attention on (query block i, key block j) with the global
      positions of the gathered rows: a partial state (O_ij, lse_ij);
   3. all-to-all the partial states along the row (each device receives the
-     C partials of its own rows) and merge them (merge.py, fp32);
+     C partials of its own rows) and merge them (merging.py, fp32);
   4. padding rows read O = 0, lse = -inf.
 Backward, from dO (and dlse when lse is an output):
   1. delta = rowsum(dO * O) - dlse on the device's own rows;
@@ -35,7 +35,7 @@ from .commcount import phase
 from .common import handshake, pad_rows, results, row_delta, split_side, zero_rows
 from .layouts import TokenLayout
 from .local import EagerLocal, Roles, autograd_backward, roles
-from .merge import merge_softmax, merge_sum
+from .merging import merge_softmax, merge_sum
 
 
 class Attention2D:

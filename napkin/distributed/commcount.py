@@ -34,6 +34,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..cost import collectives as C
+
 _PHASE = contextvars.ContextVar("napkin_comm_phase", default="other")
 
 
@@ -185,98 +187,44 @@ class CommCounter:
 
 
 # --------------------------------------------------------------------------
-# Predictions: what napkin's wrappers send, exactly (per rank).
+# Predictions: what napkin's wrappers send, exactly (per rank).  The model
+# lives in napkin/cost/collectives.py, shared with the cost pass.
 # --------------------------------------------------------------------------
 
-_ELEMENT = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}
 _TORCH_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-# the shape handshake: one int64 vector per rank (see groups.META_LEN)
-META_BYTES = 8 * 67
 
 
 def _dtype_name(dtype) -> str:
     name = _TORCH_NAMES.get(dtype, dtype)
-    if name not in _ELEMENT:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(_ELEMENT)}")
+    if name not in C.ELEMENT_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(C.ELEMENT_BYTES)}")
     return name
 
 
 def accumulator_bytes(dtype) -> int:
     """Partial states, lse, delta and gradient partials travel in fp64 when
     the inputs are fp64, else in fp32."""
-    return 8 if _dtype_name(dtype) == "fp64" else 4
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class Term:
-    """One collective of a call: ``steps`` exchanges of ``nbytes`` each per
-    rank (an all-gather among k ranks is k-1 blocks; a ring pass one step)."""
-
-    what: str
-    group: str        # "row", "column" (ATTENTION2D grid) or "ring"
-    steps: int
-    nbytes: int
+    return C.state_bytes(_dtype_name(dtype))
 
 
 def comm_terms(scheme: str, grid, sizes: dict, dtype, phase: str = "forward",
-               family: str = "softmax") -> list[Term]:
-    """The collectives napkin's wrappers run for one call (per rank).
+               family: str = "softmax", part: int = 0) -> list[C.Term]:
+    """The collectives napkin's wrappers run for one call, on part ``part``.
 
-    scheme: "attention2d" (grid = (R, C)) or "ring" (grid = (P,) or P).
-    sizes: b, hq, hkv, d, q (query tokens) and optionally x (key tokens,
-    default q).  dtype: of Q, K, V (and so of O and dO).  phase: "forward",
-    "backward" or "check" (the shape handshake before the forward).
-    family: "softmax" (states carry lse) or "sum".
+    scheme: "attention2d" (grid = (R, C)), "ring" or "burst" (Ring Attention
+    with Ring's or BurstAttention's backward) or "tree" (decoding); grid =
+    (P,) or P for the last three.  sizes: b, hq, hkv, d, q (query tokens) and
+    optionally x (key tokens, default q).  dtype: of Q, K, V (and so of O
+    and dO).  phase: "forward", "backward" or "check" (the shape handshake
+    before the forward).  family: "softmax" (states carry lse) or "sum".
     """
-    e = _ELEMENT[_dtype_name(dtype)]
-    a = accumulator_bytes(dtype)
-    b, hq, hkv, d = sizes["b"], sizes["hq"], sizes["hkv"], sizes["d"]
-    nq_tok, nx_tok = sizes["q"], sizes.get("x", sizes["q"])
-    soft = family == "softmax"
-    if phase not in ("check", "forward", "backward"):
-        raise ValueError(f"unknown phase {phase!r}")
-    if scheme == "attention2d":
-        r, c = grid
-        p = r * c
-        nq, nx = _ceil_div(nq_tok, p), _ceil_div(nx_tok, p)
-        q_blk = nq * b * hq * d           # one rank's Q (or O, dO) elements
-        l_blk = nq * b * hq               # one rank's lse (or delta) elements
-        kv_blk = nx * b * hkv * d         # one rank's K (or V) elements
-        if phase == "check":
-            terms = [Term("shapes", "row", c - 1, META_BYTES), Term("shapes", "column", r - 1, c * META_BYTES)]
-        elif phase == "forward":
-            terms = [Term("Q", "row", c - 1, q_blk * e), Term("K, V", "column", r - 1, 2 * kv_blk * e),
-                     Term("partial states", "row", c - 1, (q_blk + (l_blk if soft else 0)) * a)]
-        else:
-            terms = [Term("Q, dO" + (", lse, delta" if soft else ""), "row", c - 1,
-                          2 * q_blk * e + (2 * l_blk * a if soft else 0)),
-                     Term("K, V", "column", r - 1, 2 * kv_blk * e),
-                     Term("dQ (reduce-scatter)", "row", c - 1, q_blk * a),
-                     Term("dK, dV (reduce-scatter)", "column", r - 1, 2 * kv_blk * a)]
-    elif scheme == "ring":
-        p = grid if isinstance(grid, int) else grid[0]
-        kv_blk = 2 * _ceil_div(nx_tok, 2 * p) * b * hkv * d
-        if phase == "check":
-            terms = [Term("shapes", "ring", p - 1, META_BYTES)]
-        elif phase == "forward":
-            terms = [Term("K, V", "ring", p - 1, 2 * kv_blk * e)]
-        else:
-            terms = [Term("K, V", "ring", p - 1, 2 * kv_blk * e), Term("dK, dV", "ring", p, 2 * kv_blk * a)]
-    else:
-        raise ValueError(f"unknown scheme {scheme!r}; expected 'attention2d' or 'ring'")
-    return [t for t in terms if t.steps > 0]
+    return C.terms(scheme, grid, C.Moved.attention(sizes, _dtype_name(dtype), family), phase, part)
 
 
 def predicted_comm(scheme: str, grid, sizes: dict, dtype, phase: str = "forward",
                    family: str = "softmax") -> list[tuple[int, int]]:
     """Bytes (sent, received) of each rank, in rank order, for one call of
-    napkin's wrappers (arguments as ``comm_terms``).  Every rank sends what
-    it receives, and the counts are uniform over ranks because padding gives
-    every rank the same number of rows."""
-    moved = sum(t.steps * t.nbytes for t in comm_terms(scheme, grid, sizes, dtype, phase, family))
-    p = grid[0] * grid[1] if scheme == "attention2d" else (grid if isinstance(grid, int) else grid[0])
-    return [(moved, moved)] * p
+    napkin's wrappers (arguments as ``comm_terms``).  Padding gives every
+    rank the same rows, so ATTENTION2D and the rings are uniform over ranks;
+    the tree is not when P is not a power of two."""
+    return C.rank_bytes(scheme, grid, C.Moved.attention(sizes, _dtype_name(dtype), family), phase)

@@ -1,12 +1,8 @@
-"""The local attention a device runs on its blocks, and what the wrappers
-need to know about the diagram.
+"""The local attention a device runs on its blocks.
 
-``roles(diagram)`` reads a checked diagram and names the parts the
-distributed wrappers move around: the query wire and the key wire (from the
-devices level, else given), the token inputs (cut along one of the two
-wires and moved between devices), the side inputs (passed whole to every
-device), the value output O and the lse, and the merge family.  Anything the
-merge rule cannot handle exactly is refused with a NapkinError.
+What the wrappers read off the diagram (``roles``: query and key wires,
+token and side inputs, O, lse, the merge family, the scheme) lives in
+reading.py, which needs no torch; it is re-exported here.
 
 The LOCAL ATTENTION protocol (what a Triton kernel must also offer):
 
@@ -37,232 +33,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
 from .. import ir
-from ..errors import Diagnostic, NapkinError
 from .evaluate import Evaluator
-from .merge import partial_weight
+from .merging import partial_weight
+from .reading import Roles, _factors, _map, roles
+
+__all__ = ["EagerLocal", "Roles", "autograd_backward", "roles", "accumulator_dtype"]
 
 _QPOS, _XPOS, _XVALID, _QLEN, _XLEN = "_qpos", "_xpos", "_xvalid", "_qlen", "_xlen"
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "logsumexp": float("-inf"), "min": float("inf")}
-
-
-def _refuse(message: str, loc: ir.Loc = ir.NOLOC, hint: Optional[str] = None) -> NapkinError:
-    return NapkinError([Diagnostic(f"cannot distribute this diagram: {message}", loc, hint)])
-
-
-# --------------------------------------------------------------------------
-# Small IR helpers.
-# --------------------------------------------------------------------------
-
-def _map(e: ir.Expr, f) -> ir.Expr:
-    """Rebuild e bottom-up, applying f to every rebuilt node."""
-    if isinstance(e, ir.Unary):
-        e = dataclasses.replace(e, operand=_map(e.operand, f))
-    elif isinstance(e, ir.Binary):
-        e = dataclasses.replace(e, lhs=_map(e.lhs, f), rhs=_map(e.rhs, f))
-    elif isinstance(e, ir.Call):
-        e = dataclasses.replace(e, args=tuple(_map(a, f) for a in e.args))
-    elif isinstance(e, (ir.Reduce, ir.Normalize)):
-        e = dataclasses.replace(e, body=_map(e.body, f))
-    return f(e)
-
-
-def _inline(d: ir.Diagram, e: ir.Expr) -> ir.Expr:
-    """e with every box reference replaced by the box's expression."""
-    def sub(n):
-        if isinstance(n, ir.TensorRef) and isinstance(d.tensor(n.name), ir.Let):
-            let = d.tensor(n.name)
-            if n.wires is not None and tuple(n.wires) != ir.axis_wires(let.axes):
-                raise _refuse(f"box {n.name} is read along other wires", n.loc)
-            return _inline(d, let.expr)
-        return n
-    return _map(e, sub)
-
-
-def _wires(d: ir.Diagram, e: ir.Expr) -> set[str]:
-    """The wires an expression produces (inline first)."""
-    if isinstance(e, ir.WireIndex):
-        return {e.wire}
-    if isinstance(e, ir.TensorRef):
-        return set(e.wires if e.wires is not None else ir.axis_wires(d.tensor(e.name).axes))
-    if isinstance(e, ir.Reduce):
-        return _wires(d, e.body) - set(e.wires)
-    out: set[str] = set()
-    for child in _children(e):
-        out |= _wires(d, child)
-    return out
-
-
-def _children(e: ir.Expr) -> list:
-    if isinstance(e, ir.Unary):
-        return [e.operand]
-    if isinstance(e, ir.Binary):
-        return [e.lhs, e.rhs]
-    if isinstance(e, ir.Call):
-        return list(e.args)
-    if isinstance(e, (ir.Reduce, ir.Normalize)):
-        return [e.body]
-    return []
-
-
-def _factors(e: ir.Expr) -> list:
-    if isinstance(e, ir.Binary) and e.op == "*":
-        return _factors(e.lhs) + _factors(e.rhs)
-    return [e]
-
-
-def _touches(e: ir.Expr, wire: str) -> bool:
-    """Does e reduce or normalise along ``wire`` anywhere?"""
-    return any((isinstance(n, ir.Reduce) and wire in n.wires) or (isinstance(n, ir.Normalize) and n.wire == wire)
-               for n in ir.walk(e))
-
-
-# --------------------------------------------------------------------------
-# Roles.
-# --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Roles:
-    diagram: ir.Diagram
-    query: str                          # the query wire (grouped across devices)
-    key: str                            # the key wire (grouped or streamed: merged)
-    tokens: tuple[str, ...]             # token inputs, declaration order
-    token_wire: tuple[str, ...]         # query or key, per token input
-    token_axis: tuple[int, ...]         # the stored dimension of that wire, per token input
-    side: tuple[str, ...]               # inputs passed whole to every device
-    outputs: tuple[str, ...]            # the diagram's outputs, in order
-    value: str                          # the output O (a sum over the key wire)
-    lse: Optional[str]                  # the lse output, if the diagram has one
-    family: str                         # "softmax" or "sum"
-    score: Optional[ir.Expr]            # the softmax's argument (inlined)
-    out_axis: int                       # O's stored dimension of the query wire
-    value_axes: int                     # O's trailing dimensions that lse lacks (d)
-    scheme: Optional[tuple[str, tuple[int, ...]]]  # from the devices level, if any
-
-    def is_query(self, index: int) -> bool:
-        return self.token_wire[index] == self.query
-
-
-def _device_wires(d: ir.Diagram, value_expr) -> tuple:
-    """(query, key, scheme) from the devices level, or Nones without one."""
-    level = d.level("devices")
-    if level is None or not level.tiles:
-        return None, None, None
-    groups = [t for t in level.tiles if t.kind == "group"]
-    streams = [t for t in level.tiles if t.kind == "stream"]
-    reduced = set(value_expr.wires) if isinstance(value_expr, ir.Reduce) else set()
-    if streams:
-        s = streams[0]
-        if len(groups) != 1 or groups[0].size != s.size:
-            raise _refuse("Ring Attention needs 'group Q across P' and 'stream X across P' with the same P",
-                          s.loc)
-        return groups[0].wire, s.wire, ("ring", (s.size,))
-    if len(groups) == 2:
-        keys = [g for g in groups if g.wire in reduced]
-        if len(keys) != 1:
-            raise _refuse("ATTENTION2D needs exactly one device-split wire reduced by the output", level.loc)
-        qt = next(g for g in groups if g is not keys[0])
-        return qt.wire, keys[0].wire, ("attention2d", (qt.size, keys[0].size))
-    if len(groups) == 1:
-        g = groups[0]
-        if g.wire in reduced:
-            return None, g.wire, ("attention2d", (1, g.size))
-        return g.wire, None, ("attention2d", (g.size, 1))
-    raise _refuse("the devices level splits more wires than ATTENTION2D or Ring Attention handles", level.loc)
-
-
-def roles(d: ir.Diagram, query: Optional[str] = None, key: Optional[str] = None) -> Roles:
-    """What the distributed wrappers need to know about a checked diagram."""
-    inlined = {o.name: _inline(d, d.tensor(o.name).expr) if isinstance(d.tensor(o.name), ir.Let) else None
-               for o in d.outputs}
-    sums = [n for n, e in inlined.items() if isinstance(e, ir.Reduce) and e.op == "sum"]
-    dq, dk, scheme = _device_wires(d, inlined[sums[0]] if len(sums) == 1 else None)
-    query = query or dq or ("q" if d.wire("q") else None)
-    key = key or dk or ("x" if d.wire("x") else None)
-    if query is None or key is None or query == key:
-        raise _refuse("name the query and key wires (query_wire=, key_wire=)", d.loc)
-
-    # outputs: one value output O = sum over the key wire, optionally lse
-    value = lse = score = None
-    family = "sum"
-    for name, e in inlined.items():
-        if isinstance(e, ir.Reduce) and e.wires == (key,) and e.op == "logsumexp":
-            if lse is not None:
-                raise _refuse(f"two log-sum-exp outputs ({lse}, {name})")
-            lse = name
-        elif isinstance(e, ir.Reduce) and e.wires == (key,) and e.op == "sum":
-            if value is not None:
-                raise _refuse(f"two outputs reduce the key wire {key} ({value}, {name})")
-            value = name
-        else:
-            raise _refuse(f"output {name} is neither a sum nor a logsumexp over the key wire {key}",
-                          d.tensor(name).loc, "the partial states of other outputs have no exact merge")
-    if value is None:
-        raise _refuse(f"no output sums over the key wire {key}")
-    body = inlined[value].body
-    norms = [n for n in ir.walk(body) if isinstance(n, ir.Normalize)]
-    if norms:
-        soft = norms[0]
-        facs = _factors(body)
-        if (soft.op != "softmax" or soft.wire != key or sum(f == soft for f in facs) != 1
-                or any(_touches(f, key) for f in facs if f != soft) or _touches(soft.body, key)):
-            raise _refuse(f"{value} must be sum[{key}](softmax[{key}](S) * ...) with S free of reductions "
-                          f"over {key}", d.tensor(value).loc)
-        family, score = "softmax", soft.body
-    elif _touches(body, key):
-        raise _refuse(f"{value} reduces over {key} inside its sum", d.tensor(value).loc)
-    if lse is not None:
-        if family != "softmax" or inlined[lse].body != score:
-            raise _refuse(f"{lse} must be the log-sum-exp of the same scores the softmax normalises",
-                          d.tensor(lse).loc)
-    for t in d.lets:
-        if _touches(t.expr, query):
-            raise _refuse(f"box {t.name} reduces over the query wire {query}, which is split across devices",
-                          t.loc)
-
-    # inputs: token inputs are floating and carry exactly one of the two wires
-    tokens, twire, taxis, side = [], [], [], []
-    reads = [n for t in d.lets for n in ir.walk(t.expr) if isinstance(n, ir.TensorRef)]
-    for t in d.inputs:
-        wires = ir.axis_wires(t.axes)
-        split = [w for w in (query, key) if w in wires]
-        if not split or t.dtype not in ir.FLOAT_DTYPES:
-            side.append(t.name)
-            continue
-        if len(split) == 2:
-            raise _refuse(f"input {t.name} carries both {query} and {key}", t.loc)
-        if any(r.name == t.name and r.wires is not None and tuple(r.wires) != wires for r in reads):
-            raise _refuse(f"input {t.name} is split along {split[0]} but read along other wires", t.loc)
-        axis = next(i for i, a in enumerate(t.axes) if split[0] in a)
-        if len(t.axes[axis]) != 1:
-            raise _refuse(f"input {t.name} flattens {split[0]} with other wires", t.loc)
-        tokens.append(t.name)
-        twire.append(split[0])
-        taxis.append(axis)
-    if query not in twire or key not in twire:
-        raise _refuse(f"need inputs along the query wire {query} and the key wire {key}")
-
-    o = d.tensor(value)
-    oaxes = o.axes
-    rows = (_wires(d, score) - {key}) if score is not None else set()
-    nvalue = 0
-    while nvalue < len(oaxes) and rows and not set(oaxes[len(oaxes) - 1 - nvalue]) & rows:
-        nvalue += 1
-    if family == "softmax":
-        if any(not set(a) & rows for a in oaxes[:len(oaxes) - nvalue]):
-            raise _refuse(f"the value wires of {value} must be its last dimensions", o.loc)
-        if lse is not None and tuple(d.tensor(lse).axes) != tuple(oaxes[:len(oaxes) - nvalue]):
-            raise _refuse(f"{lse} must be laid out as {value} without its value wires", d.tensor(lse).loc)
-    out_axis = next((i for i, a in enumerate(oaxes) if query in a), None)
-    if out_axis is None or len(oaxes[out_axis]) != 1:
-        raise _refuse(f"{value} must keep the query wire {query} as a dimension of its own", o.loc)
-    return Roles(d, query, key, tuple(tokens), tuple(twire), tuple(taxis), tuple(side),
-                 tuple(o.name for o in d.outputs), value, lse, family, score, out_axis, nvalue, scheme)
 
 
 # --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from .commcount import phase
 from .common import handshake, pad_rows, results, row_delta, split_side, zero_rows
 from .layouts import TokenLayout
 from .local import EagerLocal, Roles, autograd_backward, roles
-from .merge import merge
+from .merging import merge
 
 
 class RingAttention:

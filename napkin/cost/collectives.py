@@ -1,0 +1,445 @@
+"""What napkin's distributed schemes send, device by device and link by link.
+
+This is the one model of communication across devices.  The cost pass
+(devices.py), ``napkin plan``, ``napkin.distributed.predicted_comm`` and the
+tables in docs/ all read it, and the multi-process tests prove it against
+the communication counter, byte for byte, on every rank.  Pure arithmetic:
+no torch.
+
+The schemes (napkin/distributed/ runs each one):
+
+* ``attention2d``: an R x C grid, tokens dealt cyclically over all P = R*C
+  devices.  Forward: all-gather Q along the row, K and V along the column,
+  all-to-all of the partial states (O, lse) along the row.  Backward:
+  all-gather Q, dO, lse, delta along the row and K, V along the column;
+  reduce-scatter dQ along the row, dK and dV along the column.
+* ``ring``: a ring of P, zigzag layout.  K and V pass round the ring (P-1
+  passes); backward: K, V again and their gradient accumulators dK, dV
+  (P passes: one more brings them home).
+* ``burst``: the same forward, BurstAttention's backward: the query side
+  (Q, dO, lse, delta) passes round the ring while K, V stay put, and the
+  accumulator dQ follows it (P passes).  It moves h_q-sized rows where Ring
+  moves h_kv-sized ones, so it wins under multi-head attention and loses
+  under grouped-query attention.
+* ``tree``: decoding.  Every device holds every query; the keys are dealt
+  contiguously; the partial states (O, lse) are merged by a butterfly
+  (recursive doubling): log2 P rounds, each an exchange with the partner
+  whose part differs in one bit.  With P not a power of two the extra
+  devices first fold their state into a partner and get the result back at
+  the end.
+
+Byte counts follow the direct-exchange model of the counter
+(napkin/distributed/commcount.py): an all-gather among k devices sends each
+peer one block; an all-to-all or reduce-scatter sends each peer its block; a
+ring pass sends one block to the next device.  Partial states, lse, delta
+and gradient accumulators travel in fp32 (fp64 for fp64 inputs): ``state``.
+
+Every collective is a ``Term``: ``steps`` blocks of ``nbytes``.  A
+``collective`` term sends one block to each of its ``steps`` peers; a
+``pass`` term sends all of its ``steps`` blocks to one peer in a row.
+``Placement`` puts the scheme's parts on global ranks and nodes, so each
+block is known to cross NVLink (within a node) or InfiniBand (across).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+SCHEMES = ("attention2d", "ring", "burst", "tree")
+PHASES = ("check", "forward", "backward")
+
+# The shape handshake: one int64 vector per rank (napkin/distributed/groups.py,
+# META_LEN = 3 + 8 * (3 + 5) = 67 entries).
+META_BYTES = 8 * 67
+
+ELEMENT_BYTES = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def state_bytes(dtype: str) -> int:
+    """Partial states travel in fp64 when the inputs are fp64, else in fp32."""
+    return 8 if dtype == "fp64" else 4
+
+
+# --------------------------------------------------------------------------
+# What moves: widths per token row.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Moved:
+    """The tensors a scheme moves, as elements per token row.
+
+    query / keys: (elements per row, bytes per element) of each token input
+    along the query / key wire (Q; K and V).  out: elements of O per query
+    row; out_bytes: O's element size as the caller sees it (dO travels so).
+    stats: elements of lse per query row (0 for the sum family, which has no
+    lse).  state: bytes per element of partial states and accumulators.
+    """
+
+    q_len: int
+    x_len: int
+    query: tuple[tuple[int, int], ...]
+    keys: tuple[tuple[int, int], ...]
+    out: int
+    out_bytes: int
+    stats: int
+    state: int
+
+    @classmethod
+    def attention(cls, sizes: Mapping[str, int], dtype: str, family: str = "softmax") -> "Moved":
+        """Q, K, V of ``b`` batches, ``hq`` query heads, ``hkv`` key/value
+        heads of dimension ``d``; ``q`` query tokens, ``x`` keys (default q)."""
+        e = ELEMENT_BYTES[dtype]
+        b, hq, hkv, d = sizes["b"], sizes["hq"], sizes["hkv"], sizes["d"]
+        return cls(sizes["q"], sizes.get("x", sizes["q"]), ((b * hq * d, e),), ((b * hkv * d, e),) * 2,
+                   b * hq * d, e, b * hq if family == "softmax" else 0, state_bytes(dtype))
+
+    # bytes per row of the bundles the schemes move
+    @property
+    def query_row(self) -> int:
+        return sum(w * e for w, e in self.query)
+
+    @property
+    def key_row(self) -> int:
+        return sum(w * e for w, e in self.keys)
+
+    @property
+    def backward_query_row(self) -> int:
+        """Q, dO and (softmax) lse and delta: what the backward needs per query row."""
+        return self.query_row + self.out * self.out_bytes + 2 * self.stats * self.state
+
+    @property
+    def state_row(self) -> int:
+        """A partial state (O, lse) per query row."""
+        return (self.out + self.stats) * self.state
+
+
+def layout_rows(scheme: str, parts: int, length: int) -> int:
+    """Rows every part holds, padding included: zigzag for the ring schemes
+    (2P chunks, two each), cyclic for ATTENTION2D, contiguous for the tree's
+    keys."""
+    if scheme in ("ring", "burst"):
+        return 2 * ceil_div(length, 2 * parts)
+    return ceil_div(length, parts)
+
+
+# --------------------------------------------------------------------------
+# Terms.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Term:
+    """One collective of a call, for one part: ``steps`` blocks of ``nbytes``.
+
+    kind "collective": one block to each of ``steps`` peers (and one from
+    each); "pass": all ``steps`` blocks to one peer and from another.
+    ``sends`` / ``receives``: whether this part sends / receives (the tree's
+    fold and unfold go one way)."""
+
+    what: str
+    group: str          # "row", "column", "ring", "all", "fold", "unfold", "round K"
+    kind: str
+    steps: int
+    nbytes: int
+    sends: bool = True
+    receives: bool = True
+
+    @property
+    def total(self) -> int:
+        return self.steps * self.nbytes
+
+
+def parts_of(scheme: str, grid: Sequence[int]) -> int:
+    return grid[0] * grid[1] if scheme == "attention2d" else grid[0]
+
+
+def _grid(scheme: str, grid) -> tuple[int, ...]:
+    grid = (grid,) if isinstance(grid, int) else tuple(grid)
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    if len(grid) != (2 if scheme == "attention2d" else 1) or min(grid) < 1:
+        raise ValueError(f"bad grid {grid} for {scheme}")
+    return grid
+
+
+def terms(scheme: str, grid, moved: Moved, phase: str = "forward", part: int = 0) -> list[Term]:
+    """The collectives part ``part`` of the scheme runs in one call's phase
+    ("check": the shape handshake before the forward; "forward";
+    "backward").  Terms with no steps are left out."""
+    grid = _grid(scheme, grid)
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
+    m = moved
+    if scheme == "attention2d":
+        r, c = grid
+        p = r * c
+        nq, nx = ceil_div(m.q_len, p), ceil_div(m.x_len, p)
+        if phase == "check":
+            out = [Term("shapes", "row", "collective", c - 1, META_BYTES),
+                   Term("shapes", "column", "collective", r - 1, c * META_BYTES)]
+        elif phase == "forward":
+            out = [Term("Q", "row", "collective", c - 1, nq * m.query_row),
+                   Term("K, V", "column", "collective", r - 1, nx * m.key_row),
+                   Term("partial states", "row", "collective", c - 1, nq * m.state_row)]
+        else:
+            out = [Term("Q, dO" + (", lse, delta" if m.stats else ""), "row", "collective", c - 1,
+                        nq * m.backward_query_row),
+                   Term("K, V", "column", "collective", r - 1, nx * m.key_row),
+                   Term("dQ (reduce-scatter)", "row", "collective", c - 1,
+                        nq * sum(w for w, _ in m.query) * m.state),
+                   Term("dK, dV (reduce-scatter)", "column", "collective", r - 1,
+                        nx * sum(w for w, _ in m.keys) * m.state)]
+    elif scheme in ("ring", "burst"):
+        p = grid[0]
+        nq, nx = layout_rows(scheme, p, m.q_len), layout_rows(scheme, p, m.x_len)
+        if phase == "check":
+            out = [Term("shapes", "all", "collective", p - 1, META_BYTES)]
+        elif phase == "forward":
+            out = [Term("K, V", "ring", "pass", p - 1, nx * m.key_row)]
+        elif scheme == "ring":
+            out = [Term("K, V", "ring", "pass", p - 1, nx * m.key_row),
+                   Term("dK, dV", "ring", "pass", p, nx * sum(w for w, _ in m.keys) * m.state)]
+        else:
+            out = [Term("Q, dO" + (", lse, delta" if m.stats else ""), "ring", "pass", p - 1,
+                        nq * m.backward_query_row),
+                   Term("dQ", "ring", "pass", p, nq * sum(w for w, _ in m.query) * m.state)]
+    else:
+        out = _tree_terms(grid[0], m, phase, part)
+    return [t for t in out if t.steps > 0]
+
+
+def _tree_terms(p: int, m: Moved, phase: str, part: int) -> list[Term]:
+    if phase == "check":
+        return [Term("shapes", "all", "collective", p - 1, META_BYTES)]
+    if phase == "backward":
+        return []                      # decoding is forward only
+    state = m.q_len * m.state_row
+    low = 1 << (p.bit_length() - 1)    # the largest power of two <= p
+    out = []
+    if part >= low:                    # an extra device: fold in, wait for the result
+        return [Term("partial state (fold)", "fold", "pass", 1, state, receives=False),
+                Term("merged state (unfold)", "unfold", "pass", 1, state, sends=False)]
+    if part < p - low:
+        out.append(Term("partial state (fold)", "fold", "pass", 1, state, sends=False))
+    for k in range(low.bit_length() - 1):
+        out.append(Term("partial states", f"round {k}", "pass", 1, state))
+    if part < p - low:
+        out.append(Term("merged state (unfold)", "unfold", "pass", 1, state, receives=False))
+    return out
+
+
+def rank_bytes(scheme: str, grid, moved: Moved, phase: str = "forward") -> list[tuple[int, int]]:
+    """(bytes sent, bytes received) of every part, in part order."""
+    grid = _grid(scheme, grid)
+    out = []
+    for part in range(parts_of(scheme, grid)):
+        ts = terms(scheme, grid, moved, phase, part)
+        out.append((sum(t.total for t in ts if t.sends), sum(t.total for t in ts if t.receives)))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Placement: parts on ranks, ranks on nodes, peers.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a scheme's parts run.
+
+    Parts are the scheme's own order (grid part i*C + j, ring or tree
+    position).  ``gpus_per_node`` G (None: all on one node).  Without
+    ``block``, part p runs on global rank p and ranks fill nodes in order.
+    ATTENTION2D with ``block = (DR, DC)``: every node holds a DR x DC block
+    of the grid (DR * DC = G), nodes in row-major order over the grid of
+    blocks, ranks row-major inside a node.  DC = C puts whole grid rows
+    inside nodes (rows on NVLink, columns across nodes)."""
+
+    scheme: str
+    grid: tuple[int, ...]
+    gpus_per_node: Optional[int] = None
+    block: Optional[tuple[int, int]] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "grid", _grid(self.scheme, self.grid))
+        g = self.gpus_per_node
+        if g is not None and g < 1:
+            raise ValueError(f"gpus per node must be positive, not {g}")
+        if self.block is not None:
+            dr, dc = self.block
+            r, c = self.grid
+            if self.scheme != "attention2d" or r % dr or c % dc:
+                raise ValueError(f"a {dr} x {dc} block does not tile the {self.grid} grid of {self.scheme}")
+            if g is not None and g != dr * dc:
+                raise ValueError(f"a {dr} x {dc} block per node needs {dr * dc} GPUs per node, not {g}")
+            object.__setattr__(self, "gpus_per_node", dr * dc)
+
+    @property
+    def parts(self) -> int:
+        return parts_of(self.scheme, self.grid)
+
+    def rank(self, part: int) -> int:
+        """The global rank part ``part`` runs on."""
+        if self.block is None:
+            return part
+        r, c = self.grid
+        dr, dc = self.block
+        i, j = divmod(part, c)
+        node = (i // dr) * (c // dc) + j // dc
+        return node * dr * dc + (i % dr) * dc + j % dc
+
+    def ranks(self) -> list[int]:
+        return [self.rank(p) for p in range(self.parts)]
+
+    def node(self, part: int) -> int:
+        g = self.gpus_per_node
+        return 0 if g is None else self.rank(part) // g
+
+    def peers(self, group: str, part: int) -> list[int]:
+        """The parts ``part`` sends a block to in a term of ``group``."""
+        p = self.parts
+        if group == "all":
+            return [q for q in range(p) if q != part]
+        if group in ("row", "column"):
+            r, c = self.grid
+            i, j = divmod(part, c)
+            if group == "row":
+                return [i * c + jj for jj in range(c) if jj != j]
+            return [ii * c + j for ii in range(r) if ii != i]
+        if group == "ring":
+            return [(part + 1) % p]
+        low = 1 << (p.bit_length() - 1)
+        if group in ("fold", "unfold"):
+            return [part - low if part >= low else part + low]
+        if group.startswith("round "):
+            return [part ^ (1 << int(group.split()[1]))]
+        raise ValueError(f"unknown group {group!r}")
+
+    def senders(self, group: str, part: int) -> list[int]:
+        """The parts ``part`` receives a block from (a ring receives from the
+        previous device; every other group is symmetric)."""
+        if group == "ring":
+            return [(part - 1) % self.parts]
+        return self.peers(group, part)
+
+
+def link_bytes(term: Term, placement: Placement, part: int, sending: bool = True) -> tuple[int, int]:
+    """(bytes within the node, bytes across nodes) that ``part`` sends (or
+    receives) in ``term``."""
+    if not (term.sends if sending else term.receives):
+        return 0, 0
+    peers = placement.peers(term.group, part) if sending else placement.senders(term.group, part)
+    per_peer = term.nbytes if term.kind == "collective" else term.total
+    home = placement.node(part)
+    inter = sum(1 for q in peers if placement.node(q) != home)
+    return (len(peers) - inter) * per_peer, inter * per_peer
+
+
+@dataclass(frozen=True)
+class RankTraffic:
+    sent: int
+    received: int
+    sent_within: int        # of the bytes sent, to peers on the same node
+    sent_across: int        # to peers on other nodes
+
+
+def traffic(placement: Placement, moved: Moved, phase: str = "forward") -> list[RankTraffic]:
+    """Per part (in part order): bytes sent and received, and the bytes sent
+    split by link."""
+    out = []
+    for part in range(placement.parts):
+        ts = terms(placement.scheme, placement.grid, moved, phase, part)
+        within = across = 0
+        for t in ts:
+            a, b = link_bytes(t, placement, part)
+            within, across = within + a, across + b
+        out.append(RankTraffic(sum(t.total for t in ts if t.sends), sum(t.total for t in ts if t.receives),
+                               within, across))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Time.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Links:
+    """Per GPU, per direction, bytes per second: NVLink within a node,
+    InfiniBand across nodes (napkin/profiles.toml)."""
+
+    within: float
+    across: float
+
+    @classmethod
+    def of(cls, profile) -> "Links":
+        return cls(profile["nvlink_bandwidth"], profile["infiniband_bandwidth"])
+
+
+def phase_seconds(placement: Placement, moved: Moved, phase: str, links: Links) -> dict[str, float]:
+    """Seconds per collective (keyed by the term's what and group) of a
+    phase.  A part's two links work at once, so its time is max(bytes within
+    / NVLink, bytes across / InfiniBand) over what it sends and receives;
+    each collective waits for its slowest part."""
+    out: dict[str, float] = {}
+    for part in range(placement.parts):
+        for t in terms(placement.scheme, placement.grid, moved, phase, part):
+            key = f"{t.what} [{t.group}]"
+            a, b = link_bytes(t, placement, part, True)
+            c, d = link_bytes(t, placement, part, False)
+            secs = max(a / links.within, b / links.across, c / links.within, d / links.across)
+            out[key] = max(out.get(key, 0.0), secs)
+    return out
+
+
+@dataclass(frozen=True)
+class Timing:
+    forward_s: float
+    backward_s: float           # 0 without a backward
+    forward_comm_s: float
+    backward_comm_s: float
+    forward_compute_s: float
+    backward_compute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def scheme_seconds(placement: Placement, moved: Moved, links: Links, forward_steps: Sequence[float],
+                   backward_steps: Optional[Sequence[float]] = None) -> Timing:
+    """Predicted seconds of one call.
+
+    ``forward_steps`` / ``backward_steps``: compute seconds of the slowest
+    part at each step (P steps for the ring schemes, one step otherwise).
+    ATTENTION2D and the tree do not overlap (communication, then compute:
+    the paper's faster no-overlap variant).  The ring schemes overlap every
+    step's compute with the pass that brings the next step's blocks and with
+    the accumulator pass of the previous step; the last accumulator pass
+    (bringing dK, dV or dQ home) is not hidden."""
+    scheme = placement.scheme
+    fwd_comm = phase_seconds(placement, moved, "forward", links)
+    bwd_comm = phase_seconds(placement, moved, "backward", links) if backward_steps is not None else {}
+    fc, bc = sum(fwd_comm.values()), sum(bwd_comm.values())
+    f_compute = sum(forward_steps)
+    b_compute = sum(backward_steps) if backward_steps is not None else 0.0
+    if scheme not in ("ring", "burst"):
+        fwd = fc + f_compute
+        bwd = bc + b_compute if backward_steps is not None else 0.0
+        return Timing(fwd, bwd, fc, bc, f_compute, b_compute)
+    p = placement.grid[0]
+    if len(forward_steps) != p or (backward_steps is not None and len(backward_steps) != p):
+        raise ValueError(f"a ring of {p} needs {p} compute steps")
+    move = fc / max(p - 1, 1)                         # one pass of K, V
+    fwd = sum(max(c, move if s < p - 1 else 0.0) for s, c in enumerate(forward_steps))
+    bwd = 0.0
+    if backward_steps is not None:
+        items = sorted(bwd_comm.items())
+        blocks = sum(v for k, v in items if not k.startswith(("dK", "dQ"))) / max(p - 1, 1)
+        acc = sum(v for k, v in items if k.startswith(("dK", "dQ"))) / p
+        for s, c in enumerate(backward_steps):
+            bwd += max(c, (blocks if s < p - 1 else 0.0) + (acc if s > 0 else 0.0))
+        bwd += acc
+    return Timing(fwd, bwd, fc, bc, f_compute, b_compute)
