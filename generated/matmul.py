@@ -48,6 +48,12 @@ _DTYPES = {"A": "fp16", "B": "fp16", "C": "fp16"}
 _RELABELS = ()
 # Default block sizes, from the diagram's schedule.
 _BLOCKS = {"m": 128, "n": 128, "k": 32}
+# The dimensions of what only training moves: saved row state, gradients.
+_BACKWARD_LAYOUTS = {
+    "_grad_C": (("m",), ("n",)),
+    "_grad_A": (("m",), ("k",)),
+    "_grad_B": (("k",), ("n",)),
+}
 
 _TORCH_DTYPES = {
     "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64,
@@ -84,11 +90,13 @@ def _check_dtype(name, t, declared, kernel, classes):
                             f"both {declared}, so they must share one dtype")
 
 
-def _bind(tensors, kernel):
+def _bind(tensors, kernel, free=()):
     """Check the inputs against the diagram and bind every wire's size.
 
     Returns (sizes, classes, device): ``classes`` maps each declared float
-    dtype to the torch dtype its inputs share at this call."""
+    dtype to the torch dtype its inputs share at this call.  ``free``: the
+    (input, dimension) pairs that hold global rows (read at positions): they
+    bind nothing and the launcher checks them."""
     if len(tensors) != len(INPUTS):
         raise TypeError(f"expected {len(INPUTS)} inputs ({', '.join(INPUTS)}), got {len(tensors)}")
     classes, device = {}, None
@@ -108,7 +116,7 @@ def _bind(tensors, kernel):
     source = {w: "the diagram" for w in sizes}
     # Single wires bind directly; a grouped axis (hk g) binds its one unknown wire.
     pending = [(name, i, axis, t.shape[i]) for name, t in zip(INPUTS, tensors)
-               for i, axis in enumerate(_LAYOUTS[name])]
+               for i, axis in enumerate(_LAYOUTS[name]) if (name, i) not in free]
     while pending:
         ready = [p for p in pending if sum(w not in sizes for w in p[2]) <= 1]
         if not ready:
@@ -129,7 +137,7 @@ def _bind(tensors, kernel):
                 w = next(w for w in axis if source.get(w) != what)
                 raise ValueError(f"{what} has size {n}, but wire {w} has size {sizes[w]} from {source[w]}")
     for name, declared, read in _RELABELS:
-        if sizes[declared] != sizes[read]:
+        if sizes[declared] != sizes[read] and not any(f[0] == name for f in free):
             raise ValueError(f"{name} is read along {read} as well as {declared}, so wires {read} "
                              f"({sizes[read]}) and {declared} ({sizes[declared]}) must have equal sizes")
     return sizes, {k: v[0] for k, v in classes.items()}, device[0]
@@ -153,11 +161,15 @@ def _dim_block(n):
     return max(16, triton.next_power_of_2(n))
 
 
+def _layout(name):
+    return _LAYOUTS[name] if name in _LAYOUTS else _BACKWARD_LAYOUTS[name]
+
+
 def _wire_strides(t, name, sizes):
     """One stride per wire of the tensor's flattened layout (an axis (hk g)
     has stride(hk) = stride(axis) * |g| and stride(g) = stride(axis))."""
     out = []
-    for axis, stride in zip(_LAYOUTS[name], t.stride()):
+    for axis, stride in zip(_layout(name), t.stride()):
         inner, per = 1, []
         for w in reversed(axis):
             per.append(stride * inner)
@@ -167,7 +179,7 @@ def _wire_strides(t, name, sizes):
 
 
 def _shape(name, sizes):
-    return [math.prod(sizes[w] for w in axis) for axis in _LAYOUTS[name]]
+    return [math.prod(sizes[w] for w in axis) for axis in _layout(name)]
 
 
 def _out_dtype(name, classes):
@@ -189,8 +201,34 @@ def _wider(outputs, inputs):
     return any(t.is_floating_point() and t.element_size() < widest for t in inputs)
 
 
-def _allocate(sizes, classes, device):
-    return [torch.empty(_shape(name, sizes), dtype=_out_dtype(name, classes), device=device) for name in OUTPUTS]
+def _allocate(sizes, classes, device, out_dtype=None):
+    """The outputs; ``out_dtype`` (a launcher option) replaces every float
+    output's dtype, e.g. float32 partial states that are merged later."""
+    if out_dtype is not None and out_dtype not in _KERNEL_FLOATS:
+        raise ValueError(f"out_dtype must be one of {', '.join(map(str, _KERNEL_FLOATS))}, not {out_dtype!r}")
+    return [torch.empty(_shape(name, sizes), dtype=out_dtype if out_dtype is not None and _DTYPES[name] in
+                        ("fp16", "bf16", "fp32") else _out_dtype(name, classes), device=device) for name in OUTPUTS]
+
+
+def _autocast(tensors):
+    """Under torch.autocast, the float inputs declared like the first float
+    input take the autocast dtype (as a matmul's operands would), so mixed
+    dtypes from autocast layers meet one kernel dtype; others keep theirs."""
+    floats = [(n, t) for n, t in zip(INPUTS, tensors) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats or not torch.is_autocast_enabled(floats[0][1].device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(floats[0][1].device.type)
+    main = _DTYPES[floats[0][0]]
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and _DTYPES[n] == main
+                 else t for n, t in zip(INPUTS, tensors))
+
+
+def _differentiable(tensors):
+    """Whether a call goes through the torch op: an input requires a
+    gradient, or torch.compile is tracing (it must see one opaque op)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -366,7 +404,19 @@ def matmul(A, B, *, block_m=None, block_n=None, block_k=None, num_warps=None, nu
 
     Block sizes default to the schedule's (block_m=128, block_n=128, block_k=32); smaller ones
     (e.g. 16 or 32) keep runs under TRITON_INTERPRET=1 fast.  num_warps and
-    num_stages go to Triton."""
+    num_stages go to Triton.  Differentiable: when an input requires a
+    gradient (or under torch.compile) this calls the torch op, whose backward
+    runs the backward kernels (see matmul_backward)."""
+    A, B = _autocast((A, B))
+    if _differentiable((A, B)):
+        return _matmul_autograd(A, B, block_m, block_n, block_k, num_warps, num_stages)
+    return _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, False)[0][0]
+
+
+def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _save):
+    """Launch the forward kernel: ((outputs), (saved row state)).  The row
+    state (what the backward reads that is not an output) is written only
+    when _save is set."""
     _sz, _cls, _dev = _bind((A, B), kernel=True)
     _check_device(_dev)
     _opts = _autotune_fill({"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}, _sz, _dev)
@@ -384,7 +434,241 @@ def matmul(A, B, *, block_m=None, block_n=None, block_k=None, num_warps=None, nu
             *_wire_strides(C, "C", _sz),
             _BLOCK_m=_br, _BLOCK_n=_bc, _BLOCK_k=_bk, num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4), num_stages=_opts["num_stages"] or 2,
         )
-    return C
+    return (C,), ()
+# ---------------------------------------------------------------------------
+# Training.  matmul(...) calls the torch op below when an input requires
+# a gradient (or under torch.compile); its backward runs the kernels here.
+# ---------------------------------------------------------------------------
+
+_OPTIONS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", )
+
+
+def _check_state(tensors, sizes, device):
+    """The backward's other tensors (dO, saved row state, ...) against the diagram."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor")
+        if list(t.shape) != _shape(name, sizes):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, but the inputs make it {tuple(_shape(name, sizes))} "
+                             f"{_layout_text(name) if name in _LAYOUTS else ''}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
+
+
+def _wanted(need):
+    """Which inputs get a gradient: need is None (every float input), a bit
+    mask over INPUTS, or one flag per input; integer inputs never do."""
+    floats = [_DTYPES[n] not in ("int32", "int64", "bool") for n in INPUTS]
+    if need is None:
+        return tuple(floats)
+    flags = [bool(need >> i & 1) for i in range(len(INPUTS))] if isinstance(need, int) else [bool(f) for f in need]
+    if len(flags) != len(INPUTS):
+        raise ValueError(f"need has {len(flags)} flags; there are {len(INPUTS)} inputs ({', '.join(INPUTS)})")
+    return tuple(f and g for f, g in zip(flags, floats))
+
+
+@triton.jit(do_not_specialize=["_size_m", "_size_n", "_size_k"])
+def _matmul_bwd_A_kernel(
+    _grad_C,
+    B,
+    _grad_A,
+    _size_m,
+    _size_n,
+    _size_k,
+    _st__grad_C_m,
+    _st__grad_C_n,
+    _st_B_k,
+    _st_B_n,
+    _st__grad_A_m,
+    _st__grad_A_k,
+    _BLOCK_m: tl.constexpr,
+    _BLOCK_k: tl.constexpr,
+    _BLOCK_n: tl.constexpr,
+):
+    # Program ids: axis 0 a block of m, axis 1 a block of k, axis 2 the batch wires.
+    _batch = tl.program_id(2).to(tl.int64)
+    # (no batch wires: one program per block)
+    _offs_m = tl.program_id(0) * _BLOCK_m + tl.arange(0, _BLOCK_m)
+    _ok_m = _offs_m < _size_m
+    _offs_k = tl.program_id(1) * _BLOCK_k + tl.arange(0, _BLOCK_k)
+    _ok_k = _offs_k < _size_k
+
+    # Tiles without n: loaded once per program.
+    _acc = tl.zeros([_BLOCK_m, _BLOCK_k], dtype=tl.float32)
+    for _start in range(0, _size_n, _BLOCK_n):
+        _offs_n = _start + tl.arange(0, _BLOCK_n)
+        _ok_n = _offs_n < _size_n
+        _a = tl.load(_grad_C + _offs_m[:, None] * _st__grad_C_m + _offs_n[None, :] * _st__grad_C_n, mask=_ok_m[:, None] & _ok_n[None, :], other=0.0)
+        _b = tl.load(B + _offs_k[None, :] * _st_B_k + _offs_n[:, None] * _st_B_n, mask=_ok_n[:, None] & _ok_k[None, :], other=0.0)
+        _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
+
+    # The epilogue, then one store.
+    _out__grad_A = _acc
+    tl.store(_grad_A + _offs_m[:, None] * _st__grad_A_m + _offs_k[None, :] * _st__grad_A_k, _out__grad_A.to(_grad_A.dtype.element_ty), mask=_ok_m[:, None] & _ok_k[None, :])
+
+
+@triton.jit(do_not_specialize=["_size_m", "_size_n", "_size_k"])
+def _matmul_bwd_B_kernel(
+    A,
+    _grad_C,
+    _grad_B,
+    _size_m,
+    _size_n,
+    _size_k,
+    _st_A_m,
+    _st_A_k,
+    _st__grad_C_m,
+    _st__grad_C_n,
+    _st__grad_B_k,
+    _st__grad_B_n,
+    _BLOCK_k: tl.constexpr,
+    _BLOCK_n: tl.constexpr,
+    _BLOCK_m: tl.constexpr,
+):
+    # Program ids: axis 0 a block of k, axis 1 a block of n, axis 2 the batch wires.
+    _batch = tl.program_id(2).to(tl.int64)
+    # (no batch wires: one program per block)
+    _offs_k = tl.program_id(0) * _BLOCK_k + tl.arange(0, _BLOCK_k)
+    _ok_k = _offs_k < _size_k
+    _offs_n = tl.program_id(1) * _BLOCK_n + tl.arange(0, _BLOCK_n)
+    _ok_n = _offs_n < _size_n
+
+    # Tiles without m: loaded once per program.
+    _acc = tl.zeros([_BLOCK_k, _BLOCK_n], dtype=tl.float32)
+    for _start in range(0, _size_m, _BLOCK_m):
+        _offs_m = _start + tl.arange(0, _BLOCK_m)
+        _ok_m = _offs_m < _size_m
+        _a = tl.load(A + _offs_m[None, :] * _st_A_m + _offs_k[:, None] * _st_A_k, mask=_ok_k[:, None] & _ok_m[None, :], other=0.0)
+        _b = tl.load(_grad_C + _offs_m[:, None] * _st__grad_C_m + _offs_n[None, :] * _st__grad_C_n, mask=_ok_m[:, None] & _ok_n[None, :], other=0.0)
+        _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
+
+    # The epilogue, then one store.
+    _out__grad_B = _acc
+    tl.store(_grad_B + _offs_k[:, None] * _st__grad_B_k + _offs_n[None, :] * _st__grad_B_n, _out__grad_B.to(_grad_B.dtype.element_ty), mask=_ok_k[:, None] & _ok_n[None, :])
+
+
+def _matmul_backward(A, B, _grad_C, _o, need):
+    _sz, _cls, _dev = _bind((A, B,), kernel=True)
+    _check_device(_dev)
+    _check_state({"_grad_C": _grad_C}, _sz, _dev)
+    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev)
+    _need = _wanted(need)
+    _warps, _stages = _opts["num_warps"] or 4, _opts["num_stages"] or 2
+    _grad_A = None
+    if _need[0]:  # dA: one more contraction
+        _grad_A = torch.empty(_shape("_grad_A", _sz), dtype=torch.float32, device=_dev)
+        _grid = (triton.cdiv(_sz["m"], _block_size(_opts["block_m"], "m", "block_m")), triton.cdiv(_sz["k"], _block_size(_opts["block_k"], "k", "block_k")), 1)
+        if math.prod(_grid) > 0:
+            _matmul_bwd_A_kernel[_grid](
+                _grad_C, B, _grad_A,
+                _sz["m"], _sz["n"], _sz["k"],
+                *_wire_strides(_grad_C, "_grad_C", _sz),
+                *_wire_strides(B, "B", _sz),
+                *_wire_strides(_grad_A, "_grad_A", _sz),
+                _BLOCK_m=_block_size(_opts["block_m"], "m", "block_m"), _BLOCK_k=_block_size(_opts["block_k"], "k", "block_k"), _BLOCK_n=_block_size(_opts["block_n"], "n", "block_n"),
+                num_warps=_warps, num_stages=_stages,
+            )
+    _grad_B = None
+    if _need[1]:  # dB: one more contraction
+        _grad_B = torch.empty(_shape("_grad_B", _sz), dtype=torch.float32, device=_dev)
+        _grid = (triton.cdiv(_sz["k"], _block_size(_opts["block_k"], "k", "block_k")), triton.cdiv(_sz["n"], _block_size(_opts["block_n"], "n", "block_n")), 1)
+        if math.prod(_grid) > 0:
+            _matmul_bwd_B_kernel[_grid](
+                A, _grad_C, _grad_B,
+                _sz["m"], _sz["n"], _sz["k"],
+                *_wire_strides(A, "A", _sz),
+                *_wire_strides(_grad_C, "_grad_C", _sz),
+                *_wire_strides(_grad_B, "_grad_B", _sz),
+                _BLOCK_k=_block_size(_opts["block_k"], "k", "block_k"), _BLOCK_n=_block_size(_opts["block_n"], "n", "block_n"), _BLOCK_m=_block_size(_opts["block_m"], "m", "block_m"),
+                num_warps=_warps, num_stages=_stages,
+            )
+    return (_grad_A, _grad_B, )
+
+
+def matmul_backward(A, B, dC, *, block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, need=None):
+    """The backward kernels, callable directly: (A, B, dC) -> the gradient
+    of each input, float32 (None for those ``need`` leaves out: one flag per
+    input, or a bit mask)."""
+    return _matmul_backward(A, B, dC, (block_m, block_n, block_k, num_warps, num_stages), need)
+
+
+def _matmul_grads(_ins, _outs, _grads, _o, need):
+    return _matmul_backward(*_ins, _grads[0], _o, need)
+
+
+# ---------------------------------------------------------------------------
+# The torch op: torch.compile sees one opaque op (forward and backward each
+# have a fake implementation for tracing), autograd its registered backward.
+# Op names carry the diagram's name and source hash; a re-import of the same
+# module in one process takes the next free suffix.
+# ---------------------------------------------------------------------------
+
+def _op_names(base):
+    n = 1
+    while True:
+        names = tuple(f"{base}_{kind}" + ("" if n == 1 else f"_{n}") for kind in ("fwd", "bwd"))
+        if not any(hasattr(torch.ops.napkin, x) for x in names):
+            return names
+        n += 1
+
+
+_FWD_OP, _BWD_OP = _op_names("matmul_4e5ea5df")
+_SAVED = ()
+
+
+@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=())
+def _matmul_fwd_op(A: torch.Tensor, B: torch.Tensor, block_m: int | None, block_n: int | None, block_k: int | None, num_warps: int | None, num_stages: int | None) -> torch.Tensor:
+    _outs, _saved = _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, True)
+    return _outs[0]
+
+
+@_matmul_fwd_op.register_fake
+def _(A, B, block_m, block_n, block_k, num_warps, num_stages):
+    _sz, _cls, _dev = _bind((A, B,), kernel=True)
+    _outs = [torch.empty(_shape(n, _sz), dtype=_out_dtype(n, _cls), device=_dev) for n in OUTPUTS]
+    _outs += [torch.empty(_shape(n, _sz), dtype=torch.float32, device=_dev) for n in _SAVED]
+    return _outs[0]
+
+
+@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=())
+def _matmul_bwd_op(A: torch.Tensor, B: torch.Tensor, _out0: torch.Tensor, _grad0: torch.Tensor, block_m: int | None, block_n: int | None, block_k: int | None, num_warps: int | None, num_stages: int | None, need: int) -> list[torch.Tensor]:
+    _g = _matmul_grads((A, B,), (_out0, ), (_grad0, ), (block_m, block_n, block_k, num_warps, num_stages), need)
+    return [_as_grad(_g[0], A, need >> 0 & 1), _as_grad(_g[1], B, need >> 1 & 1), ]
+
+
+@_matmul_bwd_op.register_fake
+def _(A, B, _out0, _grad0, block_m, block_n, block_k, num_warps, num_stages, need):
+    return [torch.empty_like(A) if need >> 0 & 1 else A.new_empty(0), torch.empty_like(B) if need >> 1 & 1 else B.new_empty(0), ]
+
+
+def _as_grad(g, t, wanted):
+    """A gradient in its input's dtype; an empty tensor where none is wanted."""
+    if not wanted:
+        return t.new_empty(0)
+    return torch.zeros_like(t) if g is None else g.to(t.dtype)
+
+
+def _matmul_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:2], *((output,) if isinstance(output, torch.Tensor) else output))
+    ctx.options = tuple(inputs[2:])
+
+
+def _matmul_autograd_backward(ctx, *grads):
+    saved = ctx.saved_tensors
+    ins, outs = saved[:2], saved[2:]
+    need = sum(1 << i for i in range(2) if ctx.needs_input_grad[i])
+    grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads[:1], outs)]
+    got = iter(_matmul_bwd_op(*ins, *outs, *grads, *ctx.options, need))
+    result = [next(got) if f else None for f in (True, True, )]
+    return (*(g if need >> i & 1 else None for i, g in enumerate(result)), *(None for _ in ctx.options))
+
+
+_matmul_fwd_op.register_autograd(_matmul_autograd_backward, setup_context=_matmul_setup_context)
+
+
+def _matmul_autograd(A, B, block_m, block_n, block_k, num_warps, num_stages):
+    _out = _matmul_fwd_op(A, B, block_m, block_n, block_k, num_warps, num_stages)
+    return _out
 
 
 # ---------------------------------------------------------------------------

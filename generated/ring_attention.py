@@ -52,6 +52,15 @@ _DTYPES = {"Q": "bf16", "K": "bf16", "V": "bf16", "O": "bf16", "lse": "fp32"}
 _RELABELS = ()
 # Default block sizes, from the diagram's schedule.
 _BLOCKS = {"q": 128, "x": 64}
+# The dimensions of what only training moves: saved row state, gradients.
+_BACKWARD_LAYOUTS = {
+    "dO": (("b",), ("h",), ("q",), ("d",)),
+    "delta": (("b",), ("h",), ("q",)),
+    "dlse": (("b",), ("h",), ("q",)),
+    "_grad_Q": (("b",), ("h",), ("q",), ("d",)),
+    "_grad_K": (("b",), ("h",), ("x",), ("d",)),
+    "_grad_V": (("b",), ("h",), ("x",), ("d",)),
+}
 
 _TORCH_DTYPES = {
     "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64,
@@ -88,11 +97,13 @@ def _check_dtype(name, t, declared, kernel, classes):
                             f"both {declared}, so they must share one dtype")
 
 
-def _bind(tensors, kernel):
+def _bind(tensors, kernel, free=()):
     """Check the inputs against the diagram and bind every wire's size.
 
     Returns (sizes, classes, device): ``classes`` maps each declared float
-    dtype to the torch dtype its inputs share at this call."""
+    dtype to the torch dtype its inputs share at this call.  ``free``: the
+    (input, dimension) pairs that hold global rows (read at positions): they
+    bind nothing and the launcher checks them."""
     if len(tensors) != len(INPUTS):
         raise TypeError(f"expected {len(INPUTS)} inputs ({', '.join(INPUTS)}), got {len(tensors)}")
     classes, device = {}, None
@@ -112,7 +123,7 @@ def _bind(tensors, kernel):
     source = {w: "the diagram" for w in sizes}
     # Single wires bind directly; a grouped axis (hk g) binds its one unknown wire.
     pending = [(name, i, axis, t.shape[i]) for name, t in zip(INPUTS, tensors)
-               for i, axis in enumerate(_LAYOUTS[name])]
+               for i, axis in enumerate(_LAYOUTS[name]) if (name, i) not in free]
     while pending:
         ready = [p for p in pending if sum(w not in sizes for w in p[2]) <= 1]
         if not ready:
@@ -133,7 +144,7 @@ def _bind(tensors, kernel):
                 w = next(w for w in axis if source.get(w) != what)
                 raise ValueError(f"{what} has size {n}, but wire {w} has size {sizes[w]} from {source[w]}")
     for name, declared, read in _RELABELS:
-        if sizes[declared] != sizes[read]:
+        if sizes[declared] != sizes[read] and not any(f[0] == name for f in free):
             raise ValueError(f"{name} is read along {read} as well as {declared}, so wires {read} "
                              f"({sizes[read]}) and {declared} ({sizes[declared]}) must have equal sizes")
     return sizes, {k: v[0] for k, v in classes.items()}, device[0]
@@ -157,11 +168,15 @@ def _dim_block(n):
     return max(16, triton.next_power_of_2(n))
 
 
+def _layout(name):
+    return _LAYOUTS[name] if name in _LAYOUTS else _BACKWARD_LAYOUTS[name]
+
+
 def _wire_strides(t, name, sizes):
     """One stride per wire of the tensor's flattened layout (an axis (hk g)
     has stride(hk) = stride(axis) * |g| and stride(g) = stride(axis))."""
     out = []
-    for axis, stride in zip(_LAYOUTS[name], t.stride()):
+    for axis, stride in zip(_layout(name), t.stride()):
         inner, per = 1, []
         for w in reversed(axis):
             per.append(stride * inner)
@@ -171,7 +186,7 @@ def _wire_strides(t, name, sizes):
 
 
 def _shape(name, sizes):
-    return [math.prod(sizes[w] for w in axis) for axis in _LAYOUTS[name]]
+    return [math.prod(sizes[w] for w in axis) for axis in _layout(name)]
 
 
 def _out_dtype(name, classes):
@@ -193,8 +208,34 @@ def _wider(outputs, inputs):
     return any(t.is_floating_point() and t.element_size() < widest for t in inputs)
 
 
-def _allocate(sizes, classes, device):
-    return [torch.empty(_shape(name, sizes), dtype=_out_dtype(name, classes), device=device) for name in OUTPUTS]
+def _allocate(sizes, classes, device, out_dtype=None):
+    """The outputs; ``out_dtype`` (a launcher option) replaces every float
+    output's dtype, e.g. float32 partial states that are merged later."""
+    if out_dtype is not None and out_dtype not in _KERNEL_FLOATS:
+        raise ValueError(f"out_dtype must be one of {', '.join(map(str, _KERNEL_FLOATS))}, not {out_dtype!r}")
+    return [torch.empty(_shape(name, sizes), dtype=out_dtype if out_dtype is not None and _DTYPES[name] in
+                        ("fp16", "bf16", "fp32") else _out_dtype(name, classes), device=device) for name in OUTPUTS]
+
+
+def _autocast(tensors):
+    """Under torch.autocast, the float inputs declared like the first float
+    input take the autocast dtype (as a matmul's operands would), so mixed
+    dtypes from autocast layers meet one kernel dtype; others keep theirs."""
+    floats = [(n, t) for n, t in zip(INPUTS, tensors) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats or not torch.is_autocast_enabled(floats[0][1].device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(floats[0][1].device.type)
+    main = _DTYPES[floats[0][0]]
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and _DTYPES[n] == main
+                 else t for n, t in zip(INPUTS, tensors))
+
+
+def _differentiable(tensors):
+    """Whether a call goes through the torch op: an input requires a
+    gradient, or torch.compile is tracing (it must see one opaque op)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -325,7 +366,63 @@ def _safe_div(a, b):
     return tl.where(b == 0, 0.0, a / tl.where(b == 0, 1.0, b))
 
 
-@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+# Rows at global positions.  positions={wire: int tensor} gives the global
+# index of each local row of the row wire or the streamed wire (what the
+# diagram's index of that wire reads), lengths={wire: int} the global size
+# |wire|; a wire with positions needs its length.  Float inputs hold the
+# local rows; integer and boolean inputs (ids, masks) are read at the global
+# positions, so they hold the global length along those wires.
+_POSITIONAL = ("q", "x")
+# (integer input, dimension, positional wires it is read along there, wires the dimension flattens)
+_GLOBAL_DIMS = ()
+
+
+def _global_dims(positions):
+    """The (input, dimension) pairs holding global rows: not bound from shapes."""
+    given = set(positions or ())
+    return {(name, dim) for name, dim, wires, _ in _GLOBAL_DIMS if given & set(wires)}
+
+
+def _positions(positions, lengths, sizes, device, tensors):
+    """The kernel's position arguments, checked; without positions and
+    lengths, the rows' own offsets and the local sizes."""
+    positions, lengths = dict(positions or {}), dict(lengths or {})
+    for what, given in (("positions", positions), ("lengths", lengths)):
+        extra = sorted(set(given) - set(_POSITIONAL))
+        if extra:
+            raise ValueError(f"{what} may name the wires {' and '.join(_POSITIONAL)}, not {', '.join(extra)}")
+    args = {}
+    for w in _POSITIONAL:
+        n, p = lengths.get(w, sizes[w]), positions.get(w)
+        if w in lengths and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"lengths[{w!r}] must be a non-negative int, not {n!r}")
+        if w in lengths and WIRES[w] is not None and n != WIRES[w]:
+            raise ValueError(f"wire {w} has the fixed size {WIRES[w]}; lengths[{w!r}] = {n} cannot change it")
+        if p is not None:
+            if w not in lengths:
+                raise ValueError(f"positions[{w!r}] needs lengths[{w!r}], the global |{w}|")
+            if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.shape[0] != sizes[w] or p.dtype not in _INTEGERS:
+                raise ValueError(f"positions[{w!r}] must be a 1-D integer tensor of {sizes[w]} non-negative "
+                                 f"global indices, one per row of {w}")
+            if p.device != device:
+                raise ValueError(f"positions[{w!r}] is on {p.device}, the inputs on {device}")
+            p = p.to(torch.int64).contiguous()
+        args.update({f"_pos_{w}": p, f"_len_{w}": n, f"_POS_{w}": p is not None})
+    for name, dim, wires, flat in _GLOBAL_DIMS:
+        if not set(wires) & set(positions):
+            continue
+        if flat > 1:
+            raise ValueError(f"{name} flattens {' and '.join(wires)} with other wires in dimension {dim}: "
+                             "it cannot be read at positions")
+        need = max(lengths[w] if w in positions else sizes[w] for w in wires)
+        have = tensors[INPUTS.index(name)].shape[dim]
+        if have < need:
+            raise ValueError(f"{name} is read at global positions along dimension {dim}: it must hold {need} "
+                             f"rows (the global length), not {have}")
+    return args
+
+
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _ring_attention_kernel(
     Q,
     K,
@@ -359,6 +456,12 @@ def _ring_attention_kernel(
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
     _SPLIT_WEIGHTS: tl.constexpr,
+    _pos_q,
+    _pos_x,
+    _len_q,
+    _len_x,
+    _POS_q: tl.constexpr,
+    _POS_x: tl.constexpr,
 ):
     # Program ids: axis 0 is a block of q, axis 1 one index of each batch wire.
     _pid = tl.program_id(0)
@@ -369,6 +472,12 @@ def _ring_attention_kernel(
     _row0 = _pid * _BLOCK_q
     _offs_q = _row0 + tl.arange(0, _BLOCK_q)
     _ok_q = _offs_q < _size_q
+    if _POS_q:  # the global index of each row, given by the launcher
+        _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
+        _gok_q = _ok_q & (_idx_q < _len_q)  # integer inputs hold |q| rows
+    else:
+        _idx_q = _offs_q
+        _gok_q = _ok_q
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without x: loaded once per program.
@@ -385,6 +494,11 @@ def _ring_attention_kernel(
     for _start in range(_lo, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
+        if _POS_x:  # global positions; rows at or past |x| are padding
+            _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
+            _ok_x = _ok_x & (_idx_x < _len_x)
+        else:
+            _idx_x = _offs_x
         _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
@@ -409,18 +523,40 @@ def _ring_attention_kernel(
     tl.store(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, _out_lse.to(lse.dtype.element_ty), mask=_ok_q[:, None])
 
 
-def ring_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=None):
+def ring_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=None, positions=None, lengths=None, out_dtype=None):
     """Run the kernel: Q, K, V -> O, lse.
 
     Block sizes default to the schedule's (block_q=128, block_x=64); smaller ones
     (e.g. 16 or 32) keep runs under TRITON_INTERPRET=1 fast.  num_warps and
-    num_stages go to Triton."""
-    _sz, _cls, _dev = _bind((Q, K, V), kernel=True)
+    num_stages go to Triton.  Differentiable: when an input requires a
+    gradient (or under torch.compile) this calls the torch op, whose backward
+    runs the backward kernels (see ring_attention_backward).
+
+    Forward only: positions={'q': ..., 'x': ...} gives the global index
+    of each local row (int tensors; integer inputs are read there and hold
+    the global length), lengths={'q': ..., 'x': ...} the global sizes
+    (needed with positions; x rows at positions >= it are padding), and
+    out_dtype (e.g. torch.float32) the dtype of every float output."""
+    Q, K, V = _autocast((Q, K, V))
+    if _differentiable((Q, K, V)):
+        if positions is not None or lengths is not None or out_dtype is not None:
+            raise ValueError("positions=, lengths= and out_dtype= make a forward-only call: pass inputs that "
+                             "do not require gradients, or call under torch.no_grad()")
+        return _ring_attention_autograd(Q, K, V, block_q, block_x, num_warps, num_stages)
+    return _ring_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, False, positions, lengths, out_dtype)[0]
+
+
+def _ring_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, _save, positions=None, lengths=None, out_dtype=None):
+    """Launch the forward kernel: ((outputs), (saved row state)).  The row
+    state (what the backward reads that is not an output) is written only
+    when _save is set."""
+    _sz, _cls, _dev = _bind((Q, K, V), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages}, _sz, _dev)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
-    [O, lse] = _allocate(_sz, _cls, _dev)
+    _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
+    [O, lse] = _allocate(_sz, _cls, _dev, out_dtype)
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if math.prod(_grid) > 0:
         _ring_attention_kernel[_grid](
@@ -431,9 +567,434 @@ def ring_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_s
             *_wire_strides(V, "V", _sz),
             *_wire_strides(O, "O", _sz),
             *_wire_strides(lse, "lse", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), **_pos, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
         )
-    return O, lse
+    return (O, lse,), ()
+# ---------------------------------------------------------------------------
+# Training.  ring_attention(...) calls the torch op below when an input requires
+# a gradient (or under torch.compile); its backward runs the kernels here.
+# ---------------------------------------------------------------------------
+
+_OPTIONS = ("block_q", "block_x", "num_warps", "num_stages", )
+
+
+def _check_state(tensors, sizes, device):
+    """The backward's other tensors (dO, saved row state, ...) against the diagram."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor")
+        if list(t.shape) != _shape(name, sizes):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, but the inputs make it {tuple(_shape(name, sizes))} "
+                             f"{_layout_text(name) if name in _LAYOUTS else ''}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
+
+
+def _wanted(need):
+    """Which inputs get a gradient: need is None (every float input), a bit
+    mask over INPUTS, or one flag per input; integer inputs never do."""
+    floats = [_DTYPES[n] not in ("int32", "int64", "bool") for n in INPUTS]
+    if need is None:
+        return tuple(floats)
+    flags = [bool(need >> i & 1) for i in range(len(INPUTS))] if isinstance(need, int) else [bool(f) for f in need]
+    if len(flags) != len(INPUTS):
+        raise ValueError(f"need has {len(flags)} flags; there are {len(INPUTS)} inputs ({', '.join(INPUTS)})")
+    return tuple(f and g for f, g in zip(flags, floats))
+
+
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+def _ring_attention_bwd_rows_kernel(
+    dO,
+    O,
+    dlse,
+    delta,
+    _size_b,
+    _size_h,
+    _size_q,
+    _size_x,
+    _st_dO_b,
+    _st_dO_h,
+    _st_dO_q,
+    _st_dO_d,
+    _st_O_b,
+    _st_O_h,
+    _st_O_q,
+    _st_O_d,
+    _st_dlse_b,
+    _st_dlse_h,
+    _st_dlse_q,
+    _st_delta_b,
+    _st_delta_h,
+    _st_delta_q,
+    _BLOCK_q: tl.constexpr,
+    _BLOCK_d: tl.constexpr,
+):
+    # The per-row values of the backward: one program per block of q, batch index (b, h).
+    _pid = tl.program_id(0)
+    _batch = tl.program_id(1).to(tl.int64)
+    _i_h = _batch % _size_h
+    _batch = _batch // _size_h
+    _i_b = _batch
+    _row0 = _pid * _BLOCK_q
+    _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+    _ok_q = _offs_q < _size_q
+    _offs_d = tl.arange(0, _BLOCK_d)
+
+    # Tiles without a loop: loaded once per program.
+    _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+    _O = tl.load(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, mask=_ok_q[:, None], other=0.0)
+    _dlse = tl.load(dlse + _i_b * _st_dlse_b + _i_h * _st_dlse_h + _offs_q[:, None] * _st_dlse_q, mask=_ok_q[:, None], other=0.0)
+    _dO = _dO.to(tl.float32)
+    _O = _O.to(tl.float32)
+    _dlse = _dlse.to(tl.float32)
+    _sum0 = tl.sum(_dO * _O, 1)[:, None]
+    _delta = _sum0 - _dlse
+
+    tl.store(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, _delta.to(delta.dtype.element_ty), mask=_ok_q[:, None])
+
+
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+def _ring_attention_bwd_dkdv_kernel(
+    K,
+    V,
+    Q,
+    lse,
+    dO,
+    delta,
+    _grad_K,
+    _grad_V,
+    _size_b,
+    _size_h,
+    _size_q,
+    _size_x,
+    _st_K_b,
+    _st_K_h,
+    _st_K_x,
+    _st_K_d,
+    _st_V_b,
+    _st_V_h,
+    _st_V_x,
+    _st_V_d,
+    _st_Q_b,
+    _st_Q_h,
+    _st_Q_q,
+    _st_Q_d,
+    _st_lse_b,
+    _st_lse_h,
+    _st_lse_q,
+    _st_dO_b,
+    _st_dO_h,
+    _st_dO_q,
+    _st_dO_d,
+    _st_delta_b,
+    _st_delta_h,
+    _st_delta_q,
+    _st__grad_K_b,
+    _st__grad_K_h,
+    _st__grad_K_x,
+    _st__grad_K_d,
+    _st__grad_V_b,
+    _st__grad_V_h,
+    _st__grad_V_x,
+    _st__grad_V_d,
+    _BLOCK_q: tl.constexpr,
+    _BLOCK_x: tl.constexpr,
+    _BLOCK_d: tl.constexpr,
+):
+    # dK and dV: one program per block of x and index of b, h; it loops over
+    # the blocks of q whose forward loop visits this block.
+    _pid = tl.program_id(0)
+    _batch = tl.program_id(1).to(tl.int64)
+    _i_h = _batch % _size_h
+    _batch = _batch // _size_h
+    _i_b = _batch
+    _col0 = _pid * _BLOCK_x
+    _offs_x = _col0 + tl.arange(0, _BLOCK_x)
+    _ok_x = _offs_x < _size_x
+    _offs_d = tl.arange(0, _BLOCK_d)
+
+    # Tiles without q: loaded once per program.
+    _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+    _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+    _acc_K = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
+    _acc_V = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
+
+    # The blocks of q this program visits: [_lo, _hi).
+    _lo = 0  # no mask: every block
+    _hi = tl.cdiv(_size_q, _BLOCK_q)
+    for _rb in range(_lo, _hi):
+        _row0 = _rb * _BLOCK_q
+        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+        _ok_q = _offs_q < _size_q
+        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+        _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
+        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+        _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
+        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+        _S = _qk * 0.125
+        _P = tl.where(_lse == float("-inf"), 0, tl.exp(_S - _lse))
+        _dS = _P * (_dP - _delta)
+        _dR = _dS * 0.125
+        _ok = _ok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+        _acc_K += tl.dot(tl.trans(tl.where(_ok, _dR, 0.0)).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_V += tl.dot(tl.trans(tl.where(_ok, _P, 0.0)).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+
+    tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=_ok_x[:, None])
+    tl.store(_grad_V + _i_b * _st__grad_V_b + _i_h * _st__grad_V_h + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=_ok_x[:, None])
+
+
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+def _ring_attention_bwd_dq_kernel(
+    Q,
+    lse,
+    dO,
+    delta,
+    K,
+    V,
+    _grad_Q,
+    _size_b,
+    _size_h,
+    _size_q,
+    _size_x,
+    _st_Q_b,
+    _st_Q_h,
+    _st_Q_q,
+    _st_Q_d,
+    _st_lse_b,
+    _st_lse_h,
+    _st_lse_q,
+    _st_dO_b,
+    _st_dO_h,
+    _st_dO_q,
+    _st_dO_d,
+    _st_delta_b,
+    _st_delta_h,
+    _st_delta_q,
+    _st_K_b,
+    _st_K_h,
+    _st_K_x,
+    _st_K_d,
+    _st_V_b,
+    _st_V_h,
+    _st_V_x,
+    _st_V_d,
+    _st__grad_Q_b,
+    _st__grad_Q_h,
+    _st__grad_Q_q,
+    _st__grad_Q_d,
+    _BLOCK_q: tl.constexpr,
+    _BLOCK_x: tl.constexpr,
+    _BLOCK_d: tl.constexpr,
+):
+    # dQ: one program per block of q, batch index (b, h);
+    # it loops over the blocks of x the forward visits.
+    _pid = tl.program_id(0)
+    _batch = tl.program_id(1).to(tl.int64)
+    _i_h = _batch % _size_h
+    _batch = _batch // _size_h
+    _i_b = _batch
+    _row0 = _pid * _BLOCK_q
+    _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+    _ok_q = _offs_q < _size_q
+    _offs_d = tl.arange(0, _BLOCK_d)
+
+    # Tiles without x: loaded once per program.
+    _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+    _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
+    _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+    _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
+    _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
+
+    # The blocks of x this program visits: [_lo, _hi).
+    _lo = 0  # no mask: every block
+    _hi = _size_x
+    for _start in range(_lo, _hi, _BLOCK_x):
+        _offs_x = _start + tl.arange(0, _BLOCK_x)
+        _ok_x = _offs_x < _size_x
+        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+        _S = _qk * 0.125
+        _P = tl.where(_lse == float("-inf"), 0, tl.exp(_S - _lse))
+        _dS = _P * (_dP - _delta)
+        _dR = _dS * 0.125
+        _ok = _ok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+        _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+
+    tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=_ok_q[:, None])
+
+
+def _ring_attention_preprocess(Q, K, V, dO, O, dlse, _o):
+    """(delta): the backward's per-row values."""
+    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
+    _check_device(_dev)
+    if dlse is None:
+        dlse = torch.zeros(_shape("dlse", _sz), dtype=torch.float32, device=_dev)
+    _check_state({"dO": dO, "O": O, "dlse": dlse}, _sz, _dev)
+    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev)
+    _br = _block_size(_opts["block_q"], "q", "block_q")
+    delta = torch.empty(_shape("delta", _sz), dtype=torch.float32, device=_dev)
+    _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
+    if math.prod(_grid) > 0:
+        _ring_attention_bwd_rows_kernel[_grid](
+            dO, O, dlse, delta,
+            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+            *_wire_strides(dO, "dO", _sz),
+            *_wire_strides(O, "O", _sz),
+            *_wire_strides(dlse, "dlse", _sz),
+            *_wire_strides(delta, "delta", _sz),
+            _BLOCK_q=_br, _BLOCK_d=64,
+            num_warps=_opts["num_warps"] or 4,
+        )
+    return (delta,)
+
+
+def _ring_attention_backward(Q, K, V, dO, lse, delta, _o, need):
+    """The gradient of each input (float32, or None), from the state."""
+    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
+    _check_device(_dev)
+    _check_state({"dO": dO, "lse": lse, "delta": delta}, _sz, _dev)
+    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev)
+    _br = _block_size(_opts["block_q"], "q", "block_q")
+    _bc = _block_size(_opts["block_x"], "x", "block_x")
+    _need = _wanted(need)
+    _warps = _opts["num_warps"] or (8 if _br >= 128 else 4)
+    _stages = _opts["num_stages"] or 2
+    _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=torch.float32, device=_dev)
+    _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=torch.float32, device=_dev)
+    _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=torch.float32, device=_dev)
+    _grid = (triton.cdiv(_sz["x"], _bc), _sz["b"] * _sz["h"])
+    if (_need[1] or _need[2]) and math.prod(_grid) > 0:
+        _ring_attention_bwd_dkdv_kernel[_grid](
+            K, V, Q, lse, dO, delta, _grad_K, _grad_V,
+            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+            *_wire_strides(K, "K", _sz),
+            *_wire_strides(V, "V", _sz),
+            *_wire_strides(Q, "Q", _sz),
+            *_wire_strides(lse, "lse", _sz),
+            *_wire_strides(dO, "dO", _sz),
+            *_wire_strides(delta, "delta", _sz),
+            *_wire_strides(_grad_K, "_grad_K", _sz),
+            *_wire_strides(_grad_V, "_grad_V", _sz),
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64,
+            num_warps=_warps, num_stages=_stages,
+        )
+    _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
+    if (_need[0]) and math.prod(_grid) > 0:
+        _ring_attention_bwd_dq_kernel[_grid](
+            Q, lse, dO, delta, K, V, _grad_Q,
+            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+            *_wire_strides(Q, "Q", _sz),
+            *_wire_strides(lse, "lse", _sz),
+            *_wire_strides(dO, "dO", _sz),
+            *_wire_strides(delta, "delta", _sz),
+            *_wire_strides(K, "K", _sz),
+            *_wire_strides(V, "V", _sz),
+            *_wire_strides(_grad_Q, "_grad_Q", _sz),
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64,
+            num_warps=_warps, num_stages=_stages,
+        )
+    return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
+
+
+def ring_attention_preprocess(Q, K, V, dO, O, dlse=None, *, block_q=None, num_warps=None):
+    """The backward's per-row values (delta), float32, from
+    the inputs, the output gradient and the forward's saved state (dO, O, dlse); dlse defaults to zeros."""
+    return _ring_attention_preprocess(Q, K, V, dO, O, dlse, (block_q, None, num_warps, None))
+
+
+def ring_attention_backward(Q, K, V, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, need=None):
+    """The backward kernels, callable directly (distributed attention does):
+    (Q, K, V, dO, lse, delta) -> the gradient of each input, float32
+    (None for integer inputs and those ``need`` leaves out: one flag per input,
+    or a bit mask).  dO, lse, delta come from ring_attention_preprocess and the
+    forward; rows may belong to a larger problem (merged lse, global delta)."""
+    return _ring_attention_backward(Q, K, V, dO, lse, delta, (block_q, block_x, num_warps, num_stages), need)
+
+
+def _ring_attention_grads(_ins, _outs, _grads, _o, need):
+    Q, K, V, = _ins
+    O, lse = _outs
+    dO, dlse = _grads
+    delta, = _ring_attention_preprocess(Q, K, V, dO, O, dlse, _o)
+    return _ring_attention_backward(Q, K, V, dO, lse, delta, _o, need)
+
+
+# ---------------------------------------------------------------------------
+# The torch op: torch.compile sees one opaque op (forward and backward each
+# have a fake implementation for tracing), autograd its registered backward.
+# Op names carry the diagram's name and source hash; a re-import of the same
+# module in one process takes the next free suffix.
+# ---------------------------------------------------------------------------
+
+def _op_names(base):
+    n = 1
+    while True:
+        names = tuple(f"{base}_{kind}" + ("" if n == 1 else f"_{n}") for kind in ("fwd", "bwd"))
+        if not any(hasattr(torch.ops.napkin, x) for x in names):
+            return names
+        n += 1
+
+
+_FWD_OP, _BWD_OP = _op_names("ring_attention_60bd4851")
+_SAVED = ()
+
+
+@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=())
+def _ring_attention_fwd_op(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, block_q: int | None, block_x: int | None, num_warps: int | None, num_stages: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    _outs, _saved = _ring_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, True)
+    return (*_outs, *_saved)
+
+
+@_ring_attention_fwd_op.register_fake
+def _(Q, K, V, block_q, block_x, num_warps, num_stages):
+    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
+    _outs = [torch.empty(_shape(n, _sz), dtype=_out_dtype(n, _cls), device=_dev) for n in OUTPUTS]
+    _outs += [torch.empty(_shape(n, _sz), dtype=torch.float32, device=_dev) for n in _SAVED]
+    return tuple(_outs)
+
+
+@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=())
+def _ring_attention_bwd_op(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, _out0: torch.Tensor, _out1: torch.Tensor, _grad0: torch.Tensor, _grad1: torch.Tensor, block_q: int | None, block_x: int | None, num_warps: int | None, num_stages: int | None, need: int) -> list[torch.Tensor]:
+    _g = _ring_attention_grads((Q, K, V,), (_out0, _out1, ), (_grad0, _grad1, ), (block_q, block_x, num_warps, num_stages), need)
+    return [_as_grad(_g[0], Q, need >> 0 & 1), _as_grad(_g[1], K, need >> 1 & 1), _as_grad(_g[2], V, need >> 2 & 1), ]
+
+
+@_ring_attention_bwd_op.register_fake
+def _(Q, K, V, _out0, _out1, _grad0, _grad1, block_q, block_x, num_warps, num_stages, need):
+    return [torch.empty_like(Q) if need >> 0 & 1 else Q.new_empty(0), torch.empty_like(K) if need >> 1 & 1 else K.new_empty(0), torch.empty_like(V) if need >> 2 & 1 else V.new_empty(0), ]
+
+
+def _as_grad(g, t, wanted):
+    """A gradient in its input's dtype; an empty tensor where none is wanted."""
+    if not wanted:
+        return t.new_empty(0)
+    return torch.zeros_like(t) if g is None else g.to(t.dtype)
+
+
+def _ring_attention_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3], *((output,) if isinstance(output, torch.Tensor) else output))
+    ctx.options = tuple(inputs[3:])
+
+
+def _ring_attention_autograd_backward(ctx, *grads):
+    saved = ctx.saved_tensors
+    ins, outs = saved[:3], saved[3:]
+    need = sum(1 << i for i in range(3) if ctx.needs_input_grad[i])
+    grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads[:2], outs)]
+    got = iter(_ring_attention_bwd_op(*ins, *outs, *grads, *ctx.options, need))
+    result = [next(got) if f else None for f in (True, True, True, )]
+    return (*(g if need >> i & 1 else None for i, g in enumerate(result)), *(None for _ in ctx.options))
+
+
+_ring_attention_fwd_op.register_autograd(_ring_attention_autograd_backward, setup_context=_ring_attention_setup_context)
+
+
+def _ring_attention_autograd(Q, K, V, block_q, block_x, num_warps, num_stages):
+    _out = _ring_attention_fwd_op(Q, K, V, block_q, block_x, num_warps, num_stages)
+    return tuple(_out[:2])
 
 
 # ---------------------------------------------------------------------------
@@ -510,3 +1071,73 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
             t = torch.randn(shape, generator=gen).to(_TORCH_DTYPES[declared])
         out.append(t.to(device))
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# Across devices: Ring Attention over torch.distributed (napkin.distributed).
+# ---------------------------------------------------------------------------
+
+# The diagram in canonical text: napkin.distributed reads its roles from it.
+_DISTRIBUTED_DIAGRAM = """\
+diagram ring_attention
+
+wire b, h, q, x
+wire d = 64
+
+in Q[b, h, q, d] : bf16
+in K[b, h, x, d] : bf16
+in V[b, h, x, d] : bf16
+
+S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5
+P[b, h, q, x] = softmax[x](S)
+O[b, h, q, d] : bf16 = sum[x](P * V)
+lse[b, h, q] = logsumexp[x](S)
+
+out O, lse
+
+schedule on h100 {
+  accumulate fp32
+  level devices {
+    group q across 4
+    stream x across 4
+  }
+  level hbm { hold Q, K, V, O, lse }
+  level smem {
+    group b by 1, h by 1, q by 128
+    stream x by 64
+    hold S, P
+  }
+}
+"""
+_DISTRIBUTED_CACHE = []
+
+
+def _distributed():
+    if not _DISTRIBUTED_CACHE:
+        import napkin
+        from napkin.distributed import RingAttention
+        diagram = napkin.load_text(_DISTRIBUTED_DIAGRAM, 'examples/ring_attention.ncd')
+        _DISTRIBUTED_CACHE.append(RingAttention(diagram))
+    return _DISTRIBUTED_CACHE[0]
+
+
+def ring_attention_distributed(Q, K, V, group=None, *, q_len, x_len=None, timeout=300.0):
+    """Ring Attention of `ring_attention` on this rank's rows (zigzag layout, a ring of 4).
+
+    group: the ring's process group or 1-D DeviceMesh (None: the default group).
+    q_len, x_len: the true sequence lengths (x_len defaults to q_len); each
+    rank's inputs hold their padded share of rows.  Returns this rank's rows
+    of O, lse; differentiable.  Every wait gives up after `timeout` s.
+    """
+    return _distributed()(Q, K, V, group=group, q_len=q_len, x_len=x_len,
+                          timeout=timeout)
+
+
+def ring_attention_distributed_shard(full, group, length, dim):
+    """This rank's rows of a full tensor (zigzag layout, zero padding)."""
+    return _distributed().shard(full, group, length, dim)
+
+
+def ring_attention_distributed_gather(rows, group, length, dim, timeout=300.0):
+    """The full tensor on every rank, from every rank's rows."""
+    return _distributed().gather(rows, group, length, dim, timeout)

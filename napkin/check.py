@@ -127,7 +127,7 @@ class _Checker:
         self.check_outputs()
         schedule_ok = self.check_schedule()
         for level in self.d.schedule.levels if self.d.schedule else ():
-            for wire in tiling.streamed_wires(self.d, level.name) if level.name in ir.LEVELS else ():
+            for wire in tiling.streamed_wires(self.d, level.name) if level.name in ir.ALL_LEVELS else ():
                 if wire in self.wire_names:
                     _Stream(self, wire).run()
         if self.d.schedule and schedule_ok and self.names_ok and not self.errors:
@@ -388,20 +388,25 @@ class _Checker:
                      + ", ".join(ACCUMULATE_DTYPES[:-1]) + " or " + ACCUMULATE_DTYPES[-1], s.loc)
         seen: dict[str, ir.Level] = {}
         held: dict[str, ir.Level] = {}
+        # the nodes level is named in messages only to files that use it
+        order = ir.ALL_LEVELS if any(lv.name == "nodes" for lv in s.levels) else ir.LEVELS
         for level in s.levels:
-            if level.name not in ir.LEVELS:
-                hint = _closest(level.name, ir.LEVELS)
+            if level.name not in ir.ALL_LEVELS:
+                hint = _closest(level.name, ir.ALL_LEVELS)
                 self.err(f"unknown level '{level.name}'", level.loc,
-                         (hint + " " if hint else "") + "levels are " + ", ".join(ir.LEVELS))
+                         (hint + " " if hint else "") + "levels are " + ", ".join(ir.ALL_LEVELS))
             elif level.name in seen:
                 self.err(f"level {level.name} appears twice (first at line {seen[level.name].loc.line})",
                          level.loc)
             else:
-                inner = [n for n in seen if ir.LEVELS.index(n) > ir.LEVELS.index(level.name)]
+                inner = [n for n in seen if ir.ALL_LEVELS.index(n) > ir.ALL_LEVELS.index(level.name)]
                 if inner:
                     self.err(f"level {level.name} comes after level {inner[0]}: levels go outermost first "
-                             f"({', '.join(ir.LEVELS)})", level.loc)
+                             f"({', '.join(order)})", level.loc)
                 seen[level.name] = level
+            if level.name == "nodes" and (level.holds or level.capacity is not None):
+                self.err("level nodes only splits wires across nodes: it holds no tensors and has no capacity",
+                         level.loc, "tensors live in hbm; write 'group w across N' or 'stream w across N'")
             self.check_tiles(level)
             for name in level.holds:
                 if name not in self.tensor_names:
@@ -411,10 +416,22 @@ class _Checker:
                              level.loc, "a tensor lives at one level")
                 else:
                     held[name] = level
+        self.check_mesh(seen)
         return len(self.errors) == before
 
+    def check_mesh(self, seen: dict[str, ir.Level]) -> None:
+        """A wire split at both mesh levels (nodes, then the devices of a
+        node) is split the same way at both: grouped or streamed."""
+        first: dict[str, ir.Tile] = {}
+        for name in ir.MESH_LEVELS:
+            for t in seen[name].tiles if name in seen else ():
+                old = first.setdefault(t.wire, t)
+                if t.across and old is not t and old.across and old.kind != t.kind:
+                    self.err(f"{t.wire} is {old.kind}ed across nodes but {t.kind}ed across devices", t.loc,
+                             "split a wire the same way at both mesh levels")
+
     def check_tiles(self, level: ir.Level) -> None:
-        devices = level.name == "devices"
+        devices = level.name in ir.MESH_LEVELS
         tiled: set[str] = set()
         streamed: Optional[str] = None
         for t in level.tiles:
@@ -433,7 +450,7 @@ class _Checker:
                          "'across' belongs in level devices", t.loc,
                          f"write '{t.kind} {t.wire} by N' for blocks of N")
             elif devices and not t.across:
-                self.err(f"level devices splits wires over devices: write '{t.kind} {t.wire} across N', "
+                self.err(f"level {level.name} splits wires over {level.name}: write '{t.kind} {t.wire} across N', "
                          "not 'by'", t.loc)
             elif t.across and t.size < 1:
                 self.err(f"cannot split {t.wire} across {t.size} devices", t.loc)

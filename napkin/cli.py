@@ -28,7 +28,7 @@ from . import __version__
 from .errors import NapkinError
 
 # Modules that may add subcommands through register_cli(subparsers).
-PLUGINS = ("cost", "render", "bench")
+PLUGINS = ("cost", "render", "bench", "plan")
 
 # Where the bundled examples live when napkin runs from a checkout (or an
 # editable install): the folder above the package.

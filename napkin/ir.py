@@ -223,6 +223,12 @@ class Output:
 # --------------------------------------------------------------------------
 
 LEVELS = ("devices", "hbm", "smem", "regs")  # outermost first
+# A two-level device mesh adds ``nodes`` above ``devices``: wires split across
+# nodes first (InfiniBand between them), then across the GPUs of a node
+# (NVLink).  Kept out of LEVELS so passes that walk the memory levels need not
+# know it; the checker and napkin/tiling.py read ALL_LEVELS.
+MESH_LEVELS = ("nodes", "devices")
+ALL_LEVELS = ("nodes",) + LEVELS
 PROFILES = ("h100", "h200", "a100", "cpu")
 
 

@@ -85,9 +85,11 @@ def level_capacity(diagram: ir.Diagram, level_name: str) -> Optional[int]:
 # --------------------------------------------------------------------------
 
 def _levels_through(level_name: str) -> tuple[str, ...]:
-    if level_name not in ir.LEVELS:
+    """The levels from the outermost down to ``level_name`` (a nodes level,
+    when present, splits wires before the devices level does)."""
+    if level_name not in ir.ALL_LEVELS:
         raise ValueError(f"unknown level {level_name!r}")
-    return ir.LEVELS[: ir.LEVELS.index(level_name) + 1]
+    return ir.ALL_LEVELS[: ir.ALL_LEVELS.index(level_name) + 1]
 
 
 def tile_extent(diagram: ir.Diagram, level_name: str, wire: str,
@@ -189,7 +191,7 @@ def level_footprint(diagram: ir.Diagram, level_name: str,
     neither a tile nor ``sizes`` bounds.  Assumes a checked diagram (known
     names and dtypes).
     """
-    depth = ir.LEVELS.index(level_name)
+    depth = ir.ALL_LEVELS.index(level_name)
     on_chip = is_on_chip(diagram, level_name)
     read = tensors_read(diagram)
     streamed = set(streamed_wires(diagram, level_name))
@@ -200,7 +202,7 @@ def level_footprint(diagram: ir.Diagram, level_name: str,
         reduces_stream = isinstance(tensor, ir.Let) and bool(streamed & reduced_wires(tensor.expr))
         if on_chip and reduces_stream:
             dtype = accumulator_dtype(diagram)
-        elif home == level_name or (on_chip and name in read and ir.LEVELS.index(home) < depth):
+        elif home == level_name or (on_chip and name in read and ir.ALL_LEVELS.index(home) < depth):
             dtype = tensor_dtype(diagram, name)
         else:
             continue

@@ -103,6 +103,8 @@ def cases() -> list[Case]:
         out += [Case(scheme, "attention", 13, 19), Case(scheme, "alibi", 13, 13),
                 Case(scheme, "sigmoid_attention", 13, 13), Case(scheme, "strict", 13, 13),
                 Case(scheme, "causal", 13, 13, "float32")]
+    # float32: the forward runs the generated Triton kernel (interpreted here)
+    out += [Case("2x2", "gqa_causal", 13, 19, "float32"), Case("ring", "alibi", 13, 13, "float32")]
     return out
 
 
@@ -200,6 +202,7 @@ def run_case(case: Case, grids: dict, rank: int) -> dict:
     sizes = dict(b=1, hq=hq, hkv=hkv, d=D, q=case.n_q, x=case.n_x)
     scheme = "ring" if ring else "attention2d"
     return {
+        "kernel_launches": getattr(fn.local, "launches", 0),
         "o": _err(full_o, ref_o),
         "lse": _err(full_lse, ref_lse_check) if ref_lse_check is not None else 0.0,
         "sdpa": _err(full_o, sdpa) if sdpa is not None else 0.0,
@@ -262,7 +265,15 @@ def emitted_case(grids: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     ring, line = RingAttention(load("ring_attention")), init_device_mesh("cpu", (WORLD,))
     o2, _ = ring(*(ring.shard(t, line, 13, 2) for t in (q, k, v)), group=line, q_len=13, timeout=20.0)
-    return {"o": _err(full, ref), "ring_mesh": _err(ring.gather(o2, line, 13, 2, timeout=20.0), ref)}
+    # the function the code generator appended to generated/attention_2d.py
+    # (d = 64), float32: its forward runs the module's kernel
+    from generated.attention_2d import attention_2d_distributed, attention_2d_distributed_gather
+    q3, k3, v3 = (torch.randn(1, 2, 13, 64, generator=gen, dtype=torch.float64) for _ in range(3))
+    o3, _ = attention_2d_distributed(*(shard(t.float(), mesh, 13, 2) for t in (q3, k3, v3)), mesh, q_len=13,
+                                     timeout=20.0)
+    full3 = attention_2d_distributed_gather(o3, mesh, 13, 2, timeout=20.0)
+    return {"o": _err(full, ref), "ring_mesh": _err(ring.gather(o2, line, 13, 2, timeout=20.0), ref),
+            "generated": _err(full3, torch.nn.functional.scaled_dot_product_attention(q3, k3, v3))}
 
 
 def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
@@ -327,6 +338,17 @@ def test_forward_matches_reference(suite, case):
         assert got["sdpa"] <= _tol(case), f"rank {rank}: O vs SDPA {got['sdpa']}"
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "float32"],
+                         ids=[c.name for c in CASES if c.dtype == "float32"])
+def test_float32_forward_runs_the_generated_kernel(suite, case):
+    """float64 goes to the eager local (the reference path); float32 to the
+    generated Triton kernel, once per local attention call (ring: one per step)."""
+    for rank, res in enumerate(suite):
+        got = res[case.name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["kernel_launches"] == (WORLD if case.scheme == "ring" else 1), f"rank {rank}"
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_backward_matches_reference(suite, case):
     for rank, res in enumerate(suite):
@@ -356,6 +378,7 @@ def test_emitted_function_and_ring_over_a_device_mesh(suite):
         assert "error" not in got, f"rank {rank}: {got.get('error')}"
         assert got["o"] <= 1e-10, f"rank {rank}: {got['o']}"
         assert got["ring_mesh"] <= 1e-10, f"rank {rank}: {got['ring_mesh']}"
+        assert got["generated"] <= 2e-5, f"rank {rank}: {got['generated']}"
 
 
 def test_mismatched_shapes_raise_on_every_rank(suite):

@@ -73,3 +73,17 @@ def test_generated_modules_import_from_the_repository_root():
         if path.stem != "__init__":
             module = importlib.import_module(f"generated.{path.stem}")
             assert callable(getattr(module, path.stem)) and callable(module.reference)
+
+
+def test_distributed_modules_expose_their_function_without_importing_napkin():
+    """A diagram with a devices level compiles to a module that also holds
+    NAME_distributed (ATTENTION2D or Ring Attention); importing it needs only
+    torch and triton (napkin.distributed is imported on the first call)."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from generated.attention_2d import attention_2d_distributed, attention_2d_distributed_shard\n"
+            "from generated.ring_attention import ring_attention_distributed, ring_attention_distributed_gather\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'napkin'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

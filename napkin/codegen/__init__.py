@@ -86,9 +86,23 @@ def emit_module(diagram: ir.Diagram, *, source_text: str, source_path: str) -> s
     digest = hashlib.sha256(source_text.encode()).hexdigest()
     doc = _docstring(diagram, plan, label, __version__, digest)
     try:
-        return emit.render(plan, docstring=doc, version=__version__, source_hash=digest)
+        return emit.render(plan, docstring=doc, version=__version__, source_hash=digest) \
+            + _distributed_part(diagram, label)
     except NapkinError as err:
         raise err.with_source(label, source_text) from None
+
+
+def _distributed_part(diagram: ir.Diagram, label: str) -> str:
+    """For a diagram with a devices level: NAME_distributed and its shard /
+    gather helpers (napkin.distributed.emit), which import napkin.distributed
+    on first call, so importing the module still needs only torch and triton."""
+    from ..distributed.reading import mesh_splits
+
+    if not mesh_splits(diagram):
+        return ""
+    from ..distributed.emit import distributed_source
+    text = distributed_source(diagram, label).strip("\n")
+    return f"\n\n{text}\n" if text else ""
 
 
 def _docstring(d: ir.Diagram, plan, label: str, version: str, digest: str) -> str:

@@ -48,10 +48,15 @@ def environment():
 # --------------------------------------------------------------------------
 
 class _Names:
-    def __init__(self, d: ir.Diagram, dims: tuple[str, ...]):
+    def __init__(self, d: ir.Diagram, dims: tuple[str, ...], positional: tuple[str, ...] = ()):
         self.d = d
         self.fixed = {w.name: w.size for w in d.wires if w.size is not None}
         self.dims = dims
+        # wires whose rows may sit at given global positions (the attention
+        # kernel's row and streamed wires): expressions read their index as
+        # _idx_w and their size as _len_w, which the kernel sets from its
+        # offsets and sizes unless the launcher got positions / lengths
+        self.positional = positional
 
     def size(self, w: str) -> str:
         return str(self.fixed[w]) if w in self.fixed else f"_size_{w}"
@@ -63,24 +68,33 @@ class _Names:
         """A padded dim whose block is exactly its size needs no mask."""
         return w in self.dims and w in self.fixed and L._dim_block(self.d, w) == self.fixed[w]
 
-    def index(self, w: str, rows: Optional[str], cols: Optional[str]) -> str:
+    def length(self, w: str) -> str:
+        """|w| as expressions see it: the global length for a positional wire."""
+        return f"_len_{w}" if w in self.positional and w not in self.fixed else self.size(w)
+
+    def index(self, w: str, rows: Optional[str], cols: Optional[str], glob: bool = False) -> str:
+        """The index of w in a tile; ``glob``: the global index (expressions,
+        and integer inputs, which are read at global positions)."""
+        base = "_idx" if glob and w in self.positional else "_offs"
         if w == rows:
-            return f"_offs_{w}[:, None]"
+            return f"{base}_{w}[:, None]"
         if w == cols:
-            return f"_offs_{w}[None, :]"
+            return f"{base}_{w}[None, :]"
         return f"_i_{w}"
 
-    def mask(self, rows: Optional[str], cols: Optional[str]) -> list[str]:
+    def mask(self, rows: Optional[str], cols: Optional[str], glob: bool = False) -> list[str]:
         parts = []
-        if rows is not None and not self.exact(rows):
+        if rows is not None and glob and rows in self.positional:
+            parts.append(f"_gok_{rows}[:, None]")  # also inside the global length
+        elif rows is not None and not self.exact(rows):
             parts.append(f"_ok_{rows}[:, None]")
         if cols is not None and not self.exact(cols):
             parts.append(f"_ok_{cols}[None, :]")
         return parts
 
     def ctx(self, rows, cols, subst, kinds) -> Ctx:
-        index = {w.name: self.index(w.name, rows, cols) for w in self.d.wires}
-        sizes = {w.name: self.size(w.name) for w in self.d.wires}
+        index = {w.name: self.index(w.name, rows, cols, glob=True) for w in self.d.wires}
+        sizes = {w.name: self.length(w.name) for w in self.d.wires}
         return Ctx(index=index, size=sizes, fixed=self.fixed, subst=dict(subst), kinds=kinds)
 
 
@@ -89,16 +103,19 @@ def _kinds(d: ir.Diagram) -> dict[str, str]:
             for t in d.inputs}
 
 
-def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols) -> str:
+def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob: bool = False) -> str:
     declared = ir.axis_wires(d.tensor(tensor).axes)
-    terms = [f"{names.index(rw, rows, cols)} * _st_{tensor}_{dw}" for dw, rw in zip(declared, wires)]
+    terms = [f"{names.index(rw, rows, cols, glob)} * _st_{tensor}_{dw}" for dw, rw in zip(declared, wires)]
     return f"{tensor} + " + " + ".join(terms)
 
 
 def _load(d: ir.Diagram, names: _Names, ld: L.Load) -> dict:
-    mask = names.mask(ld.rows, ld.cols)
-    other = "0" if _kinds(d).get(ld.tensor) != "float" else "0.0"
-    return {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols),
+    # integer and boolean inputs (ids, masks: the distributed wrappers' side
+    # inputs) are read at the global positions; float inputs hold local rows
+    glob = _kinds(d).get(ld.tensor) != "float"
+    mask = names.mask(ld.rows, ld.cols, glob)
+    other = "0" if glob else "0.0"
+    return {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob),
             "mask": f", mask={' & '.join(mask)}, other={other}" if mask else ""}
 
 
@@ -174,9 +191,13 @@ def _full(d, e, row, col, code, names) -> str:
     return f"tl.broadcast_to({code}, [{names.block(row)}, {names.block(col)}])"
 
 
-def attention_context(plan: L.AttentionPlan) -> dict:
+def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dict:
+    """The template context of an attention kernel and its launch.  ``saved``
+    names outputs of the plan that only training needs (the row state the
+    backward reads, see training.py): the kernel stores them only when its
+    constexpr _SAVE is set, so the plain forward moves exactly what it did."""
     d = plan.diagram
-    names = _Names(d, plan.dims)
+    names = _Names(d, plan.dims, (plan.row, plan.col))
     kinds = _kinds(d)
     row, col = plan.row, plan.col
     br, bc = names.block(row), names.block(col)
@@ -237,23 +258,36 @@ def attention_context(plan: L.AttentionPlan) -> dict:
             split = True
         else:
             lines.append(f"{a.var} = {scale} + tl.sum({w}, 1)[:, None]")
-    finalise, stores = _finalise(d, names, plan.outputs, kinds, {a.var: a for a in plan.accums})
-    blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + (["_SPLIT_WEIGHTS"] if split else [])
+    accums = {a.var: a for a in plan.accums}
+    finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums)
+    save_finalise, save_stores = _finalise(d, names, [o for o in plan.outputs if o.name in saved], kinds, accums)
+    blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + (["_SPLIT_WEIGHTS"] if split else []) \
+        + (["_SAVE"] if saved else [])
     params, sizes = _params(d, names, blocks_list)
+    # positions / lengths (see the template): runtime arguments and a constexpr flag per wire
+    params += [f"_pos_{row}", f"_pos_{col}", f"_len_{row}", f"_len_{col}",
+               f"_POS_{row}: tl.constexpr", f"_POS_{col}: tl.constexpr"]
+    sizes = sizes + [f"_len_{row}", f"_len_{col}"]
     opts = _options(d, [row, col])
+    _refuse_clash(d, POSITION_OPTIONS)
     launch = _fill_options(opts) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
-        f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
+        f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
+        f"[{', '.join(o.name for o in d.outputs if o.name not in saved)}] = _allocate(_sz, _cls, _dev, out_dtype)",
+        *_allocate_saved(d, saved),
         f'_grid = (triton.cdiv(_sz["{row}"], _br), '
         + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
     block_args = [f"{br}=_br", f"{bc}=_bc"] + _wire_block_args(names, plan.dims)
     if split:  # only outputs that use a weighted sum of V decide it (not lse, say)
         inputs = ", ".join(t.name for t in d.inputs)
         valued = {a.var for a in plan.accums if a.value is not None}
-        outputs = ", ".join(o.name for o in plan.outputs
-                            if any(isinstance(n, L.Var) and n.name in valued for n in L.nodes(o.expr)))
+        outputs = ", ".join(o.name for o in plan.outputs if o.name not in saved
+                            and any(isinstance(n, L.Var) and n.name in valued for n in L.nodes(o.expr)))
         block_args.append(f"_SPLIT_WEIGHTS=_wider([{outputs}], [{inputs}])")
+    if saved:
+        block_args.append("_SAVE=_save")
+    block_args.append("**_pos")
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)',
                                 'num_stages=_opts["num_stages"] or 2']))
@@ -266,14 +300,69 @@ def attention_context(plan: L.AttentionPlan) -> dict:
         "step_loads": [_load(d, names, ld) for ld in plan.loads if ld.phase == "step"],
         "init": "\n".join(init), "bounds": _bounds(names, plan), "step": "\n".join(lines),
         "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
-        "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]),
+        "save_finalise": save_finalise, "save_stores": save_stores,
+        "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]
+                                     + [f"{o}=None" for o in POSITION_OPTIONS]),
         "options": opts,
+        "positional": _tuple(_q(w) for w in (row, col)), "global_dims": _global_dims(d, (row, col)),
+        "bind_free": ", free=_global_dims(positions)",
+        "local_args": "".join(f", {o}" for o in POSITION_OPTIONS),
+        "local_params": "".join(f", {o}=None" for o in POSITION_OPTIONS),
     }
+
+
+def _allocate_saved(d: ir.Diagram, saved) -> list[str]:
+    """float32 buffers for the saved row state; empty ones (the kernel writes
+    nothing) when the call does not save it."""
+    lines = []
+    for name in saved:
+        n = len(d.tensor(name).axes)
+        lines.append(f'{name} = torch.empty(_shape("{name}", _sz) if _save else [0] * {n}, '
+                     "dtype=torch.float32, device=_dev)")
+    return lines
 
 
 def _wire_ctx(names: _Names, w: str) -> dict:
     return {"wire": w, "offs": f"_offs_{w}", "ok": f"_ok_{w}", "block": names.block(w), "size": names.size(w),
-            "exact": names.exact(w)}
+            "exact": names.exact(w), "idx": f"_idx_{w}", "gok": f"_gok_{w}", "pos": f"_pos_{w}",
+            "len": f"_len_{w}", "flag": f"_POS_{w}"}
+
+
+# Launcher options of attention kernels beyond the tuned ones: rows at global
+# positions, global lengths, the float outputs' dtype (templates/attention.py.jinja).
+POSITION_OPTIONS = ("positions", "lengths", "out_dtype")
+
+
+def _refuse_clash(d: ir.Diagram, options) -> None:
+    clash = sorted(set(options) & {t.name for t in d.inputs})
+    if clash:
+        t = d.tensor(clash[0])
+        raise L.unsupported(f"input {t.name}", f"the launcher has an option named {t.name}", t.loc,
+                            "rename the input")
+
+
+def _global_dims(d: ir.Diagram, positional) -> str:
+    """``_GLOBAL_DIMS``: (input, dimension, positional wires it is read along
+    there, number of wires the dimension flattens) for the integer and
+    boolean inputs, which are read at global positions; the launcher refuses
+    positions for a dimension that flattens such a wire with others (its
+    global extent would mix two lengths)."""
+    reads: dict = {}
+    for let in d.lets:
+        for n in ir.walk(let.expr):
+            if isinstance(n, ir.TensorRef) and isinstance(d.tensor(n.name), ir.Input):
+                declared = ir.axis_wires(d.tensor(n.name).axes)
+                for dw, rw in zip(declared, n.wires if n.wires is not None else declared):
+                    reads.setdefault((n.name, dw), set()).add(rw)
+    rows = []
+    for t in d.inputs:
+        if t.dtype in ir.FLOAT_DTYPES:
+            continue
+        for i, axis in enumerate(t.axes):
+            ws = [w for w in positional if any(w in reads.get((t.name, dw), ()) for dw in axis)]
+            if ws:
+                rows.append(f'("{t.name}", {i}, {_tuple(_q(w) for w in ws)}, {len(axis)})')
+    return _tuple(rows)
 
 
 def _finalise(d, names: _Names, outputs, kinds, accums: dict) -> tuple[str, list]:
@@ -308,8 +397,22 @@ def _bounds(names: _Names, plan: L.AttentionPlan) -> str:
     if not plan.bounds:
         lines[0] += f"  # {'no mask' if plan.skip is None else 'the mask has no affine bound'}: every block"
         return "\n".join(lines)
-    if any(b.at_row() == "last" for b in plan.bounds):
+    ends = {b.at_row() for b in plan.bounds if b.row_coeff != 0}
+    if "first" in ends:
+        lines.append("_row_first = _row0")
+    if "last" in ends:
         lines.append(f"_row_last = tl.minimum(_row0 + {names.block(row)}, {names.size(row)}) - 1")
+    if ends:  # exact: the bounds are monotone in the row index, so its extremes give the loosest
+        lines.append(f"if _POS_{row}:  # rows at global positions: the block's least and greatest")
+        if "first" in ends:
+            lines.append(f"    _row_first = tl.min(tl.where(_ok_{row}, _idx_{row}, {2 ** 62}), 0)")
+        if "last" in ends:
+            lines.append(f"    _row_last = tl.max(tl.where(_ok_{row}, _idx_{row}, -1), 0)")
+    # streamed rows at global positions: a block's positions are known only
+    # once loaded, so every block is visited and the elementwise mask decides
+    lines.append(f"if not _POS_{col}:")
+    indent = len(lines)
+
     def affine(b: "masks.Bound", r: str, size) -> str:
         terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
         for key, v in b.rest:
@@ -319,8 +422,8 @@ def _bounds(names: _Names, plan: L.AttentionPlan) -> str:
 
     lower = False
     for b in plan.bounds:
-        r = "_row0" if b.at_row() == "first" else "_row_last"
-        value = affine(b, r, names.size)
+        r = "_row_first" if b.at_row() == "first" else "_row_last"
+        value = affine(b, r, names.length)
         why = f"{col} {'>=' if b.kind == 'lower' else '<='} {affine(b, row, lambda w: f'|{w}|')}, " \
               f"loosest at the block's {b.at_row()} row"
         if b.kind == "lower":
@@ -330,6 +433,7 @@ def _bounds(names: _Names, plan: L.AttentionPlan) -> str:
             lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {why}")
     if lower:
         lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
+    lines[indent:] = ["    " + line for line in lines[indent:]]
     return "\n".join(lines)
 
 
@@ -391,8 +495,17 @@ def _layout_repr(axes) -> str:
 
 
 def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: str) -> dict:
+    """Everything the templates need.  The kernel comes from training.py's
+    forward plan (the diagram plus the row state training saves); the
+    tables, the reference and the docs from the diagram itself."""
+    from . import training
+
     d = plan.diagram
-    ctx = attention_context(plan) if plan.family == "attention" else contraction_context(plan)
+    train = training.prepare(plan)
+    if plan.family == "attention":
+        ctx = attention_context(train.forward, train.saved)
+    else:
+        ctx = contraction_context(train.forward)
     tensors = list(d.inputs) + [d.tensor(o.name) for o in d.outputs]
     out_dtypes = {o.name: o.dtype for o in plan.outputs}
     layouts = "{\n" + "".join(f'    "{t.name}": {_layout_repr(t.axes)},\n' for t in tensors) + "}"
@@ -431,7 +544,11 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "autotune_wires": repr(tuple(w.name for w in d.wires if w.size is None)),
         "reference_returns": ", ".join(returns) if len(returns) > 1 else returns[0],
         "launcher_doc": _launcher_doc(plan, ctx["options"]),
+        "option_params": ", ".join(ctx["options"]), "single": len(d.outputs) == 1,
+        "saved_returns": "".join(f"{n}, " for n in train.saved).rstrip(" "),
+        "backward_layouts": training.backward_layouts(train),
     })
+    ctx.update(training.context(train, name=d.name, options=ctx["options"], source_hash=source_hash))
     return ctx
 
 
@@ -442,7 +559,20 @@ def _launcher_doc(plan: L.Plan, options) -> str:
     return (f'"""Run the kernel: {", ".join(t.name for t in d.inputs)} -> {outs}.\n\n'
             f"Block sizes default to the schedule's ({blocks}); smaller ones\n"
             "(e.g. 16 or 32) keep runs under TRITON_INTERPRET=1 fast.  num_warps and\n"
-            'num_stages go to Triton."""')
+            "num_stages go to Triton.  Differentiable: when an input requires a\n"
+            f"gradient (or under torch.compile) this calls the torch op, whose backward\n"
+            f"runs the backward kernels (see {d.name}_backward)."
+            + (_POSITIONS_DOC.format(row=plan.row, col=plan.col) if plan.family == "attention" else "")
+            + '"""')
+
+
+_POSITIONS_DOC = """
+
+Forward only: positions={{{row!r}: ..., {col!r}: ...}} gives the global index
+of each local row (int tensors; integer inputs are read there and hold
+the global length), lengths={{{row!r}: ..., {col!r}: ...}} the global sizes
+(needed with positions; {col} rows at positions >= it are padding), and
+out_dtype (e.g. torch.float32) the dtype of every float output."""
 
 
 def render(plan: L.Plan, **kw) -> str:

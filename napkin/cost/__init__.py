@@ -9,6 +9,8 @@ Public API:
 * ``tune(diagram, sizes, profile=None, top=5, objective="time")``: the block
   sizes that fit every level and minimise predicted time or traffic;
 * ``with_blocks(diagram, {wire: block})``: the same diagram with other blocks;
+* ``backward_cost(diagram, sizes, profile=None)``: the training backward's
+  kernels (backward.py): transfers, FLOPs, time, and the training forward;
 * ``register_cli(subparsers)``: the ``napkin cost`` subcommand.
 
 The modules: model.py (kernels, loads and stores, FLOPs), devices.py (the
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from .analysis import analyse, bind_sizes, with_blocks
+from .backward import BackwardCost, backward_cost
 from .profiles import Profile, get_profile, profile_names
 from .report import SCHEMA, CostReport, format_text, from_json, human, seconds
 from .tune import TuneResult, tune
@@ -53,5 +56,5 @@ def summary_lines(diagram, sizes: Optional[Mapping[str, int]] = None) -> list[st
     return lines
 
 
-__all__ = ["analyse", "summary_lines", "tune", "TuneResult", "with_blocks", "bind_sizes", "register_cli",
+__all__ = ["analyse", "backward_cost", "BackwardCost", "summary_lines", "tune", "TuneResult", "with_blocks", "bind_sizes", "register_cli",
            "CostReport", "SCHEMA", "format_text", "from_json", "get_profile", "profile_names", "Profile"]

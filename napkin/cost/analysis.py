@@ -24,8 +24,9 @@ from .. import ir, masks, tiling
 from ..errors import NapkinError
 from . import bounds as bounds_mod
 from .devices import communication, device_count
+from .devices import mesh_tiles as device_tiles
 from .model import (Kernel, Tiling, Visited, access_fetches_poly, access_poly, chip_levels, count_access,
-                    device_tiles, dram_fractions, kernel_tiling, kernel_work, kernels, tiling_at, visited_area,
+                    dram_fractions, kernel_tiling, kernel_work, kernels, tiling_at, visited_area,
                     visited_spans, work_numbers, work_polys)
 from .profiles import Profile, get_profile
 from .report import (SCHEMA, BoundaryTotal, CostReport, Flops, Footprint, KernelInfo, LowerBound, Resident,
@@ -201,6 +202,8 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     if comm is not None:
         notes.append(f"numbers are per device (busiest of {device_count(diagram)})"
                      "; block skipping is not modelled across devices")
+        if comm.handshake_bytes is not None:
+            notes.append(_device_note(comm))
     if any(k.two_pass for k in c.kernels):
         notes.append("a kernel writes a normalised tensor along its streamed wire: "
                      "it reads its streamed inputs twice (statistics, then values)")
@@ -211,6 +214,18 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     return CostReport(SCHEMA, diagram.name, c.prof.key, sizes_out, comm is not None, _kernel_infos(c),
                       tuple(transfers), tuple(totals), _footprints(c), flops, bound,
                       _roofline(c, flops, totals, comm), comm, tuple(notes))
+
+
+def _device_note(comm) -> str:
+    """The device numbers the text table leaves out: handshake and backward."""
+    out = f"devices: shape handshake {comm.handshake_bytes} B before the forward"
+    if comm.sent_across:
+        out += f"; forward sends {comm.sent_within} B within nodes, {comm.sent_across} B across"
+    if comm.backward_bytes is not None:
+        out += f"; backward sends {comm.backward_bytes} B"
+    if comm.burst_backward_bytes is not None:
+        out += f" (BurstAttention's backward: {comm.burst_backward_bytes} B)"
+    return out
 
 
 class _Context:
@@ -318,7 +333,7 @@ def _footprints(c: _Context) -> tuple[Footprint, ...]:
     """The tiles resident at each level (napkin/tiling.py, as the checker sums them)."""
     out = []
     for lv in (c.d.schedule.levels if c.d.schedule else ()):
-        if lv.name == "devices":
+        if lv.name in ir.MESH_LEVELS:
             continue
         capacity = lv.capacity if lv.capacity is not None else c.prof.capacity(lv.name)
         try:

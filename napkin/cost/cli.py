@@ -4,6 +4,7 @@
     napkin cost examples/attention.ncd -D ... --device a100 --json
     napkin cost examples/attention.ncd -D ... --tune [--top 5] [--objective transfers]
     napkin cost examples/attention.ncd -D ... --dtypes fp32,fp16,e4m3
+    napkin cost examples/causal.ncd -D ... --backward     (the training backward too)
 
 Bad options (a wire the diagram lacks, a size that is not a positive whole
 number, an unknown device or dtype) are NapkinErrors: exit status 1.
@@ -16,6 +17,7 @@ import json
 from .. import ir
 from ..errors import NapkinError
 from .analysis import analyse
+from .backward import backward_cost
 from .profiles import profile_names
 from .report import format_text, human, seconds
 from .tune import tune
@@ -35,6 +37,8 @@ def register_cli(subparsers) -> None:
                    help="what the tile search minimises (default: predicted time)")
     p.add_argument("--dtypes", default=None, metavar="LIST",
                    help="compare the diagram with every tensor in each of these dtypes, e.g. fp32,fp16")
+    p.add_argument("--backward", action="store_true",
+                   help="also cost the training backward: its kernels' transfers, FLOPs and time")
     p.add_argument("--capacities", default=None, metavar="LIST",
                    help="compare shared-memory capacities in bytes, e.g. 65536,131072,262144")
     p.set_defaults(func=handler)
@@ -72,10 +76,27 @@ def handler(args) -> int:
             print(json.dumps(tune_dicts(results), indent=2) if args.json else format_tune(diagram, results))
             return 0
         report = analyse(diagram, sizes, args.device)
+        back = backward_cost(diagram, sizes, args.device) if args.backward else None
     except NapkinError as err:
         raise err.with_source(args.file, None) from None
-    print(report.to_json() if args.json else format_text(report))
+    if back is None:
+        print(report.to_json() if args.json else format_text(report))
+    elif args.json:
+        print(json.dumps({"forward": report.to_dict(), "backward": backward_dict(back)}, indent=2))
+    else:
+        print(format_text(report) + "\n\n" + "\n".join(back.lines()))
     return 0
+
+
+def backward_dict(back) -> dict:
+    """The backward's cost as JSON-native values (the training forward is the
+    --json report of the same diagram with its row state added)."""
+    return {"kernels": list(back.kernels),
+            "transfers": [dict(kernel=m.kernel, tensor=m.tensor, direction=m.direction, dtype=m.dtype,
+                               elements=m.elements, bytes=m.bytes) for m in back.moves],
+            "load_bytes": back.load_bytes, "store_bytes": back.store_bytes,
+            "flops": {"contraction": back.contraction_flops, "other": back.other_flops, "exp": back.exp_flops},
+            "training_forward_bytes": back.forward.hbm_bytes, "time_s": back.time_s}
 
 
 def _dtypes(text: str) -> list[str]:

@@ -42,7 +42,6 @@ block is known to cross NVLink (within a node) or InfiniBand (across).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -56,7 +55,11 @@ META_BYTES = 8 * 67
 ELEMENT_BYTES = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}
 
 
-def ceil_div(a: int, b: int) -> int:
+def ceil_div(a, b: int):
+    """ceil(a / b); ``a`` may be a symbol with a ``ceil_div`` method (the cost
+    pass runs these formulas on wire names to print them)."""
+    if hasattr(a, "ceil_div"):
+        return a.ceil_div(b)
     return -(-a // b)
 
 
@@ -226,7 +229,7 @@ def _tree_terms(p: int, m: Moved, phase: str, part: int) -> list[Term]:
     if part < p - low:
         out.append(Term("partial state (fold)", "fold", "pass", 1, state, sends=False))
     for k in range(low.bit_length() - 1):
-        out.append(Term("partial states", f"round {k}", "pass", 1, state))
+        out.append(Term(f"partial states (round {k})", f"round {k}", "pass", 1, state))
     if part < p - low:
         out.append(Term("merged state (unfold)", "unfold", "pass", 1, state, receives=False))
     return out

@@ -12,15 +12,19 @@ only in their devices level:
 with the square grid (R = C = sqrt P) and the best rectangular grid napkin
 finds.  Printed next to the background notes' figures (section 2), which
 are derived there, not measured.  Numbers are bytes each device receives in
-the forward pass (it sends as much); see napkin/cost/devices.py for the
-model (partial outputs travel in fp32, as the merge needs).
+the forward pass (it sends as much), the cost pass's, which are what
+napkin.distributed sends (napkin/cost/collectives.py; partial states travel
+in fp32, as the merge needs).  The column "partials in input dtype" is a
+what-if napkin does not run: the same grid with bf16 partial states.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import Optional
 
+from . import collectives as C
 from .analysis import analyse
 
 # Ring / ATTENTION2D per-device traffic for multi-head attention, as the
@@ -51,15 +55,15 @@ schedule on h100 {{
 
 
 def _diagram(name: str, devices: str, d: int, dtype: str, acc: str = "fp32"):
+    """The comparison's diagram with the given devices level."""
     import napkin
     text = _TEMPLATE.format(name=name, devices=devices, d=d, dtype=dtype, acc=acc)
     return napkin.load_text(text, f"<{name}>")
 
 
-def received(devices: str, n: int, h_kv: int, g: int, d: int, dtype: str, acc: str = "fp32") -> int:
-    """Bytes one device receives under the given devices level (partial
-    outputs merged in ``acc``)."""
-    r = analyse(_diagram("cmp", devices, d, dtype, acc), {"b": 1, "hk": h_kv, "g": g, "q": n, "x": n})
+def received(devices: str, n: int, h_kv: int, g: int, d: int, dtype: str) -> int:
+    """Bytes one device receives in the forward under the given devices level."""
+    r = analyse(_diagram("cmp", devices, d, dtype), {"b": 1, "hk": h_kv, "g": g, "q": n, "x": n})
     return r.devices.bytes_received
 
 
@@ -67,8 +71,15 @@ def ring(p: int, n: int, h_kv: int, g: int, d: int, dtype: str) -> int:
     return received(f"group q across {p}\n stream x across {p}", n, h_kv, g, d, dtype)
 
 
-def a2d(rows: int, cols: int, n: int, h_kv: int, g: int, d: int, dtype: str, acc: str = "fp32") -> int:
-    return received(f"group q across {rows}\n group x across {cols}", n, h_kv, g, d, dtype, acc)
+def a2d(rows: int, cols: int, n: int, h_kv: int, g: int, d: int, dtype: str) -> int:
+    return received(f"group q across {rows}\n group x across {cols}", n, h_kv, g, d, dtype)
+
+
+def a2d_narrow(rows: int, cols: int, n: int, h_kv: int, g: int, d: int, dtype: str) -> int:
+    """The what-if: partial states in the input dtype instead of fp32."""
+    m = C.Moved.attention(dict(b=1, hq=h_kv * g, hkv=h_kv, d=d, q=n), dtype)
+    m = dataclasses.replace(m, state=C.ELEMENT_BYTES[dtype])
+    return C.rank_bytes("attention2d", (rows, cols), m, "forward")[0][1]
 
 
 def best_grid(p: int, n: int, h_kv: int, g: int, d: int, dtype: str) -> tuple[int, int, int]:
@@ -87,7 +98,7 @@ def table(ps=(4, 16, 64, 256), n: int = 65536, d: int = 128, dtype: str = "bf16"
             side = math.isqrt(p)
             r_bytes = ring(p, n, h_kv, g, d, dtype)
             square: Optional[int] = a2d(side, side, n, h_kv, g, d, dtype) if side * side == p else None
-            narrow = a2d(side, side, n, h_kv, g, d, dtype, acc=dtype) if side * side == p else None
+            narrow = a2d_narrow(side, side, n, h_kv, g, d, dtype) if side * side == p else None
             br, bc, rect = best_grid(p, n, h_kv, g, d, dtype)
             rows.append({"heads": label, "P": p, "ring": r_bytes, "a2d_square": square,
                          "best_grid": f"{br}x{bc}", "a2d_best": rect,

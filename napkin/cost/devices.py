@@ -1,29 +1,32 @@
 """The device level: what each device sends and receives, in how many steps.
 
-Layout.  P devices = the product of the ``group w across N`` counts.  Every
-input starts dealt evenly over the P devices (cyclically along its token
-wire, as ATTENTION2D does, so a device's own share lies inside every block it
-needs), and every output must end that way.
+For a diagram napkin.distributed can run (attention whose outputs merge
+exactly, see napkin/distributed/reading.py), the numbers are those of
+napkin/cost/collectives.py: exactly what the wrappers send, which the
+multi-process tests check against the communication counter on every rank.
+The mesh levels pick the scheme:
 
-Inputs.  A device needs the block of each input cut by the wires grouped
-across devices that the input carries (Q is cut by q's rows, K by x's
-columns), and every chunk of a wire streamed across devices (Ring: all of K
-and V pass through each device).  What it lacks it receives:
-  * an all-gather among the k devices that need the same block (k - 1 steps),
-    receiving (k - 1)/k of the block and sending as much;
-  * for the wire streamed across N devices, a ring pass: N - 1 steps, one
-    chunk in and one out per step.
-Outputs.  When a kernel reduces a wire grouped across devices (x in
-ATTENTION2D), each device holds a partial result for its block; the k
-devices sharing the block exchange their partials for each other's shares
-(an all_to_all plus a local merge, k - 1 steps).  Partials travel in the
-accumulator dtype, and a softmax-style merge also needs each row's
-log-sum-exp (fp32) unless lse is itself an output (it then travels anyway).
+  group q + group x          ATTENTION2D on an R x C grid (cyclic layout)
+  group q + stream x         Ring Attention (zigzag layout); the backward is
+                             costed both ways, Ring's (K, V circulate) and
+                             BurstAttention's (Q, dO, lse, delta circulate)
+  group x only               decoding: queries on every device, keys dealt
+                             contiguously, states merged by a butterfly
 
-Link.  Up to 8 devices talk over NVLink, more over InfiniBand (one GPU per
-node, the slowest link of a larger collective).  Time = the larger of bytes
-sent and received over the link's per-direction bandwidth; the no-overlap
-variant adds it to the compute estimate.
+Numbers are per device, for the busiest one: rows of a wire dealt over P
+devices round up (padding), partial states and accumulators travel in fp32
+(fp64 for fp64 inputs) whatever the diagram's ``accumulate``, and the shape
+handshake before the forward is counted separately (``handshake_bytes``).
+
+Link.  With a ``level nodes`` the devices level's counts say how many GPUs
+a node holds (an ATTENTION2D node holds a DR x DC block of the grid);
+without one, up to 8 devices share a node (NVLink) and more are one GPU per
+node (InfiniBand).  Each collective takes max(bytes within the node /
+NVLink, bytes across nodes / InfiniBand) on its slowest device.
+
+Other diagrams split across devices (a matmul, say) keep the older generic
+model: every input dealt evenly over the devices and gathered by those that
+need the same block, outputs merged by all-to-all.
 """
 from __future__ import annotations
 
@@ -32,16 +35,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir, tiling
-from .model import Kernel, contraction_factors, device_tiles, node_wires
+from ..errors import NapkinError
+from . import collectives as C
+from .model import Kernel, contraction_factors, node_wires
 from .symbolic import Poly
 
-NVLINK_DOMAIN = 8  # GPUs per NVLink domain (one DGX/HGX node)
+NVLINK_DOMAIN = 8  # GPUs per NVLink domain (one DGX/HGX node) without a nodes level
 
 
 @dataclass(frozen=True)
 class CommRow:
     tensor: str
-    collective: str       # "all-gather", "ring pass" or "merge (all-to-all)"
+    collective: str       # "all-gather", "ring pass", "merge (all-to-all)", "merge (butterfly)"
     among: tuple[str, ...]  # the device-split wires whose parts the collective spans
     group: int            # devices in the collective
     steps: int
@@ -53,6 +58,9 @@ class CommRow:
 
 @dataclass(frozen=True)
 class DeviceComm:
+    """The forward's communication on the busiest device (``rows``, the
+    totals and ``time_s``), plus the handshake and the backward."""
+
     devices: int
     grid: tuple[tuple[str, str, int], ...]   # (wire, "group"/"stream", parts)
     rows: tuple[CommRow, ...]
@@ -62,20 +70,231 @@ class DeviceComm:
     link: str
     link_bandwidth: float
     time_s: Optional[float]
+    scheme: str = ""                          # attention2d, ring, tree or generic
+    gpus_per_node: Optional[int] = None
+    handshake_bytes: Optional[int] = None     # sent before the forward (the shape check)
+    sent_within: Optional[int] = None         # forward bytes sent within the node
+    sent_across: Optional[int] = None         # forward bytes sent across nodes
+    backward_bytes: Optional[int] = None      # sent by the backward (Ring's, for a ring)
+    backward_time_s: Optional[float] = None
+    burst_backward_bytes: Optional[int] = None    # a ring's backward the BurstAttention way
+    burst_backward_time_s: Optional[float] = None
 
+
+def mesh_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
+    """The wires split across devices, one tile per wire with its parts over
+    both mesh levels (nodes x devices) multiplied."""
+    found: dict[str, ir.Tile] = {}
+    for name in ir.MESH_LEVELS:
+        level = diagram.level(name)
+        for t in level.tiles if level else ():
+            if t.across:
+                old = found.get(t.wire)
+                found[t.wire] = ir.Tile(t.wire, t.kind, t.size * (old.size if old else 1), True,
+                                        old.loc if old else t.loc)
+    return tuple(found.values())
+
+
+def device_count(diagram: ir.Diagram) -> int:
+    tiles = mesh_tiles(diagram)
+    return math.prod(t.size for t in tiles if t.kind == "group") if tiles else 1
+
+
+def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[str, int]],
+                  profile, wire_sym) -> Optional[DeviceComm]:
+    """Per-device communication, or None without a mesh level."""
+    if not mesh_tiles(diagram):
+        return None
+    from ..distributed.reading import roles
+    try:
+        r = roles(diagram)
+    except NapkinError:
+        return _generic(diagram, kernels, sizes, profile, wire_sym)
+    return _scheme(diagram, r, sizes, profile)
+
+
+# --------------------------------------------------------------------------
+# Schemes napkin.distributed runs: the proven numbers.
+# --------------------------------------------------------------------------
+
+class Sym:
+    """A symbolic byte count, printed for the report: just enough algebra
+    (+, *, ceil division) to run collectives.terms on wire names."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    @staticmethod
+    def of(v) -> "Sym":
+        return v if isinstance(v, Sym) else Sym(str(v))
+
+    def _atom(self) -> str:
+        return f"({self.text})" if " + " in self.text else self.text
+
+    def __add__(self, other):
+        o = Sym.of(other)
+        if o.text == "0":
+            return self
+        return o if self.text == "0" else Sym(f"{self.text} + {o.text}")
+
+    __radd__ = __add__
+
+    def __mul__(self, other):
+        o = Sym.of(other)
+        if "0" in (self.text, o.text):
+            return Sym("0")
+        if o.text == "1":
+            return self
+        return o if self.text == "1" else Sym(f"{self._atom()}*{o._atom()}")
+
+    __rmul__ = __mul__
+
+    def __bool__(self) -> bool:
+        return self.text != "0"
+
+    def ceil_div(self, n: int) -> "Sym":
+        return self if n == 1 else Sym(f"ceil({self.text}/{n})")
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def moved(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]]) -> C.Moved:
+    """What the wrappers move per token row, from the diagram's roles: numbers
+    with ``sizes``, symbols (Sym) without."""
+    def size(w: str):
+        if sizes is not None:
+            return sizes[w]
+        fixed = diagram.wire(w).size
+        return fixed if fixed is not None else Sym(w)
+
+    def width(axes, skip: str):
+        n = 1
+        for w in ir.axis_wires(axes):
+            if w != skip:
+                n = n * size(w)
+        return n
+
+    def nbytes(dtype: str) -> int:
+        return ir.DTYPE_BYTES[dtype]
+
+    inputs = [diagram.tensor(n) for n in r.tokens]
+    query = tuple((width(t.axes, r.query), nbytes(t.dtype)) for t in inputs if r.query in ir.axis_wires(t.axes))
+    keys = tuple((width(t.axes, r.key), nbytes(t.dtype)) for t in inputs if r.key in ir.axis_wires(t.axes))
+    o = diagram.tensor(r.value)
+    rows = o.axes[:len(o.axes) - r.value_axes]
+    stats = width(rows, r.query) if r.family == "softmax" else 0
+    state = C.state_bytes("fp64" if any(t.dtype == "fp64" for t in inputs) else "fp32")
+    return C.Moved(size(r.query), size(r.key), query, keys, width(o.axes, r.query), query[0][1], stats, state)
+
+
+_COLLECTIVE = {"row": "all-gather", "column": "all-gather", "ring": "ring pass"}
+
+
+def _row(term: C.Term, sym: C.Term, r, placement: C.Placement, dtype: str) -> CommRow:
+    scheme = placement.scheme
+    if term.what == "partial states":
+        name = "merge (all-to-all)"
+    elif scheme == "tree":
+        name = "merge (butterfly)"
+    else:
+        name = _COLLECTIVE.get(term.group, term.group)
+    among = (r.query,) if term.group == "column" else (r.key,)
+    group = len(placement.peers(term.group, 0)) + 1 if term.kind == "collective" else 2
+    received = term.total if term.receives else 0
+    formula = f"{sym.steps}*{Sym.of(sym.nbytes)._atom()}" if sym.steps != 1 else str(sym.nbytes)
+    return CommRow(term.what, name, among, group, term.steps, dtype, formula, received,
+                   term.total if term.sends else 0)
+
+
+def _placement(diagram: ir.Diagram, r) -> C.Placement:
+    scheme, grid = r.scheme
+    p = C.parts_of(scheme, grid)
+    if r.per_node is None:                    # no nodes level: one NVLink domain, else one GPU a node
+        return C.Placement(scheme, grid, p if p <= NVLINK_DOMAIN else 1)
+    if scheme == "attention2d":
+        return C.Placement(scheme, grid, block=r.per_node)
+    return C.Placement(scheme, grid, r.per_node[0])
+
+
+def _link_name(placement: C.Placement) -> tuple[str, str]:
+    g = placement.gpus_per_node or placement.parts
+    if g >= placement.parts:
+        return "NVLink", "nvlink_bandwidth"
+    if g == 1:
+        return "InfiniBand", "infiniband_bandwidth"
+    return f"NVLink within nodes of {g}, InfiniBand across", "infiniband_bandwidth"
+
+
+def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) -> DeviceComm:
+    placement = _placement(diagram, r)
+    scheme = placement.scheme
+    sym = moved(diagram, r, None)
+    num = moved(diagram, r, sizes) if sizes is not None else None
+    links = C.Links.of(profile)
+    # the busiest part (the tree's parts differ when P is not a power of two)
+    busiest = 0
+    if num is not None:
+        sent = [s for s, _ in C.rank_bytes(scheme, placement.grid, num, "forward")]
+        busiest = max(range(len(sent)), key=lambda k: (sent[k], -k))
+    sym_terms = C.terms(scheme, placement.grid, sym, "forward", busiest)
+    num_terms = C.terms(scheme, placement.grid, num, "forward", busiest) if num is not None else None
+    dtypes = {n: diagram.tensor(n).dtype for n in r.tokens}
+    qdt = next(dtypes[n] for k, n in enumerate(r.tokens) if r.is_query(k))
+    kdt = next(dtypes[n] for k, n in enumerate(r.tokens) if not r.is_query(k))
+    state = "fp64" if sym.state == 8 else "fp32"
+    rows = []
+    for k, st in enumerate(sym_terms):
+        dtype = qdt if st.what == "Q" else kdt if st.what == "K, V" else state
+        if num_terms is None:
+            rows.append(_symbolic(_row(st, st, r, placement, dtype)))
+        else:
+            rows.append(_row(num_terms[k], st, r, placement, dtype))
+    tiles = tuple((t.wire, t.kind, t.size) for t in mesh_tiles(diagram))
+    link, key = _link_name(placement)
+    steps = sum(t.steps for t in sym_terms)
+    common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node)
+    if num is None:
+        return DeviceComm(placement.parts, tiles, tuple(rows), steps, None, None, link, profile[key], None,
+                          **common)
+
+    def most(values):
+        return max(values) if values else 0
+
+    fwd = C.traffic(placement, num, "forward")
+    mine = fwd[busiest]
+    out = dict(common, handshake_bytes=most([t.sent for t in C.traffic(placement, num, "check")]),
+               sent_within=mine.sent_within, sent_across=mine.sent_across)
+    if scheme != "tree":
+        out["backward_bytes"] = most([t.sent for t in C.traffic(placement, num, "backward")])
+        out["backward_time_s"] = sum(C.phase_seconds(placement, num, "backward", links).values())
+    if scheme == "ring":
+        burst = C.Placement("burst", placement.grid, placement.gpus_per_node)
+        out["burst_backward_bytes"] = most([t.sent for t in C.traffic(burst, num, "backward")])
+        out["burst_backward_time_s"] = sum(C.phase_seconds(burst, num, "backward", links).values())
+    time = sum(C.phase_seconds(placement, num, "forward", links).values())
+    return DeviceComm(placement.parts, tiles, tuple(rows), steps, mine.received, mine.sent, link,
+                      profile[key], time, **out)
+
+
+def _symbolic(row: CommRow) -> CommRow:
+    """A symbolic row: no numbers."""
+    return CommRow(row.tensor, row.collective, row.among, row.group, row.steps, row.dtype, row.formula,
+                   None, None)
+
+
+# --------------------------------------------------------------------------
+# The generic model (diagrams the wrappers cannot run).
+# --------------------------------------------------------------------------
 
 def _parts(diagram: ir.Diagram) -> tuple[dict[str, int], Optional[tuple[str, int]]]:
     groups, stream = {}, None
-    for t in device_tiles(diagram):
+    for t in mesh_tiles(diagram):
         if t.kind == "group":
             groups[t.wire] = t.size
         else:
             stream = (t.wire, t.size)
     return groups, stream
-
-
-def device_count(diagram: ir.Diagram) -> int:
-    return math.prod(_parts(diagram)[0].values()) if device_tiles(diagram) else 1
 
 
 def _merge_wires(diagram: ir.Diagram, kernel: Kernel) -> set[str]:
@@ -96,11 +315,11 @@ def _softmax_like(diagram: ir.Diagram, kernel: Kernel, wire: str) -> bool:
                for b in kernel.boxes for n in ir.walk(diagram.tensor(b).expr))
 
 
-def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[str, int]],
-                  profile, wire_sym) -> Optional[DeviceComm]:
-    """Per-device communication, or None without a devices level."""
-    if not device_tiles(diagram):
-        return None
+def _generic(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[str, int]],
+             profile, wire_sym) -> DeviceComm:
+    """Diagrams napkin.distributed cannot run (not attention): every input
+    dealt evenly over the P devices, gathered by the devices that need the
+    same block, outputs merged by all-to-all."""
     groups, stream = _parts(diagram)
     p = math.prod(groups.values())
     acc = tiling.accumulator_dtype(diagram)
@@ -175,9 +394,9 @@ def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[di
     link = "nvlink_bandwidth" if p <= NVLINK_DOMAIN else "infiniband_bandwidth"
     bw = profile[link]
     time = None if received is None else max(received, sent) / bw
-    grid = tuple((t.wire, t.kind, t.size) for t in device_tiles(diagram))
+    grid = tuple((t.wire, t.kind, t.size) for t in mesh_tiles(diagram))
     return DeviceComm(p, grid, tuple(rows), steps, received, sent,
-                      "NVLink" if p <= NVLINK_DOMAIN else "InfiniBand", bw, time)
+                      "NVLink" if p <= NVLINK_DOMAIN else "InfiniBand", bw, time, scheme="generic")
 
 
 def _value_wires(diagram: ir.Diagram, kernel: Kernel) -> set[str]:

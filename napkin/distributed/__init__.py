@@ -15,9 +15,10 @@ torch.distributed.
   within-node and across-node bytes when given the GPUs per node);
   ``predicted_comm`` says what the wrappers should send (napkin/cost/
   collectives.py, the model the cost pass uses).
-* ``EagerLocal``, ``autograd_backward``, ``roles``: the local attention a
-  device runs and what the wrappers read off the diagram (local.py documents
-  the protocol a kernel must follow to be plugged in).
+* ``EagerLocal``, ``KernelLocal`` (the generated Triton kernel, the
+  default through ``default_local``), ``autograd_backward``, ``roles``: the
+  local attention a device runs and what the wrappers read off the diagram
+  (local.py documents the protocol a kernel must follow to be plugged in).
 
 The names are imported on first use, so ``napkin.distributed.reading`` (pure
 IR reading) can be used by the cost pass without importing torch.
@@ -33,7 +34,7 @@ _WHERE = {
     "DEFAULT_TIMEOUT": "groups", "Grid2D": "groups", "Ring": "groups", "as_grid": "groups",
     "as_ring": "groups", "grid_from_mesh": "groups", "new_grid": "groups", "grid_ranks": "groups",
     "TokenLayout": "layouts", "scheme_layout": "layouts",
-    "EagerLocal": "local", "autograd_backward": "local",
+    "EagerLocal": "local", "autograd_backward": "local", "KernelLocal": "local", "default_local": "local",
     "Roles": "reading", "roles": "reading", "mesh_splits": "reading",
     "merge": "merging", "merge_softmax": "merging", "merge_sum": "merging", "partial_weight": "merging",
 }

@@ -34,7 +34,7 @@ from . import groups as G
 from .commcount import phase
 from .common import handshake, pad_rows, results, row_delta, split_side, zero_rows
 from .layouts import TokenLayout
-from .local import EagerLocal, Roles, autograd_backward, roles
+from .local import Roles, autograd_backward, default_local, roles
 from .merging import merge_softmax, merge_sum
 
 
@@ -47,14 +47,15 @@ class Attention2D:
     Each rank passes its own rows in the cyclic layout (``shard``), padded
     to ceil(N / P) rows; ``q_len`` / ``x_len`` are the true lengths.
     ``local`` / ``local_backward`` follow the protocol of local.py; the default
-    evaluates the diagram eagerly.
+    local runs the generated Triton kernel (float64 and unsupported diagrams:
+    the eager evaluation), the default backward is autograd of the eager one.
     """
 
     def __init__(self, diagram: ir.Diagram, *, local: Optional[Callable] = None,
                  local_backward: Optional[Callable] = None, query_wire: Optional[str] = None,
                  key_wire: Optional[str] = None):
         self.roles: Roles = roles(diagram, query_wire, key_wire)
-        self.local = local or EagerLocal(self.roles)
+        self.local = local or default_local(self.roles)
         self.local_backward = local_backward or autograd_backward(self.local, self.roles)
 
     @property
@@ -65,6 +66,15 @@ class Attention2D:
 
     def layouts(self, parts: int, q_len: int, x_len: Optional[int] = None) -> tuple[TokenLayout, TokenLayout]:
         return TokenLayout("cyclic", parts, q_len), TokenLayout("cyclic", parts, x_len or q_len)
+
+    def make_grid(self) -> G.Grid2D:
+        """The diagram's grid, placed as its mesh levels say (with a nodes
+        level, each node of consecutive ranks holds its block of the grid).
+        Collective: every rank of the default group calls it."""
+        if self.grid_shape is None:
+            raise ValueError("the diagram has no devices level: build the grid with new_grid(R, C)")
+        r, c = self.grid_shape
+        return G.new_grid(r, c, G.grid_ranks(r, c, self.roles.per_node))
 
     def __call__(self, *tokens, grid, q_len: int, x_len: Optional[int] = None,
                  timeout: float = G.DEFAULT_TIMEOUT, **side):

@@ -16,6 +16,9 @@ uses: a rank sends each peer exactly the data that peer lacks.
   send / isend, recv / irecv                     the tensor's bytes
   broadcast from src                             src sends (k-1) B, others receive B
   all-reduce                                     2 (k-1)/k B each way (ring)
+With ``gpus_per_node`` the bytes sent are also split by link: to ranks on
+the same node (NVLink) or on others (InfiniBand); a ring all-reduce's bytes
+are charged to the link to the next member.
 The backend's own algorithm (gloo's ring or tree, NCCL's) may move the data
 in more hops; the model counts the bytes that must leave and enter a rank.
 
@@ -56,68 +59,83 @@ class Event:
     group_size: int
     sent: int
     received: int
+    sent_within: int = 0      # of ``sent``, to ranks on this rank's node (needs gpus_per_node)
+    sent_across: int = 0      # to ranks on other nodes
 
 
 def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _group_size(group) -> int:
-    return dist.get_world_size(group)
+def _members(group) -> list[int]:
+    """Global ranks of a group's members, in group-rank order."""
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
-def _group_rank(group) -> int:
-    return dist.get_rank(group)
+def _others(group) -> list[int]:
+    me = dist.get_rank()
+    return [r for r in _members(group) if r != me]
 
 
-# Each rule maps the call's arguments to (sent, received, group) for this rank.
+# Each rule maps the call's arguments to (sent, received, [(peer, bytes sent)])
+# for this rank; peers are global ranks.
 
 def _gather_single(output, input, group=None, *a, **k):
-    n = _group_size(group)
-    return (n - 1) * _nbytes(input), (n - 1) * _nbytes(input), group
+    peers = _others(group)
+    return len(peers) * _nbytes(input), len(peers) * _nbytes(input), [(q, _nbytes(input)) for q in peers]
 
 
 def _gather_list(tensor_list, tensor, group=None, *a, **k):
-    n = _group_size(group)
-    return (n - 1) * _nbytes(tensor), (n - 1) * _nbytes(tensor), group
+    return _gather_single(None, tensor, group)
 
 
-def _split_bytes(t, splits, n, me) -> int:
-    """Bytes of t outside this rank's own split (the part it keeps)."""
-    per_row = _nbytes(t) // max(t.shape[0], 1) if t.dim() else _nbytes(t)
+def _splits(t, splits, members: list[int]) -> list[int]:
+    """Bytes of t for each member (equal splits unless given)."""
+    n = len(members)
     if splits is None or len(splits) == 0:
-        return _nbytes(t) - _nbytes(t) // n
-    return _nbytes(t) - splits[me] * per_row
+        return [_nbytes(t) // n] * n
+    per_row = _nbytes(t) // max(t.shape[0], 1) if t.dim() else _nbytes(t)
+    return [int(x) * per_row for x in splits]
 
 
 def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, *a, **k):
-    n, me = _group_size(group), _group_rank(group)
-    return _split_bytes(input, input_split_sizes, n, me), _split_bytes(output, output_split_sizes, n, me), group
+    members, me = _members(group), dist.get_rank()
+    out = _splits(input, input_split_sizes, members)
+    got = _splits(output, output_split_sizes, members)
+    mine = members.index(me)
+    to = [(q, nb) for q, nb in zip(members, out) if q != me]
+    return sum(out) - out[mine], sum(got) - got[mine], to
 
 
 def _reduce_scatter(output, input, op=None, group=None, *a, **k):
     moved = _nbytes(input) - _nbytes(output)
-    return moved, moved, group
+    return moved, moved, [(q, _nbytes(output)) for q in _others(group)]
 
 
 def _send(tensor, dst=None, group=None, *a, **k):
-    return _nbytes(tensor), 0, group
+    return _nbytes(tensor), 0, [(dst, _nbytes(tensor))]
 
 
 def _recv(tensor, src=None, group=None, *a, **k):
-    return 0, _nbytes(tensor), group
+    return 0, _nbytes(tensor), []
 
 
 def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    n = _group_size(group)
-    is_src = (_group_rank(group) == group_src) if group_src is not None else dist.get_rank() == src
-    return ((n - 1) * _nbytes(tensor), 0, group) if is_src else (0, _nbytes(tensor), group)
+    members = _members(group)
+    root = members[group_src] if group_src is not None else src
+    if dist.get_rank() == root:
+        peers = [q for q in members if q != root]
+        return len(peers) * _nbytes(tensor), 0, [(q, _nbytes(tensor)) for q in peers]
+    return 0, _nbytes(tensor), []
 
 
 def _all_reduce(tensor, op=None, group=None, *a, **k):
-    n = _group_size(group)
+    members = _members(group)
+    n = len(members)
     moved = 2 * (n - 1) * _nbytes(tensor) // n
-    return moved, moved, group
+    # a ring all-reduce sends everything to the next member
+    nxt = members[(members.index(dist.get_rank()) + 1) % n]
+    return moved, moved, [(nxt, moved)] if moved else []
 
 
 _RULES = {
@@ -139,13 +157,18 @@ _RULES = {
 class CommCounter:
     """Count the bytes this rank sends and receives through torch.distributed.
 
-    >>> with CommCounter() as cc:
+    >>> with CommCounter(gpus_per_node=2) as cc:
     ...     out = attention_2d(q, k, v, grid=mesh, q_len=N)
     >>> cc.total("forward")          # (sent, received)
+    >>> cc.links("forward")          # (sent within the node, sent across nodes)
+
+    ``gpus_per_node`` G says which ranks share a node (global rank // G);
+    without it every rank is on one node.
     """
 
-    def __init__(self):
+    def __init__(self, gpus_per_node: Optional[int] = None):
         self.events: list[Event] = []
+        self.gpus_per_node = gpus_per_node
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> "CommCounter":
@@ -165,11 +188,19 @@ class CommCounter:
         self._saved.clear()
         dist._napkin_counter_active = False
 
+    def _node(self, rank: int) -> int:
+        return 0 if self.gpus_per_node is None else rank // self.gpus_per_node
+
     def _wrap(self, name, fn, rule):
         @functools.wraps(fn)
         def counted(*args, **kwargs):
-            sent, received, group = rule(*args, **kwargs)
-            self.events.append(Event(name, _PHASE.get(), _group_size(group), int(sent), int(received)))
+            sent, received, to = rule(*args, **kwargs)
+            group = kwargs.get("group")
+            home = self._node(dist.get_rank())
+            across = sum(nb for q, nb in to if self._node(q) != home)
+            size = dist.get_world_size(group)
+            self.events.append(Event(name, _PHASE.get(), size, int(sent), int(received),
+                                     int(sent) - across, across))
             return fn(*args, **kwargs)
         return counted
 
@@ -178,6 +209,11 @@ class CommCounter:
         """(bytes sent, bytes received) over the events of one phase, or all."""
         evs = [e for e in self.events if phase is None or e.phase == phase]
         return sum(e.sent for e in evs), sum(e.received for e in evs)
+
+    def links(self, phase: Optional[str] = None) -> tuple[int, int]:
+        """(bytes sent within this rank's node, bytes sent across nodes)."""
+        evs = [e for e in self.events if phase is None or e.phase == phase]
+        return sum(e.sent_within for e in evs), sum(e.sent_across for e in evs)
 
     def by_phase(self) -> dict[str, tuple[int, int]]:
         return {p: self.total(p) for p in dict.fromkeys(e.phase for e in self.events)}

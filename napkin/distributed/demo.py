@@ -28,6 +28,8 @@ def _args(default_diagram: str, argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backward", default="kv", choices=["kv", "burst"],
+                    help="Ring Attention only: Ring's backward (K, V circulate) or BurstAttention's (Q, dO, ...)")
     return ap.parse_args(argv)
 
 
@@ -47,15 +49,23 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     if cuda:
         torch.cuda.set_device(device)
     diagram = napkin.load(a.diagram)
-    fn = (Attention2D if scheme == "attention2d" else RingAttention)(diagram)
+    if scheme == "attention2d":
+        fn = Attention2D(diagram)
+    else:
+        fn = RingAttention(diagram, backward=a.backward)
+        scheme = fn.scheme              # "ring" or "burst", as the byte model names them
     r = fn.roles
+    per_node = fn.roles.per_node
     if scheme == "attention2d":
         from torch.distributed.device_mesh import init_device_mesh
+
+        from napkin.distributed import grid_ranks, new_grid
         shape = fn.grid_shape or (1, world)
         if shape[0] * shape[1] != world:
             raise SystemExit(f"{a.diagram} asks for a {shape[0]} x {shape[1]} grid: run with "
                              f"--nproc-per-node {shape[0] * shape[1]}, not {world}")
-        place = init_device_mesh(device.type, shape)
+        # a nodes level places a block of the grid on each node
+        place = new_grid(*shape, grid_ranks(*shape, per_node)) if per_node else init_device_mesh(device.type, shape)
         where, grid = dict(grid=place), shape
     else:
         if fn.ring_size not in (None, world):
@@ -81,7 +91,8 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
             for k, n in enumerate(r.tokens)]
     side = {n: full[n].to(device, dtype) for n in r.side}
 
-    with CommCounter() as cc:
+    gpus_per_node = (per_node[0] * per_node[1] if scheme == "attention2d" else per_node[0]) if per_node else None
+    with CommCounter(gpus_per_node=gpus_per_node) as cc:
         out = fn(*mine, q_len=a.tokens, timeout=a.timeout, **where, **side)
         outs = out if isinstance(out, tuple) else (out,)
         torch.autograd.backward([o for o in outs], [torch.ones_like(o).nan_to_num(0.0) for o in outs])
@@ -104,16 +115,70 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     predicted = [predicted_comm(scheme, grid, pred_sizes, dname, ph, r.family)[rank][0]
                  for ph in ("forward", "backward")]
     report = [None] * world
-    dist.all_gather_object(report, (rank, sent, predicted))
+    dist.all_gather_object(report, (rank, sent, predicted, cc.links()))
     if rank == 0:
         err_o = (o_full.cpu().double() - ref_o.detach()).abs().max().item()
         err_dq = (dq_full.cpu().double() - leaves[0].grad).abs().max().item()
-        title = "ATTENTION2D" if scheme == "attention2d" else "Ring Attention"
+        title = {"attention2d": "ATTENTION2D", "ring": "Ring Attention",
+                 "burst": "Ring Attention with BurstAttention's backward"}[scheme]
         print(f"{title}: {a.diagram}, {world} ranks, grid {'x'.join(map(str, grid))}, "
               f"{a.tokens} tokens, {a.dtype}, backend {dist.get_backend()}")
         print(f"max |O - reference|   = {err_o:.3e}")
         print(f"max |dQ - reference|  = {err_dq:.3e}")
-        print("rank  forward bytes sent (predicted)   backward bytes sent (predicted)")
-        for rk, (s, p) in enumerate((x[1], x[2]) for x in report):
-            print(f"{rk:4d}  {s[0]:14d} ({p[0]:14d})   {s[1]:14d} ({p[1]:14d})")
+        print("rank  forward bytes sent (predicted)   backward bytes sent (predicted)"
+              + ("   sent within / across nodes (all phases)" if gpus_per_node else ""))
+        for rk, (s, p, links) in enumerate((x[1], x[2], x[3]) for x in report):
+            print(f"{rk:4d}  {s[0]:14d} ({p[0]:14d})   {s[1]:14d} ({p[1]:14d})"
+                  + (f"   {links[0]} / {links[1]}" if gpus_per_node else ""))
+    dist.destroy_process_group()
+
+
+def decode_main(default_diagram: str, argv=None) -> None:
+    """Decoding: a few queries against a key/value cache split over the
+    ranks (TreeAttention), forward only."""
+    import torch.distributed as dist
+
+    import napkin
+    from napkin.cost import collectives as C
+    from napkin.distributed import CommCounter, EagerLocal, TreeAttention
+
+    ap = argparse.ArgumentParser(description="decoding across devices, against a float64 reference")
+    ap.add_argument("--diagram", default=default_diagram)
+    ap.add_argument("--queries", type=int, default=4, help="new query tokens")
+    ap.add_argument("--cache", type=int, default=4001, help="key/value cache length (need not divide)")
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4, help="query heads per key/value head")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--timeout", type=float, default=120.0)
+    a = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=a.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    fn = TreeAttention(napkin.load(a.diagram))
+    if fn.tree_size not in (None, world):
+        raise SystemExit(f"{a.diagram} asks for {fn.tree_size} devices: run with --nproc-per-node {fn.tree_size}")
+    d = next(w.size for w in fn.roles.diagram.wires if w.name == "d")
+    gen = torch.Generator().manual_seed(0)
+    hq = a.kv_heads * a.group
+    q = torch.randn(1, hq, a.queries, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, a.kv_heads, a.cache, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    dtype = getattr(torch, a.dtype)
+    mine = [q.to(device, dtype)] + [fn.shard(t, None, a.cache, 2).to(device, dtype) for t in (k, v)]
+    with CommCounter() as cc:
+        out, lse = fn(*mine, q_len=a.queries, x_len=a.cache, timeout=a.timeout)
+    pos_q, pos_x = torch.arange(a.queries), torch.arange(a.cache)
+    ref, ref_lse = EagerLocal(fn.roles)(q, k, v, q_pos=pos_q, x_pos=pos_x, q_len=a.queries, x_len=a.cache)
+    m = C.Moved.attention(dict(b=1, hq=hq, hkv=a.kv_heads, d=d, q=a.queries, x=a.cache), a.dtype.replace("float", "fp"))
+    predicted = C.rank_bytes("tree", (world,), m, "forward")[rank][0]
+    report = [None] * world
+    dist.all_gather_object(report, (cc.total("forward")[0], predicted,
+                                    (out.cpu().double() - ref).abs().max().item()))
+    if rank == 0:
+        print(f"decoding: {a.diagram}, {world} ranks, {a.queries} queries, cache {a.cache}, {a.dtype}, "
+              f"backend {dist.get_backend()}")
+        print(f"max |O - reference| over ranks = {max(r[2] for r in report):.3e}")
+        print("rank  forward bytes sent (predicted)")
+        for rk, (s, p, _) in enumerate(report):
+            print(f"{rk:4d}  {s:10d} ({p:10d})")
     dist.destroy_process_group()

@@ -3,8 +3,9 @@
 ``distributed_source(diagram)`` returns Python text to append to the module
 napkin.codegen writes for a diagram with a devices level: a function
 ``NAME_distributed(Q, K, V, mesh, *, q_len, ...)`` (ATTENTION2D; for Ring
-Attention the second-to-last argument is a process group, default the
-world) plus ``NAME_distributed_shard`` and ``NAME_distributed_gather``.
+Attention and decoding the second-to-last argument is a process group,
+default the world) plus ``NAME_distributed_shard`` and
+``NAME_distributed_gather``.
 The text is deterministic: the same diagram gives the same bytes.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from .. import ir
-from .local import roles
+from .reading import roles   # pure IR: compiling a module must not import torch
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,23 +35,28 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
     if r.scheme is None:
         return ""
     scheme, grid = r.scheme
-    ring = scheme == "ring"
+    kind = {"attention2d": ("ATTENTION2D", "Attention2D", "cyclic", f", a {' x '.join(map(str, grid))} grid"),
+            "ring": ("Ring Attention", "RingAttention", "zigzag", f", a ring of {grid[0]}"),
+            "tree": ("Decoding (tree merge)", "TreeAttention", "contiguous",
+                     f", keys over {grid[0]} devices; queries whole on every rank")}[scheme]
+    group = scheme != "attention2d"
     side = list(r.side)
     ctx = dict(
-        title="Ring Attention" if ring else "ATTENTION2D",
-        cls="RingAttention" if ring else "Attention2D",
+        title=kind[0],
+        cls=kind[1],
         name=diagram.name,
         fname=f"{diagram.name}_distributed",
         text_literal=_literal(to_text(diagram)),
         label_literal=repr(label or f"{diagram.name}.ncd"),
         tokens=", ".join(r.tokens),
-        place="group" if ring else "mesh",
-        place_kw="group" if ring else "grid",
-        place_default="=None" if ring else "",
-        place_doc=("group: the ring's process group or 1-D DeviceMesh (None: the default group)." if ring else
+        place="group" if group else "mesh",
+        place_kw="group" if group else "grid",
+        place_default="=None" if group else "",
+        place_doc=(f"group: the {'ring' if scheme == 'ring' else 'tree'}'s process group or 1-D DeviceMesh "
+                   "(None: the default group)." if group else
                    "mesh: a 2-D DeviceMesh (init_device_mesh(device, (R, C))) or a napkin Grid2D."),
-        layout="zigzag" if ring else "cyclic",
-        grid_note=f", a ring of {grid[0]}" if ring else f", a {grid[0]} x {grid[1]} grid",
+        layout=kind[2],
+        grid_note=kind[3],
         outputs=", ".join(r.outputs),
         side_params="".join(f", {n}" for n in side),
         side_args="".join(f", {n}={n}" for n in side),

@@ -69,20 +69,37 @@ def grid_from_mesh(mesh) -> Grid2D:
     return Grid2D(r, c, i, j, row_group=mesh.get_group(1), col_group=mesh.get_group(0)).validate()
 
 
+def grid_ranks(rows: int, cols: int, block: Optional[tuple[int, int]] = None) -> list[int]:
+    """Global ranks of an R x C grid's devices in grid order (i*C + j).
+
+    Without ``block``, device (i, j) is rank i*C + j.  With ``block`` =
+    (DR, DC), each node of DR*DC GPUs (ranks n*DR*DC ...) holds a DR x DC
+    block of the grid, nodes in row-major order over the grid of blocks:
+    DC = C puts whole grid rows inside nodes, DR = R whole columns.  The
+    placement is napkin/cost/collectives.py's, so the cost pass knows which
+    collective crosses nodes."""
+    from ..cost.collectives import Placement
+    return Placement("attention2d", (rows, cols), block=block).ranks()
+
+
 def new_grid(rows: int, cols: int, ranks: Optional[Sequence[int]] = None) -> Grid2D:
     """Make the row and column groups of an R x C grid from plain process
     groups.  Collective: every rank of the default group must call it (torch
     requires that for ``new_group``).  ``ranks`` (default 0..R*C-1) lists the
-    global ranks in grid order."""
+    global ranks in grid order (``grid_ranks`` for a grid placed on nodes)."""
     ranks = list(range(rows * cols)) if ranks is None else list(ranks)
-    if len(ranks) != rows * cols:
-        raise ValueError(f"a {rows} x {cols} grid needs {rows * cols} ranks, got {len(ranks)}")
-    if sorted(ranks) != ranks:
-        raise ValueError("grid ranks must be increasing (torch orders group members by global rank)")
+    if len(ranks) != rows * cols or len(set(ranks)) != len(ranks):
+        raise ValueError(f"a {rows} x {cols} grid needs {rows * cols} distinct ranks, got {ranks}")
+    row_lists = [ranks[i * cols:(i + 1) * cols] for i in range(rows)]
+    col_lists = [ranks[j::cols] for j in range(cols)]
+    if any(sorted(g) != g for g in row_lists + col_lists):
+        # torch orders a group's members by global rank; the layout needs
+        # group rank = grid coordinate
+        raise ValueError("the ranks of every grid row and column must be increasing")
     me = dist.get_rank()
     mine = None
-    row_groups = [dist.new_group(ranks[i * cols:(i + 1) * cols]) for i in range(rows)]
-    col_groups = [dist.new_group(ranks[j::cols]) for j in range(cols)]
+    row_groups = [dist.new_group(g) for g in row_lists]
+    col_groups = [dist.new_group(g) for g in col_lists]
     if me in ranks:
         i, j = divmod(ranks.index(me), cols)
         mine = Grid2D(rows, cols, i, j, row_groups[i], col_groups[j]).validate()

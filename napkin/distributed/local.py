@@ -28,11 +28,23 @@ by rewriting the expressions: a wire index q or x becomes the position tensor,
 |q| and |x| become the global lengths, and every reduction over the key wire
 skips padded keys.  ``autograd_backward`` derives local_backward from any
 local by autograd, so a kernel without its own backward still trains.
+
+``KernelLocal`` runs napkin's generated Triton forward kernel instead (the
+launcher's positions=, lengths= and out_dtype= options); ``default_local``
+picks it whenever the diagram compiles to an attention kernel, and it hands
+a call to its ``EagerLocal`` when the kernel cannot serve it: float64
+inputs (the reference path), inputs that require gradients (autograd of the
+local, i.e. ``autograd_backward``), or a CPU without TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.util
 import math
+import os
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -42,7 +54,8 @@ from .evaluate import Evaluator
 from .merging import partial_weight
 from .reading import Roles, _factors, _map, roles
 
-__all__ = ["EagerLocal", "Roles", "autograd_backward", "roles", "accumulator_dtype"]
+__all__ = ["EagerLocal", "KernelLocal", "Roles", "autograd_backward", "default_local", "roles",
+           "accumulator_dtype"]
 
 _QPOS, _XPOS, _XVALID, _QLEN, _XLEN = "_qpos", "_xpos", "_xvalid", "_qlen", "_xlen"
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "logsumexp": float("-inf"), "min": float("inf")}
@@ -234,3 +247,145 @@ def autograd_backward(local: Callable, r: Roles) -> Callable:
                 grads = torch.autograd.grad([out], leaves, [dO], allow_unused=True)
         return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves))
     return local_backward
+
+
+# --------------------------------------------------------------------------
+# The generated Triton kernel as the local attention.
+# --------------------------------------------------------------------------
+
+_MODULES: dict[str, object] = {}     # emitted source digest -> imported module: one compile per process
+
+
+def kernel_diagram(r: Roles) -> ir.Diagram:
+    """The diagram the local kernel is compiled from: the roles' diagram,
+    plus an lse output (logsumexp over the key wire of the softmax's scores)
+    when a softmax diagram outputs none, since merging partial states needs
+    it; the kernel computes it from the softmax's own running state."""
+    d = r.diagram
+    if r.family != "softmax" or r.lse is not None:
+        return d
+    taken = {t.name for t in d.inputs + d.lets} | {w.name for w in d.wires} | {d.name}
+    name = next(n for n in ["lse"] + [f"lse{i}" for i in range(2, 100)] if n not in taken)
+    o = d.tensor(r.value)
+    let = ir.Let(name, o.axes[:len(o.axes) - r.value_axes], None, ir.Reduce("logsumexp", (r.key,), r.score))
+    return dataclasses.replace(d, lets=d.lets + (let,), outputs=d.outputs + (ir.Output(name),))
+
+
+class KernelLocal:
+    """The local attention on napkin's generated forward kernel.
+
+    Calls the launcher with positions={query: q_pos, key: x_pos},
+    lengths={query: q_len, key: x_len} and out_dtype=float32, so masks and
+    biases see global positions, |q| and |x| the global lengths, padded keys
+    are masked, and the partial states come back in fp32.  Integer side
+    inputs (document ids) are passed whole: the kernel reads them at the
+    global positions.  ``options`` go to the launcher (block_q=16, ...).
+
+    Calls the kernel cannot serve go to ``self.eager`` (see the module doc);
+    ``reason`` is None when the diagram has a kernel, else why not, and
+    ``launches`` counts the calls the kernel served.
+    """
+
+    def __init__(self, r: Roles, **options):
+        self.r = r
+        self.eager = EagerLocal(r)
+        self.options = options
+        self.launches = 0
+        self._module = None
+        self.diagram, self.text, self.reason = _kernel_source(r)
+
+    def serves(self, tensors) -> bool:
+        """Whether the kernel can run this call (else the eager local does)."""
+        if self.reason is not None or not tensors:
+            return False
+        floats = [t for t in tensors if t.is_floating_point()]
+        if any(t.dtype not in (torch.float16, torch.bfloat16, torch.float32) for t in floats):
+            return False
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return False
+        device = tensors[0].device
+        if device.type == "cpu":
+            # Triton's interpreter; its bf16 tl.dot is wrong (tests/test_kernels.py)
+            return os.environ.get("TRITON_INTERPRET") == "1" and all(t.dtype != torch.bfloat16 for t in floats)
+        return device.type == "cuda"
+
+    def __call__(self, *tokens, q_pos, x_pos, q_len, x_len, **side):
+        r = self.r
+        if not self.serves(list(tokens) + list(side.values())):
+            return self.eager(*tokens, q_pos=q_pos, x_pos=x_pos, q_len=q_len, x_len=x_len, **side)
+        if len(tokens) != len(r.tokens):
+            raise ValueError(f"expected {len(r.tokens)} token inputs ({', '.join(r.tokens)}), got {len(tokens)}")
+        given = dict(zip(r.tokens, tokens), **side)
+        missing = [t.name for t in r.diagram.inputs if t.name not in given]
+        if missing:
+            raise ValueError(f"missing input(s) {', '.join(missing)}")
+        module = self.module()
+        launcher = getattr(module, self.diagram.name)
+        dev = tokens[0].device
+        outs = launcher(*(given[t.name] for t in r.diagram.inputs),
+                        positions={r.query: q_pos.to(dev), r.key: x_pos.to(dev)},
+                        lengths={r.query: int(q_len), r.key: int(x_len)}, out_dtype=torch.float32,
+                        **self.options)
+        named = dict(zip(module.OUTPUTS, outs if isinstance(outs, tuple) else (outs,)))
+        self.launches += 1
+        if r.family == "sum":
+            return named[r.value], None
+        return named[r.value], named[r.lse or self.diagram.outputs[-1].name]
+
+    def module(self):
+        """The generated module (emitted and imported once per process; the
+        file goes to a napkin-local folder of the temporary directory, since
+        Triton reads a kernel's source from its file)."""
+        from ..codegen import emit_module
+
+        if self._module is not None:
+            return self._module
+        source = emit_module(self.diagram, source_text=self.text, source_path=f"{self.diagram.name}.ncd")
+        digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+        if digest not in _MODULES:
+            folder = Path(tempfile.gettempdir()) / "napkin-local"
+            folder.mkdir(exist_ok=True)
+            path = folder / f"{self.diagram.name}_{digest}.py"
+            if not path.exists() or path.read_text() != source:
+                # ranks of one job may write at once: each writes its own file, then renames
+                fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=str(folder))
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(source)
+                os.replace(tmp, path)
+            spec = importlib.util.spec_from_file_location(f"_napkin_local_{digest}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _MODULES[digest] = module
+        self._module = _MODULES[digest]
+        return self._module
+
+
+def _kernel_source(r: Roles):
+    """(checked kernel diagram, its text, None) or (None, None, why there is
+    no kernel local for it)."""
+    from .. import load_text
+    from ..codegen.lower import lower
+    from ..errors import NapkinError
+    from ..printer import to_text
+
+    try:
+        text = to_text(kernel_diagram(r))
+        d = load_text(text, f"{r.diagram.name}.ncd")
+        plan = lower(d)
+    except NapkinError as err:
+        return None, None, str(err)
+    if plan.family != "attention" or (plan.row, plan.col) != (r.query, r.key):
+        return None, None, (f"the kernel blocks {plan.row} and streams {plan.col}; the local attention needs "
+                            f"rows of {r.query} and a stream of {r.key}")
+    fixed = [w for w in (r.query, r.key) if d.wire(w).size is not None]
+    if fixed:
+        return None, None, f"wire {fixed[0]} has a fixed size, so the kernel cannot take its global length"
+    return d, text, None
+
+
+def default_local(r: Roles):
+    """The local attention the wrappers use unless given one: the generated
+    kernel where the diagram has one (it hands float64 and autograd calls to
+    the eager local), else the eager local."""
+    k = KernelLocal(r)
+    return k if k.reason is None else k.eager

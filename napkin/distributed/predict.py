@@ -1,33 +1,28 @@
-"""Predicted time of ATTENTION2D and Ring Attention on a cluster.
+"""Predicted time of ATTENTION2D and Ring Attention on a cluster, next to the
+ATTENTION2D paper's reported speedups (docs/distributed.md).
 
-A deliberately small model, to put next to the ATTENTION2D paper's reported
-speedups (docs/distributed.md):
+    python -m napkin.distributed.predict
 
-* traffic: exactly what napkin's wrappers send (commcount.comm_terms);
-* links: ranks are placed row-major, ``gpus_per_node`` per node; a transfer
-  between two GPUs of one node runs at the profile's NVLink bandwidth, across
-  nodes at its InfiniBand bandwidth (per GPU, per direction, profiles.toml).
-  A collective's time on a rank is max(bytes from same-node peers / NVLink,
-  bytes from other nodes / InfiniBand); the slowest rank sets it.  A ring
-  step takes one chunk over the slowest hop of the ring;
-* compute: 4 b N^2 h d / P FLOPs forward per device (x0.5 causal), backward
-  2.5x that, at a fixed fraction of the dense bf16 peak: 0.37 forward and
-  0.33 backward, FlashAttention-2's H100 figures (370 and 322 TFLOP/s at
-  d=128, background section 4), used for every GPU;
-* overlap: Ring overlaps each step's transfer with its compute
-  (max(compute, comm) per step, the way ring implementations run);
-  ATTENTION2D is the no-overlap variant (compute + comm), which the paper
-  found usually faster.
+The model is napkin/cost/collectives.py's, the one the cost pass and
+``napkin plan`` use (and the tests prove against the byte counter):
+
+* traffic: exactly what napkin's wrappers send;
+* links: ranks placed row-major, ``gpus_per_node`` per node; NVLink within a
+  node, InfiniBand across (per GPU, per direction, profiles.toml); a
+  collective takes max(bytes within / NVLink, bytes across / InfiniBand) on
+  its slowest rank, a ring step its slowest hop;
+* compute: 4 b N^2 h d / P FLOPs forward per device (x0.5 causal), 2.5x
+  that backward, at FlashAttention-2's fraction of the dense bf16 peak
+  (napkin/plan.py), the same for every GPU and balanced over devices;
+* overlap: Ring overlaps each step's transfers with its compute;
+  ATTENTION2D is the paper's no-overlap variant.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .commcount import comm_terms
-
-FWD_EFFICIENCY = 370 / 989.4     # FA2 forward, d128, H100 (background section 4)
-BWD_EFFICIENCY = 322 / 989.4     # FA2 backward
-BWD_FLOP_FACTOR = 2.5            # backward FLOPs / forward FLOPs (background section 1)
+from ..cost import collectives as C
+from ..plan import BWD_EFFICIENCY, BWD_FLOP_FACTOR, FWD_EFFICIENCY
 
 # GPT-3 family (Brown et al. 2020, Table 2.1): heads x head dim
 GPT3 = {"760M": (16, 96), "2.7B": (32, 80), "6.7B": (32, 128), "13B": (40, 128)}
@@ -42,65 +37,23 @@ class Cluster:
     def figures(self):
         from ..cost.profiles import get_profile
         p = get_profile(self.profile)
-        return p["peak_flops_bf16"], p["nvlink_bandwidth"], p["infiniband_bandwidth"]
-
-
-def _peers(scheme: str, grid, group: str, rank: int) -> list[int]:
-    if scheme == "ring":
-        p = grid[0]
-        return [(rank - 1) % p]
-    r, c = grid
-    i, j = divmod(rank, c)
-    if group == "row":
-        return [i * c + jj for jj in range(c) if jj != j]
-    return [ii * c + j for ii in range(r) if ii != i]
-
-
-def comm_time(scheme: str, grid, sizes: dict, dtype: str, phase: str, cluster: Cluster) -> float:
-    _, nvlink, ib = cluster.figures()
-    ranks = grid[0] if scheme == "ring" else grid[0] * grid[1]
-    total = 0.0
-    for term in comm_terms(scheme, grid, sizes, dtype, phase):
-        worst = 0.0
-        for rank in range(ranks):
-            peers = _peers(scheme, grid, term.group, rank)
-            node = rank // cluster.gpus_per_node
-            inter = sum(1 for p in peers if p // cluster.gpus_per_node != node)
-            intra = len(peers) - inter
-            if scheme == "ring":      # one neighbour, term.steps times in a row
-                per_step = term.nbytes / (ib if inter else nvlink)
-                worst = max(worst, term.steps * per_step)
-            else:                     # every peer's block, over both kinds of link at once
-                worst = max(worst, max(intra * term.nbytes / nvlink, inter * term.nbytes / ib))
-        total += worst
-    return total
-
-
-def compute_time(sizes: dict, devices: int, causal: bool, cluster: Cluster, backward: bool) -> float:
-    peak = cluster.figures()[0]
-    flops = 4 * sizes["b"] * sizes["q"] * sizes.get("x", sizes["q"]) * sizes["hq"] * sizes["d"] / devices
-    flops *= 0.5 if causal else 1.0
-    fwd = flops / (peak * FWD_EFFICIENCY)
-    return fwd + (BWD_FLOP_FACTOR * flops / (peak * BWD_EFFICIENCY) if backward else 0.0)
+        return p["peak_flops_bf16"], C.Links.of(p)
 
 
 def predicted_time(scheme: str, grid, sizes: dict, cluster: Cluster, *, dtype: str = "bf16",
                    causal: bool = True, backward: bool = False) -> float:
     """Seconds for one attention call (forward, or forward + backward); the
     shape handshake (a few hundred bytes) is left out."""
-    devices = grid[0] if scheme == "ring" else grid[0] * grid[1]
-    fwd = compute_time(sizes, devices, causal, cluster, False)
-    bwd = compute_time(sizes, devices, causal, cluster, True) - fwd
-    fwd_comm = comm_time(scheme, grid, sizes, dtype, "forward", cluster)
-    bwd_comm = comm_time(scheme, grid, sizes, dtype, "backward", cluster) if backward else 0.0
-    if scheme != "ring":
-        return fwd + fwd_comm + (bwd + bwd_comm if backward else 0.0)
-    p = grid[0]
-    # forward: P compute steps, P-1 transfers each hidden behind a step
-    total = (p - 1) * max(fwd / p, fwd_comm / max(p - 1, 1)) + fwd / p
-    if backward:   # P steps, each moving K, V and/or dK, dV while computing
-        total += p * max(bwd / p, bwd_comm / p)
-    return total
+    peak, links = cluster.figures()
+    placement = C.Placement(scheme, grid, cluster.gpus_per_node)
+    devices = placement.parts
+    flops = 4 * sizes["b"] * sizes["q"] * sizes.get("x", sizes["q"]) * sizes["hq"] * sizes["d"] / devices
+    flops *= 0.5 if causal else 1.0
+    steps = devices if scheme in ("ring", "burst") else 1
+    fwd = [flops / steps / (peak * FWD_EFFICIENCY)] * steps
+    bwd = [BWD_FLOP_FACTOR * flops / steps / (peak * BWD_EFFICIENCY)] * steps if backward else None
+    t = C.scheme_seconds(placement, C.Moved.attention(sizes, dtype), links, fwd, bwd)
+    return t.total_s
 
 
 def table(rows=None) -> list[dict]:

@@ -27,15 +27,11 @@ two levels and its kind (group or stream) must agree.  The schemes:
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir
 from ..errors import Diagnostic, NapkinError
-
-MESH_LEVELS = ("nodes", "devices")   # outermost first, as in the schedule
-
 
 def _refuse(message: str, loc: ir.Loc = ir.NOLOC, hint: Optional[str] = None) -> NapkinError:
     return NapkinError([Diagnostic(f"cannot distribute this diagram: {message}", loc, hint)])
@@ -154,7 +150,7 @@ def mesh_splits(d: ir.Diagram) -> tuple[Split, ...]:
     """The wires the mesh levels split, in order of first appearance; a
     wire's parts multiply over the levels.  Empty without a mesh level."""
     found: dict[str, Split] = {}
-    for name in MESH_LEVELS:
+    for name in ir.MESH_LEVELS:
         level = d.level(name)
         for t in level.tiles if level else ():
             if not t.across:

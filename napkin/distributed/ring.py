@@ -11,10 +11,22 @@ partial state into its running one with the same merge.  The next pass is
 started before the step's computation and waited for after it, so transfer
 and compute overlap.
 
-Backward: K and V go round again (P-1 passes) together with their gradient
-accumulators dK, dV (accumulator dtype), which take one more pass (P in all)
-to come home; dQ stays local.  The local backward is the same as
-ATTENTION2D's, given the merged lse and delta of the device's own rows.
+Backward, ``backward="kv"`` (Ring's): K and V go round again (P-1 passes)
+and their gradient accumulators dK, dV (accumulator dtype) follow them, one
+pass per step and one more (P in all) to come home; dQ stays local.
+
+Backward, ``backward="burst"`` (BurstAttention's): the query side goes round
+instead: Q, dO and, for softmax diagrams, the merged lse and delta
+(P-1 passes), followed by the accumulator dQ (P passes); K, V, dK and dV
+stay put.  Per pass it moves h_q-sized rows (two of them plus two fp32
+scalars) where Ring moves two h_kv-sized rows, so it sends less under
+multi-head attention and more under grouped-query attention
+(napkin/cost/collectives.py has the exact counts, which the tests check).
+
+Either way an accumulator pass is started as soon as the step's share is
+added and waited for only after the next step's computation, so it overlaps
+that computation; the local backward is the same as ATTENTION2D's, given the
+merged lse and delta of the query rows it is called with.
 """
 from __future__ import annotations
 
@@ -27,7 +39,7 @@ from . import groups as G
 from .commcount import phase
 from .common import handshake, pad_rows, results, row_delta, split_side, zero_rows
 from .layouts import TokenLayout
-from .local import EagerLocal, Roles, autograd_backward, roles
+from .local import Roles, autograd_backward, default_local, roles
 from .merging import merge
 
 
@@ -39,15 +51,29 @@ class RingAttention:
 
     Each rank passes its own rows in the ring's layout (``shard``).
     ``layout`` is "zigzag" (default), "cyclic" or "contiguous".
+    ``backward`` is "kv" (Ring's: K, V, dK, dV circulate) or "burst"
+    (BurstAttention's: Q, dO, lse, delta, dQ circulate); the results are
+    the same, the traffic is not (``napkin plan`` says which is cheaper).
+    The choice is the wrapper's, not the diagram's: the schedule language
+    describes where the forward's wires live, and both backwards compute
+    the same gradients from the same placement.
     """
 
     def __init__(self, diagram: ir.Diagram, *, local: Optional[Callable] = None,
                  local_backward: Optional[Callable] = None, query_wire: Optional[str] = None,
-                 key_wire: Optional[str] = None, layout: str = "zigzag"):
+                 key_wire: Optional[str] = None, layout: str = "zigzag", backward: str = "kv"):
+        if backward not in ("kv", "burst"):
+            raise ValueError(f"backward must be 'kv' (Ring's) or 'burst' (BurstAttention's), not {backward!r}")
         self.roles: Roles = roles(diagram, query_wire, key_wire)
-        self.local = local or EagerLocal(self.roles)
+        self.local = local or default_local(self.roles)
         self.local_backward = local_backward or autograd_backward(self.local, self.roles)
         self.layout = layout
+        self.backward = backward
+
+    @property
+    def scheme(self) -> str:
+        """The name napkin/cost/collectives.py knows this wrapper by."""
+        return "ring" if self.backward == "kv" else "burst"
 
     @property
     def ring_size(self) -> Optional[int]:
@@ -64,7 +90,8 @@ class RingAttention:
             raise ValueError(f"the diagram asks for a ring of {self.ring_size}, got {ring.size} ranks")
         side = split_side(self.roles, side)
         ql, xl = self.layouts(ring.size, q_len, x_len)
-        handshake(self.roles, "ring", tokens, side, ql, xl, (ring.group,), timeout, lambda p: f"ring rank {p}")
+        handshake(self.roles, self.scheme, tokens, side, ql, xl, (ring.group,), timeout,
+                  lambda p: f"ring rank {p}")
         outs = _Function.apply(_Call(self, ring, ql, xl, timeout, side), *tokens)
         return results(self.roles, outs[0], outs[1] if len(outs) > 1 else None)
 
@@ -127,7 +154,7 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         call = ctx.call
-        r, ring = call.fn.roles, call.ring
+        r = call.fn.roles
         saved = ctx.saved_tensors
         n = len(r.tokens)
         tokens, out = saved[:n], saved[n]
@@ -138,26 +165,90 @@ class _Function(torch.autograd.Function):
         first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
         dO = dO.to(first_q.dtype)
         delta = row_delta(r, dO, out, dlse) if lse is not None else None
-        keys = [t for k, t in enumerate(tokens) if not r.is_query(k)]
-        knames = ", ".join(nm for k, nm in enumerate(r.tokens) if not r.is_query(k))
-        dq = dkeys = None
         with phase("backward"):
-            for step in range(ring.size):
-                moving = G.RingPass(keys, ring, call.timeout, knames) if step < ring.size - 1 else None
-                parts = call.fn.local_backward(*_assemble(r, tokens, keys), q_pos=call.my_q,
-                                               x_pos=call.x_pos(step), **call.lens(), dO=dO, lse=lse,
-                                               delta=delta, **call.side)
-                pq = [p for k, p in enumerate(parts) if r.is_query(k)]
-                pk = [p for k, p in enumerate(parts) if not r.is_query(k)]
-                dq = pq if dq is None else [a + b for a, b in zip(dq, pq)]
-                dkeys = pk if dkeys is None else [a + b for a, b in zip(dkeys, pk)]
-                # the accumulators follow their keys; after the last step one
-                # more pass brings each home
-                dkeys = G.RingPass(dkeys, ring, call.timeout, f"gradients of {knames}",
-                                        first_tag=G.MAX_TENSORS).wait() \
-                    if ring.size > 1 else dkeys
-                if moving is not None:
-                    keys = moving.wait()
-        iq, ik = iter(dq), iter(dkeys)
-        result = [(next(iq) if r.is_query(k) else next(ik)).to(t.dtype) for k, t in enumerate(tokens)]
-        return (None, *result)
+            if call.fn.backward == "kv":
+                grads_out = _backward_kv(call, tokens, dO, lse, delta)
+            else:
+                grads_out = _backward_burst(call, tokens, dO, lse, delta)
+        return (None, *[g.to(t.dtype) for g, t in zip(grads_out, tokens)])
+
+
+class _Accumulators:
+    """Gradient accumulators that follow their blocks round the ring.
+
+    At step s the device adds its share to the accumulator of the block it
+    holds, which arrives from the previous device during the step's
+    computation, and sends the sum on; after the last step one more pass
+    brings every accumulator home.  ``add`` waits for the incoming one only
+    after the computation, so the pass overlaps it."""
+
+    def __init__(self, ring: G.Ring, timeout: float, what: str):
+        self.ring, self.timeout, self.what = ring, timeout, what
+        self.moving: Optional[G.RingPass] = None
+
+    def add(self, share: list[torch.Tensor]) -> None:
+        acc = share if self.moving is None else [a + b for a, b in zip(self.moving.wait(), share)]
+        self.moving = G.RingPass(acc, self.ring, self.timeout, self.what, first_tag=G.MAX_TENSORS)
+
+    def home(self) -> list[torch.Tensor]:
+        return self.moving.wait()
+
+
+def _backward_kv(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
+    """Ring's backward: K, V and their accumulators dK, dV circulate."""
+    r, ring = call.fn.roles, call.ring
+    keys = [t for k, t in enumerate(tokens) if not r.is_query(k)]
+    knames = ", ".join(nm for k, nm in enumerate(r.tokens) if not r.is_query(k))
+    dq = None
+    acc = _Accumulators(ring, call.timeout, f"gradients of {knames}")
+    for step in range(ring.size):
+        moving = G.RingPass(keys, ring, call.timeout, knames) if step < ring.size - 1 else None
+        parts = call.fn.local_backward(*_assemble(r, tokens, keys), q_pos=call.my_q, x_pos=call.x_pos(step),
+                                       **call.lens(), dO=dO, lse=lse, delta=delta, **call.side)
+        pq = [p for k, p in enumerate(parts) if r.is_query(k)]
+        dq = pq if dq is None else [a + b for a, b in zip(dq, pq)]
+        if ring.size > 1:
+            acc.add([p for k, p in enumerate(parts) if not r.is_query(k)])
+        else:
+            dkeys = [p for k, p in enumerate(parts) if not r.is_query(k)]
+        if moving is not None:
+            keys = moving.wait()
+    dkeys = acc.home() if ring.size > 1 else dkeys
+    iq, ik = iter(dq), iter(dkeys)
+    return [next(iq) if r.is_query(k) else next(ik) for k in range(len(tokens))]
+
+
+def _backward_burst(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
+    """BurstAttention's backward: the query side (Q, dO, lse, delta) and its
+    accumulator dQ circulate; K, V stay and dK, dV accumulate locally.  At
+    step s the device holds the query rows of rank r - s."""
+    r, ring = call.fn.roles, call.ring
+    bundle = [t for k, t in enumerate(tokens) if r.is_query(k)] + [dO]
+    if lse is not None:
+        bundle += [lse, delta]
+    nq = len(bundle) - (3 if lse is not None else 1)
+    qnames = ", ".join(nm for k, nm in enumerate(r.tokens) if r.is_query(k))
+    what = f"{qnames}, dO" + (", lse, delta" if lse is not None else "")
+    my_x = call.xl.positions(ring.rank)
+    dkeys = None
+    acc = _Accumulators(ring, call.timeout, f"gradients of {qnames}")
+    for step in range(ring.size):
+        moving = G.RingPass(bundle, ring, call.timeout, what) if step < ring.size - 1 else None
+        it = iter(bundle[:nq])
+        args = [next(it) if r.is_query(k) else t for k, t in enumerate(tokens)]
+        q_pos = call.ql.positions((ring.rank - step) % ring.size)
+        parts = call.fn.local_backward(*args, q_pos=q_pos, x_pos=my_x, **call.lens(), dO=bundle[nq],
+                                       lse=bundle[nq + 1] if lse is not None else None,
+                                       delta=bundle[nq + 2] if lse is not None else None, **call.side)
+        pk = [p for k, p in enumerate(parts) if not r.is_query(k)]
+        dkeys = pk if dkeys is None else [a + b for a, b in zip(dkeys, pk)]
+        pq = [p for k, p in enumerate(parts) if r.is_query(k)]
+        if ring.size > 1:
+            acc.add(pq)
+        else:
+            dq = pq
+        if moving is not None:
+            bundle = moving.wait()
+    dq = acc.home() if ring.size > 1 else dq
+    iq, ik = iter(dq), iter(dkeys)
+    return [next(iq) if r.is_query(k) else next(ik) for k in range(len(tokens))]

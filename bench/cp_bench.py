@@ -1,0 +1,350 @@
+"""Context parallelism over the masks of the Long-Context Attention Benchmark.
+
+    python bench/cp_bench.py predict [--gpus 8,16,32,64,96] [--per-node 8]
+    python bench/cp_bench.py measure --devices 4 [--tokens 1024] [--repeats 3]
+
+The masks: full, causal, document (causal inside each document), sliding
+window (causal), prefix-LM (the prefix sees itself both ways, the rest is
+causal) and shared-question (a question every answer sees, then answers
+that see the question and their own earlier tokens).  Their parameters are
+this script's choices, scaled with the sequence length N: documents of
+MASK_DOCS fractions of N, a window of N/8, a prefix of N/4, a question of
+N/8 followed by four answers of equal length.
+
+The schemes: Ring Attention (zigzag layout; Ring's backward), the same with
+BurstAttention's backward, and ATTENTION2D on every grid (cyclic layout;
+with several nodes, every block of the grid a node can hold).
+
+``predict``: the benchmark's settings (8K tokens per GPU, 64 query heads, 8
+key/value heads, head dim 128, bf16, forward + backward) at 8 to 96 H100s,
+8 per node.  Communication and its time come from napkin/cost/collectives.py
+(the model the tests prove against the byte counter).  Compute is counted
+exactly per device and per step: the pairs (query, key) the mask keeps among
+the rows each device holds, at 4 * 128 * 64 FLOPs per pair forward and 2.5x
+backward, at FlashAttention-2's fraction of the bf16 peak (napkin/plan.py),
+a kernel skipping exactly the masked pairs.  Ring steps wait for their
+slowest device; ATTENTION2D's single step too.
+
+``measure``: the same schemes on gloo, P processes on this CPU (eager local
+attention, float32, 8 query heads over 1 key/value head, head dim 32):
+bytes each rank sent, counted and predicted, and the wall time of forward +
+backward per rank (the slowest rank's median over the repeats).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from napkin import plan as PLAN  # noqa: E402
+from napkin.cost import collectives as C  # noqa: E402
+from napkin.cost.profiles import get_profile  # noqa: E402
+
+MASKS = ("full", "causal", "document", "sliding_window", "prefix_lm", "shared_question")
+MASK_DOCS = (0.30, 0.05, 0.15, 0.02, 0.22, 0.08, 0.18)     # document lengths, fractions of N
+ANSWERS = 4
+
+
+# --------------------------------------------------------------------------
+# The masks: as diagram text, and as kept key intervals per query row.
+# --------------------------------------------------------------------------
+
+def doc_ids(mask: str, n: int) -> np.ndarray:
+    """The document id of every token (document and shared-question masks)."""
+    if mask == "document":
+        cuts = np.round(np.cumsum(MASK_DOCS) * n).astype(np.int64)
+    else:                               # question (id 0), then ANSWERS answers
+        q = n // 8
+        cuts = np.array([q] + [q + (n - q) * (k + 1) // ANSWERS for k in range(ANSWERS)], dtype=np.int64)
+    cuts[-1] = n
+    return np.searchsorted(cuts, np.arange(n), side="right")
+
+
+def score(mask: str, n: int) -> str:
+    base = "sum[d](Q * K) * |d|^-0.5"
+    cond = {"full": None, "causal": "x <= q", "document": "x <= q and doc[b, q] == doc",
+            "sliding_window": f"x <= q and q - x < {n // 8}", "prefix_lm": f"x <= q or x < {n // 4}",
+            "shared_question": "x <= q and (doc[b, q] == doc or doc == 0)"}[mask]
+    return base if cond is None else f"where({cond}, {base}, -inf)"
+
+
+def diagram_text(mask: str, n: int, dtype: str = "fp32", d: int = 32) -> str:
+    doc = "in doc[b, x] : int32\n" if mask in ("document", "shared_question") else ""
+    return f"""diagram cp_{mask}
+wire b, hk, g, q, x
+wire d = {d}
+in Q[b, (hk g), q, d] : {dtype}
+in K[b, hk, x, d] : {dtype}
+in V[b, hk, x, d] : {dtype}
+{doc}S[b, hk, g, q, x] = {score(mask, n)}
+O[b, (hk g), q, d] : {dtype} = sum[x](softmax[x](S) * V)
+lse[b, (hk g), q] = logsumexp[x](S)
+out O, lse
+"""
+
+
+def intervals(mask: str, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Kept keys of query row q: a union of disjoint [lo, hi) intervals."""
+    q = np.arange(n, dtype=np.int64)
+    zero = np.zeros(n, dtype=np.int64)
+    if mask == "full":
+        return [(zero, np.full(n, n, dtype=np.int64))]
+    if mask == "causal":
+        return [(zero, q + 1)]
+    if mask == "sliding_window":
+        return [(np.maximum(q - n // 8 + 1, 0), q + 1)]
+    if mask == "prefix_lm":
+        return [(zero, np.maximum(q + 1, n // 4))]
+    ids = doc_ids(mask, n)
+    start = np.searchsorted(ids, ids, side="left").astype(np.int64)    # first token of q's document
+    if mask == "document":
+        return [(start, q + 1)]
+    question = int(np.sum(ids == 0))
+    in_answer = ids > 0
+    return [(zero, np.where(in_answer, question, q + 1)), (np.where(in_answer, start, q + 1), q + 1)]
+
+
+def _kept_below(iv, rows: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """sum over ``rows`` of the kept keys < e, for every edge e."""
+    out = np.zeros(len(edges), dtype=np.int64)
+    for lo, hi in iv:
+        l, h = lo[rows][:, None], hi[rows][:, None]
+        out += np.clip(edges[None, :] - l, 0, h - l).sum(0)
+    return out
+
+
+def ring_work(mask: str, n: int, p: int) -> np.ndarray:
+    """W[a, b]: kept pairs between the queries rank a holds and the keys rank
+    b holds, zigzag layout (rank r holds chunks r and 2P-1-r)."""
+    iv = intervals(mask, n)
+    c = -(-n // (2 * p))
+    edges = np.minimum(np.arange(2 * p + 1) * c, n)
+    chunks = np.zeros((2 * p, 2 * p), dtype=np.int64)
+    for a in range(2 * p):
+        rows = np.arange(edges[a], edges[a + 1])
+        chunks[a] = np.diff(_kept_below(iv, rows, edges)) if len(rows) else 0
+    own = [(r, 2 * p - 1 - r) for r in range(p)]
+    return np.array([[sum(chunks[x, y] for x in own[a] for y in own[b]) for b in range(p)] for a in range(p)])
+
+
+def grid_work(mask: str, n: int, rows: int, cols: int, block: int = 1 << 16) -> np.ndarray:
+    """W[i, j]: kept pairs of grid device (i, j), cyclic layout (token t on
+    part t mod P: row i holds queries with t mod P in [iC, iC + C), column j
+    keys with x mod C == j)."""
+    p = rows * cols
+    iv = intervals(mask, n)
+    out = np.zeros((rows, cols), dtype=np.int64)
+    j = np.arange(cols, dtype=np.int64)[None, :]
+    for s in range(0, n, block):
+        q = np.arange(s, min(s + block, n))
+        i = (q % p) // cols
+        counts = np.zeros((len(q), cols), dtype=np.int64)
+        for lo, hi in iv:
+            l, h = lo[q][:, None], hi[q][:, None]
+            counts += np.maximum(-((j - h) // cols) - (-((j - l) // cols)), 0)
+        for r in range(rows):
+            out[r] += counts[i == r].sum(0)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Predicted times at the benchmark's settings.
+# --------------------------------------------------------------------------
+
+HQ, HKV, D = 64, 8, 128
+TOKENS_PER_GPU = 8192
+
+
+def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> list[dict]:
+    n = TOKENS_PER_GPU * gpus
+    m = C.Moved.attention(dict(b=1, hq=HQ, hkv=HKV, d=D, q=n), "bf16")
+    prof = get_profile(profile)
+    rate = prof["peak_flops_bf16"]
+    links = C.Links.of(prof)
+    flop = 4 * HQ * D
+
+    def secs(pairs, backward=False):
+        if backward:
+            return PLAN.BWD_FLOP_FACTOR * pairs * flop / (rate * PLAN.BWD_EFFICIENCY)
+        return pairs * flop / (rate * PLAN.FWD_EFFICIENCY)
+
+    g = min(per_node, gpus)
+    out = []
+    for mask in masks:
+        w = ring_work(mask, n, gpus)
+        total = int(w.sum())
+        rec = {"gpus": gpus, "mask": mask, "density": total / n / n, "ring_imbalance": w.sum(1).max() / (total / gpus)}
+        for scheme in ("ring", "burst"):
+            fwd = [secs(max(w[r, (r - s) % gpus] for r in range(gpus))) for s in range(gpus)]
+            if scheme == "ring":
+                bwd = [secs(max(w[r, (r - s) % gpus] for r in range(gpus)), True) for s in range(gpus)]
+            else:
+                bwd = [secs(max(w[(r - s) % gpus, r] for r in range(gpus)), True) for s in range(gpus)]
+            pl = C.Placement(scheme, (gpus,), g)
+            t = C.scheme_seconds(pl, m, links, fwd, bwd)
+            rec[scheme] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3,
+                           "MB": (C.traffic(pl, m, "forward")[0].sent + C.traffic(pl, m, "backward")[0].sent) / 1e6}
+        best = None
+        for pl in PLAN.placements(gpus, g):
+            if pl.scheme != "attention2d":
+                continue
+            r, c = pl.grid
+            w2 = grid_work(mask, n, r, c)
+            t = C.scheme_seconds(pl, m, links, [secs(w2.max())], [secs(w2.max(), True)])
+            traffic = max(a.sent + b.sent for a, b in zip(C.traffic(pl, m, "forward"), C.traffic(pl, m, "backward")))
+            cand = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "MB": traffic / 1e6,
+                    "grid": f"{r}x{c}" + (f" ({pl.block[0]}x{pl.block[1]}/node)" if pl.block else ""),
+                    "imbalance": w2.max() / (total / gpus)}
+            if best is None or cand["ms"] < best["ms"]:
+                best = cand
+        rec["a2d"] = best
+        out.append(rec)
+    return out
+
+
+def predict_markdown(records: list[dict]) -> str:
+    lines = ["| GPUs | mask | kept | Ring ms | Ring MB | Burst ms | Burst MB | best ATTENTION2D | A2D ms | A2D MB "
+             "| zigzag max/mean work | cyclic max/mean work | best |",
+             "|" + "---|" * 13]
+    for r in records:
+        a = r["a2d"]
+        best = min((("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("A2D " + a["grid"], a["ms"])),
+                   key=lambda kv: kv[1])[0]
+        lines.append(f"| {r['gpus']} | {r['mask']} | {r['density']:.3f} | {r['ring']['ms']:.1f} | "
+                     f"{r['ring']['MB']:.0f} | {r['burst']['ms']:.1f} | {r['burst']['MB']:.0f} | {a['grid']} | "
+                     f"{a['ms']:.1f} | {a['MB']:.0f} | {r['ring_imbalance']:.2f} | {a['imbalance']:.3f} | {best} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Measured on gloo.
+# --------------------------------------------------------------------------
+
+def schemes_for(p: int) -> list[tuple[str, tuple[int, ...]]]:
+    out = [("ring", (p,)), ("burst", (p,))]
+    out += [("attention2d", (r, p // r)) for r in range(1, p + 1) if p % r == 0]
+    return out
+
+
+def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import napkin
+    from napkin.distributed import Attention2D, CommCounter, RingAttention, new_grid
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    grids = {shape: new_grid(*shape) for s, shape in schemes_for(world) if s == "attention2d"}
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d = 8, 1, 32
+    q, k, v = (torch.randn(1, h, n, d, generator=gen) for h in (hq, hkv, hkv))
+    g_out = torch.randn(1, hq, n, d, generator=gen)
+    results = []
+    for mask in MASKS:
+        diagram = napkin.load_text(diagram_text(mask, n), f"cp_{mask}.ncd")
+        side = {"doc": torch.from_numpy(doc_ids(mask, n)).to(torch.int32)[None]} \
+            if mask in ("document", "shared_question") else {}
+        for scheme, shape in schemes_for(world):
+            if scheme == "attention2d":
+                fn, where, place = Attention2D(diagram), {"grid": grids[shape]}, grids[shape]
+            else:
+                fn = RingAttention(diagram, backward="kv" if scheme == "ring" else "burst")
+                where, place = {}, None
+            mine = [fn.shard(t, place, n, 2) for t in (q, k, v)]
+            dO = fn.shard(g_out, place, n, 2)
+            times = []
+            for it in range(repeats + 1):                # the first run warms up
+                leaves = [t.clone().requires_grad_(True) for t in mine]
+                dist.barrier()
+                with CommCounter() as cc:
+                    t0 = time.perf_counter()
+                    o, _ = fn(*leaves, q_len=n, timeout=120.0, **where, **side)
+                    o.backward(dO)
+                    elapsed = time.perf_counter() - t0
+                if it:
+                    times.append(elapsed)
+            sizes = dict(b=1, hq=hq, hkv=hkv, d=d, q=n)
+            m = C.Moved.attention(sizes, "fp32")
+            part = place.part if scheme == "attention2d" else rank
+            predicted = [C.rank_bytes(scheme, shape, m, ph)[part][0] for ph in ("forward", "backward")]
+            results.append({"mask": mask, "scheme": scheme, "grid": list(shape), "rank": rank,
+                            "sent": [cc.total("forward")[0], cc.total("backward")[0]], "predicted": predicted,
+                            "seconds": statistics.median(times)})
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    os._exit(0)
+
+
+def measure(p: int, n: int, repeats: int, deadline_s: float = 1800) -> list[dict]:
+    import torch.multiprocessing as mp
+    out = tempfile.mkdtemp(prefix="cp_bench_")
+    ctx = mp.start_processes(_measure_worker, args=(p, f"{out}/init", out, n, repeats), nprocs=p, join=False,
+                             start_method="spawn")
+    end = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > end:
+                raise SystemExit(f"the {p} ranks did not finish within {deadline_s:g} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(p)]
+    rows = []
+    for k, first in enumerate(per_rank[0]):
+        runs = [pr[k] for pr in per_rank]
+        rows.append({"mask": first["mask"], "scheme": first["scheme"], "grid": first["grid"], "P": p,
+                     "sent_max": [max(r["sent"][i] for r in runs) for i in (0, 1)],
+                     "all_equal_prediction": all(r["sent"] == r["predicted"] for r in runs),
+                     "seconds_max": max(r["seconds"] for r in runs),
+                     "seconds_min": min(r["seconds"] for r in runs)})
+    return rows
+
+
+def measure_markdown(rows: list[dict]) -> str:
+    lines = ["| P | mask | scheme | fwd KB/rank | bwd KB/rank | counted = predicted | fwd+bwd ms (slowest rank) "
+             "| fastest rank ms |", "|" + "---|" * 8]
+    for r in rows:
+        name = {"ring": "Ring", "burst": "Burst"}.get(r["scheme"], "A2D " + "x".join(map(str, r["grid"])))
+        lines.append(f"| {r['P']} | {r['mask']} | {name} | {r['sent_max'][0] / 1e3:.1f} | "
+                     f"{r['sent_max'][1] / 1e3:.1f} | {'yes' if r['all_equal_prediction'] else 'NO'} | "
+                     f"{r['seconds_max'] * 1e3:.1f} | {r['seconds_min'] * 1e3:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("predict")
+    p.add_argument("--gpus", default="8,16,32,64,96")
+    p.add_argument("--per-node", type=int, default=8)
+    p.add_argument("--json", action="store_true")
+    m = sub.add_parser("measure")
+    m.add_argument("--devices", type=int, default=4)
+    m.add_argument("--tokens", type=int, default=1024)
+    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.what == "predict":
+        records = [r for g in (int(x) for x in args.gpus.split(",")) for r in predict(g, args.per_node)]
+        print(json.dumps(records, indent=1) if args.json else predict_markdown(records))
+    else:
+        rows = measure(args.devices, args.tokens, args.repeats)
+        print(json.dumps(rows, indent=1) if args.json else measure_markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

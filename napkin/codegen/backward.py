@@ -1,0 +1,435 @@
+"""Lowering of an attention diagram's BACKWARD: GradRule (napkin/autodiff.py)
+-> three kernel plans in the FlashAttention-2 style, recomputing every
+score tile from Q, K and the saved row state instead of storing it.
+
+* ROWS (the "preprocess"): one program per (block of rows, batch index);
+  computes the rule's per-row values (delta = rowsum(dO * O) - dlse for
+  softmax; dN_i, dZ_j for a sum of weights) from dO and the saved state.
+* DKDV: one program per (block of the streamed wire x, index of each batch
+  wire K and V have); loops over the batch wires they lack (the g query
+  heads of a GQA group) and over exactly the row blocks whose forward loop
+  visits this block (masks.row_block_range), accumulating dK and dV.
+* DQ: one program per (block of rows, batch index); loops over the x blocks
+  the forward visits (the forward's own bounds), accumulating dQ and the
+  per-program partial gradients of side inputs (an ALiBi slope, a bias),
+  which the launcher sums in torch: no atomics anywhere, so the backward is
+  deterministic by construction.
+
+Every tile expression is the rule's IR; exprs.py renders it exactly as the
+forward's.  A rule's ``sum[f](X * Y)`` over a feature wire becomes a tl.dot
+(``Dot``), and each input gradient ``sum[w](T * Y)`` a tl.dot accumulated
+over the loop (``Grad``).  Anything outside that shape raises NapkinError
+("napkin cannot emit a backward for ..."); the module then keeps its forward
+and refuses gradients at run time with that message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import autodiff, ir
+from ..errors import Diagnostic, NapkinError
+from .lower import AttentionPlan, Load, _Loads, nodes
+
+# Names the kernels define themselves; loads of user inputs never take them.
+FIXED_NAMES = {"_pid", "_batch", "_row0", "_col0", "_lo", "_hi", "_rb", "_start", "_outer", "_ok", "_qk"}
+
+
+def refuse(what: str, why: str, loc: ir.Loc = ir.NOLOC) -> NapkinError:
+    return NapkinError([Diagnostic(f"napkin cannot emit a backward for {what}: {why}", loc)])
+
+
+# --------------------------------------------------------------------------
+# The plan.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Dot:
+    """var = lhs @ rhs^T over a feature wire: lhs along the rows, rhs along x."""
+
+    var: str
+    lhs: Load
+    rhs: Load
+
+
+@dataclass(frozen=True)
+class Grad:
+    """An input gradient accumulated over the loop: ``tile @ operand`` in the
+    dQ kernel, ``tile^T @ operand`` in the dK/dV kernel; stored to ``buffer``
+    (float32, the input's layout) along (rows, cols)."""
+
+    tensor: str
+    buffer: str
+    var: str
+    tile: str
+    operand: Load
+    rows: str
+    cols: str
+
+
+@dataclass(frozen=True)
+class SideGrad:
+    """The gradient of a side input T (read along its own wires) in the dQ
+    kernel: the tile ``expr`` (dS times dS/dT) summed over the tile's axes T
+    lacks.  ``extra`` are the buffer's leading dimensions, summed in torch:
+    "_blocks" (one per row block, when T lacks the row wire) and the batch
+    wires T lacks.  With the streamed wire, a partial is stored per step;
+    without it, accumulated over the loop and stored once."""
+
+    tensor: str
+    buffer: str
+    expr: object
+    wires: tuple[str, ...]       # T's flattened wires
+    extra: tuple[str, ...]
+    has_row: bool
+    has_col: bool
+
+
+@dataclass(frozen=True)
+class Store:
+    """A tile a kernel writes once, after its loop."""
+
+    tensor: str
+    value: str
+    rows: Optional[str]
+    cols: Optional[str]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    role: str                           # "rows", "dkdv" or "dq"
+    name: str
+    grid_wire: str                      # blocked on grid axis 0
+    loop_wire: Optional[str]            # streamed by the loop (None: no loop)
+    batch: tuple[str, ...]              # grid axis 1, outermost first
+    outer: tuple[str, ...]              # whole indices looped over (GQA's g), dkdv only
+    loads: tuple[Load, ...]             # phase "pre" (once) or "step" (per visited step)
+    lines: tuple[tuple[str, object], ...]  # (var, expr) tile computations, in order
+    dots: tuple[Dot, ...]
+    reduces: tuple[tuple[str, object], ...]  # rows kernel: (var, body) rowsums over the feature wire
+    grads: tuple[Grad, ...]
+    sides: tuple[SideGrad, ...]
+    stores: tuple[Store, ...]
+    subst: tuple = ()                   # (node, var): what the kernel holds in variables
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    diagram: ir.Diagram                 # the forward diagram, plus the backward's tensors as inputs
+    forward: AttentionPlan
+    rule: autodiff.GradRule
+    row: str
+    col: str
+    batch: tuple[str, ...]
+    dims: tuple[str, ...]               # padded feature wires, declaration order
+    q: str                              # the row-side factor of the score (Q)
+    k: str                              # the streamed factor (K)
+    v: str
+    state: tuple[str, ...]              # what the main kernels read besides the inputs (dO, lse, delta)
+    row_inputs: tuple[str, ...]         # what the rows kernel reads (dO, O, dlse)
+    row_outputs: tuple[str, ...]        # what it writes (delta), each stored as float32
+    aliases: tuple[tuple[str, str], ...]  # row values that are another placeholder (dN0 = dO)
+    grads: tuple[str, ...]              # float inputs that get a gradient, in input order
+    kernels: tuple[Kernel, ...]
+    axes: tuple[tuple[str, tuple[ir.Axis, ...]], ...]  # backward tensor -> its stored layout
+
+    def kernel(self, role: str) -> Optional[Kernel]:
+        return next((k for k in self.kernels if k.role == role), None)
+
+
+# --------------------------------------------------------------------------
+# Building it.
+# --------------------------------------------------------------------------
+
+def lower_backward(d: ir.Diagram, fplan: AttentionPlan, rule: autodiff.GradRule,
+                   saved_axes: dict) -> BackwardPlan:
+    """The backward plan of a checked attention diagram, whose forward plan is
+    ``fplan`` and GradRule ``rule``; ``saved_axes`` gives the stored layout of
+    every saved value that is not a diagram output (the forward writes it)."""
+    return _Builder(d, fplan, rule, saved_axes).build()
+
+
+class _Builder:
+    def __init__(self, d, fplan, rule, saved_axes):
+        self.d, self.f, self.rule, self.saved_axes = d, fplan, rule, dict(saved_axes)
+        self.row, self.col, self.batch = fplan.row, fplan.col, fplan.batch
+
+    def build(self) -> BackwardPlan:
+        d, f, rule = self.d, self.f, self.rule
+        if len(f.dots) != 1:
+            raise refuse(f"diagram {d.name}", "its scores hold more than one contraction", d.loc)
+        dot = f.dots[0]
+        self.q, self.k, self.v = dot.lhs.tensor, dot.rhs.tensor, rule.value
+        valued = [a.value for a in f.accums if a.value is not None]
+        if not valued or any(ld.tensor != self.v for ld in valued):
+            raise refuse(f"diagram {d.name}", f"its weights must contract with {self.v} alone", d.loc)
+        self.fv, self.fq = valued[0].cols, dot.wire
+        for name in (self.q, self.k, self.v):
+            t = d.tensor(name)
+            if any(isinstance(n, ir.TensorRef) and n.name == name and n.wires is not None
+                   and tuple(n.wires) != ir.axis_wires(t.axes) for let in d.lets for n in ir.walk(let.expr)):
+                raise refuse(f"input {name}", "it is read along other wires than its own", t.loc)
+        qw, kw, vw = (set(ir.axis_wires(d.tensor(n).axes)) for n in (self.q, self.k, self.v))
+        if not set(self.batch) <= qw:
+            missing = ", ".join(w for w in self.batch if w not in qw)
+            raise refuse(f"input {self.q}", f"it lacks the batch wire(s) {missing} of the scores", d.tensor(self.q).loc)
+        if kw & set(self.batch) != vw & set(self.batch):
+            raise refuse(f"inputs {self.k} and {self.v}", "they must share their batch wires", d.tensor(self.v).loc)
+        self.kv_batch = tuple(w for w in self.batch if w in kw)
+        self.outer = tuple(w for w in self.batch if w not in kw)
+        self.axes = self.layouts()
+        self.bd = _with_tensors(d, self.axes)
+        tile = dict(rule.tile)
+        self.tile_names = [n for n, _ in rule.tile]
+        self.sides = self.side_inputs(tile)
+        grads = dict(rule.input_grads)
+        self.state = self.state_names()
+        kernels = [k for k in (self.rows_kernel(), self.dkdv_kernel(grads), self.dq_kernel(grads)) if k]
+        dims = tuple(w.name for w in d.wires if w.name in {self.fq, self.fv})
+        floats = [t.name for t in d.inputs if t.dtype in ir.FLOAT_DTYPES]
+        grad_names = tuple(n for n in floats if n in (self.q, self.k, self.v) or n in {s.tensor for s in self.sides})
+        rows = self.rule.rows
+        return BackwardPlan(self.bd, f, rule, self.row, self.col, self.batch, dims, self.q, self.k, self.v,
+                            self.state, self.row_inputs, tuple(n for n, e in rows if not _alias(e)),
+                            tuple((n, e.name) for n, e in rows if _alias(e)), grad_names, tuple(kernels),
+                            tuple(self.axes.items()))
+
+    # ---- the stored layout of every backward tensor ----
+    def layouts(self) -> dict:
+        d, rule = self.d, self.rule
+        bound = dict(rule.bound)
+        out_axes = d.tensor(bound["O"]).axes
+        rows = set(rule.layout("S")) - {rule.key}
+        feat = set(rule.layout("O")) - rows
+        row_axes = tuple(a for a in out_axes if not set(a) & feat)
+        if any(set(a) & feat and len(a) > 1 for a in out_axes):
+            raise refuse(f"output {bound['O']}", "its feature wire is part of a grouped axis",
+                         d.tensor(bound["O"]).loc)
+        axes = {}
+        for name, wires in rule.layouts:
+            if name in ("S", "R", "P", "dP", "dS", "dR") or name[:1] == "A" or name[:2] == "dA":
+                continue  # tiles: never stored
+            if name in bound and name != "S":
+                axes[name] = d.tensor(bound[name]).axes
+            elif name in self.saved_axes:
+                axes[name] = self.saved_axes[name]
+            elif name == "dlse" and "lse" in bound:
+                axes[name] = d.tensor(bound["lse"]).axes
+            else:
+                axes[name] = out_axes if self.fv in wires else row_axes
+        for t in d.inputs:
+            if t.dtype in ir.FLOAT_DTYPES:
+                axes[f"_grad_{t.name}"] = t.axes
+        return axes
+
+    # ---- side inputs ----
+    def side_inputs(self, tile: dict) -> list[SideGrad]:
+        d, out = self.d, []
+        s_expr = tile.get("S")
+        for t in d.inputs:
+            if t.name in (self.q, self.k, self.v) or t.dtype not in ir.FLOAT_DTYPES:
+                continue
+            refs = [n for _, e in self.rule.tile for n in ir.walk(e)
+                    if isinstance(n, ir.TensorRef) and n.name == t.name]
+            if not refs:
+                continue
+            own = ir.axis_wires(t.axes)
+            if any(r.wires is not None and tuple(r.wires) != own for r in refs):
+                raise refuse(f"input {t.name}", "a float input read along other wires gets no gradient here", t.loc)
+            if s_expr is None or any(_contains(e, ir.TensorRef(t.name)) for n, e in self.rule.tile if n != "S"):
+                raise refuse(f"input {t.name}", "only inputs of the score box get gradients here", t.loc)
+            try:
+                deriv = autodiff.diff(s_expr, ir.TensorRef(t.name))
+            except ValueError as err:
+                raise refuse(f"input {t.name}", str(err), t.loc) from None
+            extra = tuple(["_blocks"] if self.row not in own else []) + tuple(w for w in self.batch if w not in own)
+            bad = set(own) - set(self.batch) - {self.row, self.col}
+            if bad:
+                raise refuse(f"input {t.name}", f"its wire(s) {', '.join(sorted(bad))} are not the scores'", t.loc)
+            expr = autodiff.simplify(ir.Binary("*", ir.TensorRef("dS"), deriv))
+            out.append(SideGrad(t.name, f"_part_{t.name}", expr, own, extra, self.row in own, self.col in own))
+        return out
+
+    def state_names(self) -> tuple[str, ...]:
+        """Placeholders the main kernels read that no tile binds, canonical order."""
+        bound = set(self.tile_names) | {"R"}
+        used = []
+        for _, e in self.rule.tile + self.rule.input_grads:
+            for n in ir.walk(e):
+                if isinstance(n, ir.TensorRef) and autodiff.is_placeholder(n.name) and n.name not in bound:
+                    used.append(n.name)
+        first = ["dO", "lse", "delta", "dlse"]
+        return tuple(n for n in first if n in used) + tuple(sorted(set(used) - set(first)))
+
+    # ---- kernels ----
+    def taken(self, extra=()) -> set:
+        """Variable names loads of user inputs must not take (placeholders
+        need no reserving: no input may have a placeholder's name)."""
+        floats = [t.name for t in self.d.inputs]
+        return set(FIXED_NAMES) | {f"_{n}" for n in self.tile_names} | set(extra) \
+            | {f"_{p}_{n}" for p in ("acc", "grad", "part", "part_acc") for n in floats} \
+            | {f"_dot{i}" for i in range(8)} | {f"_sum{i}" for i in range(8)}
+
+    def rows_kernel(self) -> Optional[Kernel]:
+        rule = self.rule
+        computed = [(n, e) for n, e in rule.rows if not _alias(e)]
+        used = []
+        for _, e in rule.rows:
+            used += [n.name for n in ir.walk(e) if isinstance(n, ir.TensorRef) and n.name not in used]
+        self.row_inputs = tuple(used)
+        if not computed:
+            return None
+        loads = _Loads(self.bd, "pre", self.taken({f"_{n}" for n, _ in rule.rows}))
+        subst, reduces, lines = {}, [], []
+        for n in used:
+            subst[ir.TensorRef(n)] = self._load(loads, ir.TensorRef(n), "pre").var
+        for name, e in computed:
+            for node in nodes(e):
+                if isinstance(node, ir.Reduce) and node not in subst:
+                    if node.wires != (self.fv,):
+                        raise refuse(f"row value {name}", f"it sums over {', '.join(node.wires)}")
+                    var = f"_sum{len(reduces)}"
+                    reduces.append((var, node.body))
+                    subst[node] = var
+            lines.append((f"_{name}", e))
+        stores = tuple(Store(n, f"_{n}", self.row, self.fv if self.fv in rule.layout(n) else None)
+                       for n, _ in computed)
+        return Kernel("rows", f"_{self.d.name}_bwd_rows_kernel", self.row, None, self.batch, (),
+                      tuple(loads.loads), tuple(lines), (), tuple(reduces), (), (), stores, tuple(subst.items()))
+
+    def dkdv_kernel(self, grads: dict) -> Kernel:
+        targets = [self.grad(n, grads[n], "dkdv") for n in (self.k, self.v)]
+        return self.loop_kernel("dkdv", self.col, self.row, self.kv_batch, self.outer, targets, [])
+
+    def dq_kernel(self, grads: dict) -> Kernel:
+        target = self.grad(self.q, grads[self.q], "dq")
+        return self.loop_kernel("dq", self.row, self.col, self.batch, (), [target], self.sides)
+
+    def grad(self, name: str, e, role: str):
+        """(input, tile name, operand ref, store rows, store cols) of sum[w](tile * operand)."""
+        want = (self.col,) if role == "dq" else tuple(sorted((self.row,) + self.outer))
+        ok = (isinstance(e, ir.Reduce) and e.op == "sum" and tuple(sorted(e.wires)) == want
+              and isinstance(e.body, ir.Binary) and e.body.op == "*")
+        if ok:
+            a, b = e.body.lhs, e.body.rhs
+            if isinstance(b, ir.TensorRef) and b.name in self.tile_names:
+                a, b = b, a
+            ok = isinstance(a, ir.TensorRef) and a.name in self.tile_names and isinstance(b, ir.TensorRef)
+        if not ok:
+            raise refuse(f"the gradient of {name}", "it is not a sum over the loop of a tile times a tensor")
+        wires = ir.axis_wires(self.d.tensor(name).axes)
+        lead = self.col if role == "dkdv" else self.row
+        feat = [w for w in wires if w not in set(self.batch) | {self.row, self.col}]
+        if lead not in wires or len(feat) != 1:
+            raise refuse(f"the gradient of {name}", f"{name} must be along {lead}, one feature wire and batch wires")
+        return name, a.name, b, lead, feat[0]
+
+    def loop_kernel(self, role, grid_wire, loop_wire, batch, outer, targets, sides) -> Kernel:
+        """The dK/dV or dQ kernel: the tile chain its targets need, and its loads
+        (phase "step" when they carry the loop wire or an outer wire)."""
+        tile = dict(self.rule.tile)
+        need = {t[1] for t in targets} | ({"dS"} if sides else set())
+        order = []
+        for name in reversed(self.tile_names):
+            if name in need:
+                order.append(name)
+                need |= {n.name for n in ir.walk(tile[name]) if isinstance(n, ir.TensorRef)}
+        order.reverse()
+        loads = _Loads(self.bd, "pre", self.taken())
+
+        def load(ref: ir.TensorRef) -> Load:
+            ws = self._read(ref)
+            return self._load(loads, ref, "step" if loop_wire in ws or set(outer) & set(ws) else "pre")
+
+        subst, dots, lines = {}, [], []
+        if "R" in need:
+            dots.append(Dot("_qk", load(ir.TensorRef(self.q)), load(ir.TensorRef(self.k))))
+            subst[ir.TensorRef("R")] = "_qk"
+        for name in order:
+            e = tile[name]
+            for node in nodes(e):
+                if isinstance(node, ir.Reduce) and node not in subst:
+                    var = f"_{name}" if node == e else f"_dot{len(dots) - 1}"
+                    dots.append(self.dot(node, var, load))
+                    subst[node] = var
+                elif isinstance(node, ir.TensorRef) and node not in subst and node.name not in self.tile_names:
+                    subst[node] = load(node).var
+            if subst.get(e) != f"_{name}":
+                lines.append((f"_{name}", e))
+            subst[ir.TensorRef(name)] = f"_{name}"
+        grads = []
+        for name, tile_name, operand, lead, feat in targets:
+            grads.append(Grad(name, f"_grad_{name}", f"_acc_{name}", f"_{tile_name}", load(operand), lead, feat))
+        for s in sides:
+            for node in nodes(s.expr):
+                if isinstance(node, ir.TensorRef) and node not in subst:
+                    subst[node] = load(node).var
+        ordered = tuple(ld for ld in loads.loads if ld.phase == "pre") + \
+            tuple(ld for ld in loads.loads if ld.phase == "step")
+        return Kernel(role, f"_{self.d.name}_bwd_{role}_kernel", grid_wire, loop_wire, batch, outer, ordered,
+                      tuple(lines), tuple(dots), (), tuple(grads), tuple(sides), (), tuple(subst.items()))
+
+    def dot(self, node: ir.Reduce, var: str, load) -> Dot:
+        body = node.body
+        ok = (node.op == "sum" and len(node.wires) == 1 and isinstance(body, ir.Binary) and body.op == "*"
+              and all(isinstance(x, ir.TensorRef) for x in (body.lhs, body.rhs)))
+        if ok:
+            a, b = body.lhs, body.rhs
+            if self.col in self._read(a):
+                a, b = b, a
+            ok = self.row in self._read(a) and self.col in self._read(b) and self.col not in self._read(a)
+        if not ok:
+            raise refuse(expr_text(node), "a backward contraction must be sum[f](X * Y) of a row tile and a "
+                         "key tile")
+        return Dot(var, load(a), load(b))
+
+    # ---- loads ----
+    def _read(self, ref: ir.TensorRef) -> tuple[str, ...]:
+        if autodiff.is_placeholder(ref.name):
+            return self.rule.layout(ref.name)
+        return ref.wires if ref.wires is not None else ir.axis_wires(self.bd.tensor(ref.name).axes)
+
+    def _load(self, loads: _Loads, ref: ir.TensorRef, phase: str) -> Load:
+        """A tile of ``ref``: (rows, cols) from the wires it carries: a row
+        tile [row, col or feature], a key tile [col, feature] or [1, col]."""
+        ws = self._read(ref)
+        feats = [w for w in ws if w in (self.fq, self.fv)]
+        if self.row in ws:
+            rows, cols = self.row, (self.col if self.col in ws else feats[0] if feats else None)
+        elif self.col in ws:
+            rows, cols = (self.col, feats[0]) if feats else (None, self.col)
+        else:
+            rows, cols = None, None
+        if autodiff.is_placeholder(ref.name):
+            stored = ir.axis_wires(self.bd.tensor(ref.name).axes)
+            if sorted(stored) != sorted(ws):
+                raise refuse(ref.name, "its stored layout does not hold its wires")
+        return loads.get(ref, rows, cols, phase)
+
+
+def _alias(e) -> bool:
+    return isinstance(e, ir.TensorRef) and autodiff.is_placeholder(e.name)
+
+
+def _contains(e, sub) -> bool:
+    return any(n == sub for n in ir.walk(e))
+
+
+def expr_text(e) -> str:
+    from ..printer import expr_text as text
+    return text(e)
+
+
+def _with_tensors(d: ir.Diagram, axes: dict) -> ir.Diagram:
+    """``d`` with every backward tensor declared as an input (float32, or the
+    dtype of what it stands for), so pointers, strides and loads treat them
+    like the diagram's own tensors."""
+    from dataclasses import replace
+
+    have = {t.name for t in d.inputs}
+    extra = []
+    for name, ax in axes.items():
+        if name in have:
+            continue
+        extra.append(ir.Input(name, ax, "fp32"))
+    return replace(d, inputs=d.inputs + tuple(extra))

@@ -1,0 +1,308 @@
+"""Backward plan (backward.py) -> the text of its kernels and launchers.
+
+Each kernel is a fixed skeleton (templates/backward.py.jinja: program ids,
+offsets, pre-loop loads, the loop nest, stores) around generated code: the
+rule's tile expressions rendered by exprs.py exactly as the forward's are,
+the tl.dot contractions, the gradient accumulations and the loop bounds.
+
+Tiles are oriented [rows, cols] = [row wire, streamed wire] in every kernel,
+so one rendering context serves all of them (q -> ``_offs_q[:, None]``,
+x -> ``_offs_x[None, :]``); the dK/dV kernel contracts over the rows with
+``tl.trans``.  Outside the ragged edges a tile factor is zeroed before it
+enters a product, so padded rows and keys add nothing (not even a NaN from
+exp of a padded score against a real row's lse).  Every product is taken in
+the kernel dtype (the first input's: fp16 / bf16 inputs give 16-bit tensor
+core dots, as the forward's) and accumulated in float32.
+"""
+from __future__ import annotations
+
+from .. import ir
+from . import emit as E
+from .backward import BackwardPlan, Kernel
+from .exprs import triton
+
+
+def _dt(plan: BackwardPlan, *tensors: str) -> str:
+    """The dtype a product is taken in: the kernel dtype, or float32 when a
+    factor is float32 row state (dN_i = dO / b(Z), which may be huge where
+    b(Z) is tiny: rounded to 16 bits it would overflow, and it often
+    cancels against dZ_j)."""
+    narrow = {"dO", "O"} | {n for n, src in plan.aliases if src in ("dO", "O")}
+    wide = {n for n, _ in plan.axes if n not in narrow and not n.startswith("_grad_")}
+    return "tl.float32" if wide & set(tensors) else f"{plan.q}.dtype.element_ty"
+
+
+def _dot(a: str, b: str, plan: BackwardPlan) -> str:
+    return f'tl.dot({a}, {b}, input_precision="{plan.forward.precision}")'
+
+
+def _tensors(k: Kernel) -> list[str]:
+    """Pointer arguments: what the kernel loads, then what it stores."""
+    out = []
+    for name in [ld.tensor for ld in k.loads] + [g.buffer for g in k.grads] + [s.buffer for s in k.sides] \
+            + [st.tensor for st in k.stores]:
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _params(plan: BackwardPlan, k: Kernel, blocks: list[str]) -> tuple[list[str], list[str]]:
+    d = plan.diagram
+    tensors = _tensors(k)
+    sizes = [f"_size_{w.name}" for w in d.wires if w.size is None]
+    strides = []
+    for t in tensors:
+        if t.startswith("_part_"):
+            side = next(s for s in k.sides if s.buffer == t)
+            strides += [f"_st_{t}_{w}" for w in side.extra + side.wires]
+        else:
+            strides += [f"_st_{t}_{w}" for w in ir.axis_wires(d.tensor(t).axes)]
+    return tensors + sizes + strides + [f"{b}: tl.constexpr" for b in blocks], sizes
+
+
+def _offsets(names: E._Names, w: str, start: str) -> list[str]:
+    return [f"_offs_{w} = {start} + tl.arange(0, {names.block(w)})",
+            f"_ok_{w} = _offs_{w} < {names.size(w)}"]
+
+
+def _dims(names: E._Names, dims) -> list[str]:
+    lines = []
+    for w in dims:
+        lines.append(f"_offs_{w} = tl.arange(0, {names.block(w)})")
+        if not names.exact(w):
+            lines.append(f"_ok_{w} = _offs_{w} < {names.size(w)}  # {w} padded to a power of two")
+    return lines
+
+
+def _ctx(plan: BackwardPlan, names: E._Names, k: Kernel, skip: str = ""):
+    subst = {n: v for n, v in k.subst if v != skip}
+    return names.ctx(plan.row, plan.col, subst, E._kinds(plan.diagram))
+
+
+def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel) -> list[str]:
+    """The step: recompute the score tile, then each binding the kernel needs."""
+    lines = []
+    for dot in k.dots:
+        dt = _dt(plan, dot.lhs.tensor, dot.rhs.tensor)
+        lhs, rhs = dot.lhs.var, dot.rhs.var
+        if dot.var == "_qk":
+            rhs = rhs if plan.diagram.tensor(dot.rhs.tensor).dtype == plan.diagram.tensor(dot.lhs.tensor).dtype \
+                else f"{rhs}.to({lhs}.dtype)"
+            lines.append(f"{dot.var} = {_dot(lhs, f'tl.trans({rhs})', plan)}")
+        else:
+            lines.append(f"{dot.var} = {_dot(f'{lhs}.to({dt})', f'tl.trans({rhs}.to({dt}))', plan)}")
+    for var, e in k.lines:
+        lines.append(f"{var} = {triton(e, _ctx(plan, names, k, skip=var))}")
+    lines.append(f"_ok = _ok_{plan.row}[:, None] & _ok_{plan.col}[None, :]  # padded rows and keys add nothing")
+    for g in k.grads:
+        dt = _dt(plan, g.operand.tensor)
+        tile = f"tl.where(_ok, {g.tile}, 0.0)"
+        a = f"{tile}.to({dt})" if k.role == "dq" else f"tl.trans({tile}).to({dt})"
+        lines.append(f"{g.var} += {_dot(a, f'{g.operand.var}.to({dt})', plan)}")
+    for s in k.sides:
+        code = triton(s.expr, _ctx(plan, names, k))
+        value = f"tl.where(_ok, {code}, 0.0)"
+        if not s.has_row:
+            value = f"tl.sum({value}, 0)[None, :]"
+        if not s.has_col:
+            value = f"tl.sum({value}, 1)[:, None]"
+        if s.has_col:
+            lines += [f"if _NEED_{s.tensor}:",
+                      f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s)})"]
+        else:
+            lines += [f"if _NEED_{s.tensor}:", f"    _part_acc_{s.tensor} += {value}"]
+    return lines
+
+
+def _side_ptr(plan: BackwardPlan, names: E._Names, s) -> str:
+    terms = []
+    for w in s.extra:
+        terms.append(f"_pid * _st_{s.buffer}_{w}" if w == "_blocks" else f"_i_{w} * _st_{s.buffer}_{w}")
+    for w in s.wires:
+        idx = names.index(w, plan.row if s.has_row else None, plan.col if s.has_col else None)
+        terms.append(f"{idx} * _st_{s.buffer}_{w}")
+    return f"{s.buffer} + " + " + ".join(terms)
+
+
+def _side_masks(plan: BackwardPlan, names: E._Names, s) -> str:
+    parts = names.mask(plan.row if s.has_row else None, plan.col if s.has_col else None)
+    return f", mask={' & '.join(parts)}" if parts else ""
+
+
+def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
+    """[_lo, _hi) of the row blocks whose forward loop visits this key block:
+    napkin.masks.row_block_range rendered in Triton, term for term."""
+    row, col = plan.row, plan.col
+    br, bc, nq = names.block(row), names.block(col), names.size(row)
+    lines = ["_lo = 0", f"_hi = tl.cdiv({nq}, {br})"]
+    if not plan.forward.bounds:
+        lines[0] += f"  # {'no mask' if plan.forward.skip is None else 'the mask has no affine bound'}: every block"
+        return "\n".join(lines)
+
+    def rest(b) -> str:
+        terms = []
+        for key, v in b.rest:
+            terms.append(str(v) if key == "" else names.size(key[1:-1]) if v == 1
+                         else f"{v} * {names.size(key[1:-1])}")
+        return "(" + (" + ".join(terms) or "0").replace("+ -", "- ") + ")"
+
+    for b in plan.forward.bounds:
+        a = b.row_coeff
+        if b.kind == "upper":
+            need = f"_pid * {bc} - {rest(b)}"
+            why = f"{col} <= {_affine_text(b, row)}: visited while that reaches the block's first {col}"
+        else:
+            need = f"{rest(b)} - (_pid + 1) * {bc} + 1"
+            a = -a
+            why = f"{col} >= {_affine_text(b, row)}: visited while that starts before the block's end"
+        lines.append(f"_need = {need}  # {why}")
+        if a == 0:
+            lines.append("_hi = tl.where(_need > 0, 0, _hi)")
+        elif a > 0:
+            t = f"(tl.maximum(_need, 0) + {a - 1}) // {a}" if a != 1 else "tl.maximum(_need, 0)"
+            lines.append(f"_t = {t}  # the first row reaching it; rows past the end: no block")
+            lines.append(f"_lo = tl.maximum(_lo, tl.where(_t >= {nq}, tl.cdiv({nq}, {br}), _t // {br}))")
+        else:
+            div = "" if a == -1 else f" // {-a}"
+            lines.append(f"_hi = tl.where(_need > 0, 0, tl.minimum(_hi, tl.maximum(-_need, 0){div} // {br} + 1))")
+    lines.append("_hi = tl.maximum(_lo, _hi)")
+    return "\n".join(lines)
+
+
+def _bounds_dq(plan: BackwardPlan, names: E._Names) -> str:
+    """[_lo, _hi) of the key range this row block visits: the forward's own
+    bounds (napkin.masks.stream_range), so dQ sees exactly its blocks."""
+    row, col = plan.row, plan.col
+    lines = ["_lo = 0", f"_hi = {names.size(col)}"]
+    if not plan.forward.bounds:
+        lines[0] += f"  # {'no mask' if plan.forward.skip is None else 'the mask has no affine bound'}: every block"
+        return "\n".join(lines)
+    lines.append(f"_row_last = tl.minimum(_row0 + {names.block(row)}, {names.size(row)}) - 1")
+    lower = False
+    for b in plan.forward.bounds:
+        r = "_row0" if b.at_row() == "first" else "_row_last"
+        value = _affine_text(b, r, names.size)
+        why = f"{col} {'>=' if b.kind == 'lower' else '<='} {_affine_text(b, row)}, loosest at the block's " \
+              f"{b.at_row()} row"
+        if b.kind == "lower":
+            lower = True
+            lines.append(f"_lo = tl.maximum(_lo, {value})  # {why}")
+        else:
+            lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {why}")
+    if lower:
+        lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
+    return "\n".join(lines)
+
+
+def _affine_text(b, row: str, size=None) -> str:
+    """row_coeff * row + rest; sizes as |w| (comments) or rendered by ``size``."""
+    terms = [] if b.row_coeff == 0 else [row if b.row_coeff == 1 else f"{b.row_coeff} * {row}"]
+    for key, v in b.rest:
+        sz = key if size is None else size(key[1:-1]) if key else ""
+        terms.append(str(v) if key == "" else sz if v == 1 else f"{v} * {sz}")
+    return (" + ".join(terms) or "0").replace("+ -", "- ")
+
+
+def _decode_outer(names: E._Names, outer) -> list[str]:
+    lines = ["_o = _outer"]
+    for w in reversed(outer[1:]):
+        lines += [f"_i_{w} = _o % {names.size(w)}", f"_o = _o // {names.size(w)}"]
+    lines.append(f"_i_{outer[0]} = _o")
+    return lines
+
+
+def _indent(lines: list[str], n: int) -> list[str]:
+    return [" " * n + line if line else line for line in lines]
+
+
+def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
+    """The template context of one backward kernel."""
+    d = plan.diagram
+    names = E._Names(d, plan.dims)
+    row, col = plan.row, plan.col
+    dims = [w for w in plan.dims if any(w in (ld.cols, ld.rows) for ld in k.loads)
+            or any(w == g.cols for g in k.grads) or any(w == st.cols for st in k.stores)]
+    blocks = [names.block(row)] + ([names.block(col)] if k.role != "rows" else []) \
+        + [names.block(w) for w in dims] + [f"_NEED_{s.tensor}" for s in k.sides]
+    params, sizes = _params(plan, k, blocks)
+    pre = [E._load(d, names, ld) for ld in k.loads if ld.phase == "pre"]
+    step = [E._load(d, names, ld) for ld in k.loads if ld.phase == "step"]
+    start = "_row0" if k.grid_wire == row else "_col0"
+    head = [f"{start} = _pid * {names.block(k.grid_wire)}"] + _offsets(names, k.grid_wire, start) \
+        + _dims(names, dims)
+    init, body, bounds, after = [], [], "", []
+    if k.role == "rows":
+        # elementwise in float32: dO * O of two fp16 tiles would round in fp16
+        body += [f"{ld['var']} = {ld['var']}.to(tl.float32)" for ld in pre]
+        ctx = names.ctx(row, dims[0] if dims else None, dict(k.subst), E._kinds(d))
+        for var, e in k.reduces:
+            code = triton(e, ctx)
+            if dims and not names.exact(dims[0]):
+                code = f"tl.where(_ok_{dims[0]}[None, :], {code}, 0.0)"
+            body.append(f"{var} = tl.sum({code}, 1)[:, None]")
+        for var, e in k.lines:
+            code = triton(e, names.ctx(row, dims[0] if dims else None,
+                                       {n: v for n, v in k.subst if v != var}, E._kinds(d)))
+            body.append(f"{var} = {code}")
+        for st in k.stores:
+            ptr = E._pointer(d, names, st.tensor, ir.axis_wires(d.tensor(st.tensor).axes), st.rows, st.cols)
+            mask = names.mask(st.rows, st.cols)
+            value = st.value
+            if st.cols is not None:
+                value = f"tl.broadcast_to({value}, [{names.block(row)}, {names.block(st.cols)}])"
+            after.append(f"tl.store({ptr}, {value}.to({st.tensor}.dtype.element_ty)"
+                         f"{', mask=' + ' & '.join(mask) if mask else ''})")
+    else:
+        for g in k.grads:
+            init.append(f"{g.var} = tl.zeros([{names.block(g.rows)}, {names.block(g.cols)}], tl.float32)")
+        for s in k.sides:
+            if not s.has_col:
+                shape = f"[{names.block(row)}, 1]" if s.has_row else "[1, 1]"
+                init.append(f"_part_acc_{s.tensor} = tl.zeros({shape}, tl.float32)")
+        inner = [f"{ld['var']} = tl.load({ld['ptr']}{ld['mask']})" for ld in step] + _tile_lines(plan, names, k)
+        if k.role == "dq":
+            bounds = _bounds_dq(plan, names)
+            body = [f"for _start in range(_lo, _hi, {names.block(col)}):"] \
+                + _indent(_offsets(names, col, "_start") + inner, 4)
+        else:
+            bounds = _bounds_dkdv(plan, names)
+            loop = [f"for _rb in range(_lo, _hi):", f"    _row0 = _rb * {names.block(row)}"] \
+                + _indent(_offsets(names, row, "_row0") + inner, 4)
+            if k.outer:
+                n = " * ".join(names.size(w) for w in k.outer)
+                loop = [f"for _outer in range({n}):  # the {', '.join(k.outer)} that share these keys"] \
+                    + _indent(_decode_outer(names, k.outer) + loop, 4)
+            body = loop
+        for g in k.grads:
+            wires = ir.axis_wires(d.tensor(g.buffer).axes)
+            ptr = E._pointer(d, names, g.buffer, wires, g.rows, g.cols)
+            mask = names.mask(g.rows, g.cols)
+            after.append(f"tl.store({ptr}, {g.var}.to({g.buffer}.dtype.element_ty)"
+                         f"{', mask=' + ' & '.join(mask) if mask else ''})")
+        for s in k.sides:
+            if not s.has_col:
+                value = f"_part_acc_{s.tensor}" if s.has_row else f"tl.sum(tl.sum(_part_acc_{s.tensor}, 1), 0)"
+                after += [f"if _NEED_{s.tensor}:",
+                          f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s)})"]
+    return {
+        "name": k.name, "role": k.role, "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
+        "decode": E._decode(names, k.batch), "head": "\n".join(head),
+        "pre_loads": pre, "init": "\n".join(init), "bounds": bounds, "body": "\n".join(body),
+        "after": "\n".join(after), "grid_wire": k.grid_wire, "loop_wire": k.loop_wire,
+        "batch": ", ".join(k.batch) or "none", "outer": ", ".join(k.outer), "sides": [s.tensor for s in k.sides],
+        "args": _launch_args(plan, k, names, dims),
+    }
+
+
+def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
+    d = plan.diagram
+    tensors = _tensors(k)
+    sizes = [f'_sz["{w.name}"]' for w in d.wires if w.size is None]
+    strides = []
+    for t in tensors:
+        strides.append(f"*{t}.stride()" if t.startswith("_part_") else f'*_wire_strides({t}, "{t}", _sz)')
+    blocks = [f"{names.block(plan.row)}=_br"] + ([f"{names.block(plan.col)}=_bc"] if k.role != "rows" else [])
+    blocks += E._wire_block_args(names, dims)
+    blocks += [f"_NEED_{s.tensor}=_need[{plan.grads.index(s.tensor)}]" for s in k.sides]
+    args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks)]
+    return ",\n".join(args)

@@ -1,0 +1,261 @@
+"""Training: what a generated module needs beyond its forward kernel.
+
+``prepare(plan)`` decides, for a forward plan, how the module trains:
+
+* ATTENTION: napkin.autodiff.grad_plan(diagram) gives the GradRule.  The
+  values it saves (lse for softmax, the sums N_i, Z_j of a general
+  normaliser) that are not outputs already are added to the diagram as
+  float32 boxes (``_saved_lse = logsumexp[x](S)``, ...) and the forward is
+  lowered again: the same kernel (the new boxes share its accumulators)
+  with extra stores guarded by a constexpr _SAVE, so the plain forward's
+  traffic does not change.  backward.py lowers the rule to three kernels.
+* CONTRACTION ``C = sum[k](A * B)``: the backward is two more contractions,
+  dA = sum[n](dC * B) and dB = sum[m](A * dC), built as IR diagrams and
+  lowered like any matrix product (strides do the transposes).
+
+Anything else gets no backward; ``Training.reason`` says why, and the
+module raises that at run time when a gradient is asked for.
+
+``context(training, ...)`` renders templates/training.py.jinja: the
+backward kernels and launchers, the public NAME_backward (and for attention
+NAME_preprocess), and the torch custom ops (forward and backward, with fake
+implementations) tying them to autograd and torch.compile.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import autodiff, ir
+from ..errors import NapkinError
+from . import lower as L
+
+SAVED_PREFIX = "_saved_"
+
+
+@dataclass(frozen=True)
+class Training:
+    forward: L.Plan                    # the plan the module's forward kernel is emitted from
+    saved: tuple[str, ...] = ()        # its outputs only training stores (_saved_lse, ...)
+    rule: Optional[autodiff.GradRule] = None
+    backward: Optional[object] = None  # backward.BackwardPlan
+    grads: tuple[L.ContractionPlan, ...] = ()  # the matrix product's dA, dB
+    reason: Optional[str] = None       # why there is no backward
+
+
+def _no(plan: L.Plan, why: str) -> Training:
+    return Training(plan, reason=f"napkin has no backward for diagram {plan.diagram.name}: {why}")
+
+
+def prepare(plan: L.Plan) -> Training:
+    if plan.diagram.tensor("need") is not None:
+        return _no(plan, "its tensor 'need' has the name of the backward's option; rename it")
+    try:
+        if plan.family == "attention":
+            return _attention(plan)
+        return _contraction(plan)
+    except NapkinError as err:
+        return _no(plan, err.messages[0])
+
+
+# --------------------------------------------------------------------------
+# Attention.
+# --------------------------------------------------------------------------
+
+def _attention(plan: L.AttentionPlan) -> Training:
+    from .backward import lower_backward
+
+    d = plan.diagram
+    try:
+        rule = autodiff.grad_plan(d)
+    except ValueError as err:
+        return _no(plan, str(err))
+    bound = dict(rule.bound)
+    tiles = {n for n, _ in rule.tile} | {"R"}
+    for name in dict(rule.layouts):
+        t = d.tensor(name)
+        if name not in tiles and t is not None and bound.get(name) != name:
+            return _no(plan, f"the diagram's tensor {name} has the name of a value its backward stores; rename it")
+    score = bound["S"]
+    out_axes = d.tensor(bound["O"]).axes
+    feat = set(rule.layout("O")) - set(rule.layout("S"))
+    row_axes = tuple(a for a in out_axes if not set(a) & feat)
+    lets, saved, saved_axes = [], [], {}
+    for name in rule.saved:
+        if name in bound:
+            continue
+        expr = autodiff.substitute(rule.binding(name), ir.TensorRef("S"), ir.TensorRef(score))
+        stray = {n.name for n in ir.walk(expr) if isinstance(n, ir.TensorRef) and d.tensor(n.name) is None}
+        if stray:
+            return _no(plan, f"its saved value {name} reads {', '.join(sorted(stray))}")
+        axes = out_axes if feat & set(rule.layout(name)) else row_axes
+        lets.append(ir.Let(SAVED_PREFIX + name, axes, "fp32", expr))
+        saved.append(SAVED_PREFIX + name)
+        saved_axes[name] = axes
+    forward = plan
+    if lets:
+        aug = dataclasses.replace(d, lets=d.lets + tuple(lets),
+                                  outputs=d.outputs + tuple(ir.Output(n) for n in saved))
+        forward = L.lower(aug)
+    back = lower_backward(d, plan, rule, saved_axes)
+    return Training(forward, tuple(saved), rule, back)
+
+
+# --------------------------------------------------------------------------
+# Contraction.
+# --------------------------------------------------------------------------
+
+def _contraction(plan: L.ContractionPlan) -> Training:
+    d = plan.diagram
+    out = d.outputs[0]
+    expr = L.inline(d)[out.name]
+    a, b = plan.lhs.tensor, plan.rhs.tensor
+    if not (isinstance(expr, ir.Reduce) and expr.op == "sum" and expr.wires == (plan.red,)):
+        return _no(plan, f"its output {out.name} is not a plain sum[{plan.red}]({a} * {b}) "
+                         "(an epilogue's derivative needs the pre-activation)")
+    c_wires = set(ir.axis_wires(d.tensor(out.name).axes))
+    for name in (a, b):
+        t = d.tensor(name)
+        if t.dtype not in ir.FLOAT_DTYPES:
+            return _no(plan, f"{name} is not a float tensor")
+        missing = (c_wires - {plan.row, plan.col}) - set(ir.axis_wires(t.axes))
+        if missing:
+            return _no(plan, f"{name} lacks the batch wire(s) {', '.join(sorted(missing))}: its gradient would "
+                             "sum over them too")
+    if {plan.lhs.wires, plan.rhs.wires} != {ir.axis_wires(d.tensor(a).axes), ir.axis_wires(d.tensor(b).axes)}:
+        return _no(plan, "an input is read along other wires than its own")
+    grad_c = ir.Input(f"_grad_{out.name}", d.tensor(out.name).axes, _dc_dtype(d, out.name))
+    blocks = dict(plan.blocks)
+    grads = []
+    for target, other, keep, red in ((a, b, plan.row, plan.col), (b, a, plan.col, plan.row)):
+        t = d.tensor(target)
+        factors = (ir.TensorRef(grad_c.name), ir.TensorRef(other)) if target == a else \
+            (ir.TensorRef(other), ir.TensorRef(grad_c.name))
+        body = ir.Reduce("sum", (red,), ir.Binary("*", *factors))
+        let = ir.Let(f"_grad_{target}", t.axes, "fp32", body)
+        free = plan.red                   # dA keeps k (B's side), dB keeps k (A's side)
+        tiles = [ir.Tile(w, "group", 1) for w in plan.batch] + [
+            ir.Tile(keep, "group", blocks[keep]), ir.Tile(free, "group", blocks[free]),
+            ir.Tile(red, "stream", blocks[red])]
+        schedule = ir.Schedule(None, "fp32", d.schedule.tf32 if d.schedule else False,
+                               (ir.Level("smem", None, tuple(tiles), ()),))
+        g = ir.Diagram(f"{d.name}_bwd_{target}", d.wires, (grad_c, d.tensor(other)) if target == a
+                       else (d.tensor(other), grad_c), (let,), (ir.Output(let.name),), schedule)
+        gplan = L.lower(g)
+        if gplan.family != "contraction" or {gplan.row, gplan.col} != {keep, free}:
+            return _no(plan, f"the gradient of {target} does not lower to a matrix product")
+        grads.append(gplan)
+    return Training(plan, (), None, None, tuple(grads))
+
+
+def _dc_dtype(d: ir.Diagram, name: str) -> str:
+    from .. import tiling
+
+    dtype = tiling.tensor_dtype(d, name)
+    return dtype if dtype in L.KERNEL_DTYPES else "fp32"
+
+
+# --------------------------------------------------------------------------
+# The module's training part (templates/training.py.jinja).
+# --------------------------------------------------------------------------
+
+def _axes_repr(axes) -> str:
+    from .emit import _layout_repr
+    return _layout_repr(axes)
+
+
+def backward_layouts(t: Training) -> str:
+    """``_BACKWARD_LAYOUTS``: the layout of every tensor only training moves."""
+    d = t.forward.diagram
+    table = {}
+    for name in t.saved:
+        table[name] = d.tensor(name).axes
+    if t.backward is not None:
+        for name, axes in t.backward.axes:
+            table.setdefault(name, axes)
+    for g in t.grads:
+        for tensor in list(g.diagram.inputs) + [g.diagram.tensor(g.diagram.outputs[0].name)]:
+            table.setdefault(tensor.name, tensor.axes)
+    own = {x.name for x in d.inputs} | {o.name for o in d.outputs if o.name not in t.saved}  # in _LAYOUTS
+    rows = [f'    "{n}": {_axes_repr(a)},\n' for n, a in table.items() if n not in own]
+    return "{\n" + "".join(rows) + "}" if rows else "{}"
+
+
+def context(t: Training, *, name: str, options: list[str], source_hash: str) -> dict:
+    """The template variables of the training part of a module."""
+    from .emit import environment
+
+    d = t.forward.diagram
+    inputs = [x.name for x in d.inputs]
+    user_outputs = [o.name for o in d.outputs if o.name not in t.saved]
+    floats = [x.dtype in ir.FLOAT_DTYPES for x in d.inputs]
+    ctx = {
+        "name": name, "inputs": inputs, "outputs": user_outputs, "saved": list(t.saved),
+        "floats": floats, "options": options, "op_base": f"{name}_{source_hash[:8]}",
+        "reason": t.reason, "family": None, "kernels": [], "grad_kernels": [],
+    }
+    if t.backward is not None:
+        ctx.update(_attention_context(t, user_outputs))
+    elif t.grads:
+        ctx.update(_contraction_context(t))
+    return {"training": environment().get_template("training.py.jinja").render(**ctx).rstrip("\n")}
+
+
+def _attention_context(t: Training, user_outputs: list[str]) -> dict:
+    from .backward_emit import kernel_context
+
+    b, rule = t.backward, t.rule
+    bound = {v: k for k, v in rule.bound}          # diagram name -> placeholder
+    outs = [bound.get(n, "_") for n in user_outputs] + [n[len(SAVED_PREFIX):] for n in t.saved]
+    grads = [f"d{bound[n]}" if n in bound else "_" for n in user_outputs]
+    if "dlse" in b.row_inputs + b.state and "dlse" not in grads:
+        raise AssertionError("dlse is read but lse is no output")
+    return {
+        "family": "attention", "bw": b, "row": b.row, "col": b.col,
+        "kernels": [kernel_context(b, k) for k in b.kernels],
+        "unpack_outs": ", ".join(outs) + ("," if len(outs) == 1 else ""),
+        "unpack_grads": ", ".join(grads) + ("," if len(grads) == 1 else ""),
+        "row_inputs": list(b.row_inputs), "row_outputs": list(b.row_outputs), "aliases": list(b.aliases),
+        "state": list(b.state), "grad_names": list(b.grads),
+        "grid_batch": " * ".join(f'_sz["{w}"]' for w in b.batch) or "1",
+        "kv_batch": " * ".join(f'_sz["{w}"]' for w in b.kernel("dkdv").batch) or "1",
+        "sides": [{"tensor": s.tensor, "buffer": s.buffer, "index": list(b.diagram.inputs).index(
+            b.diagram.tensor(s.tensor)), "shape": _side_shape(s, b.row), "dims": len(s.extra)} for s in
+            b.kernel("dq").sides],
+        "optional": ["dlse"] if "dlse" in b.row_inputs else [],
+    }
+
+
+def _side_shape(s, row: str) -> str:
+    parts = [f'triton.cdiv(_sz["{row}"], _br)' if w == "_blocks" else f'_sz["{w}"]' for w in s.extra]
+    parts += [f'_sz["{w}"]' for w in s.wires]
+    return "[" + ", ".join(parts) + "]"
+
+
+def _contraction_context(t: Training) -> dict:
+    from .emit import contraction_context, environment
+
+    kernels, launches = [], []
+    template = environment().get_template("contraction_kernel.py.jinja")
+    for g in t.grads:
+        c = contraction_context(g)
+        kernels.append(template.render(**c).rstrip("\n"))
+        gd = g.diagram
+        tensors = [x.name for x in gd.inputs] + [gd.outputs[0].name]
+        sizes = [f'_sz["{w.name}"]' for w in gd.wires if w.size is None]
+        strides = [f'*_wire_strides({x}, "{x}", _sz)' for x in tensors]
+        blocks = [f"_BLOCK_{g.row}=_block_size(_opts[\"block_{g.row}\"], \"{g.row}\", \"block_{g.row}\")",
+                  f"_BLOCK_{g.col}=_block_size(_opts[\"block_{g.col}\"], \"{g.col}\", \"block_{g.col}\")",
+                  f"_BLOCK_{g.red}=_block_size(_opts[\"block_{g.red}\"], \"{g.red}\", \"block_{g.red}\")"]
+        launches.append({
+            "kernel": c["kernel"], "target": gd.outputs[0].name[len("_grad_"):], "buffer": gd.outputs[0].name,
+            "grid": f'(triton.cdiv(_sz["{g.row}"], {blocks[0].split("=", 1)[1]}), '
+                    f'triton.cdiv(_sz["{g.col}"], {blocks[1].split("=", 1)[1]}), '
+                    + (" * ".join(f'_sz["{w}"]' for w in g.batch) or "1") + ")",
+            "args": ",\n".join([", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides
+                                       + [", ".join(blocks)]),
+            "index": [x.name for x in t.forward.diagram.inputs].index(gd.outputs[0].name[len("_grad_"):]),
+        })
+    out = t.forward.diagram.outputs[0].name
+    return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}"}

@@ -1,0 +1,276 @@
+"""The backward pass's cost: what the generated backward kernels move and compute.
+
+``backward_cost(diagram, sizes, profile=None) -> BackwardCost``
+
+The backward kernels are derived by the code generator (napkin/codegen/
+backward.py from the diagram's GradRule; a matrix product's are two more
+contractions), so this model reads the code generator's backward plan
+rather than re-deriving it, and counts, as model.py does for the forward,
+every tile each program loads and stores:
+
+* ROWS: one program per (row block, batch index); each row tile once.
+* DK/DV: one program per (key block, K's batch index).  Tiles without the
+  row wire (and the GQA group wire) once per program; the others once per
+  visited (row block, key block) pair and group index.
+* DQ: one program per (row block, batch index).  Tiles without the key wire
+  once per program, the others once per visited pair; a side input's
+  partial gradient per visited pair (when it has the key wire) or once per
+  program.
+* Gradients (float32) are stored once per program.
+
+The visited pairs are the forward's (napkin/masks.py): both backward loops
+skip exactly the blocks the forward skips.  Tiles are clipped at ragged
+edges and padded feature wires, so the counts are exact;
+tests/test_bytecount.py checks them against the bytes the interpreter
+really moves.  A matrix product's dA and dB kernels are ordinary
+contraction diagrams and are costed by analysis.py itself.
+
+FLOPs: 2 * |f| per tile element of every tl.dot over a feature wire f (the
+score recompute, dP, and the dQ / dK / dV products), one per arithmetic
+node of the rule's tile expressions, transcendental calls counted apart
+(the "exp" ceiling), over the visited area only.  ``forward`` is the cost
+of the training forward, which also writes the row state (lse, or the
+sums of a general normaliser) when the diagram does not output it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from .. import ir, masks, tiling
+from ..errors import NapkinError
+from .model import TRANSCENDENTAL, clip
+
+
+@dataclass(frozen=True)
+class Move:
+    """One tensor moved by one backward kernel."""
+
+    kernel: str          # "rows", "dkdv", "dq" or a contraction kernel's name
+    tensor: str
+    direction: str       # "load" or "store"
+    dtype: str
+    elements: int
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * ir.DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class BackwardCost:
+    diagram: str
+    kernels: tuple[str, ...]
+    moves: tuple[Move, ...]
+    contraction_flops: int
+    other_flops: int
+    exp_flops: int
+    forward: object               # the training forward's CostReport
+    time_s: Optional[float]       # roofline of the backward kernels on the profile
+
+    @property
+    def load_bytes(self) -> int:
+        return sum(m.bytes for m in self.moves if m.direction == "load")
+
+    @property
+    def store_bytes(self) -> int:
+        return sum(m.bytes for m in self.moves if m.direction == "store")
+
+    def by_tensor(self, direction: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.moves:
+            if m.direction == direction:
+                out[m.tensor] = out.get(m.tensor, 0) + m.bytes
+        return out
+
+    def lines(self) -> list[str]:
+        """A few lines for people: traffic per kernel, FLOPs, the estimate."""
+        from .report import human, seconds
+
+        out = [f"backward of {self.diagram}: kernels {', '.join(self.kernels)}"]
+        for k in self.kernels:
+            mine = [m for m in self.moves if m.kernel == k]
+            out.append(f"  {k}: loads {human(sum(m.bytes for m in mine if m.direction == 'load'), 'B')}, "
+                       f"stores {human(sum(m.bytes for m in mine if m.direction == 'store'), 'B')}")
+        out.append(f"  flops: {human(self.contraction_flops)} in contractions, {human(self.other_flops)} other, "
+                   f"{human(self.exp_flops)} exp; hbm traffic {human(self.load_bytes + self.store_bytes, 'B')}"
+                   + (f"; roofline {seconds(self.time_s)}" if self.time_s is not None else ""))
+        return out
+
+
+def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None) -> BackwardCost:
+    """The backward kernels' transfers and FLOPs at the given sizes (every
+    symbolic wire bound).  NapkinError when the code generator has no
+    backward for the diagram, with its reason."""
+    from ..codegen import lower, training
+    from .analysis import analyse, bind_sizes, resolve_profile
+
+    d = _single_device(diagram)
+    bound = bind_sizes(d, sizes)
+    missing = [w.name for w in d.wires if w.name not in bound]
+    if missing:
+        raise NapkinError(f"the backward's cost needs sizes for {', '.join(missing)}")
+    t = training.prepare(lower.lower(d))
+    if t.reason is not None:
+        raise NapkinError(t.reason)
+    forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile) if t.saved \
+        else analyse(d, bound, profile)
+    if t.backward is not None:
+        moves, flops, kernels = _attention(t.backward, bound)
+    else:
+        moves, flops, kernels = _contraction(t.grads, bound, profile)
+    prof = resolve_profile(d, profile)
+    rate, _ = prof.contraction_rate(forward.flops.contraction_dtype, d.schedule.tf32 if d.schedule else False)
+    total = sum(m.bytes for m in moves)
+    time_s = max(flops[0] / rate, flops[2] / prof["exp_rate"], flops[1] / prof["peak_flops_fp32"],
+                 total / prof["hbm_bandwidth"])
+    return BackwardCost(d.name, tuple(kernels), tuple(moves), *flops, forward, time_s)
+
+
+def _single_device(d: ir.Diagram) -> ir.Diagram:
+    """A distributed schedule's kernels run one device's share: drop the devices level."""
+    if d.schedule is None or d.level("devices") is None:
+        return d
+    levels = tuple(lv for lv in d.schedule.levels if lv.name != "devices")
+    return dataclasses.replace(d, schedule=dataclasses.replace(d.schedule, levels=levels))
+
+
+# --------------------------------------------------------------------------
+# Attention: the three kernels of backward.py.
+# --------------------------------------------------------------------------
+
+def _attention(b, sizes: dict) -> tuple[list[Move], tuple[int, int, int], list[str]]:
+    d, f = b.diagram, b.forward
+    blocks = dict(f.blocks)
+    row, col = b.row, b.col
+    br, bc = blocks[row], blocks[col]
+    nr, nc = sizes[row], sizes[col]
+    pairs = masks.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
+    rows_of = lambda i: clip(nr, br, i)  # noqa: E731
+    cols_of = lambda j: clip(nc, bc, j)  # noqa: E731
+    nblocks = {row: math.ceil(nr / br), col: math.ceil(nc / bc)}
+    moves, kernels = [], []
+    cf = of = ef = 0
+    batch_all = math.prod(sizes[w] for w in b.batch)
+    area = sum(rows_of(i) * cols_of(j) for i, j in pairs) * batch_all
+    for k in b.kernels:
+        kernels.append(k.role)
+        batch = math.prod(sizes[w] for w in k.batch)
+        outer = math.prod(sizes[w] for w in k.outer)
+        if k.role != "rows" and not (nblocks[k.grid_wire] and batch):
+            continue
+
+        def feat(wires) -> int:
+            return math.prod(sizes[w] for w in wires if w not in {row, col} | set(b.batch))
+
+        for ld in k.loads:
+            ws = ld.wires
+            if ld.phase == "pre":
+                grid = sizes[k.grid_wire] if k.grid_wire in ws else nblocks[k.grid_wire]
+                n = grid * batch * feat(ws)
+            else:
+                n = sum((rows_of(i) if row in ws else 1) * (cols_of(j) if col in ws else 1) for i, j in pairs)
+                n *= batch * outer * feat(ws)
+            moves.append(Move(k.role, ld.tensor, "load", _dtype(b, ld.tensor), n))
+        for g in k.grads:
+            wires = ir.axis_wires(d.tensor(g.buffer).axes)
+            moves.append(Move(k.role, g.buffer, "store", "fp32", sizes[g.rows] * batch * feat(wires)))
+        for s in k.sides:
+            if s.has_col:
+                n = sum((rows_of(i) if s.has_row else 1) * cols_of(j) for i, j in pairs) * batch
+            else:
+                n = (nr if s.has_row else nblocks[row]) * batch
+            moves.append(Move(k.role, s.buffer, "store", "fp32", n))
+        for st in k.stores:
+            n = nr * batch * (sizes[st.cols] if st.cols is not None else 1)
+            moves.append(Move(k.role, st.tensor, "store", "fp32", n))
+        # FLOPs
+        if k.role == "rows":
+            per_row = nr * batch
+            fv = [w for w in b.dims if any(w == ld.cols for ld in k.loads)]
+            width = sizes[fv[0]] if fv else 1
+            for _, body in k.reduces:
+                o, e = _ops(body, dict(k.subst))
+                of, ef = of + (o + 1) * per_row * width, ef + e * per_row * width
+            for var, e in k.lines:
+                o, x = _ops(e, {n: v for n, v in k.subst if v != var})
+                of, ef = of + o * per_row, ef + x * per_row
+            continue
+        for dot in k.dots:
+            cf += 2 * _dot_width(b, dot, sizes) * area
+        for g in k.grads:
+            cf += 2 * sizes[g.cols] * area
+            of += area                                       # the ragged-edge where
+        for var, e in k.lines:
+            o, x = _ops(e, {n: v for n, v in k.subst if v != var})
+            of, ef = of + o * area, ef + x * area
+        for s in k.sides:
+            o, x = _ops(s.expr, dict(k.subst))
+            of, ef = of + (o + 2) * area, ef + x * area
+    return moves, (cf, of, ef), kernels
+
+
+def _dot_width(b, dot, sizes) -> int:
+    """|f| of a tl.dot over the feature wire f the two tiles share."""
+    shared = [w for w in dot.lhs.wires if w in dot.rhs.wires and w not in set(b.batch) | {b.row, b.col}]
+    return math.prod(sizes[w] for w in shared)
+
+
+def _dtype(b, tensor: str) -> str:
+    """What a backward tensor is stored in: the diagram's dtype for its
+    inputs and outputs (dO as its output), float32 for the row state."""
+    d = b.forward.diagram
+    bound = dict(b.rule.bound)
+    tensor = dict(b.aliases).get(tensor, tensor)   # dN0 = dO: the same tensor
+    if tensor == "dO":
+        return tiling.tensor_dtype(d, bound["O"])
+    if tensor in ("O", "lse") and tensor in bound:
+        return tiling.tensor_dtype(d, bound[tensor])
+    t = d.tensor(tensor)
+    if isinstance(t, ir.Input):
+        return t.dtype
+    return "fp32"
+
+
+def _ops(e, subst: dict) -> tuple[int, int]:
+    """(arithmetic nodes, transcendental calls) of e, per element; nodes the
+    kernel holds in a variable and constant subtrees cost nothing."""
+    from ..codegen.exprs import fold
+
+    if e in subst or fold(e, {}) is not None or isinstance(e, (ir.Num, ir.WireIndex, ir.WireSize, ir.TensorRef)):
+        return 0, 0
+    other = exp = 0
+    if isinstance(e, ir.Call) and e.fn in TRANSCENDENTAL:
+        exp += 1
+        other += 2 if e.fn == "sigmoid" else 0
+    elif isinstance(e, (ir.Unary, ir.Binary, ir.Call)):
+        other += 1
+    children = [e.operand] if isinstance(e, ir.Unary) else [e.lhs, e.rhs] if isinstance(e, ir.Binary) \
+        else list(e.args) if isinstance(e, ir.Call) else []
+    for c in children:
+        o, x = _ops(c, subst)
+        other, exp = other + o, exp + x
+    return other, exp
+
+
+# --------------------------------------------------------------------------
+# A matrix product: dA and dB are contraction diagrams, costed as such.
+# --------------------------------------------------------------------------
+
+def _contraction(grads, sizes: dict, profile) -> tuple[list[Move], tuple[int, int, int], list[str]]:
+    from .analysis import analyse
+
+    moves, kernels = [], []
+    cf = of = ef = 0
+    for g in grads:
+        gd = g.diagram
+        r = analyse(gd, {w: s for w, s in sizes.items() if gd.wire(w) is not None}, profile)
+        name = gd.outputs[0].name
+        kernels.append(name)
+        for t in r.transfers:
+            if t.boundary.startswith("hbm/"):
+                moves.append(Move(name, t.tensor, t.direction, t.dtype, t.elements))
+        cf, of, ef = cf + r.flops.contraction, of + r.flops.other, ef + r.flops.exp
+    return moves, (cf, of, ef), kernels

@@ -1,0 +1,283 @@
+"""``napkin plan``: every way napkin can spread one attention diagram over
+devices, ranked by predicted time.
+
+    napkin plan examples/gqa.ncd --devices 16 -D b=1 -D hk=8 -D g=4 -D q=32768 -D x=32768
+    napkin plan FILE --devices 64 --gpus-per-node 8 --device h100 ... [--forward] [--emit OUT.ncd]
+
+The candidates, for P devices (G per node):
+
+* Ring Attention (``ring``) and Ring Attention with BurstAttention's
+  backward (``burst``): the same forward, two backwards;
+* ATTENTION2D on every R x C grid with R * C = P (1 x P and P x 1 too);
+  with several nodes, every way of placing a DR x DC block of the grid on
+  each node (DR * DC = G): DC = C keeps whole grid rows inside a node, so
+  the row collectives (Q, the partial states) stay on NVLink;
+* with ``--forward`` (inference), decoding's tree (``tree``): queries on
+  every device, the keys split, states merged by a butterfly.
+
+Each is costed with napkin/cost/collectives.py, the model the
+multi-process tests prove against the byte counter: bytes per device,
+split by link, and time = transfers at NVLink / InfiniBand bandwidth
+(profiles.toml) plus compute.  Compute: 4 FLOPs per query-key pair per head
+dimension forward (QK and PV; the mask's density from napkin/masks.py, at a
+128 x 128 block grid, partial blocks counted half), 2.5 times that backward,
+at FlashAttention-2's fraction of the dense peak (370 and 322 of 989 TFLOP/s
+on an H100, background section 4) for every GPU.  Every scheme's layout is
+taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings);
+bench/cp_bench.py counts the work of each device exactly instead.
+
+``--emit OUT.ncd`` writes the diagram with the winner's mesh levels; for
+``burst`` the diagram is the ring's, run with
+``RingAttention(diagram, backward="burst")`` (the backward is the wrapper's
+choice, not the diagram's).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from . import ir, masks
+from .cost import collectives as C
+from .cost.analysis import bind_sizes
+from .cost.devices import moved
+from .cost.profiles import get_profile, profile_names
+from .distributed.reading import roles
+from .errors import NapkinError
+
+FWD_EFFICIENCY = 370 / 989.4     # FlashAttention-2 forward, d128, H100 (background section 4)
+BWD_EFFICIENCY = 322 / 989.4     # and backward
+BWD_FLOP_FACTOR = 2.5            # backward FLOPs / forward FLOPs (background section 1)
+DENSITY_BLOCKS = 128             # blocks per side when measuring a mask's density
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run the diagram, costed."""
+
+    scheme: str                          # attention2d, ring, burst, tree
+    grid: tuple[int, ...]
+    block: Optional[tuple[int, int]]     # ATTENTION2D: the grid block a node holds (None: row-major)
+    gpus_per_node: int
+    forward_bytes: int                   # sent by the busiest device
+    backward_bytes: int
+    across_bytes: int                    # of those (forward + backward), sent across nodes
+    forward_s: float
+    backward_s: float
+    comm_s: float                        # transfer time on the critical path's collectives (not overlap-aware)
+    compute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def label(self) -> str:
+        if self.scheme == "attention2d":
+            r, c = self.grid
+            where = ""
+            if self.block is not None and self.block != (r, c):
+                dr, dc = self.block
+                where = (", rows in nodes" if dc == c else ", columns in nodes" if dr == r
+                         else "") + f", {dr}x{dc} per node"
+            return f"ATTENTION2D {r}x{c}{where}"
+        return {"ring": "Ring", "burst": "Ring + BurstAttention backward", "tree": "tree (decoding)"}[
+            self.scheme] + f" of {self.grid[0]}"
+
+
+def placements(p: int, gpus_per_node: int, training: bool = True) -> list[C.Placement]:
+    """Every placement napkin can emit for P devices, G per node."""
+    out = [C.Placement("ring", (p,), gpus_per_node)]
+    if training:
+        out.append(C.Placement("burst", (p,), gpus_per_node))
+    for r in range(1, p + 1):
+        if p % r:
+            continue
+        c = p // r
+        if gpus_per_node >= p or gpus_per_node == 1:     # one node, or one GPU per node
+            out.append(C.Placement("attention2d", (r, c), gpus_per_node))
+            continue
+        blocks = [(dr, gpus_per_node // dr) for dr in range(1, gpus_per_node + 1)
+                  if gpus_per_node % dr == 0 and r % dr == 0 and c % (gpus_per_node // dr) == 0]
+        if not blocks:      # no block tiles the grid: ranks row-major
+            out.append(C.Placement("attention2d", (r, c), gpus_per_node))
+        out += [C.Placement("attention2d", (r, c), block=b) for b in blocks]
+    if not training:
+        out.append(C.Placement("tree", (p,), gpus_per_node))
+    return out
+
+
+def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
+    """The fraction of query-key pairs the mask keeps, at a block grid (1 for
+    an unmasked diagram; partial blocks count half)."""
+    body = r.score if r.score is not None else diagram.tensor(r.value).expr
+    node = masks.mask_node(body)
+    if node is None:
+        return 1.0
+    pred = masks.mask_predicate(node)
+    nq, nx = sizes[r.query], sizes[r.key]
+    bq, bx = min(DENSITY_BLOCKS, nq), min(DENSITY_BLOCKS, nx)
+    edges_q = [nq * i // bq for i in range(bq + 1)]
+    edges_x = [nx * j // bx for j in range(bx + 1)]
+    kept = 0.0
+    for i in range(bq):
+        for j in range(bx):
+            ranges = {r.query: (edges_q[i], edges_q[i + 1]), r.key: (edges_x[j], edges_x[j + 1])}
+            cls = masks.classify_block(pred, ranges, sizes)
+            area = (edges_q[i + 1] - edges_q[i]) * (edges_x[j + 1] - edges_x[j])
+            kept += area * {masks.BlockClass.FULL: 1.0, masks.BlockClass.PARTIAL: 0.5}.get(cls, 0.0)
+    return kept / (nq * nx)
+
+
+def forward_flops(m: C.Moved, keep: float) -> float:
+    """QK (2 FLOPs per query row element of every query input) and PV (2 per
+    output element), for every kept query-key pair."""
+    per_pair = 2 * sum(w for w, _ in m.query) + 2 * m.out
+    return per_pair * m.q_len * m.x_len * keep
+
+
+def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_per_node: Optional[int] = None,
+         profile: str = "h100", training: bool = True) -> list[Option]:
+    """Every option, best (least predicted time, then fewest bytes) first."""
+    if devices < 1:
+        raise NapkinError(f"--devices must be at least 1, not {devices}")
+    g = devices if gpus_per_node is None else gpus_per_node
+    if g < 1:
+        raise NapkinError(f"--gpus-per-node must be at least 1, not {g}")
+    if devices > g and devices % g:
+        raise NapkinError(f"{devices} devices do not fill nodes of {g} GPUs")
+    g = min(g, devices)
+    r = roles(_without_mesh(diagram))
+    bound = bind_sizes(diagram, sizes)
+    missing = sorted({w for n in r.tokens for w in ir.axis_wires(diagram.tensor(n).axes)} - set(bound))
+    if missing:
+        raise NapkinError(f"give the size of {', '.join(missing)} (-D WIRE=N) to plan {diagram.name}")
+    m = moved(diagram, r, bound)
+    prof = get_profile(profile)
+    rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
+    flops = forward_flops(m, density(diagram, r, bound))
+    links = C.Links.of(prof)
+    out = []
+    for pl in placements(devices, g, training):
+        steps = pl.grid[0] if pl.scheme in ("ring", "burst") else 1
+        fwd = [flops / devices / steps / (rate * FWD_EFFICIENCY)] * steps
+        bwd = [BWD_FLOP_FACTOR * flops / devices / steps / (rate * BWD_EFFICIENCY)] * steps \
+            if training and pl.scheme != "tree" else None
+        t = C.scheme_seconds(pl, m, links, fwd, bwd)
+        phases = ("forward", "backward") if bwd is not None else ("forward",)
+        traffic = {ph: C.traffic(pl, m, ph) for ph in phases}
+        sent = {ph: max(x.sent for x in traffic[ph]) for ph in phases}
+        across = max(sum(traffic[ph][k].sent_across for ph in phases) for k in range(pl.parts))
+        out.append(Option(pl.scheme, pl.grid, pl.block, pl.gpus_per_node or g, sent["forward"],
+                          sent.get("backward", 0), across, t.forward_s, t.backward_s,
+                          t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s))
+    out.sort(key=lambda o: (o.total_s, o.forward_bytes + o.backward_bytes, o.label))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Emitting the chosen option as mesh levels.
+# --------------------------------------------------------------------------
+
+def _without_mesh(diagram: ir.Diagram) -> ir.Diagram:
+    if diagram.schedule is None:
+        return diagram
+    levels = tuple(lv for lv in diagram.schedule.levels if lv.name not in ir.MESH_LEVELS)
+    return dataclasses.replace(diagram, schedule=dataclasses.replace(diagram.schedule, levels=levels))
+
+
+def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
+    """The nodes / devices levels that ask for ``option``."""
+    def level(name, tiles, keep=False):
+        tiles = tuple(ir.Tile(w, kind, n, True) for w, kind, n in tiles if n > 1 or keep)
+        return (ir.Level(name, None, tiles),) if tiles else ()
+
+    p = math.prod(option.grid)
+    g = option.gpus_per_node
+    if option.scheme in ("ring", "burst"):
+        nodes = max(p // g, 1)
+        return level("nodes", [(query, "group", nodes), (key, "stream", nodes)]) + \
+            level("devices", [(query, "group", p // nodes), (key, "stream", p // nodes)])
+    if option.scheme == "tree":
+        nodes = max(p // g, 1)
+        return level("nodes", [(key, "group", nodes)]) + level("devices", [(key, "group", p // nodes)])
+    r, c = option.grid
+    dr, dc = option.block if option.block is not None else (r, c)
+    # both wires stay in the devices level, 'across 1' included: a grid
+    # without q is decoding's, not a 1 x C grid
+    return level("nodes", [(query, "group", r // dr), (key, "group", c // dc)]) + \
+        level("devices", [(query, "group", dr), (key, "group", dc)], keep=True)
+
+
+def emit(diagram: ir.Diagram, option: Option) -> ir.Diagram:
+    """The diagram with ``option``'s mesh levels (others replaced)."""
+    r = roles(_without_mesh(diagram))
+    base = _without_mesh(diagram)
+    schedule = base.schedule or ir.Schedule()
+    levels = mesh_levels(option, r.query, r.key) + schedule.levels
+    return dataclasses.replace(base, schedule=dataclasses.replace(schedule, levels=levels))
+
+
+# --------------------------------------------------------------------------
+# The command line.
+# --------------------------------------------------------------------------
+
+def format_table(options: list[Option], top: int) -> str:
+    head = ["#", "scheme", "fwd ms", "bwd ms", "total ms", "fwd MB/dev", "bwd MB/dev", "across nodes MB"]
+    rows = [[str(k + 1), o.label, f"{o.forward_s * 1e3:.3f}", f"{o.backward_s * 1e3:.3f}",
+             f"{o.total_s * 1e3:.3f}", f"{o.forward_bytes / 1e6:.2f}", f"{o.backward_bytes / 1e6:.2f}",
+             f"{o.across_bytes / 1e6:.2f}"] for k, o in enumerate(options[:top])]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(x.ljust(w) if i == 1 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
+             for line in [head] + rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="rank the ways to spread an attention diagram over devices")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--devices", type=int, required=True, metavar="P", help="how many GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="GPUs per node (NVLink inside, InfiniBand across; default: all on one node)")
+    p.add_argument("--device", "--profile", dest="device", default="h100", metavar="NAME",
+                   help="device profile: " + ", ".join(profile_names()) + " (default h100)")
+    p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N", dest="sizes",
+                   help="size of a symbolic wire (repeatable)")
+    p.add_argument("--forward", action="store_true", help="rank by forward time only (adds decoding's tree)")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="how many options to print (default 10)")
+    p.add_argument("--json", action="store_true", help="print every option as JSON")
+    p.add_argument("--emit", default=None, metavar="OUT.ncd", help="write the diagram with the best option")
+    p.set_defaults(func=handler)
+
+
+def handler(args) -> int:
+    import napkin
+    from .cost.cli import parse_sizes
+    from .printer import to_text
+
+    diagram = napkin.load(args.file)
+    try:
+        options = plan(diagram, args.devices, parse_sizes(args.sizes), args.gpus_per_node, args.device,
+                       training=not args.forward)
+    except NapkinError as err:
+        raise err.with_source(args.file, None) from None
+    if args.json:
+        print(json.dumps([dict(dataclasses.asdict(o), label=o.label, total_s=o.total_s) for o in options],
+                         indent=2))
+    else:
+        g = args.gpus_per_node or args.devices
+        print(f"{diagram.name} on {args.devices} x {args.device} ({g} per node), "
+              f"{'forward' if args.forward else 'forward + backward'}; per device, busiest device")
+        print(format_table(options, args.top))
+    if args.emit:
+        best = options[0]
+        text = to_text(emit(diagram, best))
+        napkin.load_text(text, args.emit)          # what is written must check
+        with open(args.emit, "w") as f:
+            f.write(text)
+        note = " (run it with RingAttention(diagram, backward='burst'))" if best.scheme == "burst" else ""
+        print(f"wrote {args.emit}: {best.label}{note}")
+    return 0

@@ -1,0 +1,302 @@
+"""Backward kernels (napkin/codegen/backward.py, training.py) against autograd.
+
+Every gradient the generated module computes (through its torch op, as a
+user's loss.backward() does) is compared with float64 autograd through the
+module's own eager ``reference``, on random inputs and random output
+gradients.  The accuracy rule is test_kernels.py's: on every entry, the
+kernel's error is at most twice the same-dtype reference's error (autograd
+through ``reference`` on the same 16- or 32-bit inputs) plus 4 ulps of the
+gradient's dtype times its scale.  Kernels run under TRITON_INTERPRET=1 with
+16-row blocks, so ragged sizes cross several blocks; bf16 only on a GPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import napkin
+from napkin import masks
+from napkin.codegen import emit_module
+from napkin.printer import to_text
+from strategies import attention_diagrams
+
+REPO = Path(__file__).resolve().parent.parent
+REFUSED = {"naive_attention", "attention_fp8"}
+EXAMPLES = sorted(p.stem for p in (REPO / "examples").glob("*.ncd") if p.stem not in REFUSED)
+FAST = {"block_q": 16, "block_x": 16, "block_m": 16, "block_n": 16, "block_k": 16}
+EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -52}
+_CACHE: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("backward")
+
+
+def compile_text(text: str, key: str, folder: Path, diagram=None):
+    """Emit and import a module once per key (registered in sys.modules, as
+    Triton's JIT and torch.library want)."""
+    if key not in _CACHE:
+        diagram = diagram if diagram is not None else napkin.load_text(text, f"{key}.ncd")
+        path = folder / f"{key}.py"
+        path.write_text(emit_module(diagram, source_text=text, source_path=f"{key}.ncd"))
+        spec = importlib.util.spec_from_file_location(f"_napkin_backward_{key}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _CACHE[key] = module
+    return _CACHE[key]
+
+
+def example(name: str, folder: Path, *replace: tuple[str, str]):
+    text = (REPO / "examples" / f"{name}.ncd").read_text()
+    for old, new in replace:
+        assert old in text
+        text = text.replace(old, new)
+    return compile_text(text, f"{name}_{zlib.crc32(repr(replace).encode())}", folder)
+
+
+def launcher(m):
+    """The module's differentiable entry point, named after its diagram."""
+    kernel = next(n for n in vars(m) if n.startswith("_") and n.endswith("_kernel") and "_bwd_" not in n)
+    return getattr(m, kernel[1:-len("_kernel")])
+
+
+def gradients(fn, inputs, seed: int = 7, **opts):
+    """d(sum(out_i * W_i))/d(inputs) by autograd, W_i random; outputs' non-finite
+    entries (an lse of -inf) get weight 0.  None for integer inputs."""
+    xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*xs, **opts)
+    out = out if isinstance(out, tuple) else (out,)
+    gen = torch.Generator().manual_seed(seed)
+    loss = 0
+    for o in out:
+        w = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+        loss = loss + torch.where(torch.isfinite(o.double()), o.double() * w, 0.0).sum()
+    loss.backward()
+    return [x.grad if x.requires_grad else None for x in xs]
+
+
+def assert_accurate(kernel, exact, same, label="", dtype=None):
+    """The rule of the module docstring.  The floor's ulps are those of the
+    gradient's dtype or, when coarser, of the kernel inputs' ``dtype``: an
+    fp32 ALiBi slope's gradient sums over every (q, x) of dS, whose delta =
+    rowsum(dO * O) reads the stored fp16 O, as FlashAttention's does (the
+    reference differentiates through its float32 O)."""
+    for i, (k, e, s) in enumerate(zip(kernel, exact, same)):
+        if e is None:
+            assert k is None
+            continue
+        assert k is not None and k.shape == e.shape and k.dtype == s.dtype, (label, i)
+        assert torch.isfinite(k).all(), f"{label}: gradient {i} is not finite"
+        err_k = (k.double() - e).abs().max().item() if e.numel() else 0.0
+        err_r = (s.double() - e).abs().max().item() if e.numel() else 0.0
+        scale = max(1.0, e.abs().max().item()) if e.numel() else 1.0
+        eps = max(EPS[k.dtype], EPS.get(dtype, 0.0))
+        assert err_k <= 2 * err_r + 4 * eps * scale, \
+            f"{label}: gradient {i}: kernel error {err_k:.3g} vs reference error {err_r:.3g} (scale {scale:.3g})"
+
+
+def check(m, sizes, dtype, seed=0, label="", **opts):
+    inputs = m.example_inputs(sizes, dtype=dtype, seed=seed)
+    fn = launcher(m)
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
+    opts = {k: v for k, v in {**FAST, **opts}.items() if k in names}
+    got = gradients(fn, inputs, **opts)
+    exact = gradients(m.reference, [t.double() if t.is_floating_point() else t for t in inputs])
+    assert_accurate(got, exact, gradients(m.reference, inputs), label, dtype)
+    return inputs, got
+
+
+def sizes_for(name: str, q: int, x: int) -> dict:
+    if name == "document_mask":
+        x = q
+    return {"b": 2, "h": 2, "hk": 2, "g": 2, "q": q, "x": x, "m": q, "n": x, "k": q + x}
+
+
+# --------------------------------------------------------------------------
+# Every example: fp32 and fp16, ragged sizes.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_gradients_match_float64_autograd(name, dtype, folder):
+    m = example(name, folder)
+    for i, (q, x) in enumerate([(37, 50), (50, 21)] if dtype == torch.float32 else [(37, 50)]):
+        check(m, sizes_for(name, q, x), dtype, seed=i, label=f"{name} {dtype} q={q} x={x}")
+
+
+def test_single_row_and_key(folder):
+    for name in ("causal", "alibi", "l2_attention"):
+        check(example(name, folder), sizes_for(name, 1, 1), torch.float32, label=f"{name} 1x1")
+
+
+@pytest.mark.parametrize("d, dtype", [(16, torch.float32), (80, torch.float16)])
+def test_head_dims(d, dtype, folder):
+    m = example("causal", folder, ("wire d = 64", f"wire d = {d}"))
+    check(m, {"b": 1, "h": 2, "q": 45, "x": 45}, dtype, label=f"d={d}")
+
+
+def test_mqa_sums_dk_dv_over_all_query_heads(folder):
+    m = example("gqa", folder)
+    inputs, (dq, dk, dv) = check(m, {"b": 1, "hk": 1, "g": 4, "q": 33, "x": 40}, torch.float32, label="mqa")
+    assert dk.shape == inputs[1].shape == (1, 1, 40, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["attention", "causal", "gqa", "alibi", "l2_attention", "matmul"])
+def test_bf16_on_gpu(name, folder):
+    m = example(name, folder)
+    inputs = [t.cuda() for t in m.example_inputs(sizes_for(name, 200, 333), dtype=torch.bfloat16)]
+    got = gradients(launcher(m), inputs)
+    exact = gradients(m.reference, [t.double() if t.is_floating_point() else t for t in inputs])
+    assert_accurate(got, exact, gradients(m.reference, inputs), name)
+
+
+# --------------------------------------------------------------------------
+# Masks, side inputs, edge rows.
+# --------------------------------------------------------------------------
+
+MASKED = """diagram masked
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+S[b, h, q, x] = where(x + 3 <= q and x + 20 > q, sum[d](Q * K) * |d|^-0.5, -inf)
+O[b, h, q, d] = sum[x](softmax[x](S) * V)
+lse[b, h, q] = logsumexp[x](S)
+out O, lse
+schedule { level smem { group b by 1, h by 1, q by 16
+stream x by 16 } }
+"""
+
+
+def test_fully_masked_rows_get_zero_gradient(folder):
+    m = compile_text(MASKED, "masked", folder)
+    inputs, (dq, dk, dv) = check(m, {"b": 1, "h": 2, "q": 70, "x": 70}, torch.float32, label="masked")
+    assert torch.equal(dq[:, :, :3], torch.zeros_like(dq[:, :, :3]))   # queries 0..2 see no key
+    assert torch.equal(dk[:, :, 67:], torch.zeros_like(dk[:, :, 67:]))  # keys no query sees
+    assert dq[:, :, 3:].abs().sum() > 0
+
+
+BIAS = """diagram biased
+wire b, h, q, x
+wire d = 32
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+in bias[h, q, x] : fp32
+in keybias[b, x] : fp32
+in slope[h] : fp32
+S[b, h, q, x] = where(q - x < 20, sum[d](Q * K) * |d|^-0.5 + bias + keybias + slope * (x - q) / 10, -inf)
+O[b, h, q, d] = sum[x](softmax[x](S) * V)
+out O
+schedule { level smem { group b by 1, h by 1, q by 16
+stream x by 16 } }
+"""
+
+
+def test_side_inputs_get_gradients(folder):
+    m = compile_text(BIAS, "biased", folder)
+    inputs, grads = check(m, {"b": 2, "h": 2, "q": 40, "x": 50}, torch.float32, label="bias")
+    assert all(g is not None and g.shape == t.shape for g, t in zip(grads, inputs))
+
+
+def test_unsupported_backward_says_why(folder):
+    text = """diagram relumm
+wire m, n, k
+in A[m, k] : fp32
+in B[k, n] : fp32
+C[m, n] = relu(sum[k](A * B))
+out C
+"""
+    m = compile_text(text, "relumm", folder)
+    a, b = m.example_inputs({"m": 20, "n": 20, "k": 20}, dtype=torch.float32)
+    assert m.relumm(a, b, block_m=16, block_n=16, block_k=16).shape == (20, 20)   # no gradient wanted: fine
+    with pytest.raises(NotImplementedError, match="epilogue"):
+        m.relumm(a.requires_grad_(), b, block_m=16, block_n=16, block_k=16)
+
+
+# --------------------------------------------------------------------------
+# The backward as an API; determinism; skipped blocks.
+# --------------------------------------------------------------------------
+
+def test_backward_callable_directly_with_need(folder):
+    m = example("causal", folder)
+    q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 40, "x": 40}, dtype=torch.float16)
+    o, lse = m.causal(q, k, v, **{k_: FAST[k_] for k_ in ("block_q", "block_x")})
+    do = torch.randn_like(o)
+    (delta,) = m.causal_preprocess(q, k, v, do, o, block_q=16)
+    assert delta.dtype == torch.float32
+    assert torch.allclose(delta, (do.float() * o.float()).sum(-1), atol=1e-5)
+    dq, dk, dv = m.causal_backward(q, k, v, do, lse, delta, block_q=16, block_x=16)
+    assert dq.dtype == dk.dtype == dv.dtype == torch.float32
+    only_v = m.causal_backward(q, k, v, do, lse, delta, block_q=16, block_x=16, need=(False, False, True))
+    assert only_v[0] is None and only_v[1] is None and torch.equal(only_v[2], dv)
+    with pytest.raises(ValueError, match="shape"):
+        m.causal_backward(q, k, v, do[:, :, :5], lse, delta)
+
+
+def test_gradients_are_bitwise_reproducible(folder):
+    m = example("alibi", folder)
+    inputs = m.example_inputs({"b": 1, "h": 2, "q": 50, "x": 50}, dtype=torch.float16)
+    first = gradients(m.alibi, inputs, block_q=16, block_x=16)
+    second = gradients(m.alibi, inputs, block_q=16, block_x=16)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_column_loop_visits_exactly_the_forward_blocks():
+    """masks.row_block_range, which the dK/dV kernel renders, against the
+    forward's visited set for random affine masks and ragged sizes."""
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(values):
+        return values[int(torch.randint(len(values), (1,), generator=gen))]
+
+    for _ in range(3000):
+        bounds = tuple(masks.Bound(draw(["upper", "lower"]), draw([-2, -1, 0, 1, 1, 2]),
+                                   (("", draw(list(range(-60, 61)))),)) for _ in range(draw([0, 1, 2, 3])))
+        nr, nc, br, bc = draw(list(range(1, 90))), draw(list(range(1, 90))), draw([16, 32]), draw([16, 32])
+        forward = masks.visited_blocks(bounds, nr, nc, br, bc)
+        backward = masks.visited_blocks_by_column(bounds, nr, nc, br, bc)
+        assert sorted(backward) == sorted(forward) and len(set(backward)) == len(backward), (bounds, nr, nc, br, bc)
+
+
+# --------------------------------------------------------------------------
+# Random diagrams (tests/strategies.py).
+# --------------------------------------------------------------------------
+
+def _drawn_sizes(diagram, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    pick = {"b": (1, 2), "h": (1, 2), "q": (1, 33, 50), "x": (1, 33, 50), "d": (16, 32)}
+    sizes = {}
+    for w in diagram.wires:
+        choices = pick.get(w.name, (8,))
+        sizes[w.name] = w.size if w.size is not None else choices[int(torch.randint(len(choices), (1,),
+                                                                                      generator=gen))]
+    if any(t.name == "doc" for t in diagram.inputs):
+        sizes["x"] = sizes["q"]
+    return sizes
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(diagram=attention_diagrams())
+def test_random_attention_diagram_gradients(diagram, folder):
+    key = f"drawn_{zlib.crc32(to_text(diagram).encode())}"
+    m = compile_text(to_text(diagram), key, folder, diagram)
+    sizes = _drawn_sizes(diagram, zlib.crc32(key.encode()))
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}[diagram.inputs[0].dtype]
+    inputs = m.example_inputs(sizes, dtype=dtype, seed=1)
+    fn = getattr(m, diagram.name)
+    got = gradients(fn, inputs)  # the drawn schedule's own blocks
+    exact = gradients(m.reference, [t.double() if t.is_floating_point() else t for t in inputs])
+    assert_accurate(got, exact, gradients(m.reference, inputs), to_text(diagram), dtype)

@@ -1,0 +1,504 @@
+"""Across devices, part two: BurstAttention's backward, decoding with a tree
+merge, two-level meshes, and the cost pass against the byte counter.
+
+As in test_distributed.py, a module fixture spawns 4 gloo ranks once; each
+runs every case below and writes what it saw (errors against an explicit
+float64 reference, bytes counted, bytes predicted by
+napkin/cost/collectives.py and by the cost pass) to a JSON file, and the
+tests assert on those.  Every wait has a timeout and the fixture kills the
+ranks after a deadline, so nothing can hang.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import napkin
+from napkin.cost import analyse
+from napkin.cost import collectives as C
+
+REPO = Path(__file__).resolve().parent.parent
+WORLD = 4
+D = 16
+DEADLINE_S = 240
+TIMEOUT = 30.0
+
+# --------------------------------------------------------------------------
+# Diagrams: the shipped examples, small head dim, dtypes and mesh levels set
+# per case (so the cost pass sees what the wrappers run).
+# --------------------------------------------------------------------------
+
+_MASKS = {
+    "full": None,
+    "causal": "where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)",
+    "strict": "where(x < q, sum[d](Q * K) * |d|^-0.5, -inf)",       # query 0 sees no key
+    "decode": "where(x <= q + |x| - |q|, sum[d](Q * K) * |d|^-0.5, -inf)",
+}
+_PLAIN = "sum[d](Q * K) * |d|^-0.5"
+
+MESHES = {
+    "ring": "level devices {\n    group q across 4\n    stream x across 4\n  }",
+    "2x2": "level devices {\n    group q across 2\n    group x across 2\n  }",
+    "tree4": "level devices { group x across 4 }",
+    "tree3": "level devices { group x across 3 }",
+    # two nodes of two GPUs: rows inside nodes / columns inside nodes / a ring
+    "rows-in-nodes": "level nodes { group q across 2 }\n  level devices { group x across 2 }",
+    "cols-in-nodes": "level nodes { group x across 2 }\n  level devices { group q across 2 }",
+    "ring-nodes": ("level nodes {\n    group q across 2\n    stream x across 2\n  }\n"
+                   "  level devices {\n    group q across 2\n    stream x across 2\n  }"),
+}
+
+
+def diagram_text(base: str, mask: str, dtype: str, mesh: str) -> str:
+    """examples/BASE.ncd with d = 16, the given mask, every floating dtype
+    set to ``dtype`` and the given mesh levels."""
+    text = (REPO / "examples" / f"{base}.ncd").read_text()
+    for fixed in ("wire d = 64", "wire d = 128"):
+        text = text.replace(fixed, f"wire d = {D}")
+    for old in list(_MASKS.values())[1:]:
+        text = text.replace(old, _PLAIN)
+    if _MASKS[mask] is not None:
+        assert _PLAIN in text
+        text = text.replace(_PLAIN, _MASKS[mask], 1)
+    for dt in ("bf16", "fp16", "fp32"):
+        text = text.replace(f": {dt}", f": {dtype}")
+    end = text.index("  level hbm")
+    start = text.find("  level devices")
+    start = end if start < 0 else start
+    return text[:start] + "  " + MESHES[mesh] + "\n" + text[end:]
+
+
+# --------------------------------------------------------------------------
+# Cases.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    scheme: str         # "burst", "ring", "attention2d", "tree"
+    mesh: str           # a key of MESHES
+    base: str           # examples/BASE.ncd
+    mask: str           # a key of _MASKS
+    n_q: int
+    n_x: int
+    gqa: bool = False
+    dtype: str = "float64"
+
+    @property
+    def name(self) -> str:
+        heads = "gqa" if self.gqa else "mha"
+        return f"{self.scheme}-{self.mesh}-{self.base}-{self.mask}-{heads}-q{self.n_q}-x{self.n_x}-{self.dtype}"
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return (4, 2) if self.gqa else (2, 2)
+
+    @property
+    def family(self) -> str:
+        return "sum" if self.base == "sigmoid_attention" else "softmax"
+
+    @property
+    def parts(self) -> int:
+        return 3 if self.mesh == "tree3" else WORLD
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return (2, 2) if self.scheme == "attention2d" else (self.parts,)
+
+    @property
+    def block(self):
+        return {"rows-in-nodes": (1, 2), "cols-in-nodes": (2, 1)}.get(self.mesh)
+
+    @property
+    def gpus_per_node(self):
+        return 2 if "nodes" in self.mesh else None
+
+    def text(self) -> str:
+        base = "gqa" if self.gqa and self.base == "attention" else self.base
+        dt = {"float64": "fp64", "float32": "fp32"}[self.dtype]
+        return diagram_text(base, self.mask, dt, self.mesh)
+
+
+def cases() -> list[Case]:
+    out = []
+    for mask in ("full", "causal"):
+        for gqa in (False, True):
+            for n in (16, 13):
+                out.append(Case("burst", "ring", "attention", mask, n, n, gqa))
+    out += [Case("burst", "ring", "attention", "full", 13, 19), Case("burst", "ring", "attention", "strict", 13, 13),
+            Case("burst", "ring", "sigmoid_attention", "full", 13, 13),
+            Case("burst", "ring", "attention", "causal", 13, 13, True, "float32")]
+    # the cost pass against the counter for the schemes of part one too
+    out += [Case("ring", "ring", "attention", "causal", 13, 13, g) for g in (False, True)]
+    out += [Case("attention2d", "2x2", "attention", "causal", 13, 19, g) for g in (False, True)]
+    for mesh in ("tree4", "tree3"):
+        for mask in ("full", "decode"):
+            for gqa in (False, True):
+                out.append(Case("tree", mesh, "decode", mask, 3, 13, gqa))
+    out += [Case("tree", "tree4", "decode", "decode", 1, 2), Case("tree", "tree4", "decode", "full", 5, 16, True),
+            Case("tree", "tree4", "sigmoid_attention", "full", 3, 13)]
+    for mesh in ("rows-in-nodes", "cols-in-nodes"):
+        out += [Case("attention2d", mesh, "attention", "causal", 13, 13, g) for g in (False, True)]
+    out += [Case("ring", "ring-nodes", "attention", "causal", 13, 13), Case("burst", "ring-nodes", "attention", "full", 13, 13, True)]
+    return out
+
+
+CASES = cases()
+IDS = [c.name for c in CASES]
+
+
+def reference(case: Case, q, k, v):
+    """Explicit float64 attention, independent of napkin."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if case.family == "sum":
+        return torch.sigmoid(s - math.log(k.shape[2])) @ vv, None
+    qi = torch.arange(q.shape[2])[:, None]
+    xi = torch.arange(k.shape[2])[None, :]
+    keep = {"full": xi >= 0, "causal": xi <= qi, "strict": xi < qi,
+            "decode": xi <= qi + k.shape[2] - q.shape[2]}[case.mask]
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(torch.isneginf(lse)[..., None], torch.zeros_like(s), torch.softmax(s, -1).nan_to_num(0.0))
+    return p @ vv, lse
+
+
+def _err(a, b) -> float:
+    """Max abs difference; inf when the -inf entries differ, nan on NaN."""
+    a, b = a.detach().double(), b.detach().double()
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return float("nan")
+    if not torch.equal(torch.isinf(a), torch.isinf(b)) or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
+        return float("inf")
+    fin = torch.isfinite(a)
+    return float((a[fin] - b[fin]).abs().max()) if fin.any() else 0.0
+
+
+def _inputs(case: Case):
+    gen = torch.Generator().manual_seed(4321)
+    hq, hkv = case.heads
+    q = torch.randn(1, hq, case.n_q, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, hkv, case.n_x, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, hkv, case.n_x, D, generator=gen, dtype=torch.float64)
+    g_out = torch.randn(1, hq, case.n_q, D, generator=gen, dtype=torch.float64)
+    g_lse = torch.randn(1, hq, case.n_q, generator=gen, dtype=torch.float64)
+    return q, k, v, g_out, g_lse
+
+
+def _cost(case: Case) -> dict:
+    """What the cost pass says one device sends (its busiest device)."""
+    d = napkin.load_text(case.text(), f"{case.name}.ncd")
+    hq, hkv = case.heads
+    sizes = {"b": 1, "q": case.n_q, "x": case.n_x}
+    sizes.update({"hk": hkv, "g": hq // hkv} if d.wire("hk") else {"h": hq})
+    c = analyse(d, sizes).devices
+    back = c.burst_backward_bytes if case.scheme == "burst" else c.backward_bytes
+    return {"check": c.handshake_bytes, "forward": c.bytes_sent, "backward": back or 0,
+            "within": c.sent_within, "across": c.sent_across}
+
+
+def run_case(case: Case, places: dict, rank: int) -> dict:
+    from napkin.distributed import Attention2D, CommCounter, RingAttention, TreeAttention
+    dtype = getattr(torch, case.dtype)
+    q, k, v, g_out, g_lse = _inputs(case)
+    diagram = napkin.load_text(case.text(), f"{case.name}.ncd")
+    place = places[case.mesh]
+    if place == "absent":                                # rank 3 sits out the tree of 3
+        return {"skipped": True}
+    if case.scheme == "attention2d":
+        fn, where = Attention2D(diagram), dict(grid=place)
+    elif case.scheme == "tree":
+        fn, where = TreeAttention(diagram), dict(group=place)
+    else:
+        fn, where = RingAttention(diagram, backward="burst" if case.scheme == "burst" else "kv"), dict(group=place)
+    train = case.scheme != "tree"
+    leaves = [t.clone().requires_grad_(train) for t in (q, k, v)]
+    ref_o, ref_lse = reference(case, *leaves)
+    if train:
+        torch.autograd.backward([ref_o] + ([ref_lse] if ref_lse is not None else []),
+                                [g_out] + ([g_lse] if ref_lse is not None else []))
+
+    def shard(t, n):
+        return fn.shard(t.to(dtype), place, n, 2)
+
+    if case.scheme == "tree":
+        mine = [q.to(dtype), shard(k, case.n_x), shard(v, case.n_x)]
+    else:
+        mine = [shard(q, case.n_q).requires_grad_(True), shard(k, case.n_x).requires_grad_(True),
+                shard(v, case.n_x).requires_grad_(True)]
+    with CommCounter(gpus_per_node=case.gpus_per_node) as cc:
+        out = fn(*mine, q_len=case.n_q, x_len=case.n_x, timeout=TIMEOUT, **where)
+        o, lse = out if isinstance(out, tuple) else (out, None)
+        if train:
+            outs, grads = [o], [shard(g_out, case.n_q)]
+            if lse is not None:
+                outs.append(lse)
+                grads.append(shard(g_lse, case.n_q))
+            torch.autograd.backward(outs, grads)
+    res = {"counted": {ph: list(cc.total(ph)) for ph in C.PHASES},
+           "links": {ph: list(cc.links(ph)) for ph in C.PHASES}}
+    full_o = fn.gather(o.detach(), place, case.n_q, 2, timeout=TIMEOUT)
+    res["o"] = _err(full_o, ref_o)
+    res["lse"] = _err(fn.gather(lse.detach(), place, case.n_q, 2, timeout=TIMEOUT), ref_lse) \
+        if lse is not None else 0.0
+    if train:
+        full = [fn.gather(t.grad, place, n, 2, timeout=TIMEOUT) for t, n in zip(mine, (case.n_q, case.n_x, case.n_x))]
+        res["grads"] = [_err(a, b.grad) for a, b in zip(full, leaves)]
+    else:
+        res["o_bits"] = o.detach().double().flatten().tolist()
+    hq, hkv = case.heads
+    sizes = dict(b=1, hq=hq, hkv=hkv, d=D, q=case.n_q, x=case.n_x)
+    moved = C.Moved.attention(sizes, {"float64": "fp64", "float32": "fp32"}[case.dtype], case.family)
+    part = place.part if case.scheme == "attention2d" else torch.distributed.get_rank(place)
+    placement = C.Placement(case.scheme, case.grid, case.gpus_per_node, case.block)
+    res["predicted"] = {ph: list(C.rank_bytes(case.scheme, case.grid, moved, ph)[part]) for ph in C.PHASES}
+    res["predicted_links"] = {ph: [C.traffic(placement, moved, ph)[part].sent_within,
+                                   C.traffic(placement, moved, ph)[part].sent_across] for ph in C.PHASES}
+    res["part"] = part
+    return res
+
+
+def error_cases(places: dict, rank: int) -> dict:
+    from napkin.distributed import RingAttention, TreeAttention
+    out = {}
+    d = napkin.load_text(diagram_text("decode", "full", "fp64", "tree4"), "decode.ncd")
+    tree = TreeAttention(d)
+    q = torch.randn(1, 2, 2, D, dtype=torch.float64, requires_grad=True)
+    k = torch.zeros(1, 2, 2, D, dtype=torch.float64)
+    try:
+        tree(q, k, k, group=places["tree4"], q_len=2, x_len=8, timeout=TIMEOUT)
+        out["grad"] = "no error"
+    except ValueError as err:
+        out["grad"] = f"ValueError: {err}"
+    try:
+        RingAttention(d, backward="bursty")
+        out["option"] = "no error"
+    except ValueError as err:
+        out["option"] = f"ValueError: {err}"
+    return out
+
+
+def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from napkin.distributed import Attention2D, grid_ranks, new_grid
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    three = dist.new_group([0, 1, 2])
+    places = {"ring": None, "tree4": None, "ring-nodes": None, "2x2": new_grid(2, 2),
+              "tree3": three if rank < 3 else "absent",
+              "rows-in-nodes": new_grid(2, 2, grid_ranks(2, 2, (1, 2))),
+              # the same placement, read off the diagram's mesh levels
+              "cols-in-nodes": Attention2D(napkin.load_text(
+                  diagram_text("attention", "full", "fp64", "cols-in-nodes"))).make_grid()}
+    assert grid_ranks(2, 2, (2, 1)) == [0, 2, 1, 3]
+    results = {}
+    for case in CASES:
+        try:
+            results[case.name] = run_case(case, places, rank)
+        except Exception as err:  # recorded, so one broken case does not hide the others
+            results[case.name] = {"error": f"{type(err).__name__}: {err}"}
+    results["errors"] = error_cases(places, rank)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    try:    # leave together, so no rank is torn down while a peer still talks to it
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT))
+    finally:
+        os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    import torch.multiprocessing as mp
+    out = tmp_path_factory.mktemp("distributed2")
+    ctx = mp.start_processes(_worker, args=(WORLD, str(out / "init"), str(out)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {WORLD} ranks did not finish within {DEADLINE_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _ran(suite, case: Case):
+    for rank, res in enumerate(suite):
+        got = res[case.name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        if not got.get("skipped"):
+            yield rank, got
+
+
+def _tol(case: Case) -> float:
+    return 1e-10 if case.dtype == "float64" else 2e-5
+
+
+# --------------------------------------------------------------------------
+# Multi-process tests.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_outputs_match_reference(suite, case):
+    for rank, got in _ran(suite, case):
+        assert got["o"] <= _tol(case), f"rank {rank}: O error {got['o']}"
+        assert got["lse"] <= _tol(case), f"rank {rank}: lse error {got['lse']}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.scheme != "tree"], ids=[c.name for c in CASES
+                                                                                 if c.scheme != "tree"])
+def test_gradients_match_reference(suite, case):
+    for rank, got in _ran(suite, case):
+        for name, e in zip("QKV", got["grads"]):
+            assert e <= 10 * _tol(case), f"rank {rank}: d{name} error {e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_counted_bytes_equal_the_model_on_every_rank(suite, case):
+    for rank, got in _ran(suite, case):
+        assert got["counted"] == got["predicted"], f"rank {rank}"
+        if case.gpus_per_node:
+            assert got["links"] == got["predicted_links"], f"rank {rank}: within / across nodes"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_cost_pass_equals_the_counter(suite, case):
+    """The cost pass's per-device numbers (busiest device) are what the
+    counter measures: handshake, forward, backward, and per link."""
+    cost = _cost(case)
+    ran = list(_ran(suite, case))
+    for ph in C.PHASES:
+        assert cost[ph] == max(got["counted"][ph][0] for _, got in ran), ph
+    if case.gpus_per_node:
+        busiest = max(ran, key=lambda rg: (rg[1]["counted"]["forward"][0], -rg[0]))[1]
+        assert [cost["within"], cost["across"]] == busiest["links"]["forward"]
+
+
+def _backward_sent(suite, case) -> int:
+    return suite[0][case.name]["counted"]["backward"][0]
+
+
+def test_burst_backward_sends_less_for_multihead_and_more_for_grouped_query(suite):
+    for gqa, burst_wins in ((False, True), (True, False)):
+        ring = _backward_sent(suite, Case("ring", "ring", "attention", "causal", 13, 13, gqa))
+        burst = _backward_sent(suite, Case("burst", "ring", "attention", "causal", 13, 13, gqa))
+        assert (burst < ring) == burst_wins, (gqa, burst, ring)
+
+
+def test_tree_outputs_are_bitwise_equal_on_every_rank(suite):
+    for case in (c for c in CASES if c.scheme == "tree"):
+        bits = [got["o_bits"] for _, got in _ran(suite, case)]
+        assert all(b == bits[0] for b in bits[1:]), case.name
+
+
+def test_rows_inside_nodes_keep_the_merge_on_nvlink(suite):
+    """Rows in nodes: only K, V cross nodes; columns in nodes: Q and the
+    partial states cross."""
+    rows = suite[0][Case("attention2d", "rows-in-nodes", "attention", "causal", 13, 13).name]["links"]["forward"]
+    cols = suite[0][Case("attention2d", "cols-in-nodes", "attention", "causal", 13, 13).name]["links"]["forward"]
+    hq, n = 2, 4            # ceil(13 / 4) rows per device
+    assert rows[1] == n * 2 * hq * D * 8                       # K and V, fp64
+    assert cols[1] == n * (hq * D * 8 + (hq * D + hq) * 8)     # Q, then O and lse
+
+
+def test_decoding_refuses_gradients_and_ring_refuses_unknown_backward(suite):
+    for rank, res in enumerate(suite):
+        assert res["errors"]["grad"].startswith("ValueError") and "forward only" in res["errors"]["grad"], rank
+        assert "'kv'" in res["errors"]["option"], rank
+
+
+# --------------------------------------------------------------------------
+# Single-process: the model itself.
+# --------------------------------------------------------------------------
+
+def test_burst_traffic_formula():
+    """Per rank, P = 4, n rows: Ring's backward (P-1) 2 n H_kv e + P 2 n H_kv a,
+    BurstAttention's (P-1) n (2 H_q e + 2 h_q a) + P n H_q a."""
+    sizes = dict(b=1, hq=32, hkv=8, d=128, q=8192)
+    m = C.Moved.attention(sizes, "bf16")
+    n, hq, hkv, d = 2 * math.ceil(8192 / 8), 32, 8, 128
+    ring = C.rank_bytes("ring", (4,), m, "backward")[0][0]
+    burst = C.rank_bytes("burst", (4,), m, "backward")[0][0]
+    assert ring == 3 * 2 * n * hkv * d * 2 + 4 * 2 * n * hkv * d * 4
+    assert burst == 3 * n * (2 * hq * d * 2 + 2 * hq * 4) + 4 * n * hq * d * 4
+    mha = C.Moved.attention(dict(sizes, hkv=32), "bf16")
+    assert C.rank_bytes("burst", (4,), mha, "backward")[0][0] < C.rank_bytes("ring", (4,), mha, "backward")[0][0]
+    assert burst > ring
+
+
+def test_tree_rounds_and_folds():
+    m = C.Moved.attention(dict(b=1, hq=8, hkv=2, d=64, q=4, x=4096), "bf16")
+    state = 4 * (8 * 64 + 8) * 4
+    assert C.rank_bytes("tree", (8,), m) == [(3 * state, 3 * state)] * 8
+    # 6 = 4 + 2: parts 4, 5 fold into 0, 1
+    six = C.rank_bytes("tree", (6,), m)
+    assert six[0] == six[1] == (3 * state, 3 * state)
+    assert six[2] == six[3] == (2 * state, 2 * state)
+    assert six[4] == six[5] == (state, state)
+
+
+def test_placement_of_grid_blocks_on_nodes():
+    p = C.Placement("attention2d", (4, 4), block=(2, 4))      # two whole rows per node of 8
+    assert p.gpus_per_node == 8
+    assert [p.node(part) for part in range(16)] == [0] * 8 + [1] * 8
+    q = C.Placement("attention2d", (4, 4), block=(4, 2))      # two whole columns per node
+    assert [q.node(i * 4 + j) for i in range(4) for j in range(4)] == [0, 0, 1, 1] * 4
+    with pytest.raises(ValueError):
+        C.Placement("attention2d", (4, 4), block=(3, 2))
+
+
+def test_checker_accepts_a_nodes_level_and_refuses_mixed_kinds():
+    text = diagram_text("attention", "full", "bf16", "rows-in-nodes")
+    napkin.load_text(text)
+    bad = text.replace("level devices { group x across 2 }", "level devices { stream q across 2 }")
+    with pytest.raises(napkin.NapkinError, match="q is grouped across nodes but streamed across devices"):
+        napkin.load_text(bad)
+    late = text.replace("level nodes { group q across 2 }\n  level devices { group x across 2 }",
+                        "level devices { group x across 2 }\n  level nodes { group q across 2 }")
+    with pytest.raises(napkin.NapkinError, match="outermost first \\(nodes, devices, hbm"):
+        napkin.load_text(late)
+
+
+def test_cp_bench_masks_and_work_counts_are_exact():
+    """bench/cp_bench.py: each mask's diagram keeps exactly the keys its
+    intervals say (the eager local attention's lse over zero scores is
+    log(kept keys)), and the per-device work counts equal a brute-force
+    count over the zigzag and cyclic layouts."""
+    import numpy as np
+
+    from bench import cp_bench as B
+    from napkin.distributed import EagerLocal, TokenLayout, roles
+    n, p = 48, 4
+    pos = torch.arange(n)
+    for mask in B.MASKS:
+        keep = np.zeros((n, n), dtype=bool)
+        for lo, hi in B.intervals(mask, n):
+            for q in range(n):
+                keep[q, lo[q]:hi[q]] = True
+        d = napkin.load_text(B.diagram_text(mask, n), f"{mask}.ncd")
+        side = {"doc": torch.from_numpy(B.doc_ids(mask, n)).to(torch.int32)[None]} \
+            if mask in ("document", "shared_question") else {}
+        zeros = torch.zeros(1, 1, n, 32, dtype=torch.float64)
+        _, lse = EagerLocal(roles(d))(zeros, zeros, zeros, q_pos=pos, x_pos=pos, q_len=n, x_len=n, **side)
+        assert torch.equal(torch.exp(lse[0, 0]).round().long(), torch.from_numpy(keep.sum(1))), mask
+        zig = TokenLayout("zigzag", p, n)
+        brute = [[keep[np.ix_(zig.positions(a).numpy(), zig.positions(b).numpy())].sum() for b in range(p)]
+                 for a in range(p)]
+        assert B.ring_work(mask, n, p).tolist() == brute, mask
+        cyc = TokenLayout("cyclic", p, n)
+        for rows, cols in ((2, 2), (1, 4), (4, 1)):
+            qs = [np.concatenate([cyc.positions(i * cols + j).numpy() for j in range(cols)]) for i in range(rows)]
+            xs = [np.concatenate([cyc.positions(i * cols + j).numpy() for i in range(rows)]) for j in range(cols)]
+            brute = [[keep[np.ix_(qs[i], xs[j])].sum() for j in range(cols)] for i in range(rows)]
+            assert B.grid_work(mask, n, rows, cols, block=16).tolist() == brute, (mask, rows, cols)

@@ -1,0 +1,118 @@
+"""napkin plan: ranking the ways to spread one attention diagram over devices,
+and the cost pass's two-level links."""
+from __future__ import annotations
+
+import pytest
+
+import napkin
+from napkin import plan as P
+from napkin.cli import main
+from napkin.cost import analyse
+from napkin.cost import collectives as C
+from napkin.distributed import roles
+from napkin.errors import NapkinError
+from napkin.printer import to_text
+
+GQA = dict(b=1, hk=8, g=4, q=65536, x=65536)       # 32 query heads over 8 kv heads, d = 128
+MHA = dict(b=1, h=32, q=65536, x=65536)
+
+
+def load(name: str):
+    return napkin.load(f"examples/{name}.ncd")
+
+
+def test_grouped_query_plan_picks_a_rectangular_grid_where_the_square_one_loses():
+    """64 H100s, one per node, 64K tokens, GQA with g = 4: the background's
+    rule (a square grid wins only when sqrt(P) > g + 1 = 5 in bytes, but the
+    ring hides its transfers) puts the 8 x 8 grid behind Ring, while the
+    16 x 4 grid beats both."""
+    options = P.plan(load("gqa"), 64, GQA, gpus_per_node=1)
+    best = options[0]
+    assert best.scheme == "attention2d" and best.grid[0] != best.grid[1], best.label
+    order = [o.label for o in options]
+    assert order.index("Ring of 64") < order.index("ATTENTION2D 8x8")
+    square = next(o for o in options if o.label == "ATTENTION2D 8x8")
+    assert best.total_s < square.total_s and best.forward_bytes < square.forward_bytes
+
+
+def test_multihead_plan_picks_the_square_grid():
+    best = P.plan(load("attention"), 64, MHA, gpus_per_node=1)[0]
+    assert (best.scheme, best.grid) == ("attention2d", (8, 8))
+
+
+def test_burst_backward_bytes_in_the_plan():
+    def bytes_of(diagram, sizes, scheme):
+        return next(o for o in P.plan(load(diagram), 16, sizes) if o.scheme == scheme).backward_bytes
+    assert bytes_of("attention", MHA, "burst") < bytes_of("attention", MHA, "ring")
+    assert bytes_of("gqa", GQA, "burst") > bytes_of("gqa", GQA, "ring")
+
+
+def test_two_level_placements_are_enumerated_and_emitted():
+    options = P.plan(load("gqa"), 16, dict(GQA, q=8192, x=8192), gpus_per_node=8)
+    blocks = {(o.grid, o.block) for o in options if o.scheme == "attention2d"}
+    assert ((4, 4), (2, 4)) in blocks and ((4, 4), (4, 2)) in blocks and ((16, 1), (8, 1)) in blocks
+    for option in options:
+        d = P.emit(load("gqa"), option)
+        text = to_text(d)
+        again = napkin.load_text(text, "emitted.ncd")
+        r = roles(again)
+        want = "ring" if option.scheme == "burst" else option.scheme
+        assert r.scheme == (want, option.grid), option.label
+        rep = analyse(again, dict(GQA, q=8192, x=8192)).devices
+        assert rep.bytes_sent == option.forward_bytes, option.label
+        assert rep.gpus_per_node == 8
+
+
+def test_forward_only_plan_offers_the_tree_and_no_burst():
+    options = P.plan(load("decode"), 8, dict(b=1, hk=8, g=8, q=4, x=131072), training=False)
+    schemes = {o.scheme for o in options}
+    assert "tree" in schemes and "burst" not in schemes
+    assert all(o.backward_s == 0 for o in options)
+
+
+def test_mask_density():
+    r = roles(load("causal"))
+    assert P.density(load("causal"), r, dict(b=1, h=1, q=4096, x=4096)) == pytest.approx(0.5, abs=0.005)
+    assert P.density(load("attention"), roles(load("attention")), dict(b=1, h=1, q=64, x=64)) == 1.0
+
+
+def test_plan_errors_are_user_errors():
+    with pytest.raises(NapkinError, match="do not fill nodes"):
+        P.plan(load("gqa"), 12, GQA, gpus_per_node=8)
+    with pytest.raises(NapkinError, match="give the size of"):
+        P.plan(load("gqa"), 4, dict(b=1))
+
+
+def test_plan_command_line(capsys, tmp_path):
+    out = tmp_path / "best.ncd"
+    code = main(["plan", "examples/gqa.ncd", "--devices", "64", "--gpus-per-node", "1", "-D", "b=1",
+                 "-D", "hk=8", "-D", "g=4", "-D", "q=65536", "-D", "x=65536", "--top", "3", "--emit", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "ATTENTION2D 16x4" in text.splitlines()[3]
+    assert roles(napkin.load(str(out))).scheme == ("attention2d", (16, 4))
+
+
+def test_cost_pass_charges_each_level_at_its_own_bandwidth():
+    """Rows inside nodes: Q and the partial states on NVLink, K and V over
+    InfiniBand; each collective takes its link's time."""
+    d = load("attention_2d_nodes")
+    n, h = 8192, 8
+    rep = analyse(d, dict(b=1, h=h, q=n, x=n), "h100").devices
+    prof = napkin.cost.get_profile("h100")
+    rows = n // 4
+    q_bytes, kv_bytes = rows * h * 64 * 2, 2 * rows * h * 64 * 2
+    states = rows * (h * 64 + h) * 4
+    assert (rep.sent_within, rep.sent_across) == (q_bytes + states, kv_bytes)
+    want = q_bytes / prof["nvlink_bandwidth"] + kv_bytes / prof["infiniband_bandwidth"] \
+        + states / prof["nvlink_bandwidth"]
+    assert rep.time_s == pytest.approx(want, rel=1e-12)
+    flat = analyse(load("attention_2d"), dict(b=1, h=h, q=n, x=n), "h100").devices   # one node of 4
+    assert flat.time_s == pytest.approx((q_bytes + kv_bytes + states) / prof["nvlink_bandwidth"], rel=1e-12)
+
+
+def test_ring_over_nodes_is_bound_by_the_hop_across_nodes():
+    pl = C.Placement("ring", (16,), 8)
+    m = C.Moved.attention(dict(b=1, hq=8, hkv=8, d=128, q=16384), "bf16")
+    secs = C.phase_seconds(pl, m, "forward", C.Links(450e9, 50e9))
+    chunk = 2 * 512 * 2 * 8 * 128 * 2
+    assert secs == {"K, V [ring]": pytest.approx(15 * chunk / 50e9)}

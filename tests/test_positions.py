@@ -1,0 +1,244 @@
+"""Generated attention kernels with rows at global positions.
+
+The launcher's positions= / lengths= / out_dtype= options (what the
+distributed wrappers' local attention uses): each test cuts the query and
+key rows of a sequence into parts, as devices would hold them (queries dealt
+cyclically, keys in a shuffled order, both padded with rows past the end),
+runs the kernel on every (query part, key part) pair with the parts' global
+positions, merges the partial states over the key parts with plain torch
+(the lse-weighted sum; a plain sum for sigmoid attention) and compares with
+the module's own reference() on the whole sequence in float64.  Masks,
+biases, |x| and document ids must all be read at global positions for that
+to hold, and padded keys must not count.
+
+Everything runs under TRITON_INTERPRET=1 with blocks of 16 on small shapes.
+"""
+from __future__ import annotations
+
+import importlib.util
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import napkin
+from napkin.codegen import emit_module
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCKS = {"block_q": 16, "block_x": 16}
+_MODULES: dict[str, object] = {}
+
+# (example, edits): d shrunk to 16; diagrams without an lse output get one,
+# since partial softmax states merge through it.
+LSE = ("out O\n", "lse[b, h, q] = logsumexp[x](S)\nout O, lse\n")
+CASES = {
+    "causal": ("causal", ()),
+    "sliding_window": ("sliding_window", (("q - x < 256", "q - x < 9"), LSE)),
+    "alibi": ("alibi", (LSE,)),
+    "document_mask": ("document_mask", (LSE,)),
+    "sigmoid": ("sigmoid_attention", ()),
+    "gqa_causal": ("gqa", (("S[b, hk, g, q, x] = sum[d](Q * K) * |d|^-0.5",
+                            "S[b, hk, g, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)"),)),
+}
+
+
+def module(name: str, tmp: Path):
+    example, edits = CASES[name]
+    text = (REPO / "examples" / f"{example}.ncd").read_text()
+    for old, new in edits + (("wire d = 64", "wire d = 16"), ("wire d = 128", "wire d = 16")):
+        assert old in text or old.startswith("wire d"), old
+        text = text.replace(old, new)
+    key = f"{name}_{zlib.crc32(text.encode()):08x}"
+    if key not in _MODULES:
+        diagram = napkin.load_text(text, f"{name}.ncd")
+        source = emit_module(diagram, source_text=text, source_path=f"{name}.ncd")
+        path = tmp / f"{key}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"_positions_{key}", path)
+        m = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(m)
+        _MODULES[key] = (m, diagram)
+    return _MODULES[key]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("positions")
+
+
+def cyclic(n: int, parts: int) -> list[torch.Tensor]:
+    """Part p holds positions p, p + parts, ...; positions >= n are padding."""
+    rows = -(-n // parts)
+    return [torch.arange(rows) * parts + p for p in range(parts)]
+
+
+def shuffled(n: int, parts: int, seed: int) -> list[torch.Tensor]:
+    """A random order of n positions and some padding, cut into parts."""
+    rows = -(-n // parts) + 3
+    order = torch.randperm(rows * parts, generator=torch.Generator().manual_seed(seed))
+    return list(order.reshape(parts, rows))
+
+
+def take(t: torch.Tensor, dim: int, pos: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows ``pos`` of t along dim; zeros at padding positions (>= n)."""
+    out = t.index_select(dim, pos.clamp(max=n - 1))
+    shape = [1] * t.dim()
+    shape[dim] = len(pos)
+    return torch.where((pos < n).view(shape), out, torch.zeros((), dtype=t.dtype))
+
+
+def run_parts(name: str, tmp: Path, nq: int, nx: int, qparts, xparts=None):
+    """(kernel O and lse at every real query position, reference O and lse).
+    ``xparts`` None: the keys whole, without positions (static bounds)."""
+    m, diagram = module(name, tmp)
+    launcher = getattr(m, diagram.name)
+    sizes = {"b": 1, "h": 2, "hk": 2, "g": 2, "q": nq, "x": nx}
+    full = m.example_inputs(sizes, dtype=torch.float32, seed=zlib.crc32(name.encode()))
+    ref = m.reference(*(t.double() if t.is_floating_point() else t for t in full))
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    axes = {n: m._LAYOUTS[n] for n in m.INPUTS}
+    out_q = [i for i, a in enumerate(m._LAYOUTS[m.OUTPUTS[0]]) if a == ("q",)][0]
+    got_o = torch.zeros_like(ref[0])
+    got_lse = torch.zeros_like(ref[1]) if name != "sigmoid" else None
+    for qp in qparts:
+        states = []
+        for xp in xparts or [None]:
+            inputs = []
+            for name_, t in zip(m.INPUTS, full):
+                dims = [i for i, a in enumerate(axes[name_]) if a in (("q",), ("x",))]
+                if not t.is_floating_point() or not dims:   # ids and slopes: passed whole
+                    inputs.append(t)
+                    continue
+                (dim,) = dims
+                if axes[name_][dim] == ("q",):
+                    inputs.append(take(t, dim, qp, nq))
+                else:
+                    inputs.append(t if xp is None else take(t, dim, xp, nx))
+            positions = {"q": qp} if xp is None else {"q": qp, "x": xp}
+            outs = launcher(*inputs, positions=positions, lengths={"q": nq, "x": nx}, out_dtype=torch.float32,
+                            **BLOCKS)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            assert all(o.dtype == torch.float32 for o in outs)
+            states.append(outs)
+        o = torch.stack([s[0].double() for s in states])
+        real = qp < nq
+        if got_lse is None:    # sigmoid attention: partial sums add up
+            merged = o.sum(0)
+        else:
+            lses = torch.stack([s[1].double() for s in states])
+            lse = torch.logsumexp(lses, 0)
+            w = torch.exp(lses - lse).nan_to_num(0.0)      # a part that saw no key weighs 0
+            merged = (w[..., None] * o).sum(0)
+            got_lse.index_copy_(out_q, qp[real], lse.index_select(out_q, real.nonzero()[:, 0]))
+        got_o.index_copy_(out_q, qp[real], merged.index_select(out_q, real.nonzero()[:, 0]))
+    return (got_o, got_lse), ref
+
+
+def assert_close(got, want, label):
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{label}: -inf pattern differs"
+    fin = torch.isfinite(want)
+    assert not torch.isnan(got).any(), f"{label}: NaN"
+    err = (got[fin] - want[fin]).abs().max().item() if fin.any() else 0.0
+    scale = max(1.0, want[fin].abs().max().item()) if fin.any() else 1.0
+    assert err <= 2e-5 * scale, f"{label}: max error {err:.3g}"
+
+
+# ragged: more queries than keys, neither a multiple of the blocks (document
+# ids are read along both wires, so there |q| = |x|)
+SHAPES = [(n, 45, 40) for n in sorted(CASES) if n != "document_mask"] + [(n, 37, 37) for n in sorted(CASES)]
+
+
+@pytest.mark.parametrize("name, nq, nx", SHAPES, ids=[f"{n}-q{a}-x{b}" for n, a, b in SHAPES])
+def test_partial_states_at_global_positions_merge_to_the_reference(tmp, name, nq, nx):
+    (o, lse), ref = run_parts(name, tmp, nq, nx, cyclic(nq, 2), shuffled(nx, 2, seed=nq))
+    assert_close(o, ref[0], f"{name} O")
+    if lse is not None:
+        assert_close(lse, ref[1], f"{name} lse")
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document_mask"])
+def test_query_positions_alone_keep_exact_block_bounds(tmp, name):
+    """Only the queries at positions (keys whole): the loop bounds come from
+    each block's least and greatest query position, and skip nothing needed."""
+    (o, lse), ref = run_parts(name, tmp, 45, 45, [torch.arange(45).flip(0)[::2], torch.arange(45)[1::2]])
+    assert_close(o, ref[0], f"{name} O")
+    assert_close(lse, ref[1], f"{name} lse")
+
+
+def test_sigmoid_reads_the_global_length(tmp):
+    """sigmoid(S - log |x|) over one part of the keys: |x| is the global
+    length, so the part's output is the reference's with the other keys'
+    values zeroed (a sum over keys is linear in V)."""
+    m, _ = module("sigmoid", tmp)
+    q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 20, "x": 40}, dtype=torch.float32)
+    xp = torch.arange(0, 40, 3)
+    o = m.sigmoid_attention(q, k.index_select(2, xp), v.index_select(2, xp), positions={"x": xp},
+                            lengths={"x": 40}, **BLOCKS)
+    keep = torch.zeros(40, dtype=torch.bool)
+    keep[xp] = True
+    ref = m.reference(q.double(), k.double(), torch.where(keep[:, None], v, 0.0).double())
+    assert_close(o.double(), ref, "sigmoid part")
+    local = m.sigmoid_attention(q, k.index_select(2, xp), v.index_select(2, xp), **BLOCKS)
+    assert not torch.allclose(local, o)    # |x| = 14 without lengths: a different result
+
+
+def test_default_path_is_unchanged(tmp):
+    """No options: the same outputs as identity positions, and K, V loaded
+    for exactly the blocks masks.visited_blocks lists.  Row positions keep
+    those blocks (the causal bound from the block's largest position) and add
+    8 bytes a row; key positions visit every block, 8 more bytes a key."""
+    from napkin.bytecount import ByteCounter
+    from napkin.codegen import visited_blocks
+
+    m, diagram = module("causal", tmp)
+    n, heads, row = 50, 2, 16 * 4                  # bytes of one key row: d = 16, fp32
+    q, k, v = m.example_inputs({"b": 1, "h": heads, "q": n, "x": n}, dtype=torch.float32)
+    ar = torch.arange(n)
+    plain_out = m.causal(q, k, v, **BLOCKS)
+    counted = []
+    for opts in ({}, {"positions": {"q": ar}, "lengths": {"q": n}},
+                 {"positions": {"q": ar, "x": ar}, "lengths": {"q": n, "x": n}}):
+        with ByteCounter(tensors={"Q": q, "K": k, "V": v}) as bc:
+            out = m.causal(q, k, v, **opts, **BLOCKS)
+        counted.append(bc.loads)
+        assert all(torch.equal(a, b) for a, b in zip(out, plain_out))
+    plain, rows, both = counted
+    visits = visited_blocks(diagram, {"q": n, "x": n}, 16, 16)
+    assert plain["K"] == plain["V"] == heads * sum(min(16, n - 16 * j) for _, j in visits) * row
+    assert set(plain) == {"Q", "K", "V"}
+    extra = {t: b for t, b in rows.items() if t not in ("Q", "K", "V")}
+    assert rows["K"] == plain["K"] and rows["Q"] == plain["Q"] and sum(extra.values()) == heads * n * 8
+    extra = {t: b for t, b in both.items() if t not in ("Q", "K", "V")}
+    blocks = -(-n // 16)
+    assert both["K"] == heads * blocks * n * row
+    assert sum(extra.values()) == heads * n * 8 + heads * blocks * n * 8
+
+
+def test_out_dtype_keeps_float32_partial_states_from_16_bit_inputs(tmp):
+    m, _ = module("causal", tmp)
+    q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 40, "x": 40}, dtype=torch.float16)
+    ref, _ = m.reference(q.double(), k.double(), v.double())
+    o16, _ = m.causal(q, k, v, **BLOCKS)
+    o32, lse = m.causal(q, k, v, out_dtype=torch.float32, **BLOCKS)
+    assert (o16.dtype, o32.dtype, lse.dtype) == (torch.float16, torch.float32, torch.float32)
+    assert (o32.double() - ref).abs().max() < (o16.double() - ref).abs().max() / 10
+
+
+def test_option_errors(tmp):
+    m, _ = module("causal", tmp)
+    q, k, v = m.example_inputs({"b": 1, "h": 1, "q": 8, "x": 8}, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs lengths"):
+        m.causal(q, k, v, positions={"q": torch.arange(8)})
+    with pytest.raises(ValueError, match="1-D integer tensor of 8"):
+        m.causal(q, k, v, positions={"x": torch.arange(7)}, lengths={"x": 8})
+    with pytest.raises(ValueError, match="may name the wires q and x, not h"):
+        m.causal(q, k, v, lengths={"h": 3})
+    with pytest.raises(ValueError, match="out_dtype"):
+        m.causal(q, k, v, out_dtype=torch.float64)
+    with pytest.raises(ValueError, match="forward-only"):
+        m.causal(q.requires_grad_(True), k, v, positions={"q": torch.arange(8)}, lengths={"q": 8})
+    doc, _ = module("document_mask", tmp)
+    q, k, v, ids = doc.example_inputs({"b": 1, "h": 1, "q": 8, "x": 8}, dtype=torch.float32)
+    with pytest.raises(ValueError, match="must hold 20 rows"):
+        doc.document_mask(q, k, v, ids, positions={"q": torch.arange(8)}, lengths={"q": 20})
