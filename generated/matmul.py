@@ -616,8 +616,9 @@ _FWD_OP, _BWD_OP = _op_names("matmul_4e5ea5df")
 _SAVED = ()
 
 
-@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=())
-def _matmul_fwd_op(A: torch.Tensor, B: torch.Tensor, block_m: int | None, block_n: int | None, block_k: int | None, num_warps: int | None, num_stages: int | None) -> torch.Tensor:
+# Explicit schemas: the same on every torch the module runs on (no type-hint inference).
+@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=(), schema="(Tensor A, Tensor B, int? block_m, int? block_n, int? block_k, int? num_warps, int? num_stages) -> Tensor")
+def _matmul_fwd_op(A, B, block_m, block_n, block_k, num_warps, num_stages):
     _outs, _saved = _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, True)
     return _outs[0]
 
@@ -630,8 +631,8 @@ def _(A, B, block_m, block_n, block_k, num_warps, num_stages):
     return _outs[0]
 
 
-@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=())
-def _matmul_bwd_op(A: torch.Tensor, B: torch.Tensor, _out0: torch.Tensor, _grad0: torch.Tensor, block_m: int | None, block_n: int | None, block_k: int | None, num_warps: int | None, num_stages: int | None, need: int) -> list[torch.Tensor]:
+@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=(), schema="(Tensor A, Tensor B, Tensor _out0, Tensor _grad0, int? block_m, int? block_n, int? block_k, int? num_warps, int? num_stages, int need) -> Tensor[]")
+def _matmul_bwd_op(A, B, _out0, _grad0, block_m, block_n, block_k, num_warps, num_stages, need):
     _g = _matmul_grads((A, B,), (_out0, ), (_grad0, ), (block_m, block_n, block_k, num_warps, num_stages), need)
     return [_as_grad(_g[0], A, need >> 0 & 1), _as_grad(_g[1], B, need >> 1 & 1), ]
 

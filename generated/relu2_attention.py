@@ -956,8 +956,9 @@ _FWD_OP, _BWD_OP = _op_names("relu2_attention_99c115d0")
 _SAVED = ("_saved_N0", "_saved_Z0", )
 
 
-@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=())
-def _relu2_attention_fwd_op(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, block_q: int | None, block_x: int | None, num_warps: int | None, num_stages: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# Explicit schemas: the same on every torch the module runs on (no type-hint inference).
+@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, int? block_q, int? block_x, int? num_warps, int? num_stages) -> (Tensor, Tensor, Tensor)")
+def _relu2_attention_fwd_op(Q, K, V, block_q, block_x, num_warps, num_stages):
     _outs, _saved = _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, True)
     return (*_outs, *_saved)
 
@@ -970,8 +971,8 @@ def _(Q, K, V, block_q, block_x, num_warps, num_stages):
     return tuple(_outs)
 
 
-@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=())
-def _relu2_attention_bwd_op(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, _out0: torch.Tensor, _out1: torch.Tensor, _out2: torch.Tensor, _grad0: torch.Tensor, block_q: int | None, block_x: int | None, num_warps: int | None, num_stages: int | None, need: int) -> list[torch.Tensor]:
+@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor _out0, Tensor _out1, Tensor _out2, Tensor _grad0, int? block_q, int? block_x, int? num_warps, int? num_stages, int need) -> Tensor[]")
+def _relu2_attention_bwd_op(Q, K, V, _out0, _out1, _out2, _grad0, block_q, block_x, num_warps, num_stages, need):
     _g = _relu2_attention_grads((Q, K, V,), (_out0, _out1, _out2, ), (_grad0, ), (block_q, block_x, num_warps, num_stages), need)
     return [_as_grad(_g[0], Q, need >> 0 & 1), _as_grad(_g[1], K, need >> 1 & 1), _as_grad(_g[2], V, need >> 2 & 1), ]
 

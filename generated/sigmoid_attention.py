@@ -831,8 +831,9 @@ _FWD_OP, _BWD_OP = _op_names("sigmoid_attention_b95cf286")
 _SAVED = ()
 
 
-@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=())
-def _sigmoid_attention_fwd_op(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, block_q: int | None, block_x: int | None, num_warps: int | None, num_stages: int | None) -> torch.Tensor:
+# Explicit schemas: the same on every torch the module runs on (no type-hint inference).
+@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, int? block_q, int? block_x, int? num_warps, int? num_stages) -> Tensor")
+def _sigmoid_attention_fwd_op(Q, K, V, block_q, block_x, num_warps, num_stages):
     _outs, _saved = _sigmoid_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, True)
     return _outs[0]
 
@@ -845,8 +846,8 @@ def _(Q, K, V, block_q, block_x, num_warps, num_stages):
     return _outs[0]
 
 
-@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=())
-def _sigmoid_attention_bwd_op(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, _out0: torch.Tensor, _grad0: torch.Tensor, block_q: int | None, block_x: int | None, num_warps: int | None, num_stages: int | None, need: int) -> list[torch.Tensor]:
+@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor _out0, Tensor _grad0, int? block_q, int? block_x, int? num_warps, int? num_stages, int need) -> Tensor[]")
+def _sigmoid_attention_bwd_op(Q, K, V, _out0, _grad0, block_q, block_x, num_warps, num_stages, need):
     _g = _sigmoid_attention_grads((Q, K, V,), (_out0, ), (_grad0, ), (block_q, block_x, num_warps, num_stages), need)
     return [_as_grad(_g[0], Q, need >> 0 & 1), _as_grad(_g[1], K, need >> 1 & 1), _as_grad(_g[2], V, need >> 2 & 1), ]
 

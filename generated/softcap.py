@@ -729,7 +729,7 @@ def _softcap_bwd_dkdv_kernel(
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = 50 * _tanh(_qk * 0.08838834764831845 / 50)
-        _P = tl.where(_lse == float("-inf"), 0, tl.exp(_S - _lse))
+        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
         _dS = _P * (_dP - _delta)
         _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
         _ok = _ok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
@@ -813,7 +813,7 @@ def _softcap_bwd_dq_kernel(
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = 50 * _tanh(_qk * 0.08838834764831845 / 50)
-        _P = tl.where(_lse == float("-inf"), 0, tl.exp(_S - _lse))
+        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
         _dS = _P * (_dP - _delta)
         _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
         _ok = _ok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
@@ -935,8 +935,9 @@ _FWD_OP, _BWD_OP = _op_names("softcap_2c19c92a")
 _SAVED = ("_saved_lse", )
 
 
-@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=())
-def _softcap_fwd_op(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, block_q: int | None, block_x: int | None, num_warps: int | None, num_stages: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+# Explicit schemas: the same on every torch the module runs on (no type-hint inference).
+@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, int? block_q, int? block_x, int? num_warps, int? num_stages) -> (Tensor, Tensor)")
+def _softcap_fwd_op(Q, K, V, block_q, block_x, num_warps, num_stages):
     _outs, _saved = _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, True)
     return (*_outs, *_saved)
 
@@ -949,8 +950,8 @@ def _(Q, K, V, block_q, block_x, num_warps, num_stages):
     return tuple(_outs)
 
 
-@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=())
-def _softcap_bwd_op(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, _out0: torch.Tensor, _out1: torch.Tensor, _grad0: torch.Tensor, block_q: int | None, block_x: int | None, num_warps: int | None, num_stages: int | None, need: int) -> list[torch.Tensor]:
+@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor _out0, Tensor _out1, Tensor _grad0, int? block_q, int? block_x, int? num_warps, int? num_stages, int need) -> Tensor[]")
+def _softcap_bwd_op(Q, K, V, _out0, _out1, _grad0, block_q, block_x, num_warps, num_stages, need):
     _g = _softcap_grads((Q, K, V,), (_out0, _out1, ), (_grad0, ), (block_q, block_x, num_warps, num_stages), need)
     return [_as_grad(_g[0], Q, need >> 0 & 1), _as_grad(_g[1], K, need >> 1 & 1), _as_grad(_g[2], V, need >> 2 & 1), ]
 

@@ -509,9 +509,11 @@ def _sum(wires: tuple[str, ...], body: ir.Expr) -> ir.Expr:
 
 
 def _recompute_p() -> ir.Expr:
-    """P = exp(S - lse), and 0 on a fully masked row (lse = -inf, where S - lse is NaN)."""
+    """P = exp(S - lse), and 0 on a fully masked row: there lse = -inf and every
+    S = -inf, so lse is replaced by 0 and S - lse is -inf (never -inf - -inf,
+    a NaN even where a where would select it away)."""
     S, lse = _ref("S"), _ref("lse")
-    return ir.Call("where", (ir.Binary("==", lse, NEG_INF), ZERO, ir.Call("exp", (ir.Binary("-", S, lse),))))
+    return ir.Call("exp", (ir.Binary("-", S, ir.Call("where", (ir.Binary("==", lse, NEG_INF), ZERO, lse))),))
 
 
 def softmax_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str], *,

@@ -1,13 +1,14 @@
 """napkin's code generator: a checked diagram -> one Python module holding
-Triton kernel(s), a launcher named after the diagram, an eager PyTorch
-``reference`` and ``example_inputs``.
+Triton kernel(s), a differentiable launcher named after the diagram (a
+torch op whose backward runs generated backward kernels, see training.py),
+``NAME_backward``, an eager PyTorch ``reference`` and ``example_inputs``.
 
     emit_module(diagram, source_text=..., source_path=...) -> str
     write_module(path, out_dir="generated") -> pathlib.Path
 
 Pipeline: lower.py (IR -> kernel plan) -> emit.py (plan -> template context;
-exprs.py renders expressions, reference.py the eager reference) -> the
-Jinja skeletons in templates/.  The emitted module imports only torch and
+exprs.py renders expressions, reference.py the eager reference; training.py
+and backward.py the backward) -> the Jinja skeletons in templates/.  The emitted module imports only torch and
 triton.  Same input, byte-identical output.
 """
 from __future__ import annotations

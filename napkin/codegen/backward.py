@@ -32,7 +32,8 @@ from ..errors import Diagnostic, NapkinError
 from .lower import AttentionPlan, Load, _Loads, nodes
 
 # Names the kernels define themselves; loads of user inputs never take them.
-FIXED_NAMES = {"_pid", "_batch", "_row0", "_col0", "_lo", "_hi", "_rb", "_start", "_outer", "_ok", "_qk"}
+FIXED_NAMES = {"_pid", "_batch", "_row0", "_col0", "_lo", "_hi", "_rb", "_start", "_outer", "_o", "_ok", "_qk",
+               "_need", "_t", "_row_last"}
 
 
 def refuse(what: str, why: str, loc: ir.Loc = ir.NOLOC) -> NapkinError:
