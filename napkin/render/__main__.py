@@ -1,7 +1,8 @@
 """``python -m napkin.render --docs [DIR]``: redraw the README's pictures.
 
-Writes attention.png and attention_2d.png (the shipped examples, with the
-cost pass's byte counts at the default sizes) into DIR, by default the
+Writes attention.png and attention_2d.png (the README's pictures) and
+naive_attention.png (the tutorial's first step) - the shipped examples, with
+the cost pass's byte counts at the default sizes - into DIR, by default the
 repository's docs/ folder.  Needs Graphviz's ``dot``.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from . import dot_program, render_file, INSTALL_HINT
 
 REPO = Path(__file__).resolve().parent.parent.parent
-DOCS_PICTURES = ("attention", "attention_2d")
+DOCS_PICTURES = ("attention", "attention_2d", "naive_attention")
 
 
 def write_docs(folder: Path) -> list[Path]:
@@ -26,7 +27,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m napkin.render",
                                      description="Redraw the pictures the README shows.")
     parser.add_argument("--docs", nargs="?", const=str(REPO / "docs"), default=None, metavar="DIR",
-                        help="write attention.png and attention_2d.png into DIR (default: docs/)")
+                        help="write the pictures of DOCS_PICTURES into DIR (default: docs/)")
     args = parser.parse_args(argv)
     if args.docs is None:
         parser.print_help()
