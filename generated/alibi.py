@@ -661,7 +661,7 @@ def _alibi_bwd_rows_kernel(
     tl.store(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, _delta.to(delta.dtype.element_ty), mask=_ok_q[:, None])
 
 
-@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _alibi_bwd_dkdv_kernel(
     K,
     slope,
@@ -710,6 +710,12 @@ def _alibi_bwd_dkdv_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _pos_q,
+    _pos_x,
+    _len_q,
+    _len_x,
+    _POS_q: tl.constexpr,
+    _POS_x: tl.constexpr,
 ):
     # dK and dV: one program per block of x and index of b, h; it loops over
     # the blocks of q whose forward loop visits this block.
@@ -721,6 +727,11 @@ def _alibi_bwd_dkdv_kernel(
     _col0 = _pid * _BLOCK_x
     _offs_x = _col0 + tl.arange(0, _BLOCK_x)
     _ok_x = _offs_x < _size_x
+    if _POS_x:  # global positions; rows at or past |x| are padding
+        _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
+        _ok_x = _ok_x & (_idx_x < _len_x)
+    else:
+        _idx_x = _offs_x
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without q: loaded once per program.
@@ -733,33 +744,42 @@ def _alibi_bwd_dkdv_kernel(
     # The blocks of q this program visits: [_lo, _hi).
     _lo = 0
     _hi = tl.cdiv(_size_q, _BLOCK_q)
-    _need = _pid * _BLOCK_x - (0)  # x <= q: visited while that reaches the block's first x
-    _t = tl.maximum(_need, 0)  # the first row reaching it; rows past the end: no block
-    _lo = tl.maximum(_lo, tl.where(_t >= _size_q, tl.cdiv(_size_q, _BLOCK_q), _t // _BLOCK_q))
-    _hi = tl.maximum(_lo, _hi)
+    if not _POS_q:
+        if not _POS_x:
+            _need = _pid * _BLOCK_x - (0)  # x <= q: visited while that reaches the block's first x
+            _t = tl.maximum(_need, 0)  # the first row reaching it; rows past the end: no block
+            _lo = tl.maximum(_lo, tl.where(_t >= _size_q, tl.cdiv(_size_q, _BLOCK_q), _t // _BLOCK_q))
+            _hi = tl.maximum(_lo, _hi)
     for _rb in range(_lo, _hi):
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _ok_q = _offs_q < _size_q
+        if _POS_q:  # the global index of each row, given by the launcher
+            _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
+            _gok_q = _ok_q & (_idx_q < _len_q)
+        else:
+            _idx_q = _offs_q
+            _gok_q = _ok_q
         _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
         _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
         _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
         _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = tl.where(_offs_x[None, :] <= _offs_q[:, None], _qk * 0.125 + _slope * (_offs_x[None, :] - _offs_q[:, None]), float("-inf"))
+        _S = tl.where(_idx_x[None, :] <= _idx_q[:, None], _qk * 0.125 + _slope * (_idx_x[None, :] - _idx_q[:, None]), float("-inf"))
         _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
         _dS = _P * (_dP - _delta)
-        _dR = tl.where(_offs_x[None, :] <= _offs_q[:, None], _dS * 0.125, 0)
-        _ok = _ok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+        _dR = tl.where(_idx_x[None, :] <= _idx_q[:, None], _dS * 0.125, 0)
+        _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
         _acc_K += tl.dot(tl.trans(tl.where(_ok, _dR, 0.0)).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(tl.trans(tl.where(_ok, _P, 0.0)).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
+    _ok_x = _offs_x < _size_x
     tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=_ok_x[:, None])
     tl.store(_grad_V + _i_b * _st__grad_V_b + _i_h * _st__grad_V_h + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=_ok_x[:, None])
 
 
-@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _alibi_bwd_dq_kernel(
     Q,
     slope,
@@ -808,6 +828,12 @@ def _alibi_bwd_dq_kernel(
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
     _NEED_slope: tl.constexpr,
+    _pos_q,
+    _pos_x,
+    _len_q,
+    _len_x,
+    _POS_q: tl.constexpr,
+    _POS_x: tl.constexpr,
 ):
     # dQ and slope's partial gradient: one program per block of q, batch index (b, h);
     # it loops over the blocks of x the forward visits.
@@ -819,6 +845,12 @@ def _alibi_bwd_dq_kernel(
     _row0 = _pid * _BLOCK_q
     _offs_q = _row0 + tl.arange(0, _BLOCK_q)
     _ok_q = _offs_q < _size_q
+    if _POS_q:  # the global index of each row, given by the launcher
+        _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
+        _gok_q = _ok_q & (_idx_q < _len_q)
+    else:
+        _idx_q = _offs_q
+        _gok_q = _ok_q
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without x: loaded once per program.
@@ -834,22 +866,30 @@ def _alibi_bwd_dq_kernel(
     _lo = 0
     _hi = _size_x
     _row_last = tl.minimum(_row0 + _BLOCK_q, _size_q) - 1
-    _hi = tl.minimum(_hi, _row_last + 1)  # x <= q, loosest at the block's last row
+    if _POS_q:  # rows at global positions: the block's least and greatest
+        _row_last = tl.max(tl.where(_ok_q, _idx_q, -1), 0)
+    if not _POS_x:
+        _hi = tl.minimum(_hi, _row_last + 1)  # x <= q, loosest at the block's last row
     for _start in range(_lo, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
+        if _POS_x:  # global positions; rows at or past |x| are padding
+            _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
+            _ok_x = _ok_x & (_idx_x < _len_x)
+        else:
+            _idx_x = _offs_x
         _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = tl.where(_offs_x[None, :] <= _offs_q[:, None], _qk * 0.125 + _slope * (_offs_x[None, :] - _offs_q[:, None]), float("-inf"))
+        _S = tl.where(_idx_x[None, :] <= _idx_q[:, None], _qk * 0.125 + _slope * (_idx_x[None, :] - _idx_q[:, None]), float("-inf"))
         _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
         _dS = _P * (_dP - _delta)
-        _dR = tl.where(_offs_x[None, :] <= _offs_q[:, None], _dS * 0.125, 0)
-        _ok = _ok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+        _dR = tl.where(_idx_x[None, :] <= _idx_q[:, None], _dS * 0.125, 0)
+        _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
         _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
         if _NEED_slope:
-            _part_acc_slope += tl.sum(tl.sum(tl.where(_ok, _dS * tl.where(_offs_x[None, :] <= _offs_q[:, None], _offs_x[None, :] - _offs_q[:, None], 0), 0.0), 0)[None, :], 1)[:, None]
+            _part_acc_slope += tl.sum(tl.sum(tl.where(_ok, _dS * tl.where(_idx_x[None, :] <= _idx_q[:, None], _idx_x[None, :] - _idx_q[:, None], 0), 0.0), 0)[None, :], 1)[:, None]
 
     tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=_ok_q[:, None])
     if _NEED_slope:
@@ -878,11 +918,13 @@ def _alibi_preprocess(Q, K, V, slope, dO, O, _o):
     return (delta,)
 
 
-def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need):
-    """The gradient of each input (float32, or None), from the state."""
-    _sz, _cls, _dev = _bind((Q, K, V, slope,), kernel=True)
+def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, lengths=None):
+    """The gradient of each input (float32, or None), from the state; rows
+    at global positions as the forward's (_positions)."""
+    _sz, _cls, _dev = _bind((Q, K, V, slope,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
     _check_state({"dO": dO, "lse": lse, "delta": delta}, _sz, _dev)
+    _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V, slope,))
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
@@ -908,7 +950,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need):
             *_wire_strides(delta, "delta", _sz),
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos,
             num_warps=_warps, num_stages=_stages,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
@@ -925,7 +967,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need):
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
             *_part_slope.stride(),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _NEED_slope=_need[3],
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _NEED_slope=_need[3], **_pos,
             num_warps=_warps, num_stages=_stages,
         )
     _grad_slope = _part_slope.sum(dim=tuple(range(2))).reshape(slope.shape) \
@@ -939,13 +981,18 @@ def alibi_preprocess(Q, K, V, slope, dO, O, *, block_q=None, num_warps=None):
     return _alibi_preprocess(Q, K, V, slope, dO, O, (block_q, None, num_warps, None))
 
 
-def alibi_backward(Q, K, V, slope, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, need=None):
+def alibi_backward(Q, K, V, slope, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, need=None,
+        positions=None, lengths=None):
     """The backward kernels, callable directly (distributed attention does):
     (Q, K, V, slope, dO, lse, delta) -> the gradient of each input, float32
     (None for integer inputs and those ``need`` leaves out: one flag per input,
     or a bit mask).  dO, lse, delta come from alibi_preprocess and the
-    forward; rows may belong to a larger problem (merged lse, global delta)."""
-    return _alibi_backward(Q, K, V, slope, dO, lse, delta, (block_q, block_x, num_warps, num_stages), need)
+    forward; rows may belong to a larger problem (merged lse, global delta).
+    positions= / lengths= as the forward launcher's: global indices of the
+    local rows of q and x, and the global sizes (x rows at
+    positions >= its length contribute nothing)."""
+    return _alibi_backward(Q, K, V, slope, dO, lse, delta, (block_q, block_x, num_warps, num_stages), need,
+                         positions, lengths)
 
 
 def _alibi_grads(_ins, _outs, _grads, _o, need):

@@ -585,7 +585,7 @@ def _wanted(need):
     return tuple(f and g for f, g in zip(flags, floats))
 
 
-@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _sigmoid_attention_bwd_dkdv_kernel(
     K,
     V,
@@ -624,6 +624,12 @@ def _sigmoid_attention_bwd_dkdv_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _pos_q,
+    _pos_x,
+    _len_q,
+    _len_x,
+    _POS_q: tl.constexpr,
+    _POS_x: tl.constexpr,
 ):
     # dK and dV: one program per block of x and index of b, h; it loops over
     # the blocks of q whose forward loop visits this block.
@@ -635,6 +641,11 @@ def _sigmoid_attention_bwd_dkdv_kernel(
     _col0 = _pid * _BLOCK_x
     _offs_x = _col0 + tl.arange(0, _BLOCK_x)
     _ok_x = _offs_x < _size_x
+    if _POS_x:  # global positions; rows at or past |x| are padding
+        _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
+        _ok_x = _ok_x & (_idx_x < _len_x)
+    else:
+        _idx_x = _offs_x
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without q: loaded once per program.
@@ -650,23 +661,30 @@ def _sigmoid_attention_bwd_dkdv_kernel(
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _ok_q = _offs_q < _size_q
+        if _POS_q:  # the global index of each row, given by the launcher
+            _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
+            _gok_q = _ok_q & (_idx_q < _len_q)
+        else:
+            _idx_q = _offs_q
+            _gok_q = _ok_q
         _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
         _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_ok_q[:, None], other=0.0)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dA0 = tl.dot(_dN0.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125
-        _A0 = _sigmoid(_S - tl.log(_size_x * 1.0))
+        _A0 = _sigmoid(_S - tl.log(_len_x * 1.0))
         _dS = _A0 * (1 - _A0) * _dA0
         _dR = _dS * 0.125
-        _ok = _ok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+        _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
         _acc_K += tl.dot(tl.trans(tl.where(_ok, _dR, 0.0)).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(tl.trans(tl.where(_ok, _A0, 0.0)).to(Q.dtype.element_ty), _dN0.to(Q.dtype.element_ty), input_precision="ieee")
 
+    _ok_x = _offs_x < _size_x
     tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=_ok_x[:, None])
     tl.store(_grad_V + _i_b * _st__grad_V_b + _i_h * _st__grad_V_h + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=_ok_x[:, None])
 
 
-@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _sigmoid_attention_bwd_dq_kernel(
     Q,
     dN0,
@@ -700,6 +718,12 @@ def _sigmoid_attention_bwd_dq_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _pos_q,
+    _pos_x,
+    _len_q,
+    _len_x,
+    _POS_q: tl.constexpr,
+    _POS_x: tl.constexpr,
 ):
     # dQ: one program per block of q, batch index (b, h);
     # it loops over the blocks of x the forward visits.
@@ -711,6 +735,12 @@ def _sigmoid_attention_bwd_dq_kernel(
     _row0 = _pid * _BLOCK_q
     _offs_q = _row0 + tl.arange(0, _BLOCK_q)
     _ok_q = _offs_q < _size_q
+    if _POS_q:  # the global index of each row, given by the launcher
+        _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
+        _gok_q = _ok_q & (_idx_q < _len_q)
+    else:
+        _idx_q = _offs_q
+        _gok_q = _ok_q
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without x: loaded once per program.
@@ -724,15 +754,20 @@ def _sigmoid_attention_bwd_dq_kernel(
     for _start in range(_lo, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
+        if _POS_x:  # global positions; rows at or past |x| are padding
+            _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
+            _ok_x = _ok_x & (_idx_x < _len_x)
+        else:
+            _idx_x = _offs_x
         _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dA0 = tl.dot(_dN0.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125
-        _A0 = _sigmoid(_S - tl.log(_size_x * 1.0))
+        _A0 = _sigmoid(_S - tl.log(_len_x * 1.0))
         _dS = _A0 * (1 - _A0) * _dA0
         _dR = _dS * 0.125
-        _ok = _ok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+        _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
         _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
 
     tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=_ok_q[:, None])
@@ -744,11 +779,13 @@ def _sigmoid_attention_preprocess(Q, K, V, dO, _o):
     return (dN0,)
 
 
-def _sigmoid_attention_backward(Q, K, V, dN0, _o, need):
-    """The gradient of each input (float32, or None), from the state."""
-    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
+def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=None):
+    """The gradient of each input (float32, or None), from the state; rows
+    at global positions as the forward's (_positions)."""
+    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
     _check_state({"dN0": dN0}, _sz, _dev)
+    _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
@@ -769,7 +806,7 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need):
             *_wire_strides(dN0, "dN0", _sz),
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos,
             num_warps=_warps, num_stages=_stages,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
@@ -782,7 +819,7 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need):
             *_wire_strides(K, "K", _sz),
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos,
             num_warps=_warps, num_stages=_stages,
         )
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
@@ -794,13 +831,18 @@ def sigmoid_attention_preprocess(Q, K, V, dO, *, block_q=None, num_warps=None):
     return _sigmoid_attention_preprocess(Q, K, V, dO, (block_q, None, num_warps, None))
 
 
-def sigmoid_attention_backward(Q, K, V, dN0, *, block_q=None, block_x=None, num_warps=None, num_stages=None, need=None):
+def sigmoid_attention_backward(Q, K, V, dN0, *, block_q=None, block_x=None, num_warps=None, num_stages=None, need=None,
+        positions=None, lengths=None):
     """The backward kernels, callable directly (distributed attention does):
     (Q, K, V, dN0) -> the gradient of each input, float32
     (None for integer inputs and those ``need`` leaves out: one flag per input,
     or a bit mask).  dN0 come from sigmoid_attention_preprocess and the
-    forward; rows may belong to a larger problem (merged lse, global delta)."""
-    return _sigmoid_attention_backward(Q, K, V, dN0, (block_q, block_x, num_warps, num_stages), need)
+    forward; rows may belong to a larger problem (merged lse, global delta).
+    positions= / lengths= as the forward launcher's: global indices of the
+    local rows of q and x, and the global sizes (x rows at
+    positions >= its length contribute nothing)."""
+    return _sigmoid_attention_backward(Q, K, V, dN0, (block_q, block_x, num_warps, num_stages), need,
+                         positions, lengths)
 
 
 def _sigmoid_attention_grads(_ins, _outs, _grads, _o, need):

@@ -203,6 +203,7 @@ def run_case(case: Case, grids: dict, rank: int) -> dict:
     scheme = "ring" if ring else "attention2d"
     return {
         "kernel_launches": getattr(fn.local, "launches", 0),
+        "backward_launches": getattr(fn.local, "backward_launches", 0),
         "o": _err(full_o, ref_o),
         "lse": _err(full_lse, ref_lse_check) if ref_lse_check is not None else 0.0,
         "sdpa": _err(full_o, sdpa) if sdpa is not None else 0.0,
@@ -347,6 +348,21 @@ def test_float32_forward_runs_the_generated_kernel(suite, case):
         got = res[case.name]
         assert "error" not in got, f"rank {rank}: {got.get('error')}"
         assert got["kernel_launches"] == (WORLD if case.scheme == "ring" else 1), f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "float32"],
+                         ids=[c.name for c in CASES if c.dtype == "float32"])
+def test_float32_backward_runs_the_generated_kernels(suite, case):
+    """float32 gradients come from the generated backward kernels (given the
+    merged lse and delta), once per local backward call (ring: one per step);
+    test_backward_matches_reference checks their values.  napkin emits no
+    backward for this alibi diagram (its lse is a second score box), so its
+    gradients stay autograd of the eager local: no launch."""
+    calls = WORLD if case.scheme == "ring" else 1
+    for rank, res in enumerate(suite):
+        got = res[case.name]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["backward_launches"] == (0 if case.diagram == "alibi" else calls), f"rank {rank}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

@@ -242,3 +242,80 @@ def test_option_errors(tmp):
     q, k, v, ids = doc.example_inputs({"b": 1, "h": 1, "q": 8, "x": 8}, dtype=torch.float32)
     with pytest.raises(ValueError, match="must hold 20 rows"):
         doc.document_mask(q, k, v, ids, positions={"q": torch.arange(8)}, lengths={"q": 20})
+
+
+# --------------------------------------------------------------------------
+# The backward kernels at global positions (NAME_backward's positions= /
+# lengths=): each (query part, key part) pair gets the GLOBAL lse and delta
+# of its query rows, as the distributed wrappers pass them, so the parts'
+# gradients scattered back to their positions and added up must equal
+# float64 autograd of reference() on the whole sequence.
+# --------------------------------------------------------------------------
+
+def backward_parts(name: str, tmp: Path, nq: int, nx: int, qparts, xparts=None):
+    """(kernel gradients, reference gradients), one per float input."""
+    m, diagram = module(name, tmp)
+    backward = getattr(m, f"{diagram.name}_backward")
+    full = m.example_inputs({"b": 1, "h": 2, "hk": 2, "g": 2, "q": nq, "x": nx}, dtype=torch.float32,
+                            seed=zlib.crc32(name.encode()))
+    leaves = [t.double().requires_grad_(True) if t.is_floating_point() else t for t in full]
+    o, lse = m.reference(*leaves)
+    gen = torch.Generator().manual_seed(7)
+    d_o = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    d_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+    torch.autograd.backward([o, lse], [d_o, d_lse])
+    want = [t.grad for t in leaves if t.is_floating_point()]
+    delta = (d_o * o.detach()).sum(-1) - d_lse          # rowsum(dO * O) - dlse, global
+    axes = {n: m._LAYOUTS[n] for n in m.INPUTS}
+    out_q = [i for i, a in enumerate(m._LAYOUTS[m.OUTPUTS[0]]) if a == ("q",)][0]
+    got = [torch.zeros_like(t) for t in want]
+    for qp in qparts:
+        for xp in xparts or [None]:
+            inputs, where = [], []      # where: (dim, positions, length) of each input's local rows
+            for name_, t in zip(m.INPUTS, full):
+                dims = [i for i, a in enumerate(axes[name_]) if a in (("q",), ("x",))]
+                if not t.is_floating_point() or not dims:
+                    inputs.append(t)
+                    where.append(None)
+                    continue
+                (dim,) = dims
+                pos, n = (qp, nq) if axes[name_][dim] == ("q",) else (xp, nx)
+                inputs.append(t if pos is None else take(t, dim, pos, n))
+                where.append(None if pos is None else (dim, pos, n))
+            rows = [take(s, out_q, qp, nq).float() for s in (d_o, lse.detach(), delta)]
+            positions = {"q": qp} if xp is None else {"q": qp, "x": xp}
+            grads = backward(*inputs, *rows, positions=positions, lengths={"q": nq, "x": nx}, **BLOCKS)
+            grads = [g for g, t in zip(grads, full) if t.is_floating_point()]
+            for i, (g, w) in enumerate(zip(grads, [w for w, t in zip(where, full) if t.is_floating_point()])):
+                assert g.dtype == torch.float32 and not torch.isnan(g).any()
+                if w is None:
+                    got[i] += g.double()
+                    continue
+                dim, pos, n = w
+                real = (pos < n).nonzero()[:, 0]
+                pad = (pos >= n).nonzero()[:, 0]
+                assert not g.index_select(dim, pad).any(), "padded rows get no gradient"
+                got[i].index_add_(dim, pos[real], g.index_select(dim, real).double())
+    return got, want
+
+
+BACKWARD = [("causal", 45, 40), ("alibi", 37, 37), ("gqa_causal", 45, 40), ("document_mask", 37, 37)]
+
+
+@pytest.mark.parametrize("name, nq, nx", BACKWARD, ids=[f"{n}-q{a}-x{b}" for n, a, b in BACKWARD])
+def test_backward_at_global_positions_matches_float64_autograd(tmp, name, nq, nx):
+    got, want = backward_parts(name, tmp, nq, nx, cyclic(nq, 2), shuffled(nx, 2, seed=nq))
+    assert len(got) == (4 if name == "alibi" else 3)     # alibi: the slope's gradient too
+    for g, w, label in zip(got, want, ["dQ", "dK", "dV", "dslope"]):
+        err = (g - w).abs().max().item()
+        assert err <= 1e-4 * max(1.0, w.abs().max().item()), f"{name} {label}: max error {err:.3g}"
+
+
+def test_backward_with_query_positions_alone(tmp):
+    """Keys whole (the dQ loop keeps the forward's exact causal bounds from
+    each block's least and greatest query position; dK/dV visit every row block)."""
+    qparts = [torch.arange(45).flip(0)[::2], torch.arange(45)[1::2]]
+    got, want = backward_parts("causal", tmp, 45, 45, qparts)
+    for g, w, label in zip(got, want, ["dQ", "dK", "dV"]):
+        err = (g - w).abs().max().item()
+        assert err <= 1e-4 * max(1.0, w.abs().max().item()), f"{label}: max error {err:.3g}"

@@ -65,6 +65,23 @@ def _offsets(names: E._Names, w: str, start: str) -> list[str]:
             f"_ok_{w} = _offs_{w} < {names.size(w)}"]
 
 
+def _globals(w: str, row: str) -> list[str]:
+    """The global index _idx_w of each local row of w (the launcher's
+    positions, else its offset), as the forward kernel sets it.  Keys at
+    positions >= |x| are padding: _ok_x drops them (their loads read zeros).
+    Query rows there are padding too, but their dQ must still be stored:
+    _gok_q drops them from the tiles (and masks integer loads) instead."""
+    if w == row:
+        return [f"if _POS_{w}:  # the global index of each row, given by the launcher",
+                f"    _idx_{w} = tl.load(_pos_{w} + _offs_{w}, mask=_ok_{w}, other=0)",
+                f"    _gok_{w} = _ok_{w} & (_idx_{w} < _len_{w})",
+                "else:", f"    _idx_{w} = _offs_{w}", f"    _gok_{w} = _ok_{w}"]
+    return [f"if _POS_{w}:  # global positions; rows at or past |{w}| are padding",
+            f"    _idx_{w} = tl.load(_pos_{w} + _offs_{w}, mask=_ok_{w}, other=0)",
+            f"    _ok_{w} = _ok_{w} & (_idx_{w} < _len_{w})",
+            "else:", f"    _idx_{w} = _offs_{w}"]
+
+
 def _dims(names: E._Names, dims) -> list[str]:
     lines = []
     for w in dims:
@@ -93,7 +110,7 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel) -> list[str]:
             lines.append(f"{dot.var} = {_dot(f'{lhs}.to({dt})', f'tl.trans({rhs}.to({dt}))', plan)}")
     for var, e in k.lines:
         lines.append(f"{var} = {triton(e, _ctx(plan, names, k, skip=var))}")
-    lines.append(f"_ok = _ok_{plan.row}[:, None] & _ok_{plan.col}[None, :]  # padded rows and keys add nothing")
+    lines.append(f"_ok = _gok_{plan.row}[:, None] & _ok_{plan.col}[None, :]  # padded rows and keys add nothing")
     for g in k.grads:
         dt = _dt(plan, g.operand.tensor)
         tile = f"tl.where(_ok, {g.tile}, 0.0)"
@@ -138,6 +155,11 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
     if not plan.forward.bounds:
         lines[0] += f"  # {'no mask' if plan.forward.skip is None else 'the mask has no affine bound'}: every block"
         return "\n".join(lines)
+    # rows or keys at global positions (any order, e.g. a cyclic split): a
+    # row block's positions are known only once loaded, so every block is
+    # visited and the elementwise mask decides
+    lines += [f"if not _POS_{row}:", f"    if not _POS_{col}:"]
+    indent = len(lines)
 
     def rest(b) -> str:
         terms = []
@@ -166,32 +188,15 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
             div = "" if a == -1 else f" // {-a}"
             lines.append(f"_hi = tl.where(_need > 0, 0, tl.minimum(_hi, tl.maximum(-_need, 0){div} // {br} + 1))")
     lines.append("_hi = tl.maximum(_lo, _hi)")
+    lines[indent:] = ["        " + line for line in lines[indent:]]
     return "\n".join(lines)
 
 
 def _bounds_dq(plan: BackwardPlan, names: E._Names) -> str:
     """[_lo, _hi) of the key range this row block visits: the forward's own
-    bounds (napkin.masks.stream_range), so dQ sees exactly its blocks."""
-    row, col = plan.row, plan.col
-    lines = ["_lo = 0", f"_hi = {names.size(col)}"]
-    if not plan.forward.bounds:
-        lines[0] += f"  # {'no mask' if plan.forward.skip is None else 'the mask has no affine bound'}: every block"
-        return "\n".join(lines)
-    lines.append(f"_row_last = tl.minimum(_row0 + {names.block(row)}, {names.size(row)}) - 1")
-    lower = False
-    for b in plan.forward.bounds:
-        r = "_row0" if b.at_row() == "first" else "_row_last"
-        value = _affine_text(b, r, names.size)
-        why = f"{col} {'>=' if b.kind == 'lower' else '<='} {_affine_text(b, row)}, loosest at the block's " \
-              f"{b.at_row()} row"
-        if b.kind == "lower":
-            lower = True
-            lines.append(f"_lo = tl.maximum(_lo, {value})  # {why}")
-        else:
-            lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {why}")
-    if lower:
-        lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
-    return "\n".join(lines)
+    bounds (emit._bounds, napkin.masks.stream_range), rows at positions
+    included, so dQ sees exactly the forward's blocks."""
+    return E._bounds(names, plan.forward)
 
 
 def _affine_text(b, row: str, size=None) -> str:
@@ -218,18 +223,24 @@ def _indent(lines: list[str], n: int) -> list[str]:
 def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     """The template context of one backward kernel."""
     d = plan.diagram
-    names = E._Names(d, plan.dims)
     row, col = plan.row, plan.col
+    # the rows kernel is elementwise in the rows' own state: no positions
+    names = E._Names(d, plan.dims, () if k.role == "rows" else (row, col))
     dims = [w for w in plan.dims if any(w in (ld.cols, ld.rows) for ld in k.loads)
             or any(w == g.cols for g in k.grads) or any(w == st.cols for st in k.stores)]
     blocks = [names.block(row)] + ([names.block(col)] if k.role != "rows" else []) \
         + [names.block(w) for w in dims] + [f"_NEED_{s.tensor}" for s in k.sides]
     params, sizes = _params(plan, k, blocks)
+    if k.role != "rows":
+        # positions / lengths, as the forward's (emit.py): runtime arguments and a constexpr flag per wire
+        params += [f"_pos_{row}", f"_pos_{col}", f"_len_{row}", f"_len_{col}",
+                   f"_POS_{row}: tl.constexpr", f"_POS_{col}: tl.constexpr"]
+        sizes = sizes + [f"_len_{row}", f"_len_{col}"]
     pre = [E._load(d, names, ld) for ld in k.loads if ld.phase == "pre"]
     step = [E._load(d, names, ld) for ld in k.loads if ld.phase == "step"]
     start = "_row0" if k.grid_wire == row else "_col0"
     head = [f"{start} = _pid * {names.block(k.grid_wire)}"] + _offsets(names, k.grid_wire, start) \
-        + _dims(names, dims)
+        + (_globals(k.grid_wire, row) if k.role != "rows" else []) + _dims(names, dims)
     init, body, bounds, after = [], [], "", []
     if k.role == "rows":
         # elementwise in float32: dO * O of two fp16 tiles would round in fp16
@@ -263,16 +274,18 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         if k.role == "dq":
             bounds = _bounds_dq(plan, names)
             body = [f"for _start in range(_lo, _hi, {names.block(col)}):"] \
-                + _indent(_offsets(names, col, "_start") + inner, 4)
+                + _indent(_offsets(names, col, "_start") + _globals(col, row) + inner, 4)
         else:
             bounds = _bounds_dkdv(plan, names)
             loop = [f"for _rb in range(_lo, _hi):", f"    _row0 = _rb * {names.block(row)}"] \
-                + _indent(_offsets(names, row, "_row0") + inner, 4)
+                + _indent(_offsets(names, row, "_row0") + _globals(row, row) + inner, 4)
             if k.outer:
                 n = " * ".join(names.size(w) for w in k.outer)
                 loop = [f"for _outer in range({n}):  # the {', '.join(k.outer)} that share these keys"] \
                     + _indent(_decode_outer(names, k.outer) + loop, 4)
             body = loop
+        if k.role == "dkdv":  # every local key gets its gradient stored (padded ones zero)
+            after.append(f"_ok_{col} = _offs_{col} < {names.size(col)}")
         for g in k.grads:
             wires = ir.axis_wires(d.tensor(g.buffer).axes)
             ptr = E._pointer(d, names, g.buffer, wires, g.rows, g.cols)
@@ -304,5 +317,7 @@ def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
     blocks = [f"{names.block(plan.row)}=_br"] + ([f"{names.block(plan.col)}=_bc"] if k.role != "rows" else [])
     blocks += E._wire_block_args(names, dims)
     blocks += [f"_NEED_{s.tensor}=_need[{plan.grads.index(s.tensor)}]" for s in k.sides]
+    if k.role != "rows":
+        blocks.append("**_pos")
     args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks)]
     return ",\n".join(args)

@@ -35,6 +35,7 @@ _WHERE = {
     "as_ring": "groups", "grid_from_mesh": "groups", "new_grid": "groups", "grid_ranks": "groups",
     "TokenLayout": "layouts", "scheme_layout": "layouts",
     "EagerLocal": "local", "autograd_backward": "local", "KernelLocal": "local", "default_local": "local",
+    "default_backward": "local",
     "Roles": "reading", "roles": "reading", "mesh_splits": "reading",
     "merge": "merging", "merge_softmax": "merging", "merge_sum": "merging", "partial_weight": "merging",
 }

@@ -34,7 +34,7 @@ from . import groups as G
 from .commcount import phase
 from .common import handshake, pad_rows, results, row_delta, split_side, zero_rows
 from .layouts import TokenLayout
-from .local import Roles, autograd_backward, default_local, roles
+from .local import Roles, default_backward, default_local, roles
 from .merging import merge_softmax, merge_sum
 
 
@@ -48,7 +48,8 @@ class Attention2D:
     to ceil(N / P) rows; ``q_len`` / ``x_len`` are the true lengths.
     ``local`` / ``local_backward`` follow the protocol of local.py; the default
     local runs the generated Triton kernel (float64 and unsupported diagrams:
-    the eager evaluation), the default backward is autograd of the eager one.
+    the eager evaluation), the default backward its generated backward kernels
+    (float64 and the rest: autograd of the eager local).
     """
 
     def __init__(self, diagram: ir.Diagram, *, local: Optional[Callable] = None,
@@ -56,7 +57,7 @@ class Attention2D:
                  key_wire: Optional[str] = None):
         self.roles: Roles = roles(diagram, query_wire, key_wire)
         self.local = local or default_local(self.roles)
-        self.local_backward = local_backward or autograd_backward(self.local, self.roles)
+        self.local_backward = local_backward or default_backward(self.local, self.roles)
 
     @property
     def grid_shape(self) -> Optional[tuple[int, int]]:

@@ -30,7 +30,9 @@ skips padded keys.  ``autograd_backward`` derives local_backward from any
 local by autograd, so a kernel without its own backward still trains.
 
 ``KernelLocal`` runs napkin's generated Triton forward kernel instead (the
-launcher's positions=, lengths= and out_dtype= options); ``default_local``
+launcher's positions=, lengths= and out_dtype= options), and its
+``backward`` the generated backward kernels (``default_backward`` picks it
+for the wrappers); ``default_local``
 picks it whenever the diagram compiles to an attention kernel, and it hands
 a call to its ``EagerLocal`` when the kernel cannot serve it: float64
 inputs (the reference path), inputs that require gradients (autograd of the
@@ -54,7 +56,7 @@ from .evaluate import Evaluator
 from .merging import partial_weight
 from .reading import Roles, _factors, _map, roles
 
-__all__ = ["EagerLocal", "KernelLocal", "Roles", "autograd_backward", "default_local", "roles",
+__all__ = ["EagerLocal", "KernelLocal", "Roles", "autograd_backward", "default_backward", "default_local", "roles",
            "accumulator_dtype"]
 
 _QPOS, _XPOS, _XVALID, _QLEN, _XLEN = "_qpos", "_xpos", "_xvalid", "_qlen", "_xlen"
@@ -284,6 +286,12 @@ class KernelLocal:
     Calls the kernel cannot serve go to ``self.eager`` (see the module doc);
     ``reason`` is None when the diagram has a kernel, else why not, and
     ``launches`` counts the calls the kernel served.
+
+    ``backward`` is local_backward on the generated backward kernels (the
+    NAME_backward launcher with the same positions= / lengths=), given the
+    merged lse and delta; ``backward_launches`` counts the calls they
+    served.  Other calls (float64, no kernel backward, the sum family) are
+    autograd of the eager local (``autograd_backward``).
     """
 
     def __init__(self, r: Roles, **options):
@@ -291,7 +299,9 @@ class KernelLocal:
         self.eager = EagerLocal(r)
         self.options = options
         self.launches = 0
+        self.backward_launches = 0
         self._module = None
+        self._eager_backward = autograd_backward(self.eager, r)
         self.diagram, self.text, self.reason = _kernel_source(r)
 
     def serves(self, tensors) -> bool:
@@ -331,6 +341,42 @@ class KernelLocal:
         if r.family == "sum":
             return named[r.value], None
         return named[r.value], named[r.lse or self.diagram.outputs[-1].name]
+
+    def backward(self, *tokens, q_pos, x_pos, q_len, x_len, dO, lse, delta, **side):
+        """local_backward (see the module doc): the gradients of the tokens, fp32 (fp64 from the eager path)."""
+        r = self.r
+        launcher = self._backward_launcher() if self.serves(list(tokens) + list(side.values())) else None
+        if launcher is None or lse is None or delta is None:
+            return self._eager_backward(*tokens, q_pos=q_pos, x_pos=x_pos, q_len=q_len, x_len=x_len, dO=dO,
+                                        lse=lse, delta=delta, **side)
+        given = dict(zip(r.tokens, tokens), **side)
+        names = [t.name for t in r.diagram.inputs]
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise ValueError(f"missing input(s) {', '.join(missing)}")
+        dev = tokens[0].device
+        # the row state is float32 whatever the tokens' dtype: lse and delta are the merged, global ones
+        state = [t.to(dev, torch.float32).contiguous() for t in (dO, lse, delta)]
+        grads = launcher(*(given[n] for n in names), *state, need=[n in r.tokens for n in names],
+                         positions={r.query: q_pos.to(dev), r.key: x_pos.to(dev)},
+                         lengths={r.query: int(q_len), r.key: int(x_len)}, **self.options)
+        self.backward_launches += 1
+        out = dict(zip(names, grads))
+        return tuple(out[n] for n in r.tokens)
+
+    def _backward_launcher(self):
+        """NAME_backward where the module has one taking (inputs, dO, lse,
+        delta): the softmax family's FlashAttention backward; else None."""
+        import inspect
+
+        if self.r.family != "softmax":
+            return None
+        fn = getattr(self.module(), f"{self.diagram.name}_backward", None)
+        if fn is None:
+            return None
+        params = [p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
+        state = params[len(self.diagram.inputs):]
+        return fn if len(state) == 3 and state[-1] == "delta" else None
 
     def module(self):
         """The generated module (emitted and imported once per process; the
@@ -381,6 +427,13 @@ def _kernel_source(r: Roles):
     if fixed:
         return None, None, f"wire {fixed[0]} has a fixed size, so the kernel cannot take its global length"
     return d, text, None
+
+
+def default_backward(local: Callable, r: Roles) -> Callable:
+    """The local_backward the wrappers use unless given one: the generated
+    backward kernels of a ``KernelLocal`` (which hands what they cannot
+    serve to autograd of its eager local), else autograd of ``local``."""
+    return local.backward if isinstance(local, KernelLocal) else autograd_backward(local, r)
 
 
 def default_local(r: Roles):

@@ -39,7 +39,7 @@ from . import groups as G
 from .commcount import phase
 from .common import handshake, pad_rows, results, row_delta, split_side, zero_rows
 from .layouts import TokenLayout
-from .local import Roles, autograd_backward, default_local, roles
+from .local import Roles, default_backward, default_local, roles
 from .merging import merge
 
 
@@ -66,7 +66,7 @@ class RingAttention:
             raise ValueError(f"backward must be 'kv' (Ring's) or 'burst' (BurstAttention's), not {backward!r}")
         self.roles: Roles = roles(diagram, query_wire, key_wire)
         self.local = local or default_local(self.roles)
-        self.local_backward = local_backward or autograd_backward(self.local, self.roles)
+        self.local_backward = local_backward or default_backward(self.local, self.roles)
         self.layout = layout
         self.backward = backward
 
