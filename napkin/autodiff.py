@@ -60,18 +60,6 @@ def _contains(e: ir.Expr, sub: ir.Expr) -> bool:
     return any(node == sub for node in ir.walk(e))
 
 
-def _children(e: ir.Expr) -> tuple:
-    if isinstance(e, ir.Unary):
-        return (e.operand,)
-    if isinstance(e, ir.Binary):
-        return (e.lhs, e.rhs)
-    if isinstance(e, ir.Call):
-        return e.args
-    if isinstance(e, (ir.Reduce, ir.Normalize)):
-        return (e.body,)
-    return ()
-
-
 def _map(e: ir.Expr, f) -> ir.Expr:
     """``e`` with ``f`` applied to each direct child (location kept)."""
     if isinstance(e, ir.Unary):
@@ -766,7 +754,7 @@ class _Form:
             return e.wire == self.key
         if isinstance(e, ir.Reduce) and self.key in e.wires:
             return False
-        return any(self._keyed(c) for c in _children(e))
+        return any(self._keyed(c) for c in ir.children(e))
 
 
 def _factors(e: ir.Expr, power: int = 1) -> list:

@@ -304,16 +304,21 @@ def axis_wires(axes: tuple[Axis, ...]) -> tuple[str, ...]:
     return tuple(w for axis in axes for w in axis)
 
 
+def children(expr: Expr) -> tuple:
+    """The direct sub-expressions of a node, in source order."""
+    if isinstance(expr, Unary):
+        return (expr.operand,)
+    if isinstance(expr, Binary):
+        return (expr.lhs, expr.rhs)
+    if isinstance(expr, Call):
+        return expr.args
+    if isinstance(expr, (Reduce, Normalize)):
+        return (expr.body,)
+    return ()
+
+
 def walk(expr: Expr):
     """Yield every node of an expression tree, parents before children."""
     yield expr
-    if isinstance(expr, Unary):
-        yield from walk(expr.operand)
-    elif isinstance(expr, Binary):
-        yield from walk(expr.lhs)
-        yield from walk(expr.rhs)
-    elif isinstance(expr, Call):
-        for a in expr.args:
-            yield from walk(a)
-    elif isinstance(expr, (Reduce, Normalize)):
-        yield from walk(expr.body)
+    for child in children(expr):
+        yield from walk(child)

@@ -212,15 +212,10 @@ def wires_of(d: ir.Diagram, e) -> frozenset:
 
 
 def children(e) -> list:
-    if isinstance(e, ir.Unary):
-        return [e.operand]
-    if isinstance(e, (ir.Binary, SafeDiv)):
+    """ir.children, plus the codegen's own SafeDiv node."""
+    if isinstance(e, SafeDiv):
         return [e.lhs, e.rhs]
-    if isinstance(e, ir.Call):
-        return list(e.args)
-    if isinstance(e, (ir.Reduce, ir.Normalize)):
-        return [e.body]
-    return []
+    return list(ir.children(e))
 
 
 def nodes(e):

@@ -75,21 +75,9 @@ def _wires(d: ir.Diagram, e: ir.Expr) -> set[str]:
     if isinstance(e, ir.Reduce):
         return _wires(d, e.body) - set(e.wires)
     out: set[str] = set()
-    for child in _children(e):
+    for child in ir.children(e):
         out |= _wires(d, child)
     return out
-
-
-def _children(e: ir.Expr) -> list:
-    if isinstance(e, ir.Unary):
-        return [e.operand]
-    if isinstance(e, ir.Binary):
-        return [e.lhs, e.rhs]
-    if isinstance(e, ir.Call):
-        return list(e.args)
-    if isinstance(e, (ir.Reduce, ir.Normalize)):
-        return [e.body]
-    return []
 
 
 def _factors(e: ir.Expr) -> list:
