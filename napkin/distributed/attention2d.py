@@ -32,7 +32,7 @@ import torch
 from .. import ir
 from . import groups as G
 from .commcount import phase
-from .common import handshake, pad_rows, results, row_delta, split_side, zero_rows
+from .common import handshake, results, row_delta, save_and_show, saved_state, split_side, zero_rows
 from .layouts import TokenLayout
 from .local import Roles, default_backward, default_local, roles
 from .merging import merge_softmax, merge_sum
@@ -146,27 +146,18 @@ def _to_front(t: torch.Tensor, axis: int, k: int) -> torch.Tensor:
 class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tokens):
-        r, g = call.fn.roles, call.g
         with phase("forward"):
             qs, ks = call.gather_tokens(tokens, True), call.gather_tokens(tokens, False)
             gathered = [a if a is not None else b for a, b in zip(qs, ks)]
             out, lse = call.fn.local(*gathered, q_pos=call.q_pos, x_pos=call.x_pos, **call.lens(), **call.side)
             out, lse = _merge_row(call, out, lse)
-        out, lse = pad_rows(out, lse, call.my_q, call.ql.length, r.out_axis)
-        ctx.call = call
-        ctx.save_for_backward(*tokens, out, *( [lse] if lse is not None else []))
-        first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
-        visible = out.to(first_q.dtype)
-        return (visible, lse) if lse is not None else (visible,)
+        return save_and_show(ctx, call, tokens, out, lse)
 
     @staticmethod
     def backward(ctx, *grads):
         call = ctx.call
         r, g = call.fn.roles, call.g
-        saved = ctx.saved_tensors
-        n = len(r.tokens)
-        tokens, out = saved[:n], saved[n]
-        lse = saved[n + 1] if len(saved) > n + 1 else None
+        tokens, out, lse = saved_state(ctx, len(r.tokens))
         dO = grads[0] if grads[0] is not None else torch.zeros_like(out)
         dlse = grads[1] if len(grads) > 1 else None
         dO = zero_rows(dO, call.my_q, call.ql.length, r.out_axis)

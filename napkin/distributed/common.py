@@ -96,3 +96,24 @@ def row_delta(r: Roles, dO: torch.Tensor, out: torch.Tensor, dlse: Optional[torc
     dims = tuple(range(out.dim() - r.value_axes, out.dim()))
     delta = prod.sum(dims) if dims else prod
     return delta - dlse.to(delta.dtype) if dlse is not None else delta
+
+
+def save_and_show(ctx, call, tokens, out: torch.Tensor, lse: Optional[torch.Tensor]):
+    """End of a scheme's forward: pad the merged rows back to the token layout,
+    save what the backward needs, and return the output in the queries' dtype
+    (merging ran in fp32), with lse when the diagram has one."""
+    r = call.fn.roles
+    out, lse = pad_rows(out, lse, call.my_q, call.ql.length, r.out_axis)
+    ctx.call = call
+    ctx.save_for_backward(*tokens, out, *([lse] if lse is not None else []))
+    first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
+    visible = out.to(first_q.dtype)
+    return (visible, lse) if lse is not None else (visible,)
+
+
+def saved_state(ctx, n_tokens: int):
+    """What save_and_show saved: (tokens, out, lse or None)."""
+    saved = ctx.saved_tensors
+    tokens, out = saved[:n_tokens], saved[n_tokens]
+    lse = saved[n_tokens + 1] if len(saved) > n_tokens + 1 else None
+    return tokens, out, lse

@@ -37,7 +37,7 @@ import torch
 from .. import ir
 from . import groups as G
 from .commcount import phase
-from .common import handshake, pad_rows, results, row_delta, split_side, zero_rows
+from .common import handshake, results, row_delta, save_and_show, saved_state, split_side, zero_rows
 from .layouts import TokenLayout
 from .local import Roles, default_backward, default_local, roles
 from .merging import merge
@@ -144,21 +144,13 @@ class _Function(torch.autograd.Function):
                     out, lse = merge([out, o], None if l is None else [lse, l])
                 if moving is not None:
                     keys = moving.wait()
-        out, lse = pad_rows(out, lse, call.my_q, call.ql.length, r.out_axis)
-        ctx.call = call
-        ctx.save_for_backward(*tokens, out, *([lse] if lse is not None else []))
-        first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
-        visible = out.to(first_q.dtype)
-        return (visible, lse) if lse is not None else (visible,)
+        return save_and_show(ctx, call, tokens, out, lse)
 
     @staticmethod
     def backward(ctx, *grads):
         call = ctx.call
         r = call.fn.roles
-        saved = ctx.saved_tensors
-        n = len(r.tokens)
-        tokens, out = saved[:n], saved[n]
-        lse = saved[n + 1] if len(saved) > n + 1 else None
+        tokens, out, lse = saved_state(ctx, len(r.tokens))
         dO = grads[0] if grads[0] is not None else torch.zeros_like(out)
         dlse = grads[1] if len(grads) > 1 else None
         dO = zero_rows(dO, call.my_q, call.ql.length, r.out_axis)
