@@ -146,7 +146,13 @@ from napkin.cost.tune import searchable  # noqa: E402
 from napkin.errors import NapkinError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((REPO / "examples").glob("*.ncd"))
+ALL_EXAMPLES = sorted((REPO / "examples").glob("*.ncd"))
+# Examples that exist for the cost model alone: the code generator refuses them
+# (an unfused schedule, fp8 inputs), so there is no kernel whose bytes to count.
+# test_cost_only_examples_are_refused fails the day codegen emits one of them,
+# so it then joins the counted examples.
+COST_ONLY = {"naive_attention": "unfused", "attention_fp8": "e4m3"}
+EXAMPLES = [p for p in ALL_EXAMPLES if p.stem not in COST_ONLY]
 
 # (first sequence size, second sequence size, blocks for the searchable wires in
 # schedule order): aligned, ragged both ways, and blocks that differ per case.
@@ -162,7 +168,7 @@ def compiled(tmp_path_factory):
     from napkin.codegen import write_module
 
     out, modules = tmp_path_factory.mktemp("generated"), {}
-    for path in EXAMPLES:
+    for path in ALL_EXAMPLES:
         try:
             target = write_module(path, out)
         except NapkinError as err:
@@ -174,7 +180,7 @@ def compiled(tmp_path_factory):
         spec.loader.exec_module(module)
         modules[path.stem] = module
     yield modules
-    for path in EXAMPLES:
+    for path in ALL_EXAMPLES:
         sys.modules.pop(f"napkin_counted_{path.stem}", None)
 
 
@@ -222,8 +228,7 @@ def _cases(path: Path):
                          ids=lambda v: v.stem if isinstance(v, Path) else f"{v[0]}x{v[1]}")
 def test_counted_bytes_equal_predicted_bytes(compiled, path, case):
     module = compiled[path.stem]
-    if isinstance(module, NapkinError):
-        pytest.xfail(f"napkin's code generator does not emit {path.stem} yet: {module.messages[0]}")
+    assert not isinstance(module, NapkinError), module.render()
     d = single_device(napkin.load(path))
     n1, n2, block_list = case
     sizes = case_sizes(d, n1, n2)
@@ -260,8 +265,7 @@ from napkin.cost.backward import backward_cost  # noqa: E402
                          ids=lambda v: v.stem if isinstance(v, Path) else f"{v[0]}x{v[1]}")
 def test_backward_counted_bytes_equal_predicted_bytes(compiled, path, case):
     module = compiled[path.stem]
-    if isinstance(module, NapkinError):
-        pytest.xfail(f"napkin's code generator does not emit {path.stem} yet: {module.messages[0]}")
+    assert not isinstance(module, NapkinError), module.render()
     d = single_device(napkin.load(path))
     n1, n2, block_list = case
     sizes = case_sizes(d, n1, n2)
@@ -281,3 +285,14 @@ def test_backward_counted_bytes_equal_predicted_bytes(compiled, path, case):
         getattr(module, f"_{d.name}_grads")(inputs, (*outs, *saved), grads, options, None)
     assert bc.launches == len(predicted.kernels)
     assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
+
+
+@pytest.mark.parametrize("stem", sorted(COST_ONLY))
+def test_cost_only_examples_are_refused(compiled, stem):
+    """The examples left out of the counted ones are left out because codegen
+    refuses them, with a located reason - not because their counts disagree."""
+    err = compiled[stem]
+    assert isinstance(err, NapkinError)
+    assert "napkin cannot emit a kernel" in err.render()
+    assert COST_ONLY[stem] in err.render()
+    assert err.diagnostics[0].loc.line > 0
