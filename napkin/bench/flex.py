@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir, masks, tiling
+from ..codegen.exprs import fold
 from ..errors import NapkinError
 from ..printer import expr_text
 
@@ -136,27 +137,10 @@ def _is_neg_inf(e: ir.Expr) -> bool:
 
 
 def _const(e: ir.Expr, d: ir.Diagram) -> Optional[float]:
-    """The value of e when it is made of numbers and fixed wire sizes only."""
-    if isinstance(e, ir.Num):
-        return float(e.value)
-    if isinstance(e, ir.WireSize):
-        w = d.wire(e.wire)
-        return float(w.size) if w is not None and w.size is not None else None
-    if isinstance(e, ir.Unary) and e.op == "-":
-        v = _const(e.operand, d)
-        return None if v is None else -v
-    if isinstance(e, ir.Binary) and e.op in ir.ARITH_OPS:
-        a, b = _const(e.lhs, d), _const(e.rhs, d)
-        if a is None or b is None:
-            return None
-        try:
-            v = {"+": a + b, "-": a - b, "*": a * b}.get(e.op)
-            if v is None:
-                v = a / b if e.op == "/" else a ** b
-        except (ZeroDivisionError, OverflowError):
-            return None
-        return None if isinstance(v, complex) or math.isnan(v) else float(v)
-    return None
+    """The value of e when it is made of numbers and fixed wire sizes only
+    (the code generator's own constant folding), as a float; None otherwise."""
+    v = fold(e, {w.name: w.size for w in d.wires if w.size is not None})
+    return None if v is None or isinstance(v, complex) or math.isnan(v) else float(v)
 
 
 @dataclass
