@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import napkin
+from spawn import run_ranks
 from napkin.distributed import (Attention2D, CommCounter, RingAttention, TokenLayout, merge_softmax,
                                 predicted_comm, roles)
 from napkin.errors import NapkinError
@@ -305,20 +306,7 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    import torch.multiprocessing as mp
-    out = tmp_path_factory.mktemp("distributed")
-    ctx = mp.start_processes(_worker, args=(WORLD, str(out / "init"), str(out)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} ranks did not finish within {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("distributed"), DEADLINE_S)
 
 
 # --------------------------------------------------------------------------

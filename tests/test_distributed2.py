@@ -14,7 +14,6 @@ import datetime
 import json
 import math
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 import napkin
+from spawn import run_ranks
 from napkin.cost import analyse
 from napkin.cost import collectives as C
 
@@ -317,20 +317,7 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    import torch.multiprocessing as mp
-    out = tmp_path_factory.mktemp("distributed2")
-    ctx = mp.start_processes(_worker, args=(WORLD, str(out / "init"), str(out)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} ranks did not finish within {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("distributed2"), DEADLINE_S)
 
 
 def _ran(suite, case: Case):
