@@ -12,8 +12,10 @@ MASK_DOCS fractions of N, a window of N/8, a prefix of N/4, a question of
 N/8 followed by four answers of equal length.
 
 The schemes: Ring Attention (zigzag layout; Ring's backward), the same with
-BurstAttention's backward, and ATTENTION2D on every grid (cyclic layout;
-with several nodes, every block of the grid a node can hold).
+BurstAttention's backward, both as a double ring with several nodes
+(``predict`` only: the steps follow napkin/distributed/groups.py's
+DoubleRing.origin), and ATTENTION2D on every grid (cyclic layout; with
+several nodes, every block of the grid a node can hold).
 
 ``predict``: the benchmark's settings (8K tokens per GPU, 64 query heads, 8
 key/value heads, head dim 128, bf16, forward + backward) at 8 to 96 H100s,
@@ -185,13 +187,20 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
         w = ring_work(mask, n, gpus)
         total = int(w.sum())
         rec = {"gpus": gpus, "mask": mask, "density": total / n / n, "ring_imbalance": w.sum(1).max() / (total / gpus)}
-        for scheme in ("ring", "burst"):
-            fwd = [secs(max(w[r, (r - s) % gpus] for r in range(gpus))) for s in range(gpus)]
-            if scheme == "ring":
-                bwd = [secs(max(w[r, (r - s) % gpus] for r in range(gpus)), True) for s in range(gpus)]
+        for scheme in ("ring", "burst", "ring2", "burst2"):
+            if scheme.endswith("2"):
+                if g >= gpus:                    # one node: the double ring is the ring
+                    continue
+                pl = C.Placement(scheme, (gpus // g, g))
             else:
-                bwd = [secs(max(w[(r - s) % gpus, r] for r in range(gpus)), True) for s in range(gpus)]
-            pl = C.Placement(scheme, (gpus,), g)
+                pl = C.Placement(scheme, (gpus,), g)
+            origin = [[double_ring_origin(r, s, pl.grid if scheme.endswith("2") else (1, gpus)) for s in range(gpus)]
+                      for r in range(gpus)]
+            fwd = [secs(max(w[r, origin[r][s]] for r in range(gpus))) for s in range(gpus)]
+            if scheme.startswith("ring"):       # queries stay, key blocks visit
+                bwd = [secs(max(w[r, origin[r][s]] for r in range(gpus)), True) for s in range(gpus)]
+            else:                                # keys stay, query blocks visit
+                bwd = [secs(max(w[origin[r][s], r] for r in range(gpus)), True) for s in range(gpus)]
             t = C.scheme_seconds(pl, m, links, fwd, bwd)
             rec[scheme] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3,
                            "MB": (C.traffic(pl, m, "forward")[0].sent + C.traffic(pl, m, "backward")[0].sent) / 1e6}
@@ -213,16 +222,33 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
     return out
 
 
+def double_ring_origin(rank: int, step: int, grid: tuple[int, int]) -> int:
+    """The rank whose blocks ``rank`` holds at ``step`` of a double ring of
+    N nodes x G (napkin/distributed/groups.py DoubleRing.origin; a flat ring
+    is (1, P))."""
+    n, g = grid
+    o, i = divmod(step, g)
+    node, local = divmod(rank, g)
+    return (node - o) % n * g + (local - i) % g
+
+
 def predict_markdown(records: list[dict]) -> str:
-    lines = ["| GPUs | mask | kept | Ring ms | Ring MB | Burst ms | Burst MB | best ATTENTION2D | A2D ms | A2D MB "
-             "| zigzag max/mean work | cyclic max/mean work | best |",
-             "|" + "---|" * 13]
+    lines = ["| GPUs | mask | kept | Ring ms | Ring MB | Burst ms | Burst MB | Double ring ms | Double burst ms "
+             "| best ATTENTION2D | A2D ms | A2D MB | zigzag max/mean work | cyclic max/mean work | best |",
+             "|" + "---|" * 15]
+
+    def ms(r, key):
+        return f"{r[key]['ms']:.1f}" if key in r else "-"
+
     for r in records:
         a = r["a2d"]
-        best = min((("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("A2D " + a["grid"], a["ms"])),
-                   key=lambda kv: kv[1])[0]
+        cands = [("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("A2D " + a["grid"], a["ms"])]
+        cands += [(name, r[key]["ms"]) for name, key in (("Double ring", "ring2"), ("Double burst", "burst2"))
+                  if key in r]
+        best = min(cands, key=lambda kv: kv[1])[0]
         lines.append(f"| {r['gpus']} | {r['mask']} | {r['density']:.3f} | {r['ring']['ms']:.1f} | "
-                     f"{r['ring']['MB']:.0f} | {r['burst']['ms']:.1f} | {r['burst']['MB']:.0f} | {a['grid']} | "
+                     f"{r['ring']['MB']:.0f} | {r['burst']['ms']:.1f} | {r['burst']['MB']:.0f} | {ms(r, 'ring2')} | "
+                     f"{ms(r, 'burst2')} | {a['grid']} | "
                      f"{a['ms']:.1f} | {a['MB']:.0f} | {r['ring_imbalance']:.2f} | {a['imbalance']:.3f} | {best} |")
     return "\n".join(lines)
 

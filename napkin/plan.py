@@ -8,6 +8,9 @@ The candidates, for P devices (G per node):
 
 * Ring Attention (``ring``) and Ring Attention with BurstAttention's
   backward (``burst``): the same forward, two backwards;
+* with several nodes, the same two as a double ring (``ring2``, ``burst2``:
+  topology-aware, N nodes x G GPUs; blocks go round each node over NVLink
+  and hop to the next node once a round, over InfiniBand);
 * ATTENTION2D on every R x C grid with R * C = P (1 x P and P x 1 too);
   with several nodes, every way of placing a DR x DC block of the grid on
   each node (DR * DC = G): DC = C keeps whole grid rows inside a node, so
@@ -26,8 +29,9 @@ on an H100, background section 4) for every GPU.  Every scheme's layout is
 taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings);
 bench/cp_bench.py counts the work of each device exactly instead.
 
-``--emit OUT.ncd`` writes the diagram with the winner's mesh levels; for
-``burst`` the diagram is the ring's, run with
+``--emit OUT.ncd`` writes the diagram with the winner's mesh levels (a
+double ring as a nodes level over a devices level); for ``burst`` the
+diagram is the ring's, run with
 ``RingAttention(diagram, backward="burst")`` (the backward is the wrapper's
 choice, not the diagram's).
 """
@@ -83,6 +87,10 @@ class Option:
                 where = (", rows in nodes" if dc == c else ", columns in nodes" if dr == r
                          else "") + f", {dr}x{dc} per node"
             return f"ATTENTION2D {r}x{c}{where}"
+        if self.scheme in ("ring2", "burst2"):
+            n, g = self.grid
+            return ("Double ring" if self.scheme == "ring2" else "Double ring + BurstAttention backward") + \
+                f" of {n} nodes x {g}"
         return {"ring": "Ring", "burst": "Ring + BurstAttention backward", "tree": "tree (decoding)"}[
             self.scheme] + f" of {self.grid[0]}"
 
@@ -92,6 +100,10 @@ def placements(p: int, gpus_per_node: int, training: bool = True) -> list[C.Plac
     out = [C.Placement("ring", (p,), gpus_per_node)]
     if training:
         out.append(C.Placement("burst", (p,), gpus_per_node))
+    if 1 < gpus_per_node < p:
+        out.append(C.Placement("ring2", (p // gpus_per_node, gpus_per_node)))
+        if training:
+            out.append(C.Placement("burst2", (p // gpus_per_node, gpus_per_node)))
     for r in range(1, p + 1):
         if p % r:
             continue
@@ -140,7 +152,8 @@ def forward_flops(m: C.Moved, keep: float) -> float:
 
 def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_per_node: Optional[int] = None,
          profile: str = "h100", training: bool = True) -> list[Option]:
-    """Every option, best (least predicted time, then fewest bytes) first."""
+    """Every option, best (least predicted time, then fewest bytes, then fewest
+    across nodes) first."""
     if devices < 1:
         raise NapkinError(f"--devices must be at least 1, not {devices}")
     g = devices if gpus_per_node is None else gpus_per_node
@@ -161,7 +174,7 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     links = C.Links.of(prof)
     out = []
     for pl in placements(devices, g, training):
-        steps = pl.grid[0] if pl.scheme in ("ring", "burst") else 1
+        steps = pl.parts if pl.scheme in C.RINGS else 1
         fwd = [flops / devices / steps / (rate * FWD_EFFICIENCY)] * steps
         bwd = [BWD_FLOP_FACTOR * flops / devices / steps / (rate * BWD_EFFICIENCY)] * steps \
             if training and pl.scheme != "tree" else None
@@ -173,7 +186,7 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
         out.append(Option(pl.scheme, pl.grid, pl.block, pl.gpus_per_node or g, sent["forward"],
                           sent.get("backward", 0), across, t.forward_s, t.backward_s,
                           t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s))
-    out.sort(key=lambda o: (o.total_s, o.forward_bytes + o.backward_bytes, o.label))
+    out.sort(key=lambda o: (o.total_s, o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
     return out
 
 
@@ -197,9 +210,12 @@ def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
     p = math.prod(option.grid)
     g = option.gpus_per_node
     if option.scheme in ("ring", "burst"):
-        nodes = max(p // g, 1)
+        # a flat ring is one devices level; the launcher fills nodes in rank order
+        return level("devices", [(query, "group", p), (key, "stream", p)])
+    if option.scheme in ("ring2", "burst2"):
+        nodes, per = option.grid
         return level("nodes", [(query, "group", nodes), (key, "stream", nodes)]) + \
-            level("devices", [(query, "group", p // nodes), (key, "stream", p // nodes)])
+            level("devices", [(query, "group", per), (key, "stream", per)])
     if option.scheme == "tree":
         nodes = max(p // g, 1)
         return level("nodes", [(key, "group", nodes)]) + level("devices", [(key, "group", p // nodes)])
@@ -278,6 +294,7 @@ def handler(args) -> int:
         napkin.load_text(text, args.emit)          # what is written must check
         with open(args.emit, "w") as f:
             f.write(text)
-        note = " (run it with RingAttention(diagram, backward='burst'))" if best.scheme == "burst" else ""
+        note = " (run it with RingAttention(diagram, backward='burst'))" \
+            if best.scheme in ("burst", "burst2") else ""
         print(f"wrote {args.emit}: {best.label}{note}")
     return 0

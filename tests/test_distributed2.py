@@ -52,6 +52,9 @@ MESHES = {
     # two nodes of two GPUs: rows inside nodes / columns inside nodes / a ring
     "rows-in-nodes": "level nodes { group q across 2 }\n  level devices { group x across 2 }",
     "cols-in-nodes": "level nodes { group x across 2 }\n  level devices { group q across 2 }",
+    # the flat ring's diagram, run on ranks counted as two nodes of two
+    "flat-ring-2-nodes": "level devices {\n    group q across 4\n    stream x across 4\n  }",
+    # a ring over two nodes of two: the double ring
     "ring-nodes": ("level nodes {\n    group q across 2\n    stream x across 2\n  }\n"
                    "  level devices {\n    group q across 2\n    stream x across 2\n  }"),
 }
@@ -82,7 +85,7 @@ def diagram_text(base: str, mask: str, dtype: str, mesh: str) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    scheme: str         # "burst", "ring", "attention2d", "tree"
+    scheme: str         # "burst", "ring", "ring2", "burst2", "attention2d", "tree"
     mesh: str           # a key of MESHES
     base: str           # examples/BASE.ncd
     mask: str           # a key of _MASKS
@@ -110,7 +113,7 @@ class Case:
 
     @property
     def grid(self) -> tuple[int, ...]:
-        return (2, 2) if self.scheme == "attention2d" else (self.parts,)
+        return (2, 2) if self.scheme in C.TWO_D else (self.parts,)
 
     @property
     def block(self):
@@ -119,6 +122,11 @@ class Case:
     @property
     def gpus_per_node(self):
         return 2 if "nodes" in self.mesh else None
+
+    @property
+    def nodes_level(self) -> bool:
+        """Whether the diagram says where the nodes are (the cost pass knows)."""
+        return self.mesh.endswith("in-nodes") or self.mesh == "ring-nodes"
 
     def text(self) -> str:
         base = "gqa" if self.gqa and self.base == "attention" else self.base
@@ -146,7 +154,12 @@ def cases() -> list[Case]:
             Case("tree", "tree4", "sigmoid_attention", "full", 3, 13)]
     for mesh in ("rows-in-nodes", "cols-in-nodes"):
         out += [Case("attention2d", mesh, "attention", "causal", 13, 13, g) for g in (False, True)]
-    out += [Case("ring", "ring-nodes", "attention", "causal", 13, 13), Case("burst", "ring-nodes", "attention", "full", 13, 13, True)]
+    # the double ring: both backwards, full and causal, MHA and GQA, ragged;
+    # and the flat ring counted on the same two nodes, to compare
+    out += [Case("ring2", "ring-nodes", "attention", "causal", 13, 13), Case("ring2", "ring-nodes", "attention", "full", 13, 19, True),
+            Case("burst2", "ring-nodes", "attention", "full", 13, 13, True), Case("burst2", "ring-nodes", "attention", "causal", 16, 16),
+            Case("ring2", "ring-nodes", "sigmoid_attention", "full", 13, 13),
+            Case("ring", "flat-ring-2-nodes", "attention", "causal", 13, 13)]
     return out
 
 
@@ -200,7 +213,7 @@ def _cost(case: Case) -> dict:
     sizes = {"b": 1, "q": case.n_q, "x": case.n_x}
     sizes.update({"hk": hkv, "g": hq // hkv} if d.wire("hk") else {"h": hq})
     c = analyse(d, sizes).devices
-    back = c.burst_backward_bytes if case.scheme == "burst" else c.backward_bytes
+    back = c.burst_backward_bytes if case.scheme.startswith("burst") else c.backward_bytes
     return {"check": c.handshake_bytes, "forward": c.bytes_sent, "backward": back or 0,
             "within": c.sent_within, "across": c.sent_across}
 
@@ -218,7 +231,9 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
     elif case.scheme == "tree":
         fn, where = TreeAttention(diagram), dict(group=place)
     else:
-        fn, where = RingAttention(diagram, backward="burst" if case.scheme == "burst" else "kv"), dict(group=place)
+        fn = RingAttention(diagram, backward="burst" if case.scheme.startswith("burst") else "kv")
+        assert fn.scheme == case.scheme, (fn.scheme, case.scheme)
+        where = dict(group=place)
     train = case.scheme != "tree"
     leaves = [t.clone().requires_grad_(train) for t in (q, k, v)]
     ref_o, ref_lse = reference(case, *leaves)
@@ -286,6 +301,22 @@ def error_cases(places: dict, rank: int) -> dict:
     return out
 
 
+def emitted_double_ring() -> dict:
+    """The function a generated module holds for a ring over nodes, run for
+    real: it must run the double ring (scheme ring2) and match float64."""
+    from napkin.distributed.emit import distributed_source
+    text = diagram_text("attention", "causal", "fp64", "ring-nodes")
+    ns: dict = {}
+    exec(compile(distributed_source(napkin.load_text(text, "double.ncd")), "<emitted>", "exec"), ns)
+    q, k, v, _, _ = _inputs(Case("ring2", "ring-nodes", "attention", "causal", 13, 13))
+    name = "attention_distributed"
+    with __import__("napkin.distributed", fromlist=["CommCounter"]).CommCounter(gpus_per_node=2) as cc:
+        o, lse = ns[name](*(ns[name + "_shard"](t, None, 13, 2) for t in (q, k, v)), q_len=13, timeout=TIMEOUT)
+    ref, _ = reference(Case("ring2", "ring-nodes", "attention", "causal", 13, 13), q, k, v)
+    return {"o": _err(ns[name + "_gather"](o, None, 13, 2, TIMEOUT), ref), "scheme": ns["_distributed"]().scheme,
+            "across": cc.links("forward")[1]}
+
+
 def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -294,7 +325,7 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     three = dist.new_group([0, 1, 2])
-    places = {"ring": None, "tree4": None, "ring-nodes": None, "2x2": new_grid(2, 2),
+    places = {"ring": None, "tree4": None, "ring-nodes": None, "flat-ring-2-nodes": None, "2x2": new_grid(2, 2),
               "tree3": three if rank < 3 else "absent",
               "rows-in-nodes": new_grid(2, 2, grid_ranks(2, 2, (1, 2))),
               # the same placement, read off the diagram's mesh levels
@@ -308,6 +339,10 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
         except Exception as err:  # recorded, so one broken case does not hide the others
             results[case.name] = {"error": f"{type(err).__name__}: {err}"}
     results["errors"] = error_cases(places, rank)
+    try:
+        results["emitted"] = emitted_double_ring()
+    except Exception as err:
+        results["emitted"] = {"error": f"{type(err).__name__}: {err}"}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     try:    # leave together, so no rank is torn down while a peer still talks to it
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT))
@@ -367,13 +402,37 @@ def test_cost_pass_equals_the_counter(suite, case):
     ran = list(_ran(suite, case))
     for ph in C.PHASES:
         assert cost[ph] == max(got["counted"][ph][0] for _, got in ran), ph
-    if case.gpus_per_node:
+    if case.nodes_level:
         busiest = max(ran, key=lambda rg: (rg[1]["counted"]["forward"][0], -rg[0]))[1]
         assert [cost["within"], cost["across"]] == busiest["links"]["forward"]
 
 
 def _backward_sent(suite, case) -> int:
     return suite[0][case.name]["counted"]["backward"][0]
+
+
+def test_double_ring_moves_the_flat_rings_bytes_with_fewer_across_nodes(suite):
+    """Two nodes of two GPUs, causal MHA, 13 tokens: the double ring sends
+    exactly the flat ring's bytes, but on every rank at most one block pass
+    of the forward crosses nodes, where the flat ring's node-boundary ranks
+    send all three across."""
+    flat = Case("ring", "flat-ring-2-nodes", "attention", "causal", 13, 13)
+    double = Case("ring2", "ring-nodes", "attention", "causal", 13, 13)
+    for rank in range(WORLD):
+        f, d = suite[rank][flat.name], suite[rank][double.name]
+        for ph in ("forward", "backward"):
+            assert f["counted"][ph] == d["counted"][ph], (rank, ph)
+        block = f["counted"]["forward"][0] // 3            # P-1 = 3 passes of one K, V block
+        assert d["links"]["forward"] == [2 * block, block], rank
+        assert f["links"]["forward"] == ([3 * block, 0] if rank % 2 == 0 else [0, 3 * block]), rank
+
+
+def test_emitted_function_runs_the_double_ring(suite):
+    for rank, res in enumerate(suite):
+        got = res["emitted"]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["scheme"] == "ring2" and got["o"] <= 1e-10, (rank, got)
+        assert got["across"] > 0, rank
 
 
 def test_burst_backward_sends_less_for_multihead_and_more_for_grouped_query(suite):
@@ -489,3 +548,30 @@ def test_cp_bench_masks_and_work_counts_are_exact():
             xs = [np.concatenate([cyc.positions(i * cols + j).numpy() for i in range(rows)]) for j in range(cols)]
             brute = [[keep[np.ix_(qs[i], xs[j])].sum() for j in range(cols)] for i in range(rows)]
             assert B.grid_work(mask, n, rows, cols, block=16).tolist() == brute, (mask, rows, cols)
+
+
+def test_double_ring_schedule_visits_every_block_once():
+    """DoubleRing.origin: every rank holds every rank's blocks exactly once,
+    its own first; a flat ring (one node) holds rank r - s at step s; the
+    passes follow the links (within a round the next step's block comes
+    from the previous GPU of the node, a new round's from the previous
+    node); bench/cp_bench.py's copy of the schedule agrees."""
+    from bench import cp_bench as B
+    from napkin.distributed.groups import DoubleRing
+    for n, g in ((1, 4), (2, 2), (2, 4), (3, 2), (4, 1)):
+        p = n * g
+        for rank in range(p):
+            ring = DoubleRing(n, g, rank, None, None, None, None)
+            seen = [ring.origin(s) for s in range(p)]
+            assert sorted(seen) == list(range(p)) and seen[0] == rank, (n, g, rank, seen)
+            assert seen == [B.double_ring_origin(rank, s, (n, g)) for s in range(p)]
+            if n == 1:
+                assert seen == [(rank - s) % p for s in range(p)]
+            node, local = divmod(rank, g)
+            for s in range(1, p):
+                prev = (node * g + (local - 1) % g) if s % g else ((node - 1) % n * g + local)
+                before = DoubleRing(n, g, prev, None, None, None, None)
+                # what I hold now, my sender held one step before (or, for a
+                # new round, at the start of its previous round)
+                want = before.origin(s - 1) if s % g else before.origin(s - g)
+                assert seen[s] == want, (n, g, rank, s)

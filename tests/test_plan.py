@@ -56,11 +56,30 @@ def test_two_level_placements_are_enumerated_and_emitted():
         text = to_text(d)
         again = napkin.load_text(text, "emitted.ncd")
         r = roles(again)
-        want = "ring" if option.scheme == "burst" else option.scheme
-        assert r.scheme == (want, option.grid), option.label
+        if option.scheme in ("ring2", "burst2"):   # a double ring: a ring of N*G over a nodes level
+            assert r.scheme == ("ring", (16,)) and r.per_node == (8,), option.label
+        else:
+            want = "ring" if option.scheme == "burst" else option.scheme
+            assert r.scheme == (want, option.grid), option.label
         rep = analyse(again, dict(GQA, q=8192, x=8192)).devices
         assert rep.bytes_sent == option.forward_bytes, option.label
-        assert rep.gpus_per_node == 8
+        # the backward is the wrapper's choice: the diagram's report is Ring's
+        assert rep.scheme == option.scheme.replace("burst", "ring"), option.label
+        if option.scheme not in ("ring", "burst"):   # a flat ring's diagram does not say where nodes are
+            assert rep.gpus_per_node == 8, option.label
+    assert {"ring2", "burst2"} <= {o.scheme for o in options}
+
+
+def test_double_ring_beats_the_flat_ring_across_nodes():
+    """Same bytes, but only N-1 of the P-1 block passes wait on InfiniBand:
+    the double ring is predicted faster and its busiest GPU sends fewer
+    bytes across nodes."""
+    sizes = dict(MHA, q=32768, x=32768)
+    options = {o.scheme: o for o in P.plan(load("attention"), 32, sizes, gpus_per_node=8)}
+    flat, double = options["ring"], options["ring2"]
+    assert double.forward_bytes == flat.forward_bytes and double.backward_bytes == flat.backward_bytes
+    assert double.total_s < flat.total_s
+    assert double.across_bytes < flat.across_bytes
 
 
 def test_forward_only_plan_offers_the_tree_and_no_burst():

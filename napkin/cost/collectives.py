@@ -21,6 +21,19 @@ The schemes (napkin/distributed/ runs each one):
   accumulator dQ follows it (P passes).  It moves h_q-sized rows where Ring
   moves h_kv-sized ones, so it wins under multi-head attention and loses
   under grouped-query attention.
+* ``ring2`` and ``burst2``: the same two backwards on a double ring (a
+  topology-aware, two-level ring; LoongTrain's double-ring attention) over
+  N nodes of G GPUs, grid (N, G), rank n*G + l.  Blocks go round each node's
+  inner ring of G over NVLink (G-1 passes a round); at the start of each of
+  the N rounds every GPU also sends the block it started the round with to
+  the same GPU of the next node over InfiniBand (N-1 passes), hidden behind
+  the whole round's G compute steps.  The accumulators follow their blocks
+  round the node (G-1 inner passes a round); where a round's chain ends the
+  GPU adds what the previous node summed for the same block and sends the
+  total to the same GPU of the next node (N-1 outer passes), and after the
+  last round one ``home`` pass (to the next GPU of the next node) brings
+  every accumulator home.  The bytes are a flat ring's; only N-1 of the P-1
+  block passes and N of the P accumulator passes cross nodes.
 * ``tree``: decoding.  Every device holds every query; the keys are dealt
   contiguously; the partial states (O, lse) are merged by a butterfly
   (recursive doubling): log2 P rounds, each an exchange with the partner
@@ -45,7 +58,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-SCHEMES = ("attention2d", "ring", "burst", "tree")
+SCHEMES = ("attention2d", "ring", "burst", "ring2", "burst2", "tree")
+RINGS = ("ring", "burst", "ring2", "burst2")
+TWO_D = ("attention2d", "ring2", "burst2")   # schemes whose grid has two numbers
 PHASES = ("check", "forward", "backward")
 
 # The shape handshake: one int64 vector per rank (napkin/distributed/groups.py,
@@ -125,7 +140,7 @@ def layout_rows(scheme: str, parts: int, length: int) -> int:
     """Rows every part holds, padding included: zigzag for the ring schemes
     (2P chunks, two each), cyclic for ATTENTION2D, contiguous for the tree's
     keys."""
-    if scheme in ("ring", "burst"):
+    if scheme in RINGS:
         return 2 * ceil_div(length, 2 * parts)
     return ceil_div(length, parts)
 
@@ -144,7 +159,7 @@ class Term:
     fold and unfold go one way)."""
 
     what: str
-    group: str          # "row", "column", "ring", "all", "fold", "unfold", "round K"
+    group: str          # "row", "column", "ring", "inner", "outer", "home", "all", "fold", "unfold", "round K"
     kind: str
     steps: int
     nbytes: int
@@ -157,14 +172,14 @@ class Term:
 
 
 def parts_of(scheme: str, grid: Sequence[int]) -> int:
-    return grid[0] * grid[1] if scheme == "attention2d" else grid[0]
+    return grid[0] * grid[1] if scheme in TWO_D else grid[0]
 
 
 def _grid(scheme: str, grid) -> tuple[int, ...]:
     grid = (grid,) if isinstance(grid, int) else tuple(grid)
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
-    if len(grid) != (2 if scheme == "attention2d" else 1) or min(grid) < 1:
+    if len(grid) != (2 if scheme in TWO_D else 1) or min(grid) < 1:
         raise ValueError(f"bad grid {grid} for {scheme}")
     return grid
 
@@ -196,20 +211,32 @@ def terms(scheme: str, grid, moved: Moved, phase: str = "forward", part: int = 0
                         nq * sum(w for w, _ in m.query) * m.state),
                    Term("dK, dV (reduce-scatter)", "column", "collective", r - 1,
                         nx * sum(w for w, _ in m.keys) * m.state)]
-    elif scheme in ("ring", "burst"):
-        p = grid[0]
+    elif scheme in RINGS:
+        # a flat ring of P is a double ring of one node: every pass is inner
+        n, g = grid if scheme in TWO_D else (1, grid[0])
+        inner, outer = ("inner", "outer") if scheme in TWO_D else ("ring", "ring")
+        p = n * g
         nq, nx = layout_rows(scheme, p, m.q_len), layout_rows(scheme, p, m.x_len)
+        if scheme in ("ring", "ring2"):
+            blocks, block = "K, V", nx * m.key_row
+            acc, acc_block = "dK, dV", nx * sum(w for w, _ in m.keys) * m.state
+        else:
+            blocks, block = "Q, dO" + (", lse, delta" if m.stats else ""), nq * m.backward_query_row
+            acc, acc_block = "dQ", nq * sum(w for w, _ in m.query) * m.state
         if phase == "check":
             out = [Term("shapes", "all", "collective", p - 1, META_BYTES)]
         elif phase == "forward":
-            out = [Term("K, V", "ring", "pass", p - 1, nx * m.key_row)]
-        elif scheme == "ring":
-            out = [Term("K, V", "ring", "pass", p - 1, nx * m.key_row),
-                   Term("dK, dV", "ring", "pass", p, nx * sum(w for w, _ in m.keys) * m.state)]
+            out = [Term("K, V", inner, "pass", n * (g - 1), nx * m.key_row),
+                   Term("K, V", outer, "pass", n - 1, nx * m.key_row)]
         else:
-            out = [Term("Q, dO" + (", lse, delta" if m.stats else ""), "ring", "pass", p - 1,
-                        nq * m.backward_query_row),
-                   Term("dQ", "ring", "pass", p, nq * sum(w for w, _ in m.query) * m.state)]
+            out = [Term(blocks, inner, "pass", n * (g - 1), block),
+                   Term(blocks, outer, "pass", n - 1, block)]
+            if scheme in TWO_D:
+                out += [Term(acc, "inner", "pass", n * (g - 1), acc_block),
+                        Term(acc, "outer", "pass", n - 1, acc_block),
+                        Term(acc, "home", "pass", 1, acc_block)]
+            else:
+                out.append(Term(acc, "ring", "pass", p if p > 1 else 0, acc_block))
     else:
         out = _tree_terms(grid[0], m, phase, part)
     return [t for t in out if t.steps > 0]
@@ -271,6 +298,12 @@ class Placement:
         g = self.gpus_per_node
         if g is not None and g < 1:
             raise ValueError(f"gpus per node must be positive, not {g}")
+        if self.scheme in ("ring2", "burst2"):
+            # a double ring's grid is (nodes, GPUs per node): it places itself
+            if g is not None and g != self.grid[1]:
+                raise ValueError(f"a double ring of {self.grid[0]} x {self.grid[1]} needs {self.grid[1]} GPUs "
+                                 f"per node, not {g}")
+            object.__setattr__(self, "gpus_per_node", self.grid[1])
         if self.block is not None:
             dr, dc = self.block
             r, c = self.grid
@@ -314,6 +347,11 @@ class Placement:
             return [ii * c + j for ii in range(r) if ii != i]
         if group == "ring":
             return [(part + 1) % p]
+        if group in ("inner", "outer", "home"):
+            n, g = self.grid
+            node, local = divmod(part, g)
+            step = {"inner": (0, 1), "outer": (1, 0), "home": (1, 1)}[group]
+            return [(node + step[0]) % n * g + (local + step[1]) % g]
         low = 1 << (p.bit_length() - 1)
         if group in ("fold", "unfold"):
             return [part - low if part >= low else part + low]
@@ -326,6 +364,11 @@ class Placement:
         previous device; every other group is symmetric)."""
         if group == "ring":
             return [(part - 1) % self.parts]
+        if group in ("inner", "outer", "home"):
+            n, g = self.grid
+            node, local = divmod(part, g)
+            step = {"inner": (0, 1), "outer": (1, 0), "home": (1, 1)}[group]
+            return [(node - step[0]) % n * g + (local - step[1]) % g]
         return self.peers(group, part)
 
 
@@ -420,29 +463,58 @@ def scheme_seconds(placement: Placement, moved: Moved, links: Links, forward_ste
     ATTENTION2D and the tree do not overlap (communication, then compute:
     the paper's faster no-overlap variant).  The ring schemes overlap every
     step's compute with the pass that brings the next step's blocks and with
-    the accumulator pass of the previous step; the last accumulator pass
-    (bringing dK, dV or dQ home) is not hidden."""
+    the accumulator pass of the previous step; a double ring also overlaps
+    each round's outer pass with the whole round.  The last accumulator
+    passes (bringing dK, dV or dQ home) are not hidden."""
     scheme = placement.scheme
     fwd_comm = phase_seconds(placement, moved, "forward", links)
     bwd_comm = phase_seconds(placement, moved, "backward", links) if backward_steps is not None else {}
     fc, bc = sum(fwd_comm.values()), sum(bwd_comm.values())
     f_compute = sum(forward_steps)
     b_compute = sum(backward_steps) if backward_steps is not None else 0.0
-    if scheme not in ("ring", "burst"):
+    if scheme not in RINGS:
         fwd = fc + f_compute
         bwd = bc + b_compute if backward_steps is not None else 0.0
         return Timing(fwd, bwd, fc, bc, f_compute, b_compute)
-    p = placement.grid[0]
+    n, g = placement.grid if scheme in TWO_D else (1, placement.grid[0])
+    p = n * g
     if len(forward_steps) != p or (backward_steps is not None and len(backward_steps) != p):
         raise ValueError(f"a ring of {p} needs {p} compute steps")
-    move = fc / max(p - 1, 1)                         # one pass of K, V
-    fwd = sum(max(c, move if s < p - 1 else 0.0) for s, c in enumerate(forward_steps))
+    fwd = _ring_seconds(n, g, forward_steps, _per_pass(placement, moved, "forward", fwd_comm))
     bwd = 0.0
     if backward_steps is not None:
-        items = sorted(bwd_comm.items())
-        blocks = sum(v for k, v in items if not k.startswith(("dK", "dQ"))) / max(p - 1, 1)
-        acc = sum(v for k, v in items if k.startswith(("dK", "dQ"))) / p
-        for s, c in enumerate(backward_steps):
-            bwd += max(c, (blocks if s < p - 1 else 0.0) + (acc if s > 0 else 0.0))
-        bwd += acc
+        bwd = _ring_seconds(n, g, backward_steps, _per_pass(placement, moved, "backward", bwd_comm))
     return Timing(fwd, bwd, fc, bc, f_compute, b_compute)
+
+
+def _per_pass(placement: Placement, moved: Moved, phase: str, seconds: dict[str, float]) -> dict:
+    """Seconds of one pass of each ring term, keyed (blocks or accumulators,
+    link group); a flat ring's passes are all "ring"."""
+    out = {}
+    for t in terms(placement.scheme, placement.grid, moved, phase):
+        out[(t.what.startswith(("dK", "dQ")), t.group)] = seconds[f"{t.what} [{t.group}]"] / t.steps
+    return out
+
+
+def _ring_seconds(n: int, g: int, steps: Sequence[float], per_pass: dict) -> float:
+    """A ring's time, round by round (a flat ring: one round of P steps).
+    Step i of a round takes the longer of its compute and its inner link's
+    work: the pass bringing the next block (not after the round's last
+    step) and the accumulator pass started at the previous step (not at the
+    round's first step: each round starts new chains).  A round takes the
+    longer of its steps and its outer link's work: the next round's block
+    and the previous round's accumulator totals.  Then the home pass, which
+    nothing hides."""
+    flat = n == 1
+    inner_block = per_pass.get((False, "ring" if flat else "inner"), 0.0)
+    inner_acc = per_pass.get((True, "ring" if flat else "inner"), 0.0)
+    outer_block, outer_acc = per_pass.get((False, "outer"), 0.0), per_pass.get((True, "outer"), 0.0)
+    home = inner_acc if flat else per_pass.get((True, "home"), 0.0)
+    total = 0.0
+    for o in range(n):
+        round_s = 0.0
+        for i in range(g):
+            link = (inner_block if i < g - 1 else 0.0) + (inner_acc if i > 0 else 0.0)
+            round_s += max(steps[o * g + i], link)
+        total += max(round_s, (outer_block if o < n - 1 else 0.0) + (outer_acc if o > 0 else 0.0))
+    return total + home

@@ -188,7 +188,8 @@ def moved(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]]) -> C.Moved:
     return C.Moved(size(r.query), size(r.key), query, keys, width(o.axes, r.query), query[0][1], stats, state)
 
 
-_COLLECTIVE = {"row": "all-gather", "column": "all-gather", "ring": "ring pass"}
+_COLLECTIVE = {"row": "all-gather", "column": "all-gather", "ring": "ring pass",
+               "inner": "ring pass (in node)", "outer": "ring pass (to next node)"}
 
 
 def _row(term: C.Term, sym: C.Term, r, placement: C.Placement, dtype: str) -> CommRow:
@@ -214,7 +215,10 @@ def _placement(diagram: ir.Diagram, r) -> C.Placement:
         return C.Placement(scheme, grid, p if p <= NVLINK_DOMAIN else 1)
     if scheme == "attention2d":
         return C.Placement(scheme, grid, block=r.per_node)
-    return C.Placement(scheme, grid, r.per_node[0])
+    g = r.per_node[0]
+    if scheme == "ring" and g < p:          # a ring over nodes: the double ring (ring.py)
+        return C.Placement("ring2", (p // g, g))
+    return C.Placement(scheme, grid, g)
 
 
 def _link_name(placement: C.Placement) -> tuple[str, str]:
@@ -268,8 +272,8 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) ->
     if scheme != "tree":
         out["backward_bytes"] = most([t.sent for t in C.traffic(placement, num, "backward")])
         out["backward_time_s"] = sum(C.phase_seconds(placement, num, "backward", links).values())
-    if scheme == "ring":
-        burst = C.Placement("burst", placement.grid, placement.gpus_per_node)
+    if scheme in ("ring", "ring2"):
+        burst = C.Placement(scheme.replace("ring", "burst"), placement.grid, placement.gpus_per_node)
         out["burst_backward_bytes"] = most([t.sent for t in C.traffic(burst, num, "backward")])
         out["burst_backward_time_s"] = sum(C.phase_seconds(burst, num, "backward", links).values())
     time = sum(C.phase_seconds(placement, num, "forward", links).values())

@@ -11,7 +11,7 @@ from .commcount import phase
 from .layouts import TokenLayout
 from .local import Roles
 
-SCHEME_CODES = {"attention2d": 1, "ring": 2, "burst": 3, "tree": 4}
+SCHEME_CODES = {"attention2d": 1, "ring": 2, "burst": 3, "tree": 4, "ring2": 5, "burst2": 6}
 
 
 def split_side(r: Roles, side: dict) -> dict:

@@ -53,7 +53,7 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
         fn = Attention2D(diagram)
     else:
         fn = RingAttention(diagram, backward=a.backward)
-        scheme = fn.scheme              # "ring" or "burst", as the byte model names them
+        scheme = fn.scheme              # "ring", "burst", "ring2" or "burst2", as the byte model names them
     r = fn.roles
     per_node = fn.roles.per_node
     if scheme == "attention2d":
@@ -72,6 +72,8 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
             raise SystemExit(f"{a.diagram} asks for a ring of {fn.ring_size}: run with "
                              f"--nproc-per-node {fn.ring_size}, not {world}")
         place, where, grid = None, {}, (world,)
+        if fn.per_node:                 # a double ring: the byte model's grid is (nodes, GPUs per node)
+            grid = (world // fn.per_node, fn.per_node)
 
     # the same full inputs on every rank, from the seed
     gen = torch.Generator().manual_seed(a.seed)
@@ -120,7 +122,9 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
         err_o = (o_full.cpu().double() - ref_o.detach()).abs().max().item()
         err_dq = (dq_full.cpu().double() - leaves[0].grad).abs().max().item()
         title = {"attention2d": "ATTENTION2D", "ring": "Ring Attention",
-                 "burst": "Ring Attention with BurstAttention's backward"}[scheme]
+                 "burst": "Ring Attention with BurstAttention's backward",
+                 "ring2": "Ring Attention, double ring", "burst2": "Ring Attention, double ring, "
+                 "BurstAttention's backward"}[scheme]
         print(f"{title}: {a.diagram}, {world} ranks, grid {'x'.join(map(str, grid))}, "
               f"{a.tokens} tokens, {a.dtype}, backend {dist.get_backend()}")
         print(f"max |O - reference|   = {err_o:.3e}")

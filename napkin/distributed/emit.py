@@ -3,8 +3,8 @@
 ``distributed_source(diagram)`` returns Python text to append to the module
 napkin.codegen writes for a diagram with a devices level: a function
 ``NAME_distributed(Q, K, V, mesh, *, q_len, ...)`` (ATTENTION2D; for Ring
-Attention and decoding the second-to-last argument is a process group,
-default the world) plus ``NAME_distributed_shard`` and
+Attention, its double ring over nodes, and decoding the argument after the
+tokens is a process group, default the world) plus ``NAME_distributed_shard`` and
 ``NAME_distributed_gather``.
 The text is deterministic: the same diagram gives the same bytes.
 """
@@ -39,6 +39,10 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
             "ring": ("Ring Attention", "RingAttention", "zigzag", f", a ring of {grid[0]}"),
             "tree": ("Decoding (tree merge)", "TreeAttention", "contiguous",
                      f", keys over {grid[0]} devices; queries whole on every rank")}[scheme]
+    if scheme == "ring" and r.per_node is not None and r.per_node[0] < grid[0]:
+        g = r.per_node[0]
+        kind = ("Ring Attention (double ring)", "RingAttention", "zigzag",
+                f", {grid[0] // g} nodes x {g} GPUs")
     group = scheme != "attention2d"
     side = list(r.side)
     ctx = dict(

@@ -138,6 +138,55 @@ def as_ring(group=None) -> Ring:
                 dist.get_global_rank(pg, (rank - 1) % size))
 
 
+@dataclass(frozen=True)
+class DoubleRing:
+    """A ring of P = N * G ranks seen as N nodes of G GPUs (group rank
+    n*G + l is GPU l of node n): ``inner`` runs round this node's G GPUs
+    (NVLink), ``outer`` joins GPU l of every node (InfiniBand), and ``home``
+    goes to the next GPU of the next node (the accumulators' last hop).  A
+    flat ring is the double ring of one node (N = 1, G = P)."""
+
+    nodes: int
+    per_node: int
+    rank: int          # in the group
+    group: Any
+    inner: Ring
+    outer: Ring
+    home: Ring
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.per_node
+
+    def origin(self, step: int) -> int:
+        """The group rank whose blocks this rank holds at ``step`` of the
+        double ring's schedule: step o*G + i is step i of round o, and in
+        round o a GPU works through the blocks of the node o before it."""
+        o, i = divmod(step, self.per_node)
+        node, local = divmod(self.rank, self.per_node)
+        return (node - o) % self.nodes * self.per_node + (local - i) % self.per_node
+
+
+def as_double_ring(group=None, per_node: Optional[int] = None) -> DoubleRing:
+    """The double ring over a process group (None: the default group) or a
+    1-D DeviceMesh, ``per_node`` GPUs per node (None: one node)."""
+    ring = as_ring(group)
+    g = ring.size if per_node is None else per_node
+    if g < 1 or ring.size % g:
+        raise ValueError(f"a ring of {ring.size} ranks does not split into nodes of {g} GPUs")
+    n = ring.size // g
+    node, local = divmod(ring.rank, g)
+
+    def glob(r: int) -> int:
+        return dist.get_global_rank(ring.group, r)
+
+    def hop(dn: int, dl: int) -> Ring:
+        return Ring(ring.size, ring.rank, ring.group, glob((node + dn) % n * g + (local + dl) % g),
+                    glob((node - dn) % n * g + (local - dl) % g))
+
+    return DoubleRing(n, g, ring.rank, ring.group, hop(0, 1), hop(1, 0), hop(1, 1))
+
+
 # --------------------------------------------------------------------------
 # Collectives with deadlines.  Tensors are exchanged token-dimension first.
 # --------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def predicted_time(scheme: str, grid, sizes: dict, cluster: Cluster, *, dtype: s
     devices = placement.parts
     flops = 4 * sizes["b"] * sizes["q"] * sizes.get("x", sizes["q"]) * sizes["hq"] * sizes["d"] / devices
     flops *= 0.5 if causal else 1.0
-    steps = devices if scheme in ("ring", "burst") else 1
+    steps = devices if scheme in C.RINGS else 1
     fwd = [flops / steps / (peak * FWD_EFFICIENCY)] * steps
     bwd = [BWD_FLOP_FACTOR * flops / steps / (peak * BWD_EFFICIENCY)] * steps if backward else None
     t = C.scheme_seconds(placement, C.Moved.attention(sizes, dtype), links, fwd, bwd)

@@ -23,6 +23,17 @@ scalars) where Ring moves two h_kv-sized rows, so it sends less under
 multi-head attention and more under grouped-query attention
 (napkin/cost/collectives.py has the exact counts, which the tests check).
 
+Topology-aware: a diagram with a nodes level (``level nodes { group q
+across N; stream x across N }`` above ``level devices { ... across G }``)
+runs a double ring (LoongTrain's double-ring attention): the P = N * G
+steps are N rounds of G.  In a round the blocks go round the node's G GPUs
+(NVLink) and, from the round's first step, the block a GPU started the
+round with travels to the same GPU of the next node (InfiniBand), so each
+InfiniBand pass has a whole round of compute to hide behind and only N-1 of
+the P-1 passes cross nodes.  Accumulators go round the node (G passes), then
+one hop to the next node per round (N in all), and so come home.  A flat
+ring is the double ring of one node: the code is the same.
+
 Either way an accumulator pass is started as soon as the step's share is
 added and waited for only after the next step's computation, so it overlaps
 that computation; the local backward is the same as ATTENTION2D's, given the
@@ -71,9 +82,18 @@ class RingAttention:
         self.backward = backward
 
     @property
+    def per_node(self) -> Optional[int]:
+        """GPUs per node of the double ring (None: a flat ring): from the
+        diagram's devices level under a nodes level that splits the ring."""
+        per = self.roles.per_node
+        if per is None or self.ring_size is None or per[0] >= self.ring_size:
+            return None
+        return per[0]
+
+    @property
     def scheme(self) -> str:
         """The name napkin/cost/collectives.py knows this wrapper by."""
-        return "ring" if self.backward == "kv" else "burst"
+        return ("ring" if self.backward == "kv" else "burst") + ("2" if self.per_node else "")
 
     @property
     def ring_size(self) -> Optional[int]:
@@ -85,7 +105,7 @@ class RingAttention:
 
     def __call__(self, *tokens, group=None, q_len: int, x_len: Optional[int] = None,
                  timeout: float = G.DEFAULT_TIMEOUT, **side):
-        ring = G.as_ring(group)
+        ring = G.as_double_ring(group, self.per_node)
         if self.ring_size is not None and self.ring_size != ring.size:
             raise ValueError(f"the diagram asks for a ring of {self.ring_size}, got {ring.size} ranks")
         side = split_side(self.roles, side)
@@ -108,13 +128,14 @@ class RingAttention:
 
 
 class _Call:
-    def __init__(self, fn: RingAttention, ring: G.Ring, ql: TokenLayout, xl: TokenLayout, timeout, side):
+    def __init__(self, fn: RingAttention, ring: G.DoubleRing, ql: TokenLayout, xl: TokenLayout, timeout, side):
         self.fn, self.ring, self.ql, self.xl, self.timeout, self.side = fn, ring, ql, xl, timeout, side
         self.my_q = ql.positions(ring.rank)
 
     def x_pos(self, step: int) -> torch.Tensor:
-        """Positions of the keys held at ``step``: those of rank r - step."""
-        return self.xl.positions((self.ring.rank - step) % self.ring.size)
+        """Positions of the keys held at ``step`` (a flat ring: those of rank
+        r - step)."""
+        return self.xl.positions(self.ring.origin(step))
 
     def lens(self):
         return dict(q_len=self.ql.length, x_len=self.xl.length)
@@ -134,16 +155,13 @@ class _Function(torch.autograd.Function):
         names = ", ".join(n for k, n in enumerate(r.tokens) if not r.is_query(k))
         out = lse = None
         with phase("forward"):
-            for step in range(ring.size):
-                moving = G.RingPass(keys, ring, call.timeout, names) if step < ring.size - 1 else None
-                o, l = call.fn.local(*_assemble(r, tokens, keys), q_pos=call.my_q, x_pos=call.x_pos(step),
+            for step, held in _visit(ring, keys, call.timeout, names):
+                o, l = call.fn.local(*_assemble(r, tokens, held), q_pos=call.my_q, x_pos=call.x_pos(step),
                                      **call.lens(), **call.side)
                 if out is None:
                     out, lse = o, l
                 else:
                     out, lse = merge([out, o], None if l is None else [lse, l])
-                if moving is not None:
-                    keys = moving.wait()
         return save_and_show(ctx, call, tokens, out, lse)
 
     @staticmethod
@@ -165,25 +183,64 @@ class _Function(torch.autograd.Function):
         return (None, *[g.to(t.dtype) for g, t in zip(grads_out, tokens)])
 
 
+def _visit(ring: G.DoubleRing, blocks: list[torch.Tensor], timeout: float, what: str):
+    """Yield (step, the blocks held at that step) for the P steps of the
+    (double) ring.  Each pass is started before the step's computation (the
+    consumer's work between two yields) and waited for after it; a round's
+    outer pass is started before its first step and waited for after its
+    last, so it overlaps the whole round."""
+    n, g = ring.nodes, ring.per_node
+    for o in range(n):
+        outer = G.RingPass(blocks, ring.outer, timeout, f"{what} (to the next node)",
+                           first_tag=2 * G.MAX_TENSORS) if o < n - 1 else None
+        held = blocks
+        for i in range(g):
+            inner = G.RingPass(held, ring.inner, timeout, what) if i < g - 1 else None
+            yield o * g + i, held
+            if inner is not None:
+                held = inner.wait()
+        if outer is not None:
+            blocks = outer.wait()
+
+
 class _Accumulators:
-    """Gradient accumulators that follow their blocks round the ring.
+    """Gradient accumulators that follow their blocks round the (double) ring.
 
-    At step s the device adds its share to the accumulator of the block it
-    holds, which arrives from the previous device during the step's
-    computation, and sends the sum on; after the last step one more pass
-    brings every accumulator home.  ``add`` waits for the incoming one only
-    after the computation, so the pass overlaps it."""
+    At step i of a round the device adds its share to the accumulator of the
+    block it holds, which arrived from the previous GPU of the node during
+    the step's computation, and sends the sum on.  Where a round's chain
+    ends (its last step) the GPU adds what the previous node summed for the
+    same block, which has had the whole round to arrive, and sends the total
+    to the same GPU of the next node; after the last round the ``home`` hop
+    (next node, next GPU) brings every accumulator to the GPU its block
+    lives on.  On a flat ring (one node) that is the plain ring's chain and
+    its last pass home."""
 
-    def __init__(self, ring: G.Ring, timeout: float, what: str):
+    def __init__(self, ring: G.DoubleRing, timeout: float, what: str):
         self.ring, self.timeout, self.what = ring, timeout, what
-        self.moving: Optional[G.RingPass] = None
+        self.inner: Optional[G.RingPass] = None      # this round's chain, on its way round the node
+        self.outer: Optional[G.RingPass] = None      # a round's totals, on their way to the next node
+        self.single: Optional[list[torch.Tensor]] = None    # a ring of one: nothing moves
 
-    def add(self, share: list[torch.Tensor]) -> None:
-        acc = share if self.moving is None else [a + b for a, b in zip(self.moving.wait(), share)]
-        self.moving = G.RingPass(acc, self.ring, self.timeout, self.what, first_tag=G.MAX_TENSORS)
+    def add(self, step: int, share: list[torch.Tensor]) -> None:
+        ring = self.ring
+        o, i = divmod(step, ring.per_node)
+        acc = share if i == 0 else [a + b for a, b in zip(self.inner.wait(), share)]
+        if i < ring.per_node - 1:
+            self.inner = G.RingPass(acc, ring.inner, self.timeout, self.what, first_tag=G.MAX_TENSORS)
+            return
+        if self.outer is not None:
+            acc = [a + b for a, b in zip(self.outer.wait(), acc)]
+        if ring.size == 1:
+            self.single = acc
+            return
+        last = o == ring.nodes - 1
+        self.outer = G.RingPass(acc, ring.home if last else ring.outer, self.timeout,
+                                f"{self.what} ({'home' if last else 'to the next node'})",
+                                first_tag=3 * G.MAX_TENSORS)
 
     def home(self) -> list[torch.Tensor]:
-        return self.moving.wait()
+        return self.single if self.ring.size == 1 else self.outer.wait()
 
 
 def _backward_kv(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
@@ -193,27 +250,20 @@ def _backward_kv(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
     knames = ", ".join(nm for k, nm in enumerate(r.tokens) if not r.is_query(k))
     dq = None
     acc = _Accumulators(ring, call.timeout, f"gradients of {knames}")
-    for step in range(ring.size):
-        moving = G.RingPass(keys, ring, call.timeout, knames) if step < ring.size - 1 else None
-        parts = call.fn.local_backward(*_assemble(r, tokens, keys), q_pos=call.my_q, x_pos=call.x_pos(step),
+    for step, held in _visit(ring, keys, call.timeout, knames):
+        parts = call.fn.local_backward(*_assemble(r, tokens, held), q_pos=call.my_q, x_pos=call.x_pos(step),
                                        **call.lens(), dO=dO, lse=lse, delta=delta, **call.side)
         pq = [p for k, p in enumerate(parts) if r.is_query(k)]
         dq = pq if dq is None else [a + b for a, b in zip(dq, pq)]
-        if ring.size > 1:
-            acc.add([p for k, p in enumerate(parts) if not r.is_query(k)])
-        else:
-            dkeys = [p for k, p in enumerate(parts) if not r.is_query(k)]
-        if moving is not None:
-            keys = moving.wait()
-    dkeys = acc.home() if ring.size > 1 else dkeys
-    iq, ik = iter(dq), iter(dkeys)
+        acc.add(step, [p for k, p in enumerate(parts) if not r.is_query(k)])
+    iq, ik = iter(dq), iter(acc.home())
     return [next(iq) if r.is_query(k) else next(ik) for k in range(len(tokens))]
 
 
 def _backward_burst(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
     """BurstAttention's backward: the query side (Q, dO, lse, delta) and its
     accumulator dQ circulate; K, V stay and dK, dV accumulate locally.  At
-    step s the device holds the query rows of rank r - s."""
+    each step the device holds the query rows of ``ring.origin(step)``."""
     r, ring = call.fn.roles, call.ring
     bundle = [t for k, t in enumerate(tokens) if r.is_query(k)] + [dO]
     if lse is not None:
@@ -224,23 +274,15 @@ def _backward_burst(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
     my_x = call.xl.positions(ring.rank)
     dkeys = None
     acc = _Accumulators(ring, call.timeout, f"gradients of {qnames}")
-    for step in range(ring.size):
-        moving = G.RingPass(bundle, ring, call.timeout, what) if step < ring.size - 1 else None
-        it = iter(bundle[:nq])
+    for step, held in _visit(ring, bundle, call.timeout, what):
+        it = iter(held[:nq])
         args = [next(it) if r.is_query(k) else t for k, t in enumerate(tokens)]
-        q_pos = call.ql.positions((ring.rank - step) % ring.size)
-        parts = call.fn.local_backward(*args, q_pos=q_pos, x_pos=my_x, **call.lens(), dO=bundle[nq],
-                                       lse=bundle[nq + 1] if lse is not None else None,
-                                       delta=bundle[nq + 2] if lse is not None else None, **call.side)
+        parts = call.fn.local_backward(*args, q_pos=call.ql.positions(ring.origin(step)), x_pos=my_x,
+                                       **call.lens(), dO=held[nq],
+                                       lse=held[nq + 1] if lse is not None else None,
+                                       delta=held[nq + 2] if lse is not None else None, **call.side)
         pk = [p for k, p in enumerate(parts) if not r.is_query(k)]
         dkeys = pk if dkeys is None else [a + b for a, b in zip(dkeys, pk)]
-        pq = [p for k, p in enumerate(parts) if r.is_query(k)]
-        if ring.size > 1:
-            acc.add(pq)
-        else:
-            dq = pq
-        if moving is not None:
-            bundle = moving.wait()
-    dq = acc.home() if ring.size > 1 else dq
-    iq, ik = iter(dq), iter(dkeys)
+        acc.add(step, [p for k, p in enumerate(parts) if r.is_query(k)])
+    iq, ik = iter(acc.home()), iter(dkeys)
     return [next(iq) if r.is_query(k) else next(ik) for k in range(len(tokens))]
