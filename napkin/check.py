@@ -161,19 +161,23 @@ class _Checker:
 
     def check_layouts(self) -> None:
         for tensor in self.d.inputs + self.d.lets:
-            self.check_wire_list(ir.axis_wires(tensor.axes), tensor.loc, f"the layout of {tensor.name}")
+            self.check_wire_list(ir.axis_wires(tensor.axes), tensor.loc, f"the layout of {tensor.name}",
+                                 ir.layout_locs(tensor))
             if tensor.dtype is not None:
                 self.check_dtype(tensor.dtype, tensor.loc)
 
-    def check_wire_list(self, wires, loc: ir.Loc, where: str) -> bool:
-        """Unknown or repeated wires in a layout, relabel or reduction."""
+    def check_wire_list(self, wires, loc: ir.Loc, where: str, locs: tuple[ir.Loc, ...] = ()) -> bool:
+        """Unknown or repeated wires in a layout, relabel or reduction; each
+        reported at its own spot when ``locs`` (one per wire) says where that
+        is, else at ``loc``.  (Only layouts record where each wire is.)"""
         ok = True
         for i, w in enumerate(wires):
+            at = locs[i] if i < len(locs) else loc
             if w not in self.wire_names:
-                self.unknown("wire", w, loc, self.wire_names, f" in {where}")
+                self.unknown("wire", w, at, self.wire_names, f" in {where}")
                 ok = False
             elif w in wires[:i]:
-                self.err(f"wire '{w}' appears twice in {where}", loc)
+                self.err(f"wire '{w}' appears twice in {where}", at)
                 ok = False
         return ok
 
@@ -215,8 +219,11 @@ class _Checker:
             self.err(f"{let.name} declares {_layout(let.axes)} but its expression has {ws} too: "
                      f"reduce {it} (sum[{ws}](...)) or declare {it}", let.loc)
         if missing:
+            # At the first of them in the layout: that is what the hint says to drop.
             ws = ", ".join(missing)
-            self.err(f"{let.name} declares {_layout(let.axes)} but its expression has no {ws}", let.loc,
+            wires, locs = ir.axis_wires(let.axes), ir.layout_locs(let)
+            at = next(loc for w, loc in zip(wires, locs) if w in missing)
+            self.err(f"{let.name} declares {_layout(let.axes)} but its expression has no {ws}", at,
                      f"a box has exactly the wires of its expression: drop {ws} from the layout")
 
     def infer(self, e: ir.Expr) -> tuple[frozenset, str]:

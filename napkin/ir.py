@@ -7,7 +7,9 @@ tiled at each memory level.
 
 Every node is a frozen dataclass carrying its source location.  Locations
 take no part in equality (``compare=False``), so ``parse(print(ir)) == ir``
-holds even though printing moves things around.
+holds even though printing moves things around.  A layout axis is a plain
+tuple of wire names, so tensors keep where each of their layout's wires is
+written beside it (``wire_locs``), for messages about one wire.
 
 Passes never mutate these nodes; analyses return reports and rewrites return
 new nodes (``dataclasses.replace``).
@@ -33,6 +35,10 @@ NOLOC = Loc()
 
 def _loc() -> Loc:
     return field(default=NOLOC, compare=False, repr=False)
+
+
+def _locs() -> tuple:
+    return field(default=(), compare=False, repr=False)
 
 
 # --------------------------------------------------------------------------
@@ -185,12 +191,19 @@ class Wire:
 
 @dataclass(frozen=True)
 class Input:
-    """An input tensor: ``in Q[b, h, q, d] : fp16``."""
+    """An input tensor: ``in Q[b, h, q, d] : fp16``.
+
+    ``wire_locs``: where each wire of the layout is written, one per wire of
+    ``axis_wires(axes)`` (a grouped axis ``(hk g)`` gives one per wire, so a
+    message about ``g`` points at ``g``); () for a node built in code.  Read
+    it through ``layout_locs``.
+    """
 
     name: str
     axes: tuple[Axis, ...]
     dtype: str
     loc: Loc = _loc()
+    wire_locs: tuple[Loc, ...] = _locs()
 
 
 @dataclass(frozen=True)
@@ -200,7 +213,7 @@ class Let:
     ``axes`` is the declared layout of the result; the checker proves its
     wires equal the wires the expression produces.  dtype None means the
     accumulator type (fp32 by default), for outputs too: an undeclared lse is
-    fp32.
+    fp32.  ``wire_locs`` as for ``Input``.
     """
 
     name: str
@@ -208,6 +221,7 @@ class Let:
     dtype: Optional[str]
     expr: Expr
     loc: Loc = _loc()
+    wire_locs: tuple[Loc, ...] = _locs()
 
 
 @dataclass(frozen=True)
@@ -302,6 +316,16 @@ class Diagram:
 def axis_wires(axes: tuple[Axis, ...]) -> tuple[str, ...]:
     """The wires of a layout, flattened: ``(b, (hk g), q)`` -> ``(b, hk, g, q)``."""
     return tuple(w for axis in axes for w in axis)
+
+
+def layout_locs(tensor: Union[Input, Let]) -> tuple[Loc, ...]:
+    """Where each wire of a tensor's layout is written, parallel to
+    ``axis_wires(tensor.axes)``.  A node built in code (or rebuilt with other
+    axes) has no such record: every wire is then at the tensor's own loc."""
+    wires = axis_wires(tensor.axes)
+    if len(tensor.wire_locs) == len(wires):
+        return tensor.wire_locs
+    return (tensor.loc,) * len(wires)
 
 
 def children(expr: Expr) -> tuple:

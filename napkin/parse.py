@@ -7,9 +7,11 @@ fails loudly (``__default__``).  Lark's own errors are rewritten into a
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
+from typing import NamedTuple
 
 import lark
 from lark import Token, Transformer, v_args
@@ -188,6 +190,14 @@ def _number(tok: Token):
     return float(text)
 
 
+class _Layout(NamedTuple):
+    """A parsed layout: its axes and where each of their wires is written
+    (one Loc per wire, grouped axes flattened, as ``ir.Input.wire_locs``)."""
+
+    axes: tuple[ir.Axis, ...]
+    locs: tuple[ir.Loc, ...]
+
+
 def _whole(tok: Token, what: str) -> int:
     value = _number(tok)
     if not isinstance(value, int):
@@ -222,7 +232,7 @@ class _Build(Transformer):
             raise NapkinError([Diagnostic("a diagram has one schedule; this is the second",
                                           schedules[1].loc)])
         wire_names = {w.name for w in wires}
-        lets = [ir.Let(l.name, l.axes, l.dtype, _resolve(l.expr, wire_names), l.loc) for l in lets]
+        lets = [dataclasses.replace(l, expr=_resolve(l.expr, wire_names)) for l in lets]
         return ir.Diagram(str(name), tuple(wires), tuple(inputs), tuple(lets), tuple(outputs),
                           schedules[0] if schedules else None, _loc_of(name))
 
@@ -233,20 +243,21 @@ class _Build(Transformer):
         return ir.Wire(str(name), None if size is None else _whole(size, "a wire size"), _loc_of(name))
 
     def input_decl(self, meta, name, layout, dtype):
-        return ir.Input(str(name), layout, str(dtype), _loc_of(name))
+        return ir.Input(str(name), layout.axes, str(dtype), _loc_of(name), layout.locs)
 
     def layout(self, meta, *axes):
-        return tuple(axes)
+        # each axis comes as (its wires, where each of them is written)
+        return _Layout(tuple(axis for axis, _ in axes), tuple(loc for _, locs in axes for loc in locs))
 
     def single_axis(self, meta, name):
-        return (str(name),)
+        return (str(name),), (_loc_of(name),)
 
     def group_axis(self, meta, *names):
-        return tuple(str(n) for n in names)
+        return tuple(str(n) for n in names), tuple(_loc_of(n) for n in names)
 
     def let(self, meta, name, layout, *rest):
         dtype, expr = (str(rest[0]), rest[1]) if len(rest) == 2 else (None, rest[0])
-        return ir.Let(str(name), layout, dtype, expr, _loc_of(name))
+        return ir.Let(str(name), layout.axes, dtype, expr, _loc_of(name), layout.locs)
 
     def output_decl(self, meta, *names):
         return [ir.Output(str(n), _loc_of(n)) for n in names]

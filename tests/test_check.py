@@ -114,7 +114,7 @@ def test_unknown_wire_in_layout_reduction_relabel_and_tile():
                    "schedule { level smem { group qx by 16 } }\n")
     found = errors(text)
     assert [(d.message, where(d)) for d in found] == [
-        ("unknown wire 'qq' in the layout of S", pos(text, "S[")),
+        ("unknown wire 'qq' in the layout of S", pos(text, "qq")),
         ("unknown wire 'dd' in sum[dd]", pos(text, "sum[dd]")),
         ("unknown wire 'y' in K[b, h, y, d]", pos(text, "K[b, h, y")),
         ("unknown wire 'qx' in level smem", pos(text, "qx")),
@@ -146,7 +146,7 @@ def test_wire_twice_in_one_layout():
     text = HEAD + "in A[b, q, q] : fp16\nout A\n"
     d = one(text)
     assert d.message == "wire 'q' appears twice in the layout of A"
-    assert where(d) == pos(text, "A[")
+    assert where(d) == pos(text, "q] : fp16")            # the second q, not the first
 
 
 def test_one_wire_given_two_sizes_in_declarations():
@@ -243,6 +243,61 @@ def test_box_misses_a_declared_wire():
     text = HEAD + "O[b, h, q, d] = sum[d](Q)\nout O\n"
     d = one(text)
     assert d.message == "O declares [b, h, q, d] but its expression has no d"
+    assert where(d) == pos(text, "d] = ")                  # the layout's d, which the hint drops
+
+
+# ---- layout wires are reported where they are written -----------------------------
+
+def rendered(text: str) -> str:
+    """The NapkinError text napkin.load_text gives for ``text`` (t.ncd)."""
+    with pytest.raises(napkin.NapkinError) as info:
+        napkin.load_text(text, "t.ncd")
+    return str(info.value)
+
+
+def test_unknown_wire_in_an_input_layout_points_at_the_wire():
+    text = "diagram t\nwire b, h, x\nwire d = 64\nin K[b, h, x, dd] : fp16\nout K\n"
+    assert rendered(text) == """\
+t.ncd:4:15: unknown wire 'dd' in the layout of K
+    in K[b, h, x, dd] : fp16
+                  ^^
+  hint: did you mean 'd'?"""
+
+
+def test_unknown_wire_in_a_box_layout_points_at_the_wire():
+    text = HEAD + "S[b, h, qq, x] : fp16 = sum[d](Q * K)\nout S\n"
+    assert rendered(text) == """\
+t.ncd:7:9: unknown wire 'qq' in the layout of S
+    S[b, h, qq, x] : fp16 = sum[d](Q * K)
+            ^^
+  hint: did you mean 'q'?"""
+
+
+def test_unknown_wire_inside_a_grouped_axis_points_at_that_wire():
+    # One location per wire, not per group: the caret is under gg alone.
+    text = "diagram t\nwire b, hk, g, q\nin Q[b, (hk gg), q] : fp16\nout Q\n"
+    assert rendered(text) == """\
+t.ncd:3:13: unknown wire 'gg' in the layout of Q
+    in Q[b, (hk gg), q] : fp16
+                ^^
+  hint: did you mean 'g'?"""
+
+
+def test_wire_twice_across_grouped_axes_points_at_the_repeat():
+    text = "diagram t\nwire hk, g, q\nin Q[(hk g), (g q)] : fp16\nout Q\n"
+    assert rendered(text) == """\
+t.ncd:3:15: wire 'g' appears twice in the layout of Q
+    in Q[(hk g), (g q)] : fp16
+                  ^"""
+
+
+def test_layout_locations_fall_back_to_the_tensor_for_built_nodes():
+    # A node built in code records no wire locations: messages stay at its name.
+    loc = ir.Loc(3, 4, 3, 5)
+    d = ir.Diagram("t", (ir.Wire("q"),), (ir.Input("A", (("q",), ("zz",)), "fp16", loc),), (),
+                   (ir.Output("A"),))
+    assert [(e.message, e.loc) for e in check(d)] == [("unknown wire 'zz' in the layout of A", loc)]
+    assert ir.layout_locs(d.inputs[0]) == (loc, loc)
 
 
 def test_grouped_axis_layout_is_its_wires():

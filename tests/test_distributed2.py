@@ -158,6 +158,7 @@ def cases() -> list[Case]:
     # and the flat ring counted on the same two nodes, to compare
     out += [Case("ring2", "ring-nodes", "attention", "causal", 13, 13), Case("ring2", "ring-nodes", "attention", "full", 13, 19, True),
             Case("burst2", "ring-nodes", "attention", "full", 13, 13, True), Case("burst2", "ring-nodes", "attention", "causal", 16, 16),
+            Case("ring2", "ring-nodes", "attention", "causal", 13, 13, True), Case("burst2", "ring-nodes", "attention", "causal", 13, 19, True),
             Case("ring2", "ring-nodes", "sigmoid_attention", "full", 13, 13),
             Case("ring", "flat-ring-2-nodes", "attention", "causal", 13, 13)]
     return out

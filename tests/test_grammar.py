@@ -205,6 +205,18 @@ def test_locations():
     assert (d.outputs[0].loc.line, d.outputs[0].loc.col) == (5, 7)
 
 
+def test_layout_wire_locations():
+    # One location per wire, grouped axes flattened, each spanning its name.
+    d = parse("diagram loc\nwire b, hk, g, q\nin Q[b, (hk g), q] : fp16\n  S[q, b] = 1")
+    assert d.inputs[0].wire_locs == (ir.Loc(3, 6, 3, 7), ir.Loc(3, 10, 3, 12), ir.Loc(3, 13, 3, 14),
+                                     ir.Loc(3, 17, 3, 18))
+    assert d.lets[0].wire_locs == (ir.Loc(4, 5, 4, 6), ir.Loc(4, 8, 4, 9))
+    assert ir.layout_locs(d.lets[0]) == d.lets[0].wire_locs
+    # Locations are not part of the node's value.
+    assert d.inputs[0] == ir.Input("Q", (("b",), ("hk", "g"), ("q",)), "fp16")
+    assert "wire_locs" not in repr(d.inputs[0])
+
+
 def test_nesting_up_to_the_limit_parses():
     depth = MAX_DEPTH - 1
     assert parse("diagram n\nS[q] = " + "-" * depth + "a").lets[0].expr is not None

@@ -29,7 +29,8 @@ from napkin.render.roofline import roofline_svg, time_bars_svg
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "render"
-GOLDEN_EXAMPLES = ("attention", "attention_2d", "ring_attention", "gqa", "document_mask", "matmul")
+GOLDEN_EXAMPLES = ("attention", "attention_2d", "attention_2d_nodes", "ring_attention", "gqa",
+                   "document_mask", "matmul")
 HAVE_DOT = shutil.which("dot") is not None
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_dot = pytest.mark.skipif(not HAVE_DOT, reason="Graphviz's dot is not installed")
@@ -94,6 +95,18 @@ def clusters_of(text: str) -> dict[str, tuple[str, ...]]:
             if m:
                 where[m.group(1)] = tuple(stack)
     return where
+
+
+def cluster_titles(text: str) -> dict[str, str]:
+    """cluster -> the plain text of its title (the first ``label=`` inside it)."""
+    titles, current = {}, None
+    for line in text.splitlines():
+        opened = re.match(r"^\s*subgraph (cluster_\w+) \{$", line)
+        if opened:
+            current = opened.group(1)
+        elif current and current not in titles and line.strip().startswith("label=<"):
+            titles[current] = plain(line.strip()[len("label=<"):-2])
+    return titles
 
 
 def plain(label: str) -> str:
@@ -199,6 +212,59 @@ def test_levels_are_nested_clusters_holding_their_tensors():
     assert "merged over x" in label(e, "t.O", "peers.out")
     ring = edges(dot_of("ring_attention"))
     assert "round the ring over x" in label(ring, "peers.in", "t.K")
+
+
+def test_nodes_level_is_drawn_around_the_devices_level():
+    text = dot_of("attention_2d_nodes")
+    where = clusters_of(text)
+    assert where["t.Q"] == ("cluster_nodes", "cluster_devices", "cluster_hbm")
+    assert where["op.S"] == ("cluster_nodes", "cluster_devices", "cluster_hbm", "cluster_smem")
+    assert where["peers.in"] == where["peers.out"] == ("cluster_nodes", "cluster_devices")
+    titles = cluster_titles(text)
+    assert "nodes: q[2 nodes]" in titles["cluster_nodes"] and "InfiniBand" in titles["cluster_nodes"]
+    assert "devices: x[2 dev]" in titles["cluster_devices"] and "NVLink" in titles["cluster_devices"]
+    e = edges(text)
+    assert "q[2 nodes][128]" in label(e, "t.Q", "op.S")
+    # Q is gathered along x (split inside a node), K and V along q (split across nodes).
+    assert "gathered over x, NVLink within a node" in label(e, "peers.in", "t.Q")
+    assert "gathered over q, InfiniBand across nodes" in label(e, "peers.in", "t.K")
+    assert "merged over x, NVLink within a node" in label(e, "t.O", "peers.out")
+    peers = plain(re.search(r'"peers\.in" \[.*label=<(.*)>\];', text).group(1))
+    assert "InfiniBand across nodes: q; NVLink within a node: x" in peers
+
+
+def test_a_wire_split_at_both_mesh_levels_shows_both_splits():
+    text = (EXAMPLES / "attention_2d_nodes.ncd").read_text()
+    text = text.replace("group x across 2       # grid columns", "group q across 2, x across 2  #")
+    text = to_dot(napkin.load_text(text, "both.ncd"))
+    e = edges(text)
+    assert "q[2 nodes x 2 dev][128]" in label(e, "t.Q", "op.S")
+    assert "gathered over q, InfiniBand across nodes and NVLink within a node" in label(e, "peers.in", "t.K")
+    assert "grid 4 x 2" in plain(text)
+
+
+def test_mesh_levels_without_a_nodes_level_name_no_links():
+    text = dot_of("attention_2d")
+    assert "cluster_nodes" not in text
+    assert not re.search(r"\bnodes\b|NVLink|InfiniBand|within a node", plain(text))
+
+
+def test_per_link_bytes_go_on_the_peer_devices_with_a_nodes_level():
+    from napkin.render.dot import format_bytes
+    d = load("attention_2d_nodes")
+    report, why = render_costs.try_costs(d)
+    if report is None:
+        pytest.skip(f"cost pass unavailable: {why}")
+    comm = report.devices
+    assert comm.sent_across > 0 and comm.sent_within > 0
+    text = to_dot(d, report)
+    expected = f"sends {format_bytes(comm.sent_within)} within its node, {format_bytes(comm.sent_across)} across nodes"
+    peers = re.search(r'"peers\.in" \[.*label=<(.*)>\];', text).group(1)
+    assert expected in plain(peers) and plain(text).count(expected) == 1
+    # A one-level mesh keeps its picture: the cost pass splits links there too, the picture does not.
+    flat = load("attention_2d")
+    flat_report, _ = render_costs.try_costs(flat)
+    assert "within its node" not in to_dot(flat, flat_report)
 
 
 def test_unfused_schedule_writes_the_intermediate_out():

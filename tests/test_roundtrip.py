@@ -50,6 +50,14 @@ def test_example_round_trips(path):
     assert napkin.load_text(text, "<printed>") == napkin.load(path)
 
 
+def test_layout_locations_move_with_printing_but_do_not_count():
+    d = parse("diagram t\nwire b,hk,g\nin Q[b,(hk   g)] : fp16\nS[(hk g),b] = Q\nout S\n")
+    back = parse(to_text(d))
+    assert back == d and repr(back) == repr(d)
+    assert back.inputs[0].wire_locs != d.inputs[0].wire_locs      # printing re-spaced the layout
+    assert [len(t.wire_locs) for t in back.inputs + back.lets] == [3, 3]
+
+
 def test_canonical_form_of_an_example():
     source = """
     # comments and layout do not survive printing

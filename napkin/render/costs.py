@@ -26,12 +26,17 @@ OTHER_SIZE = 1024
 @dataclass(frozen=True)
 class Traffic:
     """Bytes moved: ``moves[(inner level, tensor, "load"|"store", kernel)]``,
-    kernel None for traffic between devices; ``kernel_of[box]``."""
+    kernel None for traffic between devices; ``kernel_of[box]``.
+    ``sent_by_link``: (within the node, across nodes), the bytes the busiest
+    device sends in the forward; None when the report has no such split.
+    napkin/cost/devices.py gives only these two totals, not a split per
+    collective, so the picture shows them once, on the peer devices."""
 
     moves: dict = field(default_factory=dict)
     kernel_of: dict = field(default_factory=dict)
     sizes: tuple = ()
     per_device: bool = False
+    sent_by_link: Optional[tuple] = None
 
     def get(self, inner: str, tensor: str, direction: str, box: Optional[str]) -> Optional[float]:
         kernel = self.kernel_of.get(box) if box is not None else None
@@ -58,8 +63,10 @@ def traffic_from(costs) -> Traffic:
         key = ("hbm", row.tensor, direction, None)
         moves[key] = moves.get(key, 0) + row.bytes_received
     kernel_of = {box: k.index for k in getattr(costs, "kernels", ()) or () for box in k.boxes}
+    within, across = getattr(devices, "sent_within", None), getattr(devices, "sent_across", None)
+    links = (within, across) if within is not None and across is not None else None
     return Traffic(moves, kernel_of, tuple(getattr(costs, "sizes", ()) or ()),
-                   bool(getattr(costs, "per_device", False)))
+                   bool(getattr(costs, "per_device", False)), links)
 
 
 def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:

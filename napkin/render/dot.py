@@ -16,6 +16,9 @@ What the picture shows, left to right (rankdir=LR):
   schedule's tiling: ``q[128]`` grouped in blocks of 128 (one per program),
   ``q[2 dev]`` split over 2 devices, ``x~64`` streamed in chunks of 64.  An
   edge carrying a streamed wire is dashed: the tensor arrives chunk by chunk.
+  A wire split at both mesh levels shows its two splits in one bracket,
+  ``q[2 nodes x 2 dev]`` (2 nodes, 2 GPUs each: 4 parts), because the parts
+  multiply; split across nodes only it is ``q[2 nodes]``.
 * A wire a box sums away (contraction or reduction) leaves the bundle and
   runs into a small dot in the wire's colour beside the box; every input
   carrying that wire joins at the same dot, so ``sum[d](Q * K)`` shows Q's d
@@ -23,11 +26,19 @@ What the picture shows, left to right (rankdir=LR):
 * An input that is not woven over a wire of the box (K has no q) is
   broadcast over it; the edge says so, and says it is re-read once per block
   when that wire is grouped - the term the cost model charges for.
-* Memory levels are nested clusters, outermost first (devices, HBM, SMEM,
-  registers), each titled with its capacity and tiles.  With a devices level
-  that splits wires, "peer devices" nodes stand for the rest of the grid:
-  gathered (or ring-passed) inputs come from one on the left, partial
-  results are merged through one on the right.
+* Memory levels are nested clusters, outermost first (nodes, devices, HBM,
+  SMEM, registers), each titled with its capacity and tiles.  The optional
+  nodes level (a two-level mesh) is lavender, outside the grey devices
+  cluster; its title says it is the InfiniBand level and the devices title
+  then says NVLink within a node.  With mesh levels that split wires,
+  "peer devices" nodes stand for the rest of the grid: gathered (or
+  ring-passed) inputs come from one on the left, partial results are merged
+  through one on the right.  With a nodes level they say which wires are
+  split across nodes and which within a node, and each peer edge says
+  which link its collective uses.
+* The cost pass reports the busiest device's bytes per link (within its
+  node, across nodes) as totals, not per collective, so with a nodes level
+  those two totals go on the peer devices node, not on its edges.
 * With a cost report, an edge that crosses a level boundary carries the
   bytes that tensor moves across it (loads on the way in, stores out).
 * Edge labels are small text nodes the edge runs through (see ``edge``), so
@@ -41,6 +52,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir, tiling
+from ..distributed.reading import Split, has_nodes_level, mesh_splits
 from ..printer import expr_text
 from .costs import Traffic, traffic_from
 
@@ -50,17 +62,23 @@ AXIS_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
                 "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")
 
 # Memory levels as the napkin paper colours them: (title, cluster fill,
-# cluster border, tensor fill).
+# cluster border, tensor fill).  The nodes level is not in the paper: a pale
+# lavender, so the grey devices cluster stands out inside it and no level
+# shares a hue with another.
 LEVEL_STYLE = {
+    "nodes": ("nodes", "#f4f0fa", "#9a82c0", "#e0d6f0"),
     "devices": ("devices", "#f2f2f2", "#8a8a8a", "#d9d9d9"),
     "hbm": ("HBM", "#e3eefa", "#6b9bd1", "#b9d3f0"),
     "smem": ("shared memory", "#e6f5e0", "#6fb05a", "#c4e6b6"),
     "regs": ("registers", "#fdeedd", "#e0a060", "#f8d3a8"),
 }
-SHORT = {"devices": "devices", "hbm": "HBM", "smem": "SMEM", "regs": "regs"}  # for byte labels
+SHORT = {"nodes": "nodes", "devices": "devices", "hbm": "HBM", "smem": "SMEM", "regs": "regs"}  # for byte labels
 FONT = "Helvetica"
 NOTE_COLOUR = "#555555"      # broadcast notes, byte counts
 REREAD_COLOUR = "#b03030"    # broadcast over a grouped wire: re-read per block
+# The links of a two-level mesh, as titles and peer notes name them.
+ACROSS_NODES = "InfiniBand across nodes"
+WITHIN_NODE = "NVLink within a node"
 BOX_WRAP = 34                # characters per line of a box's expression
 
 
@@ -212,7 +230,7 @@ def tiles_of(diagram: ir.Diagram) -> dict[str, list[tuple[str, ir.Tile]]]:
     """wire -> [(level, tile)], outermost level first."""
     out: dict[str, list] = {}
     levels = diagram.schedule.levels if diagram.schedule else ()
-    for name in ir.LEVELS:
+    for name in ir.ALL_LEVELS:
         for level in levels:
             if level.name == name:
                 for tile in level.tiles:
@@ -220,10 +238,36 @@ def tiles_of(diagram: ir.Diagram) -> dict[str, list[tuple[str, ir.Tile]]]:
     return out
 
 
-def tile_text(tile: ir.Tile) -> str:
-    """``[128]`` grouped by 128, ``[2 dev]`` grouped across 2, ``~64``, ``~4 dev``."""
-    size = f"{tile.size} dev" if tile.across else str(tile.size)
+def _parts(tile: ir.Tile, level: Optional[str]) -> str:
+    """``128`` (a block), ``2 dev`` (parts across devices), ``2 nodes``."""
+    if not tile.across:
+        return str(tile.size)
+    if level == "nodes":
+        return f"{tile.size} node" + ("s" if tile.size != 1 else "")
+    return f"{tile.size} dev"
+
+
+def tile_text(tile: ir.Tile, level: Optional[str] = None) -> str:
+    """``[128]`` grouped by 128, ``[2 dev]`` grouped across 2, ``~64``, ``~4 dev``;
+    at the nodes level ``[2 nodes]``."""
+    size = _parts(tile, level)
     return f"[{size}]" if tile.kind == "group" else f"~{size}"
+
+
+def tiles_text(tiles: list[tuple[str, ir.Tile]]) -> str:
+    """A wire's tiles, outermost first: ``q[2 dev][128]``.  A split across
+    nodes followed by one across the devices of a node is one bracket,
+    ``q[2 nodes x 2 dev]``: the two multiply into one set of parts (the
+    checker makes both the same kind)."""
+    texts: list[str] = []
+    for i, (level, tile) in enumerate(tiles):
+        prev = tiles[i - 1] if i else None
+        if prev is not None and prev[0] == "nodes" and level == "devices" and tile.across:
+            both = f"{_parts(prev[1], 'nodes')} x {_parts(tile, level)}"
+            texts[-1] = f"[{both}]" if tile.kind == "group" else f"~{both}"
+        else:
+            texts.append(tile_text(tile, level))
+    return "".join(texts)
 
 
 def level_path(diagram: ir.Diagram) -> tuple[str, ...]:
@@ -232,7 +276,7 @@ def level_path(diagram: ir.Diagram) -> tuple[str, ...]:
     if diagram.schedule is None:
         return ()
     named = {lv.name for lv in diagram.schedule.levels} | {"hbm"}
-    return tuple(name for name in ir.LEVELS if name in named)
+    return tuple(name for name in ir.ALL_LEVELS if name in named)
 
 
 def compute_level(diagram: ir.Diagram) -> Optional[str]:
@@ -242,9 +286,11 @@ def compute_level(diagram: ir.Diagram) -> Optional[str]:
     return tiling.innermost_tiled_level(diagram)
 
 
-def _device_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
-    level = diagram.level("devices")
-    return tuple(t for t in level.tiles if t.across) if level else ()
+def mesh_links(split: Split) -> tuple[str, ...]:
+    """The links a collective among the parts of a split wire uses: InfiniBand
+    when the wire is split across nodes, NVLink when across a node's GPUs."""
+    return tuple(link for link, parts in ((ACROSS_NODES, split.nodes), (WITHIN_NODE, split.devices))
+                 if parts > 1)
 
 
 # --------------------------------------------------------------------------
@@ -268,6 +314,10 @@ class _Picture:
         self.tiles = tiles_of(diagram)
         self.levels = level_path(diagram)
         self.run_at = compute_level(diagram)
+        self.two_level = has_nodes_level(diagram)
+        # The peers are drawn in the innermost mesh level: devices, or nodes
+        # when a schedule splits wires across nodes only.
+        self.mesh_level = "nodes" if "nodes" in self.levels and "devices" not in self.levels else "devices"
         self.nodes: dict[Optional[str], list[str]] = {}   # level (None: outside) -> node lines
         self.edges: list[str] = []
         self.labelled: set[tuple] = set()                 # traffic keys already shown
@@ -303,7 +353,7 @@ class _Picture:
         """A wire name in its colour with its tiling: grouped bold, streamed italic."""
         tiles = self.tiles.get(wire, [])
         text = self.wire_name(wire)
-        text += "".join(_h(tile_text(t)) for _, t in tiles)
+        text += _h(tiles_text(tiles))
         if any(t.kind == "group" for _, t in tiles):
             text = f"<b>{text}</b>"
         if any(t.kind == "stream" for _, t in tiles):
@@ -363,7 +413,7 @@ class _Picture:
         mid = f"e.{self.label_count}"
         self.label_count += 1
         ends = [lv for lv in (self.node_level(src), self.node_level(dst)) if lv is not None]
-        where = max(ends, key=ir.LEVELS.index) if ends else None
+        where = max(ends, key=ir.ALL_LEVELS.index) if ends else None
         self.add_node(where, f"    {_q(mid)} " + _attrs(
             shape="plain", fontsize="11", label=f"<{_table(rows)}>") + ";")
         self.edges.append(f"  {_q(src)} -> {_q(mid)} " + _attrs(
@@ -415,7 +465,7 @@ class _Picture:
     def node_level(self, node: str) -> Optional[str]:
         """The level cluster a node id is drawn in."""
         if node.startswith("peers."):
-            return "devices"
+            return self.mesh_level
         if node.startswith(("op.", "j.")):
             return self.run_at
         return self.home(node.split(".", 1)[1])
@@ -454,13 +504,18 @@ class _Picture:
         them over a wire split across devices, passed round the ring when
         they carry a wire streamed across devices); on the right, where the
         partial results of a box that sums away a split wire are merged."""
-        tiles = _device_tiles(self.d)
-        if not tiles:
+        splits = mesh_splits(self.d)
+        if not splits:
             return
-        split = {t.wire: t for t in tiles}
-        grid = " x ".join(str(t.size) for t in tiles if t.kind == "group") or "1"
-        desc = f"grid {grid}" + "".join(f", ring of {t.size} over {t.wire}"
-                                        for t in tiles if t.kind == "stream")
+        split = {s.wire: s for s in splits}
+        grid = " x ".join(str(s.parts) for s in splits if s.kind == "group") or "1"
+        desc = [f"grid {grid}" + "".join(f", ring of {s.parts} over {s.wire}"
+                                         for s in splits if s.kind == "stream")]
+        if self.two_level:
+            # Which peers are on the same node and which on others, by wire.
+            desc.append("; ".join(
+                f"{link}: {' '.join(s.wire for s in splits if link in mesh_links(s))}"
+                for link in (ACROSS_NODES, WITHIN_NODE) if any(link in mesh_links(s) for s in splits)))
         arrivals = []
         for t in self.d.inputs:
             gather, travel = [], []
@@ -473,9 +528,9 @@ class _Picture:
             # A tensor that rides the ring reaches every device that way; only
             # the others are gathered.
             if travel:
-                arrivals.append((t.name, f"round the ring over {' '.join(_ordered(travel))}"))
+                arrivals.append((t.name, "round the ring over", _ordered(travel)))
             elif gather:
-                arrivals.append((t.name, f"gathered over {' '.join(_ordered(gather))}"))
+                arrivals.append((t.name, "gathered over", _ordered(gather)))
         merges = []
         for name in self.outputs:
             let = self.d.tensor(name)
@@ -483,21 +538,41 @@ class _Picture:
                 merged = sorted(w for w in tiling.reduced_wires(let.expr)
                                 if w in split and split[w].kind == "group")
                 if merged:
-                    merges.append((name, " ".join(merged)))
+                    merges.append((name, "partial state, merged over", tuple(merged)))
+        sent = self.link_bytes()
         for node, title, used in (("peers.in", "peer devices", arrivals),
                                   ("peers.out", "peer devices: merge", merges)):
             if used:
-                self.add_node("devices", f"    {_q(node)} " + _attrs(
-                    shape="box3d", style="filled", fillcolor=LEVEL_STYLE["devices"][3],
-                    label="<" + _table([f"<b>{_h(title)}</b>", _h(desc)]) + ">") + ";")
-        for name, what in arrivals:
-            note = f'<font color="{NOTE_COLOUR}">{_h(what)}</font>'
+                rows = [f"<b>{_h(title)}</b>"] + [_h(line) for line in desc] + sent
+                sent = []   # device totals: on the first peers node only
+                self.add_node(self.mesh_level, f"    {_q(node)} " + _attrs(
+                    shape="box3d", style="filled", fillcolor=LEVEL_STYLE[self.mesh_level][3],
+                    label="<" + _table(rows) + ">") + ";")
+        for name, what, wires in arrivals:
             self.edge("peers.in", self.source(name), (),
-                      [note] + self.bytes_note(name, "devices", "hbm"), style="dashed")
-        for name, wires in merges:
-            note = f'<font color="{NOTE_COLOUR}">partial state, merged over {_h(wires)}</font>'
+                      self.peer_notes(what, wires) + self.bytes_note(name, "devices", "hbm"), style="dashed")
+        for name, what, wires in merges:
             self.edge(self.source(name), "peers.out", (),
-                      [note] + self.bytes_note(name, "hbm", "devices"), style="dashed")
+                      self.peer_notes(what, wires) + self.bytes_note(name, "hbm", "devices"), style="dashed")
+
+    def peer_notes(self, what: str, wires: tuple[str, ...]) -> list[str]:
+        """Label rows of a peer edge: how the tensor travels, over which
+        wires and, on a two-level mesh, on which links."""
+        text = f"{what} {' '.join(wires)}"
+        if self.two_level:
+            splits = {s.wire: s for s in mesh_splits(self.d)}
+            links = _ordered(link for w in wires for link in mesh_links(splits[w]))
+            text += ", " + " and ".join(links)
+        return [f'<font color="{NOTE_COLOUR}">{_h(text)}</font>']
+
+    def link_bytes(self) -> list[str]:
+        """Label rows: the bytes the busiest device sends within its node and
+        across nodes, when there is a nodes level and a cost report."""
+        if not self.two_level or self.traffic.sent_by_link is None:
+            return []
+        within, across = self.traffic.sent_by_link
+        return [f'<font color="{NOTE_COLOUR}">sends {_h(format_bytes(within))} within its node, '
+                f'{_h(format_bytes(across))} across nodes</font>']
 
     # ---- assembly ----
     def cluster(self, depth: int, out: list[str]) -> None:
@@ -516,22 +591,26 @@ class _Picture:
 
     def cluster_title(self, name: str, title: str) -> str:
         head = f"<b>{_h(title)}</b>"
-        capacity = tiling.level_capacity(self.d, name) if name != "devices" else None
+        capacity = tiling.level_capacity(self.d, name) if name not in ir.MESH_LEVELS else None
         if capacity is not None:
             head += " " + _h(format_bytes(capacity))
+        if "nodes" in self.levels and name in ir.MESH_LEVELS:
+            # A two-level mesh: say which link each mesh level is.
+            head += " &#183; " + _h(ACROSS_NODES if name == "nodes" else WITHIN_NODE)
         level = self.d.level(name)
         groups = [t for t in level.tiles if t.kind == "group"] if level else []
         streams = [t for t in level.tiles if t.kind == "stream"] if level else []
         parts = []
         if groups:
-            what = "devices" if all(t.across for t in groups) else "grid"
-            parts.append(f"{what}: " + " ".join(self.tile_label(t) for t in groups))
+            what = name if name in ir.MESH_LEVELS and all(t.across for t in groups) else "grid"
+            parts.append(f"{what}: " + " ".join(self.tile_label(t, name) for t in groups))
         if streams:
-            parts.append("stream " + " ".join(self.tile_label(t) for t in streams))
+            parts.append("stream " + " ".join(self.tile_label(t, name) for t in streams))
         return head + ("<br/>" + "; ".join(parts) if parts else "")
 
-    def tile_label(self, tile: ir.Tile) -> str:
-        return f'<font color="{self.colour.get(tile.wire, "#000000")}">{_h(tile.wire)}</font>{_h(tile_text(tile))}'
+    def tile_label(self, tile: ir.Tile, level: Optional[str] = None) -> str:
+        return (f'<font color="{self.colour.get(tile.wire, "#000000")}">{_h(tile.wire)}</font>'
+                f'{_h(tile_text(tile, level))}')
 
     def legend(self, title: str) -> str:
         """The graph's caption, under the picture: the title, the wire
@@ -543,17 +622,21 @@ class _Picture:
             f'<td bgcolor="{LEVEL_STYLE[name][3]}" border="1" color="{LEVEL_STYLE[name][2]}">'
             f"{_h(LEVEL_STYLE[name][0])}</td>" for name in self.levels)
         keys = ["wires: " + wires, "one coloured line per wire"]
-        every = [t for tiles in self.tiles.values() for _, t in tiles]
-        for kind, across, what in (("group", False, "grouped in blocks of {n}, one per program"),
-                                   ("group", True, "split over {n} devices"),
-                                   ("stream", False, "dashed: streamed in chunks of {n}"),
-                                   ("stream", True, "dashed: streamed round a ring of {n} devices")):
+        # (level, tile), the level None below the mesh: tiles "by" a block size.
+        every = [(lv if t.across else None, t) for tiles in self.tiles.values() for lv, t in tiles]
+        of_node = " of a node" if self.two_level else ""
+        for kind, scope, what in (("group", None, "grouped in blocks of {n}, one per program"),
+                                  ("group", "devices", "split over {n} devices" + of_node),
+                                  ("group", "nodes", "split over {n} nodes"),
+                                  ("stream", None, "dashed: streamed in chunks of {n}"),
+                                  ("stream", "devices", "dashed: streamed round a ring of {n} devices" + of_node),
+                                  ("stream", "nodes", "dashed: streamed round a ring over {n} nodes")):
             # The largest tile of each kind makes the clearest example.
-            tile = max((t for t in every if t.kind == kind and t.across == across),
+            tile = max((t for lv, t in every if t.kind == kind and lv == scope),
                        key=lambda t: t.size, default=None)
             if tile is not None:
                 mark = "b" if kind == "group" else "i"
-                keys.append(f"<{mark}>{_h(tile.wire + tile_text(tile))}</{mark}> "
+                keys.append(f"<{mark}>{_h(tile.wire + tile_text(tile, scope))}</{mark}> "
                             + _h(what.format(n=tile.size)))
         more = ["&#9679; wires meeting at a dot are summed away",
                 "broadcast: the input lacks that wire and is copied along it",
