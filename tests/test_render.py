@@ -267,6 +267,22 @@ def test_per_link_bytes_go_on_the_peer_devices_with_a_nodes_level():
     assert "within its node" not in to_dot(flat, flat_report)
 
 
+def test_double_ring_is_named_and_k_v_bytes_are_labelled_once():
+    """A ring over nodes is drawn as the double ring it runs as; K and V
+    travel between devices as one cost row, labelled once with both names
+    and the cost pass's bytes (on K's edge, the first to cross)."""
+    from napkin.render.dot import format_bytes
+    d = load("ring_attention_nodes")
+    report, why = render_costs.try_costs(d)
+    if report is None:
+        pytest.skip(f"cost pass unavailable: {why}")
+    text = plain(to_dot(d, report))
+    assert "double ring of 2 nodes x 4 over x" in text
+    row = sum(r.bytes_received for r in report.devices.rows if r.tensor == "K, V")
+    assert text.count(f"between devices (K, V): {format_bytes(row)}") == 1
+    assert "ring of 8" not in text
+
+
 def test_unfused_schedule_writes_the_intermediate_out():
     text = (EXAMPLES / "attention.ncd").read_text().replace("hold Q, K, V, O, lse", "hold Q, K, V, O, lse, S")
     text = text.replace("hold S, P", "hold P")

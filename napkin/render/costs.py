@@ -37,6 +37,12 @@ class Traffic:
     sizes: tuple = ()
     per_device: bool = False
     sent_by_link: Optional[tuple] = None
+    # tensor -> the row it travels in between devices ("K" -> "K, V": the
+    # cost pass counts K and V of one ring pass or gather together)
+    together: dict = field(default_factory=dict)
+
+    def row_of(self, tensor: str) -> str:
+        return self.together.get(tensor, tensor)
 
     def get(self, inner: str, tensor: str, direction: str, box: Optional[str]) -> Optional[float]:
         kernel = self.kernel_of.get(box) if box is not None else None
@@ -48,6 +54,7 @@ def traffic_from(costs) -> Traffic:
     if costs is None:
         return Traffic()
     moves: dict = {}
+    together: dict = {}
     for t in getattr(costs, "transfers", ()) or ():
         if t.bytes is None:
             continue
@@ -62,11 +69,12 @@ def traffic_from(costs) -> Traffic:
         direction = "store" if row.collective.startswith("merge") else "load"
         key = ("hbm", row.tensor, direction, None)
         moves[key] = moves.get(key, 0) + row.bytes_received
+        together.update({name.strip(): row.tensor for name in row.tensor.split(",")})
     kernel_of = {box: k.index for k in getattr(costs, "kernels", ()) or () for box in k.boxes}
     within, across = getattr(devices, "sent_within", None), getattr(devices, "sent_across", None)
     links = (within, across) if within is not None and across is not None else None
     return Traffic(moves, kernel_of, tuple(getattr(costs, "sizes", ()) or ()),
-                   bool(getattr(costs, "per_device", False)), links)
+                   bool(getattr(costs, "per_device", False)), links, together)
 
 
 def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:

@@ -384,14 +384,16 @@ class _Picture:
         direction = "load" if a < b else "store"
         rows = []
         for inner in ir.LEVELS[min(a, b) + 1: max(a, b) + 1]:
-            moved = self.traffic.get(inner, tensor, direction, box)
-            key = (inner, tensor, direction, self.traffic.kernel_of.get(box))
+            outer = ir.LEVELS[ir.LEVELS.index(inner) - 1]
+            # between devices K and V travel as one row: label it once, named
+            row = self.traffic.row_of(tensor) if outer == "devices" else tensor
+            moved = self.traffic.get(inner, row, direction, box)
+            key = (inner, row, direction, self.traffic.kernel_of.get(box))
             if moved is None or key in self.labelled:
                 continue
             self.labelled.add(key)
-            outer = ir.LEVELS[ir.LEVELS.index(inner) - 1]
             if outer == "devices":
-                what = "between devices"
+                what = "between devices" + (f" ({row})" if row != tensor else "")
             else:
                 ends = (outer, inner) if direction == "load" else (inner, outer)
                 what = f"{SHORT[ends[0]]}&#8594;{SHORT[ends[1]]}"
@@ -509,8 +511,13 @@ class _Picture:
             return
         split = {s.wire: s for s in splits}
         grid = " x ".join(str(s.parts) for s in splits if s.kind == "group") or "1"
-        desc = [f"grid {grid}" + "".join(f", ring of {s.parts} over {s.wire}"
-                                         for s in splits if s.kind == "stream")]
+        def ring(s) -> str:
+            # streamed at both mesh levels: a ring round each node, hopping nodes once a round
+            if self.two_level and s.nodes > 1 and s.devices > 1:
+                return f", double ring of {s.nodes} nodes x {s.devices} over {s.wire}"
+            return f", ring of {s.parts} over {s.wire}"
+
+        desc = [f"grid {grid}" + "".join(ring(s) for s in splits if s.kind == "stream")]
         if self.two_level:
             # Which peers are on the same node and which on others, by wire.
             desc.append("; ".join(
