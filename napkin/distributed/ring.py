@@ -30,9 +30,11 @@ steps are N rounds of G.  In a round the blocks go round the node's G GPUs
 (NVLink) and, from the round's first step, the block a GPU started the
 round with travels to the same GPU of the next node (InfiniBand), so each
 InfiniBand pass has a whole round of compute to hide behind and only N-1 of
-the P-1 passes cross nodes.  Accumulators go round the node (G passes), then
-one hop to the next node per round (N in all), and so come home.  A flat
-ring is the double ring of one node: the code is the same.
+the P-1 passes cross nodes.  Accumulators follow their blocks round the node
+(G-1 passes a round); where a round's chain ends, the previous node's sum for
+the same block is added and the total hops to the next node (N-1 passes),
+and a last hop (next node, next GPU) brings each home: P passes, N across
+nodes.  A flat ring is the double ring of one node: the code is the same.
 
 Either way an accumulator pass is started as soon as the step's share is
 added and waited for only after the next step's computation, so it overlaps
