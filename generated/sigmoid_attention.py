@@ -483,7 +483,28 @@ def _sigmoid_attention_kernel(
     # The blocks of x this program visits: [_lo, _hi).
     _lo = 0  # no mask: every block
     _hi = _size_x
-    for _start in range(_lo, _hi, _BLOCK_x):
+    # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
+    # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
+    _fhi = _lo  # rows or keys at global positions: none, the mask decides
+    if not _POS_q:
+        if not _POS_x:
+            _fhi = _size_x // _BLOCK_x * _BLOCK_x  # no mask: every block but a ragged last one
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _start in range(_lo, _fhi, _BLOCK_x):
+        _offs_x = _start + tl.arange(0, _BLOCK_x)
+        _idx_x = _offs_x
+        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+        _S = _qk * 0.125
+        _P = _sigmoid(_S - tl.log(_len_x * 1.0))
+        _t0 = _P
+        _w0 = (_t0).to(_V.dtype)
+        _acc = _acc + tl.dot(_w0, _V, input_precision="ieee")
+        if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
+            _acc += tl.dot((_t0 - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
+    # Partial blocks after: the mask's edge, the ragged end; every block with positions.
+    for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows at or past |x| are padding
@@ -657,7 +678,30 @@ def _sigmoid_attention_bwd_dkdv_kernel(
     # The blocks of q this program visits: [_lo, _hi).
     _lo = 0  # no mask: every block
     _hi = tl.cdiv(_size_q, _BLOCK_q)
-    for _rb in range(_lo, _hi):
+    # Of those, the full row blocks [_flo, _fhi): every row and key of the tile real and the mask
+    # true at every pair (masks.full_row_blocks): they skip the mask and bound arithmetic.
+    _fhi = _lo  # rows or keys at global positions: none, the mask decides
+    if not _POS_q:
+        if not _POS_x:
+            _fhi = tl.where(_col0 + _BLOCK_x <= _size_x, _size_q // _BLOCK_q, 0)  # whole row blocks; a ragged key block has none
+            _fhi = tl.maximum(tl.minimum(_fhi, _hi), _lo)
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _rb in range(_lo, _fhi):
+        _row0 = _rb * _BLOCK_q
+        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+        _idx_q = _offs_q
+        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
+        _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d)
+        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+        _dA0 = tl.dot(_dN0.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+        _S = _qk * 0.125
+        _A0 = _sigmoid(_S - tl.log(_len_x * 1.0))
+        _dS = _A0 * (1 - _A0) * _dA0
+        _dR = _dS * 0.125
+        _acc_K += tl.dot(tl.trans(_dR).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_V += tl.dot(tl.trans(_A0).to(Q.dtype.element_ty), _dN0.to(Q.dtype.element_ty), input_precision="ieee")
+    # Partial blocks after: the mask's edge, the ragged end; every block with positions.
+    for _rb in range(_fhi, _hi):
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _ok_q = _offs_q < _size_q
@@ -751,7 +795,28 @@ def _sigmoid_attention_bwd_dq_kernel(
     # The blocks of x this program visits: [_lo, _hi).
     _lo = 0  # no mask: every block
     _hi = _size_x
-    for _start in range(_lo, _hi, _BLOCK_x):
+    # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
+    # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
+    _fhi = _lo  # rows or keys at global positions: none, the mask decides
+    if not _POS_q:
+        if not _POS_x:
+            _fhi = _size_x // _BLOCK_x * _BLOCK_x  # no mask: every block but a ragged last one
+            _fhi = tl.where(_row0 + _BLOCK_q <= _size_q, _fhi, _lo)  # summed over rows: a ragged block of them has none
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _start in range(_lo, _fhi, _BLOCK_x):
+        _offs_x = _start + tl.arange(0, _BLOCK_x)
+        _idx_x = _offs_x
+        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+        _dA0 = tl.dot(_dN0.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+        _S = _qk * 0.125
+        _A0 = _sigmoid(_S - tl.log(_len_x * 1.0))
+        _dS = _A0 * (1 - _A0) * _dA0
+        _dR = _dS * 0.125
+        _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+    # Partial blocks after: the mask's edge, the ragged end; every block with positions.
+    for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows at or past |x| are padding

@@ -17,6 +17,9 @@ sides need, so the kernel and the cost pass agree on what is visited:
 * ``visited_blocks(...)`` lists the (row block, col block) pairs that loop
   visits, computed in Python with the same formula: this is exactly what the
   kernel loads.
+* ``full_blocks(...)`` / ``full_row_blocks(...)``: which of those blocks are
+  FULL (the mask true on the whole tile, inside the ragged edges), one
+  interval per row (or key) block, which the kernels run without the mask.
 
 Ranges are half-open ``(start, stop)`` like Python's ``range``.
 """
@@ -290,6 +293,11 @@ class Bound:
         return "last" if self.row_coeff > 0 else "first"
 
 
+def conjuncts(e: ir.Expr) -> tuple[ir.Expr, ...]:
+    """The operands of ``e``'s top-level ``and`` chain (``(e,)`` for any other ``e``)."""
+    return tuple(_conjuncts(e))
+
+
 def _conjuncts(e: ir.Expr):
     if isinstance(e, ir.Binary) and e.op == "and":
         yield from _conjuncts(e.lhs)
@@ -305,19 +313,23 @@ def stream_bounds(pred: ir.Expr, row: str, col: str,
     no other index).  ``sizes`` are the fixed wire sizes folded to numbers."""
     bounds = []
     for c in _conjuncts(pred):
-        if not (isinstance(c, ir.Binary) and c.op in ("<", "<=", ">", ">=", "==")):
-            continue
-        la, ra = affine(c.lhs, sizes), affine(c.rhs, sizes)
-        if la is None or ra is None:
-            continue
-        diff = _add(la, _scale(ra, -1))  # lhs - rhs
-        forms = {"<": [_add(diff, {"": 1})], "<=": [diff], ">": [_add(_scale(diff, -1), {"": 1})],
-                 ">=": [_scale(diff, -1)], "==": [diff, _scale(diff, -1)]}[c.op]
-        for form in forms:  # form <= 0
-            b = _solve(form, row, col)
-            if b is not None:
-                bounds.append(b)
+        bounds += [b for b in _conjunct_bounds(c, row, col, sizes) or () if b is not None]
     return tuple(bounds)
+
+
+def _conjunct_bounds(c: ir.Expr, row: str, col: str, sizes) -> Optional[list[Optional[Bound]]]:
+    """One conjunct as bounds on ``col``: one entry per ``form <= 0`` it
+    amounts to (two for ``==``), None where a form is not such a bound; None
+    for anything but an affine comparison."""
+    if not (isinstance(c, ir.Binary) and c.op in ("<", "<=", ">", ">=", "==")):
+        return None
+    la, ra = affine(c.lhs, sizes), affine(c.rhs, sizes)
+    if la is None or ra is None:
+        return None
+    diff = _add(la, _scale(ra, -1))  # lhs - rhs
+    forms = {"<": [_add(diff, {"": 1})], "<=": [diff], ">": [_add(_scale(diff, -1), {"": 1})],
+             ">=": [_scale(diff, -1)], "==": [diff, _scale(diff, -1)]}[c.op]
+    return [_solve(form, row, col) for form in forms]  # each form <= 0
 
 
 def _solve(form: Affine, row: str, col: str) -> Optional[Bound]:
@@ -430,4 +442,133 @@ def visited_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size:
     for j in range(-(-col_size // block_col)):
         lo, hi = row_block_range(bounds, j, row_size, block_row, block_col, sizes)
         out.extend((i, j) for i in range(lo, hi))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Full blocks.  A visited block is FULL when every (row, column) pair of its
+# tile satisfies every conjunct of the mask and lies inside the ragged edges;
+# the kernels run full blocks through a copy of their step with the mask
+# taken as true and no bounds masks on the loop wire, which removes the mask
+# and bound arithmetic from them.  Partial blocks keep the masked step.
+#
+# Full blocks are known only when the mask is exactly a conjunction of
+# affine bounds (``exact_bounds``); with no mask at all that is the empty
+# conjunction, and every block inside the edges is full.  Each bound then
+# holds on the whole tile iff it holds at the tile's TIGHTEST row (the other
+# end from the loosest one ``stream_range`` uses) and its tightest column,
+# so for one block of the rows the full blocks of the loop wire are one
+# interval, which splits the visited interval into partial blocks before,
+# full blocks, and partial blocks after.  The same Python formula is
+# rendered in Triton by the code generator (emit._bounds and
+# backward_emit._bounds_dkdv), as stream_range and row_block_range are.
+# --------------------------------------------------------------------------
+
+def exact_bounds(pred: Optional[ir.Expr], row: str, col: str,
+                 sizes: Mapping[str, int] = {}) -> Optional[tuple[Bound, ...]]:
+    """The bounds whose conjunction is exactly ``pred`` (``()`` for no mask,
+    pred None), or None when a conjunct is anything else (a document mask's
+    ``doc[b, q] == doc``, an ``or``, another index): then no block is known
+    full.  In ``stream_bounds`` order, so the same bounds as the loop's."""
+    if pred is None:
+        return ()
+    out = []
+    for c in _conjuncts(pred):
+        got = _conjunct_bounds(c, row, col, sizes)
+        if got is None or None in got:
+            return None
+        out += got
+    return tuple(out)
+
+
+def full_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int,
+               col_size: int, sizes: Mapping[str, int]) -> tuple[int, int]:
+    """[start, stop) of the streamed indices inside [0, col_size) at which
+    every bound holds for every row of [row_start, row_stop)."""
+    first, last = row_start, row_stop - 1
+    start, stop = 0, col_size
+    for b in bounds:
+        r = last if b.at_row() == "first" else first  # the tightest row
+        value = b.row_coeff * r + _rest_value(b.rest, sizes)
+        if b.kind == "lower":
+            start = max(start, value)
+        else:
+            stop = min(stop, value + 1)
+    return start, stop
+
+
+def full_blocks(bounds: tuple[Bound, ...], row_block: int, row_size: int, col_size: int,
+                block_row: int, block_col: int, sizes: Mapping[str, int] = {},
+                whole_rows: bool = False) -> tuple[int, int]:
+    """[lo, hi): the starts (block multiples, step block_col) of the full
+    blocks row block ``row_block`` visits, clamped into its visited
+    [start // block_col * block_col, stop) so that the loops [start, lo),
+    [lo, hi), [hi, stop) visit exactly its visited blocks.  ``whole_rows``
+    (the backward, whose tiles sum over rows): a ragged row block has none."""
+    r0 = row_block * block_row
+    r1 = min(r0 + block_row, row_size)
+    vstart, vstop = stream_range(bounds, r0, r1, col_size, sizes)
+    fstart, fstop = full_range(bounds, r0, r1, col_size, sizes)
+    lo = vstart // block_col * block_col
+    if any(b.kind == "lower" for b in bounds):
+        lo = min(max(-(-fstart // block_col) * block_col, lo), vstop)
+    hi = max(min(max(fstop, 0) // block_col * block_col, vstop), lo)
+    if whole_rows and r0 + block_row > row_size:
+        hi = lo
+    return lo, hi
+
+
+def split_blocks(bounds: tuple[Bound, ...], row_size: int, col_size: int, block_row: int, block_col: int,
+                 sizes: Mapping[str, int] = {}, whole_rows: bool = False) -> list[tuple[int, int, bool]]:
+    """(row block, col block, full) for each block the forward (or dQ) loops
+    visit, in their order: partial blocks before, full blocks, partial
+    blocks after.  As pairs this is ``visited_blocks``, order included."""
+    out = []
+    for i in range(-(-row_size // block_row)):
+        row_start = i * block_row
+        start, stop = stream_range(bounds, row_start, min(row_start + block_row, row_size), col_size, sizes)
+        lo, hi = full_blocks(bounds, i, row_size, col_size, block_row, block_col, sizes, whole_rows)
+        for a, b, full in ((start // block_col * block_col, lo, False), (lo, hi, True), (hi, stop, False)):
+            out.extend((i, j // block_col, full) for j in range(a, b, block_col))
+    return out
+
+
+def full_row_blocks(bounds: tuple[Bound, ...], col_block: int, row_size: int, col_size: int,
+                    block_row: int, block_col: int, sizes: Mapping[str, int] = {}) -> tuple[int, int]:
+    """[lo, hi) of the row blocks whose tile with column block ``col_block``
+    is full (every row and column inside the edges, every bound true at
+    every pair), clamped into row_block_range's [lo, hi) as full_blocks is.
+
+    Each bound, written ``a * r >= need`` for every row r of the block and
+    the column that binds it hardest (the block's last column for an upper
+    bound, its first for a lower one), keeps a half-line of row blocks:
+    a > 0 binds at the block's first row, a < 0 at its last.  Numerators
+    are clamped non-negative before dividing (Triton's // truncates)."""
+    vlo, vhi = row_block_range(bounds, col_block, row_size, block_row, block_col, sizes)
+    c0, c1 = col_block * block_col, (col_block + 1) * block_col - 1
+    lo, hi = 0, (row_size // block_row if c1 < col_size else 0)
+    for b in bounds:
+        a, c = b.row_coeff, _rest_value(b.rest, sizes)
+        a, need = (a, c1 - c) if b.kind == "upper" else (-a, c - c0)
+        if a == 0:
+            hi = 0 if need > 0 else hi
+        elif a > 0:
+            t = (max(need, 0) + a - 1) // a       # the first row that satisfies it
+            lo = max(lo, (t + block_row - 1) // block_row)
+        else:
+            hi = 0 if need > 0 else min(hi, (max(-need, 0) // -a + 1) // block_row)
+    lo = min(max(lo, vlo), vhi)
+    return lo, max(min(hi, vhi), lo)
+
+
+def split_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size: int, block_row: int,
+                           block_col: int, sizes: Mapping[str, int] = {}) -> list[tuple[int, int, bool]]:
+    """(row block, col block, full) in the dK/dV kernel's loop order; as
+    pairs this is ``visited_blocks_by_column``."""
+    out = []
+    for j in range(-(-col_size // block_col)):
+        vlo, vhi = row_block_range(bounds, j, row_size, block_row, block_col, sizes)
+        lo, hi = full_row_blocks(bounds, j, row_size, col_size, block_row, block_col, sizes)
+        for a, b, full in ((vlo, lo, False), (lo, hi, True), (hi, vhi, False)):
+            out.extend((i, j, full) for i in range(a, b))
     return out

@@ -332,3 +332,32 @@ def test_cost_cli_reports_the_backward(capsys):
     import json
     report = json.loads(capsys.readouterr().out)
     assert report["backward"]["store_bytes"] > 0 and report["forward"]["diagram"] == "causal"
+
+
+# Tensor names whose variables (``_`` + name) are also names the kernels use
+# for their own temporaries: the step's ``_s``, ``_p``, ``_m``, ``_alpha``,
+# ``_t0``, the running state ``_l``/``_acc``, the offsets ``_offs_q``, the
+# backward's ``_dS``, ``_qk``...  The user's tensor must get another variable.
+_CLASHES = [
+    {"Q": "s", "K": "p", "V": "t0"},
+    {"Q": "m", "K": "l", "V": "alpha", "O": "acc", "lse": "m_new"},
+    {"Q": "offs_q", "K": "qk", "V": "ok_x", "O": "dS", "lse": "m_use"},
+]
+
+
+@pytest.mark.parametrize("names", _CLASHES, ids=["-".join(n.values()) for n in _CLASHES])
+def test_tensor_names_that_match_kernel_temporaries(names, folder):
+    import re
+    text = (REPO / "examples" / "causal.ncd").read_text()
+    for old, new in names.items():
+        text = re.sub(rf"\b{old}\b", new, text.split("schedule")[0]) + "schedule" + \
+            re.sub(rf"\b{old}\b", new, text.split("schedule", 1)[1])
+    m = compile_text(text, "clash_" + "_".join(names.values()), folder)
+    sizes = {"b": 1, "h": 2, "q": 70, "x": 70}      # several blocks of 16 in every loop
+    inputs = m.example_inputs(sizes, dtype=torch.float32, seed=3)
+    fn = launcher(m)
+    outs = fn(*inputs, **{k: v for k, v in FAST.items() if k in ("block_q", "block_x")})
+    want = m.reference(*[t.double() for t in inputs])
+    for o, w in zip(outs, want):
+        assert (o.double() - w).abs().max().item() < 1e-4, names
+    check(m, sizes, torch.float32, label=str(names), block_q=16, block_x=16)

@@ -28,6 +28,11 @@ from .lower import (
     _red_wires, _show, _streamed, nodes, read_wires, unsupported, walk_until, wires_of,
 )
 
+# Names the attention kernel's skeleton and loop bounds define.
+KERNEL_NAMES = frozenset({"_pid", "_batch", "_row0", "_start", "_lo", "_hi", "_flo", "_fhi", "_row_first",
+                          "_row_last"})
+
+
 def lower_attention(d: ir.Diagram, exprs: dict, col: str) -> AttentionPlan:
     return _Attention(d, exprs, col).plan()
 
@@ -37,7 +42,8 @@ class _Attention:
         self.d, self.exprs, self.col = d, exprs, col
         self.accums: list[Accum] = []
         self.groups: dict[object, str] = {}   # exponent E -> running-max var
-        self.taken: set[str] = set()
+        # names the kernel defines itself (loop bounds): no load may take them
+        self.taken: set[str] = set(KERNEL_NAMES)
         self.dots: list[Dot] = []
         self.step_subst: dict = {}
         self.tiles: list[tuple[str, object]] = []
@@ -87,7 +93,7 @@ class _Attention:
                                   tuple(subst.items())))
             if cols is not None:
                 dims.add(cols)
-        skip, bounds = self.skipping(accums)
+        skip, bounds, full = self.skipping(accums)
         blocks = ((row, _block(_group_block(d, row), DEFAULT_BLOCK_ROW)),
                   (col, _block(_streamed(d), DEFAULT_BLOCK_STREAM)))
         # one table for every load, so each tile is loaded once (pre-loop first)
@@ -97,7 +103,7 @@ class _Attention:
             d, row, col, batch, blocks, tuple(w for w in order if w in dims), loads, tuple(self.dots),
             tuple(self.tiles), tuple(self.step_subst.items()),
             tuple((m, e) for e, m in self.groups.items()), tuple(accums), tuple(outputs), bounds, skip,
-            _precision(d))
+            _precision(d), full)
 
     # ---- roles of the wires ----
     def row_wire(self, c: ir.Reduce, sides) -> str:
@@ -314,8 +320,10 @@ class _Attention:
 
     # ---- skipping masked blocks ----
     def skipping(self, accums):
-        """(mask predicate, loop bounds) when blocks where the mask is false
-        everywhere contribute nothing to any accumulator; else (None, ())."""
+        """(mask predicate, loop bounds, full-block bounds) when blocks where
+        the mask is false everywhere contribute nothing to any accumulator;
+        else (None, (), ()) without a mask (every block inside the edges is
+        full) and (None, (), None) with one (no block is known full)."""
         d = self.d
         fixed = {w.name: w.size for w in d.wires if w.size is not None}
         node = None
@@ -324,7 +332,7 @@ class _Attention:
                 if x is not None and node is None:
                     node = masks.mask_node(x)
         if node is None:
-            return None, ()
+            return None, (), ()
         for a in accums:
             if a.op == "expsum":
                 body = ir.Call("exp", (a.exponent,))
@@ -335,9 +343,10 @@ class _Attention:
                 body = a.tile if a.tile is not None else ir.Num(1.0)
                 want = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}[a.op]
             if masks.value_when_masked(body, node, fixed) != want:
-                return None, ()
+                return None, (), None
         pred = masks.mask_predicate(node)
-        return pred, masks.stream_bounds(pred, self.row, self.col, fixed)
+        return (pred, masks.stream_bounds(pred, self.row, self.col, fixed),
+                masks.exact_bounds(pred, self.row, self.col, fixed))
 
 
 def _finish(e):

@@ -1,6 +1,6 @@
 """Backward plan (backward.py) -> the text of its kernels and launchers.
 
-Each kernel is a fixed skeleton (templates/backward.py.jinja: program ids,
+Each kernel is a fixed skeleton (templates/training.py.jinja: program ids,
 offsets, pre-loop loads, the loop nest, stores) around generated code: the
 rule's tile expressions rendered by exprs.py exactly as the forward's are,
 the tl.dot contractions, the gradient accumulations and the loop bounds.
@@ -13,6 +13,11 @@ enters a product, so padded rows and keys add nothing (not even a NaN from
 exp of a padded score against a real row's lse).  Every product is taken in
 the kernel dtype (the first input's: fp16 / bf16 inputs give 16-bit tensor
 core dots, as the forward's) and accumulated in float32.
+
+The loops split as the forward's (emit.segments): full blocks, whose every
+row and key is real and whose mask holds on the whole tile, run the step
+without the mask and without _ok; the partial ones around them the masked
+step.  Both loops load the same tiles.
 """
 from __future__ import annotations
 
@@ -91,13 +96,16 @@ def _dims(names: E._Names, dims) -> list[str]:
     return lines
 
 
-def _ctx(plan: BackwardPlan, names: E._Names, k: Kernel, skip: str = ""):
+def _ctx(plan: BackwardPlan, names: E._Names, k: Kernel, skip: str = "", full: bool = False):
     subst = {n: v for n, v in k.subst if v != skip}
-    return names.ctx(plan.row, plan.col, subst, E._kinds(plan.diagram))
+    known = E.known(plan.forward) if full else frozenset()
+    return names.ctx(plan.row, plan.col, subst, E._kinds(plan.diagram), known)
 
 
-def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel) -> list[str]:
-    """The step: recompute the score tile, then each binding the kernel needs."""
+def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = False) -> list[str]:
+    """The step: recompute the score tile, then each binding the kernel needs.
+    ``full``: a full block's step, the same text with the mask taken as true
+    and no bounds masks (_ok): every row and key of its tile is real."""
     lines = []
     for dot in k.dots:
         dt = _dt(plan, dot.lhs.tensor, dot.rhs.tensor)
@@ -109,23 +117,28 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel) -> list[str]:
         else:
             lines.append(f"{dot.var} = {_dot(f'{lhs}.to({dt})', f'tl.trans({rhs}.to({dt}))', plan)}")
     for var, e in k.lines:
-        lines.append(f"{var} = {triton(e, _ctx(plan, names, k, skip=var))}")
-    lines.append(f"_ok = _gok_{plan.row}[:, None] & _ok_{plan.col}[None, :]  # padded rows and keys add nothing")
+        lines.append(f"{var} = {triton(e, _ctx(plan, names, k, skip=var, full=full))}")
+    if not full:
+        lines.append(f"_ok = _gok_{plan.row}[:, None] & _ok_{plan.col}[None, :]  # padded rows and keys add nothing")
+
+    def kept(value: str) -> str:
+        return value if full else f"tl.where(_ok, {value}, 0.0)"
+
     for g in k.grads:
         dt = _dt(plan, g.operand.tensor)
-        tile = f"tl.where(_ok, {g.tile}, 0.0)"
+        tile = kept(g.tile)
         a = f"{tile}.to({dt})" if k.role == "dq" else f"tl.trans({tile}).to({dt})"
         lines.append(f"{g.var} += {_dot(a, f'{g.operand.var}.to({dt})', plan)}")
     for s in k.sides:
-        code = triton(s.expr, _ctx(plan, names, k))
-        value = f"tl.where(_ok, {code}, 0.0)"
+        code = triton(s.expr, _ctx(plan, names, k, full=full))
+        value = kept(code)
         if not s.has_row:
             value = f"tl.sum({value}, 0)[None, :]"
         if not s.has_col:
             value = f"tl.sum({value}, 1)[:, None]"
         if s.has_col:
             lines += [f"if _NEED_{s.tensor}:",
-                      f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s)})"]
+                      f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s, full)})"]
         else:
             lines += [f"if _NEED_{s.tensor}:", f"    _part_acc_{s.tensor} += {value}"]
     return lines
@@ -141,8 +154,9 @@ def _side_ptr(plan: BackwardPlan, names: E._Names, s) -> str:
     return f"{s.buffer} + " + " + ".join(terms)
 
 
-def _side_masks(plan: BackwardPlan, names: E._Names, s) -> str:
-    parts = names.mask(plan.row if s.has_row else None, plan.col if s.has_col else None)
+def _side_masks(plan: BackwardPlan, names: E._Names, s, full: bool = False) -> str:
+    inside = (plan.row, plan.col) if full else ()
+    parts = names.mask(plan.row if s.has_row else None, plan.col if s.has_col else None, inside=inside)
     return f", mask={' & '.join(parts)}" if parts else ""
 
 
@@ -154,7 +168,7 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
     lines = ["_lo = 0", f"_hi = tl.cdiv({nq}, {br})"]
     if not plan.forward.bounds:
         lines[0] += f"  # {'no mask' if plan.forward.skip is None else 'the mask has no affine bound'}: every block"
-        return "\n".join(lines)
+        return "\n".join(lines + _full_dkdv(plan, names))
     # rows or keys at global positions (any order, e.g. a cyclic split): a
     # row block's positions are known only once loaded, so every block is
     # visited and the elementwise mask decides
@@ -189,14 +203,72 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
             lines.append(f"_hi = tl.where(_need > 0, 0, tl.minimum(_hi, tl.maximum(-_need, 0){div} // {br} + 1))")
     lines.append("_hi = tl.maximum(_lo, _hi)")
     lines[indent:] = ["        " + line for line in lines[indent:]]
-    return "\n".join(lines)
+    return "\n".join(lines + _full_dkdv(plan, names))
+
+
+def _dkdv_lower(plan: BackwardPlan) -> bool:
+    """Whether a bound can put partial row blocks before the full ones (a
+    bound met from some row on: x <= q is, at the diagonal)."""
+    return any((b.row_coeff if b.kind == "upper" else -b.row_coeff) > 0 for b in plan.forward.full or ())
+
+
+def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
+    """[_flo, _fhi) of the row blocks whose tile with this key block is full:
+    napkin.masks.full_row_blocks term for term.  None at global positions."""
+    if plan.forward.full is None:
+        return []
+    row, col = plan.row, plan.col
+    br, bc, nq = names.block(row), names.block(col), names.size(row)
+    lower = _dkdv_lower(plan)
+    first = "_flo" if lower else "_lo"
+    lines = ["# Of those, the full row blocks [_flo, _fhi): every row and key of the tile real and the mask",
+             "# true at every pair (masks.full_row_blocks): they skip the mask and bound arithmetic."]
+    lines += ["_flo = _lo"] if lower else []
+    lines += ["_fhi = _lo  # rows or keys at global positions: none, the mask decides",
+              f"if not _POS_{row}:", f"    if not _POS_{col}:"]
+    inner = ["_flo = 0"] if lower else []
+    inner.append(f"_fhi = tl.where(_col0 + {bc} <= {names.size(col)}, {nq} // {br}, 0)"
+                 "  # whole row blocks; a ragged key block has none")
+
+    def rest(b) -> str:
+        terms = []
+        for key, v in b.rest:
+            terms.append(str(v) if key == "" else names.size(key[1:-1]) if v == 1
+                         else f"{v} * {names.size(key[1:-1])}")
+        return "(" + (" + ".join(terms) or "0").replace("+ -", "- ") + ")"
+
+    for b in plan.forward.full:
+        a = b.row_coeff
+        if b.kind == "upper":
+            need = f"_col0 + {bc} - 1 - {rest(b)}"
+            why = f"{col} <= {_affine_text(b, row)} at the block's last {col}"
+        else:
+            need = f"{rest(b)} - _col0"
+            a = -a
+            why = f"{col} >= {_affine_text(b, row)} at the block's first {col}"
+        inner.append(f"_need = {need}  # {why}, for every row")
+        if a == 0:
+            inner.append("_fhi = tl.where(_need > 0, 0, _fhi)")
+        elif a > 0:
+            t = f"(tl.maximum(_need, 0) + {a - 1}) // {a}" if a != 1 else "tl.maximum(_need, 0)"
+            inner.append(f"_t = {t}  # the first row meeting it")
+            inner.append(f"_flo = tl.maximum(_flo, tl.cdiv(_t, {br}))")
+        else:
+            div = "" if a == -1 else f" // {-a}"
+            inner.append(f"_fhi = tl.where(_need > 0, 0, tl.minimum(_fhi, (tl.maximum(-_need, 0){div} + 1) // {br}))")
+    if lower:
+        inner.append("_flo = tl.minimum(tl.maximum(_flo, _lo), _hi)")
+    inner.append(f"_fhi = tl.maximum(tl.minimum(_fhi, _hi), {first})")
+    return lines + ["        " + line for line in inner]
 
 
 def _bounds_dq(plan: BackwardPlan, names: E._Names) -> str:
     """[_lo, _hi) of the key range this row block visits: the forward's own
     bounds (emit._bounds, napkin.masks.stream_range), rows at positions
-    included, so dQ sees exactly the forward's blocks."""
-    return E._bounds(names, plan.forward)
+    included, so dQ sees exactly the forward's blocks; the full ones among
+    them as the forward's, but none in a ragged block of rows (the side
+    gradients sum over rows)."""
+    return E._bounds(names, plan.forward, whole_rows=True)
 
 
 def _affine_text(b, row: str, size=None) -> str:
@@ -237,7 +309,6 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
                    f"_POS_{row}: tl.constexpr", f"_POS_{col}: tl.constexpr"]
         sizes = sizes + [f"_len_{row}", f"_len_{col}"]
     pre = [E._load(d, names, ld) for ld in k.loads if ld.phase == "pre"]
-    step = [E._load(d, names, ld) for ld in k.loads if ld.phase == "step"]
     start = "_row0" if k.grid_wire == row else "_col0"
     head = [f"{start} = _pid * {names.block(k.grid_wire)}"] + _offsets(names, k.grid_wire, start) \
         + (_globals(k.grid_wire, row) if k.role != "rows" else []) + _dims(names, dims)
@@ -270,20 +341,40 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             if not s.has_col:
                 shape = f"[{names.block(row)}, 1]" if s.has_row else "[1, 1]"
                 init.append(f"_part_acc_{s.tensor} = tl.zeros({shape}, tl.float32)")
-        inner = [f"{ld['var']} = tl.load({ld['ptr']}{ld['mask']})" for ld in step] + _tile_lines(plan, names, k)
+        loop_wire = col if k.role == "dq" else row
+        step_loads = [ld for ld in k.loads if ld.phase == "step"]
+
+        def inner(full: bool) -> list[str]:
+            """Loop-wire offsets, loads and the step; a full block's: no bounds masks, no mask."""
+            first = "_start" if k.role == "dq" else "_row0"
+            if full:  # every index real, at its own offset (no positions)
+                offs = [f"_offs_{loop_wire} = {first} + tl.arange(0, {names.block(loop_wire)})",
+                        f"_idx_{loop_wire} = _offs_{loop_wire}"]
+            else:
+                offs = _offsets(names, loop_wire, first) + _globals(loop_wire, row)
+            loads = [E._load(d, names, ld, (loop_wire,) if full else ()) for ld in step_loads]
+            return offs + [f"{ld['var']} = tl.load({ld['ptr']}{ld['mask']})" for ld in loads] \
+                + _tile_lines(plan, names, k, full)
+
         if k.role == "dq":
             bounds = _bounds_dq(plan, names)
-            body = [f"for _start in range(_lo, _hi, {names.block(col)}):"] \
-                + _indent(_offsets(names, col, "_start") + _globals(col, row) + inner, 4)
+            lower = any(b.kind == "lower" for b in plan.forward.full or ())
         else:
             bounds = _bounds_dkdv(plan, names)
-            loop = [f"for _rb in range(_lo, _hi):", f"    _row0 = _rb * {names.block(row)}"] \
-                + _indent(_offsets(names, row, "_row0") + _globals(row, row) + inner, 4)
-            if k.outer:
-                n = " * ".join(names.size(w) for w in k.outer)
-                loop = [f"for _outer in range({n}):  # the {', '.join(k.outer)} that share these keys"] \
-                    + _indent(_decode_outer(names, k.outer) + loop, 4)
-            body = loop
+            lower = _dkdv_lower(plan)
+        loop = []
+        for seg in E.segments(plan.forward, "_lo", "_hi", lower):
+            loop += [seg["why"]] if seg["why"] else []
+            if k.role == "dq":
+                loop += [f"for _start in range({seg['lo']}, {seg['hi']}, {names.block(col)}):"]
+            else:
+                loop += [f"for _rb in range({seg['lo']}, {seg['hi']}):", f"    _row0 = _rb * {names.block(row)}"]
+            loop += _indent(inner(seg["full"]), 4)
+        if k.outer:  # dK/dV only
+            n = " * ".join(names.size(w) for w in k.outer)
+            loop = [f"for _outer in range({n}):  # the {', '.join(k.outer)} that share these keys"] \
+                + _indent(_decode_outer(names, k.outer) + loop, 4)
+        body = loop
         if k.role == "dkdv":  # every local key gets its gradient stored (padded ones zero)
             after.append(f"_ok_{col} = _offs_{col} < {names.size(col)}")
         for g in k.grads:

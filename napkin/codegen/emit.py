@@ -5,7 +5,10 @@ skeleton: program ids, the loop over the streamed wire, loads and stores,
 and the run-time argument checks.  Everything the diagram says is generated
 here from the plan: the tl.dot contractions, the score expression, the mask
 and the loop bounds derived from it, the streaming state (init / update /
-finalise), block sizes, dtypes, the reference and the tables.
+finalise), block sizes, dtypes, the reference and the tables.  The loop
+over the streamed wire comes in segments (``segments``): the full blocks'
+step is the same step generated with the mask taken as true (exprs.Ctx's
+``known``) and no bounds masks on the streamed wire.
 
 Naming in generated code: the user's tensor names are the kernel's pointer
 arguments and the launcher's parameters; every other name starts with an
@@ -82,20 +85,24 @@ class _Names:
             return f"{base}_{w}[None, :]"
         return f"_i_{w}"
 
-    def mask(self, rows: Optional[str], cols: Optional[str], glob: bool = False) -> list[str]:
+    def mask(self, rows: Optional[str], cols: Optional[str], glob: bool = False, inside=()) -> list[str]:
+        """The bounds mask of a (rows, cols) tile; ``inside``: wires known to
+        be in bounds there (a full block's loop wire), which need none."""
         parts = []
-        if rows is not None and glob and rows in self.positional:
+        if rows in inside:
+            pass
+        elif rows is not None and glob and rows in self.positional:
             parts.append(f"_gok_{rows}[:, None]")  # also inside the global length
         elif rows is not None and not self.exact(rows):
             parts.append(f"_ok_{rows}[:, None]")
-        if cols is not None and not self.exact(cols):
+        if cols is not None and cols not in inside and not self.exact(cols):
             parts.append(f"_ok_{cols}[None, :]")
         return parts
 
-    def ctx(self, rows, cols, subst, kinds) -> Ctx:
+    def ctx(self, rows, cols, subst, kinds, known=frozenset()) -> Ctx:
         index = {w.name: self.index(w.name, rows, cols, glob=True) for w in self.d.wires}
         sizes = {w.name: self.length(w.name) for w in self.d.wires}
-        return Ctx(index=index, size=sizes, fixed=self.fixed, subst=dict(subst), kinds=kinds)
+        return Ctx(index=index, size=sizes, fixed=self.fixed, subst=dict(subst), kinds=kinds, known=known)
 
 
 def _kinds(d: ir.Diagram) -> dict[str, str]:
@@ -109,11 +116,12 @@ def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob:
     return f"{tensor} + " + " + ".join(terms)
 
 
-def _load(d: ir.Diagram, names: _Names, ld: L.Load) -> dict:
+def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=()) -> dict:
+    """A load's pointer and mask; ``inside``: wires in bounds (no mask)."""
     # integer and boolean inputs (ids, masks: the distributed wrappers' side
     # inputs) are read at the global positions; float inputs hold local rows
     glob = _kinds(d).get(ld.tensor) != "float"
-    mask = names.mask(ld.rows, ld.cols, glob)
+    mask = names.mask(ld.rows, ld.cols, glob, inside)
     other = "0" if glob else "0.0"
     return {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob),
             "mask": f", mask={' & '.join(mask)}, other={other}" if mask else ""}
@@ -183,25 +191,48 @@ def _options(d: ir.Diagram, wires: list[str]) -> list[str]:
 # Attention.
 # --------------------------------------------------------------------------
 
-def _full(d, e, row, col, code, names) -> str:
-    """A tile expression broadcast to the full (row, col) block when it lacks a wire."""
-    ws = L.wires_of(d, e)
+def _full(d, e, row, col, code, names, known=frozenset()) -> str:
+    """A tile expression broadcast to the full (row, col) block when it lacks
+    a wire (``known``: as rendered, with those conditions taken as true)."""
+    ws = L.wires_of(d, e, known)
     if row in ws and col in ws:
         return code
-    return f"tl.broadcast_to({code}, [{names.block(row)}, {names.block(col)}])"
+    shape = f"[{names.block(row)}, {names.block(col)}]"
+    if _number(code):  # a constant (a full block's where(mask, 2.0, 1.0)): not a tensor to broadcast
+        return f"tl.full({shape}, {code}, tl.float32)"
+    return f"tl.broadcast_to({code}, {shape})"
 
 
-def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dict:
-    """The template context of an attention kernel and its launch.  ``saved``
-    names outputs of the plan that only training needs (the row state the
-    backward reads, see training.py): the kernel stores them only when its
-    constexpr _SAVE is set, so the plain forward moves exactly what it did."""
+def _number(code: str) -> bool:
+    """Whether ``code`` is a numeric literal as exprs.number writes them."""
+    try:
+        float(code)
+        return True
+    except ValueError:
+        return code.lstrip("-") in ('float("inf")', 'float("-inf")', 'float("nan")')
+
+
+def known(plan: L.AttentionPlan) -> frozenset:
+    """What holds on every pair of a full block's tile: the mask predicate
+    and its conjuncts (nothing to know without a mask)."""
+    return frozenset() if plan.skip is None else frozenset({plan.skip, *masks.conjuncts(plan.skip)})
+
+
+def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], list[str], bool]:
+    """(init, step lines, split weights?) of the streamed loop.  The step of
+    a full block (``full``) is the same text generated with the mask taken
+    as true and without the streamed wire's bounds masks: no where() on
+    either is left in it."""
     d = plan.diagram
-    names = _Names(d, plan.dims, (plan.row, plan.col))
     kinds = _kinds(d)
     row, col = plan.row, plan.col
-    br, bc = names.block(row), names.block(col)
-    ok = f"_ok_{col}[None, :]"
+    br = names.block(row)
+    ok = None if full else f"_ok_{col}[None, :]"
+    sure = known(plan) if full else frozenset()
+
+    def where(value: str, fill: str) -> str:
+        return value if ok is None else f"tl.where({ok}, {value}, {fill})"
+
     step_subst = dict(plan.step_subst)
     lines = []
     dtypes = {t.name: t.dtype for t in d.inputs}
@@ -211,16 +242,16 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         lines.append(f'{dot.var} = tl.dot({dot.lhs.var}, tl.trans({rhs}), input_precision="{plan.precision}")')
     for var, e in plan.tiles:
         own = {k: v for k, v in step_subst.items() if v != var}
-        lines.append(f"{var} = {triton(e, names.ctx(row, col, own, kinds))}")
-    ctx = names.ctx(row, col, step_subst, kinds)
+        lines.append(f"{var} = {triton(e, names.ctx(row, col, own, kinds, sure))}")
+    ctx = names.ctx(row, col, step_subst, kinds, sure)
     init = []
     for i, (m, e) in enumerate(plan.groups):
         sfx = "" if i == 0 else str(i)
         init.append(f"{m} = tl.full([{br}, 1], {NEG_INF}, tl.float32)  # running max of the exponent, log2 units")
-        code = _full(d, e, row, col, triton(e, ctx), names)
+        code = _full(d, e, row, col, triton(e, ctx), names, sure)
         lines += [
             f"# online softmax state {m}: rescale by 2^(m_old - m_new); log2(e) folded in",
-            f"_s{sfx} = tl.where({ok}, ({code}) * {LOG2E}, {NEG_INF})",
+            f"_s{sfx} = {where(f'({code}) * {LOG2E}', NEG_INF)}",
             f"_m_new{sfx} = tl.maximum({m}, tl.max(_s{sfx}, 1)[:, None])",
             f"_m_use{sfx} = tl.where(_m_new{sfx} == {NEG_INF}, 0.0, _m_new{sfx})  # all -inf so far: no NaN",
             f"_alpha{sfx} = tl.exp2({m} - _m_use{sfx})",
@@ -234,14 +265,14 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         fill = {"max": NEG_INF, "min": POS_INF}.get(a.op, "0.0")
         init.append(f"{a.var} = tl.full({shape}, {fill}, tl.float32)" if fill != "0.0"
                     else f"{a.var} = tl.zeros({shape}, tl.float32)")
-        tile = None if a.tile is None else _full(d, a.tile, row, col, triton(a.tile, ctx), names)
+        tile = None if a.tile is None else _full(d, a.tile, row, col, triton(a.tile, ctx), names, sure)
         if a.op == "expsum":
             sfx = group_sfx[a.group]
-            w = f"_p{sfx}" if tile is None else f"tl.where({ok}, _p{sfx} * ({tile}), 0.0)"
+            w = f"_p{sfx}" if tile is None else where(f"_p{sfx} * ({tile})", "0.0")
             scale = f"{a.var} * _alpha{sfx}"
         else:
             fill_in = {"sum": "0.0", "max": NEG_INF, "min": POS_INF}[a.op]
-            lines.append(f"_t{j} = tl.where({ok}, {tile}, {fill_in})")
+            lines.append(f"_t{j} = {where(tile, fill_in)}")
             w, scale = f"_t{j}", a.var
         if a.op in ("max", "min"):
             fn = "tl.maximum" if a.op == "max" else "tl.minimum"
@@ -258,6 +289,43 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
             split = True
         else:
             lines.append(f"{a.var} = {scale} + tl.sum({w}, 1)[:, None]")
+    return init, lines, split
+
+
+def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]:
+    """The loops over the visited range [lo, hi): one masked loop when no
+    block is known full, else partial blocks before (only when a lower bound
+    can put some there), the full blocks [_flo, _fhi), partial blocks after
+    (the mask's far edge and the ragged end).  Without a lower bound the
+    full blocks start the range (``_flo`` is ``lo``)."""
+    if plan.full is None:
+        return [{"lo": lo, "hi": hi, "full": False, "why": ""}]
+    start = "_flo" if lower else lo
+    out = [{"lo": lo, "hi": "_flo", "full": False,
+            "why": "# Partial blocks before the full ones: the mask cuts through them."}] if lower else []
+    return out + [
+        {"lo": start, "hi": "_fhi", "full": True,
+         "why": "# Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks."},
+        {"lo": "_fhi", "hi": hi, "full": False,
+         "why": "# Partial blocks after: the mask's edge, the ragged end; every block with positions."}]
+
+
+def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dict:
+    """The template context of an attention kernel and its launch.  ``saved``
+    names outputs of the plan that only training needs (the row state the
+    backward reads, see training.py): the kernel stores them only when its
+    constexpr _SAVE is set, so the plain forward moves exactly what it did."""
+    d = plan.diagram
+    names = _Names(d, plan.dims, (plan.row, plan.col))
+    kinds = _kinds(d)
+    row, col = plan.row, plan.col
+    br, bc = names.block(row), names.block(col)
+    init, lines, split = _step(plan, names, full=False)
+    step_loads = [ld for ld in plan.loads if ld.phase == "step"]
+    segs = segments(plan, "_lo", "_hi", any(b.kind == "lower" for b in plan.full or ()))
+    for seg in segs:
+        seg["step"] = "\n".join(_step(plan, names, full=True)[1] if seg["full"] else lines)
+        seg["loads"] = [_load(d, names, ld, (col,) if seg["full"] else ()) for ld in step_loads]
     accums = {a.var: a for a in plan.accums}
     finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums)
     save_finalise, save_stores = _finalise(d, names, [o for o in plan.outputs if o.name in saved], kinds, accums)
@@ -297,8 +365,8 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col),
         "dims": [_wire_ctx(names, w) for w in plan.dims],
         "pre_loads": [_load(d, names, ld) for ld in plan.loads if ld.phase == "pre"],
-        "step_loads": [_load(d, names, ld) for ld in plan.loads if ld.phase == "step"],
-        "init": "\n".join(init), "bounds": _bounds(names, plan), "step": "\n".join(lines),
+        "segments": segs,
+        "init": "\n".join(init), "bounds": _bounds(names, plan),
         "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "save_finalise": save_finalise, "save_stores": save_stores,
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]
@@ -388,15 +456,24 @@ def _has_wire(d, e, wire, accums) -> bool:
     return False
 
 
-def _bounds(names: _Names, plan: L.AttentionPlan) -> str:
+def _affine(b: "masks.Bound", r: str, size) -> str:
+    """row_coeff * r + rest, the sizes rendered by ``size``."""
+    terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
+    for key, v in b.rest:
+        term = str(v) if key == "" else size(key[1:-1]) if v == 1 else f"{v} * {size(key[1:-1])}"
+        terms.append(term)
+    return (" + ".join(terms) or "0").replace("+ -", "- ")
+
+
+def _bounds(names: _Names, plan: L.AttentionPlan, whole_rows: bool = False) -> str:
     """The x range [_lo, _hi) from the mask's affine bounds: the same formula
     as napkin.masks.stream_range, so the kernel visits exactly
-    masks.visited_blocks."""
+    masks.visited_blocks; then the full blocks among them (_full_bounds)."""
     row, col = plan.row, plan.col
     lines = ["_lo = 0", f"_hi = {names.size(col)}"]
     if not plan.bounds:
         lines[0] += f"  # {'no mask' if plan.skip is None else 'the mask has no affine bound'}: every block"
-        return "\n".join(lines)
+        return "\n".join(lines + _full_bounds(names, plan, whole_rows, False))
     ends = {b.at_row() for b in plan.bounds if b.row_coeff != 0}
     if "first" in ends:
         lines.append("_row_first = _row0")
@@ -412,19 +489,11 @@ def _bounds(names: _Names, plan: L.AttentionPlan) -> str:
     # once loaded, so every block is visited and the elementwise mask decides
     lines.append(f"if not _POS_{col}:")
     indent = len(lines)
-
-    def affine(b: "masks.Bound", r: str, size) -> str:
-        terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
-        for key, v in b.rest:
-            term = str(v) if key == "" else size(key[1:-1]) if v == 1 else f"{v} * {size(key[1:-1])}"
-            terms.append(term)
-        return (" + ".join(terms) or "0").replace("+ -", "- ")
-
     lower = False
     for b in plan.bounds:
         r = "_row_first" if b.at_row() == "first" else "_row_last"
-        value = affine(b, r, names.length)
-        why = f"{col} {'>=' if b.kind == 'lower' else '<='} {affine(b, row, lambda w: f'|{w}|')}, " \
+        value = _affine(b, r, names.length)
+        why = f"{col} {'>=' if b.kind == 'lower' else '<='} {_affine(b, row, lambda w: f'|{w}|')}, " \
               f"loosest at the block's {b.at_row()} row"
         if b.kind == "lower":
             lower = True
@@ -434,7 +503,50 @@ def _bounds(names: _Names, plan: L.AttentionPlan) -> str:
     if lower:
         lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
     lines[indent:] = ["    " + line for line in lines[indent:]]
-    return "\n".join(lines)
+    return "\n".join(lines + _full_bounds(names, plan, whole_rows, "last" in ends))
+
+
+def _full_bounds(names: _Names, plan: L.AttentionPlan, whole_rows: bool, have_last: bool) -> list[str]:
+    """[_flo, _fhi): the full blocks among the visited ones, the formula of
+    napkin.masks.full_blocks term for term (each bound at the block's
+    tightest row).  None when rows or keys sit at global positions (the
+    mask decides every block there): the partial loops then cover [_lo, _hi).
+    ``whole_rows``: the backward's, where a ragged block of rows has none.
+    _flo is only defined when a lower bound can put partial blocks first."""
+    if plan.full is None:
+        return []
+    row, col = plan.row, plan.col
+    br, bc = names.block(row), names.block(col)
+    lower = any(b.kind == "lower" for b in plan.full)
+    first = "_flo" if lower else "_lo"
+    lines = ["# Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the",
+             "# tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic."]
+    lines += ["_flo = _lo"] if lower else []
+    lines += ["_fhi = _lo  # rows or keys at global positions: none, the mask decides",
+              f"if not _POS_{row}:", f"    if not _POS_{col}:"]
+    inner = ["_flo = 0"] if lower else []
+    if not plan.full:
+        inner.append(f"_fhi = {names.size(col)} // {bc} * {bc}  # no mask: every block but a ragged last one")
+    else:
+        inner.append(f"_fhi = {names.size(col)}")
+        if not have_last and any(b.at_row() == "first" and b.row_coeff != 0 for b in plan.full):
+            inner.append(f"_row_last = tl.minimum(_row0 + {br}, {names.size(row)}) - 1")
+        for b in plan.full:
+            tight = "last" if b.at_row() == "first" else "first"
+            value = _affine(b, "_row_last" if tight == "last" else "_row0", names.length)
+            why = f"{col} {'>=' if b.kind == 'lower' else '<='} {_affine(b, row, lambda w: f'|{w}|')} " \
+                  f"at every row: tightest at the block's {tight}"
+            if b.kind == "lower":
+                inner.append(f"_flo = tl.maximum(_flo, {value})  # {why}")
+            else:
+                inner.append(f"_fhi = tl.minimum(_fhi, {value} + 1)  # {why}")
+        if lower:
+            inner.append(f"_flo = tl.minimum(tl.maximum(tl.cdiv(_flo, {bc}) * {bc}, _lo), _hi)")
+        inner.append(f"_fhi = tl.maximum(tl.minimum(tl.maximum(_fhi, 0) // {bc} * {bc}, _hi), {first})")
+    if whole_rows:
+        inner.append(f"_fhi = tl.where(_row0 + {br} <= {names.size(row)}, _fhi, {first})"
+                     "  # summed over rows: a ragged block of them has none")
+    return lines + ["        " + line for line in inner]
 
 
 # --------------------------------------------------------------------------

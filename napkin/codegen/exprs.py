@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from .. import ir
-from .lower import LogSumExp, SafeDiv, Var
+from .lower import LogSumExp, SafeDiv, Var, decided
 
 # Python operator precedence (higher binds tighter), for minimal parentheses.
 _PREC = {"|": 1, "&": 2, "cmp": 0, "+": 4, "-": 4, "*": 5, "/": 5, "neg": 6, "**": 7, "atom": 9}
@@ -35,6 +35,9 @@ class Ctx:
     fixed: Mapping[str, int]
     subst: Mapping[object, str] = field(default_factory=dict)
     kinds: Mapping[str, str] = field(default_factory=dict)  # input name -> "float"/"int"/"bool"
+    # conditions known to hold on the whole tile (a full block's mask): a
+    # where() on one renders its kept branch alone, so no mask is evaluated
+    known: frozenset = frozenset()
 
 
 # --------------------------------------------------------------------------
@@ -199,6 +202,10 @@ class _Render:
         return self.general_power(base, self.r(e.rhs)), _PREC["atom"], "float"
 
     def call(self, e: ir.Call):
+        if e.fn == "where" and self.ctx.known:
+            holds = decided(e.args[0], self.ctx.known)
+            if holds is not None:  # (a branch lacking a wire of the tile: emit._full broadcasts it)
+                return self.r(e.args[1] if holds else e.args[2])
         args = [self.r(a) for a in e.args]
         if e.fn == "where":
             c, a, b = args

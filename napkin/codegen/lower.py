@@ -162,6 +162,11 @@ class AttentionPlan:
     bounds: tuple[masks.Bound, ...]
     skip: Optional[object]             # the mask predicate when blocks may be skipped
     precision: str
+    # the bounds whose conjunction is exactly the mask (() with no mask):
+    # blocks where all hold on the whole tile skip the mask (masks.full_blocks);
+    # None when no block is known full (a non-affine conjunct, a mask that
+    # cannot be skipped)
+    full: Optional[tuple[masks.Bound, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -192,23 +197,43 @@ def read_wires(d: ir.Diagram, ref: ir.TensorRef) -> tuple[str, ...]:
     return ref.wires if ref.wires is not None else ir.axis_wires(d.tensor(ref.name).axes)
 
 
-def wires_of(d: ir.Diagram, e) -> frozenset:
-    """The wires an (inlined) expression varies along."""
+def wires_of(d: ir.Diagram, e, known: frozenset = frozenset()) -> frozenset:
+    """The wires an (inlined) expression varies along; ``known``: conditions
+    that hold (see ``decided``), whose where() is its kept branch alone."""
     if isinstance(e, ir.WireIndex):
         return frozenset([e.wire])
     if isinstance(e, ir.TensorRef):
         return frozenset(read_wires(d, e))
     if isinstance(e, ir.Unary):
-        return wires_of(d, e.operand)
+        return wires_of(d, e.operand, known)
     if isinstance(e, (ir.Binary, SafeDiv)):
-        return wires_of(d, e.lhs) | wires_of(d, e.rhs)
+        return wires_of(d, e.lhs, known) | wires_of(d, e.rhs, known)
     if isinstance(e, ir.Call):
-        return frozenset().union(*(wires_of(d, a) for a in e.args))
+        holds = decided(e.args[0], known) if e.fn == "where" and known else None
+        if holds is not None:
+            return wires_of(d, e.args[1] if holds else e.args[2], known)
+        return frozenset().union(*(wires_of(d, a, known) for a in e.args))
     if isinstance(e, ir.Reduce):
-        return wires_of(d, e.body) - set(e.wires)
+        return wires_of(d, e.body, known) - set(e.wires)
     if isinstance(e, ir.Normalize):
-        return wires_of(d, e.body)
+        return wires_of(d, e.body, known)
     return frozenset()
+
+
+def decided(c, known: frozenset) -> Optional[bool]:
+    """True / False when condition ``c`` follows from ``known`` (conditions
+    true on a whole tile: a full block's mask and its conjuncts), else None."""
+    if c in known:
+        return True
+    if isinstance(c, ir.Unary) and c.op == "not":
+        inner = decided(c.operand, known)
+        return None if inner is None else not inner
+    if isinstance(c, ir.Binary) and c.op in ("and", "or"):
+        a, b = decided(c.lhs, known), decided(c.rhs, known)
+        if c.op == "and":
+            return True if a is True and b is True else False if False in (a, b) else None
+        return True if True in (a, b) else False if a is False and b is False else None
+    return None
 
 
 def children(e) -> list:
@@ -436,6 +461,32 @@ def _precision(d: ir.Diagram) -> str:
     return "tf32" if d.schedule is not None and d.schedule.tf32 else "ieee"
 
 
+def internal_names(d: ir.Diagram) -> frozenset:
+    """Every variable the kernels' own code may define for ``d`` (a superset):
+    loop bounds, the step's temporaries (``_s``, ``_p``, ``_m_new``, ``_t0``),
+    running state (``_m``, ``_l``, ``_acc``), per-wire offsets and masks
+    (``_offs_q``, ``_ok_x``), per-tensor strides and gradient accumulators;
+    not the names loads themselves take (those of the backward's dO, lse,
+    delta: ``_Loads`` keeps loads apart).  A load is named ``_`` + the tensor's name, and a diagram's names are the
+    user's: a tensor called ``s`` or ``offs_q`` must not overwrite the
+    kernel's own variable, so its load takes another name (``_s_1``)."""
+    suffixes = [""] + [str(i) for i in range(16)]
+    out = {"_pid", "_batch", "_row0", "_col0", "_start", "_lo", "_hi", "_flo", "_fhi", "_row_first",
+           "_row_last", "_rb", "_outer", "_o", "_ok", "_need", "_grid", "_opts", "_pos", "_SAVE",
+           "_SPLIT_WEIGHTS"}
+    for sfx in suffixes:
+        out |= {f"_{base}{sfx}" for base in ("s", "p", "m", "m_new", "m_use", "alpha", "qk", "acc", "l", "max",
+                                             "min", "t", "w", "dot", "sum")}
+    wires = [w.name for w in d.wires]
+    for w in wires:
+        out |= {f"_{base}_{w}" for base in ("offs", "ok", "gok", "idx", "size", "i", "pos", "len", "BLOCK", "POS")}
+    tensors = [t.name for t in d.inputs] + [t.name for t in d.lets]
+    for t in tensors:
+        out |= {f"_{base}_{t}" for base in ("out", "acc", "grad", "part", "part_acc", "saved", "NEED")}
+        out |= {f"_st_{t}_{w}" for w in wires}
+    return frozenset(out)
+
+
 class _Loads:
     """Deduplicated loads; variable names are deterministic (first come)."""
 
@@ -443,6 +494,7 @@ class _Loads:
         self.d, self.phase = d, phase
         self.loads: list[Load] = []
         self.taken = taken if taken is not None else set()
+        self.reserved = internal_names(d)
 
     def get(self, ref: ir.TensorRef, rows, cols, phase=None) -> Load:
         wires = read_wires(self.d, ref)
@@ -451,7 +503,7 @@ class _Loads:
             if (ld.tensor, ld.wires, ld.rows, ld.cols, ld.phase) == (ref.name, wires, rows, cols, phase):
                 return ld
         var, n = f"_{ref.name}", 1
-        while var in self.taken:
+        while var in self.taken or var in self.reserved:
             var, n = f"_{ref.name}_{n}", n + 1
         self.taken.add(var)
         ld = Load(var, ref.name, wires, rows, cols, phase)

@@ -1,0 +1,350 @@
+"""Full and partial blocks: the kernels' loops split into masked edge blocks
+and an unmasked fast loop (napkin/masks.py: exact_bounds, full_blocks,
+full_row_blocks; codegen: emit._bounds, backward_emit._bounds_dkdv).
+
+The interval functions are checked by brute force against classify_block,
+block by block; the generated kernels against the float64 reference on
+sizes that put blocks in every segment, and their source for the split.
+"""
+from __future__ import annotations
+
+import ast
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import napkin
+from napkin import ir, masks
+from napkin.codegen import emit_module, lower as L
+from napkin.parse import parse
+
+REPO = Path(__file__).resolve().parent.parent
+C = masks.BlockClass
+
+
+def _pred(src: str) -> ir.Expr:
+    d = parse("diagram t\nwire b, h, q, x\nwire d = 16\n"
+              f"in A[q, x] : fp32\nS[q, x] = where({src}, A, -inf)\nout S")
+    return masks.mask_predicate(masks.mask_node(d.lets[0].expr))
+
+
+# --------------------------------------------------------------------------
+# The full-block intervals, by brute force against classify_block.
+# --------------------------------------------------------------------------
+
+AFFINE = ["x <= q", "x <= q and q - x < 5", "x <= q and q - x < 40", "x <= q + |x| - |q|", "x >= q",
+          "x == q", "x <= 2 * q", "x >= q - 3 and x <= q + 7", "x + q <= 50", "x >= 20 - q and x < 30",
+          "x >= 9"]
+SHAPES = [(37, 100), (100, 37), (64, 64), (1, 1), (23, 9)]
+BLOCKS = [(16, 16), (8, 4), (4, 8), (3, 5)]
+TRUE = ir.Binary("<=", ir.Num(0), ir.Num(1))  # classify_block's stand-in for "no mask"
+
+
+def _is_full(pred, r0, r1, c0, c1, nq, nx, whole_rows):
+    """The definition: the tile inside the edges, the mask true at every pair."""
+    if c1 > nx or (whole_rows and r1 > nq):
+        return False
+    ranges = {"q": (r0, min(r1, nq)), "x": (c0, c1)}
+    return masks.classify_block(pred, ranges, {"q": nq, "x": nx}) is C.FULL
+
+
+def _cases():
+    for src, (nq, nx), (br, bc) in itertools.product(AFFINE + [None], SHAPES, BLOCKS):
+        yield src, nq, nx, br, bc
+
+
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["forward", "dq"])
+def test_full_blocks_are_exactly_the_blocks_classify_calls_full(whole_rows):
+    for src, nq, nx, br, bc in _cases():
+        pred = _pred(src) if src else TRUE
+        sizes = {"q": nq, "x": nx}
+        bounds = masks.exact_bounds(_pred(src) if src else None, "q", "x", sizes)
+        assert bounds == masks.stream_bounds(pred, "q", "x", sizes) if src else bounds == ()
+        split = masks.split_blocks(bounds, nq, nx, br, bc, sizes, whole_rows)
+        # the same blocks as the loop visits today, in the same order
+        assert [(i, j) for i, j, _ in split] == masks.visited_blocks(bounds, nq, nx, br, bc, sizes), src
+        for i, j, full in split:
+            want = _is_full(pred, i * br, i * br + br, j * bc, j * bc + bc, nq, nx, whole_rows)
+            assert full == want, (src, nq, nx, br, bc, i, j)
+        # partial blocks before, full blocks, partial blocks after: one run of full blocks per row block
+        for i in range(-(-nq // br)):
+            flags = "".join("F" if f else "p" for r, _, f in split if r == i)
+            assert re.fullmatch("p*F*p*", flags), (src, i, flags)
+
+
+def test_full_row_blocks_of_the_dkdv_loop_by_brute_force():
+    for src, nq, nx, br, bc in _cases():
+        pred = _pred(src) if src else TRUE
+        sizes = {"q": nq, "x": nx}
+        bounds = masks.exact_bounds(_pred(src) if src else None, "q", "x", sizes)
+        split = masks.split_blocks_by_column(bounds, nq, nx, br, bc, sizes)
+        assert [(i, j) for i, j, _ in split] == masks.visited_blocks_by_column(bounds, nq, nx, br, bc, sizes)
+        for i, j, full in split:
+            assert full == _is_full(pred, i * br, i * br + br, j * bc, j * bc + bc, nq, nx, True), \
+                (src, nq, nx, br, bc, i, j)
+
+
+def test_small_cases_by_hand():
+    causal = masks.exact_bounds(_pred("x <= q"), "q", "x")
+    # rows 32..63 against 16-key blocks: keys 0..31 are full, 32..47 and 48..63 the diagonal
+    assert masks.full_blocks(causal, 1, 100, 100, 32, 16) == (0, 32)
+    assert masks.split_blocks(causal, 64, 64, 32, 16)[-4:] == [(1, 0, True), (1, 1, True), (1, 2, False),
+                                                               (1, 3, False)]
+    # no mask: every block but the ragged last one is full
+    assert masks.split_blocks((), 10, 40, 16, 16) == [(0, 0, True), (0, 1, True), (0, 2, False)]
+    # a window of 60 over 16-key blocks: rows 96..127 visit keys 32..127, of which only 80..95 are full
+    window = masks.exact_bounds(_pred("x <= q and q - x < 60"), "q", "x")
+    assert [f for i, _, f in masks.split_blocks(window, 128, 128, 32, 16) if i == 3] == \
+        [False, False, False, True, False, False]
+    # a window narrower than a block of rows has no full block
+    narrow = masks.exact_bounds(_pred("x <= q and q - x < 20"), "q", "x")
+    assert not any(f for *_, f in masks.split_blocks(narrow, 128, 128, 32, 16))
+    # dK/dV of causal: per key block, the diagonal row blocks first, then full ones, the ragged rows last
+    assert masks.split_blocks_by_column(causal, 70, 64, 16, 16)[:5] == \
+        [(0, 0, False), (1, 0, True), (2, 0, True), (3, 0, True), (4, 0, False)]
+
+
+def test_non_affine_or_inexact_masks_have_no_full_blocks():
+    for src in ["doc[b, q] == doc", "x <= q and doc[b, q] == doc", "x <= q or x > q + 5", "x != q",
+                "q >= 3 and x <= q", "x <= q + b", "not (x > q)"]:
+        d = parse("diagram t\nwire b, h, q, x\nwire d = 16\nin doc[b, x] : int32\n"
+                  f"in A[b, q, x] : fp32\nS[b, q, x] = where({src}, A, -inf)\nout S")
+        pred = masks.mask_predicate(masks.mask_node(d.lets[0].expr))
+        assert masks.exact_bounds(pred, "q", "x") is None, src
+
+
+# --------------------------------------------------------------------------
+# The generated kernels.  Loads without a mask are a full block's (every
+# other load of K or Q is masked): a spy on the interpreter's create_load
+# tells which blocks each program ran through the unmasked loop.
+# --------------------------------------------------------------------------
+
+import contextlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import test_backward as tb  # noqa: E402  (its compile_text / accuracy rule)
+import test_kernels as tk  # noqa: E402
+
+FWD = {"block_q": 32, "block_x": 16}
+BWD = {"block_q": 16, "block_x": 16}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("split")
+
+
+def _module(name: str, folder, *replace):
+    text = (REPO / "examples" / f"{name}.ncd").read_text()
+    for old, new in replace:
+        assert old in text
+        text = text.replace(old, new)
+    key = "split_" + re.sub(r"\W", "_", f"{name}_{replace}")
+    return tb.compile_text(text, key, folder), napkin.load_text(text, f"{key}.ncd")
+
+
+@contextlib.contextmanager
+def _unmasked_loads(**watch):
+    """{name: set of (program id 0, block along dim)} of the loads without a
+    mask of each watched (tensor, dim, block)."""
+    from triton.runtime import interpreter
+
+    seen = {name: set() for name in watch}
+    original = interpreter.InterpreterBuilder.create_load
+
+    def spy(builder, ptr, *rest, **kw):
+        addr = np.asarray(ptr.data).ravel().astype(np.int64)
+        for name, (t, dim, block) in watch.items():
+            start = t.data_ptr()
+            inside = addr[(addr >= start) & (addr < start + t.numel() * t.element_size())]
+            for off in set(((inside - start) // t.element_size()).tolist()):
+                seen[name].add((builder.grid_idx[0], off // t.stride(dim) % t.shape[dim] // block))
+        return original(builder, ptr, *rest, **kw)
+
+    interpreter.InterpreterBuilder.create_load = spy
+    try:
+        yield seen
+    finally:
+        interpreter.InterpreterBuilder.create_load = original
+
+
+def _full_bounds(diagram, sizes):
+    plan = L.lower(diagram)
+    all_sizes = {w.name: w.size for w in diagram.wires if w.size is not None} | sizes
+    return plan.full, all_sizes
+
+
+WINDOW = "q - x < 256"
+CAUSAL_GQA = ("sum[d](Q * K) * |d|^-0.5", "where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)")
+CASES = [  # (example, text edits, sizes, which loops have full blocks): every segment, ragged edges, |q| != |x|
+    ("attention", (), {"q": 37, "x": 100}, "fwd bwd"),
+    ("attention", (), {"q": 20, "x": 64}, "fwd bwd"),            # no ragged key block: all full in the forward
+    ("causal", (), {"q": 37, "x": 100}, "fwd bwd"),
+    ("causal", (), {"q": 100, "x": 37}, "fwd bwd"),
+    ("sliding_window", ((WINDOW, "q - x < 40"),), {"q": 100, "x": 100}, "fwd bwd"),  # width not a block multiple
+    ("sliding_window", ((WINDOW, "q - x < 70"),), {"q": 70, "x": 100}, "fwd bwd"),
+    ("sliding_window", ((WINDOW, "q - x < 48"),), {"q": 96, "x": 96}, "fwd bwd"),    # edges on block boundaries
+    ("sliding_window", ((WINDOW, "q - x < 47"),), {"q": 96, "x": 96}, "bwd"),
+    ("sliding_window", ((WINDOW, "q - x < 24"),), {"q": 90, "x": 90}, ""),           # straddles: none full
+    ("decode", (), {"q": 5, "x": 100}, "fwd"),                   # x <= q + |x| - |q|; 5 rows: no whole row block
+    ("decode", (), {"q": 37, "x": 100}, "fwd bwd"),
+    ("decode", (), {"q": 37, "x": 51}, "fwd bwd"),                # row 0 sees 15 keys: one short of a block
+    ("decode", (), {"q": 37, "x": 52}, "fwd bwd"),                # ... and exactly one
+    ("gqa", (), {"q": 37, "x": 53}, "fwd bwd"),
+    ("gqa", (CAUSAL_GQA,), {"q": 70, "x": 45}, "fwd bwd"),
+]
+
+
+def _ids(case):
+    name, edits, sizes, _ = case
+    mark = "_causal" if CAUSAL_GQA in edits else "_" + re.sub(r"\D", "", edits[0][1]) if edits else ""
+    return f"{name}{mark}_{sizes['q']}x{sizes['x']}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_forward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case, folder):
+    name, edits, sizes, has_full = case
+    m, diagram = _module(name, folder, *edits)
+    sizes = {"b": 1, "h": 1, "hk": 1, "g": 2, **sizes}
+    bounds, all_sizes = _full_bounds(diagram, sizes)
+    split = masks.split_blocks(bounds, sizes["q"], sizes["x"], FWD["block_q"], FWD["block_x"], all_sizes)
+    for dtype in (torch.float32, torch.float16):
+        inputs = m.example_inputs(sizes, dtype=dtype, seed=3)
+        k = inputs[[t.name for t in diagram.inputs].index("K")]
+        with _unmasked_loads(K=(k, 2, FWD["block_x"])) as seen:
+            out = tk.run(m, inputs, **FWD)
+        assert seen["K"] == {(i, j) for i, j, full in split if full}
+        tk.assert_accurate(out, tk.reference(m, inputs, torch.float64), tk.reference(m, inputs), _ids(case))
+    assert any(full for *_, full in split) == ("fwd" in has_full)
+    assert all(full for *_, full in split) == (name == "attention" and sizes["x"] % FWD["block_x"] == 0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "attention" or c[2]["x"] == 100],
+                         ids=[_ids(c) for c in CASES if c[0] != "attention" or c[2]["x"] == 100])
+def test_backward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case, folder):
+    name, edits, sizes, has_full = case
+    m, diagram = _module(name, folder, *edits)
+    sizes = {"b": 1, "h": 1, "hk": 1, "g": 2, **sizes}
+    bounds, all_sizes = _full_bounds(diagram, sizes)
+    br, bc = BWD["block_q"], BWD["block_x"]
+    inputs = m.example_inputs(sizes, dtype=torch.float32, seed=5)
+    xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = tb.launcher(m)(*xs, **BWD)
+    out = out if isinstance(out, tuple) else (out,)
+    gen = torch.Generator().manual_seed(7)
+    loss = sum(torch.where(torch.isfinite(o.double()), o.double() * torch.randn(o.shape, generator=gen,
+                                                                                  dtype=torch.float64), 0.0).sum()
+               for o in out)
+    names = [t.name for t in diagram.inputs]
+    q, k = xs[names.index("Q")], xs[names.index("K")]
+    with _unmasked_loads(Q=(q, 2, br), K=(k, 2, bc)) as seen:
+        loss.backward()
+    dq_full = {(i, j) for i, j, full in masks.split_blocks(bounds, sizes["q"], sizes["x"], br, bc, all_sizes, True)
+               if full}
+    dkdv_full = {(j, i) for i, j, full in masks.split_blocks_by_column(bounds, sizes["q"], sizes["x"], br, bc,
+                                                                       all_sizes) if full}
+    assert seen["K"] == dq_full and seen["Q"] == dkdv_full
+    assert bool(dq_full) == bool(dkdv_full) == ("bwd" in has_full)
+    exact = tb.gradients(m.reference, [t.double() for t in inputs])
+    tb.assert_accurate([x.grad for x in xs], exact, tb.gradients(m.reference, inputs), _ids(case))
+
+
+def _kernel_loops(source: str, kernel: str) -> dict:
+    """{(range start, range stop): loop body source} of a kernel's top-level loops."""
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == kernel)
+    loops = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and len(node.iter.args) >= 2:
+            key = tuple(ast.unparse(a) for a in node.iter.args[:2])
+            loops[key] = "\n".join(ast.unparse(s) for s in node.body)
+    return loops
+
+
+def _emit(name: str) -> str:
+    path = REPO / "examples" / f"{name}.ncd"
+    return emit_module(napkin.load(path), source_text=path.read_text(), source_path=str(path))
+
+
+def test_causal_source_has_an_unmasked_loop_then_the_diagonal():
+    source = _emit("causal")
+    mask = "tl.where(_idx_x[None, :] <= _idx_q[:, None]"
+    for kernel, full, partial in [("_causal_kernel", ("_lo", "_fhi"), ("_fhi", "_hi")),
+                                  ("_causal_bwd_dq_kernel", ("_lo", "_fhi"), ("_fhi", "_hi")),
+                                  ("_causal_bwd_dkdv_kernel", ("_flo", "_fhi"), ("_lo", "_flo"))]:
+        loops = _kernel_loops(source, kernel)
+        # no mask, no bounds: no where() on an index or a bounds mask, no masked load
+        assert not re.search(r"tl\.where\(\(?_(idx|ok)", loops[full]) and "_ok" not in loops[full], kernel
+        assert "mask=" not in loops[full], kernel
+        # -inf only in the guards that do not depend on the mask (an all -inf running max, an lse of -inf)
+        assert loops[full].count("float('-inf')") == 1, kernel
+        assert mask in loops[partial] and "mask=" in loops[partial], kernel
+    # the forward: no partial blocks before the full ones (causal has no lower bound)
+    assert set(_kernel_loops(source, "_causal_kernel")) == {("_lo", "_fhi"), ("_fhi", "_hi")}
+    # a sliding window has partial blocks on both sides
+    window = _kernel_loops(_emit("sliding_window"), "_sliding_window_kernel")
+    assert set(window) == {("_lo", "_flo"), ("_flo", "_fhi"), ("_fhi", "_hi")}
+    assert window[("_flo", "_fhi")].count("float('-inf')") == 1  # the running max's guard only
+    assert all(window[k].count("float('-inf')") == 3 for k in [("_lo", "_flo"), ("_fhi", "_hi")])
+
+
+def test_document_mask_has_one_masked_loop():
+    source = _emit("document_mask")
+    assert "_fhi" not in source
+    assert set(_kernel_loops(source, "_document_mask_kernel")) == {("_lo", "_hi")}
+
+
+def test_attention_runs_all_but_the_ragged_last_block_unmasked(folder):
+    m, _ = _module("attention", folder)
+    for nx, want in [(100, range(6)), (96, range(6)), (15, range(0))]:
+        inputs = m.example_inputs({"b": 1, "h": 1, "q": 40, "x": nx}, dtype=torch.float32)
+        with _unmasked_loads(K=(inputs[1], 2, 16)) as seen:
+            tk.run(m, inputs, **FWD)
+        assert seen["K"] == {(i, j) for i in range(2) for j in want}, nx
+
+
+def test_positions_keep_every_block_masked(folder):
+    m, _ = _module("causal", folder)
+    q, k, v = m.example_inputs({"b": 1, "h": 1, "q": 48, "x": 48}, dtype=torch.float32)
+    plain = m.causal(q, k, v, **FWD)
+    for wire in ("q", "x"):
+        with _unmasked_loads(K=(k, 2, 16)) as seen:
+            got = m.causal(q, k, v, **FWD, positions={wire: torch.arange(48)}, lengths={wire: 48})
+        assert seen["K"] == set(), wire
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, plain))
+
+
+def test_a_kept_branch_without_the_tiles_wires_is_broadcast(folder):
+    """In a full block where(x <= q, 2.0, 1.0) is the scalar 2.0: the step
+    broadcasts it back to the tile (emit._full, with the mask as known)."""
+    text = """diagram weighted
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+S[b, h, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)
+W[b, h, q, x] = exp(S) * where(x <= q, 2.0, 1.0)
+O[b, h, q, d] = sum[x](W * V) / sum[x](W)
+n[b, h, q] = sum[x](W)
+out O, n
+schedule on h100 {
+  accumulate fp32
+  level hbm { hold Q, K, V, O, n }
+  level smem {
+    group b by 1, h by 1, q by 32
+    stream x by 16
+    hold S, W
+  }
+}
+"""
+    m = tb.compile_text(text, "split_weighted", folder)
+    assert L.lower(napkin.load_text(text, "w.ncd")).full  # the split applies
+    loops = _kernel_loops((folder / "split_weighted.py").read_text(), "_weighted_kernel")
+    assert "tl.full([_BLOCK_q, _BLOCK_x], 2.0, tl.float32)" in loops[("_lo", "_fhi")]
+    inputs = m.example_inputs({"b": 1, "h": 2, "q": 45, "x": 70}, dtype=torch.float32)
+    out = tk.run(m, inputs, **FWD)
+    tk.assert_accurate(out, tk.reference(m, inputs, torch.float64), tk.reference(m, inputs), "weighted")
