@@ -2,7 +2,7 @@
 # The benchmark a session with a lent H100 (or H200) runs, in stages that each
 # fit one 10-minute device command.  Usage, from the repository root:
 #
-#     bench/run_h100.sh [env|test|main|variants|others|sweep|all]   (default: all)
+#     bench/run_h100.sh [env|test|main|variants|others|sweep|ncu|all]   (default: all)
 #
 # Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
 # comes back), else bench/results; copy them into bench/results/ and commit
@@ -66,9 +66,23 @@ stage_sweep() {
     --head-dim 64,128 --dtype bfloat16,float16
 }
 
+stage_ncu() {
+  # The cost pass's bytes against Nsight Compute's DRAM bytes, plain and causal
+  # at the target (bench/dram_bytes.py); launcher options from the main stage's
+  # cache when it ran.  ncu measures the second launch (the first compiles).
+  local sizes=(-D b=1 -D h=16 -D q=16384 -D x=16384 --dtype bfloat16 --head-dim 128)
+  for f in attention causal; do
+    ncu --clock-control none --csv --print-units base --log-file "$OUT_DIR/ncu-$f.csv" \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum -k "_${f}_kernel" --launch-skip 1 --launch-count 1 \
+      "$PYTHON" bench/dram_bytes.py run "examples/$f.ncd" "${sizes[@]}" --options-file "$OUT_DIR/ncu-$f.json"
+    "$PYTHON" bench/dram_bytes.py compare "examples/$f.ncd" "$OUT_DIR/ncu-$f.csv" "${sizes[@]}" \
+      --options-file "$OUT_DIR/ncu-$f.json" --out "$OUT_DIR"
+  done
+}
+
 stage="${1:-all}"
 case "$stage" in
-  env|test|main|variants|others|sweep) "stage_$stage" ;;
-  all) for s in env test main variants others sweep; do "stage_$s"; done ;;
-  *) echo "usage: $0 [env|test|main|variants|others|sweep|all]" >&2; exit 2 ;;
+  env|test|main|variants|others|sweep|ncu) "stage_$stage" ;;
+  all) for s in env test main variants others sweep ncu; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|main|variants|others|sweep|ncu|all]" >&2; exit 2 ;;
 esac

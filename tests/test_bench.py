@@ -488,3 +488,47 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
     assert second["rows"][0]["sizes"]["q"] == 1024
     assert second["rows"][0]["config_source"] == "cache"
     assert second["rows"][0]["config"] == first["rows"][0]["config"]
+
+
+# --------------------------------------------------------------------------
+# bench/dram_bytes.py: predicted HBM bytes against Nsight Compute's DRAM bytes.
+# --------------------------------------------------------------------------
+
+_NCU_HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+             '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def _ncu_row(kid, metric, unit, value):
+    return f'"{kid}","1","python","h","_causal_kernel","1","7","(128, 1, 1)","(1, 2, 1)","0","9.0","m",' \
+           f'"{metric}","{unit}","{value}"'
+
+
+def test_ncu_log_is_read_in_any_unit_and_refuses_what_it_cannot_pair():
+    from bench import dram_bytes as DB
+    log = "\n".join(["==PROF== Connected", _NCU_HEAD, _ncu_row(0, "dram__bytes_read.sum", "byte", "40,960"),
+                     _ncu_row(0, "dram__bytes_write.sum", "Kbyte", "26.5")])
+    assert DB.measured_bytes(log) == 40960 + 26500
+    with pytest.raises(ValueError, match="lacks dram__bytes_write.sum"):
+        DB.measured_bytes("\n".join([_NCU_HEAD, _ncu_row(0, "dram__bytes_read.sum", "byte", "1")]))
+    with pytest.raises(ValueError, match="2 kernels profiled"):
+        DB.measured_bytes("\n".join([_NCU_HEAD] + [_ncu_row(k, m, "byte", "1") for k in (0, 1)
+                                                   for m in DB.METRICS]))
+    with pytest.raises(ValueError, match="no ncu CSV header"):
+        DB.measured_bytes("==PROF== No kernels were profiled.")
+
+
+def test_dram_bytes_prediction_is_the_cost_pass_at_the_launchers_blocks():
+    """The issued bytes compare uses are the cost pass's hbm loads + stores
+    at the block sizes the launcher ran with (a different block size gives a
+    different count, so the options must be applied)."""
+    from bench import dram_bytes as DB
+    from napkin.cost import analyse, with_blocks
+    d = napkin.load(EXAMPLES / "causal.ncd")
+    sizes = {"b": 1, "h": 2, "q": 300, "x": 300}
+    base = DB.predicted(d, sizes, {})
+    hbm = next(t for t in analyse(d, sizes).totals if t.boundary.startswith("hbm/"))
+    assert base["issued_bytes"] == hbm.load_bytes + hbm.store_bytes
+    small = DB.predicted(d, sizes, {"block_q": 16, "block_x": 16, "num_warps": 4})
+    hbm16 = next(t for t in analyse(with_blocks(d, {"q": 16, "x": 16}), sizes).totals
+                 if t.boundary.startswith("hbm/"))
+    assert small["issued_bytes"] == hbm16.load_bytes + hbm16.store_bytes != base["issued_bytes"]
