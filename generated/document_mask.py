@@ -497,31 +497,39 @@ def _document_mask_kernel(
     # The blocks of x this program visits: [_lo, _hi).
     _lo = 0  # the mask has no affine bound: every block
     _hi = _size_x
+    if _POS_q:  # rows at global positions: the least and greatest real one
+        _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
+        _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     for _start in range(_lo, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows at or past |x| are padding
             _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
             _ok_x = _ok_x & (_idx_x < _len_x)
+            # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
+            _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
+            _live = _col_last >= 0  # some real x
         else:
             _idx_x = _offs_x
-        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-        _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
-        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
-        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _S = tl.where(_doc == _doc_1, _qk * 0.125, float("-inf"))
-        # online softmax state _m: rescale by 2^(m_old - m_new); log2(e) folded in
-        _s = tl.where(_ok_x[None, :], (_S) * 1.4426950408889634, float("-inf"))
-        _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None])
-        _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
-        _alpha = tl.exp2(_m - _m_use)
-        _p = tl.exp2(_s - _m_use)
-        _m = _m_new
-        _w0 = (_p).to(_V.dtype)
-        _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
-        if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
-            _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
-        _l = _l * _alpha + tl.sum(_p, 1)[:, None]
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+            _S = tl.where(_doc == _doc_1, _qk * 0.125, float("-inf"))
+            # online softmax state _m: rescale by 2^(m_old - m_new); log2(e) folded in
+            _s = tl.where(_ok_x[None, :], (_S) * 1.4426950408889634, float("-inf"))
+            _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None])
+            _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
+            _alpha = tl.exp2(_m - _m_use)
+            _p = tl.exp2(_s - _m_use)
+            _m = _m_new
+            _w0 = (_p).to(_V.dtype)
+            _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
+            if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
+                _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
+            _l = _l * _alpha + tl.sum(_p, 1)[:, None]
 
     # Finalise and store each output once.
     _out_O = _safe_div(_acc, _l)
@@ -543,7 +551,8 @@ def document_mask(Q, K, V, doc, *, block_q=None, block_x=None, num_warps=None, n
     Forward only: positions={'q': ..., 'x': ...} gives the global index
     of each local row (int tensors; integer inputs are read there and hold
     the global length), lengths={'q': ..., 'x': ...} the global sizes
-    (needed with positions; x rows at positions >= it are padding), and
+    (needed with positions; x rows at positions >= it are padding, and so
+    are q rows, whose outputs are then unspecified), and
     out_dtype (e.g. torch.float32) the dtype of every float output."""
     Q, K, V, doc = _autocast((Q, K, V, doc))
     if _differentiable((Q, K, V, doc)):
@@ -741,6 +750,9 @@ def _document_mask_bwd_dkdv_kernel(
     # The blocks of q this program visits: [_lo, _hi).
     _lo = 0  # the mask has no affine bound: every block
     _hi = tl.cdiv(_size_q, _BLOCK_q)
+    if _POS_x:  # keys at global positions: the least and greatest real one
+        _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
+        _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block
     for _rb in range(_lo, _hi):
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
@@ -748,23 +760,28 @@ def _document_mask_bwd_dkdv_kernel(
         if _POS_q:  # the global index of each row, given by the launcher
             _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
             _gok_q = _ok_q & (_idx_q < _len_q)
+            # a dead tile (no real q, or a bound of the mask false at every pair): no load, no step
+            _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
+            _live = _row_last >= 0  # some real q
         else:
             _idx_q = _offs_q
             _gok_q = _ok_q
-        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
-        _doc = tl.load(doc + _i_b * _st_doc_b + _idx_q[:, None] * _st_doc_x, mask=_gok_q[:, None], other=0)
-        _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
-        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-        _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
-        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = tl.where(_doc == _doc_1, _qk * 0.125, float("-inf"))
-        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
-        _dS = _P * (_dP - _delta)
-        _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
-        _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
-        _acc_K += tl.dot(tl.trans(tl.where(_ok, _dR, 0.0)).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-        _acc_V += tl.dot(tl.trans(tl.where(_ok, _P, 0.0)).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+            _doc = tl.load(doc + _i_b * _st_doc_b + _idx_q[:, None] * _st_doc_x, mask=_gok_q[:, None], other=0)
+            _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
+            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+            _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
+            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+            _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+            _S = tl.where(_doc == _doc_1, _qk * 0.125, float("-inf"))
+            _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+            _dS = _P * (_dP - _delta)
+            _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
+            _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+            _acc_K += tl.dot(tl.trans(tl.where(_ok, _dR, 0.0)).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_V += tl.dot(tl.trans(tl.where(_ok, _P, 0.0)).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
     _ok_x = _offs_x < _size_x
     tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=_ok_x[:, None])
@@ -852,25 +869,33 @@ def _document_mask_bwd_dq_kernel(
     # The blocks of x this program visits: [_lo, _hi).
     _lo = 0  # the mask has no affine bound: every block
     _hi = _size_x
+    if _POS_q:  # rows at global positions: the least and greatest real one
+        _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
+        _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     for _start in range(_lo, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows at or past |x| are padding
             _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
             _ok_x = _ok_x & (_idx_x < _len_x)
+            # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
+            _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
+            _live = _col_last >= 0  # some real x
         else:
             _idx_x = _offs_x
-        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-        _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
-        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
-        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = tl.where(_doc == _doc_1, _qk * 0.125, float("-inf"))
-        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
-        _dS = _P * (_dP - _delta)
-        _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
-        _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
-        _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+            _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+            _S = tl.where(_doc == _doc_1, _qk * 0.125, float("-inf"))
+            _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+            _dS = _P * (_dP - _delta)
+            _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
+            _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+            _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
 
     tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=_ok_q[:, None])
 

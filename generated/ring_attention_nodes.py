@@ -491,9 +491,12 @@ def _ring_attention_nodes_kernel(
     # The blocks of x this program visits: [_lo, _hi).
     _lo = 0  # no mask: every block
     _hi = _size_x
+    if _POS_q:  # rows at global positions: the least and greatest real one
+        _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
+        _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
     # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
-    _fhi = _lo  # rows or keys at global positions: none, the mask decides
+    _fhi = _lo  # rows or keys at global positions: none known full
     if not _POS_q:
         if not _POS_x:
             _fhi = _size_x // _BLOCK_x * _BLOCK_x  # no mask: every block but a ragged last one
@@ -517,31 +520,36 @@ def _ring_attention_nodes_kernel(
         if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
             _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
         _l = _l * _alpha + tl.sum(_p, 1)[:, None]
-    # Partial blocks after: the mask's edge, the ragged end; every block with positions.
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows at or past |x| are padding
             _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
             _ok_x = _ok_x & (_idx_x < _len_x)
+            # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
+            _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
+            _live = _col_last >= 0  # some real x
         else:
             _idx_x = _offs_x
-        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
-        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _S = _qk * 0.125
-        # online softmax state _m: rescale by 2^(m_old - m_new); log2(e) folded in
-        _s = tl.where(_ok_x[None, :], (_S) * 1.4426950408889634, float("-inf"))
-        _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None])
-        _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
-        _alpha = tl.exp2(_m - _m_use)
-        _p = tl.exp2(_s - _m_use)
-        _m = _m_new
-        _w0 = (_p).to(_V.dtype)
-        _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
-        if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
-            _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
-        _l = _l * _alpha + tl.sum(_p, 1)[:, None]
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+            _S = _qk * 0.125
+            # online softmax state _m: rescale by 2^(m_old - m_new); log2(e) folded in
+            _s = tl.where(_ok_x[None, :], (_S) * 1.4426950408889634, float("-inf"))
+            _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None])
+            _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
+            _alpha = tl.exp2(_m - _m_use)
+            _p = tl.exp2(_s - _m_use)
+            _m = _m_new
+            _w0 = (_p).to(_V.dtype)
+            _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
+            if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
+                _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
+            _l = _l * _alpha + tl.sum(_p, 1)[:, None]
 
     # Finalise and store each output once.
     _out_O = _safe_div(_acc, _l)
@@ -562,7 +570,8 @@ def ring_attention_nodes(Q, K, V, *, block_q=None, block_x=None, num_warps=None,
     Forward only: positions={'q': ..., 'x': ...} gives the global index
     of each local row (int tensors; integer inputs are read there and hold
     the global length), lengths={'q': ..., 'x': ...} the global sizes
-    (needed with positions; x rows at positions >= it are padding), and
+    (needed with positions; x rows at positions >= it are padding, and so
+    are q rows, whose outputs are then unspecified), and
     out_dtype (e.g. torch.float32) the dtype of every float output."""
     Q, K, V = _autocast((Q, K, V))
     if _differentiable((Q, K, V)):
@@ -760,9 +769,12 @@ def _ring_attention_nodes_bwd_dkdv_kernel(
     # The blocks of q this program visits: [_lo, _hi).
     _lo = 0  # no mask: every block
     _hi = tl.cdiv(_size_q, _BLOCK_q)
+    if _POS_x:  # keys at global positions: the least and greatest real one
+        _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
+        _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block
     # Of those, the full row blocks [_flo, _fhi): every row and key of the tile real and the mask
     # true at every pair (masks.full_row_blocks): they skip the mask and bound arithmetic.
-    _fhi = _lo  # rows or keys at global positions: none, the mask decides
+    _fhi = _lo  # rows or keys at global positions: none known full
     if not _POS_q:
         if not _POS_x:
             _fhi = tl.where(_col0 + _BLOCK_x <= _size_x, _size_q // _BLOCK_q, 0)  # whole row blocks; a ragged key block has none
@@ -784,7 +796,7 @@ def _ring_attention_nodes_bwd_dkdv_kernel(
         _dR = _dS * 0.125
         _acc_K += tl.dot(tl.trans(_dR).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(tl.trans(_P).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
-    # Partial blocks after: the mask's edge, the ragged end; every block with positions.
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _rb in range(_fhi, _hi):
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
@@ -792,22 +804,27 @@ def _ring_attention_nodes_bwd_dkdv_kernel(
         if _POS_q:  # the global index of each row, given by the launcher
             _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
             _gok_q = _ok_q & (_idx_q < _len_q)
+            # a dead tile (no real q, or a bound of the mask false at every pair): no load, no step
+            _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
+            _live = _row_last >= 0  # some real q
         else:
             _idx_q = _offs_q
             _gok_q = _ok_q
-        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
-        _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
-        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-        _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
-        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = _qk * 0.125
-        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
-        _dS = _P * (_dP - _delta)
-        _dR = _dS * 0.125
-        _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
-        _acc_K += tl.dot(tl.trans(tl.where(_ok, _dR, 0.0)).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-        _acc_V += tl.dot(tl.trans(tl.where(_ok, _P, 0.0)).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+            _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
+            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+            _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
+            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+            _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+            _S = _qk * 0.125
+            _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+            _dS = _P * (_dP - _delta)
+            _dR = _dS * 0.125
+            _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+            _acc_K += tl.dot(tl.trans(tl.where(_ok, _dR, 0.0)).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_V += tl.dot(tl.trans(tl.where(_ok, _P, 0.0)).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
     _ok_x = _offs_x < _size_x
     tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=_ok_x[:, None])
@@ -891,9 +908,12 @@ def _ring_attention_nodes_bwd_dq_kernel(
     # The blocks of x this program visits: [_lo, _hi).
     _lo = 0  # no mask: every block
     _hi = _size_x
+    if _POS_q:  # rows at global positions: the least and greatest real one
+        _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
+        _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
     # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
-    _fhi = _lo  # rows or keys at global positions: none, the mask decides
+    _fhi = _lo  # rows or keys at global positions: none known full
     if not _POS_q:
         if not _POS_x:
             _fhi = _size_x // _BLOCK_x * _BLOCK_x  # no mask: every block but a ragged last one
@@ -911,25 +931,30 @@ def _ring_attention_nodes_bwd_dq_kernel(
         _dS = _P * (_dP - _delta)
         _dR = _dS * 0.125
         _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
-    # Partial blocks after: the mask's edge, the ragged end; every block with positions.
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows at or past |x| are padding
             _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
             _ok_x = _ok_x & (_idx_x < _len_x)
+            # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
+            _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
+            _live = _col_last >= 0  # some real x
         else:
             _idx_x = _offs_x
-        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
-        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = _qk * 0.125
-        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
-        _dS = _P * (_dP - _delta)
-        _dR = _dS * 0.125
-        _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
-        _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+            _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+            _S = _qk * 0.125
+            _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+            _dS = _P * (_dP - _delta)
+            _dR = _dS * 0.125
+            _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+            _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
 
     tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=_ok_q[:, None])
 

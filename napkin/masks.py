@@ -20,6 +20,9 @@ sides need, so the kernel and the cost pass agree on what is visited:
 * ``full_blocks(...)`` / ``full_row_blocks(...)``: which of those blocks are
   FULL (the mask true on the whole tile, inside the ragged edges), one
   interval per row (or key) block, which the kernels run without the mask.
+* ``tile_live(...)`` / ``live_blocks(...)``: with rows at global positions
+  (the distributed wrappers' shares), which tiles the kernels load and
+  compute, decided per tile from the positions' least and greatest.
 
 Ranges are half-open ``(start, stop)`` like Python's ``range``.
 """
@@ -460,7 +463,7 @@ def visited_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size:
 # so for one block of the rows the full blocks of the loop wire are one
 # interval, which splits the visited interval into partial blocks before,
 # full blocks, and partial blocks after.  The same Python formula is
-# rendered in Triton by the code generator (emit._bounds and
+# rendered in Triton by the code generator (bounds.full_bounds and
 # backward_emit._bounds_dkdv), as stream_range and row_block_range are.
 # --------------------------------------------------------------------------
 
@@ -571,4 +574,54 @@ def split_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size: i
         lo, hi = full_row_blocks(bounds, j, row_size, col_size, block_row, block_col, sizes)
         for a, b, full in ((vlo, lo, False), (lo, hi, True), (hi, vhi, False)):
             out.extend((i, j, full) for i in range(a, b))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Tiles at global positions.  The launcher's positions= put each local row
+# of the row wire and of the streamed wire at a global index (the
+# distributed wrappers' zigzag or cyclic shares): a block of local rows is
+# then any set of indices, known to the kernel only once it loads them.  A
+# tile is dead when no pair of it can survive the mask: it has no real row
+# or no real key (indices >= the global length are padding), or one bound
+# is false at every pair.  A bound is monotone in the row and in the key,
+# so it is false at every pair iff false at its loosest pair: the least key
+# for an upper bound (the greatest for a lower one) and the row at_row()
+# names.  The kernels render this test term for term (codegen/bounds.py
+# live) and load and compute only live tiles.  It is exact for one bound;
+# with several (a window) a tile whose indices are not contiguous may meet
+# each bound at some pair but all of them at none, and is kept.
+# --------------------------------------------------------------------------
+
+def tile_live(bounds: tuple[Bound, ...], rows, cols, sizes: Mapping[str, int] = {}) -> bool:
+    """Whether a tile whose real rows and keys sit at the global indices
+    ``rows`` and ``cols`` may hold a pair that survives the mask;
+    ``sizes`` binds the ``|w|`` in the bounds (the global lengths)."""
+    rows, cols = list(rows), list(cols)
+    if not rows or not cols:
+        return False
+    at = {"first": min(rows), "last": max(rows)}
+    for b in bounds:
+        value = b.row_coeff * at[b.at_row()] + _rest_value(b.rest, sizes)
+        if (min(cols) > value) if b.kind == "upper" else (max(cols) < value):
+            return False
+    return True
+
+
+def live_blocks(bounds: tuple[Bound, ...], row_pos, col_pos, row_len: int, col_len: int,
+                block_row: int, block_col: int, sizes: Mapping[str, int] = {}) -> set[tuple[int, int]]:
+    """The (row block, col block) pairs of local blocks whose tile
+    ``tile_live`` keeps: ``row_pos`` / ``col_pos`` give the global index of
+    each local row (indices >= ``row_len`` / ``col_len`` are padding)."""
+    row_pos, col_pos = [int(p) for p in row_pos], [int(p) for p in col_pos]
+
+    def real(pos, n, block, i):
+        return [p for p in pos[i * block:(i + 1) * block] if p < n]
+
+    out = set()
+    for i in range(-(-len(row_pos) // block_row)):
+        rows = real(row_pos, row_len, block_row, i)
+        for j in range(-(-len(col_pos) // block_col)):
+            if tile_live(bounds, rows, real(col_pos, col_len, block_col, j), sizes):
+                out.add((i, j))
     return out

@@ -1,6 +1,6 @@
 """Full and partial blocks: the kernels' loops split into masked edge blocks
 and an unmasked fast loop (napkin/masks.py: exact_bounds, full_blocks,
-full_row_blocks; codegen: emit._bounds, backward_emit._bounds_dkdv).
+full_row_blocks; codegen: bounds.loop_bounds/full_bounds, backward_emit._bounds_dkdv).
 
 The interval functions are checked by brute force against classify_block,
 block by block; the generated kernels against the float64 reference on

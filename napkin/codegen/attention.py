@@ -30,7 +30,7 @@ from .lower import (
 
 # Names the attention kernel's skeleton and loop bounds define.
 KERNEL_NAMES = frozenset({"_pid", "_batch", "_row0", "_start", "_lo", "_hi", "_flo", "_fhi", "_row_first",
-                          "_row_last"})
+                          "_row_last", "_col_first", "_col_last", "_live"})
 
 
 def lower_attention(d: ir.Diagram, exprs: dict, col: str) -> AttentionPlan:

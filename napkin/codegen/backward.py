@@ -33,7 +33,7 @@ from .lower import AttentionPlan, Load, _Loads, nodes
 
 # Names the kernels define themselves; loads of user inputs never take them.
 FIXED_NAMES = {"_pid", "_batch", "_row0", "_col0", "_lo", "_hi", "_rb", "_start", "_outer", "_o", "_ok", "_qk",
-               "_need", "_t", "_row_first", "_row_last", "_flo", "_fhi"}
+               "_need", "_t", "_row_first", "_row_last", "_col_first", "_col_last", "_live", "_flo", "_fhi"}
 
 
 def refuse(what: str, why: str, loc: ir.Loc = ir.NOLOC) -> NapkinError:

@@ -22,6 +22,7 @@ step.  Both loops load the same tiles.
 from __future__ import annotations
 
 from .. import ir
+from . import bounds as B
 from . import emit as E
 from .backward import BackwardPlan, Kernel
 from .exprs import triton
@@ -70,21 +71,26 @@ def _offsets(names: E._Names, w: str, start: str) -> list[str]:
             f"_ok_{w} = _offs_{w} < {names.size(w)}"]
 
 
-def _globals(w: str, row: str) -> list[str]:
+def _globals(w: str, row: str, live=()) -> list[str]:
     """The global index _idx_w of each local row of w (the launcher's
     positions, else its offset), as the forward kernel sets it.  Keys at
     positions >= |x| are padding: _ok_x drops them (their loads read zeros).
     Query rows there are padding too, but their dQ must still be stored:
-    _gok_q drops them from the tiles (and masks integer loads) instead."""
+    _gok_q drops them from the tiles (and masks integer loads) instead.
+    ``live``: w is the loop's wire, and these lines (bounds.live) set _live
+    from its positions; without them _live is the constant True."""
     if w == row:
-        return [f"if _POS_{w}:  # the global index of each row, given by the launcher",
-                f"    _idx_{w} = tl.load(_pos_{w} + _offs_{w}, mask=_ok_{w}, other=0)",
-                f"    _gok_{w} = _ok_{w} & (_idx_{w} < _len_{w})",
-                "else:", f"    _idx_{w} = _offs_{w}", f"    _gok_{w} = _ok_{w}"]
-    return [f"if _POS_{w}:  # global positions; rows at or past |{w}| are padding",
-            f"    _idx_{w} = tl.load(_pos_{w} + _offs_{w}, mask=_ok_{w}, other=0)",
-            f"    _ok_{w} = _ok_{w} & (_idx_{w} < _len_{w})",
-            "else:", f"    _idx_{w} = _offs_{w}"]
+        lines = [f"if _POS_{w}:  # the global index of each row, given by the launcher",
+                 f"    _idx_{w} = tl.load(_pos_{w} + _offs_{w}, mask=_ok_{w}, other=0)",
+                 f"    _gok_{w} = _ok_{w} & (_idx_{w} < _len_{w})"]
+        other = [f"    _idx_{w} = _offs_{w}", f"    _gok_{w} = _ok_{w}"]
+    else:
+        lines = [f"if _POS_{w}:  # global positions; rows at or past |{w}| are padding",
+                 f"    _idx_{w} = tl.load(_pos_{w} + _offs_{w}, mask=_ok_{w}, other=0)",
+                 f"    _ok_{w} = _ok_{w} & (_idx_{w} < _len_{w})"]
+        other = [f"    _idx_{w} = _offs_{w}"]
+    return lines + ["    " + line for line in live] + ["else:"] + other \
+        + ([f"    {E.LIVE_CONSTANT}"] if live else [])
 
 
 def _dims(names: E._Names, dims) -> list[str]:
@@ -162,35 +168,47 @@ def _side_masks(plan: BackwardPlan, names: E._Names, s, full: bool = False) -> s
 
 def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
     """[_lo, _hi) of the row blocks whose forward loop visits this key block:
-    napkin.masks.row_block_range rendered in Triton, term for term."""
+    napkin.masks.row_block_range rendered in Triton, term for term, with the
+    block's least and greatest key (_col_first, _col_last: its first and
+    nominal last offset, or the least and greatest real key at positions;
+    padding keys alone visit nothing).  Rows at positions: a row block's
+    are known only once loaded, so the range is every block and the loop
+    tests each tile (bounds.live)."""
     row, col = plan.row, plan.col
     br, bc, nq = names.block(row), names.block(col), names.size(row)
+    bounds = plan.forward.bounds
     lines = ["_lo = 0", f"_hi = tl.cdiv({nq}, {br})"]
-    if not plan.forward.bounds:
+    if not bounds:
         lines[0] += f"  # {'no mask' if plan.forward.skip is None else 'the mask has no affine bound'}: every block"
+    need = B.ends(bounds, "col")
+    if "first" in need:
+        lines.append("_col_first = _col0")
+    if "last" in need:
+        lines.append(f"_col_last = _col0 + {bc} - 1  # the nominal last, as the forward's rounded range reads it")
+    lines.append(f"if _POS_{col}:  # keys at global positions: the least and greatest real one")
+    lines += ["    " + line for line in B.extremes("col", col, f"_ok_{col}", need)]
+    lines.append("    _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block")
+    if not bounds:
         return "\n".join(lines + _full_dkdv(plan, names))
-    # rows or keys at global positions (any order, e.g. a cyclic split): a
-    # row block's positions are known only once loaded, so every block is
-    # visited and the elementwise mask decides
-    lines += [f"if not _POS_{row}:", f"    if not _POS_{col}:"]
+    lines.append(f"if not _POS_{row}:")
     indent = len(lines)
 
-    def rest(b) -> str:
+    def rest(b) -> str:  # |w| as expressions read it: the global length with keys at positions
         terms = []
         for key, v in b.rest:
-            terms.append(str(v) if key == "" else names.size(key[1:-1]) if v == 1
-                         else f"{v} * {names.size(key[1:-1])}")
+            terms.append(str(v) if key == "" else names.length(key[1:-1]) if v == 1
+                         else f"{v} * {names.length(key[1:-1])}")
         return "(" + (" + ".join(terms) or "0").replace("+ -", "- ") + ")"
 
-    for b in plan.forward.bounds:
+    for b in bounds:
         a = b.row_coeff
         if b.kind == "upper":
-            need = f"_pid * {bc} - {rest(b)}"
-            why = f"{col} <= {_affine_text(b, row)}: visited while that reaches the block's first {col}"
+            need = f"_col_first - {rest(b)}"
+            why = f"{col} <= {_affine_text(b, row)}: visited while that reaches the block's least {col}"
         else:
-            need = f"{rest(b)} - (_pid + 1) * {bc} + 1"
+            need = f"{rest(b)} - _col_last"
             a = -a
-            why = f"{col} >= {_affine_text(b, row)}: visited while that starts before the block's end"
+            why = f"{col} >= {_affine_text(b, row)}: visited while that starts by the block's greatest {col}"
         lines.append(f"_need = {need}  # {why}")
         if a == 0:
             lines.append("_hi = tl.where(_need > 0, 0, _hi)")
@@ -202,7 +220,7 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
             div = "" if a == -1 else f" // {-a}"
             lines.append(f"_hi = tl.where(_need > 0, 0, tl.minimum(_hi, tl.maximum(-_need, 0){div} // {br} + 1))")
     lines.append("_hi = tl.maximum(_lo, _hi)")
-    lines[indent:] = ["        " + line for line in lines[indent:]]
+    lines[indent:] = ["    " + line for line in lines[indent:]]
     return "\n".join(lines + _full_dkdv(plan, names))
 
 
@@ -224,7 +242,7 @@ def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
     lines = ["# Of those, the full row blocks [_flo, _fhi): every row and key of the tile real and the mask",
              "# true at every pair (masks.full_row_blocks): they skip the mask and bound arithmetic."]
     lines += ["_flo = _lo"] if lower else []
-    lines += ["_fhi = _lo  # rows or keys at global positions: none, the mask decides",
+    lines += ["_fhi = _lo  # rows or keys at global positions: none known full",
               f"if not _POS_{row}:", f"    if not _POS_{col}:"]
     inner = ["_flo = 0"] if lower else []
     inner.append(f"_fhi = tl.where(_col0 + {bc} <= {names.size(col)}, {nq} // {br}, 0)"
@@ -264,11 +282,11 @@ def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
 
 def _bounds_dq(plan: BackwardPlan, names: E._Names) -> str:
     """[_lo, _hi) of the key range this row block visits: the forward's own
-    bounds (emit._bounds, napkin.masks.stream_range), rows at positions
+    bounds (bounds.loop_bounds, napkin.masks.stream_range), rows at positions
     included, so dQ sees exactly the forward's blocks; the full ones among
     them as the forward's, but none in a ragged block of rows (the side
     gradients sum over rows)."""
-    return E._bounds(names, plan.forward, whole_rows=True)
+    return B.loop_bounds(names, plan.forward, whole_rows=True)
 
 
 def _affine_text(b, row: str, size=None) -> str:
@@ -347,14 +365,15 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         def inner(full: bool) -> list[str]:
             """Loop-wire offsets, loads and the step; a full block's: no bounds masks, no mask."""
             first = "_start" if k.role == "dq" else "_row0"
-            if full:  # every index real, at its own offset (no positions)
-                offs = [f"_offs_{loop_wire} = {first} + tl.arange(0, {names.block(loop_wire)})",
-                        f"_idx_{loop_wire} = _offs_{loop_wire}"]
-            else:
-                offs = _offsets(names, loop_wire, first) + _globals(loop_wire, row)
             loads = [E._load(d, names, ld, (loop_wire,) if full else ()) for ld in step_loads]
-            return offs + [f"{ld['var']} = tl.load({ld['ptr']}{ld['mask']})" for ld in loads] \
+            step = [f"{ld['var']} = tl.load({ld['ptr']}{ld['mask']})" for ld in loads] \
                 + _tile_lines(plan, names, k, full)
+            if full:  # every index real, at its own offset (no positions)
+                return [f"_offs_{loop_wire} = {first} + tl.arange(0, {names.block(loop_wire)})",
+                        f"_idx_{loop_wire} = _offs_{loop_wire}"] + step
+            # a dead tile at positions (bounds.live) is neither loaded nor computed
+            return _offsets(names, loop_wire, first) \
+                + _globals(loop_wire, row, B.live(names, plan.forward, loop_wire)) + ["if _live:"] + _indent(step, 4)
 
         if k.role == "dq":
             bounds = _bounds_dq(plan, names)

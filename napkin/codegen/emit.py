@@ -8,7 +8,8 @@ and the loop bounds derived from it, the streaming state (init / update /
 finalise), block sizes, dtypes, the reference and the tables.  The loop
 over the streamed wire comes in segments (``segments``): the full blocks'
 step is the same step generated with the mask taken as true (exprs.Ctx's
-``known``) and no bounds masks on the streamed wire.
+``known``) and no bounds masks on the streamed wire.  The loop bounds and
+the per-tile test at global positions are bounds.py's.
 
 Naming in generated code: the user's tensor names are the kernel's pointer
 arguments and the launcher's parameters; every other name starts with an
@@ -25,6 +26,7 @@ from typing import Optional
 
 from .. import ir, masks
 from . import lower as L
+from .bounds import live, loop_bounds
 from .exprs import Ctx, triton
 from .reference import reference_lines
 
@@ -307,7 +309,13 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
         {"lo": start, "hi": "_fhi", "full": True,
          "why": "# Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks."},
         {"lo": "_fhi", "hi": hi, "full": False,
-         "why": "# Partial blocks after: the mask's edge, the ragged end; every block with positions."}]
+         "why": "# Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped."}]
+
+
+# A partial step at positions runs under ``if _live:`` (bounds.live); without
+# them _live is a constexpr True, so that branch is static and the step
+# compiles as it would unwrapped.
+LIVE_CONSTANT = "_live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping"
 
 
 def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dict:
@@ -326,6 +334,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     for seg in segs:
         seg["step"] = "\n".join(_step(plan, names, full=True)[1] if seg["full"] else lines)
         seg["loads"] = [_load(d, names, ld, (col,) if seg["full"] else ()) for ld in step_loads]
+        seg["pad"] = "" if seg["full"] else "    "  # a partial step sits under `if _live:`
     accums = {a.var: a for a in plan.accums}
     finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums)
     save_finalise, save_stores = _finalise(d, names, [o for o in plan.outputs if o.name in saved], kinds, accums)
@@ -366,7 +375,8 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "dims": [_wire_ctx(names, w) for w in plan.dims],
         "pre_loads": [_load(d, names, ld) for ld in plan.loads if ld.phase == "pre"],
         "segments": segs,
-        "init": "\n".join(init), "bounds": _bounds(names, plan),
+        "init": "\n".join(init), "bounds": loop_bounds(names, plan),
+        "live": "\n".join(live(names, plan, col)), "live_constant": LIVE_CONSTANT,
         "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "save_finalise": save_finalise, "save_stores": save_stores,
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]
@@ -454,99 +464,6 @@ def _has_wire(d, e, wire, accums) -> bool:
         elif wire in L.wires_of(d, n) and not isinstance(n, L.Var):
             return True
     return False
-
-
-def _affine(b: "masks.Bound", r: str, size) -> str:
-    """row_coeff * r + rest, the sizes rendered by ``size``."""
-    terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
-    for key, v in b.rest:
-        term = str(v) if key == "" else size(key[1:-1]) if v == 1 else f"{v} * {size(key[1:-1])}"
-        terms.append(term)
-    return (" + ".join(terms) or "0").replace("+ -", "- ")
-
-
-def _bounds(names: _Names, plan: L.AttentionPlan, whole_rows: bool = False) -> str:
-    """The x range [_lo, _hi) from the mask's affine bounds: the same formula
-    as napkin.masks.stream_range, so the kernel visits exactly
-    masks.visited_blocks; then the full blocks among them (_full_bounds)."""
-    row, col = plan.row, plan.col
-    lines = ["_lo = 0", f"_hi = {names.size(col)}"]
-    if not plan.bounds:
-        lines[0] += f"  # {'no mask' if plan.skip is None else 'the mask has no affine bound'}: every block"
-        return "\n".join(lines + _full_bounds(names, plan, whole_rows, False))
-    ends = {b.at_row() for b in plan.bounds if b.row_coeff != 0}
-    if "first" in ends:
-        lines.append("_row_first = _row0")
-    if "last" in ends:
-        lines.append(f"_row_last = tl.minimum(_row0 + {names.block(row)}, {names.size(row)}) - 1")
-    if ends:  # exact: the bounds are monotone in the row index, so its extremes give the loosest
-        lines.append(f"if _POS_{row}:  # rows at global positions: the block's least and greatest")
-        if "first" in ends:
-            lines.append(f"    _row_first = tl.min(tl.where(_ok_{row}, _idx_{row}, {2 ** 62}), 0)")
-        if "last" in ends:
-            lines.append(f"    _row_last = tl.max(tl.where(_ok_{row}, _idx_{row}, -1), 0)")
-    # streamed rows at global positions: a block's positions are known only
-    # once loaded, so every block is visited and the elementwise mask decides
-    lines.append(f"if not _POS_{col}:")
-    indent = len(lines)
-    lower = False
-    for b in plan.bounds:
-        r = "_row_first" if b.at_row() == "first" else "_row_last"
-        value = _affine(b, r, names.length)
-        why = f"{col} {'>=' if b.kind == 'lower' else '<='} {_affine(b, row, lambda w: f'|{w}|')}, " \
-              f"loosest at the block's {b.at_row()} row"
-        if b.kind == "lower":
-            lower = True
-            lines.append(f"_lo = tl.maximum(_lo, {value})  # {why}")
-        else:
-            lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {why}")
-    if lower:
-        lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
-    lines[indent:] = ["    " + line for line in lines[indent:]]
-    return "\n".join(lines + _full_bounds(names, plan, whole_rows, "last" in ends))
-
-
-def _full_bounds(names: _Names, plan: L.AttentionPlan, whole_rows: bool, have_last: bool) -> list[str]:
-    """[_flo, _fhi): the full blocks among the visited ones, the formula of
-    napkin.masks.full_blocks term for term (each bound at the block's
-    tightest row).  None when rows or keys sit at global positions (the
-    mask decides every block there): the partial loops then cover [_lo, _hi).
-    ``whole_rows``: the backward's, where a ragged block of rows has none.
-    _flo is only defined when a lower bound can put partial blocks first."""
-    if plan.full is None:
-        return []
-    row, col = plan.row, plan.col
-    br, bc = names.block(row), names.block(col)
-    lower = any(b.kind == "lower" for b in plan.full)
-    first = "_flo" if lower else "_lo"
-    lines = ["# Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the",
-             "# tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic."]
-    lines += ["_flo = _lo"] if lower else []
-    lines += ["_fhi = _lo  # rows or keys at global positions: none, the mask decides",
-              f"if not _POS_{row}:", f"    if not _POS_{col}:"]
-    inner = ["_flo = 0"] if lower else []
-    if not plan.full:
-        inner.append(f"_fhi = {names.size(col)} // {bc} * {bc}  # no mask: every block but a ragged last one")
-    else:
-        inner.append(f"_fhi = {names.size(col)}")
-        if not have_last and any(b.at_row() == "first" and b.row_coeff != 0 for b in plan.full):
-            inner.append(f"_row_last = tl.minimum(_row0 + {br}, {names.size(row)}) - 1")
-        for b in plan.full:
-            tight = "last" if b.at_row() == "first" else "first"
-            value = _affine(b, "_row_last" if tight == "last" else "_row0", names.length)
-            why = f"{col} {'>=' if b.kind == 'lower' else '<='} {_affine(b, row, lambda w: f'|{w}|')} " \
-                  f"at every row: tightest at the block's {tight}"
-            if b.kind == "lower":
-                inner.append(f"_flo = tl.maximum(_flo, {value})  # {why}")
-            else:
-                inner.append(f"_fhi = tl.minimum(_fhi, {value} + 1)  # {why}")
-        if lower:
-            inner.append(f"_flo = tl.minimum(tl.maximum(tl.cdiv(_flo, {bc}) * {bc}, _lo), _hi)")
-        inner.append(f"_fhi = tl.maximum(tl.minimum(tl.maximum(_fhi, 0) // {bc} * {bc}, _hi), {first})")
-    if whole_rows:
-        inner.append(f"_fhi = tl.where(_row0 + {br} <= {names.size(row)}, _fhi, {first})"
-                     "  # summed over rows: a ragged block of them has none")
-    return lines + ["        " + line for line in inner]
 
 
 # --------------------------------------------------------------------------
@@ -683,7 +600,8 @@ _POSITIONS_DOC = """
 Forward only: positions={{{row!r}: ..., {col!r}: ...}} gives the global index
 of each local row (int tensors; integer inputs are read there and hold
 the global length), lengths={{{row!r}: ..., {col!r}: ...}} the global sizes
-(needed with positions; {col} rows at positions >= it are padding), and
+(needed with positions; {col} rows at positions >= it are padding, and so
+are {row} rows, whose outputs are then unspecified), and
 out_dtype (e.g. torch.float32) the dtype of every float output."""
 
 

@@ -1,0 +1,171 @@
+"""The mask's affine bounds (napkin/masks.py's ``Bound``) rendered in Triton.
+
+Each function here is one of masks.py's formulas written out term for term,
+so a kernel visits exactly the blocks the Python side computes (the cost
+pass counts with it, the tests brute-force it):
+
+* ``loop_bounds``: the streamed range [_lo, _hi) of a block of rows
+  (masks.stream_range), then the full blocks [_flo, _fhi) among them
+  (``full_bounds``, masks.full_blocks): the forward's and the dQ kernel's.
+  Rows at global positions give the range from the least and greatest real
+  row (exact: the bounds are monotone in the row index).
+* ``live``: for a tile whose loop-wire positions were just loaded, whether
+  some pair of it can survive the mask (masks.tile_live): the loads and the
+  step of a dead tile are skipped.  Positions are known only once loaded,
+  so this is decided per tile at run time, where the range decides it
+  before the loop without positions.
+
+``extremes`` renders the least and greatest real global index of a block
+at positions, which both read.  The dK/dV kernel's row-block range is
+backward_emit._bounds_dkdv (masks.row_block_range).
+"""
+from __future__ import annotations
+
+from .. import masks
+
+# Above any global index: the least of an empty set of rows.
+_NONE_LEAST = 2 ** 62
+
+
+def affine(b: masks.Bound, r: str, size) -> str:
+    """row_coeff * r + rest, the sizes rendered by ``size``."""
+    terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
+    for key, v in b.rest:
+        term = str(v) if key == "" else size(key[1:-1]) if v == 1 else f"{v} * {size(key[1:-1])}"
+        terms.append(term)
+    return (" + ".join(terms) or "0").replace("+ -", "- ")
+
+
+def _text(b: masks.Bound, col: str, row: str) -> str:
+    """The bound as a comment reads it: ``x <= q + |x| - |q|``."""
+    return f"{col} {'>=' if b.kind == 'lower' else '<='} {affine(b, row, lambda w: f'|{w}|')}"
+
+
+def ends(bounds, side: str) -> set:
+    """Which extremes ("first": least, "last": greatest) of the rows
+    (``side`` "row") or of the keys ("col") the bounds read: a bound is
+    loosest at the row its at_row() names, and an upper bound on the key
+    binds at the least key, a lower one at the greatest."""
+    if side == "row":
+        return {b.at_row() for b in bounds if b.row_coeff != 0}
+    return {"first" if b.kind == "upper" else "last" for b in bounds}
+
+
+def extremes(side: str, wire: str, real: str, need) -> list[str]:
+    """_<side>_first / _<side>_last: the least and greatest global index
+    _idx_<wire> where ``real`` holds (2**62 / -1 when nowhere).  The greatest
+    is always computed: it is how a block of padding alone is told."""
+    lines = [f"_{side}_first = tl.min(tl.where({real}, _idx_{wire}, {_NONE_LEAST}), 0)"] if "first" in need else []
+    return lines + [f"_{side}_last = tl.max(tl.where({real}, _idx_{wire}, -1), 0)"]
+
+
+def loop_bounds(names, plan, whole_rows: bool = False) -> str:
+    """The streamed range [_lo, _hi) from the mask's affine bounds: the same
+    formula as napkin.masks.stream_range, so the kernel visits exactly
+    masks.visited_blocks; then the full blocks among them (full_bounds).
+    With rows at positions a program of padding rows alone visits nothing;
+    with keys at positions the range is every block and the loop tests each
+    tile (``live``)."""
+    row, col = plan.row, plan.col
+    lines = ["_lo = 0", f"_hi = {names.size(col)}"]
+    need = ends(plan.bounds, "row")
+    if not plan.bounds:
+        lines[0] += f"  # {'no mask' if plan.skip is None else 'the mask has no affine bound'}: every block"
+    if "first" in need:
+        lines.append("_row_first = _row0")
+    if "last" in need:
+        lines.append(f"_row_last = tl.minimum(_row0 + {names.block(row)}, {names.size(row)}) - 1")
+    lines.append(f"if _POS_{row}:  # rows at global positions: the least and greatest real one")
+    lines += ["    " + line for line in extremes("row", row, f"_gok_{row}", need)]
+    lines.append("    _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block")
+    if not plan.bounds:
+        return "\n".join(lines + full_bounds(names, plan, whole_rows, False))
+    # keys at global positions: a block's are known only once loaded, so
+    # the range is every block and the loop tests each tile (live())
+    lines.append(f"if not _POS_{col}:")
+    indent = len(lines)
+    lower = False
+    for b in plan.bounds:
+        r = "_row_first" if b.at_row() == "first" else "_row_last"
+        value = affine(b, r, names.length)
+        why = f"{_text(b, col, row)}, loosest at the block's {b.at_row()} row"
+        if b.kind == "lower":
+            lower = True
+            lines.append(f"_lo = tl.maximum(_lo, {value})  # {why}")
+        else:
+            lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {why}")
+    if lower:
+        lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
+    lines[indent:] = ["    " + line for line in lines[indent:]]
+    return "\n".join(lines + full_bounds(names, plan, whole_rows, "last" in need))
+
+
+def full_bounds(names, plan, whole_rows: bool, have_last: bool) -> list[str]:
+    """[_flo, _fhi): the full blocks among the visited ones, the formula of
+    napkin.masks.full_blocks term for term (each bound at the block's
+    tightest row).  None when rows or keys sit at global positions: the
+    partial loops then cover [_lo, _hi).  ``whole_rows``: the backward's,
+    where a ragged block of rows has none.  _flo is only defined when a
+    lower bound can put partial blocks first."""
+    if plan.full is None:
+        return []
+    row, col = plan.row, plan.col
+    br, bc = names.block(row), names.block(col)
+    lower = any(b.kind == "lower" for b in plan.full)
+    first = "_flo" if lower else "_lo"
+    lines = ["# Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the",
+             "# tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic."]
+    lines += ["_flo = _lo"] if lower else []
+    lines += ["_fhi = _lo  # rows or keys at global positions: none known full",
+              f"if not _POS_{row}:", f"    if not _POS_{col}:"]
+    inner = ["_flo = 0"] if lower else []
+    if not plan.full:
+        inner.append(f"_fhi = {names.size(col)} // {bc} * {bc}  # no mask: every block but a ragged last one")
+    else:
+        inner.append(f"_fhi = {names.size(col)}")
+        if not have_last and any(b.at_row() == "first" and b.row_coeff != 0 for b in plan.full):
+            inner.append(f"_row_last = tl.minimum(_row0 + {br}, {names.size(row)}) - 1")
+        for b in plan.full:
+            tight = "last" if b.at_row() == "first" else "first"
+            value = affine(b, "_row_last" if tight == "last" else "_row0", names.length)
+            why = f"{_text(b, col, row)} at every row: tightest at the block's {tight}"
+            if b.kind == "lower":
+                inner.append(f"_flo = tl.maximum(_flo, {value})  # {why}")
+            else:
+                inner.append(f"_fhi = tl.minimum(_fhi, {value} + 1)  # {why}")
+        if lower:
+            inner.append(f"_flo = tl.minimum(tl.maximum(tl.cdiv(_flo, {bc}) * {bc}, _lo), _hi)")
+        inner.append(f"_fhi = tl.maximum(tl.minimum(tl.maximum(_fhi, 0) // {bc} * {bc}, _hi), {first})")
+    if whole_rows:
+        inner.append(f"_fhi = tl.where(_row0 + {br} <= {names.size(row)}, _fhi, {first})"
+                     "  # summed over rows: a ragged block of them has none")
+    return lines + ["        " + line for line in inner]
+
+
+def live(names, plan, loop: str) -> list[str]:
+    """Lines setting _live, for the tile just reached whose ``loop`` wire
+    (the keys in the forward and dQ loops, the rows in dK/dV's) sits at
+    positions loaded this step: masks.tile_live term for term.  The tile is
+    dead when it has no real row of the loop wire (the other side's
+    emptiness empties the whole range) or when one bound is false at every
+    pair, which it is iff false at the pair where it is loosest: the least
+    key for an upper bound, the greatest for a lower one, and the row its
+    at_row() names.  The other side's extremes come from the program's
+    bounds (loop_bounds, backward_emit._bounds_dkdv): its positions'
+    when it has them, else its offsets'.  Only the bounds of a mask whose
+    masked scores contribute nothing are there (plan.bounds is empty
+    otherwise): then only emptiness skips."""
+    row, col = plan.row, plan.col
+    side = "row" if loop == row else "col"
+    real = f"_gok_{row}" if side == "row" else f"_ok_{col}"
+    lines = [f"# a dead tile (no real {loop}, or a bound of the mask false at every pair): no load, no step"]
+    lines += extremes(side, loop, real, ends(plan.bounds, side))
+    lines.append(f"_live = _{side}_last >= 0  # some real {loop}")
+    least = {"first": "least", "last": "greatest"}
+    for b in plan.bounds:
+        value = affine(b, f"_row_{b.at_row()}", names.length)
+        key = "first" if b.kind == "upper" else "last"
+        test = f"_col_first <= {value}" if b.kind == "upper" else f"_col_last >= {value}"
+        lines.append(f"_live = _live & ({test})  # {_text(b, col, row)} somewhere: at the {least[key]} {col} "
+                     f"and the {least[b.at_row()]} {row}")
+    return lines
