@@ -358,8 +358,10 @@ def _relu(z):
 @triton.jit
 def _logsumexp(m, l):
     # a streamed logsumexp: m (running max, log2 units) + log(l); -inf when the
-    # row had no finite score (l == 0), without taking log(0)
-    return tl.where(l == 0, float("-inf"), m * 0.6931471805599453 + tl.log(tl.where(l == 0, 1.0, l)))
+    # row had no finite score (l == 0), without taking log(0); +inf when a
+    # score was +inf (then l is inf - inf = NaN, but the logsumexp is +inf)
+    lse = tl.where(l == 0, float("-inf"), m * 0.6931471805599453 + tl.log(tl.where(l == 0, 1.0, l)))
+    return tl.where(m == float("inf"), float("inf"), lse)
 
 
 @triton.jit

@@ -309,6 +309,21 @@ def test_nan_and_inf_propagate_as_in_the_reference():
     assert_accurate(out, exact, reference(m, (q, k, v)), "nan/inf")
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_a_plus_inf_score_gives_lse_plus_inf_as_the_reference():
+    """Scores of +inf (a huge query against positive keys): softmax is NaN
+    (inf - inf) in both, but the logsumexp is +inf, not NaN."""
+    m = example("attention")
+    q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 40, "x": 40}, dtype=torch.float32)
+    k[..., 0] = k[..., 0].abs() + 0.5
+    q[0, 1, 6, 0] = float("inf")   # every score of that row: +inf
+    out = run(m, (q, k, v))
+    exact = reference(m, (q, k, v), torch.float64)
+    assert torch.isinf(exact[1][0, 1, 6]) and exact[1][0, 1, 6] > 0
+    assert torch.isinf(out[1][0, 1, 6]) and out[1][0, 1, 6] > 0
+    assert_accurate(out, exact, reference(m, (q, k, v)), "+inf score")
+
+
 # --------------------------------------------------------------------------
 # Masks skip whole blocks: the kernel visits exactly masks.visited_blocks.
 # --------------------------------------------------------------------------
