@@ -365,10 +365,19 @@ def stream_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int,
     """[start, stop) of the streamed index for rows [row_start, row_stop)
     (already clipped to the row size), before rounding start to a block.
     The kernel computes exactly this (see codegen's rendering of Bound)."""
+    return _col_range(bounds, row_start, row_stop, col_size, sizes, tightest=False)
+
+
+def _col_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int, col_size: int,
+               sizes: Mapping[str, int], tightest: bool) -> tuple[int, int]:
+    """[start, stop) of the streamed indices meeting every bound at the rows'
+    loosest end (some row of the block keeps them: the visited range) or at
+    their tightest end (every row keeps them: the full range)."""
     first, last = row_start, row_stop - 1
     start, stop = 0, col_size
     for b in bounds:
-        r = first if b.at_row() == "first" else last
+        loosest_first = b.at_row() == "first"
+        r = first if loosest_first != tightest else last
         value = b.row_coeff * r + _rest_value(b.rest, sizes)
         if b.kind == "lower":
             start = max(start, value)
@@ -488,16 +497,7 @@ def full_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int,
                col_size: int, sizes: Mapping[str, int]) -> tuple[int, int]:
     """[start, stop) of the streamed indices inside [0, col_size) at which
     every bound holds for every row of [row_start, row_stop)."""
-    first, last = row_start, row_stop - 1
-    start, stop = 0, col_size
-    for b in bounds:
-        r = last if b.at_row() == "first" else first  # the tightest row
-        value = b.row_coeff * r + _rest_value(b.rest, sizes)
-        if b.kind == "lower":
-            start = max(start, value)
-        else:
-            stop = min(stop, value + 1)
-    return start, stop
+    return _col_range(bounds, row_start, row_stop, col_size, sizes, tightest=True)
 
 
 def full_blocks(bounds: tuple[Bound, ...], row_block: int, row_size: int, col_size: int,

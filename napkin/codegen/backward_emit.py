@@ -192,21 +192,14 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
         return "\n".join(lines + _full_dkdv(plan, names))
     lines.append(f"if not _POS_{row}:")
     indent = len(lines)
-
-    def rest(b) -> str:  # |w| as expressions read it: the global length with keys at positions
-        terms = []
-        for key, v in b.rest:
-            terms.append(str(v) if key == "" else names.length(key[1:-1]) if v == 1
-                         else f"{v} * {names.length(key[1:-1])}")
-        return "(" + (" + ".join(terms) or "0").replace("+ -", "- ") + ")"
-
+    # |w| as the expressions read it: the global length when keys sit at positions
     for b in bounds:
         a = b.row_coeff
         if b.kind == "upper":
-            need = f"_col_first - {rest(b)}"
+            need = f"_col_first - {B.rest(b, names.length)}"
             why = f"{col} <= {_affine_text(b, row)}: visited while that reaches the block's least {col}"
         else:
-            need = f"{rest(b)} - _col_last"
+            need = f"{B.rest(b, names.length)} - _col_last"
             a = -a
             why = f"{col} >= {_affine_text(b, row)}: visited while that starts by the block's greatest {col}"
         lines.append(f"_need = {need}  # {why}")
@@ -248,20 +241,13 @@ def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
     inner.append(f"_fhi = tl.where(_col0 + {bc} <= {names.size(col)}, {nq} // {br}, 0)"
                  "  # whole row blocks; a ragged key block has none")
 
-    def rest(b) -> str:
-        terms = []
-        for key, v in b.rest:
-            terms.append(str(v) if key == "" else names.size(key[1:-1]) if v == 1
-                         else f"{v} * {names.size(key[1:-1])}")
-        return "(" + (" + ".join(terms) or "0").replace("+ -", "- ") + ")"
-
     for b in plan.forward.full:
         a = b.row_coeff
         if b.kind == "upper":
-            need = f"_col0 + {bc} - 1 - {rest(b)}"
+            need = f"_col0 + {bc} - 1 - {B.rest(b, names.size)}"
             why = f"{col} <= {_affine_text(b, row)} at the block's last {col}"
         else:
-            need = f"{rest(b)} - _col0"
+            need = f"{B.rest(b, names.size)} - _col0"
             a = -a
             why = f"{col} >= {_affine_text(b, row)} at the block's first {col}"
         inner.append(f"_need = {need}  # {why}, for every row")

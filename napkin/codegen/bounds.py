@@ -27,13 +27,25 @@ from .. import masks
 _NONE_LEAST = 2 ** 62
 
 
+def _rest_terms(b: masks.Bound, size) -> list[str]:
+    return [str(v) if key == "" else size(key[1:-1]) if v == 1 else f"{v} * {size(key[1:-1])}"
+            for key, v in b.rest]
+
+
+def _sum(terms: list[str]) -> str:
+    return (" + ".join(terms) or "0").replace("+ -", "- ")
+
+
 def affine(b: masks.Bound, r: str, size) -> str:
     """row_coeff * r + rest, the sizes rendered by ``size``."""
     terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
-    for key, v in b.rest:
-        term = str(v) if key == "" else size(key[1:-1]) if v == 1 else f"{v} * {size(key[1:-1])}"
-        terms.append(term)
-    return (" + ".join(terms) or "0").replace("+ -", "- ")
+    return _sum(terms + _rest_terms(b, size))
+
+
+def rest(b: masks.Bound, size) -> str:
+    """The bound's terms without the row, in parentheses: ``(|x| - |q|)``
+    with the sizes rendered by ``size``."""
+    return f"({_sum(_rest_terms(b, size))})"
 
 
 def _text(b: masks.Bound, col: str, row: str) -> str:
