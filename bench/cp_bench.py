@@ -14,7 +14,7 @@ N/8 followed by four answers of equal length.
 The schemes: Ring Attention (zigzag layout; Ring's backward), the same with
 BurstAttention's backward, both as a double ring with several nodes
 (``predict`` only: the steps follow napkin/distributed/groups.py's
-DoubleRing.origin), and ATTENTION2D on every grid (cyclic layout; with
+ring_origin), and ATTENTION2D on every grid (cyclic layout; with
 several nodes, every block of the grid a node can hold).
 
 ``predict``: the benchmark's settings (8K tokens per GPU, 64 query heads, 8
@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO))
 from napkin import plan as PLAN  # noqa: E402
 from napkin.cost import collectives as C  # noqa: E402
 from napkin.cost.profiles import get_profile  # noqa: E402
+from napkin.distributed.groups import ring_origin  # noqa: E402
 
 MASKS = ("full", "causal", "document", "sliding_window", "prefix_lm", "shared_question")
 MASK_DOCS = (0.30, 0.05, 0.15, 0.02, 0.22, 0.08, 0.18)     # document lengths, fractions of N
@@ -194,7 +195,7 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
                 pl = C.Placement(scheme, (gpus // g, g))
             else:
                 pl = C.Placement(scheme, (gpus,), g)
-            origin = [[double_ring_origin(r, s, pl.grid if scheme.endswith("2") else (1, gpus)) for s in range(gpus)]
+            origin = [[ring_origin(r, s, *(pl.grid if scheme.endswith("2") else (1, gpus))) for s in range(gpus)]
                       for r in range(gpus)]
             fwd = [secs(max(w[r, origin[r][s]] for r in range(gpus))) for s in range(gpus)]
             if scheme.startswith("ring"):       # queries stay, key blocks visit
@@ -220,16 +221,6 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
         rec["a2d"] = best
         out.append(rec)
     return out
-
-
-def double_ring_origin(rank: int, step: int, grid: tuple[int, int]) -> int:
-    """The rank whose blocks ``rank`` holds at ``step`` of a double ring of
-    N nodes x G (napkin/distributed/groups.py DoubleRing.origin; a flat ring
-    is (1, P))."""
-    n, g = grid
-    o, i = divmod(step, g)
-    node, local = divmod(rank, g)
-    return (node - o) % n * g + (local - i) % g
 
 
 def predict_markdown(records: list[dict]) -> str:

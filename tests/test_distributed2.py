@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import napkin
-from spawn import run_ranks
+from spawn import max_error, run_ranks
 from napkin.cost import analyse
 from napkin.cost import collectives as C
 
@@ -185,17 +185,6 @@ def reference(case: Case, q, k, v):
     return p @ vv, lse
 
 
-def _err(a, b) -> float:
-    """Max abs difference; inf when the -inf entries differ, nan on NaN."""
-    a, b = a.detach().double(), b.detach().double()
-    if torch.isnan(a).any() or torch.isnan(b).any():
-        return float("nan")
-    if not torch.equal(torch.isinf(a), torch.isinf(b)) or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
-        return float("inf")
-    fin = torch.isfinite(a)
-    return float((a[fin] - b[fin]).abs().max()) if fin.any() else 0.0
-
-
 def _inputs(case: Case):
     gen = torch.Generator().manual_seed(4321)
     hq, hkv = case.heads
@@ -262,12 +251,12 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
     res = {"counted": {ph: list(cc.total(ph)) for ph in C.PHASES},
            "links": {ph: list(cc.links(ph)) for ph in C.PHASES}}
     full_o = fn.gather(o.detach(), place, case.n_q, 2, timeout=TIMEOUT)
-    res["o"] = _err(full_o, ref_o)
-    res["lse"] = _err(fn.gather(lse.detach(), place, case.n_q, 2, timeout=TIMEOUT), ref_lse) \
+    res["o"] = max_error(full_o, ref_o)
+    res["lse"] = max_error(fn.gather(lse.detach(), place, case.n_q, 2, timeout=TIMEOUT), ref_lse) \
         if lse is not None else 0.0
     if train:
         full = [fn.gather(t.grad, place, n, 2, timeout=TIMEOUT) for t, n in zip(mine, (case.n_q, case.n_x, case.n_x))]
-        res["grads"] = [_err(a, b.grad) for a, b in zip(full, leaves)]
+        res["grads"] = [max_error(a, b.grad) for a, b in zip(full, leaves)]
     else:
         res["o_bits"] = o.detach().double().flatten().tolist()
     hq, hkv = case.heads
@@ -305,16 +294,17 @@ def error_cases(places: dict, rank: int) -> dict:
 def emitted_double_ring() -> dict:
     """The function a generated module holds for a ring over nodes, run for
     real: it must run the double ring (scheme ring2) and match float64."""
+    from napkin.distributed import CommCounter
     from napkin.distributed.emit import distributed_source
     text = diagram_text("attention", "causal", "fp64", "ring-nodes")
     ns: dict = {}
     exec(compile(distributed_source(napkin.load_text(text, "double.ncd")), "<emitted>", "exec"), ns)
     q, k, v, _, _ = _inputs(Case("ring2", "ring-nodes", "attention", "causal", 13, 13))
     name = "attention_distributed"
-    with __import__("napkin.distributed", fromlist=["CommCounter"]).CommCounter(gpus_per_node=2) as cc:
+    with CommCounter(gpus_per_node=2) as cc:
         o, lse = ns[name](*(ns[name + "_shard"](t, None, 13, 2) for t in (q, k, v)), q_len=13, timeout=TIMEOUT)
     ref, _ = reference(Case("ring2", "ring-nodes", "attention", "causal", 13, 13), q, k, v)
-    return {"o": _err(ns[name + "_gather"](o, None, 13, 2, TIMEOUT), ref), "scheme": ns["_distributed"]().scheme,
+    return {"o": max_error(ns[name + "_gather"](o, None, 13, 2, TIMEOUT), ref), "scheme": ns["_distributed"]().scheme,
             "across": cc.links("forward")[1]}
 
 
@@ -552,27 +542,24 @@ def test_cp_bench_masks_and_work_counts_are_exact():
 
 
 def test_double_ring_schedule_visits_every_block_once():
-    """DoubleRing.origin: every rank holds every rank's blocks exactly once,
-    its own first; a flat ring (one node) holds rank r - s at step s; the
-    passes follow the links (within a round the next step's block comes
-    from the previous GPU of the node, a new round's from the previous
-    node); bench/cp_bench.py's copy of the schedule agrees."""
-    from bench import cp_bench as B
-    from napkin.distributed.groups import DoubleRing
+    """groups.ring_origin (DoubleRing.origin, and bench/cp_bench.py's step
+    order): every rank holds every rank's blocks exactly once, its own
+    first; a flat ring (one node) holds rank r - s at step s; the passes
+    follow the links (within a round the next step's block comes from the
+    previous GPU of the node, a new round's from the previous node)."""
+    from napkin.distributed.groups import DoubleRing, ring_origin
     for n, g in ((1, 4), (2, 2), (2, 4), (3, 2), (4, 1)):
         p = n * g
         for rank in range(p):
-            ring = DoubleRing(n, g, rank, None, None, None, None)
-            seen = [ring.origin(s) for s in range(p)]
+            seen = [ring_origin(rank, s, n, g) for s in range(p)]
             assert sorted(seen) == list(range(p)) and seen[0] == rank, (n, g, rank, seen)
-            assert seen == [B.double_ring_origin(rank, s, (n, g)) for s in range(p)]
+            assert seen == [DoubleRing(n, g, rank, None, None, None, None).origin(s) for s in range(p)]
             if n == 1:
                 assert seen == [(rank - s) % p for s in range(p)]
             node, local = divmod(rank, g)
             for s in range(1, p):
                 prev = (node * g + (local - 1) % g) if s % g else ((node - 1) % n * g + local)
-                before = DoubleRing(n, g, prev, None, None, None, None)
                 # what I hold now, my sender held one step before (or, for a
                 # new round, at the start of its previous round)
-                want = before.origin(s - 1) if s % g else before.origin(s - g)
+                want = ring_origin(prev, s - 1, n, g) if s % g else ring_origin(prev, s - g, n, g)
                 assert seen[s] == want, (n, g, rank, s)

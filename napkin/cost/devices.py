@@ -215,10 +215,9 @@ def _placement(diagram: ir.Diagram, r) -> C.Placement:
         return C.Placement(scheme, grid, p if p <= NVLINK_DOMAIN else 1)
     if scheme == "attention2d":
         return C.Placement(scheme, grid, block=r.per_node)
-    g = r.per_node[0]
-    if scheme == "ring" and g < p:          # a ring over nodes: the double ring (ring.py)
-        return C.Placement("ring2", (p // g, g))
-    return C.Placement(scheme, grid, g)
+    if r.double_ring is not None:           # a ring over nodes: the double ring (ring.py)
+        return C.Placement("ring2", r.double_ring)
+    return C.Placement(scheme, grid, r.per_node[0])
 
 
 def _link_name(placement: C.Placement) -> tuple[str, str]:

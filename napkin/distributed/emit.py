@@ -39,10 +39,9 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
             "ring": ("Ring Attention", "RingAttention", "zigzag", f", a ring of {grid[0]}"),
             "tree": ("Decoding (tree merge)", "TreeAttention", "contiguous",
                      f", keys over {grid[0]} devices; queries whole on every rank")}[scheme]
-    if scheme == "ring" and r.per_node is not None and r.per_node[0] < grid[0]:
-        g = r.per_node[0]
+    if r.double_ring is not None:
         kind = ("Ring Attention (double ring)", "RingAttention", "zigzag",
-                f", {grid[0] // g} nodes x {g} GPUs")
+                ", {} nodes x {} GPUs".format(*r.double_ring))
     group = scheme != "attention2d"
     side = list(r.side)
     ctx = dict(

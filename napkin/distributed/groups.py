@@ -159,12 +159,18 @@ class DoubleRing:
         return self.nodes * self.per_node
 
     def origin(self, step: int) -> int:
-        """The group rank whose blocks this rank holds at ``step`` of the
-        double ring's schedule: step o*G + i is step i of round o, and in
-        round o a GPU works through the blocks of the node o before it."""
-        o, i = divmod(step, self.per_node)
-        node, local = divmod(self.rank, self.per_node)
-        return (node - o) % self.nodes * self.per_node + (local - i) % self.per_node
+        """The group rank whose blocks this rank holds at ``step``."""
+        return ring_origin(self.rank, step, self.nodes, self.per_node)
+
+
+def ring_origin(rank: int, step: int, nodes: int, per_node: int) -> int:
+    """The rank whose blocks ``rank`` holds at ``step`` of a double ring of
+    ``nodes`` x ``per_node``: step o*G + i is step i of round o, and in round
+    o a GPU works through the blocks of the node o before it (a flat ring,
+    one node: rank - step)."""
+    o, i = divmod(step, per_node)
+    node, local = divmod(rank, per_node)
+    return (node - o) % nodes * per_node + (local - i) % per_node
 
 
 def as_double_ring(group=None, per_node: Optional[int] = None) -> DoubleRing:

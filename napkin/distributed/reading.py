@@ -118,6 +118,15 @@ class Roles:
     def is_query(self, index: int) -> bool:
         return self.token_wire[index] == self.query
 
+    @property
+    def double_ring(self) -> Optional[tuple[int, int]]:
+        """(nodes, GPUs per node) when the diagram's ring spans several nodes
+        (its nodes level splits it): ring.py runs it as a double ring."""
+        if self.scheme is None or self.scheme[0] != "ring" or self.per_node is None:
+            return None
+        p, g = self.scheme[1][0], self.per_node[0]
+        return (p // g, g) if g < p else None
+
 
 @dataclass(frozen=True)
 class Split:

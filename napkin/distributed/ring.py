@@ -87,10 +87,8 @@ class RingAttention:
     def per_node(self) -> Optional[int]:
         """GPUs per node of the double ring (None: a flat ring): from the
         diagram's devices level under a nodes level that splits the ring."""
-        per = self.roles.per_node
-        if per is None or self.ring_size is None or per[0] >= self.ring_size:
-            return None
-        return per[0]
+        nodes = self.roles.double_ring
+        return None if nodes is None else nodes[1]
 
     @property
     def scheme(self) -> str:
