@@ -3,6 +3,7 @@
 Shared by the distributed test files: each worker(rank, world, init_file,
 out_dir) writes out_dir/rank<r>.json and exits; the ranks are killed if they
 have not all finished by the deadline, so a bug can never hang the suite.
+``max_error`` is how both compare a rank's results with the reference.
 """
 from __future__ import annotations
 
@@ -29,3 +30,16 @@ def run_ranks(worker, world: int, out: Path, deadline_s: float) -> list:
             if p.is_alive():
                 p.kill()
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def max_error(a, b) -> float:
+    """Max abs difference; inf when the -inf entries differ, nan on NaN."""
+    import torch
+
+    a, b = a.detach().double(), b.detach().double()
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return float("nan")
+    if not torch.equal(torch.isinf(a), torch.isinf(b)) or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
+        return float("inf")
+    fin = torch.isfinite(a)
+    return float((a[fin] - b[fin]).abs().max()) if fin.any() else 0.0

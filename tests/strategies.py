@@ -378,3 +378,22 @@ def any_diagrams(draw) -> ir.Diagram:
     outputs = draw(st.lists(names.map(ir.Output), max_size=3))
     schedule = draw(st.one_of(st.none(), _schedules))
     return ir.Diagram(draw(names), wires, tuple(inputs), tuple(lets), tuple(outputs), schedule)
+
+
+def drawn_sizes(diagram: ir.Diagram, seed: int) -> dict[str, int]:
+    """Run-time sizes for a drawn diagram's wires: the fixed ones as drawn,
+    the symbolic ones picked by a seeded generator among ragged values (q and
+    x equal when the diagram reads ``doc`` along both)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    pick = {"b": (1, 2), "h": (1, 2), "q": (1, 33, 50), "x": (1, 33, 50), "d": (16, 32),
+            "m": (1, 40, 70), "n": (1, 40, 70), "k": (1, 40, 70)}
+    sizes = {}
+    for w in diagram.wires:
+        choices = pick.get(w.name, (8,))
+        sizes[w.name] = w.size if w.size is not None else choices[int(torch.randint(len(choices), (1,),
+                                                                                      generator=gen))]
+    if any(t.name == "doc" for t in diagram.inputs):
+        sizes["x"] = sizes["q"]
+    return sizes

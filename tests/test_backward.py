@@ -24,7 +24,7 @@ import napkin
 from napkin import masks
 from napkin.codegen import emit_module
 from napkin.printer import to_text
-from strategies import attention_diagrams
+from strategies import attention_diagrams, drawn_sizes
 
 REPO = Path(__file__).resolve().parent.parent
 REFUSED = {"naive_attention", "attention_fp8"}
@@ -275,19 +275,6 @@ def test_column_loop_visits_exactly_the_forward_blocks():
 # Random diagrams (tests/strategies.py).
 # --------------------------------------------------------------------------
 
-def _drawn_sizes(diagram, seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    pick = {"b": (1, 2), "h": (1, 2), "q": (1, 33, 50), "x": (1, 33, 50), "d": (16, 32)}
-    sizes = {}
-    for w in diagram.wires:
-        choices = pick.get(w.name, (8,))
-        sizes[w.name] = w.size if w.size is not None else choices[int(torch.randint(len(choices), (1,),
-                                                                                      generator=gen))]
-    if any(t.name == "doc" for t in diagram.inputs):
-        sizes["x"] = sizes["q"]
-    return sizes
-
-
 @settings(max_examples=8, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
@@ -295,7 +282,7 @@ def _drawn_sizes(diagram, seed: int) -> dict:
 def test_random_attention_diagram_gradients(diagram, folder):
     key = f"drawn_{zlib.crc32(to_text(diagram).encode())}"
     m = compile_text(to_text(diagram), key, folder, diagram)
-    sizes = _drawn_sizes(diagram, zlib.crc32(key.encode()))
+    sizes = drawn_sizes(diagram, zlib.crc32(key.encode()))
     dtype = {"fp16": torch.float16, "fp32": torch.float32}[diagram.inputs[0].dtype]
     inputs = m.example_inputs(sizes, dtype=dtype, seed=1)
     fn = getattr(m, diagram.name)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import napkin
-from spawn import run_ranks
+from spawn import max_error, run_ranks
 from napkin.distributed import (Attention2D, CommCounter, RingAttention, TokenLayout, merge_softmax,
                                 predicted_comm, roles)
 from napkin.errors import NapkinError
@@ -133,17 +133,6 @@ def reference(case: Case, q, k, v, slope=None):
     return p @ vv, lse
 
 
-def _err(a, b) -> float:
-    """Max abs difference; inf when the -inf entries differ, nan on NaN."""
-    a, b = a.detach().double(), b.detach().double()
-    if torch.isnan(a).any() or torch.isnan(b).any():
-        return float("nan")
-    if not torch.equal(torch.isinf(a), torch.isinf(b)) or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
-        return float("inf")
-    fin = torch.isfinite(a)
-    return float((a[fin] - b[fin]).abs().max()) if fin.any() else 0.0
-
-
 def run_case(case: Case, grids: dict, rank: int) -> dict:
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator().manual_seed(1234)
@@ -205,10 +194,10 @@ def run_case(case: Case, grids: dict, rank: int) -> dict:
     return {
         "kernel_launches": getattr(fn.local, "launches", 0),
         "backward_launches": getattr(fn.local, "backward_launches", 0),
-        "o": _err(full_o, ref_o),
-        "lse": _err(full_lse, ref_lse_check) if ref_lse_check is not None else 0.0,
-        "sdpa": _err(full_o, sdpa) if sdpa is not None else 0.0,
-        "grads": [_err(a, b) for a, b in zip(full_grads, ref_grads)],
+        "o": max_error(full_o, ref_o),
+        "lse": max_error(full_lse, ref_lse_check) if ref_lse_check is not None else 0.0,
+        "sdpa": max_error(full_o, sdpa) if sdpa is not None else 0.0,
+        "grads": [max_error(a, b) for a, b in zip(full_grads, ref_grads)],
         "counted": {ph: list(cc.total(ph)) for ph in ("check", "forward", "backward")},
         "predicted": {ph: list(predicted_comm(scheme, case.grid, sizes, case.dtype.replace("float", "fp"),
                                               ph, case.family)[rank])
@@ -274,8 +263,8 @@ def emitted_case(grids: dict) -> dict:
     o3, _ = attention_2d_distributed(*(shard(t.float(), mesh, 13, 2) for t in (q3, k3, v3)), mesh, q_len=13,
                                      timeout=20.0)
     full3 = attention_2d_distributed_gather(o3, mesh, 13, 2, timeout=20.0)
-    return {"o": _err(full, ref), "ring_mesh": _err(ring.gather(o2, line, 13, 2, timeout=20.0), ref),
-            "generated": _err(full3, torch.nn.functional.scaled_dot_product_attention(q3, k3, v3))}
+    return {"o": max_error(full, ref), "ring_mesh": max_error(ring.gather(o2, line, 13, 2, timeout=20.0), ref),
+            "generated": max_error(full3, torch.nn.functional.scaled_dot_product_attention(q3, k3, v3))}
 
 
 def _worker(rank: int, world: int, init: str, out_dir: str) -> None:

@@ -23,7 +23,7 @@ import napkin
 from napkin import masks
 from napkin.codegen import emit_module, lower, visited_blocks
 from napkin.printer import to_text
-from strategies import attention_diagrams, matmul_diagrams
+from strategies import attention_diagrams, drawn_sizes, matmul_diagrams
 
 REPO = Path(__file__).resolve().parent.parent
 REFUSED = {"naive_attention", "attention_fp8"}
@@ -397,23 +397,9 @@ def test_loads_discipline_in_bytes():
 # Random diagrams (tests/strategies.py): kernel against reference.
 # --------------------------------------------------------------------------
 
-def _drawn_sizes(diagram, seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    pick = {"b": (1, 2), "h": (1, 2), "q": (1, 33, 50), "x": (1, 33, 50), "d": (16, 32),
-            "m": (1, 40, 70), "n": (1, 40, 70), "k": (1, 40, 70)}
-    sizes = {}
-    for w in diagram.wires:
-        choices = pick.get(w.name, (8,))
-        sizes[w.name] = w.size if w.size is not None else choices[int(torch.randint(len(choices), (1,),
-                                                                                      generator=gen))]
-    if any(t.name == "doc" for t in diagram.inputs):
-        sizes["x"] = sizes["q"]
-    return sizes
-
-
 def _drawn_check(diagram, key: str):
     m = compile_text(to_text(diagram), key, diagram)
-    sizes = _drawn_sizes(diagram, zlib.crc32(key.encode()))
+    sizes = drawn_sizes(diagram, zlib.crc32(key.encode()))
     dtype = {"fp16": torch.float16, "fp32": torch.float32}[diagram.inputs[0].dtype]
     inputs = m.example_inputs(sizes, dtype=dtype, seed=1)
     out = run(m, inputs, **{k: None for k in FAST})  # the drawn schedule's own blocks (16..64)
