@@ -238,7 +238,9 @@ def _differentiable(tensors):
 # bucket: each symbolic wire's size rounded up to a power of two.  A launch
 # with no explicit options takes the cached config of its bucket, so a new
 # sequence length in a tuned bucket neither retunes nor recompiles (the
-# sizes are not specialised on; the blocks, which are, stay the same).
+# sizes are not specialised on; the blocks, which are, stay the same).  The
+# backward has entries of its own (kind "bwd"): its kernels hold other tiles
+# than the forward's, and the forward's best blocks are not theirs.
 # ---------------------------------------------------------------------------
 import json as _autotune_json
 import os as _autotune_os
@@ -270,9 +272,10 @@ def _autotune_device_name(device):
     return device.type
 
 
-def _autotune_key(diagram_hash, device_name, sizes, wires):
+def _autotune_key(diagram_hash, device_name, sizes, wires, kind=""):
+    """kind: "" for the forward launch, "bwd" for the backward kernels."""
     bucket = ",".join(f"{w}={n}" for w, n in _autotune_bucket(sizes, wires))
-    return f"{diagram_hash}|{device_name}|{bucket}"
+    return f"{diagram_hash}|{device_name}|{bucket}" + (f"|{kind}" if kind else "")
 
 
 def _autotune_read(path):
@@ -288,10 +291,10 @@ def _autotune_read(path):
     return entries if isinstance(entries, dict) else {}
 
 
-def _autotune_lookup(sizes, device):
+def _autotune_lookup(sizes, device, kind=""):
     """The cached config (a dict of launcher options) for these sizes on this
     device, or None.  Remembered per key until the cache file changes."""
-    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES)
+    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES, kind)
     path = _autotune_cache_path()
     try:
         st = _autotune_os.stat(path)
@@ -308,12 +311,12 @@ def _autotune_lookup(sizes, device):
     return config
 
 
-def _autotune_fill(options, sizes, device):
+def _autotune_fill(options, sizes, device, kind=""):
     """``options`` (launcher option -> value or None) with the Nones taken from
-    the cached config; options given explicitly always win."""
+    the cached config of ``kind``; options given explicitly always win."""
     if all(v is not None for v in options.values()):
         return options
-    config = _autotune_lookup(sizes, device) or {}
+    config = _autotune_lookup(sizes, device, kind) or {}
     return {k: (config.get(k) if v is None else v) for k, v in options.items()}
 
 
@@ -389,7 +392,17 @@ def _matmul_kernel(
 
     # Tiles without k: loaded once per program.
     _acc = tl.zeros([_BLOCK_m, _BLOCK_n], dtype=tl.float32)
-    for _start in range(0, _size_k, _BLOCK_k):
+    # Whole blocks of k: no mask along it.  The sizes are not specialised, so a
+    # mask along a contiguous k would split every load into single elements,
+    # which Triton neither vectorises nor pipelines.
+    _full = _size_k // _BLOCK_k * _BLOCK_k
+    for _start in range(0, _full, _BLOCK_k):
+        _offs_k = _start + tl.arange(0, _BLOCK_k)
+        _a = tl.load(A + _offs_m[:, None] * _st_A_m + _offs_k[None, :] * _st_A_k, mask=_ok_m[:, None], other=0.0)
+        _b = tl.load(B + _offs_k[:, None] * _st_B_k + _offs_n[None, :] * _st_B_n, mask=_ok_n[None, :], other=0.0)
+        _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
+    # The ragged last block, masked.
+    for _start in range(_full, _size_k, _BLOCK_k):
         _offs_k = _start + tl.arange(0, _BLOCK_k)
         _ok_k = _offs_k < _size_k
         _a = tl.load(A + _offs_m[:, None] * _st_A_m + _offs_k[None, :] * _st_A_k, mask=_ok_m[:, None] & _ok_k[None, :], other=0.0)
@@ -497,7 +510,17 @@ def _matmul_bwd_A_kernel(
 
     # Tiles without n: loaded once per program.
     _acc = tl.zeros([_BLOCK_m, _BLOCK_k], dtype=tl.float32)
-    for _start in range(0, _size_n, _BLOCK_n):
+    # Whole blocks of n: no mask along it.  The sizes are not specialised, so a
+    # mask along a contiguous n would split every load into single elements,
+    # which Triton neither vectorises nor pipelines.
+    _full = _size_n // _BLOCK_n * _BLOCK_n
+    for _start in range(0, _full, _BLOCK_n):
+        _offs_n = _start + tl.arange(0, _BLOCK_n)
+        _a = tl.load(_grad_C + _offs_m[:, None] * _st__grad_C_m + _offs_n[None, :] * _st__grad_C_n, mask=_ok_m[:, None], other=0.0)
+        _b = tl.load(B + _offs_k[None, :] * _st_B_k + _offs_n[:, None] * _st_B_n, mask=_ok_k[None, :], other=0.0)
+        _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
+    # The ragged last block, masked.
+    for _start in range(_full, _size_n, _BLOCK_n):
         _offs_n = _start + tl.arange(0, _BLOCK_n)
         _ok_n = _offs_n < _size_n
         _a = tl.load(_grad_C + _offs_m[:, None] * _st__grad_C_m + _offs_n[None, :] * _st__grad_C_n, mask=_ok_m[:, None] & _ok_n[None, :], other=0.0)
@@ -537,7 +560,17 @@ def _matmul_bwd_B_kernel(
 
     # Tiles without m: loaded once per program.
     _acc = tl.zeros([_BLOCK_k, _BLOCK_n], dtype=tl.float32)
-    for _start in range(0, _size_m, _BLOCK_m):
+    # Whole blocks of m: no mask along it.  The sizes are not specialised, so a
+    # mask along a contiguous m would split every load into single elements,
+    # which Triton neither vectorises nor pipelines.
+    _full = _size_m // _BLOCK_m * _BLOCK_m
+    for _start in range(0, _full, _BLOCK_m):
+        _offs_m = _start + tl.arange(0, _BLOCK_m)
+        _a = tl.load(A + _offs_m[None, :] * _st_A_m + _offs_k[:, None] * _st_A_k, mask=_ok_k[:, None], other=0.0)
+        _b = tl.load(_grad_C + _offs_m[:, None] * _st__grad_C_m + _offs_n[None, :] * _st__grad_C_n, mask=_ok_n[None, :], other=0.0)
+        _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
+    # The ragged last block, masked.
+    for _start in range(_full, _size_m, _BLOCK_m):
         _offs_m = _start + tl.arange(0, _BLOCK_m)
         _ok_m = _offs_m < _size_m
         _a = tl.load(A + _offs_m[None, :] * _st_A_m + _offs_k[:, None] * _st_A_k, mask=_ok_k[:, None] & _ok_m[None, :], other=0.0)
@@ -553,7 +586,7 @@ def _matmul_backward(A, B, _grad_C, _o, need):
     _sz, _cls, _dev = _bind((A, B,), kernel=True)
     _check_device(_dev)
     _check_state({"_grad_C": _grad_C}, _sz, _dev)
-    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev)
+    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
     _need = _wanted(need)
     _warps, _stages = _opts["num_warps"] or 4, _opts["num_stages"] or 2
     _grad_A = None

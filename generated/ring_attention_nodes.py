@@ -245,7 +245,9 @@ def _differentiable(tensors):
 # bucket: each symbolic wire's size rounded up to a power of two.  A launch
 # with no explicit options takes the cached config of its bucket, so a new
 # sequence length in a tuned bucket neither retunes nor recompiles (the
-# sizes are not specialised on; the blocks, which are, stay the same).
+# sizes are not specialised on; the blocks, which are, stay the same).  The
+# backward has entries of its own (kind "bwd"): its kernels hold other tiles
+# than the forward's, and the forward's best blocks are not theirs.
 # ---------------------------------------------------------------------------
 import json as _autotune_json
 import os as _autotune_os
@@ -277,9 +279,10 @@ def _autotune_device_name(device):
     return device.type
 
 
-def _autotune_key(diagram_hash, device_name, sizes, wires):
+def _autotune_key(diagram_hash, device_name, sizes, wires, kind=""):
+    """kind: "" for the forward launch, "bwd" for the backward kernels."""
     bucket = ",".join(f"{w}={n}" for w, n in _autotune_bucket(sizes, wires))
-    return f"{diagram_hash}|{device_name}|{bucket}"
+    return f"{diagram_hash}|{device_name}|{bucket}" + (f"|{kind}" if kind else "")
 
 
 def _autotune_read(path):
@@ -295,10 +298,10 @@ def _autotune_read(path):
     return entries if isinstance(entries, dict) else {}
 
 
-def _autotune_lookup(sizes, device):
+def _autotune_lookup(sizes, device, kind=""):
     """The cached config (a dict of launcher options) for these sizes on this
     device, or None.  Remembered per key until the cache file changes."""
-    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES)
+    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES, kind)
     path = _autotune_cache_path()
     try:
         st = _autotune_os.stat(path)
@@ -315,12 +318,12 @@ def _autotune_lookup(sizes, device):
     return config
 
 
-def _autotune_fill(options, sizes, device):
+def _autotune_fill(options, sizes, device, kind=""):
     """``options`` (launcher option -> value or None) with the Nones taken from
-    the cached config; options given explicitly always win."""
+    the cached config of ``kind``; options given explicitly always win."""
     if all(v is not None for v in options.values()):
         return options
-    config = _autotune_lookup(sizes, device) or {}
+    config = _autotune_lookup(sizes, device, kind) or {}
     return {k: (config.get(k) if v is None else v) for k, v in options.items()}
 
 
@@ -787,17 +790,17 @@ def _ring_attention_nodes_bwd_dkdv_kernel(
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _idx_q = _offs_q
         _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
-        _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q)
+        _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q)
         _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
-        _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q)
-        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+        _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q)
+        _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
+        _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125
         _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
         _dS = _P * (_dP - _delta)
         _dR = _dS * 0.125
-        _acc_K += tl.dot(tl.trans(_dR).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-        _acc_V += tl.dot(tl.trans(_P).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _rb in range(_fhi, _hi):
         _row0 = _rb * _BLOCK_q
@@ -815,18 +818,18 @@ def _ring_attention_nodes_bwd_dkdv_kernel(
             _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
         if _live:
             _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
-            _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
+            _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q, mask=_ok_q[None, :], other=0.0)
             _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-            _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
-            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+            _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q, mask=_ok_q[None, :], other=0.0)
+            _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
+            _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = _qk * 0.125
             _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
             _dS = _P * (_dP - _delta)
             _dR = _dS * 0.125
-            _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
-            _acc_K += tl.dot(tl.trans(tl.where(_ok, _dR, 0.0)).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-            _acc_V += tl.dot(tl.trans(tl.where(_ok, _P, 0.0)).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+            _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
+            _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
     _ok_x = _offs_x < _size_x
     tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=_ok_x[:, None])
@@ -968,7 +971,7 @@ def _ring_attention_nodes_preprocess(Q, K, V, dO, O, dlse, _o):
     if dlse is None:
         dlse = torch.zeros(_shape("dlse", _sz), dtype=torch.float32, device=_dev)
     _check_state({"dO": dO, "O": O, "dlse": dlse}, _sz, _dev)
-    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev)
+    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     delta = torch.empty(_shape("delta", _sz), dtype=torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
@@ -993,16 +996,31 @@ def _ring_attention_nodes_backward(Q, K, V, dO, lse, delta, _o, need, positions=
     _check_device(_dev)
     _check_state({"dO": dO, "lse": lse, "delta": delta}, _sz, _dev)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
-    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev)
+    # Options not given come from the backward's own tuned config (kind "bwd"),
+    # never the forward's: these kernels hold other tiles.
+    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
     _need = _wanted(need)
     _warps = _opts["num_warps"] or (8 if _br >= 128 else 4)
     _stages = _opts["num_stages"] or 2
+    # The dK/dV kernel's tiles are [x, q], its x resident and its q streamed.  Blocks given
+    # or tuned apply as given (the tuner timed them so).  With neither, x takes the schedule's block of
+    # q and q that of x (the forward's tile transposed), and the block of q is
+    # halved while a thread would hold more than 160 float32 values (accumulators and product
+    # tiles: it would spill).  8 warps when either block is 128 or more, else 4.
+    _kv_br, _kv_bc = _br, _bc
+    _kv_default = _opts["block_q"] is None and _opts["block_x"] is None
+    if _kv_default:
+        _kv_br, _kv_bc = _BLOCKS["x"], _BLOCKS["q"]
+    _kv_warps = _opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
+    _kv_stages = _opts["num_stages"] or 2
+    while _kv_default and _kv_br > 16 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
+        _kv_br //= 2
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=torch.float32, device=_dev)
     _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=torch.float32, device=_dev)
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=torch.float32, device=_dev)
-    _grid = (triton.cdiv(_sz["x"], _bc), _sz["b"] * _sz["h"])
+    _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
         _ring_attention_nodes_bwd_dkdv_kernel[_grid](
             K, V, Q, lse, dO, delta, _grad_K, _grad_V,
@@ -1015,8 +1033,8 @@ def _ring_attention_nodes_backward(Q, K, V, dO, lse, delta, _o, need, positions=
             *_wire_strides(delta, "delta", _sz),
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos,
-            num_warps=_warps, num_stages=_stages,
+            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos,
+            num_warps=_kv_warps, num_stages=_kv_stages,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0]) and math.prod(_grid) > 0:

@@ -79,8 +79,10 @@ def shape_bucket(sizes: Mapping[str, int], wires: Sequence[str]) -> tuple[tuple[
     return _runtime()["_autotune_bucket"](sizes, tuple(wires))
 
 
-def cache_key(diagram_hash: str, device_name: str, sizes: Mapping[str, int], wires: Sequence[str]) -> str:
-    return _runtime()["_autotune_key"](diagram_hash, device_name, sizes, tuple(wires))
+def cache_key(diagram_hash: str, device_name: str, sizes: Mapping[str, int], wires: Sequence[str],
+              kind: str = "") -> str:
+    """The cache key of a launch: kind "" for the forward, "bwd" for the backward."""
+    return _runtime()["_autotune_key"](diagram_hash, device_name, sizes, tuple(wires), kind)
 
 
 def device_name(device) -> str:
@@ -217,6 +219,24 @@ def candidates(diagram: ir.Diagram, sizes: Mapping[str, int], *, capacity: Optio
                 else:
                     keep.append(c)
     return keep, pruned
+
+
+def backward_candidates(configs: Sequence[Config]) -> list[Config]:
+    """The backward's configs: the forward's, each also with its two blocks
+    exchanged.  The dK/dV kernel holds the key wire and streams the rows, so
+    a tile the forward's pruning shaped for [rows, keys] is just as likely
+    to suit it transposed (the tuned blocks apply to every backward kernel
+    as given).  Fixed order, no repeats."""
+    out: list[Config] = []
+    for c in configs:
+        swapped = [c]
+        if len(c.blocks) == 2:
+            (a, x), (b, y) = c.blocks
+            swapped.append(Config(((a, y), (b, x)), c.num_warps, c.num_stages))
+        for s in swapped:
+            if s not in out:
+                out.append(s)
+    return out
 
 
 # --------------------------------------------------------------------------

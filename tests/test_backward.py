@@ -348,3 +348,115 @@ def test_tensor_names_that_match_kernel_temporaries(names, folder):
     for o, w in zip(outs, want):
         assert (o.double() - w).abs().max().item() < 1e-4, names
     check(m, sizes, torch.float32, label=str(names), block_q=16, block_x=16)
+
+
+# --------------------------------------------------------------------------
+# The dK/dV kernel's orientation and default tile (backward_emit.py).
+# --------------------------------------------------------------------------
+
+def _kernel_source(module_text: str, name: str) -> str:
+    import re
+    found = re.search(rf"def {name}\(.*?(?=\n@triton\.jit|\ndef _\w+_preprocess)", module_text, re.S)
+    assert found, name
+    return found.group(0)
+
+
+@pytest.mark.parametrize("name", [n for n in EXAMPLES if n != "matmul"])
+def test_dkdv_kernel_computes_transposed_tiles(name):
+    """The dK/dV kernel's tiles are [x, rows]: the scores come out as
+    K @ Q^T and every gradient is tile @ operand, with no tile transposed in
+    registers; the row state loads as [1, rows].  The dQ kernel keeps the
+    forward's [rows, x]."""
+    from napkin.codegen import lower as L
+    from napkin.codegen import training
+
+    path = REPO / "examples" / f"{name}.ncd"
+    d = napkin.load(path)
+    b = training.prepare(L.lower(d)).backward
+    dkdv, dq = b.kernel("dkdv"), b.kernel("dq")
+    assert (dkdv.grid_wire, dkdv.loop_wire) == (b.col, b.row) and (dq.grid_wire, dq.loop_wire) == (b.row, b.col)
+    assert (dkdv.dots[0].lhs.tensor, dkdv.dots[0].rhs.tensor) == (b.k, b.q)
+    assert (dq.dots[0].lhs.tensor, dq.dots[0].rhs.tensor) == (b.q, b.k)
+    text = emit_module(d, source_text=path.read_text(), source_path=str(path))
+    source = _kernel_source(text, dkdv.name)
+    k, q = dkdv.dots[0].lhs.var, dkdv.dots[0].rhs.var
+    assert f"_qk = tl.dot({k}, tl.trans({q})" in source or f"_qk = tl.dot({k}.to(" in source
+    accumulations = [line.strip() for line in source.splitlines() if "+= tl.dot(" in line]
+    assert len(accumulations) >= len(dkdv.grads) == 2
+    assert not any("tl.trans(" in line for line in accumulations), accumulations
+    assert f"_ok = _ok_{b.col}[:, None] & _gok_{b.row}[None, :]" in source
+    for ld in dkdv.loads:
+        if ld.wires and b.row in ld.wires and b.col not in ld.wires and ld.cols not in b.dims:
+            assert (ld.rows, ld.cols) == (None, b.row), ld       # row state: [1, rows]
+    dq_source = _kernel_source(text, dq.name)
+    assert f"_qk = tl.dot({dq.dots[0].lhs.var}, tl.trans(" in dq_source
+
+
+class _Launches:
+    """Stands in for a Triton kernel: records each launch's grid and options."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, kw))
+
+
+def _backward_launches(m, name, sizes, monkeypatch, **options):
+    dkdv, dq = _Launches(), _Launches()
+    monkeypatch.setattr(m, f"_{name}_bwd_dkdv_kernel", dkdv)
+    monkeypatch.setattr(m, f"_{name}_bwd_dq_kernel", dq)
+    inputs = m.example_inputs(sizes, dtype=torch.float16)
+    q = inputs[0]
+    do, lse, delta = torch.randn_like(q), torch.zeros(q.shape[:-1]), torch.zeros(q.shape[:-1])
+    getattr(m, f"{name}_backward")(*inputs, do, lse, delta, **options)
+    [(_, kv)], [(_, qq)] = dkdv.calls, dq.calls
+    pick = ("_BLOCK_q", "_BLOCK_x", "num_warps", "num_stages")
+    return tuple(kv[p] for p in pick), tuple(qq[p] for p in pick)
+
+
+def test_dkdv_default_tile_is_the_forward_tile_transposed(folder, monkeypatch):
+    """No block given: dK/dV's keys take the schedule's row block (128) and
+    its rows the streamed block (64), halved while a thread would hold more
+    than HELD_FP32 float32 values (head dim 128: 32 rows); 8 warps when
+    either block is 128 or more.  Blocks given apply to every kernel as
+    given.  dQ keeps the forward's blocks and warps."""
+    from napkin.codegen.backward_emit import HELD_FP32
+
+    assert HELD_FP32 == 160
+    causal = example("causal", folder)
+    sizes = {"b": 1, "h": 2, "q": 40, "x": 50}
+    kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch)
+    assert kv == (64, 128, 8, 2) and dq == (128, 64, 8, 2)
+    kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch, num_warps=4, num_stages=3)
+    assert kv == (16, 128, 4, 3) and dq == (128, 64, 4, 3)      # 4 warps hold 128 x (64 + 64 + 2 * 16)
+    kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch, block_q=16, block_x=32)
+    assert kv == dq == (16, 32, 4, 2)
+    kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch, block_x=32)
+    assert kv == dq == (128, 32, 8, 2)
+    kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch, block_q=64, block_x=128)
+    assert kv == (64, 128, 8, 2) and dq == (64, 128, 4, 2)       # dK/dV: 8 warps when either block is 128
+    gqa = example("gqa", folder)    # head dim 128
+    kv, dq = _backward_launches(gqa, "gqa", {"b": 1, "hk": 1, "g": 2, "q": 40, "x": 50}, monkeypatch)
+    assert kv == (32, 128, 8, 2) and dq == (128, 64, 8, 2)
+
+
+@pytest.mark.parametrize("name, blocks", [("alibi", (16, 32)), ("document_mask", (16, 32)),
+                                          ("gqa", (32, 16)), ("sliding_window", (32, 16))])
+def test_dkdv_gradients_with_non_square_blocks(name, blocks, folder):
+    """Masked diagrams with side inputs, document ids and a GQA group sum,
+    ragged sizes, rectangular blocks both ways: the [x, rows] tiles' masks,
+    row state and bounds against float64 autograd."""
+    m = example(name, folder)
+    bq, bx = blocks
+    check(m, sizes_for(name, 45, 70), torch.float32, label=f"{name} {blocks}", block_q=bq, block_x=bx)
+
+
+def test_dkdv_default_tile_gradients(folder):
+    """The launch with no options (dK/dV at 128 keys by 64 rows, dQ at the
+    forward's 128 by 64), a ragged size, against float64 autograd."""
+    m = example("causal", folder)
+    inputs = m.example_inputs({"b": 1, "h": 1, "q": 70, "x": 150}, dtype=torch.float32, seed=2)
+    got = gradients(m.causal, inputs)
+    exact = gradients(m.reference, [t.double() for t in inputs])
+    assert_accurate(got, exact, gradients(m.reference, inputs), "causal, default blocks")

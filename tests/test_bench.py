@@ -315,6 +315,39 @@ def test_candidates_are_pruned_by_shared_memory_capacity():
     assert autotune.candidates(d, sizes) == autotune.candidates(d, sizes)   # deterministic
 
 
+def test_backward_candidates_add_each_tile_transposed():
+    d = napkin.load(EXAMPLES / "attention.ncd")
+    fwd, _ = autotune.candidates(d, _sizes(16384), capacity=1 << 30)
+    bwd = autotune.backward_candidates(fwd)
+    assert bwd[:2] == [fwd[0], autotune.Config((("q", 64), ("x", 128)), fwd[0].num_warps, fwd[0].num_stages)]
+    assert set(fwd) <= set(bwd) and len(bwd) == len(set(bwd))
+    assert {dict(c.blocks)["x"] for c in bwd} >= {dict(c.blocks)["q"] for c in fwd}
+    square = autotune.Config((("q", 64), ("x", 64)), 4, 2)
+    assert autotune.backward_candidates([square]) == [square]
+
+
+def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path):
+    """harness.backward_call: one forward graph per option set, gradients of
+    Q, K, V only (the attention operands), under the options asked for."""
+    import inspect
+
+    import torch
+
+    d = napkin.load(EXAMPLES / "alibi.ncd")
+    module, _ = harness._compile(d, (EXAMPLES / "alibi.ncd").read_text(), str(EXAMPLES / "alibi.ncd"), tmp_path)
+    launcher = getattr(module, d.name)
+    sizes = {"b": 1, "h": 2, "q": 37, "x": 37}
+    inputs = [t.float() if t.is_floating_point() else t for t in reference.example_inputs(d, sizes, seed=3)]
+    call = harness.backward_call(d, launcher, inputs, sizes, set(inspect.signature(launcher).parameters))
+    small = call(block_q=16, block_x=32, num_warps=4, num_stages=2, not_an_option=1)
+    again = call(block_q=16, block_x=32, num_warps=4, num_stages=2)
+    other = call(block_q=32, block_x=16, num_warps=4, num_stages=2)
+    assert len(small) == 3                       # Q, K, V: the slope gets no gradient here
+    for a, b, c in zip(small, again, other):
+        assert torch.equal(a, b)                 # the same graph and upstream gradient
+        assert a.shape == c.shape and torch.isfinite(a).all()
+
+
 # --------------------------------------------------------------------------
 # Results files.
 # --------------------------------------------------------------------------

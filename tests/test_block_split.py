@@ -272,9 +272,10 @@ def _emit(name: str) -> str:
 def test_causal_source_has_an_unmasked_loop_then_the_diagonal():
     source = _emit("causal")
     mask = "tl.where(_idx_x[None, :] <= _idx_q[:, None]"
-    for kernel, full, partial in [("_causal_kernel", ("_lo", "_fhi"), ("_fhi", "_hi")),
-                                  ("_causal_bwd_dq_kernel", ("_lo", "_fhi"), ("_fhi", "_hi")),
-                                  ("_causal_bwd_dkdv_kernel", ("_flo", "_fhi"), ("_lo", "_flo"))]:
+    transposed = "tl.where(_idx_x[:, None] <= _idx_q[None, :]"  # dK/dV's tiles are [x, q]
+    for kernel, full, partial, mask in [("_causal_kernel", ("_lo", "_fhi"), ("_fhi", "_hi"), mask),
+                                        ("_causal_bwd_dq_kernel", ("_lo", "_fhi"), ("_fhi", "_hi"), mask),
+                                        ("_causal_bwd_dkdv_kernel", ("_flo", "_fhi"), ("_lo", "_flo"), transposed)]:
         loops = _kernel_loops(source, kernel)
         # no mask, no bounds: no where() on an index or a bounds mask, no masked load
         assert not re.search(r"tl\.where\(\(?_(idx|ok)", loops[full]) and "_ok" not in loops[full], kernel

@@ -247,6 +247,39 @@ def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp
         m.attention(*_qkv(), block_q=16, block_x=8)  # explicit options win over the cache
 
 
+def test_the_backward_reads_its_own_tuned_config_not_the_forwards(modules, monkeypatch, tmp_path):
+    """The backward's kernels hold other tiles than the forward's, so each
+    pass has its own cache entry (kind "bwd"): an invalid block cached for
+    one pass stops that pass and no other."""
+    import json
+
+    from napkin import autotune
+
+    m = modules["attention"]
+    sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
+    wires = ("b", "h", "q", "x")
+    fwd, bwd = (autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, wires, kind) for kind in ("", "bwd"))
+    assert bwd == fwd + "|bwd"
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+
+    def cache(entries):
+        (tmp_path / "autotune.json").write_text(json.dumps({"schema": autotune.SCHEMA, "entries": entries}))
+
+    good = {"block_q": 16, "block_x": 16, "num_warps": 4, "num_stages": 2}
+    cache({fwd: {"config": good}, bwd: {"config": dict(good, block_x=40)}})
+    q, k, v = (t.float().requires_grad_() for t in _qkv())
+    o, lse = m.attention(q, k, v)                       # the forward's entry is fine
+    with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 40"):
+        (o.sum() + lse.sum()).backward()
+    cache({fwd: {"config": dict(good, block_x=40)}, bwd: {"config": good}})
+    with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 40"):
+        m.attention(q, k, v)
+    with torch.no_grad():
+        o, lse = m.attention(q, k, v, block_x=16)
+    grads = m.attention_backward(q, k, v, torch.randn_like(o), lse, torch.zeros_like(lse))
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
 def test_cpu_tensors_need_the_interpreter(modules, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="Q is on the CPU.*TRITON_INTERPRET=1"):

@@ -370,7 +370,9 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     flops = results.attention_flops(shape, shape["causal"])
     launcher = getattr(module, d.name)
     config, source = _choose_config(ctx, sizes, launcher)
-    impls = [baselines.Baseline("napkin", True, "the generated Triton kernel", _napkin_prepare(launcher, config))]
+    bwd_config, bwd_source = (None, "not run") if ctx["args"].no_backward else \
+        _choose_config(ctx, sizes, launcher, kind="bwd")
+    impls = [baselines.Baseline("napkin", True, "the generated Triton kernel", _napkin_prepare(launcher))]
     if ctx["flex"] is not None:
         impls.append(baselines.flex_baseline(ctx["flex"], compiled=device == "cuda"))
     impls += baselines.sdpa_baselines(ctx["flex"], shape, device)
@@ -396,50 +398,88 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         "sizes": sizes, "shape": {k: shape[k] for k in ("batch", "heads", "kv_heads", "q_len", "kv_len",
                                                          "dim", "value_dim")},
         "causal": shape["causal"], "flops": flops, "config": config, "config_source": source,
+        "bwd_config": bwd_config, "bwd_config_source": bwd_source,
         "check": check, "results": out, "ratios": results.ratios(out),
     }
 
 
-def _napkin_prepare(launcher, config: Optional[dict]):
-    options = dict(config or {})
-
+def _napkin_prepare(launcher):
+    """The napkin row's call.  A tuned config is not passed: the launcher
+    reads the cache itself (_choose_config checked it finds the same entry),
+    the forward its own config and the backward, through autograd, the
+    backward's; options passed here would bind both passes to the forward's."""
     def prepare(inputs, shape, device, grad=False):
         def go():
-            got = launcher(*inputs, **options)
+            got = launcher(*inputs)
             return got if isinstance(got, tuple) else (got,)
         return go
 
     return prepare
 
 
-def _choose_config(ctx: dict, sizes: dict, launcher) -> tuple[Optional[dict], str]:
-    """(launcher options, where they came from).  Only options the launcher
-    takes are kept (a config tuned for another module version may carry more)."""
+def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Optional[dict], str]:
+    """(launcher options, where they came from) for the forward (kind "") or
+    the backward (kind "bwd"), each tuned and cached on its own: the
+    backward's kernels hold other tiles than the forward's.  Only options
+    the launcher takes are kept (a config tuned for another module version
+    may carry more)."""
     import torch
 
     d, device = ctx["diagram"], ctx["device"]
     accepted = set(inspect.signature(launcher).parameters)
     if device != "cuda":
         return None, "schedule (CPU smoke run: no tuning)"
-    key = autotune.cache_key(ctx["digest"], autotune.device_name(device), sizes, autotune.symbolic_wires(d))
+    key = autotune.cache_key(ctx["digest"], autotune.device_name(device), sizes, autotune.symbolic_wires(d), kind)
     cache = autotune.Cache()
     if ctx["args"].autotune:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         capacity = getattr(props, "shared_memory_per_block_optin", None)
         configs, _ = autotune.candidates(d, sizes, capacity=capacity)
+        configs = autotune.backward_candidates(configs) if kind else configs
         inputs = reference.example_inputs(d, sizes, device=device, seed=0)
-
-        def call(**options):
-            return launcher(*inputs, **{k: v for k, v in options.items() if k in accepted})
-
-        tuned = autotune.autotune(call, configs, _cuda_ms, cache=cache, key=key, diagram=d.name, sizes=sizes)
+        call = backward_call(d, launcher, inputs, sizes, accepted) if kind else \
+            (lambda **options: launcher(*inputs, **{k: v for k, v in options.items() if k in accepted}))
+        tuned = autotune.autotune(call, configs, _cuda_ms, cache=cache, key=key, diagram=d.name, sizes=sizes,
+                                  **({"pass": kind} if kind else {}))
         config, source = tuned.best.kwargs(), ("cache" if tuned.cached else "autotune")
     else:
         hit = cache.get(key)
         if hit is None:
             return None, "schedule"
         config, source = hit.kwargs(), "cache"
-    return {k: v for k, v in config.items() if k in accepted}, source
+    config = {k: v for k, v in config.items() if k in accepted}
+    seen = ctx["module"]._autotune_lookup(sizes, device, kind)
+    if seen is None or {k: v for k, v in seen.items() if k in accepted} != config:
+        raise NapkinError(f"the launcher of {d.name} would not read the config tuned for it ({key}): it finds "
+                          f"{seen}; is NAPKIN_CACHE the same for both?")
+    return config, source
+
+
+def backward_call(d: ir.Diagram, launcher, inputs, sizes, accepted):
+    """A function of launcher options that runs the backward: the gradient
+    of the first output with respect to the attention operands (Q, K, V).
+    The forward graph is built on the first call with new options (the
+    timer's warm-up) and kept for the timed calls; one graph at a time, as
+    at 16K tokens two may not fit."""
+    import torch
+
+    operands = set(flex.attention_shape(d, sizes)["operands"])
+    graph: dict = {}
+
+    def call(**options):
+        opts = {k: v for k, v in options.items() if k in accepted}
+        key = tuple(sorted(opts.items()))
+        if graph.get("key") != key:
+            graph.clear()
+            leaves = [t.detach().clone().requires_grad_(t.is_floating_point() and x.name in operands)
+                      for x, t in zip(d.inputs, inputs)]
+            outs = launcher(*leaves, **opts)
+            out = (outs if isinstance(outs, tuple) else (outs,))[0]
+            graph.update(key=key, out=out, leaves=[t for t in leaves if t.requires_grad],
+                         upstream=torch.randn_like(out))
+        return torch.autograd.grad(graph["out"], graph["leaves"], graph["upstream"], retain_graph=True)
+
+    return call
 
 
 # --------------------------------------------------------------------------

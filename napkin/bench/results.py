@@ -13,7 +13,9 @@ Schema ``napkin-bench/1``::
     rows: [{diagram, file, source_hash, dtype, sizes {wire: n},
             shape {batch, heads, kv_heads, q_len, kv_len, dim, value_dim},
             causal, flops {fwd, bwd}, config {launcher option: value} | null,
-            config_source, check {sizes, tolerance, ok, errors {impl: {output: err}}},
+            config_source, bwd_config (the backward's own, as config) | null,
+            bwd_config_source (optional: rows written before it have neither),
+            check {sizes, tolerance, ok, errors {impl: {output: err}}},
             results: [{impl, pass, ms, tflops, equivalent, note, error}],
             ratios {pass: {baseline: napkin speed / baseline speed}}}]
 """

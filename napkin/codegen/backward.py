@@ -8,7 +8,8 @@ score tile from Q, K and the saved row state instead of storing it.
 * DKDV: one program per (block of the streamed wire x, index of each batch
   wire K and V have); loops over the batch wires they lack (the g query
   heads of a GQA group) and over exactly the row blocks whose forward loop
-  visits this block (masks.row_block_range), accumulating dK and dV.
+  visits this block (masks.row_block_range), accumulating dK and dV.  Its
+  tiles are transposed, [x, rows] (see ``Kernel``).
 * DQ: one program per (block of rows, batch index); loops over the x blocks
   the forward visits (the forward's own bounds), accumulating dQ and the
   per-program partial gradients of side inputs (an ALiBi slope, a bias),
@@ -46,7 +47,9 @@ def refuse(what: str, why: str, loc: ir.Loc = ir.NOLOC) -> NapkinError:
 
 @dataclass(frozen=True)
 class Dot:
-    """var = lhs @ rhs^T over a feature wire: lhs along the rows, rhs along x."""
+    """var = lhs @ rhs^T over a feature wire: lhs along the tile's rows (the
+    kernel's resident wire), rhs along its columns (the loop's wire): Q @ K^T
+    in the dQ kernel, K @ Q^T in the dK/dV kernel."""
 
     var: str
     lhs: Load
@@ -55,9 +58,10 @@ class Dot:
 
 @dataclass(frozen=True)
 class Grad:
-    """An input gradient accumulated over the loop: ``tile @ operand`` in the
-    dQ kernel, ``tile^T @ operand`` in the dK/dV kernel; stored to ``buffer``
-    (float32, the input's layout) along (rows, cols)."""
+    """An input gradient accumulated over the loop: ``tile @ operand`` (the
+    tile's rows are the kernel's resident wire, its columns the loop's, which
+    the product contracts); stored to ``buffer`` (float32, the input's layout)
+    along (rows, cols)."""
 
     tensor: str
     buffer: str
@@ -98,6 +102,13 @@ class Store:
 
 @dataclass(frozen=True)
 class Kernel:
+    """One backward kernel.  The tiles of a loop kernel are oriented
+    [grid_wire, loop_wire]: [rows, x] in dQ (as the forward's), [x, rows] in
+    dK/dV, so that each gradient is ``tile @ operand`` with the tile as it
+    comes out of the score product: FlashAttention-2's S^T = K Q^T.  A tile
+    transposed in registers to feed the product (dK += dS^T Q) costs
+    registers and shared memory, enough to make the kernel spill on Hopper."""
+
     role: str                           # "rows", "dkdv" or "dq"
     name: str
     grid_wire: str                      # blocked on grid axis 0
@@ -338,20 +349,23 @@ class _Builder:
         order.reverse()
         loads = _Loads(self.bd, "pre", self.taken())
 
+        tile_axes = (grid_wire, loop_wire)  # the tiles' [rows, cols]
+
         def load(ref: ir.TensorRef) -> Load:
             ws = self._read(ref)
-            return self._load(loads, ref, "step" if loop_wire in ws or set(outer) & set(ws) else "pre")
+            return self._load(loads, ref, "step" if loop_wire in ws or set(outer) & set(ws) else "pre", tile_axes)
 
         subst, dots, lines = {}, [], []
         if "R" in need:
-            dots.append(Dot("_qk", load(ir.TensorRef(self.q)), load(ir.TensorRef(self.k))))
+            q, k = load(ir.TensorRef(self.q)), load(ir.TensorRef(self.k))
+            dots.append(Dot("_qk", *((q, k) if grid_wire == self.row else (k, q))))
             subst[ir.TensorRef("R")] = "_qk"
         for name in order:
             e = tile[name]
             for node in nodes(e):
                 if isinstance(node, ir.Reduce) and node not in subst:
                     var = f"_{name}" if node == e else f"_dot{len(dots) - 1}"
-                    dots.append(self.dot(node, var, load))
+                    dots.append(self.dot(node, var, load, grid_wire == self.col))
                     subst[node] = var
                 elif isinstance(node, ir.TensorRef) and node not in subst and node.name not in self.tile_names:
                     subst[node] = load(node).var
@@ -370,7 +384,9 @@ class _Builder:
         return Kernel(role, f"_{self.d.name}_bwd_{role}_kernel", grid_wire, loop_wire, batch, outer, ordered,
                       tuple(lines), tuple(dots), (), tuple(grads), tuple(sides), (), tuple(subst.items()))
 
-    def dot(self, node: ir.Reduce, var: str, load) -> Dot:
+    def dot(self, node: ir.Reduce, var: str, load, transposed: bool) -> Dot:
+        """sum[f](X * Y) of a row tile X and a key tile Y: X @ Y^T, or Y @ X^T
+        in a ``transposed`` kernel (tiles [x, rows])."""
         body = node.body
         ok = (node.op == "sum" and len(node.wires) == 1 and isinstance(body, ir.Binary) and body.op == "*"
               and all(isinstance(x, ir.TensorRef) for x in (body.lhs, body.rhs)))
@@ -382,7 +398,8 @@ class _Builder:
         if not ok:
             raise refuse(expr_text(node), "a backward contraction must be sum[f](X * Y) of a row tile and a "
                          "key tile")
-        return Dot(var, load(a), load(b))
+        a, b = load(a), load(b)
+        return Dot(var, b, a) if transposed else Dot(var, a, b)
 
     # ---- loads ----
     def _read(self, ref: ir.TensorRef) -> tuple[str, ...]:
@@ -390,15 +407,23 @@ class _Builder:
             return self.rule.layout(ref.name)
         return ref.wires if ref.wires is not None else ir.axis_wires(self.bd.tensor(ref.name).axes)
 
-    def _load(self, loads: _Loads, ref: ir.TensorRef, phase: str) -> Load:
-        """A tile of ``ref``: (rows, cols) from the wires it carries: a row
-        tile [row, col or feature], a key tile [col, feature] or [1, col]."""
+    def _load(self, loads: _Loads, ref: ir.TensorRef, phase: str, tile=None) -> Load:
+        """A tile of ``ref``: (rows, cols) from the wires it carries, in the
+        kernel's orientation ``tile`` (its [rows, cols] wires; default [row,
+        col]): a [row, col] tensor as the tile, a product's operand [row or
+        col, feature], a vector along row or col on the tile's axis of that
+        wire ([row, 1] or [1, row]; [col, 1] or [1, col])."""
         ws = self._read(ref)
+        row, col = self.row, self.col
+        tile = tile or (row, col)
         feats = [w for w in ws if w in (self.fq, self.fv)]
-        if self.row in ws:
-            rows, cols = self.row, (self.col if self.col in ws else feats[0] if feats else None)
-        elif self.col in ws:
-            rows, cols = (self.col, feats[0]) if feats else (None, self.col)
+        if row in ws and col in ws:
+            rows, cols = tile
+        elif (row in ws or col in ws) and feats:
+            rows, cols = (row if row in ws else col), feats[0]
+        elif row in ws or col in ws:
+            w = row if row in ws else col
+            rows, cols = (w, None) if tile[0] == w else (None, w)
         else:
             rows, cols = None, None
         if autodiff.is_placeholder(ref.name):

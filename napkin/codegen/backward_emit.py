@@ -5,14 +5,22 @@ offsets, pre-loop loads, the loop nest, stores) around generated code: the
 rule's tile expressions rendered by exprs.py exactly as the forward's are,
 the tl.dot contractions, the gradient accumulations and the loop bounds.
 
-Tiles are oriented [rows, cols] = [row wire, streamed wire] in every kernel,
-so one rendering context serves all of them (q -> ``_offs_q[:, None]``,
-x -> ``_offs_x[None, :]``); the dK/dV kernel contracts over the rows with
-``tl.trans``.  Outside the ragged edges a tile factor is zeroed before it
-enters a product, so padded rows and keys add nothing (not even a NaN from
-exp of a padded score against a real row's lse).  Every product is taken in
-the kernel dtype (the first input's: fp16 / bf16 inputs give 16-bit tensor
-core dots, as the forward's) and accumulated in float32.
+A loop kernel's tiles are oriented [resident wire, loop wire] (backward.Kernel):
+[rows, x] in the dQ kernel, as the forward's (q -> ``_offs_q[:, None]``,
+x -> ``_offs_x[None, :]``), and [x, rows] in the dK/dV kernel, which
+computes the transposed scores S^T = K Q^T as FlashAttention-2 does (x ->
+``_offs_x[:, None]``, q -> ``_offs_q[None, :]``; the row state, lse and
+delta, loads as [1, rows]).  Either way every gradient is
+``tile @ operand``, a product over the loop's wire with the tile as the
+score product leaves it: transposing an accumulated tile to feed the
+product (dK += dS^T Q in the [rows, x] orientation) costs registers and
+shared memory, and made the dK/dV kernel spill on Hopper.  One rendering,
+parameterised by the orientation (``_tile``), serves both.  Outside the
+ragged edges a tile factor is zeroed before it enters a product, so padded
+rows and keys add nothing (not even a NaN from exp of a padded score
+against a real row's lse).  Every product is taken in the kernel dtype (the
+first input's: fp16 / bf16 inputs give 16-bit tensor core dots, as the
+forward's) and accumulated in float32.
 
 The loops split as the forward's (emit.segments): full blocks, whose every
 row and key is real and whose mask holds on the whole tile, run the step
@@ -24,8 +32,55 @@ from __future__ import annotations
 from .. import ir
 from . import bounds as B
 from . import emit as E
+from . import lower as L
 from .backward import BackwardPlan, Kernel
 from .exprs import triton
+
+
+# The dK/dV kernel's default tile (templates/training.py.jinja): keys take the
+# schedule's row block, rows its streamed block, halved (down to 16) while a
+# thread would hold more than this many float32 values in the kernel's
+# accumulators ([x, feature]: dK, dV) and its product tiles ([x, q]: the
+# scores, dP).  Set by compiling for sm_90 (napkin.bench.aot, bf16, 8 warps,
+# 128 keys): head dim 128 with 64 rows (192 a thread) spilled in every
+# bundled example, with 32 rows (160) in none; head dim 64 with 64 rows (128)
+# in none.
+HELD_FP32 = 160
+
+
+class _BackwardNames(E._Names):
+    """emit._Names for the backward kernels, where the row wire may lie on
+    either axis of a tile: an integer input read along the rows at global
+    positions is masked by ``_gok_<row>`` (real and inside the global
+    length) on whichever axis it lies; along x by ``_ok_x``, which the
+    kernels set that way."""
+
+    def __init__(self, d: ir.Diagram, dims, positional, row: str):
+        super().__init__(d, dims, positional)
+        self.row = row
+
+    def mask(self, rows, cols, glob: bool = False, inside=()) -> list[str]:
+        parts = []
+        for w, axis in ((rows, "[:, None]"), (cols, "[None, :]")):
+            if w is None or w in inside:
+                continue
+            if glob and w == self.row and w in self.positional:
+                parts.append(f"_gok_{w}{axis}")  # also inside the global length
+            elif not self.exact(w):
+                parts.append(f"_ok_{w}{axis}")
+        return parts
+
+
+def _tile(k: Kernel) -> tuple[str, str]:
+    """A loop kernel's tile orientation, its [rows, cols] wires: the resident
+    (grid) wire, then the loop's."""
+    return k.grid_wire, k.loop_wire
+
+
+def _real(plan: BackwardPlan, w: str) -> str:
+    """The mask of w's real indices: padded rows of q are dropped by _gok_q,
+    padded keys by _ok_x (both set in _globals)."""
+    return f"_gok_{w}" if w == plan.row else f"_ok_{w}"
 
 
 def _dt(plan: BackwardPlan, *tensors: str) -> str:
@@ -105,7 +160,7 @@ def _dims(names: E._Names, dims) -> list[str]:
 def _ctx(plan: BackwardPlan, names: E._Names, k: Kernel, skip: str = "", full: bool = False):
     subst = {n: v for n, v in k.subst if v != skip}
     known = E.known(plan.forward) if full else frozenset()
-    return names.ctx(plan.row, plan.col, subst, E._kinds(plan.diagram), known)
+    return names.ctx(*_tile(k), subst, E._kinds(plan.diagram), known)
 
 
 def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = False) -> list[str]:
@@ -113,28 +168,34 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
     ``full``: a full block's step, the same text with the mask taken as true
     and no bounds masks (_ok): every row and key of its tile is real."""
     lines = []
+    d = plan.diagram
     for dot in k.dots:
         dt = _dt(plan, dot.lhs.tensor, dot.rhs.tensor)
         lhs, rhs = dot.lhs.var, dot.rhs.var
-        if dot.var == "_qk":
-            rhs = rhs if plan.diagram.tensor(dot.rhs.tensor).dtype == plan.diagram.tensor(dot.lhs.tensor).dtype \
-                else f"{rhs}.to({lhs}.dtype)"
+        if dot.var == "_qk":  # the scores, in Q's dtype as the forward's (K converted to it)
+            if d.tensor(dot.lhs.tensor).dtype != d.tensor(dot.rhs.tensor).dtype:
+                if dot.lhs.tensor == plan.q:
+                    rhs = f"{rhs}.to({lhs}.dtype)"
+                else:
+                    lhs = f"{lhs}.to({rhs}.dtype)"
             lines.append(f"{dot.var} = {_dot(lhs, f'tl.trans({rhs})', plan)}")
         else:
             lines.append(f"{dot.var} = {_dot(f'{lhs}.to({dt})', f'tl.trans({rhs}.to({dt}))', plan)}")
     for var, e in k.lines:
         lines.append(f"{var} = {triton(e, _ctx(plan, names, k, skip=var, full=full))}")
+    rows, cols = _tile(k)
     if not full:
-        lines.append(f"_ok = _gok_{plan.row}[:, None] & _ok_{plan.col}[None, :]  # padded rows and keys add nothing")
+        lines.append(f"_ok = {_real(plan, rows)}[:, None] & {_real(plan, cols)}[None, :]"
+                     "  # padded rows and keys add nothing")
 
     def kept(value: str) -> str:
         return value if full else f"tl.where(_ok, {value}, 0.0)"
 
-    for g in k.grads:
+    for g in k.grads:  # [resident, loop] @ [loop, feature]: the tile as it is, no transpose
         dt = _dt(plan, g.operand.tensor)
-        tile = kept(g.tile)
-        a = f"{tile}.to({dt})" if k.role == "dq" else f"tl.trans({tile}).to({dt})"
-        lines.append(f"{g.var} += {_dot(a, f'{g.operand.var}.to({dt})', plan)}")
+        lines.append(f"{g.var} += {_dot(f'{kept(g.tile)}.to({dt})', f'{g.operand.var}.to({dt})', plan)}")
+    # side gradients: the dQ kernel's alone, whose tiles are [rows, x]
+    assert not k.sides or (rows, cols) == (plan.row, plan.col)
     for s in k.sides:
         code = triton(s.expr, _ctx(plan, names, k, full=full))
         value = kept(code)
@@ -301,7 +362,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     d = plan.diagram
     row, col = plan.row, plan.col
     # the rows kernel is elementwise in the rows' own state: no positions
-    names = E._Names(d, plan.dims, () if k.role == "rows" else (row, col))
+    names = _BackwardNames(d, plan.dims, () if k.role == "rows" else (row, col), row)
     dims = [w for w in plan.dims if any(w in (ld.cols, ld.rows) for ld in k.loads)
             or any(w == g.cols for g in k.grads) or any(w == st.cols for st in k.stores)]
     blocks = [names.block(row)] + ([names.block(col)] if k.role != "rows" else []) \
@@ -393,8 +454,14 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
                 value = f"_part_acc_{s.tensor}" if s.has_row else f"tl.sum(tl.sum(_part_acc_{s.tensor}, 1), 0)"
                 after += [f"if _NEED_{s.tensor}:",
                           f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s)})"]
+    held = ""
+    if k.role == "dkdv":  # what one program holds in float32: see HELD_FP32
+        width = " + ".join(str(L._dim_block(d, g.cols)) if g.cols in names.fixed else f'_dim_block(_sz["{g.cols}"])'
+                           for g in k.grads)
+        held = f"_kv_bc * ({width} + {len(k.dots)} * _kv_br)"
     return {
         "name": k.name, "role": k.role, "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
+        "held": held, "held_budget": HELD_FP32,
         "decode": E._decode(names, k.batch), "head": "\n".join(head),
         "pre_loads": pre, "init": "\n".join(init), "bounds": bounds, "body": "\n".join(body),
         "after": "\n".join(after), "grid_wire": k.grid_wire, "loop_wire": k.loop_wire,
@@ -410,7 +477,8 @@ def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
     strides = []
     for t in tensors:
         strides.append(f"*{t}.stride()" if t.startswith("_part_") else f'*_wire_strides({t}, "{t}", _sz)')
-    blocks = [f"{names.block(plan.row)}=_br"] + ([f"{names.block(plan.col)}=_bc"] if k.role != "rows" else [])
+    br, bc = ("_kv_br", "_kv_bc") if k.role == "dkdv" else ("_br", "_bc")  # dK/dV's own defaults (the template)
+    blocks = [f"{names.block(plan.row)}={br}"] + ([f"{names.block(plan.col)}={bc}"] if k.role != "rows" else [])
     blocks += E._wire_block_args(names, dims)
     blocks += [f"_NEED_{s.tensor}=_need[{plan.grads.index(s.tensor)}]" for s in k.sides]
     if k.role != "rows":

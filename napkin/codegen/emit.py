@@ -500,6 +500,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col), "red": _wire_ctx(names, red),
         "pre_loads": [_load(d, names, ld) for ld in plan.loads],
         "step_loads": [_load(d, names, ld) for ld in (plan.lhs, plan.rhs)],
+        "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
         "step": step, "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]),
         "options": opts,
