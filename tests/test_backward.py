@@ -439,6 +439,14 @@ def test_dkdv_default_tile_is_the_forward_tile_transposed(folder, monkeypatch):
     gqa = example("gqa", folder)    # head dim 128
     kv, dq = _backward_launches(gqa, "gqa", {"b": 1, "hk": 1, "g": 2, "q": 40, "x": 50}, monkeypatch)
     assert kv == (32, 128, 8, 2) and dq == (128, 64, 8, 2)
+    # the cost pass evaluates the same rule (backward_emit.dkdv_default_tile)
+    from napkin.codegen import lower, training
+    from napkin.codegen.backward_emit import dkdv_default_tile
+
+    for stem, sizes, tile in (("causal", sizes, (64, 128, 8)), ("gqa", {"q": 40, "x": 50}, (32, 128, 8))):
+        plan = training.prepare(lower.lower(napkin.load(REPO / "examples" / f"{stem}.ncd"))).backward
+        assert dkdv_default_tile(plan, sizes) == tile
+        assert dkdv_default_tile(plan, sizes, num_warps=4)[0] < tile[0]
 
 
 @pytest.mark.parametrize("name, blocks", [("alibi", (16, 32)), ("document_mask", (16, 32)),

@@ -272,7 +272,7 @@ def test_backward_counted_bytes_equal_predicted_bytes(compiled, path, case):
     blocks = dict(zip(searchable(d), block_list))
     inputs = module.example_inputs(sizes, dtype=torch.float16)
     options = tuple(blocks.get(o[len("block_"):]) if o.startswith("block_") else None for o in module._OPTIONS)
-    predicted = backward_cost(with_blocks(d, blocks), sizes)
+    predicted = backward_cost(with_blocks(d, blocks), sizes, given=True)
     forward = getattr(module, f"_{d.name}_forward")
     with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
         outs, saved = forward(*inputs, *options, True)
@@ -284,6 +284,25 @@ def test_backward_counted_bytes_equal_predicted_bytes(compiled, path, case):
     with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
         getattr(module, f"_{d.name}_grads")(inputs, (*outs, *saved), grads, options, None)
     assert bc.launches == len(predicted.kernels)
+    assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
+
+
+@pytest.mark.parametrize("stem", ["causal", "gqa", "sliding_window", "alibi"])
+def test_backward_bytes_of_the_launch_with_no_options(compiled, stem):
+    """No block given: the dK/dV kernel runs its own default tile (the
+    forward's transposed, rows halved to fit the registers), which the cost
+    pass evaluates with the launcher's rule (dkdv_default_tile)."""
+    module = compiled[stem]
+    d = single_device(napkin.load(REPO / "examples" / f"{stem}.ncd"))
+    sizes = case_sizes(d, 150, 333)
+    inputs = module.example_inputs(sizes, dtype=torch.float16)
+    none = (None,) * len(module._OPTIONS)
+    predicted = backward_cost(d, sizes)
+    assert predicted.by_tensor("load") != backward_cost(d, sizes, given=True).by_tensor("load")
+    outs, saved = getattr(module, f"_{d.name}_forward")(*inputs, *none, True)
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
+    with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+        getattr(module, f"_{d.name}_grads")(inputs, (*outs, *saved), grads, none, None)
     assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
 
 

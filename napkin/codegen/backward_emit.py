@@ -48,6 +48,22 @@ from .exprs import triton
 HELD_FP32 = 160
 
 
+def dkdv_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, int, int]:
+    """(row block, key block, warps) the launcher gives the dK/dV kernel when
+    no block is given or tuned, at ``sizes`` (every symbolic wire bound): the
+    rule templates/training.py.jinja runs, evaluated here for the cost pass
+    (a test holds the two to the same launches)."""
+    k = plan.kernel("dkdv")
+    blocks = dict(plan.forward.blocks)
+    br, bc = blocks[plan.col], blocks[plan.row]
+    warps = num_warps or (8 if max(br, bc) >= 128 else 4)
+    widths = sum(L._dim_block(plan.diagram, g.cols) or max(16, 1 << max(sizes[g.cols] - 1, 0).bit_length())
+                 for g in k.grads)
+    while br > 16 and bc * (widths + len(k.dots) * br) > HELD_FP32 * 32 * warps:
+        br //= 2
+    return br, bc, warps
+
+
 class _BackwardNames(E._Names):
     """emit._Names for the backward kernels, where the row wire may lie on
     either axis of a tile: an integer input read along the rows at global

@@ -35,6 +35,7 @@ sums of a general normaliser) when the diagram does not output it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -100,10 +101,14 @@ class BackwardCost:
         return out
 
 
-def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None) -> BackwardCost:
+def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None, *,
+                  given: bool = False) -> BackwardCost:
     """The backward kernels' transfers and FLOPs at the given sizes (every
-    symbolic wire bound).  NapkinError when the code generator has no
-    backward for the diagram, with its reason."""
+    symbolic wire bound), for the launch with no options: the dK/dV kernel
+    at its own default tile (backward_emit.dkdv_default_tile), the others at
+    the schedule's blocks.  ``given``: the schedule's blocks are given (or
+    tuned), and every kernel takes them as they are.  NapkinError when the
+    code generator has no backward for the diagram, with its reason."""
     from ..codegen import lower, training
     from .analysis import analyse, bind_sizes, resolve_profile
 
@@ -118,7 +123,7 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile) if t.saved \
         else analyse(d, bound, profile)
     if t.backward is not None:
-        moves, flops, kernels = _attention(t.backward, bound)
+        moves, flops, kernels = _attention(t.backward, bound, given)
     else:
         moves, flops, kernels = _contraction(t.grads, bound, profile)
     prof = resolve_profile(d, profile)
@@ -141,22 +146,27 @@ def _single_device(d: ir.Diagram) -> ir.Diagram:
 # Attention: the three kernels of backward.py.
 # --------------------------------------------------------------------------
 
-def _attention(b, sizes: dict) -> tuple[list[Move], tuple[int, int, int], list[str]]:
+def _attention(b, sizes: dict, given: bool) -> tuple[list[Move], tuple[int, int, int], list[str]]:
+    from ..codegen.backward_emit import dkdv_default_tile
+
     d, f = b.diagram, b.forward
     blocks = dict(f.blocks)
     row, col = b.row, b.col
-    br, bc = blocks[row], blocks[col]
     nr, nc = sizes[row], sizes[col]
-    pairs = masks.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
-    rows_of = lambda i: clip(nr, br, i)  # noqa: E731
-    cols_of = lambda j: clip(nc, bc, j)  # noqa: E731
-    nblocks = {row: math.ceil(nr / br), col: math.ceil(nc / bc)}
     moves, kernels = [], []
     cf = of = ef = 0
     batch_all = math.prod(sizes[w] for w in b.batch)
-    area = sum(rows_of(i) * cols_of(j) for i, j in pairs) * batch_all
     for k in b.kernels:
         kernels.append(k.role)
+        br, bc = blocks[row], blocks[col]
+        if k.role == "dkdv" and not given:
+            br, bc, _ = dkdv_default_tile(b, sizes)
+        # the (row block, key block) pairs this kernel's loops visit: the forward's, at its blocks
+        pairs = masks.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
+        rows_of = functools.partial(clip, nr, br)
+        cols_of = functools.partial(clip, nc, bc)
+        nblocks = {row: math.ceil(nr / br), col: math.ceil(nc / bc)}
+        area = sum(rows_of(i) * cols_of(j) for i, j in pairs) * batch_all
         batch = math.prod(sizes[w] for w in k.batch)
         outer = math.prod(sizes[w] for w in k.outer)
         if k.role != "rows" and not (nblocks[k.grid_wire] and batch):
