@@ -521,6 +521,12 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
     assert second["rows"][0]["sizes"]["q"] == 1024
     assert second["rows"][0]["config_source"] == "cache"
     assert second["rows"][0]["config"] == first["rows"][0]["config"]
+    # the backward was tuned on its own, and read back from its own entry
+    assert first["rows"][0]["bwd_config_source"] == "autotune"
+    assert second["rows"][0]["bwd_config_source"] == "cache"
+    assert second["rows"][0]["bwd_config"] == first["rows"][0]["bwd_config"]
+    entries = json.loads((tmp_path / "cache" / "autotune.json").read_text())["entries"]
+    assert sum(k.endswith("|bwd") for k in entries) == 1 and len(entries) == 2
 
 
 # --------------------------------------------------------------------------
