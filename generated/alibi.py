@@ -474,7 +474,7 @@ def _alibi_kernel(
     _POS_x: tl.constexpr,
 ):
     # Program ids: axis 0 is a block of q, axis 1 one index of each batch wire.
-    _pid = tl.program_id(0)
+    _pid = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first (masks.program_order)
     _batch = tl.program_id(1).to(tl.int64)
     _i_h = _batch % _size_h
     _batch = _batch // _size_h
@@ -951,7 +951,7 @@ def _alibi_bwd_dq_kernel(
 ):
     # dQ and slope's partial gradient: one program per block of q, batch index (b, h);
     # it loops over the blocks of x the forward visits.
-    _pid = tl.program_id(0)
+    _pid = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first (masks.program_order)
     _batch = tl.program_id(1).to(tl.int64)
     _i_h = _batch % _size_h
     _batch = _batch // _size_h

@@ -296,6 +296,37 @@ class Bound:
         return "last" if self.row_coeff > 0 else "first"
 
 
+def work_grows(bounds: tuple[Bound, ...], grid: str) -> bool:
+    """Whether a program's loop visits more blocks the later its block along
+    the grid's wire ("row": the forward and dQ kernels, one program per row
+    block; "col": dK/dV, one per key block): its range widens and never
+    narrows.  Causal (c <= r): rows grow, key blocks shrink.  A sliding
+    window moves both ends (no growth); no bounds, none."""
+    grows = shrinks = False
+    for b in bounds:
+        if b.row_coeff == 0:  # the same for every row; for keys, a cap leaves the last key blocks none
+            shrinks = shrinks or (grid == "col" and b.kind == "upper")
+            continue
+        if grid == "row":   # c <= a r + k widens with r when a > 0; c >= a r + k when a < 0
+            wider = (b.kind == "upper") == (b.row_coeff > 0)
+        else:               # for key c, the rows a lower bound admits grow with c, an upper bound's shrink
+            wider = b.kind == "lower"
+        grows, shrinks = grows or wider, shrinks or not wider
+    return grows and not shrinks
+
+
+def program_order(bounds: tuple[Bound, ...], grid: str) -> str:
+    """The Triton expression of a kernel's block index along grid axis 0:
+    reversed when later blocks carry more work (work_grows), so the longest
+    programs start first and the short ones fill the last wave instead of
+    leaving it to a few long ones (longest processing time first, the list
+    scheduling rule).  Only the order changes: every block is still one
+    program, so results and bytes are the same."""
+    if work_grows(bounds, grid):
+        return "tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first (masks.program_order)"
+    return "tl.program_id(0)"
+
+
 def conjuncts(e: ir.Expr) -> tuple[ir.Expr, ...]:
     """The operands of ``e``'s top-level ``and`` chain (``(e,)`` for any other ``e``)."""
     return tuple(_conjuncts(e))

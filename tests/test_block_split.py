@@ -149,8 +149,10 @@ def _module(name: str, folder, *replace):
 
 @contextlib.contextmanager
 def _unmasked_loads(**watch):
-    """{name: set of (program id 0, block along dim)} of the loads without a
-    mask of each watched (tensor, dim, block)."""
+    """{name: set of (program's block along grid axis 0, block along dim)} of
+    the loads without a mask of each watched (tensor, dim, block[, reversed]):
+    ``reversed`` when the kernel that loads it takes its blocks heaviest first
+    (masks.program_order), whose program i then owns block n - 1 - i."""
     from triton.runtime import interpreter
 
     seen = {name: set() for name in watch}
@@ -158,11 +160,12 @@ def _unmasked_loads(**watch):
 
     def spy(builder, ptr, *rest, **kw):
         addr = np.asarray(ptr.data).ravel().astype(np.int64)
-        for name, (t, dim, block) in watch.items():
+        for name, (t, dim, block, *rev) in watch.items():
+            pid = builder.grid_dim[0] - 1 - builder.grid_idx[0] if rev and rev[0] else builder.grid_idx[0]
             start = t.data_ptr()
             inside = addr[(addr >= start) & (addr < start + t.numel() * t.element_size())]
             for off in set(((inside - start) // t.element_size()).tolist()):
-                seen[name].add((builder.grid_idx[0], off // t.stride(dim) % t.shape[dim] // block))
+                seen[name].add((pid, off // t.stride(dim) % t.shape[dim] // block))
         return original(builder, ptr, *rest, **kw)
 
     interpreter.InterpreterBuilder.create_load = spy
@@ -170,6 +173,13 @@ def _unmasked_loads(**watch):
         yield seen
     finally:
         interpreter.InterpreterBuilder.create_load = original
+
+
+def _heaviest_first(diagram) -> tuple[bool, bool]:
+    """Whether the row-block kernels (forward, dQ) and the key-block kernel
+    (dK/dV) of the diagram take their blocks in reverse (masks.program_order)."""
+    bounds = L.lower(diagram).bounds
+    return masks.work_grows(bounds, "row"), masks.work_grows(bounds, "col")
 
 
 def _full_bounds(diagram, sizes):
@@ -215,7 +225,7 @@ def test_forward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case,
     for dtype in (torch.float32, torch.float16):
         inputs = m.example_inputs(sizes, dtype=dtype, seed=3)
         k = inputs[[t.name for t in diagram.inputs].index("K")]
-        with _unmasked_loads(K=(k, 2, FWD["block_x"])) as seen:
+        with _unmasked_loads(K=(k, 2, FWD["block_x"], _heaviest_first(diagram)[0])) as seen:
             out = tk.run(m, inputs, **FWD)
         assert seen["K"] == {(i, j) for i, j, full in split if full}
         tk.assert_accurate(out, tk.reference(m, inputs, torch.float64), tk.reference(m, inputs), _ids(case))
@@ -241,7 +251,8 @@ def test_backward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case
                for o in out)
     names = [t.name for t in diagram.inputs]
     q, k = xs[names.index("Q")], xs[names.index("K")]
-    with _unmasked_loads(Q=(q, 2, br), K=(k, 2, bc)) as seen:
+    rows_reversed, keys_reversed = _heaviest_first(diagram)
+    with _unmasked_loads(Q=(q, 2, br, keys_reversed), K=(k, 2, bc, rows_reversed)) as seen:
         loss.backward()
     dq_full = {(i, j) for i, j, full in masks.split_blocks(bounds, sizes["q"], sizes["x"], br, bc, all_sizes, True)
                if full}
@@ -349,3 +360,47 @@ schedule on h100 {
     inputs = m.example_inputs({"b": 1, "h": 2, "q": 45, "x": 70}, dtype=torch.float32)
     out = tk.run(m, inputs, **FWD)
     tk.assert_accurate(out, tk.reference(m, inputs, torch.float64), tk.reference(m, inputs), "weighted")
+
+
+# --------------------------------------------------------------------------
+# Program order: the heaviest blocks first (masks.work_grows / program_order).
+# --------------------------------------------------------------------------
+
+def _per_block(pairs, axis):
+    counts = {}
+    for pair in pairs:
+        counts[pair[axis]] = counts.get(pair[axis], 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("src", AFFINE)
+def test_work_grows_only_where_later_blocks_visit_at_least_as_many(src):
+    bounds = masks.stream_bounds(_pred(src), "q", "x")
+    for grid, axis in (("row", 0), ("col", 1)):
+        if not masks.work_grows(bounds, grid):
+            continue
+        for (nq, nx), (br, bc) in itertools.product(SHAPES, BLOCKS):
+            sizes = {"q": nq, "x": nx}
+            pairs = masks.visited_blocks(bounds, nq, nx, br, bc, sizes)
+            n = -(-(nq if axis == 0 else nx) // (br if axis == 0 else bc))
+            counts = [_per_block(pairs, axis).get(i, 0) for i in range(n)]
+            whole = counts[:-1] if (nq if axis == 0 else nx) % (br if axis == 0 else bc) else counts
+            assert whole == sorted(whole), (src, grid, nq, nx, br, bc, counts)
+
+
+def test_program_order_reverses_causal_rows_and_nothing_else():
+    order = {src: tuple(masks.work_grows(masks.stream_bounds(_pred(src), "q", "x"), g) for g in ("row", "col"))
+             for src in ("x <= q", "x >= q", "x >= q - 3 and x <= q + 7", "x == q", "x >= 9")}
+    assert order == {"x <= q": (True, False), "x >= q": (False, True), "x >= q - 3 and x <= q + 7": (False, False),
+                     "x == q": (False, False), "x >= 9": (False, False)}
+    assert masks.program_order((), "row") == "tl.program_id(0)"
+    causal, window = ((REPO / "examples" / f"{n}.ncd").read_text() for n in ("causal", "sliding_window"))
+    causal = emit_module(napkin.load_text(causal, "causal.ncd"), source_text=causal, source_path="causal.ncd")
+    window = emit_module(napkin.load_text(window, "w.ncd"), source_text=window, source_path="w.ncd")
+    reversed_pid = "_pid = tl.num_programs(0) - 1 - tl.program_id(0)"
+    # the forward and dQ kernels (one program per row block) start with the longest rows; dK/dV
+    # (one per key block) already does: its first key block visits every row block
+    assert causal.count(reversed_pid) == 2
+    dkdv = causal[causal.index("def _causal_bwd_dkdv_kernel"):causal.index("def _causal_bwd_dq_kernel")]
+    assert reversed_pid not in dkdv and "_pid = tl.program_id(0)" in dkdv
+    assert reversed_pid not in window

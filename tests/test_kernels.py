@@ -328,8 +328,10 @@ def test_a_plus_inf_score_gives_lse_plus_inf_as_the_reference():
 # Masks skip whole blocks: the kernel visits exactly masks.visited_blocks.
 # --------------------------------------------------------------------------
 
-def _blocks_loaded(m, inputs, tensor_index, block_x, **opts):
-    """(program row block, x block) pairs whose rows of one input were loaded."""
+def _blocks_loaded(m, inputs, tensor_index, block_x, reversed_rows=False, **opts):
+    """(program row block, x block) pairs whose rows of one input were loaded;
+    ``reversed_rows``: the kernel takes its row blocks heaviest first
+    (masks.program_order), its program i owning block n - 1 - i."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -342,7 +344,8 @@ def _blocks_loaded(m, inputs, tensor_index, block_x, **opts):
         addr = np.asarray(ptrs.data)[np.broadcast_to(np.asarray(mask.data, dtype=bool), ptrs.data.shape)]
         inside = addr[(addr >= start) & (addr < start + t.numel() * t.element_size())]
         for row in {int(a - start) // row_bytes for a in inside}:
-            seen.add((builder.grid_idx[0], row // block_x))
+            pid = builder.grid_dim[0] - 1 - builder.grid_idx[0] if reversed_rows else builder.grid_idx[0]
+            seen.add((pid, row // block_x))
         return original(builder, ptrs, mask, other, *rest, **kw)
 
     interpreter.InterpreterBuilder.create_masked_load = spy
@@ -363,7 +366,7 @@ def test_kernel_visits_exactly_the_blocks_masks_lists(name, replace):
     diagram = napkin.load_text(text)
     sizes = {"b": 1, "h": 1, "q": 100, "x": 90}
     inputs = m.example_inputs(sizes, dtype=torch.float32)
-    loaded = _blocks_loaded(m, inputs, 1, 16, block_q=32)
+    loaded = _blocks_loaded(m, inputs, 1, 16, masks.work_grows(lower.lower(diagram).bounds, "row"), block_q=32)
     expected = set(visited_blocks(diagram, sizes, 32, 16))
     assert loaded == expected
     every = {(i, j) for i in range(4) for j in range(6)}

@@ -99,8 +99,10 @@ def shard(m, full, qpos, xpos, nq: int, nx: int) -> list:
 
 @contextlib.contextmanager
 def loaded_blocks(**watch):
-    """{name: set of (program id 0, block along dim)} of the loads of each
-    watched (tensor, dim, block), from the lanes their mask keeps (a masked
+    """{name: set of (program's block along grid axis 0, block along dim)} of
+    the loads of each watched (tensor, dim, block[, reversed]; reversed: the
+    loading kernel takes its blocks heaviest first, masks.program_order, so
+    its program i owns block n - 1 - i), from the lanes their mask keeps (a masked
     lane's address past a ragged edge may fall in another head's rows); a
     load whose mask keeps no lane (a tile of padding alone) that points into
     the tensor adds (program id 0, None)."""
@@ -112,13 +114,14 @@ def loaded_blocks(**watch):
     def spy(builder, ptrs, mask, *rest, **kw):
         addr = np.asarray(ptrs.data).astype(np.int64)
         keep = np.broadcast_to(np.asarray(mask.data).astype(bool), addr.shape)
-        for name, (t, dim, block) in watch.items():
+        for name, (t, dim, block, *rev) in watch.items():
+            pid = builder.grid_dim[0] - 1 - builder.grid_idx[0] if rev and rev[0] else builder.grid_idx[0]
             start, stop = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
             if not keep.any() and ((addr >= start) & (addr < stop)).any():
-                seen[name].add((builder.grid_idx[0], None))
+                seen[name].add((pid, None))
             inside = addr[keep & (addr >= start) & (addr < stop)]
             for off in set(((inside - start) // t.element_size()).tolist()):
-                seen[name].add((builder.grid_idx[0], off // t.stride(dim) % t.shape[dim] // block))
+                seen[name].add((pid, off // t.stride(dim) % t.shape[dim] // block))
         return original(builder, ptrs, mask, *rest, **kw)
 
     interpreter.InterpreterBuilder.create_masked_load = spy
@@ -162,6 +165,7 @@ def test_each_kernel_loads_exactly_the_live_tiles(folder, name, qkind, xkind, n_
     plan = L.lower(diagram)
     bounds, pred = plan.bounds, plan.skip
     assert bounds and pred is not None
+    rows_rev, keys_rev = masks.work_grows(bounds, "row"), masks.work_grows(bounds, "col")
     launcher = getattr(m, diagram.name)
     backward = getattr(m, f"{diagram.name}_backward")
     full = m.example_inputs(sizes_of(nq, nx), dtype=torch.float32, seed=1)
@@ -182,16 +186,16 @@ def test_each_kernel_loads_exactly_the_live_tiles(folder, name, qkind, xkind, n_
                 for b in bounds:
                     assert masks.tile_live((b,), rows, cols, lengths)
         edges += len(at_edge(bounds, qpos, xpos, nq, nx, lengths))
-        with loaded_blocks(K=(k, _dim(m, "K", "x"), BLOCK)) as seen:
+        with loaded_blocks(K=(k, _dim(m, "K", "x"), BLOCK, rows_rev)) as seen:
             launcher(q, k, v, positions=positions, lengths=lengths, out_dtype=torch.float32, **BLOCKS)
         assert seen["K"] == live, "forward"
         # the backward: any finite row state gives the same loads; one kernel at a time
         o_shape = m._shape("O", m._bind((q, k, v), kernel=True, free=set())[0])
         rows = [torch.randn(o_shape), torch.zeros(o_shape[:-1]), torch.zeros(o_shape[:-1])]
-        with loaded_blocks(K=(k, _dim(m, "K", "x"), BLOCK)) as seen:
+        with loaded_blocks(K=(k, _dim(m, "K", "x"), BLOCK, rows_rev)) as seen:
             backward(q, k, v, *rows, positions=positions, lengths=lengths, need=(True, False, False), **BLOCKS)
         assert seen["K"] == live, "dQ"
-        with loaded_blocks(Q=(q, _dim(m, "Q", "q"), BLOCK)) as seen:
+        with loaded_blocks(Q=(q, _dim(m, "Q", "q"), BLOCK, keys_rev)) as seen:
             backward(q, k, v, *rows, positions=positions, lengths=lengths, need=(False, True, True), **BLOCKS)
         assert seen["Q"] == {(j, i) for i, j in live}, "dK/dV"
         total += -(-len(qpos) // BLOCK) * -(-len(xpos) // BLOCK)
@@ -245,13 +249,14 @@ def test_positions_on_one_wire(folder, name, wire):
         want = definition(plan.skip, qpos, xpos, nq, nx)
         rows = [torch.randn(q.shape[:-1] + (16,)), torch.zeros(q.shape[:-1]), torch.zeros(q.shape[:-1])]
         loads = []
-        with loaded_blocks(K=(k, 2, BLOCK)) as seen:
+        rows_rev, keys_rev = masks.work_grows(plan.bounds, "row"), masks.work_grows(plan.bounds, "col")
+        with loaded_blocks(K=(k, 2, BLOCK, rows_rev)) as seen:
             launcher(q, k, v, **opts)
         loads.append(seen["K"])
-        with loaded_blocks(K=(k, 2, BLOCK)) as seen:
+        with loaded_blocks(K=(k, 2, BLOCK, rows_rev)) as seen:
             backward(q, k, v, *rows, need=(True, False, False), **opts)
         loads.append(seen["K"])
-        with loaded_blocks(Q=(q, 2, BLOCK)) as seen:
+        with loaded_blocks(Q=(q, 2, BLOCK, keys_rev)) as seen:
             backward(q, k, v, *rows, need=(False, True, True), **opts)
         loads.append({(i, j) for j, i in seen["Q"]})
         for got, kernel in zip(loads, ("forward", "dQ", "dK/dV")):
@@ -271,7 +276,7 @@ def test_padding_alone_is_never_loaded(folder):
     xpos = torch.cat([torch.arange(40, 56), torch.arange(20)])       # key block 0 (40..55) is padding
     full = m.example_inputs(sizes_of(n, n), dtype=torch.float32)
     q, k, v = shard(m, full, qpos, xpos, n, n)
-    with loaded_blocks(K=(k, 2, BLOCK)) as seen:
+    with loaded_blocks(K=(k, 2, BLOCK, masks.work_grows(L.lower(diagram).bounds, "row"))) as seen:
         m.causal(q, k, v, positions={"q": qpos, "x": xpos}, lengths={"q": n, "x": n}, **BLOCKS)
     assert seen["K"] == definition(L.lower(diagram).skip, qpos, xpos, n, n)
     assert not any(j == 0 or i == 2 for i, j in seen["K"])
@@ -402,14 +407,15 @@ def test_document_mask_skips_padding_and_its_affine_conjuncts_only(folder, name)
             blocks = [{i // BLOCK for i in (pos < n).nonzero()[:, 0].tolist()} for pos in (qpos, xpos)]
             assert live == set(itertools.product(*blocks))
         assert len(live) < -(-len(qpos) // BLOCK) * -(-len(xpos) // BLOCK)
-        with loaded_blocks(K=(k, 2, BLOCK)) as seen:
+        rows_rev, keys_rev = masks.work_grows(plan.bounds, "row"), masks.work_grows(plan.bounds, "col")
+        with loaded_blocks(K=(k, 2, BLOCK, rows_rev)) as seen:
             launcher(q, k, v, doc, **opts)
         assert seen["K"] == live, "forward"
         rows = [torch.randn(q.shape), torch.zeros(q.shape[:-1]), torch.zeros(q.shape[:-1])]
-        with loaded_blocks(K=(k, 2, BLOCK)) as seen:
+        with loaded_blocks(K=(k, 2, BLOCK, rows_rev)) as seen:
             backward(q, k, v, doc, *rows, need=(True, False, False, False), **opts)
         assert seen["K"] == live, "dQ"
-        with loaded_blocks(Q=(q, 2, BLOCK)) as seen:
+        with loaded_blocks(Q=(q, 2, BLOCK, keys_rev)) as seen:
             backward(q, k, v, doc, *rows, need=(False, True, True, False), **opts)
         assert seen["Q"] == {(j, i) for i, j in live}, "dK/dV"
     d_o = torch.randn(m.reference(*full)[0].shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

@@ -29,7 +29,7 @@ step.  Both loops load the same tiles.
 """
 from __future__ import annotations
 
-from .. import ir
+from .. import ir, masks
 from . import bounds as B
 from . import emit as E
 from . import lower as L
@@ -479,6 +479,8 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         "name": k.name, "role": k.role, "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "held": held, "held_budget": HELD_FP32,
         "decode": E._decode(names, k.batch), "head": "\n".join(head),
+        "pid": "tl.program_id(0)" if k.role == "rows" else
+        masks.program_order(plan.forward.bounds, "row" if k.grid_wire == row else "col"),
         "pre_loads": pre, "init": "\n".join(init), "bounds": bounds, "body": "\n".join(body),
         "after": "\n".join(after), "grid_wire": k.grid_wire, "loop_wire": k.loop_wire,
         "batch": ", ".join(k.batch) or "none", "outer": ", ".join(k.outer), "sides": [s.tensor for s in k.sides],

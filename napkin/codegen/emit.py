@@ -370,7 +370,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
                                 'num_stages=_opts["num_stages"] or 2']))
     return {
         "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
-        "decode": _decode(names, plan.batch),
+        "decode": _decode(names, plan.batch), "pid": masks.program_order(plan.bounds, "row"),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col),
         "dims": [_wire_ctx(names, w) for w in plan.dims],
         "pre_loads": [_load(d, names, ld) for ld in plan.loads if ld.phase == "pre"],
