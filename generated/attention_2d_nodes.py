@@ -246,8 +246,8 @@ def _differentiable(tensors):
 # with no explicit options takes the cached config of its bucket, so a new
 # sequence length in a tuned bucket neither retunes nor recompiles (the
 # sizes are not specialised on; the blocks, which are, stay the same).  The
-# backward has entries of its own (kind "bwd"): its kernels hold other tiles
-# than the forward's, and the forward's best blocks are not theirs.
+# backward's kernels have entries of their own (kind "bwd": dQ, "bwd_kv":
+# dK/dV): they hold other tiles than the forward's, and each other's transpose.
 # ---------------------------------------------------------------------------
 import json as _autotune_json
 import os as _autotune_os
@@ -280,7 +280,7 @@ def _autotune_device_name(device):
 
 
 def _autotune_key(diagram_hash, device_name, sizes, wires, kind=""):
-    """kind: "" for the forward launch, "bwd" for the backward kernels."""
+    """kind: "" for the forward launch, "bwd" for the backward's dQ kernel, "bwd_kv" for its dK/dV."""
     bucket = ",".join(f"{w}={n}" for w, n in _autotune_bucket(sizes, wires))
     return f"{diagram_hash}|{device_name}|{bucket}" + (f"|{kind}" if kind else "")
 
@@ -996,8 +996,8 @@ def _attention_2d_nodes_backward(Q, K, V, dO, lse, delta, _o, need, positions=No
     _check_device(_dev)
     _check_state({"dO": dO, "lse": lse, "delta": delta}, _sz, _dev)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
-    # Options not given come from the backward's own tuned config (kind "bwd"),
-    # never the forward's: these kernels hold other tiles.
+    # Options not given come from the backward's own tuned configs, never the
+    # forward's (these kernels hold other tiles): kind "bwd" for dQ, "bwd_kv" for dK/dV.
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
@@ -1005,16 +1005,18 @@ def _attention_2d_nodes_backward(Q, K, V, dO, lse, delta, _o, need, positions=No
     _warps = _opts["num_warps"] or (8 if _br >= 128 else 4)
     _stages = _opts["num_stages"] or 2
     # The dK/dV kernel's tiles are [x, q], its x resident and its q streamed.  Blocks given
-    # or tuned apply as given (the tuner timed them so).  With neither, x takes the schedule's block of
-    # q and q that of x (the forward's tile transposed), and the block of q is
-    # halved while a thread would hold more than 160 float32 values (accumulators and product
-    # tiles: it would spill).  8 warps when either block is 128 or more, else 4.
-    _kv_br, _kv_bc = _br, _bc
-    _kv_default = _opts["block_q"] is None and _opts["block_x"] is None
+    # or tuned (its own entry) apply as given: the tuner timed them so.  With neither, x takes the
+    # schedule's block of q and q that of x (the forward's tile transposed), and the block of
+    # q is halved while a thread would hold more than 160 float32 values (accumulators and
+    # product tiles: it would spill).  8 warps when either block is 128 or more, else 4.
+    _kv_opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd_kv")
+    _kv_br = _block_size(_kv_opts["block_q"], "q", "block_q")
+    _kv_bc = _block_size(_kv_opts["block_x"], "x", "block_x")
+    _kv_default = _kv_opts["block_q"] is None and _kv_opts["block_x"] is None
     if _kv_default:
         _kv_br, _kv_bc = _BLOCKS["x"], _BLOCKS["q"]
-    _kv_warps = _opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
-    _kv_stages = _opts["num_stages"] or 2
+    _kv_warps = _kv_opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
+    _kv_stages = _kv_opts["num_stages"] or 2
     while _kv_default and _kv_br > 16 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
         _kv_br //= 2
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=torch.float32, device=_dev)

@@ -239,8 +239,8 @@ def _differentiable(tensors):
 # with no explicit options takes the cached config of its bucket, so a new
 # sequence length in a tuned bucket neither retunes nor recompiles (the
 # sizes are not specialised on; the blocks, which are, stay the same).  The
-# backward has entries of its own (kind "bwd"): its kernels hold other tiles
-# than the forward's, and the forward's best blocks are not theirs.
+# backward's kernels have entries of their own (kind "bwd": dQ, "bwd_kv":
+# dK/dV): they hold other tiles than the forward's, and each other's transpose.
 # ---------------------------------------------------------------------------
 import json as _autotune_json
 import os as _autotune_os
@@ -273,7 +273,7 @@ def _autotune_device_name(device):
 
 
 def _autotune_key(diagram_hash, device_name, sizes, wires, kind=""):
-    """kind: "" for the forward launch, "bwd" for the backward kernels."""
+    """kind: "" for the forward launch, "bwd" for the backward's dQ kernel, "bwd_kv" for its dK/dV."""
     bucket = ",".join(f"{w}={n}" for w, n in _autotune_bucket(sizes, wires))
     return f"{diagram_hash}|{device_name}|{bucket}" + (f"|{kind}" if kind else "")
 

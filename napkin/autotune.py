@@ -81,7 +81,8 @@ def shape_bucket(sizes: Mapping[str, int], wires: Sequence[str]) -> tuple[tuple[
 
 def cache_key(diagram_hash: str, device_name: str, sizes: Mapping[str, int], wires: Sequence[str],
               kind: str = "") -> str:
-    """The cache key of a launch: kind "" for the forward, "bwd" for the backward."""
+    """The cache key of a launch: kind "" for the forward, "bwd" for the
+    backward's dQ kernel, "bwd_kv" for its dK/dV kernel."""
     return _runtime()["_autotune_key"](diagram_hash, device_name, sizes, tuple(wires), kind)
 
 

@@ -449,6 +449,29 @@ def test_dkdv_default_tile_is_the_forward_tile_transposed(folder, monkeypatch):
         assert dkdv_default_tile(plan, sizes, num_warps=4)[0] < tile[0]
 
 
+def test_each_backward_kernel_takes_its_own_tuned_config(folder, monkeypatch, tmp_path):
+    """napkin bench tunes dQ (cache kind "bwd") and dK/dV ("bwd_kv") apart:
+    with both entries cached, each kernel launches with its own; options
+    given explicitly still apply to both."""
+    import json
+
+    from napkin import autotune
+
+    causal = example("causal", folder)
+    sizes = {"b": 1, "h": 2, "q": 40, "x": 50}
+    wires = ("b", "h", "q", "x")
+    key = {kind: autotune.cache_key(causal.SOURCE_HASH, "cpu", sizes, wires, kind) for kind in ("bwd", "bwd_kv")}
+    entries = {key["bwd"]: {"config": {"block_q": 64, "block_x": 16, "num_warps": 4, "num_stages": 3}},
+               key["bwd_kv"]: {"config": {"block_q": 16, "block_x": 64, "num_warps": 8, "num_stages": 2}}}
+    (tmp_path / "autotune.json").write_text(json.dumps({"schema": autotune.SCHEMA, "entries": entries}))
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch)
+    assert dq == (64, 16, 4, 3) and kv == (16, 64, 8, 2)
+    kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch, block_q=32, block_x=32, num_warps=4,
+                                num_stages=2)
+    assert kv == dq == (32, 32, 4, 2)
+
+
 @pytest.mark.parametrize("name, blocks", [("alibi", (16, 32)), ("document_mask", (16, 32)),
                                           ("gqa", (32, 16)), ("sliding_window", (32, 16))])
 def test_dkdv_gradients_with_non_square_blocks(name, blocks, folder):

@@ -338,14 +338,18 @@ def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path)
     launcher = getattr(module, d.name)
     sizes = {"b": 1, "h": 2, "q": 37, "x": 37}
     inputs = [t.float() if t.is_floating_point() else t for t in reference.example_inputs(d, sizes, seed=3)]
-    call = harness.backward_call(d, launcher, inputs, sizes, set(inspect.signature(launcher).parameters))
-    small = call(block_q=16, block_x=32, num_warps=4, num_stages=2, not_an_option=1)
-    again = call(block_q=16, block_x=32, num_warps=4, num_stages=2)
-    other = call(block_q=32, block_x=16, num_warps=4, num_stages=2)
-    assert len(small) == 3                       # Q, K, V: the slope gets no gradient here
-    for a, b, c in zip(small, again, other):
-        assert torch.equal(a, b)                 # the same graph and upstream gradient
-        assert a.shape == c.shape and torch.isfinite(a).all()
+    accepted = set(inspect.signature(launcher).parameters)
+    for kind, wrt in (("bwd", ["Q"]), ("bwd_kv", ["K", "V"])):
+        call = harness.backward_call(d, launcher, inputs, sizes, accepted, kind)
+        small = call(block_q=16, block_x=32, num_warps=4, num_stages=2, not_an_option=1)
+        again = call(block_q=16, block_x=32, num_warps=4, num_stages=2)
+        other = call(block_q=32, block_x=16, num_warps=4, num_stages=2)
+        assert len(small) == len(wrt)            # dQ alone, or dK and dV: one kernel each
+        names = [t.name for t in d.inputs]
+        for a, b, c, name in zip(small, again, other, wrt):
+            assert a.shape == inputs[names.index(name)].shape
+            assert torch.equal(a, b)             # the same graph and upstream gradient
+            assert a.shape == c.shape and torch.isfinite(a).all()
 
 
 # --------------------------------------------------------------------------
@@ -521,12 +525,13 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
     assert second["rows"][0]["sizes"]["q"] == 1024
     assert second["rows"][0]["config_source"] == "cache"
     assert second["rows"][0]["config"] == first["rows"][0]["config"]
-    # the backward was tuned on its own, and read back from its own entry
-    assert first["rows"][0]["bwd_config_source"] == "autotune"
-    assert second["rows"][0]["bwd_config_source"] == "cache"
+    # each backward kernel was tuned on its own, and read back from its own entry
+    assert first["rows"][0]["bwd_config_source"] == {"dq": "autotune", "dkdv": "autotune"}
+    assert second["rows"][0]["bwd_config_source"] == {"dq": "cache", "dkdv": "cache"}
     assert second["rows"][0]["bwd_config"] == first["rows"][0]["bwd_config"]
     entries = json.loads((tmp_path / "cache" / "autotune.json").read_text())["entries"]
-    assert sum(k.endswith("|bwd") for k in entries) == 1 and len(entries) == 2
+    assert sorted(k.rsplit("|", 1)[1] for k in entries if k.count("|") == 3) == ["bwd", "bwd_kv"]
+    assert len(entries) == 3
 
 
 # --------------------------------------------------------------------------

@@ -258,20 +258,22 @@ def test_the_backward_reads_its_own_tuned_config_not_the_forwards(modules, monke
     m = modules["attention"]
     sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
     wires = ("b", "h", "q", "x")
-    fwd, bwd = (autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, wires, kind) for kind in ("", "bwd"))
-    assert bwd == fwd + "|bwd"
+    fwd, bwd, kv = (autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, wires, kind) for kind in ("", "bwd", "bwd_kv"))
+    assert (bwd, kv) == (fwd + "|bwd", fwd + "|bwd_kv")
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
 
     def cache(entries):
         (tmp_path / "autotune.json").write_text(json.dumps({"schema": autotune.SCHEMA, "entries": entries}))
 
     good = {"block_q": 16, "block_x": 16, "num_warps": 4, "num_stages": 2}
-    cache({fwd: {"config": good}, bwd: {"config": dict(good, block_x=40)}})
-    q, k, v = (t.float().requires_grad_() for t in _qkv())
-    o, lse = m.attention(q, k, v)                       # the forward's entry is fine
-    with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 40"):
-        (o.sum() + lse.sum()).backward()
-    cache({fwd: {"config": dict(good, block_x=40)}, bwd: {"config": good}})
+    bad = dict(good, block_x=40)
+    for broken in (bwd, kv):   # which kernel reads which entry: tests/test_backward.py
+        cache({fwd: {"config": good}, bwd: {"config": good}, kv: {"config": good}, broken: {"config": bad}})
+        q, k, v = (t.float().requires_grad_() for t in _qkv())
+        o, lse = m.attention(q, k, v)                   # the forward's entry is fine
+        with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 40"):
+            (o.sum() + lse.sum()).backward()
+    cache({fwd: {"config": bad}, bwd: {"config": good}, kv: {"config": good}})
     with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 40"):
         m.attention(q, k, v)
     with torch.no_grad():

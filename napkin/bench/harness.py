@@ -370,8 +370,10 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     flops = results.attention_flops(shape, shape["causal"])
     launcher = getattr(module, d.name)
     config, source = _choose_config(ctx, sizes, launcher)
-    bwd_config, bwd_source = (None, "not run") if ctx["args"].no_backward else \
-        _choose_config(ctx, sizes, launcher, kind="bwd")
+    bwd_config, bwd_source = {}, {}
+    for kernel, kind in BACKWARD_KINDS.items():
+        bwd_config[kernel], bwd_source[kernel] = (None, "not run") if ctx["args"].no_backward else \
+            _choose_config(ctx, sizes, launcher, kind=kind)
     impls = [baselines.Baseline("napkin", True, "the generated Triton kernel", _napkin_prepare(launcher))]
     if ctx["flex"] is not None:
         impls.append(baselines.flex_baseline(ctx["flex"], compiled=device == "cuda"))
@@ -417,12 +419,15 @@ def _napkin_prepare(launcher):
     return prepare
 
 
+# The backward's kernels, each tuned and cached on its own (its cache kind):
+# they hold other tiles than the forward's, dK/dV the transpose of dQ's.
+BACKWARD_KINDS = {"dq": "bwd", "dkdv": "bwd_kv"}
+
+
 def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Optional[dict], str]:
     """(launcher options, where they came from) for the forward (kind "") or
-    the backward (kind "bwd"), each tuned and cached on its own: the
-    backward's kernels hold other tiles than the forward's.  Only options
-    the launcher takes are kept (a config tuned for another module version
-    may carry more)."""
+    one backward kernel (BACKWARD_KINDS).  Only options the launcher takes
+    are kept (a config tuned for another module version may carry more)."""
     import torch
 
     d, device = ctx["diagram"], ctx["device"]
@@ -437,7 +442,7 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Op
         configs, _ = autotune.candidates(d, sizes, capacity=capacity)
         configs = autotune.backward_candidates(configs) if kind else configs
         inputs = reference.example_inputs(d, sizes, device=device, seed=0)
-        call = backward_call(d, launcher, inputs, sizes, accepted) if kind else \
+        call = backward_call(d, launcher, inputs, sizes, accepted, kind) if kind else \
             (lambda **options: launcher(*inputs, **{k: v for k, v in options.items() if k in accepted}))
         tuned = autotune.autotune(call, configs, _cuda_ms, cache=cache, key=key, diagram=d.name, sizes=sizes,
                                   **({"pass": kind} if kind else {}))
@@ -455,15 +460,17 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Op
     return config, source
 
 
-def backward_call(d: ir.Diagram, launcher, inputs, sizes, accepted):
-    """A function of launcher options that runs the backward: the gradient
-    of the first output with respect to the attention operands (Q, K, V).
-    The forward graph is built on the first call with new options (the
-    timer's warm-up) and kept for the timed calls; one graph at a time, as
-    at 16K tokens two may not fit."""
+def backward_call(d: ir.Diagram, launcher, inputs, sizes, accepted, kind: str):
+    """A function of launcher options that runs one backward kernel: the
+    gradient of the first output with respect to Q alone (kind "bwd": the
+    dQ kernel, after the per-row values) or K and V (kind "bwd_kv": dK/dV),
+    so autograd asks the launcher for just those.  The forward graph is
+    built on the first call with new options (the timer's warm-up) and kept
+    for the timed calls; one graph at a time, as at 16K tokens two may not fit."""
     import torch
 
-    operands = set(flex.attention_shape(d, sizes)["operands"])
+    q, k, v = flex.attention_shape(d, sizes)["operands"]
+    operands = {"bwd": {q}, "bwd_kv": {k, v}}[kind]
     graph: dict = {}
 
     def call(**options):

@@ -13,8 +13,8 @@ Schema ``napkin-bench/1``::
     rows: [{diagram, file, source_hash, dtype, sizes {wire: n},
             shape {batch, heads, kv_heads, q_len, kv_len, dim, value_dim},
             causal, flops {fwd, bwd}, config {launcher option: value} | null,
-            config_source, bwd_config (the backward's own, as config) | null,
-            bwd_config_source (optional: rows written before it have neither),
+            config_source, bwd_config {dq, dkdv: the backward kernels' own, as
+            config}, bwd_config_source {dq, dkdv} (optional: older rows lack both),
             check {sizes, tolerance, ok, errors {impl: {output: err}}},
             results: [{impl, pass, ms, tflops, equivalent, note, error}],
             ratios {pass: {baseline: napkin speed / baseline speed}}}]
