@@ -222,13 +222,13 @@ def candidates(diagram: ir.Diagram, sizes: Mapping[str, int], *, capacity: Optio
     return keep, pruned
 
 
-def backward_candidates(configs: Sequence[Config]) -> list[Config]:
-    """The backward's configs: the forward's, each also with its two blocks
-    exchanged.  The dK/dV kernel holds the key wire and streams the rows, so
-    a tile the forward's pruning shaped for [rows, keys] is just as likely
-    to suit it transposed (the tuned blocks apply to every backward kernel
-    as given).  Fixed order, no repeats."""
-    out: list[Config] = []
+def backward_candidates(configs: Sequence[Config], lead: Sequence[Config] = ()) -> list[Config]:
+    """A backward kernel's configs: ``lead`` (the kernel's own default, so
+    tuning never ends worse than not tuning), then the forward's, each also
+    with its two blocks exchanged: the dK/dV kernel holds the key wire and
+    streams the rows, so a tile the forward's pruning shaped for [rows, keys]
+    is just as likely to suit it transposed.  Fixed order, no repeats."""
+    out: list[Config] = list(dict.fromkeys(lead))
     for c in configs:
         swapped = [c]
         if len(c.blocks) == 2:

@@ -324,6 +324,12 @@ def test_backward_candidates_add_each_tile_transposed():
     assert {dict(c.blocks)["x"] for c in bwd} >= {dict(c.blocks)["q"] for c in fwd}
     square = autotune.Config((("q", 64), ("x", 64)), 4, 2)
     assert autotune.backward_candidates([square]) == [square]
+    # dK/dV's own untuned tile leads its candidates: tuning never ends worse than the default
+    gqa = napkin.load(EXAMPLES / "gqa.ncd")           # head dim 128: 128 keys by 32 rows, 8 warps
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": 16384, "x": 16384}
+    lead = harness._backward_default(gqa, sizes, "bwd_kv")
+    assert lead == [autotune.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
+    assert autotune.backward_candidates(fwd, lead)[:2] == lead and harness._backward_default(gqa, sizes, "bwd") == []
 
 
 def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path):

@@ -440,7 +440,7 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Op
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         capacity = getattr(props, "shared_memory_per_block_optin", None)
         configs, _ = autotune.candidates(d, sizes, capacity=capacity)
-        configs = autotune.backward_candidates(configs) if kind else configs
+        configs = autotune.backward_candidates(configs, _backward_default(d, sizes, kind)) if kind else configs
         inputs = reference.example_inputs(d, sizes, device=device, seed=0)
         call = backward_call(d, launcher, inputs, sizes, accepted, kind) if kind else \
             (lambda **options: launcher(*inputs, **{k: v for k, v in options.items() if k in accepted}))
@@ -458,6 +458,23 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Op
         raise NapkinError(f"the launcher of {d.name} would not read the config tuned for it ({key}): it finds "
                           f"{seen}; is NAPKIN_CACHE the same for both?")
     return config, source
+
+
+def _backward_default(d: ir.Diagram, sizes: dict, kind: str) -> list:
+    """The launch a backward kernel gets untuned, as candidates (2 and 3
+    stages): dQ the schedule's blocks (the forward's first candidate
+    already), dK/dV its own default tile (backward_emit.dkdv_default_tile)."""
+    if kind != "bwd_kv":
+        return []
+    from ..codegen import lower, training
+    from ..codegen.backward_emit import dkdv_default_tile
+
+    plan = training.prepare(lower.lower(d)).backward
+    if plan is None:
+        return []
+    br, bc, warps = dkdv_default_tile(plan, reference.full_sizes(d, sizes))
+    blocks = ((plan.row, br), (plan.col, bc))
+    return [autotune.Config(blocks, warps, stages) for stages in (2, 3)]
 
 
 def backward_call(d: ir.Diagram, launcher, inputs, sizes, accepted, kind: str):
