@@ -69,7 +69,7 @@ def run(args) -> dict:
     diagram, text = load_variant(args.file, args.dtype, args.head_dim)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as build:
-        module, _ = harness._compile(diagram, text, args.file, Path(build))
+        module, _ = harness.compile_module(diagram, text, args.file, Path(build))
         launcher = getattr(module, diagram.name)
         accepted = set(inspect.signature(launcher).parameters)
         options = {k: v for k, v in launcher_options(diagram, text, args.sizes, device).items() if k in accepted}

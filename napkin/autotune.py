@@ -228,16 +228,13 @@ def backward_candidates(configs: Sequence[Config], lead: Sequence[Config] = ()) 
     with its two blocks exchanged: the dK/dV kernel holds the key wire and
     streams the rows, so a tile the forward's pruning shaped for [rows, keys]
     is just as likely to suit it transposed.  Fixed order, no repeats."""
-    out: list[Config] = list(dict.fromkeys(lead))
+    out: list[Config] = list(lead)
     for c in configs:
-        swapped = [c]
+        out.append(c)
         if len(c.blocks) == 2:
             (a, x), (b, y) = c.blocks
-            swapped.append(Config(((a, y), (b, x)), c.num_warps, c.num_stages))
-        for s in swapped:
-            if s not in out:
-                out.append(s)
-    return out
+            out.append(Config(((a, y), (b, x)), c.num_warps, c.num_stages))
+    return list(dict.fromkeys(out))
 
 
 # --------------------------------------------------------------------------

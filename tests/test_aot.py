@@ -31,17 +31,23 @@ H100_SMEM = profiles.get_profile("h100").capacity("smem")
 pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend cannot target sm_90")
 
 
-def compile_on_paper(stems, *args) -> dict:
-    """{stem: [kernel report dicts]} from one `python -m napkin.bench.aot` run.
-    A process of its own: this one imported Triton under TRITON_INTERPRET=1
-    (conftest.py), whose library then cannot be compiled for a GPU."""
+def run_aot(stems, *args) -> str:
+    """The standard output of one `python -m napkin.bench.aot` run over the
+    examples ``stems``.  A process of its own: this one imported Triton under
+    TRITON_INTERPRET=1 (conftest.py), whose library then cannot be compiled
+    for a GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     files = [str(REPO / "examples" / f"{s}.ncd") for s in stems]
-    done = subprocess.run([sys.executable, "-m", "napkin.bench.aot", *files, "--json", *args], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "napkin.bench.aot", *files, *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def compile_on_paper(stems, *args) -> dict:
+    """{stem: [kernel reports]} from one run with --json."""
     return {Path(d["file"]).stem: [aot.KernelReport(**k) for k in d["kernels"]]
-            for d in json.loads(done.stdout)["diagrams"]}
+            for d in json.loads(run_aot(stems, "--json", *args))["diagrams"]}
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +137,7 @@ def test_default_sizes_tile_the_streamed_wires_and_keep_the_rest_small():
 
 
 def test_cli_prints_one_table_per_diagram():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    files = [str(REPO / "examples" / f"{s}.ncd") for s in ("softcap", "matmul")]
-    done = subprocess.run([sys.executable, "-m", "napkin.bench.aot", *files, "--forward-only", "-D", "q=128"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "softcap at {'b': 2, 'h': 2, 'q': 128, 'x': 256}, compiled for sm_90" in done.stdout
-    assert "_softcap_kernel" in done.stdout and "_matmul_kernel" in done.stdout
-    assert aot.main([files[0], "-D", "q"]) == 1
+    out = run_aot(["softcap", "matmul"], "--forward-only", "-D", "q=128")
+    assert "softcap at {'b': 2, 'h': 2, 'q': 128, 'x': 256}, compiled for sm_90" in out
+    assert "_softcap_kernel" in out and "_matmul_kernel" in out
+    assert aot.main([str(REPO / "examples" / "softcap.ncd"), "-D", "q"]) == 1

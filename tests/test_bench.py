@@ -340,7 +340,7 @@ def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path)
     import torch
 
     d = napkin.load(EXAMPLES / "alibi.ncd")
-    module, _ = harness._compile(d, (EXAMPLES / "alibi.ncd").read_text(), str(EXAMPLES / "alibi.ncd"), tmp_path)
+    module, _ = harness.compile_module(d, (EXAMPLES / "alibi.ncd").read_text(), str(EXAMPLES / "alibi.ncd"), tmp_path)
     launcher = getattr(module, d.name)
     sizes = {"b": 1, "h": 2, "q": 37, "x": 37}
     inputs = [t.float() if t.is_floating_point() else t for t in reference.example_inputs(d, sizes, seed=3)]
@@ -469,7 +469,7 @@ def test_variant_rewrites_dtypes_and_head_dim():
 
 def test_reference_agrees_with_the_generated_modules_reference(tmp_path):
     codegen = pytest.importorskip("napkin.codegen")
-    module, _ = harness._compile(napkin.load(EXAMPLES / "alibi.ncd"),
+    module, _ = harness.compile_module(napkin.load(EXAMPLES / "alibi.ncd"),
                                  (EXAMPLES / "alibi.ncd").read_text(), "examples/alibi.ncd", tmp_path)
     d = napkin.load(EXAMPLES / "alibi.ncd")
     inputs = module.example_inputs(SIZES, dtype=torch.float32)

@@ -161,7 +161,7 @@ def _unmasked_loads(**watch):
     def spy(builder, ptr, *rest, **kw):
         addr = np.asarray(ptr.data).ravel().astype(np.int64)
         for name, (t, dim, block, *rev) in watch.items():
-            pid = builder.grid_dim[0] - 1 - builder.grid_idx[0] if rev and rev[0] else builder.grid_idx[0]
+            pid = program_block(builder, bool(rev and rev[0]))
             start = t.data_ptr()
             inside = addr[(addr >= start) & (addr < start + t.numel() * t.element_size())]
             for off in set(((inside - start) // t.element_size()).tolist()):
@@ -175,10 +175,16 @@ def _unmasked_loads(**watch):
         interpreter.InterpreterBuilder.create_load = original
 
 
-def _heaviest_first(diagram) -> tuple[bool, bool]:
+def program_block(builder, reversed_: bool) -> int:
+    """The block along grid axis 0 that the interpreter's current program
+    owns: its id, or n - 1 - id in a kernel that runs heaviest first."""
+    return builder.grid_dim[0] - 1 - builder.grid_idx[0] if reversed_ else builder.grid_idx[0]
+
+
+def heaviest_first(bounds) -> tuple[bool, bool]:
     """Whether the row-block kernels (forward, dQ) and the key-block kernel
-    (dK/dV) of the diagram take their blocks in reverse (masks.program_order)."""
-    bounds = L.lower(diagram).bounds
+    (dK/dV) of a mask with these bounds take their blocks in reverse
+    (masks.program_order): what the load spies map program ids through."""
     return masks.work_grows(bounds, "row"), masks.work_grows(bounds, "col")
 
 
@@ -225,7 +231,7 @@ def test_forward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case,
     for dtype in (torch.float32, torch.float16):
         inputs = m.example_inputs(sizes, dtype=dtype, seed=3)
         k = inputs[[t.name for t in diagram.inputs].index("K")]
-        with _unmasked_loads(K=(k, 2, FWD["block_x"], _heaviest_first(diagram)[0])) as seen:
+        with _unmasked_loads(K=(k, 2, FWD["block_x"], heaviest_first(L.lower(diagram).bounds)[0])) as seen:
             out = tk.run(m, inputs, **FWD)
         assert seen["K"] == {(i, j) for i, j, full in split if full}
         tk.assert_accurate(out, tk.reference(m, inputs, torch.float64), tk.reference(m, inputs), _ids(case))
@@ -251,7 +257,7 @@ def test_backward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case
                for o in out)
     names = [t.name for t in diagram.inputs]
     q, k = xs[names.index("Q")], xs[names.index("K")]
-    rows_reversed, keys_reversed = _heaviest_first(diagram)
+    rows_reversed, keys_reversed = heaviest_first(L.lower(diagram).bounds)
     with _unmasked_loads(Q=(q, 2, br, keys_reversed), K=(k, 2, bc, rows_reversed)) as seen:
         loss.backward()
     dq_full = {(i, j) for i, j, full in masks.split_blocks(bounds, sizes["q"], sizes["x"], br, bc, all_sizes, True)

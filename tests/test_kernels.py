@@ -24,6 +24,7 @@ from napkin import masks
 from napkin.codegen import emit_module, lower, visited_blocks
 from napkin.printer import to_text
 from strategies import attention_diagrams, drawn_sizes, matmul_diagrams
+from test_block_split import heaviest_first, program_block
 
 REPO = Path(__file__).resolve().parent.parent
 REFUSED = {"naive_attention", "attention_fp8"}
@@ -344,7 +345,7 @@ def _blocks_loaded(m, inputs, tensor_index, block_x, reversed_rows=False, **opts
         addr = np.asarray(ptrs.data)[np.broadcast_to(np.asarray(mask.data, dtype=bool), ptrs.data.shape)]
         inside = addr[(addr >= start) & (addr < start + t.numel() * t.element_size())]
         for row in {int(a - start) // row_bytes for a in inside}:
-            pid = builder.grid_dim[0] - 1 - builder.grid_idx[0] if reversed_rows else builder.grid_idx[0]
+            pid = program_block(builder, reversed_rows)
             seen.add((pid, row // block_x))
         return original(builder, ptrs, mask, other, *rest, **kw)
 
@@ -366,7 +367,7 @@ def test_kernel_visits_exactly_the_blocks_masks_lists(name, replace):
     diagram = napkin.load_text(text)
     sizes = {"b": 1, "h": 1, "q": 100, "x": 90}
     inputs = m.example_inputs(sizes, dtype=torch.float32)
-    loaded = _blocks_loaded(m, inputs, 1, 16, masks.work_grows(lower.lower(diagram).bounds, "row"), block_q=32)
+    loaded = _blocks_loaded(m, inputs, 1, 16, heaviest_first(lower.lower(diagram).bounds)[0], block_q=32)
     expected = set(visited_blocks(diagram, sizes, 32, 16))
     assert loaded == expected
     every = {(i, j) for i in range(4) for j in range(6)}

@@ -40,6 +40,7 @@ from napkin.codegen import lower as L
 from napkin.distributed.layouts import TokenLayout, take_rows
 
 import test_backward as tb  # its compile_text and EPS
+from test_block_split import heaviest_first, program_block
 from test_positions import edited_example
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,7 +116,7 @@ def loaded_blocks(**watch):
         addr = np.asarray(ptrs.data).astype(np.int64)
         keep = np.broadcast_to(np.asarray(mask.data).astype(bool), addr.shape)
         for name, (t, dim, block, *rev) in watch.items():
-            pid = builder.grid_dim[0] - 1 - builder.grid_idx[0] if rev and rev[0] else builder.grid_idx[0]
+            pid = program_block(builder, bool(rev and rev[0]))
             start, stop = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
             if not keep.any() and ((addr >= start) & (addr < stop)).any():
                 seen[name].add((pid, None))
@@ -165,7 +166,7 @@ def test_each_kernel_loads_exactly_the_live_tiles(folder, name, qkind, xkind, n_
     plan = L.lower(diagram)
     bounds, pred = plan.bounds, plan.skip
     assert bounds and pred is not None
-    rows_rev, keys_rev = masks.work_grows(bounds, "row"), masks.work_grows(bounds, "col")
+    rows_rev, keys_rev = heaviest_first(bounds)
     launcher = getattr(m, diagram.name)
     backward = getattr(m, f"{diagram.name}_backward")
     full = m.example_inputs(sizes_of(nq, nx), dtype=torch.float32, seed=1)
@@ -249,7 +250,7 @@ def test_positions_on_one_wire(folder, name, wire):
         want = definition(plan.skip, qpos, xpos, nq, nx)
         rows = [torch.randn(q.shape[:-1] + (16,)), torch.zeros(q.shape[:-1]), torch.zeros(q.shape[:-1])]
         loads = []
-        rows_rev, keys_rev = masks.work_grows(plan.bounds, "row"), masks.work_grows(plan.bounds, "col")
+        rows_rev, keys_rev = heaviest_first(plan.bounds)
         with loaded_blocks(K=(k, 2, BLOCK, rows_rev)) as seen:
             launcher(q, k, v, **opts)
         loads.append(seen["K"])
@@ -276,7 +277,7 @@ def test_padding_alone_is_never_loaded(folder):
     xpos = torch.cat([torch.arange(40, 56), torch.arange(20)])       # key block 0 (40..55) is padding
     full = m.example_inputs(sizes_of(n, n), dtype=torch.float32)
     q, k, v = shard(m, full, qpos, xpos, n, n)
-    with loaded_blocks(K=(k, 2, BLOCK, masks.work_grows(L.lower(diagram).bounds, "row"))) as seen:
+    with loaded_blocks(K=(k, 2, BLOCK, heaviest_first(L.lower(diagram).bounds)[0])) as seen:
         m.causal(q, k, v, positions={"q": qpos, "x": xpos}, lengths={"q": n, "x": n}, **BLOCKS)
     assert seen["K"] == definition(L.lower(diagram).skip, qpos, xpos, n, n)
     assert not any(j == 0 or i == 2 for i, j in seen["K"])
@@ -407,7 +408,7 @@ def test_document_mask_skips_padding_and_its_affine_conjuncts_only(folder, name)
             blocks = [{i // BLOCK for i in (pos < n).nonzero()[:, 0].tolist()} for pos in (qpos, xpos)]
             assert live == set(itertools.product(*blocks))
         assert len(live) < -(-len(qpos) // BLOCK) * -(-len(xpos) // BLOCK)
-        rows_rev, keys_rev = masks.work_grows(plan.bounds, "row"), masks.work_grows(plan.bounds, "col")
+        rows_rev, keys_rev = heaviest_first(plan.bounds)
         with loaded_blocks(K=(k, 2, BLOCK, rows_rev)) as seen:
             launcher(q, k, v, doc, **opts)
         assert seen["K"] == live, "forward"

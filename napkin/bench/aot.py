@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -151,29 +150,14 @@ def load_module(diagram: ir.Diagram, text: str, path: str, build: Path):
     """The generated module of ``diagram``, imported with real Triton kernels
     (TRITON_INTERPRET unset while it is decorated), under a name of its own so
     an interpreted copy elsewhere in the process is never reused."""
-    from .. import autotune
-    from ..codegen import emit_module
+    from .harness import compile_module
 
-    source = emit_module(diagram, source_text=text, source_path=path)
-    name = f"napkin_aot_{diagram.name}_{autotune.diagram_hash(source)[:12]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    target = build / f"{name}.py"
-    target.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, target)
-    module = importlib.util.module_from_spec(spec)
     before = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        import triton  # noqa: F401  (imported before the env changes back)
-        sys.modules[name] = module       # Triton's JIT reads the kernel source through it
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
+        return compile_module(diagram, text, path, build, prefix="napkin_aot")[0]
     finally:
         if before is not None:
             os.environ["TRITON_INTERPRET"] = before
-    return module
 
 
 # --------------------------------------------------------------------------
@@ -232,7 +216,7 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
     Triton used."""
     from triton.backends.nvidia import compiler as nv
 
-    ptxas = nv.get_ptxas(arch).path if _takes_arch(nv.get_ptxas) else nv.get_ptxas().path
+    ptxas = nv.get_ptxas(arch).path
     suffix = "a" if arch >= 90 else ""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
@@ -243,12 +227,6 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
     if done.returncode:
         raise NapkinError(f"ptxas failed on the compiled kernel:\n{log}")
     return parse_ptxas(log)
-
-
-def _takes_arch(fn) -> bool:
-    import inspect
-
-    return bool(inspect.signature(fn).parameters)
 
 
 def parse_ptxas(log: str) -> dict:

@@ -274,12 +274,14 @@ def _fit_blocks(d: ir.Diagram) -> ir.Diagram:
     return d
 
 
-def _compile(diagram: ir.Diagram, text: str, path: str, build: Path):
+def compile_module(diagram: ir.Diagram, text: str, path: str, build: Path, prefix: str = "napkin_bench"):
+    """(the generated module of ``diagram``, imported from ``build``; its
+    source hash).  One module per prefix and source text in a process."""
     from ..codegen import emit_module
 
     source = emit_module(diagram, source_text=text, source_path=path)
     digest = autotune.diagram_hash(text)
-    name = f"napkin_bench_{diagram.name}_{digest[:12]}"
+    name = f"{prefix}_{diagram.name}_{digest[:12]}"
     if name in sys.modules:
         return sys.modules[name], digest
     target = build / f"{name}.py"
@@ -287,7 +289,11 @@ def _compile(diagram: ir.Diagram, text: str, path: str, build: Path):
     spec = importlib.util.spec_from_file_location(name, target)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module      # Triton's JIT looks the kernel's source up through it
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)  # a module that failed to import is not reused
+        raise
     return module, digest
 
 
@@ -300,7 +306,7 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
         roles = flex.attention_roles(base[0])
     except flex.NoFlexEquivalent as err:
         raise NapkinError(f"napkin bench compares attention diagrams ({err.why})", filename=str(path)) from None
-    module, digest = _compile(*base, path, build)
+    module, digest = compile_module(*base, path, build)
     try:
         flex_module, flex_why = flex.load(base[0]), None
     except flex.NoFlexEquivalent as err:

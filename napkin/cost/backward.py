@@ -156,13 +156,18 @@ def _attention(b, sizes: dict, given: bool) -> tuple[list[Move], tuple[int, int,
     moves, kernels = [], []
     cf = of = ef = 0
     batch_all = math.prod(sizes[w] for w in b.batch)
+
+    @functools.lru_cache(maxsize=None)
+    def visited(br: int, bc: int) -> list:
+        """The (row block, key block) pairs a kernel at these blocks visits: the forward's."""
+        return masks.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
+
     for k in b.kernels:
         kernels.append(k.role)
         br, bc = blocks[row], blocks[col]
         if k.role == "dkdv" and not given:
             br, bc, _ = dkdv_default_tile(b, sizes)
-        # the (row block, key block) pairs this kernel's loops visit: the forward's, at its blocks
-        pairs = masks.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
+        pairs = visited(br, bc)
         rows_of = functools.partial(clip, nr, br)
         cols_of = functools.partial(clip, nc, bc)
         nblocks = {row: math.ceil(nr / br), col: math.ceil(nc / bc)}
