@@ -413,9 +413,9 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
 
 def _napkin_prepare(launcher):
     """The napkin row's call.  A tuned config is not passed: the launcher
-    reads the cache itself (_choose_config checked it finds the same entry),
-    the forward its own config and the backward, through autograd, the
-    backward's; options passed here would bind both passes to the forward's."""
+    reads the cache itself (_choose_config checked it finds the same
+    entries), the forward its own config and each backward kernel, through
+    autograd, its own; options passed here would bind every kernel to them."""
     def prepare(inputs, shape, device, grad=False):
         def go():
             got = launcher(*inputs)
@@ -492,8 +492,8 @@ def backward_call(d: ir.Diagram, launcher, inputs, sizes, accepted, kind: str):
     for the timed calls; one graph at a time, as at 16K tokens two may not fit."""
     import torch
 
-    q, k, v = flex.attention_shape(d, sizes)["operands"]
-    operands = {"bwd": {q}, "bwd_kv": {k, v}}[kind]
+    q_name, k_name, v_name = flex.attention_shape(d, sizes)["operands"]
+    operands = {"bwd": {q_name}, "bwd_kv": {k_name, v_name}}[kind]
     graph: dict = {}
 
     def call(**options):
