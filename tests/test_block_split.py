@@ -20,6 +20,7 @@ import napkin
 from napkin import ir, masks
 from napkin.codegen import emit_module, lower as L
 from napkin.parse import parse
+from spies import heaviest_first, program_block
 
 REPO = Path(__file__).resolve().parent.parent
 C = masks.BlockClass
@@ -173,19 +174,6 @@ def _unmasked_loads(**watch):
         yield seen
     finally:
         interpreter.InterpreterBuilder.create_load = original
-
-
-def program_block(builder, reversed_: bool) -> int:
-    """The block along grid axis 0 that the interpreter's current program
-    owns: its id, or n - 1 - id in a kernel that runs heaviest first."""
-    return builder.grid_dim[0] - 1 - builder.grid_idx[0] if reversed_ else builder.grid_idx[0]
-
-
-def heaviest_first(bounds) -> tuple[bool, bool]:
-    """Whether the row-block kernels (forward, dQ) and the key-block kernel
-    (dK/dV) of a mask with these bounds take their blocks in reverse
-    (masks.program_order): what the load spies map program ids through."""
-    return masks.work_grows(bounds, "row"), masks.work_grows(bounds, "col")
 
 
 def _full_bounds(diagram, sizes):

@@ -24,7 +24,7 @@ from napkin import masks
 from napkin.codegen import emit_module, lower, visited_blocks
 from napkin.printer import to_text
 from strategies import attention_diagrams, drawn_sizes, matmul_diagrams
-from test_block_split import heaviest_first, program_block
+from spies import heaviest_first, program_block
 
 REPO = Path(__file__).resolve().parent.parent
 REFUSED = {"naive_attention", "attention_fp8"}

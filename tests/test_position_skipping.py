@@ -40,7 +40,7 @@ from napkin.codegen import lower as L
 from napkin.distributed.layouts import TokenLayout, take_rows
 
 import test_backward as tb  # its compile_text and EPS
-from test_block_split import heaviest_first, program_block
+from spies import heaviest_first, program_block
 from test_positions import edited_example
 
 REPO = Path(__file__).resolve().parent.parent
