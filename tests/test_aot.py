@@ -129,6 +129,37 @@ def test_ptxas_resource_line_is_read():
         aot.parse_ptxas("ptxas fatal : nothing")
 
 
+def test_sass_counts_read_each_fp32_family():
+    sass = """
+        /*0100*/                   FFMA R203, R105, 0.18033687770366668701, -R121.reuse ;  /* 0x3e38aa3b69cb7823 */
+        /*0110*/                   FFMA.FTZ R3, R2, R1, R0 ;
+        /*0120*/              @!P0 FMUL R8, R8, 0.5 ;
+        /*0130*/                   FADD R168, -R193, R168 ;
+        /*0140*/                   MUFU.EX2 R232, R168 ;
+        /*0150*/                   MUFU.RCP R0, R0 ;
+        /*0160*/                   FSEL R168, R168, -INF , !P5 ;
+        /*0170*/               @P1 FMNMX R4, R4, R5, !PT ;
+        /*0180*/                   HFMA2.MMA R6, -RZ, RZ, 0, 0 ;
+        /*0190*/                   FADD.FTZ R9, R9, 1 ;
+    """
+    assert aot.count_sass(sass) == {"ffma": 2, "fmul": 1, "fadd": 2, "ex2": 1, "fsel": 1, "fmnmx": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem", TARGETS)
+def test_reports_count_the_fp32_work_of_each_kernel(trainings, stem):
+    # every score of the forward and of both loop kernels goes through an exp2 (MUFU.EX2), the
+    # forward keeps a running max (FMNMX); the rows kernel takes no exp2 but multiplies and adds.
+    # The counts are static: instructions in the code, not executed ones.
+    for r in trainings[stem]:
+        if "_bwd_rows_" in r.kernel:
+            assert r.ex2 == 0 and r.fmul > 0 and r.fadd > 0, r
+        else:
+            assert r.ex2 > 0 and r.ffma + r.fmul > 0, r
+        if "_bwd_" not in r.kernel:
+            assert r.fmnmx > 0, r
+
+
 def test_default_sizes_tile_the_streamed_wires_and_keep_the_rest_small():
     d = napkin.load(REPO / "examples" / "gqa.ncd")
     sizes = aot.default_sizes(d, {"q": 384})
@@ -140,4 +171,5 @@ def test_cli_prints_one_table_per_diagram():
     out = run_aot(["softcap", "matmul"], "--forward-only", "-D", "q=128")
     assert "softcap at {'b': 2, 'h': 2, 'q': 128, 'x': 256}, compiled for sm_90" in out
     assert "_softcap_kernel" in out and "_matmul_kernel" in out
+    assert all(op in out.splitlines()[2] for op in aot.SASS_OPS.values())   # the table's header
     assert aot.main([str(REPO / "examples" / "softcap.ncd"), "-D", "q"]) == 1

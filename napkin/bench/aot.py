@@ -55,6 +55,13 @@ FEATURES = {
     "tma": "cp.async.bulk.tensor",             # TMA bulk copies
 }
 
+# The FP32 ALU work in the SASS (cuobjdump -sass of the cubin): how many
+# instructions of each opcode family the code holds (FFMA counts FFMA.FTZ
+# too).  Static counts: an instruction in a loop counts once however often
+# it runs, and code the kernel never reaches counts too.
+SASS_OPS = {"ffma": "FFMA", "fmul": "FMUL", "fadd": "FADD", "ex2": "MUFU.EX2", "fsel": "FSEL",
+            "fmnmx": "FMNMX"}
+
 
 @dataclass(frozen=True)
 class KernelReport:
@@ -72,6 +79,12 @@ class KernelReport:
     mma: int
     cp_async: int
     tma: int
+    ffma: int = 0
+    fmul: int = 0
+    fadd: int = 0
+    ex2: int = 0
+    fsel: int = 0
+    fmnmx: int = 0
 
     @property
     def spills(self) -> bool:
@@ -81,11 +94,12 @@ class KernelReport:
         return [self.kernel, f"sm_{self.arch}", str(self.num_warps), str(self.num_stages),
                 f"{self.shared / 1024:.1f}", str(self.registers),
                 f"{self.spill_stores}/{self.spill_loads}" if self.spills else "0",
-                str(self.wgmma), str(self.mma), str(self.cp_async), str(self.tma)]
+                str(self.wgmma), str(self.mma), str(self.cp_async), str(self.tma)] \
+            + [str(getattr(self, k)) for k in SASS_OPS]
 
 
 HEADER = ["kernel", "target", "warps", "stages", "smem KiB", "regs", "spill st/ld B",
-          "wgmma", "mma.sync", "cp.async", "TMA"]
+          "wgmma", "mma.sync", "cp.async", "TMA"] + list(SASS_OPS.values())
 
 
 # --------------------------------------------------------------------------
@@ -202,13 +216,39 @@ def compile_diagram(diagram: ir.Diagram, text: str, path: str, sizes: Mapping[st
 
 
 def report(name: str, kernel, arch: int) -> KernelReport:
-    """Registers and spills from ptxas -v on the kernel's PTX; features from the PTX."""
+    """Registers and spills from ptxas -v on the kernel's PTX; features from
+    the PTX; FP32 instruction counts from the SASS."""
     ptx = kernel.asm["ptx"]
     usage = _ptxas_usage(ptx, arch)
     meta = kernel.metadata
     counts = {k: len(re.findall(pattern, ptx)) for k, pattern in FEATURES.items()}
     return KernelReport(kernel=name, arch=arch, num_warps=meta.num_warps, num_stages=meta.num_stages,
-                        shared=meta.shared, **usage, **counts)
+                        shared=meta.shared, **usage, **counts, **count_sass(_sass(kernel.asm["cubin"])))
+
+
+def _sass(cubin: bytes) -> str:
+    """The SASS of a cubin, by the cuobjdump that ships with Triton."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        done = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(path)], capture_output=True, text=True)
+    if done.returncode:
+        raise NapkinError(f"cuobjdump failed on the compiled kernel:\n{done.stderr}")
+    return done.stdout
+
+
+# One SASS instruction: /*0a40*/, an optional predicate (@P0, @!UPT), the opcode.
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.MULTILINE)
+
+
+def count_sass(sass: str) -> dict:
+    """{ffma, fmul, ...}: the instructions of each SASS_OPS family in ``sass``
+    (an opcode counts for a family when it is the family or extends it with
+    a modifier: FFMA.FTZ is an FFMA, MUFU.RCP is not a MUFU.EX2)."""
+    ops = _SASS_LINE.findall(sass)
+    return {k: sum(op == name or op.startswith(name + ".") for op in ops) for k, name in SASS_OPS.items()}
 
 
 def _ptxas_usage(ptx: str, arch: int) -> dict:
