@@ -512,13 +512,12 @@ def _ring_attention_kernel(
         _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _S = _qk * 0.125
-        # online softmax state _m: rescale by 2^(m_old - m_new); log2(e) folded in
-        _s = (_S) * 1.4426950408889634
-        _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None])
+        # online softmax state _m (log2 units): exponent _qk * 0.18033688011112042, its positive scale and log2(e) folded into one:
+        # one FMA a score; the row max is scaled once (a positive scale commutes with max); rescale by 2^(m_old - m_new)
+        _m_new = tl.maximum(_m, tl.max(_qk, 1)[:, None] * 0.18033688011112042)
         _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
         _alpha = tl.exp2(_m - _m_use)
-        _p = tl.exp2(_s - _m_use)
+        _p = tl.exp2(_qk * 0.18033688011112042 - _m_use)
         _m = _m_new
         _w0 = (_p).to(_V.dtype)
         _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
@@ -542,13 +541,13 @@ def _ring_attention_kernel(
             _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            _S = _qk * 0.125
-            # online softmax state _m: rescale by 2^(m_old - m_new); log2(e) folded in
-            _s = tl.where(_ok_x[None, :], (_S) * 1.4426950408889634, float("-inf"))
-            _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None])
+            # online softmax state _m (log2 units): exponent _s * 0.18033688011112042, its positive scale and log2(e) folded into one:
+            # one FMA a score; the row max is scaled once (a positive scale commutes with max); rescale by 2^(m_old - m_new)
+            _s = tl.where(_ok_x[None, :], _qk, float("-inf"))
+            _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 0.18033688011112042)
             _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
             _alpha = tl.exp2(_m - _m_use)
-            _p = tl.exp2(_s - _m_use)
+            _p = tl.exp2(_s * 0.18033688011112042 - _m_use)
             _m = _m_new
             _w0 = (_p).to(_V.dtype)
             _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
@@ -793,10 +792,10 @@ def _ring_attention_bwd_dkdv_kernel(
         _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q)
         _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
         _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q)
+        _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
         _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = _qk * 0.125
-        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+        _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
         _dS = _P * (_dP - _delta)
         _dR = _dS * 0.125
         _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
@@ -821,10 +820,10 @@ def _ring_attention_bwd_dkdv_kernel(
             _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q, mask=_ok_q[None, :], other=0.0)
             _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
             _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q, mask=_ok_q[None, :], other=0.0)
+            _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
-            _S = _qk * 0.125
-            _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+            _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
             _dR = _dS * 0.125
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
@@ -908,6 +907,7 @@ def _ring_attention_bwd_dq_kernel(
     _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
     _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
     _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
+    _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
 
     # The blocks of x this program visits: [_lo, _hi).
@@ -931,8 +931,7 @@ def _ring_attention_bwd_dq_kernel(
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = _qk * 0.125
-        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+        _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
         _dS = _P * (_dP - _delta)
         _dR = _dS * 0.125
         _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
@@ -954,8 +953,7 @@ def _ring_attention_bwd_dq_kernel(
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-            _S = _qk * 0.125
-            _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+            _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
             _dR = _dS * 0.125
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing

@@ -512,13 +512,13 @@ def _softcap_kernel(
         _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _S = 50 * _tanh(_qk * 0.08838834764831845 / 50)
-        # online softmax state _m: rescale by 2^(m_old - m_new); log2(e) folded in
-        _s = (_S) * 1.4426950408889634
-        _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None])
+        # online softmax state _m (log2 units): exponent _s * 72.13475204444816, its positive scale and log2(e) folded into one:
+        # one FMA a score; the row max is scaled once (a positive scale commutes with max); rescale by 2^(m_old - m_new)
+        _s = _tanh(_qk * 0.08838834764831845 / 50)
+        _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 72.13475204444816)
         _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
         _alpha = tl.exp2(_m - _m_use)
-        _p = tl.exp2(_s - _m_use)
+        _p = tl.exp2(_s * 72.13475204444816 - _m_use)
         _m = _m_new
         _w0 = (_p).to(_V.dtype)
         _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
@@ -542,13 +542,13 @@ def _softcap_kernel(
             _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            _S = 50 * _tanh(_qk * 0.08838834764831845 / 50)
-            # online softmax state _m: rescale by 2^(m_old - m_new); log2(e) folded in
-            _s = tl.where(_ok_x[None, :], (_S) * 1.4426950408889634, float("-inf"))
-            _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None])
+            # online softmax state _m (log2 units): exponent _s * 72.13475204444816, its positive scale and log2(e) folded into one:
+            # one FMA a score; the row max is scaled once (a positive scale commutes with max); rescale by 2^(m_old - m_new)
+            _s = tl.where(_ok_x[None, :], _tanh(_qk * 0.08838834764831845 / 50), float("-inf"))
+            _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 72.13475204444816)
             _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
             _alpha = tl.exp2(_m - _m_use)
-            _p = tl.exp2(_s - _m_use)
+            _p = tl.exp2(_s * 72.13475204444816 - _m_use)
             _m = _m_new
             _w0 = (_p).to(_V.dtype)
             _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
@@ -789,10 +789,10 @@ def _softcap_bwd_dkdv_kernel(
         _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q)
         _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
         _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q)
+        _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
         _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = 50 * _tanh(_qk * 0.08838834764831845 / 50)
-        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+        _P = tl.exp2(_tanh(_qk * 0.08838834764831845 / 50) * 72.13475204444816 - _lse2)
         _dS = _P * (_dP - _delta)
         _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
         _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
@@ -817,10 +817,10 @@ def _softcap_bwd_dkdv_kernel(
             _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q, mask=_ok_q[None, :], other=0.0)
             _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
             _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q, mask=_ok_q[None, :], other=0.0)
+            _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
-            _S = 50 * _tanh(_qk * 0.08838834764831845 / 50)
-            _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+            _P = tl.exp2(_tanh(_qk * 0.08838834764831845 / 50) * 72.13475204444816 - _lse2)
             _dS = _P * (_dP - _delta)
             _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
@@ -904,6 +904,7 @@ def _softcap_bwd_dq_kernel(
     _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
     _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
     _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
+    _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
 
     # The blocks of x this program visits: [_lo, _hi).
@@ -927,8 +928,7 @@ def _softcap_bwd_dq_kernel(
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-        _S = 50 * _tanh(_qk * 0.08838834764831845 / 50)
-        _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+        _P = tl.exp2(_tanh(_qk * 0.08838834764831845 / 50) * 72.13475204444816 - _lse2)
         _dS = _P * (_dP - _delta)
         _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
         _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
@@ -950,8 +950,7 @@ def _softcap_bwd_dq_kernel(
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-            _S = 50 * _tanh(_qk * 0.08838834764831845 / 50)
-            _P = tl.exp(_S - tl.where(_lse == float("-inf"), 0, _lse))
+            _P = tl.exp2(_tanh(_qk * 0.08838834764831845 / 50) * 72.13475204444816 - _lse2)
             _dS = _P * (_dP - _delta)
             _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing

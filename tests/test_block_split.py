@@ -278,15 +278,17 @@ def test_causal_source_has_an_unmasked_loop_then_the_diagonal():
     source = _emit("causal")
     mask = "tl.where(_idx_x[None, :] <= _idx_q[:, None]"
     transposed = "tl.where(_idx_x[:, None] <= _idx_q[None, :]"  # dK/dV's tiles are [x, q]
-    for kernel, full, partial, mask in [("_causal_kernel", ("_lo", "_fhi"), ("_fhi", "_hi"), mask),
-                                        ("_causal_bwd_dq_kernel", ("_lo", "_fhi"), ("_fhi", "_hi"), mask),
-                                        ("_causal_bwd_dkdv_kernel", ("_flo", "_fhi"), ("_lo", "_flo"), transposed)]:
+    # -inf only in the guards that do not depend on the mask: the forward's all -inf running max;
+    # dK/dV's lse of -inf, on each row block's lse (dQ guards its rows' lse once, before the loop)
+    for kernel, full, partial, mask, guards in [
+            ("_causal_kernel", ("_lo", "_fhi"), ("_fhi", "_hi"), mask, 1),
+            ("_causal_bwd_dq_kernel", ("_lo", "_fhi"), ("_fhi", "_hi"), mask, 0),
+            ("_causal_bwd_dkdv_kernel", ("_flo", "_fhi"), ("_lo", "_flo"), transposed, 1)]:
         loops = _kernel_loops(source, kernel)
         # no mask, no bounds: no where() on an index or a bounds mask, no masked load
         assert not re.search(r"tl\.where\(\(?_(idx|ok)", loops[full]) and "_ok" not in loops[full], kernel
         assert "mask=" not in loops[full], kernel
-        # -inf only in the guards that do not depend on the mask (an all -inf running max, an lse of -inf)
-        assert loops[full].count("float('-inf')") == 1, kernel
+        assert loops[full].count("float('-inf')") == guards, kernel
         assert mask in loops[partial] and "mask=" in loops[partial], kernel
     # the forward: no partial blocks before the full ones (causal has no lower bound)
     assert set(_kernel_loops(source, "_causal_kernel")) == {("_lo", "_fhi"), ("_fhi", "_hi")}

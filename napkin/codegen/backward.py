@@ -30,11 +30,13 @@ from typing import Optional
 
 from .. import autodiff, ir
 from ..errors import Diagnostic, NapkinError
-from .lower import AttentionPlan, Load, _Loads, nodes
+from .lower import AttentionPlan, Load, Var, _Loads, nodes
+from .scale import LOG2E, factor, log2_scale
 
 # Names the kernels define themselves; loads of user inputs never take them.
 FIXED_NAMES = {"_pid", "_batch", "_row0", "_col0", "_lo", "_hi", "_rb", "_start", "_outer", "_o", "_ok", "_qk",
-               "_need", "_t", "_row_first", "_row_last", "_col_first", "_col_last", "_live", "_flo", "_fhi"}
+               "_need", "_t", "_row_first", "_row_last", "_col_first", "_col_last", "_live", "_flo", "_fhi",
+               "_scale"}
 
 
 def refuse(what: str, why: str, loc: ir.Loc = ir.NOLOC) -> NapkinError:
@@ -123,6 +125,9 @@ class Kernel:
     sides: tuple[SideGrad, ...]
     stores: tuple[Store, ...]
     subst: tuple = ()                   # (node, var): what the kernel holds in variables
+    # (var, expr, phase): per-row values (and per-program scalars) computed once where the loads
+    # they read are: phase "pre" before the loop, "step" at the top of each step (before the tiles)
+    row_lines: tuple[tuple[str, object, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -279,6 +284,7 @@ class _Builder:
         need no reserving: no input may have a placeholder's name)."""
         floats = [t.name for t in self.d.inputs]
         return set(FIXED_NAMES) | {f"_{n}" for n in self.tile_names} | set(extra) \
+            | {f"_{p}2" for p in autodiff.PLACEHOLDERS} \
             | {f"_{p}_{n}" for p in ("acc", "grad", "part", "part_acc") for n in floats} \
             | {f"_dot{i}" for i in range(8)} | {f"_sum{i}" for i in range(8)}
 
@@ -347,6 +353,7 @@ class _Builder:
                 order.append(name)
                 need |= {n.name for n in ir.walk(tile[name]) if isinstance(n, ir.TensorRef)}
         order.reverse()
+        tile, order, rows = self.exp2(tile, order, {t[1] for t in targets}, sides)
         loads = _Loads(self.bd, "pre", self.taken())
 
         tile_axes = (grid_wire, loop_wire)  # the tiles' [rows, cols]
@@ -360,6 +367,7 @@ class _Builder:
             q, k = load(ir.TensorRef(self.q)), load(ir.TensorRef(self.k))
             dots.append(Dot("_qk", *((q, k) if grid_wire == self.row else (k, q))))
             subst[ir.TensorRef("R")] = "_qk"
+        row_lines = []
         for name in order:
             e = tile[name]
             for node in nodes(e):
@@ -369,6 +377,11 @@ class _Builder:
                     subst[node] = var
                 elif isinstance(node, ir.TensorRef) and node not in subst and node.name not in self.tile_names:
                     subst[node] = load(node).var
+            for var, row_e in rows.get(name, ()):  # its per-row values, computed where what they read is loaded
+                refs = [n for n in nodes(row_e) if isinstance(n, ir.TensorRef)]
+                read = [load(n) for n in refs]
+                subst.update((n, ld.var) for n, ld in zip(refs, read))
+                row_lines.append((var, row_e, "step" if any(ld.phase == "step" for ld in read) else "pre"))
             if subst.get(e) != f"_{name}":
                 lines.append((f"_{name}", e))
             subst[ir.TensorRef(name)] = f"_{name}"
@@ -382,7 +395,58 @@ class _Builder:
         ordered = tuple(ld for ld in loads.loads if ld.phase == "pre") + \
             tuple(ld for ld in loads.loads if ld.phase == "step")
         return Kernel(role, f"_{self.d.name}_bwd_{role}_kernel", grid_wire, loop_wire, batch, outer, ordered,
-                      tuple(lines), tuple(dots), (), tuple(grads), tuple(sides), (), tuple(subst.items()))
+                      tuple(lines), tuple(dots), (), tuple(grads), tuple(sides), (), tuple(subst.items()),
+                      tuple(row_lines))
+
+    def exp2(self, tile: dict, order: list, grad_tiles: set, sides) -> tuple[dict, list, list]:
+        """The recomputed P = exp(S - lse') (lse' the row state, -inf replaced)
+        as exp2(t * C - lse2): lse2 = lse' * log2(e) once per row, C the
+        score's positive scale (scale.py) times log2(e), one constant, so each
+        score is one FMA and one exp2, as the forward's.  The tile S is
+        opened (its line goes) when only P reads it; else t is S and C is
+        log2(e).  Returns (tile, order, {tile name: its per-row lines [(var, expr)]})."""
+        fixed = {w.name: w.size for w in self.d.wires if w.size is not None}
+        rows, tile = {}, dict(tile)
+        for name in list(order):
+            e = tile[name]
+            if not (isinstance(e, ir.Call) and e.fn == "exp" and isinstance(e.args[0], ir.Binary)
+                    and e.args[0].op == "-"):
+                continue
+            a, b = e.args[0].lhs, e.args[0].rhs
+            refs = {n.name for n in nodes(b) if isinstance(n, ir.TensorRef)}
+            per_row = len(refs) == 1 and not (refs & set(self.tile_names)) and self.col not in self._wires(b)
+            if not per_row:
+                continue  # not a row value subtracted: left as it is
+            readers = [tile[n] for n in order if n != name] + [s.expr for s in sides]
+            only_here = [n for n in order if n != name and n not in grad_tiles and ir.TensorRef(n) in set(nodes(a))
+                         and not any(ir.TensorRef(n) in set(nodes(r)) for r in readers)]
+            opened = a
+            for n in only_here:
+                opened = autodiff.substitute(opened, ir.TensorRef(n), tile[n])
+            c, t = factor(opened, fixed, lambda n: isinstance(n, (ir.TensorRef, ir.Reduce)))
+            if c is None:
+                t = a
+            else:
+                order = [n for n in order if n not in only_here or ir.TensorRef(n) in set(nodes(t))]
+            k, mine = log2_scale(c, fixed), rows.setdefault(name, [])
+            if not isinstance(k, float):  # a symbolic size: one scalar per program
+                mine.append(("_scale", k))
+                k = Var("_scale")
+            lse2 = f"_{refs.pop()}2"
+            mine.append((lse2, ir.Binary("*", b, ir.Num(LOG2E))))
+            tile[name] = ir.Call("exp2", (ir.Binary("-", ir.Binary("*", t, k if isinstance(k, Var) else ir.Num(k)),
+                                                     Var(lse2)),), e.loc)
+        return tile, order, rows
+
+    def _wires(self, e) -> set:
+        """The wires an expression of the rule varies along."""
+        out = set()
+        for n in nodes(e):
+            if isinstance(n, ir.TensorRef):
+                out |= set(self._read(n))
+            elif isinstance(n, ir.WireIndex):
+                out.add(n.wire)
+        return out
 
     def dot(self, node: ir.Reduce, var: str, load, transposed: bool) -> Dot:
         """sum[f](X * Y) of a row tile X and a key tile Y: X @ Y^T, or Y @ X^T

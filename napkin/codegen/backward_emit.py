@@ -183,7 +183,7 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
     """The step: recompute the score tile, then each binding the kernel needs.
     ``full``: a full block's step, the same text with the mask taken as true
     and no bounds masks (_ok): every row and key of its tile is real."""
-    lines = []
+    lines = _row_lines(plan, names, k, "step")
     d = plan.diagram
     for dot in k.dots:
         dt = _dt(plan, dot.lhs.tensor, dot.rhs.tensor)
@@ -225,6 +225,13 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
         else:
             lines += [f"if _NEED_{s.tensor}:", f"    _part_acc_{s.tensor} += {value}"]
     return lines
+
+
+def _row_lines(plan: BackwardPlan, names: E._Names, k: Kernel, phase: str) -> list[str]:
+    """The per-row values (lse * log2(e)) and per-program scalars computed
+    where what they read is loaded: before the loop ("pre") or at the top of
+    each step, on the row vector, not on each score of the tile."""
+    return [f"{var} = {triton(e, _ctx(plan, names, k))}" for var, e, at in k.row_lines if at == phase]
 
 
 def _side_ptr(plan: BackwardPlan, names: E._Names, s) -> str:
@@ -416,6 +423,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             after.append(f"tl.store({ptr}, {value}.to({st.tensor}.dtype.element_ty)"
                          f"{', mask=' + ' & '.join(mask) if mask else ''})")
     else:
+        init += _row_lines(plan, names, k, "pre")
         for g in k.grads:
             init.append(f"{g.var} = tl.zeros([{names.block(g.rows)}, {names.block(g.cols)}], tl.float32)")
         for s in k.sides:

@@ -21,16 +21,15 @@ clash): ``_offs_q`` / ``_ok_q`` (indices and bounds mask along q),
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 from .. import ir, masks
 from . import lower as L
 from .bounds import live, loop_bounds
-from .exprs import Ctx, triton
+from .exprs import Ctx, number, triton
 from .reference import reference_lines
+from .scale import log2_scale, plan_exponents
 
-LOG2E = repr(math.log2(math.e))
 NEG_INF = 'float("-inf")'
 POS_INF = 'float("inf")'
 
@@ -242,22 +241,38 @@ def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], 
         rhs = dot.rhs.var if dtypes[dot.rhs.tensor] == dtypes[dot.lhs.tensor] else \
             f"{dot.rhs.var}.to({dot.lhs.var}.dtype)"
         lines.append(f'{dot.var} = tl.dot({dot.lhs.var}, tl.trans({rhs}), input_precision="{plan.precision}")')
+    # each exponent as c * t (scale.py): t is what the step computes, c * log2(e) one constant
+    tiles = {e: var for var, e in plan.tiles}
+    factored, opened = plan_exponents(
+        [e for _, e in plan.groups], [e for _, e in plan.tiles], [a.tile for a in plan.accums if a.tile is not None],
+        names.fixed, lambda n: n in step_subst and n not in tiles)
     for var, e in plan.tiles:
-        own = {k: v for k, v in step_subst.items() if v != var}
-        lines.append(f"{var} = {triton(e, names.ctx(row, col, own, kinds, sure))}")
+        if e not in opened:  # an opened tile: its exponent computes t instead, and nothing else reads it
+            own = {k: v for k, v in step_subst.items() if v != var}
+            lines.append(f"{var} = {triton(e, names.ctx(row, col, own, kinds, sure))}")
     ctx = names.ctx(row, col, step_subst, kinds, sure)
     init = []
-    for i, (m, e) in enumerate(plan.groups):
+    for i, ((m, e), (c, t)) in enumerate(zip(plan.groups, factored)):
         sfx = "" if i == 0 else str(i)
         init.append(f"{m} = tl.full([{br}, 1], {NEG_INF}, tl.float32)  # running max of the exponent, log2 units")
-        code = _full(d, e, row, col, triton(e, ctx), names, sure)
+        k = log2_scale(c, names.fixed)
+        if not isinstance(k, float):  # c holds a symbolic size: one scalar per program
+            init.append(f"_scale{sfx} = {triton(k, ctx)}  # the exponent's scale times log2(e)")
+        k = number(k) if isinstance(k, float) else f"_scale{sfx}"
+        code = _full(d, t, row, col, triton(t, ctx), names, sure)
+        named = ok is None and code.isidentifier()  # a variable already: no copy
+        why = "log2(e) folded in" if c is None else "its positive scale and log2(e) folded into one"
+        lines += [f"# online softmax state {m} (log2 units): exponent {'_s' + sfx if not named else code} * {k}, "
+                  f"{why}:", "# one FMA a score; the row max is scaled once (a positive scale commutes with max); "
+                  "rescale by 2^(m_old - m_new)"]
+        if not named:
+            lines.append(f"_s{sfx} = {where(code, NEG_INF)}")
+            code = f"_s{sfx}"
         lines += [
-            f"# online softmax state {m}: rescale by 2^(m_old - m_new); log2(e) folded in",
-            f"_s{sfx} = {where(f'({code}) * {LOG2E}', NEG_INF)}",
-            f"_m_new{sfx} = tl.maximum({m}, tl.max(_s{sfx}, 1)[:, None])",
+            f"_m_new{sfx} = tl.maximum({m}, tl.max({code}, 1)[:, None] * {k})",
             f"_m_use{sfx} = tl.where(_m_new{sfx} == {NEG_INF}, 0.0, _m_new{sfx})  # all -inf so far: no NaN",
             f"_alpha{sfx} = tl.exp2({m} - _m_use{sfx})",
-            f"_p{sfx} = tl.exp2(_s{sfx} - _m_use{sfx})",
+            f"_p{sfx} = tl.exp2({code} * {k} - _m_use{sfx})",
             f"{m} = _m_new{sfx}",
         ]
     group_sfx = {m: ("" if i == 0 else str(i)) for i, (m, _) in enumerate(plan.groups)}

@@ -464,8 +464,8 @@ def _precision(d: ir.Diagram) -> str:
 def internal_names(d: ir.Diagram) -> frozenset:
     """Every variable the kernels' own code may define for ``d`` (a superset):
     loop bounds, the step's temporaries (``_s``, ``_p``, ``_m_new``, ``_t0``),
-    running state (``_m``, ``_l``, ``_acc``), per-wire offsets and masks
-    (``_offs_q``, ``_ok_x``), per-tensor strides and gradient accumulators;
+    running state (``_m``, ``_l``, ``_acc``), the exponent's folded scale
+    (``_scale``), per-wire offsets and masks (``_offs_q``, ``_ok_x``), per-tensor strides and gradient accumulators;
     not the names loads themselves take (those of the backward's dO, lse,
     delta: ``_Loads`` keeps loads apart).  A load is named ``_`` + the tensor's name, and a diagram's names are the
     user's: a tensor called ``s`` or ``offs_q`` must not overwrite the
@@ -476,7 +476,7 @@ def internal_names(d: ir.Diagram) -> frozenset:
            "_SPLIT_WEIGHTS"}
     for sfx in suffixes:
         out |= {f"_{base}{sfx}" for base in ("s", "p", "m", "m_new", "m_use", "alpha", "qk", "acc", "l", "max",
-                                             "min", "t", "w", "dot", "sum")}
+                                             "min", "t", "w", "dot", "sum", "scale")}
     wires = [w.name for w in d.wires]
     for w in wires:
         out |= {f"_{base}_{w}" for base in ("offs", "ok", "gok", "idx", "size", "i", "pos", "len", "BLOCK", "POS")}
