@@ -524,8 +524,8 @@ def _alibi_kernel(
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _S = _qk * 0.125 + _slope * (_idx_x[None, :] - _idx_q[:, None])
-        # online softmax state _m (log2 units): exponent _S * 1.4426950408889634, log2(e) folded in:
-        # one FMA a score; the row max is scaled once (a positive scale commutes with max); rescale by 2^(m_old - m_new)
+        # online softmax state _m, log2 units: the exponent is _S * 1.4426950408889634 (log2(e) folded in); one
+        # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
         _m_new = tl.maximum(_m, tl.max(_S, 1)[:, None] * 1.4426950408889634)
         _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
         _alpha = tl.exp2(_m - _m_use)
@@ -556,8 +556,8 @@ def _alibi_kernel(
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _S = tl.where(_idx_x[None, :] <= _idx_q[:, None], _qk * 0.125 + _slope * (_idx_x[None, :] - _idx_q[:, None]), float("-inf"))
-            # online softmax state _m (log2 units): exponent _s * 1.4426950408889634, log2(e) folded in:
-            # one FMA a score; the row max is scaled once (a positive scale commutes with max); rescale by 2^(m_old - m_new)
+            # online softmax state _m, log2 units: the exponent is _s * 1.4426950408889634 (log2(e) folded in); one
+            # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
             _s = tl.where(_ok_x[None, :], _S, float("-inf"))
             _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 1.4426950408889634)
             _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN

@@ -538,8 +538,8 @@ def _sliding_window_kernel(
             _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            # online softmax state _m (log2 units): exponent _s * 0.18033688011112042, its positive scale and log2(e) folded into one:
-            # one FMA a score; the row max is scaled once (a positive scale commutes with max); rescale by 2^(m_old - m_new)
+            # online softmax state _m, log2 units: the exponent is _s * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
+            # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
             _s = tl.where(_ok_x[None, :], tl.where((_idx_x[None, :] <= _idx_q[:, None]) & (_idx_q[:, None] - _idx_x[None, :] < 256), _qk, float("-inf")), float("-inf"))
             _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 0.18033688011112042)
             _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
@@ -558,8 +558,8 @@ def _sliding_window_kernel(
         _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        # online softmax state _m (log2 units): exponent _qk * 0.18033688011112042, its positive scale and log2(e) folded into one:
-        # one FMA a score; the row max is scaled once (a positive scale commutes with max); rescale by 2^(m_old - m_new)
+        # online softmax state _m, log2 units: the exponent is _qk * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
+        # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
         _m_new = tl.maximum(_m, tl.max(_qk, 1)[:, None] * 0.18033688011112042)
         _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
         _alpha = tl.exp2(_m - _m_use)
@@ -590,8 +590,8 @@ def _sliding_window_kernel(
             _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            # online softmax state _m (log2 units): exponent _s * 0.18033688011112042, its positive scale and log2(e) folded into one:
-            # one FMA a score; the row max is scaled once (a positive scale commutes with max); rescale by 2^(m_old - m_new)
+            # online softmax state _m, log2 units: the exponent is _s * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
+            # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
             _s = tl.where(_ok_x[None, :], tl.where((_idx_x[None, :] <= _idx_q[:, None]) & (_idx_q[:, None] - _idx_x[None, :] < 256), _qk, float("-inf")), float("-inf"))
             _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 0.18033688011112042)
             _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN

@@ -255,24 +255,24 @@ def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], 
     for i, ((m, e), (c, t)) in enumerate(zip(plan.groups, factored)):
         sfx = "" if i == 0 else str(i)
         init.append(f"{m} = tl.full([{br}, 1], {NEG_INF}, tl.float32)  # running max of the exponent, log2 units")
-        k = log2_scale(c, names.fixed)
-        if not isinstance(k, float):  # c holds a symbolic size: one scalar per program
-            init.append(f"_scale{sfx} = {triton(k, ctx)}  # the exponent's scale times log2(e)")
-        k = number(k) if isinstance(k, float) else f"_scale{sfx}"
+        scaled = log2_scale(c, names.fixed)
+        if not isinstance(scaled, float):  # c holds a symbolic size: one scalar per program
+            init.append(f"_scale{sfx} = {triton(scaled, ctx)}  # the exponent's scale times log2(e)")
+        scaled = number(scaled) if isinstance(scaled, float) else f"_scale{sfx}"
         code = _full(d, t, row, col, triton(t, ctx), names, sure)
-        named = ok is None and code.isidentifier()  # a variable already: no copy
-        why = "log2(e) folded in" if c is None else "its positive scale and log2(e) folded into one"
-        lines += [f"# online softmax state {m} (log2 units): exponent {'_s' + sfx if not named else code} * {k}, "
-                  f"{why}:", "# one FMA a score; the row max is scaled once (a positive scale commutes with max); "
-                  "rescale by 2^(m_old - m_new)"]
-        if not named:
-            lines.append(f"_s{sfx} = {where(code, NEG_INF)}")
-            code = f"_s{sfx}"
+        if ok is not None or not code.isidentifier():  # else a variable already: no copy
+            code, copy = f"_s{sfx}", f"_s{sfx} = {where(code, NEG_INF)}"
+        else:
+            copy = None
+        why = "log2(e) folded in" if c is None else "the scale > 0 times log2(e), one constant"
+        lines += [f"# online softmax state {m}, log2 units: the exponent is {code} * {scaled} ({why}); one",
+                  "# FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)"]
+        lines += [copy] if copy else []
         lines += [
-            f"_m_new{sfx} = tl.maximum({m}, tl.max({code}, 1)[:, None] * {k})",
+            f"_m_new{sfx} = tl.maximum({m}, tl.max({code}, 1)[:, None] * {scaled})",
             f"_m_use{sfx} = tl.where(_m_new{sfx} == {NEG_INF}, 0.0, _m_new{sfx})  # all -inf so far: no NaN",
             f"_alpha{sfx} = tl.exp2({m} - _m_use{sfx})",
-            f"_p{sfx} = tl.exp2({code} * {k} - _m_use{sfx})",
+            f"_p{sfx} = tl.exp2({code} * {scaled} - _m_use{sfx})",
             f"{m} = _m_new{sfx}",
         ]
     group_sfx = {m: ("" if i == 0 else str(i)) for i, (m, _) in enumerate(plan.groups)}
