@@ -501,6 +501,13 @@ def test_tuning_is_shown_in_the_markdown_when_truncated():
     assert "| causal | bfloat16 | 64 | fwd | block_q=128, block_x=64, num_warps=8, num_stages=3 | 7 of 19 | 1 | " \
            "**12 skipped: budget 65 s ran out** |" in md
     assert "| dkdv | block_q=32, block_x=128, num_warps=8, num_stages=2 | 6 of 6 | 0 | all timed |" in md
+    # a config read back from the cache reports how its tuning went then
+    entry = {"config": {}, "ms": 1.0, "tried": 7, "candidates": 19, "timed": 7, "failed": 0, "skipped": 12,
+             "budget_s": 65.0, "truncated": True}
+    row["tuning"] = {"fwd": harness._tuning_facts(entry), "dkdv": harness._tuning_facts({"config": {}})}
+    md = results.markdown(data)
+    assert "| 7 of 19 | 0 | **12 skipped: budget 65 s ran out** (cached) |" in md
+    assert "| dkdv | block_q=32, block_x=128, num_warps=8, num_stages=2 | ? | ? | ? (cached) |" in md
 
 
 def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path):

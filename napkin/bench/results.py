@@ -189,7 +189,8 @@ def _tuning_lines(rows: list[dict]) -> list[str]:
                 if t.get("skipped") else "all timed" if t.get("skipped") == 0 else "?"
             cfg = ", ".join(f"{k}={v}" for k, v in (configs.get(kernel) or {}).items())
             body.append([row["diagram"], row["dtype"], str(row["shape"]["q_len"]), kernel, cfg, timed,
-                         str(t.get("failed", "?")), cut + (" (cached)" if t.get("from_cache") else "")])
+                         "?" if t.get("failed") is None else str(t["failed"]),
+                         cut + (" (cached)" if t.get("from_cache") else "")])
     if not body:
         return []
     head = ["diagram", "dtype", "N", "kernel", "config", "timed", "failed", "budget"]
