@@ -4,14 +4,21 @@ A configuration is what a generated launcher takes besides its inputs:
 one block size per tiled wire (``block_q``, ``block_x``), ``num_warps`` and
 ``num_stages``.  Tuning has three parts:
 
-* ``candidates(diagram, sizes)``: the block sizes the cost pass's tile search
-  ranks best (``napkin.cost.tune``; a documented default list when it is
-  unavailable), crossed with num_warps and num_stages, and pruned: a config
-  whose shared memory (the pipelined input tiles) exceeds the device's
-  capacity, or that gives a warp fewer than 16 rows, cannot run well (or at
-  all), so it is never timed.
-* ``autotune(fn, candidates, bench_fn)``: times each candidate, keeps the
-  fastest, and stores it in the cache.
+* ``candidates(diagram, sizes, kind=...)``: the configurations worth timing
+  for one kernel (kind "" the forward, "bwd" the dQ kernel, "bwd_kv" the
+  dK/dV kernel), most promising first, and the ones pruned with the reason.
+  For streamed attention each kernel holds a block of one wire (its
+  *resident* wire: the forward's and dQ's rows, dK/dV's keys) and steps
+  over the other: resident blocks come from the cost pass (they set how
+  often the streamed operand is re-read from HBM), streamed blocks are the
+  sizes Hopper's MMAs run well (STREAMED_BLOCKS), each with num_warps and
+  num_stages.  Pruned: shared memory over the device's, fewer than 16
+  resident rows a warp, more float32 values a thread than the register
+  budget (backward_emit.HELD_FP32, where spills start on sm_90), and a
+  16-wide streamed block when a wider one fits.
+* ``autotune(fn, candidates, bench_fn, budget_s=...)``: times candidates in
+  order until the time budget is spent, keeps the fastest, and stores it in
+  the cache with how many were timed and how many skipped.
 * the cache: one JSON file, ``$NAPKIN_CACHE/autotune.json`` (default
   ``~/.cache/napkin``), keyed by (diagram source hash, device name, shape
   bucket), the bucket being each symbolic wire's size rounded up to a power
@@ -30,7 +37,8 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -41,6 +49,24 @@ SCHEMA = "napkin-autotune/1"
 WARPS = (4, 8)
 STAGES = (2, 3, 4)
 MIN_ROWS_PER_WARP = 16   # an mma tile is 16 rows: fewer rows per warp leaves warps idle
+KINDS = {"": "forward", "bwd": "dQ", "bwd_kv": "dK/dV"}   # cache kind -> the kernel it tunes
+
+# Streamed-wire blocks tried for attention: the N of each step's score
+# product (and the K of its product with V).  32 to 128 are the widths
+# FlashAttention kernels on Hopper step by; 16 (TINY_STREAMED) gives wgmma
+# an N of 16, its least efficient shape, and pays the per-block softmax
+# bookkeeping (the running max, the rescale of the accumulator) twice as
+# often as 32, so it is tried only where no wider block fits.  The cost
+# pass cannot rank these: its HBM bytes barely depend on the streamed block.
+STREAMED_BLOCKS = (128, 64, 32)
+TINY_STREAMED = 16
+RESIDENT_PICKS = 2       # resident blocks from the cost pass's ranking, besides the schedule's own
+# The order stages are tried in, for each block shape and warp count: 3
+# keeps two tiles loading while one is used (the usual choice on Hopper),
+# 2 needs the least shared memory, 4 the most and rarely pays on a
+# compute-bound loop.  An order, not a filter: a budget that runs out
+# loses the later ones first.
+STAGE_ORDER = (3, 2, 4)
 
 # Used when the cost pass's tile search is unavailable or fails: (row, streamed)
 # blocks around FlashAttention's usual choices, then matmul tiles (m, n, k).
@@ -197,13 +223,262 @@ def smem_bytes(diagram: ir.Diagram, config: Config, sizes: Mapping[str, int]) ->
     return total
 
 
-def candidates(diagram: ir.Diagram, sizes: Mapping[str, int], *, capacity: Optional[int] = None,
-               profile: Optional[str] = None, top: int = 4, warps: Sequence[int] = WARPS,
-               stages: Sequence[int] = STAGES) -> tuple[list[Config], list[Pruned]]:
-    """(configs to time, configs pruned and why), both in a fixed order.
-    capacity: shared memory per block in bytes (default: the profile's smem)."""
+@dataclass(frozen=True)
+class KernelShape:
+    """How one streamed-attention kernel holds a configuration's tiles.
+
+    A program keeps a block of the ``resident`` wire (each MMA's M, split
+    among the warps) and loops over blocks of ``streamed``.  In float32
+    registers it holds its accumulators, ``widths`` columns per resident
+    index ([resident, feature]: the forward's output, dQ), and one
+    [resident, streamed] tile per accumulating product (``tiles``: P for
+    P @ V, dS for dS @ K).  ``loads``: what it loads before the loop (once)
+    and per step (num_stages copies in flight), for shared memory.  dK/dV
+    is judged by its own launcher rule instead (``_dkdv_keeps``)."""
+
+    kind: str
+    resident: str
+    streamed: str
+    widths: int
+    tiles: int
+    loads: tuple                       # codegen Load records (phase "pre" / "step")
+    diagram: ir.Diagram                # whose tensors the loads read (the backward's include dO, lse, ...)
+    plan: object = None                # the BackwardPlan (dK/dV)
+
+    def held(self, blocks: Mapping[str, int], warps: int) -> float:
+        """float32 values one thread holds: accumulators plus product tiles.
+        Against backward_emit.HELD_FP32 (160), compiled for sm_90 with
+        napkin.bench.aot (causal, d 128, bf16): forward (128, 64) at 4 warps
+        (192) spilled 304 B, (128, 32) at 4 (160) and (64, 64) at 4 (96) did
+        not, (128, 128) at 8 (128) spilled 4 B at 3 stages and none at 2;
+        dQ (128, 64) at 4 (192) spilled 380 B, (128, 32) at 4 (160),
+        (64, 128) at 4 (128), (128, 128) at 8 (128) and (64, 64) at 4 (96)
+        did not."""
+        return blocks[self.resident] * (self.widths + self.tiles * blocks[self.streamed]) / (32 * warps)
+
+
+def _padded(diagram: ir.Diagram, wire: str, sizes: Mapping[str, int]) -> int:
+    """A feature wire's block: its size padded to a power of two, at least 16 (as the kernels pad)."""
+    from .codegen.lower import MIN_DOT, _dim_block
+
+    return _dim_block(diagram, wire) or max(MIN_DOT, _pow2(sizes[wire]))
+
+
+@functools.lru_cache(maxsize=32)
+def _plans(diagram: ir.Diagram):
+    """(forward plan, backward plan or None) of a streamed attention, else None."""
+    from .codegen import lower, training
+
+    try:
+        fplan = lower.lower(diagram)
+    except NapkinError:
+        return None
+    if fplan.family != "attention":
+        return None
+    return fplan, training.prepare(fplan).backward
+
+
+def kernel_shape(diagram: ir.Diagram, sizes: Mapping[str, int], kind: str = "") -> Optional[KernelShape]:
+    """The tiles kernel ``kind`` holds; None when the diagram is no streamed
+    attention (or has no such backward kernel): its candidates are then the
+    generic ones."""
+    plans = _plans(diagram)
+    if plans is None:
+        return None
+    fplan, bplan = plans
+    full = {w.name: w.size for w in diagram.wires if w.size is not None}
+    full.update(sizes)
+    if kind == "":
+        values = [a.value for a in fplan.accums if a.value is not None]
+        widths = sum(_padded(diagram, v.cols, full) for v in values if v.cols)
+        return KernelShape(kind, fplan.row, fplan.col, widths, len(values), fplan.loads, diagram)
+    k = bplan.kernel({"bwd": "dq", "bwd_kv": "dkdv"}[kind]) if bplan is not None else None
+    if k is None:
+        return None
+    widths = sum(_padded(bplan.diagram, g.cols, full) for g in k.grads)
+    return KernelShape(kind, k.grid_wire, k.loop_wire, widths, len(k.grads), k.loads, bplan.diagram, bplan)
+
+
+def kernel_smem(shape: KernelShape, config: Config, sizes: Mapping[str, int]) -> int:
+    """Shared memory for one kernel's loaded tiles: each tile loaded before
+    the loop once, each loaded per step num_stages times (padded to powers
+    of two, as Triton pads).  The forward's equals ``smem_bytes``; the
+    backward kernels load other tensors (dO, lse, delta) and stream other
+    wires (dK/dV streams the rows)."""
+    blocks = dict(config.blocks)
+    full = {w.name: w.size for w in shape.diagram.wires if w.size is not None}
+    full.update(sizes)
+    total = 0
+    for ld in shape.loads:
+        elements = 1
+        for w in (ld.rows, ld.cols):
+            if w is not None:
+                elements *= blocks[w] if w in blocks else _padded(shape.diagram, w, full)
+        copies = config.num_stages if ld.phase == "step" else 1
+        total += elements * _load_bytes(shape, ld) * copies
+    return total
+
+
+def _load_bytes(shape: KernelShape, ld) -> int:
+    """Bytes per element of a loaded tile.  The backward's diagram declares
+    its own tensors float32, but an output's gradient (dO: a tensor of the
+    backward along a feature wire) arrives from autograd in the output's
+    dtype, the inputs' for these diagrams: the first input's is counted."""
+    t = shape.diagram.tensor(ld.tensor)
+    forward = shape.plan.forward.diagram if shape.plan is not None else shape.diagram
+    if forward.tensor(ld.tensor) is None and ld.rows is not None and ld.cols is not None and forward.inputs:
+        return ir.DTYPE_BYTES[forward.inputs[0].dtype]
+    return ir.DTYPE_BYTES[t.dtype]
+
+
+def _dkdv_keeps(shape: KernelShape, config: Config, sizes: Mapping[str, int]) -> Optional[int]:
+    """None when the dK/dV kernel's own register rule (the launcher's default
+    tile, backward_emit.dkdv_default_tile, against HELD_FP32) keeps this
+    tile at these warps; else the row block that rule would cut it to.
+    Asked of the rule itself, so a change to it applies here too."""
+    from .codegen.backward_emit import dkdv_default_tile
+
+    plan, blocks = shape.plan, dict(config.blocks)
+    # the rule reads the forward's blocks: keys take the row block, rows the streamed one
+    fblocks = dict(plan.forward.blocks)
+    fblocks[plan.row], fblocks[plan.col] = blocks[plan.col], blocks[plan.row]
+    probe = replace(plan, forward=replace(plan.forward, blocks=tuple(fblocks.items())))
+    full = {w.name: w.size for w in plan.diagram.wires if w.size is not None}
+    full.update(sizes)
+    br, bc, _ = dkdv_default_tile(probe, full, config.num_warps)
+    return None if (br, bc) == (blocks[plan.row], blocks[plan.col]) else br
+
+
+def resident_blocks(diagram: ir.Diagram, sizes: Mapping[str, int], shape: KernelShape,
+                    profile: Optional[str] = None, picks: int = RESIDENT_PICKS) -> list[int]:
+    """The resident wire's blocks, best first: the schedule's own (the
+    forward's and dQ's rows; dK/dV's keys take the schedule's row block, as
+    its default does), then the cost pass's best ``picks`` for the row wire.
+    The cost pass ranks whole tiles by predicted time, ties by HBM bytes;
+    a row block is as good as its best tile.  The bytes depend on the
+    resident block (each resident block re-reads the whole streamed
+    operand) far more than on the streamed one, and dK/dV's keys re-read
+    Q and dO just as the forward's rows re-read K and V, so the same
+    ranking serves its keys."""
+    own = tiled_blocks(diagram)
+    rows = [v for v in own.values()][:1]
+    try:
+        from .cost import tune
+        ranked = [r.block for r in tune(diagram, sizes, profile, top=10 ** 6)]     # every tile that fits
+        row = tiled_wires(diagram)[0]
+        order = list(dict.fromkeys(b[row] for b in ranked if row in b))
+    except (ImportError, NapkinError, IndexError):
+        order = list(dict.fromkeys(r for r, _ in DEFAULT_BLOCKS_2))
+    return rows + [b for b in order if b not in rows][:picks]
+
+
+def streamed_blocks(diagram: ir.Diagram, sizes: Mapping[str, int], shape: KernelShape) -> list[int]:
+    """The streamed wire's blocks, in the order tried: the schedule's own
+    streamed block (forward and dQ; dK/dV streams the rows, and its own
+    untuned tile leads its list anyway), then
+    STREAMED_BLOCKS widest first (a wider step amortises the per-block
+    bookkeeping, as long as the registers allow, which pruning checks),
+    then TINY_STREAMED, kept only where nothing wider survives.  None wider
+    than the wire itself (padded): a bigger block only adds masked lanes."""
+    own = tiled_blocks(diagram)
+    full = {w.name: w.size for w in diagram.wires if w.size is not None}
+    full.update(sizes)
+    cap = max(TINY_STREAMED, _pow2(full[shape.streamed])) if shape.streamed in full else None
+    first = [own[shape.streamed]] if shape.streamed in own and shape.kind != "bwd_kv" else []
+    out = list(dict.fromkeys(first + list(STREAMED_BLOCKS) + [TINY_STREAMED]))
+    return [b for b in out if cap is None or b <= cap]
+
+
+def candidates(diagram: ir.Diagram, sizes: Mapping[str, int], *, kind: str = "", lead: Sequence[Config] = (),
+               capacity: Optional[int] = None, profile: Optional[str] = None, top: int = 4,
+               warps: Sequence[int] = WARPS, stages: Sequence[int] = STAGES) -> tuple[list[Config], list[Pruned]]:
+    """(configs to time, most promising first; configs pruned and why) for
+    kernel ``kind`` ("" forward, "bwd" dQ, "bwd_kv" dK/dV).  ``lead``: the
+    kernel's untuned launch, timed first and never pruned, so tuning never
+    ends worse than not tuning.  capacity: shared memory per block in bytes
+    (default: the profile's smem).  Deterministic."""
+    if kind not in KINDS:
+        raise NapkinError(f"unknown autotune kind {kind!r}: one of {', '.join(map(repr, KINDS))}")
     if capacity is None:
         capacity = tiling.level_capacity(diagram, "smem")
+    shape = kernel_shape(diagram, sizes, kind)
+    if shape is None:
+        keep, pruned = _generic_candidates(diagram, sizes, capacity, profile, top, warps, stages)
+    else:
+        keep, pruned = _attention_candidates(diagram, sizes, shape, capacity, profile, warps, stages)
+    lead = list(dict.fromkeys(lead))
+    return lead + [c for c in keep if c not in lead], [p for p in pruned if p.config not in lead]
+
+
+def _attention_candidates(diagram, sizes, shape: KernelShape, capacity, profile, warps, stages):
+    """Resident blocks x streamed blocks x warps x stages, pruned, then
+    ordered breadth first: every block shape at its most likely warps and
+    stages before any shape's second choice, so a budget that runs out has
+    still seen every shape once."""
+    from .codegen.backward_emit import HELD_FP32
+
+    res, st = shape.resident, shape.streamed
+    warp_order = sorted(warps, reverse=True)       # more warps: fewer registers a thread
+    stage_order = [s for s in STAGE_ORDER if s in stages] + [s for s in stages if s not in STAGE_ORDER]
+    per_shape: dict[tuple, list[Config]] = {}
+    pruned: list[Pruned] = []
+    for r in resident_blocks(diagram, sizes, shape, profile):
+        for b in streamed_blocks(diagram, sizes, shape):
+            blocks = {res: r, st: b}
+            order = tuple((w, blocks[w]) for w in tiled_wires(diagram) if w in blocks)
+            if len(order) != 2:
+                continue
+            survivors = per_shape.setdefault(order, [])
+            for w in warp_order:
+                for s in stage_order:
+                    c = Config(order, w, s)
+                    why = _prune_reason(shape, c, sizes, capacity, HELD_FP32)
+                    if why:
+                        pruned.append(Pruned(c, why))
+                    else:
+                        survivors.append(c)
+    # a 16-wide step only where no wider one survives for that resident block
+    wider = {dict(o)[res] for o, cs in per_shape.items() if cs and dict(o)[st] > TINY_STREAMED}
+    for o, cs in per_shape.items():
+        if dict(o)[st] == TINY_STREAMED and dict(o)[res] in wider:
+            pruned += [Pruned(c, f"block_{st}={TINY_STREAMED} while a wider streamed block fits block_{res}="
+                                 f"{dict(o)[res]}: an MMA N of 16 and twice the per-block softmax "
+                                 "bookkeeping of 32") for c in cs]
+            cs.clear()
+    tiers = max((len(cs) for cs in per_shape.values()), default=0)
+    keep = [cs[i] for i in range(tiers) for cs in per_shape.values() if i < len(cs)]
+    return keep, pruned
+
+
+def _prune_reason(shape: KernelShape, c: Config, sizes, capacity: Optional[int], budget: int) -> Optional[str]:
+    """Why ``c`` cannot run well in kernel ``shape`` (None: it may)."""
+    blocks = dict(c.blocks)
+    need = kernel_smem(shape, c, sizes)
+    if capacity is not None and need > capacity:
+        return f"needs {need} B of shared memory, more than {capacity} B"
+    if blocks[shape.resident] < MIN_ROWS_PER_WARP * c.num_warps:
+        return (f"block_{shape.resident}={blocks[shape.resident]} gives {c.num_warps} warps under "
+                f"{MIN_ROWS_PER_WARP} rows each")
+    if shape.kind == "bwd_kv":
+        cut = _dkdv_keeps(shape, c, sizes)
+        if cut is not None:
+            return (f"registers: the dK/dV kernel's own rule (backward_emit.dkdv_default_tile, at most "
+                    f"{budget} float32 values a thread) cuts block_{shape.streamed}={blocks[shape.streamed]} "
+                    f"to {cut} at {c.num_warps} warps: it would spill")
+        return None
+    held = shape.held(blocks, c.num_warps)
+    if held > budget:
+        return (f"registers: a thread would hold {held:g} float32 values ({KINDS[shape.kind]} accumulators "
+                f"[{blocks[shape.resident]}, {shape.widths}] and {shape.tiles} "
+                f"[{blocks[shape.resident]}, {blocks[shape.streamed]}] tile(s) over {32 * c.num_warps} "
+                f"threads), more than {budget} (backward_emit.HELD_FP32: spills start above it on sm_90)")
+    return None
+
+
+def _generic_candidates(diagram, sizes, capacity, profile, top, warps, stages):
+    """Any other diagram (a matrix product): the schedule's blocks and the
+    cost pass's ``top`` picks, crossed with warps and stages, pruned by
+    shared memory and rows per warp."""
     wires = tiled_wires(diagram)
     row = wires[0] if wires else None
     keep, pruned = [], []
@@ -220,21 +495,6 @@ def candidates(diagram: ir.Diagram, sizes: Mapping[str, int], *, capacity: Optio
                 else:
                     keep.append(c)
     return keep, pruned
-
-
-def backward_candidates(configs: Sequence[Config], lead: Sequence[Config] = ()) -> list[Config]:
-    """A backward kernel's configs: ``lead`` (the kernel's own default, so
-    tuning never ends worse than not tuning), then the forward's, each also
-    with its two blocks exchanged: the dK/dV kernel holds the key wire and
-    streams the rows, so a tile the forward's pruning shaped for [rows, keys]
-    is just as likely to suit it transposed.  Fixed order, no repeats."""
-    out: list[Config] = list(lead)
-    for c in configs:
-        out.append(c)
-        if len(c.blocks) == 2:
-            (a, x), (b, y) = c.blocks
-            out.append(Config(((a, y), (b, x)), c.num_warps, c.num_stages))
-    return list(dict.fromkeys(out))
 
 
 # --------------------------------------------------------------------------
@@ -290,10 +550,19 @@ class Tuned:
     ms: float
     trials: tuple[Trial, ...]
     cached: bool                 # True: read from the cache, nothing was timed
+    skipped: int = 0             # candidates never tried: the time budget ran out first
+    budget_s: Optional[float] = None
+
+    def facts(self) -> dict:
+        """What the result rows and the cache record of this tuning."""
+        return {"candidates": len(self.trials) + self.skipped, "timed": sum(t.ms is not None for t in self.trials),
+                "failed": sum(t.ms is None for t in self.trials), "skipped": self.skipped,
+                "budget_s": self.budget_s, "truncated": self.skipped > 0}
 
 
 def autotune(fn: Callable, configs: Sequence[Config], bench_fn: Callable[[Callable], float], *,
-             cache: Optional[Cache] = None, key: Optional[str] = None, **facts) -> Tuned:
+             cache: Optional[Cache] = None, key: Optional[str] = None, budget_s: Optional[float] = None,
+             clock: Callable[[], float] = time.monotonic, **facts) -> Tuned:
     """Time ``fn(**config.kwargs())`` for each config with ``bench_fn`` (which
     takes a callable with no arguments and returns milliseconds), keep the
     fastest and, given a cache and a key, store it there.  With a cache entry
@@ -301,14 +570,30 @@ def autotune(fn: Callable, configs: Sequence[Config], bench_fn: Callable[[Callab
 
     A config that raises (Triton's out-of-resources, a block the launcher
     refuses) is recorded as failed and skipped: compiling is the only way to
-    learn some of those limits."""
+    learn some of those limits.
+
+    ``budget_s``: seconds (on ``clock``) for this tuning.  Before each
+    config it checks whether the trials so far, at their mean duration
+    (compile plus timing), leave room for one more; if not, the rest are
+    skipped and counted (``Tuned.skipped``, and in the cache entry), and the
+    best so far is kept.  Configs come most promising first
+    (``candidates``), so what a budget cuts is the least likely to win.
+    Until some config has run, none is skipped: a tuning must end with one."""
     if cache is not None and key is not None:
         hit = cache.get(key)
         if hit is not None:
             entry = cache.entries()[key]
-            return Tuned(hit, float(entry.get("ms", math.nan)), (), cached=True)
-    trials = []
-    for c in configs:
+            return Tuned(hit, float(entry.get("ms", math.nan)), (), cached=True,
+                         skipped=int(entry.get("skipped", 0)), budget_s=entry.get("budget_s"))
+    trials: list[Trial] = []
+    start = clock()
+    skipped = 0
+    for i, c in enumerate(configs):
+        spent = clock() - start
+        if budget_s is not None and trials and any(t.ms is not None for t in trials) \
+                and spent + spent / len(trials) > budget_s:
+            skipped = len(configs) - i
+            break
         options = c.kwargs()
         try:
             ms = float(bench_fn(lambda: fn(**options)))
@@ -321,6 +606,7 @@ def autotune(fn: Callable, configs: Sequence[Config], bench_fn: Callable[[Callab
         why = "; ".join(f"{t.config.kwargs()}: {t.error}" for t in trials[:3]) or "no candidates"
         raise NapkinError(f"autotuning found no configuration that runs ({why})")
     best = min(timed, key=lambda t: (t.ms, trials.index(t)))
+    tuned = Tuned(best.config, best.ms, tuple(trials), cached=False, skipped=skipped, budget_s=budget_s)
     if cache is not None and key is not None:
-        cache.put(key, best.config, ms=best.ms, tried=len(trials), **facts)
-    return Tuned(best.config, best.ms, tuple(trials), cached=False)
+        cache.put(key, best.config, ms=best.ms, tried=len(trials), **tuned.facts(), **facts)
+    return tuned

@@ -303,7 +303,7 @@ def test_candidates_are_pruned_by_shared_memory_capacity():
     d = napkin.load(EXAMPLES / "attention.ncd")
     sizes = _sizes(16384)
     roomy, roomy_pruned = autotune.candidates(d, sizes, capacity=1 << 30)
-    assert roomy and all("warps" in p.why for p in roomy_pruned)
+    assert roomy and not any("shared memory" in p.why for p in roomy_pruned)
     assert roomy[0].blocks == (("q", 128), ("x", 64))          # the schedule's own comes first
     tight, pruned = autotune.candidates(d, sizes, capacity=50_000)
     assert tight and len(tight) < len(roomy)
@@ -315,21 +315,199 @@ def test_candidates_are_pruned_by_shared_memory_capacity():
     assert autotune.candidates(d, sizes) == autotune.candidates(d, sizes)   # deterministic
 
 
-def test_backward_candidates_add_each_tile_transposed():
-    d = napkin.load(EXAMPLES / "attention.ncd")
-    fwd, _ = autotune.candidates(d, _sizes(16384), capacity=1 << 30)
-    bwd = autotune.backward_candidates(fwd)
-    assert bwd[:2] == [fwd[0], autotune.Config((("q", 64), ("x", 128)), fwd[0].num_warps, fwd[0].num_stages)]
-    assert set(fwd) <= set(bwd) and len(bwd) == len(set(bwd))
-    assert {dict(c.blocks)["x"] for c in bwd} >= {dict(c.blocks)["q"] for c in fwd}
-    square = autotune.Config((("q", 64), ("x", 64)), 4, 2)
-    assert autotune.backward_candidates([square]) == [square]
-    # dK/dV's own untuned tile leads its candidates: tuning never ends worse than the default
-    gqa = napkin.load(EXAMPLES / "gqa.ncd")           # head dim 128: 128 keys by 32 rows, 8 warps
-    sizes = {"b": 1, "hk": 2, "g": 4, "q": 16384, "x": 16384}
-    lead = harness._backward_default(gqa, sizes, "bwd_kv")
-    assert lead == [autotune.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
-    assert autotune.backward_candidates(fwd, lead)[:2] == lead and harness._backward_default(gqa, sizes, "bwd") == []
+def _target(name: str):
+    """An example as run_h100.sh benchmarks it: head dim 128, bf16, 16K tokens, 16 heads."""
+    path = EXAMPLES / f"{name}.ncd"
+    d = harness.variant(napkin.load(path), path.read_text(), "bfloat16", 128)[0]
+    sizes = {"b": 1, "hk": 4, "g": 4, "q": 16384, "x": 16384} if name == "gqa" else _sizes(16384)
+    return d, sizes
+
+
+H100_SMEM = 232448        # shared_memory_per_block_optin of an H100
+
+
+@pytest.mark.parametrize("name", ["attention", "causal"])
+def test_forward_candidates_at_the_target_are_hopper_shaped(name):
+    """At 16K tokens, d 128: the streamed blocks FlashAttention kernels use,
+    not the 16-wide ones the HBM ranking alone picked, and the schedule's
+    own (128, 64) first."""
+    d, sizes = _target(name)
+    keep, pruned = autotune.candidates(d, sizes, capacity=H100_SMEM)
+    shapes = [tuple(b for _, b in c.blocks) for c in keep]
+    assert shapes[0] == (128, 64)
+    assert {(128, 64), (128, 128), (64, 64), (64, 128)} <= set(shapes)
+    assert all(x >= 32 for _, x in shapes)                     # 32 and wider fit: no 16-wide step
+    tiny = [p for p in pruned if dict(p.config.blocks)["x"] == 16]
+    assert tiny and all("wider streamed block fits" in p.why or "rows each" in p.why for p in tiny)
+    # breadth first: every block shape once before any shape's second (warps, stages)
+    first = len(set(shapes))
+    assert len(set(shapes[:first])) == first
+    assert len(keep) < 30 and len(set(keep)) == len(keep)
+
+
+def test_register_estimate_prunes_what_would_spill_and_says_why():
+    """float32 values a thread holds, against backward_emit.HELD_FP32: the
+    forward's accumulator [128, 128] and score tile [128, 64] over 4 warps
+    are 192 (sm_90 spills: napkin.bench.aot), over 8 warps 96."""
+    from napkin.codegen.backward_emit import HELD_FP32
+
+    d, sizes = _target("causal")
+    keep, pruned = autotune.candidates(d, sizes, capacity=H100_SMEM)
+    shape = autotune.kernel_shape(d, sizes)
+    assert (shape.resident, shape.streamed, shape.widths, shape.tiles) == ("q", "x", 128, 1)
+    assert shape.held({"q": 128, "x": 64}, 4) == 192 and shape.held({"q": 128, "x": 64}, 8) == 96
+    why = {(p.config.blocks, p.config.num_warps, p.config.num_stages): p.why for p in pruned}
+    reason = why[((("q", 128), ("x", 64)), 4, 3)]
+    assert reason.startswith("registers: a thread would hold 192 float32 values") and f"more than {HELD_FP32}" in reason
+    assert autotune.Config((("q", 128), ("x", 64)), 8, 3) in keep
+    for c in keep:
+        assert shape.held(dict(c.blocks), c.num_warps) <= HELD_FP32
+    assert any(p.why.startswith("registers") for p in pruned)
+
+
+def test_backward_candidates_are_shaped_for_each_kernel():
+    """dQ holds [rows, keys] tiles like the forward (resident q); dK/dV holds
+    the transpose (resident x, rows streamed) and is judged by its own
+    launcher rule (backward_emit.dkdv_default_tile); its untuned tile leads."""
+    from napkin.codegen.backward_emit import dkdv_default_tile
+
+    d, sizes = _target("causal")
+    dq, dq_pruned = autotune.candidates(d, sizes, kind="bwd", lead=harness.untuned(d, sizes, "bwd"),
+                                        capacity=H100_SMEM)
+    lead = harness._backward_default(d, sizes, "bwd_kv")
+    kv, kv_pruned = autotune.candidates(d, sizes, kind="bwd_kv", lead=lead, capacity=H100_SMEM)
+    assert dq[0] == autotune.Config((("q", 128), ("x", 64)), 8, 2)          # dQ's untuned launch
+    assert kv[:2] == lead == [autotune.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
+    # dQ: rows resident, many rows a warp; dK/dV: keys resident, at least 16 keys a warp
+    assert all(dict(c.blocks)["q"] >= 16 * c.num_warps for c in dq)
+    assert all(dict(c.blocks)["x"] >= 16 * c.num_warps for c in kv)
+    assert {(128, 64), (128, 128), (64, 64)} <= {tuple(b for _, b in c.blocks) for c in dq}
+    # dK/dV's tiles are the ones its own rule keeps: the launcher would not shrink them
+    from dataclasses import replace
+
+    plan = autotune.kernel_shape(d, sizes, "bwd_kv").plan
+    full = {**sizes, "d": 128}
+    for c in kv:
+        b = dict(c.blocks)
+        probe = replace(plan, forward=replace(plan.forward, blocks=(("q", b["x"]), ("x", b["q"]))))
+        assert dkdv_default_tile(probe, full, c.num_warps)[:2] == (b["q"], b["x"])
+    cut = [p for p in kv_pruned if p.why.startswith("registers")]
+    assert cut and all("dkdv_default_tile" in p.why for p in cut)
+    assert any(p.config.blocks == (("q", 64), ("x", 128)) and p.config.num_warps == 8 for p in cut)
+    # dQ holds more than the forward ([128, 128] dQ accumulator and dS) and is pruned by its own estimate
+    dq_shape = autotune.kernel_shape(d, sizes, "bwd")
+    assert (dq_shape.resident, dq_shape.streamed) == ("q", "x")
+    assert any(p.why.startswith("registers") and "dQ accumulators" in p.why for p in dq_pruned)
+    assert kv != dq and not set(kv[2:]) & set(dq)
+
+
+def test_backward_shared_memory_counts_what_each_kernel_loads():
+    """dQ loads Q and dO once and streams K, V; dK/dV loads K, V once and
+    streams Q, dO (dO in the inputs' dtype, as autograd hands it over) and
+    the row state.  The counts agree with what Triton allocated for sm_90
+    (napkin.bench.aot, causal d 128: dQ at (128, 64), 3 stages, 160 KiB)."""
+    d, sizes = _target("causal")
+    c = autotune.Config((("q", 128), ("x", 64)), 8, 3)
+    dq = autotune.kernel_shape(d, sizes, "bwd")
+    assert autotune.kernel_smem(dq, c, sizes) == 2 * 128 * 128 * 2 + 2 * 128 * 4 + 3 * 2 * 64 * 128 * 2
+    fwd = autotune.kernel_shape(d, sizes, "")
+    assert autotune.kernel_smem(fwd, c, sizes) == autotune.smem_bytes(d, c, sizes)
+    kv = autotune.kernel_shape(d, sizes, "bwd_kv")
+    t = autotune.Config((("q", 32), ("x", 128)), 8, 2)
+    assert autotune.kernel_smem(kv, t, sizes) == 2 * 128 * 128 * 2 + 2 * (2 * 32 * 128 * 2 + 2 * 32 * 4)
+
+
+def test_candidate_counts_at_the_target_stay_small():
+    """What a GPU stage must compile: each kernel's list, lead included."""
+    for name in ("attention", "causal", "sliding_window", "softcap", "alibi", "document_mask", "gqa"):
+        d, sizes = _target(name)
+        for kind in ("", "bwd", "bwd_kv"):
+            keep, _ = autotune.candidates(d, sizes, kind=kind, lead=harness.untuned(d, sizes, kind),
+                                          capacity=H100_SMEM)
+            assert 2 <= len(keep) <= 20, (name, kind, len(keep))
+            streamed = autotune.kernel_shape(d, sizes, kind).streamed
+            assert all(dict(c.blocks)[streamed] >= 32 for c in keep), (name, kind)
+
+
+def test_autotune_budget_stops_timing_and_records_what_it_skipped(tmp_path):
+    """With a fake clock: each trial takes 10 s, the budget is 25 s.  After
+    two trials (20 s spent, 10 s a trial) a third would end at 30 s, so the
+    rest are skipped; the best of those timed is kept, and the cache entry
+    and the result say how many were skipped."""
+    now = [0.0]
+    configs = [autotune.Config((("q", q), ("x", 64)), 4, 2) for q in (16, 32, 64, 128, 256)]
+    ms = {16: 5.0, 32: 3.0, 64: 2.0, 128: 1.0, 256: 0.5}
+
+    def bench(call):
+        now[0] += 10.0
+        return call()
+
+    cache = autotune.Cache(tmp_path / "c.json")
+    tuned = autotune.autotune(lambda block_q, **_: ms[block_q], configs, bench, cache=cache, key="k",
+                              budget_s=25.0, clock=lambda: now[0])
+    assert [t.config for t in tuned.trials] == configs[:2] and tuned.skipped == 3
+    assert tuned.best == configs[1] and tuned.ms == 3.0
+    facts = tuned.facts()
+    assert facts == {"candidates": 5, "timed": 2, "failed": 0, "skipped": 3, "budget_s": 25.0, "truncated": True}
+    entry = cache.entries()["k"]
+    assert entry["skipped"] == 3 and entry["timed"] == 2 and entry["truncated"] is True
+    again = autotune.autotune(lambda **_: 0.0, configs, bench, cache=cache, key="k")
+    assert again.cached and again.skipped == 3
+    # no budget: everything is timed
+    now[0] = 0.0
+    full = autotune.autotune(lambda block_q, **_: ms[block_q], configs, bench, clock=lambda: now[0])
+    assert full.skipped == 0 and len(full.trials) == 5 and full.best == configs[4]
+
+
+def test_autotune_budget_never_ends_without_a_timed_config():
+    """Failures do not count as a result: the budget is not applied until one config has run."""
+    now = [0.0]
+    configs = [autotune.Config((("q", q), ("x", 64)), 4, 2) for q in (16, 32, 64)]
+
+    def fn(block_q, **_):
+        if block_q < 64:
+            raise RuntimeError("out of resources")
+        return 1.0
+
+    def bench(call):
+        now[0] += 100.0
+        return call()
+
+    tuned = autotune.autotune(fn, configs, bench, budget_s=1.0, clock=lambda: now[0])
+    assert tuned.best == configs[2] and tuned.skipped == 0 and tuned.facts()["failed"] == 2
+
+
+def test_tune_budget_default_shares_a_ten_minute_command():
+    # main: two diagrams, one point each, three kernels each
+    main = harness.tune_budget(2, 3)
+    assert main == (harness.RUN_S - harness.STARTUP_S - 2 * harness.POINT_S) // 6
+    assert harness.STARTUP_S + 2 * harness.POINT_S + 6 * main <= harness.RUN_S
+    assert harness.tune_budget(5, 3) >= harness.MIN_TUNE_S
+    assert harness.tune_budget(1, 1) > main
+
+
+def test_tuning_is_shown_in_the_markdown_when_truncated():
+    data = _data(smoke=False)
+    row = data["rows"][0]
+    row["config"] = {"block_q": 128, "block_x": 64, "num_warps": 8, "num_stages": 3}
+    row["bwd_config"] = {"dq": None, "dkdv": {"block_q": 32, "block_x": 128, "num_warps": 8, "num_stages": 2}}
+    row["tuning"] = {"fwd": {"candidates": 19, "timed": 7, "failed": 1, "skipped": 12, "budget_s": 65.0,
+                             "truncated": True},
+                     "dkdv": {"candidates": 6, "timed": 6, "failed": 0, "skipped": 0, "budget_s": 65.0,
+                              "truncated": False}}
+    results.validate(data)
+    md = results.markdown(data)
+    assert "## Tuning" in md
+    assert "| causal | bfloat16 | 64 | fwd | block_q=128, block_x=64, num_warps=8, num_stages=3 | 7 of 19 | 1 | " \
+           "**12 skipped: budget 65 s ran out** |" in md
+    assert "| dkdv | block_q=32, block_x=128, num_warps=8, num_stages=2 | 6 of 6 | 0 | all timed |" in md
+    # a config read back from the cache reports how its tuning went then
+    entry = {"config": {}, "ms": 1.0, "tried": 7, "candidates": 19, "timed": 7, "failed": 0, "skipped": 12,
+             "budget_s": 65.0, "truncated": True}
+    row["tuning"] = {"fwd": harness._tuning_facts(entry), "dkdv": harness._tuning_facts({"config": {}})}
+    md = results.markdown(data)
+    assert "| 7 of 19 | 0 | **12 skipped: budget 65 s ran out** (cached) |" in md
+    assert "| dkdv | block_q=32, block_x=128, num_warps=8, num_stages=2 | ? | ? | ? (cached) |" in md
 
 
 def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path):
@@ -514,7 +692,7 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path / "cache"))
     argv = ["bench", str(EXAMPLES / "causal.ncd"), "--seqlen", "1000", "--batch", "2", "--heads", "4",
             "--dtype", "bfloat16", "--head-dim", "128", "--out", str(tmp_path / "out")]
-    assert main(argv + ["--autotune"]) == 0
+    assert main(argv + ["--autotune", "--tune-budget", "30"]) == 0
     assert main([a if a != "1000" else "1024" for a in argv]) == 0   # a new length, same bucket
     # the second run of the day gets the "-2" name
     paths = sorted((tmp_path / "out").glob("*.json"), key=lambda p: (len(p.name), p.name))
@@ -535,6 +713,11 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
     assert first["rows"][0]["bwd_config_source"] == {"dq": "autotune", "dkdv": "autotune"}
     assert second["rows"][0]["bwd_config_source"] == {"dq": "cache", "dkdv": "cache"}
     assert second["rows"][0]["bwd_config"] == first["rows"][0]["bwd_config"]
+    # how each tuning went is recorded, the second run's from the cache entries
+    tuning = first["rows"][0]["tuning"]
+    assert set(tuning) == {"fwd", "dq", "dkdv"}
+    assert all(t["timed"] >= 1 and t["budget_s"] == 30 for t in tuning.values())
+    assert all(t["from_cache"] and t["timed"] == tuning[k]["timed"] for k, t in second["rows"][0]["tuning"].items())
     entries = json.loads((tmp_path / "cache" / "autotune.json").read_text())["entries"]
     assert sorted(k.rsplit("|", 1)[1] for k in entries if k.count("|") == 3) == ["bwd", "bwd_kv"]
     assert len(entries) == 3

@@ -53,6 +53,17 @@ TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3}   # max abs err
 NAPKIN_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DO_BENCH = {"warmup": 25, "rep": 100}   # milliseconds, triton.testing.do_bench
 
+# --tune-budget's default: a run is meant to fit one 10-minute device command
+# (a stage of bench/run_h100.sh; RUN_S leaves a minute of it spare, as a
+# tuning may overrun its budget by part of a trial), so the seconds left
+# after start-up and the untuned work of each grid point (the module's
+# compile, the checks, FlexAttention's torch.compile, the timed rows) are
+# shared equally by the kernels it tunes.  STARTUP_S and POINT_S are
+# estimates, not measurements (no GPU has run this yet).  A tuning always
+# times its first candidate, the untuned launch, whatever the budget;
+# MIN_TUNE_S is the least it is given.
+RUN_S, STARTUP_S, POINT_S, MIN_TUNE_S = 540, 30, 60, 10
+
 # Presets: lists of values, crossed.  h100 follows the FlashAttention papers'
 # grid: 16K tokens per batch (batch = 16384 / seqlen) and a hidden size of
 # 2048 (heads = 2048 / head dim), lengths 1K to 32K.
@@ -82,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-backward", action="store_true", help="time the forward pass only")
     p.add_argument("--autotune", action="store_true",
                    help="tune block sizes / num_warps / num_stages first (GPU only; cached on disk)")
+    p.add_argument("--tune-budget", type=float, metavar="SECONDS",
+                   help="with --autotune: seconds per tuned kernel (forward, dQ, dK/dV each), after which "
+                        "its remaining candidates are skipped and the best so far kept (default: "
+                        f"{RUN_S} s less start-up and {POINT_S} s per grid point, shared by the tuned kernels)")
     p.add_argument("--reps", type=int, help="CPU smoke: timed repetitions (default 2)")
     p.add_argument("--out", default="bench/results", metavar="DIR",
                    help="where the JSON and markdown go (default bench/results)")
@@ -179,6 +194,11 @@ def run(args, prog: str) -> int:
             "group": args.group or preset["group"], "extra": _extra_sizes(args.size), "preset": preset}
     reps = args.reps or preset["reps"] or 2
     device = "cuda" if cuda else "cpu"
+    if args.tune_budget is not None and not args.tune_budget > 0:
+        raise NapkinError(f"--tune-budget expects a positive number of seconds, not {args.tune_budget}")
+    points = len(args.files) * len(dtypes) * len(head_dims) * len(seqlens) \
+        * len(grid["batch"] or [1]) * len(grid["heads"] or [1])
+    grid["tune_budget"] = args.tune_budget or tune_budget(points, 1 if args.no_backward else 3)
     rows, failed = [], False
     with tempfile.TemporaryDirectory(prefix="napkin-bench-") as build:
         for path in args.files:
@@ -198,6 +218,12 @@ def run(args, prog: str) -> int:
     print(results.markdown(data))
     print(f"wrote {json_path} and {md_path}")
     return 0 if not failed and all(r["check"]["ok"] for r in rows) else 1
+
+
+def tune_budget(points: int, kernels_per_point: int) -> float:
+    """The default seconds per tuned kernel (see RUN_S)."""
+    left = RUN_S - STARTUP_S - POINT_S * points
+    return float(max(MIN_TUNE_S, left // (points * kernels_per_point)))
 
 
 def _record(rows: list[dict], command: str, device: str, reps: int) -> dict:
@@ -312,7 +338,8 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
     except flex.NoFlexEquivalent as err:
         flex_module, flex_why = None, err.why
     ctx = {"path": path, "diagram": base[0], "module": module, "digest": digest, "dtype": dtype,
-           "flex": flex_module, "flex_why": flex_why, "device": device, "reps": reps, "args": args}
+           "flex": flex_module, "flex_why": flex_why, "device": device, "reps": reps, "args": args,
+           "tune_budget": grid.get("tune_budget")}
     rows = []
     for sizes in point_sizes(base[0], roles, grid):
         rows.append(_bench_point(ctx, sizes))
@@ -375,11 +402,12 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     shape.update(dtype=dtype, inputs=[t.name for t in d.inputs])
     flops = results.attention_flops(shape, shape["causal"])
     launcher = getattr(module, d.name)
-    config, source = _choose_config(ctx, sizes, launcher)
+    tuning: dict = {}
+    config, source = _choose_config(ctx, sizes, launcher, tuning=tuning)
     bwd_config, bwd_source = {}, {}
     for kernel, kind in BACKWARD_KINDS.items():
         bwd_config[kernel], bwd_source[kernel] = (None, "not run") if ctx["args"].no_backward else \
-            _choose_config(ctx, sizes, launcher, kind=kind)
+            _choose_config(ctx, sizes, launcher, kind=kind, tuning=tuning)
     impls = [baselines.Baseline("napkin", True, "the generated Triton kernel", _napkin_prepare(launcher))]
     if ctx["flex"] is not None:
         impls.append(baselines.flex_baseline(ctx["flex"], compiled=device == "cuda"))
@@ -406,7 +434,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         "sizes": sizes, "shape": {k: shape[k] for k in ("batch", "heads", "kv_heads", "q_len", "kv_len",
                                                          "dim", "value_dim")},
         "causal": shape["causal"], "flops": flops, "config": config, "config_source": source,
-        "bwd_config": bwd_config, "bwd_config_source": bwd_source,
+        "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning,
         "check": check, "results": out, "ratios": results.ratios(out),
     }
 
@@ -430,10 +458,17 @@ def _napkin_prepare(launcher):
 BACKWARD_KINDS = {"dq": "bwd", "dkdv": "bwd_kv"}
 
 
-def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Optional[dict], str]:
+TUNED_KERNELS = {"": "fwd", "bwd": "dq", "bwd_kv": "dkdv"}   # cache kind -> its key in a row's "tuning"
+
+
+def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
+                   tuning: Optional[dict] = None) -> tuple[Optional[dict], str]:
     """(launcher options, where they came from) for the forward (kind "") or
     one backward kernel (BACKWARD_KINDS).  Only options the launcher takes
-    are kept (a config tuned for another module version may carry more)."""
+    are kept (a config tuned for another module version may carry more).
+    ``tuning`` gets, under the kernel's name, how its tuning went: the
+    candidates, how many were timed, failed and skipped for the budget
+    (from the cache entry when it was tuned before)."""
     import torch
 
     d, device = ctx["diagram"], ctx["device"]
@@ -445,19 +480,23 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Op
     if ctx["args"].autotune:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         capacity = getattr(props, "shared_memory_per_block_optin", None)
-        configs, _ = autotune.candidates(d, sizes, capacity=capacity)
-        configs = autotune.backward_candidates(configs, _backward_default(d, sizes, kind)) if kind else configs
+        configs, _ = autotune.candidates(d, sizes, kind=kind, lead=untuned(d, sizes, kind), capacity=capacity)
         inputs = reference.example_inputs(d, sizes, device=device, seed=0)
         call = backward_call(d, launcher, inputs, sizes, accepted, kind) if kind else \
             (lambda **options: launcher(*inputs, **{k: v for k, v in options.items() if k in accepted}))
-        tuned = autotune.autotune(call, configs, _cuda_ms, cache=cache, key=key, diagram=d.name, sizes=sizes,
-                                  **({"pass": kind} if kind else {}))
+        tuned = autotune.autotune(call, configs, _cuda_ms, cache=cache, key=key, budget_s=ctx.get("tune_budget"),
+                                  diagram=d.name, sizes=sizes, **({"pass": kind} if kind else {}))
         config, source = tuned.best.kwargs(), ("cache" if tuned.cached else "autotune")
+        if tuning is not None:
+            tuning[TUNED_KERNELS[kind]] = _tuning_facts(cache.entries().get(key, {})) if tuned.cached \
+                else tuned.facts()
     else:
         hit = cache.get(key)
         if hit is None:
             return None, "schedule"
         config, source = hit.kwargs(), "cache"
+        if tuning is not None:
+            tuning[TUNED_KERNELS[kind]] = _tuning_facts(cache.entries().get(key, {}))
     config = {k: v for k, v in config.items() if k in accepted}
     seen = ctx["module"]._autotune_lookup(sizes, device, kind)
     if seen is None or {k: v for k, v in seen.items() if k in accepted} != config:
@@ -466,10 +505,31 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Op
     return config, source
 
 
+def _tuning_facts(entry: dict) -> dict:
+    """A cache entry's record of its tuning (older entries lack some: None)."""
+    keys = ("candidates", "timed", "failed", "skipped", "budget_s", "truncated")
+    return {"from_cache": True, **{k: entry.get(k) for k in keys}}
+
+
+def untuned(d: ir.Diagram, sizes: dict, kind: str) -> list:
+    """The launch a kernel gets untuned, the lead of its candidates so that
+    tuning never ends worse than not tuning: the forward and dQ the
+    schedule's blocks with the launchers' defaults (8 warps from 128 rows,
+    else 4; 2 stages: templates, emit.py and training.py.jinja), dK/dV its
+    own (``_backward_default``)."""
+    if kind == "bwd_kv":
+        return _backward_default(d, sizes, kind)
+    blocks = autotune.tiled_blocks(d)
+    if len(blocks) != 2:
+        return []
+    rows = next(iter(blocks.values()))
+    return [autotune.Config(tuple(blocks.items()), 8 if rows >= 128 else 4, 2)]
+
+
 def _backward_default(d: ir.Diagram, sizes: dict, kind: str) -> list:
-    """The launch a backward kernel gets untuned, as candidates (2 and 3
-    stages): dQ the schedule's blocks (the forward's first candidate
-    already), dK/dV its own default tile (backward_emit.dkdv_default_tile)."""
+    """The launch the dK/dV kernel gets untuned, as candidates (2 and 3
+    stages): its own default tile (backward_emit.dkdv_default_tile).
+    Other kinds: none (``untuned`` gives theirs)."""
     if kind != "bwd_kv":
         return []
     from ..codegen import lower, training

@@ -15,6 +15,9 @@ Schema ``napkin-bench/1``::
             causal, flops {fwd, bwd}, config {launcher option: value} | null,
             config_source, bwd_config {dq, dkdv: the backward kernels' own, as
             config}, bwd_config_source {dq, dkdv} (optional: older rows lack both),
+            tuning {fwd, dq, dkdv: {candidates, timed, failed, skipped, budget_s,
+            truncated, from_cache?}} (optional: the kernels tuned by --autotune;
+            skipped > 0: the time budget ran out before every candidate was timed),
             check {sizes, tolerance, ok, errors {impl: {output: err}}},
             results: [{impl, pass, ms, tflops, equivalent, note, error}],
             ratios {pass: {baseline: napkin speed / baseline speed}}}]
@@ -166,9 +169,33 @@ def markdown(data: dict) -> str:
     if any(not r["equivalent"] for row in data["rows"] for r in row["results"]):
         lines += ["\u2020 a speed reference: plain softmax attention at the same sizes, not the "
                   "diagram's function, so never checked against the reference.", ""]
+    lines += _tuning_lines(data["rows"])
     if notes:
         lines += ["Notes:", ""] + [f"{i + 1}. {n}" for i, n in enumerate(notes)] + [""]
     return "\n".join(lines)
+
+
+def _tuning_lines(rows: list[dict]) -> list[str]:
+    """A table of each tuned kernel: the config it chose and how many of its
+    candidates were timed; a budget that ran out first says so."""
+    body = []
+    for row in rows:
+        configs = {"fwd": row.get("config"), **(row.get("bwd_config") or {})}
+        for kernel, t in (row.get("tuning") or {}).items():
+            if not t:
+                continue
+            timed = "?" if t.get("timed") is None else f"{t['timed']} of {t.get('candidates', '?')}"
+            cut = f"**{t['skipped']} skipped: budget {_num(t.get('budget_s'), 0)} s ran out**" \
+                if t.get("skipped") else "all timed" if t.get("skipped") == 0 else "?"
+            cfg = ", ".join(f"{k}={v}" for k, v in (configs.get(kernel) or {}).items())
+            body.append([row["diagram"], row["dtype"], str(row["shape"]["q_len"]), kernel, cfg, timed,
+                         "?" if t.get("failed") is None else str(t["failed"]),
+                         cut + (" (cached)" if t.get("from_cache") else "")])
+    if not body:
+        return []
+    head = ["diagram", "dtype", "N", "kernel", "config", "timed", "failed", "budget"]
+    return ["## Tuning", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] \
+        + ["| " + " | ".join(b) + " |" for b in body] + [""]
 
 
 def _row_cells(row: dict, p: str, impls: list[str], notes: list[str]) -> Optional[list[str]]:
