@@ -1033,6 +1033,11 @@ def _gqa_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=Non
     _need = _wanted(need)
     _warps = _opts["num_warps"] or (8 if _br >= 128 else 4)
     _stages = _opts["num_stages"] or 2
+    # dQ: with no block given or tuned, the block of x is halved (down to 32) while a thread would hold
+    # more than 160 float32 values (accumulator, product tiles, float32 operands: it would spill).
+    while _opts["block_q"] is None and _opts["block_x"] is None and _bc > 32 \
+            and _br * 128 + _br * _bc + _br * _bc > 160 * 32 * _warps:
+        _bc //= 2
     # The dK/dV kernel's tiles are [x, q], its x resident and its q streamed.  Blocks given
     # or tuned (its own entry) apply as given: the tuner timed them so.  With neither, x takes the
     # schedule's block of q and q that of x (the forward's tile transposed), and the block of

@@ -420,7 +420,8 @@ def test_dkdv_default_tile_is_the_forward_tile_transposed(folder, monkeypatch):
     its rows the streamed block (64), halved while a thread would hold more
     than HELD_FP32 float32 values (head dim 128: 32 rows); 8 warps when
     either block is 128 or more.  Blocks given apply to every kernel as
-    given.  dQ keeps the forward's blocks and warps."""
+    given.  dQ keeps the forward's blocks and warps, its keys halved past
+    HELD_FP32 too (with 4 warps given: 32 keys)."""
     from napkin.codegen.backward_emit import HELD_FP32
 
     assert HELD_FP32 == 160
@@ -429,7 +430,8 @@ def test_dkdv_default_tile_is_the_forward_tile_transposed(folder, monkeypatch):
     kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch)
     assert kv == (64, 128, 8, 2) and dq == (128, 64, 8, 2)
     kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch, num_warps=4, num_stages=3)
-    assert kv == (16, 128, 4, 3) and dq == (128, 64, 4, 3)      # 4 warps hold 128 x (64 + 64 + 2 * 16)
+    # 4 warps: dK/dV's rows halve to 32, then its keys to 64 (64 x (64 + 64 + 2 * 32)); dQ's keys to 32
+    assert kv == (32, 64, 4, 3) and dq == (128, 32, 4, 3)
     kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch, block_q=16, block_x=32)
     assert kv == dq == (16, 32, 4, 2)
     kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch, block_x=32)
@@ -446,7 +448,8 @@ def test_dkdv_default_tile_is_the_forward_tile_transposed(folder, monkeypatch):
     for stem, sizes, tile in (("causal", sizes, (64, 128, 8)), ("gqa", {"q": 40, "x": 50}, (32, 128, 8))):
         plan = training.prepare(lower.lower(napkin.load(REPO / "examples" / f"{stem}.ncd"))).backward
         assert dkdv_default_tile(plan, sizes) == tile
-        assert dkdv_default_tile(plan, sizes, num_warps=4)[0] < tile[0]
+        br, bc, _ = dkdv_default_tile(plan, sizes, num_warps=4)
+        assert br * bc < tile[0] * tile[1]    # fewer threads: a smaller tile
 
 
 def test_each_backward_kernel_takes_its_own_tuned_config(folder, monkeypatch, tmp_path):
@@ -521,24 +524,25 @@ def test_sum_normaliser_default_tiles(name, folder, monkeypatch):
     taken in float32 and their operands (V and dN) are held as float32 tiles
     too: dK/dV's default tile counts them (HELD_FP32).  Head dim 64 (the
     examples): 128 keys by 32 rows; head dim 128: 64 keys by 32 rows, 8
-    warps (compiled for sm_90, neither spills).  The rows kernel's 128 rows
-    halve to 64 at head dim 128 (dO and dN outlive its row sum).  The
+    warps, and dQ's 64 keys halve to 32.  The rows kernel's 128 rows halve
+    to 64 at head dim 128 (dO and dN outlive its row sum).  The
     launcher runs the rule dkdv_default_tile evaluates for the cost pass,
     and those products get the launcher's precision (_WIDE)."""
     from napkin.codegen import lower, training
-    from napkin.codegen.backward_emit import dkdv_default_tile
+    from napkin.codegen.backward_emit import dkdv_default_tile, dq_default_tile
 
     sizes = {"b": 1, "h": 2, "q": 40, "x": 50}
-    for replace, kv, rows in (((), (32, 128, 8), (128, None, 4)), ((HEAD_128,), (32, 64, 8), (64, None, 4))):
+    for replace, kv, dq, rows in (((), (32, 128, 8), (128, 64, 8), (128, None, 4)),
+                                  ((HEAD_128,), (32, 64, 8), (128, 32, 8), (64, None, 4))):
         m = example(name, folder, *replace)
         got, calls = _all_launches(m, name, sizes, monkeypatch)
-        assert got == {"rows": rows, "dkdv": kv, "dq": (128, 64, 8)}, replace
+        assert got == {"rows": rows, "dkdv": kv, "dq": dq}, replace
         assert calls["dkdv"].calls[0][1]["_WIDE"] == calls["dq"].calls[0][1]["_WIDE"] == "tf32"
         text = (REPO / "examples" / f"{name}.ncd").read_text()
         for old, new in replace:
             text = text.replace(old, new)
         plan = training.prepare(lower.lower(napkin.load_text(text, f"{name}.ncd"))).backward
-        assert dkdv_default_tile(plan, sizes) == kv
+        assert dkdv_default_tile(plan, sizes) == kv and dq_default_tile(plan, sizes) == dq
     # blocks given still apply to every kernel as given
     got, _ = _all_launches(m, name, sizes, monkeypatch, block_q=16, block_x=32)
     assert got == {"rows": (16, None, 4), "dkdv": (16, 32, 4), "dq": (16, 32, 4)}
@@ -548,8 +552,9 @@ def test_sum_normaliser_default_tiles(name, folder, monkeypatch):
                          ids=["d64-fp32", "d64-fp16", "d128-fp16"])
 @pytest.mark.parametrize("name", SUM_NORMALISED)
 def test_sum_normaliser_default_tile_gradients(name, head, dtype, folder):
-    """The launch with no options (head dim 64: dK/dV at 128 keys by 32 rows;
-    128: 64 keys by 32 rows and the rows kernel at 64 rows; dQ at 128 by 64),
+    """The launch with no options (head dim 64: dK/dV at 128 keys by 32 rows,
+    dQ at 128 rows by 64 keys; 128: 64 keys by 32 rows, dQ at 128 by 32, the
+    rows kernel at 64 rows),
     ragged sizes that leave partial blocks of both wires, against float64
     autograd.  (Head dim 128 in fp32 is left out: there dQ's error at these
     blocks, 4e-6 of scale, exceeds the rule's fp32 floor with or without

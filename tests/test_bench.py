@@ -329,7 +329,10 @@ def test_backward_candidates_add_each_tile_transposed():
     sizes = {"b": 1, "hk": 2, "g": 4, "q": 16384, "x": 16384}
     lead = harness._backward_default(gqa, sizes, "bwd_kv")
     assert lead == [autotune.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
-    assert autotune.backward_candidates(fwd, lead)[:2] == lead and harness._backward_default(gqa, sizes, "bwd") == []
+    assert autotune.backward_candidates(fwd, lead)[:2] == lead
+    # dQ's: the schedule's blocks (its keys would be halved only past HELD_FP32)
+    assert harness._backward_default(gqa, sizes, "bwd") == [autotune.Config((("q", 128), ("x", 64)), 8, s)
+                                                            for s in (2, 3)]
 
 
 def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path):

@@ -468,17 +468,17 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "") -> tuple[Op
 
 def _backward_default(d: ir.Diagram, sizes: dict, kind: str) -> list:
     """The launch a backward kernel gets untuned, as candidates (2 and 3
-    stages): dQ the schedule's blocks (the forward's first candidate
-    already), dK/dV its own default tile (backward_emit.dkdv_default_tile)."""
-    if kind != "bwd_kv":
-        return []
+    stages): dQ the schedule's blocks, its keys halved while they would not
+    fit the registers (backward_emit.dq_default_tile), dK/dV its own default
+    tile (backward_emit.dkdv_default_tile)."""
     from ..codegen import lower, training
-    from ..codegen.backward_emit import dkdv_default_tile
+    from ..codegen.backward_emit import dkdv_default_tile, dq_default_tile
 
     plan = training.prepare(lower.lower(d)).backward
     if plan is None:
         return []
-    br, bc, warps = dkdv_default_tile(plan, reference.full_sizes(d, sizes))
+    rule = dkdv_default_tile if kind == "bwd_kv" else dq_default_tile
+    br, bc, warps = rule(plan, reference.full_sizes(d, sizes))
     blocks = ((plan.row, br), (plan.col, bc))
     return [autotune.Config(blocks, warps, stages) for stages in (2, 3)]
 

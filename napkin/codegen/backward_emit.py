@@ -77,9 +77,10 @@ def _wide_operands(plan: BackwardPlan, k: Kernel) -> list:
 
 
 def held_terms(plan: BackwardPlan, k: Kernel) -> list[tuple[str, str]]:
-    """What one dK/dV program holds in float32, as a sum of tiles (two wires
-    each: the row wire, the key wire or a feature wire): see HELD_FP32."""
-    terms = [(plan.col, g.cols) for g in k.grads] + [(plan.col, plan.row)] * len(k.dots)
+    """What one dK/dV or dQ program holds in float32, as a sum of tiles (two
+    wires each: the row wire, the key wire or a feature wire): its
+    accumulators, its product tiles, the float32 operands: see HELD_FP32."""
+    terms = [(k.grid_wire, g.cols) for g in k.grads] + [(k.grid_wire, k.loop_wire)] * len(k.dots)
     return terms + [(ld.rows, ld.cols) for ld in _wide_operands(plan, k) if ld.rows and ld.cols]
 
 
@@ -109,6 +110,22 @@ def dkdv_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, i
         bc //= 2
     while br > 16 and over(br, bc):
         br //= 2
+    return br, bc, warps
+
+
+def dq_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, int, int]:
+    """(row block, key block, warps) of the dQ kernel when no block is given
+    or tuned: the schedule's blocks, the keys halved (down to 32) while a
+    thread would hold more than HELD_FP32 float32 values.  Softmax never
+    reaches that at head dims 64 and 128; L2 and ReLU^2 attention at head dim
+    128 (dN and V in float32 too) run 32 keys, where 64 spilled on Triton 3.6.
+    The rule templates/training.py.jinja runs, evaluated for the cost pass."""
+    blocks = dict(plan.forward.blocks)
+    br, bc = blocks[plan.row], blocks[plan.col]
+    warps = num_warps or (8 if br >= 128 else 4)
+    terms = held_terms(plan, plan.kernel("dq"))
+    while bc > 32 and _held(plan, terms, br, bc, sizes) > HELD_FP32 * 32 * warps:
+        bc //= 2
     return br, bc, warps
 
 
@@ -562,13 +579,15 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
 
     def block(w):  # a block of the held tiles, as the launcher knows it
         if w in (row, col):
-            return {row: "_kv_br", col: "_kv_bc"}[w] if k.role == "dkdv" else "_br"
+            return {row: "_kv_br", col: "_kv_bc"}[w] if k.role == "dkdv" else {row: "_br", col: "_bc"}[w]
         return str(L._dim_block(d, w)) if w in names.fixed else f'_dim_block(_sz["{w}"])'
 
     if k.role == "dkdv":  # what one program holds in float32: see HELD_FP32
         width = " + ".join(block(g.cols) for g in k.grads)
         held = f"_kv_bc * ({width} + {len(k.dots)} * _kv_br)"
         held += "".join(f" + {block(a)} * {block(b)}" for a, b in held_terms(plan, k)[len(k.grads) + len(k.dots):])
+    elif k.role == "dq":
+        held = " + ".join(f"{block(a)} * {block(b)}" for a, b in held_terms(plan, k))
     elif k.role == "rows" and after:  # what outlives its row sums: see HELD_FP32
         widths = [block(w) for w in rows_held(plan, k, body[len(pre) + len(k.reduces):], after)]
         held = f"_br * ({' + '.join(widths)})" if widths else ""
