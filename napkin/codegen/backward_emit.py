@@ -29,6 +29,8 @@ step.  Both loops load the same tiles.
 """
 from __future__ import annotations
 
+import re
+
 from .. import ir, masks
 from . import bounds as B
 from . import emit as E
@@ -47,9 +49,10 @@ from .exprs import triton
 # (napkin.bench.aot, bf16, 8 warps, 128 keys): softmax at head dim 128 with 64
 # rows (192 a thread) spilled in every bundled example, with 32 rows (160) in
 # none; head dim 64 with 64 rows (128) in none.  L2 and ReLU^2 attention at
-# head dim 128 (V and dN in float32 too, their products in tf32) spill at 128
-# keys by 32 rows (240 a thread; ReLU^2 also by 16 rows, 216), and at 64 keys
-# by 32 rows (128) in neither.  The rows
+# head dim 128 (V and dN in float32 too, their products in tf32) spill on
+# Triton 3.9 at 128 keys by 32 rows (240 a thread; ReLU^2 also by 16 rows,
+# 216), and at 64 keys by 32 rows (128) in neither (on Triton 3.6 both still
+# spill there, docs/bench.md).  The rows
 # kernel (one row block, no loop, 4 warps) holds what outlives its row sums:
 # the loaded [q, feature] tiles read again after them and the tiles it stores
 # (L2 at head dim 128: dO and dN, 256 a thread at 128 rows spilled; softmax
@@ -190,8 +193,8 @@ def _widens(plan: BackwardPlan, dt: str) -> bool:
 def _wide_precision(plan: BackwardPlan) -> str:
     """The launch argument _WIDE: the precision of the products widened to
     float32 for row state.  With 16-bit inputs, tf32: its range is float32's
-    (dN = dO / b(Z) never overflows, the reason they are widened) and its
-    rounding (11 significant bits) no coarser than the inputs' own, while
+    (dN = dO / b(Z) never overflows, the reason they are widened) and its 10
+    stored mantissa bits as many as fp16's (bf16 has 7), while
     an "ieee" float32 product has no tensor core: Triton runs it as FMAs
     whose operand tiles, a head dim deep, spilled every such kernel on sm_90
     (napkin.bench.aot: L2 attention's dK/dV 7 KB a thread, dQ 11 KB).
@@ -469,8 +472,6 @@ def rows_held(plan: BackwardPlan, k: Kernel, lines: list[str], after: list[str])
     """The feature wires of the rows kernel's float32 [rows, feature] tiles
     that outlive its row sums: each loaded tile the later ``lines`` or the
     stores (``after``) read, and each tile stored."""
-    import re
-
     later = "\n".join(lines + after)
     out = [ld.cols for ld in k.loads if ld.cols and re.search(rf"\b{ld.var}\b", later)]
     return out + [st.cols for st in k.stores if st.cols]
