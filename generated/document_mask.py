@@ -942,11 +942,18 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
     _need = _wanted(need)
     _warps = _opts["num_warps"] or (8 if _br >= 128 else 4)
     _stages = _opts["num_stages"] or 2
+    # dQ: with no block given or tuned, the block of x is halved (down to 32) while a thread would hold
+    # more than 160 float32 values (accumulator, product tiles, float32 operands: it would spill).
+    while _opts["block_q"] is None and _opts["block_x"] is None and _bc > 32 \
+            and _br * 64 + _br * _bc + _br * _bc > 160 * 32 * _warps:
+        _bc //= 2
     # The dK/dV kernel's tiles are [x, q], its x resident and its q streamed.  Blocks given
     # or tuned (its own entry) apply as given: the tuner timed them so.  With neither, x takes the
     # schedule's block of q and q that of x (the forward's tile transposed), and the block of
-    # q is halved while a thread would hold more than 160 float32 values (accumulators and
-    # product tiles: it would spill).  8 warps when either block is 128 or more, else 4.
+    # q is halved while a thread would hold more than 160 float32 values (accumulators, product
+    # tiles and the operands of float32 products: it would spill): down to 32, then the block of x down
+    # to 64 (a warpgroup's wgmma rows), then q down to 16.  8 warps when either block of the
+    # schedule's tile is 128 or more, else 4.
     _kv_opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd_kv")
     _kv_br = _block_size(_kv_opts["block_q"], "q", "block_q")
     _kv_bc = _block_size(_kv_opts["block_x"], "x", "block_x")
@@ -955,6 +962,10 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
         _kv_br, _kv_bc = _BLOCKS["x"], _BLOCKS["q"]
     _kv_warps = _kv_opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
     _kv_stages = _kv_opts["num_stages"] or 2
+    while _kv_default and _kv_br > 32 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
+        _kv_br //= 2
+    while _kv_default and _kv_bc > 64 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
+        _kv_bc //= 2
     while _kv_default and _kv_br > 16 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
         _kv_br //= 2
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=torch.float32, device=_dev)

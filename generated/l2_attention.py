@@ -745,6 +745,7 @@ def _l2_attention_bwd_dkdv_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _WIDE: tl.constexpr,
     _pos_q,
     _pos_x,
     _len_q,
@@ -797,13 +798,13 @@ def _l2_attention_bwd_dkdv_kernel(
         _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d)
         _dZ0 = tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :] * _st_dZ0_q)
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
-        _dA0 = tl.dot(_V.to(tl.float32), tl.trans(_dN0.to(tl.float32)), input_precision="ieee")
+        _dA0 = tl.dot(_V.to(tl.float32), tl.trans(_dN0.to(tl.float32)), input_precision=_WIDE)
         _S = _qk * 0.125
         _A0 = _S
         _dS = _dA0 + 2 * _S * _dZ0
         _dR = _dS * 0.125
         _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-        _acc_V += tl.dot(_A0.to(tl.float32), _dN0.to(tl.float32), input_precision="ieee")
+        _acc_V += tl.dot(_A0.to(tl.float32), _dN0.to(tl.float32), input_precision=_WIDE)
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _rb in range(_fhi, _hi):
         _row0 = _rb * _BLOCK_q
@@ -824,14 +825,14 @@ def _l2_attention_bwd_dkdv_kernel(
             _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_ok_q[:, None], other=0.0)
             _dZ0 = tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :] * _st_dZ0_q, mask=_ok_q[None, :], other=0.0)
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
-            _dA0 = tl.dot(_V.to(tl.float32), tl.trans(_dN0.to(tl.float32)), input_precision="ieee")
+            _dA0 = tl.dot(_V.to(tl.float32), tl.trans(_dN0.to(tl.float32)), input_precision=_WIDE)
             _S = _qk * 0.125
             _A0 = _S
             _dS = _dA0 + 2 * _S * _dZ0
             _dR = _dS * 0.125
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
             _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-            _acc_V += tl.dot(tl.where(_ok, _A0, 0.0).to(tl.float32), _dN0.to(tl.float32), input_precision="ieee")
+            _acc_V += tl.dot(tl.where(_ok, _A0, 0.0).to(tl.float32), _dN0.to(tl.float32), input_precision=_WIDE)
 
     _ok_x = _offs_x < _size_x
     tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=_ok_x[:, None])
@@ -876,6 +877,7 @@ def _l2_attention_bwd_dq_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _WIDE: tl.constexpr,
     _pos_q,
     _pos_x,
     _len_q,
@@ -927,7 +929,7 @@ def _l2_attention_bwd_dq_kernel(
         _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _dA0 = tl.dot(_dN0.to(tl.float32), tl.trans(_V.to(tl.float32)), input_precision="ieee")
+        _dA0 = tl.dot(_dN0.to(tl.float32), tl.trans(_V.to(tl.float32)), input_precision=_WIDE)
         _S = _qk * 0.125
         _dS = _dA0 + 2 * _S * _dZ0
         _dR = _dS * 0.125
@@ -949,7 +951,7 @@ def _l2_attention_bwd_dq_kernel(
             _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            _dA0 = tl.dot(_dN0.to(tl.float32), tl.trans(_V.to(tl.float32)), input_precision="ieee")
+            _dA0 = tl.dot(_dN0.to(tl.float32), tl.trans(_V.to(tl.float32)), input_precision=_WIDE)
             _S = _qk * 0.125
             _dS = _dA0 + 2 * _S * _dZ0
             _dR = _dS * 0.125
@@ -966,6 +968,10 @@ def _l2_attention_preprocess(Q, K, V, dO, Z0, N0, _o):
     _check_state({"dO": dO, "Z0": Z0, "N0": N0}, _sz, _dev)
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
+    # Not given or tuned: the block of q is halved while a thread would hold more than 160
+    # float32 values past the row sums (the tiles read again after them and those stored: it would spill).
+    while _opts["block_q"] is None and _br > 16 and _br * (64 + 64) > 160 * 32 * (_opts["num_warps"] or 4):
+        _br //= 2
     dN0 = torch.empty(_shape("dN0", _sz), dtype=torch.float32, device=_dev)
     dZ0 = torch.empty(_shape("dZ0", _sz), dtype=torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
@@ -999,11 +1005,18 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
     _need = _wanted(need)
     _warps = _opts["num_warps"] or (8 if _br >= 128 else 4)
     _stages = _opts["num_stages"] or 2
+    # dQ: with no block given or tuned, the block of x is halved (down to 32) while a thread would hold
+    # more than 160 float32 values (accumulator, product tiles, float32 operands: it would spill).
+    while _opts["block_q"] is None and _opts["block_x"] is None and _bc > 32 \
+            and _br * 64 + _br * _bc + _br * _bc + _br * 64 + _bc * 64 > 160 * 32 * _warps:
+        _bc //= 2
     # The dK/dV kernel's tiles are [x, q], its x resident and its q streamed.  Blocks given
     # or tuned (its own entry) apply as given: the tuner timed them so.  With neither, x takes the
     # schedule's block of q and q that of x (the forward's tile transposed), and the block of
-    # q is halved while a thread would hold more than 160 float32 values (accumulators and
-    # product tiles: it would spill).  8 warps when either block is 128 or more, else 4.
+    # q is halved while a thread would hold more than 160 float32 values (accumulators, product
+    # tiles and the operands of float32 products: it would spill): down to 32, then the block of x down
+    # to 64 (a warpgroup's wgmma rows), then q down to 16.  8 warps when either block of the
+    # schedule's tile is 128 or more, else 4.
     _kv_opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd_kv")
     _kv_br = _block_size(_kv_opts["block_q"], "q", "block_q")
     _kv_bc = _block_size(_kv_opts["block_x"], "x", "block_x")
@@ -1012,7 +1025,11 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
         _kv_br, _kv_bc = _BLOCKS["x"], _BLOCKS["q"]
     _kv_warps = _kv_opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
     _kv_stages = _kv_opts["num_stages"] or 2
-    while _kv_default and _kv_br > 16 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
+    while _kv_default and _kv_br > 32 and _kv_bc * (64 + 64 + 2 * _kv_br) + _kv_bc * 64 + _kv_br * 64 > 160 * 32 * _kv_warps:
+        _kv_br //= 2
+    while _kv_default and _kv_bc > 64 and _kv_bc * (64 + 64 + 2 * _kv_br) + _kv_bc * 64 + _kv_br * 64 > 160 * 32 * _kv_warps:
+        _kv_bc //= 2
+    while _kv_default and _kv_br > 16 and _kv_bc * (64 + 64 + 2 * _kv_br) + _kv_bc * 64 + _kv_br * 64 > 160 * 32 * _kv_warps:
         _kv_br //= 2
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=torch.float32, device=_dev)
     _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=torch.float32, device=_dev)
@@ -1029,7 +1046,7 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
             *_wire_strides(dZ0, "dZ0", _sz),
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
-            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos,
+            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, _WIDE="tf32" if Q.dtype in (torch.float16, torch.bfloat16) else "ieee", **_pos,
             num_warps=_kv_warps, num_stages=_kv_stages,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
@@ -1043,7 +1060,7 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
             *_wire_strides(K, "K", _sz),
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _WIDE="tf32" if Q.dtype in (torch.float16, torch.bfloat16) else "ieee", **_pos,
             num_warps=_warps, num_stages=_stages,
         )
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )

@@ -234,7 +234,7 @@ class KernelShape:
     [resident, streamed] tile per accumulating product (``tiles``: P for
     P @ V, dS for dS @ K).  ``loads``: what it loads before the loop (once)
     and per step (num_stages copies in flight), for shared memory.  dK/dV
-    is judged by its own launcher rule instead (``_dkdv_keeps``)."""
+    is judged by its own launcher rule instead (``_rule_cut``)."""
 
     kind: str
     resident: str
@@ -331,22 +331,30 @@ def _load_bytes(shape: KernelShape, ld) -> int:
     return ir.DTYPE_BYTES[t.dtype]
 
 
-def _dkdv_keeps(shape: KernelShape, config: Config, sizes: Mapping[str, int]) -> Optional[int]:
-    """None when the dK/dV kernel's own register rule (the launcher's default
-    tile, backward_emit.dkdv_default_tile, against HELD_FP32) keeps this
-    tile at these warps; else the row block that rule would cut it to.
-    Asked of the rule itself, so a change to it applies here too."""
-    from .codegen.backward_emit import dkdv_default_tile
+def _rule_cut(shape: KernelShape, config: Config, sizes: Mapping[str, int]) -> Optional[str]:
+    """None when a backward kernel's own register rule (its launcher's
+    default tile: backward_emit.dkdv_default_tile or dq_default_tile, against
+    HELD_FP32) keeps this tile at these warps; else the blocks that rule
+    would cut it to, as text.  Asked of the rule itself, so a change to it
+    (L2 and ReLU^2's float32 operands count there) applies here too."""
+    from .codegen.backward_emit import dkdv_default_tile, dq_default_tile
 
     plan, blocks = shape.plan, dict(config.blocks)
-    # the rule reads the forward's blocks: keys take the row block, rows the streamed one
+    # the rules read the forward's blocks: dQ takes them as they are; dK/dV's
+    # keys take the row block and its rows the streamed one
     fblocks = dict(plan.forward.blocks)
-    fblocks[plan.row], fblocks[plan.col] = blocks[plan.col], blocks[plan.row]
+    if shape.kind == "bwd_kv":
+        fblocks[plan.row], fblocks[plan.col] = blocks[plan.col], blocks[plan.row]
+    else:
+        fblocks[plan.row], fblocks[plan.col] = blocks[plan.row], blocks[plan.col]
     probe = replace(plan, forward=replace(plan.forward, blocks=tuple(fblocks.items())))
     full = {w.name: w.size for w in plan.diagram.wires if w.size is not None}
     full.update(sizes)
-    br, bc, _ = dkdv_default_tile(probe, full, config.num_warps)
-    return None if (br, bc) == (blocks[plan.row], blocks[plan.col]) else br
+    rule = dkdv_default_tile if shape.kind == "bwd_kv" else dq_default_tile
+    br, bc, _ = rule(probe, full, config.num_warps)
+    if (br, bc) == (blocks[plan.row], blocks[plan.col]):
+        return None
+    return f"block_{plan.row}={br}, block_{plan.col}={bc}"
 
 
 def resident_blocks(diagram: ir.Diagram, sizes: Mapping[str, int], shape: KernelShape,
@@ -459,12 +467,15 @@ def _prune_reason(shape: KernelShape, c: Config, sizes, capacity: Optional[int],
     if blocks[shape.resident] < MIN_ROWS_PER_WARP * c.num_warps:
         return (f"block_{shape.resident}={blocks[shape.resident]} gives {c.num_warps} warps under "
                 f"{MIN_ROWS_PER_WARP} rows each")
+    # dK/dV is judged by its launcher's rule alone.  dQ's rule (which counts
+    # both its product tiles as live at once) would also cut (128, 128) at 8
+    # warps, which compiled without spills for sm_90; so dQ keeps the
+    # estimate below, calibrated on those compiles (KernelShape.held).
     if shape.kind == "bwd_kv":
-        cut = _dkdv_keeps(shape, c, sizes)
+        cut = _rule_cut(shape, c, sizes)
         if cut is not None:
-            return (f"registers: the dK/dV kernel's own rule (backward_emit.dkdv_default_tile, at most "
-                    f"{budget} float32 values a thread) cuts block_{shape.streamed}={blocks[shape.streamed]} "
-                    f"to {cut} at {c.num_warps} warps: it would spill")
+            return (f"registers: the dK/dV kernel's own rule (backward_emit.dkdv_default_tile, at most {budget} "
+                    f"float32 values a thread) cuts this tile to {cut} at {c.num_warps} warps: it would spill")
         return None
     held = shape.held(blocks, c.num_warps)
     if held > budget:

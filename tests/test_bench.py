@@ -510,6 +510,18 @@ def test_tuning_is_shown_in_the_markdown_when_truncated():
     assert "| dkdv | block_q=32, block_x=128, num_warps=8, num_stages=2 | ? | ? | ? (cached) |" in md
 
 
+def test_backward_kernels_lead_with_their_own_default_tiles():
+    """dK/dV's own untuned tile and dQ's lead their candidates: tuning never
+    ends worse than the default (backward_emit.dkdv_default_tile / dq_default_tile)."""
+    gqa = napkin.load(EXAMPLES / "gqa.ncd")           # head dim 128: 128 keys by 32 rows, 8 warps
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": 16384, "x": 16384}
+    lead = harness.untuned(gqa, sizes, "bwd_kv")
+    assert lead == [autotune.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
+    assert autotune.candidates(gqa, sizes, kind="bwd_kv", lead=lead)[0][:2] == lead
+    # dQ's: the schedule's blocks (its keys would be halved only past HELD_FP32)
+    assert harness.untuned(gqa, sizes, "bwd") == [autotune.Config((("q", 128), ("x", 64)), 8, s) for s in (2, 3)]
+
+
 def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path):
     """harness.backward_call: one forward graph per option set, gradients of
     Q, K, V only (the attention operands), under the options asked for."""

@@ -287,11 +287,12 @@ def test_backward_counted_bytes_equal_predicted_bytes(compiled, path, case):
     assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
 
 
-@pytest.mark.parametrize("stem", ["causal", "gqa", "sliding_window", "alibi"])
+@pytest.mark.parametrize("stem", ["causal", "gqa", "sliding_window", "alibi", "l2_attention", "relu2_attention"])
 def test_backward_bytes_of_the_launch_with_no_options(compiled, stem):
     """No block given: the dK/dV kernel runs its own default tile (the
-    forward's transposed, rows halved to fit the registers), which the cost
-    pass evaluates with the launcher's rule (dkdv_default_tile)."""
+    forward's transposed, rows halved to fit the registers; for L2 and ReLU²
+    attention counting the float32 operands of their widened products too),
+    which the cost pass evaluates with the launcher's rule (dkdv_default_tile)."""
     module = compiled[stem]
     d = single_device(napkin.load(REPO / "examples" / f"{stem}.ncd"))
     sizes = case_sizes(d, 150, 333)

@@ -105,8 +105,9 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
                   given: bool = False) -> BackwardCost:
     """The backward kernels' transfers and FLOPs at the given sizes (every
     symbolic wire bound), for the launch with no options: the dK/dV kernel
-    at its own default tile (backward_emit.dkdv_default_tile), the others at
-    the schedule's blocks.  ``given``: the schedule's blocks are given (or
+    at its own default tile (backward_emit.dkdv_default_tile), dQ at the
+    schedule's blocks with its keys halved as the launcher does
+    (dq_default_tile), the rows kernel at the schedule's.  ``given``: the schedule's blocks are given (or
     tuned), and every kernel takes them as they are.  NapkinError when the
     code generator has no backward for the diagram, with its reason."""
     from ..codegen import lower, training
@@ -147,7 +148,7 @@ def _single_device(d: ir.Diagram) -> ir.Diagram:
 # --------------------------------------------------------------------------
 
 def _attention(b, sizes: dict, given: bool) -> tuple[list[Move], tuple[int, int, int], list[str]]:
-    from ..codegen.backward_emit import dkdv_default_tile
+    from ..codegen.backward_emit import dkdv_default_tile, dq_default_tile
 
     d, f = b.diagram, b.forward
     blocks = dict(f.blocks)
@@ -167,6 +168,8 @@ def _attention(b, sizes: dict, given: bool) -> tuple[list[Move], tuple[int, int,
         br, bc = blocks[row], blocks[col]
         if k.role == "dkdv" and not given:
             br, bc, _ = dkdv_default_tile(b, sizes)
+        elif k.role == "dq" and not given:
+            br, bc, _ = dq_default_tile(b, sizes)
         pairs = visited(br, bc)
         rows_of = functools.partial(clip, nr, br)
         cols_of = functools.partial(clip, nc, bc)
