@@ -915,9 +915,8 @@ def _decode_bwd_dkdv_kernel(
                 _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
                 _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
-    _ok_x = _offs_x < _size_x
-    tl.store(_grad_K + _i_b * _st__grad_K_b + _i_hk * _st__grad_K_hk + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=_ok_x[:, None])
-    tl.store(_grad_V + _i_b * _st__grad_V_b + _i_hk * _st__grad_V_hk + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=_ok_x[:, None])
+    tl.store(_grad_K + _i_b * _st__grad_K_b + _i_hk * _st__grad_K_hk + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+    tl.store(_grad_V + _i_b * _st__grad_V_b + _i_hk * _st__grad_V_hk + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
 
 
 @triton.jit(do_not_specialize=["_size_b", "_size_hk", "_size_g", "_size_q", "_size_x", "_len_q", "_len_x"])
@@ -1060,7 +1059,7 @@ def _decode_bwd_dq_kernel(
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
             _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
 
-    tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_hk * _st__grad_Q_hk + _i_g * _st__grad_Q_g + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=_ok_q[:, None])
+    tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_hk * _st__grad_Q_hk + _i_g * _st__grad_Q_g + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
 
 
 def _decode_preprocess(Q, K, V, dO, O, dlse, _o):
