@@ -571,12 +571,11 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             loop = [f"for _outer in range({n}):  # the {', '.join(k.outer)} that share these keys"] \
                 + _indent(_decode_outer(names, k.outer) + loop, 4)
         body = loop
-        if k.role == "dkdv":  # every local key gets its gradient stored (padded ones zero)
-            after.append(f"_ok_{col} = _offs_{col} < {names.size(col)}")
         for g in k.grads:
             wires = ir.axis_wires(d.tensor(g.buffer).axes)
             ptr = E._pointer(d, names, g.buffer, wires, g.rows, g.cols)
-            mask = names.mask(g.rows, g.cols)
+            mask = [_rows_after_loop(names, g.rows, start) if m == f"_ok_{g.rows}[:, None]" and g.rows == k.grid_wire else m
+                    for m in names.mask(g.rows, g.cols)]
             after.append(f"tl.store({ptr}, {g.var}.to({g.buffer}.dtype.element_ty)"
                          f"{', mask=' + ' & '.join(mask) if mask else ''})")
         for s in k.sides:
@@ -611,6 +610,19 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         "batch": ", ".join(k.batch) or "none", "outer": ", ".join(k.outer), "sides": [s.tensor for s in k.sides],
         "args": _launch_args(plan, k, names, dims),
     }
+
+
+def _rows_after_loop(names, rows: str, start: str) -> str:
+    """A gradient store's row bounds: every real row of the program's block
+    (padded ones zero; rows past a positions= length too), recomputed from
+    the block's start rather than taken from the prologue's ``_ok_<rows>``
+    (which with positions also tests the length).  A 16-bit gradient is
+    stored in the layout of the 16-bit prologue loads (Q, dO; K, V), so
+    Triton would share their broadcast row mask with the store and keep it
+    live across every loop: compiled for sm_90 at head dim 128 that made
+    sliding_window's dQ kernel spill (a float32 store, in a layout of its
+    own, never shared it)."""
+    return f"(tl.arange(0, {names.block(rows)})[:, None] < {names.size(rows)} - {start})"  # & binds tighter than <
 
 
 def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
