@@ -445,16 +445,24 @@ def _attention_candidates(diagram, sizes, shape: KernelShape, capacity, profile,
                         pruned.append(Pruned(c, why))
                     else:
                         survivors.append(c)
-    # a 16-wide step only where no wider one survives for that resident block
+    # A 16-wide step only where no wider one survives for that resident
+    # block; except in dK/dV, whose default at head dim 128 (128 keys x 32
+    # rows) sits at the register budget: compiled for sm_90 by Triton 3.6
+    # (the GPU machine's) it spills in gqa (36 B) and sliding_window (8 B)
+    # while 128 x 16 does not (napkin.bench.aot, 2026-11-21), so 16 rows
+    # stay a candidate there, last in order.
     wider = {dict(o)[res] for o, cs in per_shape.items() if cs and dict(o)[st] > TINY_STREAMED}
     for o, cs in per_shape.items():
-        if dict(o)[st] == TINY_STREAMED and dict(o)[res] in wider:
+        if dict(o)[st] == TINY_STREAMED and dict(o)[res] in wider and shape.kind != "bwd_kv":
             pruned += [Pruned(c, f"block_{st}={TINY_STREAMED} while a wider streamed block fits block_{res}="
                                  f"{dict(o)[res]}: an MMA N of 16 and twice the per-block softmax "
                                  "bookkeeping of 32") for c in cs]
             cs.clear()
     tiers = max((len(cs) for cs in per_shape.values()), default=0)
     keep = [cs[i] for i in range(tiers) for cs in per_shape.values() if i < len(cs)]
+    # 16-wide steps last: tried only when the budget has seen every wider one
+    keep = [c for c in keep if dict(c.blocks)[st] > TINY_STREAMED] + \
+        [c for c in keep if dict(c.blocks)[st] <= TINY_STREAMED]
     return keep, pruned
 
 

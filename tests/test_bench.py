@@ -426,7 +426,11 @@ def test_candidate_counts_at_the_target_stay_small():
                                           capacity=H100_SMEM)
             assert 2 <= len(keep) <= 20, (name, kind, len(keep))
             streamed = autotune.kernel_shape(d, sizes, kind).streamed
-            assert all(dict(c.blocks)[streamed] >= 32 for c in keep), (name, kind)
+            steps = [dict(c.blocks)[streamed] for c in keep]
+            if kind == "bwd_kv":   # 16 rows stay (its default spills on Triton 3.6 where 16 does not), last
+                assert steps == sorted(steps, key=lambda b: b <= 16), (name, kind)
+            else:
+                assert all(b >= 32 for b in steps), (name, kind)
 
 
 def test_autotune_budget_stops_timing_and_records_what_it_skipped(tmp_path):
