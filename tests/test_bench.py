@@ -527,8 +527,9 @@ def test_backward_kernels_lead_with_their_own_default_tiles():
 
 
 def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path):
-    """harness.backward_call: one forward graph per option set, gradients of
-    Q, K, V only (the attention operands), under the options asked for."""
+    """harness.backward_call: the forward once, then gradients of Q, or of K
+    and V (the attention operands), under the options asked for; they match
+    autograd's."""
     import inspect
 
     import torch
@@ -540,7 +541,7 @@ def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path)
     inputs = [t.float() if t.is_floating_point() else t for t in reference.example_inputs(d, sizes, seed=3)]
     accepted = set(inspect.signature(launcher).parameters)
     for kind, wrt in (("bwd", ["Q"]), ("bwd_kv", ["K", "V"])):
-        call = harness.backward_call(d, launcher, inputs, sizes, accepted, kind)
+        call = harness.backward_call(d, module, inputs, sizes, accepted, kind)
         small = call(block_q=16, block_x=32, num_warps=4, num_stages=2, not_an_option=1)
         again = call(block_q=16, block_x=32, num_warps=4, num_stages=2)
         other = call(block_q=32, block_x=16, num_warps=4, num_stages=2)
@@ -550,6 +551,16 @@ def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path)
             assert a.shape == inputs[names.index(name)].shape
             assert torch.equal(a, b)             # the same graph and upstream gradient
             assert a.shape == c.shape and torch.isfinite(a).all()
+        # the same gradients as autograd through the launcher at those options
+        leaves = [t.detach().clone().requires_grad_(n in wrt) for n, t in zip(names, inputs)]
+        out = launcher(*leaves, block_q=32, block_x=16, num_warps=4, num_stages=2)
+        torch.manual_seed(0)
+        call = harness.backward_call(d, module, inputs, sizes, accepted, kind)   # draws its upstream gradient
+        torch.manual_seed(0)
+        upstream = torch.randn_like(out)
+        want = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], upstream)
+        for a, b in zip(call(block_q=32, block_x=16, num_warps=4, num_stages=2), want):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------

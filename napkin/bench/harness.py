@@ -482,7 +482,7 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
         capacity = getattr(props, "shared_memory_per_block_optin", None)
         configs, _ = autotune.candidates(d, sizes, kind=kind, lead=untuned(d, sizes, kind), capacity=capacity)
         inputs = reference.example_inputs(d, sizes, device=device, seed=0)
-        call = backward_call(d, launcher, inputs, sizes, accepted, kind) if kind else \
+        call = backward_call(d, ctx["module"], inputs, sizes, accepted, kind) if kind else \
             (lambda **options: launcher(*inputs, **{k: v for k, v in options.items() if k in accepted}))
         tuned = autotune.autotune(call, configs, _cuda_ms, cache=cache, key=key, budget_s=ctx.get("tune_budget"),
                                   diagram=d.name, sizes=sizes, **({"pass": kind} if kind else {}))
@@ -545,31 +545,33 @@ def _backward_default(d: ir.Diagram, sizes: dict, kind: str) -> list:
     return [autotune.Config(blocks, warps, stages) for stages in (2, 3)]
 
 
-def backward_call(d: ir.Diagram, launcher, inputs, sizes, accepted, kind: str):
+def backward_call(d: ir.Diagram, module, inputs, sizes, accepted, kind: str):
     """A function of launcher options that runs one backward kernel: the
-    gradient of the first output with respect to Q alone (kind "bwd": the
-    dQ kernel, after the per-row values) or K and V (kind "bwd_kv": dK/dV),
-    so autograd asks the launcher for just those.  The forward graph is
-    built on the first call with new options (the timer's warm-up) and kept
-    for the timed calls; one graph at a time, as at 16K tokens two may not fit."""
+    per-row values, then the gradient of the first output with respect to Q
+    alone (kind "bwd": the dQ kernel) or to K and V (kind "bwd_kv": dK/dV).
+
+    The forward runs once, at its own launch (no options: its tuned entry or
+    the schedule's), through the module's forward op, which also returns the
+    row state it saves for training.  Each call then runs the module's own
+    backward entry (``_NAME_grads``, what the autograd op calls) with the
+    options given.  Through autograd the options would reach the forward
+    too, compiling a useless forward at every dK/dV tile (and a forward
+    that failed there would fail the candidate)."""
     import torch
 
     q_name, k_name, v_name = flex.attention_shape(d, sizes)["operands"]
-    operands = {"bwd": {q_name}, "bwd_kv": {k_name, v_name}}[kind]
-    graph: dict = {}
+    names = [t.name for t in d.inputs]
+    need = sum(1 << names.index(n) for n in {"bwd": (q_name,), "bwd_kv": (k_name, v_name)}[kind])
+    grads_of = getattr(module, f"_{d.name}_grads")
+    with torch.no_grad():
+        outs = getattr(torch.ops.napkin, module._FWD_OP)(*inputs, *(None for _ in module._OPTIONS))
+    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+    first = outs[0]
+    upstream = [torch.randn_like(first)] + [torch.zeros_like(o) for o in outs[1:len(module.OUTPUTS)]]
 
     def call(**options):
-        opts = {k: v for k, v in options.items() if k in accepted}
-        key = tuple(sorted(opts.items()))
-        if graph.get("key") != key:
-            graph.clear()
-            leaves = [t.detach().clone().requires_grad_(t.is_floating_point() and x.name in operands)
-                      for x, t in zip(d.inputs, inputs)]
-            outs = launcher(*leaves, **opts)
-            out = (outs if isinstance(outs, tuple) else (outs,))[0]
-            graph.update(key=key, out=out, leaves=[t for t in leaves if t.requires_grad],
-                         upstream=torch.randn_like(out))
-        return torch.autograd.grad(graph["out"], graph["leaves"], graph["upstream"], retain_graph=True)
+        o = tuple(options.get(k) if k in accepted else None for k in module._OPTIONS)
+        return tuple(g for g in grads_of(tuple(inputs), outs, upstream, o, need) if g is not None)
 
     return call
 
