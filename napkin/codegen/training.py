@@ -49,8 +49,10 @@ def _no(plan: L.Plan, why: str) -> Training:
 
 
 def prepare(plan: L.Plan) -> Training:
-    if plan.diagram.tensor("need") is not None:
-        return _no(plan, "its tensor 'need' has the name of the backward's option; rename it")
+    # an input is a parameter of the backward's launchers, beside their option
+    # need= (public: NAME_backward(..., need=None)); a box never is
+    if isinstance(plan.diagram.tensor("need"), ir.Input):
+        return _no(plan, "its input 'need' has the name of the backward's option; rename it")
     try:
         if plan.family == "attention":
             return _attention(plan)
@@ -257,5 +259,13 @@ def _contraction_context(t: Training) -> dict:
                                        + [", ".join(blocks)]),
             "index": [x.name for x in t.forward.diagram.inputs].index(gd.outputs[0].name[len("_grad_"):]),
         })
-    out = t.forward.diagram.outputs[0].name
-    return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}"}
+    d = t.forward.diagram
+    out = d.outputs[0].name
+    # the public NAME_backward(A, B, dC) names C's gradient dC, unless an input
+    # is called that (a duplicate parameter): then dC_1, dC_2, ...
+    inputs = {x.name for x in d.inputs}
+    param, n = f"d{out}", 1
+    while param in inputs:
+        param, n = f"d{out}_{n}", n + 1
+    return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}",
+            "grad_param": param}
