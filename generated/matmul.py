@@ -482,6 +482,18 @@ def _wanted(need):
     return tuple(f and g for f, g in zip(flags, floats))
 
 
+def _in_input_dtype(grad_dtype):
+    """Whether the gradients come in their inputs' dtypes: grad_dtype is
+    "float32" (NAME_backward's default: callers that add gradients up, as the
+    distributed wrappers do across steps and devices, want them unrounded) or
+    "input" (the autograd op's: each gradient one program writes once is
+    stored by its kernel in the input's dtype, so a 16-bit input's gradient
+    costs one 2-byte store, not a 4-byte store and a cast kernel after)."""
+    if grad_dtype not in ("float32", "input"):
+        raise ValueError(f"grad_dtype must be 'float32' or 'input', not {grad_dtype!r}")
+    return grad_dtype == "input"
+
+
 @triton.jit(do_not_specialize=["_size_m", "_size_n", "_size_k"])
 def _matmul_bwd_A_kernel(
     _grad_C,
@@ -582,7 +594,8 @@ def _matmul_bwd_B_kernel(
     tl.store(_grad_B + _offs_k[:, None] * _st__grad_B_k + _offs_n[None, :] * _st__grad_B_n, _out__grad_B.to(_grad_B.dtype.element_ty), mask=_ok_k[:, None] & _ok_n[None, :])
 
 
-def _matmul_backward(A, B, _grad_C, _o, need):
+def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
+    _like = _in_input_dtype(grad_dtype)
     _sz, _cls, _dev = _bind((A, B,), kernel=True)
     _check_device(_dev)
     _check_state({"_grad_C": _grad_C}, _sz, _dev)
@@ -590,8 +603,8 @@ def _matmul_backward(A, B, _grad_C, _o, need):
     _need = _wanted(need)
     _warps, _stages = _opts["num_warps"] or 4, _opts["num_stages"] or 2
     _grad_A = None
-    if _need[0]:  # dA: one more contraction
-        _grad_A = torch.empty(_shape("_grad_A", _sz), dtype=torch.float32, device=_dev)
+    if _need[0]:  # dA: one more contraction, each tile stored once from a float32 accumulator
+        _grad_A = torch.empty(_shape("_grad_A", _sz), dtype=A.dtype if _like else torch.float32, device=_dev)
         _grid = (triton.cdiv(_sz["m"], _block_size(_opts["block_m"], "m", "block_m")), triton.cdiv(_sz["k"], _block_size(_opts["block_k"], "k", "block_k")), 1)
         if math.prod(_grid) > 0:
             _matmul_bwd_A_kernel[_grid](
@@ -604,8 +617,8 @@ def _matmul_backward(A, B, _grad_C, _o, need):
                 num_warps=_warps, num_stages=_stages,
             )
     _grad_B = None
-    if _need[1]:  # dB: one more contraction
-        _grad_B = torch.empty(_shape("_grad_B", _sz), dtype=torch.float32, device=_dev)
+    if _need[1]:  # dB: one more contraction, each tile stored once from a float32 accumulator
+        _grad_B = torch.empty(_shape("_grad_B", _sz), dtype=B.dtype if _like else torch.float32, device=_dev)
         _grid = (triton.cdiv(_sz["k"], _block_size(_opts["block_k"], "k", "block_k")), triton.cdiv(_sz["n"], _block_size(_opts["block_n"], "n", "block_n")), 1)
         if math.prod(_grid) > 0:
             _matmul_bwd_B_kernel[_grid](
@@ -620,15 +633,18 @@ def _matmul_backward(A, B, _grad_C, _o, need):
     return (_grad_A, _grad_B, )
 
 
-def matmul_backward(A, B, dC, *, block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, need=None):
+def matmul_backward(A, B, dC, *, block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, need=None,
+        grad_dtype="float32"):
     """The backward kernels, callable directly: (A, B, dC) -> the gradient
     of each input, float32 (None for those ``need`` leaves out: one flag per
-    input, or a bit mask)."""
-    return _matmul_backward(A, B, dC, (block_m, block_n, block_k, num_warps, num_stages), need)
+    input, or a bit mask).  grad_dtype="input": each gradient in its input's
+    dtype instead, stored so by the kernels (what autograd takes)."""
+    return _matmul_backward(A, B, dC, (block_m, block_n, block_k, num_warps, num_stages), need, grad_dtype)
 
 
 def _matmul_grads(_ins, _outs, _grads, _o, need):
-    return _matmul_backward(*_ins, _grads[0], _o, need)
+    # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
+    return _matmul_backward(*_ins, _grads[0], _o, need, grad_dtype="input")
 
 
 # ---------------------------------------------------------------------------
@@ -678,7 +694,8 @@ def _(A, B, _out0, _grad0, block_m, block_n, block_k, num_warps, num_stages, nee
 
 
 def _as_grad(g, t, wanted):
-    """A gradient in its input's dtype; an empty tensor where none is wanted."""
+    """A gradient in its input's dtype (the kernels' already are: _grads asks
+    for them so, and .to is then a no-op); an empty tensor where none is wanted."""
     if not wanted:
         return t.new_empty(0)
     return torch.zeros_like(t) if g is None else g.to(t.dtype)

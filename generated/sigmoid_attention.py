@@ -620,6 +620,18 @@ def _wanted(need):
     return tuple(f and g for f, g in zip(flags, floats))
 
 
+def _in_input_dtype(grad_dtype):
+    """Whether the gradients come in their inputs' dtypes: grad_dtype is
+    "float32" (NAME_backward's default: callers that add gradients up, as the
+    distributed wrappers do across steps and devices, want them unrounded) or
+    "input" (the autograd op's: each gradient one program writes once is
+    stored by its kernel in the input's dtype, so a 16-bit input's gradient
+    costs one 2-byte store, not a 4-byte store and a cast kernel after)."""
+    if grad_dtype not in ("float32", "input"):
+        raise ValueError(f"grad_dtype must be 'float32' or 'input', not {grad_dtype!r}")
+    return grad_dtype == "input"
+
+
 @triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _sigmoid_attention_bwd_dkdv_kernel(
     K,
@@ -745,9 +757,8 @@ def _sigmoid_attention_bwd_dkdv_kernel(
             _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
             _acc_V += tl.dot(tl.where(_ok, _A0, 0.0).to(Q.dtype.element_ty), _dN0.to(Q.dtype.element_ty), input_precision="ieee")
 
-    _ok_x = _offs_x < _size_x
-    tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=_ok_x[:, None])
-    tl.store(_grad_V + _i_b * _st__grad_V_b + _i_h * _st__grad_V_h + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=_ok_x[:, None])
+    tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+    tl.store(_grad_V + _i_b * _st__grad_V_b + _i_h * _st__grad_V_h + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
 
 
 @triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
@@ -865,7 +876,7 @@ def _sigmoid_attention_bwd_dq_kernel(
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
             _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
 
-    tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=_ok_q[:, None])
+    tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
 
 
 def _sigmoid_attention_preprocess(Q, K, V, dO, _o):
@@ -874,9 +885,12 @@ def _sigmoid_attention_preprocess(Q, K, V, dO, _o):
     return (dN0,)
 
 
-def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=None):
-    """The gradient of each input (float32, or None), from the state; rows
-    at global positions as the forward's (_positions)."""
+def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=None,
+        grad_dtype="float32"):
+    """The gradient of each input (float32 or the input's dtype: grad_dtype,
+    see _in_input_dtype; or None), from the state; rows at global positions
+    as the forward's (_positions)."""
+    _like = _in_input_dtype(grad_dtype)
     _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
     _check_state({"dN0": dN0}, _sz, _dev)
@@ -889,11 +903,18 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=
     _need = _wanted(need)
     _warps = _opts["num_warps"] or (8 if _br >= 128 else 4)
     _stages = _opts["num_stages"] or 2
+    # dQ: with no block given or tuned, the block of x is halved (down to 32) while a thread would hold
+    # more than 160 float32 values (accumulator, product tiles, float32 operands: it would spill).
+    while _opts["block_q"] is None and _opts["block_x"] is None and _bc > 32 \
+            and _br * 64 + _br * _bc + _br * _bc > 160 * 32 * _warps:
+        _bc //= 2
     # The dK/dV kernel's tiles are [x, q], its x resident and its q streamed.  Blocks given
     # or tuned (its own entry) apply as given: the tuner timed them so.  With neither, x takes the
     # schedule's block of q and q that of x (the forward's tile transposed), and the block of
-    # q is halved while a thread would hold more than 160 float32 values (accumulators and
-    # product tiles: it would spill).  8 warps when either block is 128 or more, else 4.
+    # q is halved while a thread would hold more than 160 float32 values (accumulators, product
+    # tiles and the operands of float32 products: it would spill): down to 32, then the block of x down
+    # to 64 (a warpgroup's wgmma rows), then q down to 16.  8 warps when either block of the
+    # schedule's tile is 128 or more, else 4.
     _kv_opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd_kv")
     _kv_br = _block_size(_kv_opts["block_q"], "q", "block_q")
     _kv_bc = _block_size(_kv_opts["block_x"], "x", "block_x")
@@ -902,11 +923,17 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=
         _kv_br, _kv_bc = _BLOCKS["x"], _BLOCKS["q"]
     _kv_warps = _kv_opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
     _kv_stages = _kv_opts["num_stages"] or 2
+    while _kv_default and _kv_br > 32 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
+        _kv_br //= 2
+    while _kv_default and _kv_bc > 64 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
+        _kv_bc //= 2
     while _kv_default and _kv_br > 16 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
         _kv_br //= 2
-    _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=torch.float32, device=_dev)
-    _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=torch.float32, device=_dev)
-    _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=torch.float32, device=_dev)
+    # Each program writes its block of dQ, dK, dV once, from a float32 accumulator: the kernel's
+    # store rounds it to the buffer's dtype (round to nearest even, as torch's .to would).
+    _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=Q.dtype if _like else torch.float32, device=_dev)
+    _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=K.dtype if _like else torch.float32, device=_dev)
+    _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
         _sigmoid_attention_bwd_dkdv_kernel[_grid](
@@ -944,7 +971,7 @@ def sigmoid_attention_preprocess(Q, K, V, dO, *, block_q=None, num_warps=None):
 
 
 def sigmoid_attention_backward(Q, K, V, dN0, *, block_q=None, block_x=None, num_warps=None, num_stages=None, need=None,
-        positions=None, lengths=None):
+        positions=None, lengths=None, grad_dtype="float32"):
     """The backward kernels, callable directly (distributed attention does):
     (Q, K, V, dN0) -> the gradient of each input, float32
     (None for integer inputs and those ``need`` leaves out: one flag per input,
@@ -952,9 +979,11 @@ def sigmoid_attention_backward(Q, K, V, dN0, *, block_q=None, block_x=None, num_
     forward; rows may belong to a larger problem (merged lse, global delta).
     positions= / lengths= as the forward launcher's: global indices of the
     local rows of q and x, and the global sizes (x rows at
-    positions >= its length contribute nothing)."""
+    positions >= its length contribute nothing).  grad_dtype="input": each
+    gradient in its input's dtype instead, stored so by the kernels (what
+    autograd takes); the float32 default suits callers that add gradients up."""
     return _sigmoid_attention_backward(Q, K, V, dN0, (block_q, block_x, num_warps, num_stages), need,
-                         positions, lengths)
+                         positions, lengths, grad_dtype)
 
 
 def _sigmoid_attention_grads(_ins, _outs, _grads, _o, need):
@@ -962,7 +991,8 @@ def _sigmoid_attention_grads(_ins, _outs, _grads, _o, need):
     O, = _outs
     dO, = _grads
     dN0, = _sigmoid_attention_preprocess(Q, K, V, dO, _o)
-    return _sigmoid_attention_backward(Q, K, V, dN0, _o, need)
+    # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
+    return _sigmoid_attention_backward(Q, K, V, dN0, _o, need, grad_dtype="input")
 
 
 # ---------------------------------------------------------------------------
@@ -1012,7 +1042,8 @@ def _(Q, K, V, _out0, _grad0, block_q, block_x, num_warps, num_stages, need):
 
 
 def _as_grad(g, t, wanted):
-    """A gradient in its input's dtype; an empty tensor where none is wanted."""
+    """A gradient in its input's dtype (the kernels' already are: _grads asks
+    for them so, and .to is then a no-op); an empty tensor where none is wanted."""
     if not wanted:
         return t.new_empty(0)
     return torch.zeros_like(t) if g is None else g.to(t.dtype)

@@ -234,7 +234,7 @@ class KernelShape:
     [resident, streamed] tile per accumulating product (``tiles``: P for
     P @ V, dS for dS @ K).  ``loads``: what it loads before the loop (once)
     and per step (num_stages copies in flight), for shared memory.  dK/dV
-    is judged by its own launcher rule instead (``_dkdv_keeps``)."""
+    is judged by its own launcher rule instead (``_rule_cut``)."""
 
     kind: str
     resident: str
@@ -331,22 +331,30 @@ def _load_bytes(shape: KernelShape, ld) -> int:
     return ir.DTYPE_BYTES[t.dtype]
 
 
-def _dkdv_keeps(shape: KernelShape, config: Config, sizes: Mapping[str, int]) -> Optional[int]:
-    """None when the dK/dV kernel's own register rule (the launcher's default
-    tile, backward_emit.dkdv_default_tile, against HELD_FP32) keeps this
-    tile at these warps; else the row block that rule would cut it to.
-    Asked of the rule itself, so a change to it applies here too."""
-    from .codegen.backward_emit import dkdv_default_tile
+def _rule_cut(shape: KernelShape, config: Config, sizes: Mapping[str, int]) -> Optional[str]:
+    """None when a backward kernel's own register rule (its launcher's
+    default tile: backward_emit.dkdv_default_tile or dq_default_tile, against
+    HELD_FP32) keeps this tile at these warps; else the blocks that rule
+    would cut it to, as text.  Asked of the rule itself, so a change to it
+    (L2 and ReLU^2's float32 operands count there) applies here too."""
+    from .codegen.backward_emit import dkdv_default_tile, dq_default_tile
 
     plan, blocks = shape.plan, dict(config.blocks)
-    # the rule reads the forward's blocks: keys take the row block, rows the streamed one
+    # the rules read the forward's blocks: dQ takes them as they are; dK/dV's
+    # keys take the row block and its rows the streamed one
     fblocks = dict(plan.forward.blocks)
-    fblocks[plan.row], fblocks[plan.col] = blocks[plan.col], blocks[plan.row]
+    if shape.kind == "bwd_kv":
+        fblocks[plan.row], fblocks[plan.col] = blocks[plan.col], blocks[plan.row]
+    else:
+        fblocks[plan.row], fblocks[plan.col] = blocks[plan.row], blocks[plan.col]
     probe = replace(plan, forward=replace(plan.forward, blocks=tuple(fblocks.items())))
     full = {w.name: w.size for w in plan.diagram.wires if w.size is not None}
     full.update(sizes)
-    br, bc, _ = dkdv_default_tile(probe, full, config.num_warps)
-    return None if (br, bc) == (blocks[plan.row], blocks[plan.col]) else br
+    rule = dkdv_default_tile if shape.kind == "bwd_kv" else dq_default_tile
+    br, bc, _ = rule(probe, full, config.num_warps)
+    if (br, bc) == (blocks[plan.row], blocks[plan.col]):
+        return None
+    return f"block_{plan.row}={br}, block_{plan.col}={bc}"
 
 
 def resident_blocks(diagram: ir.Diagram, sizes: Mapping[str, int], shape: KernelShape,
@@ -437,16 +445,24 @@ def _attention_candidates(diagram, sizes, shape: KernelShape, capacity, profile,
                         pruned.append(Pruned(c, why))
                     else:
                         survivors.append(c)
-    # a 16-wide step only where no wider one survives for that resident block
+    # A 16-wide step only where no wider one survives for that resident
+    # block; except in dK/dV, whose default at head dim 128 (128 keys x 32
+    # rows) sits at the register budget: compiled for sm_90 by Triton 3.6
+    # (the GPU machine's) it spills in gqa (36 B) and sliding_window (8 B)
+    # while 128 x 16 does not (napkin.bench.aot, 2026-11-21), so 16 rows
+    # stay a candidate there, last in order.
     wider = {dict(o)[res] for o, cs in per_shape.items() if cs and dict(o)[st] > TINY_STREAMED}
     for o, cs in per_shape.items():
-        if dict(o)[st] == TINY_STREAMED and dict(o)[res] in wider:
+        if dict(o)[st] == TINY_STREAMED and dict(o)[res] in wider and shape.kind != "bwd_kv":
             pruned += [Pruned(c, f"block_{st}={TINY_STREAMED} while a wider streamed block fits block_{res}="
                                  f"{dict(o)[res]}: an MMA N of 16 and twice the per-block softmax "
                                  "bookkeeping of 32") for c in cs]
             cs.clear()
     tiers = max((len(cs) for cs in per_shape.values()), default=0)
     keep = [cs[i] for i in range(tiers) for cs in per_shape.values() if i < len(cs)]
+    # 16-wide steps last: tried only when the budget has seen every wider one
+    keep = [c for c in keep if dict(c.blocks)[st] > TINY_STREAMED] + \
+        [c for c in keep if dict(c.blocks)[st] <= TINY_STREAMED]
     return keep, pruned
 
 
@@ -459,12 +475,15 @@ def _prune_reason(shape: KernelShape, c: Config, sizes, capacity: Optional[int],
     if blocks[shape.resident] < MIN_ROWS_PER_WARP * c.num_warps:
         return (f"block_{shape.resident}={blocks[shape.resident]} gives {c.num_warps} warps under "
                 f"{MIN_ROWS_PER_WARP} rows each")
+    # dK/dV is judged by its launcher's rule alone.  dQ's rule (which counts
+    # both its product tiles as live at once) would also cut (128, 128) at 8
+    # warps, which compiled without spills for sm_90; so dQ keeps the
+    # estimate below, calibrated on those compiles (KernelShape.held).
     if shape.kind == "bwd_kv":
-        cut = _dkdv_keeps(shape, c, sizes)
+        cut = _rule_cut(shape, c, sizes)
         if cut is not None:
-            return (f"registers: the dK/dV kernel's own rule (backward_emit.dkdv_default_tile, at most "
-                    f"{budget} float32 values a thread) cuts block_{shape.streamed}={blocks[shape.streamed]} "
-                    f"to {cut} at {c.num_warps} warps: it would spill")
+            return (f"registers: the dK/dV kernel's own rule (backward_emit.dkdv_default_tile, at most {budget} "
+                    f"float32 values a thread) cuts this tile to {cut} at {c.num_warps} warps: it would spill")
         return None
     held = shape.held(blocks, c.num_warps)
     if held > budget:

@@ -90,6 +90,29 @@ def test_target_backward_kernels_compile_for_hopper_without_spilling(trainings, 
             assert r.wgmma > 0 and r.cp_async > 0, r
 
 
+# Sum normalisers: dN = dO / b(Z) is float32 row state, and its products ran
+# as FMAs (no tensor core) that spilled kilobytes a thread until they took tf32
+# and the default tiles counted their float32 operands (backward_emit.HELD_FP32).
+SUM_NORMALISED = ["l2_attention", "relu2_attention"]
+
+
+@pytest.fixture(scope="module")
+def sum_normalised():
+    return compile_on_paper(SUM_NORMALISED, "--head-dim", "128")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem", SUM_NORMALISED)
+def test_sum_normaliser_backward_kernels_do_not_spill(sum_normalised, stem):
+    reports = {r.kernel: r for r in sum_normalised[stem]}
+    assert set(reports) >= {f"_{stem}_bwd_{k}_kernel" for k in ("rows", "dkdv", "dq")}
+    for r in reports.values():
+        assert not r.spills, f"{r.kernel} spills {r.spill_stores} B / loads {r.spill_loads} B per thread"
+        assert r.shared <= H100_SMEM
+    for k in ("dkdv", "dq"):
+        assert reports[f"_{stem}_bwd_{k}_kernel"].wgmma > 0, f"{stem}'s {k} kernel runs without wgmma"
+
+
 @pytest.mark.slow
 def test_matmul_pipelines_its_reduction_loop(forwards):
     # The sizes are not specialised, so a mask along the contiguous k would

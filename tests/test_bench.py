@@ -426,7 +426,11 @@ def test_candidate_counts_at_the_target_stay_small():
                                           capacity=H100_SMEM)
             assert 2 <= len(keep) <= 20, (name, kind, len(keep))
             streamed = autotune.kernel_shape(d, sizes, kind).streamed
-            assert all(dict(c.blocks)[streamed] >= 32 for c in keep), (name, kind)
+            steps = [dict(c.blocks)[streamed] for c in keep]
+            if kind == "bwd_kv":   # 16 rows stay (its default spills on Triton 3.6 where 16 does not), last
+                assert steps == sorted(steps, key=lambda b: b <= 16), (name, kind)
+            else:
+                assert all(b >= 32 for b in steps), (name, kind)
 
 
 def test_autotune_budget_stops_timing_and_records_what_it_skipped(tmp_path):
@@ -508,6 +512,18 @@ def test_tuning_is_shown_in_the_markdown_when_truncated():
     md = results.markdown(data)
     assert "| 7 of 19 | 0 | **12 skipped: budget 65 s ran out** (cached) |" in md
     assert "| dkdv | block_q=32, block_x=128, num_warps=8, num_stages=2 | ? | ? | ? (cached) |" in md
+
+
+def test_backward_kernels_lead_with_their_own_default_tiles():
+    """dK/dV's own untuned tile and dQ's lead their candidates: tuning never
+    ends worse than the default (backward_emit.dkdv_default_tile / dq_default_tile)."""
+    gqa = napkin.load(EXAMPLES / "gqa.ncd")           # head dim 128: 128 keys by 32 rows, 8 warps
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": 16384, "x": 16384}
+    lead = harness.untuned(gqa, sizes, "bwd_kv")
+    assert lead == [autotune.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
+    assert autotune.candidates(gqa, sizes, kind="bwd_kv", lead=lead)[0][:2] == lead
+    # dQ's: the schedule's blocks (its keys would be halved only past HELD_FP32)
+    assert harness.untuned(gqa, sizes, "bwd") == [autotune.Config((("q", 128), ("x", 64)), 8, s) for s in (2, 3)]
 
 
 def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path):

@@ -254,8 +254,10 @@ def test_counted_bytes_follow_the_dtype(compiled, name):
 # The backward: napkin.cost.backward's predictions against the generated
 # backward kernels (and the training forward, which also writes the row
 # state), for every example at the same sizes.  Tensors the backward
-# allocates itself (delta, the float32 gradients, partial sums) are counted
-# under their kernel parameter names, which are the names the model uses.
+# allocates itself (delta, the gradients, partial sums) are counted under
+# their kernel parameter names, which are the names the model uses.  The
+# gradients are in the inputs' dtype on the autograd path (_NAME_grads) and
+# float32 from NAME_backward's default; backward_cost's grad_dtype says which.
 # --------------------------------------------------------------------------
 
 from napkin.cost.backward import backward_cost  # noqa: E402
@@ -287,11 +289,12 @@ def test_backward_counted_bytes_equal_predicted_bytes(compiled, path, case):
     assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
 
 
-@pytest.mark.parametrize("stem", ["causal", "gqa", "sliding_window", "alibi"])
+@pytest.mark.parametrize("stem", ["causal", "gqa", "sliding_window", "alibi", "l2_attention", "relu2_attention"])
 def test_backward_bytes_of_the_launch_with_no_options(compiled, stem):
     """No block given: the dK/dV kernel runs its own default tile (the
-    forward's transposed, rows halved to fit the registers), which the cost
-    pass evaluates with the launcher's rule (dkdv_default_tile)."""
+    forward's transposed, rows halved to fit the registers; for L2 and ReLU²
+    attention counting the float32 operands of their widened products too),
+    which the cost pass evaluates with the launcher's rule (dkdv_default_tile)."""
     module = compiled[stem]
     d = single_device(napkin.load(REPO / "examples" / f"{stem}.ncd"))
     sizes = case_sizes(d, 150, 333)
@@ -304,6 +307,39 @@ def test_backward_bytes_of_the_launch_with_no_options(compiled, stem):
     with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
         getattr(module, f"_{d.name}_grads")(inputs, (*outs, *saved), grads, none, None)
     assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
+
+
+@pytest.mark.parametrize("grad_dtype", ["input", "float32"])
+@pytest.mark.parametrize("stem", ["causal", "gqa", "alibi", "matmul"])
+def test_backward_gradient_bytes_follow_grad_dtype(compiled, stem, grad_dtype):
+    """NAME_backward(grad_dtype=...) called directly, as the distributed
+    wrappers call it ("float32", its default) and as autograd does ("input"):
+    its kernels' bytes are backward_cost's with the same grad_dtype.  The
+    fp16 examples' two predictions differ in every gradient store, so a
+    launch storing gradients in the other dtype fails here."""
+    module = compiled[stem]
+    d = single_device(napkin.load(REPO / "examples" / f"{stem}.ncd"))
+    sizes = case_sizes(d, 50, 70)
+    inputs = module.example_inputs(sizes, dtype=torch.float16)
+    predicted = backward_cost(d, sizes, grad_dtype=grad_dtype)
+    other = backward_cost(d, sizes, grad_dtype="float32" if grad_dtype == "input" else "input")
+    grads = {m.tensor for m in predicted.moves if m.tensor.startswith("_grad_") and m.direction == "store"}
+    assert grads and all(predicted.by_tensor("store")[g] != other.by_tensor("store")[g] for g in grads)
+    none = (None,) * len(module._OPTIONS)
+    outs, saved = getattr(module, f"_{d.name}_forward")(*inputs, *none, True)
+    upstream = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(0)).to(outs[0].dtype)
+    if stem == "matmul":
+        state = (upstream,)
+    else:   # the row state, from the public preprocess (not counted: the rows kernel is left out below)
+        lse = outs[list(module.OUTPUTS).index("lse")] if "lse" in module.OUTPUTS else saved[0]
+        state = (upstream, lse, *getattr(module, f"{d.name}_preprocess")(*inputs, upstream, outs[0]))
+    with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+        getattr(module, f"{d.name}_backward")(*inputs, *state, grad_dtype=grad_dtype)
+    want = defaultdict(int), defaultdict(int)
+    for m in predicted.moves:
+        if m.kernel != "rows":
+            want[m.direction == "store"][m.tensor] += m.bytes
+    assert (dict(bc.loads), dict(bc.stores)) == (dict(want[0]), dict(want[1]))
 
 
 @pytest.mark.parametrize("stem", sorted(COST_ONLY))

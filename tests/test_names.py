@@ -49,7 +49,7 @@ from napkin.errors import NapkinError
 NAMES = (
     "s p m m_new m_use alpha qk acc l t w dot scale "
     "w0 s1 t0 t2 m1 acc1 l1 p0 alpha1 "
-    "pid batch row0 col0 start lo hi flo fhi row_first row_last col_first col_last live rb outer o ok need "
+    "pid batch row0 col0 start lo hi flo fhi row_first row_last col_first col_last live rb outer o ok need grad_dtype "
     "grid opts pos full a "
     "offs_q offs_x ok_x ok_q gok_q idx_q idx_x i_b i_h size_x len_x pos_q BLOCK_x POS_q "
     "st_Q_d st_K_x out_O acc_V grad_Q part_Q saved_lse "
@@ -166,10 +166,10 @@ def test_kernels_are_the_neutral_ones_renamed(name, kind):
     assert var not in internal_names(d) | KERNEL_NAMES | FIXED_NAMES, var
     want = _kernels(_renamed(neutral_src, var, name))
     got = _kernels(src)
-    if template is INPUT and name == "need":
-        # need= is the public backward's option (NAME_backward(..., need=None)), so an
-        # input of that name gets no backward (nor saved row state), and says so
-        assert "need\\u0027 has the name of the backward" in src  # (tojson escapes the quote)
+    if template is INPUT and name in training.BACKWARD_OPTIONS:
+        # need= and grad_dtype= are the public backward's options (NAME_backward(..., need=None)),
+        # so an input of that name gets no backward (nor saved row state), and says so
+        assert f"{name}\\u0027 has the name of the backward" in src  # (tojson escapes the quote)
         assert list(got) == ["_clash_kernel"]
         return
     assert got.keys() == want.keys()

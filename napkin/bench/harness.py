@@ -513,12 +513,14 @@ def _tuning_facts(entry: dict) -> dict:
 
 def untuned(d: ir.Diagram, sizes: dict, kind: str) -> list:
     """The launch a kernel gets untuned, the lead of its candidates so that
-    tuning never ends worse than not tuning: the forward and dQ the
-    schedule's blocks with the launchers' defaults (8 warps from 128 rows,
-    else 4; 2 stages: templates, emit.py and training.py.jinja), dK/dV its
-    own (``_backward_default``)."""
-    if kind == "bwd_kv":
-        return _backward_default(d, sizes, kind)
+    tuning never ends worse than not tuning: dQ and dK/dV their own default
+    tiles (``_backward_default``); the forward, and a backward without such
+    a rule (a matrix product's), the schedule's blocks with the launchers'
+    defaults (8 warps from 128 rows, else 4; 2 stages: emit.py and
+    training.py.jinja)."""
+    lead = _backward_default(d, sizes, kind) if kind else []
+    if lead:
+        return lead
     blocks = autotune.tiled_blocks(d)
     if len(blocks) != 2:
         return []
@@ -527,18 +529,18 @@ def untuned(d: ir.Diagram, sizes: dict, kind: str) -> list:
 
 
 def _backward_default(d: ir.Diagram, sizes: dict, kind: str) -> list:
-    """The launch the dK/dV kernel gets untuned, as candidates (2 and 3
-    stages): its own default tile (backward_emit.dkdv_default_tile).
-    Other kinds: none (``untuned`` gives theirs)."""
-    if kind != "bwd_kv":
-        return []
+    """The launch a backward kernel gets untuned, as candidates (2 and 3
+    stages): dQ the schedule's blocks, its keys halved while they would not
+    fit the registers (backward_emit.dq_default_tile), dK/dV its own default
+    tile (backward_emit.dkdv_default_tile)."""
     from ..codegen import lower, training
-    from ..codegen.backward_emit import dkdv_default_tile
+    from ..codegen.backward_emit import dkdv_default_tile, dq_default_tile
 
     plan = training.prepare(lower.lower(d)).backward
     if plan is None:
         return []
-    br, bc, warps = dkdv_default_tile(plan, reference.full_sizes(d, sizes))
+    rule = dkdv_default_tile if kind == "bwd_kv" else dq_default_tile
+    br, bc, warps = rule(plan, reference.full_sizes(d, sizes))
     blocks = ((plan.row, br), (plan.col, bc))
     return [autotune.Config(blocks, warps, stages) for stages in (2, 3)]
 

@@ -29,6 +29,8 @@ step.  Both loops load the same tiles.
 """
 from __future__ import annotations
 
+import re
+
 from .. import ir, masks
 from . import bounds as B
 from . import emit as E
@@ -37,15 +39,58 @@ from .backward import BackwardPlan, Kernel
 from .exprs import triton
 
 
-# The dK/dV kernel's default tile (templates/training.py.jinja): keys take the
-# schedule's row block, rows its streamed block, halved (down to 16) while a
-# thread would hold more than this many float32 values in the kernel's
-# accumulators ([x, feature]: dK, dV) and its product tiles ([x, q]: the
-# scores, dP).  Set by compiling for sm_90 (napkin.bench.aot, bf16, 8 warps,
-# 128 keys): head dim 128 with 64 rows (192 a thread) spilled in every
-# bundled example, with 32 rows (160) in none; head dim 64 with 64 rows (128)
-# in none.
+# The default tiles of the dK/dV and rows kernels (templates/training.py.jinja)
+# keep what one thread holds in float32 under this many values.  dK/dV: its
+# accumulators ([x, feature]: dK, dV), its product tiles ([x, q]: the scores,
+# dP) and the operands of the products it widens to float32 for its row state
+# (_wide_operands: a sum normaliser's V and dN, [x, feature] and [q, feature]).
+# Its rows are halved down to 32, then its keys down to 64 (one warpgroup's
+# wgmma rows), then its rows down to 16.  Set by compiling for sm_90
+# (napkin.bench.aot, bf16, 8 warps, 128 keys): softmax at head dim 128 with 64
+# rows (192 a thread) spilled in every bundled example, with 32 rows (160) in
+# none; head dim 64 with 64 rows (128) in none.  L2 and ReLU^2 attention at
+# head dim 128 (V and dN in float32 too, their products in tf32) spill on
+# Triton 3.9 at 128 keys by 32 rows (240 a thread; ReLU^2 also by 16 rows,
+# 216), and at 64 keys by 32 rows (128) in neither (on Triton 3.6 both still
+# spill there, docs/bench.md).  The rows
+# kernel (one row block, no loop, 4 warps) holds what outlives its row sums:
+# the loaded [q, feature] tiles read again after them and the tiles it stores
+# (L2 at head dim 128: dO and dN, 256 a thread at 128 rows spilled; softmax
+# reads nothing after its one sum and holds nothing: unchanged).
 HELD_FP32 = 160
+
+
+def _feature_block(plan: BackwardPlan, w: str, sizes) -> int:
+    """The block a feature wire takes (its padded size): fixed, or from ``sizes``."""
+    return L._dim_block(plan.diagram, w) or max(16, 1 << max(sizes[w] - 1, 0).bit_length())
+
+
+def _wide_operands(plan: BackwardPlan, k: Kernel) -> list:
+    """The loads that enter a product the kernel takes in float32 (_dt: a
+    factor is float32 row state), once each: held as float32 tiles."""
+    out = {}
+    for dot in k.dots:
+        if dot.var != "_qk" and _dt(plan, dot.lhs.tensor, dot.rhs.tensor) == "tl.float32":
+            out.setdefault(dot.lhs.tensor, dot.lhs)
+            out.setdefault(dot.rhs.tensor, dot.rhs)
+    for g in k.grads:
+        if _dt(plan, g.operand.tensor) == "tl.float32":
+            out.setdefault(g.operand.tensor, g.operand)
+    return list(out.values())
+
+
+def held_terms(plan: BackwardPlan, k: Kernel) -> list[tuple[str, str]]:
+    """What one dK/dV or dQ program holds in float32, as a sum of tiles (two
+    wires each: the row wire, the key wire or a feature wire): its
+    accumulators, its product tiles, the float32 operands: see HELD_FP32."""
+    terms = [(k.grid_wire, g.cols) for g in k.grads] + [(k.grid_wire, k.loop_wire)] * len(k.dots)
+    return terms + [(ld.rows, ld.cols) for ld in _wide_operands(plan, k) if ld.rows and ld.cols]
+
+
+def _held(plan: BackwardPlan, terms, br: int, bc: int, sizes) -> int:
+    block = {plan.row: br, plan.col: bc}
+    return sum((block.get(a) or _feature_block(plan, a, sizes)) * (block.get(b) or _feature_block(plan, b, sizes))
+               for a, b in terms)
 
 
 def dkdv_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, int, int]:
@@ -53,14 +98,37 @@ def dkdv_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, i
     no block is given or tuned, at ``sizes`` (every symbolic wire bound): the
     rule templates/training.py.jinja runs, evaluated here for the cost pass
     (a test holds the two to the same launches)."""
-    k = plan.kernel("dkdv")
     blocks = dict(plan.forward.blocks)
     br, bc = blocks[plan.col], blocks[plan.row]
     warps = num_warps or (8 if max(br, bc) >= 128 else 4)
-    widths = sum(L._dim_block(plan.diagram, g.cols) or max(16, 1 << max(sizes[g.cols] - 1, 0).bit_length())
-                 for g in k.grads)
-    while br > 16 and bc * (widths + len(k.dots) * br) > HELD_FP32 * 32 * warps:
+    terms = held_terms(plan, plan.kernel("dkdv"))
+    budget = HELD_FP32 * 32 * warps
+
+    def over(br, bc):
+        return _held(plan, terms, br, bc, sizes) > budget
+
+    while br > 32 and over(br, bc):
         br //= 2
+    while bc > 64 and over(br, bc):
+        bc //= 2
+    while br > 16 and over(br, bc):
+        br //= 2
+    return br, bc, warps
+
+
+def dq_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, int, int]:
+    """(row block, key block, warps) of the dQ kernel when no block is given
+    or tuned: the schedule's blocks, the keys halved (down to 32) while a
+    thread would hold more than HELD_FP32 float32 values.  Softmax never
+    reaches that at head dims 64 and 128; L2 and ReLU^2 attention at head dim
+    128 (dN and V in float32 too) run 32 keys, where 64 spilled on Triton 3.6.
+    The rule templates/training.py.jinja runs, evaluated for the cost pass."""
+    blocks = dict(plan.forward.blocks)
+    br, bc = blocks[plan.row], blocks[plan.col]
+    warps = num_warps or (8 if br >= 128 else 4)
+    terms = held_terms(plan, plan.kernel("dq"))
+    while bc > 32 and _held(plan, terms, br, bc, sizes) > HELD_FP32 * 32 * warps:
+        bc //= 2
     return br, bc, warps
 
 
@@ -109,8 +177,29 @@ def _dt(plan: BackwardPlan, *tensors: str) -> str:
     return "tl.float32" if wide & set(tensors) else f"{plan.q}.dtype.element_ty"
 
 
-def _dot(a: str, b: str, plan: BackwardPlan) -> str:
+def _dot(a: str, b: str, plan: BackwardPlan, dt: str = "") -> str:
+    if _widens(plan, dt):  # the launcher's choice: _wide_precision
+        return f"tl.dot({a}, {b}, input_precision=_WIDE)"
     return f'tl.dot({a}, {b}, input_precision="{plan.forward.precision}")'
+
+
+def _widens(plan: BackwardPlan, dt: str) -> bool:
+    """Whether a product taken in ``dt`` is one widened to float32 for row
+    state whose precision the launcher picks (the schedule did not ask for
+    tf32 everywhere)."""
+    return dt == "tl.float32" and plan.forward.precision == "ieee"
+
+
+def _wide_precision(plan: BackwardPlan) -> str:
+    """The launch argument _WIDE: the precision of the products widened to
+    float32 for row state.  With 16-bit inputs, tf32: its range is float32's
+    (dN = dO / b(Z) never overflows, the reason they are widened) and its 10
+    stored mantissa bits as many as fp16's (bf16 has 7), while
+    an "ieee" float32 product has no tensor core: Triton runs it as FMAs
+    whose operand tiles, a head dim deep, spilled every such kernel on sm_90
+    (napkin.bench.aot: L2 attention's dK/dV 7 KB a thread, dQ 11 KB).
+    float32 inputs keep "ieee", as the kernels' other products."""
+    return f'"tf32" if {plan.q}.dtype in (torch.float16, torch.bfloat16) else "ieee"'
 
 
 def _tensors(k: Kernel) -> list[str]:
@@ -196,7 +285,7 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
                     lhs = f"{lhs}.to({rhs}.dtype)"
             lines.append(f"{dot.var} = {_dot(lhs, f'tl.trans({rhs})', plan)}")
         else:
-            lines.append(f"{dot.var} = {_dot(f'{lhs}.to({dt})', f'tl.trans({rhs}.to({dt}))', plan)}")
+            lines.append(f"{dot.var} = {_dot(f'{lhs}.to({dt})', f'tl.trans({rhs}.to({dt}))', plan, dt)}")
     for var, e in k.lines:
         lines.append(f"{var} = {triton(e, _ctx(plan, names, k, skip=var, full=full))}")
     rows, cols = _tile(k)
@@ -209,7 +298,7 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
 
     for g in k.grads:  # [resident, loop] @ [loop, feature]: the tile as it is, no transpose
         dt = _dt(plan, g.operand.tensor)
-        lines.append(f"{g.var} += {_dot(f'{kept(g.tile)}.to({dt})', f'{g.operand.var}.to({dt})', plan)}")
+        lines.append(f"{g.var} += {_dot(f'{kept(g.tile)}.to({dt})', f'{g.operand.var}.to({dt})', plan, dt)}")
     # side gradients: the dQ kernel's alone, whose tiles are [rows, x]
     assert not k.sides or (rows, cols) == (plan.row, plan.col)
     for s in k.sides:
@@ -380,6 +469,21 @@ def _indent(lines: list[str], n: int) -> list[str]:
     return [" " * n + line if line else line for line in lines]
 
 
+def _wide(plan: BackwardPlan, k: Kernel) -> bool:
+    """Whether the kernel takes a product widened to float32 whose precision
+    the launcher gives (the constexpr _WIDE)."""
+    return k.role != "rows" and plan.forward.precision == "ieee" and bool(_wide_operands(plan, k))
+
+
+def rows_held(plan: BackwardPlan, k: Kernel, lines: list[str], after: list[str]) -> list[str]:
+    """The feature wires of the rows kernel's float32 [rows, feature] tiles
+    that outlive its row sums: each loaded tile the later ``lines`` or the
+    stores (``after``) read, and each tile stored."""
+    later = "\n".join(lines + after)
+    out = [ld.cols for ld in k.loads if ld.cols and re.search(rf"\b{ld.var}\b", later)]
+    return out + [st.cols for st in k.stores if st.cols]
+
+
 def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     """The template context of one backward kernel."""
     d = plan.diagram
@@ -390,6 +494,8 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             or any(w == g.cols for g in k.grads) or any(w == st.cols for st in k.stores)]
     blocks = [names.block(row)] + ([names.block(col)] if k.role != "rows" else []) \
         + [names.block(w) for w in dims] + [f"_NEED_{s.tensor}" for s in k.sides]
+    if _wide(plan, k):
+        blocks.append("_WIDE")
     params, sizes = _params(plan, k, blocks)
     if k.role != "rows":
         # positions / lengths, as the forward's (emit.py): runtime arguments and a constexpr flag per wire
@@ -465,12 +571,11 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             loop = [f"for _outer in range({n}):  # the {', '.join(k.outer)} that share these keys"] \
                 + _indent(_decode_outer(names, k.outer) + loop, 4)
         body = loop
-        if k.role == "dkdv":  # every local key gets its gradient stored (padded ones zero)
-            after.append(f"_ok_{col} = _offs_{col} < {names.size(col)}")
         for g in k.grads:
             wires = ir.axis_wires(d.tensor(g.buffer).axes)
             ptr = E._pointer(d, names, g.buffer, wires, g.rows, g.cols)
-            mask = names.mask(g.rows, g.cols)
+            mask = [_rows_after_loop(names, g.rows, start) if m == f"_ok_{g.rows}[:, None]" and g.rows == k.grid_wire else m
+                    for m in names.mask(g.rows, g.cols)]
             after.append(f"tl.store({ptr}, {g.var}.to({g.buffer}.dtype.element_ty)"
                          f"{', mask=' + ' & '.join(mask) if mask else ''})")
         for s in k.sides:
@@ -479,10 +584,21 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
                 after += [f"if _NEED_{s.tensor}:",
                           f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s)})"]
     held = ""
+
+    def block(w):  # a block of the held tiles, as the launcher knows it
+        if w in (row, col):
+            return {row: "_kv_br", col: "_kv_bc"}[w] if k.role == "dkdv" else {row: "_br", col: "_bc"}[w]
+        return str(L._dim_block(d, w)) if w in names.fixed else f'_dim_block(_sz["{w}"])'
+
     if k.role == "dkdv":  # what one program holds in float32: see HELD_FP32
-        width = " + ".join(str(L._dim_block(d, g.cols)) if g.cols in names.fixed else f'_dim_block(_sz["{g.cols}"])'
-                           for g in k.grads)
+        width = " + ".join(block(g.cols) for g in k.grads)
         held = f"_kv_bc * ({width} + {len(k.dots)} * _kv_br)"
+        held += "".join(f" + {block(a)} * {block(b)}" for a, b in held_terms(plan, k)[len(k.grads) + len(k.dots):])
+    elif k.role == "dq":
+        held = " + ".join(f"{block(a)} * {block(b)}" for a, b in held_terms(plan, k))
+    elif k.role == "rows" and after:  # what outlives its row sums: see HELD_FP32
+        widths = [block(w) for w in rows_held(plan, k, body[len(pre) + len(k.reduces):], after)]
+        held = f"_br * ({' + '.join(widths)})" if widths else ""
     return {
         "name": k.name, "role": k.role, "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "held": held, "held_budget": HELD_FP32,
@@ -496,6 +612,19 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     }
 
 
+def _rows_after_loop(names, rows: str, start: str) -> str:
+    """A gradient store's row bounds: every real row of the program's block
+    (padded ones zero; rows past a positions= length too), recomputed from
+    the block's start rather than taken from the prologue's ``_ok_<rows>``
+    (which with positions also tests the length).  A 16-bit gradient is
+    stored in the layout of the 16-bit prologue loads (Q, dO; K, V), so
+    Triton would share their broadcast row mask with the store and keep it
+    live across every loop: compiled for sm_90 at head dim 128 that made
+    sliding_window's dQ kernel spill (a float32 store, in a layout of its
+    own, never shared it)."""
+    return f"(tl.arange(0, {names.block(rows)})[:, None] < {names.size(rows)} - {start})"  # & binds tighter than <
+
+
 def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
     d = plan.diagram
     tensors = _tensors(k)
@@ -507,6 +636,8 @@ def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
     blocks = [f"{names.block(plan.row)}={br}"] + ([f"{names.block(plan.col)}={bc}"] if k.role != "rows" else [])
     blocks += E._wire_block_args(names, dims)
     blocks += [f"_NEED_{s.tensor}=_need[{plan.grads.index(s.tensor)}]" for s in k.sides]
+    if _wide(plan, k):
+        blocks.append(f"_WIDE={_wide_precision(plan)}")
     if k.role != "rows":
         blocks.append("**_pos")
     args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks)]

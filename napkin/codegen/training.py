@@ -32,6 +32,8 @@ from ..errors import NapkinError
 from . import lower as L
 
 SAVED_PREFIX = "_saved_"
+# The backward launchers' keyword options (templates/training.py.jinja).
+BACKWARD_OPTIONS = ("need", "grad_dtype")
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,11 @@ def _no(plan: L.Plan, why: str) -> Training:
 
 
 def prepare(plan: L.Plan) -> Training:
-    # an input is a parameter of the backward's launchers, beside their option
-    # need= (public: NAME_backward(..., need=None)); a box never is
-    if isinstance(plan.diagram.tensor("need"), ir.Input):
-        return _no(plan, "its input 'need' has the name of the backward's option; rename it")
+    # an input is a parameter of the backward's launchers, beside their options
+    # (public: NAME_backward(..., need=None, grad_dtype="float32")); a box never is
+    for option in BACKWARD_OPTIONS:
+        if isinstance(plan.diagram.tensor(option), ir.Input):
+            return _no(plan, f"its input '{option}' has the name of the backward's option; rename it")
     try:
         if plan.family == "attention":
             return _attention(plan)

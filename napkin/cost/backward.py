@@ -1,6 +1,6 @@
 """The backward pass's cost: what the generated backward kernels move and compute.
 
-``backward_cost(diagram, sizes, profile=None) -> BackwardCost``
+``backward_cost(diagram, sizes, profile=None, *, given=False, grad_dtype="input") -> BackwardCost``
 
 The backward kernels are derived by the code generator (napkin/codegen/
 backward.py from the diagram's GradRule; a matrix product's are two more
@@ -16,7 +16,12 @@ every tile each program loads and stores:
   once per program, the others once per visited pair; a side input's
   partial gradient per visited pair (when it has the key wire) or once per
   program.
-* Gradients (float32) are stored once per program.
+* Gradients are stored once per program, in the dtype of the launch
+  costed (``grad_dtype``): "input", each in its input's dtype, is the
+  autograd op's launch (what training and ``napkin bench`` run); "float32"
+  is NAME_backward's default (what the distributed wrappers call, adding
+  the gradients up).  A side input's partial sums and the row state are
+  float32 either way.
 
 The visited pairs are the forward's (napkin/masks.py): both backward loops
 skip exactly the blocks the forward skips.  Tiles are clipped at ragged
@@ -101,14 +106,23 @@ class BackwardCost:
         return out
 
 
+GRAD_DTYPES = ("input", "float32")
+
+
 def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None, *,
-                  given: bool = False) -> BackwardCost:
+                  given: bool = False, grad_dtype: str = "input") -> BackwardCost:
     """The backward kernels' transfers and FLOPs at the given sizes (every
     symbolic wire bound), for the launch with no options: the dK/dV kernel
-    at its own default tile (backward_emit.dkdv_default_tile), the others at
-    the schedule's blocks.  ``given``: the schedule's blocks are given (or
-    tuned), and every kernel takes them as they are.  NapkinError when the
+    at its own default tile (backward_emit.dkdv_default_tile), dQ at the
+    schedule's blocks with its keys halved as the launcher does
+    (dq_default_tile), the rows kernel at the schedule's.  ``given``: the
+    schedule's blocks are given (or tuned), and every kernel takes them as
+    they are.  ``grad_dtype``: what the gradient buffers hold, as the
+    module's grad_dtype= takes it: "input" (the autograd op's launch, the
+    default) or "float32" (NAME_backward's default).  NapkinError when the
     code generator has no backward for the diagram, with its reason."""
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype must be one of {GRAD_DTYPES}, not {grad_dtype!r}")
     from ..codegen import lower, training
     from .analysis import analyse, bind_sizes, resolve_profile
 
@@ -123,9 +137,9 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile) if t.saved \
         else analyse(d, bound, profile)
     if t.backward is not None:
-        moves, flops, kernels = _attention(t.backward, bound, given)
+        moves, flops, kernels = _attention(t.backward, bound, given, grad_dtype)
     else:
-        moves, flops, kernels = _contraction(t.grads, bound, profile)
+        moves, flops, kernels = _contraction(d, t.grads, bound, profile, grad_dtype)
     prof = resolve_profile(d, profile)
     rate, _ = prof.contraction_rate(forward.flops.contraction_dtype, d.schedule.tf32 if d.schedule else False)
     total = sum(m.bytes for m in moves)
@@ -146,8 +160,8 @@ def _single_device(d: ir.Diagram) -> ir.Diagram:
 # Attention: the three kernels of backward.py.
 # --------------------------------------------------------------------------
 
-def _attention(b, sizes: dict, given: bool) -> tuple[list[Move], tuple[int, int, int], list[str]]:
-    from ..codegen.backward_emit import dkdv_default_tile
+def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move], tuple[int, int, int], list[str]]:
+    from ..codegen.backward_emit import dkdv_default_tile, dq_default_tile
 
     d, f = b.diagram, b.forward
     blocks = dict(f.blocks)
@@ -167,6 +181,8 @@ def _attention(b, sizes: dict, given: bool) -> tuple[list[Move], tuple[int, int,
         br, bc = blocks[row], blocks[col]
         if k.role == "dkdv" and not given:
             br, bc, _ = dkdv_default_tile(b, sizes)
+        elif k.role == "dq" and not given:
+            br, bc, _ = dq_default_tile(b, sizes)
         pairs = visited(br, bc)
         rows_of = functools.partial(clip, nr, br)
         cols_of = functools.partial(clip, nc, bc)
@@ -189,9 +205,10 @@ def _attention(b, sizes: dict, given: bool) -> tuple[list[Move], tuple[int, int,
                 n = sum((rows_of(i) if row in ws else 1) * (cols_of(j) if col in ws else 1) for i, j in pairs)
                 n *= batch * outer * feat(ws)
             moves.append(Move(k.role, ld.tensor, "load", _dtype(b, ld.tensor), n))
-        for g in k.grads:
+        for g in k.grads:   # one store per element, in the buffer's dtype (the template's _grad_X)
             wires = ir.axis_wires(d.tensor(g.buffer).axes)
-            moves.append(Move(k.role, g.buffer, "store", "fp32", sizes[g.rows] * batch * feat(wires)))
+            dtype = _dtype(b, g.tensor) if grad_dtype == "input" else "fp32"
+            moves.append(Move(k.role, g.buffer, "store", dtype, sizes[g.rows] * batch * feat(wires)))
         for s in k.sides:
             if s.has_col:
                 n = sum((rows_of(i) if s.has_row else 1) * cols_of(j) for i, j in pairs) * batch
@@ -274,7 +291,10 @@ def _ops(e, subst: dict) -> tuple[int, int]:
 # A matrix product: dA and dB are contraction diagrams, costed as such.
 # --------------------------------------------------------------------------
 
-def _contraction(grads, sizes: dict, profile) -> tuple[list[Move], tuple[int, int, int], list[str]]:
+def _contraction(d: ir.Diagram, grads, sizes: dict, profile,
+                 grad_dtype: str) -> tuple[list[Move], tuple[int, int, int], list[str]]:
+    """Each gradient diagram declares its output fp32 (its accumulator); the
+    launch stores it in the buffer's dtype, the input's under "input"."""
     from .analysis import analyse
 
     moves, kernels = [], []
@@ -284,8 +304,10 @@ def _contraction(grads, sizes: dict, profile) -> tuple[list[Move], tuple[int, in
         r = analyse(gd, {w: s for w, s in sizes.items() if gd.wire(w) is not None}, profile)
         name = gd.outputs[0].name
         kernels.append(name)
+        stored = d.tensor(name[len("_grad_"):]).dtype if grad_dtype == "input" else "fp32"
         for t in r.transfers:
             if t.boundary.startswith("hbm/"):
-                moves.append(Move(name, t.tensor, t.direction, t.dtype, t.elements))
+                dtype = stored if (t.direction, t.tensor) == ("store", name) else t.dtype
+                moves.append(Move(name, t.tensor, t.direction, dtype, t.elements))
         cf, of, ef = cf + r.flops.contraction, of + r.flops.other, ef + r.flops.exp
     return moves, (cf, of, ef), kernels
