@@ -23,7 +23,9 @@ Two kinds of test:
   input's) against torch.autograd through that reference.
 
 Plus the contraction family (an epilogue input ``full``, an input ``dC``
-beside output C) and the distributed launcher's own parameters.
+beside output C), outputs named like launcher options (and Triton's
+num_warps / num_stages, refused), and the distributed launcher's own
+parameters (refused).
 """
 from __future__ import annotations
 
@@ -285,3 +287,54 @@ def test_distributed_parameters_refused_with_a_location(example, old, new):
     assert f"parameter named {new}" in msg and "rename the input" in msg
     line = next(i for i, s in enumerate(text.splitlines(), 1) if s.startswith(f"in {new}["))
     assert f"{example}.ncd:{line}:" in msg
+
+
+# ---- outputs: kernel parameters and launcher locals ----
+
+OUTPUTS = """diagram clash
+
+wire b, h, q, x
+wire d = 16
+
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+
+S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5 + 1.0
+P[b, h, q, x] = softmax[x](S)
+{o}[b, h, q, d] : fp32 = sum[x](P * V)
+{lse}[b, h, q] = logsumexp[x](S)
+
+out {o}, {lse}
+"""
+
+
+@pytest.mark.parametrize("o, lse", [("block_q", "lse"), ("O", "positions"), ("out_dtype", "lengths"),
+                                    ("need", "grad_dtype"), ("m", "l")])
+def test_output_names_forward_and_backward(o, lse, tmp_path):
+    """Outputs are kernel pointer parameters and the launcher's locals (after
+    it has read its options), never the backward launchers' parameters."""
+    src, _ = _emit(OUTPUTS.format(o=o, lse=lse))
+    m = _load_module(src, tmp_path, f"out_{o}_{lse}")
+    ins = m.example_inputs(SIZES, dtype=torch.float32)
+    mine = [t.clone().requires_grad_() for t in ins]
+    theirs = [t.double().requires_grad_() for t in ins]
+    out, ref = m.clash(*mine, block_q=16, block_x=16), m.reference(*theirs)
+    for a, b in zip(out, ref):
+        assert _max_err(a, b) < 1e-4
+    gen = torch.Generator().manual_seed(1)
+    g = [torch.randn(r.shape, generator=gen, dtype=torch.float64) for r in ref]
+    for a, b in zip(torch.autograd.grad(out, mine, [x.float() for x in g]), torch.autograd.grad(ref, theirs, g)):
+        assert _max_err(a, b) < 1e-3
+
+
+@pytest.mark.parametrize("o, lse, bad", [("num_warps", "lse", "num_warps"), ("O", "num_stages", "num_stages")])
+def test_outputs_named_like_tritons_launch_options_are_refused(o, lse, bad):
+    """kernel[grid](..., num_warps=...): an output (a kernel parameter) of that
+    name would be given twice; refused at the box, with a hint."""
+    text = OUTPUTS.format(o=o, lse=lse)
+    with pytest.raises(NapkinError) as err:
+        _emit(text)
+    line = next(i for i, s in enumerate(text.splitlines(), 1) if s.startswith(f"{bad}["))
+    assert f"clash.ncd:{line}:1: napkin cannot emit a kernel for output {bad}" in str(err.value)
+    assert "rename the box" in str(err.value)

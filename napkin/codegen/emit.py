@@ -185,7 +185,18 @@ def _options(d: ir.Diagram, wires: list[str]) -> list[str]:
         t = d.tensor(clash[0])
         raise L.unsupported(f"input {t.name}", f"the launcher has an option named {t.name}", t.loc,
                             "rename the input")
+    # every output is a kernel parameter of its own name, and the launches pass
+    # Triton's num_warps= and num_stages=: an output of that name would be given twice
+    for out in d.outputs:
+        if out.name in TRITON_LAUNCH:
+            raise L.unsupported(f"output {out.name}", f"the kernel launch takes Triton's option {out.name}, and "
+                                "each output is a kernel parameter of its own name", d.tensor(out.name).loc,
+                                "rename the box")
     return opts
+
+
+# Triton's launch options napkin's launches pass (kernel[grid](..., num_warps=...)).
+TRITON_LAUNCH = ("num_warps", "num_stages")
 
 
 # --------------------------------------------------------------------------
