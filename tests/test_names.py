@@ -226,6 +226,24 @@ def test_gradients_match_autograd(name, kind, tmp_path):
         assert _max_err(a, b) < 1e-3 * max(1.0, float(b.abs().max())), (name, f"d{t}")
 
 
+@pytest.mark.parametrize("name", ["m", "qk", "s", "p", "scale"])
+def test_opened_score_box(name, tmp_path):
+    """A score box that is only a positive scale of the product is opened by
+    scale.py (its tile is never computed: the exponent folds the scale); the
+    rest of the step must still not take its name's variable."""
+    text = BOX.replace(" + 1.0", "").format(n=name, extra="", outs="")
+    src, _ = _emit(text)
+    m = _load_module(src, tmp_path, f"opened_{name}")
+    ins = m.example_inputs(SIZES, dtype=torch.float32)
+    mine = [t.clone().requires_grad_() for t in ins]
+    theirs = [t.double().requires_grad_() for t in ins]
+    out, ref = m.clash(*mine, block_q=16, block_x=16), m.reference(*theirs)
+    assert _max_err(out, ref) < 1e-4
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, mine, g.float()), torch.autograd.grad(ref, theirs, g)):
+        assert _max_err(a, b) < 1e-3
+
+
 # ---- the contraction family ----
 
 MATMUL = """diagram mm

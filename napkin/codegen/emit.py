@@ -13,10 +13,15 @@ the per-tile test at global positions are bounds.py's.
 
 Naming in generated code: the user's tensor names are the kernel's pointer
 arguments and the launcher's parameters; every other name starts with an
-underscore (the checker forbids such names in diagrams, so they cannot
-clash): ``_offs_q`` / ``_ok_q`` (indices and bounds mask along q),
-``_i_b`` (a batch index), ``_size_x``, ``_st_Q_d`` (Q's stride along d),
-``_BLOCK_q`` (a constexpr block size).
+underscore (the checker forbids such names in diagrams): ``_offs_q`` /
+``_ok_q`` (indices and bounds mask along q), ``_i_b`` (a batch index),
+``_size_x``, ``_st_Q_d`` (Q's stride along d), ``_BLOCK_q`` (a constexpr
+block size).  A loaded tile or a box's step tile is ``_`` + the user's
+name, which may still be one of those (a box called ``m`` or ``offs_q``):
+lower.fresh_name gives it ``_m_1`` then (lower.internal_names lists the
+kernels' own).  Launcher parameters the user's names cannot avoid are
+refused with a location: inputs named like an option (``_options``),
+outputs named like Triton's launch options.
 """
 from __future__ import annotations
 
