@@ -264,7 +264,9 @@ def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], 
         names.fixed, lambda n: n in step_subst and n not in tiles)
     for var, e in plan.tiles:
         if e not in opened:  # an opened tile: its exponent computes t instead, and nothing else reads it
-            own = {k: v for k, v in step_subst.items() if v != var}
+            # the tile's own root is what this line computes: render it, not its name
+            # (dropping by node, not by variable: the score product never goes with it)
+            own = {k: v for k, v in step_subst.items() if k != e}
             lines.append(f"{var} = {triton(e, names.ctx(row, col, own, kinds, sure))}")
     ctx = names.ctx(row, col, step_subst, kinds, sure)
     init = []
