@@ -25,7 +25,7 @@ from .. import ir, masks, tiling
 from .lower import (
     DEFAULT_BLOCK_ROW, DEFAULT_BLOCK_STREAM, Accum, AttentionPlan, Dot, LogSumExp, Output, SafeDiv, Var, _ExpSum,
     _LogExpSum, _Loads, _block, _check_batch, _factors, _finalise_leaves, _group_block, _precision, _product,
-    _red_wires, _show, _streamed, nodes, read_wires, unsupported, walk_until, wires_of,
+    _red_wires, _show, _streamed, fresh_name, internal_names, nodes, read_wires, unsupported, walk_until, wires_of,
 )
 
 # Names the attention kernel's skeleton and loop bounds define.
@@ -155,14 +155,19 @@ class _Attention:
         return var
 
     def name_tiles(self, tile_exprs) -> None:
-        """Per-step variables for the boxes the accumulators use (readable code)."""
+        """Per-step variables for the boxes the accumulators use (readable code).
+        A box is the user's name: ``_`` + it unless the kernel has that
+        variable already (a box called ``m`` would overwrite the running max
+        ``_m``, one called ``qk`` the score product ``_qk``), else the next
+        free ``_m_1``, as loads are named."""
         d = self.d
         used = {n for e in tile_exprs for n in nodes(e)}
+        reserved = internal_names(d)
         for let in d.lets:
             e = self.exprs[let.name]
             if e in used and e not in self.step_subst and not isinstance(e, (ir.TensorRef, ir.Num)) \
                     and self.col in wires_of(d, e):
-                var = f"_{let.name}"
+                var = fresh_name(let.name, self.taken, reserved)
                 self.taken.add(var)
                 self.tiles.append((var, e))
                 self.step_subst[e] = var

@@ -13,10 +13,15 @@ the per-tile test at global positions are bounds.py's.
 
 Naming in generated code: the user's tensor names are the kernel's pointer
 arguments and the launcher's parameters; every other name starts with an
-underscore (the checker forbids such names in diagrams, so they cannot
-clash): ``_offs_q`` / ``_ok_q`` (indices and bounds mask along q),
-``_i_b`` (a batch index), ``_size_x``, ``_st_Q_d`` (Q's stride along d),
-``_BLOCK_q`` (a constexpr block size).
+underscore (the checker forbids such names in diagrams): ``_offs_q`` /
+``_ok_q`` (indices and bounds mask along q), ``_i_b`` (a batch index),
+``_size_x``, ``_st_Q_d`` (Q's stride along d), ``_BLOCK_q`` (a constexpr
+block size).  A loaded tile or a box's step tile is ``_`` + the user's
+name, which may still be one of those (a box called ``m`` or ``offs_q``):
+lower.fresh_name gives it ``_m_1`` then (lower.internal_names lists the
+kernels' own).  Launcher parameters the user's names cannot avoid are
+refused with a location: inputs named like an option (``_options``),
+outputs named like Triton's launch options.
 """
 from __future__ import annotations
 
@@ -185,7 +190,18 @@ def _options(d: ir.Diagram, wires: list[str]) -> list[str]:
         t = d.tensor(clash[0])
         raise L.unsupported(f"input {t.name}", f"the launcher has an option named {t.name}", t.loc,
                             "rename the input")
+    # every output is a kernel parameter of its own name, and the launches pass
+    # Triton's num_warps= and num_stages=: an output of that name would be given twice
+    for out in d.outputs:
+        if out.name in TRITON_LAUNCH:
+            raise L.unsupported(f"output {out.name}", f"the kernel launch takes Triton's option {out.name}, and "
+                                "each output is a kernel parameter of its own name", d.tensor(out.name).loc,
+                                "rename the box")
     return opts
+
+
+# Triton's launch options napkin's launches pass (kernel[grid](..., num_warps=...)).
+TRITON_LAUNCH = ("num_warps", "num_stages")
 
 
 # --------------------------------------------------------------------------
@@ -248,7 +264,9 @@ def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], 
         names.fixed, lambda n: n in step_subst and n not in tiles)
     for var, e in plan.tiles:
         if e not in opened:  # an opened tile: its exponent computes t instead, and nothing else reads it
-            own = {k: v for k, v in step_subst.items() if v != var}
+            # the tile's own root is what this line computes: render it, not its name
+            # (dropping by node, not by variable: the score product never goes with it)
+            own = {k: v for k, v in step_subst.items() if k != e}
             lines.append(f"{var} = {triton(e, names.ctx(row, col, own, kinds, sure))}")
     ctx = names.ctx(row, col, step_subst, kinds, sure)
     init = []

@@ -32,6 +32,8 @@ from ..errors import NapkinError
 from . import lower as L
 
 SAVED_PREFIX = "_saved_"
+# The backward launchers' keyword options (templates/training.py.jinja).
+BACKWARD_OPTIONS = ("need", "grad_dtype")
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,11 @@ def _no(plan: L.Plan, why: str) -> Training:
 
 
 def prepare(plan: L.Plan) -> Training:
-    if plan.diagram.tensor("need") is not None:
-        return _no(plan, "its tensor 'need' has the name of the backward's option; rename it")
+    # an input is a parameter of the backward's launchers, beside their options
+    # (public: NAME_backward(..., need=None, grad_dtype="float32")); a box never is
+    for option in BACKWARD_OPTIONS:
+        if isinstance(plan.diagram.tensor(option), ir.Input):
+            return _no(plan, f"its input '{option}' has the name of the backward's option; rename it")
     try:
         if plan.family == "attention":
             return _attention(plan)
@@ -257,5 +262,13 @@ def _contraction_context(t: Training) -> dict:
                                        + [", ".join(blocks)]),
             "index": [x.name for x in t.forward.diagram.inputs].index(gd.outputs[0].name[len("_grad_"):]),
         })
-    out = t.forward.diagram.outputs[0].name
-    return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}"}
+    d = t.forward.diagram
+    out = d.outputs[0].name
+    # the public NAME_backward(A, B, dC) names C's gradient dC, unless an input
+    # is called that (a duplicate parameter): then dC_1, dC_2, ...
+    inputs = {x.name for x in d.inputs}
+    param, n = f"d{out}", 1
+    while param in inputs:
+        param, n = f"d{out}_{n}", n + 1
+    return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}",
+            "grad_param": param}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 from .. import ir
+from ..errors import Diagnostic, NapkinError
 from .reading import roles   # pure IR: compiling a module must not import torch
 
 
@@ -44,6 +45,7 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
                 ", {} nodes x {} GPUs".format(*r.double_ring))
     group = scheme != "attention2d"
     side = list(r.side)
+    _refuse_parameters(diagram, "group" if group else "mesh")
     ctx = dict(
         title=kind[0],
         cls=kind[1],
@@ -65,6 +67,23 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
         side_args="".join(f", {n}={n}" for n in side),
     )
     return _environment().get_template("distributed.py.jinja").render(**ctx)
+
+
+# NAME_distributed's own parameters besides the diagram's inputs (the template).
+LAUNCHER_PARAMETERS = ("q_len", "x_len", "timeout")
+
+
+def _refuse_parameters(diagram: ir.Diagram, place: str) -> None:
+    """An input named like one of NAME_distributed's own parameters would be a
+    duplicate parameter (the module would not import).  Those parameters are
+    the launcher's documented keywords, the same for every diagram, so the
+    input is the one to rename."""
+    for t in diagram.inputs:
+        if t.name in LAUNCHER_PARAMETERS + (place,):
+            raise NapkinError([Diagnostic(
+                f"napkin cannot emit a distributed launcher for input {t.name}: "
+                f"{diagram.name}_distributed has a parameter named {t.name}", t.loc,
+                f"rename the input (the launcher's own parameters are {', '.join((place,) + LAUNCHER_PARAMETERS)})")])
 
 
 def _literal(text: str) -> str:
