@@ -552,11 +552,11 @@ def _l2_attention_kernel(
             _l = _l + tl.sum(_t1, 1)[:, None]
 
     # Finalise and store each output once.
-    _out_O = _acc * 0.125 / tl.sqrt(_l * 0.125 * 0.125 + 1e-06)
+    _out_O = _acc * 0.125 / tl.sqrt(_l * 0.015625 + 1e-06)
     tl.store(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
     if _SAVE:  # training: the row state the backward reads
         _out__saved_N0 = _acc * 0.125
-        _out__saved_Z0 = _l * 0.125 * 0.125
+        _out__saved_Z0 = _l * 0.015625
         tl.store(_saved_N0 + _i_b * _st__saved_N0_b + _i_h * _st__saved_N0_h + _offs_q[:, None] * _st__saved_N0_q + _offs_d[None, :] * _st__saved_N0_d, _out__saved_N0.to(_saved_N0.dtype.element_ty), mask=_ok_q[:, None])
         tl.store(_saved_Z0 + _i_b * _st__saved_Z0_b + _i_h * _st__saved_Z0_h + _offs_q[:, None] * _st__saved_Z0_q, _out__saved_Z0.to(_saved_Z0.dtype.element_ty), mask=_ok_q[:, None])
 
@@ -706,7 +706,7 @@ def _l2_attention_bwd_rows_kernel(
     _dO = _dO.to(tl.float32)
     _Z0 = _Z0.to(tl.float32)
     _N0 = _N0.to(tl.float32)
-    _sum0 = tl.sum(_dO * -(_N0 / (2 * tl.sqrt(_Z0 + 1e-06)) / (tl.sqrt(_Z0 + 1e-06) * tl.sqrt(_Z0 + 1e-06))), 1)[:, None]
+    _sum0 = tl.sum(_dO * -(_N0 / tl.sqrt(_Z0 + 1e-06) / (tl.sqrt(_Z0 + 1e-06) * tl.sqrt(_Z0 + 1e-06)) * 0.5), 1)[:, None]
     _dN0 = _dO / tl.sqrt(_Z0 + 1e-06)
     _dZ0 = _sum0
 

@@ -514,7 +514,7 @@ def _softcap_kernel(
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         # online softmax state _m, log2 units: the exponent is _s * 72.13475204444816 (the scale > 0 times log2(e), one constant); one
         # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
-        _s = _tanh(_qk * 0.08838834764831845 / 50)
+        _s = _tanh(_qk * 0.0017677669529663688)
         _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 72.13475204444816)
         _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
         _alpha = tl.exp2(_m - _m_use)
@@ -544,7 +544,7 @@ def _softcap_kernel(
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             # online softmax state _m, log2 units: the exponent is _s * 72.13475204444816 (the scale > 0 times log2(e), one constant); one
             # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
-            _s = tl.where(_ok_x[None, :], _tanh(_qk * 0.08838834764831845 / 50), float("-inf"))
+            _s = tl.where(_ok_x[None, :], _tanh(_qk * 0.0017677669529663688), float("-inf"))
             _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 72.13475204444816)
             _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
             _alpha = tl.exp2(_m - _m_use)
@@ -804,9 +804,9 @@ def _softcap_bwd_dkdv_kernel(
         _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
         _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
-        _P = tl.exp2(_tanh(_qk * 0.08838834764831845 / 50) * 72.13475204444816 - _lse2)
+        _P = tl.exp2(_tanh(_qk * 0.0017677669529663688) * 72.13475204444816 - _lse2)
         _dS = _P * (_dP - _delta)
-        _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
+        _dR = _dS * (0.08838834764831845 * (1 - _tanh(_qk * 0.0017677669529663688) * _tanh(_qk * 0.0017677669529663688)))
         _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
@@ -832,9 +832,9 @@ def _softcap_bwd_dkdv_kernel(
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
-            _P = tl.exp2(_tanh(_qk * 0.08838834764831845 / 50) * 72.13475204444816 - _lse2)
+            _P = tl.exp2(_tanh(_qk * 0.0017677669529663688) * 72.13475204444816 - _lse2)
             _dS = _P * (_dP - _delta)
-            _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
+            _dR = _dS * (0.08838834764831845 * (1 - _tanh(_qk * 0.0017677669529663688) * _tanh(_qk * 0.0017677669529663688)))
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
             _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
             _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
@@ -939,9 +939,9 @@ def _softcap_bwd_dq_kernel(
         _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-        _P = tl.exp2(_tanh(_qk * 0.08838834764831845 / 50) * 72.13475204444816 - _lse2)
+        _P = tl.exp2(_tanh(_qk * 0.0017677669529663688) * 72.13475204444816 - _lse2)
         _dS = _P * (_dP - _delta)
-        _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
+        _dR = _dS * (0.08838834764831845 * (1 - _tanh(_qk * 0.0017677669529663688) * _tanh(_qk * 0.0017677669529663688)))
         _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _start in range(_fhi, _hi, _BLOCK_x):
@@ -961,9 +961,9 @@ def _softcap_bwd_dq_kernel(
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-            _P = tl.exp2(_tanh(_qk * 0.08838834764831845 / 50) * 72.13475204444816 - _lse2)
+            _P = tl.exp2(_tanh(_qk * 0.0017677669529663688) * 72.13475204444816 - _lse2)
             _dS = _P * (_dP - _delta)
-            _dR = _dS * (50 * (0.0017677669529663688 * (1 - _tanh(_qk * 0.08838834764831845 / 50) * _tanh(_qk * 0.08838834764831845 / 50))))
+            _dR = _dS * (0.08838834764831845 * (1 - _tanh(_qk * 0.0017677669529663688) * _tanh(_qk * 0.0017677669529663688)))
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
             _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
 

@@ -10,6 +10,8 @@ SafeDiv).  A ``Ctx`` says what the leaves become in the generated code:
   tl.dot result, a box computed earlier in the step, an accumulator).
 
 Constants fold at compile time (``|d|^-0.5`` with d = 64 is ``0.125``).
+In the kernels (``triton``) a product's constant factors also fold into one
+(products.py: ``x * c1 / c2`` is ``x * C``); the reference keeps them apart.
 Every function is written with what both Triton 3.6 and 3.9 provide: tanh
 and sigmoid go through exp (helpers ``_tanh`` / ``_sigmoid`` in the module),
 relu is a where, max/min propagate NaN like torch.
@@ -22,6 +24,7 @@ from typing import Mapping, Optional
 
 from .. import ir
 from .lower import LogSumExp, SafeDiv, Var, decided
+from .products import fold_factors
 
 # Python operator precedence (higher binds tighter), for minimal parentheses.
 _PREC = {"|": 1, "&": 2, "cmp": 0, "+": 4, "-": 4, "*": 5, "/": 5, "neg": 6, "**": 7, "atom": 9}
@@ -248,8 +251,14 @@ class TritonRender(_Render):
 
 
 def triton(e, ctx: Ctx) -> str:
-    """Triton source for ``e`` in context ``ctx``."""
-    return TritonRender(ctx)(e)
+    """Triton source for ``e`` in context ``ctx``, each product's constant
+    factors folded into one (products.py: a multiply, not a multiply and a
+    division, per element).  Every kernel renders through here; the
+    reference (``TorchRender``) does not, so it stays the diagram's literal
+    reading.  Nodes the kernel holds in a variable are kept whole, so their
+    variables are still found."""
+    folded = fold_factors(e, lambda n: fold(n, ctx.fixed), lambda n: n in ctx.subst)
+    return TritonRender(ctx)(folded)
 
 
 class TorchRender(_Render):

@@ -28,14 +28,9 @@ from typing import Callable
 from .. import ir
 from .exprs import fold
 from .lower import children, nodes
+from .products import constant  # the same at every element: numbers and wire sizes only
 
 LOG2E = math.log2(math.e)
-
-
-def constant(e) -> bool:
-    """Whether ``e`` is the same at every element: numbers and wire sizes only."""
-    return all(isinstance(n, (ir.Num, ir.WireSize, ir.Unary, ir.Binary, ir.Call)) and
-               not (isinstance(n, ir.Call) and n.fn == "where") for n in ir.walk(e))
 
 
 def positive(e, fixed) -> bool:
