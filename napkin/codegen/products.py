@@ -1,8 +1,9 @@
 """Constant factors of products folded into one: ``x * c1 / c2`` -> ``x * C``.
 
 The kernels' elementwise expressions are rendered as the diagram writes
-them, so a soft-cap's ``sum[d](Q * K) * |d|^-0.5 / 50`` cost a multiply and
-a true float32 division per score (``div.full.f32``), and its derivative
+them, so a soft-cap's ``sum[d](Q * K) * |d|^-0.5 / 50`` cost two
+multiplies per score (Triton hoisted 1/50 as one approximate reciprocal per
+kernel, ``div.approx.f32``), and its derivative
 ``dS * (50 * (c * (1 - t * t)))`` two multiplies too many.  ``fold_factors``
 rewrites the IR before the Triton renderer (``exprs.triton``) sees it; the
 PyTorch reference is rendered without it, a literal reading of the diagram.
