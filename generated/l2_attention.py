@@ -706,7 +706,7 @@ def _l2_attention_bwd_rows_kernel(
     _dO = _dO.to(tl.float32)
     _Z0 = _Z0.to(tl.float32)
     _N0 = _N0.to(tl.float32)
-    _sum0 = tl.sum(_dO * -(_N0 / tl.sqrt(_Z0 + 1e-06) / (tl.sqrt(_Z0 + 1e-06) * tl.sqrt(_Z0 + 1e-06)) * 0.5), 1)[:, None]
+    _sum0 = tl.sum(_dO * -(_N0 / (2 * tl.sqrt(_Z0 + 1e-06)) / (tl.sqrt(_Z0 + 1e-06) * tl.sqrt(_Z0 + 1e-06))), 1)[:, None]
     _dN0 = _dO / tl.sqrt(_Z0 + 1e-06)
     _dZ0 = _sum0
 

@@ -134,3 +134,20 @@ def test_softcap_kernels_multiply_once_reference_literal():
     assert "_tanh(_qk * 0.0017677669529663688) * 72.13475204444816" in kernels
     # the reference reads as the diagram
     assert "/ 50" in reference and "50 * torch.tanh(" in reference
+
+
+
+@pytest.mark.parametrize("text, out", [
+    ("T / (2 * R)", None),                         # 0.5 would multiply every element
+    ("T / (R * 2 * 3)", None),
+    ("3 * T / (2 * R)", "1.5 * T / sum[d](Q * K)"),  # a multiplying constant takes it
+])
+def test_a_constant_inside_a_divisor_stays_without_a_place_for_it(text, out):
+    """x / (2 * y): taking the 2 out would multiply every element by 0.5,
+    where 2 * y may be once a row (L2 attention's backward divides by
+    2 * sqrt(Z), Z a row value); with a multiplying constant, or a whole
+    divisor (above: T / (2 * R) / 4), C has a place that costs nothing."""
+    if out is None:
+        assert same(text)
+    else:
+        assert folded(text) == out

@@ -18,7 +18,10 @@ The rules, all of them (anything else is left as written):
   in float64 and rounded once by the kernel).  C takes the place of the
   first multiplying constant, the chain's shape otherwise kept (no
   reassociation of the non-constant factors); when every constant divides,
-  the chain is multiplied by C on the right.  So a lone ``x / c`` becomes
+  the chain is multiplied by C on the right, but only when one of them is
+  a whole divisor (``x / c``, whose division C replaces): constants found
+  only inside divisors' products (``x / (2 * y)``) stay, as taking them out
+  would add a multiply of every element.  So a lone ``x / c`` becomes
   ``x * (1/c)``: at most an ulp from ``x / c`` (exact for a power of two),
   and Triton's float32 ``/`` is ``div.full.f32``, itself not correctly
   rounded, so nothing is lost for the division saved on every element.
@@ -99,22 +102,30 @@ class _Folder:
 
     # -- chains ------------------------------------------------------------
 
-    def leaves(self, e, inverted: bool, out: list) -> None:
-        """The chain's leaves in source order: (node, divides?)."""
+    def leaves(self, e, inverted: bool, out: list, whole: bool = False) -> None:
+        """The chain's leaves in source order: (node, divides?, a whole
+        divisor?: the right side of a ``/`` by itself, not inside a product)."""
         if isinstance(e, ir.Binary) and e.op in ("*", "/") and not self.opaque(e) and not constant(e):
             self.leaves(e.lhs, inverted, out)
-            self.leaves(e.rhs, inverted != (e.op == "/"), out)
+            self.leaves(e.rhs, inverted != (e.op == "/"), out, whole=e.op == "/")
         else:
-            out.append((e, inverted))
+            out.append((e, inverted, whole))
 
     def chain(self, e):
         leaves: list = []
         self.leaves(e, False, leaves)
-        consts = [i for i, (n, _) in enumerate(leaves) if constant(n)]
+        consts = [i for i, (n, _, _) in enumerate(leaves) if constant(n)]
         if len(consts) < 2 and not any(leaves[i][1] for i in consts):
             return self.rebuild(e, iter(range(len(leaves))), set(), None, None)
-        c = self.constant_factor([leaves[i] for i in consts],
-                                 narrow=any(isinstance(n, ir.TensorRef) for n, _ in leaves))
+        # C needs a place that costs nothing new: a multiplying constant, or a
+        # whole divisor (x / 2 becomes x * 0.5).  Constants found only inside
+        # divisors' products (x / (2 * y)) stay there: taken out, they would
+        # become a multiply of every element (x / y * 0.5) where 2 * y may be
+        # computed once a row.
+        if not any(not leaves[i][1] or leaves[i][2] for i in consts):
+            return self.rebuild(e, iter(range(len(leaves))), set(), None, None)
+        c = self.constant_factor([leaves[i][:2] for i in consts],
+                                 narrow=any(isinstance(n, ir.TensorRef) for n, *_ in leaves))
         if c is None:
             return self.rebuild(e, iter(range(len(leaves))), set(), None, None)
         first = next((i for i in consts if not leaves[i][1]), None)
