@@ -500,13 +500,14 @@ def internal_names(d: ir.Diagram) -> frozenset:
     return frozenset(out)
 
 
-def fresh_name(name: str, taken, reserved) -> str:
+def fresh_name(name: str, taken, reserved=(), prefix: str = "_") -> str:
     """The kernel variable for the user's tensor or box ``name``: ``_name``,
     else the first free of ``_name_1``, ``_name_2``, ... (deterministic: it
-    depends only on what is taken); the caller adds it to ``taken``."""
-    var, n = f"_{name}", 1
+    depends only on what is taken); the caller adds it to ``taken``.  With
+    another ``prefix`` ("" for a launcher's parameter), the same scheme."""
+    var, n = f"{prefix}{name}", 1
     while var in taken or var in reserved:
-        var, n = f"_{name}_{n}", n + 1
+        var, n = f"{prefix}{name}_{n}", n + 1
     return var
 
 

@@ -266,9 +266,6 @@ def _contraction_context(t: Training) -> dict:
     out = d.outputs[0].name
     # the public NAME_backward(A, B, dC) names C's gradient dC, unless an input
     # is called that (a duplicate parameter): then dC_1, dC_2, ...
-    inputs = {x.name for x in d.inputs}
-    param, n = f"d{out}", 1
-    while param in inputs:
-        param, n = f"d{out}_{n}", n + 1
+    param = L.fresh_name(f"d{out}", {x.name for x in d.inputs}, prefix="")
     return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}",
             "grad_param": param}
