@@ -1094,11 +1094,11 @@ def _causal_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
         _kv_br, _kv_bc = _BLOCKS["x"], _BLOCKS["q"]
     _kv_warps = _kv_opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
     _kv_stages = _kv_opts["num_stages"] or 2
-    while _kv_default and _kv_br > 32 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
+    while _kv_default and _kv_br > 32 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br > 160 * 32 * _kv_warps:
         _kv_br //= 2
-    while _kv_default and _kv_bc > 64 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
+    while _kv_default and _kv_bc > 64 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br > 160 * 32 * _kv_warps:
         _kv_bc //= 2
-    while _kv_default and _kv_br > 16 and _kv_bc * (64 + 64 + 2 * _kv_br) > 160 * 32 * _kv_warps:
+    while _kv_default and _kv_br > 16 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br > 160 * 32 * _kv_warps:
         _kv_br //= 2
     # Each program writes its block of dQ, dK, dV once, from a float32 accumulator: the kernel's
     # store rounds it to the buffer's dtype (round to nearest even, as torch's .to would).

@@ -50,6 +50,7 @@ WARPS = (4, 8)
 STAGES = (2, 3, 4)
 MIN_ROWS_PER_WARP = 16   # an mma tile is 16 rows: fewer rows per warp leaves warps idle
 KINDS = {"": "forward", "bwd": "dQ", "bwd_kv": "dK/dV"}   # cache kind -> the kernel it tunes
+KIND_ROLES = {"bwd": "dq", "bwd_kv": "dkdv"}   # a backward cache kind -> its kernel's role (codegen/backward.py)
 
 # Streamed-wire blocks tried for attention: the N of each step's score
 # product (and the K of its product with V).  32 to 128 are the widths
@@ -292,7 +293,7 @@ def kernel_shape(diagram: ir.Diagram, sizes: Mapping[str, int], kind: str = "") 
         values = [a.value for a in fplan.accums if a.value is not None]
         widths = sum(_padded(diagram, v.cols, full) for v in values if v.cols)
         return KernelShape(kind, fplan.row, fplan.col, widths, len(values), fplan.loads, diagram)
-    k = bplan.kernel({"bwd": "dq", "bwd_kv": "dkdv"}[kind]) if bplan is not None else None
+    k = bplan.kernel(KIND_ROLES[kind]) if bplan is not None else None
     if k is None:
         return None
     widths = sum(_padded(bplan.diagram, g.cols, full) for g in k.grads)
@@ -332,26 +333,21 @@ def _load_bytes(shape: KernelShape, ld) -> int:
 
 
 def _rule_cut(shape: KernelShape, config: Config, sizes: Mapping[str, int]) -> Optional[str]:
-    """None when a backward kernel's own register rule (its launcher's
-    default tile: backward_emit.dkdv_default_tile or dq_default_tile, against
-    HELD_FP32) keeps this tile at these warps; else the blocks that rule
-    would cut it to, as text.  Asked of the rule itself, so a change to it
-    (L2 and ReLU^2's float32 operands count there) applies here too."""
-    from .codegen.backward_emit import dkdv_default_tile, dq_default_tile
+    """None when the dK/dV kernel's own register rule (its launcher's default
+    tile, backward_emit.dkdv_default_tile, against HELD_FP32) keeps this
+    tile at these warps; else the blocks that rule would cut it to, as text.
+    Asked of the rule itself, so a change to it (L2 and ReLU^2's float32
+    operands count there) applies here too."""
+    from .codegen.backward_emit import dkdv_default_tile
 
     plan, blocks = shape.plan, dict(config.blocks)
-    # the rules read the forward's blocks: dQ takes them as they are; dK/dV's
-    # keys take the row block and its rows the streamed one
+    # the rule reads the forward's blocks: keys take the row block, rows the streamed one
     fblocks = dict(plan.forward.blocks)
-    if shape.kind == "bwd_kv":
-        fblocks[plan.row], fblocks[plan.col] = blocks[plan.col], blocks[plan.row]
-    else:
-        fblocks[plan.row], fblocks[plan.col] = blocks[plan.row], blocks[plan.col]
+    fblocks[plan.row], fblocks[plan.col] = blocks[plan.col], blocks[plan.row]
     probe = replace(plan, forward=replace(plan.forward, blocks=tuple(fblocks.items())))
     full = {w.name: w.size for w in plan.diagram.wires if w.size is not None}
     full.update(sizes)
-    rule = dkdv_default_tile if shape.kind == "bwd_kv" else dq_default_tile
-    br, bc, _ = rule(probe, full, config.num_warps)
+    br, bc, _ = dkdv_default_tile(probe, full, config.num_warps)
     if (br, bc) == (blocks[plan.row], blocks[plan.col]):
         return None
     return f"block_{plan.row}={br}, block_{plan.col}={bc}"

@@ -455,10 +455,10 @@ def _napkin_prepare(launcher):
 
 # The backward's kernels, each tuned and cached on its own (its cache kind):
 # they hold other tiles than the forward's, dK/dV the transpose of dQ's.
-BACKWARD_KINDS = {"dq": "bwd", "dkdv": "bwd_kv"}
+BACKWARD_KINDS = {role: kind for kind, role in autotune.KIND_ROLES.items()}
 
 
-TUNED_KERNELS = {"": "fwd", "bwd": "dq", "bwd_kv": "dkdv"}   # cache kind -> its key in a row's "tuning"
+TUNED_KERNELS = {"": "fwd", **autotune.KIND_ROLES}   # cache kind -> its key in a row's "tuning"
 
 
 def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
@@ -534,13 +534,12 @@ def _backward_default(d: ir.Diagram, sizes: dict, kind: str) -> list:
     fit the registers (backward_emit.dq_default_tile), dK/dV its own default
     tile (backward_emit.dkdv_default_tile)."""
     from ..codegen import lower, training
-    from ..codegen.backward_emit import dkdv_default_tile, dq_default_tile
+    from ..codegen.backward_emit import DEFAULT_TILE
 
     plan = training.prepare(lower.lower(d)).backward
     if plan is None:
         return []
-    rule = dkdv_default_tile if kind == "bwd_kv" else dq_default_tile
-    br, bc, warps = rule(plan, reference.full_sizes(d, sizes))
+    br, bc, warps = DEFAULT_TILE[autotune.KIND_ROLES[kind]](plan, reference.full_sizes(d, sizes))
     blocks = ((plan.row, br), (plan.col, bc))
     return [autotune.Config(blocks, warps, stages) for stages in (2, 3)]
 

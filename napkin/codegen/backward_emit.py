@@ -132,6 +132,12 @@ def dq_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, int
     return br, bc, warps
 
 
+# Each loop kernel's default-tile rule, by role: what the cost pass, the
+# tuner's first candidates and the tuner's pruning ask (the template's twins
+# run the same rules at launch).
+DEFAULT_TILE = {"dq": dq_default_tile, "dkdv": dkdv_default_tile}
+
+
 class _BackwardNames(E._Names):
     """emit._Names for the backward kernels, where the row wire may lie on
     either axis of a tile: an integer input read along the rows at global
@@ -590,11 +596,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             return {row: "_kv_br", col: "_kv_bc"}[w] if k.role == "dkdv" else {row: "_br", col: "_bc"}[w]
         return str(L._dim_block(d, w)) if w in names.fixed else f'_dim_block(_sz["{w}"])'
 
-    if k.role == "dkdv":  # what one program holds in float32: see HELD_FP32
-        width = " + ".join(block(g.cols) for g in k.grads)
-        held = f"_kv_bc * ({width} + {len(k.dots)} * _kv_br)"
-        held += "".join(f" + {block(a)} * {block(b)}" for a, b in held_terms(plan, k)[len(k.grads) + len(k.dots):])
-    elif k.role == "dq":
+    if k.role in DEFAULT_TILE:  # what one program holds in float32 (held_terms): see HELD_FP32
         held = " + ".join(f"{block(a)} * {block(b)}" for a, b in held_terms(plan, k))
     elif k.role == "rows" and after:  # what outlives its row sums: see HELD_FP32
         widths = [block(w) for w in rows_held(plan, k, body[len(pre) + len(k.reduces):], after)]

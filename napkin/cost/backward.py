@@ -161,7 +161,7 @@ def _single_device(d: ir.Diagram) -> ir.Diagram:
 # --------------------------------------------------------------------------
 
 def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move], tuple[int, int, int], list[str]]:
-    from ..codegen.backward_emit import dkdv_default_tile, dq_default_tile
+    from ..codegen.backward_emit import DEFAULT_TILE
 
     d, f = b.diagram, b.forward
     blocks = dict(f.blocks)
@@ -179,10 +179,8 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move]
     for k in b.kernels:
         kernels.append(k.role)
         br, bc = blocks[row], blocks[col]
-        if k.role == "dkdv" and not given:
-            br, bc, _ = dkdv_default_tile(b, sizes)
-        elif k.role == "dq" and not given:
-            br, bc, _ = dq_default_tile(b, sizes)
+        if k.role in DEFAULT_TILE and not given:   # the rows kernel takes the schedule's
+            br, bc, _ = DEFAULT_TILE[k.role](b, sizes)
         pairs = visited(br, bc)
         rows_of = functools.partial(clip, nr, br)
         cols_of = functools.partial(clip, nc, bc)
