@@ -143,7 +143,7 @@ def compare(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from napkin.cost.cli import parse_sizes
+    from napkin.sizes import parse_pairs
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("run", "compare"):
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         p.add_argument("--head-dim", type=int, default=None)
         p.add_argument("--options-file", default=None, help="run writes the launcher options here; compare reads them")
     args = ap.parse_args(argv)
-    args.sizes = parse_sizes(args.size_args)
+    args.sizes = parse_pairs(args.size_args, "--size")
     (run if args.cmd == "run" else compare)(args)
     return 0
 

@@ -26,6 +26,7 @@ from typing import Optional
 
 from . import __version__
 from .errors import NapkinError
+from .sizes import parse_pairs
 
 # Modules that may add subcommands through register_cli(subparsers).
 PLUGINS = ("cost", "render", "bench", "plan")
@@ -227,7 +228,7 @@ def _summary(d, path) -> str:
 
 def cmd_demo(args) -> int:
     path = _find_demo_file(args.file)
-    requested = _parse_sizes(args.size)
+    requested = parse_pairs(args.size, "--size")
 
     # Triton reads TRITON_INTERPRET when it is imported, so decide before any
     # import of triton (torch itself does not import it).
@@ -277,17 +278,6 @@ def _find_demo_file(name: str) -> Path:
     if not path.is_absolute() and (REPO_ROOT / path).is_file():
         return REPO_ROOT / path
     raise NapkinError(f"no such file: {name}", filename="napkin")
-
-
-def _parse_sizes(items: list[str]) -> dict[str, int]:
-    sizes = {}
-    for item in items:
-        wire, eq, value = item.partition("=")
-        if not eq or not wire.strip() or not value.strip().isdigit() or int(value) <= 0:
-            raise NapkinError(f"--size expects WIRE=N with N a positive whole number, not {item!r}",
-                              filename="napkin")
-        sizes[wire.strip()] = int(value)
-    return sizes
 
 
 def _demo_sizes(diagram, requested: dict[str, int], path) -> dict[str, int]:

@@ -271,12 +271,12 @@ def register_cli(subparsers) -> None:
 
 def handler(args) -> int:
     import napkin
-    from .cost.cli import parse_sizes
+    from .sizes import parse_pairs
     from .printer import to_text
 
     diagram = napkin.load(args.file)
     try:
-        options = plan(diagram, args.devices, parse_sizes(args.sizes), args.gpus_per_node, args.device,
+        options = plan(diagram, args.devices, parse_pairs(args.sizes, "--size"), args.gpus_per_node, args.device,
                        training=not args.forward)
     except NapkinError as err:
         raise err.with_source(args.file, None) from None

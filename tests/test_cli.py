@@ -249,7 +249,8 @@ def test_demo_finds_the_example_from_any_folder(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--size", "q"], "napkin: --size expects WIRE=N with N a positive whole number, not 'q'\n"),
-    (["--size", "q=0"], "napkin: --size expects WIRE=N with N a positive whole number, not 'q=0'\n"),
+    (["--size", "q=0"], "napkin: --size q=0: the size of q must be a positive whole number, not '0'\n"),
+    (["--size", "q=4", "--size", "q=8"], "napkin: --size q=8: q is already given (q=4)\n"),
     (["--size", "z=3"], "{f}: --size z=3: diagram attention has no wire 'z'\n"),
     (["--size", "d=32"], "{f}: --size d=32: wire d is fixed at 64\n"),
     (["nowhere.ncd"], "napkin: no such file: nowhere.ncd\n"),

@@ -39,6 +39,7 @@ from typing import Mapping, Optional, Sequence
 
 from .. import ir
 from ..errors import NapkinError
+from ..sizes import parse_pairs
 
 # Sizes of symbolic wires when none is given: a tiled wire (rows, keys) a
 # multiple of 16 like the real runs, so pointers and strides specialise the
@@ -301,16 +302,6 @@ def table(reports: Sequence[KernelReport]) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
 
 
-def _pairs(items: Sequence[str], what: str) -> dict[str, int]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not value.strip().isdigit():
-            raise NapkinError(f"{what} wants NAME=INT, not {item!r}")
-        out[key.strip()] = int(value)
-    return out
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import napkin
 
@@ -331,7 +322,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     done = []
     try:
-        given, options = _pairs(args.size, "-D"), _pairs(args.option, "-O")
+        given = parse_pairs(args.size, "-D", filename=p.prog)
+        options = parse_pairs(args.option, "-O", key="NAME", what="launcher option", filename=p.prog)
         for file in args.files:
             diagram, text = variant(napkin.load(file), Path(file).read_text(), args.dtype, args.head_dim)
             sizes = default_sizes(diagram, given)

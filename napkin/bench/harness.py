@@ -46,6 +46,7 @@ from typing import Optional
 
 from .. import autotune, ir
 from ..errors import NapkinError
+from ..sizes import parse_pairs
 from . import baselines, flex, reference, results
 
 CHECK_ELEMENTS = 1 << 26        # largest reference box (float64: 512 MiB) checked at full size
@@ -163,16 +164,6 @@ def parse_list(text: Optional[str], what: str, kind=int) -> Optional[list]:
     return out
 
 
-def _extra_sizes(items: list[str]) -> dict[str, int]:
-    out = {}
-    for item in items:
-        wire, eq, value = item.partition("=")
-        if not eq or not value.strip().isdigit() or int(value) <= 0:
-            raise NapkinError(f"--size expects WIRE=N with N a positive whole number, not {item!r}")
-        out[wire.strip()] = int(value)
-    return out
-
-
 # --------------------------------------------------------------------------
 # The run.
 # --------------------------------------------------------------------------
@@ -191,7 +182,7 @@ def run(args, prog: str) -> int:
     dtypes = parse_list(args.dtype, "dtype", str) or preset["dtype"]
     head_dims = parse_list(args.head_dim, "head-dim") or preset["head_dim"] or [None]
     grid = {"seqlens": seqlens, "batch": parse_list(args.batch, "batch"), "heads": parse_list(args.heads, "heads"),
-            "group": args.group or preset["group"], "extra": _extra_sizes(args.size), "preset": preset}
+            "group": args.group or preset["group"], "extra": parse_pairs(args.size, "--size"), "preset": preset}
     reps = args.reps or preset["reps"] or 2
     device = "cuda" if cuda else "cpu"
     if args.tune_budget is not None and not args.tune_budget > 0:

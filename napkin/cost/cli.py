@@ -16,6 +16,7 @@ import json
 
 from .. import ir
 from ..errors import NapkinError
+from ..sizes import parse_pairs
 from .analysis import analyse
 from .backward import backward_cost
 from .profiles import profile_names
@@ -44,25 +45,12 @@ def register_cli(subparsers) -> None:
     p.set_defaults(func=handler)
 
 
-def parse_sizes(items) -> dict[str, int]:
-    sizes = {}
-    for item in items:
-        wire, eq, value = item.partition("=")
-        wire, value = wire.strip(), value.strip()
-        if not eq or not wire:
-            raise NapkinError(f"--size expects WIRE=N, not {item!r}")
-        if not value.isdigit() or int(value) <= 0:
-            raise NapkinError(f"--size {item}: the size of {wire} must be a positive whole number, not {value!r}")
-        sizes[wire] = int(value)
-    return sizes
-
-
 def handler(args) -> int:
     import napkin
 
     diagram = napkin.load(args.file)
     try:
-        sizes = parse_sizes(args.sizes)
+        sizes = parse_pairs(args.sizes, "--size")
         if args.dtypes:
             rows = dtype_table(diagram, sizes, args.device, _dtypes(args.dtypes))
             print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, "dtype"))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import NapkinError
+from ..sizes import parse_pairs
 from .costs import DEFAULT_SIZES, default_sizes, try_costs
 from .dot import to_dot
 from .report import report_html
@@ -180,17 +181,6 @@ def _checked_sizes(diagram, sizes: dict) -> dict:
 # The command line.
 # --------------------------------------------------------------------------
 
-def _parse_sizes(items) -> dict[str, int]:
-    sizes = {}
-    for item in items:
-        wire, eq, value = item.partition("=")
-        wire, value = wire.strip(), value.strip()
-        if not eq or not wire or not value.isdigit() or int(value) <= 0:
-            raise NapkinError(f"--size expects WIRE=N with N a positive whole number, not {item!r}")
-        sizes[wire] = int(value)
-    return sizes
-
-
 def _common(p) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N", dest="sizes",
@@ -222,13 +212,13 @@ def _default_out(path: str, suffix: str) -> Path:
 def _cmd_render(args) -> int:
     out = Path(args.out) if args.out else _default_out(args.file, ".svg")
     _format_of(out)  # refuse a bad suffix before any work
-    written = render_file(args.file, out, _parse_sizes(args.sizes), args.device, costs=not args.no_costs)
+    written = render_file(args.file, out, parse_pairs(args.sizes, "--size"), args.device, costs=not args.no_costs)
     print(f"wrote {written}")
     return 0
 
 
 def _cmd_report(args) -> int:
     out = Path(args.out) if args.out else _default_out(args.file, ".html")
-    written = write_report(args.file, out, _parse_sizes(args.sizes), args.device)
+    written = write_report(args.file, out, parse_pairs(args.sizes, "--size"), args.device)
     print(f"wrote {written}")
     return 0
