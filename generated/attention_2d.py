@@ -689,7 +689,11 @@ def attention_2d(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_sta
     the global length), lengths={'q': ..., 'x': ...} the global sizes
     (needed with positions; x rows at positions >= it are padding, and so
     are q rows, whose outputs are then unspecified), and
-    out_dtype (e.g. torch.float32) the dtype of every float output."""
+    out_dtype (e.g. torch.float32) the dtype of every float output.
+    tma=True moves the forward's qualifying tiles (Q, K, V, O: one tiled wire
+    and the head dim) through TMA descriptors on sm_90+ (or the interpreter),
+    else the pointer code, silently (_tma_last says which and why); None (the
+    default) takes the tuned config's choice, else off: untimed on a GPU so far."""
     Q, K, V = _autocast((Q, K, V))
     if _differentiable((Q, K, V)):
         if positions is not None or lengths is not None or out_dtype is not None:

@@ -716,7 +716,11 @@ of each local row (int tensors; integer inputs are read there and hold
 the global length), lengths={{{row!r}: ..., {col!r}: ...}} the global sizes
 (needed with positions; {col} rows at positions >= it are padding, and so
 are {row} rows, whose outputs are then unspecified), and
-out_dtype (e.g. torch.float32) the dtype of every float output."""
+out_dtype (e.g. torch.float32) the dtype of every float output.
+tma=True moves the forward's qualifying tiles (Q, K, V, O: one tiled wire
+and the head dim) through TMA descriptors on sm_90+ (or the interpreter),
+else the pointer code, silently (_tma_last says which and why); None (the
+default) takes the tuned config's choice, else off: untimed on a GPU so far."""
 
 
 def render(plan: L.Plan, **kw) -> str:
