@@ -233,7 +233,8 @@ def _differentiable(tensors):
 
 # ---------------------------------------------------------------------------
 # Tuned configurations.  `napkin bench --autotune` (napkin.autotune) times
-# candidate block sizes, num_warps and num_stages and stores the best in a
+# candidate block sizes, num_warps and num_stages (and, for an attention
+# forward at head dim 128 or more, tma: TMA descriptor loads) and stores the best in a
 # JSON cache, keyed by this diagram's hash, the device's name and the shape
 # bucket: each symbolic wire's size rounded up to a power of two.  A launch
 # with no explicit options takes the cached config of its bucket, so a new
@@ -241,6 +242,8 @@ def _differentiable(tensors):
 # sizes are not specialised on; the blocks, which are, stay the same).  The
 # backward's kernels have entries of their own (kind "bwd": dQ, "bwd_kv":
 # dK/dV): they hold other tiles than the forward's, and each other's transpose.
+# An option a cached config lacks (tma, in entries older than it) stays None:
+# the launcher's default.
 # ---------------------------------------------------------------------------
 import json as _autotune_json
 import os as _autotune_os

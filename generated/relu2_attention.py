@@ -242,7 +242,8 @@ def _differentiable(tensors):
 
 # ---------------------------------------------------------------------------
 # Tuned configurations.  `napkin bench --autotune` (napkin.autotune) times
-# candidate block sizes, num_warps and num_stages and stores the best in a
+# candidate block sizes, num_warps and num_stages (and, for an attention
+# forward at head dim 128 or more, tma: TMA descriptor loads) and stores the best in a
 # JSON cache, keyed by this diagram's hash, the device's name and the shape
 # bucket: each symbolic wire's size rounded up to a power of two.  A launch
 # with no explicit options takes the cached config of its bucket, so a new
@@ -250,6 +251,8 @@ def _differentiable(tensors):
 # sizes are not specialised on; the blocks, which are, stay the same).  The
 # backward's kernels have entries of their own (kind "bwd": dQ, "bwd_kv":
 # dK/dV): they hold other tiles than the forward's, and each other's transpose.
+# An option a cached config lacks (tma, in entries older than it) stays None:
+# the launcher's default.
 # ---------------------------------------------------------------------------
 import json as _autotune_json
 import os as _autotune_os
@@ -429,6 +432,93 @@ def _positions(positions, lengths, sizes, device, tensors):
     return args
 
 
+# TMA descriptors: the launcher's tma= option (forward only; off unless asked:
+# untimed on a GPU so far).  Each entry: the kernel's descriptor parameter,
+# the tensor, and for each wire of the tensor's layout (a grouped axis
+# (hk g) is one dimension per wire) the wire whose block is the box's extent
+# there, or None (extent 1: one program index).
+_TMA_DESCS = (("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma_O", "O", (None, None, "q", "d")))
+_TMA_OFF = {"_tma_Q": None, "_tma_K": None, "_tma_V": None, "_tma_O": None, "_TMA": False}
+# How the last launch moved its tiles (for tests and benchmarks): used, and why not.
+_tma_last = {"used": False, "why": "tma not requested"}
+
+
+def _tma_ready(device):
+    """Whether TMA can run for tensors on ``device``: Triton's interpreter, a
+    CUDA device of compute capability 9.0 or more, or (napkin.bench.aot,
+    compiling ahead of time) an active Triton target sm_90 or later."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    try:
+        target = triton.runtime.driver.active.get_current_target()
+    except Exception:  # noqa: BLE001 - no driver, no GPU: no TMA
+        return False
+    return getattr(target, "backend", None) == "cuda" and isinstance(target.arch, int) and target.arch >= 90
+
+
+def _tma_unfit(t, name, sizes, box, blocks):
+    """Why ``t`` cannot be read or written through a descriptor of ``box``
+    (None: it can): what cuTensorMapEncodeTiled and Triton's TensorDescriptor
+    require, tested here first (the descriptor asserts)."""
+    shape = [sizes[w] for axis in _layout(name) for w in axis]
+    strides = _wire_strides(t, name, sizes)
+    size = t.element_size()
+    if t.data_ptr() % 16:
+        return "its data is not 16-byte aligned"
+    if strides[-1] != 1:
+        return "its last dimension is not contiguous"
+    if any(s <= 0 or s * size % 16 or s * size >= 1 << 40 for s in strides[:-1]):
+        return "a stride is not a positive multiple of 16 bytes"
+    if any(n <= 0 or n >= 1 << 31 for n in shape):
+        return "a dimension is empty or 2^31 or longer"
+    if any(w is not None and blocks[w] > 256 for w in box):
+        return "a block is longer than 256"
+    return None
+
+
+def _tma_args(tma, tensors, sizes, blocks, device, positions):
+    """The kernel's descriptor arguments and its constexpr _TMA for this call.
+    With ``tma`` true and every tile eligible, one host TensorDescriptor per
+    _TMA_DESCS entry over the tensor's own wires (block 1 on each but the tiled
+    wire and the head dim) and _TMA True; otherwise None for each and _TMA
+    False: the pointer code, silently (a tuner's candidate must not fail),
+    the reason kept in _tma_last.  Descriptors are built only when asked."""
+    if not (tma is None or isinstance(tma, bool) or (isinstance(tma, int) and tma in (0, 1))):
+        raise ValueError(f"tma must be None, False or True, not {tma!r}")
+    why = None
+    if not tma:
+        why = "tma not requested"
+    elif not _TMA_DESCS:
+        why = "no tile of this kernel can move through a descriptor"
+    elif "x" in (positions or {}):
+        why = "rows of x at global positions: the padding rows among them must read as zeros"
+    elif not _tma_ready(device):
+        why = "TMA needs compute capability 9.0 or more (or TRITON_INTERPRET=1)"
+    else:
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+        except ImportError:
+            why = "this Triton has no triton.tools.tensor_descriptor"
+        else:
+            for _, name, box in _TMA_DESCS:
+                unfit = _tma_unfit(tensors[name], name, sizes, box, blocks)
+                if unfit:
+                    why = f"{name}: {unfit}"
+                    break
+    if why is not None:
+        _tma_last.update(used=False, why=why)
+        return _TMA_OFF
+    args = {"_TMA": True}
+    for param, name, box in _TMA_DESCS:
+        t = tensors[name]
+        args[param] = TensorDescriptor(t, [sizes[w] for axis in _layout(name) for w in axis],
+                                       _wire_strides(t, name, sizes), [1 if w is None else blocks[w] for w in box])
+    _tma_last.update(used=True, why=None)
+    return args
+
+
 @triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _relu2_attention_kernel(
     Q,
@@ -475,6 +565,11 @@ def _relu2_attention_kernel(
     _len_x,
     _POS_q: tl.constexpr,
     _POS_x: tl.constexpr,
+    _tma_Q,
+    _tma_K,
+    _tma_V,
+    _tma_O,
+    _TMA: tl.constexpr,
 ):
     # Program ids: axis 0 is a block of q, axis 1 one index of each batch wire.
     _pid = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first (masks.program_order)
@@ -494,7 +589,10 @@ def _relu2_attention_kernel(
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without x: loaded once per program.
-    _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+    if _TMA:  # through its TMA descriptor (the launcher's tma=): rows past the edge read as zeros
+        _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+    else:
+        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
 
     # Streaming state.
     _acc = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
@@ -521,8 +619,14 @@ def _relu2_attention_kernel(
     for _start in range(_lo, _fhi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _idx_x = _offs_x
-        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
-        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+        if _TMA:
+            _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+        else:
+            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+        if _TMA:
+            _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+        else:
+            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _S = _qk * 0.125
         _W = _relu(_S) * _relu(_S)
@@ -549,8 +653,14 @@ def _relu2_attention_kernel(
             _idx_x = _offs_x
             _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
         if _live:
-            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+            if _TMA:
+                _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+            else:
+                _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            if _TMA:
+                _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+            else:
+                _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _S = tl.where(_idx_x[None, :] <= _idx_q[:, None], _qk * 0.125, float("-inf"))
             _W = _relu(_S) * _relu(_S)
@@ -564,7 +674,10 @@ def _relu2_attention_kernel(
 
     # Finalise and store each output once.
     _out_O = _acc / (_l + 1e-06)
-    tl.store(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
+    if _TMA:  # through its TMA descriptor: rows past the edge are not written
+        _tma_O.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _out_O.to(O.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
+    else:
+        tl.store(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
     if _SAVE:  # training: the row state the backward reads
         _out__saved_N0 = _acc
         _out__saved_Z0 = _l
@@ -572,7 +685,7 @@ def _relu2_attention_kernel(
         tl.store(_saved_Z0 + _i_b * _st__saved_Z0_b + _i_h * _st__saved_Z0_h + _offs_q[:, None] * _st__saved_Z0_q, _out__saved_Z0.to(_saved_Z0.dtype.element_ty), mask=_ok_q[:, None])
 
 
-def relu2_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=None, positions=None, lengths=None, out_dtype=None):
+def relu2_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=None, positions=None, lengths=None, out_dtype=None, tma=None):
     """Run the kernel: Q, K, V -> O.
 
     Block sizes default to the schedule's (block_q=128, block_x=64); smaller ones
@@ -586,23 +699,27 @@ def relu2_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_
     the global length), lengths={'q': ..., 'x': ...} the global sizes
     (needed with positions; x rows at positions >= it are padding, and so
     are q rows, whose outputs are then unspecified), and
-    out_dtype (e.g. torch.float32) the dtype of every float output."""
+    out_dtype (e.g. torch.float32) the dtype of every float output.
+    tma=True moves the forward's qualifying tiles (Q, K, V, O: one tiled wire
+    and the head dim) through TMA descriptors on sm_90+ (or the interpreter),
+    else the pointer code, silently (_tma_last says which and why); None (the
+    default) takes the tuned config's choice, else off: untimed on a GPU so far."""
     Q, K, V = _autocast((Q, K, V))
     if _differentiable((Q, K, V)):
         if positions is not None or lengths is not None or out_dtype is not None:
             raise ValueError("positions=, lengths= and out_dtype= make a forward-only call: pass inputs that "
                              "do not require gradients, or call under torch.no_grad()")
         return _relu2_attention_autograd(Q, K, V, block_q, block_x, num_warps, num_stages)
-    return _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, False, positions, lengths, out_dtype)[0][0]
+    return _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, False, positions, lengths, out_dtype, tma)[0][0]
 
 
-def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, _save, positions=None, lengths=None, out_dtype=None):
+def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, _save, positions=None, lengths=None, out_dtype=None, tma=None):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
     _sz, _cls, _dev = _bind((Q, K, V), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
-    _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages}, _sz, _dev)
+    _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma}, _sz, _dev)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
@@ -610,6 +727,7 @@ def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, _
     _saved_N0 = torch.empty(_shape("_saved_N0", _sz) if _save else [0] * 4, dtype=torch.float32, device=_dev)
     _saved_Z0 = torch.empty(_shape("_saved_Z0", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
+    _tma = _tma_args(_opts["tma"], {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions)
     if math.prod(_grid) > 0:
         _relu2_attention_kernel[_grid](
             Q, K, V, O, _saved_N0, _saved_Z0,
@@ -620,7 +738,7 @@ def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, _
             *_wire_strides(O, "O", _sz),
             *_wire_strides(_saved_N0, "_saved_N0", _sz),
             *_wire_strides(_saved_Z0, "_saved_Z0", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, **_pos, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
         )
     return (O,), (_saved_N0, _saved_Z0,)
 # ---------------------------------------------------------------------------

@@ -69,6 +69,21 @@ RESIDENT_PICKS = 2       # resident blocks from the cost pass's ranking, besides
 # loses the later ones first.
 STAGE_ORDER = (3, 2, 4)
 
+# TMA descriptor loads (the forward launcher's tma=, napkin/codegen/emit.py
+# _Tma): tried for the forward only, at a padded head dim of TMA_MIN_HEAD_DIM
+# or more, where compiled for sm_90 they free 30-66 registers from the
+# pointer kernel's (which sits at the 255 cap at 128 x 128;
+# bench/results/tma-sm90-2026-11-21.md; at head dim 64 they saved nothing).
+# One variant per block shape of at least TMA_MIN_RESIDENT rows (the
+# shapes the study compiled: 128 x 64, 128 x 128; with fewer rows the
+# pointer kernel is far from the cap), of its first (warps, stages): the
+# second tier of the breadth-first order.  Untimed so far: counts, not timings.
+TMA_MIN_HEAD_DIM = 128
+TMA_MIN_RESIDENT = 128
+# Shared memory the TMA path adds: its mbarriers (16 B at 2 stages) and their
+# alignment (1 KiB at 3 stages), as compiled for sm_90.
+TMA_SMEM = 1024
+
 # Used when the cost pass's tile search is unavailable or fails: (row, streamed)
 # blocks around FlashAttention's usual choices, then matmul tiles (m, n, k).
 DEFAULT_BLOCKS_2 = ((128, 64), (128, 128), (64, 64), (64, 128), (128, 32), (64, 32))
@@ -135,17 +150,24 @@ class Config:
     blocks: tuple[tuple[str, int], ...]   # (wire, block) in schedule order
     num_warps: int
     num_stages: int
+    tma: Optional[bool] = None           # the forward's TMA descriptors (launcher tma=); None: not set
 
     def kwargs(self) -> dict:
-        """The launcher options: block_<wire>=..., num_warps=..., num_stages=..."""
+        """The launcher options: block_<wire>=..., num_warps=..., num_stages=...,
+        and tma=... when the config sets it."""
         out = {f"block_{w}": b for w, b in self.blocks}
         out.update(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.tma is not None:
+            out.update(tma=self.tma)
         return out
 
     @staticmethod
     def from_kwargs(options: Mapping[str, int]) -> "Config":
+        """The config of launcher options; an entry cached before tma= existed has none (None)."""
         blocks = tuple((k[len("block_"):], int(v)) for k, v in options.items() if k.startswith("block_"))
-        return Config(blocks, int(options["num_warps"]), int(options["num_stages"]))
+        tma = options.get("tma")
+        return Config(blocks, int(options["num_warps"]), int(options["num_stages"]),
+                      None if tma is None else bool(tma))
 
 
 @dataclass(frozen=True)
@@ -221,7 +243,7 @@ def smem_bytes(diagram: ir.Diagram, config: Config, sizes: Mapping[str, int]) ->
             elements *= _pow2(extent if extent is not None else full[w])
         copies = config.num_stages if streamed & set(ir.axis_wires(t.axes)) else 1
         total += elements * ir.DTYPE_BYTES[t.dtype] * copies
-    return total
+    return total + (TMA_SMEM if config.tma else 0)
 
 
 @dataclass(frozen=True)
@@ -303,7 +325,7 @@ def kernel_shape(diagram: ir.Diagram, sizes: Mapping[str, int], kind: str = "") 
 def kernel_smem(shape: KernelShape, config: Config, sizes: Mapping[str, int]) -> int:
     """Shared memory for one kernel's loaded tiles: each tile loaded before
     the loop once, each loaded per step num_stages times (padded to powers
-    of two, as Triton pads).  The forward's equals ``smem_bytes``; the
+    of two, as Triton pads), plus TMA_SMEM with TMA.  The forward's equals ``smem_bytes``; the
     backward kernels load other tensors (dO, lse, delta) and stream other
     wires (dK/dV streams the rows)."""
     blocks = dict(config.blocks)
@@ -317,7 +339,7 @@ def kernel_smem(shape: KernelShape, config: Config, sizes: Mapping[str, int]) ->
                 elements *= blocks[w] if w in blocks else _padded(shape.diagram, w, full)
         copies = config.num_stages if ld.phase == "step" else 1
         total += elements * _load_bytes(shape, ld) * copies
-    return total
+    return total + (TMA_SMEM if config.tma else 0)
 
 
 def _load_bytes(shape: KernelShape, ld) -> int:
@@ -454,12 +476,43 @@ def _attention_candidates(diagram, sizes, shape: KernelShape, capacity, profile,
                                  f"{dict(o)[res]}: an MMA N of 16 and twice the per-block softmax "
                                  "bookkeeping of 32") for c in cs]
             cs.clear()
+    # TMA variants (forward, head dim >= TMA_MIN_HEAD_DIM, 128 rows or more): each shape's first
+    # survivor again with tma=True, second in its list, so the second tier
+    # of the order tries them all before any shape's second (warps, stages)
+    if tma_applies(shape, sizes):
+        for o, cs in per_shape.items():
+            if cs and dict(o)[res] >= TMA_MIN_RESIDENT:
+                c = replace(cs[0], tma=True)
+                why = _prune_reason(shape, c, sizes, capacity, HELD_FP32)
+                if why:
+                    pruned.append(Pruned(c, why))
+                else:
+                    cs.insert(1, c)
     tiers = max((len(cs) for cs in per_shape.values()), default=0)
     keep = [cs[i] for i in range(tiers) for cs in per_shape.values() if i < len(cs)]
     # 16-wide steps last: tried only when the budget has seen every wider one
     keep = [c for c in keep if dict(c.blocks)[st] > TINY_STREAMED] + \
         [c for c in keep if dict(c.blocks)[st] <= TINY_STREAMED]
     return keep, pruned
+
+
+def tma_applies(shape: KernelShape, sizes: Mapping[str, int]) -> bool:
+    """Whether the tuner tries TMA variants for kernel ``shape``: the forward,
+    some tile of which a descriptor can move (lower.descriptor_tile), at a
+    padded head dim of at least TMA_MIN_HEAD_DIM."""
+    if shape.kind != "":
+        return False
+    plans = _plans(shape.diagram)
+    if plans is None:
+        return False
+    from .codegen.lower import descriptor_tile
+
+    fplan = plans[0]
+    full = {w.name: w.size for w in shape.diagram.wires if w.size is not None}
+    full.update(sizes)
+    if not any(_padded(shape.diagram, w, full) >= TMA_MIN_HEAD_DIM for w in fplan.dims):
+        return False
+    return any(descriptor_tile(fplan, ld.tensor, ld.wires, ld.rows, ld.cols) is not None for ld in fplan.loads)
 
 
 def _prune_reason(shape: KernelShape, c: Config, sizes, capacity: Optional[int], budget: int) -> Optional[str]:

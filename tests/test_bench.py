@@ -424,7 +424,8 @@ def test_candidate_counts_at_the_target_stay_small():
         for kind in ("", "bwd", "bwd_kv"):
             keep, _ = autotune.candidates(d, sizes, kind=kind, lead=harness.untuned(d, sizes, kind),
                                           capacity=H100_SMEM)
-            assert 2 <= len(keep) <= 20, (name, kind, len(keep))
+            # the forward's list holds 3 TMA variants at head dim 128 (19 + 3)
+            assert 2 <= len(keep) <= (24 if kind == "" else 20), (name, kind, len(keep))
             streamed = autotune.kernel_shape(d, sizes, kind).streamed
             steps = [dict(c.blocks)[streamed] for c in keep]
             if kind == "bwd_kv":   # 16 rows stay (its default spills on Triton 3.6 where 16 does not), last

@@ -54,7 +54,7 @@ NAMES = (
     "pid batch row0 col0 start lo hi flo fhi row_first row_last col_first col_last live rb outer o ok need grad_dtype "
     "grid opts pos full a "
     "offs_q offs_x ok_x ok_q gok_q idx_q idx_x i_b i_h size_x len_x pos_q BLOCK_x POS_q "
-    "st_Q_d st_K_x out_O acc_V grad_Q part_Q saved_lse "
+    "st_Q_d st_K_x out_O acc_V grad_Q part_Q saved_lse tma_Q tma_K_1 TMA "
     "tanh sigmoid relu safe_div logsumexp softmax exp"
 ).split()
 # builtins: the checker refuses them with a located error before codegen

@@ -411,12 +411,15 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
                                                                        f"{ctx['flex_why']}"))
     full = reference.example_inputs(d, sizes, device=device, seed=0)
     first = {}
+    tma = None
     for impl in impls:
         failed = check["errors"].get(impl.name, {}).get("error") if impl.equivalent else None
         if failed:
             out.append(_result(impl.name, "fwd", impl.equivalent, impl.note, error=f"not timed: {failed}"))
             continue
         out.append(_time_forward(impl, full, shape, device, ctx["reps"], flops["fwd"], first))
+        if impl.name == "napkin" and isinstance(getattr(module, "_tma_last", None), dict):
+            tma = dict(module._tma_last)   # how the timed forward moved its tiles (tma= may fall back)
         if not ctx["args"].no_backward:
             out.append(_time_backward(impl, full, shape, device, ctx["reps"], flops["bwd"]))
     _full_size_check(check, first, d, dtype)
@@ -425,7 +428,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         "sizes": sizes, "shape": {k: shape[k] for k in ("batch", "heads", "kv_heads", "q_len", "kv_len",
                                                          "dim", "value_dim")},
         "causal": shape["causal"], "flops": flops, "config": config, "config_source": source,
-        "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning,
+        "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning, "tma": tma,
         "check": check, "results": out, "ratios": results.ratios(out),
     }
 

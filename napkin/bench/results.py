@@ -18,6 +18,8 @@ Schema ``napkin-bench/1``::
             tuning {fwd, dq, dkdv: {candidates, timed, failed, skipped, budget_s,
             truncated, from_cache?}} (optional: the kernels tuned by --autotune;
             skipped > 0: the time budget ran out before every candidate was timed),
+            tma {used, why} | null (optional: whether the timed napkin forward moved
+            its tiles through TMA descriptors, and why not),
             check {sizes, tolerance, ok, errors {impl: {output: err}}},
             results: [{impl, pass, ms, tflops, equivalent, note, error}],
             ratios {pass: {baseline: napkin speed / baseline speed}}}]

@@ -122,22 +122,26 @@ def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob:
     return f"{tensor} + " + " + ".join(terms)
 
 
-def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=()) -> dict:
-    """A load's pointer and mask; ``inside``: wires in bounds (no mask)."""
+def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional["_Tma"] = None) -> dict:
+    """A load's pointer and mask; ``inside``: wires in bounds (no mask).
+    ``tma``: the forward's descriptors; "tma" is then the descriptor load of a
+    qualifying tile (else None), taken when the kernel's constexpr _TMA is set."""
     # integer and boolean inputs (ids, masks: the distributed wrappers' side
     # inputs) are read at the global positions; float inputs hold local rows
     glob = _kinds(d).get(ld.tensor) != "float"
     mask = names.mask(ld.rows, ld.cols, glob, inside)
     other = "0" if glob else "0.0"
     return {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob),
-            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else ""}
+            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else "",
+            "tma": None if tma is None or glob else tma.load(ld)}
 
 
-def _store(d: ir.Diagram, names: _Names, out: L.Output) -> dict:
+def _store(d: ir.Diagram, names: _Names, out: L.Output, tma: Optional["_Tma"] = None) -> dict:
     mask = names.mask(out.rows, out.cols)
-    return {"ptr": _pointer(d, names, out.name, out.wires, out.rows, out.cols),
-            "value": f"_out_{out.name}.to({out.name}.dtype.element_ty)",
-            "mask": f", mask={' & '.join(mask)}" if mask else ""}
+    value = f"_out_{out.name}.to({out.name}.dtype.element_ty)"
+    return {"ptr": _pointer(d, names, out.name, out.wires, out.rows, out.cols), "value": value,
+            "mask": f", mask={' & '.join(mask)}" if mask else "",
+            "tma": None if tma is None else tma.store(out, value)}
 
 
 def _decode(names: _Names, batch: tuple[str, ...]) -> str:
@@ -159,12 +163,12 @@ def _params(d: ir.Diagram, names: _Names, blocks: list[str]) -> tuple[list[str],
     return tensors + sizes + strides + [f"{b}: tl.constexpr" for b in blocks], sizes
 
 
+def _dim_block_value(names: _Names, w: str) -> str:
+    return str(L._dim_block(names.d, w)) if w in names.fixed else f'_dim_block(_sz["{w}"])'
+
+
 def _wire_block_args(names: _Names, dims) -> list[str]:
-    out = []
-    for w in dims:
-        value = str(L._dim_block(names.d, w)) if w in names.fixed else f'_dim_block(_sz["{w}"])'
-        out.append(f"{names.block(w)}={value}")
-    return out
+    return [f"{names.block(w)}={_dim_block_value(names, w)}" for w in dims]
 
 
 def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str]) -> str:
@@ -351,6 +355,66 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
 LIVE_CONSTANT = "_live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping"
 
 
+class _Tma:
+    """The forward attention kernel's TMA descriptors (the launcher's option
+    tma=): one kernel parameter per (tensor, box) that a qualifying tile
+    needs (lower.descriptor_tile: a plain per-wire view of one tiled wire and
+    the padded head dim, every other wire one program index), the descriptor
+    load or store of each such tile (the kernel takes it under its constexpr
+    _TMA, the pointer code otherwise), and the table the launcher builds the
+    descriptors from.  Coordinates are int32, one per wire: the program's
+    indices, the tile's first row (_row0, or _start in the loop), 0 for the
+    head dim.  Rows past an edge read as zeros (the descriptor's zero fill,
+    what the pointer code's other=0.0 gives) and are clipped on a store; the
+    masks on the scores stay as they are."""
+
+    def __init__(self, plan: L.AttentionPlan, names: _Names):
+        self.plan, self.names = plan, names
+        self.descs: dict[tuple, str] = {}    # (tensor, box) -> kernel parameter, first come
+
+    def _desc(self, tensor: str, box) -> str:
+        if (tensor, box) not in self.descs:
+            n = sum(t == tensor for t, _ in self.descs)
+            self.descs[(tensor, box)] = f"_tma_{tensor}" + (f"_{n}" if n else "")
+        return self.descs[(tensor, box)]
+
+    def _box(self, tensor, wires, rows, cols, phase):
+        box = L.descriptor_tile(self.plan, tensor, wires, rows, cols)
+        if box is None or (rows == self.plan.col and phase != "step"):
+            return None
+        coords = ["_row0" if b == self.plan.row else "_start" if b == self.plan.col else "0" if b is not None
+                  else f"_i_{w}.to(tl.int32)" for w, b in zip(wires, box)]
+        return self._desc(tensor, box), "[" + ", ".join(coords) + "]", box
+
+    def load(self, ld: L.Load) -> Optional[str]:
+        got = self._box(ld.tensor, ld.wires, ld.rows, ld.cols, ld.phase)
+        if got is None:
+            return None
+        desc, coords, _ = got
+        return f"{desc}.load({coords}).reshape({self.names.block(ld.rows)}, {self.names.block(ld.cols)})"
+
+    def store(self, out: L.Output, value: str) -> Optional[str]:
+        got = self._box(out.name, out.wires, out.rows, out.cols, "pre")
+        if got is None:
+            return None
+        desc, coords, box = got
+        shape = ", ".join("1" if b is None else self.names.block(b) for b in box)
+        return f"{desc}.store({coords}, {value}.reshape({shape}))"
+
+    def params(self) -> list[str]:
+        return list(self.descs.values()) + ["_TMA: tl.constexpr"] if self.descs else []
+
+    def table(self) -> str:
+        """``_TMA_DESCS``: (kernel parameter, tensor, the block wire or None per wire of its layout)."""
+        return _tuple(f"({_q(p)}, {_q(t)}, {_tuple('None' if b is None else _q(b) for b in box)})"
+                      for (t, box), p in self.descs.items())
+
+    def off(self) -> str:
+        """The kernel arguments of a launch without descriptors: None each, _TMA False."""
+        return "{" + ", ".join([f"{_q(p)}: None" for p in self.descs.values()] + ['"_TMA": False']) + "}" \
+            if self.descs else "{}"
+
+
 def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dict:
     """The template context of an attention kernel and its launch.  ``saved``
     names outputs of the plan that only training needs (the row state the
@@ -362,14 +426,16 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     row, col = plan.row, plan.col
     br, bc = names.block(row), names.block(col)
     init, lines, split = _step(plan, names, full=False)
+    tma = _Tma(plan, names)
+    pre_loads = [_load(d, names, ld, tma=tma) for ld in plan.loads if ld.phase == "pre"]
     step_loads = [ld for ld in plan.loads if ld.phase == "step"]
     segs = segments(plan, "_lo", "_hi", any(b.kind == "lower" for b in plan.full or ()))
     for seg in segs:
         seg["step"] = "\n".join(_step(plan, names, full=True)[1] if seg["full"] else lines)
-        seg["loads"] = [_load(d, names, ld, (col,) if seg["full"] else ()) for ld in step_loads]
+        seg["loads"] = [_load(d, names, ld, (col,) if seg["full"] else (), tma) for ld in step_loads]
         seg["pad"] = "" if seg["full"] else "    "  # a partial step sits under `if _live:`
     accums = {a.var: a for a in plan.accums}
-    finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums)
+    finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums, tma)
     save_finalise, save_stores = _finalise(d, names, [o for o in plan.outputs if o.name in saved], kinds, accums)
     blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + (["_SPLIT_WEIGHTS"] if split else []) \
         + (["_SAVE"] if saved else [])
@@ -378,9 +444,10 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     params += [f"_pos_{row}", f"_pos_{col}", f"_len_{row}", f"_len_{col}",
                f"_POS_{row}: tl.constexpr", f"_POS_{col}: tl.constexpr"]
     sizes = sizes + [f"_len_{row}", f"_len_{col}"]
+    params += tma.params()
     opts = _options(d, [row, col])
-    _refuse_clash(d, POSITION_OPTIONS)
-    launch = _fill_options(opts) + [
+    _refuse_clash(d, LAUNCH_OPTIONS)
+    launch = _fill_options(opts + [TMA_OPTION]) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
@@ -389,6 +456,12 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         f'_grid = (triton.cdiv(_sz["{row}"], _br), '
         + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
     block_args = [f"{br}=_br", f"{bc}=_bc"] + _wire_block_args(names, plan.dims)
+    # descriptors when tma= asks and every tile can take one (_tma_args), else the pointer code
+    order = [x.name for x in d.inputs] + [o.name for o in d.outputs]
+    tensors = sorted({t for t, _ in tma.descs}, key=order.index)
+    blocks = ", ".join([f'"{row}": _br', f'"{col}": _bc'] + [f'"{w}": {_dim_block_value(names, w)}' for w in plan.dims])
+    launch.append(f'_tma = _tma_args(_opts["{TMA_OPTION}"], {{{", ".join(f"{_q(t)}: {t}" for t in tensors)}}}, '
+                  f"_sz, {{{blocks}}}, _dev, positions)")
     if split:  # only outputs that use a weighted sum of V decide it (not lse, say)
         inputs = ", ".join(t.name for t in d.inputs)
         valued = {a.var for a in plan.accums if a.value is not None}
@@ -397,7 +470,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         block_args.append(f"_SPLIT_WEIGHTS=_wider([{outputs}], [{inputs}])")
     if saved:
         block_args.append("_SAVE=_save")
-    block_args.append("**_pos")
+    block_args += ["**_pos", "**_tma"]
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)',
                                 'num_stages=_opts["num_stages"] or 2']))
@@ -406,19 +479,20 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "decode": _decode(names, plan.batch), "pid": masks.program_order(plan.bounds, "row"),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col),
         "dims": [_wire_ctx(names, w) for w in plan.dims],
-        "pre_loads": [_load(d, names, ld) for ld in plan.loads if ld.phase == "pre"],
+        "pre_loads": pre_loads,
         "segments": segs,
+        "tma_descs": tma.table(), "tma_off": tma.off(), "tma_col": _q(col),
         "init": "\n".join(init), "bounds": loop_bounds(names, plan),
         "live": "\n".join(live(names, plan, col)), "live_constant": LIVE_CONSTANT,
         "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "save_finalise": save_finalise, "save_stores": save_stores,
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]
-                                     + [f"{o}=None" for o in POSITION_OPTIONS]),
+                                     + [f"{o}=None" for o in LAUNCH_OPTIONS]),
         "options": opts,
         "positional": _tuple(_q(w) for w in (row, col)), "global_dims": _global_dims(d, (row, col)),
         "bind_free": ", free=_global_dims(positions)",
-        "local_args": "".join(f", {o}" for o in POSITION_OPTIONS),
-        "local_params": "".join(f", {o}=None" for o in POSITION_OPTIONS),
+        "local_args": "".join(f", {o}" for o in LAUNCH_OPTIONS),
+        "local_params": "".join(f", {o}=None" for o in LAUNCH_OPTIONS),
     }
 
 
@@ -442,6 +516,12 @@ def _wire_ctx(names: _Names, w: str) -> dict:
 # Launcher options of attention kernels beyond the tuned ones: rows at global
 # positions, global lengths, the float outputs' dtype (templates/attention.py.jinja).
 POSITION_OPTIONS = ("positions", "lengths", "out_dtype")
+# The forward's TMA descriptor loads and stores (templates/attention.py.jinja
+# _tma_args): None (the default, off for now: untimed) / False / True.  Filled
+# from the tuned config cache like the tuned options; a forward-only option
+# (the training op's forward takes the cached choice).
+TMA_OPTION = "tma"
+LAUNCH_OPTIONS = POSITION_OPTIONS + (TMA_OPTION,)
 
 
 def _refuse_clash(d: ir.Diagram, options) -> None:
@@ -476,7 +556,7 @@ def _global_dims(d: ir.Diagram, positional) -> str:
     return _tuple(rows)
 
 
-def _finalise(d, names: _Names, outputs, kinds, accums: dict) -> tuple[str, list]:
+def _finalise(d, names: _Names, outputs, kinds, accums: dict, tma: Optional[_Tma] = None) -> tuple[str, list]:
     lines, stores = [], []
     for out in outputs:
         ctx = names.ctx(out.rows, out.cols, dict(out.subst), kinds)
@@ -485,7 +565,7 @@ def _finalise(d, names: _Names, outputs, kinds, accums: dict) -> tuple[str, list
         if not has_cols:
             code = f"tl.broadcast_to({code}, [{names.block(out.rows)}, {names.block(out.cols)}])"
         lines.append(f"_out_{out.name} = {code}")
-        stores.append(_store(d, names, out))
+        stores.append(_store(d, names, out, tma))
     return "\n".join(lines), stores
 
 
@@ -636,7 +716,11 @@ of each local row (int tensors; integer inputs are read there and hold
 the global length), lengths={{{row!r}: ..., {col!r}: ...}} the global sizes
 (needed with positions; {col} rows at positions >= it are padding, and so
 are {row} rows, whose outputs are then unspecified), and
-out_dtype (e.g. torch.float32) the dtype of every float output."""
+out_dtype (e.g. torch.float32) the dtype of every float output.
+tma=True moves the forward's qualifying tiles (Q, K, V, O: one tiled wire
+and the head dim) through TMA descriptors on sm_90+ (or the interpreter),
+else the pointer code, silently (_tma_last says which and why); None (the
+default) takes the tuned config's choice, else off: untimed on a GPU so far."""
 
 
 def render(plan: L.Plan, **kw) -> str:

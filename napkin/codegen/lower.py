@@ -482,7 +482,7 @@ def internal_names(d: ir.Diagram) -> frozenset:
     suffixes = [""] + [str(i) for i in range(16)]
     out = {"_pid", "_batch", "_row0", "_col0", "_start", "_lo", "_hi", "_flo", "_fhi", "_row_first",
            "_row_last", "_col_first", "_col_last", "_live", "_rb", "_outer", "_o", "_ok", "_need", "_grid",
-           "_opts", "_pos", "_SAVE", "_SPLIT_WEIGHTS", "_a", "_b", "_full"} | KERNEL_HELPERS
+           "_opts", "_pos", "_SAVE", "_SPLIT_WEIGHTS", "_a", "_b", "_full", "_TMA", "_tma"} | KERNEL_HELPERS
     for sfx in suffixes:
         out |= {f"_{base}{sfx}" for base in ("s", "p", "m", "m_new", "m_use", "alpha", "qk", "acc", "l", "max",
                                              "min", "t", "w", "dot", "sum", "scale")}
@@ -491,7 +491,9 @@ def internal_names(d: ir.Diagram) -> frozenset:
         out |= {f"_{base}_{w}" for base in ("offs", "ok", "gok", "idx", "size", "i", "pos", "len", "BLOCK", "POS")}
     tensors = [t.name for t in d.inputs] + [t.name for t in d.lets]
     for t in tensors:
-        out |= {f"_{base}_{t}" for base in ("out", "acc", "grad", "part", "part_acc", "saved", "NEED")}
+        out |= {f"_{base}_{t}" for base in ("out", "acc", "grad", "part", "part_acc", "saved", "NEED", "tma")}
+        # the forward's TMA descriptor parameters (_tma_Q; _tma_Q_1 for a second tile of Q)
+        out |= {f"_tma_{t}_{i}" for i in range(1, 4)}
         out |= {f"_st_{t}_{w}" for w in wires}
     # napkin's own tensors (training's saved row state _saved_lse, the gradient
     # buffers _grad_Q) are kernel parameters: a box called saved_lse must not
@@ -576,3 +578,42 @@ def _show(e) -> str:
     """An expression as the user wrote it, for messages."""
     from ..printer import expr_text
     return expr_text(e)
+
+
+# --------------------------------------------------------------------------
+# TMA: which tiles a descriptor can move (the forward's launcher option tma=).
+# --------------------------------------------------------------------------
+
+# A TMA descriptor has at most five dimensions (cuTensorMapEncodeTiled).
+MAX_DESCRIPTOR_RANK = 5
+
+
+def descriptor_tile(plan: AttentionPlan, tensor: str, wires: tuple[str, ...], rows: Optional[str],
+                    cols: Optional[str]) -> Optional[tuple[Optional[str], ...]]:
+    """How a host TMA descriptor over ``tensor``'s own wires (a grouped axis
+    (hk g) split into one dimension per wire) moves the (rows, cols) tile a
+    forward attention kernel reads or writes along ``wires``: one entry per
+    declared wire, the wire whose block is the box's extent there (the tiled
+    row or streamed wire, then the padded head-dim wire), None for a wire
+    indexed by one program index (box extent 1).  None when the tile does not
+    qualify: it must be a plain per-wire view of one tiled wire (plan.row or
+    plan.col) and one padded head-dim wire (plan.dims) that is the tensor's
+    innermost wire (its stride 1 is checked at each call), every other wire a
+    batch wire, at most MAX_DESCRIPTOR_RANK wires.  Integer and boolean
+    tensors (ids, masks: read at global positions) never qualify."""
+    if tiling.tensor_dtype(plan.diagram, tensor) not in KERNEL_DTYPES:
+        return None
+    if rows not in (plan.row, plan.col) or cols not in plan.dims or rows == cols:
+        return None
+    if len(wires) > MAX_DESCRIPTOR_RANK or not wires or wires[-1] != cols or wires.count(rows) != 1 \
+            or wires.count(cols) != 1:
+        return None
+    out: list[Optional[str]] = []
+    for w in wires:
+        if w in (rows, cols):
+            out.append(w)
+        elif w in plan.batch and wires.count(w) == 1:
+            out.append(None)
+        else:
+            return None
+    return tuple(out)
