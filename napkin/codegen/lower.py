@@ -497,7 +497,9 @@ def internal_names(d: ir.Diagram) -> frozenset:
     # buffers _grad_Q) are kernel parameters: a box called saved_lse must not
     # overwrite the pointer the lse is stored through
     out |= {t for t in tensors if t.startswith("_")}
-    return frozenset(out)
+    from .ranges import NAMES as RANGES_NAMES  # the ranges prepass's (ranges.py)
+
+    return frozenset(out | RANGES_NAMES)
 
 
 def fresh_name(name: str, taken, reserved=(), prefix: str = "_") -> str:
