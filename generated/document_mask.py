@@ -450,7 +450,7 @@ def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on):
         return torch.zeros(4, dtype=torch.int32, device=_dev), False
     _n = triton.cdiv(_sz["x"] if _by_col else _sz["q"], _bc if _by_col else _br)
     _grid = (_n, _sz["b"])
-    _ranges = torch.zeros((_grid[1], _n, 4), dtype=torch.int32, device=_dev)
+    _ranges = torch.empty((_grid[1], _n, 4), dtype=torch.int32, device=_dev)  # every program writes its four
     if math.prod(_grid) > 0:
         _document_mask_ranges_kernel[_grid](
             doc,

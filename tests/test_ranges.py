@@ -269,3 +269,27 @@ def test_backward_skips_dead_blocks(folder):
         with ByteCounter(tensors={"Q": q}) as bc:
             m.document_mask_backward(q, k, v, doc, *rows, need=(False, True, True, False), **opts, **extra)
         assert bc.loads["Q"] == 2 * 8 * blocks * tile, ("dK/dV", blocks)
+
+
+@pytest.mark.parametrize("name", ["keep", "ranges", "rg", "run", "best", "steps", "mb", "j"])
+def test_ids_named_like_the_prepass_variables(folder, name):
+    """The prepass's own variables (ranges.NAMES, in lower.internal_names)
+    never take a user's name: ids called ``keep`` load as ``_keep_1``; the
+    kernels still agree with the reference (two of them run)."""
+    from napkin.check import hostile_name
+    from napkin.codegen import emit_module
+
+    assert hostile_name(name) is None
+    text = DOC.replace("doc", name).replace(f"diagram {name}ument_mask", "diagram document_mask")
+    d = napkin.load_text(text, f"ids_{name}.ncd")
+    plan = L.lower(d)
+    var = next(ld.var for ld in plan.loads if ld.tensor == name)
+    assert f"_{name}" in R.NAMES and f"_{name}" in L.internal_names(d)
+    assert var == f"_{name}_1"
+    compile(emit_module(d, source_text=text, source_path=f"ids_{name}.ncd"), "ids.py", "exec")
+    if name in ("keep", "ranges"):
+        m = _module(text, f"ranges_ids_{name}", folder)
+        n = 40
+        q, k, v, _ = m.example_inputs({"b": 1, "h": 2, "q": n, "x": n}, dtype=torch.float32, seed=13)
+        _forward_check(m, m.document_mask, (q, k, v, _doc(("contiguous",), n, 14)), BLOCKS, name)
+        _grad_check(m, m.document_mask, (q, k, v, _doc(("runs",), n, 15)), BLOCKS, name)
