@@ -456,7 +456,8 @@ def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on):
             doc,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
             *_wire_strides(doc, "doc", _sz),
-            _ranges, _BLOCK_q=_br, _BLOCK_x=_bc, _WHOLE_ROWS=_whole_rows, _BY_COL=_by_col,
+            _ranges,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _WHOLE_ROWS=_whole_rows, _BY_COL=_by_col,
             num_warps=8 if _br * _bc >= 8192 else 4,  # 32 pairs a thread on the forward's 128 x 64 tiles
         )
     return _ranges, True

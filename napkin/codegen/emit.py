@@ -334,7 +334,9 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
     block is known full, else partial blocks before (only when a lower bound
     can put some there), the full blocks [_flo, _fhi), partial blocks after
     (the mask's far edge and the ragged end).  Without a lower bound the
-    full blocks start the range (``_flo`` is ``lo``)."""
+    full blocks start the range (``_flo`` is ``lo``).  A mask that reads
+    data (ranges.py) takes the three loops too: its run of full blocks,
+    found at run time, may start anywhere."""
     if plan.full is None and not R.applies(plan):
         return [{"lo": lo, "hi": hi, "full": False, "why": ""}]
     lower = lower or plan.full is None  # a data mask's ranges: the full run may start anywhere

@@ -37,11 +37,8 @@ from __future__ import annotations
 
 from .. import ir
 from .exprs import triton
+from .lower import RANGES_NAMES as NAMES  # what the prepass defines: in lower.internal_names
 from .lower import AttentionPlan, wires_of
-
-# Names the prepass and the main kernels' ranges code define (lower.internal_names).
-NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_run", "_best", "_bstart", "_keep",
-                   "_any", "_all", "_whole", "_out", "_BY_COL", "_WHOLE_ROWS"})
 
 
 def applies(plan: AttentionPlan) -> bool:
@@ -102,8 +99,8 @@ def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> 
 def launch(plan: AttentionPlan, var: str, br: str, bc: str, whole_rows: bool, by_col: bool, on: str) -> str:
     """The launcher's line running the prepass at the kernel's blocks: ``var``, ``var``_on."""
     d = plan.diagram
-    args = ", ".join(_tensors(plan))
-    return (f"{var}, {var}_on = _{d.name}_ranges({args}, _sz, _dev, {br}, {bc}, {whole_rows}, {by_col}, {on})"
+    args = ", ".join(_tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on])
+    return (f"{var}, {var}_on = _{d.name}_ranges({args})"
             "  # the mask reads data: its live and full blocks")
 
 
@@ -136,8 +133,8 @@ def render(plan: AttentionPlan) -> str:
         "params": tensors + sizes + strides + ["_ranges"]
         + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL")],
         "no_specialize": ", ".join(f'"{s}"' for s in sizes), "tensors": tensors,
-        "args": [", ".join(tensors)] + ([", ".join(f'_sz["{w.name}"]' for w in d.wires if w.size is None)]
-                                        if sizes else [])
+        "args": ([", ".join(tensors)] if tensors else [])  # a mask of indices alone reads no tensor
+        + ([", ".join(f'_sz["{w.name}"]' for w in d.wires if w.size is None)] if sizes else [])
         + [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors],
         "decode": E._decode(names, wires), "batch_text": ", ".join(wires) or "no batch wire",
         "grid_batch": " * ".join(f'_sz["{w}"]' for w in wires) or "1",
