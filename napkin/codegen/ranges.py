@@ -83,7 +83,8 @@ def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> 
     row, col = plan.row, plan.col
     none = ["_flo = _lo  # rows or keys at global positions: none known full", "_fhi = _lo"]
     if not usable:
-        return none
+        return ["_flo = _lo  # the mask reads a wire this kernel's outer loop walks: no ranges, none known full",
+                "_fhi = _lo"]
     grid = col if loop == row else row
     n = f"tl.cdiv({names.size(grid)}, {names.block(grid)})"
     unit = "" if loop == row else f" * {names.block(col)}"
