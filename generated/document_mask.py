@@ -375,6 +375,96 @@ def _safe_div(a, b):
     return tl.where(b == 0, 0.0, a / tl.where(b == 0, 1.0, b))
 
 
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+def _document_mask_ranges_kernel(
+    doc,
+    _size_b,
+    _size_h,
+    _size_q,
+    _size_x,
+    _st_doc_b,
+    _st_doc_x,
+    _ranges,
+    _BLOCK_q: tl.constexpr,
+    _BLOCK_x: tl.constexpr,
+    _WHOLE_ROWS: tl.constexpr,
+    _BY_COL: tl.constexpr,
+):
+    # Program ids: axis 0 a block of q (x with _BY_COL), axis 1 one index of b.
+    _pid = tl.program_id(0)
+    _batch = tl.program_id(1).to(tl.int64)
+    _mb = _batch
+    _i_b = _batch
+    if _BY_COL:  # a block of x, scanning the blocks of q
+        _steps = tl.cdiv(_size_q, _BLOCK_q)
+        _col0 = _pid * _BLOCK_x
+        _offs_x = _col0 + tl.arange(0, _BLOCK_x)
+        _ok_x = _offs_x < _size_x
+        _doc_1 = tl.load(doc + _i_b * _st_doc_b + _offs_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+    else:  # a block of q, scanning the blocks of x
+        _steps = tl.cdiv(_size_x, _BLOCK_x)
+        _row0 = _pid * _BLOCK_q
+        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+        _ok_q = _offs_q < _size_q
+        _doc = tl.load(doc + _i_b * _st_doc_b + _offs_q[:, None] * _st_doc_x, mask=_ok_q[:, None], other=0)
+    _lo = tl.full([], 0, tl.int32) + _steps  # the first live block (none yet: _steps)
+    _hi = tl.full([], 0, tl.int32)  # one past the last live block
+    _run = tl.full([], 0, tl.int32)  # full blocks ending at the current one
+    _best = tl.full([], 0, tl.int32)  # the longest run so far, starting at _bstart
+    _bstart = tl.full([], 0, tl.int32)
+    for _j in range(0, _steps):
+        if _BY_COL:
+            _row0 = _j * _BLOCK_q
+            _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+            _ok_q = _offs_q < _size_q
+            _doc = tl.load(doc + _i_b * _st_doc_b + _offs_q[:, None] * _st_doc_x, mask=_ok_q[:, None], other=0)
+        else:
+            _col0 = _j * _BLOCK_x
+            _offs_x = _col0 + tl.arange(0, _BLOCK_x)
+            _ok_x = _offs_x < _size_x
+            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _offs_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+        # the mask, as the masked step evaluates it; padding rows and columns count nowhere
+        _keep = _ok_q[:, None] & _ok_x[None, :] & (_doc == _doc_1)
+        _any = tl.max(tl.where(_keep, 1, 0)) > 0
+        # full: true at every real row, the block of x whole (its step drops the bounds masks)
+        _whole = _col0 + _BLOCK_x <= _size_x
+        if _WHOLE_ROWS:  # the backward sums over rows: a ragged block of them is never full
+            _whole = _whole & (_row0 + _BLOCK_q <= _size_q)
+        _all = _whole & (tl.min(tl.where(_keep | ~_ok_q[:, None], 1, 0)) > 0)
+        _lo = tl.minimum(_lo, tl.where(_any, _j, _steps))
+        _hi = tl.where(_any, _j + 1, _hi)
+        _run = tl.where(_all, _run + 1, 0)
+        _bstart = tl.where(_run > _best, _j + 1 - _run, _bstart)
+        _best = tl.maximum(_best, _run)
+    _lo = tl.minimum(_lo, _hi)  # no live block: the empty range [0, 0)
+    _flo = tl.where(_best > 0, _bstart, _lo)
+    _out = _ranges + (_mb * tl.num_programs(0) + _pid) * 4
+    tl.store(_out, _lo)
+    tl.store(_out + 1, _hi)
+    tl.store(_out + 2, _flo)
+    tl.store(_out + 3, _flo + _best)
+
+
+def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on):
+    """(ranges, on): the prepass's [lo, hi, flo, fhi) per (b, block of q, or of
+    x when _by_col) in blocks of the other wire, at the launching kernel's blocks _br, _bc;
+    a placeholder and False when not _on (rows at global positions: every block, tested per tile)."""
+    if not _on:
+        return torch.zeros(4, dtype=torch.int32, device=_dev), False
+    _n = triton.cdiv(_sz["x"] if _by_col else _sz["q"], _bc if _by_col else _br)
+    _grid = (_n, _sz["b"])
+    _ranges = torch.empty((_grid[1], _n, 4), dtype=torch.int32, device=_dev)  # every program writes its four
+    if math.prod(_grid) > 0:
+        _document_mask_ranges_kernel[_grid](
+            doc,
+            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+            *_wire_strides(doc, "doc", _sz),
+            _ranges,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _WHOLE_ROWS=_whole_rows, _BY_COL=_by_col,
+            num_warps=8 if _br * _bc >= 8192 else 4,  # 32 pairs a thread on the forward's 128 x 64 tiles
+        )
+    return _ranges, True
+
 # Rows at global positions.  positions={wire: int tensor} gives the global
 # index of each local row of the row wire or the streamed wire (what the
 # diagram's index of that wire reads), lengths={wire: int} the global size
@@ -567,6 +657,8 @@ def _document_mask_kernel(
     _tma_V,
     _tma_O,
     _TMA: tl.constexpr,
+    _ranges,
+    _RANGES: tl.constexpr,
 ):
     # Program ids: axis 0 is a block of q, axis 1 one index of each batch wire.
     _pid = tl.program_id(0)
@@ -603,7 +695,79 @@ def _document_mask_kernel(
     if _POS_q:  # rows at global positions: the least and greatest real one
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
-    for _start in range(_lo, _hi, _BLOCK_x):
+    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
+        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid) * 4
+        _lo = tl.load(_rg) * _BLOCK_x
+        _hi = tl.load(_rg + 1) * _BLOCK_x
+        _flo = tl.load(_rg + 2) * _BLOCK_x
+        _fhi = tl.load(_rg + 3) * _BLOCK_x
+    else:
+        _flo = _lo  # rows or keys at global positions: none known full
+        _fhi = _lo
+    # Partial blocks before the full ones: the mask cuts through them.
+    for _start in range(_lo, _flo, _BLOCK_x):
+        _offs_x = _start + tl.arange(0, _BLOCK_x)
+        _ok_x = _offs_x < _size_x
+        if _POS_x:  # global positions; rows at or past |x| are padding
+            _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
+            _ok_x = _ok_x & (_idx_x < _len_x)
+            # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
+            _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
+            _live = _col_last >= 0  # some real x
+        else:
+            _idx_x = _offs_x
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            if _TMA:
+                _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+            else:
+                _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+            if _TMA:
+                _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+            else:
+                _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+            # online softmax state _m, log2 units: the exponent is _s * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
+            # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
+            _s = tl.where(_ok_x[None, :], tl.where(_doc == _doc_1, _qk, float("-inf")), float("-inf"))
+            _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 0.18033688011112042)
+            _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
+            _alpha = tl.exp2(_m - _m_use)
+            _p = tl.exp2(_s * 0.18033688011112042 - _m_use)
+            _m = _m_new
+            _w0 = (_p).to(_V.dtype)
+            _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
+            if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
+                _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
+            _l = _l * _alpha + tl.sum(_p, 1)[:, None]
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _start in range(_flo, _fhi, _BLOCK_x):
+        _offs_x = _start + tl.arange(0, _BLOCK_x)
+        _idx_x = _offs_x
+        if _TMA:
+            _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+        else:
+            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+        if _TMA:
+            _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+        else:
+            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+        # online softmax state _m, log2 units: the exponent is _qk * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
+        # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
+        _m_new = tl.maximum(_m, tl.max(_qk, 1)[:, None] * 0.18033688011112042)
+        _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
+        _alpha = tl.exp2(_m - _m_use)
+        _p = tl.exp2(_qk * 0.18033688011112042 - _m_use)
+        _m = _m_new
+        _w0 = (_p).to(_V.dtype)
+        _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
+        if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
+            _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
+        _l = _l * _alpha + tl.sum(_p, 1)[:, None]
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
+    for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows at or past |x| are padding
@@ -693,6 +857,7 @@ def _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages
     _saved_lse = torch.empty(_shape("_saved_lse", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     _tma = _tma_args(_opts["tma"], {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions)
+    _rng, _rng_on = _document_mask_ranges(doc, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks
     if math.prod(_grid) > 0:
         _document_mask_kernel[_grid](
             Q, K, V, doc, O, _saved_lse,
@@ -703,7 +868,7 @@ def _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages
             *_wire_strides(doc, "doc", _sz),
             *_wire_strides(O, "O", _sz),
             *_wire_strides(_saved_lse, "_saved_lse", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, doc]), _SAVE=_save, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, doc]), _SAVE=_save, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
         )
     return (O,), (_saved_lse,)
 # ---------------------------------------------------------------------------
@@ -851,6 +1016,8 @@ def _document_mask_bwd_dkdv_kernel(
     _len_x,
     _POS_q: tl.constexpr,
     _POS_x: tl.constexpr,
+    _ranges,
+    _RANGES: tl.constexpr,
 ):
     # dK and dV: one program per block of x and index of b, h; it loops over
     # the blocks of q whose forward loop visits this block.
@@ -882,7 +1049,64 @@ def _document_mask_bwd_dkdv_kernel(
     if _POS_x:  # keys at global positions: the least and greatest real one
         _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
         _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block
-    for _rb in range(_lo, _hi):
+    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
+        _rg = _ranges + ((_i_b) * tl.cdiv(_size_x, _BLOCK_x) + _pid) * 4
+        _lo = tl.load(_rg)
+        _hi = tl.load(_rg + 1)
+        _flo = tl.load(_rg + 2)
+        _fhi = tl.load(_rg + 3)
+    else:
+        _flo = _lo  # rows or keys at global positions: none known full
+        _fhi = _lo
+    # Partial blocks before the full ones: the mask cuts through them.
+    for _rb in range(_lo, _flo):
+        _row0 = _rb * _BLOCK_q
+        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+        _ok_q = _offs_q < _size_q
+        if _POS_q:  # the global index of each row, given by the launcher
+            _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
+            _gok_q = _ok_q & (_idx_q < _len_q)
+            # a dead tile (no real q, or a bound of the mask false at every pair): no load, no step
+            _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
+            _live = _row_last >= 0  # some real q
+        else:
+            _idx_q = _offs_q
+            _gok_q = _ok_q
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+            _doc = tl.load(doc + _i_b * _st_doc_b + _idx_q[None, :] * _st_doc_x, mask=_gok_q[None, :], other=0)
+            _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q, mask=_ok_q[None, :], other=0.0)
+            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+            _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q, mask=_ok_q[None, :], other=0.0)
+            _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
+            _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
+            _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
+            _P = tl.exp2(tl.where(_doc == _doc_1, _qk, float("-inf")) * 0.18033688011112042 - _lse2)
+            _dS = _P * (_dP - _delta)
+            _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
+            _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
+            _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _rb in range(_flo, _fhi):
+        _row0 = _rb * _BLOCK_q
+        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+        _idx_q = _offs_q
+        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
+        _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q)
+        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
+        _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q)
+        _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
+        _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
+        _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
+        _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
+        _dS = _P * (_dP - _delta)
+        _dR = _dS * 0.125
+        _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
+    for _rb in range(_fhi, _hi):
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _ok_q = _offs_q < _size_q
@@ -967,6 +1191,8 @@ def _document_mask_bwd_dq_kernel(
     _len_x,
     _POS_q: tl.constexpr,
     _POS_x: tl.constexpr,
+    _ranges,
+    _RANGES: tl.constexpr,
 ):
     # dQ: one program per block of q, batch index (b, h);
     # it loops over the blocks of x the forward visits.
@@ -1001,7 +1227,53 @@ def _document_mask_bwd_dq_kernel(
     if _POS_q:  # rows at global positions: the least and greatest real one
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
-    for _start in range(_lo, _hi, _BLOCK_x):
+    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
+        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid) * 4
+        _lo = tl.load(_rg) * _BLOCK_x
+        _hi = tl.load(_rg + 1) * _BLOCK_x
+        _flo = tl.load(_rg + 2) * _BLOCK_x
+        _fhi = tl.load(_rg + 3) * _BLOCK_x
+    else:
+        _flo = _lo  # rows or keys at global positions: none known full
+        _fhi = _lo
+    # Partial blocks before the full ones: the mask cuts through them.
+    for _start in range(_lo, _flo, _BLOCK_x):
+        _offs_x = _start + tl.arange(0, _BLOCK_x)
+        _ok_x = _offs_x < _size_x
+        if _POS_x:  # global positions; rows at or past |x| are padding
+            _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
+            _ok_x = _ok_x & (_idx_x < _len_x)
+            # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
+            _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
+            _live = _col_last >= 0  # some real x
+        else:
+            _idx_x = _offs_x
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+            _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+            _P = tl.exp2(tl.where(_doc == _doc_1, _qk, float("-inf")) * 0.18033688011112042 - _lse2)
+            _dS = _P * (_dP - _delta)
+            _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
+            _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
+            _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _start in range(_flo, _fhi, _BLOCK_x):
+        _offs_x = _start + tl.arange(0, _BLOCK_x)
+        _idx_x = _offs_x
+        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+        _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
+        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+        _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
+        _dS = _P * (_dP - _delta)
+        _dR = _dS * 0.125
+        _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
+    for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows at or past |x| are padding
@@ -1101,6 +1373,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
+        _kv_rng, _kv_rng_on = _document_mask_ranges(doc, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks
         _document_mask_bwd_dkdv_kernel[_grid](
             K, doc, V, Q, lse, dO, delta, _grad_K, _grad_V,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -1113,11 +1386,12 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
             *_wire_strides(delta, "delta", _sz),
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
-            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos,
+            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, _ranges=_kv_rng, _RANGES=_kv_rng_on,
             num_warps=_kv_warps, num_stages=_kv_stages,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0]) and math.prod(_grid) > 0:
+        _rng, _rng_on = _document_mask_ranges(doc, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks
         _document_mask_bwd_dq_kernel[_grid](
             Q, doc, lse, dO, delta, K, V, _grad_Q,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -1129,7 +1403,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
             *_wire_strides(K, "K", _sz),
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, _ranges=_rng, _RANGES=_rng_on,
             num_warps=_warps, num_stages=_stages,
         )
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, None, )

@@ -299,10 +299,17 @@ def test_causal_source_has_an_unmasked_loop_then_the_diagonal():
     assert all(window[k].count("float('-inf')") == 3 for k in [("_lo", "_flo"), ("_fhi", "_hi")])
 
 
-def test_document_mask_has_one_masked_loop():
+def test_document_mask_loops_over_the_ranges_prepass():
+    """A mask that reads data has no formula for its blocks: the ranges
+    prepass (codegen/ranges.py) finds them, and the forward loops partial,
+    full, partial over what it found; the full step reads no ids."""
     source = _emit("document_mask")
-    assert "_fhi" not in source
-    assert set(_kernel_loops(source, "_document_mask_kernel")) == {("_lo", "_hi")}
+    assert "def _document_mask_ranges_kernel(" in source
+    loops = _kernel_loops(source, "_document_mask_kernel")
+    assert set(loops) == {("_lo", "_flo"), ("_flo", "_fhi"), ("_fhi", "_hi")}
+    full = loops[("_flo", "_fhi")]
+    assert "_doc" not in full and "mask=" not in full and "_ok" not in full
+    assert all("_doc == _doc_1" in loops[k] for k in [("_lo", "_flo"), ("_fhi", "_hi")])
 
 
 def test_attention_runs_all_but_the_ragged_last_block_unmasked(folder):

@@ -168,7 +168,10 @@ def test_visited_steps_are_exactly_the_blocks_with_a_live_score(name, n, bq, bx)
     assert sorted(v.pairs) == sorted(masks.visited_blocks(bounds_, n, n, bq, bx, sizes))
 
 
-def test_document_mask_visits_every_block():
+def test_document_mask_is_counted_dense():
+    """The ids are data the cost pass does not have: it counts every block
+    (an upper bound; the kernels skip dead ones with the ranges prepass,
+    tests/test_ranges.py)."""
     d = load("document_mask")
     (k,) = model.kernels(d)
     assert _visited(d, k, model.tiling_at(d, "smem"), sizes_for(d, 300) | {"d": 64}) is None

@@ -68,7 +68,8 @@ def example(name: str, *replace: tuple[str, str]):
 
 def launcher(m):
     """The module's launcher: the function named after its diagram."""
-    kernel = next(n for n in vars(m) if n.startswith("_") and n.endswith("_kernel"))
+    kernel = next(n for n in vars(m) if n.startswith("_") and n.endswith("_kernel")
+                  and not n.endswith("_ranges_kernel"))  # a data mask's prepass (codegen/ranges.py)
     return getattr(m, kernel[1:-len("_kernel")])
 
 

@@ -226,7 +226,7 @@ SIZES = {"b": 1, "h": 2, "q": 45, "x": 37}    # ragged: neither a multiple of th
 def launcher(m):
     """The module's launcher: the function its forward kernel is named after."""
     return next(getattr(m, n[1:-len("_kernel")]) for n in vars(m)
-                if n.startswith("_") and n.endswith("_kernel") and "_bwd_" not in n)
+                if n.startswith("_") and n.endswith("_kernel") and "_bwd_" not in n and not n.endswith("_ranges_kernel"))
 
 
 def edge_module(name: str, folder: Path):

@@ -25,7 +25,9 @@ forward's) and accumulated in float32.
 The loops split as the forward's (emit.segments): full blocks, whose every
 row and key is real and whose mask holds on the whole tile, run the step
 without the mask and without _ok; the partial ones around them the masked
-step.  Both loops load the same tiles.
+step.  Both loops load the same tiles, but a full step nothing only the
+mask reads (a data mask's ids).  A mask that reads data takes its ranges
+from the prepass (ranges.py), at dQ's and dK/dV's own blocks.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from .. import ir, masks
 from . import bounds as B
 from . import emit as E
 from . import lower as L
+from . import ranges as R
 from .backward import BackwardPlan, Kernel
 from .exprs import triton
 
@@ -368,7 +371,7 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
     lines += ["    " + line for line in B.extremes("col", col, f"_ok_{col}", need)]
     lines.append("    _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block")
     if not bounds:
-        return "\n".join(lines + _full_dkdv(plan, names))
+        return "\n".join(lines + _full_dkdv(plan, names) + _ranges_dkdv(plan, names))
     lines.append(f"if not _POS_{row}:")
     indent = len(lines)
     # |w| as the expressions read it: the global length when keys sit at positions
@@ -393,7 +396,21 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
             lines.append(f"_hi = tl.where(_need > 0, 0, tl.minimum(_hi, tl.maximum(-_need, 0){div} // {br} + 1))")
     lines.append("_hi = tl.maximum(_lo, _hi)")
     lines[indent:] = ["    " + line for line in lines[indent:]]
-    return "\n".join(lines + _full_dkdv(plan, names))
+    return "\n".join(lines + _full_dkdv(plan, names) + _ranges_dkdv(plan, names))
+
+
+def _ranges_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
+    """A data mask's row blocks from the prepass's transposed ranges (a
+    program per key block), at dK/dV's blocks: usable when the kernel has an
+    index of each batch wire the mask reads (not one its outer loop walks)."""
+    if not R.applies(plan.forward):
+        return []
+    return R.bounds_lines(names, plan.forward, plan.row, _dkdv_ranges_usable(plan))
+
+
+def _dkdv_ranges_usable(plan: BackwardPlan) -> bool:
+    k = next(k for k in plan.kernels if k.role == "dkdv")
+    return set(R.batch_wires(plan.forward)) <= set(k.batch)
 
 
 def _dkdv_lower(plan: BackwardPlan) -> bool:
@@ -451,7 +468,10 @@ def _bounds_dq(plan: BackwardPlan, names: E._Names) -> str:
     included, so dQ sees exactly the forward's blocks; the full ones among
     them as the forward's, but none in a ragged block of rows (the side
     gradients sum over rows)."""
-    return B.loop_bounds(names, plan.forward, whole_rows=True)
+    text = B.loop_bounds(names, plan.forward, whole_rows=True)
+    if R.applies(plan.forward):  # a data mask: the prepass's ranges at dQ's blocks
+        text = "\n".join([text] + R.bounds_lines(names, plan.forward, plan.col))
+    return text
 
 
 def _affine_text(b, row: str, size=None) -> str:
@@ -503,11 +523,18 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     if _wide(plan, k):
         blocks.append("_WIDE")
     params, sizes = _params(plan, k, blocks)
+    ranges_call = ""
     if k.role != "rows":
         # positions / lengths, as the forward's (emit.py): runtime arguments and a constexpr flag per wire
         params += [f"_pos_{row}", f"_pos_{col}", f"_len_{row}", f"_len_{col}",
                    f"_POS_{row}: tl.constexpr", f"_POS_{col}: tl.constexpr"]
         sizes = sizes + [f"_len_{row}", f"_len_{col}"]
+        if R.applies(plan.forward):  # a data mask's ranges (ranges.py), unless rows sit at positions
+            params += ["_ranges", "_RANGES: tl.constexpr"]
+            on = "positions is None and lengths is None"
+            ranges_call = R.launch(plan.forward, "_kv_rng", "_kv_br", "_kv_bc", True, True,
+                                   on if _dkdv_ranges_usable(plan) else "False") if k.role == "dkdv" else \
+                R.launch(plan.forward, "_rng", "_br", "_bc", True, False, on)
     pre = [E._load(d, names, ld) for ld in k.loads if ld.phase == "pre"]
     start = "_row0" if k.grid_wire == row else "_col0"
     head = [f"{start} = _pid * {names.block(k.grid_wire)}"] + _offsets(names, k.grid_wire, start) \
@@ -546,11 +573,14 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         step_loads = [ld for ld in k.loads if ld.phase == "step"]
 
         def inner(full: bool) -> list[str]:
-            """Loop-wire offsets, loads and the step; a full block's: no bounds masks, no mask."""
+            """Loop-wire offsets, loads and the step; a full block's: no bounds masks, no mask, and
+            no load of what only the mask reads (a data mask's ids)."""
             first = "_start" if k.role == "dq" else "_row0"
-            loads = [E._load(d, names, ld, (loop_wire,) if full else ()) for ld in step_loads]
-            step = [f"{ld['var']} = tl.load({ld['ptr']}{ld['mask']})" for ld in loads] \
-                + _tile_lines(plan, names, k, full)
+            tile = _tile_lines(plan, names, k, full)
+            text = "\n".join(tile)
+            loads = [E._load(d, names, ld, (loop_wire,) if full else ()) for ld in step_loads
+                     if not full or re.search(rf"\b{ld.var}\b", text)]
+            step = [f"{ld['var']} = tl.load({ld['ptr']}{ld['mask']})" for ld in loads] + tile
             if full:  # every index real, at its own offset (no positions)
                 return [f"_offs_{loop_wire} = {first} + tl.arange(0, {names.block(loop_wire)})",
                         f"_idx_{loop_wire} = _offs_{loop_wire}"] + step
@@ -610,7 +640,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         "pre_loads": pre, "init": "\n".join(init), "bounds": bounds, "body": "\n".join(body),
         "after": "\n".join(after), "grid_wire": k.grid_wire, "loop_wire": k.loop_wire,
         "batch": ", ".join(k.batch) or "none", "outer": ", ".join(k.outer), "sides": [s.tensor for s in k.sides],
-        "args": _launch_args(plan, k, names, dims),
+        "args": _launch_args(plan, k, names, dims), "ranges_call": ranges_call,
     }
 
 
@@ -642,5 +672,8 @@ def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
         blocks.append(f"_WIDE={_wide_precision(plan)}")
     if k.role != "rows":
         blocks.append("**_pos")
+        if R.applies(plan.forward):
+            rng = "_kv_rng" if k.role == "dkdv" else "_rng"
+            blocks.append(f"_ranges={rng}, _RANGES={rng}_on")
     args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks)]
     return ",\n".join(args)

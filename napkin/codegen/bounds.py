@@ -15,6 +15,9 @@ pass counts with it, the tests brute-force it):
   so this is decided per tile at run time, where the range decides it
   before the loop without positions.
 
+A mask that reads data (document ids) has no bound here: its blocks come
+from the ranges prepass at run time (ranges.py).
+
 ``extremes`` renders the least and greatest real global index of a block
 at positions, which both read.  The dK/dV kernel's row-block range is
 backward_emit._bounds_dkdv (masks.row_block_range).

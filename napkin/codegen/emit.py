@@ -26,10 +26,12 @@ outputs named like Triton's launch options.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Optional
 
 from .. import ir, masks
 from . import lower as L
+from . import ranges as R
 from .bounds import live, loop_bounds
 from .exprs import Ctx, number, triton
 from .reference import reference_lines
@@ -336,9 +338,12 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
     block is known full, else partial blocks before (only when a lower bound
     can put some there), the full blocks [_flo, _fhi), partial blocks after
     (the mask's far edge and the ragged end).  Without a lower bound the
-    full blocks start the range (``_flo`` is ``lo``)."""
-    if plan.full is None:
+    full blocks start the range (``_flo`` is ``lo``).  A mask that reads
+    data (ranges.py) takes the three loops too: its run of full blocks,
+    found at run time, may start anywhere."""
+    if plan.full is None and not R.applies(plan):
         return [{"lo": lo, "hi": hi, "full": False, "why": ""}]
+    lower = lower or plan.full is None  # a data mask's ranges: the full run may start anywhere
     start = "_flo" if lower else lo
     out = [{"lo": lo, "hi": "_flo", "full": False,
             "why": "# Partial blocks before the full ones: the mask cuts through them."}] if lower else []
@@ -432,7 +437,9 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     segs = segments(plan, "_lo", "_hi", any(b.kind == "lower" for b in plan.full or ()))
     for seg in segs:
         seg["step"] = "\n".join(_step(plan, names, full=True)[1] if seg["full"] else lines)
-        seg["loads"] = [_load(d, names, ld, (col,) if seg["full"] else (), tma) for ld in step_loads]
+        # a full step may not read what only the mask reads (a data mask's ids): no load for it
+        seg["loads"] = [_load(d, names, ld, (col,) if seg["full"] else (), tma) for ld in step_loads
+                        if not seg["full"] or re.search(rf"\b{ld.var}\b", seg["step"])]
         seg["pad"] = "" if seg["full"] else "    "  # a partial step sits under `if _live:`
     accums = {a.var: a for a in plan.accums}
     finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums, tma)
@@ -471,6 +478,12 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     if saved:
         block_args.append("_SAVE=_save")
     block_args += ["**_pos", "**_tma"]
+    bounds = loop_bounds(names, plan)
+    if R.applies(plan):  # a data mask: the prepass's ranges, unless rows sit at global positions
+        bounds = "\n".join([bounds] + R.bounds_lines(names, plan, col))
+        params += ["_ranges", "_RANGES: tl.constexpr"]
+        launch.append(R.launch(plan, "_rng", "_br", "_bc", False, False, "positions is None and lengths is None"))
+        block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)',
                                 'num_stages=_opts["num_stages"] or 2']))
@@ -482,7 +495,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "pre_loads": pre_loads,
         "segments": segs,
         "tma_descs": tma.table(), "tma_off": tma.off(), "tma_col": _q(col),
-        "init": "\n".join(init), "bounds": loop_bounds(names, plan),
+        "init": "\n".join(init), "bounds": bounds, "ranges": R.render(plan),
         "live": "\n".join(live(names, plan, col)), "live_constant": LIVE_CONSTANT,
         "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "save_finalise": save_finalise, "save_stores": save_stores,

@@ -465,6 +465,10 @@ def _precision(d: ir.Diagram) -> str:
 # and kernels call by name: a kernel variable of that name would shadow the
 # helper, and the call would fail or read a tile.
 KERNEL_HELPERS = frozenset({"_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_div"})
+# What the ranges prepass of a mask that reads data, and the kernels' code
+# reading its ranges, define (ranges.py; templates/ranges.py.jinja).
+RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_run", "_best", "_bstart", "_keep",
+                          "_any", "_all", "_whole", "_out", "_BY_COL", "_WHOLE_ROWS"})
 
 
 def internal_names(d: ir.Diagram) -> frozenset:
@@ -499,7 +503,7 @@ def internal_names(d: ir.Diagram) -> frozenset:
     # buffers _grad_Q) are kernel parameters: a box called saved_lse must not
     # overwrite the pointer the lse is stored through
     out |= {t for t in tensors if t.startswith("_")}
-    return frozenset(out)
+    return frozenset(out | RANGES_NAMES)
 
 
 def fresh_name(name: str, taken, reserved=(), prefix: str = "_") -> str:

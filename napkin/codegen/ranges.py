@@ -1,0 +1,148 @@
+"""Block ranges of a mask that reads data, found by a prepass kernel.
+
+Affine masks (causal, a sliding window) give each program its visited blocks
+and its full ones by formula (bounds.py, masks.py).  A mask that reads data,
+``doc[b, q] == doc`` of packed documents or a bool mask input, has no such
+formula, and without this module every block would be visited, masked:
+about twice FlexAttention's work on a few contiguous documents.  For such a
+diagram (``applies``) the launcher first runs a small generated Triton
+kernel, the ranges prepass (templates/ranges.py.jinja).  It evaluates the
+whole mask predicate, every conjunct (the affine ones too) rendered from the
+IR as the masked step renders it, on each (row block, key block) tile,
+scanning the key blocks with scalars carried in the loop (no N^2 buffer), and
+writes per (mask batch index, row block) four int32: [lo, hi) the blocks from
+the first to the last live one (some real pair true) and [flo, fhi) the
+longest run of full ones (true at every pair, the tile inside the edges).
+The main kernels then loop partial [lo, flo), full [flo, fhi), partial
+[fhi, hi) (emit.segments), the full step generated with the mask taken as
+true.  A dead block inside [lo, hi) apart from the others is still visited,
+masked: correct, only not skipped; on contiguous documents the range is
+exact.
+
+* The prepass's grid spans only the batch wires the predicate reads
+  (``doc[b, .]`` reads b, not h): its cost does not multiply by heads, and
+  the main kernels index the ranges with their own indices of those wires.
+* Ranges are in blocks of the launching kernel, so each launch (forward,
+  dQ, dK/dV, tuned blocks included) runs the prepass at its own blocks.
+  The dK/dV kernel loops over row blocks per key block: the same kernel with
+  ``_BY_COL`` scans row blocks per key block; ``_WHOLE_ROWS`` is the
+  backward's rule that a ragged block of rows has no full block (it sums
+  over rows).
+* Rows at global positions (``positions=`` / ``lengths=``: the distributed
+  wrappers) keep today's path, every block with its per-tile test: the
+  launcher passes ``_RANGES=False`` and the bounds are the affine ones.
+* The cost pass cannot know the data: it counts these diagrams dense.
+"""
+from __future__ import annotations
+
+from .. import ir
+from .exprs import triton
+from .lower import RANGES_NAMES as NAMES  # what the prepass defines: in lower.internal_names
+from .lower import AttentionPlan, wires_of
+
+
+def applies(plan: AttentionPlan) -> bool:
+    """Whether blocks may be skipped (plan.skip) but not by formula (plan.full
+    is None: a conjunct is no affine bound) and the predicate reads only wire
+    indices of the tile and the batch, sizes and integer or bool inputs: what
+    a prepass can evaluate without the scores."""
+    if plan.skip is None or plan.full is not None:
+        return False
+    d = plan.diagram
+    for n in ir.walk(plan.skip):
+        if isinstance(n, ir.TensorRef):
+            t = d.tensor(n.name)
+            if not isinstance(t, ir.Input) or t.dtype in ir.FLOAT_DTYPES:
+                return False
+        elif isinstance(n, (ir.Reduce, ir.Normalize)):
+            return False
+    return wires_of(d, plan.skip) <= {plan.row, plan.col, *plan.batch}
+
+
+def batch_wires(plan: AttentionPlan) -> tuple[str, ...]:
+    """The batch wires the predicate reads, in the kernel's order: the prepass's grid axis 1."""
+    ws = wires_of(plan.diagram, plan.skip)
+    return tuple(w for w in plan.batch if w in ws)
+
+
+def _flat(names, wires) -> str:
+    """The flat index of the mask batch (innermost wire last), from the kernel's _i_<w>."""
+    code = ""
+    for w in wires:
+        code = f"_i_{w}" if not code else f"({code}) * {names.size(w)} + _i_{w}"
+    return code or "0"
+
+
+def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> list[str]:
+    """Lines after a kernel's affine bounds: with _RANGES, [_lo, _hi) and the
+    full run [_flo, _fhi) from the prepass's row of this program (``loop``:
+    the wire the kernel loops over; the forward and dQ loop in offsets of the
+    streamed wire, dK/dV in blocks of rows); else no block is known full.
+    ``usable`` False (a mask batch wire the kernel does not index per
+    program): always the latter."""
+    row, col = plan.row, plan.col
+    none = ["_flo = _lo  # rows or keys at global positions: none known full", "_fhi = _lo"]
+    if not usable:
+        return ["_flo = _lo  # the mask reads a wire this kernel's outer loop walks: no ranges, none known full",
+                "_fhi = _lo"]
+    grid = col if loop == row else row
+    n = f"tl.cdiv({names.size(grid)}, {names.block(grid)})"
+    unit = "" if loop == row else f" * {names.block(col)}"
+    return [f"if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)",
+            f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid) * 4",
+            f"    _lo = tl.load(_rg){unit}",
+            f"    _hi = tl.load(_rg + 1){unit}",
+            f"    _flo = tl.load(_rg + 2){unit}",
+            f"    _fhi = tl.load(_rg + 3){unit}",
+            "else:", *["    " + line for line in none]]
+
+
+def launch(plan: AttentionPlan, var: str, br: str, bc: str, whole_rows: bool, by_col: bool, on: str) -> str:
+    """The launcher's line running the prepass at the kernel's blocks: ``var``, ``var``_on."""
+    d = plan.diagram
+    args = ", ".join(_tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on])
+    return (f"{var}, {var}_on = _{d.name}_ranges({args})"
+            "  # the mask reads data: its live and full blocks")
+
+
+def _tensors(plan: AttentionPlan) -> list[str]:
+    read = {n.name for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)}
+    return [t.name for t in plan.diagram.inputs if t.name in read]
+
+
+def render(plan: AttentionPlan) -> str:
+    """The prepass kernel and its launcher, or "" when the plan needs none."""
+    if not applies(plan):
+        return ""
+    from . import emit as E
+
+    d = plan.diagram
+    row, col = plan.row, plan.col
+    names = E._Names(d, plan.dims)  # no positions: the prepass never runs with them
+    kinds = E._kinds(d)
+    refs = [n for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)]
+    subst = dict(plan.step_subst)
+    used = {subst[n] for n in refs}
+    loads = [ld for ld in plan.loads if ld.var in used]
+    tensors = _tensors(plan)
+    sizes = [f"_size_{w.name}" for w in d.wires if w.size is None]
+    strides = [f"_st_{t}_{w}" for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]
+    pred = triton(plan.skip, names.ctx(row, col, {n: subst[n] for n in refs}, kinds))
+    wires = batch_wires(plan)
+    ctx = {
+        "kernel": f"_{d.name}_ranges_kernel", "launcher": f"_{d.name}_ranges",
+        "params": tensors + sizes + strides + ["_ranges"]
+        + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL")],
+        "no_specialize": ", ".join(f'"{s}"' for s in sizes), "tensors": tensors,
+        "args": ([", ".join(tensors)] if tensors else [])  # a mask of indices alone reads no tensor
+        + ([", ".join(f'_sz["{w.name}"]' for w in d.wires if w.size is None)] if sizes else [])
+        + [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors],
+        "decode": E._decode(names, wires), "batch_text": ", ".join(wires) or "no batch wire",
+        "grid_batch": " * ".join(f'_sz["{w}"]' for w in wires) or "1",
+        "row": E._wire_ctx(names, row), "col": E._wire_ctx(names, col),
+        "row_loads": [E._load(d, names, ld) for ld in loads if ld.cols is None],
+        "col_loads": [E._load(d, names, ld) for ld in loads if ld.cols is not None and ld.rows is None],
+        "tile_loads": [E._load(d, names, ld) for ld in loads if ld.cols is not None and ld.rows is not None],
+        "pred": pred,
+    }
+    return E.environment().get_template("ranges.py.jinja").render(**ctx)
