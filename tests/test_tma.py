@@ -59,7 +59,8 @@ def module(name: str, *replace: tuple[str, str]):
 
 
 def launcher(m):
-    kernel = next(n for n in vars(m) if n.startswith("_") and n.endswith("_kernel") and "_bwd_" not in n)
+    kernel = next(n for n in vars(m) if n.startswith("_") and n.endswith("_kernel") and "_bwd_" not in n
+                  and not n.endswith("_ranges_kernel"))  # a data mask's prepass (codegen/ranges.py)
     return getattr(m, kernel[1:-len("_kernel")])
 
 
