@@ -1284,7 +1284,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
             _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _NEED_slope=_need[3], **_pos,
             num_warps=_warps, num_stages=_stages,
         )
-    _grad_slope = _part_slope.sum(dim=tuple(range(2))).reshape(slope.shape) \
+    _grad_slope = _part_slope.sum(dim=(0, 1)).reshape(slope.shape) \
         .to(slope.dtype if _like else torch.float32) if _need[3] else None
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, _grad_slope if _need[3] else None, )
 

@@ -604,3 +604,29 @@ def _tf32(x):
     import numpy as np
 
     return (np.ascontiguousarray(x).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+BIAS = """
+diagram bias_{name}
+wire b, h, q, x
+wire d = 32
+in Q[b, h, q, d] : fp16
+in K[b, h, x, d] : fp16
+in V[b, h, x, d] : fp16
+in bias[{axes}] : fp32
+S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5 + bias
+P[b, h, q, x] = softmax[x](S)
+O[b, h, q, d] : fp16 = sum[x](P * V)
+out O
+"""
+
+
+@pytest.mark.parametrize("axes", ["b, h, q, x", "h, q, x", "q, x"])
+def test_side_input_gradient_over_the_whole_tile(axes, folder):
+    """A score bias with both tile wires: with every batch wire too its
+    partial sums need no summing afterwards (the launcher summed over no
+    axes, which torch reads as all of them: a reshape error); with fewer,
+    the missing batch wires are summed away."""
+    name = axes.replace(", ", "")
+    m = compile_text(BIAS.format(name=name, axes=axes), f"bias_{name}", folder)
+    check(m, {"b": 2, "h": 3, "q": 37, "x": 45}, torch.float32, label=f"bias[{axes}]", block_q=16, block_x=32)

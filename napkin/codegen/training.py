@@ -226,7 +226,9 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "grid_batch": " * ".join(f'_sz["{w}"]' for w in b.batch) or "1",
         "kv_batch": " * ".join(f'_sz["{w}"]' for w in b.kernel("dkdv").batch) or "1",
         "sides": [{"tensor": s.tensor, "buffer": s.buffer, "index": list(b.diagram.inputs).index(
-            b.diagram.tensor(s.tensor)), "shape": _side_shape(s, b.row), "dims": len(s.extra)} for s in
+            b.diagram.tensor(s.tensor)), "shape": _side_shape(s, b.row),
+            # the partial sums' leading axes summed away; none (a side input over every wire of the tile): as is
+            "partial_sum": f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else ""} for s in
             b.kernel("dq").sides],
         "optional": ["dlse"] if "dlse" in b.row_inputs else [],
     }
