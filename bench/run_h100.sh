@@ -2,7 +2,7 @@
 # The benchmark a session with a lent H100 (or H200) runs, in stages that each
 # fit one 10-minute device command.  Usage, from the repository root:
 #
-#     bench/run_h100.sh [env|test|main|variants|others|sweep|ncu|all]   (default: all)
+#     bench/run_h100.sh [env|test|main|variants|others|sweep|ncu|tma|all]   (default: all)
 #
 # Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
 # comes back), else bench/results; copy them into bench/results/ and commit
@@ -87,9 +87,18 @@ stage_ncu() {
   done
 }
 
+stage_tma() {
+  # TMA descriptor loads against the pointer kernel, forward, head dim 128, 16K
+  # tokens (bench/tma/tma_fwd.py: the compile-only study's timing half, never run
+  # before; bench/results/tma-sm90-2026-11-21.md).  The tuner already tries
+  # tma=True at head dim 128 in main/variants; this is the direct A/B.
+  # 2 diagrams x 2 tiles x 2 stage counts x 3 forms = 24 compiles and timings: one command.
+  PYTHONPATH=. "$PYTHON" bench/tma/tma_fwd.py time --head-dims 128 --seqlens 16384 --out "$OUT_DIR/tma-times.jsonl"
+}
+
 stage="${1:-all}"
 case "$stage" in
-  env|test|main|variants|others|sweep|ncu) "stage_$stage" ;;
-  all) for s in env test main variants others sweep ncu; do "stage_$s"; done ;;
-  *) echo "usage: $0 [env|test|main|variants|others|sweep|ncu|all]" >&2; exit 2 ;;
+  env|test|main|variants|others|sweep|ncu|tma) "stage_$stage" ;;
+  all) for s in env test main variants others sweep ncu tma; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|main|variants|others|sweep|ncu|tma|all]" >&2; exit 2 ;;
 esac
