@@ -606,7 +606,7 @@ def _tf32(x):
     return (np.ascontiguousarray(x).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
-BIAS = """
+WHOLE_TILE_BIAS = """
 diagram bias_{name}
 wire b, h, q, x
 wire d = 32
@@ -628,5 +628,5 @@ def test_side_input_gradient_over_the_whole_tile(axes, folder):
     axes, which torch reads as all of them: a reshape error); with fewer,
     the missing batch wires are summed away."""
     name = axes.replace(", ", "")
-    m = compile_text(BIAS.format(name=name, axes=axes), f"bias_{name}", folder)
+    m = compile_text(WHOLE_TILE_BIAS.format(name=name, axes=axes), f"bias_{name}", folder)
     check(m, {"b": 2, "h": 3, "q": 37, "x": 45}, torch.float32, label=f"bias[{axes}]", block_q=16, block_x=32)
