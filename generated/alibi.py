@@ -743,7 +743,7 @@ def _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, _sav
             *_wire_strides(slope, "slope", _sz),
             *_wire_strides(O, "O", _sz),
             *_wire_strides(_saved_lse, "_saved_lse", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, slope]), _SAVE=_save, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, slope]), _SAVE=_save, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
         )
     return (O,), (_saved_lse,)
 # ---------------------------------------------------------------------------
@@ -1194,7 +1194,7 @@ def _alibi_preprocess(Q, K, V, slope, dO, O, _o):
             *_wire_strides(O, "O", _sz),
             *_wire_strides(delta, "delta", _sz),
             _BLOCK_q=_br, _BLOCK_d=64,
-            num_warps=_opts["num_warps"] or 4,
+            num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
         )
     return (delta,)
 
@@ -1265,7 +1265,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
             _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos,
-            num_warps=_kv_warps, num_stages=_kv_stages,
+            num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0] or _need[3]) and math.prod(_grid) > 0:
@@ -1282,7 +1282,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
             *_part_slope.stride(),
             _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _NEED_slope=_need[3], **_pos,
-            num_warps=_warps, num_stages=_stages,
+            num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
         )
     _grad_slope = _part_slope.sum(dim=(0, 1)).reshape(slope.shape) \
         .to(slope.dtype if _like else torch.float32) if _need[3] else None

@@ -738,7 +738,7 @@ def _decode_forward(Q, K, V, block_q, block_x, num_warps, num_stages, _save, pos
             *_wire_strides(V, "V", _sz),
             *_wire_strides(O, "O", _sz),
             *_wire_strides(lse, "lse", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=128, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=128, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
         )
     return (O, lse,), ()
 # ---------------------------------------------------------------------------
@@ -1198,7 +1198,7 @@ def _decode_preprocess(Q, K, V, dO, O, dlse, _o):
             *_wire_strides(dlse, "dlse", _sz),
             *_wire_strides(delta, "delta", _sz),
             _BLOCK_q=_br, _BLOCK_d=128,
-            num_warps=_opts["num_warps"] or 4,
+            num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
         )
     return (delta,)
 
@@ -1266,7 +1266,7 @@ def _decode_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
             _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=128, **_pos,
-            num_warps=_kv_warps, num_stages=_kv_stages,
+            num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["hk"] * _sz["g"])
     if (_need[0]) and math.prod(_grid) > 0:
@@ -1281,7 +1281,7 @@ def _decode_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
             _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=128, **_pos,
-            num_warps=_warps, num_stages=_stages,
+            num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
         )
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 

@@ -461,7 +461,7 @@ def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on):
             *_wire_strides(doc, "doc", _sz),
             _ranges,
             _BLOCK_q=_br, _BLOCK_x=_bc, _WHOLE_ROWS=_whole_rows, _BY_COL=_by_col,
-            num_warps=8 if _br * _bc >= 8192 else 4,  # 32 pairs a thread on the forward's 128 x 64 tiles
+            num_warps=8 if _br * _bc >= 8192 else 4, enable_fp_fusion=True,  # 8 warps: 32 pairs a thread on 128 x 64
         )
     return _ranges, True
 
@@ -868,7 +868,7 @@ def _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages
             *_wire_strides(doc, "doc", _sz),
             *_wire_strides(O, "O", _sz),
             *_wire_strides(_saved_lse, "_saved_lse", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, doc]), _SAVE=_save, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, doc]), _SAVE=_save, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
         )
     return (O,), (_saved_lse,)
 # ---------------------------------------------------------------------------
@@ -1317,7 +1317,7 @@ def _document_mask_preprocess(Q, K, V, doc, dO, O, _o):
             *_wire_strides(O, "O", _sz),
             *_wire_strides(delta, "delta", _sz),
             _BLOCK_q=_br, _BLOCK_d=64,
-            num_warps=_opts["num_warps"] or 4,
+            num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
         )
     return (delta,)
 
@@ -1387,7 +1387,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
             _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, _ranges=_kv_rng, _RANGES=_kv_rng_on,
-            num_warps=_kv_warps, num_stages=_kv_stages,
+            num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0]) and math.prod(_grid) > 0:
@@ -1404,7 +1404,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
             _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, _ranges=_rng, _RANGES=_rng_on,
-            num_warps=_warps, num_stages=_stages,
+            num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
         )
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, None, )
 

@@ -450,7 +450,7 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
             *_wire_strides(A, "A", _sz),
             *_wire_strides(B, "B", _sz),
             *_wire_strides(C, "C", _sz),
-            _BLOCK_m=_br, _BLOCK_n=_bc, _BLOCK_k=_bk, num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4), num_stages=_opts["num_stages"] or 2,
+            _BLOCK_m=_br, _BLOCK_n=_bc, _BLOCK_k=_bk, num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
         )
     return (C,), ()
 # ---------------------------------------------------------------------------
@@ -617,7 +617,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(B, "B", _sz),
                 *_wire_strides(_grad_A, "_grad_A", _sz),
                 _BLOCK_m=_block_size(_opts["block_m"], "m", "block_m"), _BLOCK_k=_block_size(_opts["block_k"], "k", "block_k"), _BLOCK_n=_block_size(_opts["block_n"], "n", "block_n"),
-                num_warps=_warps, num_stages=_stages,
+                num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
             )
     _grad_B = None
     if _need[1]:  # dB: one more contraction, each tile stored once from a float32 accumulator
@@ -631,7 +631,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(_grad_C, "_grad_C", _sz),
                 *_wire_strides(_grad_B, "_grad_B", _sz),
                 _BLOCK_k=_block_size(_opts["block_k"], "k", "block_k"), _BLOCK_n=_block_size(_opts["block_n"], "n", "block_n"), _BLOCK_m=_block_size(_opts["block_m"], "m", "block_m"),
-                num_warps=_warps, num_stages=_stages,
+                num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
             )
     return (_grad_A, _grad_B, )
 

@@ -738,7 +738,7 @@ def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, _
             *_wire_strides(O, "O", _sz),
             *_wire_strides(_saved_N0, "_saved_N0", _sz),
             *_wire_strides(_saved_Z0, "_saved_Z0", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
         )
     return (O,), (_saved_N0, _saved_Z0,)
 # ---------------------------------------------------------------------------
@@ -1175,7 +1175,7 @@ def _relu2_attention_preprocess(Q, K, V, dO, Z0, N0, _o):
             *_wire_strides(dN0, "dN0", _sz),
             *_wire_strides(dZ0, "dZ0", _sz),
             _BLOCK_q=_br, _BLOCK_d=64,
-            num_warps=_opts["num_warps"] or 4,
+            num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
         )
     return (dN0, dZ0,)
 
@@ -1242,7 +1242,7 @@ def _relu2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengt
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
             _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, _WIDE="tf32" if Q.dtype in (torch.float16, torch.bfloat16) else "ieee", **_pos,
-            num_warps=_kv_warps, num_stages=_kv_stages,
+            num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0]) and math.prod(_grid) > 0:
@@ -1256,7 +1256,7 @@ def _relu2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengt
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
             _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _WIDE="tf32" if Q.dtype in (torch.float16, torch.bfloat16) else "ieee", **_pos,
-            num_warps=_warps, num_stages=_stages,
+            num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
         )
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 

@@ -346,7 +346,8 @@ def test_output_names_forward_and_backward(o, lse, tmp_path):
         assert _max_err(a, b) < 1e-3
 
 
-@pytest.mark.parametrize("o, lse, bad", [("num_warps", "lse", "num_warps"), ("O", "num_stages", "num_stages")])
+@pytest.mark.parametrize("o, lse, bad", [("num_warps", "lse", "num_warps"), ("O", "num_stages", "num_stages"),
+                                        ("enable_fp_fusion", "lse", "enable_fp_fusion")])
 def test_outputs_named_like_tritons_launch_options_are_refused(o, lse, bad):
     """kernel[grid](..., num_warps=...): an output (a kernel parameter) of that
     name would be given twice; refused at the box, with a hint."""
@@ -356,3 +357,14 @@ def test_outputs_named_like_tritons_launch_options_are_refused(o, lse, bad):
     line = next(i for i, s in enumerate(text.splitlines(), 1) if s.startswith(f"{bad}["))
     assert f"clash.ncd:{line}:1: napkin cannot emit a kernel for output {bad}" in str(err.value)
     assert "rename the box" in str(err.value)
+
+
+def test_an_input_named_like_tritons_fusion_option_is_refused():
+    """Every launch passes enable_fp_fusion=True (emit.FP_FUSION); an input is
+    a kernel parameter of its own name, so one named so would be given twice."""
+    text = OUTPUTS.format(o="O", lse="lse").replace("K[", "enable_fp_fusion[").replace("Q * K", "Q * enable_fp_fusion")
+    with pytest.raises(NapkinError) as err:
+        _emit(text)
+    line = next(i for i, s in enumerate(text.splitlines(), 1) if s.startswith("in enable_fp_fusion["))
+    assert f"clash.ncd:{line}:4: napkin cannot emit a kernel for input enable_fp_fusion" in str(err.value)
+    assert "rename the input" in str(err.value)

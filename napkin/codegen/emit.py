@@ -196,18 +196,24 @@ def _options(d: ir.Diagram, wires: list[str]) -> list[str]:
         t = d.tensor(clash[0])
         raise L.unsupported(f"input {t.name}", f"the launcher has an option named {t.name}", t.loc,
                             "rename the input")
-    # every output is a kernel parameter of its own name, and the launches pass
-    # Triton's num_warps= and num_stages=: an output of that name would be given twice
-    for out in d.outputs:
-        if out.name in TRITON_LAUNCH:
-            raise L.unsupported(f"output {out.name}", f"the kernel launch takes Triton's option {out.name}, and "
-                                "each output is a kernel parameter of its own name", d.tensor(out.name).loc,
-                                "rename the box")
+    # every input and output is a kernel parameter of its own name, and the launches
+    # pass Triton's options (TRITON_LAUNCH): a tensor of that name would be given twice
+    # (an input named num_warps or num_stages is refused above, as a launcher option)
+    for t in (*d.inputs, *d.outputs):
+        if t.name in TRITON_LAUNCH:
+            kind, fix = ("input", "rename the input") if isinstance(t, ir.Input) else ("output", "rename the box")
+            raise L.unsupported(f"{kind} {t.name}", f"the kernel launch takes Triton's option {t.name}, and "
+                                f"each {kind} is a kernel parameter of its own name", d.tensor(t.name).loc, fix)
     return opts
 
 
+# Every launch asks for floating-point fusion (a * b + c as one FMA: the folded
+# softmax exponent is one FFMA a score) instead of taking Triton's default,
+# which is on up to 3.9 and off from 3.10 (TRITON_DEFAULT_FP_FUSION).
+FP_FUSION = "enable_fp_fusion=True"
+
 # Triton's launch options napkin's launches pass (kernel[grid](..., num_warps=...)).
-TRITON_LAUNCH = ("num_warps", "num_stages")
+TRITON_LAUNCH = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
 # --------------------------------------------------------------------------
@@ -486,7 +492,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)',
-                                'num_stages=_opts["num_stages"] or 2']))
+                                'num_stages=_opts["num_stages"] or 2', FP_FUSION]))
     return {
         "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch), "pid": masks.program_order(plan.bounds, "row"),
@@ -619,7 +625,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
     block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk"]
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4)',
-                                'num_stages=_opts["num_stages"] or 2']))
+                                'num_stages=_opts["num_stages"] or 2', FP_FUSION]))
     return {
         "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch),
