@@ -31,7 +31,6 @@ from the prepass (ranges.py), at dQ's and dK/dV's own blocks.
 """
 from __future__ import annotations
 
-import re
 
 from .. import ir, masks
 from . import bounds as B
@@ -506,7 +505,7 @@ def rows_held(plan: BackwardPlan, k: Kernel, lines: list[str], after: list[str])
     that outlive its row sums: each loaded tile the later ``lines`` or the
     stores (``after``) read, and each tile stored."""
     later = "\n".join(lines + after)
-    out = [ld.cols for ld in k.loads if ld.cols and re.search(rf"\b{ld.var}\b", later)]
+    out = [ld.cols for ld in k.loads if ld.cols and E.reads(later, ld.var)]
     return out + [st.cols for st in k.stores if st.cols]
 
 
@@ -531,7 +530,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         sizes = sizes + [f"_len_{row}", f"_len_{col}"]
         if R.applies(plan.forward):  # a data mask's ranges (ranges.py), unless rows sit at positions
             params += ["_ranges", "_RANGES: tl.constexpr"]
-            on = "positions is None and lengths is None"
+            on = R.WITHOUT_POSITIONS
             ranges_call = R.launch(plan.forward, "_kv_rng", "_kv_br", "_kv_bc", True, True,
                                    on if _dkdv_ranges_usable(plan) else "False") if k.role == "dkdv" else \
                 R.launch(plan.forward, "_rng", "_br", "_bc", True, False, on)
@@ -579,7 +578,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             tile = _tile_lines(plan, names, k, full)
             text = "\n".join(tile)
             loads = [E._load(d, names, ld, (loop_wire,) if full else ()) for ld in step_loads
-                     if not full or re.search(rf"\b{ld.var}\b", text)]
+                     if not full or E.reads(text, ld.var)]
             step = [f"{ld['var']} = tl.load({ld['ptr']}{ld['mask']})" for ld in loads] + tile
             if full:  # every index real, at its own offset (no positions)
                 return [f"_offs_{loop_wire} = {first} + tl.arange(0, {names.block(loop_wire)})",

@@ -146,6 +146,11 @@ def _store(d: ir.Diagram, names: _Names, out: L.Output, tma: Optional["_Tma"] = 
             "tma": None if tma is None else tma.store(out, value)}
 
 
+def reads(code: str, var: str) -> bool:
+    """Whether generated ``code`` reads the variable ``var`` (a whole word)."""
+    return re.search(rf"\b{re.escape(var)}\b", code) is not None
+
+
 def _decode(names: _Names, batch: tuple[str, ...]) -> str:
     """Per-wire batch indices from the flat program id (innermost wire last)."""
     if not batch:
@@ -445,7 +450,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         seg["step"] = "\n".join(_step(plan, names, full=True)[1] if seg["full"] else lines)
         # a full step may not read what only the mask reads (a data mask's ids): no load for it
         seg["loads"] = [_load(d, names, ld, (col,) if seg["full"] else (), tma) for ld in step_loads
-                        if not seg["full"] or re.search(rf"\b{ld.var}\b", seg["step"])]
+                        if not seg["full"] or reads(seg["step"], ld.var)]
         seg["pad"] = "" if seg["full"] else "    "  # a partial step sits under `if _live:`
     accums = {a.var: a for a in plan.accums}
     finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums, tma)
@@ -488,7 +493,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     if R.applies(plan):  # a data mask: the prepass's ranges, unless rows sit at global positions
         bounds = "\n".join([bounds] + R.bounds_lines(names, plan, col))
         params += ["_ranges", "_RANGES: tl.constexpr"]
-        launch.append(R.launch(plan, "_rng", "_br", "_bc", False, False, "positions is None and lengths is None"))
+        launch.append(R.launch(plan, "_rng", "_br", "_bc", False, False, R.WITHOUT_POSITIONS))
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)',

@@ -88,13 +88,18 @@ def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> 
     grid = col if loop == row else row
     n = f"tl.cdiv({names.size(grid)}, {names.block(grid)})"
     unit = "" if loop == row else f" * {names.block(col)}"
-    return [f"if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)",
+    return ["if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)",
             f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid) * 4",
             f"    _lo = tl.load(_rg){unit}",
             f"    _hi = tl.load(_rg + 1){unit}",
             f"    _flo = tl.load(_rg + 2){unit}",
             f"    _fhi = tl.load(_rg + 3){unit}",
             "else:", *["    " + line for line in none]]
+
+
+# When a launcher runs the prepass: its call has no rows at global positions
+# (with them, integer inputs are read at those positions, which the prepass does not).
+WITHOUT_POSITIONS = "positions is None and lengths is None"
 
 
 def launch(plan: AttentionPlan, var: str, br: str, bc: str, whole_rows: bool, by_col: bool, on: str) -> str:
