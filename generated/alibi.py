@@ -1383,7 +1383,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
 def alibi_preprocess(Q, K, V, slope, dO, O, *, block_q=None, num_warps=None):
     """The backward's per-row values (delta), float32, from
     the inputs, the output gradient and the forward's saved state (dO, O)."""
-    return _alibi_preprocess(Q, K, V, slope, dO, O, (block_q, None, num_warps, None, None, ))
+    return _alibi_preprocess(Q, K, V, slope, dO, O, (block_q, None, num_warps, None, None))
 
 
 def alibi_backward(Q, K, V, slope, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

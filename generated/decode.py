@@ -1380,7 +1380,7 @@ def _decode_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
 def decode_preprocess(Q, K, V, dO, O, dlse=None, *, block_q=None, num_warps=None):
     """The backward's per-row values (delta), float32, from
     the inputs, the output gradient and the forward's saved state (dO, O, dlse); dlse defaults to zeros."""
-    return _decode_preprocess(Q, K, V, dO, O, dlse, (block_q, None, num_warps, None, None, ))
+    return _decode_preprocess(Q, K, V, dO, O, dlse, (block_q, None, num_warps, None, None))
 
 
 def decode_backward(Q, K, V, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

@@ -1509,7 +1509,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
 def document_mask_preprocess(Q, K, V, doc, dO, O, *, block_q=None, num_warps=None):
     """The backward's per-row values (delta), float32, from
     the inputs, the output gradient and the forward's saved state (dO, O)."""
-    return _document_mask_preprocess(Q, K, V, doc, dO, O, (block_q, None, num_warps, None, None, ))
+    return _document_mask_preprocess(Q, K, V, doc, dO, O, (block_q, None, num_warps, None, None))
 
 
 def document_mask_backward(Q, K, V, doc, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

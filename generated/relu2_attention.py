@@ -1355,7 +1355,7 @@ def _relu2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengt
 def relu2_attention_preprocess(Q, K, V, dO, Z0, N0, *, block_q=None, num_warps=None):
     """The backward's per-row values (dN0, dZ0), float32, from
     the inputs, the output gradient and the forward's saved state (dO, Z0, N0)."""
-    return _relu2_attention_preprocess(Q, K, V, dO, Z0, N0, (block_q, None, num_warps, None, None, ))
+    return _relu2_attention_preprocess(Q, K, V, dO, Z0, N0, (block_q, None, num_warps, None, None))
 
 
 def relu2_attention_backward(Q, K, V, dN0, dZ0, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

@@ -1170,7 +1170,7 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=
 def sigmoid_attention_preprocess(Q, K, V, dO, *, block_q=None, num_warps=None):
     """The backward's per-row values (dN0), float32, from
     the inputs, the output gradient and the forward's saved state (dO)."""
-    return _sigmoid_attention_preprocess(Q, K, V, dO, (block_q, None, num_warps, None, None, ))
+    return _sigmoid_attention_preprocess(Q, K, V, dO, (block_q, None, num_warps, None, None))
 
 
 def sigmoid_attention_backward(Q, K, V, dN0, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

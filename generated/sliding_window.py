@@ -1442,7 +1442,7 @@ def _sliding_window_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, 
 def sliding_window_preprocess(Q, K, V, dO, O, *, block_q=None, num_warps=None):
     """The backward's per-row values (delta), float32, from
     the inputs, the output gradient and the forward's saved state (dO, O)."""
-    return _sliding_window_preprocess(Q, K, V, dO, O, (block_q, None, num_warps, None, None, ))
+    return _sliding_window_preprocess(Q, K, V, dO, O, (block_q, None, num_warps, None, None))
 
 
 def sliding_window_backward(Q, K, V, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

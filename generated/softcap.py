@@ -1281,7 +1281,7 @@ def _softcap_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths
 def softcap_preprocess(Q, K, V, dO, O, *, block_q=None, num_warps=None):
     """The backward's per-row values (delta), float32, from
     the inputs, the output gradient and the forward's saved state (dO, O)."""
-    return _softcap_preprocess(Q, K, V, dO, O, (block_q, None, num_warps, None, None, ))
+    return _softcap_preprocess(Q, K, V, dO, O, (block_q, None, num_warps, None, None))
 
 
 def softcap_backward(Q, K, V, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

@@ -2,7 +2,7 @@
 
 A configuration is what a generated launcher takes besides its inputs:
 one block size per tiled wire (``block_q``, ``block_x``), ``num_warps`` and
-``num_stages``.  Tuning has three parts:
+``num_stages`` (and for an attention kernel ``tma``: TMA descriptors).  Tuning has three parts:
 
 * ``candidates(diagram, sizes, kind=...)``: the configurations worth timing
   for one kernel (kind "" the forward, "bwd" the dQ kernel, "bwd_kv" the
@@ -74,7 +74,8 @@ STAGE_ORDER = (3, 2, 4)
 # where compiled for sm_90 they free registers from the pointer kernel's: the
 # forward 30-66 (which sits at the 255 cap at 128 x 128;
 # bench/results/tma-sm90-2026-11-21.md; at head dim 64 they saved nothing),
-# dQ and dK/dV at their default tiles bench/results/tma-bwd-sm90-2026-11-21.md.
+# dQ at its default tile 10-77 and dK/dV 0-23, except two that take 16-17
+# more on Triton 3.6 (bench/results/tma-bwd-sm90-2026-11-21.md): timings decide.
 # One variant per block shape of at least TMA_MIN_RESIDENT resident rows (the
 # forward's and dQ's rows, dK/dV's keys: the shapes those studies compiled;
 # with fewer the pointer kernel is far from the cap), of its first (warps,

@@ -112,7 +112,7 @@ def load_code(var: str, ptr: str, mask: str, tma: Optional[str]) -> str:
     plain = f"{var} = tl.load({ptr}{mask})"
     if not tma:
         return plain
-    return "\n".join([f"if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros",
+    return "\n".join(["if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros",
                       f"    {var} = {tma}", "else:", f"    {plain}"])
 
 
