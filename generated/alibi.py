@@ -242,8 +242,8 @@ def _differentiable(tensors):
 
 # ---------------------------------------------------------------------------
 # Tuned configurations.  `napkin bench --autotune` (napkin.autotune) times
-# candidate block sizes, num_warps and num_stages (and, for an attention
-# forward at head dim 128 or more, tma: TMA descriptor loads) and stores the best in a
+# candidate block sizes, num_warps and num_stages (and, for an attention's
+# kernels at head dim 128 or more, tma: TMA descriptor loads) and stores the best in a
 # JSON cache, keyed by this diagram's hash, the device's name and the shape
 # bucket: each symbolic wire's size rounded up to a power of two.  A launch
 # with no explicit options takes the cached config of its bucket, so a new
@@ -432,15 +432,22 @@ def _positions(positions, lengths, sizes, device, tensors):
     return args
 
 
-# TMA descriptors: the launcher's tma= option (forward only; off unless asked:
-# untimed on a GPU so far).  Each entry: the kernel's descriptor parameter,
-# the tensor, and for each wire of the tensor's layout (a grouped axis
-# (hk g) is one dimension per wire) the wire whose block is the box's extent
-# there, or None (extent 1: one program index).
+# TMA descriptors (napkin/codegen/tma.py): the launcher's tma= option, for
+# the forward and, through autograd or NAME_backward, the dQ and dK/dV kernels
+# (off unless asked or tuned: untimed on a GPU so far).  Each entry of a
+# kernel's table: its descriptor parameter, the tensor, and for each wire of
+# the tensor's layout (a grouped axis (hk g) is one dimension per wire) the
+# wire whose block is the box's extent there, or None (extent 1: one
+# program index).  A module that trains has one each for dQ and dK/dV too
+# (_TMA_DESCS_DQ, _TMA_DESCS_DKDV, beside their kernels).
 _TMA_DESCS = (("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma_O", "O", (None, None, "q", "d")))
-_TMA_OFF = {"_tma_Q": None, "_tma_K": None, "_tma_V": None, "_tma_O": None, "_TMA": False}
-# How the last launch moved its tiles (for tests and benchmarks): used, and why not.
+# How the forward's last launch moved its tiles (for tests and benchmarks): used, and why not.
 _tma_last = {"used": False, "why": "tma not requested"}
+
+
+def _tma_check(tma):
+    if not (tma is None or isinstance(tma, bool) or (isinstance(tma, int) and tma in (0, 1))):
+        raise ValueError(f"tma must be None, False or True, not {tma!r}")
 
 
 def _tma_ready(device):
@@ -458,12 +465,11 @@ def _tma_ready(device):
     return getattr(target, "backend", None) == "cuda" and isinstance(target.arch, int) and target.arch >= 90
 
 
-def _tma_unfit(t, name, sizes, box, blocks):
-    """Why ``t`` cannot be read or written through a descriptor of ``box``
-    (None: it can): what cuTensorMapEncodeTiled and Triton's TensorDescriptor
-    require, tested here first (the descriptor asserts)."""
-    shape = [sizes[w] for axis in _layout(name) for w in axis]
-    strides = _wire_strides(t, name, sizes)
+def _tma_unfit(t, shape, strides, box, blocks):
+    """Why ``t``, viewed as ``shape`` and ``strides`` (one per wire), cannot
+    be read or written through a descriptor of ``box`` (None: it can): what
+    cuTensorMapEncodeTiled and Triton's TensorDescriptor require, tested
+    here first (the descriptor asserts)."""
     size = t.element_size()
     if t.data_ptr() % 16:
         return "its data is not 16-byte aligned"
@@ -478,19 +484,20 @@ def _tma_unfit(t, name, sizes, box, blocks):
     return None
 
 
-def _tma_args(tma, tensors, sizes, blocks, device, positions):
-    """The kernel's descriptor arguments and its constexpr _TMA for this call.
-    With ``tma`` true and every tile eligible, one host TensorDescriptor per
-    _TMA_DESCS entry over the tensor's own wires (block 1 on each but the tiled
-    wire and the head dim) and _TMA True; otherwise None for each and _TMA
-    False: the pointer code, silently (a tuner's candidate must not fail),
-    the reason kept in _tma_last.  Descriptors are built only when asked."""
-    if not (tma is None or isinstance(tma, bool) or (isinstance(tma, int) and tma in (0, 1))):
-        raise ValueError(f"tma must be None, False or True, not {tma!r}")
+def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last):
+    """One kernel's descriptor arguments and its constexpr _TMA for this call.
+    With ``tma`` true and every tile of ``descs`` (its _TMA_DESCS table)
+    eligible, one host TensorDescriptor per entry over the tensor's own wires
+    (block 1 on each but the tiled wire and the head dim) and _TMA True;
+    otherwise None for each and _TMA False: the pointer code, silently (a
+    tuner's candidate must not fail), the reason kept in ``last`` (the
+    kernel's _tma_last).  Descriptors are built only when asked, each
+    tensor's wire shape and strides computed once."""
+    _tma_check(tma)
     why = None
     if not tma:
         why = "tma not requested"
-    elif not _TMA_DESCS:
+    elif not descs:
         why = "no tile of this kernel can move through a descriptor"
     elif "x" in (positions or {}):
         why = "rows of x at global positions: the padding rows among them must read as zeros"
@@ -501,21 +508,23 @@ def _tma_args(tma, tensors, sizes, blocks, device, positions):
             from triton.tools.tensor_descriptor import TensorDescriptor
         except ImportError:
             why = "this Triton has no triton.tools.tensor_descriptor"
-        else:
-            for _, name, box in _TMA_DESCS:
-                unfit = _tma_unfit(tensors[name], name, sizes, box, blocks)
-                if unfit:
-                    why = f"{name}: {unfit}"
-                    break
+    views = {}
+    if why is None:
+        for _, name, box in descs:
+            if name not in views:
+                views[name] = ([sizes[w] for axis in _layout(name) for w in axis],
+                               _wire_strides(tensors[name], name, sizes))
+            unfit = _tma_unfit(tensors[name], *views[name], box, blocks)
+            if unfit:
+                why = f"{name}: {unfit}"
+                break
     if why is not None:
-        _tma_last.update(used=False, why=why)
-        return _TMA_OFF
+        last.update(used=False, why=why)
+        return {**{param: None for param, _, _ in descs}, "_TMA": False} if descs else {}
     args = {"_TMA": True}
-    for param, name, box in _TMA_DESCS:
-        t = tensors[name]
-        args[param] = TensorDescriptor(t, [sizes[w] for axis in _layout(name) for w in axis],
-                                       _wire_strides(t, name, sizes), [1 if w is None else blocks[w] for w in box])
-    _tma_last.update(used=True, why=None)
+    for param, name, box in descs:
+        args[param] = TensorDescriptor(tensors[name], *views[name], [1 if w is None else blocks[w] for w in box])
+    last.update(used=True, why=None)
     return args
 
 
@@ -586,7 +595,7 @@ def _alibi_kernel(
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without x: loaded once per program.
-    if _TMA:  # through its TMA descriptor (the launcher's tma=): rows past the edge read as zeros
+    if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
         _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
@@ -618,11 +627,11 @@ def _alibi_kernel(
     for _start in range(_lo, _fhi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _idx_x = _offs_x
-        if _TMA:
+        if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
             _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
-        if _TMA:
+        if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
@@ -656,11 +665,11 @@ def _alibi_kernel(
             _idx_x = _offs_x
             _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
         if _live:
-            if _TMA:
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
                 _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-            if _TMA:
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
                 _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
@@ -682,7 +691,7 @@ def _alibi_kernel(
 
     # Finalise and store each output once.
     _out_O = _safe_div(_acc, _l)
-    if _TMA:  # through its TMA descriptor: rows past the edge are not written
+    if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma_O.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _out_O.to(O.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
     else:
         tl.store(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
@@ -691,7 +700,7 @@ def _alibi_kernel(
         tl.store(_saved_lse + _i_b * _st__saved_lse_b + _i_h * _st__saved_lse_h + _offs_q[:, None] * _st__saved_lse_q, _out__saved_lse.to(_saved_lse.dtype.element_ty), mask=_ok_q[:, None])
 
 
-def alibi(Q, K, V, slope, *, block_q=None, block_x=None, num_warps=None, num_stages=None, positions=None, lengths=None, out_dtype=None, tma=None):
+def alibi(Q, K, V, slope, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, positions=None, lengths=None, out_dtype=None):
     """Run the kernel: Q, K, V, slope -> O.
 
     Block sizes default to the schedule's (block_q=128, block_x=64); smaller ones
@@ -706,20 +715,23 @@ def alibi(Q, K, V, slope, *, block_q=None, block_x=None, num_warps=None, num_sta
     (needed with positions; x rows at positions >= it are padding, and so
     are q rows, whose outputs are then unspecified), and
     out_dtype (e.g. torch.float32) the dtype of every float output.
-    tma=True moves the forward's qualifying tiles (Q, K, V, O: one tiled wire
-    and the head dim) through TMA descriptors on sm_90+ (or the interpreter),
-    else the pointer code, silently (_tma_last says which and why); None (the
-    default) takes the tuned config's choice, else off: untimed on a GPU so far."""
+    tma=True moves the qualifying tiles (one tiled wire and the head dim: Q,
+    K, V, O; in training also dO, dQ, dK, dV) of the forward and, through
+    autograd, of the dQ and dK/dV kernels through TMA descriptors on sm_90+ (or
+    the interpreter), else the pointer code, silently (_tma_last, _tma_last_dq,
+    _tma_last_dkdv say which and why); None (the default) takes each kernel's
+    tuned config's choice, else off: untimed on a GPU so far."""
     Q, K, V, slope = _autocast((Q, K, V, slope))
     if _differentiable((Q, K, V, slope)):
         if positions is not None or lengths is not None or out_dtype is not None:
             raise ValueError("positions=, lengths= and out_dtype= make a forward-only call: pass inputs that "
                              "do not require gradients, or call under torch.no_grad()")
-        return _alibi_autograd(Q, K, V, slope, block_q, block_x, num_warps, num_stages)
-    return _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, False, positions, lengths, out_dtype, tma)[0][0]
+        _tma_check(tma)  # the torch op's schema takes an int: refuse anything else here, in words
+        return _alibi_autograd(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma)
+    return _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype)[0][0]
 
 
-def _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, _save, positions=None, lengths=None, out_dtype=None, tma=None):
+def _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
@@ -732,7 +744,7 @@ def _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, _sav
     [O] = _allocate(_sz, _cls, _dev, out_dtype)
     _saved_lse = torch.empty(_shape("_saved_lse", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
-    _tma = _tma_args(_opts["tma"], {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions)
+    _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions, _tma_last)
     if math.prod(_grid) > 0:
         _alibi_kernel[_grid](
             Q, K, V, slope, O, _saved_lse,
@@ -751,7 +763,7 @@ def _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, _sav
 # a gradient (or under torch.compile); its backward runs the kernels here.
 # ---------------------------------------------------------------------------
 
-_OPTIONS = ("block_q", "block_x", "num_warps", "num_stages", )
+_OPTIONS = ("block_q", "block_x", "num_warps", "num_stages", "tma", )
 
 
 def _check_state(tensors, sizes, device):
@@ -835,6 +847,12 @@ def _alibi_bwd_rows_kernel(
     tl.store(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, _delta.to(delta.dtype.element_ty), mask=_ok_q[:, None])
 
 
+# The dK/dV kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
+# moved its tiles.
+_TMA_DESCS_DKDV = (("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dO", "dO", (None, None, "q", "d")), ("_tma__grad_K", "_grad_K", (None, None, "x", "d")), ("_tma__grad_V", "_grad_V", (None, None, "x", "d")))
+_tma_last_dkdv = {"used": False, "why": "tma not requested"}
+
+
 @triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _alibi_bwd_dkdv_kernel(
     K,
@@ -890,6 +908,13 @@ def _alibi_bwd_dkdv_kernel(
     _len_x,
     _POS_q: tl.constexpr,
     _POS_x: tl.constexpr,
+    _tma_K,
+    _tma_V,
+    _tma_Q,
+    _tma_dO,
+    _tma__grad_K,
+    _tma__grad_V,
+    _TMA: tl.constexpr,
 ):
     # dK and dV: one program per block of x and index of b, h; it loops over
     # the blocks of q whose forward loop visits this block.
@@ -909,9 +934,15 @@ def _alibi_bwd_dkdv_kernel(
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without q: loaded once per program.
-    _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+    if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+        _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0]).reshape(_BLOCK_x, _BLOCK_d)
+    else:
+        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
     _slope = tl.load(slope + _i_h * _st_slope_h)
-    _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+    if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+        _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0]).reshape(_BLOCK_x, _BLOCK_d)
+    else:
+        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
     _acc_K = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
     _acc_V = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
 
@@ -958,9 +989,15 @@ def _alibi_bwd_dkdv_kernel(
             _gok_q = _ok_q
             _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
         if _live:
-            _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+                _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+            else:
+                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
             _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q, mask=_ok_q[None, :], other=0.0)
-            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+                _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+            else:
+                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
             _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q, mask=_ok_q[None, :], other=0.0)
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
@@ -977,9 +1014,15 @@ def _alibi_bwd_dkdv_kernel(
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _idx_q = _offs_q
-        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
+        if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+            _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+        else:
+            _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
         _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q)
-        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
+        if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+            _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+        else:
+            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
         _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q)
         _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
@@ -1007,9 +1050,15 @@ def _alibi_bwd_dkdv_kernel(
             _gok_q = _ok_q
             _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
         if _live:
-            _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+                _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+            else:
+                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
             _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q, mask=_ok_q[None, :], other=0.0)
-            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+                _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+            else:
+                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
             _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q, mask=_ok_q[None, :], other=0.0)
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
@@ -1022,8 +1071,20 @@ def _alibi_bwd_dkdv_kernel(
             _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
             _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
-    tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
-    tl.store(_grad_V + _i_b * _st__grad_V_b + _i_h * _st__grad_V_h + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+    if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
+        _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_K.to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
+    else:
+        tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+    if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
+        _tma__grad_V.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_V.to(_grad_V.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
+    else:
+        tl.store(_grad_V + _i_b * _st__grad_V_b + _i_h * _st__grad_V_h + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+
+
+# The dQ kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
+# moved its tiles.
+_TMA_DESCS_DQ = (("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dO", "dO", (None, None, "q", "d")), ("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma__grad_Q", "_grad_Q", (None, None, "q", "d")))
+_tma_last_dq = {"used": False, "why": "tma not requested"}
 
 
 @triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
@@ -1081,6 +1142,12 @@ def _alibi_bwd_dq_kernel(
     _len_x,
     _POS_q: tl.constexpr,
     _POS_x: tl.constexpr,
+    _tma_Q,
+    _tma_dO,
+    _tma_K,
+    _tma_V,
+    _tma__grad_Q,
+    _TMA: tl.constexpr,
 ):
     # dQ and slope's partial gradient: one program per block of q, batch index (b, h);
     # it loops over the blocks of x the forward visits.
@@ -1101,10 +1168,16 @@ def _alibi_bwd_dq_kernel(
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without x: loaded once per program.
-    _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+    if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+        _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+    else:
+        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
     _slope = tl.load(slope + _i_h * _st_slope_h)
     _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
-    _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+    if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+        _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+    else:
+        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
     _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
     _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
@@ -1132,8 +1205,14 @@ def _alibi_bwd_dq_kernel(
     for _start in range(_lo, _fhi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _idx_x = _offs_x
-        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
-        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+        if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+            _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+        else:
+            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+        if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+            _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+        else:
+            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125 + _slope * (_idx_x[None, :] - _idx_q[:, None])
@@ -1159,8 +1238,14 @@ def _alibi_bwd_dq_kernel(
             _idx_x = _offs_x
             _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
         if _live:
-            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+                _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+            else:
+                _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+                _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
+            else:
+                _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = tl.where(_idx_x[None, :] <= _idx_q[:, None], _qk * 0.125 + _slope * (_idx_x[None, :] - _idx_q[:, None]), float("-inf"))
@@ -1172,7 +1257,10 @@ def _alibi_bwd_dq_kernel(
             if _NEED_slope:
                 _part_acc_slope += tl.sum(tl.sum(tl.where(_ok, _dS * tl.where(_idx_x[None, :] <= _idx_q[:, None], _idx_x[None, :] - _idx_q[:, None], 0), 0.0), 0)[None, :], 1)[:, None]
 
-    tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
+    if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
+        _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _acc_Q.to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
+    else:
+        tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
     if _NEED_slope:
         tl.store(_part_slope + _pid * _st__part_slope__blocks + _i_b * _st__part_slope_b + _i_h * _st__part_slope_h, tl.sum(tl.sum(_part_acc_slope, 1), 0))
 
@@ -1211,6 +1299,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V, slope,))
     # Options not given come from the backward's own tuned configs, never the
     # forward's (these kernels hold other tiles): kind "bwd" for dQ, "bwd_kv" for dK/dV.
+    # tma too: each kernel takes its TMA descriptors (_tma_args) as its own entry says.
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
@@ -1252,6 +1341,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
                          dtype=torch.float32, device=_dev)  # partial sums: float32 until added up below
     _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
+        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, positions, _tma_last_dkdv)
         _alibi_bwd_dkdv_kernel[_grid](
             K, slope, V, Q, lse, dO, delta, _grad_K, _grad_V,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -1264,11 +1354,12 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
             *_wire_strides(delta, "delta", _sz),
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
-            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos,
+            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, **_kv_tma,
             num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0] or _need[3]) and math.prod(_grid) > 0:
+        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions, _tma_last_dq)
         _alibi_bwd_dq_kernel[_grid](
             Q, slope, lse, dO, delta, K, V, _grad_Q, _part_slope,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -1281,7 +1372,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
             *_part_slope.stride(),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _NEED_slope=_need[3], **_pos,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _NEED_slope=_need[3], **_pos, **_tma,
             num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
         )
     _grad_slope = _part_slope.sum(dim=(0, 1)).reshape(slope.shape) \
@@ -1292,10 +1383,10 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
 def alibi_preprocess(Q, K, V, slope, dO, O, *, block_q=None, num_warps=None):
     """The backward's per-row values (delta), float32, from
     the inputs, the output gradient and the forward's saved state (dO, O)."""
-    return _alibi_preprocess(Q, K, V, slope, dO, O, (block_q, None, num_warps, None))
+    return _alibi_preprocess(Q, K, V, slope, dO, O, (block_q, None, num_warps, None, None))
 
 
-def alibi_backward(Q, K, V, slope, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, need=None,
+def alibi_backward(Q, K, V, slope, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,
         positions=None, lengths=None, grad_dtype="float32"):
     """The backward kernels, callable directly (distributed attention does):
     (Q, K, V, slope, dO, lse, delta) -> the gradient of each input, float32
@@ -1306,8 +1397,9 @@ def alibi_backward(Q, K, V, slope, dO, lse, delta, *, block_q=None, block_x=None
     local rows of q and x, and the global sizes (x rows at
     positions >= its length contribute nothing).  grad_dtype="input": each
     gradient in its input's dtype instead, stored so by the kernels (what
-    autograd takes); the float32 default suits callers that add gradients up."""
-    return _alibi_backward(Q, K, V, slope, dO, lse, delta, (block_q, block_x, num_warps, num_stages), need,
+    autograd takes); the float32 default suits callers that add gradients up.
+    tma: as the forward launcher's, for the dQ and dK/dV kernels."""
+    return _alibi_backward(Q, K, V, slope, dO, lse, delta, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype)
 
 
@@ -1341,28 +1433,28 @@ _SAVED = ("_saved_lse", )
 
 
 # Explicit schemas: the same on every torch the module runs on (no type-hint inference).
-@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor slope, int? block_q, int? block_x, int? num_warps, int? num_stages) -> (Tensor, Tensor)")
-def _alibi_fwd_op(Q, K, V, slope, block_q, block_x, num_warps, num_stages):
-    _outs, _saved = _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, True)
+@torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor slope, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma) -> (Tensor, Tensor)")
+def _alibi_fwd_op(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma):
+    _outs, _saved = _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma, True)
     return (*_outs, *_saved)
 
 
 @_alibi_fwd_op.register_fake
-def _(Q, K, V, slope, block_q, block_x, num_warps, num_stages):
+def _(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma):
     _sz, _cls, _dev = _bind((Q, K, V, slope,), kernel=True)
     _outs = [torch.empty(_shape(n, _sz), dtype=_out_dtype(n, _cls), device=_dev) for n in OUTPUTS]
     _outs += [torch.empty(_shape(n, _sz), dtype=torch.float32, device=_dev) for n in _SAVED]
     return tuple(_outs)
 
 
-@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor slope, Tensor _out0, Tensor _out1, Tensor _grad0, int? block_q, int? block_x, int? num_warps, int? num_stages, int need) -> Tensor[]")
-def _alibi_bwd_op(Q, K, V, slope, _out0, _out1, _grad0, block_q, block_x, num_warps, num_stages, need):
-    _g = _alibi_grads((Q, K, V, slope,), (_out0, _out1, ), (_grad0, ), (block_q, block_x, num_warps, num_stages), need)
+@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor slope, Tensor _out0, Tensor _out1, Tensor _grad0, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma, int need) -> Tensor[]")
+def _alibi_bwd_op(Q, K, V, slope, _out0, _out1, _grad0, block_q, block_x, num_warps, num_stages, tma, need):
+    _g = _alibi_grads((Q, K, V, slope,), (_out0, _out1, ), (_grad0, ), (block_q, block_x, num_warps, num_stages, tma), need)
     return [_as_grad(_g[0], Q, need >> 0 & 1), _as_grad(_g[1], K, need >> 1 & 1), _as_grad(_g[2], V, need >> 2 & 1), _as_grad(_g[3], slope, need >> 3 & 1), ]
 
 
 @_alibi_bwd_op.register_fake
-def _(Q, K, V, slope, _out0, _out1, _grad0, block_q, block_x, num_warps, num_stages, need):
+def _(Q, K, V, slope, _out0, _out1, _grad0, block_q, block_x, num_warps, num_stages, tma, need):
     return [torch.empty_like(Q) if need >> 0 & 1 else Q.new_empty(0), torch.empty_like(K) if need >> 1 & 1 else K.new_empty(0), torch.empty_like(V) if need >> 2 & 1 else V.new_empty(0), torch.empty_like(slope) if need >> 3 & 1 else slope.new_empty(0), ]
 
 
@@ -1392,8 +1484,8 @@ def _alibi_autograd_backward(ctx, *grads):
 _alibi_fwd_op.register_autograd(_alibi_autograd_backward, setup_context=_alibi_setup_context)
 
 
-def _alibi_autograd(Q, K, V, slope, block_q, block_x, num_warps, num_stages):
-    _out = _alibi_fwd_op(Q, K, V, slope, block_q, block_x, num_warps, num_stages)
+def _alibi_autograd(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma):
+    _out = _alibi_fwd_op(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma)
     return _out[0]
 
 

@@ -233,8 +233,8 @@ def _differentiable(tensors):
 
 # ---------------------------------------------------------------------------
 # Tuned configurations.  `napkin bench --autotune` (napkin.autotune) times
-# candidate block sizes, num_warps and num_stages (and, for an attention
-# forward at head dim 128 or more, tma: TMA descriptor loads) and stores the best in a
+# candidate block sizes, num_warps and num_stages (and, for an attention's
+# kernels at head dim 128 or more, tma: TMA descriptor loads) and stores the best in a
 # JSON cache, keyed by this diagram's hash, the device's name and the shape
 # bucket: each symbolic wire's size rounded up to a power of two.  A launch
 # with no explicit options takes the cached config of its bucket, so a new

@@ -2,7 +2,7 @@
 
 A configuration is what a generated launcher takes besides its inputs:
 one block size per tiled wire (``block_q``, ``block_x``), ``num_warps`` and
-``num_stages``.  Tuning has three parts:
+``num_stages`` (and for an attention kernel ``tma``: TMA descriptors).  Tuning has three parts:
 
 * ``candidates(diagram, sizes, kind=...)``: the configurations worth timing
   for one kernel (kind "" the forward, "bwd" the dQ kernel, "bwd_kv" the
@@ -69,15 +69,18 @@ RESIDENT_PICKS = 2       # resident blocks from the cost pass's ranking, besides
 # loses the later ones first.
 STAGE_ORDER = (3, 2, 4)
 
-# TMA descriptor loads (the forward launcher's tma=, napkin/codegen/emit.py
-# _Tma): tried for the forward only, at a padded head dim of TMA_MIN_HEAD_DIM
-# or more, where compiled for sm_90 they free 30-66 registers from the
-# pointer kernel's (which sits at the 255 cap at 128 x 128;
-# bench/results/tma-sm90-2026-11-21.md; at head dim 64 they saved nothing).
-# One variant per block shape of at least TMA_MIN_RESIDENT rows (the
-# shapes the study compiled: 128 x 64, 128 x 128; with fewer rows the
-# pointer kernel is far from the cap), of its first (warps, stages): the
-# second tier of the breadth-first order.  Untimed so far: counts, not timings.
+# TMA descriptor loads (the launchers' tma=, napkin/codegen/tma.py): tried for
+# the forward, dQ and dK/dV at a padded head dim of TMA_MIN_HEAD_DIM or more,
+# where compiled for sm_90 they free registers from the pointer kernel's: the
+# forward 30-66 (which sits at the 255 cap at 128 x 128;
+# bench/results/tma-sm90-2026-11-21.md; at head dim 64 they saved nothing),
+# dQ at its default tile 10-77 and dK/dV 0-23, except two that take 16-17
+# more on Triton 3.6 (bench/results/tma-bwd-sm90-2026-11-21.md): timings decide.
+# One variant per block shape of at least TMA_MIN_RESIDENT resident rows (the
+# forward's and dQ's rows, dK/dV's keys: the shapes those studies compiled;
+# with fewer the pointer kernel is far from the cap), of its first (warps,
+# stages): the second tier of the breadth-first order.  Untimed so far:
+# counts, not timings.
 TMA_MIN_HEAD_DIM = 128
 TMA_MIN_RESIDENT = 128
 # Shared memory the TMA path adds: its mbarriers (16 B at 2 stages) and their
@@ -150,7 +153,7 @@ class Config:
     blocks: tuple[tuple[str, int], ...]   # (wire, block) in schedule order
     num_warps: int
     num_stages: int
-    tma: Optional[bool] = None           # the forward's TMA descriptors (launcher tma=); None: not set
+    tma: Optional[bool] = None           # the kernel's TMA descriptors (launcher tma=); None: not set
 
     def kwargs(self) -> dict:
         """The launcher options: block_<wire>=..., num_warps=..., num_stages=...,
@@ -476,7 +479,7 @@ def _attention_candidates(diagram, sizes, shape: KernelShape, capacity, profile,
                                  f"{dict(o)[res]}: an MMA N of 16 and twice the per-block softmax "
                                  "bookkeeping of 32") for c in cs]
             cs.clear()
-    # TMA variants (forward, head dim >= TMA_MIN_HEAD_DIM, 128 rows or more): each shape's first
+    # TMA variants (head dim >= TMA_MIN_HEAD_DIM, 128 resident rows or more): each shape's first
     # survivor again with tma=True, second in its list, so the second tier
     # of the order tries them all before any shape's second (warps, stages)
     if tma_applies(shape, sizes):
@@ -497,22 +500,21 @@ def _attention_candidates(diagram, sizes, shape: KernelShape, capacity, profile,
 
 
 def tma_applies(shape: KernelShape, sizes: Mapping[str, int]) -> bool:
-    """Whether the tuner tries TMA variants for kernel ``shape``: the forward,
-    some tile of which a descriptor can move (lower.descriptor_tile), at a
-    padded head dim of at least TMA_MIN_HEAD_DIM."""
-    if shape.kind != "":
-        return False
-    plans = _plans(shape.diagram)
-    if plans is None:
-        return False
+    """Whether the tuner tries TMA variants for kernel ``shape`` (forward, dQ
+    or dK/dV): some tile it loads a descriptor can move
+    (lower.descriptor_tile), at a padded head dim of at least TMA_MIN_HEAD_DIM."""
     from .codegen.lower import descriptor_tile
 
+    plans = _plans(shape.diagram) if shape.plan is None else (shape.plan.forward,)
+    if plans is None:
+        return False
     fplan = plans[0]
     full = {w.name: w.size for w in shape.diagram.wires if w.size is not None}
     full.update(sizes)
     if not any(_padded(shape.diagram, w, full) >= TMA_MIN_HEAD_DIM for w in fplan.dims):
         return False
-    return any(descriptor_tile(fplan, ld.tensor, ld.wires, ld.rows, ld.cols) is not None for ld in fplan.loads)
+    return any(descriptor_tile(fplan, ld.tensor, ld.wires, ld.rows, ld.cols, shape.diagram) is not None
+               for ld in shape.loads)
 
 
 def _prune_reason(shape: KernelShape, c: Config, sizes, capacity: Optional[int], budget: int) -> Optional[str]:

@@ -424,8 +424,8 @@ def test_candidate_counts_at_the_target_stay_small():
         for kind in ("", "bwd", "bwd_kv"):
             keep, _ = autotune.candidates(d, sizes, kind=kind, lead=harness.untuned(d, sizes, kind),
                                           capacity=H100_SMEM)
-            # the forward's list holds 3 TMA variants at head dim 128 (19 + 3)
-            assert 2 <= len(keep) <= (24 if kind == "" else 20), (name, kind, len(keep))
+            # at head dim 128 the forward's and dQ's lists hold 3 TMA variants (19 + 3, 18 + 3), dK/dV's 2
+            assert 2 <= len(keep) <= (24 if kind in ("", "bwd") else 20), (name, kind, len(keep))
             streamed = autotune.kernel_shape(d, sizes, kind).streamed
             steps = [dict(c.blocks)[streamed] for c in keep]
             if kind == "bwd_kv":   # 16 rows stay (its default spills on Triton 3.6 where 16 does not), last

@@ -1,4 +1,5 @@
-"""TMA descriptor loads in the forward attention kernel (the launcher's tma=).
+"""TMA descriptor loads in the forward attention kernel (the launcher's tma=);
+the backward's dQ and dK/dV kernels: tests/test_tma_backward.py.
 
 With ``tma=True`` a generated forward moves each qualifying tile (a plain
 per-wire view of one tiled wire and the padded head dim: Q, K, V, O of the
@@ -132,7 +133,8 @@ def test_tma_reads_strided_views():
 
 def test_tma_with_row_positions_and_under_autograd():
     """Rows at global positions keep TMA (loads stay at local rows); the
-    torch op (inputs requiring gradients) ignores tma= and trains as before."""
+    torch op (inputs requiring gradients) takes tma= to every kernel and
+    trains bitwise as the pointer kernels do."""
     m = module("causal")
     Q, K, V = m.example_inputs({"b": 1, "h": 2, "q": 40, "x": 40}, dtype=torch.float32, seed=7)
     pos = torch.arange(40) + 10
@@ -141,7 +143,9 @@ def test_tma_with_row_positions_and_under_autograd():
     assert how["used"] and all(torch.equal(a, b) for a, b in zip(ptr, tma))
     leaves = [t.clone().requires_grad_() for t in (Q, K, V)]
     O, lse = m.causal(*leaves, block_q=16, block_x=16, tma=True)
-    O.sum().backward()
+    assert m._tma_last["used"]
+    O.sum().backward()   # a dO of zero strides: the backward falls back to its pointer code
+    assert m._tma_last_dq == {"used": False, "why": "dO: its last dimension is not contiguous"}
     plain = [t.clone().requires_grad_() for t in (Q, K, V)]
     O2, _ = m.causal(*plain, block_q=16, block_x=16)
     O2.sum().backward()
@@ -256,7 +260,9 @@ H100_SMEM = 232448
 
 
 @pytest.mark.parametrize("name", ["attention", "causal", "sliding_window", "softcap", "alibi", "document_mask", "gqa"])
-def test_forward_candidates_try_tma_once_per_128_row_shape_in_the_second_tier(name):
+def test_candidates_try_tma_once_per_128_row_shape_in_the_second_tier(name):
+    """The forward and dQ: 3 TMA variants (128 rows by 32, 64, 128 keys);
+    dK/dV: 2 (128 keys by 16 and 32 rows), each a variant of a kept config."""
     d, sizes = _target(name)
     keep, pruned = autotune.candidates(d, sizes, lead=harness.untuned(d, sizes, ""), capacity=H100_SMEM)
     tma = [c for c in keep if c.tma]
@@ -271,16 +277,23 @@ def test_forward_candidates_try_tma_once_per_128_row_shape_in_the_second_tier(na
     for c in tma:
         assert autotune.kernel_smem(autotune.kernel_shape(d, sizes), c, sizes) <= H100_SMEM
         assert c.kwargs()["tma"] is True
-    for kind in ("bwd", "bwd_kv"):       # the backward kernels take no descriptors
+    for kind, n, count, resident in (("bwd", 21, 3, "q"), ("bwd_kv", 14, 2, "x")):
         keep, _ = autotune.candidates(d, sizes, kind=kind, lead=harness.untuned(d, sizes, kind),
                                       capacity=H100_SMEM)
-        assert not any(c.tma for c in keep) and all("tma" not in c.kwargs() for c in keep)
+        tma = [c for c in keep if c.tma]
+        assert len(keep) == n and len(tma) == count and {dict(c.blocks)[resident] for c in tma} == {128}
+        plain = {(c.blocks, c.num_warps, c.num_stages) for c in keep if not c.tma}
+        assert all((c.blocks, c.num_warps, c.num_stages) in plain for c in tma)
+        shape = autotune.kernel_shape(d, sizes, kind)
+        assert autotune.tma_applies(shape, sizes)
+        assert all(autotune.kernel_smem(shape, c, sizes) <= H100_SMEM for c in tma)
 
 
 def test_no_tma_candidates_at_head_dim_64():
     d, sizes = _target("causal", 64)
-    keep, _ = autotune.candidates(d, sizes, capacity=H100_SMEM)
-    assert keep and not any(c.tma for c in keep)
+    for kind in ("", "bwd", "bwd_kv"):
+        keep, _ = autotune.candidates(d, sizes, kind=kind, capacity=H100_SMEM)
+        assert keep and not any(c.tma for c in keep)
 
 
 def test_tma_smem_counts_its_barriers():

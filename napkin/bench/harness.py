@@ -411,7 +411,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
                                                                        f"{ctx['flex_why']}"))
     full = reference.example_inputs(d, sizes, device=device, seed=0)
     first = {}
-    tma = None
+    tma = bwd_tma = None
     for impl in impls:
         failed = check["errors"].get(impl.name, {}).get("error") if impl.equivalent else None
         if failed:
@@ -422,13 +422,16 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
             tma = dict(module._tma_last)   # how the timed forward moved its tiles (tma= may fall back)
         if not ctx["args"].no_backward:
             out.append(_time_backward(impl, full, shape, device, ctx["reps"], flops["bwd"]))
+            if impl.name == "napkin":   # the same of the timed backward's dQ and dK/dV kernels
+                bwd_tma = {k: dict(getattr(module, f"_tma_last_{k}")) for k in BACKWARD_KINDS
+                           if isinstance(getattr(module, f"_tma_last_{k}", None), dict)} or None
     _full_size_check(check, first, d, dtype)
     return {
         "diagram": d.name, "file": str(ctx["path"]), "source_hash": ctx["digest"], "dtype": dtype,
         "sizes": sizes, "shape": {k: shape[k] for k in ("batch", "heads", "kv_heads", "q_len", "kv_len",
                                                          "dim", "value_dim")},
         "causal": shape["causal"], "flops": flops, "config": config, "config_source": source,
-        "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning, "tma": tma,
+        "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning, "tma": tma, "bwd_tma": bwd_tma,
         "check": check, "results": out, "ratios": results.ratios(out),
     }
 

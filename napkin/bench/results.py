@@ -20,6 +20,8 @@ Schema ``napkin-bench/1``::
             skipped > 0: the time budget ran out before every candidate was timed),
             tma {used, why} | null (optional: whether the timed napkin forward moved
             its tiles through TMA descriptors, and why not),
+            bwd_tma {dq, dkdv: {used, why}} | null (optional: the same of the timed
+            backward's kernels),
             check {sizes, tolerance, ok, errors {impl: {output: err}}},
             results: [{impl, pass, ms, tflops, equivalent, note, error}],
             ratios {pass: {baseline: napkin speed / baseline speed}}}]

@@ -37,6 +37,7 @@ from . import bounds as B
 from . import emit as E
 from . import lower as L
 from . import ranges as R
+from . import tma as T
 from .backward import BackwardPlan, Kernel
 from .exprs import triton
 
@@ -534,7 +535,11 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             ranges_call = R.launch(plan.forward, "_kv_rng", "_kv_br", "_kv_bc", True, True,
                                    on if _dkdv_ranges_usable(plan) else "False") if k.role == "dkdv" else \
                 R.launch(plan.forward, "_rng", "_br", "_bc", True, False, on)
-    pre = [E._load(d, names, ld) for ld in k.loads if ld.phase == "pre"]
+    # dQ and dK/dV move their qualifying tiles through TMA descriptors under _TMA (codegen/tma.py):
+    # each tile's first row is the program's (_row0 / _col0) or the step's (_start / _row0)
+    tma = None if k.role == "rows" else \
+        T.Tma(plan.forward, names, {row: "_row0", col: "_start" if k.role == "dq" else "_col0"}, d, k.outer)
+    pre = [E._load(d, names, ld, tma=tma) for ld in k.loads if ld.phase == "pre"]
     start = "_row0" if k.grid_wire == row else "_col0"
     head = [f"{start} = _pid * {names.block(k.grid_wire)}"] + _offsets(names, k.grid_wire, start) \
         + (_globals(k.grid_wire, row) if k.role != "rows" else []) + _dims(names, dims)
@@ -577,9 +582,9 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             first = "_start" if k.role == "dq" else "_row0"
             tile = _tile_lines(plan, names, k, full)
             text = "\n".join(tile)
-            loads = [E._load(d, names, ld, (loop_wire,) if full else ()) for ld in step_loads
+            loads = [E._load(d, names, ld, (loop_wire,) if full else (), tma) for ld in step_loads
                      if not full or E.reads(text, ld.var)]
-            step = [f"{ld['var']} = tl.load({ld['ptr']}{ld['mask']})" for ld in loads] + tile
+            step = [line for ld in loads for line in ld["code"].split("\n")] + tile
             if full:  # every index real, at its own offset (no positions)
                 return [f"_offs_{loop_wire} = {first} + tl.arange(0, {names.block(loop_wire)})",
                         f"_idx_{loop_wire} = _offs_{loop_wire}"] + step
@@ -611,8 +616,9 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             ptr = E._pointer(d, names, g.buffer, wires, g.rows, g.cols)
             mask = [_rows_after_loop(names, g.rows, start) if m == f"_ok_{g.rows}[:, None]" and g.rows == k.grid_wire else m
                     for m in names.mask(g.rows, g.cols)]
-            after.append(f"tl.store({ptr}, {g.var}.to({g.buffer}.dtype.element_ty)"
-                         f"{', mask=' + ' & '.join(mask) if mask else ''})")
+            value = f"{g.var}.to({g.buffer}.dtype.element_ty)"
+            after += T.store_code(ptr, value, f", mask={' & '.join(mask)}" if mask else "",
+                                  tma.store(g.buffer, wires, g.rows, g.cols, value)).split("\n")
         for s in k.sides:
             if not s.has_col:
                 value = f"_part_acc_{s.tensor}" if s.has_row else f"tl.sum(tl.sum(_part_acc_{s.tensor}, 1), 0)"
@@ -630,7 +636,9 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     elif k.role == "rows" and after:  # what outlives its row sums: see HELD_FP32
         widths = [block(w) for w in rows_held(plan, k, body[len(pre) + len(k.reduces):], after)]
         held = f"_br * ({' + '.join(widths)})" if widths else ""
+    params += tma.params() if tma is not None else []
     return {
+        **(_tma_context(plan, k, tma, names, dims) if tma is not None else {}),
         "name": k.name, "role": k.role, "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "held": held, "held_budget": HELD_FP32,
         "decode": E._decode(names, k.batch), "head": "\n".join(head),
@@ -641,6 +649,19 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         "batch": ", ".join(k.batch) or "none", "outer": ", ".join(k.outer), "sides": [s.tensor for s in k.sides],
         "args": _launch_args(plan, k, names, dims), "ranges_call": ranges_call,
     }
+
+
+def _tma_context(plan: BackwardPlan, k: Kernel, tma: T.Tma, names: E._Names, dims) -> dict:
+    """A loop kernel's TMA table (_TMA_DESCS_DQ / _DKDV), the dict its last
+    launch is recorded in and the launcher's call (codegen/tma.py), at the
+    kernel's own blocks and options (dK/dV's _kv_*)."""
+    kv = k.role == "dkdv"
+    blocks = {plan.row: "_kv_br" if kv else "_br", plan.col: "_kv_bc" if kv else "_bc"}
+    blocks.update({w: E._dim_block_value(names, w) for w in dims})
+    table, last = f"_TMA_DESCS_{k.role.upper()}", f"_tma_last_{k.role}"
+    return {"tma_table": table, "tma_descs": tma.table(), "tma_last": last,
+            "tma_call": tma.launch("_kv_tma" if kv else "_tma", f'{"_kv_opts" if kv else "_opts"}["{T.OPTION}"]',
+                                   table, _tensors(k), blocks, last)}
 
 
 def _rows_after_loop(names, rows: str, start: str) -> str:
@@ -670,7 +691,7 @@ def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
     if _wide(plan, k):
         blocks.append(f"_WIDE={_wide_precision(plan)}")
     if k.role != "rows":
-        blocks.append("**_pos")
+        blocks += ["**_pos", "**_kv_tma" if k.role == "dkdv" else "**_tma"]
         if R.applies(plan.forward):
             rng = "_kv_rng" if k.role == "dkdv" else "_rng"
             blocks.append(f"_ranges={rng}, _RANGES={rng}_on")

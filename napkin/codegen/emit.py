@@ -32,6 +32,7 @@ from typing import Optional
 from .. import ir, masks
 from . import lower as L
 from . import ranges as R
+from . import tma as T
 from .bounds import live, loop_bounds
 from .exprs import Ctx, number, triton
 from .reference import reference_lines
@@ -124,26 +125,31 @@ def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob:
     return f"{tensor} + " + " + ".join(terms)
 
 
-def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional["_Tma"] = None) -> dict:
+def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.Tma] = None) -> dict:
     """A load's pointer and mask; ``inside``: wires in bounds (no mask).
-    ``tma``: the forward's descriptors; "tma" is then the descriptor load of a
-    qualifying tile (else None), taken when the kernel's constexpr _TMA is set."""
+    ``tma``: the kernel's descriptors; "tma" is then the descriptor load of a
+    qualifying tile (else None), taken when the kernel's constexpr _TMA is
+    set.  "code": the statement(s), either way (tma.load_code)."""
     # integer and boolean inputs (ids, masks: the distributed wrappers' side
     # inputs) are read at the global positions; float inputs hold local rows
     glob = _kinds(d).get(ld.tensor) != "float"
     mask = names.mask(ld.rows, ld.cols, glob, inside)
     other = "0" if glob else "0.0"
-    return {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob),
-            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else "",
-            "tma": None if tma is None or glob else tma.load(ld)}
+    out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob),
+           "mask": f", mask={' & '.join(mask)}, other={other}" if mask else "",
+           "tma": None if tma is None or glob else tma.load(ld)}
+    out["code"] = T.load_code(out["var"], out["ptr"], out["mask"], out["tma"])
+    return out
 
 
-def _store(d: ir.Diagram, names: _Names, out: L.Output, tma: Optional["_Tma"] = None) -> dict:
+def _store(d: ir.Diagram, names: _Names, out: L.Output, tma: Optional[T.Tma] = None) -> dict:
     mask = names.mask(out.rows, out.cols)
     value = f"_out_{out.name}.to({out.name}.dtype.element_ty)"
-    return {"ptr": _pointer(d, names, out.name, out.wires, out.rows, out.cols), "value": value,
-            "mask": f", mask={' & '.join(mask)}" if mask else "",
-            "tma": None if tma is None else tma.store(out, value)}
+    st = {"ptr": _pointer(d, names, out.name, out.wires, out.rows, out.cols), "value": value,
+          "mask": f", mask={' & '.join(mask)}" if mask else "",
+          "tma": None if tma is None else tma.store(out.name, out.wires, out.rows, out.cols, value)}
+    st["code"] = T.store_code(st["ptr"], st["value"], st["mask"], st["tma"])
+    return st
 
 
 def reads(code: str, var: str) -> bool:
@@ -194,8 +200,8 @@ def _fill_options(opts: list[str]) -> list[str]:
     return [f"_opts = _autotune_fill({{{pairs}}}, _sz, _dev)"]
 
 
-def _options(d: ir.Diagram, wires: list[str]) -> list[str]:
-    opts = [f"block_{w}" for w in wires] + ["num_warps", "num_stages"]
+def _options(d: ir.Diagram, wires: list[str], extra=()) -> list[str]:
+    opts = [f"block_{w}" for w in wires] + ["num_warps", "num_stages"] + list(extra)
     clash = sorted(set(opts) & {t.name for t in d.inputs})
     if clash:
         t = d.tensor(clash[0])
@@ -371,66 +377,6 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
 LIVE_CONSTANT = "_live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping"
 
 
-class _Tma:
-    """The forward attention kernel's TMA descriptors (the launcher's option
-    tma=): one kernel parameter per (tensor, box) that a qualifying tile
-    needs (lower.descriptor_tile: a plain per-wire view of one tiled wire and
-    the padded head dim, every other wire one program index), the descriptor
-    load or store of each such tile (the kernel takes it under its constexpr
-    _TMA, the pointer code otherwise), and the table the launcher builds the
-    descriptors from.  Coordinates are int32, one per wire: the program's
-    indices, the tile's first row (_row0, or _start in the loop), 0 for the
-    head dim.  Rows past an edge read as zeros (the descriptor's zero fill,
-    what the pointer code's other=0.0 gives) and are clipped on a store; the
-    masks on the scores stay as they are."""
-
-    def __init__(self, plan: L.AttentionPlan, names: _Names):
-        self.plan, self.names = plan, names
-        self.descs: dict[tuple, str] = {}    # (tensor, box) -> kernel parameter, first come
-
-    def _desc(self, tensor: str, box) -> str:
-        if (tensor, box) not in self.descs:
-            n = sum(t == tensor for t, _ in self.descs)
-            self.descs[(tensor, box)] = f"_tma_{tensor}" + (f"_{n}" if n else "")
-        return self.descs[(tensor, box)]
-
-    def _box(self, tensor, wires, rows, cols, phase):
-        box = L.descriptor_tile(self.plan, tensor, wires, rows, cols)
-        if box is None or (rows == self.plan.col and phase != "step"):
-            return None
-        coords = ["_row0" if b == self.plan.row else "_start" if b == self.plan.col else "0" if b is not None
-                  else f"_i_{w}.to(tl.int32)" for w, b in zip(wires, box)]
-        return self._desc(tensor, box), "[" + ", ".join(coords) + "]", box
-
-    def load(self, ld: L.Load) -> Optional[str]:
-        got = self._box(ld.tensor, ld.wires, ld.rows, ld.cols, ld.phase)
-        if got is None:
-            return None
-        desc, coords, _ = got
-        return f"{desc}.load({coords}).reshape({self.names.block(ld.rows)}, {self.names.block(ld.cols)})"
-
-    def store(self, out: L.Output, value: str) -> Optional[str]:
-        got = self._box(out.name, out.wires, out.rows, out.cols, "pre")
-        if got is None:
-            return None
-        desc, coords, box = got
-        shape = ", ".join("1" if b is None else self.names.block(b) for b in box)
-        return f"{desc}.store({coords}, {value}.reshape({shape}))"
-
-    def params(self) -> list[str]:
-        return list(self.descs.values()) + ["_TMA: tl.constexpr"] if self.descs else []
-
-    def table(self) -> str:
-        """``_TMA_DESCS``: (kernel parameter, tensor, the block wire or None per wire of its layout)."""
-        return _tuple(f"({_q(p)}, {_q(t)}, {_tuple('None' if b is None else _q(b) for b in box)})"
-                      for (t, box), p in self.descs.items())
-
-    def off(self) -> str:
-        """The kernel arguments of a launch without descriptors: None each, _TMA False."""
-        return "{" + ", ".join([f"{_q(p)}: None" for p in self.descs.values()] + ['"_TMA": False']) + "}" \
-            if self.descs else "{}"
-
-
 def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dict:
     """The template context of an attention kernel and its launch.  ``saved``
     names outputs of the plan that only training needs (the row state the
@@ -442,7 +388,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     row, col = plan.row, plan.col
     br, bc = names.block(row), names.block(col)
     init, lines, split = _step(plan, names, full=False)
-    tma = _Tma(plan, names)
+    tma = T.Tma(plan, names, {row: "_row0", col: "_start"})
     pre_loads = [_load(d, names, ld, tma=tma) for ld in plan.loads if ld.phase == "pre"]
     step_loads = [ld for ld in plan.loads if ld.phase == "step"]
     segs = segments(plan, "_lo", "_hi", any(b.kind == "lower" for b in plan.full or ()))
@@ -463,9 +409,9 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
                f"_POS_{row}: tl.constexpr", f"_POS_{col}: tl.constexpr"]
     sizes = sizes + [f"_len_{row}", f"_len_{col}"]
     params += tma.params()
-    opts = _options(d, [row, col])
+    opts = _options(d, [row, col], (T.OPTION,))
     _refuse_clash(d, LAUNCH_OPTIONS)
-    launch = _fill_options(opts + [TMA_OPTION]) + [
+    launch = _fill_options(opts) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
@@ -475,11 +421,9 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
     block_args = [f"{br}=_br", f"{bc}=_bc"] + _wire_block_args(names, plan.dims)
     # descriptors when tma= asks and every tile can take one (_tma_args), else the pointer code
-    order = [x.name for x in d.inputs] + [o.name for o in d.outputs]
-    tensors = sorted({t for t, _ in tma.descs}, key=order.index)
-    blocks = ", ".join([f'"{row}": _br', f'"{col}": _bc'] + [f'"{w}": {_dim_block_value(names, w)}' for w in plan.dims])
-    launch.append(f'_tma = _tma_args(_opts["{TMA_OPTION}"], {{{", ".join(f"{_q(t)}: {t}" for t in tensors)}}}, '
-                  f"_sz, {{{blocks}}}, _dev, positions)")
+    blocks = {row: "_br", col: "_bc", **{w: _dim_block_value(names, w) for w in plan.dims}}
+    launch.append(tma.launch("_tma", f'_opts["{T.OPTION}"]', "_TMA_DESCS",
+                             [x.name for x in d.inputs] + [o.name for o in d.outputs], blocks, "_tma_last"))
     if split:  # only outputs that use a weighted sum of V decide it (not lse, say)
         inputs = ", ".join(t.name for t in d.inputs)
         valued = {a.var for a in plan.accums if a.value is not None}
@@ -505,7 +449,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "dims": [_wire_ctx(names, w) for w in plan.dims],
         "pre_loads": pre_loads,
         "segments": segs,
-        "tma_descs": tma.table(), "tma_off": tma.off(), "tma_col": _q(col),
+        "tma_descs": tma.table(), "tma_col": _q(col),
         "init": "\n".join(init), "bounds": bounds, "ranges": R.render(plan),
         "live": "\n".join(live(names, plan, col)), "live_constant": LIVE_CONSTANT,
         "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
@@ -537,15 +481,11 @@ def _wire_ctx(names: _Names, w: str) -> dict:
             "len": f"_len_{w}", "flag": f"_POS_{w}"}
 
 
-# Launcher options of attention kernels beyond the tuned ones: rows at global
-# positions, global lengths, the float outputs' dtype (templates/attention.py.jinja).
+# Launcher options of attention kernels beyond the tuned ones (block sizes,
+# warps, stages and tma: codegen/tma.py): rows at global positions, global
+# lengths, the float outputs' dtype (templates/attention.py.jinja).
 POSITION_OPTIONS = ("positions", "lengths", "out_dtype")
-# The forward's TMA descriptor loads and stores (templates/attention.py.jinja
-# _tma_args): None (the default, off for now: untimed) / False / True.  Filled
-# from the tuned config cache like the tuned options; a forward-only option
-# (the training op's forward takes the cached choice).
-TMA_OPTION = "tma"
-LAUNCH_OPTIONS = POSITION_OPTIONS + (TMA_OPTION,)
+LAUNCH_OPTIONS = POSITION_OPTIONS
 
 
 def _refuse_clash(d: ir.Diagram, options) -> None:
@@ -580,7 +520,7 @@ def _global_dims(d: ir.Diagram, positional) -> str:
     return _tuple(rows)
 
 
-def _finalise(d, names: _Names, outputs, kinds, accums: dict, tma: Optional[_Tma] = None) -> tuple[str, list]:
+def _finalise(d, names: _Names, outputs, kinds, accums: dict, tma: Optional[T.Tma] = None) -> tuple[str, list]:
     lines, stores = [], []
     for out in outputs:
         ctx = names.ctx(out.rows, out.cols, dict(out.subst), kinds)
@@ -741,10 +681,12 @@ the global length), lengths={{{row!r}: ..., {col!r}: ...}} the global sizes
 (needed with positions; {col} rows at positions >= it are padding, and so
 are {row} rows, whose outputs are then unspecified), and
 out_dtype (e.g. torch.float32) the dtype of every float output.
-tma=True moves the forward's qualifying tiles (Q, K, V, O: one tiled wire
-and the head dim) through TMA descriptors on sm_90+ (or the interpreter),
-else the pointer code, silently (_tma_last says which and why); None (the
-default) takes the tuned config's choice, else off: untimed on a GPU so far."""
+tma=True moves the qualifying tiles (one tiled wire and the head dim: Q,
+K, V, O; in training also dO, dQ, dK, dV) of the forward and, through
+autograd, of the dQ and dK/dV kernels through TMA descriptors on sm_90+ (or
+the interpreter), else the pointer code, silently (_tma_last, _tma_last_dq,
+_tma_last_dkdv say which and why); None (the default) takes each kernel's
+tuned config's choice, else off: untimed on a GPU so far."""
 
 
 def render(plan: L.Plan, **kw) -> str:

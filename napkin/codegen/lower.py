@@ -585,7 +585,7 @@ def _show(e) -> str:
 
 
 # --------------------------------------------------------------------------
-# TMA: which tiles a descriptor can move (the forward's launcher option tma=).
+# TMA: which tiles a descriptor can move (the launchers' option tma=, codegen/tma.py).
 # --------------------------------------------------------------------------
 
 # A TMA descriptor has at most five dimensions (cuTensorMapEncodeTiled).
@@ -593,10 +593,12 @@ MAX_DESCRIPTOR_RANK = 5
 
 
 def descriptor_tile(plan: AttentionPlan, tensor: str, wires: tuple[str, ...], rows: Optional[str],
-                    cols: Optional[str]) -> Optional[tuple[Optional[str], ...]]:
+                    cols: Optional[str], diagram: Optional[ir.Diagram] = None) -> Optional[tuple[Optional[str], ...]]:
     """How a host TMA descriptor over ``tensor``'s own wires (a grouped axis
-    (hk g) split into one dimension per wire) moves the (rows, cols) tile a
-    forward attention kernel reads or writes along ``wires``: one entry per
+    (hk g) split into one dimension per wire) moves the (rows, cols) tile an
+    attention kernel of ``plan`` (forward, dQ or dK/dV) reads or writes along
+    ``wires``, ``tensor`` declared in ``diagram`` (default the plan's; the
+    backward's also declares dO, lse, the gradients): one entry per
     declared wire, the wire whose block is the box's extent there (the tiled
     row or streamed wire, then the padded head-dim wire), None for a wire
     indexed by one program index (box extent 1).  None when the tile does not
@@ -605,7 +607,7 @@ def descriptor_tile(plan: AttentionPlan, tensor: str, wires: tuple[str, ...], ro
     innermost wire (its stride 1 is checked at each call), every other wire a
     batch wire, at most MAX_DESCRIPTOR_RANK wires.  Integer and boolean
     tensors (ids, masks: read at global positions) never qualify."""
-    if tiling.tensor_dtype(plan.diagram, tensor) not in KERNEL_DTYPES:
+    if tiling.tensor_dtype(diagram or plan.diagram, tensor) not in KERNEL_DTYPES:
         return None
     if rows not in (plan.row, plan.col) or cols not in plan.dims or rows == cols:
         return None
