@@ -993,12 +993,12 @@ def _alibi_bwd_dkdv_kernel(
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
                 _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
-            _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q, mask=_ok_q[None, :], other=0.0)
+            _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q, mask=_ok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
                 _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-            _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q, mask=_ok_q[None, :], other=0.0)
+            _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q, mask=_ok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
@@ -1018,12 +1018,12 @@ def _alibi_bwd_dkdv_kernel(
             _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
         else:
             _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
-        _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q)
+        _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q), 2)  # one value a thread: backward_emit._step_load
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
         else:
             _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
-        _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q)
+        _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q), 2)  # one value a thread: backward_emit._step_load
         _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
         _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
@@ -1054,12 +1054,12 @@ def _alibi_bwd_dkdv_kernel(
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
                 _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
-            _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :] * _st_lse_q, mask=_ok_q[None, :], other=0.0)
+            _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q, mask=_ok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
                 _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-            _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :] * _st_delta_q, mask=_ok_q[None, :], other=0.0)
+            _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q, mask=_ok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
@@ -1315,9 +1315,10 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
     # or tuned (its own entry) apply as given: the tuner timed them so.  With neither, x takes the
     # schedule's block of q and q that of x (the forward's tile transposed), and the block of
     # q is halved while a thread would hold more than 160 float32 values (accumulators, product
-    # tiles and the operands of float32 products: it would spill): down to 32, then the block of x down
-    # to 64 (a warpgroup's wgmma rows), then q down to 16.  8 warps when either block of the
-    # schedule's tile is 128 or more, else 4.
+    # tiles and the operands of float32 products: it would spill), or while x's block is under 64 (no
+    # wgmma: mma.sync takes its operands from registers, which that count misses): down to 32, then the block of
+    # x down to 64 (a warpgroup's wgmma rows), then q down to 16.  8 warps when either block of
+    # the schedule's tile is 128 or more, else 4.
     _kv_opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd_kv")
     _kv_br = _block_size(_kv_opts["block_q"], "q", "block_q")
     _kv_bc = _block_size(_kv_opts["block_x"], "x", "block_x")
@@ -1326,7 +1327,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
         _kv_br, _kv_bc = _BLOCKS["x"], _BLOCKS["q"]
     _kv_warps = _kv_opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
     _kv_stages = _kv_opts["num_stages"] or 2
-    while _kv_default and _kv_br > 32 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br > 160 * 32 * _kv_warps:
+    while _kv_default and _kv_br > 32 and (_kv_bc < 64 or _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br > 160 * 32 * _kv_warps):
         _kv_br //= 2
     while _kv_default and _kv_bc > 64 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br > 160 * 32 * _kv_warps:
         _kv_bc //= 2

@@ -963,7 +963,7 @@ def _l2_attention_bwd_dkdv_kernel(
             _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
         else:
             _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d)
-        _dZ0 = tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :] * _st_dZ0_q)
+        _dZ0 = tl.sum(tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :, None] * _st_dZ0_q), 2)  # one value a thread: backward_emit._step_load
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
         _dA0 = tl.dot(_V.to(tl.float32), tl.trans(_dN0.to(tl.float32)), input_precision=_WIDE)
         _S = _qk * 0.125
@@ -996,7 +996,7 @@ def _l2_attention_bwd_dkdv_kernel(
                 _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
                 _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_ok_q[:, None], other=0.0)
-            _dZ0 = tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :] * _st_dZ0_q, mask=_ok_q[None, :], other=0.0)
+            _dZ0 = tl.sum(tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :, None] * _st_dZ0_q, mask=_ok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dA0 = tl.dot(_V.to(tl.float32), tl.trans(_dN0.to(tl.float32)), input_precision=_WIDE)
             _S = _qk * 0.125
@@ -1229,9 +1229,10 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
     # or tuned (its own entry) apply as given: the tuner timed them so.  With neither, x takes the
     # schedule's block of q and q that of x (the forward's tile transposed), and the block of
     # q is halved while a thread would hold more than 160 float32 values (accumulators, product
-    # tiles and the operands of float32 products: it would spill): down to 32, then the block of x down
-    # to 64 (a warpgroup's wgmma rows), then q down to 16.  8 warps when either block of the
-    # schedule's tile is 128 or more, else 4.
+    # tiles and the operands of float32 products: it would spill), or while x's block is under 64 (no
+    # wgmma: mma.sync takes its operands from registers, which that count misses): down to 32, then the block of
+    # x down to 64 (a warpgroup's wgmma rows), then q down to 16.  8 warps when either block of
+    # the schedule's tile is 128 or more, else 4.
     _kv_opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd_kv")
     _kv_br = _block_size(_kv_opts["block_q"], "q", "block_q")
     _kv_bc = _block_size(_kv_opts["block_x"], "x", "block_x")
@@ -1240,7 +1241,7 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
         _kv_br, _kv_bc = _BLOCKS["x"], _BLOCKS["q"]
     _kv_warps = _kv_opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
     _kv_stages = _kv_opts["num_stages"] or 2
-    while _kv_default and _kv_br > 32 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br + _kv_bc * 64 + _kv_br * 64 > 160 * 32 * _kv_warps:
+    while _kv_default and _kv_br > 32 and (_kv_bc < 64 or _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br + _kv_bc * 64 + _kv_br * 64 > 160 * 32 * _kv_warps):
         _kv_br //= 2
     while _kv_default and _kv_bc > 64 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br + _kv_bc * 64 + _kv_br * 64 > 160 * 32 * _kv_warps:
         _kv_bc //= 2

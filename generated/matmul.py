@@ -604,7 +604,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     _check_state({"_grad_C": _grad_C}, _sz, _dev)
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
     _need = _wanted(need)
-    _warps, _stages = _opts["num_warps"] or 4, _opts["num_stages"] or 2
+    _stages = _opts["num_stages"] or 2
     _grad_A = None
     if _need[0]:  # dA: one more contraction, each tile stored once from a float32 accumulator
         _grad_A = torch.empty(_shape("_grad_A", _sz), dtype=A.dtype if _like else torch.float32, device=_dev)
@@ -617,7 +617,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(B, "B", _sz),
                 *_wire_strides(_grad_A, "_grad_A", _sz),
                 _BLOCK_m=_block_size(_opts["block_m"], "m", "block_m"), _BLOCK_k=_block_size(_opts["block_k"], "k", "block_k"), _BLOCK_n=_block_size(_opts["block_n"], "n", "block_n"),
-                num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
+                num_warps=_opts["num_warps"] or (8 if _block_size(_opts["block_n"], "n", "block_n") * max(_block_size(_opts["block_m"], "m", "block_m"), _block_size(_opts["block_k"], "k", "block_k")) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     _grad_B = None
     if _need[1]:  # dB: one more contraction, each tile stored once from a float32 accumulator
@@ -631,7 +631,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(_grad_C, "_grad_C", _sz),
                 *_wire_strides(_grad_B, "_grad_B", _sz),
                 _BLOCK_k=_block_size(_opts["block_k"], "k", "block_k"), _BLOCK_n=_block_size(_opts["block_n"], "n", "block_n"), _BLOCK_m=_block_size(_opts["block_m"], "m", "block_m"),
-                num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
+                num_warps=_opts["num_warps"] or (8 if _block_size(_opts["block_m"], "m", "block_m") * max(_block_size(_opts["block_k"], "k", "block_k"), _block_size(_opts["block_n"], "n", "block_n")) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     return (_grad_A, _grad_B, )
 

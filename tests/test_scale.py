@@ -156,7 +156,7 @@ def test_causal_backward_recomputes_p_with_exp2_and_a_per_row_lse():
     dkdv = kernel(src, "_causal_bwd_dkdv_kernel")
     assert dkdv.count(lse2) == 3
     for part in dkdv.split("for _rb")[1:]:   # on the row vector just loaded, before the step's tiles
-        assert part.index("_lse = tl.load") < part.index("_lse2 =") < part.index("tl.dot(")
+        assert part.index("_lse = tl.sum(tl.load(") < part.index("_lse2 =") < part.index("tl.dot(")
 
 
 def test_softcap_folds_its_cap_and_alibi_only_log2e():

@@ -51,11 +51,21 @@ from .exprs import triton
 # wgmma rows), then its rows down to 16.  Set by compiling for sm_90
 # (napkin.bench.aot, bf16, 8 warps, 128 keys): softmax at head dim 128 with 64
 # rows (192 a thread) spilled in every bundled example, with 32 rows (160) in
-# none; head dim 64 with 64 rows (128) in none.  L2 and ReLU^2 attention at
+# none on Triton 3.9 or 3.6; head dim 64 with 64 rows (128) in none.  What
+# the count leaves out (addresses, masks, the row state lse and delta) takes
+# another 60-95 of the 255 registers at that tile: on Triton 3.6 GQA and
+# sliding window spilled there (36 B, 8 B) until the row state was loaded
+# one value a thread (_step_load: 242 and 245 registers now).  Under 64 keys the
+# products run on mma.sync (no wgmma), which takes both operands from
+# registers (the warps split the rows, so each holds its K, V, P and dS
+# tiles whole), unseen by the count: the rows are halved to 32 there
+# whatever it says (decode: 16 keys by 64 rows, 4 warps,
+# spilled 44 B on 3.9 and 84 B on 3.6 at head dim 128, 8 B and 28 B at 64;
+# by 32 rows none).  L2 and ReLU^2 attention at
 # head dim 128 (V and dN in float32 too, their products in tf32) spill on
 # Triton 3.9 at 128 keys by 32 rows (240 a thread; ReLU^2 also by 16 rows,
 # 216), and at 64 keys by 32 rows (128) in neither (on Triton 3.6 both still
-# spill there, docs/bench.md).  The rows
+# spill there: V is a float32 register operand of wgmma, docs/bench.md).  The rows
 # kernel (one row block, no loop, 4 warps) holds what outlives its row sums:
 # the loaded [q, feature] tiles read again after them and the tiles it stores
 # (L2 at head dim 128: dO and dN, 256 a thread at 128 rows spilled; softmax
@@ -110,7 +120,7 @@ def dkdv_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, i
     def over(br, bc):
         return _held(plan, terms, br, bc, sizes) > budget
 
-    while br > 32 and over(br, bc):
+    while br > 32 and (bc < 64 or over(br, bc)):  # under 64 keys: mma.sync (HELD_FP32)
         br //= 2
     while bc > 64 and over(br, bc):
         bc //= 2
@@ -162,6 +172,30 @@ class _BackwardNames(E._Names):
             elif not self.exact(w):
                 parts.append(f"_ok_{w}{axis}")
         return parts
+
+
+def _step_load(d: ir.Diagram, ld: L.Load, load: dict, loop_wire: str) -> str:
+    """A step's load (its statement lines, newline-separated).  A float row vector along the loop wire (the dK/dV
+    kernel's lse and delta, [1, rows]) is loaded as [1, rows, 1] and summed
+    over its unit axis: the same values, but the sum stops Triton's layout
+    propagation at the load.  Loaded as [1, rows], Triton 3.6 gives it the
+    layout of the score tile it meets, the wgmma accumulator's: 8 values a
+    thread at 32 rows, each with an address of its own and a cp.async of 4
+    bytes (Triton 3.9 copies it one value a thread into shared memory and
+    reads it back in that layout).  That spilled the dK/dV kernels of GQA
+    and sliding window on 3.6 at head dim 128.  Behind the sum the load is
+    one value a thread on both; the sum's result then moves to the tile's
+    layout through shared memory.  Compiled for sm_90 (napkin.bench.aot,
+    bench/results/aot-sm90-2026-11-21-4.md), registers a thread of the
+    bundled dK/dV kernels: at head dim 128, 3.6 -24 to +16 (document mask
+    222 -> 238) and 3.9 -8 to +10; at 64, 3.6 -36 to +6 and 3.9 -18 to +20
+    (ReLU^2 223 -> 243); no new spill.  Loaded as a column [rows, 1] and
+    transposed instead, 3.9 was unchanged at 128, but 3.6 spilled GQA's
+    dK/dV at 64 (372 B)."""
+    if ld.rows is not None or ld.cols != loop_wire or E._kinds(d).get(ld.tensor) != "float":
+        return load["code"]  # the plain load, or both forms under _TMA (codegen/tma.py)
+    ptr, mask = (text.replace("[None, :]", "[None, :, None]") for text in (load["ptr"], load["mask"]))
+    return f"{load['var']} = tl.sum(tl.load({ptr}{mask}), 2)  # one value a thread: backward_emit._step_load"
 
 
 def _tile(k: Kernel) -> tuple[str, str]:
@@ -582,9 +616,9 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             first = "_start" if k.role == "dq" else "_row0"
             tile = _tile_lines(plan, names, k, full)
             text = "\n".join(tile)
-            loads = [E._load(d, names, ld, (loop_wire,) if full else (), tma) for ld in step_loads
+            loads = [(ld, E._load(d, names, ld, (loop_wire,) if full else (), tma)) for ld in step_loads
                      if not full or E.reads(text, ld.var)]
-            step = [line for ld in loads for line in ld["code"].split("\n")] + tile
+            step = [line for ld, load in loads for line in _step_load(d, ld, load, loop_wire).split("\n")] + tile
             if full:  # every index real, at its own offset (no positions)
                 return [f"_offs_{loop_wire} = {first} + tl.arange(0, {names.block(loop_wire)})",
                         f"_idx_{loop_wire} = _offs_{loop_wire}"] + step

@@ -255,8 +255,14 @@ def _contraction_context(t: Training) -> dict:
         blocks = [f"_BLOCK_{g.row}=_block_size(_opts[\"block_{g.row}\"], \"{g.row}\", \"block_{g.row}\")",
                   f"_BLOCK_{g.col}=_block_size(_opts[\"block_{g.col}\"], \"{g.col}\", \"block_{g.col}\")",
                   f"_BLOCK_{g.red}=_block_size(_opts[\"block_{g.red}\"], \"{g.red}\", \"block_{g.red}\")"]
+        # 8 warps when a tile it loads per step (the streamed wire by either output wire: dC's, the
+        # forward's output tile) is 128 x 128, as the forward's launch: at 4 warps matmul's dA held 255
+        # registers and spilled 12 B on Triton 3.6 (napkin.bench.aot, aot-sm90-2026-11-21-4.md)
+        size = [b.split("=", 1)[1] for b in blocks]
+        warps = f"(8 if {size[2]} * max({size[0]}, {size[1]}) >= 128 * 128 else 4)"
         launches.append({
             "kernel": c["kernel"], "target": gd.outputs[0].name[len("_grad_"):], "buffer": gd.outputs[0].name,
+            "warps": warps,
             "grid": f'(triton.cdiv(_sz["{g.row}"], {blocks[0].split("=", 1)[1]}), '
                     f'triton.cdiv(_sz["{g.col}"], {blocks[1].split("=", 1)[1]}), '
                     + (" * ".join(f'_sz["{w}"]' for w in g.batch) or "1") + ")",
