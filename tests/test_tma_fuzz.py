@@ -172,6 +172,7 @@ def _tf_permute(draw, axes, head):
 
 @st.composite
 def tma_fuzz_diagrams(draw) -> ir.Diagram:
+    """An attention_diagrams() variant, rewritten as the module docstring says."""
     d = draw(attention_diagrams())
     # head dims, padded or not; symbolic ones get a size at the call
     d = dataclasses.replace(d, wires=tuple(
