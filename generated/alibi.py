@@ -499,7 +499,7 @@ def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last):
         why = "tma not requested"
     elif not descs:
         why = "no tile of this kernel can move through a descriptor"
-    elif "x" in (positions or {}):
+    elif (positions or {}).get("x") is not None:  # (None there means none: _positions)
         why = "rows of x at global positions: the padding rows among them must read as zeros"
     elif not _tma_ready(device):
         why = "TMA needs compute capability 9.0 or more (or TRITON_INTERPRET=1)"
