@@ -484,7 +484,7 @@ def _tma_unfit(t, shape, strides, box, blocks):
     return None
 
 
-def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last):
+def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last, padded=("x",)):
     """One kernel's descriptor arguments and its constexpr _TMA for this call.
     With ``tma`` true and every tile of ``descs`` (its _TMA_DESCS table)
     eligible, one host TensorDescriptor per entry over the tensor's own wires
@@ -492,15 +492,18 @@ def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last):
     otherwise None for each and _TMA False: the pointer code, silently (a
     tuner's candidate must not fail), the reason kept in ``last`` (the
     kernel's _tma_last).  Descriptors are built only when asked, each
-    tensor's wire shape and strides computed once."""
+    tensor's wire shape and strides computed once.  ``padded``: the wires
+    whose padding rows (at positions >= the length) the kernel must read as
+    zeros, which a descriptor cannot mask: keys, and in dQ and dK/dV query rows too."""
     _tma_check(tma)
+    at = [w for w in padded if (positions or {}).get(w) is not None]  # (None there means none: _positions)
     why = None
     if not tma:
         why = "tma not requested"
     elif not descs:
         why = "no tile of this kernel can move through a descriptor"
-    elif (positions or {}).get("x") is not None:  # (None there means none: _positions)
-        why = "rows of x at global positions: the padding rows among them must read as zeros"
+    elif at:
+        why = f"rows of {at[0]} at global positions: the padding rows among them must read as zeros"
     elif not _tma_ready(device):
         why = "TMA needs compute capability 9.0 or more (or TRITON_INTERPRET=1)"
     else:
@@ -992,13 +995,13 @@ def _alibi_bwd_dkdv_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
-            _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q, mask=_ok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+            _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-            _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q, mask=_ok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+            _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
@@ -1053,13 +1056,13 @@ def _alibi_bwd_dkdv_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
-            _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q, mask=_ok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+            _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-            _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q, mask=_ok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+            _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
@@ -1171,14 +1174,14 @@ def _alibi_bwd_dq_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
     _slope = tl.load(slope + _i_h * _st_slope_h)
-    _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_ok_q[:, None], other=0.0)
+    _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_gok_q[:, None], other=0.0)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-    _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_ok_q[:, None], other=0.0)
+        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+    _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_gok_q[:, None], other=0.0)
     _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
     _part_acc_slope = tl.zeros([1, 1], tl.float32)
@@ -1342,7 +1345,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
                          dtype=torch.float32, device=_dev)  # partial sums: float32 until added up below
     _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, positions, _tma_last_dkdv)
+        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, positions, _tma_last_dkdv, padded=("x", "q"))
         _alibi_bwd_dkdv_kernel[_grid](
             K, slope, V, Q, lse, dO, delta, _grad_K, _grad_V,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -1360,7 +1363,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0] or _need[3]) and math.prod(_grid) > 0:
-        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions, _tma_last_dq)
+        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions, _tma_last_dq, padded=("x", "q"))
         _alibi_bwd_dq_kernel[_grid](
             Q, slope, lse, dO, delta, K, V, _grad_Q, _part_slope,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],

@@ -480,7 +480,7 @@ def _tma_unfit(t, shape, strides, box, blocks):
     return None
 
 
-def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last):
+def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last, padded=("x",)):
     """One kernel's descriptor arguments and its constexpr _TMA for this call.
     With ``tma`` true and every tile of ``descs`` (its _TMA_DESCS table)
     eligible, one host TensorDescriptor per entry over the tensor's own wires
@@ -488,15 +488,18 @@ def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last):
     otherwise None for each and _TMA False: the pointer code, silently (a
     tuner's candidate must not fail), the reason kept in ``last`` (the
     kernel's _tma_last).  Descriptors are built only when asked, each
-    tensor's wire shape and strides computed once."""
+    tensor's wire shape and strides computed once.  ``padded``: the wires
+    whose padding rows (at positions >= the length) the kernel must read as
+    zeros, which a descriptor cannot mask: keys, and in dQ and dK/dV query rows too."""
     _tma_check(tma)
+    at = [w for w in padded if (positions or {}).get(w) is not None]  # (None there means none: _positions)
     why = None
     if not tma:
         why = "tma not requested"
     elif not descs:
         why = "no tile of this kernel can move through a descriptor"
-    elif (positions or {}).get("x") is not None:  # (None there means none: _positions)
-        why = "rows of x at global positions: the padding rows among them must read as zeros"
+    elif at:
+        why = f"rows of {at[0]} at global positions: the padding rows among them must read as zeros"
     elif not _tma_ready(device):
         why = "TMA needs compute capability 9.0 or more (or TRITON_INTERPRET=1)"
     else:
@@ -903,11 +906,11 @@ def _sigmoid_attention_bwd_dkdv_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_ok_q[:, None], other=0.0)
+                _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_gok_q[:, None], other=0.0)
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dA0 = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dN0.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = _qk * 0.125
@@ -1003,11 +1006,11 @@ def _sigmoid_attention_bwd_dq_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_ok_q[:, None], other=0.0)
+        _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_gok_q[:, None], other=0.0)
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
 
     # The blocks of x this program visits: [_lo, _hi).
@@ -1138,7 +1141,7 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dN0": dN0, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, positions, _tma_last_dkdv)
+        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dN0": dN0, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, positions, _tma_last_dkdv, padded=("x", "q"))
         _sigmoid_attention_bwd_dkdv_kernel[_grid](
             K, V, Q, dN0, _grad_K, _grad_V,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -1153,7 +1156,7 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0]) and math.prod(_grid) > 0:
-        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dN0": dN0, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions, _tma_last_dq)
+        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dN0": dN0, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions, _tma_last_dq, padded=("x", "q"))
         _sigmoid_attention_bwd_dq_kernel[_grid](
             Q, dN0, K, V, _grad_Q,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],

@@ -327,3 +327,36 @@ def test_backward_with_query_positions_alone(tmp):
     for g, w, label in zip(got, want, ["dQ", "dK", "dV"]):
         err = (g - w).abs().max().item()
         assert err <= 1e-4 * max(1.0, w.abs().max().item()), f"{label}: max error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi"])
+@pytest.mark.parametrize("tma", [False, True])
+def test_padded_query_rows_add_nothing_whatever_they_hold(tmp, name, tma):
+    """Query rows at positions >= the length are padding: whatever they hold
+    (NaN here: memory nobody wrote), no gradient may see it.  A padded row's
+    P and dS are zeros, but the products multiply them into its Q and dO
+    (dK = dS^T Q, dV = P^T dO, dP = dO V^T, the slope's partial sums): 0 *
+    NaN is NaN, so dQ and dK/dV read those rows as zeros (and TMA, which
+    cannot mask a load, falls back).  The gradients equal those of zero
+    padding, bitwise, and padded rows get a zero dQ."""
+    m, diagram = module(name, tmp)
+    backward = getattr(m, f"{diagram.name}_backward")
+    nq, nx, real = 40, 40, 36
+    inputs = m.example_inputs({"b": 1, "h": 2, "q": nq, "x": nx}, dtype=torch.float32, seed=11)
+    Q = inputs[0]
+    gen = torch.Generator().manual_seed(12)
+    d_o, lse, delta = (torch.randn(s, generator=gen) for s in (Q.shape, Q.shape[:-1], Q.shape[:-1]))
+    kw = dict(positions={"q": torch.arange(nq)}, lengths={"q": real}, tma=tma, **BLOCKS)
+    clean = [t.clone() for t in (Q, d_o, lse, delta)]
+    for t in clean:
+        t[:, :, real:] = 0.0
+    dirty = [t.clone() for t in clean]
+    for t in dirty:
+        t[:, :, real:] = float("nan")
+    want = backward(clean[0], *inputs[1:], *clean[1:], **kw)
+    got = backward(dirty[0], *inputs[1:], *dirty[1:], **kw)
+    assert m._tma_last_dkdv["used"] is False
+    for g, w in zip(got, want):
+        assert not torch.isnan(g).any(), "NaN from padded query rows"
+        assert torch.equal(g, w)
+    assert not got[0][:, :, real:].any(), "padded rows get no dQ"

@@ -95,14 +95,15 @@ def _state(m, inputs, seed=9):
     return O, lse, dO, delta
 
 
-def test_backward_launcher_takes_tma_and_rows_at_positions_keep_it(folder):
-    """causal_backward(..., tma=True): both kernels use descriptors, also with
-    rows of q at global positions; keys at positions fall back in both (their
-    padding rows must read as zeros); the results equal the pointer code's."""
+def test_backward_launcher_takes_tma_and_positions_send_it_back(folder):
+    """causal_backward(..., tma=True): both kernels use descriptors; rows of q
+    or keys at global positions send both back to pointers (their padding
+    rows must read as zeros, which a descriptor cannot mask:
+    test_positions.py's padded-rows test); the results equal the pointer code's."""
     m = example("causal", folder)
     inputs = m.example_inputs({"b": 1, "h": 2, "q": 40, "x": 40}, dtype=torch.float32, seed=7)
     _, lse, dO, delta = _state(m, inputs)
-    for pos, why in (({}, None), ({"q": torch.arange(40) + 10}, None),
+    for pos, why in (({}, None), ({"q": torch.arange(40) + 10}, "rows of q at global positions"),
                      ({"x": torch.arange(40)}, "rows of x at global positions")):
         lengths = {w: 50 for w in pos}
         opts = dict(block_q=16, block_x=16, positions=pos or None, lengths=lengths or None)

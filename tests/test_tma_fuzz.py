@@ -20,11 +20,9 @@ often each kernel really used TMA, so the fuzz is not vacuous; a long run:
 ``python tests/test_tma_fuzz.py N [LOG]`` (offline, under TRITON_INTERPRET=1;
 TMA_FUZZ_REFERENCE=1 also holds each call loosely to the float64 reference).
 
-Padding rows (at positions past the length) hold NaN in the cases.  Keys'
-must read as zeros, hence the fallback; rows of q are read by the pointer
-code and the descriptors alike, so a NaN there reaches dK / dV through
-0 * NaN in both (their outputs are unspecified, their gradients should add
-nothing): equal here, and a question for the pointer code, not for TMA.
+Padding rows (at positions past the length) hold NaN in the cases.  They
+must read as zeros (keys everywhere, query rows in the backward), which a
+descriptor cannot do: those launches fall back to the pointer code.
 """
 from __future__ import annotations
 
@@ -356,8 +354,7 @@ def _tf_positions(m, case: TmaCase, inputs, gen):
         inputs[i] = g
     # Padding rows hold garbage: NaN in every float input along the wire, so a
     # kernel that reads them where the pointer code reads zeros (keys at
-    # positions: the fallback) cannot pass by luck.  (Padding rows of q are
-    # read by both codes, NaN and all: see the module docstring.)
+    # positions: the fallback) cannot pass by luck.
     pad = (pos >= total).nonzero().flatten()
     for i, name in enumerate(m.INPUTS):
         dims = [k for k, axis in enumerate(m._layout(name)) if axis == (w,)]
@@ -588,9 +585,11 @@ def test_tma_is_bitwise_the_pointer_code_on_random_diagrams_and_layouts():
 
 def test_tma_keeps_descriptors_when_key_positions_are_none():
     """positions={"x": None} gives the keys no positions (_positions reads a
-    None entry as absent), so the keys cannot hold padding rows: every kernel
-    keeps its descriptors (they fell back: the check was "x in positions"),
-    with the pointer code's results."""
+    None entry as absent), so the keys cannot hold padding rows: the forward
+    keeps its descriptors with rows of q at positions, and the backward
+    (whose padded query rows must read as zeros too) with {"q": None, "x":
+    None} (they fell back: the check was "x in positions"), with the pointer
+    code's results."""
     text = (Path(__file__).resolve().parent.parent / "examples" / "causal.ncd").read_text()
     m = tma_fuzz_module(text)
     Q, K, V = m.example_inputs({"b": 1, "h": 2, "q": 20, "x": 20}, dtype=torch.float32, seed=0)
@@ -602,6 +601,7 @@ def test_tma_keeps_descriptors_when_key_positions_are_none():
     O, lse = got
     dO = torch.randn(O.shape, generator=torch.Generator().manual_seed(1))
     (delta,) = m.causal_preprocess(Q, K, V, dO, O)
+    opts = dict(block_q=16, block_x=16, positions={"q": None, "x": None})
     want = m.causal_backward(Q, K, V, dO, lse, delta, tma=False, **opts)
     got = m.causal_backward(Q, K, V, dO, lse, delta, tma=True, **opts)
     assert m._tma_last_dq == m._tma_last_dkdv == {"used": True, "why": None}

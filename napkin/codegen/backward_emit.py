@@ -573,7 +573,11 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     # each tile's first row is the program's (_row0 / _col0) or the step's (_start / _row0)
     tma = None if k.role == "rows" else \
         T.Tma(plan.forward, names, {row: "_row0", col: "_start" if k.role == "dq" else "_col0"}, d, k.outer)
-    pre = [E._load(d, names, ld, tma=tma) for ld in k.loads if ld.phase == "pre"]
+    # Padded query rows (positions >= the length) read as zeros in dQ and dK/dV, whatever they
+    # hold: their P and dS are zeros, but 0 * NaN (dS^T Q, P^T dO, dS K and a side input's
+    # partial sums) is not.  So the loads take an integer load's mask, and TMA, which cannot
+    # mask, falls back when query rows have positions (_tma_context's padded wires).
+    pre = [E._load(d, names, ld, tma=tma, drop_padding=True) for ld in k.loads if ld.phase == "pre"]
     start = "_row0" if k.grid_wire == row else "_col0"
     head = [f"{start} = _pid * {names.block(k.grid_wire)}"] + _offsets(names, k.grid_wire, start) \
         + (_globals(k.grid_wire, row) if k.role != "rows" else []) + _dims(names, dims)
@@ -616,8 +620,8 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             first = "_start" if k.role == "dq" else "_row0"
             tile = _tile_lines(plan, names, k, full)
             text = "\n".join(tile)
-            loads = [(ld, E._load(d, names, ld, (loop_wire,) if full else (), tma)) for ld in step_loads
-                     if not full or E.reads(text, ld.var)]
+            loads = [(ld, E._load(d, names, ld, (loop_wire,) if full else (), tma, drop_padding=True))
+                     for ld in step_loads if not full or E.reads(text, ld.var)]
             step = [line for ld, load in loads for line in _step_load(d, ld, load, loop_wire).split("\n")] + tile
             if full:  # every index real, at its own offset (no positions)
                 return [f"_offs_{loop_wire} = {first} + tl.arange(0, {names.block(loop_wire)})",
@@ -695,7 +699,7 @@ def _tma_context(plan: BackwardPlan, k: Kernel, tma: T.Tma, names: E._Names, dim
     table, last = f"_TMA_DESCS_{k.role.upper()}", f"_tma_last_{k.role}"
     return {"tma_table": table, "tma_descs": tma.table(), "tma_last": last,
             "tma_call": tma.launch("_kv_tma" if kv else "_tma", f'{"_kv_opts" if kv else "_opts"}["{T.OPTION}"]',
-                                   table, _tensors(k), blocks, last)}
+                                   table, _tensors(k), blocks, last, (plan.row,))}
 
 
 def _rows_after_loop(names, rows: str, start: str) -> str:

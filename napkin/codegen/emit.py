@@ -125,15 +125,18 @@ def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob:
     return f"{tensor} + " + " + ".join(terms)
 
 
-def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.Tma] = None) -> dict:
-    """A load's pointer and mask; ``inside``: wires in bounds (no mask).
+def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.Tma] = None,
+          drop_padding: bool = False) -> dict:
+    """A load's pointer and mask; ``inside``: wires in bounds (no mask);
+    ``drop_padding``: rows at global positions past the length read as zeros
+    (the mask an integer load takes), float loads too.
     ``tma``: the kernel's descriptors; "tma" is then the descriptor load of a
     qualifying tile (else None), taken when the kernel's constexpr _TMA is
     set.  "code": the statement(s), either way (tma.load_code)."""
     # integer and boolean inputs (ids, masks: the distributed wrappers' side
     # inputs) are read at the global positions; float inputs hold local rows
     glob = _kinds(d).get(ld.tensor) != "float"
-    mask = names.mask(ld.rows, ld.cols, glob, inside)
+    mask = names.mask(ld.rows, ld.cols, glob or drop_padding, inside)
     other = "0" if glob else "0.0"
     out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob),
            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else "",
