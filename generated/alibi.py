@@ -484,7 +484,7 @@ def _tma_unfit(t, shape, strides, box, blocks):
     return None
 
 
-def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last, padded=("x",)):
+def _tma_args(tma, descs, tensors, sizes, blocks, device, pos, last, padded=("x",)):
     """One kernel's descriptor arguments and its constexpr _TMA for this call.
     With ``tma`` true and every tile of ``descs`` (its _TMA_DESCS table)
     eligible, one host TensorDescriptor per entry over the tensor's own wires
@@ -496,7 +496,9 @@ def _tma_args(tma, descs, tensors, sizes, blocks, device, positions, last, padde
     whose padding rows (at positions >= the length) the kernel must read as
     zeros, which a descriptor cannot mask: keys, and in dQ and dK/dV query rows too."""
     _tma_check(tma)
-    at = [w for w in padded if (positions or {}).get(w) is not None]  # (None there means none: _positions)
+    # pos: the kernel's position arguments (_positions; a positions= entry of None gives none),
+    # not positions= itself, which an output of that name shadows in the forward launcher
+    at = [w for w in padded if pos.get(f"_POS_{w}")]
     why = None
     if not tma:
         why = "tma not requested"
@@ -747,7 +749,7 @@ def _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma,
     [O] = _allocate(_sz, _cls, _dev, out_dtype)
     _saved_lse = torch.empty(_shape("_saved_lse", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
-    _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions, _tma_last)
+    _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
     if math.prod(_grid) > 0:
         _alibi_kernel[_grid](
             Q, K, V, slope, O, _saved_lse,
@@ -1345,7 +1347,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
                          dtype=torch.float32, device=_dev)  # partial sums: float32 until added up below
     _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, positions, _tma_last_dkdv, padded=("x", "q"))
+        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
         _alibi_bwd_dkdv_kernel[_grid](
             K, slope, V, Q, lse, dO, delta, _grad_K, _grad_V,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -1363,7 +1365,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0] or _need[3]) and math.prod(_grid) > 0:
-        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, positions, _tma_last_dq, padded=("x", "q"))
+        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
         _alibi_bwd_dq_kernel[_grid](
             Q, slope, lse, dO, delta, K, V, _grad_Q, _part_slope,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],

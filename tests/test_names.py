@@ -340,6 +340,10 @@ def test_output_names_forward_and_backward(o, lse, tmp_path):
     out, ref = m.clash(*mine, block_q=16, block_x=16), m.reference(*theirs)
     for a, b in zip(out, ref):
         assert _max_err(a, b) < 1e-4
+    # with descriptors too: _tma_args reads the position arguments, not a shadowed positions=
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(m.clash(*ins, block_q=16, block_x=16, tma=True), out))
+    assert m._tma_last["used"]
     gen = torch.Generator().manual_seed(1)
     g = [torch.randn(r.shape, generator=gen, dtype=torch.float64) for r in ref]
     for a, b in zip(torch.autograd.grad(out, mine, [x.float() for x in g]), torch.autograd.grad(ref, theirs, g)):

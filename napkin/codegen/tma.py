@@ -105,7 +105,7 @@ class Tma:
         args = "{" + ", ".join(f"{_q(t)}: {t}" for t in tensors) + "}"
         wires = "{" + ", ".join(f"{_q(w)}: {b}" for w, b in blocks.items()) + "}"
         extra = f", padded={_tuple(_q(w) for w in (self.plan.col, *padded))}" if padded else ""
-        return f"{var} = _tma_args({option}, {table}, {args}, _sz, {wires}, _dev, positions, {last}{extra})"
+        return f"{var} = _tma_args({option}, {table}, {args}, _sz, {wires}, _dev, _pos, {last}{extra})"
 
 
 def load_code(var: str, ptr: str, mask: str, tma: Optional[str]) -> str:
