@@ -608,7 +608,8 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     _grad_A = None
     if _need[0]:  # dA: one more contraction, each tile stored once from a float32 accumulator
         _grad_A = torch.empty(_shape("_grad_A", _sz), dtype=A.dtype if _like else torch.float32, device=_dev)
-        _grid = (triton.cdiv(_sz["m"], _block_size(_opts["block_m"], "m", "block_m")), triton.cdiv(_sz["k"], _block_size(_opts["block_k"], "k", "block_k")), 1)
+        _br, _bc, _bk = _block_size(_opts["block_m"], "m", "block_m"), _block_size(_opts["block_k"], "k", "block_k"), _block_size(_opts["block_n"], "n", "block_n")
+        _grid = (triton.cdiv(_sz["m"], _br), triton.cdiv(_sz["k"], _bc), 1)
         if math.prod(_grid) > 0:
             _matmul_bwd_A_kernel[_grid](
                 _grad_C, B, _grad_A,
@@ -616,13 +617,14 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(_grad_C, "_grad_C", _sz),
                 *_wire_strides(B, "B", _sz),
                 *_wire_strides(_grad_A, "_grad_A", _sz),
-                _BLOCK_m=_block_size(_opts["block_m"], "m", "block_m"), _BLOCK_k=_block_size(_opts["block_k"], "k", "block_k"), _BLOCK_n=_block_size(_opts["block_n"], "n", "block_n"),
-                num_warps=_opts["num_warps"] or (8 if _block_size(_opts["block_n"], "n", "block_n") * max(_block_size(_opts["block_m"], "m", "block_m"), _block_size(_opts["block_k"], "k", "block_k")) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
+                _BLOCK_m=_br, _BLOCK_k=_bc, _BLOCK_n=_bk,
+                num_warps=_opts["num_warps"] or (8 if _bk * max(_br, _bc) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     _grad_B = None
     if _need[1]:  # dB: one more contraction, each tile stored once from a float32 accumulator
         _grad_B = torch.empty(_shape("_grad_B", _sz), dtype=B.dtype if _like else torch.float32, device=_dev)
-        _grid = (triton.cdiv(_sz["k"], _block_size(_opts["block_k"], "k", "block_k")), triton.cdiv(_sz["n"], _block_size(_opts["block_n"], "n", "block_n")), 1)
+        _br, _bc, _bk = _block_size(_opts["block_k"], "k", "block_k"), _block_size(_opts["block_n"], "n", "block_n"), _block_size(_opts["block_m"], "m", "block_m")
+        _grid = (triton.cdiv(_sz["k"], _br), triton.cdiv(_sz["n"], _bc), 1)
         if math.prod(_grid) > 0:
             _matmul_bwd_B_kernel[_grid](
                 A, _grad_C, _grad_B,
@@ -630,8 +632,8 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(A, "A", _sz),
                 *_wire_strides(_grad_C, "_grad_C", _sz),
                 *_wire_strides(_grad_B, "_grad_B", _sz),
-                _BLOCK_k=_block_size(_opts["block_k"], "k", "block_k"), _BLOCK_n=_block_size(_opts["block_n"], "n", "block_n"), _BLOCK_m=_block_size(_opts["block_m"], "m", "block_m"),
-                num_warps=_opts["num_warps"] or (8 if _block_size(_opts["block_m"], "m", "block_m") * max(_block_size(_opts["block_k"], "k", "block_k"), _block_size(_opts["block_n"], "n", "block_n")) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
+                _BLOCK_k=_br, _BLOCK_n=_bc, _BLOCK_m=_bk,
+                num_warps=_opts["num_warps"] or (8 if _bk * max(_br, _bc) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     return (_grad_A, _grad_B, )
 

@@ -252,19 +252,18 @@ def _contraction_context(t: Training) -> dict:
         tensors = [x.name for x in gd.inputs] + [gd.outputs[0].name]
         sizes = [f'_sz["{w.name}"]' for w in gd.wires if w.size is None]
         strides = [f'*_wire_strides({x}, "{x}", _sz)' for x in tensors]
-        blocks = [f"_BLOCK_{g.row}=_block_size(_opts[\"block_{g.row}\"], \"{g.row}\", \"block_{g.row}\")",
-                  f"_BLOCK_{g.col}=_block_size(_opts[\"block_{g.col}\"], \"{g.col}\", \"block_{g.col}\")",
-                  f"_BLOCK_{g.red}=_block_size(_opts[\"block_{g.red}\"], \"{g.red}\", \"block_{g.red}\")"]
+        # each block once per launch (_block_size checks the option), then by name
+        wires = {"_br": g.row, "_bc": g.col, "_bk": g.red}
+        block_line = ", ".join(wires) + " = " + ", ".join(
+            f'_block_size(_opts["block_{w}"], "{w}", "block_{w}")' for w in wires.values())
+        blocks = [f"_BLOCK_{w}={v}" for v, w in wires.items()]
         # 8 warps when a tile it loads per step (the streamed wire by either output wire: dC's, the
         # forward's output tile) is 128 x 128, as the forward's launch: at 4 warps matmul's dA held 255
         # registers and spilled 12 B on Triton 3.6 (napkin.bench.aot, aot-sm90-2026-11-21-4.md)
-        size = [b.split("=", 1)[1] for b in blocks]
-        warps = f"(8 if {size[2]} * max({size[0]}, {size[1]}) >= 128 * 128 else 4)"
         launches.append({
             "kernel": c["kernel"], "target": gd.outputs[0].name[len("_grad_"):], "buffer": gd.outputs[0].name,
-            "warps": warps,
-            "grid": f'(triton.cdiv(_sz["{g.row}"], {blocks[0].split("=", 1)[1]}), '
-                    f'triton.cdiv(_sz["{g.col}"], {blocks[1].split("=", 1)[1]}), '
+            "warps": "(8 if _bk * max(_br, _bc) >= 128 * 128 else 4)", "blocks": block_line,
+            "grid": '(triton.cdiv(_sz["' + g.row + '"], _br), triton.cdiv(_sz["' + g.col + '"], _bc), '
                     + (" * ".join(f'_sz["{w}"]' for w in g.batch) or "1") + ")",
             "args": ",\n".join([", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides
                                        + [", ".join(blocks)]),
