@@ -31,6 +31,7 @@ from the prepass (ranges.py), at dQ's and dK/dV's own blocks.
 """
 from __future__ import annotations
 
+from typing import Optional
 
 from .. import ir, masks
 from . import bounds as B
@@ -162,9 +163,9 @@ class _BackwardNames(E._Names):
         super().__init__(d, dims, positional)
         self.row = row
 
-    def mask(self, rows, cols, glob: bool = False, inside=()) -> list[str]:
+    def mask(self, rows, cols, glob: bool = False, inside=(), unit: bool = False) -> list[str]:
         parts = []
-        for w, axis in ((rows, "[:, None]"), (cols, "[None, :]")):
+        for w, axis in ((rows, self.axis(True, unit)), (cols, self.axis(False, unit))):
             if w is None or w in inside:
                 continue
             if glob and w == self.row and w in self.positional:
@@ -174,9 +175,12 @@ class _BackwardNames(E._Names):
         return parts
 
 
-def _step_load(d: ir.Diagram, ld: L.Load, load: dict, loop_wire: str) -> str:
-    """A step's load (its statement lines, newline-separated).  A float row vector along the loop wire (the dK/dV
-    kernel's lse and delta, [1, rows]) is loaded as [1, rows, 1] and summed
+def _step_load(d: ir.Diagram, names: E._Names, ld: L.Load, inside: tuple, tma: Optional[T.Tma],
+               loop_wire: str) -> str:
+    """A step's load (its statement lines, newline-separated), padded query
+    rows dropped (emit._load's drop_padding); ``inside``: wires in bounds.
+    A float row vector along the loop wire (the dK/dV kernel's lse and
+    delta, [1, rows]) is loaded as [1, rows, 1] and summed
     over its unit axis: the same values, but the sum stops Triton's layout
     propagation at the load.  Loaded as [1, rows], Triton 3.6 gives it the
     layout of the score tile it meets, the wgmma accumulator's: 8 values a
@@ -193,9 +197,10 @@ def _step_load(d: ir.Diagram, ld: L.Load, load: dict, loop_wire: str) -> str:
     transposed instead, 3.9 was unchanged at 128, but 3.6 spilled GQA's
     dK/dV at 64 (372 B)."""
     if ld.rows is not None or ld.cols != loop_wire or E._kinds(d).get(ld.tensor) != "float":
-        return load["code"]  # the plain load, or both forms under _TMA (codegen/tma.py)
-    ptr, mask = (text.replace("[None, :]", "[None, :, None]") for text in (load["ptr"], load["mask"]))
-    return f"{load['var']} = tl.sum(tl.load({ptr}{mask}), 2)  # one value a thread: backward_emit._step_load"
+        # the plain load, or both forms under _TMA (codegen/tma.py)
+        return E._load(d, names, ld, inside, tma, drop_padding=True)["code"]
+    load = E._load(d, names, ld, inside, drop_padding=True, unit=True)
+    return f"{ld.var} = tl.sum(tl.load({load['ptr']}{load['mask']}), 2)  # one value a thread: backward_emit._step_load"
 
 
 def _tile(k: Kernel) -> tuple[str, str]:
@@ -620,9 +625,9 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             first = "_start" if k.role == "dq" else "_row0"
             tile = _tile_lines(plan, names, k, full)
             text = "\n".join(tile)
-            loads = [(ld, E._load(d, names, ld, (loop_wire,) if full else (), tma, drop_padding=True))
-                     for ld in step_loads if not full or E.reads(text, ld.var)]
-            step = [line for ld, load in loads for line in _step_load(d, ld, load, loop_wire).split("\n")] + tile
+            inside = (loop_wire,) if full else ()
+            step = [line for ld in step_loads if not full or E.reads(text, ld.var)
+                    for line in _step_load(d, names, ld, inside, tma, loop_wire).split("\n")] + tile
             if full:  # every index real, at its own offset (no positions)
                 return [f"_offs_{loop_wire} = {first} + tl.arange(0, {names.block(loop_wire)})",
                         f"_idx_{loop_wire} = _offs_{loop_wire}"] + step

@@ -35,6 +35,7 @@ from . import ranges as R
 from . import tma as T
 from .bounds import live, loop_bounds
 from .exprs import Ctx, number, triton
+from .pysrc import quote as _q, tuple_of as _tuple
 from .reference import reference_lines
 from .scale import log2_scale, plan_exponents
 
@@ -84,28 +85,35 @@ class _Names:
         """|w| as expressions see it: the global length for a positional wire."""
         return f"_len_{w}" if w in self.positional and w not in self.fixed else self.size(w)
 
-    def index(self, w: str, rows: Optional[str], cols: Optional[str], glob: bool = False) -> str:
+    def index(self, w: str, rows: Optional[str], cols: Optional[str], glob: bool = False,
+              unit: bool = False) -> str:
         """The index of w in a tile; ``glob``: the global index (expressions,
-        and integer inputs, which are read at global positions)."""
+        and integer inputs, which are read at global positions); ``unit``: the
+        tile with a trailing unit axis, [rows, cols, 1] (backward_emit._step_load)."""
         base = "_idx" if glob and w in self.positional else "_offs"
-        if w == rows:
-            return f"{base}_{w}[:, None]"
-        if w == cols:
-            return f"{base}_{w}[None, :]"
+        if w in (rows, cols):
+            return f"{base}_{w}{self.axis(w == rows, unit)}"
         return f"_i_{w}"
 
-    def mask(self, rows: Optional[str], cols: Optional[str], glob: bool = False, inside=()) -> list[str]:
+    @staticmethod
+    def axis(row: bool, unit: bool = False) -> str:
+        """The subscript that lays a vector along a tile's rows or its cols."""
+        return ("[:, None" if row else "[None, :") + (", None]" if unit else "]")
+
+    def mask(self, rows: Optional[str], cols: Optional[str], glob: bool = False, inside=(),
+             unit: bool = False) -> list[str]:
         """The bounds mask of a (rows, cols) tile; ``inside``: wires known to
-        be in bounds there (a full block's loop wire), which need none."""
+        be in bounds there (a full block's loop wire), which need none;
+        ``unit``: as index's."""
         parts = []
         if rows in inside:
             pass
         elif rows is not None and glob and rows in self.positional:
-            parts.append(f"_gok_{rows}[:, None]")  # also inside the global length
+            parts.append(f"_gok_{rows}{self.axis(True, unit)}")  # also inside the global length
         elif rows is not None and not self.exact(rows):
-            parts.append(f"_ok_{rows}[:, None]")
+            parts.append(f"_ok_{rows}{self.axis(True, unit)}")
         if cols is not None and cols not in inside and not self.exact(cols):
-            parts.append(f"_ok_{cols}[None, :]")
+            parts.append(f"_ok_{cols}{self.axis(False, unit)}")
         return parts
 
     def ctx(self, rows, cols, subst, kinds, known=frozenset()) -> Ctx:
@@ -119,28 +127,30 @@ def _kinds(d: ir.Diagram) -> dict[str, str]:
             for t in d.inputs}
 
 
-def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob: bool = False) -> str:
+def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob: bool = False,
+             unit: bool = False) -> str:
     declared = ir.axis_wires(d.tensor(tensor).axes)
-    terms = [f"{names.index(rw, rows, cols, glob)} * _st_{tensor}_{dw}" for dw, rw in zip(declared, wires)]
+    terms = [f"{names.index(rw, rows, cols, glob, unit)} * _st_{tensor}_{dw}" for dw, rw in zip(declared, wires)]
     return f"{tensor} + " + " + ".join(terms)
 
 
 def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.Tma] = None,
-          drop_padding: bool = False) -> dict:
+          drop_padding: bool = False, unit: bool = False) -> dict:
     """A load's pointer and mask; ``inside``: wires in bounds (no mask);
     ``drop_padding``: rows at global positions past the length read as zeros
-    (the mask an integer load takes), float loads too.
+    (the mask an integer load takes), float loads too; ``unit``: the tile
+    with a trailing unit axis (_Names.index; pointers only).
     ``tma``: the kernel's descriptors; "tma" is then the descriptor load of a
     qualifying tile (else None), taken when the kernel's constexpr _TMA is
     set.  "code": the statement(s), either way (tma.load_code)."""
     # integer and boolean inputs (ids, masks: the distributed wrappers' side
     # inputs) are read at the global positions; float inputs hold local rows
     glob = _kinds(d).get(ld.tensor) != "float"
-    mask = names.mask(ld.rows, ld.cols, glob or drop_padding, inside)
+    mask = names.mask(ld.rows, ld.cols, glob or drop_padding, inside, unit)
     other = "0" if glob else "0.0"
-    out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob),
+    out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob, unit),
            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else "",
-           "tma": None if tma is None or glob else tma.load(ld)}
+           "tma": None if tma is None or glob or unit else tma.load(ld)}
     out["code"] = T.load_code(out["var"], out["ptr"], out["mask"], out["tma"])
     return out
 
@@ -590,15 +600,6 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
 # --------------------------------------------------------------------------
 # The module.
 # --------------------------------------------------------------------------
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-
-
-def _q(s: str) -> str:
-    return f'"{s}"'
-
 
 def _layout_repr(axes) -> str:
     return _tuple(_tuple(_q(w) for w in axis) for axis in axes)

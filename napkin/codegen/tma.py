@@ -25,20 +25,12 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from . import lower as L
+from .pysrc import quote as _q, tuple_of as _tuple
 
 # The option's name: a tuned option of every attention launcher (and of its
 # NAME_backward), None (the default: each kernel's tuned config, else off),
 # False or True.
 OPTION = "tma"
-
-
-def _q(s: str) -> str:
-    return f'"{s}"'
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 class Tma:
