@@ -8,6 +8,12 @@
 * markers: ``gpu`` (skipped unless CUDA is available) and ``slow``.
 * the repository root goes on ``sys.path`` so ``import generated.X`` works
   whatever folder pytest was started from.
+* under CI (the ``CI`` environment variable set, as CI services and
+  ``CI=true bash .ci/run`` do) hypothesis runs the ``ci`` profile: the
+  property tests that draw fresh examples each run (parser, checker and
+  round-trip fuzz) draw the same ones every time, so a landing never hangs
+  on a new random draw.  Elsewhere they explore; a failure they find prints
+  the seed that reproduces it.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -29,6 +36,10 @@ def _cuda_available() -> bool:
         return False
     return bool(torch.cuda.is_available())
 
+
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 CUDA = _cuda_available()
 if not CUDA:
