@@ -793,3 +793,40 @@ def test_dram_bytes_prediction_is_the_cost_pass_at_the_launchers_blocks():
     hbm16 = next(t for t in analyse(with_blocks(d, {"q": 16, "x": 16}), sizes).totals
                  if t.boundary.startswith("hbm/"))
     assert small["issued_bytes"] == hbm16.load_bytes + hbm16.store_bytes != base["issued_bytes"]
+
+
+# --------------------------------------------------------------------------
+# bench/device.sh: run_h100.sh's stages as device-tool calls
+# --------------------------------------------------------------------------
+
+def test_device_run_packs_every_stage_into_one_archive_and_keeps_the_worst_status(tmp_path):
+    """A failing stage does not stop the next, its status is the call's, and
+    whatever the stages wrote (logs, the carried cache) comes back as one
+    results.tgz (the tool returns at most 8 files)."""
+    import subprocess
+    import tarfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("NAPKIN_BENCH_OUT", "NAPKIN_CACHE")}
+    done = subprocess.run(["bash", str(REPO / "bench" / "device.sh"), "run", "nosuchstage", "alsonot"],
+                          env=env | {"OUT": str(out), "DEVICE_BUDGET": "120", "DEVICE_WHEELS": str(tmp_path / "none")}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr  # run_h100.sh's usage error
+    assert [p.name for p in out.iterdir()] == ["results.tgz"]
+    with tarfile.open(out / "results.tgz") as tar:
+        names = set(tar.getnames())
+        log = tar.extractfile("results/stages.log").read().decode()
+    assert {"results/nosuchstage.log", "results/alsonot.log", "results/stages.log"} <= names
+    assert "== nosuchstage rc 2" in log and "== alsonot rc 2" in log
+
+
+def test_device_sh_refuses_an_unknown_verb_and_run_without_out():
+    import subprocess
+
+    script = str(REPO / "bench" / "device.sh")
+    bad = subprocess.run(["bash", script, "frobnicate"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    no_out = subprocess.run(["bash", script, "run", "env"], env=env, capture_output=True, text=True, timeout=30)
+    assert no_out.returncode != 0 and "device tool" in no_out.stderr

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# A lent-GPU session in three verbs (docs/bench.md, "A lent-GPU session").
+# The device tool's machine is bare, has no network, keeps nothing between
+# calls once idle for 30 s, and sends back at most 8 files from $OUT; this
+# script takes care of each of those so a session spends its device time on
+# measuring:
+#
+#   bench/device.sh fetch            here: lark's wheel (missing on the GPU
+#                                    image) into .whl/, which git ignores
+#   bench/device.sh run STAGE...     there, as one device call: install the
+#                                    carried wheels, restore the carried
+#                                    autotune cache (.device/), run the
+#                                    run_h100.sh stages in order, and pack
+#                                    what they wrote into $OUT/results.tgz
+#   bench/device.sh keep FILES_AT    here: unpack a call's results into
+#                                    bench/results/ and its autotune cache
+#                                    into .device/ for the next call's carry
+#
+# `run` stops each stage in time for the packing: the call's whole budget is
+# $DEVICE_BUDGET seconds (default 570, inside the tool's 600-second limit).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+LARK="lark==1.3.1"  # the version CI's install resolves today; the GPU image has none
+
+fetch() {
+  mkdir -p .whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d .whl "$LARK"
+  ls .whl
+}
+
+run() {
+  local start=$SECONDS budget="${DEVICE_BUDGET:-570}" out="${OUT:?run is for the device tool, whose \$OUT comes back}"
+  export PYTHONUNBUFFERED=1 PYTHON=python3
+  local wheels="${DEVICE_WHEELS:-.whl}"
+  if compgen -G "$wheels/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$wheels"/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD"
+  else
+    export PYTHONPATH="$PWD"
+  fi
+  local work="$out/results"
+  mkdir -p "$work/autotune-cache"
+  [[ -f .device/autotune.json ]] && cp .device/autotune.json "$work/autotune-cache/"
+  export NAPKIN_BENCH_OUT="$work" NAPKIN_CACHE="$work/autotune-cache"
+  local status=0 stage left
+  for stage in "$@"; do
+    left=$((budget - (SECONDS - start) - 20))
+    if ((left < 30)); then
+      echo "device.sh: no time left for stage $stage" | tee -a "$work/stages.log"
+      status=1
+      continue
+    fi
+    echo "== $stage (up to ${left}s) $(date -u +%FT%TZ)" | tee -a "$work/stages.log"
+    timeout "$left" bench/run_h100.sh "$stage" 2>&1 | tee "$work/$stage.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $stage rc $rc after $((SECONDS - start))s" | tee -a "$work/stages.log"
+    ((rc == 0)) || status=$rc
+  done
+  # one file back whatever the stages wrote (the tool returns at most 8)
+  tar czf "$out/results.tgz" -C "$out" results && rm -rf "$work"
+  exit "$status"
+}
+
+keep() {
+  local from="${1:?usage: bench/device.sh keep FILES_AT}" tmp
+  tmp=$(mktemp -d)
+  tar xzf "$from/results.tgz" -C "$tmp" || exit 1
+  mkdir -p .device bench/results
+  if [[ -f "$tmp/results/autotune-cache/autotune.json" ]]; then
+    cp "$tmp/results/autotune-cache/autotune.json" .device/
+    cp "$tmp/results/autotune-cache/autotune.json" "bench/results/autotune-$(date -u +%F).json"
+  fi
+  rm -rf "$tmp/results/autotune-cache"
+  # records where bench/results/README.md says, logs under logs/ with the date;
+  # a name already taken gets the time of day in front
+  local f name dir
+  mkdir -p bench/results/logs
+  for f in "$tmp"/results/*; do
+    name=$(basename "$f") dir=bench/results
+    [[ $name == *.log ]] && name="$(date -u +%F)-$name" dir=bench/results/logs
+    [[ -e "$dir/$name" ]] && name="$(date -u +%H%M%S)-$name"
+    cp "$f" "$dir/$name"
+    echo "$dir/$name"
+  done
+  rm -rf "$tmp"
+}
+
+verb="${1:-}"
+shift || true
+case "$verb" in
+  fetch) fetch ;;
+  run) (($#)) || { echo "usage: $0 run STAGE..." >&2; exit 2; }; run "$@" ;;
+  keep) keep "$@" ;;
+  *) echo "usage: $0 fetch | run STAGE... | keep FILES_AT" >&2; exit 2 ;;
+esac
