@@ -685,6 +685,42 @@ def test_reference_agrees_with_the_generated_modules_reference(tmp_path):
     assert codegen is not None and float((theirs - mine).abs().max()) < 1e-12
 
 
+def test_a_run_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
+    """The harness rewrites its one pair of files after every diagram: a GPU
+    session's stage killed at its time limit keeps the diagrams it finished,
+    marked partial; a finished run leaves the same pair, unmarked."""
+    from napkin.cli import main
+
+    calls = []
+
+    def fake_variant(path, dtype, head_dim, *rest):
+        calls.append(Path(path).stem)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what a stage's timeout amounts to here
+        row = _data()["rows"][0] | {"diagram": Path(path).stem, "file": str(path)}
+        return [row]
+
+    monkeypatch.setattr(harness, "_bench_variant", fake_variant)
+    argv = ["bench", str(EXAMPLES / "causal.ncd"), str(EXAMPLES / "alibi.ncd"), str(EXAMPLES / "softcap.ncd"),
+            "--seqlen", "48", "--out", str(tmp_path / "stopped")]
+    assert main(argv) != 0  # the CLI turns the interrupt into its exit status
+    assert calls == ["causal", "alibi", "softcap"]
+    (json_path,) = (tmp_path / "stopped").glob("*.json")
+    data = json.loads(json_path.read_text())
+    results.validate(data)
+    assert [r["diagram"] for r in data["rows"]] == ["causal", "alibi"]
+    assert data["partial"] == "written after 2 of 3 diagram/dtype/head-dim variants"
+    assert "**PARTIAL: written after 2 of 3" in json_path.with_suffix(".md").read_text()
+
+    calls.clear()
+    argv[-1] = str(tmp_path / "finished")
+    assert main(argv[:3] + argv[4:]) == 0  # causal and alibi: it finishes
+    (json_path,) = (tmp_path / "finished").glob("*.json")
+    data = json.loads(json_path.read_text())
+    assert [r["diagram"] for r in data["rows"]] == ["causal", "alibi"] and "partial" not in data
+    assert "PARTIAL" not in json_path.with_suffix(".md").read_text()
+
+
 @pytest.mark.slow
 def test_napkin_bench_smoke_run_end_to_end(tmp_path, capsys):
     from napkin.cli import main

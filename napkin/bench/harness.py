@@ -190,22 +190,27 @@ def run(args, prog: str) -> int:
     points = len(args.files) * len(dtypes) * len(head_dims) * len(seqlens) \
         * len(grid["batch"] or [1]) * len(grid["heads"] or [1])
     grid["tune_budget"] = args.tune_budget or tune_budget(points, 1 if args.no_backward else 3)
-    rows, failed = [], False
+    rows, failed, paths = [], False, None
+    variants = [(path, dtype, head_dim) for path in args.files for dtype in dtypes for head_dim in head_dims]
     with tempfile.TemporaryDirectory(prefix="napkin-bench-") as build:
-        for path in args.files:
-            for dtype in dtypes:
-                for head_dim in head_dims:
-                    # One diagram napkin cannot compile (or that is no attention)
-                    # must not cost the rest of a long GPU run: say so, go on.
-                    try:
-                        rows += _bench_variant(path, dtype, head_dim, grid, device, args, reps, Path(build))
-                    except NapkinError as err:
-                        print(str(err), file=sys.stderr)
-                        failed = True
+        for done, (path, dtype, head_dim) in enumerate(variants, 1):
+            # One diagram napkin cannot compile (or that is no attention)
+            # must not cost the rest of a long GPU run: say so, go on.
+            try:
+                rows += _bench_variant(path, dtype, head_dim, grid, device, args, reps, Path(build))
+            except NapkinError as err:
+                print(str(err), file=sys.stderr)
+                failed = True
+            if rows and done < len(variants):
+                # what is measured so far, rewritten after each: a run stopped at a
+                # GPU session's time limit keeps it (the last write drops the mark)
+                partial = _record(rows, command_line(args, prog), device, reps) \
+                    | {"partial": f"written after {done} of {len(variants)} diagram/dtype/head-dim variants"}
+                paths = results.write(partial, args.out, paths)
     if not rows:
         return 1
     data = _record(rows, command_line(args, prog), device, reps)
-    json_path, md_path = results.write(data, args.out)
+    json_path, md_path = results.write(data, args.out, paths)
     print(results.markdown(data))
     print(f"wrote {json_path} and {md_path}")
     return 0 if not failed and all(r["check"]["ok"] for r in rows) else 1

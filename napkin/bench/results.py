@@ -124,11 +124,14 @@ def result_paths(out_dir: Path, device: str, date: str) -> tuple[Path, Path]:
         n += 1
 
 
-def write(data: dict, out_dir) -> tuple[Path, Path]:
+def write(data: dict, out_dir, paths: Optional[tuple[Path, Path]] = None) -> tuple[Path, Path]:
+    """Write the record's JSON and markdown; ``paths``: rewrite the pair an
+    earlier write of the same run returned (the harness writes after every
+    diagram, so a run stopped at its time limit keeps what it measured)."""
     validate(data)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = result_paths(out_dir, data["device"]["name"], data["date"])
+    json_path, md_path = paths or result_paths(out_dir, data["device"]["name"], data["date"])
     json_path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
     md_path.write_text(markdown(data))
     return json_path, md_path
@@ -147,6 +150,8 @@ def markdown(data: dict) -> str:
     napkin's speed ratio to it.  A dagger marks a speed reference that does
     not compute the diagram's function."""
     lines = [f"# napkin bench: {data['device']['name']}, {data['date']}", ""]
+    if data.get("partial"):
+        lines += [f"**PARTIAL: {data['partial']}.**", ""]
     if data["smoke"]:
         lines += ["**SMOKE RUN: not performance numbers.** " + data["timing"], ""]
     else:
