@@ -9,14 +9,12 @@ the traceback only with ``--traceback``.
 Extending: a module ``napkin.X`` that wants a subcommand defines
 ``register_cli(subparsers)``.  It calls ``subparsers.add_parser(...)``, adds
 its arguments, and sets ``func=handler`` with ``handler(args) -> int``.
-``_register_plugins`` below calls it for every module in ``PLUGINS`` that
-exists, so the command line never imports a pass that has not been written.
+``_register_plugins`` below calls it for every module in ``PLUGINS``.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 import tempfile
@@ -122,9 +120,7 @@ def _register_plugins(sub, strict: bool = False) -> None:
     makes it fatal, to see where it broke)."""
     for name in PLUGINS:
         try:
-            register = _provided(name, "register_cli")
-            if register is not None:
-                register(sub)
+            _provided(name, "register_cli")(sub)
         except Exception as err:
             if strict:
                 raise
@@ -133,11 +129,10 @@ def _register_plugins(sub, strict: bool = False) -> None:
 
 
 def _provided(module: str, attr: str):
-    """``napkin.<module>.<attr>`` if that module exists and defines it, else
-    None: passes other engineers are still writing may be absent or partial."""
-    if importlib.util.find_spec(f"napkin.{module}") is None:
-        return None
-    return getattr(importlib.import_module(f"napkin.{module}"), attr, None)
+    """``napkin.<module>.<attr>``, looked up when a command runs: the passes
+    load only for the commands that use them, and tests stand fakes in for
+    them (test_cli's _fake_passes)."""
+    return getattr(importlib.import_module(f"napkin.{module}"), attr)
 
 
 def _plural(n: int, word: str) -> str:
@@ -172,21 +167,17 @@ def cmd_check(args) -> int:
 # --------------------------------------------------------------------------
 
 def cmd_compile(args) -> int:
-    import napkin
-
     failed = False
     out_dir = Path(args.out)
+    write_module = _provided("codegen", "write_module")
     for path in args.files:
         try:
-            write_module = _provided("codegen", "write_module")
-            if write_module is not None:
-                out_dir.mkdir(parents=True, exist_ok=True)
-                written = Path(write_module(path, out_dir))
-                print(f"wrote {written}")
-                if args.render:
-                    _render_beside(path, written)
-            else:
-                print(_summary(napkin.load(path), path))
+            # write_module makes out_dir once the diagram has checked: a bad
+            # diagram leaves nothing behind, not even an empty folder
+            written = Path(write_module(path, out_dir))
+            print(f"wrote {written}")
+            if args.render:
+                _render_beside(path, written)
         except NapkinError as err:
             print(str(err), file=sys.stderr)
             failed = True
@@ -195,31 +186,8 @@ def cmd_compile(args) -> int:
 
 def _render_beside(path, module_path: Path) -> None:
     render_file = _provided("render", "render_file")
-    if render_file is None:
-        print("napkin: rendering is not available in this version; skipped", file=sys.stderr)
-        return
     out = render_file(path, module_path.with_suffix(".svg"))
     print(f"wrote {out if out is not None else module_path.with_suffix('.svg')}")
-
-
-def _summary(d, path) -> str:
-    """The checked IR in a few lines: what compile prints until codegen exists."""
-    from .ir import axis_wires
-
-    def layout(axes):
-        return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in axes) + "]"
-
-    lines = [f"{path}: diagram {d.name} checked (code generation is not available yet)",
-             "  wires:   " + ", ".join(w.name if w.size is None else f"{w.name}={w.size}" for w in d.wires)]
-    lines += [f"  input:   {t.name}{layout(t.axes)} : {t.dtype}" for t in d.inputs]
-    lines += [f"  box:     {t.name}{layout(t.axes)} : {t.dtype or 'accumulator'}"
-              f"  ({len(axis_wires(t.axes))} wires)" for t in d.lets]
-    lines.append("  outputs: " + ", ".join(o.name for o in d.outputs))
-    if d.schedule is not None:
-        for lv in d.schedule.levels:
-            tiles = ", ".join(f"{t.kind} {t.wire} {'across' if t.across else 'by'} {t.size}" for t in lv.tiles)
-            lines.append(f"  level {lv.name}: {tiles or '-'}; holds {', '.join(lv.holds) or '-'}")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------
@@ -244,9 +212,6 @@ def cmd_demo(args) -> int:
     diagram = napkin.load(path)
     sizes = _demo_sizes(diagram, requested, path)
     write_module = _provided("codegen", "write_module")
-    if write_module is None:
-        raise NapkinError("napkin demo needs the code generator (napkin.codegen), "
-                          "which this version does not have yet", filename=str(path))
 
     with tempfile.TemporaryDirectory(prefix="napkin-demo-") as tmp:
         module = _import_file(Path(write_module(path, Path(tmp))))
@@ -258,11 +223,9 @@ def cmd_demo(args) -> int:
         finally:
             sys.modules.pop(module.__name__, None)
 
-    summary_lines = _provided("cost", "summary_lines")
-    if summary_lines is not None:
-        print("cost model:")
-        for line in summary_lines(diagram, sizes):
-            print("  " + line)
+    print("cost model:")
+    for line in _provided("cost", "summary_lines")(diagram, sizes):
+        print("  " + line)
     if not ok:
         print("napkin demo: the kernel's outputs differ from the reference", file=sys.stderr)
         return 1
