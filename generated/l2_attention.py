@@ -56,9 +56,9 @@ _BACKWARD_LAYOUTS = {
     "_saved_Z0": (("b",), ("h",), ("q",)),
     "N0": (("b",), ("h",), ("q",), ("d",)),
     "Z0": (("b",), ("h",), ("q",)),
-    "dN0": (("b",), ("h",), ("q",), ("d",)),
     "dO": (("b",), ("h",), ("q",), ("d",)),
     "dZ0": (("b",), ("h",), ("q",)),
+    "gN0": (("b",), ("h",), ("q",)),
     "_grad_Q": (("b",), ("h",), ("q",), ("d",)),
     "_grad_K": (("b",), ("h",), ("x",), ("d",)),
     "_grad_V": (("b",), ("h",), ("x",), ("d",)),
@@ -793,30 +793,29 @@ def _in_input_dtype(grad_dtype):
 
 @triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
 def _l2_attention_bwd_rows_kernel(
-    dO,
     Z0,
+    dO,
     N0,
-    dN0,
+    gN0,
     dZ0,
     _size_b,
     _size_h,
     _size_q,
     _size_x,
+    _st_Z0_b,
+    _st_Z0_h,
+    _st_Z0_q,
     _st_dO_b,
     _st_dO_h,
     _st_dO_q,
     _st_dO_d,
-    _st_Z0_b,
-    _st_Z0_h,
-    _st_Z0_q,
     _st_N0_b,
     _st_N0_h,
     _st_N0_q,
     _st_N0_d,
-    _st_dN0_b,
-    _st_dN0_h,
-    _st_dN0_q,
-    _st_dN0_d,
+    _st_gN0_b,
+    _st_gN0_h,
+    _st_gN0_q,
     _st_dZ0_b,
     _st_dZ0_h,
     _st_dZ0_q,
@@ -835,23 +834,23 @@ def _l2_attention_bwd_rows_kernel(
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without a loop: loaded once per program.
-    _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
     _Z0 = tl.load(Z0 + _i_b * _st_Z0_b + _i_h * _st_Z0_h + _offs_q[:, None] * _st_Z0_q, mask=_ok_q[:, None], other=0.0)
+    _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
     _N0 = tl.load(N0 + _i_b * _st_N0_b + _i_h * _st_N0_h + _offs_q[:, None] * _st_N0_q + _offs_d[None, :] * _st_N0_d, mask=_ok_q[:, None], other=0.0)
-    _dO = _dO.to(tl.float32)
     _Z0 = _Z0.to(tl.float32)
+    _dO = _dO.to(tl.float32)
     _N0 = _N0.to(tl.float32)
     _sum0 = tl.sum(_dO * -(_N0 / (2 * tl.sqrt(_Z0 + 1e-06)) / (tl.sqrt(_Z0 + 1e-06) * tl.sqrt(_Z0 + 1e-06))), 1)[:, None]
-    _dN0 = _dO / tl.sqrt(_Z0 + 1e-06)
+    _gN0 = 1 / tl.sqrt(_Z0 + 1e-06)
     _dZ0 = _sum0
 
-    tl.store(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, tl.broadcast_to(_dN0, [_BLOCK_q, _BLOCK_d]).to(dN0.dtype.element_ty), mask=_ok_q[:, None])
+    tl.store(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[:, None] * _st_gN0_q, _gN0.to(gN0.dtype.element_ty), mask=_ok_q[:, None])
     tl.store(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[:, None] * _st_dZ0_q, _dZ0.to(dZ0.dtype.element_ty), mask=_ok_q[:, None])
 
 
 # The dK/dV kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
 # moved its tiles.
-_TMA_DESCS_DKDV = (("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dN0", "dN0", (None, None, "q", "d")), ("_tma__grad_K", "_grad_K", (None, None, "x", "d")), ("_tma__grad_V", "_grad_V", (None, None, "x", "d")))
+_TMA_DESCS_DKDV = (("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dO", "dO", (None, None, "q", "d")), ("_tma__grad_K", "_grad_K", (None, None, "x", "d")), ("_tma__grad_V", "_grad_V", (None, None, "x", "d")))
 _tma_last_dkdv = {"used": False, "why": "tma not requested"}
 
 
@@ -860,7 +859,8 @@ def _l2_attention_bwd_dkdv_kernel(
     K,
     V,
     Q,
-    dN0,
+    dO,
+    gN0,
     dZ0,
     _grad_K,
     _grad_V,
@@ -880,10 +880,13 @@ def _l2_attention_bwd_dkdv_kernel(
     _st_Q_h,
     _st_Q_q,
     _st_Q_d,
-    _st_dN0_b,
-    _st_dN0_h,
-    _st_dN0_q,
-    _st_dN0_d,
+    _st_dO_b,
+    _st_dO_h,
+    _st_dO_q,
+    _st_dO_d,
+    _st_gN0_b,
+    _st_gN0_h,
+    _st_gN0_q,
     _st_dZ0_b,
     _st_dZ0_h,
     _st_dZ0_q,
@@ -898,7 +901,6 @@ def _l2_attention_bwd_dkdv_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
-    _WIDE: tl.constexpr,
     _pos_q,
     _pos_x,
     _len_q,
@@ -908,7 +910,7 @@ def _l2_attention_bwd_dkdv_kernel(
     _tma_K,
     _tma_V,
     _tma_Q,
-    _tma_dN0,
+    _tma_dO,
     _tma__grad_K,
     _tma__grad_V,
     _TMA: tl.constexpr,
@@ -965,18 +967,20 @@ def _l2_attention_bwd_dkdv_kernel(
         else:
             _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-            _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+            _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
         else:
-            _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d)
+            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
+        _gN0 = tl.sum(tl.load(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[None, :, None] * _st_gN0_q), 2)  # one value a thread: backward_emit._step_load
         _dZ0 = tl.sum(tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :, None] * _st_dZ0_q), 2)  # one value a thread: backward_emit._step_load
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
-        _dA0 = tl.dot(_V.to(tl.float32), tl.trans(_dN0.to(tl.float32)), input_precision=_WIDE)
+        _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125
         _A0 = _S
-        _dS = _dA0 + 2 * _S * _dZ0
+        _Aw = _A0 * _gN0
+        _dS = _gN0 * _dP + 2 * _S * _dZ0
         _dR = _dS * 0.125
         _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-        _acc_V += tl.dot(_A0.to(tl.float32), _dN0.to(tl.float32), input_precision=_WIDE)
+        _acc_V += tl.dot(_Aw.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _rb in range(_fhi, _hi):
         _row0 = _rb * _BLOCK_q
@@ -998,19 +1002,21 @@ def _l2_attention_bwd_dkdv_kernel(
             else:
                 _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+                _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_gok_q[:, None], other=0.0)
+                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+            _gN0 = tl.sum(tl.load(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[None, :, None] * _st_gN0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _dZ0 = tl.sum(tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :, None] * _st_dZ0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
-            _dA0 = tl.dot(_V.to(tl.float32), tl.trans(_dN0.to(tl.float32)), input_precision=_WIDE)
+            _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = _qk * 0.125
             _A0 = _S
-            _dS = _dA0 + 2 * _S * _dZ0
+            _Aw = _A0 * _gN0
+            _dS = _gN0 * _dP + 2 * _S * _dZ0
             _dR = _dS * 0.125
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
             _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-            _acc_V += tl.dot(tl.where(_ok, _A0, 0.0).to(tl.float32), _dN0.to(tl.float32), input_precision=_WIDE)
+            _acc_V += tl.dot(tl.where(_ok, _Aw, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_K.to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
@@ -1024,14 +1030,15 @@ def _l2_attention_bwd_dkdv_kernel(
 
 # The dQ kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
 # moved its tiles.
-_TMA_DESCS_DQ = (("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dN0", "dN0", (None, None, "q", "d")), ("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma__grad_Q", "_grad_Q", (None, None, "q", "d")))
+_TMA_DESCS_DQ = (("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dO", "dO", (None, None, "q", "d")), ("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma__grad_Q", "_grad_Q", (None, None, "q", "d")))
 _tma_last_dq = {"used": False, "why": "tma not requested"}
 
 
 @triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _l2_attention_bwd_dq_kernel(
     Q,
-    dN0,
+    dO,
+    gN0,
     dZ0,
     K,
     V,
@@ -1044,10 +1051,13 @@ def _l2_attention_bwd_dq_kernel(
     _st_Q_h,
     _st_Q_q,
     _st_Q_d,
-    _st_dN0_b,
-    _st_dN0_h,
-    _st_dN0_q,
-    _st_dN0_d,
+    _st_dO_b,
+    _st_dO_h,
+    _st_dO_q,
+    _st_dO_d,
+    _st_gN0_b,
+    _st_gN0_h,
+    _st_gN0_q,
     _st_dZ0_b,
     _st_dZ0_h,
     _st_dZ0_q,
@@ -1066,7 +1076,6 @@ def _l2_attention_bwd_dq_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
-    _WIDE: tl.constexpr,
     _pos_q,
     _pos_x,
     _len_q,
@@ -1074,7 +1083,7 @@ def _l2_attention_bwd_dq_kernel(
     _POS_q: tl.constexpr,
     _POS_x: tl.constexpr,
     _tma_Q,
-    _tma_dN0,
+    _tma_dO,
     _tma_K,
     _tma_V,
     _tma__grad_Q,
@@ -1104,9 +1113,10 @@ def _l2_attention_bwd_dq_kernel(
     else:
         _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-        _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+        _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_gok_q[:, None], other=0.0)
+        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+    _gN0 = tl.load(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[:, None] * _st_gN0_q, mask=_gok_q[:, None], other=0.0)
     _dZ0 = tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[:, None] * _st_dZ0_q, mask=_gok_q[:, None], other=0.0)
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
 
@@ -1136,9 +1146,9 @@ def _l2_attention_bwd_dq_kernel(
         else:
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _dA0 = tl.dot(_dN0.to(tl.float32), tl.trans(_V.to(tl.float32)), input_precision=_WIDE)
+        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125
-        _dS = _dA0 + 2 * _S * _dZ0
+        _dS = _gN0 * _dP + 2 * _S * _dZ0
         _dR = _dS * 0.125
         _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
@@ -1164,9 +1174,9 @@ def _l2_attention_bwd_dq_kernel(
             else:
                 _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            _dA0 = tl.dot(_dN0.to(tl.float32), tl.trans(_V.to(tl.float32)), input_precision=_WIDE)
+            _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = _qk * 0.125
-            _dS = _dA0 + 2 * _S * _dZ0
+            _dS = _gN0 * _dP + 2 * _S * _dZ0
             _dR = _dS * 0.125
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
             _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
@@ -1178,35 +1188,31 @@ def _l2_attention_bwd_dq_kernel(
 
 
 def _l2_attention_preprocess(Q, K, V, dO, Z0, N0, _o):
-    """(dN0, dZ0): the backward's per-row values."""
+    """(gN0, dZ0): the backward's per-row values."""
     _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
     _check_device(_dev)
     _check_state({"dO": dO, "Z0": Z0, "N0": N0}, _sz, _dev)
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
-    # Not given or tuned: the block of q is halved while a thread would hold more than 160
-    # float32 values past the row sums (the tiles read again after them and those stored: it would spill).
-    while _opts["block_q"] is None and _br > 16 and _br * (64 + 64) > 160 * 32 * (_opts["num_warps"] or 4):
-        _br //= 2
-    dN0 = torch.empty(_shape("dN0", _sz), dtype=torch.float32, device=_dev)
+    gN0 = torch.empty(_shape("gN0", _sz), dtype=torch.float32, device=_dev)
     dZ0 = torch.empty(_shape("dZ0", _sz), dtype=torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if math.prod(_grid) > 0:
         _l2_attention_bwd_rows_kernel[_grid](
-            dO, Z0, N0, dN0, dZ0,
+            Z0, dO, N0, gN0, dZ0,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-            *_wire_strides(dO, "dO", _sz),
             *_wire_strides(Z0, "Z0", _sz),
+            *_wire_strides(dO, "dO", _sz),
             *_wire_strides(N0, "N0", _sz),
-            *_wire_strides(dN0, "dN0", _sz),
+            *_wire_strides(gN0, "gN0", _sz),
             *_wire_strides(dZ0, "dZ0", _sz),
             _BLOCK_q=_br, _BLOCK_d=64,
             num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
         )
-    return (dN0, dZ0,)
+    return (gN0, dZ0,)
 
 
-def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=None,
+def _l2_attention_backward(Q, K, V, dO, gN0, dZ0, _o, need, positions=None, lengths=None,
         grad_dtype="float32"):
     """The gradient of each input (float32 or the input's dtype: grad_dtype,
     see _in_input_dtype; or None), from the state; rows at global positions
@@ -1214,7 +1220,7 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
     _like = _in_input_dtype(grad_dtype)
     _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
-    _check_state({"dN0": dN0, "dZ0": dZ0}, _sz, _dev)
+    _check_state({"dO": dO, "gN0": gN0, "dZ0": dZ0}, _sz, _dev)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     # Options not given come from the backward's own tuned configs, never the
     # forward's (these kernels hold other tiles): kind "bwd" for dQ, "bwd_kv" for dK/dV.
@@ -1228,7 +1234,7 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
     # dQ: with no block given or tuned, the block of x is halved (down to 32) while a thread would hold
     # more than 160 float32 values (accumulator, product tiles, float32 operands: it would spill).
     while _opts["block_q"] is None and _opts["block_x"] is None and _bc > 32 \
-            and _br * 64 + _br * _bc + _br * _bc + _br * 64 + _bc * 64 > 160 * 32 * _warps:
+            and _br * 64 + _br * _bc + _br * _bc > 160 * 32 * _warps:
         _bc //= 2
     # The dK/dV kernel's tiles are [x, q], its x resident and its q streamed.  Blocks given
     # or tuned (its own entry) apply as given: the tuner timed them so.  With neither, x takes the
@@ -1246,11 +1252,11 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
         _kv_br, _kv_bc = _BLOCKS["x"], _BLOCKS["q"]
     _kv_warps = _kv_opts["num_warps"] or (8 if max(_kv_br, _kv_bc) >= 128 else 4)
     _kv_stages = _kv_opts["num_stages"] or 2
-    while _kv_default and _kv_br > 32 and (_kv_bc < 64 or _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br + _kv_bc * 64 + _kv_br * 64 > 160 * 32 * _kv_warps):
+    while _kv_default and _kv_br > 32 and (_kv_bc < 64 or _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br > 160 * 32 * _kv_warps):
         _kv_br //= 2
-    while _kv_default and _kv_bc > 64 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br + _kv_bc * 64 + _kv_br * 64 > 160 * 32 * _kv_warps:
+    while _kv_default and _kv_bc > 64 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br > 160 * 32 * _kv_warps:
         _kv_bc //= 2
-    while _kv_default and _kv_br > 16 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br + _kv_bc * 64 + _kv_br * 64 > 160 * 32 * _kv_warps:
+    while _kv_default and _kv_br > 16 and _kv_bc * 64 + _kv_bc * 64 + _kv_bc * _kv_br + _kv_bc * _kv_br > 160 * 32 * _kv_warps:
         _kv_br //= 2
     # Each program writes its block of dQ, dK, dV once, from a float32 accumulator: the kernel's
     # store rounds it to the buffer's dtype (round to nearest even, as torch's .to would).
@@ -1259,50 +1265,52 @@ def _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, positions=None, lengths=
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dN0": dN0, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
+        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
         _l2_attention_bwd_dkdv_kernel[_grid](
-            K, V, Q, dN0, dZ0, _grad_K, _grad_V,
+            K, V, Q, dO, gN0, dZ0, _grad_K, _grad_V,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
             *_wire_strides(K, "K", _sz),
             *_wire_strides(V, "V", _sz),
             *_wire_strides(Q, "Q", _sz),
-            *_wire_strides(dN0, "dN0", _sz),
+            *_wire_strides(dO, "dO", _sz),
+            *_wire_strides(gN0, "gN0", _sz),
             *_wire_strides(dZ0, "dZ0", _sz),
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
-            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, _WIDE="tf32" if Q.dtype in (torch.float16, torch.bfloat16) else "ieee", **_pos, **_kv_tma,
+            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, **_kv_tma,
             num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0]) and math.prod(_grid) > 0:
-        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dN0": dN0, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
+        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
         _l2_attention_bwd_dq_kernel[_grid](
-            Q, dN0, dZ0, K, V, _grad_Q,
+            Q, dO, gN0, dZ0, K, V, _grad_Q,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
             *_wire_strides(Q, "Q", _sz),
-            *_wire_strides(dN0, "dN0", _sz),
+            *_wire_strides(dO, "dO", _sz),
+            *_wire_strides(gN0, "gN0", _sz),
             *_wire_strides(dZ0, "dZ0", _sz),
             *_wire_strides(K, "K", _sz),
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _WIDE="tf32" if Q.dtype in (torch.float16, torch.bfloat16) else "ieee", **_pos, **_tma,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, **_tma,
             num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
         )
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 
 
 def l2_attention_preprocess(Q, K, V, dO, Z0, N0, *, block_q=None, num_warps=None):
-    """The backward's per-row values (dN0, dZ0), float32, from
+    """The backward's per-row values (gN0, dZ0), float32, from
     the inputs, the output gradient and the forward's saved state (dO, Z0, N0)."""
     return _l2_attention_preprocess(Q, K, V, dO, Z0, N0, (block_q, None, num_warps, None, None))
 
 
-def l2_attention_backward(Q, K, V, dN0, dZ0, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,
+def l2_attention_backward(Q, K, V, dO, gN0, dZ0, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,
         positions=None, lengths=None, grad_dtype="float32"):
     """The backward kernels, callable directly (distributed attention does):
-    (Q, K, V, dN0, dZ0) -> the gradient of each input, float32
+    (Q, K, V, dO, gN0, dZ0) -> the gradient of each input, float32
     (None for integer inputs and those ``need`` leaves out: one flag per input,
-    or a bit mask).  dN0, dZ0 come from l2_attention_preprocess and the
+    or a bit mask).  dO, gN0, dZ0 come from l2_attention_preprocess and the
     forward; rows may belong to a larger problem (merged lse, global delta).
     positions= / lengths= as the forward launcher's: global indices of the
     local rows of q and x, and the global sizes (x rows at
@@ -1310,7 +1318,7 @@ def l2_attention_backward(Q, K, V, dN0, dZ0, *, block_q=None, block_x=None, num_
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
     tma: as the forward launcher's, for the dQ and dK/dV kernels."""
-    return _l2_attention_backward(Q, K, V, dN0, dZ0, (block_q, block_x, num_warps, num_stages, tma), need,
+    return _l2_attention_backward(Q, K, V, dO, gN0, dZ0, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype)
 
 
@@ -1318,9 +1326,9 @@ def _l2_attention_grads(_ins, _outs, _grads, _o, need):
     Q, K, V, = _ins
     O, N0, Z0 = _outs
     dO, = _grads
-    dN0, dZ0, = _l2_attention_preprocess(Q, K, V, dO, Z0, N0, _o)
+    gN0, dZ0, = _l2_attention_preprocess(Q, K, V, dO, Z0, N0, _o)
     # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
-    return _l2_attention_backward(Q, K, V, dN0, dZ0, _o, need, grad_dtype="input")
+    return _l2_attention_backward(Q, K, V, dO, gN0, dZ0, _o, need, grad_dtype="input")
 
 
 # ---------------------------------------------------------------------------

@@ -53,7 +53,6 @@ _BLOCKS = {"q": 128, "x": 64}
 # The dimensions of what only training moves: saved row state, gradients.
 _BACKWARD_LAYOUTS = {
     "N0": (("b",), ("h",), ("q",), ("d",)),
-    "dN0": (("b",), ("h",), ("q",), ("d",)),
     "dO": (("b",), ("h",), ("q",), ("d",)),
     "_grad_Q": (("b",), ("h",), ("q",), ("d",)),
     "_grad_K": (("b",), ("h",), ("x",), ("d",)),
@@ -769,7 +768,7 @@ def _in_input_dtype(grad_dtype):
 
 # The dK/dV kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
 # moved its tiles.
-_TMA_DESCS_DKDV = (("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dN0", "dN0", (None, None, "q", "d")), ("_tma__grad_K", "_grad_K", (None, None, "x", "d")), ("_tma__grad_V", "_grad_V", (None, None, "x", "d")))
+_TMA_DESCS_DKDV = (("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dO", "dO", (None, None, "q", "d")), ("_tma__grad_K", "_grad_K", (None, None, "x", "d")), ("_tma__grad_V", "_grad_V", (None, None, "x", "d")))
 _tma_last_dkdv = {"used": False, "why": "tma not requested"}
 
 
@@ -778,7 +777,7 @@ def _sigmoid_attention_bwd_dkdv_kernel(
     K,
     V,
     Q,
-    dN0,
+    dO,
     _grad_K,
     _grad_V,
     _size_b,
@@ -797,10 +796,10 @@ def _sigmoid_attention_bwd_dkdv_kernel(
     _st_Q_h,
     _st_Q_q,
     _st_Q_d,
-    _st_dN0_b,
-    _st_dN0_h,
-    _st_dN0_q,
-    _st_dN0_d,
+    _st_dO_b,
+    _st_dO_h,
+    _st_dO_q,
+    _st_dO_d,
     _st__grad_K_b,
     _st__grad_K_h,
     _st__grad_K_x,
@@ -821,7 +820,7 @@ def _sigmoid_attention_bwd_dkdv_kernel(
     _tma_K,
     _tma_V,
     _tma_Q,
-    _tma_dN0,
+    _tma_dO,
     _tma__grad_K,
     _tma__grad_V,
     _TMA: tl.constexpr,
@@ -878,17 +877,17 @@ def _sigmoid_attention_bwd_dkdv_kernel(
         else:
             _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-            _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+            _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
         else:
-            _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d)
+            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
-        _dA0 = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dN0.to(Q.dtype.element_ty)), input_precision="ieee")
+        _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125
         _A0 = _sigmoid(_S - tl.log(_len_x * 1.0))
-        _dS = _A0 * (1 - _A0) * _dA0
+        _dS = _A0 * (1 - _A0) * _dP
         _dR = _dS * 0.125
         _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-        _acc_V += tl.dot(_A0.to(Q.dtype.element_ty), _dN0.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_V += tl.dot(_A0.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _rb in range(_fhi, _hi):
         _row0 = _rb * _BLOCK_q
@@ -910,18 +909,18 @@ def _sigmoid_attention_bwd_dkdv_kernel(
             else:
                 _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+                _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_gok_q[:, None], other=0.0)
+                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
-            _dA0 = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dN0.to(Q.dtype.element_ty)), input_precision="ieee")
+            _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = _qk * 0.125
             _A0 = _sigmoid(_S - tl.log(_len_x * 1.0))
-            _dS = _A0 * (1 - _A0) * _dA0
+            _dS = _A0 * (1 - _A0) * _dP
             _dR = _dS * 0.125
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
             _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-            _acc_V += tl.dot(tl.where(_ok, _A0, 0.0).to(Q.dtype.element_ty), _dN0.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_V += tl.dot(tl.where(_ok, _A0, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_K.to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
@@ -935,14 +934,14 @@ def _sigmoid_attention_bwd_dkdv_kernel(
 
 # The dQ kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
 # moved its tiles.
-_TMA_DESCS_DQ = (("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dN0", "dN0", (None, None, "q", "d")), ("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma__grad_Q", "_grad_Q", (None, None, "q", "d")))
+_TMA_DESCS_DQ = (("_tma_Q", "Q", (None, None, "q", "d")), ("_tma_dO", "dO", (None, None, "q", "d")), ("_tma_K", "K", (None, None, "x", "d")), ("_tma_V", "V", (None, None, "x", "d")), ("_tma__grad_Q", "_grad_Q", (None, None, "q", "d")))
 _tma_last_dq = {"used": False, "why": "tma not requested"}
 
 
 @triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
 def _sigmoid_attention_bwd_dq_kernel(
     Q,
-    dN0,
+    dO,
     K,
     V,
     _grad_Q,
@@ -954,10 +953,10 @@ def _sigmoid_attention_bwd_dq_kernel(
     _st_Q_h,
     _st_Q_q,
     _st_Q_d,
-    _st_dN0_b,
-    _st_dN0_h,
-    _st_dN0_q,
-    _st_dN0_d,
+    _st_dO_b,
+    _st_dO_h,
+    _st_dO_q,
+    _st_dO_d,
     _st_K_b,
     _st_K_h,
     _st_K_x,
@@ -980,7 +979,7 @@ def _sigmoid_attention_bwd_dq_kernel(
     _POS_q: tl.constexpr,
     _POS_x: tl.constexpr,
     _tma_Q,
-    _tma_dN0,
+    _tma_dO,
     _tma_K,
     _tma_V,
     _tma__grad_Q,
@@ -1010,9 +1009,9 @@ def _sigmoid_attention_bwd_dq_kernel(
     else:
         _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-        _dN0 = _tma_dN0.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+        _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _dN0 = tl.load(dN0 + _i_b * _st_dN0_b + _i_h * _st_dN0_h + _offs_q[:, None] * _st_dN0_q + _offs_d[None, :] * _st_dN0_d, mask=_gok_q[:, None], other=0.0)
+        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
 
     # The blocks of x this program visits: [_lo, _hi).
@@ -1041,10 +1040,10 @@ def _sigmoid_attention_bwd_dq_kernel(
         else:
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-        _dA0 = tl.dot(_dN0.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+        _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125
         _A0 = _sigmoid(_S - tl.log(_len_x * 1.0))
-        _dS = _A0 * (1 - _A0) * _dA0
+        _dS = _A0 * (1 - _A0) * _dP
         _dR = _dS * 0.125
         _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
@@ -1070,10 +1069,10 @@ def _sigmoid_attention_bwd_dq_kernel(
             else:
                 _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            _dA0 = tl.dot(_dN0.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
+            _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = _qk * 0.125
             _A0 = _sigmoid(_S - tl.log(_len_x * 1.0))
-            _dS = _A0 * (1 - _A0) * _dA0
+            _dS = _A0 * (1 - _A0) * _dP
             _dR = _dS * 0.125
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
             _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
@@ -1084,13 +1083,12 @@ def _sigmoid_attention_bwd_dq_kernel(
         tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
 
 
-def _sigmoid_attention_preprocess(Q, K, V, dO, _o):
-    """(dN0): the backward's per-row values."""
-    dN0 = dO
-    return (dN0,)
+def _sigmoid_attention_preprocess(Q, K, V, _o):
+    """(): this backward has no per-row values (its kernels read dO itself)."""
+    return ()
 
 
-def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=None,
+def _sigmoid_attention_backward(Q, K, V, dO, _o, need, positions=None, lengths=None,
         grad_dtype="float32"):
     """The gradient of each input (float32 or the input's dtype: grad_dtype,
     see _in_input_dtype; or None), from the state; rows at global positions
@@ -1098,7 +1096,7 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=
     _like = _in_input_dtype(grad_dtype)
     _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
-    _check_state({"dN0": dN0}, _sz, _dev)
+    _check_state({"dO": dO}, _sz, _dev)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     # Options not given come from the backward's own tuned configs, never the
     # forward's (these kernels hold other tiles): kind "bwd" for dQ, "bwd_kv" for dK/dV.
@@ -1143,14 +1141,14 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
     _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dN0": dN0, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
+        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
         _sigmoid_attention_bwd_dkdv_kernel[_grid](
-            K, V, Q, dN0, _grad_K, _grad_V,
+            K, V, Q, dO, _grad_K, _grad_V,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
             *_wire_strides(K, "K", _sz),
             *_wire_strides(V, "V", _sz),
             *_wire_strides(Q, "Q", _sz),
-            *_wire_strides(dN0, "dN0", _sz),
+            *_wire_strides(dO, "dO", _sz),
             *_wire_strides(_grad_K, "_grad_K", _sz),
             *_wire_strides(_grad_V, "_grad_V", _sz),
             _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, **_kv_tma,
@@ -1158,12 +1156,12 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=
         )
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0]) and math.prod(_grid) > 0:
-        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dN0": dN0, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
+        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
         _sigmoid_attention_bwd_dq_kernel[_grid](
-            Q, dN0, K, V, _grad_Q,
+            Q, dO, K, V, _grad_Q,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
             *_wire_strides(Q, "Q", _sz),
-            *_wire_strides(dN0, "dN0", _sz),
+            *_wire_strides(dO, "dO", _sz),
             *_wire_strides(K, "K", _sz),
             *_wire_strides(V, "V", _sz),
             *_wire_strides(_grad_Q, "_grad_Q", _sz),
@@ -1173,26 +1171,26 @@ def _sigmoid_attention_backward(Q, K, V, dN0, _o, need, positions=None, lengths=
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 
 
-def sigmoid_attention_preprocess(Q, K, V, dO, *, block_q=None, num_warps=None):
-    """The backward's per-row values (dN0), float32, from
-    the inputs, the output gradient and the forward's saved state (dO)."""
-    return _sigmoid_attention_preprocess(Q, K, V, dO, (block_q, None, num_warps, None, None))
+def sigmoid_attention_preprocess(Q, K, V, *, block_q=None, num_warps=None):
+    """The backward's per-row values: none (an empty tuple); sigmoid_attention_backward
+    reads the output gradient itself."""
+    return _sigmoid_attention_preprocess(Q, K, V, (block_q, None, num_warps, None, None))
 
 
-def sigmoid_attention_backward(Q, K, V, dN0, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,
+def sigmoid_attention_backward(Q, K, V, dO, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,
         positions=None, lengths=None, grad_dtype="float32"):
     """The backward kernels, callable directly (distributed attention does):
-    (Q, K, V, dN0) -> the gradient of each input, float32
+    (Q, K, V, dO) -> the gradient of each input, float32
     (None for integer inputs and those ``need`` leaves out: one flag per input,
-    or a bit mask).  dN0 come from sigmoid_attention_preprocess and the
-    forward; rows may belong to a larger problem (merged lse, global delta).
+    or a bit mask).  dO: the output's gradient (there is no row
+    state); rows may belong to a larger problem (merged lse, global delta).
     positions= / lengths= as the forward launcher's: global indices of the
     local rows of q and x, and the global sizes (x rows at
     positions >= its length contribute nothing).  grad_dtype="input": each
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
     tma: as the forward launcher's, for the dQ and dK/dV kernels."""
-    return _sigmoid_attention_backward(Q, K, V, dN0, (block_q, block_x, num_warps, num_stages, tma), need,
+    return _sigmoid_attention_backward(Q, K, V, dO, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype)
 
 
@@ -1200,9 +1198,8 @@ def _sigmoid_attention_grads(_ins, _outs, _grads, _o, need):
     Q, K, V, = _ins
     O, = _outs
     dO, = _grads
-    dN0, = _sigmoid_attention_preprocess(Q, K, V, dO, _o)
     # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
-    return _sigmoid_attention_backward(Q, K, V, dN0, _o, need, grad_dtype="input")
+    return _sigmoid_attention_backward(Q, K, V, dO, _o, need, grad_dtype="input")
 
 
 # ---------------------------------------------------------------------------

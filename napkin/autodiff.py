@@ -28,6 +28,8 @@ Normaliser layer (pure data: a ``GradRule``)
         (a) O = sum[x](softmax[x](S) * V)            dS = P * (dP - delta)
         (b) O = F(N_i.., Z_j..), N_i = sum[x](a_i(S) * V), Z_j = sum[x](c_j(S))
                                    dS = sum_i a_i'(S) dA_i + sum_j c_j'(S) dZ_j
+                                   dA_i = gN_i dP when each gN_i = dF/dN_i is
+                                   per row, else sum_f(dN_i * V)
         (c) lse = logsumexp[x](S) next to either:  dS += P * dlse
     A rule's expressions are ordinary IR over the diagram's inputs plus fixed
     placeholder names (``PLACEHOLDERS``), each with its wires in
@@ -405,8 +407,8 @@ def _s_call(e: ir.Call) -> ir.Expr:
 # inputs keep their own names (and may not use a placeholder name).
 # --------------------------------------------------------------------------
 
-PLACEHOLDERS = ("S", "R", "O", "dO", "lse", "dlse", "delta", "P", "dP", "dS", "dR")
-_INDEXED = re.compile(r"(N|Z|A|dN|dZ|dA)\d+")
+PLACEHOLDERS = ("S", "R", "O", "dO", "lse", "dlse", "delta", "P", "dP", "dS", "dR", "Aw")
+_INDEXED = re.compile(r"(N|Z|A|dN|dZ|dA|gN)\d+")
 
 
 def is_placeholder(name: str) -> bool:
@@ -474,7 +476,8 @@ class _Wires:
         return tuple(w for w in self.score if w not in self.value)
 
     def of(self, placeholder: str) -> tuple[str, ...]:
-        """A placeholder's wires: score-shaped, output-shaped (row + feat) or one per row."""
+        """A placeholder's wires: score-shaped (S, P, A_i, Aw and their gradients),
+        output-shaped (row + feat: O, N_i, dN_i) or one per row (lse, delta, Z_j, gN_i)."""
         base = placeholder[1:] if placeholder.startswith("d") and placeholder != "delta" else placeholder
         if base in ("S", "R", "P") or base[0] == "A":
             return self.score
@@ -543,23 +546,53 @@ def sums_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str],
     if not contractions:
         raise ValueError("an attention output needs at least one contraction with V")
     S, dO, V = _ref("S"), _ref("dO"), _ref(value)
-    A = [(_ref(f"A{i}"), _ref(f"dA{i}"), _ref(f"dN{i}"), a) for i, a in enumerate(contractions)]
+    A = [(_ref(f"A{i}"), a) for i, a in enumerate(contractions)]
     forward = [(f"N{i}", ir.Reduce("sum", (key,), ir.Binary("*", a, V))) for i, a in enumerate(contractions)]
     forward += [(f"Z{j}", ir.Reduce("sum", (key,), c)) for j, c in enumerate(rowsums)]
     forward.append(("O", output))
-    # dN_i = dO dF/dN_i; dZ_j = rowsum(dO dF/dZ_j), Z_j having no feature wire.
-    rows = [(f"dN{i}", _mul(dO, diff(output, _ref(f"N{i}")))) for i in range(len(A))]
-    rows += [(f"dZ{j}", _sum(w.feat, _mul(dO, diff(output, _ref(f"Z{j}"))))) for j in range(len(rowsums))]
-    tile = [(a_ref.name, a) for a_ref, _, _, a in A]
-    tile += [(da.name, ir.Reduce("sum", w.feat, ir.Binary("*", dn, V))) for _, da, dn, _ in A]
-    # dS = sum_i a_i'(S) dA_i + sum_j c_j'(S) dZ_j; a_i inside a_i' is read back as A_i.
+    # dZ_j = rowsum(dO dF/dZ_j), Z_j having no feature wire.
+    rows = [(f"dZ{j}", _sum(w.feat, _mul(dO, diff(output, _ref(f"Z{j}"))))) for j in range(len(rowsums))]
+    tile = [(a_ref.name, a) for a_ref, a in A]
     ds, dv = ZERO, ZERO
-    for a_ref, da, dn, a in A:
-        ds = _add(ds, _mul(substitute(diff(a, S), a, a_ref), da))
-        dv = _add(dv, ir.Binary("*", a_ref, dn))
+    g = [simplify(diff(output, _ref(f"N{i}"))) for i in range(len(A))]
+    if all(_per_row(gi) for gi in g):
+        # Each g_i = dF/dN_i is one number per row (it reads only Z_j and constants: L2, ReLU^2,
+        # sigmoid), so dA_i = sum_f(dO g_i * V) = g_i dP with one dP = sum_f(dO * V) for every i, a
+        # product of two 16-bit tiles as softmax's; and dV = sum_q (sum_i A_i g_i) dO, whose weight
+        # tile Aw is softmax's P.  The rows kernel keeps g_i (gN_i) per row, not dO g_i per element:
+        # nothing [rows, feature] is written or streamed; a constant g_i (sigmoid: 1) is no row value.
+        # equal factors (O = (N0 + N1) / b(Z)) share the first one's row value
+        gn = [gi if isinstance(gi, ir.Num) else _ref(f"gN{g.index(gi)}") for gi in g]
+        rows = [(f"gN{i}", gi) for i, gi in enumerate(g) if not isinstance(gi, ir.Num) and g.index(gi) == i] + rows
+        tile.append(("dP", ir.Reduce("sum", w.feat, ir.Binary("*", dO, V))))
+        weight = ZERO
+        for (a_ref, a), gi in zip(A, gn):
+            ds = _add(ds, _mul(substitute(diff(a, S), a, a_ref), _mul(gi, _ref("dP"))))
+            weight = _add(weight, _mul(a_ref, gi))
+        if not isinstance(weight, ir.TensorRef):  # a tile of its own, so dV is sum_q(tile * dO)
+            tile.append(("Aw", weight))
+            weight = _ref("Aw")
+        dv = ir.Binary("*", weight, dO)
+    else:
+        # Some g_i reads an N_k: dN_i = dO g_i is a [rows, feature] tile of its own (float32 row
+        # state), dA_i = sum_f(dN_i * V) and dV = sum_q sum_i A_i dN_i.
+        rows = [(f"dN{i}", _mul(dO, gi)) for i, gi in enumerate(g)] + rows
+        for (a_ref, a), i in zip(A, range(len(A))):
+            dn, da = _ref(f"dN{i}"), _ref(f"dA{i}")
+            tile.append((da.name, ir.Reduce("sum", w.feat, ir.Binary("*", dn, V))))
+            ds = _add(ds, _mul(substitute(diff(a, S), a, a_ref), da))
+            dv = _add(dv, ir.Binary("*", a_ref, dn))
+    # dS = sum_i a_i'(S) dA_i + sum_j c_j'(S) dZ_j; a_i inside a_i' is read back as A_i.
     for j, c in enumerate(rowsums):
         ds = _add(ds, _mul(diff(c, S), _ref(f"dZ{j}")))
     return _assemble("sums", w, value, lse_grad, forward, rows, tile, ds, dv, score, raw, input_layouts)
+
+
+def _per_row(g: ir.Expr) -> bool:
+    """Whether dF/dN_i is one value per row: built from constants, sizes and
+    the row sums Z_j alone (no N_k, no other tensor, no wire index)."""
+    return all(isinstance(n, ir.TensorRef) and re.fullmatch(r"Z\d+", n.name) and n.wires is None
+               or not isinstance(n, (ir.TensorRef, ir.WireIndex, ir.Reduce, ir.Normalize)) for n in ir.walk(g))
 
 
 def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, score, raw,

@@ -724,8 +724,51 @@ def test_sums_rule_built_directly():
 
     _ds_check(rule, forward)
     # exp's derivative reads the recomputed weight back instead of a second exp
-    assert B("*", ir.TensorRef("A0"), ir.TensorRef("dA0")) in list(ir.walk(rule.binding("dS")))
+    dP = B("*", ir.TensorRef("gN0"), ir.TensorRef("dP"))
+    assert B("*", ir.TensorRef("A0"), dP) in list(ir.walk(rule.binding("dS")))
     assert not any(isinstance(n, ir.Call) and n.fn == "exp" for n in ir.walk(rule.binding("dS")))
+    # dF/dN0 = dF/dN1 = 1 / sqrt(Z0 + 1), one per row: a single row value gN0 (no [rows, d] dN),
+    # one shared dP = dO . V, and dV's weight tile Aw = sum_i A_i gN_i
+    assert [n for n, _ in rule.rows] == ["gN0", "dZ0"] and rule.layout("gN0") == ("h", "q")
+    assert rule.binding("dP") == ir.Reduce("sum", ("d",), B("*", ir.TensorRef("dO"), ir.TensorRef("V")))
+    assert rule.binding("Aw") == B("+", B("*", ir.TensorRef("A0"), ir.TensorRef("gN0")),
+                                   B("*", ir.TensorRef("A1"), ir.TensorRef("gN0")))
+    assert not any(n.startswith(("dN", "dA")) for n, _ in rule.rows + rule.tile)
+
+
+def test_sums_rule_factor_reading_n_keeps_dn_tiles():
+    """When dF/dN_i reads an N_k (here O = N0 * N0 / (Z0 + 1)) it is no per-row
+    factor: the rule keeps dN_i = dO dF/dN_i, a [rows, feature] row value,
+    and dA_i = sum_f(dN_i * V)."""
+    S, N0, Z0 = ir.TensorRef("S"), ir.TensorRef("N0"), ir.TensorRef("Z0")
+    rule = sums_rule("x", ("h", "q", "x"), ("h", "x", "d"), [S], [B("*", S, S)],
+                     B("/", B("*", N0, N0), B("+", Z0, N(1))), score=S)
+
+    def forward(S_, V):
+        n = S_ @ V
+        return n * n / ((S_ * S_).sum(-1, keepdim=True) + 1)
+
+    _ds_check(rule, forward)
+    assert [n for n, _ in rule.rows] == ["dN0", "dZ0"] and rule.layout("dN0") == ("h", "q", "d")
+    assert rule.binding("dA0") == ir.Reduce("sum", ("d",), B("*", ir.TensorRef("dN0"), ir.TensorRef("V")))
+    assert "dP" not in dict(rule.tile) and "gN0" not in dict(rule.rows)
+
+
+def test_n_dependent_factor_through_grad_plan():
+    """The dN form end to end in float64: every input's gradient (dV from
+    sum_q A_0 dN_0 included) against autograd."""
+    def eager(Q, K, V, keep):
+        S = _scores(Q, K, keep, 0.0)
+        n = S @ V
+        return n * n / ((S * S).sum(-1, keepdim=True) + 1), None
+
+    text = HEAD + """S[b, h, q, x] = where(keep > 0, sum[d](Q * K) * |d|^-0.5, 0)
+N[b, h, q, d] = sum[x](S * V)
+O[b, h, q, d] = N * N / (sum[x](S * S) + 1)
+out O
+"""
+    rule, _ = _eager_check(text, eager, with_lse=False)
+    assert rule.kind == "sums" and "dN0" in dict(rule.rows) and "dA0" in dict(rule.tile)
 
 
 def test_softmax_rule_dS_directly():

@@ -525,29 +525,30 @@ def _all_launches(m, name, sizes, monkeypatch, **options):
 
 @pytest.mark.parametrize("name", SUM_NORMALISED)
 def test_sum_normaliser_default_tiles(name, folder, monkeypatch):
-    """dN = dO / b(Z) is float32 row state, so the products it enters are
-    taken in float32 and their operands (V and dN) are held as float32 tiles
-    too: dK/dV's default tile counts them (HELD_FP32).  Head dim 64 (the
-    examples): 128 keys by 32 rows; head dim 128: 64 keys by 32 rows, 8
-    warps, and dQ's 64 keys halve to 32.  The rows kernel's 128 rows halve
-    to 64 at head dim 128 (dO and dN outlive its row sum).  The
-    launcher runs the rule dkdv_default_tile evaluates for the cost pass,
-    and those products get the launcher's precision (_WIDE)."""
+    """dF/dN = 1 / b(Z) is one float32 value a row (gN0), so dA = gN0 * dP
+    with dP = dO . V a 16-bit product as softmax's, and dV's weight tile
+    A0 * gN0 enters its product in the kernel dtype as softmax's P: nothing
+    is held in float32 beyond softmax's tiles, and the default tiles are
+    softmax's (head dim 64: dK/dV 128 keys by 64 rows; 128: by 32 rows; dQ
+    128 rows by 64 keys; the rows kernel holds no [rows, feature] tile past
+    its row sum: 128 rows).  No product is widened to float32 (no _WIDE).
+    The launcher runs the rule dkdv_default_tile evaluates for the cost pass."""
     from napkin.codegen import lower, training
     from napkin.codegen.backward_emit import dkdv_default_tile, dq_default_tile
 
     sizes = {"b": 1, "h": 2, "q": 40, "x": 50}
-    for replace, kv, dq, rows in (((), (32, 128, 8), (128, 64, 8), (128, None, 4)),
-                                  ((HEAD_128,), (32, 64, 8), (128, 32, 8), (64, None, 4))):
+    for replace, kv, dq, rows in (((), (64, 128, 8), (128, 64, 8), (128, None, 4)),
+                                  ((HEAD_128,), (32, 128, 8), (128, 64, 8), (128, None, 4))):
         m = example(name, folder, *replace)
         got, calls = _all_launches(m, name, sizes, monkeypatch)
         assert got == {"rows": rows, "dkdv": kv, "dq": dq}, replace
-        assert calls["dkdv"].calls[0][1]["_WIDE"] == calls["dq"].calls[0][1]["_WIDE"] == "tf32"
+        assert "_WIDE" not in calls["dkdv"].calls[0][1] and "_WIDE" not in calls["dq"].calls[0][1]
         text = (REPO / "examples" / f"{name}.ncd").read_text()
         for old, new in replace:
             text = text.replace(old, new)
         plan = training.prepare(lower.lower(napkin.load_text(text, f"{name}.ncd"))).backward
         assert dkdv_default_tile(plan, sizes) == kv and dq_default_tile(plan, sizes) == dq
+        assert plan.row_outputs == ("gN0", "dZ0") and plan.state == ("dO", "gN0", "dZ0")
     # blocks given still apply to every kernel as given
     got, _ = _all_launches(m, name, sizes, monkeypatch, block_q=16, block_x=32)
     assert got == {"rows": (16, None, 4), "dkdv": (16, 32, 4), "dq": (16, 32, 4)}
@@ -559,9 +560,8 @@ def test_sum_normaliser_default_tiles(name, folder, monkeypatch):
     if (name, head, dtype) != ("relu2_attention", 128, torch.float32)],
     ids=lambda v: v if isinstance(v, str) else f"d{v}" if isinstance(v, int) else str(v).replace("torch.", ""))
 def test_sum_normaliser_default_tile_gradients(name, head, dtype, folder):
-    """The launch with no options (head dim 64: dK/dV at 128 keys by 32 rows,
-    dQ at 128 rows by 64 keys; 128: 64 keys by 32 rows, dQ at 128 by 32, the
-    rows kernel at 64 rows),
+    """The launch with no options (softmax's tiles: head dim 64, dK/dV at 128
+    keys by 64 rows; 128: by 32 rows; dQ at 128 rows by 64 keys),
     ragged sizes that leave partial blocks of both wires, against float64
     autograd.  (ReLU² at head dim 128 in fp32 is left out: seed 3 puts a row
     with a single positive score there, where its weight gradient cancels at
@@ -574,13 +574,47 @@ def test_sum_normaliser_default_tile_gradients(name, head, dtype, folder):
     assert_accurate(got, exact, gradients(m.reference, inputs), f"{name} d{head} {dtype}, default blocks", dtype)
 
 
-@pytest.mark.parametrize("name", SUM_NORMALISED)
-def test_sum_normaliser_tf32_products_are_accurate_enough(name, folder, monkeypatch):
-    """With 16-bit inputs the products widened to float32 run as tf32 on
-    tensor cores (backward_emit._wide_precision).  The interpreter computes
-    every product in full float32, so here its tf32 products take operands
-    truncated to tf32's 10 stored mantissa bits (coarser than the hardware's
-    rounding): fp16 gradients still meet the rule of the module docstring."""
+# dF/dN0 = 2 N0 / (Z0 + 1) reads N0: no per-row factor, so the backward keeps
+# dN0 = dO dF/dN0 as float32 [rows, d] row state and widens the products it
+# enters (dA0 = dN0 . V, dV += A0^T dN0) to float32 (autodiff.sums_rule).
+N_SQUARED = """
+diagram n_squared
+wire b, h, q, x
+wire d = 64
+in Q[b, h, q, d] : fp16
+in K[b, h, x, d] : fp16
+in V[b, h, x, d] : fp16
+S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5
+N[b, h, q, d] = sum[x](S * V)
+O[b, h, q, d] : fp16 = N * N / (sum[x](S * S) + 1)
+out O
+"""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_factor_reading_n_keeps_float32_dn(dtype, folder):
+    """The dN form: the rows kernel stores dN0 [rows, d] in float32, the
+    main kernels take its products in float32 (_WIDE: tf32 for 16-bit
+    inputs), and the gradients meet the rule, at given and default tiles."""
+    m = compile_text(N_SQUARED, "n_squared", folder)
+    src = Path(m.__file__).read_text()
+    assert "_dA0 = tl.dot(" in src and ".to(tl.float32)" in src and "_dP" not in src
+    assert m._n_squared_preprocess.__doc__.startswith("(dN0, dZ0)")
+    sizes = {"b": 1, "h": 2, "q": 70, "x": 150}
+    check(m, sizes, dtype, seed=3, label=f"n_squared {dtype}", block_q=16, block_x=32)
+    inputs = m.example_inputs(sizes, dtype=dtype, seed=3)
+    got = gradients(launcher(m), inputs)
+    exact = gradients(m.reference, [t.double() for t in inputs])
+    assert_accurate(got, exact, gradients(m.reference, inputs), f"n_squared {dtype}, default blocks", dtype)
+
+
+def test_widened_tf32_products_are_accurate_enough(folder, monkeypatch):
+    """With 16-bit inputs the products widened to float32 (the dN form,
+    N_SQUARED) run as tf32 on tensor cores (backward_emit._wide_precision).
+    The interpreter computes every product in full float32, so here its tf32
+    products take operands truncated to tf32's 10 stored mantissa bits
+    (coarser than the hardware's rounding): fp16 gradients still meet the
+    rule of the module docstring."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -595,12 +629,12 @@ def test_sum_normaliser_tf32_products_are_accurate_enough(name, folder, monkeypa
         return real(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", tf32_dot)
-    m = example(name, folder, HEAD_128)
+    m = compile_text(N_SQUARED.replace("wire d = 64", "wire d = 128"), "n_squared_128", folder)
     inputs = m.example_inputs({"b": 1, "h": 1, "q": 70, "x": 150}, dtype=torch.float16, seed=4)
     got = gradients(launcher(m), inputs)
     assert seen, "no product ran as tf32"
     exact = gradients(m.reference, [t.double() for t in inputs])
-    assert_accurate(got, exact, gradients(m.reference, inputs), f"{name}, tf32 products", torch.float16)
+    assert_accurate(got, exact, gradients(m.reference, inputs), "n_squared, tf32 products", torch.float16)
 
 
 def _tf32(x):

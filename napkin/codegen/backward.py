@@ -4,7 +4,11 @@ score tile from Q, K and the saved row state instead of storing it.
 
 * ROWS (the "preprocess"): one program per (block of rows, batch index);
   computes the rule's per-row values (delta = rowsum(dO * O) - dlse for
-  softmax; dN_i, dZ_j for a sum of weights) from dO and the saved state.
+  softmax; for a sum of weights dZ_j and the factors gN_i = dF/dN_i, one
+  float32 value a row each, or dN_i = dO dF/dN_i, a float32 [rows, feature]
+  tile, where some dF/dN_i reads an N_k) from dO and the saved state.  A
+  rule with no computed row value (sigmoid attention: dF/dN_0 = 1) has no
+  rows kernel.
 * DKDV: one program per (block of the streamed wire x, index of each batch
   wire K and V have); loops over the batch wires they lack (the g query
   heads of a GQA group) and over exactly the row blocks whose forward loop
@@ -145,7 +149,7 @@ class BackwardPlan:
     state: tuple[str, ...]              # what the main kernels read besides the inputs (dO, lse, delta)
     row_inputs: tuple[str, ...]         # what the rows kernel reads (dO, O, dlse)
     row_outputs: tuple[str, ...]        # what it writes (delta), each stored as float32
-    aliases: tuple[tuple[str, str], ...]  # row values that are another placeholder (dN0 = dO)
+    aliases: tuple[tuple[str, str], ...]  # row values that are another placeholder (a dN_i = dO)
     grads: tuple[str, ...]              # float inputs that get a gradient, in input order
     kernels: tuple[Kernel, ...]
     axes: tuple[tuple[str, tuple[ir.Axis, ...]], ...]  # backward tensor -> its stored layout
@@ -276,6 +280,7 @@ class _Builder:
                 if isinstance(n, ir.TensorRef) and autodiff.is_placeholder(n.name) and n.name not in bound:
                     used.append(n.name)
         first = ["dO", "lse", "delta", "dlse"]
+        first += [n for n, _ in self.rule.rows if n not in first]  # then the row values, in order
         return tuple(n for n in first if n in used) + tuple(sorted(set(used) - set(first)))
 
     # ---- kernels ----
@@ -294,7 +299,8 @@ class _Builder:
         used = []
         for _, e in rule.rows:
             used += [n.name for n in ir.walk(e) if isinstance(n, ir.TensorRef) and n.name not in used]
-        self.row_inputs = tuple(used)
+        # dO first (the public NAME_preprocess's order), then the rest as the row values read them
+        self.row_inputs = tuple(n for n in ["dO"] if n in used) + tuple(n for n in used if n != "dO")
         if not computed:
             return None
         loads = _Loads(self.bd, "pre", self.taken({f"_{n}" for n, _ in rule.rows}))

@@ -47,7 +47,8 @@ from .exprs import triton
 # keep what one thread holds in float32 under this many values.  dK/dV: its
 # accumulators ([x, feature]: dK, dV), its product tiles ([x, q]: the scores,
 # dP) and the operands of the products it widens to float32 for its row state
-# (_wide_operands: a sum normaliser's V and dN, [x, feature] and [q, feature]).
+# (_wide_operands: V and dN of a sum normaliser whose dF/dN reads an N,
+# [x, feature] and [q, feature]; L2, ReLU^2 and sigmoid attention have none).
 # Its rows are halved down to 32, then its keys down to 64 (one warpgroup's
 # wgmma rows), then its rows down to 16.  Set by compiling for sm_90
 # (napkin.bench.aot, bf16, 8 warps, 128 keys): softmax at head dim 128 with 64
@@ -62,15 +63,19 @@ from .exprs import triton
 # tiles whole), unseen by the count: the rows are halved to 32 there
 # whatever it says (decode: 16 keys by 64 rows, 4 warps,
 # spilled 44 B on 3.9 and 84 B on 3.6 at head dim 128, 8 B and 28 B at 64;
-# by 32 rows none).  L2 and ReLU^2 attention at
-# head dim 128 (V and dN in float32 too, their products in tf32) spill on
-# Triton 3.9 at 128 keys by 32 rows (240 a thread; ReLU^2 also by 16 rows,
-# 216), and at 64 keys by 32 rows (128) in neither (on Triton 3.6 both still
-# spill there: V is a float32 register operand of wgmma, docs/bench.md).  The rows
+# by 32 rows none).  L2 and ReLU^2 attention once
+# took dN = dO / b(Z) as a float32 [q, feature] tile into tf32 products with
+# V: at head dim 128 they spilled on Triton 3.9 at 128 keys by 32 rows (240 a
+# thread) and on 3.6 even at 64 by 32 (V a float32 register operand of
+# wgmma).  Now their dF/dN is a per-row factor (_dt) and their tiles count
+# as softmax's: compiled for sm_90 at their default tiles (128 keys by 32
+# rows at head dim 128, by 64 at 64) none of their backward kernels spills on
+# Triton 3.9 or 3.6 (dK/dV at head dim 128: 236 / 243 registers on 3.9,
+# 234 / 241 on 3.6).  The rows
 # kernel (one row block, no loop, 4 warps) holds what outlives its row sums:
 # the loaded [q, feature] tiles read again after them and the tiles it stores
-# (L2 at head dim 128: dO and dN, 256 a thread at 128 rows spilled; softmax
-# reads nothing after its one sum and holds nothing: unchanged).
+# (a dN form at head dim 128: dO and dN, 256 a thread at 128 rows spilled;
+# softmax, L2 and ReLU^2 read nothing [q, feature] after their sums: unchanged).
 HELD_FP32 = 160
 
 
@@ -133,9 +138,10 @@ def dkdv_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, i
 def dq_default_tile(plan: BackwardPlan, sizes, num_warps=None) -> tuple[int, int, int]:
     """(row block, key block, warps) of the dQ kernel when no block is given
     or tuned: the schedule's blocks, the keys halved (down to 32) while a
-    thread would hold more than HELD_FP32 float32 values.  Softmax never
-    reaches that at head dims 64 and 128; L2 and ReLU^2 attention at head dim
-    128 (dN and V in float32 too) run 32 keys, where 64 spilled on Triton 3.6.
+    thread would hold more than HELD_FP32 float32 values.  Softmax (and L2,
+    ReLU^2 and sigmoid attention, whose products are softmax's) never reaches
+    that at head dims 64 and 128; a dN form at head dim 128 (dN and V in
+    float32 too) runs 32 keys, where 64 spilled L2's on Triton 3.6.
     The rule templates/training.py.jinja runs, evaluated for the cost pass."""
     blocks = dict(plan.forward.blocks)
     br, bc = blocks[plan.row], blocks[plan.col]
@@ -217,9 +223,14 @@ def _real(plan: BackwardPlan, w: str) -> str:
 
 def _dt(plan: BackwardPlan, *tensors: str) -> str:
     """The dtype a product is taken in: the kernel dtype, or float32 when a
-    factor is float32 row state (dN_i = dO / b(Z), which may be huge where
-    b(Z) is tiny: rounded to 16 bits it would overflow, and it often
-    cancels against dZ_j)."""
+    factor is float32 row state.  Only a sum normaliser's dN_i = dO dF/dN_i
+    is ever such a factor, and only where dF/dN_i reads an N_k (autodiff.
+    sums_rule): it may be huge where the normaliser is tiny (rounded to 16
+    bits it would overflow) and it often cancels against dZ_j.  Where each
+    dF/dN_i is a per-row factor gN_i (L2, ReLU^2, sigmoid attention) no
+    float32 row state enters a product: dP = dO . V and dV's weights
+    sum_i A_i gN_i (bounded by the weights' own normalisation) are taken in
+    the kernel dtype as softmax's dP and P, and gN_i multiplies elementwise."""
     narrow = {"dO", "O"} | {n for n, src in plan.aliases if src in ("dO", "O")}
     wide = {n for n, _ in plan.axes if n not in narrow and not n.startswith("_grad_")}
     return "tl.float32" if wide & set(tensors) else f"{plan.q}.dtype.element_ty"
@@ -240,7 +251,7 @@ def _widens(plan: BackwardPlan, dt: str) -> bool:
 
 def _wide_precision(plan: BackwardPlan) -> str:
     """The launch argument _WIDE: the precision of the products widened to
-    float32 for row state.  With 16-bit inputs, tf32: its range is float32's
+    float32 for row state (dN, where dF/dN reads an N: _dt).  With 16-bit inputs, tf32: its range is float32's
     (dN = dO / b(Z) never overflows, the reason they are widened) and its 10
     stored mantissa bits as many as fp16's (bf16 has 7), while
     an "ieee" float32 product has no tensor core: Triton runs it as FMAs
