@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -866,3 +867,40 @@ def test_device_sh_refuses_an_unknown_verb_and_run_without_out():
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     no_out = subprocess.run(["bash", script, "run", "env"], env=env, capture_output=True, text=True, timeout=30)
     assert no_out.returncode != 0 and "device tool" in no_out.stderr
+
+
+@pytest.mark.parametrize("stage, files, seqlens", [
+    ("main", ["attention", "causal"], [16384]),
+    ("variants", ["sliding_window", "softcap", "alibi", "document_mask", "gqa"], [16384]),
+    ("others", ["sigmoid_attention", "l2_attention", "relu2_attention"], [16384]),
+    ("sweep", ["attention", "causal"], [1024, 2048, 4096, 8192, 16384])])
+def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, seqlens):
+    """Each run_h100.sh stage's bench command, as the stage builds it (PYTHON
+    is a stand-in that records its arguments), parses with napkin bench's own
+    parser and names bundled examples: a GPU session's minutes are not lost
+    to a typo in a flag."""
+    import shlex
+    import subprocess
+
+    log = tmp_path / "calls.jsonl"
+    (tmp_path / "record.py").write_text("import json, os, sys\n"
+                                        "with open(os.environ['CALLS'], 'a') as f:\n"
+                                        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    shim = tmp_path / "python"
+    shim.write_text(f"#!/usr/bin/env bash\nexec {shlex.quote(sys.executable)} {tmp_path / 'record.py'} \"$@\"\n")
+    shim.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "NAPKIN_TUNE_BUDGET"}
+    env |= {"PYTHON": str(shim), "NAPKIN_BENCH_OUT": str(tmp_path / "out"), "CALLS": str(log)}
+    done = subprocess.run(["bash", str(REPO / "bench" / "run_h100.sh"), stage], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (call,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert call[:2] == ["-m", "napkin.bench"]
+    args = harness.build_parser().parse_args(call[2:])
+    assert [Path(f).stem for f in args.files] == files and all((REPO / f).is_file() for f in args.files)
+    assert args.preset == "h100" and args.out == str(tmp_path / "out")
+    assert harness.parse_list(args.seqlen, "seqlen") == seqlens
+    assert harness.parse_list(args.head_dim, "head-dim") == ([64, 128] if stage == "sweep" else [128])
+    assert args.autotune == (stage != "sweep")
+    if stage == "variants":
+        assert args.group == 4
