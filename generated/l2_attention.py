@@ -840,9 +840,9 @@ def _l2_attention_bwd_rows_kernel(
     _Z0 = _Z0.to(tl.float32)
     _dO = _dO.to(tl.float32)
     _N0 = _N0.to(tl.float32)
-    _sum0 = tl.sum(_dO * -(_N0 / (2 * tl.sqrt(_Z0 + 1e-06)) / (tl.sqrt(_Z0 + 1e-06) * tl.sqrt(_Z0 + 1e-06))), 1)[:, None]
+    _sum0 = tl.sum(_dO * _N0, 1)[:, None]
     _gN0 = 1 / tl.sqrt(_Z0 + 1e-06)
-    _dZ0 = _sum0
+    _dZ0 = -0.5 / tl.sqrt(_Z0 + 1e-06) / tl.sqrt(_Z0 + 1e-06) / tl.sqrt(_Z0 + 1e-06) * _sum0
 
     tl.store(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[:, None] * _st_gN0_q, _gN0.to(gN0.dtype.element_ty), mask=_ok_q[:, None])
     tl.store(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[:, None] * _st_dZ0_q, _dZ0.to(dZ0.dtype.element_ty), mask=_ok_q[:, None])

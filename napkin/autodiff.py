@@ -551,7 +551,7 @@ def sums_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str],
     forward += [(f"Z{j}", ir.Reduce("sum", (key,), c)) for j, c in enumerate(rowsums)]
     forward.append(("O", output))
     # dZ_j = rowsum(dO dF/dZ_j), Z_j having no feature wire.
-    rows = [(f"dZ{j}", _sum(w.feat, _mul(dO, diff(output, _ref(f"Z{j}"))))) for j in range(len(rowsums))]
+    rows = [(f"dZ{j}", _row_sum(w.feat, dO, simplify(diff(output, _ref(f"Z{j}"))))) for j in range(len(rowsums))]
     tile = [(a_ref.name, a) for a_ref, a in A]
     ds, dv = ZERO, ZERO
     g = [simplify(diff(output, _ref(f"N{i}"))) for i in range(len(A))]
@@ -586,6 +586,19 @@ def sums_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str],
     for j, c in enumerate(rowsums):
         ds = _add(ds, _mul(diff(c, S), _ref(f"dZ{j}")))
     return _assemble("sums", w, value, lse_grad, forward, rows, tile, ds, dv, score, raw, input_layouts)
+
+
+def _row_sum(feat: tuple[str, ...], dO: ir.Expr, g: ir.Expr) -> ir.Expr:
+    """sum[feat](dO * g) with g's per-row factors (_per_row) taken out of the
+    sum: L2's dF/dZ = -N / (2 b(Z) b(Z)^2) becomes -1 / (2 b(Z) b(Z)^2) *
+    sum[feat](dO * N), so the rows kernel computes its factor once a row, not
+    once an element (a float32 division each) over a [rows, feature] tile."""
+    factors = _factors(g)
+    outside = [(f, p) for f, p in factors if _per_row(f)]
+    if not outside:
+        return _sum(feat, _mul(dO, g))
+    inside = [(f, p) for f, p in factors if not _per_row(f)]
+    return _mul(_product(outside), _sum(feat, _mul(dO, _product(inside)) if inside else dO))
 
 
 def _per_row(g: ir.Expr) -> bool:

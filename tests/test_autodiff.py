@@ -734,6 +734,11 @@ def test_sums_rule_built_directly():
     assert rule.binding("Aw") == B("+", B("*", ir.TensorRef("A0"), ir.TensorRef("gN0")),
                                    B("*", ir.TensorRef("A1"), ir.TensorRef("gN0")))
     assert not any(n.startswith(("dN", "dA")) for n, _ in rule.rows + rule.tile)
+    # dF/dZ0's per-row factors stand outside its feature sum (autodiff._row_sum): the rows
+    # kernel computes them once a row, and only dO * (N0 + N1) once an element
+    dz = dict(rule.rows)["dZ0"]
+    (total,) = [n for n in ir.walk(dz) if isinstance(n, ir.Reduce)]
+    assert total.body == B("*", ir.TensorRef("dO"), B("+", ir.TensorRef("N0"), ir.TensorRef("N1"))), total
 
 
 def test_sums_rule_factor_reading_n_keeps_dn_tiles():
