@@ -577,7 +577,7 @@ def sums_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str],
         # Some g_i reads an N_k: dN_i = dO g_i is a [rows, feature] tile of its own (float32 row
         # state), dA_i = sum_f(dN_i * V) and dV = sum_q sum_i A_i dN_i.
         rows = [(f"dN{i}", _mul(dO, gi)) for i, gi in enumerate(g)] + rows
-        for (a_ref, a), i in zip(A, range(len(A))):
+        for i, (a_ref, a) in enumerate(A):
             dn, da = _ref(f"dN{i}"), _ref(f"dA{i}")
             tile.append((da.name, ir.Reduce("sum", w.feat, ir.Binary("*", dn, V))))
             ds = _add(ds, _mul(substitute(diff(a, S), a, a_ref), da))

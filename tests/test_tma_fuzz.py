@@ -27,7 +27,6 @@ descriptor cannot do: those launches fall back to the pointer code.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import sys
 import tempfile
@@ -43,14 +42,13 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import napkin  # noqa: E402
 from napkin import ir  # noqa: E402
-from napkin.codegen import emit_module  # noqa: E402
 from napkin.errors import NapkinError  # noqa: E402
 from napkin.printer import to_text  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from strategies import attention_diagrams  # noqa: E402
+import test_backward as tb  # noqa: E402  (its compile_text)
 
 # Bitwise equality is the interpreter's (on a GPU the two codes compile to other instruction orders).
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
@@ -59,7 +57,7 @@ TF_KERNELS = ("_tma_last", "_tma_last_dq", "_tma_last_dkdv")
 TF_TORCH = {"fp16": torch.float16, "fp32": torch.float32}
 TF_HEADS = (8, 16, 24, 32, 40, 48, 64, 80, 96, 128)
 TF_SEQ = (1, 16, 17, 33, 50, 64, 100)
-_TF_MODULES: dict[str, object] = {}
+_TF_REFUSED: set[str] = set()   # texts napkin refuses (tma_fuzz_module)
 _TF_FOLDER = Path(tempfile.mkdtemp(prefix="napkin_tma_fuzz_"))
 # How often each kernel took its descriptors, over every case run in this process.
 tma_fuzz_stats: Counter = Counter()
@@ -261,23 +259,16 @@ def tma_fuzz_cases(draw) -> TmaCase:
 
 
 def tma_fuzz_module(text: str):
-    """The case's generated module (imported once per text); None when napkin refuses the diagram."""
+    """The case's generated module (test_backward.compile_text: emitted and
+    imported once per text); None when napkin refuses the diagram."""
     key = f"tf_{zlib.crc32(text.encode()):08x}"
-    if key not in _TF_MODULES:
-        try:
-            src = emit_module(napkin.load_text(text, f"{key}.ncd"), source_text=text,
-                                             source_path=f"{key}.ncd")
-        except NapkinError:
-            _TF_MODULES[key] = None
-            return None
-        path = _TF_FOLDER / f"{key}.py"
-        path.write_text(src)
-        spec = importlib.util.spec_from_file_location(f"_napkin_tma_fuzz_{key}", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        _TF_MODULES[key] = mod
-    return _TF_MODULES[key]
+    if key in _TF_REFUSED:
+        return None
+    try:
+        return tb.compile_text(text, key, _TF_FOLDER)
+    except NapkinError:
+        _TF_REFUSED.add(key)
+        return None
 
 
 def _tf_view(t: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
@@ -638,7 +629,7 @@ if __name__ == "__main__":   # the long offline run: python tests/test_tma_fuzz.
     _tf_offline()
     print(f"{n} cases in {time.time() - t0:.0f}s; failures: {len(failures)}")
     print(dict(tma_fuzz_stats))
-    for case, tb in failures[:20]:
+    for case, trace in failures[:20]:
         print("=" * 70)
         print(repr(case))
-        print(tb[-3000:])
+        print(trace[-3000:])

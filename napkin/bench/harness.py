@@ -191,6 +191,7 @@ def run(args, prog: str) -> int:
         * len(grid["batch"] or [1]) * len(grid["heads"] or [1])
     grid["tune_budget"] = args.tune_budget or tune_budget(points, 1 if args.no_backward else 3)
     rows, failed, paths = [], False, None
+    command = command_line(args, prog)
     variants = [(path, dtype, head_dim) for path in args.files for dtype in dtypes for head_dim in head_dims]
     with tempfile.TemporaryDirectory(prefix="napkin-bench-") as build:
         for done, (path, dtype, head_dim) in enumerate(variants, 1):
@@ -204,12 +205,12 @@ def run(args, prog: str) -> int:
             if rows and done < len(variants):
                 # what is measured so far, rewritten after each: a run stopped at a
                 # GPU session's time limit keeps it (the last write drops the mark)
-                partial = _record(rows, command_line(args, prog), device, reps) \
+                partial = _record(rows, command, device, reps) \
                     | {"partial": f"written after {done} of {len(variants)} diagram/dtype/head-dim variants"}
                 paths = results.write(partial, args.out, paths)
     if not rows:
         return 1
-    data = _record(rows, command_line(args, prog), device, reps)
+    data = _record(rows, command, device, reps)
     json_path, md_path = results.write(data, args.out, paths)
     print(results.markdown(data))
     print(f"wrote {json_path} and {md_path}")
