@@ -531,7 +531,28 @@ def _tma_args(tma, descs, tensors, sizes, blocks, device, pos, last, padded=("x"
     return args
 
 
-@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x"])
+# Chunks of x (flash-decoding's split of the keys, napkin/codegen/emit.py
+# chunk_state): the schedule's chunk (group x by C beside its stream), or None.
+_SCHEDULE_CHUNK = None
+
+
+def _chunks(chunk, block, n):
+    """(chunk length, number of chunks) of x for a launch; (0, 1) runs it
+    whole.  chunk=None takes the schedule's (grown to the block when a tuned
+    block is longer), 0 none; a given one is a power of two and a whole number
+    of blocks.  A single chunk runs whole: nothing to merge."""
+    if chunk is None:
+        chunk = _SCHEDULE_CHUNK and max(_SCHEDULE_CHUNK, block)
+    elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be None, 0 or a power of two, not {chunk!r}")
+    elif chunk and chunk < block:
+        raise ValueError(f"chunk={chunk} is shorter than block_x={block}: a chunk is whole blocks")
+    if not chunk or n <= chunk:
+        return 0, 1
+    return chunk, triton.cdiv(n, chunk)
+
+
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x", "_n_chunks"])
 def _attention_kernel(
     Q,
     K,
@@ -576,6 +597,9 @@ def _attention_kernel(
     _tma_V,
     _tma_O,
     _TMA: tl.constexpr,
+    _part,
+    _n_chunks,
+    _CHUNK: tl.constexpr,
 ):
     # Program ids: axis 0 is a block of q, axis 1 one index of each batch wire.
     _pid = tl.program_id(0)
@@ -593,6 +617,7 @@ def _attention_kernel(
         _idx_q = _offs_q
         _gok_q = _ok_q
     _offs_d = tl.arange(0, _BLOCK_d)
+
 
     # Tiles without x: loaded once per program.
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
@@ -617,6 +642,11 @@ def _attention_kernel(
     if not _POS_q:
         if not _POS_x:
             _fhi = _size_x // _BLOCK_x * _BLOCK_x  # no mask: every block but a ragged last one
+    if _CHUNK:  # one chunk of x per program (grid axis 2): the range cut to it
+        _c0 = tl.program_id(2) * _CHUNK
+        _lo = tl.maximum(_lo, _c0)
+        _hi = tl.minimum(_hi, _c0 + _CHUNK)
+        _fhi = tl.minimum(tl.maximum(_fhi, _lo), _hi)
     # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
     for _start in range(_lo, _fhi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -679,7 +709,108 @@ def _attention_kernel(
                 _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
             _l = _l * _alpha + tl.sum(_p, 1)[:, None]
 
-    # Finalise and store each output once.
+    if _CHUNK:  # a chunk's state, for _attention_merge
+        _W = 2 + _BLOCK_d  # the state's float32 width per row
+        _at = _part + ((tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1).to(tl.int64)) * _size_q + _offs_q[:, None]) * _W
+        tl.store(_at + 0, _m, mask=_ok_q[:, None])
+        tl.store(_at + 1 + _offs_d[None, :], _acc, mask=_ok_q[:, None])
+        tl.store(_at + 1 + _BLOCK_d, _l, mask=_ok_q[:, None])
+    else:  # finalise and store each output once
+        _out_O = _safe_div(_acc, _l)
+        _out_lse = _logsumexp(_m, _l)
+        if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
+            _tma_O.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _out_O.to(O.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
+        else:
+            tl.store(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
+        tl.store(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, _out_lse.to(lse.dtype.element_ty), mask=_ok_q[:, None])
+
+
+
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x", "_n_chunks"])
+def _attention_merge(
+    Q,
+    K,
+    V,
+    O,
+    lse,
+    _size_b,
+    _size_h,
+    _size_q,
+    _size_x,
+    _st_Q_b,
+    _st_Q_h,
+    _st_Q_q,
+    _st_Q_d,
+    _st_K_b,
+    _st_K_h,
+    _st_K_x,
+    _st_K_d,
+    _st_V_b,
+    _st_V_h,
+    _st_V_x,
+    _st_V_d,
+    _st_O_b,
+    _st_O_h,
+    _st_O_q,
+    _st_O_d,
+    _st_lse_b,
+    _st_lse_h,
+    _st_lse_q,
+    _BLOCK_q: tl.constexpr,
+    _BLOCK_x: tl.constexpr,
+    _BLOCK_d: tl.constexpr,
+    _SPLIT_WEIGHTS: tl.constexpr,
+    _pos_q,
+    _pos_x,
+    _len_q,
+    _len_x,
+    _POS_q: tl.constexpr,
+    _POS_x: tl.constexpr,
+    _tma_Q,
+    _tma_K,
+    _tma_V,
+    _tma_O,
+    _TMA: tl.constexpr,
+    _part,
+    _n_chunks,
+    _CHUNK: tl.constexpr,
+):
+    """The chunks' states (the kernel above with _CHUNK) folded into one, as
+    the loop folds a block, then finalised and stored as the whole kernel
+    would: the outputs of one program of it."""
+    # Program ids: axis 0 is a block of q, axis 1 one index of each batch wire.
+    _pid = tl.program_id(0)
+    _batch = tl.program_id(1).to(tl.int64)
+    _i_h = _batch % _size_h
+    _batch = _batch // _size_h
+    _i_b = _batch
+    _row0 = _pid * _BLOCK_q
+    _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+    _ok_q = _offs_q < _size_q
+    if _POS_q:  # the global index of each row, given by the launcher
+        _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
+        _gok_q = _ok_q & (_idx_q < _len_q)  # integer inputs hold |q| rows
+    else:
+        _idx_q = _offs_q
+        _gok_q = _ok_q
+    _offs_d = tl.arange(0, _BLOCK_d)
+
+    _m = tl.full([_BLOCK_q, 1], float("-inf"), tl.float32)  # running max of the exponent, log2 units
+    _acc = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
+    _l = tl.zeros([_BLOCK_q, 1], tl.float32)
+    _W = 2 + _BLOCK_d  # the state's float32 width per row
+    for _c in range(0, _n_chunks):
+        _at = _part + ((_c * tl.num_programs(1) + tl.program_id(1).to(tl.int64)) * _size_q + _offs_q[:, None]) * _W
+        _m_c = tl.load(_at + 0, mask=_ok_q[:, None], other=float("-inf"))
+        _m_new = tl.maximum(_m, _m_c)
+        _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
+        _alpha = tl.exp2(_m - _m_use)
+        _beta = tl.exp2(_m_c - _m_use)
+        _m = _m_new
+        _v = tl.load(_at + 1 + _offs_d[None, :], mask=_ok_q[:, None], other=0.0)
+        _acc = _acc * _alpha + _v * _beta
+        _v = tl.load(_at + 1 + _BLOCK_d, mask=_ok_q[:, None], other=0.0)
+        _l = _l * _alpha + _v * _beta
     _out_O = _safe_div(_acc, _l)
     _out_lse = _logsumexp(_m, _l)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
@@ -689,7 +820,8 @@ def _attention_kernel(
     tl.store(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, _out_lse.to(lse.dtype.element_ty), mask=_ok_q[:, None])
 
 
-def attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, positions=None, lengths=None, out_dtype=None):
+
+def attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, positions=None, lengths=None, out_dtype=None, chunk=None):
     """Run the kernel: Q, K, V -> O, lse.
 
     Block sizes default to the schedule's (block_q=128, block_x=64); smaller ones
@@ -712,15 +844,16 @@ def attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages
     tuned config's choice, else off: untimed on a GPU so far."""
     Q, K, V = _autocast((Q, K, V))
     if _differentiable((Q, K, V)):
-        if positions is not None or lengths is not None or out_dtype is not None:
-            raise ValueError("positions=, lengths= and out_dtype= make a forward-only call: pass inputs that "
-                             "do not require gradients, or call under torch.no_grad()")
+        if positions is not None or lengths is not None or out_dtype is not None or chunk is not None:
+            raise ValueError("positions=, lengths=, out_dtype= and chunk= make a forward-only call: pass inputs "
+                             "that do not require gradients, or call under torch.no_grad() (training takes the "
+                             "schedule's chunk)")
         _tma_check(tma)  # the torch op's schema takes an int: refuse anything else here, in words
         return _attention_autograd(Q, K, V, block_q, block_x, num_warps, num_stages, tma)
-    return _attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype)[0]
+    return _attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype, chunk)[0]
 
 
-def _attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None):
+def _attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None, chunk=None):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
@@ -731,7 +864,9 @@ def _attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _s
     _bc = _block_size(_opts["block_x"], "x", "block_x")
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     [O, lse] = _allocate(_sz, _cls, _dev, out_dtype)
-    _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
+    _chunk, _n_chunks = _chunks(chunk, _bc, _sz["x"])
+    _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks)  # axis 2: the chunks of x (1: whole)
+    _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
     _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
     if math.prod(_grid) > 0:
         _attention_kernel[_grid](
@@ -742,8 +877,19 @@ def _attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _s
             *_wire_strides(V, "V", _sz),
             *_wire_strides(O, "O", _sz),
             *_wire_strides(lse, "lse", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
+            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
         )
+        if _chunk:  # the chunks' states, merged into the outputs
+            _attention_merge[_grid[:2]](
+                Q, K, V, O, lse,
+                _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+                *_wire_strides(Q, "Q", _sz),
+                *_wire_strides(K, "K", _sz),
+                *_wire_strides(V, "V", _sz),
+                *_wire_strides(O, "O", _sz),
+                *_wire_strides(lse, "lse", _sz),
+                _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
+            )
     return (O, lse,), ()
 # ---------------------------------------------------------------------------
 # Training.  attention(...) calls the torch op below when an input requires

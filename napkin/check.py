@@ -463,6 +463,23 @@ class _Checker:
                 self.err(f"cannot split {t.wire} across {t.size} devices", t.loc)
             elif not t.across:
                 self.check_block(t)
+            if t.chunk is not None:
+                self.check_chunk(level, t)
+
+    def check_chunk(self, level: ir.Level, t: ir.Tile) -> None:
+        """``group x by C`` beside ``stream x by B`` (ir.Tile.chunk): each
+        program streams its chunk of C; the chunk is a whole number of blocks."""
+        if level.name != "smem":
+            self.err(f"level {level.name} both groups and streams {t.wire}: only level smem may split a "
+                     "streamed wire into chunks (one per program)", t.chunk_loc)
+        elif t.chunk < 1 or t.chunk & (t.chunk - 1):
+            low = 1 << max(t.chunk.bit_length() - 1, 0)
+            self.err(f"chunk size {t.chunk} for {t.wire} is not a power of two", t.chunk_loc,
+                     f"try {low} or {low * 2}")
+        elif t.chunk <= t.size:
+            self.err(f"group {t.wire} by {t.chunk} must be longer than the block it streams, {t.size}: "
+                     f"each program streams its chunk of {t.wire} in blocks", t.chunk_loc,
+                     f"group {t.wire} by {t.size * 2} or more, or drop the group")
 
     def check_block(self, t: ir.Tile) -> None:
         if t.size < 1 or t.size & (t.size - 1):

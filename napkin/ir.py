@@ -254,6 +254,13 @@ class Tile:
     "stream" (fed through a loop in chunks).  With ``by`` the number is the
     block size (``group q by 128``: 128 queries per program); with ``across``
     it is the number of parts (``group q across 2``: two rows of devices).
+
+    ``chunk``: a streamed wire also grouped at the same level (``group x by
+    4096`` beside ``stream x by 64``: flash-decoding's split of the keys).
+    Each program streams only its chunk of the wire and the programs' partial
+    states are merged.  The parser folds the pair into this one stream tile,
+    so every pass that reads the schedule still sees one tile per wire;
+    ``chunk_loc`` is where the group was written.
     """
 
     wire: str
@@ -261,6 +268,8 @@ class Tile:
     size: int
     across: bool = False
     loc: Loc = _loc()
+    chunk: Optional[int] = None
+    chunk_loc: Loc = _loc()
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,7 @@ class _Build(Transformer):
                 tiles.extend(item)
             else:
                 holds.extend(item)
-        return ir.Level(str(name), capacity, tuple(tiles), tuple(holds), _loc_of(name))
+        return ir.Level(str(name), capacity, _fold_chunks(tiles), tuple(holds), _loc_of(name))
 
     def capacity(self, meta, number, unit=None):
         scale = 1
@@ -409,3 +409,21 @@ def _resolve(expr: ir.Expr, wires: set[str]) -> ir.Expr:
     if isinstance(expr, ir.Normalize):
         return ir.Normalize(expr.op, expr.wire, _resolve(expr.body, wires), expr.loc)
     return expr
+
+
+def _fold_chunks(tiles: list) -> tuple:
+    """``group x by C`` beside ``stream x by B`` in one level is a chunked
+    stream (ir.Tile.chunk): one tile, where the stream was written.  Any
+    other repetition of a wire is left for the checker to report."""
+    def only(wire, kind):
+        found = [t for t in tiles if t.wire == wire and t.kind == kind]
+        return found[0] if len(found) == 1 and not found[0].across else None
+
+    out = []
+    for t in tiles:
+        group, stream = only(t.wire, "group"), only(t.wire, "stream")
+        if group is None or stream is None:
+            out.append(t)
+        elif t is stream:
+            out.append(dataclasses.replace(t, chunk=group.size, chunk_loc=group.loc))
+    return tuple(out)

@@ -141,6 +141,8 @@ def _level(level: ir.Level) -> list[str]:
     for run in _runs(level.tiles, lambda t: t.kind):
         if run[0].kind not in ("group", "stream"):
             raise ValueError(f"unknown tile kind {run[0].kind!r}")
+        # a chunked stream prints as the pair it was written as (ir.Tile.chunk)
+        items += [f"group {t.wire} by {_int(t.chunk)}" for t in run if t.chunk is not None]
         items.append(run[0].kind + " " + ", ".join(_tile(t) for t in run))
     if level.holds:
         items.append("hold " + ", ".join(level.holds))

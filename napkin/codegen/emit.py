@@ -203,7 +203,7 @@ def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str])
     strides = [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors]
     args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks + extra)]
     body = ",\n        ".join(args)
-    return f"if math.prod(_grid) > 0:\n    {kernel}[_grid](\n        {body},\n    )"
+    return f"if math.prod(_grid) > 0:\n    {kernel}[{grid}](\n        {body},\n    )"
 
 
 def _fill_options(opts: list[str]) -> list[str]:
@@ -422,16 +422,23 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
                f"_POS_{row}: tl.constexpr", f"_POS_{col}: tl.constexpr"]
     sizes = sizes + [f"_len_{row}", f"_len_{col}"]
     params += tma.params()
+    params += ["_part", "_n_chunks", "_CHUNK: tl.constexpr"]  # chunks of the streamed wire (chunk_state)
+    sizes = sizes + ["_n_chunks"]
     opts = _options(d, [row, col], (T.OPTION,))
     _refuse_clash(d, LAUNCH_OPTIONS)
+    _, launch_width = chunk_state(plan, names, lambda w: _dim_block_value(names, w))
     launch = _fill_options(opts) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
         f"[{', '.join(o.name for o in d.outputs if o.name not in saved)}] = _allocate(_sz, _cls, _dev, out_dtype)",
         *_allocate_saved(d, saved),
+        f'_chunk, _n_chunks = _chunks(chunk, _bc, _sz["{col}"])',
         f'_grid = (triton.cdiv(_sz["{row}"], _br), '
-        + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
+        + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ", _n_chunks)  # axis 2: the chunks of "
+        + f"{col} (1: whole)",
+        f'_part = torch.empty(math.prod(_grid[1:]) * _sz["{row}"] * ({launch_width}), dtype=torch.float32, '
+        "device=_dev) if _chunk else None  # the chunks' states"]
     block_args = [f"{br}=_br", f"{bc}=_bc"] + _wire_block_args(names, plan.dims)
     # descriptors when tma= asks and every tile can take one (_tma_args), else the pointer code
     blocks = {row: "_br", col: "_bc", **{w: _dim_block_value(names, w) for w in plan.dims}}
@@ -445,16 +452,19 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         block_args.append(f"_SPLIT_WEIGHTS=_wider([{outputs}], [{inputs}])")
     if saved:
         block_args.append("_SAVE=_save")
-    block_args += ["**_pos", "**_tma"]
+    block_args += ["_part=_part", "_n_chunks=_n_chunks", "_CHUNK=_chunk", "**_pos", "**_tma"]
     bounds = loop_bounds(names, plan)
     if R.applies(plan):  # a data mask: the prepass's ranges, unless rows sit at global positions
         bounds = "\n".join([bounds] + R.bounds_lines(names, plan, col))
         params += ["_ranges", "_RANGES: tl.constexpr"]
         launch.append(R.launch(plan, "_rng", "_br", "_bc", False, False, R.WITHOUT_POSITIONS))
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
-    launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
-                               ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)',
-                                'num_stages=_opts["num_stages"] or 2', FP_FUSION]))
+    extra = ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)', 'num_stages=_opts["num_stages"] or 2',
+             FP_FUSION]
+    call = _launch_call(d, f"_{d.name}_kernel", "_grid", block_args, extra)
+    merge = _launch_call(d, f"_{d.name}_merge", "_grid[:2]", block_args, extra).split("\n", 1)[1]
+    launch.append(call + "\n    if _chunk:  # the chunks' states, merged into the outputs\n"
+                  + "\n".join("    " + line for line in merge.split("\n")))
     return {
         "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch), "pid": masks.program_order(plan.bounds, "row"),
@@ -466,6 +476,10 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "init": "\n".join(init), "bounds": bounds, "ranges": R.render(plan),
         "live": "\n".join(live(names, plan, col)), "live_constant": LIVE_CONSTANT,
         "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
+        "chunk": L.chunk_of(d), "chunk_bounds": "\n".join(chunk_bounds(segs)),
+        "chunk_store": "\n".join(chunk_store(plan, names)), "chunk_merge": "\n".join(chunk_merge(plan, names)),
+        "merge_loads": [ld for ld, spec in zip(pre_loads, [x for x in plan.loads if x.phase == "pre"])
+                        if reads(finalise + "\n" + save_finalise, spec.var)],
         "save_finalise": save_finalise, "save_stores": save_stores,
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]
                                      + [f"{o}=None" for o in LAUNCH_OPTIONS]),
@@ -475,6 +489,99 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "local_args": "".join(f", {o}" for o in LAUNCH_OPTIONS),
         "local_params": "".join(f", {o}=None" for o in LAUNCH_OPTIONS),
     }
+
+
+# --------------------------------------------------------------------------
+# Chunks of the streamed wire (flash-decoding's split of the keys).
+#
+# ``group x by C`` beside ``stream x by B`` (ir.Tile.chunk), or the launcher's
+# chunk=C: the forward's grid gains an axis of chunks; each program streams
+# [_lo, _hi) cut to its chunk and stores its streaming state (the running
+# maxes and the accumulators, float32) to a scratch buffer instead of the
+# outputs; then the merge kernel folds the chunks' states into one as the
+# step folds a block (expsums rescaled to the larger max, sums added, max and
+# min taken) and finalises and stores as the whole kernel would.  The state
+# is row-major per row: [chunk, batch program, row, state] with the state's
+# parts at the offsets of chunk_state(); a part with a value wire is the
+# whole padded block of it.
+# --------------------------------------------------------------------------
+
+def chunk_state(plan: L.AttentionPlan, names: _Names, block=None) -> tuple[list[tuple[str, str, Optional[str]]], str]:
+    """The streaming state's parts (variable, offset, value wire or None) and
+    its width per row; ``block(wire)`` renders a value wire's block (the
+    kernel's constexpr name by default, the launcher's value for the launcher)."""
+    block = block or names.block
+    parts, terms = [], []
+    for var in [m for m, _ in plan.groups] + [a.var for a in plan.accums]:
+        acc = next((a for a in plan.accums if a.var == var), None)
+        cols = acc.value.cols if acc is not None and acc.value is not None else None
+        parts.append((var, " + ".join(terms) or "0", cols))
+        terms.append(block(cols) if cols is not None else "1")
+    width = " + ".join(_merge_ones(terms))
+    return parts, width
+
+
+def _merge_ones(terms: list[str]) -> list[str]:
+    ones = sum(t == "1" for t in terms)
+    return ([str(ones)] if ones else []) + [t for t in terms if t != "1"]
+
+
+def _state_at(names: _Names, row: str, chunk: str) -> str:
+    return (f"_at = _part + (({chunk} * tl.num_programs(1) + tl.program_id(1).to(tl.int64)) * {names.size(row)} "
+            f"+ _offs_{row}[:, None]) * _W")
+
+
+def chunk_bounds(segs: list[dict]) -> list[str]:
+    """[_lo, _hi) and the full run inside it cut to this program's chunk
+    (grid axis 2).  Chunks are whole blocks, so every bound stays on a block
+    edge; a chunk past the range leaves every loop empty."""
+    lines = ["_c0 = tl.program_id(2) * _CHUNK",
+             "_lo = tl.maximum(_lo, _c0)",
+             "_hi = tl.minimum(_hi, _c0 + _CHUNK)"]
+    used = [v for v in ("_flo", "_fhi") if any(v in (seg["lo"], seg["hi"]) for seg in segs)]
+    return lines + [f"{v} = tl.minimum(tl.maximum({v}, _lo), _hi)" for v in used]
+
+
+def chunk_store(plan: L.AttentionPlan, names: _Names) -> list[str]:
+    """The main kernel's store of its chunk's state."""
+    row = plan.row
+    parts, width = chunk_state(plan, names)
+    lines = [f"_W = {width}  # the state's float32 width per row", _state_at(names, row, "tl.program_id(2).to(tl.int64)")]
+    for var, off, cols in parts:
+        ptr = f"_at + {off}" + (f" + _offs_{cols}[None, :]" if cols else "")
+        lines.append(f"tl.store({ptr}, {var}, mask=_ok_{row}[:, None])")
+    return lines
+
+
+def chunk_merge(plan: L.AttentionPlan, names: _Names) -> list[str]:
+    """The merge kernel's loop over the chunks: each chunk's state folded
+    into the running one as the step folds a block."""
+    row = plan.row
+    parts, width = chunk_state(plan, names)
+    offset = {var: (off, cols) for var, off, cols in parts}
+    body = [_state_at(names, row, "_c")]
+    group_sfx = {m: ("" if i == 0 else str(i)) for i, (m, _) in enumerate(plan.groups)}
+    for m, sfx in group_sfx.items():
+        body += [f"_m_c{sfx} = tl.load(_at + {offset[m][0]}, mask=_ok_{row}[:, None], other={NEG_INF})",
+                 f"_m_new{sfx} = tl.maximum({m}, _m_c{sfx})",
+                 f"_m_use{sfx} = tl.where(_m_new{sfx} == {NEG_INF}, 0.0, _m_new{sfx})  # all -inf so far: no NaN",
+                 f"_alpha{sfx} = tl.exp2({m} - _m_use{sfx})",
+                 f"_beta{sfx} = tl.exp2(_m_c{sfx} - _m_use{sfx})",
+                 f"{m} = _m_new{sfx}"]
+    for a in plan.accums:
+        off, cols = offset[a.var]
+        fill = {"max": NEG_INF, "min": POS_INF}.get(a.op, "0.0")
+        ptr = f"_at + {off}" + (f" + _offs_{cols}[None, :]" if cols else "")
+        body.append(f"_v = tl.load({ptr}, mask=_ok_{row}[:, None], other={fill})")
+        if a.op == "expsum":
+            sfx = group_sfx[a.group]
+            body.append(f"{a.var} = {a.var} * _alpha{sfx} + _v * _beta{sfx}")
+        elif a.op in ("max", "min"):
+            body.append(f"{a.var} = tl.{'maximum' if a.op == 'max' else 'minimum'}({a.var}, _v)")
+        else:
+            body.append(f"{a.var} = {a.var} + _v")
+    return [f"_W = {width}  # the state's float32 width per row", "for _c in range(0, _n_chunks):"] \
+        + ["    " + line for line in body]
 
 
 def _allocate_saved(d: ir.Diagram, saved) -> list[str]:
@@ -498,7 +605,8 @@ def _wire_ctx(names: _Names, w: str) -> dict:
 # warps, stages and tma: codegen/tma.py): rows at global positions, global
 # lengths, the float outputs' dtype (templates/attention.py.jinja).
 POSITION_OPTIONS = ("positions", "lengths", "out_dtype")
-LAUNCH_OPTIONS = POSITION_OPTIONS
+# chunk=: the length of the streamed wire's chunk each program streams (chunks(), below)
+LAUNCH_OPTIONS = POSITION_OPTIONS + ("chunk",)
 
 
 def _refuse_clash(d: ir.Diagram, options) -> None:

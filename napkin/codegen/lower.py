@@ -304,6 +304,12 @@ def _streamed(d: ir.Diagram) -> Optional[ir.Tile]:
     return tiles[-1] if tiles else None
 
 
+def chunk_of(d: ir.Diagram) -> Optional[int]:
+    """The schedule's chunk of the streamed wire (ir.Tile.chunk), or None."""
+    t = _streamed(d)
+    return t.chunk if t is not None else None
+
+
 def _group_block(d: ir.Diagram, wire: str) -> Optional[ir.Tile]:
     tiles = [t for t in _inner_tiles(d) if t.kind == "group" and t.wire == wire]
     return tiles[-1] if tiles else None
