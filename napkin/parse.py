@@ -296,7 +296,7 @@ class _Build(Transformer):
                 tiles.extend(item)
             else:
                 holds.extend(item)
-        return ir.Level(str(name), capacity, _fold_chunks(tiles), tuple(holds), _loc_of(name))
+        return ir.Level(str(name), capacity, fold_chunks(tiles), tuple(holds), _loc_of(name))
 
     def capacity(self, meta, number, unit=None):
         scale = 1
@@ -411,7 +411,7 @@ def _resolve(expr: ir.Expr, wires: set[str]) -> ir.Expr:
     return expr
 
 
-def _fold_chunks(tiles: list) -> tuple:
+def fold_chunks(tiles) -> tuple:
     """``group x by C`` beside ``stream x by B`` in one level is a chunked
     stream (ir.Tile.chunk): one tile, where the stream was written.  Any
     other repetition of a wire is left for the checker to report."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from napkin import ir
+from napkin.parse import fold_chunks
 
 # The grammar's reserved words (tests/test_grammar.py checks the list against
 # the parser's): no drawn name may be one of them.
@@ -357,7 +358,8 @@ _tiles = st.builds(ir.Tile, names, st.sampled_from(("group", "stream")), st.inte
 _capacities = st.one_of(st.none(), st.integers(1, 1 << 40),
                         st.integers(1, 4096).map(lambda n: n << 10),  # exact KiB, MiB, ...
                         st.integers(1, 64).map(lambda n: n << 30))
-_levels = st.builds(ir.Level, names, _capacities, st.lists(_tiles, max_size=4).map(tuple),
+# the parser's canonical form: a group beside a stream of one wire is one chunked stream tile
+_levels = st.builds(ir.Level, names, _capacities, st.lists(_tiles, max_size=4).map(fold_chunks),
                     st.lists(names, max_size=3).map(tuple))
 _schedules = st.builds(ir.Schedule, st.one_of(st.none(), names), names, st.booleans(),
                        st.lists(_levels, max_size=3).map(tuple))

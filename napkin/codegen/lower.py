@@ -387,6 +387,10 @@ def lower(d: ir.Diagram) -> Plan:
     if nested:
         from .attention import lower_attention
         return lower_attention(d, exprs, col)
+    if tile is not None and tile.chunk is not None:
+        raise unsupported(f"'group {col} by {tile.chunk}'", f"chunks of the streamed wire (programs merging "
+                          f"partial states) are generated for attention kernels only; this diagram's kernel is a "
+                          f"contraction over {col}", tile.chunk_loc, f"drop 'group {col} by {tile.chunk}'")
     return _contraction(d, exprs, col)
 
 

@@ -249,8 +249,10 @@ def _parts(tile: ir.Tile, level: Optional[str]) -> str:
 
 def tile_text(tile: ir.Tile, level: Optional[str] = None) -> str:
     """``[128]`` grouped by 128, ``[2 dev]`` grouped across 2, ``~64``, ``~4 dev``;
-    at the nodes level ``[2 nodes]``."""
+    at the nodes level ``[2 nodes]``; ``[1024]~64`` chunks of 1024 streamed by 64."""
     size = _parts(tile, level)
+    if tile.chunk is not None:  # grouped in chunks, each streamed: x[1024]~64 (ir.Tile.chunk)
+        return f"[{tile.chunk}]~{size}"
     return f"[{size}]" if tile.kind == "group" else f"~{size}"
 
 
@@ -354,7 +356,7 @@ class _Picture:
         tiles = self.tiles.get(wire, [])
         text = self.wire_name(wire)
         text += _h(tiles_text(tiles))
-        if any(t.kind == "group" for _, t in tiles):
+        if any(t.kind == "group" or t.chunk is not None for _, t in tiles):
             text = f"<b>{text}</b>"
         if any(t.kind == "stream" for _, t in tiles):
             text = f"<i>{text}</i>"
@@ -641,7 +643,11 @@ class _Picture:
             # The largest tile of each kind makes the clearest example.
             tile = max((t for lv, t in every if t.kind == kind and lv == scope),
                        key=lambda t: t.size, default=None)
-            if tile is not None:
+            if tile is not None and tile.chunk is not None:  # ir.Tile.chunk
+                keys.append(f"<b><i>{_h(tile.wire + tile_text(tile, scope))}</i></b> "
+                            + _h(f"dashed: in chunks of {tile.chunk}, one per program (states merged), "
+                                 f"each streamed {tile.size} at a time"))
+            elif tile is not None:
                 mark = "b" if kind == "group" else "i"
                 keys.append(f"<{mark}>{_h(tile.wire + tile_text(tile, scope))}</{mark}> "
                             + _h(what.format(n=tile.size)))
