@@ -2,7 +2,7 @@
 # The benchmark a session with a lent H100 (or H200) runs, in stages that each
 # fit one 10-minute device command.  Usage, from the repository root:
 #
-#     bench/run_h100.sh [env|test|main|variants|others|sweep|ncu|tma|all]   (default: all)
+#     bench/run_h100.sh [env|test|main|variants|others|sweep|ncu|tma|decode|all]   (default: all)
 #
 # Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
 # comes back), else bench/results; copy them into bench/results/ and commit
@@ -96,9 +96,16 @@ stage_tma() {
   PYTHONPATH=. "$PYTHON" bench/tma/tma_fwd.py time --head-dims 128 --seqlens 16384 --out "$OUT_DIR/tma-times.jsonl"
 }
 
+stage_decode() {
+  # Decoding on one GPU (examples/flash_decoding.ncd): chunk lengths 0 (one
+  # program per batch x head) to 4096 against SDPA, 1 and 4 query rows, caches
+  # of 8K-128K, bf16, 8 kv heads x 4 (bench/decode.py; never run on a GPU yet).
+  "$PYTHON" bench/decode.py --out "$OUT_DIR"
+}
+
 stage="${1:-all}"
 case "$stage" in
-  env|test|main|variants|others|sweep|ncu|tma) "stage_$stage" ;;
-  all) for s in env test main variants others sweep ncu tma; do "stage_$s"; done ;;
-  *) echo "usage: $0 [env|test|main|variants|others|sweep|ncu|tma|all]" >&2; exit 2 ;;
+  env|test|main|variants|others|sweep|ncu|tma|decode) "stage_$stage" ;;
+  all) for s in env test main variants others sweep ncu tma decode; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|main|variants|others|sweep|ncu|tma|decode|all]" >&2; exit 2 ;;
 esac

@@ -9,6 +9,7 @@ the eager path materialises the scores.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -904,3 +905,24 @@ def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, 
     assert args.autotune == (stage != "sweep")
     if stage == "variants":
         assert args.group == 4
+
+
+# --------------------------------------------------------------------------
+# bench/decode.py: the chunked (flash-decoding) forward's benchmark
+# --------------------------------------------------------------------------
+
+def test_decode_bench_checks_every_chunk_before_timing_and_writes_its_record(tmp_path):
+    """The CPU smoke of bench/decode.py (run_h100.sh's decode stage on a GPU):
+    each chunk length is checked against the float64 reference, the record
+    names the device and date; a chunk the cache does not fill runs whole."""
+    spec = importlib.util.spec_from_file_location("napkin_decode_bench", REPO / "bench" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    assert decode.main(["--cache", "100", "--chunks", "0,32,256", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("decode-cpu-*.json")
+    data = json.loads(path.read_text())
+    assert data["smoke"] and data["device"] == "cpu" and path.name == f"decode-cpu-{data['date']}.json"
+    napkin_rows = [r for r in data["rows"] if r["impl"] == "napkin"]
+    assert [r["chunk"] for r in napkin_rows] == [0, 32, 256]
+    assert all(r["ok"] and r["max_abs_error"] < 1e-5 and r["ms"] > 0 for r in napkin_rows)
+    assert "| 1 | 3 | 100 | napkin | 32 |" in (tmp_path / path.name.replace(".json", ".md")).read_text()

@@ -74,7 +74,7 @@ schedule on h100 {
 def test_chunk_errors_point_at_the_group(tiles, message, snippet, hint):
     text = SMEM % tiles
     (found,) = errors(text)
-    assert (found.message, K_pos(found)) == (message, pos(text, snippet))
+    assert (found.message, loc_of(found)) == (message, pos(text, snippet))
     assert found.hint == hint
 
 
@@ -82,11 +82,11 @@ def test_chunk_errors_point_at_the_group(tiles, message, snippet, hint):
                                        ("group x by 256\n    stream x by 64, x by 32", ("x by 64", "x by 32"))])
 def test_a_wire_grouped_or_streamed_twice_is_no_chunk(tiles, at):
     text = SMEM % tiles
-    assert [(d.message, K_pos(d)) for d in errors(text)] == [
+    assert [(d.message, loc_of(d)) for d in errors(text)] == [
         ("wire x is tiled twice in level smem", pos(text, snippet)) for snippet in at]
 
 
-def K_pos(d):
+def loc_of(d):
     return (d.loc.line, d.loc.col)
 
 
@@ -94,7 +94,7 @@ def test_chunks_belong_in_level_smem():
     text = SMEM.replace("level smem {", "level smem { group b by 1 }\n  level regs {") % \
         "group x by 256\n    stream x by 32"
     found = [d for d in errors(text) if "chunks" in d.message]
-    assert [(d.message, K_pos(d)) for d in found] == [
+    assert [(d.message, loc_of(d)) for d in found] == [
         ("level regs both groups and streams x: only level smem may split a streamed wire into chunks "
          "(one per program)", pos(text, "x by 256"))]
 

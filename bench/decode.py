@@ -1,0 +1,143 @@
+"""Decoding on one GPU: a few query rows against a long key/value cache,
+napkin's chunked forward (flash-decoding, examples/flash_decoding.ncd) at
+several chunk lengths against the unchunked kernel and torch's SDPA.
+
+    python bench/decode.py [--cache 8K,32K,128K] [--queries 1,4] [--batch 1,8] [--chunks 0,512,1024,4096]
+
+Every configuration is checked against the float64 reference (the
+diagram's own, at the call's sizes) before it is timed; SDPA is a speed
+reference: with one query row the decode mask is all true, so SDPA runs
+unmasked (GQA through enable_gqa); with more rows it gets the mask as a bool
+tensor.  On a GPU: triton.testing.do_bench medians, bf16, 8 kv heads x 4
+query heads each, head dim 128.  Without one: a smoke run at tiny sizes
+under TRITON_INTERPRET=1 (fp32), whose times mean nothing.  Writes
+decode-DEVICE-DATE.json and .md under --out (default bench/results).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+DIAGRAM = REPO / "examples" / "flash_decoding.ncd"
+HKV, GROUP, HEAD_DIM = 8, 4, 128
+
+
+def sizes_list(text: str) -> list[int]:
+    out = []
+    for item in text.split(","):
+        m = re.fullmatch(r"(\d+)([kK]?)", item.strip())
+        if not m:
+            raise SystemExit(f"bench/decode.py: {item!r} is not a size such as 4096 or 32K")
+        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cache", default=None, help="cache lengths |x| (default 8K,32K,128K; smoke 300)")
+    p.add_argument("--queries", default=None, help="query rows |q| (default 1,4; smoke 3)")
+    p.add_argument("--batch", default=None, help="batch sizes (default 1,8; smoke 1)")
+    p.add_argument("--chunks", default=None, help="chunk= values, 0 = unchunked (default 0,512,1024,2048,4096; "
+                                                 "smoke 0,64)")
+    p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    args = p.parse_args(argv)
+
+    import torch
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton
+
+    import napkin
+    from napkin.bench import harness
+
+    smoke = not cuda
+    caches = sizes_list(args.cache or ("300" if smoke else "8K,32K,128K"))
+    queries = sizes_list(args.queries or ("3" if smoke else "1,4"))
+    batches = sizes_list(args.batch or ("1" if smoke else "1,8"))
+    chunks = sizes_list(args.chunks or ("0,64" if smoke else "0,512,1024,2048,4096"))
+    dtype, device = (torch.float32, "cpu") if smoke else (torch.bfloat16, "cuda")
+    hkv, group = (2, 2) if smoke else (HKV, GROUP)
+    opts = {"block_q": 16, "block_x": 16} if smoke else {}
+
+    text = DIAGRAM.read_text()
+    diagram, text = harness.variant(napkin.load(str(DIAGRAM)), text, "bfloat16" if cuda else "float16",
+                                    None if smoke else HEAD_DIM)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="napkin-decode-") as build:
+        m, _ = harness.compile_module(diagram, text, str(DIAGRAM), Path(build), "napkin_decode")
+        for b in batches:
+            for q in queries:
+                for x in caches:
+                    sizes = {"b": b, "hk": hkv, "g": group, "q": q, "x": x}
+                    Q, K, V = m.example_inputs(sizes, dtype=dtype, device=device, seed=0)
+                    want = m.reference(*(t.double() for t in (Q, K, V)))[0]
+                    for chunk in chunks:
+                        fn = lambda: m.flash_decoding(Q, K, V, chunk=chunk, **opts)  # noqa: E731
+                        err = harness.max_abs_error(fn()[0], want)
+                        ok = err <= (2e-2 if dtype == torch.bfloat16 else 1e-3)
+                        ms = harness._ms(fn, device, 2) if ok else None
+                        rows.append({"impl": "napkin", "chunk": chunk, "b": b, "q": q, "x": x,
+                                     "max_abs_error": err, "ok": ok, "ms": ms})
+                    rows.append(_sdpa(torch, harness, Q, K, V, q, x, b, device, want))
+    data = {"date": datetime.date.today().isoformat(), "smoke": smoke,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "command": "python bench/decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "heads": {"kv": hkv, "per_kv": group}, "head_dim": HEAD_DIM if not smoke else 128,
+            "dtype": str(dtype).replace("torch.", ""),
+            "versions": {"torch": torch.__version__, "triton": triton.__version__},
+            "timing": "CPU smoke under TRITON_INTERPRET=1: NOT a performance number" if smoke
+            else "triton.testing.do_bench median", "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"decode-{re.sub(r'[^a-z0-9]+', '-', data['device'].lower()).strip('-')}-{data['date']}"
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(data))
+    print(markdown(data))
+    print(f"wrote {out / stem}.json and .md")
+    return 0 if all(r["ok"] for r in rows if r["ok"] is not None) else 1
+
+
+def _sdpa(torch, harness, Q, K, V, q, x, b, device, want) -> dict:
+    """SDPA on the same inputs: unmasked with one row, else a bool mask."""
+    import torch.nn.functional as F
+    mask = None if q == 1 else \
+        (torch.arange(x, device=device)[None, :] <= torch.arange(q, device=device)[:, None] + x - q)
+    fn = lambda: F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, enable_gqa=True)  # noqa: E731
+    try:
+        err = harness.max_abs_error(fn(), want)
+        ms = harness._ms(fn, device, 2)
+    except RuntimeError as e:  # an old torch without enable_gqa, say
+        return {"impl": "sdpa", "chunk": None, "b": b, "q": q, "x": x, "ok": None, "ms": None, "error": str(e)}
+    return {"impl": "sdpa", "chunk": None, "b": b, "q": q, "x": x, "max_abs_error": err, "ok": None, "ms": ms}
+
+
+def markdown(data: dict) -> str:
+    lines = [f"# Decode: napkin chunked forward vs SDPA ({data['device']}, {data['date']})", "",
+             f"Command: `{data['command']}`", "", f"Timing: {data['timing']}. dtype {data['dtype']}, "
+             f"{data['heads']['kv']} kv heads x {data['heads']['per_kv']} query heads each.", "",
+             "| b | q | x | impl | chunk | max abs error | ok | ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        ms = f"{r['ms']:.4f}" if r.get("ms") is not None else "-"
+        err = f"{r['max_abs_error']:.2e}" if "max_abs_error" in r else r.get("error", "-")
+        ok = {True: "ok", False: "FAIL", None: "(speed ref)"}[r["ok"]]
+        lines.append(f"| {r['b']} | {r['q']} | {r['x']} | {r['impl']} | {r['chunk'] if r['chunk'] is not None else '-'}"
+                     f" | {err} | {ok} | {ms} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    rc = main()
+    print(f"{time.perf_counter() - t0:.1f} s")
+    sys.exit(rc)
