@@ -278,6 +278,101 @@ def test_counted_bytes_follow_the_dtype(compiled, name):
 
 
 # --------------------------------------------------------------------------
+# Chunks of the streamed wire (flash-decoding: group x by C beside stream x
+# by B).  A launch of more than one chunk runs the main kernel on a grid of
+# chunks, storing each program's float32 streaming state to _part (the
+# launcher's buffer, counted under its kernel parameter name), then the merge
+# kernel, which loads the states and stores the outputs: the model's
+# napkin/cost/chunks.py.  Ragged sizes throughout (neither the blocks nor the
+# chunks divide them), masks where whole chunks visit nothing, a sum
+# normaliser (L2), an output the merge reads an input for, and one chunk
+# (the whole kernel, one launch).
+# --------------------------------------------------------------------------
+
+import re  # noqa: E402
+
+RESIDUAL = ("O[b, h, q, d] : fp16 = sum[x](P * V)", "O[b, h, q, d] : fp16 = sum[x](P * V) + Q")
+# (example, chunk, text replacements, first and second sequence sizes, blocks, launches)
+CHUNKED = [
+    ("flash_decoding", 32, (), 5, 100, (16, 16), 2),       # 4 chunks, the last of 4 keys
+    ("flash_decoding", 64, (), 37, 333, (16, 32), 2),      # 6 chunks, 3 row blocks, ragged both ways
+    ("flash_decoding", 32, (), 20, 170, (16, 64), 2),      # a block of 64 grows the chunk to 64
+    ("flash_decoding", 64, (), 37, 64, (16, 32), 1),       # one chunk: the whole kernel
+    ("causal", 32, (), 50, 70, (16, 16), 2),               # keys 64..69: a chunk no row sees
+    ("sliding_window", 64, (), 400, 330, (64, 32), 2),     # most (row block, chunk) pairs visit nothing
+    ("l2_attention", 32, (), 50, 70, (32, 16), 2),         # a sum normaliser: acc[d], l
+    ("l2_attention", 32, (), 97, 33, (16, 16), 2),         # a second chunk of one key
+    ("causal", 32, (RESIDUAL,), 50, 70, (16, 16), 2),      # the merge reads Q again for O
+]
+
+
+def chunked_text(stem: str, chunk: int, replace=()) -> str:
+    """The example with its streamed wire in chunks of ``chunk`` (stream block 16 as written)."""
+    text = (REPO / "examples" / f"{stem}.ncd").read_text()
+    text = re.sub(r"(?m)^\s*group x by \d+.*\n", "", text)   # flash_decoding's own chunk
+    text = re.sub(r"(?m)^(\s*)stream x by \d+", rf"\1group x by {chunk}\n\1stream x by 16", text)
+    for old, new in replace:
+        assert old in text
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.fixture(scope="module")
+def chunked_modules(tmp_path_factory):
+    folder, cache = tmp_path_factory.mktemp("chunked"), {}
+
+    def get(stem: str, chunk: int, replace=()):
+        from test_backward import compile_text
+        text = chunked_text(stem, chunk, replace)
+        key = f"chunked_{stem}_{chunk}_{len(replace)}"
+        if key not in cache:
+            cache[key] = (napkin.load_text(text, f"{key}.ncd"), compile_text(text, key, folder))
+        return cache[key]
+    return get
+
+
+def _chunked_case(case):
+    stem, chunk, replace, n1, n2, _, _ = case
+    return f"{stem}{'+residual' if replace else ''}-C{chunk}-{n1}x{n2}"
+
+
+@pytest.mark.parametrize("case", CHUNKED, ids=_chunked_case)
+def test_chunked_counted_bytes_equal_predicted_bytes(chunked_modules, case):
+    stem, chunk, replace, n1, n2, block_list, launches = case
+    d, module = chunked_modules(stem, chunk, replace)
+    sizes = case_sizes(d, n1, n2)
+    blocks = dict(zip(searchable(d), block_list))
+    loads, stores, counted_launches = counted(module, d, sizes, blocks, torch.float16)
+    assert counted_launches == launches
+    want = predicted(d, sizes, blocks)
+    assert (loads, stores) == want
+    assert ("_part" in stores) == (launches == 2)
+    kernels = analyse(with_blocks(d, blocks), sizes).kernels
+    assert len(kernels) == launches   # the main kernel, and the merge when there are chunks to merge
+    assert kernels[0].chunks == (math.ceil(n2 / max(chunk, blocks["x"])) if launches == 2 else 1)
+
+
+@pytest.mark.parametrize("case", [CHUNKED[0], CHUNKED[6]], ids=_chunked_case)
+def test_chunked_training_forward_bytes(chunked_modules, case):
+    """The training forward takes the schedule's chunk; the merge stores the
+    saved row state (L2's sums) beside the outputs."""
+    stem, chunk, replace, n1, n2, block_list, _ = case
+    d, module = chunked_modules(stem, chunk, replace)
+    sizes = case_sizes(d, n1, n2)
+    blocks = dict(zip(searchable(d), block_list))
+    inputs = module.example_inputs(sizes, dtype=torch.float16)
+    options = tuple(blocks.get(o[len("block_"):]) if o.startswith("block_") else None for o in module._OPTIONS)
+    with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+        getattr(module, f"_{d.name}_forward")(*inputs, *options, True)
+    want = defaultdict(int), defaultdict(int)
+    from napkin.cost.backward import backward_cost
+    for t in backward_cost(with_blocks(d, blocks), sizes, given=True).forward.transfers:
+        want[t.direction == "store"][t.tensor] += t.bytes
+    assert bc.launches == 2 and "_part" in want[1]
+    assert (dict(bc.loads), dict(bc.stores)) == (dict(want[0]), dict(want[1]))
+
+
+# --------------------------------------------------------------------------
 # The backward: napkin.cost.backward's predictions against the generated
 # backward kernels (and the training forward, which also writes the row
 # state), for every example at the same sizes.  Tensors the backward

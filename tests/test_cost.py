@@ -478,3 +478,96 @@ def test_cli_capacity_sweep_shows_the_tuned_reread_term_halving(capsys):
     assert [r["tuned_blocks"]["q"] for r in rows] == [64, 128, 256]
     code, out, err = run_cli("cost", f, "--capacities", "lots", capsys=capsys)
     assert code == 1 and "not a positive whole number" in err
+
+
+# --------------------------------------------------------------------------
+# Chunks of the streamed wire (flash-decoding, napkin/cost/chunks.py).  The
+# counts are checked against the generated kernels' bytes in
+# tests/test_bytecount.py; here the report's rows, formulas and the launch
+# of a single chunk.
+# --------------------------------------------------------------------------
+
+FD_SIZES = {"b": 1, "hk": 8, "g": 4, "q": 4, "x": 32768}
+
+
+def test_chunked_report_prints_the_state_and_the_merge_kernel():
+    from napkin.cost import format_text
+    r = analyse(load("flash_decoding"), FD_SIZES)
+    text = format_text(r).splitlines()
+    assert text[1] == ("kernel 0 (S, P, O, lse -> _part): grid b/1 hk/1 g/1 q/16, stream x by 64, "
+                       "x in chunks of 1024: 32 chunks: 1024 programs x 16 steps")
+    assert text[2] == ("kernel 1 (merge of kernel 0's chunks -> O, lse): grid b/1 hk/1 g/1 q/16: 32 programs, "
+                       "each folding 32 chunks' states")
+    rows = [line.split() for line in text if line.startswith("hbm/smem")]
+    assert [r_[1:5] for r_ in rows] == [["0", "Q", "load", "bf16"], ["0", "K", "load", "bf16"],
+                                       ["0", "V", "load", "bf16"], ["0", "_part", "store", "fp32"],
+                                       ["1", "_part", "load", "fp32"], ["1", "O", "store", "bf16"],
+                                       ["1", "lse", "store", "fp32"]]
+    state = "b*d*g*hk*q*x/c_x + 2*b*g*hk*q*x/c_x"
+    assert [line for line in text if "_part" in line and "hbm/smem" in line] == [
+        f"hbm/smem  0  _part   store  fp32   {state}      532k  2.13MB        1",
+        f"hbm/smem  1  _part   load   fp32   {state}      532k  2.13MB        1"]
+    by = {(t.kernel, t.tensor, t.direction): t for t in r.transfers}
+    programs, chunks, width = 32, 32, 2 + 128   # (b hk g) programs; m, acc[d], l per row
+    assert by[0, "_part", "store"].bytes == by[1, "_part", "load"].bytes == chunks * programs * 4 * width * 4
+    assert by[0, "Q", "load"].bytes == chunks * 32 * 4 * 128 * 2 and by[0, "Q", "load"].fetches == chunks
+    assert by[0, "Q", "load"].formula == "b*d*g*hk*q*x/c_x"
+    whole = analyse(with_blocks(load("flash_decoding"), {}), {**FD_SIZES, "x": 1024})
+    assert by[0, "K", "load"].bytes == 32 * whole.transfers[1].bytes   # per-step loads unchanged
+    k0, k1 = r.kernels
+    assert (k0.chunk, k0.chunks, k0.merges, k1.merges, k1.programs) == (1024, 32, None, 0, 32)
+    assert r.totals[0].store_bytes == by[0, "_part", "store"].bytes + 4 * 32 * 128 * 2 + 4 * 32 * 4
+    assert by[0, "_part", "store"].bytes * 2 < r.totals[0].dram_bytes < r.hbm_bytes
+    assert from_json(r.to_json()) == r
+
+
+def _unchunked(d: ir.Diagram) -> ir.Diagram:
+    levels = tuple(dataclasses.replace(lv, tiles=tuple(dataclasses.replace(t, chunk=None) for t in lv.tiles))
+                   for lv in d.schedule.levels)
+    return dataclasses.replace(d, schedule=dataclasses.replace(d.schedule, levels=levels))
+
+
+@pytest.mark.parametrize("x", [1, 700, 1024])
+def test_a_single_chunk_runs_the_whole_kernel(x):
+    """|x| <= C: the launcher runs the unchunked kernel, and the model counts it."""
+    d = load("flash_decoding")
+    sizes = {**FD_SIZES, "x": x}
+    r, whole = analyse(d, sizes), analyse(_unchunked(d), sizes)
+    assert r.transfers == whole.transfers and r.totals == whole.totals
+    (k,) = r.kernels
+    assert (k.chunk, k.chunks, k.stores) == (1024, 1, ("O", "lse"))
+    from napkin.cost import format_text
+    assert "x in chunks of 1024: 1 chunk, so it runs whole" in format_text(r)
+
+
+def test_a_block_longer_than_the_chunk_grows_it():
+    """As the launcher's _chunks: a (tuned) stream block longer than the chunk is the chunk."""
+    d = with_blocks(load("flash_decoding"), {"x": 256})   # the tile search keeps the chunk
+    assert [t.chunk for t in d.level("smem").tiles if t.wire == "x"] == [1024]
+    assert analyse(d, FD_SIZES).kernels[0].chunk == 1024
+    text = (REPO / "examples" / "causal.ncd").read_text().replace(
+        "stream x by 64", "group x by 128\n    stream x by 64")
+    c = with_blocks(napkin.load_text(text, "c.ncd"), {"x": 256})
+    k = analyse(c, {"b": 1, "h": 1, "q": 64, "x": 1000}).kernels[0]
+    assert (k.chunk, k.chunks, k.steps) == (256, 4, 1)
+
+
+def test_chunked_formulas_equal_counts_when_blocks_and_chunks_divide():
+    d = load("flash_decoding")
+    sizes = {**FD_SIZES, "q": 32, "x": 8192}
+    r = analyse(d, sizes)
+    env = {**dict(r.sizes), "g_q": 16, "c_x": 1024}
+    for t in r.transfers:   # (the decode mask skips no whole block of 64 here)
+        assert t.elements == _eval(t.formula, env), t
+    assert analyse(d).notes[0].startswith("the formulas count the chunked launch")
+
+
+def test_a_chunk_the_kernels_do_not_take_is_costed_whole_with_a_note():
+    """The code generator chunks only attention: a matmul's chunked stream runs whole."""
+    text = (REPO / "examples" / "matmul.ncd").read_text().replace(
+        "stream k by 32", "group k by 256\n    stream k by 32")
+    d = napkin.load_text(text, "m.ncd")
+    sizes = {"m": 300, "n": 200, "k": 1000}
+    r = analyse(d, sizes)
+    assert r.transfers == analyse(load("matmul"), sizes).transfers
+    assert any("chunks of k are not modelled" in n for n in r.notes)

@@ -465,6 +465,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     merge = _launch_call(d, f"_{d.name}_merge", "_grid[:2]", block_args, extra).split("\n", 1)[1]
     launch.append(call + "\n    if _chunk:  # the chunks' states, merged into the outputs\n"
                   + "\n".join("    " + line for line in merge.split("\n")))
+    merged = {spec.var for spec in merge_loads(plan)}
     return {
         "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch), "pid": masks.program_order(plan.bounds, "row"),
@@ -479,7 +480,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "chunk": L.chunk_of(d), "chunk_bounds": "\n".join(chunk_bounds(segs)),
         "chunk_store": "\n".join(chunk_store(plan, names)), "chunk_merge": "\n".join(chunk_merge(plan, names)),
         "merge_loads": [ld for ld, spec in zip(pre_loads, [x for x in plan.loads if x.phase == "pre"])
-                        if reads(finalise + "\n" + save_finalise, spec.var)],
+                        if spec.var in merged],
         "save_finalise": save_finalise, "save_stores": save_stores,
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]
                                      + [f"{o}=None" for o in LAUNCH_OPTIONS]),
@@ -519,6 +520,16 @@ def chunk_state(plan: L.AttentionPlan, names: _Names, block=None) -> tuple[list[
         terms.append(block(cols) if cols is not None else "1")
     width = " + ".join(_merge_ones(terms))
     return parts, width
+
+
+def merge_loads(plan: L.AttentionPlan) -> list[L.Load]:
+    """The tiles without the streamed wire that the merge kernel loads again:
+    those the finalise of an output (a saved one too) reads.  The cost model
+    counts them (napkin/cost/chunks.py)."""
+    names = _Names(plan.diagram, plan.dims, (plan.row, plan.col))
+    code, _ = _finalise(plan.diagram, names, list(plan.outputs), _kinds(plan.diagram),
+                        {a.var: a for a in plan.accums})
+    return [ld for ld in plan.loads if ld.phase == "pre" and reads(code, ld.var)]
 
 
 def _merge_ones(terms: list[str]) -> list[str]:

@@ -14,7 +14,8 @@ Public API:
   and the training forward;
 * ``register_cli(subparsers)``: the ``napkin cost`` subcommand.
 
-The modules: model.py (kernels, loads and stores, FLOPs), devices.py (the
+The modules: model.py (kernels, loads and stores, FLOPs), chunks.py (chunks
+of the streamed wire: the state and the merge kernel), devices.py (the
 device level), bounds.py (lower bounds), analysis.py (putting them
 together), tune.py (tile search), report.py (records and text), cli.py.
 """

@@ -23,6 +23,7 @@ from typing import Mapping, Optional
 from .. import ir, masks, tiling
 from ..errors import NapkinError
 from . import bounds as bounds_mod
+from . import chunks as chunks_mod
 from .devices import communication, device_count
 from .devices import mesh_tiles as device_tiles
 from .model import (Kernel, Tiling, Visited, access_fetches_poly, access_poly, chip_levels, count_access,
@@ -204,6 +205,12 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
                      "; block skipping is not modelled across devices")
         if comm.handshake_bytes is not None:
             notes.append(_device_note(comm))
+    if c.chunk_note:
+        notes.append(c.chunk_note)
+    elif c.chunked and not c.known:
+        notes.append(f"the formulas count the chunked launch (|{c.chunks.wire}| > c_{c.chunks.wire}, "
+                     f"the chunk {c.chunks.chunk} or the stream block if longer); a launch of one chunk "
+                     "runs whole, with no merge")
     if any(k.two_pass for k in c.kernels):
         notes.append("a kernel writes a normalised tensor along its streamed wire: "
                      "it reads its streamed inputs twice (statistics, then values)")
@@ -246,11 +253,21 @@ class _Context:
         self.visits = {k.index: [_visited(diagram, k, self.tiles, s) for s in self.launches]
                        for k in self.kernels}
         self.working_set = 0   # the largest one-step L2 working set seen (bytes)
+        # chunks of the streamed wire (chunks.py): how many each launch runs, and
+        # whether any launch runs chunked (formulas alone: the chunked launch)
+        self.chunks, self.chunk_note = chunks_mod.find(diagram, self.kernels, self.tiles)
+        self.counts = {k.index: [chunks_mod.launch_count(self.chunks, k, self.tiles, s) for s in self.launches]
+                       for k in self.kernels}
+        self.chunked = self.chunks is not None and (
+            not self.known or any(n > 1 for n in self.counts[self.chunks.kernel]))
+        self.merge_index = len(self.kernels)   # the merge kernel's index in the report
 
 
 def _transfers(c: _Context) -> tuple[list[Transfer], list[BoundaryTotal]]:
     """Every tensor crossing hbm/first on-chip level (and on-chip/regs), per
-    kernel, with the totals and the DRAM estimate of the hbm boundary."""
+    kernel, with the totals and the DRAM estimate of the hbm boundary.  A
+    chunked kernel (chunks.py) adds its state's store, and the merge kernel
+    its loads and the outputs' stores."""
     boundaries = [("hbm/" + c.levels[0], c.tiles)] if c.levels else []
     if len(c.levels) > 1:
         boundaries.append((f"{c.levels[0]}/{c.levels[1]}", tiling_at(c.d, c.levels[1])))
@@ -260,36 +277,73 @@ def _transfers(c: _Context) -> tuple[list[Transfer], list[BoundaryTotal]]:
         loads, stores, dram = [0, 0], [0, 0], 0   # [elements, bytes]
         total_poly = Poly()
         for k in c.kernels:
-            visits = c.visits[k.index] if hbm else [_visited(c.d, k, tl, s) for s in c.launches]
-            reach = [{}] * len(c.launches)
-            if hbm:
-                reach = []
-                for s in c.launches:
-                    fractions, ws = dram_fractions(k, tl, s, int(c.prof["sm_count"]), c.prof["l2_bytes"])
-                    c.working_set = max(c.working_set, ws)
-                    reach.append(fractions)
-            for acc in k.accesses:
+            for row in _kernel_rows(c, k, tl, hbm):
+                kernel, acc, poly, fetches, issued, reach, size = row
                 eb = ir.DTYPE_BYTES[acc.dtype]
-                poly = access_poly(acc, k, tl, c.wire_sym) * c.n_launch
                 total_poly = total_poly + poly * eb
-                elements = size = None
+                elements = None
                 if c.known:
-                    issued = [count_access(acc, k, tl, s, v) for s, v in zip(c.launches, visits)]
                     elements = sum(issued)
                     dram += sum(round(n * f.get(acc, 1.0)) for n, f in zip(issued, reach)) * eb
-                    # the tensor as one device holds it (all of a wire streamed across devices)
-                    size = math.prod(_device_extent(c.d, c.full, w) for w in acc.wires)
                     side = loads if acc.kind == "load" else stores
                     side[0] += elements
                     side[1] += elements * eb
                 transfers.append(Transfer(
-                    name, k.index, acc.tensor, acc.wires, acc.kind, acc.dtype, str(poly),
-                    str(access_fetches_poly(acc, k, tl, c.wire_sym) * c.n_launch),
+                    name, kernel, acc.tensor, acc.wires, acc.kind, acc.dtype, str(poly), str(fetches),
                     elements, None if elements is None else elements * eb,
-                    None if elements is None else round(elements / size, 6)))
+                    None if elements is None else round(elements / size, 6) if size else 0.0))
         numbers = (*loads, *stores) if c.known else (None,) * 4
         totals.append(BoundaryTotal(name, str(total_poly), *numbers, dram if c.known and hbm else None))
     return transfers, totals
+
+
+def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
+    """One kernel's transfer rows at one boundary: (kernel index, access,
+    formula, fetches formula, issued elements per launch, DRAM fractions per
+    launch, the tensor's size).  A chunked kernel's tiles without the streamed
+    wire are loaded once per chunk; at the hbm boundary it stores its state,
+    and the merge kernel (its own index) loads the states, the tiles its
+    finalise reads, and stores the outputs."""
+    visits = c.visits[k.index] if hbm else [_visited(c.d, k, tl, s) for s in c.launches]
+    counts = c.counts[k.index]
+    ch = c.chunks if c.chunked and c.chunks.kernel == k.index else None
+    wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]
+    reach = [{}] * len(c.launches)
+    if hbm:
+        reach = []
+        for s, n in zip(c.launches, counts):
+            fractions, ws = dram_fractions(k, tl, s, wave, l2, chunks=n)
+            c.working_set = max(c.working_set, ws)
+            reach.append(fractions)
+    main, merged = [], []
+    for acc in k.accesses:
+        poly = access_poly(acc, k, tl, c.wire_sym) * c.n_launch
+        fetches = access_fetches_poly(acc, k, tl, c.wire_sym) * c.n_launch
+        issued = [count_access(acc, k, tl, s, v) for s, v in zip(c.launches, visits)] if c.known else []
+        if ch is not None and acc.kind == "load" and ch.wire not in acc.wires:   # once per chunk
+            poly, fetches = poly * ch.count_poly(c.wire_sym), fetches * ch.count_poly(c.wire_sym)
+            issued = [i * n for i, n in zip(issued, counts)]
+        # the tensor as one device holds it (all of a wire streamed across devices)
+        size = math.prod(_device_extent(c.d, c.full, w) for w in acc.wires) if c.known else None
+        row = (k.index, acc, poly, fetches, issued, reach, size)
+        (merged if ch is not None and acc.kind == "store" else main).append(row)
+    if ch is None or not hbm:
+        return main + merged
+    states = [chunks_mod.state_elements(ch, k, c.tiles, s, n) for s, n in zip(c.launches, counts)]
+    state_poly = chunks_mod.state_poly(ch, k, c.tiles, c.wire_sym) * c.n_launch
+    size = sum(states) if c.known else None
+    main.append((k.index, chunks_mod.state_access("store", k, c.tiles), state_poly, Poly.const(1), states,
+                 [{}] * len(c.launches), size))
+    rows = [(c.merge_index, chunks_mod.state_access("load", k, c.tiles), state_poly, Poly.const(1), states,
+             [{}] * len(c.launches), size)]
+    whole = [dram_fractions(k, tl, s, wave, l2)[0] for s in c.launches] if ch.again and c.known else reach
+    for acc in ch.again:   # read once per merge program, as the whole kernel reads it
+        issued = [count_access(acc, k, tl, s, v) if n > 1 else 0
+                  for s, v, n in zip(c.launches, visits, counts)] if c.known else []
+        size = math.prod(_device_extent(c.d, c.full, w) for w in acc.wires) if c.known else None
+        rows.append((c.merge_index, acc, access_poly(acc, k, tl, c.wire_sym) * c.n_launch,
+                     access_fetches_poly(acc, k, tl, c.wire_sym) * c.n_launch, issued, whole, size))
+    return main + rows + [(c.merge_index, *row[1:]) for row in merged]
 
 
 def _kernel_infos(c: _Context) -> tuple[KernelInfo, ...]:
@@ -297,15 +351,28 @@ def _kernel_infos(c: _Context) -> tuple[KernelInfo, ...]:
     for k in c.kernels:
         groups, stream = kernel_tiling(k, c.tiles)
         programs = steps = visited_steps = None
+        ch = c.chunks if c.chunks is not None and c.chunks.kernel == k.index else None
+        counts = c.counts[k.index]
         if c.known:
-            programs = sum(math.prod(math.ceil(s[w] / b) for w, b in groups.items()) for s in c.launches)
+            grid = [math.prod(math.ceil(s[w] / b) for w, b in groups.items()) for s in c.launches]
+            programs = sum(g * n for g, n in zip(grid, counts))
             if stream:
-                steps = math.ceil(c.launches[0][stream[0]] / stream[1])
+                whole = math.ceil(c.launches[0][stream[0]] / stream[1])
+                # a chunked program walks at most one chunk's blocks
+                steps = min(whole, ch.length(stream[1]) // stream[1]) if ch is not None and counts[0] > 1 else whole
                 v = c.visits[k.index][0] if c.visits[k.index] else None
-                visited_steps = programs * steps if v is None else \
+                visited_steps = sum(grid) * whole if v is None else \
                     math.prod(math.ceil(c.full[w] / b) for w, b in groups.items() if w != v.row) * v.count
-        infos.append(KernelInfo(k.index, k.boxes, k.stores, tuple(groups.items()), stream,
-                                programs, steps, visited_steps, k.two_pass))
+        chunk = None if ch is None else ch.length(stream[1])
+        n_chunks = counts[0] if ch is not None and counts else None
+        stores = (chunks_mod.STATE,) if ch is not None and c.chunked else k.stores
+        infos.append(KernelInfo(k.index, k.boxes, stores, tuple(groups.items()), stream,
+                                programs, steps, visited_steps, k.two_pass, chunk, n_chunks))
+        if ch is not None and c.chunked:   # the merge kernel: one program per (row block, batch index)
+            merge_programs = sum(math.prod(math.ceil(s[w] / b) for w, b in groups.items())
+                                 for s, n in zip(c.launches, counts) if n > 1) if c.known else None
+            infos.append(KernelInfo(c.merge_index, (), k.stores, tuple(groups.items()), None, merge_programs,
+                                    None, None, False, chunk, n_chunks, merges=k.index))
     return tuple(infos)
 
 

@@ -460,21 +460,29 @@ def launch_order(groups: dict[str, int]) -> list[str]:
     return blocked + batch[::-1]
 
 
-def shared_loads(kernel: Kernel, tiles: Tiling) -> list[Access]:
-    """Loads several programs read: those lacking a grid wire."""
-    groups, _ = kernel_tiling(kernel, tiles)
-    return [a for a in kernel.accesses if a.kind == "load" and any(w not in a.wires for w in groups)]
+def shared_loads(kernel: Kernel, tiles: Tiling, chunks: int = 1) -> list[Access]:
+    """Loads several programs read: those lacking a grid wire (or, with the
+    streamed wire in ``chunks`` > 1 chunks, lacking that wire)."""
+    groups, stream = kernel_tiling(kernel, tiles)
+    axes = list(groups) + ([stream[0]] if chunks > 1 and stream else [])
+    return [a for a in kernel.accesses if a.kind == "load" and any(w not in a.wires for w in axes)]
 
 
 def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: int,
-                   l2_bytes: float) -> tuple[dict[Access, float], int]:
+                   l2_bytes: float, chunks: int = 1) -> tuple[dict[Access, float], int]:
     """For each shared load, the fraction of its issued bytes that reaches
-    DRAM; and one step's shared working set of the first wave, in bytes."""
+    DRAM; and one step's shared working set of the first wave, in bytes.
+    ``chunks`` > 1: the grid's last (slowest) axis is the chunks of the
+    streamed wire (napkin/cost/chunks.py), which the loads along that wire
+    carry."""
     import numpy as np
 
     groups, stream = kernel_tiling(kernel, tiles)
     order = launch_order(groups)
     counts = [math.ceil(sizes[w] / groups[w]) for w in order]
+    carried = list(order)   # the wire that carries each grid axis
+    if chunks > 1 and stream:
+        order, counts, carried = order + ["#chunks"], counts + [chunks], carried + [stream[0]]
     linear = np.arange(math.prod(counts), dtype=np.int64)
     index, rest = {}, linear
     for w, n in zip(order, counts):
@@ -482,10 +490,10 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
     waves = linear // wave
     first = linear < wave
     fractions, step_bytes = {}, 0
-    for acc in shared_loads(kernel, tiles):
+    for acc in shared_loads(kernel, tiles, chunks):
         key = waves.copy()
-        for w, n in zip(order, counts):
-            if w in acc.wires:
+        for w, n, wire in zip(order, counts, carried):
+            if wire in acc.wires:
                 key = key * n + index[w]
         fractions[acc] = np.unique(key).size / linear.size
         per_step = math.prod(groups[w] if w in groups else stream[1] if stream and w == stream[0]

@@ -111,9 +111,15 @@ class KernelInfo:
     grid: tuple[tuple[str, int], ...]   # wire, block
     stream: Optional[tuple[str, int]]
     programs: Optional[int]
-    steps: Optional[int]                # chunks along the streamed wire
+    steps: Optional[int]                # blocks of the streamed wire a program walks (one chunk's if chunked)
     visited_steps: Optional[int]        # (program, step) pairs run, after block skipping
     two_pass: bool
+    # chunks of the streamed wire (napkin/cost/chunks.py): the chunk a launch
+    # takes and how many (1: the launch runs whole); on the merge kernel too,
+    # whose ``merges`` is the index of the kernel whose chunks' states it folds
+    chunk: Optional[int] = None
+    chunks: Optional[int] = None
+    merges: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +188,10 @@ def _build(tp, value):
         return tuple(_build(a, v) for a, v in zip(args, value))
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp, globalns={**globals(), **_TYPES})
-        return tp(**{f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(tp)})
+        # a field added since the JSON was written takes its default
+        return tp(**{f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(tp)
+                     if f.name in value or (f.default is dataclasses.MISSING
+                                            and f.default_factory is dataclasses.MISSING)})
     if tp is float and isinstance(value, int):
         return float(value)
     return value
@@ -234,7 +243,17 @@ def format_text(r: CostReport) -> str:
            + (" (per device)" if r.per_device else "")]
     for k in r.kernels:
         grid = " ".join(f"{w}/{b}" for w, b in k.grid) or "one program"
+        if k.merges is not None:
+            run = "" if k.programs is None else f": {k.programs} programs"
+            each = "" if k.chunks is None or k.programs is None else f", each folding {k.chunks} chunks' states"
+            out.append(f"kernel {k.index} (merge of kernel {k.merges}'s chunks -> {', '.join(k.stores)}): "
+                       f"grid {grid}{run}{each}")
+            continue
         stream = f", stream {k.stream[0]} by {k.stream[1]}" if k.stream else ""
+        if k.chunk is not None and k.stream:
+            stream += f", {k.stream[0]} in chunks of {k.chunk}" + (
+                "" if k.chunks is None else
+                f": {k.chunks} chunks" if k.chunks > 1 else f": 1 chunk, so it runs whole")
         run = ""
         if k.programs is not None:
             run = f": {k.programs} programs"

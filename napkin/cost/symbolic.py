@@ -7,7 +7,8 @@ multiply, block sizes divide.  A dozen lines of dict arithmetic cover that,
 so napkin does not depend on a computer algebra system.
 
 Symbols: a wire's name stands for its size (``q``); ``g_q`` is the block a
-level groups q by, ``s_x`` the chunk x is streamed by, ``P_q`` the number of
+level groups q by, ``s_x`` the block x is streamed by, ``c_x`` the chunk of
+x each program streams (napkin/cost/chunks.py), ``P_q`` the number of
 devices q is split across, ``M`` a capacity in elements.  Printing is
 deterministic: terms by descending degree, then alphabetically.
 """

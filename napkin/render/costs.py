@@ -55,11 +55,14 @@ def traffic_from(costs) -> Traffic:
         return Traffic()
     moves: dict = {}
     together: dict = {}
+    # a merge kernel's traffic (chunks of the streamed wire) is drawn on the kernel it merges
+    merged = {k.index: k.merges for k in getattr(costs, "kernels", ()) or ()
+              if getattr(k, "merges", None) is not None}
     for t in getattr(costs, "transfers", ()) or ():
         if t.bytes is None:
             continue
         inner = t.boundary.split("/")[-1]
-        key = (inner, t.tensor, t.direction, t.kernel)
+        key = (inner, t.tensor, t.direction, merged.get(t.kernel, t.kernel))
         moves[key] = moves.get(key, 0) + t.bytes
     devices = getattr(costs, "devices", None)
     for row in getattr(devices, "rows", ()) or ():

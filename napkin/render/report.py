@@ -89,7 +89,11 @@ def _kernels(costs) -> str:
     for k in costs.kernels:
         grid = " ".join(f"{w}/{b}" for w, b in k.grid) or "one program"
         stream = f"{k.stream[0]} by {k.stream[1]}" if k.stream else "-"
-        rows.append([str(k.index), _e(", ".join(k.boxes)), _e(", ".join(k.stores)), _e(grid), _e(stream),
+        chunk, chunks, merges = (getattr(k, f, None) for f in ("chunk", "chunks", "merges"))
+        if chunk is not None and k.stream:   # chunks of the streamed wire (napkin/cost/chunks.py)
+            stream += f", in chunks of {chunk}" + (f" ({chunks})" if chunks is not None else "")
+        boxes = f"merge of kernel {merges}'s chunks" if merges is not None else ", ".join(k.boxes)
+        rows.append([str(k.index), _e(boxes), _e(", ".join(k.stores)), _e(grid), _e(stream),
                      _e(_count(k.programs)), _e(_count(k.steps)), _e(_count(k.visited_steps)),
                      "yes" if k.two_pass else "no"])
     return _table(["kernel", "boxes", "writes", "grid (wire/block)", "stream", "programs", "steps",
