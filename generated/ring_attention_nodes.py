@@ -536,13 +536,15 @@ def _tma_args(tma, descs, tensors, sizes, blocks, device, pos, last, padded=("x"
 _SCHEDULE_CHUNK = None
 
 
-def _chunks(chunk, block, n):
+def _chunks(chunk, tuned, block, n):
     """(chunk length, number of chunks) of x for a launch; (0, 1) runs it
-    whole.  chunk=None takes the schedule's (grown to the block when a tuned
-    block is longer), 0 none; a given one is a power of two and a whole number
-    of blocks.  A single chunk runs whole: nothing to merge."""
+    whole.  chunk: the launcher's chunk=, a power of two and a whole number of
+    blocks, or 0 for none.  None takes the tuned config's (``tuned``), else the
+    schedule's, either grown to the block when a longer one is asked for.  A
+    single chunk runs whole: nothing to merge."""
     if chunk is None:
-        chunk = _SCHEDULE_CHUNK and max(_SCHEDULE_CHUNK, block)
+        chunk = _SCHEDULE_CHUNK if tuned is None else tuned
+        chunk = chunk and max(chunk, block)
     elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be None, 0 or a power of two, not {chunk!r}")
     elif chunk and chunk < block:
@@ -859,12 +861,12 @@ def _ring_attention_nodes_forward(Q, K, V, block_q, block_x, num_warps, num_stag
     when _save is set."""
     _sz, _cls, _dev = _bind((Q, K, V), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
-    _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma}, _sz, _dev)
+    _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     [O, lse] = _allocate(_sz, _cls, _dev, out_dtype)
-    _chunk, _n_chunks = _chunks(chunk, _bc, _sz["x"])
+    _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"])
     _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks)  # axis 2: the chunks of x (1: whole)
     _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
     _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)

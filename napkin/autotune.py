@@ -81,6 +81,12 @@ STAGE_ORDER = (3, 2, 4)
 # with fewer the pointer kernel is far from the cap), of its first (warps,
 # stages): the second tier of the breadth-first order.  Untimed so far:
 # counts, not timings.
+# Chunks of the streamed wire (flash-decoding, the launchers' chunk=; napkin/codegen/emit.py
+# chunk_state): tried for the forward when its grid has fewer programs than the device has SMs,
+# aiming at CHUNK_WAVES programs per SM, each chunk at least CHUNK_MIN_BLOCKS streamed blocks
+# (the merge reads every chunk's float32 state back: a chunk must amortise it).  Untimed on a GPU.
+CHUNK_WAVES = 2
+CHUNK_MIN_BLOCKS = 4
 TMA_MIN_HEAD_DIM = 128
 TMA_MIN_RESIDENT = 128
 # Shared memory the TMA path adds: its mbarriers (16 B at 2 stages) and their
@@ -154,23 +160,26 @@ class Config:
     num_warps: int
     num_stages: int
     tma: Optional[bool] = None           # the kernel's TMA descriptors (launcher tma=); None: not set
+    chunk: Optional[int] = None          # the forward's chunk of the streamed wire (launcher chunk=); None: not set
 
     def kwargs(self) -> dict:
         """The launcher options: block_<wire>=..., num_warps=..., num_stages=...,
-        and tma=... when the config sets it."""
+        and tma=... and chunk=... when the config sets them."""
         out = {f"block_{w}": b for w, b in self.blocks}
         out.update(num_warps=self.num_warps, num_stages=self.num_stages)
         if self.tma is not None:
             out.update(tma=self.tma)
+        if self.chunk is not None:
+            out.update(chunk=self.chunk)
         return out
 
     @staticmethod
     def from_kwargs(options: Mapping[str, int]) -> "Config":
-        """The config of launcher options; an entry cached before tma= existed has none (None)."""
+        """The config of launcher options; an entry cached before tma= or chunk= existed has none (None)."""
         blocks = tuple((k[len("block_"):], int(v)) for k, v in options.items() if k.startswith("block_"))
-        tma = options.get("tma")
+        tma, chunk = options.get("tma"), options.get("chunk")
         return Config(blocks, int(options["num_warps"]), int(options["num_stages"]),
-                      None if tma is None else bool(tma))
+                      None if tma is None else bool(tma), None if chunk is None else int(chunk))
 
 
 @dataclass(frozen=True)
@@ -451,14 +460,18 @@ def _attention_candidates(diagram, sizes, shape: KernelShape, capacity, profile,
     stage_order = [s for s in STAGE_ORDER if s in stages] + [s for s in stages if s not in STAGE_ORDER]
     per_shape: dict[tuple, list[Config]] = {}
     pruned: list[Pruned] = []
-    for r in resident_blocks(diagram, sizes, shape, profile):
+    rblocks = resident_blocks(diagram, sizes, shape, profile)
+    # rows too few for the smallest warp count (decoding's 16): the warps they fill are tried
+    # too, else every candidate would be pruned and only the lead would run
+    short = max(rblocks, default=0) < MIN_ROWS_PER_WARP * min(warps)
+    for r in rblocks:
         for b in streamed_blocks(diagram, sizes, shape):
             blocks = {res: r, st: b}
             order = tuple((w, blocks[w]) for w in tiled_wires(diagram) if w in blocks)
             if len(order) != 2:
                 continue
             survivors = per_shape.setdefault(order, [])
-            for w in warp_order:
+            for w in warp_order + ([max(r // MIN_ROWS_PER_WARP, 1)] if short else []):
                 for s in stage_order:
                     c = Config(order, w, s)
                     why = _prune_reason(shape, c, sizes, capacity, HELD_FP32)
@@ -491,12 +504,47 @@ def _attention_candidates(diagram, sizes, shape: KernelShape, capacity, profile,
                     pruned.append(Pruned(c, why))
                 else:
                     cs.insert(1, c)
+    # Chunk variants (the forward of a grid that leaves SMs idle: decoding): each
+    # shape's first survivor again with each chunk length of chunk_lengths, after the TMA ones
+    for o, cs in per_shape.items():
+        for i, n in enumerate(chunk_lengths(shape, sizes, dict(o), profile) if cs else ()):
+            cs.insert(2 + i, replace(cs[0], chunk=n))
     tiers = max((len(cs) for cs in per_shape.values()), default=0)
     keep = [cs[i] for i in range(tiers) for cs in per_shape.values() if i < len(cs)]
     # 16-wide steps last: tried only when the budget has seen every wider one
     keep = [c for c in keep if dict(c.blocks)[st] > TINY_STREAMED] + \
         [c for c in keep if dict(c.blocks)[st] <= TINY_STREAMED]
     return keep, pruned
+
+
+def chunk_lengths(shape: KernelShape, sizes: Mapping[str, int], blocks: Mapping[str, int],
+                  profile: Optional[str] = None) -> list[int]:
+    """The chunk= lengths the tuner tries for the forward at ``blocks``
+    (flash-decoding, the launchers' chunk=): none unless the unchunked grid
+    has fewer programs than the device has SMs.  Then the power of two that
+    gives about CHUNK_WAVES programs per SM, and twice it (fewer, longer
+    chunks: less state to merge), each at least CHUNK_MIN_BLOCKS streamed
+    blocks and shorter than the wire (one chunk runs whole).  A schedule
+    that chunks also gets chunk=0, the whole wire in one program."""
+    from .codegen.lower import chunk_of
+    from .cost.analysis import resolve_profile
+
+    plans = _plans(shape.diagram) if shape.kind == "" else None
+    if plans is None:
+        return []
+    fplan = plans[0]
+    full = {w.name: w.size for w in shape.diagram.wires if w.size is not None}
+    full.update(sizes)
+    res, st = shape.resident, shape.streamed
+    n = full[st]
+    programs = math.ceil(full[res] / blocks[res]) * math.prod(full[w] for w in fplan.batch)
+    sms = int(resolve_profile(shape.diagram, profile)["sm_count"])
+    out = [0] if chunk_of(shape.diagram) is not None else []
+    if programs >= sms:
+        return out
+    want = math.ceil(CHUNK_WAVES * sms / programs)                 # chunks per row block
+    first = max(1 << max(math.ceil(n / want) - 1, 0).bit_length(), CHUNK_MIN_BLOCKS * blocks[st])
+    return out + [c for c in (first, 2 * first) if c < n]
 
 
 def tma_applies(shape: KernelShape, sizes: Mapping[str, int]) -> bool:

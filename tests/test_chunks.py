@@ -241,3 +241,44 @@ def test_chunk_with_gradients_is_refused():
                                                            dtype=torch.float32, seed=1)]
     with pytest.raises(ValueError, match="chunk= make a forward-only call"):
         K.launcher(m)(*inputs, chunk=32)
+
+
+# --------------------------------------------------------------------------
+# Autotuning: chunk lengths for grids that leave SMs idle; the cache's chunk.
+# --------------------------------------------------------------------------
+
+def test_the_tuner_tries_chunks_only_where_the_grid_leaves_sms_idle():
+    from napkin import autotune
+    d = napkin.load(K.REPO / "examples" / "flash_decoding.ncd")
+    decode = {"b": 1, "hk": 8, "g": 4, "q": 4, "x": 32768}   # 32 programs unchunked on 132 SMs
+    keep, _ = autotune.candidates(d, decode)
+    assert keep and all(c.num_warps == 1 for c in keep)      # 16 rows: one warp each (4 and 8 idle)
+    # 0 (the whole wire: the schedule chunks), then ~2 programs an SM: 9 chunks -> 4096, and twice it
+    assert sorted({c.chunk for c in keep if c.chunk is not None}) == [0, 4096, 8192]
+    shape = autotune.kernel_shape(d, decode)
+    assert autotune.chunk_lengths(shape, decode, {"q": 16, "x": 64}) == [0, 4096, 8192]
+    assert autotune.chunk_lengths(shape, {**decode, "b": 8}, {"q": 16, "x": 64}) == [0]   # 256 programs
+    plain = napkin.load(K.REPO / "examples" / "attention.ncd")
+    target = {"b": 1, "h": 16, "q": 16384, "x": 16384}
+    assert all(c.chunk is None for c in autotune.candidates(plain, target)[0])
+    for bwd in ("bwd", "bwd_kv"):
+        assert all(c.chunk is None for c in autotune.candidates(d, decode, kind=bwd)[0])
+    c = autotune.Config((("q", 16), ("x", 64)), 1, 3, chunk=4096)
+    assert c.kwargs()["chunk"] == 4096 and autotune.Config.from_kwargs(c.kwargs()) == c
+
+
+def test_a_launch_without_chunk_takes_the_cached_one(tmp_path, monkeypatch):
+    from napkin import autotune
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    m = K.example("flash_decoding", ("group x by 1024", "group x by 512"))
+    sizes = {"b": 1, "hk": 1, "g": 2, "q": 3, "x": 100}
+    inputs = m.example_inputs(sizes, dtype=torch.float32, seed=8)
+    key = autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, ("b", "hk", "g", "q", "x"))
+    autotune.Cache().put(key, autotune.Config((("q", 16), ("x", 16)), 1, 2, chunk=32), ms=1.0)
+    spy = MergeSpy(m._flash_decoding_kernel)
+    monkeypatch.setattr(m, "_flash_decoding_kernel", spy)
+    out = K.launcher(m)(*inputs)                     # no options: the cached config, chunk 32
+    assert [g[2] for g in spy.grids] == [4]          # 100 keys in 4 chunks of 32
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "cached chunk")
+    K.launcher(m)(*inputs, chunk=0)                  # an explicit chunk wins
+    assert spy.grids[-1][2] == 1

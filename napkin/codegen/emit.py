@@ -427,13 +427,15 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     opts = _options(d, [row, col], (T.OPTION,))
     _refuse_clash(d, LAUNCH_OPTIONS)
     _, launch_width = chunk_state(plan, names, lambda w: _dim_block_value(names, w))
-    launch = _fill_options(opts) + [
+    # chunk= is no tuned option of the backward's kernels (nor in the torch op's schema), but the
+    # forward's tuned config may set it (autotune.chunk_lengths)
+    launch = _fill_options(opts + ["chunk"]) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
         f"[{', '.join(o.name for o in d.outputs if o.name not in saved)}] = _allocate(_sz, _cls, _dev, out_dtype)",
         *_allocate_saved(d, saved),
-        f'_chunk, _n_chunks = _chunks(chunk, _bc, _sz["{col}"])',
+        f'_chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["{col}"])',
         f'_grid = (triton.cdiv(_sz["{row}"], _br), '
         + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ", _n_chunks)  # axis 2: the chunks of "
         + f"{col} (1: whole)",
