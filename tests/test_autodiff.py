@@ -1,4 +1,5 @@
-"""napkin.autodiff checked numerically against torch.autograd in float64.
+"""napkin.autodiff and napkin.gradrules checked numerically against
+torch.autograd in float64.
 
 * diff: the score expression of every shipped example, a hand-picked list of
   mask cases, and random elementwise expressions (hypothesis);
@@ -20,7 +21,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from napkin import ir
-from napkin.autodiff import diff, grad_plan, simplify, softmax_rule, substitute, sums_rule
+from napkin.autodiff import diff, simplify, substitute
+from napkin.gradrules import grad_plan, softmax_rule, sums_rule
 from napkin.parse import parse
 
 from strategies import attention_diagrams
@@ -734,7 +736,7 @@ def test_sums_rule_built_directly():
     assert rule.binding("Aw") == B("+", B("*", ir.TensorRef("A0"), ir.TensorRef("gN0")),
                                    B("*", ir.TensorRef("A1"), ir.TensorRef("gN0")))
     assert not any(n.startswith(("dN", "dA")) for n, _ in rule.rows + rule.tile)
-    # dF/dZ0's per-row factors stand outside its feature sum (autodiff._row_sum): the rows
+    # dF/dZ0's per-row factors stand outside its feature sum (gradrules._row_sum): the rows
     # kernel computes them once a row, and only dO * (N0 + N1) once an element
     dz = dict(rule.rows)["dZ0"]
     (total,) = [n for n in ir.walk(dz) if isinstance(n, ir.Reduce)]

@@ -576,7 +576,7 @@ def test_sum_normaliser_default_tile_gradients(name, head, dtype, folder):
 
 # dF/dN0 = 2 N0 / (Z0 + 1) reads N0: no per-row factor, so the backward keeps
 # dN0 = dO dF/dN0 as float32 [rows, d] row state and widens the products it
-# enters (dA0 = dN0 . V, dV += A0^T dN0) to float32 (autodiff.sums_rule).
+# enters (dA0 = dN0 . V, dV += A0^T dN0) to float32 (gradrules.sums_rule).
 N_SQUARED = """
 diagram n_squared
 wire b, h, q, x

@@ -1,4 +1,4 @@
-"""Lowering of an attention diagram's BACKWARD: GradRule (napkin/autodiff.py)
+"""Lowering of an attention diagram's BACKWARD: GradRule (napkin/gradrules.py)
 -> three kernel plans in the FlashAttention-2 style, recomputing every
 score tile from Q, K and the saved row state instead of storing it.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import autodiff, ir
+from .. import autodiff, gradrules, ir
 from ..errors import Diagnostic, NapkinError
 from .lower import AttentionPlan, Load, Var, _Loads, nodes
 from .scale import LOG2E, factor, log2_scale
@@ -138,7 +138,7 @@ class Kernel:
 class BackwardPlan:
     diagram: ir.Diagram                 # the forward diagram, plus the backward's tensors as inputs
     forward: AttentionPlan
-    rule: autodiff.GradRule
+    rule: gradrules.GradRule
     row: str
     col: str
     batch: tuple[str, ...]
@@ -162,7 +162,7 @@ class BackwardPlan:
 # Building it.
 # --------------------------------------------------------------------------
 
-def lower_backward(d: ir.Diagram, fplan: AttentionPlan, rule: autodiff.GradRule,
+def lower_backward(d: ir.Diagram, fplan: AttentionPlan, rule: gradrules.GradRule,
                    saved_axes: dict) -> BackwardPlan:
     """The backward plan of a checked attention diagram, whose forward plan is
     ``fplan`` and GradRule ``rule``; ``saved_axes`` gives the stored layout of
@@ -277,7 +277,7 @@ class _Builder:
         used = []
         for _, e in self.rule.tile + self.rule.input_grads:
             for n in ir.walk(e):
-                if isinstance(n, ir.TensorRef) and autodiff.is_placeholder(n.name) and n.name not in bound:
+                if isinstance(n, ir.TensorRef) and gradrules.is_placeholder(n.name) and n.name not in bound:
                     used.append(n.name)
         first = ["dO", "lse", "delta", "dlse"]
         first += [n for n, _ in self.rule.rows if n not in first]  # then the row values, in order
@@ -289,7 +289,7 @@ class _Builder:
         need no reserving: no input may have a placeholder's name)."""
         floats = [t.name for t in self.d.inputs]
         return set(FIXED_NAMES) | {f"_{n}" for n in self.tile_names} | set(extra) \
-            | {f"_{p}2" for p in autodiff.PLACEHOLDERS} \
+            | {f"_{p}2" for p in gradrules.PLACEHOLDERS} \
             | {f"_{p}_{n}" for p in ("acc", "grad", "part", "part_acc") for n in floats} \
             | {f"_dot{i}" for i in range(8)} | {f"_sum{i}" for i in range(8)}
 
@@ -473,7 +473,7 @@ class _Builder:
 
     # ---- loads ----
     def _read(self, ref: ir.TensorRef) -> tuple[str, ...]:
-        if autodiff.is_placeholder(ref.name):
+        if gradrules.is_placeholder(ref.name):
             return self.rule.layout(ref.name)
         return ref.wires if ref.wires is not None else ir.axis_wires(self.bd.tensor(ref.name).axes)
 
@@ -496,7 +496,7 @@ class _Builder:
             rows, cols = (w, None) if tile[0] == w else (None, w)
         else:
             rows, cols = None, None
-        if autodiff.is_placeholder(ref.name):
+        if gradrules.is_placeholder(ref.name):
             stored = ir.axis_wires(self.bd.tensor(ref.name).axes)
             if sorted(stored) != sorted(ws):
                 raise refuse(ref.name, "its stored layout does not hold its wires")
@@ -504,7 +504,7 @@ class _Builder:
 
 
 def _alias(e) -> bool:
-    return isinstance(e, ir.TensorRef) and autodiff.is_placeholder(e.name)
+    return isinstance(e, ir.TensorRef) and gradrules.is_placeholder(e.name)
 
 
 def _contains(e, sub) -> bool:

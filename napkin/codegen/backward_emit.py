@@ -224,7 +224,7 @@ def _real(plan: BackwardPlan, w: str) -> str:
 def _dt(plan: BackwardPlan, *tensors: str) -> str:
     """The dtype a product is taken in: the kernel dtype, or float32 when a
     factor is float32 row state.  Only a sum normaliser's dN_i = dO dF/dN_i
-    is ever such a factor, and only where dF/dN_i reads an N_k (autodiff.
+    is ever such a factor, and only where dF/dN_i reads an N_k (gradrules.
     sums_rule): it may be huge where the normaliser is tiny (rounded to 16
     bits it would overflow) and it often cancels against dZ_j.  Where each
     dF/dN_i is a per-row factor gN_i (L2, ReLU^2, sigmoid attention) no

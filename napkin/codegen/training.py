@@ -2,7 +2,7 @@
 
 ``prepare(plan)`` decides, for a forward plan, how the module trains:
 
-* ATTENTION: napkin.autodiff.grad_plan(diagram) gives the GradRule.  The
+* ATTENTION: napkin.gradrules.grad_plan(diagram) gives the GradRule.  The
   values it saves (lse for softmax, the sums N_i, Z_j of a general
   normaliser) that are not outputs already are added to the diagram as
   float32 boxes (``_saved_lse = logsumexp[x](S)``, ...) and the forward is
@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import autodiff, ir
+from .. import autodiff, gradrules, ir
 from ..errors import NapkinError
 from . import lower as L
 
@@ -40,7 +40,7 @@ BACKWARD_OPTIONS = ("need", "grad_dtype")
 class Training:
     forward: L.Plan                    # the plan the module's forward kernel is emitted from
     saved: tuple[str, ...] = ()        # its outputs only training stores (_saved_lse, ...)
-    rule: Optional[autodiff.GradRule] = None
+    rule: Optional[gradrules.GradRule] = None
     backward: Optional[object] = None  # backward.BackwardPlan
     grads: tuple[L.ContractionPlan, ...] = ()  # the matrix product's dA, dB
     reason: Optional[str] = None       # why there is no backward
@@ -73,7 +73,7 @@ def _attention(plan: L.AttentionPlan) -> Training:
 
     d = plan.diagram
     try:
-        rule = autodiff.grad_plan(d)
+        rule = gradrules.grad_plan(d)
     except ValueError as err:
         return _no(plan, str(err))
     bound = dict(rule.bound)
