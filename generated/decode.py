@@ -796,9 +796,10 @@ def _decode_merge(
 ):
     """The chunks' states (the kernel above with _CHUNK) folded into one, as
     the loop folds a block, then finalised and stored as the whole kernel
-    would: the outputs of one program of it."""
+    would: the outputs of one program of it (every program's work is the
+    same here: no heaviest-first order)."""
     # Program ids: axis 0 is a block of q, axis 1 one index of each batch wire.
-    _pid = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first (masks.program_order)
+    _pid = tl.program_id(0)
     _batch = tl.program_id(1).to(tl.int64)
     _i_g = _batch % _size_g
     _batch = _batch // _size_g

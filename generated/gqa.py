@@ -789,7 +789,8 @@ def _gqa_merge(
 ):
     """The chunks' states (the kernel above with _CHUNK) folded into one, as
     the loop folds a block, then finalised and stored as the whole kernel
-    would: the outputs of one program of it."""
+    would: the outputs of one program of it (every program's work is the
+    same here: no heaviest-first order)."""
     # Program ids: axis 0 is a block of q, axis 1 one index of each batch wire.
     _pid = tl.program_id(0)
     _batch = tl.program_id(1).to(tl.int64)
