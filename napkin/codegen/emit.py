@@ -35,12 +35,11 @@ from . import ranges as R
 from . import tma as T
 from .bounds import live, loop_bounds
 from .exprs import Ctx, number, triton
-from .pysrc import quote as _q, tuple_of as _tuple
+from .chunks import chunk_bounds, chunk_merge, chunk_state, chunk_store
+from .pysrc import NEG_INF, POS_INF, quote as _q, tuple_of as _tuple
 from .reference import reference_lines
 from .scale import log2_scale, plan_exponents
 
-NEG_INF = 'float("-inf")'
-POS_INF = 'float("inf")'
 
 
 @functools.lru_cache(maxsize=1)
@@ -494,36 +493,6 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     }
 
 
-# --------------------------------------------------------------------------
-# Chunks of the streamed wire (flash-decoding's split of the keys).
-#
-# ``group x by C`` beside ``stream x by B`` (ir.Tile.chunk), or the launcher's
-# chunk=C: the forward's grid gains an axis of chunks; each program streams
-# [_lo, _hi) cut to its chunk and stores its streaming state (the running
-# maxes and the accumulators, float32) to a scratch buffer instead of the
-# outputs; then the merge kernel folds the chunks' states into one as the
-# step folds a block (expsums rescaled to the larger max, sums added, max and
-# min taken) and finalises and stores as the whole kernel would.  The state
-# is row-major per row: [chunk, batch program, row, state] with the state's
-# parts at the offsets of chunk_state(); a part with a value wire is the
-# whole padded block of it.
-# --------------------------------------------------------------------------
-
-def chunk_state(plan: L.AttentionPlan, names: _Names, block=None) -> tuple[list[tuple[str, str, Optional[str]]], str]:
-    """The streaming state's parts (variable, offset, value wire or None) and
-    its width per row; ``block(wire)`` renders a value wire's block (the
-    kernel's constexpr name by default, the launcher's value for the launcher)."""
-    block = block or names.block
-    parts, terms = [], []
-    for var in [m for m, _ in plan.groups] + [a.var for a in plan.accums]:
-        acc = next((a for a in plan.accums if a.var == var), None)
-        cols = acc.value.cols if acc is not None and acc.value is not None else None
-        parts.append((var, " + ".join(terms) or "0", cols))
-        terms.append(block(cols) if cols is not None else "1")
-    width = " + ".join(_merge_ones(terms))
-    return parts, width
-
-
 def merge_loads(plan: L.AttentionPlan) -> list[L.Load]:
     """The tiles without the streamed wire that the merge kernel loads again:
     those the finalise of an output (a saved one too) reads.  The cost model
@@ -532,69 +501,6 @@ def merge_loads(plan: L.AttentionPlan) -> list[L.Load]:
     code, _ = _finalise(plan.diagram, names, list(plan.outputs), _kinds(plan.diagram),
                         {a.var: a for a in plan.accums})
     return [ld for ld in plan.loads if ld.phase == "pre" and reads(code, ld.var)]
-
-
-def _merge_ones(terms: list[str]) -> list[str]:
-    ones = sum(t == "1" for t in terms)
-    return ([str(ones)] if ones else []) + [t for t in terms if t != "1"]
-
-
-def _state_at(names: _Names, row: str, chunk: str) -> str:
-    return (f"_at = _part + (({chunk} * tl.num_programs(1) + tl.program_id(1).to(tl.int64)) * {names.size(row)} "
-            f"+ _offs_{row}[:, None]) * _W")
-
-
-def chunk_bounds(segs: list[dict]) -> list[str]:
-    """[_lo, _hi) and the full run inside it cut to this program's chunk
-    (grid axis 2).  Chunks are whole blocks, so every bound stays on a block
-    edge; a chunk past the range leaves every loop empty."""
-    lines = ["_c0 = tl.program_id(2) * _CHUNK",
-             "_lo = tl.maximum(_lo, _c0)",
-             "_hi = tl.minimum(_hi, _c0 + _CHUNK)"]
-    used = [v for v in ("_flo", "_fhi") if any(v in (seg["lo"], seg["hi"]) for seg in segs)]
-    return lines + [f"{v} = tl.minimum(tl.maximum({v}, _lo), _hi)" for v in used]
-
-
-def chunk_store(plan: L.AttentionPlan, names: _Names) -> list[str]:
-    """The main kernel's store of its chunk's state."""
-    row = plan.row
-    parts, width = chunk_state(plan, names)
-    lines = [f"_W = {width}  # the state's float32 width per row", _state_at(names, row, "tl.program_id(2).to(tl.int64)")]
-    for var, off, cols in parts:
-        ptr = f"_at + {off}" + (f" + _offs_{cols}[None, :]" if cols else "")
-        lines.append(f"tl.store({ptr}, {var}, mask=_ok_{row}[:, None])")
-    return lines
-
-
-def chunk_merge(plan: L.AttentionPlan, names: _Names) -> list[str]:
-    """The merge kernel's loop over the chunks: each chunk's state folded
-    into the running one as the step folds a block."""
-    row = plan.row
-    parts, width = chunk_state(plan, names)
-    offset = {var: (off, cols) for var, off, cols in parts}
-    body = [_state_at(names, row, "_c")]
-    group_sfx = {m: ("" if i == 0 else str(i)) for i, (m, _) in enumerate(plan.groups)}
-    for m, sfx in group_sfx.items():
-        body += [f"_m_c{sfx} = tl.load(_at + {offset[m][0]}, mask=_ok_{row}[:, None], other={NEG_INF})",
-                 f"_m_new{sfx} = tl.maximum({m}, _m_c{sfx})",
-                 f"_m_use{sfx} = tl.where(_m_new{sfx} == {NEG_INF}, 0.0, _m_new{sfx})  # all -inf so far: no NaN",
-                 f"_alpha{sfx} = tl.exp2({m} - _m_use{sfx})",
-                 f"_beta{sfx} = tl.exp2(_m_c{sfx} - _m_use{sfx})",
-                 f"{m} = _m_new{sfx}"]
-    for a in plan.accums:
-        off, cols = offset[a.var]
-        fill = {"max": NEG_INF, "min": POS_INF}.get(a.op, "0.0")
-        ptr = f"_at + {off}" + (f" + _offs_{cols}[None, :]" if cols else "")
-        body.append(f"_v = tl.load({ptr}, mask=_ok_{row}[:, None], other={fill})")
-        if a.op == "expsum":
-            sfx = group_sfx[a.group]
-            body.append(f"{a.var} = {a.var} * _alpha{sfx} + _v * _beta{sfx}")
-        elif a.op in ("max", "min"):
-            body.append(f"{a.var} = tl.{'maximum' if a.op == 'max' else 'minimum'}({a.var}, _v)")
-        else:
-            body.append(f"{a.var} = {a.var} + _v")
-    return [f"_W = {width}  # the state's float32 width per row", "for _c in range(0, _n_chunks):"] \
-        + ["    " + line for line in body]
 
 
 def _allocate_saved(d: ir.Diagram, saved) -> list[str]:

@@ -6,6 +6,10 @@ quoting needs no escaping."""
 
 from __future__ import annotations
 
+# -inf and inf as generated Triton source writes them
+NEG_INF = 'float("-inf")'
+POS_INF = 'float("inf")'
+
 
 def quote(s: str) -> str:
     return f'"{s}"'

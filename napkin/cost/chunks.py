@@ -3,8 +3,8 @@
 A schedule that writes ``group x by C`` beside ``stream x by B`` (folded by
 the parser into one stream tile with ``ir.Tile.chunk = C``) runs, when the
 launch has more than one chunk, two kernels instead of one
-(templates/attention.py.jinja, napkin/codegen/emit.py chunk_state, chunk_store,
-chunk_merge, merge_loads):
+(templates/attention.py.jinja, napkin/codegen/chunks.py chunk_state, chunk_store,
+chunk_merge; emit.merge_loads):
 
 * the main kernel, one program per (row block, batch index, chunk): it loads
   its tiles without x once (so those loads are multiplied by the number of
@@ -101,7 +101,7 @@ def find(diagram: ir.Diagram, kernels: list[Kernel], tiles: Tiling) -> tuple[Opt
     plan = _state_plan(diagram)
     if plan is None or plan.col != wire:
         return None, unmodelled + "the code generator chunks only a fused attention kernel"
-    from ..codegen import emit, lower
+    from ..codegen import chunks, emit, lower
 
     length = lower.chunk_of(plan.diagram)   # the chunk the kernels take (the innermost stream tile's)
     if length is None:
@@ -111,7 +111,7 @@ def find(diagram: ir.Diagram, kernels: list[Kernel], tiles: Tiling) -> tuple[Opt
     if len(found) != 1:
         return None, unmodelled + "no single kernel streams it"
     (k,) = found
-    parts, _ = emit.chunk_state(plan, None, lambda w: w)
+    parts, _ = chunks.chunk_state(plan, None, lambda w: w)
     again = []
     for ld in emit.merge_loads(plan):
         acc = next((a for a in k.accesses if a.kind == "load" and a.tensor == ld.tensor and a.wires == ld.wires),
