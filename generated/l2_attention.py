@@ -844,7 +844,12 @@ def l2_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_sta
     autograd, of the dQ and dK/dV kernels through TMA descriptors on sm_90+ (or
     the interpreter), else the pointer code, silently (_tma_last, _tma_last_dq,
     _tma_last_dkdv say which and why); None (the default) takes each kernel's
-    tuned config's choice, else off: untimed on a GPU so far."""
+    tuned config's choice, else off: untimed on a GPU so far.
+    chunk=C (a power of two, whole blocks of x) gives each program one chunk
+    of C x rows and merges the chunks' states in a second kernel
+    (flash-decoding: for few rows of q against many of x); 0 streams
+    the whole of x in one program; None takes the tuned config's, else the
+    schedule's (none).  Forward only; training takes the tuned or schedule's."""
     Q, K, V = _autocast((Q, K, V))
     if _differentiable((Q, K, V)):
         if positions is not None or lengths is not None or out_dtype is not None or chunk is not None:

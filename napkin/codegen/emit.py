@@ -700,8 +700,14 @@ def _launcher_doc(plan: L.Plan, options) -> str:
             "num_stages go to Triton.  Differentiable: when an input requires a\n"
             f"gradient (or under torch.compile) this calls the torch op, whose backward\n"
             f"runs the backward kernels (see {d.name}_backward)."
-            + (_POSITIONS_DOC.format(row=plan.row, col=plan.col) if plan.family == "attention" else "")
+            + (_POSITIONS_DOC.format(row=plan.row, col=plan.col, chunk=_chunk_doc(d, plan.col))
+               if plan.family == "attention" else "")
             + '"""')
+
+
+def _chunk_doc(d: ir.Diagram, col: str) -> str:
+    chunk = L.chunk_of(d)
+    return f"group {col} by {chunk}" if chunk is not None else "none"
 
 
 _POSITIONS_DOC = """
@@ -717,7 +723,12 @@ K, V, O; in training also dO, dQ, dK, dV) of the forward and, through
 autograd, of the dQ and dK/dV kernels through TMA descriptors on sm_90+ (or
 the interpreter), else the pointer code, silently (_tma_last, _tma_last_dq,
 _tma_last_dkdv say which and why); None (the default) takes each kernel's
-tuned config's choice, else off: untimed on a GPU so far."""
+tuned config's choice, else off: untimed on a GPU so far.
+chunk=C (a power of two, whole blocks of {col}) gives each program one chunk
+of C {col} rows and merges the chunks' states in a second kernel
+(flash-decoding: for few rows of {row} against many of {col}); 0 streams
+the whole of {col} in one program; None takes the tuned config's, else the
+schedule's ({chunk}).  Forward only; training takes the tuned or schedule's."""
 
 
 def render(plan: L.Plan, **kw) -> str:
