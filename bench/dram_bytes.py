@@ -22,7 +22,11 @@ served by the 50 MB L2 when they fit), next to ncu's dram__bytes_read +
 dram__bytes_write.  Issued bytes over DRAM bytes is the share L2 saves.
 
 bench/run_h100.sh's ``ncu`` stage runs both for plain and causal attention
-at the issue's target (16K tokens, head dim 128, bf16).
+at the issue's target (16K tokens, head dim 128, bf16), and for the chunked
+decode (examples/flash_decoding.ncd), whose forward is two kernels, the
+chunked one and the merge: ncu profiles both (``-k regex:...``,
+``--launch-skip 2 --launch-count 2``) and ``compare`` sums them against the
+cost pass's two.
 """
 from __future__ import annotations
 
@@ -85,9 +89,11 @@ def run(args) -> dict:
     return record
 
 
-def measured_bytes(csv_text: str) -> int:
-    """dram__bytes_read.sum + dram__bytes_write.sum of the one profiled kernel
-    in an ncu --csv log (any unit ncu chose; lines before the header skipped)."""
+def measured_bytes(csv_text: str, kernels: int = 1) -> int:
+    """dram__bytes_read.sum + dram__bytes_write.sum of the profiled kernels,
+    summed, in an ncu --csv log (any unit ncu chose; lines before the header
+    skipped).  ``kernels``: how many launches the log must hold (2 for a
+    chunked forward: its kernel and the merge)."""
     lines = csv_text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if start is None:
@@ -100,10 +106,11 @@ def measured_bytes(csv_text: str) -> int:
             unit = (row.get("Metric Unit") or "byte").strip().lower()
             if unit not in _UNITS:
                 raise ValueError(f"unknown unit {unit!r} for {name}")
-            kernels = {r.get("ID") for r in rows if r.get("Metric Name") == name}
-            if len(kernels) != 1:
-                raise ValueError(f"{len(kernels)} kernels profiled; profile exactly one (--launch-count 1)")
-            found[name] = float(row["Metric Value"].replace(",", "")) * _UNITS[unit]
+            profiled = {r.get("ID") for r in rows if r.get("Metric Name") == name}
+            if len(profiled) != kernels:
+                raise ValueError(f"{len(profiled)} kernels profiled; profile exactly {kernels} "
+                                 f"(--launch-count {kernels})")
+            found[name] = found.get(name, 0.0) + float(row["Metric Value"].replace(",", "")) * _UNITS[unit]
     missing = [m for m in METRICS if m not in found]
     if missing:
         raise ValueError(f"the ncu log lacks {', '.join(missing)}")
@@ -111,21 +118,36 @@ def measured_bytes(csv_text: str) -> int:
 
 
 def predicted(diagram, sizes: dict, options: dict) -> dict:
-    """Issued HBM bytes (loads + stores at the hbm boundary) and the DRAM
-    estimate, at the launcher's block sizes."""
+    """Issued HBM bytes (loads + stores at the hbm boundary, every kernel of
+    the launch) and the DRAM estimate, at the launcher's block sizes and
+    chunk; ``kernels``: how many kernels the launch runs (ncu must profile
+    that many)."""
     from napkin.cost import analyse, with_blocks
     blocks = {k[len("block_"):]: int(v) for k, v in options.items() if k.startswith("block_")}
     d = with_blocks(diagram, blocks) if blocks else diagram
+    if options.get("chunk") is not None:
+        d = with_chunk(d, int(options["chunk"]))
     report = analyse(d, sizes)
     hbm = next(t for t in report.totals if t.boundary.startswith("hbm/"))
-    return {"issued_bytes": hbm.load_bytes + hbm.store_bytes, "dram_estimate_bytes": hbm.dram_bytes}
+    return {"issued_bytes": hbm.load_bytes + hbm.store_bytes, "dram_estimate_bytes": hbm.dram_bytes,
+            "kernels": len(report.kernels)}
+
+
+def with_chunk(diagram, chunk: int):
+    """The diagram with its streamed wire's chunk set as the launcher's
+    chunk= sets it (0: none); a new diagram, the given one unchanged."""
+    import dataclasses
+    levels = tuple(dataclasses.replace(lv, tiles=tuple(
+        dataclasses.replace(t, chunk=chunk or None) if t.kind == "stream" and not t.across else t
+        for t in lv.tiles)) if lv.name == "smem" else lv for lv in diagram.schedule.levels)
+    return dataclasses.replace(diagram, schedule=dataclasses.replace(diagram.schedule, levels=levels))
 
 
 def compare(args) -> dict:
     diagram, _ = load_variant(args.file, args.dtype, args.head_dim)
     options = json.loads(Path(args.options_file).read_text())["options"] if args.options_file else {}
-    measured = measured_bytes(Path(args.csv).read_text())
     pred = predicted(diagram, args.sizes, options)
+    measured = measured_bytes(Path(args.csv).read_text(), pred["kernels"])
     record = dict(file=args.file, sizes=args.sizes, dtype=args.dtype, options=options, measured_dram_bytes=measured,
                   **pred, issued_over_measured=pred["issued_bytes"] / measured,
                   estimate_over_measured=(pred["dram_estimate_bytes"] / measured

@@ -85,6 +85,15 @@ stage_ncu() {
     "$PYTHON" bench/dram_bytes.py compare "examples/$f.ncd" "$OUT_DIR/ncu-$f.csv" "${sizes[@]}" \
       --options-file "$OUT_DIR/ncu-$f.json" --out "$OUT_DIR"
   done
+  # The chunked decode: two kernels a forward (the chunks, the merge), both profiled.
+  local decode=(-D b=1 -D hk=8 -D g=4 -D q=4 -D x=32768 --dtype bfloat16)
+  ncu --clock-control none --csv --print-units base --log-file "$OUT_DIR/ncu-flash_decoding.csv" \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum -k "regex:_flash_decoding_(kernel|merge)" \
+    --launch-skip 2 --launch-count 2 \
+    "$PYTHON" bench/dram_bytes.py run examples/flash_decoding.ncd "${decode[@]}" \
+    --options-file "$OUT_DIR/ncu-flash_decoding.json"
+  "$PYTHON" bench/dram_bytes.py compare examples/flash_decoding.ncd "$OUT_DIR/ncu-flash_decoding.csv" \
+    "${decode[@]}" --options-file "$OUT_DIR/ncu-flash_decoding.json" --out "$OUT_DIR"
 }
 
 stage_tma() {

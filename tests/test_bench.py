@@ -809,7 +809,9 @@ def test_ncu_log_is_read_in_any_unit_and_refuses_what_it_cannot_pair():
     assert DB.measured_bytes(log) == 40960 + 26500
     with pytest.raises(ValueError, match="lacks dram__bytes_write.sum"):
         DB.measured_bytes("\n".join([_NCU_HEAD, _ncu_row(0, "dram__bytes_read.sum", "byte", "1")]))
-    with pytest.raises(ValueError, match="2 kernels profiled"):
+    two = "\n".join([_NCU_HEAD] + [_ncu_row(k, m, "byte", str(10 ** (k + 1))) for k in (0, 1) for m in DB.METRICS])
+    assert DB.measured_bytes(two, kernels=2) == 2 * (10 + 100)      # a chunked forward: kernel + merge
+    with pytest.raises(ValueError, match="2 kernels profiled; profile exactly 1"):
         DB.measured_bytes("\n".join([_NCU_HEAD] + [_ncu_row(k, m, "byte", "1") for k in (0, 1)
                                                    for m in DB.METRICS]))
     with pytest.raises(ValueError, match="no ncu CSV header"):
@@ -831,6 +833,23 @@ def test_dram_bytes_prediction_is_the_cost_pass_at_the_launchers_blocks():
     hbm16 = next(t for t in analyse(with_blocks(d, {"q": 16, "x": 16}), sizes).totals
                  if t.boundary.startswith("hbm/"))
     assert small["issued_bytes"] == hbm16.load_bytes + hbm16.store_bytes != base["issued_bytes"]
+    assert base["kernels"] == small["kernels"] == 1
+
+
+def test_dram_bytes_prediction_takes_the_launchers_chunk():
+    """A chunked forward is two kernels, the prediction both; the options'
+    chunk (a tuned one) replaces the schedule's, 0 runs whole."""
+    from bench import dram_bytes as DB
+    from napkin.cost import analyse
+    d = napkin.load(EXAMPLES / "flash_decoding.ncd")
+    sizes = {"b": 1, "hk": 2, "g": 2, "q": 4, "x": 5000}
+    schedule = DB.predicted(d, sizes, {})
+    assert schedule["kernels"] == 2
+    hbm = next(t for t in analyse(d, sizes).totals if t.boundary.startswith("hbm/"))
+    assert schedule["issued_bytes"] == hbm.load_bytes + hbm.store_bytes
+    whole, finer = DB.predicted(d, sizes, {"chunk": 0}), DB.predicted(d, sizes, {"chunk": 256})
+    assert whole["kernels"] == 1 and whole["issued_bytes"] < schedule["issued_bytes"] < finer["issued_bytes"]
+    assert DB.with_chunk(d, 256) != d and d.level("smem").tiles[-1].chunk == 1024    # d itself unchanged
 
 
 # --------------------------------------------------------------------------
