@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
 
 import napkin
 import test_kernels as K
 from napkin.errors import NapkinError
 from napkin.parse import parse
 from napkin.printer import to_text
+from strategies import attention_diagrams, drawn_sizes
 from test_check import errors, pos
 
 
@@ -282,3 +284,28 @@ def test_a_launch_without_chunk_takes_the_cached_one(tmp_path, monkeypatch):
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "cached chunk")
     K.launcher(m)(*inputs, chunk=0)                  # an explicit chunk wins
     assert spy.grids[-1][2] == 1
+
+
+# --------------------------------------------------------------------------
+# Random diagrams (tests/strategies.py), chunked: every normaliser, bias and
+# mask the strategy draws, at its own blocks, one block per chunk.
+# --------------------------------------------------------------------------
+
+@K._SETTINGS
+@given(diagram=attention_diagrams())
+def test_random_attention_diagrams_chunked(diagram):
+    import zlib
+    key = f"drawn_{zlib.crc32(to_text(diagram).encode())}"
+    m = K.compile_text(to_text(diagram), key, diagram)
+    sizes = drawn_sizes(diagram, zlib.crc32(key.encode()))
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}[diagram.inputs[0].dtype]
+    inputs = m.example_inputs(sizes, dtype=dtype, seed=2)
+    block = next(t.size for t in diagram.level("smem").tiles if t.kind == "stream")
+    spy = MergeSpy(getattr(m, merge_name(m)))
+    setattr(m, merge_name(m), spy)
+    try:
+        out = K.run(m, inputs, **{k: None for k in K.FAST}, chunk=block)   # one block a chunk
+    finally:
+        setattr(m, merge_name(m), spy.kernel)
+    assert len(spy.grids) == (sizes["x"] > block), (sizes, block)
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), to_text(diagram))
