@@ -113,8 +113,8 @@ def test_a_contraction_with_chunks_is_refused_in_words():
 # Numerics: every chunked launch against the float64 reference.
 # --------------------------------------------------------------------------
 
-class MergeSpy:
-    """Stands in for a module's merge kernel: counts launches and their grids."""
+class LaunchSpy:
+    """Stands in for a kernel (the merge, the main one): records the grid of each launch."""
 
     def __init__(self, kernel):
         self.kernel, self.grids = kernel, []
@@ -130,7 +130,7 @@ def merge_name(m):
 
 def chunked(m, inputs, monkeypatch, **opts):
     """Run with a spy on the merge kernel: (outputs, grids the merge ran on)."""
-    spy = MergeSpy(getattr(m, merge_name(m)))
+    spy = LaunchSpy(getattr(m, merge_name(m)))
     monkeypatch.setattr(m, merge_name(m), spy)
     out = K.run(m, inputs, **opts)
     monkeypatch.undo()
@@ -208,7 +208,7 @@ def test_training_takes_the_schedule_chunk_and_its_gradients_are_right(monkeypat
     m = K.example("flash_decoding", ("group x by 1024", "group x by 32"), ("stream x by 64", "stream x by 16"))
     sizes = {"b": 1, "hk": 2, "g": 2, "q": 5, "x": 90}
     inputs = [t.requires_grad_() for t in m.example_inputs(sizes, dtype=torch.float32, seed=6)]
-    spy = MergeSpy(getattr(m, merge_name(m)))
+    spy = LaunchSpy(getattr(m, merge_name(m)))
     monkeypatch.setattr(m, merge_name(m), spy)
     O, lse = K.launcher(m)(*inputs, block_q=16, block_x=16)
     assert spy.grids                                          # the forward that saved lse was chunked
@@ -277,7 +277,7 @@ def test_a_launch_without_chunk_takes_the_cached_one(tmp_path, monkeypatch):
     inputs = m.example_inputs(sizes, dtype=torch.float32, seed=8)
     key = autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, ("b", "hk", "g", "q", "x"))
     autotune.Cache().put(key, autotune.Config((("q", 16), ("x", 16)), 1, 2, chunk=32), ms=1.0)
-    spy = MergeSpy(m._flash_decoding_kernel)
+    spy = LaunchSpy(m._flash_decoding_kernel)
     monkeypatch.setattr(m, "_flash_decoding_kernel", spy)
     out = K.launcher(m)(*inputs)                     # no options: the cached config, chunk 32
     assert [g[2] for g in spy.grids] == [4]          # 100 keys in 4 chunks of 32
@@ -301,7 +301,7 @@ def test_random_attention_diagrams_chunked(diagram):
     dtype = {"fp16": torch.float16, "fp32": torch.float32}[diagram.inputs[0].dtype]
     inputs = m.example_inputs(sizes, dtype=dtype, seed=2)
     block = next(t.size for t in diagram.level("smem").tiles if t.kind == "stream")
-    spy = MergeSpy(getattr(m, merge_name(m)))
+    spy = LaunchSpy(getattr(m, merge_name(m)))
     setattr(m, merge_name(m), spy)
     try:
         out = K.run(m, inputs, **{k: None for k in K.FAST}, chunk=block)   # one block a chunk
