@@ -468,7 +468,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
                   + "\n".join("    " + line for line in merge.split("\n")))
     merged = {spec.var for spec in merge_loads(plan)}
     return {
-        "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
+        "kernel": f"_{d.name}_kernel", "merge_kernel": f"_{d.name}_merge", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch), "pid": masks.program_order(plan.bounds, "row"),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col),
         "dims": [_wire_ctx(names, w) for w in plan.dims],
@@ -612,7 +612,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
                                ['num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4)',
                                 'num_stages=_opts["num_stages"] or 2', FP_FUSION]))
     return {
-        "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
+        "kernel": f"_{d.name}_kernel", "merge_kernel": f"_{d.name}_merge", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col), "red": _wire_ctx(names, red),
         "pre_loads": [_load(d, names, ld) for ld in plan.loads],
