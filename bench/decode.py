@@ -1,12 +1,13 @@
 """Decoding on one GPU: a few query rows against a long key/value cache,
 napkin's chunked forward (flash-decoding, examples/flash_decoding.ncd) at
-several chunk lengths against the unchunked kernel and torch's SDPA.
+several chunk lengths against the unchunked kernel, FlexAttention (the
+diagram's own mask_mod, napkin.bench.flex; compiled on a GPU) and torch's SDPA.
 
     python bench/decode.py [--cache 8K,32K,128K] [--queries 1,4] [--batch 1,8] [--chunks 0,512,1024,4096]
 
-Every configuration is checked against the float64 reference (the
-diagram's own, at the call's sizes) before it is timed; SDPA is a speed
-reference: with one query row the decode mask is all true, so SDPA runs
+Every napkin and Flex configuration is checked against the float64
+reference (the diagram's own, at the call's sizes) before it is timed; SDPA
+is a speed reference: with one query row the decode mask is all true, so SDPA runs
 unmasked (GQA through enable_gqa); with more rows it gets the mask as a bool
 tensor.  On a GPU: triton.testing.do_bench medians, bf16, 8 kv heads x 4
 query heads each, head dim 128.  Without one: a smoke run at tiny sizes
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     import triton
 
     import napkin
-    from napkin.bench import harness
+    from napkin.bench import flex, harness
 
     smoke = not cuda
     caches = sizes_list(args.cache or ("300" if smoke else "8K,32K,128K"))
@@ -74,22 +75,6 @@ def main(argv=None) -> int:
     diagram, text = harness.variant(napkin.load(str(DIAGRAM)), text, "bfloat16" if cuda else "float16",
                                     None if smoke else HEAD_DIM)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="napkin-decode-") as build:
-        m, _ = harness.compile_module(diagram, text, str(DIAGRAM), Path(build), "napkin_decode")
-        for b in batches:
-            for q in queries:
-                for x in caches:
-                    sizes = {"b": b, "hk": hkv, "g": group, "q": q, "x": x}
-                    Q, K, V = m.example_inputs(sizes, dtype=dtype, device=device, seed=0)
-                    want = m.reference(*(t.double() for t in (Q, K, V)))[0]
-                    for chunk in chunks:
-                        fn = lambda: m.flash_decoding(Q, K, V, chunk=chunk, **opts)  # noqa: E731
-                        err = harness.max_abs_error(fn()[0], want)
-                        ok = err <= (2e-2 if dtype == torch.bfloat16 else 1e-3)
-                        ms = harness._ms(fn, device, 2) if ok else None
-                        rows.append({"impl": "napkin", "chunk": chunk, "b": b, "q": q, "x": x,
-                                     "max_abs_error": err, "ok": ok, "ms": ms})
-                    rows.append(_sdpa(torch, harness, Q, K, V, q, x, b, device, want))
     data = {"date": datetime.date.today().isoformat(), "smoke": smoke,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "command": "python bench/decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -101,11 +86,45 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"decode-{re.sub(r'[^a-z0-9]+', '-', data['device'].lower()).strip('-')}-{data['date']}"
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(data))
+    points = [(b, q, x) for b in batches for q in queries for x in caches]
+    flex_module = flex.load(diagram)   # the diagram's FlexAttention equivalent (mask_mod, enable_gqa)
+    with tempfile.TemporaryDirectory(prefix="napkin-decode-") as build:
+        m, _ = harness.compile_module(diagram, text, str(DIAGRAM), Path(build), "napkin_decode")
+        for done, (b, q, x) in enumerate(points, 1):
+            sizes = {"b": b, "hk": hkv, "g": group, "q": q, "x": x}
+            Q, K, V = m.example_inputs(sizes, dtype=dtype, device=device, seed=0)
+            want = m.reference(*(t.double() for t in (Q, K, V)))[0]
+            for chunk in chunks:
+                fn = lambda: m.flash_decoding(Q, K, V, chunk=chunk, **opts)  # noqa: E731
+                err = harness.max_abs_error(fn()[0], want)
+                ok = err <= (2e-2 if dtype == torch.bfloat16 else 1e-3)
+                ms = harness._ms(fn, device, 2) if ok else None
+                rows.append({"impl": "napkin", "chunk": chunk, "b": b, "q": q, "x": x,
+                             "max_abs_error": err, "ok": ok, "ms": ms})
+            rows.append(_flex(flex_module, harness, Q, K, V, q, x, b, device, want, cuda))
+            rows.append(_sdpa(torch, harness, Q, K, V, q, x, b, device, want))
+            # rewritten after each point: a run stopped at a GPU session's limit keeps what it measured
+            data["partial"] = None if done == len(points) else f"written after {done} of {len(points)} points"
+            (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+            (out / f"{stem}.md").write_text(markdown(data))
     print(markdown(data))
     print(f"wrote {out / stem}.json and .md")
-    return 0 if all(r["ok"] for r in rows if r["ok"] is not None) else 1
+    return 0 if all(r["ok"] for r in rows if r["impl"] == "napkin") else 1
+
+
+def _flex(module, harness, Q, K, V, q, x, b, device, want, compiled) -> dict:
+    """FlexAttention with the diagram's own mask (napkin.bench.flex), compiled
+    on a GPU; checked like napkin's, the same tolerance."""
+    import torch
+    try:
+        fn = module.prepare(Q, K, V, compiled=compiled)
+        err = harness.max_abs_error(fn()[0], want)
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+        return {"impl": "flex", "chunk": None, "b": b, "q": q, "x": x, "ok": None, "ms": None,
+                "error": f"{type(e).__name__}: {e}"}
+    ok = err <= (2e-2 if Q.dtype == torch.bfloat16 else 1e-3)
+    return {"impl": "flex", "chunk": None, "b": b, "q": q, "x": x, "max_abs_error": err, "ok": ok,
+            "ms": harness._ms(fn, device, 2) if ok else None}
 
 
 def _sdpa(torch, harness, Q, K, V, q, x, b, device, want) -> dict:
@@ -123,7 +142,8 @@ def _sdpa(torch, harness, Q, K, V, q, x, b, device, want) -> dict:
 
 
 def markdown(data: dict) -> str:
-    lines = [f"# Decode: napkin chunked forward vs SDPA ({data['device']}, {data['date']})", "",
+    lines = [f"# Decode: napkin chunked forward vs FlexAttention and SDPA ({data['device']}, {data['date']})", "",
+             *([f"PARTIAL: {data['partial']}", ""] if data.get("partial") else []),
              f"Command: `{data['command']}`", "", f"Timing: {data['timing']}. dtype {data['dtype']}, "
              f"{data['heads']['kv']} kv heads x {data['heads']['per_kv']} query heads each.", "",
              "| b | q | x | impl | chunk | max abs error | ok | ms |", "|---|---|---|---|---|---|---|---|"]

@@ -107,7 +107,7 @@ stage_tma() {
 
 stage_decode() {
   # Decoding on one GPU (examples/flash_decoding.ncd): chunk lengths 0 (one
-  # program per batch x head) to 4096 against SDPA, 1 and 4 query rows, caches
+  # program per batch x head) to 4096 against Flex and SDPA, 1 and 4 query rows, caches
   # of 8K-128K, bf16, 8 kv heads x 4 (bench/decode.py; never run on a GPU yet).
   "$PYTHON" bench/decode.py --out "$OUT_DIR"
 }
