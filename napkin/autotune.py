@@ -294,9 +294,9 @@ class KernelShape:
 
 def _padded(diagram: ir.Diagram, wire: str, sizes: Mapping[str, int]) -> int:
     """A feature wire's block: its size padded to a power of two, at least 16 (as the kernels pad)."""
-    from .codegen.lower import MIN_DOT, _dim_block
+    from .codegen.lower import _dim_block, padded_block
 
-    return _dim_block(diagram, wire) or max(MIN_DOT, _pow2(sizes[wire]))
+    return _dim_block(diagram, wire) or padded_block(sizes[wire])
 
 
 @functools.lru_cache(maxsize=32)
@@ -543,7 +543,7 @@ def chunk_lengths(shape: KernelShape, sizes: Mapping[str, int], blocks: Mapping[
     if programs >= sms:
         return out
     want = math.ceil(CHUNK_WAVES * sms / programs)                 # chunks per row block
-    first = max(1 << max(math.ceil(n / want) - 1, 0).bit_length(), CHUNK_MIN_BLOCKS * blocks[st])
+    first = max(_pow2(math.ceil(n / want)), CHUNK_MIN_BLOCKS * blocks[st])
     return out + [c for c in (first, 2 * first) if c < n]
 
 

@@ -472,21 +472,23 @@ class _Checker:
         if level.name != "smem":
             self.err(f"level {level.name} both groups and streams {t.wire}: only level smem may split a "
                      "streamed wire into chunks (one per program)", t.chunk_loc)
-        elif t.chunk < 1 or t.chunk & (t.chunk - 1):
-            low = 1 << max(t.chunk.bit_length() - 1, 0)
-            self.err(f"chunk size {t.chunk} for {t.wire} is not a power of two", t.chunk_loc,
-                     f"try {low} or {low * 2}")
-        elif t.chunk <= t.size:
+        elif self.power_of_two("chunk size", t.chunk, t.wire, t.chunk_loc) and t.chunk <= t.size:
             self.err(f"group {t.wire} by {t.chunk} must be longer than the block it streams, {t.size}: "
                      f"each program streams its chunk of {t.wire} in blocks", t.chunk_loc,
                      f"group {t.wire} by {t.size * 2} or more, or drop the group")
 
+    def power_of_two(self, what: str, n: int, wire: str, loc: ir.Loc) -> bool:
+        """Whether ``n`` is a power of two; else an error ("block size 96 for q
+        is not a power of two", hint the two nearest)."""
+        if n >= 1 and not n & (n - 1):
+            return True
+        low = 1 << max(n.bit_length() - 1, 0)
+        self.err(f"{what} {n} for {wire} is not a power of two", loc, f"try {low} or {low * 2}")
+        return False
+
     def check_block(self, t: ir.Tile) -> None:
-        if t.size < 1 or t.size & (t.size - 1):
-            low = 1 << max(t.size.bit_length() - 1, 0)
-            self.err(f"block size {t.size} for {t.wire} is not a power of two", t.loc,
-                     f"try {low} or {low * 2}")
-        elif 1 < t.size < MIN_DOT_BLOCK and t.wire in self.contraction_wires:
+        small = 1 < t.size < MIN_DOT_BLOCK and t.wire in self.contraction_wires
+        if self.power_of_two("block size", t.size, t.wire, t.loc) and small:
             self.err(f"block size {t.size} for {t.wire} is too small: {t.wire} takes part in a "
                      f"contraction, and matrix products (tl.dot) need blocks of at least {MIN_DOT_BLOCK}",
                      t.loc, f"use 1 or a power of two >= {MIN_DOT_BLOCK}")

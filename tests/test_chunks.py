@@ -128,12 +128,16 @@ def merge_name(m):
     return next(n for n in vars(m) if n.endswith("_merge") and n.startswith("_"))
 
 
-def chunked(m, inputs, monkeypatch, **opts):
-    """Run with a spy on the merge kernel: (outputs, grids the merge ran on)."""
-    spy = LaunchSpy(getattr(m, merge_name(m)))
-    monkeypatch.setattr(m, merge_name(m), spy)
-    out = K.run(m, inputs, **opts)
-    monkeypatch.undo()
+def chunked(m, inputs, **opts):
+    """Run with a spy on the merge kernel: (outputs, grids the merge ran on).
+    The kernel is put back however the run ends."""
+    name = merge_name(m)
+    spy = LaunchSpy(getattr(m, name))
+    setattr(m, name, spy)
+    try:
+        out = K.run(m, inputs, **opts)
+    finally:
+        setattr(m, name, spy.kernel)
     return out, spy.grids
 
 
@@ -157,44 +161,44 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("name, edits, sizes, chunk", CASES, ids=[c[0] for c in CASES])
-def test_chunked_forward_matches_the_reference(name, edits, sizes, chunk, dtype, monkeypatch):
+def test_chunked_forward_matches_the_reference(name, edits, sizes, chunk, dtype):
     m = K.example(name, *edits)
     inputs = m.example_inputs(sizes, dtype=dtype, seed=11)
-    out, grids = chunked(m, inputs, monkeypatch, block_q=16, block_x=16, chunk=chunk)
+    out, grids = chunked(m, inputs, block_q=16, block_x=16, chunk=chunk)
     assert len(grids) == 1 and grids[0][0] == -(-sizes["q"] // 16), grids   # the merge ran, once
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), f"{name} chunk={chunk}")
 
 
-def test_the_schedule_chunk_is_the_default_and_a_long_one_runs_whole(monkeypatch):
+def test_the_schedule_chunk_is_the_default_and_a_long_one_runs_whole():
     m = K.example("flash_decoding", ("group x by 1024", "group x by 128"))
     inputs = m.example_inputs({"b": 1, "hk": 1, "g": 2, "q": 2, "x": 300}, dtype=torch.float32, seed=2)
-    out, grids = chunked(m, inputs, monkeypatch, block_q=16, block_x=16)
+    out, grids = chunked(m, inputs, block_q=16, block_x=16)
     assert len(grids) == 1                                   # 300 keys: 3 chunks of the schedule's 128
-    whole, none = chunked(m, inputs, monkeypatch, block_q=16, block_x=16, chunk=512)
+    whole, none = chunked(m, inputs, block_q=16, block_x=16, chunk=512)
     assert none == []                                        # one chunk: the whole kernel, no merge
-    assert chunked(m, inputs, monkeypatch, block_q=16, block_x=16, chunk=0)[1] == []
+    assert chunked(m, inputs, block_q=16, block_x=16, chunk=0)[1] == []
     for a, b in zip(out, whole):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_tma_and_pointer_chunked_launches_agree_bitwise(monkeypatch):
+def test_tma_and_pointer_chunked_launches_agree_bitwise():
     m = K.example("flash_decoding")
     inputs = m.example_inputs({"b": 1, "hk": 2, "g": 1, "q": 5, "x": 200}, dtype=torch.float16, seed=4)
-    ptr, _ = chunked(m, inputs, monkeypatch, block_q=16, block_x=16, chunk=32, tma=False)
-    tma, grids = chunked(m, inputs, monkeypatch, block_q=16, block_x=16, chunk=32, tma=True)
+    ptr, _ = chunked(m, inputs, block_q=16, block_x=16, chunk=32, tma=False)
+    tma, grids = chunked(m, inputs, block_q=16, block_x=16, chunk=32, tma=True)
     assert m._tma_last["used"] and grids
     for a, b in zip(ptr, tma):
         assert torch.equal(a, b)
 
 
-def test_positions_compose_with_chunks(monkeypatch):
+def test_positions_compose_with_chunks():
     """Keys at global positions (the distributed wrappers' local call): the
     loop tests each tile; a chunk cuts the same range."""
     m = K.example("causal")
     inputs = m.example_inputs({"b": 1, "h": 2, "q": 50, "x": 50}, dtype=torch.float32, seed=5)
     pos_ = {"q": torch.arange(50), "x": torch.arange(50)}
     lens = {"q": 50, "x": 50}
-    with_pos, grids = chunked(m, inputs, monkeypatch, block_q=16, block_x=16, chunk=16, positions=pos_,
+    with_pos, grids = chunked(m, inputs, block_q=16, block_x=16, chunk=16, positions=pos_,
                               lengths=lens)
     assert grids
     K.assert_accurate(with_pos, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "positions")
@@ -301,11 +305,6 @@ def test_random_attention_diagrams_chunked(diagram):
     dtype = {"fp16": torch.float16, "fp32": torch.float32}[diagram.inputs[0].dtype]
     inputs = m.example_inputs(sizes, dtype=dtype, seed=2)
     block = next(t.size for t in diagram.level("smem").tiles if t.kind == "stream")
-    spy = LaunchSpy(getattr(m, merge_name(m)))
-    setattr(m, merge_name(m), spy)
-    try:
-        out = K.run(m, inputs, **{k: None for k in K.FAST}, chunk=block)   # one block a chunk
-    finally:
-        setattr(m, merge_name(m), spy.kernel)
-    assert len(spy.grids) == (sizes["x"] > block), (sizes, block)
+    out, grids = chunked(m, inputs, **{k: None for k in K.FAST}, chunk=block)   # one block a chunk
+    assert len(grids) == (sizes["x"] > block), (sizes, block)
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), to_text(diagram))

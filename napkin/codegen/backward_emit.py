@@ -81,7 +81,7 @@ HELD_FP32 = 160
 
 def _feature_block(plan: BackwardPlan, w: str, sizes) -> int:
     """The block a feature wire takes (its padded size): fixed, or from ``sizes``."""
-    return L._dim_block(plan.diagram, w) or max(16, 1 << max(sizes[w] - 1, 0).bit_length())
+    return L._dim_block(plan.diagram, w) or L.padded_block(sizes[w])
 
 
 def _wide_operands(plan: BackwardPlan, k: Kernel) -> list:

@@ -26,10 +26,10 @@ def chunk_state(plan: L.AttentionPlan, names, block=None) -> tuple[list[tuple[st
     its width per row; ``block(wire)`` renders a value wire's block (the
     kernel's constexpr name by default, the launcher's value for the launcher)."""
     block = block or names.block
+    state = [(m, None) for m, _ in plan.groups] \
+        + [(a.var, a.value.cols if a.value is not None else None) for a in plan.accums]
     parts, terms = [], []
-    for var in [m for m, _ in plan.groups] + [a.var for a in plan.accums]:
-        acc = next((a for a in plan.accums if a.var == var), None)
-        cols = acc.value.cols if acc is not None and acc.value is not None else None
+    for var, cols in state:
         parts.append((var, " + ".join(terms) or "0", cols))
         terms.append(block(cols) if cols is not None else "1")
     width = " + ".join(_merge_ones(terms))
@@ -39,6 +39,11 @@ def chunk_state(plan: L.AttentionPlan, names, block=None) -> tuple[list[tuple[st
 def _merge_ones(terms: list[str]) -> list[str]:
     ones = sum(t == "1" for t in terms)
     return ([str(ones)] if ones else []) + [t for t in terms if t != "1"]
+
+
+def _part(off: str, cols: Optional[str]) -> str:
+    """A state part's pointers from _at: one per row, or the row's block of ``cols``."""
+    return f"_at + {off}" + (f" + _offs_{cols}[None, :]" if cols else "")
 
 
 def _state_at(names, row: str, chunk: str) -> str:
@@ -63,8 +68,7 @@ def chunk_store(plan: L.AttentionPlan, names) -> list[str]:
     parts, width = chunk_state(plan, names)
     lines = [f"_W = {width}  # the state's float32 width per row", _state_at(names, row, "tl.program_id(2).to(tl.int64)")]
     for var, off, cols in parts:
-        ptr = f"_at + {off}" + (f" + _offs_{cols}[None, :]" if cols else "")
-        lines.append(f"tl.store({ptr}, {var}, mask=_ok_{row}[:, None])")
+        lines.append(f"tl.store({_part(off, cols)}, {var}, mask=_ok_{row}[:, None])")
     return lines
 
 
@@ -77,7 +81,7 @@ def chunk_merge(plan: L.AttentionPlan, names) -> list[str]:
     body = [_state_at(names, row, "_c")]
     group_sfx = {m: ("" if i == 0 else str(i)) for i, (m, _) in enumerate(plan.groups)}
     for m, sfx in group_sfx.items():
-        body += [f"_m_c{sfx} = tl.load(_at + {offset[m][0]}, mask=_ok_{row}[:, None], other={NEG_INF})",
+        body += [f"_m_c{sfx} = tl.load({_part(offset[m][0], None)}, mask=_ok_{row}[:, None], other={NEG_INF})",
                  f"_m_new{sfx} = tl.maximum({m}, _m_c{sfx})",
                  f"_m_use{sfx} = tl.where(_m_new{sfx} == {NEG_INF}, 0.0, _m_new{sfx})  # all -inf so far: no NaN",
                  f"_alpha{sfx} = tl.exp2({m} - _m_use{sfx})",
@@ -86,8 +90,7 @@ def chunk_merge(plan: L.AttentionPlan, names) -> list[str]:
     for a in plan.accums:
         off, cols = offset[a.var]
         fill = {"max": NEG_INF, "min": POS_INF}.get(a.op, "0.0")
-        ptr = f"_at + {off}" + (f" + _offs_{cols}[None, :]" if cols else "")
-        body.append(f"_v = tl.load({ptr}, mask=_ok_{row}[:, None], other={fill})")
+        body.append(f"_v = tl.load({_part(off, cols)}, mask=_ok_{row}[:, None], other={fill})")
         if a.op == "expsum":
             sfx = group_sfx[a.group]
             body.append(f"{a.var} = {a.var} * _alpha{sfx} + _v * _beta{sfx}")

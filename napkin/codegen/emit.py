@@ -196,13 +196,23 @@ def _wire_block_args(names: _Names, dims) -> list[str]:
     return [f"{names.block(w)}={_dim_block_value(names, w)}" for w in dims]
 
 
-def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str]) -> str:
+def _kernel_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str]) -> str:
+    """``kernel[grid](tensors, sizes, strides, blocks..., extra...)``, unindented."""
     tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
     sizes = [f'_sz["{w.name}"]' for w in d.wires if w.size is None]
     strides = [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors]
     args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks + extra)]
-    body = ",\n        ".join(args)
-    return f"if math.prod(_grid) > 0:\n    {kernel}[{grid}](\n        {body},\n    )"
+    body = ",\n    ".join(args)
+    return f"{kernel}[{grid}](\n    {body},\n)"
+
+
+def _indent(text: str, n: int = 4) -> str:
+    return "\n".join(" " * n + line for line in text.split("\n"))
+
+
+def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str]) -> str:
+    """The launch, skipped when the grid is empty."""
+    return "if math.prod(_grid) > 0:\n" + _indent(_kernel_call(d, kernel, grid, blocks, extra))
 
 
 def _fill_options(opts: list[str]) -> list[str]:
@@ -462,13 +472,13 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     extra = ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)', 'num_stages=_opts["num_stages"] or 2',
              FP_FUSION]
-    call = _launch_call(d, f"_{d.name}_kernel", "_grid", block_args, extra)
-    merge = _launch_call(d, f"_{d.name}_merge", "_grid[:2]", block_args, extra).split("\n", 1)[1]
-    launch.append(call + "\n    if _chunk:  # the chunks' states, merged into the outputs\n"
-                  + "\n".join("    " + line for line in merge.split("\n")))
+    merge = _kernel_call(d, f"_{d.name}_merge", "_grid[:2]", block_args, extra)
+    launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args, extra)
+                  + "\n    if _chunk:  # the chunks' states, merged into the outputs\n" + _indent(merge, 8))
     merged = {spec.var for spec in merge_loads(plan)}
     return {
-        "kernel": f"_{d.name}_kernel", "merge_kernel": f"_{d.name}_merge", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
+        "kernel": f"_{d.name}_kernel", "merge_kernel": f"_{d.name}_merge", "params": params,
+        "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch), "pid": masks.program_order(plan.bounds, "row"),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col),
         "dims": [_wire_ctx(names, w) for w in plan.dims],
@@ -612,7 +622,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
                                ['num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4)',
                                 'num_stages=_opts["num_stages"] or 2', FP_FUSION]))
     return {
-        "kernel": f"_{d.name}_kernel", "merge_kernel": f"_{d.name}_merge", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
+        "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col), "red": _wire_ctx(names, red),
         "pre_loads": [_load(d, names, ld) for ld in plan.loads],

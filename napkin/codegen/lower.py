@@ -351,11 +351,17 @@ def _block(tile: Optional[ir.Tile], default: int) -> int:
     return max(size, MIN_DOT)
 
 
+def padded_block(n: int) -> int:
+    """A feature wire's block in the kernels: its size padded to a power of
+    two, at least MIN_DOT (tl.dot's least); the launchers' _dim_block at run time."""
+    return max(MIN_DOT, 1 << max(int(n) - 1, 0).bit_length())
+
+
 def _dim_block(d: ir.Diagram, wire: str) -> Optional[int]:
     w = d.wire(wire)
     if w is None or w.size is None:
         return None
-    return max(MIN_DOT, 1 << max(w.size - 1, 0).bit_length())
+    return padded_block(w.size)
 
 
 # --------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .. import ir
+from ..codegen.lower import padded_block
 from .model import Access, Kernel, Tiling, block_sym, kernel_tiling
 from .symbolic import Poly
 
@@ -67,7 +68,7 @@ class Chunks:
 
     def width(self, sizes: dict[str, int]) -> int:
         """The state's float32 values per row (a value wire padded as the kernel pads it)."""
-        return sum(1 if w is None else padded(sizes[w]) for _, w in self.parts)
+        return sum(1 if w is None else padded_block(sizes[w]) for _, w in self.parts)
 
     def width_poly(self) -> Poly:
         """The same, symbolic: a value wire's padded block is its size (a power of two >= 16)."""
@@ -82,11 +83,6 @@ class Chunks:
 
     def describe(self) -> str:
         return " + ".join(var.lstrip("_") + (f"[{w}]" if w else "") for var, w in self.parts)
-
-
-def padded(n: int) -> int:
-    """A feature wire's block in the kernels: a power of two, at least 16 (_dim_block)."""
-    return max(16, 1 << max(n - 1, 0).bit_length())
 
 
 def find(diagram: ir.Diagram, kernels: list[Kernel], tiles: Tiling) -> tuple[Optional[Chunks], Optional[str]]:
