@@ -2,12 +2,12 @@
 
 source:  examples/flash_decoding.ncd
 napkin:  0.1.0
-sha256:  ab15c6d8f84a41d1a2d3f85a62623b5eae806bde0e11af11cc44d84535a4e2d7
+sha256:  62096a3b5a4790b0a0c2b2ee9ed826069462cba479b28e0a8578e2e00a31d1c4
 Do not edit: regenerate with `napkin compile examples/flash_decoding.ncd`.
 
 cost summary:
     flops: contractions 4*b*d*g*hk*q*x; exp b*g*hk*q*x + b*g*hk*q
-    hbm/smem traffic: 10*b*d*g*hk*q*x/c_x + 4*b*d*g*hk*q*x/g_q + 2*b*d*g*hk*q + 16*b*g*hk*q*x/c_x + 4*b*g*hk*q bytes
+    hbm/smem traffic: 8*b*d*g*hk*q*x/(c_x*g_g) + 4*b*d*g*hk*q*x/(g_g*g_q) + 2*b*d*g*hk*q*x/c_x + 2*b*d*g*hk*q + 16*b*g*hk*q*x/(c_x*g_g) + 4*b*g*hk*q bytes
     lower bound (attention): 2*b*d*g*hk*q + (4*b*d^2*g*hk*q*x)/M elements, M = 232kB/2
 
 flash_decoding(Q, K, V) -> O, lse
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 NAPKIN_VERSION = "0.1.0"
-SOURCE_HASH = "ab15c6d8f84a41d1a2d3f85a62623b5eae806bde0e11af11cc44d84535a4e2d7"
+SOURCE_HASH = "62096a3b5a4790b0a0c2b2ee9ed826069462cba479b28e0a8578e2e00a31d1c4"
 INPUTS = ("Q", "K", "V")
 OUTPUTS = ("O", "lse")
 # Each wire's fixed size, or None when it is bound from tensor shapes at call time.
@@ -256,7 +256,7 @@ import json as _autotune_json
 import os as _autotune_os
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/1"
-_AUTOTUNE_HASH = "ab15c6d8f84a41d1a2d3f85a62623b5eae806bde0e11af11cc44d84535a4e2d7"
+_AUTOTUNE_HASH = "62096a3b5a4790b0a0c2b2ee9ed826069462cba479b28e0a8578e2e00a31d1c4"
 _AUTOTUNE_WIRES = ('b', 'hk', 'g', 'q', 'x')
 _autotune_memo = {}   # key -> (the cache file's stamp when read, config or None)
 
@@ -552,6 +552,40 @@ def _chunks(chunk, tuned, block, n):
     if not chunk or n <= chunk:
         return 0, 1
     return chunk, triton.cdiv(n, chunk)
+
+
+# Packed rows (napkin/codegen/lower.py packed_wire): group g by 4 shares the row
+# block of q.  The forward runs on the (g, q) pairs as the rows of q: the
+# tensors along q viewed with g of size 1 and q of |g||q| rows, g-major, and
+# each row's own q given as its position; so the tiles without g are read once a
+# program for all the g it packs.
+_PACK = ("g", "q")
+_PACKED = ("Q", "O", "lse")  # the float tensors along q, each with g right before it
+
+
+def _pack(tensors, sizes, positions, lengths, device):
+    """(inputs, positions, lengths) for the launch on packed rows.  The
+    caller's positions and lengths are checked at its own sizes first; a
+    caller's positions["q"] is repeated for each g.  A reshape is a view
+    where g and q merge (contiguous tensors), else a copy."""
+    g, r = _PACK
+    _positions(positions, lengths, sizes, device, tensors)
+    if sizes[g] == 1:
+        return tensors, positions, lengths
+    packed = {**sizes, g: 1, r: sizes[g] * sizes[r]}
+    tensors = tuple(t.reshape(_shape(n, packed)) if n in _PACKED else t for n, t in zip(INPUTS, tensors))
+    positions, lengths = dict(positions or {}), dict(lengths or {})
+    own = positions.get(r)
+    rows = torch.arange(sizes[r], device=device) if own is None else own.to(torch.int64)
+    positions[r] = rows.repeat(sizes[g])
+    lengths.setdefault(r, sizes[r])
+    return tensors, positions, lengths
+
+
+def _unpack(tensors, names, sizes):
+    """Outputs (and saved state) computed on packed rows, in their own layouts:
+    views, as the launcher allocated them contiguous."""
+    return tuple(t.reshape(_shape(n, sizes)) if n in _PACKED and t.numel() else t for n, t in zip(names, tensors))
 
 
 @triton.jit(do_not_specialize=["_size_b", "_size_hk", "_size_g", "_size_q", "_size_x", "_len_q", "_len_x", "_n_chunks"])
@@ -887,6 +921,9 @@ def _flash_decoding_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tm
     _sz, _cls, _dev = _bind((Q, K, V), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev)
+    _real = _sz  # packed rows of g and q (_pack): the kernels see the packed sizes
+    (Q, K, V,), positions, lengths = _pack((Q, K, V,), _sz, positions, lengths, _dev)
+    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
@@ -917,7 +954,7 @@ def _flash_decoding_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tm
                 *_wire_strides(lse, "lse", _sz),
                 _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=128, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
             )
-    return (O, lse,), ()
+    return _unpack((O, lse,), ("O", "lse"), _real), _unpack((), (), _real)
 # ---------------------------------------------------------------------------
 # Training.  flash_decoding(...) calls the torch op below when an input requires
 # a gradient (or under torch.compile); its backward runs the kernels here.
@@ -1591,7 +1628,7 @@ def _op_names(base):
         n += 1
 
 
-_FWD_OP, _BWD_OP = _op_names("flash_decoding_ab15c6d8")
+_FWD_OP, _BWD_OP = _op_names("flash_decoding_62096a3b")
 _SAVED = ()
 
 

@@ -462,7 +462,7 @@ class _Checker:
             elif t.across and t.size < 1:
                 self.err(f"cannot split {t.wire} across {t.size} devices", t.loc)
             elif not t.across:
-                self.check_block(t)
+                self.check_block(t, level)
             if t.chunk is not None:
                 self.check_chunk(level, t)
 
@@ -486,12 +486,26 @@ class _Checker:
         self.err(f"{what} {n} for {wire} is not a power of two", loc, f"try {low} or {low * 2}")
         return False
 
-    def check_block(self, t: ir.Tile) -> None:
+    def check_block(self, t: ir.Tile, level: ir.Level) -> None:
         small = 1 < t.size < MIN_DOT_BLOCK and t.wire in self.contraction_wires
-        if self.power_of_two("block size", t.size, t.wire, t.loc) and small:
+        if self.power_of_two("block size", t.size, t.wire, t.loc) and small and not self.packed_rows(t, level):
             self.err(f"block size {t.size} for {t.wire} is too small: {t.wire} takes part in a "
                      f"contraction, and matrix products (tl.dot) need blocks of at least {MIN_DOT_BLOCK}",
                      t.loc, f"use 1 or a power of two >= {MIN_DOT_BLOCK}")
+
+    def packed_rows(self, t: ir.Tile, level: ir.Level) -> bool:
+        """Whether ``t`` shares its rows with the group of a neighbouring wire
+        (``group g by 4, q by 4`` where an input holds g right before q: 16
+        rows, grouped-query heads packed with their queries), their product at
+        least a tl.dot block.  Codegen decides the rest (lower.packed_wire)."""
+        groups = {u.wire: u.size for u in level.tiles if u.kind == "group" and not u.across and u.chunk is None}
+        for x in self.d.inputs:
+            wires = ir.axis_wires(x.axes)
+            for a, b in zip(wires, wires[1:]):
+                other = b if a == t.wire else a if b == t.wire else None
+                if other is not None and groups.get(other, 1) > 1 and t.size * groups[other] >= MIN_DOT_BLOCK:
+                    return True
+        return False
 
     # ---- 6. capacity ---------------------------------------------------------------
 

@@ -24,8 +24,9 @@ from typing import Optional
 from .. import ir, masks, tiling
 from .lower import (
     DEFAULT_BLOCK_ROW, DEFAULT_BLOCK_STREAM, Accum, AttentionPlan, Dot, LogSumExp, Output, SafeDiv, Var, _ExpSum,
-    _LogExpSum, _Loads, _block, _check_batch, _factors, _finalise_leaves, _group_block, _precision, _product,
-    _red_wires, _show, _streamed, fresh_name, internal_names, nodes, read_wires, unsupported, walk_until, wires_of,
+    _LogExpSum, _Loads, _block, _factors, _finalise_leaves, _group_block, _precision, _product,
+    _red_wires, _show, _streamed, fresh_name, internal_names, nodes, packed_wire, read_wires, unsupported, walk_until,
+    wires_of,
 )
 
 # Names the attention kernel's skeleton and loop bounds define.
@@ -64,7 +65,7 @@ class _Attention:
         self.score_wires = frozenset().union(*(wires_of(d, c) for c in contractions))
         order = [w.name for w in d.wires]
         self.batch = batch = tuple(w for w in order if w in self.score_wires and w not in (row, col))
-        _check_batch(d, batch)
+        pack = packed_wire(d, batch, row)
 
         finals = [self.lower_final(e, f"output {o.name}") for e, o in zip(outs, d.outputs)]
         step_loads = _Loads(d, "step", self.taken)
@@ -94,7 +95,11 @@ class _Attention:
             if cols is not None:
                 dims.add(cols)
         skip, bounds, full = self.skipping(accums)
-        blocks = ((row, _block(_group_block(d, row), DEFAULT_BLOCK_ROW)),
+        tile = _group_block(d, row)
+        rows = _block(tile, DEFAULT_BLOCK_ROW)
+        if pack is not None:  # packed rows (packed_wire): the packed wire's group times the row wire's
+            rows = _block(None, pack[1] * (tile.size if tile is not None else DEFAULT_BLOCK_ROW))
+        blocks = ((row, rows),
                   (col, _block(_streamed(d), DEFAULT_BLOCK_STREAM)))
         # one table for every load, so each tile is loaded once (pre-loop first)
         loads = tuple(ld for ld in step_loads.loads if ld.phase == "pre") \
@@ -103,7 +108,7 @@ class _Attention:
             d, row, col, batch, blocks, tuple(w for w in order if w in dims), loads, tuple(self.dots),
             tuple(self.tiles), tuple(self.step_subst.items()),
             tuple((m, e) for e, m in self.groups.items()), tuple(accums), tuple(outputs), bounds, skip,
-            _precision(d), full)
+            _precision(d), full, pack)
 
     # ---- roles of the wires ----
     def row_wire(self, c: ir.Reduce, sides) -> str:

@@ -438,7 +438,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     _, launch_width = chunk_state(plan, names, lambda w: _dim_block_value(names, w))
     # chunk= is no tuned option of the backward's kernels (nor in the torch op's schema), but the
     # forward's tuned config may set it (autotune.chunk_lengths)
-    launch = _fill_options(opts + ["chunk"]) + [
+    launch = _fill_options(opts + ["chunk"]) + _pack_lines(plan) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
@@ -489,6 +489,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "live": "\n".join(live(names, plan, col)), "live_constant": LIVE_CONSTANT,
         "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "chunk": L.chunk_of(d), "chunk_bounds": "\n".join(chunk_bounds(segs)),
+        **_pack_context(plan, saved),
         "chunk_store": "\n".join(chunk_store(plan, names)), "chunk_merge": "\n".join(chunk_merge(plan, names)),
         "merge_loads": [ld for ld, spec in zip(pre_loads, [x for x in plan.loads if x.phase == "pre"])
                         if spec.var in merged],
@@ -511,6 +512,33 @@ def merge_loads(plan: L.AttentionPlan) -> list[L.Load]:
     code, _ = _finalise(plan.diagram, names, list(plan.outputs), _kinds(plan.diagram),
                         {a.var: a for a in plan.accums})
     return [ld for ld in plan.loads if ld.phase == "pre" and reads(code, ld.var)]
+
+
+def _pack_lines(plan: L.AttentionPlan) -> list[str]:
+    """With packed rows (L.packed_wire), the launch's inputs, positions and
+    sizes become the packed ones, after the options are filled: the tuned
+    config stays keyed by the caller's sizes."""
+    if plan.pack is None:
+        return []
+    inputs = ", ".join(t.name for t in plan.diagram.inputs) + ","
+    return [f"_real = _sz  # packed rows of {plan.pack[0]} and {plan.row} (_pack): the kernels see the packed sizes",
+            f"({inputs}), positions, lengths = _pack(({inputs}), _sz, positions, lengths, _dev)",
+            f"_sz, _cls, _dev = _bind(({inputs}), kernel=True, free=_global_dims(positions))"]
+
+
+def _pack_context(plan: L.AttentionPlan, saved) -> dict:
+    """The template's packing helpers and the launcher's return through
+    _unpack; nothing without packed rows."""
+    if plan.pack is None:
+        return {"pack": None}
+    d, row = plan.diagram, plan.row
+    floats = [t.name for t in d.inputs if t.dtype not in ir.INT_DTYPES] \
+        + [o.name for o in d.outputs] + list(saved)
+    packed = tuple(n for n in dict.fromkeys(floats) if row in ir.axis_wires(d.tensor(n).axes))
+    outs = [o.name for o in d.outputs if o.name not in saved]
+    return {"pack": plan.pack, "packed": _tuple(_q(n) for n in packed),
+            "pack_return": f"_unpack(({', '.join(outs)},), {_tuple(_q(n) for n in outs)}, _real), "
+                           f"_unpack(({''.join(n + ', ' for n in saved)}), {_tuple(_q(n) for n in saved)}, _real)"}
 
 
 def _allocate_saved(d: ir.Diagram, saved) -> list[str]:

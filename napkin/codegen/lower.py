@@ -167,6 +167,9 @@ class AttentionPlan:
     # None when no block is known full (a non-affine conjunct, a mask that
     # cannot be skipped)
     full: Optional[tuple[masks.Bound, ...]] = None
+    # (g, its group) when a batch wire shares the row block (packed_wire): the launcher packs
+    # the (g, row) pairs into one row wire and passes each row's own index as its position
+    pack: Optional[tuple[str, int]] = None
 
 
 @dataclass(frozen=True)
@@ -418,6 +421,45 @@ def _check_batch(d: ir.Diagram, batch) -> None:
         if t is not None and t.size != 1:
             raise unsupported(f"'group {w} by {t.size}'", f"napkin's kernels give each index of {w} its own "
                               "programs; only the row wire is blocked", t.loc, f"write 'group {w} by 1'")
+
+
+def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
+    """The batch wire packed into the row block, and its group: (g, 4) for
+    ``group g by 4`` beside ``group q by 4`` (16 rows: 4 heads x 4 queries),
+    else None.  The launcher views every tensor along q as (g q) pairs,
+    g-major, one row wire of |g||q| rows (g of size 1), and gives each row its
+    q as a position: so K and V, which lack g, are read once per program for
+    all the heads it packs (grouped-query decoding).  That view is a reshape
+    only when g sits right before q in every tensor along either, and the
+    kernel must not need g itself (its index, its size): refused otherwise,
+    at the group.  Integer inputs along q alone are read at the rows'
+    positions, so they may lack g."""
+    grouped = [(w, t) for w in batch if (t := _group_block(d, w)) is not None and t.size != 1]
+    if not grouped:
+        return None
+    w, t = grouped[0]
+    what = f"'group {w} by {t.size}'"
+    hint = f"write 'group {w} by 1'"
+    if len(grouped) > 1:
+        w2, t2 = grouped[1]
+        raise unsupported(f"'group {w2} by {t2.size}'", f"only one wire may share the rows of {row} "
+                          f"(group {w} by {t.size} packs {w} already)", t2.loc, f"write 'group {w2} by 1'")
+    for x in list(d.inputs) + [d.tensor(o.name) for o in d.outputs]:
+        wires = ir.axis_wires(x.axes)
+        if w not in wires and row not in wires:
+            continue
+        if row in wires and w not in wires and isinstance(x, ir.Input) and x.dtype in ir.INT_DTYPES:
+            continue  # read at the rows' positions (their q)
+        if not (w in wires and row in wires and wires.index(w) + 1 == wires.index(row)):
+            raise unsupported(what, f"it packs {w} into the rows of {row}, so every tensor along either "
+                              f"holds {w} right before {row}; {x.name} is [{', '.join(wires)}]", t.loc, hint)
+    for let in d.lets:
+        for n in nodes(let.expr):
+            if isinstance(n, (ir.WireIndex, ir.WireSize)) and n.wire == w:
+                used = f"|{w}|" if isinstance(n, ir.WireSize) else f"the index {w}"
+                raise unsupported(what, f"box {let.name} uses {used}, which packed rows do not keep "
+                                  f"(the kernel sees {w} as size 1)", t.loc, hint)
+    return w, t.size
 
 
 # --------------------------------------------------------------------------
