@@ -902,7 +902,9 @@ def flash_decoding(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_s
     of C x rows and merges the chunks' states in a second kernel
     (flash-decoding: for few rows of q against many of x); 0 streams
     the whole of x in one program; None takes the tuned config's, else the
-    schedule's (group x by 1024).  Forward only; training takes the tuned or schedule's."""
+    schedule's (group x by 1024).  Forward only; training takes the tuned or schedule's.
+    The forward packs g into the rows (group g by 4): its block_q
+    counts (g, q) pairs; the backward's counts rows of q."""
     Q, K, V = _autocast((Q, K, V))
     if _differentiable((Q, K, V)):
         if positions is not None or lengths is not None or out_dtype is not None or chunk is not None:

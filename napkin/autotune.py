@@ -400,11 +400,18 @@ def resident_blocks(diagram: ir.Diagram, sizes: Mapping[str, int], shape: Kernel
     ranking serves its keys."""
     own = tiled_blocks(diagram)
     rows = [v for v in own.values()][:1]
+    from .codegen import lower
+
+    plans = _plans(diagram) if shape.kind == "" else None
+    pack = plans[0].pack if plans else None
+    if pack is not None:   # packed rows (lower.packed_wire): a block of the (g, q) pairs
+        rows = [dict(plans[0].blocks)[plans[0].row]]
     try:
         from .cost import tune
         ranked = [r.block for r in tune(diagram, sizes, profile, top=10 ** 6)]     # every tile that fits
-        row = tiled_wires(diagram)[0]
-        order = list(dict.fromkeys(b[row] for b in ranked if row in b))
+        row = tiled_wires(diagram)[0] if pack is None else plans[0].row
+        order = list(dict.fromkeys(b[row] if pack is None else max(lower.MIN_DOT, b[row] * b.get(pack[0], 1))
+                                   for b in ranked if row in b))
     except (ImportError, NapkinError, IndexError):
         order = list(dict.fromkeys(r for r, _ in DEFAULT_BLOCKS_2))
     return rows + [b for b in order if b not in rows][:picks]
@@ -526,7 +533,7 @@ def chunk_lengths(shape: KernelShape, sizes: Mapping[str, int], blocks: Mapping[
     chunks: less state to merge), each at least CHUNK_MIN_BLOCKS streamed
     blocks and shorter than the wire (one chunk runs whole).  A schedule
     that chunks also gets chunk=0, the whole wire in one program."""
-    from .codegen.lower import chunk_of
+    from .codegen.lower import chunk_of, packed_sizes
     from .cost.analysis import resolve_profile
 
     plans = _plans(shape.diagram) if shape.kind == "" else None
@@ -534,7 +541,7 @@ def chunk_lengths(shape: KernelShape, sizes: Mapping[str, int], blocks: Mapping[
         return []
     fplan = plans[0]
     full = {w.name: w.size for w in shape.diagram.wires if w.size is not None}
-    full.update(sizes)
+    full = packed_sizes(fplan, {**full, **sizes})   # packed rows: the programs the launch runs
     res, st = shape.resident, shape.streamed
     n = full[st]
     programs = math.ceil(full[res] / blocks[res]) * math.prod(full[w] for w in fplan.batch)

@@ -942,9 +942,10 @@ def test_decode_bench_checks_every_chunk_before_timing_and_writes_its_record(tmp
     data = json.loads(path.read_text())
     assert data["smoke"] and data["device"] == "cpu" and path.name == f"decode-cpu-{data['date']}.json"
     assert data["partial"] is None                  # rewritten after each point; the last drops the mark
-    napkin_rows = [r for r in data["rows"] if r["impl"] == "napkin"]
-    assert [r["chunk"] for r in napkin_rows] == [0, 32, 256]
-    assert [r["impl"] for r in data["rows"]][3:] == ["flex", "sdpa"]   # the baselines, Flex checked too
-    assert data["rows"][3]["ok"] and data["rows"][3]["max_abs_error"] < 1e-3
+    napkin_rows = [r for r in data["rows"] if r["impl"].startswith("napkin")]
+    assert [(r["impl"], r["chunk"]) for r in napkin_rows] == [     # packed heads, then one program per head
+        (impl, c) for impl in ("napkin", "napkin-unpacked") for c in (0, 32, 256)]
+    assert [r["impl"] for r in data["rows"]][6:] == ["flex", "sdpa"]   # the baselines, Flex checked too
+    assert data["rows"][6]["ok"] and data["rows"][6]["max_abs_error"] < 1e-3
     assert all(r["ok"] and r["max_abs_error"] < 1e-5 and r["ms"] > 0 for r in napkin_rows)
     assert "| 1 | 3 | 100 | napkin | 32 |" in (tmp_path / path.name.replace(".json", ".md")).read_text()

@@ -256,14 +256,19 @@ def test_chunk_with_gradients_is_refused():
 def test_the_tuner_tries_chunks_only_where_the_grid_leaves_sms_idle():
     from napkin import autotune
     d = napkin.load(K.REPO / "examples" / "flash_decoding.ncd")
-    decode = {"b": 1, "hk": 8, "g": 4, "q": 4, "x": 32768}   # 32 programs unchunked on 132 SMs
+    # 8 programs unchunked on 132 SMs: each packs the 4 heads x 4 queries of a kv head (16 rows)
+    decode = {"b": 1, "hk": 8, "g": 4, "q": 4, "x": 32768}
     keep, _ = autotune.candidates(d, decode)
     assert keep and all(c.num_warps == 1 for c in keep)      # 16 rows: one warp each (4 and 8 idle)
-    # 0 (the whole wire: the schedule chunks), then ~2 programs an SM: 9 chunks -> 4096, and twice it
-    assert sorted({c.chunk for c in keep if c.chunk is not None}) == [0, 4096, 8192]
+    # 0 (the whole wire: the schedule chunks), then ~2 programs an SM: 33 chunks -> 1024, and twice it
+    assert sorted({c.chunk for c in keep if c.chunk is not None}) == [0, 1024, 2048]
     shape = autotune.kernel_shape(d, decode)
-    assert autotune.chunk_lengths(shape, decode, {"q": 16, "x": 64}) == [0, 4096, 8192]
-    assert autotune.chunk_lengths(shape, {**decode, "b": 8}, {"q": 16, "x": 64}) == [0]   # 256 programs
+    assert autotune.chunk_lengths(shape, decode, {"q": 16, "x": 64}) == [0, 1024, 2048]
+    assert autotune.chunk_lengths(shape, {**decode, "b": 32}, {"q": 16, "x": 64}) == [0]   # 256 programs
+    unpacked = napkin.load_text(K.REPO.joinpath("examples", "flash_decoding.ncd").read_text().replace(
+        "g by 4, q by 4", "g by 1, q by 16"), "u.ncd")              # 32 programs: 9 chunks -> 4096
+    assert autotune.chunk_lengths(autotune.kernel_shape(unpacked, decode), decode, {"q": 16, "x": 64}) == \
+        [0, 4096, 8192]
     plain = napkin.load(K.REPO / "examples" / "attention.ncd")
     target = {"b": 1, "h": 16, "q": 16384, "x": 16384}
     assert all(c.chunk is None for c in autotune.candidates(plain, target)[0])

@@ -740,6 +740,10 @@ def _launcher_doc(plan: L.Plan, options) -> str:
             f"runs the backward kernels (see {d.name}_backward)."
             + (_POSITIONS_DOC.format(row=plan.row, col=plan.col, chunk=_chunk_doc(d, plan.col))
                if plan.family == "attention" else "")
+            + (f"\nThe forward packs {plan.pack[0]} into the rows (group {plan.pack[0]} by {plan.pack[1]}): "
+               f"its block_{plan.row}\ncounts ({plan.pack[0]}, {plan.row}) pairs; the backward's counts "
+               f"rows of {plan.row}."
+               if plan.family == "attention" and plan.pack else "")
             + '"""')
 
 

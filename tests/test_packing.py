@@ -1,0 +1,251 @@
+"""Packed rows: ``group g by 4`` beside ``group q by 4`` in level smem packs
+a batch wire into the row block (grouped-query decoding: the query heads of
+one key/value head share a program, so K and V are read once for all of
+them).
+
+The launcher views the (g, q) pairs as the rows of q, g-major, and gives
+each row its own q as a position (napkin/codegen/lower.py packed_wire,
+emit._pack_lines, the module's _pack).  Checked here: the checker's and
+codegen's rules, the launch really packs (its grid), the numerics against
+float64 at ragged sizes, chunked and not, with the caller's positions,
+through a non-contiguous Q (a copy), training (a packed forward, the usual
+backward), and a diagram whose q is read by an integer input alone.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import napkin
+import test_kernels as K
+from napkin.codegen import lower
+from napkin.errors import NapkinError
+from test_check import errors, pos
+from test_chunks import LaunchSpy
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _folder(tmp_path_factory):
+    K._FOLDER.append(tmp_path_factory.mktemp("packing"))
+    yield
+    K._FOLDER.pop()
+
+
+DECODE = (K.REPO / "examples" / "flash_decoding.ncd").read_text()
+PACKED = "group b by 1, hk by 1, g by 4, q by 4"
+
+
+def plan_of(text: str):
+    return lower.lower(napkin.load_text(text, "t.ncd"))
+
+
+def kernel_grids(m, inputs, **opts):
+    """Run with a spy on the forward kernel: (outputs, its launch grids)."""
+    name = next(n for n in vars(m) if n.endswith("_kernel") and n.startswith("_") and "bwd" not in n
+                and "ranges" not in n)
+    spy = LaunchSpy(getattr(m, name))
+    setattr(m, name, spy)
+    try:
+        out = K.run(m, inputs, **opts)
+    finally:
+        setattr(m, name, spy.kernel)
+    return out, spy.grids
+
+
+# --------------------------------------------------------------------------
+# The language: the checker lets 4 x 4 make a block; codegen's rules.
+# --------------------------------------------------------------------------
+
+def test_the_example_packs_its_query_heads_into_16_rows():
+    plan = plan_of(DECODE)
+    assert plan.pack == ("g", 4) and dict(plan.blocks)["q"] == 16 and "g" in plan.batch
+    assert lower.packed_sizes(plan, {"b": 2, "hk": 8, "g": 4, "q": 3, "x": 9})["q"] == 12
+
+
+def test_a_small_group_alone_is_still_too_small_for_a_dot():
+    text = DECODE.replace(PACKED, "group b by 1, hk by 1, g by 1, q by 4")
+    (found,) = errors(text)
+    assert found.message == ("block size 4 for q is too small: q takes part in a contraction, and matrix "
+                             "products (tl.dot) need blocks of at least 16")
+    assert (found.loc.line, found.loc.col) == pos(text, "q by 4   #")
+
+
+def test_two_small_groups_whose_product_is_short_of_a_dot_are_refused():
+    text = DECODE.replace(PACKED, "group b by 1, hk by 1, g by 2, q by 4")
+    assert [(e.message.split(":")[0], (e.loc.line, e.loc.col)) for e in errors(text)] == [
+        ("block size 2 for g is too small", pos(text, "g by 2")),
+        ("block size 4 for q is too small", pos(text, "q by 4   #"))]
+
+
+def emit_error(text: str) -> NapkinError:
+    with pytest.raises(NapkinError) as e:
+        napkin.codegen.emit_module(napkin.load_text(text, "t.ncd"), source_text=text, source_path="t.ncd")
+    (diag,) = e.value.diagnostics
+    return diag
+
+
+def test_a_tensor_with_q_but_not_g_right_before_it_is_refused_at_the_group():
+    text = DECODE.replace("in Q[b, (hk g), q, d] : bf16", "in Q[b, (hk g), q, d] : bf16\nin B[b, q, x] : bf16") \
+        .replace("sum[d](Q * K) * |d|^-0.5", "sum[d](Q * K) * |d|^-0.5 + B")
+    diag = emit_error(text)
+    assert diag.message == ("napkin cannot emit a kernel for 'group g by 4': it packs g into the rows of q, so "
+                            "every tensor along either holds g right before q; B is [b, q, x]")
+    assert (diag.loc.line, diag.loc.col) == pos(text, "g by 4, q") and diag.hint == "write 'group g by 1'"
+
+
+def test_a_box_that_reads_the_packed_wire_is_refused():
+    text = DECODE.replace("sum[d](Q * K) * |d|^-0.5, -inf)", "sum[d](Q * K) * |d|^-0.5 + g, -inf)")
+    diag = emit_error(text)
+    assert diag.message == ("napkin cannot emit a kernel for 'group g by 4': box S uses the index g, which "
+                            "packed rows do not keep (the kernel sees g as size 1)")
+
+
+def test_only_one_wire_packs():
+    text = DECODE.replace(PACKED, "group b by 1, hk by 4, g by 4, q by 4")
+    diag = emit_error(text)
+    assert diag.message == ("napkin cannot emit a kernel for 'group g by 4': only one wire may share the rows "
+                            "of q (group hk by 4 packs hk already)")
+    assert (diag.loc.line, diag.loc.col) == pos(text, "g by 4, q") and diag.hint == "write 'group g by 1'"
+
+
+def test_g_by_1_packs_nothing():
+    plan = plan_of(DECODE.replace(PACKED, "group b by 1, hk by 1, g by 1, q by 16"))
+    assert plan.pack is None and dict(plan.blocks)["q"] == 16
+
+
+# --------------------------------------------------------------------------
+# The launch: packed programs, the numerics.
+# --------------------------------------------------------------------------
+
+# (sizes, block_q, chunk): ragged everywhere; |q| = 1 is decoding proper
+CASES = [
+    ({"b": 2, "hk": 2, "g": 4, "q": 1, "x": 300}, 16, None),   # 4 rows of 16, schedule's chunk (none at 300)
+    ({"b": 1, "hk": 2, "g": 3, "q": 5, "x": 200}, 16, 64),     # 15 rows: one block, 4 chunks
+    ({"b": 1, "hk": 1, "g": 8, "q": 3, "x": 77}, 16, 32),      # 24 rows: two blocks, the second ragged
+    ({"b": 2, "hk": 1, "g": 4, "q": 4, "x": 130}, 16, 0),      # whole
+    ({"b": 1, "hk": 3, "g": 5, "q": 7, "x": 99}, 32, 32),      # 35 rows, block 32
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("sizes, block, chunk", CASES, ids=[f"g{c[0]['g']}q{c[0]['q']}" for c in CASES])
+def test_packed_forward_matches_the_reference_and_runs_one_program_per_packed_block(sizes, block, chunk, dtype):
+    m = K.example("flash_decoding")
+    inputs = m.example_inputs(sizes, dtype=dtype, seed=3)
+    out, grids = kernel_grids(m, inputs, block_q=block, block_x=16, chunk=chunk)
+    rows = sizes["g"] * sizes["q"]
+    assert grids[0][:2] == (-(-rows // block), sizes["b"] * sizes["hk"]), grids   # K and V: once per hk
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), f"{sizes}")
+
+
+def test_one_query_head_a_group_packs_nothing():
+    m = K.example("flash_decoding")
+    sizes = {"b": 1, "hk": 2, "g": 1, "q": 5, "x": 90}
+    inputs = m.example_inputs(sizes, dtype=torch.float32, seed=4)
+    out, grids = kernel_grids(m, inputs, block_q=16, block_x=16, chunk=0)
+    assert grids == [(1, 2, 1)]
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "g=1")
+
+
+def test_packed_equals_unpacked_and_sdpa():
+    """The same diagram with g by 1 (one program per query head): the same
+    outputs; and torch's SDPA (GQA) on the decode mask."""
+    m = K.example("flash_decoding")
+    u = K.example("flash_decoding", (PACKED, "group b by 1, hk by 1, g by 1, q by 16"))
+    sizes = {"b": 2, "hk": 2, "g": 4, "q": 3, "x": 150}
+    Q, Kt, V = m.example_inputs(sizes, dtype=torch.float32, seed=5)
+    (O, lse), (Ou, lseu) = K.run(m, (Q, Kt, V), block_x=16, chunk=0), K.run(u, (Q, Kt, V), block_x=16, chunk=0)
+    torch.testing.assert_close(O, Ou, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, lseu, rtol=1e-5, atol=1e-6)
+    x, q = sizes["x"], sizes["q"]
+    allowed = torch.arange(x)[None, :] <= torch.arange(q)[:, None] + x - q
+    want = torch.nn.functional.scaled_dot_product_attention(
+        Q.double(), Kt.double(), V.double(), attn_mask=allowed, enable_gqa=True)
+    torch.testing.assert_close(O.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_callers_positions_are_repeated_for_each_packed_head():
+    m = K.example("flash_decoding")
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": 3, "x": 100}
+    inputs = m.example_inputs(sizes, dtype=torch.float32, seed=6)
+    positions, lengths = {"q": torch.tensor([5, 9, 40])}, {"q": 50}
+    O, lse = K.run(m, inputs, block_x=16, chunk=32, positions=positions, lengths=lengths)
+    # row q at global position p sees keys x <= p + |x| - 50: the reference on those rows alone
+    Q, Kt, V = (t.double() for t in inputs)
+    allowed = torch.arange(100)[None, :] <= positions["q"][:, None] + 100 - 50
+    want = torch.nn.functional.scaled_dot_product_attention(Q, Kt, V, attn_mask=allowed, enable_gqa=True)
+    torch.testing.assert_close(O.double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"positions\['q'\] must be a 1-D integer tensor of 3"):
+        K.run(m, inputs, positions={"q": torch.arange(12)}, lengths=lengths)
+
+
+def test_keys_at_global_positions_as_a_devices_shard_of_the_cache():
+    """The distributed decode's local call: this device's keys sit at global
+    positions 20.. of a cache of 150, the rows at the end of 50 queries."""
+    m = K.example("flash_decoding")
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": 3, "x": 100}
+    inputs = m.example_inputs(sizes, dtype=torch.float32, seed=10)
+    positions = {"q": torch.tensor([46, 47, 49]), "x": torch.arange(100) + 20}
+    lengths = {"q": 50, "x": 150}
+    O, lse = K.run(m, inputs, block_x=16, chunk=32, positions=positions, lengths=lengths)
+    Q, Kt, V = (t.double() for t in inputs)
+    allowed = positions["x"][None, :] <= positions["q"][:, None] + 150 - 50
+    want = torch.nn.functional.scaled_dot_product_attention(Q, Kt, V, attn_mask=allowed, enable_gqa=True)
+    torch.testing.assert_close(O.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_q_whose_g_and_q_do_not_merge_is_copied_and_still_right():
+    m = K.example("flash_decoding")
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": 3, "x": 70}
+    Q, Kt, V = m.example_inputs(sizes, dtype=torch.float32, seed=7)
+    Qt = Q.transpose(1, 2).contiguous().transpose(1, 2)          # same values, (hk g) innermost but one
+    assert not Qt.is_contiguous()
+    out = K.run(m, (Qt, Kt, V), block_x=16, chunk=0)
+    K.assert_accurate(out, K.reference(m, (Q, Kt, V), torch.float64), K.reference(m, (Q, Kt, V)), "strided Q")
+
+
+def test_training_through_a_packed_forward_matches_float64_autograd():
+    m = K.example("flash_decoding")
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": 3, "x": 45}
+    inputs = [t.requires_grad_() for t in m.example_inputs(sizes, dtype=torch.float32, seed=8)]
+    O, lse = m.flash_decoding(*inputs, block_x=16)
+    w = torch.randn_like(O)
+    (O * w).sum().backward()
+    got = [t.grad.clone() for t in inputs]
+    ref = [t.detach().double().requires_grad_() for t in inputs]
+    O64, _ = m.reference(*ref)
+    (O64 * w.double()).sum().backward()
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g.double(), r.grad, rtol=1e-4, atol=1e-5)
+
+
+DOC = """diagram packed_docs
+wire b, hk, g, q, x
+wire d = 64
+in Q[b, (hk g), q, d] : fp16
+in K[b, hk, x, d] : fp16
+in V[b, hk, x, d] : fp16
+in qdoc[b, q] : int32
+in kdoc[b, x] : int32
+S[b, hk, g, q, x] = where(qdoc == kdoc, sum[d](Q * K) * |d|^-0.5, -inf)
+O[b, (hk g), q, d] : fp16 = sum[x](softmax[x](S) * V)
+out O
+schedule on h100 {
+  level smem {
+    group b by 1, hk by 1, g by 4, q by 4
+    stream x by 32
+  }
+}
+"""
+
+
+def test_an_integer_input_along_q_alone_is_read_at_each_rows_q():
+    m = K.compile_text(DOC, "packed_docs")
+    sizes = {"b": 2, "hk": 2, "g": 4, "q": 5, "x": 60}
+    Q, Kt, V, qdoc, kdoc = m.example_inputs(sizes, dtype=torch.float32, seed=9)
+    qdoc = torch.tensor([[0, 0, 1, 2, 2], [0, 1, 1, 1, 3]], dtype=torch.int32)
+    kdoc = torch.randint(0, 4, (2, 60), generator=torch.Generator().manual_seed(1)).sort(-1).values.int()
+    inputs = (Q, Kt, V, qdoc, kdoc)
+    out, grids = kernel_grids(m, inputs, block_q=16, block_x=16)
+    assert grids[0][:2] == (2, 4)                                  # 20 packed rows, b x hk programs
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "docs")
