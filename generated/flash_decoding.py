@@ -584,8 +584,13 @@ def _pack(tensors, sizes, positions, lengths, device):
 
 def _unpack(tensors, names, sizes):
     """Outputs (and saved state) computed on packed rows, in their own layouts:
-    views, as the launcher allocated them contiguous."""
-    return tuple(t.reshape(_shape(n, sizes)) if n in _PACKED and t.numel() else t for n, t in zip(names, tensors))
+    views, as the launcher allocated them contiguous.  A placeholder (saved
+    state a call does not save) is left as it is."""
+    out = []
+    for n, t in zip(names, tensors):
+        shape = _shape(n, sizes)
+        out.append(t.reshape(shape) if n in _PACKED and t.numel() == math.prod(shape) else t)
+    return tuple(out)
 
 
 @triton.jit(do_not_specialize=["_size_b", "_size_hk", "_size_g", "_size_q", "_size_x", "_len_q", "_len_x", "_n_chunks"])

@@ -249,3 +249,15 @@ def test_an_integer_input_along_q_alone_is_read_at_each_rows_q():
     out, grids = kernel_grids(m, inputs, block_q=16, block_x=16)
     assert grids[0][:2] == (2, 4)                                  # 20 packed rows, b x hk programs
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "docs")
+
+
+@pytest.mark.parametrize("empty", ["g", "q", "b", "x"])
+def test_empty_wires_give_the_references_shapes(empty):
+    m = K.example("flash_decoding")
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": 3, "x": 20, empty: 0}
+    inputs = m.example_inputs(sizes, dtype=torch.float32, seed=12)
+    out = K.run(m, inputs, block_x=16)
+    want = K.reference(m, inputs)
+    assert [t.shape for t in out] == [t.shape for t in want]
+    for a, b in zip(out, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
