@@ -200,6 +200,11 @@ def test_streamed_wire_is_dashed_and_grouped_labelled():
     assert "x[2 dev]~64" in label(e2, "t.K", "op.S")
 
 
+def test_packed_rows_are_named_in_the_legend():
+    assert "packed: 16 (g, q) rows per program" in dot_of("flash_decoding")
+    assert "packed" not in dot_of("gqa")          # its g by 1: one program per query head
+
+
 def test_levels_are_nested_clusters_holding_their_tensors():
     where = clusters_of(dot_of("attention_2d"))
     assert where["t.Q"] == ("cluster_devices", "cluster_hbm")

@@ -13,7 +13,8 @@ What the picture shows, left to right (rankdir=LR):
 * A tensor flowing into a box is one edge drawn as parallel lines, one line
   per wire, each wire in its own colour everywhere in the picture (Graphviz's
   ``color="a:b:c"``).  Its label names the wires in those colours, with the
-  schedule's tiling: ``q[128]`` grouped in blocks of 128 (one per program),
+  schedule's tiling: ``q[128]`` grouped in blocks of 128 (one per program;
+  the legend says when ``g[4] q[4]`` pack into 16 rows, codegen.lower.packed_wire),
   ``q[2 dev]`` split over 2 devices, ``x~64`` streamed in chunks of 64.  An
   edge carrying a streamed wire is dashed: the tensor arrives chunk by chunk.
   A wire split at both mesh levels shows its two splits in one bracket,
@@ -160,6 +161,23 @@ def expr_wires(diagram: ir.Diagram, e: ir.Expr) -> tuple[str, ...]:
     if isinstance(e, ir.Normalize):
         return expr_wires(diagram, e.body)
     return ()
+
+
+def _packed(d: ir.Diagram) -> Optional[tuple[str, int, str, int]]:
+    """(g, its group, the row wire, its group) when the kernel packs g into
+    the rows (napkin/codegen/lower.py packed_wire), else None (also for a
+    diagram napkin cannot emit: the picture does not need a kernel)."""
+    from ..codegen import lower
+    from ..errors import NapkinError
+
+    try:
+        plan = lower.lower(d)
+    except NapkinError:
+        return None
+    if getattr(plan, "pack", None) is None:
+        return None
+    rows = dict(plan.blocks)[plan.row] // plan.pack[1]
+    return plan.pack[0], plan.pack[1], plan.row, rows
 
 
 @dataclass(frozen=True)
@@ -651,6 +669,10 @@ class _Picture:
                 mark = "b" if kind == "group" else "i"
                 keys.append(f"<{mark}>{_h(tile.wire + tile_text(tile, scope))}</{mark}> "
                             + _h(what.format(n=tile.size)))
+        pack = _packed(self.d)
+        if pack is not None:
+            keys.append(f"<b>{_h(pack[0])}[{pack[1]}] {_h(pack[2])}[{pack[3]}]</b> "
+                        + _h(f"packed: {pack[1] * pack[3]} ({pack[0]}, {pack[2]}) rows per program"))
         more = ["&#9679; wires meeting at a dot are summed away",
                 "broadcast: the input lacks that wire and is copied along it",
                 "cylinder: a tensor in memory; box: an operation"]
