@@ -261,3 +261,14 @@ def test_empty_wires_give_the_references_shapes(empty):
     assert [t.shape for t in out] == [t.shape for t in want]
     for a, b in zip(out, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_tma_and_pointer_packed_launches_agree_bitwise():
+    """The descriptors are built over the packed views (Q and O as [b, hk, 1, |g||q|, d])."""
+    m = K.example("flash_decoding")
+    inputs = m.example_inputs({"b": 1, "hk": 2, "g": 4, "q": 5, "x": 90}, dtype=torch.float16, seed=13)
+    ptr = K.run(m, inputs, block_q=16, block_x=16, chunk=32, tma=False)
+    tma = K.run(m, inputs, block_q=16, block_x=16, chunk=32, tma=True)
+    assert m._tma_last["used"], m._tma_last
+    for a, b in zip(ptr, tma):
+        assert torch.equal(a, b)
