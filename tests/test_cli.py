@@ -5,7 +5,6 @@ Most tests call ``napkin.cli.main`` in-process (fast); a few run
 """
 from __future__ import annotations
 
-import argparse
 import importlib.machinery
 import subprocess
 import sys

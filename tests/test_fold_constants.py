@@ -20,7 +20,6 @@ from napkin import ir
 from napkin.codegen import emit_module
 from napkin.codegen.exprs import Ctx, fold, triton
 from napkin.codegen.products import fold_factors
-from napkin.parse import parse
 from napkin.printer import expr_text
 
 from test_scale import REPO, score

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 from .. import ir
 from .exprs import triton
-from .lower import RANGES_NAMES as NAMES  # what the prepass defines: in lower.internal_names
-from .lower import AttentionPlan, wires_of
+from .lower import RANGES_NAMES, AttentionPlan, wires_of
+
+NAMES = RANGES_NAMES  # what the prepass defines: in lower.internal_names
 
 
 def applies(plan: AttentionPlan) -> bool:
