@@ -122,9 +122,10 @@ def predicted(diagram, sizes: dict, options: dict) -> dict:
     the launch) and the DRAM estimate, at the launcher's block sizes and
     chunk; ``kernels``: how many kernels the launch runs (ncu must profile
     that many)."""
-    from napkin.cost import analyse, with_blocks
+    from napkin.cost import analyse, packing, with_blocks
     blocks = {k[len("block_"):]: int(v) for k, v in options.items() if k.startswith("block_")}
-    d = with_blocks(diagram, blocks) if blocks else diagram
+    # with packed rows block_q is the packed block: with_blocks takes q's group (packing.schedule_blocks)
+    d = with_blocks(diagram, packing.schedule_blocks(diagram, blocks)) if blocks else diagram
     if options.get("chunk") is not None:
         d = with_chunk(d, int(options["chunk"]))
     report = analyse(d, sizes)

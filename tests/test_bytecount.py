@@ -140,7 +140,7 @@ from pathlib import Path  # noqa: E402
 
 import napkin  # noqa: E402
 from napkin import ir  # noqa: E402
-from napkin.cost import analyse, with_blocks  # noqa: E402
+from napkin.cost import analyse, packing, with_blocks  # noqa: E402
 from napkin.cost.cli import recast  # noqa: E402
 from napkin.cost.tune import searchable  # noqa: E402
 from napkin.errors import NapkinError  # noqa: E402
@@ -155,7 +155,8 @@ COST_ONLY = {"naive_attention": "unfused", "attention_fp8": "e4m3"}
 EXAMPLES = [p for p in ALL_EXAMPLES if p.stem not in COST_ONLY]
 
 # (first sequence size, second sequence size, blocks for the searchable wires in
-# schedule order): aligned, ragged both ways, and blocks that differ per case.
+# schedule order, as the launcher takes them: see case_blocks): aligned, ragged
+# both ways, and blocks that differ per case.
 CASES = [(64, 64, (16, 32, 16)), (50, 70, (32, 16, 16)), (97, 33, (16, 16, 32))]
 # Masked diagrams also run where the mask skips many blocks (the window is 256).
 MASKED_CASE = (400, 330, (64, 32, 16))
@@ -205,6 +206,22 @@ def case_sizes(d: ir.Diagram, n1: int, n2: int) -> dict[str, int]:
     return sizes
 
 
+def case_blocks(d: ir.Diagram, block_list) -> tuple[dict, dict]:
+    """(the blocks the cost pass is given, the launcher's block options) for a
+    case's blocks of the searchable wires.  They are the launcher's
+    block_<wire>; with packed rows (napkin/cost/packing.py: flash_decoding's
+    g by 4 beside q by 4) block_q is the packed block, the (g, q) pairs a
+    program holds, so the cost pass gets q's group as that over g's, and the
+    launcher no block_g: the packed rows the cost pass is given are the
+    launcher's block_q."""
+    launch = dict(zip(searchable(d), block_list))
+    blocks = packing.schedule_blocks(d, launch)
+    pack = packing.find(with_blocks(d, blocks))
+    if pack is not None:
+        assert pack.block == launch[pack.row] and pack.wire not in launch
+    return blocks, launch
+
+
 def predicted(d: ir.Diagram, sizes, blocks) -> tuple[dict, dict]:
     loads, stores = defaultdict(int), defaultdict(int)
     for t in analyse(with_blocks(d, blocks), sizes).transfers:
@@ -232,12 +249,13 @@ def without_ids(module, *counts) -> list[dict]:
     return [{k: v for k, v in c.items() if k not in ids} for c in counts]
 
 
-def counted(module, d: ir.Diagram, sizes, blocks, dtype) -> tuple[dict, dict, int]:
+def counted(module, d: ir.Diagram, sizes, launch, dtype) -> tuple[dict, dict, int]:
+    """Bytes the launch at the launcher's blocks ``launch`` moves."""
     inputs = module.example_inputs(sizes, dtype=dtype)
     if prepassed(module, d):
         inputs = one_document(module, inputs)
     with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
-        getattr(module, d.name)(*inputs, **{f"block_{w}": b for w, b in blocks.items()})
+        getattr(module, d.name)(*inputs, **{f"block_{w}": b for w, b in launch.items()})
     return dict(bc.loads), dict(bc.stores), bc.launches
 
 
@@ -254,8 +272,8 @@ def test_counted_bytes_equal_predicted_bytes(compiled, path, case):
     d = single_device(napkin.load(path))
     n1, n2, block_list = case
     sizes = case_sizes(d, n1, n2)
-    blocks = dict(zip(searchable(d), block_list))
-    loads, stores, launches = counted(module, d, sizes, blocks, torch.float16)
+    blocks, launch = case_blocks(d, block_list)
+    loads, stores, launches = counted(module, d, sizes, launch, torch.float16)
     want = predicted(d, sizes, blocks)
     if prepassed(module, d):  # one document: every block visited, as counted; the prepass launches first
         assert launches == 2
@@ -272,8 +290,8 @@ def test_counted_bytes_follow_the_dtype(compiled, name):
     module = compiled[name]
     d = single_device(napkin.load(REPO / "examples" / f"{name}.ncd"))
     sizes = case_sizes(d, 50, 70)
-    blocks = dict(zip(searchable(d), (32, 16, 16)))
-    loads, stores, _ = counted(module, d, sizes, blocks, torch.float32)
+    blocks, launch = case_blocks(d, (32, 16, 16))
+    loads, stores, _ = counted(module, d, sizes, launch, torch.float32)
     assert (loads, stores) == predicted(recast(d, "fp32"), sizes, blocks)
 
 
@@ -286,16 +304,32 @@ def test_counted_bytes_follow_the_dtype(compiled, name):
 # napkin/cost/chunks.py.  Ragged sizes throughout (neither the blocks nor the
 # chunks divide them), masks where whole chunks visit nothing, a sum
 # normaliser (L2), an output the merge reads an input for, and one chunk
-# (the whole kernel, one launch).
+# (the whole kernel, one launch).  flash_decoding packs its rows (g by 4
+# beside q by 4, napkin/cost/packing.py): its cases' blocks are the packed
+# ones (block_q: (g, q) pairs), at |g||q| not a multiple of them, |q| = 1
+# and 5 (blocks of several heads), |q| longer than the keys (packed rows no
+# key is visible to, whole chunks none of a block's rows sees), chunked and
+# whole, and |g| = 1 (nothing packed).
 # --------------------------------------------------------------------------
 
 import re  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+
+class Chunked(NamedTuple):
+    stem: str
+    chunk: int
+    replace: tuple           # text replacements
+    n1: int                  # first and second sequence sizes (case_sizes)
+    n2: int
+    blocks: tuple            # the launcher's blocks of the searchable wires (case_blocks)
+    launches: int            # 2: chunked (main kernel and merge), 1: whole
+    sizes: tuple = ()        # other sizes, (wire, size) pairs: |g| (case_sizes gives 2)
 
 RESIDUAL = ("O[b, h, q, d] : fp16 = sum[x](P * V)", "O[b, h, q, d] : fp16 = sum[x](P * V) + Q")
-# (example, chunk, text replacements, first and second sequence sizes, blocks, launches)
-CHUNKED = [
+CHUNKED = [Chunked(*case) for case in (
     ("flash_decoding", 32, (), 5, 100, (16, 16), 2),       # 4 chunks, the last of 4 keys
-    ("flash_decoding", 64, (), 37, 333, (16, 32), 2),      # 6 chunks, 3 row blocks, ragged both ways
+    ("flash_decoding", 64, (), 37, 333, (16, 32), 2),      # 6 chunks, 5 row blocks (74 rows), ragged both ways
     ("flash_decoding", 32, (), 20, 170, (16, 64), 2),      # a block of 64 grows the chunk to 64
     ("flash_decoding", 64, (), 37, 64, (16, 32), 1),       # one chunk: the whole kernel
     ("causal", 32, (), 50, 70, (16, 16), 2),               # keys 64..69: a chunk no row sees
@@ -303,7 +337,17 @@ CHUNKED = [
     ("l2_attention", 32, (), 50, 70, (32, 16), 2),         # a sum normaliser: acc[d], l
     ("l2_attention", 32, (), 97, 33, (16, 16), 2),         # a second chunk of one key
     ("causal", 32, (RESIDUAL,), 50, 70, (16, 16), 2),      # the merge reads Q again for O
-]
+    # packed rows
+    ("flash_decoding", 32, (), 1, 100, (16, 16), 2, (("g", 4),)),    # |q| = 1: 4 rows of one block
+    ("flash_decoding", 32, (), 5, 333, (16, 16), 2, (("g", 7),)),    # |q| = 5: 35 rows, blocks across heads
+    ("flash_decoding", 64, (), 5, 64, (16, 32), 1, (("g", 3),)),     # |q| = 5, whole: 15 rows
+    ("flash_decoding", 128, (), 1, 100, (16, 16), 1, (("g", 5),)),   # |q| = 1, whole
+    ("flash_decoding", 64, (), 37, 333, (32, 16), 2, (("g", 3),)),   # 111 rows by 32: runs of one head and across
+    ("flash_decoding", 32, (), 60, 50, (16, 16), 2, (("g", 3),)),    # |q| > |x|: rows and chunks seeing nothing
+    ("flash_decoding", 64, (), 60, 50, (32, 16), 1, (("g", 3),)),    # the same whole, blocks of 32
+    ("flash_decoding", 64, (), 37, 333, (16, 32), 2, (("g", 1),)),   # |g| = 1: nothing packed
+    ("flash_decoding", 64, (), 37, 64, (32, 32), 1, (("g", 1),)),    # |g| = 1, whole
+)]
 
 
 def chunked_text(stem: str, chunk: int, replace=()) -> str:
@@ -331,18 +375,22 @@ def chunked_modules(tmp_path_factory):
     return get
 
 
-def _chunked_case(case):
-    stem, chunk, replace, n1, n2, _, _ = case
-    return f"{stem}{'+residual' if replace else ''}-C{chunk}-{n1}x{n2}"
+def _chunked_case(case: Chunked):
+    return (f"{case.stem}{'+residual' if case.replace else ''}-C{case.chunk}-{case.n1}x{case.n2}"
+            + "".join(f"-{w}{n}" for w, n in case.sizes) + f"-B{case.blocks[0]}")
+
+
+def chunked_sizes(d: ir.Diagram, case: Chunked) -> dict[str, int]:
+    return {**case_sizes(d, case.n1, case.n2), **dict(case.sizes)}
 
 
 @pytest.mark.parametrize("case", CHUNKED, ids=_chunked_case)
 def test_chunked_counted_bytes_equal_predicted_bytes(chunked_modules, case):
-    stem, chunk, replace, n1, n2, block_list, launches = case
+    stem, chunk, replace, n1, n2, block_list, launches, _ = case
     d, module = chunked_modules(stem, chunk, replace)
-    sizes = case_sizes(d, n1, n2)
-    blocks = dict(zip(searchable(d), block_list))
-    loads, stores, counted_launches = counted(module, d, sizes, blocks, torch.float16)
+    sizes = chunked_sizes(d, case)
+    blocks, launch = case_blocks(d, block_list)
+    loads, stores, counted_launches = counted(module, d, sizes, launch, torch.float16)
     assert counted_launches == launches
     want = predicted(d, sizes, blocks)
     assert (loads, stores) == want
@@ -352,16 +400,16 @@ def test_chunked_counted_bytes_equal_predicted_bytes(chunked_modules, case):
     assert kernels[0].chunks == (math.ceil(n2 / max(chunk, blocks["x"])) if launches == 2 else 1)
 
 
-@pytest.mark.parametrize("case", [CHUNKED[0], CHUNKED[6]], ids=_chunked_case)
+@pytest.mark.parametrize("case", [CHUNKED[0], CHUNKED[6], CHUNKED[14]], ids=_chunked_case)
 def test_chunked_training_forward_bytes(chunked_modules, case):
     """The training forward takes the schedule's chunk; the merge stores the
-    saved row state (L2's sums) beside the outputs."""
-    stem, chunk, replace, n1, n2, block_list, _ = case
-    d, module = chunked_modules(stem, chunk, replace)
-    sizes = case_sizes(d, n1, n2)
-    blocks = dict(zip(searchable(d), block_list))
+    saved row state (L2's sums) beside the outputs.  It packs rows as the
+    forward does (flash_decoding)."""
+    d, module = chunked_modules(case.stem, case.chunk, case.replace)
+    sizes = chunked_sizes(d, case)
+    blocks, launch = case_blocks(d, case.blocks)
     inputs = module.example_inputs(sizes, dtype=torch.float16)
-    options = tuple(blocks.get(o[len("block_"):]) if o.startswith("block_") else None for o in module._OPTIONS)
+    options = tuple(launch.get(o[len("block_"):]) if o.startswith("block_") else None for o in module._OPTIONS)
     with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
         getattr(module, f"_{d.name}_forward")(*inputs, *options, True)
     want = defaultdict(int), defaultdict(int)
@@ -370,6 +418,31 @@ def test_chunked_training_forward_bytes(chunked_modules, case):
         want[t.direction == "store"][t.tensor] += t.bytes
     assert bc.launches == 2 and "_part" in want[1]
     assert (dict(bc.loads), dict(bc.stores)) == (dict(want[0]), dict(want[1]))
+
+
+@pytest.mark.parametrize("sizes", [{"b": 1, "hk": 2, "g": 4, "q": 5, "x": 1500},    # packed, 2 chunks
+                                   {"b": 2, "hk": 1, "g": 3, "q": 7, "x": 300},     # packed, whole
+                                   {"b": 1, "hk": 2, "g": 1, "q": 5, "x": 1100}],   # |g| = 1: nothing packed
+                         ids=lambda s: "-".join(f"{w}{n}" for w, n in s.items()))
+def test_packed_launch_with_no_options(compiled, sizes):
+    """flash_decoding as written (g by 4 beside q by 4, chunks of 1024), no
+    option given: the launcher's own packed block (the plan's) and chunk,
+    and the backward's own tiles, unpacked (g a batch wire), as the cost
+    pass takes them from the diagram alone."""
+    module = compiled["flash_decoding"]
+    d = napkin.load(REPO / "examples" / "flash_decoding.ncd")
+    inputs = module.example_inputs(sizes, dtype=torch.float16)
+    with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+        module.flash_decoding(*inputs)
+    assert (dict(bc.loads), dict(bc.stores)) == predicted(d, sizes, {})
+    none = (None,) * len(module._OPTIONS)
+    outs, saved = module._flash_decoding_forward(*inputs, *none, True)
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
+    want = backward_cost(d, sizes)
+    with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+        module._flash_decoding_grads(inputs, (*outs, *saved), grads, none, None)
+    assert bc.launches == len(want.kernels)
+    assert (dict(bc.loads), dict(bc.stores)) == (want.by_tensor("load"), want.by_tensor("store"))
 
 
 # --------------------------------------------------------------------------
@@ -393,12 +466,12 @@ def test_backward_counted_bytes_equal_predicted_bytes(compiled, path, case):
     d = single_device(napkin.load(path))
     n1, n2, block_list = case
     sizes = case_sizes(d, n1, n2)
-    blocks = dict(zip(searchable(d), block_list))
+    blocks, launch = case_blocks(d, block_list)
     inputs = module.example_inputs(sizes, dtype=torch.float16)
     data = prepassed(module, d)
     if data:  # one document: every block visited, as the cost pass counts
         inputs = one_document(module, inputs)
-    options = tuple(blocks.get(o[len("block_"):]) if o.startswith("block_") else None for o in module._OPTIONS)
+    options = tuple(launch.get(o[len("block_"):]) if o.startswith("block_") else None for o in module._OPTIONS)
     predicted = backward_cost(with_blocks(d, blocks), sizes, given=True)
     forward = getattr(module, f"_{d.name}_forward")
     with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:

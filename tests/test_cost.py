@@ -20,7 +20,7 @@ import pytest
 import napkin
 from napkin import ir, tiling
 from napkin.cost import analyse, from_json, summary_lines, tune, with_blocks
-from napkin.cost import bounds, model, profiles
+from napkin.cost import bounds, model, packing, profiles
 from napkin.cost.analysis import _visited
 from napkin.cost.symbolic import Poly
 from napkin.errors import NapkinError
@@ -494,31 +494,73 @@ def test_chunked_report_prints_the_state_and_the_merge_kernel():
     from napkin.cost import format_text
     r = analyse(load("flash_decoding"), FD_SIZES)
     text = format_text(r).splitlines()
-    assert text[1] == ("kernel 0 (S, P, O, lse -> _part): grid b/1 hk/1 g/1 q/16, stream x by 64, "
-                       "x in chunks of 1024: 32 chunks: 1024 programs x 16 steps")
-    assert text[2] == ("kernel 1 (merge of kernel 0's chunks -> O, lse): grid b/1 hk/1 g/1 q/16: 32 programs, "
+    # packed rows (napkin/cost/packing.py): the 4 heads' 4 queries are one block of 16 rows per (b, hk)
+    packed = "grid b/1 hk/1 (g q)/16 (packed rows: (g, q) pairs, each masked at its q)"
+    blocks = math.ceil(FD_SIZES["g"] * FD_SIZES["q"] / 16)
+    programs = FD_SIZES["b"] * FD_SIZES["hk"] * blocks            # a chunk's, and the merge's
+    chunks, width = 32, 2 + 128   # m, acc[d], l per row
+    assert text[1] == (f"kernel 0 (S, P, O, lse -> _part): {packed}, stream x by 64, "
+                       f"x in chunks of 1024: 32 chunks: {programs * chunks} programs x 16 steps")
+    assert text[2] == (f"kernel 1 (merge of kernel 0's chunks -> O, lse): {packed}: {programs} programs, "
                        "each folding 32 chunks' states")
     rows = [line.split() for line in text if line.startswith("hbm/smem")]
     assert [r_[1:5] for r_ in rows] == [["0", "Q", "load", "bf16"], ["0", "K", "load", "bf16"],
-                                       ["0", "V", "load", "bf16"], ["0", "_part", "store", "fp32"],
-                                       ["1", "_part", "load", "fp32"], ["1", "O", "store", "bf16"],
-                                       ["1", "lse", "store", "fp32"]]
+                                       ["0", "V", "load", "bf16"], ["0", "_pos_q", "load", "int64"],
+                                       ["0", "_part", "store", "fp32"],
+                                       ["1", "_part", "load", "fp32"], ["1", "_pos_q", "load", "int64"],
+                                       ["1", "O", "store", "bf16"], ["1", "lse", "store", "fp32"]]
     state = "b*d*g*hk*q*x/c_x + 2*b*g*hk*q*x/c_x"
     assert [line for line in text if "_part" in line and "hbm/smem" in line] == [
         f"hbm/smem  0  _part   store  fp32   {state}      532k  2.13MB        1",
         f"hbm/smem  1  _part   load   fp32   {state}      532k  2.13MB        1"]
     by = {(t.kernel, t.tensor, t.direction): t for t in r.transfers}
-    programs, chunks, width = 32, 32, 2 + 128   # (b hk g) programs; m, acc[d], l per row
-    assert by[0, "_part", "store"].bytes == by[1, "_part", "load"].bytes == chunks * programs * 4 * width * 4
-    assert by[0, "Q", "load"].bytes == chunks * 32 * 4 * 128 * 2 and by[0, "Q", "load"].fetches == chunks
+    rows_real = FD_SIZES["b"] * FD_SIZES["hk"] * FD_SIZES["g"] * FD_SIZES["q"]
+    assert by[0, "_part", "store"].bytes == by[1, "_part", "load"].bytes == chunks * rows_real * width * 4
+    assert by[0, "Q", "load"].bytes == chunks * rows_real * 128 * 2 and by[0, "Q", "load"].fetches == chunks
     assert by[0, "Q", "load"].formula == "b*d*g*hk*q*x/c_x"
+    # K and V once per (b, hk) row block for all 4 heads: the point of packing
+    assert by[0, "K", "load"].bytes == programs * FD_SIZES["x"] * 128 * 2
+    assert by[0, "K", "load"].formula == "b*d*g*hk*q*x/(g_g*g_q)"
+    # each program reads its rows' positions (int64), the merge's too
+    assert by[0, "_pos_q", "load"].bytes == chunks * rows_real * 8 and by[1, "_pos_q", "load"].bytes == rows_real * 8
     whole = analyse(with_blocks(load("flash_decoding"), {}), {**FD_SIZES, "x": 1024})
     assert by[0, "K", "load"].bytes == 32 * whole.transfers[1].bytes   # per-step loads unchanged
     k0, k1 = r.kernels
-    assert (k0.chunk, k0.chunks, k0.merges, k1.merges, k1.programs) == (1024, 32, None, 0, 32)
+    assert (k0.chunk, k0.chunks, k0.merges, k1.merges, k1.programs) == (1024, 32, None, 0, programs)
+    assert (k0.packed, k1.packed) == (("g", "q"), ("g", "q"))
     assert r.totals[0].store_bytes == by[0, "_part", "store"].bytes + 4 * 32 * 128 * 2 + 4 * 32 * 4
     assert by[0, "_part", "store"].bytes * 2 < r.totals[0].dram_bytes < r.hbm_bytes
     assert from_json(r.to_json()) == r
+
+
+@pytest.mark.parametrize("g,q,x,block,step", [(4, 1, 100, 16, 16), (7, 5, 333, 16, 16), (3, 37, 333, 32, 16),
+                                               (3, 60, 50, 16, 16), (5, 9, 40, 64, 32), (1, 37, 70, 16, 16)])
+def test_packed_spans_are_the_key_blocks_some_row_sees(g, q, x, block, step):
+    """Packed rows (napkin/cost/packing.py): a block of (g, q) pairs visits
+    the key blocks holding a key some row of it sees, each row masked at its
+    own q (x <= q + |x| - |q|): brute force over the rows, against the
+    spans the cost pass counts from the block's least and greatest q."""
+    d = with_blocks(load("flash_decoding"), {"q": block // 4, "x": step})
+    pack = packing.find(d)
+    assert (pack.wire, pack.row, pack.block) == ("g", "q", block)
+    sizes = {"b": 1, "hk": 1, "g": g, "q": q, "x": x, "d": 128}
+    (kernel,) = model.kernels(d)
+    visited = _visited(d, kernel, pack.tiling(model.tiling_at(d, "smem")), sizes, pack)
+    rows = [r % q for r in range(g * q)]
+    for i, (first, stop) in enumerate(visited.spans):
+        seen = {k // step for r in rows[i * block:(i + 1) * block] for k in range(x) if k <= r + x - q}
+        assert set(range(first, stop)) == seen, i
+
+
+def test_the_tile_search_varies_the_packed_block():
+    """The search keeps g's group and varies q's, over the packed blocks of
+    16 to 256 rows covering |g||q| (64 here); each result is analyse's."""
+    d = load("flash_decoding")
+    sizes = {**FD_SIZES, "q": 16}
+    results = tune(d, sizes, top=100)
+    assert {r.block["q"] * 4 for r in results} == {16, 32, 64} and all("g" not in r.block for r in results)
+    for r in results[:3]:
+        assert r.hbm_bytes == analyse(with_blocks(d, r.block), sizes).hbm_bytes
 
 
 def _unchunked(d: ir.Diagram) -> ir.Diagram:
@@ -556,7 +598,8 @@ def test_chunked_formulas_equal_counts_when_blocks_and_chunks_divide():
     d = load("flash_decoding")
     sizes = {**FD_SIZES, "q": 32, "x": 8192}
     r = analyse(d, sizes)
-    env = {**dict(r.sizes), "g_q": 16, "c_x": 1024}
+    groups = {t.wire: t.size for t in d.level("smem").tiles if t.kind == "group" and t.chunk is None}
+    env = {**dict(r.sizes), "g_g": groups["g"], "g_q": groups["q"], "c_x": 1024}   # g_g*g_q: packed rows
     for t in r.transfers:   # (the decode mask skips no whole block of 64 here)
         assert t.elements == _eval(t.formula, env), t
     assert analyse(d).notes[0].startswith("the formulas count the chunked launch")

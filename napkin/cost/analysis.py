@@ -7,6 +7,10 @@ device profile.  It reads the IR and returns a report; it never changes the
 diagram.  ``with_blocks`` returns a new diagram with other block sizes (the
 tile search and the byte-count tests use it).
 
+A launch that packs rows (packing.py: a batch wire grouped beside the row
+wire, grouped-query decoding) is counted as the launcher runs it: the
+re-viewed problem of (g, q) pairs as rows, each masked at its own q.
+
 With a devices level every number is per device, for the busiest device:
 sizes split across devices round up, and a wire streamed across N devices is
 costed as N kernel launches, one per chunk (a Ring step), each reloading the
@@ -24,6 +28,7 @@ from .. import ir, masks, tiling
 from ..errors import NapkinError
 from . import bounds as bounds_mod
 from . import chunks as chunks_mod
+from . import packing
 from .devices import communication, device_count
 from .devices import mesh_tiles as device_tiles
 from .model import (Kernel, Tiling, Visited, access_fetches_poly, access_poly, chip_levels, count_access,
@@ -124,9 +129,12 @@ def _launches_poly(diagram: ir.Diagram) -> Poly:
     return Poly.sym(f"P_{stream[0]}") if stream else Poly.const(1)
 
 
-def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str, int]) -> Optional[Visited]:
+def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str, int],
+             pack: Optional[packing.Packing] = None) -> Optional[Visited]:
     """The (row block, step) pairs a masked kernel visits (napkin/masks.py),
-    or None when it visits every pair.
+    or None when it visits every pair.  ``sizes`` are the real ones: with
+    packed rows the row blocks are the launch's blocks of (g, q) pairs, each
+    row masked at its own q (packing.py).
 
     Whether a kernel may skip at all is the code generator's decision (a
     masked score must contribute nothing downstream: exp(-inf) = 0 does,
@@ -135,13 +143,15 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
     groups, stream = kernel_tiling(kernel, tiles)
     if not kernel.skips or stream is None or device_tiles(diagram):
         return None
-    col, chunk = stream
+    col, step = stream
     decided = _codegen_bounds(diagram)
     if decided is not None:
         row, found = decided
         if not found or row not in groups or col != decided_col(diagram):
             return None
-        return Visited(row, visited_spans(found, sizes[row], sizes[col], groups[row], chunk, sizes))
+        if pack is not None:
+            return Visited(row, pack.spans(found, sizes, col, step))
+        return Visited(row, visited_spans(found, sizes[row], sizes[col], groups[row], step, sizes))
     node = next((masks.mask_node(diagram.tensor(b).expr) for b in kernel.boxes
                  if masks.mask_node(diagram.tensor(b).expr) is not None), None)
     if node is None:
@@ -150,7 +160,7 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
     for row, block in groups.items():
         found = masks.stream_bounds(pred, row, col, sizes)
         if found:
-            return Visited(row, visited_spans(found, sizes[row], sizes[col], block, chunk, sizes))
+            return Visited(row, visited_spans(found, sizes[row], sizes[col], block, step, sizes))
     return None
 
 
@@ -211,6 +221,9 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
         notes.append(f"the formulas count the chunked launch (|{c.chunks.wire}| > c_{c.chunks.wire}, "
                      f"the chunk {c.chunks.chunk} or the stream block if longer); a launch of one chunk "
                      "runs whole, with no merge")
+    if c.packs and not c.known:
+        notes.append(f"the formulas count the packed launch (|{c.pack.wire}| > 1), which loads its rows' "
+                     f"positions; with |{c.pack.wire}| = 1 it is the ordinary launch, without them")
     if any(k.two_pass for k in c.kernels):
         notes.append("a kernel writes a normalised tensor along its streamed wire: "
                      "it reads its streamed inputs twice (statistics, then values)")
@@ -244,23 +257,37 @@ class _Context:
         self.d, self.prof, self.bound = diagram, prof, bound
         self.known = all(w.name in bound for w in diagram.wires)
         self.full = bound if self.known else None
-        self.launches = _local_sizes(diagram, bound) if self.known else []
+        # packed rows (packing.py): the kernels see the re-viewed sizes and blocks; the
+        # real sizes (``real``) still give the mask's positions, the tensors and the bound
+        self.pack = packing.find(diagram)
+        self.real = _local_sizes(diagram, bound) if self.known else []
+        self.launches = [self.pack.sizes(s) for s in self.real] if self.pack else self.real
         self.wire_sym = _wire_sym(diagram)
         self.n_launch = _launches_poly(diagram)
         self.levels = chip_levels(diagram)
-        self.tiles = tiling_at(diagram, self.levels[0]) if self.levels else Tiling("hbm")
+        self.tiles = self.tiling(tiling_at(diagram, self.levels[0])) if self.levels else Tiling("hbm")
         self.kernels = kernels(diagram)
-        self.visits = {k.index: [_visited(diagram, k, self.tiles, s) for s in self.launches]
+        # whether the launch packs (|g| > 1, as every launch's |g| is): it then loads its rows' positions
+        self.packs = self.pack is not None and (not self.known or self.pack.packs(self.real[0]))
+        if self.packs:
+            self.kernels = [self.pack.with_positions(k) if self.pack.row in k.wires else k for k in self.kernels]
+        self.visits = {k.index: [_visited(diagram, k, self.tiles, s, self.pack) for s in self.real]
                        for k in self.kernels}
         self.working_set = 0   # the largest one-step L2 working set seen (bytes)
         # chunks of the streamed wire (chunks.py): how many each launch runs, and
         # whether any launch runs chunked (formulas alone: the chunked launch)
         self.chunks, self.chunk_note = chunks_mod.find(diagram, self.kernels, self.tiles)
+        if self.chunks is not None and self.packs:   # the merge loads its rows' positions too
+            self.chunks = dataclasses.replace(self.chunks, again=self.chunks.again + (self.pack.positions(),))
         self.counts = {k.index: [chunks_mod.launch_count(self.chunks, k, self.tiles, s) for s in self.launches]
                        for k in self.kernels}
         self.chunked = self.chunks is not None and (
             not self.known or any(n > 1 for n in self.counts[self.chunks.kernel]))
         self.merge_index = len(self.kernels)   # the merge kernel's index in the report
+
+    def tiling(self, tiles: Tiling) -> Tiling:
+        """A level's blocks as the launch runs them (packed rows: packing.py)."""
+        return self.pack.tiling(tiles) if self.pack else tiles
 
 
 def _transfers(c: _Context) -> tuple[list[Transfer], list[BoundaryTotal]]:
@@ -270,7 +297,7 @@ def _transfers(c: _Context) -> tuple[list[Transfer], list[BoundaryTotal]]:
     its loads and the outputs' stores."""
     boundaries = [("hbm/" + c.levels[0], c.tiles)] if c.levels else []
     if len(c.levels) > 1:
-        boundaries.append((f"{c.levels[0]}/{c.levels[1]}", tiling_at(c.d, c.levels[1])))
+        boundaries.append((f"{c.levels[0]}/{c.levels[1]}", c.tiling(tiling_at(c.d, c.levels[1]))))
     transfers, totals = [], []
     for name, tl in boundaries:
         hbm = name.startswith("hbm/")
@@ -304,7 +331,7 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
     wire are loaded once per chunk; at the hbm boundary it stores its state,
     and the merge kernel (its own index) loads the states, the tiles its
     finalise reads, and stores the outputs."""
-    visits = c.visits[k.index] if hbm else [_visited(c.d, k, tl, s) for s in c.launches]
+    visits = c.visits[k.index] if hbm else [_visited(c.d, k, tl, s, c.pack) for s in c.real]
     counts = c.counts[k.index]
     ch = c.chunks if c.chunked and c.chunks.kernel == k.index else None
     wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]
@@ -362,17 +389,19 @@ def _kernel_infos(c: _Context) -> tuple[KernelInfo, ...]:
                 steps = min(whole, ch.length(stream[1]) // stream[1]) if ch is not None and counts[0] > 1 else whole
                 v = c.visits[k.index][0] if c.visits[k.index] else None
                 visited_steps = sum(grid) * whole if v is None else \
-                    math.prod(math.ceil(c.full[w] / b) for w, b in groups.items() if w != v.row) * v.count
+                    math.prod(math.ceil(c.launches[0][w] / b) for w, b in groups.items() if w != v.row) * v.count
         chunk = None if ch is None else ch.length(stream[1])
         n_chunks = counts[0] if ch is not None and counts else None
         stores = (chunks_mod.STATE,) if ch is not None and c.chunked else k.stores
+        # |g| = 1 packs nothing: the ordinary launch, at the packed block, on q
+        packed = (c.pack.wire, c.pack.row) if c.packs and c.pack.row in groups else None
         infos.append(KernelInfo(k.index, k.boxes, stores, tuple(groups.items()), stream,
-                                programs, steps, visited_steps, k.two_pass, chunk, n_chunks))
+                                programs, steps, visited_steps, k.two_pass, chunk, n_chunks, packed=packed))
         if ch is not None and c.chunked:   # the merge kernel: one program per (row block, batch index)
             merge_programs = sum(math.prod(math.ceil(s[w] / b) for w, b in groups.items())
                                  for s, n in zip(c.launches, counts) if n > 1) if c.known else None
             infos.append(KernelInfo(c.merge_index, (), k.stores, tuple(groups.items()), None, merge_programs,
-                                    None, None, False, chunk, n_chunks, merges=k.index))
+                                    None, None, False, chunk, n_chunks, merges=k.index, packed=packed))
     return tuple(infos)
 
 

@@ -23,6 +23,13 @@ every tile each program loads and stores:
   the gradients up).  A side input's partial sums and the row state are
   float32 either way.
 
+Packed rows (napkin/cost/packing.py: ``group g by 4`` beside ``q by 4``)
+are a forward launch only: the backward kernels run g as a batch wire, one
+program per index, at the plan's row block (the packed block B), and the
+code generator's backward plan says so (g in its batch, B its row block),
+so this model counts them unpacked as they are; ``forward``, the training
+forward, is packed (analyse counts it so).
+
 The visited pairs are the forward's (napkin/masks.py): both backward loops
 skip exactly the blocks the forward skips.  Tiles are clipped at ragged
 edges and padded feature wires, so the counts are exact;

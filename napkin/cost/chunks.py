@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 from .. import ir
 from ..codegen.lower import padded_block
-from .model import Access, Kernel, Tiling, block_sym, kernel_tiling
+from .model import Access, Kernel, Tiling, kernel_tiling, tile_sym
 from .symbolic import Poly
 
 STATE = "_part"        # the launcher's buffer of the chunks' states
@@ -94,7 +94,7 @@ def find(diagram: ir.Diagram, kernels: list[Kernel], tiles: Tiling) -> tuple[Opt
         return None, None
     wire = chunk[0]
     unmodelled = f"the schedule's chunks of {wire} are not modelled, the launch is costed whole: "
-    plan = _state_plan(diagram)
+    plan = attention_plan(diagram)
     if plan is None or plan.col != wire:
         return None, unmodelled + "the code generator chunks only a fused attention kernel"
     from ..codegen import chunks, emit, lower
@@ -126,10 +126,11 @@ def _chunk(diagram: ir.Diagram) -> Optional[tuple[str, int]]:
     return None
 
 
-def _state_plan(diagram: ir.Diagram):
-    """The code generator's attention plan, which lays the state out; for a
-    diagram it refuses for its dtypes alone (fp8), the plan of the same
-    diagram in fp16 (the state is float32 whatever the inputs)."""
+def attention_plan(diagram: ir.Diagram):
+    """The code generator's attention plan, which lays the state out (and
+    packs rows: packing.py); for a diagram it refuses for its dtypes alone
+    (fp8), the plan of the same diagram in fp16 (the state is float32
+    whatever the inputs, and the launch is the same)."""
     from .analysis import _plan
 
     plan = _plan(diagram)
@@ -163,7 +164,7 @@ def state_poly(ch: Chunks, kernel: Kernel, tiles: Tiling, wire_sym: Callable[[st
     poly = ch.count_poly(wire_sym) * wire_sym(ch.row) * ch.width_poly()
     for w, b in groups.items():
         if w != ch.row:
-            poly = poly * wire_sym(w) / block_sym(w, b, tiles.level)
+            poly = poly * wire_sym(w) / tile_sym(tiles, w, b)
     return poly
 
 

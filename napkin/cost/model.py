@@ -54,11 +54,17 @@ _SIGMOID_EXTRA = 2  # sigmoid(x) = 1 / (1 + exp(-x)): one exp and two more ops
 
 @dataclass(frozen=True)
 class Tiling:
-    """Blocks of one on-chip level: grouped wires (grid) and the streamed wire."""
+    """Blocks of one on-chip level: grouped wires (grid) and the streamed wire.
+
+    ``packed``: with packed rows (napkin/cost/packing.py) the groups are the
+    launch's (the packed wire by 1, the row wire by the packed block), and
+    this names (packed wire, row wire, their groups in the schedule), so the
+    formulas write the packed block as the schedule does: g_g*g_q."""
 
     level: str
     groups: tuple[tuple[str, int], ...] = ()
     stream: Optional[tuple[str, int]] = None
+    packed: Optional[tuple[str, str, int, int]] = None
 
 
 def chip_levels(diagram: ir.Diagram) -> list[str]:
@@ -205,7 +211,8 @@ def _finish(diagram, index, boxes, stores, accesses, wires) -> Kernel:
 @dataclass(frozen=True)
 class Visited:
     """The steps a masked kernel visits: for row block i of the grouped wire
-    ``row`` the mask reads, the steps ``spans[i] = (first, stop)`` along the
+    ``row`` the mask reads (with packed rows, block i of the launch's (g, q)
+    pairs: packing.py), the steps ``spans[i] = (first, stop)`` along the
     streamed wire (a contiguous range, as the kernel's loop runs)."""
 
     row: str
@@ -227,15 +234,18 @@ def visited_spans(bounds, row_size: int, col_size: int, block_row: int, block_co
     range napkin/masks.py's stream_range gives, its start rounded down to a
     block, exactly as masks.visited_blocks enumerates it (a test checks they
     agree), without listing every pair."""
+    return tuple(step_span(bounds, i * block_row, min((i + 1) * block_row, row_size), col_size, block_col, sizes)
+                 for i in range(-(-row_size // block_row)))
+
+
+def step_span(bounds, row_first: int, row_stop: int, col_size: int, block_col: int, sizes) -> tuple[int, int]:
+    """[first, stop) of the steps the loop visits for rows [row_first,
+    row_stop) (indices the mask sees: the rows' own, or their positions)."""
     from .. import masks
 
-    spans = []
-    for i in range(-(-row_size // block_row)):
-        start, stop = masks.stream_range(bounds, i * block_row, min((i + 1) * block_row, row_size),
-                                         col_size, sizes)
-        first = start // block_col
-        spans.append((first, max(first, -(-stop // block_col))))
-    return tuple(spans)
+    start, stop = masks.stream_range(bounds, row_first, row_stop, col_size, sizes)
+    first = start // block_col
+    return first, max(first, -(-stop // block_col))
 
 
 def clipped_sum(size: int, block: int, first: int, stop: int) -> int:
@@ -296,8 +306,18 @@ def access_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym: Callabl
         poly = poly * wire_sym(w)
     for w, block in groups.items():
         if w not in access.wires:
-            poly = poly * wire_sym(w) / block_sym(w, block, tiles.level)
+            poly = poly * wire_sym(w) / tile_sym(tiles, w, block)
     return poly
+
+
+def tile_sym(tiles: Tiling, wire: str, block: int) -> Poly:
+    """The symbol of ``wire``'s block in ``tiles``: block_sym's, except that a
+    block of packed rows is the packed wire's group times the row wire's
+    (``g_g*g_q``), the rows the schedule gives a program."""
+    if tiles.packed is not None and wire == tiles.packed[1]:
+        packed, row, packed_group, row_group = tiles.packed
+        return block_sym(packed, packed_group, tiles.level) * block_sym(row, row_group, tiles.level)
+    return block_sym(wire, block, tiles.level)
 
 
 def block_sym(wire: str, block: int, level: str = "smem") -> Poly:
@@ -315,7 +335,7 @@ def access_fetches_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym)
     poly = Poly.const(2 if (kernel.two_pass and s in access.wires and access.kind == "load") else 1)
     for w, block in groups.items():
         if w not in access.wires:
-            poly = poly * wire_sym(w) / block_sym(w, block, tiles.level)
+            poly = poly * wire_sym(w) / tile_sym(tiles, w, block)
     return poly
 
 

@@ -120,6 +120,21 @@ class KernelInfo:
     chunk: Optional[int] = None
     chunks: Optional[int] = None
     merges: Optional[int] = None
+    # packed rows (napkin/cost/packing.py): (packed wire, row wire) when the
+    # grid's row blocks are blocks of their pairs (the packed wire's block is 1)
+    packed: Optional[tuple[str, str]] = None
+
+
+def grid_text(k: KernelInfo) -> str:
+    """``b/1 h/1 q/64``: each grid wire over its block; packed rows read
+    ``(g q)/16`` (blocks of (g, q) pairs), the packed wire's 1 left out."""
+    packed = getattr(k, "packed", None)
+    parts = []
+    for w, b in k.grid:
+        if packed and w == packed[0]:
+            continue
+        parts.append(f"({packed[0]} {w})/{b}" if packed and w == packed[1] else f"{w}/{b}")
+    return " ".join(parts) or "one program"
 
 
 @dataclass(frozen=True)
@@ -242,7 +257,9 @@ def format_text(r: CostReport) -> str:
            + (f", sizes " + " ".join(f"{k}={v}" for k, v in r.sizes) if r.sizes else ", symbolic sizes")
            + (" (per device)" if r.per_device else "")]
     for k in r.kernels:
-        grid = " ".join(f"{w}/{b}" for w, b in k.grid) or "one program"
+        grid = grid_text(k)
+        if k.packed:
+            grid += f" (packed rows: ({k.packed[0]}, {k.packed[1]}) pairs, each masked at its {k.packed[1]})"
         if k.merges is not None:
             run = "" if k.programs is None else f": {k.programs} programs"
             each = "" if k.chunks is None or k.programs is None else f", each folding {k.chunks} chunks' states"

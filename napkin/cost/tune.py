@@ -4,7 +4,10 @@ The search space is every on-chip tile whose block is not 1 (``b by 1``
 stays: it is a batch index, not a block), each taking the powers of two the
 Triton backend accepts for a matrix dimension (16 to 256), capped at the
 first power of two covering the wire (a bigger block only adds masked
-lanes).  A candidate survives when the tiles resident at every level fit that
+lanes).  With packed rows (packing.py) the row wire's group is searched
+so that the packed block (the packed wire's group times it) takes those
+powers of two over the |g||q| rows; the packed wire's group stays.  A
+candidate survives when the tiles resident at every level fit that
 level's capacity (napkin/tiling.py, the same sum the checker uses).
 Survivors are ranked by the roofline's predicted time (``objective="time"``)
 or by hbm bytes (``"transfers"``).  Times within 1% of the best count as
@@ -25,6 +28,7 @@ from typing import Mapping, Optional
 
 from .. import ir, tiling
 from ..errors import NapkinError
+from . import packing
 from .analysis import analyse, bind_sizes, resolve_profile, with_blocks
 
 BLOCKS = (16, 32, 64, 128, 256)
@@ -45,17 +49,32 @@ class TuneResult:
 
 
 def searchable(diagram: ir.Diagram) -> list[str]:
-    """The on-chip tiled wires whose blocks the search varies."""
+    """The on-chip tiled wires whose blocks the search varies.  A wire packed
+    into the rows (packing.py) is not one: the launch depends only on the
+    packed block, its group times the row wire's, which the row wire's
+    group varies."""
+    pack = packing.find(diagram)
     out = []
     for lv in diagram.schedule.levels if diagram.schedule else ():
         if lv.name in ("smem", "regs"):
-            out += [t.wire for t in lv.tiles if not t.across and t.size != 1 and t.wire not in out]
+            out += [t.wire for t in lv.tiles if not t.across and t.size != 1 and t.wire not in out
+                    and (pack is None or t.wire != pack.wire)]
     return out
 
 
 def _choices(size: int) -> list[int]:
     cap = max(BLOCKS[0], 1 << max(size - 1, 0).bit_length())
     return [b for b in BLOCKS if b <= cap]
+
+
+def _wire_choices(diagram: ir.Diagram, wire: str, sizes: Mapping[str, int]) -> list[int]:
+    """The blocks tried for ``wire``: the Triton blocks covering it; for the
+    row wire of packed rows, the groups giving those packed blocks of the
+    |g||q| rows (the packed wire's group fixed)."""
+    pack = packing.find(diagram)
+    if pack is None or wire != pack.row:
+        return _choices(sizes[wire])
+    return sorted({max(1, b // pack.groups[0]) for b in _choices(sizes[pack.wire] * sizes[wire])})
 
 
 def tune(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None,
@@ -70,7 +89,7 @@ def tune(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] =
         raise NapkinError("the tile search needs every wire's size; missing: " + ", ".join(missing))
     wires = searchable(diagram)
     results = []
-    for combo in itertools.product(*(_choices(full[w]) for w in wires)):
+    for combo in itertools.product(*(_wire_choices(diagram, w, full) for w in wires)):
         blocks = dict(zip(wires, combo))
         candidate = with_blocks(diagram, blocks)
         footprint = _fits(candidate, full, prof)

@@ -13,6 +13,7 @@ import html
 from typing import Optional
 
 from .. import ir
+from ..cost.report import grid_text
 from ..printer import to_text
 from .dot import format_bytes
 from .roofline import roofline_svg, seconds, si, time_bars_svg
@@ -87,7 +88,7 @@ def _headline(costs, profile) -> str:
 def _kernels(costs) -> str:
     rows = []
     for k in costs.kernels:
-        grid = " ".join(f"{w}/{b}" for w, b in k.grid) or "one program"
+        grid = grid_text(k)
         stream = f"{k.stream[0]} by {k.stream[1]}" if k.stream else "-"
         chunk, chunks, merges = (getattr(k, f, None) for f in ("chunk", "chunks", "merges"))
         if chunk is not None and k.stream:   # chunks of the streamed wire (napkin/cost/chunks.py)
