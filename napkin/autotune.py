@@ -410,7 +410,8 @@ def resident_blocks(diagram: ir.Diagram, sizes: Mapping[str, int], shape: Kernel
         from .cost import tune
         ranked = [r.block for r in tune(diagram, sizes, profile, top=10 ** 6)]     # every tile that fits
         row = tiled_wires(diagram)[0] if pack is None else plans[0].row
-        order = list(dict.fromkeys(b[row] if pack is None else max(lower.MIN_DOT, b[row] * b.get(pack[0], 1))
+        # the tile search varies q's group beside g's (cost/tune.py): a packed block is their product
+        order = list(dict.fromkeys(b[row] if pack is None else max(lower.MIN_DOT, b[row] * pack[1])
                                    for b in ranked if row in b))
     except (ImportError, NapkinError, IndexError):
         order = list(dict.fromkeys(r for r, _ in DEFAULT_BLOCKS_2))

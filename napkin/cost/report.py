@@ -254,7 +254,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def format_text(r: CostReport) -> str:
     out = [f"napkin cost: diagram {r.diagram} on {r.profile}"
-           + (f", sizes " + " ".join(f"{k}={v}" for k, v in r.sizes) if r.sizes else ", symbolic sizes")
+           + (", sizes " + " ".join(f"{k}={v}" for k, v in r.sizes) if r.sizes else ", symbolic sizes")
            + (" (per device)" if r.per_device else "")]
     for k in r.kernels:
         grid = grid_text(k)
@@ -270,7 +270,7 @@ def format_text(r: CostReport) -> str:
         if k.chunk is not None and k.stream:
             stream += f", {k.stream[0]} in chunks of {k.chunk}" + (
                 "" if k.chunks is None else
-                f": {k.chunks} chunks" if k.chunks > 1 else f": 1 chunk, so it runs whole")
+                f": {k.chunks} chunks" if k.chunks > 1 else ": 1 chunk, so it runs whole")
         run = ""
         if k.programs is not None:
             run = f": {k.programs} programs"
