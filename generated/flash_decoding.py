@@ -576,10 +576,23 @@ def _pack(tensors, sizes, positions, lengths, device):
     tensors = tuple(t.reshape(_shape(n, packed)) if n in _PACKED else t for n, t in zip(INPUTS, tensors))
     positions, lengths = dict(positions or {}), dict(lengths or {})
     own = positions.get(r)
-    rows = torch.arange(sizes[r], device=device) if own is None else own.to(torch.int64)
-    positions[r] = rows.repeat(sizes[g])
+    positions[r] = _packed_rows(sizes[r], sizes[g], device) if own is None else own.to(torch.int64).repeat(sizes[g])
     lengths.setdefault(r, sizes[r])
     return tensors, positions, lengths
+
+
+_PACKED_ROWS = {}
+
+
+def _packed_rows(n, groups, device):
+    """The positions 0..n-1 repeated ``groups`` times, made once per shape and
+    device: a decode step launches no extra kernels to make them."""
+    key = (n, groups, str(device))
+    if key not in _PACKED_ROWS:
+        if len(_PACKED_ROWS) >= 64:
+            _PACKED_ROWS.clear()
+        _PACKED_ROWS[key] = torch.arange(n, device=device).repeat(groups)
+    return _PACKED_ROWS[key]
 
 
 def _unpack(tensors, names, sizes):
