@@ -272,3 +272,50 @@ def test_tma_and_pointer_packed_launches_agree_bitwise():
     assert m._tma_last["used"], m._tma_last
     for a, b in zip(ptr, tma):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------
+# Every normaliser and mask family, packed: the rows' positions reach the
+# mask, the sums and the merge as each row's own q.
+# --------------------------------------------------------------------------
+
+VARIANT = """diagram packed_{name}
+wire b, hk, g, q, x
+wire d = 64
+in Q[b, (hk g), q, d] : fp16
+in K[b, hk, x, d] : fp16
+in V[b, hk, x, d] : fp16
+{body}
+out O
+schedule on h100 {{
+  level smem {{
+    group b by 1, hk by 1, g by 4, q by 4
+    {chunk}
+    stream x by 16
+  }}
+}}
+"""
+SCORE = "sum[d](Q * K) * |d|^-0.5"
+QKX, OUT = "[b, hk, g, q, x]", "O[b, (hk g), q, d] : fp16"
+BODIES = {
+    "softcap": f"S{QKX} = 50 * tanh({SCORE} / 50)\nP{QKX} = softmax[x](S)\n{OUT} = sum[x](P * V)",
+    "window": f"S{QKX} = where(x <= q + |x| - |q| and q + |x| - |q| - x < 40, {SCORE}, -inf)\n"
+              f"P{QKX} = softmax[x](S)\n{OUT} = sum[x](P * V)",
+    "causal": f"S{QKX} = where(x <= q, {SCORE}, -inf)\nP{QKX} = softmax[x](S)\n{OUT} = sum[x](P * V)",
+    "sigmoid": f"S{QKX} = {SCORE}\nP{QKX} = sigmoid(S - log(|x|))\n{OUT} = sum[x](P * V)",
+    "l2": f"S{QKX} = {SCORE}\n{OUT} = sum[x](S * V) / sqrt(sum[x](S * S) + 1e-6)",
+    "relu2": f"S{QKX} = where(x <= q + |x| - |q|, {SCORE}, -inf)\nW{QKX} = relu(S)^2\n"
+             f"{OUT} = sum[x](W * V) / (sum[x](W) + 1e-6)",
+}
+
+
+@pytest.mark.parametrize("chunk", ["", "group x by 32"], ids=["whole", "chunked"])
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_every_family_packs(name, chunk):
+    m = K.compile_text(VARIANT.format(name=name, body=BODIES[name], chunk=chunk), f"packed_{name}_{bool(chunk)}")
+    sizes = {"b": 1, "hk": 2, "g": 3, "q": 7, "x": 90 if name != "causal" else 7}   # 21 rows: ragged blocks
+    inputs = m.example_inputs(sizes, dtype=torch.float32, seed=14)
+    out, grids = kernel_grids(m, inputs, block_q=16, block_x=16)
+    assert grids[0][:2] == (2, 2), grids                    # two blocks of (g, q) pairs for each kv head
+    assert grids[0][2] == (3 if chunk and name != "causal" else 1)   # 90 keys: 3 chunks of 32 (7: one)
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), name)
