@@ -313,6 +313,12 @@ def _plans(diagram: ir.Diagram):
     return fplan, training.prepare(fplan).backward
 
 
+def forward_plan(diagram: ir.Diagram):
+    """The forward's plan of a streamed attention, else None."""
+    plans = _plans(diagram)
+    return plans[0] if plans else None
+
+
 def kernel_shape(diagram: ir.Diagram, sizes: Mapping[str, int], kind: str = "") -> Optional[KernelShape]:
     """The tiles kernel ``kind`` holds; None when the diagram is no streamed
     attention (or has no such backward kernel): its candidates are then the
@@ -397,21 +403,23 @@ def resident_blocks(diagram: ir.Diagram, sizes: Mapping[str, int], shape: Kernel
     resident block (each resident block re-reads the whole streamed
     operand) far more than on the streamed one, and dK/dV's keys re-read
     Q and dO just as the forward's rows re-read K and V, so the same
-    ranking serves its keys."""
+    ranking serves its keys.  With packed rows (lower.packed_wire) the
+    forward's blocks are of (g, q) pairs: the plan's, then g's group times
+    each q group the search ranks."""
+    from .codegen.lower import MIN_DOT
+
     own = tiled_blocks(diagram)
     rows = [v for v in own.values()][:1]
-    from .codegen import lower
-
     plans = _plans(diagram) if shape.kind == "" else None
     pack = plans[0].pack if plans else None
-    if pack is not None:   # packed rows (lower.packed_wire): a block of the (g, q) pairs
+    if pack is not None:   # packed rows (lower.packed_wire): the forward's rows are (g, q) pairs
         rows = [dict(plans[0].blocks)[plans[0].row]]
     try:
         from .cost import tune
         ranked = [r.block for r in tune(diagram, sizes, profile, top=10 ** 6)]     # every tile that fits
         row = tiled_wires(diagram)[0] if pack is None else plans[0].row
         # the tile search varies q's group beside g's (cost/tune.py): a packed block is their product
-        order = list(dict.fromkeys(b[row] if pack is None else max(lower.MIN_DOT, b[row] * pack[1])
+        order = list(dict.fromkeys(b[row] if pack is None else max(MIN_DOT, b[row] * pack[1])
                                    for b in ranked if row in b))
     except (ImportError, NapkinError, IndexError):
         order = list(dict.fromkeys(r for r, _ in DEFAULT_BLOCKS_2))

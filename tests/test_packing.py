@@ -319,3 +319,17 @@ def test_every_family_packs(name, chunk):
     assert grids[0][:2] == (2, 2), grids                    # two blocks of (g, q) pairs for each kv head
     assert grids[0][2] == (3 if chunk and name != "causal" else 1)   # 90 keys: 3 chunks of 32 (7: one)
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), name)
+
+
+def test_the_tuner_blocks_the_packed_rows():
+    """Its lead is the launcher's default (16 packed rows, not g's or q's
+    group of 4), and its row blocks are packed blocks of at least 16."""
+    from napkin import autotune
+    from napkin.bench import harness
+    d = napkin.load(K.REPO / "examples" / "flash_decoding.ncd")
+    sizes = {"b": 1, "hk": 8, "g": 4, "q": 64, "x": 4096}
+    (lead,) = harness.untuned(d, sizes, "")
+    assert dict(lead.blocks) == {"q": 16, "x": 64}
+    keep, _ = autotune.candidates(d, sizes, lead=[lead])
+    rows = {dict(c.blocks)["q"] for c in keep}
+    assert 16 in rows and min(rows) >= 16 and max(rows) > 16 and all(set(dict(c.blocks)) == {"q", "x"} for c in keep)

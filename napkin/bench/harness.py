@@ -525,6 +525,9 @@ def untuned(d: ir.Diagram, sizes: dict, kind: str) -> list:
     if lead:
         return lead
     blocks = autotune.tiled_blocks(d)
+    plan = autotune.forward_plan(d)
+    if plan is not None and plan.pack is not None:   # packed rows: the launcher's block_q is the (g, q) pairs'
+        blocks = dict(plan.blocks)
     if len(blocks) != 2:
         return []
     rows = next(iter(blocks.values()))
