@@ -151,7 +151,10 @@ def cases() -> list[Case]:
             for gqa in (False, True):
                 out.append(Case("tree", mesh, "decode", mask, 3, 13, gqa))
     out += [Case("tree", "tree4", "decode", "decode", 1, 2), Case("tree", "tree4", "decode", "full", 5, 16, True),
-            Case("tree", "tree4", "sigmoid_attention", "full", 3, 13)]
+            Case("tree", "tree4", "sigmoid_attention", "full", 3, 13),
+            # packed rows (flash_decoding's schedule) inside each device's call, on the generated kernel
+            Case("tree", "tree4", "flash_decoding", "decode", 3, 13, True, "float32"),
+            Case("tree", "tree4", "flash_decoding", "decode", 5, 150, True, "float32")]
     for mesh in ("rows-in-nodes", "cols-in-nodes"):
         out += [Case("attention2d", mesh, "attention", "causal", 13, 13, g) for g in (False, True)]
     # the double ring: both backwards, full and causal, MHA and GQA, ragged;
@@ -209,7 +212,7 @@ def _cost(case: Case) -> dict:
 
 
 def run_case(case: Case, places: dict, rank: int) -> dict:
-    from napkin.distributed import Attention2D, CommCounter, RingAttention, TreeAttention
+    from napkin.distributed import Attention2D, CommCounter, KernelLocal, RingAttention, TreeAttention
     dtype = getattr(torch, case.dtype)
     q, k, v, g_out, g_lse = _inputs(case)
     diagram = napkin.load_text(case.text(), f"{case.name}.ncd")
@@ -220,6 +223,8 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
         fn, where = Attention2D(diagram), dict(grid=place)
     elif case.scheme == "tree":
         fn, where = TreeAttention(diagram), dict(group=place)
+        if case.base == "flash_decoding":   # its generated kernel (packed rows, chunks), not the eager local
+            fn.local = KernelLocal(fn.roles)
     else:
         fn = RingAttention(diagram, backward="burst" if case.scheme.startswith("burst") else "kv")
         assert fn.scheme == case.scheme, (fn.scheme, case.scheme)
@@ -268,6 +273,7 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
     res["predicted_links"] = {ph: [C.traffic(placement, moved, ph)[part].sent_within,
                                    C.traffic(placement, moved, ph)[part].sent_across] for ph in C.PHASES}
     res["part"] = part
+    res["kernel_launches"] = getattr(fn.local, "launches", None) if case.scheme == "tree" else None
     return res
 
 
@@ -431,6 +437,18 @@ def test_burst_backward_sends_less_for_multihead_and_more_for_grouped_query(suit
         ring = _backward_sent(suite, Case("ring", "ring", "attention", "causal", 13, 13, gqa))
         burst = _backward_sent(suite, Case("burst", "ring", "attention", "causal", 13, 13, gqa))
         assert (burst < ring) == burst_wins, (gqa, burst, ring)
+
+
+def test_packed_decode_runs_the_generated_kernel_on_every_rank(suite):
+    """flash_decoding's schedule (query heads packed into a block of rows)
+    inside each device's call, its rows and keys at global positions: the
+    kernel served it, and test_outputs_match_reference checked the merged
+    outputs.  (Each device's share of the cache is one chunk here.)"""
+    cases = [c for c in CASES if c.base == "flash_decoding"]
+    assert cases
+    for case in cases:
+        for rank, got in _ran(suite, case):
+            assert got["kernel_launches"] == 1, (case.name, rank, got["kernel_launches"])
 
 
 def test_tree_outputs_are_bitwise_equal_on_every_rank(suite):
