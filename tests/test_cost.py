@@ -614,3 +614,17 @@ def test_a_chunk_the_kernels_do_not_take_is_costed_whole_with_a_note():
     r = analyse(d, sizes)
     assert r.transfers == analyse(load("matmul"), sizes).transfers
     assert any("chunks of k are not modelled" in n for n in r.notes)
+
+
+def test_a_grid_that_leaves_sms_idle_gets_a_note():
+    """The roofline assumes a full GPU: a streaming kernel with fewer programs
+    than SMs is named in a note, with what would lengthen its grid."""
+    def idle(d, sizes):
+        return [n for n in analyse(d, sizes).notes if "programs on h100's 132 SMs" in n]
+    d = load("flash_decoding")
+    (note,) = idle(d, {**FD_SIZES, "q": 1, "x": 512})         # one chunk covers the cache: 8 programs
+    assert note.startswith("kernel 0 runs 8 programs on h100's 132 SMs") and "a chunk shorter than |x|" in note
+    assert idle(d, {**FD_SIZES, "q": 1}) == []                  # 32 chunks: 256 programs (the merge not counted)
+    (note,) = idle(load("attention"), {"b": 1, "h": 8, "q": 1024, "x": 1024})
+    assert "runs 64 programs" in note and "chunks of x (group x by C" in note
+    assert idle(load("attention"), {"b": 8, "h": 16, "q": 4096, "x": 4096}) == []

@@ -230,10 +230,35 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     if not c.known:
         missing = [w.name for w in diagram.wires if w.name not in c.bound]
         notes.append("give sizes for " + ", ".join(missing) + " (--size WIRE=N) for numbers")
+    infos = _kernel_infos(c)
+    notes += _idle_notes(c, infos)
     sizes_out = tuple((w.name, c.bound[w.name]) for w in diagram.wires if w.name in c.bound)
-    return CostReport(SCHEMA, diagram.name, c.prof.key, sizes_out, comm is not None, _kernel_infos(c),
+    return CostReport(SCHEMA, diagram.name, c.prof.key, sizes_out, comm is not None, infos,
                       tuple(transfers), tuple(totals), _footprints(c), flops, bound,
                       _roofline(c, flops, totals, comm), comm, tuple(notes))
+
+
+def _idle_notes(c: "_Context", infos) -> list[str]:
+    """A note for each streaming kernel whose grid leaves SMs idle: the
+    roofline assumes every SM busy, so it cannot see what a longer grid
+    (chunks of the streamed wire) would buy.  The merge kernel, a short
+    pass over the states, is left out."""
+    sms = int(c.prof["sm_count"])
+    out = []
+    for k in infos:
+        if k.programs is None or k.stream is None or k.merges is not None or k.programs >= sms:
+            continue
+        x = k.stream[0]
+        if k.chunks is not None and k.chunks > 1:
+            hint = "shorter chunks would give more programs"
+        elif c.chunks is not None:   # the schedule chunks, but |x| fits in one chunk: it runs whole
+            hint = f"a chunk shorter than |{x}| (the launcher's chunk=) would give more programs"
+        else:
+            hint = (f"chunks of {x} (group {x} by C beside its stream, or the launcher's chunk=) or smaller "
+                    "row blocks would give more programs")
+        out.append(f"kernel {k.index} runs {k.programs} programs on {c.prof.key}'s {sms} SMs: the roofline "
+                   f"assumes all of them busy; {hint}")
+    return out
 
 
 def _device_note(comm) -> str:
