@@ -564,21 +564,22 @@ _PACKED = ("Q", "O", "lse")  # the float tensors along q, each with g right befo
 
 
 def _pack(tensors, sizes, positions, lengths, device):
-    """(inputs, positions, lengths) for the launch on packed rows.  The
+    """(inputs, positions, lengths, sizes) for the launch on packed rows.  The
     caller's positions and lengths are checked at its own sizes first; a
     caller's positions["q"] is repeated for each g.  A reshape is a view
-    where g and q merge (contiguous tensors), else a copy."""
+    where g and q merge (contiguous tensors), else a copy.  The kernels
+    take both sizes at run time, so a size the diagram fixes is no obstacle."""
     g, r = _PACK
     _positions(positions, lengths, sizes, device, tensors)
     if sizes[g] == 1:
-        return tensors, positions, lengths
+        return tensors, positions, lengths, sizes
     packed = {**sizes, g: 1, r: sizes[g] * sizes[r]}
     tensors = tuple(t.reshape(_shape(n, packed)) if n in _PACKED else t for n, t in zip(INPUTS, tensors))
     positions, lengths = dict(positions or {}), dict(lengths or {})
     own = positions.get(r)
     positions[r] = _packed_rows(sizes[r], sizes[g], device) if own is None else own.to(torch.int64).repeat(sizes[g])
     lengths.setdefault(r, sizes[r])
-    return tensors, positions, lengths
+    return tensors, positions, lengths, packed
 
 
 _PACKED_ROWS = {}
@@ -942,8 +943,7 @@ def _flash_decoding_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tm
     _check_device(_dev)
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev)
     _real = _sz  # packed rows of g and q (_pack): the kernels see the packed sizes
-    (Q, K, V,), positions, lengths = _pack((Q, K, V,), _sz, positions, lengths, _dev)
-    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
+    (Q, K, V,), positions, lengths, _sz = _pack((Q, K, V,), _sz, positions, lengths, _dev)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))

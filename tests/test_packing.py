@@ -13,13 +13,20 @@ backward), and a diagram whose q is read by an integer input alone.
 """
 from __future__ import annotations
 
+import dataclasses
+import zlib
+
 import pytest
 import torch
+from hypothesis import assume, given
 
 import napkin
 import test_kernels as K
+from napkin import ir
 from napkin.codegen import lower
 from napkin.errors import NapkinError
+from napkin.printer import to_text
+from strategies import attention_diagrams, drawn_sizes
 from test_check import errors, pos
 from test_chunks import LaunchSpy
 
@@ -136,6 +143,21 @@ def test_packed_forward_matches_the_reference_and_runs_one_program_per_packed_bl
     rows = sizes["g"] * sizes["q"]
     assert grids[0][:2] == (-(-rows // block), sizes["b"] * sizes["hk"]), grids   # K and V: once per hk
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), f"{sizes}")
+
+
+def test_fixed_sizes_of_the_packed_wires():
+    """``wire g = 4`` and ``wire q = 1`` (a one-token decode step): the
+    kernels take both sizes at run time, the launcher still checks them."""
+    m = K.example("flash_decoding", ("wire b, hk, g, q, x", "wire b, hk, x\nwire g = 4\nwire q = 1"))
+    assert m.WIRES["g"] == 4 and m.WIRES["q"] == 1
+    sizes = {"b": 2, "hk": 3, "g": 4, "q": 1, "x": 100}
+    inputs = m.example_inputs(sizes, dtype=torch.float32, seed=15)
+    out, grids = kernel_grids(m, inputs, block_x=16, chunk=32)
+    assert grids[0] == (1, 6, 4)
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "fixed g, q")
+    Q, Kt, V = inputs
+    with pytest.raises(ValueError, match="wire q has size 1 from the diagram"):
+        K.run(m, (torch.cat([Q, Q], 2), Kt, V))
 
 
 def test_one_query_head_a_group_packs_nothing():
@@ -333,3 +355,76 @@ def test_the_tuner_blocks_the_packed_rows():
     keep, _ = autotune.candidates(d, sizes, lead=[lead])
     rows = {dict(c.blocks)["q"] for c in keep}
     assert 16 in rows and min(rows) >= 16 and max(rows) > 16 and all(set(dict(c.blocks)) == {"q", "x"} for c in keep)
+
+
+# --------------------------------------------------------------------------
+# Random diagrams (tests/strategies.py) made grouped-query and packed: every
+# normaliser, bias, mask and document id the strategy draws.
+# --------------------------------------------------------------------------
+
+def packed_gqa(d: ir.Diagram, group: int = 4):
+    """``d`` (wires b, h, q, x, d) with its heads h split into hk key/value
+    heads of g query heads each: K and V along hk, every other tensor along
+    (hk g), and the schedule's row block made of group(g) x block/group(g)
+    (g, q) pairs.  None when a tensor cannot pack (ALiBi's slope[h] has h
+    but not q; bias[q, x] has q but not h)."""
+    def split(t, kv):
+        out = []
+        for axis in t.axes:
+            if axis != ("h",):
+                out.append(axis)
+            elif kv:
+                out.append(("hk",))
+            elif isinstance(t, ir.Let) and t.name not in outputs:
+                out += [("hk",), ("g",)]
+            else:
+                out.append(("hk", "g"))
+        return tuple(out)
+
+    outputs = {o.name for o in d.outputs}
+    inputs = []
+    for t in d.inputs:
+        wires = ir.axis_wires(t.axes)
+        kv = t.name in ("K", "V")
+        if not kv and t.dtype not in ir.INT_DTYPES and ("h" in wires) != ("q" in wires):
+            return None
+        inputs.append(dataclasses.replace(t, axes=split(t, kv), wire_locs=()))
+    lets = tuple(dataclasses.replace(let, axes=split(let, False), wire_locs=()) for let in d.lets)
+    wires = []
+    for w in d.wires:
+        wires += [ir.Wire("hk"), ir.Wire("g")] if w.name == "h" else [w]
+    levels = []
+    for lv in d.schedule.levels:
+        tiles = []
+        for t in lv.tiles:
+            if t.wire == "h":
+                tiles += [dataclasses.replace(t, wire="hk"), dataclasses.replace(t, wire="g", size=group)]
+            elif t.wire == "q" and lv.name == "smem":
+                tiles.append(dataclasses.replace(t, size=t.size // group))
+            else:
+                tiles.append(t)
+        levels.append(dataclasses.replace(lv, tiles=tuple(tiles)))
+    schedule = dataclasses.replace(d.schedule, levels=tuple(levels))
+    return dataclasses.replace(d, wires=tuple(wires), inputs=tuple(inputs), lets=lets, schedule=schedule)
+
+
+@K._SETTINGS
+@given(drawn=attention_diagrams())
+def test_random_attention_diagrams_packed(drawn):
+    diagram = packed_gqa(drawn)
+    assume(diagram is not None)
+    text = to_text(diagram)
+    diagram = napkin.load_text(text, "packed.ncd")            # checked, as a user's file is
+    plan = lower.lower(diagram)
+    assert plan.pack == ("g", 4)
+    key = f"packed_{zlib.crc32(text.encode())}"
+    m = K.compile_text(text, key, diagram)
+    sizes = drawn_sizes(diagram, zlib.crc32(key.encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    sizes.update(hk=int(torch.randint(1, 3, (1,), generator=gen)), g=int(torch.randint(2, 6, (1,), generator=gen)))
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}[diagram.inputs[0].dtype]
+    inputs = m.example_inputs(sizes, dtype=dtype, seed=3)
+    out, grids = kernel_grids(m, inputs, **{k: None for k in K.FAST}, chunk=0)
+    block = dict(plan.blocks)["q"]
+    assert grids[0][:2] == (-(-sizes["g"] * sizes["q"] // block), sizes["b"] * sizes["hk"]), (sizes, grids)
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), text)

@@ -60,7 +60,8 @@ def environment():
 # --------------------------------------------------------------------------
 
 class _Names:
-    def __init__(self, d: ir.Diagram, dims: tuple[str, ...], positional: tuple[str, ...] = ()):
+    def __init__(self, d: ir.Diagram, dims: tuple[str, ...], positional: tuple[str, ...] = (),
+                 runtime: tuple[str, ...] = ()):
         self.d = d
         self.fixed = {w.name: w.size for w in d.wires if w.size is not None}
         self.dims = dims
@@ -69,9 +70,12 @@ class _Names:
         # _idx_w and their size as _len_w, which the kernel sets from its
         # offsets and sizes unless the launcher got positions / lengths
         self.positional = positional
+        # wires the kernel takes its size of at run time even when the diagram
+        # fixes it: packed rows (L.packed_wire) launch with |g| = 1 and |g||q| rows
+        self.runtime = frozenset(runtime)
 
     def size(self, w: str) -> str:
-        return str(self.fixed[w]) if w in self.fixed else f"_size_{w}"
+        return str(self.fixed[w]) if w in self.fixed and w not in self.runtime else f"_size_{w}"
 
     def block(self, w: str) -> str:
         return f"_BLOCK_{w}"
@@ -81,8 +85,11 @@ class _Names:
         return w in self.dims and w in self.fixed and L._dim_block(self.d, w) == self.fixed[w]
 
     def length(self, w: str) -> str:
-        """|w| as expressions see it: the global length for a positional wire."""
-        return f"_len_{w}" if w in self.positional and w not in self.fixed else self.size(w)
+        """|w| as expressions see it: the global length for a positional wire
+        (a fixed one's own size, whatever the launch's rows)."""
+        if w in self.fixed:
+            return str(self.fixed[w])
+        return f"_len_{w}" if w in self.positional else self.size(w)
 
     def index(self, w: str, rows: Optional[str], cols: Optional[str], glob: bool = False,
               unit: bool = False) -> str:
@@ -181,9 +188,15 @@ def _decode(names: _Names, batch: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def _size_wires(d: ir.Diagram, runtime=frozenset()) -> list[str]:
+    """The wires whose sizes a kernel takes as arguments: the symbolic ones,
+    and ``runtime`` (_Names.runtime)."""
+    return [w.name for w in d.wires if w.size is None or w.name in runtime]
+
+
 def _params(d: ir.Diagram, names: _Names, blocks: list[str]) -> tuple[list[str], list[str]]:
     tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
-    sizes = [f"_size_{w.name}" for w in d.wires if w.size is None]
+    sizes = [f"_size_{w}" for w in _size_wires(d, names.runtime)]
     strides = [f"_st_{t}_{w}" for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]
     return tensors + sizes + strides + [f"{b}: tl.constexpr" for b in blocks], sizes
 
@@ -196,10 +209,10 @@ def _wire_block_args(names: _Names, dims) -> list[str]:
     return [f"{names.block(w)}={_dim_block_value(names, w)}" for w in dims]
 
 
-def _kernel_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str]) -> str:
+def _kernel_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str], runtime=frozenset()) -> str:
     """``kernel[grid](tensors, sizes, strides, blocks..., extra...)``, unindented."""
     tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
-    sizes = [f'_sz["{w.name}"]' for w in d.wires if w.size is None]
+    sizes = [f'_sz["{w}"]' for w in _size_wires(d, runtime)]
     strides = [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors]
     args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks + extra)]
     body = ",\n    ".join(args)
@@ -210,9 +223,9 @@ def _indent(text: str, n: int = 4) -> str:
     return "\n".join(" " * n + line for line in text.split("\n"))
 
 
-def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str]) -> str:
+def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str], runtime=frozenset()) -> str:
     """The launch, skipped when the grid is empty."""
-    return "if math.prod(_grid) > 0:\n" + _indent(_kernel_call(d, kernel, grid, blocks, extra))
+    return "if math.prod(_grid) > 0:\n" + _indent(_kernel_call(d, kernel, grid, blocks, extra, runtime))
 
 
 def _fill_options(opts: list[str]) -> list[str]:
@@ -405,7 +418,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     backward reads, see training.py): the kernel stores them only when its
     constexpr _SAVE is set, so the plain forward moves exactly what it did."""
     d = plan.diagram
-    names = _Names(d, plan.dims, (plan.row, plan.col))
+    names = _Names(d, plan.dims, (plan.row, plan.col), _packed_runtime(plan))
     kinds = _kinds(d)
     row, col = plan.row, plan.col
     br, bc = names.block(row), names.block(col)
@@ -472,8 +485,8 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     extra = ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)', 'num_stages=_opts["num_stages"] or 2',
              FP_FUSION]
-    merge = _kernel_call(d, f"_{d.name}_merge", "_grid[:2]", block_args, extra)
-    launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args, extra)
+    merge = _kernel_call(d, f"_{d.name}_merge", "_grid[:2]", block_args, extra, names.runtime)
+    launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args, extra, names.runtime)
                   + "\n    if _chunk:  # the chunks' states, merged into the outputs\n" + _indent(merge, 8))
     merged = {spec.var for spec in merge_loads(plan)}
     return {
@@ -508,10 +521,16 @@ def merge_loads(plan: L.AttentionPlan) -> list[L.Load]:
     """The tiles without the streamed wire that the merge kernel loads again:
     those the finalise of an output (a saved one too) reads.  The cost model
     counts them (napkin/cost/chunks.py)."""
-    names = _Names(plan.diagram, plan.dims, (plan.row, plan.col))
+    names = _Names(plan.diagram, plan.dims, (plan.row, plan.col), _packed_runtime(plan))
     code, _ = _finalise(plan.diagram, names, list(plan.outputs), _kinds(plan.diagram),
                         {a.var: a for a in plan.accums})
     return [ld for ld in plan.loads if ld.phase == "pre" and reads(code, ld.var)]
+
+
+def _packed_runtime(plan: L.AttentionPlan) -> tuple[str, ...]:
+    """The wires a packed launch re-sizes (|g| = 1, |g||q| rows): its kernels
+    take their sizes at run time, fixed in the diagram or not."""
+    return (plan.pack[0], plan.row) if plan.pack is not None else ()
 
 
 def _pack_lines(plan: L.AttentionPlan) -> list[str]:
@@ -522,8 +541,7 @@ def _pack_lines(plan: L.AttentionPlan) -> list[str]:
         return []
     inputs = ", ".join(t.name for t in plan.diagram.inputs) + ","
     return [f"_real = _sz  # packed rows of {plan.pack[0]} and {plan.row} (_pack): the kernels see the packed sizes",
-            f"({inputs}), positions, lengths = _pack(({inputs}), _sz, positions, lengths, _dev)",
-            f"_sz, _cls, _dev = _bind(({inputs}), kernel=True, free=_global_dims(positions))"]
+            f"({inputs}), positions, lengths, _sz = _pack(({inputs}), _sz, positions, lengths, _dev)"]
 
 
 def _pack_context(plan: L.AttentionPlan, saved) -> dict:
