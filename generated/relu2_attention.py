@@ -650,12 +650,14 @@ def _relu2_attention_kernel(
         _hi = tl.minimum(_hi, _row_last + 1)  # x <= q, loosest at the block's last row
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
     # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
-    _fhi = _lo  # rows or keys at global positions: none known full
-    if not _POS_q:
-        if not _POS_x:
-            _fhi = _size_x
-            _fhi = tl.minimum(_fhi, _row0 + 1)  # x <= q at every row: tightest at the block's first
-            _fhi = tl.maximum(tl.minimum(tl.maximum(_fhi, 0) // _BLOCK_x * _BLOCK_x, _hi), _lo)
+    _fhi = _lo  # keys at global positions: none known full
+    if not _POS_x:
+        _row_first = _row0
+        if _POS_q:
+            _row_first = tl.min(tl.where(_gok_q, _idx_q, 4611686018427387904), 0)
+        _fhi = _size_x
+        _fhi = tl.minimum(_fhi, _row_first + 1)  # x <= q at every row: tightest at the block's first
+        _fhi = tl.maximum(tl.minimum(tl.maximum(_fhi, 0) // _BLOCK_x * _BLOCK_x, _hi), _lo)
     if _CHUNK:  # one chunk of x per program (grid axis 2): the range cut to it
         _c0 = tl.program_id(2) * _CHUNK
         _lo = tl.maximum(_lo, _c0)

@@ -640,10 +640,9 @@ def _ring_attention_nodes_kernel(
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
     # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
-    _fhi = _lo  # rows or keys at global positions: none known full
-    if not _POS_q:
-        if not _POS_x:
-            _fhi = _size_x // _BLOCK_x * _BLOCK_x  # no mask: every block but a ragged last one
+    _fhi = _lo  # keys at global positions: none known full
+    if not _POS_x:
+        _fhi = _size_x // _BLOCK_x * _BLOCK_x  # no mask: every block but a ragged last one
     if _CHUNK:  # one chunk of x per program (grid axis 2): the range cut to it
         _c0 = tl.program_id(2) * _CHUNK
         _lo = tl.maximum(_lo, _c0)

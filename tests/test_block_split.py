@@ -321,15 +321,27 @@ def test_attention_runs_all_but_the_ragged_last_block_unmasked(folder):
         assert seen["K"] == {(i, j) for i in range(2) for j in want}, nx
 
 
-def test_positions_keep_every_block_masked(folder):
+def test_rows_at_positions_keep_the_full_blocks_keys_at_positions_mask_every_block(folder):
+    """Rows at positions bound a tile by their least and greatest real
+    position (the mask's bounds are monotone in the row), so at their own
+    offsets they find the plain launch's full blocks; keys at positions are
+    known only once loaded: every block is masked."""
     m, _ = _module("causal", folder)
     q, k, v = m.example_inputs({"b": 1, "h": 1, "q": 48, "x": 48}, dtype=torch.float32)
-    plain = m.causal(q, k, v, **FWD)
-    for wire in ("q", "x"):
-        with _unmasked_loads(K=(k, 2, 16)) as seen:
+    with _unmasked_loads(K=(k, 2, 16)) as seen:
+        plain = m.causal(q, k, v, **FWD)
+    assert seen["K"]
+    for wire, unmasked in (("q", seen["K"]), ("x", set())):
+        with _unmasked_loads(K=(k, 2, 16)) as seen_at:
             got = m.causal(q, k, v, **FWD, positions={wire: torch.arange(48)}, lengths={wire: 48})
-        assert seen["K"] == set(), wire
+        assert seen_at["K"] == unmasked, wire
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, plain))
+    # rows at other positions: the later half of a sequence of 96, each block's keys up to its rows
+    with _unmasked_loads(K=(k, 2, 16)) as seen_at:
+        got = m.causal(q, k, v, **FWD, positions={"q": torch.arange(48) + 48}, lengths={"q": 96})
+    assert seen_at["K"] == {(i, j) for i in range(2) for j in range(3)}   # every key block, whole
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)   # they see every key
 
 
 def test_a_kept_branch_without_the_tiles_wires_is_broadcast(folder):

@@ -118,10 +118,13 @@ def loop_bounds(names, plan, whole_rows: bool = False) -> str:
 def full_bounds(names, plan, whole_rows: bool, have_last: bool) -> list[str]:
     """[_flo, _fhi): the full blocks among the visited ones, the formula of
     napkin.masks.full_blocks term for term (each bound at the block's
-    tightest row).  None when rows or keys sit at global positions: the
-    partial loops then cover [_lo, _hi).  ``whole_rows``: the backward's,
-    where a ragged block of rows has none.  _flo is only defined when a
-    lower bound can put partial blocks first."""
+    tightest row).  None when keys sit at global positions: the partial
+    loops then cover [_lo, _hi).  Rows at positions (packed rows, a device's
+    share) bound the tile by their least and greatest real position, as
+    the affine bounds are monotone in the row.  ``whole_rows``: the
+    backward's, where a ragged block of rows has none, nor has a block of
+    rows at positions.  _flo is only defined when a lower bound can put
+    partial blocks first."""
     if plan.full is None:
         return []
     row, col = plan.row, plan.col
@@ -131,19 +134,32 @@ def full_bounds(names, plan, whole_rows: bool, have_last: bool) -> list[str]:
     lines = ["# Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the",
              "# tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic."]
     lines += ["_flo = _lo"] if lower else []
-    lines += ["_fhi = _lo  # rows or keys at global positions: none known full",
-              f"if not _POS_{row}:", f"    if not _POS_{col}:"]
+    if whole_rows:
+        lines += ["_fhi = _lo  # rows or keys at global positions: none known full",
+                  f"if not _POS_{row}:", f"    if not _POS_{col}:"]
+    else:  # rows at positions bound the tile by their least and greatest real one
+        lines += ["_fhi = _lo  # keys at global positions: none known full", f"if not _POS_{col}:"]
     inner = ["_flo = 0"] if lower else []
+    tight = {"last" if b.at_row() == "first" else "first" for b in plan.full or () if b.row_coeff != 0}
+    row_first = "_row0"
+    if not whole_rows and tight:
+        # the rows' least and greatest index: their offsets, or with rows at positions their
+        # real ones' (loop_bounds computed them there; here again, whichever it needed)
+        row_first = "_row_first" if "first" in tight else row_first
+        inner += (["_row_first = _row0"] if "first" in tight else []) \
+            + ([f"_row_last = tl.minimum(_row0 + {br}, {names.size(row)}) - 1"] if "last" in tight else []) \
+            + [f"if _POS_{row}:"] + ["    " + line for line in extremes("row", row, f"_gok_{row}", tight)
+                                    if "last" in tight or not line.startswith("_row_last")]
     if not plan.full:
         inner.append(f"_fhi = {names.size(col)} // {bc} * {bc}  # no mask: every block but a ragged last one")
     else:
         inner.append(f"_fhi = {names.size(col)}")
-        if not have_last and any(b.at_row() == "first" and b.row_coeff != 0 for b in plan.full):
+        if whole_rows and not have_last and "last" in tight:
             inner.append(f"_row_last = tl.minimum(_row0 + {br}, {names.size(row)}) - 1")
         for b in plan.full:
-            tight = "last" if b.at_row() == "first" else "first"
-            value = affine(b, "_row_last" if tight == "last" else "_row0", names.length)
-            why = f"{_text(b, col, row)} at every row: tightest at the block's {tight}"
+            tight_at = "last" if b.at_row() == "first" else "first"
+            value = affine(b, "_row_last" if tight_at == "last" else row_first, names.length)
+            why = f"{_text(b, col, row)} at every row: tightest at the block's {tight_at}"
             if b.kind == "lower":
                 inner.append(f"_flo = tl.maximum(_flo, {value})  # {why}")
             else:
@@ -154,7 +170,7 @@ def full_bounds(names, plan, whole_rows: bool, have_last: bool) -> list[str]:
     if whole_rows:
         inner.append(f"_fhi = tl.where(_row0 + {br} <= {names.size(row)}, _fhi, {first})"
                      "  # summed over rows: a ragged block of them has none")
-    return lines + ["        " + line for line in inner]
+    return lines + [("        " if whole_rows else "    ") + line for line in inner]
 
 
 def live(names, plan, loop: str) -> list[str]:

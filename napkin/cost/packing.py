@@ -17,9 +17,8 @@ re-viewed problem, and this module is that view, for the cost pass:
   (the launcher's ``lengths``), so every row is masked as its own query.
   With rows at positions the kernel visits, for a block, the key range of
   its least and greatest real position (napkin/codegen/bounds.py
-  loop_bounds: masks.stream_range over [least, greatest + 1)); it knows no
-  block full, but full blocks load what partial ones load, so only the
-  range matters to the bytes;
+  loop_bounds: masks.stream_range over [least, greatest + 1)); full blocks
+  load what partial ones load, so only the range matters to the bytes;
 * the positions themselves are loaded: each program (main kernel and
   merge) reads its block's, 8 bytes a row (``positions``, pseudo-tensor
   ``_pos_q``);
