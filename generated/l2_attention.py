@@ -99,13 +99,42 @@ def _check_dtype(name, t, declared, kernel, classes):
                             f"both {declared}, so they must share one dtype")
 
 
+_BIND_ORDERS = {}
+
+
+def _bind_order(free):
+    """The order in which the inputs' dimensions bind wires, worked out once per
+    set of ``free`` dimensions (the wires alone decide it, not the sizes):
+    ([(input, dimension, axis)], the wires no dimension can bind).  A
+    dimension comes once at most one of its wires is still unknown: a single
+    wire binds directly, a grouped axis (hk g) its one unknown wire."""
+    key = frozenset(free)
+    if key not in _BIND_ORDERS:
+        known = {w for w, n in WIRES.items() if n is not None}
+        pending = [(k, i, axis) for k, name in enumerate(INPUTS)
+                   for i, axis in enumerate(_LAYOUTS[name]) if (name, i) not in free]
+        order = []
+        while pending:
+            ready = [p for p in pending if sum(w not in known for w in p[2]) <= 1]
+            if not ready:
+                break
+            for p in ready:
+                pending.remove(p)
+                known.update(p[2])
+            order += ready
+        unbound = sorted({w for p in pending for w in p[2] if w not in known})
+        _BIND_ORDERS[key] = (order, unbound)
+    return _BIND_ORDERS[key]
+
+
 def _bind(tensors, kernel, free=()):
     """Check the inputs against the diagram and bind every wire's size.
 
     Returns (sizes, classes, device): ``classes`` maps each declared float
     dtype to the torch dtype its inputs share at this call.  ``free``: the
     (input, dimension) pairs that hold global rows (read at positions): they
-    bind nothing and the launcher checks them."""
+    bind nothing and the launcher checks them.  Runs on every launch, so its
+    messages are only built when raised."""
     if len(tensors) != len(INPUTS):
         raise TypeError(f"expected {len(INPUTS)} inputs ({', '.join(INPUTS)}), got {len(tensors)}")
     classes, device = {}, None
@@ -121,30 +150,34 @@ def _bind(tensors, kernel, free=()):
             device = (t.device, name)
         elif t.device != device[0]:
             raise ValueError(f"{name} is on {t.device} but {device[1]} is on {device[0]}")
+    order, unbound = _bind_order(free)
     sizes = {w: n for w, n in WIRES.items() if n is not None}
-    source = {w: "the diagram" for w in sizes}
-    # Single wires bind directly; a grouped axis (hk g) binds its one unknown wire.
-    pending = [(name, i, axis, t.shape[i]) for name, t in zip(INPUTS, tensors)
-               for i, axis in enumerate(_LAYOUTS[name]) if (name, i) not in free]
-    while pending:
-        ready = [p for p in pending if sum(w not in sizes for w in p[2]) <= 1]
-        if not ready:
-            names = sorted({w for p in pending for w in p[2] if w not in sizes})
-            raise ValueError(f"cannot tell the sizes of wires {', '.join(names)} from the input shapes")
-        for item in ready:
-            pending.remove(item)
-            name, i, axis, n = item
-            what = f"{name} dimension {i} ({' '.join(axis)})"
-            unknown = [w for w in axis if w not in sizes]
-            known = math.prod(sizes[w] for w in axis if w in sizes)
-            if unknown:
-                if known == 0 or n % known:
-                    raise ValueError(f"{what} has size {n}, not a multiple of {known} "
-                                     f"(the size of its other wires)")
-                sizes[unknown[0]], source[unknown[0]] = n // known, what
-            elif known != n:
-                w = next(w for w in axis if source.get(w) != what)
-                raise ValueError(f"{what} has size {n}, but wire {w} has size {sizes[w]} from {source[w]}")
+    source = {w: None for w in sizes}   # the (input, dimension) that bound each wire; None: the diagram
+    for k, i, axis in order:
+        n = tensors[k].shape[i]
+        if len(axis) == 1:
+            w = axis[0]
+            if w not in sizes:
+                sizes[w], source[w] = n, (k, i)
+                continue
+            known, unknown = sizes[w], None
+        else:
+            unknown = next((w for w in axis if w not in sizes), None)
+            known = math.prod(sizes[w] for w in axis if w != unknown)
+            if unknown is not None and known != 0 and n % known == 0:
+                sizes[unknown], source[unknown] = n // known, (k, i)
+                continue
+        if unknown is None and known == n:
+            continue
+        what = f"{INPUTS[k]} dimension {i} ({' '.join(axis)})"
+        if unknown is not None:
+            raise ValueError(f"{what} has size {n}, not a multiple of {known} (the size of its other wires)")
+        w = next(w for w in axis if source.get(w) != (k, i))
+        whence = "the diagram" if source[w] is None else \
+            f"{INPUTS[source[w][0]]} dimension {source[w][1]} ({' '.join(_LAYOUTS[INPUTS[source[w][0]]][source[w][1]])})"
+        raise ValueError(f"{what} has size {n}, but wire {w} has size {sizes[w]} from {whence}")
+    if unbound:
+        raise ValueError(f"cannot tell the sizes of wires {', '.join(unbound)} from the input shapes")
     for name, declared, read in _RELABELS:
         if sizes[declared] != sizes[read] and not any(f[0] == name for f in free):
             raise ValueError(f"{name} is read along {read} as well as {declared}, so wires {read} "
@@ -167,16 +200,28 @@ def _block_size(value, wire, option):
 
 
 def _dim_block(n):
-    return max(16, triton.next_power_of_2(n))
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def _cdiv(a, b):
+    # host arithmetic in plain Python: triton.cdiv is a constexpr function that
+    # costs microseconds a call from the host, and every launch computes a grid
+    return -(-a // b)
 
 
 def _layout(name):
     return _LAYOUTS[name] if name in _LAYOUTS else _BACKWARD_LAYOUTS[name]
 
 
+# The tensors each of whose dimensions is one wire: their wire strides are their strides.
+_PLAIN = frozenset(n for n, axes in {**_BACKWARD_LAYOUTS, **_LAYOUTS}.items() if all(len(a) == 1 for a in axes))
+
+
 def _wire_strides(t, name, sizes):
     """One stride per wire of the tensor's flattened layout (an axis (hk g)
     has stride(hk) = stride(axis) * |g| and stride(g) = stride(axis))."""
+    if name in _PLAIN:
+        return list(t.stride())
     out = []
     for axis, stride in zip(_layout(name), t.stride()):
         inner, per = 1, []
@@ -260,14 +305,17 @@ import os as _autotune_os
 _AUTOTUNE_SCHEMA = "napkin-autotune/1"
 _AUTOTUNE_HASH = "eb8a23ffdda8fd91f7b1bb94e9290a731bb3da8362af34b728ac2ae479837341"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
-_autotune_memo = {}   # key -> (the cache file's stamp when read, config or None)
+_autotune_memo = {}   # (device, bucket, kind) -> (the cache file's path and stamp when read, config or None)
+_autotune_paths = {}  # ($NAPKIN_CACHE, $HOME) -> the cache file's path
 
 
 def _autotune_cache_path():
     """$NAPKIN_CACHE/autotune.json, else ~/.cache/napkin/autotune.json."""
-    root = _autotune_os.environ.get("NAPKIN_CACHE") or _autotune_os.path.join(
-        _autotune_os.path.expanduser("~"), ".cache", "napkin")
-    return _autotune_os.path.join(root, "autotune.json")
+    env = (_autotune_os.environ.get("NAPKIN_CACHE"), _autotune_os.environ.get("HOME"))
+    if env not in _autotune_paths:
+        root = env[0] or _autotune_os.path.join(_autotune_os.path.expanduser("~"), ".cache", "napkin")
+        _autotune_paths[env] = _autotune_os.path.join(root, "autotune.json")
+    return _autotune_paths[env]
 
 
 def _autotune_bucket(sizes, wires):
@@ -305,21 +353,23 @@ def _autotune_read(path):
 
 def _autotune_lookup(sizes, device, kind=""):
     """The cached config (a dict of launcher options) for these sizes on this
-    device, or None.  Remembered per key until the cache file changes."""
-    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES, kind)
+    device, or None.  Remembered per shape bucket until the cache file
+    changes: a launch pays one stat of the file, not a read."""
+    memo = (device, _autotune_bucket(sizes, _AUTOTUNE_WIRES), kind)
     path = _autotune_cache_path()
     try:
         st = _autotune_os.stat(path)
-        stamp = (st.st_mtime_ns, st.st_ino, st.st_size)   # the writer replaces the file: a new inode
+        stamp = (path, st.st_mtime_ns, st.st_ino, st.st_size)   # the writer replaces the file: a new inode
     except OSError:
-        stamp = None
-    seen = _autotune_memo.get(key)
+        stamp = (path, None)
+    seen = _autotune_memo.get(memo)
     if seen is not None and seen[0] == stamp:
         return seen[1]
-    entry = _autotune_read(path).get(key) if stamp is not None else None
+    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES, kind)
+    entry = _autotune_read(path).get(key) if stamp[1] is not None else None
     config = entry.get("config") if isinstance(entry, dict) else None
     config = config if isinstance(config, dict) else None
-    _autotune_memo[key] = (stamp, config)
+    _autotune_memo[memo] = (stamp, config)
     return config
 
 
@@ -553,7 +603,7 @@ def _chunks(chunk, tuned, block, n):
         raise ValueError(f"chunk={chunk} is shorter than block_x={block}: a chunk is whole blocks")
     if not chunk or n <= chunk:
         return 0, 1
-    return chunk, triton.cdiv(n, chunk)
+    return chunk, _cdiv(n, chunk)
 
 
 @triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x", "_n_chunks"])
@@ -874,33 +924,24 @@ def _l2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma,
     _saved_N0 = torch.empty(_shape("_saved_N0", _sz) if _save else [0] * 4, dtype=torch.float32, device=_dev)
     _saved_Z0 = torch.empty(_shape("_saved_Z0", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
     _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"])
-    _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks)  # axis 2: the chunks of x (1: whole)
+    _grid = (_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks)  # axis 2: the chunks of x (1: whole)
     _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (1 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
     _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
+    _args = (
+        Q, K, V, O, _saved_N0, _saved_Z0,
+        _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+        *_wire_strides(Q, "Q", _sz),
+        *_wire_strides(K, "K", _sz),
+        *_wire_strides(V, "V", _sz),
+        *_wire_strides(O, "O", _sz),
+        *_wire_strides(_saved_N0, "_saved_N0", _sz),
+        *_wire_strides(_saved_Z0, "_saved_Z0", _sz),
+    )
+    _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
     if math.prod(_grid) > 0:
-        _l2_attention_kernel[_grid](
-            Q, K, V, O, _saved_N0, _saved_Z0,
-            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-            *_wire_strides(Q, "Q", _sz),
-            *_wire_strides(K, "K", _sz),
-            *_wire_strides(V, "V", _sz),
-            *_wire_strides(O, "O", _sz),
-            *_wire_strides(_saved_N0, "_saved_N0", _sz),
-            *_wire_strides(_saved_Z0, "_saved_Z0", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
-        )
+        _l2_attention_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
-            _l2_attention_merge[_grid[:2]](
-                Q, K, V, O, _saved_N0, _saved_Z0,
-                _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-                *_wire_strides(Q, "Q", _sz),
-                *_wire_strides(K, "K", _sz),
-                *_wire_strides(V, "V", _sz),
-                *_wire_strides(O, "O", _sz),
-                *_wire_strides(_saved_N0, "_saved_N0", _sz),
-                *_wire_strides(_saved_Z0, "_saved_Z0", _sz),
-                _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
-            )
+            _l2_attention_merge[_grid[:2]](*_args, **_meta)
     return (O,), (_saved_N0, _saved_Z0,)
 # ---------------------------------------------------------------------------
 # Training.  l2_attention(...) calls the torch op below when an input requires
@@ -1351,7 +1392,7 @@ def _l2_attention_preprocess(Q, K, V, dO, Z0, N0, _o):
     _br = _block_size(_opts["block_q"], "q", "block_q")
     gN0 = torch.empty(_shape("gN0", _sz), dtype=torch.float32, device=_dev)
     dZ0 = torch.empty(_shape("dZ0", _sz), dtype=torch.float32, device=_dev)
-    _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
+    _grid = (_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if math.prod(_grid) > 0:
         _l2_attention_bwd_rows_kernel[_grid](
             Z0, dO, N0, gN0, dZ0,
@@ -1418,7 +1459,7 @@ def _l2_attention_backward(Q, K, V, dO, gN0, dZ0, _o, need, positions=None, leng
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=Q.dtype if _like else torch.float32, device=_dev)
     _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=K.dtype if _like else torch.float32, device=_dev)
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
-    _grid = (triton.cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
+    _grid = (_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
         _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
         _l2_attention_bwd_dkdv_kernel[_grid](
@@ -1435,7 +1476,7 @@ def _l2_attention_backward(Q, K, V, dO, gN0, dZ0, _o, need, positions=None, leng
             _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, **_kv_tma,
             num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
         )
-    _grid = (triton.cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
+    _grid = (_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
     if (_need[0]) and math.prod(_grid) > 0:
         _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
         _l2_attention_bwd_dq_kernel[_grid](

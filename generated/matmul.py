@@ -90,13 +90,42 @@ def _check_dtype(name, t, declared, kernel, classes):
                             f"both {declared}, so they must share one dtype")
 
 
+_BIND_ORDERS = {}
+
+
+def _bind_order(free):
+    """The order in which the inputs' dimensions bind wires, worked out once per
+    set of ``free`` dimensions (the wires alone decide it, not the sizes):
+    ([(input, dimension, axis)], the wires no dimension can bind).  A
+    dimension comes once at most one of its wires is still unknown: a single
+    wire binds directly, a grouped axis (hk g) its one unknown wire."""
+    key = frozenset(free)
+    if key not in _BIND_ORDERS:
+        known = {w for w, n in WIRES.items() if n is not None}
+        pending = [(k, i, axis) for k, name in enumerate(INPUTS)
+                   for i, axis in enumerate(_LAYOUTS[name]) if (name, i) not in free]
+        order = []
+        while pending:
+            ready = [p for p in pending if sum(w not in known for w in p[2]) <= 1]
+            if not ready:
+                break
+            for p in ready:
+                pending.remove(p)
+                known.update(p[2])
+            order += ready
+        unbound = sorted({w for p in pending for w in p[2] if w not in known})
+        _BIND_ORDERS[key] = (order, unbound)
+    return _BIND_ORDERS[key]
+
+
 def _bind(tensors, kernel, free=()):
     """Check the inputs against the diagram and bind every wire's size.
 
     Returns (sizes, classes, device): ``classes`` maps each declared float
     dtype to the torch dtype its inputs share at this call.  ``free``: the
     (input, dimension) pairs that hold global rows (read at positions): they
-    bind nothing and the launcher checks them."""
+    bind nothing and the launcher checks them.  Runs on every launch, so its
+    messages are only built when raised."""
     if len(tensors) != len(INPUTS):
         raise TypeError(f"expected {len(INPUTS)} inputs ({', '.join(INPUTS)}), got {len(tensors)}")
     classes, device = {}, None
@@ -112,30 +141,34 @@ def _bind(tensors, kernel, free=()):
             device = (t.device, name)
         elif t.device != device[0]:
             raise ValueError(f"{name} is on {t.device} but {device[1]} is on {device[0]}")
+    order, unbound = _bind_order(free)
     sizes = {w: n for w, n in WIRES.items() if n is not None}
-    source = {w: "the diagram" for w in sizes}
-    # Single wires bind directly; a grouped axis (hk g) binds its one unknown wire.
-    pending = [(name, i, axis, t.shape[i]) for name, t in zip(INPUTS, tensors)
-               for i, axis in enumerate(_LAYOUTS[name]) if (name, i) not in free]
-    while pending:
-        ready = [p for p in pending if sum(w not in sizes for w in p[2]) <= 1]
-        if not ready:
-            names = sorted({w for p in pending for w in p[2] if w not in sizes})
-            raise ValueError(f"cannot tell the sizes of wires {', '.join(names)} from the input shapes")
-        for item in ready:
-            pending.remove(item)
-            name, i, axis, n = item
-            what = f"{name} dimension {i} ({' '.join(axis)})"
-            unknown = [w for w in axis if w not in sizes]
-            known = math.prod(sizes[w] for w in axis if w in sizes)
-            if unknown:
-                if known == 0 or n % known:
-                    raise ValueError(f"{what} has size {n}, not a multiple of {known} "
-                                     f"(the size of its other wires)")
-                sizes[unknown[0]], source[unknown[0]] = n // known, what
-            elif known != n:
-                w = next(w for w in axis if source.get(w) != what)
-                raise ValueError(f"{what} has size {n}, but wire {w} has size {sizes[w]} from {source[w]}")
+    source = {w: None for w in sizes}   # the (input, dimension) that bound each wire; None: the diagram
+    for k, i, axis in order:
+        n = tensors[k].shape[i]
+        if len(axis) == 1:
+            w = axis[0]
+            if w not in sizes:
+                sizes[w], source[w] = n, (k, i)
+                continue
+            known, unknown = sizes[w], None
+        else:
+            unknown = next((w for w in axis if w not in sizes), None)
+            known = math.prod(sizes[w] for w in axis if w != unknown)
+            if unknown is not None and known != 0 and n % known == 0:
+                sizes[unknown], source[unknown] = n // known, (k, i)
+                continue
+        if unknown is None and known == n:
+            continue
+        what = f"{INPUTS[k]} dimension {i} ({' '.join(axis)})"
+        if unknown is not None:
+            raise ValueError(f"{what} has size {n}, not a multiple of {known} (the size of its other wires)")
+        w = next(w for w in axis if source.get(w) != (k, i))
+        whence = "the diagram" if source[w] is None else \
+            f"{INPUTS[source[w][0]]} dimension {source[w][1]} ({' '.join(_LAYOUTS[INPUTS[source[w][0]]][source[w][1]])})"
+        raise ValueError(f"{what} has size {n}, but wire {w} has size {sizes[w]} from {whence}")
+    if unbound:
+        raise ValueError(f"cannot tell the sizes of wires {', '.join(unbound)} from the input shapes")
     for name, declared, read in _RELABELS:
         if sizes[declared] != sizes[read] and not any(f[0] == name for f in free):
             raise ValueError(f"{name} is read along {read} as well as {declared}, so wires {read} "
@@ -158,16 +191,28 @@ def _block_size(value, wire, option):
 
 
 def _dim_block(n):
-    return max(16, triton.next_power_of_2(n))
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def _cdiv(a, b):
+    # host arithmetic in plain Python: triton.cdiv is a constexpr function that
+    # costs microseconds a call from the host, and every launch computes a grid
+    return -(-a // b)
 
 
 def _layout(name):
     return _LAYOUTS[name] if name in _LAYOUTS else _BACKWARD_LAYOUTS[name]
 
 
+# The tensors each of whose dimensions is one wire: their wire strides are their strides.
+_PLAIN = frozenset(n for n, axes in {**_BACKWARD_LAYOUTS, **_LAYOUTS}.items() if all(len(a) == 1 for a in axes))
+
+
 def _wire_strides(t, name, sizes):
     """One stride per wire of the tensor's flattened layout (an axis (hk g)
     has stride(hk) = stride(axis) * |g| and stride(g) = stride(axis))."""
+    if name in _PLAIN:
+        return list(t.stride())
     out = []
     for axis, stride in zip(_layout(name), t.stride()):
         inner, per = 1, []
@@ -251,14 +296,17 @@ import os as _autotune_os
 _AUTOTUNE_SCHEMA = "napkin-autotune/1"
 _AUTOTUNE_HASH = "4e5ea5dfaf56e76dc0772630433801ba3f4cf16c10b023686d1621b92668d16d"
 _AUTOTUNE_WIRES = ('m', 'n', 'k')
-_autotune_memo = {}   # key -> (the cache file's stamp when read, config or None)
+_autotune_memo = {}   # (device, bucket, kind) -> (the cache file's path and stamp when read, config or None)
+_autotune_paths = {}  # ($NAPKIN_CACHE, $HOME) -> the cache file's path
 
 
 def _autotune_cache_path():
     """$NAPKIN_CACHE/autotune.json, else ~/.cache/napkin/autotune.json."""
-    root = _autotune_os.environ.get("NAPKIN_CACHE") or _autotune_os.path.join(
-        _autotune_os.path.expanduser("~"), ".cache", "napkin")
-    return _autotune_os.path.join(root, "autotune.json")
+    env = (_autotune_os.environ.get("NAPKIN_CACHE"), _autotune_os.environ.get("HOME"))
+    if env not in _autotune_paths:
+        root = env[0] or _autotune_os.path.join(_autotune_os.path.expanduser("~"), ".cache", "napkin")
+        _autotune_paths[env] = _autotune_os.path.join(root, "autotune.json")
+    return _autotune_paths[env]
 
 
 def _autotune_bucket(sizes, wires):
@@ -296,21 +344,23 @@ def _autotune_read(path):
 
 def _autotune_lookup(sizes, device, kind=""):
     """The cached config (a dict of launcher options) for these sizes on this
-    device, or None.  Remembered per key until the cache file changes."""
-    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES, kind)
+    device, or None.  Remembered per shape bucket until the cache file
+    changes: a launch pays one stat of the file, not a read."""
+    memo = (device, _autotune_bucket(sizes, _AUTOTUNE_WIRES), kind)
     path = _autotune_cache_path()
     try:
         st = _autotune_os.stat(path)
-        stamp = (st.st_mtime_ns, st.st_ino, st.st_size)   # the writer replaces the file: a new inode
+        stamp = (path, st.st_mtime_ns, st.st_ino, st.st_size)   # the writer replaces the file: a new inode
     except OSError:
-        stamp = None
-    seen = _autotune_memo.get(key)
+        stamp = (path, None)
+    seen = _autotune_memo.get(memo)
     if seen is not None and seen[0] == stamp:
         return seen[1]
-    entry = _autotune_read(path).get(key) if stamp is not None else None
+    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES, kind)
+    entry = _autotune_read(path).get(key) if stamp[1] is not None else None
     config = entry.get("config") if isinstance(entry, dict) else None
     config = config if isinstance(config, dict) else None
-    _autotune_memo[key] = (stamp, config)
+    _autotune_memo[memo] = (stamp, config)
     return config
 
 
@@ -442,7 +492,7 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
     _bc = _block_size(_opts["block_n"], "n", "block_n")
     _bk = _block_size(_opts["block_k"], "k", "block_k")
     [C] = _allocate(_sz, _cls, _dev)
-    _grid = (triton.cdiv(_sz["m"], _br), triton.cdiv(_sz["n"], _bc), 1)
+    _grid = (_cdiv(_sz["m"], _br), _cdiv(_sz["n"], _bc), 1)
     if math.prod(_grid) > 0:
         _matmul_kernel[_grid](
             A, B, C,
@@ -609,7 +659,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     if _need[0]:  # dA: one more contraction, each tile stored once from a float32 accumulator
         _grad_A = torch.empty(_shape("_grad_A", _sz), dtype=A.dtype if _like else torch.float32, device=_dev)
         _br, _bc, _bk = _block_size(_opts["block_m"], "m", "block_m"), _block_size(_opts["block_k"], "k", "block_k"), _block_size(_opts["block_n"], "n", "block_n")
-        _grid = (triton.cdiv(_sz["m"], _br), triton.cdiv(_sz["k"], _bc), 1)
+        _grid = (_cdiv(_sz["m"], _br), _cdiv(_sz["k"], _bc), 1)
         if math.prod(_grid) > 0:
             _matmul_bwd_A_kernel[_grid](
                 _grad_C, B, _grad_A,
@@ -624,7 +674,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     if _need[1]:  # dB: one more contraction, each tile stored once from a float32 accumulator
         _grad_B = torch.empty(_shape("_grad_B", _sz), dtype=B.dtype if _like else torch.float32, device=_dev)
         _br, _bc, _bk = _block_size(_opts["block_k"], "k", "block_k"), _block_size(_opts["block_n"], "n", "block_n"), _block_size(_opts["block_m"], "m", "block_m")
-        _grid = (triton.cdiv(_sz["k"], _br), triton.cdiv(_sz["n"], _bc), 1)
+        _grid = (_cdiv(_sz["k"], _br), _cdiv(_sz["n"], _bc), 1)
         if math.prod(_grid) > 0:
             _matmul_bwd_B_kernel[_grid](
                 A, _grad_C, _grad_B,

@@ -209,13 +209,17 @@ def _wire_block_args(names: _Names, dims) -> list[str]:
     return [f"{names.block(w)}={_dim_block_value(names, w)}" for w in dims]
 
 
-def _kernel_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str], runtime=frozenset()) -> str:
-    """``kernel[grid](tensors, sizes, strides, blocks..., extra...)``, unindented."""
+def _positional_args(d, runtime=frozenset()) -> list[str]:
+    """A kernel's positional arguments, a line each: tensors, sizes, then each tensor's wire strides."""
     tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
     sizes = [f'_sz["{w}"]' for w in _size_wires(d, runtime)]
     strides = [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors]
-    args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks + extra)]
-    body = ",\n    ".join(args)
+    return [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides
+
+
+def _kernel_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str], runtime=frozenset()) -> str:
+    """``kernel[grid](tensors, sizes, strides, blocks..., extra...)``, unindented."""
+    body = ",\n    ".join(_positional_args(d, runtime) + [", ".join(blocks + extra)])
     return f"{kernel}[{grid}](\n    {body},\n)"
 
 
@@ -458,7 +462,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         f"[{', '.join(o.name for o in d.outputs if o.name not in saved)}] = _allocate(_sz, _cls, _dev, out_dtype)",
         *_allocate_saved(d, saved),
         f'_chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["{col}"])',
-        f'_grid = (triton.cdiv(_sz["{row}"], _br), '
+        f'_grid = (_cdiv(_sz["{row}"], _br), '
         + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ", _n_chunks)  # axis 2: the chunks of "
         + f"{col} (1: whole)",
         f'_part = torch.empty(math.prod(_grid[1:]) * _sz["{row}"] * ({launch_width}), dtype=torch.float32, '
@@ -485,9 +489,13 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     extra = ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)', 'num_stages=_opts["num_stages"] or 2',
              FP_FUSION]
-    merge = _kernel_call(d, f"_{d.name}_merge", "_grid[:2]", block_args, extra, names.runtime)
-    launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args, extra, names.runtime)
-                  + "\n    if _chunk:  # the chunks' states, merged into the outputs\n" + _indent(merge, 8))
+    # the kernel and a chunked launch's merge take the same arguments: computed once (a decode
+    # step's launch is short enough for the host's time to show)
+    launch += ["_args = (\n    " + ",\n    ".join(_positional_args(d, names.runtime)) + ",\n)",
+               f"_meta = dict({', '.join(block_args + extra)})",
+               f"if math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
+               "    if _chunk:  # the chunks' states, merged into the outputs\n"
+               f"        _{d.name}_merge[_grid[:2]](*_args, **_meta)"]
     merged = {spec.var for spec in merge_loads(plan)}
     return {
         "kernel": f"_{d.name}_kernel", "merge_kernel": f"_{d.name}_merge", "params": params,
@@ -661,7 +669,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
               f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
               f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
-              f'_grid = (triton.cdiv(_sz["{row}"], _br), triton.cdiv(_sz["{col}"], _bc), '
+              f'_grid = (_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), '
               + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
     block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk"]
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,

@@ -235,7 +235,7 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
 
 
 def _side_shape(s, row: str) -> str:
-    parts = [f'triton.cdiv(_sz["{row}"], _br)' if w == "_blocks" else f'_sz["{w}"]' for w in s.extra]
+    parts = [f'_cdiv(_sz["{row}"], _br)' if w == "_blocks" else f'_sz["{w}"]' for w in s.extra]
     parts += [f'_sz["{w}"]' for w in s.wires]
     return "[" + ", ".join(parts) + "]"
 
@@ -263,7 +263,7 @@ def _contraction_context(t: Training) -> dict:
         launches.append({
             "kernel": c["kernel"], "target": gd.outputs[0].name[len("_grad_"):], "buffer": gd.outputs[0].name,
             "warps": "(8 if _bk * max(_br, _bc) >= 128 * 128 else 4)", "blocks": block_line,
-            "grid": '(triton.cdiv(_sz["' + g.row + '"], _br), triton.cdiv(_sz["' + g.col + '"], _bc), '
+            "grid": '(_cdiv(_sz["' + g.row + '"], _br), _cdiv(_sz["' + g.col + '"], _bc), '
                     + (" * ".join(f'_sz["{w}"]' for w in g.batch) or "1") + ")",
             "args": ",\n".join([", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides
                                        + [", ".join(blocks)]),

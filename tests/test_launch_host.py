@@ -1,0 +1,166 @@
+"""The host side of a launch: what every call of a generated launcher does in
+Python before its kernels start.  A decode step's kernels take microseconds,
+so this path is kept short (the binding order worked out once, the autotune
+cache's key and path remembered, host arithmetic in plain Python); these tests
+hold the shortcuts to what they replace.  bench/launch_overhead.py measures it.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+
+import pytest
+import torch
+import triton
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from test_backward import compile_text
+
+
+def _oracle_bind(m, shapes, free=()):
+    """The binding as first written (before the order was planned): bind each
+    dimension once at most one of its wires is unknown, in rounds, every
+    message built as it goes.  Returns sizes or the (type, message) raised."""
+    sizes = {w: n for w, n in m.WIRES.items() if n is not None}
+    source = {w: "the diagram" for w in sizes}
+    pending = [(name, i, axis, shape[i]) for name, shape in zip(m.INPUTS, shapes)
+               for i, axis in enumerate(m._LAYOUTS[name]) if (name, i) not in free]
+    while pending:
+        ready = [p for p in pending if sum(w not in sizes for w in p[2]) <= 1]
+        if not ready:
+            names = sorted({w for p in pending for w in p[2] if w not in sizes})
+            return ValueError, f"cannot tell the sizes of wires {', '.join(names)} from the input shapes"
+        for item in ready:
+            pending.remove(item)
+            name, i, axis, n = item
+            what = f"{name} dimension {i} ({' '.join(axis)})"
+            unknown = [w for w in axis if w not in sizes]
+            known = math.prod(sizes[w] for w in axis if w in sizes)
+            if unknown:
+                if known == 0 or n % known:
+                    return ValueError, f"{what} has size {n}, not a multiple of {known} (the size of its other wires)"
+                sizes[unknown[0]], source[unknown[0]] = n // known, what
+            elif known != n:
+                w = next(w for w in axis if source.get(w) != what)
+                return ValueError, f"{what} has size {n}, but wire {w} has size {sizes[w]} from {source[w]}"
+    for name, declared, read in m._RELABELS:
+        if sizes[declared] != sizes[read] and not any(f[0] == name for f in free):
+            return ValueError, (f"{name} is read along {read} as well as {declared}, so wires {read} "
+                                f"({sizes[read]}) and {declared} ({sizes[declared]}) must have equal sizes")
+    return sizes
+
+
+@pytest.fixture(scope="module")
+def modules():
+    """The checked-in generated modules (test_golden holds them to the compiler's output)."""
+    names = ("attention", "gqa", "document_mask", "flash_decoding", "matmul")
+    return {n: importlib.import_module(f"generated.{n}") for n in names}
+
+
+@pytest.fixture(scope="module")
+def bound_modules(modules):
+    return list(modules.values())
+
+
+def _tensors(m, shapes):
+    floats = {"fp16": torch.float16, "bf16": torch.float16, "fp32": torch.float32}
+    return tuple(torch.empty(shape, dtype=floats.get(m._DTYPES[name], torch.int32))
+                 for name, shape in zip(m.INPUTS, shapes))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_planned_binding_binds_and_refuses_as_the_rounds_did(bound_modules, data):
+    """Random shapes, mostly consistent (each wire one size, drawn per wire)
+    and sometimes not (one dimension nudged, or zero): the launcher's _bind
+    returns the oracle's sizes or raises its exact message."""
+    m = data.draw(st.sampled_from(bound_modules), label="module")
+    wire = {w: (n if n is not None else data.draw(st.integers(0, 6), label=w)) for w, n in m.WIRES.items()}
+    shapes = [[math.prod(wire[w] for w in axis) for axis in m._LAYOUTS[name]] for name in m.INPUTS]
+    if data.draw(st.booleans(), label="nudge"):
+        k = data.draw(st.integers(0, len(shapes) - 1), label="tensor")
+        i = data.draw(st.integers(0, len(shapes[k]) - 1), label="dim")
+        shapes[k][i] = data.draw(st.integers(0, 9), label="size")
+    expected = _oracle_bind(m, shapes)
+    if isinstance(expected, dict):
+        assert m._bind(_tensors(m, shapes), kernel=True)[0] == expected
+    else:
+        with pytest.raises(expected[0]) as err:
+            m._bind(_tensors(m, shapes), kernel=True)
+        assert str(err.value) == expected[1]
+
+
+def test_a_wire_no_input_binds_is_named_after_the_others_are_checked(tmp_path):
+    """A diagram whose |g| no input shows alone (only inside (hk g)) cannot be
+    bound: the message names it, after the dimensions that can be bound were
+    checked (a mismatch there is reported first, as before)."""
+    m = compile_text("""diagram nog
+wire b, hk, g, q, x, d
+in Q[b, (hk g), q, d] : fp32
+in K[b, (hk g), x, d] : fp32
+in V[b, (hk g), x, d] : fp32
+S[b, hk, g, q, x] = sum[d](Q * K)
+P[b, hk, g, q, x] = softmax[x](S)
+O[b, (hk g), q, d] : fp32 = sum[x](P * V)
+out O
+schedule on h100 {
+  level hbm { hold Q, K, V, O }
+  level smem { group q by 16
+    stream x by 16
+    hold S, P }
+}
+""", "nog", tmp_path)
+    q, k = torch.empty(1, 4, 3, 16), torch.empty(1, 4, 5, 16)
+    with pytest.raises(ValueError, match=r"^cannot tell the sizes of wires g, hk from the input shapes$"):
+        m._bind((q, k, k), kernel=True)
+    with pytest.raises(ValueError, match=r"^K dimension 0 \(b\) has size 2, but wire b has size 1 from Q"):
+        m._bind((q, torch.empty(2, 4, 5, 16), k), kernel=True)
+
+
+def test_host_arithmetic_matches_tritons(modules):
+    m = modules["attention"]
+    for a in range(0, 300):
+        for b in (1, 3, 16, 64, 128):
+            assert m._cdiv(a, b) == triton.cdiv(a, b)
+        assert m._dim_block(a) == max(16, triton.next_power_of_2(a))
+
+
+def test_plain_layouts_take_their_strides_and_grouped_ones_split_them(modules):
+    m = modules["gqa"]
+    sizes = {"b": 2, "hk": 3, "g": 4, "q": 5, "x": 6, "d": 128}
+    q = torch.empty(2, 12, 5, 128).transpose(2, 3)   # not contiguous: the strides are the tensor's
+    k = torch.empty(2, 3, 6, 128)
+    assert "K" in m._PLAIN and "Q" not in m._PLAIN
+    assert m._wire_strides(k, "K", sizes) == list(k.stride())
+    s = q.stride()
+    assert m._wire_strides(q, "Q", sizes) == [s[0], s[1] * 4, s[1], s[2], s[3]]
+
+
+def test_the_remembered_autotune_lookup_sees_a_new_file_and_a_new_cache_dir(modules, monkeypatch, tmp_path):
+    """The lookup is remembered per shape bucket, keyed also by the cache
+    file's path and stamp: pointing NAPKIN_CACHE elsewhere, or rewriting the
+    file, is seen by the very next launch."""
+    from napkin import autotune
+
+    m = modules["attention"]
+    sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
+    key = autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, ("b", "h", "q", "x"))
+    one, two = tmp_path / "one", tmp_path / "two"
+    for folder, block in ((one, 16), (two, 32)):
+        folder.mkdir()
+        (folder / "autotune.json").write_text(json.dumps(
+            {"schema": autotune.SCHEMA, "entries": {key: {"config": {"block_q": block}}}}))
+    dev = torch.device("cpu")
+    monkeypatch.setenv("NAPKIN_CACHE", str(one))
+    assert m._autotune_lookup(sizes, dev) == {"block_q": 16}
+    monkeypatch.setenv("NAPKIN_CACHE", str(two))
+    assert m._autotune_lookup(sizes, dev) == {"block_q": 32}
+    (two / "autotune.json").unlink()
+    assert m._autotune_lookup(sizes, dev) is None
+    (two / "autotune.json").write_text(json.dumps(
+        {"schema": autotune.SCHEMA, "entries": {key: {"config": {"block_q": 64}}}}))
+    assert m._autotune_lookup(sizes, dev) == {"block_q": 64}
+    assert m._autotune_lookup(dict(sizes, x=8), dev) == {"block_q": 64}      # the same bucket
+    assert m._autotune_lookup(dict(sizes, x=9), dev) is None                 # another
