@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                     ok = err <= tolerance(dtype)
                     ms = harness._ms(fn, device, 2) if ok else None
                     rows.append({"impl": impl, "chunk": chunk, "b": b, "q": q, "x": x,
-                                 "max_abs_error": err, "ok": ok, "ms": ms})
+                                 "max_abs_error": err, "ok": ok, "ms": ms, "host_us": host_us(fn, cuda)})
             rows.append(_flex(flex_module, harness, Q, K, V, q, x, b, device, want, cuda))
             rows.append(_sdpa(torch, harness, Q, K, V, q, x, b, device, want))
             # rewritten after each point: a run stopped at a GPU session's limit keeps what it measured
@@ -120,6 +120,25 @@ def main(argv=None) -> int:
     print(markdown(data))
     print(f"wrote {out / stem}.json and .md")
     return 0 if all(r["ok"] for r in rows if r["impl"].startswith("napkin")) else 1
+
+
+def host_us(fn, cuda: bool, calls: int = 50):
+    """Microseconds a call holds the host (napkin's Python, Triton's launch;
+    torch's for the baselines): the wall time of ``calls`` calls that do not
+    wait for the GPU, whose few kernels queue behind each other.  Where it
+    is near the ms column a step is bound by the host, not the kernel, unless
+    it is captured in a CUDA graph.  None on the CPU, where the interpreter
+    runs each kernel inside its call."""
+    if not cuda:
+        return None
+    import torch
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def tolerance(dtype) -> float:
@@ -140,7 +159,7 @@ def _flex(module, harness, Q, K, V, q, x, b, device, want, compiled) -> dict:
                 "error": f"{type(e).__name__}: {e}"}
     ok = err <= tolerance(Q.dtype)
     return {"impl": "flex", "chunk": None, "b": b, "q": q, "x": x, "max_abs_error": err, "ok": ok,
-            "ms": harness._ms(fn, device, 2) if ok else None}
+            "ms": harness._ms(fn, device, 2) if ok else None, "host_us": host_us(fn, compiled)}
 
 
 def _sdpa(torch, harness, Q, K, V, q, x, b, device, want) -> dict:
@@ -154,7 +173,8 @@ def _sdpa(torch, harness, Q, K, V, q, x, b, device, want) -> dict:
         ms = harness._ms(fn, device, 2)
     except RuntimeError as e:  # an old torch without enable_gqa, say
         return {"impl": "sdpa", "chunk": None, "b": b, "q": q, "x": x, "ok": None, "ms": None, "error": str(e)}
-    return {"impl": "sdpa", "chunk": None, "b": b, "q": q, "x": x, "max_abs_error": err, "ok": None, "ms": ms}
+    return {"impl": "sdpa", "chunk": None, "b": b, "q": q, "x": x, "max_abs_error": err, "ok": None, "ms": ms,
+            "host_us": host_us(fn, device == "cuda")}
 
 
 def markdown(data: dict) -> str:
@@ -162,13 +182,17 @@ def markdown(data: dict) -> str:
              *([f"PARTIAL: {data['partial']}", ""] if data.get("partial") else []),
              f"Command: `{data['command']}`", "", f"Timing: {data['timing']}. dtype {data['dtype']}, "
              f"{data['heads']['kv']} kv heads x {data['heads']['per_kv']} query heads each.", "",
-             "| b | q | x | impl | chunk | max abs error | ok | ms |", "|---|---|---|---|---|---|---|---|"]
+             "host us: the wall time of 50 calls that do not wait for the GPU, per call "
+             "(the host's share of a step; near ms, the step is host-bound).", "",
+             "| b | q | x | impl | chunk | max abs error | ok | ms | host us |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         ms = f"{r['ms']:.4f}" if r.get("ms") is not None else "-"
+        host = f"{r['host_us']:.1f}" if r.get("host_us") is not None else "-"
         err = f"{r['max_abs_error']:.2e}" if "max_abs_error" in r else r.get("error", "-")
         ok = {True: "ok", False: "FAIL", None: "(speed ref)"}[r["ok"]]
         lines.append(f"| {r['b']} | {r['q']} | {r['x']} | {r['impl']} | {r['chunk'] if r['chunk'] is not None else '-'}"
-                     f" | {err} | {ok} | {ms} |")
+                     f" | {err} | {ok} | {ms} | {host} |")
     return "\n".join(lines) + "\n"
 
 

@@ -110,6 +110,8 @@ stage_decode() {
   # program per batch x head) to 4096 against Flex and SDPA, 1 and 4 query rows, caches
   # of 8K-128K, bf16, 8 kv heads x 4 (bench/decode.py; never run on a GPU yet).
   "$PYTHON" bench/decode.py --out "$OUT_DIR"
+  # napkin's Python per launch, kernels stubbed (seconds): the host share of the step times above
+  "$PYTHON" bench/launch_overhead.py --out "$OUT_DIR"
 }
 
 stage="${1:-all}"

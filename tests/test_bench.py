@@ -949,3 +949,49 @@ def test_decode_bench_checks_every_chunk_before_timing_and_writes_its_record(tmp
     assert data["rows"][6]["ok"] and data["rows"][6]["max_abs_error"] < 1e-3
     assert all(r["ok"] and r["max_abs_error"] < 1e-5 and r["ms"] > 0 for r in napkin_rows)
     assert "| 1 | 3 | 100 | napkin | 32 |" in (tmp_path / path.name.replace(".json", ".md")).read_text()
+
+
+# --------------------------------------------------------------------------
+# bench/launch_overhead.py: the host's time per launch, kernels stubbed
+# --------------------------------------------------------------------------
+
+def test_launch_overhead_times_the_launcher_with_every_kernel_stubbed_and_puts_them_back(tmp_path):
+    """Each timed call launches exactly the module's kernels (the chunked
+    decode: its kernel and the merge), none of them runs, and the modules get
+    their kernels back afterwards (other tests share them)."""
+    spec = importlib.util.spec_from_file_location("napkin_launch_bench", REPO / "bench" / "launch_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import generated.flash_decoding as fd
+    kernel, merge = fd._flash_decoding_kernel, fd._flash_decoding_merge
+    rows = [bench.measure(name, 20, "cpu") for name in ("flash_decoding", "attention")]
+    assert rows[0]["launches"] == {"_flash_decoding_kernel": 1, "_flash_decoding_merge": 1}
+    assert rows[1]["launches"] == {"_attention_kernel": 1}
+    assert all(r["us"] > 0 for r in rows)
+    assert (fd._flash_decoding_kernel, fd._flash_decoding_merge) == (kernel, merge)
+    assert bench.main(["--calls", "5", "--out", str(tmp_path), "gqa"]) == 0
+    (path,) = tmp_path.glob("launch-overhead-cpu-*.md")
+    assert "| gqa | b=1, hk=8, g=4, q=1, x=4096 | _gqa_kernel x1 |" in path.read_text()
+
+
+def test_run_h100_decode_stage_runs_the_decode_bench_then_the_host_time(tmp_path):
+    """run_h100.sh decode, PYTHON a stand-in that records its arguments: both
+    scripts exist and write into the stage's output folder."""
+    import shlex
+    import subprocess
+
+    log = tmp_path / "calls.jsonl"
+    (tmp_path / "record.py").write_text("import json, os, sys\n"
+                                        "with open(os.environ['CALLS'], 'a') as f:\n"
+                                        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    shim = tmp_path / "python"
+    shim.write_text(f"#!/usr/bin/env bash\nexec {shlex.quote(sys.executable)} {tmp_path / 'record.py'} \"$@\"\n")
+    shim.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(shim), NAPKIN_BENCH_OUT=str(tmp_path / "out"), CALLS=str(log))
+    done = subprocess.run(["bash", str(REPO / "bench" / "run_h100.sh"), "decode"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls == [["bench/decode.py", "--out", str(tmp_path / "out")],
+                     ["bench/launch_overhead.py", "--out", str(tmp_path / "out")]]
+    assert all((REPO / c[0]).is_file() for c in calls)

@@ -1,0 +1,138 @@
+"""The host's time per launch: what a generated launcher does in Python before
+its kernels start (check and bind the inputs, read the tuned config, allocate
+the outputs, work out strides and grid), with every Triton kernel of the
+module replaced by a stub that only counts its launches.  Triton's own launch
+is not in it (bench/decode.py's host column has that, on a GPU).
+
+A decode step's kernels take microseconds on an H100 (an 8K cache of 8 kv
+heads, d 128, bf16, is 33.5 MB: 10 us at 3.35 TB/s), so this part of a
+launch can be what a step costs when it is not captured in a CUDA graph.
+
+    python bench/launch_overhead.py [--calls 2000] [--out DIR] [NAME ...]
+
+NAME: generated modules (default: flash_decoding, attention, causal, gqa,
+sliding_window, alibi), called on decode-shaped inputs (one query row per head
+against a 4K cache) on the CPU (under TRITON_INTERPRET=1, the stubs run no
+kernel) or on the GPU when there is one.  Prints a table and, with --out,
+writes launch-overhead-DEVICE-DATE.md there.  The times are this machine's
+Python: compare them with each other, and on another machine measure again.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+DEFAULT = ("flash_decoding", "attention", "causal", "gqa", "sliding_window", "alibi")
+# decode-shaped sizes: every symbolic wire a diagram may have
+SIZES = {"b": 1, "h": 8, "hk": 8, "g": 4, "q": 1, "x": 4096, "d": 128}
+
+
+class Stub:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` counts a launch."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs):
+        self.launches += 1
+
+
+@contextlib.contextmanager
+def stubbed(module):
+    """Every Triton kernel the module launches from the host (the jitted
+    functions named ``_..._kernel`` or ``_..._merge``) replaced by a Stub,
+    for the ``with`` block: yields {name: Stub}."""
+    kernels = {name: value for name, value in vars(module).items()
+               # a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction: both wrap .fn
+               if re.fullmatch(r"_\w+_(kernel|merge)", name) and callable(getattr(value, "fn", None))}
+    if not kernels:
+        raise SystemExit(f"bench/launch_overhead.py: {module.__name__} has no kernels to stub")
+    stubs = {name: Stub() for name in kernels}
+    try:
+        for name, stub in stubs.items():
+            setattr(module, name, stub)
+        yield stubs
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+
+
+def measure(name: str, calls: int, device: str) -> dict:
+    """Microseconds per call of the module's launcher (forward, no gradient),
+    median of 5 runs of ``calls`` calls, and the stubs' launch counts."""
+    import torch
+
+    module = importlib.import_module(f"generated.{name}")
+    sizes = {w: SIZES[w] for w, n in module.WIRES.items() if n is None}
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    inputs = module.example_inputs(sizes, dtype=dtype, device=device, seed=0)
+    launch = getattr(module, name)
+    with torch.no_grad(), stubbed(module) as stubs:
+        for _ in range(50):
+            launch(*inputs)
+        counts = {k: s.launches for k, s in stubs.items()}
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                launch(*inputs)
+            runs.append((time.perf_counter() - t0) / calls * 1e6)
+    runs.sort()
+    per_call = {k: v // 50 for k, v in counts.items() if v}
+    return {"name": name, "us": runs[2], "launches": per_call,
+            "sizes": ", ".join(f"{w}={n}" for w, n in sizes.items())}
+
+
+def markdown(rows: list[dict], device: str, command: str) -> str:
+    lines = [f"# Host time per launch ({device}, {datetime.date.today().isoformat()})", "",
+             f"Command: `{command}`", "",
+             f"Python {platform.python_version()} on {platform.processor() or platform.machine()}; "
+             "every Triton kernel stubbed (Triton's own launch not included); median of 5 runs.", "",
+             "| module | sizes | kernels a call | us per call |", "|---|---|---|---|"]
+    for r in rows:
+        kernels = ", ".join(f"{k} x{n}" for k, n in r["launches"].items())
+        lines.append(f"| {r['name']} | {r['sizes']} | {kernels} | {r['us']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", default=list(DEFAULT))
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--out", default=None, help="folder for launch-overhead-DEVICE-DATE.md")
+    args = p.parse_args(argv)
+    import torch
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = "cuda" if cuda else "cpu"
+    rows = [measure(n, args.calls, device) for n in args.names]
+    label = torch.cuda.get_device_name() if cuda else "cpu"
+    text = markdown(rows, label, "python bench/launch_overhead.py " + " ".join(argv if argv is not None
+                                                                               else sys.argv[1:]))
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"launch-overhead-{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}-{datetime.date.today()}"
+        (out / f"{stem}.md").write_text(text)
+        print(f"wrote {out / stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
