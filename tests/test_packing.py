@@ -273,6 +273,25 @@ def test_an_integer_input_along_q_alone_is_read_at_each_rows_q():
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "docs")
 
 
+def test_an_integer_input_that_holds_the_packed_wire_is_refused_at_the_group():
+    """The launcher views only float tensors as packed rows; an integer input is read at each row's q
+    with |g| = 1, so one holding g would give each packed head another head's ids: refused."""
+    text = DOC.replace("in qdoc[b, q] : int32", "in qdoc[b, (hk g), q] : int32")
+    diag = emit_error(text)
+    assert diag.message == ("napkin cannot emit a kernel for 'group g by 4': an integer input that holds g cannot "
+                            "be packed (integer inputs are read at the rows' positions of q); qdoc is "
+                            "[b, hk, g, q]")
+    line, col = pos(text, "g by 4, q")
+    assert (diag.loc.line, diag.loc.col) == (line, col) and diag.hint == "write 'group g by 1'"
+    assert diag.format("t.ncd", text).splitlines() == [
+        f"t.ncd:{line}:{col}: {diag.message}",
+        "        group b by 1, hk by 1, g by 4, q by 4",
+        " " * (4 + col - 1) + "^",
+        "  hint: write 'group g by 1'"]
+    unpacked = text.replace("g by 4, q by 4", "g by 1, q by 16")   # the hint's schedule compiles
+    assert lower.lower(napkin.load_text(unpacked, "t.ncd")).pack is None
+
+
 @pytest.mark.parametrize("empty", ["g", "q", "b", "x"])
 def test_empty_wires_give_the_references_shapes(empty):
     m = K.example("flash_decoding")

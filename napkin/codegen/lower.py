@@ -432,8 +432,8 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
     all the heads it packs (grouped-query decoding).  That view is a reshape
     only when g sits right before q in every tensor along either, and the
     kernel must not need g itself (its index, its size): refused otherwise,
-    at the group.  Integer inputs along q alone are read at the rows'
-    positions, so they may lack g."""
+    at the group.  Integer inputs along q are read at the rows' positions,
+    so they must lack g (one that holds g is refused)."""
     grouped = [(w, t) for w in batch if (t := _group_block(d, w)) is not None and t.size != 1]
     if not grouped:
         return None
@@ -448,7 +448,11 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
         wires = ir.axis_wires(x.axes)
         if w not in wires and row not in wires:
             continue
-        if row in wires and w not in wires and isinstance(x, ir.Input) and x.dtype in ir.INT_DTYPES:
+        if isinstance(x, ir.Input) and x.dtype in ir.INT_DTYPES:
+            if w in wires:  # the launcher views float tensors only: this one would be read with |g| = 1
+                raise unsupported(what, f"an integer input that holds {w} cannot be packed (integer inputs are "
+                                  f"read at the rows' positions of {row}); {x.name} is [{', '.join(wires)}]",
+                                  t.loc, hint)
             continue  # read at the rows' positions (their q)
         if not (w in wires and row in wires and wires.index(w) + 1 == wires.index(row)):
             raise unsupported(what, f"it packs {w} into the rows of {row}, so every tensor along either "
