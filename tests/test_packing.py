@@ -5,11 +5,12 @@ them).
 
 The launcher views the (g, q) pairs as the rows of q, g-major, and gives
 each row its own q as a position (napkin/codegen/lower.py packed_wire,
-emit._pack_lines, the module's _pack).  Checked here: the checker's and
+codegen/packed.py, the module's _pack).  Checked here: the checker's and
 codegen's rules, the launch really packs (its grid), the numerics against
 float64 at ragged sizes, chunked and not, with the caller's positions,
 through a non-contiguous Q (a copy), training (a packed forward, the usual
-backward), and a diagram whose q is read by an integer input alone.
+backward), and a diagram whose q is read by an integer input alone (a
+document mask: its ranges prepass on the packed rows, the bytes of K it saves).
 """
 from __future__ import annotations
 
@@ -314,6 +315,44 @@ def test_an_integer_input_along_q_alone_is_read_at_each_rows_q():
     out, grids = kernel_grids(m, inputs, block_q=16, block_x=16)
     assert grids[0][:2] == (2, 4)                                  # 20 packed rows, b x hk programs
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "docs")
+
+
+def test_a_packed_document_mask_visits_only_the_live_key_blocks():
+    """The ranges prepass runs on packed rows (codegen/packed.py; it once never did: _pack gives the
+    packed rows positions, which turned it off): its row blocks are the packed launch's, each row's
+    document read at its own q.  One block of 16 (g, q) rows whose queries sit in documents 5, 6, 7, 7
+    visits the key blocks from document 5's first to document 7's last: 6 of 16 blocks of K."""
+    from napkin.bytecount import ByteCounter
+    m = K.compile_text(DOC, "packed_docs")
+    sizes = {"b": 1, "hk": 1, "g": 4, "q": 4, "x": 512}
+    Q, Kt, V, _, _ = m.example_inputs(sizes, dtype=torch.float32, seed=1)
+    qdoc = torch.tensor([[5, 6, 7, 7]], dtype=torch.int32)
+    kdoc = torch.tensor([[0] * 320 + [5] * 64 + [6] * 64 + [7] * 64], dtype=torch.int32)
+    inputs = (Q, Kt, V, qdoc, kdoc)
+    with ByteCounter(tensors={"K": Kt}) as bc:
+        out = K.run(m, inputs, block_q=16, block_x=32)
+    assert bc.loads["K"] == 6 * 32 * 64 * 4                      # keys 320..511, d = 64, fp32: not all 512
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "docs")
+    # the caller's positions still mean no prepass (every block, tested per tile), as unpacked
+    with ByteCounter(tensors={"K": Kt}) as bc:
+        placed = K.run(m, inputs, block_q=16, block_x=32, positions={"q": torch.arange(4)}, lengths={"q": 4})
+    assert bc.loads["K"] == 512 * 64 * 4
+    torch.testing.assert_close(placed[0], out[0])
+
+
+@pytest.mark.parametrize("g, q, block", [(4, 6, 16), (3, 5, 16), (8, 3, 32)])
+def test_packed_row_blocks_of_documents_match_the_reference(g, q, block):
+    """Ragged packed blocks whose rows span several heads: the prepass's ranges per packed block (the
+    union of its rows' live blocks, full only where every row's document covers the block)."""
+    m = K.compile_text(DOC, "packed_docs")
+    sizes = {"b": 2, "hk": 2, "g": g, "q": q, "x": 150}
+    Q, Kt, V, _, _ = m.example_inputs(sizes, dtype=torch.float32, seed=4)
+    gen = torch.Generator().manual_seed(g * 10 + q)
+    qdoc = torch.randint(0, 4, (2, q), generator=gen).sort(-1).values.int()
+    kdoc = torch.randint(0, 4, (2, 150), generator=gen).sort(-1).values.int()
+    inputs = (Q, Kt, V, qdoc, kdoc)
+    out = K.run(m, inputs, block_q=block, block_x=16)
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), f"docs g{g} q{q}")
 
 
 def test_an_integer_input_that_holds_the_packed_wire_is_refused_at_the_group():
