@@ -204,13 +204,41 @@ def test_fixed_sizes_of_the_packed_wires():
         K.run(m, (torch.cat([Q, Q], 2), Kt, V))
 
 
-def test_one_query_head_a_group_packs_nothing():
+class CallSpy(LaunchSpy):
+    """A LaunchSpy that also records each launch's keyword arguments."""
+
+    def __init__(self, kernel):
+        super().__init__(kernel)
+        self.calls = []
+
+    def __getitem__(self, grid):
+        launch = super().__getitem__(grid)
+
+        def call(*args, **kwargs):
+            self.calls.append(kwargs)
+            return launch(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_one_query_head_a_group_packs_nothing(g):
+    """|g| = 1: the ordinary launch, no packed positions reach the kernel (|g| = 2 packs: they do)."""
     m = K.example("flash_decoding")
-    sizes = {"b": 1, "hk": 2, "g": 1, "q": 5, "x": 90}
+    sizes = {"b": 1, "hk": 2, "g": g, "q": 5, "x": 90}
     inputs = m.example_inputs(sizes, dtype=torch.float32, seed=4)
-    out, grids = kernel_grids(m, inputs, block_q=16, block_x=16, chunk=0)
-    assert grids == [(1, 2, 1)]
-    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "g=1")
+    spy = CallSpy(m._flash_decoding_kernel)
+    m._flash_decoding_kernel = spy
+    try:
+        out = K.run(m, inputs, block_q=16, block_x=16, chunk=0)
+    finally:
+        m._flash_decoding_kernel = spy.kernel
+    (call,) = spy.calls
+    assert spy.grids == [(1, 2, 1)]                      # 5 or 10 rows: one block per kv head
+    if g == 1:
+        assert call["_POS_q"] is False and call["_pos_q"] is None
+    else:
+        assert call["_POS_q"] is True and call["_pos_q"].tolist() == list(range(5)) * 2
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), f"g={g}")
 
 
 def test_packed_equals_unpacked_and_sdpa():
