@@ -35,7 +35,7 @@ RESERVED = frozenset({
     "example_inputs", "INPUTS", "OUTPUTS", "WIRES", "NAPKIN_VERSION", "SOURCE_HASH",
 })
 ACCUMULATE_DTYPES = ("fp32", "fp16", "bf16", "fp64")
-MIN_DOT_BLOCK = 16  # tl.dot needs every matrix dimension >= 16
+MIN_DOT_BLOCK = tiling.MIN_DOT_BLOCK  # tl.dot needs every matrix dimension >= 16
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _BUILTINS = frozenset(dir(builtins))
 _NUM, _BOOL = "number", "boolean"
@@ -109,6 +109,7 @@ class _Checker:
         self.tensor_names = {t.name for t in diagram.inputs + diagram.lets}
         self.kinds: dict[str, str] = {}           # tensor -> number/boolean
         self.contraction_wires: set[str] = set()  # wires of the factors of sum[w](A * B)
+        self.contractions: set[tuple] = set()     # (wires of A, wires of B, w) of each sum[w](A * B)
         self.broken_boxes: set[str] = set()       # boxes with unresolved names
         self.names_ok = True                      # no unknown names or dtypes anywhere
         self.memo: dict[int, tuple] = {}          # id(expr) -> (expr, inferred wires and kind)
@@ -353,6 +354,7 @@ class _Checker:
             return None
         lw, rw = self.infer(e.body.lhs)[0], self.infer(e.body.rhs)[0]  # remembered: no new errors
         self.contraction_wires |= lw | rw
+        self.contractions.add((frozenset(lw), frozenset(rw), frozenset(e.wires)))
         if isinstance(e.body.lhs, ir.TensorRef) and isinstance(e.body.rhs, ir.TensorRef):
             return (_show(e.body.lhs), lw), (_show(e.body.rhs), rw)
         return None
@@ -494,16 +496,24 @@ class _Checker:
                      t.loc, f"use 1 or a power of two >= {MIN_DOT_BLOCK}")
 
     def packed_rows(self, t: ir.Tile, level: ir.Level) -> bool:
-        """Whether ``t`` shares its rows with the group of a neighbouring wire
-        (``group g by 4, q by 4`` where an input holds g right before q: 16
-        rows, grouped-query heads packed with their queries), their product at
-        least a tl.dot block.  Codegen decides the rest (lower.packed_wire)."""
-        groups = {u.wire: u.size for u in level.tiles if u.kind == "group" and not u.across and u.chunk is None}
-        for x in self.d.inputs:
-            wires = ir.axis_wires(x.axes)
-            for a, b in zip(wires, wires[1:]):
-                other = b if a == t.wire else a if b == t.wire else None
-                if other is not None and groups.get(other, 1) > 1 and t.size * groups[other] >= MIN_DOT_BLOCK:
+        """Whether ``t`` is one of the two groups of packed rows
+        (tiling.packs_rows, the rule codegen's lower.packed_wire runs): in
+        level smem, ``group g by 4, q by 4`` where an input holds g right
+        before q, 16 rows of grouped-query heads packed with their queries.
+        The wires in the roles the kernels give them: the row wire one
+        factor's own wire in a contraction sum[w](A * B) (q of Q, not of K),
+        the packed wire a wire of its factors; neither contracted (w) nor
+        streamed anywhere.  Codegen checks the rest (lower.packed_wire)."""
+        if level.name != "smem":
+            return False
+        # neither wire may be contracted (d of sum[d](Q * K)) or streamed (x) anywhere
+        taken = {u.wire for lv in self.d.schedule.levels for u in lv.tiles if u.kind == "stream"}
+        taken |= {w for _, _, red in self.contractions for w in red}
+        for other in {u.wire for u in level.tiles if u.kind == "group"} - {t.wire}:
+            for packed, row in ((t.wire, other), (other, t.wire)):
+                if {packed, row} & taken or not tiling.packs_rows(self.d, packed, row):
+                    continue
+                if any(row in lw ^ rw and packed in lw | rw for lw, rw, _ in self.contractions):
                     return True
         return False
 

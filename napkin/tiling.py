@@ -161,6 +161,32 @@ def reduced_wires(expr: ir.Expr) -> set[str]:
     return {w for node in ir.walk(expr) if isinstance(node, ir.Reduce) for w in node.wires}
 
 
+# tl.dot needs every matrix dimension >= 16: a block of rows smaller than this
+# is refused (check.py) unless packed rows make it up (packs_rows)
+MIN_DOT_BLOCK = 16
+
+
+def packs_rows(diagram: ir.Diagram, packed: str, row: str) -> bool:
+    """The rule of packed rows (docs/language.md, "Packed rows"), the one
+    the checker lets groups under a tl.dot block pass by and codegen
+    (codegen/lower.py packed_wire) runs: at level smem, where a program's
+    row block is formed, ``group packed by G`` and ``group row by R``, both
+    more than 1 and G * R at least MIN_DOT_BLOCK rows, and an input holds
+    ``packed`` right before ``row`` (``Q[b, (hk g), q, d]``: g, q)."""
+    level = diagram.level("smem")
+    if level is None:
+        return False
+    groups = {t.wire: t.size for t in level.tiles if t.kind == "group" and not t.across and t.chunk is None}
+    g, r = groups.get(packed, 1), groups.get(row, 1)
+    if g <= 1 or r <= 1 or g * r < MIN_DOT_BLOCK:
+        return False
+    for x in diagram.inputs:
+        wires = ir.axis_wires(x.axes)
+        if packed in wires and row in wires and wires.index(packed) + 1 == wires.index(row):
+            return True
+    return False
+
+
 def tensors_read(diagram: ir.Diagram) -> set[str]:
     """Names of the tensors some box reads."""
     return {node.name for let in diagram.lets for node in ir.walk(let.expr)

@@ -5,11 +5,12 @@ them).
 
 The launcher views the (g, q) pairs as the rows of q, g-major, and gives
 each row its own q as a position (napkin/codegen/lower.py packed_wire,
-emit._pack_lines, the module's _pack).  Checked here: the checker's and
+codegen/packed.py, the module's _pack).  Checked here: the checker's and
 codegen's rules, the launch really packs (its grid), the numerics against
 float64 at ragged sizes, chunked and not, with the caller's positions,
 through a non-contiguous Q (a copy), training (a packed forward, the usual
-backward), and a diagram whose q is read by an integer input alone.
+backward), and a diagram whose q is read by an integer input alone (a
+document mask: its ranges prepass on the packed rows, the bytes of K it saves).
 """
 from __future__ import annotations
 
@@ -82,6 +83,49 @@ def test_two_small_groups_whose_product_is_short_of_a_dot_are_refused():
     assert [(e.message.split(":")[0], (e.loc.line, e.loc.col)) for e in errors(text)] == [
         ("block size 2 for g is too small", pos(text, "g by 2")),
         ("block size 4 for q is too small", pos(text, "q by 4   #"))]
+
+
+def test_the_example_checks():
+    assert errors(DECODE) == []
+
+
+TOO_SMALL = ("block size 4 for {} is too small: {} takes part in a contraction, and matrix products (tl.dot) "
+             "need blocks of at least 16")
+
+
+def test_a_small_group_beside_the_contracted_wire_packs_nothing():
+    """q by 4 beside d by 4 (Q[b, (hk g), q, d]) is no packed row block: d is contracted."""
+    text = DECODE.replace(PACKED, "group b by 1, hk by 1, g by 1, q by 4, d by 4")
+    assert [(e.message, (e.loc.line, e.loc.col)) for e in errors(text)] == [
+        (TOO_SMALL.format("q", "q"), pos(text, "q by 4, d")), (TOO_SMALL.format("d", "d"), pos(text, "d by 4"))]
+
+
+def test_small_groups_pack_rows_in_level_smem_only():
+    text = DECODE.replace(PACKED, "group b by 1, hk by 1, g by 1, q by 16") \
+        .replace("    hold S, P\n  }", "    hold S, P\n  }\n  level regs { group g by 4, q by 4 }")
+    assert [(e.message, (e.loc.line, e.loc.col)) for e in errors(text)] == [
+        (TOO_SMALL.format("g", "g"), pos(text, "g by 4, q")), (TOO_SMALL.format("q", "q"), pos(text, "q by 4 }"))]
+
+
+def test_codegen_runs_the_checkers_rule_of_small_groups():
+    """lower.packed_wire refuses what tiling.packs_rows (the checker's rule) does not allow, should the
+    two ever disagree: here on diagrams the checker never saw."""
+    from napkin.parse import parse
+    qd = DECODE.replace(PACKED, "group b by 1, hk by 1, g by 1, q by 4, d by 4")
+    with pytest.raises(NapkinError) as e:
+        lower.lower(parse(qd, "t.ncd"))
+    (diag,) = e.value.diagnostics
+    assert diag.message == ("napkin cannot emit a kernel for 'group q by 4': its blocks of 4 rows are short of a "
+                            "tl.dot block of 16, and no wire packs into them")
+    assert (diag.loc.line, diag.loc.col) == pos(qd, "q by 4, d")
+    regs = DECODE.replace(PACKED, "group b by 1, hk by 1, g by 1, q by 16") \
+        .replace("    hold S, P\n  }", "    hold S, P\n  }\n  level regs { group g by 4, q by 4 }")
+    with pytest.raises(NapkinError) as e:
+        lower.lower(parse(regs, "t.ncd"))
+    (diag,) = e.value.diagnostics
+    assert diag.message.startswith("napkin cannot emit a kernel for 'group g by 4': it packs g into the rows of q "
+                                   "with groups short of a tl.dot block of 16")
+    assert (diag.loc.line, diag.loc.col) == pos(regs, "g by 4, q")
 
 
 def emit_error(text: str) -> NapkinError:
@@ -160,13 +204,41 @@ def test_fixed_sizes_of_the_packed_wires():
         K.run(m, (torch.cat([Q, Q], 2), Kt, V))
 
 
-def test_one_query_head_a_group_packs_nothing():
+class CallSpy(LaunchSpy):
+    """A LaunchSpy that also records each launch's keyword arguments."""
+
+    def __init__(self, kernel):
+        super().__init__(kernel)
+        self.calls = []
+
+    def __getitem__(self, grid):
+        launch = super().__getitem__(grid)
+
+        def call(*args, **kwargs):
+            self.calls.append(kwargs)
+            return launch(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_one_query_head_a_group_packs_nothing(g):
+    """|g| = 1: the ordinary launch, no packed positions reach the kernel (|g| = 2 packs: they do)."""
     m = K.example("flash_decoding")
-    sizes = {"b": 1, "hk": 2, "g": 1, "q": 5, "x": 90}
+    sizes = {"b": 1, "hk": 2, "g": g, "q": 5, "x": 90}
     inputs = m.example_inputs(sizes, dtype=torch.float32, seed=4)
-    out, grids = kernel_grids(m, inputs, block_q=16, block_x=16, chunk=0)
-    assert grids == [(1, 2, 1)]
-    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "g=1")
+    spy = CallSpy(m._flash_decoding_kernel)
+    m._flash_decoding_kernel = spy
+    try:
+        out = K.run(m, inputs, block_q=16, block_x=16, chunk=0)
+    finally:
+        m._flash_decoding_kernel = spy.kernel
+    (call,) = spy.calls
+    assert spy.grids == [(1, 2, 1)]                      # 5 or 10 rows: one block per kv head
+    if g == 1:
+        assert call["_POS_q"] is False and call["_pos_q"] is None
+    else:
+        assert call["_POS_q"] is True and call["_pos_q"].tolist() == list(range(5)) * 2
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), f"g={g}")
 
 
 def test_packed_equals_unpacked_and_sdpa():
@@ -271,6 +343,63 @@ def test_an_integer_input_along_q_alone_is_read_at_each_rows_q():
     out, grids = kernel_grids(m, inputs, block_q=16, block_x=16)
     assert grids[0][:2] == (2, 4)                                  # 20 packed rows, b x hk programs
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "docs")
+
+
+def test_a_packed_document_mask_visits_only_the_live_key_blocks():
+    """The ranges prepass runs on packed rows (codegen/packed.py; it once never did: _pack gives the
+    packed rows positions, which turned it off): its row blocks are the packed launch's, each row's
+    document read at its own q.  One block of 16 (g, q) rows whose queries sit in documents 5, 6, 7, 7
+    visits the key blocks from document 5's first to document 7's last: 6 of 16 blocks of K."""
+    from napkin.bytecount import ByteCounter
+    m = K.compile_text(DOC, "packed_docs")
+    sizes = {"b": 1, "hk": 1, "g": 4, "q": 4, "x": 512}
+    Q, Kt, V, _, _ = m.example_inputs(sizes, dtype=torch.float32, seed=1)
+    qdoc = torch.tensor([[5, 6, 7, 7]], dtype=torch.int32)
+    kdoc = torch.tensor([[0] * 320 + [5] * 64 + [6] * 64 + [7] * 64], dtype=torch.int32)
+    inputs = (Q, Kt, V, qdoc, kdoc)
+    with ByteCounter(tensors={"K": Kt}) as bc:
+        out = K.run(m, inputs, block_q=16, block_x=32)
+    assert bc.loads["K"] == 6 * 32 * 64 * 4                      # keys 320..511, d = 64, fp32: not all 512
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "docs")
+    # the caller's positions still mean no prepass (every block, tested per tile), as unpacked
+    with ByteCounter(tensors={"K": Kt}) as bc:
+        placed = K.run(m, inputs, block_q=16, block_x=32, positions={"q": torch.arange(4)}, lengths={"q": 4})
+    assert bc.loads["K"] == 512 * 64 * 4
+    torch.testing.assert_close(placed[0], out[0])
+
+
+@pytest.mark.parametrize("g, q, block", [(4, 6, 16), (3, 5, 16), (8, 3, 32)])
+def test_packed_row_blocks_of_documents_match_the_reference(g, q, block):
+    """Ragged packed blocks whose rows span several heads: the prepass's ranges per packed block (the
+    union of its rows' live blocks, full only where every row's document covers the block)."""
+    m = K.compile_text(DOC, "packed_docs")
+    sizes = {"b": 2, "hk": 2, "g": g, "q": q, "x": 150}
+    Q, Kt, V, _, _ = m.example_inputs(sizes, dtype=torch.float32, seed=4)
+    gen = torch.Generator().manual_seed(g * 10 + q)
+    qdoc = torch.randint(0, 4, (2, q), generator=gen).sort(-1).values.int()
+    kdoc = torch.randint(0, 4, (2, 150), generator=gen).sort(-1).values.int()
+    inputs = (Q, Kt, V, qdoc, kdoc)
+    out = K.run(m, inputs, block_q=block, block_x=16)
+    K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), f"docs g{g} q{q}")
+
+
+def test_an_integer_input_that_holds_the_packed_wire_is_refused_at_the_group():
+    """The launcher views only float tensors as packed rows; an integer input is read at each row's q
+    with |g| = 1, so one holding g would give each packed head another head's ids: refused."""
+    text = DOC.replace("in qdoc[b, q] : int32", "in qdoc[b, (hk g), q] : int32")
+    diag = emit_error(text)
+    assert diag.message == ("napkin cannot emit a kernel for 'group g by 4': an integer input that holds g cannot "
+                            "be packed (integer inputs are read at the rows' positions of q); qdoc is "
+                            "[b, hk, g, q]")
+    line, col = pos(text, "g by 4, q")
+    assert (diag.loc.line, diag.loc.col) == (line, col) and diag.hint == "write 'group g by 1'"
+    assert diag.format("t.ncd", text).splitlines() == [
+        f"t.ncd:{line}:{col}: {diag.message}",
+        "        group b by 1, hk by 1, g by 4, q by 4",
+        " " * (4 + col - 1) + "^",
+        "  hint: write 'group g by 1'"]
+    unpacked = text.replace("g by 4, q by 4", "g by 1, q by 16")   # the hint's schedule compiles
+    assert lower.lower(napkin.load_text(unpacked, "t.ncd")).pack is None
 
 
 @pytest.mark.parametrize("empty", ["g", "q", "b", "x"])

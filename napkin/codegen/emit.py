@@ -31,6 +31,7 @@ from typing import Optional
 
 from .. import ir, masks
 from . import lower as L
+from . import packed as P
 from . import ranges as R
 from . import tma as T
 from .bounds import live, loop_bounds
@@ -422,7 +423,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     backward reads, see training.py): the kernel stores them only when its
     constexpr _SAVE is set, so the plain forward moves exactly what it did."""
     d = plan.diagram
-    names = _Names(d, plan.dims, (plan.row, plan.col), _packed_runtime(plan))
+    names = _Names(d, plan.dims, (plan.row, plan.col), P.runtime(plan))
     kinds = _kinds(d)
     row, col = plan.row, plan.col
     br, bc = names.block(row), names.block(col)
@@ -455,7 +456,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     _, launch_width = chunk_state(plan, names, lambda w: _dim_block_value(names, w))
     # chunk= is no tuned option of the backward's kernels (nor in the torch op's schema), but the
     # forward's tuned config may set it (autotune.chunk_lengths)
-    launch = _fill_options(opts + ["chunk"]) + _pack_lines(plan) + [
+    launch = _fill_options(opts + ["chunk"]) + P.launch_lines(plan, R.applies(plan)) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
@@ -485,7 +486,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     if R.applies(plan):  # a data mask: the prepass's ranges, unless rows sit at global positions
         bounds = "\n".join([bounds] + R.bounds_lines(names, plan, col))
         params += ["_ranges", "_RANGES: tl.constexpr"]
-        launch.append(R.launch(plan, "_rng", "_br", "_bc", False, False, R.WITHOUT_POSITIONS))
+        launch.append(R.launch(plan, "_rng", "_br", "_bc", False, False, *P.ranges_on(plan, R.WITHOUT_POSITIONS)))
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     extra = ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)', 'num_stages=_opts["num_stages"] or 2',
              FP_FUSION]
@@ -510,7 +511,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "live": "\n".join(live(names, plan, col)), "live_constant": LIVE_CONSTANT,
         "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "chunk": L.chunk_of(d), "chunk_bounds": "\n".join(chunk_bounds(segs)),
-        **_pack_context(plan, saved),
+        **P.context(plan, saved),
         "chunk_store": "\n".join(chunk_store(plan, names)), "chunk_merge": "\n".join(chunk_merge(plan, names)),
         "merge_loads": [ld for ld, spec in zip(pre_loads, [x for x in plan.loads if x.phase == "pre"])
                         if spec.var in merged],
@@ -529,42 +530,10 @@ def merge_loads(plan: L.AttentionPlan) -> list[L.Load]:
     """The tiles without the streamed wire that the merge kernel loads again:
     those the finalise of an output (a saved one too) reads.  The cost model
     counts them (napkin/cost/chunks.py)."""
-    names = _Names(plan.diagram, plan.dims, (plan.row, plan.col), _packed_runtime(plan))
+    names = _Names(plan.diagram, plan.dims, (plan.row, plan.col), P.runtime(plan))
     code, _ = _finalise(plan.diagram, names, list(plan.outputs), _kinds(plan.diagram),
                         {a.var: a for a in plan.accums})
     return [ld for ld in plan.loads if ld.phase == "pre" and reads(code, ld.var)]
-
-
-def _packed_runtime(plan: L.AttentionPlan) -> tuple[str, ...]:
-    """The wires a packed launch re-sizes (|g| = 1, |g||q| rows): its kernels
-    take their sizes at run time, fixed in the diagram or not."""
-    return (plan.pack[0], plan.row) if plan.pack is not None else ()
-
-
-def _pack_lines(plan: L.AttentionPlan) -> list[str]:
-    """With packed rows (L.packed_wire), the launch's inputs, positions and
-    sizes become the packed ones, after the options are filled: the tuned
-    config stays keyed by the caller's sizes."""
-    if plan.pack is None:
-        return []
-    inputs = ", ".join(t.name for t in plan.diagram.inputs) + ","
-    return [f"_real = _sz  # packed rows of {plan.pack[0]} and {plan.row} (_pack): the kernels see the packed sizes",
-            f"({inputs}), positions, lengths, _sz = _pack(({inputs}), _sz, positions, lengths, _dev)"]
-
-
-def _pack_context(plan: L.AttentionPlan, saved) -> dict:
-    """The template's packing helpers and the launcher's return through
-    _unpack; nothing without packed rows."""
-    if plan.pack is None:
-        return {"pack": None}
-    d, row = plan.diagram, plan.row
-    floats = [t.name for t in d.inputs if t.dtype not in ir.INT_DTYPES] \
-        + [o.name for o in d.outputs] + list(saved)
-    packed = tuple(n for n in dict.fromkeys(floats) if row in ir.axis_wires(d.tensor(n).axes))
-    outs = [o.name for o in d.outputs if o.name not in saved]
-    return {"pack": plan.pack, "packed": _tuple(_q(n) for n in packed),
-            "pack_return": f"_unpack(({', '.join(outs)},), {_tuple(_q(n) for n in outs)}, _real), "
-                           f"_unpack(({''.join(n + ', ' for n in saved)}), {_tuple(_q(n) for n in saved)}, _real)"}
 
 
 def _allocate_saved(d: ir.Diagram, saved) -> list[str]:

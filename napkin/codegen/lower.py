@@ -30,7 +30,7 @@ from ..errors import Diagnostic, NapkinError
 DEFAULT_BLOCK_ROW = 64
 DEFAULT_BLOCK_STREAM = 64
 DEFAULT_BLOCK_MATMUL = (64, 64, 32)
-MIN_DOT = 16
+MIN_DOT = tiling.MIN_DOT_BLOCK  # tl.dot's least block
 KERNEL_DTYPES = ("fp16", "bf16", "fp32")
 
 
@@ -432,10 +432,16 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
     all the heads it packs (grouped-query decoding).  That view is a reshape
     only when g sits right before q in every tensor along either, and the
     kernel must not need g itself (its index, its size): refused otherwise,
-    at the group.  Integer inputs along q alone are read at the rows'
-    positions, so they may lack g."""
+    at the group.  Integer inputs along q are read at the rows' positions,
+    so they must lack g (one that holds g is refused)."""
     grouped = [(w, t) for w in batch if (t := _group_block(d, w)) is not None and t.size != 1]
+    rt = _group_block(d, row)
+    short = rt is not None and 1 < rt.size < MIN_DOT
     if not grouped:
+        if short:  # the checker passes it only as packed rows (tiling.packs_rows): not these
+            raise unsupported(f"'group {row} by {rt.size}'", f"its blocks of {rt.size} rows are short of a tl.dot "
+                              f"block of {MIN_DOT}, and no wire packs into them", rt.loc,
+                              f"write 'group {row} by {MIN_DOT}'")
         return None
     w, t = grouped[0]
     what = f"'group {w} by {t.size}'"
@@ -444,11 +450,19 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
         w2, t2 = grouped[1]
         raise unsupported(f"'group {w2} by {t2.size}'", f"only one wire may share the rows of {row} "
                           f"(group {w} by {t.size} packs {w} already)", t2.loc, f"write 'group {w2} by 1'")
+    if (short or t.size < MIN_DOT) and not tiling.packs_rows(d, w, row):
+        raise unsupported(what, f"it packs {w} into the rows of {row} with groups short of a tl.dot block of "
+                          f"{MIN_DOT}, which only packed rows make up: both grouped in level smem, {w} right "
+                          f"before {row} in an input, together {MIN_DOT} rows or more", t.loc, hint)
     for x in list(d.inputs) + [d.tensor(o.name) for o in d.outputs]:
         wires = ir.axis_wires(x.axes)
         if w not in wires and row not in wires:
             continue
-        if row in wires and w not in wires and isinstance(x, ir.Input) and x.dtype in ir.INT_DTYPES:
+        if isinstance(x, ir.Input) and x.dtype in ir.INT_DTYPES:
+            if w in wires:  # the launcher views float tensors only: this one would be read with |g| = 1
+                raise unsupported(what, f"an integer input that holds {w} cannot be packed (integer inputs are "
+                                  f"read at the rows' positions of {row}); {x.name} is [{', '.join(wires)}]",
+                                  t.loc, hint)
             continue  # read at the rows' positions (their q)
         if not (w in wires and row in wires and wires.index(w) + 1 == wires.index(row)):
             raise unsupported(what, f"it packs {w} into the rows of {row}, so every tensor along either "

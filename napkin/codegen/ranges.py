@@ -31,12 +31,20 @@ exact.
 * Rows at global positions (``positions=`` / ``lengths=``: the distributed
   wrappers) keep today's path, every block with its per-tile test: the
   launcher passes ``_RANGES=False`` and the bounds are the affine ones.
+* Packed rows (lower.packed_wire, packed.py) sit at positions too, each
+  (g, q) row at its q, but they are the launch's own: the forward launcher
+  decides from the caller's call, before _pack, and passes the prepass the
+  packed rows' positions, which it reads as the main kernel does (``_idx_q``
+  for the mask's q and the integer inputs' rows, ``|q|`` the caller's).  So
+  its row blocks are the packed launch's, each live where some (g, q) row's
+  document meets the key block and full where every real one does.
 * The cost pass cannot know the data: it counts these diagrams dense.
 """
 from __future__ import annotations
 
 from .. import ir
 from .exprs import triton
+from . import packed as P
 from .lower import RANGES_NAMES, AttentionPlan, wires_of
 
 NAMES = RANGES_NAMES  # what the prepass defines: in lower.internal_names
@@ -103,10 +111,12 @@ def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> 
 WITHOUT_POSITIONS = "positions is None and lengths is None"
 
 
-def launch(plan: AttentionPlan, var: str, br: str, bc: str, whole_rows: bool, by_col: bool, on: str) -> str:
-    """The launcher's line running the prepass at the kernel's blocks: ``var``, ``var``_on."""
+def launch(plan: AttentionPlan, var: str, br: str, bc: str, whole_rows: bool, by_col: bool, on: str,
+           rows: str = "") -> str:
+    """The launcher's line running the prepass at the kernel's blocks: ``var``, ``var``_on.
+    ``rows``: the launch's position arguments (packed rows: each row's q), else none."""
     d = plan.diagram
-    args = ", ".join(_tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on])
+    args = ", ".join(_tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on] + [rows] * bool(rows))
     return (f"{var}, {var}_on = _{d.name}_ranges({args})"
             "  # the mask reads data: its live and full blocks")
 
@@ -124,24 +134,30 @@ def render(plan: AttentionPlan) -> str:
 
     d = plan.diagram
     row, col = plan.row, plan.col
-    names = E._Names(d, plan.dims)  # no positions: the prepass never runs with them
+    # no positions: the prepass never runs with the caller's; but packed rows (packed.py) give each
+    # row its q as a position, which the prepass reads as the main kernel does
+    placed = (row,) if plan.pack is not None else ()
+    names = E._Names(d, plan.dims, placed, P.runtime(plan))
     kinds = E._kinds(d)
     refs = [n for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)]
     subst = dict(plan.step_subst)
     used = {subst[n] for n in refs}
     loads = [ld for ld in plan.loads if ld.var in used]
     tensors = _tensors(plan)
-    sizes = [f"_size_{w.name}" for w in d.wires if w.size is None]
+    sized = [w.name for w in d.wires if w.size is None or w.name in names.runtime]
+    sizes = [f"_size_{w}" for w in sized]
     strides = [f"_st_{t}_{w}" for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]
     pred = triton(plan.skip, names.ctx(row, col, {n: subst[n] for n in refs}, kinds))
     wires = batch_wires(plan)
     ctx = {
         "kernel": f"_{d.name}_ranges_kernel", "launcher": f"_{d.name}_ranges",
         "params": tensors + sizes + strides + ["_ranges"]
-        + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL")],
-        "no_specialize": ", ".join(f'"{s}"' for s in sizes), "tensors": tensors,
+        + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL")]
+        + ([f"_pos_{row}", f"_len_{row}", f"_POS_{row}: tl.constexpr"] if placed else []),
+        "placed": bool(placed),
+        "no_specialize": ", ".join(f'"{s}"' for s in sizes + [f"_len_{row}"] * bool(placed)), "tensors": tensors,
         "args": ([", ".join(tensors)] if tensors else [])  # a mask of indices alone reads no tensor
-        + ([", ".join(f'_sz["{w.name}"]' for w in d.wires if w.size is None)] if sizes else [])
+        + ([", ".join(f'_sz["{w}"]' for w in sized)] if sizes else [])
         + [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors],
         "decode": E._decode(names, wires), "batch_text": ", ".join(wires) or "no batch wire",
         "grid_batch": " * ".join(f'_sz["{w}"]' for w in wires) or "1",
