@@ -620,7 +620,8 @@ def _pack(tensors, sizes, positions, lengths, device):
     where g and q merge (contiguous tensors), else a copy.  The kernels
     take both sizes at run time, so a size the diagram fixes is no obstacle."""
     g, r = _PACK
-    _positions(positions, lengths, sizes, device, tensors)
+    if positions or lengths:   # the caller's own, checked at its sizes (the launch checks the packed ones)
+        _positions(positions, lengths, sizes, device, tensors)
     if sizes[g] == 1:
         return tensors, positions, lengths, sizes
     packed = {**sizes, g: 1, r: sizes[g] * sizes[r]}

@@ -128,7 +128,7 @@ class KernelInfo:
 def grid_text(k: KernelInfo) -> str:
     """``b/1 h/1 q/64``: each grid wire over its block; packed rows read
     ``(g q)/16`` (blocks of (g, q) pairs), the packed wire's 1 left out."""
-    packed = getattr(k, "packed", None)
+    packed = k.packed
     parts = []
     for w, b in k.grid:
         if packed and w == packed[0]:
