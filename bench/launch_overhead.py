@@ -2,13 +2,15 @@
 its kernels start (check and bind the inputs, read the tuned config, allocate
 the outputs, work out strides and grid), with every Triton kernel of the
 module replaced by a stub that only counts its launches.  Triton's own launch
-is not in it (bench/decode.py's host column has that, on a GPU).
+is not in it (bench/decode.py's host column has that, on a GPU); with
+--triton (no GPU) Triton's part up to its C launcher is, the kernels compiled
+for sm_90 once and never run.
 
 A decode step's kernels take microseconds on an H100 (an 8K cache of 8 kv
 heads, d 128, bf16, is 33.5 MB: 10 us at 3.35 TB/s), so this part of a
 launch can be what a step costs when it is not captured in a CUDA graph.
 
-    python bench/launch_overhead.py [--calls 2000] [--out DIR] [NAME ...]
+    python bench/launch_overhead.py [--calls 2000] [--out DIR] [--triton] [NAME ...]
 
 NAME: generated modules (default: flash_decoding, attention, causal, gqa,
 sliding_window, alibi), called on decode-shaped inputs (one query row per head
@@ -20,6 +22,7 @@ Python: compare them with each other, and on another machine measure again.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import importlib
@@ -65,15 +68,34 @@ def stubbed(module):
     try:
         for name, stub in stubs.items():
             setattr(module, name, stub)
-        yield stubs
+        yield lambda: {k: s.launches for k, s in stubs.items()}
     finally:
         for name, kernel in kernels.items():
             setattr(module, name, kernel)
 
 
-def measure(name: str, calls: int, device: str) -> dict:
+@contextlib.contextmanager
+def hopper(module):
+    """Triton's launch path as far as its C launcher: each kernel compiled
+    once for sm_90 (napkin.bench.aot's stand-in GPU, no GPU needed), then on
+    every launch Triton's argument binder, cache key and lookup; nothing
+    runs.  Needs a process whose Triton was imported without
+    TRITON_INTERPRET.  Yields launch counts like ``stubbed``."""
+    from napkin.bench import aot
+
+    check = module._check_device
+    module._check_device = lambda device: None   # CPU tensors without the interpreter: nothing runs
+    try:
+        with aot._compiling_for(90) as compiled:
+            yield lambda: dict(collections.Counter(name for name, _ in compiled))
+    finally:
+        module._check_device = check
+
+
+def measure(name: str, calls: int, device: str, triton: bool = False) -> dict:
     """Microseconds per call of the module's launcher (forward, no gradient),
-    median of 5 runs of ``calls`` calls, and the stubs' launch counts."""
+    median of 5 runs of ``calls`` calls, and the kernels each call launches:
+    kernels stubbed, or with ``triton`` Triton's own launch path (hopper)."""
     import torch
 
     module = importlib.import_module(f"generated.{name}")
@@ -81,10 +103,10 @@ def measure(name: str, calls: int, device: str) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     inputs = module.example_inputs(sizes, dtype=dtype, device=device, seed=0)
     launch = getattr(module, name)
-    with torch.no_grad(), stubbed(module) as stubs:
+    with torch.no_grad(), (hopper if triton else stubbed)(module) as launches:
         for _ in range(50):
             launch(*inputs)
-        counts = {k: s.launches for k, s in stubs.items()}
+        counts = launches()
         runs = []
         for _ in range(5):
             t0 = time.perf_counter()
@@ -97,11 +119,13 @@ def measure(name: str, calls: int, device: str) -> dict:
             "sizes": ", ".join(f"{w}={n}" for w, n in sizes.items())}
 
 
-def markdown(rows: list[dict], device: str, command: str) -> str:
+def markdown(rows: list[dict], device: str, command: str, triton: bool = False) -> str:
+    what = ("Triton's launch path included up to its C launcher (kernels compiled for sm_90, not run)"
+            if triton else "every Triton kernel stubbed (Triton's own launch not included)")
     lines = [f"# Host time per launch ({device}, {datetime.date.today().isoformat()})", "",
              f"Command: `{command}`", "",
              f"Python {platform.python_version()} on {platform.processor() or platform.machine()}; "
-             "every Triton kernel stubbed (Triton's own launch not included); median of 5 runs.", "",
+             f"{what}; median of 5 runs.", "",
              "| module | sizes | kernels a call | us per call |", "|---|---|---|---|"]
     for r in rows:
         kernels = ", ".join(f"{k} x{n}" for k, n in r["launches"].items())
@@ -114,21 +138,30 @@ def main(argv=None) -> int:
     p.add_argument("names", nargs="*", default=list(DEFAULT))
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--out", default=None, help="folder for launch-overhead-DEVICE-DATE.md")
+    p.add_argument("--triton", action="store_true",
+                   help="CPU only: Triton's launch path too, the kernels compiled for sm_90 and not run "
+                        "(binder, cache key, lookup; not the C launcher)")
     args = p.parse_args(argv)
+    if args.triton and os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("bench/launch_overhead.py --triton: unset TRITON_INTERPRET (Triton must compile)")
     import torch
     cuda = torch.cuda.is_available()
-    if not cuda:
+    if args.triton and cuda:
+        raise SystemExit("bench/launch_overhead.py --triton is for a machine without a GPU: on one, "
+                         "bench/decode.py's host column times the real launch")
+    if not cuda and not args.triton:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = "cuda" if cuda else "cpu"
-    rows = [measure(n, args.calls, device) for n in args.names]
+    rows = [measure(n, args.calls, device, args.triton) for n in args.names]
     label = torch.cuda.get_device_name() if cuda else "cpu"
     text = markdown(rows, label, "python bench/launch_overhead.py " + " ".join(argv if argv is not None
-                                                                               else sys.argv[1:]))
+                                                                               else sys.argv[1:]), args.triton)
     print(text)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"launch-overhead-{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}-{datetime.date.today()}"
+        kind = "-triton" if args.triton else ""
+        stem = f"launch-overhead{kind}-{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}-{datetime.date.today()}"
         (out / f"{stem}.md").write_text(text)
         print(f"wrote {out / stem}.md")
     return 0

@@ -995,3 +995,21 @@ def test_run_h100_decode_stage_runs_the_decode_bench_then_the_host_time(tmp_path
     assert calls == [["bench/decode.py", "--out", str(tmp_path / "out")],
                      ["bench/launch_overhead.py", "--out", str(tmp_path / "out")]]
     assert all((REPO / c[0]).is_file() for c in calls)
+
+
+def test_launch_overhead_with_tritons_launch_path_compiles_for_hopper_and_runs_nothing():
+    """--triton (a fresh process: Triton must compile, not interpret): each
+    call goes through Triton's binder and kernel cache, the kernels compiled
+    for sm_90 once, one launch a call; nothing runs on this machine."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "launch_overhead.py"), "--triton", "--calls", "5",
+                           "attention"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Triton's launch path included up to its C launcher" in done.stdout
+    assert "| attention | b=1, h=8, q=1, x=4096 | _attention_kernel x1 |" in done.stdout
+    refused = subprocess.run([sys.executable, str(REPO / "bench" / "launch_overhead.py"), "--triton"],
+                             env=dict(env, TRITON_INTERPRET="1"), cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0 and "unset TRITON_INTERPRET" in refused.stderr
