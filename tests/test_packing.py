@@ -149,6 +149,23 @@ def test_a_box_that_reads_the_packed_wire_is_refused():
     diag = emit_error(text)
     assert diag.message == ("napkin cannot emit a kernel for 'group g by 4': box S uses the index g, which "
                             "packed rows do not keep (the kernel sees g as size 1)")
+    assert diag.hint == "write 'group g by 1'; or, to pack q into the rows of g, hold q right before g in every tensor"
+
+
+def test_q_held_before_g_makes_g_the_rows_and_the_hint_says_how_to_swap():
+    """Q[b, hk, q, g, d]: g, the innermost grouped wire, becomes the rows and
+    q would be packed, which the causal mask's index q forbids; the hint says
+    to hold g right before q (what was meant) as well as to drop q's group."""
+    text = DECODE
+    for old, new in (("Q[b, (hk g), q, d]", "Q[b, hk, q, g, d]"), ("O[b, (hk g), q, d]", "O[b, hk, q, g, d]"),
+                     ("lse[b, (hk g), q]", "lse[b, hk, q, g]")):
+        assert old in text
+        text = text.replace(old, new)
+    diag = emit_error(text)
+    assert diag.message == ("napkin cannot emit a kernel for 'group q by 4': box S uses the index q, which "
+                            "packed rows do not keep (the kernel sees q as size 1)")
+    assert diag.hint == "write 'group q by 1'; or, to pack g into the rows of q, hold g right before q in every tensor"
+    assert (diag.loc.line, diag.loc.col) == pos(text, "q by 4   # 16 rows")
 
 
 def test_only_one_wire_packs():

@@ -471,8 +471,11 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
         for n in nodes(let.expr):
             if isinstance(n, (ir.WireIndex, ir.WireSize)) and n.wire == w:
                 used = f"|{w}|" if isinstance(n, ir.WireSize) else f"the index {w}"
+                # the row wire is the innermost grouped one: a layout with q before g makes g the rows
                 raise unsupported(what, f"box {let.name} uses {used}, which packed rows do not keep "
-                                  f"(the kernel sees {w} as size 1)", t.loc, hint)
+                                  f"(the kernel sees {w} as size 1)", t.loc,
+                                  f"{hint}; or, to pack {row} into the rows of {w}, hold {row} right before "
+                                  f"{w} in every tensor")
     return w, t.size
 
 
