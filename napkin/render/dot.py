@@ -165,19 +165,12 @@ def expr_wires(diagram: ir.Diagram, e: ir.Expr) -> tuple[str, ...]:
 
 def _packed(d: ir.Diagram) -> Optional[tuple[str, int, str, int]]:
     """(g, its group, the row wire, its group) when the kernel packs g into
-    the rows (napkin/codegen/lower.py packed_wire), else None (also for a
-    diagram napkin cannot emit: the picture does not need a kernel)."""
-    from ..codegen import lower
-    from ..errors import NapkinError
+    the rows (napkin/cost/packing.py find, from codegen's plan), else None
+    (also for a diagram napkin cannot emit: the picture needs no kernel)."""
+    from ..cost import packing
 
-    try:
-        plan = lower.lower(d)
-    except NapkinError:
-        return None
-    if getattr(plan, "pack", None) is None:
-        return None
-    rows = dict(plan.blocks)[plan.row] // plan.pack[1]
-    return plan.pack[0], plan.pack[1], plan.row, rows
+    p = packing.find(d)
+    return None if p is None else (p.wire, p.groups[0], p.row, p.groups[1])
 
 
 @dataclass(frozen=True)
