@@ -110,7 +110,8 @@ def main(argv=None) -> int:
                     ok = err <= tolerance(dtype)
                     ms = harness._ms(fn, device, 2) if ok else None
                     rows.append({"impl": impl, "chunk": chunk, "b": b, "q": q, "x": x,
-                                 "max_abs_error": err, "ok": ok, "ms": ms, "host_us": host_us(fn, cuda)})
+                                 "max_abs_error": err, "ok": ok, "ms": ms, "host_us": host_us(fn, cuda),
+                                 **(graph_ms(fn, harness) if cuda and ok else {})})
             rows.append(_flex(flex_module, harness, Q, K, V, q, x, b, device, want, cuda))
             rows.append(_sdpa(torch, harness, Q, K, V, q, x, b, device, want))
             # rewritten after each point: a run stopped at a GPU session's limit keeps what it measured
@@ -141,6 +142,35 @@ def host_us(fn, cuda: bool, calls: int = 50):
     return elapsed / calls * 1e6
 
 
+def graph_ms(fn, harness) -> dict:
+    """The call captured in a CUDA graph and replayed: the step without the
+    host (napkin's Python, Triton's launches), as a serving loop that
+    captures its decode step runs it.  Warmed up on a side stream first (so
+    nothing the launcher caches, the packed rows' positions say, is first
+    made inside the capture); the replay's output must be the call's own.
+    {"graph_ms": ms} or {"graph_error": why}: a step that cannot be captured
+    is reported, not fatal."""
+    import torch
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        graph.replay()
+        first = (lambda o: o[0] if isinstance(o, tuple) else o)
+        err = harness.max_abs_error(first(out), first(fn()).double())
+        if err > 0:   # the same kernels on the same inputs: bitwise the same
+            return {"graph_error": f"replayed output off the call's by {err:.3g}"}
+        return {"graph_ms": harness._ms(graph.replay, "cuda", 2)}
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        return {"graph_error": f"{type(e).__name__}: {e}"}
+
+
 def tolerance(dtype) -> float:
     """The max abs error against float64 a checked result may have: bf16's
     8-bit mantissa on outputs of order 1, else fp16/fp32 (the CPU smoke)."""
@@ -159,7 +189,8 @@ def _flex(module, harness, Q, K, V, q, x, b, device, want, compiled) -> dict:
                 "error": f"{type(e).__name__}: {e}"}
     ok = err <= tolerance(Q.dtype)
     return {"impl": "flex", "chunk": None, "b": b, "q": q, "x": x, "max_abs_error": err, "ok": ok,
-            "ms": harness._ms(fn, device, 2) if ok else None, "host_us": host_us(fn, compiled)}
+            "ms": harness._ms(fn, device, 2) if ok else None, "host_us": host_us(fn, compiled),
+            **(graph_ms(fn, harness) if compiled and ok else {})}
 
 
 def _sdpa(torch, harness, Q, K, V, q, x, b, device, want) -> dict:
@@ -174,7 +205,7 @@ def _sdpa(torch, harness, Q, K, V, q, x, b, device, want) -> dict:
     except RuntimeError as e:  # an old torch without enable_gqa, say
         return {"impl": "sdpa", "chunk": None, "b": b, "q": q, "x": x, "ok": None, "ms": None, "error": str(e)}
     return {"impl": "sdpa", "chunk": None, "b": b, "q": q, "x": x, "max_abs_error": err, "ok": None, "ms": ms,
-            "host_us": host_us(fn, device == "cuda")}
+            "host_us": host_us(fn, device == "cuda"), **(graph_ms(fn, harness) if device == "cuda" else {})}
 
 
 def markdown(data: dict) -> str:
@@ -183,16 +214,18 @@ def markdown(data: dict) -> str:
              f"Command: `{data['command']}`", "", f"Timing: {data['timing']}. dtype {data['dtype']}, "
              f"{data['heads']['kv']} kv heads x {data['heads']['per_kv']} query heads each.", "",
              "host us: the wall time of 50 calls that do not wait for the GPU, per call "
-             "(the host's share of a step; near ms, the step is host-bound).", "",
-             "| b | q | x | impl | chunk | max abs error | ok | ms | host us |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(the host's share of a step; near ms, the step is host-bound).  graph ms: the call "
+             "captured in a CUDA graph and replayed (checked first): the step without the host.", "",
+             "| b | q | x | impl | chunk | max abs error | ok | ms | host us | graph ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         ms = f"{r['ms']:.4f}" if r.get("ms") is not None else "-"
         host = f"{r['host_us']:.1f}" if r.get("host_us") is not None else "-"
+        graph = f"{r['graph_ms']:.4f}" if r.get("graph_ms") is not None else r.get("graph_error", "-")
         err = f"{r['max_abs_error']:.2e}" if "max_abs_error" in r else r.get("error", "-")
         ok = {True: "ok", False: "FAIL", None: "(speed ref)"}[r["ok"]]
         lines.append(f"| {r['b']} | {r['q']} | {r['x']} | {r['impl']} | {r['chunk'] if r['chunk'] is not None else '-'}"
-                     f" | {err} | {ok} | {ms} | {host} |")
+                     f" | {err} | {ok} | {ms} | {host} | {graph} |")
     return "\n".join(lines) + "\n"
 
 
