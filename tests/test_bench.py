@@ -1013,3 +1013,52 @@ def test_launch_overhead_with_tritons_launch_path_compiles_for_hopper_and_runs_n
                              env=dict(env, TRITON_INTERPRET="1"), cwd=REPO, capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode != 0 and "unset TRITON_INTERPRET" in refused.stderr
+
+
+def test_decode_graph_timing_warms_up_captures_checks_the_replay_and_reports_failures(monkeypatch):
+    """bench/decode.py's graph_ms with torch.cuda's graph API faked (no GPU
+    here): three warm-up calls on a side stream, one captured, the replay
+    held to the eager call's output bit for bit, and a step that cannot be
+    captured reported in its row rather than stopping the stage."""
+    import contextlib
+
+    spec = importlib.util.spec_from_file_location("napkin_decode_graph", REPO / "bench" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    timed = []
+    monkeypatch.setattr(harness, "_ms", lambda fn, device, reps: (timed.append((fn, device)), 0.25)[1])
+
+    calls = []
+    out = torch.randn(3, 4)
+
+    def step():
+        calls.append(1)
+        return out.clone(), None
+    assert decode.graph_ms(step, harness) == {"graph_ms": 0.25}
+    assert len(calls) == 5                      # 3 warm-ups, the capture, the eager call it is checked against
+    assert Graph.replays == 1 and timed[0][1] == "cuda" and timed[0][0].__name__ == "replay"
+
+    drift = iter(range(100))
+    assert decode.graph_ms(lambda: torch.full((2,), float(next(drift))), harness) == \
+        {"graph_error": "replayed output off the call's by 1"}
+
+    def broken():
+        raise RuntimeError("operation not permitted when stream is capturing")
+    assert decode.graph_ms(broken, harness) == \
+        {"graph_error": "RuntimeError: operation not permitted when stream is capturing"}
