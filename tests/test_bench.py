@@ -889,16 +889,9 @@ def test_device_sh_refuses_an_unknown_verb_and_run_without_out():
     assert no_out.returncode != 0 and "device tool" in no_out.stderr
 
 
-@pytest.mark.parametrize("stage, files, seqlens", [
-    ("main", ["attention", "causal"], [16384]),
-    ("variants", ["sliding_window", "softcap", "alibi", "document_mask", "gqa"], [16384]),
-    ("others", ["sigmoid_attention", "l2_attention", "relu2_attention"], [16384]),
-    ("sweep", ["attention", "causal"], [1024, 2048, 4096, 8192, 16384])])
-def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, seqlens):
-    """Each run_h100.sh stage's bench command, as the stage builds it (PYTHON
-    is a stand-in that records its arguments), parses with napkin bench's own
-    parser and names bundled examples: a GPU session's minutes are not lost
-    to a typo in a flag."""
+def run_stage_recorded(tmp_path, stage: str) -> list[list[str]]:
+    """run_h100.sh STAGE with PYTHON a stand-in that records its arguments
+    (and runs nothing): the argument lists of the stage's calls, in order."""
     import shlex
     import subprocess
 
@@ -914,7 +907,20 @@ def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, 
     done = subprocess.run(["bash", str(REPO / "bench" / "run_h100.sh"), stage], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    (call,) = [json.loads(line) for line in log.read_text().splitlines()]
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("stage, files, seqlens", [
+    ("main", ["attention", "causal"], [16384]),
+    ("variants", ["sliding_window", "softcap", "alibi", "document_mask", "gqa"], [16384]),
+    ("others", ["sigmoid_attention", "l2_attention", "relu2_attention"], [16384]),
+    ("sweep", ["attention", "causal"], [1024, 2048, 4096, 8192, 16384])])
+def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, seqlens):
+    """Each run_h100.sh stage's bench command, as the stage builds it (PYTHON
+    is a stand-in that records its arguments), parses with napkin bench's own
+    parser and names bundled examples: a GPU session's minutes are not lost
+    to a typo in a flag."""
+    (call,) = run_stage_recorded(tmp_path, stage)
     assert call[:2] == ["-m", "napkin.bench"]
     args = harness.build_parser().parse_args(call[2:])
     assert [Path(f).stem for f in args.files] == files and all((REPO / f).is_file() for f in args.files)
@@ -977,21 +983,7 @@ def test_launch_overhead_times_the_launcher_with_every_kernel_stubbed_and_puts_t
 def test_run_h100_decode_stage_runs_the_decode_bench_then_the_host_time(tmp_path):
     """run_h100.sh decode, PYTHON a stand-in that records its arguments: both
     scripts exist and write into the stage's output folder."""
-    import shlex
-    import subprocess
-
-    log = tmp_path / "calls.jsonl"
-    (tmp_path / "record.py").write_text("import json, os, sys\n"
-                                        "with open(os.environ['CALLS'], 'a') as f:\n"
-                                        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n")
-    shim = tmp_path / "python"
-    shim.write_text(f"#!/usr/bin/env bash\nexec {shlex.quote(sys.executable)} {tmp_path / 'record.py'} \"$@\"\n")
-    shim.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(shim), NAPKIN_BENCH_OUT=str(tmp_path / "out"), CALLS=str(log))
-    done = subprocess.run(["bash", str(REPO / "bench" / "run_h100.sh"), "decode"], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    calls = run_stage_recorded(tmp_path, "decode")
     assert calls == [["bench/decode.py", "--out", str(tmp_path / "out")],
                      ["bench/launch_overhead.py", "--out", str(tmp_path / "out")]]
     assert all((REPO / c[0]).is_file() for c in calls)
