@@ -542,7 +542,8 @@ def chunk_lengths(shape: KernelShape, sizes: Mapping[str, int], blocks: Mapping[
     chunks: less state to merge), each at least CHUNK_MIN_BLOCKS streamed
     blocks and shorter than the wire (one chunk runs whole).  A schedule
     that chunks also gets chunk=0, the whole wire in one program."""
-    from .codegen.lower import chunk_of, packed_sizes
+    from .codegen.lower import chunk_of
+    from .cost import packing
     from .cost.analysis import resolve_profile
 
     plans = _plans(shape.diagram) if shape.kind == "" else None
@@ -550,7 +551,10 @@ def chunk_lengths(shape: KernelShape, sizes: Mapping[str, int], blocks: Mapping[
         return []
     fplan = plans[0]
     full = {w.name: w.size for w in shape.diagram.wires if w.size is not None}
-    full = packed_sizes(fplan, {**full, **sizes})   # packed rows: the programs the launch runs
+    full.update(sizes)
+    pack = packing.of_plan(fplan)
+    if pack is not None:   # packed rows: the programs the launch runs, on the packed sizes
+        full = pack.sizes(full)
     res, st = shape.resident, shape.streamed
     n = full[st]
     programs = math.ceil(full[res] / blocks[res]) * math.prod(full[w] for w in fplan.batch)

@@ -25,6 +25,7 @@ import napkin
 import test_kernels as K
 from napkin import ir
 from napkin.codegen import lower
+from napkin.cost import packing
 from napkin.errors import NapkinError
 from napkin.printer import to_text
 from strategies import attention_diagrams, drawn_sizes
@@ -67,7 +68,8 @@ def kernel_grids(m, inputs, **opts):
 def test_the_example_packs_its_query_heads_into_16_rows():
     plan = plan_of(DECODE)
     assert plan.pack == ("g", 4) and dict(plan.blocks)["q"] == 16 and "g" in plan.batch
-    assert lower.packed_sizes(plan, {"b": 2, "hk": 8, "g": 4, "q": 3, "x": 9})["q"] == 12
+    assert packing.of_plan(plan).sizes({"b": 2, "hk": 8, "g": 4, "q": 3, "x": 9}) == \
+        {"b": 2, "hk": 8, "g": 1, "q": 12, "x": 9}
 
 
 def test_a_small_group_alone_is_still_too_small_for_a_dot():

@@ -479,16 +479,6 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
     return w, t.size
 
 
-def packed_sizes(plan: "AttentionPlan", sizes) -> dict:
-    """The wire sizes a forward launch's kernels see: with packed rows
-    (packed_wire), the packed wire of size 1 and the row wire of |g||row|
-    rows (the launcher's _pack); else ``sizes`` as they are."""
-    if plan.pack is None or plan.pack[0] not in sizes or plan.row not in sizes:
-        return dict(sizes)
-    g = plan.pack[0]
-    return {**sizes, g: 1, plan.row: sizes[g] * sizes[plan.row]}
-
-
 # --------------------------------------------------------------------------
 # CONTRACTION.
 # --------------------------------------------------------------------------

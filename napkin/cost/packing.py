@@ -6,7 +6,8 @@ plan's ``pack``), gives each program a block of 16 (g, q) pairs: the 4 query
 heads of a key/value head with 4 queries each, so K and V (without g) are
 read once a program for all of them.  What the launcher runs
 (templates/attention.py.jinja ``_pack``) is the unpacked kernel on a
-re-viewed problem, and this module is that view, for the cost pass:
+re-viewed problem, and this module is that view, for the cost pass (and
+for the tuner, which counts a packed launch's programs by ``Packing.sizes``):
 
 * sizes: g of size 1, q of |g||q| rows (the (g, q) pairs, g-major), every
   other wire as it is;
@@ -109,7 +110,13 @@ def find(diagram: ir.Diagram) -> Optional[Packing]:
 
     if diagram.schedule is None:
         return None
-    plan = attention_plan(diagram)
+    return of_plan(attention_plan(diagram))
+
+
+def of_plan(plan) -> Optional[Packing]:
+    """The packing of a forward attention plan (codegen's lower.AttentionPlan),
+    or None (no plan, or no wire packed).  For a caller that holds the plan
+    already: the tuner (napkin/autotune.py) sizes its packed programs by it."""
     if plan is None or plan.pack is None:
         return None
     from ..codegen.lower import _group_block   # the row wire's tile, as the plan reads it
