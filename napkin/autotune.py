@@ -301,22 +301,14 @@ def _padded(diagram: ir.Diagram, wire: str, sizes: Mapping[str, int]) -> int:
 
 @functools.lru_cache(maxsize=32)
 def _plans(diagram: ir.Diagram):
-    """(forward plan, backward plan or None) of a streamed attention, else None."""
+    """(forward plan, backward plan or None) of a streamed attention
+    (lower.streamed_attention), else None."""
     from .codegen import lower, training
 
-    try:
-        fplan = lower.lower(diagram)
-    except NapkinError:
-        return None
-    if fplan.family != "attention":
+    fplan = lower.streamed_attention(diagram)
+    if fplan is None:
         return None
     return fplan, training.prepare(fplan).backward
-
-
-def forward_plan(diagram: ir.Diagram):
-    """The forward's plan of a streamed attention, else None."""
-    plans = _plans(diagram)
-    return plans[0] if plans else None
 
 
 def kernel_shape(diagram: ir.Diagram, sizes: Mapping[str, int], kind: str = "") -> Optional[KernelShape]:

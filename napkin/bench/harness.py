@@ -524,8 +524,10 @@ def untuned(d: ir.Diagram, sizes: dict, kind: str) -> list:
     lead = _backward_default(d, sizes, kind) if kind else []
     if lead:
         return lead
+    from ..codegen import lower
+
     blocks = autotune.tiled_blocks(d)
-    plan = autotune.forward_plan(d)
+    plan = lower.streamed_attention(d)
     if plan is not None and plan.pack is not None:   # packed rows: the launcher's block_q is the (g, q) pairs'
         blocks = dict(plan.blocks)
     if len(blocks) != 2:

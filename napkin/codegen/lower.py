@@ -403,6 +403,18 @@ def lower(d: ir.Diagram) -> Plan:
     return _contraction(d, exprs, col)
 
 
+def streamed_attention(d: ir.Diagram) -> Optional[AttentionPlan]:
+    """The plan of ``d``'s forward kernel when it is a streamed attention,
+    else None (a contraction, or a diagram ``lower`` refuses): what the cost
+    pass (cost/analysis.py), the tuner (autotune.py) and the benchmark
+    harness read the launch from, where a refusal is not theirs to report."""
+    try:
+        plan = lower(d)
+    except NapkinError:
+        return None
+    return plan if plan.family == "attention" else None
+
+
 def _red_wires(n) -> tuple[str, ...]:
     return n.wires if isinstance(n, ir.Reduce) else (n.wire,)
 

@@ -166,17 +166,12 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
 
 @functools.lru_cache(maxsize=64)
 def _plan(diagram: ir.Diagram):
-    """The code generator's attention plan, or None (no codegen, not attention,
-    or a schedule it refuses)."""
-    try:
-        from ..codegen import lower
-    except ImportError:
-        return None
-    try:
-        plan = lower.lower(diagram)
-    except NapkinError:
-        return None
-    return plan if getattr(plan, "family", None) == "attention" else None
+    """The code generator's attention plan, or None (not attention, or a
+    schedule it refuses): codegen's lower.streamed_attention, cached because
+    the tile search analyses one diagram at many blocks."""
+    from ..codegen import lower
+
+    return lower.streamed_attention(diagram)
 
 
 def _codegen_bounds(diagram: ir.Diagram):
