@@ -702,11 +702,6 @@ def _sliding_window_kernel(
     _fhi = _lo  # keys at global positions: none known full
     if not _POS_x:
         _flo = 0
-        _row_first = _row0
-        _row_last = tl.minimum(_row0 + _BLOCK_q, _size_q) - 1
-        if _POS_q:
-            _row_first = tl.min(tl.where(_gok_q, _idx_q, 4611686018427387904), 0)
-            _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _fhi = _size_x
         _fhi = tl.minimum(_fhi, _row_first + 1)  # x <= q at every row: tightest at the block's first
         _flo = tl.maximum(_flo, _row_last - 255)  # x >= q - 255 at every row: tightest at the block's last

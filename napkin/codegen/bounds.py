@@ -94,7 +94,7 @@ def loop_bounds(names, plan, whole_rows: bool = False) -> str:
     lines += ["    " + line for line in extremes("row", row, f"_gok_{row}", need)]
     lines.append("    _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block")
     if not plan.bounds:
-        return "\n".join(lines + full_bounds(names, plan, whole_rows, False))
+        return "\n".join(lines + full_bounds(names, plan, whole_rows, need))
     # keys at global positions: a block's are known only once loaded, so
     # the range is every block and the loop tests each tile (live())
     lines.append(f"if not _POS_{col}:")
@@ -112,10 +112,10 @@ def loop_bounds(names, plan, whole_rows: bool = False) -> str:
     if lower:
         lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
     lines[indent:] = ["    " + line for line in lines[indent:]]
-    return "\n".join(lines + full_bounds(names, plan, whole_rows, "last" in need))
+    return "\n".join(lines + full_bounds(names, plan, whole_rows, need))
 
 
-def full_bounds(names, plan, whole_rows: bool, have_last: bool) -> list[str]:
+def full_bounds(names, plan, whole_rows: bool, have: set) -> list[str]:
     """[_flo, _fhi): the full blocks among the visited ones, the formula of
     napkin.masks.full_blocks term for term (each bound at the block's
     tightest row).  None when keys sit at global positions: the partial
@@ -123,8 +123,10 @@ def full_bounds(names, plan, whole_rows: bool, have_last: bool) -> list[str]:
     share) bound the tile by their least and greatest real position, as
     the affine bounds are monotone in the row.  ``whole_rows``: the
     backward's, where a ragged block of rows has none, nor has a block of
-    rows at positions.  _flo is only defined when a lower bound can put
-    partial blocks first."""
+    rows at positions.  ``have``: the extremes of the rows ("first",
+    "last") loop_bounds already set for every program, with or without
+    positions; only the others are computed here.  _flo is only defined
+    when a lower bound can put partial blocks first."""
     if plan.full is None:
         return []
     row, col = plan.row, plan.col
@@ -144,17 +146,22 @@ def full_bounds(names, plan, whole_rows: bool, have_last: bool) -> list[str]:
     row_first = "_row0"
     if not whole_rows and tight:
         # the rows' least and greatest index: their offsets, or with rows at positions their
-        # real ones' (loop_bounds computed them there; here again, whichever it needed)
+        # real ones'; those loop_bounds set already (``have``) hold the same values.  An end set
+        # here is set whole, so with rows at positions a _row_last loop_bounds took only there
+        # (extremes always takes it) is taken again: the same value, where skipping it would
+        # need a branch on _POS for the offsets' alone
         row_first = "_row_first" if "first" in tight else row_first
-        inner += (["_row_first = _row0"] if "first" in tight else []) \
-            + ([f"_row_last = tl.minimum(_row0 + {br}, {names.size(row)}) - 1"] if "last" in tight else []) \
-            + [f"if _POS_{row}:"] + ["    " + line for line in extremes("row", row, f"_gok_{row}", tight)
-                                    if "last" in tight or not line.startswith("_row_last")]
+        again = tight - set(have)
+        if again:
+            inner += (["_row_first = _row0"] if "first" in again else []) \
+                + ([f"_row_last = tl.minimum(_row0 + {br}, {names.size(row)}) - 1"] if "last" in again else []) \
+                + [f"if _POS_{row}:"] + ["    " + line for line in extremes("row", row, f"_gok_{row}", again)
+                                        if "last" in again or not line.startswith("_row_last")]
     if not plan.full:
         inner.append(f"_fhi = {names.size(col)} // {bc} * {bc}  # no mask: every block but a ragged last one")
     else:
         inner.append(f"_fhi = {names.size(col)}")
-        if whole_rows and not have_last and "last" in tight:
+        if whole_rows and "last" not in have and "last" in tight:
             inner.append(f"_row_last = tl.minimum(_row0 + {br}, {names.size(row)}) - 1")
         for b in plan.full:
             tight_at = "last" if b.at_row() == "first" else "first"
