@@ -23,7 +23,7 @@ from hypothesis import assume, given
 
 import napkin
 import test_kernels as K
-from napkin import ir
+from napkin import ir, tiling
 from napkin.codegen import lower
 from napkin.cost import packing
 from napkin.errors import NapkinError
@@ -128,6 +128,43 @@ def test_codegen_runs_the_checkers_rule_of_small_groups():
     assert diag.message.startswith("napkin cannot emit a kernel for 'group g by 4': it packs g into the rows of q "
                                    "with groups short of a tl.dot block of 16")
     assert (diag.loc.line, diag.loc.col) == pos(regs, "g by 4, q")
+
+
+REGS = "    hold S, P\n  }\n  level regs { %s }"
+
+
+@pytest.mark.parametrize("smem, regs, refused", [
+    ("g by 1, q by 16", "group g by 16", ("g by 16 }", "g", 16, "groups g by 1")),      # would pack 16 x 16
+    (PACKED, "group g by 32", ("g by 32 }", "g", 32, "groups g by 4")),                 # 128 rows, not 16
+    (PACKED, "group g by 1", ("g by 1 }", "g", 1, "groups g by 4")),                    # would pack nothing
+    (PACKED, "group q by 16", ("q by 16 }", "q", 16, "groups q by 4")),                 # 64 rows, not 16
+    (PACKED, "group b by 1, hk by 1", None),                                           # smem's own: 16 rows
+], ids=["regs-packs", "regs-more", "regs-unpacks", "regs-rows", "same"])
+def test_packed_rows_are_the_ones_level_smem_forms(smem, regs, refused):
+    """Packed rows are formed in level smem (tiling.packs_rows, the
+    checker's rule; the checker's and the cost pass's footprints), where
+    codegen took the innermost group: a group of the packed or the row wire
+    in level regs that differs from smem's packed the kernels otherwise (or
+    not at all), and the cost report showed that grid beside smem's tiles.
+    It is refused at that group; one equal to smem's changes nothing.  Each
+    diagram passes the checker: the refusal is codegen's."""
+    text = DECODE.replace(PACKED, f"group b by 1, hk by 1, {smem}" if smem != PACKED else PACKED) \
+        .replace("    hold S, P\n  }", REGS % regs)
+    assert errors(text) == []
+    d = napkin.load_text(text, "t.ncd")
+    if refused is None:
+        plan = lower.lower(d)
+        assert plan.pack == ("g", 4) and dict(plan.blocks)["q"] == 16 and tiling.packs_rows(d, "g", "q")
+        assert packing.find(d) == packing.Packing("g", "q", 16, (4, 4))
+        return
+    snippet, wire, size, there = refused
+    diag = emit_error(text)
+    assert diag.message == (f"napkin cannot emit a kernel for 'group {wire} by {size}': packed rows (g grouped "
+                            f"beside q) are formed in level smem, which {there}; a group of {wire} in level regs "
+                            f"would give the kernels other row blocks than that level's")
+    assert diag.hint == f"group {wire} in level smem alone: drop 'group {wire} by {size}' from level regs"
+    assert (diag.loc.line, diag.loc.col) == pos(text, snippet)
+    assert packing.find(d) is None      # the cost pass prices no packed launch the code generator refuses
 
 
 def emit_error(text: str) -> NapkinError:

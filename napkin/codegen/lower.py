@@ -318,6 +318,11 @@ def _group_block(d: ir.Diagram, wire: str) -> Optional[ir.Tile]:
     return tiles[-1] if tiles else None
 
 
+def _group_level(d: ir.Diagram, tile: ir.Tile) -> str:
+    """The name of the level that holds ``tile``."""
+    return next(lv.name for lv in d.schedule.levels if any(t is tile for t in lv.tiles))
+
+
 def _refuse_unfused(d: ir.Diagram) -> None:
     outputs = {o.name for o in d.outputs}
     for level in d.schedule.levels if d.schedule else ():
@@ -415,6 +420,31 @@ def streamed_attention(d: ir.Diagram) -> Optional[AttentionPlan]:
     return plan if plan.family == "attention" else None
 
 
+def _refuse_off_smem(d: ir.Diagram, wire: str, tile: Optional[ir.Tile], packed: str, row: str,
+                     default: Optional[int]) -> None:
+    """Refuse ``tile``, the group of ``wire`` the kernels would take (the
+    innermost, _group_block), when it sits in another level than smem and
+    differs from smem's group of ``wire`` (``default``: the size of none).
+    Packed rows are formed in level smem, where the checker and the cost
+    pass read them (tiling.packs_rows; the footprints): a group of the
+    packed or the row wire in level regs would give the kernels other
+    programs than theirs (regs 'g by 32' under smem 'g by 4, q by 4': 128
+    rows, not 16)."""
+    if tile is None or _group_level(d, tile) == "smem":
+        return
+    level = d.level("smem")
+    own = next((t for t in level.tiles if t.kind == "group" and t.wire == wire and not t.across),
+               None) if level is not None else None
+    if (own.size if own is not None else default) == tile.size:
+        return
+    there = f"groups {wire} by {own.size}" if own is not None else f"does not group {wire}"
+    where = _group_level(d, tile)
+    raise unsupported(f"'group {wire} by {tile.size}'", f"packed rows ({packed} grouped beside {row}) are formed "
+                      f"in level smem, which {there}; a group of {wire} in level {where} would give the kernels "
+                      f"other row blocks than that level's", tile.loc,
+                      f"group {wire} in level smem alone: drop 'group {wire} by {tile.size}' from level {where}")
+
+
 def _red_wires(n) -> tuple[str, ...]:
     return n.wires if isinstance(n, ir.Reduce) else (n.wire,)
 
@@ -445,11 +475,15 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
     only when g sits right before q in every tensor along either, and the
     kernel must not need g itself (its index, its size): refused otherwise,
     at the group.  Integer inputs along q are read at the rows' positions,
-    so they must lack g (one that holds g is refused)."""
+    so they must lack g (one that holds g is refused).  The groups are
+    level smem's, as tiling.packs_rows reads them: one of either wire in
+    level regs that differs is refused there (_refuse_off_smem)."""
     grouped = [(w, t) for w in batch if (t := _group_block(d, w)) is not None and t.size != 1]
     rt = _group_block(d, row)
     short = rt is not None and 1 < rt.size < MIN_DOT
     if not grouped:
+        for w in batch:   # 'group g by 1' in level regs would undo level smem's packed rows
+            _refuse_off_smem(d, w, _group_block(d, w), w, row, 1)
         if short:  # the checker passes it only as packed rows (tiling.packs_rows): not these
             raise unsupported(f"'group {row} by {rt.size}'", f"its blocks of {rt.size} rows are short of a tl.dot "
                               f"block of {MIN_DOT}, and no wire packs into them", rt.loc,
@@ -466,6 +500,8 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
         raise unsupported(what, f"it packs {w} into the rows of {row} with groups short of a tl.dot block of "
                           f"{MIN_DOT}, which only packed rows make up: both grouped in level smem, {w} right "
                           f"before {row} in an input, together {MIN_DOT} rows or more", t.loc, hint)
+    _refuse_off_smem(d, w, t, w, row, 1)
+    _refuse_off_smem(d, row, rt, w, row, None)
     for x in list(d.inputs) + [d.tensor(o.name) for o in d.outputs]:
         wires = ir.axis_wires(x.axes)
         if w not in wires and row not in wires:
