@@ -15,12 +15,10 @@ layout (napkin/cost/chunks.py); which tiles the merge loads again is
 emit.merge_loads (it renders the finalise)."""
 from __future__ import annotations
 
-import ast
-import textwrap
 from typing import Optional
 
 from . import lower as L
-from .pysrc import NEG_INF, POS_INF
+from .pysrc import NEG_INF, POS_INF, names_read
 
 
 def chunk_state(plan: L.AttentionPlan, names, block=None) -> tuple[list[tuple[str, str, Optional[str]]], str]:
@@ -115,8 +113,7 @@ def merge_launch(kernel: str, body: str, params: list[str], positional: int, key
     as the launcher's tuple ``_args`` (sliced here, so the strides are not
     worked out twice), the rest by keyword, each rendered by ``keywords``;
     ``extra``: Triton's launch options."""
-    tree = ast.parse(textwrap.dedent(body))
-    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    read = names_read(body)
     kept = [i for i, p in enumerate(params) if p.split(":")[0] in read]
     runs: list[list[int]] = []   # the kept positional arguments, as runs of consecutive indices
     for i in (i for i in kept if i < positional):

@@ -26,7 +26,6 @@ outputs named like Triton's launch options.
 from __future__ import annotations
 
 import functools
-import re
 from typing import Optional
 
 from .. import ir, masks
@@ -37,7 +36,7 @@ from . import tma as T
 from .bounds import live, loop_bounds
 from .exprs import Ctx, number, triton
 from .chunks import chunk_bounds, chunk_merge, chunk_state, chunk_store, merge_launch
-from .pysrc import NEG_INF, POS_INF, quote as _q, tuple_of as _tuple
+from .pysrc import NEG_INF, POS_INF, names_read, quote as _q, tuple_of as _tuple
 from .reference import reference_lines
 from .scale import log2_scale, plan_exponents
 
@@ -173,8 +172,9 @@ def _store(d: ir.Diagram, names: _Names, out: L.Output, tma: Optional[T.Tma] = N
 
 
 def reads(code: str, var: str) -> bool:
-    """Whether generated ``code`` reads the variable ``var`` (a whole word)."""
-    return re.search(rf"\b{re.escape(var)}\b", code) is not None
+    """Whether generated ``code`` (whole statements) reads the variable
+    ``var``: a name it loads, not a word in a comment or a string."""
+    return var in names_read(code)
 
 
 def _decode(names: _Names, batch: tuple[str, ...]) -> str:
