@@ -794,31 +794,13 @@ def _decode_kernel(
 
 
 
-@triton.jit(do_not_specialize=["_size_b", "_size_hk", "_size_g", "_size_q", "_size_x", "_len_q", "_len_x", "_n_chunks"])
+@triton.jit(do_not_specialize=["_size_hk", "_size_g", "_size_q", "_len_q", "_n_chunks"])
 def _decode_merge(
-    Q,
-    K,
-    V,
     O,
     lse,
-    _size_b,
     _size_hk,
     _size_g,
     _size_q,
-    _size_x,
-    _st_Q_b,
-    _st_Q_hk,
-    _st_Q_g,
-    _st_Q_q,
-    _st_Q_d,
-    _st_K_b,
-    _st_K_hk,
-    _st_K_x,
-    _st_K_d,
-    _st_V_b,
-    _st_V_hk,
-    _st_V_x,
-    _st_V_d,
     _st_O_b,
     _st_O_hk,
     _st_O_g,
@@ -829,23 +811,14 @@ def _decode_merge(
     _st_lse_g,
     _st_lse_q,
     _BLOCK_q: tl.constexpr,
-    _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
-    _SPLIT_WEIGHTS: tl.constexpr,
     _pos_q,
-    _pos_x,
     _len_q,
-    _len_x,
     _POS_q: tl.constexpr,
-    _POS_x: tl.constexpr,
-    _tma_Q,
-    _tma_K,
-    _tma_V,
     _tma_O,
     _TMA: tl.constexpr,
     _part,
     _n_chunks,
-    _CHUNK: tl.constexpr,
 ):
     """The chunks' states (the kernel above with _CHUNK) folded into one, as
     the loop folds a block, then finalised and stored as the whole kernel
@@ -961,7 +934,11 @@ def _decode_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save
     if math.prod(_grid) > 0:
         _decode_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
-            _decode_merge[_grid[:2]](*_args, **_meta)
+            _decode_merge[_grid[:2]](
+                *(_args[3:5] + _args[6:9] + _args[23:32]),
+                _BLOCK_q=_br, _BLOCK_d=128, _pos_q=_pos["_pos_q"], _len_q=_pos["_len_q"], _POS_q=_pos["_POS_q"], _tma_O=_tma["_tma_O"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
+                num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
+            )
     return (O, lse,), ()
 # ---------------------------------------------------------------------------
 # Training.  decode(...) calls the torch op below when an input requires

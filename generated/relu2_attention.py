@@ -790,30 +790,13 @@ def _relu2_attention_kernel(
 
 
 
-@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_len_q", "_len_x", "_n_chunks"])
+@triton.jit(do_not_specialize=["_size_h", "_size_q", "_len_q", "_n_chunks"])
 def _relu2_attention_merge(
-    Q,
-    K,
-    V,
     O,
     _saved_N0,
     _saved_Z0,
-    _size_b,
     _size_h,
     _size_q,
-    _size_x,
-    _st_Q_b,
-    _st_Q_h,
-    _st_Q_q,
-    _st_Q_d,
-    _st_K_b,
-    _st_K_h,
-    _st_K_x,
-    _st_K_d,
-    _st_V_b,
-    _st_V_h,
-    _st_V_x,
-    _st_V_d,
     _st_O_b,
     _st_O_h,
     _st_O_q,
@@ -826,24 +809,15 @@ def _relu2_attention_merge(
     _st__saved_Z0_h,
     _st__saved_Z0_q,
     _BLOCK_q: tl.constexpr,
-    _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
-    _SPLIT_WEIGHTS: tl.constexpr,
     _SAVE: tl.constexpr,
     _pos_q,
-    _pos_x,
     _len_q,
-    _len_x,
     _POS_q: tl.constexpr,
-    _POS_x: tl.constexpr,
-    _tma_Q,
-    _tma_K,
-    _tma_V,
     _tma_O,
     _TMA: tl.constexpr,
     _part,
     _n_chunks,
-    _CHUNK: tl.constexpr,
 ):
     """The chunks' states (the kernel above with _CHUNK) folded into one, as
     the loop folds a block, then finalised and stored as the whole kernel
@@ -956,7 +930,11 @@ def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, t
     if math.prod(_grid) > 0:
         _relu2_attention_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
-            _relu2_attention_merge[_grid[:2]](*_args, **_meta)
+            _relu2_attention_merge[_grid[:2]](
+                *(_args[3:6] + _args[7:9] + _args[22:33]),
+                _BLOCK_q=_br, _BLOCK_d=64, _SAVE=_save, _pos_q=_pos["_pos_q"], _len_q=_pos["_len_q"], _POS_q=_pos["_POS_q"], _tma_O=_tma["_tma_O"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
+                num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
+            )
     return (O,), (_saved_N0, _saved_Z0,)
 # ---------------------------------------------------------------------------
 # Training.  relu2_attention(...) calls the torch op below when an input requires

@@ -12,12 +12,15 @@ launcher's refusals.
 """
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch
 from hypothesis import given
 
 import napkin
 import test_kernels as K
+from napkin.codegen import emit_module
 from napkin.errors import NapkinError
 from napkin.parse import parse
 from napkin.printer import to_text
@@ -293,6 +296,69 @@ def test_a_launch_without_chunk_takes_the_cached_one(tmp_path, monkeypatch):
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), "cached chunk")
     K.launcher(m)(*inputs, chunk=0)                  # an explicit chunk wins
     assert spy.grids[-1][2] == 1
+
+
+# --------------------------------------------------------------------------
+# The merge kernel's arguments (codegen/chunks.py merge_launch): Triton binds
+# every argument of a launch on the host, so the merge takes only the main
+# kernel's parameters its body reads, and the launcher passes a slice of the
+# kernel's positional tuple plus keywords.  A swapped or shifted argument of
+# equal value (two strides, say) would pass the numerical tests: this reads
+# the generated source and checks each argument lands on its own parameter.
+# --------------------------------------------------------------------------
+
+def merge_arguments(text: str, name: str) -> tuple[list[str], list[str], list[str], set[str]]:
+    """(main kernel's parameters, merge's parameters, the merge launch's
+    arguments as the kernel parameters they land on, in order, and the names
+    the merge reads)."""
+    tree = ast.parse(text)
+    defs = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    kernel = [a.arg for a in defs[f"_{name}_kernel"].args.args]
+    merge_def = defs[f"_{name}_merge"]
+    merge = [a.arg for a in merge_def.args.args]
+    read = {n.id for n in ast.walk(merge_def) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    (call,) = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript)
+               and isinstance(c.func.value, ast.Name) and c.func.value.id == f"_{name}_merge"]
+    # the kernel's positional tuple _args holds its parameters up to the first constexpr (the blocks)
+    first_constexpr = next(i for i, a in enumerate(defs[f"_{name}_kernel"].args.args) if a.annotation is not None)
+    positional = kernel[:first_constexpr]
+    (star,) = call.args
+    assert isinstance(star, ast.Starred)
+    passed, todo = [], [star.value]
+    while todo:   # _args[a:b] + _args[c:d] + ...
+        node = todo.pop(0)
+        if isinstance(node, ast.BinOp):
+            todo[:0] = [node.left, node.right]
+        else:
+            assert isinstance(node, ast.Subscript) and node.value.id == "_args", ast.dump(node)
+            passed += positional[node.slice.lower.value:node.slice.upper.value]
+    triton_options = {"num_warps", "num_stages", "enable_fp_fusion"}
+    passed += [k.arg for k in call.keywords if k.arg not in triton_options]
+    return kernel, merge, passed, read
+
+
+# the examples napkin emits a streamed attention kernel for (not the cost-only ones: fp8, unfused)
+STREAMED = [p for p in sorted((K.REPO / "examples").glob("*.ncd"))
+            if "stream x" in p.read_text() and (K.REPO / "generated" / f"{p.stem}.py").exists()]
+
+
+@pytest.mark.parametrize("path", STREAMED, ids=lambda p: p.stem)
+def test_the_merge_takes_exactly_the_kernel_parameters_it_reads(path):
+    d = napkin.load(path)
+    text = emit_module(d, source_text=path.read_text(), source_path=str(path))
+    kernel, merge, passed, read = merge_arguments(text, d.name)
+    assert merge == [p for p in kernel if p in read], path.stem
+    assert passed == merge, path.stem        # each argument, positional or keyword, on its own parameter
+    assert {"K", "V", "_BLOCK_x", "_CHUNK"}.isdisjoint(merge) and "_part" in merge   # the keys stay out
+
+
+@K._SETTINGS
+@given(diagram=attention_diagrams())
+def test_random_merges_take_exactly_the_kernel_parameters_they_read(diagram):
+    text = emit_module(diagram, source_text=to_text(diagram), source_path="drawn.ncd")
+    kernel, merge, passed, read = merge_arguments(text, diagram.name)
+    assert merge == [p for p in kernel if p in read]
+    assert passed == merge
 
 
 # --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import lower as L
-from .pysrc import NEG_INF, POS_INF
+from .pysrc import NEG_INF, POS_INF, names_read
 
 
 def chunk_state(plan: L.AttentionPlan, names, block=None) -> tuple[list[tuple[str, str, Optional[str]]], str]:
@@ -100,3 +100,33 @@ def chunk_merge(plan: L.AttentionPlan, names) -> list[str]:
             body.append(f"{a.var} = {a.var} + _v")
     return [f"_W = {width}  # the state's float32 width per row", "for _c in range(0, _n_chunks):"] \
         + ["    " + line for line in body]
+
+
+def merge_launch(kernel: str, body: str, params: list[str], positional: int, keywords: dict[str, str],
+                 extra: list[str]) -> tuple[list[str], str]:
+    """The merge kernel's parameters and its launch, unindented.  The merge
+    takes only the kernel's parameters that its ``body`` (the rendered
+    Triton source) reads: Triton's launcher binds and specialises every
+    argument it is passed on the host, ~0.3-0.5 us each, and a chunked
+    decode step pays it for both kernels (bench/launch_overhead.py --triton).
+    ``params``: the main kernel's, the first ``positional`` of them passed
+    as the launcher's tuple ``_args`` (sliced here, so the strides are not
+    worked out twice), the rest by keyword, each rendered by ``keywords``;
+    ``extra``: Triton's launch options."""
+    read = names_read(body)
+    kept = [i for i, p in enumerate(params) if p.split(":")[0] in read]
+    runs: list[list[int]] = []   # the kept positional arguments, as runs of consecutive indices
+    for i in (i for i in kept if i < positional):
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    args = " + ".join(f"_args[{a}:{b}]" for a, b in runs) or "()"
+    by_name = []
+    for i in (i for i in kept if i >= positional):
+        name = params[i].split(":")[0]
+        if name not in keywords:  # a parameter the launch has no value for: the generator's bug
+            raise AssertionError(f"merge kernel {kernel}: no launch value for its parameter {name}")
+        by_name.append(f"{name}={keywords[name]}")
+    call = f"{kernel}[_grid[:2]](\n    *({args}),\n    " + ",\n    ".join(filter(None, [", ".join(by_name), ", ".join(extra)])) + ",\n)"
+    return [params[i] for i in kept], call

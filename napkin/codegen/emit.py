@@ -26,7 +26,6 @@ outputs named like Triton's launch options.
 from __future__ import annotations
 
 import functools
-import re
 from typing import Optional
 
 from .. import ir, masks
@@ -36,8 +35,8 @@ from . import ranges as R
 from . import tma as T
 from .bounds import live, loop_bounds
 from .exprs import Ctx, number, triton
-from .chunks import chunk_bounds, chunk_merge, chunk_state, chunk_store
-from .pysrc import NEG_INF, POS_INF, quote as _q, tuple_of as _tuple
+from .chunks import chunk_bounds, chunk_merge, chunk_state, chunk_store, merge_launch
+from .pysrc import NEG_INF, POS_INF, names_read, quote as _q, tuple_of as _tuple
 from .reference import reference_lines
 from .scale import log2_scale, plan_exponents
 
@@ -173,8 +172,9 @@ def _store(d: ir.Diagram, names: _Names, out: L.Output, tma: Optional[T.Tma] = N
 
 
 def reads(code: str, var: str) -> bool:
-    """Whether generated ``code`` reads the variable ``var`` (a whole word)."""
-    return re.search(rf"\b{re.escape(var)}\b", code) is not None
+    """Whether generated ``code`` (whole statements) reads the variable
+    ``var``: a name it loads, not a word in a comment or a string."""
+    return var in names_read(code)
 
 
 def _decode(names: _Names, batch: tuple[str, ...]) -> str:
@@ -444,6 +444,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + (["_SPLIT_WEIGHTS"] if split else []) \
         + (["_SAVE"] if saved else [])
     params, sizes = _params(d, names, blocks_list)
+    positional = len(params) - len(blocks_list)  # tensors, sizes, strides: the launcher's _args
     # positions / lengths (see the template): runtime arguments and a constexpr flag per wire
     params += [f"_pos_{row}", f"_pos_{col}", f"_len_{row}", f"_len_{col}",
                f"_POS_{row}: tl.constexpr", f"_POS_{col}: tl.constexpr"]
@@ -490,15 +491,12 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     extra = ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)', 'num_stages=_opts["num_stages"] or 2',
              FP_FUSION]
-    # the kernel and a chunked launch's merge take the same arguments: computed once (a decode
-    # step's launch is short enough for the host's time to show)
+    # the kernel's positional arguments, worked out once: a chunked launch's merge takes a slice
+    # of them (a decode step's launch is short enough for the host's time to show)
     launch += ["_args = (\n    " + ",\n    ".join(_positional_args(d, names.runtime)) + ",\n)",
-               f"_meta = dict({', '.join(block_args + extra)})",
-               f"if math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
-               "    if _chunk:  # the chunks' states, merged into the outputs\n"
-               f"        _{d.name}_merge[_grid[:2]](*_args, **_meta)"]
+               f"_meta = dict({', '.join(block_args + extra)})"]
     merged = {spec.var for spec in merge_loads(plan)}
-    return {
+    ctx = {
         "kernel": f"_{d.name}_kernel", "merge_kernel": f"_{d.name}_merge", "params": params,
         "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch), "pid": masks.program_order(plan.bounds, "row"),
@@ -524,6 +522,16 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "local_args": "".join(f", {o}" for o in LAUNCH_OPTIONS),
         "local_params": "".join(f", {o}=None" for o in LAUNCH_OPTIONS),
     }
+    # the merge kernel takes what its body reads (chunks.merge_launch), rendered from the template
+    keywords = dict(arg.split("=", 1) for arg in block_args if not arg.startswith("**"))
+    keywords.update({p: f'_pos["{p}"]' for w in (row, col) for p in (f"_pos_{w}", f"_len_{w}", f"_POS_{w}")})
+    keywords.update({p: f'_tma["{p}"]' for p in (q.split(":")[0] for q in tma.params())})
+    body = environment().get_template("attention_parts.py.jinja").make_module(vars=ctx).merge_body()
+    ctx["merge_params"], merge = merge_launch(f"_{d.name}_merge", str(body), params, positional, keywords, extra)
+    ctx["merge_no_specialize"] = ", ".join(f'"{s}"' for s in sizes if s in ctx["merge_params"])
+    ctx["launch"] += (f"\nif math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
+                      "    if _chunk:  # the chunks' states, merged into the outputs\n" + _indent(merge, 8))
+    return ctx
 
 
 def merge_loads(plan: L.AttentionPlan) -> list[L.Load]:
