@@ -111,7 +111,8 @@ def test_small_groups_pack_rows_in_level_smem_only():
 
 def test_codegen_runs_the_checkers_rule_of_small_groups():
     """lower.packed_wire refuses what tiling.packs_rows (the checker's rule) does not allow, should the
-    two ever disagree: here on diagrams the checker never saw."""
+    two ever disagree: here on diagrams the checker never saw.  Small groups in level regs never reach
+    it (codegen reads smem's tiles): they are refused as any regs tile other than smem's."""
     from napkin.parse import parse
     qd = DECODE.replace(PACKED, "group b by 1, hk by 1, g by 1, q by 4, d by 4")
     with pytest.raises(NapkinError) as e:
@@ -125,8 +126,8 @@ def test_codegen_runs_the_checkers_rule_of_small_groups():
     with pytest.raises(NapkinError) as e:
         lower.lower(parse(regs, "t.ncd"))
     (diag,) = e.value.diagnostics
-    assert diag.message.startswith("napkin cannot emit a kernel for 'group g by 4': it packs g into the rows of q "
-                                   "with groups short of a tl.dot block of 16")
+    assert diag.message.startswith("napkin cannot emit a kernel for 'group g by 4': the kernels' blocks are level "
+                                   "smem's") and "level smem groups g by 1;" in diag.message
     assert (diag.loc.line, diag.loc.col) == pos(regs, "g by 4, q")
 
 
@@ -134,7 +135,8 @@ REGS = "    hold S, P\n  }\n  level regs { %s }"
 
 
 @pytest.mark.parametrize("smem, regs, refused", [
-    ("g by 1, q by 16", "group g by 16", ("g by 16 }", "g", 16, "groups g by 1")),      # would pack 16 x 16
+    # would pack 16 x 16 where smem packs nothing: refused as any regs tile off smem's (test_kernel_level.py)
+    ("g by 1, q by 16", "group g by 16", ("g by 16 }", "g", 16, "groups g by 1")),
     (PACKED, "group g by 32", ("g by 32 }", "g", 32, "groups g by 4")),                 # 128 rows, not 16
     (PACKED, "group g by 1", ("g by 1 }", "g", 1, "groups g by 4")),                    # would pack nothing
     (PACKED, "group q by 16", ("q by 16 }", "q", 16, "groups q by 4")),                 # 64 rows, not 16
@@ -146,8 +148,9 @@ def test_packed_rows_are_the_ones_level_smem_forms(smem, regs, refused):
     codegen took the innermost group: a group of the packed or the row wire
     in level regs that differs from smem's packed the kernels otherwise (or
     not at all), and the cost report showed that grid beside smem's tiles.
-    It is refused at that group; one equal to smem's changes nothing.  Each
-    diagram passes the checker: the refusal is codegen's."""
+    It is refused at that group (in packed rows' words where smem packs);
+    one equal to smem's changes nothing.  Each diagram passes the checker:
+    the refusal is codegen's."""
     text = DECODE.replace(PACKED, f"group b by 1, hk by 1, {smem}" if smem != PACKED else PACKED) \
         .replace("    hold S, P\n  }", REGS % regs)
     assert errors(text) == []
@@ -159,10 +162,16 @@ def test_packed_rows_are_the_ones_level_smem_forms(smem, regs, refused):
         return
     snippet, wire, size, there = refused
     diag = emit_error(text)
-    assert diag.message == (f"napkin cannot emit a kernel for 'group {wire} by {size}': packed rows (g grouped "
-                            f"beside q) are formed in level smem, which {there}; a group of {wire} in level regs "
-                            f"would give the kernels other row blocks than that level's")
-    assert diag.hint == f"group {wire} in level smem alone: drop 'group {wire} by {size}' from level regs"
+    if smem == PACKED:   # smem's packed rows: the reason says so
+        assert diag.message == (f"napkin cannot emit a kernel for 'group {wire} by {size}': packed rows (g grouped "
+                                f"beside q) are formed in level smem, which {there}; a group of {wire} in level "
+                                f"regs would give the kernels other row blocks than that level's")
+        assert diag.hint == f"group {wire} in level smem alone: drop 'group {wire} by {size}' from level regs"
+    else:
+        assert diag.message.startswith(f"napkin cannot emit a kernel for 'group {wire} by {size}': the kernels' "
+                                       f"blocks are level smem's") and f"level smem {there};" in diag.message
+        assert diag.hint.startswith(f"drop 'group {wire} by {size}' from level regs, or group {wire} by {size} "
+                                    f"in level smem")
     assert (diag.loc.line, diag.loc.col) == pos(text, snippet)
     assert packing.find(d) is None      # the cost pass prices no packed launch the code generator refuses
 

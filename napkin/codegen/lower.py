@@ -292,13 +292,26 @@ def inline(d: ir.Diagram) -> dict[str, object]:
 # Schedule facts.
 # --------------------------------------------------------------------------
 
+def _kernel_level(d: ir.Diagram) -> Optional[ir.Level]:
+    """The level whose tiles are the kernels' blocks: smem, or regs where smem
+    tiles nothing.  The checker and the cost pass count a kernel's programs
+    there (cost/model.chip_levels: the outermost tiled on-chip level), so
+    codegen must too; _refuse_off_smem refuses a tile inside it that says
+    otherwise."""
+    levels = d.schedule.levels if d.schedule else ()
+    return next((lv for lv in levels if lv.name in ("smem", "regs") and any(not t.across for t in lv.tiles)), None)
+
+
 def _inner_tiles(d: ir.Diagram) -> list[ir.Tile]:
-    """The block tiles (``by``) of every non-device level; the device level is
-    ignored: a distributed schedule compiles as its single-device kernel."""
-    out = []
+    """The block tiles (``by``) of every non-device level down to the kernel
+    level (_kernel_level); the device level is ignored: a distributed
+    schedule compiles as its single-device kernel."""
+    out, kernel = [], _kernel_level(d)
     for level in d.schedule.levels if d.schedule else ():
         if level.name != "devices":
             out.extend(t for t in level.tiles if not t.across)
+        if level is kernel:
+            break
     return out
 
 
@@ -316,11 +329,6 @@ def chunk_of(d: ir.Diagram) -> Optional[int]:
 def _group_block(d: ir.Diagram, wire: str) -> Optional[ir.Tile]:
     tiles = [t for t in _inner_tiles(d) if t.kind == "group" and t.wire == wire]
     return tiles[-1] if tiles else None
-
-
-def _group_level(d: ir.Diagram, tile: ir.Tile) -> str:
-    """The name of the level that holds ``tile``."""
-    return next(lv.name for lv in d.schedule.levels if any(t is tile for t in lv.tiles))
 
 
 def _refuse_unfused(d: ir.Diagram) -> None:
@@ -400,12 +408,12 @@ def lower(d: ir.Diagram) -> Plan:
     nested = any(isinstance(m, ir.Reduce) for r in reductions for m in nodes(r.body))
     if nested:
         from .attention import lower_attention
-        return lower_attention(d, exprs, col)
+        return _refuse_off_smem(lower_attention(d, exprs, col))
     if tile is not None and tile.chunk is not None:
         raise unsupported(f"'group {col} by {tile.chunk}'", f"chunks of the streamed wire (programs merging "
                           f"partial states) are generated for attention kernels only; this diagram's kernel is a "
                           f"contraction over {col}", tile.chunk_loc, f"drop 'group {col} by {tile.chunk}'")
-    return _contraction(d, exprs, col)
+    return _refuse_off_smem(_contraction(d, exprs, col))
 
 
 def streamed_attention(d: ir.Diagram) -> Optional[AttentionPlan]:
@@ -420,29 +428,42 @@ def streamed_attention(d: ir.Diagram) -> Optional[AttentionPlan]:
     return plan if plan.family == "attention" else None
 
 
-def _refuse_off_smem(d: ir.Diagram, wire: str, tile: Optional[ir.Tile], packed: str, row: str,
-                     default: Optional[int]) -> None:
-    """Refuse ``tile``, the group of ``wire`` the kernels would take (the
-    innermost, _group_block), when it sits in another level than smem and
-    differs from smem's group of ``wire`` (``default``: the size of none).
-    Packed rows are formed in level smem, where the checker and the cost
-    pass read them (tiling.packs_rows; the footprints): a group of the
-    packed or the row wire in level regs would give the kernels other
-    programs than theirs (regs 'g by 32' under smem 'g by 4, q by 4': 128
-    rows, not 16)."""
-    if tile is None or _group_level(d, tile) == "smem":
-        return
-    level = d.level("smem")
-    own = next((t for t in level.tiles if t.kind == "group" and t.wire == wire and not t.across),
-               None) if level is not None else None
-    if (own.size if own is not None else default) == tile.size:
-        return
-    there = f"groups {wire} by {own.size}" if own is not None else f"does not group {wire}"
-    where = _group_level(d, tile)
-    raise unsupported(f"'group {wire} by {tile.size}'", f"packed rows ({packed} grouped beside {row}) are formed "
-                      f"in level smem, which {there}; a group of {wire} in level {where} would give the kernels "
-                      f"other row blocks than that level's", tile.loc,
-                      f"group {wire} in level smem alone: drop 'group {wire} by {tile.size}' from level {where}")
+def _refuse_off_smem(plan: Plan) -> Plan:
+    """``plan``, unless a level inside level smem (regs) tiles a wire other
+    than smem does: refused at that tile.  The kernels' blocks are smem's
+    (_kernel_level), where the checker and the cost pass count the
+    programs; codegen reads no tile inside it, so one that differs would
+    be priced but not run (regs 'q by 64' under smem 'q by 128': the cost
+    report's q/128 programs), and one equal to smem's changes nothing.
+    Where smem does not tile the wire, only 'group w by 1' of a batch wire
+    says what the kernels do anyway (one program per index); any other
+    would name a block that codegen's default (64 rows, say) is not."""
+    d, kernel = plan.diagram, _kernel_level(plan.diagram)
+    if kernel is None or kernel.name != "smem":
+        return plan
+    pack = getattr(plan, "pack", None)
+    for level in d.schedule.levels[d.schedule.levels.index(kernel) + 1:]:
+        for t in level.tiles:
+            own = next((u for u in kernel.tiles if u.wire == t.wire and not u.across), None)
+            # smem's chunks are its programs' split of the wire, which regs cannot make (the checker): a
+            # regs stream of smem's block repeats it
+            if t.across or (own is None and (t.kind, t.size, t.wire in plan.batch) == ("group", 1, True)) or \
+                    (own is not None and (own.kind, own.size) == (t.kind, t.size) and t.chunk in (None, own.chunk)):
+                continue
+            w, tile = t.wire, f"{t.kind} {t.wire} by {t.size}"
+            there = (f"does not {t.kind} {w}" if own is None else f"{own.kind}s {w} by {own.size}"
+                     + (f" in chunks of {own.chunk}" if own.chunk is not None else ""))
+            if pack is not None and w in (pack[0], plan.row) and t.kind == "group":
+                raise unsupported(f"'{tile}'", f"packed rows ({pack[0]} grouped beside {plan.row}) are formed "
+                                  f"in level smem, which {there}; a group of {w} in level {level.name} would give "
+                                  f"the kernels other row blocks than that level's", t.loc,
+                                  f"group {w} in level smem alone: drop '{tile}' from level {level.name}")
+            raise unsupported(f"'{tile}'", f"the kernels' blocks are level smem's (its groups are the grid's "
+                              f"programs, as the checker and the cost pass count them), and level smem {there}; "
+                              f"a {t.kind} of {w} in level {level.name} would give the kernels other blocks than "
+                              f"that level's", t.loc, f"drop '{tile}' from level {level.name}, or {tile} in level "
+                              f"smem" + (f" in place of '{own.kind} {w} by {own.size}'" if own is not None else ""))
+    return plan
 
 
 def _red_wires(n) -> tuple[str, ...]:
@@ -476,14 +497,12 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
     kernel must not need g itself (its index, its size): refused otherwise,
     at the group.  Integer inputs along q are read at the rows' positions,
     so they must lack g (one that holds g is refused).  The groups are
-    level smem's, as tiling.packs_rows reads them: one of either wire in
-    level regs that differs is refused there (_refuse_off_smem)."""
+    level smem's, as tiling.packs_rows reads them (_group_block reads no
+    level inside smem; lower refuses one there that differs: _refuse_off_smem)."""
     grouped = [(w, t) for w in batch if (t := _group_block(d, w)) is not None and t.size != 1]
     rt = _group_block(d, row)
     short = rt is not None and 1 < rt.size < MIN_DOT
     if not grouped:
-        for w in batch:   # 'group g by 1' in level regs would undo level smem's packed rows
-            _refuse_off_smem(d, w, _group_block(d, w), w, row, 1)
         if short:  # the checker passes it only as packed rows (tiling.packs_rows): not these
             raise unsupported(f"'group {row} by {rt.size}'", f"its blocks of {rt.size} rows are short of a tl.dot "
                               f"block of {MIN_DOT}, and no wire packs into them", rt.loc,
@@ -500,8 +519,6 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
         raise unsupported(what, f"it packs {w} into the rows of {row} with groups short of a tl.dot block of "
                           f"{MIN_DOT}, which only packed rows make up: both grouped in level smem, {w} right "
                           f"before {row} in an input, together {MIN_DOT} rows or more", t.loc, hint)
-    _refuse_off_smem(d, w, t, w, row, 1)
-    _refuse_off_smem(d, row, rt, w, row, None)
     for x in list(d.inputs) + [d.tensor(o.name) for o in d.outputs]:
         wires = ir.axis_wires(x.axes)
         if w not in wires and row not in wires:

@@ -99,7 +99,7 @@ def find(diagram: ir.Diagram, kernels: list[Kernel], tiles: Tiling) -> tuple[Opt
         return None, unmodelled + "the code generator chunks only a fused attention kernel"
     from ..codegen import chunks, emit, lower
 
-    length = lower.chunk_of(plan.diagram)   # the chunk the kernels take (the innermost stream tile's)
+    length = lower.chunk_of(plan.diagram)   # the chunk the kernels take (level smem's stream tile's)
     if length is None:
         return None, unmodelled + "the kernels stream it by an inner level's tile, which has no chunk"
 
