@@ -231,7 +231,8 @@ def _wire_strides(t, name, sizes):
 
 
 def _shape(name, sizes):
-    return [math.prod(sizes[w] for w in axis) for axis in _layout(name)]
+    # an axis of one wire (most are) without a generator: this runs several times a launch
+    return [sizes[axis[0]] if len(axis) == 1 else math.prod([sizes[w] for w in axis]) for axis in _layout(name)]
 
 
 def _out_dtype(name, classes):

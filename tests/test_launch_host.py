@@ -127,6 +127,16 @@ def test_host_arithmetic_matches_tritons(modules):
         assert m._dim_block(a) == max(16, triton.next_power_of_2(a))
 
 
+def test_shapes_multiply_each_axis_wires(modules):
+    """_shape's one-wire fast path and the grouped product, against the
+    layout read by hand: Q[b, (hk g), q, d] and K[b, hk, x, d]."""
+    m = modules["gqa"]
+    sizes = {"b": 2, "hk": 3, "g": 4, "q": 5, "x": 6, "d": 128}
+    assert m._shape("Q", sizes) == [2, 12, 5, 128]
+    assert m._shape("K", sizes) == [2, 3, 6, 128]
+    assert m._shape("O", {**sizes, "g": 1}) == [2, 3, 5, 128]
+
+
 def test_plain_layouts_take_their_strides_and_grouped_ones_split_them(modules):
     m = modules["gqa"]
     sizes = {"b": 2, "hk": 3, "g": 4, "q": 5, "x": 6, "d": 128}
