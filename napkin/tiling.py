@@ -136,6 +136,16 @@ def innermost_tiled_level(diagram: ir.Diagram) -> str:
     return tiled[-1] if tiled else "hbm"
 
 
+def chip_levels(diagram: ir.Diagram) -> list[str]:
+    """The tiled levels below hbm, outermost first (smem, then regs).  The
+    first is where a kernel's programs are counted: the cost pass's grid
+    and codegen's blocks (codegen/lower.py _kernel_level) both read it."""
+    if diagram.schedule is None:
+        return []
+    return [lv.name for lv in diagram.schedule.levels
+            if lv.name in ("smem", "regs") and any(not t.across for t in lv.tiles)]
+
+
 def home_level(diagram: ir.Diagram, name: str) -> str:
     """The level a tensor lives at (see the module docstring)."""
     for level in diagram.schedule.levels if diagram.schedule else ():

@@ -295,11 +295,11 @@ def inline(d: ir.Diagram) -> dict[str, object]:
 def _kernel_level(d: ir.Diagram) -> Optional[ir.Level]:
     """The level whose tiles are the kernels' blocks: smem, or regs where smem
     tiles nothing.  The checker and the cost pass count a kernel's programs
-    there (cost/model.chip_levels: the outermost tiled on-chip level), so
+    there (tiling.chip_levels: the outermost tiled on-chip level), so
     codegen must too; _refuse_off_smem refuses a tile inside it that says
     otherwise."""
-    levels = d.schedule.levels if d.schedule else ()
-    return next((lv for lv in levels if lv.name in ("smem", "regs") and any(not t.across for t in lv.tiles)), None)
+    levels = tiling.chip_levels(d)
+    return d.level(levels[0]) if levels else None
 
 
 def _inner_tiles(d: ir.Diagram) -> list[ir.Tile]:

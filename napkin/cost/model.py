@@ -67,12 +67,8 @@ class Tiling:
     packed: Optional[tuple[str, str, int, int]] = None
 
 
-def chip_levels(diagram: ir.Diagram) -> list[str]:
-    """The tiled levels below hbm, outermost first (smem, then regs)."""
-    if diagram.schedule is None:
-        return []
-    return [lv.name for lv in diagram.schedule.levels
-            if lv.name in ("smem", "regs") and any(not t.across for t in lv.tiles)]
+# the tiled levels below hbm, outermost first: the rule codegen's kernel level shares (tiling.py)
+chip_levels = tiling.chip_levels
 
 
 def tiling_at(diagram: ir.Diagram, level_name: str) -> Tiling:
