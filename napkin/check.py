@@ -461,6 +461,14 @@ class _Checker:
             elif devices and not t.across:
                 self.err(f"level {level.name} splits wires over {level.name}: write '{t.kind} {t.wire} across N', "
                          "not 'by'", t.loc)
+            elif level.name == "hbm":
+                # one processor of hbm is the whole GPU, which sees every wire whole: a block there
+                # has no program to run it, and the cost pass and the kernels would each read it
+                # their own way (tiling.tile_extent narrowed smem by it, the grid did not)
+                self.err(f"'{t.kind} {t.wire} by {t.size}' in level hbm: one processor of hbm is the whole GPU, "
+                         "which sees every wire whole; blocks belong in level smem (one program's)", t.loc,
+                         f"write '{t.kind} {t.wire} by {t.size}' in level smem, or '{t.kind} {t.wire} across N' "
+                         f"in level devices to split {t.wire} over GPUs")
             elif t.across and t.size < 1:
                 self.err(f"cannot split {t.wire} across {t.size} devices", t.loc)
             elif not t.across:

@@ -60,7 +60,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             args = parser.parse_args(argv)
         except SystemExit as stop:  # --help, --version, usage errors
             return _exit_code(stop)
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()   # a closed pipe shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        # the reader stopped reading (napkin cost FILE | head): nothing of napkin's went wrong.
+        # stdout goes to devnull so that the interpreter's own flush at exit finds no pipe either
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):   # a stdout with no descriptor (a test's capture)
+            pass
+        return 141   # 128 + SIGPIPE, as a shell reports a command a closed pipe stopped
     except NapkinError as err:
         print(str(err), file=sys.stderr)
         return 1

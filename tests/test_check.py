@@ -389,6 +389,22 @@ def test_across_only_at_devices_and_by_only_elsewhere():
     ]
 
 
+def test_no_blocks_in_level_hbm():
+    # hbm's one processor is the whole GPU: a block there named no program, and the cost pass
+    # (which narrowed smem's residency by it but not its grid) and the kernels read it apart
+    text = HEAD + ATTENTION + ("schedule {\n  level hbm { hold Q\n    group q by 128\n    stream x by 512 }\n"
+                               "  level smem { group b by 1, h by 1\n    stream x by 64 }\n}\n")
+    found = errors(text)
+    assert [(d.message, where(d)) for d in found] == [
+        ("'group q by 128' in level hbm: one processor of hbm is the whole GPU, which sees every wire "
+         "whole; blocks belong in level smem (one program's)", pos(text, "q by 128")),
+        ("'stream x by 512' in level hbm: one processor of hbm is the whole GPU, which sees every wire "
+         "whole; blocks belong in level smem (one program's)", pos(text, "x by 512")),
+    ]
+    assert found[0].hint == ("write 'group q by 128' in level smem, or 'group q across N' in level devices "
+                             "to split q over GPUs")
+
+
 def test_device_count_must_be_positive():
     text = HEAD + ATTENTION + "schedule { level devices { group q across 0 } }\n"
     d = one(text)

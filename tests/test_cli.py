@@ -362,6 +362,16 @@ def test_python_dash_m_napkin(tmp_path):
     assert (version.returncode, version.stdout) == (0, "napkin 0.1.0\n")
 
 
+def test_a_closed_pipe_is_no_internal_error():
+    """``napkin cost FILE | head -1``: the reader has gone before napkin
+    writes; napkin stops quietly with the shell's status for SIGPIPE."""
+    proc = subprocess.Popen([sys.executable, "-m", "napkin", "cost", str(REPO / "examples" / "causal.ncd")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()   # before the interpreter has even imported napkin
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=120), err) == (141, "")
+
+
 def test_napkin_demo_as_the_readme_runs_it(tmp_path):
     """`napkin demo` with no arguments, from another folder, with no
     TRITON_INTERPRET set: the demo must find the example and pick the

@@ -616,6 +616,54 @@ def test_a_chunk_the_kernels_do_not_take_is_costed_whole_with_a_note():
     assert any("chunks of k are not modelled" in n for n in r.notes)
 
 
+def _blocks_notes(d, sizes=None):
+    return [n for n in analyse(d, sizes).notes if n.startswith("the kernels' untuned launch")]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_the_examples_price_the_blocks_their_kernels_run(path):
+    d = napkin.load(path)
+    assert _blocks_notes(d) == []
+    assert _blocks_notes(d, sizes_for(d, 300)) == []
+
+
+def test_blocks_the_schedule_leaves_to_the_launcher_get_a_note():
+    """The cost pass prices the schedule as written; where the kernels'
+    untuned launch blocks a wire otherwise (codegen's plan), a note names
+    the blocks and why, unless the known sizes make them the same grid."""
+    causal = (REPO / "examples" / "causal.ncd").read_text()
+    tail = ", while this report prices the schedule as written; give level smem those blocks to price the launch"
+    d = napkin.load_text(causal.replace("group b by 1, h by 1, q by 128", "group b by 1, h by 1"), "c.ncd")
+    assert _blocks_notes(d) == [
+        "the kernels' untuned launch runs q by 64 (the launcher's default: level smem does not group q)" + tail]
+    assert _blocks_notes(d, {"b": 1, "h": 2, "q": 50, "x": 300}) == []     # one block of q either way
+    assert len(_blocks_notes(d, {"b": 1, "h": 2, "q": 65, "x": 300})) == 1
+    d = napkin.load_text(causal.replace("group b by 1, h by 1, q by 128", "group h by 1, q by 1"), "c.ncd")
+    assert _blocks_notes(d) == [
+        "the kernels' untuned launch runs q by 16 (tl.dot's least block, where level smem groups q by 1); "
+        "b by 1 (one program per index, where level smem does not group it)" + tail]
+    assert _blocks_notes(d, {"b": 1, "h": 2, "q": 1, "x": 300}) == []      # decoding one query of one batch
+    matmul = (REPO / "examples" / "matmul.ncd").read_text()
+    d = napkin.load_text(matmul.replace("group m by 128, n by 128", "group n by 128")
+                         .replace("stream k by 32", ""), "m.ncd")
+    assert _blocks_notes(d) == [
+        "the kernels' untuned launch runs m by 64 (the launcher's default: level smem does not group m); "
+        "k by 32 (the launcher's default: level smem does not stream k)" + tail]
+
+
+def test_a_bound_above_an_overflowing_schedule_gets_a_note():
+    """The lower bound holds for schedules whose tiles fit level smem; one
+    that overflows it (every query of a head in one program) may beat it."""
+    causal = (REPO / "examples" / "causal.ncd").read_text()
+    d = napkin.load_text(causal.replace("group b by 1, h by 1, q by 128", "group b by 1, h by 1"), "c.ncd")
+    r = analyse(d, {"b": 4, "h": 16, "q": 4096, "x": 4096})
+    assert r.bound.ratio < 1
+    assert "schedule/bound is below 1 because level smem's tiles overflow it: the bound holds for " \
+           "schedules that fit" in r.notes
+    r = analyse(load("causal"), {"b": 4, "h": 16, "q": 4096, "x": 4096})
+    assert r.bound.ratio >= 1 and not any(n.startswith("schedule/bound") for n in r.notes)
+
+
 def test_a_grid_that_leaves_sms_idle_gets_a_note():
     """The roofline assumes a full GPU: a streaming kernel with fewer programs
     than SMs is named in a note, with what would lengthen its grid."""

@@ -1,5 +1,5 @@
 """The kernels' blocks are level smem's (napkin/codegen/lower.py
-_kernel_level, _refuse_off_smem).
+_kernel_level, _refuse_off_smem, _refuse_unsplit).
 
 The checker and the cost pass count a kernel's programs at level smem (its
 groups are the grid), while codegen once took each wire's innermost tile: a
@@ -17,7 +17,7 @@ import pytest
 import napkin
 import test_kernels as K
 from napkin.codegen import emit_module, lower
-from napkin.cost import model
+from napkin.cost import analyse, model
 from napkin.errors import NapkinError
 from test_check import errors, pos
 
@@ -129,3 +129,33 @@ def test_a_tiled_regs_without_a_tiled_smem_is_the_kernel_level():
         tiles = model.tiling_at(d, "regs")
         assert dict(tiles.groups)["q"] == 64 and tiles.stream == ("x", 32)
         emit(t)
+
+
+@pytest.mark.parametrize("name, old, new, tile, why, hint", [
+    # a feature wire: every program loads all of d (padded), whatever the group says
+    ("causal", "q by 128", "q by 128, d by 32", "group d by 32",
+     "the kernels' programs are blocks of q, one per index of b, h, and each holds all of d: no launch splits d "
+     "into the blocks of 32 the cost pass would count", "drop 'group d by 32' from level smem"),
+    # the streamed wire with no stream tile: the loop runs over all of x (chunks need the stream beside them)
+    ("causal", "q by 128\n    stream x by 64", "q by 128, x by 128", "group x by 128",
+     "the kernels' programs are blocks of q, one per index of b, h, and each loops over all of x, the streamed "
+     "wire: no launch splits x into the blocks of 128 the cost pass would count",
+     "for chunks of x (one per program, merged after: flash-decoding) stream x beside it ('stream x by 64'); "
+     "else drop 'group x by 128' from level smem"),
+    ("matmul", "n by 128\n    stream k by 32", "n by 128, k by 64", "group k by 64",
+     "the kernels' programs are blocks of m and n, and each loops over all of k, the streamed wire: no launch "
+     "splits k into the blocks of 64 the cost pass would count",
+     "drop 'group k by 64' from level smem (chunks of a streamed wire are generated for attention only)"),
+], ids=["feature-d", "attention-x", "matmul-k"])
+def test_a_group_the_kernels_do_not_split_is_refused_at_it(name, old, new, tile, why, hint):
+    """The checker and the cost pass count a group's programs (grid ... d/32);
+    the kernels split only their row (and column) blocks and batch wires."""
+    text = (EXAMPLES / f"{name}.ncd").read_text()
+    assert old in text
+    text = text.replace(old, new)
+    assert errors(text) == []
+    wire, size = tile.split()[1], int(tile.split()[-1])
+    assert (wire, size) in analyse(napkin.load_text(text, "t.ncd")).kernels[0].grid   # priced as programs
+    diag = refusal(text)
+    assert (diag.message, diag.hint) == (f"napkin cannot emit a kernel for '{tile}': {why}", hint)
+    assert (diag.loc.line, diag.loc.col) == pos(text, tile.split(" ", 1)[1])

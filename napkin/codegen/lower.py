@@ -303,16 +303,12 @@ def _kernel_level(d: ir.Diagram) -> Optional[ir.Level]:
 
 
 def _inner_tiles(d: ir.Diagram) -> list[ir.Tile]:
-    """The block tiles (``by``) of every non-device level down to the kernel
-    level (_kernel_level); the device level is ignored: a distributed
-    schedule compiles as its single-device kernel."""
-    out, kernel = [], _kernel_level(d)
-    for level in d.schedule.levels if d.schedule else ():
-        if level.name != "devices":
-            out.extend(t for t in level.tiles if not t.across)
-        if level is kernel:
-            break
-    return out
+    """The block tiles (``by``) of the kernel level (_kernel_level).  The
+    checker allows no other level above it a block (devices and nodes split
+    ``across``, which a distributed schedule's single-device kernel ignores;
+    hbm takes none), and _refuse_off_smem refuses one inside it that differs."""
+    kernel = _kernel_level(d)
+    return [t for t in kernel.tiles if not t.across] if kernel is not None else []
 
 
 def _streamed(d: ir.Diagram) -> Optional[ir.Tile]:
@@ -408,12 +404,12 @@ def lower(d: ir.Diagram) -> Plan:
     nested = any(isinstance(m, ir.Reduce) for r in reductions for m in nodes(r.body))
     if nested:
         from .attention import lower_attention
-        return _refuse_off_smem(lower_attention(d, exprs, col))
+        return _refuse_off_smem(_refuse_unsplit(lower_attention(d, exprs, col)))
     if tile is not None and tile.chunk is not None:
         raise unsupported(f"'group {col} by {tile.chunk}'", f"chunks of the streamed wire (programs merging "
                           f"partial states) are generated for attention kernels only; this diagram's kernel is a "
                           f"contraction over {col}", tile.chunk_loc, f"drop 'group {col} by {tile.chunk}'")
-    return _refuse_off_smem(_contraction(d, exprs, col))
+    return _refuse_off_smem(_refuse_unsplit(_contraction(d, exprs, col)))
 
 
 def streamed_attention(d: ir.Diagram) -> Optional[AttentionPlan]:
@@ -426,6 +422,42 @@ def streamed_attention(d: ir.Diagram) -> Optional[AttentionPlan]:
     except NapkinError:
         return None
     return plan if plan.family == "attention" else None
+
+
+def _refuse_unsplit(plan: Plan) -> Plan:
+    """``plan``, unless the kernel level groups a wire the kernels do not
+    split across programs: refused at that tile.  Their programs are blocks
+    of the row wire (and, for a contraction, of the column wire), one per
+    index of a batch wire (packed rows: the packed wire too); each holds a
+    feature wire whole and loops over the whole streamed one.  The checker
+    and the cost pass would count the group's programs (d/32 of them for
+    'group d by 32'), which no launch runs."""
+    kernel = _kernel_level(plan.diagram)
+    split = {plan.row, *plan.batch} | ({plan.col} if plan.family == "contraction" else set())
+    if getattr(plan, "pack", None) is not None:
+        split.add(plan.pack[0])
+    stream = plan.red if plan.family == "contraction" else plan.col
+    for t in kernel.tiles if kernel is not None else ():
+        if t.across or t.kind != "group" or t.wire in split:
+            continue
+        w, tile = t.wire, f"group {t.wire} by {t.size}"
+        hint = f"drop '{tile}' from level {kernel.name}"
+        if w != stream:
+            why = f"each holds all of {w}"
+        elif plan.family == "attention":
+            why = f"each loops over all of {w}, the streamed wire"
+            hint = f"for chunks of {w} (one per program, merged after: flash-decoding) stream {w} beside it " \
+                   f"('stream {w} by 64'); else " + hint
+        else:
+            why = f"each loops over all of {w}, the streamed wire"
+            hint += " (chunks of a streamed wire are generated for attention only)"
+        raise unsupported(f"'{tile}'", "the kernels' programs are blocks of "
+                          + " and ".join(w for w in (plan.row, plan.col) if w in split)
+                          + (", one per index of " + ", ".join(plan.batch) if plan.batch else "")
+                          + f", and {why}: no launch splits {w} into the blocks of {t.size} the cost pass "
+                          f"would count",
+                          t.loc, hint)
+    return plan
 
 
 def _refuse_off_smem(plan: Plan) -> Plan:

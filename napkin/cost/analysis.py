@@ -165,13 +165,23 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(diagram: ir.Diagram):
-    """The code generator's attention plan, or None (not attention, or a
-    schedule it refuses): codegen's lower.streamed_attention, cached because
-    the tile search analyses one diagram at many blocks."""
+def _kernel_plan(diagram: ir.Diagram):
+    """The code generator's plan (attention or contraction), or None where it
+    refuses the schedule (the refusal is napkin compile's to report), cached
+    because the tile search analyses one diagram at many blocks."""
     from ..codegen import lower
 
-    return lower.streamed_attention(diagram)
+    try:
+        return lower.lower(diagram)
+    except NapkinError:
+        return None
+
+
+def _plan(diagram: ir.Diagram):
+    """The code generator's attention plan, or None (not attention, or a
+    schedule it refuses): what lower.streamed_attention returns."""
+    plan = _kernel_plan(diagram)
+    return plan if plan is not None and plan.family == "attention" else None
 
 
 def _codegen_bounds(diagram: ir.Diagram):
@@ -203,6 +213,7 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     transfers, totals = _transfers(c)
     flops = _flops(c)
     bound = _lower_bound(c, totals)
+    footprints = _footprints(c)
     comm = communication(diagram, c.kernels, c.full, c.prof, c.wire_sym)
     notes = []
     if comm is not None:
@@ -210,6 +221,13 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
                      "; block skipping is not modelled across devices")
         if comm.handshake_bytes is not None:
             notes.append(_device_note(comm))
+    blocks = _blocks_note(c)
+    if blocks:
+        notes.append(blocks)
+    if bound.ratio is not None and bound.ratio < 1 and any(f.level == bound.capacity_level and f.fits is False
+                                                            for f in footprints):
+        notes.append(f"schedule/bound is below 1 because level {bound.capacity_level}'s tiles overflow it: "
+                     "the bound holds for schedules that fit")
     if c.chunk_note:
         notes.append(c.chunk_note)
     elif c.chunked and not c.known:
@@ -229,8 +247,45 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     notes += _idle_notes(c, infos)
     sizes_out = tuple((w.name, c.bound[w.name]) for w in diagram.wires if w.name in c.bound)
     return CostReport(SCHEMA, diagram.name, c.prof.key, sizes_out, comm is not None, infos,
-                      tuple(transfers), tuple(totals), _footprints(c), flops, bound,
+                      tuple(transfers), tuple(totals), footprints, flops, bound,
                       _roofline(c, flops, totals, comm), comm, tuple(notes))
+
+
+def _blocks_note(c: "_Context") -> Optional[str]:
+    """A note naming the blocks the kernels' untuned launch runs where they
+    differ from the kernel level's schedule, which this report prices as
+    written: a row wire the level does not group runs the launcher's default
+    block (a whole |q| per program is no kernel's), a group below tl.dot's
+    16 runs 16, and a batch wire runs one program per index.  Where the
+    sizes are known, a block that gives the same number of programs (or
+    steps) is no difference."""
+    plan = _kernel_plan(c.d)
+    if plan is None:
+        return None
+    level = c.levels[0] if c.levels else "smem"
+    stream = plan.blocks[-1][0]
+    groups = dict(c.tiles.groups)
+    sizes = c.launches[0] if c.known else {}
+    differ = []
+    for wire, block in plan.blocks + tuple((w, 1) for w in plan.batch):
+        streamed = c.tiles.stream is not None and c.tiles.stream[0] == wire
+        have = (c.tiles.stream[1] if streamed else None) if wire == stream else groups.get(wire)
+        n = sizes.get(wire)
+        if have == block or (n is not None and -(-n // (have or n)) == -(-n // block)):
+            continue
+        verb = "stream" if wire == stream else "group"
+        if wire in plan.batch:
+            why = f"one program per index, where level {level} " + \
+                  (f"groups it by {have}" if have is not None else "does not group it")
+        elif have is None:
+            why = f"the launcher's default: level {level} does not {verb} {wire}"
+        else:
+            why = f"tl.dot's least block, where level {level} {verb}s {wire} by {have}"
+        differ.append(f"{wire} by {block} ({why})")
+    if not differ:
+        return None
+    return (f"the kernels' untuned launch runs {'; '.join(differ)}, while this report prices the schedule "
+            f"as written; give level {level} those blocks to price the launch")
 
 
 def _idle_notes(c: "_Context", infos) -> list[str]:

@@ -99,9 +99,10 @@ def find(diagram: ir.Diagram, kernels: list[Kernel], tiles: Tiling) -> tuple[Opt
         return None, unmodelled + "the code generator chunks only a fused attention kernel"
     from ..codegen import chunks, emit, lower
 
-    length = lower.chunk_of(plan.diagram)   # the chunk the kernels take (level smem's stream tile's)
-    if length is None:
-        return None, unmodelled + "the kernels stream it by an inner level's tile, which has no chunk"
+    # the chunk the kernels take: the kernel level's stream tile's, which is smem's when smem
+    # tiles anything (tiling.chip_levels), so the one _chunk read
+    length = lower.chunk_of(plan.diagram)
+    assert length == chunk[1], (length, chunk)
 
     found = [k for k in kernels if k.skips and (kernel_tiling(k, tiles)[1] or ("",))[0] == wire]
     if len(found) != 1:
