@@ -562,8 +562,8 @@ def chunk_lengths(shape: KernelShape, sizes: Mapping[str, int], blocks: Mapping[
 def tma_applies(shape: KernelShape, sizes: Mapping[str, int]) -> bool:
     """Whether the tuner tries TMA variants for kernel ``shape`` (forward, dQ
     or dK/dV): some tile it loads a descriptor can move
-    (lower.descriptor_tile), at a padded head dim of at least TMA_MIN_HEAD_DIM."""
-    from .codegen.lower import descriptor_tile
+    (tma.descriptor_tile), at a padded head dim of at least TMA_MIN_HEAD_DIM."""
+    from .codegen.tma import descriptor_tile
 
     plans = _plans(shape.diagram) if shape.plan is None else (shape.plan.forward,)
     if plans is None:

@@ -1,7 +1,7 @@
 """TMA descriptors in the attention kernels: the launchers' option tma=.
 
 The forward, dQ and dK/dV kernels each move their qualifying tiles
-(lower.descriptor_tile: a plain per-wire view of one tiled wire and the
+(descriptor_tile: a plain per-wire view of one tiled wire and the
 padded head dim, every other wire one program index) through host
 TensorDescriptors when their constexpr _TMA is set, and through the pointer
 code otherwise.  Which a launch takes is decided per call, per kernel, by
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from .. import ir, tiling
 from . import lower as L
 from .pysrc import quote as _q, tuple_of as _tuple
 
@@ -31,6 +32,43 @@ from .pysrc import quote as _q, tuple_of as _tuple
 # NAME_backward), None (the default: each kernel's tuned config, else off),
 # False or True.
 OPTION = "tma"
+
+
+# A TMA descriptor has at most five dimensions (cuTensorMapEncodeTiled).
+MAX_DESCRIPTOR_RANK = 5
+
+
+def descriptor_tile(plan: L.AttentionPlan, tensor: str, wires: tuple[str, ...], rows: Optional[str],
+                    cols: Optional[str], diagram: Optional[ir.Diagram] = None) -> Optional[tuple[Optional[str], ...]]:
+    """How a host TMA descriptor over ``tensor``'s own wires (a grouped axis
+    (hk g) split into one dimension per wire) moves the (rows, cols) tile an
+    attention kernel of ``plan`` (forward, dQ or dK/dV) reads or writes along
+    ``wires``, ``tensor`` declared in ``diagram`` (default the plan's; the
+    backward's also declares dO, lse, the gradients): one entry per
+    declared wire, the wire whose block is the box's extent there (the tiled
+    row or streamed wire, then the padded head-dim wire), None for a wire
+    indexed by one program index (box extent 1).  None when the tile does not
+    qualify: it must be a plain per-wire view of one tiled wire (plan.row or
+    plan.col) and one padded head-dim wire (plan.dims) that is the tensor's
+    innermost wire (its stride 1 is checked at each call), every other wire a
+    batch wire, at most MAX_DESCRIPTOR_RANK wires.  Integer and boolean
+    tensors (ids, masks: read at global positions) never qualify."""
+    if tiling.tensor_dtype(diagram or plan.diagram, tensor) not in L.KERNEL_DTYPES:
+        return None
+    if rows not in (plan.row, plan.col) or cols not in plan.dims or rows == cols:
+        return None
+    if len(wires) > MAX_DESCRIPTOR_RANK or not wires or wires[-1] != cols or wires.count(rows) != 1 \
+            or wires.count(cols) != 1:
+        return None
+    out: list[Optional[str]] = []
+    for w in wires:
+        if w in (rows, cols):
+            out.append(w)
+        elif w in plan.batch and wires.count(w) == 1:
+            out.append(None)
+        else:
+            return None
+    return tuple(out)
 
 
 class Tma:
@@ -55,7 +93,7 @@ class Tma:
         return self.descs[(tensor, box)]
 
     def _box(self, tensor, wires, rows, cols):
-        box = L.descriptor_tile(self.plan, tensor, wires, rows, cols, self.diagram)
+        box = descriptor_tile(self.plan, tensor, wires, rows, cols, self.diagram)
         if box is None or rows not in self.coords:
             return None
         coords = [self.coords[b] if b == rows else "0" if b is not None else
