@@ -448,12 +448,29 @@ def _global_dims(positions):
 def _positions(positions, lengths, sizes, device, tensors):
     """The kernel's position arguments, checked; without positions and
     lengths, the rows' own offsets and the local sizes."""
+    _check_positions(positions, lengths, sizes, device, tensors)
+    return _position_args(positions, lengths, sizes)
+
+
+def _position_args(positions, lengths, sizes):
+    """The kernel's position arguments, unchecked: a packed launch's own,
+    which _pack made from positions it checked (a decode step saves the
+    second check's few microseconds)."""
+    positions, lengths, args = positions or {}, lengths or {}, {}
+    for w in _POSITIONAL:
+        p = positions.get(w)
+        args.update({f"_pos_{w}": None if p is None else p.to(torch.int64).contiguous(),
+                     f"_len_{w}": lengths.get(w, sizes[w]), f"_POS_{w}": p is not None})
+    return args
+
+
+def _check_positions(positions, lengths, sizes, device, tensors):
+    """ValueError naming what is wrong with the caller's positions= or lengths=."""
     positions, lengths = dict(positions or {}), dict(lengths or {})
     for what, given in (("positions", positions), ("lengths", lengths)):
         extra = sorted(set(given) - set(_POSITIONAL))
         if extra:
             raise ValueError(f"{what} may name the wires {' and '.join(_POSITIONAL)}, not {', '.join(extra)}")
-    args = {}
     for w in _POSITIONAL:
         n, p = lengths.get(w, sizes[w]), positions.get(w)
         if w in lengths and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
@@ -468,8 +485,6 @@ def _positions(positions, lengths, sizes, device, tensors):
                                  f"global indices, one per row of {w}")
             if p.device != device:
                 raise ValueError(f"positions[{w!r}] is on {p.device}, the inputs on {device}")
-            p = p.to(torch.int64).contiguous()
-        args.update({f"_pos_{w}": p, f"_len_{w}": n, f"_POS_{w}": p is not None})
     for name, dim, wires, flat in _GLOBAL_DIMS:
         if not set(wires) & set(positions):
             continue
@@ -481,7 +496,6 @@ def _positions(positions, lengths, sizes, device, tensors):
         if have < need:
             raise ValueError(f"{name} is read at global positions along dimension {dim}: it must hold {need} "
                              f"rows (the global length), not {have}")
-    return args
 
 
 # TMA descriptors (napkin/codegen/tma.py): the launcher's tma= option, for

@@ -57,7 +57,7 @@ def to_text(diagram: ir.Diagram) -> str:
     """The canonical .ncd text of ``diagram`` (ends with a newline)."""
     sections = [
         _wires(diagram.wires),
-        [f"in {t.name}{_layout(t.axes)} : {t.dtype}" for t in diagram.inputs],
+        [f"in {t.name}{layout_text(t.axes)} : {t.dtype}" for t in diagram.inputs],
         [_let(let) for let in diagram.lets],
         ["out " + ", ".join(o.name for o in diagram.outputs)] if diagram.outputs else [],
         _schedule(diagram.schedule) if diagram.schedule is not None else [],
@@ -100,7 +100,8 @@ def _wires(wires: tuple[ir.Wire, ...]) -> list[str]:
     return lines
 
 
-def _layout(axes: tuple[ir.Axis, ...]) -> str:
+def layout_text(axes: tuple[ir.Axis, ...]) -> str:
+    """A layout as written: ``[b, (hk g), q]``."""
     if not axes:
         raise ValueError("a layout needs at least one axis")
     return "[" + ", ".join(_axis(a) for a in axes) + "]"
@@ -114,7 +115,7 @@ def _axis(axis: ir.Axis) -> str:
 
 def _let(let: ir.Let) -> str:
     dtype = f" : {let.dtype}" if let.dtype is not None else ""
-    return f"{let.name}{_layout(let.axes)}{dtype} = {_expr(let.expr, 0)}"
+    return f"{let.name}{layout_text(let.axes)}{dtype} = {_expr(let.expr, 0)}"
 
 
 # --------------------------------------------------------------------------

@@ -460,6 +460,8 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     launch = _fill_options(opts + ["chunk"]) + P.launch_lines(plan, R.applies(plan)) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
+        # packed rows: _pack checked the caller's positions and made the launch's from them
+        "_pos = _position_args(positions, lengths, _sz)" if plan.pack is not None else
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
         f"[{', '.join(o.name for o in d.outputs if o.name not in saved)}] = _allocate(_sz, _cls, _dev, out_dtype)",
         *_allocate_saved(d, saved),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from .. import ir, masks, tiling
+from ..printer import layout_text
 from ..errors import Diagnostic, NapkinError
 
 DEFAULT_BLOCK_ROW = 64
@@ -560,6 +561,12 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
                 raise unsupported(what, f"an integer input that holds {w} cannot be packed (integer inputs are "
                                   f"read at the rows' positions of {row}); {x.name} is [{', '.join(wires)}]",
                                   t.loc, hint)
+            # read with the packed sizes, a dimension (hk q) would step hk by |g||q| rows, not |q|
+            if any(row in a and len(a) > 1 for a in x.axes):
+                raise unsupported(what, f"an integer input that flattens {row} with other wires cannot be "
+                                  f"packed (integer inputs are read at the rows' positions of {row}); "
+                                  f"{x.name} is {layout_text(x.axes)}", t.loc,
+                                  f"{hint}; or give {row} a dimension of its own in {x.name}")
             continue  # read at the rows' positions (their q)
         if not (w in wires and row in wires and wires.index(w) + 1 == wires.index(row)):
             raise unsupported(what, f"it packs {w} into the rows of {row}, so every tensor along either "
