@@ -452,8 +452,8 @@ def _positions(positions, lengths, sizes, device, tensors):
 
 def _position_args(positions, lengths, sizes):
     """The kernel's position arguments, unchecked: a packed launch's own,
-    which _pack made from positions it checked (a decode step saves the
-    second check's few microseconds)."""
+    which _pack made from positions it checked (so a decode step checks
+    them once)."""
     positions, lengths, args = positions or {}, lengths or {}, {}
     for w in _POSITIONAL:
         p = positions.get(w)
