@@ -7,10 +7,11 @@
 #
 #   bench/device.sh fetch            here: lark's wheel (missing on the GPU
 #                                    image) into .whl/, which git ignores
-#   bench/device.sh run STAGE...     there, as one device call: install the
+#   bench/device.sh run STAGE[:S]... there, as one device call: install the
 #                                    carried wheels, restore the carried
 #                                    autotune cache (.device/), run the
-#                                    run_h100.sh stages in order, and pack
+#                                    run_h100.sh stages in order, each for at
+#                                    most S seconds when given, and pack
 #                                    what they wrote into $OUT/results.tgz
 #   bench/device.sh keep FILES_AT    here: unpack a call's results into
 #                                    bench/results/ and its autotune cache
@@ -18,6 +19,10 @@
 #
 # `run` stops each stage in time for the packing: the call's whole budget is
 # $DEVICE_BUDGET seconds (default 570, inside the tool's 600-second limit).
+# A stage gets the seconds left of it, or its own S if fewer, and the bench
+# inside it learns them ($NAPKIN_BENCH_SECONDS, 15 s less for writing its
+# files), so its autotuning shares out that time rather than a whole
+# command's: `main:270 variants` gives main 270 s and variants the rest.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -33,7 +38,7 @@ fetch() {
 run() {
   local start=$SECONDS budget="${DEVICE_BUDGET:-570}" out="${OUT:?run is for the device tool, whose \$OUT comes back}"
   export PYTHONUNBUFFERED=1 PYTHON=python3
-  local wheels="${DEVICE_WHEELS:-.whl}"
+  local wheels="${DEVICE_WHEELS:-.whl}" stages="${DEVICE_STAGES:-bench/run_h100.sh}"  # the tests' stand-in
   if compgen -G "$wheels/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$wheels"/*.whl || exit 1
@@ -45,16 +50,24 @@ run() {
   mkdir -p "$work/autotune-cache"
   [[ -f .device/autotune.json ]] && cp .device/autotune.json "$work/autotune-cache/"
   export NAPKIN_BENCH_OUT="$work" NAPKIN_CACHE="$work/autotune-cache"
-  local status=0 stage left
-  for stage in "$@"; do
+  local status=0 spec stage cap left
+  for spec in "$@"; do
+    stage=${spec%%:*} cap=
+    [[ $spec == *:* ]] && cap=${spec#*:}
+    if [[ -n $cap && ! $cap =~ ^[0-9]+$ ]]; then
+      echo "device.sh: '$spec': a stage's seconds are a whole number (main:270)" | tee -a "$work/stages.log"
+      status=2
+      continue
+    fi
     left=$((budget - (SECONDS - start) - 20))
+    [[ -n $cap ]] && ((cap < left)) && left=$cap
     if ((left < 30)); then
       echo "device.sh: no time left for stage $stage" | tee -a "$work/stages.log"
       status=1
       continue
     fi
     echo "== $stage (up to ${left}s) $(date -u +%FT%TZ)" | tee -a "$work/stages.log"
-    timeout "$left" bench/run_h100.sh "$stage" 2>&1 | tee "$work/$stage.log"
+    NAPKIN_BENCH_SECONDS=$((left - 15)) timeout "$left" "$stages" "$stage" 2>&1 | tee "$work/$stage.log"
     local rc=${PIPESTATUS[0]}
     echo "== $stage rc $rc after $((SECONDS - start))s" | tee -a "$work/stages.log"
     ((rc == 0)) || status=$rc
@@ -92,7 +105,7 @@ verb="${1:-}"
 shift || true
 case "$verb" in
   fetch) fetch ;;
-  run) (($#)) || { echo "usage: $0 run STAGE..." >&2; exit 2; }; run "$@" ;;
+  run) (($#)) || { echo "usage: $0 run STAGE[:SECONDS]..." >&2; exit 2; }; run "$@" ;;
   keep) keep "$@" ;;
-  *) echo "usage: $0 fetch | run STAGE... | keep FILES_AT" >&2; exit 2 ;;
+  *) echo "usage: $0 fetch | run STAGE[:SECONDS]... | keep FILES_AT" >&2; exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 # The benchmark a session with a lent H100 (or H200) runs, in stages that each
 # fit one 10-minute device command.  Usage, from the repository root:
 #
-#     bench/run_h100.sh [env|test|main|variants|others|sweep|ncu|tma|decode|all]   (default: all)
+#     bench/run_h100.sh [env|test|benchtest|main|variants|others|sweep|ncu|tma|decode|all]   (default: all)
 #
 # Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
 # comes back), else bench/results; copy them into bench/results/ and commit
@@ -36,15 +36,22 @@ EOF
 }
 
 stage_test() {
-  # The GPU-marked tests (bf16 kernels, the real timing path, the autotune cache).
-  "$PYTHON" -m pytest -q -m gpu tests/
+  # The GPU-marked tests: bf16 forward and backward kernels against float64.
+  "$PYTHON" -m pytest -q -m "gpu and not slow" tests/
 }
 
-# Tuning budgets: each --autotune run shares one 10-minute command among the
-# kernels it tunes (forward, dQ, dK/dV per diagram; napkin/bench/harness.py,
-# RUN_S): main 6 kernels at 65 s each, variants 15 at 14 s, others 9 at 36 s.
-# A run must therefore be ONE bench command per stage; NAPKIN_TUNE_BUDGET
-# (seconds per kernel) overrides the default.
+stage_benchtest() {
+  # The GPU-marked bench test: the real timing path, tuning, the autotune
+  # cache read back at a new length (a few minutes: apart from `test`).
+  "$PYTHON" -m pytest -q -m "gpu and slow" tests/
+}
+
+# Tuning budgets: each --autotune run shares its time among the kernels it
+# tunes (forward, dQ, dK/dV per diagram; napkin/bench/harness.py, TuneShare),
+# again before each grid point: one 10-minute command (RUN_S) unless
+# $NAPKIN_BENCH_SECONDS says less, as bench/device.sh does for a stage given
+# its share (`main:270`).  A run must therefore be ONE bench command per
+# stage; NAPKIN_TUNE_BUDGET (seconds per kernel) overrides the share.
 TUNE=(--autotune ${NAPKIN_TUNE_BUDGET:+--tune-budget "$NAPKIN_TUNE_BUDGET"})
 
 stage_main() {
@@ -116,7 +123,7 @@ stage_decode() {
 
 stage="${1:-all}"
 case "$stage" in
-  env|test|main|variants|others|sweep|ncu|tma|decode) "stage_$stage" ;;
-  all) for s in env test main variants others sweep ncu tma decode; do "stage_$s"; done ;;
-  *) echo "usage: $0 [env|test|main|variants|others|sweep|ncu|tma|decode|all]" >&2; exit 2 ;;
+  env|test|benchtest|main|variants|others|sweep|ncu|tma|decode) "stage_$stage" ;;
+  all) for s in env test main variants others benchtest sweep ncu tma decode; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|benchtest|main|variants|others|sweep|ncu|tma|decode|all]" >&2; exit 2 ;;
 esac

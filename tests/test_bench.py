@@ -493,6 +493,50 @@ def test_tune_budget_default_shares_a_ten_minute_command():
     assert harness.tune_budget(1, 1) > main
 
 
+def test_tune_share_gives_each_point_what_the_time_limit_leaves():
+    """A fake clock: 300 s for two points of three kernels.  The first point gets (300 - start-up -
+    2 points) / 6; the time it does not use goes to the second, and a point that ran long takes from it
+    (never below MIN_TUNE_S).  A fixed --tune-budget is every point's."""
+    now = [0.0]
+    share = harness.TuneShare(300, 2, 3, clock=lambda: now[0])
+    first = share.next()
+    assert first == (300 - harness.STARTUP_S - 2 * harness.POINT_S) // 6 == 25
+    now[0] = 100.0                                   # the first point took 100 s of its 30 + 60 + 6 * 25
+    assert share.next() == (300 - 100 - harness.POINT_S) // 3 == 46
+    late = harness.TuneShare(300, 2, 3, clock=lambda: now[0])
+    now[0] += 280.0
+    late.next()
+    assert late.next() == harness.MIN_TUNE_S
+    fixed = harness.TuneShare(300, 2, 3, fixed=7.5, clock=lambda: now[0])
+    assert fixed.next() == fixed.next() == 7.5
+
+
+def test_tune_share_skips_the_points_of_a_variant_that_failed():
+    now = [0.0]
+    share = harness.TuneShare(600, 4, 3, clock=lambda: now[0])
+    share.next()
+    share.passed(2)            # the first variant (2 points) failed after its first point
+    assert share.next() == (600 - harness.POINT_S * 2) // 6
+    share.passed(1)            # never goes back
+    assert share.done == 3
+
+
+def test_time_limit_reads_the_flag_then_the_environment(monkeypatch):
+    parse = harness.build_parser().parse_args
+    monkeypatch.delenv(harness.TIME_LIMIT_ENV, raising=False)
+    assert harness.time_limit(parse(["a.ncd"])) == harness.RUN_S
+    monkeypatch.setenv(harness.TIME_LIMIT_ENV, "250")
+    assert harness.time_limit(parse(["a.ncd"])) == 250.0
+    assert harness.time_limit(parse(["a.ncd", "--time-limit", "90"])) == 90.0
+    monkeypatch.setenv(harness.TIME_LIMIT_ENV, "soon")
+    with pytest.raises(NapkinError) as err:
+        harness.time_limit(parse(["a.ncd"]))
+    assert str(err.value).endswith("$NAPKIN_BENCH_SECONDS expects a positive number of seconds, not 'soon'")
+    with pytest.raises(NapkinError) as err:
+        harness.time_limit(parse(["a.ncd", "--time-limit", "0"]))
+    assert str(err.value).endswith("--time-limit expects a positive number of seconds, not 0.0")
+
+
 def test_tuning_is_shown_in_the_markdown_when_truncated():
     data = _data(smoke=False)
     row = data["rows"][0]
@@ -876,6 +920,36 @@ def test_device_run_packs_every_stage_into_one_archive_and_keeps_the_worst_statu
         log = tar.extractfile("results/stages.log").read().decode()
     assert {"results/nosuchstage.log", "results/alsonot.log", "results/stages.log"} <= names
     assert "== nosuchstage rc 2" in log and "== alsonot rc 2" in log
+
+
+def test_device_run_gives_each_stage_its_share_and_tells_the_bench(tmp_path):
+    """`run main:100 variants bad:soon`: main gets its 100 s (the bench inside it 85, its
+    $NAPKIN_BENCH_SECONDS), variants what is left of the call's budget, and a share that is not a
+    whole number is refused in the log (status 2) without stopping the others."""
+    import subprocess
+    import tarfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    stages = tmp_path / "stages.sh"
+    stages.write_text('#!/usr/bin/env bash\necho "stage $1 bench $NAPKIN_BENCH_SECONDS"\n')
+    stages.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("NAPKIN_BENCH_OUT", "NAPKIN_CACHE")}
+    done = subprocess.run(["bash", str(REPO / "bench" / "device.sh"), "run", "main:100", "variants", "bad:soon"],
+                          env=env | {"OUT": str(out), "DEVICE_BUDGET": "300", "DEVICE_STAGES": str(stages),
+                                     "DEVICE_WHEELS": str(tmp_path / "none")},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    with tarfile.open(out / "results.tgz") as tar:
+        main = tar.extractfile("results/main.log").read().decode()
+        variants = tar.extractfile("results/variants.log").read().decode()
+        log = tar.extractfile("results/stages.log").read().decode()
+    assert main == "stage main bench 85\n"
+    # 300 less 20 for the packing, less the second or so spent so far; the bench 15 s less again
+    seconds = int(variants.split()[-1])
+    assert variants.startswith("stage variants bench ") and 262 <= seconds <= 265, variants
+    assert "== main (up to 100s)" in log and "== variants (up to" in log
+    assert "'bad:soon': a stage's seconds are a whole number (main:270)" in log
 
 
 def test_device_sh_refuses_an_unknown_verb_and_run_without_out():

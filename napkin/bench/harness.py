@@ -33,6 +33,7 @@ import argparse
 import datetime
 import importlib.util
 import inspect
+import math
 import os
 import platform
 import statistics
@@ -54,16 +55,20 @@ TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3}   # max abs err
 NAPKIN_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DO_BENCH = {"warmup": 25, "rep": 100}   # milliseconds, triton.testing.do_bench
 
-# --tune-budget's default: a run is meant to fit one 10-minute device command
-# (a stage of bench/run_h100.sh; RUN_S leaves a minute of it spare, as a
-# tuning may overrun its budget by part of a trial), so the seconds left
-# after start-up and the untuned work of each grid point (the module's
-# compile, the checks, FlexAttention's torch.compile, the timed rows) are
-# shared equally by the kernels it tunes.  STARTUP_S and POINT_S are
-# estimates, not measurements (no GPU has run this yet).  A tuning always
-# times its first candidate, the untuned launch, whatever the budget;
-# MIN_TUNE_S is the least it is given.
+# --tune-budget's default: a run is meant to fit its time limit
+# (--time-limit, else $NAPKIN_BENCH_SECONDS, which bench/device.sh sets to a
+# stage's share of a device command, else RUN_S: one 10-minute command less
+# a minute spare, as a tuning may overrun its budget by part of a trial).
+# The seconds left after start-up and the untuned work of each grid point
+# still to run (the module's compile, the checks, FlexAttention's
+# torch.compile, the timed rows) are shared equally by the kernels still to
+# tune, again before each point (TuneShare), so time a point did not use
+# goes to the next and one that ran long takes from them.  STARTUP_S and
+# POINT_S are estimates, not measurements (no GPU has run this yet).  A
+# tuning always times its first candidate, the untuned launch, whatever the
+# budget; MIN_TUNE_S is the least it is given.
 RUN_S, STARTUP_S, POINT_S, MIN_TUNE_S = 540, 30, 60, 10
+TIME_LIMIT_ENV = "NAPKIN_BENCH_SECONDS"
 
 # Presets: lists of values, crossed.  h100 follows the FlashAttention papers'
 # grid: 16K tokens per batch (batch = 16384 / seqlen) and a hidden size of
@@ -97,7 +102,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-budget", type=float, metavar="SECONDS",
                    help="with --autotune: seconds per tuned kernel (forward, dQ, dK/dV each), after which "
                         "its remaining candidates are skipped and the best so far kept (default: "
-                        f"{RUN_S} s less start-up and {POINT_S} s per grid point, shared by the tuned kernels)")
+                        f"the seconds --time-limit leaves after start-up and {POINT_S} s per grid point, shared "
+                        "by the kernels still to tune, before each point)")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="with --autotune: the seconds the whole run may take, which the default tuning budget "
+                        f"shares out (default: ${TIME_LIMIT_ENV}, else {RUN_S})")
     p.add_argument("--reps", type=int, help="CPU smoke: timed repetitions (default 2)")
     p.add_argument("--out", default="bench/results", metavar="DIR",
                    help="where the JSON and markdown go (default bench/results)")
@@ -189,7 +198,7 @@ def run(args, prog: str) -> int:
         raise NapkinError(f"--tune-budget expects a positive number of seconds, not {args.tune_budget}")
     points = len(args.files) * len(dtypes) * len(head_dims) * len(seqlens) \
         * len(grid["batch"] or [1]) * len(grid["heads"] or [1])
-    grid["tune_budget"] = args.tune_budget or tune_budget(points, 1 if args.no_backward else 3)
+    grid["tune_budget"] = TuneShare(time_limit(args), points, 1 if args.no_backward else 3, fixed=args.tune_budget)
     rows, failed, paths = [], False, None
     command = command_line(args, prog)
     variants = [(path, dtype, head_dim) for path in args.files for dtype in dtypes for head_dim in head_dims]
@@ -202,6 +211,8 @@ def run(args, prog: str) -> int:
             except NapkinError as err:
                 print(str(err), file=sys.stderr)
                 failed = True
+            # a variant that stopped early leaves its points' time to the rest
+            grid["tune_budget"].passed(done * points // len(variants))
             if rows and done < len(variants):
                 # what is measured so far, rewritten after each: a run stopped at a
                 # GPU session's time limit keeps it (the last write drops the mark)
@@ -217,10 +228,53 @@ def run(args, prog: str) -> int:
     return 0 if not failed and all(r["check"]["ok"] for r in rows) else 1
 
 
-def tune_budget(points: int, kernels_per_point: int) -> float:
-    """The default seconds per tuned kernel (see RUN_S)."""
-    left = RUN_S - STARTUP_S - POINT_S * points
+def time_limit(args) -> float:
+    """The seconds the run may take: --time-limit, else $NAPKIN_BENCH_SECONDS, else RUN_S."""
+    if args.time_limit is not None:
+        value, what, given = args.time_limit, "--time-limit", args.time_limit
+    elif (given := os.environ.get(TIME_LIMIT_ENV)) is not None:
+        what = f"${TIME_LIMIT_ENV}"
+        try:
+            value = float(given)
+        except ValueError:
+            value = math.nan
+    else:
+        return float(RUN_S)
+    if not 0 < value < math.inf:
+        raise NapkinError(f"{what} expects a positive number of seconds, not {given!r}")
+    return float(value)
+
+
+def tune_budget(points: int, kernels_per_point: int, seconds: float = RUN_S - STARTUP_S) -> float:
+    """The default seconds per tuned kernel when ``points`` grid points of
+    ``kernels_per_point`` tuned kernels each are still to run in ``seconds``
+    (see RUN_S)."""
+    left = seconds - POINT_S * points
     return float(max(MIN_TUNE_S, left // (points * kernels_per_point)))
+
+
+class TuneShare:
+    """The tuning budget of each grid point in turn (``next()``, once before
+    each point): --tune-budget when given, else what is left of the time
+    limit, start-up the first time, shared by the points still to run."""
+
+    def __init__(self, limit_s: float, points: int, kernels_per_point: int, fixed: Optional[float] = None,
+                 clock=time.monotonic):
+        self.limit_s, self.points, self.kernels, self.fixed, self.clock = \
+            limit_s, points, kernels_per_point, fixed, clock
+        self.start, self.done = clock(), 0
+
+    def next(self) -> float:
+        if self.fixed is not None:
+            return float(self.fixed)
+        left = self.limit_s - (self.clock() - self.start) - (STARTUP_S if self.done == 0 else 0)
+        budget = tune_budget(max(1, self.points - self.done), self.kernels, left)
+        self.done += 1
+        return budget
+
+    def passed(self, points: int) -> None:
+        """At least ``points`` points are behind (run, or skipped by a failure)."""
+        self.done = max(self.done, points)
 
 
 def _record(rows: list[dict], command: str, device: str, reps: int) -> dict:
@@ -335,11 +389,11 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
     except flex.NoFlexEquivalent as err:
         flex_module, flex_why = None, err.why
     ctx = {"path": path, "diagram": base[0], "module": module, "digest": digest, "dtype": dtype,
-           "flex": flex_module, "flex_why": flex_why, "device": device, "reps": reps, "args": args,
-           "tune_budget": grid.get("tune_budget")}
+           "flex": flex_module, "flex_why": flex_why, "device": device, "reps": reps, "args": args}
     rows = []
     for sizes in point_sizes(base[0], roles, grid):
-        rows.append(_bench_point(ctx, sizes))
+        share = grid.get("tune_budget")
+        rows.append(_bench_point(ctx | {"tune_budget": share.next() if share is not None else None}, sizes))
     return rows
 
 
