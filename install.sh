@@ -39,11 +39,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 
 if ! command -v "$PY" >/dev/null 2>&1; then
-  echo "install.sh: '$PY' not found; set PYTHON to a Python >= 3.10" >&2
+  echo "install.sh: '$PY' not found; set PYTHON to a Python >= 3.11" >&2
   exit 1
 fi
-if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
-  echo "install.sh: napkin needs Python >= 3.10; '$PY' is $("$PY" -V 2>&1)" >&2
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "install.sh: napkin needs Python >= 3.11; '$PY' is $("$PY" -V 2>&1)" >&2
   exit 1
 fi
 

@@ -26,12 +26,17 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-LARK="lark==1.3.1"  # the version CI's install resolves today; the GPU image has none
+# napkin's dependencies (pyproject.toml) that the GPU image lacks (its package
+# list: the device tool's KINDS.md), at the versions CI's install resolves
+# today; lark's strict mode needs interegular (without it every diagram fails
+# to parse).  torch, triton, numpy and jinja2 are on the image; graphviz only
+# draws pictures.  tests/test_bench.py keeps this list and pyproject's together.
+WHEELS=("lark==1.3.1" "interegular==0.3.3")
 
 fetch() {
   mkdir -p .whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 -d .whl "$LARK"
+    --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
   ls .whl
 }
 

@@ -33,6 +33,9 @@ p = torch.cuda.get_device_properties(0)
 print(p.name, "capability", f"{p.major}.{p.minor}", "SMs", p.multi_processor_count,
       "smem/block opt-in", getattr(p, "shared_memory_per_block_optin", "?"))
 EOF
+  # napkin itself, from the carried wheels (bench/device.sh fetch): a missing
+  # one fails here, in seconds, not in every later stage
+  "$PYTHON" -c 'import napkin; d = napkin.load("examples/causal.ncd"); print("napkin", napkin.__version__, "parses", d.name)'
 }
 
 stage_test() {

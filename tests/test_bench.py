@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import napkin
 from napkin import autotune
@@ -137,6 +138,72 @@ def test_flex_gqa_side_tensors_index_kv_heads_and_query_heads():
     assert src.enable_gqa and src.side == ("slope", "bias")
     assert "slope[(h // size_g)]" in src.text and "bias[h]" in src.text
     assert max(_flex_vs_reference(d, {"b": 1, "hk": 2, "g": 3, "q": 20, "x": 20})) < 1e-6
+
+
+HEAD_WINDOW = """
+diagram head_window
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+in win[h] : int32
+S[b, h, q, x] = where(x <= q and q - x < win, sum[d](Q * K) * |d|^-0.5, -inf)
+O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)
+out O
+"""
+
+
+def test_flex_builds_a_block_mask_per_head_only_where_the_mask_reads_the_head(monkeypatch):
+    """One block mask broadcast over batch and heads unless the mask reads them (at 16 heads x 16K x
+    16K, create_block_mask goes through a 4 GiB boolean tensor per head dimension kept).  Eager flex
+    on the CPU ignores the block mask's sparsity, so the blocks it is given are checked directly: a
+    window of 4 keys on head 0 and 250 on head 1 must give two different block masks."""
+    load = lambda n: flex.emit(napkin.load(EXAMPLES / f"{n}.ncd")).text  # noqa: E731
+    assert "create_block_mask(mask_mod, None, None, q.shape[2]," in load("causal")
+    assert "create_block_mask(mask_mod, q.shape[0], None, q.shape[2]," in load("document_mask")
+    d = napkin.load_text(HEAD_WINDOW)
+    assert "create_block_mask(mask_mod, None, q.shape[1], q.shape[2]," in flex.emit(d).text
+    from torch.nn.attention import flex_attention as F
+
+    made, real = [], F.create_block_mask
+    monkeypatch.setattr(F, "create_block_mask", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    sizes = {"b": 2, "h": 2, "q": 300, "x": 300}
+    Q, K, V, _ = reference.example_inputs(d, sizes, seed=1)
+    win = torch.tensor([4, 250], dtype=torch.int32)
+    got = flex.load(d).prepare(Q.double(), K.double(), V.double(), win)()[0]
+    want = reference.reference(d, (Q, K, V, win), sizes)[0]
+    assert float((got - want).abs().max()) < 1e-6
+    (dense,) = [bm.to_dense() for bm in made]
+    assert dense.shape[:2] == (1, 2) and not torch.equal(dense[0, 0], dense[0, 1])
+
+
+def test_flex_stays_compiled_past_dynamos_recompile_limit(monkeypatch):
+    """Every grid point's shapes compile flex_attention anew, and all the flex modules of a run share
+    dynamo's limit of 8 compiles of it, past which it would run eagerly (unfused) under the compiled
+    label.  Three modules at four lengths each (12 compiles, torch.compile's backend made "eager" so
+    the CPU can do it): every call compiled, none warns that it is not."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(cfg, name, getattr(cfg, name))      # put back after the test
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda f, **kw: real(f, **kw | {"backend": "eager"}))
+    torch._dynamo.reset()
+    counters.clear()
+    texts = [(EXAMPLES / f"{n}.ncd").read_text() for n in ("attention", "causal", "softcap")]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flex_attention called without torch.compile")
+        for text in texts:
+            d = _fp32(text)
+            m = flex.load(d)
+            for n in (16, 24, 40, 48):
+                sizes = {"b": 1, "h": 2, "q": n, "x": n}
+                m.prepare(*reference.example_inputs(d, sizes, seed=n), compiled=True)()
+    assert counters["frames"]["ok"] == 12 and cfg.recompile_limit >= 12
+    torch._dynamo.reset()
 
 
 def test_flex_emission_facts_for_the_examples():
@@ -772,7 +839,7 @@ def test_napkin_bench_smoke_run_end_to_end(tmp_path, capsys):
     from napkin.cli import main
 
     status = main(["bench", str(EXAMPLES / "causal.ncd"), "--seqlen", "48", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert status == 0, out
     (json_path,) = tmp_path.glob("cpu-*.json")
     data = json.loads(json_path.read_text())
@@ -788,6 +855,11 @@ def test_napkin_bench_smoke_run_end_to_end(tmp_path, capsys):
     assert math.isclose(row["ratios"]["fwd"]["flex"], fwd["flex"]["ms"] / fwd["napkin"]["ms"])
     assert "SMOKE RUN" in out and str(json_path) in out
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    # where the point's time went, for the next GPU session's estimates; the check and the timing
+    # ran the interpreter, so each took some time
+    assert set(row["seconds"]) == {"tune", "check", "time"} and row["seconds"]["tune"] >= 0
+    assert row["seconds"]["check"] > 0 and row["seconds"]["time"] > 0
+    assert f"napkin bench: causal float16 {row['sizes']}: tune " in err
 
 
 # --------------------------------------------------------------------------
@@ -950,6 +1022,24 @@ def test_device_run_gives_each_stage_its_share_and_tells_the_bench(tmp_path):
     assert variants.startswith("stage variants bench ") and 262 <= seconds <= 265, variants
     assert "== main (up to 100s)" in log and "== variants (up to" in log
     assert "'bad:soon': a stage's seconds are a whole number (main:270)" in log
+
+
+def test_device_fetch_carries_every_dependency_the_gpu_image_lacks():
+    """bench/device.sh's WHEELS against pyproject.toml: each dependency napkin needs at run time is
+    either on the GPU image (the device tool's package list: torch, triton, numpy, jinja2) or fetched
+    as a wheel, so that a GPU session's first stage does not fail on an import (interegular, which
+    lark's strict mode needs, was missing: every diagram failed to parse there)."""
+    import re
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.match(r"[A-Za-z0-9_.-]+", dep).group(0).lower() for dep in deps}
+    text = (REPO / "bench" / "device.sh").read_text()
+    wheels = re.search(r"^WHEELS=\((.*)\)$", text, re.M).group(1)
+    fetched = {w.split("==")[0] for w in re.findall(r'"([^"]+)"', wheels)}
+    assert all("==" in w for w in re.findall(r'"([^"]+)"', wheels))   # pinned: one version each
+    on_image, unused = {"torch", "triton", "numpy", "jinja2"}, {"graphviz"}   # graphviz: pictures only
+    assert names - on_image - unused == fetched
 
 
 def test_device_sh_refuses_an_unknown_verb_and_run_without_out():

@@ -68,6 +68,9 @@ def test_pyproject_version_and_dependencies():
     names = {re.split(r"[<>=!~ \[]", dep)[0] for dep in project["dependencies"]}
     assert names == {"lark", "interegular", "jinja2", "torch", "triton", "numpy", "graphviz"}
     assert set(project["optional-dependencies"]["test"]) == {"pytest", "hypothesis"}
+    # napkin reads its TOML files with tomllib (3.11); install.sh refuses what pyproject refuses
+    assert project["requires-python"] == ">=3.11"
+    assert "sys.exit(sys.version_info < (3, 11))" in (REPO / "install.sh").read_text()
 
 
 # --------------------------------------------------------------------------

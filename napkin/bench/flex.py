@@ -40,6 +40,7 @@ from typing import Optional
 
 from .. import ir, masks, tiling
 from ..codegen.exprs import fold
+from ..codegen.pysrc import names_read
 from ..errors import NapkinError
 from ..printer import expr_text
 
@@ -558,6 +559,24 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
         f"SCALE = {scale!r}",
         f"ENABLE_GQA = {roles.gqa!r}",
         "_compiled = None  # torch.compile(flex_attention), made on first use",
+        "RECOMPILES = 1024  # shapes (and modules) one process may compile flex_attention for",
+        "",
+        "",
+        "def _compile():",
+        '    """torch.compile(flex_attention), dynamo\'s recompile limits lifted.  Every',
+        "    shape compiles anew (dynamic=False), and every module's compile of the one",
+        "    flex_attention counts towards the same limit (8 by default), past which",
+        "    dynamo runs it eagerly, unfused, with a warning: timed as compiled, that",
+        '    would be a wrong number, so a limit reached anyway is an error."""',
+        "    import torch._dynamo",
+        "",
+        "    cfg = torch._dynamo.config",
+        '    for name in ("recompile_limit", "accumulated_recompile_limit"):',
+        "        if hasattr(cfg, name):",
+        "            setattr(cfg, name, max(getattr(cfg, name), RECOMPILES))",
+        '    if hasattr(cfg, "fail_on_recompile_limit_hit"):',
+        "        cfg.fail_on_recompile_limit_hit = True",
+        "    return torch.compile(_flex.flex_attention, dynamic=False)",
         "",
         "",
         f"def make_mods({''.join(s + ', ' for s in side)}sizes):",
@@ -578,6 +597,11 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
     kperm, kmiss = _flex_order(an.k.axes, roles, roles.dim, kv=True)
     vperm, vmiss = _flex_order(an.value.axes, roles, roles.vdim, kv=True)
     params = ", ".join(names)
+    # A block mask per batch and head only where the mask reads them: one of
+    # 16 heads x 16K x 16K is built through a 4 GiB boolean tensor; None
+    # broadcasts one over them.
+    reads = names_read(mask_text) if mask_text is not None else frozenset()
+    mask_dims = ["q.shape[0]" if "b" in reads else "None", "q.shape[1]" if "h" in reads else "None"]
     lines += [
         f"def arrange({params}):",
         '    """(q, k, v) in the (B, H, L, E) layout flex_attention and SDPA take."""',
@@ -600,12 +624,12 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
         f"    score_mod, mask_mod = make_mods({''.join(s + ', ' for s in side)}sizes)",
         "    block_mask = None",
         "    if mask_mod is not None:",
-        "        block_mask = _flex.create_block_mask(mask_mod, q.shape[0], q.shape[1], q.shape[2],",
+        f"        block_mask = _flex.create_block_mask(mask_mod, {mask_dims[0]}, {mask_dims[1]}, q.shape[2],",
         "                                             k.shape[2], device=q.device)",
         "    attend = _flex.flex_attention",
         "    if compiled:",
         "        if _compiled is None:",
-        "            _compiled = torch.compile(_flex.flex_attention, dynamic=False)",
+        "            _compiled = _compile()",
         "        attend = _compiled",
         "",
         "    def run():",

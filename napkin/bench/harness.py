@@ -454,6 +454,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     flops = results.attention_flops(shape, shape["causal"])
     launcher = getattr(module, d.name)
     tuning: dict = {}
+    clock = [time.monotonic()]
     config, source = _choose_config(ctx, sizes, launcher, tuning=tuning)
     bwd_config, bwd_source = {}, {}
     for kernel, kind in BACKWARD_KINDS.items():
@@ -464,7 +465,9 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         impls.append(baselines.flex_baseline(ctx["flex"], compiled=device == "cuda"))
     impls += baselines.sdpa_baselines(ctx["flex"], shape, device)
 
+    clock.append(time.monotonic())
     check = _check(ctx, impls, sizes)
+    clock.append(time.monotonic())
     out: list[dict] = []
     if ctx["flex"] is None:
         out.append(_result("flex", "fwd", False, "FlexAttention", error=f"no FlexAttention equivalent: "
@@ -486,13 +489,19 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
                 bwd_tma = {k: dict(getattr(module, f"_tma_last_{k}")) for k in BACKWARD_KINDS
                            if isinstance(getattr(module, f"_tma_last_{k}", None), dict)} or None
     _full_size_check(check, first, d, dtype)
+    clock.append(time.monotonic())
+    # where a point's time went (FlexAttention's compiles fall in check and time):
+    # what the next GPU session corrects STARTUP_S and POINT_S by
+    seconds = {k: round(b - a, 1) for k, a, b in zip(("tune", "check", "time"), clock, clock[1:])}
+    print(f"napkin bench: {d.name} {dtype} {sizes}: " + ", ".join(f"{k} {v} s" for k, v in seconds.items())
+          + f" (tuning budget {ctx.get('tune_budget')} s a kernel)" * bool(ctx["args"].autotune), file=sys.stderr)
     return {
         "diagram": d.name, "file": str(ctx["path"]), "source_hash": ctx["digest"], "dtype": dtype,
         "sizes": sizes, "shape": {k: shape[k] for k in ("batch", "heads", "kv_heads", "q_len", "kv_len",
                                                          "dim", "value_dim")},
         "causal": shape["causal"], "flops": flops, "config": config, "config_source": source,
         "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning, "tma": tma, "bwd_tma": bwd_tma,
-        "check": check, "results": out, "ratios": results.ratios(out),
+        "check": check, "results": out, "ratios": results.ratios(out), "seconds": seconds,
     }
 
 
