@@ -5,8 +5,9 @@
 # script takes care of each of those so a session spends its device time on
 # measuring:
 #
-#   bench/device.sh fetch            here: lark's wheel (missing on the GPU
-#                                    image) into .whl/, which git ignores
+#   bench/device.sh fetch            here: the wheels the GPU image lacks
+#                                    (WHEELS, below) into .whl/, which git
+#                                    ignores
 #   bench/device.sh run STAGE[:S]... there, as one device call: install the
 #                                    carried wheels, restore the carried
 #                                    autotune cache (.device/), run the

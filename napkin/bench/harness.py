@@ -198,7 +198,7 @@ def run(args, prog: str) -> int:
         raise NapkinError(f"--tune-budget expects a positive number of seconds, not {args.tune_budget}")
     points = len(args.files) * len(dtypes) * len(head_dims) * len(seqlens) \
         * len(grid["batch"] or [1]) * len(grid["heads"] or [1])
-    grid["tune_budget"] = TuneShare(time_limit(args), points, 1 if args.no_backward else 3, fixed=args.tune_budget)
+    grid["tune_share"] = TuneShare(time_limit(args), points, 1 if args.no_backward else 3, fixed=args.tune_budget)
     rows, failed, paths = [], False, None
     command = command_line(args, prog)
     variants = [(path, dtype, head_dim) for path in args.files for dtype in dtypes for head_dim in head_dims]
@@ -212,7 +212,7 @@ def run(args, prog: str) -> int:
                 print(str(err), file=sys.stderr)
                 failed = True
             # a variant that stopped early leaves its points' time to the rest
-            grid["tune_budget"].passed(done * points // len(variants))
+            grid["tune_share"].passed(done * points // len(variants))
             if rows and done < len(variants):
                 # what is measured so far, rewritten after each: a run stopped at a
                 # GPU session's time limit keeps it (the last write drops the mark)
@@ -392,8 +392,7 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
            "flex": flex_module, "flex_why": flex_why, "device": device, "reps": reps, "args": args}
     rows = []
     for sizes in point_sizes(base[0], roles, grid):
-        share = grid.get("tune_budget")
-        rows.append(_bench_point(ctx | {"tune_budget": share.next() if share is not None else None}, sizes))
+        rows.append(_bench_point(ctx | {"tune_budget": grid["tune_share"].next()}, sizes))
     return rows
 
 
@@ -493,8 +492,9 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     # where a point's time went (FlexAttention's compiles fall in check and time):
     # what the next GPU session corrects STARTUP_S and POINT_S by
     seconds = {k: round(b - a, 1) for k, a, b in zip(("tune", "check", "time"), clock, clock[1:])}
+    budget = f" (tuning budget {ctx['tune_budget']} s a kernel)" if ctx["args"].autotune else ""
     print(f"napkin bench: {d.name} {dtype} {sizes}: " + ", ".join(f"{k} {v} s" for k, v in seconds.items())
-          + f" (tuning budget {ctx.get('tune_budget')} s a kernel)" * bool(ctx["args"].autotune), file=sys.stderr)
+          + budget, file=sys.stderr)
     return {
         "diagram": d.name, "file": str(ctx["path"]), "source_hash": ctx["digest"], "dtype": dtype,
         "sizes": sizes, "shape": {k: shape[k] for k in ("batch", "heads", "kv_heads", "q_len", "kv_len",

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from .. import ir, masks, tiling
-from ..printer import layout_text
 from ..errors import Diagnostic, NapkinError
+from ..printer import layout_text
 
 DEFAULT_BLOCK_ROW = 64
 DEFAULT_BLOCK_STREAM = 64
