@@ -226,6 +226,54 @@ def test_side_inputs_get_gradients(folder):
     assert all(g is not None and g.shape == t.shape for g, t in zip(grads, inputs))
 
 
+TEMPERATURE = """diagram temperature
+wire b, h, q, x
+wire d = 32
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+in tau[h] : fp32
+S[b, h, q, x] = sum[d](Q * K) * tau
+O[b, h, q, d] = sum[x](softmax[x](S) * V)
+out O
+schedule { level smem { group b by 1, h by 1, q by 16
+stream x by 16 } }
+"""
+
+
+def test_input_multiplying_the_contraction_gets_a_gradient(folder):
+    """A per-head temperature multiplies the raw contraction, so the chain
+    rule's dR = dS * tau reads it as well as S does.  That read was refused
+    ("only inputs of the score box get gradients here", of an input of the
+    score box), for Q, K and V too; an input read past the score box still is."""
+    m = compile_text(TEMPERATURE, "temperature", folder)
+    inputs, grads = check(m, {"b": 2, "h": 2, "q": 37, "x": 45}, torch.float32, label="temperature")
+    assert grads[3].shape == (2,) and grads[3].abs().min() > 0
+    gated = TEMPERATURE.replace("sum[d](Q * K) * tau", "sum[d](Q * K)").replace(
+        "softmax[x](S) * V", "sigmoid(S * tau) * V")
+    g = compile_text(gated, "temperature_gated", folder)
+    q, k, v, tau = g.example_inputs({"b": 1, "h": 2, "q": 20, "x": 20}, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match=r"input tau: its gradient would need the path past the "
+                                                  r"score box \(the backward's A0, dS read it\)"):
+        launcher(g)(q.requires_grad_(), k, v, tau)
+
+
+def test_narrow_lse_output_keeps_a_float32_row_state(folder):
+    """The backward rebuilds P = exp(S - lse) from its saved lse.  A
+    diagram's lse declared bf16 used to stand in for it, rounded (a 1e-2
+    error in fp32 gradients); now the forward also saves a float32 twin."""
+    m = example("causal", folder, ("lse[b, h, q] = ", "lse[b, h, q] : bf16 = "))
+    assert m._SAVED == ("_saved_lse",)
+    check(m, {"b": 1, "h": 2, "q": 37, "x": 53}, torch.float32, label="bf16 lse")
+
+
+def test_sum_normaliser_divided_by_a_size(folder):
+    """A per-row value that reads no row input (1 / |x|) once emitted
+    `_preprocess(Q, K, V, , _o)`: a module that compiled and did not import."""
+    m = example("sigmoid_attention", folder, ("= sum[x](P * V)", "= sum[x](P * V) / |x|"))
+    check(m, {"b": 1, "h": 2, "q": 37, "x": 50}, torch.float32, label="sigmoid / |x|")
+
+
 def test_unsupported_backward_says_why(folder):
     text = """diagram relumm
 wire m, n, k

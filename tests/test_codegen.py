@@ -344,6 +344,24 @@ def test_write_module_writes_atomically(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "causal.py"]
 
 
+def test_a_module_that_is_not_python_is_napkins_bug_and_never_written(tmp_path, monkeypatch):
+    """A template slip once emitted `f(Q, K, V, , _o)` and `napkin compile`
+    said "wrote": the user met the SyntaxError at import.  emit_module now
+    compiles its text first; the CLI reports such a failure as an internal
+    error (exit status 2), and nothing is written."""
+    from napkin.cli import main
+    from napkin.codegen import emit
+
+    real = emit.render
+    monkeypatch.setattr(emit, "render", lambda *a, **k: real(*a, **k) + "\ndef broken(a, a):\n    pass\n")
+    with pytest.raises(RuntimeError, match=r"napkin bug: the module emitted for diagram causal is not valid "
+                                           r"Python \(line \d+: duplicate argument 'a'.*\): def broken\(a, a\):"):
+        emit_file(REPO / "examples" / "causal.ncd")
+    out = tmp_path / "out"
+    assert main(["compile", str(REPO / "examples" / "causal.ncd"), "-o", str(out)]) == 2
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_compiling_needs_no_torch():
     """Compiling every example, in a fresh interpreter, never imports torch
     (a generated module needs it; napkin's compiler does not).  Runs

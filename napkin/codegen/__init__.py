@@ -87,10 +87,23 @@ def emit_module(diagram: ir.Diagram, *, source_text: str, source_path: str) -> s
     digest = hashlib.sha256(source_text.encode()).hexdigest()
     doc = _docstring(diagram, plan, label, __version__, digest)
     try:
-        return emit.render(plan, docstring=doc, version=__version__, source_hash=digest) \
+        text = emit.render(plan, docstring=doc, version=__version__, source_hash=digest) \
             + _distributed_part(diagram, label)
     except NapkinError as err:
         raise err.with_source(label, source_text) from None
+    _assert_compiles(text, diagram.name)
+    return text
+
+
+def _assert_compiles(text: str, name: str) -> None:
+    """A module that is not Python is napkin's bug, never the user's: stop
+    here, before anything is written, rather than at the user's import."""
+    try:
+        compile(text, f"<generated {name}.py>", "exec")
+    except SyntaxError as err:
+        line = text.splitlines()[err.lineno - 1] if err.lineno else ""
+        raise RuntimeError(f"napkin bug: the module emitted for diagram {name} is not valid Python "
+                           f"(line {err.lineno}: {err.msg}): {line.strip()}") from None
 
 
 def _distributed_part(diagram: ir.Diagram, label: str) -> str:

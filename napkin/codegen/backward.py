@@ -230,10 +230,10 @@ class _Builder:
         for name, wires in rule.layouts:
             if name in ("S", "R", "P", "dP", "dS", "dR") or name[:1] == "A" or name[:2] == "dA":
                 continue  # tiles: never stored
-            if name in bound and name != "S":
-                axes[name] = d.tensor(bound[name]).axes
-            elif name in self.saved_axes:
+            if name in self.saved_axes:          # before bound: a float32 twin of an output
                 axes[name] = self.saved_axes[name]
+            elif name in bound and name != "S":
+                axes[name] = d.tensor(bound[name]).axes
             elif name == "dlse" and "lse" in bound:
                 axes[name] = d.tensor(bound["lse"]).axes
             else:
@@ -257,8 +257,17 @@ class _Builder:
             own = ir.axis_wires(t.axes)
             if any(r.wires is not None and tuple(r.wires) != own for r in refs):
                 raise refuse(f"input {t.name}", "a float input read along other wires gets no gradient here", t.loc)
-            if s_expr is None or any(_contains(e, ir.TensorRef(t.name)) for n, e in self.rule.tile if n != "S"):
+            # Its gradient is dS * dS/dt: whole only when the score box is the one
+            # forward tile that reads t.  dR = dS * dS/dR may read it too (a
+            # temperature multiplying the contraction): that is S's derivative.
+            elsewhere = sorted(n for n, e in self.rule.tile
+                               if n not in ("S", "dR") and _contains(e, ir.TensorRef(t.name)))
+            if s_expr is None:
                 raise refuse(f"input {t.name}", "only inputs of the score box get gradients here", t.loc)
+            if elsewhere:
+                raise refuse(f"input {t.name}", "its gradient would need the path past the score box (the "
+                             f"backward's {', '.join(elsewhere)} read it), which napkin does not emit; "
+                             "an input the score box alone reads gets one", t.loc)
             try:
                 deriv = autodiff.diff(s_expr, ir.TensorRef(t.name))
             except ValueError as err:
