@@ -228,6 +228,8 @@ def error_cases(grids: dict, rank: int) -> dict:
     rq = rg.shard(full, None, 16, 2)
     rk = rq.float() if rank == 1 else rq
     out["dtype"] = _expect_error(lambda: rg(rq, rk, rq, q_len=16, timeout=20.0))
+    from napkin.distributed import new_grid
+    out["grid"] = _expect_error(lambda: new_grid(2, 3))      # 6 ranks asked of 4: refused before any group
     # last: rank 0 never calls; the others must give up after the timeout
     fresh = dist.new_group(list(range(WORLD)))
     t0 = time.monotonic()
@@ -386,6 +388,13 @@ def test_rows_that_do_not_fit_the_layout_raise_on_every_rank(suite):
         assert msg.startswith("ValueError") and "need 3" in msg, f"rank {rank}: {msg}"
 
 
+def test_a_grid_larger_than_the_world_is_refused_in_words(suite):
+    for rank, res in enumerate(suite):
+        msg = res["errors"]["grid"]
+        assert msg == ("ValueError: a 2 x 3 grid needs ranks 0..5, but the default group has 4: launch 6 "
+                       "processes (torchrun --nproc-per-node 6) or ask for a grid of at most 4 ranks"), msg
+
+
 def test_mismatched_dtypes_raise_on_every_rank(suite):
     for rank, res in enumerate(suite):
         msg = res["errors"]["dtype"]
@@ -476,6 +485,14 @@ def test_roles_refuse_what_cannot_be_merged():
     text = diagram_text("attention").replace("out O, lse", "M[b, h, q] = max[x](S)\nout O, M")
     with pytest.raises(NapkinError, match="neither a sum nor a logsumexp"):
         roles(napkin.load_text(text))
+    # a ratio of sums on a 2 x 2 grid was blamed on the levels ("ATTENTION2D
+    # needs exactly one device-split wire reduced by the output")
+    l2 = (REPO / "examples" / "l2_attention.ncd").read_text().replace(
+        "level hbm", "level devices {\n    group q across 2\n    group x across 2\n  }\n  level hbm")
+    with pytest.raises(NapkinError) as err:
+        roles(napkin.load_text(l2, "l2.ncd"))
+    assert err.value.diagnostics[0].loc.line == 15
+    assert err.value.messages == ["cannot distribute this diagram: output O is not a sum over the key wire"]
 
 
 def test_prediction_ratio_grows_with_devices():

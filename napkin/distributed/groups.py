@@ -96,6 +96,12 @@ def new_grid(rows: int, cols: int, ranks: Optional[Sequence[int]] = None) -> Gri
         # torch orders a group's members by global rank; the layout needs
         # group rank = grid coordinate
         raise ValueError("the ranks of every grid row and column must be increasing")
+    world = dist.get_world_size()
+    if max(ranks) >= world or min(ranks) < 0:
+        # torch's own words ("Rank 3 is out of range") name neither the grid nor the fix
+        raise ValueError(f"a {rows} x {cols} grid needs ranks {min(ranks)}..{max(ranks)}, but the default "
+                         f"group has {world}: launch {max(ranks) + 1} processes (torchrun --nproc-per-node "
+                         f"{max(ranks) + 1}) or ask for a grid of at most {world} ranks")
     me = dist.get_rank()
     mine = None
     row_groups = [dist.new_group(g) for g in row_lists]

@@ -207,6 +207,15 @@ def roles(d: ir.Diagram, query: Optional[str] = None, key: Optional[str] = None)
     inlined = {o.name: _inline(d, d.tensor(o.name).expr) if isinstance(d.tensor(o.name), ir.Let) else None
                for o in d.outputs}
     sums = [n for n, e in inlined.items() if isinstance(e, ir.Reduce) and e.op == "sum"]
+    if not sums:
+        # said before the mesh is read, which finds the key wire as the one the
+        # sum reduces and, without a sum, would blame the levels instead
+        other = next((n for n, e in inlined.items()
+                      if not (isinstance(e, ir.Reduce) and e.op == "logsumexp")), None)
+        if other is not None:
+            raise _refuse(f"output {other} is not a sum over the key wire", d.tensor(other).loc,
+                          "a merge of partial states is exact for O = sum[x](...) and for logsumexp[x] "
+                          "alone (not for a ratio of sums, or a function of one)")
     dq, dk, scheme, per_node = _device_wires(d, inlined[sums[0]] if len(sums) == 1 else None)
     query = query or dq or ("q" if d.wire("q") else None)
     key = key or dk or ("x" if d.wire("x") else None)
