@@ -202,6 +202,20 @@ def _dim_block(n):
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
+def _fits(grid):
+    """The grid, when CUDA can launch it: at most 65535 programs along axes 1
+    and 2 (an attention kernel's batch wires and chunks; a matmul's column
+    blocks and batch).  Checked everywhere, so that the interpreter refuses
+    what the GPU would refuse with an "invalid argument"."""
+    for axis, n in enumerate(grid[1:], start=1):
+        if n > 65535:
+            raise ValueError(f"this call needs {n} programs along axis {axis} of a kernel's launch grid, more "
+                             "than the 65535 CUDA launches there (axis 1 counts an attention kernel's batch "
+                             "wires, multiplied, or a matmul's column blocks; axis 2 the chunks of the streamed "
+                             "wire, or a matmul's batch): split the call along a batch wire")
+    return grid
+
+
 def _cdiv(a, b):
     # host arithmetic in plain Python: triton.cdiv is a constexpr function that
     # costs microseconds a call from the host, and every launch computes a grid
@@ -269,7 +283,9 @@ def _autocast(tensors):
     input take the autocast dtype (as a matmul's operands would), so mixed
     dtypes from autocast layers meet one kernel dtype; others keep theirs."""
     floats = [(n, t) for n, t in zip(INPUTS, tensors) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not floats or not torch.is_autocast_enabled(floats[0][1].device.type):
+    # only devices with an autocast (torch raises for "meta", whose tensors trace shapes)
+    if not floats or floats[0][1].device.type not in ("cpu", "cuda") \
+            or not torch.is_autocast_enabled(floats[0][1].device.type):
         return tensors
     dtype = torch.get_autocast_dtype(floats[0][1].device.type)
     main = _DTYPES[floats[0][0]]
@@ -277,12 +293,14 @@ def _autocast(tensors):
                  else t for n, t in zip(INPUTS, tensors))
 
 
+def _wants_grad(tensors):
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def _differentiable(tensors):
     """Whether a call goes through the torch op: an input requires a
     gradient, or torch.compile is tracing (it must see one opaque op)."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    return torch.compiler.is_compiling() or _wants_grad(tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -368,14 +386,36 @@ def _autotune_lookup(sizes, device, kind=""):
     key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES, kind)
     entry = _autotune_read(path).get(key) if stamp[1] is not None else None
     config = entry.get("config") if isinstance(entry, dict) else None
-    config = config if isinstance(config, dict) else None
+    valid = isinstance(config, dict) and all(isinstance(k, str) and _autotune_valid(k, v) for k, v in config.items())
+    config = config if valid else None
     _autotune_memo[memo] = (stamp, config)
     return config
+
+
+def _autotune_valid(option, value):
+    """Whether ``value`` can be the launch option's (block sizes, chunk and tma
+    have their own checks, in words, at the launch; a cached config is held to
+    all of them, so a bad entry is ignored rather than blamed on the caller)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return option == "tma" and isinstance(value, bool)
+    if option.startswith("block_"):
+        return value >= 16 and not value & (value - 1)
+    if option == "num_warps":                     # Triton's: a power of two, at most a block's 32 warps
+        return 1 <= value <= 32 and not value & (value - 1)
+    if option == "num_stages":
+        return value >= 1
+    if option == "chunk":
+        return value >= 0 and not value & (value - 1)
+    return option != "tma" or value in (0, 1)
 
 
 def _autotune_fill(options, sizes, device, kind=""):
     """``options`` (launcher option -> value or None) with the Nones taken from
     the cached config of ``kind``; options given explicitly always win."""
+    for k in ("num_warps", "num_stages"):
+        if options.get(k) is not None and not _autotune_valid(k, options[k]):
+            raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
+                             + f", not {options[k]!r}")
     if all(v is not None for v in options.values()):
         return options
     config = _autotune_lookup(sizes, device, kind) or {}
@@ -891,11 +931,16 @@ def attention_2d(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_sta
     schedule's (none).  Forward only; training takes the tuned or schedule's."""
     Q, K, V = _autocast((Q, K, V))
     if _differentiable((Q, K, V)):
-        if positions is not None or lengths is not None or out_dtype is not None or chunk is not None:
-            raise ValueError("positions=, lengths=, out_dtype= and chunk= make a forward-only call: pass inputs "
-                             "that do not require gradients, or call under torch.no_grad() (training takes the "
-                             "schedule's chunk)")
         _tma_check(tma)  # the torch op's schema takes an int: refuse anything else here, in words
+        if positions is not None or lengths is not None or out_dtype is not None or chunk is not None:
+            if _wants_grad((Q, K, V)):
+                raise ValueError("positions=, lengths=, out_dtype= and chunk= make a forward-only call: pass "
+                                 "inputs that do not require gradients, or call under torch.no_grad() (training "
+                                 "takes the schedule's chunk)")
+            if positions is not None or lengths is not None:
+                raise ValueError("positions= and lengths= are not supported under torch.compile (they serve the "
+                                 "distributed wrappers, which call the kernels eagerly)")
+            return _attention_2d_inference_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk)
         return _attention_2d_autograd(Q, K, V, block_q, block_x, num_warps, num_stages, tma)
     return _attention_2d_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype, chunk)[0]
 
@@ -912,7 +957,7 @@ def _attention_2d_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma,
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     [O, lse] = _allocate(_sz, _cls, _dev, out_dtype)
     _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"])
-    _grid = (_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks)  # axis 2: the chunks of x (1: whole)
+    _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
     _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
     _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
     _args = (
@@ -960,6 +1005,9 @@ def _wanted(need):
     floats = [_DTYPES[n] not in ("int32", "int64", "bool") for n in INPUTS]
     if need is None:
         return tuple(floats)
+    if isinstance(need, bool):  # an int to Python, which would read True as the mask 1: dQ alone
+        raise ValueError(f"need is a bit mask over the inputs or one flag per input ({', '.join(INPUTS)}), "
+                         f"not {need!r}")
     flags = [bool(need >> i & 1) for i in range(len(INPUTS))] if isinstance(need, int) else [bool(f) for f in need]
     if len(flags) != len(INPUTS):
         raise ValueError(f"need has {len(flags)} flags; there are {len(INPUTS)} inputs ({', '.join(INPUTS)})")
@@ -1377,7 +1425,7 @@ def _attention_2d_preprocess(Q, K, V, dO, O, dlse, _o):
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     delta = torch.empty(_shape("delta", _sz), dtype=torch.float32, device=_dev)
-    _grid = (_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
+    _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
     if math.prod(_grid) > 0:
         _attention_2d_bwd_rows_kernel[_grid](
             dO, O, dlse, delta,
@@ -1443,7 +1491,7 @@ def _attention_2d_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, le
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=Q.dtype if _like else torch.float32, device=_dev)
     _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=K.dtype if _like else torch.float32, device=_dev)
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
-    _grid = (_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"])
+    _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"]))
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
         _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
         _attention_2d_bwd_dkdv_kernel[_grid](
@@ -1460,7 +1508,7 @@ def _attention_2d_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, le
             _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, **_kv_tma,
             num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
         )
-    _grid = (_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"])
+    _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
     if (_need[0]) and math.prod(_grid) > 0:
         _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
         _attention_2d_bwd_dq_kernel[_grid](
@@ -1521,13 +1569,13 @@ def _attention_2d_grads(_ins, _outs, _grads, _o, need):
 def _op_names(base):
     n = 1
     while True:
-        names = tuple(f"{base}_{kind}" + ("" if n == 1 else f"_{n}") for kind in ("fwd", "bwd"))
+        names = tuple(f"{base}_{kind}" + ("" if n == 1 else f"_{n}") for kind in ("fwd", "bwd", "inf"))
         if not any(hasattr(torch.ops.napkin, x) for x in names):
             return names
         n += 1
 
 
-_FWD_OP, _BWD_OP = _op_names("attention_2d_546758ca")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("attention_2d_546758ca")
 _SAVED = ()
 
 
@@ -1546,6 +1594,21 @@ def _(Q, K, V, block_q, block_x, num_warps, num_stages, tma):
     return tuple(_outs)
 
 
+# What torch.compile traces for a call that wants no gradient but takes
+# out_dtype= or chunk=, which the op above (training's forward) has no place for.
+@torch.library.custom_op("napkin::" + _INF_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma, ScalarType? out_dtype, int? chunk) -> (Tensor, Tensor)")
+def _attention_2d_inference_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk):
+    _outs = _attention_2d_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, None, None, out_dtype, chunk)[0]
+    return tuple(_outs)
+
+
+@_attention_2d_inference_op.register_fake
+def _(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk):
+    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
+    _outs = _allocate(_sz, _cls, _dev, out_dtype)
+    return tuple(_outs)
+
+
 @torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor _out0, Tensor _out1, Tensor _grad0, Tensor _grad1, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma, int need) -> Tensor[]")
 def _attention_2d_bwd_op(Q, K, V, _out0, _out1, _grad0, _grad1, block_q, block_x, num_warps, num_stages, tma, need):
     _g = _attention_2d_grads((Q, K, V,), (_out0, _out1, ), (_grad0, _grad1, ), (block_q, block_x, num_warps, num_stages, tma), need)
@@ -1554,7 +1617,9 @@ def _attention_2d_bwd_op(Q, K, V, _out0, _out1, _grad0, _grad1, block_q, block_x
 
 @_attention_2d_bwd_op.register_fake
 def _(Q, K, V, _out0, _out1, _grad0, _grad1, block_q, block_x, num_warps, num_stages, tma, need):
-    return [torch.empty_like(Q) if need >> 0 & 1 else Q.new_empty(0), torch.empty_like(K) if need >> 1 & 1 else K.new_empty(0), torch.empty_like(V) if need >> 2 & 1 else V.new_empty(0), ]
+    # contiguous, as the kernels' gradients are (empty_like would keep a sliced input's strides, and
+    # inductor checks the real strides against these)
+    return [Q.new_empty(Q.shape) if need >> 0 & 1 else Q.new_empty(0), K.new_empty(K.shape) if need >> 1 & 1 else K.new_empty(0), V.new_empty(V.shape) if need >> 2 & 1 else V.new_empty(0), ]
 
 
 def _as_grad(g, t, wanted):
@@ -1562,7 +1627,7 @@ def _as_grad(g, t, wanted):
     for them so, and .to is then a no-op); an empty tensor where none is wanted."""
     if not wanted:
         return t.new_empty(0)
-    return torch.zeros_like(t) if g is None else g.to(t.dtype)
+    return t.new_zeros(t.shape) if g is None else g.to(t.dtype)   # contiguous, as the fake says
 
 
 def _attention_2d_setup_context(ctx, inputs, output):
@@ -1581,6 +1646,14 @@ def _attention_2d_autograd_backward(ctx, *grads):
 
 
 _attention_2d_fwd_op.register_autograd(_attention_2d_autograd_backward, setup_context=_attention_2d_setup_context)
+
+
+def _attention_2d_no_double_backward(ctx, *grads):
+    raise NotImplementedError("napkin emits no second derivative: diagram attention_2d's backward has no backward "
+                              "(autograd.grad(..., create_graph=True) and then a backward through its result)")
+
+
+_attention_2d_bwd_op.register_autograd(_attention_2d_no_double_backward)
 
 
 def _attention_2d_autograd(Q, K, V, block_q, block_x, num_warps, num_stages, tma):

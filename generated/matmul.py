@@ -195,6 +195,20 @@ def _dim_block(n):
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
+def _fits(grid):
+    """The grid, when CUDA can launch it: at most 65535 programs along axes 1
+    and 2 (an attention kernel's batch wires and chunks; a matmul's column
+    blocks and batch).  Checked everywhere, so that the interpreter refuses
+    what the GPU would refuse with an "invalid argument"."""
+    for axis, n in enumerate(grid[1:], start=1):
+        if n > 65535:
+            raise ValueError(f"this call needs {n} programs along axis {axis} of a kernel's launch grid, more "
+                             "than the 65535 CUDA launches there (axis 1 counts an attention kernel's batch "
+                             "wires, multiplied, or a matmul's column blocks; axis 2 the chunks of the streamed "
+                             "wire, or a matmul's batch): split the call along a batch wire")
+    return grid
+
+
 def _cdiv(a, b):
     # host arithmetic in plain Python: triton.cdiv is a constexpr function that
     # costs microseconds a call from the host, and every launch computes a grid
@@ -262,7 +276,9 @@ def _autocast(tensors):
     input take the autocast dtype (as a matmul's operands would), so mixed
     dtypes from autocast layers meet one kernel dtype; others keep theirs."""
     floats = [(n, t) for n, t in zip(INPUTS, tensors) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not floats or not torch.is_autocast_enabled(floats[0][1].device.type):
+    # only devices with an autocast (torch raises for "meta", whose tensors trace shapes)
+    if not floats or floats[0][1].device.type not in ("cpu", "cuda") \
+            or not torch.is_autocast_enabled(floats[0][1].device.type):
         return tensors
     dtype = torch.get_autocast_dtype(floats[0][1].device.type)
     main = _DTYPES[floats[0][0]]
@@ -270,12 +286,14 @@ def _autocast(tensors):
                  else t for n, t in zip(INPUTS, tensors))
 
 
+def _wants_grad(tensors):
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def _differentiable(tensors):
     """Whether a call goes through the torch op: an input requires a
     gradient, or torch.compile is tracing (it must see one opaque op)."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    return torch.compiler.is_compiling() or _wants_grad(tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -361,14 +379,36 @@ def _autotune_lookup(sizes, device, kind=""):
     key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES, kind)
     entry = _autotune_read(path).get(key) if stamp[1] is not None else None
     config = entry.get("config") if isinstance(entry, dict) else None
-    config = config if isinstance(config, dict) else None
+    valid = isinstance(config, dict) and all(isinstance(k, str) and _autotune_valid(k, v) for k, v in config.items())
+    config = config if valid else None
     _autotune_memo[memo] = (stamp, config)
     return config
+
+
+def _autotune_valid(option, value):
+    """Whether ``value`` can be the launch option's (block sizes, chunk and tma
+    have their own checks, in words, at the launch; a cached config is held to
+    all of them, so a bad entry is ignored rather than blamed on the caller)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return option == "tma" and isinstance(value, bool)
+    if option.startswith("block_"):
+        return value >= 16 and not value & (value - 1)
+    if option == "num_warps":                     # Triton's: a power of two, at most a block's 32 warps
+        return 1 <= value <= 32 and not value & (value - 1)
+    if option == "num_stages":
+        return value >= 1
+    if option == "chunk":
+        return value >= 0 and not value & (value - 1)
+    return option != "tma" or value in (0, 1)
 
 
 def _autotune_fill(options, sizes, device, kind=""):
     """``options`` (launcher option -> value or None) with the Nones taken from
     the cached config of ``kind``; options given explicitly always win."""
+    for k in ("num_warps", "num_stages"):
+        if options.get(k) is not None and not _autotune_valid(k, options[k]):
+            raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
+                             + f", not {options[k]!r}")
     if all(v is not None for v in options.values()):
         return options
     config = _autotune_lookup(sizes, device, kind) or {}
@@ -494,7 +534,7 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
     _bc = _block_size(_opts["block_n"], "n", "block_n")
     _bk = _block_size(_opts["block_k"], "k", "block_k")
     [C] = _allocate(_sz, _cls, _dev)
-    _grid = (_cdiv(_sz["m"], _br), _cdiv(_sz["n"], _bc), 1)
+    _grid = _fits((_cdiv(_sz["m"], _br), _cdiv(_sz["n"], _bc), 1))
     if math.prod(_grid) > 0:
         _matmul_kernel[_grid](
             A, B, C,
@@ -531,6 +571,9 @@ def _wanted(need):
     floats = [_DTYPES[n] not in ("int32", "int64", "bool") for n in INPUTS]
     if need is None:
         return tuple(floats)
+    if isinstance(need, bool):  # an int to Python, which would read True as the mask 1: dQ alone
+        raise ValueError(f"need is a bit mask over the inputs or one flag per input ({', '.join(INPUTS)}), "
+                         f"not {need!r}")
     flags = [bool(need >> i & 1) for i in range(len(INPUTS))] if isinstance(need, int) else [bool(f) for f in need]
     if len(flags) != len(INPUTS):
         raise ValueError(f"need has {len(flags)} flags; there are {len(INPUTS)} inputs ({', '.join(INPUTS)})")
@@ -661,7 +704,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     if _need[0]:  # dA: one more contraction, each tile stored once from a float32 accumulator
         _grad_A = torch.empty(_shape("_grad_A", _sz), dtype=A.dtype if _like else torch.float32, device=_dev)
         _br, _bc, _bk = _block_size(_opts["block_m"], "m", "block_m"), _block_size(_opts["block_k"], "k", "block_k"), _block_size(_opts["block_n"], "n", "block_n")
-        _grid = (_cdiv(_sz["m"], _br), _cdiv(_sz["k"], _bc), 1)
+        _grid = _fits((_cdiv(_sz["m"], _br), _cdiv(_sz["k"], _bc), 1))
         if math.prod(_grid) > 0:
             _matmul_bwd_A_kernel[_grid](
                 _grad_C, B, _grad_A,
@@ -676,7 +719,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     if _need[1]:  # dB: one more contraction, each tile stored once from a float32 accumulator
         _grad_B = torch.empty(_shape("_grad_B", _sz), dtype=B.dtype if _like else torch.float32, device=_dev)
         _br, _bc, _bk = _block_size(_opts["block_k"], "k", "block_k"), _block_size(_opts["block_n"], "n", "block_n"), _block_size(_opts["block_m"], "m", "block_m")
-        _grid = (_cdiv(_sz["k"], _br), _cdiv(_sz["n"], _bc), 1)
+        _grid = _fits((_cdiv(_sz["k"], _br), _cdiv(_sz["n"], _bc), 1))
         if math.prod(_grid) > 0:
             _matmul_bwd_B_kernel[_grid](
                 A, _grad_C, _grad_B,
@@ -714,13 +757,13 @@ def _matmul_grads(_ins, _outs, _grads, _o, need):
 def _op_names(base):
     n = 1
     while True:
-        names = tuple(f"{base}_{kind}" + ("" if n == 1 else f"_{n}") for kind in ("fwd", "bwd"))
+        names = tuple(f"{base}_{kind}" + ("" if n == 1 else f"_{n}") for kind in ("fwd", "bwd", "inf"))
         if not any(hasattr(torch.ops.napkin, x) for x in names):
             return names
         n += 1
 
 
-_FWD_OP, _BWD_OP = _op_names("matmul_4e5ea5df")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("matmul_4e5ea5df")
 _SAVED = ()
 
 
@@ -747,7 +790,9 @@ def _matmul_bwd_op(A, B, _out0, _grad0, block_m, block_n, block_k, num_warps, nu
 
 @_matmul_bwd_op.register_fake
 def _(A, B, _out0, _grad0, block_m, block_n, block_k, num_warps, num_stages, need):
-    return [torch.empty_like(A) if need >> 0 & 1 else A.new_empty(0), torch.empty_like(B) if need >> 1 & 1 else B.new_empty(0), ]
+    # contiguous, as the kernels' gradients are (empty_like would keep a sliced input's strides, and
+    # inductor checks the real strides against these)
+    return [A.new_empty(A.shape) if need >> 0 & 1 else A.new_empty(0), B.new_empty(B.shape) if need >> 1 & 1 else B.new_empty(0), ]
 
 
 def _as_grad(g, t, wanted):
@@ -755,7 +800,7 @@ def _as_grad(g, t, wanted):
     for them so, and .to is then a no-op); an empty tensor where none is wanted."""
     if not wanted:
         return t.new_empty(0)
-    return torch.zeros_like(t) if g is None else g.to(t.dtype)
+    return t.new_zeros(t.shape) if g is None else g.to(t.dtype)   # contiguous, as the fake says
 
 
 def _matmul_setup_context(ctx, inputs, output):
@@ -774,6 +819,14 @@ def _matmul_autograd_backward(ctx, *grads):
 
 
 _matmul_fwd_op.register_autograd(_matmul_autograd_backward, setup_context=_matmul_setup_context)
+
+
+def _matmul_no_double_backward(ctx, *grads):
+    raise NotImplementedError("napkin emits no second derivative: diagram matmul's backward has no backward "
+                              "(autograd.grad(..., create_graph=True) and then a backward through its result)")
+
+
+_matmul_bwd_op.register_autograd(_matmul_no_double_backward)
 
 
 def _matmul_autograd(A, B, block_m, block_n, block_k, num_warps, num_stages):

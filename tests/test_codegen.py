@@ -229,23 +229,52 @@ def test_bad_calls_raise_clear_errors(modules):
 
 def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp_path):
     """A launch without explicit options reads the tuned config cached for its
-    shape bucket (napkin.autotune writes it); explicit options always win.  A
-    deliberately invalid cached block proves the cache was read, without
-    launching anything."""
+    shape bucket (napkin.autotune writes it); explicit options always win.  An
+    entry no launch could take (a hand edit, another napkin) is ignored: it
+    once made a call without options fail with "block_q must be a power of
+    two", of a block_q the caller never passed."""
     import json
+    import os
 
     from napkin import autotune
 
     m = modules["attention"]
     sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
     key = autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, ("b", "h", "q", "x"))
-    (tmp_path / "autotune.json").write_text(json.dumps(
-        {"schema": autotune.SCHEMA, "entries": {key: {"config": {"block_q": 24, "block_x": 16}}}}))
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
-    with pytest.raises(ValueError, match="block_q must be a power of two >= 16, not 24"):
-        m.attention(*_qkv())
+
+    def cache(config):  # a new file each time, as the writer makes it (the reader watches the inode)
+        (tmp_path / "new.json").write_text(json.dumps({"schema": autotune.SCHEMA,
+                                                       "entries": {key: {"config": config}}}))
+        os.replace(tmp_path / "new.json", tmp_path / "autotune.json")
+
+    unset = dict.fromkeys(("block_q", "block_x", "num_warps", "num_stages", "tma", "chunk"))
+    tuned = {"block_q": 32, "block_x": 16, "num_warps": 4, "num_stages": 3, "tma": False, "chunk": 0}
+    cache(tuned)
+    cpu = torch.device("cpu")
+    assert m._autotune_fill(dict(unset), sizes, cpu) == tuned
+    assert m._autotune_fill({**unset, "block_q": 16}, sizes, cpu) == {**tuned, "block_q": 16}
+    for bad in ({"block_q": 24}, {"num_warps": 0}, {"num_stages": 0}, {"chunk": 3}, {"tma": "yes"},
+                {"block_x": 16.0}):
+        cache({**tuned, **bad})
+        assert m._autotune_fill(dict(unset), sizes, cpu) == unset, bad
+    o, lse = m.attention(*_qkv())                   # the last bad entry: ignored, the schedule's blocks
+    assert o.shape == (1, 2, 5, 64)
     with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 8"):
-        m.attention(*_qkv(), block_q=16, block_x=8)  # explicit options win over the cache
+        m.attention(*_qkv(), block_q=16, block_x=8)  # explicit options are checked
+    with pytest.raises(ValueError, match="num_warps must be a power of two from 1 to 32, not 0"):
+        m.attention(*_qkv(), num_warps=0)
+    with pytest.raises(ValueError, match="num_stages must be at least 1, not -1"):
+        m.attention(*_qkv(), num_stages=-1)
+
+
+def test_a_grid_cuda_cannot_launch_is_refused_before_the_launch(modules):
+    """CUDA launches at most 65535 programs along a grid's axes 1 and 2; the
+    interpreter has no such limit, so without the check a CPU run passes
+    what a GPU refuses with "invalid argument"."""
+    q = torch.randn(1, 65536, 1, 64).half()         # b x h = 65536 one-row heads
+    with pytest.raises(ValueError, match=r"this call needs 65536 programs along axis 1 of a kernel's launch grid"):
+        modules["attention"].attention(q, q, q)
 
 
 def test_the_backward_reads_its_own_tuned_config_not_the_forwards(modules, monkeypatch, tmp_path):

@@ -118,3 +118,50 @@ def test_activation_checkpointing_gives_the_same_gradients(causal):
     plain = gradients(attention, inputs)
     checkpointed = gradients(lambda q, k, v: checkpoint(attention, q, k, v, use_reentrant=False), inputs)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+def test_fake_gradients_are_laid_out_as_the_real_ones(causal):
+    """Inductor checks an op's real output strides against its fake's.  With
+    Q, K, V slices of one packed projection (Block's layout) the backward's
+    fake kept each input's strides while the kernels write contiguous
+    gradients: inductor's compiled backward failed on an assertion."""
+    qkv = torch.randn(1, 21, 3, 2, 16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    with torch.no_grad():
+        o, lse = causal.causal(q, k, v, **BLOCKS)
+    bwd = getattr(torch.ops.napkin, causal._BWD_OP).default
+    args = (q, k, v, o, lse, torch.randn_like(o), torch.randn_like(lse), 16, 16, None, None, None, 0b111)
+    torch.library.opcheck(bwd, args, test_utils="test_faketensor")
+    assert all(g.is_contiguous() for g in bwd(*args))
+
+
+def test_compiled_inference_takes_chunk_and_out_dtype(causal):
+    """Under torch.compile a call that wants no gradient may take the
+    forward-only options (a decode step's chunk=); they were refused, since the
+    training op's schema has no place for them."""
+    q, k, v = causal.example_inputs({"b": 1, "h": 2, "q": 37, "x": 37}, dtype=torch.float16)
+
+    def step(q, k, v):
+        return causal.causal(q, k, v, chunk=16, out_dtype=torch.float32, **BLOCKS)
+
+    eager = step(q, k, v)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v)
+    assert [t.dtype for t in got] == [torch.float32, torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(got, eager))
+    with torch.no_grad():                               # no_grad: the same op, whatever requires_grad says
+        assert all(torch.equal(a, b) for a, b in zip(compiled(q.requires_grad_(), k, v), eager))
+
+
+def test_meta_tensors_give_meta_outputs(causal):
+    q, k, v = (torch.empty(1, 2, 21, 16, device="meta") for _ in range(3))
+    o, lse = causal.causal(q.requires_grad_(), k, v)
+    assert o.device.type == "meta" and o.shape == (1, 2, 21, 16) and lse.shape == (1, 2, 21)
+
+
+def test_second_derivatives_are_refused_in_words(causal):
+    q, k, v = causal.example_inputs({"b": 1, "h": 2, "q": 20, "x": 20}, dtype=torch.float32)
+    o, _ = causal.causal(q.requires_grad_(), k, v, **BLOCKS)
+    (g,) = torch.autograd.grad((o * o).sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="napkin emits no second derivative: diagram causal's backward"):
+        g.sum().backward()

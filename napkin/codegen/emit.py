@@ -466,8 +466,8 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         f"[{', '.join(o.name for o in d.outputs if o.name not in saved)}] = _allocate(_sz, _cls, _dev, out_dtype)",
         *_allocate_saved(d, saved),
         f'_chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["{col}"])',
-        f'_grid = (_cdiv(_sz["{row}"], _br), '
-        + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ", _n_chunks)  # axis 2: the chunks of "
+        f'_grid = _fits((_cdiv(_sz["{row}"], _br), '
+        + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ", _n_chunks))  # axis 2: the chunks of "
         + f"{col} (1: whole)",
         f'_part = torch.empty(math.prod(_grid[1:]) * _sz["{row}"] * ({launch_width}), dtype=torch.float32, '
         "device=_dev) if _chunk else None  # the chunks' states"]
@@ -648,8 +648,8 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
               f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
               f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
-              f'_grid = (_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), '
-              + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ")"]
+              f'_grid = _fits((_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), '
+              + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + "))"]
     block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk"]
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4)',
