@@ -27,9 +27,15 @@ def load_text(text: str, filename: str = "<input>"):
 
 def load(path) -> "object":
     """Parse and check an .ncd file."""
+    return load_text(read_source(path), str(path))
+
+
+def read_source(path) -> str:
+    """An .ncd file's text: UTF-8 whatever the locale, a byte-order mark
+    skipped (some editors write one), NapkinErrors for what cannot be read."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except OSError as err:
         raise NapkinError(f"cannot read {path}: {err.strerror}", filename=str(path)) from None
     except UnicodeDecodeError as err:  # a ValueError, not an OSError
@@ -37,7 +43,6 @@ def load(path) -> "object":
         col = err.start - (err.object.rfind(b"\n", 0, err.start) + 1) + 1
         raise NapkinError(f"cannot read {path}: not UTF-8 text (byte {err.object[err.start]:#04x} "
                           f"at line {line}, column {col})", filename=str(path)) from None
-    return load_text(text, str(path))
 
 
-__all__ = ["Diagnostic", "NapkinError", "load", "load_text", "__version__"]
+__all__ = ["Diagnostic", "NapkinError", "load", "load_text", "read_source", "__version__"]

@@ -344,7 +344,7 @@ def _fold(op: str, x, y) -> Optional[ir.Num]:
         else:
             if (x == 0 and y < 0) or (x < 0 and not float(y).is_integer()):
                 return None
-            r = x ** y
+            r = ir.power(x, y)
     except (OverflowError, ZeroDivisionError, ValueError):
         return None
     if isinstance(r, complex) or (isinstance(r, float) and math.isnan(r)):

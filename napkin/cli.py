@@ -180,11 +180,17 @@ def cmd_compile(args) -> int:
     failed = False
     out_dir = Path(args.out)
     write_module = _provided("codegen", "write_module")
+    written_by: dict[str, str] = {}
     for path in args.files:
         try:
+            name = _diagram_name(path)
+            if name in written_by:  # the second would replace the first's module without a word
+                raise NapkinError(f"diagram {name} was compiled from {written_by[name]} already: "
+                                  f"{out_dir / (name + '.py')} is not replaced", filename=path)
             # write_module makes out_dir once the diagram has checked: a bad
             # diagram leaves nothing behind, not even an empty folder
             written = Path(write_module(path, out_dir))
+            written_by[name] = path
             print(f"wrote {written}")
             if args.render:
                 _render_beside(path, written)
@@ -192,6 +198,11 @@ def cmd_compile(args) -> int:
             print(str(err), file=sys.stderr)
             failed = True
     return 1 if failed else 0
+
+
+def _diagram_name(path) -> str:
+    import napkin
+    return napkin.load(path).name
 
 
 def _render_beside(path, module_path: Path) -> None:

@@ -16,6 +16,7 @@ new nodes (``dataclasses.replace``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -320,6 +321,19 @@ class Diagram:
         if self.schedule is None:
             return None
         return next((lv for lv in self.schedule.levels if lv.name == name), None)
+
+
+def power(a, b):
+    """``a ^ b`` of two constants, as every folding pass computes it: exact
+    for integers while the result fits in 63 bits, a float beyond (inf past
+    the floats), so that 10 ^ 10 ^ 10 costs no ten-billion-digit integer.
+    Raises as ``**`` does (0 ^ -1)."""
+    if type(a) is int and type(b) is int and b > 0 and abs(a) > 1 and b * (abs(a).bit_length() - 1) > 62:
+        try:
+            return float(a) ** b
+        except OverflowError:
+            return -math.inf if a < 0 and b % 2 else math.inf
+    return a ** b
 
 
 def axis_wires(axes: tuple[Axis, ...]) -> tuple[str, ...]:

@@ -109,7 +109,7 @@ class _Masked:
         if a is not None and b is not None:
             try:
                 v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b,
-                     "/": lambda: a / b, "^": lambda: a ** b}[op]()
+                     "/": lambda: a / b, "^": lambda: ir.power(a, b)}[op]()
             except (ZeroDivisionError, OverflowError, ValueError):
                 return None
             return None if isinstance(v, complex) or math.isnan(v) else float(v)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import ir, masks
+from .sizes import positive_int
 from .cost import collectives as C
 from .cost.analysis import bind_sizes
 from .cost.devices import moved
@@ -263,7 +264,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N", dest="sizes",
                    help="size of a symbolic wire (repeatable)")
     p.add_argument("--forward", action="store_true", help="rank by forward time only (adds decoding's tree)")
-    p.add_argument("--top", type=int, default=10, metavar="N", help="how many options to print (default 10)")
+    p.add_argument("--top", type=positive_int, default=10, metavar="N", help="how many options to print (default 10)")
     p.add_argument("--json", action="store_true", help="print every option as JSON")
     p.add_argument("--emit", default=None, metavar="OUT.ncd", help="write the diagram with the best option")
     p.set_defaults(func=handler)
@@ -279,7 +280,7 @@ def handler(args) -> int:
         options = plan(diagram, args.devices, parse_pairs(args.sizes, "--size"), args.gpus_per_node, args.device,
                        training=not args.forward)
     except NapkinError as err:
-        raise err.with_source(args.file, None) from None
+        raise err.with_source(args.file, napkin.read_source(args.file)) from None
     if args.json:
         print(json.dumps([dict(dataclasses.asdict(o), label=o.label, total_s=o.total_s) for o in options],
                          indent=2))
@@ -292,7 +293,7 @@ def handler(args) -> int:
         best = options[0]
         text = to_text(emit(diagram, best))
         napkin.load_text(text, args.emit)          # what is written must check
-        with open(args.emit, "w") as f:
+        with open(args.emit, "w", encoding="utf-8") as f:
             f.write(text)
         note = " (run it with RingAttention(diagram, backward='burst'))" \
             if best.scheme in ("burst", "burst2") else ""

@@ -28,4 +28,4 @@ def data_dir(name: str) -> Path:
 
 
 def grammar_text() -> str:
-    return (data_dir("grammars") / "ncd.lark").read_text()
+    return (data_dir("grammars") / "ncd.lark").read_text(encoding="utf-8")

@@ -47,3 +47,14 @@ def parse_pairs(items: Iterable[str], flag: str = "--size", *, key: str = "WIRE"
                               filename=filename)
         out[name] = int(value)
     return out
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for a count such as ``--top``: 0 or -2 would
+    print nothing, or drop the last results, without a word."""
+    import argparse
+
+    value = int(text) if text.strip().isascii() and text.strip().isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value

@@ -234,6 +234,76 @@ def test_compile_reports_errors(capsys, tmp_path):
     assert code == 1 and not (tmp_path / "gen").exists()
 
 
+def test_compile_into_what_is_no_folder_is_a_user_error(capsys, tmp_path):
+    """-o naming a file (or a folder below one) was an internal error
+    (FileExistsError, exit 2) that also stopped the files after it."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out in (afile, afile / "sub"):
+        code, _, err = run(capsys, "compile", str(REPO / "examples" / "matmul.ncd"), str(REPO / "examples" /
+                                                                                         "causal.ncd"), "-o", str(out))
+        assert code == 1, err
+        assert f"matmul.ncd: cannot write {out / 'matmul.py'}: " in err
+        assert f"causal.ncd: cannot write {out / 'causal.py'}: " in err
+
+
+def test_compiled_modules_are_readable_as_the_umask_says(capsys, tmp_path):
+    import os
+    import stat
+
+    code, _, err = run(capsys, "compile", str(REPO / "examples" / "matmul.ncd"), "-o", str(tmp_path))
+    assert code == 0, err
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("matmul.py", "__init__.py"):   # mkstemp's 0600 once stayed on them
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask
+
+
+def test_two_files_of_one_diagram_name_do_not_overwrite_each_other(capsys, tmp_path):
+    twin = tmp_path / "twin.ncd"
+    twin.write_text((REPO / "examples" / "causal.ncd").read_text().replace("diagram causal", "diagram attention"))
+    code, out, err = run(capsys, "compile", str(REPO / "examples" / "attention.ncd"), str(twin), "-o",
+                         str(tmp_path / "gen"))
+    assert code == 1 and out == f"wrote {tmp_path / 'gen' / 'attention.py'}\n"
+    assert err == (f"{twin}: diagram attention was compiled from {REPO / 'examples' / 'attention.ncd'} already: "
+                   f"{tmp_path / 'gen' / 'attention.py'} is not replaced\n")
+    assert "where(x <= q" not in (tmp_path / "gen" / "attention.py").read_text()
+
+
+def test_a_byte_order_mark_and_a_non_utf8_locale(tmp_path):
+    """Some editors start a file with a UTF-8 byte-order mark (it was an
+    'unexpected character'); and under LC_ALL=C compile re-read the file as
+    ASCII (UnicodeDecodeError, exit 2) after check had read it as UTF-8."""
+    import os
+
+    path = tmp_path / "bom.ncd"
+    path.write_bytes(b"\xef\xbb\xbf" + ("# caf\u00e9 \u2014 a comment\n" + ATTENTION).encode())
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    for argv in (["check", str(path)], ["compile", str(path), "-o", str(tmp_path / "gen")]):
+        done = subprocess.run([sys.executable, "-m", "napkin", *argv], capture_output=True, text=True, env=env,
+                              cwd=REPO)
+        assert done.returncode == 0, done.stderr
+    assert napkin.load(path) == napkin.load(REPO / "examples" / "attention.ncd")
+
+
+def test_counts_below_one_are_usage_errors(capsys):
+    for argv in (["cost", str(REPO / "examples" / "attention.ncd"), "--tune", "--top", "0"],
+                 ["plan", str(REPO / "examples" / "gqa.ncd"), "--devices", "4", "--top", "-1"]):
+        assert cli.main(argv) == 2
+        assert "argument --top: expected a whole number of at least 1" in capsys.readouterr().err
+
+
+def test_render_and_report_keep_the_diagram(capsys, tmp_path):
+    path = tmp_path / "keep.ncd"
+    path.write_text(ATTENTION)
+    for cmd in ("render", "report"):
+        code, _, err = run(capsys, cmd, str(path), "-o", str(path))
+        assert code == 1 and err == f"{path}: -o {path} is the diagram itself, which the output would replace\n"
+    assert path.read_text() == ATTENTION
+    code, _, err = run(capsys, "render", str(path), "-D", "unknown=5", "-o", str(tmp_path / "k.dot"))
+    assert code == 1 and err.startswith(f"{path}: --size unknown=5: diagram attention has no wire 'unknown'")
+
+
 def test_demo_default_sizes_are_small_and_cover_symbolic_wires():
     d = napkin.load(REPO / "examples" / "gqa.ncd")
     assert cli._demo_sizes(d, {}, "gqa.ncd") == {"b": 1, "hk": 2, "g": 2, "q": 200, "x": 200}

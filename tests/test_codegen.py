@@ -296,16 +296,18 @@ def test_the_backward_reads_its_own_tuned_config_not_the_forwards(modules, monke
         (tmp_path / "autotune.json").write_text(json.dumps({"schema": autotune.SCHEMA, "entries": entries}))
 
     good = {"block_q": 16, "block_x": 16, "num_warps": 4, "num_stages": 2}
-    bad = dict(good, block_x=40)
-    for broken in (bwd, kv):   # which kernel reads which entry: tests/test_backward.py
-        cache({fwd: {"config": good}, bwd: {"config": good}, kv: {"config": good}, broken: {"config": bad}})
-        q, k, v = (t.float().requires_grad_() for t in _qkv())
-        o, lse = m.attention(q, k, v)                   # the forward's entry is fine
-        with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 40"):
-            (o.sum() + lse.sum()).backward()
-    cache({fwd: {"config": bad}, bwd: {"config": good}, kv: {"config": good}})
-    with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 40"):
-        m.attention(q, k, v)
+    cache({fwd: {"config": good}, bwd: {"config": dict(good, block_x=32)}, kv: {"config": dict(good, block_q=32)}})
+    cpu, unset = torch.device("cpu"), dict.fromkeys(good)
+    assert m._autotune_fill(dict(unset), sizes, cpu) == good
+    assert m._autotune_fill(dict(unset), sizes, cpu, "bwd") == dict(good, block_x=32)
+    assert m._autotune_fill(dict(unset), sizes, cpu, "bwd_kv") == dict(good, block_q=32)
+    kinds, lookup = [], m._autotune_lookup     # which kernel asks for which entry: tests/test_backward.py
+    monkeypatch.setattr(m, "_autotune_lookup", lambda s, d, kind="": kinds.append(kind) or lookup(s, d, kind))
+    q, k, v = (t.float().requires_grad_() for t in _qkv())
+    o, lse = m.attention(q, k, v)
+    assert kinds == [""]
+    (o.sum() + lse.sum()).backward()
+    assert set(kinds[1:]) == {"bwd", "bwd_kv"}
     with torch.no_grad():
         o, lse = m.attention(q, k, v, block_x=16)
     grads = m.attention_backward(q, k, v, torch.randn_like(o), lse, torch.zeros_like(lse))

@@ -668,7 +668,7 @@ def test_a_grid_that_leaves_sms_idle_gets_a_note():
     """The roofline assumes a full GPU: a streaming kernel with fewer programs
     than SMs is named in a note, with what would lengthen its grid."""
     def idle(d, sizes):
-        return [n for n in analyse(d, sizes).notes if "programs on h100's 132 SMs" in n]
+        return [n for n in analyse(d, sizes).notes if " on h100's 132 SMs" in n]
     d = load("flash_decoding")
     (note,) = idle(d, {**FD_SIZES, "q": 1, "x": 512})         # one chunk covers the cache: 8 programs
     assert note.startswith("kernel 0 runs 8 programs on h100's 132 SMs") and "a chunk shorter than |x|" in note
@@ -676,3 +676,18 @@ def test_a_grid_that_leaves_sms_idle_gets_a_note():
     (note,) = idle(load("attention"), {"b": 1, "h": 8, "q": 1024, "x": 1024})
     assert "runs 64 programs" in note and "chunks of x (group x by C" in note
     assert idle(load("attention"), {"b": 8, "h": 16, "q": 4096, "x": 4096}) == []
+    # a matmul has no chunks to offer (it was told to use them, and "1 programs")
+    (note,) = idle(load("matmul"), {"m": 100, "n": 100, "k": 1000})
+    assert note == ("kernel 0 runs 1 program on h100's 132 SMs: the roofline assumes all of them busy; smaller "
+                    "blocks of the output's wires would give more programs")
+
+
+def test_sizes_past_what_the_pass_walks_are_refused_in_words():
+    """q = x = 10**12 ran out of memory (attention: one array entry per
+    program) or ran for hours (causal: one Python step per row block)."""
+    big = {"b": 1, "h": 1, "q": 10 ** 12, "x": 10 ** 12}
+    with pytest.raises(NapkinError, match=r"the cost pass walks the programs of the launch grid one by one: "
+                                          r"7,812,500,000 here, more than the 16,777,216 it takes"):
+        analyse(load("attention"), big)
+    with pytest.raises(NapkinError, match=r"a masked loop's row blocks one by one: 7,812,500,000 here"):
+        analyse(load("causal"), big)

@@ -378,7 +378,7 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
     import napkin
 
     diagram = napkin.load(path)
-    base = variant(diagram, Path(path).read_text(), dtype, head_dim)
+    base = variant(diagram, napkin.read_source(path), dtype, head_dim)
     try:
         roles = flex.attention_roles(base[0])
     except flex.NoFlexEquivalent as err:

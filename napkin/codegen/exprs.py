@@ -77,7 +77,7 @@ def fold(e, fixed: Mapping[str, int]):
                 return a * b
             if e.op == "/":
                 return a / b
-            v = a ** b
+            v = ir.power(a, b)
             return None if isinstance(v, complex) else v
         except (ZeroDivisionError, OverflowError):
             return None
@@ -96,8 +96,9 @@ def number(v) -> str:
     """A Python literal for a folded constant (deterministic: repr)."""
     if isinstance(v, bool):
         return "1" if v else "0"
-    if isinstance(v, int):
+    if isinstance(v, int) and -2 ** 63 <= v < 2 ** 63:
         return str(v)
+    v = float(v) if isinstance(v, int) else v   # no kernel integer holds it (Triton refuses the literal)
     if math.isinf(v):
         return 'float("inf")' if v > 0 else 'float("-inf")'
     if math.isnan(v):

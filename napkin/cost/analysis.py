@@ -299,14 +299,16 @@ def _idle_notes(c: "_Context", infos) -> list[str]:
         if k.programs is None or k.stream is None or k.merges is not None or k.programs >= sms:
             continue
         x = k.stream[0]
-        if k.chunks is not None and k.chunks > 1:
+        if _plan(c.d) is None:   # a contraction (or no kernel): no chunks, no chunk= launch option
+            hint = "smaller blocks of the output's wires would give more programs"
+        elif k.chunks is not None and k.chunks > 1:
             hint = "shorter chunks would give more programs"
         elif c.chunks is not None:   # the schedule chunks, but |x| fits in one chunk: it runs whole
             hint = f"a chunk shorter than |{x}| (the launcher's chunk=) would give more programs"
         else:
             hint = (f"chunks of {x} (group {x} by C beside its stream, or the launcher's chunk=) or smaller "
                     "row blocks would give more programs")
-        out.append(f"kernel {k.index} runs {k.programs} programs on {c.prof.key}'s {sms} SMs: the roofline "
+        out.append(f"kernel {k.index} runs {k.programs} program{'' if k.programs == 1 else 's'} on {c.prof.key}'s {sms} SMs: the roofline "
                    f"assumes all of them busy; {hint}")
     return out
 

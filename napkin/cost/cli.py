@@ -16,7 +16,7 @@ import json
 
 from .. import ir
 from ..errors import NapkinError
-from ..sizes import parse_pairs
+from ..sizes import parse_pairs, positive_int
 from .analysis import analyse
 from .backward import backward_cost
 from .profiles import profile_names
@@ -33,7 +33,7 @@ def register_cli(subparsers) -> None:
                    help="device profile: " + ", ".join(profile_names()) + " (default: the diagram's)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--tune", action="store_true", help="search block sizes and print the best few")
-    p.add_argument("--top", type=int, default=5, metavar="N", help="how many tuning results (default 5)")
+    p.add_argument("--top", type=positive_int, default=5, metavar="N", help="how many tuning results (default 5)")
     p.add_argument("--objective", choices=("time", "transfers"), default="time",
                    help="what the tile search minimises (default: predicted time)")
     p.add_argument("--dtypes", default=None, metavar="LIST",

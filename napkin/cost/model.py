@@ -224,12 +224,29 @@ class Visited:
         return sum(max(0, b - a) for a, b in self.spans)
 
 
+# The pass walks the programs of a grid one by one (the visited spans of a
+# masked loop, the DRAM estimate's wave order): `napkin cost` of the causal
+# example at q = x = 2**28 (2**21 row blocks) took 11 s here, so past these
+# it stops and says so, rather than hang or run out of memory (a q of 10**12
+# asked for eight billion).
+MAX_ROW_BLOCKS = 2 ** 22
+MAX_PROGRAMS = 2 ** 24
+
+
+def too_many(count: int, limit: int, what: str) -> None:
+    if count > limit:
+        from ..errors import NapkinError
+        raise NapkinError(f"the cost pass walks {what} one by one: {count:,} here, more than the {limit:,} it "
+                          "takes; ask for smaller sizes")
+
+
 def visited_spans(bounds, row_size: int, col_size: int, block_row: int, block_col: int,
                   sizes) -> tuple[tuple[int, int], ...]:
     """Per row block, the [first, stop) steps the kernel's loop visits: the
     range napkin/masks.py's stream_range gives, its start rounded down to a
     block, exactly as masks.visited_blocks enumerates it (a test checks they
     agree), without listing every pair."""
+    too_many(-(-row_size // block_row), MAX_ROW_BLOCKS, "a masked loop's row blocks")
     return tuple(step_span(bounds, i * block_row, min((i + 1) * block_row, row_size), col_size, block_col, sizes)
                  for i in range(-(-row_size // block_row)))
 
@@ -499,6 +516,7 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
     carried = list(order)   # the wire that carries each grid axis
     if chunks > 1 and stream:
         order, counts, carried = order + ["#chunks"], counts + [chunks], carried + [stream[0]]
+    too_many(math.prod(counts), MAX_PROGRAMS, "the programs of the launch grid")
     linear = np.arange(math.prod(counts), dtype=np.int64)
     index, rest = {}, linear
     for w, n in zip(order, counts):

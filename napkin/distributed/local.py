@@ -392,7 +392,7 @@ class KernelLocal:
             folder = Path(tempfile.gettempdir()) / "napkin-local"
             folder.mkdir(exist_ok=True)
             path = folder / f"{self.diagram.name}_{digest}.py"
-            if not path.exists() or path.read_text() != source:
+            if not path.exists() or path.read_text(encoding="utf-8") != source:
                 # ranks of one job may write at once: each writes its own file, then renames
                 fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=str(folder))
                 with os.fdopen(fd, "w", encoding="utf-8") as f:

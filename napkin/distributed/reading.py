@@ -220,7 +220,8 @@ def roles(d: ir.Diagram, query: Optional[str] = None, key: Optional[str] = None)
     query = query or dq or ("q" if d.wire("q") else None)
     key = key or dk or ("x" if d.wire("x") else None)
     if query is None or key is None or query == key:
-        raise _refuse("name the query and key wires (query_wire=, key_wire=)", d.loc)
+        raise _refuse("it has no query and key wires: wires q and x, the ones its devices level splits, "
+                      "or in Python query_wire= and key_wire=", d.loc)
 
     # outputs: one value output O = sum over the key wire, optionally lse
     value = lse = score = None

@@ -82,7 +82,7 @@ def _write(out_path: Path, data) -> None:
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(data, str):
-            out_path.write_text(data)
+            out_path.write_text(data, encoding="utf-8")
         else:
             out_path.write_bytes(data)
     except OSError as err:
@@ -132,14 +132,14 @@ def render_file(path, out_path, sizes: Optional[dict] = None, profile: Optional[
     diagram = _load(path)
     report = None
     if costs:
-        report, _ = try_costs(diagram, _checked_sizes(diagram, sizes or {}), profile)
+        report, _ = try_costs(diagram, _checked_sizes(diagram, sizes or {}, path), profile)
     return draw(diagram, out_path, report)
 
 
 def write_report(path, out_path, sizes: Optional[dict] = None, profile: Optional[str] = None) -> Path:
     """Load ``path`` and write the one-page HTML report to ``out_path``."""
     diagram = _load(path)
-    given = _checked_sizes(diagram, sizes or {})
+    given = _checked_sizes(diagram, sizes or {}, path)
     report, why = try_costs(diagram, given, profile)
     dot_text = to_dot(diagram, report)
     html = report_html(diagram, report, svg_text(dot_text), dot_text=dot_text,
@@ -164,16 +164,16 @@ def _profile(diagram, report, profile: Optional[str]):
         return None
 
 
-def _checked_sizes(diagram, sizes: dict) -> dict:
+def _checked_sizes(diagram, sizes: dict, path) -> dict:
     """The user's sizes, refused (NapkinError) for a wire the diagram lacks
     or a fixed wire given another size."""
     for name, value in sizes.items():
         wire = diagram.wire(name)
         if wire is None:
             raise NapkinError(f"--size {name}={value}: diagram {diagram.name} has no wire {name!r} "
-                              f"(its wires: {', '.join(w.name for w in diagram.wires)})")
+                              f"(its wires: {', '.join(w.name for w in diagram.wires)})", filename=str(path))
         if wire.size is not None and wire.size != value:
-            raise NapkinError(f"--size {name}={value}: wire {name} is fixed at {wire.size}")
+            raise NapkinError(f"--size {name}={value}: wire {name} is fixed at {wire.size}", filename=str(path))
     return sizes
 
 
@@ -209,8 +209,14 @@ def _default_out(path: str, suffix: str) -> Path:
     return Path(Path(path).stem + suffix)
 
 
+def _not_the_diagram(out: Path, path: str) -> Path:
+    if out.resolve() == Path(path).resolve():
+        raise NapkinError(f"-o {out} is the diagram itself, which the output would replace", filename=path)
+    return out
+
+
 def _cmd_render(args) -> int:
-    out = Path(args.out) if args.out else _default_out(args.file, ".svg")
+    out = _not_the_diagram(Path(args.out) if args.out else _default_out(args.file, ".svg"), args.file)
     _format_of(out)  # refuse a bad suffix before any work
     written = render_file(args.file, out, parse_pairs(args.sizes, "--size"), args.device, costs=not args.no_costs)
     print(f"wrote {written}")
@@ -218,7 +224,7 @@ def _cmd_render(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    out = Path(args.out) if args.out else _default_out(args.file, ".html")
+    out = _not_the_diagram(Path(args.out) if args.out else _default_out(args.file, ".html"), args.file)
     written = write_report(args.file, out, parse_pairs(args.sizes, "--size"), args.device)
     print(f"wrote {written}")
     return 0
