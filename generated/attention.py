@@ -178,7 +178,11 @@ def _bind(tensors, kernel, free=()):
     if unbound:
         raise ValueError(f"cannot tell the sizes of wires {', '.join(unbound)} from the input shapes")
     for name, declared, read in _RELABELS:
-        if sizes[declared] != sizes[read] and not any(f[0] == name for f in free):
+        if any(f[0] == name for f in free):
+            continue
+        if read not in sizes:   # a wire only a relabel reaches (A[n, k] of A[m, k]): |n| = |m|
+            sizes[read] = sizes[declared]
+        elif sizes[declared] != sizes[read]:
             raise ValueError(f"{name} is read along {read} as well as {declared}, so wires {read} "
                              f"({sizes[read]}) and {declared} ({sizes[declared]}) must have equal sizes")
     return sizes, {k: v[0] for k, v in classes.items()}, device[0]

@@ -125,6 +125,8 @@ class _Checker:
         self.check_names()
         self.check_layouts()
         self.check_boxes()
+        if self.names_ok:
+            self.check_sizes()
         self.check_outputs()
         schedule_ok = self.check_schedule()
         for level in self.d.schedule.levels if self.d.schedule else ():
@@ -369,6 +371,38 @@ class _Checker:
         elif e.wire not in body and not self.poisoned:
             self.err(f"{head} normalises along {e.wire}, but its operand has no {e.wire}", e.loc)
         return body, _NUM
+
+    def check_sizes(self) -> None:
+        """Every symbolic wire a box uses gets its size at a call from an
+        input's shape: an input lies along it, or along a wire a relabel ties
+        it to (A[n, k] of A[m, k]: |n| = |m|).  A wire only indexed or output
+        (C[m, n, j] = ... * j) has no size the launcher could find."""
+        d = self.d
+        tie = {w.name: w.name for w in d.wires}
+
+        def root(w):
+            while tie[w] != w:
+                w = tie[w]
+            return w
+
+        used = {}
+        for t in d.lets:
+            for w in ir.axis_wires(t.axes):
+                used.setdefault(w, t.loc)
+            for n in ir.walk(t.expr):
+                if isinstance(n, (ir.WireIndex, ir.WireSize)):
+                    used.setdefault(n.wire, n.loc)
+                elif isinstance(n, ir.TensorRef) and n.wires is not None:
+                    for old, new in zip(ir.axis_wires(d.tensor(n.name).axes), n.wires):
+                        if old in tie and new in tie:
+                            tie[root(old)] = root(new)
+        sized = {root(w.name) for w in d.wires if w.size is not None}
+        sized |= {root(w) for t in d.inputs for w in ir.axis_wires(t.axes) if w in tie}
+        for w in d.wires:
+            if w.size is None and w.name in used and root(w.name) not in sized:
+                self.err(f"wire {w.name} has no size: no input lies along it (nor along a wire a relabel "
+                         "ties it to), so a call cannot tell it from the shapes", w.loc,
+                         f"give it one (wire {w.name} = 8), or an input along it")
 
     # ---- 4. outputs and schedule -------------------------------------------------
 

@@ -608,3 +608,18 @@ schedule on h100 {
     ]
     rendered = str(info.value)
     assert "t.ncd:7:25: unknown name 'Kx'" in rendered and "hint: did you mean 'K'?" in rendered
+
+
+def test_a_wire_no_input_sizes_is_refused_and_a_relabel_sizes_one():
+    """C[m, n, j] = ... * j compiled, and every call died on a KeyError: no
+    input lies along j.  A wire a relabel ties to an input's (A[n, k] of
+    A[m, k]) has its size."""
+    text = "diagram t\nwire m, n, k, j\nin A[m, k] : fp32\nin B[k, n] : fp32\nC[m, n, j] = sum[k](A * B) * j\nout C\n"
+    with pytest.raises(napkin.NapkinError) as err:
+        napkin.load_text(text, "t.ncd")
+    assert str(err.value) == (
+        "t.ncd:2:15: wire j has no size: no input lies along it (nor along a wire a relabel ties it to), so a "
+        "call cannot tell it from the shapes\n    wire m, n, k, j\n                  ^\n"
+        "  hint: give it one (wire j = 8), or an input along it")
+    napkin.load_text(text.replace("wire m, n, k, j", "wire m, n, k\nwire j = 8"), "t.ncd")
+    napkin.load_text("diagram g\nwire m, n, k\nin A[m, k] : fp32\nC[m, n] = sum[k](A * A[n, k])\nout C\n", "g.ncd")

@@ -425,3 +425,59 @@ def test_random_attention_diagrams(diagram):
 @given(diagram=matmul_diagrams())
 def test_random_matmul_diagrams(diagram):
     _drawn_check(diagram, f"drawn_{zlib.crc32(to_text(diagram).encode())}")
+
+
+# --------------------------------------------------------------------------
+# Forms a bug hunt found wrong (2026-11-26), each against
+# torch in float64, written here from the diagram's math.
+# --------------------------------------------------------------------------
+
+MATMUL_FORM = """diagram {name}
+wire m, n, k
+in A[m, k] : fp32
+{more}
+C[m, n] : fp32 = {expr}
+out C
+"""
+
+RARE_ATTENTION = """diagram rare
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5 + where(x > q, (x - q) ^ -1, (x - q) ^ 9 / 10 ^ 14)
+O[b, h, q, d] = sum[x](softmax[x](S) * V) - sum[x](V) / |x|
+out O
+schedule { level smem { group b by 1, h by 1, q by 16
+stream x by 16 } }
+"""
+
+
+def test_rarely_used_forms_match_torch():
+    """A whole power past 8 of a negative base was NaN (exp2(n log2 b));
+    a wire only a relabel reaches (A[n, k] of A[m, k]) was a KeyError at
+    the call; an unweighted sum[x](V) beside an attention rendered a tile
+    of None; the reference raised an index to a negative power in integers."""
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(20, 37, generator=g) * 0.3, torch.randn(37, 21, generator=g) * 0.3
+    power = compile_text(MATMUL_FORM.format(name="pow9", more="in B[k, n] : fp32", expr="sum[k](A * B) ^ 9"),
+                         "pow9")
+    want = (a.double() @ b.double()) ** 9
+    assert (want < 0).sum() > 100
+    (c,) = run(power, [a, b])
+    assert torch.allclose(c.double(), want, rtol=1e-4, atol=1e-9)
+    gram = compile_text(MATMUL_FORM.format(name="gram", more="", expr="sum[k](A * A[n, k])"), "gram")
+    (c,) = run(gram, [a])
+    assert c.shape == (20, 20) and torch.allclose(c.double(), a.double() @ a.double().T, atol=1e-5)
+
+    m = compile_text(RARE_ATTENTION, "rare")
+    q_, k_, v_ = (torch.randn(1, 2, n, 16, generator=g) for n in (37, 29, 29))
+    qi, xi = torch.arange(37.0, dtype=torch.float64)[:, None], torch.arange(29.0, dtype=torch.float64)[None, :]
+    bias = torch.where(xi > qi, 1 / (xi - qi), (xi - qi) ** 9 / 1e14)
+    s = q_.double() @ k_.double().transpose(-1, -2) / 4 + bias
+    want = torch.softmax(s, -1) @ v_.double() - v_.double().sum(-2, keepdim=True) / 29
+    (o,) = run(m, [q_, k_, v_])
+    assert torch.allclose(o.double(), want, atol=1e-5)
+    (r,) = reference(m, [q_, k_, v_], torch.float64)
+    assert torch.allclose(r, want, atol=1e-10)

@@ -272,8 +272,8 @@ class _Attention:
             acc, group = self.accum("expsum", tile, exponent, value)
             result = _ExpSum(acc, group)
         else:
-            acc, _ = self.accum("sum", tile if tile is not None or value is not None else ir.Num(1.0),
-                                None, value)
+            # a weight of 1 when nothing multiplies (sum[x](V), a count): the emitter needs a tile
+            acc, _ = self.accum("sum", tile if tile is not None else ir.Num(1.0), None, value)
             result = Var(acc)
         for f in outside:
             result = ir.Binary("*", result, self.lower_final(f, _show(node)))

@@ -203,7 +203,13 @@ class _Render:
             if n > 0:
                 return term, _PREC["*"], base[2]
             return f"1.0 / ({term})", _PREC["*"], "float"
+        v = fold(e.rhs, self.ctx.fixed)
+        if v is not None and not isinstance(v, complex) and math.isfinite(v) and float(v).is_integer():
+            return self.whole_power(base, float(v)), _PREC["atom"], "float"
         return self.general_power(base, self.r(e.rhs)), _PREC["atom"], "float"
+
+    def whole_power(self, base, n: float) -> str:
+        return self.general_power(base, (number(n), _PREC["atom"], "float"))
 
     def call(self, e: ir.Call):
         if e.fn == "where" and self.ctx.known:
@@ -249,6 +255,14 @@ class TritonRender(_Render):
     def general_power(self, base, exp) -> str:
         base_code = self.to_float(base) if base[2] != "float" else base[0]
         return f"tl.exp2({self.wrap(exp, _PREC['*'])} * tl.log2({base_code}))"
+
+    def whole_power(self, base, n: float) -> str:
+        """base ^ n for a whole n past the unrolled products: exp2(n log2 base)
+        is NaN for a negative base, so |base| ^ n, its sign put back for an
+        odd n (any float past 2**53 is even)."""
+        b = self.to_float(base) if base[2] != "float" else base[0]
+        mag = f"tl.exp2({number(n)} * tl.log2(tl.abs({b})))"
+        return mag if n % 2 == 0 else f"tl.where(({b}) < 0, -{mag}, {mag})"
 
 
 def triton(e, ctx: Ctx) -> str:

@@ -51,6 +51,10 @@ def align(code: str, src: tuple[str, ...], dst: tuple[str, ...]) -> str:
     return code
 
 
+
+def _whole_and_not_negative(v) -> bool:
+    return v is not None and not isinstance(v, (bool, complex)) and v >= 0 and float(v).is_integer()
+
 class _Ref:
     def __init__(self, d: ir.Diagram):
         self.d = d
@@ -88,12 +92,33 @@ class _Ref:
             code, wires = self.expr(e.body)
             return f"_softmax({code}, {wires.index(e.wire)})", wires
         parts = [self.expr(c) for c in self.children(e)]
+        if isinstance(e, ir.Binary) and e.op == "^" and parts[0][1] and self.integral(e.lhs) \
+                and not _whole_and_not_negative(fold(e.rhs, self.fixed)):
+            # torch refuses an integer tensor to a negative integer power; a float one takes any
+            parts[0] = (f"({parts[0][0]}) * 1.0", parts[0][1])
         wires = self.union([w for _, w in parts])
         subst = {_Leaf(i): atom(align(code, w, wires) if w else code) for i, (code, w) in enumerate(parts)}
         rebuilt = self.rebuild(e, list(subst))
         if not wires:  # all scalars (symbolic sizes): Python arithmetic
             return ScalarRender(Ctx({}, {}, self.fixed, subst))(rebuilt), ()
         return TorchRender(Ctx({}, {}, self.fixed, subst))(rebuilt), wires
+
+    def integral(self, e) -> bool:
+        """Whether ``e`` is an integer tensor in torch (indices and integer inputs, added,
+        subtracted, multiplied or raised to whole powers)."""
+        if isinstance(e, (ir.WireIndex, ir.WireSize)):
+            return True
+        if isinstance(e, ir.Num):
+            return isinstance(e.value, int) and not isinstance(e.value, bool)
+        if isinstance(e, ir.TensorRef):
+            return self.kind(e) == "int"
+        if isinstance(e, ir.Unary) and e.op == "-":
+            return self.integral(e.operand)
+        if isinstance(e, ir.Binary) and e.op in ("+", "-", "*"):
+            return self.integral(e.lhs) and self.integral(e.rhs)
+        if isinstance(e, ir.Binary) and e.op == "^":
+            return self.integral(e.lhs) and _whole_and_not_negative(fold(e.rhs, self.fixed))
+        return False
 
     @staticmethod
     def children(e) -> list:
