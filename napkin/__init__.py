@@ -6,6 +6,7 @@ Pipeline: text --parse--> IR --check--> IR --cost--> report
 """
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 __version__ = "0.1.0"
@@ -22,7 +23,20 @@ def load_text(text: str, filename: str = "<input>"):
     problems = check(diagram)
     if problems:
         raise NapkinError(problems, filename=filename, source=text)
+    _SOURCES[diagram] = (filename, text)
     return diagram
+
+
+# Where each loaded diagram came from, for the refusals of APIs that take a
+# Diagram (RingAttention(napkin.load(path))): the IR keeps lines, not files.
+_SOURCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def located(err: NapkinError, diagram) -> NapkinError:
+    """``err`` rendered against the text ``diagram`` was loaded from (file
+    name, source line, caret), when napkin loaded it and ``err`` names none."""
+    source = _SOURCES.get(diagram) if err.filename == "<input>" else None
+    return err.with_source(*source) if source else err
 
 
 def load(path) -> "object":

@@ -350,6 +350,9 @@ QKV = "in Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\nin V[b, h, x, d] : fp16
      FLASH, "keeps the streamed wire x"),
     (QKV + "S[b, h, q, x] = sum[d](Q * K * K)\nO[b, h, q, d] = sum[x](S * V)\nout O", FLASH,
      "sum[w](A * B) of two inputs"),
+    # a matmul whose sum is read twice was told it had none
+    ("in A[b, q, d] : fp32\nin B[b, d, x] : fp32\nP[b, q, x] = sum[d](A * B)\nC[b, q, x] = relu(P) + P\nout C", "",
+     "box C: its expression uses sum[d](...) 2 times"),
 ])
 def test_unsupported_diagrams_are_refused_with_a_location(body, schedule, words):
     text = diagram_text(body, schedule)

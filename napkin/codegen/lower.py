@@ -594,6 +594,10 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
     let = d.tensor(out.name)
     expr = exprs[out.name]
     reds = [n for n in nodes(expr) if isinstance(n, (ir.Reduce, ir.Normalize))]
+    if len(reds) > 1 and all(isinstance(r, ir.Reduce) and r.op == "sum" and r.wires == (red,) for r in reds):
+        # relu(P) + P with P = sum[k](A * B) inlined: the sum is there, twice
+        raise unsupported(f"box {out.name}", f"its expression uses sum[{red}](...) {len(reds)} times (the boxes "
+                          "it reads are inlined); a contraction kernel's epilogue uses its one sum once", let.loc)
     if len(reds) != 1 or not isinstance(reds[0], ir.Reduce) or reds[0].op != "sum" or reds[0].wires != (red,):
         raise unsupported(f"box {out.name}", f"a kernel streaming {red} needs one sum[{red}](A * B) "
                           "(or an attention pattern)", let.loc)

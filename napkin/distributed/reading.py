@@ -203,7 +203,17 @@ def _device_wires(d: ir.Diagram, value_expr) -> tuple:
 
 
 def roles(d: ir.Diagram, query: Optional[str] = None, key: Optional[str] = None) -> Roles:
-    """What the distributed wrappers need to know about a checked diagram."""
+    """What the distributed wrappers need to know about a checked diagram;
+    a refusal names the file the diagram was loaded from."""
+    import napkin
+
+    try:
+        return _roles(d, query, key)
+    except NapkinError as err:
+        raise napkin.located(err, d) from None
+
+
+def _roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Roles:
     inlined = {o.name: _inline(d, d.tensor(o.name).expr) if isinstance(d.tensor(o.name), ir.Let) else None
                for o in d.outputs}
     sums = [n for n, e in inlined.items() if isinstance(e, ir.Reduce) and e.op == "sum"]
