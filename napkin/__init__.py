@@ -13,6 +13,10 @@ __version__ = "0.1.0"
 
 from .errors import Diagnostic, NapkinError  # noqa: E402
 
+# Where each loaded diagram came from, for the refusals of APIs that take a
+# Diagram (RingAttention(napkin.load(path))): the IR keeps lines, not files.
+_SOURCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
 
 def load_text(text: str, filename: str = "<input>"):
     """Parse and check diagram text; raise NapkinError listing every problem."""
@@ -25,11 +29,6 @@ def load_text(text: str, filename: str = "<input>"):
         raise NapkinError(problems, filename=filename, source=text)
     _SOURCES[diagram] = (filename, text)
     return diagram
-
-
-# Where each loaded diagram came from, for the refusals of APIs that take a
-# Diagram (RingAttention(napkin.load(path))): the IR keeps lines, not files.
-_SOURCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def located(err: NapkinError, diagram) -> NapkinError:

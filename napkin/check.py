@@ -385,13 +385,12 @@ class _Checker:
                 w = tie[w]
             return w
 
-        used = {}
+        used = set()
         for t in d.lets:
-            for w in ir.axis_wires(t.axes):
-                used.setdefault(w, t.loc)
+            used.update(ir.axis_wires(t.axes))
             for n in ir.walk(t.expr):
                 if isinstance(n, (ir.WireIndex, ir.WireSize)):
-                    used.setdefault(n.wire, n.loc)
+                    used.add(n.wire)
                 elif isinstance(n, ir.TensorRef) and n.wires is not None:
                     for old, new in zip(ir.axis_wires(d.tensor(n.name).axes), n.wires):
                         if old in tie and new in tie:

@@ -180,17 +180,12 @@ def cmd_compile(args) -> int:
     failed = False
     out_dir = Path(args.out)
     write_module = _provided("codegen", "write_module")
-    written_by: dict[str, str] = {}
+    claimed: dict[str, str] = {}   # two files of one diagram name: the second is refused
     for path in args.files:
         try:
-            name = _diagram_name(path)
-            if name in written_by:  # the second would replace the first's module without a word
-                raise NapkinError(f"diagram {name} was compiled from {written_by[name]} already: "
-                                  f"{out_dir / (name + '.py')} is not replaced", filename=path)
             # write_module makes out_dir once the diagram has checked: a bad
             # diagram leaves nothing behind, not even an empty folder
-            written = Path(write_module(path, out_dir))
-            written_by[name] = path
+            written = Path(write_module(path, out_dir, claimed=claimed))
             print(f"wrote {written}")
             if args.render:
                 _render_beside(path, written)
@@ -198,11 +193,6 @@ def cmd_compile(args) -> int:
             print(str(err), file=sys.stderr)
             failed = True
     return 1 if failed else 0
-
-
-def _diagram_name(path) -> str:
-    import napkin
-    return napkin.load(path).name
 
 
 def _render_beside(path, module_path: Path) -> None:

@@ -44,13 +44,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import ir, masks
-from .sizes import positive_int
 from .cost import collectives as C
 from .cost.analysis import bind_sizes
 from .cost.devices import moved
 from .cost.profiles import get_profile, profile_names
 from .distributed.reading import roles
 from .errors import NapkinError
+from .sizes import positive_int
 
 FWD_EFFICIENCY = 370 / 989.4     # FlashAttention-2 forward, d128, H100 (background section 4)
 BWD_EFFICIENCY = 322 / 989.4     # and backward

@@ -353,7 +353,7 @@ def _fake_passes(monkeypatch, error: float, calls: list):
     """Stand-ins for codegen.write_module and cost.summary_lines, so the demo's
     own work (sizes, import by path, float64 comparison, report) is tested
     whatever state the real passes are in."""
-    def write_module(path, out_dir):
+    def write_module(path, out_dir, claimed=None):
         target = Path(out_dir) / "scale.py"
         target.parent.mkdir(parents=True, exist_ok=True)  # as the real one does, once the diagram checks
         target.write_text(FAKE_MODULE.replace("ERROR", repr(error)))

@@ -325,7 +325,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         given = parse_pairs(args.size, "-D", filename=p.prog)
         options = parse_pairs(args.option, "-O", key="NAME", what="launcher option", filename=p.prog)
         for file in args.files:
-            diagram, text = variant(napkin.load(file), napkin.read_source(file), args.dtype, args.head_dim)
+            source = napkin.read_source(file)
+            diagram, text = variant(napkin.load_text(source, str(file)), source, args.dtype, args.head_dim)
             sizes = default_sizes(diagram, given)
             reports = compile_diagram(diagram, text, file, sizes, arch=args.arch, dtype=args.dtype,
                                       backward=not args.forward_only, options=options)

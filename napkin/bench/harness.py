@@ -377,8 +377,9 @@ def compile_module(diagram: ir.Diagram, text: str, path: str, build: Path, prefi
 def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> list[dict]:
     import napkin
 
-    diagram = napkin.load(path)
-    base = variant(diagram, napkin.read_source(path), dtype, head_dim)
+    source = napkin.read_source(path)
+    diagram = napkin.load_text(source, str(path))
+    base = variant(diagram, source, dtype, head_dim)
     try:
         roles = flex.attention_roles(base[0])
     except flex.NoFlexEquivalent as err:

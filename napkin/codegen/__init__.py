@@ -17,6 +17,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from .. import ir
 from ..errors import NapkinError
@@ -145,18 +146,26 @@ def _docstring(d: ir.Diagram, plan, label: str, version: str, digest: str) -> st
     return f'"""{body}\n"""'
 
 
-def write_module(path, out_dir="generated") -> Path:
+def write_module(path, out_dir="generated", claimed: Optional[dict] = None) -> Path:
     """Load, check and compile an .ncd file into OUT_DIR/NAME.py, NAME being
     the diagram's name.  Written atomically (a temporary file, then
     os.replace): a failure leaves nothing half-written.  Creates OUT_DIR and
-    an __init__.py in it when missing.  Returns the module's path."""
+    an __init__.py in it when missing.  Returns the module's path.
+
+    ``claimed`` (diagram name -> source path, updated here): the modules one
+    run has written; a second source of the same name is refused rather
+    than let it replace the first's module without a word."""
     import napkin
 
     path = Path(path)
-    diagram = napkin.load(path)
-    text = emit_module(diagram, source_text=napkin.read_source(path), source_path=str(path))
+    source = napkin.read_source(path)
+    diagram = napkin.load_text(source, str(path))
     out = Path(out_dir)
     target = out / f"{diagram.name}.py"
+    if claimed is not None and diagram.name in claimed:
+        raise NapkinError(f"diagram {diagram.name} was compiled from {claimed[diagram.name]} already: "
+                          f"{target} is not replaced", filename=str(path))
+    text = emit_module(diagram, source_text=source, source_path=str(path))
     try:
         out.mkdir(parents=True, exist_ok=True)
         init = out / "__init__.py"
@@ -165,6 +174,8 @@ def write_module(path, out_dir="generated") -> Path:
         _atomic_write(target, text)
     except OSError as err:  # an -o that is a file, a folder without write permission, a full disk
         raise NapkinError(f"cannot write {target}: {err.strerror or err}", filename=str(path)) from None
+    if claimed is not None:
+        claimed[diagram.name] = str(path)
     return target
 
 

@@ -108,11 +108,16 @@ def number(v) -> str:
     return repr(float(v))
 
 
+def whole_number(v) -> Optional[float]:
+    """A folded constant that is a finite whole real number, as a float; else None."""
+    if v is None or isinstance(v, complex) or not math.isfinite(v) or not float(v).is_integer():
+        return None
+    return float(v)
+
+
 def integer_exponent(e, fixed) -> Optional[int]:
-    v = fold(e, fixed)
-    if v is not None and float(v).is_integer() and abs(v) <= 8:
-        return int(v)
-    return None
+    v = whole_number(fold(e, fixed))
+    return int(v) if v is not None and abs(v) <= 8 else None
 
 
 # --------------------------------------------------------------------------
@@ -203,13 +208,10 @@ class _Render:
             if n > 0:
                 return term, _PREC["*"], base[2]
             return f"1.0 / ({term})", _PREC["*"], "float"
-        v = fold(e.rhs, self.ctx.fixed)
-        if v is not None and not isinstance(v, complex) and math.isfinite(v) and float(v).is_integer():
-            return self.whole_power(base, float(v)), _PREC["atom"], "float"
+        v = whole_number(fold(e.rhs, self.ctx.fixed))
+        if v is not None:   # (only the kernels' renderer comes here: the reference's has its own power)
+            return self.whole_power(base, v), _PREC["atom"], "float"
         return self.general_power(base, self.r(e.rhs)), _PREC["atom"], "float"
-
-    def whole_power(self, base, n: float) -> str:
-        return self.general_power(base, (number(n), _PREC["atom"], "float"))
 
     def call(self, e: ir.Call):
         if e.fn == "where" and self.ctx.known:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import string
 
 from .. import ir
-from .exprs import Ctx, ScalarRender, TorchRender, fold, number
+from .exprs import Ctx, ScalarRender, TorchRender, fold, number, whole_number
 
 
 def _letters(d: ir.Diagram) -> dict[str, str]:
@@ -50,10 +50,10 @@ def align(code: str, src: tuple[str, ...], dst: tuple[str, ...]) -> str:
         code = f"{code}[{', '.join(':' if w in src else 'None' for w in dst)}]"
     return code
 
-
-
 def _whole_and_not_negative(v) -> bool:
-    return v is not None and not isinstance(v, (bool, complex)) and v >= 0 and float(v).is_integer()
+    v = whole_number(v)
+    return v is not None and v >= 0
+
 
 class _Ref:
     def __init__(self, d: ir.Diagram):

@@ -308,8 +308,9 @@ def _idle_notes(c: "_Context", infos) -> list[str]:
         else:
             hint = (f"chunks of {x} (group {x} by C beside its stream, or the launcher's chunk=) or smaller "
                     "row blocks would give more programs")
-        out.append(f"kernel {k.index} runs {k.programs} program{'' if k.programs == 1 else 's'} on {c.prof.key}'s {sms} SMs: the roofline "
-                   f"assumes all of them busy; {hint}")
+        programs = f"{k.programs} program{'' if k.programs == 1 else 's'}"
+        out.append(f"kernel {k.index} runs {programs} on {c.prof.key}'s {sms} SMs: the roofline assumes all of "
+                   f"them busy; {hint}")
     return out
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .. import ir, tiling
+from ..errors import NapkinError
 from .symbolic import Poly
 
 TRANSCENDENTAL = {"exp": 1, "exp2": 1, "log": 1, "log2": 1, "sqrt": 1, "rsqrt": 1,
@@ -235,7 +236,6 @@ MAX_PROGRAMS = 2 ** 24
 
 def too_many(count: int, limit: int, what: str) -> None:
     if count > limit:
-        from ..errors import NapkinError
         raise NapkinError(f"the cost pass walks {what} one by one: {count:,} here, more than the {limit:,} it "
                           "takes; ask for smaller sizes")
 
