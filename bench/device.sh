@@ -9,8 +9,9 @@
 #                                    (WHEELS, below) into .whl/, which git
 #                                    ignores
 #   bench/device.sh run STAGE[:S]... there, as one device call: install the
-#                                    carried wheels, restore the carried
-#                                    autotune cache (.device/), run the
+#                                    carried wheels, restore the autotune
+#                                    cache (.device/ when carried, else the
+#                                    newest bench/results/autotune-*.json), run the
 #                                    run_h100.sh stages in order, each for at
 #                                    most S seconds when given, and pack
 #                                    what they wrote into $OUT/results.tgz
@@ -54,7 +55,12 @@ run() {
   fi
   local work="$out/results"
   mkdir -p "$work/autotune-cache"
-  [[ -f .device/autotune.json ]] && cp .device/autotune.json "$work/autotune-cache/"
+  # the tuned configs so far: a carried .device/ (this session's earlier
+  # call), else the newest committed record, so tunings go on across
+  # sessions (the cache keys hold the device: an H100 ignores H200 entries)
+  local tuned=.device/autotune.json
+  [[ -f $tuned ]] || tuned=$(compgen -G "bench/results/autotune-*.json" | sort | tail -n 1)
+  [[ -n $tuned && -f $tuned ]] && cp "$tuned" "$work/autotune-cache/autotune.json"
   export NAPKIN_BENCH_OUT="$work" NAPKIN_CACHE="$work/autotune-cache"
   local status=0 spec stage cap left
   for spec in "$@"; do
@@ -91,18 +97,47 @@ keep() {
   if [[ -f "$tmp/results/autotune-cache/autotune.json" ]]; then
     cp "$tmp/results/autotune-cache/autotune.json" .device/
     cp "$tmp/results/autotune-cache/autotune.json" "bench/results/autotune-$(date -u +%F).json"
+    chmod 644 "bench/results/autotune-$(date -u +%F).json"  # the cache is written private
   fi
   rm -rf "$tmp/results/autotune-cache"
-  # records where bench/results/README.md says, logs under logs/ with the date;
-  # a name already taken gets the time of day in front
-  local f name dir
+  # Records where bench/results/README.md says: a run's JSON and markdown pair
+  # takes the next free <device>-<date>[-N] (the harness's own numbering, so
+  # the pairs of two calls on one day read in order); logs go under logs/ as
+  # <date>-call<K>-<stage>.log, K this day's next call.
+  local f name stem base n day call=1
+  day=$(date -u +%F)
   mkdir -p bench/results/logs
+  while compgen -G "bench/results/logs/$day-call$call-*" >/dev/null; do call=$((call + 1)); done
+  for f in "$tmp"/results/*.log; do
+    [[ -e $f ]] || continue
+    name="$day-call$call-$(basename "$f")"
+    cp "$f" "bench/results/logs/$name" && echo "bench/results/logs/$name"
+  done
+  # a call's own pairs in their order: <device>-<date> before its -2, -3 ...
+  for stem in $(for f in "$tmp"/results/*.json; do
+                  [[ -e $f ]] || continue
+                  stem=$(basename "$f" .json)
+                  [[ $stem =~ -[0-9]{4}-[0-9]{2}-[0-9]{2}-([0-9]+)$ ]] && n=${BASH_REMATCH[1]} || n=1
+                  echo "$n $stem"
+                done | sort -n | cut -d' ' -f2); do
+    base=$stem
+    [[ $stem =~ ^(.*-[0-9]{4}-[0-9]{2}-[0-9]{2})-[0-9]+$ ]] && base=${BASH_REMATCH[1]}
+    name=$base n=1
+    while [[ -e bench/results/$name.json || -e bench/results/$name.md ]]; do
+      n=$((n + 1)) name=$base-$n
+    done
+    for f in "$tmp/results/$stem".json "$tmp/results/$stem".md; do
+      [[ -e $f ]] && cp "$f" "bench/results/$name.${f##*.}" && echo "bench/results/$name.${f##*.}"
+    done
+    rm -f "$tmp/results/$stem".json "$tmp/results/$stem".md
+  done
+  # anything else (ncu's CSVs, decode's tables): as named, a taken name gets
+  # the time of day in front
   for f in "$tmp"/results/*; do
-    name=$(basename "$f") dir=bench/results
-    [[ $name == *.log ]] && name="$(date -u +%F)-$name" dir=bench/results/logs
-    [[ -e "$dir/$name" ]] && name="$(date -u +%H%M%S)-$name"
-    cp "$f" "$dir/$name"
-    echo "$dir/$name"
+    [[ -f $f && $f != *.log ]] || continue
+    name=$(basename "$f")
+    [[ -e bench/results/$name ]] && name="$(date -u +%H%M%S)-$name"
+    cp "$f" "bench/results/$name" && echo "bench/results/$name"
   done
   rm -rf "$tmp"
 }

@@ -682,21 +682,66 @@ class Tuned:
     cached: bool                 # True: read from the cache, nothing was timed
     skipped: int = 0             # candidates never tried: the time budget ran out first
     budget_s: Optional[float] = None
+    # A tuning that went on where a cut-short one stopped: the candidates that
+    # one had tried (0: none, a fresh tuning) and how many of them it timed
+    # and saw fail.  Its first trial here is that one's best, timed again.
+    resumed_from: int = 0
+    earlier_timed: int = 0
+    earlier_failed: int = 0
+
+    @property
+    def new_trials(self) -> tuple[Trial, ...]:
+        """The candidates this tuning tried first: all, less a resumed one's re-timed best."""
+        return self.trials[1:] if self.resumed_from else self.trials
 
     def facts(self) -> dict:
-        """What the result rows and the cache record of this tuning."""
-        return {"candidates": len(self.trials) + self.skipped, "timed": sum(t.ms is not None for t in self.trials),
-                "failed": sum(t.ms is None for t in self.trials), "skipped": self.skipped,
-                "budget_s": self.budget_s, "truncated": self.skipped > 0}
+        """What the result rows and the cache record of this tuning: counts over
+        every candidate, those an earlier cut-short tuning tried included."""
+        new = self.new_trials
+        # an earlier best that fails when timed again counts as failed, no longer as timed
+        lost = int(bool(self.resumed_from) and self.trials[0].ms is None)
+        facts = {"candidates": self.resumed_from + len(new) + self.skipped,
+                 "timed": self.earlier_timed - lost + sum(t.ms is not None for t in new),
+                 "failed": self.earlier_failed + lost + sum(t.ms is None for t in new), "skipped": self.skipped,
+                 "budget_s": self.budget_s, "truncated": self.skipped > 0}
+        return facts | ({"resumed_from": self.resumed_from} if self.resumed_from else {})
+
+
+def order_digest(configs: Sequence[Config]) -> str:
+    """A candidate list's fingerprint, kept in its cache entry: a cut-short
+    tuning resumes only on the very list it was cut from."""
+    text = json.dumps([c.kwargs() for c in configs], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def resume_point(entry: dict, best: Config, configs: Sequence[Config]) -> int:
+    """How many of ``configs`` a cached tuning that its budget cut short had
+    tried (a budget only ever cuts the tail of the list, which is built the
+    same way each time, most promising first), so a new tuning times the
+    rest; 0 when there is nothing to go on with: the tuning was finished, or
+    it ran on another list (another napkin's ranking, another device's
+    shared memory).  An entry from before the fingerprint was kept passes
+    when its counts fit this list and its best is among those it tried."""
+    tried, total = entry.get("tried"), entry.get("candidates")
+    if not entry.get("truncated") or not isinstance(tried, int) or total != len(configs) \
+            or not 0 < tried < len(configs):
+        return 0
+    order = entry.get("order")
+    if order is not None:
+        return tried if order == order_digest(configs) else 0
+    return tried if best in configs[:tried] else 0
 
 
 def autotune(fn: Callable, configs: Sequence[Config], bench_fn: Callable[[Callable], float], *,
              cache: Optional[Cache] = None, key: Optional[str] = None, budget_s: Optional[float] = None,
-             clock: Callable[[], float] = time.monotonic, **facts) -> Tuned:
+             clock: Callable[[], float] = time.monotonic, resume: bool = True, **facts) -> Tuned:
     """Time ``fn(**config.kwargs())`` for each config with ``bench_fn`` (which
     takes a callable with no arguments and returns milliseconds), keep the
     fastest and, given a cache and a key, store it there.  With a cache entry
-    for the key already present, return it without timing anything.
+    for the key already present, return it without timing anything, unless
+    its tuning was cut short by its budget and ``resume``: then time its
+    best again and the candidates it never reached (``resume_point``), so
+    tunings that each fit a short GPU session add up to a whole one.
 
     A config that raises (Triton's out-of-resources, a block the launcher
     refuses) is recorded as failed and skipped: compiling is the only way to
@@ -709,20 +754,24 @@ def autotune(fn: Callable, configs: Sequence[Config], bench_fn: Callable[[Callab
     best so far is kept.  Configs come most promising first
     (``candidates``), so what a budget cuts is the least likely to win.
     Until some config has run, none is skipped: a tuning must end with one."""
+    todo, earlier, done = list(configs), {}, 0
     if cache is not None and key is not None:
         hit = cache.get(key)
         if hit is not None:
             entry = cache.entries()[key]
-            return Tuned(hit, float(entry.get("ms", math.nan)), (), cached=True,
-                         skipped=int(entry.get("skipped", 0)), budget_s=entry.get("budget_s"))
+            done = resume_point(entry, hit, configs) if resume else 0
+            if not done:
+                return Tuned(hit, float(entry.get("ms", math.nan)), (), cached=True,
+                             skipped=int(entry.get("skipped", 0)), budget_s=entry.get("budget_s"))
+            todo, earlier = [hit, *configs[done:]], entry
     trials: list[Trial] = []
     start = clock()
     skipped = 0
-    for i, c in enumerate(configs):
+    for i, c in enumerate(todo):
         spent = clock() - start
         if budget_s is not None and trials and any(t.ms is not None for t in trials) \
                 and spent + spent / len(trials) > budget_s:
-            skipped = len(configs) - i
+            skipped = len(todo) - i
             break
         options = c.kwargs()
         try:
@@ -736,7 +785,10 @@ def autotune(fn: Callable, configs: Sequence[Config], bench_fn: Callable[[Callab
         why = "; ".join(f"{t.config.kwargs()}: {t.error}" for t in trials[:3]) or "no candidates"
         raise NapkinError(f"autotuning found no configuration that runs ({why})")
     best = min(timed, key=lambda t: (t.ms, trials.index(t)))
-    tuned = Tuned(best.config, best.ms, tuple(trials), cached=False, skipped=skipped, budget_s=budget_s)
+    tuned = Tuned(best.config, best.ms, tuple(trials), cached=False, skipped=skipped, budget_s=budget_s,
+                  resumed_from=done, earlier_timed=int(earlier.get("timed") or 0),
+                  earlier_failed=int(earlier.get("failed") or 0))
     if cache is not None and key is not None:
-        cache.put(key, best.config, ms=best.ms, tried=len(trials), **tuned.facts(), **facts)
+        cache.put(key, best.config, ms=best.ms, tried=done + len(tuned.new_trials), order=order_digest(configs),
+                  **tuned.facts(), **facts)
     return tuned

@@ -79,7 +79,8 @@ def gradients(fn, inputs, seed: int = 7, **opts):
     gen = torch.Generator().manual_seed(seed)
     loss = 0
     for o in out:
-        w = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+        # drawn on the CPU (one stream of weights whatever the device), then moved
+        w = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)
         loss = loss + torch.where(torch.isfinite(o.double()), o.double() * w, 0.0).sum()
     loss.backward()
     return [x.grad if x.requires_grad else None for x in xs]
@@ -173,7 +174,7 @@ def test_bf16_on_gpu(name, folder):
     inputs = [t.cuda() for t in m.example_inputs(sizes_for(name, 200, 333), dtype=torch.bfloat16)]
     got = gradients(launcher(m), inputs)
     exact = gradients(m.reference, [t.double() if t.is_floating_point() else t for t in inputs])
-    assert_accurate(got, exact, gradients(m.reference, inputs), name)
+    assert_accurate(got, exact, gradients(m.reference, inputs), name, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------

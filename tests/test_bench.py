@@ -109,7 +109,7 @@ def test_flex_permutes_layouts_and_keeps_a_symbolic_scale_in_score_mod():
     d = napkin.load_text(FLEX_LAYOUT)
     src = flex.emit(d)
     # |x| is not known until call time: it cannot be flex's constant scale.
-    assert src.scale == 1.0 and src.has_score_mod and "size_x" in src.text
+    assert src.scale == 1.0 and src.has_score_mod and "_size_x" in src.text
     assert src.causal  # where(x > q, -inf, s) keeps x <= q
     assert ".permute(0, 2, 1, 3)" in src.text
     sizes = {"b": 2, "q": 24, "x": 24, "h": 3}
@@ -136,7 +136,7 @@ def test_flex_gqa_side_tensors_index_kv_heads_and_query_heads():
     d = napkin.load_text(GQA_SLOPE)
     src = flex.emit(d)
     assert src.enable_gqa and src.side == ("slope", "bias")
-    assert "slope[(h // size_g)]" in src.text and "bias[h]" in src.text
+    assert "slope[(_h // _size_g)]" in src.text and "bias[_h]" in src.text
     assert max(_flex_vs_reference(d, {"b": 1, "hk": 2, "g": 3, "q": 20, "x": 20})) < 1e-6
 
 
@@ -160,10 +160,10 @@ def test_flex_builds_a_block_mask_per_head_only_where_the_mask_reads_the_head(mo
     on the CPU ignores the block mask's sparsity, so the blocks it is given are checked directly: a
     window of 4 keys on head 0 and 250 on head 1 must give two different block masks."""
     load = lambda n: flex.emit(napkin.load(EXAMPLES / f"{n}.ncd")).text  # noqa: E731
-    assert "create_block_mask(mask_mod, None, None, q.shape[2]," in load("causal")
-    assert "create_block_mask(mask_mod, q.shape[0], None, q.shape[2]," in load("document_mask")
+    assert "create_block_mask(_mask_mod, None, None, _q.shape[2]," in load("causal")
+    assert "create_block_mask(_mask_mod, _q.shape[0], None, _q.shape[2]," in load("document_mask")
     d = napkin.load_text(HEAD_WINDOW)
-    assert "create_block_mask(mask_mod, None, q.shape[1], q.shape[2]," in flex.emit(d).text
+    assert "create_block_mask(_mask_mod, None, _q.shape[1], _q.shape[2]," in flex.emit(d).text
     from torch.nn.attention import flex_attention as F
 
     made, real = [], F.create_block_mask
@@ -218,9 +218,9 @@ def test_flex_emission_facts_for_the_examples():
     assert causal.causal and causal.mask == "x <= q" and not causal.has_score_mod
     softcap = flex.emit(load("softcap"))
     assert softcap.has_score_mod and softcap.scale == pytest.approx(128 ** -0.5)
-    assert "torch.tanh((score / 50))" in softcap.text   # the scale went to flex, not score_mod
+    assert "torch.tanh((_score / 50))" in softcap.text   # the scale went to flex, not score_mod
     doc = flex.emit(load("document_mask"))
-    assert "doc[b, q_idx] == doc[b, kv_idx]" in doc.text and not doc.has_score_mod
+    assert "doc[_b, _q_idx] == doc[_b, _kv_idx]" in doc.text and not doc.has_score_mod
     assert flex.emit(load("gqa")).enable_gqa
     # pure function: the same IR gives the same text
     assert flex.emit(load("alibi")).text == flex.emit(load("alibi")).text
@@ -360,6 +360,70 @@ def test_autotune_keeps_the_fastest_skips_failures_and_caches(tmp_path):
     assert again.cached and again.best == tuned.best and timed == []   # no retuning
     with pytest.raises(NapkinError, match="no configuration that runs"):
         autotune.autotune(fn, configs[3:], bench)
+
+
+def test_a_tuning_cut_short_goes_on_where_it_stopped(tmp_path):
+    """A budget that ran out after two of six candidates: the next --autotune times the cached best
+    again and then only the four it never reached, keeps the faster, and counts over all six; the
+    finished entry is read back without timing.  A changed candidate list starts afresh, and an
+    entry from before the list's fingerprint was kept (the H200 session's) resumes when its counts
+    fit and its best is among the candidates it tried."""
+    cache = autotune.Cache(tmp_path / "c.json")
+    configs = [autotune.Config((("q", q), ("x", x)), 8, 3) for q in (64, 128) for x in (32, 64, 128)]
+    fake_ms = dict(zip(configs, (3.0, 2.0, 1.0, 4.0, 0.5, None)))
+    now, timed = [0.0], []
+
+    def fn(block_q, block_x, num_warps, num_stages):
+        return fake_ms[autotune.Config((("q", block_q), ("x", block_x)), num_warps, num_stages)]
+
+    def bench(call):
+        now[0] += 10.0                       # each trial takes 10 s of the budget
+        ms = call()
+        if ms is None:
+            raise RuntimeError("out of resources")
+        timed.append(ms)
+        return ms
+
+    clock = lambda: now[0]  # noqa: E731
+    first = autotune.autotune(fn, configs, bench, cache=cache, key="k", budget_s=25.0, clock=clock)
+    assert timed == [3.0, 2.0] and first.best == configs[1] and first.facts()["skipped"] == 4
+    assert cache.entries()["k"]["tried"] == 2 and cache.entries()["k"]["order"] == autotune.order_digest(configs)
+    timed.clear()
+    second = autotune.autotune(fn, configs, bench, cache=cache, key="k", budget_s=100.0, clock=clock)
+    assert timed == [2.0, 1.0, 4.0, 0.5]      # the cached best again, then candidates 3 to 6
+    assert not second.cached and second.best == configs[4] and second.ms == 0.5
+    facts = second.facts()
+    assert (facts["candidates"], facts["timed"], facts["failed"], facts["skipped"]) == (6, 5, 1, 0)
+    assert facts["resumed_from"] == 2 and not facts["truncated"] and cache.entries()["k"]["tried"] == 6
+    timed.clear()
+    assert autotune.autotune(fn, configs, bench, cache=cache, key="k", clock=clock).cached and timed == []
+
+    # the row's record: the counts over all six, and this run's trials, the re-timed best first
+    record = harness.tuning_record(second)
+    assert record["timed"] == 5 and [t["ms"] for t in record["trials"]] == [2.0, 1.0, 4.0, 0.5, None]
+    assert record["trials"][0]["config"] == configs[1].kwargs() and "out of resources" in record["trials"][4]["error"]
+    # a cached best that fails when timed again is counted failed, not timed
+    fails = autotune.Cache(tmp_path / "f.json")
+    autotune.autotune(fn, configs, bench, cache=fails, key="k", budget_s=25.0, clock=clock)
+    fake_ms[configs[1]] = None
+    again = autotune.autotune(fn, configs, bench, cache=fails, key="k", budget_s=100.0, clock=clock).facts()
+    assert (again["timed"], again["failed"], again["candidates"]) == (4, 2, 6) and again["skipped"] == 0
+    fake_ms[configs[1]] = 2.0
+    # resumed twice: a second cut keeps counting where the first left off
+    autotune.autotune(fn, configs, bench, cache=cache, key="t", budget_s=5.0, clock=clock)
+    autotune.autotune(fn, configs, bench, cache=cache, key="t", budget_s=35.0, clock=clock)
+    assert cache.entries()["t"]["tried"] == 3 and cache.entries()["t"]["config"] == configs[2].kwargs()
+    # another list (reordered): no resume, the entry is taken as it stands
+    timed.clear()
+    other = autotune.autotune(fn, configs[::-1], bench, cache=cache, key="t", budget_s=100.0, clock=clock)
+    assert other.cached and timed == []
+    assert autotune.autotune(fn, configs, bench, cache=cache, key="t", resume=False, clock=clock).cached
+    # an entry without the fingerprint, as the 2026-11-26 cache has them
+    entry = {"tried": 2, "candidates": 6, "truncated": True, "skipped": 4}
+    assert autotune.resume_point(entry, configs[1], configs) == 2
+    assert autotune.resume_point(entry, configs[4], configs) == 0          # its best was never among them
+    assert autotune.resume_point(entry | {"candidates": 7}, configs[1], configs) == 0
+    assert autotune.resume_point(entry | {"truncated": False}, configs[1], configs) == 0
 
 
 def test_smem_estimate_counts_pipelined_tiles():
@@ -528,7 +592,8 @@ def test_autotune_budget_stops_timing_and_records_what_it_skipped(tmp_path):
     assert facts == {"candidates": 5, "timed": 2, "failed": 0, "skipped": 3, "budget_s": 25.0, "truncated": True}
     entry = cache.entries()["k"]
     assert entry["skipped"] == 3 and entry["timed"] == 2 and entry["truncated"] is True
-    again = autotune.autotune(lambda **_: 0.0, configs, bench, cache=cache, key="k")
+    # read back as it stands when not resumed (test_a_tuning_cut_short_goes_on_where_it_stopped)
+    again = autotune.autotune(lambda **_: 0.0, configs, bench, cache=cache, key="k", resume=False)
     assert again.cached and again.skipped == 3
     # no budget: everything is timed
     now[0] = 0.0
@@ -570,9 +635,9 @@ def test_tune_share_gives_each_point_what_the_time_limit_leaves():
     now = [0.0]
     share = harness.TuneShare(300, 2, 3, clock=lambda: now[0])
     first = share.next()
-    assert first == (300 - harness.STARTUP_S - 2 * harness.POINT_S) // 6 == 25
-    now[0] = 100.0                                   # the first point took 100 s of its 30 + 60 + 6 * 25
-    assert share.next() == (300 - 100 - harness.POINT_S) // 3 == 46
+    assert first == (300 - harness.STARTUP_S - 2 * harness.POINT_S) // 6 == 39
+    now[0] = 100.0                                   # the first point took 100 s of its 15 + 25 + 6 * 39
+    assert share.next() == (300 - 100 - harness.POINT_S) // 3 == 58
     late = harness.TuneShare(300, 2, 3, clock=lambda: now[0])
     now[0] += 280.0
     late.next()
@@ -865,6 +930,157 @@ def test_napkin_bench_smoke_run_end_to_end(tmp_path, capsys):
     assert f"napkin bench: causal float16 {row['sizes']}: tune " in err
 
 
+def test_flex_visible_counts_the_pairs_a_mask_keeps():
+    """The FLOP share of a masked diagram, against counts made here from the definitions: a causal
+    window of 8 keeps i - 8 < j <= i; documents keep the pairs of one id (per batch, every head
+    alike).  Row blocks of 7 leave a ragged last block; no mask keeps everything."""
+    window = _fp32((EXAMPLES / "sliding_window.ncd").read_text().replace("q - x < 256", "q - x < 8"))
+    inputs = reference.example_inputs(window, SIZES, seed=1)
+    n = SIZES["q"]
+    want = sum(1 for i in range(n) for j in range(n) if j <= i and i - j < 8) / n ** 2
+    assert flex.load(window).visible(*inputs, rows=7) == pytest.approx(want, abs=1e-12)
+    docs = _fp32((EXAMPLES / "document_mask.ncd").read_text())
+    inputs = reference.example_inputs(docs, SIZES, seed=2)
+    doc = inputs[3].tolist()
+    same = sum(a == c for row in doc for a in row for c in row)
+    assert 0 < same < SIZES["b"] * n * n
+    assert flex.load(docs).visible(*inputs, rows=7) == pytest.approx(same / (SIZES["b"] * n * n), abs=1e-12)
+    plain = _fp32((EXAMPLES / "attention.ncd").read_text())
+    assert flex.load(plain).visible(*reference.example_inputs(plain, SIZES)) == 1.0
+
+
+def _softmax64(S, V):
+    return torch.softmax(S, -1) @ V
+
+
+NAMED_SIDE = """diagram named
+wire n, hd, q, x
+wire d = 4
+in Q[n, hd, q, d] : fp32
+in K[n, hd, x, d] : fp32
+in V[n, hd, x, d] : fp32
+in NAME[x] : fp64
+S[n, hd, q, x] = sum[d](Q * K) + NAME
+O[n, hd, q, d] : fp32 = sum[x](softmax[x](S) * V)
+out O
+"""
+
+
+@pytest.mark.parametrize("name", ["score", "h", "b", "q_idx", "kv_idx", "sizes", "rows", "compiled"])
+def test_flex_side_inputs_named_like_the_modules_own_names(name):
+    """A side input called score was shadowed by score_mod's argument (a wrong answer, no error); h, b,
+    q_idx, kv_idx crashed in prepare; sizes, rows, compiled were duplicate arguments (a SyntaxError
+    that stopped a whole bench run).  The module's own names all start with an underscore now."""
+    g = torch.Generator().manual_seed(0)
+    Q, K, V = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = 3 * torch.randn(5, generator=g, dtype=torch.float64)
+    got = flex.load(napkin.load_text(NAMED_SIDE.replace("NAME", name))).prepare(Q, K, V, bias)()[0]
+    assert torch.allclose(got.double(), _softmax64(Q @ K.transpose(-1, -2) + bias, V), atol=1e-6)
+
+
+def test_flex_inputs_named_q_k_v_keep_their_sizes():
+    """prepare() rebound q, k, v to the arranged tensors before reading the sizes off them: inputs so
+    named got a wrong key-length offset (error 1.8) and visible() a wrong share."""
+    text = """diagram lower
+wire h, n, m, d
+in q[h, n, d] : fp32
+in k[h, m, d] : fp32
+in v[h, m, d] : fp32
+S[h, n, m] = where(m <= n + |m| - |n|, sum[d](q * k) / sqrt(|d|), -inf)
+O[h, n, d] : fp32 = sum[m](softmax[m](S) * v)
+out O
+"""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, L, 5, generator=g, dtype=torch.float64) for L in (6, 9, 9))
+    mod = flex.load(napkin.load_text(text))
+    n, m = torch.arange(6)[:, None], torch.arange(9)[None, :]
+    keep = m <= n + 9 - 6
+    want = _softmax64(torch.where(keep, q @ k.transpose(-1, -2) / math.sqrt(5), -math.inf), v)
+    assert torch.allclose(mod.prepare(q, k, v)()[0].double(), want, atol=1e-6)
+    assert mod.visible(q, k, v) == pytest.approx(float(keep.double().mean()))
+
+
+def test_flex_integer_powers_in_the_score_are_taken_in_floats():
+    """2 ^ (0 - h - 1), an ALiBi slope per head, rendered torch.pow of two integer tensors: 0 for
+    every negative exponent, not 1/2, 1/4."""
+    text = """diagram powers
+wire b, h, q, x
+wire d = 4
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+S[b, h, q, x] = where(x <= q, sum[d](Q * K) + 2 ^ (0 - h - 1) * (x - q), -inf)
+O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)
+out O
+"""
+    g = torch.Generator().manual_seed(1)
+    Q, K, V = (torch.randn(1, 3, 7, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    slope = (2.0 ** -(torch.arange(3) + 1.0))[:, None, None]
+    S = torch.where(j <= i, Q @ K.transpose(-1, -2) + slope * (j - i), -math.inf)
+    got = flex.load(napkin.load_text(text)).prepare(Q, K, V)()[0]
+    assert torch.allclose(got.double(), _softmax64(S, V), atol=1e-6)
+
+
+def test_flex_refuses_an_output_laid_out_otherwise_and_takes_a_mask_of_sizes_alone():
+    """GQA heads stored apart in the output (O[b, hk, g, q, d]) died on a ValueError inside emit, which
+    stopped a bench run: it is "no FlexAttention equivalent" now.  A mask reading sizes only made
+    mask_mod return a Python bool, which create_block_mask refuses."""
+    split = (EXAMPLES / "gqa.ncd").read_text()
+    assert "O[b, (hk g), q, d]" in split
+    with pytest.raises(flex.NoFlexEquivalent, match=r"output O\[b, hk, g, q, d\] is not laid out along"):
+        flex.emit(napkin.load_text(split.replace("O[b, (hk g), q, d]", "O[b, hk, g, q, d]")))
+    sized = _fp32((EXAMPLES / "attention.ncd").read_text().replace(
+        "sum[d](Q * K) * |d|^-0.5", "where(|x| > 3, sum[d](Q * K) * |d|^-0.5, -inf)"))
+    assert max(_flex_vs_reference(sized)) < 1e-5
+
+
+@pytest.mark.parametrize("score", [
+    "where(x <= q, where(q - x < 4, sum[d](Q * K) * |d|^-0.5, -inf), -inf)",
+    "sum[d](Q * K) * |d|^-0.5 + where(x <= q and q - x < 4, 0, -inf)",
+    "where(x > q or q - x >= 4, -inf, 0) + sum[d](Q * K) * |d|^-0.5"])
+def test_a_window_written_nested_or_added_is_a_window(score):
+    """A window nested in a second where was "exactly causal" to the harness (FLOPs counted as half the
+    square, 4x too many at 32), and one added to the score was no mask at all to flex (a dense
+    score_mod, every pair counted).  Each is a mask of x <= q and q - x < 4 now: its share and its
+    FLOPs agree with a count made here."""
+    text = (EXAMPLES / "attention.ncd").read_text().replace("sum[d](Q * K) * |d|^-0.5", score)
+    d = _fp32(text)
+    sizes = {"b": 1, "h": 1, "q": 32, "x": 32}
+    shape = flex.attention_shape(d, sizes)
+    assert not shape["causal"] and shape["causal_part"]
+    src = flex.emit(d)
+    assert src.mask is not None and not src.causal and src.causal_part
+    kept = sum(1 for i in range(32) for j in range(32) if j <= i and i - j < 4) / 32 ** 2
+    assert flex.load(d).visible(*reference.example_inputs(d, sizes)) == pytest.approx(kept)
+    assert max(_flex_vs_reference(d)) < 1e-5
+
+
+def test_bench_counts_a_window_at_the_pairs_it_keeps_and_a_speed_reference_at_its_own(tmp_path):
+    """A window of 8 in 48 keeps 29% of the pairs: napkin's and flex's TFLOP/s count that share of the
+    dense FLOPs (counted dense, a 256-wide window in 16K read 11,000 TFLOP/s on the H200), while the
+    SDPA speed reference, causal attention, counts half."""
+    from napkin.cli import main
+
+    path = tmp_path / "window.ncd"
+    path.write_text((EXAMPLES / "sliding_window.ncd").read_text().replace("q - x < 256", "q - x < 8"))
+    assert main(["bench", str(path), "--seqlen", "48", "--no-backward", "--out", str(tmp_path)]) == 0
+    data = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())
+    (row,) = data["rows"]
+    n = 48
+    kept = sum(1 for i in range(n) for j in range(n) if j <= i and i - j < 8) / n ** 2
+    assert row["visible"] == pytest.approx(kept) and not row["causal"]
+    s = row["shape"]
+    dense = 2.0 * s["batch"] * s["heads"] * n * n * (s["dim"] + s["value_dim"])
+    assert row["flops"]["fwd"] == pytest.approx(dense * kept)
+    fwd = {r["impl"]: r for r in row["results"] if r["pass"] == "fwd"}
+    for impl, share in (("napkin", kept), ("flex", kept), ("sdpa-math", 0.5)):
+        r = fwd[impl]
+        assert r["tflops"] == pytest.approx(dense * share / (r["ms"] * 1e-3) / 1e12), impl
+    assert not fwd["sdpa-math"]["equivalent"]
+    assert f"no, keeps {100 * kept:.3g}%" in next(tmp_path.glob("cpu-*.md")).read_text()
+
+
 # --------------------------------------------------------------------------
 # On a GPU (skipped without one): the real timing path and the autotune cache.
 # --------------------------------------------------------------------------
@@ -902,6 +1118,7 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
     tuning = first["rows"][0]["tuning"]
     assert set(tuning) == {"fwd", "dq", "dkdv"}
     assert all(t["timed"] >= 1 and t["budget_s"] == 30 for t in tuning.values())
+    assert all(len(t["trials"]) == t["timed"] + t["failed"] for t in tuning.values())
     assert all(t["from_cache"] and t["timed"] == tuning[k]["timed"] for k, t in second["rows"][0]["tuning"].items())
     entries = json.loads((tmp_path / "cache" / "autotune.json").read_text())["entries"]
     assert sorted(k.rsplit("|", 1)[1] for k in entries if k.count("|") == 3) == ["bwd", "bwd_kv"]
@@ -1027,6 +1244,89 @@ def test_device_run_gives_each_stage_its_share_and_tells_the_bench(tmp_path):
     assert "'bad:soon': a stage's seconds are a whole number (main:270)" in log
 
 
+def test_device_run_restores_the_newest_committed_autotune_record(tmp_path):
+    """A new session's first call carries no .device/: `run` starts the cache from the newest
+    bench/results/autotune-DATE.json, so tunings cut short go on (autotune's resume); a carried
+    .device/autotune.json wins over it."""
+    import shutil
+    import subprocess
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "bench" / "results").mkdir(parents=True)
+    shutil.copy(REPO / "bench" / "device.sh", repo / "bench" / "device.sh")
+    for day in ("2026-11-20", "2026-11-26", "2026-11-03"):
+        (repo / "bench" / "results" / f"autotune-{day}.json").write_text(day)
+    stages = tmp_path / "stages.sh"
+    stages.write_text('#!/usr/bin/env bash\ncat "$NAPKIN_CACHE/autotune.json"\n')
+    stages.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("NAPKIN_BENCH_OUT", "NAPKIN_CACHE")}
+
+    def cache_seen() -> str:
+        out = tmp_path / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        done = subprocess.run(["bash", str(repo / "bench" / "device.sh"), "run", "env"],
+                              env=env | {"OUT": str(out), "DEVICE_BUDGET": "120", "DEVICE_STAGES": str(stages),
+                                         "DEVICE_WHEELS": str(tmp_path / "none")},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        with tarfile.open(out / "results.tgz") as tar:
+            return tar.extractfile("results/env.log").read().decode()
+
+    assert cache_seen() == "2026-11-26"
+    (repo / ".device").mkdir()
+    (repo / ".device" / "autotune.json").write_text("carried")
+    assert cache_seen() == "carried"
+
+
+def test_device_keep_numbers_two_calls_pairs_in_order_and_logs_by_call(tmp_path):
+    """`keep` after two calls on one day: the second call's pairs continue the day's numbering
+    (the first session gave them a time of day in front, out of order), JSON and markdown of one
+    run keep one number, logs are named by call, and the committed autotune copy is readable."""
+    import datetime
+    import shutil
+    import subprocess
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    shutil.copy(REPO / "bench" / "device.sh", repo / "bench" / "device.sh")
+    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+    def call(n: int, files: dict[str, str]) -> list[str]:
+        src = tmp_path / f"call{n}"
+        (src / "results" / "autotune-cache").mkdir(parents=True)
+        for name, text in files.items():
+            (src / "results" / name).write_text(text)
+        cache = src / "results" / "autotune-cache" / "autotune.json"
+        cache.write_text(f"{{\"call\": {n}}}")
+        cache.chmod(0o600)
+        got = tmp_path / f"got{n}"
+        got.mkdir()
+        with tarfile.open(got / "results.tgz", "w:gz") as tar:
+            tar.add(src / "results", arcname="results")
+        done = subprocess.run(["bash", str(repo / "bench" / "device.sh"), "keep", str(got)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout.split()
+
+    dev = f"nvidia-h200-{day}"
+    call(1, {f"{dev}.json": "main", f"{dev}.md": "main", f"{dev}-2.json": "variants", f"{dev}-2.md": "variants",
+             "main.log": "m1", "stages.log": "s1"})
+    second = call(2, {f"{dev}-2.json": "others", f"{dev}-2.md": "others", f"{dev}.json": "variants again",
+                      f"{dev}.md": "variants again", "stages.log": "s2", "ncu-causal.csv": "c"})
+    res = repo / "bench" / "results"
+    assert [(res / f"{dev}{n}.json").read_text() for n in ("", "-2", "-3", "-4")] == \
+        ["main", "variants", "variants again", "others"]
+    assert (res / f"{dev}-3.md").read_text() == "variants again" and (res / f"{dev}-4.md").read_text() == "others"
+    assert (res / "logs" / f"{day}-call1-main.log").read_text() == "m1"
+    assert (res / "logs" / f"{day}-call2-stages.log").read_text() == "s2"
+    assert (res / "ncu-causal.csv").read_text() == "c" and f"bench/results/{dev}-4.json" in second
+    assert (repo / ".device" / "autotune.json").read_text() == '{"call": 2}'
+    assert (res / f"autotune-{day}.json").stat().st_mode & 0o044 == 0o044
+
+
 def test_device_fetch_carries_every_dependency_the_gpu_image_lacks():
     """bench/device.sh's WHEELS against pyproject.toml: each dependency napkin needs at run time is
     either on the GPU image (the device tool's package list: torch, triton, numpy, jinja2) or fetched
@@ -1080,6 +1380,7 @@ def run_stage_recorded(tmp_path, stage: str) -> list[list[str]]:
 @pytest.mark.parametrize("stage, files, seqlens", [
     ("main", ["attention", "causal"], [16384]),
     ("variants", ["sliding_window", "softcap", "alibi", "document_mask", "gqa"], [16384]),
+    ("misses", ["attention", "document_mask", "sliding_window"], [16384]),
     ("others", ["sigmoid_attention", "l2_attention", "relu2_attention"], [16384]),
     ("sweep", ["attention", "causal"], [1024, 2048, 4096, 8192, 16384])])
 def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, seqlens):
@@ -1221,3 +1522,16 @@ def test_decode_graph_timing_warms_up_captures_checks_the_replay_and_reports_fai
         raise RuntimeError("operation not permitted when stream is capturing")
     assert decode.graph_ms(broken, harness) == \
         {"graph_error": "RuntimeError: operation not permitted when stream is capturing"}
+
+
+def test_the_committed_gpu_records_fit_the_schema_and_render_as_committed():
+    """bench/results/ holds what GPU sessions measured: each record fits the schema, is no smoke run,
+    and its markdown is what results.markdown renders from its JSON (the tables in the docs quote
+    them)."""
+    records = sorted(p for p in (REPO / "bench" / "results").glob("*.json") if not p.name.startswith("autotune-"))
+    assert records
+    for path in records:
+        data = json.loads(path.read_text())
+        results.validate(data)
+        assert not data["smoke"] and data["device"]["kind"] == "cuda", path.name
+        assert path.with_suffix(".md").read_text() == results.markdown(data), path.name

@@ -557,3 +557,67 @@ def test_cost_only_examples_are_refused(compiled, stem):
     assert "napkin cannot emit a kernel" in err.render()
     assert COST_ONLY[stem] in err.render()
     assert err.diagnostics[0].loc.line > 0
+
+
+# --------------------------------------------------------------------------
+# Masks composed through lets: W = a window, S = causal W.
+# --------------------------------------------------------------------------
+
+NESTED = """diagram NAME
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp16
+in K[b, h, x, d] : fp16
+in V[b, h, x, d] : fp16
+SCORE
+O[b, h, q, d] : fp16 = sum[x](softmax[x](S) * V)
+out O
+schedule { level smem { group b by 1, h by 1, q by 32
+stream x by 16 } }
+"""
+SCORES = {
+    "single": "S[b, h, q, x] = where(x <= q and q - x < 40, sum[d](Q * K) * |d|^-0.5, -inf)",
+    "lets": "W[b, h, q, x] = where(q - x < 40, sum[d](Q * K) * |d|^-0.5, -inf)\n"
+            "S[b, h, q, x] = where(x <= q, W, -inf)",
+    "inline": "S[b, h, q, x] = where(x > q, -inf, where(q - x < 40, sum[d](Q * K) * |d|^-0.5, -inf))",
+}
+
+
+def test_a_window_composed_through_lets_skips_the_blocks_of_the_whole_window(tmp_path):
+    """The kernel skipped by the outermost mask alone: a window written as S = causal(W) visited every
+    causal block (at q = x = 8192, 4160 (program, step) pairs where the one-where window visits 378).
+    Now the nested masks' conjunction bounds the loop: the three spellings move the same bytes, the
+    cost pass predicts them, and the output matches a float64 torch of its own (ragged lengths).  The
+    third writes the causal part negated, where(x > q, -inf, ...): under a bare `not` it had no affine
+    bounds, so its kernel ran a ranges prepass at every launch and the cost pass counted every block."""
+    from napkin.codegen import emit_module
+
+    counts = {}
+    for key, score in SCORES.items():
+        text = NESTED.replace("NAME", f"window_{key}").replace("SCORE", score)
+        d = napkin.load_text(text, f"window_{key}.ncd")
+        path = tmp_path / f"window_{key}.py"
+        path.write_text(emit_module(d, source_text=text, source_path=f"window_{key}.ncd"))
+        spec = importlib.util.spec_from_file_location(f"napkin_counted_window_{key}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+            sizes = {"b": 1, "h": 2, "q": 200, "x": 190}
+            inputs = module.example_inputs(sizes, dtype=torch.float32)
+            with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+                out = getattr(module, d.name)(*inputs)
+            out = out[0] if isinstance(out, tuple) else out
+        finally:
+            sys.modules.pop(spec.name, None)
+        counts[key] = (dict(bc.loads), dict(bc.stores))
+        assert counts[key] == predicted(recast(d, "fp32"), sizes, {"q": 32, "x": 16}), key
+        Q, K, V = (t.double() for t in inputs)
+        i, j = torch.arange(200)[:, None], torch.arange(190)[None, :]
+        S = torch.where((j <= i) & (i - j < 40), Q @ K.transpose(-1, -2) / 4, -math.inf)
+        want = torch.softmax(S, -1) @ V
+        assert (out.double() - want).abs().max() < 1e-5, key
+    assert counts["lets"] == counts["inline"] == counts["single"]
+    # the loads are those of about a window, not of the causal half
+    k_bytes = counts["single"][0]["K"]
+    assert k_bytes < 2 * (200 // 32 + 1) * (40 // 16 + 2) * 16 * 16 * 4 * 2

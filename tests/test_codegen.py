@@ -503,3 +503,20 @@ def test_a_body_that_is_not_zero_at_minus_inf_visits_every_block():
                         "O[b, h, q, d] = sum[x](S * S * V)\nout O", FLASH)
     plan = L.lower(parse(text))
     assert plan.skip is None and plan.bounds == ()
+
+
+def test_a_negated_causal_mask_is_bounded_and_dropped_in_full_blocks_like_the_plain_one():
+    """where(x > q, -inf, s) is where(x <= q, s, -inf): the same loop bounds (it had none under a
+    bare `not`, and ran a ranges prepass at every launch), and the same full-block steps, where the
+    comparison is known and the select is left out: it appears as often as the plain one's."""
+    text = (REPO / "examples" / "causal.ncd").read_text()
+    negated = text.replace("where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)",
+                           "where(x > q, -inf, sum[d](Q * K) * |d|^-0.5)")
+    assert negated != text
+    plain = emit_module(napkin.load_text(text), source_text=text, source_path="causal.ncd")
+    neg = emit_module(napkin.load_text(negated), source_text=negated, source_path="causal.ncd")
+    assert "_ranges" not in neg and "_ranges" not in plain
+    uses = plain.count("_idx_x[None, :] <= _idx_q[:, None]")
+    assert uses > 0 and neg.count("_idx_x[None, :] > _idx_q[:, None]") == uses
+    plan = L.lower(napkin.load_text(negated))
+    assert plan.skip == ir.Binary("<=", ir.WireIndex("x"), ir.WireIndex("q")) and plan.full

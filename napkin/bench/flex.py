@@ -47,8 +47,10 @@ from ..printer import expr_text
 TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
                 "int64": "int64", "int32": "int32", "bool": "bool"}
 
-# The placeholder that stands for flex's ``score`` argument inside the IR.
-SCORE = ir.TensorRef("score")
+# The placeholder that stands for flex's ``score`` argument inside the IR: an
+# underscore name, which no diagram tensor can have (one called score was
+# taken for it).
+SCORE = ir.TensorRef("_score")
 
 _CALLS = {"exp": "torch.exp", "exp2": "torch.exp2", "log": "torch.log", "log2": "torch.log2",
           "sqrt": "torch.sqrt", "rsqrt": "torch.rsqrt", "tanh": "torch.tanh",
@@ -303,7 +305,10 @@ def _layout(axes) -> str:
 # --------------------------------------------------------------------------
 
 class _Py:
-    """IR expression -> Python source over flex's (score, b, h, q_idx, kv_idx)."""
+    """IR expression -> Python source over flex's (score, b, h, q_idx, kv_idx),
+    named ``_score``, ``_b`` ... in the emitted mods: a name with a leading
+    underscore is napkin's own (the checker refuses one in a diagram), so a
+    side input called ``score``, ``h`` or ``sizes`` cannot be shadowed."""
 
     def __init__(self, d: ir.Diagram, roles: _Roles, analysis: _Analysis):
         self.d, self.roles, self.an = d, roles, analysis
@@ -316,22 +321,22 @@ class _Py:
             return str(w.size)
         if wire not in self.sizes:
             self.sizes.append(wire)
-        return f"size_{wire}"
+        return f"_size_{wire}"
 
     def index(self, wire: str) -> str:
         r = self.roles
         if wire == r.row:
-            return "q_idx"
+            return "_q_idx"
         if wire == r.key:
-            return "kv_idx"
+            return "_kv_idx"
         if wire == r.batch:
-            return "b"
+            return "_b"
         if r.head is not None and not r.gqa and wire == r.head[0]:
-            return "h"
+            return "_h"
         if r.gqa and wire == r.head[0]:
-            return f"(h // {self.size(r.head[1])})"
+            return f"(_h // {self.size(r.head[1])})"
         if r.gqa and wire == r.head[1]:
-            return f"(h % {self.size(r.head[1])})"
+            return f"(_h % {self.size(r.head[1])})"
         self.an.refuse(f"the score reads wire {wire}, which has no FlexAttention index")
 
     def tensor(self, ref: ir.TensorRef) -> str:
@@ -345,7 +350,7 @@ class _Py:
         for axis in t.axes:
             read, wires = tuple(wires[:len(axis)]), wires[len(axis):]
             if self.roles.gqa and read == self.roles.head:
-                parts.append("h")      # (hk g) flattened is exactly flex's query head
+                parts.append("_h")     # (hk g) flattened is exactly flex's query head
                 continue
             text = self.index(read[0])
             for w in read[1:]:         # row-major flattening
@@ -355,7 +360,7 @@ class _Py:
 
     def __call__(self, e: ir.Expr) -> str:
         if e == SCORE:
-            return "score"
+            return "_score"
         value = _const(e, self.d)
         if value is not None and not isinstance(e, ir.Num):
             return _number(value)
@@ -379,7 +384,8 @@ class _Py:
                     return f"({self(e.lhs)} ** {float(exponent)!r})"
                 if scalar:
                     return f"({self(e.lhs)} ** {self(e.rhs)})"
-                return f"torch.pow({self(e.lhs)}, {self(e.rhs)})"
+                # a float base, as the reference takes: torch.pow(2, -1) of integers is 0
+                return f"torch.pow({self(e.lhs)} * 1.0, {self(e.rhs)})"
             op = {"and": "&", "or": "|"}.get(e.op, e.op)
             return f"({self(e.lhs)} {op} {self(e.rhs)})"
         if isinstance(e, ir.Call):
@@ -402,35 +408,58 @@ def _number(v) -> str:
 
 
 def _peel_masks(score: ir.Expr) -> tuple[list[ir.Expr], ir.Expr]:
-    """Split ``where(p1, where(p2, s, -inf), -inf)`` into ([p1, p2], s).  A
-    predicate that reads the score is data, not a mask: it stays in score_mod."""
+    """Split ``where(p1, where(p2, s, -inf), -inf)`` into ([p1, p2], s), and an
+    additive mask ``s + where(p, 0, -inf)`` the same way (it is where(p, s,
+    -inf) for any finite s; napkin's kernels skip its blocks too, so flex gets
+    it as a BlockMask, not as a dense score_mod).  A predicate that reads the
+    score is data, not a mask: it stays in score_mod."""
     preds = []
-    while isinstance(score, ir.Call) and score.fn == "where":
-        pred, then, other = score.args
-        if _is_neg_inf(other) and not _is_neg_inf(then):
-            keep, rest = pred, then
-        elif _is_neg_inf(then) and not _is_neg_inf(other):
-            keep, rest = _negate(pred), other
-        else:
+    while True:
+        if isinstance(score, ir.Call) and score.fn == "where":
+            pred, then, other = score.args
+            if _is_neg_inf(other) and not _is_neg_inf(then):
+                keep, rest = pred, then
+            elif _is_neg_inf(then) and not _is_neg_inf(other):
+                keep, rest = masks.negate(pred), other
+            else:
+                break
+            if any(n == SCORE for n in ir.walk(keep)):
+                break
+            preds.append(keep)
+            score = rest
+            continue
+        terms = _terms(score)
+        found = [_additive_mask(t) for t in terms]
+        if len(terms) < 2 or all(p is None for p in found):
             break
-        if any(n == SCORE for n in ir.walk(keep)):
-            break
-        preds.append(keep)
-        score = rest
+        preds += [p for p in found if p is not None]
+        rest = [t for t, p in zip(terms, found) if p is None]
+        score = rest[0]
+        for t in rest[1:]:
+            score = ir.Binary("+", score, t)
     return preds, score
 
 
-_FLIP = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
+def _terms(e: ir.Expr) -> list:
+    if isinstance(e, ir.Binary) and e.op == "+":
+        return _terms(e.lhs) + _terms(e.rhs)
+    return [e]
 
 
-def _negate(pred: ir.Expr) -> ir.Expr:
-    """not pred; a comparison of indices flips instead (not x > q is x <= q),
-    so a causal mask written either way is recognised.  Comparisons reading
-    tensors keep the ``not``: a float NaN compares false both ways."""
-    if isinstance(pred, ir.Binary) and pred.op in _FLIP \
-            and not any(isinstance(n, ir.TensorRef) for n in ir.walk(pred)):
-        return ir.Binary(_FLIP[pred.op], pred.lhs, pred.rhs)
-    return ir.Unary("not", pred)
+def _additive_mask(term: ir.Expr) -> Optional[ir.Expr]:
+    """p for a term ``where(p, 0, -inf)`` (not p for ``where(p, -inf, 0)``) whose
+    p does not read the score; None for any other term."""
+    if not (isinstance(term, ir.Call) and term.fn == "where"):
+        return None
+    pred, then, other = term.args
+    zero = lambda e: isinstance(e, ir.Num) and e.value == 0   # noqa: E731
+    if any(n == SCORE for n in ir.walk(pred)):
+        return None
+    if zero(then) and _is_neg_inf(other):
+        return pred
+    if _is_neg_inf(then) and zero(other):
+        return masks.negate(pred)
+    return None
 
 
 def _take_scale(score: ir.Expr, d: ir.Diagram) -> tuple[float, ir.Expr]:
@@ -503,8 +532,12 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
     Q, K and V.  ``sizes`` binds the symbolic wires."""
     an = _Analysis(diagram)
     roles = an.loose()
-    nodes = [n for n in (masks.mask_node(e) for e in an.exprs) if n is not None]
-    preds = [_negate(n.args[0]) if _is_neg_inf(n.args[1]) else n.args[0] for n in nodes]
+    # every where(p, ..., -inf) is a mask, however nested or added (the
+    # outermost alone called where(x <= q, where(q - x < 4, s, -inf), -inf)
+    # causal, and counted a window's FLOPs as half the square)
+    nodes = [n for e in an.exprs for n in ir.walk(e) if isinstance(n, ir.Call) and n.fn == "where"
+             and (_is_neg_inf(n.args[1]) or _is_neg_inf(n.args[2]))]
+    preds = [masks.negate(n.args[0]) if _is_neg_inf(n.args[1]) else n.args[0] for n in nodes]
     causal, causal_part = _causal_flags(preds, roles)    # (each output repeats the mask)
     full = {w.name: w.size for w in diagram.wires if w.size is not None}
     full.update(sizes)
@@ -579,20 +612,24 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
         "    return torch.compile(_flex.flex_attention, dynamic=False)",
         "",
         "",
-        f"def make_mods({''.join(s + ', ' for s in side)}sizes):",
+        f"def make_mods({''.join(s + ', ' for s in side)}_sizes):",
         '    """score_mod and mask_mod (None when there is none), closing over the side',
-        '    tensors and the wire sizes they read."""',
+        "    tensors (by their diagram names) and the wire sizes they read; every other",
+        '    name here starts with an underscore, which no diagram name can."""',
     ]
-    lines += [f"    size_{w} = sizes[{w!r}]" for w in sizes]
+    lines += [f"    _size_{w} = _sizes[{w!r}]" for w in sizes]
     if score_text is None:
-        lines += ["    score_mod = None  # the score is used as flex_attention computes it"]
+        lines += ["    _score_mod = None  # the score is used as flex_attention computes it"]
     else:
-        lines += ["", "    def score_mod(score, b, h, q_idx, kv_idx):", f"        return {score_text}"]
+        lines += ["", "    def _score_mod(_score, _b, _h, _q_idx, _kv_idx):", f"        return {score_text}"]
     if mask_text is None:
-        lines += ["    mask_mod = None  # nothing is masked"]
+        lines += ["    _mask_mod = None  # nothing is masked"]
     else:
-        lines += ["", "    def mask_mod(b, h, q_idx, kv_idx):", f"        return {mask_text}"]
-    lines += ["", "    return score_mod, mask_mod", "", ""]
+        if not names_read(mask_text) & {"_b", "_h", "_q_idx", "_kv_idx"}:
+            # a mask of sizes alone is a Python bool; flex wants a tensor
+            mask_text = f"(_q_idx >= 0) & {mask_text}"
+        lines += ["", "    def _mask_mod(_b, _h, _q_idx, _kv_idx):", f"        return {mask_text}"]
+    lines += ["", "    return _score_mod, _mask_mod", "", ""]
     qperm, qmiss = _flex_order(an.q.axes, roles, roles.dim, kv=False)
     kperm, kmiss = _flex_order(an.k.axes, roles, roles.dim, kv=True)
     vperm, vmiss = _flex_order(an.value.axes, roles, roles.vdim, kv=True)
@@ -601,7 +638,10 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
     # 16 heads x 16K x 16K is built through a 4 GiB boolean tensor; None
     # broadcasts one over them.
     reads = names_read(mask_text) if mask_text is not None else frozenset()
-    mask_dims = ["q.shape[0]" if "b" in reads else "None", "q.shape[1]" if "h" in reads else "None"]
+    mask_dims = ["_q.shape[0]" if "_b" in reads else "None", "_q.shape[1]" if "_h" in reads else "None"]
+    # prepare() and visible() take the inputs as *_inputs and never bind a
+    # diagram name (an input called q or compiled would rebind their own)
+    mods = f"make_mods({''.join(f'_inputs[{names.index(s)}], ' for s in side)}_sizes)"
     lines += [
         f"def arrange({params}):",
         '    """(q, k, v) in the (B, H, L, E) layout flex_attention and SDPA take."""',
@@ -614,30 +654,54 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
         f"    return {_outputs(d, an, roles)}",
         "",
         "",
-        f"def prepare({params}, *, compiled=False):",
-        '    """Arrange the inputs and build the block mask once; returns a callable',
-        "    with no arguments computing the outputs (a tuple in OUTPUTS order), so",
-        '    a benchmark times flex_attention alone."""',
+        "def prepare(*_inputs, compiled=False):",
+        '    """Arrange the inputs (in INPUTS order) and build the block mask once;',
+        "    returns a callable with no arguments computing the outputs (a tuple in",
+        '    OUTPUTS order), so a benchmark times flex_attention alone."""',
         "    global _compiled",
-        f"    q, k, v = arrange({params})",
-        f"    sizes = {_size_exprs(d, sizes)}",
-        f"    score_mod, mask_mod = make_mods({''.join(s + ', ' for s in side)}sizes)",
-        "    block_mask = None",
-        "    if mask_mod is not None:",
-        f"        block_mask = _flex.create_block_mask(mask_mod, {mask_dims[0]}, {mask_dims[1]}, q.shape[2],",
-        "                                             k.shape[2], device=q.device)",
-        "    attend = _flex.flex_attention",
+        "    _q, _k, _v = arrange(*_inputs)",
+        f"    _sizes = {_size_exprs(d, sizes)}",
+        f"    _score_mod, _mask_mod = {mods}",
+        "    _block_mask = None",
+        "    if _mask_mod is not None:",
+        f"        _block_mask = _flex.create_block_mask(_mask_mod, {mask_dims[0]}, {mask_dims[1]}, _q.shape[2],",
+        "                                              _k.shape[2], device=_q.device)",
+        "    _attend = _flex.flex_attention",
         "    if compiled:",
         "        if _compiled is None:",
         "            _compiled = _compile()",
-        "        attend = _compiled",
+        "        _attend = _compiled",
         "",
-        "    def run():",
-        "        out, aux = attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=SCALE,",
-        "                          enable_gqa=ENABLE_GQA, return_aux=_flex.AuxRequest(lse=True))",
-        "        return finish(out, aux.lse)",
+        "    def _run():",
+        "        _out, _aux = _attend(_q, _k, _v, score_mod=_score_mod, block_mask=_block_mask, scale=SCALE,",
+        "                             enable_gqa=ENABLE_GQA, return_aux=_flex.AuxRequest(lse=True))",
+        "        return finish(_out, _aux.lse)",
         "",
-        "    return run",
+        "    return _run",
+        "",
+        "",
+        "def visible(*_inputs, rows=1024):",
+        '    """The fraction of (query, key) pairs mask_mod keeps on these inputs,',
+        "    counted exactly, a block of query rows at a time: the share of the",
+        "    dense FLOPs a masked attention has to do.  Over every batch and head",
+        '    only where the mask reads them (the block mask\'s rule above)."""',
+        "    _q, _k, _v = arrange(*_inputs)",
+        f"    _sizes = {_size_exprs(d, sizes)}",
+        f"    _, _mask_mod = {mods}",
+        "    if _mask_mod is None:",
+        "        return 1.0",
+        f"    _batches, _heads = {mask_dims[0].replace('None', '1')}, {mask_dims[1].replace('None', '1')}",
+        "    _lq, _lk = _q.shape[2], _k.shape[2]",
+        "    _kv_idx = torch.arange(_lk, device=_q.device)[None, :]",
+        "    _kept = 0",
+        "    for _b in range(_batches):",
+        "        for _h in range(_heads):",
+        "            _at = torch.tensor(_b, device=_q.device), torch.tensor(_h, device=_q.device)",
+        "            for _start in range(0, _lq, rows):",
+        "                _q_idx = torch.arange(_start, min(_start + rows, _lq), device=_q.device)[:, None]",
+        "                _keep = torch.as_tensor(_mask_mod(*_at, _q_idx, _kv_idx), device=_q.device)",
+        "                _kept += int(torch.broadcast_to(_keep, (_q_idx.shape[0], _lk)).sum())",
+        "    return _kept / (_batches * _heads * _lq * _lk)",
     ]
     return lines
 
@@ -651,18 +715,19 @@ def _size_exprs(d: ir.Diagram, wires: list[str]) -> str:
 
 
 def _shape_of(d: ir.Diagram, wire: str) -> str:
-    """Python reading ``wire``'s size from the inputs' shapes."""
-    for t in d.inputs:
+    """Python reading ``wire``'s size from the inputs' shapes (``_inputs``, by
+    position)."""
+    for n, t in enumerate(d.inputs):
         for i, axis in enumerate(t.axes):
             if axis == (wire,):
-                return f"{t.name}.shape[{i}]"
-    for t in d.inputs:                    # only inside a flattened axis: divide the others out
+                return f"_inputs[{n}].shape[{i}]"
+    for n, t in enumerate(d.inputs):      # only inside a flattened axis: divide the others out
         for i, axis in enumerate(t.axes):
             if wire in axis:
                 others = [w for w in axis if w != wire]
                 div = " * ".join(_shape_of(d, w) if d.wire(w).size is None else str(d.wire(w).size)
                                  for w in others)
-                return f"{t.name}.shape[{i}] // ({div})"
+                return f"_inputs[{n}].shape[{i}] // ({div})"
     raise NoFlexEquivalent(d.name, f"no input shape gives the size of wire {wire}")
 
 
@@ -681,6 +746,9 @@ def _outputs(d: ir.Diagram, an: _Analysis, roles: _Roles) -> str:
             text += ".squeeze(0)"
         if roles.head is None:
             text += ".squeeze(0)"
+        if sorted(let.axes) != sorted(have):   # e.g. GQA heads stored apart: O[b, hk, g, q, d]
+            raise NoFlexEquivalent(d.name, f"output {o.name}{_layout(let.axes)} is not laid out along "
+                                           f"{_layout(have)}, as flex_attention returns it")
         perm = [have.index(a) for a in let.axes]
         if perm != sorted(perm):
             text += f".permute({', '.join(map(str, perm))})"

@@ -64,11 +64,18 @@ DO_BENCH = {"warmup": 25, "rep": 100}   # milliseconds, triton.testing.do_bench
 # torch.compile, the timed rows) are shared equally by the kernels still to
 # tune, again before each point (TuneShare), so time a point did not use
 # goes to the next and one that ran long takes from them.  STARTUP_S and
-# POINT_S are estimates, not measurements (no GPU has run this yet).  A
-# tuning always times its first candidate, the untuned launch, whatever the
-# budget; MIN_TUNE_S is the least it is given.
-RUN_S, STARTUP_S, POINT_S, MIN_TUNE_S = 540, 30, 60, 10
+# POINT_S are measured (H200, 2026-11-26, bench/results/logs/2026-11-26-*):
+# a stage spent 6-14 s before its first point, and a point 6-16 s on its
+# checks and timed rows (FlexAttention's compiles included), 22-30 s with a
+# cached config, whose compiles fall there too, and its tuning overran its
+# budget by 2-5 s.  A tuning always times its first candidate, the untuned
+# launch, whatever the budget; MIN_TUNE_S is the least it is given.
+RUN_S, STARTUP_S, POINT_S, MIN_TUNE_S = 540, 15, 25, 10
 TIME_LIMIT_ENV = "NAPKIN_BENCH_SECONDS"
+FLOP_CONVENTION = ("2*B*H*Lq*Lk*(d+dv) forward (4*B*H*N^2*d), x0.5 when the mask is exactly causal, x the "
+                   "fraction of (query, key) pairs any other mask keeps on the inputs (`visible`; dense where "
+                   "FlexAttention cannot express the diagram), backward 2.5x forward; a speed reference (†) "
+                   "counts its own plain attention, x0.5 when it ran causal")
 
 # Presets: lists of values, crossed.  h100 follows the FlashAttention papers'
 # grid: 16K tokens per batch (batch = 16384 / seqlen) and a hidden size of
@@ -295,8 +302,7 @@ def _record(rows: list[dict], command: str, device: str, reps: int) -> dict:
     return {
         "schema": results.SCHEMA, "smoke": device != "cuda", "timing": timing,
         "date": datetime.date.today().isoformat(), "command": command,
-        "flop_convention": "2*B*H*Lq*Lk*(d+dv) forward (4*B*H*N^2*d), x0.5 when the mask is exactly "
-                           "causal, backward 2.5x forward; other masks are counted dense",
+        "flop_convention": FLOP_CONVENTION,
         "device": {"name": name, "kind": device, "capability": cap},
         "versions": {"napkin": __version__, "torch": torch.__version__, "triton": triton.__version__,
                      "python": platform.python_version()},
@@ -451,7 +457,6 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     d, module, device, dtype = ctx["diagram"], ctx["module"], ctx["device"], ctx["dtype"]
     shape = flex.attention_shape(d, sizes)
     shape.update(dtype=dtype, inputs=[t.name for t in d.inputs])
-    flops = results.attention_flops(shape, shape["causal"])
     launcher = getattr(module, d.name)
     tuning: dict = {}
     clock = [time.monotonic()]
@@ -473,6 +478,15 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         out.append(_result("flex", "fwd", False, "FlexAttention", error=f"no FlexAttention equivalent: "
                                                                        f"{ctx['flex_why']}"))
     full = reference.example_inputs(d, sizes, device=device, seed=0)
+    # The diagram's FLOPs: x0.5 for an exact causal mask (the usual
+    # convention), x the pairs any other mask keeps on these inputs (counted
+    # with FlexAttention's mask_mod: a window of 256 in 16K keeps 1.6%, and
+    # counting it dense gave 11,000 "TFLOP/s"); a speed reference (†) counts
+    # its own plain attention, causal where it ran causal.
+    masked = ctx["flex"] is not None and ctx["flex"].FLEX_SOURCE.mask is not None
+    visible = ctx["flex"].visible(*full) if masked and not shape["causal"] else None
+    flops = results.attention_flops(shape, shape["causal"], visible)
+    own_flops = results.attention_flops(shape, shape["causal_part"])
     first = {}
     tma = bwd_tma = None
     for impl in impls:
@@ -480,11 +494,12 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         if failed:
             out.append(_result(impl.name, "fwd", impl.equivalent, impl.note, error=f"not timed: {failed}"))
             continue
-        out.append(_time_forward(impl, full, shape, device, ctx["reps"], flops["fwd"], first))
+        counted = flops if impl.equivalent else own_flops
+        out.append(_time_forward(impl, full, shape, device, ctx["reps"], counted["fwd"], first))
         if impl.name == "napkin" and isinstance(getattr(module, "_tma_last", None), dict):
             tma = dict(module._tma_last)   # how the timed forward moved its tiles (tma= may fall back)
         if not ctx["args"].no_backward:
-            out.append(_time_backward(impl, full, shape, device, ctx["reps"], flops["bwd"]))
+            out.append(_time_backward(impl, full, shape, device, ctx["reps"], counted["bwd"]))
             if impl.name == "napkin":   # the same of the timed backward's dQ and dK/dV kernels
                 bwd_tma = {k: dict(getattr(module, f"_tma_last_{k}")) for k in BACKWARD_KINDS
                            if isinstance(getattr(module, f"_tma_last_{k}", None), dict)} or None
@@ -500,7 +515,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         "diagram": d.name, "file": str(ctx["path"]), "source_hash": ctx["digest"], "dtype": dtype,
         "sizes": sizes, "shape": {k: shape[k] for k in ("batch", "heads", "kv_heads", "q_len", "kv_len",
                                                          "dim", "value_dim")},
-        "causal": shape["causal"], "flops": flops, "config": config, "config_source": source,
+        "causal": shape["causal"], "flops": flops, "visible": visible, "config": config, "config_source": source,
         "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning, "tma": tma, "bwd_tma": bwd_tma,
         "check": check, "results": out, "ratios": results.ratios(out), "seconds": seconds,
     }
@@ -555,8 +570,9 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
                                   diagram=d.name, sizes=sizes, **({"pass": kind} if kind else {}))
         config, source = tuned.best.kwargs(), ("cache" if tuned.cached else "autotune")
         if tuning is not None:
+            # every trial's time too: what the next session orders its candidates by
             tuning[TUNED_KERNELS[kind]] = _tuning_facts(cache.entries().get(key, {})) if tuned.cached \
-                else tuned.facts()
+                else tuning_record(tuned)
     else:
         hit = cache.get(key)
         if hit is None:
@@ -570,6 +586,14 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
         raise NapkinError(f"the launcher of {d.name} would not read the config tuned for it ({key}): it finds "
                           f"{seen}; is NAPKIN_CACHE the same for both?")
     return config, source
+
+
+def tuning_record(tuned: autotune.Tuned) -> dict:
+    """A row's record of a tuning run here: its counts, and each trial's
+    config and time (or error) in order, from which a later session can
+    order its candidates without a GPU (the cache keeps only the best)."""
+    trials = [{"config": t.config.kwargs(), "ms": t.ms, "error": t.error} for t in tuned.trials]
+    return tuned.facts() | {"trials": trials}
 
 
 def _tuning_facts(entry: dict) -> dict:

@@ -12,12 +12,17 @@ Schema ``napkin-bench/1``::
     device {name, kind, capability}, versions {napkin, torch, triton, python},
     rows: [{diagram, file, source_hash, dtype, sizes {wire: n},
             shape {batch, heads, kv_heads, q_len, kv_len, dim, value_dim},
-            causal, flops {fwd, bwd}, config {launcher option: value} | null,
+            causal, flops {fwd, bwd}, visible (optional: the fraction of (query, key)
+            pairs the mask keeps, by which flops were scaled; null: dense or causal),
+            config {launcher option: value} | null,
             config_source, bwd_config {dq, dkdv: the backward kernels' own, as
             config}, bwd_config_source {dq, dkdv} (optional: older rows lack both),
             tuning {fwd, dq, dkdv: {candidates, timed, failed, skipped, budget_s,
-            truncated, from_cache?}} (optional: the kernels tuned by --autotune;
-            skipped > 0: the time budget ran out before every candidate was timed),
+            truncated, from_cache?, resumed_from?}} (optional: the kernels tuned by
+            --autotune; skipped > 0: the time budget ran out before every candidate
+            was timed; resumed_from: a cut-short tuning went on after that many;
+            trials [{config, ms | null, error | null}]: each candidate timed here,
+            in order, a resumed tuning's first being the cached best again),
             tma {used, why} | null (optional: whether the timed napkin forward moved
             its tiles through TMA descriptors, and why not),
             bwd_tma {dq, dkdv: {used, why}} | null (optional: the same of the timed
@@ -46,14 +51,18 @@ _ROW = {"diagram": str, "file": str, "source_hash": str, "dtype": str, "sizes": 
 _RESULT = {"impl": str, "pass": str, "equivalent": bool, "note": str}
 
 
-def attention_flops(shape: dict, causal: bool) -> dict:
+def attention_flops(shape: dict, causal: bool, visible: Optional[float] = None) -> dict:
     """Forward and backward FLOPs by the usual attention convention:
     2 * B * H * Lq * Lk * (d + dv) forward (4 B H N^2 d when d = dv and
-    Lq = Lk), halved when causal, and 2.5x that for the backward."""
+    Lq = Lk), halved when causal, else times ``visible`` (the fraction of
+    (query, key) pairs a mask keeps) when given, and 2.5x that for the
+    backward."""
     fwd = 2.0 * shape["batch"] * shape["heads"] * shape["q_len"] * shape["kv_len"] \
         * (shape["dim"] + shape["value_dim"])
     if causal:
         fwd *= 0.5
+    elif visible is not None:
+        fwd *= visible
     return {"fwd": fwd, "bwd": 2.5 * fwd}
 
 
@@ -199,7 +208,8 @@ def _tuning_lines(rows: list[dict]) -> list[str]:
             cfg = ", ".join(f"{k}={v}" for k, v in (configs.get(kernel) or {}).items())
             body.append([row["diagram"], row["dtype"], str(row["shape"]["q_len"]), kernel, cfg, timed,
                          "?" if t.get("failed") is None else str(t["failed"]),
-                         cut + (" (cached)" if t.get("from_cache") else "")])
+                         cut + (" (cached)" if t.get("from_cache") else "")
+                         + (f" (resumed after {t['resumed_from']})" if t.get("resumed_from") else "")])
     if not body:
         return []
     head = ["diagram", "dtype", "N", "kernel", "config", "timed", "failed", "budget"]
@@ -214,7 +224,7 @@ def _row_cells(row: dict, p: str, impls: list[str], notes: list[str]) -> Optiona
     s = row["shape"]
     mine = got.get("napkin")
     cells = [row["diagram"], row["dtype"], str(s["batch"]), str(s["heads"]), str(s["q_len"]),
-             str(s["dim"]), "yes" if row["causal"] else "no", "ok" if row["check"].get("ok") else "FAILED",
+             str(s["dim"]), _mask_cell(row), "ok" if row["check"].get("ok") else "FAILED",
              _num(mine and mine.get("ms"), 3), _num(mine and mine.get("tflops"))]
     if mine and mine.get("error"):
         cells[-1] = _note(notes, f"napkin {row['diagram']} {p}: {mine['error']}")
@@ -229,6 +239,15 @@ def _row_cells(row: dict, p: str, impls: list[str], notes: list[str]) -> Optiona
             mark = "" if r["equivalent"] else " \u2020"
             cells.append(f"{_num(r.get('tflops'))}{mark}" + (f" ({ratio:.3g}x)" if ratio else ""))
     return cells
+
+
+def _mask_cell(row: dict) -> str:
+    """The causal column; a mask that keeps part of the pairs, how much (the
+    share its FLOPs are counted at)."""
+    if row["causal"]:
+        return "yes"
+    kept = row.get("visible")
+    return f"no, keeps {100 * kept:.3g}%" if kept is not None and kept < 1 else "no"
 
 
 def _note(notes: list[str], text: str) -> str:

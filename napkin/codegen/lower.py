@@ -229,6 +229,8 @@ def decided(c, known: frozenset) -> Optional[bool]:
     true on a whole tile: a full block's mask and its conjuncts), else None."""
     if c in known:
         return True
+    if masks.negate(c) in known:   # where(x > q, -inf, s) in a block known x <= q
+        return False
     if isinstance(c, ir.Unary) and c.op == "not":
         inner = decided(c.operand, known)
         return None if inner is None else not inner
