@@ -738,3 +738,54 @@ def test_side_input_gradient_over_the_whole_tile(axes, folder):
     name = axes.replace(", ", "")
     m = compile_text(WHOLE_TILE_BIAS.format(name=name, axes=axes), f"bias_{name}", folder)
     check(m, {"b": 2, "h": 3, "q": 37, "x": 45}, torch.float32, label=f"bias[{axes}]", block_q=16, block_x=32)
+
+
+# --------------------------------------------------------------------------
+# Masks composed through lets.
+# --------------------------------------------------------------------------
+
+COMPOSED = """diagram composed
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+W[b, h, q, x] = where(q - x < 8, sum[d](Q * K) * |d|^-0.5, -inf)
+S[b, h, q, x] = where(x <= q, W, -inf)
+P[b, h, q, x] = softmax[x](S)
+O[b, h, q, d] : fp32 = sum[x](P * V)
+lse[b, h, q] = logsumexp[x](S)
+out O, lse
+schedule { level smem { group b by 1, h by 1, q by 16
+stream x by 16 } }
+"""
+
+
+def test_a_mask_composed_through_lets_trains(folder):
+    """W = a window of the contraction, S = causal W: the backward refused it ("softmax must
+    normalise the score box itself"), the score box being W.  The box grows by the elementwise boxes
+    that alone read it, so S is the score; its gradients (O and lse weighted) match float64 torch
+    written here, on a ragged length."""
+    m = compile_text(COMPOSED, "composed", folder)
+    assert not hasattr(m, "_NO_BACKWARD")
+    n = 45
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(1, 2, n, 16, generator=g) for _ in range(3)]
+    weights = [torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64),
+               torch.randn(1, 2, n, generator=g, dtype=torch.float64)]
+
+    def grads(fn, xs):
+        xs = [x.detach().clone().requires_grad_(True) for x in xs]
+        O, lse = fn(*xs)
+        ((O.double() * weights[0]).sum() + (lse.double() * weights[1]).sum()).backward()
+        return [O.detach().double(), lse.detach().double()] + [x.grad.double() for x in xs]
+
+    def torch64(Q, K, V):
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        S = torch.where((j <= i) & (i - j < 8), Q @ K.transpose(-1, -2) / 4, -math.inf)
+        return torch.softmax(S, -1) @ V, torch.logsumexp(S, -1)
+
+    got = grads(m.composed, inputs)
+    want = grads(torch64, [t.double() for t in inputs])
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() < 2e-5
