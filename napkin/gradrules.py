@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
 from . import ir
+from .printer import expr_text
 from .autodiff import ONE, ZERO, _add, _contains, _map, _mul, diff, simplify, substitute
 
 NEG_INF = ir.Num(float("-inf"))
@@ -313,7 +314,7 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
         raise ValueError(f"input {clash[0]} has a name grad_plan uses for its own values; rename it")
     lets = {let.name: let for let in diagram.lets}
     score_let, raw = _score_box(diagram, layouts)
-    score_let = _grown_score(diagram, score_let)
+    score_let = grown_score(diagram, score_let)
     lets[score_let.name] = score_let
     score_wires = ir.axis_wires(score_let.axes)
 
@@ -331,6 +332,11 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
                              "no normaliser to differentiate")
         e = inline(lets[out.name].expr)
         if isinstance(e, ir.Reduce) and e.op == "logsumexp":
+            if len(e.wires) == 1 and e.body != _ref("S") and _contains(e.body, _ref("S")):
+                shown = expr_text(substitute(e.body, _ref("S"), ir.TensorRef(score_let.name)))
+                raise ValueError(f"output {out.name}: logsumexp takes {shown}, not the score box "
+                                 f"{score_let.name} itself; between the contraction's box and the normaliser "
+                                 f"the backward takes only a mask, where(p, {score_let.name}, -inf)")
             if e.body != _ref("S") or len(e.wires) != 1:
                 raise ValueError(f"output {out.name}: logsumexp must be taken of the scores along one wire")
             lse_name, lse_wire = out.name, e.wires[0]
@@ -380,7 +386,7 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
     return let, raws[0]
 
 
-def _grown_score(diagram: ir.Diagram, score_let: ir.Let) -> ir.Let:
+def grown_score(diagram: ir.Diagram, score_let: ir.Let) -> ir.Let:
     """The score box grown by the masks composed on it through lets:
     ``W = where(q - x < 256, sum[d](Q * K), -inf)`` and ``S = where(x <= q,
     W, -inf)`` are one score S = where(x <= q, where(q - x < 256, ...)),

@@ -67,20 +67,26 @@ _FLIP = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
 
 
 def negate(pred: ir.Expr) -> ir.Expr:
-    """not pred, with a comparison of indices flipped (not x > q is x <= q)
-    and not (a or b) taken as (not a) and (not b), so that a mask written
-    ``where(x > q, -inf, s)`` has the affine bounds of ``where(x <= q, s,
-    -inf)`` (under a bare ``not`` it had none: every block was visited, or
-    found by a prepass at each launch).  A comparison reading a tensor keeps
-    its ``not``: a float NaN compares false both ways."""
+    """not pred, with a comparison of affine index arithmetic flipped (not
+    x > q is x <= q) and not (a or b) taken as (not a) and (not b), so that
+    a mask written ``where(x > q, -inf, s)`` has the affine bounds of
+    ``where(x <= q, s, -inf)`` (under a bare ``not`` it had none: every
+    block was visited, or found by a prepass at each launch).  Any other
+    comparison keeps its ``not``: a NaN compares false both ways, and one
+    can come from a tensor or from indices alone (``sqrt(q - x) > 2.5`` is
+    NaN above the diagonal, where its flip would drop keys it keeps)."""
     if isinstance(pred, ir.Binary) and pred.op in ("and", "or"):
         return ir.Binary("or" if pred.op == "and" else "and", negate(pred.lhs), negate(pred.rhs))
-    if isinstance(pred, ir.Binary) and pred.op in _FLIP \
-            and not any(isinstance(n, ir.TensorRef) for n in ir.walk(pred)):
+    if isinstance(pred, ir.Binary) and pred.op in _FLIP and _finite_affine(pred.lhs) and _finite_affine(pred.rhs):
         return ir.Binary(_FLIP[pred.op], pred.lhs, pred.rhs)
     if isinstance(pred, ir.Unary) and pred.op == "not":
         return pred.operand
     return ir.Unary("not", pred)
+
+
+def _finite_affine(e: ir.Expr) -> bool:
+    form = affine(e)
+    return form is not None and all(math.isfinite(v) for v in form.values())
 
 
 def mask_predicate(node: ir.Call) -> ir.Expr:

@@ -769,23 +769,76 @@ def test_a_mask_composed_through_lets_trains(folder):
     m = compile_text(COMPOSED, "composed", folder)
     assert not hasattr(m, "_NO_BACKWARD")
     n = 45
-    g = torch.Generator().manual_seed(3)
-    inputs = [torch.randn(1, 2, n, 16, generator=g) for _ in range(3)]
-    weights = [torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64),
-               torch.randn(1, 2, n, generator=g, dtype=torch.float64)]
-
-    def grads(fn, xs):
-        xs = [x.detach().clone().requires_grad_(True) for x in xs]
-        O, lse = fn(*xs)
-        ((O.double() * weights[0]).sum() + (lse.double() * weights[1]).sum()).backward()
-        return [O.detach().double(), lse.detach().double()] + [x.grad.double() for x in xs]
 
     def torch64(Q, K, V):
         i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
         S = torch.where((j <= i) & (i - j < 8), Q @ K.transpose(-1, -2) / 4, -math.inf)
         return torch.softmax(S, -1) @ V, torch.logsumexp(S, -1)
 
-    got = grads(m.composed, inputs)
-    want = grads(torch64, [t.double() for t in inputs])
-    for a, b in zip(got, want):
+    _against_torch64(m.composed, torch64, heads=2, n=n, seed=3)
+
+
+def _against_torch64(fn, torch64, heads: int, n: int, seed: int):
+    """fn's O, lse and the gradients of (O, lse) weighted at random, on fresh fp32 inputs (1, heads,
+    n, 16), against torch64 in float64."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(1, heads, n, 16, generator=g) for _ in range(3)]
+    weights = [torch.randn(1, heads, n, 16, generator=g, dtype=torch.float64),
+               torch.randn(1, heads, n, generator=g, dtype=torch.float64)]
+
+    def grads(f, xs):
+        xs = [x.detach().clone().requires_grad_(True) for x in xs]
+        O, lse = f(*xs)
+        ((O.double() * weights[0]).sum() + (lse.double() * weights[1]).sum()).backward()
+        return [O.detach().double(), lse.detach().double()] + [x.grad.double() for x in xs]
+
+    for a, b in zip(grads(fn, inputs), grads(torch64, [t.double() for t in inputs])):
         assert (a - b).abs().max() < 2e-5
+
+
+NAN_MASK = """diagram nan_mask
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+S[b, h, q, x] = where(sqrt(q - x) > 2.5, -inf, sum[d](Q * K) * |d|^-0.5)
+O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)
+lse[b, h, q] = logsumexp[x](S)
+out O, lse
+schedule { level smem { group b by 1, h by 1, q by 16
+stream x by 16 } }
+"""
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in sqrt")   # the point: NaN above the diagonal
+def test_a_negated_mask_that_can_be_nan_is_not_flipped(folder):
+    """where(sqrt(q - x) > 2.5, -inf, s) keeps every key after q (sqrt is NaN there, and NaN > 2.5 is
+    false).  Flipped to sqrt(q - x) <= 2.5 (false too), the ranges prepass judged those blocks dead:
+    lse 1.6 off, dQ 0.8.  Only affine index comparisons are flipped now; checked against float64
+    torch, outputs and gradients."""
+    m = compile_text(NAN_MASK, "nan_mask", folder)
+    n = 37
+
+    def torch64(Q, K, V):
+        i, j = torch.arange(n, dtype=torch.float64)[:, None], torch.arange(n, dtype=torch.float64)[None, :]
+        S = torch.where(torch.sqrt(i - j) > 2.5, -math.inf, Q @ K.transpose(-1, -2) / 4)
+        return torch.softmax(S, -1) @ V, torch.logsumexp(S, -1)
+
+    _against_torch64(m.nan_mask, torch64, heads=1, n=n, seed=5)
+
+
+def test_a_box_between_the_contraction_and_the_normaliser_is_named_in_the_refusal():
+    """An additive mask in a box of its own (A = the scores, S = A + where(x <= q, 0, -inf)) has no
+    backward yet; the refusal said "logsumexp must be taken of the scores along one wire", which it
+    is.  It names what the normaliser takes and what the backward would take instead."""
+    from napkin import gradrules
+
+    text = COMPOSED.replace("W[b, h, q, x] = where(q - x < 8, sum[d](Q * K) * |d|^-0.5, -inf)",
+                            "A[b, h, q, x] = sum[d](Q * K) * |d|^-0.5") \
+        .replace("S[b, h, q, x] = where(x <= q, W, -inf)", "S[b, h, q, x] = A + where(x <= q, 0, -inf)")
+    with pytest.raises(ValueError) as err:
+        gradrules.grad_plan(napkin.load_text(text))
+    assert str(err.value) == ("output lse: logsumexp takes A + where(x <= q, 0, -inf), not the score box A "
+                              "itself; between the contraction's box and the normaliser the backward takes "
+                              "only a mask, where(p, A, -inf)")

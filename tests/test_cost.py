@@ -691,3 +691,32 @@ def test_sizes_past_what_the_pass_walks_are_refused_in_words():
         analyse(load("attention"), big)
     with pytest.raises(NapkinError, match=r"a masked loop's row blocks one by one: 7,812,500,000 here"):
         analyse(load("causal"), big)
+
+
+LET_WINDOW = """diagram let_window
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+SCORE
+P[b, h, q, x] = softmax[x](S)
+O[b, h, q, d] : fp32 = sum[x](P * V)
+out O
+schedule { level smem { group b by 1, h by 2, q by 16
+stream x by 16
+hold S, P } }
+"""
+
+
+def test_a_window_through_a_let_is_counted_whole_where_codegen_refuses_the_schedule():
+    """group h by 2 is a schedule the code generator refuses, so the cost pass finds the mask itself:
+    it took the first box's (W's window alone, 34 pairs at 100) and left out S = where(x <= q, W,
+    -inf); the one-where window visits 13."""
+    one = "S[b, h, q, x] = where(x <= q and q - x < 8, sum[d](Q * K) * |d|^-0.5, -inf)"
+    let = ("W[b, h, q, x] = where(q - x < 8, sum[d](Q * K) * |d|^-0.5, -inf)\n"
+           "S[b, h, q, x] = where(x <= q, W, -inf)")
+    sizes = {"b": 1, "h": 2, "q": 100, "x": 100}
+    visited = [[k.visited_steps for k in analyse(napkin.load_text(LET_WINDOW.replace("SCORE", s)), sizes).kernels]
+               for s in (one, let)]
+    assert visited == [[13], [13]]

@@ -152,11 +152,13 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
         if pack is not None:
             return Visited(row, pack.spans(found, sizes, col, step))
         return Visited(row, visited_spans(found, sizes[row], sizes[col], groups[row], step, sizes))
-    node = next((masks.mask_node(diagram.tensor(b).expr) for b in kernel.boxes
-                 if masks.mask_node(diagram.tensor(b).expr) is not None), None)
-    if node is None:
+    box = next((b for b in kernel.boxes if masks.mask_node(diagram.tensor(b).expr) is not None), None)
+    if box is None:
         return None
-    pred = masks.mask_predicate(node)
+    # masks composed on it through lets (W a window, S = where(x <= q, W,
+    # -inf)) join its own, as the kernels' and the backward's do
+    from ..gradrules import grown_score
+    pred = masks.mask_predicate(masks.mask_node(grown_score(diagram, diagram.tensor(box)).expr))
     for row, block in groups.items():
         found = masks.stream_bounds(pred, row, col, sizes)
         if found:
