@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from . import ir
+from . import ir, masks
 from .printer import expr_text
 from .autodiff import ONE, ZERO, _add, _contains, _map, _mul, diff, simplify, substitute
 
@@ -314,7 +314,7 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
         raise ValueError(f"input {clash[0]} has a name grad_plan uses for its own values; rename it")
     lets = {let.name: let for let in diagram.lets}
     score_let, raw = _score_box(diagram, layouts)
-    score_let = grown_score(diagram, score_let)
+    score_let = masks.grown_score(diagram, score_let)
     lets[score_let.name] = score_let
     score_wires = ir.axis_wires(score_let.axes)
 
@@ -384,38 +384,6 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
     if len(raws) != 1:
         raise ValueError(f"the score box {let.name} holds {len(raws)} different contractions; expected one")
     return let, raws[0]
-
-
-def grown_score(diagram: ir.Diagram, score_let: ir.Let) -> ir.Let:
-    """The score box grown by the masks composed on it through lets:
-    ``W = where(q - x < 256, sum[d](Q * K), -inf)`` and ``S = where(x <= q,
-    W, -inf)`` are one score S = where(x <= q, where(q - x < 256, ...)),
-    which softmax then normalises.  A box grows only into a reader that is
-    exactly ``where(p, box, -inf)`` (or ``where(p, -inf, box)``) of its own
-    layout, with p not reading the box, when that reader is its only one and
-    neither is an output.  Other elementwise boxes (sigmoid's, ReLU²'s
-    weights) stay the normaliser's, as their kernels are written."""
-    outputs = {o.name for o in diagram.outputs}
-    ref = ir.TensorRef(score_let.name)
-    while score_let.name not in outputs:
-        readers = [let for let in diagram.lets
-                   if any(isinstance(n, ir.TensorRef) and n.name == ref.name for n in ir.walk(let.expr))]
-        if len(readers) != 1:
-            return score_let
-        (r,) = readers
-        e = r.expr
-        masked = isinstance(e, ir.Call) and e.fn == "where" and (
-            (e.args[1] == ref and _neg_inf(e.args[2])) or (e.args[2] == ref and _neg_inf(e.args[1])))
-        if not masked or r.name in outputs or r.axes != score_let.axes \
-                or any(isinstance(n, ir.TensorRef) and n.name == ref.name for n in ir.walk(e.args[0])):
-            return score_let
-        score_let = replace(r, expr=substitute(e, ref, score_let.expr))
-        ref = ir.TensorRef(score_let.name)
-    return score_let
-
-
-def _neg_inf(e: ir.Expr) -> bool:
-    return isinstance(e, ir.Num) and e.value == float("-inf")
 
 
 class _Form:

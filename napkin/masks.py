@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
 from . import ir
+from .autodiff import substitute
 
 NEG_INF = float("-inf")
 
@@ -53,14 +54,15 @@ def _is_neg_inf(e: ir.Expr) -> bool:
     return isinstance(e, ir.Num) and e.value == NEG_INF
 
 
+def is_mask(e: ir.Expr) -> bool:
+    """Whether ``e`` is ``where(pred, s, -inf)`` or ``where(pred, -inf, s)``."""
+    return isinstance(e, ir.Call) and e.fn == "where" and (_is_neg_inf(e.args[1]) or _is_neg_inf(e.args[2]))
+
+
 def mask_node(expr: ir.Expr) -> Optional[ir.Call]:
     """The outermost ``where(pred, s, -inf)`` (or ``where(pred, -inf, s)``) in
     ``expr``, parents first; None when the score is not masked."""
-    for node in ir.walk(expr):
-        if isinstance(node, ir.Call) and node.fn == "where":
-            if _is_neg_inf(node.args[2]) or _is_neg_inf(node.args[1]):
-                return node
-    return None
+    return next((node for node in ir.walk(expr) if is_mask(node)), None)
 
 
 _FLIP = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
@@ -100,9 +102,36 @@ def mask_predicate(node: ir.Call) -> ir.Expr:
     kernels visit every causal block of such a window (11x the work at 8K)."""
     pred, then, other = node.args
     own, kept = (negate(pred), other) if _is_neg_inf(then) else (pred, then)
-    if isinstance(kept, ir.Call) and kept.fn == "where" and (_is_neg_inf(kept.args[1]) or _is_neg_inf(kept.args[2])):
-        return ir.Binary("and", own, mask_predicate(kept))
-    return own
+    return ir.Binary("and", own, mask_predicate(kept)) if is_mask(kept) else own
+
+
+def grown_score(diagram: ir.Diagram, box: ir.Let) -> ir.Let:
+    """The box grown by the masks composed on it through lets: ``W =
+    where(q - x < 256, sum[d](Q * K), -inf)`` and ``S = where(x <= q, W,
+    -inf)`` are one score S = where(x <= q, where(q - x < 256, ...)).  The
+    backward takes it as the score softmax normalises, and the cost pass's
+    own mask search (schedules codegen refuses) its nested predicate.  A box
+    grows only into a reader that is exactly ``where(p, box, -inf)`` (or
+    ``where(p, -inf, box)``) of its own layout, with p not reading the box,
+    when that reader is its only one and neither is an output.  Other
+    elementwise boxes (sigmoid's, ReLU²'s weights) stay the normaliser's,
+    as their kernels are written."""
+    outputs = {o.name for o in diagram.outputs}
+
+    def reads(e: ir.Expr) -> bool:
+        return any(isinstance(n, ir.TensorRef) and n.name == box.name for n in ir.walk(e))
+
+    while box.name not in outputs:
+        readers = [let for let in diagram.lets if reads(let.expr)]
+        if len(readers) != 1:
+            return box
+        (r,) = readers
+        ref = ir.TensorRef(box.name)
+        if not is_mask(r.expr) or ref not in r.expr.args[1:] or r.name in outputs or r.axes != box.axes \
+                or reads(r.expr.args[0]):
+            return box
+        box = replace(r, expr=substitute(r.expr, ref, box.expr))
+    return box
 
 
 # --------------------------------------------------------------------------

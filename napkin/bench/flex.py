@@ -535,10 +535,8 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
     # every where(p, ..., -inf) is a mask, however nested or added (the
     # outermost alone called where(x <= q, where(q - x < 4, s, -inf), -inf)
     # causal, and counted a window's FLOPs as half the square)
-    nodes = [n for e in an.exprs for n in ir.walk(e) if isinstance(n, ir.Call) and n.fn == "where"
-             and (_is_neg_inf(n.args[1]) or _is_neg_inf(n.args[2]))]
-    preds = [masks.negate(n.args[0]) if _is_neg_inf(n.args[1]) else n.args[0] for n in nodes]
-    causal, causal_part = _causal_flags(preds, roles)    # (each output repeats the mask)
+    preds = [masks.mask_predicate(n) for e in an.exprs for n in ir.walk(e) if masks.is_mask(n)]
+    causal, causal_part = _causal_flags(preds, roles)    # (each output repeats the mask; conjuncts once)
     full = {w.name: w.size for w in diagram.wires if w.size is not None}
     full.update(sizes)
     heads = math.prod(full[w] for w in roles.head) if roles.head else 1

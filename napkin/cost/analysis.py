@@ -157,8 +157,7 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
         return None
     # masks composed on it through lets (W a window, S = where(x <= q, W,
     # -inf)) join its own, as the kernels' and the backward's do
-    from ..gradrules import grown_score
-    pred = masks.mask_predicate(masks.mask_node(grown_score(diagram, diagram.tensor(box)).expr))
+    pred = masks.mask_predicate(masks.mask_node(masks.grown_score(diagram, diagram.tensor(box)).expr))
     for row, block in groups.items():
         found = masks.stream_bounds(pred, row, col, sizes)
         if found:
