@@ -471,7 +471,7 @@ def _safe_div(a, b):
     return tl.where(b == 0, 0.0, a / tl.where(b == 0, 1.0, b))
 
 
-@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x"])
+@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_per"])
 def _document_mask_ranges_kernel(
     doc,
     _size_b,
@@ -480,15 +480,18 @@ def _document_mask_ranges_kernel(
     _size_x,
     _st_doc_b,
     _st_doc_x,
-    _ranges,
+    _parts,
+    _per,
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _WHOLE_ROWS: tl.constexpr,
     _BY_COL: tl.constexpr,
 ):
-    # Program ids: axis 0 a block of q (x with _BY_COL), axis 1 one index of b.
+    # Program ids: axis 0 a block of q (x with _BY_COL), axis 1 one index of b,
+    # axis 2 a chunk of _per blocks of the other wire.
     _pid = tl.program_id(0)
     _batch = tl.program_id(1).to(tl.int64)
+    _chunk = tl.program_id(2)
     _mb = _batch
     _i_b = _batch
     if _BY_COL:  # a block of x, scanning the blocks of q
@@ -503,12 +506,15 @@ def _document_mask_ranges_kernel(
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _ok_q = _offs_q < _size_q
         _doc = tl.load(doc + _i_b * _st_doc_b + _offs_q[:, None] * _st_doc_x, mask=_ok_q[:, None], other=0)
+    _first = _chunk * _per
+    _last = tl.minimum(_first + _per, _steps)
     _lo = tl.full([], 0, tl.int32) + _steps  # the first live block (none yet: _steps)
     _hi = tl.full([], 0, tl.int32)  # one past the last live block
+    _lead = tl.full([], 0, tl.int32)  # full blocks from _first on, unbroken
     _run = tl.full([], 0, tl.int32)  # full blocks ending at the current one
     _best = tl.full([], 0, tl.int32)  # the longest run so far, starting at _bstart
     _bstart = tl.full([], 0, tl.int32)
-    for _j in range(0, _steps):
+    for _j in range(_first, _last):
         if _BY_COL:
             _row0 = _j * _BLOCK_q
             _offs_q = _row0 + tl.arange(0, _BLOCK_q)
@@ -529,9 +535,44 @@ def _document_mask_ranges_kernel(
         _all = _whole & (tl.min(tl.where(_keep | ~_ok_q[:, None], 1, 0)) > 0)
         _lo = tl.minimum(_lo, tl.where(_any, _j, _steps))
         _hi = tl.where(_any, _j + 1, _hi)
+        _lead = tl.where(_all & (_lead == _j - _first), _lead + 1, _lead)
         _run = tl.where(_all, _run + 1, 0)
         _bstart = tl.where(_run > _best, _j + 1 - _run, _bstart)
         _best = tl.maximum(_best, _run)
+    _out = _parts + ((_mb * tl.num_programs(0) + _pid) * tl.num_programs(2) + _chunk) * 6
+    tl.store(_out, _lo)
+    tl.store(_out + 1, _hi)
+    tl.store(_out + 2, _lead)
+    tl.store(_out + 3, _run)  # the trailing run
+    tl.store(_out + 4, _best)
+    tl.store(_out + 5, _bstart)
+
+
+@triton.jit(do_not_specialize=["_steps", "_per", "_chunks"])
+def _document_mask_merge_ranges_kernel(_parts, _ranges, _steps, _per, _chunks):
+    # One program per block (axis 0) and mask batch index (axis 1): its chunks joined in order.
+    _pid = tl.program_id(0)
+    _mb = tl.program_id(1).to(tl.int64)
+    _src = _parts + (_mb * tl.num_programs(0) + _pid) * _chunks * 6
+    _lo = tl.full([], 0, tl.int32) + _steps
+    _hi = tl.full([], 0, tl.int32)
+    _run = tl.full([], 0, tl.int32)  # full blocks ending at the previous chunk's end
+    _best = tl.full([], 0, tl.int32)
+    _bstart = tl.full([], 0, tl.int32)
+    for _c in range(0, _chunks):
+        _at = _src + _c * 6
+        _start = _c * _per
+        _n = tl.minimum(_per, _steps - _start)  # the chunk's blocks
+        _lead = tl.load(_at + 2)
+        _lo = tl.minimum(_lo, tl.load(_at))
+        _hi = tl.maximum(_hi, tl.load(_at + 1))
+        _joined = _run + _lead  # the run carried in, continued by the chunk's leading one
+        _bstart = tl.where(_joined > _best, _start + _lead - _joined, _bstart)
+        _best = tl.maximum(_best, _joined)
+        _inner = tl.load(_at + 4)
+        _bstart = tl.where(_inner > _best, tl.load(_at + 5), _bstart)
+        _best = tl.maximum(_best, _inner)
+        _run = tl.where(_lead == _n, _run + _n, tl.load(_at + 3))
     _lo = tl.minimum(_lo, _hi)  # no live block: the empty range [0, 0)
     _flo = tl.where(_best > 0, _bstart, _lo)
     _out = _ranges + (_mb * tl.num_programs(0) + _pid) * 4
@@ -541,24 +582,32 @@ def _document_mask_ranges_kernel(
     tl.store(_out + 3, _flo + _best)
 
 
-def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on):
+def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _per=None):
     """(ranges, on): the prepass's [lo, hi, flo, fhi) per (b, block of q, or of
     x when _by_col) in blocks of the other wire, at the launching kernel's blocks _br, _bc;
-    a placeholder and False when not _on (rows at global positions: every block, tested per tile)."""
+    a placeholder and False when not _on (rows at global positions: every block, tested per tile).
+    _per: blocks a scan program takes (default about the square root of a row's blocks: as many
+    programs a row as steps each, and the merge's loop as long)."""
     if not _on:
         return torch.zeros(4, dtype=torch.int32, device=_dev), False
     _n = _cdiv(_sz["x"] if _by_col else _sz["q"], _bc if _by_col else _br)
-    _grid = _fits((_n, _sz["b"]))
-    _ranges = torch.empty((_grid[1], _n, 4), dtype=torch.int32, device=_dev)  # every program writes its four
+    _steps = _cdiv(_sz["q"] if _by_col else _sz["x"], _br if _by_col else _bc)
+    _per = _per or max(4, math.isqrt(max(_steps - 1, 0)) + 1)
+    _grid = _fits((_n, _sz["b"], _cdiv(_steps, _per)))
+    _parts = torch.empty((_grid[1], _n, _grid[2], 6), dtype=torch.int32, device=_dev)  # each chunk's six
+    _ranges = torch.empty((_grid[1], _n, 4), dtype=torch.int32, device=_dev)  # every merge program writes its four
     if math.prod(_grid) > 0:
         _document_mask_ranges_kernel[_grid](
             doc,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"],
             *_wire_strides(doc, "doc", _sz),
-            _ranges,
+            _parts,
+            _per,
             _BLOCK_q=_br, _BLOCK_x=_bc, _WHOLE_ROWS=_whole_rows, _BY_COL=_by_col,
             num_warps=8 if _br * _bc >= 8192 else 4, enable_fp_fusion=True,  # 8 warps: 32 pairs a thread on 128 x 64
         )
+    if _grid[0] * _grid[1] > 0:  # no chunk (an empty wire scanned) still writes its empty range
+        _document_mask_merge_ranges_kernel[_grid[:2]](_parts, _ranges, _steps, _per, _grid[2], num_warps=1)
     return _ranges, True
 
 # Rows at global positions.  positions={wire: int tensor} gives the global
@@ -1371,7 +1420,7 @@ def _document_mask_bwd_dkdv_kernel(
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(tl.where(_doc == _doc_1, _qk, float("-inf")) * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
-            _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
+            _dR = tl.where(_doc == _doc_1, _dS, 0)
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
             _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
             _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
@@ -1395,7 +1444,7 @@ def _document_mask_bwd_dkdv_kernel(
         _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
         _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
         _dS = _P * (_dP - _delta)
-        _dR = _dS * 0.125
+        _dR = _dS
         _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
@@ -1430,15 +1479,15 @@ def _document_mask_bwd_dkdv_kernel(
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(tl.where(_doc == _doc_1, _qk, float("-inf")) * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
-            _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
+            _dR = tl.where(_doc == _doc_1, _dS, 0)
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
             _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
             _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
-        _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_K.to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
+        _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], (_acc_K * 0.125).to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
-        tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+        tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, (_acc_K * 0.125).to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_V.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_V.to(_grad_V.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
@@ -1586,7 +1635,7 @@ def _document_mask_bwd_dq_kernel(
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(tl.where(_doc == _doc_1, _qk, float("-inf")) * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
-            _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
+            _dR = tl.where(_doc == _doc_1, _dS, 0)
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
             _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
@@ -1605,7 +1654,7 @@ def _document_mask_bwd_dq_kernel(
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
         _dS = _P * (_dP - _delta)
-        _dR = _dS * 0.125
+        _dR = _dS
         _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _start in range(_fhi, _hi, _BLOCK_x):
@@ -1634,14 +1683,14 @@ def _document_mask_bwd_dq_kernel(
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(tl.where(_doc == _doc_1, _qk, float("-inf")) * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
-            _dR = tl.where(_doc == _doc_1, _dS * 0.125, 0)
+            _dR = tl.where(_doc == _doc_1, _dS, 0)
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
             _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
-        _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _acc_Q.to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
+        _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], (_acc_Q * 0.125).to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
     else:
-        tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
+        tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, (_acc_Q * 0.125).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
 
 
 def _document_mask_preprocess(Q, K, V, doc, dO, O, _o):
@@ -1664,6 +1713,32 @@ def _document_mask_preprocess(Q, K, V, doc, dO, O, _o):
             num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
         )
     return (delta,)
+
+
+# dQ beside dK/dV.  With BACKWARD_OVERLAP the dQ kernel runs on a second CUDA stream while
+# dK/dV runs on the caller's, so that each fills the SMs the other's last wave leaves idle (at 16K
+# tokens, 16 heads and 128-wide blocks each kernel is 2,048 programs, 15.5 waves on 132 SMs, one
+# program an SM).  Off until a GPU has timed it: napkin bench times both ("napkin-overlap").  The
+# kernels are the same, so the gradients are the same bits either way.
+BACKWARD_OVERLAP = os.environ.get("NAPKIN_BACKWARD_OVERLAP", "") == "1"
+_bwd_streams = {}  # device -> its second stream
+
+
+def _bwd_stream_fork(device):
+    """The second stream, having waited for the caller's work so far (the rows kernel, the
+    inputs), or None: BACKWARD_OVERLAP off, or not CUDA."""
+    if not BACKWARD_OVERLAP or device.type != "cuda":
+        return None
+    if device not in _bwd_streams:
+        _bwd_streams[device] = torch.cuda.Stream(device)
+    _bwd_streams[device].wait_stream(torch.cuda.current_stream(device))
+    return _bwd_streams[device]
+
+
+def _bwd_stream_join(device, side):
+    """The caller's stream waits for the second one's kernels before anything reads (or frees) what they wrote."""
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
 
 
 def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=None, lengths=None,
@@ -1717,6 +1792,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=Q.dtype if _like else torch.float32, device=_dev)
     _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=K.dtype if _like else torch.float32, device=_dev)
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
+    _side = _bwd_stream_fork(_dev)  # before dK/dV is queued: dQ must not wait for it
     _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"]))
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
         _kv_rng, _kv_rng_on = _document_mask_ranges(doc, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks
@@ -1738,22 +1814,24 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
         )
     _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
     if (_need[0]) and math.prod(_grid) > 0:
-        _rng, _rng_on = _document_mask_ranges(doc, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks
-        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
-        _document_mask_bwd_dq_kernel[_grid](
-            Q, doc, lse, dO, delta, K, V, _grad_Q,
-            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-            *_wire_strides(Q, "Q", _sz),
-            *_wire_strides(doc, "doc", _sz),
-            *_wire_strides(lse, "lse", _sz),
-            *_wire_strides(dO, "dO", _sz),
-            *_wire_strides(delta, "delta", _sz),
-            *_wire_strides(K, "K", _sz),
-            *_wire_strides(V, "V", _sz),
-            *_wire_strides(_grad_Q, "_grad_Q", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on,
-            num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
-        )
+        with torch.cuda.stream(_side):  # None: no-op, the caller's stream
+            _rng, _rng_on = _document_mask_ranges(doc, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks
+            _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
+            _document_mask_bwd_dq_kernel[_grid](
+                Q, doc, lse, dO, delta, K, V, _grad_Q,
+                _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+                *_wire_strides(Q, "Q", _sz),
+                *_wire_strides(doc, "doc", _sz),
+                *_wire_strides(lse, "lse", _sz),
+                *_wire_strides(dO, "dO", _sz),
+                *_wire_strides(delta, "delta", _sz),
+                *_wire_strides(K, "K", _sz),
+                *_wire_strides(V, "V", _sz),
+                *_wire_strides(_grad_Q, "_grad_Q", _sz),
+                _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on,
+                num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
+            )
+    _bwd_stream_join(_dev, _side)
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, None, )
 
 

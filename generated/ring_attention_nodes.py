@@ -1210,8 +1210,7 @@ def _ring_attention_nodes_bwd_dkdv_kernel(
         _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
         _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
         _dS = _P * (_dP - _delta)
-        _dR = _dS * 0.125
-        _acc_K += tl.dot(_dR.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_K += tl.dot(_dS.to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _rb in range(_fhi, _hi):
@@ -1244,15 +1243,14 @@ def _ring_attention_nodes_bwd_dkdv_kernel(
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
-            _dR = _dS * 0.125
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
-            _acc_K += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_K += tl.dot(tl.where(_ok, _dS, 0.0).to(Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
             _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
-        _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_K.to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
+        _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], (_acc_K * 0.125).to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
-        tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _acc_K.to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+        tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, (_acc_K * 0.125).to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_V.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_V.to(_grad_V.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
@@ -1381,8 +1379,7 @@ def _ring_attention_nodes_bwd_dq_kernel(
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
         _dS = _P * (_dP - _delta)
-        _dR = _dS * 0.125
-        _acc_Q += tl.dot(_dR.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_Q += tl.dot(_dS.to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -1409,14 +1406,13 @@ def _ring_attention_nodes_bwd_dq_kernel(
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
-            _dR = _dS * 0.125
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
-            _acc_Q += tl.dot(tl.where(_ok, _dR, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_Q += tl.dot(tl.where(_ok, _dS, 0.0).to(Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
-        _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _acc_Q.to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
+        _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], (_acc_Q * 0.125).to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
     else:
-        tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _acc_Q.to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
+        tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, (_acc_Q * 0.125).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
 
 
 def _ring_attention_nodes_preprocess(Q, K, V, dO, O, dlse, _o):
@@ -1442,6 +1438,32 @@ def _ring_attention_nodes_preprocess(Q, K, V, dO, O, dlse, _o):
             num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
         )
     return (delta,)
+
+
+# dQ beside dK/dV.  With BACKWARD_OVERLAP the dQ kernel runs on a second CUDA stream while
+# dK/dV runs on the caller's, so that each fills the SMs the other's last wave leaves idle (at 16K
+# tokens, 16 heads and 128-wide blocks each kernel is 2,048 programs, 15.5 waves on 132 SMs, one
+# program an SM).  Off until a GPU has timed it: napkin bench times both ("napkin-overlap").  The
+# kernels are the same, so the gradients are the same bits either way.
+BACKWARD_OVERLAP = os.environ.get("NAPKIN_BACKWARD_OVERLAP", "") == "1"
+_bwd_streams = {}  # device -> its second stream
+
+
+def _bwd_stream_fork(device):
+    """The second stream, having waited for the caller's work so far (the rows kernel, the
+    inputs), or None: BACKWARD_OVERLAP off, or not CUDA."""
+    if not BACKWARD_OVERLAP or device.type != "cuda":
+        return None
+    if device not in _bwd_streams:
+        _bwd_streams[device] = torch.cuda.Stream(device)
+    _bwd_streams[device].wait_stream(torch.cuda.current_stream(device))
+    return _bwd_streams[device]
+
+
+def _bwd_stream_join(device, side):
+    """The caller's stream waits for the second one's kernels before anything reads (or frees) what they wrote."""
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
 
 
 def _ring_attention_nodes_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=None,
@@ -1495,6 +1517,7 @@ def _ring_attention_nodes_backward(Q, K, V, dO, lse, delta, _o, need, positions=
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=Q.dtype if _like else torch.float32, device=_dev)
     _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=K.dtype if _like else torch.float32, device=_dev)
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
+    _side = _bwd_stream_fork(_dev)  # before dK/dV is queued: dQ must not wait for it
     _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"]))
     if (_need[1] or _need[2]) and math.prod(_grid) > 0:
         _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
@@ -1514,20 +1537,22 @@ def _ring_attention_nodes_backward(Q, K, V, dO, lse, delta, _o, need, positions=
         )
     _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
     if (_need[0]) and math.prod(_grid) > 0:
-        _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
-        _ring_attention_nodes_bwd_dq_kernel[_grid](
-            Q, lse, dO, delta, K, V, _grad_Q,
-            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-            *_wire_strides(Q, "Q", _sz),
-            *_wire_strides(lse, "lse", _sz),
-            *_wire_strides(dO, "dO", _sz),
-            *_wire_strides(delta, "delta", _sz),
-            *_wire_strides(K, "K", _sz),
-            *_wire_strides(V, "V", _sz),
-            *_wire_strides(_grad_Q, "_grad_Q", _sz),
-            _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, **_tma,
-            num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
-        )
+        with torch.cuda.stream(_side):  # None: no-op, the caller's stream
+            _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
+            _ring_attention_nodes_bwd_dq_kernel[_grid](
+                Q, lse, dO, delta, K, V, _grad_Q,
+                _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+                *_wire_strides(Q, "Q", _sz),
+                *_wire_strides(lse, "lse", _sz),
+                *_wire_strides(dO, "dO", _sz),
+                *_wire_strides(delta, "delta", _sz),
+                *_wire_strides(K, "K", _sz),
+                *_wire_strides(V, "V", _sz),
+                *_wire_strides(_grad_Q, "_grad_Q", _sz),
+                _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, **_tma,
+                num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
+            )
+    _bwd_stream_join(_dev, _side)
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 
 

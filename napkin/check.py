@@ -32,7 +32,7 @@ from .errors import Diagnostic
 # shadow them.  (Names starting with "_" are banned outright.)
 RESERVED = frozenset({
     "torch", "triton", "tl", "math", "os", "sys", "reference",
-    "example_inputs", "INPUTS", "OUTPUTS", "WIRES", "NAPKIN_VERSION", "SOURCE_HASH",
+    "example_inputs", "INPUTS", "OUTPUTS", "WIRES", "NAPKIN_VERSION", "SOURCE_HASH", "BACKWARD_OVERLAP",
 })
 ACCUMULATE_DTYPES = ("fp32", "fp16", "bf16", "fp64")
 MIN_DOT_BLOCK = tiling.MIN_DOT_BLOCK  # tl.dot needs every matrix dimension >= 16

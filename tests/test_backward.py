@@ -177,6 +177,68 @@ def test_bf16_on_gpu(name, folder):
     assert_accurate(got, exact, gradients(m.reference, inputs), name, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["attention", "alibi", "document_mask"])
+def test_dq_beside_dkdv_on_a_second_stream_gives_the_same_bits_on_gpu(name, folder):
+    """BACKWARD_OVERLAP: dQ on a second CUDA stream while dK/dV runs.  The
+    kernels are the same, so every gradient (ALiBi's slope, summed after
+    the join; the document mask's prepass on the side stream) must be the
+    serial backward's to the bit, and match float64."""
+    m = example(name, folder)
+    inputs = [t.cuda() for t in m.example_inputs(sizes_for(name, 1000, 1100), dtype=torch.bfloat16)]
+    if name == "document_mask":
+        n = inputs[3].shape[-1]  # four documents of 300 keys (the last one shorter)
+        inputs[3] = (torch.arange(n, device="cuda") // 300).to(torch.int32).expand_as(inputs[3]).contiguous()
+    before = m.BACKWARD_OVERLAP
+    try:
+        m.BACKWARD_OVERLAP = False
+        serial = gradients(launcher(m), inputs)
+        m.BACKWARD_OVERLAP = True
+        beside = gradients(launcher(m), inputs)
+    finally:
+        m.BACKWARD_OVERLAP = before
+    for i, (a, b) in enumerate(zip(serial, beside)):
+        assert (a is None and b is None) or torch.equal(a, b), f"{name}: gradient {i}"
+    exact = gradients(m.reference, [t.double() if t.is_floating_point() else t for t in inputs])
+    assert_accurate(beside, exact, gradients(m.reference, inputs), name, torch.bfloat16)
+
+
+def emitted(name: str) -> str:
+    text = (REPO / "examples" / f"{name}.ncd").read_text()
+    return emit_module(napkin.load_text(text, f"{name}.ncd"), source_text=text, source_path=f"{name}.ncd")
+
+
+def test_the_streams_fork_before_dkdv_and_join_before_dq_is_read():
+    """Without CUDA the knob changes nothing (no stream to fork); the text
+    puts the fork before the dK/dV launch (dQ must not wait for it), the dQ
+    launch, its ranges prepass included, on the second stream, and the join
+    before anything reads what dQ wrote (the side gradients' sums)."""
+    src = emitted("document_mask")
+    body = src.split("def _document_mask_backward(")[1].split("\ndef ")[0]
+    fork, dkdv = body.index("_side = _bwd_stream_fork(_dev)"), body.index("_document_mask_bwd_dkdv_kernel[_grid](")
+    stream = body.index("with torch.cuda.stream(_side):  # None: no-op, the caller's stream")
+    dq = body.index("_document_mask_bwd_dq_kernel[_grid](")
+    assert fork < dkdv < stream < body.index("_rng, _rng_on = _document_mask_ranges(", stream) < dq \
+        < body.index("_bwd_stream_join(_dev, _side)") < body.index("return (")
+    alibi = emitted("alibi")
+    body = alibi.split("def _alibi_backward(")[1].split("\ndef ")[0]
+    assert body.index("_bwd_stream_join(_dev, _side)") < body.index("_grad_slope = _part_slope.sum(")
+    assert 'BACKWARD_OVERLAP = os.environ.get("NAPKIN_BACKWARD_OVERLAP", "") == "1"' in src
+
+
+def test_the_overlap_knob_on_the_cpu_changes_nothing(folder):
+    m = example("alibi", folder)
+    inputs = m.example_inputs({"b": 1, "h": 2, "q": 37, "x": 29}, dtype=torch.float32)
+    before = m.BACKWARD_OVERLAP
+    try:
+        m.BACKWARD_OVERLAP = True
+        beside = gradients(launcher(m), inputs, block_q=16, block_x=16)
+    finally:
+        m.BACKWARD_OVERLAP = before
+    serial = gradients(launcher(m), inputs, block_q=16, block_x=16)
+    assert all(torch.equal(a, b) for a, b in zip(serial, beside))
+
+
 # --------------------------------------------------------------------------
 # Masks, side inputs, edge rows.
 # --------------------------------------------------------------------------

@@ -1081,6 +1081,61 @@ def test_bench_counts_a_window_at_the_pairs_it_keeps_and_a_speed_reference_at_it
     assert f"no, keeps {100 * kept:.3g}%" in next(tmp_path.glob("cpu-*.md")).read_text()
 
 
+def test_the_overlap_row_is_timed_only_once_it_gives_the_serial_bits():
+    """napkin bench's "napkin-overlap" (napkin/bench/overlap.py): its scope
+    sets the module's knob and restores it; its backward is refused (not
+    timed) when a gradient differs from the serial backward's."""
+    import types
+
+    from napkin.bench import overlap
+
+    class Scaled(torch.autograd.Function):  # a backward that reads the knob, as a race would show
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * (3 if module.BACKWARD_OVERLAP else 2)
+
+    module = types.SimpleNamespace(BACKWARD_OVERLAP=False)
+    row = overlap.baseline(module, lambda inputs, shape, device, grad=False: lambda: (Scaled.apply(inputs[0]),))
+    assert row.passes == ("bwd",) and row.name == "napkin-overlap"
+    with row.scope():
+        assert module.BACKWARD_OVERLAP is True
+    assert module.BACKWARD_OVERLAP is False
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"the gradients of leaves \[0\] differ from the serial backward's"):
+        row.prepare([x], {}, "cpu", grad=True)
+    assert module.BACKWARD_OVERLAP is False
+    module.BACKWARD_OVERLAP = "either"  # restored whatever it was
+    same = overlap.baseline(module, lambda inputs, shape, device, grad=False: lambda: (inputs[0] * 2,))
+    assert same.prepare([x], {}, "cpu", grad=True)()[0].shape == (5,) and module.BACKWARD_OVERLAP == "either"
+    assert not overlap.applies(module, "cpu") and overlap.applies(module, "cuda")
+
+
+def test_bench_times_a_data_masks_prepass_apart(tmp_path):
+    """The document mask's ranges prepass runs before the forward, dQ and dK/dV
+    kernels (each at its blocks): the row records each launch timed alone and
+    the markdown its share of napkin's pass; a diagram with no prepass has none."""
+    from napkin.cli import main
+
+    assert main(["bench", str(EXAMPLES / "document_mask.ncd"), "--seqlen", "40", "--out", str(tmp_path)]) == 0
+    data = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())
+    results.validate(data)
+    (row,) = data["rows"]
+    assert sorted(t["kernel"] for t in row["prepass"]) == ["dkdv", "dq", "fwd"]
+    assert all(t["ms"] > 0 and t["error"] is None and len(t["blocks"]) == 2 for t in row["prepass"])
+    fwd = next(t for t in row["prepass"] if t["kernel"] == "fwd")
+    assert row["config"] is None and fwd["blocks"] == [128, 64]  # untuned: the schedule's q by 128, x by 64
+    md = next(tmp_path.glob("cpu-*.md")).read_text()
+    assert "## Ranges prepass" in md and md.count("| document_mask | float16 | 40 | ") >= 3
+    assert main(["bench", str(EXAMPLES / "causal.ncd"), "--seqlen", "40", "--no-backward",
+                 "--out", str(tmp_path / "c")]) == 0
+    (row,) = json.loads(next((tmp_path / "c").glob("cpu-*.json")).read_text())["rows"]
+    assert row["prepass"] is None
+
+
 # --------------------------------------------------------------------------
 # On a GPU (skipped without one): the real timing path and the autotune cache.
 # --------------------------------------------------------------------------

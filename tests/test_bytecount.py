@@ -243,9 +243,10 @@ def one_document(module, inputs) -> list:
 
 def without_ids(module, *counts) -> list[dict]:
     """The counts without the ids' bytes (the prepass reads them too, and a
-    full block's step reads none: only the mask does) and the ranges' (16
-    bytes a block, written by the prepass, read by the kernel)."""
-    ids = {n for n, dt in module._DTYPES.items() if dt in ("int32", "int64", "bool")} | {"_ranges"}
+    full block's step reads none: only the mask does), the ranges' (16
+    bytes a block, written by the prepass, read by the kernel) and the
+    prepass's own chunks (24 bytes a chunk, written by its scan, read by its merge)."""
+    ids = {n for n, dt in module._DTYPES.items() if dt in ("int32", "int64", "bool")} | {"_ranges", "_parts"}
     return [{k: v for k, v in c.items() if k not in ids} for c in counts]
 
 
@@ -275,8 +276,8 @@ def test_counted_bytes_equal_predicted_bytes(compiled, path, case):
     blocks, launch = case_blocks(d, block_list)
     loads, stores, launches = counted(module, d, sizes, launch, torch.float16)
     want = predicted(d, sizes, blocks)
-    if prepassed(module, d):  # one document: every block visited, as counted; the prepass launches first
-        assert launches == 2
+    if prepassed(module, d):  # one document: every block visited, as counted; the prepass (scan, merge) first
+        assert launches == 3
         assert without_ids(module, loads, stores) == without_ids(module, *want)
         return
     assert launches == 1
@@ -486,8 +487,8 @@ def test_backward_counted_bytes_equal_predicted_bytes(compiled, path, case):
     grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
     with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
         getattr(module, f"_{d.name}_grads")(inputs, (*outs, *saved), grads, options, None)
-    if data:  # a prepass before dK/dV and one before dQ, each at its kernel's blocks
-        assert bc.launches == len(predicted.kernels) + 2
+    if data:  # a prepass (scan, merge) before dK/dV and one before dQ, each at its kernel's blocks
+        assert bc.launches == len(predicted.kernels) + 4
         assert without_ids(module, bc.loads, bc.stores) == \
             without_ids(module, predicted.by_tensor("load"), predicted.by_tensor("store"))
         return

@@ -169,6 +169,22 @@ def test_prepass_matches_brute_force(folder, whole_rows, by_col):
             _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col))
 
 
+@pytest.mark.parametrize("per", [1, 2, 3, 100])
+def test_chunks_of_the_scan_join_into_the_same_ranges(folder, per):
+    """The scan takes _per blocks a program and the merge joins them: full
+    runs that cross chunk edges (documents 40 keys long over 8-key blocks),
+    chunks all full, none live, and one chunk for the whole row (100)."""
+    m = _module(DOC, "ranges_doc", folder)
+    n, br, bc = 91, 8, 8
+    doc = torch.stack([torch.arange(n) // 40, torch.arange(n) % 5, torch.zeros(n, dtype=torch.long)]).to(torch.int32)
+    for whole_rows, by_col in [(False, False), (True, False), (True, True)]:
+        got, _ = m._document_mask_ranges(doc, {"b": 3, "h": 1, "q": n, "x": n, "d": 64}, doc.device, br, bc,
+                                         whole_rows, by_col, True, _per=per)
+        for b in range(3):
+            pred = doc[b][:, None] == doc[b][None, :]
+            _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col))
+
+
 def test_prepass_honours_the_affine_conjuncts(folder):
     m = _module(CAUSAL_DOC, "ranges_causal_doc", folder)
     n, br, bc = 70, 16, 16

@@ -83,6 +83,12 @@ def test_nothing_comes_out(text):
     assert factor(e, {"d": 64}) == (None, e)
 
 
+def test_a_gradient_passes_a_zero_fill():
+    """The backward's fills: c * where(p, t, 0) = where(p, c * t, 0) for c > 0."""
+    c, t = factor(score("where(x <= q, R * 0.125, 0)"), {"d": 64}, fills=(0.0,))
+    assert fold(c, {"d": 64}) == 0.125 and expr_text(t) == "where(x <= q, sum[d](Q * K), 0)"
+
+
 def test_symbolic_size_stays_an_expression():
     e = score("where(x <= q, R * |d|^-0.5, -inf)", d="")
     c, t = factor(e, {})
@@ -149,7 +155,7 @@ def test_causal_backward_recomputes_p_with_exp2_and_a_per_row_lse():
         assert "tl.exp(" not in body and "_S =" not in body, name
         assert f"_P = tl.exp2(_qk * {c} - _lse2)" in full_step(body), name
         assert body.count("- _lse2)") == loops, name           # every loop's step
-        assert "_dS * 0.125" in full_step(body), name            # the chain rule's factor as autodiff gives it
+        assert "0.125" not in full_step(body), name              # the chain rule's factor: at the store (below)
     # dQ holds its rows: lse2 once, before the loop; dK/dV loads rows per step: lse2 right after each load
     dq = kernel(src, "_causal_bwd_dq_kernel")
     assert dq.count(lse2) == 1 and dq.index(lse2) < dq.index("for _start")
@@ -181,6 +187,49 @@ O[b, h, q, d] = sum[x](softmax[x](S) * V)
 M[b, h, q] = max[x](S)
 out O, M
 schedule { level smem { group b by 1, h by 1, q by 32
+stream x by 16 } }
+"""
+
+
+def stores(body: str, acc: str) -> list[str]:
+    """The lines of a kernel that store the accumulator ``acc``."""
+    return [line for line in body.splitlines() if "store(" in line and acc in line]
+
+
+@pytest.mark.parametrize("name, c", [("causal", 0.125), ("softcap", 128 ** -0.5), ("alibi", 0.125)])
+def test_backward_scales_its_gradient_accumulators_once_at_the_store(name, c):
+    """dR = dS * c (softcap: c * (1 - tanh^2)) with c constant: the steps
+    accumulate dS (times the rest) and each of dK, dQ is scaled once, at
+    its store, by c; ALiBi's slope gradient reads dS, not dR, and keeps it."""
+    src = emitted(name)
+    for kname, acc in ((f"_{name}_bwd_dkdv_kernel", "_acc_K"), (f"_{name}_bwd_dq_kernel", "_acc_Q")):
+        body = kernel(src, kname)
+        assert f"_dS * {c!r}" not in body and f"{c!r} * (1 - " not in body, kname   # no multiply a score
+        assert stores(body, acc) and all(f"({acc} * {c!r}).to(" in line for line in stores(body, acc)), kname
+    if name == "alibi":
+        assert "_slope" in kernel(src, "_alibi_bwd_dq_kernel") and "_dS" in kernel(src, "_alibi_bwd_dq_kernel")
+
+
+def test_a_gradient_factor_that_is_not_constant_stays_in_the_step():
+    """A temperature tensor multiplying the contraction: dR = dS * tau is no constant."""
+    src = emit_module(napkin.load_text(TEMPERATURE, "temperature.ncd"), source_text=TEMPERATURE,
+                      source_path="temperature.ncd")
+    body = kernel(src, "_temperature_bwd_dkdv_kernel")
+    assert "_dR = _dS * _tau" in body.replace("_tau_1", "_tau") or "_dS * _tau" in body
+    assert all("(_acc_K * " not in line for line in stores(body, "_acc_K"))
+
+
+TEMPERATURE = """diagram temperature
+wire b, h, q, x
+wire d = 32
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+in tau[h] : fp32
+S[b, h, q, x] = sum[d](Q * K) * tau
+O[b, h, q, d] = sum[x](softmax[x](S) * V)
+out O
+schedule { level smem { group b by 1, h by 1, q by 16
 stream x by 16 } }
 """
 

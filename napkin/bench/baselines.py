@@ -19,6 +19,7 @@ returns no log-sum-exp).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +38,8 @@ class Baseline:
     # (None: not computed).  run.leaves, when present, are the tensors a backward
     # pass differentiates (else the float inputs); grad asks for them to need grad.
     prepare: Callable
+    passes: tuple = ("fwd", "bwd")           # what is timed
+    scope: Callable = contextlib.nullcontext  # a context its timing runs in
 
 
 def flex_baseline(flex_module, compiled: bool) -> Baseline:

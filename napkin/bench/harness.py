@@ -48,7 +48,7 @@ from typing import Optional
 from .. import autotune, ir
 from ..errors import NapkinError
 from ..sizes import parse_pairs
-from . import baselines, flex, reference, results
+from . import baselines, flex, overlap, ranges_prepass, reference, results
 
 CHECK_ELEMENTS = 1 << 26        # largest reference box (float64: 512 MiB) checked at full size
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3}   # max abs error vs float64
@@ -472,6 +472,8 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
 
     clock.append(time.monotonic())
     check = _check(ctx, impls, sizes)
+    if overlap.applies(module, device) and not ctx["args"].no_backward:
+        impls.insert(1, overlap.baseline(module, _napkin_prepare(launcher)))  # its forward is napkin's
     clock.append(time.monotonic())
     out: list[dict] = []
     if ctx["flex"] is None:
@@ -495,15 +497,19 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
             out.append(_result(impl.name, "fwd", impl.equivalent, impl.note, error=f"not timed: {failed}"))
             continue
         counted = flops if impl.equivalent else own_flops
-        out.append(_time_forward(impl, full, shape, device, ctx["reps"], counted["fwd"], first))
-        if impl.name == "napkin" and isinstance(getattr(module, "_tma_last", None), dict):
-            tma = dict(module._tma_last)   # how the timed forward moved its tiles (tma= may fall back)
-        if not ctx["args"].no_backward:
-            out.append(_time_backward(impl, full, shape, device, ctx["reps"], counted["bwd"]))
-            if impl.name == "napkin":   # the same of the timed backward's dQ and dK/dV kernels
-                bwd_tma = {k: dict(getattr(module, f"_tma_last_{k}")) for k in BACKWARD_KINDS
-                           if isinstance(getattr(module, f"_tma_last_{k}", None), dict)} or None
+        with impl.scope():
+            if "fwd" in impl.passes:
+                out.append(_time_forward(impl, full, shape, device, ctx["reps"], counted["fwd"], first))
+            if impl.name == "napkin" and isinstance(getattr(module, "_tma_last", None), dict):
+                tma = dict(module._tma_last)   # how the timed forward moved its tiles (tma= may fall back)
+            if not ctx["args"].no_backward and "bwd" in impl.passes:
+                out.append(_time_backward(impl, full, shape, device, ctx["reps"], counted["bwd"]))
+                if impl.name == "napkin":   # the same of the timed backward's dQ and dK/dV kernels
+                    bwd_tma = {k: dict(getattr(module, f"_tma_last_{k}")) for k in BACKWARD_KINDS
+                               if isinstance(getattr(module, f"_tma_last_{k}", None), dict)} or None
     _full_size_check(check, first, d, dtype)
+    prepass = ranges_prepass.timed(module, d, full, shape, lambda fn: _ms(fn, device, ctx["reps"]),
+                                   not ctx["args"].no_backward)
     clock.append(time.monotonic())
     # where a point's time went (FlexAttention's compiles fall in check and time):
     # what the next GPU session corrects STARTUP_S and POINT_S by
@@ -518,7 +524,9 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         "causal": shape["causal"], "flops": flops, "visible": visible, "config": config, "config_source": source,
         "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning, "tma": tma, "bwd_tma": bwd_tma,
         "check": check, "results": out, "ratios": results.ratios(out), "seconds": seconds,
+        "prepass": prepass,
     }
+
 
 
 def _napkin_prepare(launcher):

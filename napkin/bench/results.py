@@ -27,6 +27,9 @@ Schema ``napkin-bench/1``::
             its tiles through TMA descriptors, and why not),
             bwd_tma {dq, dkdv: {used, why}} | null (optional: the same of the timed
             backward's kernels),
+            prepass [{kernel (fwd, dq, dkdv), blocks [rows, cols], ms, error}] | null
+            (optional: a mask that reads data, its ranges prepass timed alone at each
+            launch's blocks; part of napkin's fwd and bwd ms; null: no prepass),
             check {sizes, tolerance, ok, errors {impl: {output: err}}},
             results: [{impl, pass, ms, tflops, equivalent, note, error}],
             ratios {pass: {baseline: napkin speed / baseline speed}}}]
@@ -188,6 +191,7 @@ def markdown(data: dict) -> str:
         lines += ["\u2020 a speed reference: plain softmax attention at the same sizes, not the "
                   "diagram's function, so never checked against the reference.", ""]
     lines += _tuning_lines(data["rows"])
+    lines += _prepass_lines(data["rows"])
     if notes:
         lines += ["Notes:", ""] + [f"{i + 1}. {n}" for i, n in enumerate(notes)] + [""]
     return "\n".join(lines)
@@ -214,6 +218,26 @@ def _tuning_lines(rows: list[dict]) -> list[str]:
         return []
     head = ["diagram", "dtype", "N", "kernel", "config", "timed", "failed", "budget"]
     return ["## Tuning", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] \
+        + ["| " + " | ".join(b) + " |" for b in body] + [""]
+
+
+def _prepass_lines(rows: list[dict]) -> list[str]:
+    """A table of each ranges prepass launch (a mask that reads data) and
+    its share of the napkin pass it belongs to."""
+    body = []
+    for row in rows:
+        napkin = {r["pass"]: r["ms"] for r in row["results"] if r["impl"] == "napkin"}
+        for t in row.get("prepass") or []:
+            p = "fwd" if t["kernel"] == "fwd" else "bwd"
+            share = f"{100 * t['ms'] / napkin[p]:.1f}%" if t.get("ms") and napkin.get(p) else "?"
+            body.append([row["diagram"], row["dtype"], str(row["shape"]["q_len"]), str(t["kernel"]),
+                         " x ".join(map(str, t.get("blocks") or [])), _num(t.get("ms"), 4), share,
+                         t.get("error") or ""])
+    if not body:
+        return []
+    head = ["diagram", "dtype", "N", "for kernel", "blocks", "ms", "of napkin's pass", "error"]
+    return ["## Ranges prepass (timed alone; part of napkin's times above)", "",
+            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] \
         + ["| " + " | ".join(b) + " |" for b in body] + [""]
 
 

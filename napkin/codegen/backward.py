@@ -29,11 +29,13 @@ and refuses gradients at run time with that message.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from .. import autodiff, gradrules, ir
 from ..errors import Diagnostic, NapkinError
+from .exprs import fold
 from .lower import AttentionPlan, Load, Var, _Loads, nodes
 from .scale import LOG2E, factor, log2_scale
 
@@ -76,6 +78,7 @@ class Grad:
     operand: Load
     rows: str
     cols: str
+    scale: Optional[float] = None       # the tile's constant factor, applied once at the store
 
 
 @dataclass(frozen=True)
@@ -369,6 +372,7 @@ class _Builder:
                 need |= {n.name for n in ir.walk(tile[name]) if isinstance(n, ir.TensorRef)}
         order.reverse()
         tile, order, rows = self.exp2(tile, order, {t[1] for t in targets}, sides)
+        tile, scales = self.grad_scales(tile, order, {t[1] for t in targets}, sides)
         loads = _Loads(self.bd, "pre", self.taken())
 
         tile_axes = (grid_wire, loop_wire)  # the tiles' [rows, cols]
@@ -397,12 +401,16 @@ class _Builder:
                 read = [load(n) for n in refs]
                 subst.update((n, ld.var) for n, ld in zip(refs, read))
                 row_lines.append((var, row_e, "step" if any(ld.phase == "step" for ld in read) else "pre"))
+            if isinstance(e, ir.TensorRef) and e.name in self.tile_names:  # another tile's value (dR = dS)
+                subst[ir.TensorRef(name)] = subst[e]
+                continue
             if subst.get(e) != f"_{name}":
                 lines.append((f"_{name}", e))
             subst[ir.TensorRef(name)] = f"_{name}"
         grads = []
         for name, tile_name, operand, lead, feat in targets:
-            grads.append(Grad(name, f"_grad_{name}", f"_acc_{name}", f"_{tile_name}", load(operand), lead, feat))
+            grads.append(Grad(name, f"_grad_{name}", f"_acc_{name}", subst[ir.TensorRef(tile_name)], load(operand), lead, feat,
+                              scales.get(tile_name)))
         for s in sides:
             for node in nodes(s.expr):
                 if isinstance(node, ir.TensorRef) and node not in subst:
@@ -452,6 +460,26 @@ class _Builder:
             tile[name] = ir.Call("exp2", (ir.Binary("-", ir.Binary("*", t, k if isinstance(k, Var) else ir.Num(k)),
                                                      Var(lse2)),), e.loc)
         return tile, order, rows
+
+    def grad_scales(self, tile: dict, order: list, grad_tiles: set, sides) -> tuple[dict, dict]:
+        """A constant factor out of each tile only gradients accumulate:
+        dR = where(p, dS * |d|^-0.5, 0) is |d|^-0.5 * where(p, dS, 0), and
+        dK = sum over the loop of dR Q = |d|^-0.5 * (sum of where(p, dS, 0) Q):
+        the accumulator is scaled once at its store, not each score of each
+        step (one multiply a score fewer, as FlashAttention's dK *= scale).
+        Returns (tile with the factor out, {tile name: the factor})."""
+        fixed = {w.name: w.size for w in self.d.wires if w.size is not None}
+        tile, scales = dict(tile), {}
+        for name in sorted(grad_tiles):
+            ref = ir.TensorRef(name)
+            if any(ref in set(nodes(tile[n])) for n in order if n != name) \
+                    or any(ref in set(nodes(s.expr)) for s in sides):
+                continue  # read by another tile or a side gradient: it keeps its value
+            c, t = factor(tile[name], fixed, lambda n: isinstance(n, (ir.TensorRef, ir.Reduce, Var)), (0.0,))
+            v = fold(c, fixed) if c is not None else None
+            if isinstance(v, (int, float)) and math.isfinite(v) and v != 1:
+                tile[name], scales[name] = t, float(v)
+        return tile, scales
 
     def _wires(self, e) -> set:
         """The wires an expression of the rule varies along."""

@@ -670,7 +670,8 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             ptr = E._pointer(d, names, g.buffer, wires, g.rows, g.cols)
             mask = [_rows_after_loop(names, g.rows, start) if m == f"_ok_{g.rows}[:, None]" and g.rows == k.grid_wire else m
                     for m in names.mask(g.rows, g.cols)]
-            value = f"{g.var}.to({g.buffer}.dtype.element_ty)"
+            scaled = g.var if g.scale is None else f"({g.var} * {g.scale!r})"  # the tile's factor (backward.grad_scales)
+            value = f"{scaled}.to({g.buffer}.dtype.element_ty)"
             after += T.store_code(ptr, value, f", mask={' & '.join(mask)}" if mask else "",
                                   tma.store(g.buffer, wires, g.rows, g.cols, value)).split("\n")
         for s in k.sides:

@@ -653,7 +653,8 @@ KERNEL_HELPERS = frozenset({"_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_d
 # What the ranges prepass of a mask that reads data, and the kernels' code
 # reading its ranges, define (ranges.py; templates/ranges.py.jinja).
 RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_run", "_best", "_bstart", "_keep",
-                          "_any", "_all", "_whole", "_out", "_BY_COL", "_WHOLE_ROWS"})
+                          "_any", "_all", "_whole", "_out", "_BY_COL", "_WHOLE_ROWS", "_chunk", "_first",
+                          "_last", "_lead", "_parts", "_per"})
 
 
 def internal_names(d: ir.Diagram) -> frozenset:

@@ -150,12 +150,14 @@ def render(plan: AttentionPlan) -> str:
     pred = triton(plan.skip, names.ctx(row, col, {n: subst[n] for n in refs}, kinds))
     wires = batch_wires(plan)
     ctx = {
-        "kernel": f"_{d.name}_ranges_kernel", "launcher": f"_{d.name}_ranges",
-        "params": tensors + sizes + strides + ["_ranges"]
+        "kernel": f"_{d.name}_ranges_kernel", "merge": f"_{d.name}_merge_ranges_kernel",
+        "launcher": f"_{d.name}_ranges",
+        "params": tensors + sizes + strides + ["_parts", "_per"]
         + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL")]
         + ([f"_pos_{row}", f"_len_{row}", f"_POS_{row}: tl.constexpr"] if placed else []),
         "placed": bool(placed),
-        "no_specialize": ", ".join(f'"{s}"' for s in sizes + [f"_len_{row}"] * bool(placed)), "tensors": tensors,
+        "no_specialize": ", ".join(f'"{s}"' for s in sizes + [f"_len_{row}"] * bool(placed) + ["_per"]),
+        "tensors": tensors,
         "args": ([", ".join(tensors)] if tensors else [])  # a mask of indices alone reads no tensor
         + ([", ".join(f'_sz["{w}"]' for w in sized)] if sizes else [])
         + [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors],

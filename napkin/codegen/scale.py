@@ -16,7 +16,10 @@ is the same), c * -inf is -inf (a masked score stays masked), and
 
 ``factor`` takes c out of products, quotients by a constant and
 ``where(p, ., -inf)`` fills (the mask), looking through the named tiles it
-is allowed to open (a box such as S, when nothing else reads it).  Anything
+is allowed to open (a box such as S, when nothing else reads it).  The
+backward takes the same c out of an accumulated gradient tile, whose
+masked fill is 0 (``fills``): dK += (c dS) Q becomes dK = c (sum of dS Q),
+one multiply a program instead of one a score (backward.grad_scales).  Anything
 else (a sum, as ALiBi's score; a factor of unknown sign, a tensor) stays
 in t: c is then 1 and only log2(e) is folded.
 """
@@ -51,8 +54,12 @@ def positive(e, fixed) -> bool:
     return False
 
 
-def _is_neg_inf(e, fixed) -> bool:
-    return constant(e) and fold(e, fixed) == float("-inf")
+NEG_INF = (float("-inf"),)
+
+
+def _is_fill(e, fixed, fills) -> bool:
+    """Whether e is a constant among ``fills``: values c * v leaves alone."""
+    return constant(e) and fold(e, fixed) in fills
 
 
 def _times(a, b):
@@ -60,36 +67,38 @@ def _times(a, b):
     return b if a is None else a if b is None else ir.Binary("*", a, b)
 
 
-def factor(e, fixed, opaque: Callable[[object], bool] = lambda n: False):
+def factor(e, fixed, opaque: Callable[[object], bool] = lambda n: False, fills=NEG_INF):
     """(c, t) with e = c * t, c a positive constant expression or None (1), t
     an expression (e itself when nothing comes out).  ``opaque(n)``: a node
     the kernel holds in a variable that must be read as it is (a load, a
-    product, a named tile that stays); other nodes are looked into."""
-    c, t = _factor(e, fixed, opaque)
+    product, a named tile that stays); other nodes are looked into.
+    ``fills``: the where-fills c passes through (-inf for a score; a
+    gradient's 0 where its mask is false)."""
+    c, t = _factor(e, fixed, opaque, fills)
     if c is None or t is None:  # nothing out, or e is all constant: leave it
         return None, e
     return c, t
 
 
-def _factor(e, fixed, opaque):
+def _factor(e, fixed, opaque, fills):
     if opaque(e):
         return None, e
     if positive(e, fixed):
         return e, None
     if isinstance(e, ir.Binary) and e.op == "*":
-        c1, t1 = _factor(e.lhs, fixed, opaque)
-        c2, t2 = _factor(e.rhs, fixed, opaque)
+        c1, t1 = _factor(e.lhs, fixed, opaque, fills)
+        c2, t2 = _factor(e.rhs, fixed, opaque, fills)
         if c1 is None and c2 is None:
             return None, e
         return _times(c1, c2), _times(t1, t2)
     if isinstance(e, ir.Binary) and e.op == "/" and positive(e.rhs, fixed):
-        c, t = _factor(e.lhs, fixed, opaque)
+        c, t = _factor(e.lhs, fixed, opaque, fills)
         return ir.Binary("/", c if c is not None else ir.Num(1), e.rhs), t
     if isinstance(e, ir.Call) and e.fn == "where":
         p, a, b = e.args
         for keep, fill, kept_first in ((a, b, True), (b, a, False)):
-            if _is_neg_inf(fill, fixed):
-                c, t = _factor(keep, fixed, opaque)
+            if _is_fill(fill, fixed, fills):
+                c, t = _factor(keep, fixed, opaque, fills)
                 if c is None or t is None:
                     return None, e
                 return c, ir.Call("where", (p, t, fill) if kept_first else (p, fill, t), e.loc)
