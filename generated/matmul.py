@@ -463,6 +463,24 @@ def _safe_div(a, b):
     return tl.where(b == 0, 0.0, a / tl.where(b == 0, 1.0, b))
 
 
+# A gradient tile's constant factor c (backward.grad_scales): applied once to the
+# accumulator at its store, unless the product's operands are float16, whose range the
+# unscaled tile can overflow (|dS| over 65504 where c * dS is not: loss-scaled fp16
+# training); then each tile is scaled before its cast, as autodiff writes it.
+@triton.jit
+def _grad_operand(t, c: tl.constexpr, dt: tl.constexpr):
+    if dt == tl.float16:
+        t = t * c
+    return t.to(dt)
+
+
+@triton.jit
+def _grad_scaled(acc, c: tl.constexpr, dt: tl.constexpr):
+    if dt != tl.float16:
+        acc = acc * c
+    return acc
+
+
 @triton.jit(do_not_specialize=["_size_m", "_size_n", "_size_k"])
 def _matmul_kernel(
     A,

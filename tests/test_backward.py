@@ -321,6 +321,53 @@ def test_input_multiplying_the_contraction_gets_a_gradient(folder):
         launcher(g)(q.requires_grad_(), k, v, tau)
 
 
+AFTER_IDS = """diagram after_ids
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+in doc[b, x] : int32
+in tau[h] : fp32
+in slope[h] : fp32
+S[b, h, q, x] = where(doc[b, q] == doc, sum[d](Q * K) * tau + slope * (x - q), -inf)
+O[b, h, q, d] = sum[x](softmax[x](S) * V)
+out O
+schedule { level smem { group b by 1, h by 1, q by 16
+stream x by 16 } }
+"""
+
+
+def test_side_inputs_declared_after_an_integer_input_get_their_gradients(folder):
+    """The dQ kernel's _NEED_<side> flag read _need at the side input's place
+    among the float inputs, but _need has a flag per input: declared after
+    doc, tau took doc's flag (always off) and its gradient was 0, and slope
+    tau's.  Each now reads its own, whichever others are asked for."""
+    m = compile_text(AFTER_IDS, "after_ids", folder)
+    inputs = list(m.example_inputs({"b": 2, "h": 2, "q": 37, "x": 37}, dtype=torch.float32))
+    inputs[3] = torch.stack([torch.arange(37) // 10, torch.arange(37) // 17]).to(torch.int32)  # documents
+    # temperatures and slopes that keep the scores near 1 (P recomputed errs by ulps of |S|)
+    gen = torch.Generator().manual_seed(5)
+    inputs[4], inputs[5] = torch.rand(2, generator=gen) * 0.1 + 0.25, torch.randn(2, generator=gen) * 0.05
+    fn = launcher(m)
+    grads = gradients(fn, inputs, block_q=16, block_x=16)
+    exact = gradients(m.reference, [t.double() if t.is_floating_point() else t for t in inputs])
+    assert_accurate(grads, exact, gradients(m.reference, inputs), "after ids", torch.float32)
+    assert grads[4].abs().min() > 0 and grads[5].abs().min() > 0
+    # tau alone (slope left out): tau right, no slope gradient; the same call's dQ as above
+    xs = [t.detach().clone().requires_grad_(i in (0, 4)) for i, t in enumerate(inputs)]
+    gen = torch.Generator().manual_seed(7)
+    out = fn(*xs, **{k: FAST[k] for k in ("block_q", "block_x")})
+    out.backward(torch.randn(out.shape, generator=gen))
+    ref = [t.detach().clone().double().requires_grad_(i in (0, 4)) if t.is_floating_point() else t
+           for i, t in enumerate(inputs)]
+    m.reference(*ref).backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).double())
+    for i in (0, 4):
+        err = (xs[i].grad.double() - ref[i].grad).abs().max().item()
+        assert err <= 1e-4 * max(1.0, ref[i].grad.abs().max().item()), (i, err)
+    assert xs[5].grad is None
+
+
 def test_narrow_lse_output_keeps_a_float32_row_state(folder):
     """The backward rebuilds P = exp(S - lse) from its saved lse.  A
     diagram's lse declared bf16 used to stand in for it, rounded (a 1e-2

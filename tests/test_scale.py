@@ -155,7 +155,7 @@ def test_causal_backward_recomputes_p_with_exp2_and_a_per_row_lse():
         assert "tl.exp(" not in body and "_S =" not in body, name
         assert f"_P = tl.exp2(_qk * {c} - _lse2)" in full_step(body), name
         assert body.count("- _lse2)") == loops, name           # every loop's step
-        assert "0.125" not in full_step(body), name              # the chain rule's factor: at the store (below)
+        assert "_dS * 0.125" not in full_step(body), name        # the chain rule's factor: at the store (below)
     # dQ holds its rows: lse2 once, before the loop; dK/dV loads rows per step: lse2 right after each load
     dq = kernel(src, "_causal_bwd_dq_kernel")
     assert dq.count(lse2) == 1 and dq.index(lse2) < dq.index("for _start")
@@ -205,9 +205,30 @@ def test_backward_scales_its_gradient_accumulators_once_at_the_store(name, c):
     for kname, acc in ((f"_{name}_bwd_dkdv_kernel", "_acc_K"), (f"_{name}_bwd_dq_kernel", "_acc_Q")):
         body = kernel(src, kname)
         assert f"_dS * {c!r}" not in body and f"{c!r} * (1 - " not in body, kname   # no multiply a score
-        assert stores(body, acc) and all(f"({acc} * {c!r}).to(" in line for line in stores(body, acc)), kname
+        assert stores(body, acc) and all(f"_grad_scaled({acc}, {c!r}, Q.dtype.element_ty).to(" in line
+                                         for line in stores(body, acc)), kname
     if name == "alibi":
         assert "_slope" in kernel(src, "_alibi_bwd_dq_kernel") and "_dS" in kernel(src, "_alibi_bwd_dq_kernel")
+
+
+def test_a_float16_backward_scales_each_tile_before_its_cast(tmp_path):
+    """The factor goes to the store only where the product's operands keep
+    float32's range: in float16 the unscaled dS can pass 65504 where
+    dS * 0.125 does not (loss-scaled training: small scores, a large
+    upstream gradient), and cast unscaled it was inf: dQ and dK NaN."""
+    text = (REPO / "examples" / "attention.ncd").read_text().replace("wire d = 64", "wire d = 16")
+    m = load(emit_module(napkin.load_text(text, "ovf.ncd"), source_text=text, source_path="ovf.ncd"), "ovf", tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*shape, generator=gen) * s for shape, s in
+               (((1, 2, 19, 16), 0.02), ((1, 2, 21, 16), 0.02), ((1, 2, 21, 16), 1000.0)))
+    up = torch.randn(1, 2, 19, 16, generator=gen) * 150
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    m.reference(*exact)[0].backward(up.double())
+    got = [t.half().requires_grad_() for t in (q, k, v)]
+    launcher(m)(*got, **BLOCKS)[0].backward(up.half())
+    for i, (g, e) in enumerate(zip(got, exact)):
+        assert torch.isfinite(g.grad).all(), f"gradient {i}"
+        assert (g.grad.double() - e.grad).abs().max() <= 2e-3 * e.grad.abs().max(), f"gradient {i}"
 
 
 def test_a_gradient_factor_that_is_not_constant_stays_in_the_step():
@@ -216,7 +237,7 @@ def test_a_gradient_factor_that_is_not_constant_stays_in_the_step():
                       source_path="temperature.ncd")
     body = kernel(src, "_temperature_bwd_dkdv_kernel")
     assert "_dR = _dS * _tau" in body.replace("_tau_1", "_tau") or "_dS * _tau" in body
-    assert all("(_acc_K * " not in line for line in stores(body, "_acc_K"))
+    assert all("_grad_scaled(" not in line for line in stores(body, "_acc_K"))
 
 
 TEMPERATURE = """diagram temperature

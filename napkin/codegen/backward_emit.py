@@ -357,7 +357,8 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
 
     for g in k.grads:  # [resident, loop] @ [loop, feature]: the tile as it is, no transpose
         dt = _dt(plan, g.operand.tensor)
-        lines.append(f"{g.var} += {_dot(f'{kept(g.tile)}.to({dt})', f'{g.operand.var}.to({dt})', plan, dt)}")
+        tile = f"{kept(g.tile)}.to({dt})" if g.scale is None else f"_grad_operand({kept(g.tile)}, {g.scale!r}, {dt})"
+        lines.append(f"{g.var} += {_dot(tile, f'{g.operand.var}.to({dt})', plan, dt)}")
     # side gradients: the dQ kernel's alone, whose tiles are [rows, x]
     assert not k.sides or (rows, cols) == (plan.row, plan.col)
     for s in k.sides:
@@ -670,7 +671,8 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             ptr = E._pointer(d, names, g.buffer, wires, g.rows, g.cols)
             mask = [_rows_after_loop(names, g.rows, start) if m == f"_ok_{g.rows}[:, None]" and g.rows == k.grid_wire else m
                     for m in names.mask(g.rows, g.cols)]
-            scaled = g.var if g.scale is None else f"({g.var} * {g.scale!r})"  # the tile's factor (backward.grad_scales)
+            scaled = g.var if g.scale is None else \
+                f"_grad_scaled({g.var}, {g.scale!r}, {_dt(plan, g.operand.tensor)})"  # backward.grad_scales
             value = f"{scaled}.to({g.buffer}.dtype.element_ty)"
             after += T.store_code(ptr, value, f", mask={' & '.join(mask)}" if mask else "",
                                   tma.store(g.buffer, wires, g.rows, g.cols, value)).split("\n")
@@ -742,7 +744,9 @@ def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
     br, bc = ("_kv_br", "_kv_bc") if k.role == "dkdv" else ("_br", "_bc")  # dK/dV's own defaults (the template)
     blocks = [f"{names.block(plan.row)}={br}"] + ([f"{names.block(plan.col)}={bc}"] if k.role != "rows" else [])
     blocks += E._wire_block_args(names, dims)
-    blocks += [f"_NEED_{s.tensor}=_need[{plan.grads.index(s.tensor)}]" for s in k.sides]
+    # _need has a flag per input, integer ones included (_wanted): the input's own position
+    inputs = [t.name for t in plan.diagram.inputs]
+    blocks += [f"_NEED_{s.tensor}=_need[{inputs.index(s.tensor)}]" for s in k.sides]
     if _wide(plan, k):
         blocks.append(f"_WIDE={_wide_precision(plan)}")
     if k.role != "rows":

@@ -649,7 +649,8 @@ def _precision(d: ir.Diagram) -> str:
 # The @triton.jit helpers every module defines (templates/module.py.jinja)
 # and kernels call by name: a kernel variable of that name would shadow the
 # helper, and the call would fail or read a tile.
-KERNEL_HELPERS = frozenset({"_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_div"})
+KERNEL_HELPERS = frozenset({"_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_div", "_grad_operand",
+                            "_grad_scaled"})
 # What the ranges prepass of a mask that reads data, and the kernels' code
 # reading its ranges, define (ranges.py; templates/ranges.py.jinja).
 RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_run", "_best", "_bstart", "_keep",
