@@ -368,6 +368,37 @@ def test_side_inputs_declared_after_an_integer_input_get_their_gradients(folder)
     assert xs[5].grad is None
 
 
+UNNORMALISED = """diagram unnormalised
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+S[b, h, q, x] = sum[d](Q * K) * 0.25
+O[b, h, q, d] = sum[x](S * V)
+out O
+schedule { level smem { group b by 1, h by 1, q by 16
+stream x by 16 } }
+"""
+
+
+def test_unnormalised_scores_train_and_constant_ones_are_refused_in_words(folder):
+    """O = sum[x](S * V) with no normaliser: dQ = sum[x](dO V^T * 0.25) K
+    never reads Q, and its kernel named Q's dtype without taking Q (a
+    NameError inside the kernel).  Scores times 0 give Q and K no gradient
+    to take: the backward is refused in words, not by a crash in tl.dot."""
+    m = compile_text(UNNORMALISED, "unnormalised", folder)
+    check(m, {"b": 2, "h": 2, "q": 37, "x": 29}, torch.float32, label="unnormalised")
+    check(m, {"b": 1, "h": 2, "q": 21, "x": 40}, torch.float16, label="unnormalised fp16")
+    z = compile_text(UNNORMALISED.replace("* 0.25", "* 0"), "zero_scores", folder)
+    q, k, v = z.example_inputs({"b": 1, "h": 2, "q": 20, "x": 20}, dtype=torch.float32)
+    assert torch.equal(z.unnormalised(q, k, v), torch.zeros_like(q))
+    with pytest.raises(NotImplementedError, match=r"napkin cannot emit a backward for the gradient of K: the "
+                                                  r"scores do not depend on K \(the tile dR its gradient sums "
+                                                  r"is the constant 0\)"):
+        z.unnormalised(q.requires_grad_(), k, v)
+
+
 def test_narrow_lse_output_keeps_a_float32_row_state(folder):
     """The backward rebuilds P = exp(S - lse) from its saved lse.  A
     diagram's lse declared bf16 used to stand in for it, rounded (a 1e-2

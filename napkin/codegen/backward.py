@@ -37,6 +37,7 @@ from .. import autodiff, gradrules, ir
 from ..errors import Diagnostic, NapkinError
 from .exprs import fold
 from .lower import AttentionPlan, Load, Var, _Loads, nodes
+from .products import constant
 from .scale import LOG2E, factor, log2_scale
 
 # Names the kernels define themselves; loads of user inputs never take them.
@@ -409,6 +410,9 @@ class _Builder:
             subst[ir.TensorRef(name)] = f"_{name}"
         grads = []
         for name, tile_name, operand, lead, feat in targets:
+            if constant(tile[tile_name]):  # sum[d](Q * K) * 0: nothing of the tile varies, no product to take
+                raise refuse(f"the gradient of {name}", f"the scores do not depend on {name} (the tile "
+                             f"{tile_name} its gradient sums is the constant {expr_text(tile[tile_name])})")
             grads.append(Grad(name, f"_grad_{name}", f"_acc_{name}", subst[ir.TensorRef(tile_name)], load(operand), lead, feat,
                               scales.get(tile_name)))
         for s in sides:

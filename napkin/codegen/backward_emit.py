@@ -261,11 +261,13 @@ def _wide_precision(plan: BackwardPlan) -> str:
     return f'"tf32" if {plan.q}.dtype in (torch.float16, torch.bfloat16) else "ieee"'
 
 
-def _tensors(k: Kernel) -> list[str]:
-    """Pointer arguments: what the kernel loads, then what it stores."""
+def _tensors(plan: BackwardPlan, k: Kernel) -> list[str]:
+    """Pointer arguments: what the kernel loads, then what it stores; a loop
+    kernel also takes Q, whose dtype is its products' (_dt), loaded or not
+    (an unnormalised sum[x](S * V) has a dQ that never reads Q)."""
     out = []
     for name in [ld.tensor for ld in k.loads] + [g.buffer for g in k.grads] + [s.buffer for s in k.sides] \
-            + [st.tensor for st in k.stores]:
+            + [st.tensor for st in k.stores] + ([plan.q] if k.role != "rows" else []):
         if name not in out:
             out.append(name)
     return out
@@ -273,7 +275,7 @@ def _tensors(k: Kernel) -> list[str]:
 
 def _params(plan: BackwardPlan, k: Kernel, blocks: list[str]) -> tuple[list[str], list[str]]:
     d = plan.diagram
-    tensors = _tensors(k)
+    tensors = _tensors(plan, k)
     sizes = [f"_size_{w.name}" for w in d.wires if w.size is None]
     strides = []
     for t in tensors:
@@ -718,7 +720,7 @@ def _tma_context(plan: BackwardPlan, k: Kernel, tma: T.Tma, names: E._Names, dim
     table, last = f"_TMA_DESCS_{k.role.upper()}", f"_tma_last_{k.role}"
     return {"tma_table": table, "tma_descs": tma.table(), "tma_last": last,
             "tma_call": tma.launch("_kv_tma" if kv else "_tma", f'{"_kv_opts" if kv else "_opts"}["{T.OPTION}"]',
-                                   table, _tensors(k), blocks, last, (plan.row,))}
+                                   table, _tensors(plan, k), blocks, last, (plan.row,))}
 
 
 def _rows_after_loop(names, rows: str, start: str) -> str:
@@ -736,7 +738,7 @@ def _rows_after_loop(names, rows: str, start: str) -> str:
 
 def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
     d = plan.diagram
-    tensors = _tensors(k)
+    tensors = _tensors(plan, k)
     sizes = [f'_sz["{w.name}"]' for w in d.wires if w.size is None]
     strides = []
     for t in tensors:
