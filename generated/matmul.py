@@ -22,6 +22,7 @@ sizes from the shapes, so one compiled kernel serves every length.
 reference(...) is the same diagram in eager PyTorch; example_inputs(sizes)
 makes random inputs.
 """
+import contextlib
 import math
 import os
 

@@ -24,6 +24,7 @@ sizes from the shapes, so one compiled kernel serves every length.
 reference(...) is the same diagram in eager PyTorch; example_inputs(sizes)
 makes random inputs.
 """
+import contextlib
 import math
 import os
 
@@ -1472,10 +1473,11 @@ def _bwd_stream_fork(device):
     inputs), or None: BACKWARD_OVERLAP off, or not CUDA."""
     if not BACKWARD_OVERLAP or device.type != "cuda":
         return None
-    if device not in _bwd_streams:
-        _bwd_streams[device] = torch.cuda.Stream(device)
-    _bwd_streams[device].wait_stream(torch.cuda.current_stream(device))
-    return _bwd_streams[device]
+    side = _bwd_streams.get(device)
+    if side is None:  # setdefault: two threads' first calls get the same stream, the one each waits on
+        side = _bwd_streams.setdefault(device, torch.cuda.Stream(device))
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
 
 
 def _bwd_stream_join(device, side):
@@ -1536,41 +1538,44 @@ def _ring_attention_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, 
     _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=K.dtype if _like else torch.float32, device=_dev)
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
     _side = _bwd_stream_fork(_dev)  # before dK/dV is queued: dQ must not wait for it
-    _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"]))
-    if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-        _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
-        _ring_attention_bwd_dkdv_kernel[_grid](
-            K, V, Q, lse, dO, delta, _grad_K, _grad_V,
-            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-            *_wire_strides(K, "K", _sz),
-            *_wire_strides(V, "V", _sz),
-            *_wire_strides(Q, "Q", _sz),
-            *_wire_strides(lse, "lse", _sz),
-            *_wire_strides(dO, "dO", _sz),
-            *_wire_strides(delta, "delta", _sz),
-            *_wire_strides(_grad_K, "_grad_K", _sz),
-            *_wire_strides(_grad_V, "_grad_V", _sz),
-            _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, **_kv_tma,
-            num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
-        )
-    _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
-    if (_need[0]) and math.prod(_grid) > 0:
-        with torch.cuda.stream(_side):  # None: no-op, the caller's stream
-            _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
-            _ring_attention_bwd_dq_kernel[_grid](
-                Q, lse, dO, delta, K, V, _grad_Q,
+    try:
+        _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"]))
+        if (_need[1] or _need[2]) and math.prod(_grid) > 0:
+            _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
+            _ring_attention_bwd_dkdv_kernel[_grid](
+                K, V, Q, lse, dO, delta, _grad_K, _grad_V,
                 _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+                *_wire_strides(K, "K", _sz),
+                *_wire_strides(V, "V", _sz),
                 *_wire_strides(Q, "Q", _sz),
                 *_wire_strides(lse, "lse", _sz),
                 *_wire_strides(dO, "dO", _sz),
                 *_wire_strides(delta, "delta", _sz),
-                *_wire_strides(K, "K", _sz),
-                *_wire_strides(V, "V", _sz),
-                *_wire_strides(_grad_Q, "_grad_Q", _sz),
-                _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, **_tma,
-                num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
+                *_wire_strides(_grad_K, "_grad_K", _sz),
+                *_wire_strides(_grad_V, "_grad_V", _sz),
+                _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, **_kv_tma,
+                num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
             )
-    _bwd_stream_join(_dev, _side)
+        _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
+        if (_need[0]) and math.prod(_grid) > 0:
+            # not torch.cuda.stream(None): it would start CUDA even for CPU tensors
+            with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
+                _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
+                _ring_attention_bwd_dq_kernel[_grid](
+                    Q, lse, dO, delta, K, V, _grad_Q,
+                    _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+                    *_wire_strides(Q, "Q", _sz),
+                    *_wire_strides(lse, "lse", _sz),
+                    *_wire_strides(dO, "dO", _sz),
+                    *_wire_strides(delta, "delta", _sz),
+                    *_wire_strides(K, "K", _sz),
+                    *_wire_strides(V, "V", _sz),
+                    *_wire_strides(_grad_Q, "_grad_Q", _sz),
+                    _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, **_tma,
+                    num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
+                )
+    finally:  # joined even when a launch raised: nothing may free what the second stream still writes
+        _bwd_stream_join(_dev, _side)
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 
 

@@ -1085,6 +1085,7 @@ def test_the_overlap_row_is_timed_only_once_it_gives_the_serial_bits():
     """napkin bench's "napkin-overlap" (napkin/bench/overlap.py): its scope
     sets the module's knob and restores it; its backward is refused (not
     timed) when a gradient differs from the serial backward's."""
+    import contextlib
     import types
 
     from napkin.bench import overlap
@@ -1112,6 +1113,10 @@ def test_the_overlap_row_is_timed_only_once_it_gives_the_serial_bits():
     same = overlap.baseline(module, lambda inputs, shape, device, grad=False: lambda: (inputs[0] * 2,))
     assert same.prepare([x], {}, "cpu", grad=True)()[0].shape == (5,) and module.BACKWARD_OVERLAP == "either"
     assert not overlap.applies(module, "cpu") and overlap.applies(module, "cuda")
+    module.BACKWARD_OVERLAP = True  # NAPKIN_BACKWARD_OVERLAP=1: the napkin row still times the serial backward
+    with overlap.serial(module)():
+        assert module.BACKWARD_OVERLAP is False
+    assert module.BACKWARD_OVERLAP is True and overlap.serial(types.SimpleNamespace()) is contextlib.nullcontext
 
 
 def test_bench_times_a_data_masks_prepass_apart(tmp_path):

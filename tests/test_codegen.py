@@ -96,7 +96,7 @@ def test_module_imports_only_torch_and_triton(path):  # (and the standard librar
             elif isinstance(node, ast.ImportFrom):
                 where.add(node.module or "")
     # (triton.tools.tensor_descriptor: the forward's TMA descriptors, imported only when tma= asks)
-    assert imported <= {"json", "math", "os", "torch", "triton", "triton.language",
+    assert imported <= {"contextlib", "json", "math", "os", "torch", "triton", "triton.language",
                         "triton.tools.tensor_descriptor"}, imported
     assert lazy <= {"napkin", "napkin.distributed"}, lazy
 

@@ -465,14 +465,15 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     for kernel, kind in BACKWARD_KINDS.items():
         bwd_config[kernel], bwd_source[kernel] = (None, "not run") if ctx["args"].no_backward else \
             _choose_config(ctx, sizes, launcher, kind=kind, tuning=tuning)
-    impls = [baselines.Baseline("napkin", True, "the generated Triton kernel", _napkin_prepare(launcher))]
+    impls = [baselines.Baseline("napkin", True, "the generated Triton kernel", _napkin_prepare(launcher),
+                                scope=overlap.serial(module))]
     if ctx["flex"] is not None:
         impls.append(baselines.flex_baseline(ctx["flex"], compiled=device == "cuda"))
     impls += baselines.sdpa_baselines(ctx["flex"], shape, device)
 
     clock.append(time.monotonic())
     check = _check(ctx, impls, sizes)
-    if overlap.applies(module, device) and not ctx["args"].no_backward:
+    if overlap.applies(module, device) and not ctx["args"].no_backward and check["ok"]:
         impls.insert(1, overlap.baseline(module, _napkin_prepare(launcher)))  # its forward is napkin's
     clock.append(time.monotonic())
     out: list[dict] = []
