@@ -529,7 +529,6 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     }
 
 
-
 def _napkin_prepare(launcher):
     """The napkin row's call.  A tuned config is not passed: the launcher
     reads the cache itself (_choose_config checked it finds the same

@@ -183,10 +183,7 @@ def markdown(data: dict) -> str:
             continue
         head = ["diagram", "dtype", "B", "H", "N", "d", "causal", "check", "napkin ms", "napkin TFLOP/s"] \
             + [f"{i} TFLOP/s (napkin x)" for i in impls]
-        lines += [f"## {'Forward' if p == 'fwd' else 'Backward'}", "",
-                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(b) + " |" for b in body]
-        lines.append("")
+        lines += _table(f"## {'Forward' if p == 'fwd' else 'Backward'}", head, body)
     if any(not r["equivalent"] for row in data["rows"] for r in row["results"]):
         lines += ["\u2020 a speed reference: plain softmax attention at the same sizes, not the "
                   "diagram's function, so never checked against the reference.", ""]
@@ -217,8 +214,7 @@ def _tuning_lines(rows: list[dict]) -> list[str]:
     if not body:
         return []
     head = ["diagram", "dtype", "N", "kernel", "config", "timed", "failed", "budget"]
-    return ["## Tuning", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] \
-        + ["| " + " | ".join(b) + " |" for b in body] + [""]
+    return _table("## Tuning", head, body)
 
 
 def _prepass_lines(rows: list[dict]) -> list[str]:
@@ -236,8 +232,12 @@ def _prepass_lines(rows: list[dict]) -> list[str]:
     if not body:
         return []
     head = ["diagram", "dtype", "N", "for kernel", "blocks", "ms", "of napkin's pass", "error"]
-    return ["## Ranges prepass (timed alone; part of napkin's times above)", "",
-            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] \
+    return _table("## Ranges prepass (timed alone; part of napkin's times above)", head, body)
+
+
+def _table(title: str, head: list[str], body: list[list[str]]) -> list[str]:
+    """A markdown section: its title, a table of ``head`` over ``body``, a blank line."""
+    return [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] \
         + ["| " + " | ".join(b) + " |" for b in body] + [""]
 
 

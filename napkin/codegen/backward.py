@@ -178,6 +178,7 @@ class _Builder:
     def __init__(self, d, fplan, rule, saved_axes):
         self.d, self.f, self.rule, self.saved_axes = d, fplan, rule, dict(saved_axes)
         self.row, self.col, self.batch = fplan.row, fplan.col, fplan.batch
+        self.fixed = {w.name: w.size for w in d.wires if w.size is not None}  # wires of a fixed size
 
     def build(self) -> BackwardPlan:
         d, f, rule = self.d, self.f, self.rule
@@ -413,8 +414,8 @@ class _Builder:
             if constant(tile[tile_name]):  # sum[d](Q * K) * 0: nothing of the tile varies, no product to take
                 raise refuse(f"the gradient of {name}", f"the scores do not depend on {name} (the tile "
                              f"{tile_name} its gradient sums is the constant {expr_text(tile[tile_name])})")
-            grads.append(Grad(name, f"_grad_{name}", f"_acc_{name}", subst[ir.TensorRef(tile_name)], load(operand), lead, feat,
-                              scales.get(tile_name)))
+            grads.append(Grad(name, f"_grad_{name}", f"_acc_{name}", subst[ir.TensorRef(tile_name)],
+                              load(operand), lead, feat, scales.get(tile_name)))
         for s in sides:
             for node in nodes(s.expr):
                 if isinstance(node, ir.TensorRef) and node not in subst:
@@ -432,7 +433,7 @@ class _Builder:
         score is one FMA and one exp2, as the forward's.  The tile S is
         opened (its line goes) when only P reads it; else t is S and C is
         log2(e).  Returns (tile, order, {tile name: its per-row lines [(var, expr)]})."""
-        fixed = {w.name: w.size for w in self.d.wires if w.size is not None}
+        fixed = self.fixed
         rows, tile = {}, dict(tile)
         for name in list(order):
             e = tile[name]
@@ -472,7 +473,7 @@ class _Builder:
         the accumulator is scaled once at its store, not each score of each
         step (one multiply a score fewer, as FlashAttention's dK *= scale).
         Returns (tile with the factor out, {tile name: the factor})."""
-        fixed = {w.name: w.size for w in self.d.wires if w.size is not None}
+        fixed = self.fixed
         tile, scales = dict(tile), {}
         for name in sorted(grad_tiles):
             ref = ir.TensorRef(name)

@@ -9,7 +9,8 @@ diagram (``applies``) the launcher first runs a small generated Triton
 kernel, the ranges prepass (templates/ranges.py.jinja).  It evaluates the
 whole mask predicate, every conjunct (the affine ones too) rendered from the
 IR as the masked step renders it, on each (row block, key block) tile,
-scanning the key blocks with scalars carried in the loop (no N^2 buffer), and
+scanning the key blocks in chunks (scalars carried in each chunk's loop, six
+int32 a chunk, no N^2 buffer; a merge kernel joins a row's chunks in order), and
 writes per (mask batch index, row block) four int32: [lo, hi) the blocks from
 the first to the last live one (some real pair true) and [flo, fhi) the
 longest run of full ones (true at every pair, the tile inside the edges).

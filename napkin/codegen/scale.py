@@ -19,7 +19,8 @@ is the same), c * -inf is -inf (a masked score stays masked), and
 is allowed to open (a box such as S, when nothing else reads it).  The
 backward takes the same c out of an accumulated gradient tile, whose
 masked fill is 0 (``fills``): dK += (c dS) Q becomes dK = c (sum of dS Q),
-one multiply a program instead of one a score (backward.grad_scales).  Anything
+one multiply a program instead of one a score (backward.grad_scales; float16
+operands keep the per-score multiply: the unscaled tile could overflow them).  Anything
 else (a sum, as ALiBi's score; a factor of unknown sign, a tensor) stays
 in t: c is then 1 and only log2(e) is folded.
 """
