@@ -25,6 +25,7 @@ reference(...) is the same diagram in eager PyTorch; example_inputs(sizes)
 makes random inputs.
 """
 import contextlib
+import functools
 import math
 import os
 
@@ -195,6 +196,22 @@ def _check_device(device):
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{INPUTS[0]} is on the CPU: Triton kernels run on a GPU, or on the CPU under "
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
+
+
+def _on_inputs_device(launch):
+    """Run a launcher with its tensors' CUDA device current.  Triton launches on
+    the current device and its current stream, not on the tensors' (torch's own
+    ops follow their tensors): without this, cuda:1 inputs while cuda:0 is
+    current would run on the wrong GPU.  _bind keeps a launcher's tensors on one
+    device, so the first tensor argument names it."""
+    @functools.wraps(launch)
+    def run(*args, **kwargs):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None or device.type != "cuda":
+            return launch(*args, **kwargs)
+        with torch.cuda.device(device):
+            return launch(*args, **kwargs)
+    return run
 
 
 def _block_size(value, wire, option):
@@ -989,6 +1006,7 @@ def alibi(Q, K, V, slope, *, block_q=None, block_x=None, num_warps=None, num_sta
     return _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype, chunk)[0][0]
 
 
+@_on_inputs_device
 def _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None, chunk=None):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
@@ -1535,6 +1553,7 @@ def _alibi_bwd_dq_kernel(
         tl.store(_part_slope + _pid * _st__part_slope__blocks + _i_b * _st__part_slope_b + _i_h * _st__part_slope_h, tl.sum(tl.sum(_part_acc_slope, 1), 0))
 
 
+@_on_inputs_device
 def _alibi_preprocess(Q, K, V, slope, dO, O, _o):
     """(delta): the backward's per-row values."""
     _sz, _cls, _dev = _bind((Q, K, V, slope,), kernel=True)
@@ -1584,6 +1603,7 @@ def _bwd_stream_join(device, side):
         torch.cuda.current_stream(device).wait_stream(side)
 
 
+@_on_inputs_device
 def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, lengths=None,
         grad_dtype="float32"):
     """The gradient of each input (float32 or the input's dtype: grad_dtype,

@@ -23,6 +23,7 @@ reference(...) is the same diagram in eager PyTorch; example_inputs(sizes)
 makes random inputs.
 """
 import contextlib
+import functools
 import math
 import os
 
@@ -186,6 +187,22 @@ def _check_device(device):
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{INPUTS[0]} is on the CPU: Triton kernels run on a GPU, or on the CPU under "
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
+
+
+def _on_inputs_device(launch):
+    """Run a launcher with its tensors' CUDA device current.  Triton launches on
+    the current device and its current stream, not on the tensors' (torch's own
+    ops follow their tensors): without this, cuda:1 inputs while cuda:0 is
+    current would run on the wrong GPU.  _bind keeps a launcher's tensors on one
+    device, so the first tensor argument names it."""
+    @functools.wraps(launch)
+    def run(*args, **kwargs):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None or device.type != "cuda":
+            return launch(*args, **kwargs)
+        with torch.cuda.device(device):
+            return launch(*args, **kwargs)
+    return run
 
 
 def _block_size(value, wire, option):
@@ -546,6 +563,7 @@ def matmul(A, B, *, block_m=None, block_n=None, block_k=None, num_warps=None, nu
     return _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, False)[0][0]
 
 
+@_on_inputs_device
 def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _save):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
@@ -715,6 +733,7 @@ def _matmul_bwd_B_kernel(
     tl.store(_grad_B + _offs_k[:, None] * _st__grad_B_k + _offs_n[None, :] * _st__grad_B_n, _out__grad_B.to(_grad_B.dtype.element_ty), mask=_ok_k[:, None] & _ok_n[None, :])
 
 
+@_on_inputs_device
 def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     _like = _in_input_dtype(grad_dtype)
     _sz, _cls, _dev = _bind((A, B,), kernel=True)

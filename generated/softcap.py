@@ -24,6 +24,7 @@ reference(...) is the same diagram in eager PyTorch; example_inputs(sizes)
 makes random inputs.
 """
 import contextlib
+import functools
 import math
 import os
 
@@ -192,6 +193,22 @@ def _check_device(device):
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{INPUTS[0]} is on the CPU: Triton kernels run on a GPU, or on the CPU under "
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
+
+
+def _on_inputs_device(launch):
+    """Run a launcher with its tensors' CUDA device current.  Triton launches on
+    the current device and its current stream, not on the tensors' (torch's own
+    ops follow their tensors): without this, cuda:1 inputs while cuda:0 is
+    current would run on the wrong GPU.  _bind keeps a launcher's tensors on one
+    device, so the first tensor argument names it."""
+    @functools.wraps(launch)
+    def run(*args, **kwargs):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None or device.type != "cuda":
+            return launch(*args, **kwargs)
+        with torch.cuda.device(device):
+            return launch(*args, **kwargs)
+    return run
 
 
 def _block_size(value, wire, option):
@@ -972,6 +989,7 @@ def softcap(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=N
     return _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype, chunk)[0][0]
 
 
+@_on_inputs_device
 def _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None, chunk=None):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
@@ -1437,6 +1455,7 @@ def _softcap_bwd_dq_kernel(
         tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _grad_scaled(_acc_Q, 0.08838834764831845, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
 
 
+@_on_inputs_device
 def _softcap_preprocess(Q, K, V, dO, O, _o):
     """(delta): the backward's per-row values."""
     _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
@@ -1486,6 +1505,7 @@ def _bwd_stream_join(device, side):
         torch.cuda.current_stream(device).wait_stream(side)
 
 
+@_on_inputs_device
 def _softcap_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=None,
         grad_dtype="float32"):
     """The gradient of each input (float32 or the input's dtype: grad_dtype,

@@ -6,9 +6,11 @@ hold the shortcuts to what they replace.  bench/launch_overhead.py measures it.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +176,92 @@ def test_the_remembered_autotune_lookup_sees_a_new_file_and_a_new_cache_dir(modu
     assert m._autotune_lookup(sizes, dev) == {"block_q": 64}
     assert m._autotune_lookup(dict(sizes, x=8), dev) == {"block_q": 64}      # the same bucket
     assert m._autotune_lookup(dict(sizes, x=9), dev) is None                 # another
+
+
+# --------------------------------------------------------------------------
+# The device a launch runs on.  Triton launches on the current CUDA device;
+# each launcher makes its tensors' device current first.
+# --------------------------------------------------------------------------
+
+class _OnCuda1(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:1 (this machine may have no GPU)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 1)
+
+
+def _record_current_device(monkeypatch):
+    """Replace torch.cuda.device with one that records which device each
+    launch ran under; returns the list of launches' devices."""
+    current, seen = [None], []
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current[0] = current[0], torch.device(d)
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    return current, seen
+
+
+def test_a_launch_runs_with_its_tensors_cuda_device_current(modules, monkeypatch):
+    current, seen = _record_current_device(monkeypatch)
+    m = modules["attention"]
+    launch = m._on_inputs_device(lambda *a, **k: seen.append(current[0]) or "done")
+    on1 = torch.Tensor._make_subclass(_OnCuda1, torch.zeros(2))
+    assert launch(None, on1, torch.zeros(1), flag=True) == "done"   # the first tensor argument names it
+    assert launch(torch.zeros(1), need=(True,)) == "done"            # a CPU tensor: no CUDA call at all
+    assert launch() == "done"
+    assert seen == [torch.device("cuda", 1), None, None]
+    assert current[0] is None   # and the device before is current again
+
+
+def test_a_launch_that_raises_restores_the_current_device(modules, monkeypatch):
+    current, _ = _record_current_device(monkeypatch)
+
+    def fails(*args):
+        assert current[0] == torch.device("cuda", 1)
+        raise ValueError("from the launch")
+
+    with pytest.raises(ValueError, match="from the launch"):
+        modules["gqa"]._on_inputs_device(fails)(torch.Tensor._make_subclass(_OnCuda1, torch.zeros(1)))
+    assert current[0] is None
+
+
+def test_every_launcher_of_every_generated_module_runs_on_its_tensors_device():
+    """Each function that launches kernels (forward, backward, the backward's
+    per-row pass) is wrapped; the wrapper's code is _on_inputs_device's."""
+    folder = Path(importlib.import_module("generated").__file__).parent
+    names = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    checked = 0
+    for name in names:   # a module is named after its diagram
+        m = importlib.import_module(f"generated.{name}")
+        wrapper = m._on_inputs_device(lambda: None).__code__
+        launches = [f for f in (f"_{name}_forward", f"_{name}_preprocess", f"_{name}_backward") if hasattr(m, f)]
+        assert f"_{name}_forward" in launches, name
+        for f in launches:
+            assert getattr(m, f).__code__ is wrapper, f"{name}.{f} does not enter its tensors' device"
+            checked += 1
+    assert checked >= 2 * len(names)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tensors_on_the_second_gpu_compute_there_while_the_first_is_current(modules):
+    m = modules["attention"]
+    torch.cuda.set_device(0)
+    inputs = [t.requires_grad_() for t in m.example_inputs({"b": 1, "h": 2, "q": 200, "x": 333},
+                                                            dtype=torch.float16, device="cuda:1")]
+    out = m.attention(*inputs)
+    out.float().pow(2).sum().backward()
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    want = m.reference(*exact)
+    want.pow(2).sum().backward()
+    assert out.device == torch.device("cuda", 1) and torch.cuda.current_device() == 0
+    assert torch.allclose(out.double(), want, atol=2e-2)
+    for t, e in zip(inputs, exact):
+        assert torch.allclose(t.grad.double(), e.grad, atol=5e-2, rtol=5e-2)

@@ -36,7 +36,6 @@ import inspect
 import math
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -49,11 +48,12 @@ from .. import autotune, ir
 from ..errors import NapkinError
 from ..sizes import parse_pairs
 from . import baselines, flex, overlap, ranges_prepass, reference, results
+from .timing import DO_BENCH, cuda_ms as _cuda_ms, ms as _ms, result as _result
+from .timing import time_backward as _time_backward, time_forward as _time_forward
 
 CHECK_ELEMENTS = 1 << 26        # largest reference box (float64: 512 MiB) checked at full size
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3}   # max abs error vs float64
 NAPKIN_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-DO_BENCH = {"warmup": 25, "rep": 100}   # milliseconds, triton.testing.do_bench
 
 # --tune-budget's default: a run is meant to fit its time limit
 # (--time-limit, else $NAPKIN_BENCH_SECONDS, which bench/device.sh sets to a
@@ -732,75 +732,3 @@ def _full_size_check(check: dict, first: dict, d: ir.Diagram, dtype: str) -> Non
     limit = 2 * TOLERANCE[dtype]
     check["full_size_vs_flex"] = {"errors": errs, "tolerance": limit, "ok": all(v <= limit for v in errs.values())}
     check["ok"] = check["ok"] and check["full_size_vs_flex"]["ok"]
-
-
-# --------------------------------------------------------------------------
-# Timing.
-# --------------------------------------------------------------------------
-
-def _cuda_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=DO_BENCH["warmup"], rep=DO_BENCH["rep"], return_mode="median"))
-
-
-def _cpu_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def _ms(fn, device: str, reps: int) -> float:
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-        return _cuda_ms(fn)
-    return _cpu_ms(fn, reps)
-
-
-def _result(impl, p, equivalent, note, ms=None, flops=None, error=None) -> dict:
-    return {"impl": impl, "pass": p, "ms": ms, "tflops": results.tflops(flops, ms) if flops else None,
-            "equivalent": equivalent, "note": note, "error": error}
-
-
-def _time_forward(impl, inputs, shape, device, reps, flops, first: dict) -> dict:
-    try:
-        fn = impl.prepare(inputs, shape, device)
-        first[impl.name] = fn()       # warm-up (and compile); kept for the full-size check
-        ms = _ms(fn, device, reps)
-    except Exception as err:  # noqa: BLE001 - e.g. an SDPA backend refusing this shape
-        return _result(impl.name, "fwd", impl.equivalent, impl.note, error=baselines.first_line(err))
-    return _result(impl.name, "fwd", impl.equivalent, impl.note, ms, flops)
-
-
-def _time_backward(impl, inputs, shape, device, reps, flops) -> dict:
-    """Time d(outputs)/d(Q, K, V) for a fixed upstream gradient, the forward
-    graph built once outside the timed region."""
-    import torch
-
-    operands = set(shape["operands"])
-    try:
-        grads = [t.detach().clone().requires_grad_(t.is_floating_point() and n in operands)
-                 for n, t in zip(shape["inputs"], inputs)]
-        fn = impl.prepare(grads, shape, device, grad=True)
-        outs = [o for o in fn() if o is not None and o.is_floating_point()]
-        leaves = list(getattr(fn, "leaves", [t for t in grads if t.requires_grad]))
-        if not outs or not outs[0].requires_grad:
-            return _result(impl.name, "bwd", impl.equivalent, impl.note,
-                           error="no backward (its outputs do not require grad)")
-        out = outs[0]
-        upstream = torch.randn_like(out)
-
-        def step():
-            return torch.autograd.grad(out, leaves, upstream, retain_graph=True)
-
-        step()
-        ms = _ms(step, device, reps)
-    except Exception as err:  # noqa: BLE001 - e.g. FlexAttention has no backward on the CPU
-        return _result(impl.name, "bwd", impl.equivalent, impl.note, error=baselines.first_line(err))
-    return _result(impl.name, "bwd", impl.equivalent, impl.note, ms, flops)

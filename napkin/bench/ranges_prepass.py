@@ -14,7 +14,7 @@ import inspect
 from typing import Callable, Optional
 
 from .. import ir
-from . import baselines
+from . import baselines, timing
 
 # The prepass launches of a call, by (whole_rows, by_col): which kernel's blocks they serve.
 KERNELS = {(False, False): "fwd", (True, False): "dq", (True, True): "dkdv"}
@@ -39,11 +39,9 @@ def timed(module, d: ir.Diagram, inputs, shape: dict, ms: Callable, backward: bo
         calls.append(inspect.signature(prepass).bind(*a, **k))
         return prepass(*a, **k)
 
-    operands = set(shape["operands"])
     setattr(module, name, spy)
     try:
-        xs = [t.detach().clone().requires_grad_(backward and t.is_floating_point() and n in operands)
-              for n, t in zip(shape["inputs"], inputs)]
+        xs = timing.fresh_inputs(inputs, shape, grad=backward)
         outs = getattr(module, d.name)(*xs)
         outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o.requires_grad]
         if outs:
