@@ -329,8 +329,10 @@ def _differentiable(tensors):
 # Tuned configurations.  `napkin bench --autotune` (napkin.autotune) times
 # candidate block sizes, num_warps and num_stages (and, for an attention's
 # kernels at head dim 128 or more, tma: TMA descriptor loads) and stores the best in a
-# JSON cache, keyed by this diagram's hash, the device's name and the shape
-# bucket: each symbolic wire's size rounded up to a power of two.  A launch
+# JSON cache, keyed by this diagram's hash, the device's name, the inputs'
+# float dtypes (a config tuned on 16-bit tiles may not fit float32's shared
+# memory) and the shape bucket: each symbolic wire's size rounded up to a
+# power of two.  A launch
 # with no explicit options takes the cached config of its bucket, so a new
 # sequence length in a tuned bucket neither retunes nor recompiles (the
 # sizes are not specialised on; the blocks, which are, stay the same).  The
@@ -342,10 +344,10 @@ def _differentiable(tensors):
 import json as _autotune_json
 import os as _autotune_os
 
-_AUTOTUNE_SCHEMA = "napkin-autotune/1"
+_AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
 _AUTOTUNE_HASH = "62166c57c580fbd19206c95a4a053f07544b832b7e736721b107394eae44020f"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
-_autotune_memo = {}   # (device, bucket, kind) -> (the cache file's path and stamp when read, config or None)
+_autotune_memo = {}   # (device, dtypes, bucket, kind) -> (the cache file's path and stamp when read, config or None)
 _autotune_paths = {}  # ($NAPKIN_CACHE, $HOME) -> the cache file's path
 
 
@@ -372,10 +374,16 @@ def _autotune_device_name(device):
     return device.type
 
 
-def _autotune_key(diagram_hash, device_name, sizes, wires, kind=""):
+def _autotune_dtypes(classes):
+    """The inputs' float dtypes as a key names them: classes maps each declared
+    float dtype to the torch dtype (or its name) its inputs have (_bind's)."""
+    return ",".join(str(classes[k]).replace("torch.", "") for k in sorted(classes))
+
+
+def _autotune_key(diagram_hash, device_name, classes, sizes, wires, kind=""):
     """kind: "" for the forward launch, "bwd" for the backward's dQ kernel, "bwd_kv" for its dK/dV."""
     bucket = ",".join(f"{w}={n}" for w, n in _autotune_bucket(sizes, wires))
-    return f"{diagram_hash}|{device_name}|{bucket}" + (f"|{kind}" if kind else "")
+    return f"{diagram_hash}|{device_name}|{_autotune_dtypes(classes)}|{bucket}" + (f"|{kind}" if kind else "")
 
 
 def _autotune_read(path):
@@ -383,7 +391,7 @@ def _autotune_read(path):
     try:
         with open(path, encoding="utf-8") as f:
             data = _autotune_json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):   # RecursionError: nested too deep for json
         return {}
     if not isinstance(data, dict) or data.get("schema") != _AUTOTUNE_SCHEMA:
         return {}
@@ -391,11 +399,11 @@ def _autotune_read(path):
     return entries if isinstance(entries, dict) else {}
 
 
-def _autotune_lookup(sizes, device, kind=""):
+def _autotune_lookup(sizes, device, classes, kind=""):
     """The cached config (a dict of launcher options) for these sizes on this
     device, or None.  Remembered per shape bucket until the cache file
     changes: a launch pays one stat of the file, not a read."""
-    memo = (device, _autotune_bucket(sizes, _AUTOTUNE_WIRES), kind)
+    memo = (device, tuple(classes.items()), _autotune_bucket(sizes, _AUTOTUNE_WIRES), kind)
     path = _autotune_cache_path()
     try:
         st = _autotune_os.stat(path)
@@ -405,13 +413,23 @@ def _autotune_lookup(sizes, device, kind=""):
     seen = _autotune_memo.get(memo)
     if seen is not None and seen[0] == stamp:
         return seen[1]
-    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), sizes, _AUTOTUNE_WIRES, kind)
-    entry = _autotune_read(path).get(key) if stamp[1] is not None else None
-    config = entry.get("config") if isinstance(entry, dict) else None
-    valid = isinstance(config, dict) and all(isinstance(k, str) and _autotune_valid(k, v) for k, v in config.items())
-    config = config if valid else None
+    key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), classes, sizes, _AUTOTUNE_WIRES, kind)
+    config = _autotune_config(_autotune_read(path).get(key)) if stamp[1] is not None else None
     _autotune_memo[memo] = (stamp, config)
     return config
+
+
+def _autotune_config(entry):
+    """A cache entry's config, or None unless every option in it is one a
+    launch takes (napkin.autotune.Cache holds the tuner to the same test).
+    An option it lacks stays the launcher's default."""
+    config = entry.get("config") if isinstance(entry, dict) else None
+    if not isinstance(config, dict) or not all(isinstance(k, str) and _autotune_valid(k, v) for k, v in config.items()):
+        return None
+    blocks = sorted(v for k, v in config.items() if k.startswith("block_"))
+    # a tile of its two largest blocks (or of one and a 16-wide dimension) may
+    # not pass Triton's largest tensor, 2^20 elements: it would fail every launch
+    return config if not blocks or blocks[-1] * (blocks[-2] if len(blocks) > 1 else 16) <= 1 << 20 else None
 
 
 def _autotune_valid(option, value):
@@ -431,7 +449,7 @@ def _autotune_valid(option, value):
     return option != "tma" or value in (0, 1)
 
 
-def _autotune_fill(options, sizes, device, kind=""):
+def _autotune_fill(options, sizes, device, classes, kind=""):
     """``options`` (launcher option -> value or None) with the Nones taken from
     the cached config of ``kind``; options given explicitly always win."""
     for k in ("num_warps", "num_stages"):
@@ -440,7 +458,7 @@ def _autotune_fill(options, sizes, device, kind=""):
                              + f", not {options[k]!r}")
     if all(v is not None for v in options.values()):
         return options
-    config = _autotune_lookup(sizes, device, kind) or {}
+    config = _autotune_lookup(sizes, device, classes, kind) or {}
     return {k: (config.get(k) if v is None else v) for k, v in options.items()}
 
 
@@ -489,19 +507,28 @@ def _safe_div(a, b):
 
 
 # A gradient tile's constant factor c (backward.grad_scales): applied once to the
-# accumulator at its store, unless the product's operands are float16, whose range the
-# unscaled tile can overflow (|dS| over 65504 where c * dS is not: loss-scaled fp16
-# training); then each tile is scaled before its cast, as autodiff writes it.
+# float32 accumulator at its store, unless the product's operands are float16 and
+# |c| < 1: then the unscaled tile can overflow float16's 65504 where c * dS does not
+# (loss-scaled fp16 training, c = |d|^-0.5), so each tile is scaled before its cast,
+# as autodiff writes it.  With |c| >= 1 the unscaled tile is the smaller one (a score
+# times 64 overflowed as c * dS): it is cast as it is and c waits for the store.
 @triton.jit
 def _grad_operand(t, c: tl.constexpr, dt: tl.constexpr):
     if dt == tl.float16:
-        t = t * c
+        if c < 1.0:
+            if c > -1.0:
+                t = t * c
     return t.to(dt)
 
 
 @triton.jit
 def _grad_scaled(acc, c: tl.constexpr, dt: tl.constexpr):
-    if dt != tl.float16:
+    if dt == tl.float16:
+        if c >= 1.0:
+            acc = acc * c
+        elif c <= -1.0:
+            acc = acc * c
+    else:
         acc = acc * c
     return acc
 
@@ -1002,7 +1029,7 @@ def _causal_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save
     when _save is set."""
     _sz, _cls, _dev = _bind((Q, K, V), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
-    _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev)
+    _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
@@ -1531,7 +1558,7 @@ def _causal_preprocess(Q, K, V, dO, O, dlse, _o):
     if dlse is None:
         dlse = torch.zeros(_shape("dlse", _sz), dtype=torch.float32, device=_dev)
     _check_state({"dO": dO, "O": O, "dlse": dlse}, _sz, _dev)
-    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
+    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     delta = torch.empty(_shape("delta", _sz), dtype=torch.float32, device=_dev)
     _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
@@ -1590,7 +1617,7 @@ def _causal_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
     # Options not given come from the backward's own tuned configs, never the
     # forward's (these kernels hold other tiles): kind "bwd" for dQ, "bwd_kv" for dK/dV.
     # tma too: each kernel takes its TMA descriptors (_tma_args) as its own entry says.
-    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd")
+    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
     _need = _wanted(need)
@@ -1609,7 +1636,7 @@ def _causal_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
     # wgmma: mma.sync takes its operands from registers, which that count misses): down to 32, then the block of
     # x down to 64 (a warpgroup's wgmma rows), then q down to 16.  8 warps when either block of
     # the schedule's tile is 128 or more, else 4.
-    _kv_opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, "bwd_kv")
+    _kv_opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd_kv")
     _kv_br = _block_size(_kv_opts["block_q"], "q", "block_q")
     _kv_bc = _block_size(_kv_opts["block_x"], "x", "block_x")
     _kv_default = _kv_opts["block_q"] is None and _kv_opts["block_x"] is None

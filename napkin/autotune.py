@@ -36,16 +36,16 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from . import ir, tiling
+from . import files, ir, tiling
 from .errors import NapkinError
 
-SCHEMA = "napkin-autotune/1"
+SCHEMA = "napkin-autotune/2"   # the run-time reader's (templates/autotune.py.jinja); /2: keys name dtypes
 WARPS = (4, 8)
 STAGES = (2, 3, 4)
 MIN_ROWS_PER_WARP = 16   # an mma tile is 16 rows: fewer rows per warp leaves warps idle
@@ -130,11 +130,22 @@ def shape_bucket(sizes: Mapping[str, int], wires: Sequence[str]) -> tuple[tuple[
     return _runtime()["_autotune_bucket"](sizes, tuple(wires))
 
 
-def cache_key(diagram_hash: str, device_name: str, sizes: Mapping[str, int], wires: Sequence[str],
-              kind: str = "") -> str:
+def cache_key(diagram_hash: str, device_name: str, classes: Mapping[str, object], sizes: Mapping[str, int],
+              wires: Sequence[str], kind: str = "") -> str:
     """The cache key of a launch: kind "" for the forward, "bwd" for the
-    backward's dQ kernel, "bwd_kv" for its dK/dV kernel."""
-    return _runtime()["_autotune_key"](diagram_hash, device_name, sizes, tuple(wires), kind)
+    backward's dQ kernel, "bwd_kv" for its dK/dV kernel.  ``classes``: each
+    declared float dtype's torch dtype (or its name) at the launch, as the
+    launcher's _bind finds them (``input_classes`` for inputs as declared)."""
+    return _runtime()["_autotune_key"](diagram_hash, device_name, dict(classes), sizes, tuple(wires), kind)
+
+
+_TORCH_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
+
+
+def input_classes(diagram: ir.Diagram) -> dict[str, str]:
+    """The dtype classes of a launch whose float inputs have their declared
+    dtypes (what napkin bench passes): declared -> torch dtype name."""
+    return {t.dtype: _TORCH_NAMES[t.dtype] for t in diagram.inputs if t.dtype in _TORCH_NAMES}
 
 
 def device_name(device) -> str:
@@ -639,28 +650,48 @@ class Cache:
         return _runtime()["_autotune_read"](str(self.path))
 
     def get(self, key: str) -> Optional[Config]:
-        entry = self.entries().get(key)
-        try:
-            return Config.from_kwargs(entry["config"])
-        except (TypeError, KeyError, ValueError):
+        """The entry's config when a launch would take it (the run-time reader's
+        test, _autotune_config) and it sets num_warps and num_stages, else None:
+        the tuner and the launcher never disagree on what the cache holds."""
+        config = _runtime()["_autotune_config"](self.entries().get(key))
+        if config is None or "num_warps" not in config or "num_stages" not in config:
             return None
+        return Config.from_kwargs(config)
 
     def put(self, key: str, config: Config, **facts) -> None:
-        """Store (replace) one entry; other entries, also ones another process
-        wrote meanwhile, are kept.  Written to a temporary file and renamed, so
-        a reader never sees half a file."""
-        entries = self.entries()
-        entries[key] = {"config": config.kwargs(), **facts}
+        """Store (replace) one entry; the others are kept, also ones another
+        process wrote meanwhile: the read, change and write hold a lock (a
+        file beside the cache), and the write is a rename, so a reader never
+        sees half a file.  A file there that is no readable cache of this
+        schema (damaged, or an older napkin's) is kept as <name>.old, with a
+        warning, not overwritten unseen.  OSError when it cannot write."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"schema": SCHEMA, "entries": dict(sorted(entries.items()))}, indent=1) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=".autotune.", suffix=".tmp", dir=str(self.path.parent))
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with files.locked(self.path.with_name(self.path.name + ".lock")):
+            entries = self.entries()
+            if not entries and self.path.is_file() and not _empty_cache(self.path):
+                old = self.path.with_name(self.path.name + ".old")
+                os.replace(self.path, old)
+                warnings.warn(f"{self.path} was no readable {SCHEMA} cache (damaged, or another napkin's): "
+                              f"moved to {old}, a new cache started", stacklevel=2)
+            entries[key] = {"config": config.kwargs(), **facts}
+            text = json.dumps({"schema": SCHEMA, "entries": dict(sorted(entries.items()))}, indent=1) + "\n"
+            files.write_atomic(self.path, text)
+
+
+def _empty_cache(path: Path) -> bool:
+    """Whether ``path`` holds an empty file or a cache of this schema with no entries."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if text.strip() else {"schema": SCHEMA, "entries": {}}
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("schema") == SCHEMA and data.get("entries") == {}
+
+
+def _count(entry: Mapping, name: str) -> int:
+    """A count a cache entry records (timed, failed, skipped), 0 when it holds no whole number >= 0."""
+    value = entry.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 # --------------------------------------------------------------------------
@@ -761,8 +792,10 @@ def autotune(fn: Callable, configs: Sequence[Config], bench_fn: Callable[[Callab
             entry = cache.entries()[key]
             done = resume_point(entry, hit, configs) if resume else 0
             if not done:
-                return Tuned(hit, float(entry.get("ms", math.nan)), (), cached=True,
-                             skipped=int(entry.get("skipped", 0)), budget_s=entry.get("budget_s"))
+                ms, budget = entry.get("ms"), entry.get("budget_s")
+                number = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+                return Tuned(hit, float(ms) if number(ms) else math.nan, (), cached=True,
+                             skipped=_count(entry, "skipped"), budget_s=budget if number(budget) else None)
             todo, earlier = [hit, *configs[done:]], entry
     trials: list[Trial] = []
     start = clock()
@@ -786,9 +819,12 @@ def autotune(fn: Callable, configs: Sequence[Config], bench_fn: Callable[[Callab
         raise NapkinError(f"autotuning found no configuration that runs ({why})")
     best = min(timed, key=lambda t: (t.ms, trials.index(t)))
     tuned = Tuned(best.config, best.ms, tuple(trials), cached=False, skipped=skipped, budget_s=budget_s,
-                  resumed_from=done, earlier_timed=int(earlier.get("timed") or 0),
-                  earlier_failed=int(earlier.get("failed") or 0))
+                  resumed_from=done, earlier_timed=_count(earlier, "timed"), earlier_failed=_count(earlier, "failed"))
     if cache is not None and key is not None:
-        cache.put(key, best.config, ms=best.ms, tried=done + len(tuned.new_trials), order=order_digest(configs),
-                  **tuned.facts(), **facts)
+        try:
+            cache.put(key, best.config, ms=best.ms, tried=done + len(tuned.new_trials),
+                      order=order_digest(configs), **tuned.facts(), **facts)
+        except OSError as err:  # the tuning stands; only its record is lost
+            warnings.warn(f"the tuned config could not be cached in {cache.path}: {err.strerror or err}",
+                          stacklevel=2)
     return tuned

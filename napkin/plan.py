@@ -41,6 +41,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from . import ir, masks
@@ -50,6 +51,7 @@ from .cost.devices import moved
 from .cost.profiles import get_profile, profile_names
 from .distributed.reading import roles
 from .errors import NapkinError
+from .files import why_not, write_atomic
 from .sizes import positive_int
 
 FWD_EFFICIENCY = 370 / 989.4     # FlashAttention-2 forward, d128, H100 (background section 4)
@@ -293,8 +295,10 @@ def handler(args) -> int:
         best = options[0]
         text = to_text(emit(diagram, best))
         napkin.load_text(text, args.emit)          # what is written must check
-        with open(args.emit, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            write_atomic(Path(args.emit), text)
+        except OSError as err:  # a folder that is a file, or missing, or not writable; --emit a folder
+            raise NapkinError(f"cannot write {args.emit}: {why_not(err, Path(args.emit))}") from None
         note = " (run it with RingAttention(diagram, backward='burst'))" \
             if best.scheme in ("burst", "burst2") else ""
         print(f"wrote {args.emit}: {best.label}{note}")

@@ -678,7 +678,7 @@ def test_each_backward_kernel_takes_its_own_tuned_config(folder, monkeypatch, tm
     causal = example("causal", folder)
     sizes = {"b": 1, "h": 2, "q": 40, "x": 50}
     wires = ("b", "h", "q", "x")
-    key = {kind: autotune.cache_key(causal.SOURCE_HASH, "cpu", sizes, wires, kind) for kind in ("bwd", "bwd_kv")}
+    key = {kind: autotune.cache_key(causal.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, wires, kind) for kind in ("bwd", "bwd_kv")}
     entries = {key["bwd"]: {"config": {"block_q": 64, "block_x": 16, "num_warps": 4, "num_stages": 3}},
                key["bwd_kv"]: {"config": {"block_q": 16, "block_x": 64, "num_warps": 8, "num_stages": 2}}}
     (tmp_path / "autotune.json").write_text(json.dumps({"schema": autotune.SCHEMA, "entries": entries}))

@@ -275,6 +275,7 @@ def test_ratios_are_napkin_speed_over_baseline_speed():
 # --------------------------------------------------------------------------
 
 WIRES = ("b", "h", "q", "x")
+F16, T16 = {"fp16": "float16"}, {"fp16": torch.float16}   # a key's dtype classes: names or torch dtypes
 
 
 def _sizes(n, b=1, h=16):
@@ -292,19 +293,19 @@ def test_cache_round_trip_and_bucket_hits(tmp_path, monkeypatch):
     cache = autotune.Cache()
     assert cache.path == tmp_path / "autotune.json"
     config = autotune.Config((("q", 128), ("x", 64)), 8, 3)
-    key = autotune.cache_key("abc", "NVIDIA H100", _sizes(3000), WIRES)
+    key = autotune.cache_key("abc", "NVIDIA H100", F16, _sizes(3000), WIRES)
     cache.put(key, config, ms=1.5)
     data = json.loads(cache.path.read_text())
     assert data["schema"] == autotune.SCHEMA
     assert data["entries"][key]["config"] == {"block_q": 128, "block_x": 64, "num_warps": 8, "num_stages": 3}
-    same_bucket = autotune.cache_key("abc", "NVIDIA H100", _sizes(4000), WIRES)
+    same_bucket = autotune.cache_key("abc", "NVIDIA H100", F16, _sizes(4000), WIRES)
     assert cache.get(same_bucket) == config
-    for other in (autotune.cache_key("abc", "NVIDIA H100", _sizes(5000), WIRES),   # next bucket
-                  autotune.cache_key("abc", "NVIDIA H200", _sizes(3000), WIRES),   # other device
-                  autotune.cache_key("abd", "NVIDIA H100", _sizes(3000), WIRES)):  # other diagram
+    for other in (autotune.cache_key("abc", "NVIDIA H100", F16, _sizes(5000), WIRES),   # next bucket
+                  autotune.cache_key("abc", "NVIDIA H200", F16, _sizes(3000), WIRES),   # other device
+                  autotune.cache_key("abd", "NVIDIA H100", F16, _sizes(3000), WIRES)):  # other diagram
         assert cache.get(other) is None
     # another entry keeps the first
-    cache.put(autotune.cache_key("abc", "NVIDIA H100", _sizes(9000), WIRES), config, ms=2.0)
+    cache.put(autotune.cache_key("abc", "NVIDIA H100", F16, _sizes(9000), WIRES), config, ms=2.0)
     assert len(cache.entries()) == 2 and cache.get(same_bucket) == config
 
 
@@ -316,6 +317,143 @@ def test_a_corrupt_or_foreign_cache_reads_as_empty(tmp_path, monkeypatch):
     assert autotune.Cache().get("k") is None
 
 
+def _put_many(path, writer, n):   # a process of the concurrent-writers test
+    for i in range(n):
+        autotune.Cache(Path(path)).put(f"{writer}-{i}", autotune.Config((("q", 64),), 4, 2), ms=float(i))
+
+
+def test_writers_in_several_processes_keep_every_entry(tmp_path):
+    """Each put reads, changes and renames under a lock: without it the last
+    rename won and 149 of 400 entries survived (a helper's hunt)."""
+    import multiprocessing
+
+    path = tmp_path / "autotune.json"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_put_many, args=(str(path), w, 30)) for w in "abcd"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert sorted(autotune.Cache(path).entries()) == sorted(f"{w}-{i}" for w in "abcd" for i in range(30))
+    assert not [f.name for f in tmp_path.iterdir() if f.name.endswith(".tmp")]
+
+
+def test_a_put_keeps_an_unreadable_file_aside_and_the_files_mode(tmp_path):
+    path = tmp_path / "autotune.json"
+    old = json.dumps({"schema": autotune.SCHEMA, "entries": {"a": {"config": {}}}})[:-1] + ",}"   # one stray comma
+    path.write_text(old)
+    path.chmod(0o644)
+    with pytest.warns(UserWarning, match=r"autotune.json was no readable napkin-autotune/2 cache .*moved to .*\.old"):
+        autotune.Cache(path).put("new", autotune.Config((("q", 64),), 4, 2))
+    assert (tmp_path / "autotune.json.old").read_text() == old
+    assert list(autotune.Cache(path).entries()) == ["new"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask       # mkstemp's 0600 would hide it from others
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                           # an empty file, a readable cache: no warning
+        autotune.Cache(path).put("newer", autotune.Config((("q", 32),), 4, 2))
+        path.write_text("")
+        autotune.Cache(path).put("a", autotune.Config((("q", 32),), 4, 2))
+
+
+def test_a_cache_it_cannot_write_keeps_the_tuning(tmp_path):
+    (tmp_path / "file").write_text("")
+    cache = autotune.Cache(tmp_path / "file" / "autotune.json")   # its folder is a file
+    configs = [autotune.Config((("q", q),), 4, 2) for q in (32, 64)]
+    with pytest.warns(UserWarning, match="the tuned config could not be cached in .*file/autotune.json"):
+        tuned = autotune.autotune(lambda **o: None, configs, lambda fn: 1.0, cache=cache, key="k")
+    assert tuned.best in configs and not tuned.cached and len(tuned.trials) == 2
+
+
+@pytest.mark.parametrize("config", [
+    "fast", [64], None, {"block_q": 7, "num_warps": 4, "num_stages": 2},
+    {"block_q": -64, "num_warps": 4, "num_stages": 2}, {"block_q": "64", "num_warps": 4, "num_stages": 2},
+    {"block_q": 64.7, "num_warps": 4, "num_stages": 2}, {"block_q": 64, "num_warps": 3, "num_stages": 2},
+    {"block_q": 64, "num_warps": 4, "num_stages": 2, "tma": "false"},
+    {"block_q": 1 << 20, "num_warps": 4, "num_stages": 2},
+    {"block_q": 4096, "block_x": 512, "num_warps": 4, "num_stages": 2}])
+def test_the_tuner_and_the_launcher_refuse_the_same_cached_configs(tmp_path, monkeypatch, config):
+    """A cached config either reader would not launch is no config to both
+    (the tuner once coerced "64", 64.7 and tma "false" -> True, and kept them)."""
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    key = autotune.cache_key("f00d", "cpu", F16, _sizes(1000), WIRES)
+    (tmp_path / "autotune.json").write_text(json.dumps({"schema": autotune.SCHEMA,
+                                                        "entries": {key: {"config": config, "ms": 1.0}}}))
+    ns: dict = {}
+    exec(compile(autotune.runtime_source("f00d", WIRES), "<snippet>", "exec"), ns)
+    assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16) is None
+    assert autotune.Cache().get(key) is None
+    fresh = autotune.Config((("q", 64), ("x", 64)), 4, 2)
+    tuned = autotune.autotune(lambda **o: None, [fresh], lambda fn: 1.0, cache=autotune.Cache(), key=key)
+    assert not tuned.cached and tuned.best == fresh           # retuned, not taken from the bad entry
+
+
+def test_cached_facts_of_the_wrong_type_do_not_stop_the_tuner(tmp_path):
+    cache = autotune.Cache(tmp_path / "autotune.json")
+    good = {"block_q": 64, "num_warps": 4, "num_stages": 2}
+    configs = [autotune.Config((("q", q),), 4, 2) for q in (64, 32, 16)]
+    cache.path.write_text(json.dumps({"schema": autotune.SCHEMA, "entries": {
+        "done": {"config": good, "ms": "fast", "skipped": "x", "budget_s": [1]},
+        "cut": {"config": good, "ms": 1.0, "truncated": True, "tried": 1, "candidates": 3,
+                "order": autotune.order_digest(configs), "timed": "x", "failed": [1]}}}))
+    done = autotune.autotune(lambda **o: None, configs, lambda fn: 1.0, cache=cache, key="done")
+    assert done.cached and math.isnan(done.ms) and done.skipped == 0 and done.budget_s is None
+    cut = autotune.autotune(lambda **o: None, configs, lambda fn: 1.0, cache=cache, key="cut")
+    assert cut.resumed_from == 1 and cut.facts()["timed"] == 2 and cut.facts()["failed"] == 0   # earlier: unknown
+
+
+def test_a_config_tuned_on_16_bit_inputs_is_not_taken_by_a_float32_call(tmp_path, monkeypatch):
+    """The key names the inputs' dtypes: float32 tiles take twice the shared
+    memory, so a config tuned at float16 may not even launch at float32."""
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    ns: dict = {}
+    exec(compile(autotune.runtime_source("f00d", WIRES), "<snippet>", "exec"), ns)
+    autotune.Cache().put(autotune.cache_key("f00d", "cpu", F16, _sizes(1000), WIRES),
+                         autotune.Config((("q", 128), ("x", 128)), 8, 4))
+    assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16)["block_q"] == 128
+    assert ns["_autotune_lookup"](_sizes(1000), "cpu", {"fp16": torch.float32}) is None
+    assert ns["_autotune_lookup"](_sizes(1000), "cpu", {"fp16": torch.bfloat16}) is None
+    mixed = {"fp32": torch.float32, "fp16": torch.bfloat16}             # ALiBi's slopes beside bf16 Q, K, V
+    assert autotune.cache_key("f00d", "cpu", mixed, _sizes(1000), WIRES).split("|")[2] == "bfloat16,float32"
+    assert autotune.input_classes(napkin.load("examples/alibi.ncd")) == {"fp16": "float16", "fp32": "float32"}
+
+
+def test_a_cache_nested_too_deep_for_json_reads_as_empty(tmp_path, monkeypatch):
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    (tmp_path / "autotune.json").write_text("[" * 100000 + "]" * 100000)
+    assert autotune.Cache().entries() == {}
+    ns: dict = {}
+    exec(compile(autotune.runtime_source("f00d", WIRES), "<snippet>", "exec"), ns)
+    assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16) is None   # was RecursionError: every launch failed
+
+
+def test_the_committed_tunings_are_read_by_this_napkin():
+    """bench/results/autotune-*.json seeds a GPU session's cache (bench/device.sh),
+    where cut-short tunings resume: each entry must be one this napkin's
+    reader finds, under the key a bench of its diagram's variant asks for."""
+    folder = Path(__file__).resolve().parents[1]
+    variants = {}
+    for path in sorted((folder / "examples").glob("*.ncd")):
+        d = napkin.load(str(path))
+        for dtype in ("bfloat16", "float16"):
+            try:
+                v, text = harness.variant(d, path.read_text(), dtype, 128)
+            except NapkinError:
+                continue
+            variants[autotune.diagram_hash(text)] = v
+    newest = sorted((folder / "bench" / "results").glob("autotune-*.json"))[-1]
+    cache = autotune.Cache(newest)
+    assert cache.entries()
+    for key, entry in cache.entries().items():
+        v = variants[key.split("|")[0]]
+        kind = key.split("|")[4] if key.count("|") == 4 else ""
+        assert key == autotune.cache_key(key.split("|")[0], key.split("|")[1], autotune.input_classes(v),
+                                         entry["sizes"], autotune.symbolic_wires(v), kind)
+        assert cache.get(key) is not None, key
+
+
 def test_runtime_snippet_reads_what_the_writer_stored(tmp_path, monkeypatch):
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     source = autotune.runtime_source("f00d", WIRES)
@@ -323,15 +461,15 @@ def test_runtime_snippet_reads_what_the_writer_stored(tmp_path, monkeypatch):
     assert imports <= {"json", "os", "torch"}, imports   # a generated module may import little
     ns: dict = {}
     exec(compile(source, "<snippet>", "exec"), ns)
-    assert ns["_autotune_lookup"](_sizes(1000), "cpu") is None
+    assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16) is None
     cache = autotune.Cache()
-    cache.put(autotune.cache_key("f00d", "cpu", _sizes(1000), WIRES), autotune.Config((("q", 64), ("x", 32)), 4, 2))
+    cache.put(autotune.cache_key("f00d", "cpu", F16, _sizes(1000), WIRES), autotune.Config((("q", 64), ("x", 32)), 4, 2))
     # the memo notices the file changed; a length in the same bucket hits
-    assert ns["_autotune_lookup"](_sizes(1000), "cpu")["block_q"] == 64
-    assert ns["_autotune_lookup"](_sizes(600), "cpu")["block_x"] == 32
-    assert ns["_autotune_lookup"](_sizes(1100), "cpu") is None
+    assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16)["block_q"] == 64
+    assert ns["_autotune_lookup"](_sizes(600), "cpu", T16)["block_x"] == 32
+    assert ns["_autotune_lookup"](_sizes(1100), "cpu", T16) is None
     filled = ns["_autotune_fill"]({"block_q": None, "block_x": 16, "num_warps": None, "num_stages": None},
-                                  _sizes(1000), "cpu")
+                                  _sizes(1000), "cpu", T16)
     assert filled == {"block_q": 64, "block_x": 16, "num_warps": 4, "num_stages": 2}   # explicit wins
 
 
@@ -900,6 +1038,46 @@ def test_a_run_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
     data = json.loads(json_path.read_text())
     assert [r["diagram"] for r in data["rows"]] == ["causal", "alibi"] and "partial" not in data
     assert "PARTIAL" not in json_path.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "zz=64"], "attention.ncd: --size zz=64: diagram attention has no wire zz (its wires: b, h, q, x, d)"),
+    (["--size", "d=128"], "attention.ncd: --size d=128: wire d of diagram attention is fixed at 64 "
+                          "(--head-dim sets the fixed wires)"),
+    (["--out", "{afile}"], "--out {afile} is a file: the results need a folder")])
+def test_bench_refuses_sizes_it_would_ignore_and_an_out_that_is_a_file(tmp_path, capsys, argv, message):
+    """--size for a wire the diagram lacks, or a fixed wire, was silently
+    ignored (the record said --size d=128 of a run at 64); --out naming a
+    file failed with an internal error after the whole run."""
+    from napkin.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    argv = [a.format(afile=afile) for a in argv]
+    out = [] if "--out" in argv else ["--out", str(tmp_path)]
+    status = main(["bench", str(EXAMPLES / "attention.ncd"), "--seqlen", "32", "--no-backward", *out, *argv])
+    err = capsys.readouterr().err
+    assert status == 1 and message.format(afile=afile) in err, err
+    assert not list(tmp_path.glob("cpu-*")) and afile.read_text() == ""
+
+
+@pytest.mark.parametrize("flag", ["--group", "--reps"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_bench_counts_below_one_are_usage_errors(capsys, flag, value):
+    from napkin.cli import main
+
+    assert main(["bench", str(EXAMPLES / "gqa.ncd"), flag, value]) == 2    # argparse's usage error
+    assert f"argument {flag}: expected a whole number of at least 1, got '{value}'" in capsys.readouterr().err
+
+
+def test_bench_points_at_the_users_line_of_a_diagram_it_cannot_compile(tmp_path, capsys):
+    """A rewritten variant (here for float16) is re-printed text: its line 6
+    was reported as the file's, whose Q is declared on line 12."""
+    from napkin.cli import main
+
+    status = main(["bench", str(EXAMPLES / "attention_fp8.ncd"), "--no-backward", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 1 and "attention_fp8.ncd:12:4: napkin cannot emit a kernel for input Q" in err, err
 
 
 @pytest.mark.slow

@@ -287,7 +287,7 @@ def test_a_launch_without_chunk_takes_the_cached_one(tmp_path, monkeypatch):
     m = K.example("flash_decoding", ("group x by 1024", "group x by 512"))
     sizes = {"b": 1, "hk": 1, "g": 2, "q": 3, "x": 100}
     inputs = m.example_inputs(sizes, dtype=torch.float32, seed=8)
-    key = autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, ("b", "hk", "g", "q", "x"))
+    key = autotune.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, ("b", "hk", "g", "q", "x"))
     autotune.Cache().put(key, autotune.Config((("q", 16), ("x", 16)), 1, 2, chunk=32), ms=1.0)
     spy = LaunchSpy(m._flash_decoding_kernel)
     monkeypatch.setattr(m, "_flash_decoding_kernel", spy)

@@ -243,8 +243,23 @@ def test_compile_into_what_is_no_folder_is_a_user_error(capsys, tmp_path):
         code, _, err = run(capsys, "compile", str(REPO / "examples" / "matmul.ncd"), str(REPO / "examples" /
                                                                                          "causal.ncd"), "-o", str(out))
         assert code == 1, err
-        assert f"matmul.ncd: cannot write {out / 'matmul.py'}: " in err
-        assert f"causal.ncd: cannot write {out / 'causal.py'}: " in err
+        assert f"matmul.ncd: cannot write {out / 'matmul.py'}: {afile} is a file, not a folder" in err
+        assert f"causal.ncd: cannot write {out / 'causal.py'}: {afile} is a file, not a folder" in err
+
+
+def test_render_report_and_plan_into_a_file_name_the_file(capsys, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    example = str(REPO / "examples" / "attention.ncd")
+    for argv in (["render", example, "-o", str(afile / "x.svg")], ["report", example, "-o", str(afile / "x.html")],
+                 ["plan", example, "--devices", "2", "-D", "b=1", "-D", "h=16", "-D", "q=4096", "-D", "x=4096",
+                  "--emit", str(afile / "x.ncd")]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and f"{afile} is a file, not a folder" in err, (argv, err)
+    code, _, err = run(capsys, "plan", example, "--devices", "2", "-D", "b=1", "-D", "h=16", "-D", "q=4096",
+                       "-D", "x=4096", "--emit", str(tmp_path))       # a folder: was IsADirectoryError, exit 2
+    assert code == 1 and f"cannot write {tmp_path}: " in err, err
+    assert afile.read_text() == ""
 
 
 def test_compiled_modules_are_readable_as_the_umask_says(capsys, tmp_path):

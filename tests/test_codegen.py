@@ -96,7 +96,7 @@ def test_module_imports_only_torch_and_triton(path):  # (and the standard librar
             elif isinstance(node, ast.ImportFrom):
                 where.add(node.module or "")
     # (triton.tools.tensor_descriptor: the forward's TMA descriptors, imported only when tma= asks)
-    assert imported <= {"contextlib", "json", "math", "os", "torch", "triton", "triton.language",
+    assert imported <= {"contextlib", "functools", "json", "math", "os", "torch", "triton", "triton.language",
                         "triton.tools.tensor_descriptor"}, imported
     assert lazy <= {"napkin", "napkin.distributed"}, lazy
 
@@ -240,7 +240,7 @@ def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp
 
     m = modules["attention"]
     sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
-    key = autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, ("b", "h", "q", "x"))
+    key = autotune.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, ("b", "h", "q", "x"))
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
 
     def cache(config):  # a new file each time, as the writer makes it (the reader watches the inode)
@@ -251,13 +251,13 @@ def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp
     unset = dict.fromkeys(("block_q", "block_x", "num_warps", "num_stages", "tma", "chunk"))
     tuned = {"block_q": 32, "block_x": 16, "num_warps": 4, "num_stages": 3, "tma": False, "chunk": 0}
     cache(tuned)
-    cpu = torch.device("cpu")
-    assert m._autotune_fill(dict(unset), sizes, cpu) == tuned
-    assert m._autotune_fill({**unset, "block_q": 16}, sizes, cpu) == {**tuned, "block_q": 16}
+    cpu, f16 = torch.device("cpu"), {"fp16": torch.float16}
+    assert m._autotune_fill(dict(unset), sizes, cpu, f16) == tuned
+    assert m._autotune_fill({**unset, "block_q": 16}, sizes, cpu, f16) == {**tuned, "block_q": 16}
     for bad in ({"block_q": 24}, {"num_warps": 0}, {"num_stages": 0}, {"chunk": 3}, {"tma": "yes"},
                 {"block_x": 16.0}):
         cache({**tuned, **bad})
-        assert m._autotune_fill(dict(unset), sizes, cpu) == unset, bad
+        assert m._autotune_fill(dict(unset), sizes, cpu, f16) == unset, bad
     o, lse = m.attention(*_qkv())                   # the last bad entry: ignored, the schedule's blocks
     assert o.shape == (1, 2, 5, 64)
     with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 8"):
@@ -288,7 +288,8 @@ def test_the_backward_reads_its_own_tuned_config_not_the_forwards(modules, monke
     m = modules["attention"]
     sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
     wires = ("b", "h", "q", "x")
-    fwd, bwd, kv = (autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, wires, kind) for kind in ("", "bwd", "bwd_kv"))
+    fwd, bwd, kv = (autotune.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, wires, kind)
+                    for kind in ("", "bwd", "bwd_kv"))
     assert (bwd, kv) == (fwd + "|bwd", fwd + "|bwd_kv")
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
 
@@ -297,12 +298,12 @@ def test_the_backward_reads_its_own_tuned_config_not_the_forwards(modules, monke
 
     good = {"block_q": 16, "block_x": 16, "num_warps": 4, "num_stages": 2}
     cache({fwd: {"config": good}, bwd: {"config": dict(good, block_x=32)}, kv: {"config": dict(good, block_q=32)}})
-    cpu, unset = torch.device("cpu"), dict.fromkeys(good)
-    assert m._autotune_fill(dict(unset), sizes, cpu) == good
-    assert m._autotune_fill(dict(unset), sizes, cpu, "bwd") == dict(good, block_x=32)
-    assert m._autotune_fill(dict(unset), sizes, cpu, "bwd_kv") == dict(good, block_q=32)
+    cpu, unset, f32 = torch.device("cpu"), dict.fromkeys(good), {"fp16": torch.float32}
+    assert m._autotune_fill(dict(unset), sizes, cpu, f32) == good
+    assert m._autotune_fill(dict(unset), sizes, cpu, f32, "bwd") == dict(good, block_x=32)
+    assert m._autotune_fill(dict(unset), sizes, cpu, f32, "bwd_kv") == dict(good, block_q=32)
     kinds, lookup = [], m._autotune_lookup     # which kernel asks for which entry: tests/test_backward.py
-    monkeypatch.setattr(m, "_autotune_lookup", lambda s, d, kind="": kinds.append(kind) or lookup(s, d, kind))
+    monkeypatch.setattr(m, "_autotune_lookup", lambda s, d, c, kind="": kinds.append(kind) or lookup(s, d, c, kind))
     q, k, v = (t.float().requires_grad_() for t in _qkv())
     o, lse = m.attention(q, k, v)
     assert kinds == [""]

@@ -158,24 +158,24 @@ def test_the_remembered_autotune_lookup_sees_a_new_file_and_a_new_cache_dir(modu
 
     m = modules["attention"]
     sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
-    key = autotune.cache_key(m.SOURCE_HASH, "cpu", sizes, ("b", "h", "q", "x"))
+    key = autotune.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, ("b", "h", "q", "x"))
     one, two = tmp_path / "one", tmp_path / "two"
     for folder, block in ((one, 16), (two, 32)):
         folder.mkdir()
         (folder / "autotune.json").write_text(json.dumps(
             {"schema": autotune.SCHEMA, "entries": {key: {"config": {"block_q": block}}}}))
-    dev = torch.device("cpu")
+    dev, f16 = torch.device("cpu"), {"fp16": torch.float16}
     monkeypatch.setenv("NAPKIN_CACHE", str(one))
-    assert m._autotune_lookup(sizes, dev) == {"block_q": 16}
+    assert m._autotune_lookup(sizes, dev, f16) == {"block_q": 16}
     monkeypatch.setenv("NAPKIN_CACHE", str(two))
-    assert m._autotune_lookup(sizes, dev) == {"block_q": 32}
+    assert m._autotune_lookup(sizes, dev, f16) == {"block_q": 32}
     (two / "autotune.json").unlink()
-    assert m._autotune_lookup(sizes, dev) is None
+    assert m._autotune_lookup(sizes, dev, f16) is None
     (two / "autotune.json").write_text(json.dumps(
         {"schema": autotune.SCHEMA, "entries": {key: {"config": {"block_q": 64}}}}))
-    assert m._autotune_lookup(sizes, dev) == {"block_q": 64}
-    assert m._autotune_lookup(dict(sizes, x=8), dev) == {"block_q": 64}      # the same bucket
-    assert m._autotune_lookup(dict(sizes, x=9), dev) is None                 # another
+    assert m._autotune_lookup(sizes, dev, f16) == {"block_q": 64}
+    assert m._autotune_lookup(dict(sizes, x=8), dev, f16) == {"block_q": 64}      # the same bucket
+    assert m._autotune_lookup(dict(sizes, x=9), dev, f16) is None                 # another
 
 
 # --------------------------------------------------------------------------

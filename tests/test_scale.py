@@ -231,6 +231,29 @@ def test_a_float16_backward_scales_each_tile_before_its_cast(tmp_path):
         assert (g.grad.double() - e.grad).abs().max() <= 2e-3 * e.grad.abs().max(), f"gradient {i}"
 
 
+@pytest.mark.parametrize("c", [64, -64])
+def test_a_float16_factor_above_one_waits_for_the_store(tmp_path, c):
+    """With |c| >= 1 it is c * dS that can pass 65504 where dS and the
+    gradient do not: cast before the factor, scaled at the store (a score
+    times 64 gave 80 of 592 dQ and dK entries inf or NaN; a helper's hunt)."""
+    text = (REPO / "examples" / "attention.ncd").read_text().replace("wire d = 64", "wire d = 16") \
+        .replace("|d|^-0.5", str(c))
+    assert f"* {c}" in text
+    m = load(emit_module(napkin.load_text(text, "big.ncd"), source_text=text, source_path="big.ncd"), "big", tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=gen) * s for shape, s in
+               (((1, 1, 37, 16), 0.1), ((1, 1, 37, 16), 0.1), ((1, 1, 37, 16), 1.0)))
+    up = torch.randn(1, 1, 37, 16, generator=gen) * 500
+    exact = [t.half().double().requires_grad_() for t in (q, k, v)]
+    m.reference(*exact)[0].backward(up.half().double())
+    got = [t.half().requires_grad_() for t in (q, k, v)]
+    launcher(m)(*got, **BLOCKS)[0].backward(up.half())
+    assert max(e.grad.abs().max() for e in exact[:2]) > 4000       # large, but float16 holds them
+    for i, (g, e) in enumerate(zip(got, exact)):
+        assert torch.isfinite(g.grad).all(), f"gradient {i}"
+        assert (g.grad.double() - e.grad).abs().max() <= 5e-3 * e.grad.abs().max(), f"gradient {i}"
+
+
 def test_a_gradient_factor_that_is_not_constant_stays_in_the_step():
     """A temperature tensor multiplying the contraction: dR = dS * tau is no constant."""
     src = emit_module(napkin.load_text(TEMPERATURE, "temperature.ncd"), source_text=TEMPERATURE,

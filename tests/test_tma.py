@@ -212,7 +212,8 @@ def test_default_launch_takes_the_pointer_code_and_the_cache_may_turn_it_on(tmp_
     Q, K, V = m.example_inputs(sizes, dtype=torch.float16, seed=2)
     m.causal(Q, K, V, block_q=16, block_x=16)
     assert m._tma_last["used"] is False
-    key = autotune.cache_key(m.SOURCE_HASH, autotune.device_name("cpu"), sizes, ("b", "h", "q", "x"))
+    key = autotune.cache_key(m.SOURCE_HASH, autotune.device_name("cpu"), {"fp16": "float16"}, sizes,
+                             ("b", "h", "q", "x"))
     cache = autotune.Cache(tmp_path / "autotune.json")
     cache.put(key, autotune.Config((("q", 16), ("x", 32)), 4, 2, tma=True), ms=1.0)
     assert json.loads((tmp_path / "autotune.json").read_text())["entries"][key]["config"]["tma"] is True

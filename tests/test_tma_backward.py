@@ -149,7 +149,8 @@ def test_each_backward_kernel_takes_its_own_cached_tma(tmp_path, monkeypatch, fo
     cache = autotune.Cache(tmp_path / "autotune.json")
     config = autotune.Config((("q", 16), ("x", 32)), 4, 2)
     for kind, tma in (("", None), ("bwd", True), ("bwd_kv", None)):
-        key = autotune.cache_key(m.SOURCE_HASH, autotune.device_name("cpu"), sz, ("b", "h", "q", "x"), kind)
+        key = autotune.cache_key(m.SOURCE_HASH, autotune.device_name("cpu"), {"fp16": "float16"}, sz,
+                                 ("b", "h", "q", "x"), kind)
         cache.put(key, autotune.Config(config.blocks, 4, 2, tma=tma), ms=1.0)
     got = gradients(launcher(m), inputs)
     assert lasts(m) == {"_tma_last": OFF, "_tma_last_dq": USED, "_tma_last_dkdv": OFF}

@@ -46,7 +46,8 @@ from typing import Optional
 
 from .. import autotune, ir
 from ..errors import NapkinError
-from ..sizes import parse_pairs
+from ..files import why_not
+from ..sizes import parse_pairs, positive_int
 from . import baselines, flex, overlap, ranges_prepass, reference, results
 from .timing import DO_BENCH, cuda_ms as _cuda_ms, ms as _ms, result as _result
 from .timing import time_backward as _time_backward, time_forward as _time_forward
@@ -101,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", metavar="N,...", help="query heads (default: preset)")
     p.add_argument("--head-dim", metavar="N,...", help="override the diagram's fixed wires (its head dim)")
     p.add_argument("--dtype", metavar="T,...", help="float16, bfloat16, float32 for the fp16/bf16 tensors")
-    p.add_argument("--group", type=int, help="query heads per kv head for GQA diagrams")
+    p.add_argument("--group", type=positive_int, help="query heads per kv head for GQA diagrams")
     p.add_argument("--size", action="append", default=[], metavar="WIRE=N", help="any other symbolic wire")
     p.add_argument("--no-backward", action="store_true", help="time the forward pass only")
     p.add_argument("--autotune", action="store_true",
@@ -114,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="with --autotune: the seconds the whole run may take, which the default tuning budget "
                         f"shares out (default: ${TIME_LIMIT_ENV}, else {RUN_S})")
-    p.add_argument("--reps", type=int, help="CPU smoke: timed repetitions (default 2)")
+    p.add_argument("--reps", type=positive_int, help="CPU smoke: timed repetitions (default 2)")
     p.add_argument("--out", default="bench/results", metavar="DIR",
                    help="where the JSON and markdown go (default bench/results)")
 
@@ -203,6 +204,8 @@ def run(args, prog: str) -> int:
     device = "cuda" if cuda else "cpu"
     if args.tune_budget is not None and not args.tune_budget > 0:
         raise NapkinError(f"--tune-budget expects a positive number of seconds, not {args.tune_budget}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():   # found now, not after an hour's run
+        raise NapkinError(f"--out {args.out} is a file: the results need a folder")
     points = len(args.files) * len(dtypes) * len(head_dims) * len(seqlens) \
         * len(grid["batch"] or [1]) * len(grid["heads"] or [1])
     grid["tune_share"] = TuneShare(time_limit(args), points, 1 if args.no_backward else 3, fixed=args.tune_budget)
@@ -225,14 +228,21 @@ def run(args, prog: str) -> int:
                 # GPU session's time limit keeps it (the last write drops the mark)
                 partial = _record(rows, command, device, reps) \
                     | {"partial": f"written after {done} of {len(variants)} diagram/dtype/head-dim variants"}
-                paths = results.write(partial, args.out, paths)
+                paths = _write(partial, args.out, paths)
     if not rows:
         return 1
     data = _record(rows, command, device, reps)
-    json_path, md_path = results.write(data, args.out, paths)
+    json_path, md_path = _write(data, args.out, paths)
     print(results.markdown(data))
     print(f"wrote {json_path} and {md_path}")
     return 0 if not failed and all(r["check"]["ok"] for r in rows) else 1
+
+
+def _write(data: dict, out: str, paths):
+    try:
+        return results.write(data, out, paths)
+    except OSError as err:   # a folder made unwritable, a full disk
+        raise NapkinError(f"cannot write the results under {out}: {why_not(err, Path(out) / 'x')}") from None
 
 
 def time_limit(args) -> float:
@@ -390,7 +400,14 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
         roles = flex.attention_roles(base[0])
     except flex.NoFlexEquivalent as err:
         raise NapkinError(f"napkin bench compares attention diagrams ({err.why})", filename=str(path)) from None
-    module, digest = compile_module(*base, path, build)
+    try:
+        module, digest = compile_module(*base, path, build)
+    except NapkinError:
+        if base[1] != source:   # the variant is re-printed text: where it can, say where in the user's file
+            from ..codegen import emit_module
+
+            emit_module(diagram, source_text=source, source_path=str(path))
+        raise
     try:
         flex_module, flex_why = flex.load(base[0]), None
     except flex.NoFlexEquivalent as err:
@@ -398,6 +415,7 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
     ctx = {"path": path, "diagram": base[0], "module": module, "digest": digest, "dtype": dtype,
            "flex": flex_module, "flex_why": flex_why, "device": device, "reps": reps, "args": args}
     rows = []
+    check_extra_sizes(base[0], grid["extra"], str(path))
     for sizes in point_sizes(base[0], roles, grid):
         rows.append(_bench_point(ctx | {"tune_budget": grid["tune_share"].next()}, sizes))
     return rows
@@ -430,6 +448,19 @@ def point_sizes(diagram: ir.Diagram, roles, grid: dict) -> list[dict[str, int]]:
                                       f"pass --size {missing[0]}=N")
                 out.append({w.name: sizes[w.name] for w in diagram.wires if w.size is None})
     return out
+
+
+def check_extra_sizes(diagram: ir.Diagram, extra: dict[str, int], path: str) -> None:
+    """--size's wires must be wires of the diagram, a fixed one at its own size
+    (as cost, render and demo hold -D)."""
+    for w, n in extra.items():
+        if diagram.wire(w) is None:
+            raise NapkinError(f"--size {w}={n}: diagram {diagram.name} has no wire {w} "
+                              f"(its wires: {', '.join(x.name for x in diagram.wires)})", filename=path)
+        fixed = diagram.wire(w).size
+        if fixed is not None and fixed != n:
+            raise NapkinError(f"--size {w}={n}: wire {w} of diagram {diagram.name} is fixed at {fixed} "
+                              "(--head-dim sets the fixed wires)", filename=path)
 
 
 def check_sizes(diagram: ir.Diagram, roles, sizes: dict[str, int]) -> dict[str, int]:
@@ -565,7 +596,9 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
     accepted = set(inspect.signature(launcher).parameters)
     if device != "cuda":
         return None, "schedule (CPU smoke run: no tuning)"
-    key = autotune.cache_key(ctx["digest"], autotune.device_name(device), sizes, autotune.symbolic_wires(d), kind)
+    classes = autotune.input_classes(d)   # the bench passes every input in its declared dtype
+    key = autotune.cache_key(ctx["digest"], autotune.device_name(device), classes, sizes,
+                             autotune.symbolic_wires(d), kind)
     cache = autotune.Cache()
     if ctx["args"].autotune:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -589,7 +622,7 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
         if tuning is not None:
             tuning[TUNED_KERNELS[kind]] = _tuning_facts(cache.entries().get(key, {}))
     config = {k: v for k, v in config.items() if k in accepted}
-    seen = ctx["module"]._autotune_lookup(sizes, device, kind)
+    seen = ctx["module"]._autotune_lookup(sizes, device, {k: getattr(torch, v) for k, v in classes.items()}, kind)
     if seen is None or {k: v for k, v in seen.items() if k in accepted} != config:
         raise NapkinError(f"the launcher of {d.name} would not read the config tuned for it ({key}): it finds "
                           f"{seen}; is NAPKIN_CACHE the same for both?")

@@ -237,7 +237,7 @@ def _fill_options(opts: list[str]) -> list[str]:
     """Options left None take the tuned config cached for this shape bucket
     (templates/autotune.py.jinja), else the schedule's defaults."""
     pairs = ", ".join(f'"{o}": {o}' for o in opts)
-    return [f"_opts = _autotune_fill({{{pairs}}}, _sz, _dev)"]
+    return [f"_opts = _autotune_fill({{{pairs}}}, _sz, _dev, _cls)"]
 
 
 def _options(d: ir.Diagram, wires: list[str], extra=()) -> list[str]:

@@ -52,6 +52,7 @@ from typing import Callable
 import torch
 
 from .. import ir
+from ..files import write_atomic
 from .evaluate import Evaluator
 from .merging import partial_weight
 from .reading import Roles, _factors, _map, roles
@@ -393,11 +394,7 @@ class KernelLocal:
             folder.mkdir(exist_ok=True)
             path = folder / f"{self.diagram.name}_{digest}.py"
             if not path.exists() or path.read_text(encoding="utf-8") != source:
-                # ranks of one job may write at once: each writes its own file, then renames
-                fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=str(folder))
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(source)
-                os.replace(tmp, path)
+                write_atomic(path, source)  # ranks of one job may write at once: each its own file, renamed
             spec = importlib.util.spec_from_file_location(f"_napkin_local_{digest}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)

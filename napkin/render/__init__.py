@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import NapkinError
+from ..files import why_not
 from ..sizes import parse_pairs
 from .costs import DEFAULT_SIZES, default_sizes, try_costs
 from .dot import to_dot
@@ -86,7 +87,7 @@ def _write(out_path: Path, data) -> None:
         else:
             out_path.write_bytes(data)
     except OSError as err:
-        raise NapkinError(f"cannot write {out_path}: {err.strerror}", filename=str(out_path)) from None
+        raise NapkinError(f"cannot write {out_path}: {why_not(err, out_path)}", filename=str(out_path)) from None
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""Writing files so that no reader sees half of one.
+
+Generated modules, the autotune cache and the local kernels of the
+distributed wrappers are read by other processes while napkin writes them
+(an import, a launch, another rank of the same job): each is written to a
+temporary file beside its target and renamed over it, which POSIX makes
+atomic.  The autotune cache, which several processes also change, takes a
+lock around its read-change-write (``locked``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(target: Path, text: str) -> None:
+    """Write ``text`` (UTF-8, newlines as given) to ``target`` through a
+    temporary file and a rename; the file gets the mode the umask gives an
+    ordinary file (mkstemp's would be 0600).  OSError when it cannot."""
+    target = Path(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=str(target.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """Hold an exclusive lock on ``path`` (created if missing; a file that
+    stays, beside what it guards) for the block.  fcntl's advisory lock: on
+    a system without fcntl the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def why_not(err: OSError, target: Path) -> str:
+    """Why writing ``target`` failed, in words: a folder on its way that is a
+    file is named (the system says only "File exists" or "Not a directory")."""
+    for parent in reversed(Path(target).parents):
+        if parent.exists() and not parent.is_dir():
+            return f"{parent} is a file, not a folder"
+    return err.strerror or str(err)
