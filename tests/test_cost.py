@@ -427,6 +427,20 @@ def test_cli_tune_and_dtypes(capsys):
     assert [r["dtype"] for r in rows] == ["fp32", "fp16"]
 
 
+def test_a_sweep_marks_the_rows_where_the_schedule_overflows(capsys):
+    """A capacity the schedule's tiles overflow can show it below its bound:
+    the row is marked and a footnote says why."""
+    code, out, err = run_cli("cost", str(REPO / "examples" / "softcap.ncd"), "-D", "b=1", "-D", "h=4", "-D",
+                             "q=1000", "-D", "x=1000", "--capacities", "40000,232448", capsys=capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[-3].split()[:3] == ["40000", "18.4MB", "*"] and "*" not in lines[-2]
+    assert lines[-1].startswith("* the schedule's tiles overflow a level there")
+    code, out, err = run_cli("cost", str(REPO / "examples" / "softcap.ncd"), "-D", "b=1", "-D", "h=4", "-D",
+                             "q=1000", "-D", "x=1000", "--capacities", "232448", "--json", capsys=capsys)
+    assert json.loads(out)[0]["schedule_fits"] is True
+
+
 @pytest.mark.parametrize("args,message", [
     (["-D", "z=4"], "has no wire 'z'"),
     (["-D", "q=lots"], "must be a positive whole number"),
@@ -435,6 +449,7 @@ def test_cli_tune_and_dtypes(capsys):
     (["-D", "d=32"], "fixed at 64"),
     (["--device", "tpu"], "unknown device profile 'tpu'"),
     (["--dtypes", "fp17"], "not a float dtype"),
+    (["--dtypes", "fp32,,fp16"], "--dtypes: '' is not a float dtype"),
 ])
 def test_cli_bad_options_exit_1(args, message, capsys):
     code, out, err = run_cli("cost", str(REPO / "examples" / "attention.ncd"), *args, capsys=capsys)
@@ -662,6 +677,54 @@ def test_a_bound_above_an_overflowing_schedule_gets_a_note():
            "schedules that fit" in r.notes
     r = analyse(load("causal"), {"b": 4, "h": 16, "q": 4096, "x": 4096})
     assert r.bound.ratio >= 1 and not any(n.startswith("schedule/bound") for n in r.notes)
+
+
+def test_a_schedule_below_the_bound_that_fits_says_why():
+    """The bound is dense attention's in the operands' element size: a mask
+    that skips blocks, or fp16 accumulators beside fp32 operands (more rows
+    fit than M / (d + dv)), take a fitting schedule below it (a helper's
+    hunt: ratios 0.209 and 0.89 with no note)."""
+    sizes = {"b": 1, "h": 16, "q": 16384, "x": 16384}
+    r = analyse(load("sliding_window"), sizes)
+    assert r.bound.ratio < 1 and all(f.fits for f in r.footprints)
+    assert "schedule/bound is below 1: the masks skip 97.7% of the (row, step) area and the bound is " \
+           "dense attention's" in r.notes
+    text = (REPO / "examples" / "attention.ncd").read_text()
+    for a, b in (("fp16", "fp32"), ("accumulate fp32", "accumulate fp16"), ("q by 128", "q by 512"),
+                 ("stream x by 64", "stream x by 1")):
+        assert a in text
+        text = text.replace(a, b)
+    r = analyse(napkin.load_text(text, "narrow.ncd"), sizes)
+    assert r.bound.ratio < 1 and all(f.fits for f in r.footprints)
+    assert "schedule/bound is below 1: the fp16 accumulators are narrower than the 4-byte operands the " \
+           "bound's M counts, so more rows fit on chip than it assumes" in r.notes
+
+
+@pytest.mark.parametrize("name, sizes", [("matmul", {"m": 1, "n": 4096, "k": 4096}),
+                                         ("attention", {"b": 1, "h": 16, "q": 1, "x": 32768}),
+                                         ("matmul", {"m": 1, "n": 1, "k": 1})])
+def test_the_bound_is_never_below_the_compulsory_traffic(name, sizes, capsys):
+    """The formula assumes a program holds rows a problem may not have (one
+    query, one output row): it fell to 205kB where B alone is 33.5MB, and a
+    schedule reading everything once scored 165x its bound."""
+    r = analyse(load(name), sizes)
+    d = load(name)
+    tensors = list(d.inputs) + [d.tensor(o.name) for o in d.outputs]
+    need = sum(math.prod(sizes.get(w, d.wire(w).size or 0) for w in ir.axis_wires(t.axes))
+               * ir.DTYPE_BYTES[t.dtype or "fp16"] for t in tensors)
+    assert r.bound.formula_bytes < need == r.bound.compulsory_bytes == r.bound.bytes
+    assert 1 <= r.bound.ratio < 1.1
+    code, out, _ = run_cli("cost", str(REPO / "examples" / f"{name}.ncd"),
+                           *[a for w, n in sizes.items() for a in ("-D", f"{w}={n}")], capsys=capsys)
+    assert code == 0 and ", below the compulsory traffic (each input read and each output written once): " in out
+
+
+def test_rounding_picks_the_suffix_after_it_rounds():
+    from napkin.cost.report import human, seconds
+    assert human(999698, "B") == "1MB" and human(999_499, "B") == "999kB" and human(12_345) == "12.3k"
+    assert human(9999) == "9999" and human(999.6e12) == "1P" and human(None) == "?"
+    assert seconds(0.9996e-3) == "1 ms" and seconds(0.9996) == "1 s" and seconds(0.9994) == "999 ms"
+    assert seconds(2.5e-10) == "0.25 ns" and seconds(3) == "3 s"
 
 
 def test_a_grid_that_leaves_sms_idle_gets_a_note():

@@ -225,10 +225,12 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     blocks = _blocks_note(c)
     if blocks:
         notes.append(blocks)
-    if bound.ratio is not None and bound.ratio < 1 and any(f.level == bound.capacity_level and f.fits is False
-                                                            for f in footprints):
-        notes.append(f"schedule/bound is below 1 because level {bound.capacity_level}'s tiles overflow it: "
-                     "the bound holds for schedules that fit")
+    if bound.ratio is not None and bound.ratio < 1:
+        if any(f.level == bound.capacity_level and f.fits is False for f in footprints):
+            notes.append(f"schedule/bound is below 1 because level {bound.capacity_level}'s tiles overflow it: "
+                         "the bound holds for schedules that fit")
+        else:
+            notes.append(_below_bound_note(c, flops, bound))
     if c.chunk_note:
         notes.append(c.chunk_note)
     elif c.chunked and not c.known:
@@ -250,6 +252,23 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     return CostReport(SCHEMA, diagram.name, c.prof.key, sizes_out, comm is not None, infos,
                       tuple(transfers), tuple(totals), footprints, flops, bound,
                       _roofline(c, flops, totals, comm), comm, tuple(notes))
+
+
+def _below_bound_note(c: "_Context", flops: Flops, bound: LowerBound) -> str:
+    """Why a schedule that fits can move less than the bound: the bound is
+    dense attention's in the operands' element size (the paper's), and a
+    mask that skips blocks, or accumulators narrower than the operands (more
+    rows fit on chip than its M / (d + dv)), are outside that model."""
+    why = []
+    if flops.skipped_fraction:
+        why.append(f"the masks skip {flops.skipped_fraction:.1%} of the (row, step) area and the bound is "
+                   "dense attention's")
+    acc = c.d.schedule.accumulate if c.d.schedule else None
+    if acc in ir.DTYPE_BYTES and ir.DTYPE_BYTES[acc] < bound.element_bytes:
+        why.append(f"the {acc} accumulators are narrower than the {bound.element_bytes}-byte operands the "
+                   "bound's M counts, so more rows fit on chip than it assumes")
+    return "schedule/bound is below 1: " + ("; ".join(why) if why else
+                                            "the schedule moves less than the bound's model allows for")
 
 
 def _blocks_note(c: "_Context") -> Optional[str]:
@@ -542,9 +561,15 @@ def _lower_bound(c: _Context, totals: list[BoundaryTotal]) -> LowerBound:
     local = {w: _device_extent(c.d, c.full, w) for w in c.full}
     elements, reread = bounds_mod.bound_elements(shape, local, cap_bytes / eb,
                                                  compulsory_elements(c.d, local))
+    # No schedule moves less than every input once and every output once: the
+    # formula, which assumes a program can hold rows it does not have (a
+    # single query, a matmul's one output row), can fall below that.
+    floor = compulsory_bytes(c.d, local, eb)
+    bound = max(elements * eb, floor)
     hbm = totals[0].load_bytes + totals[0].store_bytes if totals else None
-    ratio = round(hbm / (elements * eb), 6) if hbm is not None and elements else None
-    return LowerBound(shape.kind, formula, chip, cap_bytes, eb, elements, elements * eb, reread * eb, ratio)
+    ratio = round(hbm / bound, 6) if hbm is not None and bound else None
+    return LowerBound(shape.kind, formula, chip, cap_bytes, eb, bound / eb, bound, reread * eb, ratio,
+                      elements * eb, floor)
 
 
 def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> Optional[Roofline]:
@@ -570,6 +595,14 @@ def _sym(wires, wire_sym) -> Poly:
     for w in wires:
         p = p * wire_sym(w)
     return p
+
+
+def compulsory_bytes(diagram: ir.Diagram, sizes: dict[str, int], default: int) -> int:
+    """Every input read once and every output written once, each in its own
+    dtype (an output without one in ``default`` bytes, the operands')."""
+    tensors = list(diagram.inputs) + [diagram.tensor(o.name) for o in diagram.outputs]
+    return sum(math.prod(sizes[w] for w in ir.axis_wires(t.axes)) * ir.DTYPE_BYTES.get(t.dtype, default)
+               for t in tensors)
 
 
 def compulsory_elements(diagram: ir.Diagram, sizes: dict[str, int]) -> int:

@@ -88,9 +88,9 @@ def backward_dict(back) -> dict:
 
 
 def _dtypes(text: str) -> list[str]:
-    out = [t.strip() for t in text.split(",") if t.strip()]
+    out = [t.strip() for t in text.split(",")]
     for d in out:
-        if d not in ir.FLOAT_DTYPES:
+        if d not in ir.FLOAT_DTYPES:   # an empty item too ("fp32,,fp16"): a typo, not a wish
             raise NapkinError(f"--dtypes: {d!r} is not a float dtype ({', '.join(ir.FLOAT_DTYPES)})")
     return out
 
@@ -136,8 +136,9 @@ def with_capacity(diagram: ir.Diagram, level: str, capacity: int) -> ir.Diagram:
 def _sweep_row(key: str, value, d: ir.Diagram, sizes, device) -> dict:
     r = analyse(d, sizes, device)
     best = tune(d, sizes, device, top=1, objective="transfers") if r.hbm_bytes is not None else []
-    return {key: value, "hbm_bytes": r.hbm_bytes, "bound_bytes": r.bound.bytes,
-            "bound_reread_bytes": r.bound.reread_bytes,
+    fits = [f.fits for f in r.footprints if f.fits is not None]
+    return {key: value, "hbm_bytes": r.hbm_bytes, "schedule_fits": all(fits) if fits else None,
+            "bound_bytes": r.bound.bytes, "bound_reread_bytes": r.bound.reread_bytes,
             "tuned_blocks": dict(best[0].blocks) if best else None,
             "tuned_hbm_bytes": best[0].hbm_bytes if best else None}
 
@@ -168,8 +169,13 @@ def format_sweep(rows, key: str) -> str:
     the lower bound (and its capacity-dependent term), and the best blocks the
     tile search finds for the fewest transfers."""
     head = [key, "schedule hbm", "bound", "bound re-read term", "tuned hbm", "tuned blocks"]
-    body = [[str(r[key]), human(r["hbm_bytes"], "B"), human(r["bound_bytes"], "B"),
+    body = [[str(r[key]), human(r["hbm_bytes"], "B") + (" *" if r.get("schedule_fits") is False else ""),
+             human(r["bound_bytes"], "B"),
              human(r["bound_reread_bytes"], "B"), human(r["tuned_hbm_bytes"], "B"),
              " ".join(f"{w}={b}" for w, b in (r["tuned_blocks"] or {}).items())] for r in rows]
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head] + body)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head] + body]
+    if any(r.get("schedule_fits") is False for r in rows):   # then it may sit below its bound
+        lines.append("* the schedule's tiles overflow a level there: it runs on no such device, and the bound "
+                     "holds only for schedules that fit")
+    return "\n".join(lines)

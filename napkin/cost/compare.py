@@ -83,7 +83,10 @@ def a2d_narrow(rows: int, cols: int, n: int, h_kv: int, g: int, d: int, dtype: s
 
 
 def best_grid(p: int, n: int, h_kv: int, g: int, d: int, dtype: str) -> tuple[int, int, int]:
-    """(R, C, bytes) of the R x C grid with the least per-device traffic."""
+    """(R, C, bytes) of the two-dimensional R x C grid (R, C > 1) with the
+    least per-device traffic.  R x 1 (x whole on every device) gathers K and
+    V as Ring does, the same bytes, so the Ring column stands for it; the
+    background's claims compare Ring with grids that split both wires."""
     options = [(r, p // r) for r in range(1, p + 1) if p % r == 0 and r > 1 and p // r > 1]
     scored = [(a2d(r, c, n, h_kv, g, d, dtype), r, c) for r, c in options]
     cost, r, c = min(scored)

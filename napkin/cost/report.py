@@ -101,6 +101,11 @@ class LowerBound:
     bytes: Optional[float]
     reread_bytes: Optional[float]   # the capacity-dependent term alone
     ratio: Optional[float]          # schedule's hbm bytes / bound bytes
+    # The formula's bytes, and the compulsory traffic (each input read, each output
+    # written once, in its own dtype): the bound is the larger, since the formula
+    # can fall below it (one query row, or one output row of a matmul).
+    formula_bytes: Optional[float] = None
+    compulsory_bytes: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -217,15 +222,17 @@ def _build(tp, value):
 # --------------------------------------------------------------------------
 
 def human(n: Optional[float], unit: str = "") -> str:
-    """1234567 -> '1.23M'; exact below 10000."""
+    """1234567 -> '1.23M'; exact below 10000.  The suffix is chosen after
+    rounding to three digits (999698 is '1M', not '1e+03k')."""
     if n is None:
         return "?"
     if abs(n) < 10000:
         s = f"{n:g}" if isinstance(n, float) else str(n)
     else:
+        rounded = float(f"{n:.3g}")
         for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-            if abs(n) >= scale:
-                s = f"{n / scale:.3g}{suffix}"
+            if abs(rounded) >= scale:
+                s = f"{rounded / scale:.3g}{suffix}"
                 break
     return s + unit
 
@@ -233,10 +240,11 @@ def human(n: Optional[float], unit: str = "") -> str:
 def seconds(t: Optional[float]) -> str:
     if t is None:
         return "?"
+    rounded = float(f"{t:.3g}")   # 0.9996 ms is '1 ms', not '1e+03 us'
     for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "us")):
-        if t >= scale:
-            return f"{t / scale:.3g} {unit}"
-    return f"{t / 1e-9:.3g} ns"
+        if rounded >= scale:
+            return f"{rounded / scale:.3g} {unit}"
+    return f"{rounded / 1e-9:.3g} ns"
 
 
 _NUMERIC = {"k", "elements", "bytes", "fetches", "group", "received", "sent"}
@@ -317,8 +325,11 @@ def format_text(r: CostReport) -> str:
     if fl.skipped_fraction:
         out.append(f"  block skipping drops {fl.skipped_fraction:.1%} of the (row, step) area")
     b = r.bound
+    floor = b.compulsory_bytes is not None and b.formula_bytes is not None and b.compulsory_bytes > b.formula_bytes
+    value = f"{human(b.formula_bytes, 'B')}, below the compulsory traffic (each input read and each output " \
+        f"written once): {human(b.bytes, 'B')}" if floor else human(b.bytes, "B")
     out.append(f"lower bound ({b.kind}, M = {human(b.capacity_bytes, 'B')} of {b.capacity_level} "
-               f"/ {b.element_bytes} B): {b.formula} = {human(b.bytes, 'B')}"
+               f"/ {b.element_bytes} B): {b.formula} = {value}"
                + (f"; schedule/bound = {b.ratio:.3g}" if b.ratio is not None else ""))
     if r.roofline:
         rf = r.roofline
