@@ -1061,6 +1061,23 @@ def test_bench_refuses_sizes_it_would_ignore_and_an_out_that_is_a_file(tmp_path,
     assert not list(tmp_path.glob("cpu-*")) and afile.read_text() == ""
 
 
+def test_a_cpu_smoke_run_says_when_the_launch_took_a_cached_config(tmp_path, capsys, monkeypatch):
+    """No tuning on the CPU, but the launcher reads the cache's "cpu" entry:
+    the row said "schedule" while the launch ran the cached blocks."""
+    from napkin.cli import main
+
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    path = EXAMPLES / "attention.ncd"
+    sizes = {"b": 1, "h": 2, "q": 32, "x": 32}
+    key = autotune.cache_key(autotune.diagram_hash(napkin.read_source(path)), "cpu", F16, sizes, WIRES)
+    autotune.Cache().put(key, autotune.Config((("q", 16), ("x", 32)), 2, 1), ms=1.0)
+    assert main(["bench", str(path), "--seqlen", "32", "--no-backward", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())["rows"]
+    assert row["config_source"] == "cache (CPU smoke run: no tuning)"
+    assert row["config"] == {"block_q": 16, "block_x": 32, "num_warps": 2, "num_stages": 1}
+    assert row["check"]["ok"]
+
+
 @pytest.mark.parametrize("flag", ["--group", "--reps"])
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_bench_counts_below_one_are_usage_errors(capsys, flag, value):

@@ -594,9 +594,14 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
 
     d, device = ctx["diagram"], ctx["device"]
     accepted = set(inspect.signature(launcher).parameters)
-    if device != "cuda":
-        return None, "schedule (CPU smoke run: no tuning)"
     classes = autotune.input_classes(d)   # the bench passes every input in its declared dtype
+    if device != "cuda":
+        # no tuning here, but a launch takes what the cache holds for "cpu": say so
+        seen = ctx["module"]._autotune_lookup(sizes, device, {k: getattr(torch, v) for k, v in classes.items()},
+                                              kind)
+        if seen:
+            return {k: v for k, v in seen.items() if k in accepted}, "cache (CPU smoke run: no tuning)"
+        return None, "schedule (CPU smoke run: no tuning)"
     key = autotune.cache_key(ctx["digest"], autotune.device_name(device), classes, sizes,
                              autotune.symbolic_wires(d), kind)
     cache = autotune.Cache()
