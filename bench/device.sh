@@ -58,8 +58,13 @@ run() {
   # the tuned configs so far: a carried .device/ (this session's earlier
   # call), else the newest committed record, so tunings go on across
   # sessions (the cache keys hold the device: an H100 ignores H200 entries)
-  local tuned=.device/autotune.json
-  [[ -f $tuned ]] || tuned=$(compgen -G "bench/results/autotune-*.json" | sort | tail -n 1)
+  local tuned=.device/autotune.json schema
+  # ... unless the carried one is of another schema than this napkin's (an
+  # older napkin's keys): its first write would set it aside and retune all
+  schema=$(sed -n 's/^SCHEMA = "\([^"]*\)".*/\1/p' napkin/autotune.py 2>/dev/null)
+  if [[ ! -f $tuned ]] || { [[ -n $schema ]] && ! grep -q "\"schema\": \"$schema\"" "$tuned"; }; then
+    tuned=$(compgen -G "bench/results/autotune-*.json" | sort | tail -n 1)
+  fi
   [[ -n $tuned && -f $tuned ]] && cp "$tuned" "$work/autotune-cache/autotune.json"
   export NAPKIN_BENCH_OUT="$work" NAPKIN_CACHE="$work/autotune-cache"
   local status=0 spec stage cap left
@@ -97,7 +102,7 @@ keep() {
   if [[ -f "$tmp/results/autotune-cache/autotune.json" ]]; then
     cp "$tmp/results/autotune-cache/autotune.json" .device/
     cp "$tmp/results/autotune-cache/autotune.json" "bench/results/autotune-$(date -u +%F).json"
-    chmod 644 "bench/results/autotune-$(date -u +%F).json"  # the cache is written private
+    chmod 644 "bench/results/autotune-$(date -u +%F).json"  # readable whatever the device's umask
   fi
   rm -rf "$tmp/results/autotune-cache"
   # Records where bench/results/README.md says: a run's JSON and markdown pair

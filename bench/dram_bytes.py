@@ -58,8 +58,9 @@ def launcher_options(diagram, text: str, sizes: dict, device: str) -> dict:
     from napkin import autotune
     if device != "cuda":
         return {}
-    key = autotune.cache_key(autotune.diagram_hash(text), autotune.device_name(device), sizes,
-                             autotune.symbolic_wires(diagram))
+    # the inputs are made in their declared dtypes, as napkin bench's are
+    key = autotune.cache_key(autotune.diagram_hash(text), autotune.device_name(device),
+                             autotune.input_classes(diagram), sizes, autotune.symbolic_wires(diagram))
     hit = autotune.Cache().get(key)
     return dict(hit.kwargs()) if hit is not None else {}
 

@@ -20,9 +20,11 @@ one block size per tiled wire (``block_q``, ``block_x``), ``num_warps`` and
   order until the time budget is spent, keeps the fastest, and stores it in
   the cache with how many were timed and how many skipped.
 * the cache: one JSON file, ``$NAPKIN_CACHE/autotune.json`` (default
-  ``~/.cache/napkin``), keyed by (diagram source hash, device name, shape
-  bucket), the bucket being each symbolic wire's size rounded up to a power
-  of two.  A new sequence length in a tuned bucket reuses the config.
+  ``~/.cache/napkin``), keyed by (diagram source hash, device name, the
+  inputs' float dtypes, shape bucket), the bucket being each symbolic wire's
+  size rounded up to a power of two.  A new sequence length in a tuned
+  bucket reuses the config.  Writers lock it (files.locked) and rename a
+  whole new file over it (files.write_atomic).
 
 The run-time half (key, path, lookup) lives in templates/autotune.py.jinja so
 the code generator can inline it into a generated module, which may import
@@ -651,8 +653,10 @@ class Cache:
 
     def get(self, key: str) -> Optional[Config]:
         """The entry's config when a launch would take it (the run-time reader's
-        test, _autotune_config) and it sets num_warps and num_stages, else None:
-        the tuner and the launcher never disagree on what the cache holds."""
+        test, _autotune_config) and it sets num_warps and num_stages, as every
+        entry the tuner writes does, else None: on those the tuner and the
+        launcher agree (a hand-made entry of blocks alone the launcher takes
+        and this does not)."""
         config = _runtime()["_autotune_config"](self.entries().get(key))
         if config is None or "num_warps" not in config or "num_stages" not in config:
             return None
@@ -676,6 +680,21 @@ class Cache:
             entries[key] = {"config": config.kwargs(), **facts}
             text = json.dumps({"schema": SCHEMA, "entries": dict(sorted(entries.items()))}, indent=1) + "\n"
             files.write_atomic(self.path, text)
+
+
+    def unwritable(self) -> Optional[str]:
+        """Why ``put`` could not write here, in words, or None: asked before a
+        tuning spends its time (napkin bench --autotune)."""
+        if self.path.is_dir():
+            return f"{self.path} is a folder"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with files.locked(self.path.with_name(self.path.name + ".lock")):
+                files.write_atomic(self.path.with_name(self.path.name + ".probe"), "")
+            self.path.with_name(self.path.name + ".probe").unlink()
+        except OSError as err:
+            return files.why_not(err, self.path)
+        return None
 
 
 def _empty_cache(path: Path) -> bool:

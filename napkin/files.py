@@ -24,7 +24,8 @@ def write_atomic(target: Path, text: str) -> None:
     try:
         umask = os.umask(0)
         os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        if hasattr(os, "fchmod"):   # not on Windows before Python 3.13, whose files carry no such mode
+            os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
         os.replace(tmp, target)
@@ -38,14 +39,21 @@ def write_atomic(target: Path, text: str) -> None:
 def locked(path: Path):
     """Hold an exclusive lock on ``path`` (created if missing; a file that
     stays, beside what it guards) for the block.  fcntl's advisory lock: on
-    a system without fcntl the block runs unlocked."""
+    a system without fcntl, or a file system that refuses locks (some NFS,
+    FUSE or Lustre mounts: ENOLCK, EOPNOTSUPP), the block runs unlocked, as
+    it did before there was a lock.  OSError when the lock file cannot be
+    created."""
     try:
         import fcntl
     except ImportError:  # not POSIX
         yield
         return
     with open(path, "a", encoding="utf-8") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            yield
+            return
         try:
             yield
         finally:

@@ -339,6 +339,34 @@ def test_writers_in_several_processes_keep_every_entry(tmp_path):
     assert not [f.name for f in tmp_path.iterdir() if f.name.endswith(".tmp")]
 
 
+def test_bench_autotune_refuses_a_cache_it_cannot_write_before_tuning(tmp_path, capsys, monkeypatch):
+    """The bench's launches read the configs the tuner stores: a tuning that
+    cannot be stored was spent and then failed as 'the launcher would not read
+    the config tuned for it' (a review); now the run stops first, in words."""
+    from napkin.cli import main
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path / "file"))
+    status = main(["bench", str(EXAMPLES / "attention.ncd"), "--seqlen", "32", "--autotune", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 1 and f"--autotune stores its configs in {tmp_path / 'file' / 'autotune.json'}, which napkin " \
+        f"cannot write ({tmp_path / 'file'} is a file, not a folder): point NAPKIN_CACHE at a folder it can" in err
+    assert autotune.Cache(tmp_path / "ok" / "autotune.json").unwritable() is None
+    assert not [p.name for p in (tmp_path / "ok").iterdir() if p.name != "autotune.json.lock"]
+
+
+def test_a_file_system_that_refuses_locks_still_gets_its_entries(tmp_path, monkeypatch):
+    """flock raises ENOLCK or EOPNOTSUPP on some network mounts: write unlocked, as before the lock."""
+    import errno
+    import fcntl
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    autotune.Cache(tmp_path / "autotune.json").put("k", autotune.Config((("q", 64),), 4, 2))
+    assert list(autotune.Cache(tmp_path / "autotune.json").entries()) == ["k"]
+
+
 def test_a_put_keeps_an_unreadable_file_aside_and_the_files_mode(tmp_path):
     path = tmp_path / "autotune.json"
     old = json.dumps({"schema": autotune.SCHEMA, "entries": {"a": {"config": {}}}})[:-1] + ",}"   # one stray comma
@@ -1409,6 +1437,25 @@ def test_ncu_log_is_read_in_any_unit_and_refuses_what_it_cannot_pair():
         DB.measured_bytes("==PROF== No kernels were profiled.")
 
 
+def test_dram_bytes_reads_the_config_the_bench_tuned(tmp_path, monkeypatch):
+    """On a GPU the profiled launch takes the tuned config from the cache, under
+    the key napkin bench stored it with (its call still passed no dtypes when
+    the key gained them: a TypeError only a GPU run would have met)."""
+    from bench import dram_bytes as DB
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "device_name", lambda device: "NVIDIA H100")
+    path = EXAMPLES / "alibi.ncd"
+    text = path.read_text()
+    d = napkin.load(str(path))
+    sizes = {"b": 1, "h": 16, "q": 4096, "x": 4096}
+    key = autotune.cache_key(autotune.diagram_hash(text), "NVIDIA H100", {"fp16": "float16", "fp32": "float32"},
+                             sizes, autotune.symbolic_wires(d))
+    autotune.Cache().put(key, autotune.Config((("q", 64), ("x", 32)), 4, 3))
+    assert DB.launcher_options(d, text, sizes, "cuda") == {"block_q": 64, "block_x": 32, "num_warps": 4,
+                                                            "num_stages": 3}
+    assert DB.launcher_options(d, text, sizes, "cpu") == {}
+
+
 def test_dram_bytes_prediction_is_the_cost_pass_at_the_launchers_blocks():
     """The issued bytes compare uses are the cost pass's hbm loads + stores
     at the block sizes the launcher ran with (a different block size gives a
@@ -1533,6 +1580,14 @@ def test_device_run_restores_the_newest_committed_autotune_record(tmp_path):
     (repo / ".device").mkdir()
     (repo / ".device" / "autotune.json").write_text("carried")
     assert cache_seen() == "carried"
+    # a carried cache of another schema than this napkin's would be set aside at its first
+    # write (every kernel retuned): the committed record is taken instead
+    (repo / "napkin").mkdir()
+    (repo / "napkin" / "autotune.py").write_text('SCHEMA = "napkin-autotune/2"   # the keys\n')
+    (repo / ".device" / "autotune.json").write_text('{\n "schema": "napkin-autotune/1",\n "entries": {}}')
+    assert cache_seen() == "2026-11-26"
+    (repo / ".device" / "autotune.json").write_text('{\n "schema": "napkin-autotune/2",\n "entries": {}}')
+    assert cache_seen().startswith('{\n "schema": "napkin-autotune/2"')
 
 
 def test_device_keep_numbers_two_calls_pairs_in_order_and_logs_by_call(tmp_path):

@@ -711,7 +711,7 @@ def test_the_bound_is_never_below_the_compulsory_traffic(name, sizes, capsys):
     d = load(name)
     tensors = list(d.inputs) + [d.tensor(o.name) for o in d.outputs]
     need = sum(math.prod(sizes.get(w, d.wire(w).size or 0) for w in ir.axis_wires(t.axes))
-               * ir.DTYPE_BYTES[t.dtype or "fp16"] for t in tensors)
+               * ir.DTYPE_BYTES[tiling.tensor_dtype(d, t.name)] for t in tensors)   # lse: fp32
     assert r.bound.formula_bytes < need == r.bound.compulsory_bytes == r.bound.bytes
     assert 1 <= r.bound.ratio < 1.1
     code, out, _ = run_cli("cost", str(REPO / "examples" / f"{name}.ncd"),
@@ -725,6 +725,15 @@ def test_rounding_picks_the_suffix_after_it_rounds():
     assert human(9999) == "9999" and human(999.6e12) == "1P" and human(None) == "?"
     assert seconds(0.9996e-3) == "1 ms" and seconds(0.9996) == "1 s" and seconds(0.9994) == "999 ms"
     assert seconds(2.5e-10) == "0.25 ns" and seconds(3) == "3 s"
+    assert human(float("nan"), "B") == "nanB" and human(float("inf")) == "inf"
+
+
+def test_the_html_report_says_when_the_compulsory_traffic_is_the_bound():
+    from napkin.render.report import report_html
+    d = load("matmul")
+    page = report_html(d, analyse(d, {"m": 1, "n": 4096, "k": 4096}), None)
+    assert "= 205 kB, below the compulsory traffic (each input read and each output written once), 33.6 MB, " \
+           "which is the bound" in page.replace("&nbsp;", " ")
 
 
 def test_a_grid_that_leaves_sms_idle_gets_a_note():

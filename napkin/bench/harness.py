@@ -206,6 +206,11 @@ def run(args, prog: str) -> int:
         raise NapkinError(f"--tune-budget expects a positive number of seconds, not {args.tune_budget}")
     if Path(args.out).exists() and not Path(args.out).is_dir():   # found now, not after an hour's run
         raise NapkinError(f"--out {args.out} is a file: the results need a folder")
+    cache = autotune.Cache()
+    why = cache.unwritable() if args.autotune else None
+    if why:   # the launcher reads what the tuner writes: a tuning it cannot store is lost
+        raise NapkinError(f"--autotune stores its configs in {cache.path}, which napkin cannot write ({why}): "
+                          "point NAPKIN_CACHE at a folder it can")
     points = len(args.files) * len(dtypes) * len(head_dims) * len(seqlens) \
         * len(grid["batch"] or [1]) * len(grid["heads"] or [1])
     grid["tune_share"] = TuneShare(time_limit(args), points, 1 if args.no_backward else 3, fixed=args.tune_budget)

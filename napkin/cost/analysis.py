@@ -564,7 +564,7 @@ def _lower_bound(c: _Context, totals: list[BoundaryTotal]) -> LowerBound:
     # No schedule moves less than every input once and every output once: the
     # formula, which assumes a program can hold rows it does not have (a
     # single query, a matmul's one output row), can fall below that.
-    floor = compulsory_bytes(c.d, local, eb)
+    floor = compulsory_bytes(c.d, local)
     bound = max(elements * eb, floor)
     hbm = totals[0].load_bytes + totals[0].store_bytes if totals else None
     ratio = round(hbm / bound, 6) if hbm is not None and bound else None
@@ -597,12 +597,12 @@ def _sym(wires, wire_sym) -> Poly:
     return p
 
 
-def compulsory_bytes(diagram: ir.Diagram, sizes: dict[str, int], default: int) -> int:
-    """Every input read once and every output written once, each in its own
-    dtype (an output without one in ``default`` bytes, the operands')."""
+def compulsory_bytes(diagram: ir.Diagram, sizes: dict[str, int]) -> int:
+    """Every input read once and every output written once, each in the dtype
+    the transfers count it in (tiling.tensor_dtype: an undeclared lse is fp32)."""
     tensors = list(diagram.inputs) + [diagram.tensor(o.name) for o in diagram.outputs]
-    return sum(math.prod(sizes[w] for w in ir.axis_wires(t.axes)) * ir.DTYPE_BYTES.get(t.dtype, default)
-               for t in tensors)
+    return sum(math.prod(sizes[w] for w in ir.axis_wires(t.axes))
+               * ir.DTYPE_BYTES[tiling.tensor_dtype(diagram, t.name)] for t in tensors)
 
 
 def compulsory_elements(diagram: ir.Diagram, sizes: dict[str, int]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass
 from typing import Optional
@@ -226,6 +227,8 @@ def human(n: Optional[float], unit: str = "") -> str:
     rounding to three digits (999698 is '1M', not '1e+03k')."""
     if n is None:
         return "?"
+    if not math.isfinite(n):
+        return f"{n}{unit}"
     if abs(n) < 10000:
         s = f"{n:g}" if isinstance(n, float) else str(n)
     else:
