@@ -18,13 +18,15 @@ from .errors import Diagnostic, NapkinError  # noqa: E402
 _SOURCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def load_text(text: str, filename: str = "<input>"):
-    """Parse and check diagram text; raise NapkinError listing every problem."""
+def load_text(text: str, filename: str = "<input>", capacity: bool = True):
+    """Parse and check diagram text; raise NapkinError listing every problem.
+    ``capacity=False``: a schedule whose tiles overflow a level passes (the
+    tile search's input; nothing else should run such a diagram)."""
     from .check import check
     from .parse import parse
 
     diagram = parse(text, filename)
-    problems = check(diagram)
+    problems = check(diagram, capacity)
     if problems:
         raise NapkinError(problems, filename=filename, source=text)
     _SOURCES[diagram] = (filename, text)
@@ -38,9 +40,9 @@ def located(err: NapkinError, diagram) -> NapkinError:
     return err.with_source(*source) if source else err
 
 
-def load(path) -> "object":
-    """Parse and check an .ncd file."""
-    return load_text(read_source(path), str(path))
+def load(path, capacity: bool = True) -> "object":
+    """Parse and check an .ncd file (``capacity``: as load_text's)."""
+    return load_text(read_source(path), str(path), capacity)
 
 
 def read_source(path) -> str:

@@ -41,10 +41,13 @@ _BUILTINS = frozenset(dir(builtins))
 _NUM, _BOOL = "number", "boolean"
 
 
-def check(diagram: ir.Diagram) -> list[Diagnostic]:
-    """Every problem in ``diagram``, sorted by (line, col); empty when it is sound."""
+def check(diagram: ir.Diagram, capacity: bool = True) -> list[Diagnostic]:
+    """Every problem in ``diagram``, sorted by (line, col); empty when it is
+    sound.  ``capacity=False`` leaves out whether each level's tiles fit its
+    capacity: for the tile search (napkin cost --tune), which is how a
+    schedule that overflows finds blocks that fit."""
     checker = _Checker(diagram)
-    checker.run()
+    checker.run(capacity)
     unique = list(dict.fromkeys(checker.errors))  # same message at the same spot once
     return sorted(unique, key=lambda d: (d.loc.line, d.loc.col))
 
@@ -121,7 +124,7 @@ class _Checker:
         self.names_ok = False
         self.err(f"unknown {what} '{name}'{where}", loc, _closest(name, candidates, more))
 
-    def run(self) -> None:
+    def run(self, capacity: bool = True) -> None:
         self.check_names()
         self.check_layouts()
         self.check_boxes()
@@ -133,7 +136,7 @@ class _Checker:
             for wire in tiling.streamed_wires(self.d, level.name) if level.name in ir.ALL_LEVELS else ():
                 if wire in self.wire_names:
                     _Stream(self, wire).run()
-        if self.d.schedule and schedule_ok and self.names_ok and not self.errors:
+        if capacity and self.d.schedule and schedule_ok and self.names_ok and not self.errors:
             self.check_capacity()
 
     # ---- 1. names ------------------------------------------------------------
@@ -577,7 +580,7 @@ class _Checker:
             self.err(f"tiles at level {level.name} need {total} bytes but its capacity is {capacity} "
                      f"bytes ({source}): over by {total - capacity} bytes", level.loc,
                      "biggest tiles: " + ", ".join(f"{n} {b} bytes" for n, _, b in biggest)
-                     + "; smaller blocks shrink them")
+                     + "; smaller blocks shrink them (napkin cost --tune finds blocks that fit)")
 
 
 _KIND_HINT = {

@@ -524,7 +524,8 @@ def test_capacity_overflow_with_a_declared_capacity():
     # A 256x64 fp16 + B 64x256 fp16 + C's 256x256 fp32 accumulator = 32768 + 32768 + 262144
     assert d.message == ("tiles at level smem need 327680 bytes but its capacity is 204800 bytes "
                          "(its own capacity): over by 122880 bytes")
-    assert d.hint == "biggest tiles: C 262144 bytes, A 32768 bytes, B 32768 bytes; smaller blocks shrink them"
+    assert d.hint == "biggest tiles: C 262144 bytes, A 32768 bytes, B 32768 bytes; smaller blocks shrink them " \
+                     "(napkin cost --tune finds blocks that fit)"
     assert where(d) == pos(text, "smem")
 
 

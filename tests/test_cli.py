@@ -94,7 +94,7 @@ BAD = {
         "      level smem {{\n"
         "            ^^^^\n"
         "  hint: biggest tiles: S 1048576 bytes, P 1048576 bytes, O 1048576 bytes; "
-        "smaller blocks shrink them\n"),
+        "smaller blocks shrink them (napkin cost --tune finds blocks that fit)\n"),
     "hostile_name": (
         "wire b, h, q, x ", "wire b, h, q, x, lambda ",
         "{f}:8:18: 'lambda' is a Python keyword\n"

@@ -427,6 +427,26 @@ def test_cli_tune_and_dtypes(capsys):
     assert [r["dtype"] for r in rows] == ["fp32", "fp16"]
 
 
+def test_the_tile_search_starts_from_a_schedule_that_overflows(tmp_path, capsys):
+    """--tune is how an overflowing schedule finds blocks that fit: the
+    load-time capacity check refused it first (a helper's hunt); now it says
+    what overflows and searches.  Without --tune the refusal stands."""
+    text = (REPO / "examples" / "attention.ncd").read_text().replace("fp16", "fp32").replace("wire d = 64",
+                                                                                            "wire d = 128")
+    path = tmp_path / "over.ncd"
+    path.write_text(text)
+    sizes = ["-D", "b=1", "-D", "h=16", "-D", "q=4096", "-D", "x=4096"]
+    code, out, err = run_cli("cost", str(path), *sizes, capsys=capsys)
+    assert code == 1 and "tiles at level smem need 262656 bytes but its capacity is 232448 bytes" in err
+    code, out, err = run_cli("cost", str(path), *sizes, "--tune", capsys=capsys)
+    assert code == 0, err
+    assert out.startswith("note: the schedule as written: tiles at level smem need 262656 bytes")
+    assert "1. q=128 x=16:" in out and "smem 164kB/232kB" in out
+    code, out, err = run_cli("cost", str(path), *sizes, "--tune", "--json", capsys=capsys)
+    assert code == 0 and all(f["bytes"] <= f["capacity"] for r in json.loads(out) for f in r["footprint"]
+                             if f["capacity"])
+
+
 def test_a_sweep_marks_the_rows_where_the_schedule_overflows(capsys):
     """A capacity the schedule's tiles overflow can show it below its bound:
     the row is marked and a footnote says why."""

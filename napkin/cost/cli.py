@@ -48,7 +48,15 @@ def register_cli(subparsers) -> None:
 def handler(args) -> int:
     import napkin
 
-    diagram = napkin.load(args.file)
+    # the tile search (and the sweeps, which re-price the schedule at other
+    # capacities) may start from a schedule that overflows: finding blocks
+    # that fit is what it is for
+    search = bool(args.tune or args.dtypes or args.capacities)
+    diagram = napkin.load(args.file, capacity=not search)
+    if search and not args.json:
+        from ..check import check
+        for problem in check(diagram):   # only capacity can be left: say it, then search
+            print(f"note: the schedule as written: {problem.message}")
     try:
         sizes = parse_pairs(args.sizes, "--size")
         if args.dtypes:
