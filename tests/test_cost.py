@@ -447,6 +447,13 @@ def test_the_tile_search_starts_from_a_schedule_that_overflows(tmp_path, capsys)
                              if f["capacity"])
 
 
+def test_a_chunked_launch_does_not_call_its_ragged_last_chunk_block_skipping(capsys):
+    code, out, err = run_cli("cost", str(REPO / "examples" / "flash_decoding.ncd"), "-D", "b=1", "-D", "hk=8",
+                             "-D", "g=4", "-D", "q=1", "-D", "x=3000", capsys=capsys)
+    assert code == 0, err
+    assert "24 programs x 16 steps, 376 (program, step) pairs visited: each chunk its own steps" in out
+
+
 def test_a_sweep_marks_the_rows_where_the_schedule_overflows(capsys):
     """A capacity the schedule's tiles overflow can show it below its bound:
     the row is marked and a footnote says why."""

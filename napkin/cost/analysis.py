@@ -320,7 +320,8 @@ def _idle_notes(c: "_Context", infos) -> list[str]:
             continue
         x = k.stream[0]
         if _plan(c.d) is None:   # a contraction (or no kernel): no chunks, no chunk= launch option
-            hint = "smaller blocks of the output's wires would give more programs"
+            hint = "smaller blocks of the output's wires would give more programs" \
+                if bounds_mod.bound_shape(c.d).kind != "attention" else "smaller row blocks would give more programs"
         elif k.chunks is not None and k.chunks > 1:
             hint = "shorter chunks would give more programs"
         elif c.chunks is not None:   # the schedule chunks, but |x| fits in one chunk: it runs whole

@@ -288,7 +288,8 @@ def format_text(r: CostReport) -> str:
             if k.steps is not None:
                 run += f" x {k.steps} steps"
                 if k.visited_steps is not None and k.visited_steps != k.programs * k.steps:
-                    run += f", {k.visited_steps} (program, step) pairs visited after block skipping"
+                    run += f", {k.visited_steps} (program, step) pairs visited" + (
+                        ": each chunk its own steps" if k.chunk is not None else " after block skipping")
         out.append(f"kernel {k.index} ({', '.join(k.boxes)} -> {', '.join(k.stores)}): grid {grid}{stream}{run}"
                    + (" [two passes]" if k.two_pass else ""))
     out.append("")
