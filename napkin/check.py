@@ -31,7 +31,7 @@ from .errors import Diagnostic
 # Names the generated module defines or imports itself; a diagram name must not
 # shadow them.  (Names starting with "_" are banned outright.)
 RESERVED = frozenset({
-    "torch", "triton", "tl", "contextlib", "math", "os", "sys", "reference",
+    "torch", "triton", "tl", "contextlib", "functools", "math", "os", "sys", "reference",
     "example_inputs", "INPUTS", "OUTPUTS", "WIRES", "NAPKIN_VERSION", "SOURCE_HASH", "BACKWARD_OVERLAP",
 })
 ACCUMULATE_DTYPES = ("fp32", "fp16", "bf16", "fp64")
@@ -67,6 +67,11 @@ def hostile_name(name: str) -> Optional[str]:
     if name in RESERVED:
         return f"'{name}' is reserved: the generated module uses that name itself"
     return None
+
+
+def _at(loc: ir.Loc, fallback: ir.Loc) -> ir.Loc:
+    """``loc`` when the parser recorded it, else ``fallback`` (IR built in code has no locations)."""
+    return loc if loc.line > 0 else fallback
 
 
 def _closest(name: str, *groups) -> Optional[str]:
@@ -114,7 +119,7 @@ class _Checker:
         self.contraction_wires: set[str] = set()  # wires of the factors of sum[w](A * B)
         self.contractions: set[tuple] = set()     # (wires of A, wires of B, w) of each sum[w](A * B)
         self.broken_boxes: set[str] = set()       # boxes with unresolved names
-        self.names_ok = True                      # no unknown names or dtypes anywhere
+        self.names_ok = True                      # no unknown names anywhere (a dtype typo leaves the sizes checkable)
         self.memo: dict[int, tuple] = {}          # id(expr) -> (expr, inferred wires and kind)
 
     def err(self, message: str, loc: ir.Loc, hint: Optional[str] = None) -> None:
@@ -152,6 +157,9 @@ class _Checker:
             why = hostile_name(name)
             if why:
                 self.err(why, loc, "rename it: names become Python identifiers in the generated code")
+            if kind == "wire" and size is not None and size < 1:   # |n| = 0 divides by zero, or holds nothing
+                self.err(f"wire {name} has size {size}: a wire's size is a whole number of at least 1", loc,
+                         f"leave the size out (wire {name}) to take it from the inputs at each call")
             first = seen.setdefault(name, (kind, loc, size, i))
             if first[3] == i:
                 continue
@@ -170,7 +178,7 @@ class _Checker:
             self.check_wire_list(ir.axis_wires(tensor.axes), tensor.loc, f"the layout of {tensor.name}",
                                  ir.layout_locs(tensor))
             if tensor.dtype is not None:
-                self.check_dtype(tensor.dtype, tensor.loc)
+                self.check_dtype(tensor.dtype, _at(tensor.dtype_loc, tensor.loc))
 
     def check_wire_list(self, wires, loc: ir.Loc, where: str, locs: tuple[ir.Loc, ...] = ()) -> bool:
         """Unknown or repeated wires in a layout, relabel or reduction; each
@@ -190,7 +198,6 @@ class _Checker:
     def check_dtype(self, dtype: str, loc: ir.Loc) -> bool:
         if dtype in ir.DTYPE_BYTES:
             return True
-        self.names_ok = False
         hint = _closest(dtype, ir.DTYPE_BYTES)
         self.err(f"unknown dtype '{dtype}'", loc,
                  (hint + " " if hint else "") + "dtypes are " + ", ".join(ir.DTYPE_BYTES))
@@ -426,11 +433,12 @@ class _Checker:
         profiles = set(ir.PROFILES) | set(tiling.profile_table())
         if s.profile is not None and s.profile not in profiles:
             hint = _closest(s.profile, profiles)
-            self.err(f"unknown profile '{s.profile}'", s.loc,
+            self.err(f"unknown profile '{s.profile}'", _at(s.profile_loc, s.loc),
                      (hint + " " if hint else "") + "profiles are " + ", ".join(sorted(profiles)))
-        if self.check_dtype(s.accumulate, s.loc) and s.accumulate not in ACCUMULATE_DTYPES:
+        where = _at(s.accumulate_loc, s.loc)
+        if self.check_dtype(s.accumulate, where) and s.accumulate not in ACCUMULATE_DTYPES:
             self.err(f"cannot accumulate in {s.accumulate}: the accumulator must be "
-                     + ", ".join(ACCUMULATE_DTYPES[:-1]) + " or " + ACCUMULATE_DTYPES[-1], s.loc)
+                     + ", ".join(ACCUMULATE_DTYPES[:-1]) + " or " + ACCUMULATE_DTYPES[-1], where)
         seen: dict[str, ir.Level] = {}
         held: dict[str, ir.Level] = {}
         # the nodes level is named in messages only to files that use it
@@ -453,12 +461,15 @@ class _Checker:
                 self.err("level nodes only splits wires across nodes: it holds no tensors and has no capacity",
                          level.loc, "tensors live in hbm; write 'group w across N' or 'stream w across N'")
             self.check_tiles(level)
-            for name in level.holds:
+            locs = level.hold_locs or (level.loc,) * len(level.holds)
+            for name, loc in zip(level.holds, locs):
                 if name not in self.tensor_names:
-                    self.unknown("tensor", name, level.loc, self.tensor_names, " in hold")
+                    self.unknown("tensor", name, loc, self.tensor_names, " in hold")
+                elif name in held and held[name] is level:
+                    self.err(f"{name} is held twice in level {level.name}", loc)
                 elif name in held:
                     self.err(f"{name} is held at both level {held[name].name} and level {level.name}",
-                             level.loc, "a tensor lives at one level")
+                             loc, "a tensor lives at one level")
                 else:
                     held[name] = level
         self.check_mesh(seen)

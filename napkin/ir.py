@@ -205,6 +205,7 @@ class Input:
     dtype: str
     loc: Loc = _loc()
     wire_locs: tuple[Loc, ...] = _locs()
+    dtype_loc: Loc = _loc()     # where the dtype is written (a message about it points there)
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ class Let:
     expr: Expr
     loc: Loc = _loc()
     wire_locs: tuple[Loc, ...] = _locs()
+    dtype_loc: Loc = _loc()
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,7 @@ class Level:
     tiles: tuple[Tile, ...] = ()
     holds: tuple[str, ...] = ()
     loc: Loc = _loc()
+    hold_locs: tuple[Loc, ...] = _locs()   # one per hold, where its name is written
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,8 @@ class Schedule:
     tf32: bool = False
     levels: tuple[Level, ...] = ()
     loc: Loc = _loc()
+    profile_loc: Loc = _loc()
+    accumulate_loc: Loc = _loc()
 
 
 @dataclass(frozen=True)

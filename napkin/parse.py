@@ -65,12 +65,17 @@ def parse(text: str, filename: str = "<input>") -> ir.Diagram:
         _check_depth(tree)
     except NapkinError as err:
         raise err.with_source(filename, text) from None
+    build = _Build()
     try:
-        return _Build().transform(tree)
+        diagram = build.transform(tree)
     except VisitError as err:
         if isinstance(err.orig_exc, NapkinError):
             raise err.orig_exc.with_source(filename, text) from None
         raise err.orig_exc
+    if build.problems:   # every one the text has, in order; the checker runs once they are gone
+        raise NapkinError(sorted(build.problems, key=lambda d: (d.loc.line, d.loc.col)),
+                          filename=filename, source=text)
+    return diagram
 
 
 def _check_depth(tree: lark.Tree) -> None:
@@ -207,7 +212,20 @@ def _whole(tok: Token, what: str) -> int:
 
 @v_args(meta=True, inline=True)
 class _Build(Transformer):
-    """One handler per surviving grammar rule; anything else is a bug."""
+    """One handler per surviving grammar rule; anything else is a bug.
+
+    A problem a rule finds in words (an unknown function, unit, option) is
+    collected and the rule goes on with a stand-in, so one parse reports
+    every such problem; parse() raises them all at the end (the stand-ins
+    never reach the checker)."""
+
+    def __init__(self):
+        super().__init__()
+        self.problems: list[Diagnostic] = []
+
+    def _refuse(self, problem: Diagnostic, stand_in):
+        self.problems.append(problem)
+        return stand_in
 
     def __default__(self, data, children, meta):
         raise NotImplementedError(f"napkin's grammar rule {data!r} has no IR handler")
@@ -228,9 +246,8 @@ class _Build(Transformer):
                 schedules.append(item)
             else:  # pragma: no cover
                 raise NotImplementedError(f"unhandled item {item!r}")
-        if len(schedules) > 1:
-            raise NapkinError([Diagnostic("a diagram has one schedule; this is the second",
-                                          schedules[1].loc)])
+        for extra in schedules[1:]:
+            self._refuse(Diagnostic("a diagram has one schedule; this is the second", extra.loc), None)
         wire_names = {w.name for w in wires}
         lets = [dataclasses.replace(l, expr=_resolve(l.expr, wire_names)) for l in lets]
         return ir.Diagram(str(name), tuple(wires), tuple(inputs), tuple(lets), tuple(outputs),
@@ -243,7 +260,7 @@ class _Build(Transformer):
         return ir.Wire(str(name), None if size is None else _whole(size, "a wire size"), _loc_of(name))
 
     def input_decl(self, meta, name, layout, dtype):
-        return ir.Input(str(name), layout.axes, str(dtype), _loc_of(name), layout.locs)
+        return ir.Input(str(name), layout.axes, str(dtype), _loc_of(name), layout.locs, _loc_of(dtype))
 
     def layout(self, meta, *axes):
         # each axis comes as (its wires, where each of them is written)
@@ -257,32 +274,34 @@ class _Build(Transformer):
 
     def let(self, meta, name, layout, *rest):
         dtype, expr = (str(rest[0]), rest[1]) if len(rest) == 2 else (None, rest[0])
-        return ir.Let(str(name), layout.axes, dtype, expr, _loc_of(name), layout.locs)
+        where = _loc_of(rest[0]) if len(rest) == 2 else ir.NOLOC
+        return ir.Let(str(name), layout.axes, dtype, expr, _loc_of(name), layout.locs, where)
 
     def output_decl(self, meta, *names):
         return [ir.Output(str(n), _loc_of(n)) for n in names]
 
     # ---- schedule ----
     def schedule(self, meta, *items):
-        profile = None
+        profile, profile_loc = None, ir.NOLOC
         if items and isinstance(items[0], Token):
-            profile, items = str(items[0]), items[1:]
-        accumulate, tf32, levels = "fp32", False, []
+            profile, profile_loc, items = str(items[0]), _loc_of(items[0]), items[1:]
+        accumulate, accumulate_loc, tf32, levels = "fp32", ir.NOLOC, False, []
         for item in items:
             if isinstance(item, ir.Level):
                 levels.append(item)
             elif item[0] == "accumulate":
-                accumulate = item[1]
+                accumulate, accumulate_loc = item[1], item[2]
             else:
                 flag, loc = item[1], item[2]
                 if flag != "tf32":
-                    raise NapkinError([Diagnostic(f"unknown option 'allow {flag}'", loc,
-                                                  hint="the only option is 'allow tf32'")])
+                    self._refuse(Diagnostic(f"unknown option 'allow {flag}'", loc,
+                                            hint="the only option is 'allow tf32'"), None)
+                    continue
                 tf32 = True
-        return ir.Schedule(profile, accumulate, tf32, tuple(levels), _loc_of(meta))
+        return ir.Schedule(profile, accumulate, tf32, tuple(levels), _loc_of(meta), profile_loc, accumulate_loc)
 
     def accumulate(self, meta, dtype):
-        return ("accumulate", str(dtype))
+        return ("accumulate", str(dtype), _loc_of(dtype))
 
     def allow(self, meta, flag):
         return ("allow", str(flag), _loc_of(flag))
@@ -296,19 +315,20 @@ class _Build(Transformer):
                 tiles.extend(item)
             else:
                 holds.extend(item)
-        return ir.Level(str(name), capacity, fold_chunks(tiles), tuple(holds), _loc_of(name))
+        return ir.Level(str(name), capacity, fold_chunks(tiles), tuple(n for n, _ in holds), _loc_of(name),
+                        tuple(loc for _, loc in holds))
 
     def capacity(self, meta, number, unit=None):
         scale = 1
         if unit is not None:
             if str(unit) not in UNITS:
-                raise NapkinError([Diagnostic(f"unknown unit {str(unit)!r}", _loc_of(unit),
-                                              hint="units are " + ", ".join(UNITS))])
+                return self._refuse(Diagnostic(f"unknown unit {str(unit)!r}", _loc_of(unit),
+                                               hint="units are " + ", ".join(UNITS)), 1)
             scale = UNITS[str(unit)]
         value = _number(number) * scale
         if not math.isfinite(value) or value != int(value) or value <= 0:
-            raise NapkinError([Diagnostic(f"a capacity must be a positive whole number of bytes, not {value}",
-                                          _loc_of(number))])
+            return self._refuse(Diagnostic(f"a capacity must be a positive whole number of bytes, not {value}",
+                                           _loc_of(number)), 1)
         return int(value)
 
     def group(self, meta, *tiles):
@@ -318,7 +338,7 @@ class _Build(Transformer):
         return [ir.Tile(t.wire, "stream", t.size, t.across, t.loc) for t in tiles]
 
     def hold(self, meta, *names):
-        return [str(n) for n in names]
+        return [(str(n), _loc_of(n)) for n in names]
 
     def tile_by(self, meta, wire, size):
         return ir.Tile(str(wire), "", _whole(size, "a block size"), False, _loc_of(wire))
@@ -370,22 +390,22 @@ class _Build(Transformer):
         op_name, loc = str(op), _loc_of(meta)
         if op_name in ir.NORMALIZERS:
             if len(wires) != 1:
-                raise NapkinError([Diagnostic(f"{op_name} normalises along one wire, not {len(wires)}", loc)])
-            return ir.Normalize(op_name, str(wires[0]), body, loc)
+                self._refuse(Diagnostic(f"{op_name} normalises along one wire, not {len(wires)}", loc), None)
+            return ir.Normalize(op_name, str(wires[0]) if wires else "", body, loc)
         if op_name not in ir.REDUCTIONS:
-            raise NapkinError([Diagnostic(f"unknown reduction {op_name!r}", _loc_of(op),
-                                          hint="reductions are " + ", ".join(ir.REDUCTIONS + ir.NORMALIZERS))])
+            self._refuse(Diagnostic(f"unknown reduction {op_name!r}", _loc_of(op),
+                                    hint="reductions are " + ", ".join(ir.REDUCTIONS + ir.NORMALIZERS)), None)
         return ir.Reduce(op_name, tuple(str(w) for w in wires), body, loc)
 
     def call(self, meta, fn, *args):
         name = str(fn)
         if name not in ir.FUNCTIONS:
-            raise NapkinError([Diagnostic(f"unknown function {name!r}", _loc_of(fn),
-                                          hint="functions are " + ", ".join(ir.FUNCTIONS))])
-        if len(args) != ir.FUNCTIONS[name]:
-            raise NapkinError([Diagnostic(
+            self._refuse(Diagnostic(f"unknown function {name!r}", _loc_of(fn),
+                                    hint="functions are " + ", ".join(ir.FUNCTIONS)), None)
+        elif len(args) != ir.FUNCTIONS[name]:
+            self._refuse(Diagnostic(
                 f"{name} takes {ir.FUNCTIONS[name]} argument{'s' if ir.FUNCTIONS[name] > 1 else ''}, "
-                f"not {len(args)}", _loc_of(fn))])
+                f"not {len(args)}", _loc_of(fn)), None)
         return ir.Call(name, tuple(args), _loc_of(meta))
 
     def size(self, meta, wire):

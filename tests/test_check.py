@@ -127,7 +127,7 @@ def test_unknown_tensor_in_hold_and_out():
     found = errors(text)
     assert [(d.message, where(d)) for d in found] == [
         ("unknown tensor 'Oo' in out", pos(text, "Oo")),
-        ("unknown tensor 'Vv' in hold", pos(text, "hbm")),
+        ("unknown tensor 'Vv' in hold", pos(text, "Vv")),   # the name, not its level (a helper's hunt)
     ]
     assert found[0].hint == "did you mean 'O'?"
 
@@ -210,15 +210,40 @@ def test_hostile_name_function():
     assert {"torch", "triton", "tl", "math", "reference", "example_inputs", "INPUTS"} <= RESERVED
 
 
+def test_every_name_a_generated_module_defines_is_reserved():
+    """A diagram named like a module global would replace it (a diagram named
+    functools replaced the import _on_inputs_device uses: the module failed
+    to import).  Every public top-level name of every generated module is
+    reserved or made from the diagram's own name."""
+    import ast
+
+    folder = Path(__file__).resolve().parents[1] / "generated"
+    seen = set()
+    for path in sorted(folder.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [(a.asname or a.name).split(".")[0] for a in node.names]
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            else:
+                names = []
+            seen |= {n for n in names if not n.startswith("_") and not n.startswith(path.stem)}
+    assert "functools" in seen and seen <= RESERVED, sorted(seen - RESERVED)
+
+
 # ---- dtypes ---------------------------------------------------------------------------
 
 def test_unknown_dtypes():
     text = HEAD + "in A[b] : fp17\nB[b] : float = A * 2\nout B\nschedule { accumulate fp31 }\n"
     found = errors(text)
     assert [(d.message, where(d)) for d in found] == [
-        ("unknown dtype 'fp17'", (7, 4)),
-        ("unknown dtype 'float'", (8, 1)),
-        ("unknown dtype 'fp31'", pos(text, "schedule")),
+        ("unknown dtype 'fp17'", pos(text, "fp17")),     # at the dtype, not the tensor's name
+        ("unknown dtype 'float'", pos(text, "float")),
+        ("unknown dtype 'fp31'", pos(text, "fp31")),
     ]
     assert found[0].hint.startswith("did you mean 'fp16'? dtypes are fp64, fp32")
 
@@ -362,7 +387,7 @@ def test_unknown_profile_and_level():
     text = HEAD + ATTENTION + "schedule on H100 {\n  level shmem { }\n}\n"
     found = errors(text)
     assert [(d.message, where(d)) for d in found] == [
-        ("unknown profile 'H100'", pos(text, "schedule")),
+        ("unknown profile 'H100'", pos(text, "H100")),
         ("unknown level 'shmem'", pos(text, "shmem")),
     ]
     assert found[0].hint.startswith("did you mean 'h100'?")
@@ -437,7 +462,10 @@ def test_hold_unknown_and_held_twice():
     text = HEAD + ATTENTION + "schedule {\n  level hbm { hold Q, O }\n  level smem { hold S, O }\n}\n"
     d = one(text)
     assert d.message == "O is held at both level hbm and level smem"
-    assert where(d) == pos(text, "smem")
+    assert where(d) == pos(text, "O }", 1)   # the second hold of O, in level smem
+    text = HEAD + ATTENTION + "schedule {\n  level smem { hold S, S }\n}\n"
+    d = one(text)
+    assert (d.message, where(d)) == ("S is held twice in level smem", pos(text, "S }"))
 
 
 # ---- streamability ------------------------------------------------------------------------
@@ -600,7 +628,7 @@ schedule on h100 {
         napkin.load_text(text, "t.ncd")
     found = info.value.diagnostics
     assert [(d.message, where(d)) for d in found] == [
-        ("unknown dtype 'fp17'", (5, 4)),
+        ("unknown dtype 'fp17'", (5, 17)),
         ("'print' shadows a Python builtin", (6, 4)),
         ("unknown name 'Kx'", (7, 25)),
         ("T declares [b, q] but its expression has d too: reduce it (sum[d](...)) or declare it", (8, 1)),
@@ -624,3 +652,37 @@ def test_a_wire_no_input_sizes_is_refused_and_a_relabel_sizes_one():
         "  hint: give it one (wire j = 8), or an input along it")
     napkin.load_text(text.replace("wire m, n, k, j", "wire m, n, k\nwire j = 8"), "t.ncd")
     napkin.load_text("diagram g\nwire m, n, k\nin A[m, k] : fp32\nC[m, n] = sum[k](A * A[n, k])\nout C\n", "g.ncd")
+
+
+# ---- found by a hunt over the front end --------------------------------------------------
+
+def test_the_parser_reports_every_problem_it_finds_in_order():
+    """An unknown reduction, function, argument count, option and unit: the
+    first raised stopped the parse, so one problem was reported, and not the
+    first (a capacity is built before its schedule)."""
+    text = ("diagram t\nwire a, c\nin X[a, c] : fp32\nY[a] = sum[c](X)\nP[a, c] = softmx[c](X)\n"
+            "Q[a, c] = exq(X)\nR[a, c] = exp(X, X)\nout Y, P, Q, R\n"
+            "schedule on h100 {\n  allow fp16\n  level smem capacity 2 kb { group a by 16 }\n}\n")
+    with pytest.raises(napkin.NapkinError) as info:
+        parse(text, "t.ncd")
+    found = info.value.diagnostics
+    assert [(d.message, where(d)) for d in found] == [
+        ("unknown reduction 'softmx'", pos(text, "softmx")),
+        ("unknown function 'exq'", pos(text, "exq")),
+        ("exp takes 1 argument, not 2", pos(text, "exp(X, X)")),
+        ("unknown option 'allow fp16'", pos(text, "fp16")),
+        ("unknown unit 'kb'", pos(text, "kb")),
+    ]
+
+
+def test_an_unknown_dtype_does_not_hide_a_size_problem():
+    text = ("diagram t\nwire m, n, k, j\nin A[m, k] : fp16\nin B[k, n] : fp61\n"
+            "C[m, n, j] = sum[k](A * B) * j\nout C\n")
+    assert [d.message.split(":")[0] for d in errors(text)] == ["wire j has no size", "unknown dtype 'fp61'"]
+
+
+def test_a_wire_of_size_zero_is_refused():
+    text = "diagram z\nwire n = 0\nin X[n] : fp32\nY[n] = X / |n|\nout Y\n"
+    d = one(text)
+    assert (d.message, where(d)) == ("wire n has size 0: a wire's size is a whole number of at least 1",
+                                     pos(text, "n = 0"))
