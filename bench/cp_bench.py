@@ -233,10 +233,12 @@ def predict_markdown(records: list[dict]) -> str:
 
     for r in records:
         a = r["a2d"]
-        cands = [("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("A2D " + a["grid"], a["ms"])]
-        cands += [(name, r[key]["ms"]) for name, key in (("Double ring", "ring2"), ("Double burst", "burst2"))
-                  if key in r]
-        best = min(cands, key=lambda kv: kv[1])[0]
+        # the two-level rings first: on a tie (the same terms summed in another
+        # order) the one sending less across nodes wins, as in napkin plan
+        cands = [(name, r[key]["ms"]) for name, key in (("Double ring", "ring2"), ("Double burst", "burst2"))
+                 if key in r]
+        cands += [("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("A2D " + a["grid"], a["ms"])]
+        best = min(cands, key=lambda kv: float(f"{kv[1]:.9g}"))[0]
         lines.append(f"| {r['gpus']} | {r['mask']} | {r['density']:.3f} | {r['ring']['ms']:.1f} | "
                      f"{r['ring']['MB']:.0f} | {r['burst']['ms']:.1f} | {r['burst']['MB']:.0f} | {ms(r, 'ring2')} | "
                      f"{ms(r, 'burst2')} | {a['grid']} | "

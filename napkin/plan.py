@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -47,12 +48,14 @@ from typing import Optional
 from . import ir, masks
 from .cost import collectives as C
 from .cost.analysis import bind_sizes
-from .cost.devices import moved
+from .cost.devices import NVLINK_DOMAIN, moved
 from .cost.profiles import get_profile, profile_names
 from .distributed.reading import roles
 from .errors import NapkinError
 from .files import why_not, write_atomic
 from .sizes import positive_int
+
+MAX_DEVICES = 2048   # the search is quadratic in the devices: 7 s at 1024, 25 s at 2048 (2 cores)
 
 FWD_EFFICIENCY = 370 / 989.4     # FlashAttention-2 forward, d128, H100 (background section 4)
 BWD_EFFICIENCY = 322 / 989.4     # and backward
@@ -159,6 +162,9 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     across nodes) first."""
     if devices < 1:
         raise NapkinError(f"--devices must be at least 1, not {devices}")
+    if devices > MAX_DEVICES:   # the search prices every part against every peer: quadratic in P
+        raise NapkinError(f"--devices {devices} is more than napkin plan searches ({MAX_DEVICES}: its search "
+                          "is quadratic in the devices, 25 s at 2048)")
     g = devices if gpus_per_node is None else gpus_per_node
     if g < 1:
         raise NapkinError(f"--gpus-per-node must be at least 1, not {g}")
@@ -189,7 +195,9 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
         out.append(Option(pl.scheme, pl.grid, pl.block, pl.gpus_per_node or g, sent["forward"],
                           sent.get("backward", 0), across, t.forward_s, t.backward_s,
                           t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s))
-    out.sort(key=lambda o: (o.total_s, o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
+    # times equal but for the order of their additions (one round of 16 or two
+    # of 8) tie: the fewer bytes, then the fewer across nodes, decide
+    out.sort(key=lambda o: (_tie(o.total_s), o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
     return out
 
 
@@ -202,6 +210,29 @@ def _without_mesh(diagram: ir.Diagram) -> ir.Diagram:
         return diagram
     levels = tuple(lv for lv in diagram.schedule.levels if lv.name not in ir.MESH_LEVELS)
     return dataclasses.replace(diagram, schedule=dataclasses.replace(diagram.schedule, levels=levels))
+
+
+def _tie(seconds: float) -> float:
+    """A predicted time to nine significant digits: sums of the same terms in
+    another order differ in the last bits, which must not rank two options."""
+    return float(f"{seconds:.9g}")
+
+
+def emitted_placement_note(option: Option) -> Optional[str]:
+    """Why ``napkin cost`` on the emitted diagram prices other links than this
+    plan did, or None.  A diagram states nodes only by a nodes level, which a
+    flat ring, an unblocked ATTENTION2D grid and a one-node tree do not
+    write; a devices level alone is priced as one NVLink domain up to
+    NVLINK_DOMAIN GPUs, else one GPU a node."""
+    p = math.prod(option.grid)
+    if any(lv.name == "nodes" for lv in mesh_levels(option, "q", "x")) or p <= 1:
+        return None
+    assumed = p if p <= NVLINK_DOMAIN else 1
+    if assumed == min(option.gpus_per_node, p):
+        return None
+    return (f"the emitted diagram has no nodes level, so napkin cost prices it as {assumed} GPU(s) a node; this plan "
+            f"assumed {min(option.gpus_per_node, p)}: their bytes agree, their link times do not (a diagram cannot "
+            "state GPUs a node without a nodes level yet)")
 
 
 def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
@@ -287,7 +318,7 @@ def handler(args) -> int:
         print(json.dumps([dict(dataclasses.asdict(o), label=o.label, total_s=o.total_s) for o in options],
                          indent=2))
     else:
-        g = args.gpus_per_node or args.devices
+        g = min(args.gpus_per_node or args.devices, args.devices)
         print(f"{diagram.name} on {args.devices} x {args.device} ({g} per node), "
               f"{'forward' if args.forward else 'forward + backward'}; per device, busiest device")
         print(format_table(options, args.top))
@@ -301,5 +332,9 @@ def handler(args) -> int:
             raise NapkinError(f"cannot write {args.emit}: {why_not(err, Path(args.emit))}") from None
         note = " (run it with RingAttention(diagram, backward='burst'))" \
             if best.scheme in ("burst", "burst2") else ""
-        print(f"wrote {args.emit}: {best.label}{note}")
+        out = sys.stderr if args.json else sys.stdout   # --json: stdout holds the JSON alone
+        print(f"wrote {args.emit}: {best.label}{note}", file=out)
+        placement = emitted_placement_note(best)
+        if placement:
+            print(f"note: {placement}", file=out)
     return 0

@@ -135,3 +135,41 @@ def test_ring_over_nodes_is_bound_by_the_hop_across_nodes():
     secs = C.phase_seconds(pl, m, "forward", C.Links(450e9, 50e9))
     chunk = 2 * 512 * 2 * 8 * 128 * 2
     assert secs == {"K, V [ring]": pytest.approx(15 * chunk / 50e9)}
+
+
+# ---- found by a hunt over plan -------------------------------------------------------------
+
+def test_options_whose_times_tie_but_for_rounding_rank_by_their_bytes_across_nodes():
+    """A flat ring of 16 and a double ring of 2 x 8 sum the same terms in
+    another order: 0.011843778329037031 s against ...033.  The tie breaker
+    (fewer bytes across nodes) decides now, not the last bits."""
+    sizes = dict(b=1, hk=8, g=4, q=32768, x=32768)
+    options = P.plan(load("gqa"), 16, sizes, gpus_per_node=8)
+    flat = next(o for o in options if o.label == "Ring of 16")
+    double = next(o for o in options if o.label == "Double ring of 2 nodes x 8")
+    assert P._tie(flat.total_s) == P._tie(double.total_s) and double.across_bytes < flat.across_bytes
+    assert options.index(double) < options.index(flat)
+
+
+def test_plan_json_with_emit_keeps_stdout_json_and_notes_what_cost_will_price_otherwise(capsys, tmp_path):
+    import json
+    out = tmp_path / "best.ncd"
+    argv = ["plan", "examples/attention.ncd", "--devices", "8", "--gpus-per-node", "1", "-D", "b=1", "-D", "h=16",
+            "-D", "q=8192", "-D", "x=8192", "--emit", str(out)]
+    assert main(argv + ["--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)[0]["label"] == "ATTENTION2D 2x4"      # stdout: the JSON alone
+    assert f"wrote {out}: ATTENTION2D 2x4" in got.err
+    assert "note: the emitted diagram has no nodes level, so napkin cost prices it as 8 GPU(s) a node; this " \
+           "plan assumed 1" in got.err
+    # a double ring writes its nodes level: cost prices what plan did, no note
+    assert P.emitted_placement_note(next(o for o in P.plan(load("gqa"), 16, GQA, gpus_per_node=8)
+                                         if o.label == "Double ring of 2 nodes x 8")) is None
+
+
+def test_plan_refuses_more_devices_than_it_searches_and_says_its_nodes_as_clamped(capsys):
+    with pytest.raises(NapkinError, match="--devices 100000000 is more than napkin plan searches"):
+        P.plan(load("gqa"), 100_000_000, GQA)
+    assert main(["plan", "examples/attention.ncd", "--devices", "4", "--gpus-per-node", "8", "-D", "b=1",
+                 "-D", "h=16", "-D", "q=8192", "-D", "x=8192", "--top", "1"]) == 0
+    assert capsys.readouterr().out.startswith("attention on 4 x h100 (4 per node)")
