@@ -238,7 +238,7 @@ def predict_markdown(records: list[dict]) -> str:
         cands = [(name, r[key]["ms"]) for name, key in (("Double ring", "ring2"), ("Double burst", "burst2"))
                  if key in r]
         cands += [("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("A2D " + a["grid"], a["ms"])]
-        best = min(cands, key=lambda kv: float(f"{kv[1]:.9g}"))[0]
+        best = min(cands, key=lambda kv: PLAN.rank_time(kv[1]))[0]
         lines.append(f"| {r['gpus']} | {r['mask']} | {r['density']:.3f} | {r['ring']['ms']:.1f} | "
                      f"{r['ring']['MB']:.0f} | {r['burst']['ms']:.1f} | {r['burst']['MB']:.0f} | {ms(r, 'ring2')} | "
                      f"{ms(r, 'burst2')} | {a['grid']} | "

@@ -505,29 +505,22 @@ def _safe_div(a, b):
     return tl.where(b == 0, 0.0, a / tl.where(b == 0, 1.0, b))
 
 
-# A gradient tile's constant factor c (backward.grad_scales): applied once to the
-# float32 accumulator at its store, unless the product's operands are float16 and
-# |c| < 1: then the unscaled tile can overflow float16's 65504 where c * dS does not
-# (loss-scaled fp16 training, c = |d|^-0.5), so each tile is scaled before its cast,
-# as autodiff writes it.  With |c| >= 1 the unscaled tile is the smaller one (a score
-# times 64 overflowed as c * dS): it is cast as it is and c waits for the store.
+# A gradient tile's constant factor c under 1 in size (backward.grad_scales;
+# the code generator multiplies the accumulator by a larger one at its store):
+# applied once to the float32 accumulator at its store, unless the product's
+# operands are float16, whose range the unscaled tile can overflow (|dS| over
+# 65504 where c * dS is not: loss-scaled fp16 training, c = |d|^-0.5); then each
+# tile is scaled before its cast, as autodiff writes it.
 @triton.jit
 def _grad_operand(t, c: tl.constexpr, dt: tl.constexpr):
     if dt == tl.float16:
-        if c < 1.0:
-            if c > -1.0:
-                t = t * c
+        t = t * c
     return t.to(dt)
 
 
 @triton.jit
 def _grad_scaled(acc, c: tl.constexpr, dt: tl.constexpr):
-    if dt == tl.float16:
-        if c >= 1.0:
-            acc = acc * c
-        elif c <= -1.0:
-            acc = acc * c
-    else:
+    if dt != tl.float16:
         acc = acc * c
     return acc
 

@@ -141,13 +141,11 @@ def cache_key(diagram_hash: str, device_name: str, classes: Mapping[str, object]
     return _runtime()["_autotune_key"](diagram_hash, device_name, dict(classes), sizes, tuple(wires), kind)
 
 
-_TORCH_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
-
-
 def input_classes(diagram: ir.Diagram) -> dict[str, str]:
     """The dtype classes of a launch whose float inputs have their declared
     dtypes (what napkin bench passes): declared -> torch dtype name."""
-    return {t.dtype: _TORCH_NAMES[t.dtype] for t in diagram.inputs if t.dtype in _TORCH_NAMES}
+    return {t.dtype: ir.TORCH_NAMES[t.dtype] for t in diagram.inputs
+            if t.dtype in ir.FLOAT_DTYPES and t.dtype in ir.TORCH_NAMES}
 
 
 def device_name(device) -> str:
@@ -651,6 +649,10 @@ class Cache:
     def entries(self) -> dict:
         return _runtime()["_autotune_read"](str(self.path))
 
+    def _beside(self, suffix: str) -> Path:
+        """A file next to the cache: its lock, the probe of a write, a set-aside old cache."""
+        return self.path.with_name(self.path.name + suffix)
+
     def get(self, key: str) -> Optional[Config]:
         """The entry's config when a launch would take it (the run-time reader's
         test, _autotune_config) and it sets num_warps and num_stages, as every
@@ -670,10 +672,10 @@ class Cache:
         schema (damaged, or an older napkin's) is kept as <name>.old, with a
         warning, not overwritten unseen.  OSError when it cannot write."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with files.locked(self.path.with_name(self.path.name + ".lock")):
+        with files.locked(self._beside(".lock")):
             entries = self.entries()
             if not entries and self.path.is_file() and not _empty_cache(self.path):
-                old = self.path.with_name(self.path.name + ".old")
+                old = self._beside(".old")
                 os.replace(self.path, old)
                 warnings.warn(f"{self.path} was no readable {SCHEMA} cache (damaged, or another napkin's): "
                               f"moved to {old}, a new cache started", stacklevel=2)
@@ -681,17 +683,17 @@ class Cache:
             text = json.dumps({"schema": SCHEMA, "entries": dict(sorted(entries.items()))}, indent=1) + "\n"
             files.write_atomic(self.path, text)
 
-
     def unwritable(self) -> Optional[str]:
         """Why ``put`` could not write here, in words, or None: asked before a
         tuning spends its time (napkin bench --autotune)."""
         if self.path.is_dir():
             return f"{self.path} is a folder"
+        probe = self._beside(".probe")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with files.locked(self.path.with_name(self.path.name + ".lock")):
-                files.write_atomic(self.path.with_name(self.path.name + ".probe"), "")
-            self.path.with_name(self.path.name + ".probe").unlink()
+            with files.locked(self._beside(".lock")):
+                files.write_atomic(probe, "")
+            probe.unlink()
         except OSError as err:
             return files.why_not(err, self.path)
         return None

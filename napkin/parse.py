@@ -223,9 +223,8 @@ class _Build(Transformer):
         super().__init__()
         self.problems: list[Diagnostic] = []
 
-    def _refuse(self, problem: Diagnostic, stand_in):
+    def _refuse(self, problem: Diagnostic) -> None:
         self.problems.append(problem)
-        return stand_in
 
     def __default__(self, data, children, meta):
         raise NotImplementedError(f"napkin's grammar rule {data!r} has no IR handler")
@@ -247,7 +246,7 @@ class _Build(Transformer):
             else:  # pragma: no cover
                 raise NotImplementedError(f"unhandled item {item!r}")
         for extra in schedules[1:]:
-            self._refuse(Diagnostic("a diagram has one schedule; this is the second", extra.loc), None)
+            self._refuse(Diagnostic("a diagram has one schedule; this is the second", extra.loc))
         wire_names = {w.name for w in wires}
         lets = [dataclasses.replace(l, expr=_resolve(l.expr, wire_names)) for l in lets]
         return ir.Diagram(str(name), tuple(wires), tuple(inputs), tuple(lets), tuple(outputs),
@@ -295,7 +294,7 @@ class _Build(Transformer):
                 flag, loc = item[1], item[2]
                 if flag != "tf32":
                     self._refuse(Diagnostic(f"unknown option 'allow {flag}'", loc,
-                                            hint="the only option is 'allow tf32'"), None)
+                                            hint="the only option is 'allow tf32'"))
                     continue
                 tf32 = True
         return ir.Schedule(profile, accumulate, tf32, tuple(levels), _loc_of(meta), profile_loc, accumulate_loc)
@@ -322,13 +321,15 @@ class _Build(Transformer):
         scale = 1
         if unit is not None:
             if str(unit) not in UNITS:
-                return self._refuse(Diagnostic(f"unknown unit {str(unit)!r}", _loc_of(unit),
-                                               hint="units are " + ", ".join(UNITS)), 1)
+                self._refuse(Diagnostic(f"unknown unit {str(unit)!r}", _loc_of(unit),
+                                        hint="units are " + ", ".join(UNITS)))
+                return 1   # a stand-in: parse() raises before anything reads it
             scale = UNITS[str(unit)]
         value = _number(number) * scale
         if not math.isfinite(value) or value != int(value) or value <= 0:
-            return self._refuse(Diagnostic(f"a capacity must be a positive whole number of bytes, not {value}",
-                                           _loc_of(number)), 1)
+            self._refuse(Diagnostic(f"a capacity must be a positive whole number of bytes, not {value}",
+                                    _loc_of(number)))
+            return 1
         return int(value)
 
     def group(self, meta, *tiles):
@@ -390,22 +391,22 @@ class _Build(Transformer):
         op_name, loc = str(op), _loc_of(meta)
         if op_name in ir.NORMALIZERS:
             if len(wires) != 1:
-                self._refuse(Diagnostic(f"{op_name} normalises along one wire, not {len(wires)}", loc), None)
+                self._refuse(Diagnostic(f"{op_name} normalises along one wire, not {len(wires)}", loc))
             return ir.Normalize(op_name, str(wires[0]) if wires else "", body, loc)
         if op_name not in ir.REDUCTIONS:
             self._refuse(Diagnostic(f"unknown reduction {op_name!r}", _loc_of(op),
-                                    hint="reductions are " + ", ".join(ir.REDUCTIONS + ir.NORMALIZERS)), None)
+                                    hint="reductions are " + ", ".join(ir.REDUCTIONS + ir.NORMALIZERS)))
         return ir.Reduce(op_name, tuple(str(w) for w in wires), body, loc)
 
     def call(self, meta, fn, *args):
         name = str(fn)
         if name not in ir.FUNCTIONS:
             self._refuse(Diagnostic(f"unknown function {name!r}", _loc_of(fn),
-                                    hint="functions are " + ", ".join(ir.FUNCTIONS)), None)
+                                    hint="functions are " + ", ".join(ir.FUNCTIONS)))
         elif len(args) != ir.FUNCTIONS[name]:
             self._refuse(Diagnostic(
                 f"{name} takes {ir.FUNCTIONS[name]} argument{'s' if ir.FUNCTIONS[name] > 1 else ''}, "
-                f"not {len(args)}", _loc_of(fn)), None)
+                f"not {len(args)}", _loc_of(fn)))
         return ir.Call(name, tuple(args), _loc_of(meta))
 
     def size(self, meta, wire):

@@ -197,7 +197,7 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
                           t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s))
     # times equal but for the order of their additions (one round of 16 or two
     # of 8) tie: the fewer bytes, then the fewer across nodes, decide
-    out.sort(key=lambda o: (_tie(o.total_s), o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
+    out.sort(key=lambda o: (rank_time(o.total_s), o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
     return out
 
 
@@ -212,7 +212,7 @@ def _without_mesh(diagram: ir.Diagram) -> ir.Diagram:
     return dataclasses.replace(diagram, schedule=dataclasses.replace(diagram.schedule, levels=levels))
 
 
-def _tie(seconds: float) -> float:
+def rank_time(seconds: float) -> float:
     """A predicted time to nine significant digits: sums of the same terms in
     another order differ in the last bits, which must not rank two options."""
     return float(f"{seconds:.9g}")

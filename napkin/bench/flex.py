@@ -44,9 +44,6 @@ from ..codegen.pysrc import names_read
 from ..errors import NapkinError
 from ..printer import expr_text
 
-TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
-                "int64": "int64", "int32": "int32", "bool": "bool"}
-
 # The placeholder that stands for flex's ``score`` argument inside the IR: an
 # underscore name, which no diagram tensor can have (one called score was
 # taken for it).
@@ -750,7 +747,7 @@ def _outputs(d: ir.Diagram, an: _Analysis, roles: _Roles) -> str:
         perm = [have.index(a) for a in let.axes]
         if perm != sorted(perm):
             text += f".permute({', '.join(map(str, perm))})"
-        dtype = TORCH_DTYPES.get(tiling.tensor_dtype(d, o.name), "float32")
+        dtype = ir.TORCH_NAMES.get(tiling.tensor_dtype(d, o.name), "float32")
         text += f".to(torch.{dtype})"
         parts.append(text if is_out else f"None if lse is None else {text}")
     return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"

@@ -600,10 +600,10 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
     d, device = ctx["diagram"], ctx["device"]
     accepted = set(inspect.signature(launcher).parameters)
     classes = autotune.input_classes(d)   # the bench passes every input in its declared dtype
+    launch_classes = {k: getattr(torch, v) for k, v in classes.items()}   # as the launcher's _bind finds them
     if device != "cuda":
         # no tuning here, but a launch takes what the cache holds for "cpu": say so
-        seen = ctx["module"]._autotune_lookup(sizes, device, {k: getattr(torch, v) for k, v in classes.items()},
-                                              kind)
+        seen = ctx["module"]._autotune_lookup(sizes, device, launch_classes, kind)
         if seen:
             return {k: v for k, v in seen.items() if k in accepted}, "cache (CPU smoke run: no tuning)"
         return None, "schedule (CPU smoke run: no tuning)"
@@ -632,7 +632,7 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
         if tuning is not None:
             tuning[TUNED_KERNELS[kind]] = _tuning_facts(cache.entries().get(key, {}))
     config = {k: v for k, v in config.items() if k in accepted}
-    seen = ctx["module"]._autotune_lookup(sizes, device, {k: getattr(torch, v) for k, v in classes.items()}, kind)
+    seen = ctx["module"]._autotune_lookup(sizes, device, launch_classes, kind)
     if seen is None or {k: v for k, v in seen.items() if k in accepted} != config:
         raise NapkinError(f"the launcher of {d.name} would not read the config tuned for it ({key}): it finds "
                           f"{seen}; is NAPKIN_CACHE the same for both?")

@@ -20,7 +20,6 @@ from typing import Mapping
 
 from .. import ir, tiling
 from ..errors import NapkinError
-from .flex import TORCH_DTYPES
 
 
 def full_sizes(diagram: ir.Diagram, sizes: Mapping[str, int]) -> dict[str, int]:
@@ -55,11 +54,11 @@ def example_inputs(diagram: ir.Diagram, sizes: Mapping[str, int], dtype=None, de
         shape = _shape(t.axes, full)
         if t.dtype in ("int32", "int64"):
             starts = torch.rand(shape, generator=gen) < 4.0 / max(shape[-1], 1)
-            value = torch.cumsum(starts.to(torch.int64), dim=-1).to(getattr(torch, TORCH_DTYPES[t.dtype]))
+            value = torch.cumsum(starts.to(torch.int64), dim=-1).to(getattr(torch, ir.TORCH_NAMES[t.dtype]))
         elif t.dtype == "bool":
             value = torch.rand(shape, generator=gen) < 0.5
         else:
-            want = TORCH_DTYPES.get(t.dtype, "float32")
+            want = ir.TORCH_NAMES.get(t.dtype, "float32")
             if dtype is not None and t.dtype in ("fp16", "bf16"):
                 want = str(dtype).replace("torch.", "")
             value = torch.randn(shape, generator=gen, dtype=torch.float32).to(getattr(torch, want))
@@ -184,4 +183,4 @@ def _apply(torch, e, a):
 
 def output_dtypes(diagram: ir.Diagram) -> list[str]:
     """The torch dtype name of each output, as the kernel returns it."""
-    return [TORCH_DTYPES.get(tiling.tensor_dtype(diagram, o.name), "float32") for o in diagram.outputs]
+    return [ir.TORCH_NAMES.get(tiling.tensor_dtype(diagram, o.name), "float32") for o in diagram.outputs]

@@ -359,7 +359,10 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
 
     for g in k.grads:  # [resident, loop] @ [loop, feature]: the tile as it is, no transpose
         dt = _dt(plan, g.operand.tensor)
-        tile = f"{kept(g.tile)}.to({dt})" if g.scale is None else f"_grad_operand({kept(g.tile)}, {g.scale!r}, {dt})"
+        # a factor under 1 in size may keep to the tile in float16 (_grad_operand); a larger one waits for
+        # the store in every dtype: there c * dS is the tile that overflows float16 (a score times 64)
+        tile = f"_grad_operand({kept(g.tile)}, {g.scale!r}, {dt})" if _small(g.scale) \
+            else f"{kept(g.tile)}.to({dt})"
         lines.append(f"{g.var} += {_dot(tile, f'{g.operand.var}.to({dt})', plan, dt)}")
     # side gradients: the dQ kernel's alone, whose tiles are [rows, x]
     assert not k.sides or (rows, cols) == (plan.row, plan.col)
@@ -673,8 +676,12 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             ptr = E._pointer(d, names, g.buffer, wires, g.rows, g.cols)
             mask = [_rows_after_loop(names, g.rows, start) if m == f"_ok_{g.rows}[:, None]" and g.rows == k.grid_wire else m
                     for m in names.mask(g.rows, g.cols)]
-            scaled = g.var if g.scale is None else \
-                f"_grad_scaled({g.var}, {g.scale!r}, {_dt(plan, g.operand.tensor)})"  # backward.grad_scales
+            if g.scale is None:
+                scaled = g.var
+            elif _small(g.scale):  # backward.grad_scales; float16 took it on each tile
+                scaled = f"_grad_scaled({g.var}, {g.scale!r}, {_dt(plan, g.operand.tensor)})"
+            else:
+                scaled = f"({g.var} * {g.scale!r})"
             value = f"{scaled}.to({g.buffer}.dtype.element_ty)"
             after += T.store_code(ptr, value, f", mask={' & '.join(mask)}" if mask else "",
                                   tma.store(g.buffer, wires, g.rows, g.cols, value)).split("\n")
@@ -721,6 +728,12 @@ def _tma_context(plan: BackwardPlan, k: Kernel, tma: T.Tma, names: E._Names, dim
     return {"tma_table": table, "tma_descs": tma.table(), "tma_last": last,
             "tma_call": tma.launch("_kv_tma" if kv else "_tma", f'{"_kv_opts" if kv else "_opts"}["{T.OPTION}"]',
                                    table, _tensors(plan, k), blocks, last, (plan.row,))}
+
+
+def _small(scale) -> bool:
+    """A gradient factor under 1 in size: in float16 it stays on each tile, before the
+    cast (_grad_operand / _grad_scaled in templates/module.py.jinja)."""
+    return scale is not None and abs(scale) < 1
 
 
 def _rows_after_loop(names, rows: str, start: str) -> str:

@@ -108,6 +108,12 @@ class LowerBound:
     formula_bytes: Optional[float] = None
     compulsory_bytes: Optional[float] = None
 
+    @property
+    def floored(self) -> bool:
+        """Whether the compulsory traffic, not the formula, is the bound."""
+        return self.compulsory_bytes is not None and self.formula_bytes is not None \
+            and self.compulsory_bytes > self.formula_bytes
+
 
 @dataclass(frozen=True)
 class KernelInfo:
@@ -329,9 +335,8 @@ def format_text(r: CostReport) -> str:
     if fl.skipped_fraction:
         out.append(f"  block skipping drops {fl.skipped_fraction:.1%} of the (row, step) area")
     b = r.bound
-    floor = b.compulsory_bytes is not None and b.formula_bytes is not None and b.compulsory_bytes > b.formula_bytes
     value = f"{human(b.formula_bytes, 'B')}, below the compulsory traffic (each input read and each output " \
-        f"written once): {human(b.bytes, 'B')}" if floor else human(b.bytes, "B")
+        f"written once): {human(b.bytes, 'B')}" if b.floored else human(b.bytes, "B")
     out.append(f"lower bound ({b.kind}, M = {human(b.capacity_bytes, 'B')} of {b.capacity_level} "
                f"/ {b.element_bytes} B): {b.formula} = {value}"
                + (f"; schedule/bound = {b.ratio:.3g}" if b.ratio is not None else ""))

@@ -156,8 +156,7 @@ def _work(costs) -> str:
             f"{_e(b.capacity_level)} / {b.element_bytes} B per element: <code>{_e(b.formula)}</code> "
             + (f"= {_e(_bytes(b.formula_bytes))}, below the compulsory traffic (each input read and each "
                f"output written once), {_e(_bytes(b.bytes))}, which is the bound"
-               if b.compulsory_bytes is not None and b.formula_bytes is not None
-               and b.compulsory_bytes > b.formula_bytes else f"= {_e(_bytes(b.bytes))}")
+               if b.floored else f"= {_e(_bytes(b.bytes))}")
             + (f"; this schedule moves {b.ratio:.3g}&times; that." if b.ratio is not None else ".")
             + "</p>")
     return out
