@@ -26,7 +26,9 @@ class Diagnostic:
 
     def format(self, filename: str = "<input>", source: Optional[str] = None) -> str:
         if self.loc.line <= 0:
-            head = f"{filename}: {self.message}"
+            # no file behind it (a command-line option, an API argument): say who speaks, as Unix tools do
+            who = "napkin" if filename == "<input>" else filename
+            head = f"{who}: {self.message}"
             return head + (f"\n  hint: {self.hint}" if self.hint else "")
         out = [f"{filename}:{self.loc.line}:{self.loc.col}: {self.message}"]
         lines = source.replace("\r\n", "\n").split("\n") if source is not None else []  # as Lark counts lines

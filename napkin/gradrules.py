@@ -314,7 +314,7 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
         raise ValueError(f"input {clash[0]} has a name grad_plan uses for its own values; rename it")
     lets = {let.name: let for let in diagram.lets}
     score_let, raw = _score_box(diagram, layouts)
-    score_let = masks.grown_score(diagram, score_let)
+    score_let = _grown_to_normaliser(diagram, masks.grown_score(diagram, score_let))
     lets[score_let.name] = score_let
     score_wires = ir.axis_wires(score_let.axes)
 
@@ -384,6 +384,40 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
     if len(raws) != 1:
         raise ValueError(f"the score box {let.name} holds {len(raws)} different contractions; expected one")
     return let, raws[0]
+
+
+def _grown_to_normaliser(diagram: ir.Diagram, box: ir.Let) -> ir.Let:
+    """The score grown through the elementwise boxes between it and the softmax
+    (or logsumexp) that normalises them: ``W = sum[d](Q * K) * |d|^-0.5``,
+    ``B = W + slope * (x - q)``, ``softmax[x](B)`` train as the one score ``B =
+    sum[d](Q * K) * |d|^-0.5 + slope * (x - q)``, the form a bias written
+    inline has.  Each box of the chain must be the previous one's only reader,
+    read plainly (not relabelled), of the same layout, with no reduction, and
+    no output; the chain must end in a box a normaliser takes whole.  Anything
+    else leaves ``box`` as it was (sigmoid's weights box, read by a sum, stays
+    the normaliser's)."""
+    outputs = {o.name for o in diagram.outputs}
+
+    def refs(e: ir.Expr, name: str) -> list:
+        return [n for n in ir.walk(e) if isinstance(n, ir.TensorRef) and n.name == name]
+
+    def normalised(name: str) -> bool:
+        return any((isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp"))
+                   and n.body == ir.TensorRef(name) for let in diagram.lets for n in ir.walk(let.expr))
+
+    grown = box
+    while grown.name not in outputs:
+        readers = [let for let in diagram.lets if refs(let.expr, grown.name)]
+        if len(readers) != 1:
+            break
+        (r,) = readers
+        if r.name in outputs or r.axes != grown.axes or any(n.wires is not None for n in refs(r.expr, grown.name)) \
+                or any(isinstance(n, (ir.Reduce, ir.Normalize)) for n in ir.walk(r.expr)):
+            break
+        grown = replace(r, expr=substitute(r.expr, ir.TensorRef(grown.name), grown.expr))
+        if normalised(r.name):
+            return grown
+    return box
 
 
 class _Form:

@@ -968,17 +968,77 @@ def test_a_negated_mask_that_can_be_nan_is_not_flipped(folder):
     _against_torch64(m.nan_mask, torch64, heads=1, n=n, seed=5)
 
 
-def test_a_box_between_the_contraction_and_the_normaliser_is_named_in_the_refusal():
-    """An additive mask in a box of its own (A = the scores, S = A + where(x <= q, 0, -inf)) has no
-    backward yet; the refusal said "logsumexp must be taken of the scores along one wire", which it
-    is.  It names what the normaliser takes and what the backward would take instead."""
-    from napkin import gradrules
-
+def test_an_additive_mask_in_a_box_of_its_own_trains(folder):
+    """A = the scores, S = A + where(x <= q, 0, -inf): the backward refused it ("logsumexp takes A +
+    where(x <= q, 0, -inf), not the score box A itself").  The score now grows through the elementwise
+    boxes a softmax or logsumexp takes, so S is the score; O, lse and both weighted gradients match
+    float64 torch written here, on a ragged length."""
     text = COMPOSED.replace("W[b, h, q, x] = where(q - x < 8, sum[d](Q * K) * |d|^-0.5, -inf)",
                             "A[b, h, q, x] = sum[d](Q * K) * |d|^-0.5") \
         .replace("S[b, h, q, x] = where(x <= q, W, -inf)", "S[b, h, q, x] = A + where(x <= q, 0, -inf)")
-    with pytest.raises(ValueError) as err:
-        gradrules.grad_plan(napkin.load_text(text))
-    assert str(err.value) == ("output lse: logsumexp takes A + where(x <= q, 0, -inf), not the score box A "
-                              "itself; between the contraction's box and the normaliser the backward takes "
-                              "only a mask, where(p, A, -inf)")
+    m = compile_text(text, "additive_box", folder)
+    assert not hasattr(m, "_NO_BACKWARD")
+    n = 45
+
+    def torch64(Q, K, V):
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        S = Q @ K.transpose(-1, -2) / 4 + torch.where(j <= i, 0.0, -math.inf)
+        return torch.softmax(S, -1) @ V, torch.logsumexp(S, -1)
+
+    _against_torch64(m.composed, torch64, heads=2, n=n, seed=11)
+
+
+BIAS_CHAIN = """diagram bias_chain
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+in slope[h] : fp32
+W[b, h, q, x] = sum[d](Q * K) * |d|^-0.5
+B[b, h, q, x] = W + slope * (x - q)
+C[b, h, q, x] = 5 * tanh(B / 5)
+M[b, h, q, x] = where(x <= q, C, -inf)
+O[b, h, q, d] = sum[x](softmax[x](M) * V)
+out O
+schedule { level smem { group b by 1, h by 1, q by 16
+stream x by 16 } }
+"""
+
+
+def test_a_chain_of_boxes_before_the_softmax_trains_and_its_side_input_gets_a_gradient(folder):
+    """A bias, a soft-cap and a causal mask each in a box of its own, in that order, train as the
+    one score 5 tanh((QK/4 + slope (x - q)) / 5) masked: the slope's gradient included, against
+    float64 torch written here (not the module's reference), on ragged lengths (37 rows, 41 keys)."""
+    m = compile_text(BIAS_CHAIN, "bias_chain", folder)
+    g = torch.Generator().manual_seed(3)
+    Q, K, V = (torch.randn(2, 3, n, 16, generator=g) for n in (37, 41, 41))
+    slope = torch.rand(3, generator=g)
+
+    def torch64(Q, K, V, slope):
+        i, j = torch.arange(37)[:, None], torch.arange(41)[None, :]
+        B = Q @ K.transpose(-1, -2) / 4 + slope[:, None, None] * (j - i)
+        S = torch.where(j <= i, 5 * torch.tanh(B / 5), -math.inf)
+        return torch.softmax(S, -1) @ V
+
+    blocks = dict(block_q=16, block_x=16)
+    got = gradients(m.bias_chain, [Q, K, V, slope], **blocks)
+    exact = gradients(torch64, [t.double() for t in (Q, K, V, slope)])
+    out, ref = m.bias_chain(Q, K, V, slope, **blocks), torch64(*(t.double() for t in (Q, K, V, slope)))
+    assert (out.double() - ref).abs().max() < 2e-5
+    for name, a, b in zip("QKV", got, exact):
+        assert (a.double() - b).abs().max() < 2e-5 * max(1.0, b.abs().max().item()), name
+    assert (got[3].double() - exact[3]).abs().max() < 1e-4 * exact[3].abs().max()   # sums every score of a head
+
+
+def test_a_box_the_normaliser_does_not_take_whole_still_says_why_it_has_no_backward():
+    """The growth stops at a box read twice or an output: those keep their refusal."""
+    from napkin import gradrules
+
+    twice = BIAS_CHAIN.replace("O[b, h, q, d] = sum[x](softmax[x](M) * V)",
+                               "O[b, h, q, d] = sum[x](softmax[x](M) * V) + sum[x](B * V)")
+    output = BIAS_CHAIN.replace("out O", "out O, C")
+    for text, why in ((twice, "softmax must normalise the score box itself"),
+                      (output, "outputs O and C: grad_plan handles one attention output")):
+        with pytest.raises(ValueError, match=why):
+            gradrules.grad_plan(napkin.load_text(text))

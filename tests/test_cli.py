@@ -472,3 +472,10 @@ def test_napkin_demo_as_the_readme_runs_it(tmp_path):
                                   "sizes b=1, h=2, q=200, x=200, on ")
     assert proc.stdout.count("(ok, tolerance") == 2
     assert "cost model:" in proc.stdout
+
+
+def test_an_option_error_with_no_file_behind_it_is_signed_napkin(capsys):
+    # it printed "<input>: ..." (the name of a diagram read from no file)
+    code, out, err = run(capsys, "bench", str(REPO / "examples" / "attention.ncd"), "--seqlen", "0")
+    assert code == 1 and out == ""
+    assert err == "napkin: --seqlen expects positive whole numbers (1K = 1024), not '0'\n"

@@ -819,3 +819,16 @@ def test_a_window_through_a_let_is_counted_whole_where_codegen_refuses_the_sched
     visited = [[k.visited_steps for k in analyse(napkin.load_text(LET_WINDOW.replace("SCORE", s)), sizes).kernels]
                for s in (one, let)]
     assert visited == [[13], [13]]
+
+
+def test_compare_says_dash_where_a_device_count_has_no_two_dimensional_grid(capsys):
+    # a prime P raised min() of an empty list; P = 1 divided by zero; --tokens 0 and e4m3 were tracebacks
+    from napkin.cost import compare
+    assert compare.best_grid(7, 4096, 4, 8, 64, "bf16") is None
+    assert compare.main(["--devices", "7,8", "--tokens", "4096", "--dim", "64"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| MHA |")]
+    assert [r.split(" | ")[6] for r in rows] == ["-", "4x2"]
+    for bad in (["--devices", "1"], ["--tokens", "0"], ["--dtype", "e4m3"]):
+        with pytest.raises(SystemExit) as stop:
+            compare.main(bad)
+        assert stop.value.code == 2

@@ -173,3 +173,14 @@ def test_plan_refuses_more_devices_than_it_searches_and_says_its_nodes_as_clampe
     assert main(["plan", "examples/attention.ncd", "--devices", "4", "--gpus-per-node", "8", "-D", "b=1",
                  "-D", "h=16", "-D", "q=8192", "-D", "x=8192", "--top", "1"]) == 0
     assert capsys.readouterr().out.startswith("attention on 4 x h100 (4 per node)")
+
+
+def test_plan_table_keeps_three_digits_of_a_decoding_plan(capsys):
+    # decoding's plans take microseconds: with three fixed decimals of a ms they read 0.000 and 0.001
+    assert P._ms(7.47e-7) == "0.000747" and P._ms(0.5224e-3) == "0.522" and P._ms(0.0) == "0.000"
+    argv = ["plan", "examples/decode.ncd", "--devices", "8", "-D", "b=1", "-D", "g=4", "-D", "hk=8",
+            "-D", "q=1", "-D", "x=65536", "--top", "1"]
+    assert main(argv) == 0
+    row = capsys.readouterr().out.splitlines()[3].split()
+    fwd, bwd, total = (float(x) for x in row[-6:-3])
+    assert 0 < fwd < 1e-3 and 0 < bwd < 1e-2 and total == pytest.approx(fwd + bwd, rel=0.01)

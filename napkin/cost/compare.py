@@ -24,6 +24,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from ..sizes import positive_int
 from . import collectives as C
 from .analysis import analyse
 
@@ -82,12 +83,15 @@ def a2d_narrow(rows: int, cols: int, n: int, h_kv: int, g: int, d: int, dtype: s
     return C.rank_bytes("attention2d", (rows, cols), m, "forward")[0][1]
 
 
-def best_grid(p: int, n: int, h_kv: int, g: int, d: int, dtype: str) -> tuple[int, int, int]:
+def best_grid(p: int, n: int, h_kv: int, g: int, d: int, dtype: str) -> Optional[tuple[int, int, int]]:
     """(R, C, bytes) of the two-dimensional R x C grid (R, C > 1) with the
     least per-device traffic.  R x 1 (x whole on every device) gathers K and
     V as Ring does, the same bytes, so the Ring column stands for it; the
-    background's claims compare Ring with grids that split both wires."""
+    background's claims compare Ring with grids that split both wires.  None
+    where P has no such grid (a prime, or 1)."""
     options = [(r, p // r) for r in range(1, p + 1) if p % r == 0 and r > 1 and p // r > 1]
+    if not options:
+        return None
     scored = [(a2d(r, c, n, h_kv, g, d, dtype), r, c) for r, c in options]
     cost, r, c = min(scored)
     return r, c, cost
@@ -102,12 +106,13 @@ def table(ps=(4, 16, 64, 256), n: int = 65536, d: int = 128, dtype: str = "bf16"
             r_bytes = ring(p, n, h_kv, g, d, dtype)
             square: Optional[int] = a2d(side, side, n, h_kv, g, d, dtype) if side * side == p else None
             narrow = a2d_narrow(side, side, n, h_kv, g, d, dtype) if side * side == p else None
-            br, bc, rect = best_grid(p, n, h_kv, g, d, dtype)
+            best = best_grid(p, n, h_kv, g, d, dtype)
+            rect = None if best is None else best[2]
             rows.append({"heads": label, "P": p, "ring": r_bytes, "a2d_square": square,
-                         "best_grid": f"{br}x{bc}", "a2d_best": rect,
+                         "best_grid": "-" if best is None else f"{best[0]}x{best[1]}", "a2d_best": rect,
                          "ring_over_square": None if square is None else r_bytes / square,
                          "ring_over_square_narrow": None if narrow is None else r_bytes / narrow,
-                         "ring_over_best": r_bytes / rect,
+                         "ring_over_best": None if rect is None else r_bytes / rect,
                          "background": BACKGROUND_MHA_RATIO.get(p) if g == 1 else None})
     return rows
 
@@ -128,15 +133,25 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _device_counts(text: str) -> tuple[int, ...]:
+    """P,...: each at least 2 (one device sends nothing, and the ratios divide by it)."""
+    counts = tuple(positive_int(item) for item in text.split(","))
+    if min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"each device count must be at least 2, got {text!r}")
+    return counts
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m napkin.cost.compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=65536)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--tokens", type=positive_int, default=65536)
+    parser.add_argument("--dim", type=positive_int, default=128)
+    parser.add_argument("--dtype", default="bf16", choices=tuple(C.ELEMENT_BYTES))
+    parser.add_argument("--devices", type=_device_counts, default=(4, 16, 64, 256), metavar="P,...",
+                        help="device counts (default 4,16,64,256)")
     args = parser.parse_args(argv)
     print(f"per-device forward communication, N = {args.tokens} tokens, d = {args.dim}, {args.dtype}; "
           "MHA = 32 heads, GQA = 32 query heads over 4 kv heads")
-    print(markdown(table(n=args.tokens, d=args.dim, dtype=args.dtype)))
+    print(markdown(table(ps=args.devices, n=args.tokens, d=args.dim, dtype=args.dtype)))
     return 0
 
 
