@@ -426,8 +426,38 @@ out C
     m = compile_text(text, "relumm", folder)
     a, b = m.example_inputs({"m": 20, "n": 20, "k": 20}, dtype=torch.float32)
     assert m.relumm(a, b, block_m=16, block_n=16, block_k=16).shape == (20, 20)   # no gradient wanted: fine
-    with pytest.raises(NotImplementedError, match="epilogue"):
+    with pytest.raises(NotImplementedError, match=r"relu\(sum\[k\]\(A \* B\)\), whose slope varies"):
         m.relumm(a.requires_grad_(), b, block_m=16, block_n=16, block_k=16)
+
+
+@pytest.mark.parametrize("epilogue, torch64", [
+    ("sum[k](A * B) * |k|^-0.5", lambda r: r * 45 ** -0.5),
+    ("1 - 2 * sum[k](A * B)", lambda r: 1 - 2 * r),
+])
+def test_a_matmul_with_a_constant_slope_trains(folder, epilogue, torch64):
+    """A scale or an added constant on a matrix product: dA = sum[n](dC * B) * f', the slope f' a
+    constant on the gradients' epilogues (such a module raised "takes no epilogue, not even a
+    scale").  Against float64 torch on ragged sizes (37 x 45 by 45 x 29, blocks of 16)."""
+    text = f"diagram slopemm\nwire m, n, k\nin A[m, k] : fp32\nin B[k, n] : fp32\nC[m, n] = {epilogue}\nout C\n"
+    m = compile_text(text, f"slopemm_{zlib.crc32(epilogue.encode())}", folder)
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(37, 45, generator=g), torch.randn(45, 29, generator=g)
+    got = gradients(m.slopemm, [a, b], block_m=16, block_n=16, block_k=16)
+    exact = gradients(lambda x, y: torch64(x @ y), [a.double(), b.double()])
+    for k, e in zip(got, exact):
+        assert (k.double() - e).abs().max() < 1e-5 * max(1.0, e.abs().max().item())
+
+
+def test_a_matmul_epilogue_reading_a_tensor_or_an_index_says_so():
+    from napkin.codegen import lower, training
+
+    for epilogue, why in (("sum[k](A * B) + bias", "whose epilogue reads bias"),
+                          ("sum[k](A * B) * (m + 1)", "whose epilogue reads m"),
+                          ("exp(sum[k](A * B))", "whose slope varies")):
+        text = f"diagram e\nwire m, n, k\nin A[m, k] : fp32\nin B[k, n] : fp32\nin bias[n] : fp32\n" \
+               f"C[m, n] = {epilogue}\nout C\n"
+        reason = training.prepare(lower.lower(napkin.load_text(text))).reason
+        assert reason is not None and why in reason, (epilogue, reason)
 
 
 # --------------------------------------------------------------------------

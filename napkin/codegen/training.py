@@ -11,7 +11,9 @@
   traffic does not change.  backward.py lowers the rule to three kernels.
 * CONTRACTION ``C = sum[k](A * B)``: the backward is two more contractions,
   dA = sum[n](dC * B) and dB = sum[m](A * dC), built as IR diagrams and
-  lowered like any matrix product (strides do the transposes).
+  lowered like any matrix product (strides do the transposes).  An output
+  f(C) whose slope f' is a constant (a scale, an added constant) multiplies
+  both by f' in their epilogues.
 
 Anything else gets no backward; ``Training.reason`` says why, and the
 module raises that at run time when a gradient is asked for.
@@ -29,6 +31,7 @@ from typing import Optional
 
 from .. import autodiff, gradrules, ir, tiling
 from ..errors import NapkinError
+from ..printer import expr_text
 from . import lower as L
 
 SAVED_PREFIX = "_saved_"
@@ -121,9 +124,10 @@ def _contraction(plan: L.ContractionPlan) -> Training:
     out = d.outputs[0]
     expr = L.inline(d)[out.name]
     a, b = plan.lhs.tensor, plan.rhs.tensor
-    if not (isinstance(expr, ir.Reduce) and expr.op == "sum" and expr.wires == (plan.red,)):
-        return _no(plan, f"its output {out.name} is not a plain sum[{plan.red}]({a} * {b}): "
-                         "a matmul's backward here takes no epilogue, not even a scale or a bias")
+    factor = _epilogue_factor(expr, plan.red)
+    if isinstance(factor, str):
+        return _no(plan, f"its output {out.name} is {factor}: a matmul's backward here takes a plain "
+                         f"sum[{plan.red}]({a} * {b}) or one with a constant slope (a scale, an added constant)")
     c_wires = set(ir.axis_wires(d.tensor(out.name).axes))
     for name in (a, b):
         t = d.tensor(name)
@@ -143,6 +147,8 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         factors = (ir.TensorRef(grad_c.name), ir.TensorRef(other)) if target == a else \
             (ir.TensorRef(other), ir.TensorRef(grad_c.name))
         body = ir.Reduce("sum", (red,), ir.Binary("*", *factors))
+        if factor != ir.Num(1):   # dR = dC * f', f' a constant: on the gradient's epilogue, once a tile
+            body = ir.Binary("*", body, factor)
         let = ir.Let(f"_grad_{target}", t.axes, "fp32", body)
         free = plan.red                   # dA keeps k (B's side), dB keeps k (A's side)
         tiles = [ir.Tile(w, "group", 1) for w in plan.batch] + [
@@ -157,6 +163,35 @@ def _contraction(plan: L.ContractionPlan) -> Training:
             return _no(plan, f"the gradient of {target} does not lower to a matrix product")
         grads.append(gplan)
     return Training(plan, (), None, None, tuple(grads))
+
+
+def _epilogue_factor(expr: ir.Expr, red: str):
+    """f'(R) of an output f(R), R = sum[red](A * B), when it is a constant
+    (numbers and wire sizes only: ``R * |k|^-0.5``, ``-R``, ``2 * R + 1``), so
+    dR = dC * f' scales the two gradient products' epilogues; ONE for R
+    itself.  Otherwise a string saying what the output is: a slope reading
+    R (``relu(R)`` needs the pre-activation, not kept), a tensor (a bias
+    would need a gradient of its own) or an index varies along a wire
+    one of the two gradients sums over."""
+    raws = [n for n in ir.walk(expr) if isinstance(n, ir.Reduce)]
+    if not raws or not isinstance(raws[0], ir.Reduce) or raws[0].op != "sum" or raws[0].wires != (red,) \
+            or any(n != raws[0] for n in raws):
+        return f"not a sum[{red}] of the two inputs"
+    raw = raws[0]
+    if expr == raw:
+        return ir.Num(1)
+    rest = autodiff.substitute(expr, raw, ir.Num(0))
+    reads = [n for n in ir.walk(rest) if isinstance(n, (ir.TensorRef, ir.WireIndex))]
+    if reads:
+        what = reads[0].name if isinstance(reads[0], ir.TensorRef) else reads[0].wire
+        return f"{expr_text(expr)}, whose epilogue reads {what}"
+    try:
+        slope = autodiff.diff(expr, raw)
+    except ValueError:
+        return expr_text(expr)
+    if any(n == raw or isinstance(n, (ir.TensorRef, ir.WireIndex)) for n in ir.walk(slope)):
+        return f"{expr_text(expr)}, whose slope varies (its backward would need the pre-activation)"
+    return slope
 
 
 def _dc_dtype(d: ir.Diagram, name: str) -> str:
