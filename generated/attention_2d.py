@@ -191,6 +191,9 @@ def _bind(tensors, kernel, free=()):
 
 
 def _check_device(device):
+    if device.type == "meta":
+        raise ValueError(f"{INPUTS[0]} is on the meta device, which has no data for a kernel to read: the "
+                         "differentiable entry point gives meta outputs (and autograd meta gradients)")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{INPUTS[0]} is on the CPU: Triton kernels run on a GPU, or on the CPU under "
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
@@ -321,8 +324,11 @@ def _wants_grad(tensors):
 
 def _differentiable(tensors):
     """Whether a call goes through the torch op: an input requires a
-    gradient, or torch.compile is tracing (it must see one opaque op)."""
-    return torch.compiler.is_compiling() or _wants_grad(tensors)
+    gradient, torch.compile is tracing (it must see one opaque op), or an
+    input is on the meta device (the op's fake gives meta outputs; a launch
+    would hand Triton tensors without data)."""
+    return torch.compiler.is_compiling() or _wants_grad(tensors) or \
+        any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -543,9 +549,22 @@ def _global_dims(positions):
     return {(name, dim) for name, dim, wires, _ in _GLOBAL_DIMS if given & set(wires)}
 
 
+def _padded(positions, lengths, sizes, device):
+    """positions with the rows' own offsets for each wire whose length is less
+    than its local size and that has none: its rows from the length on are
+    padding (a KV cache of 40 rows holding 10), and the kernels test a row
+    against the length only where they read positions."""
+    short = [w for w in _POSITIONAL if (positions or {}).get(w) is None and isinstance((lengths or {}).get(w), int)
+             and not isinstance(lengths[w], bool) and 0 <= lengths[w] < sizes[w]]
+    if not short:
+        return positions
+    return {**(positions or {}), **{w: torch.arange(sizes[w], device=device) for w in short}}
+
+
 def _positions(positions, lengths, sizes, device, tensors):
     """The kernel's position arguments, checked; without positions and
     lengths, the rows' own offsets and the local sizes."""
+    positions = _padded(positions, lengths, sizes, device)
     _check_positions(positions, lengths, sizes, device, tensors)
     return _position_args(positions, lengths, sizes)
 
@@ -976,7 +995,9 @@ def attention_2d(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_sta
     of each local row (int tensors; integer inputs are read there and hold
     the global length), lengths={'q': ..., 'x': ...} the global sizes
     (needed with positions; x rows at positions >= it are padding, and so
-    are q rows, whose outputs are then unspecified), and
+    are q rows, whose outputs are then unspecified; without positions a
+    row's position is its offset, so lengths={'x': n} alone makes the rows
+    from n on padding), and
     out_dtype (e.g. torch.float32) the dtype of every float output.
     tma=True moves the qualifying tiles (one tiled wire and the head dim: Q,
     K, V, O; in training also dO, dQ, dK, dV) of the forward and, through

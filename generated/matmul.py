@@ -184,6 +184,9 @@ def _bind(tensors, kernel, free=()):
 
 
 def _check_device(device):
+    if device.type == "meta":
+        raise ValueError(f"{INPUTS[0]} is on the meta device, which has no data for a kernel to read: the "
+                         "differentiable entry point gives meta outputs (and autograd meta gradients)")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{INPUTS[0]} is on the CPU: Triton kernels run on a GPU, or on the CPU under "
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
@@ -314,8 +317,11 @@ def _wants_grad(tensors):
 
 def _differentiable(tensors):
     """Whether a call goes through the torch op: an input requires a
-    gradient, or torch.compile is tracing (it must see one opaque op)."""
-    return torch.compiler.is_compiling() or _wants_grad(tensors)
+    gradient, torch.compile is tracing (it must see one opaque op), or an
+    input is on the meta device (the op's fake gives meta outputs; a launch
+    would hand Triton tensors without data)."""
+    return torch.compiler.is_compiling() or _wants_grad(tensors) or \
+        any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -759,6 +765,8 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     _sz, _cls, _dev = _bind((A, B,), kernel=True)
     _check_device(_dev)
     _check_state({"_grad_C": _grad_C}, _sz, _dev)
+    if _grad_C.dtype != _out_dtype(OUTPUTS[0], _cls):  # tl.dot takes one dtype: a float32 dC meets 16-bit operands
+        _grad_C = _grad_C.to(_out_dtype(OUTPUTS[0], _cls))
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
     _need = _wanted(need)
     _stages = _opts["num_stages"] or 2

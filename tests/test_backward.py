@@ -1072,3 +1072,52 @@ def test_a_box_the_normaliser_does_not_take_whole_still_says_why_it_has_no_backw
                       (output, "outputs O and C: grad_plan handles one attention output")):
         with pytest.raises(ValueError, match=why):
             gradrules.grad_plan(napkin.load_text(text))
+
+
+KEY_IS_VALUE = """diagram key_is_value
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5
+O[b, h, q, d] = sum[x](softmax[x](S) * K)
+out O
+"""
+
+
+def test_an_input_in_two_roles_is_refused_a_backward_and_the_two_input_spelling_trains(folder):
+    """K both the key and the value: the dK/dV kernel kept one accumulator per input, so dK was twice
+    the value path's P^T dO and lost the score path (error 2.4 at |dK| 2.6).  Refused in words now;
+    the spelling it suggests (two inputs, one tensor passed to both) trains, against float64 torch."""
+    m = compile_text(KEY_IS_VALUE, "key_is_value", folder)
+    assert "input K: it is both the key and the value: declare two inputs" in m._NO_BACKWARD
+    g = torch.Generator().manual_seed(2)
+    Q, K = torch.randn(1, 2, 5, 16, generator=g), torch.randn(1, 2, 7, 16, generator=g)
+    with pytest.raises(NotImplementedError, match="both the key and the value"):
+        m.key_is_value(Q, K.requires_grad_())
+    two = compile_text(KEY_IS_VALUE.replace("in K[b, h, x, d] : fp32", "in K[b, h, x, d] : fp32\nin V[b, h, x, d] : fp32")
+                       .replace("softmax[x](S) * K)", "softmax[x](S) * V)"), "key_and_value", folder)
+    q, k = Q.clone().requires_grad_(), K.detach().clone().requires_grad_()
+    w = torch.randn(1, 2, 5, 16, generator=g)
+    (two.key_is_value(q, k, k, block_q=16, block_x=16) * w).sum().backward()
+    q64, k64 = Q.double().requires_grad_(), K.detach().double().requires_grad_()
+    ((torch.softmax(q64 @ k64.transpose(-1, -2) / 4, -1) @ k64) * w.double()).sum().backward()
+    assert (q.grad.double() - q64.grad).abs().max() < 1e-5 and (k.grad.double() - k64.grad).abs().max() < 1e-5
+
+
+def test_matmul_backward_takes_a_gradient_of_another_float_dtype(folder):
+    """matmul_backward(A, B, dC) with fp16 A, B and a float32 (or float64) dC failed inside Triton
+    ("Both operands must be same dtype"); dC is taken in C's dtype now, as autograd passes it, and
+    as attention's backward takes dO."""
+    m = example("matmul", folder)
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(33, 40, generator=g).half(), torch.randn(40, 27, generator=g).half()
+    dc = torch.randn(33, 27, generator=g)
+    opts = dict(block_m=16, block_n=16, block_k=16)
+    want = m.matmul_backward(a, b, dc.half(), **opts)
+    for other in (dc, dc.double()):
+        got = m.matmul_backward(a, b, other, **opts)
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+    exact = (dc.half().double() @ b.double().T, a.double().T @ dc.half().double())
+    for x, e in zip(want, exact):
+        assert (x.double() - e).abs().max() < 1e-3 * e.abs().max()

@@ -360,3 +360,21 @@ def test_padded_query_rows_add_nothing_whatever_they_hold(tmp, name, tma):
         assert not torch.isnan(g).any(), "NaN from padded query rows"
         assert torch.equal(g, w)
     assert not got[0][:, :, real:].any(), "padded rows get no dQ"
+
+
+@pytest.mark.parametrize("name", ["causal", "sigmoid", "gqa_causal"])
+def test_a_length_alone_makes_the_rows_past_it_padding(name, tmp):
+    """lengths={'x': 10} on 37 key rows, no positions: a row's position is its offset, so the rows
+    from 10 on are padding, as the docstring says; the kernels tested a row against the length only
+    where positions were given, and counted all 37 (off by 1.4 from the first 10 keys)."""
+    m, _ = module(name, tmp)
+    fn = getattr(m, {"sigmoid": "sigmoid_attention", "gqa_causal": "gqa"}.get(name, name))
+    sizes = {"b": 1, "h": 2, "hk": 2, "g": 2, "q": 21, "x": 37}
+    q, k, v = m.example_inputs({w: n for w, n in sizes.items() if w in m.WIRES}, dtype=torch.float32)
+    cut = [t.narrow(t.dim() - 2, 0, 10) for t in (k, v)]
+    got, want = fn(q, k, v, lengths={"x": 10}, **BLOCKS), fn(q, *cut, **BLOCKS)
+    got, want = (r if isinstance(r, tuple) else (r,) for r in (got, want))
+    ref = m.reference(q.double(), *(t.double() for t in cut))
+    for a, b, r in zip(got, want, ref if isinstance(ref, tuple) else (ref,)):
+        assert torch.equal(a, b)
+        assert_close(a.double(), r, f"{name} length alone")

@@ -159,6 +159,21 @@ def test_meta_tensors_give_meta_outputs(causal):
     assert o.device.type == "meta" and o.shape == (1, 2, 21, 16) and lse.shape == (1, 2, 21)
 
 
+def test_meta_tensors_give_meta_outputs_without_a_gradient_too(causal):
+    """Only a call wanting a gradient went through the torch op (whose fake answers meta): a plain
+    call, one under no_grad or with out_dtype= launched Triton on tensors without data ("Cannot copy
+    out of meta tensor").  The backward launchers, which have no fake, refuse meta in words."""
+    q, k, v = (torch.empty(1, 2, 21, 16, device="meta", dtype=torch.float16) for _ in range(3))
+    for call in (lambda: causal.causal(q, k, v), lambda: causal.causal(q, k, v, out_dtype=torch.float32)):
+        o, lse = call()
+        assert o.device.type == "meta" and o.shape == (1, 2, 21, 16) and lse.shape == (1, 2, 21)
+    assert causal.causal(q, k, v, out_dtype=torch.float32)[0].dtype == torch.float32
+    with torch.no_grad():
+        assert causal.causal(q, k, v)[0].device.type == "meta"
+    with pytest.raises(ValueError, match="Q is on the meta device, which has no data for a kernel to read"):
+        causal.causal_preprocess(q, k, v, torch.empty_like(q), torch.empty(1, 2, 21, device="meta"))
+
+
 def test_second_derivatives_are_refused_in_words(causal):
     q, k, v = causal.example_inputs({"b": 1, "h": 2, "q": 20, "x": 20}, dtype=torch.float32)
     o, _ = causal.causal(q.requires_grad_(), k, v, **BLOCKS)

@@ -186,6 +186,14 @@ class _Builder:
             raise refuse(f"diagram {d.name}", "its scores hold more than one contraction", d.loc)
         dot = f.dots[0]
         self.q, self.k, self.v = dot.lhs.tensor, dot.rhs.tensor, rule.value
+        roles = {"query": self.q, "key": self.k, "value": self.v}
+        for one, other in (("query", "key"), ("key", "value"), ("query", "value")):
+            if roles[one] == roles[other]:
+                # its gradient is the sum of two paths, each with its own kernel's accumulator;
+                # the kernels keep one per input (the dK of K = V lost its score path)
+                name = roles[one]
+                raise refuse(f"input {name}", f"it is both the {one} and the {other}: declare two inputs "
+                             "and pass the same tensor to both (autograd adds their gradients)", d.tensor(name).loc)
         valued = [a.value for a in f.accums if a.value is not None]
         if not valued or any(ld.tensor != self.v for ld in valued):
             raise refuse(f"diagram {d.name}", f"its weights must contract with {self.v} alone", d.loc)

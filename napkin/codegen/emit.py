@@ -763,7 +763,9 @@ Forward only: positions={{{row!r}: ..., {col!r}: ...}} gives the global index
 of each local row (int tensors; integer inputs are read there and hold
 the global length), lengths={{{row!r}: ..., {col!r}: ...}} the global sizes
 (needed with positions; {col} rows at positions >= it are padding, and so
-are {row} rows, whose outputs are then unspecified), and
+are {row} rows, whose outputs are then unspecified; without positions a
+row's position is its offset, so lengths={{{col!r}: n}} alone makes the rows
+from n on padding), and
 out_dtype (e.g. torch.float32) the dtype of every float output.
 tma=True moves the qualifying tiles (one tiled wire and the head dim: Q,
 K, V, O; in training also dO, dQ, dK, dV) of the forward and, through
