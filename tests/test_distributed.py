@@ -230,6 +230,14 @@ def error_cases(grids: dict, rank: int) -> dict:
     out["dtype"] = _expect_error(lambda: rg(rq, rk, rq, q_len=16, timeout=20.0))
     from napkin.distributed import new_grid
     out["grid"] = _expect_error(lambda: new_grid(2, 3))      # 6 ranks asked of 4: refused before any group
+    out["ndim"] = _expect_error(lambda: rg(rq[0], rq[0], rq[0], q_len=16, timeout=20.0))   # it was an IndexError
+    alibi = RingAttention(load("alibi"))
+    slope = torch.rand(2, dtype=torch.float64, generator=gen).requires_grad_()
+    out["side_grad"] = _expect_error(lambda: alibi(rq, rq, rq, slope=slope, q_len=16, timeout=20.0))
+    # O requires grad: its gather (the docs' own usage, after O.backward) failed in gloo, reported as a timeout
+    o, _ = rg(rq.clone().requires_grad_(), rq, rq, q_len=16, timeout=20.0)
+    ref = torch.nn.functional.scaled_dot_product_attention(full, full, full)
+    out["gather_grad"] = max_error(rg.gather(o, None, 16, 2, timeout=20.0), ref)
     # last: rank 0 never calls; the others must give up after the timeout
     fresh = dist.new_group(list(range(WORLD)))
     t0 = time.monotonic()
@@ -399,6 +407,19 @@ def test_mismatched_dtypes_raise_on_every_rank(suite):
     for rank, res in enumerate(suite):
         msg = res["errors"]["dtype"]
         assert msg.startswith("ValueError") and "float32" in msg, f"rank {rank}: {msg}"
+
+
+def test_inputs_of_another_rank_and_side_inputs_wanting_gradients_are_refused_in_words(suite):
+    for rank, res in enumerate(suite):
+        assert res["errors"]["ndim"] == "ValueError: Q has 3 dimensions on each device, but the diagram declares 4"
+        assert res["errors"]["side_grad"] == (
+            "ValueError: side input(s) slope require gradients, which the distributed wrappers do not compute "
+            "(their .grad would stay empty): pass them detached"), res["errors"]["side_grad"]
+
+
+def test_an_output_that_requires_grad_gathers(suite):
+    for rank, res in enumerate(suite):
+        assert res["errors"]["gather_grad"] <= 1e-10, f"rank {rank}: {res['errors']['gather_grad']}"
 
 
 def test_a_missing_peer_times_out_instead_of_hanging(suite):

@@ -50,6 +50,19 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
             if G.decode(row, k) != G.decode(first, k):
                 raise ValueError(f"{name} differs across devices: {where(part)} has {G.decode(row, k)}, "
                                  f"{where(0)} has {G.decode(first, k)}")
+    decls = {t.name: t for t in r.diagram.inputs}
+    for k, name in enumerate(names):
+        nd = len(G.shape_at(first, k))
+        if nd != len(decls[name].axes):
+            raise ValueError(f"{name} has {nd} dimensions on each device, but the diagram declares "
+                             f"{len(decls[name].axes)}")
+    grads = [n for n, t in zip(r.side, (side[n] for n in r.side)) if t.requires_grad and torch.is_grad_enabled()]
+    if grads and scheme != "tree":
+        # the wrappers pass side inputs whole and return no gradient for them:
+        # refuse rather than leave .grad silently empty (every rank agrees,
+        # since requires_grad is part of the handshake)
+        raise ValueError(f"side input(s) {', '.join(grads)} require gradients, which the distributed wrappers "
+                         f"do not compute (their .grad would stay empty): pass them detached")
     for k, name in enumerate(r.tokens):
         wire = r.token_wire[k]
         lay = q_lay if wire == r.query else x_lay

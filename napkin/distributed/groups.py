@@ -225,7 +225,9 @@ def all_gather_rows(t: torch.Tensor, dim: int, group, timeout: float, what: str)
     k = dist.get_world_size(group)
     if k == 1:
         return t
-    x = t.movedim(dim, 0).contiguous()
+    # detached: a gather is not differentiable, and gloo's all-gather of an
+    # input that requires grad fails inside wait() (e.g. gathering O)
+    x = t.detach().movedim(dim, 0).contiguous()
     out = x.new_empty((k * x.shape[0],) + tuple(x.shape[1:]))
     wait(_all_gather(out, x, group), timeout, f"all-gather of {what}")
     return out.movedim(0, dim)
