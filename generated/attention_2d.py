@@ -1901,7 +1901,8 @@ def attention_2d_distributed(Q, K, V, mesh, *, q_len, x_len=None, timeout=300.0)
     mesh: a 2-D DeviceMesh (init_device_mesh(device, (R, C))) or a napkin Grid2D.
     q_len, x_len: the true sequence lengths (x_len defaults to q_len); each
     rank's inputs hold their padded share of rows.  Returns this rank's rows
-    of O, lse; differentiable.  Every wait gives up after `timeout` s.
+    of O, lse; differentiable.
+    Every wait gives up after `timeout` s.
     """
     return _distributed()(Q, K, V, grid=mesh, q_len=q_len, x_len=x_len,
                           timeout=timeout)

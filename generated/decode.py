@@ -2004,9 +2004,11 @@ def decode_distributed(Q, K, V, group=None, *, q_len, x_len=None, timeout=300.0)
     """Decoding (tree merge) of `decode` on this rank's rows (contiguous layout, keys over 4 devices; queries whole on every rank).
 
     group: the tree's process group or 1-D DeviceMesh (None: the default group).
-    q_len, x_len: the true sequence lengths (x_len defaults to q_len); each
-    rank's inputs hold their padded share of rows.  Returns this rank's rows
-    of O, lse; differentiable.  Every wait gives up after `timeout` s.
+    q_len, x_len: the number of queries and the length of the key/value
+    cache (x_len is required); each rank holds its contiguous share of the
+    cache, padded, and every query.  Returns the whole O, lse on
+    every rank; forward only (inputs that require gradients are refused).
+    Every wait gives up after `timeout` s.
     """
     return _distributed()(Q, K, V, group=group, q_len=q_len, x_len=x_len,
                           timeout=timeout)

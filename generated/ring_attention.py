@@ -1904,7 +1904,8 @@ def ring_attention_distributed(Q, K, V, group=None, *, q_len, x_len=None, timeou
     group: the ring's process group or 1-D DeviceMesh (None: the default group).
     q_len, x_len: the true sequence lengths (x_len defaults to q_len); each
     rank's inputs hold their padded share of rows.  Returns this rank's rows
-    of O, lse; differentiable.  Every wait gives up after `timeout` s.
+    of O, lse; differentiable.
+    Every wait gives up after `timeout` s.
     """
     return _distributed()(Q, K, V, group=group, q_len=q_len, x_len=x_len,
                           timeout=timeout)

@@ -62,7 +62,14 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
                    "mesh: a 2-D DeviceMesh (init_device_mesh(device, (R, C))) or a napkin Grid2D."),
         layout=kind[2],
         grid_note=kind[3],
-        outputs=", ".join(r.outputs),
+        lengths_doc=(f"q_len, x_len: the number of queries and the length of the key/value\n"
+                     f"    cache (x_len is required); each rank holds its contiguous share of the\n"
+                     f"    cache, padded, and every query.  Returns the whole {', '.join(r.outputs)} on\n"
+                     f"    every rank; forward only (inputs that require gradients are refused)."
+                     if scheme == "tree" else
+                     f"q_len, x_len: the true sequence lengths (x_len defaults to q_len); each\n"
+                     f"    rank's inputs hold their padded share of rows.  Returns this rank's rows\n"
+                     f"    of {', '.join(r.outputs)}; differentiable."),
         side_params="".join(f", {n}" for n in side),
         side_args="".join(f", {n}={n}" for n in side),
     )
