@@ -8,7 +8,7 @@ Do not edit: regenerate with `napkin compile examples/decode.ncd`.
 cost summary:
     flops: contractions 4*b*d*g*hk*q*x/P_x; exp b*g*hk*q*x/P_x + b*g*hk*q
     hbm/smem traffic: 4*b*d*g*hk*q*x/(P_x*g_q) + 4*b*d*g*hk*q + 4*b*g*hk*q bytes
-    lower bound (attention): 2*b*d*g*hk*q + (4*b*d^2*g*hk*q*x/P_x)/M elements, M = 232kB/2
+    lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*g*hk*q + (4*b*d^2*g*hk*q*x/P_x)/M elements
 
 decode(Q, K, V) -> O, lse
     in  Q[b, (hk g), q, d] : bf16

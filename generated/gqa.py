@@ -8,7 +8,7 @@ Do not edit: regenerate with `napkin compile examples/gqa.ncd`.
 cost summary:
     flops: contractions 4*b*d*g*hk*q*x; exp b*g*hk*q*x + b*g*hk*q
     hbm/smem traffic: 4*b*d*g*hk*q*x/g_q + 4*b*d*g*hk*q + 4*b*g*hk*q bytes
-    lower bound (attention): 2*b*d*g*hk*q + (4*b*d^2*g*hk*q*x)/M elements, M = 232kB/2
+    lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*g*hk*q + (4*b*d^2*g*hk*q*x)/M elements
 
 gqa(Q, K, V) -> O, lse
     in  Q[b, (hk g), q, d] : fp16

@@ -8,7 +8,7 @@ Do not edit: regenerate with `napkin compile examples/l2_attention.ncd`.
 cost summary:
     flops: contractions 4*b*d*h*q*x + 2*b*h*q*x; exp b*h*q
     hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q bytes
-    lower bound (compulsory): 2*b*d*h*q + 2*b*d*h*x elements, M = 232kB/2
+    lower bound (compulsory, M = 232kB of smem / 2 B): 2*b*d*h*q + 2*b*d*h*x elements
 
 l2_attention(Q, K, V) -> O
     in  Q[b, h, q, d] : fp16

@@ -8,7 +8,7 @@ Do not edit: regenerate with `napkin compile examples/matmul.ncd`.
 cost summary:
     flops: contractions 2*k*m*n; exp 0
     hbm/smem traffic: 2*k*m*n/g_m + 2*k*m*n/g_n + 2*m*n bytes
-    lower bound (matmul): 2*k*m*n/sqrt(M) + m*n elements, M = 232kB/2
+    lower bound (matmul, M = 232kB of smem / 2 B): 2*k*m*n/sqrt(M) + m*n elements
 
 matmul(A, B) -> C
     in  A[m, k] : fp16

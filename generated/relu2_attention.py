@@ -8,7 +8,7 @@ Do not edit: regenerate with `napkin compile examples/relu2_attention.ncd`.
 cost summary:
     flops: contractions 4*b*d*h*q*x; exp 0
     hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q bytes
-    lower bound (attention): 2*b*d*h*q + (4*b*d^2*h*q*x)/M elements, M = 232kB/2
+    lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*h*q + (4*b*d^2*h*q*x)/M elements
 
 relu2_attention(Q, K, V) -> O
     in  Q[b, h, q, d] : fp16

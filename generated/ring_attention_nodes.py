@@ -8,7 +8,7 @@ Do not edit: regenerate with `napkin compile examples/ring_attention_nodes.ncd`.
 cost summary:
     flops: contractions 4*b*d*h*q*x/P_q; exp P_x*b*h*q/P_q + b*h*q*x/P_q
     hbm/smem traffic: 4*P_x*b*d*h*q/P_q + 4*b*d*h*q*x/(P_q*g_q) + 4*P_x*b*h*q/P_q bytes
-    lower bound (attention): 2*b*d*h*q/P_q + (4*b*d^2*h*q*x/P_q)/M elements, M = 232kB/2
+    lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*h*q/P_q + (4*b*d^2*h*q*x/P_q)/M elements
 
 ring_attention_nodes(Q, K, V) -> O, lse
     in  Q[b, h, q, d] : bf16

@@ -426,6 +426,8 @@ out C
     m = compile_text(text, "relumm", folder)
     a, b = m.example_inputs({"m": 20, "n": 20, "k": 20}, dtype=torch.float32)
     assert m.relumm(a, b, block_m=16, block_n=16, block_k=16).shape == (20, 20)   # no gradient wanted: fine
+    # its docstring pointed at relumm_backward, which a module without a backward does not define
+    assert "Not differentiable" in m.relumm.__doc__ and "relumm_backward" not in m.relumm.__doc__
     with pytest.raises(NotImplementedError, match=r"relu\(sum\[k\]\(A \* B\)\), whose slope varies"):
         m.relumm(a.requires_grad_(), b, block_m=16, block_n=16, block_k=16)
 

@@ -724,7 +724,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "reference_inputs": ref_inputs, "reference_body": reference_lines(d),
         "autotune_wires": repr(tuple(w.name for w in d.wires if w.size is None)),
         "reference_returns": ", ".join(returns) if len(returns) > 1 else returns[0],
-        "launcher_doc": _launcher_doc(plan, ctx["options"]),
+        "launcher_doc": _launcher_doc(plan, ctx["options"], train.reason),
         "option_params": ", ".join(ctx["options"]), "single": len(d.outputs) == 1,
         "saved_returns": "".join(f"{n}, " for n in train.saved).rstrip(" "),
         "backward_layouts": training.backward_layouts(train),
@@ -733,16 +733,19 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
     return ctx
 
 
-def _launcher_doc(plan: L.Plan, options) -> str:
+def _launcher_doc(plan: L.Plan, options, no_backward: Optional[str] = None) -> str:
     d = plan.diagram
     outs = ", ".join(o.name for o in d.outputs)
     blocks = ", ".join(f"block_{w}={n}" for w, n in plan.blocks)
+    grads = ("Differentiable: when an input requires a\n"
+             f"gradient (or under torch.compile) this calls the torch op, whose backward\n"
+             f"runs the backward kernels (see {d.name}_backward)." if no_backward is None else
+             "Not differentiable: an input that requires a\n"
+             "gradient raises NotImplementedError with the reason (_NO_BACKWARD).")
     return (f'"""Run the kernel: {", ".join(t.name for t in d.inputs)} -> {outs}.\n\n'
             f"Block sizes default to the schedule's ({blocks}); smaller ones\n"
             "(e.g. 16 or 32) keep runs under TRITON_INTERPRET=1 fast.  num_warps and\n"
-            "num_stages go to Triton.  Differentiable: when an input requires a\n"
-            f"gradient (or under torch.compile) this calls the torch op, whose backward\n"
-            f"runs the backward kernels (see {d.name}_backward)."
+            "num_stages go to Triton.  " + grads
             + (_POSITIONS_DOC.format(row=plan.row, col=plan.col, chunk=_chunk_doc(d, plan.col))
                if plan.family == "attention" else "")
             + (f"\nThe forward packs {plan.pack[0]} into the rows (group {plan.pack[0]} by {plan.pack[1]}): "

@@ -44,9 +44,9 @@ def summary_lines(diagram, sizes: Optional[Mapping[str, int]] = None) -> list[st
         moved = f" = {human(t.load_bytes + t.store_bytes, 'B')}" if t.load_bytes is not None else ""
         lines.append(f"{t.boundary} traffic: {t.formula_bytes} bytes{moved}")
     b = r.bound
-    lines.append(f"lower bound ({b.kind}): {b.formula} elements, M = "
-                 f"{human(b.capacity_bytes, 'B')}/{b.element_bytes}"
-                 + (f" = {human(b.bytes, 'B')}" if b.bytes is not None else ""))
+    # as napkin cost words it: M is the capacity in elements, the value after the formula
+    lines.append(f"lower bound ({b.kind}, M = {human(b.capacity_bytes, 'B')} of {b.capacity_level} / "
+                 f"{b.element_bytes} B): {b.formula} elements" + (f" ({human(b.bytes, 'B')})" if b.bytes is not None else ""))
     if b.ratio is not None:
         lines.append(f"schedule / lower bound = {b.ratio:.3g}")
     if r.roofline is not None:
