@@ -493,6 +493,20 @@ def _sigmoid(z):
 
 
 @triton.jit
+def _pow(b, e):
+    # b ^ e for an exponent known at run time (an index, a size), as torch.pow:
+    # |b| ^ e, negative for a negative b and an odd whole e, NaN for a negative b
+    # and a fractional e, 1 for e = 0; 0 ^ e is 0 or inf, log2(0) not taken
+    a = tl.abs(b)
+    mag = tl.exp2(e * tl.log2(tl.where(a == 0, 1.0, a)))
+    mag = tl.where(a == 0, tl.where(e > 0, 0.0, float("inf")), mag)
+    whole = tl.floor(e) == e
+    odd = whole & (tl.floor(e * 0.5) * 2.0 != e)
+    r = tl.where(b < 0, tl.where(whole, tl.where(odd, -mag, mag), float("nan")), mag)
+    return tl.where(e == 0, 1.0, r)
+
+
+@triton.jit
 def _relu(z):
     return tl.where(z < 0, 0.0, z)
 

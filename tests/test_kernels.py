@@ -481,3 +481,25 @@ def test_rarely_used_forms_match_torch():
     assert torch.allclose(o.double(), want, atol=1e-5)
     (r,) = reference(m, [q_, k_, v_], torch.float64)
     assert torch.allclose(r, want, atol=1e-10)
+
+
+@pytest.mark.parametrize("box, torch64", [
+    # an index exponent: whole per element, odd or even; a negative base was NaN (exp2(e log2 b))
+    ("sum[k](A * B) ^ (n + 1)", lambda p, m, n, k: p ** (n + 1)),
+    ("sum[k](A * B) ^ |k|", lambda p, m, n, k: p ** k),
+    ("sum[k](A * B) ^ (n - 2)", lambda p, m, n, k: p ** (n - 2)),
+    # an integer tensor to an integer power in the reference: 2 ** (m - n) was 0 where m < n
+    ("sum[k](A * B) + 2 ^ (m - n)", lambda p, m, n, k: p + 2.0 ** (m - n)),
+])
+def test_powers_with_exponents_known_at_run_time(box, torch64):
+    text = f"diagram rpow\nwire m, n, k\nin A[m, k] : fp32\nin B[k, n] : fp32\nC[m, n] = {box}\nout C\n"
+    m = compile_text(text, f"rpow_{zlib.crc32(box.encode())}")
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(5, 3, generator=g), torch.randn(3, 7, generator=g)
+    p = a.double() @ b.double()
+    mi, ni = torch.arange(5, dtype=torch.float64)[:, None], torch.arange(7, dtype=torch.float64)[None, :]
+    want = torch64(p, mi, ni, 3)
+    assert (p < 0).any() and want.isfinite().all()
+    for got in (m.rpow(a, b, block_m=16, block_n=16, block_k=16), m.reference(a.double(), b.double())):
+        assert not got.isnan().any()
+        assert ((got.double() - want).abs() / want.abs().clamp(min=1)).max() < 1e-4, box

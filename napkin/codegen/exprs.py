@@ -208,9 +208,12 @@ class _Render:
             if n > 0:
                 return term, _PREC["*"], base[2]
             return f"1.0 / ({term})", _PREC["*"], "float"
-        v = whole_number(fold(e.rhs, self.ctx.fixed))
+        folded = fold(e.rhs, self.ctx.fixed)
+        v = whole_number(folded)
         if v is not None:   # (only the kernels' renderer comes here: the reference's has its own power)
             return self.whole_power(base, v), _PREC["atom"], "float"
+        if folded is None:  # an index or a size known at run time: whole or not, odd or even, per element
+            return self.varying_power(base, self.r(e.rhs)), _PREC["atom"], "float"
         return self.general_power(base, self.r(e.rhs)), _PREC["atom"], "float"
 
     def call(self, e: ir.Call):
@@ -257,6 +260,13 @@ class TritonRender(_Render):
     def general_power(self, base, exp) -> str:
         base_code = self.to_float(base) if base[2] != "float" else base[0]
         return f"tl.exp2({self.wrap(exp, _PREC['*'])} * tl.log2({base_code}))"
+
+    def varying_power(self, base, exp) -> str:
+        """base ^ e with e known only at run time: the module's _pow, torch.pow's
+        values (exp2(e log2 base) alone is NaN for every negative base)."""
+        b = self.to_float(base) if base[2] != "float" else base[0]
+        e = self.to_float(exp) if exp[2] != "float" else exp[0]
+        return f"_pow({b}, {e})"
 
     def whole_power(self, base, n: float) -> str:
         """base ^ n for a whole n past the unrolled products: exp2(n log2 base)

@@ -95,7 +95,10 @@ class _Ref:
         if isinstance(e, ir.Binary) and e.op == "^" and parts[0][1] and self.integral(e.lhs) \
                 and not _whole_and_not_negative(fold(e.rhs, self.fixed)):
             # torch refuses an integer tensor to a negative integer power; a float one takes any
-            parts[0] = (f"({parts[0][0]}) * 1.0", parts[0][1])
+            parts[0] = (f"({parts[0][0]}).to(_c)", parts[0][1])
+        if isinstance(e, ir.Binary) and e.op == "^" and parts[1][1] and self.integral(e.rhs):
+            # an integer tensor exponent makes torch's power integral: 2 ** (m - n) is 0 where m < n
+            parts[1] = (f"({parts[1][0]}).to(_c)", parts[1][1])
         wires = self.union([w for _, w in parts])
         subst = {_Leaf(i): atom(align(code, w, wires) if w else code) for i, (code, w) in enumerate(parts)}
         rebuilt = self.rebuild(e, list(subst))
