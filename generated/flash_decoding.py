@@ -1181,10 +1181,13 @@ def _wanted(need):
     floats = [_DTYPES[n] not in ("int32", "int64", "bool") for n in INPUTS]
     if need is None:
         return tuple(floats)
-    if isinstance(need, bool):  # an int to Python, which would read True as the mask 1: dQ alone
-        raise ValueError(f"need is a bit mask over the inputs or one flag per input ({', '.join(INPUTS)}), "
-                         f"not {need!r}")
-    flags = [bool(need >> i & 1) for i in range(len(INPUTS))] if isinstance(need, int) else [bool(f) for f in need]
+    # a bool is an int to Python (True would be the mask 1: dQ alone); a string iterates to truthy
+    # characters; a mask past the inputs' bits, or negative, names inputs that do not exist
+    mask = isinstance(need, int) and not isinstance(need, bool)
+    if (not mask and not isinstance(need, (list, tuple))) or (mask and not 0 <= need < 1 << len(INPUTS)):
+        raise ValueError(f"need is a bit mask over the inputs (0 to {(1 << len(INPUTS)) - 1}) or one flag per "
+                         f"input ({', '.join(INPUTS)}), not {need!r}")
+    flags = [bool(need >> i & 1) for i in range(len(INPUTS))] if mask else [bool(f) for f in need]
     if len(flags) != len(INPUTS):
         raise ValueError(f"need has {len(flags)} flags; there are {len(INPUTS)} inputs ({', '.join(INPUTS)})")
     return tuple(f and g for f, g in zip(flags, floats))

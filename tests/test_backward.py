@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import sys
 import zlib
 from pathlib import Path
@@ -476,9 +477,11 @@ def test_backward_callable_directly_with_need(folder):
     assert torch.allclose(delta, (do.float() * o.float()).sum(-1), atol=1e-5)
     dq, dk, dv = m.causal_backward(q, k, v, do, lse, delta, block_q=16, block_x=16)
     assert dq.dtype == dk.dtype == dv.dtype == torch.float32
-    with pytest.raises(ValueError, match=r"need is a bit mask over the inputs or one flag per input \(Q, K, V\), "
-                                         r"not True"):
-        m.causal_backward(q, k, v, do, lse, delta, need=True)   # True is the mask 1 to Python: dQ alone
+    # True is the mask 1 to Python (dQ alone); "QKV" three truthy characters; 8 and -1 bits of no input
+    for bad in (True, "QKV", 8, -1, 1.5):
+        with pytest.raises(ValueError, match=r"need is a bit mask over the inputs \(0 to 7\) or one flag per "
+                                             rf"input \(Q, K, V\), not {re.escape(repr(bad))}"):
+            m.causal_backward(q, k, v, do, lse, delta, need=bad)
     only_v = m.causal_backward(q, k, v, do, lse, delta, block_q=16, block_x=16, need=(False, False, True))
     assert only_v[0] is None and only_v[1] is None and torch.equal(only_v[2], dv)
     with pytest.raises(ValueError, match="shape"):
