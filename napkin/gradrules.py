@@ -446,6 +446,12 @@ class _Form:
         keyed, const = [], []
         for factor, power in _factors(e.body):
             (keyed if self._keyed(factor) else const).append((factor, power))
+        relabelled = [f for f, _ in keyed if isinstance(f, ir.TensorRef) and f.wires is not None
+                      and f.name in self.layouts]
+        if relabelled:   # else its weight reads as "softmax must normalise the score box itself"
+            f = relabelled[0]
+            raise ValueError(f"the sum along {self.key} reads {f.name} relabelled ({f.name}[{', '.join(f.wires)}]); "
+                             "the backward takes a value tensor along its own wires")
         vs = [f for f, p in keyed if isinstance(f, ir.TensorRef) and self._is_value(f)]
         if len(vs) > 1 or any(isinstance(f, ir.TensorRef) and self._is_value(f) and p < 0 for f, p in keyed):
             raise ValueError("a contraction must multiply by the value tensor once")

@@ -1126,3 +1126,15 @@ def test_matmul_backward_takes_a_gradient_of_another_float_dtype(folder):
     exact = (dc.half().double() @ b.double().T, a.double().T @ dc.half().double())
     for x, e in zip(want, exact):
         assert (x.double() - e).abs().max() < 1e-3 * e.abs().max()
+
+
+def test_a_relabelled_value_is_named_in_the_refusal():
+    """sum[x](softmax[x](S) * Q[b, h, x, d]) runs forward; its backward refusal said "softmax must
+    normalise the score box itself", which it does."""
+    from napkin import gradrules
+
+    text = KEY_IS_VALUE.replace("softmax[x](S) * K)", "softmax[x](S) * Q[b, h, x, d])")
+    with pytest.raises(ValueError) as err:
+        gradrules.grad_plan(napkin.load_text(text))
+    assert str(err.value) == ("the sum along x reads Q relabelled (Q[b, h, x, d]); the backward takes a value "
+                              "tensor along its own wires")
