@@ -102,7 +102,21 @@ def mask_predicate(node: ir.Call) -> ir.Expr:
     kernels visit every causal block of such a window (11x the work at 8K)."""
     pred, then, other = node.args
     own, kept = (negate(pred), other) if _is_neg_inf(then) else (pred, then)
+    own = _without_not(own)
     return ir.Binary("and", own, mask_predicate(kept)) if is_mask(kept) else own
+
+
+def _without_not(pred: ir.Expr) -> ir.Expr:
+    """pred with each written ``not`` taken through ``negate``: ``where(not x >
+    q, s, -inf)`` keeps what ``where(x <= q, s, -inf)`` keeps, and now skips the
+    same blocks (under the bare ``not`` it visited every block).  A ``not``
+    negate cannot flip (a comparison that can be NaN) stays."""
+    if isinstance(pred, ir.Unary) and pred.op == "not":
+        inner = _without_not(pred.operand)
+        return negate(inner)
+    if isinstance(pred, ir.Binary) and pred.op in ("and", "or"):
+        return ir.Binary(pred.op, _without_not(pred.lhs), _without_not(pred.rhs))
+    return pred
 
 
 def grown_score(diagram: ir.Diagram, box: ir.Let) -> ir.Let:

@@ -622,3 +622,33 @@ def test_a_window_composed_through_lets_skips_the_blocks_of_the_whole_window(tmp
     # the loads are those of about a window, not of the causal half
     k_bytes = counts["single"][0]["K"]
     assert k_bytes < 2 * (200 // 32 + 1) * (40 // 16 + 2) * 16 * 16 * 4 * 2
+
+
+def test_backward_bytes_of_an_lse_output_declared_fp16(tmp_path):
+    """An fp16 lse output: the backward reads its float32 twin (_saved_lse) and autograd hands dlse
+    over in fp16; the cost pass had the two dtypes swapped (lse 1200 B predicted, 2400 counted)."""
+    from napkin.codegen import emit_module
+
+    text = (REPO / "examples" / "causal.ncd").read_text().replace("wire d = 64", "wire d = 32") \
+        .replace("lse[b, h, q] = logsumexp[x](S)", "lse[b, h, q] : fp16 = logsumexp[x](S)")
+    assert "lse[b, h, q] : fp16" in text
+    path = tmp_path / "lse16.py"
+    path.write_text(emit_module(napkin.load_text(text, "lse16.ncd"), source_text=text, source_path="lse16.ncd"))
+    spec = importlib.util.spec_from_file_location("napkin_counted_lse16", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        d = napkin.load_text(text, "lse16.ncd")
+        sizes = {"b": 2, "h": 2, "q": 50, "x": 37}
+        inputs = module.example_inputs(sizes, dtype=torch.float16)
+        none = (None,) * len(module._OPTIONS)
+        outs, saved = module._causal_forward(*inputs, *none, True)
+        assert outs[1].dtype == torch.float16 and saved[0].dtype == torch.float32
+        grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
+        with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+            module._causal_grads(inputs, (*outs, *saved), grads, none, None)
+        predicted = backward_cost(d, sizes)
+        assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
+    finally:
+        sys.modules.pop(spec.name, None)

@@ -503,3 +503,24 @@ def test_powers_with_exponents_known_at_run_time(box, torch64):
     for got in (m.rpow(a, b, block_m=16, block_n=16, block_k=16), m.reference(a.double(), b.double())):
         assert not got.isnan().any()
         assert ((got.double() - want).abs() / want.abs().clamp(min=1)).max() < 1e-4, box
+
+
+@pytest.mark.parametrize("mask", ["not x > q", "not (q < x or q - x >= 20)"])
+def test_a_written_not_skips_the_blocks_of_its_flipped_comparison(mask):
+    """where(not x > q, s, -inf) keeps what x <= q keeps; it visited every block (the cost pass) and
+    found its blocks with a ranges prepass at each launch (the kernel).  The kernel now has the affine
+    bounds of the flipped mask, no prepass, and the cost pass counts the causal pairs."""
+    from napkin.cost import analyse
+
+    flipped = {"not x > q": "x <= q", "not (q < x or q - x >= 20)": "x <= q and q - x < 20"}[mask]
+    text = (REPO / "examples" / "causal.ncd").read_text().replace("wire d = 64", "wire d = 16")
+    mine, plain = (text.replace("where(x <= q, ", f"where({m}, ") for m in (mask, flipped))
+    m = compile_text(mine, f"not_{zlib.crc32(mask.encode())}")
+    assert not hasattr(m, "_causal_ranges")
+    q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 45, "x": 45}, dtype=torch.float32)
+    got = m.causal(q, k, v, block_q=16, block_x=16)
+    want = m.reference(q.double(), k.double(), v.double())
+    assert all((a.double() - b).abs().max() < 2e-5 for a, b in zip(got, want))
+    sizes = {"b": 1, "h": 1, "q": 4096, "x": 4096}
+    visited = [analyse(napkin.load_text(t), sizes).flops.skipped_fraction for t in (mine, plain)]
+    assert visited[0] == visited[1] and visited[0] > 0.4

@@ -257,14 +257,16 @@ def _dot_width(b, dot, sizes) -> int:
 
 def _dtype(b, tensor: str) -> str:
     """What a backward tensor is stored in: the diagram's dtype for its
-    inputs and outputs (dO as its output), float32 for the row state."""
+    inputs and O (dO and dlse as their outputs, as autograd hands them over),
+    float32 for the row state, lse included: a narrower lse output has a
+    float32 twin the backward reads (codegen/training.py)."""
     d = b.forward.diagram
     bound = dict(b.rule.bound)
     tensor = dict(b.aliases).get(tensor, tensor)   # dN0 = dO: the same tensor
-    if tensor == "dO":
+    if tensor in ("dO", "dlse"):
+        return tiling.tensor_dtype(d, bound[tensor[1:]])
+    if tensor == "O":
         return tiling.tensor_dtype(d, bound["O"])
-    if tensor in ("O", "lse") and tensor in bound:
-        return tiling.tensor_dtype(d, bound[tensor])
     t = d.tensor(tensor)
     if isinstance(t, ir.Input):
         return t.dtype
