@@ -832,3 +832,15 @@ def test_compare_says_dash_where_a_device_count_has_no_two_dimensional_grid(caps
         with pytest.raises(SystemExit) as stop:
             compare.main(bad)
         assert stop.value.code == 2
+
+
+def test_a_mask_the_kernels_find_by_prepass_is_said_to_be_counted_dense():
+    """x * 2 <= q (a coefficient on the streamed index) and a data mask bound no block by formula: the
+    report counted every block with no word, while the kernels skip blocks with a ranges prepass
+    whose two launches and traffic it does not count."""
+    causal = (REPO / "examples" / "causal.ncd").read_text()
+    sizes = {"b": 1, "h": 1, "q": 512, "x": 512}
+    for text, says in ((causal.replace("where(x <= q, ", "where(x * 2 <= q, "), True),
+                       ((REPO / "examples" / "document_mask.ncd").read_text(), True), (causal, False)):
+        notes = napkin.cost.analyse(napkin.load_text(text), sizes).notes
+        assert any("bounds no block by formula" in n and "ranges prepass" in n for n in notes) == says

@@ -26,6 +26,7 @@ from typing import Mapping, Optional
 
 from .. import ir, masks, tiling
 from ..errors import NapkinError
+from ..printer import expr_text
 from . import bounds as bounds_mod
 from . import chunks as chunks_mod
 from . import packing
@@ -240,6 +241,9 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     if c.packs and not c.known:
         notes.append(f"the formulas count the packed launch (|{c.pack.wire}| > 1), which loads its rows' "
                      f"positions; with |{c.pack.wire}| = 1 it is the ordinary launch, without them")
+    prepass = _prepass_note(diagram)
+    if prepass:
+        notes.append(prepass)
     if any(k.two_pass for k in c.kernels):
         notes.append("a kernel writes a normalised tensor along its streamed wire: "
                      "it reads its streamed inputs twice (statistics, then values)")
@@ -269,6 +273,22 @@ def _below_bound_note(c: "_Context", flops: Flops, bound: LowerBound) -> str:
                    "bound's M counts, so more rows fit on chip than it assumes")
     return "schedule/bound is below 1: " + ("; ".join(why) if why else
                                             "the schedule moves less than the bound's model allows for")
+
+
+def _prepass_note(diagram: ir.Diagram) -> Optional[str]:
+    """Where the kernels find their blocks with a ranges prepass (a mask that
+    reads data, or whose comparisons bound no wire by an affine function of
+    the other with coefficient 1): the counts are every block's, and the
+    prepass's launches and traffic are not in them (a mask that skips nothing,
+    x != q, moves a little more than counted)."""
+    from ..codegen import ranges
+
+    plan = _plan(diagram)
+    if plan is None or device_tiles(diagram) or not ranges.applies(plan):
+        return None
+    return (f"the mask {expr_text(plan.skip)} bounds no block by formula: the counts are every block's (an upper "
+            "bound of the main kernel's), while the kernels skip blocks with a ranges prepass at each launch "
+            "(two more kernels, their traffic not counted)")
 
 
 def _blocks_note(c: "_Context") -> Optional[str]:
