@@ -844,3 +844,12 @@ def test_a_mask_the_kernels_find_by_prepass_is_said_to_be_counted_dense():
                        ((REPO / "examples" / "document_mask.ncd").read_text(), True), (causal, False)):
         notes = napkin.cost.analyse(napkin.load_text(text), sizes).notes
         assert any("bounds no block by formula" in n and "ranges prepass" in n for n in notes) == says
+
+
+def test_a_floored_bound_round_trips_through_json_as_it_was():
+    """The floor is an int, the formula's value a float: bytes changed type through JSON (170508 in,
+    170508.0 out).  It is a float either way now."""
+    from napkin.cost.report import from_json
+    r = napkin.cost.analyse(napkin.load(REPO / "examples" / "alibi.ncd"), {"b": 3, "h": 3, "q": 37, "x": 37})
+    assert r.bound.floored and isinstance(r.bound.bytes, float)
+    assert from_json(r.to_json()).to_json() == r.to_json()

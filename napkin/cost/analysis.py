@@ -586,7 +586,7 @@ def _lower_bound(c: _Context, totals: list[BoundaryTotal]) -> LowerBound:
     # formula, which assumes a program can hold rows it does not have (a
     # single query, a matmul's one output row), can fall below that.
     floor = compulsory_bytes(c.d, local)
-    bound = max(elements * eb, floor)
+    bound = float(max(elements * eb, floor))   # a float either way (the floor is an int): JSON keeps its type
     hbm = totals[0].load_bytes + totals[0].store_bytes if totals else None
     ratio = round(hbm / bound, 6) if hbm is not None and bound else None
     return LowerBound(shape.kind, formula, chip, cap_bytes, eb, bound / eb, bound, reread * eb, ratio,
