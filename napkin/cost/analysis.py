@@ -590,7 +590,7 @@ def _lower_bound(c: _Context, totals: list[BoundaryTotal]) -> LowerBound:
     hbm = totals[0].load_bytes + totals[0].store_bytes if totals else None
     ratio = round(hbm / bound, 6) if hbm is not None and bound else None
     return LowerBound(shape.kind, formula, chip, cap_bytes, eb, bound / eb, bound, reread * eb, ratio,
-                      elements * eb, floor)
+                      elements * eb, float(floor))
 
 
 def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> Optional[Roofline]:
