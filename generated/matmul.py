@@ -164,6 +164,8 @@ def _bind(tensors, kernel, free=()):
         if unknown is None and known == n:
             continue
         what = f"{INPUTS[k]} dimension {i} ({' '.join(axis)})"
+        if unknown is not None and known == 0:   # every size is a multiple of 0 times nothing
+            raise ValueError(f"{what}: the size of {unknown} cannot be told, as its other wires have size 0")
         if unknown is not None:
             raise ValueError(f"{what} has size {n}, not a multiple of {known} (the size of its other wires)")
         w = next(w for w in axis if source.get(w) != (k, i))

@@ -331,6 +331,9 @@ def test_relabelled_and_grouped_wires_are_checked(modules):
     gk = torch.randn(1, 2, 6, 128).half()
     with pytest.raises(ValueError, match=r"Q dimension 1 \(hk g\) has size 5, not a multiple of 2"):
         modules["gqa"].gqa(gq, gk, gk)
+    with pytest.raises(ValueError, match=r"Q dimension 1 \(hk g\): the size of g cannot be told, as its other "
+                                         r"wires have size 0"):   # it said "not a multiple of 0"
+        modules["gqa"].gqa(gq[:, :0], gk[:, :0], gk[:, :0])
 
 
 # --------------------------------------------------------------------------

@@ -41,7 +41,9 @@ def _oracle_bind(m, shapes, free=()):
             unknown = [w for w in axis if w not in sizes]
             known = math.prod(sizes[w] for w in axis if w in sizes)
             if unknown:
-                if known == 0 or n % known:
+                if known == 0:
+                    return ValueError, f"{what}: the size of {unknown[0]} cannot be told, as its other wires have size 0"
+                if n % known:
                     return ValueError, f"{what} has size {n}, not a multiple of {known} (the size of its other wires)"
                 sizes[unknown[0]], source[unknown[0]] = n // known, what
             elif known != n:
