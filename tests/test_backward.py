@@ -1138,3 +1138,52 @@ def test_a_relabelled_value_is_named_in_the_refusal():
         gradrules.grad_plan(napkin.load_text(text))
     assert str(err.value) == ("the sum along x reads Q relabelled (Q[b, h, x, d]); the backward takes a value "
                               "tensor along its own wires")
+
+
+def test_a_row_value_read_twice_is_one_parameter_of_the_preprocess(folder):
+    """exp(N / Z): the rows kernel's value reads Z0 twice, and the preprocess was emitted as
+    def _t_preprocess(Q, K, V, dO, N0, Z0, Z0, _o) (a module that did not compile).  Its gradients
+    against float64 torch written here, on ragged lengths."""
+    text = ("diagram expratio\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
+            "in V[b, h, x, d] : fp32\nS[b, h, q, x] = sum[d](Q * K) * |d|^-0.5\n"
+            "O[b, h, q, d] = exp(sum[x](S * V) / sum[x](S))\nout O\n")
+    m = compile_text(text, "expratio", folder)
+    g = torch.Generator().manual_seed(6)
+    Q, K, V = (torch.randn(1, 2, n, 16, generator=g) for n in (19, 23, 23))
+
+    def torch64(Q, K, V):
+        S = Q @ K.transpose(-1, -2) / 4
+        return torch.exp((S @ V) / S.sum(-1, keepdim=True))
+
+    got = gradients(m.expratio, [Q, K, V], block_q=16, block_x=16)
+    exact = gradients(torch64, [t.double() for t in (Q, K, V)])
+    for a, b in zip(got, exact):
+        assert (a.double() - b).abs().max() < 1e-3 * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("text, where", [
+    ("diagram t\nwire q, x\nwire d = 16\nin Q[q, d] : fp16\nin K[x, d] : fp16\nin V[x, d] : int32\n"
+     "S[q, x] = sum[d](Q * K)\nO[q, d] = sum[x](S * V)\nout O\n", "6:4: napkin cannot emit a kernel for input V"),
+    ("diagram t\nwire m, n, k\nin A[m, k] : fp16\nin B[k, n] : int32\nC[m, n] = sum[k](A * B)\nout C\n",
+     "4:4: napkin cannot emit a kernel for input B"),
+])
+def test_an_integer_operand_of_a_matrix_product_is_refused_at_its_line(text, where):
+    """An int32 value crashed the backward's emitter (AttributeError) or, forward only, failed in
+    tl.dot at the call ("Unsupported lhs dtype int32")."""
+    from napkin.codegen import emit_module
+    from napkin.errors import NapkinError
+
+    with pytest.raises(NapkinError) as err:
+        emit_module(napkin.load_text(text, "t.ncd"), source_text=text, source_path="t.ncd")
+    assert where in str(err.value) and "takes float operands" in str(err.value)
+
+
+def test_an_output_named_chunk_is_refused():
+    """Its buffer replaced the launcher's chunk= option: every call failed printing a tensor."""
+    from napkin.codegen import emit_module
+    from napkin.errors import NapkinError
+
+    text = (REPO / "examples" / "attention.ncd").read_text().replace("O[b, h, q, d]", "chunk[b, h, q, d]") \
+        .replace("out O, lse", "out chunk, lse").replace("hold Q, K, V, O, lse", "hold Q, K, V, chunk, lse")
+    with pytest.raises(NapkinError, match="output chunk: the launcher has an option named chunk"):
+        emit_module(napkin.load_text(text, "a.ncd"), source_text=text, source_path="a.ncd")

@@ -320,7 +320,9 @@ class _Builder:
         computed = [(n, e) for n, e in rule.rows if not _alias(e)]
         used = []
         for _, e in rule.rows:
-            used += [n.name for n in ir.walk(e) if isinstance(n, ir.TensorRef) and n.name not in used]
+            for n in ir.walk(e):   # once each, also when one expression reads it twice (Z0 / Z0)
+                if isinstance(n, ir.TensorRef) and n.name not in used:
+                    used.append(n.name)
         # dO first (the public NAME_preprocess's order), then the rest as the row values read them
         self.row_inputs = tuple(n for n in ["dO"] if n in used) + tuple(n for n in used if n != "dO")
         if not computed:

@@ -572,11 +572,16 @@ LAUNCH_OPTIONS = POSITION_OPTIONS + ("chunk",)
 
 
 def _refuse_clash(d: ir.Diagram, options) -> None:
-    clash = sorted(set(options) & {t.name for t in d.inputs})
+    """An input or output named like a launcher option: an input would be a
+    duplicate parameter, an output's buffer replaces the option's value in
+    the launcher (an output 'chunk' made every call fail)."""
+    # (the launcher keeps positions=, lengths= and out_dtype= apart from outputs of those names)
+    clash = sorted(set(options) & ({t.name for t in d.inputs} | ({o.name for o in d.outputs} & {"chunk"})))
     if clash:
         t = d.tensor(clash[0])
-        raise L.unsupported(f"input {t.name}", f"the launcher has an option named {t.name}", t.loc,
-                            "rename the input")
+        what = "input" if isinstance(t, ir.Input) else "output"
+        raise L.unsupported(f"{what} {t.name}", f"the launcher has an option named {t.name}", t.loc,
+                            f"rename the {what}")
 
 
 def _global_dims(d: ir.Diagram, positional) -> str:

@@ -407,12 +407,31 @@ def lower(d: ir.Diagram) -> Plan:
     nested = any(isinstance(m, ir.Reduce) for r in reductions for m in nodes(r.body))
     if nested:
         from .attention import lower_attention
-        return _refuse_off_smem(_refuse_unsplit(lower_attention(d, exprs, col)))
+        return _refuse_integer_operands(_refuse_off_smem(_refuse_unsplit(lower_attention(d, exprs, col))))
     if tile is not None and tile.chunk is not None:
         raise unsupported(f"'group {col} by {tile.chunk}'", f"chunks of the streamed wire (programs merging "
                           f"partial states) are generated for attention kernels only; this diagram's kernel is a "
                           f"contraction over {col}", tile.chunk_loc, f"drop 'group {col} by {tile.chunk}'")
-    return _refuse_off_smem(_refuse_unsplit(_contraction(d, exprs, col)))
+    return _refuse_integer_operands(_refuse_off_smem(_refuse_unsplit(_contraction(d, exprs, col))))
+
+
+def _refuse_integer_operands(plan: Plan) -> Plan:
+    """A tensor core product (tl.dot) takes float operands: an integer or bool
+    input multiplied into one (Q : int32 in sum[d](Q * K), or the value V)
+    failed inside Triton at the call, or crashed the backward's emitter."""
+    d = plan.diagram
+    if plan.family == "attention":
+        loads = [x for dot in plan.dots for x in (dot.lhs, dot.rhs)] + \
+            [a.value for a in plan.accums if a.value is not None]
+    else:
+        loads = [plan.lhs, plan.rhs]
+    for ld in loads:
+        t = d.tensor(ld.tensor)
+        if isinstance(t, ir.Input) and t.dtype not in ir.FLOAT_DTYPES:
+            raise unsupported(f"input {t.name}", f"it is {t.dtype}, and the kernels multiply it in a matrix "
+                              "product (tl.dot), which takes float operands", t.loc,
+                              f"declare {t.name} as a float tensor (fp16, bf16 or fp32) and pass one")
+    return plan
 
 
 def streamed_attention(d: ir.Diagram) -> Optional[AttentionPlan]:
