@@ -524,3 +524,19 @@ def test_a_negated_causal_mask_is_bounded_and_dropped_in_full_blocks_like_the_pl
     assert uses > 0 and neg.count("_idx_x[None, :] > _idx_q[:, None]") == uses
     plan = L.lower(napkin.load_text(negated))
     assert plan.skip == ir.Binary("<=", ir.WireIndex("x"), ir.WireIndex("q")) and plan.full
+
+
+def test_a_chain_of_boxes_nesting_past_the_depth_limit_is_refused_at_its_box():
+    """Each box is at most 100 levels deep, but the kernels inline the boxes a box reads: 200 boxes
+    S_i = exp(S_i-1) crashed the code generator (RecursionError, or Python too nested to compile)."""
+    import napkin
+    from napkin.codegen import emit_module
+    from napkin.errors import NapkinError
+
+    lines = ["diagram t", "wire q, x", "wire d = 64", "in Q[q, d] : fp16", "in K[x, d] : fp16", "in V[x, d] : fp16",
+             "S[q, x] = sum[d](Q * K)", "S0[q, x] = exp(S)"] + [f"S{i}[q, x] = exp(S{i - 1})" for i in range(1, 200)]
+    text = "\n".join(lines + ["O[q, d] = sum[x](softmax[x](S199) * V)", "out O"]) + "\n"
+    with pytest.raises(NapkinError) as err:
+        emit_module(napkin.load_text(text, "t.ncd"), source_text=text, source_path="t.ncd")
+    assert str(err.value).startswith("t.ncd:105:1: napkin cannot emit a kernel for box S97: with the boxes it reads "
+                                     "inlined, its expression nests 101 levels deep, more than the 100 a kernel takes")

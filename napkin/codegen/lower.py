@@ -262,6 +262,29 @@ def _product(factors: list, start=None):
     return out
 
 
+def _refuse_deep_chains(d: ir.Diagram) -> None:
+    """The parser bounds each box's expression at MAX_DEPTH levels; the kernels
+    inline the boxes a box reads, and the backward differentiates the result,
+    so a chain of boxes (S1 = exp(S), S2 = exp(S1), ...) nested without bound
+    and crashed the code generator (RecursionError, or emitted Python too
+    deeply nested to compile).  The bound holds for the inlined expression."""
+    from ..parse import MAX_DEPTH
+
+    depth: dict[str, int] = {}
+
+    def of(e) -> int:   # each box's own expression is at most MAX_DEPTH deep: recursion is safe
+        if isinstance(e, ir.TensorRef):
+            return depth.get(e.name, 1)
+        return 1 + max((of(c) for c in ir.children(e)), default=0)
+
+    for let in d.lets:
+        depth[let.name] = of(let.expr)
+        if depth[let.name] > MAX_DEPTH:
+            raise unsupported(f"box {let.name}", f"with the boxes it reads inlined, its expression nests "
+                              f"{depth[let.name]} levels deep, more than the {MAX_DEPTH} a kernel takes", let.loc,
+                              "make a box of the chain an output (a kernel of its own), or shorten the chain")
+
+
 def inline(d: ir.Diagram) -> dict[str, object]:
     """Each box's expression with every box it reads substituted in."""
     env: dict[str, object] = {}
@@ -388,6 +411,7 @@ def lower(d: ir.Diagram) -> Plan:
     emit a kernel for it (with a location and the reason)."""
     _refuse_unfused(d)
     _check_dtypes(d)
+    _refuse_deep_chains(d)
     if not d.outputs:
         raise unsupported(f"diagram {d.name}", "it has no outputs", d.loc)
     exprs = inline(d)
