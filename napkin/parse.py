@@ -289,6 +289,11 @@ class _Build(Transformer):
             if isinstance(item, ir.Level):
                 levels.append(item)
             elif item[0] == "accumulate":
+                if accumulate_loc != ir.NOLOC:   # the second silently won, as no other repeat does
+                    self._refuse(Diagnostic("a second 'accumulate' in one schedule", item[2],
+                                            hint=f"the first, at line {accumulate_loc.line}, says {accumulate}; "
+                                                 "keep one"))
+                    continue
                 accumulate, accumulate_loc = item[1], item[2]
             else:
                 flag, loc = item[1], item[2]

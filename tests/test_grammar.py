@@ -399,3 +399,13 @@ def test_deep_left_associative_chain_is_refused_not_a_crash():
     # transformer before the depth limit existed.
     with pytest.raises(NapkinError, match="nested too deeply"):
         parse("diagram a\nS[b] = a" + " + a" * 5000)
+
+
+def test_a_second_accumulate_is_refused():
+    # the second silently won (a repeated level, output or hold is refused)
+    text = "diagram t\nwire m, k\nin A[m, k] : fp16\nC[m] = sum[k](A)\nout C\n" \
+           "schedule {\n  accumulate fp32\n  accumulate fp16\n}\n"
+    assert error(text) == ("t.ncd:8:14: a second 'accumulate' in one schedule\n"
+                           "      accumulate fp16\n"
+                           "                 ^^^^\n"
+                           "  hint: the first, at line 7, says fp32; keep one")
