@@ -61,7 +61,7 @@ run() {
   local tuned=.device/autotune.json schema
   # ... unless the carried one is of another schema than this napkin's (an
   # older napkin's keys): its first write would set it aside and retune all
-  schema=$(sed -n 's/^SCHEMA = "\([^"]*\)".*/\1/p' napkin/autotune.py 2>/dev/null)
+  schema=$(sed -n 's/^SCHEMA = "\([^"]*\)".*/\1/p' napkin/tunecache.py 2>/dev/null)
   if [[ ! -f $tuned ]] || { [[ -n $schema ]] && ! grep -q "\"schema\": \"$schema\"" "$tuned"; }; then
     tuned=$(compgen -G "bench/results/autotune-*.json" | sort | tail -n 1)
   fi

@@ -55,13 +55,13 @@ def load_variant(path: str, dtype: str, head_dim):
 
 def launcher_options(diagram, text: str, sizes: dict, device: str) -> dict:
     """The autotune cache's options for this bucket, else none (the schedule's)."""
-    from napkin import autotune
+    from napkin import tunecache
     if device != "cuda":
         return {}
     # the inputs are made in their declared dtypes, as napkin bench's are
-    key = autotune.cache_key(autotune.diagram_hash(text), autotune.device_name(device),
-                             autotune.input_classes(diagram), sizes, autotune.symbolic_wires(diagram))
-    hit = autotune.Cache().get(key)
+    key = tunecache.cache_key(tunecache.diagram_hash(text), tunecache.device_name(device),
+                             tunecache.input_classes(diagram), sizes, tunecache.symbolic_wires(diagram))
+    hit = tunecache.Cache().get(key)
     return dict(hit.kwargs()) if hit is not None else {}
 
 

@@ -428,7 +428,7 @@ def _autotune_lookup(sizes, device, classes, kind=""):
 
 def _autotune_config(entry):
     """A cache entry's config, or None unless every option in it is one a
-    launch takes (napkin.autotune.Cache holds the tuner to the same test).
+    launch takes (napkin.tunecache.Cache holds the tuner to the same test).
     An option it lacks stays the launcher's default."""
     config = entry.get("config") if isinstance(entry, dict) else None
     if not isinstance(config, dict) or not all(isinstance(k, str) and _autotune_valid(k, v) for k, v in config.items()):

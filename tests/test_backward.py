@@ -708,15 +708,15 @@ def test_each_backward_kernel_takes_its_own_tuned_config(folder, monkeypatch, tm
     given explicitly still apply to both."""
     import json
 
-    from napkin import autotune
+    from napkin import tunecache
 
     causal = example("causal", folder)
     sizes = {"b": 1, "h": 2, "q": 40, "x": 50}
     wires = ("b", "h", "q", "x")
-    key = {kind: autotune.cache_key(causal.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, wires, kind) for kind in ("bwd", "bwd_kv")}
+    key = {kind: tunecache.cache_key(causal.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, wires, kind) for kind in ("bwd", "bwd_kv")}
     entries = {key["bwd"]: {"config": {"block_q": 64, "block_x": 16, "num_warps": 4, "num_stages": 3}},
                key["bwd_kv"]: {"config": {"block_q": 16, "block_x": 64, "num_warps": 8, "num_stages": 2}}}
-    (tmp_path / "autotune.json").write_text(json.dumps({"schema": autotune.SCHEMA, "entries": entries}))
+    (tmp_path / "autotune.json").write_text(json.dumps({"schema": tunecache.SCHEMA, "entries": entries}))
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     kv, dq = _backward_launches(causal, "causal", sizes, monkeypatch)
     assert dq == (64, 16, 4, 3) and kv == (16, 64, 8, 2)

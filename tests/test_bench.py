@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import napkin
-from napkin import autotune
+from napkin import autotune, tunecache
 from napkin.bench import flex, harness, reference, results
 from napkin.errors import NapkinError
 
@@ -283,43 +284,43 @@ def _sizes(n, b=1, h=16):
 
 
 def test_shape_bucket_rounds_each_wire_up_to_a_power_of_two():
-    assert autotune.shape_bucket(_sizes(3000, b=1, h=12), WIRES) == (("b", 1), ("h", 16), ("q", 4096), ("x", 4096))
-    assert autotune.shape_bucket(_sizes(4096), WIRES)[2] == ("q", 4096)
-    assert autotune.shape_bucket(_sizes(4097), WIRES)[2] == ("q", 8192)
+    assert tunecache.shape_bucket(_sizes(3000, b=1, h=12), WIRES) == (("b", 1), ("h", 16), ("q", 4096), ("x", 4096))
+    assert tunecache.shape_bucket(_sizes(4096), WIRES)[2] == ("q", 4096)
+    assert tunecache.shape_bucket(_sizes(4097), WIRES)[2] == ("q", 8192)
 
 
 def test_cache_round_trip_and_bucket_hits(tmp_path, monkeypatch):
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
-    cache = autotune.Cache()
+    cache = tunecache.Cache()
     assert cache.path == tmp_path / "autotune.json"
-    config = autotune.Config((("q", 128), ("x", 64)), 8, 3)
-    key = autotune.cache_key("abc", "NVIDIA H100", F16, _sizes(3000), WIRES)
+    config = tunecache.Config((("q", 128), ("x", 64)), 8, 3)
+    key = tunecache.cache_key("abc", "NVIDIA H100", F16, _sizes(3000), WIRES)
     cache.put(key, config, ms=1.5)
     data = json.loads(cache.path.read_text())
-    assert data["schema"] == autotune.SCHEMA
+    assert data["schema"] == tunecache.SCHEMA
     assert data["entries"][key]["config"] == {"block_q": 128, "block_x": 64, "num_warps": 8, "num_stages": 3}
-    same_bucket = autotune.cache_key("abc", "NVIDIA H100", F16, _sizes(4000), WIRES)
+    same_bucket = tunecache.cache_key("abc", "NVIDIA H100", F16, _sizes(4000), WIRES)
     assert cache.get(same_bucket) == config
-    for other in (autotune.cache_key("abc", "NVIDIA H100", F16, _sizes(5000), WIRES),   # next bucket
-                  autotune.cache_key("abc", "NVIDIA H200", F16, _sizes(3000), WIRES),   # other device
-                  autotune.cache_key("abd", "NVIDIA H100", F16, _sizes(3000), WIRES)):  # other diagram
+    for other in (tunecache.cache_key("abc", "NVIDIA H100", F16, _sizes(5000), WIRES),   # next bucket
+                  tunecache.cache_key("abc", "NVIDIA H200", F16, _sizes(3000), WIRES),   # other device
+                  tunecache.cache_key("abd", "NVIDIA H100", F16, _sizes(3000), WIRES)):  # other diagram
         assert cache.get(other) is None
     # another entry keeps the first
-    cache.put(autotune.cache_key("abc", "NVIDIA H100", F16, _sizes(9000), WIRES), config, ms=2.0)
+    cache.put(tunecache.cache_key("abc", "NVIDIA H100", F16, _sizes(9000), WIRES), config, ms=2.0)
     assert len(cache.entries()) == 2 and cache.get(same_bucket) == config
 
 
 def test_a_corrupt_or_foreign_cache_reads_as_empty(tmp_path, monkeypatch):
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     (tmp_path / "autotune.json").write_text("{not json")
-    assert autotune.Cache().entries() == {}
+    assert tunecache.Cache().entries() == {}
     (tmp_path / "autotune.json").write_text(json.dumps({"schema": "other/9", "entries": {"k": {}}}))
-    assert autotune.Cache().get("k") is None
+    assert tunecache.Cache().get("k") is None
 
 
 def _put_many(path, writer, n):   # a process of the concurrent-writers test
     for i in range(n):
-        autotune.Cache(Path(path)).put(f"{writer}-{i}", autotune.Config((("q", 64),), 4, 2), ms=float(i))
+        tunecache.Cache(Path(path)).put(f"{writer}-{i}", tunecache.Config((("q", 64),), 4, 2), ms=float(i))
 
 
 def test_writers_in_several_processes_keep_every_entry(tmp_path):
@@ -335,7 +336,7 @@ def test_writers_in_several_processes_keep_every_entry(tmp_path):
     for p in procs:
         p.join(60)
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
-    assert sorted(autotune.Cache(path).entries()) == sorted(f"{w}-{i}" for w in "abcd" for i in range(30))
+    assert sorted(tunecache.Cache(path).entries()) == sorted(f"{w}-{i}" for w in "abcd" for i in range(30))
     assert not [f.name for f in tmp_path.iterdir() if f.name.endswith(".tmp")]
 
 
@@ -351,7 +352,7 @@ def test_bench_autotune_refuses_a_cache_it_cannot_write_before_tuning(tmp_path, 
     err = capsys.readouterr().err
     assert status == 1 and f"--autotune stores its configs in {tmp_path / 'file' / 'autotune.json'}, which napkin " \
         f"cannot write ({tmp_path / 'file'} is a file, not a folder): point NAPKIN_CACHE at a folder it can" in err
-    assert autotune.Cache(tmp_path / "ok" / "autotune.json").unwritable() is None
+    assert tunecache.Cache(tmp_path / "ok" / "autotune.json").unwritable() is None
     assert not [p.name for p in (tmp_path / "ok").iterdir() if p.name != "autotune.json.lock"]
 
 
@@ -363,33 +364,33 @@ def test_a_file_system_that_refuses_locks_still_gets_its_entries(tmp_path, monke
     def refuse(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
     monkeypatch.setattr(fcntl, "flock", refuse)
-    autotune.Cache(tmp_path / "autotune.json").put("k", autotune.Config((("q", 64),), 4, 2))
-    assert list(autotune.Cache(tmp_path / "autotune.json").entries()) == ["k"]
+    tunecache.Cache(tmp_path / "autotune.json").put("k", tunecache.Config((("q", 64),), 4, 2))
+    assert list(tunecache.Cache(tmp_path / "autotune.json").entries()) == ["k"]
 
 
 def test_a_put_keeps_an_unreadable_file_aside_and_the_files_mode(tmp_path):
     path = tmp_path / "autotune.json"
-    old = json.dumps({"schema": autotune.SCHEMA, "entries": {"a": {"config": {}}}})[:-1] + ",}"   # one stray comma
+    old = json.dumps({"schema": tunecache.SCHEMA, "entries": {"a": {"config": {}}}})[:-1] + ",}"   # one stray comma
     path.write_text(old)
     path.chmod(0o644)
     with pytest.warns(UserWarning, match=r"autotune.json was no readable napkin-autotune/2 cache .*moved to .*\.old"):
-        autotune.Cache(path).put("new", autotune.Config((("q", 64),), 4, 2))
+        tunecache.Cache(path).put("new", tunecache.Config((("q", 64),), 4, 2))
     assert (tmp_path / "autotune.json.old").read_text() == old
-    assert list(autotune.Cache(path).entries()) == ["new"]
+    assert list(tunecache.Cache(path).entries()) == ["new"]
     umask = os.umask(0)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask       # mkstemp's 0600 would hide it from others
     with warnings.catch_warnings():
         warnings.simplefilter("error")                           # an empty file, a readable cache: no warning
-        autotune.Cache(path).put("newer", autotune.Config((("q", 32),), 4, 2))
+        tunecache.Cache(path).put("newer", tunecache.Config((("q", 32),), 4, 2))
         path.write_text("")
-        autotune.Cache(path).put("a", autotune.Config((("q", 32),), 4, 2))
+        tunecache.Cache(path).put("a", tunecache.Config((("q", 32),), 4, 2))
 
 
 def test_a_cache_it_cannot_write_keeps_the_tuning(tmp_path):
     (tmp_path / "file").write_text("")
-    cache = autotune.Cache(tmp_path / "file" / "autotune.json")   # its folder is a file
-    configs = [autotune.Config((("q", q),), 4, 2) for q in (32, 64)]
+    cache = tunecache.Cache(tmp_path / "file" / "autotune.json")   # its folder is a file
+    configs = [tunecache.Config((("q", q),), 4, 2) for q in (32, 64)]
     with pytest.warns(UserWarning, match="the tuned config could not be cached in .*file/autotune.json"):
         tuned = autotune.autotune(lambda **o: None, configs, lambda fn: 1.0, cache=cache, key="k")
     assert tuned.best in configs and not tuned.cached and len(tuned.trials) == 2
@@ -406,23 +407,23 @@ def test_the_tuner_and_the_launcher_refuse_the_same_cached_configs(tmp_path, mon
     """A cached config either reader would not launch is no config to both
     (the tuner once coerced "64", 64.7 and tma "false" -> True, and kept them)."""
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
-    key = autotune.cache_key("f00d", "cpu", F16, _sizes(1000), WIRES)
-    (tmp_path / "autotune.json").write_text(json.dumps({"schema": autotune.SCHEMA,
+    key = tunecache.cache_key("f00d", "cpu", F16, _sizes(1000), WIRES)
+    (tmp_path / "autotune.json").write_text(json.dumps({"schema": tunecache.SCHEMA,
                                                         "entries": {key: {"config": config, "ms": 1.0}}}))
     ns: dict = {}
-    exec(compile(autotune.runtime_source("f00d", WIRES), "<snippet>", "exec"), ns)
+    exec(compile(tunecache.runtime_source("f00d", WIRES), "<snippet>", "exec"), ns)
     assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16) is None
-    assert autotune.Cache().get(key) is None
-    fresh = autotune.Config((("q", 64), ("x", 64)), 4, 2)
-    tuned = autotune.autotune(lambda **o: None, [fresh], lambda fn: 1.0, cache=autotune.Cache(), key=key)
+    assert tunecache.Cache().get(key) is None
+    fresh = tunecache.Config((("q", 64), ("x", 64)), 4, 2)
+    tuned = autotune.autotune(lambda **o: None, [fresh], lambda fn: 1.0, cache=tunecache.Cache(), key=key)
     assert not tuned.cached and tuned.best == fresh           # retuned, not taken from the bad entry
 
 
 def test_cached_facts_of_the_wrong_type_do_not_stop_the_tuner(tmp_path):
-    cache = autotune.Cache(tmp_path / "autotune.json")
+    cache = tunecache.Cache(tmp_path / "autotune.json")
     good = {"block_q": 64, "num_warps": 4, "num_stages": 2}
-    configs = [autotune.Config((("q", q),), 4, 2) for q in (64, 32, 16)]
-    cache.path.write_text(json.dumps({"schema": autotune.SCHEMA, "entries": {
+    configs = [tunecache.Config((("q", q),), 4, 2) for q in (64, 32, 16)]
+    cache.path.write_text(json.dumps({"schema": tunecache.SCHEMA, "entries": {
         "done": {"config": good, "ms": "fast", "skipped": "x", "budget_s": [1]},
         "cut": {"config": good, "ms": 1.0, "truncated": True, "tried": 1, "candidates": 3,
                 "order": autotune.order_digest(configs), "timed": "x", "failed": [1]}}}))
@@ -437,23 +438,23 @@ def test_a_config_tuned_on_16_bit_inputs_is_not_taken_by_a_float32_call(tmp_path
     memory, so a config tuned at float16 may not even launch at float32."""
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     ns: dict = {}
-    exec(compile(autotune.runtime_source("f00d", WIRES), "<snippet>", "exec"), ns)
-    autotune.Cache().put(autotune.cache_key("f00d", "cpu", F16, _sizes(1000), WIRES),
-                         autotune.Config((("q", 128), ("x", 128)), 8, 4))
+    exec(compile(tunecache.runtime_source("f00d", WIRES), "<snippet>", "exec"), ns)
+    tunecache.Cache().put(tunecache.cache_key("f00d", "cpu", F16, _sizes(1000), WIRES),
+                         tunecache.Config((("q", 128), ("x", 128)), 8, 4))
     assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16)["block_q"] == 128
     assert ns["_autotune_lookup"](_sizes(1000), "cpu", {"fp16": torch.float32}) is None
     assert ns["_autotune_lookup"](_sizes(1000), "cpu", {"fp16": torch.bfloat16}) is None
     mixed = {"fp32": torch.float32, "fp16": torch.bfloat16}             # ALiBi's slopes beside bf16 Q, K, V
-    assert autotune.cache_key("f00d", "cpu", mixed, _sizes(1000), WIRES).split("|")[2] == "bfloat16,float32"
-    assert autotune.input_classes(napkin.load("examples/alibi.ncd")) == {"fp16": "float16", "fp32": "float32"}
+    assert tunecache.cache_key("f00d", "cpu", mixed, _sizes(1000), WIRES).split("|")[2] == "bfloat16,float32"
+    assert tunecache.input_classes(napkin.load("examples/alibi.ncd")) == {"fp16": "float16", "fp32": "float32"}
 
 
 def test_a_cache_nested_too_deep_for_json_reads_as_empty(tmp_path, monkeypatch):
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     (tmp_path / "autotune.json").write_text("[" * 100000 + "]" * 100000)
-    assert autotune.Cache().entries() == {}
+    assert tunecache.Cache().entries() == {}
     ns: dict = {}
-    exec(compile(autotune.runtime_source("f00d", WIRES), "<snippet>", "exec"), ns)
+    exec(compile(tunecache.runtime_source("f00d", WIRES), "<snippet>", "exec"), ns)
     assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16) is None   # was RecursionError: every launch failed
 
 
@@ -470,28 +471,28 @@ def test_the_committed_tunings_are_read_by_this_napkin():
                 v, text = harness.variant(d, path.read_text(), dtype, 128)
             except NapkinError:
                 continue
-            variants[autotune.diagram_hash(text)] = v
+            variants[tunecache.diagram_hash(text)] = v
     newest = sorted((folder / "bench" / "results").glob("autotune-*.json"))[-1]
-    cache = autotune.Cache(newest)
+    cache = tunecache.Cache(newest)
     assert cache.entries()
     for key, entry in cache.entries().items():
         v = variants[key.split("|")[0]]
         kind = key.split("|")[4] if key.count("|") == 4 else ""
-        assert key == autotune.cache_key(key.split("|")[0], key.split("|")[1], autotune.input_classes(v),
-                                         entry["sizes"], autotune.symbolic_wires(v), kind)
+        assert key == tunecache.cache_key(key.split("|")[0], key.split("|")[1], tunecache.input_classes(v),
+                                         entry["sizes"], tunecache.symbolic_wires(v), kind)
         assert cache.get(key) is not None, key
 
 
 def test_runtime_snippet_reads_what_the_writer_stored(tmp_path, monkeypatch):
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
-    source = autotune.runtime_source("f00d", WIRES)
+    source = tunecache.runtime_source("f00d", WIRES)
     imports = {line.split()[1] for line in source.splitlines() if line.startswith(("import ", "from "))}
     assert imports <= {"json", "os", "torch"}, imports   # a generated module may import little
     ns: dict = {}
     exec(compile(source, "<snippet>", "exec"), ns)
     assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16) is None
-    cache = autotune.Cache()
-    cache.put(autotune.cache_key("f00d", "cpu", F16, _sizes(1000), WIRES), autotune.Config((("q", 64), ("x", 32)), 4, 2))
+    cache = tunecache.Cache()
+    cache.put(tunecache.cache_key("f00d", "cpu", F16, _sizes(1000), WIRES), tunecache.Config((("q", 64), ("x", 32)), 4, 2))
     # the memo notices the file changed; a length in the same bucket hits
     assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16)["block_q"] == 64
     assert ns["_autotune_lookup"](_sizes(600), "cpu", T16)["block_x"] == 32
@@ -502,8 +503,8 @@ def test_runtime_snippet_reads_what_the_writer_stored(tmp_path, monkeypatch):
 
 
 def test_autotune_keeps_the_fastest_skips_failures_and_caches(tmp_path):
-    cache = autotune.Cache(tmp_path / "c.json")
-    configs = [autotune.Config((("q", q), ("x", 64)), w, 2) for q in (64, 128) for w in (4, 8)]
+    cache = tunecache.Cache(tmp_path / "c.json")
+    configs = [tunecache.Config((("q", q), ("x", 64)), w, 2) for q in (64, 128) for w in (4, 8)]
     fake_ms = {(64, 4): 3.0, (64, 8): 2.5, (128, 4): 1.25, (128, 8): None}
     timed = []
 
@@ -517,7 +518,7 @@ def test_autotune_keeps_the_fastest_skips_failures_and_caches(tmp_path):
         return call()
 
     tuned = autotune.autotune(fn, configs, bench, cache=cache, key="k", diagram="attention")
-    assert tuned.best == autotune.Config((("q", 128), ("x", 64)), 4, 2) and tuned.ms == 1.25
+    assert tuned.best == tunecache.Config((("q", 128), ("x", 64)), 4, 2) and tuned.ms == 1.25
     assert not tuned.cached and [t.ms is None for t in tuned.trials] == [False, False, False, True]
     assert "out of resources" in tuned.trials[3].error
     assert cache.entries()["k"]["diagram"] == "attention"
@@ -534,13 +535,13 @@ def test_a_tuning_cut_short_goes_on_where_it_stopped(tmp_path):
     finished entry is read back without timing.  A changed candidate list starts afresh, and an
     entry from before the list's fingerprint was kept (the H200 session's) resumes when its counts
     fit and its best is among the candidates it tried."""
-    cache = autotune.Cache(tmp_path / "c.json")
-    configs = [autotune.Config((("q", q), ("x", x)), 8, 3) for q in (64, 128) for x in (32, 64, 128)]
+    cache = tunecache.Cache(tmp_path / "c.json")
+    configs = [tunecache.Config((("q", q), ("x", x)), 8, 3) for q in (64, 128) for x in (32, 64, 128)]
     fake_ms = dict(zip(configs, (3.0, 2.0, 1.0, 4.0, 0.5, None)))
     now, timed = [0.0], []
 
     def fn(block_q, block_x, num_warps, num_stages):
-        return fake_ms[autotune.Config((("q", block_q), ("x", block_x)), num_warps, num_stages)]
+        return fake_ms[tunecache.Config((("q", block_q), ("x", block_x)), num_warps, num_stages)]
 
     def bench(call):
         now[0] += 10.0                       # each trial takes 10 s of the budget
@@ -569,7 +570,7 @@ def test_a_tuning_cut_short_goes_on_where_it_stopped(tmp_path):
     assert record["timed"] == 5 and [t["ms"] for t in record["trials"]] == [2.0, 1.0, 4.0, 0.5, None]
     assert record["trials"][0]["config"] == configs[1].kwargs() and "out of resources" in record["trials"][4]["error"]
     # a cached best that fails when timed again is counted failed, not timed
-    fails = autotune.Cache(tmp_path / "f.json")
+    fails = tunecache.Cache(tmp_path / "f.json")
     autotune.autotune(fn, configs, bench, cache=fails, key="k", budget_s=25.0, clock=clock)
     fake_ms[configs[1]] = None
     again = autotune.autotune(fn, configs, bench, cache=fails, key="k", budget_s=100.0, clock=clock).facts()
@@ -594,10 +595,10 @@ def test_a_tuning_cut_short_goes_on_where_it_stopped(tmp_path):
 
 def test_smem_estimate_counts_pipelined_tiles():
     d = napkin.load(EXAMPLES / "attention.ncd")
-    c = autotune.Config((("q", 128), ("x", 64)), 4, 2)
+    c = tunecache.Config((("q", 128), ("x", 64)), 4, 2)
     # Q tile 128 x 64 fp16 once; K and V tiles 64 x 64 fp16, two stages each.
     assert autotune.smem_bytes(d, c, _sizes(4096)) == 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2
-    c3 = autotune.Config((("q", 128), ("x", 64)), 4, 3)
+    c3 = tunecache.Config((("q", 128), ("x", 64)), 4, 3)
     assert autotune.smem_bytes(d, c3, _sizes(4096)) == 128 * 64 * 2 + 3 * 2 * 64 * 64 * 2
 
 
@@ -661,7 +662,7 @@ def test_register_estimate_prunes_what_would_spill_and_says_why():
     why = {(p.config.blocks, p.config.num_warps, p.config.num_stages): p.why for p in pruned}
     reason = why[((("q", 128), ("x", 64)), 4, 3)]
     assert reason.startswith("registers: a thread would hold 192 float32 values") and f"more than {HELD_FP32}" in reason
-    assert autotune.Config((("q", 128), ("x", 64)), 8, 3) in keep
+    assert tunecache.Config((("q", 128), ("x", 64)), 8, 3) in keep
     for c in keep:
         assert shape.held(dict(c.blocks), c.num_warps) <= HELD_FP32
     assert any(p.why.startswith("registers") for p in pruned)
@@ -678,8 +679,8 @@ def test_backward_candidates_are_shaped_for_each_kernel():
                                         capacity=H100_SMEM)
     lead = harness._backward_default(d, sizes, "bwd_kv")
     kv, kv_pruned = autotune.candidates(d, sizes, kind="bwd_kv", lead=lead, capacity=H100_SMEM)
-    assert dq[0] == autotune.Config((("q", 128), ("x", 64)), 8, 2)          # dQ's untuned launch
-    assert kv[:2] == lead == [autotune.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
+    assert dq[0] == tunecache.Config((("q", 128), ("x", 64)), 8, 2)          # dQ's untuned launch
+    assert kv[:2] == lead == [tunecache.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
     # dQ: rows resident, many rows a warp; dK/dV: keys resident, at least 16 keys a warp
     assert all(dict(c.blocks)["q"] >= 16 * c.num_warps for c in dq)
     assert all(dict(c.blocks)["x"] >= 16 * c.num_warps for c in kv)
@@ -709,13 +710,13 @@ def test_backward_shared_memory_counts_what_each_kernel_loads():
     the row state.  The counts agree with what Triton allocated for sm_90
     (napkin.bench.aot, causal d 128: dQ at (128, 64), 3 stages, 160 KiB)."""
     d, sizes = _target("causal")
-    c = autotune.Config((("q", 128), ("x", 64)), 8, 3)
+    c = tunecache.Config((("q", 128), ("x", 64)), 8, 3)
     dq = autotune.kernel_shape(d, sizes, "bwd")
     assert autotune.kernel_smem(dq, c, sizes) == 2 * 128 * 128 * 2 + 2 * 128 * 4 + 3 * 2 * 64 * 128 * 2
     fwd = autotune.kernel_shape(d, sizes, "")
     assert autotune.kernel_smem(fwd, c, sizes) == autotune.smem_bytes(d, c, sizes)
     kv = autotune.kernel_shape(d, sizes, "bwd_kv")
-    t = autotune.Config((("q", 32), ("x", 128)), 8, 2)
+    t = tunecache.Config((("q", 32), ("x", 128)), 8, 2)
     assert autotune.kernel_smem(kv, t, sizes) == 2 * 128 * 128 * 2 + 2 * (2 * 32 * 128 * 2 + 2 * 32 * 4)
 
 
@@ -742,14 +743,14 @@ def test_autotune_budget_stops_timing_and_records_what_it_skipped(tmp_path):
     rest are skipped; the best of those timed is kept, and the cache entry
     and the result say how many were skipped."""
     now = [0.0]
-    configs = [autotune.Config((("q", q), ("x", 64)), 4, 2) for q in (16, 32, 64, 128, 256)]
+    configs = [tunecache.Config((("q", q), ("x", 64)), 4, 2) for q in (16, 32, 64, 128, 256)]
     ms = {16: 5.0, 32: 3.0, 64: 2.0, 128: 1.0, 256: 0.5}
 
     def bench(call):
         now[0] += 10.0
         return call()
 
-    cache = autotune.Cache(tmp_path / "c.json")
+    cache = tunecache.Cache(tmp_path / "c.json")
     tuned = autotune.autotune(lambda block_q, **_: ms[block_q], configs, bench, cache=cache, key="k",
                               budget_s=25.0, clock=lambda: now[0])
     assert [t.config for t in tuned.trials] == configs[:2] and tuned.skipped == 3
@@ -770,7 +771,7 @@ def test_autotune_budget_stops_timing_and_records_what_it_skipped(tmp_path):
 def test_autotune_budget_never_ends_without_a_timed_config():
     """Failures do not count as a result: the budget is not applied until one config has run."""
     now = [0.0]
-    configs = [autotune.Config((("q", q), ("x", 64)), 4, 2) for q in (16, 32, 64)]
+    configs = [tunecache.Config((("q", q), ("x", 64)), 4, 2) for q in (16, 32, 64)]
 
     def fn(block_q, **_):
         if block_q < 64:
@@ -868,10 +869,10 @@ def test_backward_kernels_lead_with_their_own_default_tiles():
     gqa = napkin.load(EXAMPLES / "gqa.ncd")           # head dim 128: 128 keys by 32 rows, 8 warps
     sizes = {"b": 1, "hk": 2, "g": 4, "q": 16384, "x": 16384}
     lead = harness.untuned(gqa, sizes, "bwd_kv")
-    assert lead == [autotune.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
+    assert lead == [tunecache.Config((("q", 32), ("x", 128)), 8, s) for s in (2, 3)]
     assert autotune.candidates(gqa, sizes, kind="bwd_kv", lead=lead)[0][:2] == lead
     # dQ's: the schedule's blocks (its keys would be halved only past HELD_FP32)
-    assert harness.untuned(gqa, sizes, "bwd") == [autotune.Config((("q", 128), ("x", 64)), 8, s) for s in (2, 3)]
+    assert harness.untuned(gqa, sizes, "bwd") == [tunecache.Config((("q", 128), ("x", 64)), 8, s) for s in (2, 3)]
 
 
 def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path):
@@ -1097,8 +1098,8 @@ def test_a_cpu_smoke_run_says_when_the_launch_took_a_cached_config(tmp_path, cap
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     path = EXAMPLES / "attention.ncd"
     sizes = {"b": 1, "h": 2, "q": 32, "x": 32}
-    key = autotune.cache_key(autotune.diagram_hash(napkin.read_source(path)), "cpu", F16, sizes, WIRES)
-    autotune.Cache().put(key, autotune.Config((("q", 16), ("x", 32)), 2, 1), ms=1.0)
+    key = tunecache.cache_key(tunecache.diagram_hash(napkin.read_source(path)), "cpu", F16, sizes, WIRES)
+    tunecache.Cache().put(key, tunecache.Config((("q", 16), ("x", 32)), 2, 1), ms=1.0)
     assert main(["bench", str(path), "--seqlen", "32", "--no-backward", "--out", str(tmp_path)]) == 0
     (row,) = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())["rows"]
     assert row["config_source"] == "cache (CPU smoke run: no tuning)"
@@ -1443,14 +1444,14 @@ def test_dram_bytes_reads_the_config_the_bench_tuned(tmp_path, monkeypatch):
     the key gained them: a TypeError only a GPU run would have met)."""
     from bench import dram_bytes as DB
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(autotune, "device_name", lambda device: "NVIDIA H100")
+    monkeypatch.setattr(tunecache, "device_name", lambda device: "NVIDIA H100")
     path = EXAMPLES / "alibi.ncd"
     text = path.read_text()
     d = napkin.load(str(path))
     sizes = {"b": 1, "h": 16, "q": 4096, "x": 4096}
-    key = autotune.cache_key(autotune.diagram_hash(text), "NVIDIA H100", {"fp16": "float16", "fp32": "float32"},
-                             sizes, autotune.symbolic_wires(d))
-    autotune.Cache().put(key, autotune.Config((("q", 64), ("x", 32)), 4, 3))
+    key = tunecache.cache_key(tunecache.diagram_hash(text), "NVIDIA H100", {"fp16": "float16", "fp32": "float32"},
+                             sizes, tunecache.symbolic_wires(d))
+    tunecache.Cache().put(key, tunecache.Config((("q", 64), ("x", 32)), 4, 3))
     assert DB.launcher_options(d, text, sizes, "cuda") == {"block_q": 64, "block_x": 32, "num_warps": 4,
                                                             "num_stages": 3}
     assert DB.launcher_options(d, text, sizes, "cpu") == {}
@@ -1583,11 +1584,13 @@ def test_device_run_restores_the_newest_committed_autotune_record(tmp_path):
     # a carried cache of another schema than this napkin's would be set aside at its first
     # write (every kernel retuned): the committed record is taken instead
     (repo / "napkin").mkdir()
-    (repo / "napkin" / "autotune.py").write_text('SCHEMA = "napkin-autotune/2"   # the keys\n')
+    (repo / "napkin" / "tunecache.py").write_text('SCHEMA = "napkin-autotune/2"   # the keys\n')
     (repo / ".device" / "autotune.json").write_text('{\n "schema": "napkin-autotune/1",\n "entries": {}}')
     assert cache_seen() == "2026-11-26"
     (repo / ".device" / "autotune.json").write_text('{\n "schema": "napkin-autotune/2",\n "entries": {}}')
     assert cache_seen().startswith('{\n "schema": "napkin-autotune/2"')
+    # ... and the line it reads the schema from is this napkin's
+    assert re.search(r'^SCHEMA = "([^"]*)"', (REPO / "napkin" / "tunecache.py").read_text(), re.M)[1] == tunecache.SCHEMA
 
 
 def test_device_keep_numbers_two_calls_pairs_in_order_and_logs_by_call(tmp_path):

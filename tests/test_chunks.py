@@ -257,7 +257,7 @@ def test_chunk_with_gradients_is_refused():
 # --------------------------------------------------------------------------
 
 def test_the_tuner_tries_chunks_only_where_the_grid_leaves_sms_idle():
-    from napkin import autotune
+    from napkin import autotune, tunecache
     d = napkin.load(K.REPO / "examples" / "flash_decoding.ncd")
     # 8 programs unchunked on 132 SMs: each packs the 4 heads x 4 queries of a kv head (16 rows)
     decode = {"b": 1, "hk": 8, "g": 4, "q": 4, "x": 32768}
@@ -277,18 +277,18 @@ def test_the_tuner_tries_chunks_only_where_the_grid_leaves_sms_idle():
     assert all(c.chunk is None for c in autotune.candidates(plain, target)[0])
     for bwd in ("bwd", "bwd_kv"):
         assert all(c.chunk is None for c in autotune.candidates(d, decode, kind=bwd)[0])
-    c = autotune.Config((("q", 16), ("x", 64)), 1, 3, chunk=4096)
-    assert c.kwargs()["chunk"] == 4096 and autotune.Config.from_kwargs(c.kwargs()) == c
+    c = tunecache.Config((("q", 16), ("x", 64)), 1, 3, chunk=4096)
+    assert c.kwargs()["chunk"] == 4096 and tunecache.Config.from_kwargs(c.kwargs()) == c
 
 
 def test_a_launch_without_chunk_takes_the_cached_one(tmp_path, monkeypatch):
-    from napkin import autotune
+    from napkin import tunecache
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     m = K.example("flash_decoding", ("group x by 1024", "group x by 512"))
     sizes = {"b": 1, "hk": 1, "g": 2, "q": 3, "x": 100}
     inputs = m.example_inputs(sizes, dtype=torch.float32, seed=8)
-    key = autotune.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, ("b", "hk", "g", "q", "x"))
-    autotune.Cache().put(key, autotune.Config((("q", 16), ("x", 16)), 1, 2, chunk=32), ms=1.0)
+    key = tunecache.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, ("b", "hk", "g", "q", "x"))
+    tunecache.Cache().put(key, tunecache.Config((("q", 16), ("x", 16)), 1, 2, chunk=32), ms=1.0)
     spy = LaunchSpy(m._flash_decoding_kernel)
     monkeypatch.setattr(m, "_flash_decoding_kernel", spy)
     out = K.launcher(m)(*inputs)                     # no options: the cached config, chunk 32

@@ -236,15 +236,15 @@ def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp
     import json
     import os
 
-    from napkin import autotune
+    from napkin import tunecache
 
     m = modules["attention"]
     sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
-    key = autotune.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, ("b", "h", "q", "x"))
+    key = tunecache.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, ("b", "h", "q", "x"))
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
 
     def cache(config):  # a new file each time, as the writer makes it (the reader watches the inode)
-        (tmp_path / "new.json").write_text(json.dumps({"schema": autotune.SCHEMA,
+        (tmp_path / "new.json").write_text(json.dumps({"schema": tunecache.SCHEMA,
                                                        "entries": {key: {"config": config}}}))
         os.replace(tmp_path / "new.json", tmp_path / "autotune.json")
 
@@ -283,18 +283,18 @@ def test_the_backward_reads_its_own_tuned_config_not_the_forwards(modules, monke
     one pass stops that pass and no other."""
     import json
 
-    from napkin import autotune
+    from napkin import tunecache
 
     m = modules["attention"]
     sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
     wires = ("b", "h", "q", "x")
-    fwd, bwd, kv = (autotune.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, wires, kind)
+    fwd, bwd, kv = (tunecache.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, wires, kind)
                     for kind in ("", "bwd", "bwd_kv"))
     assert (bwd, kv) == (fwd + "|bwd", fwd + "|bwd_kv")
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
 
     def cache(entries):
-        (tmp_path / "autotune.json").write_text(json.dumps({"schema": autotune.SCHEMA, "entries": entries}))
+        (tmp_path / "autotune.json").write_text(json.dumps({"schema": tunecache.SCHEMA, "entries": entries}))
 
     good = {"block_q": 16, "block_x": 16, "num_warps": 4, "num_stages": 2}
     cache({fwd: {"config": good}, bwd: {"config": dict(good, block_x=32)}, kv: {"config": dict(good, block_q=32)}})

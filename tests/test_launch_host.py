@@ -156,16 +156,16 @@ def test_the_remembered_autotune_lookup_sees_a_new_file_and_a_new_cache_dir(modu
     """The lookup is remembered per shape bucket, keyed also by the cache
     file's path and stamp: pointing NAPKIN_CACHE elsewhere, or rewriting the
     file, is seen by the very next launch."""
-    from napkin import autotune
+    from napkin import tunecache
 
     m = modules["attention"]
     sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
-    key = autotune.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, ("b", "h", "q", "x"))
+    key = tunecache.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, ("b", "h", "q", "x"))
     one, two = tmp_path / "one", tmp_path / "two"
     for folder, block in ((one, 16), (two, 32)):
         folder.mkdir()
         (folder / "autotune.json").write_text(json.dumps(
-            {"schema": autotune.SCHEMA, "entries": {key: {"config": {"block_q": block}}}}))
+            {"schema": tunecache.SCHEMA, "entries": {key: {"config": {"block_q": block}}}}))
     dev, f16 = torch.device("cpu"), {"fp16": torch.float16}
     monkeypatch.setenv("NAPKIN_CACHE", str(one))
     assert m._autotune_lookup(sizes, dev, f16) == {"block_q": 16}
@@ -174,7 +174,7 @@ def test_the_remembered_autotune_lookup_sees_a_new_file_and_a_new_cache_dir(modu
     (two / "autotune.json").unlink()
     assert m._autotune_lookup(sizes, dev, f16) is None
     (two / "autotune.json").write_text(json.dumps(
-        {"schema": autotune.SCHEMA, "entries": {key: {"config": {"block_q": 64}}}}))
+        {"schema": tunecache.SCHEMA, "entries": {key: {"config": {"block_q": 64}}}}))
     assert m._autotune_lookup(sizes, dev, f16) == {"block_q": 64}
     assert m._autotune_lookup(dict(sizes, x=8), dev, f16) == {"block_q": 64}      # the same bucket
     assert m._autotune_lookup(dict(sizes, x=9), dev, f16) is None                 # another

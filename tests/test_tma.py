@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import napkin
-from napkin import autotune
+from napkin import autotune, tunecache
 from napkin.bench import harness
 from napkin.codegen import emit_module
 from napkin.errors import NapkinError
@@ -212,17 +212,17 @@ def test_default_launch_takes_the_pointer_code_and_the_cache_may_turn_it_on(tmp_
     Q, K, V = m.example_inputs(sizes, dtype=torch.float16, seed=2)
     m.causal(Q, K, V, block_q=16, block_x=16)
     assert m._tma_last["used"] is False
-    key = autotune.cache_key(m.SOURCE_HASH, autotune.device_name("cpu"), {"fp16": "float16"}, sizes,
+    key = tunecache.cache_key(m.SOURCE_HASH, tunecache.device_name("cpu"), {"fp16": "float16"}, sizes,
                              ("b", "h", "q", "x"))
-    cache = autotune.Cache(tmp_path / "autotune.json")
-    cache.put(key, autotune.Config((("q", 16), ("x", 32)), 4, 2, tma=True), ms=1.0)
+    cache = tunecache.Cache(tmp_path / "autotune.json")
+    cache.put(key, tunecache.Config((("q", 16), ("x", 32)), 4, 2, tma=True), ms=1.0)
     assert json.loads((tmp_path / "autotune.json").read_text())["entries"][key]["config"]["tma"] is True
     assert cache.get(key).tma is True
     m.causal(Q, K, V)
     assert m._tma_last["used"] is True
-    cache.put(key, autotune.Config((("q", 16), ("x", 32)), 4, 2), ms=1.0)    # an old entry: no "tma"
+    cache.put(key, tunecache.Config((("q", 16), ("x", 32)), 4, 2), ms=1.0)    # an old entry: no "tma"
     assert "tma" not in json.loads((tmp_path / "autotune.json").read_text())["entries"][key]["config"]
-    assert cache.get(key) == autotune.Config((("q", 16), ("x", 32)), 4, 2) and cache.get(key).tma is None
+    assert cache.get(key) == tunecache.Config((("q", 16), ("x", 32)), 4, 2) and cache.get(key).tma is None
     m.causal(Q, K, V)
     assert m._tma_last["used"] is False
 
@@ -299,11 +299,11 @@ def test_no_tma_candidates_at_head_dim_64():
 
 def test_tma_smem_counts_its_barriers():
     d, sizes = _target("causal")
-    c = autotune.Config((("q", 128), ("x", 128)), 8, 3)
+    c = tunecache.Config((("q", 128), ("x", 128)), 8, 3)
     shape = autotune.kernel_shape(d, sizes)
-    assert autotune.kernel_smem(shape, autotune.Config(c.blocks, 8, 3, tma=True), sizes) == \
+    assert autotune.kernel_smem(shape, tunecache.Config(c.blocks, 8, 3, tma=True), sizes) == \
         autotune.kernel_smem(shape, c, sizes) + autotune.TMA_SMEM
-    assert autotune.smem_bytes(d, autotune.Config(c.blocks, 8, 3, tma=True), sizes) == \
+    assert autotune.smem_bytes(d, tunecache.Config(c.blocks, 8, 3, tma=True), sizes) == \
         autotune.smem_bytes(d, c, sizes) + autotune.TMA_SMEM
 
 

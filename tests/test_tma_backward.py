@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from napkin import autotune
+from napkin import tunecache
 from test_backward import REPO, assert_accurate, example, gradients, launcher
 
 KERNELS = ("_tma_last", "_tma_last_dq", "_tma_last_dkdv")
@@ -146,12 +146,12 @@ def test_each_backward_kernel_takes_its_own_cached_tma(tmp_path, monkeypatch, fo
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     sz = {"b": 1, "h": 2, "q": 40, "x": 40}
     inputs = m.example_inputs(sz, dtype=torch.float16, seed=2)
-    cache = autotune.Cache(tmp_path / "autotune.json")
-    config = autotune.Config((("q", 16), ("x", 32)), 4, 2)
+    cache = tunecache.Cache(tmp_path / "autotune.json")
+    config = tunecache.Config((("q", 16), ("x", 32)), 4, 2)
     for kind, tma in (("", None), ("bwd", True), ("bwd_kv", None)):
-        key = autotune.cache_key(m.SOURCE_HASH, autotune.device_name("cpu"), {"fp16": "float16"}, sz,
+        key = tunecache.cache_key(m.SOURCE_HASH, tunecache.device_name("cpu"), {"fp16": "float16"}, sz,
                                  ("b", "h", "q", "x"), kind)
-        cache.put(key, autotune.Config(config.blocks, 4, 2, tma=tma), ms=1.0)
+        cache.put(key, tunecache.Config(config.blocks, 4, 2, tma=tma), ms=1.0)
     got = gradients(launcher(m), inputs)
     assert lasts(m) == {"_tma_last": OFF, "_tma_last_dq": USED, "_tma_last_dkdv": OFF}
     want = gradients(launcher(m), inputs, tma=False, block_q=16, block_x=32, num_warps=4, num_stages=2)

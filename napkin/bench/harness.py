@@ -44,7 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from .. import autotune, ir
+from .. import autotune, ir, tunecache
 from ..errors import NapkinError
 from ..files import why_not
 from ..sizes import parse_pairs, positive_int
@@ -206,7 +206,7 @@ def run(args, prog: str) -> int:
         raise NapkinError(f"--tune-budget expects a positive number of seconds, not {args.tune_budget}")
     if Path(args.out).exists() and not Path(args.out).is_dir():   # found now, not after an hour's run
         raise NapkinError(f"--out {args.out} is a file: the results need a folder")
-    cache = autotune.Cache()
+    cache = tunecache.Cache()
     why = cache.unwritable() if args.autotune else None
     if why:   # the launcher reads what the tuner writes: a tuning it cannot store is lost
         raise NapkinError(f"--autotune stores its configs in {cache.path}, which napkin cannot write ({why}): "
@@ -378,7 +378,7 @@ def compile_module(diagram: ir.Diagram, text: str, path: str, build: Path, prefi
     from ..codegen import emit_module
 
     source = emit_module(diagram, source_text=text, source_path=path)
-    digest = autotune.diagram_hash(text)
+    digest = tunecache.diagram_hash(text)
     name = f"{prefix}_{diagram.name}_{digest[:12]}"
     if name in sys.modules:
         return sys.modules[name], digest
@@ -599,7 +599,7 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
 
     d, device = ctx["diagram"], ctx["device"]
     accepted = set(inspect.signature(launcher).parameters)
-    classes = autotune.input_classes(d)   # the bench passes every input in its declared dtype
+    classes = tunecache.input_classes(d)   # the bench passes every input in its declared dtype
     launch_classes = {k: getattr(torch, v) for k, v in classes.items()}   # as the launcher's _bind finds them
     if device != "cuda":
         # no tuning here, but a launch takes what the cache holds for "cpu": say so
@@ -607,9 +607,9 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
         if seen:
             return {k: v for k, v in seen.items() if k in accepted}, "cache (CPU smoke run: no tuning)"
         return None, "schedule (CPU smoke run: no tuning)"
-    key = autotune.cache_key(ctx["digest"], autotune.device_name(device), classes, sizes,
-                             autotune.symbolic_wires(d), kind)
-    cache = autotune.Cache()
+    key = tunecache.cache_key(ctx["digest"], tunecache.device_name(device), classes, sizes,
+                             tunecache.symbolic_wires(d), kind)
+    cache = tunecache.Cache()
     if ctx["args"].autotune:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         capacity = getattr(props, "shared_memory_per_block_optin", None)
@@ -672,7 +672,7 @@ def untuned(d: ir.Diagram, sizes: dict, kind: str) -> list:
     if len(blocks) != 2:
         return []
     rows = next(iter(blocks.values()))
-    return [autotune.Config(tuple(blocks.items()), 8 if rows >= 128 else 4, 2)]
+    return [tunecache.Config(tuple(blocks.items()), 8 if rows >= 128 else 4, 2)]
 
 
 def _backward_default(d: ir.Diagram, sizes: dict, kind: str) -> list:
@@ -688,7 +688,7 @@ def _backward_default(d: ir.Diagram, sizes: dict, kind: str) -> list:
         return []
     br, bc, warps = DEFAULT_TILE[autotune.KIND_ROLES[kind]](plan, reference.full_sizes(d, sizes))
     blocks = ((plan.row, br), (plan.col, bc))
-    return [autotune.Config(blocks, warps, stages) for stages in (2, 3)]
+    return [tunecache.Config(blocks, warps, stages) for stages in (2, 3)]
 
 
 def backward_call(d: ir.Diagram, module, inputs, sizes, accepted, kind: str):
