@@ -196,7 +196,15 @@ class _Render:
         kind = "float" if "float" in (a[2], b[2]) or op == "/" else "int"
         if op == "/" and a[2] != "float" and b[2] != "float":
             a = (self.to_float(a), _PREC["atom"], "float")
+        if op == "*" and kind == "int":
+            a, b = self.widened(a, b)
         return f"{self.wrap(a, p - 1)} {op} {self.wrap(b, p)}", p, kind
+
+    def widened(self, a, b):
+        """The operands of an integer product, one of them made wide enough
+        for it (the kernels' indices and sizes are int32: (x - q) ^ 2 passes
+        2^31 at a distance of 46341, |x| * |x| at 46341 keys)."""
+        return a, b
 
     def power(self, e: ir.Binary):
         n = integer_exponent(e.rhs, self.ctx.fixed)
@@ -204,7 +212,10 @@ class _Render:
         if n is not None:
             if n == 0:
                 return "1.0", _PREC["atom"], "float"
-            term = " * ".join([self.wrap(base, _PREC["*"])] * abs(n))
+            factors = [base] * abs(n)
+            if base[2] == "int" and len(factors) > 1:
+                factors[0], factors[1] = self.widened(base, base)
+            term = " * ".join(self.wrap(f, _PREC["*"]) for f in factors)
             if n > 0:
                 return term, _PREC["*"], base[2]
             return f"1.0 / ({term})", _PREC["*"], "float"
@@ -251,6 +262,15 @@ class TritonRender(_Render):
     def to_float(self, x) -> str:
         return f"{self.wrap(x, _PREC['*'])} * 1.0"  # works on tensors and scalars alike
 
+    def widened(self, a, b):
+        """int64 for the product, as the reference's (torch's indices are
+        int64): the left operand cast, or the right where the left is a
+        literal (a literal that fits int32 is int32 to Triton).  tl.cast, not
+        .to: it takes a kernel's scalar argument and a loop variable alike."""
+        if _literal(a[0]) and not _literal(b[0]):
+            return a, (f"tl.cast({b[0]}, tl.int64)", _PREC["atom"], "int")
+        return (f"tl.cast({a[0]}, tl.int64)", _PREC["atom"], "int"), b
+
     def where(self, c, a, b) -> str:
         return f"tl.where({c}, {a}, {b})"
 
@@ -275,6 +295,10 @@ class TritonRender(_Render):
         b = self.to_float(base) if base[2] != "float" else base[0]
         mag = f"tl.exp2({number(n)} * tl.log2(tl.abs({b})))"
         return mag if n % 2 == 0 else f"tl.where(({b}) < 0, -{mag}, {mag})"
+
+
+def _literal(code: str) -> bool:
+    return code.lstrip("-").isdigit()
 
 
 def triton(e, ctx: Ctx) -> str:

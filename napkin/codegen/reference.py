@@ -92,6 +92,7 @@ class _Ref:
             code, wires = self.expr(e.body)
             return f"_softmax({code}, {wires.index(e.wire)})", wires
         parts = [self.expr(c) for c in self.children(e)]
+        parts = self.in_compute_dtype(e, parts)
         if isinstance(e, ir.Binary) and e.op == "^" and parts[0][1] and self.integral(e.lhs) \
                 and not _whole_and_not_negative(fold(e.rhs, self.fixed)):
             # torch refuses an integer tensor to a negative integer power; a float one takes any
@@ -105,6 +106,25 @@ class _Ref:
         if not wires:  # all scalars (symbolic sizes): Python arithmetic
             return ScalarRender(Ctx({}, {}, self.fixed, subst))(rebuilt), ()
         return TorchRender(Ctx({}, {}, self.fixed, subst))(rebuilt), wires
+
+    def in_compute_dtype(self, e, parts):
+        """parts with each integer tensor made _c where ``e`` makes a float of
+        it with nothing but scalars: torch takes (x - q) ** 3 / 1000,
+        (x - q) * 0.5 or sqrt(x) to its default dtype, float32, in a float64
+        reference.  With a float tensor beside it torch promotes to that one's
+        dtype, so those are left as written."""
+        kids = self.children(e)
+        mixes = (isinstance(e, ir.Binary) and e.op in ir.ARITH_OPS or isinstance(e, ir.Call)) \
+            and not self.integral(e)
+        skip = 0 if isinstance(e, ir.Call) and e.fn == "where" else None   # the predicate stays bool
+        values = [(i, c, p) for i, (c, p) in enumerate(zip(kids, parts)) if i != skip]
+        if not mixes or any(w and not self.integral(c) for _, c, (_, w) in values):
+            return parts
+        out = list(parts)
+        for i, c, (code, w) in values:
+            if w and self.integral(c):
+                out[i] = (f"({code}).to(_c)", w)
+        return out
 
     def integral(self, e) -> bool:
         """Whether ``e`` is an integer tensor in torch (indices and integer inputs, added,
