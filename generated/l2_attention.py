@@ -796,6 +796,7 @@ def _l2_attention_kernel(
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
     _SPLIT_WEIGHTS: tl.constexpr,
+    _FIT_WEIGHTS: tl.constexpr,
     _SAVE: tl.constexpr,
     _pos_q,
     _pos_x,
@@ -870,10 +871,19 @@ def _l2_attention_kernel(
             _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _t0 = _qk
-        _w0 = (_t0).to(_V.dtype)
-        _acc = _acc + tl.dot(_w0, _V, input_precision="ieee")
-        if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
-            _acc += tl.dot((_t0 - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
+        if _FIT_WEIGHTS:  # float16 V, weights of no known bound: a power of two per row fits them
+            _e0 = tl.max(tl.abs(_t0), 1)[:, None] * 6.103515625e-05  # each row's largest |weight| over 2^14
+            _e0 = tl.minimum(tl.ceil(tl.log2(tl.maximum(_e0, 1.0))), 126.0)  # 0 where they fit
+            _k0 = tl.exp2(_e0)
+            _w0 = (_t0 * tl.exp2(-_e0)).to(_V.dtype)
+            _acc = _acc + tl.dot(_w0, _V, input_precision="ieee") * _k0
+            if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
+                _acc += tl.dot((_t0 * tl.exp2(-_e0) - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee") * _k0
+        else:
+            _w0 = (_t0).to(_V.dtype)
+            _acc = _acc + tl.dot(_w0, _V, input_precision="ieee")
+            if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
+                _acc += tl.dot((_t0 - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
         _t1 = _qk * _qk
         _l = _l + tl.sum(_t1, 1)[:, None]
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
@@ -900,10 +910,19 @@ def _l2_attention_kernel(
                 _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _t0 = tl.where(_ok_x[None, :], _qk, 0.0)
-            _w0 = (_t0).to(_V.dtype)
-            _acc = _acc + tl.dot(_w0, _V, input_precision="ieee")
-            if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
-                _acc += tl.dot((_t0 - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
+            if _FIT_WEIGHTS:  # float16 V, weights of no known bound: a power of two per row fits them
+                _e0 = tl.max(tl.abs(_t0), 1)[:, None] * 6.103515625e-05  # each row's largest |weight| over 2^14
+                _e0 = tl.minimum(tl.ceil(tl.log2(tl.maximum(_e0, 1.0))), 126.0)  # 0 where they fit
+                _k0 = tl.exp2(_e0)
+                _w0 = (_t0 * tl.exp2(-_e0)).to(_V.dtype)
+                _acc = _acc + tl.dot(_w0, _V, input_precision="ieee") * _k0
+                if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
+                    _acc += tl.dot((_t0 * tl.exp2(-_e0) - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee") * _k0
+            else:
+                _w0 = (_t0).to(_V.dtype)
+                _acc = _acc + tl.dot(_w0, _V, input_precision="ieee")
+                if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
+                    _acc += tl.dot((_t0 - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
             _t1 = tl.where(_ok_x[None, :], _qk * _qk, 0.0)
             _l = _l + tl.sum(_t1, 1)[:, None]
 
@@ -1070,7 +1089,7 @@ def _l2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma,
         *_wire_strides(_saved_N0, "_saved_N0", _sz),
         *_wire_strides(_saved_Z0, "_saved_Z0", _sz),
     )
-    _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
+    _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _FIT_WEIGHTS=any(t.dtype == torch.float16 for t in (V,)), _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
     if math.prod(_grid) > 0:
         _l2_attention_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs

@@ -33,6 +33,7 @@ from . import lower as L
 from . import packed as P
 from . import ranges as R
 from . import tma as T
+from . import weights as W
 from .bounds import live, loop_bounds
 from .exprs import Ctx, number, triton
 from .chunks import chunk_bounds, chunk_merge, chunk_state, chunk_store, merge_launch
@@ -298,8 +299,8 @@ def known(plan: L.AttentionPlan) -> frozenset:
     return frozenset() if plan.skip is None else frozenset({plan.skip, *masks.conjuncts(plan.skip)})
 
 
-def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], list[str], bool]:
-    """(init, step lines, split weights?) of the streamed loop.  The step of
+def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], list[str], list[str]]:
+    """(init, step lines, the constexpr flags they read) of the streamed loop.  The step of
     a full block (``full``) is the same text generated with the mask taken
     as true and without the streamed wire's bounds masks: no where() on
     either is left in it."""
@@ -357,7 +358,7 @@ def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], 
             f"{m} = _m_new{sfx}",
         ]
     group_sfx = {m: ("" if i == 0 else str(i)) for i, (m, _) in enumerate(plan.groups)}
-    split = False
+    flags: set[str] = set()
     for j, a in enumerate(plan.accums):
         shape = f"[{br}, {names.block(a.value.cols)}]" if a.value is not None else f"[{br}, 1]"
         fill = {"max": NEG_INF, "min": POS_INF}.get(a.op, "0.0")
@@ -377,17 +378,13 @@ def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], 
             red = "tl.max" if a.op == "max" else "tl.min"
             lines.append(f"{a.var} = {fn}({a.var}, {red}({w}, 1)[:, None])")
         elif a.value is not None:
-            v = a.value.var
-            dot = f'tl.dot(_w{j}, {v}, input_precision="{plan.precision}")'
-            lines += [f"_w{j} = ({w}).to({v}.dtype)",
-                      f"{a.var} = {scale} + {dot}",
-                      "if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost",
-                      f'    {a.var} += tl.dot(({w} - _w{j}.to(tl.float32)).to({v}.dtype), {v}, '
-                      f'input_precision="{plan.precision}")']
-            split = True
+            # an expsum's weights are _p <= 1 times its tile
+            bounded = a.tile is None or W.fits(a.tile, names.fixed)
+            lines += W.dot_lines(a.var, scale, w, a.value.var, j, plan.precision, bounded)
+            flags |= {"_SPLIT_WEIGHTS"} | (set() if bounded else {"_FIT_WEIGHTS"})
         else:
             lines.append(f"{a.var} = {scale} + tl.sum({w}, 1)[:, None]")
-    return init, lines, split
+    return init, lines, sorted(flags, reverse=True)
 
 
 def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]:
@@ -427,7 +424,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     kinds = _kinds(d)
     row, col = plan.row, plan.col
     br, bc = names.block(row), names.block(col)
-    init, lines, split = _step(plan, names, full=False)
+    init, lines, flags = _step(plan, names, full=False)
     tma = T.Tma(plan, names, {row: "_row0", col: "_start"})
     pre_loads = [_load(d, names, ld, tma=tma) for ld in plan.loads if ld.phase == "pre"]
     step_loads = [ld for ld in plan.loads if ld.phase == "step"]
@@ -441,8 +438,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     accums = {a.var: a for a in plan.accums}
     finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums, tma)
     save_finalise, save_stores = _finalise(d, names, [o for o in plan.outputs if o.name in saved], kinds, accums)
-    blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + (["_SPLIT_WEIGHTS"] if split else []) \
-        + (["_SAVE"] if saved else [])
+    blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + flags + (["_SAVE"] if saved else [])
     params, sizes = _params(d, names, blocks_list)
     positional = len(params) - len(blocks_list)  # tensors, sizes, strides: the launcher's _args
     # positions / lengths (see the template): runtime arguments and a constexpr flag per wire
@@ -476,7 +472,10 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     blocks = {row: "_br", col: "_bc", **{w: _dim_block_value(names, w) for w in plan.dims}}
     launch.append(tma.launch("_tma", f'_opts["{T.OPTION}"]', "_TMA_DESCS",
                              [x.name for x in d.inputs] + [o.name for o in d.outputs], blocks, "_tma_last"))
-    if split:  # only outputs that use a weighted sum of V decide it (not lse, say)
+    if "_FIT_WEIGHTS" in flags:  # weights of no known bound, rounded to a float16 V
+        values = sorted({a.value.tensor for a in plan.accums if a.value is not None})
+        block_args.append(f"_FIT_WEIGHTS=any(t.dtype == torch.float16 for t in ({', '.join(values)},))")
+    if "_SPLIT_WEIGHTS" in flags:  # only outputs that use a weighted sum of V decide it (not lse, say)
         inputs = ", ".join(t.name for t in d.inputs)
         valued = {a.var for a in plan.accums if a.value is not None}
         outputs = ", ".join(o.name for o in plan.outputs if o.name not in saved
