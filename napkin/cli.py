@@ -14,6 +14,7 @@ its arguments, and sets ``func=handler`` with ``handler(args) -> int``.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -65,12 +66,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return status
     except BrokenPipeError:
         # the reader stopped reading (napkin cost FILE | head): nothing of napkin's went wrong.
-        # stdout goes to devnull so that the interpreter's own flush at exit finds no pipe either
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):   # a stdout with no descriptor (a test's capture)
-            pass
+        _quiet_stdout()
         return 141   # 128 + SIGPIPE, as a shell reports a command a closed pipe stopped
+    except OSError as err:
+        if err.errno not in _OUTPUT_FULL:
+            raise
+        # every file napkin writes says so in a NapkinError of its own: what is left is the
+        # output (napkin check ... > /dev/full), which is the user's to see, not a bug
+        _quiet_stdout()
+        print(f"napkin: cannot write the output: {err.strerror or err}", file=sys.stderr)
+        return 1
     except NapkinError as err:
         print(str(err), file=sys.stderr)
         return 1
@@ -83,6 +88,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"napkin: internal error: {type(err).__name__}: {err} "
                   "(this is a bug; rerun with --traceback for details)", file=sys.stderr)
         return 2
+
+
+# no space on the device or in the quota, past the file-size limit, an I/O error
+_OUTPUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+def _quiet_stdout() -> None:
+    """stdout to devnull, so that the interpreter's own flush at exit does
+    not fail on it again (and print an 'Exception ignored' of its own)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):   # a stdout with no descriptor (a test's capture)
+        pass
 
 
 def _exit_code(stop: SystemExit) -> int:
@@ -115,7 +133,7 @@ def build_parser(strict: bool = False) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="compile a diagram, run it on small inputs and compare with the reference")
     p.add_argument("file", nargs="?", default=DEMO_FILE, metavar="FILE",
                    help=f"the diagram (default: {DEMO_FILE})")
-    p.add_argument("--size", action="append", default=[], metavar="WIRE=N",
+    p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N",
                    help="size of a symbolic wire (repeatable)")
     p.set_defaults(func=cmd_demo)
 

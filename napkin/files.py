@@ -5,7 +5,8 @@ distributed wrappers are read by other processes while napkin writes them
 (an import, a launch, another rank of the same job): each is written to a
 temporary file beside its target and renamed over it, which POSIX makes
 atomic.  The autotune cache, which several processes also change, takes a
-lock around its read-change-write (``locked``).
+lock around its read-change-write (``locked``).  Pictures and reports go the
+same way, so a failed write (a full disk) leaves the file that was there.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(target: Path, text: str) -> None:
-    """Write ``text`` (UTF-8, newlines as given) to ``target`` through a
-    temporary file and a rename; the file gets the mode the umask gives an
-    ordinary file (mkstemp's would be 0600).  OSError when it cannot."""
+def write_atomic(target: Path, text: str | bytes) -> None:
+    """Write ``text`` (UTF-8, newlines as given; bytes as they are: a PNG)
+    to ``target`` through a temporary file and a rename; the file gets the
+    mode the umask gives an ordinary file (mkstemp's would be 0600).
+    OSError when it cannot."""
     target = Path(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=str(target.parent))
     try:
@@ -26,8 +28,12 @@ def write_atomic(target: Path, text: str) -> None:
         os.umask(umask)
         if hasattr(os, "fchmod"):   # not on Windows before Python 3.13, whose files carry no such mode
             os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
+        if isinstance(text, bytes):
+            with os.fdopen(fd, "wb") as f:
+                f.write(text)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+                f.write(text)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):

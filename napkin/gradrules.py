@@ -311,7 +311,10 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
     layouts = {i.name: ir.axis_wires(i.axes) for i in diagram.inputs}
     clash = sorted(name for name in layouts if is_placeholder(name))
     if clash:
-        raise ValueError(f"input {clash[0]} has a name grad_plan uses for its own values; rename it")
+        loc = diagram.tensor(clash[0]).loc
+        at = f" (line {loc.line}, column {loc.col})" if loc.line else ""
+        raise ValueError(f"input {clash[0]}{at} has the name of a value the backward computes "
+                         f"({', '.join(PLACEHOLDERS)}, or N, Z, A, dN, dZ, dA, gN and a number); rename it")
     lets = {let.name: let for let in diagram.lets}
     score_let, raw = _score_box(diagram, layouts)
     score_let = _grown_to_normaliser(diagram, masks.grown_score(diagram, score_let))

@@ -315,6 +315,10 @@ def handler(args) -> int:
     from .sizes import parse_pairs
     from .printer import to_text
 
+    if args.emit and Path(args.emit).resolve() == Path(args.file).resolve():
+        # the printer's text has no comments: the diagram would lose them, and its own placement
+        raise NapkinError(f"--emit {args.emit} is the diagram itself, which the emitted one would replace; "
+                          "write it to another file", filename=args.file)
     diagram = napkin.load(args.file)
     try:
         options = plan(diagram, args.devices, parse_pairs(args.sizes, "--size"), args.gpus_per_node, args.device,

@@ -308,6 +308,24 @@ def test_counts_below_one_are_usage_errors(capsys):
         assert "argument --top: expected a whole number of at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, status, words", [
+    # each printed one report and dropped the others' flags unseen (exit 0)
+    (["--tune", "--dtypes", "fp32"], 2, "argument --dtypes: not allowed with argument --tune"),
+    (["--dtypes", "fp32", "--capacities", "65536"], 2, "argument --capacities: not allowed with argument --dtypes"),
+    (["--tune", "--backward"], 1, "napkin: --backward costs the schedule as written; --tune prints another report"),
+    (["--top", "3"], 1, "napkin: --top is an option of --tune"),
+    (["--objective", "transfers", "--top", "2"], 1, "napkin: --top and --objective are options of --tune"),
+    # an empty list printed the plain report
+    (["--dtypes", ""], 1, "--dtypes: '' is not a float dtype"),
+    (["--capacities", ""], 1, "--capacities: '' is not a positive whole number of bytes"),
+])
+def test_cost_refuses_flags_it_would_ignore(capsys, extra, status, words):
+    argv = ["cost", str(REPO / "examples" / "causal.ncd"), "-D", "b=1", "-D", "h=2", "-D", "q=256", "-D", "x=256"]
+    assert cli.main(argv + extra) == status
+    err = capsys.readouterr().err
+    assert words in err
+
+
 def test_render_and_report_keep_the_diagram(capsys, tmp_path):
     path = tmp_path / "keep.ncd"
     path.write_text(ATTENTION)
@@ -423,9 +441,9 @@ def test_compile_render_draws_beside_the_module(capsys, monkeypatch, tmp_path):
 
 def test_demo_runs_the_kernel_and_compares(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    code, out, err = run(capsys, "demo", "--size", "q=70", "--size", "x=90")
+    code, out, err = run(capsys, "demo", "--size", "q=70", "-D", "x=90")   # -D, as cost and render take it
     assert code == 0, err
-    assert "max abs error" in out
+    assert "sizes b=1, h=2, q=70, x=90" in out and "max abs error" in out
     for line in out.splitlines():
         if "max abs error" in line:
             assert "(ok," in line
@@ -479,3 +497,34 @@ def test_an_option_error_with_no_file_behind_it_is_signed_napkin(capsys):
     code, out, err = run(capsys, "bench", str(REPO / "examples" / "attention.ncd"), "--seqlen", "0")
     assert code == 1 and out == ""
     assert err == "napkin: --seqlen expects positive whole numbers (1K = 1024), not '0'\n"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_output_that_cannot_be_written_is_the_users_error_not_a_bug():
+    """napkin check ... > /dev/full said 'internal error ... this is a bug' (exit 2)."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "napkin", "check", str(REPO / "examples" / "attention.ncd")],
+                              stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr == "napkin: cannot write the output: No space left on device\n"
+
+
+def test_compile_errors_name_the_path_given_and_modules_not_depend_on_its_spelling(capsys, tmp_path, monkeypatch):
+    """A code-generation refusal named the module header's label (the file
+    name alone for a file outside the checkout) where the checker's errors
+    name the path given; the header's source line changed with the spelling
+    of a path outside the checkout (in/x.ncd, ../w/in/x.ncd, /abs/in/x.ncd)."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "w").mkdir()
+    src = tmp_path / "in" / "fp8.ncd"
+    src.write_text((REPO / "examples" / "attention_fp8.ncd").read_text())
+    code, _, err = run(capsys, "compile", str(src), "-o", str(tmp_path / "g"))
+    assert code == 1 and err.startswith(f"{src}:12:4: napkin cannot emit a kernel for input Q")
+    good = tmp_path / "in" / "causal.ncd"
+    good.write_text((REPO / "examples" / "causal.ncd").read_text())
+    monkeypatch.chdir(tmp_path / "w")
+    texts = set()
+    for i, spelling in enumerate(["../in/causal.ncd", str(good), "../w/../in/causal.ncd"]):
+        assert cli.main(["compile", spelling, "-o", str(tmp_path / f"g{i}")]) == 0
+        texts.add((tmp_path / f"g{i}" / "causal.py").read_text())
+    assert len(texts) == 1 and "causal.ncd" in texts.pop()

@@ -540,3 +540,20 @@ def test_a_chain_of_boxes_nesting_past_the_depth_limit_is_refused_at_its_box():
         emit_module(napkin.load_text(text, "t.ncd"), source_text=text, source_path="t.ncd")
     assert str(err.value).startswith("t.ncd:105:1: napkin cannot emit a kernel for box S97: with the boxes it reads "
                                      "inlined, its expression nests 101 levels deep, more than the 100 a kernel takes")
+
+
+@pytest.mark.parametrize("expr, bounded", [
+    ("sigmoid(S)", True), ("2 * tanh(S) + 1", True), ("sigmoid(S) * 1000", True),
+    ("where(x <= q, sigmoid(S), 0)", True), ("exp(-relu(S))", True), ("abs(tanh(S)) ^ 3", True),
+    ("max(sigmoid(S), 0.5) / 4", True), ("sqrt(sigmoid(S))", True),
+    ("relu(S) ^ 2", False), ("S", False), ("exp(S)", False), ("sigmoid(S) / 0.00001", False),
+    ("where(x <= q, S, 0)", False), ("sigmoid(S) * q", False), ("sigmoid(S) * 20000", False),
+])
+def test_weight_tiles_known_to_fit_float16(expr, bounded):
+    """codegen/weights.fits: the weight tiles a kernel may round to a float16
+    V as they are (|w| <= 2^14 whatever the inputs); any other is scaled per
+    row by a power of two first."""
+    from napkin.codegen import weights
+
+    d = napkin.load_text(f"diagram t\nwire q, x\nin S[q, x] : fp32\nW[q, x] = {expr}\nout W\n")
+    assert weights.fits(d.tensor("W").expr, {}) is bounded

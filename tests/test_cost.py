@@ -790,6 +790,9 @@ def test_sizes_past_what_the_pass_walks_are_refused_in_words():
         analyse(load("attention"), big)
     with pytest.raises(NapkinError, match=r"a masked loop's row blocks one by one: 7,812,500,000 here"):
         analyse(load("causal"), big)
+    # packed rows (flash_decoding, g q): their spans had no limit (2**40 rows: 2 GB and growing)
+    with pytest.raises(NapkinError, match=r"a masked loop's blocks of packed rows one by one: 68,719,476,736 here"):
+        analyse(load("flash_decoding"), {"b": 1, "hk": 1, "g": 1, "q": 2 ** 40, "x": 64})
 
 
 LET_WINDOW = """diagram let_window
@@ -853,3 +856,13 @@ def test_a_floored_bound_round_trips_through_json_as_it_was():
     r = napkin.cost.analyse(napkin.load(REPO / "examples" / "alibi.ncd"), {"b": 3, "h": 3, "q": 37, "x": 37})
     assert r.bound.floored and isinstance(r.bound.bytes, float)
     assert from_json(r.to_json()).to_json() == r.to_json()
+
+
+def test_a_run_that_communication_dominates_is_called_communication_bound():
+    """The headline said compute-bound for decoding across devices, where
+    communication (added, not overlapped) is 150 of the 185 us."""
+    rf = analyse(load("decode"), {"b": 1, "hk": 8, "g": 2, "q": 4096, "x": 4096}).roofline
+    assert rf.communication_s > max(rf.contraction_s, rf.exp_s, rf.other_s, rf.hbm_s)
+    assert rf.bound == "communication"
+    rf = analyse(load("ring_attention"), {"b": 1, "h": 16, "q": 65536, "x": 65536}).roofline
+    assert 0 < rf.communication_s < rf.contraction_s and rf.bound == "compute"

@@ -242,8 +242,11 @@ stream k by 16 } }
 # Edges: large inputs, fully masked rows, NaN and inf.
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["attention", "causal", "sigmoid_attention"])
+@pytest.mark.parametrize("name", ["attention", "causal", "sigmoid_attention", "relu2_attention", "l2_attention"])
 def test_inputs_scaled_by_100_do_not_overflow(name):
+    """relu2 and l2: weights of no known bound (a ReLU² of scores near 10^4,
+    10^8) rounded to float16 for the product with V were inf, the rows NaN;
+    a power of two per row fits them now (codegen/weights.py)."""
     m = example(name)
     for dtype in (torch.float16, torch.float32):
         inputs = [t * 100 for t in m.example_inputs(sizes_for(name, 50, 60), dtype=dtype)]
@@ -524,3 +527,64 @@ def test_a_written_not_skips_the_blocks_of_its_flipped_comparison(mask):
     sizes = {"b": 1, "h": 1, "q": 4096, "x": 4096}
     visited = [analyse(napkin.load_text(t), sizes).flops.skipped_fraction for t in (mine, plain)]
     assert visited[0] == visited[1] and visited[0] > 0.4
+
+
+@pytest.mark.parametrize("score, torch64", [
+    # a distance penalty: (x - q)^3 passes 2^31 at a distance of 1291 (int32 wrapped: the forward off by
+    # 0.04 of 0.03 at (x - q)^2 and 50,000 keys)
+    ("sum[d](Q * K) * |d|^-0.5 - (x - q) ^ 3 / 1000000000",
+     lambda s, q, x, n: s * 0.25 - (x - q) ** 3 / 1e9),
+    # a size product in the exponent's scale: |x|^3 wrapped negative (every output NaN)
+    ("sum[d](Q * K) * (|x| * |x| * |x|) / 3000000000", lambda s, q, x, n: s * n ** 3 / 3e9),
+    # a mask of index products, found by the ranges prepass: both sides wrapped and kept keys it drops
+    ("where(x * x * x <= (q + 1) * 200000000, sum[d](Q * K) * |d|^-0.5, -inf)",
+     lambda s, q, x, n: torch.where(x ** 3 <= (q + 1) * 200000000, s * 0.25, -torch.inf)),
+])
+def test_index_and_size_products_past_int32_are_exact(score, torch64):
+    """The kernels' indices and sizes are int32; a product of two of them is
+    taken in int64 (tl.cast), as the reference's torch indices are.  1,500
+    keys, 16 rows: forward and every gradient against float64 autograd."""
+    text = ("diagram wide\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
+            f"in V[b, h, x, d] : fp32\nS[b, h, q, x] = {score}\nO[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)\n"
+            "out O\nschedule on h100 {\n  accumulate fp32\n  level smem {\n    group b by 1, h by 1, q by 16\n"
+            "    stream x by 64\n  }\n}\n")
+    m = compile_text(text, f"wide_{zlib.crc32(score.encode())}")
+    g = torch.Generator().manual_seed(11)
+    n = 1500
+    q, k, v = (torch.randn(1, 1, rows, 16, generator=g) for rows in (16, n, n))
+    qi, xi = torch.arange(16)[:, None], torch.arange(n)[None, :]
+
+    def formula(q, k, v):
+        s = torch64(torch.einsum("bhqd,bhxd->bhqx", q, k), qi, xi, n)
+        return torch.softmax(s, -1) @ v
+
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    got, want = m.wide(*ours), formula(*exact)
+    dout = torch.randn(got.shape, generator=g)
+    got.backward(dout)
+    want.backward(dout.double())
+    assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()
+    for a, b in zip(ours, exact):
+        assert (a.grad.double() - b.grad).abs().max() < 1e-4 * b.grad.abs().max().clamp(min=1e-3)
+
+
+@pytest.mark.parametrize("term, torch64", [
+    ("(n - m) ^ 3 / 1000", lambda m, n: (n - m) ** 3 / 1000),
+    ("(n - m) * 0.1", lambda m, n: (n - m) * 0.1),
+    ("sqrt(abs(n - m))", lambda m, n: (n - m).abs().sqrt()),
+    ("where(n <= m, (n - m) * 0.3, 0.5)", lambda m, n: torch.where(n <= m, (n - m) * 0.3, 0.5)),
+])
+def test_a_float64_reference_takes_index_arithmetic_in_float64(term, torch64):
+    """torch takes an integer tensor met only by Python floats (or a function)
+    to its default dtype, float32: the float64 reference computed these terms
+    in float32 (a relative error of 1e-8, where the reference is the truth
+    the kernels are held to)."""
+    text = f"diagram idxref\nwire m, n, k\nin A[m, k] : fp32\nin B[k, n] : fp32\nC[m, n] = sum[k](A * B) + {term}\nout C\n"
+    m = compile_text(text, f"idxref_{zlib.crc32(term.encode())}")
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(37, 3, generator=g, dtype=torch.float64), torch.randn(3, 41, generator=g, dtype=torch.float64)
+    mi, ni = torch.arange(37, dtype=torch.float64)[:, None], torch.arange(41, dtype=torch.float64)[None, :]
+    got = m.reference(a, b)
+    assert got.dtype == torch.float64
+    assert (got - (a @ b + torch64(mi, ni))).abs().max() < 1e-12

@@ -184,3 +184,15 @@ def test_plan_table_keeps_three_digits_of_a_decoding_plan(capsys):
     row = capsys.readouterr().out.splitlines()[3].split()
     fwd, bwd, total = (float(x) for x in row[-6:-3])
     assert 0 < fwd < 1e-3 and 0 < bwd < 1e-2 and total == pytest.approx(fwd + bwd, rel=0.01)
+
+
+def test_plan_emit_refuses_to_replace_the_diagram_it_read(capsys, tmp_path):
+    """--emit of the input file rewrote it without its comments (exit 0)."""
+    src = tmp_path / "gqa.ncd"
+    text = open("examples/gqa.ncd", encoding="utf-8").read()
+    src.write_text(text)
+    argv = ["plan", str(src), "--devices", "8", "-D", "b=1", "-D", "hk=8", "-D", "g=4", "-D", "q=65536",
+            "-D", "x=65536", "--top", "1"]
+    assert main(argv + ["--emit", str(tmp_path / "." / "gqa.ncd")]) == 1
+    assert "is the diagram itself, which the emitted one would replace" in capsys.readouterr().err
+    assert src.read_text() == text

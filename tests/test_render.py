@@ -382,12 +382,56 @@ def test_cli_render_and_report(tmp_path, capsys):
     assert f"wrote {page}" in capsys.readouterr().out
 
 
+def test_wires_of_no_default_size_draw_without_costs_and_say_which_sizes_to_give(tmp_path, capsys):
+    """Wires napkin has no default for take 1024: batch and heads so make a
+    launch grid past what the cost pass walks.  The picture, the report and
+    compile --render failed on that legal diagram (exit 1); they draw without
+    byte labels now and name the sizes to give."""
+    text = (EXAMPLES / "causal.ncd").read_text()
+    text = re.sub(r"\bb\b", "batch", re.sub(r"\bh\b", "heads", text))
+    src = tmp_path / "renamed.ncd"
+    src.write_text(text)
+    assert cli_main(["render", str(src), "-o", str(tmp_path / "r.dot")]) == 0
+    err = capsys.readouterr().err
+    assert "drawn without byte counts" in err and "batch=1024, heads=1024" in err and "-D WIRE=N" in err
+    assert "HBM->" not in plain((tmp_path / "r.dot").read_text())
+    assert cli_main(["report", str(src), "-o", str(tmp_path / "r.html")]) == 0
+    assert "give the wires&#x27; sizes with -D WIRE=N" in (tmp_path / "r.html").read_text()
+    assert cli_main(["compile", str(src), "-o", str(tmp_path / "gen"), "--render"]) == 0
+    assert (tmp_path / "gen" / "causal.svg").exists() or (tmp_path / "gen" / "causal.dot").exists()
+    given = ["-D", "batch=1", "-D", "heads=2", "-D", "q=64", "-D", "x=64"]
+    assert cli_main(["render", str(src), "-o", str(tmp_path / "s.dot"), *given]) == 0
+    assert "HBM->" in plain((tmp_path / "s.dot").read_text())
+
+
+def test_a_failed_write_leaves_the_picture_or_report_that_was_there(tmp_path):
+    """A file-size limit (or a full disk) stopped the write half-way and left
+    a cut-off page where a good one had been: written through a temporary
+    file and a rename now."""
+    import resource
+    import sys
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))   # Python ignores SIGXFSZ: EFBIG
+
+    page = tmp_path / "r.html"
+    page.write_text("the good report\n")
+    done = subprocess.run([sys.executable, "-m", "napkin", "report", str(EXAMPLES / "causal.ncd"), "-o", str(page)],
+                          preexec_fn=limited, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 1 and f"cannot write {page}" in done.stderr
+    assert page.read_text() == "the good report\n" and [p.name for p in tmp_path.iterdir()] == ["r.html"]
+
+
 @pytest.mark.parametrize("argv,words", [
     (["render", "FILE", "-o", "x.jpg"], "unknown picture format '.jpg'"),
     (["render", "FILE", "-o", "x.dot", "--size", "zz=4"], "has no wire 'zz'"),
     (["render", "FILE", "-o", "x.dot", "--size", "d=32"], "fixed at 64"),
     (["render", "FILE", "-o", "x.dot", "--size", "q=-1"], "positive whole number"),
     (["report", "FILE", "-o", "x.html", "--device", "tpu9"], "unknown device profile"),
+    (["render", "FILE", "-o", "x.svg", "--device", "tpu9"], "unknown device profile"),
+    (["report", "FILE", "-o", "x.svg"], "the report is an HTML page"),
+    # sizes the user gave: the cost pass's refusal is theirs to see, not drawn around
+    (["render", "FILE", "-o", "x.dot", "-D", "b=100000", "-D", "h=1000"], "ask for smaller sizes"),
 ])
 def test_cli_refuses_bad_options(tmp_path, capsys, argv, words):
     argv = [str(EXAMPLES / "attention.ncd") if a == "FILE" else

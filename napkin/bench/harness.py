@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", metavar="N,...", help="override the diagram's fixed wires (its head dim)")
     p.add_argument("--dtype", metavar="T,...", help="float16, bfloat16, float32 for the fp16/bf16 tensors")
     p.add_argument("--group", type=positive_int, help="query heads per kv head for GQA diagrams")
-    p.add_argument("--size", action="append", default=[], metavar="WIRE=N", help="any other symbolic wire")
+    p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N", help="any other symbolic wire")
     p.add_argument("--no-backward", action="store_true", help="time the forward pass only")
     p.add_argument("--autotune", action="store_true",
                    help="tune block sizes / num_warps / num_stages first (GPU only; cached on disk)")

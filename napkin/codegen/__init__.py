@@ -28,13 +28,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 def source_label(source_path: str) -> str:
     """The source path as the header shows it: relative to the repository when
-    inside it (so output does not depend on where the checkout lives), else
-    the file name alone."""
+    inside it, else the file name alone, so that the module's bytes depend on
+    neither where the checkout lives nor how the path was spelled
+    (``../x.ncd``, ``/tmp/x.ncd``)."""
     path = Path(source_path)
     try:
         return path.resolve().relative_to(REPO_ROOT).as_posix()
     except ValueError:
-        return path.name if path.is_absolute() else path.as_posix()
+        return path.name
 
 
 def _cost_lines(diagram: ir.Diagram, plan) -> list[str]:
@@ -82,15 +83,15 @@ def emit_module(diagram: ir.Diagram, *, source_text: str, source_path: str) -> s
     label = source_label(source_path)
     try:
         plan = lower.lower(diagram)
-    except NapkinError as err:
-        raise err.with_source(label, source_text) from None
+    except NapkinError as err:   # errors name the file as the user gave it, like the checker's
+        raise err.with_source(str(source_path), source_text) from None
     digest = hashlib.sha256(source_text.encode()).hexdigest()
     doc = _docstring(diagram, plan, label, __version__, digest)
     try:
         text = emit.render(plan, docstring=doc, version=__version__, source_hash=digest) \
             + _distributed_part(diagram, label)
     except NapkinError as err:
-        raise err.with_source(label, source_text) from None
+        raise err.with_source(str(source_path), source_text) from None
     _assert_compiles(text, diagram.name)
     return text
 

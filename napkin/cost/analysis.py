@@ -594,7 +594,8 @@ def _lower_bound(c: _Context, totals: list[BoundaryTotal]) -> LowerBound:
 
 
 def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> Optional[Roofline]:
-    """The largest of the compute, exp, other and DRAM times, plus communication."""
+    """The largest of the compute, exp, other and DRAM times, plus communication;
+    the bound is the largest, or communication where that takes longer."""
     if not c.known:
         return None
     prof = c.prof
@@ -605,9 +606,11 @@ def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> O
              "other": flops.other / prof["peak_flops_fp32"], "bandwidth": dram / prof["hbm_bandwidth"]}
     which = max(parts, key=lambda key: (parts[key], key))
     t_comm = comm.time_s if comm else 0.0
+    # communication is added, not overlapped: past the largest ceiling it is most of the estimate
+    bound = "communication" if t_comm > parts[which] else which
     total = flops.contraction + flops.other + flops.exp
     return Roofline(prof.key, rate, parts["compute"], parts["exp"], parts["other"], parts["bandwidth"],
-                    issued / prof["hbm_bandwidth"], c.working_set, t_comm, parts[which] + t_comm, which,
+                    issued / prof["hbm_bandwidth"], c.working_set, t_comm, parts[which] + t_comm, bound,
                     total / dram if dram else 0.0)
 
 

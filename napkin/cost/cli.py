@@ -32,16 +32,19 @@ def register_cli(subparsers) -> None:
     p.add_argument("--device", "--profile", dest="device", default=None, metavar="NAME",
                    help="device profile: " + ", ".join(profile_names()) + " (default: the diagram's)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--tune", action="store_true", help="search block sizes and print the best few")
-    p.add_argument("--top", type=positive_int, default=5, metavar="N", help="how many tuning results (default 5)")
-    p.add_argument("--objective", choices=("time", "transfers"), default="time",
+    # one report a run: the schedule's (with --backward), a tile search, or a sweep
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--tune", action="store_true", help="search block sizes and print the best few")
+    p.add_argument("--top", type=positive_int, default=None, metavar="N", help="how many tuning results (default 5)")
+    p.add_argument("--objective", choices=("time", "transfers"), default=None,
                    help="what the tile search minimises (default: predicted time)")
-    p.add_argument("--dtypes", default=None, metavar="LIST",
-                   help="compare the diagram with every tensor in each of these dtypes, e.g. fp32,fp16")
+    mode.add_argument("--dtypes", default=None, metavar="LIST",
+                      help="compare the diagram with every tensor in each of these dtypes, e.g. fp32,fp16")
     p.add_argument("--backward", action="store_true",
-                   help="also cost the training backward: its kernels' transfers, FLOPs and time")
-    p.add_argument("--capacities", default=None, metavar="LIST",
-                   help="compare shared-memory capacities in bytes, e.g. 65536,131072,262144")
+                   help="also cost the training backward: its kernels' transfers, FLOPs and time "
+                        "(not with --tune, --dtypes or --capacities)")
+    mode.add_argument("--capacities", default=None, metavar="LIST",
+                      help="compare shared-memory capacities in bytes, e.g. 65536,131072,262144")
     p.set_defaults(func=handler)
 
 
@@ -51,7 +54,13 @@ def handler(args) -> int:
     # the tile search (and the sweeps, which re-price the schedule at other
     # capacities) may start from a schedule that overflows: finding blocks
     # that fit is what it is for
-    search = bool(args.tune or args.dtypes or args.capacities)
+    search = args.tune or args.dtypes is not None or args.capacities is not None
+    given = [f for f, v in (("--top", args.top), ("--objective", args.objective)) if v is not None]
+    if given and not args.tune:   # an option of the tile search alone would be dropped unseen
+        raise NapkinError(f"{' and '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of --tune")
+    if search and args.backward:
+        mode = "--tune" if args.tune else "--dtypes" if args.dtypes is not None else "--capacities"
+        raise NapkinError(f"--backward costs the schedule as written; {mode} prints another report: give one of them")
     diagram = napkin.load(args.file, capacity=not search)
     if search and not args.json:
         from ..check import check
@@ -59,16 +68,16 @@ def handler(args) -> int:
             print(f"note: the schedule as written: {problem.message}")
     try:
         sizes = parse_pairs(args.sizes, "--size")
-        if args.dtypes:
+        if args.dtypes is not None:
             rows = dtype_table(diagram, sizes, args.device, _dtypes(args.dtypes))
             print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, "dtype"))
             return 0
-        if args.capacities:
+        if args.capacities is not None:
             rows = capacity_table(diagram, sizes, args.device, _capacities(args.capacities))
             print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, "smem capacity"))
             return 0
         if args.tune:
-            results = tune(diagram, sizes, args.device, top=args.top, objective=args.objective)
+            results = tune(diagram, sizes, args.device, top=args.top or 5, objective=args.objective or "time")
             print(json.dumps(tune_dicts(results), indent=2) if args.json else format_tune(diagram, results))
             return 0
         report = analyse(diagram, sizes, args.device)

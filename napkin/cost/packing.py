@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from .. import ir
-from .model import Access, Kernel, Tiling, step_span
+from .model import MAX_ROW_BLOCKS, Access, Kernel, Tiling, step_span, too_many
 
 POSITION_DTYPE = "int64"   # the launcher's positions (torch.arange(|q|).repeat(|g|))
 
@@ -77,6 +77,7 @@ class Packing:
         of the whole wire; any other block is a run of one head's q."""
         n = sizes[self.row]
         rows = sizes[self.wire] * n
+        too_many(math.ceil(rows / self.block), MAX_ROW_BLOCKS, "a masked loop's blocks of packed rows")
         out = []
         for i in range(math.ceil(rows / self.block)):
             r0, r1 = i * self.block, min((i + 1) * self.block, rows)

@@ -87,7 +87,7 @@ class Roofline:
     l2_working_set: int      # bytes one step of the first wave shares (must fit l2_bytes)
     communication_s: float
     estimate_s: float
-    bound: str               # "compute", "exp", "other", "bandwidth"
+    bound: str               # "compute", "exp", "other", "bandwidth"; "communication" past all four
     intensity: float         # FLOPs per DRAM byte (the estimate)
 
 

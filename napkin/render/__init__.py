@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import NapkinError
-from ..files import why_not
+from ..files import why_not, write_atomic
 from ..sizes import parse_pairs
 from .costs import DEFAULT_SIZES, default_sizes, try_costs
 from .dot import to_dot
@@ -73,19 +73,18 @@ def svg_text(dot_text: str) -> Optional[str]:
 def _format_of(out_path: Path) -> str:
     fmt = out_path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
-        raise NapkinError(f"unknown picture format {out_path.suffix or '(none)'!r}: the name must end in "
+        raise NapkinError(f"unknown picture format {repr(out_path.suffix) if out_path.suffix else '(none)'}: "
+                          "the name must end in "
                           + ", ".join("." + f for f in FORMATS[:-1]) + " or ." + FORMATS[-1],
                           filename=str(out_path))
     return fmt
 
 
 def _write(out_path: Path, data) -> None:
+    """The whole file or, on a failure, the one that was there (write_atomic)."""
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(data, str):
-            out_path.write_text(data, encoding="utf-8")
-        else:
-            out_path.write_bytes(data)
+        write_atomic(out_path, data)
     except OSError as err:
         raise NapkinError(f"cannot write {out_path}: {why_not(err, out_path)}", filename=str(out_path)) from None
 
@@ -94,11 +93,12 @@ def _write(out_path: Path, data) -> None:
 # Files.
 # --------------------------------------------------------------------------
 
-def draw(diagram, out_path, costs=None) -> Path:
+def draw(diagram, out_path, costs=None, source=None) -> Path:
     """Draw a checked diagram to ``out_path`` (format from its suffix).
 
     Without ``dot`` it writes the DOT text beside, as ``<out>.dot``, says
-    how to install Graphviz on stderr (one line), and returns that path.
+    how to install Graphviz on stderr (one line), and returns that path;
+    refused where that is ``source``, the diagram's own file.
     """
     out_path = Path(out_path)
     fmt = _format_of(out_path)
@@ -108,6 +108,8 @@ def draw(diagram, out_path, costs=None) -> Path:
         return out_path
     if dot_program() is None:
         fallback = out_path.with_suffix(".dot")
+        if source is not None:
+            _not_the_diagram(fallback, source)
         _write(fallback, text)
         print(f"napkin: Graphviz's dot was not found, so wrote {fallback} instead of {out_path}; "
               + INSTALL_HINT, file=sys.stderr)
@@ -133,8 +135,10 @@ def render_file(path, out_path, sizes: Optional[dict] = None, profile: Optional[
     diagram = _load(path)
     report = None
     if costs:
-        report, _ = try_costs(diagram, _checked_sizes(diagram, sizes or {}, path), profile)
-    return draw(diagram, out_path, report)
+        report, why = try_costs(diagram, _checked_sizes(diagram, sizes or {}, path), profile)
+        if why is not None:
+            print(f"napkin: {path}: drawn without byte counts: {why}", file=sys.stderr)
+    return draw(diagram, out_path, report, source=path)
 
 
 def write_report(path, out_path, sizes: Optional[dict] = None, profile: Optional[str] = None) -> Path:
@@ -226,6 +230,8 @@ def _cmd_render(args) -> int:
 
 def _cmd_report(args) -> int:
     out = _not_the_diagram(Path(args.out) if args.out else _default_out(args.file, ".html"), args.file)
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise NapkinError(f"-o {out}: the report is an HTML page, so the name must end in .html", filename=str(out))
     written = write_report(args.file, out, parse_pairs(args.sizes, "--size"), args.device)
     print(f"wrote {written}")
     return 0

@@ -90,17 +90,32 @@ def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:
 def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = None):
     """(report, None) from the cost pass at ``default_sizes``, or (None, why not).
 
-    A NapkinError (the user's bad profile name, say) still propagates; any
-    other failure of the cost pass only costs the picture its byte labels.
+    The user's errors propagate (a bad profile name; a refusal that stays
+    with every wire the user did not size at 1).  A refusal at sizes napkin chose (a
+    wire it has no default for takes OTHER_SIZE: twenty of them make a launch
+    grid past what the cost pass walks) and any other failure only cost the
+    picture its byte labels: the reason says which sizes to give.
     """
     from ..errors import NapkinError
     try:
         from .. import cost
     except ImportError:
         return None, "the cost pass (napkin.cost) is not available"
+    chosen = default_sizes(diagram, sizes)
+    if profile is not None:
+        cost.get_profile(profile)   # a name the user typed: refused, not drawn around
     try:
-        return cost.analyse(diagram, default_sizes(diagram, sizes), profile), None
-    except NapkinError:
-        raise
+        return cost.analyse(diagram, chosen, profile), None
+    except NapkinError as err:
+        guessed = sorted(set(chosen) - set(sizes or {}))
+        if not guessed:
+            raise
+        try:   # at 1 for every guessed wire: a refusal that stays is the given sizes'
+            cost.analyse(diagram, {**chosen, **dict.fromkeys(guessed, 1)}, profile)
+        except NapkinError:
+            raise err from None
+        first = str(err).splitlines()[0].removeprefix("napkin: ")
+        return None, (f"the cost pass refused the default sizes {', '.join(f'{w}={chosen[w]}' for w in guessed)} "
+                      f"({first}); give the wires' sizes with -D WIRE=N")
     except Exception as err:
         return None, f"the cost pass failed: {type(err).__name__}: {err}"
