@@ -345,8 +345,13 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
             lse_name, lse_wire = out.name, e.wires[0]
         elif attention is None:
             attention = (out.name, e)
+        elif any(isinstance(n, ir.Reduce) and n.op == "logsumexp" for n in ir.walk(e)):
+            # lse * 2 read as a second attention output
+            raise ValueError(f"output {out.name}: the backward takes a logsumexp output as logsumexp of the "
+                             f"scores itself, not {expr_text(lets[out.name].expr)}")
         else:
-            raise ValueError(f"outputs {attention[0]} and {out.name}: grad_plan handles one attention output")
+            raise ValueError(f"outputs {attention[0]} and {out.name}: the backward takes one attention output "
+                             "(and a logsumexp of the scores beside it)")
     if attention is None:
         raise ValueError("no attention output: nothing contracts the scores with a value tensor")
     form = _Form(score_wires, layouts)
@@ -462,6 +467,11 @@ class _Form:
         weight = _product(rest)
         reduced = [n for n in ir.walk(weight) if isinstance(n, (ir.Reduce, ir.Normalize))]
         if reduced and not self._is_softmax(weight):
+            others = [f for f, _ in rest if not isinstance(f, ir.Normalize)]
+            if others and len(others) < len(rest):   # softmax(S) * G: a gate, not another score
+                raise ValueError(f"the weights of the sum along {self.key} multiply softmax by "
+                                 f"{' * '.join(expr_text(f) for f in others)}; the backward takes the softmax "
+                                 f"weights alone, sum[{self.key}](softmax[{self.key}](S) * V)")
             if any(isinstance(n, ir.Normalize) for n in reduced):
                 raise ValueError("softmax must normalise the score box itself: sum[x](softmax[x](S) * V)")
             raise ValueError("the weights inside a sum along the key wire must be elementwise in the scores")

@@ -1108,9 +1108,32 @@ def test_a_box_the_normaliser_does_not_take_whole_still_says_why_it_has_no_backw
                                "O[b, h, q, d] = sum[x](softmax[x](M) * V) + sum[x](B * V)")
     output = BIAS_CHAIN.replace("out O", "out O, C")
     for text, why in ((twice, "softmax must normalise the score box itself"),
-                      (output, "outputs O and C: grad_plan handles one attention output")):
+                      (output, r"outputs O and C: the backward takes one attention output \(and a logsumexp")):
         with pytest.raises(ValueError, match=why):
             gradrules.grad_plan(napkin.load_text(text))
+
+
+def test_a_gate_on_the_softmax_weights_is_named_in_the_refusal():
+    """sum[x](softmax[x](S) * G * V) was told softmax must normalise the score box itself."""
+    from napkin import gradrules
+
+    text = (REPO / "examples" / "attention.ncd").read_text()
+    text = text.replace("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin G[b, h, q, x] : fp16")
+    text = text.replace("sum[x](P * V)", "sum[x](P * G * V)")
+    with pytest.raises(ValueError, match=r"the weights of the sum along x multiply softmax by G; the backward "
+                                         r"takes the softmax weights alone, sum\[x\]\(softmax\[x\]\(S\) \* V\)"):
+        gradrules.grad_plan(napkin.load_text(text))
+
+
+def test_a_logsumexp_output_scaled_is_named_in_the_refusal():
+    """lse = logsumexp[x](S) * 2 was refused as a second attention output."""
+    from napkin import gradrules
+
+    text = (REPO / "examples" / "attention.ncd").read_text()
+    text = text.replace("lse[b, h, q] = logsumexp[x](S)", "lse[b, h, q] = logsumexp[x](S) * 2")
+    with pytest.raises(ValueError, match=r"output lse: the backward takes a logsumexp output as logsumexp of the "
+                                         r"scores itself, not logsumexp\[x\]\(S\) \* 2"):
+        gradrules.grad_plan(napkin.load_text(text))
 
 
 KEY_IS_VALUE = """diagram key_is_value

@@ -357,6 +357,11 @@ QKV = "in Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\nin V[b, h, x, d] : fp16
     # a matmul whose sum is read twice was told it had none
     ("in A[b, q, d] : fp32\nin B[b, d, x] : fp32\nP[b, q, x] = sum[d](A * B)\nC[b, q, x] = relu(P) + P\nout C", "",
      "box C: its expression uses sum[d](...) 2 times"),
+    # the value in the weights' tile was said to be read "inside the score"
+    (QKV + "in G[b, h, x, d] : fp16\nS[b, h, q, x] = sum[d](Q * K)\nP[b, h, q, x] = softmax[x](S)\n"
+     "O[b, h, q, d] = sum[x](P * (V + G))\nout O", FLASH,
+     "for V: it is read along d in a tile over (q, x) (the scores, or the weights of a sum over x); a tensor "
+     "along d may only be the value of sum[x](weights * V), one input multiplied in alone"),
 ])
 def test_unsupported_diagrams_are_refused_with_a_location(body, schedule, words):
     text = diagram_text(body, schedule)

@@ -186,8 +186,12 @@ class _Attention:
                     ws = read_wires(d, n)
                     extra = set(ws) - allowed
                     if extra:
-                        raise unsupported(f"{n.name}", f"it is read along {', '.join(sorted(extra))} inside "
-                                          f"the score, which is a tile over ({row}, {col})", n.loc)
+                        # the weights too: sum[x](P * (V + G)) put V in the weight tile, not "the score"
+                        wires = ", ".join(sorted(extra))
+                        raise unsupported(f"{n.name}", f"it is read along {wires} in a tile over ({row}, {col}) "
+                                          f"(the scores, or the weights of a sum over {col}); a tensor along "
+                                          f"{wires} may only be the value of sum[{col}](weights * V), one input "
+                                          "multiplied in alone", n.loc)
                     phase = "step" if col in ws else "pre"
                     ld = loads.get(n, row if row in ws else None, col if col in ws else None, phase)
                     self.step_subst[n] = ld.var
