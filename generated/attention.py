@@ -27,6 +27,7 @@ makes random inputs.
 import contextlib
 import functools
 import math
+import numbers
 import os
 
 import torch
@@ -220,9 +221,19 @@ def _on_inputs_device(launch):
 def _block_size(value, wire, option):
     if value is None:
         return _BLOCKS[wire]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
-        raise ValueError(f"{option} must be a power of two >= 16, not {value!r}")
-    return value
+    # a numpy integer is a whole number too; past 2^16 a tile with a 16-wide side passes Triton's 2^20 elements
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 16 <= value <= 1 << 16 \
+            or value & (value - 1):
+        raise ValueError(f"{option} must be a power of two from 16 to 65536, not {value!r}")
+    return int(value)
+
+
+def _tile_fits(blocks, options):
+    """ValueError where two blocks make a tile past Triton's largest tensor,
+    2^20 elements (the cached configs' test, _autotune_config)."""
+    if blocks[0] * blocks[1] > 1 << 20:
+        raise ValueError(f"{options[0]}={blocks[0]} and {options[1]}={blocks[1]} make a tile of "
+                         f"{blocks[0] * blocks[1]} elements, past Triton's largest tensor (2^20)")
 
 
 def _dim_block(n):
@@ -326,11 +337,40 @@ def _wants_grad(tensors):
 
 def _differentiable(tensors):
     """Whether a call goes through the torch op: an input requires a
-    gradient, torch.compile is tracing (it must see one opaque op), or an
-    input is on the meta device (the op's fake gives meta outputs; a launch
-    would hand Triton tensors without data)."""
-    return torch.compiler.is_compiling() or _wants_grad(tensors) or \
-        any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
+    gradient, torch.compile is tracing (it must see one opaque op), or the
+    inputs hold no data for a launch (the op's fake answers): meta tensors,
+    a tensor subclass (FakeTensor) or a dispatch mode tracing them
+    (FakeTensorMode, make_fx), which would hand Triton tensors without data.
+    An input with a forward-mode tangent is refused: its tangent would be
+    dropped, not computed."""
+    _refuse_tangents(tensors)
+    return torch.compiler.is_compiling() or _wants_grad(tensors) or _traced(tensors)
+
+
+def _traced(tensors):
+    if _dispatch_mode() is not None:
+        return True
+    return any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or type(t) not in _PLAIN_TENSORS)
+               for t in tensors)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+try:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
+except ImportError:   # a torch without it: subclasses and meta still route
+    def _dispatch_mode():
+        return None
+
+
+def _refuse_tangents(tensors):
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", -1) < 0:   # no dual level open: the common case, one read
+        return
+    for name, t in zip(INPUTS, tensors):
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(f"input {name} carries a forward-mode tangent, and napkin's kernels have no "
+                                      "forward-mode derivative (jvp): use reverse mode (backward)")
 
 
 # ---------------------------------------------------------------------------
@@ -561,7 +601,7 @@ _GLOBAL_DIMS = ()
 
 def _global_dims(positions):
     """The (input, dimension) pairs holding global rows: not bound from shapes."""
-    given = set(positions or ())
+    given = set(positions) if isinstance(positions, dict) else set()   # another type: _padded says so
     return {(name, dim) for name, dim, wires, _ in _GLOBAL_DIMS if given & set(wires)}
 
 
@@ -570,6 +610,10 @@ def _padded(positions, lengths, sizes, device):
     than its local size and that has none: its rows from the length on are
     padding (a KV cache of 40 rows holding 10), and the kernels test a row
     against the length only where they read positions."""
+    for what, given in (("positions", positions), ("lengths", lengths)):
+        if given is not None and not isinstance(given, dict):   # a tensor's truth value was torch's error
+            raise ValueError(f"{what} must be a dict from wire names ({' and '.join(_POSITIONAL)}) to "
+                             f"{'1-D integer tensors' if what == 'positions' else 'ints'}, not a {type(given).__name__}")
     short = [w for w in _POSITIONAL if (positions or {}).get(w) is None and isinstance((lengths or {}).get(w), int)
              and not isinstance(lengths[w], bool) and 0 <= lengths[w] < sizes[w]]
     if not short:
@@ -815,7 +859,7 @@ def _attention_kernel(
     _ok_q = _offs_q < _size_q
     if _POS_q:  # the global index of each row, given by the launcher
         _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
-        _gok_q = _ok_q & (_idx_q < _len_q)  # integer inputs hold |q| rows
+        _gok_q = _ok_q & (_idx_q >= 0) & (_idx_q < _len_q)  # real rows: [0, |q|)
     else:
         _idx_q = _offs_q
         _gok_q = _ok_q
@@ -878,9 +922,9 @@ def _attention_kernel(
     for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
-        if _POS_x:  # global positions; rows at or past |x| are padding
+        if _POS_x:  # global positions; rows outside [0, |x|) are padding
             _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
-            _ok_x = _ok_x & (_idx_x < _len_x)
+            _ok_x = _ok_x & (_idx_x >= 0) & (_idx_x < _len_x)
             # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
             _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
             _live = _col_last >= 0  # some real x
@@ -966,7 +1010,7 @@ def _attention_merge(
     _ok_q = _offs_q < _size_q
     if _POS_q:  # the global index of each row, given by the launcher
         _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
-        _gok_q = _ok_q & (_idx_q < _len_q)  # integer inputs hold |q| rows
+        _gok_q = _ok_q & (_idx_q >= 0) & (_idx_q < _len_q)  # real rows: [0, |q|)
     else:
         _idx_q = _offs_q
         _gok_q = _ok_q
@@ -1010,8 +1054,8 @@ def attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages
     Forward only: positions={'q': ..., 'x': ...} gives the global index
     of each local row (int tensors; integer inputs are read there and hold
     the global length), lengths={'q': ..., 'x': ...} the global sizes
-    (needed with positions; x rows at positions >= it are padding, and so
-    are q rows, whose outputs are then unspecified; without positions a
+    (needed with positions; x rows at positions >= it, or negative, are
+    padding, and so are q rows, whose outputs are then unspecified; without positions a
     row's position is its offset, so lengths={'x': n} alone makes the rows
     from n on padding), and
     out_dtype (e.g. torch.float32) the dtype of every float output.
@@ -1035,7 +1079,8 @@ def attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages
                                  "inputs that do not require gradients, or call under torch.no_grad() (training "
                                  "takes the schedule's chunk)")
             if positions is not None or lengths is not None:
-                raise ValueError("positions= and lengths= are not supported under torch.compile (they serve the "
+                raise ValueError("positions= and lengths= are not supported under torch.compile or on inputs "
+                                 "without data, meta or fake (they serve the "
                                  "distributed wrappers, which call the kernels eagerly)")
             return _attention_inference_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk)
         return _attention_autograd(Q, K, V, block_q, block_x, num_warps, num_stages, tma)
@@ -1052,6 +1097,7 @@ def _attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _s
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
+    _tile_fits((_br, _bc), ("block_q", "block_x"))
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     [O, lse] = _allocate(_sz, _cls, _dev, out_dtype)
     _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"])
@@ -1255,9 +1301,9 @@ def _attention_bwd_dkdv_kernel(
     _col0 = _pid * _BLOCK_x
     _offs_x = _col0 + tl.arange(0, _BLOCK_x)
     _ok_x = _offs_x < _size_x
-    if _POS_x:  # global positions; rows at or past |x| are padding
+    if _POS_x:  # global positions; rows outside [0, |x|) are padding
         _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
-        _ok_x = _ok_x & (_idx_x < _len_x)
+        _ok_x = _ok_x & (_idx_x >= 0) & (_idx_x < _len_x)
     else:
         _idx_x = _offs_x
     _offs_d = tl.arange(0, _BLOCK_d)
@@ -1316,7 +1362,7 @@ def _attention_bwd_dkdv_kernel(
         _ok_q = _offs_q < _size_q
         if _POS_q:  # the global index of each row, given by the launcher
             _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
-            _gok_q = _ok_q & (_idx_q < _len_q)
+            _gok_q = _ok_q & (_idx_q >= 0) & (_idx_q < _len_q)
             # a dead tile (no real q, or a bound of the mask false at every pair): no load, no step
             _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
             _live = _row_last >= 0  # some real q
@@ -1427,7 +1473,7 @@ def _attention_bwd_dq_kernel(
     _ok_q = _offs_q < _size_q
     if _POS_q:  # the global index of each row, given by the launcher
         _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
-        _gok_q = _ok_q & (_idx_q < _len_q)
+        _gok_q = _ok_q & (_idx_q >= 0) & (_idx_q < _len_q)
     else:
         _idx_q = _offs_q
         _gok_q = _ok_q
@@ -1481,9 +1527,9 @@ def _attention_bwd_dq_kernel(
     for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
-        if _POS_x:  # global positions; rows at or past |x| are padding
+        if _POS_x:  # global positions; rows outside [0, |x|) are padding
             _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
-            _ok_x = _ok_x & (_idx_x < _len_x)
+            _ok_x = _ok_x & (_idx_x >= 0) & (_idx_x < _len_x)
             # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
             _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
             _live = _col_last >= 0  # some real x

@@ -25,6 +25,7 @@ makes random inputs.
 import contextlib
 import functools
 import math
+import numbers
 import os
 
 import torch
@@ -213,9 +214,19 @@ def _on_inputs_device(launch):
 def _block_size(value, wire, option):
     if value is None:
         return _BLOCKS[wire]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
-        raise ValueError(f"{option} must be a power of two >= 16, not {value!r}")
-    return value
+    # a numpy integer is a whole number too; past 2^16 a tile with a 16-wide side passes Triton's 2^20 elements
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 16 <= value <= 1 << 16 \
+            or value & (value - 1):
+        raise ValueError(f"{option} must be a power of two from 16 to 65536, not {value!r}")
+    return int(value)
+
+
+def _tile_fits(blocks, options):
+    """ValueError where two blocks make a tile past Triton's largest tensor,
+    2^20 elements (the cached configs' test, _autotune_config)."""
+    if blocks[0] * blocks[1] > 1 << 20:
+        raise ValueError(f"{options[0]}={blocks[0]} and {options[1]}={blocks[1]} make a tile of "
+                         f"{blocks[0] * blocks[1]} elements, past Triton's largest tensor (2^20)")
 
 
 def _dim_block(n):
@@ -319,11 +330,40 @@ def _wants_grad(tensors):
 
 def _differentiable(tensors):
     """Whether a call goes through the torch op: an input requires a
-    gradient, torch.compile is tracing (it must see one opaque op), or an
-    input is on the meta device (the op's fake gives meta outputs; a launch
-    would hand Triton tensors without data)."""
-    return torch.compiler.is_compiling() or _wants_grad(tensors) or \
-        any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
+    gradient, torch.compile is tracing (it must see one opaque op), or the
+    inputs hold no data for a launch (the op's fake answers): meta tensors,
+    a tensor subclass (FakeTensor) or a dispatch mode tracing them
+    (FakeTensorMode, make_fx), which would hand Triton tensors without data.
+    An input with a forward-mode tangent is refused: its tangent would be
+    dropped, not computed."""
+    _refuse_tangents(tensors)
+    return torch.compiler.is_compiling() or _wants_grad(tensors) or _traced(tensors)
+
+
+def _traced(tensors):
+    if _dispatch_mode() is not None:
+        return True
+    return any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or type(t) not in _PLAIN_TENSORS)
+               for t in tensors)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+try:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
+except ImportError:   # a torch without it: subclasses and meta still route
+    def _dispatch_mode():
+        return None
+
+
+def _refuse_tangents(tensors):
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", -1) < 0:   # no dual level open: the common case, one read
+        return
+    for name, t in zip(INPUTS, tensors):
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(f"input {name} carries a forward-mode tangent, and napkin's kernels have no "
+                                      "forward-mode derivative (jvp): use reverse mode (backward)")
 
 
 # ---------------------------------------------------------------------------
@@ -616,6 +656,9 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
     _br = _block_size(_opts["block_m"], "m", "block_m")
     _bc = _block_size(_opts["block_n"], "n", "block_n")
     _bk = _block_size(_opts["block_k"], "k", "block_k")
+    _tile_fits((_br, _bc), ("block_m", "block_n"))
+    _tile_fits((_br, _bk), ("block_m", "block_k"))
+    _tile_fits((_bk, _bc), ("block_k", "block_n"))
     [C] = _allocate(_sz, _cls, _dev)
     _grid = _fits((_cdiv(_sz["m"], _br), _cdiv(_sz["n"], _bc), 1))
     if math.prod(_grid) > 0:

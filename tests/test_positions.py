@@ -378,3 +378,42 @@ def test_a_length_alone_makes_the_rows_past_it_padding(name, tmp):
     for a, b, r in zip(got, want, ref if isinstance(ref, tuple) else (ref,)):
         assert torch.equal(a, b)
         assert_close(a.double(), r, f"{name} length alone")
+
+
+def test_negative_positions_are_padding_and_never_read_below_an_input(tmp):
+    """A negative position was a real row to some tests and none to others:
+    causal dropped whole key blocks (positions - 16: error 2.95, lse -inf),
+    and document_mask read its doc ids below the tensor's start.  Rows
+    outside [0, length) are padding now: keys never count, and query rows'
+    outputs are unspecified (checked here: the others are exact)."""
+    m, _ = module("document_mask", tmp)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    store = torch.zeros(1, 48, dtype=torch.int32)
+    store[:, :8] = 7                  # what sits below doc in memory: another sequence's ids
+    doc = store[:, 8:]                # every real row is document 0
+    shift = torch.arange(40) - 4      # query rows 0-3 at negative positions: padding
+    out, lse = m.document_mask(q, k, v, doc, positions={"q": shift}, lengths={"q": 40}, **BLOCKS)
+    at = torch.cat([q[:, :, 4:], torch.zeros(1, 2, 4, 16)], 2)   # at[p]: the query row at position p
+    want, want_lse = m.reference(at.double(), k.double(), v.double(), doc)
+    assert (out[:, :, 4:].double() - want[:, :, :36]).abs().max() < 1e-5   # row i at position i - 4
+    # keys at negative positions never count: shifting x by -16 leaves 24 real keys
+    m, _ = module("causal", tmp)
+    keys = torch.arange(40) - 16
+    out, _ = m.causal(q, k, v, positions={"x": keys}, lengths={"x": 40}, **BLOCKS)
+    s = (q.double() @ k.double().transpose(-1, -2)) / 4
+    s = s.masked_fill((keys[None, :] < 0) | (keys[None, :] > torch.arange(40)[:, None]), -torch.inf)
+    want = torch.nan_to_num(torch.softmax(s, -1)) @ v.double()
+    assert (out.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"positions": torch.arange(40)}, "positions must be a dict from wire names (q and x) to 1-D integer tensors, "
+                                      "not a Tensor"),
+    ({"lengths": 40}, "lengths must be a dict from wire names (q and x) to ints, not a int"),
+])
+def test_positions_and_lengths_of_another_type_are_named(tmp, kwargs, words):
+    m, _ = module("causal", tmp)
+    q = torch.randn(1, 2, 40, 16)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        m.causal(q, q, q, **kwargs)

@@ -180,3 +180,44 @@ def test_second_derivatives_are_refused_in_words(causal):
     (g,) = torch.autograd.grad((o * o).sum(), q, create_graph=True)
     with pytest.raises(NotImplementedError, match="napkin emits no second derivative: diagram causal's backward"):
         g.sum().backward()
+
+
+def test_fake_tensors_and_make_fx_take_the_ops_fake_without_a_gradient_too(causal):
+    """FakeTensorMode and make_fx on inputs wanting no gradient launched Triton on tensors without data
+    ("Attempted to set the storage of a tensor on device meta", "Cannot access data pointer")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        q = torch.empty(1, 2, 21, 16)
+        o, lse = causal.causal(q, q, q)
+        assert o.shape == (1, 2, 21, 16) and lse.shape == (1, 2, 21)
+    q, k, v = causal.example_inputs({"b": 1, "h": 2, "q": 21, "x": 21}, dtype=torch.float32)
+    graph = make_fx(lambda a, b, c: causal.causal(a, b, c)[0], tracing_mode="fake")(q, k, v)
+    assert any("napkin" in str(n.target) for n in graph.graph.nodes)
+
+
+def test_forward_mode_tangents_are_refused_not_dropped(causal):
+    """A dual input with no gradient wanted ran the kernel on its primal: the tangent came back None."""
+    import torch.autograd.forward_ad as fwad
+
+    q, k, v = causal.example_inputs({"b": 1, "h": 2, "q": 21, "x": 21}, dtype=torch.float32)
+    with fwad.dual_level():
+        with pytest.raises(NotImplementedError, match="input Q carries a forward-mode tangent"):
+            causal.causal(fwad.make_dual(q, torch.ones_like(q)), k, v, **BLOCKS)
+    o, _ = causal.causal(q, k, v, **BLOCKS)   # no dual level: the plain call
+    assert o.shape == q.shape
+
+
+def test_block_options_past_tritons_largest_tile_are_refused_in_words(causal):
+    """block_q=2^21 failed inside Triton (numel exceeds its maximum), 2^31 as an int32 overflow; a
+    numpy integer was refused as 'not np.int64(16)'."""
+    import numpy as np
+
+    q, k, v = causal.example_inputs({"b": 1, "h": 1, "q": 20, "x": 20}, dtype=torch.float32)
+    with pytest.raises(ValueError, match="block_q must be a power of two from 16 to 65536, not 2097152"):
+        causal.causal(q, k, v, block_q=1 << 21, block_x=16)
+    with pytest.raises(ValueError, match=r"block_q=65536 and block_x=32 make a tile of 2097152 elements"):
+        causal.causal(q, k, v, block_q=1 << 16, block_x=32)
+    o, _ = causal.causal(q, k, v, block_q=np.int64(16), block_x=16)
+    assert torch.allclose(o.double(), causal.reference(q.double(), k.double(), v.double())[0], atol=1e-5)

@@ -295,7 +295,7 @@ def _offsets(names: E._Names, w: str, start: str) -> list[str]:
 def _globals(w: str, row: str, live=()) -> list[str]:
     """The global index _idx_w of each local row of w (the launcher's
     positions, else its offset), as the forward kernel sets it.  Keys at
-    positions >= |x| are padding: _ok_x drops them (their loads read zeros).
+    positions outside [0, |x|) are padding: _ok_x drops them (their loads read zeros).
     Query rows there are padding too, but their dQ must still be stored:
     _gok_q drops them from the tiles (and masks integer loads) instead.
     ``live``: w is the loop's wire, and these lines (bounds.live) set _live
@@ -303,12 +303,12 @@ def _globals(w: str, row: str, live=()) -> list[str]:
     if w == row:
         lines = [f"if _POS_{w}:  # the global index of each row, given by the launcher",
                  f"    _idx_{w} = tl.load(_pos_{w} + _offs_{w}, mask=_ok_{w}, other=0)",
-                 f"    _gok_{w} = _ok_{w} & (_idx_{w} < _len_{w})"]
+                 f"    _gok_{w} = _ok_{w} & (_idx_{w} >= 0) & (_idx_{w} < _len_{w})"]
         other = [f"    _idx_{w} = _offs_{w}", f"    _gok_{w} = _ok_{w}"]
     else:
-        lines = [f"if _POS_{w}:  # global positions; rows at or past |{w}| are padding",
+        lines = [f"if _POS_{w}:  # global positions; rows outside [0, |{w}|) are padding",
                  f"    _idx_{w} = tl.load(_pos_{w} + _offs_{w}, mask=_ok_{w}, other=0)",
-                 f"    _ok_{w} = _ok_{w} & (_idx_{w} < _len_{w})"]
+                 f"    _ok_{w} = _ok_{w} & (_idx_{w} >= 0) & (_idx_{w} < _len_{w})"]
         other = [f"    _idx_{w} = _offs_{w}"]
     return lines + ["    " + line for line in live] + ["else:"] + other \
         + ([f"    {E.LIVE_CONSTANT}"] if live else [])

@@ -456,6 +456,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     launch = _fill_options(opts + ["chunk"]) + P.launch_lines(plan, R.applies(plan)) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
+        f'_tile_fits((_br, _bc), ("block_{row}", "block_{col}"))',
         # packed rows: _pack checked the caller's positions and made the launch's from them
         "_pos = _position_args(positions, lengths, _sz)" if plan.pack is not None else
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
@@ -651,6 +652,9 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
               f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
               f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
               f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
+              *(f'_tile_fits(({a}, {b}), ("block_{x}", "block_{y}"))'
+                for (a, x), (b, y) in ((("_br", row), ("_bc", col)), (("_br", row), ("_bk", red)),
+                                       (("_bk", red), ("_bc", col)))),
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
               f'_grid = _fits((_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), '
               + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + "))"]
@@ -769,8 +773,8 @@ _POSITIONS_DOC = """
 Forward only: positions={{{row!r}: ..., {col!r}: ...}} gives the global index
 of each local row (int tensors; integer inputs are read there and hold
 the global length), lengths={{{row!r}: ..., {col!r}: ...}} the global sizes
-(needed with positions; {col} rows at positions >= it are padding, and so
-are {row} rows, whose outputs are then unspecified; without positions a
+(needed with positions; {col} rows at positions >= it, or negative, are
+padding, and so are {row} rows, whose outputs are then unspecified; without positions a
 row's position is its offset, so lengths={{{col!r}: n}} alone makes the rows
 from n on padding), and
 out_dtype (e.g. torch.float32) the dtype of every float output.
