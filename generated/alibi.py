@@ -27,7 +27,6 @@ makes random inputs.
 import contextlib
 import functools
 import math
-import numbers
 import os
 
 import torch
@@ -223,11 +222,12 @@ def _on_inputs_device(launch):
 def _block_size(value, wire, option):
     if value is None:
         return _BLOCKS[wire]
-    # a numpy integer is a whole number too; past 2^16 a tile with a 16-wide side passes Triton's 2^20 elements
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 16 <= value <= 1 << 16 \
-            or value & (value - 1):
+    # a numpy integer is a whole number too (__index__); past 2^16 a tile with a 16-wide side passes
+    # Triton's 2^20 elements
+    n = value.__index__() if hasattr(type(value), "__index__") and not isinstance(value, bool) else None
+    if n is None or not 16 <= n <= 1 << 16 or n & (n - 1):
         raise ValueError(f"{option} must be a power of two from 16 to 65536, not {value!r}")
-    return int(value)
+    return n
 
 
 def _tile_fits(blocks, options):

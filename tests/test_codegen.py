@@ -96,6 +96,8 @@ def test_module_imports_only_torch_and_triton(path):  # (and the standard librar
             elif isinstance(node, ast.ImportFrom):
                 where.add(node.module or "")
     # (triton.tools.tensor_descriptor: the forward's TMA descriptors, imported only when tma= asks)
+    # (torch's own submodules: torch.utils._python_dispatch to see a tracing mode, torch.autograd's forward_ad)
+    imported = {m for m in imported if not m.startswith("torch.")}
     assert imported <= {"contextlib", "functools", "json", "math", "os", "torch", "triton", "triton.language",
                         "triton.tools.tensor_descriptor"}, imported
     assert lazy <= {"napkin", "napkin.distributed"}, lazy
@@ -223,7 +225,7 @@ def test_bad_calls_raise_clear_errors(modules):
         att(*_qkv(d=32))
     with pytest.raises(TypeError, match="V must be a torch.Tensor, not list"):
         att(q, k, [1.0])
-    with pytest.raises(ValueError, match="block_q must be a power of two >= 16, not 24"):
+    with pytest.raises(ValueError, match="block_q must be a power of two from 16 to 65536, not 24"):
         att(q, k, v, block_q=24)
 
 
@@ -260,7 +262,7 @@ def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp
         assert m._autotune_fill(dict(unset), sizes, cpu, f16) == unset, bad
     o, lse = m.attention(*_qkv())                   # the last bad entry: ignored, the schedule's blocks
     assert o.shape == (1, 2, 5, 64)
-    with pytest.raises(ValueError, match="block_x must be a power of two >= 16, not 8"):
+    with pytest.raises(ValueError, match="block_x must be a power of two from 16 to 65536, not 8"):
         m.attention(*_qkv(), block_q=16, block_x=8)  # explicit options are checked
     with pytest.raises(ValueError, match="num_warps must be a power of two from 1 to 32, not 0"):
         m.attention(*_qkv(), num_warps=0)
