@@ -1878,6 +1878,12 @@ def _softmax(t, dim):
     return torch.where(dead, 0.0, torch.softmax(torch.where(dead, 0.0, t), dim=dim))
 
 
+def _scalar(fn, v):
+    """torch's fn of a number (a symbolic size's term), as a float: its
+    values at the edges (log(0) = -inf, exp(1000) = inf), not math's errors."""
+    return float(fn(torch.tensor(float(v), dtype=torch.float64)))
+
+
 def _maximum(a, b):
     if not torch.is_tensor(a):
         a, b = b, a

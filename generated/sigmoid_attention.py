@@ -1713,6 +1713,12 @@ def _softmax(t, dim):
     return torch.where(dead, 0.0, torch.softmax(torch.where(dead, 0.0, t), dim=dim))
 
 
+def _scalar(fn, v):
+    """torch's fn of a number (a symbolic size's term), as a float: its
+    values at the edges (log(0) = -inf, exp(1000) = inf), not math's errors."""
+    return float(fn(torch.tensor(float(v), dtype=torch.float64)))
+
+
 def _maximum(a, b):
     if not torch.is_tensor(a):
         a, b = b, a
@@ -1736,7 +1742,7 @@ def reference(Q, K, V):
     K = K.to(_c)
     V = V.to(_c)
     S = torch.einsum("abce,abde->abcd", Q, K) * 0.125
-    P = torch.sigmoid((S - math.log(_sz["x"])))
+    P = torch.sigmoid((S - _scalar(torch.log, _sz["x"])))
     O = torch.einsum("abcd,abde->abce", P, V)
     return O.reshape(_shape("O", _sz)).to(_out_dtype("O", _cls))
 

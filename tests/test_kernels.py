@@ -588,3 +588,12 @@ def test_a_float64_reference_takes_index_arithmetic_in_float64(term, torch64):
     got = m.reference(a, b)
     assert got.dtype == torch.float64
     assert (got - (a @ b + torch64(mi, ni))).abs().max() < 1e-12
+
+
+def test_the_reference_takes_torchs_values_for_a_sizes_terms_at_the_edges():
+    """sigmoid attention's - log(|x|) at x = 0 raised 'math domain error' in the reference (math.log),
+    where the kernel gives zeros: size terms go through torch's functions now (log(0) = -inf)."""
+    m = example("sigmoid_attention")
+    q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 5, "x": 0}, dtype=torch.float32)
+    assert torch.equal(m.reference(q, k, v), torch.zeros(1, 2, 5, 64))
+    assert torch.equal(run(m, [q, k, v])[0], torch.zeros(1, 2, 5, 64))

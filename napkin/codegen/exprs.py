@@ -346,9 +346,9 @@ class TorchRender(_Render):
 
 
 class ScalarRender(TorchRender):
-    """Scalars of the reference (symbolic sizes): Python's math module."""
+    """Scalars of the reference (symbolic sizes): Python numbers, and torch's
+    functions on them through the module's _scalar (math.log(0) raised where
+    torch.log gives -inf, as the kernels do: a sigmoid's log(|x|) at x = 0)."""
 
-    FUN = {k: v.replace("torch.", "math.") for k, v in TorchRender.FUN.items()}
-    FUN.update({"rsqrt": "1.0 / math.sqrt({})", "sigmoid": "1.0 / (1.0 + math.exp(-({})))",
-                "relu": "max({}, 0)", "max": "max({}, {})", "min": "min({}, {})", "abs": "abs({})",
-                "exp2": "2.0 ** ({})"})
+    FUN = {k: v.replace("torch.", "_scalar(torch.").replace("({})", ", {})") for k, v in TorchRender.FUN.items()}
+    FUN.update({"relu": "max({}, 0)", "max": "max({}, {})", "min": "min({}, {})", "abs": "abs({})"})
