@@ -2,7 +2,7 @@
 
 Every box a kernel step reads becomes a kernel variable ``_`` + its name and
 every input load ``_`` + the input's name; the kernels also define their own
-``_m``, ``_p``, ``_acc``, ``_qk``, ``_hi``, ``_offs_q``, ... (lower.internal_names)
+``_m``, ``_p``, ``_acc``, ``_qk``, ``_hi``, ``_offs_q``, ... (kernel_names.internal_names)
 and call the module's jit helpers ``_safe_div``, ``_logsumexp``.  A user's
 name must never take one of those: a box called ``m`` once overwrote the
 running max (wrong results, no error), ``qk`` the score product ("cannot
@@ -43,10 +43,11 @@ from napkin.check import hostile_name
 from napkin.codegen import emit_module, training
 from napkin.codegen.attention import KERNEL_NAMES
 from napkin.codegen.backward import FIXED_NAMES
-from napkin.codegen.lower import inline, internal_names, lower
+from napkin.codegen.kernel_names import internal_names
+from napkin.codegen.lower import inline, lower
 from napkin.errors import NapkinError
 
-# Every base of lower.internal_names (suffixed ones too), the skeleton's fixed
+# Every base of kernel_names.internal_names (suffixed ones too), the skeleton's fixed
 # names, per-wire and per-tensor ones, the module's jit helpers.
 NAMES = (
     "s p m m_new m_use alpha qk acc l t w dot scale "

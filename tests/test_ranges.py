@@ -27,6 +27,7 @@ import napkin
 from napkin.bytecount import ByteCounter
 from napkin.codegen import lower as L
 from napkin.codegen import ranges as R
+from napkin.codegen.kernel_names import internal_names
 from test_backward import assert_accurate, compile_text, gradients
 
 REPO = Path(__file__).resolve().parent.parent
@@ -314,7 +315,7 @@ def test_backward_skips_dead_blocks(folder):
 
 @pytest.mark.parametrize("name", ["keep", "ranges", "rg", "run", "best", "steps", "mb", "j"])
 def test_ids_named_like_the_prepass_variables(folder, name):
-    """The prepass's own variables (ranges.NAMES, in lower.internal_names)
+    """The prepass's own variables (ranges.NAMES, in kernel_names.internal_names)
     never take a user's name: ids called ``keep`` load as ``_keep_1``; the
     kernels still agree with the reference (two of them run)."""
     from napkin.check import hostile_name
@@ -325,7 +326,7 @@ def test_ids_named_like_the_prepass_variables(folder, name):
     d = napkin.load_text(text, f"ids_{name}.ncd")
     plan = L.lower(d)
     var = next(ld.var for ld in plan.loads if ld.tensor == name)
-    assert f"_{name}" in R.NAMES and f"_{name}" in L.internal_names(d)
+    assert f"_{name}" in R.NAMES and f"_{name}" in internal_names(d)
     assert var == f"_{name}_1"
     compile(emit_module(d, source_text=text, source_path=f"ids_{name}.ncd"), "ids.py", "exec")
     if name in ("keep", "ranges"):

@@ -25,9 +25,9 @@ from .. import ir, masks, tiling
 from .lower import (
     DEFAULT_BLOCK_ROW, DEFAULT_BLOCK_STREAM, Accum, AttentionPlan, Dot, LogSumExp, Output, SafeDiv, Var, _ExpSum,
     _LogExpSum, _Loads, _block, _factors, _finalise_leaves, _group_block, _precision, _product,
-    _red_wires, _show, _streamed, fresh_name, internal_names, nodes, packed_wire, read_wires, unsupported, walk_until,
-    wires_of,
+    _red_wires, _show, _streamed, nodes, packed_wire, read_wires, unsupported, walk_until, wires_of,
 )
+from .kernel_names import fresh_name, internal_names
 
 # Names the attention kernel's skeleton and loop bounds define.
 KERNEL_NAMES = frozenset({"_pid", "_batch", "_row0", "_start", "_lo", "_hi", "_flo", "_fhi", "_row_first",

@@ -18,7 +18,7 @@ underscore (the checker forbids such names in diagrams): ``_offs_q`` /
 ``_size_x``, ``_st_Q_d`` (Q's stride along d), ``_BLOCK_q`` (a constexpr
 block size).  A loaded tile or a box's step tile is ``_`` + the user's
 name, which may still be one of those (a box called ``m`` or ``offs_q``):
-lower.fresh_name gives it ``_m_1`` then (lower.internal_names lists the
+kernel_names.fresh_name gives it ``_m_1`` then (kernel_names.internal_names lists the
 kernels' own).  Launcher parameters the user's names cannot avoid are
 refused with a location: inputs named like an option (``_options``),
 outputs named like Triton's launch options.

@@ -27,6 +27,7 @@ from typing import Optional, Union
 from .. import ir, masks, tiling
 from ..errors import Diagnostic, NapkinError
 from ..printer import layout_text
+from .kernel_names import fresh_name, internal_names
 
 DEFAULT_BLOCK_ROW = 64
 DEFAULT_BLOCK_STREAM = 64
@@ -687,64 +688,6 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
 
 def _precision(d: ir.Diagram) -> str:
     return "tf32" if d.schedule is not None and d.schedule.tf32 else "ieee"
-
-
-# The @triton.jit helpers every module defines (templates/module.py.jinja)
-# and kernels call by name: a kernel variable of that name would shadow the
-# helper, and the call would fail or read a tile.
-KERNEL_HELPERS = frozenset({"_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_div", "_grad_operand",
-                            "_grad_scaled"})
-# What the ranges prepass of a mask that reads data, and the kernels' code
-# reading its ranges, define (ranges.py; templates/ranges.py.jinja).
-RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_run", "_best", "_bstart", "_keep",
-                          "_any", "_all", "_whole", "_out", "_BY_COL", "_WHOLE_ROWS", "_chunk", "_first",
-                          "_last", "_lead", "_parts", "_per"})
-
-
-def internal_names(d: ir.Diagram) -> frozenset:
-    """Every variable the kernels' own code may define for ``d`` (a superset):
-    loop bounds, the step's temporaries (``_s``, ``_p``, ``_m_new``, ``_t0``),
-    running state (``_m``, ``_l``, ``_acc``), the exponent's folded scale
-    (``_scale``), per-wire offsets and masks (``_offs_q``, ``_ok_x``), per-tensor strides and gradient accumulators,
-    the contraction's ``_a``, ``_b`` and ``_full``, the module's jit helpers;
-    not the names loads and box tiles themselves take (those of the
-    backward's dO, lse, delta: ``_Loads`` keeps loads apart).  A load is
-    named ``_`` + the tensor's name and a box's per-step tile ``_`` + the
-    box's name (``fresh_name``), and a diagram's names are the user's: a
-    tensor or box called ``s``, ``acc`` or ``offs_q`` must not overwrite the
-    kernel's own variable, so it takes another name (``_s_1``)."""
-    suffixes = [""] + [str(i) for i in range(16)]
-    out = {"_pid", "_batch", "_row0", "_col0", "_start", "_lo", "_hi", "_flo", "_fhi", "_row_first",
-           "_row_last", "_col_first", "_col_last", "_live", "_rb", "_outer", "_o", "_ok", "_need", "_grid",
-           "_opts", "_pos", "_SAVE", "_SPLIT_WEIGHTS", "_FIT_WEIGHTS", "_a", "_b", "_full", "_TMA", "_tma"} | KERNEL_HELPERS
-    for sfx in suffixes:
-        out |= {f"_{base}{sfx}" for base in ("s", "p", "m", "m_new", "m_use", "alpha", "qk", "acc", "l", "max",
-                                             "min", "t", "w", "dot", "sum", "scale")}
-    wires = [w.name for w in d.wires]
-    for w in wires:
-        out |= {f"_{base}_{w}" for base in ("offs", "ok", "gok", "idx", "size", "i", "pos", "len", "BLOCK", "POS")}
-    tensors = [t.name for t in d.inputs] + [t.name for t in d.lets]
-    for t in tensors:
-        out |= {f"_{base}_{t}" for base in ("out", "acc", "grad", "part", "part_acc", "saved", "NEED", "tma")}
-        # the forward's TMA descriptor parameters (_tma_Q; _tma_Q_1 for a second tile of Q)
-        out |= {f"_tma_{t}_{i}" for i in range(1, 4)}
-        out |= {f"_st_{t}_{w}" for w in wires}
-    # napkin's own tensors (training's saved row state _saved_lse, the gradient
-    # buffers _grad_Q) are kernel parameters: a box called saved_lse must not
-    # overwrite the pointer the lse is stored through
-    out |= {t for t in tensors if t.startswith("_")}
-    return frozenset(out | RANGES_NAMES)
-
-
-def fresh_name(name: str, taken, reserved=(), prefix: str = "_") -> str:
-    """The kernel variable for the user's tensor or box ``name``: ``_name``,
-    else the first free of ``_name_1``, ``_name_2``, ... (deterministic: it
-    depends only on what is taken); the caller adds it to ``taken``.  With
-    another ``prefix`` ("" for a launcher's parameter), the same scheme."""
-    var, n = f"{prefix}{name}", 1
-    while var in taken or var in reserved:
-        var, n = f"{prefix}{name}_{n}", n + 1
-    return var
 
 
 class _Loads:

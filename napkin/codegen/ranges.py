@@ -46,9 +46,10 @@ from __future__ import annotations
 from .. import ir
 from .exprs import triton
 from . import packed as P
-from .lower import RANGES_NAMES, AttentionPlan, wires_of
+from .kernel_names import RANGES_NAMES
+from .lower import AttentionPlan, wires_of
 
-NAMES = RANGES_NAMES  # what the prepass defines: in lower.internal_names
+NAMES = RANGES_NAMES  # what the prepass defines: in kernel_names.internal_names
 
 
 def applies(plan: AttentionPlan) -> bool:

@@ -33,6 +33,7 @@ from .. import autodiff, gradrules, ir, tiling
 from ..errors import NapkinError
 from ..printer import expr_text
 from . import lower as L
+from .kernel_names import fresh_name
 
 SAVED_PREFIX = "_saved_"
 # The backward launchers' keyword options (templates/training.py.jinja).
@@ -316,6 +317,6 @@ def _contraction_context(t: Training) -> dict:
     out = d.outputs[0].name
     # the public NAME_backward(A, B, dC) names C's gradient dC, unless an input
     # is called that (a duplicate parameter): then dC_1, dC_2, ...
-    param = L.fresh_name(f"d{out}", {x.name for x in d.inputs}, prefix="")
+    param = fresh_name(f"d{out}", {x.name for x in d.inputs}, prefix="")
     return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}",
             "grad_param": param}
