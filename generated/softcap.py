@@ -1851,6 +1851,17 @@ def _softmax(t, dim):
     return torch.where(dead, 0.0, torch.softmax(torch.where(dead, 0.0, t), dim=dim))
 
 
+def _extreme(t, dim, op):
+    """op ("max" or "min") of t along the dims dim.  Along an empty wire it is
+    -inf (max) or inf (min), as the kernel's running max starts (torch's amax
+    raises there); a float whatever t's dtype, as the kernels' tiles are."""
+    if any(t.shape[i] == 0 for i in dim):
+        shape = [n for i, n in enumerate(t.shape) if i not in dim]
+        dtype = t.dtype if t.is_floating_point() else torch.float32
+        return torch.full(shape, float("-inf" if op == "max" else "inf"), dtype=dtype, device=t.device)
+    return t.amax(dim=dim) if op == "max" else t.amin(dim=dim)
+
+
 def _scalar(fn, v):
     """torch's fn of a number (a symbolic size's term), as a float: its
     values at the edges (log(0) = -inf, exp(1000) = inf), not math's errors."""

@@ -38,6 +38,15 @@ from .autodiff import ONE, ZERO, _add, _contains, _map, _mul, diff, simplify, su
 NEG_INF = ir.Num(float("-inf"))
 
 
+class NoGrad(ValueError):
+    """grad_plan's refusal: why a diagram has no backward, and where in it (a
+    ValueError still, for callers of the rule builders)."""
+
+    def __init__(self, message: str, loc: ir.Loc = ir.NOLOC):
+        super().__init__(message)
+        self.loc = loc
+
+
 # --------------------------------------------------------------------------
 # The normaliser layer: backward rules for streamed attention, as data.
 #
@@ -301,7 +310,7 @@ def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, sco
 # --------------------------------------------------------------------------
 
 def grad_plan(diagram: ir.Diagram) -> GradRule:
-    """The GradRule of an attention diagram, or ValueError saying why there is none.
+    """The GradRule of an attention diagram, or NoGrad saying why there is none and where.
 
     The score box is the one box computing a raw contraction of inputs
     (``sum[d](Q * K)``).  The other boxes are inlined into the outputs, which
@@ -311,10 +320,9 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
     layouts = {i.name: ir.axis_wires(i.axes) for i in diagram.inputs}
     clash = sorted(name for name in layouts if is_placeholder(name))
     if clash:
-        loc = diagram.tensor(clash[0]).loc
-        at = f" (line {loc.line}, column {loc.col})" if loc.line else ""
-        raise ValueError(f"input {clash[0]}{at} has the name of a value the backward computes "
-                         f"({', '.join(PLACEHOLDERS)}, or N, Z, A, dN, dZ, dA, gN and a number); rename it")
+        raise NoGrad(f"input {clash[0]} has the name of a value the backward computes "
+                     f"({', '.join(PLACEHOLDERS)}, or N, Z, A, dN, dZ, dA, gN and a number); rename it",
+                     diagram.tensor(clash[0]).loc)
     lets = {let.name: let for let in diagram.lets}
     score_let, raw = _score_box(diagram, layouts)
     score_let = _grown_to_normaliser(diagram, masks.grown_score(diagram, score_let))
@@ -324,50 +332,60 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
     def inline(e):
         if isinstance(e, ir.TensorRef) and e.name in lets:
             if e.wires is not None:
-                raise ValueError(f"the box {e.name} is read relabelled; grad_plan cannot inline that")
+                raise NoGrad(f"the box {e.name} is read relabelled; grad_plan cannot inline that", e.loc)
             return _ref("S") if e.name == score_let.name else inline(lets[e.name].expr)
         return _map(e, inline)
 
     attention, lse_name = None, None
     for out in diagram.outputs:
         if out.name not in lets or out.name == score_let.name:
-            raise ValueError(f"output {out.name} is the score box or an input: "
-                             "no normaliser to differentiate")
+            raise NoGrad(f"output {out.name} is the score box or an input: no normaliser to differentiate", out.loc)
+        at = lets[out.name].expr.loc
         e = inline(lets[out.name].expr)
         if isinstance(e, ir.Reduce) and e.op == "logsumexp":
             if len(e.wires) == 1 and e.body != _ref("S") and _contains(e.body, _ref("S")):
                 shown = expr_text(substitute(e.body, _ref("S"), ir.TensorRef(score_let.name)))
-                raise ValueError(f"output {out.name}: logsumexp takes {shown}, not the score box "
-                                 f"{score_let.name} itself; between the contraction's box and the normaliser "
-                                 f"the backward takes only a mask, where(p, {score_let.name}, -inf)")
+                raise NoGrad(f"output {out.name}: logsumexp takes {shown}, not the score box "
+                             f"{score_let.name} itself; between the contraction's box and the normaliser "
+                             f"the backward takes only a mask, where(p, {score_let.name}, -inf)", at)
             if e.body != _ref("S") or len(e.wires) != 1:
-                raise ValueError(f"output {out.name}: logsumexp must be taken of the scores along one wire")
-            lse_name, lse_wire = out.name, e.wires[0]
+                raise NoGrad(f"output {out.name}: logsumexp must be taken of the scores along one wire", at)
+            lse_name, lse_wire, lse_at = out.name, e.wires[0], at
         elif attention is None:
             attention = (out.name, e)
         elif any(isinstance(n, ir.Reduce) and n.op == "logsumexp" for n in ir.walk(e)):
             # lse * 2 read as a second attention output
-            raise ValueError(f"output {out.name}: the backward takes a logsumexp output as logsumexp of the "
-                             f"scores itself, not {expr_text(lets[out.name].expr)}")
+            raise NoGrad(f"output {out.name}: the backward takes a logsumexp output as logsumexp of the "
+                         f"scores itself, not {expr_text(lets[out.name].expr)}", at)
         else:
-            raise ValueError(f"outputs {attention[0]} and {out.name}: the backward takes one attention output "
-                             "(and a logsumexp of the scores beside it)")
+            raise NoGrad(f"outputs {attention[0]} and {out.name}: the backward takes one attention output "
+                         "(and a logsumexp of the scores beside it)", out.loc)
     if attention is None:
-        raise ValueError("no attention output: nothing contracts the scores with a value tensor")
+        raise NoGrad("no attention output: nothing contracts the scores with a value tensor",
+                     diagram.outputs[0].loc if diagram.outputs else ir.NOLOC)
     form = _Form(score_wires, layouts)
-    output = form.visit(attention[1])
+    at = lets[attention[0]].expr.loc
+    try:
+        output = form.visit(attention[1])
+    except NoGrad as err:   # a part of the inlined output: its own place, else the output's box
+        raise NoGrad(str(err), err.loc if err.loc.line else at) from None
     if form.v is None:
-        raise ValueError(f"output {attention[0]} contracts no value tensor with the scores")
+        raise NoGrad(f"output {attention[0]} contracts no value tensor with the scores", at)
     if lse_name is not None and lse_wire != form.key:
-        raise ValueError(f"logsumexp is along {lse_wire} but the attention sums along {form.key}")
+        raise NoGrad(f"logsumexp is along {lse_wire} but the attention sums along {form.key}", lse_at)
     common = dict(value=form.v, lse_grad=lse_name is not None, score=score_let.expr, raw=raw,
                   input_layouts=layouts)
-    if form.softmax:
-        if len(form.nums) != 1 or form.sums or output != _ref("N0"):
-            raise ValueError("softmax attention must be exactly sum[x](softmax[x](S) * V)")
-        rule = softmax_rule(form.key, score_wires, layouts[form.v], **common)
-    else:
-        rule = sums_rule(form.key, score_wires, layouts[form.v], form.nums, form.sums, output, **common)
+    if form.softmax and (len(form.nums) != 1 or form.sums or output != _ref("N0")):
+        raise NoGrad("softmax attention must be exactly sum[x](softmax[x](S) * V)", at)
+    try:
+        if form.softmax:
+            rule = softmax_rule(form.key, score_wires, layouts[form.v], **common)
+        else:
+            rule = sums_rule(form.key, score_wires, layouts[form.v], form.nums, form.sums, output, **common)
+    except NoGrad:
+        raise
+    except ValueError as err:   # the rule builders' own (wires of the score and V): at the output's box
+        raise NoGrad(str(err), at) from None
     bound = [("S", score_let.name), ("O", attention[0])] + ([("lse", lse_name)] if lse_name else [])
     return replace(rule, bound=tuple(bound))
 
@@ -387,10 +405,12 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
             found.append((let, raws))
     if len(found) != 1:
         names = ", ".join(let.name for let, _ in found) or "none"
-        raise ValueError(f"expected one score box contracting inputs (like sum[d](Q * K)); found {names}")
+        raise NoGrad(f"expected one score box contracting inputs (like sum[d](Q * K)); found {names}",
+                     found[1][0].loc if found else ir.NOLOC)
     let, raws = found[0]
     if len(raws) != 1:
-        raise ValueError(f"the score box {let.name} holds {len(raws)} different contractions; expected one")
+        raise NoGrad(f"the score box {let.name} holds {len(raws)} different contractions; expected one",
+                     raws[1].loc)
     return let, raws[0]
 
 
@@ -445,11 +465,11 @@ class _Form:
 
     def visit(self, e: ir.Expr) -> ir.Expr:
         if isinstance(e, ir.Normalize):
-            raise ValueError("softmax must be used as sum[x](softmax[x](S) * V)")
+            raise NoGrad("softmax must be used as sum[x](softmax[x](S) * V)", e.loc)
         if not isinstance(e, ir.Reduce):
             return _map(e, self.visit)
         if e.op != "sum" or len(e.wires) != 1 or (self.key not in (None, e.wires[0])):
-            raise ValueError(f"{e.op}[{', '.join(e.wires)}] is not a sum along the key wire")
+            raise NoGrad(f"{e.op}[{', '.join(e.wires)}] is not a sum along the key wire", e.loc)
         self.key = e.wires[0]
         keyed, const = [], []
         for factor, power in _factors(e.body):
@@ -458,33 +478,33 @@ class _Form:
                       and f.name in self.layouts]
         if relabelled:   # else its weight reads as "softmax must normalise the score box itself"
             f = relabelled[0]
-            raise ValueError(f"the sum along {self.key} reads {f.name} relabelled ({f.name}[{', '.join(f.wires)}]); "
-                             "the backward takes a value tensor along its own wires")
+            raise NoGrad(f"the sum along {self.key} reads {f.name} relabelled ({f.name}[{', '.join(f.wires)}]); "
+                             "the backward takes a value tensor along its own wires", f.loc)
         vs = [f for f, p in keyed if isinstance(f, ir.TensorRef) and self._is_value(f)]
         if len(vs) > 1 or any(isinstance(f, ir.TensorRef) and self._is_value(f) and p < 0 for f, p in keyed):
-            raise ValueError("a contraction must multiply by the value tensor once")
+            raise NoGrad("a contraction must multiply by the value tensor once", e.loc)
         rest = [(f, p) for f, p in keyed if not (vs and f == vs[0])]
         weight = _product(rest)
         reduced = [n for n in ir.walk(weight) if isinstance(n, (ir.Reduce, ir.Normalize))]
         if reduced and not self._is_softmax(weight):
             others = [f for f, _ in rest if not isinstance(f, ir.Normalize)]
             if others and len(others) < len(rest):   # softmax(S) * G: a gate, not another score
-                raise ValueError(f"the weights of the sum along {self.key} multiply softmax by "
-                                 f"{' * '.join(expr_text(f) for f in others)}; the backward takes the softmax "
-                                 f"weights alone, sum[{self.key}](softmax[{self.key}](S) * V)")
+                raise NoGrad(f"the weights of the sum along {self.key} multiply softmax by "
+                             f"{' * '.join(expr_text(f) for f in others)}; the backward takes the softmax "
+                             f"weights alone, sum[{self.key}](softmax[{self.key}](S) * V)", e.loc)
             if any(isinstance(n, ir.Normalize) for n in reduced):
-                raise ValueError("softmax must normalise the score box itself: sum[x](softmax[x](S) * V)")
-            raise ValueError("the weights inside a sum along the key wire must be elementwise in the scores")
+                raise NoGrad("softmax must normalise the score box itself: sum[x](softmax[x](S) * V)", e.loc)
+            raise NoGrad("the weights inside a sum along the key wire must be elementwise in the scores", e.loc)
         if vs:
             if self.v not in (None, vs[0].name):
-                raise ValueError(f"two value tensors, {self.v} and {vs[0].name}")
+                raise NoGrad(f"two value tensors, {self.v} and {vs[0].name}", vs[0].loc)
             self.v = vs[0].name
             if self._is_softmax(weight):
                 self.softmax = True
             table, prefix = self.nums, "N"
         else:
             if self._is_softmax(weight):
-                raise ValueError("softmax must be used as sum[x](softmax[x](S) * V)")
+                raise NoGrad("softmax must be used as sum[x](softmax[x](S) * V)", e.loc)
             table, prefix = self.sums, "Z"
         if weight not in table:
             table.append(weight)

@@ -442,9 +442,32 @@ def test_an_input_named_like_a_backward_value_says_where_when_trained(folder):
     m = compile_text(text, "named_r", folder)
     q, k, r = m.example_inputs({"b": 1, "h": 1, "q": 20, "x": 20}, dtype=torch.float32)
     m.attention(q, k, r)   # the forward runs
-    with pytest.raises(NotImplementedError, match=r"input R \(line 13, column 4\) has the name of a value "
-                                                  r"the backward computes \(S, R, O, dO, lse"):
+    with pytest.raises(NotImplementedError, match=r"input R has the name of a value the backward computes "
+                                                  r"\(S, R, O, dO, lse.*; rename it \(line 13, column 4 of the "
+                                                  r"diagram\)$"):
         m.attention(q.requires_grad_(), k, r)
+
+
+def test_a_refused_backward_says_where_in_the_call_and_in_the_cost(folder, tmp_path, capsys):
+    """grad_plan's refusals named no place: the call's NotImplementedError said
+    'outputs O and O2: ...' with no line, and `napkin cost --backward` printed
+    'FILE: napkin has no backward ...' with no line or caret."""
+    from napkin.cli import main
+    text = (REPO / "examples" / "attention.ncd").read_text().replace("wire d = 64", "wire d = 16")
+    text = text.replace("out O, lse", "O2[b, h, q, d] = sum[x](P * V) * 2\nout O, O2").replace("O, lse }", "O, O2 }")
+    line = text.splitlines().index("out O, O2") + 1
+    m = compile_text(text, "two_outputs", folder)
+    q, k, v = m.example_inputs({"b": 1, "h": 1, "q": 20, "x": 20}, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match=rf"outputs O and O2: the backward takes one attention output "
+                                                  rf".* \(line {line}, column 8 of the diagram\)$"):
+        m.attention(q.requires_grad_(), k, v)
+    path = tmp_path / "two_outputs.ncd"
+    path.write_text(text)
+    assert main(["cost", "--backward", str(path), "-D", "b=1", "-D", "h=1", "-D", "q=64", "-D", "x=64"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"{path}:{line}:8: napkin has no backward for diagram attention: outputs O and O2: the "
+                      "backward takes one attention output (and a logsumexp of the scores beside it)"), err
+    assert err[1:3] == ["    out O, O2", "           ^^"], err
 
 
 @pytest.mark.parametrize("epilogue, torch64", [

@@ -597,3 +597,39 @@ def test_the_reference_takes_torchs_values_for_a_sizes_terms_at_the_edges():
     q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 5, "x": 0}, dtype=torch.float32)
     assert torch.equal(m.reference(q, k, v), torch.zeros(1, 2, 5, 64))
     assert torch.equal(run(m, [q, k, v])[0], torch.zeros(1, 2, 5, 64))
+
+
+ROW_EXTREMES = """diagram rowext
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5
+O[b, h, q, d] = sum[x](softmax[x](S) * V)
+mx[b, h, q] = max[x](S)
+mn[b, h, q] = min[x](S)
+out O, mx, mn
+"""
+
+
+@pytest.mark.parametrize("keys", [0, 37])
+def test_the_reference_takes_max_and_min_along_no_keys_as_the_kernel_does(keys):
+    """max[x] and min[x] outputs at x = 0: the kernel gives -inf and inf, the
+    reference raised torch's 'amax(): Expected reduction dim 3 to have
+    non-zero size' (helper's hunt).  At 37 keys both are the float64 truth."""
+    m = compile_text(ROW_EXTREMES, "rowext")
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64) for n in (5, keys, keys))
+    s = q @ k.transpose(-1, -2) / 4
+    o, mx, mn = m.reference(q, k, v)
+    if keys == 0:
+        assert torch.equal(mx, torch.full((1, 2, 5), float("-inf"), dtype=torch.float64))
+        assert torch.equal(mn, torch.full((1, 2, 5), float("inf"), dtype=torch.float64))
+        assert torch.equal(o, torch.zeros(1, 2, 5, 16, dtype=torch.float64))
+    else:
+        assert torch.allclose(mx, s.amax(-1), rtol=0, atol=1e-12) and torch.allclose(mn, s.amin(-1), rtol=0, atol=1e-12)
+        assert torch.allclose(o, torch.softmax(s, -1) @ v, rtol=0, atol=1e-12)
+    got = run(m, [t.float() for t in (q, k, v)])
+    for a, b in zip(got, (o, mx, mn)):
+        assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5, equal_nan=False), (a, b)

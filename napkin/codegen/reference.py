@@ -178,8 +178,10 @@ class _Ref:
         out = tuple(w for w in wires if w not in e.wires)
         if e.op == "logsumexp":
             return f"torch.logsumexp({code}, dim={dims})", out
-        method = {"sum": "sum", "max": "amax", "min": "amin"}[e.op]
-        return f"{atom(code)}.{method}(dim={dims})", out
+        if e.op == "sum":
+            return f"{atom(code)}.sum(dim={dims})", out
+        # max and min through _extreme: along an empty wire (x = 0 keys) they are -inf and inf, not torch's error
+        return f'_extreme({code}, {dims}, "{e.op}")', out
 
     def einsum(self, e: ir.Reduce, factors) -> tuple[str, tuple[str, ...]]:
         parts, scalars, specs = [], [], []

@@ -48,10 +48,20 @@ class Training:
     backward: Optional[object] = None  # backward.BackwardPlan
     grads: tuple[L.ContractionPlan, ...] = ()  # the matrix product's dA, dB
     reason: Optional[str] = None       # why there is no backward
+    reason_loc: ir.Loc = ir.NOLOC      # and where in the diagram, when a place is to blame
 
 
-def _no(plan: L.Plan, why: str) -> Training:
-    return Training(plan, reason=f"napkin has no backward for diagram {plan.diagram.name}: {why}")
+def _no(plan: L.Plan, why: str, loc: ir.Loc = ir.NOLOC) -> Training:
+    return Training(plan, reason=f"napkin has no backward for diagram {plan.diagram.name}: {why}", reason_loc=loc)
+
+
+def located_reason(t: Training) -> Optional[str]:
+    """Why there is no backward, with the diagram's line and column where a
+    place is to blame: the generated module's NotImplementedError has no
+    caret to show, so its words say where."""
+    if t.reason is None or t.reason_loc.line <= 0:
+        return t.reason
+    return f"{t.reason} (line {t.reason_loc.line}, column {t.reason_loc.col} of the diagram)"
 
 
 def prepare(plan: L.Plan) -> Training:
@@ -59,13 +69,14 @@ def prepare(plan: L.Plan) -> Training:
     # (public: NAME_backward(..., need=None, grad_dtype="float32")); a box never is
     for option in BACKWARD_OPTIONS:
         if isinstance(plan.diagram.tensor(option), ir.Input):
-            return _no(plan, f"its input '{option}' has the name of the backward's option; rename it")
+            return _no(plan, f"its input '{option}' has the name of the backward's option; rename it",
+                       plan.diagram.tensor(option).loc)
     try:
         if plan.family == "attention":
             return _attention(plan)
         return _contraction(plan)
     except NapkinError as err:
-        return _no(plan, err.messages[0])
+        return _no(plan, err.messages[0], err.diagnostics[0].loc)
 
 
 # --------------------------------------------------------------------------
@@ -78,14 +89,15 @@ def _attention(plan: L.AttentionPlan) -> Training:
     d = plan.diagram
     try:
         rule = gradrules.grad_plan(d)
-    except ValueError as err:
-        return _no(plan, str(err))
+    except ValueError as err:   # gradrules.NoGrad, with the place to blame
+        return _no(plan, str(err), getattr(err, "loc", ir.NOLOC))
     bound = dict(rule.bound)
     tiles = {n for n, _ in rule.tile} | {"R"}
     for name in dict(rule.layouts):
         t = d.tensor(name)
         if name not in tiles and t is not None and bound.get(name) != name:
-            return _no(plan, f"the diagram's tensor {name} has the name of a value its backward stores; rename it")
+            return _no(plan, f"the diagram's tensor {name} has the name of a value its backward stores; rename it",
+                       t.loc)
     score = bound["S"]
     out_axes = d.tensor(bound["O"]).axes
     feat = set(rule.layout("O")) - set(rule.layout("S"))
@@ -128,16 +140,17 @@ def _contraction(plan: L.ContractionPlan) -> Training:
     factor = _epilogue_factor(expr, plan.red)
     if isinstance(factor, str):
         return _no(plan, f"its output {out.name} is {factor}: a matmul's backward here takes a plain "
-                         f"sum[{plan.red}]({a} * {b}) or one with a constant slope (a scale, an added constant)")
+                         f"sum[{plan.red}]({a} * {b}) or one with a constant slope (a scale, an added constant)",
+                   d.tensor(out.name).expr.loc)
     c_wires = set(ir.axis_wires(d.tensor(out.name).axes))
     for name in (a, b):
         t = d.tensor(name)
         if t.dtype not in ir.FLOAT_DTYPES:
-            return _no(plan, f"{name} is not a float tensor")
+            return _no(plan, f"{name} is not a float tensor", t.dtype_loc)
         missing = (c_wires - {plan.row, plan.col}) - set(ir.axis_wires(t.axes))
         if missing:
             return _no(plan, f"{name} lacks the batch wire(s) {', '.join(sorted(missing))}: its gradient would "
-                             "sum over them too")
+                             "sum over them too", t.loc)
     if {plan.lhs.wires, plan.rhs.wires} != {ir.axis_wires(d.tensor(a).axes), ir.axis_wires(d.tensor(b).axes)}:
         return _no(plan, "an input is read along other wires than its own")
     grad_c = ir.Input(f"_grad_{out.name}", d.tensor(out.name).axes, _dc_dtype(d, out.name))
@@ -239,7 +252,7 @@ def context(t: Training, *, name: str, options: list[str], source_hash: str) -> 
     ctx = {
         "name": name, "inputs": inputs, "outputs": user_outputs, "saved": list(t.saved),
         "floats": floats, "options": options, "op_base": f"{name}_{source_hash[:8]}",
-        "reason": t.reason, "family": None, "kernels": [], "grad_kernels": [],
+        "reason": located_reason(t), "family": None, "kernels": [], "grad_kernels": [],
         "inference": isinstance(t.forward, L.AttentionPlan),   # its launcher takes out_dtype= and chunk=
     }
     if t.backward is not None:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from .. import ir, masks, tiling
-from ..errors import NapkinError
+from ..errors import Diagnostic, NapkinError
 from .model import TRANSCENDENTAL, clip
 
 
@@ -140,7 +140,7 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
         raise NapkinError(f"the backward's cost needs sizes for {', '.join(missing)}")
     t = training.prepare(lower.lower(d))
     if t.reason is not None:
-        raise NapkinError(t.reason)
+        raise NapkinError([Diagnostic(t.reason, t.reason_loc)])
     forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile) if t.saved \
         else analyse(d, bound, profile)
     if t.backward is not None:

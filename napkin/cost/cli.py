@@ -82,8 +82,8 @@ def handler(args) -> int:
             return 0
         report = analyse(diagram, sizes, args.device)
         back = backward_cost(diagram, sizes, args.device) if args.backward else None
-    except NapkinError as err:
-        raise err.with_source(args.file, None) from None
+    except NapkinError as err:   # a place in the diagram shows its line and caret
+        raise napkin.located(err, diagram) from None
     if back is None:
         print(report.to_json() if args.json else format_text(report))
     elif args.json:
