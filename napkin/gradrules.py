@@ -409,7 +409,8 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
                      found[1][0].loc if found else ir.NOLOC)
     let, raws = found[0]
     if len(raws) != 1:
-        raise NoGrad(f"the score box {let.name} holds {len(raws)} different contractions; expected one",
+        raise NoGrad(f"the box {let.name} holds {len(raws)} sums over inputs; the backward takes one score, a "
+                     "contraction like sum[d](Q * K) in a box of its own or written inside one normaliser",
                      raws[1].loc)
     return let, raws[0]
 

@@ -1267,3 +1267,56 @@ def test_an_output_named_chunk_is_refused():
         .replace("out O, lse", "out chunk, lse").replace("hold Q, K, V, O, lse", "hold Q, K, V, chunk, lse")
     with pytest.raises(NapkinError, match="output chunk: the launcher has an option named chunk"):
         emit_module(napkin.load_text(text, "a.ncd"), source_text=text, source_path="a.ncd")
+
+
+def test_a_score_written_inside_its_normaliser_trains(folder):
+    """sum[x](softmax[x](sum[d](Q * K) * |d|^-0.5) * V) ran forward but its
+    gradient was refused with 'the score box O holds 2 different
+    contractions' (O is the output; helper's hunt): the score inside the
+    normalisers is given a box of its own for the backward.  Causal, with
+    an lse of the same score written again, fp16, ragged sizes."""
+    score = "sum[d](Q * K) * |d|^-0.5 + where(x <= q, 0, -inf)"
+    text = f"""diagram inline_score
+wire b, h, q, x
+wire d = 32
+in Q[b, h, q, d] : fp16
+in K[b, h, x, d] : fp16
+in V[b, h, x, d] : fp16
+O[b, h, q, d] : fp16 = sum[x](softmax[x]({score}) * V)
+lse[b, h, q] = logsumexp[x]({score})
+out O, lse
+"""
+    m = compile_text(text, "inline_score", folder)
+    g = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=g).half() for n in (37, 53, 53))
+
+    def torch64(q, k, v):
+        s = q @ k.transpose(-1, -2) / math.sqrt(32)
+        s = s.masked_fill(torch.arange(53)[None, :] > torch.arange(37)[:, None], float("-inf"))
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+    got = gradients(lambda *t: m.inline_score(*t, block_q=16, block_x=16), [q, k, v])
+    exact = gradients(torch64, [t.double() for t in (q, k, v)])
+    for a, e in zip(got, exact):
+        assert torch.isfinite(a).all()
+        assert (a.double() - e).abs().max() <= 2e-3 * e.abs().max() + 1e-3, ((a.double() - e).abs().max(), e.abs().max())
+
+
+def test_two_scores_inside_normalisers_are_refused_in_words(folder):
+    """Two different inline scores: no one score to box; the refusal names the
+    boxes holding them and points at the second, not 'the score box O'."""
+    text = """diagram two_inline
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+O[b, h, q, d] = sum[x](softmax[x](sum[d](Q * K)) * V)
+lse[b, h, q] = logsumexp[x](sum[d](Q * K) * 2)
+out O, lse
+"""
+    m = compile_text(text, "two_inline", folder)
+    q, k, v = m.example_inputs({"b": 1, "h": 1, "q": 5, "x": 7}, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match=r"expected one score box contracting inputs \(like sum\[d\]\(Q \* "
+                                                  r"K\)\); found O, lse \(line 8, column 1 of the diagram\)$"):
+        m.two_inline(q.requires_grad_(), k, v)

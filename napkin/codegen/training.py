@@ -83,6 +83,39 @@ def prepare(plan: L.Plan) -> Training:
 # Attention.
 # --------------------------------------------------------------------------
 
+def _score_boxed(d: ir.Diagram) -> Optional[ir.Diagram]:
+    """``d`` with a score written inside its normaliser given a box of its own,
+    or None when there is no such score.  ``sum[x](softmax[x](sum[d](Q * K) *
+    |d|^-0.5) * V)`` is the attention of a score box S = sum[d](Q * K) *
+    |d|^-0.5 (boxes are names: the kernels are the same), and grad_plan
+    finds a score by its box.  The score: the one body of the normalisers
+    (softmax, logsumexp) that holds a contraction of two inputs and reads
+    nothing but inputs."""
+    inputs = {i.name for i in d.inputs}
+
+    def contraction(n) -> bool:
+        return (isinstance(n, ir.Reduce) and n.op == "sum" and isinstance(n.body, ir.Binary) and n.body.op == "*"
+                and all(isinstance(t, ir.TensorRef) and t.name in inputs for t in (n.body.lhs, n.body.rhs)))
+
+    bodies = []
+    for let in d.lets:
+        for n in ir.walk(let.expr):
+            normaliser = isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp")
+            if normaliser and any(contraction(m) for m in ir.walk(n.body)) and n.body not in bodies \
+                    and all(m.name in inputs for m in ir.walk(n.body) if isinstance(m, ir.TensorRef)):
+                bodies.append(n.body)
+    if len(bodies) != 1:
+        return None
+    (body,) = bodies
+    free = L.wires_of(d, body)
+    taken = {t.name for t in d.inputs + d.lets} | {w.name for w in d.wires}
+    box = ir.Let(fresh_name("S", taken, prefix=""), tuple(w.name for w in d.wires if w.name in free), None, body,
+                 body.loc)
+    lets = tuple(dataclasses.replace(let, expr=autodiff.substitute(let.expr, body, ir.TensorRef(box.name)))
+                 for let in d.lets)
+    return dataclasses.replace(d, lets=(box,) + lets)
+
+
 def _attention(plan: L.AttentionPlan) -> Training:
     from .backward import lower_backward
 
@@ -90,7 +123,14 @@ def _attention(plan: L.AttentionPlan) -> Training:
     try:
         rule = gradrules.grad_plan(d)
     except ValueError as err:   # gradrules.NoGrad, with the place to blame
-        return _no(plan, str(err), getattr(err, "loc", ir.NOLOC))
+        boxed = _score_boxed(d)
+        if boxed is None:
+            return _no(plan, str(err), getattr(err, "loc", ir.NOLOC))
+        try:   # the score written inline: the same attention with its score boxed
+            rule = gradrules.grad_plan(boxed)
+        except ValueError as again:
+            return _no(plan, str(again), getattr(again, "loc", ir.NOLOC))
+        plan, d = L.lower(boxed), boxed
     bound = dict(rule.bound)
     tiles = {n for n, _ in rule.tile} | {"R"}
     for name in dict(rule.layouts):
