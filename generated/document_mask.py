@@ -300,6 +300,17 @@ def _out_dtype(name, classes):
     return _TORCH_DTYPES[declared]
 
 
+def _int64_offsets(*tensors):
+    """Whether some tensor's element offsets reach 2^31: the kernels' constexpr
+    _INT64 then widens every index to int64 before it meets a stride.  Below
+    it they stay int32, as Triton passes strides (a row offset times a row
+    stride wrapped negative: a [b, s, h, d] view at s = 2^19, h = 32, d = 128
+    read outside the tensor).  The whole span counts, batch wires too: those
+    indices are int64 already, so this errs only towards the wide path."""
+    return any(t is not None and t.numel() > 0
+               and sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) >= 2 ** 31 for t in tensors)
+
+
 def _wider(outputs, inputs):
     """Whether a float output is wider than a 16-bit float input: then the
     kernel keeps the weights it multiplies with V to about 22 bits (two
@@ -550,6 +561,15 @@ def _pow(b, e):
 
 
 @triton.jit
+def _ix(i, INT64: tl.constexpr):
+    # an index about to meet a stride: int64 where the launcher found offsets
+    # past 2^31 (_int64_offsets), else as it is (int32: fewer registers)
+    if INT64:
+        i = i.to(tl.int64)
+    return i
+
+
+@triton.jit
 def _relu(z):
     return tl.where(z < 0, 0.0, z)
 
@@ -604,6 +624,7 @@ def _document_mask_ranges_kernel(
     _BLOCK_x: tl.constexpr,
     _WHOLE_ROWS: tl.constexpr,
     _BY_COL: tl.constexpr,
+    _INT64: tl.constexpr,
 ):
     # Program ids: axis 0 a block of q (x with _BY_COL), axis 1 one index of b,
     # axis 2 a chunk of _per blocks of the other wire.
@@ -617,13 +638,13 @@ def _document_mask_ranges_kernel(
         _col0 = _pid * _BLOCK_x
         _offs_x = _col0 + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
-        _doc_1 = tl.load(doc + _i_b * _st_doc_b + _offs_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+        _doc_1 = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_offs_x[None, :], _INT64) * _st_doc_x, mask=_ok_x[None, :], other=0)
     else:  # a block of q, scanning the blocks of x
         _steps = tl.cdiv(_size_x, _BLOCK_x)
         _row0 = _pid * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _ok_q = _offs_q < _size_q
-        _doc = tl.load(doc + _i_b * _st_doc_b + _offs_q[:, None] * _st_doc_x, mask=_ok_q[:, None], other=0)
+        _doc = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_offs_q[:, None], _INT64) * _st_doc_x, mask=_ok_q[:, None], other=0)
     _first = _chunk * _per
     _last = tl.minimum(_first + _per, _steps)
     _lo = tl.full([], 0, tl.int32) + _steps  # the first live block (none yet: _steps)
@@ -637,12 +658,12 @@ def _document_mask_ranges_kernel(
             _row0 = _j * _BLOCK_q
             _offs_q = _row0 + tl.arange(0, _BLOCK_q)
             _ok_q = _offs_q < _size_q
-            _doc = tl.load(doc + _i_b * _st_doc_b + _offs_q[:, None] * _st_doc_x, mask=_ok_q[:, None], other=0)
+            _doc = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_offs_q[:, None], _INT64) * _st_doc_x, mask=_ok_q[:, None], other=0)
         else:
             _col0 = _j * _BLOCK_x
             _offs_x = _col0 + tl.arange(0, _BLOCK_x)
             _ok_x = _offs_x < _size_x
-            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _offs_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+            _doc_1 = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_offs_x[None, :], _INT64) * _st_doc_x, mask=_ok_x[None, :], other=0)
         # the mask, as the masked step evaluates it; padding rows and columns count nowhere
         _keep = _ok_q[:, None] & _ok_x[None, :] & (_doc == _doc_1)
         _any = tl.max(tl.where(_keep, 1, 0)) > 0
@@ -722,6 +743,7 @@ def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _
             _parts,
             _per,
             _BLOCK_q=_br, _BLOCK_x=_bc, _WHOLE_ROWS=_whole_rows, _BY_COL=_by_col,
+            _INT64=_int64_offsets(doc),
             num_warps=8 if _br * _bc >= 8192 else 4, enable_fp_fusion=True,  # 8 warps: 32 pairs a thread on 128 x 64
         )
     if _grid[0] * _grid[1] > 0:  # no chunk (an empty wire scanned) still writes its empty range
@@ -976,6 +998,7 @@ def _document_mask_kernel(
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
     _SPLIT_WEIGHTS: tl.constexpr,
+    _INT64: tl.constexpr,
     _SAVE: tl.constexpr,
     _pos_q,
     _pos_x,
@@ -1016,8 +1039,8 @@ def _document_mask_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
-    _doc = tl.load(doc + _i_b * _st_doc_b + _idx_q[:, None] * _st_doc_x, mask=_gok_q[:, None], other=0)
+        _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+    _doc = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_idx_q[:, None], _INT64) * _st_doc_x, mask=_gok_q[:, None], other=0)
 
     # Streaming state.
     _m = tl.full([_BLOCK_q, 1], float("-inf"), tl.float32)  # running max of the exponent, log2 units
@@ -1062,12 +1085,12 @@ def _document_mask_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+                _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _doc_1 = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_idx_x[None, :], _INT64) * _st_doc_x, mask=_ok_x[None, :], other=0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             # online softmax state _m, log2 units: the exponent is _s * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
             # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
@@ -1089,11 +1112,11 @@ def _document_mask_kernel(
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
-            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+            _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d)
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
-            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+            _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         # online softmax state _m, log2 units: the exponent is _qk * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
         # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
@@ -1124,12 +1147,12 @@ def _document_mask_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+                _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _doc_1 = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_idx_x[None, :], _INT64) * _st_doc_x, mask=_ok_x[None, :], other=0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             # online softmax state _m, log2 units: the exponent is _s * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
             # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
@@ -1156,10 +1179,10 @@ def _document_mask_kernel(
         if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
             _tma_O.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _out_O.to(O.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
         else:
-            tl.store(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
+            tl.store(O + _ix(_i_b, _INT64) * _st_O_b + _ix(_i_h, _INT64) * _st_O_h + _ix(_offs_q[:, None], _INT64) * _st_O_q + _ix(_offs_d[None, :], _INT64) * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
         if _SAVE:  # training: the row state the backward reads
             _out__saved_lse = _logsumexp(_m, _l)
-            tl.store(_saved_lse + _i_b * _st__saved_lse_b + _i_h * _st__saved_lse_h + _offs_q[:, None] * _st__saved_lse_q, _out__saved_lse.to(_saved_lse.dtype.element_ty), mask=_ok_q[:, None])
+            tl.store(_saved_lse + _ix(_i_b, _INT64) * _st__saved_lse_b + _ix(_i_h, _INT64) * _st__saved_lse_h + _ix(_offs_q[:, None], _INT64) * _st__saved_lse_q, _out__saved_lse.to(_saved_lse.dtype.element_ty), mask=_ok_q[:, None])
 
 
 
@@ -1178,6 +1201,7 @@ def _document_mask_merge(
     _st__saved_lse_q,
     _BLOCK_q: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _INT64: tl.constexpr,
     _SAVE: tl.constexpr,
     _pos_q,
     _len_q,
@@ -1228,10 +1252,10 @@ def _document_mask_merge(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma_O.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _out_O.to(O.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
     else:
-        tl.store(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
+        tl.store(O + _ix(_i_b, _INT64) * _st_O_b + _ix(_i_h, _INT64) * _st_O_h + _ix(_offs_q[:, None], _INT64) * _st_O_q + _ix(_offs_d[None, :], _INT64) * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
     if _SAVE:  # training: the row state the backward reads
         _out__saved_lse = _logsumexp(_m, _l)
-        tl.store(_saved_lse + _i_b * _st__saved_lse_b + _i_h * _st__saved_lse_h + _offs_q[:, None] * _st__saved_lse_q, _out__saved_lse.to(_saved_lse.dtype.element_ty), mask=_ok_q[:, None])
+        tl.store(_saved_lse + _ix(_i_b, _INT64) * _st__saved_lse_b + _ix(_i_h, _INT64) * _st__saved_lse_h + _ix(_offs_q[:, None], _INT64) * _st__saved_lse_q, _out__saved_lse.to(_saved_lse.dtype.element_ty), mask=_ok_q[:, None])
 
 
 
@@ -1309,13 +1333,13 @@ def _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages
         *_wire_strides(O, "O", _sz),
         *_wire_strides(_saved_lse, "_saved_lse", _sz),
     )
-    _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, doc]), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
+    _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, doc]), _INT64=_int64_offsets(Q, K, V, doc, O, _saved_lse), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
     if math.prod(_grid) > 0:
         _document_mask_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
             _document_mask_merge[_grid[:2]](
                 *(_args[4:6] + _args[7:9] + _args[24:31]),
-                _BLOCK_q=_br, _BLOCK_d=64, _SAVE=_save, _pos_q=_pos["_pos_q"], _len_q=_pos["_len_q"], _POS_q=_pos["_POS_q"], _tma_O=_tma["_tma_O"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
+                _BLOCK_q=_br, _BLOCK_d=64, _INT64=_int64_offsets(Q, K, V, doc, O, _saved_lse), _SAVE=_save, _pos_q=_pos["_pos_q"], _len_q=_pos["_len_q"], _POS_q=_pos["_POS_q"], _tma_O=_tma["_tma_O"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
                 num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
             )
     return (O,), (_saved_lse,)
@@ -1391,6 +1415,7 @@ def _document_mask_bwd_rows_kernel(
     _st_delta_q,
     _BLOCK_q: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _INT64: tl.constexpr,
 ):
     # The per-row values of the backward: one program per block of q, batch index (b, h).
     _pid = tl.program_id(0)
@@ -1404,14 +1429,14 @@ def _document_mask_bwd_rows_kernel(
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without a loop: loaded once per program.
-    _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-    _O = tl.load(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, mask=_ok_q[:, None], other=0.0)
+    _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+    _O = tl.load(O + _ix(_i_b, _INT64) * _st_O_b + _ix(_i_h, _INT64) * _st_O_h + _ix(_offs_q[:, None], _INT64) * _st_O_q + _ix(_offs_d[None, :], _INT64) * _st_O_d, mask=_ok_q[:, None], other=0.0)
     _dO = _dO.to(tl.float32)
     _O = _O.to(tl.float32)
     _sum0 = tl.sum(_dO * _O, 1)[:, None]
     _delta = _sum0
 
-    tl.store(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, _delta.to(delta.dtype.element_ty), mask=_ok_q[:, None])
+    tl.store(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_h, _INT64) * _st_delta_h + _ix(_offs_q[:, None], _INT64) * _st_delta_q, _delta.to(delta.dtype.element_ty), mask=_ok_q[:, None])
 
 
 # The dK/dV kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
@@ -1470,6 +1495,7 @@ def _document_mask_bwd_dkdv_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _INT64: tl.constexpr,
     _pos_q,
     _pos_x,
     _len_q,
@@ -1507,12 +1533,12 @@ def _document_mask_bwd_dkdv_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0]).reshape(_BLOCK_x, _BLOCK_d)
     else:
-        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-    _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[:, None] * _st_doc_x, mask=_ok_x[:, None], other=0)
+        _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
+    _doc_1 = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_idx_x[:, None], _INT64) * _st_doc_x, mask=_ok_x[:, None], other=0)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0]).reshape(_BLOCK_x, _BLOCK_d)
     else:
-        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+        _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
     _acc_K = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
     _acc_V = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
 
@@ -1550,14 +1576,14 @@ def _document_mask_bwd_dkdv_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
-            _doc = tl.load(doc + _i_b * _st_doc_b + _idx_q[None, :] * _st_doc_x, mask=_gok_q[None, :], other=0)
-            _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+            _doc = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_idx_q[None, :], _INT64) * _st_doc_x, mask=_gok_q[None, :], other=0)
+            _lse = tl.sum(tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_h, _INT64) * _st_lse_h + _ix(_offs_q[None, :, None], _INT64) * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
-            _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+            _delta = tl.sum(tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_h, _INT64) * _st_delta_h + _ix(_offs_q[None, :, None], _INT64) * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
@@ -1575,13 +1601,13 @@ def _document_mask_bwd_dkdv_kernel(
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
         else:
-            _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
-        _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q), 2)  # one value a thread: backward_emit._step_load
+            _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d)
+        _lse = tl.sum(tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_h, _INT64) * _st_lse_h + _ix(_offs_q[None, :, None], _INT64) * _st_lse_q), 2)  # one value a thread: backward_emit._step_load
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
         else:
-            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
-        _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q), 2)  # one value a thread: backward_emit._step_load
+            _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d)
+        _delta = tl.sum(tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_h, _INT64) * _st_delta_h + _ix(_offs_q[None, :, None], _INT64) * _st_delta_q), 2)  # one value a thread: backward_emit._step_load
         _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
         _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
@@ -1609,14 +1635,14 @@ def _document_mask_bwd_dkdv_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
-            _doc = tl.load(doc + _i_b * _st_doc_b + _idx_q[None, :] * _st_doc_x, mask=_gok_q[None, :], other=0)
-            _lse = tl.sum(tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[None, :, None] * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+            _doc = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_idx_q[None, :], _INT64) * _st_doc_x, mask=_gok_q[None, :], other=0)
+            _lse = tl.sum(tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_h, _INT64) * _st_lse_h + _ix(_offs_q[None, :, None], _INT64) * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
-            _delta = tl.sum(tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[None, :, None] * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+            _delta = tl.sum(tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_h, _INT64) * _st_delta_h + _ix(_offs_q[None, :, None], _INT64) * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
@@ -1630,11 +1656,11 @@ def _document_mask_bwd_dkdv_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _grad_scaled(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
-        tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _grad_scaled(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+        tl.store(_grad_K + _ix(_i_b, _INT64) * _st__grad_K_b + _ix(_i_h, _INT64) * _st__grad_K_h + _ix(_offs_x[:, None], _INT64) * _st__grad_K_x + _ix(_offs_d[None, :], _INT64) * _st__grad_K_d, _grad_scaled(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_V.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_V.to(_grad_V.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
-        tl.store(_grad_V + _i_b * _st__grad_V_b + _i_h * _st__grad_V_h + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+        tl.store(_grad_V + _ix(_i_b, _INT64) * _st__grad_V_b + _ix(_i_h, _INT64) * _st__grad_V_h + _ix(_offs_x[:, None], _INT64) * _st__grad_V_x + _ix(_offs_d[None, :], _INT64) * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
 
 
 # The dQ kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
@@ -1688,6 +1714,7 @@ def _document_mask_bwd_dq_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _INT64: tl.constexpr,
     _pos_q,
     _pos_x,
     _len_q,
@@ -1725,14 +1752,14 @@ def _document_mask_bwd_dq_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
-    _doc = tl.load(doc + _i_b * _st_doc_b + _idx_q[:, None] * _st_doc_x, mask=_gok_q[:, None], other=0)
-    _lse = tl.load(lse + _i_b * _st_lse_b + _i_h * _st_lse_h + _offs_q[:, None] * _st_lse_q, mask=_gok_q[:, None], other=0.0)
+        _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+    _doc = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_idx_q[:, None], _INT64) * _st_doc_x, mask=_gok_q[:, None], other=0)
+    _lse = tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_h, _INT64) * _st_lse_h + _ix(_offs_q[:, None], _INT64) * _st_lse_q, mask=_gok_q[:, None], other=0.0)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
-    _delta = tl.load(delta + _i_b * _st_delta_b + _i_h * _st_delta_h + _offs_q[:, None] * _st_delta_q, mask=_gok_q[:, None], other=0.0)
+        _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+    _delta = tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_h, _INT64) * _st_delta_h + _ix(_offs_q[:, None], _INT64) * _st_delta_q, mask=_gok_q[:, None], other=0.0)
     _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
 
@@ -1768,12 +1795,12 @@ def _document_mask_bwd_dq_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+                _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _doc_1 = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_idx_x[None, :], _INT64) * _st_doc_x, mask=_ok_x[None, :], other=0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(tl.where(_doc == _doc_1, _qk, float("-inf")) * 0.18033688011112042 - _lse2)
@@ -1788,11 +1815,11 @@ def _document_mask_bwd_dq_kernel(
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
-            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+            _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d)
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
-            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+            _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
@@ -1816,12 +1843,12 @@ def _document_mask_bwd_dq_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
-            _doc_1 = tl.load(doc + _i_b * _st_doc_b + _idx_x[None, :] * _st_doc_x, mask=_ok_x[None, :], other=0)
+                _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
+            _doc_1 = tl.load(doc + _ix(_i_b, _INT64) * _st_doc_b + _ix(_idx_x[None, :], _INT64) * _st_doc_x, mask=_ok_x[None, :], other=0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(tl.where(_doc == _doc_1, _qk, float("-inf")) * 0.18033688011112042 - _lse2)
@@ -1833,7 +1860,7 @@ def _document_mask_bwd_dq_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _grad_scaled(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
     else:
-        tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _grad_scaled(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
+        tl.store(_grad_Q + _ix(_i_b, _INT64) * _st__grad_Q_b + _ix(_i_h, _INT64) * _st__grad_Q_h + _ix(_offs_q[:, None], _INT64) * _st__grad_Q_q + _ix(_offs_d[None, :], _INT64) * _st__grad_Q_d, _grad_scaled(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
 
 
 @_on_inputs_device
@@ -1853,7 +1880,7 @@ def _document_mask_preprocess(Q, K, V, doc, dO, O, _o):
             *_wire_strides(dO, "dO", _sz),
             *_wire_strides(O, "O", _sz),
             *_wire_strides(delta, "delta", _sz),
-            _BLOCK_q=_br, _BLOCK_d=64,
+            _BLOCK_q=_br, _BLOCK_d=64, _INT64=_int64_offsets(dO, O, delta),
             num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
         )
     return (delta,)
@@ -1956,7 +1983,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
                 *_wire_strides(delta, "delta", _sz),
                 *_wire_strides(_grad_K, "_grad_K", _sz),
                 *_wire_strides(_grad_V, "_grad_V", _sz),
-                _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, **_kv_tma, _ranges=_kv_rng, _RANGES=_kv_rng_on,
+                _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, _INT64=_int64_offsets(K, doc, V, Q, lse, dO, delta, _grad_K, _grad_V), **_pos, **_kv_tma, _ranges=_kv_rng, _RANGES=_kv_rng_on,
                 num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
             )
         _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
@@ -1976,7 +2003,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
                     *_wire_strides(K, "K", _sz),
                     *_wire_strides(V, "V", _sz),
                     *_wire_strides(_grad_Q, "_grad_Q", _sz),
-                    _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on,
+                    _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _INT64=_int64_offsets(Q, doc, lse, dO, delta, K, V, _grad_Q), **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on,
                     num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
                 )
     finally:  # joined even when a launch raised: nothing may free what the second stream still writes

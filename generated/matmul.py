@@ -292,6 +292,17 @@ def _out_dtype(name, classes):
     return _TORCH_DTYPES[declared]
 
 
+def _int64_offsets(*tensors):
+    """Whether some tensor's element offsets reach 2^31: the kernels' constexpr
+    _INT64 then widens every index to int64 before it meets a stride.  Below
+    it they stay int32, as Triton passes strides (a row offset times a row
+    stride wrapped negative: a [b, s, h, d] view at s = 2^19, h = 32, d = 128
+    read outside the tensor).  The whole span counts, batch wires too: those
+    indices are int64 already, so this errs only towards the wide path."""
+    return any(t is not None and t.numel() > 0
+               and sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) >= 2 ** 31 for t in tensors)
+
+
 def _wider(outputs, inputs):
     """Whether a float output is wider than a 16-bit float input: then the
     kernel keeps the weights it multiplies with V to about 22 bits (two
@@ -542,6 +553,15 @@ def _pow(b, e):
 
 
 @triton.jit
+def _ix(i, INT64: tl.constexpr):
+    # an index about to meet a stride: int64 where the launcher found offsets
+    # past 2^31 (_int64_offsets), else as it is (int32: fewer registers)
+    if INT64:
+        i = i.to(tl.int64)
+    return i
+
+
+@triton.jit
 def _relu(z):
     return tl.where(z < 0, 0.0, z)
 
@@ -598,6 +618,7 @@ def _matmul_kernel(
     _BLOCK_m: tl.constexpr,
     _BLOCK_n: tl.constexpr,
     _BLOCK_k: tl.constexpr,
+    _INT64: tl.constexpr,
 ):
     # Program ids: axis 0 a block of m, axis 1 a block of n, axis 2 the batch wires.
     _batch = tl.program_id(2).to(tl.int64)
@@ -615,20 +636,20 @@ def _matmul_kernel(
     _full = _size_k // _BLOCK_k * _BLOCK_k
     for _start in range(0, _full, _BLOCK_k):
         _offs_k = _start + tl.arange(0, _BLOCK_k)
-        _a = tl.load(A + _offs_m[:, None] * _st_A_m + _offs_k[None, :] * _st_A_k, mask=_ok_m[:, None], other=0.0)
-        _b = tl.load(B + _offs_k[:, None] * _st_B_k + _offs_n[None, :] * _st_B_n, mask=_ok_n[None, :], other=0.0)
+        _a = tl.load(A + _ix(_offs_m[:, None], _INT64) * _st_A_m + _ix(_offs_k[None, :], _INT64) * _st_A_k, mask=_ok_m[:, None], other=0.0)
+        _b = tl.load(B + _ix(_offs_k[:, None], _INT64) * _st_B_k + _ix(_offs_n[None, :], _INT64) * _st_B_n, mask=_ok_n[None, :], other=0.0)
         _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
     # The ragged last block, masked.
     for _start in range(_full, _size_k, _BLOCK_k):
         _offs_k = _start + tl.arange(0, _BLOCK_k)
         _ok_k = _offs_k < _size_k
-        _a = tl.load(A + _offs_m[:, None] * _st_A_m + _offs_k[None, :] * _st_A_k, mask=_ok_m[:, None] & _ok_k[None, :], other=0.0)
-        _b = tl.load(B + _offs_k[:, None] * _st_B_k + _offs_n[None, :] * _st_B_n, mask=_ok_k[:, None] & _ok_n[None, :], other=0.0)
+        _a = tl.load(A + _ix(_offs_m[:, None], _INT64) * _st_A_m + _ix(_offs_k[None, :], _INT64) * _st_A_k, mask=_ok_m[:, None] & _ok_k[None, :], other=0.0)
+        _b = tl.load(B + _ix(_offs_k[:, None], _INT64) * _st_B_k + _ix(_offs_n[None, :], _INT64) * _st_B_n, mask=_ok_k[:, None] & _ok_n[None, :], other=0.0)
         _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
 
     # The epilogue, then one store.
     _out_C = _acc
-    tl.store(C + _offs_m[:, None] * _st_C_m + _offs_n[None, :] * _st_C_n, _out_C.to(C.dtype.element_ty), mask=_ok_m[:, None] & _ok_n[None, :])
+    tl.store(C + _ix(_offs_m[:, None], _INT64) * _st_C_m + _ix(_offs_n[None, :], _INT64) * _st_C_n, _out_C.to(C.dtype.element_ty), mask=_ok_m[:, None] & _ok_n[None, :])
 
 
 def matmul(A, B, *, block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None):
@@ -668,7 +689,7 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
             *_wire_strides(A, "A", _sz),
             *_wire_strides(B, "B", _sz),
             *_wire_strides(C, "C", _sz),
-            _BLOCK_m=_br, _BLOCK_n=_bc, _BLOCK_k=_bk, num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
+            _BLOCK_m=_br, _BLOCK_n=_bc, _BLOCK_k=_bk, _INT64=_int64_offsets(A, B, C), num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
         )
     return (C,), ()
 # ---------------------------------------------------------------------------
@@ -738,6 +759,7 @@ def _matmul_bwd_A_kernel(
     _BLOCK_m: tl.constexpr,
     _BLOCK_k: tl.constexpr,
     _BLOCK_n: tl.constexpr,
+    _INT64: tl.constexpr,
 ):
     # Program ids: axis 0 a block of m, axis 1 a block of k, axis 2 the batch wires.
     _batch = tl.program_id(2).to(tl.int64)
@@ -755,20 +777,20 @@ def _matmul_bwd_A_kernel(
     _full = _size_n // _BLOCK_n * _BLOCK_n
     for _start in range(0, _full, _BLOCK_n):
         _offs_n = _start + tl.arange(0, _BLOCK_n)
-        _a = tl.load(_grad_C + _offs_m[:, None] * _st__grad_C_m + _offs_n[None, :] * _st__grad_C_n, mask=_ok_m[:, None], other=0.0)
-        _b = tl.load(B + _offs_k[None, :] * _st_B_k + _offs_n[:, None] * _st_B_n, mask=_ok_k[None, :], other=0.0)
+        _a = tl.load(_grad_C + _ix(_offs_m[:, None], _INT64) * _st__grad_C_m + _ix(_offs_n[None, :], _INT64) * _st__grad_C_n, mask=_ok_m[:, None], other=0.0)
+        _b = tl.load(B + _ix(_offs_k[None, :], _INT64) * _st_B_k + _ix(_offs_n[:, None], _INT64) * _st_B_n, mask=_ok_k[None, :], other=0.0)
         _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
     # The ragged last block, masked.
     for _start in range(_full, _size_n, _BLOCK_n):
         _offs_n = _start + tl.arange(0, _BLOCK_n)
         _ok_n = _offs_n < _size_n
-        _a = tl.load(_grad_C + _offs_m[:, None] * _st__grad_C_m + _offs_n[None, :] * _st__grad_C_n, mask=_ok_m[:, None] & _ok_n[None, :], other=0.0)
-        _b = tl.load(B + _offs_k[None, :] * _st_B_k + _offs_n[:, None] * _st_B_n, mask=_ok_n[:, None] & _ok_k[None, :], other=0.0)
+        _a = tl.load(_grad_C + _ix(_offs_m[:, None], _INT64) * _st__grad_C_m + _ix(_offs_n[None, :], _INT64) * _st__grad_C_n, mask=_ok_m[:, None] & _ok_n[None, :], other=0.0)
+        _b = tl.load(B + _ix(_offs_k[None, :], _INT64) * _st_B_k + _ix(_offs_n[:, None], _INT64) * _st_B_n, mask=_ok_n[:, None] & _ok_k[None, :], other=0.0)
         _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
 
     # The epilogue, then one store.
     _out__grad_A = _acc
-    tl.store(_grad_A + _offs_m[:, None] * _st__grad_A_m + _offs_k[None, :] * _st__grad_A_k, _out__grad_A.to(_grad_A.dtype.element_ty), mask=_ok_m[:, None] & _ok_k[None, :])
+    tl.store(_grad_A + _ix(_offs_m[:, None], _INT64) * _st__grad_A_m + _ix(_offs_k[None, :], _INT64) * _st__grad_A_k, _out__grad_A.to(_grad_A.dtype.element_ty), mask=_ok_m[:, None] & _ok_k[None, :])
 
 
 @triton.jit(do_not_specialize=["_size_m", "_size_n", "_size_k"])
@@ -788,6 +810,7 @@ def _matmul_bwd_B_kernel(
     _BLOCK_k: tl.constexpr,
     _BLOCK_n: tl.constexpr,
     _BLOCK_m: tl.constexpr,
+    _INT64: tl.constexpr,
 ):
     # Program ids: axis 0 a block of k, axis 1 a block of n, axis 2 the batch wires.
     _batch = tl.program_id(2).to(tl.int64)
@@ -805,20 +828,20 @@ def _matmul_bwd_B_kernel(
     _full = _size_m // _BLOCK_m * _BLOCK_m
     for _start in range(0, _full, _BLOCK_m):
         _offs_m = _start + tl.arange(0, _BLOCK_m)
-        _a = tl.load(A + _offs_m[None, :] * _st_A_m + _offs_k[:, None] * _st_A_k, mask=_ok_k[:, None], other=0.0)
-        _b = tl.load(_grad_C + _offs_m[:, None] * _st__grad_C_m + _offs_n[None, :] * _st__grad_C_n, mask=_ok_n[None, :], other=0.0)
+        _a = tl.load(A + _ix(_offs_m[None, :], _INT64) * _st_A_m + _ix(_offs_k[:, None], _INT64) * _st_A_k, mask=_ok_k[:, None], other=0.0)
+        _b = tl.load(_grad_C + _ix(_offs_m[:, None], _INT64) * _st__grad_C_m + _ix(_offs_n[None, :], _INT64) * _st__grad_C_n, mask=_ok_n[None, :], other=0.0)
         _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
     # The ragged last block, masked.
     for _start in range(_full, _size_m, _BLOCK_m):
         _offs_m = _start + tl.arange(0, _BLOCK_m)
         _ok_m = _offs_m < _size_m
-        _a = tl.load(A + _offs_m[None, :] * _st_A_m + _offs_k[:, None] * _st_A_k, mask=_ok_k[:, None] & _ok_m[None, :], other=0.0)
-        _b = tl.load(_grad_C + _offs_m[:, None] * _st__grad_C_m + _offs_n[None, :] * _st__grad_C_n, mask=_ok_m[:, None] & _ok_n[None, :], other=0.0)
+        _a = tl.load(A + _ix(_offs_m[None, :], _INT64) * _st_A_m + _ix(_offs_k[:, None], _INT64) * _st_A_k, mask=_ok_k[:, None] & _ok_m[None, :], other=0.0)
+        _b = tl.load(_grad_C + _ix(_offs_m[:, None], _INT64) * _st__grad_C_m + _ix(_offs_n[None, :], _INT64) * _st__grad_C_n, mask=_ok_m[:, None] & _ok_n[None, :], other=0.0)
         _acc = tl.dot(_a, _b, _acc, input_precision="ieee")
 
     # The epilogue, then one store.
     _out__grad_B = _acc
-    tl.store(_grad_B + _offs_k[:, None] * _st__grad_B_k + _offs_n[None, :] * _st__grad_B_n, _out__grad_B.to(_grad_B.dtype.element_ty), mask=_ok_k[:, None] & _ok_n[None, :])
+    tl.store(_grad_B + _ix(_offs_k[:, None], _INT64) * _st__grad_B_k + _ix(_offs_n[None, :], _INT64) * _st__grad_B_n, _out__grad_B.to(_grad_B.dtype.element_ty), mask=_ok_k[:, None] & _ok_n[None, :])
 
 
 @_on_inputs_device
@@ -844,7 +867,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(_grad_C, "_grad_C", _sz),
                 *_wire_strides(B, "B", _sz),
                 *_wire_strides(_grad_A, "_grad_A", _sz),
-                _BLOCK_m=_br, _BLOCK_k=_bc, _BLOCK_n=_bk,
+                _BLOCK_m=_br, _BLOCK_k=_bc, _BLOCK_n=_bk, _INT64=_int64_offsets(_grad_C, B, _grad_A),
                 num_warps=_opts["num_warps"] or (8 if _bk * max(_br, _bc) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     _grad_B = None
@@ -859,7 +882,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(A, "A", _sz),
                 *_wire_strides(_grad_C, "_grad_C", _sz),
                 *_wire_strides(_grad_B, "_grad_B", _sz),
-                _BLOCK_k=_br, _BLOCK_n=_bc, _BLOCK_m=_bk,
+                _BLOCK_k=_br, _BLOCK_n=_bc, _BLOCK_m=_bk, _INT64=_int64_offsets(A, _grad_C, _grad_B),
                 num_warps=_opts["num_warps"] or (8 if _bk * max(_br, _bc) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     return (_grad_A, _grad_B, )

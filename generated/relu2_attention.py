@@ -301,6 +301,17 @@ def _out_dtype(name, classes):
     return _TORCH_DTYPES[declared]
 
 
+def _int64_offsets(*tensors):
+    """Whether some tensor's element offsets reach 2^31: the kernels' constexpr
+    _INT64 then widens every index to int64 before it meets a stride.  Below
+    it they stay int32, as Triton passes strides (a row offset times a row
+    stride wrapped negative: a [b, s, h, d] view at s = 2^19, h = 32, d = 128
+    read outside the tensor).  The whole span counts, batch wires too: those
+    indices are int64 already, so this errs only towards the wide path."""
+    return any(t is not None and t.numel() > 0
+               and sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) >= 2 ** 31 for t in tensors)
+
+
 def _wider(outputs, inputs):
     """Whether a float output is wider than a 16-bit float input: then the
     kernel keeps the weights it multiplies with V to about 22 bits (two
@@ -548,6 +559,15 @@ def _pow(b, e):
     odd = whole & (tl.floor(e * 0.5) * 2.0 != e)
     r = tl.where(b < 0, tl.where(whole, tl.where(odd, -mag, mag), float("nan")), mag)
     return tl.where(e == 0, 1.0, r)
+
+
+@triton.jit
+def _ix(i, INT64: tl.constexpr):
+    # an index about to meet a stride: int64 where the launcher found offsets
+    # past 2^31 (_int64_offsets), else as it is (int32: fewer registers)
+    if INT64:
+        i = i.to(tl.int64)
+    return i
 
 
 @triton.jit
@@ -841,6 +861,7 @@ def _relu2_attention_kernel(
     _BLOCK_d: tl.constexpr,
     _SPLIT_WEIGHTS: tl.constexpr,
     _FIT_WEIGHTS: tl.constexpr,
+    _INT64: tl.constexpr,
     _SAVE: tl.constexpr,
     _pos_q,
     _pos_x,
@@ -879,7 +900,7 @@ def _relu2_attention_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_ok_q[:, None], other=0.0)
+        _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_ok_q[:, None], other=0.0)
 
     # Streaming state.
     _acc = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
@@ -916,11 +937,11 @@ def _relu2_attention_kernel(
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
-            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+            _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d)
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
-            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+            _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _S = _qk * 0.125
         _W = _relu(_S) * _relu(_S)
@@ -959,11 +980,11 @@ def _relu2_attention_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+                _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _S = tl.where(_idx_x[None, :] <= _idx_q[:, None], _qk * 0.125, float("-inf"))
             _W = _relu(_S) * _relu(_S)
@@ -994,12 +1015,12 @@ def _relu2_attention_kernel(
         if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
             _tma_O.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _out_O.to(O.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
         else:
-            tl.store(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
+            tl.store(O + _ix(_i_b, _INT64) * _st_O_b + _ix(_i_h, _INT64) * _st_O_h + _ix(_offs_q[:, None], _INT64) * _st_O_q + _ix(_offs_d[None, :], _INT64) * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
         if _SAVE:  # training: the row state the backward reads
             _out__saved_N0 = _acc
             _out__saved_Z0 = _l
-            tl.store(_saved_N0 + _i_b * _st__saved_N0_b + _i_h * _st__saved_N0_h + _offs_q[:, None] * _st__saved_N0_q + _offs_d[None, :] * _st__saved_N0_d, _out__saved_N0.to(_saved_N0.dtype.element_ty), mask=_ok_q[:, None])
-            tl.store(_saved_Z0 + _i_b * _st__saved_Z0_b + _i_h * _st__saved_Z0_h + _offs_q[:, None] * _st__saved_Z0_q, _out__saved_Z0.to(_saved_Z0.dtype.element_ty), mask=_ok_q[:, None])
+            tl.store(_saved_N0 + _ix(_i_b, _INT64) * _st__saved_N0_b + _ix(_i_h, _INT64) * _st__saved_N0_h + _ix(_offs_q[:, None], _INT64) * _st__saved_N0_q + _ix(_offs_d[None, :], _INT64) * _st__saved_N0_d, _out__saved_N0.to(_saved_N0.dtype.element_ty), mask=_ok_q[:, None])
+            tl.store(_saved_Z0 + _ix(_i_b, _INT64) * _st__saved_Z0_b + _ix(_i_h, _INT64) * _st__saved_Z0_h + _ix(_offs_q[:, None], _INT64) * _st__saved_Z0_q, _out__saved_Z0.to(_saved_Z0.dtype.element_ty), mask=_ok_q[:, None])
 
 
 
@@ -1023,6 +1044,7 @@ def _relu2_attention_merge(
     _st__saved_Z0_q,
     _BLOCK_q: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _INT64: tl.constexpr,
     _SAVE: tl.constexpr,
     _pos_q,
     _len_q,
@@ -1066,12 +1088,12 @@ def _relu2_attention_merge(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma_O.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _out_O.to(O.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
     else:
-        tl.store(O + _i_b * _st_O_b + _i_h * _st_O_h + _offs_q[:, None] * _st_O_q + _offs_d[None, :] * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
+        tl.store(O + _ix(_i_b, _INT64) * _st_O_b + _ix(_i_h, _INT64) * _st_O_h + _ix(_offs_q[:, None], _INT64) * _st_O_q + _ix(_offs_d[None, :], _INT64) * _st_O_d, _out_O.to(O.dtype.element_ty), mask=_ok_q[:, None])
     if _SAVE:  # training: the row state the backward reads
         _out__saved_N0 = _acc
         _out__saved_Z0 = _l
-        tl.store(_saved_N0 + _i_b * _st__saved_N0_b + _i_h * _st__saved_N0_h + _offs_q[:, None] * _st__saved_N0_q + _offs_d[None, :] * _st__saved_N0_d, _out__saved_N0.to(_saved_N0.dtype.element_ty), mask=_ok_q[:, None])
-        tl.store(_saved_Z0 + _i_b * _st__saved_Z0_b + _i_h * _st__saved_Z0_h + _offs_q[:, None] * _st__saved_Z0_q, _out__saved_Z0.to(_saved_Z0.dtype.element_ty), mask=_ok_q[:, None])
+        tl.store(_saved_N0 + _ix(_i_b, _INT64) * _st__saved_N0_b + _ix(_i_h, _INT64) * _st__saved_N0_h + _ix(_offs_q[:, None], _INT64) * _st__saved_N0_q + _ix(_offs_d[None, :], _INT64) * _st__saved_N0_d, _out__saved_N0.to(_saved_N0.dtype.element_ty), mask=_ok_q[:, None])
+        tl.store(_saved_Z0 + _ix(_i_b, _INT64) * _st__saved_Z0_b + _ix(_i_h, _INT64) * _st__saved_Z0_h + _ix(_offs_q[:, None], _INT64) * _st__saved_Z0_q, _out__saved_Z0.to(_saved_Z0.dtype.element_ty), mask=_ok_q[:, None])
 
 
 
@@ -1149,13 +1171,13 @@ def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, t
         *_wire_strides(_saved_N0, "_saved_N0", _sz),
         *_wire_strides(_saved_Z0, "_saved_Z0", _sz),
     )
-    _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _FIT_WEIGHTS=any(t.dtype == torch.float16 for t in (V,)), _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
+    _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _FIT_WEIGHTS=any(t.dtype == torch.float16 for t in (V,)), _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _INT64=_int64_offsets(Q, K, V, O, _saved_N0, _saved_Z0), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
     if math.prod(_grid) > 0:
         _relu2_attention_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
             _relu2_attention_merge[_grid[:2]](
                 *(_args[3:6] + _args[7:9] + _args[22:33]),
-                _BLOCK_q=_br, _BLOCK_d=64, _SAVE=_save, _pos_q=_pos["_pos_q"], _len_q=_pos["_len_q"], _POS_q=_pos["_POS_q"], _tma_O=_tma["_tma_O"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
+                _BLOCK_q=_br, _BLOCK_d=64, _INT64=_int64_offsets(Q, K, V, O, _saved_N0, _saved_Z0), _SAVE=_save, _pos_q=_pos["_pos_q"], _len_q=_pos["_len_q"], _POS_q=_pos["_POS_q"], _tma_O=_tma["_tma_O"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
                 num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
             )
     return (O,), (_saved_N0, _saved_Z0,)
@@ -1239,6 +1261,7 @@ def _relu2_attention_bwd_rows_kernel(
     _st_dZ0_q,
     _BLOCK_q: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _INT64: tl.constexpr,
 ):
     # The per-row values of the backward: one program per block of q, batch index (b, h).
     _pid = tl.program_id(0)
@@ -1252,9 +1275,9 @@ def _relu2_attention_bwd_rows_kernel(
     _offs_d = tl.arange(0, _BLOCK_d)
 
     # Tiles without a loop: loaded once per program.
-    _Z0 = tl.load(Z0 + _i_b * _st_Z0_b + _i_h * _st_Z0_h + _offs_q[:, None] * _st_Z0_q, mask=_ok_q[:, None], other=0.0)
-    _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_ok_q[:, None], other=0.0)
-    _N0 = tl.load(N0 + _i_b * _st_N0_b + _i_h * _st_N0_h + _offs_q[:, None] * _st_N0_q + _offs_d[None, :] * _st_N0_d, mask=_ok_q[:, None], other=0.0)
+    _Z0 = tl.load(Z0 + _ix(_i_b, _INT64) * _st_Z0_b + _ix(_i_h, _INT64) * _st_Z0_h + _ix(_offs_q[:, None], _INT64) * _st_Z0_q, mask=_ok_q[:, None], other=0.0)
+    _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_ok_q[:, None], other=0.0)
+    _N0 = tl.load(N0 + _ix(_i_b, _INT64) * _st_N0_b + _ix(_i_h, _INT64) * _st_N0_h + _ix(_offs_q[:, None], _INT64) * _st_N0_q + _ix(_offs_d[None, :], _INT64) * _st_N0_d, mask=_ok_q[:, None], other=0.0)
     _Z0 = _Z0.to(tl.float32)
     _dO = _dO.to(tl.float32)
     _N0 = _N0.to(tl.float32)
@@ -1262,8 +1285,8 @@ def _relu2_attention_bwd_rows_kernel(
     _gN0 = 1 / (_Z0 + 1e-06)
     _dZ0 = -1 / (_Z0 + 1e-06) / (_Z0 + 1e-06) * _sum0
 
-    tl.store(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[:, None] * _st_gN0_q, _gN0.to(gN0.dtype.element_ty), mask=_ok_q[:, None])
-    tl.store(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[:, None] * _st_dZ0_q, _dZ0.to(dZ0.dtype.element_ty), mask=_ok_q[:, None])
+    tl.store(gN0 + _ix(_i_b, _INT64) * _st_gN0_b + _ix(_i_h, _INT64) * _st_gN0_h + _ix(_offs_q[:, None], _INT64) * _st_gN0_q, _gN0.to(gN0.dtype.element_ty), mask=_ok_q[:, None])
+    tl.store(dZ0 + _ix(_i_b, _INT64) * _st_dZ0_b + _ix(_i_h, _INT64) * _st_dZ0_h + _ix(_offs_q[:, None], _INT64) * _st_dZ0_q, _dZ0.to(dZ0.dtype.element_ty), mask=_ok_q[:, None])
 
 
 # The dK/dV kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
@@ -1319,6 +1342,7 @@ def _relu2_attention_bwd_dkdv_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _INT64: tl.constexpr,
     _pos_q,
     _pos_x,
     _len_q,
@@ -1354,11 +1378,11 @@ def _relu2_attention_bwd_dkdv_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0]).reshape(_BLOCK_x, _BLOCK_d)
     else:
-        _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+        _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0]).reshape(_BLOCK_x, _BLOCK_d)
     else:
-        _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+        _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
     _acc_K = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
     _acc_V = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
 
@@ -1408,13 +1432,13 @@ def _relu2_attention_bwd_dkdv_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+                _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
-            _gN0 = tl.sum(tl.load(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[None, :, None] * _st_gN0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
-            _dZ0 = tl.sum(tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :, None] * _st_dZ0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+            _gN0 = tl.sum(tl.load(gN0 + _ix(_i_b, _INT64) * _st_gN0_b + _ix(_i_h, _INT64) * _st_gN0_h + _ix(_offs_q[None, :, None], _INT64) * _st_gN0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+            _dZ0 = tl.sum(tl.load(dZ0 + _ix(_i_b, _INT64) * _st_dZ0_b + _ix(_i_h, _INT64) * _st_dZ0_h + _ix(_offs_q[None, :, None], _INT64) * _st_dZ0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = tl.where(_idx_x[:, None] <= _idx_q[None, :], _qk * 0.125, float("-inf"))
@@ -1433,13 +1457,13 @@ def _relu2_attention_bwd_dkdv_kernel(
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
         else:
-            _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d)
+            _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d)
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
         else:
-            _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d)
-        _gN0 = tl.sum(tl.load(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[None, :, None] * _st_gN0_q), 2)  # one value a thread: backward_emit._step_load
-        _dZ0 = tl.sum(tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :, None] * _st_dZ0_q), 2)  # one value a thread: backward_emit._step_load
+            _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d)
+        _gN0 = tl.sum(tl.load(gN0 + _ix(_i_b, _INT64) * _st_gN0_b + _ix(_i_h, _INT64) * _st_gN0_h + _ix(_offs_q[None, :, None], _INT64) * _st_gN0_q), 2)  # one value a thread: backward_emit._step_load
+        _dZ0 = tl.sum(tl.load(dZ0 + _ix(_i_b, _INT64) * _st_dZ0_b + _ix(_i_h, _INT64) * _st_dZ0_h + _ix(_offs_q[None, :, None], _INT64) * _st_dZ0_q), 2)  # one value a thread: backward_emit._step_load
         _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
         _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125
@@ -1469,13 +1493,13 @@ def _relu2_attention_bwd_dkdv_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+                _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
-            _gN0 = tl.sum(tl.load(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[None, :, None] * _st_gN0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
-            _dZ0 = tl.sum(tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[None, :, None] * _st_dZ0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+                _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+            _gN0 = tl.sum(tl.load(gN0 + _ix(_i_b, _INT64) * _st_gN0_b + _ix(_i_h, _INT64) * _st_gN0_h + _ix(_offs_q[None, :, None], _INT64) * _st_gN0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+            _dZ0 = tl.sum(tl.load(dZ0 + _ix(_i_b, _INT64) * _st_dZ0_b + _ix(_i_h, _INT64) * _st_dZ0_h + _ix(_offs_q[None, :, None], _INT64) * _st_dZ0_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = tl.where(_idx_x[:, None] <= _idx_q[None, :], _qk * 0.125, float("-inf"))
@@ -1490,11 +1514,11 @@ def _relu2_attention_bwd_dkdv_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _grad_scaled(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
-        tl.store(_grad_K + _i_b * _st__grad_K_b + _i_h * _st__grad_K_h + _offs_x[:, None] * _st__grad_K_x + _offs_d[None, :] * _st__grad_K_d, _grad_scaled(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+        tl.store(_grad_K + _ix(_i_b, _INT64) * _st__grad_K_b + _ix(_i_h, _INT64) * _st__grad_K_h + _ix(_offs_x[:, None], _INT64) * _st__grad_K_x + _ix(_offs_d[None, :], _INT64) * _st__grad_K_d, _grad_scaled(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_V.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_V.to(_grad_V.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
-        tl.store(_grad_V + _i_b * _st__grad_V_b + _i_h * _st__grad_V_h + _offs_x[:, None] * _st__grad_V_x + _offs_d[None, :] * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+        tl.store(_grad_V + _ix(_i_b, _INT64) * _st__grad_V_b + _ix(_i_h, _INT64) * _st__grad_V_h + _ix(_offs_x[:, None], _INT64) * _st__grad_V_x + _ix(_offs_d[None, :], _INT64) * _st__grad_V_d, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
 
 
 # The dQ kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
@@ -1545,6 +1569,7 @@ def _relu2_attention_bwd_dq_kernel(
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
     _BLOCK_d: tl.constexpr,
+    _INT64: tl.constexpr,
     _pos_q,
     _pos_x,
     _len_q,
@@ -1580,13 +1605,13 @@ def _relu2_attention_bwd_dq_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _Q = tl.load(Q + _i_b * _st_Q_b + _i_h * _st_Q_h + _offs_q[:, None] * _st_Q_q + _offs_d[None, :] * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+        _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
         _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
     else:
-        _dO = tl.load(dO + _i_b * _st_dO_b + _i_h * _st_dO_h + _offs_q[:, None] * _st_dO_q + _offs_d[None, :] * _st_dO_d, mask=_gok_q[:, None], other=0.0)
-    _gN0 = tl.load(gN0 + _i_b * _st_gN0_b + _i_h * _st_gN0_h + _offs_q[:, None] * _st_gN0_q, mask=_gok_q[:, None], other=0.0)
-    _dZ0 = tl.load(dZ0 + _i_b * _st_dZ0_b + _i_h * _st_dZ0_h + _offs_q[:, None] * _st_dZ0_q, mask=_gok_q[:, None], other=0.0)
+        _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+    _gN0 = tl.load(gN0 + _ix(_i_b, _INT64) * _st_gN0_b + _ix(_i_h, _INT64) * _st_gN0_h + _ix(_offs_q[:, None], _INT64) * _st_gN0_q, mask=_gok_q[:, None], other=0.0)
+    _dZ0 = tl.load(dZ0 + _ix(_i_b, _INT64) * _st_dZ0_b + _ix(_i_h, _INT64) * _st_dZ0_h + _ix(_offs_q[:, None], _INT64) * _st_dZ0_q, mask=_gok_q[:, None], other=0.0)
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
 
     # The blocks of x this program visits: [_lo, _hi).
@@ -1614,11 +1639,11 @@ def _relu2_attention_bwd_dq_kernel(
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
-            _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d)
+            _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d)
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
             _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
         else:
-            _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d)
+            _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _S = _qk * 0.125
@@ -1644,11 +1669,11 @@ def _relu2_attention_bwd_dq_kernel(
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _K = tl.load(K + _i_b * _st_K_b + _i_h * _st_K_h + _offs_x[:, None] * _st_K_x + _offs_d[None, :] * _st_K_d, mask=_ok_x[:, None], other=0.0)
+                _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
             else:
-                _V = tl.load(V + _i_b * _st_V_b + _i_h * _st_V_h + _offs_x[:, None] * _st_V_x + _offs_d[None, :] * _st_V_d, mask=_ok_x[:, None], other=0.0)
+                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _S = tl.where(_idx_x[None, :] <= _idx_q[:, None], _qk * 0.125, float("-inf"))
@@ -1660,7 +1685,7 @@ def _relu2_attention_bwd_dq_kernel(
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _grad_scaled(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
     else:
-        tl.store(_grad_Q + _i_b * _st__grad_Q_b + _i_h * _st__grad_Q_h + _offs_q[:, None] * _st__grad_Q_q + _offs_d[None, :] * _st__grad_Q_d, _grad_scaled(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
+        tl.store(_grad_Q + _ix(_i_b, _INT64) * _st__grad_Q_b + _ix(_i_h, _INT64) * _st__grad_Q_h + _ix(_offs_q[:, None], _INT64) * _st__grad_Q_q + _ix(_offs_d[None, :], _INT64) * _st__grad_Q_d, _grad_scaled(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
 
 
 @_on_inputs_device
@@ -1683,7 +1708,7 @@ def _relu2_attention_preprocess(Q, K, V, dO, Z0, N0, _o):
             *_wire_strides(N0, "N0", _sz),
             *_wire_strides(gN0, "gN0", _sz),
             *_wire_strides(dZ0, "dZ0", _sz),
-            _BLOCK_q=_br, _BLOCK_d=64,
+            _BLOCK_q=_br, _BLOCK_d=64, _INT64=_int64_offsets(Z0, dO, N0, gN0, dZ0),
             num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
         )
     return (gN0, dZ0,)
@@ -1784,7 +1809,7 @@ def _relu2_attention_backward(Q, K, V, dO, gN0, dZ0, _o, need, positions=None, l
                 *_wire_strides(dZ0, "dZ0", _sz),
                 *_wire_strides(_grad_K, "_grad_K", _sz),
                 *_wire_strides(_grad_V, "_grad_V", _sz),
-                _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, **_pos, **_kv_tma,
+                _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, _INT64=_int64_offsets(K, V, Q, dO, gN0, dZ0, _grad_K, _grad_V), **_pos, **_kv_tma,
                 num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
             )
         _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
@@ -1802,7 +1827,7 @@ def _relu2_attention_backward(Q, K, V, dO, gN0, dZ0, _o, need, positions=None, l
                     *_wire_strides(K, "K", _sz),
                     *_wire_strides(V, "V", _sz),
                     *_wire_strides(_grad_Q, "_grad_Q", _sz),
-                    _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, **_pos, **_tma,
+                    _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _INT64=_int64_offsets(Q, dO, gN0, dZ0, K, V, _grad_Q), **_pos, **_tma,
                     num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
                 )
     finally:  # joined even when a launch raised: nothing may free what the second stream still writes

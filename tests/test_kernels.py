@@ -633,3 +633,70 @@ def test_the_reference_takes_max_and_min_along_no_keys_as_the_kernel_does(keys):
     got = run(m, [t.float() for t in (q, k, v)])
     for a, b in zip(got, (o, mx, mn)):
         assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5, equal_nan=False), (a, b)
+
+
+def _spread(rows: int, stride: int, cols: int, dtype, gen):
+    """rows x cols of random values, rows ``stride`` elements apart in one
+    allocation that is mostly never touched (Linux commits only the pages
+    written); None when the system refuses the address space."""
+    try:
+        big = torch.empty(rows * stride + cols, dtype=dtype)
+    except (RuntimeError, MemoryError):
+        return None
+    t = big.as_strided((rows, cols), (stride, 1))
+    t.copy_(torch.randn(rows, cols, generator=gen).to(dtype))
+    return t
+
+
+@pytest.mark.parametrize("rows", [64, 65])
+def test_element_offsets_past_2_31_index_in_int64(rows):
+    """A row stride of 2^25 puts row 64 at element 2^31: the kernels' int32
+    row offset times the int32 stride wrapped negative and read outside the
+    tensor (the interpreter died of SIGSEGV; helper's hunt).  The launcher
+    sees the span and sets _INT64; at 64 rows it stays off.  Matmul's A and
+    attention's Q, against float64."""
+    gen = torch.Generator().manual_seed(29)
+    a = _spread(rows, 1 << 25, 16, torch.float16, gen)
+    if a is None:
+        pytest.skip("this machine refuses 4 GiB of address space")
+    m = example("matmul")
+    assert m._int64_offsets(a) == (rows > 64)
+    b = torch.randn(16, 24, generator=gen).half()
+    got = m.matmul(a, b, block_m=16, block_n=16, block_k=16)
+    assert (got.double() - a.double() @ b.double()).abs().max() < 2e-2
+    att = example("attention", ("wire d = 64", "wire d = 16"))
+    q = _spread(rows, 1 << 25, 16, torch.float16, gen).view(1, 1, rows, 16)
+    k, v = (torch.randn(1, 1, 40, 16, generator=gen).half() for _ in range(2))
+    o, lse = att.attention(q, k, v, block_q=16, block_x=16)
+    s = q.double() @ k.double().transpose(-1, -2) / 4
+    assert (o.double() - torch.softmax(s, -1) @ v.double()).abs().max() < 2e-3
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max() < 1e-4
+
+
+def test_the_int64_path_gives_the_int32_paths_numbers(monkeypatch):
+    """Every kernel with _INT64 forced on (forward, the three backward
+    kernels, the matmul's gradients) on small inputs: the wide path compiles
+    and agrees bit for bit with the narrow one."""
+    gen = torch.Generator().manual_seed(31)
+    att = example("causal", ("wire d = 64", "wire d = 16"))
+    mm = example("matmul")
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (37, 53, 53))
+    a, b = torch.randn(21, 19, generator=gen), torch.randn(19, 23, generator=gen)
+
+    def results():
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        outs = att.causal(*xs, block_q=16, block_x=16)
+        sum((o * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum() for o in outs).backward()
+        ys = [t.clone().requires_grad_() for t in (a, b)]
+        c = mm.matmul(*ys, block_m=16, block_n=16, block_k=16)
+        (c * torch.linspace(-1, 1, c.numel()).view(c.shape)).sum().backward()
+        return [o.detach() for o in outs] + [x.grad for x in xs] + [c.detach()] + [y.grad for y in ys]
+
+    narrow = results()
+    asked = []
+    for m in (att, mm):
+        monkeypatch.setattr(m, "_int64_offsets", lambda *tensors: asked.append(len(tensors)) or True)
+    wide = results()
+    assert len(asked) >= 7   # causal: forward, rows, dK/dV, dQ; matmul: forward, dA, dB
+    for n, w in zip(narrow, wide):
+        assert torch.equal(n, w)

@@ -391,10 +391,11 @@ def _row_lines(plan: BackwardPlan, names: E._Names, k: Kernel, phase: str) -> li
 def _side_ptr(plan: BackwardPlan, names: E._Names, s) -> str:
     terms = []
     for w in s.extra:
-        terms.append(f"_pid * _st_{s.buffer}_{w}" if w == "_blocks" else f"_i_{w} * _st_{s.buffer}_{w}")
+        terms.append(f"_ix(_pid, _INT64) * _st_{s.buffer}_{w}" if w == "_blocks"
+                     else f"_ix(_i_{w}, _INT64) * _st_{s.buffer}_{w}")
     for w in s.wires:
         idx = names.index(w, plan.row if s.has_row else None, plan.col if s.has_col else None)
-        terms.append(f"{idx} * _st_{s.buffer}_{w}")
+        terms.append(f"_ix({idx}, _INT64) * _st_{s.buffer}_{w}")
     return f"{s.buffer} + " + " + ".join(terms)
 
 
@@ -578,6 +579,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         + [names.block(w) for w in dims] + [f"_NEED_{s.tensor}" for s in k.sides]
     if _wide(plan, k):
         blocks.append("_WIDE")
+    blocks.append("_INT64")
     params, sizes = _params(plan, k, blocks)
     ranges_call = ""
     if k.role != "rows":
@@ -764,6 +766,7 @@ def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
     blocks += [f"_NEED_{s.tensor}=_need[{inputs.index(s.tensor)}]" for s in k.sides]
     if _wide(plan, k):
         blocks.append(f"_WIDE={_wide_precision(plan)}")
+    blocks.append(f"_INT64=_int64_offsets({', '.join(tensors)})")
     if k.role != "rows":
         blocks += ["**_pos", "**_kv_tma" if k.role == "dkdv" else "**_tma"]
         if R.applies(plan.forward):

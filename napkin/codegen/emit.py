@@ -137,7 +137,9 @@ def _kinds(d: ir.Diagram) -> dict[str, str]:
 def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob: bool = False,
              unit: bool = False) -> str:
     declared = ir.axis_wires(d.tensor(tensor).axes)
-    terms = [f"{names.index(rw, rows, cols, glob, unit)} * _st_{tensor}_{dw}" for dw, rw in zip(declared, wires)]
+    # each index widened under the kernel's _INT64 (the launcher's _int64_offsets) before its stride
+    terms = [f"_ix({names.index(rw, rows, cols, glob, unit)}, _INT64) * _st_{tensor}_{dw}"
+             for dw, rw in zip(declared, wires)]
     return f"{tensor} + " + " + ".join(terms)
 
 
@@ -438,7 +440,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     accums = {a.var: a for a in plan.accums}
     finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums, tma)
     save_finalise, save_stores = _finalise(d, names, [o for o in plan.outputs if o.name in saved], kinds, accums)
-    blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + flags + (["_SAVE"] if saved else [])
+    blocks_list = [br, bc] + [names.block(w) for w in plan.dims] + flags + ["_INT64"] + (["_SAVE"] if saved else [])
     params, sizes = _params(d, names, blocks_list)
     positional = len(params) - len(blocks_list)  # tensors, sizes, strides: the launcher's _args
     # positions / lengths (see the template): runtime arguments and a constexpr flag per wire
@@ -482,6 +484,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         outputs = ", ".join(o.name for o in plan.outputs if o.name not in saved
                             and any(isinstance(n, L.Var) and n.name in valued for n in L.nodes(o.expr)))
         block_args.append(f"_SPLIT_WEIGHTS=_wider([{outputs}], [{inputs}])")
+    block_args.append(f"_INT64=_int64_offsets({', '.join([t.name for t in d.inputs] + [o.name for o in d.outputs])})")
     if saved:
         block_args.append("_SAVE=_save")
     block_args += ["_part=_part", "_n_chunks=_n_chunks", "_CHUNK=_chunk", "**_pos", "**_tma"]
@@ -645,7 +648,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         f"{plan.rhs.var}.to({plan.lhs.var}.dtype)"
     step = f'_acc = tl.dot({plan.lhs.var}, {rhs}, _acc, input_precision="{plan.precision}")'
     finalise, stores = _finalise(d, names, plan.outputs, kinds, {})
-    blocks_list = [names.block(w) for w in (row, col, red)]
+    blocks_list = [names.block(w) for w in (row, col, red)] + ["_INT64"]
     params, sizes = _params(d, names, blocks_list)
     opts = _options(d, [row, col, red])
     launch = _fill_options(opts) + [
@@ -658,7 +661,8 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
               f'_grid = _fits((_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), '
               + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + "))"]
-    block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk"]
+    block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk",
+                  f"_INT64=_int64_offsets({', '.join([t.name for t in d.inputs] + [o.name for o in d.outputs])})"]
     launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4)',
                                 'num_stages=_opts["num_stages"] or 2', FP_FUSION]))

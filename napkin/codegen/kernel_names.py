@@ -15,7 +15,7 @@ from .. import ir
 # The @triton.jit helpers every module defines (templates/module.py.jinja)
 # and kernels call by name: a kernel variable of that name would shadow the
 # helper, and the call would fail or read a tile.
-KERNEL_HELPERS = frozenset({"_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_div", "_grad_operand",
+KERNEL_HELPERS = frozenset({"_ix", "_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_div", "_grad_operand",
                             "_grad_scaled"})
 # What the ranges prepass of a mask that reads data, and the kernels' code
 # reading its ranges, define (ranges.py; templates/ranges.py.jinja).
@@ -39,7 +39,7 @@ def internal_names(d: ir.Diagram) -> frozenset:
     suffixes = [""] + [str(i) for i in range(16)]
     out = {"_pid", "_batch", "_row0", "_col0", "_start", "_lo", "_hi", "_flo", "_fhi", "_row_first",
            "_row_last", "_col_first", "_col_last", "_live", "_rb", "_outer", "_o", "_ok", "_need", "_grid",
-           "_opts", "_pos", "_SAVE", "_SPLIT_WEIGHTS", "_FIT_WEIGHTS", "_a", "_b", "_full", "_TMA", "_tma"} | KERNEL_HELPERS
+           "_opts", "_pos", "_SAVE", "_SPLIT_WEIGHTS", "_FIT_WEIGHTS", "_INT64", "_a", "_b", "_full", "_TMA", "_tma"} | KERNEL_HELPERS
     for sfx in suffixes:
         out |= {f"_{base}{sfx}" for base in ("s", "p", "m", "m_new", "m_use", "alpha", "qk", "acc", "l", "max",
                                              "min", "t", "w", "dot", "sum", "scale")}

@@ -155,7 +155,7 @@ def render(plan: AttentionPlan) -> str:
         "kernel": f"_{d.name}_ranges_kernel", "merge": f"_{d.name}_merge_ranges_kernel",
         "launcher": f"_{d.name}_ranges",
         "params": tensors + sizes + strides + ["_parts", "_per"]
-        + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL")]
+        + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL", "_INT64")]
         + ([f"_pos_{row}", f"_len_{row}", f"_POS_{row}: tl.constexpr"] if placed else []),
         "placed": bool(placed),
         "no_specialize": ", ".join(f'"{s}"' for s in sizes + [f"_len_{row}"] * bool(placed) + ["_per"]),
