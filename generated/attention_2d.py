@@ -491,6 +491,28 @@ def _autotune_config(entry):
     return config if not blocks or blocks[-1] * (blocks[-2] if len(blocks) > 1 else 16) <= 1 << 20 else None
 
 
+def _whole(value):
+    """An integer option as a Python int when it is a whole number of any
+    type (numpy's too: __index__), else as given (the checks refuse it)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return value
+    return value.__index__()
+
+
+def _options_as_ints(names, values):
+    """The launcher's whole-number options as the torch op's schema takes
+    them (None or a Python int); anything else refused here, in words (the
+    schema's own error names an argument type, not what the caller wrote).
+    The options' other checks run in the op, as in an eager call."""
+    out = []
+    for name, value in zip(names, values):
+        value = _whole(value)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be a whole number or None, not {value!r}")
+        out.append(value)
+    return out
+
+
 def _autotune_valid(option, value):
     """Whether ``value`` can be the launch option's (block sizes, chunk and tma
     have their own checks, in words, at the launch; a cached config is held to
@@ -511,7 +533,10 @@ def _autotune_valid(option, value):
 def _autotune_fill(options, sizes, device, classes, kind=""):
     """``options`` (launcher option -> value or None) with the Nones taken from
     the cached config of ``kind``; options given explicitly always win."""
+    options = dict(options)
     for k in ("num_warps", "num_stages"):
+        if options.get(k) is not None:   # a numpy integer is a whole number too
+            options[k] = _whole(options[k])
         if options.get(k) is not None and not _autotune_valid(k, options[k]):
             raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
                              + f", not {options[k]!r}")
@@ -807,6 +832,7 @@ def _chunks(chunk, tuned, block, n):
     blocks, or 0 for none.  None takes the tuned config's (``tuned``), else the
     schedule's, either grown to the block when a longer one is asked for.  A
     single chunk runs whole: nothing to merge."""
+    chunk = _whole(chunk)
     if chunk is None:
         chunk = _SCHEDULE_CHUNK if tuned is None else tuned
         chunk = chunk and max(chunk, block)
@@ -1094,14 +1120,17 @@ def attention_2d(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_sta
     schedule's (none).  Forward only; training takes the tuned or schedule's."""
     Q, K, V = _autocast((Q, K, V))
     if _differentiable((Q, K, V)):
+        block_q, block_x, num_warps, num_stages = _options_as_ints(("block_q", "block_x", "num_warps", "num_stages"), (block_q, block_x, num_warps, num_stages,))
         _tma_check(tma)  # the torch op's schema takes an int: refuse anything else here, in words
+        chunk, = _options_as_ints(("chunk",), (chunk,))
         if positions is not None or lengths is not None or out_dtype is not None or chunk is not None:
             if _wants_grad((Q, K, V)):
                 raise ValueError("positions=, lengths=, out_dtype= and chunk= make a forward-only call: pass "
                                  "inputs that do not require gradients, or call under torch.no_grad() (training "
                                  "takes the schedule's chunk)")
             if positions is not None or lengths is not None:
-                raise ValueError("positions= and lengths= are not supported under torch.compile or on inputs "
+                raise ValueError("positions= and lengths= are not supported under torch.compile, under a torch "
+                                 "dispatch mode (FakeTensorMode, make_fx, FlopCounterMode, ...) or on inputs "
                                  "without data, meta or fake (they serve the "
                                  "distributed wrappers, which call the kernels eagerly)")
             return _attention_2d_inference_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk)

@@ -484,6 +484,28 @@ def _autotune_config(entry):
     return config if not blocks or blocks[-1] * (blocks[-2] if len(blocks) > 1 else 16) <= 1 << 20 else None
 
 
+def _whole(value):
+    """An integer option as a Python int when it is a whole number of any
+    type (numpy's too: __index__), else as given (the checks refuse it)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return value
+    return value.__index__()
+
+
+def _options_as_ints(names, values):
+    """The launcher's whole-number options as the torch op's schema takes
+    them (None or a Python int); anything else refused here, in words (the
+    schema's own error names an argument type, not what the caller wrote).
+    The options' other checks run in the op, as in an eager call."""
+    out = []
+    for name, value in zip(names, values):
+        value = _whole(value)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be a whole number or None, not {value!r}")
+        out.append(value)
+    return out
+
+
 def _autotune_valid(option, value):
     """Whether ``value`` can be the launch option's (block sizes, chunk and tma
     have their own checks, in words, at the launch; a cached config is held to
@@ -504,7 +526,10 @@ def _autotune_valid(option, value):
 def _autotune_fill(options, sizes, device, classes, kind=""):
     """``options`` (launcher option -> value or None) with the Nones taken from
     the cached config of ``kind``; options given explicitly always win."""
+    options = dict(options)
     for k in ("num_warps", "num_stages"):
+        if options.get(k) is not None:   # a numpy integer is a whole number too
+            options[k] = _whole(options[k])
         if options.get(k) is not None and not _autotune_valid(k, options[k]):
             raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
                              + f", not {options[k]!r}")
@@ -662,6 +687,7 @@ def matmul(A, B, *, block_m=None, block_n=None, block_k=None, num_warps=None, nu
     runs the backward kernels (see matmul_backward)."""
     A, B = _autocast((A, B))
     if _differentiable((A, B)):
+        block_m, block_n, block_k, num_warps, num_stages = _options_as_ints(("block_m", "block_n", "block_k", "num_warps", "num_stages"), (block_m, block_n, block_k, num_warps, num_stages,))
         return _matmul_autograd(A, B, block_m, block_n, block_k, num_warps, num_stages)
     return _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, False)[0][0]
 

@@ -229,6 +229,31 @@ def test_bad_calls_raise_clear_errors(modules):
         att(q, k, v, block_q=24)
 
 
+def test_options_are_whole_numbers_of_any_integer_type_with_or_without_gradients(modules):
+    """Options through autograd met the torch op's schema: block_q=16.0 raised
+    torch's "Expected a value of type 'Optional[int]'", naming no option the
+    caller wrote; numpy integers for num_warps and chunk were refused as not a
+    power of two, where block sizes took them (helper's hunt)."""
+    import numpy as np
+
+    att = modules["attention"].attention
+    q, k, v = (t.float() for t in _qkv(q=20, x=40))
+    for grad in (False, True):
+        for opts, bad in ((dict(block_q=16.0), "block_q"), (dict(num_stages="2"), "num_stages")):
+            with pytest.raises(ValueError, match=rf"{bad} must be "):
+                att(q.clone().requires_grad_(grad), k, v, **opts)
+        o, _ = att(q.clone().requires_grad_(grad), k, v, block_q=np.int64(16), block_x=np.int32(16),
+                   num_warps=np.int64(4), num_stages=np.int16(2))
+        assert o.shape == (1, 2, 20, 64)
+    o, _ = att(q, k, v, block_x=16, chunk=np.int64(16))   # two chunks of x, merged
+    exact = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8, -1) @ v.double()
+    assert (o.double() - exact).abs().max() < 1e-5
+    mm = modules["matmul"].matmul
+    a, b = torch.randn(20, 24, requires_grad=True), torch.randn(24, 20)
+    with pytest.raises(ValueError, match="block_m must be a whole number or None, not 16.5"):
+        mm(a, b, block_m=16.5)
+
+
 def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp_path):
     """A launch without explicit options reads the tuned config cached for its
     shape bucket (napkin.autotune writes it); explicit options always win.  An

@@ -738,6 +738,9 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "reference_returns": ", ".join(returns) if len(returns) > 1 else returns[0],
         "launcher_doc": _launcher_doc(plan, ctx["options"], train.reason),
         "option_params": ", ".join(ctx["options"]), "single": len(d.outputs) == 1,
+        # the whole-number options, as the torch op's schema takes them (tma has _tma_check)
+        "int_options": ", ".join(o for o in ctx["options"] if o != "tma"),
+        "int_option_names": _tuple(_q(o) for o in ctx["options"] if o != "tma"),
         "saved_returns": "".join(f"{n}, " for n in train.saved).rstrip(" "),
         "backward_layouts": training.backward_layouts(train),
     })
