@@ -238,6 +238,26 @@ def error_cases(grids: dict, rank: int) -> dict:
     o, _ = rg(rq.clone().requires_grad_(), rq, rq, q_len=16, timeout=20.0)
     ref = torch.nn.functional.scaled_dot_product_attention(full, full, full)
     out["gather_grad"] = max_error(rg.gather(o, None, 16, 2, timeout=20.0), ref)
+    # the gradient of (lse ** 2).sum() is inf on padding rows (lse = -inf there): the float64
+    # path made delta inf and the NaN of 0 * inf reached real rows' dK on every rank (helper's hunt)
+    causal, q13 = load("causal"), torch.randn(1, 2, 13, D, generator=gen, dtype=torch.float64)
+    leaves = [q13.clone().requires_grad_() for _ in range(3)]
+    ref_o, ref_lse = reference(Case("ring", "causal", 13, 13), *leaves)
+    (ref_o.sum() + (ref_lse ** 2).sum()).backward()
+    for name, fn, where, place in (("padding_dlse_ring", RingAttention(causal), dict(group=None), None),
+                                   ("padding_dlse_2x2", Attention2D(causal), dict(grid=mesh), mesh)):
+        mine = [fn.shard(q13, place, 13, 2).requires_grad_() for _ in range(3)]
+        o, lse = fn(*mine, q_len=13, timeout=20.0, **where)
+        (o.sum() + (lse ** 2).sum()).backward()
+        got = [fn.gather(t.grad, place, 13, 2, timeout=20.0) for t in mine]
+        out[name] = [max_error(a, b.grad) for a, b in zip(got, leaves)]
+    # x_len=0 was taken as x_len=q_len (x_len or q_len): 16 keys where none were said
+    out["x_len_0"] = _expect_error(lambda: rg(rq, rq, rq, q_len=16, x_len=0, timeout=20.0))
+    # ranks that disagree on the token layout, or on the diagram, computed another function together
+    lay = RingAttention(load("attention"), layout="contiguous" if rank == 1 else "zigzag")
+    out["layout"] = _expect_error(lambda: lay(rq, rq, rq, q_len=16, timeout=20.0))
+    other = RingAttention(load("causal" if rank == 2 else "attention"))
+    out["diagram"] = _expect_error(lambda: other(rq, rq, rq, q_len=16, timeout=20.0))
     # last: rank 0 never calls; the others must give up after the timeout
     fresh = dist.new_group(list(range(WORLD)))
     t0 = time.monotonic()
@@ -342,14 +362,15 @@ def test_float32_forward_runs_the_generated_kernel(suite, case):
 def test_float32_backward_runs_the_generated_kernels(suite, case):
     """float32 gradients come from the generated backward kernels (given the
     merged lse and delta), once per local backward call (ring: one per step);
-    test_backward_matches_reference checks their values.  napkin emits no
-    backward for this alibi diagram (its lse is a second score box), so its
-    gradients stay autograd of the eager local: no launch."""
+    test_backward_matches_reference checks their values.  alibi's local
+    kernel adds lse = logsumexp[x](...) with the score written inline: it
+    trains since the inline score is boxed (it had no backward, and its
+    gradients were autograd of the eager local)."""
     calls = WORLD if case.scheme == "ring" else 1
     for rank, res in enumerate(suite):
         got = res[case.name]
         assert "error" not in got, f"rank {rank}: {got.get('error')}"
-        assert got["backward_launches"] == (0 if case.diagram == "alibi" else calls), f"rank {rank}"
+        assert got["backward_launches"] == calls, f"rank {rank}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -415,6 +436,57 @@ def test_inputs_of_another_rank_and_side_inputs_wanting_gradients_are_refused_in
         assert res["errors"]["side_grad"] == (
             "ValueError: side input(s) slope require gradients, which the distributed wrappers do not compute "
             "(their .grad would stay empty): pass them detached"), res["errors"]["side_grad"]
+
+
+def test_padding_rows_lse_gradient_stays_on_padding_rows(suite):
+    """dlse on padding rows is inf for (lse ** 2).sum(); delta there is zero now."""
+    for rank, res in enumerate(suite):
+        for name in ("padding_dlse_ring", "padding_dlse_2x2"):
+            assert all(e <= 1e-10 for e in res["errors"][name]), (rank, name, res["errors"][name])
+
+
+def test_disagreeing_lengths_layouts_and_diagrams_raise_on_every_rank(suite):
+    for rank, res in enumerate(suite):
+        errors = res["errors"]
+        assert errors["x_len_0"] == "ValueError: a sequence needs at least one token, not 0", (rank, errors["x_len_0"])
+        for what in ("layout", "diagram"):
+            part = 1 if what == "layout" else 2
+            assert errors[what].startswith(f"ValueError: ring rank {part} called with scheme/lengths/layout/diagram"), \
+                (rank, what, errors[what])
+
+
+def test_side_inputs_named_like_the_schemes_keywords_are_refused_at_compile_time():
+    """A side input called grid crashed the compiler (keyword argument
+    repeated), one called self or q_pos failed every call, delta or dO the
+    backward (helper's hunt).  SIDE_KEYWORDS holds every keyword of the
+    functions side inputs travel through."""
+    import inspect
+
+    from napkin.distributed import emit, local, tree
+    from napkin.distributed.attention2d import Attention2D as A2
+    from napkin.distributed.ring import RingAttention as RA
+    text = diagram_text("ring_attention").replace("in V[b, h, x, d] : bf16", "in V[b, h, x, d] : bf16\nin side[h] : fp32")
+    text = text.replace("sum[d](Q * K) * |d|^-0.5", "sum[d](Q * K) * |d|^-0.5 + side[h] * (x - q)")
+    emit.distributed_source(napkin.load_text(text, "side.ncd"))   # a side input of another name: fine
+    refused = []
+    for name in emit.SIDE_KEYWORDS:
+        try:
+            d = napkin.load_text(text.replace("side", name), f"{name}.ncd")
+        except NapkinError as err:   # group: a reserved word; lse: this diagram's output
+            assert "is a reserved word" in str(err) or "duplicate name 'lse'" in str(err), err
+            continue
+        refused.append(name)
+        with pytest.raises(NapkinError, match=rf"napkin cannot emit a distributed launcher for side input {name}: "
+                                              rf"the distributed schemes pass side inputs by name beside their own "
+                                              rf"keyword {name}"):
+            emit.distributed_source(d)
+    assert {"grid", "self", "q_pos", "delta", "dO"} <= set(refused), refused
+    keywords = set()
+    for fn in (A2.__call__, RA.__call__, tree.TreeAttention.__call__, local.KernelLocal.__call__,
+               local.KernelLocal.backward, local.EagerLocal.__call__):
+        keywords |= {p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    assert keywords - set(emit.LAUNCHER_PARAMETERS) <= set(emit.SIDE_KEYWORDS), keywords
 
 
 def test_an_output_that_requires_grad_gathers(suite):

@@ -294,6 +294,24 @@ def error_cases(places: dict, rank: int) -> dict:
         out["option"] = "no error"
     except ValueError as err:
         out["option"] = f"ValueError: {err}"
+    # a side input wanting a gradient: the tree took it and rank 0 got a gradient, the others
+    # zeros (the tree checked the tokens alone)
+    plain = "S[b, hk, g, q, x] = sum[d](Q * K) * |d|^-0.5"
+    text = diagram_text("decode", "full", "fp64", "tree4")
+    assert plain in text
+    text = text.replace(plain, "S[b, hk, g, q, x] = sum[d](Q * K) * |d|^-0.5 + slope[hk] * (x - q)").replace(
+        "in V[b, hk, x, d] : fp64", "in V[b, hk, x, d] : fp64\nin slope[hk] : fp64")
+    sloped = TreeAttention(napkin.load_text(text, "sloped.ncd"))
+    slope = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
+    try:
+        sloped(q.detach(), k, k, group=places["tree4"], q_len=2, x_len=8, timeout=TIMEOUT, slope=slope)
+        out["side_grad"] = "no error"
+    except ValueError as err:
+        out["side_grad"] = f"ValueError: {err}"
+    # one key over four ranks: each share is one row, as long as the whole; gather took rank 0's
+    # own padded row for the whole cache on every rank
+    row = torch.full((1, 2, 1, D), float(rank + 7), dtype=torch.float64)
+    out["gather_one"] = tree.gather(row, places["tree4"], 1, 2, timeout=TIMEOUT)[0, 0, :, 0].tolist()
     return out
 
 
@@ -471,6 +489,16 @@ def test_decoding_refuses_gradients_and_ring_refuses_unknown_backward(suite):
     for rank, res in enumerate(suite):
         assert res["errors"]["grad"].startswith("ValueError") and "forward only" in res["errors"]["grad"], rank
         assert "'kv'" in res["errors"]["option"], rank
+        # a side input wanting a gradient is refused by the tree too (helper's hunt)
+        assert res["errors"]["side_grad"].startswith("ValueError: side input(s) slope require gradients"), rank
+
+
+def test_decoding_gathers_a_one_row_cache_from_rank_0(suite):
+    """x_len = 1 over four ranks: every share is one row, as long as the whole
+    cache, and gather returned each rank's own row (rank 1 its padding) as
+    the whole (helper's hunt): the row is rank 0's on every rank."""
+    for rank, res in enumerate(suite):
+        assert res["errors"]["gather_one"] == [7.0], rank
 
 
 # --------------------------------------------------------------------------

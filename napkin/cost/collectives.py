@@ -64,8 +64,8 @@ TWO_D = ("attention2d", "ring2", "burst2")   # schemes whose grid has two number
 PHASES = ("check", "forward", "backward")
 
 # The shape handshake: one int64 vector per rank (napkin/distributed/groups.py,
-# META_LEN = 3 + 8 * (3 + 5) = 67 entries).
-META_BYTES = 8 * 67
+# META_LEN = 5 + 8 * (3 + 5) = 69 entries).
+META_BYTES = 8 * 69
 
 ELEMENT_BYTES = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}
 

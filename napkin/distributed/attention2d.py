@@ -66,7 +66,7 @@ class Attention2D:
         return s[1] if s and s[0] == "attention2d" else None
 
     def layouts(self, parts: int, q_len: int, x_len: Optional[int] = None) -> tuple[TokenLayout, TokenLayout]:
-        return TokenLayout("cyclic", parts, q_len), TokenLayout("cyclic", parts, x_len or q_len)
+        return TokenLayout("cyclic", parts, q_len), TokenLayout("cyclic", parts, q_len if x_len is None else x_len)
 
     def make_grid(self) -> G.Grid2D:
         """The diagram's grid, placed as its mesh levels say (with a nodes
@@ -168,7 +168,8 @@ class _Function(torch.autograd.Function):
             dO_g = G.all_gather_rows(dO, ax, grp, call.timeout, f"dO along {where}")
             lse_g = delta_g = None
             if lse is not None:
-                delta = row_delta(r, dO, out, dlse)
+                # padding rows: delta 0, whatever their lse's gradient (-inf's cotangent was inf there)
+                delta = zero_rows(row_delta(r, dO, out, dlse), call.my_q, call.ql.length, r.out_axis)
                 lse_g = G.all_gather_rows(lse, ax, grp, call.timeout, f"lse along {where}")
                 delta_g = G.all_gather_rows(delta, ax, grp, call.timeout, f"delta along {where}")
             qs, ks = call.gather_tokens(tokens, True), call.gather_tokens(tokens, False)

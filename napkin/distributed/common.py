@@ -2,13 +2,15 @@
 handshake, padding rows, and the outputs in the diagram's order."""
 from __future__ import annotations
 
+import zlib
 from typing import Optional, Sequence
 
 import torch
 
+from ..printer import to_text
 from . import groups as G
 from .commcount import phase
-from .layouts import TokenLayout
+from .layouts import KINDS, TokenLayout
 from .local import Roles
 
 SCHEME_CODES = {"attention2d": 1, "ring": 2, "burst": 3, "tree": 4, "ring2": 5, "burst2": 6}
@@ -35,7 +37,10 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
         raise ValueError(f"expected {len(r.tokens)} token inputs ({', '.join(r.tokens)}), got {len(tokens)}")
     tensors = list(tokens) + [side[n] for n in r.side]
     names = list(r.tokens) + list(r.side)
-    head = [SCHEME_CODES[scheme], q_lay.length, x_lay.length]
+    # the token layout and the diagram itself too: ranks that disagree on either compute
+    # another function together (a zigzag rank beside a contiguous one) without a shape to differ
+    head = [SCHEME_CODES[scheme], q_lay.length, x_lay.length, KINDS.index(q_lay.kind) + 1,
+            zlib.crc32(to_text(r.diagram).encode()) & 0x7FFFFFFF]
     with phase("check"):
         table = G.exchange_meta(G.describe(head, tensors), group_seq, timeout, tokens[0].device)
     first = table[0]
@@ -44,8 +49,10 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
         if torch.equal(row, first):
             continue
         if not torch.equal(row[:G.META_HEAD], first[:G.META_HEAD]):
-            raise ValueError(f"{where(part)} called with scheme/lengths {row[:G.META_HEAD].tolist()} but "
-                             f"{where(0)} with {first[:G.META_HEAD].tolist()} (scheme code, q_len, x_len)")
+            raise ValueError(f"{where(part)} called with scheme/lengths/layout/diagram {row[:G.META_HEAD].tolist()} "
+                             f"but {where(0)} with {first[:G.META_HEAD].tolist()} (scheme code, q_len, x_len, "
+                             f"token layout ({', '.join(f'{i + 1} {k}' for i, k in enumerate(KINDS))}), a hash "
+                             "of the diagram's text)")
         for k, name in enumerate(names):
             if G.decode(row, k) != G.decode(first, k):
                 raise ValueError(f"{name} differs across devices: {where(part)} has {G.decode(row, k)}, "
@@ -57,7 +64,7 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
             raise ValueError(f"{name} has {nd} dimensions on each device, but the diagram declares "
                              f"{len(decls[name].axes)}")
     grads = [n for n, t in zip(r.side, (side[n] for n in r.side)) if t.requires_grad and torch.is_grad_enabled()]
-    if grads and scheme != "tree":
+    if grads:
         # the wrappers pass side inputs whole and return no gradient for them:
         # refuse rather than leave .grad silently empty (every rank agrees,
         # since requires_grad is part of the handshake)

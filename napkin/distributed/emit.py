@@ -45,7 +45,7 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
                 ", {} nodes x {} GPUs".format(*r.double_ring))
     group = scheme != "attention2d"
     side = list(r.side)
-    _refuse_parameters(diagram, "group" if group else "mesh")
+    _refuse_parameters(diagram, "group" if group else "mesh", side)
     ctx = dict(
         title=kind[0],
         cls=kind[1],
@@ -78,19 +78,31 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
 
 # NAME_distributed's own parameters besides the diagram's inputs (the template).
 LAUNCHER_PARAMETERS = ("q_len", "x_len", "timeout")
+# The keywords side inputs travel beside: the schemes pass them on by name, as
+# **side, next to these (attention2d.py, ring.py, tree.py, local.py; a test
+# holds this to their signatures).  A side input of one of these names was a
+# repeated keyword: the module did not compile (grid), or every call failed
+# (self, q_pos), or only the backward (delta, dO).
+SIDE_KEYWORDS = ("self", "grid", "group", "mesh", "q_pos", "x_pos", "dO", "lse", "delta")
 
 
-def _refuse_parameters(diagram: ir.Diagram, place: str) -> None:
+def _refuse_parameters(diagram: ir.Diagram, place: str, side) -> None:
     """An input named like one of NAME_distributed's own parameters would be a
     duplicate parameter (the module would not import).  Those parameters are
     the launcher's documented keywords, the same for every diagram, so the
-    input is the one to rename."""
+    input is the one to rename.  A side input is passed by name further in,
+    so it may not take a name of SIDE_KEYWORDS either."""
     for t in diagram.inputs:
         if t.name in LAUNCHER_PARAMETERS + (place,):
             raise NapkinError([Diagnostic(
                 f"napkin cannot emit a distributed launcher for input {t.name}: "
                 f"{diagram.name}_distributed has a parameter named {t.name}", t.loc,
                 f"rename the input (the launcher's own parameters are {', '.join((place,) + LAUNCHER_PARAMETERS)})")])
+        if t.name in side and t.name in SIDE_KEYWORDS:
+            raise NapkinError([Diagnostic(
+                f"napkin cannot emit a distributed launcher for side input {t.name}: the distributed schemes "
+                f"pass side inputs by name beside their own keyword {t.name}", t.loc,
+                f"rename the input (side inputs may not be named {', '.join(SIDE_KEYWORDS)})")])
 
 
 def _literal(text: str) -> str:

@@ -298,7 +298,7 @@ class RingPass:
 
 MAX_TENSORS = 8
 DIMS = 5
-META_HEAD = 3                         # scheme code, q_len, x_len
+META_HEAD = 5                         # scheme code, q_len, x_len, layout code, diagram hash
 META_LEN = META_HEAD + MAX_TENSORS * (3 + DIMS)
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16,
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]

@@ -101,7 +101,7 @@ class RingAttention:
         return s[1][0] if s and s[0] == "ring" else None
 
     def layouts(self, parts: int, q_len: int, x_len: Optional[int] = None) -> tuple[TokenLayout, TokenLayout]:
-        return TokenLayout(self.layout, parts, q_len), TokenLayout(self.layout, parts, x_len or q_len)
+        return TokenLayout(self.layout, parts, q_len), TokenLayout(self.layout, parts, q_len if x_len is None else x_len)
 
     def __call__(self, *tokens, group=None, q_len: int, x_len: Optional[int] = None,
                  timeout: float = G.DEFAULT_TIMEOUT, **side):
@@ -174,7 +174,9 @@ class _Function(torch.autograd.Function):
         dO = zero_rows(dO, call.my_q, call.ql.length, r.out_axis)
         first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
         dO = dO.to(first_q.dtype)
-        delta = row_delta(r, dO, out, dlse) if lse is not None else None
+        # padding rows: delta 0, whatever their lse's gradient (-inf's cotangent was inf there)
+        delta = zero_rows(row_delta(r, dO, out, dlse), call.my_q, call.ql.length, r.out_axis) \
+            if lse is not None else None
         with phase("backward"):
             if call.fn.backward == "kv":
                 grads_out = _backward_kv(call, tokens, dO, lse, delta)

@@ -93,10 +93,12 @@ class TreeAttention:
                timeout: float = G.DEFAULT_TIMEOUT) -> torch.Tensor:
         """The full tensor: an output (already whole on every rank) as is,
         key-side rows all-gathered."""
-        if local.shape[dim] == length:
-            return local
         tree = G.as_ring(group)
         lay = TokenLayout("contiguous", tree.size, length)
+        if local.shape[dim] == length and lay.rows != length:
+            return local
+        # a share as long as the whole (one row over several ranks) is either: gathered, a
+        # key-side tensor is whole, and an output is rank 0's copy (every rank holds one)
         x = G.all_gather_rows(local, dim, tree.group, timeout, "rows for gather (tree)")
         return lay.unshard(list(x.chunk(tree.size, dim)), dim)
 
