@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 import napkin
 from napkin import masks
 from napkin.codegen import emit_module
+from napkin.errors import NapkinError
 from napkin.printer import to_text
 from strategies import attention_diagrams, drawn_sizes
 
@@ -590,6 +591,20 @@ def test_backward_cost_flops_and_masking():
     causal = backward_cost(napkin.load(REPO / "examples" / "causal.ncd"), sizes)
     assert 0.5 < causal.load_bytes / full.load_bytes < 0.6     # about half the blocks are skipped
     assert causal.kernels == ("rows", "dkdv", "dq") and causal.time_s > 0
+
+
+@pytest.mark.parametrize("name", ["attention_2d", "ring_attention", "decode"])
+def test_the_backward_of_a_distributed_diagram_is_not_priced_under_a_per_device_report(name):
+    """--backward priced the whole problem's single-device backward beside a
+    forward priced per device (attention_2d's backward equalled attention's;
+    decode's, which refuses gradients, was priced too; helper's hunt)."""
+    from napkin.cost import backward_cost
+
+    d = napkin.load(REPO / "examples" / f"{name}.ncd")
+    sizes = {"b": 1, "h": 2, "hk": 2, "g": 2, "q": 300, "x": 300}
+    with pytest.raises(NapkinError, match=rf"napkin cost --backward prices one device's training kernels, and "
+                                          rf"diagram {name} has a devices level"):
+        backward_cost(d, {w.name: sizes[w.name] for w in d.wires if w.size is None})
 
 
 def test_cost_cli_reports_the_backward(capsys):

@@ -258,6 +258,35 @@ def test_bound_shapes():
     assert (s.kind, s.rows, s.inner, s.cols) == ("matmul", ("m",), ("k",), ("n",))
 
 
+def test_row_sums_of_the_scores_keep_the_attention_bound_and_the_compulsory_one_counts_each_dtype(tmp_path, capsys):
+    """L2's sum[x](S * S), a third contraction, sent it to the compulsory
+    bound, ten times looser than attention's at q = x = 16384 (schedule/bound
+    64.5 against 6.77); the compulsory bound counted every element at one
+    size, below the compulsory traffic it then printed (fp32 V and O beside
+    fp16 Q and K; helper's hunt)."""
+    sizes = {"b": 1, "h": 16, "q": 16384, "x": 16384}
+    l2, plain = analyse(load("l2_attention"), sizes), analyse(load("attention"), sizes)
+    assert l2.bound.kind == "attention" and l2.bound.bytes == plain.bound.bytes
+    assert l2.bound.ratio < 10
+    s = bounds.bound_shape(load("l2_attention"))
+    assert (s.batch, s.rows, s.inner, s.cols, s.value) == (("b", "h"), ("q",), ("d",), ("x",), ("d",))
+    text = (REPO / "examples" / "attention.ncd").read_text().replace(
+        "in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin W[b, h, x, d] : fp32").replace(
+        "sum[x](P * V)", "sum[x](P * V) + sum[x](P * W)").replace("hold Q, K, V,", "hold Q, K, V, W,").replace(
+        "O[b, h, q, d] : fp16", "O[b, h, q, d] : fp32")
+    two = napkin.load_text(text, "two.ncd")
+    assert bounds.bound_shape(two).kind == "compulsory"      # two value tensors: no one attention bound
+    r = analyse(two, {"b": 1, "h": 2, "q": 512, "x": 512})
+    want = 2 * 512 * 64 * (2 + 2 + 2 + 4 + 4) + 2 * 512 * 4    # Q K V fp16, W O fp32, lse fp32
+    assert r.bound.formula_bytes == r.bound.compulsory_bytes == r.bound.bytes == want
+    assert not r.bound.floored
+    path = tmp_path / "two.ncd"
+    path.write_text(text)
+    code, out, _ = run_cli("cost", "-D", "b=1", "-D", "h=2", "-D", "q=512", "-D", "x=512", str(path), capsys=capsys)
+    assert "lower bound (compulsory: every input read and every output written once, each in its own dtype): " \
+        in out and "below the compulsory traffic" not in out
+
+
 def test_attention_bound_matches_the_paper_form():
     d = load("attention")
     sizes = {"b": 1, "h": 1, "q": 4096, "x": 2048}

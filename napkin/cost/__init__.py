@@ -26,7 +26,7 @@ from typing import Mapping, Optional
 from .analysis import analyse, bind_sizes, with_blocks
 from .backward import BackwardCost, backward_cost
 from .profiles import Profile, get_profile, profile_names
-from .report import SCHEMA, CostReport, format_text, from_json, human, seconds
+from .report import SCHEMA, CostReport, bound_terms, format_text, from_json, human, seconds
 from .tune import TuneResult, tune
 from .cli import register_cli
 
@@ -45,8 +45,7 @@ def summary_lines(diagram, sizes: Optional[Mapping[str, int]] = None) -> list[st
         lines.append(f"{t.boundary} traffic: {t.formula_bytes} bytes{moved}")
     b = r.bound
     # as napkin cost words it: M is the capacity in elements, the value after the formula
-    lines.append(f"lower bound ({b.kind}, M = {human(b.capacity_bytes, 'B')} of {b.capacity_level} / "
-                 f"{b.element_bytes} B): {b.formula} elements" + (f" ({human(b.bytes, 'B')})" if b.bytes is not None else ""))
+    lines.append(f"lower bound ({bound_terms(b)}): {b.formula} elements" + (f" ({human(b.bytes, 'B')})" if b.bytes is not None else ""))
     if b.ratio is not None:
         lines.append(f"schedule / lower bound = {b.ratio:.3g}")
     if r.roofline is not None:

@@ -287,8 +287,8 @@ def _prepass_note(diagram: ir.Diagram) -> Optional[str]:
     if plan is None or device_tiles(diagram) or not ranges.applies(plan):
         return None
     return (f"the mask {expr_text(plan.skip)} bounds no block by formula: the counts are every block's (an upper "
-            "bound of the main kernel's), while the kernels skip blocks with a ranges prepass at each launch "
-            "(two more kernels, their traffic not counted)")
+            "bound of the main kernel's tiles), while the kernels skip blocks with a ranges prepass at each launch "
+            "(two more kernels, their traffic not counted, nor the 16 B of ranges each row block reads)")
 
 
 def _blocks_note(c: "_Context") -> Optional[str]:
@@ -586,11 +586,14 @@ def _lower_bound(c: _Context, totals: list[BoundaryTotal]) -> LowerBound:
     # formula, which assumes a program can hold rows it does not have (a
     # single query, a matmul's one output row), can fall below that.
     floor = compulsory_bytes(c.d, local)
-    bound = float(max(elements * eb, floor))   # a float either way (the floor is an int): JSON keeps its type
+    # the compulsory kind is that traffic itself, each tensor in its own dtype (elements times
+    # one size fell below it where V, O were fp32 beside fp16 Q, K)
+    formula_bytes = float(floor) if shape.kind == "compulsory" else elements * eb
+    bound = float(max(formula_bytes, floor))   # a float either way (the floor is an int): JSON keeps its type
     hbm = totals[0].load_bytes + totals[0].store_bytes if totals else None
     ratio = round(hbm / bound, 6) if hbm is not None and bound else None
     return LowerBound(shape.kind, formula, chip, cap_bytes, eb, bound / eb, bound, reread * eb, ratio,
-                      elements * eb, float(floor))
+                      formula_bytes, float(floor))
 
 
 def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> Optional[Roofline]:

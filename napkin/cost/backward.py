@@ -133,6 +133,16 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     from ..codegen import lower, training
     from .analysis import analyse, bind_sizes, resolve_profile
 
+    devices = diagram.level("devices") if diagram.schedule is not None else None
+    if devices is not None:
+        # the forward's report is one device's share; the distributed wrappers' backward (local
+        # kernels at each step, the merged row state, the gradients sent round) is not priced, and
+        # the whole problem's single-device backward under a per-device label misled
+        raise NapkinError([Diagnostic(
+            f"napkin cost --backward prices one device's training kernels, and diagram {diagram.name} has a "
+            "devices level: its forward is priced per device, its distributed backward is not", devices.loc,
+            "for one device's local kernels, drop the devices level and give that device's share of the sizes "
+            "(-D q=...); napkin plan prices the distributed forward and backward")])
     d = _single_device(diagram)
     bound = bind_sizes(d, sizes)
     missing = [w.name for w in d.wires if w.name not in bound]

@@ -87,11 +87,20 @@ def bound_shape(diagram: ir.Diagram) -> BoundShape:
         return BoundShape("matmul", _ordered(diagram, batch), _ordered(diagram, wa - batch - k),
                           _ordered(diagram, k), _ordered(diagram, wb - batch - k),
                           dtype=_operand_dtype(diagram, (a, b)))
-    if len(cons) == 2:
-        (let1, n1, (a, b)), (let2, n2, (p, v)) = cons
-        if not _feeds(diagram, let1, p):
-            p, v = v, p
-        if _feeds(diagram, let1, p) and not _feeds(diagram, let1, v):
+    if len(cons) >= 2:
+        # the score's contraction, then the value's: a contraction of a score function with
+        # a tensor the score does not feed.  Row sums of the scores alone (L2's sum[x](S * S))
+        # move no value and are left out; two different value tensors keep the compulsory bound.
+        (let1, n1, (a, b)) = cons[0]
+        values = []
+        for _, node, (p, v) in cons[1:]:
+            if not _feeds(diagram, let1, p):
+                p, v = v, p
+            if _feeds(diagram, let1, p) and not _feeds(diagram, let1, v):
+                values.append((node, p, v))
+        names = {r.name for _, _, v in values for r in ir.walk(v) if isinstance(r, ir.TensorRef)}
+        (n2, p, v) = values[0] if values and len(names) == 1 else (None, None, None)
+        if n2 is not None:
             xs = set(n2.wires)
             wa, wb, wv = node_wires(diagram, a), node_wires(diagram, b), node_wires(diagram, v)
             if xs & wa:            # the key side is the one carrying x

@@ -228,6 +228,13 @@ def _build(tp, value):
 # Text.
 # --------------------------------------------------------------------------
 
+def bound_terms(b: "LowerBound") -> str:
+    """The bound's kind and what its formula is in, for the one-line reports."""
+    if b.kind == "compulsory":   # no capacity term: each tensor once, in its own dtype
+        return "compulsory: every input read and every output written once, each in its own dtype"
+    return f"{b.kind}, M = {human(b.capacity_bytes, 'B')} of {b.capacity_level} / {b.element_bytes} B"
+
+
 def human(n: Optional[float], unit: str = "") -> str:
     """1234567 -> '1.23M'; exact below 10000.  The suffix is chosen after
     rounding to three digits (999698 is '1M', not '1e+03k')."""
@@ -337,8 +344,7 @@ def format_text(r: CostReport) -> str:
     b = r.bound
     value = f"{human(b.formula_bytes, 'B')}, below the compulsory traffic (each input read and each output " \
         f"written once): {human(b.bytes, 'B')}" if b.floored else human(b.bytes, "B")
-    out.append(f"lower bound ({b.kind}, M = {human(b.capacity_bytes, 'B')} of {b.capacity_level} "
-               f"/ {b.element_bytes} B): {b.formula} = {value}"
+    out.append(f"lower bound ({bound_terms(b)}): {b.formula} = {value}"
                + (f"; schedule/bound = {b.ratio:.3g}" if b.ratio is not None else ""))
     if r.roofline:
         rf = r.roofline
