@@ -2027,6 +2027,13 @@ def _scalar(fn, v):
     return float(fn(torch.tensor(float(v), dtype=torch.float64)))
 
 
+def _where(c, a, b):
+    """torch.where, whose condition may be a Python bool (of sizes alone: |x| > 3)."""
+    if not torch.is_tensor(c):   # as a tensor beside the branches': it broadcasts them as ever
+        c = torch.tensor(bool(c), device=next((t.device for t in (a, b) if torch.is_tensor(t)), None))
+    return torch.where(c, a, b)
+
+
 def _maximum(a, b):
     if not torch.is_tensor(a):
         a, b = b, a
@@ -2050,7 +2057,7 @@ def reference(Q, K, V, slope):
     K = K.to(_c)
     V = V.to(_c)
     slope = slope.to(_c)
-    S = torch.where((torch.arange(_sz["x"], device=_dev)[None, :] <= torch.arange(_sz["q"], device=_dev)[:, None])[None, None, :, :], ((torch.einsum("abce,abde->abcd", Q, K) * 0.125) + (slope[:, None, None] * (torch.arange(_sz["x"], device=_dev)[None, :] - torch.arange(_sz["q"], device=_dev)[:, None])[None, :, :])[None, :, :, :]), float("-inf"))
+    S = _where((torch.arange(_sz["x"], device=_dev)[None, :] <= torch.arange(_sz["q"], device=_dev)[:, None])[None, None, :, :], ((torch.einsum("abce,abde->abcd", Q, K) * 0.125) + (slope[:, None, None] * (torch.arange(_sz["x"], device=_dev)[None, :] - torch.arange(_sz["q"], device=_dev)[:, None])[None, :, :])[None, :, :, :]), float("-inf"))
     P = _softmax(S, 3)
     O = torch.einsum("abcd,abde->abce", P, V)
     return O.reshape(_shape("O", _sz)).to(_out_dtype("O", _cls))

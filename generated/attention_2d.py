@@ -1922,6 +1922,13 @@ def _scalar(fn, v):
     return float(fn(torch.tensor(float(v), dtype=torch.float64)))
 
 
+def _where(c, a, b):
+    """torch.where, whose condition may be a Python bool (of sizes alone: |x| > 3)."""
+    if not torch.is_tensor(c):   # as a tensor beside the branches': it broadcasts them as ever
+        c = torch.tensor(bool(c), device=next((t.device for t in (a, b) if torch.is_tensor(t)), None))
+    return torch.where(c, a, b)
+
+
 def _maximum(a, b):
     if not torch.is_tensor(a):
         a, b = b, a

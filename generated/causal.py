@@ -1993,6 +1993,13 @@ def _scalar(fn, v):
     return float(fn(torch.tensor(float(v), dtype=torch.float64)))
 
 
+def _where(c, a, b):
+    """torch.where, whose condition may be a Python bool (of sizes alone: |x| > 3)."""
+    if not torch.is_tensor(c):   # as a tensor beside the branches': it broadcasts them as ever
+        c = torch.tensor(bool(c), device=next((t.device for t in (a, b) if torch.is_tensor(t)), None))
+    return torch.where(c, a, b)
+
+
 def _maximum(a, b):
     if not torch.is_tensor(a):
         a, b = b, a
@@ -2015,7 +2022,7 @@ def reference(Q, K, V):
     Q = Q.to(_c)
     K = K.to(_c)
     V = V.to(_c)
-    S = torch.where((torch.arange(_sz["x"], device=_dev)[None, :] <= torch.arange(_sz["q"], device=_dev)[:, None])[None, None, :, :], (torch.einsum("abce,abde->abcd", Q, K) * 0.125), float("-inf"))
+    S = _where((torch.arange(_sz["x"], device=_dev)[None, :] <= torch.arange(_sz["q"], device=_dev)[:, None])[None, None, :, :], (torch.einsum("abce,abde->abcd", Q, K) * 0.125), float("-inf"))
     P = _softmax(S, 3)
     O = torch.einsum("abcd,abde->abce", P, V)
     lse = torch.logsumexp(S, dim=(3,))

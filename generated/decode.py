@@ -2027,6 +2027,13 @@ def _scalar(fn, v):
     return float(fn(torch.tensor(float(v), dtype=torch.float64)))
 
 
+def _where(c, a, b):
+    """torch.where, whose condition may be a Python bool (of sizes alone: |x| > 3)."""
+    if not torch.is_tensor(c):   # as a tensor beside the branches': it broadcasts them as ever
+        c = torch.tensor(bool(c), device=next((t.device for t in (a, b) if torch.is_tensor(t)), None))
+    return torch.where(c, a, b)
+
+
 def _maximum(a, b):
     if not torch.is_tensor(a):
         a, b = b, a
@@ -2049,7 +2056,7 @@ def reference(Q, K, V):
     Q = Q.reshape(_sz["b"], _sz["hk"], _sz["g"], _sz["q"], _sz["d"]).to(_c)
     K = K.to(_c)
     V = V.to(_c)
-    S = torch.where((torch.arange(_sz["x"], device=_dev)[None, :] <= ((torch.arange(_sz["q"], device=_dev) + _sz["x"]) - _sz["q"])[:, None])[None, None, None, :, :], (torch.einsum("abcdf,abef->abcde", Q, K) * 0.08838834764831845), float("-inf"))
+    S = _where((torch.arange(_sz["x"], device=_dev)[None, :] <= ((torch.arange(_sz["q"], device=_dev) + _sz["x"]) - _sz["q"])[:, None])[None, None, None, :, :], (torch.einsum("abcdf,abef->abcde", Q, K) * 0.08838834764831845), float("-inf"))
     P = _softmax(S, 4)
     O = torch.einsum("abcde,abef->abcdf", P, V)
     lse = torch.logsumexp(S, dim=(4,))

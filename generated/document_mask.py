@@ -2203,6 +2203,13 @@ def _scalar(fn, v):
     return float(fn(torch.tensor(float(v), dtype=torch.float64)))
 
 
+def _where(c, a, b):
+    """torch.where, whose condition may be a Python bool (of sizes alone: |x| > 3)."""
+    if not torch.is_tensor(c):   # as a tensor beside the branches': it broadcasts them as ever
+        c = torch.tensor(bool(c), device=next((t.device for t in (a, b) if torch.is_tensor(t)), None))
+    return torch.where(c, a, b)
+
+
 def _maximum(a, b):
     if not torch.is_tensor(a):
         a, b = b, a
@@ -2225,7 +2232,7 @@ def reference(Q, K, V, doc):
     Q = Q.to(_c)
     K = K.to(_c)
     V = V.to(_c)
-    S = torch.where((doc[:, :, None] == doc[:, None, :])[:, None, :, :], (torch.einsum("abce,abde->abcd", Q, K) * 0.125), float("-inf"))
+    S = _where((doc[:, :, None] == doc[:, None, :])[:, None, :, :], (torch.einsum("abce,abde->abcd", Q, K) * 0.125), float("-inf"))
     P = _softmax(S, 3)
     O = torch.einsum("abcd,abde->abce", P, V)
     return O.reshape(_shape("O", _sz)).to(_out_dtype("O", _cls))

@@ -8,7 +8,7 @@ Do not edit: regenerate with `napkin compile examples/l2_attention.ncd`.
 cost summary:
     flops: contractions 4*b*d*h*q*x + 2*b*h*q*x; exp b*h*q
     hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q bytes
-    lower bound (compulsory, M = 232kB of smem / 2 B): 2*b*d*h*q + 2*b*d*h*x elements
+    lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*h*q + (4*b*d^2*h*q*x)/M elements
 
 l2_attention(Q, K, V) -> O
     in  Q[b, h, q, d] : fp16
@@ -1947,6 +1947,13 @@ def _scalar(fn, v):
     """torch's fn of a number (a symbolic size's term), as a float: its
     values at the edges (log(0) = -inf, exp(1000) = inf), not math's errors."""
     return float(fn(torch.tensor(float(v), dtype=torch.float64)))
+
+
+def _where(c, a, b):
+    """torch.where, whose condition may be a Python bool (of sizes alone: |x| > 3)."""
+    if not torch.is_tensor(c):   # as a tensor beside the branches': it broadcasts them as ever
+        c = torch.tensor(bool(c), device=next((t.device for t in (a, b) if torch.is_tensor(t)), None))
+    return torch.where(c, a, b)
 
 
 def _maximum(a, b):

@@ -1072,7 +1072,7 @@ def test_a_run_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--size", "zz=64"], "attention.ncd: --size zz=64: diagram attention has no wire zz (its wires: b, h, q, x, d)"),
     (["--size", "d=128"], "attention.ncd: --size d=128: wire d of diagram attention is fixed at 64 "
-                          "(--head-dim sets the fixed wires)"),
+                          "(--head-dim sets the fixed head dims)"),
     (["--out", "{afile}"], "--out {afile} is a file: the results need a folder")])
 def test_bench_refuses_sizes_it_would_ignore_and_an_out_that_is_a_file(tmp_path, capsys, argv, message):
     """--size for a wire the diagram lacks, or a fixed wire, was silently
@@ -1848,3 +1848,86 @@ def test_the_committed_gpu_records_fit_the_schema_and_render_as_committed():
         results.validate(data)
         assert not data["smoke"] and data["device"]["kind"] == "cuda", path.name
         assert path.with_suffix(".md").read_text() == results.markdown(data), path.name
+
+
+# --------------------------------------------------------------------------
+# The harness around the emitter (a helper's hunt, session 18).
+# --------------------------------------------------------------------------
+
+def test_a_mask_with_a_bias_added_outside_it_is_a_block_mask():
+    """where(p, s, -inf) + bias was left dense in score_mod: flex ran without a
+    BlockMask and the bench counted dense FLOPs (8.5x napkin's TFLOP/s at 64)."""
+    bias = "where(x <= q and q - x < 8, sum[d](Q * K) * |d|^-0.5, -inf) + 0.125 * (x - q)"
+    d = _fp32((EXAMPLES / "attention.ncd").read_text().replace("sum[d](Q * K) * |d|^-0.5", bias))
+    src = flex.emit(d)
+    assert src.mask is not None
+    sizes = {"b": 1, "h": 1, "q": 32, "x": 32}
+    kept = sum(1 for i in range(32) for j in range(32) if j <= i and i - j < 8) / 32 ** 2
+    assert flex.load(d).visible(*reference.example_inputs(d, sizes)) == pytest.approx(kept)
+    assert max(_flex_vs_reference(d)) < 1e-5
+
+
+def test_a_backward_row_differentiates_the_attention_output_wherever_the_diagram_lists_it():
+    from napkin.bench.timing import attention_output
+    lse, o = torch.randn(1, 2, 16), torch.randn(1, 2, 16, 64)
+    assert attention_output([lse, o]) is o and attention_output([o]) is o and attention_output([o, lse]) is o
+
+
+def test_head_dim_sets_the_head_dims_alone():
+    """--head-dim set every fixed wire: a window wire w = 8 became 32 (the row
+    said keeps 37.9% where the diagram keeps 11.8%)."""
+    text = (EXAMPLES / "attention.ncd").read_text().replace("wire d = 64", "wire d = 64\nwire w = 8").replace(
+        "sum[d](Q * K) * |d|^-0.5", "where(x <= q and q - x < |w|, sum[d](Q * K) * |d|^-0.5, -inf)")
+    v, _ = harness.variant(napkin.load_text(text), text, "float16", 32)
+    assert v.wire("d").size == 32 and v.wire("w").size == 8
+
+
+def test_a_fixed_group_or_head_wire_is_the_diagrams_not_the_grids():
+    """A fixed g = 3 was split by --group 2: --heads 3 refused, --heads 4 ran H = 6 silently."""
+    text = (EXAMPLES / "gqa.ncd").read_text().replace("wire b, hk, g, q, x", "wire b, hk, q, x\nwire g = 3")
+    d = napkin.load_text(text)
+    roles = flex.attention_roles(d)
+    grid = {"seqlens": [64], "batch": [1], "heads": [6], "group": 2, "extra": {}, "preset": harness.PRESETS["smoke"]}
+    assert harness.point_sizes(d, roles, grid) == [{"b": 1, "hk": 2, "q": 64, "x": 64}]
+    grid["heads"] = [4]
+    with pytest.raises(NapkinError, match=r"--heads 4 is not a multiple of the diagram's group, wire g = 3"):
+        harness.point_sizes(d, roles, grid)
+    fixed = napkin.load_text((EXAMPLES / "attention.ncd").read_text().replace("wire b, h, q, x",
+                                                                              "wire b, q, x\nwire h = 2"))
+    grid = {"seqlens": [64], "batch": [1], "heads": [8], "group": 2, "extra": {}, "preset": harness.PRESETS["smoke"]}
+    with pytest.raises(NapkinError, match=r"--heads asks 8 of wire h, which diagram attention fixes at 2"):
+        harness.point_sizes(fixed, flex.attention_roles(fixed), grid)
+
+
+def test_a_float32_diagram_runs_labelled_float32_once():
+    """--dtype retypes 16-bit declarations only: an fp32 diagram's rows were
+    labelled float16 and checked at float16's tolerance (10x looser)."""
+    text = (EXAMPLES / "attention.ncd").read_text()
+    d32 = _fp32(text)
+    assert harness.run_dtype(d32, "float16") == harness.run_dtype(d32, "bfloat16") == "float32"
+    assert harness.run_dtype(napkin.load_text(text), "bfloat16") == "bfloat16"
+
+
+def test_flex_takes_conditions_and_exponentials_of_sizes_alone_as_torch_does():
+    """where(|d| > 8, ...) gave torch.where a Python bool, and sigmoid(-|x|) went
+    through math.exp, which raised OverflowError at 800 keys."""
+    score = "sum[d](Q * K) * where(|d| > 8, 0.125, 1.0) + sigmoid(-|x|) + exp(|x| / 400)"
+    d = _fp32((EXAMPLES / "attention.ncd").read_text().replace("sum[d](Q * K) * |d|^-0.5", score))
+    assert max(_flex_vs_reference(d)) < 1e-5
+    sizes = {"b": 1, "h": 1, "q": 4, "x": 800}
+    assert max(_flex_vs_reference(d, sizes)) < 1e-5
+
+
+def test_causal_flops_are_halved_only_where_queries_and_keys_are_as_many(tmp_path):
+    """causal.ncd with 64 keys for 32 queries keeps 528 of 2048 pairs (25.8%);
+    it was counted at half (50%) whatever the lengths."""
+    from napkin.cli import main
+
+    assert main(["bench", str(EXAMPLES / "causal.ncd"), "--head-dim", "16", "--seqlen", "32", "--size", "x=64",
+                 "--no-backward", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())["rows"]
+    s = row["shape"]
+    assert (s["q_len"], s["kv_len"]) == (32, 64)
+    kept = sum(1 for i in range(32) for j in range(64) if j <= i) / (32 * 64)
+    dense = 2.0 * s["batch"] * s["heads"] * 32 * 64 * (s["dim"] + s["value_dim"])
+    assert row["visible"] == pytest.approx(kept) and row["flops"]["fwd"] == pytest.approx(dense * kept)

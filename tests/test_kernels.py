@@ -700,3 +700,21 @@ def test_the_int64_path_gives_the_int32_paths_numbers(monkeypatch):
     assert len(asked) >= 7   # causal: forward, rows, dK/dV, dQ; matmul: forward, dA, dB
     for n, w in zip(narrow, wide):
         assert torch.equal(n, w)
+
+
+@pytest.mark.parametrize("keys", [3, 9])
+def test_a_condition_of_sizes_alone_in_the_reference(keys):
+    """where(|x| > 3, s, -inf): the reference gave torch.where a Python bool
+    (TypeError, which stopped napkin bench's check; helper's hunt)."""
+    m = example("attention", ("wire d = 64", "wire d = 16"),
+                ("sum[d](Q * K) * |d|^-0.5", "where(|x| > 3, sum[d](Q * K) * |d|^-0.5, -inf)"))
+    g = torch.Generator().manual_seed(37)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64) for n in (5, keys, keys))
+    o, lse = m.reference(q, k, v)
+    s = q @ k.transpose(-1, -2) / 4
+    if keys > 3:
+        assert (o - torch.softmax(s, -1) @ v).abs().max() < 1e-12 and (lse - torch.logsumexp(s, -1)).abs().max() < 1e-12
+    else:
+        assert torch.equal(o, torch.zeros_like(o)) and torch.equal(lse, torch.full_like(lse, float("-inf")))
+    got = run(m, [t.float() for t in (q, k, v)])
+    assert (got[0].double() - o).abs().max() < 1e-5

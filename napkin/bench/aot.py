@@ -310,7 +310,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m napkin.bench.aot", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", metavar="FILE", help="a .ncd diagram")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200, 80: A100)")
-    p.add_argument("--head-dim", type=int, help="set the diagram's fixed wires to this size (as napkin bench)")
+    p.add_argument("--head-dim", type=int, help="set the diagram's fixed head dims to this size (as napkin bench; "
+                   "every fixed wire of a diagram that is no attention)")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="bfloat16",
                    help="the fp16/bf16 inputs' dtype (default bfloat16)")
     p.add_argument("-D", "--size", action="append", default=[], metavar="WIRE=N",

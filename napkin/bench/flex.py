@@ -54,9 +54,11 @@ _CALLS = {"exp": "torch.exp", "exp2": "torch.exp2", "log": "torch.log", "log2": 
           "sigmoid": "torch.sigmoid", "abs": "torch.abs", "relu": "torch.relu"}
 # The same on plain Python numbers: a part of the score made only of numbers
 # and call-time wire sizes (1 / sqrt(|x|)) is not a tensor inside the mods.
-_SCALAR_CALLS = {"exp": "math.exp({})", "exp2": "2.0 ** ({})", "log": "math.log({})",
+# exp through the module's _exp: math.exp(800) raises where torch gives inf
+# (sigmoid(-|x|) at 800 keys failed the FlexAttention row).
+_SCALAR_CALLS = {"exp": "_exp({})", "exp2": "_exp(math.log(2.0) * ({}))", "log": "math.log({})",
                  "log2": "math.log2({})", "sqrt": "math.sqrt({})", "rsqrt": "(1.0 / math.sqrt({}))",
-                 "tanh": "math.tanh({})", "sigmoid": "(1.0 / (1.0 + math.exp(-({}))))",
+                 "tanh": "math.tanh({})", "sigmoid": "(1.0 / (1.0 + _exp(-({}))))",
                  "abs": "abs({})", "relu": "max({}, 0)", "max": "max({}, {})", "min": "min({}, {})",
                  "where": "({1} if {0} else {2})"}
 
@@ -274,6 +276,11 @@ class _Analysis:
                 gqa.append(axis)      # (hk g): query head i uses kv head i // |g|, as enable_gqa does
             else:
                 self.refuse(f"{self.q.name}'s axis ({' '.join(axis)}) has no place in flex's (B, H, L, E) layout")
+        if len(row) > 1:   # multi-query K[b, x, d], or GQA as separate wires Q[b, hk, g, q, d]
+            self.refuse(f"{self.q.name}{_layout(self.q.axes)} has {len(row)} wires that "
+                        f"{self.k.name}{_layout(self.k.axes)} lacks ({', '.join(row)}), where flex's layout has one, "
+                        f"the queries: a head wire {self.k.name} lacks (multi-query) or a group written apart from "
+                        "its kv heads is not mapped (write grouped heads as one axis, (hk g))")
         if len(row) != 1 or len(gqa) > 1 or len(shared) + len(gqa) > 2 or (gqa and len(shared) > 1):
             self.refuse(f"{self.q.name}{_layout(self.q.axes)} is not a (batch, heads, queries, dim) layout")
         if gqa:
@@ -390,6 +397,8 @@ class _Py:
             if scalar:
                 return _SCALAR_CALLS[e.fn].format(*args)
             if e.fn == "where":
+                if not any(isinstance(n, (ir.WireIndex, ir.TensorRef)) for n in ir.walk(e.args[0])):
+                    return f"({args[1]} if {args[0]} else {args[2]})"   # a condition of sizes: a bool
                 return f"torch.where({', '.join(args)})"
             if e.fn in ("max", "min"):  # torch.maximum wants two tensors; where takes a number
                 cmp = ">=" if e.fn == "max" else "<="
@@ -427,10 +436,10 @@ def _peel_masks(score: ir.Expr) -> tuple[list[ir.Expr], ir.Expr]:
             continue
         terms = _terms(score)
         found = [_additive_mask(t) for t in terms]
-        if len(terms) < 2 or all(p is None for p in found):
+        if len(terms) < 2 or all(p is None for p, _ in found):
             break
-        preds += [p for p in found if p is not None]
-        rest = [t for t, p in zip(terms, found) if p is None]
+        preds += [p for p, _ in found if p is not None]
+        rest = [t if p is None else kept for t, (p, kept) in zip(terms, found) if p is None or kept is not None]
         score = rest[0]
         for t in rest[1:]:
             score = ir.Binary("+", score, t)
@@ -443,20 +452,24 @@ def _terms(e: ir.Expr) -> list:
     return [e]
 
 
-def _additive_mask(term: ir.Expr) -> Optional[ir.Expr]:
-    """p for a term ``where(p, 0, -inf)`` (not p for ``where(p, -inf, 0)``) whose
-    p does not read the score; None for any other term."""
+def _additive_mask(term: ir.Expr) -> tuple[Optional[ir.Expr], Optional[ir.Expr]]:
+    """(p, what the term adds where p holds) for a term of a sum that is -inf
+    off a predicate p not reading the score: ``where(p, 0, -inf)`` is (p,
+    None), adding nothing; ``where(p, t, -inf)`` is (p, t), since ``where(p, s,
+    -inf) + bias`` is ``where(p, s + bias, -inf)`` for a finite bias (it was
+    left dense in score_mod, and its FLOPs counted dense, where napkin's
+    kernels skip the blocks).  (None, None) for any other term."""
     if not (isinstance(term, ir.Call) and term.fn == "where"):
-        return None
+        return None, None
     pred, then, other = term.args
     zero = lambda e: isinstance(e, ir.Num) and e.value == 0   # noqa: E731
     if any(n == SCORE for n in ir.walk(pred)):
-        return None
-    if zero(then) and _is_neg_inf(other):
-        return pred
-    if _is_neg_inf(then) and zero(other):
-        return masks.negate(pred)
-    return None
+        return None, None
+    if _is_neg_inf(other) and not _is_neg_inf(then):
+        return pred, None if zero(then) else then
+    if _is_neg_inf(then) and not _is_neg_inf(other):
+        return masks.negate(pred), None if zero(other) else other
+    return None, None
 
 
 def _take_scale(score: ir.Expr, d: ir.Diagram) -> tuple[float, ir.Expr]:
@@ -587,6 +600,11 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
         f"SCALE = {scale!r}",
         f"ENABLE_GQA = {roles.gqa!r}",
         "_compiled = None  # torch.compile(flex_attention), made on first use",
+        "",
+        "",
+        "def _exp(v):",
+        "    # math.exp past its range is inf, as torch.exp's (it raised OverflowError)",
+        "    return math.exp(v) if v < 709.0 else math.inf",
         "RECOMPILES = 1024  # shapes (and modules) one process may compile flex_attention for",
         "",
         "",

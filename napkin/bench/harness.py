@@ -100,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seqlen", metavar="N,...", help="sequence lengths, e.g. 1K,4K,16K")
     p.add_argument("--batch", metavar="N,...", help="batch sizes (default: preset)")
     p.add_argument("--heads", metavar="N,...", help="query heads (default: preset)")
-    p.add_argument("--head-dim", metavar="N,...", help="override the diagram's fixed wires (its head dim)")
+    p.add_argument("--head-dim", metavar="N,...", help="override the diagram's fixed head dims (the score's "
+                   "contracted wire and V's feature wire)")
     p.add_argument("--dtype", metavar="T,...", help="float16, bfloat16, float32 for the fp16/bf16 tensors")
     p.add_argument("--group", type=positive_int, help="query heads per kv head for GQA diagrams")
     p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N", help="any other symbolic wire")
@@ -331,7 +332,9 @@ def _record(rows: list[dict], command: str, device: str, reps: int) -> dict:
 
 def variant(diagram: ir.Diagram, text: str, dtype: str, head_dim: Optional[int]) -> tuple[ir.Diagram, str]:
     """The diagram with fp16/bf16 declarations set to ``dtype`` and its fixed
-    wires set to ``head_dim``; the file's own text when nothing changes."""
+    head dims (the score's contracted wire and V's feature wire) set to
+    ``head_dim``; the file's own text when nothing changes.  Other fixed
+    wires keep their sizes: a window's |w| or a fixed group is no head dim."""
     import napkin
     from ..printer import to_text
 
@@ -340,14 +343,20 @@ def variant(diagram: ir.Diagram, text: str, dtype: str, head_dim: Optional[int])
     def retype(t):
         return replace(t, dtype=want) if t.dtype in ("fp16", "bf16") else t
 
-    wires = tuple(replace(w, size=head_dim) if w.size is not None and head_dim else w for w in diagram.wires)
+    try:
+        roles = flex.attention_roles(diagram)
+        dims = {roles.dim, roles.vdim}
+    except flex.NoFlexEquivalent:   # no attention (the AOT report's matmul): every fixed wire, as before
+        dims = {w.name for w in diagram.wires}
+    wires = tuple(replace(w, size=head_dim) if w.size is not None and head_dim and w.name in dims else w
+                  for w in diagram.wires)
     changed = replace(diagram, wires=wires, inputs=tuple(map(retype, diagram.inputs)),
                       lets=tuple(map(retype, diagram.lets)))
     if changed == diagram:
         return diagram, text
     changed = _fit_blocks(changed)
     new_text = to_text(changed)
-    return napkin.load_text(new_text, f"{diagram.name} ({dtype}, fixed wires = {head_dim})"), new_text
+    return napkin.load_text(new_text, f"{diagram.name} ({dtype}, head dim = {head_dim})"), new_text
 
 
 def _fit_blocks(d: ir.Diagram) -> ir.Diagram:
@@ -395,16 +404,31 @@ def compile_module(diagram: ir.Diagram, text: str, path: str, build: Path, prefi
     return module, digest
 
 
+def run_dtype(diagram: ir.Diagram, dtype: str) -> str:
+    """The dtype a run of ``diagram`` computes in: --dtype's, which its 16-bit
+    float declarations take, or float32 for a diagram declaring none (--dtype
+    changes nothing there: its rows were labelled float16 and checked at
+    float16's tolerance)."""
+    floats = [t.dtype for t in diagram.inputs if t.dtype in ir.FLOAT_DTYPES]
+    return dtype if not floats or any(f in ("fp16", "bf16") for f in floats) else "float32"
+
+
 def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> list[dict]:
     import napkin
 
     source = napkin.read_source(path)
     diagram = napkin.load_text(source, str(path))
-    base = variant(diagram, source, dtype, head_dim)
     try:
-        roles = flex.attention_roles(base[0])
+        flex.attention_roles(diagram)
     except flex.NoFlexEquivalent as err:
         raise NapkinError(f"napkin bench compares attention diagrams ({err.why})", filename=str(path)) from None
+    dtype = run_dtype(diagram, dtype)
+    seen = grid.setdefault("seen", set())
+    if (str(path), dtype, head_dim) in seen:   # another --dtype of a float32 diagram: the same run
+        return []
+    seen.add((str(path), dtype, head_dim))
+    base = variant(diagram, source, dtype, head_dim)
+    roles = flex.attention_roles(base[0])
     try:
         module, digest = compile_module(*base, path, build)
     except NapkinError:
@@ -440,12 +464,21 @@ def point_sizes(diagram: ir.Diagram, roles, grid: dict) -> list[dict[str, int]]:
                 if roles.batch:
                     sizes[roles.batch] = batch
                 if roles.gqa:
-                    g = grid["group"]
+                    fixed_g = diagram.wire(roles.head[1]).size   # the diagram's own group, else --group
+                    g = fixed_g or grid["group"]
                     if heads % g:
-                        raise NapkinError(f"--heads {heads} is not a multiple of --group {g} (GQA)")
+                        raise NapkinError(f"--heads {heads} is not a multiple of "
+                                          + (f"the diagram's group, wire {roles.head[1]} = {g}" if fixed_g
+                                             else f"--group {g}") + " (GQA)")
                     sizes[roles.head[0]], sizes[roles.head[1]] = heads // g, g
                 elif roles.head:
                     sizes[roles.head[0]] = heads
+                for w in (roles.batch, *(roles.head or ())):   # a fixed wire is not the grid's to set
+                    fixed = diagram.wire(w).size if w else None
+                    if fixed is not None and sizes.get(w, fixed) != fixed:
+                        flag = "--batch" if w == roles.batch else "--heads"
+                        raise NapkinError(f"{flag} asks {sizes[w]} of wire {w}, which diagram {diagram.name} "
+                                          f"fixes at {fixed}")
                 sizes.update(grid["extra"])
                 missing = [w.name for w in diagram.wires if w.size is None and w.name not in sizes]
                 if missing:
@@ -465,7 +498,7 @@ def check_extra_sizes(diagram: ir.Diagram, extra: dict[str, int], path: str) -> 
         fixed = diagram.wire(w).size
         if fixed is not None and fixed != n:
             raise NapkinError(f"--size {w}={n}: wire {w} of diagram {diagram.name} is fixed at {fixed} "
-                              "(--head-dim sets the fixed wires)", filename=path)
+                              "(--head-dim sets the fixed head dims)", filename=path)
 
 
 def check_sizes(diagram: ir.Diagram, roles, sizes: dict[str, int]) -> dict[str, int]:
@@ -523,8 +556,11 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     # counting it dense gave 11,000 "TFLOP/s"); a speed reference (†) counts
     # its own plain attention, causal where it ran causal.
     masked = ctx["flex"] is not None and ctx["flex"].FLEX_SOURCE.mask is not None
-    visible = ctx["flex"].visible(*full) if masked and not shape["causal"] else None
-    flops = results.attention_flops(shape, shape["causal"], visible)
+    # half the square is causal's share only where queries and keys are as many: else the pairs
+    # it keeps (x = 256 keys for 64 queries keep 12.7%, not 50%)
+    halved = shape["causal"] and shape["q_len"] == shape["kv_len"]
+    visible = ctx["flex"].visible(*full) if masked and not halved else None
+    flops = results.attention_flops(shape, halved, visible)
     own_flops = results.attention_flops(shape, shape["causal_part"])
     first = {}
     tma = bwd_tma = None
@@ -712,8 +748,10 @@ def backward_call(d: ir.Diagram, module, inputs, sizes, accepted, kind: str):
     with torch.no_grad():
         outs = getattr(torch.ops.napkin, module._FWD_OP)(*inputs, *(None for _ in module._OPTIONS))
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-    first = outs[0]
-    upstream = [torch.randn_like(first)] + [torch.zeros_like(o) for o in outs[1:len(module.OUTPUTS)]]
+    # the attention output (the one with a feature wire), wherever the diagram lists it (out lse, O)
+    first = max(range(len(module.OUTPUTS)), key=lambda i: outs[i].dim())
+    upstream = [torch.randn_like(o) if i == first else torch.zeros_like(o)
+                for i, o in enumerate(outs[:len(module.OUTPUTS)])]
 
     def call(**options):
         o = tuple(options.get(k) if k in accepted else None for k in module._OPTIONS)

@@ -63,6 +63,14 @@ def time_forward(impl, inputs, shape, device, reps, flops, first: dict) -> dict:
     return result(impl.name, "fwd", impl.equivalent, impl.note, took, flops)
 
 
+def attention_output(outs: list):
+    """The output a backward row differentiates: the attention's, the one with
+    a feature wire (the most dimensions), first in SDPA's outputs, maybe
+    second in a diagram's (out lse, O), whose lse-only backward was timed
+    against SDPA's O backward."""
+    return max(outs, key=lambda o: o.dim())
+
+
 def time_backward(impl, inputs, shape, device, reps, flops) -> dict:
     """Time d(outputs)/d(Q, K, V) for a fixed upstream gradient, the forward
     graph built once outside the timed region."""
@@ -76,7 +84,7 @@ def time_backward(impl, inputs, shape, device, reps, flops) -> dict:
         if not outs or not outs[0].requires_grad:
             return result(impl.name, "bwd", impl.equivalent, impl.note,
                           error="no backward (its outputs do not require grad)")
-        out = outs[0]
+        out = attention_output(outs)
         upstream = torch.randn_like(out)
 
         def step():
