@@ -1931,3 +1931,10 @@ def test_causal_flops_are_halved_only_where_queries_and_keys_are_as_many(tmp_pat
     kept = sum(1 for i in range(32) for j in range(64) if j <= i) / (32 * 64)
     dense = 2.0 * s["batch"] * s["heads"] * 32 * 64 * (s["dim"] + s["value_dim"])
     assert row["visible"] == pytest.approx(kept) and row["flops"]["fwd"] == pytest.approx(dense * kept)
+
+
+def test_an_output_of_another_shape_is_not_close():
+    """max_abs_error broadcast a wrongly shaped output against the reference's."""
+    want = torch.zeros(1, 2, 16, 64)
+    assert harness.max_abs_error(torch.zeros(1, 2, 16, 1), want) == math.inf
+    assert harness.max_abs_error(want.clone(), want) == 0.0

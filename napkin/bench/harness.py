@@ -765,9 +765,12 @@ def backward_call(d: ir.Diagram, module, inputs, sizes, accepted, kind: str):
 # --------------------------------------------------------------------------
 
 def max_abs_error(got, want) -> float:
-    """Max |got - want|, equal entries (matching infinities) counting as exact and NaN as infinite."""
+    """Max |got - want|, equal entries (matching infinities) counting as exact and NaN as infinite;
+    infinite for another shape (one that broadcasts against the reference's would pass unseen)."""
     import torch
 
+    if tuple(got.shape) != tuple(want.shape):
+        return float("inf")
     g, w = got.double(), want.double().to(got.device)
     diff = torch.where(g == w, torch.zeros_like(g), (g - w).abs())
     diff = torch.nan_to_num(diff, nan=float("inf"))
