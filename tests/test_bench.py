@@ -1938,3 +1938,14 @@ def test_an_output_of_another_shape_is_not_close():
     want = torch.zeros(1, 2, 16, 64)
     assert harness.max_abs_error(torch.zeros(1, 2, 16, 1), want) == math.inf
     assert harness.max_abs_error(want.clone(), want) == 0.0
+
+
+def test_a_written_not_mask_is_causal_to_flex_as_to_the_flop_count():
+    """where(not (x > q), s, -inf) gave flex causal = False (SDPA then ran as an
+    unchecked speed reference) while the FLOPs were counted causal."""
+    text = (EXAMPLES / "attention.ncd").read_text().replace(
+        "sum[d](Q * K) * |d|^-0.5", "where(not (x > q), sum[d](Q * K) * |d|^-0.5, -inf)")
+    d = _fp32(text)
+    src = flex.emit(d)
+    assert src.causal and src.mask == "x <= q" and flex.attention_shape(d, SIZES)["causal"]
+    assert max(_flex_vs_reference(d)) < 1e-5

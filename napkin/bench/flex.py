@@ -515,6 +515,8 @@ def emit(diagram: ir.Diagram) -> FlexSource:
     score = _replace(an.run(), an.raw, SCORE)
     roles = an.roles
     preds, body = _peel_masks(score)
+    # a written not taken through, as the kernels take it: not (x > q) is causal to SDPA too
+    preds = [masks._without_not(p) for p in preds]
     scale, body = _take_scale(body, diagram)
     py = _Py(diagram, roles, an)
     score_text = py(body) if body != SCORE else None
