@@ -1319,6 +1319,64 @@ out O, lse
         assert (a.double() - e).abs().max() <= 2e-3 * e.abs().max() + 1e-3, ((a.double() - e).abs().max(), e.abs().max())
 
 
+INLINE_FORMS = {
+    # name: (the output written inline, the boxed form's S, the boxed form's output)
+    "sigmoid": ("sum[x](sigmoid({s} - log(|x|)) * V)", "{s}", "sum[x](sigmoid(S - log(|x|)) * V)"),
+    "relu2": ("sum[x](relu({s})^2 * V) / (sum[x](relu({s})^2) + 1e-6)", "{s}",
+              "sum[x](relu(S)^2 * V) / (sum[x](relu(S)^2) + 1e-6)"),
+    "l2": ("sum[x]({s} * V) / sqrt(sum[x]({s} * {s}) + 1e-6)", "{s}", "sum[x](S * V) / sqrt(sum[x](S * S) + 1e-6)"),
+    "bias_box": ("sum[x](softmax[x]({s} + B2) * V)", "{s} + B2", "sum[x](softmax[x](S) * V)"),
+}
+
+
+@pytest.mark.parametrize("form", sorted(INLINE_FORMS))
+def test_inline_scores_of_every_normaliser_train_as_their_boxed_forms(form, folder):
+    """Sigmoid, ReLU² and L2 attention written inline were refused ('the box O
+    holds 2 sums over inputs'); a score reading a box (B2 = bias * 2) was
+    'found none'; GQA inline was refused for its two-letter wire hk, whose box
+    layout was a string (helper's hunt).  Each trains and gives its boxed
+    form's gradients, which match float64."""
+    inline, score, boxed = INLINE_FORMS[form]
+    s = "sum[d](Q * K) * |d|^-0.5"
+    head = ("wire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
+            "in V[b, h, x, d] : fp32\nin bias[b, h, q, x] : fp32\nB2[b, h, q, x] = bias * 2\n")
+    texts = [f"diagram inl_{form}\n{head}O[b, h, q, d] = {inline.format(s=s)}\nout O\n",
+             f"diagram box_{form}\n{head}S[b, h, q, x] = {score.format(s=s)}\nO[b, h, q, d] = {boxed}\nout O\n"]
+    mods = [compile_text(t, t.split()[1], folder) for t in texts]
+    g = torch.Generator().manual_seed(41)
+    ins = [torch.randn(1, 2, n, 16, generator=g) for n in (37, 53, 53)] + [torch.randn(1, 2, 37, 53, generator=g)]
+    got = [gradients(lambda *t, m=m: launcher(m)(*t, block_q=16, block_x=16), ins) for m in mods]
+    exact = gradients(mods[1].reference, [t.double() for t in ins])
+    for a, b, e in zip(*got, exact):
+        if e is None:
+            continue
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+        assert (a.double() - e).abs().max() <= 1e-4 * (1 + e.abs().max()), ((a.double() - e).abs().max(), form)
+
+
+def test_gqa_written_inline_trains(folder):
+    """Its box's layout was a string: hk read as the wires h and k."""
+    text = (REPO / "examples" / "gqa.ncd").read_text().replace("wire d = 128", "wire d = 16")
+    text = text.replace("P[b, hk, g, q, x] = softmax[x](S)\n", "").replace(
+        "sum[x](P * V)", "sum[x](softmax[x](sum[d](Q * K) * |d|^-0.5) * V)").replace(
+        "logsumexp[x](S)", "logsumexp[x](sum[d](Q * K) * |d|^-0.5)").replace(
+        "S[b, hk, g, q, x] = sum[d](Q * K) * |d|^-0.5\n", "").replace("hold S, P", "")
+    m = compile_text(text, "gqa_inline", folder)
+    g = torch.Generator().manual_seed(43)
+    q, k, v = torch.randn(1, 4, 17, 16, generator=g), torch.randn(1, 2, 19, 16, generator=g), \
+        torch.randn(1, 2, 19, 16, generator=g)
+
+    def torch64(q, k, v):
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        s = q @ kk.transpose(-1, -2) / 4
+        return torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1)
+
+    got = gradients(lambda *t: m.gqa(*t, block_q=16, block_x=16), [q, k, v])
+    exact = gradients(torch64, [t.double() for t in (q, k, v)])
+    for a, e in zip(got, exact):
+        assert (a.double() - e).abs().max() < 1e-5
+
+
 def test_two_scores_inside_normalisers_are_refused_in_words(folder):
     """Two different inline scores: no one score to box; the refusal names the
     boxes holding them and points at the second, not 'the score box O'."""

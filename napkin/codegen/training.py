@@ -84,36 +84,61 @@ def prepare(plan: L.Plan) -> Training:
 # --------------------------------------------------------------------------
 
 def _score_boxed(d: ir.Diagram) -> Optional[ir.Diagram]:
-    """``d`` with a score written inside its normaliser given a box of its own,
-    or None when there is no such score.  ``sum[x](softmax[x](sum[d](Q * K) *
-    |d|^-0.5) * V)`` is the attention of a score box S = sum[d](Q * K) *
-    |d|^-0.5 (boxes are names: the kernels are the same), and grad_plan
-    finds a score by its box.  The score: the one body of the normalisers
-    (softmax, logsumexp) that holds a contraction of two inputs and reads
-    nothing but inputs."""
+    """``d`` with its score given a box of its own that reads inputs alone, or
+    None when there is no one such score.  ``sum[x](softmax[x](sum[d](Q * K)
+    * |d|^-0.5) * V)`` is the attention of a score box ``inline_score =
+    sum[d](Q * K) * |d|^-0.5`` (boxes are names: the kernels are the same),
+    and grad_plan finds a score by a box that reads inputs.  The score: what
+    the softmax or logsumexp normalisers take, boxes written out (a score
+    box reading a bias box B2 = bias * 2 reads bias), where that holds a
+    contraction of two inputs; else, with no such normaliser (sigmoid, L2,
+    ReLU² written as sums), the one contraction of two inputs itself (what
+    surrounds it is a function of the score to them).  Boxes nothing reads
+    any more (S, B2) are left out.  The box's name says what it is in a
+    refusal that names it."""
     inputs = {i.name for i in d.inputs}
+    env = L.inline(d)
+
+    def expand(e):
+        if isinstance(e, ir.TensorRef) and e.name in env and e.wires is None:
+            return env[e.name]
+        return autodiff._map(e, expand)
 
     def contraction(n) -> bool:
         return (isinstance(n, ir.Reduce) and n.op == "sum" and isinstance(n.body, ir.Binary) and n.body.op == "*"
                 and all(isinstance(t, ir.TensorRef) and t.name in inputs for t in (n.body.lhs, n.body.rhs)))
 
-    bodies = []
-    for let in d.lets:
-        for n in ir.walk(let.expr):
-            normaliser = isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp")
-            if normaliser and any(contraction(m) for m in ir.walk(n.body)) and n.body not in bodies \
-                    and all(m.name in inputs for m in ir.walk(n.body) if isinstance(m, ir.TensorRef)):
-                bodies.append(n.body)
-    if len(bodies) != 1:
+    written, scores = [], []   # each normaliser's argument as written, and written out
+    normalisers = [n for let in d.lets for n in ir.walk(let.expr)
+                   if isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp")]
+    for n in normalisers:
+        e = expand(n.body)
+        if any(contraction(m) for m in ir.walk(e)):
+            written.append(n.body)
+            scores.append(e)
+    if not normalisers:
+        written = scores = list(dict.fromkeys(n for let in d.lets for n in ir.walk(let.expr) if contraction(n)))
+    if len(set(scores)) != 1:
         return None
-    (body,) = bodies
-    free = L.wires_of(d, body)
+    score = scores[0]
+    free = L.wires_of(d, score)
     taken = {t.name for t in d.inputs + d.lets} | {w.name for w in d.wires}
-    box = ir.Let(fresh_name("S", taken, prefix=""), tuple(w.name for w in d.wires if w.name in free), None, body,
-                 body.loc)
-    lets = tuple(dataclasses.replace(let, expr=autodiff.substitute(let.expr, body, ir.TensorRef(box.name)))
-                 for let in d.lets)
-    return dataclasses.replace(d, lets=(box,) + lets)
+    box = ir.Let(fresh_name("inline_score", taken, prefix=""),
+                 tuple((w.name,) for w in d.wires if w.name in free), None, score, written[0].loc)
+
+    def boxed(e):
+        for w in set(written):
+            e = autodiff.substitute(e, w, ir.TensorRef(box.name))
+        return e
+    lets = [box] + [dataclasses.replace(let, expr=boxed(let.expr)) for let in d.lets]
+    outputs = {o.name for o in d.outputs}
+    while True:   # the boxes only the score read (S, B2) are read by nothing now: gone
+        read = {n.name for let in lets for n in ir.walk(let.expr) if isinstance(n, ir.TensorRef)}
+        unread = [let for let in lets if let.name not in read and let.name not in outputs]
+        if not unread:
+            break
+        lets = [let for let in lets if let not in unread]
+    return dataclasses.replace(d, lets=tuple(lets))
 
 
 def _attention(plan: L.AttentionPlan) -> Training:
