@@ -405,8 +405,12 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
             found.append((let, raws))
     if len(found) != 1:
         names = ", ".join(let.name for let, _ in found) or "none"
+        # none: at the first normaliser, where a score was looked for
+        where = next((n.loc for let in diagram.lets for n in ir.walk(let.expr)
+                      if isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp")),
+                     ir.NOLOC)
         raise NoGrad(f"expected one score box contracting inputs (like sum[d](Q * K)); found {names}",
-                     found[1][0].loc if found else ir.NOLOC)
+                     found[1][0].loc if found else where)
     let, raws = found[0]
     if len(raws) != 1:
         raise NoGrad(f"the box {let.name} holds {len(raws)} sums over inputs; the backward takes one score, a "

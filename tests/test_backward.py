@@ -1395,3 +1395,15 @@ out O, lse
     with pytest.raises(NotImplementedError, match=r"expected one score box contracting inputs \(like sum\[d\]\(Q \* "
                                                   r"K\)\); found O, lse \(line 8, column 1 of the diagram\)$"):
         m.two_inline(q.requires_grad_(), k, v)
+
+
+def test_grad_plan_finding_no_score_box_points_at_the_normaliser():
+    """'found none' carried no place (a score box reading a box, which
+    training now writes out, met it first)."""
+    from napkin import gradrules
+    text = ("diagram none\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
+            "in V[b, h, x, d] : fp32\nin bias[b, h, q, x] : fp32\nB2[b, h, q, x] = bias * 2\n"
+            "S[b, h, q, x] = sum[d](Q * K) + B2\nO[b, h, q, d] = sum[x](softmax[x](S) * V)\nout O\n")
+    with pytest.raises(gradrules.NoGrad, match="found none") as err:
+        gradrules.grad_plan(napkin.load_text(text, "none.ncd"))
+    assert (err.value.loc.line, err.value.loc.col) == (10, 24)
