@@ -220,10 +220,10 @@ def _on_inputs_device(launch):
 def _block_size(value, wire, option):
     if value is None:
         return _BLOCKS[wire]
-    # a numpy integer is a whole number too (__index__); past 2^16 a tile with a 16-wide side passes
+    # a numpy integer is a whole number too (_whole); past 2^16 a tile with a 16-wide side passes
     # Triton's 2^20 elements
-    n = value.__index__() if hasattr(type(value), "__index__") and not isinstance(value, bool) else None
-    if n is None or not 16 <= n <= 1 << 16 or n & (n - 1):
+    n = _whole(value)
+    if isinstance(n, bool) or not isinstance(n, int) or not 16 <= n <= 1 << 16 or n & (n - 1):
         raise ValueError(f"{option} must be a power of two from 16 to 65536, not {value!r}")
     return n
 

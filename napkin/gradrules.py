@@ -38,6 +38,13 @@ from .autodiff import ONE, ZERO, _add, _contains, _map, _mul, diff, simplify, su
 NEG_INF = ir.Num(float("-inf"))
 
 
+def normalisers(diagram: ir.Diagram) -> list:
+    """Every softmax and logsumexp node of the diagram's boxes, in order: where
+    a score is normalised (grad_plan's, and training's boxing of an inline one)."""
+    return [n for let in diagram.lets for n in ir.walk(let.expr)
+            if isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp")]
+
+
 class NoGrad(ValueError):
     """grad_plan's refusal: why a diagram has no backward, and where in it (a
     ValueError still, for callers of the rule builders)."""
@@ -406,9 +413,7 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
     if len(found) != 1:
         names = ", ".join(let.name for let, _ in found) or "none"
         # none: at the first normaliser, where a score was looked for
-        where = next((n.loc for let in diagram.lets for n in ir.walk(let.expr)
-                      if isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp")),
-                     ir.NOLOC)
+        where = next((n.loc for n in normalisers(diagram)), ir.NOLOC)
         raise NoGrad(f"expected one score box contracting inputs (like sum[d](Q * K)); found {names}",
                      found[1][0].loc if found else where)
     let, raws = found[0]
@@ -435,8 +440,7 @@ def _grown_to_normaliser(diagram: ir.Diagram, box: ir.Let) -> ir.Let:
         return [n for n in ir.walk(e) if isinstance(n, ir.TensorRef) and n.name == name]
 
     def normalised(name: str) -> bool:
-        return any((isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp"))
-                   and n.body == ir.TensorRef(name) for let in diagram.lets for n in ir.walk(let.expr))
+        return any(n.body == ir.TensorRef(name) for n in normalisers(diagram))
 
     grown = box
     while grown.name not in outputs:

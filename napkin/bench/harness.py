@@ -418,8 +418,8 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
 
     source = napkin.read_source(path)
     diagram = napkin.load_text(source, str(path))
-    try:
-        flex.attention_roles(diagram)
+    try:   # the variant's roles too: it changes sizes and dtypes, not which wire plays which part
+        roles = flex.attention_roles(diagram)
     except flex.NoFlexEquivalent as err:
         raise NapkinError(f"napkin bench compares attention diagrams ({err.why})", filename=str(path)) from None
     dtype = run_dtype(diagram, dtype)
@@ -428,7 +428,6 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
         return []
     seen.add((str(path), dtype, head_dim))
     base = variant(diagram, source, dtype, head_dim)
-    roles = flex.attention_roles(base[0])
     try:
         module, digest = compile_module(*base, path, build)
     except NapkinError:

@@ -109,8 +109,7 @@ def _score_boxed(d: ir.Diagram) -> Optional[ir.Diagram]:
                 and all(isinstance(t, ir.TensorRef) and t.name in inputs for t in (n.body.lhs, n.body.rhs)))
 
     written, scores = [], []   # each normaliser's argument as written, and written out
-    normalisers = [n for let in d.lets for n in ir.walk(let.expr)
-                   if isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp")]
+    normalisers = gradrules.normalisers(d)
     for n in normalisers:
         e = expand(n.body)
         if any(contraction(m) for m in ir.walk(e)):

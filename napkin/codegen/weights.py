@@ -91,7 +91,7 @@ def _call(e: ir.Call, fixed) -> tuple[float, float]:
         return (0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
     if e.fn in ("exp", "exp2"):
         base = math.e if e.fn == "exp" else 2.0
-        return _safe(_pow_or_inf(base, lo), _pow_or_inf(base, hi))
+        return _safe(_power(base, lo), _power(base, hi))
     if e.fn == "sqrt" and lo >= 0:
         return math.sqrt(lo), math.sqrt(hi)
     return _ANY
@@ -104,18 +104,13 @@ def _product(a, b) -> tuple[float, float]:
     return min(corners), max(corners)
 
 
-def _power(x: float, n: int) -> float:
+def _power(x: float, n: float) -> float:
+    """x ** n, and past float's range inf of x's sign for an odd n (a whole
+    power), else inf (exp's base ** x too)."""
     try:
         return x ** n
     except OverflowError:
         return math.copysign(math.inf, x) if n % 2 else math.inf
-
-
-def _pow_or_inf(base: float, x: float) -> float:
-    try:
-        return base ** x
-    except OverflowError:
-        return math.inf
 
 
 def _safe(lo: float, hi: float) -> tuple[float, float]:

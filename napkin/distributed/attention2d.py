@@ -32,7 +32,7 @@ import torch
 from .. import ir
 from . import groups as G
 from .commcount import phase
-from .common import handshake, results, row_delta, save_and_show, saved_state, split_side, zero_rows
+from .common import handshake, results, save_and_show, saved_state, split_side, upstream_rows
 from .layouts import TokenLayout
 from .local import Roles, default_backward, default_local, roles
 from .merging import merge_softmax, merge_sum
@@ -158,18 +158,12 @@ class _Function(torch.autograd.Function):
         call = ctx.call
         r, g = call.fn.roles, call.g
         tokens, out, lse = saved_state(ctx, len(r.tokens))
-        dO = grads[0] if grads[0] is not None else torch.zeros_like(out)
-        dlse = grads[1] if len(grads) > 1 else None
-        dO = zero_rows(dO, call.my_q, call.ql.length, r.out_axis)
-        first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
-        dO = dO.to(first_q.dtype)        # dO travels in O's visible dtype
+        dO, delta = upstream_rows(call, grads, tokens, out, lse)   # dO travels in O's visible dtype
         with phase("backward"):
             ax, grp, where = r.out_axis, g.row_group, f"grid row {g.i}"
             dO_g = G.all_gather_rows(dO, ax, grp, call.timeout, f"dO along {where}")
             lse_g = delta_g = None
             if lse is not None:
-                # padding rows: delta 0, whatever their lse's gradient (-inf's cotangent was inf there)
-                delta = zero_rows(row_delta(r, dO, out, dlse), call.my_q, call.ql.length, r.out_axis)
                 lse_g = G.all_gather_rows(lse, ax, grp, call.timeout, f"lse along {where}")
                 delta_g = G.all_gather_rows(delta, ax, grp, call.timeout, f"delta along {where}")
             qs, ks = call.gather_tokens(tokens, True), call.gather_tokens(tokens, False)

@@ -110,6 +110,23 @@ def results(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor]):
     return got[0] if len(got) == 1 else got
 
 
+def upstream_rows(call, grads, tokens, out: torch.Tensor, lse: Optional[torch.Tensor]):
+    """A scheme's backward's own rows, from the gradients autograd hands it:
+    dO, zero on padding rows and in the queries' dtype (it travels so), and
+    delta = rowsum(dO * O) - dlse, zero on padding rows whatever dlse holds
+    there (an lse of -inf made a cotangent of inf: NaN in real rows' dK), or
+    None without an lse."""
+    r = call.fn.roles
+    dO = grads[0] if grads[0] is not None else torch.zeros_like(out)
+    dlse = grads[1] if len(grads) > 1 else None
+    dO = zero_rows(dO, call.my_q, call.ql.length, r.out_axis)
+    first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
+    dO = dO.to(first_q.dtype)
+    if lse is None:
+        return dO, None
+    return dO, zero_rows(row_delta(r, dO, out, dlse), call.my_q, call.ql.length, r.out_axis)
+
+
 def row_delta(r: Roles, dO: torch.Tensor, out: torch.Tensor, dlse: Optional[torch.Tensor]) -> torch.Tensor:
     """delta = rowsum(dO * O) - dlse, in O's (accumulator) dtype."""
     prod = dO.to(out.dtype) * out

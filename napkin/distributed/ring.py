@@ -50,7 +50,7 @@ import torch
 from .. import ir
 from . import groups as G
 from .commcount import phase
-from .common import handshake, results, row_delta, save_and_show, saved_state, split_side, zero_rows
+from .common import handshake, results, save_and_show, saved_state, split_side, upstream_rows
 from .layouts import TokenLayout
 from .local import Roles, default_backward, default_local, roles
 from .merging import merge
@@ -169,14 +169,7 @@ class _Function(torch.autograd.Function):
         call = ctx.call
         r = call.fn.roles
         tokens, out, lse = saved_state(ctx, len(r.tokens))
-        dO = grads[0] if grads[0] is not None else torch.zeros_like(out)
-        dlse = grads[1] if len(grads) > 1 else None
-        dO = zero_rows(dO, call.my_q, call.ql.length, r.out_axis)
-        first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
-        dO = dO.to(first_q.dtype)
-        # padding rows: delta 0, whatever their lse's gradient (-inf's cotangent was inf there)
-        delta = zero_rows(row_delta(r, dO, out, dlse), call.my_q, call.ql.length, r.out_axis) \
-            if lse is not None else None
+        dO, delta = upstream_rows(call, grads, tokens, out, lse)
         with phase("backward"):
             if call.fn.backward == "kv":
                 grads_out = _backward_kv(call, tokens, dO, lse, delta)
