@@ -66,6 +66,7 @@ def main(argv=None) -> int:
 
     import napkin
     from napkin.bench import flex, harness
+    from napkin.bench.checks import max_abs_error
 
     smoke = not cuda
     caches = sizes_list(args.cache or ("300" if smoke else "8K,32K,128K"))
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
             for impl, module in (("napkin", m), ("napkin-unpacked", unpacked)):
                 for chunk in chunks:
                     fn = lambda: module.flash_decoding(Q, K, V, chunk=chunk, **opts)  # noqa: E731
-                    err = harness.max_abs_error(fn()[0], want)
+                    err = max_abs_error(fn()[0], want)
                     ok = err <= tolerance(dtype)
                     ms = harness._ms(fn, device, 2) if ok else None
                     rows.append({"impl": impl, "chunk": chunk, "b": b, "q": q, "x": x,
@@ -151,6 +152,8 @@ def graph_ms(fn, harness) -> dict:
     {"graph_ms": ms} or {"graph_error": why}: a step that cannot be captured
     is reported, not fatal."""
     import torch
+
+    from napkin.bench.checks import max_abs_error
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -163,7 +166,7 @@ def graph_ms(fn, harness) -> dict:
             out = fn()
         graph.replay()
         first = (lambda o: o[0] if isinstance(o, tuple) else o)
-        err = harness.max_abs_error(first(out), first(fn()).double())
+        err = max_abs_error(first(out), first(fn()).double())
         if err > 0:   # the same kernels on the same inputs: bitwise the same
             return {"graph_error": f"replayed output off the call's by {err:.3g}"}
         return {"graph_ms": harness._ms(graph.replay, "cuda", 2)}
@@ -181,9 +184,11 @@ def tolerance(dtype) -> float:
 def _flex(module, harness, Q, K, V, q, x, b, device, want, compiled) -> dict:
     """FlexAttention with the diagram's own mask (napkin.bench.flex), compiled
     on a GPU; checked like napkin's, the same tolerance."""
+    from napkin.bench.checks import max_abs_error
+
     try:
         fn = module.prepare(Q, K, V, compiled=compiled)
-        err = harness.max_abs_error(fn()[0], want)
+        err = max_abs_error(fn()[0], want)
     except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
         return {"impl": "flex", "chunk": None, "b": b, "q": q, "x": x, "ok": None, "ms": None,
                 "error": f"{type(e).__name__}: {e}"}
@@ -196,11 +201,13 @@ def _flex(module, harness, Q, K, V, q, x, b, device, want, compiled) -> dict:
 def _sdpa(torch, harness, Q, K, V, q, x, b, device, want) -> dict:
     """SDPA on the same inputs: unmasked with one row, else a bool mask."""
     import torch.nn.functional as F
+
+    from napkin.bench.checks import max_abs_error
     mask = None if q == 1 else \
         (torch.arange(x, device=device)[None, :] <= torch.arange(q, device=device)[:, None] + x - q)
     fn = lambda: F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, enable_gqa=True)  # noqa: E731
     try:
-        err = harness.max_abs_error(fn(), want)
+        err = max_abs_error(fn(), want)
         ms = harness._ms(fn, device, 2)
     except RuntimeError as e:  # an old torch without enable_gqa, say
         return {"impl": "sdpa", "chunk": None, "b": b, "q": q, "x": x, "ok": None, "ms": None, "error": str(e)}

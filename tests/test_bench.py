@@ -23,7 +23,7 @@ import torch
 
 import napkin
 from napkin import autotune, tunecache
-from napkin.bench import flex, harness, reference, results
+from napkin.bench import checks, flex, harness, reference, results
 from napkin.errors import NapkinError
 
 torch = pytest.importorskip("torch")
@@ -1004,10 +1004,10 @@ def test_check_sizes_shrink_only_when_the_reference_would_not_fit():
     d = napkin.load(EXAMPLES / "attention.ncd")
     roles = flex.attention_roles(d)
     small = {"b": 2, "h": 4, "q": 1024, "x": 1024}
-    assert harness.check_sizes(d, roles, small) == small
-    big = harness.check_sizes(d, roles, {"b": 8, "h": 16, "q": 16384, "x": 16384})
+    assert checks.check_sizes(d, roles, small) == small
+    big = checks.check_sizes(d, roles, {"b": 8, "h": 16, "q": 16384, "x": 16384})
     assert big == {"b": 1, "h": 1, "q": 8192, "x": 8192}
-    assert reference.reference_elements(d, big) <= harness.CHECK_ELEMENTS
+    assert reference.reference_elements(d, big) <= checks.CHECK_ELEMENTS
 
 
 def test_variant_rewrites_dtypes_and_head_dim():
@@ -1142,6 +1142,7 @@ def test_napkin_bench_smoke_run_end_to_end(tmp_path, capsys):
     assert row["check"]["ok"] and row["check"]["sizes"] == {"b": 1, "h": 2, "q": 48, "x": 48}
     assert row["check"]["errors"]["napkin"]["O"] < harness.TOLERANCE["float16"]
     assert row["check"]["full_size_vs_flex"]["ok"]
+    assert max(row["check"]["backward"]["errors"]["napkin"].values()) < harness.TOLERANCE["float16"]
     fwd = {r["impl"]: r for r in row["results"] if r["pass"] == "fwd"}
     assert fwd["napkin"]["ms"] > 0 and fwd["flex"]["ms"] > 0 and fwd["sdpa-math"]["equivalent"]
     assert math.isclose(row["ratios"]["fwd"]["flex"], fwd["flex"]["ms"] / fwd["napkin"]["ms"])
@@ -1152,6 +1153,49 @@ def test_napkin_bench_smoke_run_end_to_end(tmp_path, capsys):
     assert set(row["seconds"]) == {"tune", "check", "time"} and row["seconds"]["tune"] >= 0
     assert row["seconds"]["check"] > 0 and row["seconds"]["time"] > 0
     assert f"napkin bench: causal float16 {row['sizes']}: tune " in err
+
+
+def test_bench_checks_each_backward_before_timing_it(tmp_path, monkeypatch):
+    """Only the forward was checked against float64 before timing: a backward
+    computing a wrong dK was timed and its speed reported.  Now each backward
+    that is timed is checked first (napkin's, SDPA's where it is the same
+    function), each gradient's error relative to its scale; a wrong one is not
+    timed and the run fails.  The wrong dK here is napkin's own, times 1.1."""
+    from napkin.cli import main
+
+    compile_module = harness.compile_module
+
+    def wrong_dk(*args, **kwargs):
+        module, digest = compile_module(*args, **kwargs)
+        grads = module._attention_grads
+
+        def scaled(*a):
+            g = list(grads(*a))
+            g[1] = None if g[1] is None else g[1] * 1.1
+            return tuple(g)
+
+        monkeypatch.setattr(module, "_attention_grads", scaled)
+        return module, digest
+
+    argv = ["bench", str(EXAMPLES / "attention.ncd"), "--seqlen", "40"]
+    assert main(argv + ["--out", str(tmp_path / "right")]) == 0
+    (row,) = json.loads(next((tmp_path / "right").glob("cpu-*.json")).read_text())["rows"]
+    back = row["check"]["backward"]
+    assert back["output"] == "O" and set(back["errors"]["napkin"]) == {"dQ", "dK", "dV"}
+    assert all(0 < v <= harness.TOLERANCE["float16"] for v in back["errors"]["napkin"].values()), back
+    assert all(v <= harness.TOLERANCE["float16"] for v in back["errors"]["sdpa-math"].values()), back
+    bwd = {r["impl"]: r for r in row["results"] if r["pass"] == "bwd"}
+    assert bwd["napkin"]["ms"] > 0 and bwd["sdpa-math"]["ms"] > 0
+
+    monkeypatch.setattr(harness, "compile_module", wrong_dk)
+    assert main(argv + ["--out", str(tmp_path / "wrong")]) == 1
+    (row,) = json.loads(next((tmp_path / "wrong").glob("cpu-*.json")).read_text())["rows"]
+    errors = row["check"]["backward"]["errors"]["napkin"]
+    assert not row["check"]["ok"] and errors["dK"] > 0.05 and errors["dQ"] <= harness.TOLERANCE["float16"]
+    assert errors["error"].startswith("wrong: dK max abs error "), errors
+    rows = {(r["impl"], r["pass"]): r for r in row["results"]}
+    assert rows["napkin", "bwd"]["ms"] is None and rows["napkin", "bwd"]["error"].startswith("not timed: wrong: dK")
+    assert rows["napkin", "fwd"]["ms"] > 0 and rows["sdpa-math", "bwd"]["ms"] > 0
 
 
 def test_flex_visible_counts_the_pairs_a_mask_keeps():
@@ -1386,6 +1430,9 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
         results.validate(data)
         (row,) = data["rows"]
         assert not data["smoke"] and row["check"]["ok"] and row["check"]["full_size_vs_flex"]["ok"]
+        # every backward timed was checked first (FlexAttention's too: it has one on CUDA)
+        checked = row["check"]["backward"]["errors"]
+        assert all(set(checked[i]) == {"dQ", "dK", "dV"} for i in ("napkin", "flex", "sdpa-flash")), checked
         fwd = {r["impl"]: r for r in row["results"] if r["pass"] == "fwd"}
         assert fwd["napkin"]["tflops"] > 0 and fwd["flex"]["tflops"] > 0
         assert fwd["sdpa-flash"]["equivalent"] and fwd["sdpa-flash"]["ms"] > 0
@@ -1936,8 +1983,8 @@ def test_causal_flops_are_halved_only_where_queries_and_keys_are_as_many(tmp_pat
 def test_an_output_of_another_shape_is_not_close():
     """max_abs_error broadcast a wrongly shaped output against the reference's."""
     want = torch.zeros(1, 2, 16, 64)
-    assert harness.max_abs_error(torch.zeros(1, 2, 16, 1), want) == math.inf
-    assert harness.max_abs_error(want.clone(), want) == 0.0
+    assert checks.max_abs_error(torch.zeros(1, 2, 16, 1), want) == math.inf
+    assert checks.max_abs_error(want.clone(), want) == 0.0
 
 
 def test_a_written_not_mask_is_causal_to_flex_as_to_the_flop_count():

@@ -9,8 +9,8 @@ then for every (batch, heads, length) point:
 1. picks the launch config: tuned now (``--autotune``), else from the
    autotune cache, else the schedule's own blocks;
 2. checks napkin and every baseline that computes the same function against
-   the float64 reference *before* timing anything; an implementation that
-   fails is reported, not timed.  The reference materialises the q x x
+   the float64 reference *before* timing anything, forward and backward
+   (checks.py); an implementation that fails is reported, not timed.  The reference materialises the q x x
    scores, so when they would exceed CHECK_ELEMENTS the check runs at batch
    1, one (kv) head and shorter lengths; at the full size napkin's outputs
    are then compared with FlexAttention's, which costs nothing extra (the
@@ -48,12 +48,11 @@ from .. import autotune, ir, tunecache
 from ..errors import NapkinError
 from ..files import why_not
 from ..sizes import parse_pairs, positive_int
-from . import baselines, flex, overlap, ranges_prepass, reference, results
+from . import baselines, checks, flex, overlap, ranges_prepass, reference, results
+from .checks import TOLERANCE, full_size_check
 from .timing import DO_BENCH, cuda_ms as _cuda_ms, ms as _ms, result as _result
 from .timing import time_backward as _time_backward, time_forward as _time_forward
 
-CHECK_ELEMENTS = 1 << 26        # largest reference box (float64: 512 MiB) checked at full size
-TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3}   # max abs error vs float64
 NAPKIN_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 # --tune-budget's default: a run is meant to fit its time limit
@@ -500,23 +499,6 @@ def check_extra_sizes(diagram: ir.Diagram, extra: dict[str, int], path: str) -> 
                               "(--head-dim sets the fixed head dims)", filename=path)
 
 
-def check_sizes(diagram: ir.Diagram, roles, sizes: dict[str, int]) -> dict[str, int]:
-    """The sizes the reference can afford: the real ones when its biggest box
-    fits CHECK_ELEMENTS, else batch 1 and one (kv) head, then both lengths
-    halved until it fits (not below 128)."""
-    if reference.reference_elements(diagram, sizes) <= CHECK_ELEMENTS:
-        return dict(sizes)
-    small = dict(sizes)
-    for w in (roles.batch, roles.kv_head):
-        if w in small:
-            small[w] = 1
-    while reference.reference_elements(diagram, small) > CHECK_ELEMENTS and \
-            max(small[roles.row], small[roles.key]) > 128:
-        small[roles.row] = max(128, small[roles.row] // 2)
-        small[roles.key] = max(128, small[roles.key] // 2)
-    return small
-
-
 # --------------------------------------------------------------------------
 # One grid point.
 # --------------------------------------------------------------------------
@@ -540,7 +522,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     impls += baselines.sdpa_baselines(ctx["flex"], shape, device)
 
     clock.append(time.monotonic())
-    check = _check(ctx, impls, sizes)
+    check = checks.check(module, d, impls, sizes, dtype, device, backward=not ctx["args"].no_backward)
     if overlap.applies(module, device) and not ctx["args"].no_backward and check["ok"]:
         impls.insert(1, overlap.baseline(module, _napkin_prepare(launcher)))  # its forward is napkin's
     clock.append(time.monotonic())
@@ -574,12 +556,15 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
                 out.append(_time_forward(impl, full, shape, device, ctx["reps"], counted["fwd"], first))
             if impl.name == "napkin" and isinstance(getattr(module, "_tma_last", None), dict):
                 tma = dict(module._tma_last)   # how the timed forward moved its tiles (tma= may fall back)
-            if not ctx["args"].no_backward and "bwd" in impl.passes:
+            wrong = check.get("backward", {}).get("errors", {}).get(impl.name, {}).get("error")
+            if wrong and "bwd" in impl.passes:
+                out.append(_result(impl.name, "bwd", impl.equivalent, impl.note, error=f"not timed: {wrong}"))
+            elif not ctx["args"].no_backward and "bwd" in impl.passes:
                 out.append(_time_backward(impl, full, shape, device, ctx["reps"], counted["bwd"]))
                 if impl.name == "napkin":   # the same of the timed backward's dQ and dK/dV kernels
                     bwd_tma = {k: dict(getattr(module, f"_tma_last_{k}")) for k in BACKWARD_KINDS
                                if isinstance(getattr(module, f"_tma_last_{k}", None), dict)} or None
-    _full_size_check(check, first, d, dtype)
+    full_size_check(check, first, d, dtype)
     prepass = ranges_prepass.timed(module, d, full, shape, lambda fn: _ms(fn, device, ctx["reps"]),
                                    not ctx["args"].no_backward)
     clock.append(time.monotonic())
@@ -757,61 +742,3 @@ def backward_call(d: ir.Diagram, module, inputs, sizes, accepted, kind: str):
         return tuple(g for g in grads_of(tuple(inputs), outs, upstream, o, need) if g is not None)
 
     return call
-
-
-# --------------------------------------------------------------------------
-# Checking.
-# --------------------------------------------------------------------------
-
-def max_abs_error(got, want) -> float:
-    """Max |got - want|, equal entries (matching infinities) counting as exact and NaN as infinite;
-    infinite for another shape (one that broadcasts against the reference's would pass unseen)."""
-    import torch
-
-    if tuple(got.shape) != tuple(want.shape):
-        return float("inf")
-    g, w = got.double(), want.double().to(got.device)
-    diff = torch.where(g == w, torch.zeros_like(g), (g - w).abs())
-    diff = torch.nan_to_num(diff, nan=float("inf"))
-    return float(diff.max()) if diff.numel() else 0.0
-
-
-def _check(ctx: dict, impls: list, sizes: dict) -> dict:
-    d, module, device, dtype = ctx["diagram"], ctx["module"], ctx["device"], ctx["dtype"]
-    roles = flex.attention_roles(d)
-    small = check_sizes(d, roles, sizes)
-    inputs = reference.example_inputs(d, small, device=device, seed=0)
-    wide = [t.double() if t.is_floating_point() else t for t in inputs]
-    want = module.reference(*wide)
-    want = want if isinstance(want, tuple) else (want,)
-    tol = TOLERANCE[dtype]
-    shape = flex.attention_shape(d, small)
-    shape["dtype"] = dtype
-    errors = {}
-    for impl in impls:
-        if not impl.equivalent:
-            continue
-        try:
-            got = impl.prepare(inputs, shape, device)()
-        except Exception as err:  # noqa: BLE001 - one implementation failing must not stop the others
-            errors[impl.name] = {"error": baselines.first_line(err)}
-            continue
-        errs = {o.name: max_abs_error(g, w) for o, g, w in zip(d.outputs, got, want) if g is not None}
-        bad = {k: v for k, v in errs.items() if not v <= tol}
-        errors[impl.name] = dict(errs)
-        if bad:
-            errors[impl.name]["error"] = "wrong: " + ", ".join(f"{k} max abs error {v:.3g} > {tol:g}"
-                                                               for k, v in bad.items())
-    ok = "error" not in errors.get("napkin", {"error": "not run"})
-    return {"sizes": small, "tolerance": tol, "ok": ok, "errors": errors}
-
-
-def _full_size_check(check: dict, first: dict, d: ir.Diagram, dtype: str) -> None:
-    """At the full size: napkin's warm-up outputs against FlexAttention's."""
-    if "napkin" not in first or "flex" not in first:
-        return
-    errs = {o.name: max_abs_error(a, b) for o, a, b in zip(d.outputs, first["napkin"], first["flex"])
-            if a is not None and b is not None}
-    limit = 2 * TOLERANCE[dtype]
-    check["full_size_vs_flex"] = {"errors": errs, "tolerance": limit, "ok": all(v <= limit for v in errs.values())}
-    check["ok"] = check["ok"] and check["full_size_vs_flex"]["ok"]
