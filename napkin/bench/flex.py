@@ -39,10 +39,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir, masks, tiling
-from ..codegen.exprs import fold
 from ..codegen.pysrc import names_read
-from ..errors import NapkinError
 from ..printer import expr_text
+from .roles import Analysis, NoFlexEquivalent, Roles, const, is_neg_inf, layout, replace
 
 # The placeholder that stands for flex's ``score`` argument inside the IR: an
 # underscore name, which no diagram tensor can have (one called score was
@@ -61,14 +60,6 @@ _SCALAR_CALLS = {"exp": "_exp({})", "exp2": "_exp(math.log(2.0) * ({}))", "log":
                  "tanh": "math.tanh({})", "sigmoid": "(1.0 / (1.0 + _exp(-({}))))",
                  "abs": "abs({})", "relu": "max({}, 0)", "max": "max({}, {})", "min": "min({}, {})",
                  "where": "({1} if {0} else {2})"}
-
-
-class NoFlexEquivalent(NapkinError):
-    """The diagram computes something FlexAttention cannot express."""
-
-    def __init__(self, diagram: str, why: str):
-        self.why = why
-        super().__init__(f"diagram {diagram}: no FlexAttention equivalent: {why}")
 
 
 @dataclass(frozen=True)
@@ -94,217 +85,6 @@ class FlexSource:
 
 
 # --------------------------------------------------------------------------
-# Recognising the attention.
-# --------------------------------------------------------------------------
-
-def _inline(d: ir.Diagram, e: ir.Expr, refuse) -> ir.Expr:
-    """e with every box it reads substituted in (boxes are names, not storage)."""
-    if isinstance(e, ir.TensorRef):
-        let = next((t for t in d.lets if t.name == e.name), None)
-        if let is None:
-            return e
-        if e.wires is not None and tuple(e.wires) != ir.axis_wires(let.axes):
-            refuse(f"the box {e.name} is read relabelled ({e.name}[{', '.join(e.wires)}])")
-        return _inline(d, let.expr, refuse)
-    return _rebuild(e, lambda c: _inline(d, c, refuse))
-
-
-def _rebuild(e: ir.Expr, f) -> ir.Expr:
-    """e with f applied to each direct child."""
-    if isinstance(e, ir.Unary):
-        return ir.Unary(e.op, f(e.operand))
-    if isinstance(e, ir.Binary):
-        return ir.Binary(e.op, f(e.lhs), f(e.rhs))
-    if isinstance(e, ir.Call):
-        return ir.Call(e.fn, tuple(f(a) for a in e.args))
-    if isinstance(e, ir.Reduce):
-        return ir.Reduce(e.op, e.wires, f(e.body))
-    if isinstance(e, ir.Normalize):
-        return ir.Normalize(e.op, e.wire, f(e.body))
-    return e
-
-
-def _replace(e: ir.Expr, old: ir.Expr, new: ir.Expr) -> ir.Expr:
-    return new if e == old else _rebuild(e, lambda c: _replace(c, old, new))
-
-
-def _product_factors(e: ir.Expr) -> list:
-    if isinstance(e, ir.Binary) and e.op == "*":
-        return _product_factors(e.lhs) + _product_factors(e.rhs)
-    return [e]
-
-
-def _is_neg_inf(e: ir.Expr) -> bool:
-    return isinstance(e, ir.Num) and e.value == float("-inf")
-
-
-def _const(e: ir.Expr, d: ir.Diagram) -> Optional[float]:
-    """The value of e when it is made of numbers and fixed wire sizes only
-    (the code generator's own constant folding), as a float; None otherwise."""
-    v = fold(e, {w.name: w.size for w in d.wires if w.size is not None})
-    return None if v is None or isinstance(v, complex) or math.isnan(v) else float(v)
-
-
-@dataclass
-class _Roles:
-    """Which wire plays which part in flex's (B, H, L, E) layout."""
-
-    row: str                      # q
-    key: str                      # x
-    dim: str                      # d, contracted in the score
-    vdim: str                     # V's feature wire (d again, usually)
-    batch: Optional[str]          # b, or None (then B = 1)
-    head: Optional[ir.Axis]       # ("h",) or ("hk", "g") for GQA, or None (H = 1)
-
-    @property
-    def gqa(self) -> bool:
-        return self.head is not None and len(self.head) == 2
-
-    @property
-    def kv_head(self) -> Optional[str]:
-        return self.head[0] if self.head is not None else None
-
-
-class _Analysis:
-    """Takes a diagram apart into flex's pieces, or refuses with a reason."""
-
-    def __init__(self, d: ir.Diagram):
-        self.d = d
-
-    def refuse(self, why: str):
-        raise NoFlexEquivalent(self.d.name, why)
-
-    def run(self):
-        d = self.d
-        lets = {t.name: t for t in d.lets}
-        attention, lse, score = None, None, None
-        for out in d.outputs:
-            if out.name not in lets:
-                self.refuse(f"output {out.name} is an input, not an attention output")
-            e = _inline(d, lets[out.name].expr, self.refuse)
-            if isinstance(e, ir.Reduce) and e.op == "logsumexp" and len(e.wires) == 1:
-                lse, s = out.name, e.body
-                key = e.wires[0]
-            elif isinstance(e, ir.Reduce) and e.op == "sum" and len(e.wires) == 1 and attention is None:
-                attention, key = out.name, e.wires[0]
-                s, value = self._softmax_times_value(out.name, e)
-            else:
-                self.refuse(f"output {out.name} is neither softmax attention sum[x](softmax[x](S) * V) "
-                            "nor its logsumexp[x](S), and flex_attention only normalises with softmax")
-            if score is not None and (s != score or key != self.key):
-                self.refuse("the outputs do not share one score and key wire")
-            score, self.key = s, key
-        if attention is None:
-            self.refuse("no output contracts softmax weights with a value tensor")
-        self.attention, self.lse, self.value = attention, lse, value
-        self.raw, self.q, self.k = self._contraction(score)
-        self.roles = self._roles()
-        return score
-
-    def loose(self) -> "_Roles":
-        """The roles of any streamed attention, softmax or not (sigmoid, L2):
-        the one contraction sum[d](Q * K) of two inputs, and the value input V
-        some sum along the key wire multiplies by.  For the SDPA speed
-        reference, which needs only the sizes."""
-        d = self.d
-        self.exprs = exprs = [_inline(d, d.tensor(o.name).expr, self.refuse) for o in d.outputs
-                              if isinstance(d.tensor(o.name), ir.Let)]
-        nodes = [n for e in exprs for n in ir.walk(e)]
-        raws = {n for n in nodes if isinstance(n, ir.Reduce) and n.op == "sum" and len(n.wires) == 1
-                and isinstance(n.body, ir.Binary) and n.body.op == "*"
-                and all(isinstance(t, ir.TensorRef) and isinstance(d.tensor(t.name), ir.Input)
-                        for t in (n.body.lhs, n.body.rhs))}
-        if len(raws) != 1:
-            self.refuse("not an attention: no single contraction sum[d](Q * K) of two inputs")
-        raw = raws.pop()
-        operands = {raw.body.lhs.name, raw.body.rhs.name}
-        found = {(f.name, n.wires[0]) for n in nodes if isinstance(n, ir.Reduce) and n.op == "sum"
-                 and len(n.wires) == 1 and n != raw for f in _product_factors(n.body)
-                 if isinstance(f, ir.TensorRef) and f.name not in operands
-                 and isinstance(d.tensor(f.name), ir.Input) and n.wires[0] in ir.axis_wires(d.tensor(f.name).axes)}
-        if len(found) != 1:
-            self.refuse("not an attention: no single value input contracted along the key wire")
-        value, self.key = found.pop()
-        self.value = d.tensor(value)
-        self.raw, self.q, self.k = self._contraction(raw)
-        return self._roles()
-
-    def _softmax_times_value(self, name: str, e: ir.Reduce):
-        factors = _product_factors(e.body)
-        soft = [f for f in factors if isinstance(f, ir.Normalize)]
-        rest = [f for f in factors if not isinstance(f, ir.Normalize)]
-        if len(soft) != 1 or soft[0].op != "softmax" or soft[0].wire != e.wires[0]:
-            shown = expr_text(e)
-            shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            self.refuse(f"output {name} = {shown} is not softmax attention sum[{e.wires[0]}]"
-                        f"(softmax[{e.wires[0]}](S) * V), and flex_attention only normalises with softmax")
-        if len(rest) != 1 or not isinstance(rest[0], ir.TensorRef) or rest[0].wires is not None \
-                or not isinstance(self.d.tensor(rest[0].name), ir.Input):
-            self.refuse(f"output {name} must be sum[x](softmax[x](S) * V) with V an input read along its own wires")
-        return soft[0].body, self.d.tensor(rest[0].name)
-
-    def _contraction(self, score: ir.Expr):
-        raws = [n for n in ir.walk(score) if isinstance(n, (ir.Reduce, ir.Normalize))]
-        if len({r for r in raws}) != 1 or not isinstance(raws[0], ir.Reduce):
-            self.refuse("the score must hold exactly one contraction sum[d](Q * K) and no other reduction")
-        raw = raws[0]
-        body = raw.body
-        ok = (raw.op == "sum" and len(raw.wires) == 1 and isinstance(body, ir.Binary) and body.op == "*"
-              and all(isinstance(t, ir.TensorRef) and t.wires is None
-                      and isinstance(self.d.tensor(t.name), ir.Input) for t in (body.lhs, body.rhs)))
-        if not ok:
-            self.refuse("the score's contraction is not sum[d](Q * K) of two inputs")
-        a, b = (self.d.tensor(t.name) for t in (body.lhs, body.rhs))
-        with_key = [t for t in (a, b) if self.key in ir.axis_wires(t.axes)]
-        if len(with_key) != 1:
-            self.refuse(f"exactly one side of the contraction must carry the key wire {self.key}")
-        k = with_key[0]
-        return raw, (b if k is a else a), k
-
-    def _roles(self) -> _Roles:
-        dim, key = self.raw.wires[0], self.key
-        kw = set(ir.axis_wires(self.k.axes))
-        row, gqa, shared = [], [], []
-        for axis in self.q.axes:
-            if axis == (dim,):
-                continue
-            if len(axis) == 1 and axis[0] not in kw:
-                row.append(axis[0])
-            elif len(axis) == 1:
-                shared.append(axis)
-            elif len(axis) == 2 and axis[0] in kw and axis[1] not in kw:
-                gqa.append(axis)      # (hk g): query head i uses kv head i // |g|, as enable_gqa does
-            else:
-                self.refuse(f"{self.q.name}'s axis ({' '.join(axis)}) has no place in flex's (B, H, L, E) layout")
-        if len(row) > 1:   # multi-query K[b, x, d], or GQA as separate wires Q[b, hk, g, q, d]
-            self.refuse(f"{self.q.name}{_layout(self.q.axes)} has {len(row)} wires that "
-                        f"{self.k.name}{_layout(self.k.axes)} lacks ({', '.join(row)}), where flex's layout has one, "
-                        f"the queries: a head wire {self.k.name} lacks (multi-query) or a group written apart from "
-                        "its kv heads is not mapped (write grouped heads as one axis, (hk g))")
-        if len(row) != 1 or len(gqa) > 1 or len(shared) + len(gqa) > 2 or (gqa and len(shared) > 1):
-            self.refuse(f"{self.q.name}{_layout(self.q.axes)} is not a (batch, heads, queries, dim) layout")
-        if gqa:
-            batch, head = (shared[0][0] if shared else None), gqa[0]
-        else:
-            batch = shared[0][0] if len(shared) == 2 else None
-            head = shared[-1] if shared else None
-        vw = [w for w in ir.axis_wires(self.value.axes) if w not in (batch, key) and (head is None or w != head[0])]
-        if len(vw) != 1:
-            self.refuse(f"{self.value.name}{_layout(self.value.axes)} is not a (batch, heads, keys, dim) layout")
-        roles = _Roles(row[0], key, dim, vw[0], batch, head)
-        kv = [w for w in (batch, roles.kv_head) if w is not None]
-        for t, last in ((self.k, dim), (self.value, vw[0])):
-            want = {(w,) for w in kv + [key, last]}
-            if set(t.axes) != want or len(t.axes) != len(want):
-                self.refuse(f"{t.name}{_layout(t.axes)} is not a (batch, heads, keys, dim) layout")
-        return roles
-
-
-def _layout(axes) -> str:
-    return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in axes) + "]"
-
-
-# --------------------------------------------------------------------------
 # Rendering the score and mask expressions as Python.
 # --------------------------------------------------------------------------
 
@@ -314,7 +94,7 @@ class _Py:
     underscore is napkin's own (the checker refuses one in a diagram), so a
     side input called ``score``, ``h`` or ``sizes`` cannot be shadowed."""
 
-    def __init__(self, d: ir.Diagram, roles: _Roles, analysis: _Analysis):
+    def __init__(self, d: ir.Diagram, roles: Roles, analysis: Analysis):
         self.d, self.roles, self.an = d, roles, analysis
         self.side: list[str] = []        # inputs read, in first-use order
         self.sizes: list[str] = []       # symbolic wire sizes needed
@@ -365,7 +145,7 @@ class _Py:
     def __call__(self, e: ir.Expr) -> str:
         if e == SCORE:
             return "_score"
-        value = _const(e, self.d)
+        value = const(e, self.d)
         if value is not None and not isinstance(e, ir.Num):
             return _number(value)
         if isinstance(e, ir.Num):
@@ -383,7 +163,7 @@ class _Py:
             return f"(not {self(e.operand)})" if scalar else f"torch.logical_not({self(e.operand)})"
         if isinstance(e, ir.Binary):
             if e.op == "^":
-                exponent = _const(e.rhs, self.d)
+                exponent = const(e.rhs, self.d)
                 if exponent is not None:   # a float exponent: an int index base stays legal
                     return f"({self(e.lhs)} ** {float(exponent)!r})"
                 if scalar:
@@ -423,9 +203,9 @@ def _peel_masks(score: ir.Expr) -> tuple[list[ir.Expr], ir.Expr]:
     while True:
         if isinstance(score, ir.Call) and score.fn == "where":
             pred, then, other = score.args
-            if _is_neg_inf(other) and not _is_neg_inf(then):
+            if is_neg_inf(other) and not is_neg_inf(then):
                 keep, rest = pred, then
-            elif _is_neg_inf(then) and not _is_neg_inf(other):
+            elif is_neg_inf(then) and not is_neg_inf(other):
                 keep, rest = masks.negate(pred), other
             else:
                 break
@@ -465,9 +245,9 @@ def _additive_mask(term: ir.Expr) -> tuple[Optional[ir.Expr], Optional[ir.Expr]]
     zero = lambda e: isinstance(e, ir.Num) and e.value == 0   # noqa: E731
     if any(n == SCORE for n in ir.walk(pred)):
         return None, None
-    if _is_neg_inf(other) and not _is_neg_inf(then):
+    if is_neg_inf(other) and not is_neg_inf(then):
         return pred, None if zero(then) else then
-    if _is_neg_inf(then) and not _is_neg_inf(other):
+    if is_neg_inf(then) and not is_neg_inf(other):
         return masks.negate(pred), None if zero(other) else other
     return None, None
 
@@ -480,14 +260,14 @@ def _take_scale(score: ir.Expr, d: ir.Diagram) -> tuple[float, ir.Expr]:
     for node in ir.walk(score):
         if isinstance(node, ir.Binary) and node.op in ("*", "/") and SCORE in (node.lhs, node.rhs):
             other = node.rhs if node.lhs == SCORE else node.lhs
-            c = _const(other, d)
+            c = const(other, d)
             if c is None or c == 0 or (node.op == "/" and node.lhs != SCORE) or not math.isfinite(c):
                 continue
-            return (c if node.op == "*" else 1.0 / c), _replace(score, node, SCORE)
+            return (c if node.op == "*" else 1.0 / c), replace(score, node, SCORE)
     return 1.0, score
 
 
-def _causal_conjunct(p: ir.Expr, roles: _Roles) -> bool:
+def _causal_conjunct(p: ir.Expr, roles: Roles) -> bool:
     q, x = ir.WireIndex(roles.row), ir.WireIndex(roles.key)
     return p in (ir.Binary("<=", x, q), ir.Binary(">=", q, x))
 
@@ -498,7 +278,7 @@ def _conjuncts(p: ir.Expr) -> list:
     return [p]
 
 
-def _causal_flags(preds: list, roles: _Roles) -> tuple[bool, bool]:
+def _causal_flags(preds: list, roles: Roles) -> tuple[bool, bool]:
     """(the mask is exactly key <= query, key <= query is one of its conjuncts)."""
     conjuncts = list(dict.fromkeys(c for p in preds for c in _conjuncts(p)))
     causal = [_causal_conjunct(c, roles) for c in conjuncts]
@@ -511,8 +291,8 @@ def _causal_flags(preds: list, roles: _Roles) -> tuple[bool, bool]:
 
 def emit(diagram: ir.Diagram) -> FlexSource:
     """The FlexAttention module for ``diagram``; NoFlexEquivalent if it has none."""
-    an = _Analysis(diagram)
-    score = _replace(an.run(), an.raw, SCORE)
+    an = Analysis(diagram)
+    score = replace(an.run(), an.raw, SCORE)
     roles = an.roles
     preds, body = _peel_masks(score)
     # a written not taken through, as the kernels take it: not (x > q) is causal to SDPA too
@@ -530,11 +310,11 @@ def emit(diagram: ir.Diagram) -> FlexSource:
                       mask, causal, causal_part, side, outs)
 
 
-def attention_roles(diagram: ir.Diagram) -> _Roles:
+def attention_roles(diagram: ir.Diagram) -> Roles:
     """Which wire is the batch, the heads (``(hk g)`` for GQA), the queries,
     the keys and the head dims, for any streamed attention (softmax or not);
     NoFlexEquivalent when the diagram is not an attention at all."""
-    return _Analysis(diagram).loose()
+    return Analysis(diagram).loose()
 
 
 def attention_shape(diagram: ir.Diagram, sizes) -> dict:
@@ -542,7 +322,7 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
     attention (softmax or not): batch, heads (query), kv_heads, q_len,
     kv_len, dim, value_dim; the causal flags; ``operands``, the names of
     Q, K and V.  ``sizes`` binds the symbolic wires."""
-    an = _Analysis(diagram)
+    an = Analysis(diagram)
     roles = an.loose()
     # every where(p, ..., -inf) is a mask, however nested or added (the
     # outermost alone called where(x <= q, where(q - x < 4, s, -inf), -inf)
@@ -561,7 +341,7 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
             "operands": [an.q.name, an.k.name, an.value.name]}
 
 
-def _flex_order(axes, roles: _Roles, last: str, kv: bool):
+def _flex_order(axes, roles: Roles, last: str, kv: bool):
     """(permutation, how many size-1 dims to add in front) taking a tensor laid
     out along ``axes`` to flex's (B, H, L, E)."""
     head = None if roles.head is None else ((roles.kv_head,) if kv else roles.head)
@@ -747,7 +527,7 @@ def _shape_of(d: ir.Diagram, wire: str) -> str:
     raise NoFlexEquivalent(d.name, f"no input shape gives the size of wire {wire}")
 
 
-def _outputs(d: ir.Diagram, an: _Analysis, roles: _Roles) -> str:
+def _outputs(d: ir.Diagram, an: Analysis, roles: Roles) -> str:
     """finish()'s return expression: flex's (B, H, L, E) out and (B, H, L) lse
     taken back to the diagram's layouts and dtypes, in its output order."""
     parts = []
@@ -763,8 +543,8 @@ def _outputs(d: ir.Diagram, an: _Analysis, roles: _Roles) -> str:
         if roles.head is None:
             text += ".squeeze(0)"
         if sorted(let.axes) != sorted(have):   # e.g. GQA heads stored apart: O[b, hk, g, q, d]
-            raise NoFlexEquivalent(d.name, f"output {o.name}{_layout(let.axes)} is not laid out along "
-                                           f"{_layout(have)}, as flex_attention returns it")
+            raise NoFlexEquivalent(d.name, f"output {o.name}{layout(let.axes)} is not laid out along "
+                                           f"{layout(have)}, as flex_attention returns it")
         perm = [have.index(a) for a in let.axes]
         if perm != sorted(perm):
             text += f".permute({', '.join(map(str, perm))})"

@@ -1,0 +1,242 @@
+"""Recognising an attention in a diagram: which input is Q, K and V, which wire
+plays which part of FlexAttention's and SDPA's (B, H, L, E) layout.
+
+``Analysis(d).run()`` takes a softmax attention apart for the FlexAttention
+emitter (napkin/bench/flex.py); ``Analysis(d).loose()`` finds the roles of any
+streamed attention (sigmoid, L2 ...) for the benchmark's sizes and its SDPA
+speed reference.  Heads come in three forms:
+
+* one head wire both Q and K/V carry, ``Q[b, h, q, d]``, ``K[b, h, x, d]``;
+* grouped-query heads, K/V carrying the kv heads hk and Q the query heads
+  (hk g), as one axis ``Q[b, (hk g), q, d]`` or apart ``Q[b, hk, g, q, d]``;
+* multi-query, a head wire Q carries and K/V lack, ``K[b, x, d]``: one kv
+  head (FlexAttention's and SDPA's enable_gqa with H_kv = 1).
+
+When Q carries two wires K lacks (apart GQA, multi-query), the query row is
+the one the schedule tiles (``q by 128``), the other the heads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import ir
+from ..codegen.exprs import fold
+from ..errors import NapkinError
+from ..printer import expr_text
+
+
+class NoFlexEquivalent(NapkinError):
+    """The diagram computes something FlexAttention cannot express."""
+
+    def __init__(self, diagram: str, why: str):
+        self.why = why
+        super().__init__(f"diagram {diagram}: no FlexAttention equivalent: {why}")
+
+
+def inline(d: ir.Diagram, e: ir.Expr, refuse) -> ir.Expr:
+    """e with every box it reads substituted in (boxes are names, not storage)."""
+    if isinstance(e, ir.TensorRef):
+        let = next((t for t in d.lets if t.name == e.name), None)
+        if let is None:
+            return e
+        if e.wires is not None and tuple(e.wires) != ir.axis_wires(let.axes):
+            refuse(f"the box {e.name} is read relabelled ({e.name}[{', '.join(e.wires)}])")
+        return inline(d, let.expr, refuse)
+    return rebuild(e, lambda c: inline(d, c, refuse))
+
+
+def rebuild(e: ir.Expr, f) -> ir.Expr:
+    """e with f applied to each direct child."""
+    if isinstance(e, ir.Unary):
+        return ir.Unary(e.op, f(e.operand))
+    if isinstance(e, ir.Binary):
+        return ir.Binary(e.op, f(e.lhs), f(e.rhs))
+    if isinstance(e, ir.Call):
+        return ir.Call(e.fn, tuple(f(a) for a in e.args))
+    if isinstance(e, ir.Reduce):
+        return ir.Reduce(e.op, e.wires, f(e.body))
+    if isinstance(e, ir.Normalize):
+        return ir.Normalize(e.op, e.wire, f(e.body))
+    return e
+
+
+def replace(e: ir.Expr, old: ir.Expr, new: ir.Expr) -> ir.Expr:
+    return new if e == old else rebuild(e, lambda c: replace(c, old, new))
+
+
+def product_factors(e: ir.Expr) -> list:
+    if isinstance(e, ir.Binary) and e.op == "*":
+        return product_factors(e.lhs) + product_factors(e.rhs)
+    return [e]
+
+
+def is_neg_inf(e: ir.Expr) -> bool:
+    return isinstance(e, ir.Num) and e.value == float("-inf")
+
+
+def const(e: ir.Expr, d: ir.Diagram) -> Optional[float]:
+    """The value of e when it is made of numbers and fixed wire sizes only
+    (the code generator's own constant folding), as a float; None otherwise."""
+    v = fold(e, {w.name: w.size for w in d.wires if w.size is not None})
+    return None if v is None or isinstance(v, complex) or math.isnan(v) else float(v)
+
+
+@dataclass
+class Roles:
+    """Which wire plays which part in flex's (B, H, L, E) layout."""
+
+    row: str                      # q
+    key: str                      # x
+    dim: str                      # d, contracted in the score
+    vdim: str                     # V's feature wire (d again, usually)
+    batch: Optional[str]          # b, or None (then B = 1)
+    head: Optional[ir.Axis]       # ("h",) or ("hk", "g") for GQA, or None (H = 1)
+
+    @property
+    def gqa(self) -> bool:
+        return self.head is not None and len(self.head) == 2
+
+    @property
+    def kv_head(self) -> Optional[str]:
+        return self.head[0] if self.head is not None else None
+
+
+class Analysis:
+    """Takes a diagram apart into flex's pieces, or refuses with a reason."""
+
+    def __init__(self, d: ir.Diagram):
+        self.d = d
+
+    def refuse(self, why: str):
+        raise NoFlexEquivalent(self.d.name, why)
+
+    def run(self):
+        d = self.d
+        lets = {t.name: t for t in d.lets}
+        attention, lse, score = None, None, None
+        for out in d.outputs:
+            if out.name not in lets:
+                self.refuse(f"output {out.name} is an input, not an attention output")
+            e = inline(d, lets[out.name].expr, self.refuse)
+            if isinstance(e, ir.Reduce) and e.op == "logsumexp" and len(e.wires) == 1:
+                lse, s = out.name, e.body
+                key = e.wires[0]
+            elif isinstance(e, ir.Reduce) and e.op == "sum" and len(e.wires) == 1 and attention is None:
+                attention, key = out.name, e.wires[0]
+                s, value = self._softmax_times_value(out.name, e)
+            else:
+                self.refuse(f"output {out.name} is neither softmax attention sum[x](softmax[x](S) * V) "
+                            "nor its logsumexp[x](S), and flex_attention only normalises with softmax")
+            if score is not None and (s != score or key != self.key):
+                self.refuse("the outputs do not share one score and key wire")
+            score, self.key = s, key
+        if attention is None:
+            self.refuse("no output contracts softmax weights with a value tensor")
+        self.attention, self.lse, self.value = attention, lse, value
+        self.raw, self.q, self.k = self._contraction(score)
+        self.roles = self._roles()
+        return score
+
+    def loose(self) -> "Roles":
+        """The roles of any streamed attention, softmax or not (sigmoid, L2):
+        the one contraction sum[d](Q * K) of two inputs, and the value input V
+        some sum along the key wire multiplies by.  For the SDPA speed
+        reference, which needs only the sizes."""
+        d = self.d
+        self.exprs = exprs = [inline(d, d.tensor(o.name).expr, self.refuse) for o in d.outputs
+                              if isinstance(d.tensor(o.name), ir.Let)]
+        nodes = [n for e in exprs for n in ir.walk(e)]
+        raws = {n for n in nodes if isinstance(n, ir.Reduce) and n.op == "sum" and len(n.wires) == 1
+                and isinstance(n.body, ir.Binary) and n.body.op == "*"
+                and all(isinstance(t, ir.TensorRef) and isinstance(d.tensor(t.name), ir.Input)
+                        for t in (n.body.lhs, n.body.rhs))}
+        if len(raws) != 1:
+            self.refuse("not an attention: no single contraction sum[d](Q * K) of two inputs")
+        raw = raws.pop()
+        operands = {raw.body.lhs.name, raw.body.rhs.name}
+        found = {(f.name, n.wires[0]) for n in nodes if isinstance(n, ir.Reduce) and n.op == "sum"
+                 and len(n.wires) == 1 and n != raw for f in product_factors(n.body)
+                 if isinstance(f, ir.TensorRef) and f.name not in operands
+                 and isinstance(d.tensor(f.name), ir.Input) and n.wires[0] in ir.axis_wires(d.tensor(f.name).axes)}
+        if len(found) != 1:
+            self.refuse("not an attention: no single value input contracted along the key wire")
+        value, self.key = found.pop()
+        self.value = d.tensor(value)
+        self.raw, self.q, self.k = self._contraction(raw)
+        return self._roles()
+
+    def _softmax_times_value(self, name: str, e: ir.Reduce):
+        factors = product_factors(e.body)
+        soft = [f for f in factors if isinstance(f, ir.Normalize)]
+        rest = [f for f in factors if not isinstance(f, ir.Normalize)]
+        if len(soft) != 1 or soft[0].op != "softmax" or soft[0].wire != e.wires[0]:
+            shown = expr_text(e)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            self.refuse(f"output {name} = {shown} is not softmax attention sum[{e.wires[0]}]"
+                        f"(softmax[{e.wires[0]}](S) * V), and flex_attention only normalises with softmax")
+        if len(rest) != 1 or not isinstance(rest[0], ir.TensorRef) or rest[0].wires is not None \
+                or not isinstance(self.d.tensor(rest[0].name), ir.Input):
+            self.refuse(f"output {name} must be sum[x](softmax[x](S) * V) with V an input read along its own wires")
+        return soft[0].body, self.d.tensor(rest[0].name)
+
+    def _contraction(self, score: ir.Expr):
+        raws = [n for n in ir.walk(score) if isinstance(n, (ir.Reduce, ir.Normalize))]
+        if len({r for r in raws}) != 1 or not isinstance(raws[0], ir.Reduce):
+            self.refuse("the score must hold exactly one contraction sum[d](Q * K) and no other reduction")
+        raw = raws[0]
+        body = raw.body
+        ok = (raw.op == "sum" and len(raw.wires) == 1 and isinstance(body, ir.Binary) and body.op == "*"
+              and all(isinstance(t, ir.TensorRef) and t.wires is None
+                      and isinstance(self.d.tensor(t.name), ir.Input) for t in (body.lhs, body.rhs)))
+        if not ok:
+            self.refuse("the score's contraction is not sum[d](Q * K) of two inputs")
+        a, b = (self.d.tensor(t.name) for t in (body.lhs, body.rhs))
+        with_key = [t for t in (a, b) if self.key in ir.axis_wires(t.axes)]
+        if len(with_key) != 1:
+            self.refuse(f"exactly one side of the contraction must carry the key wire {self.key}")
+        k = with_key[0]
+        return raw, (b if k is a else a), k
+
+    def _roles(self) -> Roles:
+        dim, key = self.raw.wires[0], self.key
+        kw = set(ir.axis_wires(self.k.axes))
+        row, gqa, shared = [], [], []
+        for axis in self.q.axes:
+            if axis == (dim,):
+                continue
+            if len(axis) == 1 and axis[0] not in kw:
+                row.append(axis[0])
+            elif len(axis) == 1:
+                shared.append(axis)
+            elif len(axis) == 2 and axis[0] in kw and axis[1] not in kw:
+                gqa.append(axis)      # (hk g): query head i uses kv head i // |g|, as enable_gqa does
+            else:
+                self.refuse(f"{self.q.name}'s axis ({' '.join(axis)}) has no place in flex's (B, H, L, E) layout")
+        if len(row) > 1:   # multi-query K[b, x, d], or GQA as separate wires Q[b, hk, g, q, d]
+            self.refuse(f"{self.q.name}{layout(self.q.axes)} has {len(row)} wires that "
+                        f"{self.k.name}{layout(self.k.axes)} lacks ({', '.join(row)}), where flex's layout has one, "
+                        f"the queries: a head wire {self.k.name} lacks (multi-query) or a group written apart from "
+                        "its kv heads is not mapped (write grouped heads as one axis, (hk g))")
+        if len(row) != 1 or len(gqa) > 1 or len(shared) + len(gqa) > 2 or (gqa and len(shared) > 1):
+            self.refuse(f"{self.q.name}{layout(self.q.axes)} is not a (batch, heads, queries, dim) layout")
+        if gqa:
+            batch, head = (shared[0][0] if shared else None), gqa[0]
+        else:
+            batch = shared[0][0] if len(shared) == 2 else None
+            head = shared[-1] if shared else None
+        vw = [w for w in ir.axis_wires(self.value.axes) if w not in (batch, key) and (head is None or w != head[0])]
+        if len(vw) != 1:
+            self.refuse(f"{self.value.name}{layout(self.value.axes)} is not a (batch, heads, keys, dim) layout")
+        roles = Roles(row[0], key, dim, vw[0], batch, head)
+        kv = [w for w in (batch, roles.kv_head) if w is not None]
+        for t, last in ((self.k, dim), (self.value, vw[0])):
+            want = {(w,) for w in kv + [key, last]}
+            if set(t.axes) != want or len(t.axes) != len(want):
+                self.refuse(f"{t.name}{layout(t.axes)} is not a (batch, heads, keys, dim) layout")
+        return roles
+
+
+def layout(axes) -> str:
+    return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in axes) + "]"
