@@ -1290,17 +1290,84 @@ out O
     assert torch.allclose(got.double(), _softmax64(S, V), atol=1e-6)
 
 
-def test_flex_refuses_an_output_laid_out_otherwise_and_takes_a_mask_of_sizes_alone():
-    """GQA heads stored apart in the output (O[b, hk, g, q, d]) died on a ValueError inside emit, which
-    stopped a bench run: it is "no FlexAttention equivalent" now.  A mask reading sizes only made
-    mask_mod return a Python bool, which create_block_mask refuses."""
-    split = (EXAMPLES / "gqa.ncd").read_text()
-    assert "O[b, (hk g), q, d]" in split
-    with pytest.raises(flex.NoFlexEquivalent, match=r"output O\[b, hk, g, q, d\] is not laid out along"):
-        flex.emit(napkin.load_text(split.replace("O[b, (hk g), q, d]", "O[b, hk, g, q, d]")))
+def test_flex_takes_a_mask_of_sizes_alone():
+    """A mask reading sizes only made mask_mod return a Python bool, which create_block_mask refuses."""
     sized = _fp32((EXAMPLES / "attention.ncd").read_text().replace(
         "sum[d](Q * K) * |d|^-0.5", "where(|x| > 3, sum[d](Q * K) * |d|^-0.5, -inf)"))
     assert max(_flex_vs_reference(sized)) < 1e-5
+
+
+MQA = """diagram mqa
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp16
+in K[b, x, d] : fp16
+in V[b, x, d] : fp16
+in slope[h] : fp32
+S[b, h, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5 + slope * (x - q), -inf)
+O[b, h, q, d] : fp16 = sum[x](softmax[x](S) * V)
+out O
+schedule on h100 {
+  accumulate fp32
+  level hbm { hold Q, K, V, slope, O }
+  level smem {
+    group b by 1, h by 1, q by 32
+    stream x by 16
+    hold S
+  }
+}
+"""
+
+
+def _gqa_apart(q_layout="Q[b, hk, g, q, d]", o_layout="O[b, hk, g, q, d]"):
+    text = (EXAMPLES / "gqa.ncd").read_text().replace("Q[b, (hk g), q, d]", q_layout)
+    return text.replace("O[b, (hk g), q, d]", o_layout)
+
+
+@pytest.mark.parametrize("text, heads, kv_heads", [
+    (MQA, 6, 1),
+    (_gqa_apart(), 4, 2),                                           # GQA, query heads apart (hk, g)
+    (_gqa_apart(o_layout="O[b, (hk g), q, d]"), 4, 2),              # apart in Q, one axis in O
+    (_gqa_apart("Q[b, q, hk, g, d]", "O[b, q, g, hk, d]"), 4, 2),   # and permuted
+    (_gqa_apart(o_layout="O[b, hk, g, q, d]").replace("lse[b, (hk g), q]", "lse[b, hk, g, q]"), 4, 2)],
+    ids=["mqa", "gqa-apart", "gqa-apart-in-q", "gqa-apart-permuted", "gqa-apart-lse"])
+def test_flex_takes_multi_query_and_grouped_heads_written_apart(text, heads, kv_heads):
+    """Multi-query (K[b, x, d]: one kv head) and grouped-query heads written as two wires of Q and O
+    were refused ("write grouped heads as one axis"), so napkin bench could not run them: flex maps
+    them onto enable_gqa now, the query heads flattened kv-major as SDPA's.  Checked against the
+    float64 reference; the roles give the benchmark its sizes."""
+    d = _fp32(text)
+    sizes = {"b": 2, "h": 6, "hk": 2, "g": 2, "q": 37, "x": 37}
+    assert max(_flex_vs_reference(d, sizes)) < 1e-5
+    shape = flex.attention_shape(d, sizes)
+    assert (shape["heads"], shape["kv_heads"], shape["q_len"]) == (heads, kv_heads, 37)
+    assert flex.emit(d).enable_gqa
+
+
+def test_two_query_wires_the_schedule_does_not_tell_apart_are_refused():
+    """Q[b, h, q, d] beside K[b, x, d]: h or q could be the queries; the schedule's tiled wire says
+    which.  Tiling neither leaves it open, and that is said rather than guessed."""
+    text = MQA.replace("group b by 1, h by 1, q by 32", "group b by 1, h by 1, q by 1")
+    with pytest.raises(flex.NoFlexEquivalent, match=r"Q\[b, h, q, d\] has two wires K\[b, x, d\] lacks "
+                                                    r"\(h, q\), and the schedule tiles neither"):
+        flex.emit(napkin.load_text(text))
+
+
+@pytest.mark.slow
+def test_napkin_bench_runs_multi_query_attention(tmp_path):
+    """napkin bench on a multi-query diagram: --heads sets the query heads, one kv head; napkin's forward
+    and backward and SDPA's speed reference (enable_gqa) are checked and timed."""
+    from napkin.cli import main
+
+    path = tmp_path / "mqa.ncd"
+    path.write_text(MQA)
+    assert main(["bench", str(path), "--seqlen", "40", "--heads", "3", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())["rows"]
+    assert row["sizes"] == {"b": 1, "h": 3, "q": 40, "x": 40}
+    assert (row["shape"]["heads"], row["shape"]["kv_heads"]) == (3, 1)
+    assert row["check"]["ok"] and set(row["check"]["backward"]["errors"]["napkin"]) == {"dQ", "dK", "dV"}
+    timed = {(r["impl"], r["pass"]) for r in row["results"] if r["ms"]}
+    assert {("napkin", "fwd"), ("napkin", "bwd"), ("flex", "fwd"), ("sdpa-math", "fwd")} <= timed
 
 
 @pytest.mark.parametrize("score", [

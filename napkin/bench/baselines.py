@@ -107,7 +107,7 @@ def _sdpa_prepare(backend, flex_module, causal: bool, scale: float, torch) -> Ca
                 out = sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
             if flex_module is None:
                 return (out,)
-            return flex_module.finish(out, None)
+            return flex_module.finish(out, None, k.shape[1])
 
         if flex_module is None:
             run.leaves = (q, k, v)

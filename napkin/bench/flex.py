@@ -18,9 +18,10 @@ small self-contained module (``FlexSource.text``):
   not reading the score itself) becomes mask_mod, so a BlockMask can skip
   empty blocks; what is left is score_mod (None when it is the identity).
 * indices: the query wire reads ``q_idx``, the key wire ``kv_idx``, the
-  batch wire ``b`` and the head wire ``h``.  Grouped-query heads stored as
-  ``(hk g)`` become ``enable_gqa=True``; there flex's ``h`` is the query head,
-  so hk reads ``h // |g|`` and g reads ``h % |g|``.
+  batch wire ``b`` and the head wire ``h``.  Grouped-query heads, ``(hk g)``
+  or hk and g written apart, become ``enable_gqa=True``; there flex's ``h`` is
+  the query head, so hk reads ``h // |g|`` and g reads ``h % |g|``.  Multi-query
+  (K and V without a head wire) is enable_gqa with one kv head (roles.py).
 * side tensors are captured by the mods and indexed with those names:
   ``slope[h]``, ``doc[b, q]`` -> ``doc[b, q_idx]``.
 
@@ -115,11 +116,11 @@ class _Py:
             return "_kv_idx"
         if wire == r.batch:
             return "_b"
-        if r.head is not None and not r.gqa and wire == r.head[0]:
-            return "_h"
-        if r.gqa and wire == r.head[0]:
+        if r.head is not None and len(r.head) == 1 and wire == r.head[0]:
+            return "_h"     # one head wire, K's own or (multi-query) Q's alone
+        if r.head is not None and len(r.head) == 2 and wire == r.head[0]:
             return f"(_h // {self.size(r.head[1])})"
-        if r.gqa and wire == r.head[1]:
+        if r.head is not None and len(r.head) == 2 and wire == r.head[1]:
             return f"(_h % {self.size(r.head[1])})"
         self.an.refuse(f"the score reads wire {wire}, which has no FlexAttention index")
 
@@ -133,7 +134,7 @@ class _Py:
         parts = []
         for axis in t.axes:
             read, wires = tuple(wires[:len(axis)]), wires[len(axis):]
-            if self.roles.gqa and read == self.roles.head:
+            if self.roles.head is not None and len(self.roles.head) == 2 and read == self.roles.head:
                 parts.append("_h")     # (hk g) flattened is exactly flex's query head
                 continue
             text = self.index(read[0])
@@ -333,7 +334,7 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
     full.update(sizes)
     heads = math.prod(full[w] for w in roles.head) if roles.head else 1
     return {"batch": full[roles.batch] if roles.batch else 1, "heads": heads,
-            "kv_heads": full[roles.kv_head] if roles.head else 1,
+            "kv_heads": full[roles.kv_head] if roles.kv_head else 1,
             "q_len": full[roles.row], "kv_len": full[roles.key],
             "dim": full[roles.dim], "value_dim": full[roles.vdim],
             # FLOPs are halved only for exactly causal masks (the usual convention)
@@ -341,23 +342,26 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
             "operands": [an.q.name, an.k.name, an.value.name]}
 
 
-def _flex_order(axes, roles: Roles, last: str, kv: bool):
-    """(permutation, how many size-1 dims to add in front) taking a tensor laid
-    out along ``axes`` to flex's (B, H, L, E)."""
-    head = None if roles.head is None else ((roles.kv_head,) if kv else roles.head)
-    seq = roles.key if kv else roles.row
-    want = [a for a in ((roles.batch,) if roles.batch else None, head, (seq,), (last,) if last else None)
-            if a is not None]
+def _to_flex(name: str, axes, roles: Roles, last: str, kv: bool) -> str:
+    """Python text taking tensor ``name``, laid out along ``axes``, to flex's
+    (B, H, L, E): permuted to that order, GQA's apart hk and g flattened into
+    one head dim, a missing batch or head dim (multi-query K and V) added."""
+    heads = ((roles.kv_head,) if roles.kv_head else ()) if kv else tuple(roles.head or ())
+    together = len(heads) == 2 and not roles.apart   # Q[b, (hk g), q, d]: one axis already
+    want = [(w,) for w in (roles.batch,) if w] + ([heads] if together else [(h,) for h in heads]) \
+        + [(roles.key if kv else roles.row,), (last,)]
     perm = [list(axes).index(a) for a in want]
-    missing = (roles.batch is None) + (roles.head is None)
-    return perm, missing
-
-
-def _arrange(name: str, perm: list[int], missing: int) -> str:
     text = name
     if perm != sorted(perm):
         text += f".permute({', '.join(map(str, perm))})"
-    return text + ".unsqueeze(0)" * missing
+    if len(heads) == 2 and roles.apart:
+        first = 1 if roles.batch else 0
+        text += f".flatten({first}, {first + 1})"
+    if roles.batch is None:
+        text += ".unsqueeze(0)"
+    if not heads:
+        text += ".unsqueeze(1)"
+    return text
 
 
 def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str]:
@@ -426,9 +430,6 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
             mask_text = f"(_q_idx >= 0) & {mask_text}"
         lines += ["", "    def _mask_mod(_b, _h, _q_idx, _kv_idx):", f"        return {mask_text}"]
     lines += ["", "    return _score_mod, _mask_mod", "", ""]
-    qperm, qmiss = _flex_order(an.q.axes, roles, roles.dim, kv=False)
-    kperm, kmiss = _flex_order(an.k.axes, roles, roles.dim, kv=True)
-    vperm, vmiss = _flex_order(an.value.axes, roles, roles.vdim, kv=True)
     params = ", ".join(names)
     # A block mask per batch and head only where the mask reads them: one of
     # 16 heads x 16K x 16K is built through a 4 GiB boolean tensor; None
@@ -441,12 +442,14 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
     lines += [
         f"def arrange({params}):",
         '    """(q, k, v) in the (B, H, L, E) layout flex_attention and SDPA take."""',
-        f"    return {_arrange(q, qperm, qmiss)}, {_arrange(k, kperm, kmiss)}, {_arrange(v, vperm, vmiss)}",
+        f"    return ({_to_flex(q, an.q.axes, roles, roles.dim, kv=False)}, "
+        f"{_to_flex(k, an.k.axes, roles, roles.dim, kv=True)}, {_to_flex(v, an.value.axes, roles, roles.vdim, kv=True)})",
         "",
         "",
-        "def finish(out, lse=None):",
+        "def finish(out, lse=None, kv_heads=1):",
         '    """(B, H, L, E) out and (B, H, L) lse back in the diagram\'s layouts, dtypes',
-        '    and output order, as a tuple; an output not computed (lse None) is None."""',
+        '    and output order, as a tuple; an output not computed (lse None) is None.',
+        '    kv_heads (K\'s H) splits the query heads of an output holding hk and g apart."""',
         f"    return {_outputs(d, an, roles)}",
         "",
         "",
@@ -471,7 +474,7 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
         "    def _run():",
         "        _out, _aux = _attend(_q, _k, _v, score_mod=_score_mod, block_mask=_block_mask, scale=SCALE,",
         "                             enable_gqa=ENABLE_GQA, return_aux=_flex.AuxRequest(lse=True))",
-        "        return finish(_out, _aux.lse)",
+        "        return finish(_out, _aux.lse, _k.shape[1])",
         "",
         "    return _run",
         "",
@@ -535,14 +538,19 @@ def _outputs(d: ir.Diagram, an: Analysis, roles: Roles) -> str:
         let = d.tensor(o.name)
         is_out = o.name == an.attention
         last = roles.vdim if is_out else None
-        have = [a for a in ((roles.batch,) if roles.batch else None, roles.head, (roles.row,),
-                            (last,) if last else None) if a is not None]
+        # GQA's heads as the output holds them: (hk g) as one axis, or hk and g apart
+        apart = roles.head is not None and len(roles.head) == 2 and roles.head not in let.axes
+        heads = [(w,) for w in roles.head] if apart else [roles.head] if roles.head else []
+        have = [(roles.batch,)] if roles.batch else []
+        have += heads + [(roles.row,)] + ([(last,)] if last else [])
         text = "out" if is_out else "lse"
         if roles.batch is None:
             text += ".squeeze(0)"
         if roles.head is None:
             text += ".squeeze(0)"
-        if sorted(let.axes) != sorted(have):   # e.g. GQA heads stored apart: O[b, hk, g, q, d]
+        if apart:
+            text += f".unflatten({1 if roles.batch else 0}, (kv_heads, -1))"
+        if sorted(let.axes) != sorted(have):
             raise NoFlexEquivalent(d.name, f"output {o.name}{layout(let.axes)} is not laid out along "
                                            f"{layout(have)}, as flex_attention returns it")
         perm = [have.index(a) for a in let.axes]

@@ -461,7 +461,7 @@ def point_sizes(diagram: ir.Diagram, roles, grid: dict) -> list[dict[str, int]]:
                 sizes = {roles.row: n, roles.key: n}
                 if roles.batch:
                     sizes[roles.batch] = batch
-                if roles.gqa:
+                if roles.head is not None and len(roles.head) == 2:   # GQA: hk = heads / g
                     fixed_g = diagram.wire(roles.head[1]).size   # the diagram's own group, else --group
                     g = fixed_g or grid["group"]
                     if heads % g:
@@ -469,7 +469,7 @@ def point_sizes(diagram: ir.Diagram, roles, grid: dict) -> list[dict[str, int]]:
                                           + (f"the diagram's group, wire {roles.head[1]} = {g}" if fixed_g
                                              else f"--group {g}") + " (GQA)")
                     sizes[roles.head[0]], sizes[roles.head[1]] = heads // g, g
-                elif roles.head:
+                elif roles.head:   # one head wire (multi-query: Q's alone, one kv head)
                     sizes[roles.head[0]] = heads
                 for w in (roles.batch, *(roles.head or ())):   # a fixed wire is not the grid's to set
                     fixed = diagram.wire(w).size if w else None

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import ir
+from .. import autotune, ir
 from ..codegen.exprs import fold
 from ..errors import NapkinError
 from ..printer import expr_text
@@ -92,15 +92,14 @@ class Roles:
     dim: str                      # d, contracted in the score
     vdim: str                     # V's feature wire (d again, usually)
     batch: Optional[str]          # b, or None (then B = 1)
-    head: Optional[ir.Axis]       # ("h",) or ("hk", "g") for GQA, or None (H = 1)
+    head: Optional[ir.Axis]       # the query heads, kv-major: ("h",), ("hk", "g") for GQA, or None (H = 1)
+    kv_head: Optional[str]        # the head wire K and V carry: head[0], or None (multi-query, or no heads)
+    apart: bool = False           # Q holds hk and g as two axes, Q[b, hk, g, q, d], not one (hk g)
 
     @property
     def gqa(self) -> bool:
-        return self.head is not None and len(self.head) == 2
-
-    @property
-    def kv_head(self) -> Optional[str]:
-        return self.head[0] if self.head is not None else None
+        """Query heads share kv heads (grouped or multi-query): enable_gqa."""
+        return self.head is not None and self.head != (self.kv_head,)
 
 
 class Analysis:
@@ -214,28 +213,46 @@ class Analysis:
                 gqa.append(axis)      # (hk g): query head i uses kv head i // |g|, as enable_gqa does
             else:
                 self.refuse(f"{self.q.name}'s axis ({' '.join(axis)}) has no place in flex's (B, H, L, E) layout")
-        if len(row) > 1:   # multi-query K[b, x, d], or GQA as separate wires Q[b, hk, g, q, d]
-            self.refuse(f"{self.q.name}{layout(self.q.axes)} has {len(row)} wires that "
-                        f"{self.k.name}{layout(self.k.axes)} lacks ({', '.join(row)}), where flex's layout has one, "
-                        f"the queries: a head wire {self.k.name} lacks (multi-query) or a group written apart from "
-                        "its kv heads is not mapped (write grouped heads as one axis, (hk g))")
-        if len(row) != 1 or len(gqa) > 1 or len(shared) + len(gqa) > 2 or (gqa and len(shared) > 1):
+        apart = len(row) == 2 and not gqa
+        if apart:   # multi-query K[b, x, d], or GQA apart Q[b, hk, g, q, d]: which is the query row?
+            row = self._query_row(row)
+        if len(row) != 1 + apart or len(gqa) > 1 or len(shared) + len(gqa) > 2 or (gqa and len(shared) > 1):
             self.refuse(f"{self.q.name}{layout(self.q.axes)} is not a (batch, heads, queries, dim) layout")
-        if gqa:
+        if apart and len(shared) == 2:          # GQA apart: K carries b and hk
+            batch, kv_head, head = shared[0][0], shared[1][0], (shared[1][0], row[1])
+        elif apart:                             # multi-query: K carries b (or nothing) and no head
+            batch, kv_head, head = (shared[0][0] if shared else None), None, (row[1],)
+        elif gqa:
             batch, head = (shared[0][0] if shared else None), gqa[0]
+            kv_head = head[0]
         else:
             batch = shared[0][0] if len(shared) == 2 else None
             head = shared[-1] if shared else None
-        vw = [w for w in ir.axis_wires(self.value.axes) if w not in (batch, key) and (head is None or w != head[0])]
+            kv_head = head[0] if head else None
+        apart = apart and kv_head is not None
+        vw = [w for w in ir.axis_wires(self.value.axes) if w not in (batch, key, kv_head)]
         if len(vw) != 1:
             self.refuse(f"{self.value.name}{layout(self.value.axes)} is not a (batch, heads, keys, dim) layout")
-        roles = Roles(row[0], key, dim, vw[0], batch, head)
-        kv = [w for w in (batch, roles.kv_head) if w is not None]
+        roles = Roles(row[0], key, dim, vw[0], batch, head, kv_head, apart)
+        kv = [w for w in (batch, kv_head) if w is not None]
         for t, last in ((self.k, dim), (self.value, vw[0])):
             want = {(w,) for w in kv + [key, last]}
             if set(t.axes) != want or len(t.axes) != len(want):
                 self.refuse(f"{t.name}{layout(t.axes)} is not a (batch, heads, keys, dim) layout")
         return roles
+
+    def _query_row(self, row: list) -> list:
+        """[the query row, the query heads] of the two wires Q carries and K
+        lacks: the row is the one the schedule tiles (``group q by 128``, not
+        ``h by 1``); the attention is the same function either way, but the
+        FLOPs and the benchmark's sizes follow the roles."""
+        tiled = [w for w in row if w in autotune.tiled_wires(self.d)]
+        if len(tiled) != 1:
+            self.refuse(f"{self.q.name}{layout(self.q.axes)} has two wires {self.k.name}{layout(self.k.axes)} "
+                        f"lacks ({', '.join(row)}), and the schedule tiles "
+                        + ("neither" if not tiled else "both")
+                        + ": which is the queries? (tile the query wire in the smem or regs level)")
+        return tiled + [w for w in row if w not in tiled]
 
 
 def layout(axes) -> str:
