@@ -1397,6 +1397,26 @@ out O, lse
         m.two_inline(q.requires_grad_(), k, v)
 
 
+def test_a_refusal_after_boxing_an_inline_score_does_not_name_napkins_box():
+    """Training boxes a score written inline as `inline_score`; a refusal met after that named the box,
+    a name the user never wrote ("found inline_score, R")."""
+    from napkin import cost
+
+    text = """diagram inl
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp16
+in K[b, h, x, d] : fp16
+in V[b, h, x, d] : fp16
+O[b, h, q, d] : fp16 = sum[x](softmax[x](sum[d](Q * K) * |d|^-0.5) * V)
+R[b, h, q] = max[x](sum[d](Q * K))
+out O, R
+"""
+    with pytest.raises(NapkinError) as err:
+        cost.backward_cost(napkin.load_text(text, "inl.ncd"), {"b": 1, "h": 1, "q": 64, "x": 64})
+    assert "found the score written inline, R" in str(err.value) and "inline_score" not in str(err.value)
+
+
 def test_grad_plan_finding_no_score_box_points_at_the_normaliser():
     """'found none' carried no place (a score box reading a box, which
     training now writes out, met it first)."""

@@ -26,6 +26,7 @@ implementations) tying them to autograd and torch.compile.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -152,8 +153,9 @@ def _attention(plan: L.AttentionPlan) -> Training:
             return _no(plan, str(err), getattr(err, "loc", ir.NOLOC))
         try:   # the score written inline: the same attention with its score boxed
             rule = gradrules.grad_plan(boxed)
-        except ValueError as again:
-            return _no(plan, str(again), getattr(again, "loc", ir.NOLOC))
+        except ValueError as again:   # the box is napkin's: the user wrote no such name
+            why = re.sub(rf"\b{boxed.lets[0].name}\b", "the score written inline", str(again))
+            return _no(plan, why, getattr(again, "loc", ir.NOLOC))
         plan, d = L.lower(boxed), boxed
     bound = dict(rule.bound)
     tiles = {n for n, _ in rule.tile} | {"R"}
