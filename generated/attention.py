@@ -620,14 +620,14 @@ def _safe_div(a, b):
 # 65504 where c * dS is not: loss-scaled fp16 training, c = |d|^-0.5); then each
 # tile is scaled before its cast, as autodiff writes it.
 @triton.jit
-def _grad_operand(t, c: tl.constexpr, dt: tl.constexpr):
+def _operand_grad(t, c: tl.constexpr, dt: tl.constexpr):
     if dt == tl.float16:
         t = t * c
     return t.to(dt)
 
 
 @triton.jit
-def _grad_scaled(acc, c: tl.constexpr, dt: tl.constexpr):
+def _scaled_grad(acc, c: tl.constexpr, dt: tl.constexpr):
     if dt != tl.float16:
         acc = acc * c
     return acc
@@ -1406,7 +1406,7 @@ def _attention_bwd_dkdv_kernel(
         _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
         _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
         _dS = _P * (_dP - _delta)
-        _acc_K += tl.dot(_grad_operand(_dS, 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_K += tl.dot(_operand_grad(_dS, 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _rb in range(_fhi, _hi):
@@ -1440,13 +1440,13 @@ def _attention_bwd_dkdv_kernel(
             _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
             _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
-            _acc_K += tl.dot(_grad_operand(tl.where(_ok, _dS, 0.0), 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_K += tl.dot(_operand_grad(tl.where(_ok, _dS, 0.0), 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
             _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
-        _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _grad_scaled(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
+        _tma__grad_K.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _scaled_grad(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
-        tl.store(_grad_K + _ix(_i_b, _INT64) * _st__grad_K_b + _ix(_i_h, _INT64) * _st__grad_K_h + _ix(_offs_x[:, None], _INT64) * _st__grad_K_x + _ix(_offs_d[None, :], _INT64) * _st__grad_K_d, _grad_scaled(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+        tl.store(_grad_K + _ix(_i_b, _INT64) * _st__grad_K_b + _ix(_i_h, _INT64) * _st__grad_K_h + _ix(_offs_x[:, None], _INT64) * _st__grad_K_x + _ix(_offs_d[None, :], _INT64) * _st__grad_K_d, _scaled_grad(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_V.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_V.to(_grad_V.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))
     else:
@@ -1576,7 +1576,7 @@ def _attention_bwd_dq_kernel(
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
         _dS = _P * (_dP - _delta)
-        _acc_Q += tl.dot(_grad_operand(_dS, 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_Q += tl.dot(_operand_grad(_dS, 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -1604,12 +1604,12 @@ def _attention_bwd_dq_kernel(
             _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
             _dS = _P * (_dP - _delta)
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
-            _acc_Q += tl.dot(_grad_operand(tl.where(_ok, _dS, 0.0), 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_Q += tl.dot(_operand_grad(tl.where(_ok, _dS, 0.0), 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
-        _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _grad_scaled(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
+        _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _scaled_grad(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
     else:
-        tl.store(_grad_Q + _ix(_i_b, _INT64) * _st__grad_Q_b + _ix(_i_h, _INT64) * _st__grad_Q_h + _ix(_offs_q[:, None], _INT64) * _st__grad_Q_q + _ix(_offs_d[None, :], _INT64) * _st__grad_Q_d, _grad_scaled(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
+        tl.store(_grad_Q + _ix(_i_b, _INT64) * _st__grad_Q_b + _ix(_i_h, _INT64) * _st__grad_Q_h + _ix(_offs_q[:, None], _INT64) * _st__grad_Q_q + _ix(_offs_d[None, :], _INT64) * _st__grad_Q_d, _scaled_grad(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
 
 
 @_on_inputs_device

@@ -613,14 +613,14 @@ def _safe_div(a, b):
 # 65504 where c * dS is not: loss-scaled fp16 training, c = |d|^-0.5); then each
 # tile is scaled before its cast, as autodiff writes it.
 @triton.jit
-def _grad_operand(t, c: tl.constexpr, dt: tl.constexpr):
+def _operand_grad(t, c: tl.constexpr, dt: tl.constexpr):
     if dt == tl.float16:
         t = t * c
     return t.to(dt)
 
 
 @triton.jit
-def _grad_scaled(acc, c: tl.constexpr, dt: tl.constexpr):
+def _scaled_grad(acc, c: tl.constexpr, dt: tl.constexpr):
     if dt != tl.float16:
         acc = acc * c
     return acc

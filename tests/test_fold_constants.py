@@ -128,8 +128,8 @@ def test_softcap_kernels_multiply_once_reference_literal():
     assert "/ 50" not in kernels
     assert kernels.count("_tanh(_qk * 0.0017677669529663688)") >= 6
     # the derivative 50 * (c / 50 * (1 - t^2)): one constant, applied once to each gradient at its store
-    assert "_dS * (1 - _tanh(" in kernels and "_grad_scaled(_acc_K, 0.08838834764831845, " in kernels
-    assert "_grad_scaled(_acc_Q, 0.08838834764831845, " in kernels and "0.08838834764831845 * (1 - " not in kernels
+    assert "_dS * (1 - _tanh(" in kernels and "_scaled_grad(_acc_K, 0.08838834764831845, " in kernels
+    assert "_scaled_grad(_acc_Q, 0.08838834764831845, " in kernels and "0.08838834764831845 * (1 - " not in kernels
     # scale.py's factor first (50 * log2(e) into the exponent), the fold inside t
     assert "_tanh(_qk * 0.0017677669529663688) * 72.13475204444816" in kernels
     # the reference reads as the diagram

@@ -56,7 +56,7 @@ NAMES = (
     "grid opts pos full a "
     "offs_q offs_x ok_x ok_q gok_q idx_q idx_x i_b i_h size_x len_x pos_q BLOCK_x POS_q "
     "st_Q_d st_K_x out_O acc_V grad_Q part_Q saved_lse tma_Q tma_K_1 TMA "
-    "tanh sigmoid relu safe_div logsumexp softmax exp"
+    "tanh sigmoid relu safe_div logsumexp softmax exp scaled operand"
 ).split()
 # builtins: the checker refuses them with a located error before codegen
 REFUSED = ("max", "min", "sum")
@@ -65,7 +65,7 @@ REFUSED = ("max", "min", "sum")
 # and a few that load under another name
 NUMERIC = ("m", "p", "alpha", "l", "s", "w0", "acc", "m_new", "hi", "fhi", "qk", "offs_q", "ok_x", "size_x",
            "safe_div", "logsumexp")
-NUMERIC_INPUTS = ("s", "qk", "hi", "offs_q", "safe_div", "logsumexp")
+NUMERIC_INPUTS = ("s", "qk", "hi", "offs_q", "safe_div", "logsumexp", "scaled", "operand")
 CASES = [(n, "box") for n in NUMERIC] + [(n, "input") for n in NUMERIC_INPUTS]
 NEUTRAL = "zq"
 SIZES = {"b": 1, "h": 2, "q": 37, "x": 29}
@@ -373,3 +373,62 @@ def test_an_input_named_like_tritons_fusion_option_is_refused():
     line = next(i for i, s in enumerate(text.splitlines(), 1) if s.startswith("in enable_fp_fusion["))
     assert f"clash.ncd:{line}:4: napkin cannot emit a kernel for input enable_fp_fusion" in str(err.value)
     assert "rename the input" in str(err.value)
+
+
+# Names napkin derives by joining a tensor's name and a wire's with "_": names hold "_"
+# too, so Q along h_q and Q_h along q were both _st_Q_h_q (a duplicate argument: an
+# internal error), and side inputs m and acc_m both _part_acc_m (m's running sum, acc_m's
+# partial-gradient pointer: the backward died in tl.store).
+JOINED = {
+    "strides": """diagram joined
+wire b, h_q, q, x
+wire d = 16
+in Q[b, h_q, q, d] : fp32
+in K[b, h_q, x, d] : fp32
+in V[b, h_q, x, d] : fp32
+in Q_h[b, q] : fp32
+S[b, h_q, q, x] = sum[d](Q * K) * |d|^-0.5 + Q_h
+O[b, h_q, q, d] : fp32 = sum[x](softmax[x](S) * V)
+out O
+""",
+    "partial sums": """diagram joined
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+in m[h] : fp32
+in acc_m[h] : fp32
+S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5 + m * (x - q) + acc_m * (q - x) * 0.5
+O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)
+out O
+"""}
+
+
+for _operand in ("scaled", "operand"):   # an operand's gradient buffer _grad_<name> met the helper _grad_<name>
+    JOINED[f"operand {_operand}"] = JOINED["strides"].replace("Q_h", "B").replace(" V", f" {_operand}")
+
+
+@pytest.mark.parametrize("case", sorted(JOINED))
+def test_names_joined_from_names_with_underscores_stay_apart(case, tmp_path):
+    src, _ = _emit(JOINED[case])
+    m = _load_module(src, tmp_path, f"joined_{case.replace(' ', '_')}")
+    ins = m.example_inputs({"b": 1, "h": 2, "h_q": 2, "q": 37, "x": 29}, dtype=torch.float32, seed=2)
+    mine = [t.clone().requires_grad_() for t in ins]
+    theirs = [t.double().requires_grad_() for t in ins]
+    out, ref = m.joined(*mine, block_q=16, block_x=16), m.reference(*theirs)
+    assert _max_err(out, ref) < 1e-4
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for i, (a, b) in enumerate(zip(torch.autograd.grad(out, mine, g.float()), torch.autograd.grad(ref, theirs, g))):
+        assert _max_err(a, b) < 1e-3 * max(1.0, float(b.abs().max())), (case, i)
+
+
+def test_derived_names_never_meet_a_helper_or_each_other():
+    """kernel_names.part keeps joined names apart; no tensor name makes a jit helper's name
+    (an input called scaled made _grad_scaled, the helper's name, before the helpers were renamed)."""
+    from napkin.codegen.kernel_names import KERNEL_HELPERS, part, stride
+
+    assert stride("Q", "h_q") != stride("Q_h", "q") and f"_part_{part('acc_m')}" != f"_part_acc_{part('m')}"
+    for helper in KERNEL_HELPERS:
+        for base in ("grad", "acc", "out", "saved", "NEED", "part", "part_acc", "tma"):
+            assert not helper.startswith(f"_{base}_"), helper

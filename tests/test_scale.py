@@ -205,7 +205,7 @@ def test_backward_scales_its_gradient_accumulators_once_at_the_store(name, c):
     for kname, acc in ((f"_{name}_bwd_dkdv_kernel", "_acc_K"), (f"_{name}_bwd_dq_kernel", "_acc_Q")):
         body = kernel(src, kname)
         assert f"_dS * {c!r}" not in body and f"{c!r} * (1 - " not in body, kname   # no multiply a score
-        assert stores(body, acc) and all(f"_grad_scaled({acc}, {c!r}, Q.dtype.element_ty).to(" in line
+        assert stores(body, acc) and all(f"_scaled_grad({acc}, {c!r}, Q.dtype.element_ty).to(" in line
                                          for line in stores(body, acc)), kname
     if name == "alibi":
         assert "_slope" in kernel(src, "_alibi_bwd_dq_kernel") and "_dS" in kernel(src, "_alibi_bwd_dq_kernel")
@@ -260,7 +260,7 @@ def test_a_gradient_factor_that_is_not_constant_stays_in_the_step():
                       source_path="temperature.ncd")
     body = kernel(src, "_temperature_bwd_dkdv_kernel")
     assert "_dR = _dS * _tau" in body.replace("_tau_1", "_tau") or "_dS * _tau" in body
-    assert all("_grad_scaled(" not in line for line in stores(body, "_acc_K"))
+    assert all("_scaled_grad(" not in line for line in stores(body, "_acc_K"))
 
 
 TEMPERATURE = """diagram temperature

@@ -36,6 +36,7 @@ from typing import Optional
 from .. import autodiff, gradrules, ir
 from ..errors import Diagnostic, NapkinError
 from .exprs import fold
+from .kernel_names import part
 from .lower import AttentionPlan, Load, Var, _Loads, nodes
 from .products import constant
 from .scale import LOG2E, factor, log2_scale
@@ -290,7 +291,7 @@ class _Builder:
             if bad:
                 raise refuse(f"input {t.name}", f"its wire(s) {', '.join(sorted(bad))} are not the scores'", t.loc)
             expr = autodiff.simplify(ir.Binary("*", ir.TensorRef("dS"), deriv))
-            out.append(SideGrad(t.name, f"_part_{t.name}", expr, own, extra, self.row in own, self.col in own))
+            out.append(SideGrad(t.name, f"_part_{part(t.name)}", expr, own, extra, self.row in own, self.col in own))
         return out
 
     def state_names(self) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ from . import ranges as R
 from . import tma as T
 from .backward import BackwardPlan, Kernel
 from .exprs import triton
+from .kernel_names import part, stride
 
 
 # The default tiles of the dK/dV and rows kernels (templates/training.py.jinja)
@@ -281,9 +282,9 @@ def _params(plan: BackwardPlan, k: Kernel, blocks: list[str]) -> tuple[list[str]
     for t in tensors:
         if t.startswith("_part_"):
             side = next(s for s in k.sides if s.buffer == t)
-            strides += [f"_st_{t}_{w}" for w in side.extra + side.wires]
+            strides += [stride(t, w) for w in side.extra + side.wires]
         else:
-            strides += [f"_st_{t}_{w}" for w in ir.axis_wires(d.tensor(t).axes)]
+            strides += [stride(t, w) for w in ir.axis_wires(d.tensor(t).axes)]
     return tensors + sizes + strides + [f"{b}: tl.constexpr" for b in blocks], sizes
 
 
@@ -359,9 +360,9 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
 
     for g in k.grads:  # [resident, loop] @ [loop, feature]: the tile as it is, no transpose
         dt = _dt(plan, g.operand.tensor)
-        # a factor under 1 in size may keep to the tile in float16 (_grad_operand); a larger one waits for
+        # a factor under 1 in size may keep to the tile in float16 (_operand_grad); a larger one waits for
         # the store in every dtype: there c * dS is the tile that overflows float16 (a score times 64)
-        tile = f"_grad_operand({kept(g.tile)}, {g.scale!r}, {dt})" if _small(g.scale) \
+        tile = f"_operand_grad({kept(g.tile)}, {g.scale!r}, {dt})" if _small(g.scale) \
             else f"{kept(g.tile)}.to({dt})"
         lines.append(f"{g.var} += {_dot(tile, f'{g.operand.var}.to({dt})', plan, dt)}")
     # side gradients: the dQ kernel's alone, whose tiles are [rows, x]
@@ -377,7 +378,7 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
             lines += [f"if _NEED_{s.tensor}:",
                       f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s, full)})"]
         else:
-            lines += [f"if _NEED_{s.tensor}:", f"    _part_acc_{s.tensor} += {value}"]
+            lines += [f"if _NEED_{s.tensor}:", f"    _part_acc_{part(s.tensor)} += {value}"]
     return lines
 
 
@@ -391,11 +392,11 @@ def _row_lines(plan: BackwardPlan, names: E._Names, k: Kernel, phase: str) -> li
 def _side_ptr(plan: BackwardPlan, names: E._Names, s) -> str:
     terms = []
     for w in s.extra:
-        terms.append(f"_ix(_pid, _INT64) * _st_{s.buffer}_{w}" if w == "_blocks"
-                     else f"_ix(_i_{w}, _INT64) * _st_{s.buffer}_{w}")
+        terms.append(f"_ix(_pid, _INT64) * {stride(s.buffer, w)}" if w == "_blocks"
+                     else f"_ix(_i_{w}, _INT64) * {stride(s.buffer, w)}")
     for w in s.wires:
         idx = names.index(w, plan.row if s.has_row else None, plan.col if s.has_col else None)
-        terms.append(f"_ix({idx}, _INT64) * _st_{s.buffer}_{w}")
+        terms.append(f"_ix({idx}, _INT64) * {stride(s.buffer, w)}")
     return f"{s.buffer} + " + " + ".join(terms)
 
 
@@ -634,7 +635,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         for s in k.sides:
             if not s.has_col:
                 shape = f"[{names.block(row)}, 1]" if s.has_row else "[1, 1]"
-                init.append(f"_part_acc_{s.tensor} = tl.zeros({shape}, tl.float32)")
+                init.append(f"_part_acc_{part(s.tensor)} = tl.zeros({shape}, tl.float32)")
         loop_wire = col if k.role == "dq" else row
         step_loads = [ld for ld in k.loads if ld.phase == "step"]
 
@@ -681,7 +682,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             if g.scale is None:
                 scaled = g.var
             elif _small(g.scale):  # backward.grad_scales; float16 took it on each tile
-                scaled = f"_grad_scaled({g.var}, {g.scale!r}, {_dt(plan, g.operand.tensor)})"
+                scaled = f"_scaled_grad({g.var}, {g.scale!r}, {_dt(plan, g.operand.tensor)})"
             else:
                 scaled = f"({g.var} * {g.scale!r})"
             value = f"{scaled}.to({g.buffer}.dtype.element_ty)"
@@ -689,7 +690,8 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
                                   tma.store(g.buffer, wires, g.rows, g.cols, value)).split("\n")
         for s in k.sides:
             if not s.has_col:
-                value = f"_part_acc_{s.tensor}" if s.has_row else f"tl.sum(tl.sum(_part_acc_{s.tensor}, 1), 0)"
+                acc = f"_part_acc_{part(s.tensor)}"
+                value = acc if s.has_row else f"tl.sum(tl.sum({acc}, 1), 0)"
                 after += [f"if _NEED_{s.tensor}:",
                           f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s)})"]
     held = ""
@@ -734,7 +736,7 @@ def _tma_context(plan: BackwardPlan, k: Kernel, tma: T.Tma, names: E._Names, dim
 
 def _small(scale) -> bool:
     """A gradient factor under 1 in size: in float16 it stays on each tile, before the
-    cast (_grad_operand / _grad_scaled in templates/module.py.jinja)."""
+    cast (_operand_grad / _scaled_grad in templates/module.py.jinja)."""
     return scale is not None and abs(scale) < 1
 
 

@@ -36,6 +36,7 @@ from . import tma as T
 from . import weights as W
 from .bounds import live, loop_bounds
 from .exprs import Ctx, number, triton
+from .kernel_names import stride
 from .chunks import chunk_bounds, chunk_merge, chunk_state, chunk_store, merge_launch
 from .pysrc import NEG_INF, POS_INF, names_read, quote as _q, tuple_of as _tuple
 from .reference import reference_lines
@@ -138,7 +139,7 @@ def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob:
              unit: bool = False) -> str:
     declared = ir.axis_wires(d.tensor(tensor).axes)
     # each index widened under the kernel's _INT64 (the launcher's _int64_offsets) before its stride
-    terms = [f"_ix({names.index(rw, rows, cols, glob, unit)}, _INT64) * _st_{tensor}_{dw}"
+    terms = [f"_ix({names.index(rw, rows, cols, glob, unit)}, _INT64) * {stride(tensor, dw)}"
              for dw, rw in zip(declared, wires)]
     return f"{tensor} + " + " + ".join(terms)
 
@@ -201,7 +202,7 @@ def _size_wires(d: ir.Diagram, runtime=frozenset()) -> list[str]:
 def _params(d: ir.Diagram, names: _Names, blocks: list[str]) -> tuple[list[str], list[str]]:
     tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
     sizes = [f"_size_{w}" for w in _size_wires(d, names.runtime)]
-    strides = [f"_st_{t}_{w}" for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]
+    strides = [stride(t, w) for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]
     return tensors + sizes + strides + [f"{b}: tl.constexpr" for b in blocks], sizes
 
 

@@ -15,13 +15,31 @@ from .. import ir
 # The @triton.jit helpers every module defines (templates/module.py.jinja)
 # and kernels call by name: a kernel variable of that name would shadow the
 # helper, and the call would fail or read a tile.
-KERNEL_HELPERS = frozenset({"_ix", "_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_div", "_grad_operand",
-                            "_grad_scaled"})
+KERNEL_HELPERS = frozenset({"_ix", "_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_div", "_operand_grad",
+                            "_scaled_grad"})
 # What the ranges prepass of a mask that reads data, and the kernels' code
 # reading its ranges, define (ranges.py; templates/ranges.py.jinja).
 RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_run", "_best", "_bstart", "_keep",
                           "_any", "_all", "_whole", "_out", "_BY_COL", "_WHOLE_ROWS", "_chunk", "_first",
                           "_last", "_lead", "_parts", "_per"})
+
+
+def part(name: str) -> str:
+    """A name as one part of a kernel name napkin derives from it (a stride
+    ``_st_Q_d``, a side input's partial sums ``_part_slope``, a TMA descriptor
+    ``_tma_Q``): a user's name with its underscores doubled, so that parts
+    joined by one underscore say one thing.  Tensor Q along wire h_q is
+    ``_st_Q_h__q`` and tensor Q_h along q ``_st_Q__h_q`` (both were
+    ``_st_Q_h_q``: a duplicate argument); side input acc_m's partial sums are
+    ``_part_acc__m`` and m's running sum ``_part_acc_m``.  napkin's own names
+    (a leading underscore, which a diagram's names cannot have, built from
+    parts already) stay as they are."""
+    return name if name.startswith("_") else name.replace("_", "__")
+
+
+def stride(tensor: str, wire: str) -> str:
+    """The kernel parameter holding ``tensor``'s stride along ``wire``."""
+    return f"_st_{part(tensor)}_{part(wire)}"
 
 
 def internal_names(d: ir.Diagram) -> frozenset:
@@ -48,10 +66,11 @@ def internal_names(d: ir.Diagram) -> frozenset:
         out |= {f"_{base}_{w}" for base in ("offs", "ok", "gok", "idx", "size", "i", "pos", "len", "BLOCK", "POS")}
     tensors = [t.name for t in d.inputs] + [t.name for t in d.lets]
     for t in tensors:
-        out |= {f"_{base}_{t}" for base in ("out", "acc", "grad", "part", "part_acc", "saved", "NEED", "tma")}
+        out |= {f"_{base}_{t}" for base in ("out", "acc", "grad", "saved", "NEED")}
+        out |= {f"_{base}_{part(t)}" for base in ("part", "part_acc", "tma")}
         # the forward's TMA descriptor parameters (_tma_Q; _tma_Q_1 for a second tile of Q)
-        out |= {f"_tma_{t}_{i}" for i in range(1, 4)}
-        out |= {f"_st_{t}_{w}" for w in wires}
+        out |= {f"_tma_{part(t)}_{i}" for i in range(1, 4)}
+        out |= {stride(t, w) for w in wires}
     # napkin's own tensors (training's saved row state _saved_lse, the gradient
     # buffers _grad_Q) are kernel parameters: a box called saved_lse must not
     # overwrite the pointer the lse is stored through

@@ -46,7 +46,7 @@ from __future__ import annotations
 from .. import ir
 from .exprs import triton
 from . import packed as P
-from .kernel_names import RANGES_NAMES
+from .kernel_names import RANGES_NAMES, stride
 from .lower import AttentionPlan, wires_of
 
 NAMES = RANGES_NAMES  # what the prepass defines: in kernel_names.internal_names
@@ -148,7 +148,7 @@ def render(plan: AttentionPlan) -> str:
     tensors = _tensors(plan)
     sized = [w.name for w in d.wires if w.size is None or w.name in names.runtime]
     sizes = [f"_size_{w}" for w in sized]
-    strides = [f"_st_{t}_{w}" for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]
+    strides = [stride(t, w) for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]
     pred = triton(plan.skip, names.ctx(row, col, {n: subst[n] for n in refs}, kinds))
     wires = batch_wires(plan)
     ctx = {
