@@ -446,10 +446,18 @@ def _conjunct_bounds(c: ir.Expr, row: str, col: str, sizes) -> Optional[list[Opt
     return [_solve(form, row, col) for form in forms]  # each form <= 0
 
 
+# A term of 2^31 or more is no bound a real sequence reaches (the mask's where
+# still applies it entry by entry): q - x < 99999999999999999999 rendered its
+# constant into the block bounds, a literal Triton refuses.
+_BOUND_LIMIT = 2 ** 31
+
+
 def _solve(form: Affine, row: str, col: str) -> Optional[Bound]:
     if any(not float(v).is_integer() for v in form.values()):
         return None
     form = {k: int(v) for k, v in form.items()}
+    if any(abs(v) >= _BOUND_LIMIT for v in form.values()):
+        return None   # no bound within any real length; the kernels' int32 block arithmetic could not hold it
     cc = form.get(col, 0)
     if cc not in (1, -1):
         return None

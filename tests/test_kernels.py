@@ -539,6 +539,12 @@ def test_a_written_not_skips_the_blocks_of_its_flipped_comparison(mask):
     # a mask of index products, found by the ranges prepass: both sides wrapped and kept keys it drops
     ("where(x * x * x <= (q + 1) * 200000000, sum[d](Q * K) * |d|^-0.5, -inf)",
      lambda s, q, x, n: torch.where(x ** 3 <= (q + 1) * 200000000, s * 0.25, -torch.inf)),
+    # literals past int32: Triton refused 4294967296 beside an int32 index, and a bound's
+    # 99999999999999999998 in the block range ("Nonrepresentable integer")
+    ("where(x * 3000000 <= 4294967296, sum[d](Q * K) * |d|^-0.5, -inf)",
+     lambda s, q, x, n: torch.where(x * 3000000 <= 4294967296, s * 0.25, -torch.inf)),
+    ("where(q - x < 99999999999999999999 and x - q < 4294967296, sum[d](Q * K) * |d|^-0.5, -inf)",
+     lambda s, q, x, n: s * 0.25 + 0 * x),
 ])
 def test_index_and_size_products_past_int32_are_exact(score, torch64):
     """The kernels' indices and sizes are int32; a product of two of them is

@@ -136,6 +136,9 @@ class _Render:
     def __call__(self, e) -> str:
         return self.r(e)[0]
 
+    def literal(self, v) -> str:
+        return number(v)
+
     def wrap(self, part, prec: int) -> str:
         code, p, _ = part
         return code if p > prec else f"({code})"
@@ -146,7 +149,7 @@ class _Render:
             return ctx.subst[e], _PREC["atom"], self.kind_of(e)
         v = fold(e, ctx.fixed)
         if v is not None:
-            code = number(v)
+            code = self.literal(v)
             prec = _PREC["atom"] if not code.startswith("-") else _PREC["neg"]
             return code, prec, "int" if isinstance(v, int) else "float"
         if isinstance(e, Var):
@@ -261,6 +264,15 @@ class TritonRender(_Render):
 
     def to_float(self, x) -> str:
         return f"{self.wrap(x, _PREC['*'])} * 1.0"  # works on tensors and scalars alike
+
+    def literal(self, v) -> str:
+        """An integer past int32 as an int64 scalar: Triton gives a bare
+        literal the type of the tensor it meets, and refused 4294967296
+        beside an int32 index ("out of range for type int32")."""
+        code = number(v)
+        if isinstance(v, int) and not isinstance(v, bool) and not -2 ** 31 <= v < 2 ** 31 and code == str(v):
+            return f"tl.full([], {code}, tl.int64)"
+        return code
 
     def widened(self, a, b):
         """int64 for the product, as the reference's (torch's indices are
