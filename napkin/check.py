@@ -36,6 +36,9 @@ RESERVED = frozenset({
 })
 ACCUMULATE_DTYPES = ("fp32", "fp16", "bf16", "fp64")
 MIN_DOT_BLOCK = tiling.MIN_DOT_BLOCK  # tl.dot needs every matrix dimension >= 16
+# The most devices a schedule may split over: the cost pass lists each device's
+# peers, and 10^20 of them ran until memory ran out (2^20 took 5 s).
+MAX_DEVICES = 2 ** 20
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _BUILTINS = frozenset(dir(builtins))
 _NUM, _BOOL = "number", "boolean"
@@ -518,10 +521,25 @@ class _Checker:
                          f"in level devices to split {t.wire} over GPUs")
             elif t.across and t.size < 1:
                 self.err(f"cannot split {t.wire} across {t.size} devices", t.loc)
+            elif t.across and self._processors(t) > MAX_DEVICES:
+                self.err(f"'{t.kind} {t.wire} across {t.size}' makes {self._processors(t):,} devices in all: napkin "
+                         f"models at most {MAX_DEVICES:,} (2^20)", t.loc)
             elif not t.across:
                 self.check_block(t, level)
             if t.chunk is not None:
                 self.check_chunk(level, t)
+
+    def _processors(self, upto: ir.Tile) -> int:
+        """The devices the schedule's across tiles make, up to and with ``upto``
+        (each level's counts multiply: a grid, nodes times devices)."""
+        n = 1
+        for level in self.d.schedule.levels:
+            for t in level.tiles:
+                if t.across and t.size >= 1:
+                    n *= t.size
+                if t is upto:
+                    return n
+        return n
 
     def check_chunk(self, level: ir.Level, t: ir.Tile) -> None:
         """``group x by C`` beside ``stream x by B`` (ir.Tile.chunk): each

@@ -437,6 +437,20 @@ def test_device_count_must_be_positive():
     assert where(d) == pos(text, "q across")
 
 
+def test_device_counts_past_two_to_the_twenty_are_refused_at_the_tile_that_passes_it():
+    """across 99999999999999999999 checked clean, then the cost pass listed every device's
+    peers until memory ran out; a grid's counts multiply (2048 x 1024 passes 2^20 at x)."""
+    text = HEAD + ATTENTION + "schedule { level devices { group q across 99999999999999999999 } }\n"
+    d = one(text)
+    assert d.message == ("'group q across 99999999999999999999' makes 99,999,999,999,999,999,999 devices in all: "
+                         "napkin models at most 1,048,576 (2^20)")
+    assert where(d) == pos(text, "q across")
+    text = HEAD + ATTENTION + "schedule { level devices { group q across 2048, x across 1024 } }\n"
+    d = one(text)
+    assert d.message.startswith("'group x across 1024' makes 2,097,152 devices in all") and where(d) == pos(text, "x across")
+    assert not errors(HEAD + ATTENTION + "schedule { level devices { group q across 1024, x across 1024 } }\n")
+
+
 def test_tiles_twice_two_streams_and_block_sizes():
     text = HEAD + ATTENTION + ("schedule {\n  level smem {\n    group q by 96, q by 128, b by 2\n"
                                "    stream x by 64, h by 1\n  }\n}\n")
