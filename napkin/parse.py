@@ -184,30 +184,12 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
 # Tree -> IR.
 # --------------------------------------------------------------------------
 
-def _number(tok: Token):
-    text = str(tok)
-    if re.fullmatch(r"\d+", text):
-        try:
-            return int(text)
-        except ValueError:  # past Python's limit on digits converted (4300 by default)
-            raise NapkinError([Diagnostic(f"a number with {len(text)} digits is too long",
-                                          _loc_of(tok))]) from None
-    return float(text)
-
-
 class _Layout(NamedTuple):
     """A parsed layout: its axes and where each of their wires is written
     (one Loc per wire, grouped axes flattened, as ``ir.Input.wire_locs``)."""
 
     axes: tuple[ir.Axis, ...]
     locs: tuple[ir.Loc, ...]
-
-
-def _whole(tok: Token, what: str) -> int:
-    value = _number(tok)
-    if not isinstance(value, int):
-        raise NapkinError([Diagnostic(f"{what} must be a whole number, not {tok}", _loc_of(tok))])
-    return value
 
 
 @v_args(meta=True, inline=True)
@@ -225,6 +207,35 @@ class _Build(Transformer):
 
     def _refuse(self, problem: Diagnostic) -> None:
         self.problems.append(problem)
+
+    # A number that cannot be taken is refused and a stand-in returned, so the
+    # parse goes on and every problem of the text is reported (one raised here
+    # hid the others: an unknown function above a `q by 128.0`).
+    def _number(self, tok: Token, expression: bool = False):
+        text = str(tok)
+        if re.fullmatch(r"\d+", text):
+            try:
+                return int(text)
+            except ValueError:  # past Python's limit on digits converted (4300 by default)
+                self._refuse(Diagnostic(f"a number with {len(text)} digits is too long", _loc_of(tok)))
+                return 1
+        value = float(text)
+        if math.isinf(value):   # float() takes 1e400 as inf: every score inf, every output NaN, silently
+            self._refuse(Diagnostic(f"{text} is too large for a number (the largest is about 1.8e308)",
+                                    _loc_of(tok), hint="write inf if infinity is meant" if expression else None))
+            return 1.0
+        if value == 0 and re.search(r"[1-9]", text.lower().split("e")[0]):
+            self._refuse(Diagnostic(f"{text} is too small for a number: it would be 0 (the smallest is about "
+                                    "4.9e-324)", _loc_of(tok)))
+            return 1.0
+        return value
+
+    def _whole(self, tok: Token, what: str) -> int:
+        value = self._number(tok)
+        if not isinstance(value, int):
+            self._refuse(Diagnostic(f"{what} must be a whole number, not {tok}", _loc_of(tok)))
+            return 1
+        return value
 
     def __default__(self, data, children, meta):
         raise NotImplementedError(f"napkin's grammar rule {data!r} has no IR handler")
@@ -256,7 +267,7 @@ class _Build(Transformer):
         return list(items)
 
     def wire_item(self, meta, name, size=None):
-        return ir.Wire(str(name), None if size is None else _whole(size, "a wire size"), _loc_of(name))
+        return ir.Wire(str(name), None if size is None else self._whole(size, "a wire size"), _loc_of(name))
 
     def input_decl(self, meta, name, layout, dtype):
         return ir.Input(str(name), layout.axes, str(dtype), _loc_of(name), layout.locs, _loc_of(dtype))
@@ -330,7 +341,7 @@ class _Build(Transformer):
                                         hint="units are " + ", ".join(UNITS)))
                 return 1   # a stand-in: parse() raises before anything reads it
             scale = UNITS[str(unit)]
-        value = _number(number) * scale
+        value = self._number(number) * scale
         if not math.isfinite(value) or value != int(value) or value <= 0:
             self._refuse(Diagnostic(f"a capacity must be a positive whole number of bytes, not {value}",
                                     _loc_of(number)))
@@ -347,10 +358,10 @@ class _Build(Transformer):
         return [(str(n), _loc_of(n)) for n in names]
 
     def tile_by(self, meta, wire, size):
-        return ir.Tile(str(wire), "", _whole(size, "a block size"), False, _loc_of(wire))
+        return ir.Tile(str(wire), "", self._whole(size, "a block size"), False, _loc_of(wire))
 
     def tile_across(self, meta, wire, size):
-        return ir.Tile(str(wire), "", _whole(size, "a device count"), True, _loc_of(wire))
+        return ir.Tile(str(wire), "", self._whole(size, "a device count"), True, _loc_of(wire))
 
     # ---- expressions ----
     def or_(self, meta, lhs, rhs):
@@ -379,7 +390,7 @@ class _Build(Transformer):
         return ir.Unary("-", operand, _loc_of(meta))
 
     def number(self, meta, tok):
-        return ir.Num(_number(tok), _loc_of(tok))
+        return ir.Num(self._number(tok, expression=True), _loc_of(tok))
 
     def inf(self, meta):
         return ir.Num(float("inf"), _loc_of(meta))

@@ -365,9 +365,19 @@ t.ncd:2:32: a capacity must be a positive whole number of bytes, not 0.5
     schedule { level smem capacity 0.5 B {} }
                                    ^^^"""),
     "infinite capacity": ("diagram a\nschedule { level smem capacity 1e400 {} }\n", """\
-t.ncd:2:32: a capacity must be a positive whole number of bytes, not inf
+t.ncd:2:32: 1e400 is too large for a number (the largest is about 1.8e308)
     schedule { level smem capacity 1e400 {} }
                                    ^^^^^"""),
+    # float() took 1e400 as inf silently: every score inf, every output NaN
+    "number too large": ("diagram a\nwire b\nin X[b] : fp32\nS[b] = X * 1e400\nout S\n", """\
+t.ncd:4:12: 1e400 is too large for a number (the largest is about 1.8e308)
+    S[b] = X * 1e400
+               ^^^^^
+  hint: write inf if infinity is meant"""),
+    "number too small": ("diagram a\nwire b\nin X[b] : fp32\nS[b] = X * 2.5e-400 + 0e-400\nout S\n", """\
+t.ncd:4:12: 2.5e-400 is too small for a number: it would be 0 (the smallest is about 4.9e-324)
+    S[b] = X * 2.5e-400 + 0e-400
+               ^^^^^^^^"""),
     "unknown option": ("diagram a\nschedule { allow fp8 }\n", """\
 t.ncd:2:18: unknown option 'allow fp8'
     schedule { allow fp8 }
@@ -384,6 +394,21 @@ t.ncd:3:1: the expression of box 'S' is nested too deeply (more than {MAX_DEPTH}
   hint: split it into several boxes"""),
     "too many digits": ("diagram a\nwire d = " + "9" * 5000 + "\n", "t.ncd:2:10: a number with 5000 digits is too long"),
 }
+
+
+def test_numbers_that_cannot_be_taken_are_collected_with_the_other_problems():
+    """A non-whole block size raised at once from inside the transformer: the unknown function
+    above it and the second block size below were never reported."""
+    text = ("diagram a\nwire b, d = 2.5\nin X[b] : fp32\nS[b] = expp(X) * 1e999\nout S\n"
+            "schedule { level smem { group b by 128.0\n stream b by 64.0 } }\n")
+    with pytest.raises(NapkinError) as err:
+        parse(text, "t.ncd")
+    assert [(d.loc.line, d.loc.col, d.message) for d in err.value.diagnostics] == [
+        (2, 13, "a wire size must be a whole number, not 2.5"),
+        (4, 8, "unknown function 'expp'"),
+        (4, 18, "1e999 is too large for a number (the largest is about 1.8e308)"),
+        (6, 36, "a block size must be a whole number, not 128.0"),
+        (7, 14, "a block size must be a whole number, not 64.0")]
 
 
 @pytest.mark.parametrize("text, expected", BUILD_ERRORS.values(), ids=BUILD_ERRORS.keys())
