@@ -172,6 +172,11 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
             hint += f" ('{tok}' is a reserved word, so it cannot be a name)"
         return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
+        word = re.match(r"\.?\d[\w.]*", text[err.pos_in_stream:]) if err.char in "0123456789." else None
+        if word:   # a number the grammar's NUMBER stops short of: 0x10, 1_000, 64d, 2e
+            return Diagnostic(f"{word.group()} is not a number", ir.Loc(err.line, err.column, err.line,
+                                                                        err.column + len(word.group())),
+                              hint="napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6")
         return Diagnostic(f"unexpected character {err.char!r}", ir.Loc(err.line, err.column),
                           hint=f"expected {_expected(err.allowed)}" if err.allowed else None)
     if isinstance(err, UnexpectedEOF):  # pragma: no cover - LALR reports $END tokens

@@ -316,6 +316,17 @@ t.ncd:2:32: unexpected 'KiB'
     schedule { level smem capacity KiB {} }
                                    ^^^
   hint: expected a number"""),
+    # read as the number 0 and a name x10, the error fell on the next line: "unexpected 'in'"
+    "hex number": ("diagram a\nwire n = 0x10\nin X[n] : fp32\n", """\
+t.ncd:2:10: 0x10 is not a number
+    wire n = 0x10
+             ^^^^
+  hint: napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6"""),
+    "underscored number": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = 1_000 * X\n", """\
+t.ncd:4:8: 1_000 is not a number
+    Y[n] = 1_000 * X
+           ^^^^^
+  hint: napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6"""),
 }
 
 
