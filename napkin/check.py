@@ -122,6 +122,7 @@ class _Checker:
         self.contraction_wires: set[str] = set()  # wires of the factors of sum[w](A * B)
         self.contractions: set[tuple] = set()     # (wires of A, wires of B, w) of each sum[w](A * B)
         self.broken_boxes: set[str] = set()       # boxes with unresolved names
+        self.unknown_layouts: set[str] = set()    # tensors whose layout names an unknown wire
         self.names_ok = True                      # no unknown names anywhere (a dtype typo leaves the sizes checkable)
         self.memo: dict[int, tuple] = {}          # id(expr) -> (expr, inferred wires and kind)
 
@@ -210,6 +211,9 @@ class _Checker:
 
     def check_boxes(self) -> None:
         env: dict[str, frozenset] = {}  # tensors defined so far -> their wires
+        for t in self.d.inputs + self.d.lets:   # (the unknown wire itself was reported with the layout)
+            if not all(w in self.wire_names for w in ir.axis_wires(t.axes)):
+                self.unknown_layouts.add(t.name)
         for t in self.d.inputs:
             if t.name not in env:
                 env[t.name] = frozenset(ir.axis_wires(t.axes))
@@ -290,6 +294,9 @@ class _Checker:
                 self.unknown("tensor", e.name, e.loc, self.tensor_names)
             return frozenset(), _NUM
         kind = self.kinds.get(e.name, _NUM)
+        if e.name in self.unknown_layouts:
+            # its wires are a typo's: comparing them would say "reduce y" or "drop x" of the reader
+            self.poisoned = True
         if e.wires is None:
             return self.env[e.name], kind
         declared = ir.axis_wires(self.d.tensor(e.name).axes)

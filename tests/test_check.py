@@ -122,6 +122,15 @@ def test_unknown_wire_in_layout_reduction_relabel_and_tile():
     assert found[0].hint == "did you mean 'q'?"
 
 
+def test_a_layouts_unknown_wire_is_reported_once_not_again_by_its_readers():
+    """K[b, h, y, d] also gave S "has y too: reduce it (sum[y](...))" and "has no x: drop x",
+    both wrong (y is a typo, x is right)."""
+    text = (HEAD.replace("in K[b, h, x, d]", "in K[b, h, y, d]")
+            + "S[b, h, q, x] = sum[d](Q * K)\nT[b, h, q, x] = S * 2\nout T\n")
+    assert "in K[b, h, y, d]" in text
+    assert [(d.message, where(d)) for d in errors(text)] == [("unknown wire 'y' in the layout of K", pos(text, "y, d]"))]
+
+
 def test_unknown_tensor_in_hold_and_out():
     text = HEAD + ATTENTION + "out Oo\nschedule { level hbm { hold Q, Vv } }\n"
     found = errors(text)
