@@ -153,8 +153,11 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         expected = set(err.accepts or err.expected)
         if tok.type == "$END":
             what = "unexpected end of file"
-            lines = text.rstrip(" \t\f\r\n").split("\n")  # Lark's whitespace, Lark's lines
-            loc = ir.Loc(len(lines), len(lines[-1]) + 1)
+            if tok.end_line:   # $END takes the last token's place: just after it, not after a comment
+                loc = ir.Loc(tok.end_line, tok.end_column)
+            else:              # no token at all
+                lines = text.rstrip(" \t\f\r\n").split("\n")  # Lark's whitespace, Lark's lines
+                loc = ir.Loc(len(lines), len(lines[-1]) + 1)
         else:
             shown = str(tok) if len(str(tok)) <= 24 else str(tok)[:20] + "..."
             what = f"unexpected {shown!r}"

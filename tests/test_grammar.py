@@ -316,6 +316,12 @@ t.ncd:2:32: unexpected 'KiB'
     schedule { level smem capacity KiB {} }
                                    ^^^
   hint: expected a number"""),
+    # the end of file was placed after the comment on the line below the dangling '*'
+    "end after a comment": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = 2 *     # scale it\n# more\n", """\
+t.ncd:4:11: unexpected end of file
+    Y[n] = 2 *     # scale it
+              ^
+  hint: expected an expression"""),
     # read as the number 0 and a name x10, the error fell on the next line: "unexpected 'in'"
     "hex number": ("diagram a\nwire n = 0x10\nin X[n] : fp32\n", """\
 t.ncd:2:10: 0x10 is not a number
