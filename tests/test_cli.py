@@ -247,6 +247,16 @@ def test_compile_into_what_is_no_folder_is_a_user_error(capsys, tmp_path):
         assert f"causal.ncd: cannot write {out / 'causal.py'}: {afile} is a file, not a folder" in err
 
 
+def test_a_module_that_cannot_be_written_leaves_no_init_behind(capsys, tmp_path):
+    """__init__.py was written first: a module the folder refused (here a folder in its place)
+    left a new __init__.py in an -o folder the failed compile should not have touched."""
+    out = tmp_path / "out"
+    (out / "attention.py").mkdir(parents=True)
+    code, _, err = run(capsys, "compile", str(REPO / "examples" / "attention.ncd"), "-o", str(out))
+    assert code == 1 and f"cannot write {out / 'attention.py'}" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["attention.py"]
+
+
 def test_render_report_and_plan_into_a_file_name_the_file(capsys, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
