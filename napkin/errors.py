@@ -33,7 +33,10 @@ class Diagnostic:
         out = [f"{filename}:{self.loc.line}:{self.loc.col}: {self.message}"]
         lines = source.replace("\r\n", "\n").split("\n") if source is not None else []  # as Lark counts lines
         if 0 < self.loc.line <= len(lines):
-            text = lines[self.loc.line - 1].expandtabs(1)
+            # one column a character: a tab as a space, any other control character (a vertical
+            # tab, NUL, which terminals draw as a line break or nothing) as U+FFFD
+            text = "".join("\ufffd" if ord(c) < 32 or 127 <= ord(c) < 160 else c
+                           for c in lines[self.loc.line - 1].expandtabs(1))
             out.append("    " + text)
             width = 1
             if self.loc.end_line == self.loc.line and self.loc.end_col > self.loc.col:

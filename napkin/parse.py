@@ -86,7 +86,8 @@ def _check_depth(tree: lark.Tree) -> None:
         if depth > MAX_DEPTH:  # only a box's expression nests: item is a let
             name = item.children[0]
             raise NapkinError([Diagnostic(f"the expression of box {str(name)!r} is nested too deeply "
-                                          f"(more than {MAX_DEPTH} levels)", _loc_of(name),
+                                          f"(more than {MAX_DEPTH} levels; each operator of a chain such as "
+                                          "a + b + c is a level)", _loc_of(name),
                                           hint="split it into several boxes")])
         for child in node.children:
             if isinstance(child, lark.Tree):

@@ -316,6 +316,12 @@ t.ncd:2:32: unexpected 'KiB'
     schedule { level smem capacity KiB {} }
                                    ^^^
   hint: expected a number"""),
+    # the raw vertical tab was echoed, which a terminal draws as a line break: the caret hung below nothing
+    "control character": ("diagram a\n\x0bwire d = 64\n", """\
+t.ncd:2:1: unexpected character '\\x0b'
+    \ufffdwire d = 64
+    ^
+  hint: expected a name"""),
     # the end of file was placed after the comment on the line below the dangling '*'
     "end after a comment": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = 2 *     # scale it\n# more\n", """\
 t.ncd:4:11: unexpected end of file
@@ -405,7 +411,8 @@ t.ncd:3:1: a diagram has one schedule; this is the second
     schedule on h100 { }
     ^^^^^^^^^^^^^^^^^^^^"""),
     "too deep": ("diagram a\nwire b\nS[b] = " + "-" * MAX_DEPTH + "b\n", f"""\
-t.ncd:3:1: the expression of box 'S' is nested too deeply (more than {MAX_DEPTH} levels)
+t.ncd:3:1: the expression of box 'S' is nested too deeply (more than {MAX_DEPTH} levels; each operator of a \
+chain such as a + b + c is a level)
     S[b] = {"-" * MAX_DEPTH}b
     ^
   hint: split it into several boxes"""),
