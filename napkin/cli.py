@@ -42,7 +42,10 @@ DEMO_SIZES = {"b": 1, "h": 2, "q": 200, "x": 200, "hk": 2, "g": 2,
               "m": 200, "n": 200, "k": 200}
 DEMO_OTHER_SIZE = 64  # any other symbolic wire
 
-# Max abs error (against a float64 reference) the demo accepts per output dtype.
+# Max abs error (against a float64 reference) the demo accepts per output dtype,
+# times the output's scale, max(1, its largest |value|): rounding to fp16 alone is
+# 2^-11 of each value, so a matmul over k = 1000 (values near 30) was "TOO LARGE"
+# at an absolute 0.02 with the kernel exact to fp16.
 DEMO_TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3, "float64": 1e-6}
 
 
@@ -325,10 +328,12 @@ def _run_and_compare(module, diagram, sizes, device, torch) -> bool:
         # The tolerance follows the dtype the kernel actually returned.
         dtype = str(g.dtype).replace("torch.", "")
         tol = DEMO_TOLERANCE.get(dtype, 2e-2)
-        good = err <= tol
+        finite = w[torch.isfinite(w)]
+        scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+        good = err <= tol * scale
         ok = ok and good
         print(f"  {out.name}{list(g.shape)} {dtype}: max abs error {err:.2e} vs float64 reference "
-              f"({'ok' if good else 'TOO LARGE'}, tolerance {tol:g})")
+              f"({'ok' if good else 'TOO LARGE'}, tolerance {tol:g} x {scale:.3g})")
     return ok
 
 
