@@ -895,3 +895,18 @@ def test_a_run_that_communication_dominates_is_called_communication_bound():
     assert rf.bound == "communication"
     rf = analyse(load("ring_attention"), {"b": 1, "h": 16, "q": 65536, "x": 65536}).roofline
     assert 0 < rf.communication_s < rf.contraction_s and rf.bound == "compute"
+
+
+def test_the_demos_summary_says_when_the_compulsory_traffic_is_the_bound():
+    """The demo printed the bound's formula beside the compulsory traffic's value (206kB beside a
+    formula worth 125kB), never saying the one replaced the other."""
+    from napkin.cost.report import human
+
+    d = napkin.load(str(REPO / "examples" / "attention.ncd"))
+    small = next(x for x in summary_lines(d, {"b": 1, "h": 2, "q": 64, "x": 64}) if x.startswith("lower bound"))
+    r = analyse(d, {"b": 1, "h": 2, "q": 64, "x": 64})
+    assert r.bound.floored and small.endswith(
+        f"elements ({human(r.bound.formula_bytes, 'B')}; the compulsory traffic, {human(r.bound.bytes, 'B')}, "
+        "is the bound)"), small
+    big = next(x for x in summary_lines(d, {"b": 1, "h": 16, "q": 4096, "x": 4096}) if x.startswith("lower bound"))
+    assert big.endswith("elements (92.5MB)"), big

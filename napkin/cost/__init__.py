@@ -45,7 +45,10 @@ def summary_lines(diagram, sizes: Optional[Mapping[str, int]] = None) -> list[st
         lines.append(f"{t.boundary} traffic: {t.formula_bytes} bytes{moved}")
     b = r.bound
     # as napkin cost words it: M is the capacity in elements, the value after the formula
-    lines.append(f"lower bound ({bound_terms(b)}): {b.formula} elements" + (f" ({human(b.bytes, 'B')})" if b.bytes is not None else ""))
+    value = "" if b.bytes is None else f" ({human(b.bytes, 'B')})"
+    if b.floored:   # the formula's own value, then the compulsory traffic that replaces it (206kB beside 125kB's formula)
+        value = f" ({human(b.formula_bytes, 'B')}; the compulsory traffic, {human(b.bytes, 'B')}, is the bound)"
+    lines.append(f"lower bound ({bound_terms(b)}): {b.formula} elements{value}")
     if b.ratio is not None:
         lines.append(f"schedule / lower bound = {b.ratio:.3g}")
     if r.roofline is not None:
