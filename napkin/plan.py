@@ -171,7 +171,7 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     if devices > g and devices % g:
         raise NapkinError(f"{devices} devices do not fill nodes of {g} GPUs")
     g = min(g, devices)
-    r = roles(_without_mesh(diagram))
+    r = _roles(diagram)
     bound = bind_sizes(diagram, sizes)
     missing = sorted({w for n in r.tokens for w in ir.axis_wires(diagram.tensor(n).axes)} - set(bound))
     if missing:
@@ -204,6 +204,20 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
 # --------------------------------------------------------------------------
 # Emitting the chosen option as mesh levels.
 # --------------------------------------------------------------------------
+
+def _roles(diagram: ir.Diagram):
+    """The roles of the diagram without its mesh levels, its query and key wires
+    the ones its own mesh splits when it has one (without the mesh only wires
+    named q and x were found: a ring over t and s was refused)."""
+    base = _without_mesh(diagram)
+    if base.schedule == diagram.schedule:
+        return roles(base)
+    try:
+        full = roles(diagram)
+    except NapkinError:   # a mesh the wrappers refuse still names no wires: the plain reading decides
+        return roles(base)
+    return roles(base, full.query, full.key)
+
 
 def _without_mesh(diagram: ir.Diagram) -> ir.Diagram:
     if diagram.schedule is None:
@@ -263,7 +277,7 @@ def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
 
 def emit(diagram: ir.Diagram, option: Option) -> ir.Diagram:
     """The diagram with ``option``'s mesh levels (others replaced)."""
-    r = roles(_without_mesh(diagram))
+    r = _roles(diagram)
     base = _without_mesh(diagram)
     schedule = base.schedule or ir.Schedule()
     levels = mesh_levels(option, r.query, r.key) + schedule.levels

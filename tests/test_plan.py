@@ -2,6 +2,8 @@
 and the cost pass's two-level links."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import napkin
@@ -196,3 +198,20 @@ def test_plan_emit_refuses_to_replace_the_diagram_it_read(capsys, tmp_path):
     assert main(argv + ["--emit", str(tmp_path / "." / "gqa.ncd")]) == 1
     assert "is the diagram itself, which the emitted one would replace" in capsys.readouterr().err
     assert src.read_text() == text
+
+
+def test_a_mesh_over_wires_not_named_q_and_x_is_planned_over_them():
+    """plan read the diagram with its mesh dropped, where only wires named q and x are found: a
+    ring over t and s, which napkin cost and RingAttention take, was refused ("it has no query
+    and key wires")."""
+    text = to_text(load("ring_attention"))
+    for old, new in (("q", "t"), ("x", "s")):
+        text = re.sub(rf"\b{old}\b", new, text)
+    d = napkin.load_text(text, "ts.ncd")
+    sizes = dict(b=1, h=4, t=4096, s=4096)
+    options = P.plan(d, 4, sizes)
+    same = P.plan(load("ring_attention"), 4, dict(b=1, h=4, q=4096, x=4096))
+    assert [(o.label, o.total_s, o.forward_bytes) for o in options] == \
+        [(o.label, o.total_s, o.forward_bytes) for o in same]
+    emitted = P.emit(d, next(o for o in options if o.scheme == "attention2d"))
+    assert roles(emitted).scheme == ("attention2d", (2, 2)) and (roles(emitted).query, roles(emitted).key) == ("t", "s")
