@@ -157,7 +157,7 @@ def forward_flops(m: C.Moved, keep: float) -> float:
 
 
 def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_per_node: Optional[int] = None,
-         profile: str = "h100", training: bool = True) -> list[Option]:
+         profile: Optional[str] = None, training: bool = True) -> list[Option]:
     """Every option, best (least predicted time, then fewest bytes, then fewest
     across nodes) first."""
     if devices < 1:
@@ -177,7 +177,7 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     if missing:
         raise NapkinError(f"give the size of {', '.join(missing)} (-D WIRE=N) to plan {diagram.name}")
     m = moved(diagram, r, bound)
-    prof = get_profile(profile)
+    prof = get_profile(profile_of(diagram, profile))
     rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
     flops = forward_flops(m, density(diagram, r, bound))
     links = C.Links.of(prof)
@@ -204,6 +204,13 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
 # --------------------------------------------------------------------------
 # Emitting the chosen option as mesh levels.
 # --------------------------------------------------------------------------
+
+def profile_of(diagram: ir.Diagram, profile: Optional[str] = None) -> str:
+    """The device profile priced: the one asked for, else the diagram's own
+    (``schedule on a100``), else h100, as napkin cost takes it (plan priced
+    h100 whatever the diagram said)."""
+    return profile or (diagram.schedule.profile if diagram.schedule else None) or "h100"
+
 
 def _roles(diagram: ir.Diagram):
     """The roles of the diagram without its mesh levels, its query and key wires
@@ -313,8 +320,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--devices", type=int, required=True, metavar="P", help="how many GPUs")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="GPUs per node (NVLink inside, InfiniBand across; default: all on one node)")
-    p.add_argument("--device", "--profile", dest="device", default="h100", metavar="NAME",
-                   help="device profile: " + ", ".join(profile_names()) + " (default h100)")
+    p.add_argument("--device", "--profile", dest="device", default=None, metavar="NAME",
+                   help="device profile: " + ", ".join(profile_names()) + " (default: the diagram's "
+                        "'schedule on', else h100)")
     p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N", dest="sizes",
                    help="size of a symbolic wire (repeatable)")
     p.add_argument("--forward", action="store_true", help="rank by forward time only (adds decoding's tree)")
@@ -344,7 +352,7 @@ def handler(args) -> int:
                          indent=2))
     else:
         g = min(args.gpus_per_node or args.devices, args.devices)
-        print(f"{diagram.name} on {args.devices} x {args.device} ({g} per node), "
+        print(f"{diagram.name} on {args.devices} x {profile_of(diagram, args.device)} ({g} per node), "
               f"{'forward' if args.forward else 'forward + backward'}; per device, busiest device")
         print(format_table(options, args.top))
     if args.emit:

@@ -215,3 +215,13 @@ def test_a_mesh_over_wires_not_named_q_and_x_is_planned_over_them():
         [(o.label, o.total_s, o.forward_bytes) for o in same]
     emitted = P.emit(d, next(o for o in options if o.scheme == "attention2d"))
     assert roles(emitted).scheme == ("attention2d", (2, 2)) and (roles(emitted).query, roles(emitted).key) == ("t", "s")
+
+
+def test_plan_prices_the_diagrams_own_device():
+    """plan priced h100 whatever 'schedule on' said (napkin cost took the diagram's)."""
+    h100 = load("ring_attention")
+    a100 = napkin.load_text(to_text(h100).replace("schedule on h100", "schedule on a100"), "a100.ncd")
+    sizes = dict(b=1, h=4, q=4096, x=4096)
+    times = [[o.total_s for o in P.plan(d, 4, sizes, profile=p)] for d, p in
+             ((a100, None), (h100, "a100"), (h100, None), (a100, "h100"))]
+    assert times[0] == times[1] != times[2] == times[3]
