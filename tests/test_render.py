@@ -556,3 +556,22 @@ def test_report_screenshot_in_headless_chromium(tmp_path):
     report, _ = render_costs.try_costs(load("attention"))
     if report is not None:
         assert any(p == b"\xd6\x27\x28" for row in rows for p in (row[i:i + 3] for i in range(0, len(row), 3)))
+
+
+def _peer_labels(name: str, sizes: dict) -> list[str]:
+    d = napkin.load(str(EXAMPLES / f"{name}.ncd"))
+    text = render.to_dot(d, render.try_costs(d, sizes)[0])
+    return [" ".join(re.sub(r"<[^>]+>", " ", line).split()) for line in text.splitlines()
+            if re.search(r"gathered over|merged over|round the ring", line)]
+
+
+def test_peer_edges_say_what_travels_and_the_merges_bytes():
+    """Decoding's picture said its queries were "gathered over x" (every device holds them whole:
+    a tensor split over no mesh wire is not gathered), and no merge edge showed its bytes (the
+    cost pass files them as "partial states (round 0)", the edges looked up O and lse)."""
+    decode = _peer_labels("decode", {"b": 1, "hk": 8, "g": 4, "q": 1, "x": 32768})
+    assert not any("gathered" in x for x in decode), decode
+    assert any("merged over x between devices: 33 kB" in x for x in decode), decode   # 2 rounds of 16,512 B
+    two_d = _peer_labels("attention_2d", {"b": 1, "h": 16, "q": 4096, "x": 4096})
+    assert any("gathered over x between devices: 2.1 MB" in x for x in two_d), two_d
+    assert any("merged over x between devices: 4.26 MB" in x for x in two_d), two_d

@@ -23,6 +23,11 @@ DEFAULT_SIZES = {"b": 1, "h": 16, "hk": 8, "g": 2, "q": 4096, "x": 4096,
 OTHER_SIZE = 1024
 
 
+# What a merge of partial results sends between devices, all rounds together: the
+# cost pass's "partial states (round 0)", "(round 1)" ... (O and lse merge as one state).
+MERGED = "partial states"
+
+
 @dataclass(frozen=True)
 class Traffic:
     """Bytes moved: ``moves[(inner level, tensor, "load"|"store", kernel)]``,
@@ -68,9 +73,10 @@ def traffic_from(costs) -> Traffic:
     for row in getattr(devices, "rows", ()) or ():
         if row.bytes_received is None:
             continue
-        # Gathers and ring passes bring inputs in; a merge exchanges partial results.
-        direction = "store" if row.collective.startswith("merge") else "load"
-        key = ("hbm", row.tensor, direction, None)
+        # Gathers and ring passes bring inputs in; a merge exchanges partial results,
+        # every round of it one row of the picture (the outputs' merge edges read MERGED)
+        merge = row.collective.startswith("merge")
+        key = ("hbm", MERGED if merge else row.tensor, "store" if merge else "load", None)
         moves[key] = moves.get(key, 0) + row.bytes_received
         together.update({name.strip(): row.tensor for name in row.tensor.split(",")})
     kernel_of = {box: k.index for k in getattr(costs, "kernels", ()) or () for box in k.boxes}

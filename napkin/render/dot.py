@@ -55,7 +55,7 @@ from typing import Optional
 from .. import ir, tiling
 from ..distributed.reading import Split, has_nodes_level, mesh_splits
 from ..printer import expr_text
-from .costs import Traffic, traffic_from
+from .costs import MERGED, Traffic, traffic_from
 
 # One colour per wire, in declaration order (Tableau 10, dark enough to read
 # as text on the pale level fills).  Wraps after ten wires.
@@ -547,9 +547,11 @@ class _Picture:
                                    if w in split and split[w].kind == "stream"]
             # A tensor that rides the ring reaches every device that way; only
             # the others are gathered.
+            # and only a tensor split over some mesh wire is gathered: one split over none
+            # (decoding's queries) is whole on every device already
             if travel:
                 arrivals.append((t.name, "round the ring over", _ordered(travel)))
-            elif gather:
+            elif gather and any(w in split for w in ir.axis_wires(t.axes)):
                 arrivals.append((t.name, "gathered over", _ordered(gather)))
         merges = []
         for name in self.outputs:
@@ -573,7 +575,7 @@ class _Picture:
                       self.peer_notes(what, wires) + self.bytes_note(name, "devices", "hbm"), style="dashed")
         for name, what, wires in merges:
             self.edge(self.source(name), "peers.out", (),
-                      self.peer_notes(what, wires) + self.bytes_note(name, "hbm", "devices"), style="dashed")
+                      self.peer_notes(what, wires) + self.bytes_note(MERGED, "hbm", "devices"), style="dashed")
 
     def peer_notes(self, what: str, wires: tuple[str, ...]) -> list[str]:
         """Label rows of a peer edge: how the tensor travels, over which
