@@ -21,6 +21,9 @@ from typing import Iterable
 from .errors import NapkinError
 
 
+MAX_SIZE = 2 ** 62   # the largest a size given on the command line may be
+
+
 def parse_pairs(items: Iterable[str], flag: str = "--size", *, key: str = "WIRE",
                 what: str = "the size of", filename: str = "napkin") -> dict[str, int]:
     """``["q=4096", "x=1024"]`` -> ``{"q": 4096, "x": 1024}``.
@@ -39,9 +42,13 @@ def parse_pairs(items: Iterable[str], flag: str = "--size", *, key: str = "WIRE"
             raise NapkinError(f"{flag} expects {key}=N with N a positive whole number, not {item!r}",
                               filename=filename)
         # isdigit() alone takes '²' (which int() refuses) and other scripts' digits.
-        if not (value.isascii() and value.isdigit()) or int(value) <= 0:
+        if not (value.isascii() and value.isdigit()) or int(value.lstrip("0") or "0") <= 0:
             raise NapkinError(f"{flag} {item}: {what} {name} must be a positive whole number, not {value!r}",
                               filename=filename)
+        if len(value.lstrip("0")) > 19 or int(value) > MAX_SIZE:
+            # the cost pass's floats overflowed (q = 10^400: an internal OverflowError)
+            raise NapkinError(f"{flag} {name}={value if len(value) <= 30 else value[:27] + '...'}: {what} {name} "
+                              f"is more than napkin takes (2^62)", filename=filename)
         if name in out:
             raise NapkinError(f"{flag} {item}: {name} is already given ({name}={out[name]})",
                               filename=filename)

@@ -70,3 +70,13 @@ def test_every_command_uses_it(capsys):
     assert "-D q=0: the size of q must be a positive whole number, not '0'" in capsys.readouterr().err
     assert aot.main([f, "-O", "num_warps"]) == 1
     assert "-O expects NAME=N with N a positive whole number, not 'num_warps'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["4611686018427387905", "1" + "0" * 400])
+def test_a_size_past_two_to_the_62_is_refused_in_words(value):
+    """-D q=10^400 reached the cost pass's floats: an internal OverflowError (exit 2)."""
+    with pytest.raises(NapkinError) as err:
+        parse_pairs([f"q={value}"], "--size")
+    shown = value if len(value) <= 30 else value[:27] + "..."
+    assert str(err.value) == f"napkin: --size q={shown}: the size of q is more than napkin takes (2^62)"
+    assert parse_pairs([f"q={2 ** 62}"]) == {"q": 2 ** 62}

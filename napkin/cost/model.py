@@ -512,7 +512,7 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
 
     groups, stream = kernel_tiling(kernel, tiles)
     order = launch_order(groups)
-    counts = [math.ceil(sizes[w] / groups[w]) for w in order]
+    counts = [-(-sizes[w] // groups[w]) for w in order]   # whole numbers: a float ceil misstated 10^26 / 128
     carried = list(order)   # the wire that carries each grid axis
     if chunks > 1 and stream:
         order, counts, carried = order + ["#chunks"], counts + [chunks], carried + [stream[0]]
