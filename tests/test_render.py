@@ -429,6 +429,9 @@ def test_a_failed_write_leaves_the_picture_or_report_that_was_there(tmp_path):
     (["render", "FILE", "-o", "x.dot", "--size", "q=-1"], "positive whole number"),
     (["report", "FILE", "-o", "x.html", "--device", "tpu9"], "unknown device profile"),
     (["render", "FILE", "-o", "x.svg", "--device", "tpu9"], "unknown device profile"),
+    # with the byte counts off, the same mistakes were taken silently
+    (["render", "FILE", "-o", "x.dot", "--no-costs", "--size", "zz=4"], "has no wire 'zz'"),
+    (["render", "FILE", "-o", "x.dot", "--no-costs", "--device", "tpu9"], "unknown device profile"),
     (["report", "FILE", "-o", "x.svg"], "the report is an HTML page"),
     # sizes the user gave: the cost pass's refusal is theirs to see, not drawn around
     (["render", "FILE", "-o", "x.dot", "-D", "b=100000", "-D", "h=1000"], "ask for smaller sizes"),
@@ -575,3 +578,13 @@ def test_peer_edges_say_what_travels_and_the_merges_bytes():
     two_d = _peer_labels("attention_2d", {"b": 1, "h": 16, "q": 4096, "x": 4096})
     assert any("gathered over x between devices: 2.1 MB" in x for x in two_d), two_d
     assert any("merged over x between devices: 4.26 MB" in x for x in two_d), two_d
+
+
+@needs_dot
+def test_docs_command_into_a_file_says_so(tmp_path, capsys):
+    """--docs naming a file printed a traceback of a NapkinError."""
+    from napkin.render.__main__ import main
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["--docs", str(afile)]) == 1
+    assert f"{afile} is a file, not a folder" in capsys.readouterr().err

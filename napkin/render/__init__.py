@@ -134,8 +134,16 @@ def render_file(path, out_path, sizes: Optional[dict] = None, profile: Optional[
     """
     diagram = _load(path)
     report = None
+    given = _checked_sizes(diagram, sizes or {}, path)   # an unknown wire or device is refused either way
+    if profile is not None:
+        try:
+            from ..cost import get_profile
+        except ImportError:   # no cost pass: nothing to price the device with, nothing to refuse it by
+            get_profile = None
+        if get_profile is not None:
+            get_profile(profile)
     if costs:
-        report, why = try_costs(diagram, _checked_sizes(diagram, sizes or {}, path), profile)
+        report, why = try_costs(diagram, given, profile)
         if why is not None:
             print(f"napkin: {path}: drawn without byte counts: {why}", file=sys.stderr)
     return draw(diagram, out_path, report, source=path)

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..errors import NapkinError
 from . import dot_program, render_file, INSTALL_HINT
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -35,7 +36,12 @@ def main(argv=None) -> int:
     if dot_program() is None:
         print("napkin: the README's pictures need Graphviz's dot; " + INSTALL_HINT, file=sys.stderr)
         return 1
-    for path in write_docs(Path(args.docs)):
+    try:
+        written = write_docs(Path(args.docs))
+    except NapkinError as err:   # a folder that is a file, one not writable: in words, not a traceback
+        print(err, file=sys.stderr)
+        return 1
+    for path in written:
         print(f"wrote {path}")
     return 0
 
