@@ -617,6 +617,9 @@ def test_cost_cli_reports_the_backward(capsys):
     import json
     report = json.loads(capsys.readouterr().out)
     assert report["backward"]["store_bytes"] > 0 and report["forward"]["diagram"] == "causal"
+    # a schema of its own (it had none; docs/cost.md said every --json was napkin.cost/1), its forward one
+    from napkin.cost import from_json
+    assert report["schema"] == "napkin.cost.backward/1" and from_json(report["forward"]).diagram == "causal"
 
 
 # Tensor names whose variables (``_`` + name) are also names the kernels use

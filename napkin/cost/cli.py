@@ -87,10 +87,15 @@ def handler(args) -> int:
     if back is None:
         print(report.to_json() if args.json else format_text(report))
     elif args.json:
-        print(json.dumps({"forward": report.to_dict(), "backward": backward_dict(back)}, indent=2))
+        # its own schema: it is no napkin.cost/1 report (from_json takes its "forward")
+        print(json.dumps({"schema": BACKWARD_SCHEMA, "forward": report.to_dict(), "backward": backward_dict(back)},
+                         indent=2))
     else:
         print(format_text(report) + "\n\n" + "\n".join(back.lines()))
     return 0
+
+
+BACKWARD_SCHEMA = "napkin.cost.backward/1"
 
 
 def backward_dict(back) -> dict:
