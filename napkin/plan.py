@@ -129,12 +129,16 @@ def placements(p: int, gpus_per_node: int, training: bool = True) -> list[C.Plac
 
 def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
     """The fraction of query-key pairs the mask keeps, at a block grid (1 for
-    an unmasked diagram; partial blocks count half)."""
+    an unmasked diagram and for a mask that reads data; partial blocks count half)."""
     body = r.score if r.score is not None else diagram.tensor(r.value).expr
     node = masks.mask_node(body)
     if node is None:
         return 1.0
     pred = masks.mask_predicate(node)
+    if any(isinstance(n, ir.TensorRef) for n in ir.walk(pred)):
+        # a mask of data (document ids): which pairs it keeps is known only at run time;
+        # counted dense, as napkin cost counts it (every block read "partial", it was priced at half)
+        return 1.0
     nq, nx = sizes[r.query], sizes[r.key]
     bq, bx = min(DENSITY_BLOCKS, nq), min(DENSITY_BLOCKS, nx)
     edges_q = [nq * i // bq for i in range(bq + 1)]

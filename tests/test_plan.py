@@ -95,6 +95,9 @@ def test_mask_density():
     r = roles(load("causal"))
     assert P.density(load("causal"), r, dict(b=1, h=1, q=4096, x=4096)) == pytest.approx(0.5, abs=0.005)
     assert P.density(load("attention"), roles(load("attention")), dict(b=1, h=1, q=64, x=64)) == 1.0
+    # document ids are data: dense, as napkin cost counts them (every block was "partial": half)
+    doc = load("document_mask")
+    assert P.density(doc, roles(doc), dict(b=1, h=1, q=4096, x=4096)) == 1.0
 
 
 def test_plan_errors_are_user_errors():
