@@ -666,9 +666,17 @@ def _padded(positions, lengths, sizes, device):
     return {**(positions or {}), **{w: torch.arange(sizes[w], device=device) for w in short}}
 
 
+def _int_lengths(lengths):
+    """lengths= with each whole number of any type (numpy's: __index__) a
+    Python int, as block_q= and chunk= take them; anything else as given
+    (the checks refuse it)."""
+    return {w: _whole(n) for w, n in lengths.items()} if isinstance(lengths, dict) else lengths
+
+
 def _positions(positions, lengths, sizes, device, tensors):
     """The kernel's position arguments, checked; without positions and
     lengths, the rows' own offsets and the local sizes."""
+    lengths = _int_lengths(lengths)
     positions = _padded(positions, lengths, sizes, device)
     _check_positions(positions, lengths, sizes, device, tensors)
     return _position_args(positions, lengths, sizes)
@@ -703,8 +711,8 @@ def _check_positions(positions, lengths, sizes, device, tensors):
             if w not in lengths:
                 raise ValueError(f"positions[{w!r}] needs lengths[{w!r}], the global |{w}|")
             if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.shape[0] != sizes[w] or p.dtype not in _INTEGERS:
-                raise ValueError(f"positions[{w!r}] must be a 1-D integer tensor of {sizes[w]} non-negative "
-                                 f"global indices, one per row of {w}")
+                raise ValueError(f"positions[{w!r}] must be a 1-D integer tensor of {sizes[w]} global indices, "
+                                 f"one per row of {w} (a negative one marks a padding row)")
             if p.device != device:
                 raise ValueError(f"positions[{w!r}] is on {p.device}, the inputs on {device}")
     for name, dim, wires, flat in _GLOBAL_DIMS:

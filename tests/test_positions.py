@@ -417,3 +417,17 @@ def test_positions_and_lengths_of_another_type_are_named(tmp, kwargs, words):
     q = torch.randn(1, 2, 40, 16)
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         m.causal(q, q, q, **kwargs)
+
+
+def test_lengths_take_numpy_integers_and_the_positions_message_allows_padding(tmp):
+    """lengths={'x': np.int64(10)} was refused ("must be a non-negative int") where block_q= and
+    chunk= take numpy integers; the positions message said "non-negative" of indices whose
+    negative ones are documented padding."""
+    np = pytest.importorskip("numpy")
+    m, _ = module("causal", tmp)
+    q, k, v = m.example_inputs({"b": 1, "h": 2, "q": 21, "x": 37}, dtype=torch.float32)
+    assert torch.equal(m.causal(q, k, v, lengths={"x": np.int64(10)}, **BLOCKS)[0],
+                       m.causal(q, k, v, lengths={"x": 10}, **BLOCKS)[0])
+    with pytest.raises(ValueError, match=r"positions\['x'\] must be a 1-D integer tensor of 37 global indices, "
+                                         r"one per row of x \(a negative one marks a padding row\)"):
+        m.causal(q, k, v, positions={"x": torch.arange(36)}, lengths={"x": 37})
