@@ -1722,9 +1722,10 @@ def _alibi_bwd_dq_kernel(
 
 
 @_on_inputs_device
-def _alibi_preprocess(Q, K, V, slope, dO, O, _o):
+def _alibi_preprocess(Q, K, V, slope, dO, O, _o, positions=None):
     """(delta): the backward's per-row values."""
-    _sz, _cls, _dev = _bind((Q, K, V, slope,), kernel=True)
+    # inputs read at global positions (document ids) hold the global rows: they bind no size
+    _sz, _cls, _dev = _bind((Q, K, V, slope,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
     _check_state({"dO": dO, "O": O}, _sz, _dev)
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
@@ -1872,10 +1873,13 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, _grad_slope if _need[3] else None, )
 
 
-def alibi_preprocess(Q, K, V, slope, dO, O, *, block_q=None, num_warps=None):
+def alibi_preprocess(Q, K, V, slope, dO, O, *, block_q=None, num_warps=None,
+        positions=None):
     """The backward's per-row values (delta), float32, from
-    the inputs, the output gradient and the forward's saved state (dO, O)."""
-    return _alibi_preprocess(Q, K, V, slope, dO, O, (block_q, None, num_warps, None, None))
+    the inputs, the output gradient and the forward's saved state (dO, O).
+    positions=: the forward's, when its rows were at global positions (inputs
+    read there, such as document ids, hold the global length: they bind no size)."""
+    return _alibi_preprocess(Q, K, V, slope, dO, O, (block_q, None, num_warps, None, None), positions)
 
 
 def alibi_backward(Q, K, V, slope, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

@@ -1621,9 +1621,10 @@ def _attention_2d_bwd_dq_kernel(
 
 
 @_on_inputs_device
-def _attention_2d_preprocess(Q, K, V, dO, O, dlse, _o):
+def _attention_2d_preprocess(Q, K, V, dO, O, dlse, _o, positions=None):
     """(delta): the backward's per-row values."""
-    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
+    # inputs read at global positions (document ids) hold the global rows: they bind no size
+    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
     if dlse is None:
         dlse = torch.zeros(_shape("dlse", _sz), dtype=torch.float32, device=_dev)
@@ -1767,10 +1768,13 @@ def _attention_2d_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, le
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 
 
-def attention_2d_preprocess(Q, K, V, dO, O, dlse=None, *, block_q=None, num_warps=None):
+def attention_2d_preprocess(Q, K, V, dO, O, dlse=None, *, block_q=None, num_warps=None,
+        positions=None):
     """The backward's per-row values (delta), float32, from
-    the inputs, the output gradient and the forward's saved state (dO, O, dlse); dlse defaults to zeros."""
-    return _attention_2d_preprocess(Q, K, V, dO, O, dlse, (block_q, None, num_warps, None, None))
+    the inputs, the output gradient and the forward's saved state (dO, O, dlse); dlse defaults to zeros.
+    positions=: the forward's, when its rows were at global positions (inputs
+    read there, such as document ids, hold the global length: they bind no size)."""
+    return _attention_2d_preprocess(Q, K, V, dO, O, dlse, (block_q, None, num_warps, None, None), positions)
 
 
 def attention_2d_backward(Q, K, V, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

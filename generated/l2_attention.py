@@ -1648,9 +1648,10 @@ def _l2_attention_bwd_dq_kernel(
 
 
 @_on_inputs_device
-def _l2_attention_preprocess(Q, K, V, dO, Z0, N0, _o):
+def _l2_attention_preprocess(Q, K, V, dO, Z0, N0, _o, positions=None):
     """(gN0, dZ0): the backward's per-row values."""
-    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
+    # inputs read at global positions (document ids) hold the global rows: they bind no size
+    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
     _check_state({"dO": dO, "Z0": Z0, "N0": N0}, _sz, _dev)
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
@@ -1794,10 +1795,13 @@ def _l2_attention_backward(Q, K, V, dO, gN0, dZ0, _o, need, positions=None, leng
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 
 
-def l2_attention_preprocess(Q, K, V, dO, Z0, N0, *, block_q=None, num_warps=None):
+def l2_attention_preprocess(Q, K, V, dO, Z0, N0, *, block_q=None, num_warps=None,
+        positions=None):
     """The backward's per-row values (gN0, dZ0), float32, from
-    the inputs, the output gradient and the forward's saved state (dO, Z0, N0)."""
-    return _l2_attention_preprocess(Q, K, V, dO, Z0, N0, (block_q, None, num_warps, None, None))
+    the inputs, the output gradient and the forward's saved state (dO, Z0, N0).
+    positions=: the forward's, when its rows were at global positions (inputs
+    read there, such as document ids, hold the global length: they bind no size)."""
+    return _l2_attention_preprocess(Q, K, V, dO, Z0, N0, (block_q, None, num_warps, None, None), positions)
 
 
 def l2_attention_backward(Q, K, V, dO, gN0, dZ0, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

@@ -1507,7 +1507,7 @@ def _sigmoid_attention_bwd_dq_kernel(
 
 
 @_on_inputs_device
-def _sigmoid_attention_preprocess(Q, K, V, _o):
+def _sigmoid_attention_preprocess(Q, K, V, _o, positions=None):
     """(): this backward has no per-row values (its kernels read dO itself)."""
     return ()
 
@@ -1629,10 +1629,11 @@ def _sigmoid_attention_backward(Q, K, V, dO, _o, need, positions=None, lengths=N
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 
 
-def sigmoid_attention_preprocess(Q, K, V, *, block_q=None, num_warps=None):
+def sigmoid_attention_preprocess(Q, K, V, *, block_q=None, num_warps=None,
+        positions=None):
     """The backward's per-row values: none (an empty tuple); sigmoid_attention_backward
     reads the output gradient itself."""
-    return _sigmoid_attention_preprocess(Q, K, V, (block_q, None, num_warps, None, None))
+    return _sigmoid_attention_preprocess(Q, K, V, (block_q, None, num_warps, None, None), positions)
 
 
 def sigmoid_attention_backward(Q, K, V, dO, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,

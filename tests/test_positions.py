@@ -431,3 +431,18 @@ def test_lengths_take_numpy_integers_and_the_positions_message_allows_padding(tm
     with pytest.raises(ValueError, match=r"positions\['x'\] must be a 1-D integer tensor of 37 global indices, "
                                          r"one per row of x \(a negative one marks a padding row\)"):
         m.causal(q, k, v, positions={"x": torch.arange(36)}, lengths={"x": 37})
+
+
+def test_preprocess_takes_the_forwards_positions(tmp):
+    """With positions, doc holds the global length, which NAME_preprocess bound as a local size
+    ("doc dimension 1 (x) has size 64, but wire x has size 24"): the preprocess -> backward recipe
+    of docs/training.md failed for a diagram reading data at positions."""
+    m, _ = module("document_mask", tmp)
+    g = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(2))
+    doc = torch.div(torch.arange(64, dtype=torch.int32), 20, rounding_mode="floor")[None]
+    pos = dict(positions={"q": torch.arange(16) + 40, "x": torch.arange(24) + 20}, lengths={"q": 64, "x": 64})
+    out, lse = m.document_mask(q, k, v, doc, **pos, **BLOCKS)
+    (delta,) = m.document_mask_preprocess(q, k, v, doc, dout, out, positions=pos["positions"])
+    assert torch.allclose(delta, (dout * out).sum(-1), atol=1e-5)
