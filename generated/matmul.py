@@ -311,11 +311,15 @@ def _wider(outputs, inputs):
     return any(t.is_floating_point() and t.element_size() < widest for t in inputs)
 
 
+def _check_out_dtype(out_dtype):
+    if out_dtype is not None and out_dtype not in _KERNEL_FLOATS:
+        raise ValueError(f"out_dtype must be one of {', '.join(map(str, _KERNEL_FLOATS))}, not {out_dtype!r}")
+
+
 def _allocate(sizes, classes, device, out_dtype=None):
     """The outputs; ``out_dtype`` (a launcher option) replaces every float
     output's dtype, e.g. float32 partial states that are merged later."""
-    if out_dtype is not None and out_dtype not in _KERNEL_FLOATS:
-        raise ValueError(f"out_dtype must be one of {', '.join(map(str, _KERNEL_FLOATS))}, not {out_dtype!r}")
+    _check_out_dtype(out_dtype)
     return [torch.empty(_shape(name, sizes), dtype=out_dtype if out_dtype is not None and _DTYPES[name] in
                         ("fp16", "bf16", "fp32") else _out_dtype(name, classes), device=device) for name in OUTPUTS]
 
@@ -523,9 +527,10 @@ def _autotune_valid(option, value):
     return option != "tma" or value in (0, 1)
 
 
-def _autotune_fill(options, sizes, device, classes, kind=""):
+def _autotune_fill(options, sizes, device, classes, kind="", lookup=True):
     """``options`` (launcher option -> value or None) with the Nones taken from
-    the cached config of ``kind``; options given explicitly always win."""
+    the cached config of ``kind``; options given explicitly always win.
+    lookup=False: the given ones checked alone (the op's fakes: no device to key a cache by)."""
     options = dict(options)
     for k in ("num_warps", "num_stages"):
         if options.get(k) is not None:   # a numpy integer is a whole number too
@@ -533,7 +538,7 @@ def _autotune_fill(options, sizes, device, classes, kind=""):
         if options.get(k) is not None and not _autotune_valid(k, options[k]):
             raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
                              + f", not {options[k]!r}")
-    if all(v is not None for v in options.values()):
+    if not lookup or all(v is not None for v in options.values()):
         return options
     config = _autotune_lookup(sizes, device, classes, kind) or {}
     return {k: (config.get(k) if v is None else v) for k, v in options.items()}
@@ -693,6 +698,19 @@ def matmul(A, B, *, block_m=None, block_n=None, block_k=None, num_warps=None, nu
 
 
 @_on_inputs_device
+def _matmul_check_options(_sz, block_m, block_n, block_k, num_warps, num_stages):
+    """The launch options' checks that need no launch (ValueError in words), for
+    the torch op's fakes: a trace on meta tensors or under torch.compile took
+    block sizes, warps or a chunk that the launch refuses, and failed only when run."""
+    _autotune_fill({"num_warps": num_warps, "num_stages": num_stages}, _sz, None, None, lookup=False)
+    _b_m = 16 if block_m is None else _block_size(block_m, "m", "block_m")
+    _b_n = 16 if block_n is None else _block_size(block_n, "n", "block_n")
+    _b_k = 16 if block_k is None else _block_size(block_k, "k", "block_k")
+    _tile_fits((_b_m, _b_n), ("block_m", "block_n"))
+    _tile_fits((_b_m, _b_k), ("block_m", "block_k"))
+    _tile_fits((_b_k, _b_n), ("block_k", "block_n"))
+
+
 def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _save):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
@@ -958,6 +976,7 @@ def _matmul_fwd_op(A, B, block_m, block_n, block_k, num_warps, num_stages):
 @_matmul_fwd_op.register_fake
 def _(A, B, block_m, block_n, block_k, num_warps, num_stages):
     _sz, _cls, _dev = _bind((A, B,), kernel=True)
+    _matmul_check_options(_sz, block_m, block_n, block_k, num_warps, num_stages)
     _outs = [torch.empty(_shape(n, _sz), dtype=_out_dtype(n, _cls), device=_dev) for n in OUTPUTS]
     _outs += [torch.empty(_shape(n, _sz), dtype=torch.float32, device=_dev) for n in _SAVED]
     return _outs[0]

@@ -315,11 +315,15 @@ def _wider(outputs, inputs):
     return any(t.is_floating_point() and t.element_size() < widest for t in inputs)
 
 
+def _check_out_dtype(out_dtype):
+    if out_dtype is not None and out_dtype not in _KERNEL_FLOATS:
+        raise ValueError(f"out_dtype must be one of {', '.join(map(str, _KERNEL_FLOATS))}, not {out_dtype!r}")
+
+
 def _allocate(sizes, classes, device, out_dtype=None):
     """The outputs; ``out_dtype`` (a launcher option) replaces every float
     output's dtype, e.g. float32 partial states that are merged later."""
-    if out_dtype is not None and out_dtype not in _KERNEL_FLOATS:
-        raise ValueError(f"out_dtype must be one of {', '.join(map(str, _KERNEL_FLOATS))}, not {out_dtype!r}")
+    _check_out_dtype(out_dtype)
     return [torch.empty(_shape(name, sizes), dtype=out_dtype if out_dtype is not None and _DTYPES[name] in
                         ("fp16", "bf16", "fp32") else _out_dtype(name, classes), device=device) for name in OUTPUTS]
 
@@ -527,9 +531,10 @@ def _autotune_valid(option, value):
     return option != "tma" or value in (0, 1)
 
 
-def _autotune_fill(options, sizes, device, classes, kind=""):
+def _autotune_fill(options, sizes, device, classes, kind="", lookup=True):
     """``options`` (launcher option -> value or None) with the Nones taken from
-    the cached config of ``kind``; options given explicitly always win."""
+    the cached config of ``kind``; options given explicitly always win.
+    lookup=False: the given ones checked alone (the op's fakes: no device to key a cache by)."""
     options = dict(options)
     for k in ("num_warps", "num_stages"):
         if options.get(k) is not None:   # a numpy integer is a whole number too
@@ -537,7 +542,7 @@ def _autotune_fill(options, sizes, device, classes, kind=""):
         if options.get(k) is not None and not _autotune_valid(k, options[k]):
             raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
                              + f", not {options[k]!r}")
-    if all(v is not None for v in options.values()):
+    if not lookup or all(v is not None for v in options.values()):
         return options
     config = _autotune_lookup(sizes, device, classes, kind) or {}
     return {k: (config.get(k) if v is None else v) for k, v in options.items()}
@@ -1090,6 +1095,7 @@ def sigmoid_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, nu
     if _differentiable((Q, K, V)):
         block_q, block_x, num_warps, num_stages = _options_as_ints(("block_q", "block_x", "num_warps", "num_stages"), (block_q, block_x, num_warps, num_stages,))
         _tma_check(tma)  # the torch op's schema takes an int: refuse anything else here, in words
+        _check_out_dtype(out_dtype)   # and a ScalarType
         chunk, = _options_as_ints(("chunk",), (chunk,))
         if positions is not None or lengths is not None or out_dtype is not None or chunk is not None:
             if _wants_grad((Q, K, V)):
@@ -1107,6 +1113,18 @@ def sigmoid_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, nu
 
 
 @_on_inputs_device
+def _sigmoid_attention_check_options(_sz, block_q, block_x, num_warps, num_stages, tma, chunk=None):
+    """The launch options' checks that need no launch (ValueError in words), for
+    the torch op's fakes: a trace on meta tensors or under torch.compile took
+    block sizes, warps or a chunk that the launch refuses, and failed only when run."""
+    _autotune_fill({"num_warps": num_warps, "num_stages": num_stages}, _sz, None, None, lookup=False)
+    _b_q = 16 if block_q is None else _block_size(block_q, "q", "block_q")
+    _b_x = 16 if block_x is None else _block_size(block_x, "x", "block_x")
+    _tile_fits((_b_q, _b_x), ("block_q", "block_x"))
+    _tma_check(tma)
+    _chunks(chunk, None, _b_x, _sz["x"])
+
+
 def _sigmoid_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None, chunk=None):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
@@ -1691,6 +1709,7 @@ def _sigmoid_attention_fwd_op(Q, K, V, block_q, block_x, num_warps, num_stages, 
 @_sigmoid_attention_fwd_op.register_fake
 def _(Q, K, V, block_q, block_x, num_warps, num_stages, tma):
     _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
+    _sigmoid_attention_check_options(_sz, block_q, block_x, num_warps, num_stages, tma)
     _outs = [torch.empty(_shape(n, _sz), dtype=_out_dtype(n, _cls), device=_dev) for n in OUTPUTS]
     _outs += [torch.empty(_shape(n, _sz), dtype=torch.float32, device=_dev) for n in _SAVED]
     return _outs[0]
@@ -1707,6 +1726,7 @@ def _sigmoid_attention_inference_op(Q, K, V, block_q, block_x, num_warps, num_st
 @_sigmoid_attention_inference_op.register_fake
 def _(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk):
     _sz, _cls, _dev = _bind((Q, K, V,), kernel=True)
+    _sigmoid_attention_check_options(_sz, block_q, block_x, num_warps, num_stages, tma, chunk)
     _outs = _allocate(_sz, _cls, _dev, out_dtype)
     return _outs[0]
 

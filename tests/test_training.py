@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,6 +174,30 @@ def test_meta_tensors_give_meta_outputs_without_a_gradient_too(causal):
         assert causal.causal(q, k, v)[0].device.type == "meta"
     with pytest.raises(ValueError, match="Q is on the meta device, which has no data for a kernel to read"):
         causal.causal_preprocess(q, k, v, torch.empty_like(q), torch.empty(1, 2, 21, device="meta"))
+
+
+# (options, the launch's words, whether a call wanting a gradient takes them: chunk= and out_dtype= make a
+# forward-only call)
+META_OPTIONS = [
+    ({"block_q": 3}, "block_q must be a power of two from 16 to 65536, not 3", True),
+    ({"num_warps": 3}, "num_warps must be a power of two from 1 to 32, not 3", True),
+    ({"chunk": 17}, "chunk must be None, 0 or a power of two, not 17", False),
+    ({"chunk": 8, "block_x": 16}, "chunk=8 is shorter than block_x=16: a chunk is whole blocks", False),
+    ({"out_dtype": "float32"}, "out_dtype must be one of torch.float16, torch.bfloat16, torch.float32, not 'float32'",
+     False),
+]
+
+
+@pytest.mark.parametrize("options, words, grad", [(o, w, g) for o, w, trains in META_OPTIONS
+                                                  for g in ((False, True) if trains else (False,))])
+def test_meta_and_traced_calls_refuse_the_options_a_launch_refuses(causal, options, words, grad):
+    """The op's fakes only bound and allocated: a model traced on meta tensors (or by torch.compile)
+    took block_q=3 or chunk=17 and failed only when run; out_dtype="float32" met torch's schema error."""
+    q, k, v = (torch.empty(1, 2, 21, 16, device="meta", dtype=torch.float16) for _ in range(3))
+    with pytest.raises(ValueError, match=re.escape(words)):
+        causal.causal(q.requires_grad_(grad), k, v, **options)
+    o, _ = causal.causal(q, k, v, block_q=16, block_x=16, num_warps=2)   # what a launch takes passes
+    assert o.device.type == "meta"
 
 
 def test_second_derivatives_are_refused_in_words(causal):

@@ -237,6 +237,20 @@ def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str],
     return "if math.prod(_grid) > 0:\n" + _indent(_kernel_call(d, kernel, grid, blocks, extra, runtime))
 
 
+def _checks(lines: list[str]) -> str:
+    """The body of _NAME_check_options (templates/module.py.jinja): the launch
+    options' checks that need no launch, the same helpers the launch calls."""
+    return "\n".join(['_autotune_fill({"num_warps": num_warps, "num_stages": num_stages}, _sz, None, None, lookup=False)']
+                     + lines)
+
+
+def _given_blocks(wires: list[str]) -> list[str]:
+    """_b_<wire>: each block option given, checked; one not given counts as 16,
+    the least a launch takes, since the tuned config may pick it (so the fakes
+    refuse only what no launch could take)."""
+    return [f'_b_{w} = 16 if block_{w} is None else _block_size(block_{w}, "{w}", "block_{w}")' for w in wires]
+
+
 def _fill_options(opts: list[str]) -> list[str]:
     """Options left None take the tuned config cached for this shape bucket
     (templates/autotune.py.jinja), else the schedule's defaults."""
@@ -456,6 +470,8 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     _, launch_width = chunk_state(plan, names, lambda w: _dim_block_value(names, w))
     # chunk= is no tuned option of the backward's kernels (nor in the torch op's schema), but the
     # forward's tuned config may set it (autotune.chunk_lengths)
+    checks = _given_blocks([row, col]) + [f'_tile_fits((_b_{row}, _b_{col}), ("block_{row}", "block_{col}"))',
+                                          f"_tma_check({T.OPTION})", f'_chunks(chunk, None, _b_{col}, _sz["{col}"])']
     launch = _fill_options(opts + ["chunk"]) + P.launch_lines(plan, R.applies(plan)) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
@@ -513,7 +529,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "tma_descs": tma.table(), "tma_col": _q(col),
         "init": "\n".join(init), "bounds": bounds, "ranges": R.render(plan),
         "live": "\n".join(live(names, plan, col)), "live_constant": LIVE_CONSTANT,
-        "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
+        "finalise": finalise, "stores": stores, "launch": "\n".join(launch), "check_options": _checks(checks),
         "chunk": L.chunk_of(d), "chunk_bounds": "\n".join(chunk_bounds(segs)),
         **P.context(plan, saved),
         "chunk_store": "\n".join(chunk_store(plan, names)), "chunk_merge": "\n".join(chunk_merge(plan, names)),
@@ -675,6 +691,8 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "step_loads": [_load(d, names, ld) for ld in (plan.lhs, plan.rhs)],
         "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
         "step": step, "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
+        "check_options": _checks(_given_blocks([row, col, red]) + [
+            f'_tile_fits((_b_{x}, _b_{y}), ("block_{x}", "block_{y}"))' for x, y in ((row, col), (row, red), (red, col))]),
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]),
         "options": opts,
     }
