@@ -145,7 +145,13 @@ def _own_var(d, name: str) -> str:
 
 def _renamed(src: str, var: str, name: str) -> str:
     """The neutral module's text with zq's variable renamed to ``var`` and zq
-    (strides, pointers, buffers) to ``name``."""
+    (strides, pointers, buffers) to ``name``; in the names napkin joins from
+    parts (strides, partial sums, descriptors) as kernel_names.part writes it."""
+    from napkin.codegen.kernel_names import part
+
+    for prefix in ("_part_acc_", "_part_", "_tma_"):   # also inside a stride's name: _st__part_zq_b
+        src = re.sub(rf"{prefix}{NEUTRAL}(?=_|\b)", lambda _: prefix + part(name), src)
+    src = re.sub(rf"\b_st_{NEUTRAL}(?=_)", lambda _: "_st_" + part(name), src)
     src = re.sub(rf"\b_{NEUTRAL}\b", "\0", src)
     src = src.replace(NEUTRAL, name)
     return src.replace("\0", var)
