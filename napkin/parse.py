@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 import re
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import lark
 from lark import Token, Transformer, v_args
@@ -145,7 +145,38 @@ def _expected(names) -> str:
     return ", ".join(words[:-1]) + " or " + words[-1]
 
 
+_NUMBER = re.compile(r"(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
+# what may follow a number with no space: a capacity's unit (256KiB), a word operator (1<2and q>=0)
+_NUMBER_ENDS = re.compile(r"(" + "|".join(UNITS) + r"|and|or|not)")
+
+
+def _bad_number(text: str, until: int) -> Optional[Diagnostic]:
+    """The first number before ``until`` run into letters, digits or a dot it
+    cannot take (0x10, 1_000, 64d, 2e, 12.5abc), as a diagnostic at the whole
+    word; None if there is none.  The lexer reads 0x10 as the number 0 and a
+    name x10, so the syntax error falls on a later token (the next line's
+    'in'): it is the number that is wrong."""
+    code = re.sub(r"#[^\n]*", lambda c: " " * len(c.group()), text)   # comments blanked, places kept
+    for word in re.finditer(r"(?<![\w.])(\d[\w.]*|\.\d[\w.]*)", code):
+        if word.start() > until:   # (a word the error falls inside counts: 5.e's error is at its e)
+            break
+        number = _NUMBER.match(word.group())
+        rest = word.group()[number.end():]
+        if rest and not _NUMBER_ENDS.fullmatch(rest):
+            line = text.count("\n", 0, word.start()) + 1
+            col = word.start() - (text.rfind("\n", 0, word.start()) + 1) + 1
+            return Diagnostic(f"{word.group()} is not a number", ir.Loc(line, col, line, col + len(word.group())),
+                              hint="napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6")
+    return None
+
+
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
+    at = getattr(err, "pos_in_stream", None)
+    if isinstance(err, UnexpectedToken):
+        at = len(text) if err.token.type == "$END" else err.token.start_pos
+    bad = _bad_number(text, len(text) if at is None else at)
+    if bad is not None:
+        return bad
     if isinstance(err, UnexpectedToken):
         tok = err.token
         # accepts: the terminals that really lead somewhere from this state.
@@ -176,11 +207,6 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
             hint += f" ('{tok}' is a reserved word, so it cannot be a name)"
         return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
-        word = re.match(r"\.?\d[\w.]*", text[err.pos_in_stream:]) if err.char in "0123456789." else None
-        if word:   # a number the grammar's NUMBER stops short of: 0x10, 1_000, 64d, 2e
-            return Diagnostic(f"{word.group()} is not a number", ir.Loc(err.line, err.column, err.line,
-                                                                        err.column + len(word.group())),
-                              hint="napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6")
         return Diagnostic(f"unexpected character {err.char!r}", ir.Loc(err.line, err.column),
                           hint=f"expected {_expected(err.allowed)}" if err.allowed else None)
     if isinstance(err, UnexpectedEOF):  # pragma: no cover - LALR reports $END tokens

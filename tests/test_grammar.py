@@ -334,12 +334,25 @@ t.ncd:2:10: 0x10 is not a number
     wire n = 0x10
              ^^^^
   hint: napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6"""),
+    "a number run into letters": ("diagram a\nwire n\nin X[n] : fp32  # 0x10 in a comment is no number\n"
+                                  "Y[n] = where(1<2and n>=0, X, 12.5abc)\n", """\
+t.ncd:4:30: 12.5abc is not a number
+    Y[n] = where(1<2and n>=0, X, 12.5abc)
+                                 ^^^^^^^
+  hint: napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6"""),
     "underscored number": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = 1_000 * X\n", """\
 t.ncd:4:8: 1_000 is not a number
     Y[n] = 1_000 * X
            ^^^^^
   hint: napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6"""),
 }
+
+
+def test_numbers_run_into_a_unit_or_a_word_operator_still_parse():
+    """Refusing every number run into letters refused capacity 256KiB and 1<2and q>=0, which parse."""
+    d = parse("diagram a\nwire n\nin X[n] : fp32\nY[n] = where(1<2and n>=0, X, .5 * X + 2.)\nout Y\n"
+              "schedule { level smem capacity 256KiB { } }\n")
+    assert d.schedule.levels[0].capacity == 256 * 1024
 
 
 @pytest.mark.parametrize("text, expected", ERRORS.values(), ids=ERRORS.keys())
