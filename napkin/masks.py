@@ -446,10 +446,11 @@ def _conjunct_bounds(c: ir.Expr, row: str, col: str, sizes) -> Optional[list[Opt
     return [_solve(form, row, col) for form in forms]  # each form <= 0
 
 
-# A term of 2^31 or more is no bound a real sequence reaches (the mask's where
+# A term of 2^30 or more is no bound a real sequence reaches (the mask's where
 # still applies it entry by entry): q - x < 99999999999999999999 rendered its
-# constant into the block bounds, a literal Triton refuses.
-_BOUND_LIMIT = 2 ** 31
+# constant into the block bounds, a literal Triton refuses, and 2147483647
+# overflowed the bounds' int32 arithmetic (_row_last + c + 1).
+_BOUND_LIMIT = 2 ** 30
 
 
 def _solve(form: Affine, row: str, col: str) -> Optional[Bound]:

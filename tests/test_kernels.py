@@ -545,6 +545,12 @@ def test_a_written_not_skips_the_blocks_of_its_flipped_comparison(mask):
      lambda s, q, x, n: torch.where(x * 3000000 <= 4294967296, s * 0.25, -torch.inf)),
     ("where(q - x < 99999999999999999999 and x - q < 4294967296, sum[d](Q * K) * |d|^-0.5, -inf)",
      lambda s, q, x, n: s * 0.25 + 0 * x),
+    # near 2^31: the bound's 2147483647 overflowed the block range's int32 sums (_row_last + c + 1),
+    # and q + 2147483646, or constants each under 2^31 adding past it, the mask's own
+    ("where(q - x < 2147483648 and x <= q + 2147483646, sum[d](Q * K) * |d|^-0.5, -inf)",
+     lambda s, q, x, n: s * 0.25 + 0 * x),
+    ("where(x <= q + 1500000000 + 1500000000 - 2999999000, sum[d](Q * K) * |d|^-0.5, -inf)",
+     lambda s, q, x, n: torch.where(x <= q + 1000, s * 0.25, -torch.inf)),
 ])
 def test_index_and_size_products_past_int32_are_exact(score, torch64):
     """The kernels' indices and sizes are int32; a product of two of them is

@@ -199,9 +199,19 @@ class _Render:
         kind = "float" if "float" in (a[2], b[2]) or op == "/" else "int"
         if op == "/" and a[2] != "float" and b[2] != "float":
             a = (self.to_float(a), _PREC["atom"], "float")
-        if op == "*" and kind == "int":
+        if kind == "int" and (op == "*" or self.big_constant(e)):
             a, b = self.widened(a, b)
         return f"{self.wrap(a, p - 1)} {op} {self.wrap(b, p)}", p, kind
+
+    def big_constant(self, e: ir.Binary) -> bool:
+        """Whether an integer sum holds a constant of 2^24 or more: an index
+        plus it can pass int32 (q + 2147483646, q + 1500000000 + 1500000000
+        wrapped in the kernels), so the sum is taken in int64 as a product is."""
+        for n in ir.walk(e):
+            v = fold(n, self.ctx.fixed) if isinstance(n, ir.Num) else None
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2 ** 24:
+                return True
+        return False
 
     def widened(self, a, b):
         """The operands of an integer product, one of them made wide enough
