@@ -411,6 +411,9 @@ out O
 """}
 
 
+# a side input named like the stride of another's partial-sum buffer: its load _st__part_m_b was that stride
+JOINED["a stride's name"] = JOINED["partial sums"].replace("in acc_m[h] : fp32", "in st__part_m_b[q, x] : fp32") \
+    .replace("acc_m * (q - x) * 0.5", "st__part_m_b")
 for _operand in ("scaled", "operand"):   # an operand's gradient buffer _grad_<name> met the helper _grad_<name>
     JOINED[f"operand {_operand}"] = JOINED["strides"].replace("Q_h", "B").replace(" V", f" {_operand}")
 
