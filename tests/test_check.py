@@ -159,7 +159,7 @@ def test_wire_twice_in_one_layout():
 
 
 def test_one_wire_given_two_sizes_in_declarations():
-    text = "diagram t\nwire d = 64\nwire n, d = 128\nin A[d] : fp16\nout A\n"
+    text = "diagram t\nwire d = 64\nwire n, d = 128\nin A[n, d] : fp16\nout A\n"
     d = one(text)
     assert d.message == "one wire given two sizes: 'd' is 128 here but 64 at line 2"
     assert where(d) == (3, 9)
@@ -205,7 +205,7 @@ def test_hostile_tensor_names(name, why):
 
 
 def test_hostile_wire_and_diagram_names():
-    text = "diagram tl\nwire len, ok\nin A[ok] : fp16\nout A\n"
+    text = "diagram tl\nwire len, ok\nin A[ok, len] : fp16\nout A\n"
     assert [(d.message, where(d)) for d in errors(text)] == [
         ("'tl' is reserved: the generated module uses that name itself", (1, 9)),
         ("'len' shadows a Python builtin", (2, 6)),
@@ -674,6 +674,9 @@ def test_a_wire_no_input_sizes_is_refused_and_a_relabel_sizes_one():
         "call cannot tell it from the shapes\n    wire m, n, k, j\n                  ^\n"
         "  hint: give it one (wire j = 8), or an input along it")
     napkin.load_text(text.replace("wire m, n, k, j", "wire m, n, k\nwire j = 8"), "t.ncd")
+    # one no tensor uses at all: every call of its module was a KeyError
+    with pytest.raises(napkin.NapkinError, match="wire y has no size: no input lies along it"):
+        napkin.load_text(text.replace("wire m, n, k, j", "wire m, n, k, y\nwire j = 8"), "t.ncd")
     napkin.load_text("diagram g\nwire m, n, k\nin A[m, k] : fp32\nC[m, n] = sum[k](A * A[n, k])\nout C\n", "g.ncd")
 
 
