@@ -23,7 +23,7 @@ import torch
 
 import napkin
 from napkin import autotune, tunecache
-from napkin.bench import checks, flex, harness, reference, results
+from napkin.bench import baselines, checks, flex, harness, reference, results
 from napkin.errors import NapkinError
 
 torch = pytest.importorskip("torch")
@@ -1196,6 +1196,58 @@ def test_bench_checks_each_backward_before_timing_it(tmp_path, monkeypatch):
     rows = {(r["impl"], r["pass"]): r for r in row["results"]}
     assert rows["napkin", "bwd"]["ms"] is None and rows["napkin", "bwd"]["error"].startswith("not timed: wrong: dK")
     assert rows["napkin", "fwd"]["ms"] > 0 and rows["sdpa-math", "bwd"]["ms"] > 0
+
+
+VKQ = """diagram vkq
+wire b, h, q, x
+wire d = 16
+in V[b, h, x, d] : fp32
+in K[b, h, x, d] : fp32
+in Q[b, h, q, d] : fp32
+S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5
+O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)
+out O
+"""
+
+
+@pytest.mark.parametrize("backward, words", [
+    ("zero", "wrong: dV max abs error 1 of its scale > 0.002"),
+    ("crash", "crashed: KeyError: 'y'"),
+    ("refuse", "NotImplementedError: napkin has no backward here"),
+])
+def test_the_backward_check_names_each_gradient_by_its_input_and_counts_a_crash(backward, words):
+    """Inputs declared V, K, Q: a wrong dV was reported as dQ (labels in Q, K, V order, gradients in
+    the diagram's); and a backward dying of a KeyError left the check ok (only "wrong" counted).
+    A refusal in words (NotImplementedError, NapkinError) is reported and not counted."""
+    import types
+
+    d = napkin.load_text(VKQ, "vkq.ncd")
+    sizes = {"b": 1, "h": 1, "q": 8, "x": 8}
+    module = types.SimpleNamespace(reference=lambda *xs: tuple(reference.reference(d, xs, sizes)))
+
+    class Broken(torch.autograd.Function):   # the identity forward, V's gradient broken
+        @staticmethod
+        def forward(ctx, v):
+            return v.view_as(v)
+
+        @staticmethod
+        def backward(ctx, g):
+            if backward == "crash":
+                raise KeyError("y")
+            if backward == "refuse":
+                raise NotImplementedError("napkin has no backward here")
+            return torch.zeros_like(g)
+
+    def prepare(inputs, shape, device, grad=False):
+        v, k, q = inputs
+        return lambda: (reference.reference(d, (Broken.apply(v), k, q), sizes)[0],)
+
+    record = checks.check(module, d, [baselines.Baseline("napkin", True, "", prepare)], sizes, "float32", "cpu",
+                          backward=True)
+    errors = record["backward"]["errors"]["napkin"]
+    assert errors["error"] == words and record["ok"] == (backward == "refuse"), record
+    if backward == "zero":
+        assert errors["dQ"] < 1e-6 and errors["dK"] < 1e-6 and errors["dV"] == pytest.approx(1.0)
 
 
 def test_flex_visible_counts_the_pairs_a_mask_keeps():

@@ -21,6 +21,7 @@ At the full size, napkin's warm-up outputs are compared with FlexAttention's
 """
 from __future__ import annotations
 
+from ..errors import NapkinError
 from . import baselines, flex, reference
 from .timing import attention_output, fresh_inputs
 
@@ -74,7 +75,8 @@ def check(module, diagram, impls: list, sizes: dict, dtype: str, device: str, ba
     gradients' relative errors (``backward.errors``); "error" in either says
     why that pass is not timed.  ``ok`` is napkin's forward, and its backward
     when one was checked, being right: a backward napkin refuses to build (a
-    diagram it cannot train) is reported, not counted wrong."""
+    diagram it cannot train: NapkinError, NotImplementedError) is reported,
+    not counted wrong; any other exception is a crash, counted."""
     roles = flex.attention_roles(diagram)
     small = check_sizes(diagram, roles, sizes)
     inputs = reference.example_inputs(diagram, small, device=device, seed=0)
@@ -104,7 +106,7 @@ def check(module, diagram, impls: list, sizes: dict, dtype: str, device: str, ba
     if backward:
         record["backward"] = _check_backward(module, diagram, impls, inputs, shape, device, tol, errors)
         napkin = record["backward"]["errors"].get("napkin", {})
-        record["ok"] = ok and not napkin.get("error", "").startswith("wrong")
+        record["ok"] = ok and not napkin.get("error", "").startswith(("wrong", "crashed"))
     return record
 
 
@@ -114,7 +116,8 @@ def _check_backward(module, diagram, impls, inputs, shape, device, tol, forward_
     times, with its own random upstream: the check's is seeded)."""
     import torch
 
-    names = list(shape["operands"])
+    # the operands in the order fresh_inputs makes them leaves: the diagram's (V, K, Q is an order too)
+    names = [n for n in shape["inputs"] if n in shape["operands"]]
     wide = fresh_inputs([t.double() if t.is_floating_point() else t for t in inputs], shape, grad=True)
     outs = module.reference(*wide)
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -139,7 +142,10 @@ def _check_backward(module, diagram, impls, inputs, shape, device, tol, forward_
             grads = torch.autograd.grad(out, list(getattr(fn, "leaves", [t for t in xs if t.requires_grad])),
                                         upstream.to(out.dtype), allow_unused=True)
         except Exception as err:  # noqa: BLE001 - e.g. a backward napkin refuses, or flex's on the CPU
-            errors[impl.name] = {"error": baselines.first_line(err)}
+            # a refusal in words is no failure of the run; a crash is
+            refused = isinstance(err, (NapkinError, NotImplementedError))
+            errors[impl.name] = {"error": baselines.first_line(err) if refused else
+                                 f"crashed: {baselines.first_line(err)}"}
             continue
         errs = {f"d{n}": (float("inf") if g is None else relative_error(g, w))
                 for n, g, w in zip(names, grads, want)}
