@@ -1403,6 +1403,10 @@ def test_two_query_wires_the_schedule_does_not_tell_apart_are_refused():
     with pytest.raises(flex.NoFlexEquivalent, match=r"Q\[b, h, q, d\] has two wires K\[b, x, d\] lacks "
                                                     r"\(h, q\), and the schedule tiles neither"):
         flex.emit(napkin.load_text(text))
+    both = MQA.replace("group b by 1, h by 1, q by 32", "group b by 1, h by 4, q by 32")
+    with pytest.raises(flex.NoFlexEquivalent, match=r"the schedule tiles both: which is the queries\? \(tile the "
+                                                    r"heads by 1, or write grouped heads as one axis \(hk g\)\)"):
+        flex.emit(napkin.load_text(both))
 
 
 @pytest.mark.slow

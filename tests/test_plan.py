@@ -228,3 +228,14 @@ def test_plan_prices_the_diagrams_own_device():
     times = [[o.total_s for o in P.plan(d, 4, sizes, profile=p)] for d, p in
              ((a100, None), (h100, "a100"), (h100, None), (a100, "h100"))]
     assert times[0] == times[1] != times[2] == times[3]
+
+
+def test_a_decoding_mesh_over_wires_not_named_q_and_x_is_planned():
+    """decode.ncd with q, x renamed t, s: its mesh splits s alone, so no mesh wire named the queries
+    and plan refused ("it has no query and key wires"); the one other tiled wire is the queries."""
+    text = to_text(load("decode"))
+    for old, new in (("q", "t"), ("x", "s")):
+        text = re.sub(rf"\b{old}\b", new, text)
+    ts = P.plan(napkin.load_text(text, "ts.ncd"), 4, dict(b=1, hk=8, g=4, t=1, s=65536), training=False)
+    qx = P.plan(load("decode"), 4, dict(b=1, hk=8, g=4, q=1, x=65536), training=False)
+    assert [(o.label, o.total_s) for o in ts] == [(o.label, o.total_s) for o in qx] and ts[0].scheme == "tree"

@@ -250,8 +250,9 @@ class Analysis:
         if len(tiled) != 1:
             self.refuse(f"{self.q.name}{layout(self.q.axes)} has two wires {self.k.name}{layout(self.k.axes)} "
                         f"lacks ({', '.join(row)}), and the schedule tiles "
-                        + ("neither" if not tiled else "both")
-                        + ": which is the queries? (tile the query wire in the smem or regs level)")
+                        + ("neither: which is the queries? (tile the query wire in the smem or regs level)"
+                           if not tiled else "both: which is the queries? (tile the heads by 1, or write "
+                           "grouped heads as one axis (hk g))"))
         return tiled + [w for w in row if w not in tiled]
 
 

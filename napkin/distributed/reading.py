@@ -213,6 +213,16 @@ def roles(d: ir.Diagram, query: Optional[str] = None, key: Optional[str] = None)
         raise napkin.located(err, d) from None
 
 
+def _tiled_query(d: ir.Diagram, key: Optional[str]) -> Optional[str]:
+    """The query wire of a mesh that splits the key wire alone (decoding's),
+    named other than q: the one other wire the schedule tiles (``t by 16``
+    beside ``stream s by 64``), else None."""
+    from ..autotune import tiled_wires
+
+    others = [w for w in tiled_wires(d) if w != key]
+    return others[0] if key is not None and len(others) == 1 else None
+
+
 def _roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Roles:
     inlined = {o.name: _inline(d, d.tensor(o.name).expr) if isinstance(d.tensor(o.name), ir.Let) else None
                for o in d.outputs}
@@ -227,8 +237,8 @@ def _roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Roles:
                           "a merge of partial states is exact for O = sum[x](...) and for logsumexp[x] "
                           "alone (not for a ratio of sums, or a function of one)")
     dq, dk, scheme, per_node = _device_wires(d, inlined[sums[0]] if len(sums) == 1 else None)
-    query = query or dq or ("q" if d.wire("q") else None)
     key = key or dk or ("x" if d.wire("x") else None)
+    query = query or dq or ("q" if d.wire("q") else None) or _tiled_query(d, key)
     if query is None or key is None or query == key:
         raise _refuse("it has no query and key wires: wires q and x, the ones its devices level splits, "
                       "or in Python query_wire= and key_wire=", d.loc)
