@@ -1231,7 +1231,6 @@ def flash_decoding(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_s
     return _flash_decoding_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype, chunk)[0]
 
 
-@_on_inputs_device
 def _flash_decoding_check_options(_sz, block_q, block_x, num_warps, num_stages, tma, chunk=None):
     """The launch options' checks that need no launch (ValueError in words), for
     the torch op's fakes: a trace on meta tensors or under torch.compile took
@@ -1244,6 +1243,7 @@ def _flash_decoding_check_options(_sz, block_q, block_x, num_warps, num_stages, 
     _chunks(chunk, None, _b_x, _sz["x"])
 
 
+@_on_inputs_device
 def _flash_decoding_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None, chunk=None):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only

@@ -697,7 +697,6 @@ def matmul(A, B, *, block_m=None, block_n=None, block_k=None, num_warps=None, nu
     return _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, False)[0][0]
 
 
-@_on_inputs_device
 def _matmul_check_options(_sz, block_m, block_n, block_k, num_warps, num_stages):
     """The launch options' checks that need no launch (ValueError in words), for
     the torch op's fakes: a trace on meta tensors or under torch.compile took
@@ -711,6 +710,7 @@ def _matmul_check_options(_sz, block_m, block_n, block_k, num_warps, num_stages)
     _tile_fits((_b_k, _b_n), ("block_k", "block_n"))
 
 
+@_on_inputs_device
 def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _save):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only

@@ -419,7 +419,8 @@ class _Checker:
         sized |= {root(w) for t in d.inputs for w in ir.axis_wires(t.axes) if w in tie}
         for w in d.wires:
             # (an unused one too: the launcher takes every symbolic wire's size; it was a KeyError)
-            if w.size is None and root(w.name) not in sized and (w.name in used or d.inputs):
+            if w.size is None and root(w.name) not in sized and (w.name in used or d.inputs) \
+                    and not hostile_name(w.name):   # (a name refused already: one error for it)
                 self.err(f"wire {w.name} has no size: no input lies along it (nor along a wire a relabel "
                          "ties it to), so a call cannot tell it from the shapes", w.loc,
                          f"give it one (wire {w.name} = 8), or an input along it")
