@@ -406,6 +406,7 @@ def _refuse_tangents(tensors):
 # the launcher's default.
 # ---------------------------------------------------------------------------
 import json as _autotune_json
+import operator as _autotune_operator
 import os as _autotune_os
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
@@ -499,9 +500,12 @@ def _autotune_config(entry):
 def _whole(value):
     """An integer option as a Python int when it is a whole number of any
     type (numpy's too: __index__), else as given (the checks refuse it)."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    if isinstance(value, bool):
         return value
-    return value.__index__()
+    try:   # operator.index, not hasattr(type(v), "__index__"): torch.compile traces it (two numpy types failed)
+        return _autotune_operator.index(value)
+    except TypeError:
+        return value
 
 
 def _options_as_ints(names, values):

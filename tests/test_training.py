@@ -200,6 +200,22 @@ def test_meta_and_traced_calls_refuse_the_options_a_launch_refuses(causal, optio
     assert o.device.type == "meta"
 
 
+def test_numpy_and_tensor_options_trace_under_torch_compile(causal):
+    """Whole-number options of numpy types (np.int64 and np.int32 together) or a 0-d tensor ran
+    eagerly but failed under torch.compile (a TypeError in _whole's hasattr(type(v), "__index__"),
+    "Unsupported hasattr call" with fullgraph): _whole takes operator.index now.  (Two numpy types
+    under fullgraph=True still fail: dynamo makes the second a data-dependent SymInt.)"""
+    np = pytest.importorskip("numpy")
+    q, k, v = causal.example_inputs({"b": 1, "h": 1, "q": 37, "x": 29}, dtype=torch.float32)
+    for options, whole in (({"block_q": np.int64(16), "block_x": np.int32(16)}, False),
+                           ({"block_q": np.int64(16), "block_x": 16}, True),
+                           ({"block_q": torch.tensor(16), "block_x": 16}, True)):
+        want = causal.causal(q, k, v, **options)
+        torch._dynamo.reset()
+        got = torch.compile(lambda a, b, c: causal.causal(a, b, c, **options), backend="eager", fullgraph=whole)(q, k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), options
+
+
 def test_second_derivatives_are_refused_in_words(causal):
     q, k, v = causal.example_inputs({"b": 1, "h": 2, "q": 20, "x": 20}, dtype=torch.float32)
     o, _ = causal.causal(q.requires_grad_(), k, v, **BLOCKS)
