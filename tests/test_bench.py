@@ -487,7 +487,7 @@ def test_runtime_snippet_reads_what_the_writer_stored(tmp_path, monkeypatch):
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     source = tunecache.runtime_source("f00d", WIRES)
     imports = {line.split()[1] for line in source.splitlines() if line.startswith(("import ", "from "))}
-    assert imports <= {"json", "os", "torch"}, imports   # a generated module may import little
+    assert imports <= {"json", "operator", "os", "torch"}, imports   # a generated module may import little
     ns: dict = {}
     exec(compile(source, "<snippet>", "exec"), ns)
     assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16) is None
