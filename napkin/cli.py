@@ -322,25 +322,17 @@ def _run_and_compare(module, diagram, sizes, device, torch) -> bool:
     got = got if isinstance(got, (tuple, list)) else (got,)
     want = want if isinstance(want, (tuple, list)) else (want,)
 
+    from .bench.checks import max_abs_error, scale_of   # the benchmark's own comparison
+
     ok = True
     for out, g, w in zip(diagram.outputs, got, want):
-        err = _max_abs_error(g, w, torch)
+        err = max_abs_error(g, w)   # (matching infinities exact: the -inf lse of a fully masked row)
         # The tolerance follows the dtype the kernel actually returned.
         dtype = str(g.dtype).replace("torch.", "")
         tol = DEMO_TOLERANCE.get(dtype, 2e-2)
-        finite = w[torch.isfinite(w)]
-        scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+        scale = scale_of(w)
         good = err <= tol * scale
         ok = ok and good
         print(f"  {out.name}{list(g.shape)} {dtype}: max abs error {err:.2e} vs float64 reference "
               f"({'ok' if good else 'TOO LARGE'}, tolerance {tol:g} x {scale:.3g})")
     return ok
-
-
-def _max_abs_error(got, want, torch) -> float:
-    g, w = got.double(), want.double().to(got.device)
-    # Equal entries (including matching infinities, e.g. the -inf
-    # logsumexp of a fully masked row) count as exact.
-    diff = torch.where(g == w, torch.zeros_like(g), (g - w).abs())
-    diff = torch.nan_to_num(diff, nan=float("inf"))
-    return float(diff.max()) if diff.numel() else 0.0

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..errors import NapkinError
 from . import baselines, flex, reference
-from .timing import attention_output, fresh_inputs
+from .timing import attention_output, differentiable_call, fresh_inputs
 
 CHECK_ELEMENTS = 1 << 26        # largest reference box (float64: 512 MiB) checked at full size
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3}   # max abs error vs float64
@@ -60,13 +60,17 @@ def max_abs_error(got, want) -> float:
     return float(diff.max()) if diff.numel() else 0.0
 
 
-def relative_error(got, want) -> float:
-    """max_abs_error over the gradient's scale, max(1, max |want|) of its finite entries."""
+def scale_of(want) -> float:
+    """A reference's scale: max(1, max |want|) of its finite entries."""
     import torch
 
     finite = want[torch.isfinite(want)]
-    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
-    return max_abs_error(got, want) / scale
+    return max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+
+
+def relative_error(got, want) -> float:
+    """max_abs_error over the gradient's scale (scale_of)."""
+    return max_abs_error(got, want) / scale_of(want)
 
 
 def check(module, diagram, impls: list, sizes: dict, dtype: str, device: str, backward: bool) -> dict:
@@ -95,12 +99,8 @@ def check(module, diagram, impls: list, sizes: dict, dtype: str, device: str, ba
         except Exception as err:  # noqa: BLE001 - one implementation failing must not stop the others
             errors[impl.name] = {"error": baselines.first_line(err)}
             continue
-        errs = {o.name: max_abs_error(g, w) for o, g, w in zip(diagram.outputs, got, want) if g is not None}
-        bad = {k: v for k, v in errs.items() if not v <= tol}
-        errors[impl.name] = dict(errs)
-        if bad:
-            errors[impl.name]["error"] = "wrong: " + ", ".join(f"{k} max abs error {v:.3g} > {tol:g}"
-                                                               for k, v in bad.items())
+        errors[impl.name] = _judged({o.name: max_abs_error(g, w) for o, g, w in zip(diagram.outputs, got, want)
+                                     if g is not None}, tol, "")
     ok = "error" not in errors.get("napkin", {"error": "not run"})
     record = {"sizes": small, "tolerance": tol, "ok": ok, "errors": errors}
     if backward:
@@ -133,29 +133,30 @@ def _check_backward(module, diagram, impls, inputs, shape, device, tol, forward_
         if not impl.equivalent or "bwd" not in impl.passes or "error" in forward_errors.get(impl.name, {}):
             continue
         try:
-            xs = fresh_inputs(inputs, shape, grad=True)
-            fn = impl.prepare(xs, shape, device, grad=True)
-            got = fn()
+            got, leaves = differentiable_call(impl, inputs, shape, device)
             out = got[which] if which < len(got) else None
             if out is None:
                 raise ValueError(f"it does not compute output {which}, whose gradient is checked")
-            grads = torch.autograd.grad(out, list(getattr(fn, "leaves", [t for t in xs if t.requires_grad])),
-                                        upstream.to(out.dtype), allow_unused=True)
+            grads = torch.autograd.grad(out, leaves, upstream.to(out.dtype), allow_unused=True)
         except Exception as err:  # noqa: BLE001 - e.g. a backward napkin refuses, or flex's on the CPU
             # a refusal in words is no failure of the run; a crash is
             refused = isinstance(err, (NapkinError, NotImplementedError))
             errors[impl.name] = {"error": baselines.first_line(err) if refused else
                                  f"crashed: {baselines.first_line(err)}"}
             continue
-        errs = {f"d{n}": (float("inf") if g is None else relative_error(g, w))
-                for n, g, w in zip(names, grads, want)}
-        errors[impl.name] = dict(errs)
-        bad = {k: v for k, v in errs.items() if not v <= tol}
-        if bad:
-            errors[impl.name]["error"] = "wrong: " + ", ".join(
-                f"{k} max abs error {v:.3g} of its scale > {tol:g}" for k, v in bad.items())
+        errors[impl.name] = _judged({f"d{n}": (float("inf") if g is None else relative_error(g, w))
+                                     for n, g, w in zip(names, grads, want)}, tol, " of its scale")
     return {"relative_to": "max(1, max |float64 gradient|)", "upstream_seed": UPSTREAM_SEED,
             "output": diagram.outputs[which].name, "errors": errors}
+
+
+def _judged(errs: dict, tol: float, of: str) -> dict:
+    """An implementation's errors, with "error" saying which pass the tolerance (NaN counts)."""
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    if bad:
+        return {**errs, "error": "wrong: " + ", ".join(f"{k} max abs error {v:.3g}{of} > {tol:g}"
+                                                      for k, v in bad.items())}
+    return dict(errs)
 
 
 def full_size_check(check_record: dict, first: dict, diagram, dtype: str) -> None:

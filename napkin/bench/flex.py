@@ -116,12 +116,12 @@ class _Py:
             return "_kv_idx"
         if wire == r.batch:
             return "_b"
-        if r.head is not None and len(r.head) == 1 and wire == r.head[0]:
+        if r.head is not None and r.group is None and wire == r.head[0]:
             return "_h"     # one head wire, K's own or (multi-query) Q's alone
-        if r.head is not None and len(r.head) == 2 and wire == r.head[0]:
-            return f"(_h // {self.size(r.head[1])})"
-        if r.head is not None and len(r.head) == 2 and wire == r.head[1]:
-            return f"(_h % {self.size(r.head[1])})"
+        if r.group is not None and wire == r.head[0]:
+            return f"(_h // {self.size(r.group)})"
+        if r.group is not None and wire == r.group:
+            return f"(_h % {self.size(r.group)})"
         self.an.refuse(f"the score reads wire {wire}, which has no FlexAttention index")
 
     def tensor(self, ref: ir.TensorRef) -> str:
@@ -134,7 +134,7 @@ class _Py:
         parts = []
         for axis in t.axes:
             read, wires = tuple(wires[:len(axis)]), wires[len(axis):]
-            if self.roles.head is not None and len(self.roles.head) == 2 and read == self.roles.head:
+            if self.roles.group is not None and read == self.roles.head:
                 parts.append("_h")     # (hk g) flattened is exactly flex's query head
                 continue
             text = self.index(read[0])
@@ -539,7 +539,7 @@ def _outputs(d: ir.Diagram, an: Analysis, roles: Roles) -> str:
         is_out = o.name == an.attention
         last = roles.vdim if is_out else None
         # GQA's heads as the output holds them: (hk g) as one axis, or hk and g apart
-        apart = roles.head is not None and len(roles.head) == 2 and roles.head not in let.axes
+        apart = roles.group is not None and roles.head not in let.axes
         heads = [(w,) for w in roles.head] if apart else [roles.head] if roles.head else []
         have = [(roles.batch,)] if roles.batch else []
         have += heads + [(roles.row,)] + ([(last,)] if last else [])

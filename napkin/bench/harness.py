@@ -461,14 +461,14 @@ def point_sizes(diagram: ir.Diagram, roles, grid: dict) -> list[dict[str, int]]:
                 sizes = {roles.row: n, roles.key: n}
                 if roles.batch:
                     sizes[roles.batch] = batch
-                if roles.head is not None and len(roles.head) == 2:   # GQA: hk = heads / g
-                    fixed_g = diagram.wire(roles.head[1]).size   # the diagram's own group, else --group
+                if roles.group is not None:   # GQA: hk = heads / g
+                    fixed_g = diagram.wire(roles.group).size   # the diagram's own group, else --group
                     g = fixed_g or grid["group"]
                     if heads % g:
                         raise NapkinError(f"--heads {heads} is not a multiple of "
-                                          + (f"the diagram's group, wire {roles.head[1]} = {g}" if fixed_g
+                                          + (f"the diagram's group, wire {roles.group} = {g}" if fixed_g
                                              else f"--group {g}") + " (GQA)")
-                    sizes[roles.head[0]], sizes[roles.head[1]] = heads // g, g
+                    sizes[roles.kv_head], sizes[roles.group] = heads // g, g
                 elif roles.head:   # one head wire (multi-query: Q's alone, one kv head)
                     sizes[roles.head[0]] = heads
                 for w in (roles.batch, *(roles.head or ())):   # a fixed wire is not the grid's to set

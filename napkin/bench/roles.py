@@ -101,6 +101,11 @@ class Roles:
         """Query heads share kv heads (grouped or multi-query): enable_gqa."""
         return self.head is not None and self.head != (self.kv_head,)
 
+    @property
+    def group(self) -> Optional[str]:
+        """g of grouped heads (hk g), flex's head h being hk * |g| + g; None for one head wire."""
+        return self.head[1] if self.head is not None and len(self.head) == 2 else None
+
 
 class Analysis:
     """Takes a diagram apart into flex's pieces, or refuses with a reason."""

@@ -71,16 +71,24 @@ def attention_output(outs: list):
     return max(outs, key=lambda o: o.dim())
 
 
+def differentiable_call(impl, inputs, shape, device) -> tuple[tuple, list]:
+    """(an implementation's outputs, the leaves its backward differentiates):
+    its run on fresh copies of the inputs whose operands require grad, and the
+    run's own leaves where it has them (SDPA's speed reference: its own q, k, v).
+    What the backward check differentiates and the timing times."""
+    xs = fresh_inputs(inputs, shape, grad=True)
+    fn = impl.prepare(xs, shape, device, grad=True)
+    return fn(), list(getattr(fn, "leaves", [t for t in xs if t.requires_grad]))
+
+
 def time_backward(impl, inputs, shape, device, reps, flops) -> dict:
     """Time d(outputs)/d(Q, K, V) for a fixed upstream gradient, the forward
     graph built once outside the timed region."""
     import torch
 
     try:
-        grads = fresh_inputs(inputs, shape, grad=True)
-        fn = impl.prepare(grads, shape, device, grad=True)
-        outs = [o for o in fn() if o is not None and o.is_floating_point()]
-        leaves = list(getattr(fn, "leaves", [t for t in grads if t.requires_grad]))
+        got, leaves = differentiable_call(impl, inputs, shape, device)
+        outs = [o for o in got if o is not None and o.is_floating_point()]
         if not outs or not outs[0].requires_grad:
             return result(impl.name, "bwd", impl.equivalent, impl.note,
                           error="no backward (its outputs do not require grad)")
