@@ -530,8 +530,8 @@ class _Checker:
                          f"in level devices to split {t.wire} over GPUs")
             elif t.across and t.size < 1:
                 self.err(f"cannot split {t.wire} across {t.size} devices", t.loc)
-            elif t.across and self._processors(t) > MAX_DEVICES:
-                self.err(f"'{t.kind} {t.wire} across {t.size}' makes {self._processors(t):,} devices in all: napkin "
+            elif t.across and (devices_in_all := self._processors(t)) > MAX_DEVICES:
+                self.err(f"'{t.kind} {t.wire} across {t.size}' makes {devices_in_all:,} devices in all: napkin "
                          f"models at most {MAX_DEVICES:,} (2^20)", t.loc)
             elif not t.across:
                 self.check_block(t, level)

@@ -145,7 +145,6 @@ def _expected(names) -> str:
     return ", ".join(words[:-1]) + " or " + words[-1]
 
 
-_NUMBER = re.compile(r"(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
 # what may follow a number with no space: a capacity's unit (256KiB), a word operator (1<2and q>=0)
 _NUMBER_ENDS = re.compile(r"(" + "|".join(UNITS) + r"|and|or|not)")
 
@@ -160,7 +159,7 @@ def _bad_number(text: str, until: int) -> Optional[Diagnostic]:
     for word in re.finditer(r"(?<![\w.])(\d[\w.]*|\.\d[\w.]*)", code):
         if word.start() > until:   # (a word the error falls inside counts: 5.e's error is at its e)
             break
-        number = _NUMBER.match(word.group())
+        number = re.match(_parser().get_terminal("NUMBER").pattern.to_regexp(), word.group())   # the grammar's
         rest = word.group()[number.end():]
         if rest and not _NUMBER_ENDS.fullmatch(rest):
             line = text.count("\n", 0, word.start()) + 1
