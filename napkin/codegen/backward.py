@@ -36,7 +36,7 @@ from typing import Optional
 from .. import autodiff, gradrules, ir
 from ..errors import Diagnostic, NapkinError
 from .exprs import fold
-from .kernel_names import part, stride
+from .kernel_names import joined, stride
 from .lower import AttentionPlan, Load, Var, _Loads, nodes
 from .products import constant
 from .scale import LOG2E, factor, log2_scale
@@ -291,7 +291,7 @@ class _Builder:
             if bad:
                 raise refuse(f"input {t.name}", f"its wire(s) {', '.join(sorted(bad))} are not the scores'", t.loc)
             expr = autodiff.simplify(ir.Binary("*", ir.TensorRef("dS"), deriv))
-            out.append(SideGrad(t.name, f"_part_{part(t.name)}", expr, own, extra, self.row in own, self.col in own))
+            out.append(SideGrad(t.name, joined("part", t.name), expr, own, extra, self.row in own, self.col in own))
         return out
 
     def state_names(self) -> tuple[str, ...]:
@@ -311,12 +311,12 @@ class _Builder:
         """Variable names loads of user inputs must not take (placeholders
         need no reserving: no input may have a placeholder's name)."""
         floats = [t.name for t in self.d.inputs]
-        buffers = [f"_grad_{n}" for n in floats] + [f"_part_{part(n)}" for n in floats] + list(gradrules.PLACEHOLDERS)
+        buffers = [f"_grad_{n}" for n in floats] + [joined("part", n) for n in floats] + list(gradrules.PLACEHOLDERS)
         wires = [w.name for w in self.d.wires] + ["_blocks"]
         return set(FIXED_NAMES) | {f"_{n}" for n in self.tile_names} | set(extra) \
             | {f"_{p}2" for p in gradrules.PLACEHOLDERS} \
             | {f"_{p}_{n}" for p in ("acc", "grad") for n in floats} \
-            | {f"_{p}_{part(n)}" for p in ("part", "part_acc") for n in floats} \
+            | {joined(p, n) for p in ("part", "part_acc") for n in floats} \
             | {stride(b, w) for b in buffers for w in wires} \
             | {f"_dot{i}" for i in range(8)} | {f"_sum{i}" for i in range(8)}
 

@@ -41,7 +41,7 @@ from . import ranges as R
 from . import tma as T
 from .backward import BackwardPlan, Kernel
 from .exprs import triton
-from .kernel_names import part, stride
+from .kernel_names import joined, stride
 
 
 # The default tiles of the dK/dV and rows kernels (templates/training.py.jinja)
@@ -378,7 +378,7 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
             lines += [f"if _NEED_{s.tensor}:",
                       f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s, full)})"]
         else:
-            lines += [f"if _NEED_{s.tensor}:", f"    _part_acc_{part(s.tensor)} += {value}"]
+            lines += [f"if _NEED_{s.tensor}:", f"    {joined('part_acc', s.tensor)} += {value}"]
     return lines
 
 
@@ -635,7 +635,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         for s in k.sides:
             if not s.has_col:
                 shape = f"[{names.block(row)}, 1]" if s.has_row else "[1, 1]"
-                init.append(f"_part_acc_{part(s.tensor)} = tl.zeros({shape}, tl.float32)")
+                init.append(f"{joined('part_acc', s.tensor)} = tl.zeros({shape}, tl.float32)")
         loop_wire = col if k.role == "dq" else row
         step_loads = [ld for ld in k.loads if ld.phase == "step"]
 
@@ -690,7 +690,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
                                   tma.store(g.buffer, wires, g.rows, g.cols, value)).split("\n")
         for s in k.sides:
             if not s.has_col:
-                acc = f"_part_acc_{part(s.tensor)}"
+                acc = joined("part_acc", s.tensor)
                 value = acc if s.has_row else f"tl.sum(tl.sum({acc}, 1), 0)"
                 after += [f"if _NEED_{s.tensor}:",
                           f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s)})"]

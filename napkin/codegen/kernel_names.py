@@ -37,9 +37,14 @@ def part(name: str) -> str:
     return name if name.startswith("_") else name.replace("_", "__")
 
 
+def joined(base: str, *names: str) -> str:
+    """The kernel name napkin derives from ``names`` (each a part): ``_base_N1_N2``."""
+    return "_" + base + "".join("_" + part(n) for n in names)
+
+
 def stride(tensor: str, wire: str) -> str:
     """The kernel parameter holding ``tensor``'s stride along ``wire``."""
-    return f"_st_{part(tensor)}_{part(wire)}"
+    return joined("st", tensor, wire)
 
 
 def internal_names(d: ir.Diagram) -> frozenset:
@@ -67,9 +72,9 @@ def internal_names(d: ir.Diagram) -> frozenset:
     tensors = [t.name for t in d.inputs] + [t.name for t in d.lets]
     for t in tensors:
         out |= {f"_{base}_{t}" for base in ("out", "acc", "grad", "saved", "NEED")}
-        out |= {f"_{base}_{part(t)}" for base in ("part", "part_acc", "tma")}
+        out |= {joined(base, t) for base in ("part", "part_acc", "tma")}
         # the forward's TMA descriptor parameters (_tma_Q; _tma_Q_1 for a second tile of Q)
-        out |= {f"_tma_{part(t)}_{i}" for i in range(1, 4)}
+        out |= {f"{joined('tma', t)}_{i}" for i in range(1, 4)}
         out |= {stride(t, w) for w in wires}
     # napkin's own tensors (training's saved row state _saved_lse, the gradient
     # buffers _grad_Q) are kernel parameters: a box called saved_lse must not

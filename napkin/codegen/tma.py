@@ -26,7 +26,7 @@ from typing import Mapping, Optional
 
 from .. import ir, tiling
 from . import lower as L
-from .kernel_names import part
+from .kernel_names import joined
 from .pysrc import quote as _q, tuple_of as _tuple
 
 # The option's name: a tuned option of every attention launcher (and of its
@@ -90,7 +90,7 @@ class Tma:
     def _desc(self, tensor: str, box) -> str:
         if (tensor, box) not in self.descs:
             n = sum(t == tensor for t, _ in self.descs)
-            self.descs[(tensor, box)] = f"_tma_{part(tensor)}" + (f"_{n}" if n else "")
+            self.descs[(tensor, box)] = joined("tma", tensor) + (f"_{n}" if n else "")
         return self.descs[(tensor, box)]
 
     def _box(self, tensor, wires, rows, cols):
