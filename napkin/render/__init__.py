@@ -27,7 +27,7 @@ from typing import Optional
 from ..errors import NapkinError
 from ..files import why_not, write_atomic
 from ..sizes import parse_pairs
-from .costs import DEFAULT_SIZES, default_sizes, try_costs
+from .costs import DEFAULT_SIZES, check_profile, default_sizes, try_costs
 from .dot import to_dot
 from .report import report_html
 
@@ -135,17 +135,12 @@ def render_file(path, out_path, sizes: Optional[dict] = None, profile: Optional[
     diagram = _load(path)
     report = None
     given = _checked_sizes(diagram, sizes or {}, path)   # an unknown wire or device is refused either way
-    if profile is not None:
-        try:
-            from ..cost import get_profile
-        except ImportError:   # no cost pass: nothing to price the device with, nothing to refuse it by
-            get_profile = None
-        if get_profile is not None:
-            get_profile(profile)
-    if costs:
+    if costs:   # (try_costs refuses an unknown device itself)
         report, why = try_costs(diagram, given, profile)
         if why is not None:
             print(f"napkin: {path}: drawn without byte counts: {why}", file=sys.stderr)
+    else:
+        check_profile(profile)
     return draw(diagram, out_path, report, source=path)
 
 

@@ -93,6 +93,18 @@ def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:
             for w in diagram.wires if w.size is None}
 
 
+def check_profile(profile: Optional[str]) -> None:
+    """A device the user named: refused when unknown, not drawn around (nothing
+    to check it by without the cost pass)."""
+    if profile is None:
+        return
+    try:
+        from .. import cost
+    except ImportError:
+        return
+    cost.get_profile(profile)
+
+
 def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = None):
     """(report, None) from the cost pass at ``default_sizes``, or (None, why not).
 
@@ -108,8 +120,7 @@ def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = No
     except ImportError:
         return None, "the cost pass (napkin.cost) is not available"
     chosen = default_sizes(diagram, sizes)
-    if profile is not None:
-        cost.get_profile(profile)   # a name the user typed: refused, not drawn around
+    check_profile(profile)
     try:
         return cost.analyse(diagram, chosen, profile), None
     except NapkinError as err:
