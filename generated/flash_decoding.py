@@ -396,7 +396,8 @@ def _refuse_tangents(tensors):
 # float dtypes (a config tuned on 16-bit tiles may not fit float32's shared
 # memory) and the shape bucket: each symbolic wire's size rounded up to a
 # power of two.  A launch
-# with no explicit options takes the cached config of its bucket, so a new
+# with no explicit options takes the cached config of its bucket (one that
+# gives blocks or a chunk takes only the cached warps, stages and tma), so a new
 # sequence length in a tuned bucket neither retunes nor recompiles (the
 # sizes are not specialised on; the blocks, which are, stay the same).  The
 # backward's kernels have entries of their own (kind "bwd": dQ, "bwd_kv":
@@ -538,9 +539,18 @@ def _autotune_valid(option, value):
     return option != "tma" or value in (0, 1)
 
 
+def _autotune_shape(option):
+    """The options that together make a config's tiles: its block sizes and chunk."""
+    return option.startswith("block_") or option == "chunk"
+
+
 def _autotune_fill(options, sizes, device, classes, kind="", lookup=True):
     """``options`` (launcher option -> value or None) with the Nones taken from
-    the cached config of ``kind``; options given explicitly always win.
+    the cached config of ``kind``; options given explicitly always win.  A
+    config's blocks and chunk were tuned together: where the caller gives any
+    of them, the others are the schedule's, not the cache's (a cached
+    block_x=128 beside a caller's chunk=64 failed the launch, with an error
+    naming an option the caller never gave).  Warps, stages and tma still fill.
     lookup=False: the given ones checked alone (the op's fakes: no device to key a cache by)."""
     options = dict(options)
     for k in ("num_warps", "num_stages"):
@@ -552,6 +562,8 @@ def _autotune_fill(options, sizes, device, classes, kind="", lookup=True):
     if not lookup or all(v is not None for v in options.values()):
         return options
     config = _autotune_lookup(sizes, device, classes, kind) or {}
+    if any(v is not None and _autotune_shape(k) for k, v in options.items()):
+        config = {k: v for k, v in config.items() if not _autotune_shape(k)}
     return {k: (config.get(k) if v is None else v) for k, v in options.items()}
 
 
@@ -1240,8 +1252,8 @@ def _flash_decoding_check_options(_sz, block_q, block_x, num_warps, num_stages, 
     the torch op's fakes: a trace on meta tensors or under torch.compile took
     block sizes, warps or a chunk that the launch refuses, and failed only when run."""
     _autotune_fill({"num_warps": num_warps, "num_stages": num_stages}, _sz, None, None, lookup=False)
-    _b_q = 16 if block_q is None else _block_size(block_q, "q", "block_q")
-    _b_x = 16 if block_x is None else _block_size(block_x, "x", "block_x")
+    _b_q = _block_size(block_q, "q", "block_q")
+    _b_x = _block_size(block_x, "x", "block_x")
     _tile_fits((_b_q, _b_x), ("block_q", "block_x"))
     _tma_check(tma)
     _chunks(chunk, None, _b_x, _sz["x"])

@@ -257,7 +257,8 @@ def test_options_are_whole_numbers_of_any_integer_type_with_or_without_gradients
 
 def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp_path):
     """A launch without explicit options reads the tuned config cached for its
-    shape bucket (napkin.autotune writes it); explicit options always win.  An
+    shape bucket (napkin.autotune writes it); explicit options always win, and
+    a block or chunk given sets the cached blocks and chunk aside.  An
     entry no launch could take (a hand edit, another napkin) is ignored: it
     once made a call without options fail with "block_q must be a power of
     two", of a block_q the caller never passed."""
@@ -281,7 +282,10 @@ def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp
     cache(tuned)
     cpu, f16 = torch.device("cpu"), {"fp16": torch.float16}
     assert m._autotune_fill(dict(unset), sizes, cpu, f16) == tuned
-    assert m._autotune_fill({**unset, "block_q": 16}, sizes, cpu, f16) == {**tuned, "block_q": 16}
+    # a block given: the cached blocks and chunk, tuned with each other, give way to the schedule's
+    assert m._autotune_fill({**unset, "block_q": 16}, sizes, cpu, f16) == {**tuned, "block_q": 16, "block_x": None,
+                                                                            "chunk": None}
+    assert m._autotune_fill({**unset, "num_warps": 8}, sizes, cpu, f16) == {**tuned, "num_warps": 8}
     for bad in ({"block_q": 24}, {"num_warps": 0}, {"num_stages": 0}, {"chunk": 3}, {"tma": "yes"},
                 {"block_x": 16.0}):
         cache({**tuned, **bad})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
 import re
 
 import pytest
@@ -198,6 +199,38 @@ def test_meta_and_traced_calls_refuse_the_options_a_launch_refuses(causal, optio
         causal.causal(q.requires_grad_(grad), k, v, **options)
     o, _ = causal.causal(q, k, v, block_q=16, block_x=16, num_warps=2)   # what a launch takes passes
     assert o.device.type == "meta"
+
+
+def test_a_callers_blocks_or_chunk_set_a_cached_configs_blocks_aside(causal, monkeypatch, tmp_path):
+    """A cached config's blocks and chunk were tuned together, and each option the caller left None
+    took the cache's alone: a cached block_x=128 beside chunk=64 failed ("chunk=64 is shorter than
+    block_x=128"), a cached block_q=65536 beside block_x=32 made a tile past 2^20, errors naming an
+    option the caller never gave.  Now a caller's block or chunk takes the schedule's other blocks
+    (the cache's warps still fill), and the fakes refuse what the launch refuses."""
+    from napkin import tunecache
+
+    sizes = {"b": 1, "h": 1, "q": 37, "x": 200}
+    q, k, v = causal.example_inputs(sizes, dtype=torch.float32)
+    key = tunecache.cache_key(causal.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, causal._AUTOTUNE_WIRES)
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    want = causal.reference(q.double(), k.double(), v.double())[0]
+    for cached, given in (({"block_q": 16, "block_x": 128, "num_warps": 2}, {"chunk": 64}),
+                          ({"block_q": 65536, "block_x": 16, "num_warps": 2}, {"block_x": 32})):
+        (tmp_path / "autotune.json").write_text(json.dumps(
+            {"schema": tunecache.SCHEMA, "entries": {key: {"config": cached}}}))
+        options = {"block_q": None, "block_x": None, "num_warps": None, "num_stages": None, "chunk": None, **given}
+        filled = causal._autotune_fill(options, sizes, torch.device("cpu"), {"fp16": torch.float32})
+        assert filled == {**options, "num_warps": 2}, filled
+        got = causal.causal(q, k, v, **given)[0]
+        assert (got.double() - want).abs().max() < 1e-4
+        meta = [t.to("meta") for t in (q, k, v)]
+        assert causal.causal(*meta, **given)[0].device.type == "meta"
+    with pytest.raises(ValueError, match=re.escape("chunk=16 is shorter than block_x=64")):
+        causal.causal(*meta, chunk=16)   # the schedule's block_x: the fakes took an unknown block as 16
+    with pytest.raises(ValueError, match=re.escape("chunk=16 is shorter than block_x=64")):
+        causal.causal(q, k, v, chunk=16)
+    assert causal._autotune_fill({"block_q": None, "num_warps": None}, sizes, torch.device("cpu"),
+                                 {"fp16": torch.float32}) == {"block_q": 65536, "num_warps": 2}   # none given: the config whole
 
 
 def test_numpy_and_tensor_options_trace_under_torch_compile(causal):

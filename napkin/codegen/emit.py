@@ -245,10 +245,10 @@ def _checks(lines: list[str]) -> str:
 
 
 def _given_blocks(wires: list[str]) -> list[str]:
-    """_b_<wire>: each block option given, checked; one not given counts as 16,
-    the least a launch takes, since the tuned config may pick it (so the fakes
-    refuse only what no launch could take)."""
-    return [f'_b_{w} = 16 if block_{w} is None else _block_size(block_{w}, "{w}", "block_{w}")' for w in wires]
+    """_b_<wire>: each block option given, checked; one not given is the
+    schedule's, as at the launch: a launch given any block or chunk takes no
+    cached blocks (_autotune_fill), and one given none has nothing to refuse."""
+    return [f'_b_{w} = _block_size(block_{w}, "{w}", "block_{w}")' for w in wires]
 
 
 def _fill_options(opts: list[str]) -> list[str]:
