@@ -371,7 +371,7 @@ def test_outputs_named_like_tritons_launch_options_are_refused(o, lse, bad):
 
 
 def test_an_input_named_like_tritons_fusion_option_is_refused():
-    """Every launch passes enable_fp_fusion=True (emit.FP_FUSION); an input is
+    """Every launch passes enable_fp_fusion=True (launch.FP_FUSION); an input is
     a kernel parameter of its own name, so one named so would be given twice."""
     text = OUTPUTS.format(o="O", lse="lse").replace("K[", "enable_fp_fusion[").replace("Q * K", "Q * enable_fp_fusion")
     with pytest.raises(NapkinError) as err:

@@ -20,7 +20,7 @@ block size).  A loaded tile or a box's step tile is ``_`` + the user's
 name, which may still be one of those (a box called ``m`` or ``offs_q``):
 kernel_names.fresh_name gives it ``_m_1`` then (kernel_names.internal_names lists the
 kernels' own).  Launcher parameters the user's names cannot avoid are
-refused with a location: inputs named like an option (``_options``),
+refused with a location: inputs named like an option (``options``),
 outputs named like Triton's launch options.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ import functools
 from typing import Optional
 
 from .. import ir, masks
+from . import launch as H
 from . import lower as L
 from . import packed as P
 from . import ranges as R
@@ -193,15 +194,9 @@ def _decode(names: _Names, batch: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def _size_wires(d: ir.Diagram, runtime=frozenset()) -> list[str]:
-    """The wires whose sizes a kernel takes as arguments: the symbolic ones,
-    and ``runtime`` (_Names.runtime)."""
-    return [w.name for w in d.wires if w.size is None or w.name in runtime]
-
-
 def _params(d: ir.Diagram, names: _Names, blocks: list[str]) -> tuple[list[str], list[str]]:
     tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
-    sizes = [f"_size_{w}" for w in _size_wires(d, names.runtime)]
+    sizes = [f"_size_{w}" for w in H.size_wires(d, names.runtime)]
     strides = [stride(t, w) for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]
     return tensors + sizes + strides + [f"{b}: tl.constexpr" for b in blocks], sizes
 
@@ -212,77 +207,6 @@ def _dim_block_value(names: _Names, w: str) -> str:
 
 def _wire_block_args(names: _Names, dims) -> list[str]:
     return [f"{names.block(w)}={_dim_block_value(names, w)}" for w in dims]
-
-
-def _positional_args(d, runtime=frozenset()) -> list[str]:
-    """A kernel's positional arguments, a line each: tensors, sizes, then each tensor's wire strides."""
-    tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
-    sizes = [f'_sz["{w}"]' for w in _size_wires(d, runtime)]
-    strides = [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors]
-    return [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides
-
-
-def _kernel_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str], runtime=frozenset()) -> str:
-    """``kernel[grid](tensors, sizes, strides, blocks..., extra...)``, unindented."""
-    body = ",\n    ".join(_positional_args(d, runtime) + [", ".join(blocks + extra)])
-    return f"{kernel}[{grid}](\n    {body},\n)"
-
-
-def _indent(text: str, n: int = 4) -> str:
-    return "\n".join(" " * n + line for line in text.split("\n"))
-
-
-def _launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str], runtime=frozenset()) -> str:
-    """The launch, skipped when the grid is empty."""
-    return "if math.prod(_grid) > 0:\n" + _indent(_kernel_call(d, kernel, grid, blocks, extra, runtime))
-
-
-def _checks(lines: list[str]) -> str:
-    """The body of _NAME_check_options (templates/module.py.jinja): the launch
-    options' checks that need no launch, the same helpers the launch calls."""
-    return "\n".join(['_autotune_fill({"num_warps": num_warps, "num_stages": num_stages}, _sz, None, None, lookup=False)']
-                     + lines)
-
-
-def _given_blocks(wires: list[str]) -> list[str]:
-    """_b_<wire>: each block option given, checked; one not given is the
-    schedule's, as at the launch: a launch given any block or chunk takes no
-    cached blocks (_autotune_fill), and one given none has nothing to refuse."""
-    return [f'_b_{w} = _block_size(block_{w}, "{w}", "block_{w}")' for w in wires]
-
-
-def _fill_options(opts: list[str]) -> list[str]:
-    """Options left None take the tuned config cached for this shape bucket
-    (templates/autotune.py.jinja), else the schedule's defaults."""
-    pairs = ", ".join(f'"{o}": {o}' for o in opts)
-    return [f"_opts = _autotune_fill({{{pairs}}}, _sz, _dev, _cls)"]
-
-
-def _options(d: ir.Diagram, wires: list[str], extra=()) -> list[str]:
-    opts = [f"block_{w}" for w in wires] + ["num_warps", "num_stages"] + list(extra)
-    clash = sorted(set(opts) & {t.name for t in d.inputs})
-    if clash:
-        t = d.tensor(clash[0])
-        raise L.unsupported(f"input {t.name}", f"the launcher has an option named {t.name}", t.loc,
-                            "rename the input")
-    # every input and output is a kernel parameter of its own name, and the launches
-    # pass Triton's options (TRITON_LAUNCH): a tensor of that name would be given twice
-    # (an input named num_warps or num_stages is refused above, as a launcher option)
-    for t in (*d.inputs, *d.outputs):
-        if t.name in TRITON_LAUNCH:
-            kind, fix = ("input", "rename the input") if isinstance(t, ir.Input) else ("output", "rename the box")
-            raise L.unsupported(f"{kind} {t.name}", f"the kernel launch takes Triton's option {t.name}, and "
-                                f"each {kind} is a kernel parameter of its own name", d.tensor(t.name).loc, fix)
-    return opts
-
-
-# Every launch asks for floating-point fusion (a * b + c as one FMA: the folded
-# softmax exponent is one FFMA a score) instead of taking Triton's default,
-# which is on up to 3.9 and off from 3.10 (TRITON_DEFAULT_FP_FUSION).
-FP_FUSION = "enable_fp_fusion=True"
-
-# Triton's launch options napkin's launches pass (kernel[grid](..., num_warps=...)).
-TRITON_LAUNCH = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
 # --------------------------------------------------------------------------
@@ -465,14 +389,14 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     params += tma.params()
     params += ["_part", "_n_chunks", "_CHUNK: tl.constexpr"]  # chunks of the streamed wire (chunk_state)
     sizes = sizes + ["_n_chunks"]
-    opts = _options(d, [row, col], (T.OPTION,))
-    _refuse_clash(d, LAUNCH_OPTIONS)
+    opts = H.options(d, [row, col], (T.OPTION,))
+    H.refuse_clash(d, H.LAUNCH_OPTIONS)
     _, launch_width = chunk_state(plan, names, lambda w: _dim_block_value(names, w))
     # chunk= is no tuned option of the backward's kernels (nor in the torch op's schema), but the
     # forward's tuned config may set it (autotune.chunk_lengths)
-    checks = _given_blocks([row, col]) + [f'_tile_fits((_b_{row}, _b_{col}), ("block_{row}", "block_{col}"))',
+    checks = H.given_blocks([row, col]) + [f'_tile_fits((_b_{row}, _b_{col}), ("block_{row}", "block_{col}"))',
                                           f"_tma_check({T.OPTION})", f'_chunks(chunk, None, _b_{col}, _sz["{col}"])']
-    launch = _fill_options(opts + ["chunk"]) + P.launch_lines(plan, R.applies(plan)) + [
+    launch = H.fill_options(opts + ["chunk"]) + P.launch_lines(plan, R.applies(plan)) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
         f'_tile_fits((_br, _bc), ("block_{row}", "block_{col}"))',
@@ -512,10 +436,10 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         launch.append(R.launch(plan, "_rng", "_br", "_bc", False, False, *P.ranges_on(plan, R.WITHOUT_POSITIONS)))
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     extra = ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)', 'num_stages=_opts["num_stages"] or 2',
-             FP_FUSION]
+             H.FP_FUSION]
     # the kernel's positional arguments, worked out once: a chunked launch's merge takes a slice
     # of them (a decode step's launch is short enough for the host's time to show)
-    launch += ["_args = (\n    " + ",\n    ".join(_positional_args(d, names.runtime)) + ",\n)",
+    launch += ["_args = (\n    " + ",\n    ".join(H.positional_args(d, names.runtime)) + ",\n)",
                f"_meta = dict({', '.join(block_args + extra)})"]
     merged = {spec.var for spec in merge_loads(plan)}
     ctx = {
@@ -529,7 +453,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "tma_descs": tma.table(), "tma_col": _q(col),
         "init": "\n".join(init), "bounds": bounds, "ranges": R.render(plan),
         "live": "\n".join(live(names, plan, col)), "live_constant": LIVE_CONSTANT,
-        "finalise": finalise, "stores": stores, "launch": "\n".join(launch), "check_options": _checks(checks),
+        "finalise": finalise, "stores": stores, "launch": "\n".join(launch), "check_options": H.option_checks(checks),
         "chunk": L.chunk_of(d), "chunk_bounds": "\n".join(chunk_bounds(segs)),
         **P.context(plan, saved),
         "chunk_store": "\n".join(chunk_store(plan, names)), "chunk_merge": "\n".join(chunk_merge(plan, names)),
@@ -537,12 +461,12 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
                         if spec.var in merged],
         "save_finalise": save_finalise, "save_stores": save_stores,
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]
-                                     + [f"{o}=None" for o in LAUNCH_OPTIONS]),
+                                     + [f"{o}=None" for o in H.LAUNCH_OPTIONS]),
         "options": opts,
         "positional": _tuple(_q(w) for w in (row, col)), "global_dims": _global_dims(d, (row, col)),
         "bind_free": ", free=_global_dims(positions)",
-        "local_args": "".join(f", {o}" for o in LAUNCH_OPTIONS),
-        "local_params": "".join(f", {o}=None" for o in LAUNCH_OPTIONS),
+        "local_args": "".join(f", {o}" for o in H.LAUNCH_OPTIONS),
+        "local_params": "".join(f", {o}=None" for o in H.LAUNCH_OPTIONS),
     }
     # the merge kernel takes what its body reads (chunks.merge_launch), rendered from the template
     keywords = dict(arg.split("=", 1) for arg in block_args if not arg.startswith("**"))
@@ -552,7 +476,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     ctx["merge_params"], merge = merge_launch(f"_{d.name}_merge", str(body), params, positional, keywords, extra)
     ctx["merge_no_specialize"] = ", ".join(f'"{s}"' for s in sizes if s in ctx["merge_params"])
     ctx["launch"] += (f"\nif math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
-                      "    if _chunk:  # the chunks' states, merged into the outputs\n" + _indent(merge, 8))
+                      "    if _chunk:  # the chunks' states, merged into the outputs\n" + H.indent(merge, 8))
     return ctx
 
 
@@ -581,27 +505,6 @@ def _wire_ctx(names: _Names, w: str) -> dict:
     return {"wire": w, "offs": f"_offs_{w}", "ok": f"_ok_{w}", "block": names.block(w), "size": names.size(w),
             "exact": names.exact(w), "idx": f"_idx_{w}", "gok": f"_gok_{w}", "pos": f"_pos_{w}",
             "len": f"_len_{w}", "flag": f"_POS_{w}"}
-
-
-# Launcher options of attention kernels beyond the tuned ones (block sizes,
-# warps, stages and tma: codegen/tma.py): rows at global positions, global
-# lengths, the float outputs' dtype (templates/attention.py.jinja).
-POSITION_OPTIONS = ("positions", "lengths", "out_dtype")
-# chunk=: the length of the streamed wire's chunk each program streams (chunks(), below)
-LAUNCH_OPTIONS = POSITION_OPTIONS + ("chunk",)
-
-
-def _refuse_clash(d: ir.Diagram, options) -> None:
-    """An input or output named like a launcher option: an input would be a
-    duplicate parameter, an output's buffer replaces the option's value in
-    the launcher (an output 'chunk' made every call fail)."""
-    # (the launcher keeps positions=, lengths= and out_dtype= apart from outputs of those names)
-    clash = sorted(set(options) & ({t.name for t in d.inputs} | ({o.name for o in d.outputs} & {"chunk"})))
-    if clash:
-        t = d.tensor(clash[0])
-        what = "input" if isinstance(t, ir.Input) else "output"
-        raise L.unsupported(f"{what} {t.name}", f"the launcher has an option named {t.name}", t.loc,
-                            f"rename the {what}")
 
 
 def _global_dims(d: ir.Diagram, positional) -> str:
@@ -667,8 +570,8 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
     finalise, stores = _finalise(d, names, plan.outputs, kinds, {})
     blocks_list = [names.block(w) for w in (row, col, red)] + ["_INT64"]
     params, sizes = _params(d, names, blocks_list)
-    opts = _options(d, [row, col, red])
-    launch = _fill_options(opts) + [
+    opts = H.options(d, [row, col, red])
+    launch = H.fill_options(opts) + [
               f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
               f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
               f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
@@ -680,9 +583,9 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
               + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + "))"]
     block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk",
                   f"_INT64=_int64_offsets({', '.join([t.name for t in d.inputs] + [o.name for o in d.outputs])})"]
-    launch.append(_launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
+    launch.append(H.launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4)',
-                                'num_stages=_opts["num_stages"] or 2', FP_FUSION]))
+                                'num_stages=_opts["num_stages"] or 2', H.FP_FUSION]))
     return {
         "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch),
@@ -691,7 +594,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "step_loads": [_load(d, names, ld) for ld in (plan.lhs, plan.rhs)],
         "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
         "step": step, "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
-        "check_options": _checks(_given_blocks([row, col, red]) + [
+        "check_options": H.option_checks(H.given_blocks([row, col, red]) + [
             f'_tile_fits((_b_{x}, _b_{y}), ("block_{x}", "block_{y}"))' for x, y in ((row, col), (row, red), (red, col))]),
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]),
         "options": opts,

@@ -1,0 +1,111 @@
+"""The host side of a kernel launch, as source: the call itself (tensors,
+sizes and strides in the kernels' order), the launcher's options, the
+tuned-config lookup that fills them, and the checks of those options that the
+torch op's fakes run without a launch (templates/module.py.jinja).  Shared by
+the forward's emitter (emit.py) and the backward's (backward_emit.py)."""
+from __future__ import annotations
+
+from .. import ir
+from . import lower as L
+
+
+def size_wires(d: ir.Diagram, runtime=frozenset()) -> list[str]:
+    """The wires whose sizes a kernel takes as arguments: the symbolic ones,
+    and ``runtime`` (_Names.runtime)."""
+    return [w.name for w in d.wires if w.size is None or w.name in runtime]
+
+
+def positional_args(d, runtime=frozenset()) -> list[str]:
+    """A kernel's positional arguments, a line each: tensors, sizes, then each tensor's wire strides."""
+    tensors = [t.name for t in d.inputs] + [o.name for o in d.outputs]
+    sizes = [f'_sz["{w}"]' for w in size_wires(d, runtime)]
+    strides = [f'*_wire_strides({t}, "{t}", _sz)' for t in tensors]
+    return [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides
+
+
+def kernel_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str], runtime=frozenset()) -> str:
+    """``kernel[grid](tensors, sizes, strides, blocks..., extra...)``, unindented."""
+    body = ",\n    ".join(positional_args(d, runtime) + [", ".join(blocks + extra)])
+    return f"{kernel}[{grid}](\n    {body},\n)"
+
+
+def indent(text: str, n: int = 4) -> str:
+    """Each line of ``text`` indented by n spaces (a launch placed in a block)."""
+    return "\n".join(" " * n + line for line in text.split("\n"))
+
+
+def launch_call(d, kernel: str, grid: str, blocks: list[str], extra: list[str], runtime=frozenset()) -> str:
+    """The launch, skipped when the grid is empty."""
+    return "if math.prod(_grid) > 0:\n" + indent(kernel_call(d, kernel, grid, blocks, extra, runtime))
+
+
+def option_checks(lines: list[str]) -> str:
+    """The body of _NAME_check_options (templates/module.py.jinja): the launch
+    options' checks that need no launch, the same helpers the launch calls."""
+    return "\n".join(['_autotune_fill({"num_warps": num_warps, "num_stages": num_stages}, _sz, None, None, lookup=False)']
+                     + lines)
+
+
+def given_blocks(wires: list[str]) -> list[str]:
+    """_b_<wire>: each block option given, checked; one not given is the
+    schedule's, as at the launch: a launch given any block or chunk takes no
+    cached blocks (_autotune_fill), and one given none has nothing to refuse."""
+    return [f'_b_{w} = _block_size(block_{w}, "{w}", "block_{w}")' for w in wires]
+
+
+def fill_options(opts: list[str]) -> list[str]:
+    """Options left None take the tuned config cached for this shape bucket
+    (templates/autotune.py.jinja), else the schedule's defaults."""
+    pairs = ", ".join(f'"{o}": {o}' for o in opts)
+    return [f"_opts = _autotune_fill({{{pairs}}}, _sz, _dev, _cls)"]
+
+
+def options(d: ir.Diagram, wires: list[str], extra=()) -> list[str]:
+    """The tuned options of a launcher with a block along each of ``wires``
+    (and ``extra``), refused where an input or output takes one's name."""
+    opts = [f"block_{w}" for w in wires] + ["num_warps", "num_stages"] + list(extra)
+    clash = sorted(set(opts) & {t.name for t in d.inputs})
+    if clash:
+        t = d.tensor(clash[0])
+        raise L.unsupported(f"input {t.name}", f"the launcher has an option named {t.name}", t.loc,
+                            "rename the input")
+    # every input and output is a kernel parameter of its own name, and the launches
+    # pass Triton's options (TRITON_LAUNCH): a tensor of that name would be given twice
+    # (an input named num_warps or num_stages is refused above, as a launcher option)
+    for t in (*d.inputs, *d.outputs):
+        if t.name in TRITON_LAUNCH:
+            kind, fix = ("input", "rename the input") if isinstance(t, ir.Input) else ("output", "rename the box")
+            raise L.unsupported(f"{kind} {t.name}", f"the kernel launch takes Triton's option {t.name}, and "
+                                f"each {kind} is a kernel parameter of its own name", d.tensor(t.name).loc, fix)
+    return opts
+
+
+# Every launch asks for floating-point fusion (a * b + c as one FMA: the folded
+# softmax exponent is one FFMA a score) instead of taking Triton's default,
+# which is on up to 3.9 and off from 3.10 (TRITON_DEFAULT_FP_FUSION).
+FP_FUSION = "enable_fp_fusion=True"
+
+# Triton's launch options napkin's launches pass (kernel[grid](..., num_warps=...)).
+TRITON_LAUNCH = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+# Launcher options of attention kernels beyond the tuned ones (block sizes,
+# warps, stages and tma: codegen/tma.py): rows at global positions, global
+# lengths, the float outputs' dtype (templates/attention.py.jinja).
+POSITION_OPTIONS = ("positions", "lengths", "out_dtype")
+# chunk=: the length of the streamed wire's chunk each program streams (_chunks in
+# templates/attention.py.jinja)
+LAUNCH_OPTIONS = POSITION_OPTIONS + ("chunk",)
+
+
+def refuse_clash(d: ir.Diagram, names) -> None:
+    """An input or output named like a launcher option: an input would be a
+    duplicate parameter, an output's buffer replaces the option's value in
+    the launcher (an output 'chunk' made every call fail)."""
+    # (the launcher keeps positions=, lengths= and out_dtype= apart from outputs of those names)
+    clash = sorted(set(names) & ({t.name for t in d.inputs} | ({o.name for o in d.outputs} & {"chunk"})))
+    if clash:
+        t = d.tensor(clash[0])
+        what = "input" if isinstance(t, ir.Input) else "output"
+        raise L.unsupported(f"{what} {t.name}", f"the launcher has an option named {t.name}", t.loc,
+                            f"rename the {what}")
