@@ -485,7 +485,24 @@ class _Checker:
                 else:
                     held[name] = level
         self.check_mesh(seen)
+        self.check_nesting(s.levels)
         return len(self.errors) == before
+
+    def check_nesting(self, levels) -> None:
+        """A block at an inner level is part of the enclosing level's block of
+        the same wire, so no larger (regs' 256 rows inside smem's 128 gave the
+        cost pass a register tile no program has, and more traffic into smem
+        than out of it)."""
+        outer: dict[str, tuple[int, str]] = {}
+        for level in levels:
+            blocks = [t for t in level.tiles if not t.across and t.wire in self.wire_names]
+            for t in blocks:
+                if t.wire in outer and t.size > outer[t.wire][0]:
+                    size, name = outer[t.wire]
+                    self.err(f"'{t.kind} {t.wire} by {t.size}' in level {level.name} is larger than level {name}'s "
+                             f"block of {t.wire} ({size}): each {level.name} block is part of a {name} block",
+                             t.loc, f"use a block of at most {size}, or a larger one in level {name}")
+            outer.update((t.wire, (t.size, level.name)) for t in blocks)
 
     def check_mesh(self, seen: dict[str, ir.Level]) -> None:
         """A wire split at both mesh levels (nodes, then the devices of a

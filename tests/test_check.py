@@ -621,6 +621,19 @@ def test_level_footprint_of_flash_attention():
     assert hbm == {"Q": 2 * 10 * 64, "K": 2 * 20 * 64, "V": 2 * 20 * 64, "O": 2 * 10 * 64, "lse": 20}
 
 
+def test_an_inner_levels_block_is_no_larger_than_the_enclosing_one():
+    """regs' group q by 256 inside smem's q by 128 checked clean, and the cost pass then costed a
+    256-row register tile no program has (more bytes into smem than out of it: costpaper hunt)."""
+    text = HEAD + ATTENTION + ("schedule { level smem { group q by 128\n stream x by 64 }\n"
+                               "level regs { group q by 256\n stream x by 64 } }\n")
+    d = one(text)
+    assert d.message == ("'group q by 256' in level regs is larger than level smem's block of q (128): "
+                         "each regs block is part of a smem block")
+    assert where(d) == pos(text, "q by 256")
+    assert d.hint == "use a block of at most 128, or a larger one in level smem"
+    assert errors(text.replace("q by 256", "q by 64").replace("x by 64 } }", "x by 16 } }")) == []
+
+
 def test_home_levels():
     d = napkin.load(Path(__file__).resolve().parent.parent / "examples" / "matmul.ncd")
     assert tiling.home_level(d, "A") == "hbm"

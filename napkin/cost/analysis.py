@@ -576,24 +576,24 @@ def _lower_bound(c: _Context, totals: list[BoundaryTotal]) -> LowerBound:
     compulsory = Poly()
     for t in list(c.d.inputs) + [c.d.tensor(o.name) for o in c.d.outputs]:
         compulsory = compulsory + _sym(ir.axis_wires(t.axes), share)
-    formula = bounds_mod.bound_formula(shape, share, compulsory)
     if not (c.known and cap_bytes):
-        return LowerBound(shape.kind, formula, chip, cap_bytes, eb, None, None, None, None)
+        return LowerBound(shape.kind, bounds_mod.bound_formula(shape, share, compulsory), chip, cap_bytes, eb,
+                          None, None, None, None)
     local = {w: _device_extent(c.d, c.full, w) for w in c.full}
-    elements, reread = bounds_mod.bound_elements(shape, local, cap_bytes / eb,
-                                                 compulsory_elements(c.d, local))
     # No schedule moves less than every input once and every output once: the
     # formula, which assumes a program can hold rows it does not have (a
     # single query, a matmul's one output row), can fall below that.
     floor = compulsory_bytes(c.d, local)
-    # the compulsory kind is that traffic itself, each tensor in its own dtype (elements times
-    # one size fell below it where V, O were fp32 beside fp16 Q, K)
-    formula_bytes = float(floor) if shape.kind == "compulsory" else elements * eb
-    bound = float(max(formula_bytes, floor))   # a float either way (the floor is an int): JSON keeps its type
+    if shape.kind == "compulsory":   # that traffic itself, each tensor in its own dtype
+        taken = bounds_mod.Bound(float(floor), 0.0, "compulsory")
+    else:
+        taken = bounds_mod.bound_bytes(shape, local, cap_bytes)
+    formula = bounds_mod.bound_formula(shape, share, compulsory, taken.form)
+    bound = float(max(taken.bytes, floor))   # a float either way (the floor is an int): JSON keeps its type
     hbm = totals[0].load_bytes + totals[0].store_bytes if totals else None
     ratio = round(hbm / bound, 6) if hbm is not None and bound else None
-    return LowerBound(shape.kind, formula, chip, cap_bytes, eb, bound / eb, bound, reread * eb, ratio,
-                      formula_bytes, float(floor))
+    return LowerBound(taken.form, formula, chip, cap_bytes, eb, bound / eb, bound, taken.reread_bytes, ratio,
+                      taken.bytes, float(floor))
 
 
 def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> Optional[Roofline]:
@@ -630,11 +630,3 @@ def compulsory_bytes(diagram: ir.Diagram, sizes: dict[str, int]) -> int:
     tensors = list(diagram.inputs) + [diagram.tensor(o.name) for o in diagram.outputs]
     return sum(math.prod(sizes[w] for w in ir.axis_wires(t.axes))
                * ir.DTYPE_BYTES[tiling.tensor_dtype(diagram, t.name)] for t in tensors)
-
-
-def compulsory_elements(diagram: ir.Diagram, sizes: dict[str, int]) -> int:
-    """Every input read once and every output written once."""
-    total = sum(math.prod(sizes[w] for w in ir.axis_wires(t.axes)) for t in diagram.inputs)
-    total += sum(math.prod(sizes[w] for w in ir.axis_wires(diagram.tensor(o.name).axes))
-                 for o in diagram.outputs)
-    return total

@@ -10,13 +10,21 @@ The general form is H* = sum_t alpha_t * M^(-beta_t) (background section 1):
   which is 2qd + 4xqd^2/M per head when dv = d.  The last term is the K and V
   re-reads: a program holding g query rows (its Q tile and O accumulator,
   g*(d + dv) <= M) reads all x*(d + dv) keys and values once per g rows.
+  An attention-shaped diagram may also run as two matmuls with the scores
+  written out between them (naive attention, or a chain C = A B, E = C D
+  whose inner wires are wide): that moves less than the fused form once
+  (d + dv)^2 outgrows about 2M, so the bound is the smaller of the two
+  (kind "two matmuls": each matmul's form, or its own compulsory traffic
+  where that is larger, the scores counted in their box's dtype).
 * anything else: the compulsory traffic, every input read and output written
   once (no reuse bound is known to napkin for it).
 
-The bound is in elements of the operands; bytes multiply by the operands'
-element size, with M = capacity in bytes / element size.  That is where the
+The re-read terms are in elements of the operands: M = capacity in bytes /
+element size, and their bytes multiply by that size.  That is where the
 q^(1 + beta) effect comes from: halving the element size halves the bytes of
-each element moved and doubles how many fit.
+each element moved and doubles how many fit.  The fixed terms (a matmul's
+output, attention's Q and O) are each counted in its own tensor's dtype: an
+fp16 output of fp32 operands is written at 2 bytes.
 """
 from __future__ import annotations
 
@@ -38,6 +46,18 @@ class BoundShape:
     cols: tuple[str, ...] = ()      # c (matmul) / x (attention)
     value: tuple[str, ...] = ()     # dv (attention)
     dtype: str = "fp16"             # the operands' element type
+    # the fixed terms' dtypes: a matmul's output; attention's Q and O (then its scores', for the
+    # two-matmul form)
+    fixed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A bound's value at known sizes: bytes, its re-read term in bytes, and
+    the form taken (the shape's kind, or "two matmuls")."""
+    bytes: float
+    reread_bytes: float
+    form: str
 
 
 def _contractions(diagram: ir.Diagram):
@@ -86,20 +106,21 @@ def bound_shape(diagram: ir.Diagram) -> BoundShape:
         batch = (wa & wb) - k
         return BoundShape("matmul", _ordered(diagram, batch), _ordered(diagram, wa - batch - k),
                           _ordered(diagram, k), _ordered(diagram, wb - batch - k),
-                          dtype=_operand_dtype(diagram, (a, b)))
+                          dtype=_operand_dtype(diagram, (a, b)),
+                          fixed=(tiling.tensor_dtype(diagram, cons[0][0].name),))
     if len(cons) >= 2:
         # the score's contraction, then the value's: a contraction of a score function with
         # a tensor the score does not feed.  Row sums of the scores alone (L2's sum[x](S * S))
         # move no value and are left out; two different value tensors keep the compulsory bound.
         (let1, n1, (a, b)) = cons[0]
         values = []
-        for _, node, (p, v) in cons[1:]:
+        for let2, node, (p, v) in cons[1:]:
             if not _feeds(diagram, let1, p):
                 p, v = v, p
             if _feeds(diagram, let1, p) and not _feeds(diagram, let1, v):
-                values.append((node, p, v))
-        names = {r.name for _, _, v in values for r in ir.walk(v) if isinstance(r, ir.TensorRef)}
-        (n2, p, v) = values[0] if values and len(names) == 1 else (None, None, None)
+                values.append((let2, node, p, v))
+        names = {r.name for _, _, _, v in values for r in ir.walk(v) if isinstance(r, ir.TensorRef)}
+        (let2, n2, p, v) = values[0] if values and len(names) == 1 else (None, None, None, None)
         if n2 is not None:
             xs = set(n2.wires)
             wa, wb, wv = node_wires(diagram, a), node_wires(diagram, b), node_wires(diagram, v)
@@ -109,7 +130,9 @@ def bound_shape(diagram: ir.Diagram) -> BoundShape:
             batch = (wa & wb) - ds
             return BoundShape("attention", _ordered(diagram, batch), _ordered(diagram, wa - batch - ds),
                               _ordered(diagram, ds), _ordered(diagram, xs),
-                              _ordered(diagram, wv - batch - xs), dtype=_operand_dtype(diagram, (a, b, v)))
+                              _ordered(diagram, wv - batch - xs), dtype=_operand_dtype(diagram, (a, b, v)),
+                              fixed=(_operand_dtype(diagram, (a,)), tiling.tensor_dtype(diagram, let2.name),
+                                     tiling.tensor_dtype(diagram, let1.name)))
     return BoundShape("compulsory", dtype=_operand_dtype(diagram, [let.expr for let in diagram.lets]))
 
 
@@ -130,7 +153,13 @@ def _sym(wires, wire_sym) -> Poly:
     return p
 
 
-def bound_formula(shape: BoundShape, wire_sym, compulsory: Poly) -> str:
+def bound_formula(shape: BoundShape, wire_sym, compulsory: Poly, form: str = "") -> str:
+    """The bound's formula in elements, M the capacity in elements; ``form``
+    "two matmuls" for that form of an attention shape (Bound.form)."""
+    if form == "two matmuls":
+        b, r, d, x, dv = (_sym(w, wire_sym) for w in
+                          (shape.batch, shape.rows, shape.inner, shape.cols, shape.value))
+        return f"{b * r * d * x * 2}/sqrt(M) + {b * r * x} + {b * r * x * dv * 2}/sqrt(M) + {b * r * dv}"
     if shape.kind == "matmul":
         b, a, k, c = (_sym(w, wire_sym) for w in (shape.batch, shape.rows, shape.inner, shape.cols))
         return f"{b * a * k * c * 2}/sqrt(M) + {b * a * c}"
@@ -142,16 +171,26 @@ def bound_formula(shape: BoundShape, wire_sym, compulsory: Poly) -> str:
     return str(compulsory)
 
 
-def bound_elements(shape: BoundShape, sizes: dict[str, int], m: float,
-                   compulsory: Optional[int]) -> tuple[float, float]:
-    """(bound in elements, its capacity-dependent re-read term)."""
+def bound_bytes(shape: BoundShape, sizes: dict[str, int], capacity_bytes: float) -> Bound:
+    """The bound in bytes at these sizes and on-chip capacity (not the
+    compulsory kind's: that is the compulsory traffic itself, analysis.py's)."""
+    eb = ir.DTYPE_BYTES[shape.dtype]
+    m = capacity_bytes / eb
+    size = {k: _prod(sizes, getattr(shape, k)) for k in ("batch", "rows", "inner", "cols", "value")}
+    b, r, d, x, dv = (size[k] for k in ("batch", "rows", "inner", "cols", "value"))
+    width = [ir.DTYPE_BYTES[t] for t in shape.fixed]
     if shape.kind == "matmul":
-        b, a, k, c = (_prod(sizes, w) for w in (shape.batch, shape.rows, shape.inner, shape.cols))
-        reread = b * 2 * a * k * c / math.sqrt(m)
-        return reread + b * a * c, reread
-    if shape.kind == "attention":
-        b, r, d, x, dv = (_prod(sizes, w) for w in
-                          (shape.batch, shape.rows, shape.inner, shape.cols, shape.value))
-        reread = b * x * r * (d + dv) ** 2 / m
-        return b * r * (d + dv) + reread, reread
-    return float(compulsory or 0), 0.0
+        reread = b * 2 * r * d * x / math.sqrt(m) * eb
+        return Bound(reread + b * r * x * width[0], reread, "matmul")
+    reread = b * x * r * (d + dv) ** 2 / m * eb
+    fused = Bound(b * r * (d * width[0] + dv * width[1]) + reread, reread, "attention")
+    # two matmuls, S = Q K then O = S V, the scores written and read back: each at least its
+    # own compulsory traffic (the sqrt form assumes more rows than one matmul may have)
+    first = max(2 * r * d * x / math.sqrt(m) * eb + r * x * width[2],
+                r * d * width[0] + x * d * eb + r * x * width[2])
+    second = max(2 * r * x * dv / math.sqrt(m) * eb + r * dv * width[1],
+                 r * x * width[2] + x * dv * eb + r * dv * width[1])
+    unfused = b * (first + second)
+    if unfused >= fused.bytes:
+        return fused
+    return Bound(unfused, b * 2 * r * x * (d + dv) / math.sqrt(m) * eb, "two matmuls")
