@@ -93,7 +93,7 @@ class Roofline:
 
 @dataclass(frozen=True)
 class LowerBound:
-    kind: str                # "attention", "matmul", "compulsory"
+    kind: str                # "attention", "two matmuls" (its unfused form), "matmul", "compulsory"
     formula: str             # in elements, M = capacity in elements
     capacity_level: str
     capacity_bytes: Optional[int]
