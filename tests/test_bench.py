@@ -499,7 +499,11 @@ def test_runtime_snippet_reads_what_the_writer_stored(tmp_path, monkeypatch):
     assert ns["_autotune_lookup"](_sizes(1100), "cpu", T16) is None
     filled = ns["_autotune_fill"]({"block_q": None, "block_x": 16, "num_warps": None, "num_stages": None},
                                   _sizes(1000), "cpu", T16)
-    assert filled == {"block_q": 64, "block_x": 16, "num_warps": 4, "num_stages": 2}   # explicit wins
+    # explicit wins; a block given sets the cached blocks aside (tuned with each other), not its warps
+    assert filled == {"block_q": None, "block_x": 16, "num_warps": 4, "num_stages": 2}
+    filled = ns["_autotune_fill"]({"block_q": None, "block_x": None, "num_warps": 8, "num_stages": None},
+                                  _sizes(1000), "cpu", T16)
+    assert filled == {"block_q": 64, "block_x": 32, "num_warps": 8, "num_stages": 2}
 
 
 def test_autotune_keeps_the_fastest_skips_failures_and_caches(tmp_path):
@@ -1006,8 +1010,11 @@ def test_check_sizes_shrink_only_when_the_reference_would_not_fit():
     small = {"b": 2, "h": 4, "q": 1024, "x": 1024}
     assert checks.check_sizes(d, roles, small) == small
     big = checks.check_sizes(d, roles, {"b": 8, "h": 16, "q": 16384, "x": 16384})
-    assert big == {"b": 1, "h": 1, "q": 8192, "x": 8192}
+    assert big == {"b": 2, "h": 2, "q": 4096, "x": 4096}   # two of each: batch and head offsets checked
     assert reference.reference_elements(d, big) <= checks.CHECK_ELEMENTS
+    # a short length is never raised to 128 (q=64 was checked at 128)
+    decode = checks.check_sizes(d, roles, {"b": 1, "h": 16, "q": 64, "x": 1 << 20})
+    assert decode == {"b": 1, "h": 2, "q": 64, "x": 1 << 19}
 
 
 def test_variant_rewrites_dtypes_and_head_dim():
@@ -2101,6 +2108,51 @@ def test_causal_flops_are_halved_only_where_queries_and_keys_are_as_many(tmp_pat
     kept = sum(1 for i in range(32) for j in range(64) if j <= i) / (32 * 64)
     dense = 2.0 * s["batch"] * s["heads"] * 32 * 64 * (s["dim"] + s["value_dim"])
     assert row["visible"] == pytest.approx(kept) and row["flops"]["fwd"] == pytest.approx(dense * kept)
+    # the SDPA speed reference runs top-left is_causal: the same pairs, not half the square (it read
+    # 2x too fast; benchcpu hunt)
+    assert results.top_left_causal(32, 64) == pytest.approx(kept)
+    assert results.top_left_causal(64, 32) == pytest.approx(sum(1 for i in range(64) for j in range(32) if j <= i)
+                                                            / (64 * 32))
+    for r in row["results"]:
+        if r["impl"].startswith("sdpa") and r.get("ms"):
+            assert r["tflops"] == pytest.approx(dense * kept / (r["ms"] * 1e-3) / 1e12, rel=1e-6)
+    md = next(tmp_path.glob("cpu-*.md")).read_text()
+    assert "| 32 x 64 | 16 |" in md      # the key length shown beside the queries'
+
+
+def test_a_where_minus_inf_that_the_softmax_never_sees_is_no_mask():
+    """4 * tanh(where(x <= q, s, -inf) / 4) scores a masked key -4: every pair is kept, as napkin's
+    kernels and Flex compute it, but the row was called causal, its FLOPs halved and the SDPA speed
+    reference run causal (benchcpu hunt).  The mask is the one the kernels skip by."""
+    text = (EXAMPLES / "attention.ncd").read_text().replace(
+        "sum[d](Q * K) * |d|^-0.5", "4 * tanh(where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf) / 4)")
+    d = _fp32(text)
+    shape = flex.attention_shape(d, SIZES)
+    assert not shape["causal"] and not shape["causal_part"]
+    causal = flex.attention_shape(_fp32((EXAMPLES / "attention.ncd").read_text().replace(
+        "sum[d](Q * K) * |d|^-0.5", "4 * tanh(sum[d](Q * K) * |d|^-0.5 / 4) + where(x <= q, 0, -inf)")), SIZES)
+    assert causal["causal"] and causal["causal_part"]
+
+
+def test_non_finite_errors_are_written_as_json_null(tmp_path):
+    """An error of inf (a NaN output) was written as Infinity, which strict JSON readers refuse."""
+    assert results.finite({"a": [1.0, math.inf, {"b": -math.inf, "c": math.nan}], "d": "x"}) == \
+        {"a": [1.0, None, {"b": None, "c": None}], "d": "x"}
+
+
+def test_head_dim_sets_a_symbolic_head_dim_too():
+    """--head-dim was dropped where d is symbolic: the run refused ("no size for wire d"), and
+    --head-dim 16,64 -D d=32 gave two rows both at 32; |d|^-0.5 stayed in Flex's score_mod."""
+    text = (EXAMPLES / "attention.ncd").read_text().replace("wire d = 64", "wire d")
+    d = napkin.load_text(text, "symd.ncd")
+    v, vtext = harness.variant(d, text, "float16", 32)
+    assert v.wire("d").size == 32 and napkin.load_text(vtext) == v
+    assert flex.emit(v).scale == pytest.approx(32 ** -0.5)
+    with pytest.raises(NapkinError, match=r"--size d=16: wire d of diagram attention is fixed at 32"):
+        harness.check_extra_sizes(v, {"d": 16}, "symd.ncd")
+    with pytest.raises(NapkinError, match=r"no size for wire d; pass --size d=N \(or --head-dim N\)"):
+        harness.point_sizes(d, flex.attention_roles(d), {"seqlens": [64], "batch": [1], "heads": [1], "group": 4,
+                                                         "extra": {}, "preset": harness.PRESETS["smoke"]})
 
 
 def test_an_output_of_another_shape_is_not_close():

@@ -211,6 +211,31 @@ def test_mqa_is_gqa_with_one_kv_head():
     assert torch.allclose(o.double(), expect, atol=1e-5)
 
 
+def test_without_a_schedule_the_row_wire_is_the_query_not_a_flattened_head():
+    """Q[b, q, (hk g), d] with no schedule blocked g, its last own wire: one program per query,
+    K and V read once per query (trainmix hunt).  The query wire is an axis by itself, and the one
+    the mask reads as an index."""
+    text = """diagram rw
+wire b, hk, g, q, x
+wire d = 32
+in Q[b, q, (hk g), d] : fp16
+in K[b, x, hk, d] : fp16
+in V[b, x, hk, d] : fp16
+S[b, hk, g, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)
+O[b, q, (hk g), d] : fp16 = sum[x](softmax[x](S) * V)
+out O
+"""
+    m = compile_text(text, "rowwire")
+    assert set(m._BLOCKS) == {"q", "x"}
+    sizes = {"b": 1, "hk": 2, "g": 2, "q": 37, "x": 37}
+    q, k, v = m.example_inputs(sizes, dtype=torch.float32)
+    o = run(m, (q, k, v), block_q=16, block_x=16)[0]
+    qh = q.double().permute(0, 2, 1, 3)                                   # (b, hk*g, q, d)
+    kh, vh = (t.double().permute(0, 2, 1, 3) for t in (k, v))
+    expect = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True).permute(0, 2, 1, 3)
+    assert (o.double() - expect).abs().max() < 1e-5
+
+
 def test_non_contiguous_inputs_use_their_strides():
     m = example("causal")
     q = torch.randn(1, 45, 2, 64).transpose(1, 2)             # (b, h, q, d) view of (b, q, h, d)

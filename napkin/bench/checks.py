@@ -32,18 +32,20 @@ UPSTREAM_SEED = 11              # the backward check's dO, drawn on the CPU in f
 
 def check_sizes(diagram, roles, sizes: dict[str, int]) -> dict[str, int]:
     """The sizes the reference can afford: the real ones when its biggest box
-    fits CHECK_ELEMENTS, else batch 1 and one (kv) head, then both lengths
-    halved until it fits (not below 128)."""
+    fits CHECK_ELEMENTS, else at most two batches and two (kv) heads (so that
+    a kernel's batch and head offsets are still checked: at one of each, a
+    dK wrong on every head but the first passed), then both lengths halved
+    until it fits (none below 128, or below its own length)."""
     if reference.reference_elements(diagram, sizes) <= CHECK_ELEMENTS:
         return dict(sizes)
     small = dict(sizes)
     for w in (roles.batch, roles.kv_head):
         if w in small:
-            small[w] = 1
-    while reference.reference_elements(diagram, small) > CHECK_ELEMENTS and \
-            max(small[roles.row], small[roles.key]) > 128:
-        small[roles.row] = max(128, small[roles.row] // 2)
-        small[roles.key] = max(128, small[roles.key] // 2)
+            small[w] = min(small[w], 2)
+    lengths = (roles.row, roles.key)
+    while reference.reference_elements(diagram, small) > CHECK_ELEMENTS and max(small[w] for w in lengths) > 128:
+        for w in lengths:
+            small[w] = min(small[w], max(128, small[w] // 2))
     return small
 
 

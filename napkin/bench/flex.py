@@ -325,11 +325,7 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
     Q, K and V.  ``sizes`` binds the symbolic wires."""
     an = Analysis(diagram)
     roles = an.loose()
-    # every where(p, ..., -inf) is a mask, however nested or added (the
-    # outermost alone called where(x <= q, where(q - x < 4, s, -inf), -inf)
-    # causal, and counted a window's FLOPs as half the square)
-    preds = [masks.mask_predicate(n) for e in an.exprs for n in ir.walk(e) if masks.is_mask(n)]
-    causal, causal_part = _causal_flags(preds, roles)    # (each output repeats the mask; conjuncts once)
+    causal, causal_part = _causal_flags(_kept_pairs(diagram), roles)
     full = {w.name: w.size for w in diagram.wires if w.size is not None}
     full.update(sizes)
     heads = math.prod(full[w] for w in roles.head) if roles.head else 1
@@ -340,6 +336,21 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
             # FLOPs are halved only for exactly causal masks (the usual convention)
             "causal": causal, "causal_part": causal_part,
             "operands": [an.q.name, an.k.name, an.value.name]}
+
+
+def _kept_pairs(diagram: ir.Diagram) -> list:
+    """The mask as the kernels take it: the predicate of the (query, key)
+    pairs they compute, [] for all (the code generator's, which finds every
+    where(p, ..., -inf), nested or added, whose masked scores add nothing to
+    the output).  Every where(..., -inf) node was once taken for a mask:
+    4 * tanh(where(x <= q, s, -inf) / 4) scores a masked key -4 and keeps it,
+    yet its row was called causal, its FLOPs halved and its SDPA speed
+    reference run causal."""
+    from ..codegen import lower
+
+    plan = lower.lower(diagram)
+    skip = getattr(plan, "skip", None)
+    return [masks._without_not(skip)] if skip is not None else []
 
 
 def _to_flex(name: str, axes, roles: Roles, last: str, kv: bool) -> str:

@@ -11,8 +11,8 @@ then for every (batch, heads, length) point:
 2. checks napkin and every baseline that computes the same function against
    the float64 reference *before* timing anything, forward and backward
    (checks.py); an implementation that fails is reported, not timed.  The reference materialises the q x x
-   scores, so when they would exceed CHECK_ELEMENTS the check runs at batch
-   1, one (kv) head and shorter lengths; at the full size napkin's outputs
+   scores, so when they would exceed CHECK_ELEMENTS the check runs at
+   two batches and two (kv) heads at most and shorter lengths; at the full size napkin's outputs
    are then compared with FlexAttention's, which costs nothing extra (the
    warm-up calls produce both);
 3. times forward and backward: on CUDA with triton.testing.do_bench (median
@@ -99,8 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seqlen", metavar="N,...", help="sequence lengths, e.g. 1K,4K,16K")
     p.add_argument("--batch", metavar="N,...", help="batch sizes (default: preset)")
     p.add_argument("--heads", metavar="N,...", help="query heads (default: preset)")
-    p.add_argument("--head-dim", metavar="N,...", help="override the diagram's fixed head dims (the score's "
-                   "contracted wire and V's feature wire)")
+    p.add_argument("--head-dim", metavar="N,...", help="set the diagram's head dims, fixed or symbolic (the "
+                   "score's contracted wire and V's feature wire)")
     p.add_argument("--dtype", metavar="T,...", help="float16, bfloat16, float32 for the fp16/bf16 tensors")
     p.add_argument("--group", type=positive_int, help="query heads per kv head for GQA diagrams")
     p.add_argument("--size", "-D", action="append", default=[], metavar="WIRE=N", help="any other symbolic wire")
@@ -202,6 +202,9 @@ def run(args, prog: str) -> int:
             "group": args.group or preset["group"], "extra": parse_pairs(args.size, "--size"), "preset": preset}
     reps = args.reps or preset["reps"] or 2
     device = "cuda" if cuda else "cpu"
+    if args.autotune and not cuda:   # a run's record says "no tuning" per row; say so once, up front
+        print("napkin bench: --autotune tunes on a GPU only: this CPU run takes the cached or the schedule's "
+              "configs", file=sys.stderr)
     if args.tune_budget is not None and not args.tune_budget > 0:
         raise NapkinError(f"--tune-budget expects a positive number of seconds, not {args.tune_budget}")
     if Path(args.out).exists() and not Path(args.out).is_dir():   # found now, not after an hour's run
@@ -330,10 +333,13 @@ def _record(rows: list[dict], command: str, device: str, reps: int) -> dict:
 # --------------------------------------------------------------------------
 
 def variant(diagram: ir.Diagram, text: str, dtype: str, head_dim: Optional[int]) -> tuple[ir.Diagram, str]:
-    """The diagram with fp16/bf16 declarations set to ``dtype`` and its fixed
-    head dims (the score's contracted wire and V's feature wire) set to
-    ``head_dim``; the file's own text when nothing changes.  Other fixed
-    wires keep their sizes: a window's |w| or a fixed group is no head dim."""
+    """The diagram with fp16/bf16 declarations set to ``dtype`` and its head
+    dims (the score's contracted wire and V's feature wire, fixed or
+    symbolic: a symbolic one is fixed there, so that |d|^-0.5 is a constant
+    FlexAttention takes as its scale) set to ``head_dim``; the file's own
+    text when nothing changes.  Other fixed wires keep their sizes: a
+    window's |w| or a fixed group is no head dim.  (A symbolic head dim was
+    left alone: --head-dim 16,64 -D d=32 gave two rows, both at 32.)"""
     import napkin
     from ..printer import to_text
 
@@ -346,9 +352,8 @@ def variant(diagram: ir.Diagram, text: str, dtype: str, head_dim: Optional[int])
         roles = flex.attention_roles(diagram)
         dims = {roles.dim, roles.vdim}
     except flex.NoFlexEquivalent:   # no attention (the AOT report's matmul): every fixed wire, as before
-        dims = {w.name for w in diagram.wires}
-    wires = tuple(replace(w, size=head_dim) if w.size is not None and head_dim and w.name in dims else w
-                  for w in diagram.wires)
+        dims = {w.name for w in diagram.wires if w.size is not None}
+    wires = tuple(replace(w, size=head_dim) if head_dim and w.name in dims else w for w in diagram.wires)
     changed = replace(diagram, wires=wires, inputs=tuple(map(retype, diagram.inputs)),
                       lets=tuple(map(retype, diagram.lets)))
     if changed == diagram:
@@ -480,8 +485,9 @@ def point_sizes(diagram: ir.Diagram, roles, grid: dict) -> list[dict[str, int]]:
                 sizes.update(grid["extra"])
                 missing = [w.name for w in diagram.wires if w.size is None and w.name not in sizes]
                 if missing:
+                    hint = " (or --head-dim N)" if missing[0] in (roles.dim, roles.vdim) else ""
                     raise NapkinError(f"diagram {diagram.name}: no size for wire {missing[0]}; "
-                                      f"pass --size {missing[0]}=N")
+                                      f"pass --size {missing[0]}=N{hint}")
                 out.append({w.name: sizes[w.name] for w in diagram.wires if w.size is None})
     return out
 
@@ -542,7 +548,11 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     halved = shape["causal"] and shape["q_len"] == shape["kv_len"]
     visible = ctx["flex"].visible(*full) if masked and not halved else None
     flops = results.attention_flops(shape, halved, visible)
-    own_flops = results.attention_flops(shape, shape["causal_part"])
+    # the speed reference runs top-left is_causal where the mask has a causal part: half the square
+    # only where queries and keys are as many, as above
+    own = shape["causal_part"] and not shape["q_len"] == shape["kv_len"]
+    own_flops = results.attention_flops(shape, shape["causal_part"] and not own,
+                                        results.top_left_causal(shape["q_len"], shape["kv_len"]) if own else None)
     first = {}
     tma = bwd_tma = None
     for impl in impls:
@@ -571,7 +581,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     # where a point's time went (FlexAttention's compiles fall in check and time):
     # what the next GPU session corrects STARTUP_S and POINT_S by
     seconds = {k: round(b - a, 1) for k, a, b in zip(("tune", "check", "time"), clock, clock[1:])}
-    budget = f" (tuning budget {ctx['tune_budget']} s a kernel)" if ctx["args"].autotune else ""
+    budget = f" (tuning budget {ctx['tune_budget']} s a kernel)" if ctx["args"].autotune and device == "cuda" else ""
     print(f"napkin bench: {d.name} {dtype} {sizes}: " + ", ".join(f"{k} {v} s" for k, v in seconds.items())
           + budget, file=sys.stderr)
     return {

@@ -37,6 +37,7 @@ Schema ``napkin-bench/1``::
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Optional
@@ -67,6 +68,16 @@ def attention_flops(shape: dict, causal: bool, visible: Optional[float] = None) 
     elif visible is not None:
         fwd *= visible
     return {"fwd": fwd, "bwd": 2.5 * fwd}
+
+
+def top_left_causal(q_len: int, kv_len: int) -> float:
+    """The fraction of (query, key) pairs SDPA's is_causal keeps: query i
+    sees keys 0..i (top-left aligned), so 16 queries of 64 keys keep 13.3%."""
+    if not q_len or not kv_len:
+        return 0.0
+    n = min(q_len, kv_len)
+    kept = n * (n + 1) // 2 + max(q_len - kv_len, 0) * kv_len
+    return kept / (q_len * kv_len)
 
 
 def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
@@ -144,9 +155,22 @@ def write(data: dict, out_dir, paths: Optional[tuple[Path, Path]] = None) -> tup
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = paths or result_paths(out_dir, data["device"]["name"], data["date"])
-    json_path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    json_path.write_text(json.dumps(finite(data), indent=1, sort_keys=False, allow_nan=False) + "\n")
     md_path.write_text(markdown(data))
     return json_path, md_path
+
+
+def finite(value):
+    """``value`` with every non-finite float as None (JSON null): an error of
+    inf (a NaN output, a wrong shape) wrote ``Infinity``, which strict JSON
+    readers (jq, JavaScript) refuse, just when someone reads up on a broken kernel."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def _num(v: Optional[float], digits: int = 1) -> str:
@@ -247,8 +271,11 @@ def _row_cells(row: dict, p: str, impls: list[str], notes: list[str]) -> Optiona
         return None
     s = row["shape"]
     mine = got.get("napkin")
-    cells = [row["diagram"], row["dtype"], str(s["batch"]), str(s["heads"]), str(s["q_len"]),
-             str(s["dim"]), _mask_cell(row), "ok" if row["check"].get("ok") else "FAILED",
+    # queries x keys and d/dv where they differ (a decode row read "N 4", its cache length nowhere)
+    n = str(s["q_len"]) if s["q_len"] == s["kv_len"] else f"{s['q_len']} x {s['kv_len']}"
+    dim = str(s["dim"]) if s["dim"] == s["value_dim"] else f"{s['dim']}/{s['value_dim']}"
+    cells = [row["diagram"], row["dtype"], str(s["batch"]), str(s["heads"]), n,
+             dim, _mask_cell(row), "ok" if row["check"].get("ok") else "FAILED",
              _num(mine and mine.get("ms"), 3), _num(mine and mine.get("tflops"))]
     if mine and mine.get("error"):
         cells[-1] = _note(notes, f"napkin {row['diagram']} {p}: {mine['error']}")

@@ -113,7 +113,12 @@ class _Attention:
     # ---- roles of the wires ----
     def row_wire(self, c: ir.Reduce, sides) -> str:
         """The blocked wire: the row side's own wire that the schedule groups
-        by more than 1, else its last own wire (q in Q[b, h, q, d])."""
+        by more than 1.  With none, the query wire by its look: an own wire
+        that is an axis by itself (a wire flattened with another, g of
+        (hk g), is a head), one the diagram reads as an index (q of x <= q)
+        before one it does not, the last such (q in Q[b, h, q, d]).  By
+        layout order alone, Q[b, q, (hk g), d] blocked g: a program per
+        query, K and V read once per query."""
         d = self.d
         a, b = sides
         own = [w for w in read_wires(d, a) if w not in c.wires and w not in read_wires(d, b)]
@@ -122,7 +127,11 @@ class _Attention:
             return grouped[-1]
         if not own:
             raise unsupported(_show(c), f"its factor {a.name} has no wire of its own to block", c.loc)
-        return own[-1]
+        flat = iter(read_wires(d, a))
+        axes = [tuple(next(flat) for _ in axis) for axis in d.tensor(a.name).axes]
+        alone = [w for w in own if (w,) in axes] or own
+        indexed = {n.wire for let in d.lets for n in ir.walk(let.expr) if isinstance(n, ir.WireIndex)}
+        return ([w for w in alone if w in indexed] or alone)[-1]
 
     def sides(self, c: ir.Reduce) -> tuple[ir.TensorRef, ir.TensorRef]:
         """(row side, streamed side) of a score contraction sum[w](A * B)."""
