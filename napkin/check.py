@@ -494,7 +494,9 @@ class _Checker:
         cost pass a register tile no program has, and more traffic into smem
         than out of it)."""
         outer: dict[str, tuple[int, str]] = {}
-        for level in levels:
+        # outermost first, as written or not (one written out of order has its own error)
+        known = [lv for lv in levels if lv.name in ir.ALL_LEVELS]
+        for level in sorted(known, key=lambda lv: ir.ALL_LEVELS.index(lv.name)):
             blocks = [t for t in level.tiles if not t.across and t.wire in self.wire_names]
             for t in blocks:
                 if t.wire in outer and t.size > outer[t.wire][0]:

@@ -632,6 +632,11 @@ def test_an_inner_levels_block_is_no_larger_than_the_enclosing_one():
     assert where(d) == pos(text, "q by 256")
     assert d.hint == "use a block of at most 128, or a larger one in level smem"
     assert errors(text.replace("q by 256", "q by 64").replace("x by 64 } }", "x by 16 } }")) == []
+    # levels written inner first: the order's error alone, not nesting errors the wrong way round
+    swapped = HEAD + ATTENTION + ("schedule { level regs { group q by 64\n stream x by 16 }\n"
+                                  "level smem { group q by 128\n stream x by 64 } }\n")
+    assert [e.message for e in errors(swapped)] == [
+        "level smem comes after level regs: levels go outermost first (devices, hbm, smem, regs)"]
 
 
 def test_home_levels():

@@ -585,15 +585,14 @@ def _lower_bound(c: _Context, totals: list[BoundaryTotal]) -> LowerBound:
     # single query, a matmul's one output row), can fall below that.
     floor = compulsory_bytes(c.d, local)
     if shape.kind == "compulsory":   # that traffic itself, each tensor in its own dtype
-        taken = bounds_mod.Bound(float(floor), 0.0, "compulsory")
+        taken = bounds_mod.Bound(float(floor), 0.0, "compulsory", str(compulsory))
     else:
-        taken = bounds_mod.bound_bytes(shape, local, cap_bytes)
-    formula = bounds_mod.bound_formula(shape, share, compulsory, taken.form)
+        taken = bounds_mod.bound_bytes(shape, local, cap_bytes, share)
     bound = float(max(taken.bytes, floor))   # a float either way (the floor is an int): JSON keeps its type
     hbm = totals[0].load_bytes + totals[0].store_bytes if totals else None
     ratio = round(hbm / bound, 6) if hbm is not None and bound else None
-    return LowerBound(taken.form, formula, chip, cap_bytes, eb, bound / eb, bound, taken.reread_bytes, ratio,
-                      taken.bytes, float(floor))
+    return LowerBound(taken.form, taken.formula, chip, cap_bytes, eb, bound / eb, bound, taken.reread_bytes,
+                      ratio, taken.bytes, float(floor))
 
 
 def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> Optional[Roofline]:

@@ -47,17 +47,20 @@ class BoundShape:
     value: tuple[str, ...] = ()     # dv (attention)
     dtype: str = "fp16"             # the operands' element type
     # the fixed terms' dtypes: a matmul's output; attention's Q and O (then its scores', for the
-    # two-matmul form)
-    fixed: tuple[str, ...] = ()
+    # two-matmul form); None for an output that is not written (a box a later box reads)
+    fixed: tuple[Optional[str], ...] = ()
 
 
 @dataclass(frozen=True)
 class Bound:
-    """A bound's value at known sizes: bytes, its re-read term in bytes, and
-    the form taken (the shape's kind, or "two matmuls")."""
+    """A bound's value at known sizes: bytes, its re-read term in bytes, the
+    form taken (the shape's kind, "two matmuls", or a matmul with an operand
+    held) and that form's formula, in elements (M the capacity in elements),
+    whose terms are the ones the value counts."""
     bytes: float
     reread_bytes: float
     form: str
+    formula: str
 
 
 def _contractions(diagram: ir.Diagram):
@@ -107,7 +110,7 @@ def bound_shape(diagram: ir.Diagram) -> BoundShape:
         return BoundShape("matmul", _ordered(diagram, batch), _ordered(diagram, wa - batch - k),
                           _ordered(diagram, k), _ordered(diagram, wb - batch - k),
                           dtype=_operand_dtype(diagram, (a, b)),
-                          fixed=(tiling.tensor_dtype(diagram, cons[0][0].name),))
+                          fixed=(_written(diagram, cons[0][0].name),))
     if len(cons) >= 2:
         # the score's contraction, then the value's: a contraction of a score function with
         # a tensor the score does not feed.  Row sums of the scores alone (L2's sum[x](S * S))
@@ -131,9 +134,16 @@ def bound_shape(diagram: ir.Diagram) -> BoundShape:
             return BoundShape("attention", _ordered(diagram, batch), _ordered(diagram, wa - batch - ds),
                               _ordered(diagram, ds), _ordered(diagram, xs),
                               _ordered(diagram, wv - batch - xs), dtype=_operand_dtype(diagram, (a, b, v)),
-                              fixed=(_operand_dtype(diagram, (a,)), tiling.tensor_dtype(diagram, let2.name),
+                              fixed=(_operand_dtype(diagram, (a,)), _written(diagram, let2.name),
                                      tiling.tensor_dtype(diagram, let1.name)))
     return BoundShape("compulsory", dtype=_operand_dtype(diagram, [let.expr for let in diagram.lets]))
+
+
+def _written(diagram: ir.Diagram, name: str) -> Optional[str]:
+    """The dtype a fixed term writes ``name`` in: its own where it is an
+    output, else None (nothing written: a box Y = O * 2 is the output, and
+    the compulsory floor counts Y; O at its fp32 was once charged)."""
+    return tiling.tensor_dtype(diagram, name) if name in {o.name for o in diagram.outputs} else None
 
 
 def _feeds(diagram: ir.Diagram, let: ir.Let, expr: ir.Expr) -> bool:
@@ -153,13 +163,10 @@ def _sym(wires, wire_sym) -> Poly:
     return p
 
 
-def bound_formula(shape: BoundShape, wire_sym, compulsory: Poly, form: str = "") -> str:
-    """The bound's formula in elements, M the capacity in elements; ``form``
-    "two matmuls" for that form of an attention shape (Bound.form)."""
-    if form == "two matmuls":
-        b, r, d, x, dv = (_sym(w, wire_sym) for w in
-                          (shape.batch, shape.rows, shape.inner, shape.cols, shape.value))
-        return f"{b * r * d * x * 2}/sqrt(M) + {b * r * x} + {b * r * x * dv * 2}/sqrt(M) + {b * r * dv}"
+def bound_formula(shape: BoundShape, wire_sym, compulsory: Poly) -> str:
+    """The paper's formula of the bound, in elements, M the capacity in
+    elements: what the report shows where the sizes are not known (at known
+    sizes, bound_bytes gives the form it takes, and its formula)."""
     if shape.kind == "matmul":
         b, a, k, c = (_sym(w, wire_sym) for w in (shape.batch, shape.rows, shape.inner, shape.cols))
         return f"{b * a * k * c * 2}/sqrt(M) + {b * a * c}"
@@ -171,26 +178,76 @@ def bound_formula(shape: BoundShape, wire_sym, compulsory: Poly, form: str = "")
     return str(compulsory)
 
 
-def bound_bytes(shape: BoundShape, sizes: dict[str, int], capacity_bytes: float) -> Bound:
-    """The bound in bytes at these sizes and on-chip capacity (not the
-    compulsory kind's: that is the compulsory traffic itself, analysis.py's)."""
+@dataclass(frozen=True)
+class _Term:
+    """One matmul's traffic in one dataflow, in bytes, with its formula as
+    three Poly coefficients (of 1/sqrt(M), of 1/M and of 1), in elements."""
+    bytes: float
+    reread: float
+    sqrt: Poly
+    per_m: Poly
+    fixed: Poly
+    held: str = ""        # the operand a program holds whole along k ("A", "B"), "" for the paper's
+
+    def __add__(self, other: "_Term") -> "_Term":
+        return _Term(self.bytes + other.bytes, self.reread + other.reread, self.sqrt + other.sqrt,
+                     self.per_m + other.per_m, self.fixed + other.fixed)
+
+    @property
+    def text(self) -> str:
+        parts = ([f"{self.sqrt}/sqrt(M)"] if self.sqrt.terms else []) \
+            + ([f"({self.per_m})/M"] if self.per_m.terms else []) + ([str(self.fixed)] if self.fixed.terms else [])
+        return " + ".join(parts) or "0"
+
+
+def _matmul(n: tuple[int, int, int, int], p: tuple, m: float, eb: float, out: float) -> _Term:
+    """The least traffic of a matmul C[a, c] = sum[k](A[a, k] * B[k, c]) (``n``
+    = (batch, a, k, c) sizes, ``p`` the same as Poly) among the dataflows a
+    schedule can write, none below its compulsory traffic: the output held
+    (the paper's: A and B re-read, 2akc/sqrt(M)); B held, a k x M/k slab of
+    it a program (k grouped whole, a streamed), A read ck/M times; A held
+    likewise.  With k under about 2 sqrt(M) a held slab moves less than the
+    paper's form (a 64K x 128 by 128 x 4K product ran at 0.87 of that).
+    Operands count ``eb`` bytes an element, the output ``out`` (0: not written)."""
+    b, a, k, c = n
+    B, A, K, C = p
+    write, written = b * a * c * out, (B * A * C if out else Poly())
+    none = Poly()
+    floor = _Term(b * (a * k + k * c) * eb + write, 0.0, none, none, B * A * K + B * K * C + written)
+    paper = b * 2 * a * k * c / math.sqrt(m) * eb
+    forms = [_Term(paper + write, paper, B * A * K * C * 2, none, written) if paper > b * (a * k + k * c) * eb
+             else floor]
+    for held, rows, other, once in (("B", a, c, B * K * C), ("A", c, a, B * A * K)):
+        if other * k <= m:       # the whole operand fits: each input read once
+            forms.append(floor)
+            continue
+        reread = b * rows * k * (other * k / m) * eb     # the streamed operand, once per slab
+        forms.append(_Term(reread + b * other * k * eb + write, reread, none, B * A * K * K * C, once + written,
+                           held))
+    return min(forms, key=lambda t: t.bytes)     # the paper's first, where two tie
+
+
+def bound_bytes(shape: BoundShape, sizes: dict[str, int], capacity_bytes: float, wire_sym) -> Bound:
+    """The bound in bytes at these sizes and on-chip capacity, and its
+    formula (not the compulsory kind's: that is the compulsory traffic
+    itself, analysis.py's).  ``wire_sym``: each wire as a Poly, for the formula."""
     eb = ir.DTYPE_BYTES[shape.dtype]
     m = capacity_bytes / eb
-    size = {k: _prod(sizes, getattr(shape, k)) for k in ("batch", "rows", "inner", "cols", "value")}
-    b, r, d, x, dv = (size[k] for k in ("batch", "rows", "inner", "cols", "value"))
-    width = [ir.DTYPE_BYTES[t] for t in shape.fixed]
+    parts = ("batch", "rows", "inner", "cols", "value")
+    b, r, d, x, dv = (_prod(sizes, getattr(shape, k)) for k in parts)
+    B, R, D, X, DV = (_sym(getattr(shape, k), wire_sym) for k in parts)
+    width = [ir.DTYPE_BYTES[t] if t is not None else 0 for t in shape.fixed]
     if shape.kind == "matmul":
-        reread = b * 2 * r * d * x / math.sqrt(m) * eb
-        return Bound(reread + b * r * x * width[0], reread, "matmul")
+        t = _matmul((b, r, d, x), (B, R, D, X), m, eb, width[0])
+        return Bound(t.bytes, t.reread, "matmul" + (f", {t.held} held" if t.held else ""), t.text)
     reread = b * x * r * (d + dv) ** 2 / m * eb
-    fused = Bound(b * r * (d * width[0] + dv * width[1]) + reread, reread, "attention")
-    # two matmuls, S = Q K then O = S V, the scores written and read back: each at least its
-    # own compulsory traffic (the sqrt form assumes more rows than one matmul may have)
-    first = max(2 * r * d * x / math.sqrt(m) * eb + r * x * width[2],
-                r * d * width[0] + x * d * eb + r * x * width[2])
-    second = max(2 * r * x * dv / math.sqrt(m) * eb + r * dv * width[1],
-                 r * x * width[2] + x * dv * eb + r * dv * width[1])
-    unfused = b * (first + second)
-    if unfused >= fused.bytes:
+    fixed = B * R * D + (B * R * DV if width[1] else Poly())
+    fused = Bound(b * r * (d * width[0] + dv * width[1]) + reread, reread, "attention",
+                  f"{fixed} + ({B * X * R * (D + DV) * (D + DV)})/M")
+    # two matmuls, S = Q K then O = S V, the scores written (at their own size) and read back
+    first = _matmul((b, r, d, x), (B, R, D, X), m, eb, width[2])
+    second = _matmul((b, r, x, dv), (B, R, X, DV), m, min(eb, width[2]), width[1])
+    both = first + second
+    if both.bytes >= fused.bytes:
         return fused
-    return Bound(unfused, b * 2 * r * x * (d + dv) / math.sqrt(m) * eb, "two matmuls")
+    return Bound(both.bytes, both.reread, "two matmuls", both.text)
