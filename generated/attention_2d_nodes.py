@@ -228,12 +228,15 @@ def _block_size(value, wire, option):
     return n
 
 
-def _tile_fits(blocks, options):
+def _tile_fits(blocks, options, given=(True, True)):
     """ValueError where two blocks make a tile past Triton's largest tensor,
-    2^20 elements (the cached configs' test, _autotune_config)."""
+    2^20 elements (the cached configs' test, _autotune_config).  ``given``:
+    whether the caller gave each; one not given is the schedule's (a call
+    giving any block takes no cached ones), and the message says so."""
     if blocks[0] * blocks[1] > 1 << 20:
-        raise ValueError(f"{options[0]}={blocks[0]} and {options[1]}={blocks[1]} make a tile of "
-                         f"{blocks[0] * blocks[1]} elements, past Triton's largest tensor (2^20)")
+        a, b = (f"{'' if g else 'the schedule' + chr(39) + 's '}{o}={n}" for o, n, g in zip(options, blocks, given))
+        raise ValueError(f"{a} and {b} make a tile of {blocks[0] * blocks[1]} elements, past Triton's "
+                         "largest tensor (2^20)")
 
 
 def _dim_block(n):
@@ -855,12 +858,13 @@ def _tma_args(tma, descs, tensors, sizes, blocks, device, pos, last, padded=("x"
 _SCHEDULE_CHUNK = None
 
 
-def _chunks(chunk, tuned, block, n):
+def _chunks(chunk, tuned, block, n, given=True):
     """(chunk length, number of chunks) of x for a launch; (0, 1) runs it
     whole.  chunk: the launcher's chunk=, a power of two and a whole number of
     blocks, or 0 for none.  None takes the tuned config's (``tuned``), else the
     schedule's, either grown to the block when a longer one is asked for.  A
-    single chunk runs whole: nothing to merge."""
+    single chunk runs whole: nothing to merge.  ``given``: whether the caller
+    gave the block (else the schedule's, which the message says)."""
     chunk = _whole(chunk)
     if chunk is None:
         chunk = _SCHEDULE_CHUNK if tuned is None else tuned
@@ -868,7 +872,8 @@ def _chunks(chunk, tuned, block, n):
     elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be None, 0 or a power of two, not {chunk!r}")
     elif chunk and chunk < block:
-        raise ValueError(f"chunk={chunk} is shorter than block_x={block}: a chunk is whole blocks")
+        raise ValueError(f"chunk={chunk} is shorter than {'' if given else 'the schedule' + chr(39) + 's '}"
+                         f"block_x={block}: a chunk is whole blocks")
     if not chunk or n <= chunk:
         return 0, 1
     return chunk, _cdiv(n, chunk)
@@ -1175,9 +1180,10 @@ def _attention_2d_nodes_check_options(_sz, block_q, block_x, num_warps, num_stag
     _autotune_fill({"num_warps": num_warps, "num_stages": num_stages}, _sz, None, None, lookup=False)
     _b_q = _block_size(block_q, "q", "block_q")
     _b_x = _block_size(block_x, "x", "block_x")
-    _tile_fits((_b_q, _b_x), ("block_q", "block_x"))
+    _tile_fits((_b_q, _b_x), ("block_q", "block_x"), (block_q is not None, block_x is not None))
     _tma_check(tma)
-    _chunks(chunk, None, _b_x, _sz["x"])
+    _n_chunks = _chunks(chunk, None, _b_x, _sz["x"], block_x is not None)[1]
+    _fits((1, _sz["b"] * _sz["h"], _n_chunks if chunk is not None else 1))
 
 
 @_on_inputs_device
@@ -1190,10 +1196,10 @@ def _attention_2d_nodes_forward(Q, K, V, block_q, block_x, num_warps, num_stages
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
-    _tile_fits((_br, _bc), ("block_q", "block_x"))
+    _tile_fits((_br, _bc), ("block_q", "block_x"), (block_q is not None, block_x is not None))
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     [O, lse] = _allocate(_sz, _cls, _dev, out_dtype)
-    _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"])
+    _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"], block_x is not None)
     _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
     _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
     _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)

@@ -221,12 +221,15 @@ def _block_size(value, wire, option):
     return n
 
 
-def _tile_fits(blocks, options):
+def _tile_fits(blocks, options, given=(True, True)):
     """ValueError where two blocks make a tile past Triton's largest tensor,
-    2^20 elements (the cached configs' test, _autotune_config)."""
+    2^20 elements (the cached configs' test, _autotune_config).  ``given``:
+    whether the caller gave each; one not given is the schedule's (a call
+    giving any block takes no cached ones), and the message says so."""
     if blocks[0] * blocks[1] > 1 << 20:
-        raise ValueError(f"{options[0]}={blocks[0]} and {options[1]}={blocks[1]} make a tile of "
-                         f"{blocks[0] * blocks[1]} elements, past Triton's largest tensor (2^20)")
+        a, b = (f"{'' if g else 'the schedule' + chr(39) + 's '}{o}={n}" for o, n, g in zip(options, blocks, given))
+        raise ValueError(f"{a} and {b} make a tile of {blocks[0] * blocks[1]} elements, past Triton's "
+                         "largest tensor (2^20)")
 
 
 def _dim_block(n):
@@ -721,9 +724,10 @@ def _matmul_check_options(_sz, block_m, block_n, block_k, num_warps, num_stages)
     _b_m = _block_size(block_m, "m", "block_m")
     _b_n = _block_size(block_n, "n", "block_n")
     _b_k = _block_size(block_k, "k", "block_k")
-    _tile_fits((_b_m, _b_n), ("block_m", "block_n"))
-    _tile_fits((_b_m, _b_k), ("block_m", "block_k"))
-    _tile_fits((_b_k, _b_n), ("block_k", "block_n"))
+    _tile_fits((_b_m, _b_n), ("block_m", "block_n"), (block_m is not None, block_n is not None))
+    _tile_fits((_b_m, _b_k), ("block_m", "block_k"), (block_m is not None, block_k is not None))
+    _tile_fits((_b_k, _b_n), ("block_k", "block_n"), (block_k is not None, block_n is not None))
+    _fits((1, _cdiv(_sz["n"], _b_n) if (block_m, block_n, block_k) != (None, None, None) else 1, 1))
 
 
 @_on_inputs_device
@@ -737,9 +741,9 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
     _br = _block_size(_opts["block_m"], "m", "block_m")
     _bc = _block_size(_opts["block_n"], "n", "block_n")
     _bk = _block_size(_opts["block_k"], "k", "block_k")
-    _tile_fits((_br, _bc), ("block_m", "block_n"))
-    _tile_fits((_br, _bk), ("block_m", "block_k"))
-    _tile_fits((_bk, _bc), ("block_k", "block_n"))
+    _tile_fits((_br, _bc), ("block_m", "block_n"), (block_m is not None, block_n is not None))
+    _tile_fits((_br, _bk), ("block_m", "block_k"), (block_m is not None, block_k is not None))
+    _tile_fits((_bk, _bc), ("block_k", "block_n"), (block_k is not None, block_n is not None))
     [C] = _allocate(_sz, _cls, _dev)
     _grid = _fits((_cdiv(_sz["m"], _br), _cdiv(_sz["n"], _bc), 1))
     if math.prod(_grid) > 0:

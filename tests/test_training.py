@@ -225,12 +225,37 @@ def test_a_callers_blocks_or_chunk_set_a_cached_configs_blocks_aside(causal, mon
         assert (got.double() - want).abs().max() < 1e-4
         meta = [t.to("meta") for t in (q, k, v)]
         assert causal.causal(*meta, **given)[0].device.type == "meta"
-    with pytest.raises(ValueError, match=re.escape("chunk=16 is shorter than block_x=64")):
-        causal.causal(*meta, chunk=16)   # the schedule's block_x: the fakes took an unknown block as 16
-    with pytest.raises(ValueError, match=re.escape("chunk=16 is shorter than block_x=64")):
+    # the schedule's block_x (the fakes took an unknown block as 16), named as the schedule's: the
+    # message read as if the caller had given block_x=64
+    with pytest.raises(ValueError, match=re.escape("chunk=16 is shorter than the schedule's block_x=64")):
+        causal.causal(*meta, chunk=16)
+    with pytest.raises(ValueError, match=re.escape("chunk=16 is shorter than the schedule's block_x=64")):
         causal.causal(q, k, v, chunk=16)
+    with pytest.raises(ValueError, match=re.escape("the schedule's block_q=128 and block_x=16384 make a tile")):
+        causal.causal(*meta, block_x=16384)
+    with pytest.raises(ValueError, match=re.escape("the schedule's block_q=128 and block_x=16384 make a tile")):
+        causal.causal(q, k, v, block_x=16384)
     assert causal._autotune_fill({"block_q": None, "num_warps": None}, sizes, torch.device("cpu"),
                                  {"fp16": torch.float32}) == {"block_q": 65536, "num_warps": 2}   # none given: the config whole
+
+
+def test_the_fakes_refuse_a_grid_the_launch_refuses(causal):
+    """65536 one-row heads passed the op's fakes (meta tensors, torch.compile's trace) and failed
+    only when run: the fakes check the launch grid's batch axis, and its chunks where chunk= is
+    given (today2 hunt)."""
+    words = "this call needs 65536 programs along axis 1"
+    meta = [torch.empty(1, 65536, n, 16, device="meta") for n in (1, 1, 1)]
+    with pytest.raises(ValueError, match=words):
+        causal.causal(*meta)
+    with pytest.raises(ValueError, match=words):
+        causal.causal(*meta, chunk=64)
+    real = [torch.randn(1, 65536, 1, 16) for _ in range(3)]
+    with pytest.raises(ValueError, match=words):
+        causal.causal(*real)
+    keys = [torch.empty(1, 1, 64 * 65537, 16, device="meta") for _ in range(2)]
+    with pytest.raises(ValueError, match="this call needs 65537 programs along axis 2"):
+        causal.causal(torch.empty(1, 1, 1, 16, device="meta"), *keys, chunk=64)
+    assert causal.causal(torch.empty(1, 1, 1, 16, device="meta"), *keys)[0].shape == (1, 1, 1, 16)
 
 
 def test_numpy_and_tensor_options_trace_under_torch_compile(causal):

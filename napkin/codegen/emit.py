@@ -394,18 +394,25 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     _, launch_width = chunk_state(plan, names, lambda w: _dim_block_value(names, w))
     # chunk= is no tuned option of the backward's kernels (nor in the torch op's schema), but the
     # forward's tuned config may set it (autotune.chunk_lengths)
-    checks = H.given_blocks([row, col]) + [f'_tile_fits((_b_{row}, _b_{col}), ("block_{row}", "block_{col}"))',
-                                          f"_tma_check({T.OPTION})", f'_chunks(chunk, None, _b_{col}, _sz["{col}"])']
+    given = f"(block_{row} is not None, block_{col} is not None)"
+    # the launch grid's limits as the launch checks them (_fits): axis 1 the batch wires (the
+    # fakes' sizes are unpacked: packed rows' wire is no batch wire there), axis 2 the chunks where
+    # the caller gives chunk= (else a tuned chunk may differ)
+    batch = " * ".join(f'_sz["{w}"]' for w in plan.batch if plan.pack is None or w != plan.pack[0]) or "1"
+    checks = H.given_blocks([row, col]) + [
+        f'_tile_fits((_b_{row}, _b_{col}), ("block_{row}", "block_{col}"), {given})', f"_tma_check({T.OPTION})",
+        f'_n_chunks = _chunks(chunk, None, _b_{col}, _sz["{col}"], block_{col} is not None)[1]',
+        f"_fits((1, {batch}, _n_chunks if chunk is not None else 1))"]
     launch = H.fill_options(opts + ["chunk"]) + P.launch_lines(plan, R.applies(plan)) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
-        f'_tile_fits((_br, _bc), ("block_{row}", "block_{col}"))',
+        f'_tile_fits((_br, _bc), ("block_{row}", "block_{col}"), {given})',
         # packed rows: _pack checked the caller's positions and made the launch's from them
         "_pos = _position_args(positions, lengths, _sz)" if plan.pack is not None else
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
         f"[{', '.join(o.name for o in d.outputs if o.name not in saved)}] = _allocate(_sz, _cls, _dev, out_dtype)",
         *_allocate_saved(d, saved),
-        f'_chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["{col}"])',
+        f'_chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["{col}"], block_{col} is not None)',
         f'_grid = _fits((_cdiv(_sz["{row}"], _br), '
         + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ", _n_chunks))  # axis 2: the chunks of "
         + f"{col} (1: whole)",
@@ -575,7 +582,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
               f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
               f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
               f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
-              *(f'_tile_fits(({a}, {b}), ("block_{x}", "block_{y}"))'
+              *(f'_tile_fits(({a}, {b}), ("block_{x}", "block_{y}"), (block_{x} is not None, block_{y} is not None))'
                 for (a, x), (b, y) in ((("_br", row), ("_bc", col)), (("_br", row), ("_bk", red)),
                                        (("_bk", red), ("_bc", col)))),
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
@@ -595,7 +602,12 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
         "step": step, "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "check_options": H.option_checks(H.given_blocks([row, col, red]) + [
-            f'_tile_fits((_b_{x}, _b_{y}), ("block_{x}", "block_{y}"))' for x, y in ((row, col), (row, red), (red, col))]),
+            f'_tile_fits((_b_{x}, _b_{y}), ("block_{x}", "block_{y}"), (block_{x} is not None, block_{y} is not None))'
+            for x, y in ((row, col), (row, red), (red, col))] + [
+            # the grid's limits (_fits): axis 1 the column blocks where a block is given (else the
+            # tuned blocks may differ), axis 2 the batch
+            f'_fits((1, _cdiv(_sz["{col}"], _b_{col}) if (block_{row}, block_{col}, block_{red}) != (None, None, None) '
+            f'else 1, {" * ".join(f"_sz[{chr(34)}{w}{chr(34)}]" for w in plan.batch) or "1"}))']),
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]),
         "options": opts,
     }
