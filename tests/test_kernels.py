@@ -234,6 +234,13 @@ out O
     kh, vh = (t.double().permute(0, 2, 1, 3) for t in (k, v))
     expect = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True).permute(0, 2, 1, 3)
     assert (o.double() - expect).abs().max() < 1e-5
+    # multi-query BSHD with ALiBi reads both h and q as indices; q is the one set against the keys
+    alibi = text.replace("diagram rw", "diagram rw_alibi").replace("wire b, hk, g, q, x", "wire b, h, q, x") \
+        .replace("in Q[b, q, (hk g), d]", "in Q[b, q, h, d]").replace("K[b, x, hk, d]", "K[b, x, d]") \
+        .replace("V[b, x, hk, d]", "V[b, x, d]").replace("S[b, hk, g, q, x]", "S[b, h, q, x]") \
+        .replace("where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)", "sum[d](Q * K) * |d|^-0.5 - 2^(-(h + 1)) * abs(q - x)") \
+        .replace("O[b, q, (hk g), d]", "O[b, q, h, d]")
+    assert set(compile_text(alibi, "rowwire_alibi")._BLOCKS) == {"q", "x"}
 
 
 def test_non_contiguous_inputs_use_their_strides():

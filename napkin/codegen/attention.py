@@ -115,10 +115,13 @@ class _Attention:
         """The blocked wire: the row side's own wire that the schedule groups
         by more than 1.  With none, the query wire by its look: an own wire
         that is an axis by itself (a wire flattened with another, g of
-        (hk g), is a head), one the diagram reads as an index (q of x <= q)
-        before one it does not, the last such (q in Q[b, h, q, d]).  By
-        layout order alone, Q[b, q, (hk g), d] blocked g: a program per
-        query, K and V read once per query."""
+        (hk g), is a head), one the diagram compares with the key wire's
+        index or subtracts from it (q of x <= q, of abs(q - x)) before one it
+        reads as an index at all (h of 2^-(h + 1)), the last such (q in
+        Q[b, h, q, d]).  By layout order alone, Q[b, q, (hk g), d] blocked
+        g: a program per query, K and V read once per query.  Two such wires
+        with neither told apart (Q[b, q, h, d] beside K[b, x, d], no mask)
+        block the last: a schedule says which."""
         d = self.d
         a, b = sides
         own = [w for w in read_wires(d, a) if w not in c.wires and w not in read_wires(d, b)]
@@ -131,7 +134,19 @@ class _Attention:
         axes = [tuple(next(flat) for _ in axis) for axis in d.tensor(a.name).axes]
         alone = [w for w in own if (w,) in axes] or own
         indexed = {n.wire for let in d.lets for n in ir.walk(let.expr) if isinstance(n, ir.WireIndex)}
-        return ([w for w in alone if w in indexed] or alone)[-1]
+        related = self._beside_key()
+        return ([w for w in alone if w in related] or [w for w in alone if w in indexed] or alone)[-1]
+
+    def _beside_key(self) -> set[str]:
+        """The wires whose index the diagram compares with the key wire's or
+        subtracts from it (or it from them): positions, not heads."""
+        out: set[str] = set()
+        for let in self.d.lets:
+            for n in ir.walk(let.expr):
+                if isinstance(n, ir.Binary) and (n.op in ir.COMPARE_OPS or n.op == "-"):
+                    lhs, rhs = ({m.wire for m in ir.walk(e) if isinstance(m, ir.WireIndex)} for e in (n.lhs, n.rhs))
+                    out |= (rhs if self.col in lhs else set()) | (lhs if self.col in rhs else set())
+        return out - {self.col}
 
     def sides(self, c: ir.Reduce) -> tuple[ir.TensorRef, ir.TensorRef]:
         """(row side, streamed side) of a score contraction sum[w](A * B)."""
