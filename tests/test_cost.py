@@ -327,6 +327,19 @@ def test_a_chain_of_two_matmuls_is_bounded_by_the_two_matmul_form_where_that_is_
     assert plain.kind == "attention"    # head dim 64: the fused form is far smaller
 
 
+@pytest.mark.parametrize("sizes", [{"m": 8192, "n": 8192, "k": 8192, "p": 8192},      # both the paper's
+                                   {"m": 65536, "n": 128, "k": 4096, "p": 4096},     # a floor, a slab held
+                                   {"m": 64, "n": 64, "k": 64, "p": 64}])
+def test_the_printed_formula_evaluates_to_the_bound(sizes):
+    """The formula is the form taken: evaluated at the sizes and M (one dtype throughout), it is
+    the value printed after it.  Two matmuls' 1/sqrt(M) coefficients, summed, lost their brackets
+    (costforms hunt)."""
+    r = analyse(napkin.load_text(CHAIN, "chain.ncd"), sizes)
+    expr = r.bound.formula.replace("^", "**").replace("sqrt(M)", "M ** 0.5")
+    value = eval(expr, {"M": 232448 / 2, **sizes})
+    assert value * 2 == pytest.approx(r.bound.formula_bytes, rel=1e-9), r.bound.formula
+
+
 def test_the_bounds_fixed_terms_count_each_tensor_in_its_own_dtype():
     """An fp16 output of fp32 operands was counted at 4 bytes in the bound's fixed term (a matmul's
     output, attention's O), so a fitting schedule moved less than the bound (0.816, 0.853)."""

@@ -195,7 +195,8 @@ class _Term:
 
     @property
     def text(self) -> str:
-        parts = ([f"{self.sqrt}/sqrt(M)"] if self.sqrt.terms else []) \
+        sqrt = f"({self.sqrt})" if len(self.sqrt.terms) > 1 else str(self.sqrt)   # two matmuls' sum
+        parts = ([f"{sqrt}/sqrt(M)"] if self.sqrt.terms else []) \
             + ([f"({self.per_m})/M"] if self.per_m.terms else []) + ([str(self.fixed)] if self.fixed.terms else [])
         return " + ".join(parts) or "0"
 
@@ -246,7 +247,9 @@ def bound_bytes(shape: BoundShape, sizes: dict[str, int], capacity_bytes: float,
                   f"{fixed} + ({B * X * R * (D + DV) * (D + DV)})/M")
     # two matmuls, S = Q K then O = S V, the scores written (at their own size) and read back
     first = _matmul((b, r, d, x), (B, R, D, X), m, eb, width[2])
-    second = _matmul((b, r, x, dv), (B, R, X, DV), m, min(eb, width[2]), width[1])
+    # its operands are the scores and V: the narrower of the two sets its M, as the operands' dtype does
+    narrow = min(eb, width[2]) if width[2] else eb
+    second = _matmul((b, r, x, dv), (B, R, X, DV), capacity_bytes / narrow, narrow, width[1])
     both = first + second
     if both.bytes >= fused.bytes:
         return fused
