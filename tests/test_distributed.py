@@ -497,7 +497,8 @@ def test_an_output_that_requires_grad_gathers(suite):
 def test_a_missing_peer_times_out_instead_of_hanging(suite):
     for rank, res in enumerate(suite[1:], start=1):
         msg = res["errors"]["timeout"]
-        assert msg.startswith("RuntimeError") and "did not finish within 2 s" in msg, f"rank {rank}: {msg}"
+        assert msg.startswith("RuntimeError") and "(timeout 2 s)" in msg and "failed after " in msg, \
+            f"rank {rank}: {msg}"
         assert res["errors"]["timeout_s"] < 15
 
 
@@ -570,6 +571,37 @@ def test_roles_read_the_devices_level():
     assert (r.tokens, r.token_wire, r.lse, r.family) == (("Q", "K", "V"), ("q", "x", "x"), "lse", "softmax")
     assert roles(load("sigmoid_attention")).family == "sum"
     assert roles(load("alibi")).side == ("slope",)
+
+
+def test_kernel_local_takes_only_the_options_both_launchers_take():
+    """KernelLocal(roles, chunk=16) ran the forward, then NAME_backward refused chunk= with a Ring
+    pass in flight and the group broken (dist2 hunt); positions=/lengths=/out_dtype= are its own."""
+    from napkin.distributed.local import KernelLocal
+
+    r = roles(load("ring_attention"))
+    for bad in ({"chunk": 16}, {"out_dtype": torch.float16}, {"positions": None}, {"block_d": 16}):
+        with pytest.raises(TypeError, match="KernelLocal takes the launch options block_q, block_x, num_warps, "
+                                            "num_stages, tma, not " + next(iter(bad))):
+            KernelLocal(r, **bad)
+    assert KernelLocal(r, block_q=16, block_x=16, num_warps=2, tma=False).options["block_q"] == 16
+
+
+def test_side_inputs_hold_the_global_lengths_and_a_relabel_makes_them_equal(monkeypatch):
+    """doc[b, q] of doc[b, x] through Ring with q_len 19 and x_len 13: the float64 local raised torch's
+    index error and the float32 kernel accepted a 19-row doc, each with a pass in flight; an 18-row doc
+    for 13 tokens passed the kernel (dist2 hunt).  The handshake's table refuses both, on every rank."""
+    from napkin.distributed import common
+
+    r = roles(load("document_mask"))
+    assert r.side == ("doc",)
+    monkeypatch.setattr(common.G, "shape_at", lambda table, k: table[k])
+    table = [None, None, None, (2, 13)]                     # Q, K, V, then doc[b, x]
+    common._check_side_lengths(r, table, 3, {"q": 13, "x": 13})
+    with pytest.raises(ValueError, match="side input doc holds 18 entries along x, but x's global length is 13"):
+        common._check_side_lengths(r, [None, None, None, (2, 18)], 3, {"q": 13, "x": 13})
+    with pytest.raises(ValueError, match=r"side input doc is read along q as well as x, so q_len \(19\) and "
+                                         r"x_len \(13\) must be equal"):
+        common._check_side_lengths(r, table, 3, {"q": 19, "x": 13})
 
 
 def test_roles_refuse_what_cannot_be_merged():

@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import ir
 from ..printer import to_text
 from . import groups as G
 from .commcount import phase
@@ -79,6 +80,32 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
                 f"{name} holds {got} rows along {wire} on each device, but {lay.length} tokens in the "
                 f"{lay.kind} layout over {lay.parts} devices need {lay.rows} (padding included); "
                 f"cut full tensors with napkin.distributed shard helpers")
+    _check_side_lengths(r, first, len(r.tokens), {r.query: q_lay.length, r.key: x_lay.length})
+
+
+def _check_side_lengths(r: Roles, first, offset: int, lengths: dict) -> None:
+    """Side inputs are passed whole: each dimension along a token wire holds
+    that wire's global length, and one read along both token wires (doc[b, q]
+    of doc[b, x]) makes the lengths equal, as a single-process call does.
+    Checked here, on every rank alike, before any collective: found later,
+    the float64 local raised torch's index error (and the float32 kernel
+    accepted a longer doc) with a pass in flight, and the next call died on
+    the group's timeout."""
+    for k, name in enumerate(r.side):
+        shape = G.shape_at(first, offset + k)
+        for axis, n in zip(next(t for t in r.diagram.inputs if t.name == name).axes, shape):
+            if len(axis) == 1 and axis[0] in lengths and n != lengths[axis[0]]:
+                raise ValueError(f"side input {name} holds {n} entries along {axis[0]}, but {axis[0]}'s global "
+                                 f"length is {lengths[axis[0]]}: side inputs are passed whole")
+    if lengths[r.query] == lengths[r.key]:
+        return
+    for let in r.diagram.lets:
+        for n in ir.walk(let.expr):
+            if isinstance(n, ir.TensorRef) and n.name in r.side and n.wires is not None:
+                declared = ir.axis_wires(next(t for t in r.diagram.inputs if t.name == n.name).axes)
+                if any({a, b} == {r.query, r.key} for a, b in zip(declared, n.wires)):
+                    raise ValueError(f"side input {n.name} is read along {r.query} as well as {r.key}, so q_len "
+                                     f"({lengths[r.query]}) and x_len ({lengths[r.key]}) must be equal")
 
 
 def pad_rows(out: torch.Tensor, lse: Optional[torch.Tensor], pos: torch.Tensor, length: int, axis: int):

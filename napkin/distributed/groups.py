@@ -15,6 +15,7 @@ mesh dimension 1 is the row group and dimension 0 the column group.
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -207,12 +208,15 @@ def wait(work, timeout: float, what: str) -> None:
     """Wait for an async work handle, at most ``timeout`` seconds."""
     if work is None:
         return
+    start = time.monotonic()
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as err:
+        # the failure comes from our deadline, the process group's own (which may be shorter) or a
+        # peer that died: say how long it waited, not that it waited the whole timeout
         raise RuntimeError(
-            f"napkin.distributed: {what} did not finish within {timeout:g} s on rank {dist.get_rank()} "
-            f"({err}); a peer may have failed or not made the same call") from err
+            f"napkin.distributed: {what} failed after {time.monotonic() - start:.3g} s (timeout {timeout:g} s) "
+            f"on rank {dist.get_rank()} ({err}); a peer may have failed or not made the same call") from err
 
 
 def _all_gather(out, inp, group):

@@ -296,6 +296,15 @@ class KernelLocal:
     """
 
     def __init__(self, r: Roles, **options):
+        # both the forward launcher and NAME_backward take these; positions=, lengths= and
+        # out_dtype= are this class's own, and chunk= the backward lacks: found at the first
+        # backward (chunk=16), the error left a Ring pass in flight and the group broken
+        allowed = (f"block_{r.query}", f"block_{r.key}", "num_warps", "num_stages", "tma")
+        bad = [k for k in options if k not in allowed]
+        if bad:
+            raise TypeError(f"KernelLocal takes the launch options {', '.join(allowed)}, not {', '.join(bad)} "
+                            "(positions=, lengths= and out_dtype= it passes itself; the wrappers split the keys "
+                            "themselves, so chunk= has no place)")
         self.r = r
         self.eager = EagerLocal(r)
         self.options = options
