@@ -228,13 +228,19 @@ def _block_size(value, wire, option):
     return n
 
 
+def _option_text(option, value, given):
+    """``option=value`` in a message, "the schedule's option=value" where the
+    caller did not give it (a call giving any block or chunk takes no cached
+    blocks, so a block it did not give is the schedule's)."""
+    return f"{option}={value}" if given else f"the schedule's {option}={value}"
+
+
 def _tile_fits(blocks, options, given=(True, True)):
     """ValueError where two blocks make a tile past Triton's largest tensor,
     2^20 elements (the cached configs' test, _autotune_config).  ``given``:
-    whether the caller gave each; one not given is the schedule's (a call
-    giving any block takes no cached ones), and the message says so."""
+    whether the caller gave each (_option_text)."""
     if blocks[0] * blocks[1] > 1 << 20:
-        a, b = (f"{'' if g else 'the schedule' + chr(39) + 's '}{o}={n}" for o, n, g in zip(options, blocks, given))
+        a, b = (_option_text(o, n, g) for o, n, g in zip(options, blocks, given))
         raise ValueError(f"{a} and {b} make a tile of {blocks[0] * blocks[1]} elements, past Triton's "
                          "largest tensor (2^20)")
 
@@ -864,7 +870,7 @@ def _chunks(chunk, tuned, block, n, given=True):
     blocks, or 0 for none.  None takes the tuned config's (``tuned``), else the
     schedule's, either grown to the block when a longer one is asked for.  A
     single chunk runs whole: nothing to merge.  ``given``: whether the caller
-    gave the block (else the schedule's, which the message says)."""
+    gave the block (_option_text)."""
     chunk = _whole(chunk)
     if chunk is None:
         chunk = _SCHEDULE_CHUNK if tuned is None else tuned
@@ -872,8 +878,8 @@ def _chunks(chunk, tuned, block, n, given=True):
     elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be None, 0 or a power of two, not {chunk!r}")
     elif chunk and chunk < block:
-        raise ValueError(f"chunk={chunk} is shorter than {'' if given else 'the schedule' + chr(39) + 's '}"
-                         f"block_x={block}: a chunk is whole blocks")
+        raise ValueError(f"chunk={chunk} is shorter than {_option_text('block_x', block, given)}: "
+                         "a chunk is whole blocks")
     if not chunk or n <= chunk:
         return 0, 1
     return chunk, _cdiv(n, chunk)

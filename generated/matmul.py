@@ -221,13 +221,19 @@ def _block_size(value, wire, option):
     return n
 
 
+def _option_text(option, value, given):
+    """``option=value`` in a message, "the schedule's option=value" where the
+    caller did not give it (a call giving any block or chunk takes no cached
+    blocks, so a block it did not give is the schedule's)."""
+    return f"{option}={value}" if given else f"the schedule's {option}={value}"
+
+
 def _tile_fits(blocks, options, given=(True, True)):
     """ValueError where two blocks make a tile past Triton's largest tensor,
     2^20 elements (the cached configs' test, _autotune_config).  ``given``:
-    whether the caller gave each; one not given is the schedule's (a call
-    giving any block takes no cached ones), and the message says so."""
+    whether the caller gave each (_option_text)."""
     if blocks[0] * blocks[1] > 1 << 20:
-        a, b = (f"{'' if g else 'the schedule' + chr(39) + 's '}{o}={n}" for o, n, g in zip(options, blocks, given))
+        a, b = (_option_text(o, n, g) for o, n, g in zip(options, blocks, given))
         raise ValueError(f"{a} and {b} make a tile of {blocks[0] * blocks[1]} elements, past Triton's "
                          "largest tensor (2^20)")
 

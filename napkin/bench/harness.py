@@ -545,14 +545,14 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     masked = ctx["flex"] is not None and ctx["flex"].FLEX_SOURCE.mask is not None
     # half the square is causal's share only where queries and keys are as many: else the pairs
     # it keeps (x = 256 keys for 64 queries keep 12.7%, not 50%)
-    halved = shape["causal"] and shape["q_len"] == shape["kv_len"]
+    square = shape["q_len"] == shape["kv_len"]
+    halved = shape["causal"] and square
     visible = ctx["flex"].visible(*full) if masked and not halved else None
     flops = results.attention_flops(shape, halved, visible)
     # the speed reference runs top-left is_causal where the mask has a causal part: half the square
-    # only where queries and keys are as many, as above
-    own = shape["causal_part"] and not shape["q_len"] == shape["kv_len"]
-    own_flops = results.attention_flops(shape, shape["causal_part"] and not own,
-                                        results.top_left_causal(shape["q_len"], shape["kv_len"]) if own else None)
+    # only where queries and keys are as many, as above, else the pairs it keeps
+    kept = results.top_left_causal(shape["q_len"], shape["kv_len"]) if shape["causal_part"] and not square else None
+    own_flops = results.attention_flops(shape, shape["causal_part"] and square, kept)
     first = {}
     tma = bwd_tma = None
     for impl in impls:

@@ -394,19 +394,18 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     _, launch_width = chunk_state(plan, names, lambda w: _dim_block_value(names, w))
     # chunk= is no tuned option of the backward's kernels (nor in the torch op's schema), but the
     # forward's tuned config may set it (autotune.chunk_lengths)
-    given = f"(block_{row} is not None, block_{col} is not None)"
     # the launch grid's limits as the launch checks them (_fits): axis 1 the batch wires (the
     # fakes' sizes are unpacked: packed rows' wire is no batch wire there), axis 2 the chunks where
     # the caller gives chunk= (else a tuned chunk may differ)
     batch = " * ".join(f'_sz["{w}"]' for w in plan.batch if plan.pack is None or w != plan.pack[0]) or "1"
     checks = H.given_blocks([row, col]) + [
-        f'_tile_fits((_b_{row}, _b_{col}), ("block_{row}", "block_{col}"), {given})', f"_tma_check({T.OPTION})",
+        H.tile_fits(row, col), f"_tma_check({T.OPTION})",
         f'_n_chunks = _chunks(chunk, None, _b_{col}, _sz["{col}"], block_{col} is not None)[1]',
         f"_fits((1, {batch}, _n_chunks if chunk is not None else 1))"]
     launch = H.fill_options(opts + ["chunk"]) + P.launch_lines(plan, R.applies(plan)) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
-        f'_tile_fits((_br, _bc), ("block_{row}", "block_{col}"), {given})',
+        H.tile_fits(row, col, "_br", "_bc"),
         # packed rows: _pack checked the caller's positions and made the launch's from them
         "_pos = _position_args(positions, lengths, _sz)" if plan.pack is not None else
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
@@ -578,16 +577,16 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
     blocks_list = [names.block(w) for w in (row, col, red)] + ["_INT64"]
     params, sizes = _params(d, names, blocks_list)
     opts = H.options(d, [row, col, red])
+    batch = " * ".join(f'_sz["{w}"]' for w in plan.batch) or "1"
+    pairs = ((row, col), (row, red), (red, col))
+    block_var = {row: "_br", col: "_bc", red: "_bk"}
     launch = H.fill_options(opts) + [
               f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
               f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
               f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
-              *(f'_tile_fits(({a}, {b}), ("block_{x}", "block_{y}"), (block_{x} is not None, block_{y} is not None))'
-                for (a, x), (b, y) in ((("_br", row), ("_bc", col)), (("_br", row), ("_bk", red)),
-                                       (("_bk", red), ("_bc", col)))),
+              *(H.tile_fits(x, y, block_var[x], block_var[y]) for x, y in pairs),
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
-              f'_grid = _fits((_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), '
-              + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + "))"]
+              f'_grid = _fits((_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), {batch}))']
     block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk",
                   f"_INT64=_int64_offsets({', '.join([t.name for t in d.inputs] + [o.name for o in d.outputs])})"]
     launch.append(H.launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
@@ -602,12 +601,11 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
         "step": step, "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "check_options": H.option_checks(H.given_blocks([row, col, red]) + [
-            f'_tile_fits((_b_{x}, _b_{y}), ("block_{x}", "block_{y}"), (block_{x} is not None, block_{y} is not None))'
-            for x, y in ((row, col), (row, red), (red, col))] + [
+            H.tile_fits(x, y) for x, y in pairs] + [
             # the grid's limits (_fits): axis 1 the column blocks where a block is given (else the
             # tuned blocks may differ), axis 2 the batch
             f'_fits((1, _cdiv(_sz["{col}"], _b_{col}) if (block_{row}, block_{col}, block_{red}) != (None, None, None) '
-            f'else 1, {" * ".join(f"_sz[{chr(34)}{w}{chr(34)}]" for w in plan.batch) or "1"}))']),
+            f'else 1, {batch}))']),
         "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]),
         "options": opts,
     }

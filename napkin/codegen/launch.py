@@ -53,6 +53,14 @@ def given_blocks(wires: list[str]) -> list[str]:
     return [f'_b_{w} = _block_size(block_{w}, "{w}", "block_{w}")' for w in wires]
 
 
+def tile_fits(x: str, y: str, bx: str = "", by: str = "") -> str:
+    """The check that the blocks of wires x and y (the variables ``bx``,
+    ``by``; the fakes' _b_x, _b_y by default) make a tile Triton takes, naming
+    a block the caller did not give as the schedule's."""
+    return (f'_tile_fits(({bx or "_b_" + x}, {by or "_b_" + y}), ("block_{x}", "block_{y}"), '
+            f'(block_{x} is not None, block_{y} is not None))')
+
+
 def fill_options(opts: list[str]) -> list[str]:
     """Options left None take the tuned config cached for this shape bucket
     (templates/autotune.py.jinja), else the schedule's defaults."""

@@ -5,6 +5,9 @@ The general form is H* = sum_t alpha_t * M^(-beta_t) (background section 1):
 * matmul-like, one contraction sum[k](A * B), with a = A's own wires, c = B's
   own wires, batch = wires both share besides k:
       H* = batch * (2*a*k*c / sqrt(M) + a*c)                (beta = 1/2)
+  or, where less, an operand held (a k x M/k slab of B a program, A re-read
+  c*k/M times: batch * (a*k^2*c/M + k*c + a*c), "matmul, B held"; A likewise),
+  none below the matmul's compulsory traffic (_matmul).
 * attention-like, S = sum[d](Q * K) feeding O = sum[x](P * V):
       H* = batch * (rows*d + rows*dv + x*(d + dv)^2 * rows / M)   (beta = 1)
   which is 2qd + 4xqd^2/M per head when dv = d.  The last term is the K and V
@@ -14,8 +17,8 @@ The general form is H* = sum_t alpha_t * M^(-beta_t) (background section 1):
   written out between them (naive attention, or a chain C = A B, E = C D
   whose inner wires are wide): that moves less than the fused form once
   (d + dv)^2 outgrows about 2M, so the bound is the smaller of the two
-  (kind "two matmuls": each matmul's form, or its own compulsory traffic
-  where that is larger, the scores counted in their box's dtype).
+  (kind "two matmuls": each matmul's least form, as above, the scores
+  counted in their box's dtype).
 * anything else: the compulsory traffic, every input read and output written
   once (no reuse bound is known to napkin for it).
 

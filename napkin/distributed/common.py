@@ -93,7 +93,7 @@ def _check_side_lengths(r: Roles, first, offset: int, lengths: dict) -> None:
     the group's timeout."""
     for k, name in enumerate(r.side):
         shape = G.shape_at(first, offset + k)
-        for axis, n in zip(next(t for t in r.diagram.inputs if t.name == name).axes, shape):
+        for axis, n in zip(r.diagram.tensor(name).axes, shape):
             if len(axis) == 1 and axis[0] in lengths and n != lengths[axis[0]]:
                 raise ValueError(f"side input {name} holds {n} entries along {axis[0]}, but {axis[0]}'s global "
                                  f"length is {lengths[axis[0]]}: side inputs are passed whole")
@@ -102,7 +102,7 @@ def _check_side_lengths(r: Roles, first, offset: int, lengths: dict) -> None:
     for let in r.diagram.lets:
         for n in ir.walk(let.expr):
             if isinstance(n, ir.TensorRef) and n.name in r.side and n.wires is not None:
-                declared = ir.axis_wires(next(t for t in r.diagram.inputs if t.name == n.name).axes)
+                declared = ir.axis_wires(r.diagram.tensor(n.name).axes)
                 if any({a, b} == {r.query, r.key} for a, b in zip(declared, n.wires)):
                     raise ValueError(f"side input {n.name} is read along {r.query} as well as {r.key}, so q_len "
                                      f"({lengths[r.query]}) and x_len ({lengths[r.key]}) must be equal")
