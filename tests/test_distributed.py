@@ -234,6 +234,9 @@ def error_cases(grids: dict, rank: int) -> dict:
     alibi = RingAttention(load("alibi"))
     slope = torch.rand(2, dtype=torch.float64, generator=gen).requires_grad_()
     out["side_grad"] = _expect_error(lambda: alibi(rq, rq, rq, slope=slope, q_len=16, timeout=20.0))
+    # rank 2's slope one ulp off: its shapes agree, so only the values tell
+    other = torch.nextafter(slope.detach(), torch.ones(())) if rank == 2 else slope.detach()
+    out["side_values"] = _expect_error(lambda: alibi(rq, rq, rq, slope=other, q_len=16, timeout=20.0))
     # O requires grad: its gather (the docs' own usage, after O.backward) failed in gloo, reported as a timeout
     o, _ = rg(rq.clone().requires_grad_(), rq, rq, q_len=16, timeout=20.0)
     ref = torch.nn.functional.scaled_dot_product_attention(full, full, full)
@@ -436,6 +439,9 @@ def test_inputs_of_another_rank_and_side_inputs_wanting_gradients_are_refused_in
         assert res["errors"]["side_grad"] == (
             "ValueError: side input(s) slope require gradients, which the distributed wrappers do not compute "
             "(their .grad would stay empty): pass them detached"), res["errors"]["side_grad"]
+        assert res["errors"]["side_values"] == (
+            "ValueError: side input slope holds other values on ring rank 2 than on ring rank 0 (a crc32 of its "
+            "bytes differs): side inputs are passed whole, the same on every device"), res["errors"]["side_values"]
 
 
 def test_padding_rows_lse_gradient_stays_on_padding_rows(suite):

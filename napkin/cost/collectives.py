@@ -64,8 +64,8 @@ TWO_D = ("attention2d", "ring2", "burst2")   # schemes whose grid has two number
 PHASES = ("check", "forward", "backward")
 
 # The shape handshake: one int64 vector per rank (napkin/distributed/groups.py,
-# META_LEN = 5 + 8 * (3 + 5) = 69 entries).
-META_BYTES = 8 * 69
+# META_LEN = 5 + 8 * (4 + 5) = 77 entries).
+META_BYTES = 8 * 77
 
 ELEMENT_BYTES = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}
 

@@ -43,7 +43,9 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
     head = [SCHEME_CODES[scheme], q_lay.length, x_lay.length, KINDS.index(q_lay.kind) + 1,
             zlib.crc32(to_text(r.diagram).encode()) & 0x7FFFFFFF]
     with phase("check"):
-        table = G.exchange_meta(G.describe(head, tensors), group_seq, timeout, tokens[0].device)
+        # side inputs are passed whole, so every rank's values must agree too
+        prints = [-1] * len(tokens) + [G.fingerprint(side[n]) for n in r.side]
+        table = G.exchange_meta(G.describe(head, tensors, prints), group_seq, timeout, tokens[0].device)
     first = table[0]
     for part in range(1, table.shape[0]):
         row = table[part]
@@ -58,6 +60,10 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
             if G.decode(row, k) != G.decode(first, k):
                 raise ValueError(f"{name} differs across devices: {where(part)} has {G.decode(row, k)}, "
                                  f"{where(0)} has {G.decode(first, k)}")
+            if G.fingerprint_at(row, k) != G.fingerprint_at(first, k):
+                raise ValueError(f"side input {name} holds other values on {where(part)} than on {where(0)} "
+                                 f"(a crc32 of its bytes differs): side inputs are passed whole, the same on "
+                                 f"every device")
     decls = {t.name: t for t in r.diagram.inputs}
     for k, name in enumerate(names):
         nd = len(G.shape_at(first, k))

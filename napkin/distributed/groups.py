@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -302,42 +303,60 @@ class RingPass:
 
 MAX_TENSORS = 8
 DIMS = 5
+SLOT = 4 + DIMS                       # dtype code, requires_grad, rank, fingerprint, shape
 META_HEAD = 5                         # scheme code, q_len, x_len, layout code, diagram hash
-META_LEN = META_HEAD + MAX_TENSORS * (3 + DIMS)
+META_LEN = META_HEAD + MAX_TENSORS * SLOT
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16,
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 
 
-def describe(head: Sequence[int], tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """This rank's call as a fixed-length int64 vector."""
+def fingerprint(t: torch.Tensor) -> int:
+    """A crc32 of the tensor's values (as laid out contiguously), for inputs
+    every rank passes whole: a rank with another doc-id tensor or slope
+    computes another function, and no shape says so.  The copy to the host
+    is of a side input (a slope per head, a doc id per token), small beside
+    the token inputs, and the handshake waits on the host anyway."""
+    host = t.detach().reshape(-1).contiguous().cpu()
+    return zlib.crc32(host.view(torch.uint8).numpy().tobytes()) & 0x7FFFFFFF
+
+
+def describe(head: Sequence[int], tensors: Sequence[Optional[torch.Tensor]],
+             fingerprints: Sequence[int] = ()) -> torch.Tensor:
+    """This rank's call as a fixed-length int64 vector.  ``fingerprints``
+    gives the first tensors' value fingerprints (-1: not compared)."""
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"at most {MAX_TENSORS} tensor arguments, got {len(tensors)}")
+    prints = list(fingerprints) + [-1] * (len(tensors) - len(fingerprints))
     vec = [int(h) for h in head]
-    for t in list(tensors) + [None] * (MAX_TENSORS - len(tensors)):
+    for t, mark in zip(list(tensors) + [None] * (MAX_TENSORS - len(tensors)), prints + [-1] * MAX_TENSORS):
         if t is None:
-            vec += [-1] * (3 + DIMS)
+            vec += [-1] * SLOT
             continue
         if t.dim() > DIMS:
             raise ValueError(f"tensors of at most {DIMS} dimensions, got shape {tuple(t.shape)}")
         code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
-        vec += [code, int(t.requires_grad), t.dim()] + list(t.shape) + [0] * (DIMS - t.dim())
+        vec += [code, int(t.requires_grad), t.dim(), mark] + list(t.shape) + [0] * (DIMS - t.dim())
     return torch.tensor(vec, dtype=torch.int64)
 
 
 def decode(row: torch.Tensor, index: int) -> str:
     """One tensor's entry of a handshake vector, as 'shape dtype'."""
-    base = META_HEAD + index * (3 + DIMS)
+    base = META_HEAD + index * SLOT
     code, grad, nd = (int(v) for v in row[base:base + 3])
     if code < 0:
         return "absent"
-    shape = tuple(int(v) for v in row[base + 3:base + 3 + nd])
+    shape = shape_at(row, index)
     dtype = str(_DTYPES[code]).replace("torch.", "") if code < len(_DTYPES) else "other dtype"
     return f"{shape} {dtype}" + (" requires_grad" if grad else "")
 
 
+def fingerprint_at(row: torch.Tensor, index: int) -> int:
+    return int(row[META_HEAD + index * SLOT + 3])
+
+
 def shape_at(row: torch.Tensor, index: int) -> tuple[int, ...]:
-    base = META_HEAD + index * (3 + DIMS)
-    return tuple(int(v) for v in row[base + 3:base + 3 + int(row[base + 2])])
+    base = META_HEAD + index * SLOT
+    return tuple(int(v) for v in row[base + 4:base + 4 + int(row[base + 2])])
 
 
 def exchange_meta(vec: torch.Tensor, groups: Sequence, timeout: float, device=None) -> torch.Tensor:
