@@ -501,6 +501,78 @@ def test_a_matmul_epilogue_reading_a_tensor_or_an_index_says_so():
         assert reason is not None and why in reason, (epilogue, reason)
 
 
+@pytest.mark.parametrize("decls, product", [
+    ("in W[k, n] : fp32\nin X[m, k] : fp32", "X * W"),      # a linear layer written weight-first
+    ("in X[m, k] : fp32\nin W[k, n] : fp32", "W * X"),      # the product named in the other order
+])
+def test_a_matmul_returns_gradients_in_the_inputs_order(folder, decls, product):
+    """The contraction backward returned its gradients in the product's order: with W declared
+    first, W alone requiring a gradient got zeros, both got each other's (square) or torch's
+    "invalid gradient" (contract hunt).  Ragged 37 x 45 by 45 x 29, blocks of 16, float64 torch."""
+    text = f"diagram lin\nwire m, n, k\n{decls}\nY[m, n] = sum[k]({product})\nout Y\n"
+    m = compile_text(text, f"lin_{zlib.crc32(text.encode())}", folder)
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(37, 45, generator=g), torch.randn(45, 29, generator=g)
+    args = (w, x) if decls.startswith("in W") else (x, w)
+    opts = dict(block_m=16, block_n=16, block_k=16)
+    exact = gradients(lambda *t: (t[1] @ t[0]) if decls.startswith("in W") else (t[0] @ t[1]),
+                      [a.double() for a in args])
+    for got, e in zip(gradients(m.lin, list(args), **opts), exact):
+        assert got.shape == e.shape and (got.double() - e).abs().max() < 1e-5 * e.abs().max()
+    only = args[0].clone().requires_grad_()    # the first declared input alone trains
+    m.lin(only, args[1], **opts).backward(torch.ones(37, 29))
+    want = (x.T.double() @ torch.ones(37, 29, dtype=torch.float64)) if decls.startswith("in W") \
+        else (torch.ones(37, 29, dtype=torch.float64) @ w.T.double())
+    assert (only.grad.double() - want).abs().max() < 1e-5 * want.abs().max()
+
+
+def test_a_product_of_two_dtypes_is_taken_in_the_wider(folder):
+    """tl.dot(a, b.to(a.dtype)) rounded the right factor to the left one's dtype: an fp16 matmul
+    with an fp32 output had dB = A^T dC with dC rounded to fp16 (inf past 65504), and fp16 A by
+    fp32 B rounded B (inf where reference() gave 1600.6) while fp32 A by fp16 B widened (contract
+    hunt).  Both now meet in fp32, against float64 torch."""
+    text = "diagram mixed\nwire m, n, k\nin A[m, k] : fp16\nin B[k, n] : {b}\nC[m, n] : fp32 = sum[k](A * B)\nout C\n"
+    g = torch.Generator().manual_seed(8)
+    a = (torch.rand(21, 19, generator=g) * 1e-3).half()
+    opts = dict(block_m=16, block_n=16, block_k=16)
+    m = compile_text(text.format(b="fp16"), "mixed16", folder)
+    b = torch.randn(19, 23, generator=g).half()
+    dc = torch.randn(21, 23, generator=g, dtype=torch.float64) * 1e5     # a loss-scaled gradient
+    dc[:, 1] = 1.0001                                                    # and one needing fp32's mantissa
+    ga, gb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    m.mixed(ga, gb, **opts).backward(dc.float())
+    want_b = a.double().T @ dc.float().double()
+    assert torch.isfinite(gb.grad).all()
+    assert ((gb.grad.double() - want_b).abs() <= 2e-3 * want_b.abs() + 1e-6).all()
+    m32 = compile_text(text.format(b="fp32"), "mixed32", folder)
+    big = torch.randn(19, 23, generator=g) * 1e5
+    big[:, 1] = 1.0001
+    want = a.double() @ big.double()
+    for out in (m32.mixed(a, big, **opts), m32.reference(a, big)):
+        assert ((out.double() - want).abs() <= 1e-5 * want.abs().max()).all()
+
+
+def test_a_chain_of_matmuls_in_fp16_trains_past_fp16s_range(folder):
+    """C = A B, E = sum[n](C * D): the forward scales C's rows into fp16 (weights.py); the
+    backward rounded C as it was, so dD = C^T dE was inf once |C| passed 65504 (contract hunt).
+    That product is taken in float32 now; against float64 torch on ragged sizes."""
+    text = ("diagram chain\nwire m, n, k, p\nin A[m, k] : fp16\nin B[k, n] : fp16\nin D[n, p] : fp16\n"
+            "C[m, n] = sum[k](A * B)\nE[m, p] : fp32 = sum[n](C * D)\nout E\n")
+    m = compile_text(text, "chain16", folder)
+    g = torch.Generator().manual_seed(9)
+    a = (torch.rand(19, 16, generator=g) * 20).half()
+    a[0] = 400.0                                                # C's row 0 reaches 1e5
+    b = (torch.rand(16, 21, generator=g) * 20).half()
+    d = (torch.rand(21, 16, generator=g) * 1e-2).half()
+    de = torch.randn(19, 16, generator=g) * 1e-2                # dD = C^T dE well inside fp16
+    leaf = d.clone().requires_grad_()
+    m.chain(a, b, leaf, block_m=16, block_n=16).backward(de)
+    c = a.double() @ b.double()
+    want = c.T @ de.double()
+    assert c.abs().max() > 65504 and want.abs().max() < 1e4
+    assert torch.isfinite(leaf.grad).all() and (leaf.grad.double() - want).abs().max() < 2e-3 * want.abs().max()
+
+
 # --------------------------------------------------------------------------
 # The backward as an API; determinism; skipped blocks.
 # --------------------------------------------------------------------------

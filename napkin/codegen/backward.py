@@ -39,6 +39,7 @@ from .exprs import fold
 from .kernel_names import joined, stride
 from .lower import AttentionPlan, Load, Var, _Loads, nodes
 from .products import constant
+from .weights import fits
 from .scale import LOG2E, factor, log2_scale
 
 # Names the kernels define themselves; loads of user inputs never take them.
@@ -81,6 +82,7 @@ class Grad:
     rows: str
     cols: str
     scale: Optional[float] = None       # the tile's constant factor, applied once at the store
+    wide: bool = False                  # the tile may leave float16's range: its product in float32 (_wide_tile)
 
 
 @dataclass(frozen=True)
@@ -377,6 +379,20 @@ class _Builder:
             raise refuse(f"the gradient of {name}", f"{name} must be along {lead}, one feature wire and batch wires")
         return name, a.name, b, lead, feat[0]
 
+    def _wide_tile(self, tile_name: str) -> bool:
+        """Whether a gradient's tile is the forward's weights as a function of
+        the scores alone, with no bound on them: a chain of matmuls' C
+        (E = sum[n](C * D)) or an unnormalised ReLU².  The forward scales such
+        rows into float16 (weights.py, _FIT_WEIGHTS); rounded as they were,
+        dD = C^T dE was inf past 65504, so the product is taken in float32
+        (tf32 range).  Softmax's P and a normalised sum's weighted tile read
+        row state (lse, the normaliser's factor): bounded by it, kept narrow."""
+        source = dict(self.rule.tile).get(tile_name)
+        if source is None:
+            return False
+        reads = {n.name for n in ir.walk(source) if isinstance(n, ir.TensorRef)}
+        return reads <= {"S", "R"} and not fits(source, self.fixed)
+
     def loop_kernel(self, role, grid_wire, loop_wire, batch, outer, targets, sides) -> Kernel:
         """The dK/dV or dQ kernel: the tile chain its targets need, and its loads
         (phase "step" when they carry the loop wire or an outer wire)."""
@@ -430,7 +446,7 @@ class _Builder:
                 raise refuse(f"the gradient of {name}", f"the scores do not depend on {name} (the tile "
                              f"{tile_name} its gradient sums is the constant {expr_text(tile[tile_name])})")
             grads.append(Grad(name, f"_grad_{name}", f"_acc_{name}", subst[ir.TensorRef(tile_name)],
-                              load(operand), lead, feat, scales.get(tile_name)))
+                              load(operand), lead, feat, scales.get(tile_name), self._wide_tile(tile_name)))
         for s in sides:
             for node in nodes(s.expr):
                 if isinstance(node, ir.TensorRef) and node not in subst:

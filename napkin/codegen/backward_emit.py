@@ -94,7 +94,7 @@ def _wide_operands(plan: BackwardPlan, k: Kernel) -> list:
             out.setdefault(dot.lhs.tensor, dot.lhs)
             out.setdefault(dot.rhs.tensor, dot.rhs)
     for g in k.grads:
-        if _dt(plan, g.operand.tensor) == "tl.float32":
+        if _grad_dt(plan, g) == "tl.float32":
             out.setdefault(g.operand.tensor, g.operand)
     return list(out.values())
 
@@ -237,6 +237,12 @@ def _dt(plan: BackwardPlan, *tensors: str) -> str:
     return "tl.float32" if wide & set(tensors) else f"{plan.q}.dtype.element_ty"
 
 
+def _grad_dt(plan: BackwardPlan, g) -> str:
+    """The dtype of a gradient's product: _dt's, or float32 for a tile of
+    unbounded weights (backward.Grad.wide)."""
+    return "tl.float32" if g.wide else _dt(plan, g.operand.tensor)
+
+
 def _dot(a: str, b: str, plan: BackwardPlan, dt: str = "") -> str:
     if _widens(plan, dt):  # the launcher's choice: _wide_precision
         return f"tl.dot({a}, {b}, input_precision=_WIDE)"
@@ -359,7 +365,7 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
         return value if full else f"tl.where(_ok, {value}, 0.0)"
 
     for g in k.grads:  # [resident, loop] @ [loop, feature]: the tile as it is, no transpose
-        dt = _dt(plan, g.operand.tensor)
+        dt = _grad_dt(plan, g)
         # a factor under 1 in size may keep to the tile in float16 (_operand_grad); a larger one waits for
         # the store in every dtype: there c * dS is the tile that overflows float16 (a score times 64)
         tile = f"_operand_grad({kept(g.tile)}, {g.scale!r}, {dt})" if _small(g.scale) \
@@ -682,7 +688,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             if g.scale is None:
                 scaled = g.var
             elif _small(g.scale):  # backward.grad_scales; float16 took it on each tile
-                scaled = f"_scaled_grad({g.var}, {g.scale!r}, {_dt(plan, g.operand.tensor)})"
+                scaled = f"_scaled_grad({g.var}, {g.scale!r}, {_grad_dt(plan, g)})"
             else:
                 scaled = f"({g.var} * {g.scale!r})"
             value = f"{scaled}.to({g.buffer}.dtype.element_ty)"

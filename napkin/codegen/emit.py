@@ -240,6 +240,20 @@ def known(plan: L.AttentionPlan) -> frozenset:
     return frozenset() if plan.skip is None else frozenset({plan.skip, *masks.conjuncts(plan.skip)})
 
 
+def dot_operands(lhs: str, lhs_dtype: str, rhs: str, rhs_dtype: str) -> tuple[str, str]:
+    """tl.dot takes one dtype: two tiles of different dtypes meet in the wider
+    (fp16 by fp32 in fp32; fp16 by bf16, neither holding the other, in fp32).
+    Rounding the right one to the left one's dtype made the answer depend on
+    operand order, and an fp32 dC past 65504 inf in an fp16 matmul's dB."""
+    if lhs_dtype == rhs_dtype:
+        return lhs, rhs
+    if ir.DTYPE_BYTES[lhs_dtype] > ir.DTYPE_BYTES[rhs_dtype]:
+        return lhs, f"{rhs}.to({lhs}.dtype)"
+    if ir.DTYPE_BYTES[rhs_dtype] > ir.DTYPE_BYTES[lhs_dtype]:
+        return f"{lhs}.to({rhs}.dtype)", rhs
+    return f"{lhs}.to(tl.float32)", f"{rhs}.to(tl.float32)"
+
+
 def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], list[str], list[str]]:
     """(init, step lines, the constexpr flags they read) of the streamed loop.  The step of
     a full block (``full``) is the same text generated with the mask taken
@@ -259,9 +273,8 @@ def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], 
     lines = []
     dtypes = {t.name: t.dtype for t in d.inputs}
     for dot in plan.dots:
-        rhs = dot.rhs.var if dtypes[dot.rhs.tensor] == dtypes[dot.lhs.tensor] else \
-            f"{dot.rhs.var}.to({dot.lhs.var}.dtype)"
-        lines.append(f'{dot.var} = tl.dot({dot.lhs.var}, tl.trans({rhs}), input_precision="{plan.precision}")')
+        lhs, rhs = dot_operands(dot.lhs.var, dtypes[dot.lhs.tensor], dot.rhs.var, dtypes[dot.rhs.tensor])
+        lines.append(f'{dot.var} = tl.dot({lhs}, tl.trans({rhs}), input_precision="{plan.precision}")')
     # each exponent as c * t (scale.py): t is what the step computes, c * log2(e) one constant
     tiles = {e: var for var, e in plan.tiles}
     factored, opened = plan_exponents(
@@ -570,9 +583,8 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
     kinds = _kinds(d)
     row, col, red = plan.row, plan.col, plan.red
     dtypes = {t.name: t.dtype for t in d.inputs}
-    rhs = plan.rhs.var if dtypes[plan.rhs.tensor] == dtypes[plan.lhs.tensor] else \
-        f"{plan.rhs.var}.to({plan.lhs.var}.dtype)"
-    step = f'_acc = tl.dot({plan.lhs.var}, {rhs}, _acc, input_precision="{plan.precision}")'
+    lhs, rhs = dot_operands(plan.lhs.var, dtypes[plan.lhs.tensor], plan.rhs.var, dtypes[plan.rhs.tensor])
+    step = f'_acc = tl.dot({lhs}, {rhs}, _acc, input_precision="{plan.precision}")'
     finalise, stores = _finalise(d, names, plan.outputs, kinds, {})
     blocks_list = [names.block(w) for w in (row, col, red)] + ["_INT64"]
     params, sizes = _params(d, names, blocks_list)

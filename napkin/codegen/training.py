@@ -397,5 +397,9 @@ def _contraction_context(t: Training) -> dict:
     # the public NAME_backward(A, B, dC) names C's gradient dC, unless an input
     # is called that (a duplicate parameter): then dC_1, dC_2, ...
     param = fresh_name(f"d{out}", {x.name for x in d.inputs}, prefix="")
+    # gradients come back in the inputs' order, whatever order the product
+    # names them in (sum[k](X * W) with W declared first swapped dW and dX)
+    by_index = {g["index"]: g["buffer"] for g in launches}
+    returns = [by_index.get(i, "None") for i in range(len(d.inputs))]
     return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}",
-            "grad_param": param}
+            "grad_param": param, "returns": returns}
