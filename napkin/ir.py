@@ -359,6 +359,23 @@ def layout_locs(tensor: Union[Input, Let]) -> tuple[Loc, ...]:
     return (tensor.loc,) * len(wires)
 
 
+def relabels(d: "Diagram") -> tuple[tuple[str, str, str, Loc], ...]:
+    """Each (input, declared wire, wire read along, where) an input is read
+    along another wire than its own (``A[n, k]`` of ``A[m, k]``: A, m, n):
+    the two wires must have one size.  First occurrence of each, in the
+    inputs' order, then the boxes'."""
+    out: dict[tuple[str, str, str], Loc] = {}
+    for t in d.inputs:
+        declared = axis_wires(t.axes)
+        for let in d.lets:
+            for n in walk(let.expr):
+                if isinstance(n, TensorRef) and n.name == t.name and n.wires is not None:
+                    for dw, rw in zip(declared, n.wires):
+                        if dw != rw:
+                            out.setdefault((t.name, dw, rw), n.loc)
+    return tuple((*key, loc) for key, loc in out.items())
+
+
 def children(expr: Expr) -> tuple:
     """The direct sub-expressions of a node, in source order."""
     if isinstance(expr, Unary):

@@ -551,3 +551,18 @@ def test_compile_errors_name_the_path_given_and_modules_not_depend_on_its_spelli
         assert cli.main(["compile", spelling, "-o", str(tmp_path / f"g{i}")]) == 0
         texts.add((tmp_path / f"g{i}" / "causal.py").read_text())
     assert len(texts) == 1 and "causal.ncd" in texts.pop()
+
+
+def test_cost_binds_a_relabels_wires_to_one_size(capsys, tmp_path):
+    """A[n, k] of A[m, k] ties |n| to |m|, as the launcher does: cost priced m=1024 n=512, a
+    problem no launch runs, and asked for n when only m was given (contract hunt)."""
+    path = tmp_path / "gram.ncd"
+    path.write_text("diagram gram\nwire m, n, k\nin A[m, k] : fp16\nC[m, n] : fp16 = sum[k](A * A[n, k])\n"
+                    "out C\nschedule on h100 {\n  level hbm { hold A, C }\n"
+                    "  level smem {\n    group m by 128, n by 128\n    stream k by 32\n  }\n}\n")
+    code, _, err = run(capsys, "cost", str(path), "-D", "m=1024", "-D", "n=512", "-D", "k=256")
+    assert code == 1 and err.splitlines() == [
+        f"{path}:4:29: A is read along n as well as m, so wires n (512) and m (1024) must have equal sizes",
+        "    C[m, n] : fp16 = sum[k](A * A[n, k])", "                                ^^^^^^^"], err
+    code, out, _ = run(capsys, "cost", str(path), "-D", "m=1024", "-D", "k=256")
+    assert code == 0 and out.splitlines()[0] == "napkin cost: diagram gram on h100, sizes m=1024 n=1024 k=256"

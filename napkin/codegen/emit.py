@@ -648,15 +648,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
     layouts = "{\n" + "".join(f'    "{t.name}": {_layout_repr(t.axes)},\n' for t in tensors) + "}"
     dtypes = "{" + ", ".join(f'"{t.name}": "{t.dtype if isinstance(t, ir.Input) else out_dtypes[t.name]}"'
                              for t in tensors) + "}"
-    relabels = []
-    for t in d.inputs:
-        declared = ir.axis_wires(t.axes)
-        for let in d.lets:
-            for n in ir.walk(let.expr):
-                if isinstance(n, ir.TensorRef) and n.name == t.name and n.wires is not None:
-                    for dw, rw in zip(declared, n.wires):
-                        if dw != rw and (t.name, dw, rw) not in relabels:
-                            relabels.append((t.name, dw, rw))
+    relabels = [r[:3] for r in ir.relabels(d)]
     blocks = "{" + ", ".join(f'"{w}": {n}' for w, n in plan.blocks) + "}"
     ref_inputs = []
     for t in d.inputs:

@@ -25,7 +25,7 @@ import math
 from typing import Mapping, Optional
 
 from .. import ir, masks, tiling
-from ..errors import NapkinError
+from ..errors import Diagnostic, NapkinError
 from ..printer import expr_text
 from . import bounds as bounds_mod
 from . import chunks as chunks_mod
@@ -50,7 +50,8 @@ DEFAULT_PROFILE = "h100"
 def bind_sizes(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]]) -> dict[str, int]:
     """Every wire whose size is known: fixed ones and those ``sizes`` binds.
     NapkinError for a wire the diagram lacks, a size that is not a positive
-    whole number, or a fixed wire given another size."""
+    whole number, a fixed wire given another size, or two sizes a relabel
+    makes one; a relabel's wire takes the size of the wire it stands for."""
     out = {w.name: w.size for w in diagram.wires if w.size is not None}
     for name, value in (sizes or {}).items():
         wire = diagram.wire(name)
@@ -62,6 +63,20 @@ def bind_sizes(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]]) -> dict[
         if wire.size is not None and wire.size != value:
             raise NapkinError(f"wire {name} is fixed at {wire.size} in the diagram; it cannot be {value}")
         out[name] = value
+    # A[n, k] of A[m, k]: n and m are one size, as the launcher binds them
+    # (a missing one from the other, unequal ones refused); to a fixed point,
+    # for chains of relabels
+    changed = True
+    while changed:
+        changed = False
+        for tensor, declared, read, loc in ir.relabels(diagram):
+            if declared in out and read in out and out[declared] != out[read]:
+                raise NapkinError([Diagnostic(f"{tensor} is read along {read} as well as {declared}, so wires "
+                                              f"{read} ({out[read]}) and {declared} ({out[declared]}) must "
+                                              "have equal sizes", loc)])
+            for a, b in ((declared, read), (read, declared)):
+                if a in out and b not in out:
+                    out[b], changed = out[a], True
     return out
 
 
