@@ -1014,3 +1014,22 @@ def test_the_demos_summary_says_when_the_compulsory_traffic_is_the_bound():
         "is the bound)"), small
     big = next(x for x in summary_lines(d, {"b": 1, "h": 16, "q": 4096, "x": 4096}) if x.startswith("lower bound"))
     assert big.endswith("elements (92.5MB)"), big
+
+
+@pytest.mark.parametrize("text, written", [
+    ("diagram bt\nwire m, n, k\nin A[m, k] : fp16\nin B[n, k] : fp16\nC[m, n] : fp16 = sum[k](A * B)\nout C\n",
+     "schedule {\n  level hbm { hold A, B, C }\n  level smem {\n    group m by 64, n by 64\n    stream k by 32\n  }\n}\n"),
+    ((REPO / "examples" / "attention.ncd").read_text().split("\nschedule")[0] + "\n",
+     "schedule {\n  level hbm { hold Q, K, V, O, lse }\n  level smem {\n    group b by 1, h by 1, q by 64\n"
+     "    stream x by 64\n  }\n}\n"),
+])
+def test_a_diagram_without_a_schedule_is_priced_as_its_launch_runs(text, written):
+    """With no schedule the report priced nothing as moved: hbm 0 ns and intensity 0 FLOP/B beside a
+    lower bound of 840 MB (contract hunt).  It is now the report of the launch's own schedule,
+    written out here by hand, and a note says so."""
+    sizes = dict(m=4096, n=4096, k=4096) if text.startswith("diagram bt") else dict(b=1, h=8, q=4096, x=4096)
+    bare, scheduled = analyse(napkin.load_text(text), sizes), analyse(napkin.load_text(text + written), sizes)
+    assert bare.transfers == scheduled.transfers and bare.roofline == scheduled.roofline
+    assert bare.hbm_bytes > bare.bound.bytes > 0
+    assert bare.notes[0].startswith(f"diagram {bare.diagram} has no schedule: priced as its untuned launch runs "
+                                    "(level hbm holds ")

@@ -226,6 +226,9 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     Symbolic wires missing from ``sizes`` leave the numeric fields None; the
     formulas are always there.
     """
+    launch = launch_schedule(diagram) if diagram.schedule is None else None
+    written = diagram
+    diagram = launch or diagram
     c = _Context(diagram, resolve_profile(diagram, profile), bind_sizes(diagram, sizes))
     transfers, totals = _transfers(c)
     flops = _flops(c)
@@ -233,6 +236,12 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     footprints = _footprints(c)
     comm = communication(diagram, c.kernels, c.full, c.prof, c.wire_sym)
     notes = []
+    if launch is not None:
+        notes.append(f"diagram {written.name} has no schedule: priced as its untuned launch runs "
+                     f"({_schedule_words(launch.schedule)})")
+    elif written.schedule is None:
+        notes.append(f"diagram {written.name} has no schedule and no kernel napkin emits: nothing is priced as "
+                     "moved; write a schedule (docs/language.md, \"The schedule\")")
     if comm is not None:
         notes.append(f"numbers are per device (busiest of {device_count(diagram)})"
                      "; block skipping is not modelled across devices")
@@ -271,6 +280,33 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     return CostReport(SCHEMA, diagram.name, c.prof.key, sizes_out, comm is not None, infos,
                       tuple(transfers), tuple(totals), footprints, flops, bound,
                       _roofline(c, flops, totals, comm), comm, tuple(notes))
+
+
+def launch_schedule(diagram: ir.Diagram) -> Optional[ir.Diagram]:
+    """A diagram with no schedule, given the one its untuned launch runs:
+    level hbm holds the inputs and outputs, level smem groups the code
+    generator's blocks (a batch wire by 1: a program per index) and streams
+    its streamed wire.  Without it nothing was priced as moved (hbm 0 ns,
+    intensity 0 FLOP/B beside a bound of 840 MB).  None where napkin emits no
+    kernel, or the checker refuses the schedule so made."""
+    from ..check import check
+
+    plan = _kernel_plan(diagram)
+    if plan is None or not plan.blocks:
+        return None
+    *groups, (stream, step) = plan.blocks
+    tiles = tuple(ir.Tile(w, "group", 1) for w in plan.batch) + \
+        tuple(ir.Tile(w, "group", b) for w, b in groups) + (ir.Tile(stream, "stream", step),)
+    holds = tuple(t.name for t in diagram.inputs) + tuple(o.name for o in diagram.outputs)
+    levels = (ir.Level("hbm", holds=holds), ir.Level("smem", tiles=tiles))
+    made = dataclasses.replace(diagram, schedule=ir.Schedule(levels=levels))
+    return made if not check(made) and _kernel_plan(made) is not None else None
+
+
+def _schedule_words(schedule: ir.Schedule) -> str:
+    hbm, smem = schedule.levels
+    tiles = ", ".join(f"{t.kind} {t.wire} by {t.size}" for t in smem.tiles)
+    return f"level hbm holds {', '.join(hbm.holds)}; level smem: {tiles}"
 
 
 def _below_bound_note(c: "_Context", flops: Flops, bound: LowerBound) -> str:
