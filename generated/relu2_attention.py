@@ -1010,8 +1010,8 @@ def _relu2_attention_kernel(
             _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _S = _qk * 0.125
-        _W = _relu(_S) * _relu(_S)
-        _t0 = _W
+        _W_1 = _relu(_S) * _relu(_S)
+        _t0 = _W_1
         if _FIT_WEIGHTS:  # float16 V, weights of no known bound: a power of two per row fits them
             _e0 = tl.max(tl.abs(_t0), 1)[:, None] * 6.103515625e-05  # each row's largest |weight| over 2^14
             _e0 = tl.minimum(tl.ceil(tl.log2(tl.maximum(_e0, 1.0))), 126.0)  # 0 where they fit
@@ -1025,7 +1025,7 @@ def _relu2_attention_kernel(
             _acc = _acc + tl.dot(_w0, _V, input_precision="ieee")
             if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
                 _acc += tl.dot((_t0 - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
-        _t1 = _W
+        _t1 = _W_1
         _l = _l + tl.sum(_t1, 1)[:, None]
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _start in range(_fhi, _hi, _BLOCK_x):
@@ -1053,8 +1053,8 @@ def _relu2_attention_kernel(
                 _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _S = tl.where(_idx_x[None, :] <= _idx_q[:, None], _qk * 0.125, float("-inf"))
-            _W = _relu(_S) * _relu(_S)
-            _t0 = tl.where(_ok_x[None, :], _W, 0.0)
+            _W_1 = _relu(_S) * _relu(_S)
+            _t0 = tl.where(_ok_x[None, :], _W_1, 0.0)
             if _FIT_WEIGHTS:  # float16 V, weights of no known bound: a power of two per row fits them
                 _e0 = tl.max(tl.abs(_t0), 1)[:, None] * 6.103515625e-05  # each row's largest |weight| over 2^14
                 _e0 = tl.minimum(tl.ceil(tl.log2(tl.maximum(_e0, 1.0))), 126.0)  # 0 where they fit
@@ -1068,7 +1068,7 @@ def _relu2_attention_kernel(
                 _acc = _acc + tl.dot(_w0, _V, input_precision="ieee")
                 if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
                     _acc += tl.dot((_t0 - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
-            _t1 = tl.where(_ok_x[None, :], _W, 0.0)
+            _t1 = tl.where(_ok_x[None, :], _W_1, 0.0)
             _l = _l + tl.sum(_t1, 1)[:, None]
 
     if _CHUNK:  # a chunk's state, for _relu2_attention_merge

@@ -47,6 +47,8 @@ from napkin.codegen.kernel_names import internal_names
 from napkin.codegen.lower import inline, lower
 from napkin.errors import NapkinError
 
+REPO = Path(__file__).resolve().parent.parent
+
 # Every base of kernel_names.internal_names (suffixed ones too), the skeleton's fixed
 # names, per-wire and per-tensor ones, the module's jit helpers.
 NAMES = (
@@ -56,7 +58,8 @@ NAMES = (
     "grid opts pos full a "
     "offs_q offs_x ok_x ok_q gok_q idx_q idx_x i_b i_h size_x len_x pos_q BLOCK_x POS_q "
     "st_Q_d st_K_x out_O acc_V grad_Q part_Q saved_lse tma_Q tma_K_1 TMA "
-    "tanh sigmoid relu safe_div logsumexp softmax exp scaled operand"
+    "tanh sigmoid relu safe_div logsumexp softmax exp scaled operand "
+    "c0 CHUNK part n_chunks W at c m_c beta v WIDE e0 k0"
 ).split()
 # builtins: the checker refuses them with a located error before codegen
 REFUSED = ("max", "min", "sum")
@@ -370,6 +373,22 @@ def test_outputs_named_like_tritons_launch_options_are_refused(o, lse, bad):
     assert "rename the box" in str(err.value)
 
 
+@pytest.mark.parametrize("bad", ["debug", "instrumentation_mode", "fpsan_homomorphic_casts", "options", "params",
+                                 "backend", "specialize_impl"])
+def test_a_tensor_named_like_tritons_own_launch_names_is_refused(bad):
+    """A compiled launch binds these beside the kernel's parameters (the interpreter does not):
+    an input called debug or options ran under TRITON_INTERPRET=1 and failed every GPU launch
+    inside Triton (names2 hunt).  Refused at the tensor, as an input and as an output."""
+    for text, where, kind in ((OUTPUTS.format(o="O", lse="lse").replace("K[", f"{bad}[").replace("Q * K", f"Q * {bad}"),
+                               f"in {bad}[", "input"), (OUTPUTS.format(o=bad, lse="lse"), f"{bad}[", "output")):
+        with pytest.raises(NapkinError) as err:
+            _emit(text)
+        line = next(i for i, s in enumerate(text.splitlines(), 1) if s.startswith(where))
+        assert f"napkin cannot emit a kernel for {kind} {bad}: the kernel launch takes a name of Triton's own " \
+               f"({bad}), and each {kind} is a kernel parameter of its own name" in str(err.value)
+        assert f"clash.ncd:{line}:" in str(err.value)
+
+
 def test_an_input_named_like_tritons_fusion_option_is_refused():
     """Every launch passes enable_fp_fusion=True (launch.FP_FUSION); an input is
     a kernel parameter of its own name, so one named so would be given twice."""
@@ -441,3 +460,43 @@ def test_derived_names_never_meet_a_helper_or_each_other():
     for helper in KERNEL_HELPERS:
         for base in ("grad", "acc", "out", "saved", "NEED", "part", "part_acc", "tma"):
             assert not helper.startswith(f"_{base}_"), helper
+
+
+# napkin's own tensors in the backward's kernels (their loads are kept apart by _Loads)
+BACKWARD_TENSORS = {"dO", "dP", "dR", "dS", "delta", "dlse", "lse", "lse2", "A0", "Aw", "N0", "Z0", "gN0", "dZ0"}
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (REPO / "generated").glob("*.py")
+                                         if (REPO / "examples" / f"{p.stem}.ncd").exists()), ids=lambda p: p.stem)
+def test_every_kernel_variable_is_reserved_or_the_users(path):
+    """Every name a bundled module's @triton.jit function takes or assigns is either in
+    internal_names (so a user's tensor of that name loads under another) or made from a
+    tensor's name.  _c0, _k0, _CHUNK, _part and _WIDE were neither: a side input called c0
+    took the chunk's start as its slope (names2 hunt)."""
+    d = napkin.load(REPO / "examples" / f"{path.stem}.ncd")
+    reserved = internal_names(d)
+    made = {t.name for t in d.inputs + d.lets} | {w.name for w in d.wires} | BACKWARD_TENSORS
+
+    def users(name: str) -> bool:
+        base = re.sub(r"^_(st_|tma_|out_|part_|saved_|grad_|_)*", "", name)
+        return any(re.fullmatch(rf"{re.escape(m)}(_\w+|\d+)?", base) for m in made)
+
+    stray = set()
+    for fn in ast.parse(path.read_text()).body:
+        if isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(x) for x in fn.decorator_list):
+            names = {a.arg for a in fn.args.args} | {n.id for n in ast.walk(fn)
+                                                     if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            stray |= {f"{fn.name}: {n}" for n in names if n.startswith("_") and n not in reserved and not users(n)}
+    assert not stray, sorted(stray)
+
+
+@pytest.mark.parametrize("name", ["c0", "part", "CHUNK"])
+def test_a_side_input_named_like_the_chunks_state_runs_chunked(name, tmp_path):
+    """A slope called c0 was loaded into _c0, then overwritten by the chunk's start: error 2.58
+    with chunk=16; called part or CHUNK, every chunked (or every) launch failed (names2 hunt)."""
+    src, _ = _emit(_text(INPUT, name, False))
+    m = _load_module(src, tmp_path, f"chunk_{name}")
+    ins = m.example_inputs({"b": 1, "h": 2, "q": 7, "x": 45}, dtype=torch.float32)
+    ref = m.reference(*[t.double() for t in ins])
+    for chunk in (None, 16):
+        assert _max_err(m.clash(*ins, block_q=16, block_x=16, chunk=chunk), ref) < 1e-5, chunk

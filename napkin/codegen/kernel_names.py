@@ -51,7 +51,8 @@ def internal_names(d: ir.Diagram) -> frozenset:
     """Every variable the kernels' own code may define for ``d`` (a superset):
     loop bounds, the step's temporaries (``_s``, ``_p``, ``_m_new``, ``_t0``),
     running state (``_m``, ``_l``, ``_acc``), the exponent's folded scale
-    (``_scale``), per-wire offsets and masks (``_offs_q``, ``_ok_x``), per-tensor strides and gradient accumulators,
+    (``_scale``), fp16 weight fitting's row exponents (``_e0``, ``_k0``), the
+    chunks' and the merge's state (``_c0``, ``_part``, ``_beta``), per-wire offsets and masks (``_offs_q``, ``_ok_x``), per-tensor strides and gradient accumulators,
     the contraction's ``_a``, ``_b`` and ``_full``, the module's jit helpers;
     not the names loads and box tiles themselves take (those of the
     backward's dO, lse, delta: ``_Loads`` keeps loads apart).  A load is
@@ -62,10 +63,15 @@ def internal_names(d: ir.Diagram) -> frozenset:
     suffixes = [""] + [str(i) for i in range(16)]
     out = {"_pid", "_batch", "_row0", "_col0", "_start", "_lo", "_hi", "_flo", "_fhi", "_row_first",
            "_row_last", "_col_first", "_col_last", "_live", "_rb", "_outer", "_o", "_ok", "_need", "_grid",
-           "_opts", "_pos", "_SAVE", "_SPLIT_WEIGHTS", "_FIT_WEIGHTS", "_INT64", "_a", "_b", "_full", "_TMA", "_tma"} | KERNEL_HELPERS
+           "_opts", "_pos", "_SAVE", "_SPLIT_WEIGHTS", "_FIT_WEIGHTS", "_INT64", "_a", "_b", "_full", "_TMA", "_tma",
+           # chunks (flash-decoding): the chunk's start and size, its partial state, the merge's own
+           "_c0", "_CHUNK", "_part", "_n_chunks", "_W", "_at", "_c", "_m_c", "_beta", "_v",
+           # the backward's widened products' precision; the ranges merge kernel's locals
+           "_WIDE", "_chunks", "_inner", "_joined", "_n", "_src"} | KERNEL_HELPERS
+    # (a side input called c0, k0 or WIDE was overwritten by these: wrong numbers or a crash)
     for sfx in suffixes:
         out |= {f"_{base}{sfx}" for base in ("s", "p", "m", "m_new", "m_use", "alpha", "qk", "acc", "l", "max",
-                                             "min", "t", "w", "dot", "sum", "scale")}
+                                             "min", "t", "w", "dot", "sum", "scale", "e", "k")}
     wires = [w.name for w in d.wires]
     for w in wires:
         out |= {f"_{base}_{w}" for base in ("offs", "ok", "gok", "idx", "size", "i", "pos", "len", "BLOCK", "POS")}

@@ -81,9 +81,10 @@ def options(d: ir.Diagram, wires: list[str], extra=()) -> list[str]:
     # pass Triton's options (TRITON_LAUNCH): a tensor of that name would be given twice
     # (an input named num_warps or num_stages is refused above, as a launcher option)
     for t in (*d.inputs, *d.outputs):
-        if t.name in TRITON_LAUNCH:
+        if t.name in TRITON_LAUNCH + TRITON_RESERVED:
             kind, fix = ("input", "rename the input") if isinstance(t, ir.Input) else ("output", "rename the box")
-            raise L.unsupported(f"{kind} {t.name}", f"the kernel launch takes Triton's option {t.name}, and "
+            what = f"Triton's option {t.name}" if t.name in TRITON_LAUNCH else f"a name of Triton's own ({t.name})"
+            raise L.unsupported(f"{kind} {t.name}", f"the kernel launch takes {what}, and "
                                 f"each {kind} is a kernel parameter of its own name", d.tensor(t.name).loc, fix)
     return opts
 
@@ -95,6 +96,13 @@ FP_FUSION = "enable_fp_fusion=True"
 
 # Triton's launch options napkin's launches pass (kernel[grid](..., num_warps=...)).
 TRITON_LAUNCH = ("num_warps", "num_stages", "enable_fp_fusion")
+# Names a compiled (not interpreted) launch binds beside the kernel's parameters:
+# JITFunction.run passes debug, instrumentation_mode and fpsan_homomorphic_casts
+# by keyword, and the binder it generates names options, params, backend and
+# specialize_impl itself.  A tensor so named passed the interpreter and failed
+# every GPU launch inside Triton (names2 hunt, Triton 3.9's runtime/jit.py).
+TRITON_RESERVED = ("debug", "instrumentation_mode", "fpsan_homomorphic_casts", "options", "params", "backend",
+                   "specialize_impl")
 
 
 # Launcher options of attention kernels beyond the tuned ones (block sizes,
