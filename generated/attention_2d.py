@@ -1982,6 +1982,12 @@ def _scalar(fn, v):
     return float(fn(torch.tensor(float(v), dtype=torch.float64)))
 
 
+def _scalar2(fn, a, b):
+    """torch's a / b or a ^ b of two numbers, as a float: inf and nan where
+    Python raised or went complex, as the kernel computes them."""
+    return float(fn(torch.tensor(float(a), dtype=torch.float64), torch.tensor(float(b), dtype=torch.float64)))
+
+
 def _where(c, a, b):
     """torch.where, whose condition may be a Python bool (of sizes alone: |x| > 3)."""
     if not torch.is_tensor(c):   # as a tensor beside the branches': it broadcasts them as ever

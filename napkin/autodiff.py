@@ -188,23 +188,40 @@ def _d_binary(e: ir.Binary, wrt) -> ir.Expr:
         return _add(_mul(da, b), _mul(a, db))
     if e.op == "/":
         return _sub(_div(da, b), _div(_mul(a, db), _mul(b, b)))
-    # power
+    # power: torch's two rules, summed where both vary (a^b * (b' log a + b a' / a)
+    # was NaN at a = 0, where b a' / a and b' log a are each 0 * inf)
+    by_base = ZERO if _is_num(da, 0) else _mul(da, _mul(b, ir.Binary("^", a, _sub(b, ONE))))
     if _is_num(db, 0):  # a^c: c * a^(c-1) * a'
-        return _mul(da, _mul(b, ir.Binary("^", a, _sub(b, ONE))))
-    if _is_num(da, 0):  # c^b: c^b * log(c) * b'
-        return _mul(db, _mul(e, ir.Call("log", (a,))))
-    # a^b = exp(b log a): a^b * (b' log a + b a' / a)
-    return _mul(e, _add(_mul(db, ir.Call("log", (a,))), _div(_mul(b, da), a)))
+        return by_base
+    # d/db a^b = a^b log a, taken as 0 where a = 0 and b >= 0 (torch's rule: 0^b is
+    # flat in b there, and one NaN would poison a learned exponent's whole sum);
+    # at a = 0, b < 0 it is inf * -inf = -inf, written so (no `and`: the interpreter
+    # cannot take a loaded scalar's comparison & a tile's)
+    at_zero = ir.Call("where", (ir.Binary(">=", b, ZERO), ZERO, ir.Num(-math.inf)))
+    by_exponent = _mul(db, ir.Call("where", (ir.Binary("==", a, ZERO), at_zero, _mul(e, ir.Call("log", (a,))))))
+    return _add(by_base, by_exponent)
+
+
+def _constant(e: ir.Expr) -> bool:
+    """Numbers and wire sizes only: what reference() computes as a Python
+    number, so max(S, 0) is torch.clamp there, not torch.maximum."""
+    return not any(isinstance(n, (ir.TensorRef, ir.WireIndex, ir.Reduce, ir.Normalize)) for n in ir.walk(e))
 
 
 def _d_call(e: ir.Call, wrt) -> ir.Expr:
     fn, args = e.fn, e.args
     if fn == "where":  # the condition is piecewise constant
         return _where(args[0], _d(args[1], wrt), _d(args[2], wrt))
-    if fn in ("max", "min"):  # subgradient: follow the selected argument
+    if fn in ("max", "min"):  # subgradient: follow the selected argument, as torch does
         a, b = args
-        pick = ir.Binary(">=" if fn == "max" else "<=", a, b)
-        return _where(pick, _d(a, wrt), _d(b, wrt))
+        over, under = (">", "<") if fn == "max" else ("<", ">")
+        da, db = _d(a, wrt), _d(b, wrt)
+        if _constant(a) or _constant(b):   # torch.clamp's: a tie follows the varying argument
+            return _where(ir.Binary(over + "=", a, b), da, db) if _constant(b) else \
+                _where(ir.Binary(under + "=", a, b), db, da)
+        # torch.maximum's: a tie splits the gradient evenly
+        tie = _mul(_add(da, db), ir.Num(0.5))
+        return _where(ir.Binary(over, a, b), da, _where(ir.Binary(under, a, b), db, tie))
     u = args[0]
     du = _d(u, wrt)
     if _is_num(du, 0):
@@ -226,7 +243,10 @@ def _d_call(e: ir.Call, wrt) -> ir.Expr:
     if fn == "sigmoid":
         return _mul(du, _mul(e, _sub(ONE, e)))
     if fn == "abs":   # du once: where(u < 0, -du, du) doubled it at each nested abs (2^depth nodes)
-        return _mul(du, ir.Call("where", (ir.Binary("<", u, ZERO), ir.Num(-1), ONE)))
+        # times sign(u), 0 at u = 0 as torch's (abs'(0) = 1 disagreed with reference() under autograd)
+        sign = ir.Call("where", (ir.Binary("<", u, ZERO), ir.Num(-1),
+                                 ir.Call("where", (ir.Binary(">", u, ZERO), ONE, ZERO))))
+        return _mul(du, sign)
     if fn == "relu":
         return _where(ir.Binary(">", u, ZERO), du, ZERO)
     raise ValueError(f"no derivative rule for function {fn!r}")

@@ -72,6 +72,29 @@ def hostile_name(name: str) -> Optional[str]:
     return None
 
 
+def _constant(e: ir.Expr, fixed: dict) -> Optional[float]:
+    """The value of numbers and fixed sizes under + - * / ^, else None (a
+    value with none of its own, 1 / 0 inside, is None too: reported there)."""
+    if isinstance(e, ir.Num):
+        return e.value
+    if isinstance(e, ir.WireSize):
+        return fixed.get(e.wire)
+    if isinstance(e, ir.Unary) and e.op == "-":
+        v = _constant(e.operand, fixed)
+        return None if v is None else -v
+    if isinstance(e, ir.Binary) and e.op in ir.ARITH_OPS:
+        a, b = _constant(e.lhs, fixed), _constant(e.rhs, fixed)
+        if a is None or b is None:
+            return None
+        try:
+            v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
+                 "^": lambda: ir.power(a, b)}[e.op]()
+        except (ZeroDivisionError, OverflowError):
+            return None
+        return None if isinstance(v, complex) else v
+    return None
+
+
 def _at(loc: ir.Loc, fallback: ir.Loc) -> ir.Loc:
     """``loc`` when the parser recorded it, else ``fallback`` (IR built in code has no locations)."""
     return loc if loc.line > 0 else fallback
@@ -93,7 +116,8 @@ def _layout(axes) -> str:
 def _show(e: ir.Expr) -> str:
     """A compact rendering of an expression, for messages."""
     def sub(x):
-        return f"({_show(x)})" if isinstance(x, (ir.Binary, ir.Unary)) else _show(x)
+        negative = isinstance(x, ir.Num) and x.value < 0     # (-8) ^ 0.5, not -8 ^ 0.5
+        return f"({_show(x)})" if isinstance(x, (ir.Binary, ir.Unary)) or negative else _show(x)
     if isinstance(e, ir.Num):
         return {float("inf"): "inf", float("-inf"): "-inf"}.get(e.value, repr(e.value))
     if isinstance(e, ir.WireIndex):
@@ -322,6 +346,8 @@ class _Checker:
         if e.op in ir.ARITH_OPS:
             if _BOOL in kinds:
                 self.err(f"'{e.op}' needs numbers, not a boolean", e.loc, _KIND_HINT[_NUM])
+            elif e.op in ("/", "^"):
+                self.check_constant(e)
             return lw | rw, _NUM
         if e.op in ir.LOGIC_OPS:
             if _NUM in kinds:
@@ -333,6 +359,23 @@ class _Checker:
         elif _BOOL in kinds:
             self.err(f"'{e.op}' compares numbers, not booleans", e.loc, "== and != compare booleans")
         return lw | rw, _BOOL
+
+    def check_constant(self, e: ir.Binary) -> None:
+        """A division or power of numbers (and fixed sizes) with no real value:
+        it folded to nothing, and the kernel and reference() raised
+        ZeroDivisionError at run time (or the reference a complex number)."""
+        fixed = {w.name: w.size for w in self.d.wires if w.size is not None}
+        a, b = _constant(e.lhs, fixed), _constant(e.rhs, fixed)
+        if a is None or b is None:
+            return
+        if e.op == "/" and b == 0:
+            self.err(f"division by zero: {_show(e)} has no value", e.loc,
+                     "write inf or -inf for an infinite constant")
+        elif e.op == "^" and a == 0 and b < 0:
+            self.err(f"0 to a negative power: {_show(e)} has no value", e.loc,
+                     "write inf or -inf for an infinite constant")
+        elif e.op == "^" and a < 0 and b != int(b):
+            self.err(f"a negative number to a fractional power: {_show(e)} is not a real number", e.loc)
 
     def infer_call(self, e: ir.Call) -> tuple[frozenset, str]:
         args = [self.infer(a) for a in e.args]

@@ -206,10 +206,18 @@ def test_mask_derivative_is_a_where_of_one_and_zero():
 
 def test_derivative_rules_have_the_documented_shape():
     assert diff(B("^", s, N(3)), s) == B("*", N(3), B("^", s, N(2)))
-    assert diff(C("max", s, t), s) == C("where", B(">=", s, t), N(1), N(0))
-    assert diff(C("min", t, s), s) == C("where", B("<=", t, s), N(0), N(1))
+    # torch's conventions (the module's reference() under autograd): a tie of two varying
+    # arguments splits evenly (torch.maximum), one against a constant follows the varying
+    # one (torch.clamp), abs'(0) = 0 (expr hunt: napkin gave ties to the first, abs'(0) = 1)
+    assert diff(C("max", s, t), s) == C("where", B(">", s, t), N(1), C("where", B("<", s, t), N(0), N(0.5)))
+    assert diff(C("min", t, s), s) == C("where", B("<", t, s), N(0), C("where", B(">", t, s), N(1), N(0.5)))
+    assert diff(C("max", s, N(0)), s) == C("where", B(">=", s, N(0)), N(1), N(0))
+    assert diff(C("min", N(2), s), s) == C("where", B(">=", N(2), s), N(1), N(0))
     assert diff(C("relu", s), s) == C("where", B(">", s, N(0)), N(1), N(0))
-    assert diff(C("abs", s), s) == C("where", B("<", s, N(0)), N(-1), N(1))
+    assert diff(C("abs", s), s) == C("where", B("<", s, N(0)), N(-1), C("where", B(">", s, N(0)), N(1), N(0)))
+    # d/dp s^p: 0 where s = 0 and p >= 0 (torch's), not 0 * log(0) = NaN
+    assert diff(B("^", s, t), t) == C("where", B("==", s, N(0)), C("where", B(">=", t, N(0)), N(0), N(-math.inf)),
+                                      B("*", B("^", s, t), C("log", s)))
     assert diff(B("<", s, t), s) == N(0)
     assert diff(C("exp", t), s) == N(0)
     assert diff(ir.WireSize("d"), s) == N(0)

@@ -573,6 +573,67 @@ def test_a_chain_of_matmuls_in_fp16_trains_past_fp16s_range(folder):
     assert torch.isfinite(leaf.grad).all() and (leaf.grad.double() - want).abs().max() < 2e-3 * want.abs().max()
 
 
+EDGE = ("diagram edge\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : {dt}\nin K[b, h, x, d] : {dt}\n"
+        "in V[b, h, x, d] : {dt}\n{side}S[b, h, q, x] = {score}\nO[b, h, q, d] : {dt} = sum[x](softmax[x](S) * V)\n"
+        "out O\n")
+
+
+@pytest.mark.parametrize("score, side, dt", [
+    ("abs(sum[d](Q * K))", "", "fp32"),                          # abs'(0): napkin 1, torch 0
+    ("max(sum[d](Q * K), t) + 0 * t", "in t[h] : fp32\n", "fp32"),   # a tie: napkin all to the first
+    ("min(sum[d](Q * K) * 0.5, sum[d](Q * K))", "", "fp32"),     # a tie of two varying arguments
+    ("relu(sum[d](Q * K)) ^ p", "in p[h] : fp32\n", "fp32"),     # d/dp at a zero base: NaN
+    ("where(x <= q, sum[d](Q * K), -inf) * tau", "in tau[h] : fp32\n", "fp32"),   # dtau: 0 * -inf = NaN
+    ("where(x <= q, sum[d](Q * K), -inf) / sc", "in sc[x] : fp32\n", "fp32"),    # (torch's too: see below)
+    ("1000 * log(sum[d](Q * K) * 0.25 + 1000)", "", "fp16"),     # fp16 dR with its 1000 lifted: 0.52 off
+])
+def test_edge_gradients_follow_torch(folder, score, side, dt):
+    """Points where autograd has a convention (abs at 0, max ties, 0 ^ p) or where napkin's
+    gradient went NaN or underflowed (expr hunt): against float64 autograd through the module's
+    own reference(), which follows torch.  Integer Q and K make exact zeros and ties."""
+    text = EDGE.format(dt=dt, side=side, score=score)
+    m = compile_text(text, f"edge_{zlib.crc32(text.encode())}", folder)
+    g = torch.Generator().manual_seed(11)
+    torch_dt = torch.float16 if dt == "fp16" else torch.float32
+    q, k = torch.randint(-1, 2, (1, 2, 21, 16), generator=g), torch.randint(-1, 2, (1, 2, 19, 16), generator=g)
+    if dt == "fp16":
+        q, k = torch.randn(1, 2, 21, 16, generator=g), torch.randn(1, 2, 19, 16, generator=g)
+    v = torch.randn(1, 2, 19, 16, generator=g)
+    ins = [q.to(torch_dt), k.to(torch_dt), v.to(torch_dt)]
+    if side:
+        name = side.split()[1].split("[")[0]
+        ins.append(torch.tensor([1.0, 0.0]) if name == "t" else   # whole: ties with integer scores
+                   torch.rand(19 if name == "sc" else 2, generator=g) + 0.5)
+    up = torch.randn(1, 2, 21, 16, generator=g, dtype=torch.float64) * (1e-3 if dt == "fp16" else 1)
+    mine = [t.clone().requires_grad_() for t in ins]
+    theirs = [t.double().requires_grad_() for t in ins]
+    got = torch.autograd.grad(m.edge(*mine, block_q=16, block_x=16), mine, up.to(torch_dt))
+    exact = m
+    if "-inf) " in score:   # torch on the literal formula is NaN too: the same function, masked last
+        inner = score.replace("where(x <= q, sum[d](Q * K), -inf) ", "sum[d](Q * K) ")
+        text = EDGE.format(dt=dt, side=side, score=f"where(x <= q, {inner}, -inf)")
+        exact = compile_text(text, f"edge_{zlib.crc32(text.encode())}", folder)
+    want = torch.autograd.grad(exact.reference(*theirs), theirs, up)
+    for a, b, what in zip(got, want, ("dQ", "dK", "dV", "dside")):
+        assert torch.isfinite(a).all(), what
+        err = ((a.double() - b).norm() / b.norm()).item()
+        assert err < (4e-3 if dt == "fp16" else 1e-5), (what, err)
+
+
+def test_reference_takes_sizes_arithmetic_as_torch_does(folder):
+    """1 / (|x| - |q|) at |x| = |q| raised ZeroDivisionError in reference() (the kernel gave
+    inf), and (|q| - |x| - 8) ^ (1/3) made it complex (expr hunt): both now torch's values."""
+    text = EDGE.format(dt="fp32", side="", score="sum[d](Q * K) * 0.25 + 1 / (|x| - |q|) * 0 + "
+                       "(|q| - |x| - 8) ^ (1 / 3) * 0")
+    m = compile_text(text, "edge_sizes", folder)
+    ins = m.example_inputs({"b": 1, "h": 1, "q": 5, "x": 5}, dtype=torch.float32)
+    ref = m.reference(*[t.double() for t in ins])        # inf * 0 and nan * 0: nan everywhere
+    out = m.edge(*ins, block_q=16, block_x=16)
+    assert ref.isnan().all() and out.isnan().all()
+    ins = m.example_inputs({"b": 1, "h": 1, "q": 5, "x": 3}, dtype=torch.float32)
+    assert m.reference(*[t.double() for t in ins]).isnan().all()   # a negative base's cube root: nan
+
+
 # --------------------------------------------------------------------------
 # The backward as an API; determinism; skipped blocks.
 # --------------------------------------------------------------------------

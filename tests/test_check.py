@@ -730,3 +730,20 @@ def test_a_wire_of_size_zero_is_refused():
     d = one(text)
     assert (d.message, where(d)) == ("wire n has size 0: a wire's size is a whole number of at least 1",
                                      pos(text, "n = 0"))
+
+
+@pytest.mark.parametrize("constant, message", [
+    ("1 / 0", "division by zero: 1 / 0 has no value"),
+    ("0 / 0", "division by zero: 0 / 0 has no value"),
+    ("0 ^ -1", "0 to a negative power: 0 ^ (-1) has no value"),
+    ("(-8) ^ (1 / 3)", "a negative number to a fractional power: (-8) ^ (1 / 3) is not a real number"),
+    ("|d| / (|d| - 16)", "division by zero: |d| / (|d| - 16) has no value"),
+])
+def test_a_constant_with_no_value_is_refused_where_written(constant, message):
+    """1 / 0 or 0 ^ -1 passed check and compile, then both the kernel and reference() raised
+    ZeroDivisionError at run time; (-8) ^ (1/3) made reference() complex (expr hunt)."""
+    text = ("diagram c\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
+            f"S[b, h, q, x] = sum[d](Q * K) + {constant}\nout S\n")
+    d = one(text)
+    assert (d.message, d.loc.line, d.loc.col) == (message, 6, 33)
+    assert not errors(text.replace(constant, "2 ^ 0.5 / |d|"))

@@ -177,6 +177,14 @@ def lower_backward(d: ir.Diagram, fplan: AttentionPlan, rule: gradrules.GradRule
     return _Builder(d, fplan, rule, saved_axes).build()
 
 
+def _bare_ds(t: ir.Expr) -> bool:
+    """dS itself, or dS masked (where(p, dS, 0)): a tile of dS's own range."""
+    if isinstance(t, ir.Call) and t.fn == "where":
+        return any(_bare_ds(a) for a in t.args[1:]) and any(isinstance(a, ir.Num) and a.value == 0
+                                                             for a in t.args[1:])
+    return t == ir.TensorRef("dS")
+
+
 class _Builder:
     def __init__(self, d, fplan, rule, saved_axes):
         self.d, self.f, self.rule, self.saved_axes = d, fplan, rule, dict(saved_axes)
@@ -293,6 +301,11 @@ class _Builder:
             if bad:
                 raise refuse(f"input {t.name}", f"its wire(s) {', '.join(sorted(bad))} are not the scores'", t.loc)
             expr = autodiff.simplify(ir.Binary("*", ir.TensorRef("dS"), deriv))
+            if any(isinstance(n, ir.Num) and math.isinf(n.value) for n in ir.walk(deriv)):
+                # a masked score times t (where(p, R, -inf) * tau): dS/dt is -inf where the
+                # mask is, and dS 0 there, so 0 * inf made the whole sum NaN; such a score
+                # is flat in t, its term 0
+                expr = ir.Call("where", (ir.Binary("==", ir.TensorRef("S"), ir.Num(-math.inf)), ir.Num(0), expr))
             out.append(SideGrad(t.name, joined("part", t.name), expr, own, extra, self.row in own, self.col in own))
         return out
 
@@ -513,8 +526,15 @@ class _Builder:
                 continue  # read by another tile or a side gradient: it keeps its value
             c, t = factor(tile[name], fixed, lambda n: isinstance(n, (ir.TensorRef, ir.Reduce, Var)), (0.0,))
             v = fold(c, fixed) if c is not None else None
-            if isinstance(v, (int, float)) and math.isfinite(v) and v != 1:
-                tile[name], scales[name] = t, float(v)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v != 1):
+                continue
+            # A factor of 1 or more waits for the store in float16 (_small), right for dS * 64,
+            # whose dS is the well-ranged tile; but what is left of 1000 * log(R / 4 + 1000)'s
+            # dR is dS times 1e-3, and (R / 4 + 100.5)^-3 * 1e6's dS times 1e-8: rounded to
+            # float16 before the factor, it flushed to zero (dQ 0.52 off, or exactly 0).
+            if abs(v) >= 1 and not _bare_ds(t):
+                continue
+            tile[name], scales[name] = t, float(v)
         return tile, scales
 
     def _wires(self, e) -> set:

@@ -375,3 +375,15 @@ class ScalarRender(TorchRender):
 
     FUN = {k: v.replace("torch.", "_scalar(torch.").replace("({})", ", {})") for k, v in TorchRender.FUN.items()}
     FUN.update({"relu": "max({}, 0)", "max": "max({}, {})", "min": "min({}, {})", "abs": "abs({})"})
+
+    def binary(self, e: ir.Binary):
+        # / and ^ as torch takes them (1 / 0 = inf, (-8) ^ (1/3) = nan), as the kernel
+        # does: Python raised ZeroDivisionError or went complex (1 / (|x| - |q|) at |x| = |q|)
+        if e.op == "/":
+            a, b = self.r(e.lhs), self.r(e.rhs)
+            return f"_scalar2(torch.div, {a[0]}, {b[0]})", _PREC["atom"], "float"
+        return super().binary(e)
+
+    def power(self, e: ir.Binary):
+        base, exp = self.r(e.lhs), self.r(e.rhs)
+        return f"_scalar2(torch.pow, {base[0]}, {exp[0]})", _PREC["atom"], "float"
