@@ -1033,3 +1033,41 @@ def test_a_diagram_without_a_schedule_is_priced_as_its_launch_runs(text, written
     assert bare.hbm_bytes > bare.bound.bytes > 0
     assert bare.notes[0].startswith(f"diagram {bare.diagram} has no schedule: priced as its untuned launch runs "
                                     "(level hbm holds ")
+
+
+@pytest.mark.parametrize("name, per_score", [("attention", 2), ("sigmoid_attention", 2), ("softcap", 4)])
+def test_the_backwards_exps_are_the_ones_its_kernels_compute(name, per_score):
+    """The dK/dV and dQ kernels each recompute the forward's transcendentals once per score:
+    sigmoid_attention's _sigmoid(_S - tl.log(_len_x * 1.0)), softcap's _tanh and exp2.  The
+    backward counted tl.log(|x|), one value a program, once a score (4 per score), and softcap's
+    _tanh(_qk * c) three times a kernel, once in P and twice in dR = dS * (1 - t * t), where the
+    compiled kernel computes it once (8 per score; costback hunt)."""
+    from napkin.cost import backward_cost
+
+    sizes = {"b": 1, "h": 1, "q": 128, "x": 128}   # one block each way: every pair visited
+    d = load(name)
+    scores = 128 * 128
+    back = backward_cost(d, sizes)
+    assert back.exp_flops == per_score * scores
+    # each of the two kernels as many as the forward's step (attention's adds lse's log a row)
+    assert back.exp_flops == 2 * (analyse(d, sizes).flops.exp // scores) * scores
+
+
+def test_a_subtree_written_twice_is_counted_once_forward_and_backward():
+    """The forward counted tanh(R / 50) * 25 + tanh(R / 50) * 25 as two tanh (three exps a score
+    with the softmax's), where the kernel's _tanh(_R * 0.02) * 25 + _tanh(_R * 0.02) * 25 is
+    compiled to one tanh and one product: it costs what 50 * tanh(R / 50) costs and one add."""
+    from napkin.cost import backward_cost
+
+    text = (REPO / "examples" / "softcap.ncd").read_text()
+    written_once = text.replace("S[b, h, q, x] = 50 * tanh(sum[d](Q * K) * |d|^-0.5 / 50)",
+                                "R[b, h, q, x] = sum[d](Q * K) * |d|^-0.5\nS[b, h, q, x] = 50 * tanh(R / 50)")
+    twice = written_once.replace("S[b, h, q, x] = 50 * tanh(R / 50)",
+                                 "S[b, h, q, x] = tanh(R / 50) * 25 + tanh(R / 50) * 25")
+    assert written_once != text and twice != written_once
+    sizes = {"b": 1, "h": 2, "q": 256, "x": 256}
+    scores = 2 * 256 * 256
+    once, two = (analyse(napkin.load_text(t), sizes).flops for t in (written_once, twice))
+    assert (two.exp, two.exp_formula) == (once.exp, once.exp_formula) == (2 * scores, "2*b*h*q*x")
+    assert (two.other, two.other_formula) == (once.other + scores, "8*b*h*q*x")
+    assert backward_cost(napkin.load_text(twice), sizes).exp_flops == 4 * scores

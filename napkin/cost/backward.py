@@ -40,9 +40,11 @@ contraction diagrams and are costed by analysis.py itself.
 FLOPs: 2 * |f| per tile element of every tl.dot over a feature wire f (the
 score recompute, dP, and the dQ / dK / dV products), one per arithmetic
 node of the rule's tile expressions, transcendental calls counted apart
-(the "exp" ceiling), over the visited area only.  ``forward`` is the cost
-of the training forward, which also writes the row state (lse, or the
-sums of a general normaliser) when the diagram does not output it.
+(the "exp" ceiling), over the visited area only; a subtree written twice in
+one kernel's step counts once, one of numbers and sizes alone not at all
+(``_ops``).  ``forward`` is the cost of the training forward, which also
+writes the row state (lse, or the sums of a general normaliser) when the
+diagram does not output it.
 """
 from __future__ import annotations
 
@@ -239,10 +241,11 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move]
             fv = [w for w in b.dims if any(w == ld.cols for ld in k.loads)]
             width = sizes[fv[0]] if fv else 1
             for _, body in k.reduces:
-                o, e = _ops(body, dict(k.subst))
+                o, e = _ops(body, dict(k.subst), set())
                 of, ef = of + (o + 1) * per_row * width, ef + e * per_row * width
+            seen: set = set()
             for var, e in k.lines:
-                o, x = _ops(e, {n: v for n, v in k.subst if v != var})
+                o, x = _ops(e, {n: v for n, v in k.subst if v != var}, seen)
                 of, ef = of + o * per_row, ef + x * per_row
             continue
         for dot in k.dots:
@@ -250,11 +253,15 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move]
         for g in k.grads:
             cf += 2 * sizes[g.cols] * area
             of += area                                       # the ragged-edge where
+        # the step's lines and the sides' partials are one loop body: a subtree written
+        # twice (softcap's tanh, once in P and twice in dR) is computed once (the
+        # compiler merges the copies), so it is counted once per score
+        seen = set()
         for var, e in k.lines:
-            o, x = _ops(e, {n: v for n, v in k.subst if v != var})
+            o, x = _ops(e, {n: v for n, v in k.subst if v != var}, seen)
             of, ef = of + o * area, ef + x * area
         for s in k.sides:
-            o, x = _ops(s.expr, dict(k.subst))
+            o, x = _ops(s.expr, dict(k.subst), seen)
             of, ef = of + (o + 2) * area, ef + x * area
     return moves, (cf, of, ef), kernels
 
@@ -283,13 +290,18 @@ def _dtype(b, tensor: str) -> str:
     return "fp32"
 
 
-def _ops(e, subst: dict) -> tuple[int, int]:
-    """(arithmetic nodes, transcendental calls) of e, per element; nodes the
-    kernel holds in a variable and constant subtrees cost nothing."""
-    from ..codegen.exprs import fold
-
-    if e in subst or fold(e, {}) is not None or isinstance(e, (ir.Num, ir.WireIndex, ir.WireSize, ir.TensorRef)):
+def _ops(e, subst: dict, seen: set) -> tuple[int, int]:
+    """(arithmetic nodes, transcendental calls) of e, per element.  Nodes the
+    kernel holds in a variable cost nothing, nor do subtrees of numbers and
+    sizes alone: the kernel computes tl.log(_len_x * 1.0) once a program, not
+    once a score (model.kernel_work skips them in the forward likewise).  A
+    node already in ``seen`` (the same subtree earlier in the same loop body)
+    costs nothing again; ``seen`` takes the nodes counted here."""
+    if e in subst or _scalar(e) or isinstance(e, (ir.WireIndex, ir.TensorRef)):
         return 0, 0
+    if e in seen:
+        return 0, 0
+    seen.add(e)
     other = exp = 0
     if isinstance(e, ir.Call) and e.fn in TRANSCENDENTAL:
         exp += 1
@@ -299,9 +311,22 @@ def _ops(e, subst: dict) -> tuple[int, int]:
     children = [e.operand] if isinstance(e, ir.Unary) else [e.lhs, e.rhs] if isinstance(e, ir.Binary) \
         else list(e.args) if isinstance(e, ir.Call) else []
     for c in children:
-        o, x = _ops(c, subst)
+        o, x = _ops(c, subst, seen)
         other, exp = other + o, exp + x
     return other, exp
+
+
+def _scalar(e) -> bool:
+    """Whether e reads only numbers and wire sizes: one value a program."""
+    if isinstance(e, (ir.Num, ir.WireSize)):
+        return True
+    if isinstance(e, ir.Unary):
+        return _scalar(e.operand)
+    if isinstance(e, ir.Binary):
+        return _scalar(e.lhs) and _scalar(e.rhs)
+    if isinstance(e, ir.Call):
+        return all(_scalar(a) for a in e.args)
+    return False
 
 
 # --------------------------------------------------------------------------

@@ -406,12 +406,20 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
     items: list[tuple[str, frozenset, int]] = []
     softmaxed = {(n.wire, n.body) for b in kernel.boxes for n in ir.walk(diagram.tensor(b).expr)
                  if isinstance(n, ir.Normalize)}
+    # elementwise subtrees already counted: one written twice in the kernel's
+    # expressions (tanh(R / 50) * 25 + tanh(R / 50) * 25) is computed once, as
+    # the compiler merges the copies (backward._ops counts the backward so too)
+    seen: set = set()
 
     def visit(e: ir.Expr) -> None:
         wires = node_wires(diagram, e)
         if isinstance(e, (ir.Num, ir.WireIndex, ir.WireSize, ir.TensorRef)) or \
                 (not wires and not isinstance(e, ir.Reduce)):
-            return  # leaves, and constants computed once (|d|^-0.5)
+            return  # leaves, and constants computed once (|d|^-0.5, log(|x|))
+        if isinstance(e, (ir.Unary, ir.Binary, ir.Call)):
+            if e in seen:
+                return
+            seen.add(e)
         factors = contraction_factors(e, diagram)
         if factors:
             items.append(("contraction", node_wires(diagram, e.body), 2))
