@@ -1071,3 +1071,29 @@ def test_a_subtree_written_twice_is_counted_once_forward_and_backward():
     assert (two.exp, two.exp_formula) == (once.exp, once.exp_formula) == (2 * scores, "2*b*h*q*x")
     assert (two.other, two.other_formula) == (once.other + scores, "8*b*h*q*x")
     assert backward_cost(napkin.load_text(twice), sizes).exp_flops == 4 * scores
+
+
+def test_the_backwards_roofline_prices_the_bytes_that_reach_dram_as_the_forwards_does():
+    """The backward's time priced every issued byte at hbm bandwidth: attention's dQ re-reads K
+    and V once a row block and dK/dV Q and dO once a key block, re-reads the forward's model
+    serves from L2, so at 16K it came out hbm-bound at 5.30 ms (17.8 GB / 3.35 TB/s) where its
+    contractions take 3.89 ms and the forward was compute-bound (costback hunt)."""
+    from napkin.cost import backward_cost
+
+    d = load("attention")
+    back = backward_cost(d, {"b": 1, "h": 16, "q": 16384, "x": 16384}, "h100")
+    prof = profiles.get_profile("h100")
+    rf = back.roofline
+    issued = back.load_bytes + back.store_bytes
+    assert rf.hbm_issued_s == pytest.approx(issued / prof["hbm_bandwidth"])
+    assert back.dram_bytes < issued / 10 and rf.hbm_s == pytest.approx(back.dram_bytes / prof["hbm_bandwidth"])
+    assert rf.bound == "compute" and back.time_s == rf.contraction_s
+    assert back.time_s == pytest.approx(back.contraction_flops / prof.contraction_rate("fp16", False)[0])
+    # one wave (16 programs a kernel on 132 SMs): every tensor a kernel reads reaches DRAM once
+    n, b, h = 1024, 1, 2
+    back = backward_cost(d, {"b": b, "h": h, "q": n, "x": n}, "h100")
+    big, row = b * h * n * 64 * 2, b * h * n * 4    # an fp16 [b, h, n, 64] tensor; an fp32 [b, h, n] one
+    assert back.dram == (2 * big + 2 * row,         # rows: dO, O, dlse (lse is an output); delta stored
+                         4 * big + 2 * row + 2 * big,   # dK/dV: K, V, Q, dO, lse, delta; dK, dV
+                         4 * big + 2 * row + big)   # dQ: Q, dO, K, V, lse, delta; dQ
+    assert back.dram_bytes < back.load_bytes + back.store_bytes

@@ -10,8 +10,8 @@ Public API:
   sizes that fit every level and minimise predicted time or traffic;
 * ``with_blocks(diagram, {wire: block})``: the same diagram with other blocks;
 * ``backward_cost(diagram, sizes, profile=None, *, given=False, grad_dtype="input")``:
-  the training backward's kernels (backward.py): transfers, FLOPs, time,
-  and the training forward;
+  the training backward's kernels (backward.py): transfers, what reaches
+  DRAM, FLOPs, the roofline, and the training forward;
 * ``register_cli(subparsers)``: the ``napkin cost`` subcommand.
 
 The modules: model.py (kernels, loads and stores, FLOPs), chunks.py (chunks

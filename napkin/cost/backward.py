@@ -45,6 +45,11 @@ one kernel's step counts once, one of numbers and sizes alone not at all
 (``_ops``).  ``forward`` is the cost of the training forward, which also
 writes the row state (lse, or the sums of a general normaliser) when the
 diagram does not output it.
+
+Time: the forward's roofline (analysis._roofline), the bytes priced being
+the forward's DRAM estimate (model.dram_fractions: a tile the programs of
+one wave share reaches DRAM once a wave) run on each backward kernel's own
+grid, and the issued bytes' time kept beside it.
 """
 from __future__ import annotations
 
@@ -56,7 +61,9 @@ from typing import Mapping, Optional
 
 from .. import ir, masks, tiling
 from ..errors import Diagnostic, NapkinError
+from . import model
 from .model import TRANSCENDENTAL, clip
+from .report import Roofline
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,16 @@ class BackwardCost:
     other_flops: int
     exp_flops: int
     forward: object               # the training forward's CostReport
-    time_s: Optional[float]       # roofline of the backward kernels on the profile
+    dram: tuple[int, ...]         # per kernel, of its moves' bytes those that reach DRAM (the estimate)
+    roofline: Roofline            # of the backward kernels together, on the profile
+
+    @property
+    def time_s(self) -> float:
+        return self.roofline.estimate_s
+
+    @property
+    def dram_bytes(self) -> int:
+        return sum(self.dram)
 
     @property
     def load_bytes(self) -> int:
@@ -105,13 +121,24 @@ class BackwardCost:
         from .report import human, seconds
 
         out = [f"backward of {self.diagram}: kernels {', '.join(self.kernels)}"]
-        for k in self.kernels:
+        for k, dram in zip(self.kernels, self.dram):
             mine = [m for m in self.moves if m.kernel == k]
-            out.append(f"  {k}: loads {human(sum(m.bytes for m in mine if m.direction == 'load'), 'B')}, "
-                       f"stores {human(sum(m.bytes for m in mine if m.direction == 'store'), 'B')}")
+            loads = sum(m.bytes for m in mine if m.direction == "load")
+            stores = sum(m.bytes for m in mine if m.direction == "store")
+            reach = dram - stores   # every store reaches DRAM
+            out.append(f"  {k}: loads {human(loads, 'B')}"
+                       + (f" ({human(reach, 'B')} reach DRAM: re-reads hit L2)" if reach != loads else "")
+                       + f", stores {human(stores, 'B')}")
+        issued = self.load_bytes + self.store_bytes
         out.append(f"  flops: {human(self.contraction_flops)} in contractions, {human(self.other_flops)} other, "
-                   f"{human(self.exp_flops)} exp; hbm traffic {human(self.load_bytes + self.store_bytes, 'B')}"
-                   + (f"; roofline {seconds(self.time_s)}" if self.time_s is not None else ""))
+                   f"{human(self.exp_flops)} exp; hbm traffic {human(issued, 'B')}"
+                   + (f", of which reach DRAM {human(self.dram_bytes, 'B')}" if self.dram_bytes != issued else ""))
+        rf = self.roofline
+        out.append(f"  roofline on {rf.profile}: {seconds(rf.estimate_s)}, {rf.bound}-bound "
+                   f"(compute {seconds(rf.contraction_s)}, exp {seconds(rf.exp_s)}, other {seconds(rf.other_s)}, "
+                   f"hbm {seconds(rf.hbm_s)}"
+                   + (f" [{seconds(rf.hbm_issued_s)} if no re-read hit L2]" if rf.hbm_issued_s != rf.hbm_s else "")
+                   + ")")
         return out
 
 
@@ -155,16 +182,22 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
         raise NapkinError([Diagnostic(t.reason, t.reason_loc)])
     forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile) if t.saved \
         else analyse(d, bound, profile)
-    if t.backward is not None:
-        moves, flops, kernels = _attention(t.backward, bound, given, grad_dtype)
-    else:
-        moves, flops, kernels = _contraction(d, t.grads, bound, profile, grad_dtype)
     prof = resolve_profile(d, profile)
+    if t.backward is not None:
+        moves, flops, kernels, dram, working_set = _attention(t.backward, bound, given, grad_dtype, prof)
+    else:
+        moves, flops, kernels, dram, working_set = _contraction(d, t.grads, bound, profile, grad_dtype)
+    # the forward's roofline (analysis._roofline): the largest of the four times,
+    # the bytes at DRAM's estimate, the issued bytes' time beside it
     rate, _ = prof.contraction_rate(forward.flops.contraction_dtype, d.schedule.tf32 if d.schedule else False)
-    total = sum(m.bytes for m in moves)
-    time_s = max(flops[0] / rate, flops[2] / prof["exp_rate"], flops[1] / prof["peak_flops_fp32"],
-                 total / prof["hbm_bandwidth"])
-    return BackwardCost(d.name, tuple(kernels), tuple(moves), *flops, forward, time_s)
+    issued, reach = sum(m.bytes for m in moves), sum(dram)
+    parts = {"compute": flops[0] / rate, "exp": flops[2] / prof["exp_rate"],
+             "other": flops[1] / prof["peak_flops_fp32"], "bandwidth": reach / prof["hbm_bandwidth"]}
+    which = max(parts, key=lambda key: (parts[key], key))
+    roofline = Roofline(prof.key, rate, parts["compute"], parts["exp"], parts["other"], parts["bandwidth"],
+                        issued / prof["hbm_bandwidth"], working_set, 0.0, parts[which], which,
+                        sum(flops) / reach if reach else 0.0)
+    return BackwardCost(d.name, tuple(kernels), tuple(moves), *flops, forward, tuple(dram), roofline)
 
 
 def _single_device(d: ir.Diagram) -> ir.Diagram:
@@ -179,14 +212,17 @@ def _single_device(d: ir.Diagram) -> ir.Diagram:
 # Attention: the three kernels of backward.py.
 # --------------------------------------------------------------------------
 
-def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move], tuple[int, int, int], list[str]]:
+def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
+    """(moves, (contraction, other, exp FLOPs), kernels, DRAM bytes per kernel,
+    the largest one-step L2 working set)."""
     from ..codegen.backward_emit import DEFAULT_TILE
 
     d, f = b.diagram, b.forward
     blocks = dict(f.blocks)
     row, col = b.row, b.col
     nr, nc = sizes[row], sizes[col]
-    moves, kernels = [], []
+    moves, kernels, drams = [], [], []
+    working_set = 0
     cf = of = ef = 0
     batch_all = math.prod(sizes[w] for w in b.batch)
 
@@ -208,11 +244,16 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move]
         batch = math.prod(sizes[w] for w in k.batch)
         outer = math.prod(sizes[w] for w in k.outer)
         if k.role != "rows" and not (nblocks[k.grid_wire] and batch):
+            drams.append(0)   # not launched
             continue
 
         def feat(wires) -> int:
             return math.prod(sizes[w] for w in wires if w not in {row, col} | set(b.batch))
 
+        reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof)
+        working_set = max(working_set, ws_bytes)
+        first = len(moves)
+        dram = 0
         for ld in k.loads:
             ws = ld.wires
             if ld.phase == "pre":
@@ -222,6 +263,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move]
                 n = sum((rows_of(i) if row in ws else 1) * (cols_of(j) if col in ws else 1) for i, j in pairs)
                 n *= batch * outer * feat(ws)
             moves.append(Move(k.role, ld.tensor, "load", _dtype(b, ld.tensor), n))
+            dram += round(n * reach.get(ld, 1.0)) * ir.DTYPE_BYTES[moves[-1].dtype]
         for g in k.grads:   # one store per element, in the buffer's dtype (the template's _grad_X)
             wires = ir.axis_wires(d.tensor(g.buffer).axes)
             dtype = _dtype(b, g.tensor) if grad_dtype == "input" else "fp32"
@@ -235,6 +277,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move]
         for st in k.stores:
             n = nr * batch * (sizes[st.cols] if st.cols is not None else 1)
             moves.append(Move(k.role, st.tensor, "store", "fp32", n))
+        drams.append(dram + sum(m.bytes for m in moves[first:] if m.direction == "store"))
         # FLOPs
         if k.role == "rows":
             per_row = nr * batch
@@ -263,7 +306,31 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str) -> tuple[list[Move]
         for s in k.sides:
             o, x = _ops(s.expr, dict(k.subst), seen)
             of, ef = of + (o + 2) * area, ef + x * area
-    return moves, (cf, of, ef), kernels
+    return moves, (cf, of, ef), kernels, drams, working_set
+
+
+def _dram_fractions(b, k, br: int, bc: int, sizes: dict, prof) -> tuple[dict, int]:
+    """The forward's DRAM estimate (model.dram_fractions) on one backward
+    kernel's launch: per load of k.loads that several programs read (dK/dV's
+    Q, dO, lse and delta, read by every key block of a head; dQ's K and V),
+    the fraction of its issued bytes that reaches DRAM; and one step's shared
+    working set of the first wave.  The grid is the launcher's: k.grid_wire's
+    blocks on axis 0, the batch wires flattened on axis 1, the last fastest
+    (model.launch_order); the step walks the other of the row and key wires.
+    A wire the program loops over outside the step (GQA's g in dK/dV) is one
+    index a step, and carried by no grid axis, so it is left out."""
+    row, col = b.row, b.col
+    block = bc if k.grid_wire == col else br
+    if not (sizes[k.grid_wire] and math.prod(sizes[w] for w in k.batch)):
+        return {}, 0   # no program: nothing read
+    stream = None if k.role == "rows" else (row, br) if k.grid_wire == col else (col, bc)
+    accesses = {ld: model.Access(ld.tensor, tuple(w for w in ld.wires if w not in k.outer), "load",
+                                 _dtype(b, ld.tensor)) for ld in k.loads}
+    kernel = model.Kernel(0, (), (), tuple(accesses.values()),
+                          (k.grid_wire, *k.batch) + ((stream[0],) if stream else ()), False, False)
+    tiles = model.Tiling("smem", ((k.grid_wire, block),) + tuple((w, 1) for w in k.batch), stream)
+    fractions, working_set = model.dram_fractions(kernel, tiles, sizes, int(prof["sm_count"]), prof["l2_bytes"])
+    return {ld: fractions[acc] for ld, acc in accesses.items() if acc in fractions}, working_set
 
 
 def _dot_width(b, dot, sizes) -> int:
@@ -333,13 +400,15 @@ def _scalar(e) -> bool:
 # A matrix product: dA and dB are contraction diagrams, costed as such.
 # --------------------------------------------------------------------------
 
-def _contraction(d: ir.Diagram, grads, sizes: dict, profile,
-                 grad_dtype: str) -> tuple[list[Move], tuple[int, int, int], list[str]]:
+def _contraction(d: ir.Diagram, grads, sizes: dict, profile, grad_dtype: str) -> tuple:
     """Each gradient diagram declares its output fp32 (its accumulator); the
-    launch stores it in the buffer's dtype, the input's under "input"."""
+    launch stores it in the buffer's dtype, the input's under "input".  The
+    DRAM estimate is the gradient diagram's own (analysis.py), its store
+    recounted in that dtype (a store always reaches DRAM)."""
     from .analysis import analyse
 
-    moves, kernels = [], []
+    moves, kernels, drams = [], [], []
+    working_set = 0
     cf = of = ef = 0
     for g in grads:
         gd = g.diagram
@@ -347,9 +416,14 @@ def _contraction(d: ir.Diagram, grads, sizes: dict, profile,
         name = gd.outputs[0].name
         kernels.append(name)
         stored = d.tensor(name[len("_grad_"):]).dtype if grad_dtype == "input" else "fp32"
+        mine = []
         for t in r.transfers:
             if t.boundary.startswith("hbm/"):
                 dtype = stored if (t.direction, t.tensor) == ("store", name) else t.dtype
-                moves.append(Move(name, t.tensor, t.direction, dtype, t.elements))
+                mine.append(Move(name, t.tensor, t.direction, dtype, t.elements))
+        total = r.totals[0]
+        drams.append(total.dram_bytes - (total.load_bytes + total.store_bytes) + sum(m.bytes for m in mine))
+        moves += mine
+        working_set = max(working_set, r.roofline.l2_working_set)
         cf, of, ef = cf + r.flops.contraction, of + r.flops.other, ef + r.flops.exp
-    return moves, (cf, of, ef), kernels
+    return moves, (cf, of, ef), kernels, drams, working_set

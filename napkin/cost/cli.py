@@ -105,8 +105,10 @@ def backward_dict(back) -> dict:
             "transfers": [dict(kernel=m.kernel, tensor=m.tensor, direction=m.direction, dtype=m.dtype,
                                elements=m.elements, bytes=m.bytes) for m in back.moves],
             "load_bytes": back.load_bytes, "store_bytes": back.store_bytes,
+            "dram_bytes": dict(zip(back.kernels, back.dram)),
             "flops": {"contraction": back.contraction_flops, "other": back.other_flops, "exp": back.exp_flops},
-            "training_forward_bytes": back.forward.hbm_bytes, "time_s": back.time_s}
+            "training_forward_bytes": back.forward.hbm_bytes, "time_s": back.time_s,
+            "roofline": dataclasses.asdict(back.roofline)}
 
 
 def _dtypes(text: str) -> list[str]:
