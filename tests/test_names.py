@@ -500,3 +500,19 @@ def test_a_side_input_named_like_the_chunks_state_runs_chunked(name, tmp_path):
     ref = m.reference(*[t.double() for t in ins])
     for chunk in (None, 16):
         assert _max_err(m.clash(*ins, block_q=16, block_x=16, chunk=chunk), ref) < 1e-5, chunk
+
+
+@pytest.mark.parametrize("lse", ["block_x", "lse"])
+def test_an_output_named_like_a_block_option_leaves_the_callers_options_alone(lse, tmp_path):
+    """The launcher allocates the outputs as locals of their own names; it read block_x after
+    that, so an output named block_x made a chunk refusal say the caller gave block_x (the
+    schedule's, names2 hunt).  The message names the schedule's block either way."""
+    src, _ = _emit(OUTPUTS.format(o="O", lse=lse))
+    m = _load_module(src, tmp_path, f"opt_{lse}")
+    ins = m.example_inputs({"b": 1, "h": 1, "q": 16, "x": 64}, dtype=torch.float32)
+    with pytest.raises(ValueError) as err:
+        m.clash(*ins, block_q=16, chunk=8)
+    assert str(err.value) == "chunk=8 is shorter than the schedule's block_x=64: a chunk is whole blocks"
+    with pytest.raises(ValueError) as err:
+        m.clash(*ins, block_q=16, block_x=16, chunk=8)
+    assert str(err.value) == "chunk=8 is shorter than block_x=16: a chunk is whole blocks"

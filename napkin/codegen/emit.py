@@ -422,9 +422,11 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         # packed rows: _pack checked the caller's positions and made the launch's from them
         "_pos = _position_args(positions, lengths, _sz)" if plan.pack is not None else
         f"_pos = _positions(positions, lengths, _sz, _dev, ({', '.join(t.name for t in d.inputs)},))",
+        # before the outputs are allocated: those take their names as locals, and an output may be
+        # named like an option (an output block_x made a caller's block_x look given)
+        f'_chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["{col}"], block_{col} is not None)',
         f"[{', '.join(o.name for o in d.outputs if o.name not in saved)}] = _allocate(_sz, _cls, _dev, out_dtype)",
         *_allocate_saved(d, saved),
-        f'_chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["{col}"], block_{col} is not None)',
         f'_grid = _fits((_cdiv(_sz["{row}"], _br), '
         + (" * ".join(f'_sz["{w}"]' for w in plan.batch) or "1") + ", _n_chunks))  # axis 2: the chunks of "
         + f"{col} (1: whole)",
