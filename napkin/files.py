@@ -22,7 +22,7 @@ def write_atomic(target: Path, text: str | bytes) -> None:
     mode the umask gives an ordinary file (mkstemp's would be 0600).
     OSError when it cannot."""
     target = Path(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=str(target.parent))
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target.name), suffix=_SUFFIX, dir=str(target.parent))
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -39,6 +39,25 @@ def write_atomic(target: Path, text: str | bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# mkstemp's random part (tempfile._RandomNameSequence) and the suffix write_atomic gives
+_RANDOM, _SUFFIX = 8, ".tmp"
+
+
+def _temp_prefix(name: str) -> str:
+    """``.NAME.`` for the temporary file beside NAME, NAME cut so that the
+    whole temporary name (with mkstemp's random part and .tmp) is no longer
+    in bytes than NAME itself, or than 32 for a short one: a name the file
+    system takes has a temporary name it takes too.  The whole ``.NAME.``
+    was 14 bytes longer: a 240-character diagram name failed with "File name
+    too long" for a module name Linux allows (names2 hunt)."""
+    def size(s: str) -> int:
+        return len(os.fsencode(s))
+    room = max(size(name), 32) - size("..") - _RANDOM - len(_SUFFIX)
+    while size(name) > room:
+        name = name[:-1]
+    return f".{name}."
 
 
 @contextlib.contextmanager

@@ -273,6 +273,25 @@ def test_render_report_and_plan_into_a_file_name_the_file(capsys, tmp_path):
     assert afile.read_text() == ""
 
 
+@pytest.mark.parametrize("length", [230, 240, 252])
+def test_a_long_diagram_name_is_written_where_its_module_name_fits(capsys, tmp_path, monkeypatch, length):
+    """The temporary file was .NAME.py.XXXXXXXX.tmp, 14 bytes longer than NAME.py: a
+    240-character diagram name (a 243-byte file name, which Linux allows) failed with
+    "File name too long" (names2 hunt).  The temporary name is no longer than the module's."""
+    import tempfile
+
+    name = "a" * length
+    made = []
+    mkstemp = tempfile.mkstemp
+    monkeypatch.setattr(tempfile, "mkstemp", lambda **kw: made.append(mkstemp(**kw)) or made[-1])
+    path = variant(tmp_path, "long.ncd", "diagram attention", f"diagram {name}")
+    code, out, err = run(capsys, "compile", str(path), "-o", str(tmp_path / "gen"))
+    assert code == 0, err
+    assert out == f"wrote {tmp_path / 'gen' / (name + '.py')}\n"
+    assert all(len(Path(tmp).name) <= len(name + ".py") for _, tmp in made) and made
+    assert sorted(p.name for p in (tmp_path / "gen").iterdir()) == ["__init__.py", name + ".py"]
+
+
 def test_compiled_modules_are_readable_as_the_umask_says(capsys, tmp_path):
     import os
     import stat
