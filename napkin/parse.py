@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import re
+import unicodedata
 from typing import NamedTuple, Optional
 
 import lark
@@ -156,7 +157,7 @@ def _bad_number(text: str, until: int) -> Optional[Diagnostic]:
     name x10, so the syntax error falls on a later token (the next line's
     'in'): it is the number that is wrong."""
     code = re.sub(r"#[^\n]*", lambda c: " " * len(c.group()), text)   # comments blanked, places kept
-    for word in re.finditer(r"(?<![\w.])(\d[\w.]*|\.\d[\w.]*)", code):
+    for word in re.finditer(r"(?<![\w.])([0-9][\w.]*|\.[0-9][\w.]*)", code, re.ASCII):   # (as NUMBER: ASCII)
         if word.start() > until:   # (a word the error falls inside counts: 5.e's error is at its e)
             break
         number = re.match(_parser().get_terminal("NUMBER").pattern.to_regexp(), word.group())   # the grammar's
@@ -167,6 +168,24 @@ def _bad_number(text: str, until: int) -> Optional[Diagnostic]:
             return Diagnostic(f"{word.group()} is not a number", ir.Loc(line, col, line, col + len(word.group())),
                               hint="napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6")
     return None
+
+
+def _character(c: str) -> str:
+    """A character the lexer refused, as a message shows it: a non-ASCII one
+    with its code point and Unicode name, and what napkin reads instead.  A
+    Kelvin sign or a Cyrillic a was shown as 'K' or 'а', which look like the
+    letters a name may have."""
+    if c.isascii():
+        return repr(c)
+    name = unicodedata.name(c, None)
+    code = f"U+{ord(c):04X}" + (f" {name}" if name else "")
+    if unicodedata.decimal(c, None) is not None:
+        why = "numbers are written in the ASCII digits 0-9"
+    elif unicodedata.category(c)[0] in "LM":   # a letter, or a mark that joins one
+        why = "names are ASCII letters, digits and _"
+    else:
+        why = "napkin reads only ASCII outside comments"
+    return f"{c!r} ({code}): {why}"
 
 
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
@@ -206,7 +225,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
             hint += f" ('{tok}' is a reserved word, so it cannot be a name)"
         return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
-        return Diagnostic(f"unexpected character {err.char!r}", ir.Loc(err.line, err.column),
+        return Diagnostic(f"unexpected character {_character(err.char)}", ir.Loc(err.line, err.column),
                           hint=f"expected {_expected(err.allowed)}" if err.allowed else None)
     if isinstance(err, UnexpectedEOF):  # pragma: no cover - LALR reports $END tokens
         return Diagnostic("unexpected end of file", ir.Loc(1, 1),
@@ -247,7 +266,7 @@ class _Build(Transformer):
     # hid the others: an unknown function above a `q by 128.0`).
     def _number(self, tok: Token, expression: bool = False):
         text = str(tok)
-        if re.fullmatch(r"\d+", text):
+        if re.fullmatch(r"[0-9]+", text):
             try:
                 return int(text)
             except ValueError:  # past Python's limit on digits converted (4300 by default)

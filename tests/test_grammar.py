@@ -340,6 +340,38 @@ t.ncd:4:30: 12.5abc is not a number
     Y[n] = where(1<2and n>=0, X, 12.5abc)
                                  ^^^^^^^
   hint: napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6"""),
+    # \d took every Unicode digit: wire d = ٦٤ and q by １２８ passed as 64 and 128 (names2 hunt)
+    "arabic-indic digits": ("diagram a\nwire d = \u0666\u0664\n", """\
+t.ncd:2:10: unexpected character '\u0666' (U+0666 ARABIC-INDIC DIGIT SIX): numbers are written in the ASCII digits 0-9
+    wire d = \u0666\u0664
+             ^
+  hint: expected a number"""),
+    "full-width digits": ("diagram a\nschedule { level smem { group q by \uff11\uff12\uff18 } }\n", """\
+t.ncd:2:36: unexpected character '\uff11' (U+FF11 FULLWIDTH DIGIT ONE): numbers are written in the ASCII digits 0-9
+    schedule { level smem { group q by \uff11\uff12\uff18 } }
+                                       ^
+  hint: expected a number"""),
+    "a non-ascii digit after ascii ones": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = X * 1\u0660\n", """\
+t.ncd:4:13: unexpected character '\u0660' (U+0660 ARABIC-INDIC DIGIT ZERO): numbers are written in the ASCII digits 0-9
+    Y[n] = X * 1\u0660
+                ^
+  hint: expected ')', ',', a name or an operator"""),
+    # a lookalike letter was shown as the letter it looks like: "unexpected character 'K'"
+    "kelvin sign": ("diagram \u212aelvin\n", """\
+t.ncd:1:9: unexpected character '\u212a' (U+212A KELVIN SIGN): names are ASCII letters, digits and _
+    diagram \u212aelvin
+            ^
+  hint: expected a name"""),
+    "cyrillic a": ("diagram \u0430\n", """\
+t.ncd:1:9: unexpected character '\u0430' (U+0430 CYRILLIC SMALL LETTER A): names are ASCII letters, digits and _
+    diagram \u0430
+            ^
+  hint: expected a name"""),
+    "a zero-width space": ("diagram a\u200b\n", """\
+t.ncd:1:10: unexpected character '\\u200b' (U+200B ZERO WIDTH SPACE): napkin reads only ASCII outside comments
+    diagram a\u200b
+             ^
+  hint: expected a name"""),
     "underscored number": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = 1_000 * X\n", """\
 t.ncd:4:8: 1_000 is not a number
     Y[n] = 1_000 * X
