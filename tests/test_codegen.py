@@ -405,6 +405,22 @@ def test_unsupported_diagrams_are_refused_with_a_location(body, schedule, words)
     assert err.value.diagnostics[0].loc.line > 0 and message.startswith("t.ncd:")
 
 
+def test_a_contraction_over_two_wires_at_once_is_refused_as_such():
+    """sum[k, j](A * B) passed check and compile said it "needs one sum[k](A * B)", which the
+    user wrote (contract hunt): the reason is the two wires, and the hint the one-wire form."""
+    text = ("diagram mm2\nwire m, n, k, j\nin A[m, k, j] : fp32\nin B[k, j, n] : fp32\n"
+            "C[m, n] : fp32 = sum[k, j](A * B)\nout C\n")
+    with pytest.raises(NapkinError) as err:
+        emit_module(parse(text, "t.ncd"), source_text=text, source_path="t.ncd")
+    assert str(err.value) == """\
+t.ncd:5:18: napkin cannot emit a kernel for sum[k, j](A * B): a contraction over several wires at once (k, j) is \
+not generated: a contraction kernel streams one wire
+    C[m, n] : fp32 = sum[k, j](A * B)
+                     ^^^^^^^^^^^^^^^^
+  hint: store (k j) as one axis of each factor, declare it as one wire (A[m, kj], B[kj, n]) and write \
+sum[kj](A * B)"""
+
+
 # --------------------------------------------------------------------------
 # write_module and compile time.
 # --------------------------------------------------------------------------

@@ -633,6 +633,29 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
 # CONTRACTION.
 # --------------------------------------------------------------------------
 
+def _several_wires(d: ir.Diagram, node: ir.Reduce) -> NapkinError:
+    """The refusal of sum[k, j](A * B), with the one-wire form as its hint:
+    the contracted wires stored as one axis (k j) of each factor, declared as
+    one wire."""
+    wires, joined = node.wires, "".join(node.wires)
+    while joined in {w.name for w in d.wires} | {t.name for t in (*d.inputs, *d.lets)} | {d.name}:
+        joined += "_"
+    grouped = f"({' '.join(wires)})"
+    factors = [n for n in (node.body.lhs, node.body.rhs) if isinstance(n, ir.TensorRef)] \
+        if isinstance(node.body, ir.Binary) and node.body.op == "*" else []
+    layouts = []
+    for ref in factors:
+        own = [w for w in read_wires(d, ref) if w not in wires]
+        first = next((i for i, w in enumerate(read_wires(d, ref)) if w in wires), len(own))
+        layouts.append(f"{ref.name}[{', '.join(own[:first] + [joined] + own[first:])}]")
+    body = " * ".join(f.name for f in factors) if len(factors) == 2 else "..."
+    where = f" ({', '.join(layouts)})" if len(layouts) == 2 else ""
+    return unsupported(_show(node), f"a contraction over several wires at once ({', '.join(wires)}) is not "
+                       "generated: a contraction kernel streams one wire", node.loc,
+                       f"store {grouped} as one axis of each factor, declare it as one wire{where} and "
+                       f"write sum[{joined}]({body})")
+
+
 def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
     if len(d.outputs) != 1:
         raise unsupported(f"diagram {d.name}", "a contraction kernel computes one output", d.outputs[1].loc)
@@ -644,6 +667,10 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
         # relu(P) + P with P = sum[k](A * B) inlined: the sum is there, twice
         raise unsupported(f"box {out.name}", f"its expression uses sum[{red}](...) {len(reds)} times (the boxes "
                           "it reads are inlined); a contraction kernel's epilogue uses its one sum once", let.loc)
+    if len(reds) == 1 and isinstance(reds[0], ir.Reduce) and reds[0].op == "sum" and len(reds[0].wires) > 1 \
+            and red in reds[0].wires:
+        # sum[k, j](A * B): one sum, so "needs one sum[k](A * B)" was no reason (contract hunt)
+        raise _several_wires(d, reds[0])
     if len(reds) != 1 or not isinstance(reds[0], ir.Reduce) or reds[0].op != "sum" or reds[0].wires != (red,):
         raise unsupported(f"box {out.name}", f"a kernel streaming {red} needs one sum[{red}](A * B) "
                           "(or an attention pattern)", let.loc)
