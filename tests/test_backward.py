@@ -1361,6 +1361,20 @@ def test_matmul_backward_takes_a_gradient_of_another_float_dtype(folder):
         assert (x.double() - e).abs().max() < 1e-3 * e.abs().max()
 
 
+def test_a_matmul_of_a_relabelled_operand_names_it_in_the_backward_refusal(folder):
+    """C = sum[k](A * A[n, k]) runs forward; its backward refusal said "an input is read along
+    other wires than its own", naming neither the input nor the line (contract hunt)."""
+    text = "diagram gram\nwire m, n, k\nin A[m, k] : fp32\nC[m, n] : fp32 = sum[k](A * A[n, k])\nout C\n"
+    m = compile_text(text, "gram", folder)
+    a = torch.randn(20, 16)
+    assert m.gram(a, block_m=16, block_n=16, block_k=16).shape == (20, 20)   # the forward runs
+    with pytest.raises(NotImplementedError) as err:
+        m.gram(a.requires_grad_(), block_m=16, block_n=16, block_k=16)
+    assert str(err.value) == ("napkin has no backward for diagram gram: input A is read as A[n, k], along other "
+                              "wires than its own [m, k]; a matmul's backward takes each factor along its own "
+                              "wires (line 4, column 29 of the diagram)")
+
+
 def test_a_relabelled_value_is_named_in_the_refusal():
     """sum[x](softmax[x](S) * Q[b, h, x, d]) runs forward; its backward refusal said "softmax must
     normalise the score box itself", which it does."""

@@ -32,7 +32,7 @@ from typing import Optional
 
 from .. import autodiff, gradrules, ir, tiling
 from ..errors import NapkinError
-from ..printer import expr_text
+from ..printer import expr_text, layout_text
 from . import lower as L
 from .kernel_names import fresh_name
 
@@ -218,7 +218,14 @@ def _contraction(plan: L.ContractionPlan) -> Training:
             return _no(plan, f"{name} lacks the batch wire(s) {', '.join(sorted(missing))}: its gradient would "
                              "sum over them too", t.loc)
     if {plan.lhs.wires, plan.rhs.wires} != {ir.axis_wires(d.tensor(a).axes), ir.axis_wires(d.tensor(b).axes)}:
-        return _no(plan, "an input is read along other wires than its own")
+        # named, at the relabelled reference (A * A[n, k]): it named neither (contract hunt)
+        ref = next((n for n in ir.walk(expr) if isinstance(n, ir.TensorRef) and n.name in (a, b)
+                    and n.wires is not None and tuple(n.wires) != ir.axis_wires(d.tensor(n.name).axes)), None)
+        if ref is None:   # pragma: no cover - the plan reads its factors as written
+            return _no(plan, "an input is read along other wires than its own")
+        return _no(plan, f"input {ref.name} is read as {expr_text(ref)}, along other wires than its own "
+                         f"{layout_text(d.tensor(ref.name).axes)}; a matmul's backward takes each factor along "
+                         "its own wires", ref.loc)
     grad_c = ir.Input(f"_grad_{out.name}", d.tensor(out.name).axes, _dc_dtype(d, out.name))
     blocks = dict(plan.blocks)
     grads = []
