@@ -1375,6 +1375,26 @@ def test_a_matmul_of_a_relabelled_operand_names_it_in_the_backward_refusal(folde
                               "wires (line 4, column 29 of the diagram)")
 
 
+def test_matmul_backward_names_the_gradient_by_its_parameter(folder):
+    """matmul_backward(A, B, dC) called dC by napkin's own buffer name, with a trailing space:
+    "_grad_C has shape (20, 17), but the inputs make it (20, 18) " (contract hunt); an input called
+    dC makes the parameter dC_1, and the messages say that."""
+    m = example("matmul", folder)
+    a, b = torch.randn(20, 16).half(), torch.randn(16, 18).half()
+    opts = dict(block_m=16, block_n=16, block_k=16)
+    with pytest.raises(ValueError) as err:
+        m.matmul_backward(a, b, torch.randn(20, 17).half(), **opts)
+    assert str(err.value) == "dC has shape (20, 17), but the inputs make it (20, 18) [m, n]"
+    with pytest.raises(TypeError) as err:
+        m.matmul_backward(a, b, torch.zeros(20, 18, dtype=torch.int32), **opts)
+    assert str(err.value) == "dC must be a float tensor"
+    text = "diagram mmdc\nwire m, n, k\nin dC[m, k] : fp32\nin B[k, n] : fp32\nC[m, n] = sum[k](dC * B)\nout C\n"
+    mdc = compile_text(text, "mmdc", folder)
+    with pytest.raises(ValueError) as err:
+        mdc.mmdc_backward(a.float(), b.float(), torch.randn(20, 17), **opts)
+    assert str(err.value) == "dC_1 has shape (20, 17), but the inputs make it (20, 18) [m, n]"
+
+
 def test_a_relabelled_value_is_named_in_the_refusal():
     """sum[x](softmax[x](S) * Q[b, h, x, d]) runs forward; its backward refusal said "softmax must
     normalise the score box itself", which it does."""
