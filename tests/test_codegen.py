@@ -255,6 +255,24 @@ def test_options_are_whole_numbers_of_any_integer_type_with_or_without_gradients
         mm(a, b, block_m=16.5)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_option_of_no_whole_number_says_so_eager_or_through_autograd(modules, grad):
+    """block_m=16.0 was refused eagerly as "must be a power of two from 16 to 65536, not 16.0", which
+    16 is, and through autograd as "must be a whole number or None" (contract hunt): both say the latter."""
+    mm, att = modules["matmul"].matmul, modules["attention"].attention
+    a, b = torch.randn(20, 24, requires_grad=grad), torch.randn(24, 20)
+    for opts, words in ((dict(block_m=16.0), "block_m must be a whole number or None, not 16.0"),
+                        (dict(num_warps=4.0), "num_warps must be a whole number or None, not 4.0"),
+                        (dict(num_stages=2.0), "num_stages must be a whole number or None, not 2.0")):
+        with pytest.raises(ValueError) as err:
+            mm(a, b, **opts)
+        assert str(err.value) == words
+    q, k, v = (t.float() for t in _qkv(q=20, x=40))
+    with pytest.raises(ValueError) as err:
+        att(q, k, v, block_x=16, chunk=16.0)
+    assert str(err.value) == "chunk must be a whole number or None, not 16.0"
+
+
 def test_options_left_out_come_from_the_autotune_cache(modules, monkeypatch, tmp_path):
     """A launch without explicit options reads the tuned config cached for its
     shape bucket (napkin.autotune writes it); explicit options always win, and
