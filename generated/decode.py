@@ -77,7 +77,7 @@ _INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 # ---------------------------------------------------------------------------
 
 def _layout_text(name):
-    return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in _LAYOUTS[name]) + "]"
+    return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in _layout(name)) + "]"
 
 
 def _check_dtype(name, t, declared, kernel, classes):
@@ -223,7 +223,9 @@ def _block_size(value, wire, option):
     # a numpy integer is a whole number too (_whole); past 2^16 a tile with a 16-wide side passes
     # Triton's 2^20 elements
     n = _whole(value)
-    if isinstance(n, bool) or not isinstance(n, int) or not 16 <= n <= 1 << 16 or n & (n - 1):
+    if not isinstance(n, int):   # 16.0 was "not a power of two"; the torch op's path says this (_options_as_ints)
+        raise ValueError(f"{option} must be a whole number or None, not {value!r}")
+    if isinstance(n, bool) or not 16 <= n <= 1 << 16 or n & (n - 1):
         raise ValueError(f"{option} must be a power of two from 16 to 65536, not {value!r}")
     return n
 
@@ -565,6 +567,8 @@ def _autotune_fill(options, sizes, device, classes, kind="", lookup=True):
     for k in ("num_warps", "num_stages"):
         if options.get(k) is not None:   # a numpy integer is a whole number too
             options[k] = _whole(options[k])
+            if not isinstance(options[k], int):   # 4.0: a power of two, but no whole number (as _options_as_ints)
+                raise ValueError(f"{k} must be a whole number or None, not {options[k]!r}")
         if options.get(k) is not None and not _autotune_valid(k, options[k]):
             raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
                              + f", not {options[k]!r}")
@@ -875,7 +879,9 @@ def _chunks(chunk, tuned, block, n, given=True):
     if chunk is None:
         chunk = _SCHEDULE_CHUNK if tuned is None else tuned
         chunk = chunk and max(chunk, block)
-    elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk & (chunk - 1):
+    elif not isinstance(chunk, int):   # 16.0 (as _options_as_ints says it)
+        raise ValueError(f"chunk must be a whole number or None, not {chunk!r}")
+    elif isinstance(chunk, bool) or chunk < 0 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be None, 0 or a power of two, not {chunk!r}")
     elif chunk and chunk < block:
         raise ValueError(f"chunk={chunk} is shorter than {_option_text('block_x', block, given)}: "
@@ -1225,8 +1231,8 @@ def _decode_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save
     _bc = _block_size(_opts["block_x"], "x", "block_x")
     _tile_fits((_br, _bc), ("block_q", "block_x"), (block_q is not None, block_x is not None))
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
-    [O, lse] = _allocate(_sz, _cls, _dev, out_dtype)
     _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"], block_x is not None)
+    [O, lse] = _allocate(_sz, _cls, _dev, out_dtype)
     _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["hk"] * _sz["g"], _n_chunks))  # axis 2: the chunks of x (1: whole)
     _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 128), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
     _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 128}, _dev, _pos, _tma_last)
@@ -1257,16 +1263,20 @@ def _decode_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save
 _OPTIONS = ("block_q", "block_x", "num_warps", "num_stages", "tma", )
 
 
-def _check_state(tensors, sizes, device):
-    """The backward's other tensors (dO, saved row state, ...) against the diagram."""
+def _check_state(tensors, sizes, device, shown=None):
+    """The backward's other tensors (dO, saved row state, ...) against the
+    diagram.  ``shown``: the name the caller gave a tensor napkin holds under
+    another (a matmul's dC, held as _grad_C), for the messages."""
     for name, t in tensors.items():
+        what = (shown or {}).get(name, name)
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a float tensor")
+            raise TypeError(f"{what} must be a float tensor")
         if list(t.shape) != _shape(name, sizes):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, but the inputs make it {tuple(_shape(name, sizes))} "
-                             f"{_layout_text(name) if name in _LAYOUTS else ''}")
+            layout = f" {_layout_text(name)}" if name in _LAYOUTS or name in _BACKWARD_LAYOUTS else ""
+            raise ValueError(f"{what} has shape {tuple(t.shape)}, but the inputs make it "
+                             f"{tuple(_shape(name, sizes))}{layout}")
         if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
+            raise ValueError(f"{what} is on {t.device}, the inputs on {device}")
 
 
 def _wanted(need):

@@ -70,7 +70,7 @@ _INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 # ---------------------------------------------------------------------------
 
 def _layout_text(name):
-    return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in _LAYOUTS[name]) + "]"
+    return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in _layout(name)) + "]"
 
 
 def _check_dtype(name, t, declared, kernel, classes):
@@ -216,7 +216,9 @@ def _block_size(value, wire, option):
     # a numpy integer is a whole number too (_whole); past 2^16 a tile with a 16-wide side passes
     # Triton's 2^20 elements
     n = _whole(value)
-    if isinstance(n, bool) or not isinstance(n, int) or not 16 <= n <= 1 << 16 or n & (n - 1):
+    if not isinstance(n, int):   # 16.0 was "not a power of two"; the torch op's path says this (_options_as_ints)
+        raise ValueError(f"{option} must be a whole number or None, not {value!r}")
+    if isinstance(n, bool) or not 16 <= n <= 1 << 16 or n & (n - 1):
         raise ValueError(f"{option} must be a power of two from 16 to 65536, not {value!r}")
     return n
 
@@ -558,6 +560,8 @@ def _autotune_fill(options, sizes, device, classes, kind="", lookup=True):
     for k in ("num_warps", "num_stages"):
         if options.get(k) is not None:   # a numpy integer is a whole number too
             options[k] = _whole(options[k])
+            if not isinstance(options[k], int):   # 4.0: a power of two, but no whole number (as _options_as_ints)
+                raise ValueError(f"{k} must be a whole number or None, not {options[k]!r}")
         if options.get(k) is not None and not _autotune_valid(k, options[k]):
             raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
                              + f", not {options[k]!r}")
@@ -770,16 +774,20 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
 _OPTIONS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", )
 
 
-def _check_state(tensors, sizes, device):
-    """The backward's other tensors (dO, saved row state, ...) against the diagram."""
+def _check_state(tensors, sizes, device, shown=None):
+    """The backward's other tensors (dO, saved row state, ...) against the
+    diagram.  ``shown``: the name the caller gave a tensor napkin holds under
+    another (a matmul's dC, held as _grad_C), for the messages."""
     for name, t in tensors.items():
+        what = (shown or {}).get(name, name)
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a float tensor")
+            raise TypeError(f"{what} must be a float tensor")
         if list(t.shape) != _shape(name, sizes):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, but the inputs make it {tuple(_shape(name, sizes))} "
-                             f"{_layout_text(name) if name in _LAYOUTS else ''}")
+            layout = f" {_layout_text(name)}" if name in _LAYOUTS or name in _BACKWARD_LAYOUTS else ""
+            raise ValueError(f"{what} has shape {tuple(t.shape)}, but the inputs make it "
+                             f"{tuple(_shape(name, sizes))}{layout}")
         if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
+            raise ValueError(f"{what} is on {t.device}, the inputs on {device}")
 
 
 def _wanted(need):
@@ -919,7 +927,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     _like = _in_input_dtype(grad_dtype)
     _sz, _cls, _dev = _bind((A, B,), kernel=True)
     _check_device(_dev)
-    _check_state({"_grad_C": _grad_C}, _sz, _dev)
+    _check_state({"_grad_C": _grad_C}, _sz, _dev, {"_grad_C": "dC"})
     if _grad_C.dtype != _out_dtype(OUTPUTS[0], _cls):  # tl.dot takes one dtype: a float32 dC meets 16-bit operands
         _grad_C = _grad_C.to(_out_dtype(OUTPUTS[0], _cls))
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
