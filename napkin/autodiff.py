@@ -216,6 +216,8 @@ def _d_call(e: ir.Call, wrt) -> ir.Expr:
         a, b = args
         over, under = (">", "<") if fn == "max" else ("<", ">")
         da, db = _d(a, wrt), _d(b, wrt)
+        if da == db:                       # max(u, u), or both flat in wrt: no choice to make
+            return da
         if _constant(a) or _constant(b):   # torch.clamp's: a tie follows the varying argument
             return _where(ir.Binary(over + "=", a, b), da, db) if _constant(b) else \
                 _where(ir.Binary(under + "=", a, b), db, da)
