@@ -982,6 +982,7 @@ def _sliding_window_kernel(
     if not _POS_x:
         _hi = tl.minimum(_hi, _row_last + 1)  # x <= q, loosest at the block's last row
         _lo = tl.maximum(_lo, _row_first - 255)  # x >= q - 255, loosest at the block's first row
+        _hi = tl.where(_lo >= _size_x, 0, _hi)  # starts past the last x: no block
         _lo = _lo // _BLOCK_x * _BLOCK_x
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
     # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
@@ -1495,7 +1496,7 @@ def _sliding_window_bwd_dkdv_kernel(
     _lo = 0
     _hi = tl.cdiv(_size_q, _BLOCK_q)
     _col_first = _col0
-    _col_last = _col0 + _BLOCK_x - 1  # the nominal last, as the forward's rounded range reads it
+    _col_last = tl.minimum(_col0 + _BLOCK_x, _size_x) - 1  # the block's last real one (masks.row_block_range)
     if _POS_x:  # keys at global positions: the least and greatest real one
         _col_first = tl.min(tl.where(_ok_x, _idx_x, 4611686018427387904), 0)
         _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
@@ -1738,6 +1739,7 @@ def _sliding_window_bwd_dq_kernel(
     if not _POS_x:
         _hi = tl.minimum(_hi, _row_last + 1)  # x <= q, loosest at the block's last row
         _lo = tl.maximum(_lo, _row_first - 255)  # x >= q - 255, loosest at the block's first row
+        _hi = tl.where(_lo >= _size_x, 0, _hi)  # starts past the last x: no block
         _lo = _lo // _BLOCK_x * _BLOCK_x
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
     # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.

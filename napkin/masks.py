@@ -503,6 +503,10 @@ def _col_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int, col_siz
             start = max(start, value)
         else:
             stop = min(stop, value + 1)
+    if not tightest and start >= col_size:
+        # past the last column: no block (rounded down, start fell in a ragged last block
+        # whose every pair is masked: a window with more rows than columns visited it)
+        return 0, 0
     return start, stop
 
 
@@ -538,10 +542,13 @@ def visited_blocks(bounds: tuple[Bound, ...], row_size: int, col_size: int,
 # positive divisor, so floor division means the same in Python and Triton.
 # --------------------------------------------------------------------------
 
-def row_block_range(bounds: tuple[Bound, ...], col_block: int, row_size: int,
+def row_block_range(bounds: tuple[Bound, ...], col_block: int, row_size: int, col_size: int,
                     block_row: int, block_col: int, sizes: Mapping[str, int] = {}) -> tuple[int, int]:
     """[lo, hi) of the row blocks whose forward loop visits column block
-    ``col_block``; the code generator renders this same formula in Triton."""
+    ``col_block``; the code generator renders this same formula in Triton.
+    A lower bound is met by the block's last real column (a ragged last
+    block's ends at ``col_size``), as the forward visits no block once its
+    start passes the last column."""
     nblocks = -(-row_size // block_row)
     lo, hi = 0, nblocks
     for b in bounds:
@@ -549,7 +556,7 @@ def row_block_range(bounds: tuple[Bound, ...], col_block: int, row_size: int,
         if b.kind == "upper":          # visited iff a * r + c >= j * bc
             need = col_block * block_col - c
         else:                          # visited iff a * r + c <= (j + 1) * bc - 1
-            need = c - (col_block + 1) * block_col + 1
+            need = c - min((col_block + 1) * block_col, col_size) + 1
             a = -a                     # the same as -a * r - c >= -(j + 1) * bc + 1
         # now: visited iff a * r >= need, r the bound's row of the block
         if a == 0:
@@ -572,7 +579,7 @@ def visited_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size:
     column block by column block; as a set it equals ``visited_blocks``."""
     out = []
     for j in range(-(-col_size // block_col)):
-        lo, hi = row_block_range(bounds, j, row_size, block_row, block_col, sizes)
+        lo, hi = row_block_range(bounds, j, row_size, col_size, block_row, block_col, sizes)
         out.extend((i, j) for i in range(lo, hi))
     return out
 
@@ -667,7 +674,7 @@ def full_row_blocks(bounds: tuple[Bound, ...], col_block: int, row_size: int, co
     bound, its first for a lower one), keeps a half-line of row blocks:
     a > 0 binds at the block's first row, a < 0 at its last.  Numerators
     are clamped non-negative before dividing (Triton's // truncates)."""
-    vlo, vhi = row_block_range(bounds, col_block, row_size, block_row, block_col, sizes)
+    vlo, vhi = row_block_range(bounds, col_block, row_size, col_size, block_row, block_col, sizes)
     c0, c1 = col_block * block_col, (col_block + 1) * block_col - 1
     lo, hi = 0, (row_size // block_row if c1 < col_size else 0)
     for b in bounds:
@@ -690,7 +697,7 @@ def split_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size: i
     pairs this is ``visited_blocks_by_column``."""
     out = []
     for j in range(-(-col_size // block_col)):
-        vlo, vhi = row_block_range(bounds, j, row_size, block_row, block_col, sizes)
+        vlo, vhi = row_block_range(bounds, j, row_size, col_size, block_row, block_col, sizes)
         lo, hi = full_row_blocks(bounds, j, row_size, col_size, block_row, block_col, sizes)
         for a, b, full in ((vlo, lo, False), (lo, hi, True), (hi, vhi, False)):
             out.extend((i, j, full) for i in range(a, b))

@@ -88,6 +88,23 @@ def test_full_row_blocks_of_the_dkdv_loop_by_brute_force():
                 (src, nq, nx, br, bc, i, j)
 
 
+def test_a_start_past_the_last_column_visits_no_block():
+    """A window with more rows than columns (q - x < 32, 200 rows, 70 columns, blocks 128 x 64):
+    rows 128..199 start at column 97 or later, past the last; rounded down, the forward visited
+    the ragged block [64, 70) of masked pairs alone, and dK/dV (its block's nominal last column
+    127 >= 97) its rows (costback hunt).  Both visit exactly the blocks with a live pair, as a
+    brute force over every pair says, and the same set."""
+    bounds = masks.exact_bounds(_pred("x <= q and q - x < 32"), "q", "x")
+    for (nq, nx), (br, bc) in itertools.product([(200, 70), (70, 200), (131, 40), (64, 64)],
+                                                [(128, 64), (64, 128), (16, 16), (32, 8)]):
+        live = {(i, j) for i in range(-(-nq // br)) for j in range(-(-nx // bc))
+                if any(x <= q and q - x < 32 for q in range(i * br, min(i * br + br, nq))
+                       for x in range(j * bc, min(j * bc + bc, nx)))}
+        forward = masks.visited_blocks(bounds, nq, nx, br, bc)
+        assert set(forward) == live, (nq, nx, br, bc)
+        assert set(masks.visited_blocks_by_column(bounds, nq, nx, br, bc)) == live, (nq, nx, br, bc)
+
+
 def test_small_cases_by_hand():
     causal = masks.exact_bounds(_pred("x <= q"), "q", "x")
     # rows 32..63 against 16-key blocks: keys 0..31 are full, 32..47 and 48..63 the diagonal

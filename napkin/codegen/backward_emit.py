@@ -430,7 +430,8 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
     if "first" in need:
         lines.append("_col_first = _col0")
     if "last" in need:
-        lines.append(f"_col_last = _col0 + {bc} - 1  # the nominal last, as the forward's rounded range reads it")
+        lines.append(f"_col_last = tl.minimum(_col0 + {bc}, {names.size(col)}) - 1  # the block's last real one "
+                     "(masks.row_block_range)")
     lines.append(f"if _POS_{col}:  # keys at global positions: the least and greatest real one")
     lines += ["    " + line for line in B.extremes("col", col, f"_ok_{col}", need)]
     lines.append("    _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block")

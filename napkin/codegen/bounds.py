@@ -110,6 +110,9 @@ def loop_bounds(names, plan, whole_rows: bool = False) -> str:
         else:
             lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {why}")
     if lower:
+        # a start past the last key: no block (rounded down it fell in a ragged last block
+        # of masked pairs alone); masks.stream_range's (0, 0)
+        lines.append(f"_hi = tl.where(_lo >= {names.size(col)}, 0, _hi)  # starts past the last {col}: no block")
         lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
     lines[indent:] = ["    " + line for line in lines[indent:]]
     return "\n".join(lines + full_bounds(names, plan, whole_rows, need))
