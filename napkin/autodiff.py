@@ -191,6 +191,9 @@ def _d_binary(e: ir.Binary, wrt) -> ir.Expr:
     # power: torch's two rules, summed where both vary (a^b * (b' log a + b a' / a)
     # was NaN at a = 0, where b a' / a and b' log a are each 0 * inf)
     by_base = ZERO if _is_num(da, 0) else _mul(da, _mul(b, ir.Binary("^", a, _sub(b, ONE))))
+    if not _is_num(by_base, 0) and not isinstance(b, ir.Num):
+        # torch's: 0 where the exponent is 0 (b a^(b-1) is 0 * inf at a = 0 there)
+        by_base = ir.Call("where", (ir.Binary("==", b, ZERO), ZERO, by_base))
     if _is_num(db, 0):  # a^c: c * a^(c-1) * a'
         return by_base
     # d/db a^b = a^b log a, taken as 0 where a = 0 and b >= 0 (torch's rule: 0^b is

@@ -22,6 +22,7 @@ from __future__ import annotations
 import builtins
 import difflib
 import keyword
+import math
 import re
 from typing import Optional
 
@@ -116,7 +117,7 @@ def _layout(axes) -> str:
 def _show(e: ir.Expr) -> str:
     """A compact rendering of an expression, for messages."""
     def sub(x):
-        negative = isinstance(x, ir.Num) and x.value < 0     # (-8) ^ 0.5, not -8 ^ 0.5
+        negative = isinstance(x, ir.Num) and math.copysign(1, x.value) < 0     # (-8) ^ 0.5, not -8 ^ 0.5
         return f"({_show(x)})" if isinstance(x, (ir.Binary, ir.Unary)) or negative else _show(x)
     if isinstance(e, ir.Num):
         return {float("inf"): "inf", float("-inf"): "-inf"}.get(e.value, repr(e.value))
@@ -374,7 +375,7 @@ class _Checker:
         elif e.op == "^" and a == 0 and b < 0:
             self.err(f"0 to a negative power: {_show(e)} has no value", e.loc,
                      "write inf or -inf for an infinite constant")
-        elif e.op == "^" and a < 0 and b != int(b):
+        elif e.op == "^" and -math.inf < a < 0 and math.isfinite(b) and b != int(b):
             self.err(f"a negative number to a fractional power: {_show(e)} is not a real number", e.loc)
 
     def infer_call(self, e: ir.Call) -> tuple[frozenset, str]:

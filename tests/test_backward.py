@@ -586,6 +586,9 @@ EDGE = ("diagram edge\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : {dt}\nin
     ("where(x <= q, sum[d](Q * K), -inf) * tau", "in tau[h] : fp32\n", "fp32"),   # dtau: 0 * -inf = NaN
     ("where(x <= q, sum[d](Q * K), -inf) / sc", "in sc[x] : fp32\n", "fp32"),    # (torch's too: see below)
     ("1000 * log(sum[d](Q * K) * 0.25 + 1000)", "", "fp16"),     # fp16 dR with its 1000 lifted: 0.52 off
+    ("1000 * abs(sum[d](Q * K))", "", "fp16"),                   # with the 1000 left in: inf (today3 hunt)
+    ("sum[d](Q * K) * tau[x]", "in tau[x] : fp32\n", "fp32"),    # tau[x] of tau[x]: dtau was 0
+    ("abs(sum[d](Q * K)) ^ p", "in p[h] : fp32\n", "fp32"),      # p = 0 at a zero score: dQ NaN
 ])
 def test_edge_gradients_follow_torch(folder, score, side, dt):
     """Points where autograd has a convention (abs at 0, max ties, 0 ^ p) or where napkin's
@@ -596,14 +599,15 @@ def test_edge_gradients_follow_torch(folder, score, side, dt):
     g = torch.Generator().manual_seed(11)
     torch_dt = torch.float16 if dt == "fp16" else torch.float32
     q, k = torch.randint(-1, 2, (1, 2, 21, 16), generator=g), torch.randint(-1, 2, (1, 2, 19, 16), generator=g)
-    if dt == "fp16":
-        q, k = torch.randn(1, 2, 21, 16, generator=g), torch.randn(1, 2, 19, 16, generator=g)
+    if dt == "fp16":   # scores of a few units after the factors (1000 |R| of randn would saturate every row)
+        q, k = torch.randn(1, 2, 21, 16, generator=g) * 0.1, torch.randn(1, 2, 19, 16, generator=g) * 0.1
     v = torch.randn(1, 2, 19, 16, generator=g)
     ins = [q.to(torch_dt), k.to(torch_dt), v.to(torch_dt)]
     if side:
         name = side.split()[1].split("[")[0]
         ins.append(torch.tensor([1.0, 0.0]) if name == "t" else   # whole: ties with integer scores
-                   torch.rand(19 if name == "sc" else 2, generator=g) + 0.5)
+                   torch.tensor([0.0, 2.0]) if name == "p" else      # 0 ^ 0 and a whole power
+                   torch.rand(19 if "[x]" in side else 2, generator=g) + 0.5)
     up = torch.randn(1, 2, 21, 16, generator=g, dtype=torch.float64) * (1e-3 if dt == "fp16" else 1)
     mine = [t.clone().requires_grad_() for t in ins]
     theirs = [t.double().requires_grad_() for t in ins]
@@ -617,7 +621,7 @@ def test_edge_gradients_follow_torch(folder, score, side, dt):
     for a, b, what in zip(got, want, ("dQ", "dK", "dV", "dside")):
         assert torch.isfinite(a).all(), what
         err = ((a.double() - b).norm() / b.norm()).item()
-        assert err < (4e-3 if dt == "fp16" else 1e-5), (what, err)
+        assert err < (4e-3 if dt == "fp16" else 1e-4), (what, err)
 
 
 def test_reference_takes_sizes_arithmetic_as_torch_does(folder):
@@ -632,6 +636,69 @@ def test_reference_takes_sizes_arithmetic_as_torch_does(folder):
     assert ref.isnan().all() and out.isnan().all()
     ins = m.example_inputs({"b": 1, "h": 1, "q": 5, "x": 3}, dtype=torch.float32)
     assert m.reference(*[t.double() for t in ins]).isnan().all()   # a negative base's cube root: nan
+
+
+def test_a_large_constant_factor_beside_more_than_ds_stays_finite_in_fp16(folder):
+    """1000 * abs(R) in fp16 with a loss-scaled upstream gradient: left in the tile, the factor
+    made 1000 * dS overflow fp16 (dQ, dK inf; today3 hunt); lifted, the rest underflowed for
+    1000 * log(...) (expr hunt).  Lifted now, the product in float32: finite and close."""
+    m = compile_text(EDGE.format(dt="fp16", side="", score="1000 * abs(sum[d](Q * K))"), "absc", folder)
+    g = torch.Generator().manual_seed(0)
+    ins = [(torch.randn(1, 1, 20, 16, generator=g) * 1e-2).half(), (torch.randn(1, 1, 24, 16, generator=g) * 1e-2).half(),
+           torch.randn(1, 1, 24, 16, generator=g).half()]
+    up = (torch.randn(1, 1, 20, 16, generator=g) * 1e3).half()
+    mine = [t.clone().requires_grad_() for t in ins]
+    theirs = [t.double().requires_grad_() for t in ins]
+    got = torch.autograd.grad(m.edge(*mine, block_q=16, block_x=16), mine, up)
+    want = torch.autograd.grad(torch.softmax(1000 * (theirs[0] @ theirs[1].transpose(-1, -2)).abs(), -1) @ theirs[2],
+                               theirs, up.double())
+    for a, b, what in zip(got, want, ("dQ", "dK", "dV")):
+        assert torch.isfinite(a).all() and ((a.double() - b).norm() / b.norm()).item() < 2e-3, what
+
+
+def test_attention_of_two_dtypes_recomputes_the_scores_as_the_forward(folder):
+    """fp16 Q beside fp32 K and V: the forward's score product widened Q while the backward's
+    recomputation rounded K, so P = exp(S - lse) was not normalised: dQ 147 off on a largest 0.6
+    (today3 hunt).  Against float64 autograd; dQ's product takes K as declared (fp32) too."""
+    text = ("diagram mixqk\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp32\n"
+            "in V[b, h, x, d] : fp32\nS[b, h, q, x] = sum[d](Q * K) * |d|^-0.5\n"
+            "O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)\nout O\n")
+    m = compile_text(text, "mixqk", folder)
+    g = torch.Generator().manual_seed(12)
+    # keys near 2048 that fp16 does not hold (its step there is 2): rounded, the scores moved
+    k = 2048 + torch.arange(19.0).view(1, 1, 19, 1) + 0.3 * torch.randn(1, 2, 19, 16, generator=g)
+    ins = [(torch.randn(1, 2, 21, 16, generator=g) * 0.01).half(), k, torch.randn(1, 2, 19, 16, generator=g)]
+    got = gradients(m.mixqk, ins, block_q=16, block_x=16)
+    exact = gradients(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v, [t.double() for t in ins])
+    # dQ = dS K with dS summing to 0 along a row: K's 2048 cancels, and dS's own fp16 rounding
+    # leaves dQ a few percent (it was 100x its size); dK and dV take the scores as the forward did
+    for a, b, what, tol in zip(got, exact, ("dQ", "dK", "dV"), (0.1, 2e-3, 2e-3)):
+        assert ((a.double() - b).norm() / b.norm()).item() < tol, what
+
+
+def test_unnormalised_weights_reading_a_side_input_train_or_refuse_in_words(folder):
+    """S = R * tau, O = sum[x](S * V) crashed the compiler (AttributeError: the side gradient's
+    raw score was never loaded); O = sum[x](S * tau * V) emitted a preprocess with tau twice
+    (today3 hunt).  The first trains against float64 torch; the second has no kernel for dtau
+    (O = N0 * tau, past the score box) and says so at the call, where its .grad would be 0."""
+    head = ("diagram side_t\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\n"
+            "in V[b, h, x, d] : fp16\nin tau[h] : fp32\n")
+    m = compile_text(head + "S[b, h, q, x] = sum[d](Q * K) * tau\nO[b, h, q, d] : fp32 = sum[x](S * V)\nout O\n",
+                     "side_t", folder)
+    g = torch.Generator().manual_seed(13)
+    ins = [torch.randn(1, 2, 19, 16, generator=g).half(), torch.randn(1, 2, 23, 16, generator=g).half(),
+           torch.randn(1, 2, 23, 16, generator=g).half(), torch.rand(2, generator=g) + 0.5]
+    got = gradients(m.side_t, ins, block_q=16, block_x=16)
+    exact = gradients(lambda q, k, v, t: (q @ k.transpose(-1, -2) * t[None, :, None, None]) @ v,
+                      [t.double() for t in ins])
+    for a, b in zip(got, exact):
+        assert ((a.double() - b).norm() / b.norm()).item() < 2e-3
+    past = compile_text(head.replace("side_t", "past_t") + "S[b, h, q, x] = sum[d](Q * K)\n"
+                        "O[b, h, q, d] : fp32 = sum[x](S * tau * V)\nout O\n", "past_t", folder)
+    assert past.past_t(*ins, block_q=16, block_x=16).shape == (1, 2, 19, 16)
+    with pytest.raises(NotImplementedError, match=r"input tau: its gradient would go through O, dN0 past the "
+                                                  r"score box, which napkin does not emit"):
+        past.past_t(ins[0].clone().requires_grad_(), *ins[1:], block_q=16, block_x=16)
 
 
 # --------------------------------------------------------------------------

@@ -588,3 +588,19 @@ def test_docs_command_into_a_file_says_so(tmp_path, capsys):
     afile.write_text("")
     assert main(["--docs", str(afile)]) == 1
     assert f"{afile} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_relabel_to_a_fixed_wire_sizes_its_partner_by_default(tmp_path, capsys):
+    """X[b, x, d] of X[b, q, d] with wire x = 128: the defaults took q = 4096 beside it, which
+    the cost pass refuses, so render and report failed on a valid diagram (today3 hunt).  q
+    takes x's 128 now; sizes the user gives that disagree are refused at the relabel, in the file."""
+    src = tmp_path / "fixedrel.ncd"
+    src.write_text("diagram fixedrel\nwire b, q\nwire x = 128\nwire d = 64\nin X[b, q, d] : fp16\n"
+                   "S[b, q, x] = sum[d](X * X[b, x, d])\nO[b, q, d] : fp16 = sum[x](softmax[x](S) * X[b, x, d])\n"
+                   "out O\n")
+    assert cli_main(["render", str(src), "-o", str(tmp_path / "f.dot")]) == 0
+    assert cli_main(["report", str(src), "-o", str(tmp_path / "f.html")]) == 0
+    assert "drawn without byte counts" not in capsys.readouterr().err
+    assert cli_main(["render", str(src), "-D", "q=64", "-o", str(tmp_path / "g.dot")]) == 1
+    assert capsys.readouterr().err.startswith(f"{src}:6:25: X is read along x as well as q, so wires x (128) "
+                                              "and q (64) must have equal sizes")

@@ -190,6 +190,7 @@ class _Builder:
         self.d, self.f, self.rule, self.saved_axes = d, fplan, rule, dict(saved_axes)
         self.row, self.col, self.batch = fplan.row, fplan.col, fplan.batch
         self.fixed = {w.name: w.size for w in d.wires if w.size is not None}  # wires of a fixed size
+        self.wide_tiles: set[str] = set()   # tiles whose products are float32 (grad_scales)
 
     def build(self) -> BackwardPlan:
         d, f, rule = self.d, self.f, self.rule
@@ -277,6 +278,14 @@ class _Builder:
             refs = [n for _, e in self.rule.tile for n in ir.walk(e)
                     if isinstance(n, ir.TensorRef) and n.name == t.name]
             if not refs:
+                # read past the score box only (sum[x](S * tau * V): O = N0 * tau), a gradient no
+                # kernel computes: refused, where its .grad was silently zero
+                past = [n for n, e in self.rule.forward + self.rule.rows
+                        if any(isinstance(x, ir.TensorRef) and x.name == t.name for x in ir.walk(e))]
+                if past:
+                    raise refuse(f"input {t.name}", f"its gradient would go through {', '.join(past)} past the "
+                                 "score box, which napkin does not emit; an input the score box alone reads "
+                                 "gets one", t.loc)
                 continue
             own = ir.axis_wires(t.axes)
             if any(r.wires is not None and tuple(r.wires) != own for r in refs):
@@ -284,8 +293,14 @@ class _Builder:
             # Its gradient is dS * dS/dt: whole only when the score box is the one
             # forward tile that reads t.  dR = dS * dS/dR may read it too (a
             # temperature multiplying the contraction): that is S's derivative.
+            # tau[x] for a tau declared [x] is tau: one node to differentiate by (as written it
+            # was another, and its gradient silently 0)
+            plain = ir.TensorRef(t.name)
+
+            def canon(e, written=ir.TensorRef(t.name, own)):
+                return autodiff.substitute(e, written, plain)
             elsewhere = sorted(n for n, e in self.rule.tile
-                               if n not in ("S", "dR") and _contains(e, ir.TensorRef(t.name)))
+                               if n not in ("S", "dR") and _contains(canon(e), plain))
             if s_expr is None:
                 raise refuse(f"input {t.name}", "only inputs of the score box get gradients here", t.loc)
             if elsewhere:
@@ -293,7 +308,7 @@ class _Builder:
                              f"backward's {', '.join(elsewhere)} read it), which napkin does not emit; "
                              "an input the score box alone reads gets one", t.loc)
             try:
-                deriv = autodiff.diff(s_expr, ir.TensorRef(t.name))
+                deriv = autodiff.diff(canon(s_expr), plain)
             except ValueError as err:
                 raise refuse(f"input {t.name}", str(err), t.loc) from None
             extra = tuple(["_blocks"] if self.row not in own else []) + tuple(w for w in self.batch if w not in own)
@@ -395,11 +410,14 @@ class _Builder:
     def _wide_tile(self, tile_name: str) -> bool:
         """Whether a gradient's tile is the forward's weights as a function of
         the scores alone, with no bound on them: a chain of matmuls' C
-        (E = sum[n](C * D)) or an unnormalised ReLU².  The forward scales such
+        (E = sum[n](C * D)) or an unnormalised ReLU², or one whose constant
+        factor of 1 or more grad_scales took out (wide_tiles).  The forward scales such
         rows into float16 (weights.py, _FIT_WEIGHTS); rounded as they were,
         dD = C^T dE was inf past 65504, so the product is taken in float32
         (tf32 range).  Softmax's P and a normalised sum's weighted tile read
         row state (lse, the normaliser's factor): bounded by it, kept narrow."""
+        if tile_name in self.wide_tiles:
+            return True
         source = dict(self.rule.tile).get(tile_name)
         if source is None:
             return False
@@ -411,6 +429,9 @@ class _Builder:
         (phase "step" when they carry the loop wire or an outer wire)."""
         tile = dict(self.rule.tile)
         need = {t[1] for t in targets} | ({"dS"} if sides else set())
+        for s in sides:   # dS * R for S = R * tau: the raw score too, where no target's chain reads it
+            need |= {n.name for n in ir.walk(s.expr) if isinstance(n, ir.TensorRef)
+                     and (n.name in self.tile_names or n.name == "R")}
         order = []
         for name in reversed(self.tile_names):
             if name in need:
@@ -531,9 +552,10 @@ class _Builder:
             # A factor of 1 or more waits for the store in float16 (_small), right for dS * 64,
             # whose dS is the well-ranged tile; but what is left of 1000 * log(R / 4 + 1000)'s
             # dR is dS times 1e-3, and (R / 4 + 100.5)^-3 * 1e6's dS times 1e-8: rounded to
-            # float16 before the factor, it flushed to zero (dQ 0.52 off, or exactly 0).
+            # float16 before the factor, it flushed to zero (dQ 0.52 off, or exactly 0), and
+            # kept in the tile 1000 * abs(R)'s overflowed.  Such a tile's product is float32.
             if abs(v) >= 1 and not _bare_ds(t):
-                continue
+                self.wide_tiles.add(name)
             tile[name], scales[name] = t, float(v)
         return tile, scales
 

@@ -239,8 +239,13 @@ def _dt(plan: BackwardPlan, *tensors: str) -> str:
 
 def _grad_dt(plan: BackwardPlan, g) -> str:
     """The dtype of a gradient's product: _dt's, or float32 for a tile of
-    unbounded weights (backward.Grad.wide)."""
-    return "tl.float32" if g.wide else _dt(plan, g.operand.tensor)
+    unbounded weights (backward.Grad.wide) or an input operand declared wider
+    than the kernel's dtype (fp16 Q beside fp32 K: dQ = dS K rounded K to
+    fp16, and dS sums to 0 along a row, so K's rounding was all dQ had)."""
+    inputs = {t.name: t for t in plan.forward.diagram.inputs}   # the user's: dO keeps the kernel's dtype
+    operand, kernel = inputs.get(g.operand.tensor), inputs[plan.q]
+    wider = operand is not None and ir.DTYPE_BYTES[operand.dtype] > ir.DTYPE_BYTES[kernel.dtype]
+    return "tl.float32" if g.wide or wider else _dt(plan, g.operand.tensor)
 
 
 def _dot(a: str, b: str, plan: BackwardPlan, dt: str = "") -> str:
@@ -345,12 +350,8 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
     for dot in k.dots:
         dt = _dt(plan, dot.lhs.tensor, dot.rhs.tensor)
         lhs, rhs = dot.lhs.var, dot.rhs.var
-        if dot.var == "_qk":  # the scores, in Q's dtype as the forward's (K converted to it)
-            if d.tensor(dot.lhs.tensor).dtype != d.tensor(dot.rhs.tensor).dtype:
-                if dot.lhs.tensor == plan.q:
-                    rhs = f"{rhs}.to({lhs}.dtype)"
-                else:
-                    lhs = f"{lhs}.to({rhs}.dtype)"
+        if dot.var == "_qk":  # the scores, taken as the forward's are (E.dot_operands: in the wider dtype)
+            lhs, rhs = E.dot_operands(lhs, d.tensor(dot.lhs.tensor).dtype, rhs, d.tensor(dot.rhs.tensor).dtype)
             lines.append(f"{dot.var} = {_dot(lhs, f'tl.trans({rhs})', plan)}")
         else:
             lines.append(f"{dot.var} = {_dot(f'{lhs}.to({dt})', f'tl.trans({rhs}.to({dt}))', plan, dt)}")

@@ -351,7 +351,11 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "kernels": [kernel_context(b, k) for k in b.kernels],
         "unpack_outs": ", ".join(outs) + ("," if len(outs) == 1 else ""),
         "unpack_grads": ", ".join(grads) + ("," if len(grads) == 1 else ""),
-        "row_inputs": list(b.row_inputs), "row_outputs": list(b.row_outputs), "aliases": list(b.aliases),
+        # an input the rows read (sum[x](S * tau * V)'s tau) is a parameter already: listed again the
+        # preprocess was def _t_preprocess(Q, K, V, tau, dO, tau, ...), no valid module
+        "row_inputs": [n for n in b.row_inputs if b.forward.diagram.tensor(n) is None or
+                       not isinstance(b.forward.diagram.tensor(n), ir.Input)],
+        "row_outputs": list(b.row_outputs), "aliases": list(b.aliases),
         "state": list(b.state), "grad_names": list(b.grads),
         "grid_batch": " * ".join(f'_sz["{w}"]' for w in b.batch) or "1",
         "kv_batch": " * ".join(f'_sz["{w}"]' for w in b.kernel("dkdv").batch) or "1",

@@ -87,10 +87,30 @@ def traffic_from(costs) -> Traffic:
 
 
 def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:
-    """A size for every symbolic wire: the user's, else DEFAULT_SIZES."""
-    given = dict(given or {})
-    return {w.name: given.get(w.name, DEFAULT_SIZES.get(w.name, OTHER_SIZE))
-            for w in diagram.wires if w.size is None}
+    """A size for every symbolic wire: the user's, else the size a relabel
+    ties it to (``X[b, x, d]`` of ``X[b, q, d]``: |q| = |x|, one of them fixed
+    or given), else DEFAULT_SIZES.  Defaults taken alone made q 4096 beside a
+    fixed x of 128, which the cost pass refuses."""
+    from .. import ir
+
+    sizes = {w.name: w.size for w in diagram.wires if w.size is not None}
+    sizes.update(given or {})
+    ties = [(a, b) for _, a, b, _ in ir.relabels(diagram)]
+
+    def spread() -> None:
+        changed = True
+        while changed:
+            changed = False
+            for a, b in ties:
+                for x, y in ((a, b), (b, a)):
+                    if x in sizes and y not in sizes:
+                        sizes[y], changed = sizes[x], True
+    spread()
+    for w in diagram.wires:
+        if w.name not in sizes:
+            sizes[w.name] = DEFAULT_SIZES.get(w.name, OTHER_SIZE)
+            spread()
+    return {w.name: sizes[w.name] for w in diagram.wires if w.size is None}
 
 
 def check_profile(profile: Optional[str]) -> None:
@@ -114,6 +134,7 @@ def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = No
     grid past what the cost pass walks) and any other failure only cost the
     picture its byte labels: the reason says which sizes to give.
     """
+    from .. import located
     from ..errors import NapkinError
     try:
         from .. import cost
@@ -125,12 +146,12 @@ def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = No
         return cost.analyse(diagram, chosen, profile), None
     except NapkinError as err:
         guessed = sorted(set(chosen) - set(sizes or {}))
-        if not guessed:
-            raise
+        if not guessed:   # the user's, shown at its place in the file (it said <input>)
+            raise located(err, diagram) from None
         try:   # at 1 for every guessed wire: a refusal that stays is the given sizes'
             cost.analyse(diagram, {**chosen, **dict.fromkeys(guessed, 1)}, profile)
         except NapkinError:
-            raise err from None
+            raise located(err, diagram) from None
         first = str(err).splitlines()[0].removeprefix("napkin: ")
         return None, (f"the cost pass refused the default sizes {', '.join(f'{w}={chosen[w]}' for w in guessed)} "
                       f"({first}); give the wires' sizes with -D WIRE=N")
