@@ -73,29 +73,6 @@ def hostile_name(name: str) -> Optional[str]:
     return None
 
 
-def _constant(e: ir.Expr, fixed: dict) -> Optional[float]:
-    """The value of numbers and fixed sizes under + - * / ^, else None (a
-    value with none of its own, 1 / 0 inside, is None too: reported there)."""
-    if isinstance(e, ir.Num):
-        return e.value
-    if isinstance(e, ir.WireSize):
-        return fixed.get(e.wire)
-    if isinstance(e, ir.Unary) and e.op == "-":
-        v = _constant(e.operand, fixed)
-        return None if v is None else -v
-    if isinstance(e, ir.Binary) and e.op in ir.ARITH_OPS:
-        a, b = _constant(e.lhs, fixed), _constant(e.rhs, fixed)
-        if a is None or b is None:
-            return None
-        try:
-            v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
-                 "^": lambda: ir.power(a, b)}[e.op]()
-        except (ZeroDivisionError, OverflowError):
-            return None
-        return None if isinstance(v, complex) else v
-    return None
-
-
 def _at(loc: ir.Loc, fallback: ir.Loc) -> ir.Loc:
     """``loc`` when the parser recorded it, else ``fallback`` (IR built in code has no locations)."""
     return loc if loc.line > 0 else fallback
@@ -366,7 +343,7 @@ class _Checker:
         it folded to nothing, and the kernel and reference() raised
         ZeroDivisionError at run time (or the reference a complex number)."""
         fixed = {w.name: w.size for w in self.d.wires if w.size is not None}
-        a, b = _constant(e.lhs, fixed), _constant(e.rhs, fixed)
+        a, b = ir.fold_constant(e.lhs, fixed), ir.fold_constant(e.rhs, fixed)
         if a is None or b is None:
             return
         if e.op == "/" and b == 0:

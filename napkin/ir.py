@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 
 @dataclass(frozen=True)
@@ -329,6 +329,39 @@ class Diagram:
         if self.schedule is None:
             return None
         return next((lv for lv in self.schedule.levels if lv.name == name), None)
+
+
+def fold_constant(e: "Expr", fixed: Mapping[str, int], calls: Mapping[str, Callable] = {}):
+    """The value of numbers and fixed sizes under - and + - * / ^ (and the
+    functions ``calls`` names), else None: also where it has no value of its
+    own (1 / 0, 0 ^ -1, a complex power, an overflow), which the checker
+    reports and the folding passes leave to the kernel."""
+    if isinstance(e, Num):
+        return e.value
+    if isinstance(e, WireSize):
+        return fixed.get(e.wire)
+    if isinstance(e, Unary) and e.op == "-":
+        v = fold_constant(e.operand, fixed, calls)
+        return None if v is None else -v
+    if isinstance(e, Binary) and e.op in ARITH_OPS:
+        a, b = fold_constant(e.lhs, fixed, calls), fold_constant(e.rhs, fixed, calls)
+        if a is None or b is None:
+            return None
+        try:
+            v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
+                 "^": lambda: power(a, b)}[e.op]()
+        except (ZeroDivisionError, OverflowError):
+            return None
+        return None if isinstance(v, complex) else v
+    if isinstance(e, Call) and e.fn in calls:
+        args = [fold_constant(a, fixed, calls) for a in e.args]
+        if any(a is None for a in args):
+            return None
+        try:
+            return calls[e.fn](*args)
+        except (ValueError, OverflowError, ZeroDivisionError):
+            return None
+    return None
 
 
 def power(a, b):

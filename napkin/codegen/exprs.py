@@ -57,39 +57,7 @@ _MATH = {
 
 def fold(e, fixed: Mapping[str, int]):
     """The value of a constant subexpression (numbers and fixed sizes), else None."""
-    if isinstance(e, ir.Num):
-        return e.value
-    if isinstance(e, ir.WireSize):
-        return fixed.get(e.wire)
-    if isinstance(e, ir.Unary) and e.op == "-":
-        v = fold(e.operand, fixed)
-        return None if v is None else -v
-    if isinstance(e, ir.Binary) and e.op in ir.ARITH_OPS:
-        a, b = fold(e.lhs, fixed), fold(e.rhs, fixed)
-        if a is None or b is None:
-            return None
-        try:
-            if e.op == "+":
-                return a + b
-            if e.op == "-":
-                return a - b
-            if e.op == "*":
-                return a * b
-            if e.op == "/":
-                return a / b
-            v = ir.power(a, b)
-            return None if isinstance(v, complex) else v
-        except (ZeroDivisionError, OverflowError):
-            return None
-    if isinstance(e, ir.Call) and e.fn in _MATH:
-        args = [fold(a, fixed) for a in e.args]
-        if any(a is None for a in args):
-            return None
-        try:
-            return _MATH[e.fn](*args)
-        except (ValueError, OverflowError, ZeroDivisionError):
-            return None
-    return None
+    return ir.fold_constant(e, fixed, _MATH)
 
 
 def number(v) -> str:
