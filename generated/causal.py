@@ -223,9 +223,9 @@ def _block_size(value, wire, option):
     # a numpy integer is a whole number too (_whole); past 2^16 a tile with a 16-wide side passes
     # Triton's 2^20 elements
     n = _whole(value)
-    if not isinstance(n, int):   # 16.0 was "not a power of two"; the torch op's path says this (_options_as_ints)
+    if isinstance(n, bool) or not isinstance(n, int):   # 16.0 and True were "not a power of two" (_options_as_ints)
         raise ValueError(f"{option} must be a whole number or None, not {value!r}")
-    if isinstance(n, bool) or not 16 <= n <= 1 << 16 or n & (n - 1):
+    if not 16 <= n <= 1 << 16 or n & (n - 1):
         raise ValueError(f"{option} must be a power of two from 16 to 65536, not {value!r}")
     return n
 
@@ -511,8 +511,8 @@ def _autotune_config(entry):
 def _whole(value):
     """An integer option as a Python int when it is a whole number of any
     type (numpy's too: __index__), else as given (the checks refuse it)."""
-    if isinstance(value, bool):
-        return value
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim())):
+        return value   # True, tensor(True) and tensor([16]) are no whole numbers (operator.index takes them)
     try:   # operator.index, not hasattr(type(v), "__index__"): torch.compile traces it (two numpy types failed)
         return _autotune_operator.index(value)
     except TypeError:
@@ -567,7 +567,7 @@ def _autotune_fill(options, sizes, device, classes, kind="", lookup=True):
     for k in ("num_warps", "num_stages"):
         if options.get(k) is not None:   # a numpy integer is a whole number too
             options[k] = _whole(options[k])
-            if not isinstance(options[k], int):   # 4.0: a power of two, but no whole number (as _options_as_ints)
+            if isinstance(options[k], bool) or not isinstance(options[k], int):   # 4.0, True (as _options_as_ints)
                 raise ValueError(f"{k} must be a whole number or None, not {options[k]!r}")
         if options.get(k) is not None and not _autotune_valid(k, options[k]):
             raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
@@ -879,9 +879,9 @@ def _chunks(chunk, tuned, block, n, given=True):
     if chunk is None:
         chunk = _SCHEDULE_CHUNK if tuned is None else tuned
         chunk = chunk and max(chunk, block)
-    elif not isinstance(chunk, int):   # 16.0 (as _options_as_ints says it)
+    elif isinstance(chunk, bool) or not isinstance(chunk, int):   # 16.0, True (as _options_as_ints says it)
         raise ValueError(f"chunk must be a whole number or None, not {chunk!r}")
-    elif isinstance(chunk, bool) or chunk < 0 or chunk & (chunk - 1):
+    elif chunk < 0 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be None, 0 or a power of two, not {chunk!r}")
     elif chunk and chunk < block:
         raise ValueError(f"chunk={chunk} is shorter than {_option_text('block_x', block, given)}: "

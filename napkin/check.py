@@ -426,6 +426,9 @@ class _Checker:
                 w = tie[w]
             return w
 
+        # a group of tied wires holds at most one fixed size: A[n, k] * A[p, k] of A[m, k] with
+        # n = 8 and p = 16 asks |m| to be both (check passed it, compile refused it at <input>)
+        fixed = {w.name: (w.size, w.name) for w in d.wires if w.size is not None}
         used = set()
         for t in d.lets:
             used.update(ir.axis_wires(t.axes))
@@ -434,7 +437,13 @@ class _Checker:
                     used.add(n.wire)
                 elif isinstance(n, ir.TensorRef) and n.wires is not None:
                     for old, new in zip(ir.axis_wires(d.tensor(n.name).axes), n.wires):
-                        if old in tie and new in tie:
+                        if old in tie and new in tie and root(old) != root(new):
+                            a, b = fixed.get(root(old)), fixed.get(root(new))
+                            direct = d.wire(old).size is not None and d.wire(new).size is not None
+                            if a and b and a[0] != b[0] and not direct:   # (both fixed: infer_ref's)
+                                self.err(f"one wire given two sizes: {_show(n)} reads {old} as {new}, which "
+                                         f"ties {a[1]} (= {a[0]}) to {b[1]} (= {b[0]})", n.loc)
+                            fixed.setdefault(root(new), a) if a else None
                             tie[root(old)] = root(new)
         sized = {root(w.name) for w in d.wires if w.size is not None}
         sized |= {root(w) for t in d.inputs for w in ir.axis_wires(t.axes) if w in tie}

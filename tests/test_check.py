@@ -757,3 +757,12 @@ def test_constants_with_a_value_pass(constant):
     text = ("diagram c\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
             f"S[b, h, q, x] = sum[d](Q * K) + {constant}\nout S\n")
     assert not errors(text)
+
+
+def test_relabels_tying_two_fixed_sizes_together_are_refused():
+    """A[n, k] * A[p, k] of A[m, k] with n = 8 and p = 16 asks |m| to be both: check passed it and
+    compile refused it at <input> (today4 hunt).  Each relabel alone is fine; the second is blamed."""
+    d = one("diagram r6\nwire m, k\nwire n = 8\nwire p = 16\nin A[m, k] : fp32\n"
+            "C[n, p] : fp32 = sum[k](A[n, k] * A[p, k])\nout C\n")
+    assert (d.message, d.loc.line, d.loc.col) == (
+        "one wire given two sizes: A[p, k] reads m as p, which ties n (= 8) to p (= 16)", 6, 35)

@@ -233,7 +233,7 @@ def test_training_takes_the_schedule_chunk_and_its_gradients_are_right(monkeypat
 
 @pytest.mark.parametrize("chunk, message", [
     (24, "chunk must be None, 0 or a power of two, not 24"),
-    (True, "chunk must be None, 0 or a power of two, not True"),
+    (True, "chunk must be a whole number or None, not True"),
     (8, "chunk=8 is shorter than block_x=16: a chunk is whole blocks"),
 ])
 def test_bad_chunks_are_refused_in_words(chunk, message):

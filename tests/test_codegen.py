@@ -261,9 +261,16 @@ def test_an_option_of_no_whole_number_says_so_eager_or_through_autograd(modules,
     16 is, and through autograd as "must be a whole number or None" (contract hunt): both say the latter."""
     mm, att = modules["matmul"].matmul, modules["attention"].attention
     a, b = torch.randn(20, 24, requires_grad=grad), torch.randn(24, 20)
+    # and True, tensor(True), tensor([16]), which operator.index takes (today4 hunt: num_warps=tensor(True)
+    # ran with 1 warp; eager True read "at least 1, not True")
     for opts, words in ((dict(block_m=16.0), "block_m must be a whole number or None, not 16.0"),
                         (dict(num_warps=4.0), "num_warps must be a whole number or None, not 4.0"),
-                        (dict(num_stages=2.0), "num_stages must be a whole number or None, not 2.0")):
+                        (dict(num_stages=2.0), "num_stages must be a whole number or None, not 2.0"),
+                        (dict(num_stages=True), "num_stages must be a whole number or None, not True"),
+                        (dict(block_m=True), "block_m must be a whole number or None, not True"),
+                        (dict(num_warps=torch.tensor(True)),
+                         "num_warps must be a whole number or None, not tensor(True)"),
+                        (dict(block_m=torch.tensor([16])), "block_m must be a whole number or None, not tensor([16])")):
         with pytest.raises(ValueError) as err:
             mm(a, b, **opts)
         assert str(err.value) == words
