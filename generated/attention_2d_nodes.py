@@ -529,8 +529,18 @@ def _options_as_ints(names, values):
         value = _whole(value)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{name} must be a whole number or None, not {value!r}")
+        if value is not None and not _autotune_valid(name, value):
+            # the ranges that need no sizes, here: met first in the op's fake, torch.compile
+            # raised its own TorchRuntimeError around this ValueError (today4 hunt)
+            raise ValueError(f"{name} must be {_OPTION_RANGES[name.split('_')[0] if name.startswith('block_') else name]}"
+                             f", not {value!r}")
         out.append(value)
     return out
+
+
+# each option's range, as the eager checks word it (_block_size, _autotune_fill, _chunks)
+_OPTION_RANGES = {"block": "a power of two from 16 to 65536", "num_warps": "a power of two from 1 to 32",
+                  "num_stages": "at least 1", "chunk": "None, 0 or a power of two"}
 
 
 def _autotune_valid(option, value):

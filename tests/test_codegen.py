@@ -635,3 +635,16 @@ def test_weight_tiles_known_to_fit_float16(expr, bounded):
 
     d = napkin.load_text(f"diagram t\nwire q, x\nin S[q, x] : fp32\nW[q, x] = {expr}\nout W\n")
     assert weights.fits(d.tensor("W").expr, {}) is bounded
+
+
+def test_an_option_out_of_range_under_torch_compile_is_a_value_error(modules):
+    """block_q=17 under torch.compile raised torch's TorchRuntimeError wrapping the fake's
+    ValueError (today4 hunt): the ranges that need no sizes are checked before the op."""
+    att = torch.compile(modules["attention"].attention, backend="eager")
+    q, k, v = (t.float() for t in _qkv(q=20, x=40))
+    for opts, words in ((dict(block_q=17), "block_q must be a power of two from 16 to 65536, not 17"),
+                        (dict(num_warps=3), "num_warps must be a power of two from 1 to 32, not 3"),
+                        (dict(num_stages=0), "num_stages must be at least 1, not 0")):
+        with pytest.raises(ValueError) as err:
+            att(q.requires_grad_(), k, v, **opts)
+        assert str(err.value) == words
