@@ -552,7 +552,7 @@ def _autotune_valid(option, value):
     if isinstance(value, bool) or not isinstance(value, int):
         return option == "tma" and isinstance(value, bool)
     if option.startswith("block_"):
-        return value >= 16 and not value & (value - 1)
+        return 16 <= value <= 1 << 16 and not value & (value - 1)
     if option == "num_warps":                     # Triton's: a power of two, at most a block's 32 warps
         return 1 <= value <= 32 and not value & (value - 1)
     if option == "num_stages":

@@ -643,6 +643,7 @@ def test_an_option_out_of_range_under_torch_compile_is_a_value_error(modules):
     att = torch.compile(modules["attention"].attention, backend="eager")
     q, k, v = (t.float() for t in _qkv(q=20, x=40))
     for opts, words in ((dict(block_q=17), "block_q must be a power of two from 16 to 65536, not 17"),
+                        (dict(block_q=1 << 17), "block_q must be a power of two from 16 to 65536, not 131072"),
                         (dict(num_warps=3), "num_warps must be a power of two from 1 to 32, not 3"),
                         (dict(num_stages=0), "num_stages must be at least 1, not 0")):
         with pytest.raises(ValueError) as err:
