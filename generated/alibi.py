@@ -422,6 +422,8 @@ import json as _autotune_json
 import operator as _autotune_operator
 import os as _autotune_os
 
+import torch as _autotune_torch
+
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
 _AUTOTUNE_HASH = "053132c6360ca609f8222382a98dd09b60730881a91a732031b8c3fa612b2eda"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
@@ -513,7 +515,8 @@ def _autotune_config(entry):
 def _whole(value):
     """An integer option as a Python int when it is a whole number of any
     type (numpy's too: __index__), else as given (the checks refuse it)."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim())):
+    if isinstance(value, bool) or (isinstance(value, _autotune_torch.Tensor)
+                                   and (value.dtype == _autotune_torch.bool or value.dim())):
         return value   # True, tensor(True) and tensor([16]) are no whole numbers (operator.index takes them)
     try:   # operator.index, not hasattr(type(v), "__index__"): torch.compile traces it (two numpy types failed)
         return _autotune_operator.index(value)
