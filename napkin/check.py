@@ -443,7 +443,8 @@ class _Checker:
                             if a and b and a[0] != b[0] and not direct:   # (both fixed: infer_ref's)
                                 self.err(f"one wire given two sizes: {_show(n)} reads {old} as {new}, which "
                                          f"ties {a[1]} (= {a[0]}) to {b[1]} (= {b[0]})", n.loc)
-                            fixed.setdefault(root(new), a) if a else None
+                            if a:
+                                fixed.setdefault(root(new), a)
                             tie[root(old)] = root(new)
         sized = {root(w.name) for w in d.wires if w.size is not None}
         sized |= {root(w) for t in d.inputs for w in ir.axis_wires(t.axes) if w in tie}

@@ -409,6 +409,23 @@ def relabels(d: "Diagram") -> tuple[tuple[str, str, str, Loc], ...]:
     return tuple((*key, loc) for key, loc in out.items())
 
 
+def tie_relabels(d: "Diagram", sizes: dict) -> Optional[tuple[str, str, str, Loc]]:
+    """Give each wire a relabel ties to a sized one its size, in place, to a
+    fixed point (chains of relabels); the first relabel whose two wires
+    already hold different sizes, else None."""
+    ties = relabels(d)
+    changed = True
+    while changed:
+        changed = False
+        for tensor, declared, read, loc in ties:
+            if declared in sizes and read in sizes and sizes[declared] != sizes[read]:
+                return tensor, declared, read, loc
+            for a, b in ((declared, read), (read, declared)):
+                if a in sizes and b not in sizes:
+                    sizes[b], changed = sizes[a], True
+    return None
+
+
 def children(expr: Expr) -> tuple:
     """The direct sub-expressions of a node, in source order."""
     if isinstance(expr, Unary):

@@ -190,7 +190,6 @@ class _Builder:
         self.d, self.f, self.rule, self.saved_axes = d, fplan, rule, dict(saved_axes)
         self.row, self.col, self.batch = fplan.row, fplan.col, fplan.batch
         self.fixed = {w.name: w.size for w in d.wires if w.size is not None}  # wires of a fixed size
-        self.wide_tiles: set[str] = set()   # tiles whose products are float32 (grad_scales)
 
     def build(self) -> BackwardPlan:
         d, f, rule = self.d, self.f, self.rule
@@ -407,16 +406,16 @@ class _Builder:
             raise refuse(f"the gradient of {name}", f"{name} must be along {lead}, one feature wire and batch wires")
         return name, a.name, b, lead, feat[0]
 
-    def _wide_tile(self, tile_name: str) -> bool:
+    def _wide_tile(self, tile_name: str, tile: dict, scales: dict) -> bool:
         """Whether a gradient's tile is the forward's weights as a function of
         the scores alone, with no bound on them: a chain of matmuls' C
         (E = sum[n](C * D)) or an unnormalised ReLU², or one whose constant
-        factor of 1 or more grad_scales took out (wide_tiles).  The forward scales such
+        factor of 1 or more grad_scales took out beside more than dS.  The forward scales such
         rows into float16 (weights.py, _FIT_WEIGHTS); rounded as they were,
         dD = C^T dE was inf past 65504, so the product is taken in float32
         (tf32 range).  Softmax's P and a normalised sum's weighted tile read
         row state (lse, the normaliser's factor): bounded by it, kept narrow."""
-        if tile_name in self.wide_tiles:
+        if abs(scales.get(tile_name, 0.0)) >= 1 and not _bare_ds(tile[tile_name]):
             return True
         source = dict(self.rule.tile).get(tile_name)
         if source is None:
@@ -480,7 +479,7 @@ class _Builder:
                 raise refuse(f"the gradient of {name}", f"the scores do not depend on {name} (the tile "
                              f"{tile_name} its gradient sums is the constant {expr_text(tile[tile_name])})")
             grads.append(Grad(name, f"_grad_{name}", f"_acc_{name}", subst[ir.TensorRef(tile_name)],
-                              load(operand), lead, feat, scales.get(tile_name), self._wide_tile(tile_name)))
+                              load(operand), lead, feat, scales.get(tile_name), self._wide_tile(tile_name, tile, scales)))
         for s in sides:
             for node in nodes(s.expr):
                 if isinstance(node, ir.TensorRef) and node not in subst:
@@ -553,9 +552,8 @@ class _Builder:
             # whose dS is the well-ranged tile; but what is left of 1000 * log(R / 4 + 1000)'s
             # dR is dS times 1e-3, and (R / 4 + 100.5)^-3 * 1e6's dS times 1e-8: rounded to
             # float16 before the factor, it flushed to zero (dQ 0.52 off, or exactly 0), and
-            # kept in the tile 1000 * abs(R)'s overflowed.  Such a tile's product is float32.
-            if abs(v) >= 1 and not _bare_ds(t):
-                self.wide_tiles.add(name)
+            # kept in the tile 1000 * abs(R)'s overflowed.  Such a tile's product is float32
+            # (_wide_tile).
             tile[name], scales[name] = t, float(v)
         return tile, scales
 

@@ -66,17 +66,12 @@ def bind_sizes(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]]) -> dict[
     # A[n, k] of A[m, k]: n and m are one size, as the launcher binds them
     # (a missing one from the other, unequal ones refused); to a fixed point,
     # for chains of relabels
-    changed = True
-    while changed:
-        changed = False
-        for tensor, declared, read, loc in ir.relabels(diagram):
-            if declared in out and read in out and out[declared] != out[read]:
-                raise NapkinError([Diagnostic(f"{tensor} is read along {read} as well as {declared}, so wires "
-                                              f"{read} ({out[read]}) and {declared} ({out[declared]}) must "
-                                              "have equal sizes", loc)])
-            for a, b in ((declared, read), (read, declared)):
-                if a in out and b not in out:
-                    out[b], changed = out[a], True
+    clash = ir.tie_relabels(diagram, out)
+    if clash:
+        tensor, declared, read, loc = clash
+        raise NapkinError([Diagnostic(f"{tensor} is read along {read} as well as {declared}, so wires "
+                                      f"{read} ({out[read]}) and {declared} ({out[declared]}) must "
+                                      "have equal sizes", loc)])
     return out
 
 

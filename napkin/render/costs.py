@@ -95,21 +95,11 @@ def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:
 
     sizes = {w.name: w.size for w in diagram.wires if w.size is not None}
     sizes.update(given or {})
-    ties = [(a, b) for _, a, b, _ in ir.relabels(diagram)]
-
-    def spread() -> None:
-        changed = True
-        while changed:
-            changed = False
-            for a, b in ties:
-                for x, y in ((a, b), (b, a)):
-                    if x in sizes and y not in sizes:
-                        sizes[y], changed = sizes[x], True
-    spread()
+    ir.tie_relabels(diagram, sizes)   # a clash is the cost pass's to refuse, at the relabel
     for w in diagram.wires:
         if w.name not in sizes:
             sizes[w.name] = DEFAULT_SIZES.get(w.name, OTHER_SIZE)
-            spread()
+            ir.tie_relabels(diagram, sizes)
     return {w.name: sizes[w.name] for w in diagram.wires if w.size is None}
 
 
