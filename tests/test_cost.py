@@ -1097,3 +1097,17 @@ def test_the_backwards_roofline_prices_the_bytes_that_reach_dram_as_the_forwards
                          4 * big + 2 * row + 2 * big,   # dK/dV: K, V, Q, dO, lse, delta; dK, dV
                          4 * big + 2 * row + big)   # dQ: Q, dO, K, V, lse, delta; dQ
     assert back.dram_bytes < back.load_bytes + back.store_bytes
+
+
+@pytest.mark.parametrize("name", ["relu2_attention", "l2_attention", "attention", "sigmoid_attention", "causal"])
+def test_the_training_forward_does_the_forwards_work(name):
+    """The training forward also stores what the backward reads (relu2's saved numerator
+    sum[x](relu(S)^2 * V) and sum sum[x](relu(S)^2), attention's lse); its kernel takes them
+    from the accumulators the output already has.  The cost counted each saved sum as a second
+    contraction (ReLU²: 6*b*d*h*q*x where the kernel does 4)."""
+    from napkin.cost import backward_cost
+
+    sizes = {"b": 1, "h": 2, "q": 200, "x": 136}
+    d = load(name)
+    plain, training = analyse(d, sizes).flops, backward_cost(d, sizes).forward.flops
+    assert training == plain

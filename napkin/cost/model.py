@@ -410,6 +410,13 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
     # expressions (tanh(R / 50) * 25 + tanh(R / 50) * 25) is computed once, as
     # the compiler merges the copies (backward._ops counts the backward so too)
     seen: set = set()
+    # reductions already counted, keyed by their body with the kernel's boxes
+    # read through: the training forward's saved sum[x](relu(S)^2 * V) is the
+    # sum[x](W * V) the output already accumulates, one accumulator in the kernel
+    inlined: dict[str, ir.Expr] = {}
+    for b in kernel.boxes:
+        inlined[b] = _read_through(diagram.tensor(b).expr, inlined)
+    reduced: set = set()
 
     def visit(e: ir.Expr) -> None:
         wires = node_wires(diagram, e)
@@ -422,10 +429,19 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
             seen.add(e)
         factors = contraction_factors(e, diagram)
         if factors:
+            key = _read_through(e, inlined)
+            if key in reduced:
+                return
+            reduced.add(key)
             items.append(("contraction", node_wires(diagram, e.body), 2))
             visit(factors[0])
             visit(factors[1])
             return
+        if isinstance(e, ir.Reduce):
+            key = _read_through(e, inlined)
+            if key in reduced:
+                return
+            reduced.add(key)
         if isinstance(e, ir.Reduce):
             body = node_wires(diagram, e.body)
             if e.op == "logsumexp":
@@ -453,6 +469,23 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
     for b in kernel.boxes:
         visit(diagram.tensor(b).expr)
     return Work(tuple(items))
+
+
+def _read_through(e: ir.Expr, boxes: dict[str, ir.Expr]) -> ir.Expr:
+    """e with every read of a box in ``boxes`` (along its own wires) replaced by its expression."""
+    if isinstance(e, ir.TensorRef) and e.name in boxes and e.wires is None:
+        return boxes[e.name]
+    if isinstance(e, ir.Unary):
+        return ir.Unary(e.op, _read_through(e.operand, boxes))
+    if isinstance(e, ir.Binary):
+        return ir.Binary(e.op, _read_through(e.lhs, boxes), _read_through(e.rhs, boxes))
+    if isinstance(e, ir.Call):
+        return ir.Call(e.fn, tuple(_read_through(a, boxes) for a in e.args))
+    if isinstance(e, ir.Reduce):
+        return ir.Reduce(e.op, e.wires, _read_through(e.body, boxes))
+    if isinstance(e, ir.Normalize):
+        return ir.Normalize(e.op, e.wire, _read_through(e.body, boxes))
+    return e
 
 
 def work_numbers(work: Work, sizes: dict[str, int], area: Optional[tuple[str, str, int]]) -> dict[str, int]:
