@@ -762,3 +762,38 @@ def test_a_condition_of_sizes_alone_in_the_reference(keys):
         assert torch.equal(o, torch.zeros_like(o)) and torch.equal(lse, torch.full_like(lse, float("-inf")))
     got = run(m, [t.float() for t in (q, k, v)])
     assert (got[0].double() - o).abs().max() < 1e-5
+
+
+def test_and_or_of_a_per_head_scalars_comparison_with_a_tile():
+    """``t > 0`` of a per-head side input ``t[h]`` is a scalar in the kernel; ``&`` of it and a
+    tile failed in Triton's interpreter (its comparison keeps t's fp32 type, broadcast to
+    float: TypeError in numpy's bitwise_and), so every such diagram failed on the CPU.  Heads
+    with t > 0 are causal, the others keep a window of 4 keys; `not` and `or` too."""
+    text = """diagram headwise
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+in t[h] : fp32
+S[b, h, q, x] = where(x <= q and t > 0 or x <= q and q - x < 4 and not t > 0, sum[d](Q * K) * |d|^-0.5, -inf)
+O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)
+out O
+"""
+    m = compile_text(text, "headwise")
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
+    t = torch.tensor([0.5, -1.0, 2.0])
+    ours = [a.clone().requires_grad_() for a in (q, k, v)]
+    exact = [a.double().requires_grad_() for a in (q, k, v)]
+    out, = run(m, (*ours, t))
+    i, j = torch.arange(37)[:, None], torch.arange(37)[None, :]
+    keep = torch.where((t > 0)[:, None, None], j <= i, (j <= i) & (i - j < 4))
+    s = (exact[0] @ exact[1].transpose(-1, -2) * 0.25).masked_fill(~keep, float("-inf"))
+    want = torch.softmax(s, -1) @ exact[2]
+    assert (out.double() - want).abs().max() < 1e-5
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    want.backward(grad.double())
+    for a, b in zip(ours, exact):
+        assert (a.grad.double() - b.grad).abs().max() < 1e-4 * (1 + b.grad.abs().max())

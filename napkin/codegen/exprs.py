@@ -160,9 +160,7 @@ class _Render:
         if op in ir.COMPARE_OPS:
             return f"{self.wrap(a, _PREC['+'] - 1)} {op} {self.wrap(b, _PREC['+'] - 1)}", _PREC["cmp"], "bool"
         if op in ir.LOGIC_OPS:
-            sym = self.AND if op == "and" else self.OR
-            p = _PREC["&" if op == "and" else "|"]
-            return f"{self.wrap(a, p - 1)} {sym} {self.wrap(b, p)}", p, "bool"
+            return self.logic(e, a, b)
         p = _PREC[op]
         kind = "float" if "float" in (a[2], b[2]) or op == "/" else "int"
         if op == "/" and a[2] != "float" and b[2] != "float":
@@ -170,6 +168,11 @@ class _Render:
         if kind == "int" and (op == "*" or self.big_constant(e)):
             a, b = self.widened(a, b)
         return f"{self.wrap(a, p - 1)} {op} {self.wrap(b, p)}", p, kind
+
+    def logic(self, e: ir.Binary, a, b):
+        sym = self.AND if e.op == "and" else self.OR
+        p = _PREC["&" if e.op == "and" else "|"]
+        return f"{self.wrap(a, p - 1)} {sym} {self.wrap(b, p)}", p, "bool"
 
     def big_constant(self, e: ir.Binary) -> bool:
         """Whether an integer sum holds a constant of 2^24 or more: an index
@@ -263,6 +266,19 @@ class TritonRender(_Render):
 
     def where(self, c, a, b) -> str:
         return f"tl.where({c}, {a}, {b})"
+
+    def logic(self, e: ir.Binary, a, b):
+        """``and`` / ``or`` as a where when a side reads a tensor.  Triton's
+        interpreter (3.9) keeps a loaded scalar's dtype on its comparison
+        (``t > 0`` of a per-head ``t[h]`` is an fp32-typed bool), so ``&``
+        of it and a tile broadcast it to float and failed in numpy's
+        bitwise_and; a where takes the condition as it is.  Compiled, the
+        two are one instruction; reads of wires alone keep ``&``."""
+        if not any(isinstance(n, ir.TensorRef) for side in (e.lhs, e.rhs) for n in ir.walk(side)):
+            return super().logic(e, a, b)
+        if e.op == "and":
+            return f"tl.where({a[0]}, {b[0]}, False)", _PREC["atom"], "bool"
+        return f"tl.where({a[0]}, True, {b[0]})", _PREC["atom"], "bool"
 
     def safe_div(self, a, b) -> str:
         return f"_safe_div({a[0]}, {b[0]})"
