@@ -170,22 +170,30 @@ def _bad_number(text: str, until: int) -> Optional[Diagnostic]:
     return None
 
 
-def _character(c: str) -> str:
+def _character(c: str, before: str = "") -> str:
     """A character the lexer refused, as a message shows it: a non-ASCII one
     with its code point and Unicode name, and what napkin reads instead.  A
     Kelvin sign or a Cyrillic a was shown as 'K' or 'а', which look like the
-    letters a name may have."""
+    letters a name may have.  ``before``: the line ahead of it; a digit
+    that would continue a name (q٦) is told about names, not numbers."""
     if c.isascii():
         return repr(c)
     name = unicodedata.name(c, None)
     code = f"U+{ord(c):04X}" + (f" {name}" if name else "")
-    if unicodedata.decimal(c, None) is not None:
+    if unicodedata.decimal(c, None) is not None and not _in_name(before):
         why = "numbers are written in the ASCII digits 0-9"
-    elif unicodedata.category(c)[0] in "LM":   # a letter, or a mark that joins one
+    elif unicodedata.category(c)[0] in "LM" or unicodedata.decimal(c, None) is not None:
+        # a letter, a mark that joins one, or a digit that would go on a name
         why = "names are ASCII letters, digits and _"
     else:
         why = "napkin reads only ASCII outside comments"
     return f"{c!r} ({code}): {why}"
+
+
+def _in_name(before: str) -> bool:
+    """Whether text ending in ``before`` ends inside a name (q, q1, _x2; not 12)."""
+    run = re.search(r"[A-Za-z0-9_]*$", before).group()
+    return bool(run) and not run[0].isdigit()
 
 
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
@@ -225,7 +233,8 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
             hint += f" ('{tok}' is a reserved word, so it cannot be a name)"
         return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
-        return Diagnostic(f"unexpected character {_character(err.char)}", ir.Loc(err.line, err.column),
+        before = text[text.rfind("\n", 0, err.pos_in_stream) + 1:err.pos_in_stream]
+        return Diagnostic(f"unexpected character {_character(err.char, before)}", ir.Loc(err.line, err.column),
                           hint=f"expected {_expected(err.allowed)}" if err.allowed else None)
     if isinstance(err, UnexpectedEOF):  # pragma: no cover - LALR reports $END tokens
         return Diagnostic("unexpected end of file", ir.Loc(1, 1),

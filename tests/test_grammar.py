@@ -356,6 +356,12 @@ t.ncd:4:13: unexpected character '\u0660' (U+0660 ARABIC-INDIC DIGIT ZERO): numb
     Y[n] = X * 1\u0660
                 ^
   hint: expected ')', ',', a name or an operator"""),
+    # a digit going on a name was told numbers are ASCII digits, as if q6 were a number
+    "a non-ascii digit in a name": ("diagram a\nwire b, q1\u0666\n", """\
+t.ncd:2:11: unexpected character '\u0666' (U+0666 ARABIC-INDIC DIGIT SIX): names are ASCII letters, digits and _
+    wire b, q1\u0666
+              ^
+  hint: expected ',', '=' or a name"""),
     # a lookalike letter was shown as the letter it looks like: "unexpected character 'K'"
     "kelvin sign": ("diagram \u212aelvin\n", """\
 t.ncd:1:9: unexpected character '\u212a' (U+212A KELVIN SIGN): names are ASCII letters, digits and _
