@@ -447,11 +447,31 @@ class _Checker:
                                 fixed.setdefault(root(new), a)
                             tie[root(old)] = root(new)
         sized = {root(w.name) for w in d.wires if w.size is not None}
-        sized |= {root(w) for t in d.inputs for w in ir.axis_wires(t.axes) if w in tie}
+        # a flattened axis (b h) gives the product of its wires' sizes: a call
+        # tells one of them from it once it knows the others (the launcher's _bind)
+        packed = []
+        for t in d.inputs:
+            for axis in t.axes:
+                wires = [root(w) for w in axis if w in tie]
+                if len(axis) == 1:
+                    sized.update(wires)
+                else:
+                    packed.append(wires)
+        while any(len(set(p) - sized) == 1 for p in packed):
+            for p in packed:
+                if len(set(p) - sized) == 1:
+                    sized.update(p)
         for w in d.wires:
             # (an unused one too: the launcher takes every symbolic wire's size; it was a KeyError)
             if w.size is None and root(w.name) not in sized and (w.name in used or d.inputs) \
                     and not hostile_name(w.name):   # (a name refused already: one error for it)
+                flat = next((f"({' '.join(axis)}) of {t.name}" for t in d.inputs for axis in t.axes
+                             if len(axis) > 1 and root(w.name) in {root(v) for v in axis if v in tie}), None)
+                if flat:
+                    self.err(f"wire {w.name} has no size: it lies only in flattened axes such as {flat}, beside "
+                             "another wire of no size, so a call cannot tell the one from the other in their "
+                             "product", w.loc, f"give it one (wire {w.name} = 8), or an input along it alone")
+                    continue
                 self.err(f"wire {w.name} has no size: no input lies along it (nor along a wire a relabel "
                          "ties it to), so a call cannot tell it from the shapes", w.loc,
                          f"give it one (wire {w.name} = 8), or an input along it")

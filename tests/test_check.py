@@ -318,9 +318,9 @@ t.ncd:3:13: unknown wire 'gg' in the layout of Q
 
 
 def test_wire_twice_across_grouped_axes_points_at_the_repeat():
-    text = "diagram t\nwire hk, g, q\nin Q[(hk g), (g q)] : fp16\nout Q\n"
+    text = "diagram t\nwire hk, q\nwire g = 2\nin Q[(hk g), (g q)] : fp16\nout Q\n"
     assert rendered(text) == """\
-t.ncd:3:15: wire 'g' appears twice in the layout of Q
+t.ncd:4:15: wire 'g' appears twice in the layout of Q
     in Q[(hk g), (g q)] : fp16
                   ^"""
 
@@ -335,7 +335,7 @@ def test_layout_locations_fall_back_to_the_tensor_for_built_nodes():
 
 
 def test_grouped_axis_layout_is_its_wires():
-    text = "diagram t\nwire hk, g, q\nin Q[(hk g), q] : fp16\nS[hk, g] = sum[q](Q)\nT[(g hk), q] = Q * 2\nout S, T\n"
+    text = "diagram t\nwire hk, q\nwire g = 2\nin Q[(hk g), q] : fp16\nS[hk, g] = sum[q](Q)\nT[(g hk), q] = Q * 2\nout S, T\n"
     assert errors(text) == []
 
 
@@ -678,6 +678,27 @@ schedule on h100 {
     ]
     rendered = str(info.value)
     assert "t.ncd:7:25: unknown name 'Kx'" in rendered and "hint: did you mean 'K'?" in rendered
+
+
+def test_wires_flattened_together_need_all_but_one_sized_elsewhere():
+    """Q[(b h), q, d] with b and h on no other axis passed check and compile, and every call
+    raised "cannot tell the sizes of wires b, h from the input shapes" (layouts hunt).  One
+    of them fixed, or on an axis of its own elsewhere (GQA's K[b, x, hk, d] beside
+    Q[b, q, (hk g), d]), tells the other from the product."""
+    text = ("diagram t\nwire b, h, q, x\nwire d = 16\nin Q[(b h), q, d] : fp32\nin K[(b h), x, d] : fp32\n"
+            "O[(b h), q, x] = sum[d](Q * K)\nout O\n")
+    with pytest.raises(napkin.NapkinError) as err:
+        napkin.load_text(text, "t.ncd")
+    assert str(err.value).split("\n")[:5] == [
+        "t.ncd:2:6: wire b has no size: it lies only in flattened axes such as (b h) of Q, beside another wire "
+        "of no size, so a call cannot tell the one from the other in their product",
+        "    wire b, h, q, x", "         ^", "  hint: give it one (wire b = 8), or an input along it alone",
+        "t.ncd:2:9: wire h has no size: it lies only in flattened axes such as (b h) of Q, beside another wire "
+        "of no size, so a call cannot tell the one from the other in their product"]
+    napkin.load_text(text.replace("wire b, h, q, x", "wire b = 2\nwire h, q, x"), "t.ncd")
+    napkin.load_text(text.replace("in K[(b h), x, d]", "in K[b, h, x, d]"), "t.ncd")
+    napkin.load_text(text.replace("in K[(b h), x, d] : fp32\n", "in K[(b h), x, d] : fp32\nin s[h] : fp32\n"),
+                     "t.ncd")
 
 
 def test_a_wire_no_input_sizes_is_refused_and_a_relabel_sizes_one():

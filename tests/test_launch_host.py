@@ -18,6 +18,8 @@ import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import napkin
+from napkin.parse import parse
 from test_backward import compile_text
 
 
@@ -99,8 +101,10 @@ def test_the_planned_binding_binds_and_refuses_as_the_rounds_did(bound_modules, 
 def test_a_wire_no_input_binds_is_named_after_the_others_are_checked(tmp_path):
     """A diagram whose |g| no input shows alone (only inside (hk g)) cannot be
     bound: the message names it, after the dimensions that can be bound were
-    checked (a mismatch there is reported first, as before)."""
-    m = compile_text("""diagram nog
+    checked (a mismatch there is reported first, as before).  napkin check
+    refuses such a diagram now (test_check.py); the launcher's message stays
+    for a diagram built past the checker, compiled here from the parse alone."""
+    text = """diagram nog
 wire b, hk, g, q, x, d
 in Q[b, (hk g), q, d] : fp32
 in K[b, (hk g), x, d] : fp32
@@ -115,7 +119,10 @@ schedule on h100 {
     stream x by 16
     hold S, P }
 }
-""", "nog", tmp_path)
+"""
+    with pytest.raises(napkin.NapkinError, match="wire hk has no size: it lies only in flattened axes"):
+        napkin.load_text(text, "nog.ncd")
+    m = compile_text(text, "nog", tmp_path, diagram=parse(text, "nog.ncd"))
     q, k = torch.empty(1, 4, 3, 16), torch.empty(1, 4, 5, 16)
     with pytest.raises(ValueError, match=r"^cannot tell the sizes of wires g, hk from the input shapes$"):
         m._bind((q, k, k), kernel=True)
