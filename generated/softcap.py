@@ -48,6 +48,8 @@ _LAYOUTS = {
 }
 # Declared element types; outputs without one follow the diagram's rule.
 _DTYPES = {"Q": "fp16", "K": "fp16", "V": "fp16", "O": "fp16"}
+# Undeclared row state (an lse): the accumulator's type at every call.
+_ACCUMULATED = ()
 # (tensor, declared wire, other wire it is read along): their sizes must agree.
 _RELABELS = ()
 # Default block sizes, from the diagram's schedule.
@@ -300,9 +302,10 @@ def _shape(name, sizes):
 
 def _out_dtype(name, classes):
     """An output declared with the dtype of some inputs follows their dtype at
-    this call (so fp32 inputs give fp32 outputs); otherwise its own."""
+    this call (so fp32 inputs give fp32 outputs); otherwise its own, as does
+    undeclared row state (_ACCUMULATED) beside inputs declared in its type."""
     declared = _DTYPES[name]
-    if declared in classes:
+    if declared in classes and name not in _ACCUMULATED:
         return classes[declared]
     if torch.float64 in classes.values() and declared in ("fp16", "bf16", "fp32"):
         return torch.float64

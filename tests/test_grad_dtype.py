@@ -149,3 +149,34 @@ def test_fake_backward_gives_the_real_dtypes(name, folder):
         fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
     assert [(t.dtype, t.shape) for t in fake] == [(t.dtype, t.shape) for t in real]
     assert [t.dtype for t in real] == [t.dtype for t in inputs if t.is_floating_point()]
+
+
+@pytest.mark.parametrize("declared", ["", " : fp32"])
+def test_an_lse_output_beside_fp32_inputs_called_in_fp16_is_no_16_bit_saved_state(folder, declared):
+    """A diagram of fp32 inputs that outputs lse, called with fp16 tensors (autocast, .half()):
+    its lse followed the inputs to fp16, and training rebuilt every P = exp(S - lse) from that
+    lse: Q, K, V gradients 6.3e-3 off (relative to the largest) against 3.9e-4 with float32
+    row state (layouts hunt).  An undeclared lse is the accumulator's fp32 at every call now
+    (language.md); a declared fp32 one follows the inputs as declared outputs do, and training
+    keeps its own float32 lse beside it."""
+    from test_backward import compile_text
+
+    text = ("diagram att32\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
+            "in V[b, h, x, d] : fp32\nS[b, h, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)\n"
+            "O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)\n"
+            f"lse[b, h, q]{declared} = logsumexp[x](S)\nout O, lse\n")
+    m = compile_text(text, f"att32_{bool(declared)}", folder)
+    g = torch.Generator().manual_seed(1)
+    n = 100
+    q, k, v = ((torch.randn(1, 2, n, 16, generator=g) * 2).half() for _ in range(3))
+    weight = torch.randn(1, 2, n, 16, generator=g)
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    keep = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+    s = (exact[0] @ exact[1].transpose(-1, -2) * 0.25).masked_fill(~keep, float("-inf"))
+    (torch.softmax(s, -1) @ exact[2] * weight.double()).sum().backward()
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = m.att32(*ours, block_q=16, block_x=16)
+    assert out.dtype == torch.float16 and lse.dtype == (torch.float16 if declared else torch.float32)
+    (out.float() * weight).sum().backward()
+    for a, b in zip(ours, exact):
+        assert (a.grad.double() - b.grad).abs().max() / b.grad.abs().max() < 1.5e-3

@@ -131,6 +131,19 @@ class _Names:
         return Ctx(index=index, size=sizes, fixed=self.fixed, subst=dict(subst), kinds=kinds, known=known)
 
 
+def row_state_outputs(plan) -> tuple[str, ...]:
+    """An attention's undeclared outputs along no feature wire (lse = logsumexp[x](S),
+    a row max): row state, kept in the accumulator's type whatever dtype the inputs
+    come in (language.md: an undeclared lse comes back in fp32).  Beside fp32 inputs
+    called with fp16 ones it followed them to fp16, and training rebuilt every
+    P = exp(S - lse) from that (gradients ~10x fp16's; layouts hunt)."""
+    if plan.family != "attention":
+        return ()
+    d = plan.diagram
+    return tuple(o.name for o in d.outputs if d.tensor(o.name).dtype is None
+                 and not set(ir.axis_wires(d.tensor(o.name).axes)) & set(plan.dims))
+
+
 def _kinds(d: ir.Diagram) -> dict[str, str]:
     return {t.name: "int" if t.dtype in ("int32", "int64") else "bool" if t.dtype == "bool" else "float"
             for t in d.inputs}
@@ -652,6 +665,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
                              for t in tensors) + "}"
     relabels = [r[:3] for r in ir.relabels(d)]
     blocks = "{" + ", ".join(f'"{w}": {n}' for w, n in plan.blocks) + "}"
+    accumulated = row_state_outputs(plan)
     ref_inputs = []
     for t in d.inputs:
         wires = ir.axis_wires(t.axes)
@@ -666,7 +680,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "docstring": docstring, "version": version, "source_hash": source_hash, "name": d.name,
         "inputs": _tuple(_q(t.name) for t in d.inputs), "outputs": _tuple(_q(o.name) for o in d.outputs),
         "wires": "{" + ", ".join(f'"{w.name}": {w.size}' for w in d.wires) + "}",
-        "layouts": layouts, "dtypes": dtypes,
+        "layouts": layouts, "dtypes": dtypes, "accumulated": _tuple(_q(n) for n in accumulated),
         "relabels": _tuple(_tuple(_q(x) for x in r) for r in relabels), "blocks": blocks,
         "input_params": ", ".join(t.name for t in d.inputs),
         "input_tuple": ", ".join(t.name for t in d.inputs) + ("," if len(d.inputs) == 1 else ""),

@@ -141,6 +141,19 @@ def _score_boxed(d: ir.Diagram) -> Optional[ir.Diagram]:
     return dataclasses.replace(d, lets=tuple(lets))
 
 
+def _stays_fp32(plan: L.AttentionPlan, name: str) -> bool:
+    """Whether output ``name`` is float32 at every call: undeclared row state
+    (emit.row_state_outputs), or declared fp32 where no float input is, so it
+    follows no input's dtype (fp32 inputs called with fp16 ones give an fp16
+    ``lse : fp32``, the module's _out_dtype)."""
+    from .emit import row_state_outputs
+
+    d = plan.diagram
+    if tiling.tensor_dtype(d, name) != "fp32":
+        return False
+    return name in row_state_outputs(plan) or all(t.dtype != "fp32" for t in d.inputs)
+
+
 def _attention(plan: L.AttentionPlan) -> Training:
     from .backward import lower_backward
 
@@ -175,7 +188,7 @@ def _attention(plan: L.AttentionPlan) -> Training:
         # every P = exp(S - lse) from it, and an fp16 lse of 20 is off by up to
         # 0.008, every P with it.  O is fine in its own dtype: it enters only
         # through delta = rowsum(dO * O), as in FlashAttention.
-        if name in bound and (name == "O" or tiling.tensor_dtype(d, bound[name]) == "fp32"):
+        if name in bound and (name == "O" or _stays_fp32(plan, bound[name])):
             continue
         expr = autodiff.substitute(rule.binding(name), ir.TensorRef("S"), ir.TensorRef(score))
         stray = {n.name for n in ir.walk(expr) if isinstance(n, ir.TensorRef) and d.tensor(n.name) is None}
