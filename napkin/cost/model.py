@@ -427,21 +427,17 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
             if e in seen:
                 return
             seen.add(e)
-        factors = contraction_factors(e, diagram)
-        if factors:
-            key = _read_through(e, inlined)
-            if key in reduced:
-                return
-            reduced.add(key)
-            items.append(("contraction", node_wires(diagram, e.body), 2))
-            visit(factors[0])
-            visit(factors[1])
-            return
         if isinstance(e, ir.Reduce):
             key = _read_through(e, inlined)
             if key in reduced:
                 return
             reduced.add(key)
+        factors = contraction_factors(e, diagram)
+        if factors:
+            items.append(("contraction", node_wires(diagram, e.body), 2))
+            visit(factors[0])
+            visit(factors[1])
+            return
         if isinstance(e, ir.Reduce):
             body = node_wires(diagram, e.body)
             if e.op == "logsumexp":
