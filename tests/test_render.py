@@ -604,3 +604,45 @@ def test_a_relabel_to_a_fixed_wire_sizes_its_partner_by_default(tmp_path, capsys
     assert cli_main(["render", str(src), "-D", "q=64", "-o", str(tmp_path / "g.dot")]) == 1
     assert capsys.readouterr().err.startswith(f"{src}:6:25: X is read along x as well as q, so wires x (128) "
                                               "and q (64) must have equal sizes")
+
+
+def _peer_lines(d, costs) -> list[str]:
+    """The plain text of the peer devices nodes and the peer edges' labels."""
+    text = render.to_dot(d, costs)
+    found = [re.search(r"label=<(.*)>\]", line) for line in text.splitlines()]
+    return [" ".join(re.sub(r"<[^>]+>", " ", m.group(1)).split()) for m in found
+            if m and re.search(r"gathered over|merged over|round the ring|peer devices", m.group(1))]
+
+
+@pytest.mark.parametrize("levels,sizes,lines", [
+    # a matmul split over m: every device needs all of B, which no mesh wire splits
+    ("level devices { group m across 4 }", {"m": 4096, "n": 4096, "k": 4096},
+     ["gathered over m between devices: 25.2 MB"]),
+    # attention split over the queries only: K and V are gathered along the column
+    ("level devices { group q across 4 }", {"b": 1, "h": 16, "q": 4096, "x": 4096},
+     ["gathered over q between devices (K, V): 12.6 MB", "gathered over q"]),
+    ("level nodes { group q across 2 }", {"b": 1, "h": 16, "q": 4096, "x": 4096},
+     ["gathered over q, InfiniBand across nodes between devices (K, V): 8.39 MB",
+      "gathered over q, InfiniBand across nodes"]),
+])
+def test_inputs_no_mesh_wire_splits_are_drawn_gathered_as_the_cost_pass_charges(levels, sizes, lines):
+    """The cost pass all-gathers an input no mesh wire splits (a matmul's B under 'group m across 4',
+    attention's K and V under 'group q across 4': 25.2 MB, 12.6 MB a device), but the picture drew
+    an input as gathered only when it carried a split wire: no peer devices, no edge, no bytes
+    (render hunt).  The peer edges follow the cost report's device rows now, and without a report
+    the schedule gives the same edges."""
+    if "m across" in levels:
+        text = (EXAMPLES / "matmul.ncd").read_text()
+        text = text.replace("accumulate fp32\n", f"accumulate fp32\n  {levels}\n", 1)
+    else:
+        text = (EXAMPLES / "attention_2d.ncd").read_text()
+        text = re.sub(r"  level devices \{[^}]*\}", "  " + levels, text)
+    d = napkin.load_text(text, "split.ncd")
+    report, why = render.try_costs(d, sizes)
+    assert why is None, why
+    assert [r.collective for r in report.devices.rows] == ["all-gather"]
+    drawn = _peer_lines(d, report)
+    assert [x for x in drawn if "over" in x] == lines, drawn
+    assert any(x.startswith("peer devices") for x in drawn), drawn
+    bare = [x for x in _peer_lines(d, None) if "over" in x]
+    assert bare == [x.split(" between devices")[0] for x in lines], bare

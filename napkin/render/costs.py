@@ -45,6 +45,11 @@ class Traffic:
     # tensor -> the row it travels in between devices ("K" -> "K, V": the
     # cost pass counts K and V of one ring pass or gather together)
     together: dict = field(default_factory=dict)
+    # The inputs the cost pass brings to a device from the others, as its device
+    # rows say: (tensor, "ring" | "gather", the split wires the collective spans),
+    # so the picture's peer edges are the communication the bytes are charged for.
+    # None without a cost report of a mesh: the picture then reads the schedule.
+    arrivals: Optional[tuple] = None
 
     def row_of(self, tensor: str) -> str:
         return self.together.get(tensor, tensor)
@@ -70,7 +75,15 @@ def traffic_from(costs) -> Traffic:
         key = (inner, t.tensor, t.direction, merged.get(t.kernel, t.kernel))
         moves[key] = moves.get(key, 0) + t.bytes
     devices = getattr(costs, "devices", None)
+    arrivals: dict = {}
     for row in getattr(devices, "rows", ()) or ():
+        if not row.collective.startswith("merge"):
+            how = "ring" if row.collective.startswith("ring") else "gather"
+            for name in row.tensor.split(","):
+                # a ring over nodes is two rows (in node, to the next node): one arrival
+                _, _, among = arrivals.get(name.strip(), (how, how, ()))
+                among += tuple(w for w in row.among if w not in among)
+                arrivals[name.strip()] = (name.strip(), how, among)
         if row.bytes_received is None:
             continue
         # Gathers and ring passes bring inputs in; a merge exchanges partial results,
@@ -83,7 +96,8 @@ def traffic_from(costs) -> Traffic:
     within, across = getattr(devices, "sent_within", None), getattr(devices, "sent_across", None)
     links = (within, across) if within is not None and across is not None else None
     return Traffic(moves, kernel_of, tuple(getattr(costs, "sizes", ()) or ()),
-                   bool(getattr(costs, "per_device", False)), links, together)
+                   bool(getattr(costs, "per_device", False)), links, together,
+                   tuple(arrivals.values()) if devices is not None else None)
 
 
 def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:

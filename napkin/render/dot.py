@@ -515,10 +515,9 @@ class _Picture:
 
     def devices(self) -> None:
         """The rest of the device grid, drawn twice so no edge runs backwards:
-        on the left, where inputs come from (gathered when a box broadcasts
-        them over a wire split across devices, passed round the ring when
-        they carry a wire streamed across devices); on the right, where the
-        partial results of a box that sums away a split wire are merged."""
+        on the left, where inputs come from (gathered or passed round the
+        ring, as ``arrivals`` says); on the right, where the partial results
+        of a box that sums away a split wire are merged."""
         splits = mesh_splits(self.d)
         if not splits:
             return
@@ -536,23 +535,7 @@ class _Picture:
             desc.append("; ".join(
                 f"{link}: {' '.join(s.wire for s in splits if link in mesh_links(s))}"
                 for link in (ACROSS_NODES, WITHIN_NODE) if any(link in mesh_links(s) for s in splits)))
-        arrivals = []
-        for t in self.d.inputs:
-            gather, travel = [], []
-            for let in self.d.lets:
-                for use in box_uses(self.d, let):
-                    if use.tensor == t.name:
-                        gather += [w for w in use.broadcast if w in split and split[w].kind == "group"]
-                        travel += [w for w in use.kept + use.summed
-                                   if w in split and split[w].kind == "stream"]
-            # A tensor that rides the ring reaches every device that way; only
-            # the others are gathered.
-            # and only a tensor split over some mesh wire is gathered: one split over none
-            # (decoding's queries) is whole on every device already
-            if travel:
-                arrivals.append((t.name, "round the ring over", _ordered(travel)))
-            elif gather and any(w in split for w in ir.axis_wires(t.axes)):
-                arrivals.append((t.name, "gathered over", _ordered(gather)))
+        arrivals = self.arrivals(split)
         merges = []
         for name in self.outputs:
             let = self.d.tensor(name)
@@ -576,6 +559,49 @@ class _Picture:
         for name, what, wires in merges:
             self.edge(self.source(name), "peers.out", (),
                       self.peer_notes(what, wires) + self.bytes_note(MERGED, "hbm", "devices"), style="dashed")
+
+    def arrivals(self, split: dict[str, Split]) -> list[tuple[str, str, tuple[str, ...]]]:
+        """(input, how it arrives, over which split wires) for each input a
+        device receives from the others.  With a cost report, its device
+        rows: the picture shows what the bytes are charged for.  Without one,
+        the same rule read off the schedule (napkin/cost/devices.py): the
+        schemes of napkin.distributed move only the token inputs (ATTENTION2D
+        gathers Q along a row, K and V along a column; a ring passes K and V;
+        decoding's devices hold every query already), and any other diagram
+        deals every input over the devices, so one that lacks a split wire
+        is gathered over it and one carrying a streamed wire goes round."""
+        ring, gather = "round the ring over", "gathered over"
+        order = {t.name: i for i, t in enumerate(self.d.inputs)}
+        if self.traffic.arrivals is not None:
+            how = {"ring": ring, "gather": gather}
+            return sorted(((name, how[kind], among) for name, kind, among in self.traffic.arrivals
+                           if name in order), key=lambda a: order[a[0]])
+        from ..distributed.reading import roles
+        from ..errors import NapkinError
+        try:
+            r = roles(self.d)
+        except NapkinError:
+            r = None
+        out = []
+        if r is not None:
+            scheme = r.scheme[0] if r.scheme else None
+            for k, name in enumerate(r.tokens):
+                if scheme == "ring" and not r.is_query(k):
+                    out.append((name, ring, (r.key,)))
+                elif scheme == "attention2d":
+                    among = r.key if r.is_query(k) else r.query
+                    if among in split:
+                        out.append((name, gather, (among,)))
+            return out
+        for t in self.d.inputs:
+            wires = ir.axis_wires(t.axes)
+            streamed = tuple(w for w in wires if w in split and split[w].kind == "stream")
+            lacking = tuple(w for w, s in split.items() if s.kind == "group" and w not in wires)
+            if streamed:
+                out.append((t.name, ring, streamed))
+            elif lacking:
+                out.append((t.name, gather, lacking))
+        return out
 
     def peer_notes(self, what: str, wires: tuple[str, ...]) -> list[str]:
         """Label rows of a peer edge: how the tensor travels, over which
