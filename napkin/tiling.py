@@ -69,12 +69,13 @@ def profile_table() -> dict[str, dict[str, int]]:
     return table
 
 
-def level_capacity(diagram: ir.Diagram, level_name: str) -> Optional[int]:
-    """The level's own ``capacity``, else its profile's, else None (unknown)."""
+def level_capacity(diagram: ir.Diagram, level_name: str, profile: Optional[str] = None) -> Optional[int]:
+    """The level's own ``capacity``, else its profile's (``profile``, a
+    device the costs were run for, else the schedule's), else None (unknown)."""
     level = diagram.level(level_name)
     if level is not None and level.capacity is not None:
         return level.capacity
-    profile = diagram.schedule.profile if diagram.schedule else None
+    profile = profile or (diagram.schedule.profile if diagram.schedule else None)
     if profile is None:
         return None
     return profile_table().get(profile, {}).get(level_name)

@@ -646,3 +646,21 @@ def test_inputs_no_mesh_wire_splits_are_drawn_gathered_as_the_cost_pass_charges(
     assert any(x.startswith("peer devices") for x in drawn), drawn
     bare = [x for x in _peer_lines(d, None) if "over" in x]
     assert bare == [x.split(" between devices")[0] for x in lines], bare
+
+
+def test_the_picture_names_and_measures_the_device_the_costs_are_for(tmp_path):
+    """--device a100 changed the costs but the picture still said "schedule on h100" with h100's
+    232 kB of shared memory and the report's footprint table said 167 kB on the same page (render
+    hunt).  The capacities are the costed device's now, and the title says both devices."""
+    out = tmp_path / "a.dot"
+    assert cli_main(["render", str(EXAMPLES / "attention.ncd"), "--device", "a100", "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "attention: schedule on h100, costed on a100, accumulate fp32" in plain(text)
+    titles = cluster_titles(text)
+    assert titles["cluster_smem"].startswith("shared memory 167 kB"), titles
+    assert cli_main(["render", str(EXAMPLES / "attention.ncd"), "--device", "cpu", "-o", str(out)]) == 0
+    assert cluster_titles(out.read_text())["cluster_hbm"].startswith("HBM 16 GB")
+    assert cli_main(["render", str(EXAMPLES / "attention.ncd"), "--device", "h100", "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "attention: schedule on h100, accumulate fp32" in plain(text)
+    assert cluster_titles(text)["cluster_smem"].startswith("shared memory 232 kB")

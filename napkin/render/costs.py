@@ -50,6 +50,9 @@ class Traffic:
     # so the picture's peer edges are the communication the bytes are charged for.
     # None without a cost report of a mesh: the picture then reads the schedule.
     arrivals: Optional[tuple] = None
+    # the device profile the costs are for (``--device``), which the picture's
+    # capacities and title follow; None without a report
+    profile: Optional[str] = None
 
     def row_of(self, tensor: str) -> str:
         return self.together.get(tensor, tensor)
@@ -97,7 +100,8 @@ def traffic_from(costs) -> Traffic:
     links = (within, across) if within is not None and across is not None else None
     return Traffic(moves, kernel_of, tuple(getattr(costs, "sizes", ()) or ()),
                    bool(getattr(costs, "per_device", False)), links, together,
-                   tuple(arrivals.values()) if devices is not None else None)
+                   tuple(arrivals.values()) if devices is not None else None,
+                   getattr(costs, "profile", None))
 
 
 def default_sizes(diagram, given: Optional[dict] = None) -> dict[str, int]:

@@ -639,7 +639,9 @@ class _Picture:
 
     def cluster_title(self, name: str, title: str) -> str:
         head = f"<b>{_h(title)}</b>"
-        capacity = tiling.level_capacity(self.d, name) if name not in ir.MESH_LEVELS else None
+        # the device the costs are for: the footprints of napkin cost --device measure against it
+        capacity = (tiling.level_capacity(self.d, name, self.traffic.profile)
+                    if name not in ir.MESH_LEVELS else None)
         if capacity is not None:
             head += " " + _h(format_bytes(capacity))
         if "nodes" in self.levels and name in ir.MESH_LEVELS:
@@ -713,8 +715,12 @@ class _Picture:
     def text(self) -> str:
         d = self.d
         title = f"{d.name}"
+        costed = self.traffic.profile
         if d.schedule is not None:
             title += f": schedule on {d.schedule.profile or 'the default device'}"
+            if costed is not None and costed != d.schedule.profile:
+                # --device: the byte counts and capacities are that device's, not the schedule's
+                title += f", costed on {costed}"
             title += f", accumulate {d.schedule.accumulate}"
         out = [f"digraph {_q(d.name)} {{",
                "  " + " ".join(f"{k}={_q(v)};" for k, v in (
