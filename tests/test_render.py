@@ -664,3 +664,16 @@ def test_the_picture_names_and_measures_the_device_the_costs_are_for(tmp_path):
     text = out.read_text()
     assert "attention: schedule on h100, accumulate fp32" in plain(text)
     assert cluster_titles(text)["cluster_smem"].startswith("shared memory 232 kB")
+
+
+def test_a_wire_streamed_in_chunks_marks_its_broadcast_inputs_re_read():
+    """flash_decoding's x is grouped by 1024 and streamed by 64 in each chunk: the cost pass fetches
+    Q once per chunk (4 times at x=4096), but Q's edge said only "broadcast over x" (render hunt:
+    the note counted grouped tiles, and a chunked stream is a stream with a chunk)."""
+    d = load("flash_decoding")
+    report, why = render.try_costs(d, {"b": 1, "hk": 8, "g": 4, "q": 16, "x": 4096})
+    assert why is None, why
+    assert [t.fetches for t in report.transfers if t.tensor == "Q"] == [4]
+    e = edges(to_dot(d, report))
+    q = label(e, "t.Q", "op.S")
+    assert "broadcast over xre-read per x blockHBM->SMEM: 524 kB" in q, q   # three rows of the label

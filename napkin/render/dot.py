@@ -26,7 +26,8 @@ What the picture shows, left to right (rankdir=LR):
   and K's d meeting, and nothing called d comes out.
 * An input that is not woven over a wire of the box (K has no q) is
   broadcast over it; the edge says so, and says it is re-read once per block
-  when that wire is grouped - the term the cost model charges for.
+  when that wire is grouped or streamed in chunks - the term the cost model
+  charges for.
 * Memory levels are nested clusters, outermost first (nodes, devices, HBM,
   SMEM, registers), each titled with its capacity and tiles.  The optional
   nodes level (a two-level mesh) is lavender, outside the grey devices
@@ -381,7 +382,10 @@ class _Picture:
         if not wires:
             return []
         rows = [f'<font color="{NOTE_COLOUR}">broadcast over {_h(" ".join(wires))}</font>']
-        grouped = [w for w in wires if any(t.kind == "group" for _, t in self.tiles.get(w, []))]
+        # a wire streamed in chunks is grouped too (one chunk per program): the cost
+        # pass charges a broadcast input once per chunk (ir.Tile.chunk)
+        grouped = [w for w in wires if any(t.kind == "group" or t.chunk is not None
+                                           for _, t in self.tiles.get(w, []))]
         if grouped:
             rows.append(f'<font color="{REREAD_COLOUR}">re-read per {_h(" ".join(grouped))} block</font>')
         return rows
