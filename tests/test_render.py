@@ -677,3 +677,18 @@ def test_a_wire_streamed_in_chunks_marks_its_broadcast_inputs_re_read():
     e = edges(to_dot(d, report))
     q = label(e, "t.Q", "op.S")
     assert "broadcast over xre-read per x blockHBM->SMEM: 524 kB" in q, q   # three rows of the label
+
+
+def test_an_unscheduled_diagram_says_why_its_edges_carry_no_bytes():
+    """Without a schedule no edge crosses a level, so none carries a byte count, yet the legend
+    said "bytes moved at b=1 h=16 ..." (render hunt).  It says why there are none now, and where
+    the untuned launch is priced."""
+    text = (EXAMPLES / "attention.ncd").read_text()
+    d = napkin.load_text(text[:text.index("\nschedule")], "plain.ncd")
+    report, why = render.try_costs(d)
+    assert why is None and report.transfers, why
+    drawn = plain(to_dot(d, report))
+    assert "bytes moved" not in drawn and "->SMEM" not in drawn
+    assert ("no byte counts on the edges: the diagram has no schedule (napkin cost prices its untuned launch)"
+            in drawn)
+    assert "no byte counts" not in plain(to_dot(d))

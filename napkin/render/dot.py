@@ -707,11 +707,17 @@ class _Picture:
         inner = lambda cells, extra="": (
             '<table border="0" cellborder="0" cellspacing="6" cellpadding="2">'
             + "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + extra + "</tr></table>")
+        bytes_row = ""
+        if self.labelled:   # built after the edges: only when some edge carries a byte count
+            bytes_row = row([_h("bytes moved" + (" per device" if self.traffic.per_device else "") + " at "
+                                + " ".join(f"{w}={n}" for w, n in self.traffic.sizes))])
+        elif self.traffic.moves and self.d.schedule is None:
+            # the cost pass prices what an unscheduled diagram runs as; the picture has no levels to put it on
+            bytes_row = row([_h("no byte counts on the edges: the diagram has no schedule "
+                                "(napkin cost prices its untuned launch)")])
         return ('<<table border="0" cellborder="0" cellspacing="0" cellpadding="0">'
                 + row([f'<font point-size="14"><b>{_h(title)}</b></font>'])
-                + (row([_h("bytes moved" + (" per device" if self.traffic.per_device else "") + " at "
-                              + " ".join(f"{w}={n}" for w, n in self.traffic.sizes))])
-                   if self.traffic.moves else "")
+                + bytes_row
                 + row([inner(keys)])
                 + row([inner(more, levels)])
                 + "</table>>")
