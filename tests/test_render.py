@@ -692,3 +692,21 @@ def test_an_unscheduled_diagram_says_why_its_edges_carry_no_bytes():
     assert ("no byte counts on the edges: the diagram has no schedule (napkin cost prices its untuned launch)"
             in drawn)
     assert "no byte counts" not in plain(to_dot(d))
+
+
+def test_numbers_just_below_a_unit_round_up_into_it():
+    """999,500 to 999,999 bytes were "1e+03 kB" on the picture's edges and in the report
+    (napkin cost printed 1MB): the unit was picked before rounding to three figures (render
+    hunt).  The picture, the charts and the cost table share the one rule now."""
+    from napkin.cost.report import human, seconds as cost_seconds
+    from napkin.render.dot import format_bytes
+    from napkin.render.roofline import seconds, si
+    assert [format_bytes(n) for n in (999_499, 999_500, 999_999, 999.6, 512)] == [
+        "999 kB", "1 MB", "1 MB", "1 kB", "512 B"]
+    assert (si(999_999), si(999_999, "FLOP/s"), si(0.25)) == ("1M", "1 MFLOP/s", "0.25")
+    assert (seconds(0.0009996), seconds(1.5e-10), cost_seconds(0.0009996)) == ("1 ms", "0.15 ns", "1 ms")
+    assert human(999_999, "B") == "1MB"
+    d = load("matmul")
+    report, why = render.try_costs(d, {"m": 3, "n": 128, "k": 166600})
+    assert why is None, why
+    assert "HBM->SMEM: 1 MB" in label(edges(to_dot(d, report)), "t.A", "op.C")

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass
 from typing import Optional
 
+from ..units import three_figures
 from .devices import CommRow, DeviceComm
 
 SCHEMA = "napkin.cost/1"
@@ -243,24 +244,14 @@ def human(n: Optional[float], unit: str = "") -> str:
     if not math.isfinite(n):
         return f"{n}{unit}"
     if abs(n) < 10000:
-        s = f"{n:g}" if isinstance(n, float) else str(n)
-    else:
-        rounded = float(f"{n:.3g}")
-        for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-            if abs(rounded) >= scale:
-                s = f"{rounded / scale:.3g}{suffix}"
-                break
-    return s + unit
+        return (f"{n:g}" if isinstance(n, float) else str(n)) + unit
+    return three_figures(n, ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))) + unit
 
 
 def seconds(t: Optional[float]) -> str:
     if t is None:
         return "?"
-    rounded = float(f"{t:.3g}")   # 0.9996 ms is '1 ms', not '1e+03 us'
-    for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "us")):
-        if rounded >= scale:
-            return f"{rounded / scale:.3g} {unit}"
-    return f"{rounded / 1e-9:.3g} ns"
+    return three_figures(t, ((1, " s"), (1e-3, " ms"), (1e-6, " us"), (1e-9, " ns")))   # 0.9996 ms is '1 ms'
 
 
 _NUMERIC = {"k", "elements", "bytes", "fetches", "group", "received", "sent"}

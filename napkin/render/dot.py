@@ -56,6 +56,7 @@ from typing import Optional
 from .. import ir, tiling
 from ..distributed.reading import Split, has_nodes_level, mesh_splits
 from ..printer import expr_text
+from ..units import three_figures
 from .costs import MERGED, Traffic, traffic_from
 
 # One colour per wire, in declaration order (Tableau 10, dark enough to read
@@ -121,10 +122,7 @@ def _table(rows, align: str = "center") -> str:
 
 def format_bytes(n: float) -> str:
     """Decimal units, three significant figures: 1.07 GB, 512 B."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
+    return three_figures(n, ((1e12, " TB"), (1e9, " GB"), (1e6, " MB"), (1e3, " kB"), (1, " B")))
 
 
 # --------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import html
 import math
 from typing import Optional
 
+from ..units import three_figures
+
 WIDTH, HEIGHT = 720, 420
 MARGIN = {"left": 78, "right": 190, "top": 20, "bottom": 52}
 FONT = "font-family=\"Helvetica, Arial, sans-serif\""
@@ -35,17 +37,12 @@ def si(value: float, unit: str = "") -> str:
     """3 significant figures with an SI prefix: 989T, 3.35G, 127; with a
     unit, a space before it: 989 TFLOP/s."""
     sep = " " if unit else ""
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g}{sep}{prefix}{unit}"
-    return f"{value:.3g}{sep}{unit}"
+    return three_figures(value, tuple((scale, f"{sep}{prefix}{unit}") for scale, prefix in (
+        (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""))))
 
 
 def seconds(t: float) -> str:
-    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "\u00b5s")):
-        if t >= scale:
-            return f"{t / scale:.3g} {unit}"
-    return f"{t / 1e-9:.3g} ns"
+    return three_figures(t, ((1.0, " s"), (1e-3, " ms"), (1e-6, " \u00b5s"), (1e-9, " ns")))
 
 
 def _f(x: float) -> str:
