@@ -710,3 +710,23 @@ def test_numbers_just_below_a_unit_round_up_into_it():
     report, why = render.try_costs(d, {"m": 3, "n": 128, "k": 166600})
     assert why is None, why
     assert "HBM->SMEM: 1 MB" in label(edges(to_dot(d, report)), "t.A", "op.C")
+
+
+@needs_dot
+def test_a_pdf_is_the_same_bytes_every_run(tmp_path):
+    """cairo stamps /CreationDate with the time, so each `napkin render -o X.pdf` differed (svg, png
+    and dot did not; render hunt).  The date is fixed now, with as many digits, so the offsets of
+    the PDF's cross-reference table still point at their objects."""
+    import time
+    first = render.render_file(EXAMPLES / "matmul.ncd", tmp_path / "a.pdf", costs=False).read_bytes()
+    time.sleep(1.1)
+    second = render.render_file(EXAMPLES / "matmul.ncd", tmp_path / "b.pdf", costs=False).read_bytes()
+    assert first == second
+    assert b"/CreationDate (D:19700101000000" in first
+    start = int(re.search(rb"startxref\s+(\d+)", first).group(1))
+    assert first[start:start + 4] == b"xref"
+    table = first[start:].split(b"\n")
+    count = int(table[1].split()[1])
+    for entry in table[3:2 + count]:   # object 1 onwards: "OFFSET 00000 n"
+        offset = int(entry.split()[0])
+        assert re.match(rb"\d+ 0 obj", first[offset:offset + 12]), first[offset:offset + 12]

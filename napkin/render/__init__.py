@@ -18,6 +18,7 @@ text is a pure function of the IR and the cost report.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,21 @@ def run_dot(dot_text: str, fmt: str) -> bytes:
                           timeout=DOT_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"dot -T{fmt} failed: {done.stderr.decode(errors='replace').strip()}")
+    if fmt == "pdf":
+        return _undated(done.stdout)
     return done.stdout
+
+
+# cairo stamps a PDF with the time it was written (and ignores SOURCE_DATE_EPOCH),
+# so the same diagram gave a different file every run; the other formats carry no date.
+_PDF_DATE = re.compile(rb"(/CreationDate \(D:)[0-9]{14}")
+FIXED_PDF_DATE = b"19700101000000"
+
+
+def _undated(pdf: bytes) -> bytes:
+    """The PDF with its creation date fixed: the same number of digits, so
+    the byte offsets in its cross-reference table still hold."""
+    return _PDF_DATE.sub(lambda m: m.group(1) + FIXED_PDF_DATE, pdf)
 
 
 def svg_text(dot_text: str) -> Optional[str]:
