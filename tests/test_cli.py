@@ -367,6 +367,30 @@ def test_render_and_report_keep_the_diagram(capsys, tmp_path):
     assert code == 1 and err.startswith(f"{path}: --size unknown=5: diagram attention has no wire 'unknown'")
 
 
+
+def test_render_and_report_name_refusals_say_what_was_typed(capsys, monkeypatch, tmp_path):
+    """Refusals contradicted the name typed (render hunt): -o .svg was told "the name must end in
+    .svg" (it does; it has no stem), the report took -o x.htm while saying the name must end in
+    .html, and without Graphviz `render att.dot -o att.svg` said "-o att.dot is the diagram
+    itself" of a name napkin chose."""
+    monkeypatch.chdir(tmp_path)
+    example = str(REPO / "examples" / "attention.ncd")
+    code, _, err = run(capsys, "render", example, "-o", ".svg")
+    assert code == 1 and err == ".svg: the name is only a suffix: it needs a stem before .svg (say a.svg)\n"
+    code, _, err = run(capsys, "report", example, "-o", ".html")
+    assert code == 1 and err == ".html: the name is only a suffix: it needs a stem before .html (say a.html)\n"
+    code, _, err = run(capsys, "report", example, "-o", "x.txt")
+    assert code == 1 and err == "x.txt: -o x.txt: the report is an HTML page, so the name must end in .html or .htm\n"
+    assert run(capsys, "report", example, "-o", "x.htm")[0] == 0
+    (tmp_path / "att.dot").write_text(ATTENTION)
+    from napkin import render
+    monkeypatch.setattr(render, "dot_program", lambda: None)
+    code, _, err = run(capsys, "render", "att.dot", "-o", "att.svg")
+    assert code == 1 and err == ("att.dot: Graphviz's dot was not found, so the DOT text would go to att.dot "
+                                 "instead of att.svg, and att.dot is the diagram itself; give -o a name with "
+                                 "another stem, or " + render.INSTALL_HINT + "\n")
+    assert (tmp_path / "att.dot").read_text() == ATTENTION and not (tmp_path / "att.svg").exists()
+
 def test_demo_default_sizes_are_small_and_cover_symbolic_wires():
     d = napkin.load(REPO / "examples" / "gqa.ncd")
     assert cli._demo_sizes(d, {}, "gqa.ncd") == {"b": 1, "hk": 2, "g": 2, "q": 200, "x": 200}

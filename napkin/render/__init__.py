@@ -85,7 +85,16 @@ def svg_text(dot_text: str) -> Optional[str]:
     return svg[svg.index("<svg"):] if "<svg" in svg else svg
 
 
+def _refuse_bare_suffix(out_path: Path, suffixes) -> None:
+    """``-o .svg``: Path takes a name that starts with its only dot for a stem
+    with no suffix, and the refusal said the name must end in .svg, which it does."""
+    if not out_path.suffix and out_path.name.lower() in suffixes:
+        raise NapkinError(f"the name is only a suffix: it needs a stem before {out_path.name} "
+                          f"(say a{out_path.name})", filename=str(out_path))
+
+
 def _format_of(out_path: Path) -> str:
+    _refuse_bare_suffix(out_path, tuple("." + f for f in FORMATS))
     fmt = out_path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise NapkinError(f"unknown picture format {repr(out_path.suffix) if out_path.suffix else '(none)'}: "
@@ -123,8 +132,11 @@ def draw(diagram, out_path, costs=None, source=None) -> Path:
         return out_path
     if dot_program() is None:
         fallback = out_path.with_suffix(".dot")
-        if source is not None:
-            _not_the_diagram(fallback, source)
+        if source is not None and fallback.resolve() == Path(source).resolve():
+            # the name is napkin's, not the user's: say where it came from
+            raise NapkinError(f"Graphviz's dot was not found, so the DOT text would go to {fallback} "
+                              f"instead of {out_path}, and {fallback} is the diagram itself; "
+                              f"give -o a name with another stem, or " + INSTALL_HINT, filename=str(source))
         _write(fallback, text)
         print(f"napkin: Graphviz's dot was not found, so wrote {fallback} instead of {out_path}; "
               + INSTALL_HINT, file=sys.stderr)
@@ -248,8 +260,10 @@ def _cmd_render(args) -> int:
 
 def _cmd_report(args) -> int:
     out = _not_the_diagram(Path(args.out) if args.out else _default_out(args.file, ".html"), args.file)
+    _refuse_bare_suffix(out, (".html", ".htm"))
     if out.suffix.lower() not in (".html", ".htm"):
-        raise NapkinError(f"-o {out}: the report is an HTML page, so the name must end in .html", filename=str(out))
+        raise NapkinError(f"-o {out}: the report is an HTML page, so the name must end in .html or .htm",
+                          filename=str(out))
     written = write_report(args.file, out, parse_pairs(args.sizes, "--size"), args.device)
     print(f"wrote {written}")
     return 0
