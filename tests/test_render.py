@@ -730,3 +730,22 @@ def test_a_pdf_is_the_same_bytes_every_run(tmp_path):
     for entry in table[3:2 + count]:   # object 1 onwards: "OFFSET 00000 n"
         offset = int(entry.split()[0])
         assert re.match(rb"\d+ 0 obj", first[offset:offset + 12]), first[offset:offset + 12]
+
+
+def test_a_graphviz_without_the_format_is_told_in_words(monkeypatch, tmp_path, capsys):
+    """A Graphviz built without cairo knows svg but not png or pdf: `render -o a.png` ended in
+    "internal error ... this is a bug", exit 2, since every failure of dot was taken for napkin's
+    (render hunt).  The format it lacks is the installation's, said in words, exit 1."""
+    fake = tmp_path / "dot"
+    fake.write_text('#!/bin/sh\necho "Format: \\"${1#-T}\\" not recognized. Use one of: canon dot svg xdot" >&2\n'
+                    "exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(render, "dot_program", lambda: str(fake))
+    assert cli_main(["render", str(EXAMPLES / "matmul.ncd"), "-o", str(tmp_path / "m.png")]) == 1
+    assert capsys.readouterr().err == (
+        "napkin: this Graphviz's dot cannot write .png (of napkin's formats it writes .svg and .dot): write one "
+        "of those, or install a Graphviz built with cairo, which writes .png and .pdf\n")
+    assert not (tmp_path / "m.png").exists()
+    fake.write_text("#!/bin/sh\necho 'Error: syntax error in line 1' >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="dot -Tsvg failed: Error: syntax error in line 1"):
+        render.run_dot("digraph {", "svg")   # dot refusing napkin's own text is still napkin's bug

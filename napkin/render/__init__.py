@@ -50,16 +50,29 @@ def dot_program() -> Optional[str]:
     return shutil.which("dot")
 
 
+# What dot says of a -T it was built without (Graphviz without cairo knows no png or pdf).
+_UNKNOWN_FORMAT = re.compile(r'Format: "([^"]*)" not recognized\.(?: Use one of:(.*))?')
+
+
 def run_dot(dot_text: str, fmt: str) -> bytes:
     """``dot -T<fmt>`` on the text.  ``dot`` rejecting napkin's own output is
-    napkin's bug, so that raises RuntimeError, not NapkinError."""
+    napkin's bug, so that raises RuntimeError, not NapkinError; a format this
+    Graphviz was built without is the installation's, a NapkinError."""
     program = dot_program()
     if program is None:
         raise FileNotFoundError("Graphviz's dot program is not installed")
     done = subprocess.run([program, f"-T{fmt}"], input=dot_text.encode(), capture_output=True,
                           timeout=DOT_TIMEOUT_S)
     if done.returncode != 0:
-        raise RuntimeError(f"dot -T{fmt} failed: {done.stderr.decode(errors='replace').strip()}")
+        said = done.stderr.decode(errors="replace").strip()
+        unknown = _UNKNOWN_FORMAT.search(said)
+        if unknown:
+            known = set((unknown.group(2) or "").split())
+            can = [f".{f}" for f in FORMATS if f == "dot" or f in known]   # napkin writes .dot itself
+            raise NapkinError(f"this Graphviz's dot cannot write .{fmt} (of napkin's formats it writes "
+                              f"{' and '.join(can)}): write one of those, or install a Graphviz built with "
+                              "cairo, which writes .png and .pdf")
+        raise RuntimeError(f"dot -T{fmt} failed: {said}")
     if fmt == "pdf":
         return _undated(done.stdout)
     return done.stdout
