@@ -1111,3 +1111,21 @@ def test_the_training_forward_does_the_forwards_work(name):
     d = load(name)
     plain, training = analyse(d, sizes).flops, backward_cost(d, sizes).forward.flops
     assert training == plain
+
+
+def test_a_ring_alone_counts_its_devices_and_a_nodes_level_its_link():
+    """'level devices { stream x across 8 }' alone said 'devices: 1' (the count multiplied the
+    grouped wires only), and a ring over 2 nodes of 4 devices said NVLink where its passes cross
+    nodes (render hunt).  Neither deals Q: a ring passes K and V, 7 chunks of 8 each."""
+    body = (REPO / "examples" / "attention.ncd").read_text().split("\nschedule")[0] + "\n"
+    mesh = {"devices": "  level devices { stream x across 8 }\n",
+            "nodes": "  level nodes { stream x across 2 }\n  level devices { stream x across 4 }\n"}
+    sizes = dict(b=1, h=16, q=4096, x=4096)
+    for key, levels in mesh.items():
+        text = body + ("schedule on h100 {\n" + levels + "  level hbm { hold Q, K, V, O, lse }\n"
+                       "  level smem {\n    group b by 1, h by 1, q by 128\n    stream x by 64\n  }\n}\n")
+        comm = analyse(napkin.load_text(text), sizes).devices
+        assert comm.devices == 8
+        assert [(r.tensor, r.collective, r.bytes_received) for r in comm.rows] == [
+            (t, "ring pass", 7 * 4096 * 64 * 16 * 2 // 8) for t in ("K", "V")]
+        assert comm.link == ("InfiniBand" if key == "nodes" else "NVLink")

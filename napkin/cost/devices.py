@@ -96,8 +96,12 @@ def mesh_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
 
 
 def device_count(diagram: ir.Diagram) -> int:
+    """The devices of the mesh: its grouped wires' parts multiplied, at least
+    as many as a ring streams over (a ring shares the devices the groups span;
+    ``stream x across 8`` alone is a ring of 8, which counted 1)."""
     tiles = mesh_tiles(diagram)
-    return math.prod(t.size for t in tiles if t.kind == "group") if tiles else 1
+    groups = math.prod(t.size for t in tiles if t.kind == "group")
+    return max([groups] + [t.size for t in tiles if t.kind != "group"])
 
 
 def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[str, int]],
@@ -324,14 +328,15 @@ def _generic(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[st
     dealt evenly over the P devices, gathered by the devices that need the
     same block, outputs merged by all-to-all."""
     groups, stream = _parts(diagram)
-    p = math.prod(groups.values())
+    p = device_count(diagram)
     acc = tiling.accumulator_dtype(diagram)
     rows: list[CommRow] = []
 
     def block(wires) -> tuple[Poly, Optional[int], int]:
         """A device's block of a tensor along ``wires``: formula, elements, and
         how many devices share it."""
-        poly, n, share = Poly.const(1), 1, p
+        # dealt over the grouped wires' devices (a ring alone deals nothing but its chunks)
+        poly, n, share = Poly.const(1), 1, math.prod(groups.values())
         for w in wires:
             # all chunks of a wire streamed across devices pass through each device
             poly = poly * (Poly.sym(w) if stream and w == stream[0] else wire_sym(w))
@@ -394,12 +399,15 @@ def _generic(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[st
     steps = _steps(rows)
     received = None if sizes is None else sum(r.bytes_received for r in rows)
     sent = None if sizes is None else sum(r.bytes_sent for r in rows)
-    link = "nvlink_bandwidth" if p <= NVLINK_DOMAIN else "infiniband_bandwidth"
+    # a nodes level splitting something puts the collectives across nodes (InfiniBand)
+    level = diagram.level("nodes")
+    across_nodes = p > NVLINK_DOMAIN or (level is not None and any(t.across for t in level.tiles))
+    link = "infiniband_bandwidth" if across_nodes else "nvlink_bandwidth"
     bw = profile[link]
     time = None if received is None else max(received, sent) / bw
     grid = tuple((t.wire, t.kind, t.size) for t in mesh_tiles(diagram))
     return DeviceComm(p, grid, tuple(rows), steps, received, sent,
-                      "NVLink" if p <= NVLINK_DOMAIN else "InfiniBand", bw, time, scheme="generic")
+                      "InfiniBand" if across_nodes else "NVLink", bw, time, scheme="generic")
 
 
 def _value_wires(diagram: ir.Diagram, kernel: Kernel) -> set[str]:
