@@ -241,18 +241,26 @@ def _option_text(option, value, given):
     return f"{option}={value}" if given else f"the schedule's {option}={value}"
 
 
-def _tile_fits(blocks, options, given=(True, True)):
-    """ValueError where two blocks make a tile past Triton's largest tensor,
-    2^20 elements (the cached configs' test, _autotune_config).  ``given``:
-    whether the caller gave each (_option_text)."""
+def _tile_fits(blocks, options, given=(True, True), sizes=None):
+    """ValueError where two blocks, or a block and a feature wire the kernels
+    hold whole (_AUTOTUNE_DIMS, at ``sizes``), make a tile past Triton's
+    largest tensor, 2^20 elements (the cached configs' test, _autotune_config).
+    ``given``: whether the caller gave each (_option_text)."""
     if blocks[0] * blocks[1] > 1 << 20:
         a, b = (_option_text(o, n, g) for o, n, g in zip(options, blocks, given))
         raise ValueError(f"{a} and {b} make a tile of {blocks[0] * blocks[1]} elements, past Triton's "
                          "largest tensor (2^20)")
-
-
-def _dim_block(n):
-    return max(16, 1 << max(n - 1, 0).bit_length())
+    if sizes is None:
+        return
+    # block_q=32, block_x=32768 passed the test above and each launch failed in Triton on the
+    # [32768, 64] tile of K (head dim 64)
+    for (w, _), width in zip(_AUTOTUNE_DIMS, _autotune_widths(sizes)):
+        for option, n, g in zip(options, blocks, given):
+            if n * width > 1 << 20:
+                held = f"its size {sizes[w]} padded to {width}" if sizes[w] != width else f"{width} wide"
+                raise ValueError(f"{_option_text(option, n, g)} and wire {w}, {held}, which the kernels hold "
+                                 f"whole beside each block, make a tile of {n * width} elements, past Triton's "
+                                 "largest tensor (2^20)")
 
 
 def _fits(grid):
@@ -430,6 +438,10 @@ import torch as _autotune_torch
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
 _AUTOTUNE_HASH = "053132c6360ca609f8222382a98dd09b60730881a91a732031b8c3fa612b2eda"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
+# The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
+# its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
+# a tile too, and past 2^20 elements Triton refuses it (_autotune_config, _tile_fits).
+_AUTOTUNE_DIMS = (("d", 64),)
 _autotune_memo = {}   # (device, dtypes, bucket, kind) -> (the cache file's path and stamp when read, config or None)
 _autotune_paths = {}  # ($NAPKIN_CACHE, $HOME) -> the cache file's path
 
@@ -482,6 +494,16 @@ def _autotune_read(path):
     return entries if isinstance(entries, dict) else {}
 
 
+def _dim_block(n):
+    """A feature wire's block: its size padded to a power of two, at least 16 (tl.dot's least)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def _autotune_widths(sizes):
+    """The blocks of the feature wires (_AUTOTUNE_DIMS) at these sizes, as the launches pass them."""
+    return tuple(n if n is not None else _dim_block(sizes[w]) for w, n in _AUTOTUNE_DIMS)
+
+
 def _autotune_lookup(sizes, device, classes, kind=""):
     """The cached config (a dict of launcher options) for these sizes on this
     device, or None.  Remembered per shape bucket until the cache file
@@ -497,22 +519,26 @@ def _autotune_lookup(sizes, device, classes, kind=""):
     if seen is not None and seen[0] == stamp:
         return seen[1]
     key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), classes, sizes, _AUTOTUNE_WIRES, kind)
-    config = _autotune_config(_autotune_read(path).get(key)) if stamp[1] is not None else None
+    config = _autotune_config(_autotune_read(path).get(key), _autotune_widths(sizes)) if stamp[1] is not None else None
     _autotune_memo[memo] = (stamp, config)
     return config
 
 
-def _autotune_config(entry):
+def _autotune_config(entry, widths=()):
     """A cache entry's config, or None unless every option in it is one a
     launch takes (napkin.tunecache.Cache holds the tuner to the same test).
-    An option it lacks stays the launcher's default."""
+    An option it lacks stays the launcher's default.  ``widths``: the feature
+    wires' blocks at the launch's sizes (_autotune_widths), each a side of a
+    tile with every block."""
     config = entry.get("config") if isinstance(entry, dict) else None
     if not isinstance(config, dict) or not all(isinstance(k, str) and _autotune_valid(k, v) for k, v in config.items()):
         return None
     blocks = sorted(v for k, v in config.items() if k.startswith("block_"))
-    # a tile of its two largest blocks (or of one and a 16-wide dimension) may
-    # not pass Triton's largest tensor, 2^20 elements: it would fail every launch
-    return config if not blocks or blocks[-1] * (blocks[-2] if len(blocks) > 1 else 16) <= 1 << 20 else None
+    # a tile of its two largest blocks, or of its largest and the widest feature wire (at least
+    # 16 wide), may not pass Triton's largest tensor, 2^20 elements: it would fail every launch (a
+    # cached block_x=65536 beside block_q=16 passed, and its [65536, 64] K tile failed each call)
+    side = max((16, *widths))
+    return config if not blocks or blocks[-1] * max(blocks[-2] if len(blocks) > 1 else 16, side) <= 1 << 20 else None
 
 
 def _whole(value):
@@ -1229,7 +1255,7 @@ def _alibi_check_options(_sz, block_q, block_x, num_warps, num_stages, tma, chun
     _autotune_fill({"num_warps": num_warps, "num_stages": num_stages}, _sz, None, None, lookup=False)
     _b_q = _block_size(block_q, "q", "block_q")
     _b_x = _block_size(block_x, "x", "block_x")
-    _tile_fits((_b_q, _b_x), ("block_q", "block_x"), (block_q is not None, block_x is not None))
+    _tile_fits((_b_q, _b_x), ("block_q", "block_x"), (block_q is not None, block_x is not None), _sz)
     _tma_check(tma)
     _n_chunks = _chunks(chunk, None, _b_x, _sz["x"], block_x is not None)[1]
     _fits((1, _sz["b"] * _sz["h"], _n_chunks if chunk is not None else 1))
@@ -1245,7 +1271,7 @@ def _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma,
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
-    _tile_fits((_br, _bc), ("block_q", "block_x"), (block_q is not None, block_x is not None))
+    _tile_fits((_br, _bc), ("block_q", "block_x"), (block_q is not None, block_x is not None), _sz)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V, slope,))
     _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"], block_x is not None)
     [O] = _allocate(_sz, _cls, _dev, out_dtype)
@@ -1858,9 +1884,11 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
     # Options not given come from the backward's own tuned configs, never the
     # forward's (these kernels hold other tiles): kind "bwd" for dQ, "bwd_kv" for dK/dV.
     # tma too: each kernel takes its TMA descriptors (_tma_args) as its own entry says.
-    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
+    _given = dict(zip(_OPTIONS, _o))
+    _opts = _autotune_fill(_given, _sz, _dev, _cls, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
+    _tile_fits((_br, _bc), ("block_q", "block_x"), (_given["block_q"] is not None, _given["block_x"] is not None), _sz)
     _need = _wanted(need)
     _warps = _opts["num_warps"] or (8 if _br >= 128 else 4)
     _stages = _opts["num_stages"] or 2
@@ -1877,7 +1905,7 @@ def _alibi_backward(Q, K, V, slope, dO, lse, delta, _o, need, positions=None, le
     # wgmma: mma.sync takes its operands from registers, which that count misses): down to 32, then the block of
     # x down to 64 (a warpgroup's wgmma rows), then q down to 16.  8 warps when either block of
     # the schedule's tile is 128 or more, else 4.
-    _kv_opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd_kv")
+    _kv_opts = _autotune_fill(_given, _sz, _dev, _cls, "bwd_kv")
     _kv_br = _block_size(_kv_opts["block_q"], "q", "block_q")
     _kv_bc = _block_size(_kv_opts["block_x"], "x", "block_x")
     _kv_default = _kv_opts["block_q"] is None and _kv_opts["block_x"] is None

@@ -232,18 +232,26 @@ def _option_text(option, value, given):
     return f"{option}={value}" if given else f"the schedule's {option}={value}"
 
 
-def _tile_fits(blocks, options, given=(True, True)):
-    """ValueError where two blocks make a tile past Triton's largest tensor,
-    2^20 elements (the cached configs' test, _autotune_config).  ``given``:
-    whether the caller gave each (_option_text)."""
+def _tile_fits(blocks, options, given=(True, True), sizes=None):
+    """ValueError where two blocks, or a block and a feature wire the kernels
+    hold whole (_AUTOTUNE_DIMS, at ``sizes``), make a tile past Triton's
+    largest tensor, 2^20 elements (the cached configs' test, _autotune_config).
+    ``given``: whether the caller gave each (_option_text)."""
     if blocks[0] * blocks[1] > 1 << 20:
         a, b = (_option_text(o, n, g) for o, n, g in zip(options, blocks, given))
         raise ValueError(f"{a} and {b} make a tile of {blocks[0] * blocks[1]} elements, past Triton's "
                          "largest tensor (2^20)")
-
-
-def _dim_block(n):
-    return max(16, 1 << max(n - 1, 0).bit_length())
+    if sizes is None:
+        return
+    # block_q=32, block_x=32768 passed the test above and each launch failed in Triton on the
+    # [32768, 64] tile of K (head dim 64)
+    for (w, _), width in zip(_AUTOTUNE_DIMS, _autotune_widths(sizes)):
+        for option, n, g in zip(options, blocks, given):
+            if n * width > 1 << 20:
+                held = f"its size {sizes[w]} padded to {width}" if sizes[w] != width else f"{width} wide"
+                raise ValueError(f"{_option_text(option, n, g)} and wire {w}, {held}, which the kernels hold "
+                                 f"whole beside each block, make a tile of {n * width} elements, past Triton's "
+                                 "largest tensor (2^20)")
 
 
 def _fits(grid):
@@ -421,6 +429,10 @@ import torch as _autotune_torch
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
 _AUTOTUNE_HASH = "4e5ea5dfaf56e76dc0772630433801ba3f4cf16c10b023686d1621b92668d16d"
 _AUTOTUNE_WIRES = ('m', 'n', 'k')
+# The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
+# its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
+# a tile too, and past 2^20 elements Triton refuses it (_autotune_config, _tile_fits).
+_AUTOTUNE_DIMS = ()
 _autotune_memo = {}   # (device, dtypes, bucket, kind) -> (the cache file's path and stamp when read, config or None)
 _autotune_paths = {}  # ($NAPKIN_CACHE, $HOME) -> the cache file's path
 
@@ -473,6 +485,16 @@ def _autotune_read(path):
     return entries if isinstance(entries, dict) else {}
 
 
+def _dim_block(n):
+    """A feature wire's block: its size padded to a power of two, at least 16 (tl.dot's least)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def _autotune_widths(sizes):
+    """The blocks of the feature wires (_AUTOTUNE_DIMS) at these sizes, as the launches pass them."""
+    return tuple(n if n is not None else _dim_block(sizes[w]) for w, n in _AUTOTUNE_DIMS)
+
+
 def _autotune_lookup(sizes, device, classes, kind=""):
     """The cached config (a dict of launcher options) for these sizes on this
     device, or None.  Remembered per shape bucket until the cache file
@@ -488,22 +510,26 @@ def _autotune_lookup(sizes, device, classes, kind=""):
     if seen is not None and seen[0] == stamp:
         return seen[1]
     key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), classes, sizes, _AUTOTUNE_WIRES, kind)
-    config = _autotune_config(_autotune_read(path).get(key)) if stamp[1] is not None else None
+    config = _autotune_config(_autotune_read(path).get(key), _autotune_widths(sizes)) if stamp[1] is not None else None
     _autotune_memo[memo] = (stamp, config)
     return config
 
 
-def _autotune_config(entry):
+def _autotune_config(entry, widths=()):
     """A cache entry's config, or None unless every option in it is one a
     launch takes (napkin.tunecache.Cache holds the tuner to the same test).
-    An option it lacks stays the launcher's default."""
+    An option it lacks stays the launcher's default.  ``widths``: the feature
+    wires' blocks at the launch's sizes (_autotune_widths), each a side of a
+    tile with every block."""
     config = entry.get("config") if isinstance(entry, dict) else None
     if not isinstance(config, dict) or not all(isinstance(k, str) and _autotune_valid(k, v) for k, v in config.items()):
         return None
     blocks = sorted(v for k, v in config.items() if k.startswith("block_"))
-    # a tile of its two largest blocks (or of one and a 16-wide dimension) may
-    # not pass Triton's largest tensor, 2^20 elements: it would fail every launch
-    return config if not blocks or blocks[-1] * (blocks[-2] if len(blocks) > 1 else 16) <= 1 << 20 else None
+    # a tile of its two largest blocks, or of its largest and the widest feature wire (at least
+    # 16 wide), may not pass Triton's largest tensor, 2^20 elements: it would fail every launch (a
+    # cached block_x=65536 beside block_q=16 passed, and its [65536, 64] K tile failed each call)
+    side = max((16, *widths))
+    return config if not blocks or blocks[-1] * max(blocks[-2] if len(blocks) > 1 else 16, side) <= 1 << 20 else None
 
 
 def _whole(value):
@@ -750,9 +776,9 @@ def _matmul_check_options(_sz, block_m, block_n, block_k, num_warps, num_stages)
     _b_m = _block_size(block_m, "m", "block_m")
     _b_n = _block_size(block_n, "n", "block_n")
     _b_k = _block_size(block_k, "k", "block_k")
-    _tile_fits((_b_m, _b_n), ("block_m", "block_n"), (block_m is not None, block_n is not None))
-    _tile_fits((_b_m, _b_k), ("block_m", "block_k"), (block_m is not None, block_k is not None))
-    _tile_fits((_b_k, _b_n), ("block_k", "block_n"), (block_k is not None, block_n is not None))
+    _tile_fits((_b_m, _b_n), ("block_m", "block_n"), (block_m is not None, block_n is not None), _sz)
+    _tile_fits((_b_m, _b_k), ("block_m", "block_k"), (block_m is not None, block_k is not None), _sz)
+    _tile_fits((_b_k, _b_n), ("block_k", "block_n"), (block_k is not None, block_n is not None), _sz)
     _fits((1, _cdiv(_sz["n"], _b_n) if (block_m, block_n, block_k) != (None, None, None) else 1, 1))
 
 
@@ -767,9 +793,9 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
     _br = _block_size(_opts["block_m"], "m", "block_m")
     _bc = _block_size(_opts["block_n"], "n", "block_n")
     _bk = _block_size(_opts["block_k"], "k", "block_k")
-    _tile_fits((_br, _bc), ("block_m", "block_n"), (block_m is not None, block_n is not None))
-    _tile_fits((_br, _bk), ("block_m", "block_k"), (block_m is not None, block_k is not None))
-    _tile_fits((_bk, _bc), ("block_k", "block_n"), (block_k is not None, block_n is not None))
+    _tile_fits((_br, _bc), ("block_m", "block_n"), (block_m is not None, block_n is not None), _sz)
+    _tile_fits((_br, _bk), ("block_m", "block_k"), (block_m is not None, block_k is not None), _sz)
+    _tile_fits((_bk, _bc), ("block_k", "block_n"), (block_k is not None, block_n is not None), _sz)
     [C] = _allocate(_sz, _cls, _dev)
     _grid = _fits((_cdiv(_sz["m"], _br), _cdiv(_sz["n"], _bc), 1))
     if math.prod(_grid) > 0:
@@ -946,7 +972,14 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     _check_state({"_grad_C": _grad_C}, _sz, _dev, {"_grad_C": "dC"})
     if _grad_C.dtype != _out_dtype(OUTPUTS[0], _cls):  # tl.dot takes one dtype: a float32 dC meets 16-bit operands
         _grad_C = _grad_C.to(_out_dtype(OUTPUTS[0], _cls))
-    _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
+    _given = dict(zip(_OPTIONS, _o))
+    _opts = _autotune_fill(_given, _sz, _dev, _cls, "bwd")
+    _b_m = _block_size(_opts["block_m"], "m", "block_m")
+    _b_n = _block_size(_opts["block_n"], "n", "block_n")
+    _b_k = _block_size(_opts["block_k"], "k", "block_k")
+    _tile_fits((_b_m, _b_n), ("block_m", "block_n"), (_given["block_m"] is not None, _given["block_n"] is not None), _sz)
+    _tile_fits((_b_m, _b_k), ("block_m", "block_k"), (_given["block_m"] is not None, _given["block_k"] is not None), _sz)
+    _tile_fits((_b_k, _b_n), ("block_k", "block_n"), (_given["block_k"] is not None, _given["block_n"] is not None), _sz)
     _need = _wanted(need)
     _stages = _opts["num_stages"] or 2
     _grad_A = None

@@ -45,7 +45,8 @@ def runtime_source(diagram_hash: str, wires: Sequence[str]) -> str:
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    text = env.get_template("autotune.py.jinja").render(diagram_hash=diagram_hash, wires=repr(tuple(wires)))
+    text = env.get_template("autotune.py.jinja").render(diagram_hash=diagram_hash, wires=repr(tuple(wires)),
+                                                             dims="()")
     return text.strip("\n") + "\n"
 
 

@@ -321,3 +321,96 @@ def test_block_options_past_tritons_largest_tile_are_refused_in_words(causal):
         causal.causal(q, k, v, block_q=1 << 16, block_x=32)
     o, _ = causal.causal(q, k, v, block_q=np.int64(16), block_x=16)
     assert torch.allclose(o.double(), causal.reference(q.double(), k.double(), v.double())[0], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def causal_any_d(tmp_path_factory):
+    """The causal example with its head dim symbolic: d's block is its size padded at the launch."""
+    text = (REPO / "examples" / "causal.ncd").read_text().replace("wire d = 64", "wire d")
+    return compile_text(text, "causal_any_d", tmp_path_factory.mktemp("training"))
+
+
+def test_a_block_beside_the_padded_head_dim_past_2_20_is_refused_in_words(causal_any_d):
+    """block_q=32, block_x=32768 make a 2^20 score tile, which the test of two blocks let pass, and
+    a [32768, 64] tile of K: every launch failed in Triton's interpreter ("numel (2097152) exceeds
+    triton maximum tensor numel (1048576)"), eager and traced alike.  Refused in words now, by
+    the launch and by the op's fakes (meta tensors, torch.compile), the head dim's padding named."""
+    q, k, v = causal_any_d.example_inputs({"b": 1, "h": 1, "q": 20, "x": 20, "d": 40}, dtype=torch.float32)
+    words = re.escape("block_x=32768 and wire d, its size 40 padded to 64, which the kernels hold whole beside "
+                      "each block, make a tile of 2097152 elements, past Triton's largest tensor (2^20)")
+    options = {"block_q": 32, "block_x": 32768}
+    for grad in (False, True):
+        with pytest.raises(ValueError, match=words):
+            causal_any_d.causal(q.clone().requires_grad_(grad), k, v, **options)
+        with pytest.raises(ValueError, match=words):
+            causal_any_d.causal(q.to("meta").requires_grad_(grad), k.to("meta"), v.to("meta"), **options)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=words):
+        torch.compile(lambda a, b, c: causal_any_d.causal(a, b, c, **options), backend="eager")(q, k, v)
+    # a block of rows too ([32768, 64] tiles of Q and O); at d = 16 the same blocks fit
+    with pytest.raises(ValueError, match=re.escape("block_q=32768 and wire d, its size 40 padded to 64")):
+        causal_any_d.causal(q, k, v, block_q=32768, block_x=16)
+    small = causal_any_d.example_inputs({"b": 1, "h": 1, "q": 20, "x": 20, "d": 16}, dtype=torch.float32)
+    assert causal_any_d.causal(*(t.to("meta") for t in small), **options)[0].shape == (1, 1, 20, 16)
+
+
+def test_a_fixed_head_dim_is_named_as_its_own_width(tmp_path):
+    module = compile_text((REPO / "examples" / "causal.ncd").read_text(), "causal64", tmp_path)
+    meta = [torch.empty(1, 1, 20, 64, device="meta") for _ in range(3)]
+    with pytest.raises(ValueError, match=re.escape("block_q=65536 and wire d, 64 wide, which the kernels hold whole")):
+        module.causal(*meta, block_q=65536, block_x=16)
+
+
+@pytest.mark.parametrize("kind", ["", "bwd", "bwd_kv"])
+def test_a_cached_config_whose_block_and_head_dim_pass_2_20_is_ignored(causal_any_d, monkeypatch, tmp_path, kind):
+    """A cached block_q=16 beside block_x=65536 (16 * 65536 = 2^20: it "fit") crashed every call
+    that took it on its [65536, 64] K tile, and a backward entry so the backward (Triton's
+    InterpreterError).  The lookup knows the sizes, so it holds each block beside the padded head dim
+    to 2^20 too: the entry is ignored, the schedule's blocks run and the numbers are right."""
+    from napkin import tunecache
+
+    sizes = {"b": 1, "h": 2, "q": 24, "x": 24, "d": 40}
+    q, k, v = causal_any_d.example_inputs(sizes, dtype=torch.float32)
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    key = tunecache.cache_key(causal_any_d.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes,
+                              causal_any_d._AUTOTUNE_WIRES, kind)
+    cached = {"block_q": 16, "block_x": 65536} if kind != "bwd" else {"block_q": 65536, "block_x": 16}
+    (tmp_path / "autotune.json").write_text(json.dumps(
+        {"schema": tunecache.SCHEMA, "entries": {key: {"config": {**cached, "num_warps": 2}}}}))
+    options = {"block_q": None, "block_x": None, "num_warps": None}
+    assert causal_any_d._autotune_fill(options, sizes, torch.device("cpu"), {"fp16": torch.float32}, kind) == options
+    want = causal_any_d.reference(q.double(), k.double(), v.double())
+    got = causal_any_d.causal(q, k, v)
+    assert all((a.double() - b).abs().max() < 1e-4 for a, b in zip(got, want))
+    if kind:
+        got = gradients(causal_any_d.causal, (q, k, v))
+        ref = gradients(causal_any_d.reference, (q.double(), k.double(), v.double()))
+        assert all((a.double() - b).abs().max() < 1e-3 for a, b in zip(got, ref))
+    # at head dim 16 the same entry fits: it is taken
+    small = dict(sizes, d=16)
+    key = tunecache.cache_key(causal_any_d.SOURCE_HASH, "cpu", {"fp16": "float32"}, small,
+                              causal_any_d._AUTOTUNE_WIRES, kind)
+    (tmp_path / "autotune.json").write_text(json.dumps(
+        {"schema": tunecache.SCHEMA, "entries": {key: {"config": {**cached, "num_warps": 2}}}}))
+    assert causal_any_d._autotune_fill(options, small, torch.device("cpu"), {"fp16": torch.float32}, kind) \
+        == {**cached, "num_warps": 2}
+
+
+def test_the_backward_launchers_refuse_the_blocks_the_forward_refuses(causal_any_d, tmp_path):
+    """NAME_backward called directly took given blocks unchecked: block_q=65536 beside block_x=32
+    (a 2^21 score tile) or block_x=32768 beside head dim 64, and matmul_backward's block_m=65536
+    beside block_k=32, each failed in Triton's interpreter.  Refused in the forward's words now."""
+    q, k, v = causal_any_d.example_inputs({"b": 1, "h": 1, "q": 20, "x": 20, "d": 40}, dtype=torch.float32)
+    o, lse = causal_any_d.causal(q, k, v, **BLOCKS)
+    do = torch.randn_like(o)
+    (delta,) = causal_any_d.causal_preprocess(q, k, v, do, o)
+    for options, words in (({"block_q": 65536, "block_x": 32}, "block_q=65536 and block_x=32 make a tile of 2097152"),
+                           ({"block_q": 32, "block_x": 32768}, "block_x=32768 and wire d, its size 40 padded to 64")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            causal_any_d.causal_backward(q, k, v, do, lse, delta, **options)
+    got = causal_any_d.causal_backward(q, k, v, do, lse, delta, **BLOCKS)
+    assert all(g.shape == t.shape for g, t in zip(got, (q, k, v)))
+    matmul = compile_text((REPO / "examples" / "matmul.ncd").read_text(), "matmul_tiles", tmp_path)
+    a, b = torch.randn(20, 24), torch.randn(24, 18)
+    with pytest.raises(ValueError, match=re.escape("block_m=65536 and block_k=32 make a tile of 2097152")):
+        matmul.matmul_backward(a, b, torch.randn(20, 18), block_m=65536, block_n=16, block_k=32)

@@ -687,6 +687,9 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "returns": ", ".join(o.name for o in d.outputs),
         "reference_inputs": ref_inputs, "reference_body": reference_lines(d),
         "autotune_wires": repr(tuple(w.name for w in d.wires if w.size is None)),
+        # the feature wires the forward's and the backward's kernels hold whole beside a block
+        "tile_dims": H.tile_dims(d, (*train.forward.dims,
+                                     *(train.backward.dims if train.backward is not None else ()))),
         "reference_returns": ", ".join(returns) if len(returns) > 1 else returns[0],
         "launcher_doc": _launcher_doc(plan, ctx["options"], train.reason),
         "option_params": ", ".join(ctx["options"]), "single": len(d.outputs) == 1,

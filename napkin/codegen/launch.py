@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .. import ir
 from . import lower as L
+from .pysrc import quote, tuple_of
 
 
 def size_wires(d: ir.Diagram, runtime=frozenset()) -> list[str]:
@@ -46,19 +47,31 @@ def option_checks(lines: list[str]) -> str:
                      + lines)
 
 
-def given_blocks(wires: list[str]) -> list[str]:
+def given_blocks(wires: list[str], option: str = "block_{}") -> list[str]:
     """_b_<wire>: each block option given, checked; one not given is the
     schedule's, as at the launch: a launch given any block or chunk takes no
-    cached blocks (_autotune_fill), and one given none has nothing to refuse."""
-    return [f'_b_{w} = _block_size(block_{w}, "{w}", "block_{w}")' for w in wires]
+    cached blocks (_autotune_fill), and one given none has nothing to refuse.
+    ``option``: the option's value, a format of the wire's name."""
+    return [f'_b_{w} = _block_size({option.format(w)}, "{w}", "block_{w}")' for w in wires]
 
 
-def tile_fits(x: str, y: str, bx: str = "", by: str = "") -> str:
+def tile_fits(x: str, y: str, bx: str = "", by: str = "", given: str = "block_{}") -> str:
     """The check that the blocks of wires x and y (the variables ``bx``,
     ``by``; the fakes' _b_x, _b_y by default) make a tile Triton takes, naming
-    a block the caller did not give as the schedule's."""
+    a block the caller did not give as the schedule's; each block beside the
+    feature wires the kernels hold whole too (_AUTOTUNE_DIMS, at the sizes _sz).
+    ``given``: the caller's option of a wire, a format of the wire's name."""
     return (f'_tile_fits(({bx or "_b_" + x}, {by or "_b_" + y}), ("block_{x}", "block_{y}"), '
-            f'(block_{x} is not None, block_{y} is not None))')
+            f'({given.format(x)} is not None, {given.format(y)} is not None), _sz)')
+
+
+def tile_dims(d: ir.Diagram, dims) -> str:
+    """_AUTOTUNE_DIMS (templates/autotune.py.jinja): each feature wire of ``dims``
+    (those the kernels hold whole, forward and backward) in declaration order,
+    with the block the launches pass as its _BLOCK_<wire> where the diagram
+    fixes it, else None (_dim_block of its size at the launch)."""
+    held = set(dims)
+    return tuple_of(tuple_of([quote(w.name), str(L._dim_block(d, w.name))]) for w in d.wires if w.name in held)
 
 
 def fill_options(opts: list[str]) -> list[str]:

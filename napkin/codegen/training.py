@@ -33,6 +33,7 @@ from typing import Optional
 from .. import autodiff, gradrules, ir, tiling
 from ..errors import NapkinError
 from ..printer import expr_text, layout_text
+from . import launch as H
 from . import lower as L
 from .kernel_names import fresh_name
 
@@ -361,6 +362,9 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         raise AssertionError("dlse is read but lse is no output")
     return {
         "family": "attention", "bw": b, "row": b.row, "col": b.col,
+        # NAME_backward's given blocks, as the forward's launch checks them (a given block_x=32768 at
+        # head dim 64 failed in Triton); tuned ones passed the same test in the lookup
+        "tile_check": H.tile_fits(b.row, b.col, "_br", "_bc", GIVEN),
         "kernels": [kernel_context(b, k) for k in b.kernels],
         "unpack_outs": ", ".join(outs) + ("," if len(outs) == 1 else ""),
         "unpack_grads": ", ".join(grads) + ("," if len(grads) == 1 else ""),
@@ -385,6 +389,10 @@ def _side_shape(s, row: str) -> str:
     parts = [f'_cdiv(_sz["{row}"], _br)' if w == "_blocks" else f'_sz["{w}"]' for w in s.extra]
     parts += [f'_sz["{w}"]' for w in s.wires]
     return "[" + ", ".join(parts) + "]"
+
+
+# a backward launcher's option as the caller gave it (None: not given), a format of the wire's name
+GIVEN = '_given["block_{}"]'
 
 
 def _contraction_context(t: Training) -> dict:
@@ -425,5 +433,11 @@ def _contraction_context(t: Training) -> dict:
     # names them in (sum[k](X * W) with W declared first swapped dW and dX)
     by_index = {g["index"]: g["buffer"] for g in launches}
     returns = [by_index.get(i, "None") for i in range(len(d.inputs))]
+    # NAME_backward's given blocks pairwise, as the forward's launch checks them: its launches tile
+    # them two at a time, and block_m=65536, block_k=32 given failed in Triton
+    f = t.forward
+    pairs = ((f.row, f.col), (f.row, f.red), (f.red, f.col))
+    checks = H.given_blocks([f.row, f.col, f.red], '_opts["block_{}"]') + [H.tile_fits(x, y, given=GIVEN)
+                                                                          for x, y in pairs]
     return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}",
-            "grad_param": param, "returns": returns}
+            "grad_param": param, "returns": returns, "tile_checks": checks}
