@@ -343,17 +343,36 @@ def test_writers_in_several_processes_keep_every_entry(tmp_path):
 def test_bench_autotune_refuses_a_cache_it_cannot_write_before_tuning(tmp_path, capsys, monkeypatch):
     """The bench's launches read the configs the tuner stores: a tuning that
     cannot be stored was spent and then failed as 'the launcher would not read
-    the config tuned for it' (a review); now the run stops first, in words."""
+    the config tuned for it' (a review); now the run stops first, in words.  Where it tunes:
+    on a GPU (stood in for here; the refusal comes before any launch)."""
     from napkin.cli import main
 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path / "file"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     status = main(["bench", str(EXAMPLES / "attention.ncd"), "--seqlen", "32", "--autotune", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert status == 1 and f"--autotune stores its configs in {tmp_path / 'file' / 'autotune.json'}, which napkin " \
         f"cannot write ({tmp_path / 'file'} is a file, not a folder): point NAPKIN_CACHE at a folder it can" in err
     assert tunecache.Cache(tmp_path / "ok" / "autotune.json").unwritable() is None
     assert not [p.name for p in (tmp_path / "ok").iterdir() if p.name != "autotune.json.lock"]
+
+
+def test_bench_autotune_on_the_cpu_runs_beside_a_cache_it_cannot_write(tmp_path, capsys, monkeypatch):
+    """On the CPU --autotune tunes nothing and stores nothing, yet the run said it takes the cached
+    or the schedule's configs and then stopped: "--autotune stores its configs in .../autotune.json,
+    which napkin cannot write (... is a file, not a folder)" (rc 1).  The run goes on now."""
+    from napkin.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU --autotune tunes, and a cache it cannot write is refused (the test above)")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path / "file"))
+    status = main(["bench", str(EXAMPLES / "causal.ncd"), "--seqlen", "32", "--autotune", "--preset", "smoke",
+                   "--no-backward", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "--autotune tunes on a GPU only" in err and "which napkin cannot write" not in err
+    assert status == 0, err
 
 
 def test_a_file_system_that_refuses_locks_still_gets_its_entries(tmp_path, monkeypatch):

@@ -210,7 +210,9 @@ def run(args, prog: str) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():   # found now, not after an hour's run
         raise NapkinError(f"--out {args.out} is a file: the results need a folder")
     cache = tunecache.Cache()
-    why = cache.unwritable() if args.autotune else None
+    # only where it tunes: a CPU run stores nothing, and refusing its unwritable cache stopped the
+    # run just said to go on with the cached configs
+    why = cache.unwritable() if args.autotune and cuda else None
     if why:   # the launcher reads what the tuner writes: a tuning it cannot store is lost
         raise NapkinError(f"--autotune stores its configs in {cache.path}, which napkin cannot write ({why}): "
                           "point NAPKIN_CACHE at a folder it can")
