@@ -34,7 +34,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional, Sequence
 
-from . import ir, tiling
+from . import files, ir, tiling
 from .errors import NapkinError
 from .tunecache import Cache, Config, entry_count
 
@@ -671,6 +671,8 @@ def autotune(fn: Callable, configs: Sequence[Config], bench_fn: Callable[[Callab
             cache.put(key, best.config, ms=best.ms, tried=done + len(tuned.new_trials),
                       order=order_digest(configs), **tuned.facts(), **facts)
         except OSError as err:  # the tuning stands; only its record is lost
-            warnings.warn(f"the tuned config could not be cached in {cache.path}: {err.strerror or err}",
+            # why_not: "Is a directory" alone blamed the cache for its lock file, and "File exists"
+            # said nothing of a $NAPKIN_CACHE that is a file
+            warnings.warn(f"the tuned config could not be cached in {cache.path}: {files.why_not(err, cache.path)}",
                           stacklevel=2)
     return tuned

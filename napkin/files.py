@@ -87,8 +87,21 @@ def locked(path: Path):
 
 def why_not(err: OSError, target: Path) -> str:
     """Why writing ``target`` failed, in words: a folder on its way that is a
-    file is named (the system says only "File exists" or "Not a directory")."""
-    for parent in reversed(Path(target).parents):
+    file is named (the system says only "File exists" or "Not a directory"),
+    and so is another file the write needed (a lock beside the target: its
+    "Is a directory" read as if the target were a folder)."""
+    target = Path(target)
+    for parent in reversed(target.parents):
         if parent.exists() and not parent.is_dir():
             return f"{parent} is a file, not a folder"
-    return err.strerror or str(err)
+    what = err.strerror or str(err)
+    other = err.filename
+    if isinstance(other, (str, os.PathLike)) and not _is_target(Path(other), target):
+        return f"{other} is a folder" if isinstance(err, IsADirectoryError) else f"{what}: {other}"
+    return what
+
+
+def _is_target(path: Path, target: Path) -> bool:
+    """Whether ``path`` is the target or write_atomic's temporary file beside it (the write's own)."""
+    return path == target or (path.parent == target.parent and path.name.startswith(".")
+                              and path.name.endswith(_SUFFIX))

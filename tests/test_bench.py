@@ -415,6 +415,23 @@ def test_a_cache_it_cannot_write_keeps_the_tuning(tmp_path):
     assert tuned.best in configs and not tuned.cached and len(tuned.trials) == 2
 
 
+@pytest.mark.parametrize("make, words", [
+    (lambda root: (root / "c" / "autotune.json.lock").mkdir(parents=True), "{root}/c/autotune.json.lock is a folder"),
+    (lambda root: (root / "c").write_text(""), "{root}/c is a file, not a folder")])
+def test_a_cache_it_cannot_write_is_told_by_what_is_in_the_way(tmp_path, make, words):
+    """Its lock file a folder: unwritable() said "Is a directory" and the warning "could not be
+    cached in .../autotune.json: Is a directory" (the cache is no folder, its lock is); $NAPKIN_CACHE
+    a file: the warning said "File exists".  Both name the path in the way now."""
+    make(tmp_path)
+    cache = tunecache.Cache(tmp_path / "c" / "autotune.json")
+    words = words.format(root=tmp_path)
+    assert cache.unwritable() == words
+    configs = [tunecache.Config((("q", 32),), 4, 2)]
+    with pytest.warns(UserWarning) as caught:
+        autotune.autotune(lambda **o: None, configs, lambda fn: 1.0, cache=cache, key="k")
+    assert [str(w.message) for w in caught] == [f"the tuned config could not be cached in {cache.path}: {words}"]
+
+
 @pytest.mark.parametrize("config", [
     "fast", [64], None, {"block_q": 7, "num_warps": 4, "num_stages": 2},
     {"block_q": -64, "num_warps": 4, "num_stages": 2}, {"block_q": "64", "num_warps": 4, "num_stages": 2},
