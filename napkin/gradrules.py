@@ -292,8 +292,15 @@ def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, sco
             raise ValueError("a raw contraction needs the score expression and the input layouts")
         body = raw.body if isinstance(raw, ir.Reduce) else None
         if not (raw.op == "sum" and isinstance(body, ir.Binary) and body.op == "*"
-                and all(isinstance(t, ir.TensorRef) and t.wires is None for t in (body.lhs, body.rhs))):
+                and all(isinstance(t, ir.TensorRef) for t in (body.lhs, body.rhs))):
             raise ValueError("the raw score must be a contraction sum[w](A * B) of two inputs")
+        moved = next((t for t in (body.lhs, body.rhs) if t.wires is not None), None)
+        if moved is not None:   # one along its own wires written out is plain by now (ir.plain_reads)
+            # placed at the read, not the output's box, and not "must be a contraction of two
+            # inputs", which it is
+            raise NoGrad(f"the score's contraction reads {expr_text(moved)}, input {moved.name} along other "
+                         "wires than its own; the backward takes the contraction's inputs read along their "
+                         "declared wires", moved.loc)
         tile.append(("dR", _mul(_ref("dS"), diff(s_of_r, _ref("R")))))
         # R = sum[w](A * B): dA sums dR * B over the wires of R that A lacks, and alike for B.
         grads = [(this.name, _sum(tuple(x for x in w.score if x not in input_layouts[this.name]),

@@ -17,7 +17,7 @@ new nodes (``dataclasses.replace``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Union
 
 
@@ -437,6 +437,31 @@ def children(expr: Expr) -> tuple:
     if isinstance(expr, (Reduce, Normalize)):
         return (expr.body,)
     return ()
+
+
+def plain_reads(d: "Diagram") -> "Diagram":
+    """``d`` with each tensor read along its own declared wires written out
+    (``K[b, h, x, d]`` of ``K[b, h, x, d]``) read plainly (``K``): the same
+    read, which the passes that take a written relabel for a read along other
+    wires (the backward's rules) then see as what it is.  ``d`` itself when
+    it has none."""
+    declared = {t.name: axis_wires(t.axes) for t in d.inputs + d.lets}
+
+    def plain(e: Expr) -> Expr:
+        if isinstance(e, TensorRef):
+            return replace(e, wires=None) if e.wires is not None and e.wires == declared.get(e.name) else e
+        if isinstance(e, Unary):
+            return replace(e, operand=plain(e.operand))
+        if isinstance(e, Binary):
+            return replace(e, lhs=plain(e.lhs), rhs=plain(e.rhs))
+        if isinstance(e, Call):
+            return replace(e, args=tuple(plain(a) for a in e.args))
+        if isinstance(e, (Reduce, Normalize)):
+            return replace(e, body=plain(e.body))
+        return e
+
+    lets = tuple(replace(let, expr=plain(let.expr)) for let in d.lets)
+    return d if lets == d.lets else replace(d, lets=lets)
 
 
 def walk(expr: Expr):

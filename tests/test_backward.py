@@ -323,6 +323,36 @@ def test_input_multiplying_the_contraction_gets_a_gradient(folder):
         launcher(g)(q.requires_grad_(), k, v, tau)
 
 
+@pytest.mark.parametrize("old, new", [
+    ("sum[d](Q * K)", "sum[d](Q * K[b, h, x, d])"),
+    ("sum[x](P * V)", "sum[x](P[b, h, q, x] * V[b, h, x, d])"),
+    ("P[b, h, q, x] = softmax[x](S)\nO[b, h, q, d] : fp16 = sum[x](P * V)",
+     "O[b, h, q, d] : fp16 = sum[x](softmax[x](where(x <= q, sum[d](Q[b, h, q, d] * K[b, h, x, d]) * |d|^-0.5, "
+     "-inf)) * V)")], ids=["score", "output", "inline"])
+def test_a_tensor_read_along_its_own_wires_written_out_trains(folder, old, new):
+    """K[b, h, x, d] of K declared K[b, h, x, d] compiled its forward, and its backward was refused
+    with "the raw score must be a contraction sum[w](A * B) of two inputs" (it is one), placed at
+    the output's box: the rules took any relabel written out for a read along other wires.  It is
+    the plain read now, forward and backward, with gradients as float64 autograd's."""
+    text = (REPO / "examples" / "causal.ncd").read_text().replace("hold S, P", "hold S")
+    assert old in text
+    m = compile_text(text.replace(old, new), f"own_wires_{len(new)}", folder)
+    assert not hasattr(m, "_NO_BACKWARD")
+    check(m, {"b": 1, "h": 2, "q": 37, "x": 29}, torch.float32, label=new)
+
+
+def test_a_score_reading_an_input_along_other_wires_is_refused_at_the_read(folder):
+    """K declared K[b, h, n, d] read as K[b, h, x, d]: its backward was refused as "the raw score
+    must be a contraction sum[w](A * B) of two inputs" (it is one), placed at the output's box."""
+    text = (REPO / "examples" / "causal.ncd").read_text().replace("wire b, h, q, x", "wire b, h, q, x, n") \
+        .replace("in K[b, h, x, d]", "in K[b, h, n, d]").replace("sum[d](Q * K)", "sum[d](Q * K[b, h, x, d])")
+    m = compile_text(text, "other_wires", folder)
+    assert m._NO_BACKWARD == (
+        "napkin has no backward for diagram causal: the score's contraction reads K[b, h, x, d], input K along "
+        "other wires than its own; the backward takes the contraction's inputs read along their declared wires "
+        "(line 11, column 42 of the diagram)")
+
+
 AFTER_IDS = """diagram after_ids
 wire b, h, q, x
 wire d = 16

@@ -79,6 +79,15 @@ def test_flex_sliding_window_with_a_window_shorter_than_the_sequence():
     assert src.mask == "x <= q and q - x < 8" and not src.causal and src.causal_part
 
 
+def test_flex_takes_an_input_read_along_its_own_wires_written_out():
+    """sum[d](Q * K[b, h, x, d]) with K declared K[b, h, x, d] had no FlexAttention equivalent ("the
+    score's contraction is not sum[d](Q * K) of two inputs", it is one): it is causal's now."""
+    text = (EXAMPLES / "causal.ncd").read_text()
+    d = _fp32(text.replace("sum[d](Q * K)", "sum[d](Q * K[b, h, x, d])"))
+    assert max(_flex_vs_reference(d)) < 1e-5
+    assert flex.emit(d) == flex.emit(_fp32(text))
+
+
 def test_a_wrong_scale_would_be_caught():
     # The same diagram with another scale must NOT match the original's
     # reference: the check above is sensitive to the scale flex is given.

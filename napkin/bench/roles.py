@@ -111,7 +111,9 @@ class Analysis:
     """Takes a diagram apart into flex's pieces, or refuses with a reason."""
 
     def __init__(self, d: ir.Diagram):
-        self.d = d
+        # K[b, h, x, d] of K[b, h, x, d] is K: the score's contraction was refused as "not sum[d](Q * K)
+        # of two inputs" for it
+        self.d = ir.plain_reads(d)
 
     def refuse(self, why: str):
         raise NoFlexEquivalent(self.d.name, why)

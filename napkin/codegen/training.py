@@ -158,7 +158,12 @@ def _stays_fp32(plan: L.AttentionPlan, name: str) -> bool:
 def _attention(plan: L.AttentionPlan) -> Training:
     from .backward import lower_backward
 
-    d = plan.diagram
+    # K[b, h, x, d] of K[b, h, x, d] is K: the rules take a written relabel for a read along other
+    # wires, and refused such a score as "the raw score must be a contraction sum[w](A * B) of two
+    # inputs" (it is one)
+    d = ir.plain_reads(plan.diagram)
+    if d is not plan.diagram:
+        plan = L.lower(d)
     try:
         rule = gradrules.grad_plan(d)
     except ValueError as err:   # gradrules.NoGrad, with the place to blame
