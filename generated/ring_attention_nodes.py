@@ -248,10 +248,17 @@ def _tile_fits(blocks, options, given=(True, True), sizes=None):
         a, b = (_option_text(o, n, g) for o, n, g in zip(options, blocks, given))
         raise ValueError(f"{a} and {b} make a tile of {blocks[0] * blocks[1]} elements, past Triton's "
                          "largest tensor (2^20)")
-    if sizes is None:
+    if sizes is None or not _AUTOTUNE_DIMS:
         return
     # block_q=32, block_x=32768 passed the test above and each launch failed in Triton on the
-    # [32768, 64] tile of K (head dim 64)
+    # [32768, 64] tile of K (head dim 64).  A plain loop first, the words only where it fails:
+    # this runs every launch (the general form cost a microsecond more)
+    top = max(blocks)
+    for w, n in _AUTOTUNE_DIMS:
+        if top * (n or _dim_block(sizes[w])) > 1 << 20:
+            break
+    else:
+        return
     for (w, _), width in zip(_AUTOTUNE_DIMS, _autotune_widths(sizes)):
         for option, n, g in zip(options, blocks, given):
             if n * width > 1 << 20:
