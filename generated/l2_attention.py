@@ -1410,8 +1410,8 @@ def _l2_attention_bwd_rows_kernel(
     _dO = _dO.to(tl.float32)
     _N0 = _N0.to(tl.float32)
     _sum0 = tl.sum(_dO * _N0, 1)[:, None]
-    _gN0 = 1 / tl.sqrt(_Z0 + 1e-06)
-    _dZ0 = -0.5 / tl.sqrt(_Z0 + 1e-06) / tl.sqrt(_Z0 + 1e-06) / tl.sqrt(_Z0 + 1e-06) * _sum0
+    _gN0 = 1 / tl.sqrt(tl.cast(_Z0 + 1e-06, tl.float32))
+    _dZ0 = -0.5 / tl.sqrt(tl.cast(_Z0 + 1e-06, tl.float32)) / tl.sqrt(tl.cast(_Z0 + 1e-06, tl.float32)) / tl.sqrt(tl.cast(_Z0 + 1e-06, tl.float32)) * _sum0
 
     tl.store(gN0 + _ix(_i_b, _INT64) * _st_gN0_b + _ix(_i_h, _INT64) * _st_gN0_h + _ix(_offs_q[:, None], _INT64) * _st_gN0_q, _gN0.to(gN0.dtype.element_ty), mask=_ok_q[:, None])
     tl.store(dZ0 + _ix(_i_b, _INT64) * _st_dZ0_b + _ix(_i_h, _INT64) * _st_dZ0_h + _ix(_offs_q[:, None], _INT64) * _st_dZ0_q, _dZ0.to(dZ0.dtype.element_ty), mask=_ok_q[:, None])

@@ -797,3 +797,42 @@ out O
     want.backward(grad.double())
     for a, b in zip(ours, exact):
         assert (a.grad.double() - b.grad).abs().max() < 1e-4 * (1 + b.grad.abs().max())
+
+
+def test_functions_of_a_16_bit_input_are_taken_in_float32():
+    """exp(T) of an fp16 per-head T[h] failed to compile: Triton's exp, log, sqrt, tanh's and
+    sigmoid's exp take fp32 and fp64 alone ("Expected dtype ['fp32', 'fp64'] but got fp16";
+    novel2 hunt), in the score and in an epilogue alike, and so did a fractional power of one.
+    The kernels widen such a read first; forward and gradients against float64."""
+    head = """wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp16
+in K[b, h, x, d] : fp16
+in V[b, h, x, d] : fp16
+in T[h] : fp16
+"""
+    score = "S[b, h, q, x] = where(x <= q, sum[d](Q * K) * exp(T) + log(abs(T) + 1) * sqrt(abs(T)), -inf)\n"
+    scored = compile_text("diagram wide16\n" + head + score
+                          + "O[b, h, q, d] : fp16 = sum[x](softmax[x](S) * V)\nout O\n", "wide16")
+    gated = compile_text("diagram gated16\n" + head + "in G[b, h, q, d] : fp16\n" + score
+                         + "O[b, h, q, d] : fp16 = sum[x](softmax[x](S) * V) * sigmoid(G) + tanh(G) * abs(G)^0.5\n"
+                         + "out O\n", "gated16")
+    g = torch.Generator().manual_seed(5)
+    q, k, v, gate = (torch.randn(1, 2, 37, 16, generator=g).half() for _ in range(4))
+    t = torch.tensor([0.3, -0.7]).half()
+    ours = [a.clone().requires_grad_() for a in (q, k, v, t)]
+    exact = [a.double().requires_grad_() for a in (q, k, v, t, gate)]
+    Q, K, V, T, G = exact
+    T4 = T[None, :, None, None]
+    s = Q @ K.transpose(-1, -2) * T4.exp() + (T4.abs() + 1).log() * T4.abs().sqrt()
+    keep = torch.arange(37)[None, :] <= torch.arange(37)[:, None]
+    want = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ V
+    out, = run(scored, ours)
+    assert (out.double() - want).abs().max() < 4e-3
+    more, = run(gated, (q, k, v, t, gate))
+    assert (more.double() - (want * G.sigmoid() + G.tanh() * G.abs() ** 0.5)).abs().max() < 4e-3
+    grad = torch.randn(out.shape, generator=g).half()
+    out.backward(grad)
+    want.backward(grad.double())
+    for a, b in zip(ours, exact):
+        assert (a.grad.double() - b.grad).abs().max() < 2e-2 * (1 + b.grad.abs().max())

@@ -193,6 +193,9 @@ class _Render:
     def power(self, e: ir.Binary):
         n = integer_exponent(e.rhs, self.ctx.fixed)
         base = self.r(e.lhs)
+        if n is None and base[2] == "float":   # exp2 and log2 of it below
+            wide = self.wide(e.lhs, base[0])
+            base = base if wide == base[0] else (wide, _PREC["atom"], "float")
         if n is not None:
             if n == 0:
                 return "1.0", _PREC["atom"], "float"
@@ -227,8 +230,15 @@ class _Render:
             return self.FUN[e.fn].format(a[0], b[0]), _PREC["atom"], kind
         (a,) = args
         arg = a[0] if a[2] == "float" or e.fn in ("abs", "relu") else self.to_float(a)
+        if e.fn not in ("abs", "relu"):
+            arg = self.wide(e.args[0], arg)
         kind = a[2] if e.fn in ("abs", "relu") else "float"
         return self.FUN[e.fn].format(arg), _PREC["atom"], kind
+
+    def wide(self, e, code: str) -> str:
+        """The argument of an exp, log, sqrt, ... as the renderer takes it (the kernels'
+        widens a 16-bit input's value)."""
+        return code
 
 
 class TritonRender(_Render):
@@ -279,6 +289,18 @@ class TritonRender(_Render):
         if e.op == "and":
             return f"tl.where({a[0]}, {b[0]}, False)", _PREC["atom"], "bool"
         return f"tl.where({a[0]}, True, {b[0]})", _PREC["atom"], "bool"
+
+    def wide(self, e, code: str) -> str:
+        """``code`` as float32 where ``e`` may be a 16-bit value: a float input
+        read elementwise (a reduction's result is float32).  Triton's exp,
+        log, sqrt and the like take fp32 and fp64 alone: exp(T) of an fp16
+        per-head T[h] (or of an fp32-declared one called with fp16) failed to
+        compile ("Expected dtype ['fp32', 'fp64'] but got fp16")."""
+        def narrow(n) -> bool:
+            if isinstance(n, ir.TensorRef):
+                return self.ctx.kinds.get(n.name) == "float"
+            return not isinstance(n, (ir.Reduce, ir.Normalize)) and any(narrow(c) for c in ir.children(n))
+        return f"tl.cast({code}, tl.float32)" if narrow(e) else code
 
     def safe_div(self, a, b) -> str:
         return f"_safe_div({a[0]}, {b[0]})"
@@ -340,6 +362,18 @@ class TorchRender(_Render):
     def where(self, c, a, b) -> str:
         # the module's _where: a condition of sizes alone (|x| > 3) is a Python bool there
         return f"_where({c}, {a}, {b})"
+
+    def wide(self, e, code: str) -> str:
+        """``code`` as float32 where ``e`` may be a 16-bit value: a float input
+        read elementwise (a reduction's result is float32).  Triton's exp,
+        log, sqrt and the like take fp32 and fp64 alone: exp(T) of an fp16
+        per-head T[h] (or of an fp32-declared one called with fp16) failed to
+        compile ("Expected dtype ['fp32', 'fp64'] but got fp16")."""
+        def narrow(n) -> bool:
+            if isinstance(n, ir.TensorRef):
+                return self.ctx.kinds.get(n.name) == "float"
+            return not isinstance(n, (ir.Reduce, ir.Normalize)) and any(narrow(c) for c in ir.children(n))
+        return f"tl.cast({code}, tl.float32)" if narrow(e) else code
 
     def safe_div(self, a, b) -> str:
         return f"_safe_div({a[0]}, {b[0]})"
