@@ -332,7 +332,10 @@ def _prepass_note(diagram: ir.Diagram) -> Optional[str]:
     plan = _plan(diagram)
     if plan is None or device_tiles(diagram) or not ranges.applies(plan):
         return None
-    return (f"the mask {expr_text(plan.skip)} bounds no block by formula: the counts are every block's (an upper "
+    # a part the formula bounds (x <= q beside doc[b, q] == doc) still skips in the counts
+    counted = (": the counts are the blocks its formula part bounds" if plan.bounds else
+               " bounds no block by formula: the counts are every block's")
+    return (f"the mask {expr_text(plan.skip)}{counted} (an upper "
             "bound of the main kernel's tiles), while the kernels skip blocks with a ranges prepass at each launch "
             "(two more kernels, their traffic not counted, nor the 16 B of ranges each row block reads)")
 
