@@ -700,9 +700,11 @@ def test_attention_of_two_dtypes_recomputes_the_scores_as_the_forward(folder):
     ins = [(torch.randn(1, 2, 21, 16, generator=g) * 0.01).half(), k, torch.randn(1, 2, 19, 16, generator=g)]
     got = gradients(m.mixqk, ins, block_q=16, block_x=16)
     exact = gradients(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v, [t.double() for t in ins])
-    # dQ = dS K with dS summing to 0 along a row: K's 2048 cancels, and dS's own fp16 rounding
-    # leaves dQ a few percent (it was 100x its size); dK and dV take the scores as the forward did
-    for a, b, what, tol in zip(got, exact, ("dQ", "dK", "dV"), (0.1, 2e-3, 2e-3)):
+    # dQ = dS K with dS summing to 0 along a row: K's 2048 cancels, so dS's own rounding is all
+    # dQ has; dP = dO V took V rounded to fp16 and left dQ 9.8% off here (0.22 on a largest 0.6 in
+    # the hunt's case): V is taken as declared (fp32) there too.  dK and dV take the scores as
+    # the forward did
+    for a, b, what, tol in zip(got, exact, ("dQ", "dK", "dV"), (2e-3, 2e-3, 2e-3)):
         assert ((a.double() - b).norm() / b.norm()).item() < tol, what
 
 

@@ -234,18 +234,26 @@ def _dt(plan: BackwardPlan, *tensors: str) -> str:
     the kernel dtype as softmax's dP and P, and gN_i multiplies elementwise."""
     narrow = {"dO", "O"} | {n for n, src in plan.aliases if src in ("dO", "O")}
     wide = {n for n, _ in plan.axes if n not in narrow and not n.startswith("_grad_")}
-    return "tl.float32" if wide & set(tensors) else f"{plan.q}.dtype.element_ty"
+    return "tl.float32" if wide & set(tensors) or _wider_input(plan, *tensors) else f"{plan.q}.dtype.element_ty"
+
+
+def _wider_input(plan: BackwardPlan, *tensors: str) -> bool:
+    """Whether one of ``tensors`` is an input declared wider than the kernel's
+    dtype (Q's): a product of it is taken in float32, not rounded to Q's dtype.
+    fp16 Q beside fp32 K and V: dQ = dS K rounded K to fp16 and dP = dO V
+    rounded V, and dS sums to 0 along a row, so their rounding against K
+    near 2048 was all dQ had (0.22 off on a largest 0.6).  dO keeps the
+    kernel's dtype, as FlashAttention's does: only the user's inputs count."""
+    inputs = {t.name: t for t in plan.forward.diagram.inputs}
+    kernel = ir.DTYPE_BYTES[inputs[plan.q].dtype]
+    return any(n in inputs and ir.DTYPE_BYTES[inputs[n].dtype] > kernel for n in tensors)
 
 
 def _grad_dt(plan: BackwardPlan, g) -> str:
-    """The dtype of a gradient's product: _dt's, or float32 for a tile of
-    unbounded weights (backward.Grad.wide) or an input operand declared wider
-    than the kernel's dtype (fp16 Q beside fp32 K: dQ = dS K rounded K to
-    fp16, and dS sums to 0 along a row, so K's rounding was all dQ had)."""
-    inputs = {t.name: t for t in plan.forward.diagram.inputs}   # the user's: dO keeps the kernel's dtype
-    operand, kernel = inputs.get(g.operand.tensor), inputs[plan.q]
-    wider = operand is not None and ir.DTYPE_BYTES[operand.dtype] > ir.DTYPE_BYTES[kernel.dtype]
-    return "tl.float32" if g.wide or wider else _dt(plan, g.operand.tensor)
+    """The dtype of a gradient's product: _dt's (an operand declared wider than
+    Q among its reasons), or float32 for a tile of unbounded weights
+    (backward.Grad.wide)."""
+    return "tl.float32" if g.wide else _dt(plan, g.operand.tensor)
 
 
 def _dot(a: str, b: str, plan: BackwardPlan, dt: str = "") -> str:
