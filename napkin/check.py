@@ -446,21 +446,23 @@ class _Checker:
                             if a:
                                 fixed.setdefault(root(new), a)
                             tie[root(old)] = root(new)
-        sized = {root(w.name) for w in d.wires if w.size is not None}
         # a flattened axis (b h) gives the product of its wires' sizes: a call
-        # tells one of them from it once it knows the others (the launcher's _bind)
+        # tells one of them from it once it knows the others by name (the
+        # launcher's _bind, which spreads sizes along relabels only after: T[h]
+        # of T[g] does not tell h inside (b h))
+        named = {w.name for w in d.wires if w.size is not None}
         packed = []
         for t in d.inputs:
             for axis in t.axes:
-                wires = [root(w) for w in axis if w in tie]
                 if len(axis) == 1:
-                    sized.update(wires)
+                    named.update(axis)
                 else:
-                    packed.append(wires)
-        while any(len(set(p) - sized) == 1 for p in packed):
+                    packed.append(set(axis))
+        while any(len(p - named) == 1 for p in packed):
             for p in packed:
-                if len(set(p) - sized) == 1:
-                    sized.update(p)
+                if len(p - named) == 1:
+                    named.update(p)
+        sized = {root(w) for w in named if w in tie}
         for w in d.wires:
             # (an unused one too: the launcher takes every symbolic wire's size; it was a KeyError)
             if w.size is None and root(w.name) not in sized and (w.name in used or d.inputs) \

@@ -103,5 +103,7 @@ def why_not(err: OSError, target: Path) -> str:
 
 def _is_target(path: Path, target: Path) -> bool:
     """Whether ``path`` is the target or write_atomic's temporary file beside it (the write's own)."""
+    # absolute both: mkstemp names its file absolutely beside a relative target
+    path, target = Path(os.path.abspath(path)), Path(os.path.abspath(target))
     return path == target or (path.parent == target.parent and path.name.startswith(".")
                               and path.name.endswith(_SUFFIX))

@@ -696,6 +696,13 @@ def test_wires_flattened_together_need_all_but_one_sized_elsewhere():
         "t.ncd:2:9: wire h has no size: it lies only in flattened axes such as (b h) of Q, beside another wire "
         "of no size, so a call cannot tell the one from the other in their product"]
     napkin.load_text(text.replace("wire b, h, q, x", "wire b = 2\nwire h, q, x"), "t.ncd")
+    # h sized only through a relabel (T[h] of T[g]) does not tell b: a call binds (b h) before it
+    # spreads sizes along relabels, and failed with "cannot tell the sizes of wires b, h" (today5 hunt)
+    relabelled = text.replace("wire b, h, q, x", "wire b, h, g, q, x").replace(
+        "in K[(b h), x, d] : fp32\n", "in K[(b h), x, d] : fp32\nin T[g] : fp32\n").replace(
+        "sum[d](Q * K)", "sum[d](Q * K) + T[h]")
+    with pytest.raises(napkin.NapkinError, match="wire b has no size: it lies only in flattened axes"):
+        napkin.load_text(relabelled, "t.ncd")
     napkin.load_text(text.replace("in K[(b h), x, d]", "in K[b, h, x, d]"), "t.ncd")
     napkin.load_text(text.replace("in K[(b h), x, d] : fp32\n", "in K[(b h), x, d] : fp32\nin s[h] : fp32\n"),
                      "t.ncd")

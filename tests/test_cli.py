@@ -609,3 +609,16 @@ def test_cost_binds_a_relabels_wires_to_one_size(capsys, tmp_path):
         "    C[m, n] : fp16 = sum[k](A * A[n, k])", "                                ^^^^^^^"], err
     code, out, _ = run(capsys, "cost", str(path), "-D", "m=1024", "-D", "k=256")
     assert code == 0 and out.splitlines()[0] == "napkin cost: diagram gram on h100, sizes m=1024 n=1024 k=256"
+
+
+def test_writing_over_a_folder_names_the_target_not_its_temporary_file(tmp_path, monkeypatch, capsys):
+    """`napkin render x.ncd -o pic.svg` with pic.svg a folder said "cannot write pic.svg:
+    /tmp/.../.pic.svg.XXXX.tmp is a folder": files.why_not took mkstemp's absolute temporary
+    name beside the relative target for another file in the way (today5 hunt)."""
+    from napkin.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pic.svg").mkdir()
+    assert main(["render", str(REPO / "examples" / "matmul.ncd"), "-o", "pic.svg", "--no-costs"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot write pic.svg: " in err and ".tmp" not in err

@@ -1138,3 +1138,14 @@ def test_a_ring_alone_counts_its_devices_and_a_nodes_level_its_link():
         assert [(r.tensor, r.collective, r.bytes_received) for r in comm.rows] == [
             (t, "ring pass", 7 * 4096 * 64 * 16 * 2 // 8) for t in ("K", "V")]
         assert comm.link == ("InfiniBand" if key == "nodes" else "NVLink")
+    # beside a group of another wire the ring is a dimension of its own: each device holds K/8 (it
+    # said 4 devices), and a nodes level that splits nothing keeps the link NVLink (today5 hunt)
+    for levels, devices, link in (("  level devices {\n    group h across 2\n    stream x across 4\n  }\n", 8,
+                                   "NVLink"),
+                                  ("  level nodes { group b across 1 }\n  level devices { stream x across 8 }\n", 8,
+                                   "NVLink")):
+        text = body + ("schedule on h100 {\n" + levels + "  level hbm { hold Q, K, V, O, lse }\n"
+                       "  level smem {\n    group b by 1, h by 1, q by 128\n    stream x by 64\n  }\n}\n")
+        report = analyse(napkin.load_text(text), sizes)
+        assert (report.devices.devices, report.devices.link) == (devices, link)
+        assert f"numbers are per device (busiest of {devices})" in " ".join(report.notes)

@@ -30,7 +30,7 @@ from ..printer import expr_text
 from . import bounds as bounds_mod
 from . import chunks as chunks_mod
 from . import packing
-from .devices import communication, device_count
+from .devices import communication
 from .devices import mesh_tiles as device_tiles
 from .model import (Kernel, Tiling, Visited, access_fetches_poly, access_poly, chip_levels, count_access,
                     dram_fractions, kernel_tiling, kernel_work, kernels, tiling_at, visited_area,
@@ -238,7 +238,7 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
         notes.append(f"diagram {written.name} has no schedule and no kernel napkin emits: nothing is priced as "
                      "moved; write a schedule (docs/language.md, \"The schedule\")")
     if comm is not None:
-        notes.append(f"numbers are per device (busiest of {device_count(diagram)})"
+        notes.append(f"numbers are per device (busiest of {comm.devices})"
                      "; block skipping is not modelled across devices")
         if comm.handshake_bytes is not None:
             notes.append(_device_note(comm))

@@ -95,15 +95,6 @@ def mesh_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
     return tuple(found.values())
 
 
-def device_count(diagram: ir.Diagram) -> int:
-    """The devices of the mesh: its grouped wires' parts multiplied, at least
-    as many as a ring streams over (a ring shares the devices the groups span;
-    ``stream x across 8`` alone is a ring of 8, which counted 1)."""
-    tiles = mesh_tiles(diagram)
-    groups = math.prod(t.size for t in tiles if t.kind == "group")
-    return max([groups] + [t.size for t in tiles if t.kind != "group"])
-
-
 def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[str, int]],
                   profile, wire_sym) -> Optional[DeviceComm]:
     """Per-device communication, or None without a mesh level."""
@@ -328,7 +319,10 @@ def _generic(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[st
     dealt evenly over the P devices, gathered by the devices that need the
     same block, outputs merged by all-to-all."""
     groups, stream = _parts(diagram)
-    p = device_count(diagram)
+    # the ring is a mesh dimension of its own here: each device holds a chunk of the streamed
+    # wire beside its groups' block (stream x across 8 alone counted 1 device; group h across 2
+    # beside it 4, where its rows put K/8 on each)
+    p = math.prod(groups.values()) * (stream[1] if stream else 1)
     acc = tiling.accumulator_dtype(diagram)
     rows: list[CommRow] = []
 
@@ -401,7 +395,7 @@ def _generic(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[st
     sent = None if sizes is None else sum(r.bytes_sent for r in rows)
     # a nodes level splitting something puts the collectives across nodes (InfiniBand)
     level = diagram.level("nodes")
-    across_nodes = p > NVLINK_DOMAIN or (level is not None and any(t.across for t in level.tiles))
+    across_nodes = p > NVLINK_DOMAIN or (level is not None and any(t.across and t.size > 1 for t in level.tiles))
     link = "infiniband_bandwidth" if across_nodes else "nvlink_bandwidth"
     bw = profile[link]
     time = None if received is None else max(received, sent) / bw

@@ -18,6 +18,7 @@ text is a pure function of the IR and the cost report.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -61,7 +62,10 @@ def run_dot(dot_text: str, fmt: str) -> bytes:
     program = dot_program()
     if program is None:
         raise FileNotFoundError("Graphviz's dot program is not installed")
-    done = subprocess.run([program, f"-T{fmt}"], input=dot_text.encode(), capture_output=True,
+    # in UTC: cairo writes a PDF's creation date with the local offset beside it (+05'30'), which
+    # the fixed digits below leave, so the bytes differed across zones
+    env = {**os.environ, "TZ": "UTC"} if fmt == "pdf" else None
+    done = subprocess.run([program, f"-T{fmt}"], input=dot_text.encode(), capture_output=True, env=env,
                           timeout=DOT_TIMEOUT_S)
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip()
