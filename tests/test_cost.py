@@ -1149,3 +1149,15 @@ def test_a_ring_alone_counts_its_devices_and_a_nodes_level_its_link():
         report = analyse(napkin.load_text(text), sizes)
         assert (report.devices.devices, report.devices.link) == (devices, link)
         assert f"numbers are per device (busiest of {devices})" in " ".join(report.notes)
+
+
+def test_a_box_read_along_its_own_wires_written_out_is_one_accumulator():
+    """sum[x](W[b, h, q, x] * V) beside sum[x](W * V) is one accumulator in the kernel
+    (_out_O = _acc / ..., _out_P = _acc / ...); the cost counted it twice, 6*b*d*h*q*x
+    (today5 hunt)."""
+    text = ("diagram dupw\nwire b, h, q, x\nwire d = 32\nin Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\n"
+            "in V[b, h, x, d] : fp16\nS[b, h, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)\n"
+            "W[b, h, q, x] = relu(S)^2\nO[b, h, q, d] : fp16 = sum[x](W * V) / (sum[x](W) + 1e-6)\n"
+            "P[b, h, q, d] : fp16 = sum[x](W[b, h, q, x] * V) / (sum[x](W[b, h, q, x]) + 2)\nout O, P\n")
+    flops = analyse(napkin.load_text(text), {"b": 1, "h": 1, "q": 256, "x": 256}).flops
+    assert flops.contraction_formula == "4*b*d*h*q*x"

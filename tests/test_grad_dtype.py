@@ -180,3 +180,23 @@ def test_an_lse_output_beside_fp32_inputs_called_in_fp16_is_no_16_bit_saved_stat
     (out.float() * weight).sum().backward()
     for a, b in zip(ours, exact):
         assert (a.grad.double() - b.grad).abs().max() / b.grad.abs().max() < 1.5e-3
+
+
+def test_a_weighted_sum_along_no_feature_wire_follows_the_inputs_as_o_does(folder):
+    """O[b, h, q] = sum[x](softmax[x](S) * v) has no feature wire but is no row statistic: an fp32
+    diagram called with fp16 tensors returns it in fp16, as O[b, h, q, d]; the first rule for
+    row state kept it fp32 (today5 hunt).  lse and a row max stay float32."""
+    from test_backward import compile_text
+
+    text = ("diagram vecv\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
+            "in v[b, h, x] : fp32\nS[b, h, q, x] = sum[d](Q * K) * |d|^-0.5\nO[b, h, q] = sum[x](softmax[x](S) * v)\n"
+            "lse[b, h, q] = logsumexp[x](S)\nm[b, h, q] = max[x](S)\nout O, lse, m\n")
+    m = compile_text(text, "vecv", folder)
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(1, 2, 20, 16, generator=g).half() for _ in range(2))
+    v = torch.randn(1, 2, 20, generator=g).half()
+    out, lse, top = m.vecv(q, k, v, block_q=16, block_x=16)
+    assert (out.dtype, lse.dtype, top.dtype) == (torch.float16, torch.float32, torch.float32)
+    s = q.double() @ k.double().transpose(-1, -2) / 4
+    assert (out.double() - (torch.softmax(s, -1) @ v.double()[..., None])[..., 0]).abs().max() < 2e-3
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max() < 1e-4

@@ -624,6 +624,9 @@ def _peer_lines(d, costs) -> list[str]:
     ("level nodes { group q across 2 }", {"b": 1, "h": 16, "q": 4096, "x": 4096},
      ["gathered over q, InfiniBand across nodes between devices (K, V): 8.39 MB",
       "gathered over q, InfiniBand across nodes"]),
+    # a split of one part moves nothing: without costs the picture said "gathered over n, " (today5 hunt)
+    ("level nodes { group n across 1 }\n  level devices { group m across 4 }", {"m": 4096, "n": 4096, "k": 4096},
+     ["gathered over m, NVLink within a node between devices: 25.2 MB"]),
 ])
 def test_inputs_no_mesh_wire_splits_are_drawn_gathered_as_the_cost_pass_charges(levels, sizes, lines):
     """The cost pass all-gathers an input no mesh wire splits (a matmul's B under 'group m across 4',

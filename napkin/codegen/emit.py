@@ -132,16 +132,18 @@ class _Names:
 
 
 def row_state_outputs(plan) -> tuple[str, ...]:
-    """An attention's undeclared outputs along no feature wire (lse = logsumexp[x](S),
-    a row max): row state, kept in the accumulator's type whatever dtype the inputs
-    come in (language.md: an undeclared lse comes back in fp32).  Beside fp32 inputs
-    called with fp16 ones it followed them to fp16, and training rebuilt every
-    P = exp(S - lse) from that (gradients ~10x fp16's; layouts hunt)."""
+    """An attention's undeclared row statistics (lse = logsumexp[x](S), a row max or
+    min): row state, kept in the accumulator's type whatever dtype the inputs come in
+    (language.md: an undeclared lse comes back in fp32).  Beside fp32 inputs called
+    with fp16 ones it followed them to fp16, and training rebuilt every P = exp(S - lse)
+    from that (gradients ~10x fp16's; layouts hunt).  A weighted sum along no feature
+    wire (O[b, h, q] = sum[x](P * v)) is an output like O, and follows the inputs."""
     if plan.family != "attention":
         return ()
     d = plan.diagram
     return tuple(o.name for o in d.outputs if d.tensor(o.name).dtype is None
-                 and not set(ir.axis_wires(d.tensor(o.name).axes)) & set(plan.dims))
+                 and isinstance(d.tensor(o.name).expr, ir.Reduce)
+                 and d.tensor(o.name).expr.op in ("logsumexp", "max", "min"))
 
 
 def _kinds(d: ir.Diagram) -> dict[str, str]:

@@ -413,9 +413,10 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
     # reductions already counted, keyed by their body with the kernel's boxes
     # read through: the training forward's saved sum[x](relu(S)^2 * V) is the
     # sum[x](W * V) the output already accumulates, one accumulator in the kernel
-    inlined: dict[str, ir.Expr] = {}
+    inlined: dict[str, tuple] = {}   # box -> (its expression read through, its own wires)
     for b in kernel.boxes:
-        inlined[b] = _read_through(diagram.tensor(b).expr, inlined)
+        let = diagram.tensor(b)
+        inlined[b] = (_read_through(let.expr, inlined), ir.axis_wires(let.axes))
     reduced: set = set()
 
     def visit(e: ir.Expr) -> None:
@@ -467,10 +468,11 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
     return Work(tuple(items))
 
 
-def _read_through(e: ir.Expr, boxes: dict[str, ir.Expr]) -> ir.Expr:
-    """e with every read of a box in ``boxes`` (along its own wires) replaced by its expression."""
-    if isinstance(e, ir.TensorRef) and e.name in boxes and e.wires is None:
-        return boxes[e.name]
+def _read_through(e: ir.Expr, boxes: dict[str, tuple]) -> ir.Expr:
+    """e with every read of a box in ``boxes`` along its own wires (W, or W[b, h, q, x]
+    written out) replaced by its expression."""
+    if isinstance(e, ir.TensorRef) and e.name in boxes and e.wires in (None, boxes[e.name][1]):
+        return boxes[e.name][0]
     if isinstance(e, ir.Unary):
         return ir.Unary(e.op, _read_through(e.operand, boxes))
     if isinstance(e, ir.Binary):

@@ -597,8 +597,9 @@ class _Picture:
             return out
         for t in self.d.inputs:
             wires = ir.axis_wires(t.axes)
-            streamed = tuple(w for w in wires if w in split and split[w].kind == "stream")
-            lacking = tuple(w for w, s in split.items() if s.kind == "group" and w not in wires)
+            # a split of one part moves nothing (the cost pass has no row for it)
+            streamed = tuple(w for w in wires if w in split and split[w].kind == "stream" and split[w].parts > 1)
+            lacking = tuple(w for w, s in split.items() if s.kind == "group" and s.parts > 1 and w not in wires)
             if streamed:
                 out.append((t.name, ring, streamed))
             elif lacking:
