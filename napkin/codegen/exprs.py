@@ -363,18 +363,6 @@ class TorchRender(_Render):
         # the module's _where: a condition of sizes alone (|x| > 3) is a Python bool there
         return f"_where({c}, {a}, {b})"
 
-    def wide(self, e, code: str) -> str:
-        """``code`` as float32 where ``e`` may be a 16-bit value: a float input
-        read elementwise (a reduction's result is float32).  Triton's exp,
-        log, sqrt and the like take fp32 and fp64 alone: exp(T) of an fp16
-        per-head T[h] (or of an fp32-declared one called with fp16) failed to
-        compile ("Expected dtype ['fp32', 'fp64'] but got fp16")."""
-        def narrow(n) -> bool:
-            if isinstance(n, ir.TensorRef):
-                return self.ctx.kinds.get(n.name) == "float"
-            return not isinstance(n, (ir.Reduce, ir.Normalize)) and any(narrow(c) for c in ir.children(n))
-        return f"tl.cast({code}, tl.float32)" if narrow(e) else code
-
     def safe_div(self, a, b) -> str:
         return f"_safe_div({a[0]}, {b[0]})"
 
