@@ -612,8 +612,7 @@ def _autotune_fill(options, sizes, device, classes, kind="", lookup=True):
             if isinstance(options[k], bool) or not isinstance(options[k], int):   # 4.0, True (as _options_as_ints)
                 raise ValueError(f"{k} must be a whole number or None, not {options[k]!r}")
         if options.get(k) is not None and not _autotune_valid(k, options[k]):
-            raise ValueError(f"{k} must be " + ("a power of two from 1 to 32" if k == "num_warps" else "at least 1")
-                             + f", not {options[k]!r}")
+            raise ValueError(f"{k} must be {_OPTION_RANGES[k]}, not {options[k]!r}")
     if not lookup or all(v is not None for v in options.values()):
         return options
     config = _autotune_lookup(sizes, device, classes, kind) or {}

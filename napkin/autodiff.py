@@ -31,7 +31,6 @@ float64, through a small wire-named interpreter of the IR (``evaluate``).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Optional
 
 from . import ir
@@ -49,17 +48,8 @@ def _contains(e: ir.Expr, sub: ir.Expr) -> bool:
     return any(node == sub for node in ir.walk(e))
 
 
-def _map(e: ir.Expr, f) -> ir.Expr:
-    """``e`` with ``f`` applied to each direct child (location kept)."""
-    if isinstance(e, ir.Unary):
-        return replace(e, operand=f(e.operand))
-    if isinstance(e, ir.Binary):
-        return replace(e, lhs=f(e.lhs), rhs=f(e.rhs))
-    if isinstance(e, ir.Call):
-        return replace(e, args=tuple(f(a) for a in e.args))
-    if isinstance(e, (ir.Reduce, ir.Normalize)):
-        return replace(e, body=f(e.body))
-    return e
+# each direct child rewritten (the rules' and this module's rewrites: ir.map_children)
+_map = ir.map_children
 
 
 def substitute(expr: ir.Expr, old: ir.Expr, new: ir.Expr) -> ir.Expr:

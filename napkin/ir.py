@@ -439,6 +439,20 @@ def children(expr: Expr) -> tuple:
     return ()
 
 
+def map_children(e: Expr, f: Callable[[Expr], Expr]) -> Expr:
+    """``e`` with ``f`` applied to each direct child (location kept): the one
+    step of every rewrite of an expression tree."""
+    if isinstance(e, Unary):
+        return replace(e, operand=f(e.operand))
+    if isinstance(e, Binary):
+        return replace(e, lhs=f(e.lhs), rhs=f(e.rhs))
+    if isinstance(e, Call):
+        return replace(e, args=tuple(f(a) for a in e.args))
+    if isinstance(e, (Reduce, Normalize)):
+        return replace(e, body=f(e.body))
+    return e
+
+
 def plain_reads(d: "Diagram") -> "Diagram":
     """``d`` with each tensor read along its own declared wires written out
     (``K[b, h, x, d]`` of ``K[b, h, x, d]``) read plainly (``K``): the same
@@ -450,15 +464,7 @@ def plain_reads(d: "Diagram") -> "Diagram":
     def plain(e: Expr) -> Expr:
         if isinstance(e, TensorRef):
             return replace(e, wires=None) if e.wires is not None and e.wires == declared.get(e.name) else e
-        if isinstance(e, Unary):
-            return replace(e, operand=plain(e.operand))
-        if isinstance(e, Binary):
-            return replace(e, lhs=plain(e.lhs), rhs=plain(e.rhs))
-        if isinstance(e, Call):
-            return replace(e, args=tuple(plain(a) for a in e.args))
-        if isinstance(e, (Reduce, Normalize)):
-            return replace(e, body=plain(e.body))
-        return e
+        return map_children(e, plain)
 
     lets = tuple(replace(let, expr=plain(let.expr)) for let in d.lets)
     return d if lets == d.lets else replace(d, lets=lets)

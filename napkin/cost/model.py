@@ -473,17 +473,7 @@ def _read_through(e: ir.Expr, boxes: dict[str, tuple]) -> ir.Expr:
     written out) replaced by its expression."""
     if isinstance(e, ir.TensorRef) and e.name in boxes and e.wires in (None, boxes[e.name][1]):
         return boxes[e.name][0]
-    if isinstance(e, ir.Unary):
-        return ir.Unary(e.op, _read_through(e.operand, boxes))
-    if isinstance(e, ir.Binary):
-        return ir.Binary(e.op, _read_through(e.lhs, boxes), _read_through(e.rhs, boxes))
-    if isinstance(e, ir.Call):
-        return ir.Call(e.fn, tuple(_read_through(a, boxes) for a in e.args))
-    if isinstance(e, ir.Reduce):
-        return ir.Reduce(e.op, e.wires, _read_through(e.body, boxes))
-    if isinstance(e, ir.Normalize):
-        return ir.Normalize(e.op, e.wire, _read_through(e.body, boxes))
-    return e
+    return ir.map_children(e, lambda child: _read_through(child, boxes))
 
 
 def work_numbers(work: Work, sizes: dict[str, int], area: Optional[tuple[str, str, int]]) -> dict[str, int]:
