@@ -310,17 +310,24 @@ def test_input_multiplying_the_contraction_gets_a_gradient(folder):
     """A per-head temperature multiplies the raw contraction, so the chain
     rule's dR = dS * tau reads it as well as S does.  That read was refused
     ("only inputs of the score box get gradients here", of an input of the
-    score box), for Q, K and V too; an input read past the score box still is."""
+    score box), for Q, K and V too.  An input read past the score box gets
+    none, and a call that wants it is refused; Q, K and V still train beside
+    it (the whole backward was refused, a fixed temperature included)."""
     m = compile_text(TEMPERATURE, "temperature", folder)
     inputs, grads = check(m, {"b": 2, "h": 2, "q": 37, "x": 45}, torch.float32, label="temperature")
     assert grads[3].shape == (2,) and grads[3].abs().min() > 0
     gated = TEMPERATURE.replace("sum[d](Q * K) * tau", "sum[d](Q * K)").replace(
         "softmax[x](S) * V", "sigmoid(S * tau) * V")
     g = compile_text(gated, "temperature_gated", folder)
-    q, k, v, tau = g.example_inputs({"b": 1, "h": 2, "q": 20, "x": 20}, dtype=torch.float32)
+    q, k, v, tau = g.example_inputs({"b": 1, "h": 2, "q": 20, "x": 27}, dtype=torch.float32)
     with pytest.raises(NotImplementedError, match=r"input tau: its gradient would need the path past the "
                                                   r"score box \(the backward's A0, dS read it\)"):
-        launcher(g)(q.requires_grad_(), k, v, tau)
+        launcher(g)(q.clone().requires_grad_(), k, v, tau.clone().requires_grad_())
+    got = gradients(lambda q, k, v: launcher(g)(q, k, v, tau, block_q=16, block_x=16), [q, k, v])
+    exact = gradients(lambda q, k, v: torch.sigmoid(q @ k.transpose(-1, -2) * tau[None, :, None, None]) @ v,
+                      [t.double() for t in (q, k, v)])
+    for a, b, what in zip(got, exact, "QKV"):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-5, what
 
 
 @pytest.mark.parametrize("old, new", [
@@ -712,7 +719,8 @@ def test_unnormalised_weights_reading_a_side_input_train_or_refuse_in_words(fold
     """S = R * tau, O = sum[x](S * V) crashed the compiler (AttributeError: the side gradient's
     raw score was never loaded); O = sum[x](S * tau * V) emitted a preprocess with tau twice
     (today3 hunt).  The first trains against float64 torch; the second has no kernel for dtau
-    (O = N0 * tau, past the score box) and says so at the call, where its .grad would be 0."""
+    (O = N0 * tau, past the score box) and says so at the call where tau requires one (its .grad
+    would be 0); Q, K and V train beside a tau that does not."""
     head = ("diagram side_t\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\n"
             "in V[b, h, x, d] : fp16\nin tau[h] : fp32\n")
     m = compile_text(head + "S[b, h, q, x] = sum[d](Q * K) * tau\nO[b, h, q, d] : fp32 = sum[x](S * V)\nout O\n",
@@ -730,7 +738,19 @@ def test_unnormalised_weights_reading_a_side_input_train_or_refuse_in_words(fold
     assert past.past_t(*ins, block_q=16, block_x=16).shape == (1, 2, 19, 16)
     with pytest.raises(NotImplementedError, match=r"input tau: its gradient would go through O, dN0 past the "
                                                   r"score box, which napkin does not emit"):
-        past.past_t(ins[0].clone().requires_grad_(), *ins[1:], block_q=16, block_x=16)
+        past.past_t(ins[0].clone().requires_grad_(), *ins[1:3], ins[3].clone().requires_grad_(),
+                    block_q=16, block_x=16)
+    got = gradients(lambda q, k, v: past.past_t(q, k, v, ins[3], block_q=16, block_x=16), ins[:3])
+    exact = gradients(lambda q, k, v: (q @ k.transpose(-1, -2)) * ins[3].double()[None, :, None, None] @ v,
+                      [t.double() for t in ins[:3]])
+    for a, b in zip(got, exact):
+        assert ((a.double() - b).norm() / b.norm()).item() < 2e-3
+    # NAME_backward: None for tau unless need asks for it, which is refused the same way
+    dO = torch.randn(1, 2, 19, 16, generator=g)
+    state = past.past_t_preprocess(*ins, dO)
+    assert past.past_t_backward(*ins, *state, block_q=16, block_x=16)[3] is None
+    with pytest.raises(NotImplementedError, match=r"input tau: its gradient would go through O, dN0"):
+        past.past_t_backward(*ins, *state, block_q=16, block_x=16, need=[False, False, False, True])
 
 
 # --------------------------------------------------------------------------

@@ -160,6 +160,9 @@ class BackwardPlan:
     grads: tuple[str, ...]              # float inputs that get a gradient, in input order
     kernels: tuple[Kernel, ...]
     axes: tuple[tuple[str, tuple[ir.Axis, ...]], ...]  # backward tensor -> its stored layout
+    # float inputs napkin emits no gradient for, and why (with the diagram's line and column):
+    # a call that wants one is refused, the others train
+    ungradable: tuple[tuple[str, str], ...] = ()
 
     def kernel(self, role: str) -> Optional[Kernel]:
         return next((k for k in self.kernels if k.role == role), None)
@@ -226,6 +229,7 @@ class _Builder:
         self.bd = _with_tensors(d, self.axes)
         tile = dict(rule.tile)
         self.tile_names = [n for n, _ in rule.tile]
+        self.ungradable: list[tuple[str, str]] = []
         self.sides = self.side_inputs(tile)
         grads = dict(rule.input_grads)
         self.state = self.state_names()
@@ -237,7 +241,7 @@ class _Builder:
         return BackwardPlan(self.bd, f, rule, self.row, self.col, self.batch, dims, self.q, self.k, self.v,
                             self.state, self.row_inputs, tuple(n for n, e in rows if not _alias(e)),
                             tuple((n, e.name) for n, e in rows if _alias(e)), grad_names, tuple(kernels),
-                            tuple(self.axes.items()))
+                            tuple(self.axes.items()), tuple(self.ungradable))
 
     # ---- the stored layout of every backward tensor ----
     def layouts(self) -> dict:
@@ -269,59 +273,75 @@ class _Builder:
 
     # ---- side inputs ----
     def side_inputs(self, tile: dict) -> list[SideGrad]:
-        d, out = self.d, []
-        s_expr = tile.get("S")
-        for t in d.inputs:
+        """The side inputs' gradients the dQ kernel sums.  One napkin has no
+        kernel for is put in ``self.ungradable`` with the reason: Q, K, V and
+        the other side inputs still train, and a call that wants that one
+        gradient is refused (a fixed temperature need not stop training)."""
+        out = []
+        for t in self.d.inputs:
             if t.name in (self.q, self.k, self.v) or t.dtype not in ir.FLOAT_DTYPES:
                 continue
-            refs = [n for _, e in self.rule.tile for n in ir.walk(e)
-                    if isinstance(n, ir.TensorRef) and n.name == t.name]
-            if not refs:
-                # read past the score box only (sum[x](S * tau * V): O = N0 * tau), a gradient no
-                # kernel computes: refused, where its .grad was silently zero
-                past = [n for n, e in self.rule.forward + self.rule.rows
-                        if any(isinstance(x, ir.TensorRef) and x.name == t.name for x in ir.walk(e))]
-                if past:
-                    raise refuse(f"input {t.name}", f"its gradient would go through {', '.join(past)} past the "
-                                 "score box, which napkin does not emit; an input the score box alone reads "
-                                 "gets one", t.loc)
-                continue
-            own = ir.axis_wires(t.axes)
-            if any(r.wires is not None and tuple(r.wires) != own for r in refs):
-                raise refuse(f"input {t.name}", "a float input read along other wires gets no gradient here", t.loc)
-            # Its gradient is dS * dS/dt: whole only when the score box is the one
-            # forward tile that reads t.  dR = dS * dS/dR may read it too (a
-            # temperature multiplying the contraction): that is S's derivative.
-            # tau[x] for a tau declared [x] is tau: one node to differentiate by (as written it
-            # was another, and its gradient silently 0)
-            plain = ir.TensorRef(t.name)
-
-            def canon(e, written=ir.TensorRef(t.name, own)):
-                return autodiff.substitute(e, written, plain)
-            elsewhere = sorted(n for n, e in self.rule.tile
-                               if n not in ("S", "dR") and _contains(canon(e), plain))
-            if s_expr is None:
-                raise refuse(f"input {t.name}", "only inputs of the score box get gradients here", t.loc)
-            if elsewhere:
-                raise refuse(f"input {t.name}", "its gradient would need the path past the score box (the "
-                             f"backward's {', '.join(elsewhere)} read it), which napkin does not emit; "
-                             "an input the score box alone reads gets one", t.loc)
             try:
-                deriv = autodiff.diff(canon(s_expr), plain)
-            except ValueError as err:
-                raise refuse(f"input {t.name}", str(err), t.loc) from None
-            extra = tuple(["_blocks"] if self.row not in own else []) + tuple(w for w in self.batch if w not in own)
-            bad = set(own) - set(self.batch) - {self.row, self.col}
-            if bad:
-                raise refuse(f"input {t.name}", f"its wire(s) {', '.join(sorted(bad))} are not the scores'", t.loc)
-            expr = autodiff.simplify(ir.Binary("*", ir.TensorRef("dS"), deriv))
-            if any(isinstance(n, ir.Num) and math.isinf(n.value) for n in ir.walk(deriv)):
-                # a masked score times t (where(p, R, -inf) * tau): dS/dt is -inf where the
-                # mask is, and dS 0 there, so 0 * inf made the whole sum NaN; such a score
-                # is flat in t, its term 0
-                expr = ir.Call("where", (ir.Binary("==", ir.TensorRef("S"), ir.Num(-math.inf)), ir.Num(0), expr))
-            out.append(SideGrad(t.name, joined("part", t.name), expr, own, extra, self.row in own, self.col in own))
+                side = self.side_input(t, tile.get("S"))
+            except NapkinError as err:
+                where = err.diagnostics[0].loc
+                self.ungradable.append((t.name, f"{err.messages[0]} (line {where.line}, column {where.col} "
+                                                "of the diagram)"))
+                continue
+            if side is not None:
+                out.append(side)
         return out
+
+    def side_input(self, t: ir.Input, s_expr) -> Optional[SideGrad]:
+        """Side input t's gradient, None when it has none (read by no tile:
+        a mask's condition), or a refusal saying why napkin emits none."""
+        refs = [n for _, e in self.rule.tile for n in ir.walk(e)
+                if isinstance(n, ir.TensorRef) and n.name == t.name]
+        if not refs:
+            # read past the score box only (sum[x](S * tau * V): O = N0 * tau), a gradient no
+            # kernel computes: refused, where its .grad was silently zero
+            past = [n for n, e in self.rule.forward + self.rule.rows
+                    if any(isinstance(x, ir.TensorRef) and x.name == t.name for x in ir.walk(e))]
+            if past:
+                raise refuse(f"input {t.name}", f"its gradient would go through {', '.join(past)} past the "
+                             "score box, which napkin does not emit; an input the score box alone reads "
+                             "gets one", t.loc)
+            return None
+        own = ir.axis_wires(t.axes)
+        if any(r.wires is not None and tuple(r.wires) != own for r in refs):
+            raise refuse(f"input {t.name}", "a float input read along other wires gets no gradient here", t.loc)
+        # Its gradient is dS * dS/dt: whole only when the score box is the one
+        # forward tile that reads t.  dR = dS * dS/dR may read it too (a
+        # temperature multiplying the contraction): that is S's derivative.
+        # tau[x] for a tau declared [x] is tau: one node to differentiate by (as written it
+        # was another, and its gradient silently 0)
+        plain = ir.TensorRef(t.name)
+
+        def canon(e, written=ir.TensorRef(t.name, own)):
+            return autodiff.substitute(e, written, plain)
+        elsewhere = sorted(n for n, e in self.rule.tile
+                           if n not in ("S", "dR") and _contains(canon(e), plain))
+        if s_expr is None:
+            raise refuse(f"input {t.name}", "only inputs of the score box get gradients here", t.loc)
+        if elsewhere:
+            raise refuse(f"input {t.name}", "its gradient would need the path past the score box (the "
+                         f"backward's {', '.join(elsewhere)} read it), which napkin does not emit; "
+                         "an input the score box alone reads gets one", t.loc)
+        try:
+            deriv = autodiff.diff(canon(s_expr), plain)
+        except ValueError as err:
+            raise refuse(f"input {t.name}", str(err), t.loc) from None
+        extra = tuple(["_blocks"] if self.row not in own else []) + tuple(w for w in self.batch if w not in own)
+        bad = set(own) - set(self.batch) - {self.row, self.col}
+        if bad:
+            raise refuse(f"input {t.name}", f"its wire(s) {', '.join(sorted(bad))} are not the scores'", t.loc)
+        expr = autodiff.simplify(ir.Binary("*", ir.TensorRef("dS"), deriv))
+        if any(isinstance(n, ir.Num) and math.isinf(n.value) for n in ir.walk(deriv)):
+            # a masked score times t (where(p, R, -inf) * tau): dS/dt is -inf where the
+            # mask is, and dS 0 there, so 0 * inf made the whole sum NaN; such a score
+            # is flat in t, its term 0
+            expr = ir.Call("where", (ir.Binary("==", ir.TensorRef("S"), ir.Num(-math.inf)), ir.Num(0), expr))
+        return SideGrad(t.name, joined("part", t.name), expr, own, extra, self.row in own, self.col in own)
 
     def state_names(self) -> tuple[str, ...]:
         """Placeholders the main kernels read that no tile binds, canonical order."""

@@ -693,7 +693,8 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "tile_dims": H.tile_dims(d, (*train.forward.dims,
                                      *(train.backward.dims if train.backward is not None else ()))),
         "reference_returns": ", ".join(returns) if len(returns) > 1 else returns[0],
-        "launcher_doc": _launcher_doc(plan, ctx["options"], train.reason),
+        "launcher_doc": _launcher_doc(plan, ctx["options"], train.reason,
+                                      dict(train.backward.ungradable) if train.backward is not None else {}),
         "option_params": ", ".join(ctx["options"]), "single": len(d.outputs) == 1,
         # the whole-number options, as the torch op's schema takes them (tma has _tma_check)
         "int_options": ", ".join(o for o in ctx["options"] if o != "tma"),
@@ -705,7 +706,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
     return ctx
 
 
-def _launcher_doc(plan: L.Plan, options, no_backward: Optional[str] = None) -> str:
+def _launcher_doc(plan: L.Plan, options, no_backward: Optional[str] = None, ungradable=None) -> str:
     d = plan.diagram
     outs = ", ".join(o.name for o in d.outputs)
     blocks = ", ".join(f"block_{w}={n}" for w, n in plan.blocks)
@@ -714,6 +715,9 @@ def _launcher_doc(plan: L.Plan, options, no_backward: Optional[str] = None) -> s
              f"runs the backward kernels (see {d.name}_backward)." if no_backward is None else
              "Not differentiable: an input that requires a\n"
              "gradient raises NotImplementedError with the reason (_NO_BACKWARD).")
+    if no_backward is None and ungradable:
+        grads += (f"  {', '.join(ungradable)} must not require a\ngradient: napkin has no kernel for "
+                  "it (NotImplementedError; _NO_GRADIENT says why).")
     return (f'"""Run the kernel: {", ".join(t.name for t in d.inputs)} -> {outs}.\n\n'
             f"Block sizes default to the schedule's ({blocks}); smaller ones\n"
             "(e.g. 16 or 32) keep runs under TRITON_INTERPRET=1 fast.  num_warps and\n"

@@ -345,6 +345,7 @@ def context(t: Training, *, name: str, options: list[str], source_hash: str) -> 
         "name": name, "inputs": inputs, "outputs": user_outputs, "saved": list(t.saved),
         "floats": floats, "options": options, "op_base": f"{name}_{source_hash[:8]}",
         "reason": located_reason(t), "family": None, "kernels": [], "grad_kernels": [],
+        "ungradable": dict(t.backward.ungradable) if t.backward is not None else {},
         "inference": isinstance(t.forward, L.AttentionPlan),   # its launcher takes out_dtype= and chunk=
     }
     if t.backward is not None:
