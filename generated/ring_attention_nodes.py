@@ -1733,6 +1733,10 @@ def _ring_attention_nodes_preprocess(Q, K, V, dO, O, dlse, _o, positions=None):
     if dlse is None:
         dlse = torch.zeros(_shape("dlse", _sz), dtype=torch.float32, device=_dev)
     _check_state({"dO": dO, "O": O, "dlse": dlse}, _sz, _dev)
+    # dP = dO V takes dO in Q's dtype: the row values read the same dO (a wider one, the
+    # gradient of an fp32 output, left delta and dP apart by its rounding, and dS kept that)
+    if dO.dtype.itemsize > Q.dtype.itemsize:
+        dO = dO.to(Q.dtype)
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     delta = torch.empty(_shape("delta", _sz), dtype=torch.float32, device=_dev)

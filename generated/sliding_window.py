@@ -1898,6 +1898,10 @@ def _sliding_window_preprocess(Q, K, V, dO, O, _o, positions=None):
     _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
     _check_state({"dO": dO, "O": O}, _sz, _dev)
+    # dP = dO V takes dO in Q's dtype: the row values read the same dO (a wider one, the
+    # gradient of an fp32 output, left delta and dP apart by its rounding, and dS kept that)
+    if dO.dtype.itemsize > Q.dtype.itemsize:
+        dO = dO.to(Q.dtype)
     _opts = _autotune_fill(dict(zip(_OPTIONS, _o)), _sz, _dev, _cls, "bwd")
     _br = _block_size(_opts["block_q"], "q", "block_q")
     delta = torch.empty(_shape("delta", _sz), dtype=torch.float32, device=_dev)

@@ -237,6 +237,21 @@ def _dt(plan: BackwardPlan, *tensors: str) -> str:
     return "tl.float32" if wide & set(tensors) or _wider_input(plan, *tensors) else f"{plan.q}.dtype.element_ty"
 
 
+def rows_round_do(plan: BackwardPlan) -> bool:
+    """Whether the row values must read dO rounded to Q's dtype: the dQ
+    kernel's products of dO (dP = dO V) are taken in the kernel dtype, and
+    dO may arrive wider (an O declared fp32 beside fp16 Q, K, V).  delta =
+    rowsum(dO * O) from the float32 dO then disagreed with dP by dO's
+    rounding, which dS = P (dP - delta) kept: a per-query temperature's
+    gradient was 0.27 off at peaked scores (novel3 hunt).  Both rounded,
+    they cancel as in exact arithmetic."""
+    dO = {"dO"} | {n for n, src in plan.aliases if src == "dO"}
+    dq = plan.kernel("dq")
+    dts = [_dt(plan, dot.lhs.tensor, dot.rhs.tensor) for dot in (dq.dots if dq else ())
+           if {dot.lhs.tensor, dot.rhs.tensor} & dO]
+    return bool(dts) and "tl.float32" not in dts
+
+
 def _wider_input(plan: BackwardPlan, *tensors: str) -> bool:
     """Whether one of ``tensors`` is an input declared wider than the kernel's
     dtype (Q's): a product of it is taken in float32, not rounded to Q's dtype.

@@ -356,7 +356,7 @@ def context(t: Training, *, name: str, options: list[str], source_hash: str) -> 
 
 
 def _attention_context(t: Training, user_outputs: list[str]) -> dict:
-    from .backward_emit import kernel_context
+    from .backward_emit import kernel_context, rows_round_do
 
     b, rule = t.backward, t.rule
     bound = {v: k for k, v in rule.bound}          # diagram name -> placeholder
@@ -388,6 +388,7 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
             "partial_sum": f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else ""} for s in
             b.kernel("dq").sides],
         "optional": ["dlse"] if "dlse" in b.row_inputs else [],
+        "round_do": "dO" in b.row_inputs and rows_round_do(b),
     }
 
 
