@@ -537,9 +537,22 @@ class _Checker:
                              loc, "a tensor lives at one level")
                 else:
                     held[name] = level
+                    self.check_io_hold(name, level, loc)
         self.check_mesh(seen)
         self.check_nesting(s.levels)
         return len(self.errors) == before
+
+    def check_io_hold(self, name: str, level: ir.Level, loc: ir.Loc) -> None:
+        """Inputs and outputs live in hbm: the kernels read the caller's tensors
+        there and write the results there.  An output held in smem compiled and
+        ran (codegen ignored the hold) while the cost pass priced its kernel at
+        0 bytes and 0 FLOPs, as if on chip for free."""
+        role = ("input" if any(t.name == name for t in self.d.inputs) else
+                "output" if any(o.name == name for o in self.d.outputs) else None)
+        if role is not None and level.name != "hbm":
+            self.err(f"{role} {name} is held in level {level.name}, but inputs and outputs live in hbm "
+                     "(the kernels read the caller's tensors and write the results there)", loc,
+                     f"hold {name} in level hbm, or leave it out of 'hold'")
 
     def check_nesting(self, levels) -> None:
         """A block at an inner level is part of the enclosing level's block of

@@ -491,6 +491,21 @@ def test_hold_unknown_and_held_twice():
     assert (d.message, where(d)) == ("S is held twice in level smem", pos(text, "S }"))
 
 
+
+@pytest.mark.parametrize("level, name, role", [("smem", "O", "output"), ("regs", "K", "input")])
+def test_an_input_or_output_held_on_chip_is_refused_at_the_hold(level, name, role):
+    """An output held in smem passed check and compiled (codegen wrote it to hbm anyway),
+    while the cost pass priced its kernel at 0 bytes and 0 FLOPs (novel3 hunt)."""
+    inner = f"  level regs {{ hold S, {name} }}\n" if level == "regs" else ""
+    text = HEAD + ATTENTION + ("schedule {\n  level hbm { hold Q }\n  level smem { group q by 16\n"
+                               f"    stream x by 16{'' if inner else f'  hold S, {name}'} }}\n{inner}}}\n")
+    d = one(text)
+    assert d.message == (f"{role} {name} is held in level {level}, but inputs and outputs live in hbm (the "
+                         "kernels read the caller's tensors and write the results there)")
+    assert where(d) == pos(text, f"{name} }}")
+    assert d.hint == f"hold {name} in level hbm, or leave it out of 'hold'"
+
+
 # ---- streamability ------------------------------------------------------------------------
 
 MANUAL_SOFTMAX = HEAD + """S[b, h, q, x] = sum[d](Q * K)
