@@ -976,8 +976,13 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     _sz, _cls, _dev = _bind((A, B,), kernel=True)
     _check_device(_dev)
     _check_state({"_grad_C": _grad_C}, _sz, _dev, {"_grad_C": "dC"})
-    if _grad_C.dtype != _out_dtype(OUTPUTS[0], _cls):  # tl.dot takes one dtype: a float32 dC meets 16-bit operands
-        _grad_C = _grad_C.to(_out_dtype(OUTPUTS[0], _cls))
+    # tl.dot takes one dtype: a float32 dC meets 16-bit operands.  An output declared fp64 beside
+    # narrower inputs is summed in float32 by the forward too: its dC, as float64, met float32 operands
+    _dc = _out_dtype(OUTPUTS[0], _cls)
+    if _dc == torch.float64 and torch.float64 not in _cls.values():
+        _dc = torch.float32
+    if _grad_C.dtype != _dc:
+        _grad_C = _grad_C.to(_dc)
     _given = dict(zip(_OPTIONS, _o))
     _opts = _autotune_fill(_given, _sz, _dev, _cls, "bwd")
     _b_m = _block_size(_opts["block_m"], "m", "block_m")

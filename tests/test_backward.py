@@ -753,6 +753,21 @@ def test_unnormalised_weights_reading_a_side_input_train_or_refuse_in_words(fold
         past.past_t_backward(*ins, *state, block_q=16, block_x=16, need=[False, False, False, True])
 
 
+def test_a_matmul_declared_fp64_over_fp32_inputs_trains(folder):
+    """C : fp64 = sum[k](A * B) of fp32 A, B ran forward, but its backward cast dC to
+    float64 and tl.dot met float64 with float32 ("Both operands must be same dtype",
+    novel3 hunt).  dC is taken in float32, as the forward's sums are."""
+    m = compile_text("diagram mm64\nwire m, n, k\nin A[m, k] : fp32\nin B[k, n] : fp32\n"
+                     "C[m, n] : fp64 = sum[k](A * B)\nout C\n", "mm64", folder)
+    g = torch.Generator().manual_seed(5)
+    ins = [torch.randn(20, 37, generator=g), torch.randn(37, 19, generator=g)]
+    assert m.mm64(*ins, block_m=16, block_n=16, block_k=16).dtype == torch.float64
+    got = gradients(lambda a, b: m.mm64(a, b, block_m=16, block_n=16, block_k=16), ins)
+    exact = gradients(lambda a, b: a @ b, [t.double() for t in ins])
+    for a, b in zip(got, exact):
+        assert a.dtype == torch.float32 and ((a.double() - b).norm() / b.norm()).item() < 1e-6
+
+
 def test_an_fp32_output_of_fp16_inputs_gives_delta_the_rounded_do_that_dp_takes(folder):
     """O declared fp32 beside fp16 Q, K, V: its gradient dO arrives float32.  The dQ and
     dK/dV kernels take dP = dO V with dO rounded to fp16, but the row values took delta =
