@@ -24,6 +24,7 @@ import difflib
 import keyword
 import math
 import re
+import sys
 from typing import Optional
 
 from . import ir, tiling
@@ -42,6 +43,9 @@ MIN_DOT_BLOCK = tiling.MIN_DOT_BLOCK  # tl.dot needs every matrix dimension >= 1
 MAX_DEVICES = 2 ** 20
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _BUILTINS = frozenset(dir(builtins))
+# Modules a compiled diagram's file would shadow wherever its folder comes first on sys.path:
+# a diagram named json wrote json.py, and then "import torch" failed half-initialised
+_MODULES = frozenset(sys.stdlib_module_names) | {"torch", "triton", "numpy", "jinja2", "lark", "napkin"}
 _NUM, _BOOL = "number", "boolean"
 
 
@@ -163,6 +167,10 @@ class _Checker:
             why = hostile_name(name)
             if why:
                 self.err(why, loc, "rename it: names become Python identifiers in the generated code")
+            elif kind == "diagram" and name in _MODULES:
+                self.err(f"diagram name '{name}' is the name of the Python module {name}: the compiled "
+                         f"{name}.py would shadow it wherever its folder is on sys.path", loc,
+                         "rename the diagram (it names the generated module)")
             if kind == "wire" and size is not None and size < 1:   # |n| = 0 divides by zero, or holds nothing
                 self.err(f"wire {name} has size {size}: a wire's size is a whole number of at least 1", loc,
                          f"leave the size out (wire {name}) to take it from the inputs at each call")

@@ -212,6 +212,16 @@ def test_hostile_wire_and_diagram_names():
     ]
 
 
+@pytest.mark.parametrize("name", ["json", "typing", "random", "numpy", "napkin"])
+def test_a_diagram_named_like_a_module_is_refused(name):
+    """diagram json compiled to json.py: with its folder on sys.path, import torch
+    failed half-initialised (atomic hunt).  A wire or tensor may have such a name."""
+    text = f"diagram {name}\nwire m, heapq\nin queue[m, heapq] : fp16\nout queue\n"
+    assert [(d.message, where(d), d.hint) for d in errors(text)] == [
+        (f"diagram name '{name}' is the name of the Python module {name}: the compiled {name}.py would "
+         "shadow it wherever its folder is on sys.path", (1, 9), "rename the diagram (it names the generated module)")]
+
+
 def test_hostile_name_function():
     assert hostile_name("attention") is None
     assert hostile_name("d_head2") is None
