@@ -6,6 +6,7 @@ Most tests call ``napkin.cli.main`` in-process (fast); a few run
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import re
 import subprocess
 import sys
@@ -622,3 +623,17 @@ def test_writing_over_a_folder_names_the_target_not_its_temporary_file(tmp_path,
     assert main(["render", str(REPO / "examples" / "matmul.ncd"), "-o", "pic.svg", "--no-costs"]) == 1
     err = capsys.readouterr().err
     assert "cannot write pic.svg: " in err and ".tmp" not in err
+
+
+def test_compile_a_file_whose_name_is_not_utf8_or_has_spaces(tmp_path, capsys):
+    """caf\\xe9.ncd (a Latin-1 name; any non-ASCII one under LC_ALL=C) reached the module's
+    header as surrogate escapes and compile failed with an internal error (atomic hunt).
+    The header shows the name with backslash escapes, shell-quoted."""
+    latin = os.fsdecode(b"caf\xe9.ncd")
+    spaced = "my diagram.ncd"
+    for name, shown in ((latin, "'caf\\\\xe9.ncd'"), (spaced, "'my diagram.ncd'")):
+        (tmp_path / name).write_text(ATTENTION)
+        code, out, err = run(capsys, "compile", str(tmp_path / name), "-o", str(tmp_path / "g"))
+        assert code == 0, err
+        text = (tmp_path / "g" / "attention.py").read_text()
+        assert f"regenerate with `napkin compile {shown}`" in text

@@ -14,6 +14,8 @@ triton.  Same input, byte-identical output.
 from __future__ import annotations
 
 import hashlib
+import os
+import shlex
 from pathlib import Path
 from typing import Optional
 
@@ -33,9 +35,12 @@ def source_label(source_path: str) -> str:
     (``../x.ncd``, ``/tmp/x.ncd``)."""
     path = Path(source_path)
     try:
-        return path.resolve().relative_to(REPO_ROOT).as_posix()
+        label = path.resolve().relative_to(REPO_ROOT).as_posix()
     except ValueError:
-        return path.name
+        label = path.name
+    # a name that is not UTF-8 (caf\xe9.ncd from an old archive; any non-ASCII one under LC_ALL=C)
+    # reaches Python as surrogate escapes, which a UTF-8 module cannot hold: it failed to compile
+    return os.fsencode(label).decode("utf-8", "backslashreplace")
 
 
 def _cost_lines(diagram: ir.Diagram, plan) -> list[str]:
@@ -129,7 +134,7 @@ def _docstring(d: ir.Diagram, plan, label: str, version: str, digest: str) -> st
              f"source:  {label}",
              f"napkin:  {version}",
              f"sha256:  {digest}",
-             f"Do not edit: regenerate with `napkin compile {label}`.", "",
+             f"Do not edit: regenerate with `napkin compile {shlex.quote(label)}`.", "",
              "cost summary:"]
     lines += [f"    {line}" for line in _cost_lines(d, plan)]
     lines += ["", f"{d.name}({', '.join(t.name for t in d.inputs)}) -> {', '.join(outs)}"]
