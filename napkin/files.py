@@ -11,23 +11,37 @@ same way, so a failed write (a full disk) leaves the file that was there.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 
 def write_atomic(target: Path, text: str | bytes) -> None:
     """Write ``text`` (UTF-8, newlines as given; bytes as they are: a PNG)
-    to ``target`` through a temporary file and a rename; the file gets the
-    mode the umask gives an ordinary file (mkstemp's would be 0600).
-    OSError when it cannot."""
+    to ``target`` through a temporary file and a rename.  A new file gets
+    the mode the umask gives an ordinary file (mkstemp's would be 0600); a
+    file that was there keeps its mode, and one its owner may not write
+    (read-only) is refused, as open(..., "w") would.  A symbolic link is
+    written through: the file it points to changes (renamed over, the link
+    became a plain file and its target stayed stale).  OSError when it cannot."""
     target = Path(target)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    mode = None
+    if target.exists() and not target.is_dir():
+        if not os.access(target, os.W_OK):
+            raise PermissionError(errno.EACCES, "it is read-only", str(target))
+        mode = stat.S_IMODE(target.stat().st_mode)
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target.name), suffix=_SUFFIX, dir=str(target.parent))
     try:
-        umask = os.umask(0)
-        os.umask(umask)
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
         if hasattr(os, "fchmod"):   # not on Windows before Python 3.13, whose files carry no such mode
-            os.fchmod(fd, 0o666 & ~umask)
+            os.fchmod(fd, mode)
         if isinstance(text, bytes):
             with os.fdopen(fd, "wb") as f:
                 f.write(text)

@@ -305,6 +305,32 @@ def test_compiled_modules_are_readable_as_the_umask_says(capsys, tmp_path):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask
 
 
+def test_a_rewrite_goes_through_a_link_keeps_the_mode_and_spares_a_read_only_file(capsys, tmp_path, monkeypatch):
+    """The rename replaced a symbolic link with a plain file (the module it pointed to stayed
+    stale) and gave a 0600 file the umask's 0644; a file its owner may not write was replaced
+    too (atomic hunt).  Root may write anything, so the read-only case asks os.access as an
+    ordinary owner would be answered."""
+    import os
+    import stat
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "real" / "matmul.py").write_text("OLD")
+    os.chmod(tmp_path / "real" / "matmul.py", 0o600)
+    (tmp_path / "gen" / "matmul.py").symlink_to(tmp_path / "real" / "matmul.py")
+    code, _, err = run(capsys, "compile", str(REPO / "examples" / "matmul.ncd"), "-o", str(tmp_path / "gen"))
+    assert code == 0, err
+    assert (tmp_path / "gen" / "matmul.py").is_symlink()
+    assert (tmp_path / "real" / "matmul.py").read_text().startswith('"""matmul')
+    assert stat.S_IMODE((tmp_path / "real" / "matmul.py").stat().st_mode) == 0o600
+    picture = tmp_path / "ro.dot"
+    picture.write_text("KEEP")
+    monkeypatch.setattr(os, "access", lambda path, how, **kw: Path(path) != picture)
+    code, _, err = run(capsys, "render", str(REPO / "examples" / "matmul.ncd"), "-o", str(picture))
+    assert code == 1 and err == f"{picture}: cannot write {picture}: it is read-only\n"
+    assert picture.read_text() == "KEEP" and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 def test_two_files_of_one_diagram_name_do_not_overwrite_each_other(capsys, tmp_path):
     twin = tmp_path / "twin.ncd"
     twin.write_text((REPO / "examples" / "causal.ncd").read_text().replace("diagram causal", "diagram attention"))

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import NapkinError
+from ..files import write_atomic
 
 SCHEMA = "napkin-bench/1"
 PASSES = ("fwd", "bwd")
@@ -155,8 +156,10 @@ def write(data: dict, out_dir, paths: Optional[tuple[Path, Path]] = None) -> tup
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = paths or result_paths(out_dir, data["device"]["name"], data["date"])
-    json_path.write_text(json.dumps(finite(data), indent=1, sort_keys=False, allow_nan=False) + "\n")
-    md_path.write_text(markdown(data))
+    # through a temporary file and a rename: the harness rewrites the pair after every diagram, and a
+    # write cut short (a full disk, a kill) truncated the record a run stopped at its limit had kept
+    write_atomic(json_path, json.dumps(finite(data), indent=1, sort_keys=False, allow_nan=False) + "\n")
+    write_atomic(md_path, markdown(data))
     return json_path, md_path
 
 
