@@ -239,3 +239,22 @@ def test_a_decoding_mesh_over_wires_not_named_q_and_x_is_planned():
     ts = P.plan(napkin.load_text(text, "ts.ncd"), 4, dict(b=1, hk=8, g=4, t=1, s=65536), training=False)
     qx = P.plan(load("decode"), 4, dict(b=1, hk=8, g=4, q=1, x=65536), training=False)
     assert [(o.label, o.total_s) for o in ts] == [(o.label, o.total_s) for o in qx] and ts[0].scheme == "tree"
+
+
+@pytest.mark.parametrize("scheme, grid, gpus, block", [
+    ("attention2d", (8, 4), 8, None), ("attention2d", (8, 4), None, (2, 4)), ("attention2d", (4, 8), None, (2, 4)),
+    ("attention2d", (6, 6), 4, None), ("attention2d", (16, 2), 8, (8, 1)), ("attention2d", (3, 5), None, None),
+])
+@pytest.mark.parametrize("group", ["row", "column", "all"])
+def test_link_bytes_of_a_member_group_count_the_listed_peers(scheme, grid, gpus, block, group):
+    """Row, column and all terms count their peers per node set (listed peer by peer, a
+    2048 x 2 grid's cost took 20 s, quadratic in the devices): the split within / across
+    nodes equals the listed peers' for every part, sending and receiving."""
+    placement = C.Placement(scheme, grid, gpus, block)
+    term = C.Term("x", group, "collective", 1, 1000)
+    for part in range(placement.parts):
+        home = placement.node(part)
+        for sending in (True, False):
+            peers = placement.peers(group, part) if sending else placement.senders(group, part)
+            across = sum(1 for q in peers if placement.node(q) != home)
+            assert C.link_bytes(term, placement, part, sending) == ((len(peers) - across) * 1000, across * 1000)
