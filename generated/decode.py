@@ -1357,6 +1357,11 @@ def _in_input_dtype(grad_dtype):
     return grad_dtype == "input"
 
 
+# What a backward kernel's record says when this call did not launch it (need= left out its
+# gradients, or an empty grid): the last launch's answer stayed there, stale.
+_NOT_LAUNCHED = "not launched by the last call: no gradient it computes was needed, or there was nothing to compute"
+
+
 @triton.jit(do_not_specialize=["_size_b", "_size_hk", "_size_g", "_size_q", "_size_x"])
 def _decode_bwd_rows_kernel(
     dO,
@@ -1960,6 +1965,8 @@ def _decode_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
                 _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=128, _INT64=_int64_offsets(K, V, Q, lse, dO, delta, _grad_K, _grad_V), **_pos, **_kv_tma,
                 num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
             )
+        else:   # this call's record, not the last launch's
+            _tma_last_dkdv.update(used=False, why=_NOT_LAUNCHED)
         _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["hk"] * _sz["g"]))
         if (_need[0]) and math.prod(_grid) > 0:
             # not torch.cuda.stream(None): it would start CUDA even for CPU tensors
@@ -1978,6 +1985,8 @@ def _decode_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
                     _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=128, _INT64=_int64_offsets(Q, lse, dO, delta, K, V, _grad_Q), **_pos, **_tma,
                     num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
                 )
+        else:
+            _tma_last_dq.update(used=False, why=_NOT_LAUNCHED)
     finally:  # joined even when a launch raised: nothing may free what the second stream still writes
         _bwd_stream_join(_dev, _side)
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )

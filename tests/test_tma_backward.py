@@ -177,3 +177,21 @@ def test_tma_backward_compiles_for_hopper_with_tma_copies():
         assert tma["tma"] > 0 and tma["cp_async"] < ptr["cp_async"], kernel
         assert tma["spill_stores"] == 0 and ptr["spill_stores"] == 0, kernel
     assert got[True]["_causal_bwd_dq_kernel"]["cp_async"] == 0
+
+
+def test_a_kernel_the_call_does_not_launch_says_so_not_the_last_launchs_answer(folder):
+    """A backward with no query rows (or need= leaving out dQ) launches no dQ kernel: its
+    _tma_last_dq kept the previous call's {"used": True} (edges hunt)."""
+    m = example("causal", folder)
+    inputs = m.example_inputs({"b": 1, "h": 2, "q": 20, "x": 20}, dtype=torch.float32, seed=3)
+    gradients(launcher(m), inputs, tma=True, block_q=16, block_x=16)
+    assert lasts(m) == dict.fromkeys(KERNELS, USED)
+    empty = m.example_inputs({"b": 1, "h": 2, "q": 0, "x": 20}, dtype=torch.float32, seed=3)
+    gradients(launcher(m), empty, tma=True, block_q=16, block_x=16)
+    assert lasts(m)["_tma_last_dq"] == {"used": False, "why": "not launched by the last call: no gradient it "
+                                        "computes was needed, or there was nothing to compute"}
+    _, lse, dO, delta = _state(m, inputs)
+    m.causal_backward(*inputs, dO, lse, delta, tma=True, block_q=16, block_x=16)
+    assert lasts(m)["_tma_last_dq"] == USED
+    m.causal_backward(*inputs, dO, lse, delta, tma=True, block_q=16, block_x=16, need=[True, False, False])
+    assert lasts(m)["_tma_last_dq"] == USED and lasts(m)["_tma_last_dkdv"]["why"].startswith("not launched")
