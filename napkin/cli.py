@@ -14,11 +14,14 @@ its arguments, and sets ``func=handler`` with ``handler(args) -> int``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -58,6 +61,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     show_traceback = "--traceback" in argv[:cut]
     argv = [a for i, a in enumerate(argv) if i >= cut or a != "--traceback"]
+    with _terminable():
+        return _run(argv, show_traceback)
+
+
+class _Terminated(BaseException):
+    """SIGTERM (timeout, a batch system's time limit), raised where the
+    process is, so that ``with`` and ``finally`` clean up: Python's default
+    stopped at once and left /tmp/napkin-demo-* and napkin-bench-* behind.
+    A BaseException, as KeyboardInterrupt: no ``except Exception`` takes it."""
+
+
+@contextlib.contextmanager
+def _terminable():
+    if threading.current_thread() is not threading.main_thread():   # signals reach the main thread only
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _Terminated()
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(argv: list[str], show_traceback: bool) -> int:
     try:
         parser = build_parser(strict=show_traceback)
         try:
@@ -84,6 +114,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except _Terminated:
+        return 143   # 128 + SIGTERM, as a shell reports it
     except Exception as err:  # anything else is a bug in napkin
         if show_traceback:
             traceback.print_exc()

@@ -663,3 +663,21 @@ def test_compile_a_file_whose_name_is_not_utf8_or_has_spaces(tmp_path, capsys):
         assert code == 0, err
         text = (tmp_path / "g" / "attention.py").read_text()
         assert f"regenerate with `napkin compile {shown}`" in text
+
+
+def test_sigterm_cleans_up_the_demos_temporary_folder(tmp_path):
+    """timeout or a batch system's limit send SIGTERM, which stopped napkin at once and left
+    napkin-demo-* behind (atomic hunt); the command now unwinds, exit status 143."""
+    import signal
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "napkin", "demo", str(REPO / "examples" / "attention.ncd")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("napkin-demo-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob("napkin-demo-*")), "the demo made no temporary folder"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    assert list(tmp_path.glob("napkin-demo-*")) == []
