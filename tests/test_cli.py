@@ -417,6 +417,19 @@ def test_render_and_report_name_refusals_say_what_was_typed(capsys, monkeypatch,
                                  "instead of att.svg, and att.dot is the diagram itself; give -o a name with "
                                  "another stem, or " + render.INSTALL_HINT + "\n")
     assert (tmp_path / "att.dot").read_text() == ATTENTION and not (tmp_path / "att.svg").exists()
+    # a pic.dot the user wrote is no drawing of this diagram: replaced, it was gone (atomic hunt);
+    # napkin's own earlier drawing of it (compile --render again) is replaced
+    (tmp_path / "pic.dot").write_text("digraph mine { a -> b }\n")
+    code, _, err = run(capsys, "render", example, "-o", "pic.png")
+    assert code == 1 and err == ("pic.dot: Graphviz's dot was not found, so the DOT text would go to pic.dot "
+                                 "instead of pic.png, and pic.dot exists and is not a drawing of diagram "
+                                 "attention: it is left as it is; give -o pic.dot to replace it, or "
+                                 + render.INSTALL_HINT + "\n")
+    assert (tmp_path / "pic.dot").read_text() == "digraph mine { a -> b }\n"
+    (tmp_path / "pic.dot").unlink()
+    for _ in range(2):
+        assert run(capsys, "render", example, "-o", "pic.png")[0] == 0
+    assert (tmp_path / "pic.dot").read_text().startswith('digraph "attention" {')
 
 def test_demo_default_sizes_are_small_and_cover_symbolic_wires():
     d = napkin.load(REPO / "examples" / "gqa.ncd")

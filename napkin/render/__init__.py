@@ -154,12 +154,28 @@ def draw(diagram, out_path, costs=None, source=None) -> Path:
             raise NapkinError(f"Graphviz's dot was not found, so the DOT text would go to {fallback} "
                               f"instead of {out_path}, and {fallback} is the diagram itself; "
                               f"give -o a name with another stem, or " + INSTALL_HINT, filename=str(source))
+        if fallback != out_path and fallback.is_file() and not _same_drawing(fallback, text):
+            # a file the user never named: replaced, a hand-written pic.dot was gone (atomic hunt);
+            # an earlier drawing of this diagram (compile --render again) is napkin's to replace
+            raise NapkinError(f"Graphviz's dot was not found, so the DOT text would go to {fallback} instead "
+                              f"of {out_path}, and {fallback} exists and is not a drawing of diagram "
+                              f"{diagram.name}: it is left as it is; give -o {fallback} to replace it, or "
+                              + INSTALL_HINT, filename=str(fallback))
         _write(fallback, text)
         print(f"napkin: Graphviz's dot was not found, so wrote {fallback} instead of {out_path}; "
               + INSTALL_HINT, file=sys.stderr)
         return fallback
     _write(out_path, run_dot(text, fmt))
     return out_path
+
+
+def _same_drawing(path: Path, text: str) -> bool:
+    """Whether ``path`` starts as ``text`` does (digraph "NAME" {): napkin's drawing of the diagram."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline() == text.splitlines(keepends=True)[0]
+    except OSError:
+        return False
 
 
 def _load(path):
