@@ -1125,7 +1125,9 @@ def test_a_run_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
     (["--size", "zz=64"], "attention.ncd: --size zz=64: diagram attention has no wire zz (its wires: b, h, q, x, d)"),
     (["--size", "d=128"], "attention.ncd: --size d=128: wire d of diagram attention is fixed at 64 "
                           "(--head-dim sets the fixed head dims)"),
-    (["--out", "{afile}"], "--out {afile} is a file: the results need a folder")])
+    (["--out", "{afile}"], "--out {afile} is a file: the results need a folder"),
+    # under a file: refused after the whole run was timed (atomic hunt), now before it
+    (["--out", "{afile}/sub"], "--out {afile}/sub: {afile} is a file, not a folder")])
 def test_bench_refuses_sizes_it_would_ignore_and_an_out_that_is_a_file(tmp_path, capsys, argv, message):
     """--size for a wire the diagram lacks, or a fixed wire, was silently
     ignored (the record said --size d=128 of a run at 64); --out naming a

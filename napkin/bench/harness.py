@@ -209,6 +209,9 @@ def run(args, prog: str) -> int:
         raise NapkinError(f"--tune-budget expects a positive number of seconds, not {args.tune_budget}")
     if Path(args.out).exists() and not Path(args.out).is_dir():   # found now, not after an hour's run
         raise NapkinError(f"--out {args.out} is a file: the results need a folder")
+    blocked = next((p for p in Path(args.out).parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:   # --out afile/sub was refused only after the run
+        raise NapkinError(f"--out {args.out}: {blocked} is a file, not a folder")
     cache = tunecache.Cache()
     # only where it tunes: a CPU run stores nothing, and refusing its unwritable cache stopped the
     # run just said to go on with the cached configs
@@ -398,7 +401,10 @@ def compile_module(diagram: ir.Diagram, text: str, path: str, build: Path, prefi
     if name in sys.modules:
         return sys.modules[name], digest
     target = build / f"{name}.py"
-    target.write_text(source)
+    try:
+        target.write_text(source, encoding="utf-8")
+    except OSError as err:   # a full /tmp read as "cannot write the output", naming nothing
+        raise NapkinError(f"cannot write the benchmark's module {target}: {why_not(err, target)}") from None
     spec = importlib.util.spec_from_file_location(name, target)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module      # Triton's JIT looks the kernel's source up through it
