@@ -504,6 +504,14 @@ class _Form:
         reduced = [n for n in ir.walk(weight) if isinstance(n, (ir.Reduce, ir.Normalize))]
         if reduced and not self._is_softmax(weight):
             others = [f for f, _ in rest if not isinstance(f, ir.Normalize)]
+            # along the keys and short of a score wire (the queries'), as V[b, h, x]; a gate has them all
+            flat = [f for f in others if isinstance(f, ir.TensorRef) and f.wires is None
+                    and self.key in (self.layouts.get(f.name) or ())
+                    and set(self.layouts[f.name]) < set(self.score_wires)]
+            if flat and len(others) < len(rest):   # V[b, h, x]: read as a gate by the rule below
+                raise NoGrad(f"the value {flat[0].name} has no feature wire (a wire the scores lack, as d of "
+                             f"V[b, h, x, d]): the backward takes sum[{self.key}](softmax[{self.key}](S) * V) "
+                             f"with one; give {flat[0].name} a wire of size 1", e.loc)
             if others and len(others) < len(rest):   # softmax(S) * G: a gate, not another score
                 raise NoGrad(f"the weights of the sum along {self.key} multiply softmax by "
                              f"{' * '.join(expr_text(f) for f in others)}; the backward takes the softmax "

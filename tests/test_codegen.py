@@ -649,3 +649,39 @@ def test_an_option_out_of_range_under_torch_compile_is_a_value_error(modules):
         with pytest.raises(ValueError) as err:
             att(q.requires_grad_(), k, v, **opts)
         assert str(err.value) == words
+
+
+_RELATIVES_HEAD = ("diagram rel\nwire b, h, q, x\nwire d = 32\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
+                   "in V[b, h, x, d] : fp32\nS[b, h, q, x] = sum[d](Q * K) * |d|^-0.5\n")
+
+
+@pytest.mark.parametrize("body, at, message, hint", [
+    # Y = sum[d](O): the streamed wire is d, so O's sum read as a score contraction
+    ("O[b, h, q, d] = sum[x](softmax[x](S) * V)\nY[b, h, q] = sum[d](O)\nout Y\n", (8, 17),
+     "an output reduces it again along d: a kernel streams the wire of its outputs' outermost reduction "
+     "(d here) and ends there", "output this result and reduce it in torch"),
+    # a softmax of a softmax: the hint named what is written
+    ("P[b, h, q, x] = softmax[x](S)\nO[b, h, q, d] = sum[x](softmax[x](P) * V)\nout O\n", (8, 17),
+     "it uses a reduction over x inside a reduction over x", None),
+    # a sum over heads too: "exactly one factor must carry the streamed wire h", at the score
+    ("O[b, q, d] = sum[h, x](softmax[x](S) * V)\nout O\n", (8, 14),
+     "it reduces h, x at once; a streamed kernel reduces h alone", None),
+])
+def test_refusals_of_attentions_relatives_blame_what_is_wrong(body, at, message, hint):
+    """novel3 hunt: each of these blamed a line that is right, or hinted at what is written."""
+    with pytest.raises(NapkinError) as e:
+        L.lower(napkin.load_text(_RELATIVES_HEAD + body, "rel.ncd"))
+    (diag,) = e.value.diagnostics
+    assert (diag.loc.line, diag.loc.col) == at and diag.message.endswith(message) and diag.hint == hint
+
+
+def test_a_value_without_a_feature_wire_says_so_in_the_backward_refusal(tmp_path):
+    """V[b, h, x] ran forward; its backward refusal asked for sum[x](softmax[x](S) * V), the form
+    written (novel3 hunt)."""
+    text = _RELATIVES_HEAD.replace("in V[b, h, x, d]", "in V[b, h, x]") + \
+        "O[b, h, q] = sum[x](softmax[x](S) * V)\nout O\n"
+    m = import_text(emit_module(napkin.load_text(text, "rel.ncd"), source_text=text, source_path="rel.ncd"),
+                    tmp_path, "rel")
+    assert m._NO_BACKWARD == ("napkin has no backward for diagram rel: the value V has no feature wire (a wire "
+                              "the scores lack, as d of V[b, h, x, d]): the backward takes sum[x](softmax[x](S) "
+                              "* V) with one; give V a wire of size 1 (line 8, column 14 of the diagram)")

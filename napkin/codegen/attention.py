@@ -60,6 +60,11 @@ class _Attention:
         if not contractions:
             raise unsupported(f"diagram {d.name}", "the reductions along the streamed wire need a score "
                               "contraction such as sum[d](Q * K)", d.loc)
+        for e in outs:   # sum[h, x](...): said here, not as a score contraction of h (the pick of col)
+            for n in nodes(e):
+                if isinstance(n, ir.Reduce) and col in n.wires and len(n.wires) > 1:
+                    raise unsupported(_show(n), f"it reduces {', '.join(n.wires)} at once; a streamed kernel "
+                                      f"reduces {col} alone", n.loc)
         sides = [self.sides(c) for c in contractions]
         self.row = row = self.row_wire(contractions[0], sides[0])
         self.score_wires = frozenset().union(*(wires_of(d, c) for c in contractions))
@@ -155,6 +160,11 @@ class _Attention:
         ok = (c.op == "sum" and isinstance(body, ir.Binary) and body.op == "*"
               and isinstance(body.lhs, ir.TensorRef) and isinstance(body.rhs, ir.TensorRef)
               and all(isinstance(d.tensor(r.name), ir.Input) for r in (body.lhs, body.rhs)))
+        if not ok and any(isinstance(n, ir.Reduce) and col in n.wires for n in nodes(c.body)):
+            # Y = sum[d](O) of an attention O: the streamed wire is the outermost reduction's (d)
+            raise unsupported(_show(c), f"an output reduces it again along {col}: a kernel streams the wire "
+                              f"of its outputs' outermost reduction ({col} here) and ends there", c.loc,
+                              "output this result and reduce it in torch")
         if not ok:
             raise unsupported(_show(c), "a score contraction must be sum[w](A * B) of two inputs", c.loc)
         if len(c.wires) != 1:
@@ -313,8 +323,12 @@ class _Attention:
     def no_inner_reduction(self, node, part) -> None:
         for n in nodes(part):
             if isinstance(n, (ir.Reduce, ir.Normalize)) and self.col in _red_wires(n):
+                # a softmax of a softmax is no spelled-out softmax: the hint would name what is written
+                nested = any(isinstance(m, ir.Normalize) and any(isinstance(k, ir.Normalize) for k in nodes(m.body))
+                             for m in nodes(node))
+                hint = None if nested else f"write softmax[{self.col}](S) for a normalised score"
                 raise unsupported(_show(node), f"it uses a reduction over {self.col} inside a reduction "
-                                  f"over {self.col}", n.loc, f"write softmax[{self.col}](S) for a normalised score")
+                                  f"over {self.col}", n.loc, hint)
 
     def softmax_to_exp(self, e):
         """softmax[x](E) -> exp(E) / sum[x](exp(E)), the division guarded."""
