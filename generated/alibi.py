@@ -1746,7 +1746,9 @@ def _alibi_bwd_dq_kernel(
     _delta = tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_h, _INT64) * _st_delta_h + _ix(_offs_q[:, None], _INT64) * _st_delta_q, mask=_gok_q[:, None], other=0.0)
     _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
-    _part_acc_slope = tl.zeros([1, 1], tl.float32)
+    _part_acc_slope = tl.zeros([_BLOCK_q, 1], tl.float32)
+    _part_pg_slope = tl.zeros([_BLOCK_q, 1], tl.float32)
+    _ds_rows = tl.zeros([_BLOCK_q, 1], tl.float32)
 
     # The blocks of x this program visits: [_lo, _hi).
     _lo = 0
@@ -1786,7 +1788,10 @@ def _alibi_bwd_dq_kernel(
         _dR = _dS
         _acc_Q += tl.dot(_operand_grad(_dR, 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
         if _NEED_slope:
-            _part_acc_slope += tl.sum(tl.sum(_dS * (_idx_x[None, :] - _idx_q[:, None]), 0)[None, :], 1)[:, None]
+            _ds_rows += tl.sum(_dS, 1)[:, None]
+        if _NEED_slope:
+            _part_acc_slope += tl.sum(_dS * (_idx_x[None, :] - _idx_q[:, None]), 1)[:, None]
+            _part_pg_slope += tl.sum(_P * (_idx_x[None, :] - _idx_q[:, None]), 1)[:, None]
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
     for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -1820,14 +1825,17 @@ def _alibi_bwd_dq_kernel(
             _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
             _acc_Q += tl.dot(_operand_grad(tl.where(_ok, _dR, 0.0), 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
             if _NEED_slope:
-                _part_acc_slope += tl.sum(tl.sum(tl.where(_ok, _dS * tl.where(_idx_x[None, :] <= _idx_q[:, None], _idx_x[None, :] - _idx_q[:, None], 0), 0.0), 0)[None, :], 1)[:, None]
+                _ds_rows += tl.sum(tl.where(_ok, _dS, 0.0), 1)[:, None]
+            if _NEED_slope:
+                _part_acc_slope += tl.sum(tl.where(_ok, _dS * tl.where(_idx_x[None, :] <= _idx_q[:, None], _idx_x[None, :] - _idx_q[:, None], 0), 0.0), 1)[:, None]
+                _part_pg_slope += tl.sum(tl.where(_ok, _P * tl.where(_idx_x[None, :] <= _idx_q[:, None], _idx_x[None, :] - _idx_q[:, None], 0), 0.0), 1)[:, None]
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_Q.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0], _scaled_grad(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))
     else:
         tl.store(_grad_Q + _ix(_i_b, _INT64) * _st__grad_Q_b + _ix(_i_h, _INT64) * _st__grad_Q_h + _ix(_offs_q[:, None], _INT64) * _st__grad_Q_q + _ix(_offs_d[None, :], _INT64) * _st__grad_Q_d, _scaled_grad(_acc_Q, 0.125, Q.dtype.element_ty).to(_grad_Q.dtype.element_ty), mask=(tl.arange(0, _BLOCK_q)[:, None] < _size_q - _row0))
     if _NEED_slope:
-        tl.store(_part_slope + _ix(_pid, _INT64) * _st__part_slope__blocks + _ix(_i_b, _INT64) * _st__part_slope_b + _ix(_i_h, _INT64) * _st__part_slope_h, tl.sum(tl.sum(_part_acc_slope, 1), 0))
+        tl.store(_part_slope + _ix(_pid, _INT64) * _st__part_slope__blocks + _ix(_i_b, _INT64) * _st__part_slope_b + _ix(_i_h, _INT64) * _st__part_slope_h, tl.sum(tl.sum((_part_acc_slope - _ds_rows * _part_pg_slope), 1), 0))
 
 
 @_on_inputs_device

@@ -152,7 +152,7 @@ def _renamed(src: str, var: str, name: str) -> str:
     parts (strides, partial sums, descriptors) as kernel_names.part writes it."""
     from napkin.codegen.kernel_names import part
 
-    for prefix in ("_part_acc_", "_part_", "_tma_"):   # also inside a stride's name: _st__part_zq_b
+    for prefix in ("_part_acc_", "_part_pg_", "_part_", "_tma_"):   # also inside a stride's name: _st__part_zq_b
         src = re.sub(rf"{prefix}{NEUTRAL}(?=_|\b)", lambda _: prefix + part(name), src)
     src = re.sub(rf"\b_st_{NEUTRAL}(?=_)", lambda _: "_st_" + part(name), src)
     src = re.sub(rf"\b_{NEUTRAL}\b", "\0", src)
@@ -458,7 +458,7 @@ def test_derived_names_never_meet_a_helper_or_each_other():
 
     assert stride("Q", "h_q") != stride("Q_h", "q") and f"_part_{part('acc_m')}" != f"_part_acc_{part('m')}"
     for helper in KERNEL_HELPERS:
-        for base in ("grad", "acc", "out", "saved", "NEED", "part", "part_acc", "tma"):
+        for base in ("grad", "acc", "out", "saved", "NEED", "part", "part_acc", "part_pg", "tma"):
             assert not helper.startswith(f"_{base}_"), helper
 
 

@@ -45,7 +45,7 @@ from .scale import LOG2E, factor, log2_scale
 # Names the kernels define themselves; loads of user inputs never take them.
 FIXED_NAMES = {"_pid", "_batch", "_row0", "_col0", "_lo", "_hi", "_rb", "_start", "_outer", "_o", "_ok", "_qk",
                "_need", "_t", "_row_first", "_row_last", "_col_first", "_col_last", "_live", "_flo", "_fhi",
-               "_scale"}
+               "_scale", "_ds_rows"}
 
 
 def refuse(what: str, why: str, loc: ir.Loc = ir.NOLOC) -> NapkinError:
@@ -101,6 +101,9 @@ class SideGrad:
     extra: tuple[str, ...]
     has_row: bool
     has_col: bool
+    # P * dS/dT, summed per row beside dS itself where delta's error can be taken out (see
+    # side_input); None where it cannot (T along the keys; a logsumexp output's dlse; sums rules)
+    centre: Optional[object] = None
 
 
 @dataclass(frozen=True)
@@ -341,7 +344,27 @@ class _Builder:
             # mask is, and dS 0 there, so 0 * inf made the whole sum NaN; such a score
             # is flat in t, its term 0
             expr = ir.Call("where", (ir.Binary("==", ir.TensorRef("S"), ir.Num(-math.inf)), ir.Num(0), expr))
-        return SideGrad(t.name, joined("part", t.name), expr, own, extra, self.row in own, self.col in own)
+        return SideGrad(t.name, joined("part", t.name), expr, own, extra, self.row in own, self.col in own,
+                        self.centre(deriv, own))
+
+    def centre(self, deriv, own) -> Optional[ir.Expr]:
+        """P * dS/dT, for the rows' correction of a softmax side gradient.
+        delta = rowsum(dO * O) reads the O the forward stored (fp16), so it
+        misses sum[x](P * dP) by a row's rounding e, and dS = P (dP - delta)
+        carries P * e: summed against dS/dT that is large and of one sign
+        along a row (ALiBi's x - q, a per-query temperature) it was 5.8e-2 of
+        the slope's gradient (edges hunt).  sum[x](dS) is 0 in exact
+        arithmetic, so the dQ kernel sums it per row beside P * dS/dT and takes
+        sum[x](dS) * sum[x](P dS/dT) off: e cancels.  Not for T along the keys
+        (its sum over rows ends before a row's e is known), a logsumexp output
+        (sum[x](dS) is its dlse then) or the sums rules (no such identity)."""
+        if self.rule.kind != "softmax" or self.rule.lse_grad or self.col in own or \
+                "P" not in self.tile_names:
+            return None
+        weighted = autodiff.simplify(ir.Binary("*", ir.TensorRef("P"), deriv))
+        if any(isinstance(n, ir.Num) and math.isinf(n.value) for n in ir.walk(deriv)):
+            weighted = ir.Call("where", (ir.Binary("==", ir.TensorRef("S"), ir.Num(-math.inf)), ir.Num(0), weighted))
+        return weighted
 
     def state_names(self) -> tuple[str, ...]:
         """Placeholders the main kernels read that no tile binds, canonical order."""

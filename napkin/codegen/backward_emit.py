@@ -80,6 +80,10 @@ from .kernel_names import joined, stride
 HELD_FP32 = 160
 
 
+# The dQ kernel's per-row sum of dS, for the centred side gradients (backward._Builder.centre).
+DS_ROWS = "_ds_rows"
+
+
 def _feature_block(plan: BackwardPlan, w: str, sizes) -> int:
     """The block a feature wire takes (its padded size): fixed, or from ``sizes``."""
     return L._dim_block(plan.diagram, w) or L.padded_block(sizes[w])
@@ -397,9 +401,19 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
         lines.append(f"{g.var} += {_dot(tile, f'{g.operand.var}.to({dt})', plan, dt)}")
     # side gradients: the dQ kernel's alone, whose tiles are [rows, x]
     assert not k.sides or (rows, cols) == (plan.row, plan.col)
+    centred = [s for s in k.sides if s.centre is not None]
+    if centred:   # sum[x](dS) per row, for the centred side gradients (backward._Builder.centre)
+        dS = triton(ir.TensorRef("dS"), _ctx(plan, names, k, full=full))
+        lines += [f"if {' or '.join(f'_NEED_{s.tensor}' for s in centred)}:",
+                  f"    {DS_ROWS} += tl.sum({kept(dS)}, 1)[:, None]"]
     for s in k.sides:
         code = triton(s.expr, _ctx(plan, names, k, full=full))
         value = kept(code)
+        if s.centre is not None:   # per row: the rows' correction comes after the loop
+            weighted = kept(triton(s.centre, _ctx(plan, names, k, full=full)))
+            lines += [f"if _NEED_{s.tensor}:", f"    {joined('part_acc', s.tensor)} += tl.sum({value}, 1)[:, None]",
+                      f"    {joined('part_pg', s.tensor)} += tl.sum({weighted}, 1)[:, None]"]
+            continue
         if not s.has_row:
             value = f"tl.sum({value}, 0)[None, :]"
         if not s.has_col:
@@ -665,8 +679,12 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             init.append(f"{g.var} = tl.zeros([{names.block(g.rows)}, {names.block(g.cols)}], tl.float32)")
         for s in k.sides:
             if not s.has_col:
-                shape = f"[{names.block(row)}, 1]" if s.has_row else "[1, 1]"
+                shape = f"[{names.block(row)}, 1]" if s.has_row or s.centre is not None else "[1, 1]"
                 init.append(f"{joined('part_acc', s.tensor)} = tl.zeros({shape}, tl.float32)")
+            if s.centre is not None:
+                init.append(f"{joined('part_pg', s.tensor)} = tl.zeros([{names.block(row)}, 1], tl.float32)")
+        if any(s.centre is not None for s in k.sides):
+            init.append(f"{DS_ROWS} = tl.zeros([{names.block(row)}, 1], tl.float32)")
         loop_wire = col if k.role == "dq" else row
         step_loads = [ld for ld in k.loads if ld.phase == "step"]
 
@@ -722,6 +740,8 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         for s in k.sides:
             if not s.has_col:
                 acc = joined("part_acc", s.tensor)
+                if s.centre is not None:   # delta's rounding taken out, row by row
+                    acc = f"({acc} - {DS_ROWS} * {joined('part_pg', s.tensor)})"
                 value = acc if s.has_row else f"tl.sum(tl.sum({acc}, 1), 0)"
                 after += [f"if _NEED_{s.tensor}:",
                           f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s)})"]

@@ -67,7 +67,9 @@ def internal_names(d: ir.Diagram) -> frozenset:
            # chunks (flash-decoding): the chunk's start and size, its partial state, the merge's own
            "_c0", "_CHUNK", "_part", "_n_chunks", "_W", "_at", "_c", "_m_c", "_beta", "_v",
            # the backward's widened products' precision; the ranges merge kernel's locals
-           "_WIDE", "_chunks", "_inner", "_joined", "_n", "_src"} | KERNEL_HELPERS
+           "_WIDE", "_chunks", "_inner", "_joined", "_n", "_src",
+           # the dQ kernel's per-row sum of dS (backward_emit.DS_ROWS)
+           "_ds_rows"} | KERNEL_HELPERS
     # (a side input called c0, k0 or WIDE was overwritten by these: wrong numbers or a crash)
     for sfx in suffixes:
         out |= {f"_{base}{sfx}" for base in ("s", "p", "m", "m_new", "m_use", "alpha", "qk", "acc", "l", "max",
@@ -78,7 +80,7 @@ def internal_names(d: ir.Diagram) -> frozenset:
     tensors = [t.name for t in d.inputs] + [t.name for t in d.lets]
     for t in tensors:
         out |= {f"_{base}_{t}" for base in ("out", "acc", "grad", "saved", "NEED")}
-        out |= {joined(base, t) for base in ("part", "part_acc", "tma")}
+        out |= {joined(base, t) for base in ("part", "part_acc", "part_pg", "tma")}
         # the forward's TMA descriptor parameters (_tma_Q; _tma_Q_1 for a second tile of Q)
         out |= {f"{joined('tma', t)}_{i}" for i in range(1, 4)}
         out |= {stride(t, w) for w in wires}
