@@ -196,6 +196,30 @@ def _in_name(before: str) -> bool:
     return bool(run) and not run[0].isdigit()
 
 
+def _accepts_before(text: str, bad: Token) -> Optional[set[str]]:
+    """The terminals that lead somewhere (not only LALR's look-aheads) in the
+    parser's state just before the token ``bad`` was fed, found by parsing
+    ``text`` again a token at a time; None if that parse does not fail at
+    ``bad``."""
+    ip, last = _parser().parse_interactive(text), None
+    tokens = ip.lexer_thread.lex(ip.parser_state)   # (the lexer too refuses a token the state cannot take)
+    try:
+        while True:
+            before = ip.copy(deepcopy_values=False)
+            tok = next(tokens, None)
+            if tok is None:
+                ip.feed_eof(last)   # ($END borrows the last token's place, as in parse())
+                return None
+            ip.feed_token(tok)
+            last = tok
+    except UnexpectedToken as err:
+        if err.token.type == bad.type and err.token.start_pos == bad.start_pos:
+            return before.accepts()
+    except UnexpectedInput:
+        pass
+    return None
+
+
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
     at = getattr(err, "pos_in_stream", None)
     if isinstance(err, UnexpectedToken):
@@ -205,10 +229,11 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         return bad
     if isinstance(err, UnexpectedToken):
         tok = err.token
-        # accepts: the terminals that really lead somewhere from this state.
-        # LALR's own expected set is often wider (merged look-aheads) or,
-        # after default reductions, narrower than what the writer could type.
-        expected = set(err.accepts or err.expected)
+        # Lark's own sets are taken after the reductions the bad token set
+        # off (in Q  K, K reduced Q to a whole expression first), so they
+        # missed the operator the writer most likely left out: ask the
+        # parser as it stood before that token instead.
+        expected = _accepts_before(text, tok) or set(err.accepts or err.expected)
         if tok.type == "$END":
             what = "unexpected end of file"
             if tok.end_line:   # $END takes the last token's place: just after it, not after a comment

@@ -265,7 +265,19 @@ t.ncd:2:12: unexpected '*'
 t.ncd:2:14: unexpected end of file
     S[b] = (a + b
                  ^
-  hint: expected ')' or 'or'"""),
+  hint: expected '(', ')', '[' or an operator"""),
+    # the hints were taken after the bad token had reduced Q to a whole expression, so they left
+    # out the operator: "expected ')' or 'or'" and "expected 'or' or a new statement"
+    "missing operator": ("diagram a\nS[q, x] = sum[d](Q  K)\n", """\
+t.ncd:2:21: unexpected 'K'
+    S[q, x] = sum[d](Q  K)
+                        ^
+  hint: expected '(', ')', '[' or an operator"""),
+    "stray closing parenthesis": ("diagram a\nS[q, x] = sum[d](Q * K))\nout S\n", """\
+t.ncd:2:24: unexpected ')'
+    S[q, x] = sum[d](Q * K))
+                           ^
+  hint: expected a new statement or an operator"""),
     "chained comparison": ("diagram a\nS[b] = a < b < c\n", """\
 t.ncd:2:14: comparisons do not chain
     S[b] = a < b < c
