@@ -130,7 +130,7 @@ class _Checker:
         self.contraction_wires: set[str] = set()  # wires of the factors of sum[w](A * B)
         self.contractions: set[tuple] = set()     # (wires of A, wires of B, w) of each sum[w](A * B)
         self.broken_boxes: set[str] = set()       # boxes with unresolved names
-        self.unknown_layouts: set[str] = set()    # tensors whose layout names an unknown wire
+        self.unknown_layouts: set[str] = set()    # tensors whose layout is refused (see broken_layout)
         self.names_ok = True                      # no unknown names anywhere (a dtype typo leaves the sizes checkable)
         self.memo: dict[int, tuple] = {}          # id(expr) -> (expr, inferred wires and kind)
 
@@ -191,8 +191,9 @@ class _Checker:
 
     def check_layouts(self) -> None:
         for tensor in self.d.inputs + self.d.lets:
-            self.check_wire_list(ir.axis_wires(tensor.axes), tensor.loc, f"the layout of {tensor.name}",
-                                 ir.layout_locs(tensor))
+            if not self.check_wire_list(ir.axis_wires(tensor.axes), tensor.loc, f"the layout of {tensor.name}",
+                                        ir.layout_locs(tensor)):
+                self.broken_layout(tensor.name)
             if tensor.dtype is not None:
                 self.check_dtype(tensor.dtype, _at(tensor.dtype_loc, tensor.loc))
 
@@ -211,6 +212,14 @@ class _Checker:
                 ok = False
         return ok
 
+    def broken_layout(self, name: str) -> None:
+        """``name``'s layout was refused (an unknown or repeated wire, or wires
+        its expression does not have): its wires are a slip's, so its readers
+        are not compared with them ("reduce y" or "drop x" of a correct box),
+        nor are the wires' sizes sought ("wire g has no size" of Q[(hk hk)])."""
+        self.unknown_layouts.add(name)
+        self.names_ok = False
+
     def check_dtype(self, dtype: str, loc: ir.Loc) -> bool:
         if dtype in ir.DTYPE_BYTES:
             return True
@@ -223,9 +232,6 @@ class _Checker:
 
     def check_boxes(self) -> None:
         env: dict[str, frozenset] = {}  # tensors defined so far -> their wires
-        for t in self.d.inputs + self.d.lets:   # (the unknown wire itself was reported with the layout)
-            if not all(w in self.wire_names for w in ir.axis_wires(t.axes)):
-                self.unknown_layouts.add(t.name)
         for t in self.d.inputs:
             if t.name not in env:
                 env[t.name] = frozenset(ir.axis_wires(t.axes))
@@ -234,15 +240,17 @@ class _Checker:
             self.box, self.env, self.poisoned = let, env, False
             wires, kind = self.infer(let.expr)
             declared = ir.axis_wires(let.axes)
-            if not self.poisoned and all(w in self.wire_names for w in declared):
-                self.compare_wires(let, set(declared), wires)
+            if not self.poisoned and let.name not in self.unknown_layouts \
+                    and not self.compare_wires(let, set(declared), wires):
+                self.broken_layout(let.name)
             if self.poisoned:
                 self.broken_boxes.add(let.name)
             if let.name not in env:
                 env[let.name] = frozenset(declared)
                 self.kinds[let.name] = kind
 
-    def compare_wires(self, let: ir.Let, declared: set[str], produced: frozenset) -> None:
+    def compare_wires(self, let: ir.Let, declared: set[str], produced: frozenset) -> bool:
+        """Whether a box's expression has the wires its layout declares; if not, errors say which."""
         order = [w.name for w in self.d.wires] + sorted(produced | declared)  # undeclared wires last
         extra = sorted(produced - declared, key=order.index)
         missing = sorted(declared - produced, key=order.index)
@@ -257,6 +265,7 @@ class _Checker:
             at = next(loc for w, loc in zip(wires, locs) if w in missing)
             self.err(f"{let.name} declares {_layout(let.axes)} but its expression has no {ws}", at,
                      f"a box has exactly the wires of its expression: drop {ws} from the layout")
+        return not extra and not missing
 
     def infer(self, e: ir.Expr) -> tuple[frozenset, str]:
         """The wires ``e`` produces and whether it is a number or a boolean.
@@ -519,11 +528,12 @@ class _Checker:
         # the nodes level is named in messages only to files that use it
         order = ir.ALL_LEVELS if any(lv.name == "nodes" for lv in s.levels) else ir.LEVELS
         for level in s.levels:
+            duplicate = level.name in seen
             if level.name not in ir.ALL_LEVELS:
                 hint = _closest(level.name, ir.ALL_LEVELS)
                 self.err(f"unknown level '{level.name}'", level.loc,
                          (hint + " " if hint else "") + "levels are " + ", ".join(ir.ALL_LEVELS))
-            elif level.name in seen:
+            elif duplicate:
                 self.err(f"level {level.name} appears twice (first at line {seen[level.name].loc.line})",
                          level.loc)
             else:
@@ -535,7 +545,8 @@ class _Checker:
             if level.name == "nodes" and (level.holds or level.capacity is not None):
                 self.err("level nodes only splits wires across nodes: it holds no tensors and has no capacity",
                          level.loc, "tensors live in hbm; write 'group w across N' or 'stream w across N'")
-            self.check_tiles(level)
+            if not duplicate:   # (a mistyped name's tiles: 'level hbm' for smem gave an error per block)
+                self.check_tiles(level)
             locs = level.hold_locs or (level.loc,) * len(level.holds)
             for name, loc in zip(level.holds, locs):
                 if name not in self.tensor_names:
@@ -549,7 +560,7 @@ class _Checker:
                     held[name] = level
                     self.check_io_hold(name, level, loc)
         self.check_mesh(seen)
-        self.check_nesting(s.levels)
+        self.check_nesting(list(seen.values()))
         return len(self.errors) == before
 
     def check_io_hold(self, name: str, level: ir.Level, loc: ir.Loc) -> None:

@@ -131,6 +131,31 @@ def test_a_layouts_unknown_wire_is_reported_once_not_again_by_its_readers():
     assert [(d.message, where(d)) for d in errors(text)] == [("unknown wire 'y' in the layout of K", pos(text, "y, d]"))]
 
 
+def test_a_box_whose_wires_differ_from_its_layout_is_reported_once_not_again_by_its_readers():
+    """S[b, q] of an expression along x also gave the correct P "has no x: drop x" and
+    "softmax[x] normalises along x, but its operand has no x"."""
+    text = ("diagram t\nwire b, q, x\nwire d = 16\nin Q[b, q, d] : fp16\nin K[b, x, d] : fp16\n"
+            "S[b, q] = sum[d](Q * K)\nP[b, q, x] = softmax[x](S)\nout P\n")
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("S declares [b, q] but its expression has x too: reduce it (sum[x](...)) or declare it", (6, 1))]
+
+
+def test_a_wire_twice_in_an_inputs_layout_is_reported_once_not_again_by_its_readers():
+    """Q[(hk hk), ...], a slip for (hk g), also gave "wire g has no size" at the wire's declaration
+    and "S declares [hk, g, q, x] but its expression has no g" at the correct box S."""
+    text = ("diagram t\nwire hk, g, q, x\nwire d = 16\nin Q[(hk hk), q, d] : fp16\nin K[hk, x, d] : fp16\n"
+            "S[hk, g, q, x] = sum[d](Q * K)\nout S\n")
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("wire 'hk' appears twice in the layout of Q", pos(text, "hk)"))]
+
+
+def test_an_extra_wire_in_a_box_is_not_also_a_wire_of_no_size():
+    text = ("diagram t\nwire b, q, x, y\nwire d = 16\nin Q[b, q, d] : fp16\nin K[b, x, d] : fp16\n"
+            "S[b, q, x, y] = sum[d](Q * K)\nP[b, q, x] = softmax[x](S)\nout P\n")
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("S declares [b, q, x, y] but its expression has no y", pos(text, "y] ="))]
+
+
 def test_unknown_tensor_in_hold_and_out():
     text = HEAD + ATTENTION + "out Oo\nschedule { level hbm { hold Q, Vv } }\n"
     found = errors(text)
@@ -420,6 +445,15 @@ def test_levels_out_of_order_and_repeated():
          pos(text, "hbm")),
         ("level smem appears twice (first at line 12)", pos(text, "smem", 1)),
     ]
+
+
+def test_a_repeated_levels_tiles_are_not_checked_as_that_levels():
+    """level smem mistyped as a second level hbm gave, besides "appears twice", one "blocks belong
+    in level smem" per tile of it: four errors for one word."""
+    text = HEAD + ATTENTION + ("schedule {\n  level hbm { hold Q, K, V, O }\n"
+                               "  level hbm { group b by 1, q by 64, x by 64 }\n}\n")
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("level hbm appears twice (first at line 12)", pos(text, "hbm", 1))]
 
 
 def test_across_only_at_devices_and_by_only_elsewhere():
