@@ -11,7 +11,7 @@ position.  It never changes the IR.  The passes, in order:
    is a number or a boolean, resolving names, relabels and reductions; the
    wires a box's expression produces must equal its declared layout;
 4. outputs and the schedule (profile, levels, tiles, holds);
-5. streamability of every streamed wire (see ``_Stream``);
+5. streamability of every streamed wire (napkin.streamability);
 6. capacity: the tiles resident at a level must fit it (napkin.tiling).
 
 Passes 5 and 6 need resolved names, so they skip what earlier passes found
@@ -29,6 +29,8 @@ from typing import Optional
 
 from . import ir, tiling
 from .errors import Diagnostic
+from .ir import show as _show
+from .streamability import Streamability
 
 # Names the generated module defines or imports itself; a diagram name must not
 # shadow them.  (Names starting with "_" are banned outright.)
@@ -97,29 +99,6 @@ def _layout(axes) -> str:
     return "[" + ", ".join(a[0] if len(a) == 1 else "(" + " ".join(a) + ")" for a in axes) + "]"
 
 
-def _show(e: ir.Expr) -> str:
-    """A compact rendering of an expression, for messages."""
-    def sub(x):
-        negative = isinstance(x, ir.Num) and math.copysign(1, x.value) < 0     # (-8) ^ 0.5, not -8 ^ 0.5
-        return f"({_show(x)})" if isinstance(x, (ir.Binary, ir.Unary)) or negative else _show(x)
-    if isinstance(e, ir.Num):
-        return {float("inf"): "inf", float("-inf"): "-inf"}.get(e.value, repr(e.value))
-    if isinstance(e, ir.WireIndex):
-        return e.wire
-    if isinstance(e, ir.WireSize):
-        return f"|{e.wire}|"
-    if isinstance(e, ir.TensorRef):
-        return e.name if e.wires is None else f"{e.name}[{', '.join(e.wires)}]"
-    if isinstance(e, ir.Unary):
-        return f"{e.op}{' ' if e.op == 'not' else ''}{sub(e.operand)}"
-    if isinstance(e, ir.Binary):
-        return f"{sub(e.lhs)} {e.op} {sub(e.rhs)}"
-    if isinstance(e, ir.Call):
-        return f"{e.fn}({', '.join(_show(a) for a in e.args)})"
-    wires = e.wires if isinstance(e, ir.Reduce) else (e.wire,)
-    return f"{e.op}[{', '.join(wires)}]({_show(e.body)})"
-
-
 class _Checker:
     def __init__(self, diagram: ir.Diagram):
         self.d = diagram
@@ -152,7 +131,7 @@ class _Checker:
         for level in self.d.schedule.levels if self.d.schedule else ():
             for wire in tiling.streamed_wires(self.d, level.name) if level.name in ir.ALL_LEVELS else ():
                 if wire in self.wire_names:
-                    _Stream(self, wire).run()
+                    Streamability(self, wire).run()
         if capacity and self.d.schedule and schedule_ok and self.names_ok and not self.errors:
             self.check_capacity()
 
@@ -731,107 +710,3 @@ _KIND_HINT = {
     _NUM: "where(cond, a, b) turns a condition into numbers",
     _BOOL: "compare first, e.g. x <= q",
 }
-
-
-# --------------------------------------------------------------------------
-# 5. Streamability.
-# --------------------------------------------------------------------------
-
-class _Stream:
-    """Can every box be computed chunk by chunk along the streamed wire w?
-
-    Each value gets three facts: ``along`` (it still varies along w),
-    ``done`` (it depends on a reduction over w that is complete only after
-    the last chunk: (op, description)) and ``soft`` (it is a softmax over w,
-    whose normaliser is likewise complete only at the end: (description,
-    box name or None)).  A value both ``along`` and ``done`` cannot be
-    computed per chunk.  A ``soft`` value streams only when it flows
-    linearly (through * and /) into a sum over w, which rescales its
-    accumulator as the running max moves: the online-softmax trick.
-    """
-
-    def __init__(self, checker: _Checker, wire: str):
-        self.c, self.w, self.d = checker, wire, checker.d
-        self.info: dict[str, tuple] = {}
-
-    def run(self) -> None:
-        for t in self.d.inputs:
-            self.info.setdefault(t.name, (self.w in ir.axis_wires(t.axes), None, None))
-        for let in self.d.lets:
-            if let.name in self.info or let.name in self.c.broken_boxes:
-                continue
-            self.box, self.reported = let.name, False
-            along, done, soft = self.eval(let.expr)
-            if soft is not None and soft[1] is None:
-                soft = (soft[0], let.name)
-            self.info[let.name] = (along, done, soft)
-        for out in self.d.outputs:
-            soft = self.info.get(out.name, (False, None, None))[2]
-            if soft is not None:
-                self.bad_softmax(soft, f"the output list (out {out.name})", out.loc)
-
-    def eval(self, e: ir.Expr) -> tuple:
-        w = self.w
-        if isinstance(e, (ir.Num, ir.WireSize)):
-            return False, None, None
-        if isinstance(e, ir.WireIndex):
-            return e.wire == w, None, None
-        if isinstance(e, ir.TensorRef):
-            along, done, soft = self.info.get(e.name, (False, None, None))
-            if e.wires is not None:
-                along = w in e.wires
-            return self.settle(e, along, done, soft)
-        if isinstance(e, ir.Reduce):
-            along, done, soft = self.eval(e.body)
-            head = f"{e.op}[{', '.join(e.wires)}]"
-            if soft is not None and e.op != "sum":
-                self.bad_softmax(soft, f"{head} in {self.box}", e.loc)
-                soft = None
-            if w in e.wires and along:
-                return False, (e.op, f"{head} of {_show(e.body)}"), None
-            return along, done, soft
-        if isinstance(e, ir.Normalize):
-            along, done, soft = self.eval(e.body)
-            if soft is not None:
-                self.bad_softmax(soft, f"{e.op}[{e.wire}] in {self.box}", e.loc)
-            if e.wire == w:
-                return True, None, (f"{e.op}[{w}] of {_show(e.body)}", None)
-            return along, done, None
-        children = [e.operand] if isinstance(e, ir.Unary) else [e.lhs, e.rhs] if isinstance(e, ir.Binary) \
-            else list(e.args)
-        facts = [self.eval(x) for x in children]
-        softs = [i for i, f in enumerate(facts) if f[2] is not None]
-        soft = None
-        if softs:
-            linear = isinstance(e, ir.Binary) and len(softs) == 1 and (e.op == "*" or (e.op == "/" and softs == [0]))
-            if linear:
-                soft = facts[softs[0]][2]
-            else:
-                what = e.fn if isinstance(e, ir.Call) else f"'{e.op}'"
-                self.bad_softmax(facts[softs[0]][2], f"{what} in {self.box}", e.loc)
-        along = any(f[0] for f in facts)
-        done = next((f[1] for f in facts if f[1] is not None), None)
-        return self.settle(e, along, done, soft)
-
-    def settle(self, e: ir.Expr, along: bool, done, soft) -> tuple:
-        """Report a completed reduction over w used beside values along w."""
-        if along and done is not None:
-            if not self.reported:
-                self.reported = True
-                op, what = done
-                hint = (f"softmax[{self.w}] streams with a running max" if op in ("max", "logsumexp")
-                        else f"reduce over {self.w} last, or do not stream {self.w} at this level")
-                self.c.err(f"{self.box} uses {what} beside values along {self.w}: that {op} is complete only "
-                           f"after the last chunk of {self.w}, so {self.box} cannot be computed chunk by chunk",
-                           e.loc, hint)
-            done = None  # reported once; do not cascade into later boxes
-        return along, done, soft
-
-    def bad_softmax(self, soft: tuple, consumer: str, loc: ir.Loc) -> None:
-        what, box = soft
-        subject = f"{box} (a {what})" if box else what
-        ref = box or "softmax(...)"
-        self.c.err(f"{subject} cannot stream over {self.w}: {consumer} uses it, but a softmax over a "
-                   f"streamed wire can only feed a sum over it, as in sum[{self.w}]({ref} * V)", loc,
-                   f"its normaliser is complete only after the last chunk of {self.w}; "
-                   f"stream another wire, or do not stream {self.w}")

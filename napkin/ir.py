@@ -475,3 +475,26 @@ def walk(expr: Expr):
     yield expr
     for child in children(expr):
         yield from walk(child)
+
+
+def show(e: Expr) -> str:
+    """A compact rendering of an expression, for messages."""
+    def sub(x):
+        negative = isinstance(x, Num) and math.copysign(1, x.value) < 0     # (-8) ^ 0.5, not -8 ^ 0.5
+        return f"({show(x)})" if isinstance(x, (Binary, Unary)) or negative else show(x)
+    if isinstance(e, Num):
+        return {float("inf"): "inf", float("-inf"): "-inf"}.get(e.value, repr(e.value))
+    if isinstance(e, WireIndex):
+        return e.wire
+    if isinstance(e, WireSize):
+        return f"|{e.wire}|"
+    if isinstance(e, TensorRef):
+        return e.name if e.wires is None else f"{e.name}[{', '.join(e.wires)}]"
+    if isinstance(e, Unary):
+        return f"{e.op}{' ' if e.op == 'not' else ''}{sub(e.operand)}"
+    if isinstance(e, Binary):
+        return f"{sub(e.lhs)} {e.op} {sub(e.rhs)}"
+    if isinstance(e, Call):
+        return f"{e.fn}({', '.join(show(a) for a in e.args)})"
+    wires = e.wires if isinstance(e, Reduce) else (e.wire,)
+    return f"{e.op}[{', '.join(wires)}]({show(e.body)})"
