@@ -51,6 +51,10 @@ _BUILTINS = frozenset(dir(builtins))
 # a diagram named json wrote json.py, and then "import torch" failed half-initialised
 _MODULES = frozenset(sys.stdlib_module_names) | {"torch", "triton", "numpy", "jinja2", "lark", "napkin"}
 _NUM, _BOOL = "number", "boolean"
+# The kind of a value whose own kind check failed, or of an input of an unknown dtype or an
+# unknown name: later checks take it silently (a dtype typo or one wrong operand under '-' gave a
+# second error, at the reader, saying the opposite of the first)
+_ANY = "unknown"
 
 
 def check(diagram: ir.Diagram, capacity: bool = True) -> list[Diagnostic]:
@@ -214,7 +218,7 @@ class _Checker:
         for t in self.d.inputs:
             if t.name not in env:
                 env[t.name] = frozenset(ir.axis_wires(t.axes))
-                self.kinds[t.name] = _BOOL if t.dtype == "bool" else _NUM
+                self.kinds[t.name] = _BOOL if t.dtype == "bool" else _NUM if t.dtype in ir.DTYPE_BYTES else _ANY
         for let in self.d.lets:
             self.box, self.env, self.poisoned = let, env, False
             wires, kind = self.infer(let.expr)
@@ -267,9 +271,9 @@ class _Checker:
         if isinstance(e, ir.Unary):
             wires, kind = self.infer(e.operand)
             want = _BOOL if e.op == "not" else _NUM
-            if kind != want:
+            if kind not in (want, _ANY):
                 self.err(f"'{e.op}' needs a {want}, not a {kind}", e.loc, _KIND_HINT[want])
-            return wires, want
+            return wires, want if kind == want else _ANY
         if isinstance(e, ir.Binary):
             return self.infer_binary(e)
         if isinstance(e, ir.Call):
@@ -292,7 +296,7 @@ class _Checker:
                 self.unknown("name", e.name, e.loc, self.tensor_names, more=self.wire_names)
             else:
                 self.unknown("tensor", e.name, e.loc, self.tensor_names)
-            return frozenset(), _NUM
+            return frozenset(), _ANY
         kind = self.kinds.get(e.name, _NUM)
         if e.name in self.unknown_layouts:
             # its wires are a typo's: comparing them would say "reduce y" or "drop x" of the reader
@@ -318,23 +322,26 @@ class _Checker:
 
     def infer_binary(self, e: ir.Binary) -> tuple[frozenset, str]:
         (lw, lk), (rw, rk) = self.infer(e.lhs), self.infer(e.rhs)
-        kinds = {lk, rk}
+        kinds = {lk, rk} - {_ANY}
         if e.op in ir.ARITH_OPS:
-            if _BOOL in kinds:
+            result, wrong = _NUM, _BOOL in kinds
+            if wrong:
                 self.err(f"'{e.op}' needs numbers, not a boolean", e.loc, _KIND_HINT[_NUM])
             elif e.op in ("/", "^"):
                 self.check_constant(e)
-            return lw | rw, _NUM
-        if e.op in ir.LOGIC_OPS:
-            if _NUM in kinds:
+        elif e.op in ir.LOGIC_OPS:
+            result, wrong = _BOOL, _NUM in kinds
+            if wrong:
                 self.err(f"'{e.op}' needs booleans, not a number", e.loc, _KIND_HINT[_BOOL])
-            return lw | rw, _BOOL
-        if e.op in ("==", "!="):
-            if len(kinds) > 1:
+        elif e.op in ("==", "!="):
+            result, wrong = _BOOL, len(kinds) > 1
+            if wrong:
                 self.err(f"'{e.op}' compares a boolean with a number", e.loc)
-        elif _BOOL in kinds:
-            self.err(f"'{e.op}' compares numbers, not booleans", e.loc, "== and != compare booleans")
-        return lw | rw, _BOOL
+        else:
+            result, wrong = _BOOL, _BOOL in kinds
+            if wrong:
+                self.err(f"'{e.op}' compares numbers, not booleans", e.loc, "== and != compare booleans")
+        return lw | rw, _ANY if wrong else result
 
     def check_constant(self, e: ir.Binary) -> None:
         """A division or power of numbers (and fixed sizes) with no real value:
@@ -357,24 +364,28 @@ class _Checker:
         args = [self.infer(a) for a in e.args]
         wires = frozenset().union(*(w for w, _ in args))
         if e.fn == "where" and len(args) == 3:
-            if args[0][1] != _BOOL:
+            if args[0][1] == _NUM:
                 self.err("where's condition must be a boolean (a comparison), not a number",
                          e.args[0].loc, "compare it, e.g. where(x <= q, S, -inf)")
-            if args[1][1] != args[2][1]:
+            branches = {args[1][1], args[2][1]} - {_ANY}
+            if len(branches) > 1:
                 self.err("where's two branches must both be numbers or both booleans", e.loc)
-            return wires, args[1][1]
+            return wires, branches.pop() if len(branches) == 1 else _ANY
         if any(k == _BOOL for _, k in args):
             self.err(f"{e.fn} needs numbers, not a boolean", e.loc, _KIND_HINT[_NUM])
+            return wires, _ANY
         return wires, _NUM
 
     def infer_reduce(self, e: ir.Reduce) -> tuple[frozenset, str]:
         body, kind = self.infer(e.body)
         head = f"{e.op}[{', '.join(e.wires)}]"
+        result = _NUM
         if kind == _BOOL:
             self.err(f"{head} needs numbers, not booleans", e.loc, _KIND_HINT[_NUM])
+            result = _ANY
         if not self.check_wire_list(e.wires, e.loc, head):
             self.poisoned = True
-            return body - set(e.wires), _NUM
+            return body - set(e.wires), result
         factors = self.factors(e)
         for w in e.wires:
             if self.poisoned:
@@ -386,7 +397,7 @@ class _Checker:
                 (has, _), (lacks, _) = factors if w in factors[0][1] else factors[::-1]
                 self.err(f"{head} contracts nothing: {w} is in {has} but not in {lacks}", e.loc,
                          f"a contraction joins a wire of both factors; check the layouts of {has} and {lacks}")
-        return body - set(e.wires), _NUM
+        return body - set(e.wires), result
 
     def factors(self, e: ir.Reduce):
         """For sum[w](A * B): ((A, wires of A), (B, wires of B)) when both factors
@@ -403,13 +414,15 @@ class _Checker:
     def infer_normalize(self, e: ir.Normalize) -> tuple[frozenset, str]:
         body, kind = self.infer(e.body)
         head = f"{e.op}[{e.wire}]"
+        result = _NUM
         if kind == _BOOL:
             self.err(f"{head} needs numbers, not booleans", e.loc, _KIND_HINT[_NUM])
+            result = _ANY
         if not self.check_wire_list((e.wire,), e.loc, head):
             self.poisoned = True
         elif e.wire not in body and not self.poisoned:
             self.err(f"{head} normalises along {e.wire}, but its operand has no {e.wire}", e.loc)
-        return body, _NUM
+        return body, result
 
     def check_sizes(self) -> None:
         """Every symbolic wire a box uses gets its size at a call from an

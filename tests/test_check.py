@@ -419,6 +419,30 @@ def test_ordering_booleans_and_logic_on_numbers():
     ]
 
 
+def test_a_wrong_kind_under_an_operator_is_one_error_not_a_contradicting_second():
+    """-(x < q) was also "where's condition must be a boolean ..., not a number" and softmax[x](not S)
+    also "softmax[x] needs numbers, not booleans": the second saying the opposite of the first."""
+    text = HEAD + ("S[b, h, q, x] = sum[d](Q * K)\nR[b, h, q, x] = where(-(x < q), S, 0)\n"
+                   "P[b, h, q, x] = softmax[x](not S)\nT[b, h, q, x] = exp(x < q) + (S and S) * 2\nout P, R, T\n")
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("'-' needs a number, not a boolean", pos(text, "-(x < q)")),
+        ("'not' needs a boolean, not a number", pos(text, "not S")),
+        ("exp needs numbers, not a boolean", pos(text, "exp(")),
+        ("'and' needs booleans, not a number", pos(text, "S and S")),
+    ]
+
+
+def test_an_input_of_an_unknown_dtype_is_neither_number_nor_boolean_to_its_readers():
+    """A mask typed 'boool' was read as a number: "where's condition must be a boolean" at the
+    correct line that uses it; an unknown name likewise."""
+    text = HEAD + ("in keep[x] : boool\nS[b, h, q, x] = where(keep, sum[d](Q * K), -inf)\n"
+                   "T[b, h, q, x] = where(kep, S, -inf)\nout S, T\n")
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("unknown dtype 'boool'", pos(text, "boool")),
+        ("unknown name 'kep'", pos(text, "kep,")),
+    ]
+
+
 def test_boolean_inputs_and_comparisons_are_fine():
     text = HEAD + ("in keep[b, x] : bool\n"
                    "S[b, h, q, x] = where(keep and x <= q and not (q == x), sum[d](Q * K), -inf)\nout S\n")
