@@ -11,7 +11,9 @@ import dataclasses
 import functools
 import math
 import re
+import sys
 import unicodedata
+from fractions import Fraction
 from typing import NamedTuple, Optional
 
 import lark
@@ -318,11 +320,15 @@ class _Build(Transformer):
         return value
 
     def _whole(self, tok: Token, what: str) -> int:
+        problems = len(self.problems)
         value = self._number(tok)
-        if not isinstance(value, int):
+        if isinstance(value, int) or len(self.problems) > problems:   # (1e400: refused as too large)
+            return value if isinstance(value, int) else 1
+        if value == int(value):   # 64.0 and 1e3 are whole: "must be a whole number, not 64.0" was wrong
+            self._refuse(Diagnostic(f"{what} is written in digits ({int(value)}), not {tok}", _loc_of(tok)))
+        else:
             self._refuse(Diagnostic(f"{what} must be a whole number, not {tok}", _loc_of(tok)))
-            return 1
-        return value
+        return 1
 
     def __default__(self, data, children, meta):
         raise NotImplementedError(f"napkin's grammar rule {data!r} has no IR handler")
@@ -428,10 +434,21 @@ class _Build(Transformer):
                                         hint="units are " + ", ".join(UNITS)))
                 return 1   # a stand-in: parse() raises before anything reads it
             scale = UNITS[str(unit)]
-        value = self._number(number) * scale
-        if not math.isfinite(value) or value != int(value) or value <= 0:
-            self._refuse(Diagnostic(f"a capacity must be a positive whole number of bytes, not {value}",
+        problems = len(self.problems)
+        self._number(number)          # (too large, too small)
+        if len(self.problems) > problems:
+            return 1
+        # exact: a float refused 1.001 MB (1,001,000 bytes) as "not 1000999.9999999999"
+        value = Fraction(str(number)) * scale
+        if value.denominator != 1 or value <= 0:
+            written = f" ({number} {unit})" if scale != 1 else ""
+            shown = str(value.numerator) if value.denominator == 1 else repr(float(value))
+            self._refuse(Diagnostic(f"a capacity must be a positive whole number of bytes, not {shown}{written}",
                                     _loc_of(number)))
+            return 1
+        if value > sys.float_info.max:   # (the cost pass divides by it as a float)
+            self._refuse(Diagnostic(f"{number} {unit} is too large for a capacity (the largest is about 1.8e308 "
+                                    "bytes)", _loc_of(number)))
             return 1
         return int(value)
 

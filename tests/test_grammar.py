@@ -398,6 +398,13 @@ t.ncd:4:8: 1_000 is not a number
 }
 
 
+def test_decimal_capacities_are_exact():
+    """1.001 MB was refused as "not 1000999.9999999999" and 1.005 KB as "not 1004.9999999999999"."""
+    d = parse("diagram a\nschedule {\n level hbm capacity 1.001 MB { }\n level smem capacity 1.005 KB { }\n"
+              " level regs capacity 0.5 KiB { }\n}\n")
+    assert [lv.capacity for lv in d.schedule.levels] == [1_001_000, 1005, 512]
+
+
 def test_numbers_run_into_a_unit_or_a_word_operator_still_parse():
     """Refusing every number run into letters refused capacity 256KiB and 1<2and q>=0, which parse."""
     d = parse("diagram a\nwire n\nin X[n] : fp32\nY[n] = where(1<2and n>=0, X, .5 * X + 2.)\nout Y\n"
@@ -450,6 +457,26 @@ t.ncd:2:34: unknown unit 'KiBs'
 t.ncd:2:32: a capacity must be a positive whole number of bytes, not 0.5
     schedule { level smem capacity 0.5 B {} }
                                    ^^^"""),
+    # a float refused 1.001 MB as "not 1000999.9999999999"; a refused capacity shows what was written
+    "non-whole capacity in a unit": ("diagram a\nschedule { level smem capacity 1.0001 KB {} }\n", """\
+t.ncd:2:32: a capacity must be a positive whole number of bytes, not 1000.1 (1.0001 KB)
+    schedule { level smem capacity 1.0001 KB {} }
+                                   ^^^^^^"""),
+    "capacity too large": ("diagram a\nschedule { level smem capacity 1e300 GB {} }\n", """\
+t.ncd:2:32: 1e300 GB is too large for a capacity (the largest is about 1.8e308 bytes)
+    schedule { level smem capacity 1e300 GB {} }
+                                   ^^^^^"""),
+    "whole wire size not in digits": ("diagram a\nwire d = 64.0, e = 1e3\n", """\
+t.ncd:2:10: a wire size is written in digits (64), not 64.0
+    wire d = 64.0, e = 1e3
+             ^^^^
+t.ncd:2:20: a wire size is written in digits (1000), not 1e3
+    wire d = 64.0, e = 1e3
+                       ^^^"""),
+    "infinite block size": ("diagram a\nschedule { level smem { group q by 1e400 } }\n", """\
+t.ncd:2:36: 1e400 is too large for a number (the largest is about 1.8e308)
+    schedule { level smem { group q by 1e400 } }
+                                       ^^^^^"""),
     "infinite capacity": ("diagram a\nschedule { level smem capacity 1e400 {} }\n", """\
 t.ncd:2:32: 1e400 is too large for a number (the largest is about 1.8e308)
     schedule { level smem capacity 1e400 {} }
@@ -494,14 +521,14 @@ def test_numbers_that_cannot_be_taken_are_collected_with_the_other_problems():
         (2, 13, "a wire size must be a whole number, not 2.5"),
         (4, 8, "unknown function 'expp'"),
         (4, 18, "1e999 is too large for a number (the largest is about 1.8e308)"),
-        (6, 36, "a block size must be a whole number, not 128.0"),
-        (7, 14, "a block size must be a whole number, not 64.0")]
+        (6, 36, "a block size is written in digits (128), not 128.0"),
+        (7, 14, "a block size is written in digits (64), not 64.0")]
 
 
 @pytest.mark.parametrize("text, expected", BUILD_ERRORS.values(), ids=BUILD_ERRORS.keys())
 def test_build_error_text(text, expected):
     got = error(text)
-    if "digits" in expected:  # the source line is 5000 characters long: compare the head
+    if "5000 digits" in expected:  # the source line is 5000 characters long: compare the head
         got = got.splitlines()[0]
     assert got == expected
 
