@@ -261,8 +261,15 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
         before = text[text.rfind("\n", 0, err.pos_in_stream) + 1:err.pos_in_stream]
+        # the lexer's allowed set holds look-aheads that lead nowhere (']' in a hold list) and
+        # misses a new statement: ask the parser's state what really goes on
+        expected = err.allowed
+        if err.state is not None:
+            ip = _parser().parse_interactive("")
+            ip.parser_state = err.state.copy(deepcopy_values=False)
+            expected = ip.accepts() or expected
         return Diagnostic(f"unexpected character {_character(err.char, before)}", ir.Loc(err.line, err.column),
-                          hint=f"expected {_expected(err.allowed)}" if err.allowed else None)
+                          hint=f"expected {_expected(expected)}" if expected else None)
     if isinstance(err, UnexpectedEOF):  # pragma: no cover - LALR reports $END tokens
         return Diagnostic("unexpected end of file", ir.Loc(1, 1),
                           hint=f"expected {_expected(err.expected)}")

@@ -297,7 +297,18 @@ t.ncd:2:11: unexpected '*'
 t.ncd:2:10: unexpected character '$'
     S[b] = a $ b
              ^
-  hint: expected '(', ')', ',', '[', a name or an operator"""),
+  hint: expected '(', '[', a new statement or an operator"""),
+    # the lexer's set: ']' cannot go on a hold list, and a new statement was missing after out X
+    "bad character in a hold list": ("diagram a\nschedule { level hbm { hold Q, K ; S } }\n", """\
+t.ncd:2:34: unexpected character ';'
+    schedule { level hbm { hold Q, K ; S } }
+                                     ^
+  hint: expected ',', 'group', 'hold', 'stream' or '}'"""),
+    "bad character after a statement": ("diagram a\nwire n\nin X[n] : fp32\nout X;\n", """\
+t.ncd:4:6: unexpected character ';'
+    out X;
+         ^
+  hint: expected ',' or a new statement"""),
     "keyword as a name": ("diagram a\nwire b, in\n", """\
 t.ncd:2:9: unexpected 'in'
     wire b, in
@@ -333,7 +344,7 @@ t.ncd:2:32: unexpected 'KiB'
 t.ncd:2:1: unexpected character '\\x0b'
     \ufffdwire d = 64
     ^
-  hint: expected a name"""),
+  hint: expected a new statement"""),
     # the end of file was placed after the comment on the line below the dangling '*'
     "end after a comment": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = 2 *     # scale it\n# more\n", """\
 t.ncd:4:11: unexpected end of file
@@ -367,13 +378,13 @@ t.ncd:2:36: unexpected character '\uff11' (U+FF11 FULLWIDTH DIGIT ONE): numbers 
 t.ncd:4:13: unexpected character '\u0660' (U+0660 ARABIC-INDIC DIGIT ZERO): numbers are written in the ASCII digits 0-9
     Y[n] = X * 1\u0660
                 ^
-  hint: expected ')', ',', a name or an operator"""),
+  hint: expected a new statement or an operator"""),
     # a digit going on a name was told numbers are ASCII digits, as if q6 were a number
     "a non-ascii digit in a name": ("diagram a\nwire b, q1\u0666\n", """\
 t.ncd:2:11: unexpected character '\u0666' (U+0666 ARABIC-INDIC DIGIT SIX): names are ASCII letters, digits and _
     wire b, q1\u0666
               ^
-  hint: expected ',', '=' or a name"""),
+  hint: expected ',', '=' or a new statement"""),
     # a lookalike letter was shown as the letter it looks like: "unexpected character 'K'"
     "kelvin sign": ("diagram \u212aelvin\n", """\
 t.ncd:1:9: unexpected character '\u212a' (U+212A KELVIN SIGN): names are ASCII letters, digits and _
@@ -389,7 +400,7 @@ t.ncd:1:9: unexpected character '\u0430' (U+0430 CYRILLIC SMALL LETTER A): names
 t.ncd:1:10: unexpected character '\\u200b' (U+200B ZERO WIDTH SPACE): napkin reads only ASCII outside comments
     diagram a\u200b
              ^
-  hint: expected a name"""),
+  hint: expected a new statement"""),
     "underscored number": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = 1_000 * X\n", """\
 t.ncd:4:8: 1_000 is not a number
     Y[n] = 1_000 * X
