@@ -152,16 +152,21 @@ def _expected(names) -> str:
 _NUMBER_ENDS = re.compile(r"(" + "|".join(UNITS) + r"|and|or|not)")
 
 
-def _bad_number(text: str, until: int) -> Optional[Diagnostic]:
-    """The first number before ``until`` run into letters, digits or a dot it
-    cannot take (0x10, 1_000, 64d, 2e, 12.5abc), as a diagnostic at the whole
-    word; None if there is none.  The lexer reads 0x10 as the number 0 and a
-    name x10, so the syntax error falls on a later token (the next line's
-    'in'): it is the number that is wrong."""
+def _bad_number(text: str, since: int, until: int) -> Optional[Diagnostic]:
+    """The first number between ``since`` and ``until`` run into letters,
+    digits or a dot it cannot take (0x10, 1_000, 64d, 2e, 12.5abc), as a
+    diagnostic at the whole word; None if there is none.  The lexer reads 0x10
+    as the number 0 and a name x10, so the syntax error falls on a later token
+    (the next line's 'in'): it is the number that is wrong.  ``since``: where
+    the last token the parser took before the error starts; a word ending
+    before it parsed well (capacity 228kib is 228 and a unit) and is not
+    what the error is about."""
     code = re.sub(r"#[^\n]*", lambda c: " " * len(c.group()), text)   # comments blanked, places kept
     for word in re.finditer(r"(?<![\w.])([0-9][\w.]*|\.[0-9][\w.]*)", code, re.ASCII):   # (as NUMBER: ASCII)
         if word.start() > until:   # (a word the error falls inside counts: 5.e's error is at its e)
             break
+        if word.end() <= since:
+            continue
         number = re.match(_parser().get_terminal("NUMBER").pattern.to_regexp(), word.group())   # the grammar's
         rest = word.group()[number.end():]
         if rest and not _NUMBER_ENDS.fullmatch(rest):
@@ -198,11 +203,11 @@ def _in_name(before: str) -> bool:
     return bool(run) and not run[0].isdigit()
 
 
-def _accepts_before(text: str, bad: Token) -> Optional[set[str]]:
+def _replay(text: str, bad: Token) -> tuple[Optional[set[str]], Optional[Token]]:
     """The terminals that lead somewhere (not only LALR's look-aheads) in the
-    parser's state just before the token ``bad`` was fed, found by parsing
-    ``text`` again a token at a time; None if that parse does not fail at
-    ``bad``."""
+    parser's state just before the token ``bad`` was fed, and the token taken
+    before it, found by parsing ``text`` again a token at a time; (None, None)
+    if that parse does not fail at ``bad``."""
     ip, last = _parser().parse_interactive(text), None
     tokens = ip.lexer_thread.lex(ip.parser_state)   # (the lexer too refuses a token the state cannot take)
     try:
@@ -211,22 +216,25 @@ def _accepts_before(text: str, bad: Token) -> Optional[set[str]]:
             tok = next(tokens, None)
             if tok is None:
                 ip.feed_eof(last)   # ($END borrows the last token's place, as in parse())
-                return None
+                return None, None
             ip.feed_token(tok)
             last = tok
     except UnexpectedToken as err:
         if err.token.type == bad.type and err.token.start_pos == bad.start_pos:
-            return before.accepts()
+            return before.accepts(), last
     except UnexpectedInput:
         pass
-    return None
+    return None, None
 
 
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
     at = getattr(err, "pos_in_stream", None)
     if isinstance(err, UnexpectedToken):
         at = len(text) if err.token.type == "$END" else err.token.start_pos
-    bad = _bad_number(text, len(text) if at is None else at)
+    accepts, last = _replay(text, err.token) if isinstance(err, UnexpectedToken) else (None, None)
+    if isinstance(err, UnexpectedCharacters):
+        last = (err.token_history or [None])[-1]
+    bad = _bad_number(text, last.start_pos if last else 0, len(text) if at is None else at)
     if bad is not None:
         return bad
     if isinstance(err, UnexpectedToken):
@@ -235,7 +243,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         # off (in Q  K, K reduced Q to a whole expression first), so they
         # missed the operator the writer most likely left out: ask the
         # parser as it stood before that token instead.
-        expected = _accepts_before(text, tok) or set(err.accepts or err.expected)
+        expected = accepts or set(err.accepts or err.expected)
         if tok.type == "$END":
             what = "unexpected end of file"
             if tok.end_line:   # $END takes the last token's place: just after it, not after a comment

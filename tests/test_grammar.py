@@ -401,6 +401,20 @@ t.ncd:1:10: unexpected character '\\u200b' (U+200B ZERO WIDTH SPACE): napkin rea
     diagram a\u200b
              ^
   hint: expected a new statement"""),
+    # a well-parsed capacity above (228 and the unit kib, which the checker refuses) took the error
+    # as "228kib is not a number", and the dangling ',' was never shown
+    "syntax error after a capacity with a glued unit": (
+        "diagram a\nschedule {\n  level smem capacity 228kib {\n    group q by 16,\n  }\n}\n", """\
+t.ncd:5:3: unexpected '}'
+      }
+      ^
+  hint: expected a name"""),
+    "bad character after a capacity with a glued unit": (
+        "diagram a\nschedule {\n  level smem capacity 228kib { group q by 16 ; }\n}\n", """\
+t.ncd:3:46: unexpected character ';'
+      level smem capacity 228kib { group q by 16 ; }
+                                                 ^
+  hint: expected ',', 'group', 'hold', 'stream' or '}'"""),
     "underscored number": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = 1_000 * X\n", """\
 t.ncd:4:8: 1_000 is not a number
     Y[n] = 1_000 * X
