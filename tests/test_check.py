@@ -843,6 +843,13 @@ def test_a_wire_of_size_zero_is_refused():
                                      pos(text, "n = 0"))
 
 
+def test_a_wire_of_size_zero_is_not_also_folded_into_constants():
+    """|d|^-0.5 with wire d = 0 also gave "0 to a negative power: |d| ^ (-0.5) has no value"."""
+    text = HEAD.replace("wire d = 64", "wire d = 0") + "S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5 + 1 / |d|\nout S\n"
+    assert [(d.message, where(d)) for d in errors(text)] == [
+        ("wire d has size 0: a wire's size is a whole number of at least 1", pos(text, "d = 0"))]
+
+
 @pytest.mark.parametrize("constant, message", [
     ("1 / 0", "division by zero: 1 / 0 has no value"),
     ("0 / 0", "division by zero: 0 / 0 has no value"),
