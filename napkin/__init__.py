@@ -25,6 +25,9 @@ def load_text(text: str, filename: str = "<input>", capacity: bool = True):
     from .check import check
     from .parse import parse
 
+    # universal newlines, as read_source has them: Lark counts only \n, so with CR-only line
+    # endings the first comment ran to the end of the text and an empty diagram passed
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     diagram = parse(text, filename)
     problems = check(diagram, capacity)
     if problems:

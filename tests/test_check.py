@@ -324,6 +324,17 @@ def rendered(text: str) -> str:
     return str(info.value)
 
 
+def test_load_text_reads_cr_only_line_endings():
+    """With lines ended by CR alone, Lark read the first comment to the end of the text: an empty
+    diagram passed silently, the typo Zz unseen (napkin check, reading the file with universal
+    newlines, was right)."""
+    text = "diagram attn  # a comment\rwire n\rin X[n] : fp32\rY[n] = 2 * Zz\rout Y\r"
+    assert rendered(text) == """\
+t.ncd:4:12: unknown name 'Zz'
+    Y[n] = 2 * Zz
+               ^^"""
+
+
 def test_unknown_wire_in_an_input_layout_points_at_the_wire():
     text = "diagram t\nwire b, h, x\nwire d = 64\nin K[b, h, x, dd] : fp16\nout K\n"
     assert rendered(text) == """\
