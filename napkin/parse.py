@@ -227,6 +227,27 @@ def _replay(text: str, bad: Token) -> tuple[Optional[set[str]], Optional[Token]]
     return None, None
 
 
+def _dangling_operator(text: str, equal: Token) -> Optional[Diagnostic]:
+    """A box's '=' (or the ':' before its dtype) met inside the expression
+    above it, because that line ends with an operator (S[q] = a *, then
+    P[q] = ...: P[q] became the operand of '*'), as an error at that
+    operator; None if it is not so.  "to compare, write '=='" sent the
+    reader to the '=' of a correct line."""
+    lines = re.sub(r"#[^\n]*", "", text[:equal.start_pos]).split("\n")
+    if not re.fullmatch(r"\s*[A-Za-z_]\w*\s*\[[\w\s,()]*\]\s*(:\s*\w+\s*)?", lines[-1]):
+        return None                           # not a box's head (where(x = q, ...): a slip for '==')
+    for n in range(len(lines) - 2, -1, -1):   # the nearest line above with code
+        if lines[n].strip():
+            op = re.search(r"(\+|-|\*|/|\^|<=?|>=?|==|!=|\band|\bor|\bnot)\s*$", lines[n])
+            if op is None:
+                return None
+            col = op.start() + 1
+            return Diagnostic(f"line {n + 1} ends with '{op.group(1)}', so the box on line {equal.line} was read "
+                              "as its operand", ir.Loc(n + 1, col, n + 1, col + len(op.group(1))),
+                              hint=f"finish the expression after '{op.group(1)}', or drop the '{op.group(1)}'")
+    return None
+
+
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
     at = getattr(err, "pos_in_stream", None)
     if isinstance(err, UnexpectedToken):
@@ -260,6 +281,8 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         # The usual slips, spelled out.
         if tok.type == "COMPARE" and "COMPARE" not in expected and "AND" in expected:
             what, hint = "comparisons do not chain", "write 'a < b and b < c'"
+        elif tok.type in ("EQUAL", "COLON") and (dangling := _dangling_operator(text, tok)) is not None:
+            return dangling
         elif tok.type == "EQUAL" and "COMPARE" in expected:
             hint = "to compare, write '=='"
         elif str(tok) == "*" and text[:tok.start_pos].rstrip().endswith("*"):

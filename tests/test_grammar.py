@@ -288,6 +288,19 @@ t.ncd:2:16: unexpected '='
     S[b] = where(x = q, 1, 0)
                    ^
   hint: to compare, write '=='"""),
+    # P[q, x] below was read as the operand of the dangling '*': "unexpected '='", hint "to compare,
+    # write '=='", at the correct line's '='
+    "dangling operator before a box": ("diagram a\nS[q, x] = sum[d](Q * K) *   # scaled\n\n"
+                                       "P[q, x] = softmax[x](S)\n", """\
+t.ncd:2:25: line 2 ends with '*', so the box on line 4 was read as its operand
+    S[q, x] = sum[d](Q * K) *   # scaled
+                            ^
+  hint: finish the expression after '*', or drop the '*'"""),
+    "dangling operator before a box with a dtype": ("diagram a\nS[b] = b and\nT[b] : fp16 = 1\n", """\
+t.ncd:2:10: line 2 ends with 'and', so the box on line 3 was read as its operand
+    S[b] = b and
+             ^^^
+  hint: finish the expression after 'and', or drop the 'and'"""),
     "python power": ("diagram a\nS[b] = x ** 2\n", """\
 t.ncd:2:11: unexpected '*'
     S[b] = x ** 2
