@@ -54,8 +54,8 @@ def load_or_user_error(text: str) -> None:
     try:
         napkin.load_text(text, "fuzz.ncd")
     except NapkinError as err:
-        # The same line split as Lark's (and errors.py's): by "\n" only.
-        lines = text.replace("\r\n", "\n").split("\n")
+        # The same line split as load_text's: universal newlines (a lone CR ends a line too).
+        lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
         for d in err.diagnostics:
             assert 1 <= d.loc.line <= len(lines), (d, text)
             assert 1 <= d.loc.col <= len(lines[d.loc.line - 1]) + 1, (d, text)
