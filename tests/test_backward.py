@@ -753,6 +753,15 @@ def test_unnormalised_weights_reading_a_side_input_train_or_refuse_in_words(fold
         past.past_t_backward(*ins, *state, block_q=16, block_x=16, need=[False, False, False, True])
 
 
+def side_error(m, launch, ins, i) -> tuple[float, float]:
+    """Input i's gradient through the kernels and through autograd of the same-dtype reference,
+    each as its relative error against float64 autograd."""
+    got = gradients(lambda *a: launch(*a, block_q=16, block_x=16), ins)[i]
+    exact = gradients(m.reference, [t.double() for t in ins])[i]
+    same = gradients(m.reference, ins)[i]
+    return tuple(((g.double() - exact).norm() / exact.norm()).item() for g in (got, same))
+
+
 @pytest.mark.parametrize("q, x, seed", [(53, 37, 2), (90, 3, 3), (33, 100, 4)])
 def test_an_fp16_alibi_slope_gradient_is_as_good_as_fp16_autograds(folder, q, x, seed):
     """delta = rowsum(dO * O) reads the fp16 O, so each row's dS carried P * e, and the slope's
@@ -762,10 +771,7 @@ def test_an_fp16_alibi_slope_gradient_is_as_good_as_fp16_autograds(folder, q, x,
     m = example("alibi", folder)
     g = torch.Generator().manual_seed(seed)
     ins = [torch.randn(1, 2, n, 64, generator=g).half() for n in (q, x, x)] + [torch.rand(2, generator=g) + 0.1]
-    got = gradients(lambda *a: m.alibi(*a, block_q=16, block_x=16), ins)[3]
-    exact = gradients(m.reference, [t.double() for t in ins])[3]
-    same = gradients(m.reference, ins)[3]
-    err, floor = ((got.double() - exact).norm() / exact.norm()).item(), ((same - exact).norm() / exact.norm()).item()
+    err, floor = side_error(m, m.alibi, ins, 3)
     assert err < 1.5 * floor + 1e-5, (err, floor)
 
 
@@ -780,10 +786,7 @@ def test_a_per_query_temperatures_fp16_gradient_is_as_good_as_fp16_autograds(fol
     m = compile_text(text, "tq", folder)
     g = torch.Generator().manual_seed(0)
     ins = [torch.randn(1, 2, 37, 32, generator=g).half() for _ in range(3)] + [torch.rand(1, 2, 37, generator=g) * 4 + 1]
-    got = gradients(lambda *a: m.tq(*a, block_q=16, block_x=16), ins)[3]
-    exact = gradients(m.reference, [t.double() for t in ins])[3]
-    same = gradients(m.reference, ins)[3]
-    err, floor = ((got.double() - exact).norm() / exact.norm()).item(), ((same - exact).norm() / exact.norm()).item()
+    err, floor = side_error(m, m.tq, ins, 3)
     assert err < 1.5 * floor + 1e-4, (err, floor)
 
 
