@@ -122,7 +122,11 @@ class _Checker:
 
     def unknown(self, what: str, name: str, loc: ir.Loc, candidates, where: str = "", more=()) -> None:
         self.names_ok = False
-        self.err(f"unknown {what} '{name}'{where}", loc, _closest(name, candidates, more))
+        # hold q (a wire) or group Q (a tensor): the name exists, as the other kind
+        other = ("a wire" if what == "tensor" and name in self.wire_names else
+                 "a tensor" if what == "wire" and name in self.tensor_names else None)
+        hint = f"{name} is {other}, not a {what}" if other else _closest(name, candidates, more)
+        self.err(f"unknown {what} '{name}'{where}", loc, hint)
 
     def run(self, capacity: bool = True) -> None:
         self.check_names()

@@ -895,3 +895,13 @@ def test_relabels_tying_two_fixed_sizes_together_are_refused():
             "C[n, p] : fp32 = sum[k](A[n, k] * A[p, k])\nout C\n")
     assert (d.message, d.loc.line, d.loc.col) == (
         "one wire given two sizes: A[p, k] reads m as p, which ties n (= 8) to p (= 16)", 6, 35)
+
+
+def test_an_unknown_name_of_the_other_kind_says_so():
+    """hold q (a wire) said only "unknown tensor 'q'", group Q (a tensor) "unknown wire 'Q'"
+    (errors3 hunt)."""
+    text = ("diagram t\nwire q, x\nin Q[q, x] : fp16\nout Q\n"
+            "schedule { level hbm { hold q }\n level smem { group Q by 16 } }\n")
+    assert [(d.message, where(d), d.hint) for d in errors(text)] == [
+        ("unknown tensor 'q' in hold", (5, 29), "q is a wire, not a tensor"),
+        ("unknown wire 'Q' in level smem", (6, 21), "Q is a tensor, not a wire")]
