@@ -52,6 +52,12 @@ def refuse(what: str, why: str, loc: ir.Loc = ir.NOLOC) -> NapkinError:
     return NapkinError([Diagnostic(f"napkin cannot emit a backward for {what}: {why}", loc)])
 
 
+def located(message: str, loc: ir.Loc) -> str:
+    """A refusal as a generated module says it, with no caret to show: the
+    diagram's line and column in words, where a place is to blame."""
+    return message if loc.line <= 0 else f"{message} (line {loc.line}, column {loc.col} of the diagram)"
+
+
 # --------------------------------------------------------------------------
 # The plan.
 # --------------------------------------------------------------------------
@@ -287,9 +293,7 @@ class _Builder:
             try:
                 side = self.side_input(t, tile.get("S"))
             except NapkinError as err:
-                where = err.diagnostics[0].loc
-                self.ungradable.append((t.name, f"{err.messages[0]} (line {where.line}, column {where.col} "
-                                                "of the diagram)"))
+                self.ungradable.append((t.name, located(err.messages[0], err.diagnostics[0].loc)))
                 continue
             if side is not None:
                 out.append(side)

@@ -61,9 +61,9 @@ def located_reason(t: Training) -> Optional[str]:
     """Why there is no backward, with the diagram's line and column where a
     place is to blame: the generated module's NotImplementedError has no
     caret to show, so its words say where."""
-    if t.reason is None or t.reason_loc.line <= 0:
-        return t.reason
-    return f"{t.reason} (line {t.reason_loc.line}, column {t.reason_loc.col} of the diagram)"
+    from .backward import located
+
+    return None if t.reason is None else located(t.reason, t.reason_loc)
 
 
 def prepare(plan: L.Plan) -> Training:
