@@ -775,17 +775,23 @@ def test_an_fp16_alibi_slope_gradient_is_as_good_as_fp16_autograds(folder, q, x,
     assert err < 1.5 * floor + 1e-5, (err, floor)
 
 
+def per_query_temperature(name: str, o_dtype: str, folder):
+    """Attention of fp16 Q, K, V whose scores a float32 tau[b, h, q] scales, O declared
+    o_dtype: the module and random inputs (b = 1, h = 2, q = x = 37, d = 32, tau in [1, 5])."""
+    text = (f"diagram {name}\nwire b, h, q, x\nwire d = 32\nin Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\n"
+            "in V[b, h, x, d] : fp16\nin tau[b, h, q] : fp32\n"
+            "S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5 * tau * 4\n"
+            f"O[b, h, q, d] : {o_dtype} = sum[x](softmax[x](S) * V)\nout O\n")
+    g = torch.Generator().manual_seed(0)
+    ins = [torch.randn(1, 2, 37, 32, generator=g).half() for _ in range(3)] + [torch.rand(1, 2, 37, generator=g) * 4 + 1]
+    return compile_text(text, name, folder), ins
+
+
 def test_a_per_query_temperatures_fp16_gradient_is_as_good_as_fp16_autograds(folder):
     """tau[b, h, q] scales each query's scores: its gradient sums dS * raw score along a row, as
     large as the scores (here 1.3e-2 against fp16 autograd's 2.5e-4 before; novel3 hunt: 0.134 off
     at scores up to 337).  Centred per row in the dQ kernel, as the slope above."""
-    text = ("diagram tq\nwire b, h, q, x\nwire d = 32\nin Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\n"
-            "in V[b, h, x, d] : fp16\nin tau[b, h, q] : fp32\n"
-            "S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5 * tau * 4\n"
-            "O[b, h, q, d] : fp16 = sum[x](softmax[x](S) * V)\nout O\n")
-    m = compile_text(text, "tq", folder)
-    g = torch.Generator().manual_seed(0)
-    ins = [torch.randn(1, 2, 37, 32, generator=g).half() for _ in range(3)] + [torch.rand(1, 2, 37, generator=g) * 4 + 1]
+    m, ins = per_query_temperature("tq", "fp16", folder)
     err, floor = side_error(m, m.tq, ins, 3)
     assert err < 1.5 * floor + 1e-4, (err, floor)
 
@@ -811,13 +817,7 @@ def test_an_fp32_output_of_fp16_inputs_gives_delta_the_rounded_do_that_dp_takes(
     rowsum(dO * O) from the float32 dO; dS = P (dP - delta) kept their difference, and a
     per-query temperature's gradient, which sums dS times the raw score, was 9.0e-3 off
     (novel3 hunt; 0.27 at larger scores), Q's 1.4e-3.  The rows read the rounded dO now."""
-    text = ("diagram tq4\nwire b, h, q, x\nwire d = 32\nin Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\n"
-            "in V[b, h, x, d] : fp16\nin tau[b, h, q] : fp32\n"
-            "S[b, h, q, x] = sum[d](Q * K) * |d|^-0.5 * tau * 4\n"
-            "O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)\nout O\n")
-    m = compile_text(text, "tq4", folder)
-    g = torch.Generator().manual_seed(0)
-    ins = [torch.randn(1, 2, 37, 32, generator=g).half() for _ in range(3)] + [torch.rand(1, 2, 37, generator=g) * 4 + 1]
+    m, ins = per_query_temperature("tq4", "fp32", folder)
     got = gradients(lambda *a: m.tq4(*a, block_q=16, block_x=16), ins)
     exact = gradients(m.reference, [t.double() for t in ins])
     for a, b, what, tol in zip(got, exact, ("Q", "K", "V", "tau"), (1e-3, 1e-3, 1e-3, 1.5e-3)):
