@@ -2,7 +2,7 @@
 # The benchmark a session with a lent H100 (or H200) runs, in stages that each
 # fit one 10-minute device command.  Usage, from the repository root:
 #
-#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|sweep|ncu|tma|decode|all]   (default: all)
+#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|sweep|ncu|tma|decode|aot|all]   (default: all)
 #
 # Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
 # comes back), else bench/results; copy them into bench/results/ and commit
@@ -134,9 +134,17 @@ stage_decode() {
   "$PYTHON" bench/launch_overhead.py --out "$OUT_DIR"
 }
 
+stage_aot() {
+  # What the machine's own Triton makes of the kernels before anything is
+  # timed (napkin.bench.aot: registers, spills, wgmma): ALiBi with its slope
+  # trained (every floating input needs a gradient there), whose dQ kernel
+  # sums two more row vectors since 2026-11-27, then the two targets.
+  "$PYTHON" -m napkin.bench.aot examples/alibi.ncd examples/causal.ncd --head-dim 128 --dtype bfloat16
+}
+
 stage="${1:-all}"
 case "$stage" in
-  env|test|benchtest|main|variants|misses|others|sweep|ncu|tma|decode) "stage_$stage" ;;
-  all) for s in env test main variants others benchtest sweep ncu tma decode; do "stage_$s"; done ;;
-  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|sweep|ncu|tma|decode|all]" >&2; exit 2 ;;
+  env|test|benchtest|main|variants|misses|others|sweep|ncu|tma|decode|aot) "stage_$stage" ;;
+  all) for s in env test aot main variants others benchtest sweep ncu tma decode; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|sweep|ncu|tma|decode|aot|all]" >&2; exit 2 ;;
 esac
