@@ -94,14 +94,37 @@ run() {
   exit "$status"
 }
 
+merge_cache() {
+  # NEW's entries over INTO's (a call's newer tuning wins a shared key);
+  # INTO of another schema, or unreadable, is replaced by NEW
+  python3 - "$1" "$2" <<'EOF'
+import json, os, sys
+new_path, into_path = sys.argv[1], sys.argv[2]
+new = json.load(open(new_path))
+try:
+    old = json.load(open(into_path))
+    if old.get("schema") != new.get("schema") or not isinstance(old.get("entries"), dict):
+        old = {"entries": {}}
+except (OSError, ValueError):
+    old = {"entries": {}}
+entries = dict(sorted({**old["entries"], **new.get("entries", {})}.items()))
+with open(into_path + ".tmp", "w") as f:
+    f.write(json.dumps({**new, "entries": entries}, indent=1) + "\n")
+os.replace(into_path + ".tmp", into_path)
+EOF
+}
+
 keep() {
   local from="${1:?usage: bench/device.sh keep FILES_AT}" tmp
   tmp=$(mktemp -d)
   tar xzf "$from/results.tgz" -C "$tmp" || exit 1
   mkdir -p .device bench/results
   if [[ -f "$tmp/results/autotune-cache/autotune.json" ]]; then
-    cp "$tmp/results/autotune-cache/autotune.json" .device/
-    cp "$tmp/results/autotune-cache/autotune.json" "bench/results/autotune-$(date -u +%F).json"
+    # merged into what is there, not copied over it: a call that started
+    # without the last one's cache (its carry forgot .device/) came back
+    # without that call's tunings (2026-11-28: call 2 dropped call 1's six)
+    merge_cache "$tmp/results/autotune-cache/autotune.json" .device/autotune.json || exit 1
+    merge_cache "$tmp/results/autotune-cache/autotune.json" "bench/results/autotune-$(date -u +%F).json" || exit 1
     chmod 644 "bench/results/autotune-$(date -u +%F).json"  # readable whatever the device's umask
   fi
   rm -rf "$tmp/results/autotune-cache"
@@ -118,6 +141,17 @@ keep() {
     name="$day-call$call-$(basename "$f")"
     cp "$f" "bench/results/logs/$name" && echo "bench/results/logs/$name"
   done
+  # the ncu stage's files (its CSVs, launch options and bench/dram_bytes.py's
+  # comparisons) under ncu/, as named, a taken name with the time of day in
+  # front: JSON that is no bench record stays out of the pairs below
+  mkdir -p bench/results/ncu
+  for f in "$tmp"/results/ncu-* "$tmp"/results/dram-bytes-*; do
+    [[ -f $f ]] || continue
+    name=$(basename "$f")
+    [[ -e bench/results/ncu/$name ]] && name="$(date -u +%H%M%S)-$name"
+    cp "$f" "bench/results/ncu/$name" && echo "bench/results/ncu/$name" && rm -f "$f"
+  done
+  rmdir bench/results/ncu 2>/dev/null
   # a call's own pairs in their order: <device>-<date> before its -2, -3 ...
   for stem in $(for f in "$tmp"/results/*.json; do
                   [[ -e $f ]] || continue
@@ -136,7 +170,7 @@ keep() {
     done
     rm -f "$tmp/results/$stem".json "$tmp/results/$stem".md
   done
-  # anything else (ncu's CSVs, decode's tables): as named, a taken name gets
+  # anything else (decode's tables): as named, a taken name gets
   # the time of day in front
   for f in "$tmp"/results/*; do
     [[ -f $f && $f != *.log ]] || continue

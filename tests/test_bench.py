@@ -1121,6 +1121,32 @@ def test_a_run_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
     assert "PARTIAL" not in json_path.with_suffix(".md").read_text()
 
 
+def test_a_run_across_midnight_is_named_and_titled_by_the_day_it_began(tmp_path, monkeypatch):
+    """The H100 run begun 2026-11-27 at 23:57 wrote its first diagram that day
+    and its last after midnight: its files were named -2026-11-27 and titled
+    2026-11-28.  Both now say the day the run began."""
+    import datetime as real
+    from napkin.cli import main
+
+    days = iter(["2026-11-27", "2026-11-28", "2026-11-28", "2026-11-28"])
+
+    class Clock(real.date):
+        @classmethod
+        def today(cls):
+            return real.date.fromisoformat(next(days))
+
+    monkeypatch.setattr(harness.datetime, "date", Clock)
+    monkeypatch.setattr(harness, "_bench_variant", lambda path, *rest: [
+        _data()["rows"][0] | {"diagram": Path(path).stem, "file": str(path)}])
+    argv = ["bench", str(EXAMPLES / "causal.ncd"), str(EXAMPLES / "alibi.ncd"), "--seqlen", "48",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (json_path,) = tmp_path.glob("*.json")
+    assert json_path.name.endswith("-2026-11-27.json")
+    assert json.loads(json_path.read_text())["date"] == "2026-11-27"
+    assert ", 2026-11-27\n" in json_path.with_suffix(".md").read_text().splitlines(keepends=True)[0]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--size", "zz=64"], "attention.ncd: --size zz=64: diagram attention has no wire zz (its wires: b, h, q, x, d)"),
     (["--size", "d=128"], "attention.ncd: --size d=128: wire d of diagram attention is fixed at 64 "
@@ -1837,7 +1863,9 @@ def test_device_keep_numbers_two_calls_pairs_in_order_and_logs_by_call(tmp_path)
         for name, text in files.items():
             (src / "results" / name).write_text(text)
         cache = src / "results" / "autotune-cache" / "autotune.json"
-        cache.write_text(f"{{\"call\": {n}}}")
+        # each call's tuning of its own key, and of one both tuned
+        cache.write_text(json.dumps({"schema": "napkin-autotune/2",
+                                     "entries": {f"mine{n}": {"call": n}, "both": {"call": n}}}))
         cache.chmod(0o600)
         got = tmp_path / f"got{n}"
         got.mkdir()
@@ -1852,15 +1880,23 @@ def test_device_keep_numbers_two_calls_pairs_in_order_and_logs_by_call(tmp_path)
     call(1, {f"{dev}.json": "main", f"{dev}.md": "main", f"{dev}-2.json": "variants", f"{dev}-2.md": "variants",
              "main.log": "m1", "stages.log": "s1"})
     second = call(2, {f"{dev}-2.json": "others", f"{dev}-2.md": "others", f"{dev}.json": "variants again",
-                      f"{dev}.md": "variants again", "stages.log": "s2", "ncu-causal.csv": "c"})
+                      f"{dev}.md": "variants again", "stages.log": "s2", "ncu-causal.csv": "c",
+                      "ncu-causal.json": "{}", f"dram-bytes-causal-{day}.json": "{}"})
     res = repo / "bench" / "results"
     assert [(res / f"{dev}{n}.json").read_text() for n in ("", "-2", "-3", "-4")] == \
         ["main", "variants", "variants again", "others"]
     assert (res / f"{dev}-3.md").read_text() == "variants again" and (res / f"{dev}-4.md").read_text() == "others"
     assert (res / "logs" / f"{day}-call1-main.log").read_text() == "m1"
     assert (res / "logs" / f"{day}-call2-stages.log").read_text() == "s2"
-    assert (res / "ncu-causal.csv").read_text() == "c" and f"bench/results/{dev}-4.json" in second
-    assert (repo / ".device" / "autotune.json").read_text() == '{"call": 2}'
+    # the ncu stage's files under ncu/, its JSON (no bench records) out of the pairs
+    assert (res / "ncu" / "ncu-causal.csv").read_text() == "c" and f"bench/results/{dev}-4.json" in second
+    assert sorted(p.name for p in (res / "ncu").iterdir()) == \
+        sorted(["ncu-causal.csv", "ncu-causal.json", f"dram-bytes-causal-{day}.json"])
+    assert not list(res.glob("ncu-*")) and not list(res.glob("dram-bytes-*"))
+    # merged, not copied over: call 2 started without call 1's cache (2026-11-28) and dropped its tunings
+    want = {"both": {"call": 2}, "mine1": {"call": 1}, "mine2": {"call": 2}}
+    assert json.loads((repo / ".device" / "autotune.json").read_text())["entries"] == want
+    assert json.loads((res / f"autotune-{day}.json").read_text()) == {"schema": "napkin-autotune/2", "entries": want}
     assert (res / f"autotune-{day}.json").stat().st_mode & 0o044 == 0o044
 
 

@@ -224,6 +224,9 @@ def run(args, prog: str) -> int:
     grid["tune_share"] = TuneShare(time_limit(args), points, 1 if args.no_backward else 3, fixed=args.tune_budget)
     rows, failed, paths = [], False, None
     command = command_line(args, prog)
+    # the day the run began, once: a run across midnight named its files by the first
+    # write's date and titled them with the last's (an H100 run of 2026-11-27/28)
+    today = datetime.date.today().isoformat()
     variants = [(path, dtype, head_dim) for path in args.files for dtype in dtypes for head_dim in head_dims]
     with tempfile.TemporaryDirectory(prefix="napkin-bench-") as build:
         for done, (path, dtype, head_dim) in enumerate(variants, 1):
@@ -239,12 +242,12 @@ def run(args, prog: str) -> int:
             if rows and done < len(variants):
                 # what is measured so far, rewritten after each: a run stopped at a
                 # GPU session's time limit keeps it (the last write drops the mark)
-                partial = _record(rows, command, device, reps) \
+                partial = _record(rows, command, device, reps, today) \
                     | {"partial": f"written after {done} of {len(variants)} diagram/dtype/head-dim variants"}
                 paths = _write(partial, args.out, paths)
     if not rows:
         return 1
-    data = _record(rows, command, device, reps)
+    data = _record(rows, command, device, reps, today)
     json_path, md_path = _write(data, args.out, paths)
     print(results.markdown(data))
     print(f"wrote {json_path} and {md_path}")
@@ -307,7 +310,7 @@ class TuneShare:
         self.done = max(self.done, points)
 
 
-def _record(rows: list[dict], command: str, device: str, reps: int) -> dict:
+def _record(rows: list[dict], command: str, device: str, reps: int, date: str) -> dict:
     import torch
     import triton
 
@@ -324,7 +327,7 @@ def _record(rows: list[dict], command: str, device: str, reps: int) -> dict:
                   "TRITON_INTERPRET=1 and eager FlexAttention; NOT a performance number")
     return {
         "schema": results.SCHEMA, "smoke": device != "cuda", "timing": timing,
-        "date": datetime.date.today().isoformat(), "command": command,
+        "date": date, "command": command,
         "flop_convention": FLOP_CONVENTION,
         "device": {"name": name, "kind": device, "capability": cap},
         "versions": {"napkin": __version__, "torch": torch.__version__, "triton": triton.__version__,
