@@ -506,8 +506,8 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
     reach = [{}] * len(c.launches)
     if hbm:
         reach = []
-        for s, n in zip(c.launches, counts):
-            fractions, ws = dram_fractions(k, tl, s, wave, l2, chunks=n)
+        for s, n, v in zip(c.launches, counts, visits):
+            fractions, ws = dram_fractions(k, tl, s, wave, l2, chunks=n, visited=v if k.skips else None)
             c.working_set = max(c.working_set, ws)
             reach.append(fractions)
     main, merged = [], []

@@ -509,8 +509,15 @@ def work_polys(work: Work, wire_sym: Callable[[str], Poly]) -> dict[str, Poly]:
 # order, and the programs of a wave walk the streamed wire roughly in step,
 # so a tile several programs of one wave read comes from DRAM once per wave
 # and from L2 after that, as long as one step's shared tiles fit in L2.
-# Across waves nothing is assumed to survive.  A two-pass kernel's second
-# pass is assumed to miss.  This is an estimate, used only for the roofline.
+# Across waves a tile survives as long as the waves between its two reads
+# touch no more than L2 holds: with a wave's whole footprint W (every tile its
+# programs read or write, over the whole stream), a tile read again within
+# floor(L2 / W) waves is an L2 hit.  (Without that rule, plain attention at
+# 16K tokens, whose head's 128 row blocks straddle two waves of 132, came out
+# at 1.40x the DRAM bytes Nsight Compute measured on an H100, and at 0.95x
+# with it: docs/bench.md, "Measured: H100".)  A loop that skips masked steps
+# keeps the rule of one read a wave (causal: 1.01x).  A two-pass kernel's
+# second pass is assumed to miss.  This is an estimate, used only for the roofline.
 # --------------------------------------------------------------------------
 
 def launch_order(groups: dict[str, int]) -> list[str]:
@@ -530,13 +537,14 @@ def shared_loads(kernel: Kernel, tiles: Tiling, chunks: int = 1) -> list[Access]
     return [a for a in kernel.accesses if a.kind == "load" and any(w not in a.wires for w in axes)]
 
 
-def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: int,
-                   l2_bytes: float, chunks: int = 1) -> tuple[dict[Access, float], int]:
+def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: int, l2_bytes: float,
+                   chunks: int = 1, visited: Optional[Visited] = None) -> tuple[dict[Access, float], int]:
     """For each shared load, the fraction of its issued bytes that reaches
     DRAM; and one step's shared working set of the first wave, in bytes.
     ``chunks`` > 1: the grid's last (slowest) axis is the chunks of the
     streamed wire (napkin/cost/chunks.py), which the loads along that wire
-    carry."""
+    carry.  ``visited``: the steps a masked loop's row blocks read (else each
+    program reads the whole stream)."""
     import numpy as np
 
     groups, stream = kernel_tiling(kernel, tiles)
@@ -552,16 +560,55 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
         index[w], rest = rest % n, rest // n
     waves = linear // wave
     first = linear < wave
-    fractions, step_bytes = {}, 0
-    for acc in shared_loads(kernel, tiles, chunks):
-        key = waves.copy()
+    shared = shared_loads(kernel, tiles, chunks)
+    tile_of, step_bytes, wave_bytes = {}, 0, 0
+    for acc in kernel.accesses:
+        key = np.zeros_like(linear)
         for w, n, wire in zip(order, counts, carried):
             if wire in acc.wires:
                 key = key * n + index[w]
-        fractions[acc] = np.unique(key).size / linear.size
-        per_step = math.prod(groups[w] if w in groups else stream[1] if stream and w == stream[0]
-                             else sizes[w] for w in acc.wires)
-        step_bytes += np.unique(key[first]).size * per_step * ir.DTYPE_BYTES[acc.dtype]
+        tile_of[acc] = key
+        # one program's tile, a step's (shared loads) and the whole stream's (the footprint)
+        extent = {w: groups[w] if w in groups else sizes[w] for w in acc.wires}
+        width = ir.DTYPE_BYTES[acc.dtype]
+        tiles_in_first = np.unique(key[first]).size if acc in shared else int(first.sum())
+        wave_bytes += tiles_in_first * math.prod(extent.values()) * width
+        if acc in shared:
+            per_step = math.prod(stream[1] if stream and w == stream[0] else extent[w] for w in acc.wires)
+            step_bytes += tiles_in_first * per_step * width
     if step_bytes > l2_bytes:
-        fractions = {a: 1.0 for a in fractions}
+        return {a: 1.0 for a in shared}, step_bytes
+    # Each program's steps [lo, hi) along the stream: its row block's span
+    # when a masked loop skips steps, else one step standing for all of them
+    lo, hi = np.zeros_like(linear), np.ones_like(linear)
+    if visited is not None and chunks == 1 and visited.row in index and visited.spans:
+        spans = np.array(visited.spans, dtype=np.int64).reshape(-1, 2)
+        lo, hi = spans[index[visited.row], 0], np.maximum(spans[index[visited.row], 1], spans[index[visited.row], 0])
+    # how many waves back a tile is still in L2 (0: only within its own wave)
+    reach_back = int(l2_bytes // wave_bytes) if wave_bytes else 0
+    n_waves = int(waves[-1]) + 1
+    fractions = {}
+    for acc in shared:
+        along = stream is not None and stream[0] in acc.wires
+        a, b = (lo, hi) if along else (np.zeros_like(linear), np.ones_like(linear))
+        issued = int((b - a).sum())
+        if not issued:
+            fractions[acc] = 0.0
+            continue
+        # the steps each wave reads of each tile: the hull of its programs' spans
+        pairs, inverse = np.unique(tile_of[acc] * n_waves + waves, return_inverse=True)   # by tile, then wave
+        first_step = np.full(pairs.size, np.iinfo(np.int64).max, dtype=np.int64)
+        last_step = np.zeros(pairs.size, dtype=np.int64)
+        np.minimum.at(first_step, inverse, a)
+        np.maximum.at(last_step, inverse, b)
+        read = np.maximum(last_step - first_step, 0)
+        # ... less what a wave at most reach_back before read of the same tile (still in L2)
+        tile, at = pairs // n_waves, pairs % n_waves
+        warm = np.zeros(pairs.size, dtype=bool)
+        warm[1:] = (tile[1:] == tile[:-1]) & (at[1:] - at[:-1] <= reach_back)
+        overlap = np.zeros(pairs.size, dtype=np.int64)
+        overlap[1:] = np.maximum(np.minimum(last_step[1:], last_step[:-1])
+                                 - np.maximum(first_step[1:], first_step[:-1]), 0)
+        fresh = read - np.where(warm, np.minimum(overlap, read), 0)
+        fractions[acc] = int(fresh.sum()) / issued
     return fractions, step_bytes
