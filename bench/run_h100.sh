@@ -119,9 +119,10 @@ stage_ncu() {
 stage_tma() {
   # TMA descriptor loads against the pointer kernel, forward, head dim 128, 16K
   # tokens (bench/tma/tma_fwd.py: the compile-only study's timing half, never run
-  # before; bench/results/tma-sm90-2026-11-21.md).  The tuner already tries
-  # tma=True at head dim 128 in main/variants; this is the direct A/B.
-  # 2 diagrams x 2 tiles x 2 stage counts x 3 forms = 24 compiles and timings: one command.
+  # before; bench/results/tma-sm90-2026-11-21.md), as the launcher's tma=True
+  # and tma=False.  The tuner already tries tma=True at head dim 128 in
+  # main/variants; this is the direct A/B.
+  # 2 diagrams x 2 tiles x 2 stage counts x 2 forms = 16 compiles and timings: one command.
   PYTHONPATH=. "$PYTHON" bench/tma/tma_fwd.py time --head-dims 128 --seqlens 16384 --out "$OUT_DIR/tma-times.jsonl"
 }
 

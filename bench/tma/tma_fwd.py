@@ -41,7 +41,8 @@ Commands (from /work/wt-tma; keep TRITON_INTERPRET unset for ``compile``):
   PYTHONPATH=. python bench/tma/tma_fwd.py compile --examples causal --head-dims 128 \\
       --blocks 128x64 --stages 2 --forms tma4d --dump bench/tma/build/dump
 
-  # on an H100 (not run in this study): time the forms against the pointer kernel
+  # on an H100 (not run in this study): the launcher's own tma=True against the
+  # pointer kernel (the patch above predates that option and no longer applies)
   PYTHONPATH=. python bench/tma/tma_fwd.py time --out bench/tma/h100-times.jsonl
 
   # the markdown table of one or more JSON-lines files
@@ -393,49 +394,80 @@ def table(args) -> int:
     return 0
 
 
-def time_gpu(args) -> int:
-    """On a GPU: each form against the pointer kernel, same inputs and
-    options; prints ms (triton.testing.do_bench, median) and the largest
-    difference from the pointer kernel's O.  Not run in this study (no GPU here)."""
+# napkin's launcher has had a tma= option since this study (napkin/codegen/tma.py:
+# descriptors for Q, K, V and O, this study's tma4d_qo), so the patch above no
+# longer applies to what it emits; `time` runs the launcher unpatched, with
+# tma=False (the pointer kernel) and tma=True.
+TIME_FORMS = {"ptr": False, "tma": True}
+
+
+def time_rows(args, device: str, bench):
+    """The rows of ``time``: each form (TIME_FORMS) of the generated
+    forward at each size, block and stage count, timed by ``bench`` (a
+    callable with no arguments -> ms) on ``device``, with the largest
+    difference from the first form's O and whether TMA really ran (the
+    launcher falls back to pointers silently: its _tma_last says why).
+    tma is always passed: None would take a tuned config's choice from the
+    autotune cache, which main tuned with tma True at these sizes."""
     import torch
     import triton
 
-    if not torch.cuda.is_available():
-        print("time needs a CUDA GPU", file=sys.stderr)
-        return 2
-    out = open(args.out, "a") if args.out else None
+    label = torch.cuda.get_device_name() if device == "cuda" else device
     for example in args.examples:
         for hd in args.head_dims:
-            mods = {f: load(example, hd, args.dtype, f) for f in args.forms}
-            name = mods[args.forms[0]][0]
+            name, mod = load(example, hd, args.dtype, "ptr")
             for n in args.seqlens:
                 b, h = max(1, args.tokens // n), args.hidden // hd
-                Q, K, V = (t.cuda() for t in mods[args.forms[0]][1].example_inputs(
+                Q, K, V = (t.to(device) for t in mod.example_inputs(
                     {"b": b, "h": h, "q": n, "x": n}, dtype=getattr(torch, args.dtype)))
                 for blk in args.blocks:
                     bq, bx = map(int, blk.split("x"))
                     for stages in args.stages:
                         base = None
-                        for form, (_, mod) in mods.items():
+                        for form in args.forms:
                             def run():
                                 return getattr(mod, name)(Q, K, V, block_q=bq, block_x=bx, num_warps=args.warps,
-                                                          num_stages=stages)
+                                                          num_stages=stages, tma=TIME_FORMS[form])
                             try:
                                 o = run()[0]
+                                used = dict(mod._tma_last)
                                 base = o if base is None else base
                                 diff = (o.float() - base.float()).abs().max().item()
-                                ms = triton.testing.do_bench(run, warmup=25, rep=100)
-                                row = {"triton": triton.__version__, "device": torch.cuda.get_device_name(),
-                                       "example": example, "head_dim": hd, "dtype": args.dtype, "b": b, "h": h,
-                                       "n": n, "block_q": bq, "block_x": bx, "num_warps": args.warps,
-                                       "num_stages": stages, "form": form, "ms": ms, "max_diff_vs_first": diff}
+                                ms = bench(run)
+                                yield {"triton": triton.__version__, "device": label, "example": example,
+                                       "head_dim": hd, "dtype": args.dtype, "b": b, "h": h, "n": n, "block_q": bq,
+                                       "block_x": bx, "num_warps": args.warps, "num_stages": stages, "form": form,
+                                       "tma_used": used["used"], "tma_why_not": used["why"], "ms": ms,
+                                       "max_diff_vs_first": diff}
                             except Exception as err:
-                                row = {"example": example, "head_dim": hd, "n": n, "block_q": bq, "block_x": bx,
+                                yield {"example": example, "head_dim": hd, "n": n, "block_q": bq, "block_x": bx,
                                        "num_stages": stages, "form": form, "error": f"{type(err).__name__}: {err}"[:500]}
-                            print(json.dumps(row), flush=True)
-                            if out:
-                                out.write(json.dumps(row) + "\n")
-                                out.flush()
+
+
+def time_gpu(args) -> int:
+    """On a GPU: tma=True against the pointer kernel (time_rows), ms from
+    triton.testing.do_bench (median); each row printed and appended to --out
+    as it is measured, so a stage stopped at its limit keeps what it timed.
+    Without one, under TRITON_INTERPRET=1, a smoke run of the same path on
+    the CPU (wall-clock ms, meaningless; small --seqlens and --head-dims)."""
+    import torch
+    import triton
+
+    from napkin.bench.timing import cpu_ms
+
+    if torch.cuda.is_available():
+        device, bench = "cuda", lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        device, bench = "cpu", lambda fn: cpu_ms(fn, 1)
+    else:
+        print("time needs a CUDA GPU (or TRITON_INTERPRET=1 for a smoke run)", file=sys.stderr)
+        return 2
+    out = open(args.out, "a") if args.out else None
+    for row in time_rows(args, device, bench):
+        print(json.dumps(row), flush=True)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
     return 0
 
 
@@ -459,7 +491,7 @@ def main(argv=None) -> int:
     g.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     g.add_argument("--blocks", nargs="+", default=["128x64", "128x128"])
     g.add_argument("--stages", nargs="+", type=int, default=[2, 3])
-    g.add_argument("--forms", nargs="+", default=["ptr", "tma4d", "tma4d_qo"], choices=FORMS)
+    g.add_argument("--forms", nargs="+", default=list(TIME_FORMS), choices=list(TIME_FORMS))
     g.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384])
     g.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen (napkin bench's h100 preset)")
     g.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head dim")
