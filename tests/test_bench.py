@@ -2021,12 +2021,13 @@ def test_launch_overhead_times_the_launcher_with_every_kernel_stubbed_and_puts_t
     assert "| gqa | b=1, hk=8, g=4, q=1, x=4096 | _gqa_kernel x1 |" in path.read_text()
 
 
-def test_run_h100_decode_stage_runs_the_decode_bench_then_the_host_time(tmp_path):
+def test_run_h100_decode_stage_runs_the_host_time_then_the_decode_bench(tmp_path):
     """run_h100.sh decode, PYTHON a stand-in that records its arguments: both
-    scripts exist and write into the stage's output folder."""
+    scripts exist and write into the stage's output folder, the seconds of
+    launch_overhead.py first (decode.py may run to the stage's limit)."""
     calls = run_stage_recorded(tmp_path, "decode")
-    assert calls == [["bench/decode.py", "--out", str(tmp_path / "out")],
-                     ["bench/launch_overhead.py", "--out", str(tmp_path / "out")]]
+    assert calls == [["bench/launch_overhead.py", "--out", str(tmp_path / "out")],
+                     ["bench/decode.py", "--out", str(tmp_path / "out")]]
     assert all((REPO / c[0]).is_file() for c in calls)
 
 

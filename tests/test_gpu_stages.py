@@ -27,3 +27,24 @@ def test_tma_stage_times_the_launchers_tma_option_against_pointers(tmp_path):
     ptr, tma = rows
     assert not ptr["tma_used"] and tma["tma_used"] and tma["tma_why_not"] is None
     assert (tma["b"], tma["h"], tma["n"]) == (1, 2, 40) and tma["max_diff_vs_first"] < 1e-2 and tma["ms"] > 0
+
+
+def test_decode_stage_keeps_the_host_time_when_the_decode_bench_fails(tmp_path):
+    """run_h100.sh decode under set -e: decode.py exits 1 on a failed check and
+    runs until the stage's limit stops it, so launch_overhead.py, the stage's
+    other (seconds-long) script, comes first; it was never reached after it."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    log = tmp_path / "calls"
+    shim = tmp_path / "python"   # records each call; decode.py "fails"
+    shim.write_text(f"#!/usr/bin/env bash\necho \"$1\" >> {shlex.quote(str(log))}\n"
+                    "[[ $1 != bench/decode.py ]]\n")
+    shim.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(shim), NAPKIN_BENCH_OUT=str(tmp_path / "out"))
+    done = subprocess.run(["bash", str(repo / "bench" / "run_h100.sh"), "decode"], env=env, cwd=repo,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1   # the stage still says decode failed
+    assert log.read_text().split() == ["bench/launch_overhead.py", "bench/decode.py"]
