@@ -1656,8 +1656,24 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
     assert all(len(t["trials"]) == t["timed"] + t["failed"] for t in tuning.values())
     assert all(t["from_cache"] and t["timed"] == tuning[k]["timed"] for k, t in second["rows"][0]["tuning"].items())
     entries = json.loads((tmp_path / "cache" / "autotune.json").read_text())["entries"]
-    assert sorted(k.rsplit("|", 1)[1] for k in entries if k.count("|") == 3) == ["bwd", "bwd_kv"]
+    assert backward_kinds(entries) == ["bwd", "bwd_kv"]
     assert len(entries) == 3
+
+
+def backward_kinds(entries) -> list[str]:
+    """The kinds of a cache's backward entries: each key is diagram hash,
+    device, dtypes, sizes, then the kind when it is not the forward's."""
+    return sorted(k.split("|")[4] for k in entries if k.count("|") == 4)
+
+
+def test_the_gpu_bench_tests_key_reading_matches_the_caches_keys():
+    """What the GPU test above reads its cache's keys with, checked here
+    against keys made as the launcher makes them: counting the fields from
+    before keys held dtypes, it took a forward key for a backward one."""
+    d = napkin.load(EXAMPLES / "causal.ncd")
+    keys = [tunecache.cache_key("h", "NVIDIA H100", tunecache.input_classes(d), {"b": 2, "h": 4, "q": 1024, "x": 1024},
+                                tunecache.symbolic_wires(d), kind) for kind in ("", "bwd", "bwd_kv")]
+    assert backward_kinds(keys) == ["bwd", "bwd_kv"]
 
 
 # --------------------------------------------------------------------------
