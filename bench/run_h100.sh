@@ -123,7 +123,9 @@ stage_tma() {
   # and tma=False.  The tuner already tries tma=True at head dim 128 in
   # main/variants; this is the direct A/B.
   # 2 diagrams x 2 tiles x 2 stage counts x 2 forms = 16 compiles and timings: one command.
-  PYTHONPATH=. "$PYTHON" bench/tma/tma_fwd.py time --head-dims 128 --seqlens 16384 --out "$OUT_DIR/tma-times.jsonl"
+  # the repository on the path before what is there (bench/device.sh's carried
+  # wheels, lark among them: napkin cannot parse a diagram without it)
+  PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" bench/tma/tma_fwd.py time --head-dims 128 --seqlens 16384 --out "$OUT_DIR/tma-times.jsonl"
 }
 
 stage_decode() {

@@ -48,3 +48,23 @@ def test_decode_stage_keeps_the_host_time_when_the_decode_bench_fails(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1   # the stage still says decode failed
     assert log.read_text().split() == ["bench/launch_overhead.py", "bench/decode.py"]
+
+
+def test_tma_stage_keeps_the_python_path_that_holds_the_carried_wheels(tmp_path):
+    """bench/device.sh installs the wheels the GPU image lacks (lark) under
+    /tmp/site and puts it on PYTHONPATH; the tma stage set PYTHONPATH=. for
+    its script, dropping them: napkin could not parse the example there."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    log = tmp_path / "pythonpath"
+    shim = tmp_path / "python"   # records the PYTHONPATH each call sees
+    shim.write_text(f"#!/usr/bin/env bash\necho \"$PYTHONPATH\" >> {shlex.quote(str(log))}\n")
+    shim.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(shim), NAPKIN_BENCH_OUT=str(tmp_path / "out"), PYTHONPATH="/tmp/site:/repo")
+    done = subprocess.run(["bash", str(repo / "bench" / "run_h100.sh"), "tma"], env=env, cwd=repo,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().split() == [".:/tmp/site:/repo"]
