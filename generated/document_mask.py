@@ -25,6 +25,7 @@ reference(...) is the same diagram in eager PyTorch; example_inputs(sizes)
 makes random inputs.
 """
 import contextlib
+import contextvars
 import functools
 import math
 import os
@@ -857,6 +858,22 @@ def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _
         _document_mask_merge_ranges_kernel[_grid[:2]](_parts, _ranges, _steps, _per, _grid[2], num_warps=1)
     return _ranges, True
 
+
+def _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on):
+    """_document_mask_ranges's (ranges, on), kept in the caller's mask_cache dict (None: run it).
+    The key is all the result depends on but the mask inputs' values, which the
+    caller promises unchanged while it reuses the dict: a launch at other blocks,
+    another kernel's flags, other sizes, device or input shapes/dtypes gets its own
+    entry.  Not kept when not _on (rows at the caller's global positions: no prepass)."""
+    if mask_cache is None or not _on:
+        return _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on)
+    _key = ("_document_mask_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), tuple(sorted(_sz.items())), str(_dev),
+            tuple((tuple(_t.shape), str(_t.dtype)) for _t in (doc,)))
+    _hit = mask_cache.get(_key)
+    if _hit is None:
+        _hit = mask_cache[_key] = _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on)
+    return _hit
+
 # Rows at global positions.  positions={wire: int tensor} gives the global
 # index of each local row of the row wire or the streamed wire (what the
 # diagram's index of that wire reads), lengths={wire: int} the global size
@@ -866,6 +883,31 @@ def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _
 _POSITIONAL = ("q", "x")
 # (integer input, dimension, positional wires it is read along there, wires the dimension flattens)
 _GLOBAL_DIMS = (("doc", 1, ("q", "x"), 1),)
+
+# mask_cache=: a dict of the caller's that keeps a data mask's ranges prepass
+# results across calls (codegen/ranges.py).  Every attention launcher takes it,
+# a diagram with no such prepass too (it stays empty): one training loop can
+# swap diagrams without special cases, as the option never changes a result.
+# The torch ops' schemas take no Python object, so the differentiable path
+# carries the dict in _MASK_CACHE: set around the forward op's call (its
+# setup_context keeps it for the backward) and around the backward op's.
+_MASK_CACHE = contextvars.ContextVar("_MASK_CACHE", default=None)
+
+
+def _check_mask_cache(mask_cache):
+    if mask_cache is not None and not isinstance(mask_cache, dict):
+        raise TypeError(f"mask_cache must be a dict (or None), not a {type(mask_cache).__name__}: pass a new dict "
+                        "for each mask (document ids) and reuse it while the mask inputs hold the same values")
+    return mask_cache
+
+
+@contextlib.contextmanager
+def _mask_cache_scope(mask_cache):
+    _token = _MASK_CACHE.set(mask_cache)
+    try:
+        yield
+    finally:
+        _MASK_CACHE.reset(_token)
 
 
 def _global_dims(positions):
@@ -1379,7 +1421,7 @@ def _document_mask_merge(
 
 
 
-def document_mask(Q, K, V, doc, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, positions=None, lengths=None, out_dtype=None, chunk=None):
+def document_mask(Q, K, V, doc, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, positions=None, lengths=None, out_dtype=None, chunk=None, mask_cache=None):
     """Run the kernel: Q, K, V, doc -> O.
 
     Block sizes default to the schedule's (block_q=128, block_x=64); smaller ones
@@ -1406,10 +1448,25 @@ def document_mask(Q, K, V, doc, *, block_q=None, block_x=None, num_warps=None, n
     of C x rows and merges the chunks' states in a second kernel
     (flash-decoding: for few rows of q against many of x); 0 streams
     the whole of x in one program; None takes the tuned config's, else the
-    schedule's (none).  Forward only; training takes the tuned or schedule's."""
+    schedule's (none).  Forward only; training takes the tuned or schedule's.
+    mask_cache={} (a dict of yours; default None: none kept) keeps the mask's
+    ranges prepass results (which blocks are live, which full; the mask reads
+    doc) across calls, the forward's and, through autograd or
+    document_mask_backward, the dK/dV and dQ kernels': later calls with the same
+    blocks, sizes, device and mask input shapes run no prepass, as a
+    FlexAttention BlockMask is built once.  You promise the mask inputs
+    (doc) hold the same values while you reuse one dict: a new mask needs a
+    new dict (stale entries would give wrong results, unchecked).  Eager calls only
+    (not under torch.compile); with positions=/lengths= no prepass runs and
+    nothing is kept."""
     Q, K, V, doc = _autocast((Q, K, V, doc))
+    _check_mask_cache(mask_cache)
     if _differentiable((Q, K, V, doc)):
         block_q, block_x, num_warps, num_stages = _options_as_ints(("block_q", "block_x", "num_warps", "num_stages"), (block_q, block_x, num_warps, num_stages,))
+        if mask_cache is not None and (torch.compiler.is_compiling() or _traced((Q, K, V, doc))):
+            raise ValueError("mask_cache= is not supported under torch.compile, under a torch dispatch mode "
+                             "or on inputs without data: a dict cannot cross the traced op (call eagerly, "
+                             "with or without gradients)")
         _tma_check(tma)  # the torch op's schema takes an int: refuse anything else here, in words
         _check_out_dtype(out_dtype)   # and a ScalarType
         chunk, = _options_as_ints(("chunk",), (chunk,))
@@ -1423,9 +1480,10 @@ def document_mask(Q, K, V, doc, *, block_q=None, block_x=None, num_warps=None, n
                                  "dispatch mode (FakeTensorMode, make_fx, FlopCounterMode, ...) or on inputs "
                                  "without data, meta or fake (they serve the "
                                  "distributed wrappers, which call the kernels eagerly)")
-            return _document_mask_inference_op(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk)
-        return _document_mask_autograd(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma)
-    return _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype, chunk)[0][0]
+            with _mask_cache_scope(mask_cache):
+                return _document_mask_inference_op(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk)
+        return _document_mask_autograd(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, mask_cache)
+    return _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype, chunk, mask_cache)[0][0]
 
 
 def _document_mask_check_options(_sz, block_q, block_x, num_warps, num_stages, tma, chunk=None):
@@ -1442,7 +1500,7 @@ def _document_mask_check_options(_sz, block_q, block_x, num_warps, num_stages, t
 
 
 @_on_inputs_device
-def _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None, chunk=None):
+def _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None, chunk=None, mask_cache=None):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
@@ -1459,7 +1517,7 @@ def _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages
     _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
     _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
     _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
-    _rng, _rng_on = _document_mask_ranges(doc, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks
+    _rng, _rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
     _args = (
         Q, K, V, doc, O, _saved_lse,
         _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -2066,10 +2124,11 @@ def _bwd_stream_join(device, side):
 
 @_on_inputs_device
 def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=None, lengths=None,
-        grad_dtype="float32"):
+        grad_dtype="float32", mask_cache=None):
     """The gradient of each input (float32 or the input's dtype: grad_dtype,
     see _in_input_dtype; or None), from the state; rows at global positions
-    as the forward's (_positions)."""
+    as the forward's (_positions); mask_cache: the launcher's (a data mask's
+    prepass results kept across calls)."""
     _like = _in_input_dtype(grad_dtype)
     _sz, _cls, _dev = _bind((Q, K, V, doc,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
@@ -2122,7 +2181,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
     try:
         _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"]))
         if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-            _kv_rng, _kv_rng_on = _document_mask_ranges(doc, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks
+            _kv_rng, _kv_rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
             _document_mask_bwd_dkdv_kernel[_grid](
                 K, doc, V, Q, lse, dO, delta, _grad_K, _grad_V,
@@ -2145,7 +2204,7 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
         if (_need[0]) and math.prod(_grid) > 0:
             # not torch.cuda.stream(None): it would start CUDA even for CPU tensors
             with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
-                _rng, _rng_on = _document_mask_ranges(doc, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks
+                _rng, _rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
                 _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
                 _document_mask_bwd_dq_kernel[_grid](
                     Q, doc, lse, dO, delta, K, V, _grad_Q,
@@ -2178,7 +2237,7 @@ def document_mask_preprocess(Q, K, V, doc, dO, O, *, block_q=None, num_warps=Non
 
 
 def document_mask_backward(Q, K, V, doc, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,
-        positions=None, lengths=None, grad_dtype="float32"):
+        positions=None, lengths=None, grad_dtype="float32", mask_cache=None):
     """The backward kernels, callable directly (distributed attention does):
     (Q, K, V, doc, dO, lse, delta) -> the gradient of each input, float32
     (None for integer inputs and those ``need`` leaves out: one flag per input,
@@ -2189,9 +2248,9 @@ def document_mask_backward(Q, K, V, doc, dO, lse, delta, *, block_q=None, block_
     positions >= its length contribute nothing).  grad_dtype="input": each
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
-    tma: as the forward launcher's, for the dQ and dK/dV kernels."""
+    tma, mask_cache: as the forward launcher's, for the dQ and dK/dV kernels."""
     return _document_mask_backward(Q, K, V, doc, dO, lse, delta, (block_q, block_x, num_warps, num_stages, tma), need,
-                         positions, lengths, grad_dtype)
+                         positions, lengths, grad_dtype, _check_mask_cache(mask_cache))
 
 
 def _document_mask_grads(_ins, _outs, _grads, _o, need):
@@ -2200,7 +2259,8 @@ def _document_mask_grads(_ins, _outs, _grads, _o, need):
     dO, = _grads
     delta, = _document_mask_preprocess(Q, K, V, doc, dO, O, _o)
     # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
-    return _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, grad_dtype="input")
+    return _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, grad_dtype="input",
+                         mask_cache=_MASK_CACHE.get())
 
 
 # ---------------------------------------------------------------------------
@@ -2226,7 +2286,7 @@ _SAVED = ("_saved_lse", )
 # Explicit schemas: the same on every torch the module runs on (no type-hint inference).
 @torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor doc, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma) -> (Tensor, Tensor)")
 def _document_mask_fwd_op(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma):
-    _outs, _saved = _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, True)
+    _outs, _saved = _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, True, mask_cache=_MASK_CACHE.get())
     return (*_outs, *_saved)
 
 
@@ -2243,7 +2303,7 @@ def _(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma):
 # out_dtype= or chunk=, which the op above (training's forward) has no place for.
 @torch.library.custom_op("napkin::" + _INF_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor doc, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma, ScalarType? out_dtype, int? chunk) -> Tensor")
 def _document_mask_inference_op(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk):
-    _outs = _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, False, None, None, out_dtype, chunk)[0]
+    _outs = _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, False, None, None, out_dtype, chunk, _MASK_CACHE.get())[0]
     return _outs[0]
 
 
@@ -2279,6 +2339,7 @@ def _as_grad(g, t, wanted):
 def _document_mask_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:4], *((output,) if isinstance(output, torch.Tensor) else output))
     ctx.options = tuple(inputs[4:])
+    ctx.mask_cache = _MASK_CACHE.get()  # the launcher's mask_cache=, for the backward's prepasses
 
 
 def _document_mask_autograd_backward(ctx, *grads):
@@ -2286,7 +2347,8 @@ def _document_mask_autograd_backward(ctx, *grads):
     ins, outs = saved[:4], saved[4:]
     need = sum(1 << i for i in range(4) if ctx.needs_input_grad[i])
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads[:1], outs)]
-    got = iter(_document_mask_bwd_op(*ins, *outs, *grads, *ctx.options, need))
+    with _mask_cache_scope(ctx.mask_cache):
+        got = iter(_document_mask_bwd_op(*ins, *outs, *grads, *ctx.options, need))
     result = [next(got) if f else None for f in (True, True, True, False, )]
     return (*(g if need >> i & 1 else None for i, g in enumerate(result)), *(None for _ in ctx.options))
 
@@ -2302,8 +2364,9 @@ def _document_mask_no_double_backward(ctx, *grads):
 _document_mask_bwd_op.register_autograd(_document_mask_no_double_backward)
 
 
-def _document_mask_autograd(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma):
-    _out = _document_mask_fwd_op(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma)
+def _document_mask_autograd(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma, mask_cache=None):
+    with _mask_cache_scope(mask_cache):
+        _out = _document_mask_fwd_op(Q, K, V, doc, block_q, block_x, num_warps, num_stages, tma)
     return _out[0]
 
 

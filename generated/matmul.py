@@ -23,6 +23,7 @@ reference(...) is the same diagram in eager PyTorch; example_inputs(sizes)
 makes random inputs.
 """
 import contextlib
+import contextvars
 import functools
 import math
 import os

@@ -24,6 +24,7 @@ reference(...) is the same diagram in eager PyTorch; example_inputs(sizes)
 makes random inputs.
 """
 import contextlib
+import contextvars
 import functools
 import math
 import os
@@ -724,6 +725,31 @@ _POSITIONAL = ("q", "x")
 # (integer input, dimension, positional wires it is read along there, wires the dimension flattens)
 _GLOBAL_DIMS = ()
 
+# mask_cache=: a dict of the caller's that keeps a data mask's ranges prepass
+# results across calls (codegen/ranges.py).  Every attention launcher takes it,
+# a diagram with no such prepass too (it stays empty): one training loop can
+# swap diagrams without special cases, as the option never changes a result.
+# The torch ops' schemas take no Python object, so the differentiable path
+# carries the dict in _MASK_CACHE: set around the forward op's call (its
+# setup_context keeps it for the backward) and around the backward op's.
+_MASK_CACHE = contextvars.ContextVar("_MASK_CACHE", default=None)
+
+
+def _check_mask_cache(mask_cache):
+    if mask_cache is not None and not isinstance(mask_cache, dict):
+        raise TypeError(f"mask_cache must be a dict (or None), not a {type(mask_cache).__name__}: pass a new dict "
+                        "for each mask (document ids) and reuse it while the mask inputs hold the same values")
+    return mask_cache
+
+
+@contextlib.contextmanager
+def _mask_cache_scope(mask_cache):
+    _token = _MASK_CACHE.set(mask_cache)
+    try:
+        yield
+    finally:
+        _MASK_CACHE.reset(_token)
+
 
 def _global_dims(positions):
     """The (input, dimension) pairs holding global rows: not bound from shapes."""
@@ -1188,7 +1214,7 @@ def _softcap_merge(
 
 
 
-def softcap(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, positions=None, lengths=None, out_dtype=None, chunk=None):
+def softcap(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, positions=None, lengths=None, out_dtype=None, chunk=None, mask_cache=None):
     """Run the kernel: Q, K, V -> O.
 
     Block sizes default to the schedule's (block_q=128, block_x=64); smaller ones
@@ -1215,10 +1241,17 @@ def softcap(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=N
     of C x rows and merges the chunks' states in a second kernel
     (flash-decoding: for few rows of q against many of x); 0 streams
     the whole of x in one program; None takes the tuned config's, else the
-    schedule's (none).  Forward only; training takes the tuned or schedule's."""
+    schedule's (none).  Forward only; training takes the tuned or schedule's.
+    mask_cache: accepted (a dict or None) and left empty: this diagram's mask
+    reads no data, so it has no ranges prepass to keep."""
     Q, K, V = _autocast((Q, K, V))
+    _check_mask_cache(mask_cache)
     if _differentiable((Q, K, V)):
         block_q, block_x, num_warps, num_stages = _options_as_ints(("block_q", "block_x", "num_warps", "num_stages"), (block_q, block_x, num_warps, num_stages,))
+        if mask_cache is not None and (torch.compiler.is_compiling() or _traced((Q, K, V))):
+            raise ValueError("mask_cache= is not supported under torch.compile, under a torch dispatch mode "
+                             "or on inputs without data: a dict cannot cross the traced op (call eagerly, "
+                             "with or without gradients)")
         _tma_check(tma)  # the torch op's schema takes an int: refuse anything else here, in words
         _check_out_dtype(out_dtype)   # and a ScalarType
         chunk, = _options_as_ints(("chunk",), (chunk,))
@@ -1232,9 +1265,10 @@ def softcap(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_stages=N
                                  "dispatch mode (FakeTensorMode, make_fx, FlopCounterMode, ...) or on inputs "
                                  "without data, meta or fake (they serve the "
                                  "distributed wrappers, which call the kernels eagerly)")
-            return _softcap_inference_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk)
-        return _softcap_autograd(Q, K, V, block_q, block_x, num_warps, num_stages, tma)
-    return _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype, chunk)[0][0]
+            with _mask_cache_scope(mask_cache):
+                return _softcap_inference_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk)
+        return _softcap_autograd(Q, K, V, block_q, block_x, num_warps, num_stages, tma, mask_cache)
+    return _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, positions, lengths, out_dtype, chunk, mask_cache)[0][0]
 
 
 def _softcap_check_options(_sz, block_q, block_x, num_warps, num_stages, tma, chunk=None):
@@ -1251,7 +1285,7 @@ def _softcap_check_options(_sz, block_q, block_x, num_warps, num_stages, tma, ch
 
 
 @_on_inputs_device
-def _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None, chunk=None):
+def _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save, positions=None, lengths=None, out_dtype=None, chunk=None, mask_cache=None):
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
@@ -1789,10 +1823,11 @@ def _bwd_stream_join(device, side):
 
 @_on_inputs_device
 def _softcap_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=None,
-        grad_dtype="float32"):
+        grad_dtype="float32", mask_cache=None):
     """The gradient of each input (float32 or the input's dtype: grad_dtype,
     see _in_input_dtype; or None), from the state; rows at global positions
-    as the forward's (_positions)."""
+    as the forward's (_positions); mask_cache: the launcher's (a data mask's
+    prepass results kept across calls)."""
     _like = _in_input_dtype(grad_dtype)
     _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
     _check_device(_dev)
@@ -1897,7 +1932,7 @@ def softcap_preprocess(Q, K, V, dO, O, *, block_q=None, num_warps=None,
 
 
 def softcap_backward(Q, K, V, dO, lse, delta, *, block_q=None, block_x=None, num_warps=None, num_stages=None, tma=None, need=None,
-        positions=None, lengths=None, grad_dtype="float32"):
+        positions=None, lengths=None, grad_dtype="float32", mask_cache=None):
     """The backward kernels, callable directly (distributed attention does):
     (Q, K, V, dO, lse, delta) -> the gradient of each input, float32
     (None for integer inputs and those ``need`` leaves out: one flag per input,
@@ -1908,9 +1943,9 @@ def softcap_backward(Q, K, V, dO, lse, delta, *, block_q=None, block_x=None, num
     positions >= its length contribute nothing).  grad_dtype="input": each
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
-    tma: as the forward launcher's, for the dQ and dK/dV kernels."""
+    tma, mask_cache: as the forward launcher's, for the dQ and dK/dV kernels."""
     return _softcap_backward(Q, K, V, dO, lse, delta, (block_q, block_x, num_warps, num_stages, tma), need,
-                         positions, lengths, grad_dtype)
+                         positions, lengths, grad_dtype, _check_mask_cache(mask_cache))
 
 
 def _softcap_grads(_ins, _outs, _grads, _o, need):
@@ -1919,7 +1954,8 @@ def _softcap_grads(_ins, _outs, _grads, _o, need):
     dO, = _grads
     delta, = _softcap_preprocess(Q, K, V, dO, O, _o)
     # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
-    return _softcap_backward(Q, K, V, dO, lse, delta, _o, need, grad_dtype="input")
+    return _softcap_backward(Q, K, V, dO, lse, delta, _o, need, grad_dtype="input",
+                         mask_cache=_MASK_CACHE.get())
 
 
 # ---------------------------------------------------------------------------
@@ -1945,7 +1981,7 @@ _SAVED = ("_saved_lse", )
 # Explicit schemas: the same on every torch the module runs on (no type-hint inference).
 @torch.library.custom_op("napkin::" + _FWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma) -> (Tensor, Tensor)")
 def _softcap_fwd_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma):
-    _outs, _saved = _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, True)
+    _outs, _saved = _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, True, mask_cache=_MASK_CACHE.get())
     return (*_outs, *_saved)
 
 
@@ -1962,7 +1998,7 @@ def _(Q, K, V, block_q, block_x, num_warps, num_stages, tma):
 # out_dtype= or chunk=, which the op above (training's forward) has no place for.
 @torch.library.custom_op("napkin::" + _INF_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma, ScalarType? out_dtype, int? chunk) -> Tensor")
 def _softcap_inference_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk):
-    _outs = _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, None, None, out_dtype, chunk)[0]
+    _outs = _softcap_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, False, None, None, out_dtype, chunk, _MASK_CACHE.get())[0]
     return _outs[0]
 
 
@@ -1998,6 +2034,7 @@ def _as_grad(g, t, wanted):
 def _softcap_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:3], *((output,) if isinstance(output, torch.Tensor) else output))
     ctx.options = tuple(inputs[3:])
+    ctx.mask_cache = _MASK_CACHE.get()  # the launcher's mask_cache=, for the backward's prepasses
 
 
 def _softcap_autograd_backward(ctx, *grads):
@@ -2005,7 +2042,8 @@ def _softcap_autograd_backward(ctx, *grads):
     ins, outs = saved[:3], saved[3:]
     need = sum(1 << i for i in range(3) if ctx.needs_input_grad[i])
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads[:1], outs)]
-    got = iter(_softcap_bwd_op(*ins, *outs, *grads, *ctx.options, need))
+    with _mask_cache_scope(ctx.mask_cache):
+        got = iter(_softcap_bwd_op(*ins, *outs, *grads, *ctx.options, need))
     result = [next(got) if f else None for f in (True, True, True, )]
     return (*(g if need >> i & 1 else None for i, g in enumerate(result)), *(None for _ in ctx.options))
 
@@ -2021,8 +2059,9 @@ def _softcap_no_double_backward(ctx, *grads):
 _softcap_bwd_op.register_autograd(_softcap_no_double_backward)
 
 
-def _softcap_autograd(Q, K, V, block_q, block_x, num_warps, num_stages, tma):
-    _out = _softcap_fwd_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma)
+def _softcap_autograd(Q, K, V, block_q, block_x, num_warps, num_stages, tma, mask_cache=None):
+    with _mask_cache_scope(mask_cache):
+        _out = _softcap_fwd_op(Q, K, V, block_q, block_x, num_warps, num_stages, tma)
     return _out[0]
 
 

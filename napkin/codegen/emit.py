@@ -724,11 +724,30 @@ def _launcher_doc(plan: L.Plan, options, no_backward: Optional[str] = None, ungr
             "num_stages go to Triton.  " + grads
             + (_POSITIONS_DOC.format(row=plan.row, col=plan.col, chunk=_chunk_doc(d, plan.col))
                if plan.family == "attention" else "")
+            + (_mask_cache_doc(plan) if plan.family == "attention" else "")
             + (f"\nThe forward packs {plan.pack[0]} into the rows (group {plan.pack[0]} by {plan.pack[1]}): "
                f"its block_{plan.row}\ncounts ({plan.pack[0]}, {plan.row}) pairs; the backward's counts "
                f"rows of {plan.row}."
                if plan.family == "attention" and plan.pack else "")
             + '"""')
+
+
+def _mask_cache_doc(plan: L.AttentionPlan) -> str:
+    """The launcher's mask_cache= in words: what it keeps for this diagram."""
+    if not R.applies(plan):
+        return ("\nmask_cache: accepted (a dict or None) and left empty: this diagram's mask\n"
+                "reads no data, so it has no ranges prepass to keep.")
+    reads = ", ".join(R._tensors(plan)) or "no tensor"
+    return ("\nmask_cache={} (a dict of yours; default None: none kept) keeps the mask's\n"
+            "ranges prepass results (which blocks are live, which full; the mask reads\n"
+            f"{reads}) across calls, the forward's and, through autograd or\n"
+            f"{plan.diagram.name}_backward, the dK/dV and dQ kernels': later calls with the same\n"
+            "blocks, sizes, device and mask input shapes run no prepass, as a\n"
+            "FlexAttention BlockMask is built once.  You promise the mask inputs\n"
+            f"({reads}) hold the same values while you reuse one dict: a new mask needs a\n"
+            "new dict (stale entries would give wrong results, unchecked).  Eager calls only\n"
+            "(not under torch.compile); with positions=/lengths= no prepass runs and\n"
+            "nothing is kept.")
 
 
 def _chunk_doc(d: ir.Diagram, col: str) -> str:

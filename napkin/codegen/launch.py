@@ -123,16 +123,18 @@ TRITON_RESERVED = ("debug", "instrumentation_mode", "fpsan_homomorphic_casts", "
 # lengths, the float outputs' dtype (templates/attention.py.jinja).
 POSITION_OPTIONS = ("positions", "lengths", "out_dtype")
 # chunk=: the length of the streamed wire's chunk each program streams (_chunks in
-# templates/attention.py.jinja)
-LAUNCH_OPTIONS = POSITION_OPTIONS + ("chunk",)
+# templates/attention.py.jinja); mask_cache=: the caller's dict the ranges prepass's
+# results are kept in across calls (ranges.py), accepted by every attention launcher
+LAUNCH_OPTIONS = POSITION_OPTIONS + ("chunk", "mask_cache")
 
 
 def refuse_clash(d: ir.Diagram, names) -> None:
     """An input or output named like a launcher option: an input would be a
     duplicate parameter, an output's buffer replaces the option's value in
     the launcher (an output 'chunk' made every call fail)."""
-    # (the launcher keeps positions=, lengths= and out_dtype= apart from outputs of those names)
-    clash = sorted(set(names) & ({t.name for t in d.inputs} | ({o.name for o in d.outputs} & {"chunk"})))
+    # (the launcher keeps positions=, lengths= and out_dtype= apart from outputs of those names;
+    # chunk and mask_cache are read after the outputs are allocated under their names)
+    clash = sorted(set(names) & ({t.name for t in d.inputs} | ({o.name for o in d.outputs} & {"chunk", "mask_cache"})))
     if clash:
         t = d.tensor(clash[0])
         what = "input" if isinstance(t, ir.Input) else "output"

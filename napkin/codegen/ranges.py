@@ -39,6 +39,16 @@ exact.
   for the mask's q and the integer inputs' rows, ``|q|`` the caller's).  So
   its row blocks are the packed launch's, each live where some (g, q) row's
   document meets the key block and full where every real one does.
+* ``mask_cache=`` (every attention launcher, the backward's and autograd's
+  too): a dict of the caller's in which ``_<name>_ranges_cached`` keeps each
+  prepass's result, keyed by all it depends on but the mask inputs' values
+  (the launch's blocks, whole-rows and by-column flags, sizes, device, packed
+  rows, the mask inputs' shapes and dtypes), so a training step's layers run
+  the prepass once per key, as FlexAttention's BlockMask is built once.  The
+  caller promises the mask inputs hold the same values while it reuses one
+  dict.  Autograd carries the dict to the backward through a context
+  variable (templates/attention.py.jinja): the torch ops' schemas take no
+  Python object.
 * The cost pass cannot know the data: it counts these diagrams dense.
 """
 from __future__ import annotations
@@ -118,9 +128,10 @@ def launch(plan: AttentionPlan, var: str, br: str, bc: str, whole_rows: bool, by
     """The launcher's line running the prepass at the kernel's blocks: ``var``, ``var``_on.
     ``rows``: the launch's position arguments (packed rows: each row's q), else none."""
     d = plan.diagram
-    args = ", ".join(_tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on] + [rows] * bool(rows))
-    return (f"{var}, {var}_on = _{d.name}_ranges({args})"
-            "  # the mask reads data: its live and full blocks")
+    args = ", ".join(["mask_cache"] + _tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on]
+                     + [rows] * bool(rows))
+    return (f"{var}, {var}_on = _{d.name}_ranges_cached({args})"
+            "  # the mask reads data: its live and full blocks (mask_cache: kept across calls)")
 
 
 def _tensors(plan: AttentionPlan) -> list[str]:
@@ -153,7 +164,7 @@ def render(plan: AttentionPlan) -> str:
     wires = batch_wires(plan)
     ctx = {
         "kernel": f"_{d.name}_ranges_kernel", "merge": f"_{d.name}_merge_ranges_kernel",
-        "launcher": f"_{d.name}_ranges",
+        "launcher": f"_{d.name}_ranges", "cached": f"_{d.name}_ranges_cached",
         "params": tensors + sizes + strides + ["_parts", "_per"]
         + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL", "_INT64")]
         + ([f"_pos_{row}", f"_len_{row}", f"_POS_{row}: tl.constexpr"] if placed else []),

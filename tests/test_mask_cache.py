@@ -1,0 +1,189 @@
+"""mask_cache=: a data mask's ranges prepass results kept across calls.
+
+A diagram whose mask reads data (document ids) runs a ranges prepass before
+each kernel (napkin/codegen/ranges.py): the forward's, and the backward's
+dK/dV (by column) and dQ ones.  A caller's dict passed as ``mask_cache``
+keeps them, as FlexAttention's BlockMask is built once.  Checked here, under
+the interpreter on ragged sizes and fresh random inputs: a warm cache gives
+the cold results bit for bit (forward and gradients, and those match the
+float64 reference), runs no prepass kernel (the module's ranges function,
+spied), keeps launches at other blocks or of other kernels apart in one dict,
+refuses a mask_cache that is no dict, and is accepted (left empty) by a
+diagram with no prepass.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_backward import assert_accurate, compile_text, gradients
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = (REPO / "examples" / "document_mask.ncd").read_text()
+CAUSAL = (REPO / "examples" / "causal.ncd").read_text()
+BLOCKS = {"block_q": 16, "block_x": 32}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("mask_cache")
+
+
+@pytest.fixture
+def doc_module(folder):
+    return compile_text(DOC, "mask_cache_doc", folder)
+
+
+@pytest.fixture
+def prepasses(doc_module, monkeypatch):
+    """The prepass runs counted: the launchers call the module's ranges function by its global name."""
+    calls = []
+    real = doc_module._document_mask_ranges
+
+    def spy(*args, **kwargs):
+        if args[7]:   # on: a prepass runs (not with rows at positions)
+            calls.append(args[3:7])   # blocks, whole-rows, by-column (after doc, sizes, device)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(doc_module, "_document_mask_ranges", spy)
+    return calls
+
+
+def _inputs(m, n, dtype, b=2, h=2):
+    """Fresh random inputs (a new seed each run) and about four contiguous documents a sequence."""
+    seed = random.randrange(1 << 30)
+    q, k, v, _ = m.example_inputs({"b": b, "h": h, "q": n, "x": n}, dtype=dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    doc = torch.sort(torch.randint(0, 4, (b, n), generator=gen), dim=1).values.to(torch.int32)
+    return (q, k, v, doc), seed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_warm_forward_is_cold_forward_without_prepass(doc_module, prepasses, dtype):
+    m = doc_module
+    inputs, seed = _inputs(m, 75, dtype)          # 75: ragged against both blocks
+    cold = m.document_mask(*inputs, **BLOCKS)
+    assert len(prepasses) == 1
+    cache = {}
+    first = m.document_mask(*inputs, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == 2 and len(cache) == 1
+    warm = m.document_mask(*inputs, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == 2, "a warm cache ran the prepass"
+    assert torch.equal(first, cold) and torch.equal(warm, cold), seed
+    want = m.reference(*[t.double() if t.is_floating_point() else t for t in inputs])
+    assert (warm.double() - want).abs().max().item() < (2e-5 if dtype == torch.float32 else 2e-3), seed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_warm_training_step_runs_no_prepass(doc_module, prepasses, dtype):
+    """Autograd carries the forward's dict to the backward: the first step fills
+    the forward's, dK/dV's and dQ's entries, the second runs none."""
+    m = doc_module
+    inputs, seed = _inputs(m, 53, dtype)
+    cold = gradients(m.document_mask, inputs, **BLOCKS)
+    assert len(prepasses) == 3   # forward, dK/dV by column, dQ by row
+    assert {(w, c) for _, _, w, c in prepasses} == {(False, False), (True, True), (True, False)}
+    cache = {}
+    first = gradients(m.document_mask, inputs, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == 6 and len(cache) == 3
+    warm = gradients(m.document_mask, inputs, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == 6, "a warm cache ran a prepass in the forward or backward"
+    for c, f, w in zip(cold, first, warm):
+        assert (c is None and f is None and w is None) or (torch.equal(c, f) and torch.equal(c, w)), seed
+    exact = gradients(m.reference, [t.double() if t.is_floating_point() else t for t in inputs])
+    assert_accurate(warm, exact, gradients(m.reference, inputs), f"warm cache, seed {seed}", dtype)
+
+
+def test_forward_only_entry_serves_training_forward(doc_module, prepasses):
+    """An inference call and a training call at the same blocks share the forward's entry."""
+    m = doc_module
+    inputs, _ = _inputs(m, 40, torch.float32)
+    cache = {}
+    m.document_mask(*inputs, **BLOCKS, mask_cache=cache)
+    gradients(m.document_mask, inputs, **BLOCKS, mask_cache=cache)
+    assert [p[2:] for p in prepasses] == [(False, False), (True, True), (True, False)]
+
+
+def test_blocks_and_kernels_do_not_collide(doc_module, prepasses):
+    """One dict across block sizes: each launch its own entry, each result the cold one."""
+    m = doc_module
+    inputs, seed = _inputs(m, 70, torch.float32)
+    tiles = [{"block_q": 16, "block_x": 32}, {"block_q": 32, "block_x": 16}, {"block_q": 16, "block_x": 16}]
+    cold = [m.document_mask(*inputs, **t) for t in tiles]
+    del prepasses[:]
+    cache = {}
+    for _ in range(2):
+        for t, want in zip(tiles, cold):
+            assert torch.equal(m.document_mask(*inputs, **t, mask_cache=cache), want), (t, seed)
+    assert len(prepasses) == 3 and len(cache) == 3
+    # the backward's kernels at the forward's blocks: by column and whole rows are other entries
+    gradients(m.document_mask, inputs, **tiles[0], mask_cache=cache)
+    assert len(prepasses) == 5 and len(cache) == 5
+
+
+def test_direct_backward_takes_the_cache(doc_module, prepasses):
+    m = doc_module
+    inputs, seed = _inputs(m, 45, torch.float32, b=1)
+    q, k, v, doc = inputs
+    O = m.document_mask(*inputs, **BLOCKS)
+    dO = torch.randn_like(O)
+    _, lse = m._document_mask_forward(*inputs, 16, 32, None, None, None, True)
+    lse = lse[0]
+    delta, = m.document_mask_preprocess(*inputs, dO, O, block_q=16)
+    cold = m.document_mask_backward(*inputs, dO, lse, delta, **BLOCKS)
+    cache = {}
+    m.document_mask_backward(*inputs, dO, lse, delta, **BLOCKS, mask_cache=cache)
+    n = len(prepasses)
+    warm = m.document_mask_backward(*inputs, dO, lse, delta, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == n and len(cache) == 2
+    assert all(torch.equal(a, b) for a, b in zip(cold[:3], warm[:3])), seed
+
+
+def test_rows_at_positions_keep_nothing(doc_module, prepasses):
+    """With positions= the kernels test every tile: no prepass, nothing kept."""
+    m = doc_module
+    inputs, _ = _inputs(m, 33, torch.float32)
+    cache = {}
+    where = {"positions": {"q": torch.arange(33), "x": torch.arange(33)}, "lengths": {"q": 33, "x": 33}}
+    got = m.document_mask(*inputs, **BLOCKS, **where, mask_cache=cache)
+    assert cache == {} and prepasses == []
+    assert torch.equal(got, m.document_mask(*inputs, **BLOCKS))
+
+
+@pytest.mark.parametrize("bad", [[], 0, "cache", ()], ids=["list", "int", "str", "tuple"])
+def test_mask_cache_must_be_a_dict(doc_module, folder, bad):
+    m = doc_module
+    inputs, _ = _inputs(m, 20, torch.float32, b=1, h=1)
+    for call in (lambda: m.document_mask(*inputs, **BLOCKS, mask_cache=bad),
+                 lambda: gradients(m.document_mask, inputs, **BLOCKS, mask_cache=bad)):
+        with pytest.raises(TypeError, match="mask_cache must be a dict"):
+            call()
+    c = compile_text(CAUSAL, "mask_cache_causal", folder)
+    with pytest.raises(TypeError, match="mask_cache must be a dict"):
+        c.causal(*c.example_inputs({"b": 1, "h": 1, "q": 20, "x": 20}, dtype=torch.float32), mask_cache=bad)
+
+
+def test_diagram_without_prepass_accepts_and_ignores_the_cache(folder):
+    """A causal mask has its blocks by formula: the dict stays empty, the result is the same."""
+    c = compile_text(CAUSAL, "mask_cache_causal", folder)
+    inputs = c.example_inputs({"b": 1, "h": 2, "q": 37, "x": 37}, dtype=torch.float32,
+                              seed=random.randrange(1 << 30))
+    cache = {}
+    opts = {"block_q": 16, "block_x": 16}
+    out = c.causal(*inputs, **opts, mask_cache=cache)
+    out, want = (out, c.causal(*inputs, **opts)) if torch.is_tensor(out) else (out[0], c.causal(*inputs, **opts)[0])
+    assert torch.equal(out, want)
+    assert all(g is None or torch.isfinite(g).all() for g in gradients(c.causal, inputs, **opts, mask_cache=cache))
+    assert cache == {}
+
+
+def test_traced_call_refuses_the_cache(doc_module):
+    """Meta inputs go through the torch op's fake, as under torch.compile: no dict crosses it."""
+    m = doc_module
+    inputs = [t.to("meta") for t in _inputs(m, 20, torch.float32, b=1, h=1)[0]]
+    with pytest.raises(ValueError, match="mask_cache= is not supported under torch.compile"):
+        m.document_mask(*inputs, **BLOCKS, mask_cache={})
+
