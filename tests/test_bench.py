@@ -1604,12 +1604,14 @@ def test_bench_times_a_data_masks_prepass_apart(tmp_path):
     assert all(t["ms"] > 0 and t["error"] is None and len(t["blocks"]) == 2 for t in row["prepass"])
     fwd = next(t for t in row["prepass"] if t["kernel"] == "fwd")
     assert row["config"] is None and fwd["blocks"] == [128, 64]  # untuned: the schedule's q by 128, x by 64
+    assert row["mask_cache"] is True   # napkin's timed calls reuse the prepass results, as Flex its BlockMask
     md = next(tmp_path.glob("cpu-*.md")).read_text()
-    assert "## Ranges prepass" in md and md.count("| document_mask | float16 | 40 | ") >= 3
+    assert "## Ranges prepass (timed alone; outside napkin's times" in md
+    assert md.count("| document_mask | float16 | 40 | ") >= 3
     assert main(["bench", str(EXAMPLES / "causal.ncd"), "--seqlen", "40", "--no-backward",
                  "--out", str(tmp_path / "c")]) == 0
     (row,) = json.loads(next((tmp_path / "c").glob("cpu-*.json")).read_text())["rows"]
-    assert row["prepass"] is None
+    assert row["prepass"] is None and row["mask_cache"] is None
 
 
 # --------------------------------------------------------------------------

@@ -187,3 +187,33 @@ def test_traced_call_refuses_the_cache(doc_module):
     with pytest.raises(ValueError, match="mask_cache= is not supported under torch.compile"):
         m.document_mask(*inputs, **BLOCKS, mask_cache={})
 
+
+def test_bench_napkin_row_passes_a_fresh_warm_cache(doc_module, prepasses, folder):
+    """napkin bench's napkin row (harness._napkin_prepare): a fresh dict per
+    prepare (per set of inputs), filled by its first call (the check's or the
+    timing's warm-up), so the calls timed after run no prepass; a diagram with
+    no prepass gets no mask_cache= at all."""
+    from napkin.bench import harness
+
+    m = doc_module
+    inputs, _ = _inputs(m, 40, torch.float32, b=1)
+    seen = []
+    real = m.document_mask
+
+    def launcher(*args, **kwargs):
+        seen.append(kwargs.get("mask_cache"))
+        return real(*args, **kwargs)
+
+    launcher.__name__ = real.__name__
+    launcher.__signature__ = __import__("inspect").signature(real)
+    prepare = harness._napkin_prepare(launcher, m)
+    go = prepare(inputs, {}, "cpu")
+    go()
+    assert len(prepasses) == 1
+    for _ in range(3):   # the timed calls
+        go()
+    assert len(prepasses) == 1 and isinstance(seen[0], dict) and all(c is seen[0] for c in seen)
+    prepare(inputs, {}, "cpu")()   # another set of inputs (the check's, say): its own dict
+    assert len(prepasses) == 2 and seen[-1] is not seen[0]
+    c = compile_text(CAUSAL, "mask_cache_causal", folder)
+    assert not harness.uses_mask_cache(c.causal, c) and harness.uses_mask_cache(real, m)

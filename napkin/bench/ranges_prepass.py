@@ -6,7 +6,9 @@ each row block's live and full key blocks.  Its time is part of napkin's
 timed forward and backward; FlexAttention builds its BlockMask once, in
 its prepare, outside the timed region, as a training step reusing one mask
 across layers would.  Timing the prepass alone says how much of a
-difference between the two it is.
+difference between the two it is.  Since 2026-11-28 napkin's timed calls
+pass a warm ``mask_cache`` (harness._napkin_prepare), so the prepass is
+outside napkin's timed region too, and this record is its cost per new mask.
 """
 from __future__ import annotations
 
@@ -15,6 +17,11 @@ from typing import Callable, Optional
 
 from .. import ir
 from . import baselines, timing
+
+def has_prepass(module, name: str) -> bool:
+    """Whether diagram ``name``'s generated module runs a ranges prepass."""
+    return callable(getattr(module, f"_{name}_ranges", None))
+
 
 # The prepass launches of a call, by (whole_rows, by_col): which kernel's blocks they serve.
 KERNELS = {(False, False): "fwd", (True, False): "dq", (True, True): "dkdv"}

@@ -29,7 +29,11 @@ Schema ``napkin-bench/1``::
             backward's kernels),
             prepass [{kernel (fwd, dq, dkdv), blocks [rows, cols], ms, error}] | null
             (optional: a mask that reads data, its ranges prepass timed alone at each
-            launch's blocks; part of napkin's fwd and bwd ms; null: no prepass),
+            launch's blocks; null: no prepass),
+            mask_cache true | null (optional: napkin's timed calls reused the prepass
+            results, a warm mask_cache, so its fwd and bwd ms exclude the prepass, as
+            Flex's exclude create_block_mask; absent in records before 2026-11-28,
+            whose napkin ms include it),
             check {sizes, tolerance, ok, errors {impl: {output: err}}},
             results: [{impl, pass, ms, tflops, equivalent, note, error}],
             ratios {pass: {baseline: napkin speed / baseline speed}}}]
@@ -259,7 +263,11 @@ def _prepass_lines(rows: list[dict]) -> list[str]:
     if not body:
         return []
     head = ["diagram", "dtype", "N", "for kernel", "blocks", "ms", "of napkin's pass", "error"]
-    return _table("## Ranges prepass (timed alone; part of napkin's times above)", head, body)
+    # since 2026-11-28 the napkin rows reuse the prepass results (mask_cache): its times exclude it
+    where = "outside napkin's times above, which reuse its results" if all(row.get("mask_cache") for row in rows
+                                                                           if row.get("prepass")) \
+        else "part of napkin's times above"
+    return _table(f"## Ranges prepass (timed alone; {where})", head, body)
 
 
 def _table(title: str, head: list[str], body: list[list[str]]) -> list[str]:
