@@ -220,7 +220,7 @@ def test_the_streams_fork_before_dkdv_and_join_before_dq_is_read():
     fork, dkdv = body.index("_side = _bwd_stream_fork(_dev)"), body.index("_document_mask_bwd_dkdv_kernel[_grid](")
     stream = body.index("with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():")
     dq = body.index("_document_mask_bwd_dq_kernel[_grid](")
-    assert fork < dkdv < stream < body.index("_rng, _rng_on = _document_mask_ranges(", stream) < dq \
+    assert fork < dkdv < stream < body.index("_rng, _rng_on = _document_mask_ranges_cached(mask_cache, ", stream) < dq \
         < body.index("_bwd_stream_join(_dev, _side)") < body.index("return (")
     alibi = emitted("alibi")
     body = alibi.split("def _alibi_backward(")[1].split("\ndef ")[0]

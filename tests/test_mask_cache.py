@@ -217,3 +217,31 @@ def test_bench_napkin_row_passes_a_fresh_warm_cache(doc_module, prepasses, folde
     assert len(prepasses) == 2 and seen[-1] is not seen[0]
     c = compile_text(CAUSAL, "mask_cache_causal", folder)
     assert not harness.uses_mask_cache(c.causal, c) and harness.uses_mask_cache(real, m)
+
+
+def test_packed_rows_keep_their_own_entries(folder):
+    """A grouped-query document mask packs (g, q) rows in the forward (its prepass on the
+    packed rows, codegen/packed.py) but not in the backward: each its own entries in one
+    dict, warm results the cold ones, and a warm step runs no prepass."""
+    from test_packing import DOC as PACKED
+    m = compile_text(PACKED, "mask_cache_packed", folder)
+    seed = random.randrange(1 << 30)
+    sizes = {"b": 2, "hk": 2, "g": 3, "q": 7, "x": 45}
+    Q, Kt, V, _, _ = m.example_inputs(sizes, dtype=torch.float32, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    qdoc = torch.randint(0, 4, (2, 7), generator=gen).sort(-1).values.int()
+    kdoc = torch.randint(0, 4, (2, 45), generator=gen).sort(-1).values.int()
+    inputs, opts = (Q, Kt, V, qdoc, kdoc), {"block_q": 16, "block_x": 16}
+    cold_out = m.packed_docs(*inputs, **opts)
+    cold = gradients(m.packed_docs, inputs, **opts)
+    cache, runs = {}, []
+    real = m._packed_docs_ranges
+    m._packed_docs_ranges = lambda *a, **k: runs.append(a[4:8]) or real(*a, **k)
+    try:
+        for _ in range(2):
+            assert torch.equal(m.packed_docs(*inputs, **opts, mask_cache=cache), cold_out), seed
+            warm = gradients(m.packed_docs, inputs, **opts, mask_cache=cache)
+            assert all(c is None or torch.equal(c, w) for c, w in zip(cold, warm)), seed
+    finally:
+        m._packed_docs_ranges = real
+    assert len(runs) == 3 == len(cache)   # packed forward, dK/dV, dQ: once each
