@@ -734,7 +734,8 @@ _GLOBAL_DIMS = ()
 # swap diagrams without special cases, as the option never changes a result.
 # The torch ops' schemas take no Python object, so the differentiable path
 # carries the dict in _MASK_CACHE: set around the forward op's call (its
-# setup_context keeps it for the backward) and around the backward op's.
+# setup_context keeps it for the backward) and around the backward op's; set
+# only for a dict (torch.compile, which cannot trace ContextVar.set, never gets one).
 _MASK_CACHE = contextvars.ContextVar("_MASK_CACHE", default=None)
 
 
@@ -745,8 +746,12 @@ def _check_mask_cache(mask_cache):
     return mask_cache
 
 
-@contextlib.contextmanager
 def _mask_cache_scope(mask_cache):
+    return contextlib.nullcontext() if mask_cache is None else _mask_cache_set(mask_cache)
+
+
+@contextlib.contextmanager
+def _mask_cache_set(mask_cache):
     _token = _MASK_CACHE.set(mask_cache)
     try:
         yield
