@@ -580,17 +580,17 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
         return {a: 1.0 for a in shared}, step_bytes
     # Each program's steps [lo, hi) along the stream: its row block's span
     # when a masked loop skips steps, else one step standing for all of them
-    lo, hi = np.zeros_like(linear), np.ones_like(linear)
+    unit = lo, hi = np.zeros_like(linear), np.ones_like(linear)
     if visited is not None and chunks == 1 and visited.row in index and visited.spans:
-        spans = np.array(visited.spans, dtype=np.int64).reshape(-1, 2)
-        lo, hi = spans[index[visited.row], 0], np.maximum(spans[index[visited.row], 1], spans[index[visited.row], 0])
+        spans = np.array(visited.spans, dtype=np.int64).reshape(-1, 2)[index[visited.row]]
+        lo, hi = spans[:, 0], np.maximum(spans[:, 1], spans[:, 0])
     # how many waves back a tile is still in L2 (0: only within its own wave)
     reach_back = int(l2_bytes // wave_bytes) if wave_bytes else 0
     n_waves = int(waves[-1]) + 1
     fractions = {}
     for acc in shared:
         along = stream is not None and stream[0] in acc.wires
-        a, b = (lo, hi) if along else (np.zeros_like(linear), np.ones_like(linear))
+        a, b = (lo, hi) if along else unit
         issued = int((b - a).sum())
         if not issued:
             fractions[acc] = 0.0
