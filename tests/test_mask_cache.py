@@ -206,7 +206,7 @@ def test_bench_napkin_row_passes_a_fresh_warm_cache(doc_module, prepasses, folde
 
     launcher.__name__ = real.__name__
     launcher.__signature__ = __import__("inspect").signature(real)
-    prepare = harness._napkin_prepare(launcher, m)
+    prepare = harness._napkin_prepare(launcher, harness.uses_mask_cache(launcher, m))
     go = prepare(inputs, {}, "cpu")
     go()
     assert len(prepasses) == 1

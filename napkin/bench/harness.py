@@ -532,7 +532,8 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     for kernel, kind in BACKWARD_KINDS.items():
         bwd_config[kernel], bwd_source[kernel] = (None, "not run") if ctx["args"].no_backward else \
             _choose_config(ctx, sizes, launcher, kind=kind, tuning=tuning)
-    impls = [baselines.Baseline("napkin", True, "the generated Triton kernel", _napkin_prepare(launcher, module),
+    cached = uses_mask_cache(launcher, module)
+    impls = [baselines.Baseline("napkin", True, "the generated Triton kernel", _napkin_prepare(launcher, cached),
                                 scope=overlap.serial(module))]
     if ctx["flex"] is not None:
         impls.append(baselines.flex_baseline(ctx["flex"], compiled=device == "cuda"))
@@ -541,7 +542,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     clock.append(time.monotonic())
     check = checks.check(module, d, impls, sizes, dtype, device, backward=not ctx["args"].no_backward)
     if overlap.applies(module, device) and not ctx["args"].no_backward and check["ok"]:
-        impls.insert(1, overlap.baseline(module, _napkin_prepare(launcher, module)))  # its forward is napkin's
+        impls.insert(1, overlap.baseline(module, _napkin_prepare(launcher, cached)))  # its forward is napkin's
     clock.append(time.monotonic())
     out: list[dict] = []
     if ctx["flex"] is None:
@@ -605,11 +606,11 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         "prepass": prepass,
         # napkin's timed calls reused the prepass results (a warm mask_cache): the prepass is outside
         # its timed region, as Flex's create_block_mask is outside Flex's; None: no prepass
-        "mask_cache": True if uses_mask_cache(launcher, module) else None,
+        "mask_cache": True if cached else None,
     }
 
 
-def _napkin_prepare(launcher, module=None):
+def _napkin_prepare(launcher, cached: bool = False):
     """The napkin row's call.  A tuned config is not passed: the launcher
     reads the cache itself (_choose_config checked it finds the same
     entries), the forward its own config and each backward kernel, through
@@ -622,9 +623,8 @@ def _napkin_prepare(launcher, module=None):
     one call) fills it, forward and, through autograd, backward, so the timed
     calls run no prepass, as FlexAttention's BlockMask is built in its
     prepare, outside its timed region.  The prepass is timed alone in the
-    row's "prepass" record."""
-    cached = uses_mask_cache(launcher, module)
-
+    row's "prepass" record.  ``cached``: uses_mask_cache's answer, asked
+    once a point."""
     def prepare(inputs, shape, device, grad=False):
         kw = {"mask_cache": {}} if cached else {}
 

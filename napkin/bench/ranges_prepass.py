@@ -18,9 +18,15 @@ from typing import Callable, Optional
 from .. import ir
 from . import baselines, timing
 
+
+def prepass_name(diagram: str) -> str:
+    """The generated module's prepass launcher (codegen/ranges.py) for diagram ``diagram``."""
+    return f"_{diagram}_ranges"
+
+
 def has_prepass(module, name: str) -> bool:
     """Whether diagram ``name``'s generated module runs a ranges prepass."""
-    return callable(getattr(module, f"_{name}_ranges", None))
+    return callable(getattr(module, prepass_name(name), None))
 
 
 # The prepass launches of a call, by (whole_rows, by_col): which kernel's blocks they serve.
@@ -29,14 +35,14 @@ KERNELS = {(False, False): "fwd", (True, False): "dq", (True, True): "dkdv"}
 
 def timed(module, d: ir.Diagram, inputs, shape: dict, ms: Callable, backward: bool) -> Optional[list]:
     """The ranges prepass of a mask that reads data (codegen/ranges.py) timed
-    on its own, at each launch's blocks: part of napkin's timed forward and
-    backward, where FlexAttention's BlockMask is built once in its prepare,
-    outside its timed region.  ``ms(fn)``: the harness's timer.  A list of
+    on its own, at each launch's blocks: what a new mask costs, outside
+    napkin's timed calls (a warm mask_cache) as FlexAttention's BlockMask is
+    built in its prepare, outside its timed region.  ``ms(fn)``: the harness's timer.  A list of
     {kernel, blocks, ms, error}, one per launch of one forward and backward
     call; None when the diagram has no prepass."""
     import torch
 
-    name = f"_{d.name}_ranges"
+    name = prepass_name(d.name)
     prepass = getattr(module, name, None)
     if prepass is None:
         return None
