@@ -115,7 +115,8 @@ EOF
 }
 
 keep() {
-  local from="${1:?usage: bench/device.sh keep FILES_AT}" tmp
+  local from="${1:?usage: bench/device.sh keep FILES_AT}" tmp day
+  day=$(date -u +%F)   # once: the cache and the logs file under the same day
   tmp=$(mktemp -d)
   tar xzf "$from/results.tgz" -C "$tmp" || exit 1
   mkdir -p .device bench/results
@@ -124,16 +125,15 @@ keep() {
     # without the last one's cache (its carry forgot .device/) came back
     # without that call's tunings (2026-11-28: call 2 dropped call 1's six)
     merge_cache "$tmp/results/autotune-cache/autotune.json" .device/autotune.json || exit 1
-    merge_cache "$tmp/results/autotune-cache/autotune.json" "bench/results/autotune-$(date -u +%F).json" || exit 1
-    chmod 644 "bench/results/autotune-$(date -u +%F).json"  # readable whatever the device's umask
+    merge_cache "$tmp/results/autotune-cache/autotune.json" "bench/results/autotune-$day.json" || exit 1
+    chmod 644 "bench/results/autotune-$day.json"  # readable whatever the device's umask
   fi
   rm -rf "$tmp/results/autotune-cache"
   # Records where bench/results/README.md says: a run's JSON and markdown pair
   # takes the next free <device>-<date>[-N] (the harness's own numbering, so
   # the pairs of two calls on one day read in order); logs go under logs/ as
   # <date>-call<K>-<stage>.log, K this day's next call.
-  local f name stem base n day call=1
-  day=$(date -u +%F)
+  local f name stem base n call=1
   mkdir -p bench/results/logs
   while compgen -G "bench/results/logs/$day-call$call-*" >/dev/null; do call=$((call + 1)); done
   for f in "$tmp"/results/*.log; do
