@@ -29,6 +29,7 @@ import contextvars
 import functools
 import math
 import os
+import weakref
 
 import torch
 import triton
@@ -859,20 +860,44 @@ def _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _
     return _ranges, True
 
 
+# A kept result holds a stamp of the mask inputs it was computed from: each
+# tensor itself, held weakly (the dict must not keep a batch's ids alive), and
+# its version counter, which every in-place write through torch bumps.  A call
+# whose mask inputs are other tensor objects, or the same ones written since,
+# runs the prepass again and replaces the entry, so a reused dict follows a
+# buffer refilled in place (doc.copy_(next_ids)) or a new batch's tensor.  Not
+# seen: writes that bypass the counter (through .data, or from outside torch),
+# and inference tensors' writes (they keep no counter).
+def _mask_stamp(tensors):
+    return tuple((weakref.ref(_t), _tensor_version(_t)) for _t in tensors)
+
+
+def _mask_stamp_holds(stamp, tensors):
+    return len(stamp) == len(tensors) and all(
+        _ref() is _t and _seen == _tensor_version(_t) for (_ref, _seen), _t in zip(stamp, tensors))
+
+
+def _tensor_version(t):
+    return None if t.is_inference() else t._version
+
+
 def _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on):
     """_document_mask_ranges's (ranges, on), kept in the caller's mask_cache dict (None: run it).
-    The key is all the result depends on but the mask inputs' values, which the
-    caller promises unchanged while it reuses the dict: a launch at other blocks,
-    another kernel's flags, other sizes, device or input shapes/dtypes gets its own
-    entry.  Not kept when not _on (rows at the caller's global positions: no prepass)."""
+    The key is all the result depends on but the mask inputs' values: a launch at
+    other blocks, another kernel's flags, other sizes, device or input shapes/dtypes
+    gets its own entry.  The values are the stamp's (_mask_stamp): other tensor
+    objects, or the same ones written in place since, run the prepass again and
+    replace the entry.  Not kept when not _on (rows at the caller's global
+    positions: no prepass)."""
     if mask_cache is None or not _on:
         return _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on)
+    _masks = (doc,)
     _key = ("_document_mask_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), tuple(sorted(_sz.items())), str(_dev),
-            tuple((tuple(_t.shape), str(_t.dtype)) for _t in (doc,)))
+            tuple((tuple(_t.shape), str(_t.dtype)) for _t in _masks))
     _hit = mask_cache.get(_key)
-    if _hit is None:
-        _hit = mask_cache[_key] = _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on)
-    return _hit
+    if _hit is None or not _mask_stamp_holds(_hit[1], _masks):
+        _hit = mask_cache[_key] = (_document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on), _mask_stamp(_masks))
+    return _hit[0]
 
 # Rows at global positions.  positions={wire: int tensor} gives the global
 # index of each local row of the row wire or the streamed wire (what the
@@ -897,8 +922,8 @@ _MASK_CACHE = contextvars.ContextVar("_MASK_CACHE", default=None)
 
 def _check_mask_cache(mask_cache):
     if mask_cache is not None and not isinstance(mask_cache, dict):
-        raise TypeError(f"mask_cache must be a dict (or None), not a {type(mask_cache).__name__}: pass a new dict "
-                        "for each mask (document ids) and reuse it while the mask inputs hold the same values")
+        raise TypeError(f"mask_cache must be a dict (or None), not a {type(mask_cache).__name__}: pass a dict, "
+                        "empty at first, and the same one on later calls: it keeps the mask's block ranges")
     return mask_cache
 
 
@@ -1459,9 +1484,11 @@ def document_mask(Q, K, V, doc, *, block_q=None, block_x=None, num_warps=None, n
     doc) across calls, the forward's and, through autograd or
     document_mask_backward, the dK/dV and dQ kernels': later calls with the same
     blocks, sizes, device and mask input shapes run no prepass, as a
-    FlexAttention BlockMask is built once.  You promise the mask inputs
-    (doc) hold the same values while you reuse one dict: a new mask needs a
-    new dict (stale entries would give wrong results, unchecked).  Eager calls only
+    FlexAttention BlockMask is built once.  An entry serves the same doc
+    tensor objects, unwritten since (their version counters): a new batch's
+    tensor, or one written in place, runs the prepass again.  Writes the
+    counter does not see (through .data, outside torch, to inference tensors)
+    leave stale entries, which give wrong results.  Eager calls only
     (not under torch.compile); with positions=/lengths= no prepass runs and
     nothing is kept."""
     Q, K, V, doc = _autocast((Q, K, V, doc))

@@ -27,6 +27,7 @@ import contextvars
 import functools
 import math
 import os
+import weakref
 
 import torch
 import triton

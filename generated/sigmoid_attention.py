@@ -28,6 +28,7 @@ import contextvars
 import functools
 import math
 import os
+import weakref
 
 import torch
 import triton
@@ -736,8 +737,8 @@ _MASK_CACHE = contextvars.ContextVar("_MASK_CACHE", default=None)
 
 def _check_mask_cache(mask_cache):
     if mask_cache is not None and not isinstance(mask_cache, dict):
-        raise TypeError(f"mask_cache must be a dict (or None), not a {type(mask_cache).__name__}: pass a new dict "
-                        "for each mask (document ids) and reuse it while the mask inputs hold the same values")
+        raise TypeError(f"mask_cache must be a dict (or None), not a {type(mask_cache).__name__}: pass a dict, "
+                        "empty at first, and the same one on later calls: it keeps the mask's block ranges")
     return mask_cache
 
 

@@ -35,7 +35,7 @@ from .streamability import Streamability
 # Names the generated module defines or imports itself; a diagram name must not
 # shadow them.  (Names starting with "_" are banned outright.)
 RESERVED = frozenset({
-    "torch", "triton", "tl", "contextlib", "contextvars", "functools", "math", "os", "sys", "reference",
+    "torch", "triton", "tl", "contextlib", "contextvars", "functools", "math", "os", "sys", "weakref", "reference",
     "example_inputs", "INPUTS", "OUTPUTS", "WIRES", "NAPKIN_VERSION", "SOURCE_HASH", "BACKWARD_OVERLAP",
 })
 ACCUMULATE_DTYPES = ("fp32", "fp16", "bf16", "fp64")

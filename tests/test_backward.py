@@ -75,7 +75,8 @@ def launcher(m):
 def gradients(fn, inputs, seed: int = 7, **opts):
     """d(sum(out_i * W_i))/d(inputs) by autograd, W_i random; outputs' non-finite
     entries (an lse of -inf) get weight 0.  None for integer inputs."""
-    xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    # integer inputs (ids) are passed as they are: a mask_cache entry follows the tensor object
+    xs = [t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
     out = fn(*xs, **opts)
     out = out if isinstance(out, tuple) else (out,)
     gen = torch.Generator().manual_seed(seed)

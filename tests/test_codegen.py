@@ -99,9 +99,10 @@ def test_module_imports_only_torch_and_triton(path):  # (and the standard librar
     # (torch's own submodules: torch.utils._python_dispatch to see a tracing mode, torch.autograd's forward_ad)
     imported = {m for m in imported if not m.startswith("torch.")}
     # (operator: _whole's operator.index, which torch.compile traces)
-    # (contextvars: mask_cache=, carried from the launcher into the torch ops' Python)
+    # (contextvars: mask_cache=, carried from the launcher into the torch ops' Python;
+    # weakref: its entries' stamps, which must not keep the mask inputs alive)
     assert imported <= {"contextlib", "contextvars", "functools", "json", "math", "operator", "os", "torch", "triton",
-                        "triton.language", "triton.tools.tensor_descriptor"}, imported
+                        "triton.language", "triton.tools.tensor_descriptor", "weakref"}, imported
     assert lazy <= {"napkin", "napkin.distributed"}, lazy
 
 

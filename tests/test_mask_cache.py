@@ -245,3 +245,69 @@ def test_packed_rows_keep_their_own_entries(folder):
     finally:
         m._packed_docs_ranges = real
     assert len(runs) == 3 == len(cache)   # packed forward, dK/dV, dQ: once each
+
+
+def test_in_place_edit_runs_the_prepass_again(doc_module, prepasses):
+    """An entry follows its mask input's version counter: a buffer refilled in place
+    (the next batch's ids copied into it) runs the prepass again, replaces the
+    entry, and gives the new layout's result, not the stale one."""
+    m = doc_module
+    inputs, seed = _inputs(m, 61, torch.float32)
+    q, k, v, doc = inputs
+    cache = {}
+    before = m.document_mask(*inputs, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == 1
+    doc.copy_(torch.flip(doc, dims=[1]).neg())   # reversed documents: other live blocks
+    want = m.document_mask(*inputs, **BLOCKS)    # cold, on the new ids
+    assert len(prepasses) == 2
+    got = m.document_mask(*inputs, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == 3 and len(cache) == 1, "the entry was not replaced"
+    assert torch.equal(got, want) and not torch.equal(got, before), seed
+    m.document_mask(*inputs, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == 3, "the replaced entry was not reused"
+    # through autograd too: the backward's entries follow the edited ids
+    gradients(m.document_mask, inputs, **BLOCKS, mask_cache=cache)
+    doc[:, : doc.shape[1] // 2] = doc.min() - 1                  # a new first document
+    cold = gradients(m.document_mask, inputs, **BLOCKS)
+    n = len(prepasses)
+    warm = gradients(m.document_mask, inputs, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == n + 3 and len(cache) == 3
+    assert all(c is None or torch.equal(c, w) for c, w in zip(cold, warm)), seed
+
+
+def test_other_tensor_runs_the_prepass_again(doc_module, prepasses):
+    """Another tensor object (a new batch's ids) is not trusted to hold the same
+    values, even with the same shape: it runs the prepass and replaces the entry.
+    The dict holds its tensors weakly: a dropped batch's ids are freed."""
+    import gc
+    import weakref
+
+    m = doc_module
+    inputs, seed = _inputs(m, 50, torch.float32)
+    q, k, v, doc = inputs
+    cache = {}
+    m.document_mask(q, k, v, doc, **BLOCKS, mask_cache=cache)
+    other = torch.sort(torch.randint(0, 7, doc.shape), dim=1).values.to(torch.int32)
+    got = m.document_mask(q, k, v, other, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == 2 and len(cache) == 1
+    assert torch.equal(got, m.document_mask(q, k, v, other, **BLOCKS)), seed
+    alive = weakref.ref(other)
+    del other, got
+    gc.collect()
+    assert alive() is None, "mask_cache kept the mask input alive"
+    m.document_mask(q, k, v, doc.clone(), **BLOCKS, mask_cache=cache)   # equal values, new tensor
+    assert len(prepasses) == 4 and len(cache) == 1
+
+
+def test_inference_tensors_are_kept_by_identity(doc_module, prepasses):
+    """Inference tensors have no version counter: their entries are kept and
+    reused by the tensor object alone (documented), without an error."""
+    m = doc_module
+    inputs, seed = _inputs(m, 30, torch.float32, b=1)
+    cache = {}
+    with torch.inference_mode():
+        doc = inputs[3].clone()
+        assert doc.is_inference()
+        first = m.document_mask(*inputs[:3], doc, **BLOCKS, mask_cache=cache)
+        warm = m.document_mask(*inputs[:3], doc, **BLOCKS, mask_cache=cache)
+    assert len(prepasses) == 1 and torch.equal(first, warm), seed

@@ -743,9 +743,11 @@ def _mask_cache_doc(plan: L.AttentionPlan) -> str:
             f"{reads}) across calls, the forward's and, through autograd or\n"
             f"{plan.diagram.name}_backward, the dK/dV and dQ kernels': later calls with the same\n"
             "blocks, sizes, device and mask input shapes run no prepass, as a\n"
-            "FlexAttention BlockMask is built once.  You promise the mask inputs\n"
-            f"({reads}) hold the same values while you reuse one dict: a new mask needs a\n"
-            "new dict (stale entries would give wrong results, unchecked).  Eager calls only\n"
+            f"FlexAttention BlockMask is built once.  An entry serves the same {reads}\n"
+            "tensor objects, unwritten since (their version counters): a new batch's\n"
+            "tensor, or one written in place, runs the prepass again.  Writes the\n"
+            "counter does not see (through .data, outside torch, to inference tensors)\n"
+            "leave stale entries, which give wrong results.  Eager calls only\n"
             "(not under torch.compile); with positions=/lengths= no prepass runs and\n"
             "nothing is kept.")
 

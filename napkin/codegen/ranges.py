@@ -44,9 +44,10 @@ exact.
   prepass's result, keyed by all it depends on but the mask inputs' values
   (the launch's blocks, whole-rows and by-column flags, sizes, device, packed
   rows, the mask inputs' shapes and dtypes), so a training step's layers run
-  the prepass once per key, as FlexAttention's BlockMask is built once.  The
-  caller promises the mask inputs hold the same values while it reuses one
-  dict.  Autograd carries the dict to the backward through a context
+  the prepass once per key, as FlexAttention's BlockMask is built once.  An
+  entry holds the mask input tensors weakly with their version counters: other
+  tensor objects, or the same ones written in place, run the prepass again
+  (writes past the counter, .data or inference tensors', go unseen).  Autograd carries the dict to the backward through a context
   variable (templates/attention.py.jinja): the torch ops' schemas take no
   Python object.
 * The cost pass cannot know the data: it counts these diagrams dense.
