@@ -12,10 +12,15 @@ its traceback only with ``--traceback``.
 """
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from .ir import NOLOC, Loc
+
+# Unicode categories an echoed source line shows as U+FFFD: controls (Cc), format
+# characters (Cf: bidi controls, zero-width joiners) and line/paragraph separators.
+_UNSHOWN = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 @dataclass(frozen=True)
@@ -34,8 +39,10 @@ class Diagnostic:
         lines = source.replace("\r\n", "\n").split("\n") if source is not None else []  # as Lark counts lines
         if 0 < self.loc.line <= len(lines):
             # one column a character: a tab as a space, any other control character (a vertical
-            # tab, NUL, which terminals draw as a line break or nothing) as U+FFFD
-            text = "".join("\ufffd" if ord(c) < 32 or 127 <= ord(c) < 160 else c
+            # tab, NUL, which terminals draw as a line break or nothing) as U+FFFD, and so every
+            # format character and line separator: a bidi override (U+202E) or isolate would
+            # reorder the echoed line on screen (a "Trojan source"), a zero-width one shift the caret
+            text = "".join("\ufffd" if unicodedata.category(c) in _UNSHOWN else c
                            for c in lines[self.loc.line - 1].expandtabs(1))
             out.append("    " + text)
             width = 1

@@ -358,6 +358,19 @@ t.ncd:2:1: unexpected character '\\x0b'
     \ufffdwire d = 64
     ^
   hint: expected a new statement"""),
+    # a bidi override was echoed raw: the terminal drew the rest of the line reversed ("Trojan source")
+    "bidi override": ("diagram a\nwire d\u202e = 64\n", """\
+t.ncd:2:7: unexpected character '\\u202e' (U+202E RIGHT-TO-LEFT OVERRIDE): napkin reads only ASCII outside comments
+    wire d\ufffd = 64
+          ^
+  hint: expected ',', '=' or a new statement"""),
+    # a comment may hold any character, but its echo under an error on that line shows none that
+    # reorders or hides text (an isolate, a zero-width joiner): each is one visible column
+    "bidi isolate in a comment": ("diagram a\nwire d = 6x4   # \u2067x\u200dy\u2069\n", """\
+t.ncd:2:10: 6x4 is not a number
+    wire d = 6x4   # \ufffdx\ufffdy\ufffd
+             ^^^
+  hint: napkin reads decimal numbers, such as 16, 1000, 2.5 or 1e-6"""),
     # the end of file was placed after the comment on the line below the dangling '*'
     "end after a comment": ("diagram a\nwire n\nin X[n] : fp32\nY[n] = 2 *     # scale it\n# more\n", """\
 t.ncd:4:11: unexpected end of file
@@ -411,7 +424,7 @@ t.ncd:1:9: unexpected character '\u0430' (U+0430 CYRILLIC SMALL LETTER A): names
   hint: expected a name"""),
     "a zero-width space": ("diagram a\u200b\n", """\
 t.ncd:1:10: unexpected character '\\u200b' (U+200B ZERO WIDTH SPACE): napkin reads only ASCII outside comments
-    diagram a\u200b
+    diagram a\ufffd
              ^
   hint: expected a new statement"""),
     # a well-parsed capacity above (228 and the unit kib, which the checker refuses) took the error
