@@ -73,6 +73,30 @@ def test_every_example_is_compiled_or_refused_with_a_reason():
             assert emit_file(path)
 
 
+def test_independent_refusals_come_together():
+    """Refusals at separate places are reported in one error, as the checker's
+    are: each e4m3 input at its line (the first alone was reported, so a user
+    fixed Q to meet K), and one refusal a level naming every held intermediate."""
+    with pytest.raises(NapkinError) as err:
+        emit_file(REPO / "examples/attention_fp8.ncd")
+    assert [(d.loc.line, d.message.split(":")[0]) for d in err.value.diagnostics] == [
+        (12, "napkin cannot emit a kernel for input Q"), (13, "napkin cannot emit a kernel for input K"),
+        (14, "napkin cannot emit a kernel for input V")]
+    with pytest.raises(NapkinError) as err:
+        emit_file(REPO / "examples/naive_attention.ncd")
+    (only,) = err.value.diagnostics
+    assert "holds the intermediates S, P in hbm" in only.message
+    assert only.hint.startswith("drop S, P from 'hold' in level hbm")
+    # a value integer input and an integer factor of the score: both named, each once
+    text = (REPO / "examples/attention.ncd").read_text()
+    text = text.replace("in K[b, h, x, d] : fp16", "in K[b, h, x, d] : int32")
+    text = text.replace("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : int32")
+    with pytest.raises(NapkinError) as err:
+        emit_module(napkin.load_text(text), source_text=text, source_path="t.ncd")
+    assert [d.message.split(":")[0] for d in err.value.diagnostics] == [
+        "napkin cannot emit a kernel for input K", "napkin cannot emit a kernel for input V"]
+
+
 @pytest.mark.parametrize("path", COMPILED, ids=lambda p: p.stem)
 def test_emit_is_deterministic_and_independent_of_how_the_path_is_given(path):
     first = emit_file(path)

@@ -354,34 +354,47 @@ def _group_block(d: ir.Diagram, wire: str) -> Optional[ir.Tile]:
     return tiles[-1] if tiles else None
 
 
+def _refuse_all(errors: list[NapkinError]) -> None:
+    """Independent refusals (each at its own place) raised together, as the checker's are."""
+    if errors:
+        raise NapkinError([dg for err in errors for dg in err.diagnostics])
+
+
 def _refuse_unfused(d: ir.Diagram) -> None:
     outputs = {o.name for o in d.outputs}
+    errors = []
     for level in d.schedule.levels if d.schedule else ():
         if level.name not in ("hbm", "devices"):
             continue
-        for name in level.holds:
-            if isinstance(d.tensor(name), ir.Let) and name not in outputs:
-                raise unsupported(
-                    f"diagram {d.name}", f"the schedule holds the intermediate {name} in {level.name}, an "
-                    "unfused schedule (written out and read back); napkin's kernels keep intermediates on chip",
-                    level.loc,
-                    f"drop {name} from 'hold' in level {level.name} (the cost report can still compare both)")
+        held = [name for name in level.holds if isinstance(d.tensor(name), ir.Let) and name not in outputs]
+        if held:   # one refusal a level, naming every intermediate it holds
+            names = ", ".join(held)
+            what = f"the intermediate {names}" if len(held) == 1 else f"the intermediates {names}"
+            errors.append(unsupported(
+                f"diagram {d.name}", f"the schedule holds {what} in {level.name}, an "
+                "unfused schedule (written out and read back); napkin's kernels keep intermediates on chip",
+                level.loc,
+                f"drop {names} from 'hold' in level {level.name} (the cost report can still compare both)"))
+    _refuse_all(errors)
 
 
 def _check_dtypes(d: ir.Diagram) -> None:
+    errors = []
     for t in d.inputs:
         if t.dtype not in KERNEL_DTYPES + ("fp64",) and t.dtype not in ir.INT_DTYPES:
-            raise unsupported(f"input {t.name}", f"its dtype {t.dtype} has no Triton kernel path here; "
-                              "kernels read fp16, bf16, fp32 or integer inputs", t.loc)
+            errors.append(unsupported(f"input {t.name}", f"its dtype {t.dtype} has no Triton kernel path here; "
+                                      "kernels read fp16, bf16, fp32 or integer inputs", t.loc))
     for out in d.outputs:
         dtype = tiling.tensor_dtype(d, out.name)
         if dtype not in KERNEL_DTYPES + ("fp64",) + ir.INT_DTYPES:
-            raise unsupported(f"output {out.name}", f"its dtype {dtype} has no Triton kernel path here", out.loc)
+            errors.append(unsupported(f"output {out.name}", f"its dtype {dtype} has no Triton kernel path here",
+                                      out.loc))
     acc = tiling.accumulator_dtype(d)
     if acc != "fp32":
         loc = d.schedule.loc if d.schedule else d.loc
-        raise unsupported(f"diagram {d.name}", f"napkin's kernels accumulate in fp32, not {acc}", loc,
-                          "write 'accumulate fp32'")
+        errors.append(unsupported(f"diagram {d.name}", f"napkin's kernels accumulate in fp32, not {acc}", loc,
+                                  "write 'accumulate fp32'"))
+    _refuse_all(errors)
 
 
 def _block(tile: Optional[ir.Tile], default: int) -> int:
@@ -450,12 +463,14 @@ def _refuse_integer_operands(plan: Plan) -> Plan:
             [a.value for a in plan.accums if a.value is not None]
     else:
         loads = [plan.lhs, plan.rhs]
-    for ld in loads:
-        t = d.tensor(ld.tensor)
+    errors = []
+    for name in dict.fromkeys(ld.tensor for ld in loads):   # each input once, in order
+        t = d.tensor(name)
         if isinstance(t, ir.Input) and t.dtype not in ir.FLOAT_DTYPES:
-            raise unsupported(f"input {t.name}", f"it is {t.dtype}, and the kernels multiply it in a matrix "
-                              "product (tl.dot), which takes float operands", t.loc,
-                              f"declare {t.name} as a float tensor (fp16, bf16 or fp32) and pass one")
+            errors.append(unsupported(f"input {t.name}", f"it is {t.dtype}, and the kernels multiply it in a "
+                                      "matrix product (tl.dot), which takes float operands", t.loc,
+                                      f"declare {t.name} as a float tensor (fp16, bf16 or fp32) and pass one"))
+    _refuse_all(errors)
     return plan
 
 
