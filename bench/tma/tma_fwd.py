@@ -1,51 +1,47 @@
-"""TMA descriptor loads in napkin's forward attention kernel: a compile-only study for sm_90.
+"""TMA descriptor loads in napkin's forward attention kernel: the launcher's tma= option, checked and compiled for sm_90.
 
 The generated module of a diagram (examples/causal.ncd, examples/attention.ncd)
-is emitted as napkin emits it; then its *forward kernel* is patched as text so
-that the streamed K and V tiles (and, with ``qo``, the Q tile and the O store)
-go through host-side ``triton.tools.tensor_descriptor.TensorDescriptor``s
-instead of pointer arithmetic.  Nothing else changes (same blocks, same
-softmax code, same masks), so a difference in the compiled code is the
-loads'.  The compiler is not touched: the patch lives here.
+is emitted and imported as napkin emits it, unpatched, and its launcher is
+called with its own option ``tma=`` (napkin/codegen/tma.py): False runs the
+pointer kernel, True moves Q, K, V and O through host TensorDescriptors over
+each tensor's own wires [b, h, x, d] (block 1 on b and h: rows past |x| are
+zero-filled per head, the O store is clipped at |q|).  The launcher falls
+back to the pointer code silently where TMA cannot run (no sm_90, a stride
+TMA cannot take, rows at global positions); ``module._tma_last`` says which
+ran and why, and every subcommand reports it.  tma is always passed
+explicitly: None would take a tuned config's choice from the autotune cache.
 
-Forms (``FORMS``):
+Forms (``FORMS``, one table for every subcommand: the launcher's tma=):
 
-  ptr        the generated kernel, unpatched (the baseline)
-  tma4d      K, V through descriptors over the tensors' own dims [b, h, x, d],
-             block [1, 1, BLOCK_x, BLOCK_d], loaded at [i_b, i_h, start, 0] and
-             reshaped to [BLOCK_x, BLOCK_d]: rows past |x| are zero-filled per
-             head (exactly the pointer code's other=0.0); any strides whose
-             non-last entries are 16-byte multiples, d contiguous
-  tma4d_qo   tma4d, plus Q loaded and O stored through 4-D descriptors (the
-             TMA store clips rows past |q| of each head, like the mask)
-  tma2d      K, V through 2-D descriptors over [(b h x), d] (Triton's
-             fused-attention tutorial): a ragged last block reads the next
-             head's first rows, so V's rows past |x| are zeroed with a select
-             in the partial-block loop (K's need nothing: their scores are
-             masked to -inf); needs b, h, x flattenable (contiguous [b, h, x, d])
-  tma2d_raw  tma2d without that select: correct only while the neighbouring
-             head's V rows are finite (0 * inf = NaN); numerics check only
-  tma4d_qo_ws  tma4d_qo with the streamed loops as tl.range(..., warp_specialize=True):
-             a probe of Triton's automatic warp specialisation on sm_90 (compile only)
+  ptr   tma=False, the pointer kernel (the baseline)
+  tma   tma=True
 
-Commands (from /work/wt-tma; keep TRITON_INTERPRET unset for ``compile``):
+The study this script began as (commit a397b7e, 2026-11-21) text-patched the
+generated forward kernel into forms of its own (tma4d, tma4d_qo, tma2d,
+tma2d_raw, tma4d_qo_ws); napkin's tma= is its tma4d_qo, and the patch no
+longer applies to what napkin emits.  Those forms' results are kept in
+bench/tma/sm90-*.jsonl, bench/tma/check-*.log and
+bench/results/tma-sm90-2026-11-21.md; their code is
+``git show a397b7e:bench/tma/tma_fwd.py``.  ``table`` still renders those
+files (their rows carry the old form names).
 
-  # numerics under the interpreter (Triton 3.9), against the float64 reference
+Commands (from the repository root; keep TRITON_INTERPRET unset for ``compile``):
+
+  # numerics under the interpreter (the script sets TRITON_INTERPRET=1 itself),
+  # each form against the float64 reference, tma bitwise against ptr
   PYTHONPATH=. python bench/tma/tma_fwd.py check
 
-  # compile for sm_90 and count (Triton 3.9, then the 3.6 venv); JSON lines out
-  PYTHONPATH=. python bench/tma/tma_fwd.py compile --out bench/tma/sm90-t39.jsonl
-  PYTHONPATH=. /tmp/t36/venv/bin/python bench/tma/tma_fwd.py compile --out bench/tma/sm90-t36.jsonl
+  # compile for sm_90 with no GPU (napkin.bench.aot's paper target) and count; JSON lines out
+  PYTHONPATH=. python bench/tma/tma_fwd.py compile --out bench/tma/build/sm90.jsonl
 
   # one configuration, keeping its SASS, TTGIR and PTX
   PYTHONPATH=. python bench/tma/tma_fwd.py compile --examples causal --head-dims 128 \\
-      --blocks 128x64 --stages 2 --forms tma4d --dump bench/tma/build/dump
+      --blocks 128x64 --stages 2 --forms tma --dump bench/tma/build/dump
 
-  # on an H100 (not run in this study): the launcher's own tma=True against the
-  # pointer kernel (the patch above predates that option and no longer applies)
+  # on an H100 (run_h100.sh's tma stage): tma=True against the pointer kernel
   PYTHONPATH=. python bench/tma/tma_fwd.py time --out bench/tma/h100-times.jsonl
 
-  # the markdown table of one or more JSON-lines files
+  # the markdown table of one or more JSON-lines files (old study's or new)
   python bench/tma/tma_fwd.py table bench/tma/sm90-t39.jsonl bench/tma/sm90-t36.jsonl
 
 Compile-time counts are not timings: they say what the GPU would run (TMA or
@@ -67,98 +63,14 @@ if len(sys.argv) > 1 and sys.argv[1] == "check":
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 BUILD = HERE / "build"          # ignored by git (build/)
-FORMS = ("ptr", "tma4d", "tma4d_qo", "tma2d", "tma2d_raw", "tma4d_qo_ws")
 
-
-# --------------------------------------------------------------------------
-# The patch.
-# --------------------------------------------------------------------------
-
-def _kernel_span(src: str, name: str) -> tuple[int, int]:
-    start = src.index(f"def _{name}_kernel(")
-    end = src.index("\ndef ", start + 1)
-    return start, end
-
-
-def _sub1(pattern: str, repl, text: str, count: int, what: str) -> str:
-    new, n = re.subn(pattern, repl, text, flags=re.MULTILINE)
-    if n != count and not (count == -1 and n > 0):
-        raise RuntimeError(f"patch {what}: expected {count} match(es), found {n}")
-    return new
-
-
-def patch(src: str, name: str, form: str) -> str:
-    """The module text ``src`` with its forward kernel ``_{name}_kernel``
-    loading through descriptors of ``form``."""
-    if form == "ptr":
-        return src
-    four = form.startswith("tma4d")
-    ws = form.endswith("_ws")
-    form = form.removesuffix("_ws")
-    a, b = _kernel_span(src, name)
-    k = src[a:b]
-    # Descriptor parameters after the tensors.
-    k = _sub1(r"^    lse,\n", "    lse,\n    _tQ,\n    _tK,\n    _tV,\n    _tO,\n", k, 1, "signature")
-    ib, ih = "_i_b.to(tl.int32)", "_i_h.to(tl.int32)"
-    if not four:   # the first row of this head in the flattened [(b h x), d] / [(b h q), d]
-        k = _sub1(r"^(    _offs_d = tl\.arange\(0, _BLOCK_d\)\n)",
-                  r"\1    _krow = ((_i_b * _size_h + _i_h) * _size_x).to(tl.int32)\n", k, 1, "rows")
-    for t in "KV":
-        if four:
-            load = f"_t{t}.load([{ib}, {ih}, _start, 0]).reshape(_BLOCK_x, _BLOCK_d)"
-        else:
-            load = f"_t{t}.load([_krow + _start, 0])"
-        k = _sub1(rf"^(\s*)_{t} = tl\.load\({t} \+ .*\)$", rf"\1_{t} = {load}", k, 2, f"{t} loads")
-    if form == "tma2d":   # rows past |x| in the ragged block belong to the next head: zero V's
-        # the partial-block loop's load is the one under `if _live:` (12 spaces in)
-        k = _sub1(r"^(            )(_V = _tV\.load\(\[_krow \+ _start, 0\]\))$",
-                  r"\1\2\n\1_V = tl.where(_ok_x[:, None], _V, 0.0)", k, 1, "V select")
-    if form == "tma4d_qo":
-        k = _sub1(r"^(\s*)_Q = tl\.load\(Q \+ .*\)$",
-                  rf"\1_Q = _tQ.load([{ib}, {ih}, _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)", k, 1, "Q load")
-        k = _sub1(r"^(\s*)tl\.store\(O \+ .*\)$",
-                  rf"\1_tO.store([{ib}, {ih}, _row0, 0], _out_O.to(O.dtype.element_ty).reshape(1, 1, _BLOCK_q, _BLOCK_d))",
-                  k, 1, "O store")
-    if ws:   # Triton's automatic warp specialisation of the streamed loops (a producer warp for TMA)
-        k = _sub1(r"^(    for _start in )range\((.*)\):$", r"\1tl.range(\2, warp_specialize=True):", k, -1, "ws")
-    src = src[:a] + k + src[b:]
-    src = _sub1(rf"(_{name}_kernel\[_grid\]\(\n\s*Q, K, V, O, lse,)", r"\1 *_tma_args(Q, K, V, O, _br, _bc),",
-                src, 1, "launch")
-    return src + _LAUNCH.replace("@FORM@", form)   # form without _ws: the same descriptors
-
-
-_LAUNCH = '''
-
-# ---------------------------------------------------------------------------
-# bench/tma/tma_fwd.py: host-side TMA descriptors for the forward kernel.
-# ---------------------------------------------------------------------------
-_TMA_FORM = "@FORM@"
-
-
-def _tma_args(Q, K, V, O, br, bc):
-    """(Q, K, V, O descriptors or None) for the form.  TensorDescriptor asserts
-    what TMA needs: base 16-byte aligned, every stride but the last a multiple
-    of 16 bytes, the last stride 1; a launcher would fall back to pointers."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    bd = _dim_block(Q.shape[-1])
-    if _TMA_FORM.startswith("tma4d"):
-        def desc(t, rows):
-            return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, bd])
-        qo = _TMA_FORM == "tma4d_qo"
-        return (desc(Q, br) if qo else None, desc(K, bc), desc(V, bc), desc(O, br) if qo else None)
-
-    def flat(t, rows):
-        if not t.is_contiguous():
-            raise ValueError("the 2-D form needs contiguous [b, h, x, d]")
-        f = t.reshape(-1, t.shape[-1])
-        return TensorDescriptor(f, list(f.shape), list(f.stride()), [rows, bd])
-    return (None, flat(K, bc), flat(V, bc), None)
-'''
+# The forms of every subcommand: the launcher's tma= for each.
+FORMS = {"ptr": False, "tma": True}
 
 
 def generated(example: str, head_dim: int | None, dtype: str) -> tuple[str, str]:
-    """(diagram name, the module text napkin emits) for examples/<example>.ncd."""
+    """(diagram name, the module text napkin emits) for examples/<example>.ncd,
+    its fp16 declarations set to ``dtype`` and its head dim to ``head_dim``."""
     import napkin
     from napkin.bench.harness import variant
     from napkin.codegen import emit_module
@@ -168,21 +80,27 @@ def generated(example: str, head_dim: int | None, dtype: str) -> tuple[str, str]
     return diagram.name, emit_module(diagram, source_text=text, source_path=str(path))
 
 
-def load(example: str, head_dim: int | None, dtype: str, form: str):
-    """The (patched) module, imported from BUILD under a name of its own."""
+def load(example: str, head_dim: int | None, dtype: str):
+    """(diagram name, the generated module), unpatched, imported from BUILD
+    under a name of its own (interpreted and compiled copies apart)."""
     import importlib.util
 
     name, src = generated(example, head_dim, dtype)
-    src = patch(src, name, form)
     tag = "interp" if os.environ.get("TRITON_INTERPRET") == "1" else "jit"
-    mod_name = f"tma_{example}_{head_dim or 'd'}_{dtype}_{form}_{tag}"
+    mod_name = f"tma_{example}_{head_dim or 'd'}_{dtype}_{tag}"
+    if mod_name in sys.modules:
+        return name, sys.modules[mod_name]
     BUILD.mkdir(parents=True, exist_ok=True)
     target = BUILD / f"{mod_name}.py"
     target.write_text(src)
     spec = importlib.util.spec_from_file_location(mod_name, target)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
+    sys.modules[mod_name] = module      # Triton's JIT looks the kernel's source up through it
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
     return name, module
 
 
@@ -190,65 +108,129 @@ def load(example: str, head_dim: int | None, dtype: str, form: str):
 # Numerics under the interpreter.
 # --------------------------------------------------------------------------
 
-def check(args) -> int:
+TOLERANCE = {"float16": 2e-3, "float32": 1e-5}
+# (b, h, q, x) and (block_q, block_x): ragged lengths, blocks that do and do not divide them
+SHAPES = ("2,3,100,100:32x16", "1,2,37,77:16x32", "1,2,64,64:32x32")
+
+
+def _shape(text: str) -> tuple[tuple[int, ...], tuple[int, int]]:
+    sizes, blocks = text.split(":")
+    bhqx = tuple(map(int, sizes.split(",")))
+    bq, bx = map(int, blocks.split("x"))
+    if len(bhqx) != 4:
+        raise argparse.ArgumentTypeError(f"a shape is B,H,Q,X:BQxBX, not {text!r}")
+    return bhqx, (bq, bx)
+
+
+def _bitwise(outs, base) -> bool:
+    """Every output equal to base's, bit for bit (NaN where base has NaN)."""
     import torch
 
+    return all(o.dtype == p.dtype and o.shape == p.shape and torch.equal(torch.isnan(o), torch.isnan(p))
+               and torch.equal(torch.nan_to_num(o, nan=0.0), torch.nan_to_num(p, nan=0.0))
+               for o, p in zip(outs, base))
+
+
+def _err(outs, ref) -> float:
+    """The largest |output - reference| over every output (NaN if any is NaN)."""
+    errs = [(o.double() - r).abs().max().item() for o, r in zip(outs, ref)]
+    return float("nan") if any(e != e for e in errs) else max(errs)
+
+
+def _vs_ptr(base, same: bool) -> str:
+    return "" if base is None else "  bitwise = ptr" if same else "  differs from ptr"
+
+
+def _used(mod) -> str:
+    last = dict(mod._tma_last)
+    return "TMA used" if last["used"] else f"TMA not used ({last['why']})"
+
+
+def check(args) -> int:
+    """Each form of each example's launcher under the interpreter: against the
+    float64 reference within TOLERANCE, tma bitwise against ptr, and whether
+    TMA really ran (a tma row that fell back to pointers proves nothing: a
+    failure, except where falling back is the launcher's documented choice)."""
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("check runs under TRITON_INTERPRET=1 (`tma_fwd.py check` sets it before importing triton)",
+              file=sys.stderr)
+        return 2
     failed = 0
+
+    def line(example, dtype, what, form, text, ok):
+        nonlocal failed
+        failed += not ok
+        print(f"{example:9s} {dtype:8s} {what:38s} {form:4s} {text} {'ok' if ok else 'FAIL'}", flush=True)
+
+    def run(mod, name, form, inputs, **kw):
+        out = getattr(mod, name)(*inputs, tma=FORMS[form], **kw)
+        return out, dict(mod._tma_last)
+
     for example in args.examples:
-        for dtype, tol in ((torch.float16, 2e-3), (torch.float32, 1e-5)):
-            mods = {f: load(example, None, "float16", f) for f in FORMS if not f.endswith("_ws")}
-            name = mods["ptr"][0]
-            for (b, h, q, x), (bq, bx) in (((2, 3, 100, 100), (32, 16)), ((1, 2, 37, 77), (16, 32)),
-                                           ((1, 2, 64, 64), (32, 32))):
-                Q, K, V = mods["ptr"][1].example_inputs({"b": b, "h": h, "q": q, "x": x}, dtype=dtype)
-                ref = mods["ptr"][1].reference(Q.double(), K.double(), V.double())
+        for dtype in args.dtypes:
+            tol = TOLERANCE[dtype]
+            name, mod = load(example, args.head_dim, dtype)
+            tdt = getattr(torch, dtype)
+            for (b, h, q, x), (bq, bx) in args.shapes:
+                Q, K, V = mod.example_inputs({"b": b, "h": h, "q": q, "x": x}, dtype=tdt)
+                ref = mod.reference(Q.double(), K.double(), V.double())
                 base = None
-                for form, (_, mod) in mods.items():
-                    out = getattr(mod, name)(Q, K, V, block_q=bq, block_x=bx)
-                    err = max((o.double() - r).abs().max().item() for o, r in zip(out, ref))
-                    same = "" if base is None else \
-                        ("  bitwise = ptr" if all(torch.equal(o, p) for o, p in zip(out, base)) else "  differs from ptr")
-                    base = base or out
-                    ok = err <= tol
-                    failed += not ok
-                    print(f"{example:9s} {str(dtype):13s} b,h,q,x={b},{h},{q},{x} blocks {bq}x{bx} {form:9s} "
-                          f"max|err| {err:.2e} {'ok' if ok else 'FAIL'}{same}")
-            # Strided [b, x, h, d] views (a fused qkv projection's layout): the 4-D form takes them.
+                for form in FORMS:
+                    out, last = run(mod, name, form, (Q, K, V), block_q=bq, block_x=bx)
+                    err = _err(out, ref)
+                    same = base is None or _bitwise(out, base)
+                    ok = err <= tol and same and last["used"] == FORMS[form]
+                    line(example, dtype, f"b,h,q,x={b},{h},{q},{x} blocks {bq}x{bx}", form,
+                         f"max|err| {err:.2e}  {_used(mod)}{_vs_ptr(base, same)}", ok)
+                    base = out if base is None else base
+            if args.shapes_only:
+                continue
+            # Strided [b, x, h, d] views (a fused qkv projection's layout): the descriptors take any
+            # 16-byte strides over the tensors' own wires.
             Q, K, V = (t.transpose(1, 2).contiguous().transpose(1, 2)
-                       for t in mods["ptr"][1].example_inputs({"b": 2, "h": 3, "q": 100, "x": 100}, dtype=dtype))
-            ref = mods["ptr"][1].reference(Q.double(), K.double(), V.double())
-            for form in ("tma4d", "tma4d_qo"):
-                out = getattr(mods[form][1], name)(Q, K, V, block_q=32, block_x=16)
-                err = max((o.double() - r).abs().max().item() for o, r in zip(out, ref))
-                failed += err > tol
-                print(f"{example:9s} {str(dtype):13s} strided [b,x,h,d] view       {form:9s} max|err| {err:.2e} "
-                      f"{'ok' if err <= tol else 'FAIL'}")
-            # Rows at global positions (a ring-attention shard): loads stay at local rows, so the
-            # descriptors change nothing; compared with the pointer kernel (the reference has no positions).
-            Q, K, V = mods["ptr"][1].example_inputs({"b": 1, "h": 2, "q": 100, "x": 90}, dtype=dtype)
+                       for t in mod.example_inputs({"b": 2, "h": 3, "q": 100, "x": 100}, dtype=tdt))
+            ref = mod.reference(Q.double(), K.double(), V.double())
+            base = None
+            for form in FORMS:
+                out, last = run(mod, name, form, (Q, K, V), block_q=32, block_x=16)
+                err = _err(out, ref)
+                same = base is None or _bitwise(out, base)
+                ok = err <= tol and same and last["used"] == FORMS[form]
+                line(example, dtype, "strided [b,x,h,d] view, 32x16", form,
+                     f"max|err| {err:.2e}  {_used(mod)}{_vs_ptr(base, same)}", ok)
+                base = out if base is None else base
+            # Rows at global positions (a ring-attention shard): the launcher keeps the pointer code
+            # there (key padding rows must read as zeros, which a descriptor cannot mask); whichever
+            # ran, tma must equal ptr bitwise (the reference has no positions).
+            Q, K, V = mod.example_inputs({"b": 1, "h": 2, "q": 100, "x": 90}, dtype=tdt)
             pos = {"positions": {"q": torch.arange(100) + 40, "x": torch.arange(90) * 2},
                    "lengths": {"q": 140, "x": 180}}
-            base = getattr(mods["ptr"][1], name)(Q, K, V, block_q=32, block_x=16, **pos)
-            for form in ("tma4d", "tma4d_qo", "tma2d"):
-                out = getattr(mods[form][1], name)(Q, K, V, block_q=32, block_x=16, **pos)
-                same = all(torch.equal(o, p) for o, p in zip(out, base))
-                failed += not same
-                print(f"{example:9s} {str(dtype):13s} positions/lengths (q+40, 2x)      {form:9s} "
-                      f"{'bitwise = ptr ok' if same else 'differs from ptr FAIL'}")
-            # The 2-D form's ragged end: head 1's V holds an inf in row 0; head 0's last block reads it.
-            Q, K, V = mods["ptr"][1].example_inputs({"b": 1, "h": 2, "q": 100, "x": 100}, dtype=dtype)
+            base = None
+            for form in FORMS:
+                out, last = run(mod, name, form, (Q, K, V), block_q=32, block_x=16, **pos)
+                same = base is None or _bitwise(out, base)
+                line(example, dtype, "positions/lengths (q+40, 2x), 32x16", form,
+                     _used(mod) + _vs_ptr(base, same), same and (FORMS[form] or not last["used"]))
+                base = out if base is None else base
+            # The ragged edge: |x| = 100, block 32, so head 0's last block covers rows 96..127,
+            # past |x|; in memory rows 100..127 are head 1's rows 0..27.  With an inf in head 1's V
+            # row 0, a tile that read them unmasked gives head 0 NaN (P = 0 there, 0 * inf = NaN):
+            # rows past |x| must read as zero (the per-head descriptor's zero fill).
+            Q, K, V = mod.example_inputs({"b": 1, "h": 2, "q": 100, "x": 100}, dtype=tdt)
             V[0, 1, 0, 0] = float("inf")
-            ref = mods["ptr"][1].reference(Q.double(), K.double(), V.double())
-            for form in ("ptr", "tma4d", "tma2d", "tma2d_raw"):
-                out = getattr(mods[form][1], name)(Q, K, V, block_q=32, block_x=32)
-                head0 = (out[0][0, 0].double() - ref[0][0, 0]).abs().max().item()
-                nan0 = bool(torch.isnan(out[0][0, 0]).any())
-                bad = nan0 or head0 > tol
-                expected_bad = form == "tma2d_raw"
-                failed += bad != expected_bad
-                print(f"{example:9s} {str(dtype):13s} inf in head 1's V row 0, head 0's O {form:9s} "
-                      f"max|err| {head0:.2e} NaN {nan0}  {'(expected: no select)' if expected_bad else ''}"
-                      f"{'ok' if bad == expected_bad else 'FAIL'}")
+            ref = mod.reference(Q.double(), K.double(), V.double())
+            base = None
+            for form in FORMS:
+                out, last = run(mod, name, form, (Q, K, V), block_q=32, block_x=32)
+                head0 = _err([o[0, 0] for o in out], [r[0, 0] for r in ref])
+                finite = all(bool(torch.isfinite(o[0, 0]).all()) for o in out)
+                same = base is None or _bitwise(out, base)
+                ok = finite and head0 <= tol and same and last["used"] == FORMS[form]
+                line(example, dtype, "inf in head 1's V row 0: head 0, 32x32", form,
+                     f"max|err| {head0:.2e} finite {finite}  {_used(mod)}{_vs_ptr(base, same)}", ok)
+                base = out if base is None else base
     print("all ok" if not failed else f"{failed} FAILED")
     return 1 if failed else 0
 
@@ -298,16 +280,25 @@ def sass_counts(sass: str) -> dict:
 
 
 def compile_one(example, head_dim, dtype, form, bq, bx, warps, stages, dump=None) -> dict:
+    """One row: the forward kernel of ``example``'s launcher called with
+    tma=FORMS[form] on CPU tensors while Triton compiles for sm_90 with no GPU
+    (napkin.bench.aot's paper target), its counts, and whether TMA was used
+    (``_tma_last``): the launcher's _tma_ready asks the active Triton target,
+    which aot sets to sm_90, so tma=True builds its descriptors as on an
+    H100, for CPU tensors standing for the GPU's (same shapes, strides and
+    16-byte alignment)."""
     import torch
+    import triton
     from napkin.bench import aot
 
-    name, mod = load(example, head_dim, dtype, form)
-    mod._check_device = lambda device: None
+    name, mod = load(example, head_dim, dtype)
+    mod._check_device = lambda device: None      # as aot.compile_diagram: CPU tensors stand for the GPU's
     sizes = {"b": aot.OTHER_SIZE, "h": aot.OTHER_SIZE, "q": aot.DEFAULT_SIZE, "x": aot.DEFAULT_SIZE}
     inputs = mod.example_inputs(sizes, dtype=getattr(torch, dtype), device="cpu", seed=0)
     with aot._compiling_for(90) as compiled:
-        getattr(mod, name)(*inputs, block_q=bq, block_x=bx, num_warps=warps, num_stages=stages)
-    (kname, kernel), = compiled
+        getattr(mod, name)(*inputs, block_q=bq, block_x=bx, num_warps=warps, num_stages=stages, tma=FORMS[form])
+    used = dict(mod._tma_last)
+    (kname, kernel), = [(k, c) for k, c in compiled if k == f"_{name}_kernel"]
     rep = aot.report(kname, kernel, 90)
     sass = aot._sass(kernel.asm["cubin"])
     ttgir = kernel.asm.get("ttgir", "")
@@ -318,9 +309,9 @@ def compile_one(example, head_dim, dtype, form, bq, bx, warps, stages, dump=None
         (d / f"{stem}.sass").write_text(sass)
         (d / f"{stem}.ttgir").write_text(ttgir)
         (d / f"{stem}.ptx").write_text(kernel.asm["ptx"])
-    import triton
     return {"triton": triton.__version__, "example": example, "head_dim": head_dim, "dtype": dtype, "form": form,
             "block_q": bq, "block_x": bx, "num_warps": warps, "num_stages": stages,
+            "tma_used": used["used"], "tma_why_not": used["why"],
             "shared": rep.shared, "registers": rep.registers, "spill_stores": rep.spill_stores,
             "spill_loads": rep.spill_loads, "wgmma": rep.wgmma, "cp_async": rep.cp_async, "tma": rep.tma,
             "ptx_tma_store": kernel.asm["ptx"].count("cp.async.bulk.tensor") - len(
@@ -330,10 +321,17 @@ def compile_one(example, head_dim, dtype, form, bq, bx, warps, stages, dump=None
 
 
 def compile_all(args) -> int:
+    """Every configuration and form: one row each, printed (``_short``) and
+    appended to --out as JSON.  A compile error is recorded in its row and
+    the run goes on; the exit status is 1 when any row is an error or a
+    form's tma= did not take effect (tma not used, or used for ptr)."""
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET for compile", file=sys.stderr)
         return 2
+    import triton
+
     out = open(args.out, "a") if args.out else None
+    failed = 0
     for example in args.examples:
         for hd in args.head_dims:
             for blk in args.blocks:
@@ -343,16 +341,17 @@ def compile_all(args) -> int:
                         try:
                             row = compile_one(example, hd, args.dtype, form, bq, bx, args.warps, stages, args.dump)
                         except Exception as err:      # record the error text and go on
-                            import triton
                             row = {"triton": triton.__version__, "example": example, "head_dim": hd, "form": form,
                                    "block_q": bq, "block_x": bx, "num_warps": args.warps, "num_stages": stages,
                                    "dtype": args.dtype, "error": f"{type(err).__name__}: {str(err)[-2000:]}"}
-                        line = json.dumps(row)
+                        failed += "error" in row or row["tma_used"] != FORMS[form]
                         print(_short(row), flush=True)
                         if out:
-                            out.write(line + "\n")
+                            out.write(json.dumps(row) + "\n")
                             out.flush()
-    return 0
+    if failed:
+        print(f"{failed} row(s) failed or did not take their form's tma=", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _short(r: dict) -> str:
@@ -360,6 +359,8 @@ def _short(r: dict) -> str:
             f"s{r['num_stages']} {r['form']}")
     if "error" in r:
         return head + "  ERROR " + r["error"].splitlines()[0][:200]
+    if "tma_used" in r:     # the launcher's forms' rows (the old study's rows have no such key)
+        head += " (TMA used)" if r["tma_used"] else f" (TMA not used: {r['tma_why_not']})"
     s = r["sass"]
     loops = "/".join(str(l["total"]) for l in s["loops"])
     return (f"{head}: regs {r['registers']} spill {r['spill_stores']}/{r['spill_loads']} smem {r['shared']} "
@@ -369,10 +370,14 @@ def _short(r: dict) -> str:
 
 
 def table(args) -> int:
+    """The markdown table of JSON-lines files, old study's rows and new alike;
+    a last column "TMA used" only when some row says (the old files print
+    as they did)."""
     rows = [json.loads(l) for f in args.files for l in Path(f).read_text().splitlines() if l.strip()]
+    used = any("tma_used" in r for r in rows)
     cols = ["Triton", "ex", "d", "blocks", "st", "form", "regs", "spill", "smem KiB", "wgmma", "cp.async",
             "TMA ptx", "SASS", "loop(s)", "LDGSTS", "UTMALDG", "UTMASTG", "LDS/LDSM", "IMAD+IADD3+LEA", "loop IMAD+IADD3+LEA",
-            "cvt_layout"]
+            "cvt_layout"] + (["TMA used"] if used else [])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
@@ -386,23 +391,20 @@ def table(args) -> int:
         loops = s["loops"]
         la = "/".join(str(l["total"]) for l in loops)
         laddr = "/".join(str(l.get("IMAD", 0) + l.get("IADD3", 0) + l.get("LEA", 0)) for l in loops)
+        tail = []
+        if used:
+            tail = ["" if "tma_used" not in r else "yes" if r["tma_used"]
+                    else "no: " + str(r["tma_why_not"]).replace("|", "/")]
         print("| " + " | ".join(head + [
             str(r["registers"]), f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared'] / 1024:.0f}",
             str(r["wgmma"]), str(r["cp_async"]), str(r["tma"]), str(s["total"]), la, str(s["LDGSTS"]),
             str(s["UTMALDG"]), str(s["UTMASTG"]), f"{s['LDS']}/{s['LDSM']}",
-            str(s["IMAD"] + s["IADD3"] + s["LEA"]), laddr, str(r["ttgir"]["convert_layout"])]) + " |")
+            str(s["IMAD"] + s["IADD3"] + s["LEA"]), laddr, str(r["ttgir"]["convert_layout"])] + tail) + " |")
     return 0
 
 
-# napkin's launcher has had a tma= option since this study (napkin/codegen/tma.py:
-# descriptors for Q, K, V and O, this study's tma4d_qo), so the patch above no
-# longer applies to what it emits; `time` runs the launcher unpatched, with
-# tma=False (the pointer kernel) and tma=True.
-TIME_FORMS = {"ptr": False, "tma": True}
-
-
 def time_rows(args, device: str, bench):
-    """The rows of ``time``: each form (TIME_FORMS) of the generated
+    """The rows of ``time``: each form (FORMS) of the generated
     forward at each size, block and stage count, timed by ``bench`` (a
     callable with no arguments -> ms) on ``device``, with the largest
     difference from the first form's O and whether TMA really ran (the
@@ -415,7 +417,7 @@ def time_rows(args, device: str, bench):
     label = torch.cuda.get_device_name() if device == "cuda" else device
     for example in args.examples:
         for hd in args.head_dims:
-            name, mod = load(example, hd, args.dtype, "ptr")
+            name, mod = load(example, hd, args.dtype)
             for n in args.seqlens:
                 b, h = max(1, args.tokens // n), args.hidden // hd
                 Q, K, V = (t.to(device) for t in mod.example_inputs(
@@ -427,7 +429,7 @@ def time_rows(args, device: str, bench):
                         for form in args.forms:
                             def run():
                                 return getattr(mod, name)(Q, K, V, block_q=bq, block_x=bx, num_warps=args.warps,
-                                                          num_stages=stages, tma=TIME_FORMS[form])
+                                                          num_stages=stages, tma=FORMS[form])
                             try:
                                 o = run()[0]
                                 used = dict(mod._tma_last)
@@ -474,14 +476,21 @@ def time_gpu(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="numerics under TRITON_INTERPRET=1")
+    c = sub.add_parser("check", help="numerics under TRITON_INTERPRET=1: each form against the float64 "
+                       "reference, tma bitwise against ptr, and whether TMA ran")
     c.add_argument("--examples", nargs="+", default=["causal", "attention"])
-    k = sub.add_parser("compile", help="compile for sm_90 and count")
+    c.add_argument("--dtypes", nargs="+", default=list(TOLERANCE), choices=list(TOLERANCE))
+    c.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in SHAPES], metavar="B,H,Q,X:BQxBX",
+                   help=f"sizes and blocks (default {' '.join(SHAPES)})")
+    c.add_argument("--head-dim", type=int, help="the examples' head dim (default theirs: 64)")
+    c.add_argument("--shapes-only", action="store_true",
+                   help="skip the strided-view, positions and ragged-edge (inf in the next head) cases")
+    k = sub.add_parser("compile", help="compile for sm_90 (no GPU needed) and count")
     k.add_argument("--examples", nargs="+", default=["causal", "attention"])
     k.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     k.add_argument("--blocks", nargs="+", default=["128x64", "128x128"])
     k.add_argument("--stages", nargs="+", type=int, default=[2, 3])
-    k.add_argument("--forms", nargs="+", default=["ptr", "tma4d", "tma4d_qo", "tma2d"], choices=FORMS)
+    k.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
     k.add_argument("--warps", type=int, default=8)
     k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     k.add_argument("--out", help="append JSON lines here")
@@ -491,7 +500,7 @@ def main(argv=None) -> int:
     g.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     g.add_argument("--blocks", nargs="+", default=["128x64", "128x128"])
     g.add_argument("--stages", nargs="+", type=int, default=[2, 3])
-    g.add_argument("--forms", nargs="+", default=list(TIME_FORMS), choices=list(TIME_FORMS))
+    g.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
     g.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384])
     g.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen (napkin bench's h100 preset)")
     g.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head dim")
@@ -505,4 +514,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+        sys.stdout.flush()    # a closed pipe shows here, not in the interpreter's last flush
+    except BrokenPipeError:   # `table ... | head`: the reader stopped reading, as napkin's CLI says it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 141
+    sys.exit(status)
