@@ -38,6 +38,13 @@ def lower_attention(d: ir.Diagram, exprs: dict, col: str) -> AttentionPlan:
     return _Attention(d, exprs, col).plan()
 
 
+def _not_col_alone(node: ir.Reduce, col: str):
+    """A reduction over the streamed wire and others at once: the refusal, said
+    by plan's pre-check (before the score contraction is picked) and lower_reduce."""
+    return unsupported(_show(node), f"it reduces {', '.join(node.wires)} at once; a streamed kernel "
+                       f"reduces {col} alone", node.loc)
+
+
 class _Attention:
     def __init__(self, d: ir.Diagram, exprs: dict, col: str):
         self.d, self.exprs, self.col = d, exprs, col
@@ -63,8 +70,7 @@ class _Attention:
         for e in outs:   # sum[h, x](...): said here, not as a score contraction of h (the pick of col)
             for n in nodes(e):
                 if isinstance(n, ir.Reduce) and col in n.wires and len(n.wires) > 1:
-                    raise unsupported(_show(n), f"it reduces {', '.join(n.wires)} at once; a streamed kernel "
-                                      f"reduces {col} alone", n.loc)
+                    raise _not_col_alone(n, col)
         sides = [self.sides(c) for c in contractions]
         self.row = row = self.row_wire(contractions[0], sides[0])
         self.score_wires = frozenset().union(*(wires_of(d, c) for c in contractions))
@@ -275,8 +281,7 @@ class _Attention:
     def lower_reduce(self, node: ir.Reduce):
         d, col = self.d, self.col
         if node.wires != (col,):
-            raise unsupported(_show(node), f"it reduces {', '.join(node.wires)} at once; a streamed kernel "
-                              f"reduces {col} alone", node.loc)
+            raise _not_col_alone(node, col)
         body = self.softmax_to_exp(node.body)
         if node.op == "logsumexp":
             self.no_inner_reduction(node, body)
