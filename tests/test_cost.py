@@ -1208,3 +1208,24 @@ def test_a_box_read_along_its_own_wires_written_out_is_one_accumulator():
             "P[b, h, q, d] : fp16 = sum[x](W[b, h, q, x] * V) / (sum[x](W[b, h, q, x]) + 2)\nout O, P\n")
     flops = analyse(napkin.load_text(text), {"b": 1, "h": 1, "q": 256, "x": 256}).flops
     assert flops.contraction_formula == "4*b*d*h*q*x"
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window"])
+def test_dram_estimate_of_a_masked_backward_reads_each_input_once(name):
+    """The backward's kernels took the forward's DRAM rule without its masked
+    loop: every program counted as reading the stream's average share, so
+    causal's dK/dV and dQ reached DRAM with fewer bytes than reading their
+    inputs once (21.2 of 25.4 MB, 17.2 of 21.2 MB here; the window's 17.6
+    and 13.6).  With each program's span, a wave reads the hull of its
+    programs' spans: at this size, where L2 holds a head's K and V, each
+    input exactly once, as plain attention's kernels do."""
+    from napkin.cost.backward import backward_cost
+
+    sizes = {"b": 1, "h": 8, "q": 4096, "x": 4096}
+    c = backward_cost(load(name), sizes)
+    plain = backward_cost(load("attention"), sizes)
+    rows, row_state = 8 * 4096 * 64 * 2, 8 * 4096 * 4
+    want = {"dkdv": 4 * rows + 2 * row_state + 2 * rows,   # K, V, Q, dO, lse, delta; dK, dV stored
+            "dq": 4 * rows + 2 * row_state + rows}         # Q, dO, K, V, lse, delta; dQ stored
+    got = dict(zip(c.kernels, c.dram))
+    assert {k: got[k] for k in want} == want == {k: dict(zip(plain.kernels, plain.dram))[k] for k in want}

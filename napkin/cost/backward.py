@@ -250,7 +250,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
         def feat(wires) -> int:
             return math.prod(sizes[w] for w in wires if w not in {row, col} | set(b.batch))
 
-        reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof)
+        reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof, _spans(k, pairs, nblocks, row, col))
         working_set = max(working_set, ws_bytes)
         first = len(moves)
         dram = 0
@@ -309,7 +309,26 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
     return moves, (cf, of, ef), kernels, drams, working_set
 
 
-def _dram_fractions(b, k, br: int, bc: int, sizes: dict, prof) -> tuple[dict, int]:
+def _spans(k, pairs: list, nblocks: dict, row: str, col: str) -> Optional[model.Visited]:
+    """The steps each program of a masked backward kernel reads (the forward's
+    masked-loop rule, model.Visited): dQ's row block i steps over the key
+    blocks its pairs hold, dK/dV's key block j over the row blocks; a kernel
+    that visits every pair (or has no step loop: rows) gets None, every
+    program reading the whole stream."""
+    if k.role == "rows" or len(pairs) == nblocks[row] * nblocks[col]:
+        return None
+    by_col = k.grid_wire == col
+    spans = [[None, 0] for _ in range(nblocks[col] if by_col else nblocks[row])]
+    for i, j in pairs:
+        program, step = (j, i) if by_col else (i, j)
+        span = spans[program]
+        span[0] = step if span[0] is None else min(span[0], step)
+        span[1] = max(span[1], step + 1)
+    return model.Visited(k.grid_wire, tuple((0, 0) if a is None else (a, b) for a, b in spans))
+
+
+def _dram_fractions(b, k, br: int, bc: int, sizes: dict, prof,
+                    visited: Optional[model.Visited] = None) -> tuple[dict, int]:
     """The forward's DRAM estimate (model.dram_fractions) on one backward
     kernel's launch: per load of k.loads that several programs read (dK/dV's
     Q, dO, lse and delta, read by every key block of a head; dQ's K and V),
@@ -318,7 +337,9 @@ def _dram_fractions(b, k, br: int, bc: int, sizes: dict, prof) -> tuple[dict, in
     blocks on axis 0, the batch wires flattened on axis 1, the last fastest
     (model.launch_order); the step walks the other of the row and key wires.
     A wire the program loops over outside the step (GQA's g in dK/dV) is one
-    index a step, and carried by no grid axis, so it is left out."""
+    index a step, and carried by no grid axis, so it is left out.
+    ``visited``: a masked kernel's spans (_spans), each wave counted by the
+    steps its programs read, as the forward's masked loop is."""
     row, col = b.row, b.col
     block = bc if k.grid_wire == col else br
     if not (sizes[k.grid_wire] and math.prod(sizes[w] for w in k.batch)):
@@ -329,7 +350,8 @@ def _dram_fractions(b, k, br: int, bc: int, sizes: dict, prof) -> tuple[dict, in
     kernel = model.Kernel(0, (), (), tuple(accesses.values()),
                           (k.grid_wire, *k.batch) + ((stream[0],) if stream else ()), False, False)
     tiles = model.Tiling("smem", ((k.grid_wire, block),) + tuple((w, 1) for w in k.batch), stream)
-    fractions, working_set = model.dram_fractions(kernel, tiles, sizes, int(prof["sm_count"]), prof["l2_bytes"])
+    fractions, working_set = model.dram_fractions(kernel, tiles, sizes, int(prof["sm_count"]), prof["l2_bytes"],
+                                                  visited=visited)
     return {ld: fractions[acc] for ld, acc in accesses.items() if acc in fractions}, working_set
 
 
