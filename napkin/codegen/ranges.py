@@ -47,9 +47,10 @@ exact.
   the prepass once per key, as FlexAttention's BlockMask is built once.  An
   entry holds the mask input tensors weakly with their version counters: other
   tensor objects, or the same ones written in place, run the prepass again
-  (writes past the counter, .data or inference tensors', go unseen).  Autograd carries the dict to the backward through a context
-  variable (templates/attention.py.jinja): the torch ops' schemas take no
-  Python object.
+  (writes past the counter, .data or inference tensors', go unseen).
+  Autograd carries the dict to the backward through a context variable
+  (templates/attention.py.jinja): the torch ops' schemas take no Python
+  object.
 * The cost pass cannot know the data: it counts these diagrams dense.
 """
 from __future__ import annotations
