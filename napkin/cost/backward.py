@@ -250,7 +250,8 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
         def feat(wires) -> int:
             return math.prod(sizes[w] for w in wires if w not in {row, col} | set(b.batch))
 
-        reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof, _spans(k, pairs, nblocks, row, col))
+        reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof,
+                                         _spans(b, k, br, bc, sizes, len(pairs) == nblocks[row] * nblocks[col]))
         working_set = max(working_set, ws_bytes)
         first = len(moves)
         dram = 0
@@ -309,22 +310,21 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
     return moves, (cf, of, ef), kernels, drams, working_set
 
 
-def _spans(k, pairs: list, nblocks: dict, row: str, col: str) -> Optional[model.Visited]:
+def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool) -> Optional[model.Visited]:
     """The steps each program of a masked backward kernel reads (the forward's
-    masked-loop rule, model.Visited): dQ's row block i steps over the key
-    blocks its pairs hold, dK/dV's key block j over the row blocks; a kernel
-    that visits every pair (or has no step loop: rows) gets None, every
-    program reading the whole stream."""
-    if k.role == "rows" or len(pairs) == nblocks[row] * nblocks[col]:
+    masked-loop rule, model.Visited), by the formulas its loops run: dQ's row
+    block over the key blocks the forward's loop visits (model.visited_spans),
+    dK/dV's key block over the row blocks that visit it (masks.row_block_range).
+    A kernel that visits every pair (``dense``), or has no step loop (rows),
+    gets None: every program reads the whole stream."""
+    if k.role == "rows" or dense:
         return None
-    by_col = k.grid_wire == col
-    spans = [[None, 0] for _ in range(nblocks[col] if by_col else nblocks[row])]
-    for i, j in pairs:
-        program, step = (j, i) if by_col else (i, j)
-        span = spans[program]
-        span[0] = step if span[0] is None else min(span[0], step)
-        span[1] = max(span[1], step + 1)
-    return model.Visited(k.grid_wire, tuple((0, 0) if a is None else (a, b) for a, b in spans))
+    nr, nc, bounds = sizes[b.row], sizes[b.col], b.forward.bounds
+    if k.grid_wire == b.col:
+        spans = tuple(masks.row_block_range(bounds, j, nr, nc, br, bc, sizes) for j in range(-(-nc // bc)))
+    else:
+        spans = model.visited_spans(bounds, nr, nc, br, bc, sizes)
+    return model.Visited(k.grid_wire, spans)
 
 
 def _dram_fractions(b, k, br: int, bc: int, sizes: dict, prof,
