@@ -1229,3 +1229,24 @@ def test_dram_estimate_of_a_masked_backward_reads_each_input_once(name):
             "dq": 4 * rows + 2 * row_state + rows}         # Q, dO, K, V, lse, delta; dQ stored
     got = dict(zip(c.kernels, c.dram))
     assert {k: got[k] for k in want} == want == {k: dict(zip(plain.kernels, plain.dram))[k] for k in want}
+
+
+def test_dram_estimate_ignores_where_an_empty_span_would_start():
+    """A program whose masked loop visits nothing reads nothing: its span
+    must not stretch its wave's hull wherever it nominally starts.  Written
+    (0, 0) it pulled the hull back to step 0, written (n, n) out to step n,
+    so the same empty programs gave two different estimates (the backward's
+    key blocks past the last query of a causal mask are such programs)."""
+    d = load("causal")
+    sizes = {"b": 1, "h": 8, "q": 4096, "x": 4096, "d": 64}
+    (kernel,) = model.kernels(d)
+    tiles = model.tiling_at(d, "smem")
+    spans = list(_visited(d, kernel, tiles, sizes, None).spans)
+    n = spans[-1][1]
+    k = next(a for a in kernel.accesses if a.tensor == "K")
+    got = {}
+    for at in (0, n // 2, n):
+        emptied = tuple((at, at) if i % 5 == 3 else s for i, s in enumerate(spans))
+        fractions, _ = model.dram_fractions(kernel, tiles, sizes, 132, 2e6, visited=model.Visited("q", emptied))
+        got[at] = fractions[k]
+    assert got[0] == got[n // 2] == got[n], got

@@ -595,12 +595,16 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
         if not issued:
             fractions[acc] = 0.0
             continue
-        # the steps each wave reads of each tile: the hull of its programs' spans
+        # the steps each wave reads of each tile: the hull of its programs' spans; an empty
+        # span (a program whose loop visits nothing, at whatever step it would start) reads
+        # nothing and must not stretch the hull
         pairs, inverse = np.unique(tile_of[acc] * n_waves + waves, return_inverse=True)   # by tile, then wave
-        first_step = np.full(pairs.size, np.iinfo(np.int64).max, dtype=np.int64)
+        never = np.iinfo(np.int64).max
+        first_step = np.full(pairs.size, never, dtype=np.int64)
         last_step = np.zeros(pairs.size, dtype=np.int64)
-        np.minimum.at(first_step, inverse, a)
-        np.maximum.at(last_step, inverse, b)
+        live = b > a
+        np.minimum.at(first_step, inverse, np.where(live, a, never))
+        np.maximum.at(last_step, inverse, np.where(live, b, 0))
         read = np.maximum(last_step - first_step, 0)
         # ... less what a wave at most reach_back before read of the same tile (still in L2)
         tile, at = pairs // n_waves, pairs % n_waves
