@@ -872,9 +872,8 @@ def _mask_stamp(tensors):
     return tuple((weakref.ref(_t), _tensor_version(_t)) for _t in tensors)
 
 
-def _mask_stamp_holds(stamp, tensors):
-    return len(stamp) == len(tensors) and all(
-        _ref() is _t and _seen == _tensor_version(_t) for (_ref, _seen), _t in zip(stamp, tensors))
+def _mask_stamp_holds(stamp, tensors):  # as many as the stamp's: the entry's key counts the tensors
+    return all(_ref() is _t and _seen == _tensor_version(_t) for (_ref, _seen), _t in zip(stamp, tensors))
 
 
 def _tensor_version(t):
