@@ -258,3 +258,53 @@ def test_link_bytes_of_a_member_group_count_the_listed_peers(scheme, grid, gpus,
             peers = placement.peers(group, part) if sending else placement.senders(group, part)
             across = sum(1 for q in peers if placement.node(q) != home)
             assert C.link_bytes(term, placement, part, sending) == ((len(peers) - across) * 1000, across * 1000)
+
+
+# Placements whose parts differ in where their peers run: blocks that do and do not tile a
+# node, nodes of one GPU, a double ring, and trees with extra devices (P not a power of two).
+CLASS_CASES = [
+    ("attention2d", (8, 4), 8, None), ("attention2d", (6, 10), None, (2, 5)), ("attention2d", (6, 6), 4, None),
+    ("attention2d", (3, 5), 1, None), ("attention2d", (4, 4), None, None), ("ring", (12,), 8, None),
+    ("burst", (7,), 3, None), ("ring2", (3, 4), None, None), ("burst2", (4, 2), None, None),
+    ("tree", (13,), None, None), ("tree", (22,), 4, None), ("tree", (16,), 8, None), ("tree", (1,), None, None),
+]
+
+
+@pytest.mark.parametrize("scheme, grid, gpus, block", CLASS_CASES)
+def test_traffic_and_time_priced_per_class_equal_every_part_priced_alone(scheme, grid, gpus, block):
+    """traffic and phase_seconds price one part of each class of alike parts (their terms and
+    how many peers share their node): the same numbers, part by part, as link_bytes on every
+    part's own terms."""
+    placement = C.Placement(scheme, grid, gpus, block)
+    m = C.Moved.attention(dict(b=1, hq=4, hkv=2, d=64, q=1000, x=777), "bf16")
+    links = C.Links(450e9, 50e9)
+    for phase in C.PHASES:
+        expect, secs = [], {}
+        for part in range(placement.parts):
+            ts = C.terms(scheme, placement.grid, m, phase, part)
+            sent = [C.link_bytes(t, placement, part, True) for t in ts]
+            expect.append(C.RankTraffic(sum(t.total for t in ts if t.sends), sum(t.total for t in ts if t.receives),
+                                        sum(a for a, _ in sent), sum(b for _, b in sent)))
+            for t, (a, b) in zip(ts, sent):
+                c, d = C.link_bytes(t, placement, part, False)
+                key = f"{t.what} [{t.group}]"
+                secs[key] = max(secs.get(key, 0.0), a / links.within, b / links.across, c / links.within,
+                                d / links.across)
+        assert C.traffic(placement, m, phase) == expect, phase
+        assert C.rank_bytes(scheme, placement.grid, m, phase) == [(t.sent, t.received) for t in expect], phase
+        assert C.phase_seconds(placement, m, phase, links) == secs, phase
+
+
+def test_traffic_prices_each_class_of_parts_once(monkeypatch):
+    """A 256 x 256 grid (65,536 parts, 8 GPUs a node) has a handful of classes: traffic calls
+    link_bytes once per class and term, where it called it once per part and term (196,608
+    calls: napkin cost of a 1024 x 1024 grid took 36 s, a tree of 2^20 - 1 devices 122 s)."""
+    calls = []
+    real = C.link_bytes
+    monkeypatch.setattr(C, "link_bytes", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    placement = C.Placement("attention2d", (256, 256), 8)
+    m = C.Moved.attention(dict(b=1, hq=4, hkv=4, d=64, q=2 ** 20, x=2 ** 20), "bf16")
+    out = C.traffic(placement, m, "forward")
+    assert len(out) == 65536 and 0 < len(calls) <= 3 * 8
+    # the classes: where a part sits in its node's 8 columns does not matter, only the count
+    assert {t.sent_across for t in out} == {out[0].sent_across}

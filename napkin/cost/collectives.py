@@ -58,7 +58,7 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 SCHEMES = ("attention2d", "ring", "burst", "ring2", "burst2", "tree")
 RINGS = ("ring", "burst", "ring2", "burst2")
@@ -244,15 +244,37 @@ def terms(scheme: str, grid, moved: Moved, phase: str = "forward", part: int = 0
     return [t for t in out if t.steps > 0]
 
 
-def terms_by_part(scheme: str, grid, moved: Moved, phase: str):
-    """part -> terms(scheme, grid, moved, phase, part).  Only a tree's terms
-    depend on the part (its extra devices fold in); the other schemes' are
-    built once, not once a part: at 2^16 devices that was a third of the cost
-    pass's time."""
-    if scheme == "tree":
-        return lambda part: terms(scheme, grid, moved, phase, part)
-    same = terms(scheme, grid, moved, phase)
-    return lambda part: same
+@dataclass(frozen=True)
+class PartTerms:
+    """The terms of every part of a scheme's phase, held once per role.
+    Only a tree's parts have more than one role (its extra devices fold in,
+    their partners take the fold); the other schemes' parts share one list,
+    built once, not once a part: at 2^16 devices that was a third of the
+    cost pass's time."""
+
+    lists: tuple[tuple[Term, ...], ...]     # the terms of each role
+    roles: Sequence[int]                     # the role of every part, in part order
+
+    def __call__(self, part: int) -> tuple[Term, ...]:
+        return self.lists[self.roles[part]]
+
+
+def terms_by_part(scheme: str, grid, moved: Moved, phase: str) -> PartTerms:
+    """part -> terms(scheme, grid, moved, phase, part), for every part."""
+    grid = _grid(scheme, grid)
+    firsts, roles = _roles(scheme, parts_of(scheme, grid))
+    return PartTerms(tuple(tuple(terms(scheme, grid, moved, phase, first)) for first in firsts), roles)
+
+
+def _roles(scheme: str, p: int) -> tuple[tuple[int, ...], list[int]]:
+    """The first part of each role, and the role of every part.  A tree's
+    parts (P not a power of two) are the partners of the extra devices (part
+    < P - low, low the largest power of two <= P), the rest below low, and the
+    extra devices, which fold in; every other part of every scheme is alike."""
+    low = 1 << (p.bit_length() - 1)
+    if scheme != "tree" or p == low:
+        return (0,), [0] * p
+    return (0, p - low, low), [0] * (p - low) + [1] * (2 * low - p) + [2] * (p - low)
 
 
 def _tree_terms(p: int, m: Moved, phase: str, part: int) -> list[Term]:
@@ -277,13 +299,9 @@ def _tree_terms(p: int, m: Moved, phase: str, part: int) -> list[Term]:
 
 def rank_bytes(scheme: str, grid, moved: Moved, phase: str = "forward") -> list[tuple[int, int]]:
     """(bytes sent, bytes received) of every part, in part order."""
-    grid = _grid(scheme, grid)
-    out = []
-    terms_of = terms_by_part(scheme, grid, moved, phase)
-    for part in range(parts_of(scheme, grid)):
-        ts = terms_of(part)
-        out.append((sum(t.total for t in ts if t.sends), sum(t.total for t in ts if t.receives)))
-    return out
+    by_part = terms_by_part(scheme, grid, moved, phase)
+    sums = [(sum(t.total for t in ts if t.sends), sum(t.total for t in ts if t.receives)) for ts in by_part.lists]
+    return [sums[role] for role in by_part.roles]
 
 
 # --------------------------------------------------------------------------
@@ -348,42 +366,54 @@ class Placement:
         g = self.gpus_per_node
         return 0 if g is None else self.rank(part) // g
 
+    def nodes(self) -> list[int]:
+        """node(part) of every part, in part order."""
+        g = self.gpus_per_node
+        if g is None:
+            return [0] * self.parts
+        if self.block is None:
+            return [part // g for part in range(self.parts)]
+        return [self.rank(part) // g for part in range(self.parts)]
+
     def peers(self, group: str, part: int) -> list[int]:
         """The parts ``part`` sends a block to in a term of ``group``."""
-        p = self.parts
-        if group == "all":
-            return [q for q in range(p) if q != part]
-        if group in ("row", "column"):
+        if group in _MEMBER_GROUPS:
+            p = self.parts
+            if group == "all":
+                return [q for q in range(p) if q != part]
             r, c = self.grid
             i, j = divmod(part, c)
             if group == "row":
                 return [i * c + jj for jj in range(c) if jj != j]
             return [ii * c + j for ii in range(r) if ii != i]
-        if group == "ring":
-            return [(part + 1) % p]
-        if group in ("inner", "outer", "home"):
-            n, g = self.grid
-            node, local = divmod(part, g)
-            step = {"inner": (0, 1), "outer": (1, 0), "home": (1, 1)}[group]
-            return [(node + step[0]) % n * g + (local + step[1]) % g]
-        low = 1 << (p.bit_length() - 1)
-        if group in ("fold", "unfold"):
-            return [part - low if part >= low else part + low]
-        if group.startswith("round "):
-            return [part ^ (1 << int(group.split()[1]))]
-        raise ValueError(f"unknown group {group!r}")
+        return [self.peer(group, True)(part)]
 
     def senders(self, group: str, part: int) -> list[int]:
         """The parts ``part`` receives a block from (a ring receives from the
         previous device; every other group is symmetric)."""
+        if group in _MEMBER_GROUPS:
+            return self.peers(group, part)
+        return [self.peer(group, False)(part)]
+
+    def peer(self, group: str, sending: bool) -> Callable[[int], int]:
+        """part -> the one part it sends to (receives from) in a pass group.
+        A function, so that the cost pass can map it over every part."""
+        p = self.parts
         if group == "ring":
-            return [(part - 1) % self.parts]
+            return (lambda q: (q + 1) % p) if sending else (lambda q: (q - 1) % p)
         if group in ("inner", "outer", "home"):
             n, g = self.grid
-            node, local = divmod(part, g)
-            step = {"inner": (0, 1), "outer": (1, 0), "home": (1, 1)}[group]
-            return [(node - step[0]) % n * g + (local - step[1]) % g]
-        return self.peers(group, part)
+            dn, dl = {"inner": (0, 1), "outer": (1, 0), "home": (1, 1)}[group]
+            if not sending:
+                dn, dl = -dn, -dl
+            return lambda q: (q // g + dn) % n * g + (q % g + dl) % g
+        low = 1 << (p.bit_length() - 1)
+        if group in ("fold", "unfold"):
+            return lambda q: q - low if q >= low else q + low
+        if group.startswith("round "):
+            bit = 1 << int(group.split()[1])
+            return lambda q: q ^ bit
+        raise ValueError(f"unknown group {group!r}")
 
 
 def link_bytes(term: Term, placement: Placement, part: int, sending: bool = True) -> tuple[int, int]:
@@ -441,17 +471,70 @@ class RankTraffic:
 def traffic(placement: Placement, moved: Moved, phase: str = "forward") -> list[RankTraffic]:
     """Per part (in part order): bytes sent and received, and the bytes sent
     split by link."""
-    out = []
-    terms_of = terms_by_part(placement.scheme, placement.grid, moved, phase)
-    for part in range(placement.parts):
-        ts = terms_of(part)
+    by_part = terms_by_part(placement.scheme, placement.grid, moved, phase)
+    classes, firsts = _link_classes(placement, by_part)
+    per_class = []
+    for part in firsts:
+        ts = by_part(part)
         within = across = 0
         for t in ts:
             a, b = link_bytes(t, placement, part)
             within, across = within + a, across + b
-        out.append(RankTraffic(sum(t.total for t in ts if t.sends), sum(t.total for t in ts if t.receives),
-                               within, across))
-    return out
+        per_class.append(RankTraffic(sum(t.total for t in ts if t.sends), sum(t.total for t in ts if t.receives),
+                                     within, across))
+    return [per_class[k] for k in classes]
+
+
+def _link_classes(placement: Placement, by_part: PartTerms) -> tuple[list[int], list[int]]:
+    """Parts that send and receive the same bytes over the same links: the
+    class of every part (in part order) and the first part of each class.
+
+    link_bytes of a part's term depends on the term and on how many of the
+    part's peers in it share its node (a member group: the set's members on
+    the node; a pass: whether the peer's node is another).  Parts alike in
+    their terms (their role) and in those counts for every group are priced
+    once a class: walking every part through link_bytes took napkin cost 36 s
+    for a 1024 x 1024 ATTENTION2D grid and 122 s for a tree of 2^20 - 1."""
+    return _classes(placement, tuple(frozenset(t.group for t in ts) for ts in by_part.lists))
+
+
+@functools.lru_cache(maxsize=8)
+def _classes(placement: Placement, uses: tuple[frozenset[str], ...]) -> tuple[list[int], list[int]]:
+    """_link_classes for the groups each role's terms use (the phases of a
+    scheme mostly use the same ones: computed once)."""
+    n = placement.parts
+    roles = _roles(placement.scheme, n)[1]
+    nodes = placement.nodes()
+    columns: list[list] = [roles] if len(uses) > 1 else []
+    for group in sorted(frozenset().union(*uses)):
+        if group in _MEMBER_GROUPS:
+            columns.append(_members_on_node(placement, group, nodes))
+            continue
+        used = [group in u for u in uses]   # a tree's extra devices have no rounds
+        for sending in (True, False):
+            peer = placement.peer(group, sending)
+            columns.append([nodes[peer(q)] != nodes[q] if used[roles[q]] else None for q in range(n)])
+    if not columns:                         # no terms: every part alike
+        return [0] * n, [0]
+    index: dict[tuple, int] = {}
+    classes = [index.setdefault(key, len(index)) for key in zip(*columns)]
+    firsts = [0] * len(index)
+    for part in range(n - 1, -1, -1):
+        firsts[classes[part]] = part
+    return classes, firsts
+
+
+def _members_on_node(placement: Placement, group: str, nodes: list[int]) -> list[int]:
+    """For every part, the members of its set in a member group (all parts;
+    its grid row or column) that run on its node, itself included."""
+    if group == "all":
+        keys = nodes
+    else:
+        c, stride = placement.grid[1], max(nodes) + 1
+        keys = [q // c * stride + node for q, node in enumerate(nodes)] if group == "row" \
+            else [q % c * stride + node for q, node in enumerate(nodes)]
+    counts = collections.Counter(keys)
+    return [counts[k] for k in keys]
 
 
 # --------------------------------------------------------------------------
@@ -477,9 +560,9 @@ def phase_seconds(placement: Placement, moved: Moved, phase: str, links: Links) 
     / NVLink, bytes across / InfiniBand) over what it sends and receives;
     each collective waits for its slowest part."""
     out: dict[str, float] = {}
-    terms_of = terms_by_part(placement.scheme, placement.grid, moved, phase)
-    for part in range(placement.parts):
-        for t in terms_of(part):
+    by_part = terms_by_part(placement.scheme, placement.grid, moved, phase)
+    for part in _link_classes(placement, by_part)[1]:    # a class's parts take the same time
+        for t in by_part(part):
             key = f"{t.what} [{t.group}]"
             a, b = link_bytes(t, placement, part, True)
             c, d = link_bytes(t, placement, part, False)
