@@ -633,25 +633,32 @@ class _Checker:
                          f"in level devices to split {t.wire} over GPUs")
             elif t.across and t.size < 1:
                 self.err(f"cannot split {t.wire} across {t.size} devices", t.loc)
-            elif t.across and (devices_in_all := self._processors(t)) > MAX_DEVICES:
-                self.err(f"'{t.kind} {t.wire} across {t.size}' makes {devices_in_all:,} devices in all: napkin "
+            elif t.across and (made := self._processors(t))[1] > MAX_DEVICES >= made[0]:
+                # refused once, at the tile that passes the limit
+                self.err(f"'{t.kind} {t.wire} across {t.size}' makes {made[1]:,} devices in all: napkin "
                          f"models at most {MAX_DEVICES:,} (2^20)", t.loc)
             elif not t.across:
                 self.check_block(t, level)
             if t.chunk is not None:
                 self.check_chunk(level, t)
 
-    def _processors(self, upto: ir.Tile) -> int:
-        """The devices the schedule's across tiles make, up to and with ``upto``
-        (each level's counts multiply: a grid, nodes times devices)."""
+    def _processors(self, upto: ir.Tile) -> tuple[int, int]:
+        """The devices the schedule's across tiles make before ``upto`` and with
+        it (each level's counts multiply: a grid, nodes times devices).  A ring,
+        ``stream x across N`` beside ``group q across N`` at the same level,
+        runs on the group's N devices, not N more (Ring Attention's P devices
+        are P, as the cost pass and napkin plan count them: a ring of 1025
+        was refused as 1,050,625 devices, so plan could not emit one)."""
         n = 1
         for level in self.d.schedule.levels:
+            groups = {t.size for t in level.tiles if t.across and t.kind == "group"}
             for t in level.tiles:
-                if t.across and t.size >= 1:
+                before = n
+                if t.across and t.size >= 1 and not (t.kind == "stream" and t.size in groups):
                     n *= t.size
                 if t is upto:
-                    return n
-        return n
+                    return before, n
+        return n, n
 
     def check_chunk(self, level: ir.Level, t: ir.Tile) -> None:
         """``group x by C`` beside ``stream x by B`` (ir.Tile.chunk): each

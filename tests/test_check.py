@@ -539,6 +539,23 @@ def test_device_counts_past_two_to_the_twenty_are_refused_at_the_tile_that_passe
     assert not errors(HEAD + ATTENTION + "schedule { level devices { group q across 1024, x across 1024 } }\n")
 
 
+def test_a_ring_counts_its_devices_once():
+    """group q across P beside stream x across P is a ring of P devices (the cost pass's and
+    napkin plan's count), not P^2: a ring of 1025 was refused as 1,050,625 devices, and napkin
+    plan --devices 1025 --emit could not write the ring it ranked first."""
+    ring = "schedule { level devices { group q across %d\n stream x across %d } }\n"
+    assert not errors(HEAD + ATTENTION + ring % (2 ** 20, 2 ** 20))
+    text = HEAD + ATTENTION + ring % (2 ** 20 + 1, 2 ** 20 + 1)
+    d = one(text)
+    assert d.message.startswith("'group q across 1048577' makes 1,048,577 devices in all") and \
+        where(d) == pos(text, "q across")
+    # a stream of another count beside the group is a dimension of its own (the generic model's)
+    text = HEAD + ATTENTION + ring % (2048, 1024)
+    d = one(text)
+    assert d.message.startswith("'stream x across 1024' makes 2,097,152 devices in all") and \
+        where(d) == pos(text, "x across")
+
+
 def test_tiles_twice_two_streams_and_block_sizes():
     text = HEAD + ATTENTION + ("schedule {\n  level smem {\n    group q by 96, q by 128, b by 2\n"
                                "    stream x by 64, h by 1\n  }\n}\n")

@@ -308,3 +308,13 @@ def test_traffic_prices_each_class_of_parts_once(monkeypatch):
     assert len(out) == 65536 and 0 < len(calls) <= 3 * 8
     # the classes: where a part sits in its node's 8 columns does not matter, only the count
     assert {t.sent_across for t in out} == {out[0].sent_across}
+
+
+def test_plan_emits_a_ring_of_more_than_1024_devices_that_checks():
+    """A ring of P is P devices: the checker counted group q across 1025 beside stream x
+    across 1025 as 1,050,625 and refused the ring plan ranked first, so --emit failed."""
+    sizes = dict(b=1, h=16, q=2 ** 20, x=2 ** 20)
+    best = P.plan(load("attention"), 1025, sizes)[0]
+    assert best.scheme in ("ring", "burst") and best.grid == (1025,)
+    d = napkin.load_text(to_text(P.emit(load("attention"), best)), "emitted.ncd")
+    assert analyse(d, sizes).devices.devices == 1025
