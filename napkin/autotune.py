@@ -16,7 +16,7 @@ two parts here and its record in napkin.tunecache:
   sizes Hopper's MMAs run well (STREAMED_BLOCKS), each with num_warps and
   num_stages.  Pruned: shared memory over the device's, fewer than 16
   resident rows a warp, more float32 values a thread than the register
-  budget (backward_emit.HELD_FP32, where spills start on sm_90), and a
+  budget (backward_hold.HELD_FP32, where spills start on sm_90), and a
   16-wide streamed block when a wider one fits.
 * ``autotune(fn, candidates, bench_fn, budget_s=...)``: times candidates in
   order until the time budget is spent, keeps the fastest, and stores it in
@@ -195,7 +195,7 @@ class KernelShape:
 
     def held(self, blocks: Mapping[str, int], warps: int) -> float:
         """float32 values one thread holds: accumulators plus product tiles.
-        Against backward_emit.HELD_FP32 (160), compiled for sm_90 with
+        Against backward_hold.HELD_FP32 (160), compiled for sm_90 with
         napkin.bench.aot (causal, d 128, bf16): forward (128, 64) at 4 warps
         (192) spilled 304 B, (128, 32) at 4 (160) and (64, 64) at 4 (96) did
         not, (128, 128) at 8 (128) spilled 4 B at 3 stages and none at 2;
@@ -279,11 +279,11 @@ def _load_bytes(shape: KernelShape, ld) -> int:
 
 def _rule_cut(shape: KernelShape, config: Config, sizes: Mapping[str, int]) -> Optional[str]:
     """None when the dK/dV kernel's own register rule (its launcher's default
-    tile, backward_emit.dkdv_default_tile, against HELD_FP32) keeps this
+    tile, backward_hold.dkdv_default_tile, against HELD_FP32) keeps this
     tile at these warps; else the blocks that rule would cut it to, as text.
     Asked of the rule itself, so a change to it (L2 and ReLU^2's float32
     operands count there) applies here too."""
-    from .codegen.backward_emit import dkdv_default_tile
+    from .codegen.backward_hold import dkdv_default_tile
 
     plan, blocks = shape.plan, dict(config.blocks)
     # the rule reads the forward's blocks: keys take the row block, rows the streamed one
@@ -374,7 +374,7 @@ def _attention_candidates(diagram, sizes, shape: KernelShape, capacity, profile,
     ordered breadth first: every block shape at its most likely warps and
     stages before any shape's second choice, so a budget that runs out has
     still seen every shape once."""
-    from .codegen.backward_emit import HELD_FP32
+    from .codegen.backward_hold import HELD_FP32
 
     res, st = shape.resident, shape.streamed
     warp_order = sorted(warps, reverse=True)       # more warps: fewer registers a thread
@@ -506,7 +506,7 @@ def _prune_reason(shape: KernelShape, c: Config, sizes, capacity: Optional[int],
     if shape.kind == "bwd_kv":
         cut = _rule_cut(shape, c, sizes)
         if cut is not None:
-            return (f"registers: the dK/dV kernel's own rule (backward_emit.dkdv_default_tile, at most {budget} "
+            return (f"registers: the dK/dV kernel's own rule (backward_hold.dkdv_default_tile, at most {budget} "
                     f"float32 values a thread) cuts this tile to {cut} at {c.num_warps} warps: it would spill")
         return None
     held = shape.held(blocks, c.num_warps)
@@ -514,7 +514,7 @@ def _prune_reason(shape: KernelShape, c: Config, sizes, capacity: Optional[int],
         return (f"registers: a thread would hold {held:g} float32 values ({KINDS[shape.kind]} accumulators "
                 f"[{blocks[shape.resident]}, {shape.widths}] and {shape.tiles} "
                 f"[{blocks[shape.resident]}, {blocks[shape.streamed]}] tile(s) over {32 * c.num_warps} "
-                f"threads), more than {budget} (backward_emit.HELD_FP32: spills start above it on sm_90)")
+                f"threads), more than {budget} (backward_hold.HELD_FP32: spills start above it on sm_90)")
     return None
 
 

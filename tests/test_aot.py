@@ -104,7 +104,7 @@ def test_target_backward_kernels_compile_for_hopper_without_spilling(trainings, 
 
 # Sum normalisers: dN = dO / b(Z) is float32 row state, and its products ran
 # as FMAs (no tensor core) that spilled kilobytes a thread until they took tf32
-# and the default tiles counted their float32 operands (backward_emit.HELD_FP32).
+# and the default tiles counted their float32 operands (backward_hold.HELD_FP32).
 SUM_NORMALISED = ["l2_attention", "relu2_attention"]
 
 

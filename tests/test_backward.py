@@ -1047,7 +1047,7 @@ def test_dkdv_default_tile_is_the_forward_tile_transposed(folder, monkeypatch):
     either block is 128 or more.  Blocks given apply to every kernel as
     given.  dQ keeps the forward's blocks and warps, its keys halved past
     HELD_FP32 too (with 4 warps given: 32 keys)."""
-    from napkin.codegen.backward_emit import HELD_FP32
+    from napkin.codegen.backward_hold import HELD_FP32
 
     assert HELD_FP32 == 160
     causal = example("causal", folder)
@@ -1066,9 +1066,9 @@ def test_dkdv_default_tile_is_the_forward_tile_transposed(folder, monkeypatch):
     gqa = example("gqa", folder)    # head dim 128
     kv, dq = _backward_launches(gqa, "gqa", {"b": 1, "hk": 1, "g": 2, "q": 40, "x": 50}, monkeypatch)
     assert kv == (32, 128, 8, 2) and dq == (128, 64, 8, 2)
-    # the cost pass evaluates the same rule (backward_emit.dkdv_default_tile)
+    # the cost pass evaluates the same rule (backward_hold.dkdv_default_tile)
     from napkin.codegen import lower, training
-    from napkin.codegen.backward_emit import dkdv_default_tile
+    from napkin.codegen.backward_hold import dkdv_default_tile
 
     for stem, sizes, tile in (("causal", sizes, (64, 128, 8)), ("gqa", {"q": 40, "x": 50}, (32, 128, 8))):
         plan = training.prepare(lower.lower(napkin.load(REPO / "examples" / f"{stem}.ncd"))).backward
@@ -1158,7 +1158,7 @@ def test_sum_normaliser_default_tiles(name, folder, monkeypatch):
     its row sum: 128 rows).  No product is widened to float32 (no _WIDE).
     The launcher runs the rule dkdv_default_tile evaluates for the cost pass."""
     from napkin.codegen import lower, training
-    from napkin.codegen.backward_emit import dkdv_default_tile, dq_default_tile
+    from napkin.codegen.backward_hold import dkdv_default_tile, dq_default_tile
 
     sizes = {"b": 1, "h": 2, "q": 40, "x": 50}
     for replace, kv, dq, rows in (((), (64, 128, 8), (128, 64, 8), (128, None, 4)),
@@ -1256,7 +1256,7 @@ def test_factor_reading_n_keeps_float32_dn(dtype, folder):
 
 def test_widened_tf32_products_are_accurate_enough(folder, monkeypatch):
     """With 16-bit inputs the products widened to float32 (the dN form,
-    N_SQUARED) run as tf32 on tensor cores (backward_emit._wide_precision).
+    N_SQUARED) run as tf32 on tensor cores (backward_hold.wide_precision).
     The interpreter computes every product in full float32, so here its tf32
     products take operands truncated to tf32's 10 stored mantissa bits
     (coarser than the hardware's rounding): fp16 gradients still meet the

@@ -698,10 +698,10 @@ def test_forward_candidates_at_the_target_are_hopper_shaped(name):
 
 
 def test_register_estimate_prunes_what_would_spill_and_says_why():
-    """float32 values a thread holds, against backward_emit.HELD_FP32: the
+    """float32 values a thread holds, against backward_hold.HELD_FP32: the
     forward's accumulator [128, 128] and score tile [128, 64] over 4 warps
     are 192 (sm_90 spills: napkin.bench.aot), over 8 warps 96."""
-    from napkin.codegen.backward_emit import HELD_FP32
+    from napkin.codegen.backward_hold import HELD_FP32
 
     d, sizes = _target("causal")
     keep, pruned = autotune.candidates(d, sizes, capacity=H100_SMEM)
@@ -720,8 +720,8 @@ def test_register_estimate_prunes_what_would_spill_and_says_why():
 def test_backward_candidates_are_shaped_for_each_kernel():
     """dQ holds [rows, keys] tiles like the forward (resident q); dK/dV holds
     the transpose (resident x, rows streamed) and is judged by its own
-    launcher rule (backward_emit.dkdv_default_tile); its untuned tile leads."""
-    from napkin.codegen.backward_emit import dkdv_default_tile
+    launcher rule (backward_hold.dkdv_default_tile); its untuned tile leads."""
+    from napkin.codegen.backward_hold import dkdv_default_tile
 
     d, sizes = _target("causal")
     dq, dq_pruned = autotune.candidates(d, sizes, kind="bwd", lead=harness.untuned(d, sizes, "bwd"),
@@ -914,7 +914,7 @@ def test_tuning_is_shown_in_the_markdown_when_truncated():
 
 def test_backward_kernels_lead_with_their_own_default_tiles():
     """dK/dV's own untuned tile and dQ's lead their candidates: tuning never
-    ends worse than the default (backward_emit.dkdv_default_tile / dq_default_tile)."""
+    ends worse than the default (backward_hold.dkdv_default_tile / dq_default_tile)."""
     gqa = napkin.load(EXAMPLES / "gqa.ncd")           # head dim 128: 128 keys by 32 rows, 8 warps
     sizes = {"b": 1, "hk": 2, "g": 4, "q": 16384, "x": 16384}
     lead = harness.untuned(gqa, sizes, "bwd_kv")

@@ -745,10 +745,10 @@ def untuned(d: ir.Diagram, sizes: dict, kind: str) -> list:
 def _backward_default(d: ir.Diagram, sizes: dict, kind: str) -> list:
     """The launch a backward kernel gets untuned, as candidates (2 and 3
     stages): dQ the schedule's blocks, its keys halved while they would not
-    fit the registers (backward_emit.dq_default_tile), dK/dV its own default
-    tile (backward_emit.dkdv_default_tile)."""
+    fit the registers (backward_hold.dq_default_tile), dK/dV its own default
+    tile (backward_hold.dkdv_default_tile)."""
     from ..codegen import lower, training
-    from ..codegen.backward_emit import DEFAULT_TILE
+    from ..codegen.backward_hold import DEFAULT_TILE
 
     plan = training.prepare(lower.lower(d)).backward
     if plan is None:

@@ -356,7 +356,8 @@ def context(t: Training, *, name: str, options: list[str], source_hash: str) -> 
 
 
 def _attention_context(t: Training, user_outputs: list[str]) -> dict:
-    from .backward_emit import kernel_context, rows_round_do
+    from .backward_emit import kernel_context
+    from .backward_hold import rows_round_do
 
     b, rule = t.backward, t.rule
     bound = {v: k for k, v in rule.bound}          # diagram name -> placeholder

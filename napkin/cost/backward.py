@@ -149,7 +149,7 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
                   given: bool = False, grad_dtype: str = "input") -> BackwardCost:
     """The backward kernels' transfers and FLOPs at the given sizes (every
     symbolic wire bound), for the launch with no options: the dK/dV kernel
-    at its own default tile (backward_emit.dkdv_default_tile), dQ at the
+    at its own default tile (backward_hold.dkdv_default_tile), dQ at the
     schedule's blocks with its keys halved as the launcher does
     (dq_default_tile), the rows kernel at the schedule's.  ``given``: the
     schedule's blocks are given (or tuned), and every kernel takes them as
@@ -215,7 +215,7 @@ def _single_device(d: ir.Diagram) -> ir.Diagram:
 def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
     """(moves, (contraction, other, exp FLOPs), kernels, DRAM bytes per kernel,
     the largest one-step L2 working set)."""
-    from ..codegen.backward_emit import DEFAULT_TILE
+    from ..codegen.backward_hold import DEFAULT_TILE
 
     d, f = b.diagram, b.forward
     blocks = dict(f.blocks)
