@@ -1250,3 +1250,16 @@ def test_dram_estimate_ignores_where_an_empty_span_would_start():
         fractions, _ = model.dram_fractions(kernel, tiles, sizes, 132, 2e6, visited=model.Visited("q", emptied))
         got[at] = fractions[k]
     assert got[0] == got[n // 2] == got[n], got
+
+
+def test_a_ring_prices_the_l2_reach_of_alike_launches_once(monkeypatch):
+    """A ring of P launches its kernel P times, every step the same sizes: the DRAM fractions
+    (model.dram_fractions, a pass over the launch grid) are computed once for them, where they
+    were computed P times (napkin cost of a ring of 32,768 devices: 7.3 s, now 1.5 s)."""
+    from napkin.cost import analysis
+    calls = []
+    real = analysis.dram_fractions
+    monkeypatch.setattr(analysis, "dram_fractions", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    rep = analyse(napkin.load("examples/ring_attention.ncd"), dict(b=1, h=4, q=4000, x=4000))
+    assert len(calls) == 1 and rep.devices.devices == 4
+    assert rep.kernels[0].programs == 4 * 4 * -(-1000 // 128)     # still 4 launches' programs

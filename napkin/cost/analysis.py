@@ -503,11 +503,21 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
     counts = c.counts[k.index]
     ch = c.chunks if c.chunked and c.chunks.kernel == k.index else None
     wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]
+    memo: dict = {}
+
+    def fractions_of(s: dict, n: int = 1, v=None):
+        # launches alike give alike fractions: a ring of P launches P times, each step's
+        # sizes the same unless a mask skips (napkin cost of a ring of 32,768: 8 s, 32,768 calls)
+        key = (tuple(sorted(s.items())), n, v)
+        if key not in memo:
+            memo[key] = dram_fractions(k, tl, s, wave, l2, chunks=n, visited=v)
+        return memo[key]
+
     reach = [{}] * len(c.launches)
     if hbm:
         reach = []
         for s, n, v in zip(c.launches, counts, visits):
-            fractions, ws = dram_fractions(k, tl, s, wave, l2, chunks=n, visited=v if k.skips else None)
+            fractions, ws = fractions_of(s, n, v if k.skips else None)
             c.working_set = max(c.working_set, ws)
             reach.append(fractions)
     main, merged = [], []
@@ -531,7 +541,7 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
                  [{}] * len(c.launches), size))
     rows = [(c.merge_index, chunks_mod.state_access("load", k, c.tiles), state_poly, Poly.const(1), states,
              [{}] * len(c.launches), size)]
-    whole = [dram_fractions(k, tl, s, wave, l2)[0] for s in c.launches] if ch.again and c.known else reach
+    whole = [fractions_of(s)[0] for s in c.launches] if ch.again and c.known else reach
     for acc in ch.again:   # read once per merge program, as the whole kernel reads it
         issued = [count_access(acc, k, tl, s, v) if n > 1 else 0
                   for s, v, n in zip(c.launches, visits, counts)] if c.known else []
