@@ -29,7 +29,6 @@ import contextvars
 import functools
 import math
 import os
-import weakref
 
 import torch
 import triton

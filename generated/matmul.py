@@ -22,12 +22,9 @@ sizes from the shapes, so one compiled kernel serves every length.
 reference(...) is the same diagram in eager PyTorch; example_inputs(sizes)
 makes random inputs.
 """
-import contextlib
-import contextvars
 import functools
 import math
 import os
-import weakref
 
 import torch
 import triton

@@ -28,7 +28,6 @@ import contextvars
 import functools
 import math
 import os
-import weakref
 
 import torch
 import triton

@@ -87,3 +87,17 @@ def test_distributed_modules_expose_their_function_without_importing_napkin():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'napkin'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("module", sorted(p for p in GENERATED.glob("*.py") if p.stem != "__init__"),
+                         ids=lambda p: p.stem)
+def test_generated_module_imports_only_what_it_names(module):
+    """Every top-level import of a generated module is named in it: the template imports
+    each standard module some diagram needs (weakref, contextvars, contextlib), and the
+    matmul's module imported three it never used, every attention module weakref."""
+    import ast
+    tree = ast.parse(module.read_text())
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    imported = [a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                for a in node.names]
+    assert imported and [m for m in imported if m not in named] == []

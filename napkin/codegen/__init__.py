@@ -13,6 +13,7 @@ triton.  Same input, byte-identical output.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import shlex
@@ -98,7 +99,21 @@ def emit_module(diagram: ir.Diagram, *, source_text: str, source_path: str) -> s
     except NapkinError as err:
         raise err.with_source(str(source_path), source_text) from None
     _assert_compiles(text, diagram.name)
-    return text
+    return _without_unused_imports(text)
+
+
+def _without_unused_imports(text: str) -> str:
+    """The module less its top-level ``import X`` lines whose X it never names.
+    The template imports every standard module some diagram's code needs
+    (weakref for a data mask's cache, contextvars for training's state);
+    a matmul's module imported three it never used."""
+    tree = ast.parse(text)
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    unused = {node.lineno for node in tree.body if isinstance(node, ast.Import) and len(node.names) == 1
+              and node.names[0].asname is None and "." not in node.names[0].name
+              and node.names[0].name not in named}
+    lines = text.splitlines(keepends=True)
+    return "".join(line for k, line in enumerate(lines, 1) if k not in unused)
 
 
 def _assert_compiles(text: str, name: str) -> None:
