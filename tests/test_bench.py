@@ -2274,3 +2274,37 @@ def test_a_written_not_mask_is_causal_to_flex_as_to_the_flop_count():
     src = flex.emit(d)
     assert src.causal and src.mask == "x <= q" and flex.attention_shape(d, SIZES)["causal"]
     assert max(_flex_vs_reference(d)) < 1e-5
+
+
+def test_an_sdpa_backend_that_refuses_a_shape_says_why(monkeypatch):
+    """SDPA warns why a pinned backend cannot run a shape, then raises "No available kernel":
+    the results said only that (sdpa-efficient on gqa, H100, 2026-11-28) and the reasons went
+    to the log as bare UserWarnings.  The first call now raises with them (less the headers and
+    sdpa_kernel's own "runtime disabled"), and leaks no warning; later calls run plainly."""
+    import torch.nn.functional as F
+
+    def refuse(q, k, v, **kw):
+        warnings.warn("Memory efficient kernel not used because: (Triggered internally at sdp_utils.cpp:986.)")
+        warnings.warn("For dense input, both fused kernels require query, key and value to have the same "
+                      "num_heads. (Triggered internally at sdp_utils_cpp.h:418.)")
+        warnings.warn("Flash attention has been runtime disabled. (Triggered internally at sdp_utils_cpp.h:540.)")
+        raise RuntimeError("No available kernel. Aborting execution.\nmore")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refuse)
+    shape = dict(batch=1, heads=4, kv_heads=2, q_len=5, kv_len=7, dim=8, value_dim=8, dtype="float32",
+                 causal_part=False)
+    (base,) = [b for b in baselines.sdpa_baselines(None, shape, "cuda") if b.name == "sdpa-efficient"]
+    run = base.prepare(None, shape, "cpu")
+    with warnings.catch_warnings(record=True) as leaked:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError) as err:
+            run()
+    assert leaked == []
+    assert baselines.first_line(err.value) == (
+        "RuntimeError: No available kernel. Aborting execution. (For dense input, both fused kernels require "
+        "query, key and value to have the same num_heads.)")
+    # a backend that runs: its output, and no reasons wrapped around anything
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: q * 2)
+    (base,) = [b for b in baselines.sdpa_baselines(None, shape, "cuda") if b.name == "sdpa-efficient"]
+    run = base.prepare(None, shape, "cpu")
+    assert run()[0].shape == (1, 4, 5, 8) and run()[0].shape == (1, 4, 5, 8)

@@ -101,10 +101,15 @@ def _sdpa_prepare(backend, flex_module, causal: bool, scale: float, torch) -> Ca
             k = make(shape["kv_heads"], shape["kv_len"], shape["dim"])
             v = make(shape["kv_heads"], shape["kv_len"], shape["value_dim"])
         gqa = q.shape[1] != k.shape[1]
+        ran = []
 
         def run():
             with sdpa_kernel(backend):
-                out = sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+                if ran:
+                    out = sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+                else:   # the first call (the check, before timing) says why a backend refuses
+                    out = _with_reasons(lambda: sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa))
+                    ran.append(True)
             if flex_module is None:
                 return (out,)
             return flex_module.finish(out, None, k.shape[1])
@@ -114,6 +119,34 @@ def _sdpa_prepare(backend, flex_module, causal: bool, scale: float, torch) -> Ca
         return run
 
     return prepare
+
+
+def _with_reasons(call: Callable):
+    """call(), whose warnings become part of its error should it fail.  A
+    backend that cannot run a shape warns why ("For dense input, both fused
+    kernels require query, key and value to have the same num_heads") and
+    then raises "No available kernel": the reasons went to the log, one
+    UserWarning a line and no backend named, and the results said only
+    "No available kernel".  On success the warnings are dropped: they
+    explain why another backend was not picked, which sdpa_kernel ruled out."""
+    import re
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return call()
+        except RuntimeError as err:
+            reasons = []
+            for w in caught:
+                text = re.sub(r"\s*\(Triggered internally at [^)]*\)\s*$", "", str(w.message)).strip()
+                # "X not used because:" heads the reason that follows; "X has been runtime
+                # disabled" is sdpa_kernel's own pinning
+                if text and not text.endswith(("because:", "runtime disabled.")) and text not in reasons:
+                    reasons.append(text)
+            if not reasons:
+                raise
+            raise RuntimeError(f"{first_line(err).split(': ', 1)[-1]} ({'; '.join(reasons)})") from err
 
 
 def first_line(err: BaseException) -> str:
