@@ -2308,3 +2308,20 @@ def test_an_sdpa_backend_that_refuses_a_shape_says_why(monkeypatch):
     (base,) = [b for b in baselines.sdpa_baselines(None, shape, "cuda") if b.name == "sdpa-efficient"]
     run = base.prepare(None, shape, "cpu")
     assert run()[0].shape == (1, 4, 5, 8) and run()[0].shape == (1, 4, 5, 8)
+
+
+def test_a_baseline_that_failed_forward_points_its_backward_cell_at_the_same_note(tmp_path):
+    """A backend that cannot run the shape is not run backward: its backward cell stood empty
+    (CPU smoke run of causal.ncd, 2026-12-01) where the forward's said n/a and why.  Both
+    point at one note now; an implementation timed forward only keeps an empty cell."""
+    data = _data(smoke=False)
+    rows = data["rows"][0]["results"]
+    rows.append({"impl": "napkin", "pass": "bwd", "ms": 5.0, "tflops": 1.0, "equivalent": True, "note": "",
+                 "error": None})
+    data["rows"][0]["ratios"] = results.ratios(rows)
+    md = results.markdown(data)
+    backward = md[md.index("## Backward"):]
+    row = next(line for line in backward.splitlines() if line.startswith("| causal"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[-1] == "n/a [1]" and cells[-2] == ""      # sdpa-cudnn (failed fwd); sdpa-flash (fwd only)
+    assert md.count("1. sdpa-cudnn on causal:") == 1 and "2. " not in md

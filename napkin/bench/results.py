@@ -293,7 +293,10 @@ def _row_cells(row: dict, p: str, impls: list[str], notes: list[str]) -> Optiona
     for impl in impls:
         r = got.get(impl)
         if r is None:
-            cells.append("")
+            # not run in this pass because it failed in the other (a backend that cannot run the
+            # shape is not differentiated): the same note, where the cell stood empty
+            failed = next((x for x in row["results"] if x["impl"] == impl and x.get("error")), None)
+            cells.append(_note(notes, f"{impl} on {row['diagram']}: {failed['error']}") if failed else "")
         elif r.get("error"):
             cells.append(_note(notes, f"{impl} on {row['diagram']}: {r['error']}"))
         else:
