@@ -167,6 +167,16 @@ def streamed_wires(diagram: ir.Diagram, level_name: str) -> tuple[str, ...]:
     return tuple(t.wire for t in level.tiles if t.kind == "stream") if level else ()
 
 
+def ring_over_group(diagram: ir.Diagram, group_wire: str, stream_wire: str) -> bool:
+    """Whether a ring streaming ``stream_wire`` across N devices can pass its
+    chunks round the devices of ``group N across`` ``group_wire`` (then they
+    are the same N devices, Ring Attention's layout): no input the ring
+    passes has ``group_wire``, so each device's chunk is the whole slice the
+    others need.  K and V lack q: a ring of P; a matmul's B[k, n] lacks m."""
+    return all(group_wire not in ir.axis_wires(t.axes) for t in diagram.inputs
+               if stream_wire in ir.axis_wires(t.axes))
+
+
 def reduced_wires(expr: ir.Expr) -> set[str]:
     """Every wire some reduction in ``expr`` removes."""
     return {w for node in ir.walk(expr) if isinstance(node, ir.Reduce) for w in node.wires}

@@ -554,6 +554,11 @@ def test_a_ring_counts_its_devices_once():
     d = one(text)
     assert d.message.startswith("'stream x across 1024' makes 2,097,152 devices in all") and \
         where(d) == pos(text, "x across")
+    # ... and so is one beside a group of a wire its chunks carry (h of K and V: cost/devices.py)
+    text = HEAD + ATTENTION + "schedule { level devices { group h across 2048\n stream x across 2048 } }\n"
+    d = one(text)
+    assert d.message.startswith("'stream x across 2048' makes 4,194,304 devices in all") and \
+        where(d) == pos(text, "x across")
 
 
 def test_tiles_twice_two_streams_and_block_sizes():

@@ -1263,3 +1263,24 @@ def test_a_ring_prices_the_l2_reach_of_alike_launches_once(monkeypatch):
     rep = analyse(napkin.load("examples/ring_attention.ncd"), dict(b=1, h=4, q=4000, x=4000))
     assert len(calls) == 1 and rep.devices.devices == 4
     assert rep.kernels[0].programs == 4 * 4 * -(-1000 // 128)     # still 4 launches' programs
+
+
+def test_a_ring_over_a_group_of_a_wire_its_chunks_lack_runs_on_that_group(tmp_path):
+    """A matmul's group m across 4 beside stream n across 4 is a ring of 4 devices, each
+    holding rows m_i of A and passing B's chunks of n (the per-device work the model counts:
+    2*k*m*n/P_m); it said 16 devices and so InfiniBand (503 us of communication where NVLink
+    takes 56).  A group over a wire the chunks carry (k of B) or of another count stays a
+    dimension of its own."""
+    body = (REPO / "examples" / "matmul.ncd").read_text().split("\nschedule")[0] + "\n"
+    sizes = dict(m=4096, n=4096, k=4096)
+
+    def comm(devices: str):
+        text = body + ("schedule on h100 {\n  level devices {\n" + devices + "\n  }\n  level hbm { hold A, B, C }\n"
+                       "  level smem {\n    group m by 128, n by 128\n    stream k by 32\n  }\n}\n")
+        report = analyse(napkin.load_text(text), sizes)
+        return report.devices.devices, report.devices.link, report.devices.bytes_received
+
+    ring = comm("    group m across 4\n    stream n across 4")
+    assert ring[:2] == (4, "NVLink") and ring[2] == 3 * 4096 * 4096 // 4 * 2     # B's 3 other chunks
+    assert comm("    group k across 4\n    stream n across 4")[:2] == (16, "InfiniBand")
+    assert comm("    group m across 2\n    stream n across 4")[:2] == (8, "NVLink")
