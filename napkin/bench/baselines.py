@@ -101,15 +101,17 @@ def _sdpa_prepare(backend, flex_module, causal: bool, scale: float, torch) -> Ca
             k = make(shape["kv_heads"], shape["kv_len"], shape["dim"])
             v = make(shape["kv_heads"], shape["kv_len"], shape["value_dim"])
         gqa = q.shape[1] != k.shape[1]
-        ran = []
+        checked = False
+
+        def call():
+            return sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
         def run():
+            nonlocal checked
             with sdpa_kernel(backend):
-                if ran:
-                    out = sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
-                else:   # the first call (the check, before timing) says why a backend refuses
-                    out = _with_reasons(lambda: sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa))
-                    ran.append(True)
+                # the first call (the check, before timing) says why a backend refuses
+                out = call() if checked else _with_reasons(call)
+            checked = True
             if flex_module is None:
                 return (out,)
             return flex_module.finish(out, None, k.shape[1])

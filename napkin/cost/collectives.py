@@ -439,25 +439,8 @@ _MEMBER_GROUPS = ("all", "row", "column")
 
 def _members_near(placement: Placement, group: str, part: int) -> tuple[int, int]:
     """(peers on ``part``'s node, all peers) in a term of a member group."""
-    if group == "all":
-        key = 0
-    else:
-        i, j = divmod(part, placement.grid[1])
-        key = i if group == "row" else j
-    counts, size = _node_counts(placement, group, key)
-    return counts[placement.node(part)] - 1, size - 1
-
-
-@functools.lru_cache(maxsize=4096)
-def _node_counts(placement: Placement, group: str, key: int) -> tuple[dict[int, int], int]:
-    """How many members of the set (all parts; grid row or column ``key``)
-    run on each node, and how many there are."""
-    if group == "all":
-        members = range(placement.parts)
-    else:
-        r, c = placement.grid
-        members = [key * c + jj for jj in range(c)] if group == "row" else [ii * c + key for ii in range(r)]
-    return dict(collections.Counter(placement.node(q) for q in members)), len(members)
+    size = placement.parts if group == "all" else placement.grid[1] if group == "row" else placement.grid[0]
+    return _members_on_node(placement, group)[part] - 1, size - 1
 
 
 @dataclass(frozen=True)
@@ -504,11 +487,12 @@ def _classes(placement: Placement, uses: tuple[frozenset[str], ...]) -> tuple[li
     scheme mostly use the same ones: computed once)."""
     n = placement.parts
     roles = _roles(placement.scheme, n)[1]
-    nodes = placement.nodes()
+    groups = sorted(frozenset().union(*uses))
+    nodes = _nodes(placement) if any(g not in _MEMBER_GROUPS for g in groups) else []   # for the passes
     columns: list[list] = [roles] if len(uses) > 1 else []
-    for group in sorted(frozenset().union(*uses)):
+    for group in groups:
         if group in _MEMBER_GROUPS:
-            columns.append(_members_on_node(placement, group, nodes))
+            columns.append(_members_on_node(placement, group))
             continue
         used = [group in u for u in uses]   # a tree's extra devices have no rounds
         for sending in (True, False):
@@ -524,9 +508,19 @@ def _classes(placement: Placement, uses: tuple[frozenset[str], ...]) -> tuple[li
     return classes, firsts
 
 
-def _members_on_node(placement: Placement, group: str, nodes: list[int]) -> list[int]:
+@functools.lru_cache(maxsize=8)
+def _nodes(placement: Placement) -> list[int]:
+    """placement.nodes(), once a placement: a row's and a column's counts and
+    the passes all read it (with node blocks, a rank computed per part)."""
+    return placement.nodes()
+
+
+@functools.lru_cache(maxsize=16)
+def _members_on_node(placement: Placement, group: str) -> list[int]:
     """For every part, the members of its set in a member group (all parts;
-    its grid row or column) that run on its node, itself included."""
+    its grid row or column) that run on its node, itself included: one pass
+    over the parts, which the classes and link_bytes share."""
+    nodes = _nodes(placement)
     if group == "all":
         keys = nodes
     else:
