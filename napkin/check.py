@@ -43,7 +43,8 @@ MIN_DOT_BLOCK = tiling.MIN_DOT_BLOCK  # tl.dot needs every matrix dimension >= 1
 # The most devices a schedule may split over: the cost pass walks every device once
 # (to sort the devices into classes that send alike, collectives._link_classes), and
 # 10^20 of them ran until memory ran out.  napkin cost of a 1024 x 1024 ATTENTION2D grid
-# (2^20) takes 1.5 s and 240 MB on this machine's one core, a tree of 2^20 - 1 devices 4.5 s.
+# (2^20) takes 1.5-1.8 s and 240 MB on one core of a 2-core machine, a tree of 2^20 - 1
+# devices 4.5-5.4 s (2026-12-01).
 MAX_DEVICES = 2 ** 20
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _BUILTINS = frozenset(dir(builtins))
