@@ -30,7 +30,9 @@ taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings);
 bench/cp_bench.py counts the work of each device exactly instead.
 
 ``--emit OUT.ncd`` writes the diagram with the winner's mesh levels (a
-double ring as a nodes level over a devices level); for ``burst`` the
+double ring as a nodes level over a devices level), with a nodes level
+wherever napkin cost would otherwise read other nodes than the plan assumed
+(mesh_levels); for ``burst`` the
 diagram is the ring's, run with
 ``RingAttention(diagram, backward="burst")`` (the backward is the wrapper's
 choice, not the diagram's).
@@ -48,7 +50,7 @@ from typing import Optional
 from . import ir, masks
 from .cost import collectives as C
 from .cost.analysis import bind_sizes
-from .cost.devices import NVLINK_DOMAIN, moved
+from .cost.devices import moved, placement_of, unstated_gpus_per_node
 from .cost.profiles import get_profile, profile_names
 from .distributed.reading import roles
 from .errors import NapkinError
@@ -178,34 +180,55 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     if devices > g and devices % g:
         raise NapkinError(f"{devices} devices do not fill nodes of {g} GPUs")
     g = min(g, devices)
-    r = _roles(diagram)
-    bound = bind_sizes(diagram, sizes)
-    missing = sorted({w for n in r.tokens for w in ir.axis_wires(diagram.tensor(n).axes)} - set(bound))
-    if missing:
-        raise NapkinError(f"give the size of {', '.join(missing)} (-D WIRE=N) to plan {diagram.name}")
-    m = moved(diagram, r, bound)
-    prof = get_profile(profile_of(diagram, profile))
-    rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
-    flops = forward_flops(m, density(diagram, r, bound))
-    links = C.Links.of(prof)
-    out = []
-    for pl in placements(devices, g, training):
-        steps = pl.parts if pl.scheme in C.RINGS else 1
-        fwd = [flops / devices / steps / (rate * FWD_EFFICIENCY)] * steps
-        bwd = [BWD_FLOP_FACTOR * flops / devices / steps / (rate * BWD_EFFICIENCY)] * steps \
-            if training and pl.scheme != "tree" else None
-        t = C.scheme_seconds(pl, m, links, fwd, bwd)
-        phases = ("forward", "backward") if bwd is not None else ("forward",)
-        traffic = {ph: C.traffic(pl, m, ph) for ph in phases}
-        sent = {ph: max(x.sent for x in traffic[ph]) for ph in phases}
-        across = max(sum(traffic[ph][k].sent_across for ph in phases) for k in range(pl.parts))
-        out.append(Option(pl.scheme, pl.grid, pl.block, pl.gpus_per_node or g, sent["forward"],
-                          sent.get("backward", 0), across, t.forward_s, t.backward_s,
-                          t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s))
+    pricing = Pricing.of(diagram, devices, sizes, profile, training)
+    out = [pricing.option(pl, g) for pl in placements(devices, g, training)]
     # times equal but for the order of their additions (one round of 16 or two
     # of 8) tie: the fewer bytes, then the fewer across nodes, decide
     out.sort(key=lambda o: (rank_time(o.total_s), o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
     return out
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What pricing a placement of one diagram at given sizes needs: the bytes
+    its tokens move, the links, and the compute every device does."""
+
+    moved: C.Moved
+    links: C.Links
+    flops: float            # the forward's, all devices together
+    rate: float             # one device's dense peak for the tokens' dtype
+    devices: int
+    training: bool
+
+    @staticmethod
+    def of(diagram: ir.Diagram, devices: int, sizes: Optional[dict], profile: Optional[str],
+           training: bool) -> "Pricing":
+        r = _roles(diagram)
+        bound = bind_sizes(diagram, sizes)
+        missing = sorted({w for n in r.tokens for w in ir.axis_wires(diagram.tensor(n).axes)} - set(bound))
+        if missing:
+            raise NapkinError(f"give the size of {', '.join(missing)} (-D WIRE=N) to plan {diagram.name}")
+        m = moved(diagram, r, bound)
+        prof = get_profile(profile_of(diagram, profile))
+        rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
+        return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound)), rate, devices, training)
+
+    def option(self, pl: C.Placement, g: int) -> Option:
+        """``pl`` costed (``g``: the GPUs a node it is labelled with where the
+        placement, a grid block, does not say)."""
+        flops, devices, rate = self.flops, self.devices, self.rate
+        steps = pl.parts if pl.scheme in C.RINGS else 1
+        fwd = [flops / devices / steps / (rate * FWD_EFFICIENCY)] * steps
+        bwd = [BWD_FLOP_FACTOR * flops / devices / steps / (rate * BWD_EFFICIENCY)] * steps \
+            if self.training and pl.scheme != "tree" else None
+        t = C.scheme_seconds(pl, self.moved, self.links, fwd, bwd)
+        phases = ("forward", "backward") if bwd is not None else ("forward",)
+        traffic = {ph: C.traffic(pl, self.moved, ph) for ph in phases}
+        sent = {ph: max(x.sent for x in traffic[ph]) for ph in phases}
+        across = max(sum(traffic[ph][k].sent_across for ph in phases) for k in range(pl.parts))
+        return Option(pl.scheme, pl.grid, pl.block, pl.gpus_per_node or g, sent["forward"],
+                      sent.get("backward", 0), across, t.forward_s, t.backward_s,
+                      t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s)
 
 
 # --------------------------------------------------------------------------
@@ -246,47 +269,73 @@ def rank_time(seconds: float) -> float:
     return float(f"{seconds:.9g}")
 
 
-def emitted_placement_note(option: Option) -> Optional[str]:
-    """Why ``napkin cost`` on the emitted diagram prices other links than this
-    plan did, or None.  A diagram states nodes only by a nodes level, which a
-    flat ring, an unblocked ATTENTION2D grid and a one-node tree do not
-    write; a devices level alone is priced as one NVLink domain up to
-    NVLINK_DOMAIN GPUs, else one GPU a node."""
-    p = math.prod(option.grid)
-    if any(lv.name == "nodes" for lv in mesh_levels(option, "q", "x")) or p <= 1:
-        return None
-    assumed = p if p <= NVLINK_DOMAIN else 1
-    if assumed == min(option.gpus_per_node, p):
-        return None
-    return (f"the emitted diagram has no nodes level, so napkin cost prices it as {assumed} GPU(s) a node; this plan "
-            f"assumed {min(option.gpus_per_node, p)}: their bytes agree, their link times do not (a diagram cannot "
-            "state GPUs a node without a nodes level yet)")
-
-
 def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
-    """The nodes / devices levels that ask for ``option``."""
+    """The nodes / devices levels that ask for ``option``, saying where its
+    nodes are wherever a diagram can.  Without a nodes level napkin cost reads
+    P devices as unstated_gpus_per_node(P) GPUs a node; where this plan
+    assumed otherwise, all P on one node is a nodes level of 'across 1' and
+    one GPU a node puts the mesh at the nodes level (a ring of P nodes is the
+    double ring of P x 1).  Two layouts have no such words: a flat ring over
+    nodes of 1 < G < P GPUs and a grid ranked row-major that no node block
+    tiles (emitted_placement_note says what cost makes of them)."""
     def level(name, tiles, keep=False):
         tiles = tuple(ir.Tile(w, kind, n, True) for w, kind, n in tiles if n > 1 or keep)
         return (ir.Level(name, None, tiles),) if tiles else ()
 
+    def nodes(tiles):
+        # 'across 1' tiles only where nothing else would say where the nodes are
+        return level("nodes", tiles) or level("nodes", tiles, keep=state)
+
     p = math.prod(option.grid)
-    g = option.gpus_per_node
+    g = min(option.gpus_per_node, p)
+    state = p > 1 and g != unstated_gpus_per_node(p)
     if option.scheme in ("ring", "burst"):
+        if state and g == 1:
+            return level("nodes", [(query, "group", p), (key, "stream", p)])
         # a flat ring is one devices level; the launcher fills nodes in rank order
-        return level("devices", [(query, "group", p), (key, "stream", p)])
+        return nodes([(query, "group", 1), (key, "stream", 1)] if g >= p else []) + \
+            level("devices", [(query, "group", p), (key, "stream", p)])
     if option.scheme in ("ring2", "burst2"):
-        nodes, per = option.grid
-        return level("nodes", [(query, "group", nodes), (key, "stream", nodes)]) + \
+        n, per = option.grid
+        return level("nodes", [(query, "group", n), (key, "stream", n)]) + \
             level("devices", [(query, "group", per), (key, "stream", per)])
     if option.scheme == "tree":
-        nodes = max(p // g, 1)
-        return level("nodes", [(key, "group", nodes)]) + level("devices", [(key, "group", p // nodes)])
+        n = max(p // g, 1)
+        return nodes([(key, "group", n)]) + level("devices", [(key, "group", p // n)])
     r, c = option.grid
-    dr, dc = option.block if option.block is not None else (r, c)
+    block = option.block
+    if block is None and state and g in (1, p):
+        block = (1, 1) if g == 1 else (r, c)
+    dr, dc = block if block is not None else (r, c)
     # both wires stay in the devices level, 'across 1' included: a grid
     # without q is decoding's, not a 1 x C grid
-    return level("nodes", [(query, "group", r // dr), (key, "group", c // dc)]) + \
+    return (nodes([(query, "group", r // dr), (key, "group", c // dc)]) if block is not None else ()) + \
         level("devices", [(query, "group", dr), (key, "group", dc)], keep=True)
+
+
+def emitted_placement_note(option: Option, emitted: ir.Diagram, sizes: Optional[dict] = None,
+                           profile: Optional[str] = None, training: bool = True) -> Optional[str]:
+    """What ``napkin cost`` makes of the emitted diagram where it prices other
+    links than this plan did (mesh_levels: the two layouts a diagram cannot
+    place on nodes), else None.  Priced, not compared by shape: a flat ring
+    over nodes of 8 waits on InfiniBand every step as one over nodes of 1
+    does, so only their bytes across nodes differ."""
+    p = math.prod(option.grid)
+    if p == 1:      # one device: no mesh, no links
+        return None
+    read = placement_of(roles(emitted))
+    if option.scheme.startswith("burst"):   # the backward is the wrapper's choice, not the diagram's
+        read = dataclasses.replace(read, scheme=read.scheme.replace("ring", "burst"))
+    cost = Pricing.of(emitted, p, sizes, profile, training).option(read, read.gpus_per_node or p)
+    if (rank_time(cost.forward_s), rank_time(cost.backward_s), cost.across_bytes) == \
+            (rank_time(option.forward_s), rank_time(option.backward_s), option.across_bytes):
+        return None
+    g = min(option.gpus_per_node, p)
+    layout = "a flat ring" if option.scheme in ("ring", "burst") else "an ATTENTION2D grid no node block tiles"
+    return (f"napkin cost prices the emitted diagram as {unstated_gpus_per_node(p)} GPU(s) a node, not the {g} "
+            f"this plan assumed: a diagram cannot place {layout} on nodes. Its bytes agree; cost's time is "
+            f"{_ms(cost.total_s)} ms against {_ms(option.total_s)} ms, {cost.across_bytes / 1e6:.2f} MB across "
+            f"nodes against {option.across_bytes / 1e6:.2f}")
 
 
 def emit(diagram: ir.Diagram, option: Option) -> ir.Diagram:
@@ -365,7 +414,7 @@ def handler(args) -> int:
     if args.emit:
         best = options[0]
         text = to_text(emit(diagram, best))
-        napkin.load_text(text, args.emit)          # what is written must check
+        emitted = napkin.load_text(text, args.emit)          # what is written must check
         try:
             write_atomic(Path(args.emit), text)
         except OSError as err:  # a folder that is a file, or missing, or not writable; --emit a folder
@@ -374,7 +423,8 @@ def handler(args) -> int:
             if best.scheme in ("burst", "burst2") else ""
         out = sys.stderr if args.json else sys.stdout   # --json: stdout holds the JSON alone
         print(f"wrote {args.emit}: {best.label}{note}", file=out)
-        placement = emitted_placement_note(best)
+        placement = emitted_placement_note(best, emitted, parse_pairs(args.sizes, "--size"), args.device,
+                                           training=not args.forward)
         if placement:
             print(f"note: {placement}", file=out)
     return 0

@@ -1284,3 +1284,22 @@ def test_a_ring_over_a_group_of_a_wire_its_chunks_lack_runs_on_that_group(tmp_pa
     assert ring[:2] == (4, "NVLink") and ring[2] == 3 * 4096 * 4096 // 4 * 2     # B's 3 other chunks
     assert comm("    group k across 4\n    stream n across 4")[:2] == (16, "InfiniBand")
     assert comm("    group m across 2\n    stream n across 4")[:2] == (8, "NVLink")
+
+
+def test_a_nodes_level_of_across_1_puts_the_generic_models_devices_on_one_node():
+    """The generic model read more than 8 devices as one GPU a node even under a nodes level
+    that splits nothing ('across 1': all on one node, as the scheme model reads it and as
+    napkin plan --emit writes 16 GPUs of one node)."""
+    body = (REPO / "examples" / "matmul.ncd").read_text().split("\nschedule")[0] + "\n"
+    sizes = dict(m=4096, n=4096, k=4096)
+
+    def link(nodes: str) -> tuple[int, str]:
+        text = body + ("schedule on h100 {\n" + nodes + "  level devices {\n    group k across 4\n"
+                       "    stream n across 4\n  }\n  level hbm { hold A, B, C }\n"
+                       "  level smem {\n    group m by 128, n by 128\n    stream k by 32\n  }\n}\n")
+        c = analyse(napkin.load_text(text), sizes).devices
+        return c.devices, c.link
+
+    assert link("") == (16, "InfiniBand")
+    assert link("  level nodes { group k across 1 }\n") == (16, "NVLink")
+    assert link("  level nodes { group m across 2 }\n") == (32, "InfiniBand")

@@ -57,7 +57,17 @@ MESHES = {
     # a ring over two nodes of two: the double ring
     "ring-nodes": ("level nodes {\n    group q across 2\n    stream x across 2\n  }\n"
                    "  level devices {\n    group q across 2\n    stream x across 2\n  }"),
+    # what napkin plan writes where cost's reading of a devices level alone is not
+    # what it assumed (plan.mesh_levels): four nodes of one GPU (a ring: the
+    # double ring of 4 x 1), and one node of all four ('across 1' at the nodes level)
+    "ring-nodes-of-1": "level nodes {\n    group q across 4\n    stream x across 4\n  }",
+    "ring-one-node": ("level nodes {\n    group q across 1\n    stream x across 1\n  }\n"
+                      "  level devices {\n    group q across 4\n    stream x across 4\n  }"),
+    "2x2-nodes-of-1": "level nodes { group q across 2, x across 2 }\n"
+                      "  level devices { group q across 1, x across 1 }",
 }
+# GPUs a node of the meshes that say so (a nodes level) or are counted so
+_PER_NODE = {"ring-nodes-of-1": 1, "ring-one-node": 4, "2x2-nodes-of-1": 1}
 
 
 def diagram_text(base: str, mask: str, dtype: str, mesh: str) -> str:
@@ -113,20 +123,22 @@ class Case:
 
     @property
     def grid(self) -> tuple[int, ...]:
+        if self.mesh == "ring-nodes-of-1":
+            return (self.parts, 1)
         return (2, 2) if self.scheme in C.TWO_D else (self.parts,)
 
     @property
     def block(self):
-        return {"rows-in-nodes": (1, 2), "cols-in-nodes": (2, 1)}.get(self.mesh)
+        return {"rows-in-nodes": (1, 2), "cols-in-nodes": (2, 1), "2x2-nodes-of-1": (1, 1)}.get(self.mesh)
 
     @property
     def gpus_per_node(self):
-        return 2 if "nodes" in self.mesh else None
+        return _PER_NODE.get(self.mesh, 2 if "nodes" in self.mesh else None)
 
     @property
     def nodes_level(self) -> bool:
         """Whether the diagram says where the nodes are (the cost pass knows)."""
-        return self.mesh.endswith("in-nodes") or self.mesh == "ring-nodes"
+        return self.mesh.endswith("in-nodes") or self.mesh in ("ring-nodes", *_PER_NODE)
 
     def text(self) -> str:
         base = "gqa" if self.gqa and self.base == "attention" else self.base
@@ -164,6 +176,10 @@ def cases() -> list[Case]:
             Case("ring2", "ring-nodes", "attention", "causal", 13, 13, True), Case("burst2", "ring-nodes", "attention", "causal", 13, 19, True),
             Case("ring2", "ring-nodes", "sigmoid_attention", "full", 13, 13),
             Case("ring", "flat-ring-2-nodes", "attention", "causal", 13, 13)]
+    out += [Case("ring2", "ring-nodes-of-1", "attention", "causal", 13, 19, True),
+            Case("burst2", "ring-nodes-of-1", "attention", "causal", 13, 13),
+            Case("ring", "ring-one-node", "attention", "causal", 13, 13),
+            Case("attention2d", "2x2-nodes-of-1", "attention", "causal", 13, 19, True)]
     return out
 
 
@@ -341,6 +357,9 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     three = dist.new_group([0, 1, 2])
     places = {"ring": None, "tree4": None, "ring-nodes": None, "flat-ring-2-nodes": None, "2x2": new_grid(2, 2),
+              "ring-nodes-of-1": None, "ring-one-node": None,
+              "2x2-nodes-of-1": Attention2D(napkin.load_text(
+                  diagram_text("attention", "full", "fp64", "2x2-nodes-of-1"))).make_grid(),
               "tree3": three if rank < 3 else "absent",
               "rows-in-nodes": new_grid(2, 2, grid_ranks(2, 2, (1, 2))),
               # the same placement, read off the diagram's mesh levels

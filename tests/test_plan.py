@@ -156,7 +156,7 @@ def test_options_whose_times_tie_but_for_rounding_rank_by_their_bytes_across_nod
     assert options.index(double) < options.index(flat)
 
 
-def test_plan_json_with_emit_keeps_stdout_json_and_notes_what_cost_will_price_otherwise(capsys, tmp_path):
+def test_plan_json_with_emit_keeps_stdout_json_and_writes_where_the_nodes_are(capsys, tmp_path):
     import json
     out = tmp_path / "best.ncd"
     argv = ["plan", "examples/attention.ncd", "--devices", "8", "--gpus-per-node", "1", "-D", "b=1", "-D", "h=16",
@@ -164,12 +164,47 @@ def test_plan_json_with_emit_keeps_stdout_json_and_notes_what_cost_will_price_ot
     assert main(argv + ["--json"]) == 0
     got = capsys.readouterr()
     assert json.loads(got.out)[0]["label"] == "ATTENTION2D 2x4"      # stdout: the JSON alone
-    assert f"wrote {out}: ATTENTION2D 2x4" in got.err
-    assert "note: the emitted diagram has no nodes level, so napkin cost prices it as 8 GPU(s) a node; this " \
-           "plan assumed 1" in got.err
-    # a double ring writes its nodes level: cost prices what plan did, no note
-    assert P.emitted_placement_note(next(o for o in P.plan(load("gqa"), 16, GQA, gpus_per_node=8)
-                                         if o.label == "Double ring of 2 nodes x 8")) is None
+    assert got.err == f"wrote {out}: ATTENTION2D 2x4\n"
+    # one GPU a node, which a devices level alone would be read as one node of 8:
+    # the grid moves to the nodes level, and napkin cost prices InfiniBand as plan did
+    assert "level nodes { group q across 2, x across 4 }" in out.read_text()
+    rep = analyse(napkin.load(str(out)), dict(b=1, h=16, q=8192, x=8192)).devices
+    assert rep.link == "InfiniBand" and rep.gpus_per_node == 1
+
+
+def _cost_comm_s(emitted, sizes, option, training) -> float:
+    """napkin cost's communication seconds for the emitted diagram, forward
+    and (the option's) backward."""
+    rep = analyse(emitted, sizes).devices
+    if not training or option.scheme == "tree":
+        return rep.time_s
+    return rep.time_s + (rep.burst_backward_time_s if option.scheme.startswith("burst") else rep.backward_time_s)
+
+
+@pytest.mark.parametrize("p, g", [(4, 1), (8, 4), (16, 16), (16, 8), (16, 1)])
+def test_napkin_cost_prices_every_emitted_option_as_plan_did_or_plan_says_why_not(p, g):
+    """A devices level alone is read as one node up to 8 GPUs, else one GPU a
+    node; plan's emitted diagrams said neither 16 on one node nor 4 on four
+    (cost's times were 9x plan's and a ninth of them), and a note said so.  Now
+    they do, in a nodes level; only a flat ring over nodes of 1 < G < P GPUs
+    has no words (8 over nodes of 4: cost reads one node), and that notes."""
+    sizes = dict(b=1, h=16, q=65536, x=65536)
+    d = load("attention")
+    for training in (True, False):
+        for option in P.plan(d, p, sizes, gpus_per_node=g, training=training):
+            emitted = napkin.load_text(to_text(P.emit(d, option)), "emitted.ncd")
+            cost = _cost_comm_s(emitted, sizes, option, training)
+            note = P.emitted_placement_note(option, emitted, sizes, training=training)
+            unsaid = option.scheme in ("ring", "burst") and 1 < g < p <= 8
+            assert (cost == pytest.approx(option.comm_s, rel=1e-9)) != unsaid, (option.label, cost, option.comm_s)
+            assert (note is not None) == unsaid, (option.label, note)
+            if unsaid:
+                assert note.startswith("napkin cost prices the emitted diagram as 8 GPU(s) a node, not the 4 this "
+                                       "plan assumed: a diagram cannot place a flat ring on nodes. Its bytes agree; "
+                                       "cost's time is "), note
+    # a double ring writes its nodes level: no note
+    double = next(o for o in P.plan(load("gqa"), 16, GQA, gpus_per_node=8) if o.label == "Double ring of 2 nodes x 8")
+    assert P.emitted_placement_note(double, P.emit(load("gqa"), double), GQA) is None
 
 
 def test_plan_refuses_more_devices_than_it_searches_and_says_its_nodes_as_clamped(capsys):

@@ -248,6 +248,24 @@ def test_a_wire_split_at_both_mesh_levels_shows_both_splits():
     assert "grid 4 x 2" in plain(text)
 
 
+def test_a_nodes_level_of_across_1_says_one_node_not_infiniband():
+    """napkin plan --emit writes 'across 1' at a mesh level to say where the nodes
+    are (16 GPUs on one node; one GPU a node); the picture titled such a level
+    'InfiniBand across nodes' and its legend said 'split over 1 nodes'."""
+    text = (EXAMPLES / "attention_2d.ncd").read_text()
+    one = text.replace("  level devices {", "  level nodes { group q across 1, x across 1 }\n  level devices {", 1)
+    t = plain(to_dot(napkin.load_text(one, "one_node.ncd")))
+    assert "nodes &#183; one node" in t and "devices &#183; NVLink within a node" in t, t
+    assert "InfiniBand" not in t and "1 nodes" not in t
+    assert "q[1 node] not split: every device on one node" in t
+    spread = text.replace("  level devices {", "  level nodes { group q across 2, x across 2 }\n  level devices {", 1)
+    spread = re.sub(r"group q across 2 +# grid rows", "group q across 1", spread)
+    spread = re.sub(r"group x across 2 +# grid columns[^\n]*", "group x across 1", spread)
+    t = plain(to_dot(napkin.load_text(spread, "gpu_a_node.ncd")))
+    assert "nodes &#183; InfiniBand across nodes" in t and "devices &#183; one GPU a node" in t, t
+    assert "not split: one GPU a node" in t
+
+
 def test_mesh_levels_without_a_nodes_level_name_no_links():
     text = dot_of("attention_2d")
     assert "cluster_nodes" not in text

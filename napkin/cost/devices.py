@@ -43,6 +43,13 @@ from .symbolic import Poly
 NVLINK_DOMAIN = 8  # GPUs per NVLink domain (one DGX/HGX node) without a nodes level
 
 
+def unstated_gpus_per_node(p: int) -> int:
+    """GPUs a node read into P devices of a diagram with no nodes level: one
+    NVLink domain up to NVLINK_DOMAIN GPUs, else one GPU a node.  A nodes
+    level states it instead ('across 1' there: all P on one node)."""
+    return p if p <= NVLINK_DOMAIN else 1
+
+
 @dataclass(frozen=True)
 class CommRow:
     tensor: str
@@ -203,11 +210,13 @@ def _row(term: C.Term, sym: C.Term, r, placement: C.Placement, dtype: str) -> Co
                    term.total if term.sends else 0)
 
 
-def _placement(diagram: ir.Diagram, r) -> C.Placement:
+def placement_of(r) -> C.Placement:
+    """The placement the cost pass prices for a diagram's roles (reading.roles):
+    its scheme and grid, and where its nodes are."""
     scheme, grid = r.scheme
     p = C.parts_of(scheme, grid)
-    if r.per_node is None:                    # no nodes level: one NVLink domain, else one GPU a node
-        return C.Placement(scheme, grid, p if p <= NVLINK_DOMAIN else 1)
+    if r.per_node is None:
+        return C.Placement(scheme, grid, unstated_gpus_per_node(p))
     if scheme == "attention2d":
         return C.Placement(scheme, grid, block=r.per_node)
     if r.double_ring is not None:           # a ring over nodes: the double ring (ring.py)
@@ -225,7 +234,7 @@ def _link_name(placement: C.Placement) -> tuple[str, str]:
 
 
 def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) -> DeviceComm:
-    placement = _placement(diagram, r)
+    placement = placement_of(r)
     scheme = placement.scheme
     sym = moved(diagram, r, None)
     num = moved(diagram, r, sizes) if sizes is not None else None
@@ -394,9 +403,13 @@ def _generic(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[st
     steps = _steps(rows)
     received = None if sizes is None else sum(r.bytes_received for r in rows)
     sent = None if sizes is None else sum(r.bytes_sent for r in rows)
-    # a nodes level splitting something puts the collectives across nodes (InfiniBand)
+    # a nodes level says where the nodes are: splitting something, it puts the
+    # collectives across nodes (InfiniBand); 'across 1' alone, all P on one node
     level = diagram.level("nodes")
-    across_nodes = p > NVLINK_DOMAIN or (level is not None and any(t.across and t.size > 1 for t in level.tiles))
+    if level is not None and any(t.across for t in level.tiles):
+        across_nodes = any(t.across and t.size > 1 for t in level.tiles)
+    else:
+        across_nodes = unstated_gpus_per_node(p) < p
     link = "infiniband_bandwidth" if across_nodes else "nvlink_bandwidth"
     bw = profile[link]
     time = None if received is None else max(received, sent) / bw

@@ -647,10 +647,13 @@ class _Picture:
                     if name not in ir.MESH_LEVELS else None)
         if capacity is not None:
             head += " " + _h(format_bytes(capacity))
-        if "nodes" in self.levels and name in ir.MESH_LEVELS:
-            # A two-level mesh: say which link each mesh level is.
-            head += " &#183; " + _h(ACROSS_NODES if name == "nodes" else WITHIN_NODE)
         level = self.d.level(name)
+        if "nodes" in self.levels and name in ir.MESH_LEVELS:
+            # A two-level mesh: say which link each mesh level is; one that
+            # splits nothing ('across 1') uses none: one node, or one GPU a node
+            splits = level is not None and any(t.across and t.size > 1 for t in level.tiles)
+            head += " &#183; " + _h((ACROSS_NODES if splits else "one node") if name == "nodes"
+                                     else WITHIN_NODE if splits else "one GPU a node")
         groups = [t for t in level.tiles if t.kind == "group"] if level else []
         streams = [t for t in level.tiles if t.kind == "stream"] if level else []
         parts = []
@@ -693,6 +696,8 @@ class _Picture:
                                  f"each streamed {tile.size} at a time"))
             elif tile is not None:
                 mark = "b" if kind == "group" else "i"
+                if tile.size == 1 and scope is not None:   # 'across 1': where the nodes are, no split
+                    what = "not split: every device on one node" if scope == "nodes" else "not split: one GPU a node"
                 keys.append(f"<{mark}>{_h(tile.wire + tile_text(tile, scope))}</{mark}> "
                             + _h(what.format(n=tile.size)))
         pack = _packed(self.d)
