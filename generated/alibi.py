@@ -1163,7 +1163,7 @@ def _alibi_kernel(
 
 
 
-@triton.jit(do_not_specialize=["_size_h", "_size_q", "_len_q", "_n_chunks"])
+@triton.jit(do_not_specialize=["_size_h", "_size_q", "_n_chunks"])
 def _alibi_merge(
     O,
     _saved_lse,
@@ -1180,9 +1180,6 @@ def _alibi_merge(
     _BLOCK_d: tl.constexpr,
     _INT64: tl.constexpr,
     _SAVE: tl.constexpr,
-    _pos_q,
-    _len_q,
-    _POS_q: tl.constexpr,
     _tma_O,
     _TMA: tl.constexpr,
     _part,
@@ -1201,12 +1198,6 @@ def _alibi_merge(
     _row0 = _pid * _BLOCK_q
     _offs_q = _row0 + tl.arange(0, _BLOCK_q)
     _ok_q = _offs_q < _size_q
-    if _POS_q:  # the global index of each row, given by the launcher
-        _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
-        _gok_q = _ok_q & (_idx_q >= 0) & (_idx_q < _len_q)  # real rows: [0, |q|)
-    else:
-        _idx_q = _offs_q
-        _gok_q = _ok_q
     _offs_d = tl.arange(0, _BLOCK_d)
 
     _m = tl.full([_BLOCK_q, 1], float("-inf"), tl.float32)  # running max of the exponent, log2 units
@@ -1340,7 +1331,7 @@ def _alibi_forward(Q, K, V, slope, block_q, block_x, num_warps, num_stages, tma,
         if _chunk:  # the chunks' states, merged into the outputs
             _alibi_merge[_grid[:2]](
                 *(_args[4:6] + _args[7:9] + _args[23:30]),
-                _BLOCK_q=_br, _BLOCK_d=64, _INT64=_int64_offsets(Q, K, V, slope, O, _saved_lse), _SAVE=_save, _pos_q=_pos["_pos_q"], _len_q=_pos["_len_q"], _POS_q=_pos["_POS_q"], _tma_O=_tma["_tma_O"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
+                _BLOCK_q=_br, _BLOCK_d=64, _INT64=_int64_offsets(Q, K, V, slope, O, _saved_lse), _SAVE=_save, _tma_O=_tma["_tma_O"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
                 num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
             )
     return (O,), (_saved_lse,)

@@ -727,7 +727,6 @@ def _matmul_kernel(
     _INT64: tl.constexpr,
 ):
     # Program ids: axis 0 a block of m, axis 1 a block of n, axis 2 the batch wires.
-    _batch = tl.program_id(2).to(tl.int64)
     # (no batch wires: one program per block)
     _offs_m = tl.program_id(0) * _BLOCK_m + tl.arange(0, _BLOCK_m)
     _ok_m = _offs_m < _size_m
@@ -887,7 +886,6 @@ def _matmul_bwd_A_kernel(
     _INT64: tl.constexpr,
 ):
     # Program ids: axis 0 a block of m, axis 1 a block of k, axis 2 the batch wires.
-    _batch = tl.program_id(2).to(tl.int64)
     # (no batch wires: one program per block)
     _offs_m = tl.program_id(0) * _BLOCK_m + tl.arange(0, _BLOCK_m)
     _ok_m = _offs_m < _size_m
@@ -938,7 +936,6 @@ def _matmul_bwd_B_kernel(
     _INT64: tl.constexpr,
 ):
     # Program ids: axis 0 a block of k, axis 1 a block of n, axis 2 the batch wires.
-    _batch = tl.program_id(2).to(tl.int64)
     # (no batch wires: one program per block)
     _offs_k = tl.program_id(0) * _BLOCK_k + tl.arange(0, _BLOCK_k)
     _ok_k = _offs_k < _size_k

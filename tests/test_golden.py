@@ -101,3 +101,21 @@ def test_generated_module_imports_only_what_it_names(module):
     imported = [a.asname or a.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
                 for a in node.names]
     assert imported and [m for m in imported if m not in named] == []
+
+
+@pytest.mark.parametrize("module", sorted(p for p in GENERATED.glob("*.py") if p.stem != "__init__"),
+                         ids=lambda p: p.stem)
+def test_generated_kernels_read_every_name_they_assign(module):
+    """A kernel's locals are each read: the chunk merge computed the rows' global
+    indices and real-rows mask it never used (and took the positions parameters
+    for them), and the matmul's kernels a batch index with no batch wire."""
+    import ast
+    tree = ast.parse(module.read_text())
+    kernels = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+               and any(ast.unparse(d).startswith("triton.jit") for d in f.decorator_list)]
+    assert kernels
+    for f in kernels:
+        names = [n for n in ast.walk(f) if isinstance(n, ast.Name)]
+        stored = {n.id for n in names if isinstance(n.ctx, ast.Store)}
+        read = {n.id for n in names if isinstance(n.ctx, ast.Load)}
+        assert sorted(stored - read) == [], f.name

@@ -581,7 +581,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         **(_tma_context(plan, k, tma, names, dims) if tma is not None else {}),
         "name": k.name, "role": k.role, "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "held": held, "held_budget": HELD_FP32,
-        "decode": E._decode(names, k.batch), "head": "\n".join(head),
+        "decode": E._decode(names, k.batch, 1), "head": "\n".join(head),
         "pid": "tl.program_id(0)" if k.role == "rows" else
         masks.program_order(plan.forward.bounds, "row" if k.grid_wire == row else "col"),
         "pre_loads": pre, "init": "\n".join(init), "bounds": bounds, "body": "\n".join(body),

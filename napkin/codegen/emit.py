@@ -197,11 +197,13 @@ def reads(code: str, var: str) -> bool:
     return var in names_read(code)
 
 
-def _decode(names: _Names, batch: tuple[str, ...]) -> str:
-    """Per-wire batch indices from the flat program id (innermost wire last)."""
+def _decode(names: _Names, batch: tuple[str, ...], axis: Optional[int] = None) -> str:
+    """Per-wire batch indices from the flat program id (innermost wire last),
+    read from grid ``axis`` into ``_batch`` first where given (None: the
+    caller's template has read it)."""
     if not batch:
         return "# (no batch wires: one program per block)"
-    lines = []
+    lines = [] if axis is None else [f"_batch = tl.program_id({axis}).to(tl.int64)"]
     for w in reversed(batch[1:]):
         lines.append(f"_i_{w} = _batch % {names.size(w)}")
         lines.append(f"_batch = _batch // {names.size(w)}")
@@ -481,7 +483,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     ctx = {
         "kernel": f"_{d.name}_kernel", "merge_kernel": f"_{d.name}_merge", "params": params,
         "no_specialize": ", ".join(f'"{s}"' for s in sizes),
-        "decode": _decode(names, plan.batch), "pid": masks.program_order(plan.bounds, "row"),
+        "decode": _decode(names, plan.batch, 1), "pid": masks.program_order(plan.bounds, "row"),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col),
         "dims": [_wire_ctx(names, w) for w in plan.dims],
         "pre_loads": pre_loads,
@@ -508,7 +510,13 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     keywords = dict(arg.split("=", 1) for arg in block_args if not arg.startswith("**"))
     keywords.update({p: f'_pos["{p}"]' for w in (row, col) for p in (f"_pos_{w}", f"_len_{w}", f"_POS_{w}")})
     keywords.update({p: f'_tma["{p}"]' for p in (q.split(":")[0] for q in tma.params())})
-    body = environment().get_template("attention_parts.py.jinja").make_module(vars=ctx).merge_body()
+    parts = environment().get_template("attention_parts.py.jinja").make_module(vars=ctx)
+    # its header's rows' global indices and real-rows mask only where the merge
+    # reads them (its stores mask with _ok): else no positions parameters either
+    gok = reads(str(parts.merge_body()), ctx["row"]["gok"])
+    idx = gok or reads(str(parts.merge_body(True, False)), ctx["row"]["idx"])
+    ctx["merge_rows"] = (idx, gok)
+    body = parts.merge_body(idx, gok)
     ctx["merge_params"], merge = merge_launch(f"_{d.name}_merge", str(body), params, positional, keywords, extra)
     ctx["merge_no_specialize"] = ", ".join(f'"{s}"' for s in sizes if s in ctx["merge_params"])
     ctx["launch"] += (f"\nif math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
@@ -623,7 +631,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
                                 'num_stages=_opts["num_stages"] or 2', H.FP_FUSION]))
     return {
         "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
-        "decode": _decode(names, plan.batch),
+        "decode": _decode(names, plan.batch, 2),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col), "red": _wire_ctx(names, red),
         "pre_loads": [_load(d, names, ld) for ld in plan.loads],
         "step_loads": [_load(d, names, ld) for ld in (plan.lhs, plan.rhs)],
