@@ -647,18 +647,15 @@ class _Checker:
         """The devices the schedule's across tiles make before ``upto`` and with
         it (each level's counts multiply: a grid, nodes times devices).  A ring,
         ``stream x across N`` beside ``group q across N`` at the same level
-        whose chunks lack q (tiling.ring_over_group), runs on the group's N
+        whose chunks lack q (tiling.shares_a_group), runs on the group's N
         devices, not N more (Ring Attention's P devices are P, as the cost
         pass and napkin plan count them: a ring of 1025 was refused as
         1,050,625 devices, so plan could not emit one)."""
         n = 1
         for level in self.d.schedule.levels:
-            groups = [t for t in level.tiles if t.across and t.kind == "group"]
             for t in level.tiles:
                 before = n
-                shared = t.kind == "stream" and any(
-                    g.size == t.size and tiling.ring_over_group(self.d, g.wire, t.wire) for g in groups)
-                if t.across and t.size >= 1 and not shared:
+                if t.across and t.size >= 1 and not tiling.shares_a_group(self.d, level, t):
                     n *= t.size
                 if t is upto:
                     return before, n

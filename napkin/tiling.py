@@ -177,6 +177,27 @@ def ring_over_group(diagram: ir.Diagram, group_wire: str, stream_wire: str) -> b
                if stream_wire in ir.axis_wires(t.axes))
 
 
+def shares_a_group(diagram: ir.Diagram, level: ir.Level, tile: ir.Tile) -> bool:
+    """Whether ``tile``, a ring (``stream W across N``), runs on the devices
+    of a group of the same count at the same mesh level whose wire its chunks
+    lack (ring_over_group): then it adds no devices.  Per level: a ring of 4
+    in the devices level beside a group of 2 there and 2 more in the nodes
+    level is a dimension of its own (16 devices), as the checker counts."""
+    return tile.across and tile.kind == "stream" and any(
+        g.across and g.kind == "group" and g.size == tile.size and ring_over_group(diagram, g.wire, tile.wire)
+        for g in level.tiles)
+
+
+def mesh_devices(diagram: ir.Diagram) -> int:
+    """The devices the mesh levels make: their across counts multiplied, but
+    for a ring that shares a group's devices (shares_a_group)."""
+    n = 1
+    for level in diagram.schedule.levels if diagram.schedule else ():
+        if level.name in ir.MESH_LEVELS:
+            n *= math.prod(t.size for t in level.tiles if t.across and not shares_a_group(diagram, level, t))
+    return n
+
+
 def reduced_wires(expr: ir.Expr) -> set[str]:
     """Every wire some reduction in ``expr`` removes."""
     return {w for node in ir.walk(expr) if isinstance(node, ir.Reduce) for w in node.wires}

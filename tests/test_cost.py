@@ -1303,3 +1303,28 @@ def test_a_nodes_level_of_across_1_puts_the_generic_models_devices_on_one_node()
     assert link("") == (16, "InfiniBand")
     assert link("  level nodes { group k across 1 }\n") == (16, "NVLink")
     assert link("  level nodes { group m across 2 }\n") == (32, "InfiniBand")
+
+
+def test_a_ring_shares_a_groups_devices_only_at_its_own_mesh_level():
+    """The generic model matched a ring's count against a group's parts over both mesh
+    levels, the checker per level: 'group m across 2' in the nodes level and 'group m
+    across 2, stream n across 4' in the devices level were 4 devices to cost (m's 4 parts
+    beside the ring of 4) and 16 to the checker.  Per level, as the checker and the
+    language's 'a wire's parts multiply over the levels' have it: 16."""
+    body = (REPO / "examples" / "matmul.ncd").read_text().split("\nschedule")[0] + "\n"
+
+    def devices(levels: str) -> int:
+        text = body + ("schedule on h100 {\n" + levels + "  level hbm { hold A, B, C }\n"
+                       "  level smem {\n    group m by 128, n by 128\n    stream k by 32\n  }\n}\n")
+        d = napkin.load_text(text)
+        assert tiling.mesh_devices(d) == analyse(d, dict(m=4096, n=4096, k=4096)).devices.devices
+        return tiling.mesh_devices(d)
+
+    assert devices("  level nodes { group m across 2 }\n"
+                   "  level devices {\n    group m across 2\n    stream n across 4\n  }\n") == 16
+    assert devices("  level nodes { stream n across 2 }\n"
+                   "  level devices {\n    group m across 4\n    stream n across 2\n  }\n") == 16
+    # a double ring: each level's ring shares that level's group
+    assert devices("  level nodes {\n    group m across 2\n    stream n across 2\n  }\n"
+                   "  level devices {\n    group m across 2\n    stream n across 2\n  }\n") == 4
+    assert devices("  level devices {\n    group m across 4\n    stream n across 4\n  }\n") == 4

@@ -331,8 +331,7 @@ def _generic(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[st
     # the ring is a mesh dimension of its own here: each device holds a chunk of the streamed
     # wire beside its groups' block (stream x across 8 alone counted 1 device; group h across 2
     # beside it 4, where its rows put K/8 on each), unless it runs over a group's devices
-    p = math.prod(groups.values()) * (stream[1] if stream and not _ring_over_a_group(diagram, groups, stream)
-                                      else 1)
+    p = tiling.mesh_devices(diagram)
     acc = tiling.accumulator_dtype(diagram)
     rows: list[CommRow] = []
 
@@ -416,17 +415,6 @@ def _generic(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[st
     grid = tuple((t.wire, t.kind, t.size) for t in mesh_tiles(diagram))
     return DeviceComm(p, grid, tuple(rows), steps, received, sent,
                       "InfiniBand" if across_nodes else "NVLink", bw, time, scheme="generic")
-
-
-def _ring_over_a_group(diagram: ir.Diagram, groups: dict[str, int], stream: tuple[str, int]) -> bool:
-    """Whether the ring passes its chunks round the devices of a group of the
-    same count (tiling.ring_over_group).  A matmul's ``group m across 4,
-    stream n across 4`` is 4 devices, each holding rows m_i of A and passing
-    B's chunks of n, as the per-device work the model counts has it
-    (2*k*m*n/P_m each); it said 16 devices, and so InfiniBand, which put
-    the communication at 503 us where NVLink takes 56 us."""
-    wire, n = stream
-    return any(size == n and tiling.ring_over_group(diagram, g, wire) for g, size in groups.items())
 
 
 def _value_wires(diagram: ir.Diagram, kernel: Kernel) -> set[str]:
