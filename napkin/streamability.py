@@ -80,7 +80,12 @@ class Streamability:
                 soft = facts[softs[0]][2]
             else:
                 what = e.fn if isinstance(e, ir.Call) else f"'{e.op}'"
-                self.bad_softmax(facts[softs[0]][2], f"{what} in {self.box}", e.loc)
+                hint = None
+                if isinstance(e, ir.Binary) and e.op in "+-":
+                    # differential attention's P1 - lam * P2: linear, but one normaliser a sum
+                    hint = (f"give each softmax a sum of its own: sum[{w}]((A {e.op} B) * V) is "
+                            f"sum[{w}](A * V) {e.op} sum[{w}](B * V), which streams")
+                self.bad_softmax(facts[softs[0]][2], f"{what} in {self.box}", e.loc, hint)
         along = any(f[0] for f in facts)
         done = next((f[1] for f in facts if f[1] is not None), None)
         return self.settle(e, along, done, soft)
@@ -99,11 +104,11 @@ class Streamability:
             done = None  # reported once; do not cascade into later boxes
         return along, done, soft
 
-    def bad_softmax(self, soft: tuple, consumer: str, loc: ir.Loc) -> None:
+    def bad_softmax(self, soft: tuple, consumer: str, loc: ir.Loc, hint: str | None = None) -> None:
         what, box = soft
         subject = f"{box} (a {what})" if box else what
         ref = box or "softmax(...)"
         self.c.err(f"{subject} cannot stream over {self.w}: {consumer} uses it, but a softmax over a "
                    f"streamed wire can only feed a sum over it, as in sum[{self.w}]({ref} * V)", loc,
-                   f"its normaliser is complete only after the last chunk of {self.w}; "
+                   hint or f"its normaliser is complete only after the last chunk of {self.w}; "
                    f"stream another wire, or do not stream {self.w}")

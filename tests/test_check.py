@@ -653,6 +653,11 @@ def test_streamed_softmax_feeds_only_a_sum(body, consumer, snippet):
     assert d.message == (f"P (a softmax[x] of S) cannot stream over x: {consumer} uses it, but a softmax "
                          "over a streamed wire can only feed a sum over it, as in sum[x](P * V)")
     assert where(d) == pos(text, snippet, text.count(snippet) - 1 if snippet == "P\n" else 0)
+    # a sum or difference (differential attention's P1 - lam * P2) is linear: each term a sum of its own
+    assert d.hint == ("give each softmax a sum of its own: sum[x]((A + B) * V) is sum[x](A * V) + sum[x](B * V), "
+                      "which streams" if consumer == "'+' in O" else
+                      "its normaliser is complete only after the last chunk of x; stream another wire, or do not "
+                      "stream x")
 
 
 @pytest.mark.parametrize("body", [
