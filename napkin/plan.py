@@ -318,8 +318,9 @@ def emitted_placement_note(option: Option, emitted: ir.Diagram, sizes: Optional[
     """What ``napkin cost`` makes of the emitted diagram where it prices other
     links than this plan did (mesh_levels: the two layouts a diagram cannot
     place on nodes), else None.  Priced, not compared by shape: a flat ring
-    over nodes of 8 waits on InfiniBand every step as one over nodes of 1
-    does, so only their bytes across nodes differ."""
+    of 16 over nodes of 8 waits on InfiniBand every step as one over nodes of
+    1 does, and its busiest device (at a node's edge) sends all it sends
+    across nodes as there, so cost's reading changes no figure plan gives."""
     p = math.prod(option.grid)
     if p == 1:      # one device: no mesh, no links
         return None
