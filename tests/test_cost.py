@@ -1328,3 +1328,21 @@ def test_a_ring_shares_a_groups_devices_only_at_its_own_mesh_level():
     assert devices("  level nodes {\n    group m across 2\n    stream n across 2\n  }\n"
                    "  level devices {\n    group m across 2\n    stream n across 2\n  }\n") == 4
     assert devices("  level devices {\n    group m across 4\n    stream n across 4\n  }\n") == 4
+
+
+def test_the_backward_of_a_matmul_epilogue_counts_its_recompute_and_its_torch_part():
+    """relu(A @ B + bias) in fp16: the backward recomputes the sum (a float32 store), then the
+    torch part reads dC, the sum and the bias and writes dR and the bias's gradient; napkin cost
+    --backward failed on the recompute's buffer (it looked for an input called 'sum')."""
+    from napkin.cost import backward_cost
+    text = ("diagram mmrb\nwire m, n, k\nin A[m, k] : fp16\nin B[k, n] : fp16\nin bias[n] : fp32\n"
+            "C[m, n] : fp16 = relu(sum[k](A * B) + bias)\nout C\n")
+    m, n, k = 300, 200, 100
+    back = backward_cost(napkin.load_text(text), dict(m=m, n=n, k=k))
+    assert back.kernels == ("_epi_sum", "_grad_A", "_grad_B", "epilogue (torch)")
+    stores = {(x.kernel, x.tensor): x.bytes for x in back.moves if x.direction == "store"}
+    assert stores[("_epi_sum", "_epi_sum")] == 4 * m * n
+    torch_part = {(x.tensor, x.direction): x.bytes for x in back.moves if x.kernel == "epilogue (torch)"}
+    assert torch_part == {("dC", "load"): 2 * m * n, ("_epi_sum", "load"): 4 * m * n, ("bias", "load"): 4 * n,
+                          ("dR (C's)", "store"): 2 * m * n, ("_grad_bias", "store"): 4 * n}
+    assert back.contraction_flops == 3 * 2 * m * n * k      # the recompute and the two gradient products

@@ -197,6 +197,21 @@ def reads(code: str, var: str) -> bool:
     return var in names_read(code)
 
 
+def reference_inputs(d: ir.Diagram, dtype: str = "_c") -> list[str]:
+    """The reference's first lines: each input by its wires (a grouped axis
+    (hk g) as two dimensions), floats as ``dtype`` (a variable's name)."""
+    lines = []
+    for t in d.inputs:
+        wires = ir.axis_wires(t.axes)
+        conv = f".to({dtype})" if t.dtype not in ir.INT_DTYPES else ""
+        if len(wires) != len(t.axes):
+            shape = ", ".join(f'_sz["{w}"]' for w in wires)
+            lines.append(f"{t.name} = {t.name}.reshape({shape}){conv}")
+        elif conv:
+            lines.append(f"{t.name} = {t.name}{conv}")
+    return lines
+
+
 def _decode(names: _Names, batch: tuple[str, ...], axis: Optional[int] = None) -> str:
     """Per-wire batch indices from the flat program id (innermost wire last),
     read from grid ``axis`` into ``_batch`` first where given (None: the
@@ -676,15 +691,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
     relabels = [r[:3] for r in ir.relabels(d)]
     blocks = "{" + ", ".join(f'"{w}": {n}' for w, n in plan.blocks) + "}"
     accumulated = row_state_outputs(plan)
-    ref_inputs = []
-    for t in d.inputs:
-        wires = ir.axis_wires(t.axes)
-        conv = ".to(_c)" if t.dtype not in ir.INT_DTYPES else ""
-        if len(wires) != len(t.axes):
-            shape = ", ".join(f'_sz["{w}"]' for w in wires)
-            ref_inputs.append(f"{t.name} = {t.name}.reshape({shape}){conv}")
-        elif conv:
-            ref_inputs.append(f"{t.name} = {t.name}{conv}")
+    ref_inputs = reference_inputs(d)
     returns = [f'{o.name}.reshape(_shape("{o.name}", _sz)).to(_out_dtype("{o.name}", _cls))' for o in d.outputs]
     ctx.update({
         "docstring": docstring, "version": version, "source_hash": source_hash, "name": d.name,

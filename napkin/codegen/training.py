@@ -9,11 +9,14 @@
   lowered again: the same kernel (the new boxes share its accumulators)
   with extra stores guarded by a constexpr _SAVE, so the plain forward's
   traffic does not change.  backward.py lowers the rule to three kernels.
-* CONTRACTION ``C = sum[k](A * B)``: the backward is two more contractions,
-  dA = sum[n](dC * B) and dB = sum[m](A * dC), built as IR diagrams and
-  lowered like any matrix product (strides do the transposes).  An output
-  f(C) whose slope f' is a constant (a scale, an added constant) multiplies
-  both by f' in their epilogues.
+* CONTRACTION ``C = f(R, ..)``, ``R = sum[k](A * B)``: the backward is two
+  more contractions, dA = sum[n](dR * B) and dB = sum[m](A * dR), built as
+  IR diagrams and lowered like any matrix product (strides do the
+  transposes).  A constant slope f' (a scale, an added constant) multiplies
+  both in their epilogues, dR being dC.  Any other f (a bias, relu, a gate,
+  an index) gets an ``Epilogue``: dR = dC * f' and the side inputs'
+  gradients in eager torch (``epilogue_lines``), after one more contraction
+  recomputing R where they read it.
 
 Anything else gets no backward; ``Training.reason`` says why, and the
 module raises that at run time when a gradient is asked for.
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import autodiff, gradrules, ir, tiling
+from ..autodiff import ONE
 from ..errors import NapkinError
 from ..printer import expr_text, layout_text
 from . import launch as H
@@ -48,7 +52,8 @@ class Training:
     saved: tuple[str, ...] = ()        # its outputs only training stores (_saved_lse, ...)
     rule: Optional[gradrules.GradRule] = None
     backward: Optional[object] = None  # backward.BackwardPlan
-    grads: tuple[L.ContractionPlan, ...] = ()  # the matrix product's dA, dB
+    grads: tuple[L.ContractionPlan, ...] = ()  # the matrix product's dA, dB (and its recomputed sum first)
+    epilogue: Optional["Epilogue"] = None        # the matrix product's epilogue gradients, in torch
     reason: Optional[str] = None       # why there is no backward
     reason_loc: ir.Loc = ir.NOLOC      # and where in the diagram, when a place is to blame
 
@@ -222,11 +227,9 @@ def _contraction(plan: L.ContractionPlan) -> Training:
     out = d.outputs[0]
     expr = L.inline(d)[out.name]
     a, b = plan.lhs.tensor, plan.rhs.tensor
-    factor = _epilogue_factor(expr, plan.red)
-    if isinstance(factor, str):
-        return _no(plan, f"its output {out.name} is {factor}: a matmul's backward here takes a plain "
-                         f"sum[{plan.red}]({a} * {b}) or one with a constant slope (a scale, an added constant)",
-                   d.tensor(out.name).expr.loc)
+    epi = _epilogue(d, expr, plan.red, (a, b), f"_grad_{out.name}")
+    if isinstance(epi, str):
+        return _no(plan, f"its output {out.name} is {epi}", d.tensor(out.name).expr.loc)
     c_wires = set(ir.axis_wires(d.tensor(out.name).axes))
     for name in (a, b):
         t = d.tensor(name)
@@ -245,59 +248,167 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         return _no(plan, f"input {ref.name} is read as {expr_text(ref)}, along other wires than its own "
                          f"{layout_text(d.tensor(ref.name).axes)}; a matmul's backward takes each factor along "
                          "its own wires", ref.loc)
+    # the gradient products read dR: dC itself where the slope is a constant (on their epilogues),
+    # else the epilogue's torch part computes it into a buffer of dC's layout under this name
     grad_c = ir.Input(f"_grad_{out.name}", d.tensor(out.name).axes, _dc_dtype(d, out.name))
     blocks = dict(plan.blocks)
     grads = []
+    if epi.recompute:
+        # the slope or a side input's gradient reads the sum itself: one more product, the forward's
+        # without its epilogue, into float32 (cheaper than keeping it from every forward call)
+        let = ir.Let(EPI_SUM, d.tensor(out.name).axes, "fp32", epi.raw)
+        g = ir.Diagram(f"{d.name}_bwd_sum", d.wires, (d.tensor(a), d.tensor(b)), (let,), (ir.Output(EPI_SUM),),
+                       _grad_schedule(d, plan, blocks, plan.row, plan.col, plan.red))
+        grads.append(L.lower(g))
     for target, other, keep, red in ((a, b, plan.row, plan.col), (b, a, plan.col, plan.row)):
         t = d.tensor(target)
         factors = (ir.TensorRef(grad_c.name), ir.TensorRef(other)) if target == a else \
             (ir.TensorRef(other), ir.TensorRef(grad_c.name))
         body = ir.Reduce("sum", (red,), ir.Binary("*", *factors))
-        if factor != ir.Num(1):   # dR = dC * f', f' a constant: on the gradient's epilogue, once a tile
-            body = ir.Binary("*", body, factor)
+        if epi.factor != ir.Num(1):   # dR = dC * f', f' a constant: on the gradient's epilogue, once a tile
+            body = ir.Binary("*", body, epi.factor)
         let = ir.Let(f"_grad_{target}", t.axes, "fp32", body)
-        free = plan.red                   # dA keeps k (B's side), dB keeps k (A's side)
-        tiles = [ir.Tile(w, "group", 1) for w in plan.batch] + [
-            ir.Tile(keep, "group", blocks[keep]), ir.Tile(free, "group", blocks[free]),
-            ir.Tile(red, "stream", blocks[red])]
-        schedule = ir.Schedule(None, "fp32", d.schedule.tf32 if d.schedule else False,
-                               (ir.Level("smem", None, tuple(tiles), ()),))
+        # dA keeps k (B's side), dB keeps k (A's side)
         g = ir.Diagram(f"{d.name}_bwd_{target}", d.wires, (grad_c, d.tensor(other)) if target == a
-                       else (d.tensor(other), grad_c), (let,), (ir.Output(let.name),), schedule)
+                       else (d.tensor(other), grad_c), (let,), (ir.Output(let.name),),
+                       _grad_schedule(d, plan, blocks, keep, plan.red, red))
         gplan = L.lower(g)
-        if gplan.family != "contraction" or {gplan.row, gplan.col} != {keep, free}:
+        if gplan.family != "contraction" or {gplan.row, gplan.col} != {keep, plan.red}:
             return _no(plan, f"the gradient of {target} does not lower to a matrix product")
         grads.append(gplan)
-    return Training(plan, (), None, None, tuple(grads))
+    return Training(plan, (), None, None, tuple(grads), epilogue=epi if epi.torch_part else None)
 
 
-def _epilogue_factor(expr: ir.Expr, red: str):
-    """f'(R) of an output f(R), R = sum[red](A * B), when it is a constant
-    (numbers and wire sizes only: ``R * |k|^-0.5``, ``-R``, ``2 * R + 1``), so
-    dR = dC * f' scales the two gradient products' epilogues; ONE for R
-    itself.  Otherwise a string saying what the output is: a slope reading
-    R (``relu(R)`` needs the pre-activation, not kept), a tensor (a bias
-    would need a gradient of its own) or an index varies along a wire
-    one of the two gradients sums over."""
+def _grad_schedule(d: ir.Diagram, plan: L.ContractionPlan, blocks: dict, row: str, col: str,
+                   red: str) -> ir.Schedule:
+    """One product of the backward, tiled by the forward's blocks."""
+    tiles = [ir.Tile(w, "group", 1) for w in plan.batch] + [
+        ir.Tile(row, "group", blocks[row]), ir.Tile(col, "group", blocks[col]), ir.Tile(red, "stream", blocks[red])]
+    return ir.Schedule(None, "fp32", d.schedule.tf32 if d.schedule else False,
+                       (ir.Level("smem", None, tuple(tiles), ()),))
+
+
+# The names the epilogue's torch part gives what it reads and computes (every
+# other tensor there is the diagram's own input, renamed EPI_PREFIX + name).
+EPI_PREFIX = "_epi_in_"
+EPI_SUM = "_epi_sum"    # the recomputed sum[k](A * B), float32
+EPI_DC = "_epi_dC"      # dC
+EPI_DR = "_epi_dR"      # dC * f'(...), what the gradient products read
+EPI_GRAD = "_epi_grad_"  # + an input's name: its gradient
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """A matrix product's output f(R, T..), R = sum[k](A * B), taken apart
+    for its backward.  ``factor``: f' when it is a constant (folded into the
+    gradient products' epilogues, no torch part for dR), else ONE; ``slope``:
+    f' over the renamed tensors when it varies; ``sides``: each float input T
+    f reads, with df/dT; ``recompute``: whether any of those reads R."""
+
+    raw: ir.Reduce
+    factor: ir.Expr
+    slope: Optional[ir.Expr]
+    sides: tuple[tuple[str, ir.Expr], ...]
+    reads: tuple[str, ...]                 # every input f reads (integer ones too)
+    recompute: bool
+
+    @property
+    def torch_part(self) -> bool:
+        return self.slope is not None or bool(self.sides)
+
+
+def _epilogue(d: ir.Diagram, expr: ir.Expr, red: str, factors: tuple[str, str], grad_c: str):
+    """``expr``'s Epilogue, or a string saying why it has none: not one sum
+    over ``red`` (the product), an epilogue that reads a factor of the
+    product, an input read along other wires than its own, or a function
+    napkin cannot differentiate."""
     raws = [n for n in ir.walk(expr) if isinstance(n, ir.Reduce)]
-    if not raws or not isinstance(raws[0], ir.Reduce) or raws[0].op != "sum" or raws[0].wires != (red,) \
-            or any(n != raws[0] for n in raws):
+    if not raws or raws[0].op != "sum" or raws[0].wires != (red,) or any(n != raws[0] for n in raws):
         return f"not a sum[{red}] of the two inputs"
     raw = raws[0]
     if expr == raw:
-        return ir.Num(1)
-    rest = autodiff.substitute(expr, raw, ir.Num(0))
-    reads = [n for n in ir.walk(rest) if isinstance(n, (ir.TensorRef, ir.WireIndex))]
-    if reads:
-        what = reads[0].name if isinstance(reads[0], ir.TensorRef) else reads[0].wire
-        return f"{expr_text(expr)}, whose epilogue reads {what}"
+        return Epilogue(raw, ir.Num(1), None, (), (), False)
+    r = ir.TensorRef(EPI_SUM)
+    f = autodiff.substitute(expr, raw, r)
+    reads: list[str] = []
+    for n in ir.walk(f):
+        if isinstance(n, ir.TensorRef) and n.name != EPI_SUM:
+            if n.name in factors:
+                return f"{expr_text(expr)}, whose epilogue reads {n.name}, a factor of the product"
+            if n.wires is not None and tuple(n.wires) != ir.axis_wires(d.tensor(n.name).axes):
+                return f"{expr_text(expr)}, whose epilogue reads {expr_text(n)} along other wires than its own"
+            if n.name not in reads:
+                reads.append(n.name)
+    # every input read by its own name, so that d/dT finds each read of T
+    f = _renamed(f)
     try:
-        slope = autodiff.diff(expr, raw)
-    except ValueError:
-        return expr_text(expr)
-    if any(n == raw or isinstance(n, (ir.TensorRef, ir.WireIndex)) for n in ir.walk(slope)):
-        return f"{expr_text(expr)}, whose slope varies (its backward would need the pre-activation)"
-    return slope
+        slope = autodiff.diff(f, r)
+        sides = tuple((t, autodiff.diff(f, ir.TensorRef(EPI_PREFIX + t))) for t in reads
+                      if d.tensor(t).dtype in ir.FLOAT_DTYPES)
+    except ValueError as err:
+        return f"{expr_text(expr)}, whose epilogue napkin cannot differentiate ({err})"
+    varies = any(isinstance(n, (ir.TensorRef, ir.WireIndex)) for n in ir.walk(slope))
+    recompute = any(n == r for e in (slope, *(e for _, e in sides)) for n in ir.walk(e))
+    return Epilogue(raw, ONE if varies else slope, slope if varies else None, sides, tuple(reads), recompute)
+
+
+def epilogue_lines(t: Training) -> list[str]:
+    """The backward's torch part for a matrix product's epilogue: from dC (and
+    the recomputed sum), dR = dC * f' into dC's variable where the slope
+    varies, and each side input's gradient, sum over the wires it lacks of
+    dC * df/dT, float32 (float64 for float64 dC), as ``_grad_T``.  Rendered as
+    the reference is, from an IR diagram of those boxes."""
+    epi, d = t.epilogue, t.forward.diagram
+    out = d.tensor(d.outputs[0].name)
+    c_wires = ir.axis_wires(out.axes)
+    ins = [ir.Input(EPI_DC, out.axes, "fp32")]
+    if epi.recompute:
+        ins.append(ir.Input(EPI_SUM, out.axes, "fp32"))
+    ins += [dataclasses.replace(d.tensor(n), name=EPI_PREFIX + n) for n in epi.reads]
+    dc = ir.TensorRef(EPI_DC)
+    lets = []
+    if epi.slope is not None:
+        lets.append(ir.Let(EPI_DR, out.axes, "fp32", ir.Binary("*", dc, epi.slope)))
+    outs = [x.name for x in lets]
+    for name, deriv in epi.sides:
+        # a bias's gradient is dR summed: relu(R + bias)'s where(R + bias > 0, 1, 0) once
+        body = ir.TensorRef(EPI_DR) if epi.slope is not None and deriv == epi.slope else \
+            autodiff.simplify(ir.Binary("*", dc, deriv))
+        lacking = tuple(w for w in c_wires if w not in ir.axis_wires(d.tensor(name).axes))
+        if lacking:
+            if not isinstance(body, ir.TensorRef):
+                # the product a box of its own, then summed: an einsum of dC and where(c, 1, 0) (a
+                # slope of relu's) met a float tensor and an integer one, which torch refuses
+                lets.append(ir.Let(f"_epi_t_{name}", out.axes, "fp32", body))
+                body = ir.TensorRef(lets[-1].name)
+            body = ir.Reduce("sum", lacking, body)
+        lets.append(ir.Let(EPI_GRAD + name, d.tensor(name).axes, "fp32", body))
+        outs.append(lets[-1].name)
+    e = ir.Diagram(f"{d.name}_epilogue", d.wires, tuple(ins), tuple(lets), tuple(ir.Output(x) for x in outs))
+    from .emit import reference_inputs
+    from .reference import reference_lines
+    # computed in float32, float64 where the inputs are (as the reference)
+    head = ["_c = torch.float64 if torch.float64 in _cls.values() else torch.float32",
+            f"{EPI_DC} = _grad_{out.name}"] + [f"{EPI_PREFIX}{n} = {n}" for n in epi.reads]
+    body = reference_inputs(e) + reference_lines(e)   # the reference's _c: the dtype they compute in
+    tail = []
+    for name, _ in epi.sides:
+        # contiguous, as the torch op's fake says (a T[n, m]'s gradient came out a transposed view)
+        tail.append(f'{EPI_GRAD}{name} = {EPI_GRAD}{name}.reshape(_shape("{name}", _sz)).to('
+                    f'{name}.dtype if _like else torch.float32).contiguous() '
+                    f'if _need[{[x.name for x in d.inputs].index(name)}] else None')
+    if epi.slope is not None:   # an argument of the products below, in dC's dtype
+        tail.append(f'_grad_{out.name} = {EPI_DR}.reshape(_shape("{out.name}", _sz)).to(_dc)')
+    # only where a gradient is asked (the sum it may read is launched so); the side inputs' None else
+    nothing = [f"{EPI_GRAD}{name} = None" for name, _ in epi.sides]
+    return nothing + ["if any(_need):"] + ["    " + line for line in head + body + tail]
+
+
+def _renamed(e: ir.Expr) -> ir.Expr:
+    """``e`` with every input read by its own wires and renamed EPI_PREFIX + name."""
+    if isinstance(e, ir.TensorRef) and e.name != EPI_SUM:
+        return ir.TensorRef(EPI_PREFIX + e.name)
+    return ir.map_children(e, _renamed)
 
 
 def _dc_dtype(d: ir.Diagram, name: str) -> str:
@@ -423,15 +534,25 @@ def _contraction_context(t: Training) -> dict:
         # 8 warps when a tile it loads per step (the streamed wire by either output wire: dC's, the
         # forward's output tile) is 128 x 128, as the forward's launch: at 4 warps matmul's dA held 255
         # registers and spilled 12 B on Triton 3.6 (napkin.bench.aot, aot-sm90-2026-11-21-4.md)
+        buffer = gd.outputs[0].name
+        if buffer == EPI_SUM:   # the sum the epilogue's gradients read, float32, whenever a gradient is asked
+            cond, dtype, index = "any(_need)", "torch.float32", None
+        else:
+            target = buffer[len("_grad_"):]
+            index = [x.name for x in t.forward.diagram.inputs].index(target)
+            cond, dtype = f"_need[{index}]", f"{target}.dtype if _like else torch.float32"
         launches.append({
-            "kernel": c["kernel"], "target": gd.outputs[0].name[len("_grad_"):], "buffer": gd.outputs[0].name,
+            "kernel": c["kernel"], "buffer": buffer, "cond": cond, "dtype": dtype, "before": [],
+            "what": "the sum the epilogue's gradients read" if index is None else f"d{target}",
             "warps": "(8 if _bk * max(_br, _bc) >= 128 * 128 else 4)", "blocks": block_line,
             "grid": '(_cdiv(_sz["' + g.row + '"], _br), _cdiv(_sz["' + g.col + '"], _bc), '
                     + (" * ".join(f'_sz["{w}"]' for w in g.batch) or "1") + ")",
             "args": ",\n".join([", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides
                                        + [", ".join(blocks)]),
-            "index": [x.name for x in t.forward.diagram.inputs].index(gd.outputs[0].name[len("_grad_"):]),
+            "index": index,
         })
+    if t.epilogue is not None:   # after the sum it reads, before the products that read its dR
+        launches[1 if t.epilogue.recompute else 0]["before"] = epilogue_lines(t)
     d = t.forward.diagram
     out = d.outputs[0].name
     # the public NAME_backward(A, B, dC) names C's gradient dC, unless an input
@@ -439,7 +560,9 @@ def _contraction_context(t: Training) -> dict:
     param = fresh_name(f"d{out}", {x.name for x in d.inputs}, prefix="")
     # gradients come back in the inputs' order, whatever order the product
     # names them in (sum[k](X * W) with W declared first swapped dW and dX)
-    by_index = {g["index"]: g["buffer"] for g in launches}
+    by_index = {g["index"]: g["buffer"] for g in launches if g["index"] is not None}
+    for name, _ in t.epilogue.sides if t.epilogue is not None else ():
+        by_index[[x.name for x in d.inputs].index(name)] = EPI_GRAD + name
     returns = [by_index.get(i, "None") for i in range(len(d.inputs))]
     # NAME_backward's given blocks pairwise, as the forward's launch checks them: its launches tile
     # them two at a time, and block_m=65536, block_k=32 given failed in Triton

@@ -186,7 +186,7 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     if t.backward is not None:
         moves, flops, kernels, dram, working_set = _attention(t.backward, bound, given, grad_dtype, prof)
     else:
-        moves, flops, kernels, dram, working_set = _contraction(d, t.grads, bound, profile, grad_dtype)
+        moves, flops, kernels, dram, working_set = _contraction(d, t, bound, profile, grad_dtype)
     # the forward's roofline (analysis._roofline): the largest of the four times,
     # the bytes at DRAM's estimate, the issued bytes' time beside it
     rate, _ = prof.contraction_rate(forward.flops.contraction_dtype, d.schedule.tf32 if d.schedule else False)
@@ -422,22 +422,29 @@ def _scalar(e) -> bool:
 # A matrix product: dA and dB are contraction diagrams, costed as such.
 # --------------------------------------------------------------------------
 
-def _contraction(d: ir.Diagram, grads, sizes: dict, profile, grad_dtype: str) -> tuple:
+def _contraction(d: ir.Diagram, train, sizes: dict, profile, grad_dtype: str) -> tuple:
     """Each gradient diagram declares its output fp32 (its accumulator); the
     launch stores it in the buffer's dtype, the input's under "input".  The
     DRAM estimate is the gradient diagram's own (analysis.py), its store
-    recounted in that dtype (a store always reaches DRAM)."""
+    recounted in that dtype (a store always reaches DRAM).  An epilogue's
+    torch part (training.epilogue_lines) is counted as one pass over what it
+    reads and writes: eager torch may make temporaries besides, and its
+    elementwise FLOPs are not counted."""
+    from ..codegen import training
     from .analysis import analyse
 
     moves, kernels, drams = [], [], []
     working_set = 0
     cf = of = ef = 0
-    for g in grads:
+    for g in train.grads:
         gd = g.diagram
         r = analyse(gd, {w: s for w, s in sizes.items() if gd.wire(w) is not None}, profile)
         name = gd.outputs[0].name
         kernels.append(name)
-        stored = d.tensor(name[len("_grad_"):]).dtype if grad_dtype == "input" else "fp32"
+        if name == training.EPI_SUM:    # the recomputed sum, float32 whatever grad_dtype says
+            stored = "fp32"
+        else:
+            stored = d.tensor(name[len("_grad_"):]).dtype if grad_dtype == "input" else "fp32"
         mine = []
         for t in r.transfers:
             if t.boundary.startswith("hbm/"):
@@ -448,4 +455,31 @@ def _contraction(d: ir.Diagram, grads, sizes: dict, profile, grad_dtype: str) ->
         moves += mine
         working_set = max(working_set, r.roofline.l2_working_set)
         cf, of, ef = cf + r.flops.contraction, of + r.flops.other, ef + r.flops.exp
+    if train.epilogue is not None:
+        mine = _epilogue_moves(d, train.epilogue, sizes, grad_dtype)
+        kernels.append(mine[0].kernel)
+        drams.append(sum(m.bytes for m in mine))
+        moves += mine
     return moves, (cf, of, ef), kernels, drams, working_set
+
+
+def _epilogue_moves(d: ir.Diagram, epi, sizes: dict, grad_dtype: str) -> list[Move]:
+    """The epilogue's torch part: dC (and the recomputed sum, and the inputs
+    f reads) in, dR (in dC's dtype) and each side input's gradient out."""
+    from ..codegen import training
+
+    def elements(name: str) -> int:
+        return math.prod(sizes[w] for w in ir.axis_wires(d.tensor(name).axes))
+
+    out = d.outputs[0].name
+    dc = training._dc_dtype(d, out)
+    kernel = "epilogue (torch)"
+    mine = [Move(kernel, f"d{out}", "load", dc, elements(out))]
+    if epi.recompute:
+        mine.append(Move(kernel, training.EPI_SUM, "load", "fp32", elements(out)))
+    mine += [Move(kernel, n, "load", d.tensor(n).dtype, elements(n)) for n in epi.reads]
+    if epi.slope is not None:
+        mine.append(Move(kernel, f"dR ({out}'s)", "store", dc, elements(out)))
+    mine += [Move(kernel, f"_grad_{n}", "store", d.tensor(n).dtype if grad_dtype == "input" else "fp32",
+                  elements(n)) for n, _ in epi.sides]
+    return mine
