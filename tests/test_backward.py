@@ -596,6 +596,25 @@ def test_a_matmul_epilogue_in_fp16_and_one_gradient_asked(folder):
     assert only[0] is None and only[1] is None and (only[2].double() - want).abs().max() < 2e-2 * want.abs().max()
 
 
+def test_a_matmul_epilogue_trains_under_torch_compile(folder):
+    """The epilogue's torch part runs inside the backward torch op: one graph, no break, and
+    the compiled step's gradients are the eager ones (aot_eager, as the attention's test)."""
+    epilogue, decls, _ = MATMUL_EPILOGUES["relu_bias"]
+    text = f"diagram epimm\nwire m, n, k\nin A[m, k] : fp32\nin B[k, n] : fp32\n{decls}\nC[m, n] = {epilogue}\nout C\n"
+    m = compile_text(text, "epimm_relu_bias", folder)
+    g = torch.Generator().manual_seed(14)
+    ins = [torch.randn(37, 45, generator=g), torch.randn(45, 29, generator=g), torch.randn(29, generator=g)]
+
+    def step(a, b, bias):
+        return (m.epimm(a, b, bias, block_m=16, block_n=16, block_k=16) * torch.linspace(-1, 1, 29)).sum()
+
+    explain = torch._dynamo.explain(step)(*ins)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    got = gradients(torch.compile(step, fullgraph=True, backend="aot_eager"), ins)
+    for k, e in zip(got, gradients(step, ins)):
+        assert torch.allclose(k, e, atol=1e-5)
+
+
 @pytest.mark.parametrize("decls, product", [
     ("in W[k, n] : fp32\nin X[m, k] : fp32", "X * W"),      # a linear layer written weight-first
     ("in X[m, k] : fp32\nin W[k, n] : fp32", "W * X"),      # the product named in the other order

@@ -328,6 +328,8 @@ class Chunked(NamedTuple):
     sizes: tuple = ()        # other sizes, (wire, size) pairs: |g| (case_sizes gives 2)
 
 RESIDUAL = ("O[b, h, q, d] : fp16 = sum[x](P * V)", "O[b, h, q, d] : fp16 = sum[x](P * V) + Q")
+# an output reading its row's index: the merge loads the packed rows' positions (it reads them only so)
+ROW_INDEX = ("O[b, (hk g), q, d] : bf16 = sum[x](P * V)", "O[b, (hk g), q, d] : bf16 = sum[x](P * V) * (q + 1)")
 CHUNKED = [Chunked(*case) for case in (
     ("flash_decoding", 32, (), 5, 100, (16, 16), 2),       # 4 chunks, the last of 4 keys
     ("flash_decoding", 64, (), 37, 333, (16, 32), 2),      # 6 chunks, 5 row blocks (74 rows), ragged both ways
@@ -348,6 +350,7 @@ CHUNKED = [Chunked(*case) for case in (
     ("flash_decoding", 64, (), 60, 50, (32, 16), 1, (("g", 3),)),    # the same whole, blocks of 32
     ("flash_decoding", 64, (), 37, 333, (16, 32), 2, (("g", 1),)),   # |g| = 1: nothing packed
     ("flash_decoding", 64, (), 37, 64, (32, 32), 1, (("g", 1),)),    # |g| = 1, whole
+    ("flash_decoding", 32, (ROW_INDEX,), 5, 100, (16, 16), 2, (("g", 4),)),   # the merge reads positions
 )]
 
 

@@ -445,7 +445,7 @@ class _Context:
         # chunks of the streamed wire (chunks.py): how many each launch runs, and
         # whether any launch runs chunked (formulas alone: the chunked launch)
         self.chunks, self.chunk_note = chunks_mod.find(diagram, self.kernels, self.tiles)
-        if self.chunks is not None and self.packs:   # the merge loads its rows' positions too
+        if self.chunks is not None and self.packs and self.chunks.positions:   # the merge's rows' positions
             self.chunks = dataclasses.replace(self.chunks, again=self.chunks.again + (self.pack.positions(),))
         self.counts = {k.index: [chunks_mod.launch_count(self.chunks, k, self.tiles, s) for s in self.launches]
                        for k in self.kernels}

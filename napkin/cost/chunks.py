@@ -16,8 +16,9 @@ chunk_merge; emit.merge_loads):
   attention).  Every program stores, a chunk that visits nothing too;
 * the merge kernel, one program per (row block, batch index): it loads the
   chunks' states (the same W values per row each), the tiles without x its
-  finalise reads (usually none), and stores the outputs as the whole kernel
-  would.
+  finalise reads (usually none) and, where its finalise uses the rows'
+  global index, the packed rows' positions, and stores the outputs as the
+  whole kernel would.
 
 The chunk a launch takes is the schedule's, grown to the stream block when a
 (tuned) block is longer (the launcher's ``_chunks``); when it covers the whole
@@ -56,6 +57,7 @@ class Chunks:
     row: str                                      # the state is per row of this wire
     parts: tuple[tuple[str, Optional[str]], ...]  # the state: (variable, value wire or None)
     again: tuple[Access, ...]                     # tiles without the wire the merge loads again
+    positions: bool = False                       # whether the merge reads its rows' global positions
 
     def length(self, block: int) -> int:
         """The chunk a launch at stream block ``block`` takes (grown to the block)."""
@@ -115,7 +117,11 @@ def find(diagram: ir.Diagram, kernels: list[Kernel], tiles: Tiling) -> tuple[Opt
                    None) or next((a for a in k.accesses if a.kind == "load" and a.tensor == ld.tensor), None)
         if acc is not None and acc not in again:
             again.append(acc)
-    return Chunks(k.index, wire, length, plan.row, tuple((v, w) for v, _, w in parts), tuple(again)), None
+    # the merge reads its rows' positions (packed rows, distributed calls) only where its
+    # finalise uses the rows' global index: the code generator's own answer
+    positions = emit.attention_context(plan)["merge_rows"][0]
+    return Chunks(k.index, wire, length, plan.row, tuple((v, w) for v, _, w in parts), tuple(again),
+                  positions), None
 
 
 def _chunk(diagram: ir.Diagram) -> Optional[tuple[str, int]]:

@@ -20,9 +20,10 @@ for the tuner, which counts a packed launch's programs by ``Packing.sizes``):
   its least and greatest real position (napkin/codegen/bounds.py
   loop_bounds: masks.stream_range over [least, greatest + 1)); full blocks
   load what partial ones load, so only the range matters to the bytes;
-* the positions themselves are loaded: each program (main kernel and
-  merge) reads its block's, 8 bytes a row (``positions``, pseudo-tensor
-  ``_pos_q``);
+* the positions themselves are loaded: each program of the main kernel
+  reads its block's, 8 bytes a row (``positions``, pseudo-tensor
+  ``_pos_q``), and each of the merge where its finalise uses the rows'
+  global index (chunks.Chunks.positions);
 * with |g| = 1 nothing is packed (no positions): the ordinary launch at
   block B on q, which this view counts the same (r % |q| = r) but for the
   positions it does not load.
@@ -92,7 +93,7 @@ class Packing:
     def positions(self) -> Access:
         """The packed rows' positions, as a load: the launcher's int64 tensor
         of one position per (g, q) pair, which every program of the kernel
-        (and of the merge) loads for its block of rows.  Named as the
+        (and of the merge, where it reads them) loads for its block of rows.  Named as the
         kernels' parameter ``_pos_q``, under which the byte counter files it."""
         return Access(f"_pos_{self.row}", (self.wire, self.row), "load", POSITION_DTYPE)
 
