@@ -356,8 +356,8 @@ def epilogue_lines(t: Training) -> list[str]:
     """The backward's torch part for a matrix product's epilogue: from dC (and
     the recomputed sum), dR = dC * f' into dC's variable where the slope
     varies, and each side input's gradient, sum over the wires it lacks of
-    dC * df/dT, float32 (float64 for float64 dC), as ``_grad_T``.  Rendered as
-    the reference is, from an IR diagram of those boxes."""
+    dC * df/dT, float32 (float64 for float64 inputs), as EPI_GRAD + T.
+    Rendered as the reference is, from an IR diagram of those boxes."""
     epi, d = t.epilogue, t.forward.diagram
     out = d.tensor(d.outputs[0].name)
     c_wires = ir.axis_wires(out.axes)
