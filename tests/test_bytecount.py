@@ -380,7 +380,9 @@ def chunked_modules(tmp_path_factory):
 
 
 def _chunked_case(case: Chunked):
-    return (f"{case.stem}{'+residual' if case.replace else ''}-C{case.chunk}-{case.n1}x{case.n2}"
+    what = "".join("+residual" if r == RESIDUAL else "+row-index" if r == ROW_INDEX else "+edited"
+                   for r in case.replace)
+    return (f"{case.stem}{what}-C{case.chunk}-{case.n1}x{case.n2}"
             + "".join(f"-{w}{n}" for w, n in case.sizes) + f"-B{case.blocks[0]}")
 
 
