@@ -278,6 +278,10 @@ def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
     double ring of P x 1).  Two layouts have no such words: a flat ring over
     nodes of 1 < G < P GPUs and a grid ranked row-major that no node block
     tiles (emitted_placement_note says what cost makes of them)."""
+    p = math.prod(option.grid)
+    g = min(option.gpus_per_node, p)
+    state = p > 1 and g != unstated_gpus_per_node(p)   # the nodes are to be written down
+
     def level(name, tiles, keep=False):
         tiles = tuple(ir.Tile(w, kind, n, True) for w, kind, n in tiles if n > 1 or keep)
         return (ir.Level(name, None, tiles),) if tiles else ()
@@ -286,9 +290,6 @@ def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
         # 'across 1' tiles only where nothing else would say where the nodes are
         return level("nodes", tiles) or level("nodes", tiles, keep=state)
 
-    p = math.prod(option.grid)
-    g = min(option.gpus_per_node, p)
-    state = p > 1 and g != unstated_gpus_per_node(p)
     if option.scheme in ("ring", "burst"):
         if state and g == 1:
             return level("nodes", [(query, "group", p), (key, "stream", p)])

@@ -528,11 +528,15 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     parts = environment().get_template("attention_parts.py.jinja").make_module(vars=ctx)
     # its header's rows' global indices and real-rows mask only where the merge
     # reads them (its stores mask with _ok): else no positions parameters either
-    gok = reads(str(parts.merge_body()), ctx["row"]["gok"])
-    idx = gok or reads(str(parts.merge_body(True, False)), ctx["row"]["idx"])
+    body = str(parts.merge_body())
+    gok = reads(body, ctx["row"]["gok"])
+    if not gok:
+        body = str(parts.merge_body(True, False))
+    idx = gok or reads(body, ctx["row"]["idx"])
+    if not idx:
+        body = str(parts.merge_body(False, False))
     ctx["merge_rows"] = (idx, gok)
-    body = parts.merge_body(idx, gok)
-    ctx["merge_params"], merge = merge_launch(f"_{d.name}_merge", str(body), params, positional, keywords, extra)
+    ctx["merge_params"], merge = merge_launch(f"_{d.name}_merge", body, params, positional, keywords, extra)
     ctx["merge_no_specialize"] = ", ".join(f'"{s}"' for s in sizes if s in ctx["merge_params"])
     ctx["launch"] += (f"\nif math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
                       "    if _chunk:  # the chunks' states, merged into the outputs\n" + H.indent(merge, 8))

@@ -227,7 +227,7 @@ def _contraction(plan: L.ContractionPlan) -> Training:
     out = d.outputs[0]
     expr = L.inline(d)[out.name]
     a, b = plan.lhs.tensor, plan.rhs.tensor
-    epi = _epilogue(d, expr, plan.red, (a, b), f"_grad_{out.name}")
+    epi = _epilogue(d, expr, plan.red, (a, b))
     if isinstance(epi, str):
         return _no(plan, f"its output {out.name} is {epi}", d.tensor(out.name).expr.loc)
     c_wires = set(ir.axis_wires(d.tensor(out.name).axes))
@@ -317,7 +317,7 @@ class Epilogue:
         return self.slope is not None or bool(self.sides)
 
 
-def _epilogue(d: ir.Diagram, expr: ir.Expr, red: str, factors: tuple[str, str], grad_c: str):
+def _epilogue(d: ir.Diagram, expr: ir.Expr, red: str, factors: tuple[str, str]):
     """``expr``'s Epilogue, or a string saying why it has none: not one sum
     over ``red`` (the product), an epilogue that reads a factor of the
     product, an input read along other wires than its own, or a function

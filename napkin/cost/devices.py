@@ -404,9 +404,9 @@ def _generic(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[st
     sent = None if sizes is None else sum(r.bytes_sent for r in rows)
     # a nodes level says where the nodes are: splitting something, it puts the
     # collectives across nodes (InfiniBand); 'across 1' alone, all P on one node
-    level = diagram.level("nodes")
-    if level is not None and any(t.across for t in level.tiles):
-        across_nodes = any(t.across and t.size > 1 for t in level.tiles)
+    from ..distributed.reading import has_nodes_level
+    if has_nodes_level(diagram):
+        across_nodes = any(t.across and t.size > 1 for t in diagram.level("nodes").tiles)
     else:
         across_nodes = unstated_gpus_per_node(p) < p
     link = "infiniband_bandwidth" if across_nodes else "nvlink_bandwidth"
