@@ -27,13 +27,14 @@ float64, through a small wire-named interpreter of the IR (``evaluate``).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
 from . import ir, masks
 from .printer import expr_text
-from .autodiff import ONE, ZERO, _add, _contains, _map, _mul, diff, simplify, substitute
+from .autodiff import ONE, ZERO, _add, _contains, _map, _mul, _neg, _sub, diff, simplify, substitute
 
 NEG_INF = ir.Num(float("-inf"))
 
@@ -73,8 +74,8 @@ class NoGrad(ValueError):
 # inputs keep their own names (and may not use a placeholder name).
 # --------------------------------------------------------------------------
 
-PLACEHOLDERS = ("S", "R", "O", "dO", "lse", "dlse", "delta", "P", "dP", "dS", "dR", "Aw")
-_INDEXED = re.compile(r"(N|Z|A|dN|dZ|dA|gN)\d+")
+PLACEHOLDERS = ("S", "R", "O", "dO", "lse", "dlse", "delta", "P", "dP", "dS", "dR", "Aw", "lseg")
+_INDEXED = re.compile(r"(N|Z|A|dN|dZ|dA|gN|dT)\d+")
 
 
 def is_placeholder(name: str) -> bool:
@@ -112,6 +113,9 @@ class GradRule:
     input_grads: tuple[tuple[str, ir.Expr], ...]
     raw: Optional[ir.Expr] = None
     bound: tuple[tuple[str, str], ...] = ()
+    # (input, its row value dT_i): an input the output's row function F reads (a sink, a gate)
+    # gets dT_i = sum_f(dO * dF/dT) from the rows, summed in torch over the row wires it lacks
+    row_grads: tuple[tuple[str, str], ...] = ()
 
     def layout(self, name: str) -> tuple[str, ...]:
         return dict(self.layouts)[name]
@@ -175,14 +179,20 @@ def _recompute_p() -> ir.Expr:
 
 def softmax_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str], *,
                  value: str = "V", lse_grad: bool = False, score: Optional[ir.Expr] = None,
-                 raw: Optional[ir.Expr] = None,
+                 raw: Optional[ir.Expr] = None, output: Optional[ir.Expr] = None,
                  input_layouts: Optional[Mapping[str, tuple[str, ...]]] = None) -> GradRule:
     """Form (a), optionally with (c): O = sum[key](softmax[key](S) * V) [, lse].
 
     score: the score box's expression (then S is the tile's first binding);
     raw: the contraction in it that R stands for, with input_layouts
     (input name -> wires) to sum its inputs' gradients.
+    output: O = F(N0, lse, inputs) of the attention N0 = sum[key](softmax[key](S) * V)
+    and its row's lse, elementwise (an attention sink's N0 * sigmoid(lse - sink),
+    a gate's N0 * sigmoid(G)); None or N0 itself: O is N0 (see _epilogue_rule).
     """
+    if output is not None and output != _ref("N0"):
+        return _epilogue_rule(key, score_wires, value_wires, value=value, lse_grad=lse_grad, score=score,
+                              raw=raw, output=output, input_layouts=input_layouts or {})
     w = _roles(key, score_wires, value_wires)
     S, O, dO, P = _ref("S"), _ref("O"), _ref("dO"), _ref("P")
     forward = [("P", ir.Normalize("softmax", key, S)),
@@ -196,6 +206,67 @@ def softmax_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str
     ds = ir.Binary("*", P, ir.Binary("-", _ref("dP"), _ref("delta")))
     return _assemble("softmax", w, value, lse_grad, forward, [("delta", delta)], tile, ds,
                      ir.Binary("*", P, dO), score, raw, input_layouts)
+
+
+def _epilogue_rule(key, score_wires, value_wires, *, value, lse_grad, score, raw, output,
+                   input_layouts) -> GradRule:
+    """Form (a) under a row epilogue: O = F(N0, lse, ..) with N0 = sum[key](softmax[key](S) * V).
+
+    The chain rule through F is per row: dN0 = dO g with g = dF/dN0, and F's
+    own lse adds sum_f(dO h), h = dF/dlse, to the row's dlse.  So softmax's dS
+    = P (dP - delta) holds with dP = sum_f(dN0 * V) and delta = sum_f(dN0 *
+    N0) - sum_f(dO h) [- dlse]: one rows pass more arithmetic, the same loop.
+    Where g is one value a row (a sink's sigmoid(lse - sink)) the rows keep
+    gN0 = g and the tile scales softmax's own dP = sum_f(dO * V), so dO stays
+    the 16-bit operand it is; else (a gate G[.., d]) dN0 is a float32 [rows,
+    feature] row state the tiles read instead of dO.  N0 and lse are saved by
+    the forward (N0 is no output: F is)."""
+    w = _roles(key, score_wires, value_wires)
+    S, dO, P, N0, lse = _ref("S"), _ref("dO"), _ref("P"), _ref("N0"), _ref("lse")
+    g, h = (_complement(simplify(diff(output, x))) for x in (N0, lse))
+    if g == ZERO:
+        raise NoGrad(f"the output {expr_text(output)} does not depend on the attention sum[{key}](softmax[{key}]"
+                     "(S) * V)")
+    forward = [("P", ir.Normalize("softmax", key, S)),
+               ("N0", ir.Reduce("sum", (key,), ir.Binary("*", ir.Normalize("softmax", key, S), _ref(value)))),
+               ("lse", ir.Reduce("logsumexp", (key,), S)),
+               ("O", output)]
+    per_row = _row_values(w, input_layouts)
+    # two sums, each with its per-row factors outside: a sink's are both sum[d](dO * N0), computed once
+    delta = _sub(_row_sum(w.feat, dO, _mul(g, N0), per_row), _row_sum(w.feat, dO, h, per_row))
+    if lse_grad:
+        delta = ir.Binary("-", delta, _ref("dlse"))
+    tile = [("P", _recompute_p())]
+    log_g, delta_g = _log_of(g), _without(delta, g)
+    if per_row(g) and log_g is not None and delta_g is not None:
+        # g > 0 one value a row, and a factor of delta: P g = exp(S - (lse - log g)), so with
+        # lseg = lse - log g and delta / g as the row state the tiles are softmax's own,
+        # dS = P g (dP - delta / g) and dV = sum_q(P g dO): no tile more (a sink's dK/dV at head
+        # dim 128 spilled 232 B with Aw = P * gN0 beside P, compiled for sm_90; none so)
+        lse0 = ir.Call("where", (ir.Binary("==", lse, NEG_INF), ZERO, lse))
+        rows = [("lseg", _sub(lse0, log_g)), ("delta", delta_g)]
+        tile = [("P", ir.Call("exp", (ir.Binary("-", S, _ref("lseg")),))),
+                ("dP", ir.Reduce("sum", w.feat, ir.Binary("*", dO, _ref(value))))]
+        ds = _mul(P, ir.Binary("-", _ref("dP"), _ref("delta")))
+        dv = ir.Binary("*", P, dO)
+    elif per_row(g):
+        # one value a row: dP = g sum_f(dO * V), dV = sum_q(P g dO)
+        gn = g if isinstance(g, ir.Num) else _ref("gN0")
+        rows = ([] if isinstance(g, ir.Num) else [("gN0", g)]) + [("delta", delta)]
+        tile.append(("dP", ir.Reduce("sum", w.feat, ir.Binary("*", dO, _ref(value)))))
+        ds = _mul(P, ir.Binary("-", _mul(gn, _ref("dP")), _ref("delta")))
+        if gn == ONE:
+            dv = ir.Binary("*", P, dO)
+        else:
+            tile.append(("Aw", _mul(P, gn)))
+            dv = ir.Binary("*", _ref("Aw"), dO)
+    else:
+        rows = [("dN0", _mul(dO, g)), ("delta", delta)]
+        tile.append(("dP", ir.Reduce("sum", w.feat, ir.Binary("*", _ref("dN0"), _ref(value)))))
+        ds = _mul(P, ir.Binary("-", _ref("dP"), _ref("delta")))
+        dv = ir.Binary("*", P, _ref("dN0"))
+    return _assemble("softmax", w, value, lse_grad, forward, rows, tile, ds, dv, score, raw, input_layouts,
+                     epilogue=output)
 
 
 def sums_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str],
@@ -251,20 +322,93 @@ def sums_rule(key: str, score_wires: Sequence[str], value_wires: Sequence[str],
     # dS = sum_i a_i'(S) dA_i + sum_j c_j'(S) dZ_j; a_i inside a_i' is read back as A_i.
     for j, c in enumerate(rowsums):
         ds = _add(ds, _mul(diff(c, S), _ref(f"dZ{j}")))
-    return _assemble("sums", w, value, lse_grad, forward, rows, tile, ds, dv, score, raw, input_layouts)
+    return _assemble("sums", w, value, lse_grad, forward, rows, tile, ds, dv, score, raw, input_layouts,
+                     epilogue=output)
 
 
-def _row_sum(feat: tuple[str, ...], dO: ir.Expr, g: ir.Expr) -> ir.Expr:
-    """sum[feat](dO * g) with g's per-row factors (_per_row) taken out of the
-    sum: L2's dF/dZ = -N / (2 b(Z) b(Z)^2) becomes -1 / (2 b(Z) b(Z)^2) *
-    sum[feat](dO * N), so the rows kernel computes its factor once a row, not
-    once an element (a float32 division each) over a [rows, feature] tile."""
+def _row_sum(feat: tuple[str, ...], dO: ir.Expr, g: ir.Expr, per_row=None) -> ir.Expr:
+    """sum[feat](dO * g) with g's per-row factors (``per_row``, default
+    _per_row) taken out of the sum: L2's dF/dZ = -N / (2 b(Z) b(Z)^2) becomes
+    -1 / (2 b(Z) b(Z)^2) * sum[feat](dO * N), so the rows kernel computes its
+    factor once a row, not once an element (a float32 division each) over a
+    [rows, feature] tile."""
+    per_row = per_row or _per_row
     factors = _factors(g)
-    outside = [(f, p) for f, p in factors if _per_row(f)]
+    outside = [(f, p) for f, p in factors if per_row(f)]
     if not outside:
         return _sum(feat, _mul(dO, g))
-    inside = [(f, p) for f, p in factors if not _per_row(f)]
+    inside = [(f, p) for f, p in factors if not per_row(f)]
     return _mul(_product(outside), _sum(feat, _mul(dO, _product(inside)) if inside else dO))
+
+
+def _log_of(g: ir.Expr) -> Optional[ir.Expr]:
+    """log g where g is provably positive, a product or quotient of exp, sigmoid
+    and positive constants, written so that it is finite wherever g's factors'
+    arguments are (log sigmoid(u) = min(u, 0) - log(1 + exp(-|u|)): no exp of a
+    large u, no log of an underflowed 0); else None."""
+    total = ZERO
+    for f, p in _factors(g):
+        if isinstance(f, ir.Call) and f.fn == "exp":
+            term = f.args[0]
+        elif isinstance(f, ir.Call) and f.fn == "sigmoid":
+            u = f.args[0]
+            tail = ir.Call("log", (ir.Binary("+", ONE, ir.Call("exp", (_neg(ir.Call("abs", (u,))),))),))
+            term = ir.Binary("-", ir.Call("min", (u, ZERO)), tail)
+        elif isinstance(f, ir.Num) and f.value > 0:
+            term = ir.Num(math.log(f.value))
+        else:
+            return None
+        total = _add(total, term) if p > 0 else _sub(total, term)
+    return simplify(total)
+
+
+def _without(e: ir.Expr, g: ir.Expr) -> Optional[ir.Expr]:
+    """e / g, where every term of the sum e has each factor of g: those factors
+    taken off (no division); else None."""
+    taken = _factors(g)
+
+    def term(t):
+        factors = _factors(t)
+        for f in taken:
+            if f not in factors:
+                return None
+            factors.remove(f)
+        return _product(factors) if factors else ONE
+
+    def walk(x):
+        if isinstance(x, ir.Binary) and x.op in ("+", "-"):
+            a, b = walk(x.lhs), walk(x.rhs)
+            return None if a is None or b is None else ir.Binary(x.op, a, b)
+        if isinstance(x, ir.Unary) and x.op == "-":
+            a = walk(x.operand)
+            return None if a is None else _neg(a)
+        return term(x)
+    return walk(e)
+
+
+def _row_values(w: _Wires, input_layouts):
+    """The per-row test of an epilogue's derivatives: no N0 and nothing along
+    a feature wire (lse, a sink[h], a row index, constants and sizes are one
+    value a row)."""
+    feat = set(w.feat)
+
+    def along_feature(n) -> bool:
+        if isinstance(n, ir.TensorRef):
+            return n.name == "N0" or bool(feat & set(n.wires or input_layouts.get(n.name, ())))
+        return isinstance(n, ir.WireIndex) and n.wire in feat or isinstance(n, (ir.Reduce, ir.Normalize))
+    return lambda e: not any(along_feature(n) for n in ir.walk(e))
+
+
+def _complement(e: ir.Expr) -> ir.Expr:
+    """1 - sigmoid(u) as sigmoid(-u): the same number, without the
+    cancellation that loses it where sigmoid(u) is near 1 (a sink's
+    sigmoid(lse - sink) is, lse growing with the keys: its gradient was 3e-4
+    off in float32).  For the rows' expressions, computed once a row: the
+    tiles keep the form that costs no second exp."""
+    if isinstance(e, ir.Binary) and e.op == "-" and e.lhs == ONE and isinstance(e.rhs, ir.Call) \
+            and e.rhs.fn == "sigmoid":
+        return ir.Call("sigmoid", (_neg(_complement(e.rhs.args[0])),))
+    return _map(e, _complement)
 
 
 def _per_row(g: ir.Expr) -> bool:
@@ -274,9 +418,41 @@ def _per_row(g: ir.Expr) -> bool:
                or not isinstance(n, (ir.TensorRef, ir.WireIndex, ir.Reduce, ir.Normalize)) for n in ir.walk(g))
 
 
+def _row_grads(w: _Wires, output: ir.Expr, input_layouts) -> list:
+    """[(input T, dT_i, expression, its wires)] for each input the output's
+    row function F reads: dT_i = sum_f(dO * dF/dT) over the feature wires T
+    lacks, one value a row (a sink's sink[h]) or a [rows, feature] tile (a
+    gate's G[b, h, q, d]); the launcher sums it over the row wires T lacks.
+    An input read along other wires, or along a wire the rows lack, gets none
+    (the backward refuses its gradient, saying so)."""
+    out, dO = [], _ref("dO")
+    names = dict.fromkeys(n.name for n in ir.walk(output)
+                          if isinstance(n, ir.TensorRef) and n.name in input_layouts and not is_placeholder(n.name))
+    for name in names:
+        own = tuple(input_layouts[name])
+        if any(isinstance(n, ir.TensorRef) and n.name == name and n.wires is not None and tuple(n.wires) != own
+               for n in ir.walk(output)):
+            continue
+        feat = tuple(f for f in w.feat if f in own)
+        if not set(own) <= set(w.row) | set(w.feat) or feat not in ((), w.feat):
+            continue
+        try:
+            dt = _complement(simplify(diff(output, _ref(name))))
+        except ValueError:
+            continue
+        if dt == ZERO:
+            continue
+        row_sum = _row_sum(w.feat, dO, dt, _row_values(w, input_layouts))
+        out.append((name, f"dT{len(out)}", _mul(dO, dt) if feat else row_sum, w.row + feat))
+    return out
+
+
 def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, score, raw,
-              input_layouts) -> GradRule:
-    """The parts every rule shares: lse, S from R, dR, input gradients, layouts."""
+              input_layouts, epilogue: Optional[ir.Expr] = None) -> GradRule:
+    """The parts every rule shares: lse, S from R, dR, input gradients, layouts;
+    and the row gradients of the inputs an ``epilogue`` F over the row values reads."""
+    row_grads = _row_grads(w, epilogue, input_layouts) if epilogue is not None and input_layouts else []
+    rows = list(rows) + [(n, e) for _, n, e, _ in row_grads]
     if lse_grad:
         if kind == "sums":  # softmax folded dlse into delta already
             forward = forward + [("lse", ir.Reduce("logsumexp", (w.key,), _ref("S")))]
@@ -306,17 +482,25 @@ def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, sco
         grads = [(this.name, _sum(tuple(x for x in w.score if x not in input_layouts[this.name]),
                                   ir.Binary("*", _ref("dR"), other)))
                  for this, other in ((body.lhs, body.rhs), (body.rhs, body.lhs))] + grads
+    own_grads = {name for name, _ in grads}   # the kernels' own: Q and K (with a raw score), V
+    twice = [t for t, _, _, _ in row_grads if t in own_grads]
+    if twice:   # (a residual + Q): the kernels keep one accumulator per input, as for K = V
+        raise NoGrad(f"the output reads {twice[0]} outside the attention too: its gradient would have two paths; "
+                     "declare another input for that read and pass the same tensor to both (autograd adds "
+                     "their gradients)")
     rows = tuple((n, simplify(e)) for n, e in rows)
     tile = tuple((n, simplify(e)) for n, e in tile)
     used = {node.name for _, e in forward + list(rows + tile) + grads for node in ir.walk(e)
             if isinstance(node, ir.TensorRef)} | {n for n, _ in forward + list(rows + tile)}
-    layouts = tuple((n, w.of(n)) for n in sorted(used) if is_placeholder(n))
+    own = {n: wires for _, n, _, wires in row_grads}
+    layouts = tuple((n, own.get(n) or w.of(n)) for n in sorted(used) if is_placeholder(n))
     # saved: forward values the backward reads and does not recompute itself (P is recomputed).
     rebound = {n for n, _ in rows + tile}
     saved = tuple(n for n, _ in forward
                   if n not in rebound and any(_contains(e, _ref(n)) for _, e in rows + tile))
     return GradRule(kind, w.key, value, lse_grad, layouts, tuple(forward), saved,
-                    ("dO", "dlse") if lse_grad else ("dO",), rows, tile, tuple(grads), raw)
+                    ("dO", "dlse") if lse_grad else ("dO",), rows, tile, tuple(grads), raw,
+                    row_grads=tuple((t, n) for t, n, _, _ in row_grads))
 
 
 # --------------------------------------------------------------------------
@@ -335,7 +519,7 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
     clash = sorted(name for name in layouts if is_placeholder(name))
     if clash:
         raise NoGrad(f"input {clash[0]} has the name of a value the backward computes "
-                     f"({', '.join(PLACEHOLDERS)}, or N, Z, A, dN, dZ, dA, gN and a number); rename it",
+                     f"({', '.join(PLACEHOLDERS)}, or N, Z, A, dN, dZ, dA, gN, dT and a number); rename it",
                      diagram.tensor(clash[0]).loc)
     lets = {let.name: let for let in diagram.lets}
     score_let, raw = _score_box(diagram, layouts)
@@ -389,15 +573,19 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
         raise NoGrad(f"logsumexp is along {lse_wire} but the attention sums along {form.key}", lse_at)
     common = dict(value=form.v, lse_grad=lse_name is not None, score=score_let.expr, raw=raw,
                   input_layouts=layouts)
-    if form.softmax and (len(form.nums) != 1 or form.sums or output != _ref("N0")):
-        raise NoGrad("softmax attention must be exactly sum[x](softmax[x](S) * V)", at)
+    if form.softmax and (len(form.nums) != 1 or form.sums):
+        raise NoGrad("softmax attention must be exactly sum[x](softmax[x](S) * V), or a function of it "
+                     "and its logsumexp along each row", at)
+    if form.lse is not None and not form.softmax:
+        raise NoGrad(f"output {attention[0]} reads logsumexp[{form.key}] of the scores beside sums of them; the "
+                     "backward takes a logsumexp inside an output only beside sum[x](softmax[x](S) * V)", form.lse)
     try:
         if form.softmax:
-            rule = softmax_rule(form.key, score_wires, layouts[form.v], **common)
+            rule = softmax_rule(form.key, score_wires, layouts[form.v], output=output, **common)
         else:
             rule = sums_rule(form.key, score_wires, layouts[form.v], form.nums, form.sums, output, **common)
-    except NoGrad:
-        raise
+    except NoGrad as err:   # without a place of its own (the output reads Q again): the output's box
+        raise NoGrad(str(err), err.loc if err.loc.line else at) from None
     except ValueError as err:   # the rule builders' own (wires of the score and V): at the output's box
         raise NoGrad(str(err), at) from None
     bound = [("S", score_let.name), ("O", attention[0])] + ([("lse", lse_name)] if lse_name else [])
@@ -477,6 +665,7 @@ class _Form:
         self.score_wires, self.layouts = score_wires, layouts
         self.key = self.v = None
         self.softmax = False
+        self.lse = None          # where the output reads logsumexp[key](S), if it does
         self.nums, self.sums = [], []
 
     def visit(self, e: ir.Expr) -> ir.Expr:
@@ -484,6 +673,10 @@ class _Form:
             raise NoGrad("softmax must be used as sum[x](softmax[x](S) * V)", e.loc)
         if not isinstance(e, ir.Reduce):
             return _map(e, self.visit)
+        if e.op == "logsumexp" and e.body == _ref("S") and len(e.wires) == 1 and self.key in (None, e.wires[0]):
+            # the row's lse read by the output (a sink's sigmoid(lse - sink)): softmax's own row state
+            self.key, self.lse = e.wires[0], e.loc
+            return _ref("lse")
         if e.op != "sum" or len(e.wires) != 1 or (self.key not in (None, e.wires[0])):
             raise NoGrad(f"{e.op}[{', '.join(e.wires)}] is not a sum along the key wire", e.loc)
         self.key = e.wires[0]

@@ -792,12 +792,13 @@ def test_attention_of_two_dtypes_recomputes_the_scores_as_the_forward(folder):
         assert ((a.double() - b).norm() / b.norm()).item() < tol, what
 
 
-def test_unnormalised_weights_reading_a_side_input_train_or_refuse_in_words(folder):
+def test_unnormalised_weights_reading_a_side_input_train(folder):
     """S = R * tau, O = sum[x](S * V) crashed the compiler (AttributeError: the side gradient's
     raw score was never loaded); O = sum[x](S * tau * V) emitted a preprocess with tau twice
-    (today3 hunt).  The first trains against float64 torch; the second has no kernel for dtau
-    (O = N0 * tau, past the score box) and says so at the call where tau requires one (its .grad
-    would be 0); Q, K and V train beside a tau that does not."""
+    (today3 hunt).  The first trains against float64 torch.  The second is O = N0 * tau, tau
+    read past the score box: its gradient was refused ("would go through O, dN0 past the score
+    box"); the rows now give it (dT0 = sum[d](dO * N0), summed over b and q), through autograd
+    and through NAME_backward alike."""
     head = ("diagram side_t\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\n"
             "in V[b, h, x, d] : fp16\nin tau[h] : fp32\n")
     m = compile_text(head + "S[b, h, q, x] = sum[d](Q * K) * tau\nO[b, h, q, d] : fp32 = sum[x](S * V)\nout O\n",
@@ -812,22 +813,20 @@ def test_unnormalised_weights_reading_a_side_input_train_or_refuse_in_words(fold
         assert ((a.double() - b).norm() / b.norm()).item() < 2e-3
     past = compile_text(head.replace("side_t", "past_t") + "S[b, h, q, x] = sum[d](Q * K)\n"
                         "O[b, h, q, d] : fp32 = sum[x](S * tau * V)\nout O\n", "past_t", folder)
-    assert past.past_t(*ins, block_q=16, block_x=16).shape == (1, 2, 19, 16)
-    with pytest.raises(NotImplementedError, match=r"input tau: its gradient would go through O, dN0 past the "
-                                                  r"score box, which napkin does not emit"):
-        past.past_t(ins[0].clone().requires_grad_(), *ins[1:3], ins[3].clone().requires_grad_(),
-                    block_q=16, block_x=16)
-    got = gradients(lambda q, k, v: past.past_t(q, k, v, ins[3], block_q=16, block_x=16), ins[:3])
-    exact = gradients(lambda q, k, v: (q @ k.transpose(-1, -2)) * ins[3].double()[None, :, None, None] @ v,
-                      [t.double() for t in ins[:3]])
+    got = gradients(past.past_t, ins, block_q=16, block_x=16)
+    exact = gradients(lambda q, k, v, t: (q @ k.transpose(-1, -2)) * t[None, :, None, None] @ v,
+                      [t.double() for t in ins])
     for a, b in zip(got, exact):
         assert ((a.double() - b).norm() / b.norm()).item() < 2e-3
-    # NAME_backward: None for tau unless need asks for it, which is refused the same way
+    # NAME_backward: tau's gradient from the rows' dT0, or None where need leaves it out
     dO = torch.randn(1, 2, 19, 16, generator=g)
-    state = past.past_t_preprocess(*ins, dO)
-    assert past.past_t_backward(*ins, *state, block_q=16, block_x=16)[3] is None
-    with pytest.raises(NotImplementedError, match=r"input tau: its gradient would go through O, dN0"):
-        past.past_t_backward(*ins, *state, block_q=16, block_x=16, need=[False, False, False, True])
+    _, (n0,) = past._past_t_forward(*ins, 16, 16, None, None, None, True)   # the saved N0
+    rows = dict(zip(("dN0", "dT0"), past.past_t_preprocess(*ins, dO=dO, N0=n0)))
+    direct = past.past_t_backward(*ins, **rows, block_q=16, block_x=16)
+    xs = [t.double().requires_grad_() for t in ins]
+    ((xs[0] @ xs[1].transpose(-1, -2)) * xs[3][None, :, None, None] @ xs[2]).backward(dO.double())
+    assert ((direct[3].double() - xs[3].grad).norm() / xs[3].grad.norm()).item() < 2e-3
+    assert past.past_t_backward(*ins, **rows, block_q=16, block_x=16, need=[1, 1, 1, 0])[3] is None
 
 
 def side_error(m, launch, ins, i) -> tuple[float, float]:

@@ -241,6 +241,7 @@ def test_flex_emission_facts_for_the_examples():
     ("l2_attention", "only normalises with softmax"),
     ("relu2_attention", "only normalises with softmax"),
     ("matmul", "only normalises with softmax"),
+    ("attention_sink", "only normalises with softmax"),   # a function of softmax attention and its lse
 ])
 def test_diagrams_flex_cannot_express_are_refused(name, why):
     with pytest.raises(flex.NoFlexEquivalent) as err:

@@ -463,7 +463,7 @@ def test_derived_names_never_meet_a_helper_or_each_other():
 
 
 # napkin's own tensors in the backward's kernels (their loads are kept apart by _Loads)
-BACKWARD_TENSORS = {"dO", "dP", "dR", "dS", "delta", "dlse", "lse", "lse2", "A0", "Aw", "N0", "Z0", "gN0", "dZ0"}
+BACKWARD_TENSORS = {"dO", "dP", "dR", "dS", "delta", "dlse", "lse", "lse2", "A0", "Aw", "N0", "Z0", "gN0", "dZ0", "P", "dT0", "lseg", "lseg2"}
 
 
 @pytest.mark.parametrize("path", sorted(p for p in (REPO / "generated").glob("*.py")

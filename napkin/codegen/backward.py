@@ -245,7 +245,8 @@ class _Builder:
         kernels = [k for k in (self.rows_kernel(), self.dkdv_kernel(grads), self.dq_kernel(grads)) if k]
         dims = tuple(w.name for w in d.wires if w.name in {self.fq, self.fv})
         floats = [t.name for t in d.inputs if t.dtype in ir.FLOAT_DTYPES]
-        grad_names = tuple(n for n in floats if n in (self.q, self.k, self.v) or n in {s.tensor for s in self.sides})
+        grad_names = tuple(n for n in floats if n in (self.q, self.k, self.v) or n in {s.tensor for s in self.sides}
+                           or n in dict(rule.row_grads))
         rows = self.rule.rows
         return BackwardPlan(self.bd, f, rule, self.row, self.col, self.batch, dims, self.q, self.k, self.v,
                             self.state, self.row_inputs, tuple(n for n, e in rows if not _alias(e)),
@@ -305,6 +306,8 @@ class _Builder:
         refs = [n for _, e in self.rule.tile for n in ir.walk(e)
                 if isinstance(n, ir.TensorRef) and n.name == t.name]
         if not refs:
+            if t.name in dict(self.rule.row_grads):
+                return None   # read by the output's row function alone: the rows' dT_i is its gradient
             # read past the score box only (sum[x](S * tau * V): O = N0 * tau), a gradient no
             # kernel computes: refused, where its .grad was silently zero
             past = [n for n, e in self.rule.forward + self.rule.rows
@@ -361,8 +364,11 @@ class _Builder:
         arithmetic, so the dQ kernel sums it per row beside P * dS/dT and takes
         sum[x](dS) * sum[x](P dS/dT) off: e cancels.  Not for T along the keys
         (its sum over rows ends before a row's e is known), a logsumexp output
-        (sum[x](dS) is its dlse then) or the sums rules (no such identity)."""
-        if self.rule.kind != "softmax" or self.rule.lse_grad or self.col in own or \
+        or an output reading the lse (sum[x](dS) is its dlse then) or the sums
+        rules (no such identity)."""
+        forward = dict(self.rule.forward)
+        reads_lse = "N0" in forward and _contains(forward["O"], ir.TensorRef("lse"))
+        if self.rule.kind != "softmax" or self.rule.lse_grad or reads_lse or self.col in own or \
                 "P" not in self.tile_names:
             return None
         weighted = autodiff.simplify(ir.Binary("*", ir.TensorRef("P"), deriv))
@@ -380,7 +386,10 @@ class _Builder:
                     used.append(n.name)
         first = ["dO", "lse", "delta", "dlse"]
         first += [n for n, _ in self.rule.rows if n not in first]  # then the row values, in order
-        return tuple(n for n in first if n in used) + tuple(sorted(set(used) - set(first)))
+        # last, the row gradients of inputs the output's row function reads: no kernel reads them,
+        # the launcher sums them (NAME_backward takes them as it takes the rest of the state)
+        return tuple(n for n in first if n in used) + tuple(sorted(set(used) - set(first))) \
+            + tuple(n for _, n in self.rule.row_grads)
 
     # ---- kernels ----
     def taken(self, extra=()) -> set:
@@ -654,6 +663,8 @@ class _Builder:
         elif row in ws or col in ws:
             w = row if row in ws else col
             rows, cols = (w, None) if tile[0] == w else (None, w)
+        elif feats:   # along the feature wire alone (an output scale c[d] the rows read): [1, feature]
+            rows, cols = None, feats[0]
         else:
             rows, cols = None, None
         if gradrules.is_placeholder(ref.name):

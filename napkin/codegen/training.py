@@ -499,9 +499,35 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
             # the partial sums' leading axes summed away; none (a side input over every wire of the tile): as is
             "partial_sum": f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else ""} for s in
             b.kernel("dq").sides],
+        "row_grads": _row_grads(b),
         "optional": ["dlse"] if "dlse" in b.row_inputs else [],
         "round_do": "dO" in b.row_inputs and rows_round_do(b),
     }
+
+
+def _row_grads(b) -> list:
+    """The gradients of inputs the output's row function reads (GradRule.row_grads),
+    as torch over their row values dT_i: summed over the stored wires the input
+    lacks, put in its wires' order, shaped as it.  ``side``: it is also a side
+    input of the scores, whose dQ-kernel part the launcher adds to this."""
+    out, axes = [], dict(b.axes)
+    sides = {s.tensor for s in b.kernel("dq").sides}
+    for tensor, state in b.rule.row_grads:
+        stored = [w for a in axes[state] for w in a]
+        own = ir.axis_wires(b.diagram.tensor(tensor).axes)
+        summed = tuple(i for i, w in enumerate(stored) if w not in own)
+        kept = [w for w in stored if w in own]
+        text = f"{state}.reshape([{', '.join(f'_sz[{w!r}]' for w in stored)}])".replace("'", '"')
+        if summed:
+            text += f".sum(dim={summed})"
+        elif state in dict(b.aliases):   # dO itself (a residual's dT = dO): the op may not return an input
+            text += ".clone()"
+        perm = tuple(kept.index(w) for w in own)
+        if perm != tuple(range(len(perm))):
+            text += f".permute{perm}"
+        out.append({"tensor": tensor, "state": state, "side": tensor in sides, "expr": text,
+                    "index": list(b.diagram.inputs).index(b.diagram.tensor(tensor))})
+    return out
 
 
 def _side_shape(s, row: str) -> str:
