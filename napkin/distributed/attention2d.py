@@ -84,11 +84,13 @@ class Attention2D:
             raise ValueError(f"the diagram asks for a {self.grid_shape[0]} x {self.grid_shape[1]} grid, "
                              f"got {g.rows} x {g.cols}")
         side = split_side(self.roles, side)
+        whole, side = side, (self.roles.epilogue.detached(side) if self.roles.epilogue else side)
         ql, xl = self.layouts(g.parts, q_len, x_len)
         handshake(self.roles, "attention2d", tokens, side, ql, xl, (g.row_group, g.col_group), timeout,
                   lambda p: f"device {divmod(p, g.cols)}")
         outs = _Function.apply(_Call(self, g, ql, xl, timeout, side), *tokens)
-        return results(self.roles, outs[0], outs[1] if len(outs) > 1 else None)
+        return results(self.roles, outs[0], outs[1] if len(outs) > 1 else None, whole,
+                       ql.positions(g.part) < q_len)
 
     # -- shard / gather helpers ------------------------------------------------
     def shard(self, full: torch.Tensor, grid, length: int, dim: int) -> torch.Tensor:

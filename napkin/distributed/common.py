@@ -70,7 +70,9 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
         if nd != len(decls[name].axes):
             raise ValueError(f"{name} has {nd} dimensions on each device, but the diagram declares "
                              f"{len(decls[name].axes)}")
-    grads = [n for n, t in zip(r.side, (side[n] for n in r.side)) if t.requires_grad and torch.is_grad_enabled()]
+    trains = r.epilogue.only if r.epilogue is not None else ()   # F's alone: autograd of F gives theirs
+    grads = [n for n, t in zip(r.side, (side[n] for n in r.side))
+             if t.requires_grad and torch.is_grad_enabled() and n not in trains]
     if grads:
         # the wrappers pass side inputs whole and return no gradient for them:
         # refuse rather than leave .grad silently empty (every rank agrees,
@@ -137,10 +139,57 @@ def zero_rows(t: torch.Tensor, pos: torch.Tensor, length: int, axis: int) -> tor
     return torch.where((pos >= length).to(t.device).view(shape), torch.zeros((), dtype=t.dtype, device=t.device), t)
 
 
-def results(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor]):
-    """The outputs in the diagram's order: one tensor, or a tuple."""
-    got = tuple(out if name == r.value else lse for name in r.outputs)
+def results(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor], side: Optional[dict] = None,
+            real: Optional[torch.Tensor] = None):
+    """The outputs in the diagram's order: one tensor, or a tuple.  With an
+    epilogue (reading.Epilogue: a sink's A * sigmoid(L - sink)), its output is
+    computed here from the merged rows, ``side`` the side inputs and ``real``
+    which local rows are real (padding rows get 0)."""
+    if r.epilogue is not None:
+        got = dict(zip(r.outputs, (out if name == r.value else lse for name in r.outputs)))
+        got[r.epilogue.output] = epilogue(r, out, lse, side or {}, real)
+        got = tuple(got[o.name] for o in r.epilogue.diagram.outputs)
+    else:
+        got = tuple(out if name == r.value else lse for name in r.outputs)
     return got[0] if len(got) == 1 else got
+
+
+def epilogue(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor], side: dict,
+             real: Optional[torch.Tensor]) -> torch.Tensor:
+    """F of the merged attention ``out`` and ``lse`` and the side inputs, by
+    the eager evaluator (evaluate.py: wires matched by name) in the
+    accumulator dtype, then in ``out``'s: differentiable, so autograd takes
+    F's gradient to the merge (dO, dlse) and to the side inputs.  Padding
+    rows (``real`` false) enter as 0, 0 and leave as 0: an lse of -inf there
+    made F's gradient NaN."""
+    from .evaluate import Evaluator
+    from .local import _bind, _stored_shape, _unflatten, accumulator_dtype
+
+    epi, d = r.epilogue, r.diagram
+    pad = real is not None and not bool(real.all())
+    if pad:
+        shape = [1] * out.dim()
+        shape[r.out_axis] = real.numel()
+        keep = real.to(out.device).view(shape)
+        out = torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        if lse is not None:
+            lse = torch.where(keep.view(shape[:lse.dim()]), lse,
+                              torch.zeros((), dtype=lse.dtype, device=lse.device))
+    named = [(r.value, out)] + ([(r.lse, lse)] if r.lse is not None else []) + [(n, side[n]) for n in epi.reads]
+    pairs = [(t, d.tensor(n), {}) for n, t in named]
+    sizes = {w.name: w.size for w in d.wires if w.size is not None}
+    _bind(pairs, sizes)
+    acc = accumulator_dtype(*(t for _, t in named))
+    env = {n: _unflatten(t, d.tensor(n), sizes, {}).to(acc) for n, t in named}
+    layouts = {n: ir.axis_wires(d.tensor(n).axes) for n, _ in named}
+    user = epi.diagram.tensor(epi.output)
+    o = Evaluator(env, layouts, acc, out.device).run(epi.expr, ir.axis_wires(user.axes))
+    o = o.reshape(_stored_shape(o, user))
+    if pad:
+        at = next(i for i, a in enumerate(user.axes) if r.query in a)
+        o = torch.where(real.to(o.device).view([1] * at + [-1] + [1] * (o.dim() - at - 1)), o,
+                        torch.zeros((), dtype=o.dtype, device=o.device))
+    return o.to(out.dtype)
 
 
 def upstream_rows(call, grads, tokens, out: torch.Tensor, lse: Optional[torch.Tensor]):

@@ -114,6 +114,9 @@ class Roles:
     value_axes: int                     # O's trailing dimensions that lse lacks (d)
     scheme: Optional[tuple[str, tuple[int, ...]]]  # from the mesh levels, if any
     per_node: Optional[tuple[int, ...]] = None      # the grid block one node holds (nodes level)
+    # the user's output that is a function of the attention and its lse (a sink), computed by the
+    # wrappers after the merge; ``diagram`` then outputs that attention and lse in its place
+    epilogue: Optional["Epilogue"] = None
 
     def is_query(self, index: int) -> bool:
         return self.token_wire[index] == self.query
@@ -223,7 +226,126 @@ def _tiled_query(d: ir.Diagram, key: Optional[str]) -> Optional[str]:
     return others[0] if key is not None and len(others) == 1 else None
 
 
+@dataclass(frozen=True)
+class Epilogue:
+    """O = F(A, L, side inputs): an output that is a function of the softmax
+    attention A = sum[x](softmax[x](S) * V) and its row's L = logsumexp[x](S),
+    elementwise along the rows (an attention sink's A * sigmoid(L - sink)).
+    Partial states merge exactly as A and L only, so the wrappers run the
+    diagram with A and L as its outputs (``Roles.diagram``) and compute F on
+    each device's merged rows in torch, where autograd takes F's gradient to
+    A, L (the merge's dO and dlse) and to the side inputs F reads."""
+
+    output: str                   # O
+    expr: ir.Expr                 # F over the value box, the lse box and side inputs
+    diagram: ir.Diagram           # the user's diagram (O's layout and dtype, the outputs' order)
+    reads: tuple[str, ...]        # the inputs F reads
+    only: tuple[str, ...] = ()    # of those, the ones no box of the attention reads: they may train
+
+    def detached(self, side: dict) -> dict:
+        """The side inputs for the attention: those F alone reads detached (the
+        attention never reads them; their gradient is F's, by autograd)."""
+        return {n: (t.detach() if n in self.only else t) for n, t in side.items()}
+
+
+def split_epilogue(d: ir.Diagram) -> tuple[ir.Diagram, Optional[Epilogue]]:
+    """(the diagram to distribute, the epilogue or None): an output that is
+    neither a sum nor a logsumexp, written over boxes holding softmax
+    attention and its logsumexp (or such sums inline) and inputs, becomes
+    those two outputs; the boxes F reads stay the diagram's (named as the
+    user wrote them, or ``attention`` / ``row_lse``)."""
+    lets = {t.name: t for t in d.lets}
+    funcs = []
+    for o in d.outputs:
+        e = _inline(d, lets[o.name].expr) if o.name in lets else None
+        if e is not None and not (isinstance(e, ir.Reduce) and e.op in ("sum", "logsumexp")):
+            funcs.append(o.name)
+    if len(funcs) != 1:
+        return d, None   # none, or several: _roles refuses them as before
+    name = funcs[0]
+    if not any(isinstance(n, ir.Reduce) and n.op == "sum" and len(n.wires) == 1 and any(
+            isinstance(m, ir.Normalize) and m.op == "softmax" for m in ir.walk(n.body))
+            for n in ir.walk(_inline(d, lets[name].expr))):
+        return d, None   # no softmax attention in it (max[x](S), a ratio of sums): refused as before
+    taken = {t.name for t in d.inputs + d.lets} | {w.name for w in d.wires} | {d.name}
+    boxes: dict = {}     # (kind, inlined expression) -> box name
+
+    def box(kind: str, e: ir.Expr, written: Optional[str]) -> ir.TensorRef:
+        key = (kind, _inline(d, e))
+        if key not in boxes:
+            boxes[key] = written or next(n for n in [kind] + [f"{kind}{i}" for i in range(2, 100)]
+                                         if n not in taken and n not in boxes.values())
+        return ir.TensorRef(boxes[key])
+
+    def piece(e: ir.Expr) -> Optional[str]:
+        """"attention" for sum[w](softmax[w](S) * ...), "row_lse" for logsumexp[w](S), else None."""
+        e = _inline(d, e)
+        if isinstance(e, ir.Reduce) and len(e.wires) == 1 and e.op == "logsumexp":
+            return "row_lse"
+        if isinstance(e, ir.Reduce) and len(e.wires) == 1 and e.op == "sum" and any(
+                isinstance(n, ir.Normalize) and n.op == "softmax" and n.wire == e.wires[0] for n in ir.walk(e.body)):
+            return "attention"
+        return None
+
+    def walk(e: ir.Expr) -> ir.Expr:
+        if isinstance(e, ir.TensorRef) and e.name in lets:
+            kind = piece(lets[e.name].expr)
+            if kind is None or (e.wires is not None and tuple(e.wires) != ir.axis_wires(lets[e.name].axes)):
+                raise _refuse(f"output {name} is a function of box {e.name}, which is neither softmax attention "
+                              "nor its logsumexp", e.loc, "the wrappers compute such a function after the "
+                              "merge, of the attention, its logsumexp and side inputs alone")
+            return box(kind, lets[e.name].expr, e.name)
+        if isinstance(e, (ir.Reduce, ir.Normalize)):
+            kind = piece(e) if isinstance(e, ir.Reduce) else None
+            if kind is None:
+                raise _refuse(f"output {name} reduces other than by softmax attention or its logsumexp", e.loc)
+            return box(kind, e, None)
+        if isinstance(e, ir.WireIndex):
+            raise _refuse(f"output {name} reads the index of wire {e.wire} outside its sums", e.loc,
+                          "a device holds its own rows: the function after the merge may read the "
+                          "attention, its logsumexp and side inputs")
+        return ir.map_children(e, walk)
+    f = walk(lets[name].expr)
+    kinds = {k for k, _ in boxes}
+    if "attention" not in kinds or len(boxes) > 2 or len(kinds) != len(boxes):
+        raise _refuse(f"output {name} must be a function of one softmax attention and its logsumexp",
+                      lets[name].loc)
+    new = []
+    for (kind, e), bname in boxes.items():
+        if bname not in lets:
+            o = lets[name]
+            axes = o.axes if kind == "attention" else tuple(a for a in o.axes if set(a) <= _wires(d, e))
+            new.append(ir.Let(bname, axes, "fp32" if kind == "row_lse" else None, e, o.loc))
+    outputs = [bname for (kind, _), bname in sorted(boxes.items())]   # attention, then row_lse
+    outputs += [o.name for o in d.outputs if o.name != name and o.name not in outputs]
+    levels = tuple(dataclasses.replace(lv, holds=tuple(h for h in lv.holds if h != name),
+                                       hold_locs=tuple(loc for h, loc in zip(lv.holds, lv.hold_locs) if h != name))
+                   for lv in d.schedule.levels) if d.schedule is not None else ()
+    core = dataclasses.replace(d, lets=tuple(t for t in d.lets if t.name != name) + tuple(new),
+                               outputs=tuple(ir.Output(n) for n in outputs))
+    if d.schedule is not None:
+        core = dataclasses.replace(core, schedule=dataclasses.replace(d.schedule, levels=levels))
+    reads = tuple(dict.fromkeys(n.name for n in ir.walk(f) if isinstance(n, ir.TensorRef)
+                                and isinstance(d.tensor(n.name), ir.Input)))
+    used = {n.name for t in core.lets for n in ir.walk(t.expr) if isinstance(n, ir.TensorRef)}
+    return core, Epilogue(name, f, d, reads, tuple(n for n in reads if n not in used))
+
+
 def _roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Roles:
+    d, epilogue = split_epilogue(d)
+    r = _core_roles(d, query, key)
+    if epilogue is not None:
+        bad = [n for n in epilogue.reads if n not in r.side]
+        if bad:
+            t = d.tensor(bad[0])
+            raise _refuse(f"output {epilogue.output} reads {bad[0]}, which is split across devices, outside its "
+                          "sums", t.loc, "the function the wrappers apply after the merge may read side inputs "
+                          "(along neither the query nor the key wire)")
+        r = dataclasses.replace(r, epilogue=epilogue)
+    return r
+
+
+def _core_roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Roles:
     inlined = {o.name: _inline(d, d.tensor(o.name).expr) if isinstance(d.tensor(o.name), ir.Let) else None
                for o in d.outputs}
     sums = [n for n, e in inlined.items() if isinstance(e, ir.Reduce) and e.op == "sum"]
@@ -235,7 +357,8 @@ def _roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Roles:
         if other is not None:
             raise _refuse(f"output {other} is not a sum over the key wire", d.tensor(other).loc,
                           "a merge of partial states is exact for O = sum[x](...) and for logsumexp[x] "
-                          "alone (not for a ratio of sums, or a function of one)")
+                          "alone (not for a ratio of sums); a function of softmax attention and its logsumexp "
+                          "is applied after the merge")
     dq, dk, scheme, per_node = _device_wires(d, inlined[sums[0]] if len(sums) == 1 else None)
     key = key or dk or ("x" if d.wire("x") else None)
     query = query or dq or ("q" if d.wire("q") else None) or _tiled_query(d, key)

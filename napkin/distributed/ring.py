@@ -109,11 +109,13 @@ class RingAttention:
         if self.ring_size is not None and self.ring_size != ring.size:
             raise ValueError(f"the diagram asks for a ring of {self.ring_size}, got {ring.size} ranks")
         side = split_side(self.roles, side)
+        whole, side = side, (self.roles.epilogue.detached(side) if self.roles.epilogue else side)
         ql, xl = self.layouts(ring.size, q_len, x_len)
         handshake(self.roles, self.scheme, tokens, side, ql, xl, (ring.group,), timeout,
                   lambda p: f"ring rank {p}")
         outs = _Function.apply(_Call(self, ring, ql, xl, timeout, side), *tokens)
-        return results(self.roles, outs[0], outs[1] if len(outs) > 1 else None)
+        return results(self.roles, outs[0], outs[1] if len(outs) > 1 else None, whole,
+                       ql.positions(ring.rank) < q_len)
 
     def shard(self, full: torch.Tensor, group, length: int, dim: int) -> torch.Tensor:
         ring = G.as_ring(group)

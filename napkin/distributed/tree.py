@@ -81,7 +81,7 @@ class TreeAttention:
                                   q_len=q_len, x_len=x_len, **side)
             out, lse = butterfly(out, lse, tree, timeout)
         first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
-        return results(r, out.to(first_q.dtype), lse)
+        return results(r, out.to(first_q.dtype), lse, side)
 
     def shard(self, full: torch.Tensor, group, length: int, dim: int) -> torch.Tensor:
         """This rank's contiguous rows of a full key-side tensor (queries are

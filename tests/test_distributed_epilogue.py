@@ -1,0 +1,216 @@
+"""Across devices: an output that is a function of the attention and its lse.
+
+An attention sink's O = A * sigmoid(L - sink) has no exact merge of its
+own partial states, but A and L have: the wrappers run the diagram with A
+and L as its outputs (napkin/distributed/reading.py, split_epilogue) and
+compute O from each device's merged rows in torch, so autograd takes the
+gradient to the merge and to the sink.  4 gloo ranks run Ring Attention and
+ATTENTION2D on 2 x 2, with and without a causal mask (and decoding's tree,
+forward only), in float64 (the eager
+local) and float32 (the generated kernels under TRITON_INTERPRET=1); the
+outputs and every gradient (the sink's summed over the ranks, as a data-
+parallel all-reduce would) are compared with float64 torch written without
+napkin, the sink as one more softmax column.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import napkin
+from napkin.cost import analyse
+from napkin.cost import collectives as C
+from napkin.errors import NapkinError
+from spawn import run_ranks
+
+WORLD, N, DEADLINE_S = 4, 37, 400
+TEXT = """diagram sinkd
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : {dt}
+in K[b, h, x, d] : {dt}
+in V[b, h, x, d] : {dt}
+in sink[h] : {dt}
+S[b, h, q, x] = {score}
+A[b, h, q, d] = sum[x](softmax[x](S) * V)
+L[b, h, q] = logsumexp[x](S)
+O[b, h, q, d] = {output}
+out O
+schedule on h100 {{
+  accumulate fp32
+  level devices {{ {mesh} }}
+  level hbm {{ hold Q, K, V, sink, O }}
+  level smem {{
+    group b by 1, h by 1, q by 16
+    stream x by 16
+    hold S, A, L
+  }}
+}}
+"""
+MESH = {"ring": "group q across 4, x across 4", "2x2": "group q across 2, x across 2"}
+SCORE = {"full": "sum[d](Q * K) * |d|^-0.5", "causal": "where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)"}
+CASES = [(mesh, mask, dt) for mesh in MESH for mask in SCORE for dt in ("fp64", "fp32")]
+
+
+def text(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)") -> str:
+    mesh_text = MESH[mesh].replace("group q across 4, x across 4", "group q across 4\n    stream x across 4")
+    return TEXT.format(dt=dt, score=SCORE[mask], mesh=mesh_text, output=output)
+
+
+def sink_torch(q, k, v, sink, causal):
+    s = q @ k.transpose(-1, -2) * 0.25
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    s = torch.cat([s, sink.reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    return s.softmax(-1)[..., :-1] @ v
+
+
+PLUS = "A * sigmoid(L - sink) + sink * L"    # reads L outside the sigmoid: -inf on padding rows
+
+
+def run_case(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)") -> dict:
+    import torch.distributed as dist
+
+    from napkin.distributed import Attention2D, CommCounter, RingAttention, new_grid
+    d = napkin.load_text(text(mesh, mask, dt, output), "sinkd.ncd")
+    dtype = torch.float64 if dt == "fp64" else torch.float32
+    g = torch.Generator().manual_seed(5)
+    full = [torch.randn(2, 2, N, 16, generator=g, dtype=dtype) for _ in range(3)] + \
+        [torch.randn(2, generator=g, dtype=dtype)]
+    weight = torch.randn(2, 2, N, 16, generator=g, dtype=torch.float64)
+    if mesh == "ring":
+        fn, place = RingAttention(d), None
+        where = {"group": None}
+    else:
+        fn = Attention2D(d)
+        place = new_grid(2, 2)
+        where = {"grid": place}
+    local = [fn.shard(t, place, N, 2).clone().requires_grad_() for t in full[:3]]
+    sink = full[3].clone().requires_grad_()
+    with CommCounter() as cc:
+        out = fn(*local, **where, q_len=N, sink=sink, timeout=30.0)
+        (out.double() * fn.shard(weight, place, N, 2)).sum().backward()
+    counted = {ph: cc.total(ph)[0] for ph in C.PHASES}
+    got = [fn.gather(out.detach(), place, N, 2)] + [fn.gather(t.grad, place, N, 2) for t in local]
+    sink_grad = sink.grad.clone()
+    dist.all_reduce(sink_grad)    # each rank's rows' part, as a data-parallel all-reduce adds them
+    xs = [t.double().requires_grad_() for t in full]
+    want = sink_torch(*xs, mask == "causal")
+    if output == PLUS:
+        want = want + xs[3].reshape(1, -1, 1, 1) * (xs[0] @ xs[1].transpose(-1, -2) * 0.25).logsumexp(-1, True)
+    (want * weight).sum().backward()
+    errors = [(a.double() - b).abs().max().item() for a, b in zip(got + [sink_grad], [want.detach()] +
+                                                                    [x.grad for x in xs])]
+    return {"errors": errors, "counted": counted}
+
+
+def run_tree() -> list[float]:
+    """Decoding (the queries whole, the keys over the 4 ranks, a butterfly merge): forward only."""
+    from napkin.distributed import TreeAttention
+    d = napkin.load_text(TEXT.format(dt="fp64", score=SCORE["full"], mesh="group x across 4",
+                                     output="A * sigmoid(L - sink)"), "sinkd.ncd")
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=g, dtype=torch.float64) for n in (3, N, N))
+    sink = torch.randn(2, generator=g, dtype=torch.float64)
+    fn = TreeAttention(d)
+    out = fn(q, fn.shard(k, None, N, 2), fn.shard(v, None, N, 2), group=None, q_len=3, x_len=N, sink=sink,
+             timeout=30.0)
+    return [(out - sink_torch(q, k, v, sink, False)).abs().max().item()]
+
+
+def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for case in CASES:
+        try:
+            results["-".join(case)] = run_case(*case)
+        except Exception as err:  # recorded, so one broken case does not hide the others
+            results["-".join(case)] = f"{type(err).__name__}: {err}"
+    try:
+        results["plus"] = run_case("ring", "full", "fp64", PLUS)
+    except Exception as err:
+        results["plus"] = f"{type(err).__name__}: {err}"
+    try:
+        results["tree"] = run_tree()
+    except Exception as err:
+        results["tree"] = f"{type(err).__name__}: {err}"
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    finally:
+        os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("distributed_epilogue"), DEADLINE_S)
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_a_sink_across_devices_matches_float64_torch(suite, case):
+    """Output, dQ, dK, dV and the sink's gradient on every rank: within float64's or float32's
+    rounding of the single-device answer."""
+    tol = 1e-12 if case[2] == "fp64" else 1e-5
+    for rank, results in enumerate(suite):
+        got = results["-".join(case)]
+        assert isinstance(got, dict), f"rank {rank}: {got}"
+        assert all(e < tol for e in got["errors"]), f"rank {rank}: output, dQ, dK, dV, dsink errors {got['errors']}"
+
+
+def test_padding_rows_enter_the_function_as_zeros(suite):
+    """37 tokens over 4 ranks in the zigzag layout leave 3 padding rows, whose lse is -inf: an F
+    that reads L outside the sigmoid (O = A * sigmoid(L - sink) + sink * L) gave the sink a NaN
+    gradient there (0 * -inf) until padding rows entered F as A = 0, L = 0."""
+    for rank, results in enumerate(suite):
+        got = results["plus"]
+        assert isinstance(got, dict), f"rank {rank}: {got}"
+        assert all(e < 1e-12 for e in got["errors"]), f"rank {rank}: output, dQ, dK, dV, dsink errors {got['errors']}"
+
+
+def test_a_sink_when_decoding_across_devices(suite):
+    """TreeAttention's merged rows, whole on every rank, then the sink's function."""
+    for rank, results in enumerate(suite):
+        assert isinstance(results["tree"], list) and results["tree"][0] < 1e-12, f"rank {rank}: {results['tree']}"
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_the_cost_pass_prices_what_the_sinks_wrappers_send(suite, case):
+    """The cost pass reads the same A-and-L diagram the wrappers run: its handshake, forward
+    and backward bytes are the busiest rank's, counted."""
+    c = analyse(napkin.load_text(text(*case), "sinkd.ncd"), {"b": 2, "h": 2, "q": N, "x": N}).devices
+    cost = {"check": c.handshake_bytes, "forward": c.bytes_sent, "backward": c.backward_bytes or 0}
+    for ph in C.PHASES:
+        assert cost[ph] == max(results["-".join(case)]["counted"][ph] for results in suite), ph
+
+
+def test_the_attention_is_distributed_and_the_function_applied_after_the_merge():
+    """roles() reads the diagram with A and L as its outputs (what merges exactly) and keeps F,
+    and the sink, which F alone reads, may train."""
+    from napkin.distributed.reading import roles
+    r = roles(napkin.load_text(text("ring", "causal", "fp32"), "sinkd.ncd"))
+    assert (r.value, r.lse, r.outputs, r.side) == ("A", "L", ("A", "L"), ("sink",))
+    assert r.epilogue.output == "O" and r.epilogue.only == ("sink",)
+    assert [o.name for o in r.epilogue.diagram.outputs] == ["O"]
+
+
+@pytest.mark.parametrize("output, message", [
+    ("A * sigmoid(L - sink) * G", r"output O reads G, which is split across devices, outside its sums"),
+    ("A * sigmoid(L - sink) * (q + 1)", r"output O reads the index of wire q outside its sums"),
+    ("A * sigmoid(L - sink) + T", r"output O is a function of box T, which is neither softmax attention"),
+])
+def test_functions_the_wrappers_cannot_apply_after_the_merge_are_refused(output, message):
+    from napkin.distributed.reading import roles
+    src = text("ring", "full", "fp32", output).replace("in sink[h]", "in G[b, h, q, d] : fp32\nin sink[h]")
+    src = src.replace("O[b, h, q, d] =", "T[b, h, q, d] = A * 2\nO[b, h, q, d] =")
+    with pytest.raises(NapkinError, match=message):
+        roles(napkin.load_text(src, "sinkd.ncd"))
