@@ -206,6 +206,7 @@ def test_the_attention_is_distributed_and_the_function_applied_after_the_merge()
 @pytest.mark.parametrize("output, message", [
     ("A * sigmoid(L - sink) * G", r"output O reads G, which is split across devices, outside its sums"),
     ("A * sigmoid(L - sink) * (q + 1)", r"output O reads the index of wire q outside its sums"),
+    ("A * sigmoid(L - sink) / |q|", r"output O reads \|q\| outside its sums"),
     ("A * sigmoid(L - sink) + T", r"output O is a function of box T, which is neither softmax attention"),
 ])
 def test_functions_the_wrappers_cannot_apply_after_the_merge_are_refused(output, message):

@@ -300,10 +300,12 @@ def split_epilogue(d: ir.Diagram) -> tuple[ir.Diagram, Optional[Epilogue]]:
             if kind is None:
                 raise _refuse(f"output {name} reduces other than by softmax attention or its logsumexp", e.loc)
             return box(kind, e, None)
-        if isinstance(e, ir.WireIndex):
-            raise _refuse(f"output {name} reads the index of wire {e.wire} outside its sums", e.loc,
-                          "a device holds its own rows: the function after the merge may read the "
-                          "attention, its logsumexp and side inputs")
+        fixed = isinstance(e, ir.WireSize) and d.wire(e.wire) is not None and d.wire(e.wire).size is not None
+        if isinstance(e, (ir.WireIndex, ir.WireSize)) and not fixed:
+            what = f"the index of wire {e.wire}" if isinstance(e, ir.WireIndex) else f"|{e.wire}|"
+            raise _refuse(f"output {name} reads {what} outside its sums", e.loc,
+                          "a device holds its own rows, not their global positions or count: the function "
+                          "after the merge may read the attention, its logsumexp, side inputs and fixed sizes")
         return ir.map_children(e, walk)
     f = walk(lets[name].expr)
     kinds = {k for k, _ in boxes}
@@ -316,7 +318,7 @@ def split_epilogue(d: ir.Diagram) -> tuple[ir.Diagram, Optional[Epilogue]]:
             o = lets[name]
             axes = o.axes if kind == "attention" else tuple(a for a in o.axes if set(a) <= _wires(d, e))
             new.append(ir.Let(bname, axes, "fp32" if kind == "row_lse" else None, e, o.loc))
-    outputs = [bname for (kind, _), bname in sorted(boxes.items())]   # attention, then row_lse
+    outputs = [bname for _, bname in sorted(boxes.items(), key=lambda kv: kv[0][0])]   # attention, row_lse
     outputs += [o.name for o in d.outputs if o.name != name and o.name not in outputs]
     levels = tuple(dataclasses.replace(lv, holds=tuple(h for h in lv.holds if h != name),
                                        hold_locs=tuple(loc for h, loc in zip(lv.holds, lv.hold_locs) if h != name))
