@@ -66,7 +66,8 @@ def _flex_vs_reference(d, sizes=SIZES, seed=0):
 # FlexAttention emission: numerics.
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["attention", "causal", "softcap", "alibi", "document_mask", "gqa"])
+@pytest.mark.parametrize("name", ["attention", "causal", "softcap", "alibi", "document_mask", "gqa",
+                                  "attention_sink"])
 def test_flex_matches_the_reference(name):
     d = _fp32((EXAMPLES / f"{name}.ncd").read_text())
     errors = _flex_vs_reference(d)
@@ -244,12 +245,31 @@ def test_flex_emission_facts_for_the_examples():
     ("l2_attention", "only normalises with softmax"),
     ("relu2_attention", "only normalises with softmax"),
     ("matmul", "only normalises with softmax"),
-    ("attention_sink", "only normalises with softmax"),   # a function of softmax attention and its lse
 ])
 def test_diagrams_flex_cannot_express_are_refused(name, why):
     with pytest.raises(flex.NoFlexEquivalent) as err:
         flex.emit(napkin.load(EXAMPLES / f"{name}.ncd"))
     assert "no FlexAttention equivalent" in str(err.value) and why in err.value.why
+
+
+def test_a_sink_is_flex_attention_then_its_function_and_sdpa_only_a_speed_reference():
+    """examples/attention_sink.ncd: flex_attention computes the attention and its lse (the
+    diagram with A and L as outputs, as the distributed wrappers split it), and the module's
+    epilogue() the sink's O = A * sigmoid(L - sink) from them (its numerics: the test above).
+    SDPA returns no lse: it is a speed reference, never "the same function"."""
+    from napkin.bench import baselines
+    src = flex.emit(napkin.load(EXAMPLES / "attention_sink.ncd"))
+    assert src.epilogue == "O = A * sigmoid(L - sink)" and src.outputs == ("O",) and src.causal
+    assert "OUTPUTS = ('O',)" in src.text and "FLEX_OUTPUTS = ('A', 'L')" in src.text
+    module = flex.load(napkin.load(EXAMPLES / "attention_sink.ncd"))
+    shape = flex.attention_shape(napkin.load(EXAMPLES / "attention_sink.ncd"), SIZES)
+    assert all(not b.equivalent for b in baselines.sdpa_baselines(module, shape, "cpu"))
+    assert all(b.equivalent for b in baselines.sdpa_baselines(flex.load(napkin.load(EXAMPLES / "causal.ncd")),
+                                                        flex.attention_shape(napkin.load(EXAMPLES / "causal.ncd"),
+                                                                             SIZES), "cpu"))
+    with pytest.raises(flex.NoFlexEquivalent, match=r"output O reads the index of wire q outside its sums"):
+        flex.emit(napkin.load_text((EXAMPLES / "attention_sink.ncd").read_text().replace(
+            "sigmoid(L - sink)", "sigmoid(L - sink) * (q + 1)")))
 
 
 def test_attention_shape_of_softmax_and_other_normalisers():

@@ -63,7 +63,9 @@ def sdpa_baselines(flex_module, shape: dict, device: str) -> list[Baseline]:
     from torch.nn.attention import SDPBackend
 
     src = flex_module.FLEX_SOURCE if flex_module is not None else None
-    same = src is not None and not src.side and not src.has_score_mod and (src.mask is None or src.causal)
+    # SDPA returns no lse, so no function of it (a sink): a speed reference then
+    same = src is not None and not src.side and not src.has_score_mod and (src.mask is None or src.causal) \
+        and src.epilogue is None
     causal = src.causal if same else shape["causal_part"]
     backends = SDPA_BACKENDS + (CPU_SDPA_BACKENDS if device == "cpu" else ())
     out = []

@@ -25,6 +25,11 @@ small self-contained module (``FlexSource.text``):
 * side tensors are captured by the mods and indexed with those names:
   ``slope[h]``, ``doc[b, q]`` -> ``doc[b, q_idx]``.
 
+An output that is a function of the attention and its row's logsumexp (an
+attention sink's ``A * sigmoid(L - sink)``) is split off as the distributed
+wrappers split it (reading.split_epilogue): flex computes A and L, and the
+module's ``epilogue()`` that function in torch.
+
 Anything else has no FlexAttention equivalent (sigmoid attention, an L2
 normaliser, a matmul, a score reading V ...) and ``emit`` raises
 ``NoFlexEquivalent`` saying why: the benchmark reports that rather than
@@ -79,10 +84,13 @@ class FlexSource:
     causal_part: bool            # key <= query is one of the mask's conjuncts
     side: tuple[str, ...]        # inputs the mods read
     outputs: tuple[str, ...]
+    # the output that is a function of the attention and its lse (a sink's A * sigmoid(L - sink)),
+    # as napkin text, computed in torch from flex's out and lse; SDPA returns no lse: no SDPA equivalent
+    epilogue: Optional[str] = None
 
     @property
     def plain(self) -> bool:
-        return not self.has_score_mod and self.mask is None and not self.side
+        return not self.has_score_mod and self.mask is None and not self.side and self.epilogue is None
 
 
 # --------------------------------------------------------------------------
@@ -291,7 +299,10 @@ def _causal_flags(preds: list, roles: Roles) -> tuple[bool, bool]:
 # --------------------------------------------------------------------------
 
 def emit(diagram: ir.Diagram) -> FlexSource:
-    """The FlexAttention module for ``diagram``; NoFlexEquivalent if it has none."""
+    """The FlexAttention module for ``diagram``; NoFlexEquivalent if it has none.
+    An output that is a function of the attention and its logsumexp (a sink)
+    is flex's out and lse, then that function in torch (``_epilogue_lines``)."""
+    user, (diagram, epi) = diagram, _split(diagram)
     an = Analysis(diagram)
     score = replace(an.run(), an.raw, SCORE)
     roles = an.roles
@@ -303,12 +314,70 @@ def emit(diagram: ir.Diagram) -> FlexSource:
     score_text = py(body) if body != SCORE else None
     mask_text = " & ".join(py(p) for p in preds) if preds else None   # comparisons come parenthesised
     side = tuple(t.name for t in diagram.inputs if t.name in py.side)   # diagram order
-    lines = _module(diagram, an, roles, scale, score_text, mask_text, side, py.sizes)
+    lines = _module(diagram, an, roles, scale, score_text, mask_text, side, py.sizes, epi is not None)
+    if epi is not None:   # OUTPUTS: the diagram's; FLEX_OUTPUTS: what finish() returns
+        at = lines.index(f"OUTPUTS = {tuple(o.name for o in diagram.outputs)!r}")
+        lines[at:at + 1] = [f"OUTPUTS = {tuple(o.name for o in user.outputs)!r}",
+                            f"FLEX_OUTPUTS = {tuple(o.name for o in diagram.outputs)!r}"]
+        lines += _epilogue_lines(user, diagram, epi)
     mask = " and ".join(expr_text(p) for p in preds) if preds else None
-    outs = tuple(o.name for o in diagram.outputs)
+    outs = tuple(o.name for o in user.outputs)
     causal, causal_part = _causal_flags(preds, roles)
     return FlexSource(diagram.name, "\n".join(lines) + "\n", scale, roles.gqa, score_text is not None,
-                      mask, causal, causal_part, side, outs)
+                      mask, causal, causal_part, side, outs,
+                      None if epi is None else f"{epi.output} = {expr_text(epi.expr)}")
+
+
+def _split(diagram: ir.Diagram):
+    """(the diagram flex computes, the epilogue or None): the distributed
+    wrappers' split (napkin.distributed.reading.split_epilogue), its refusals
+    reworded for flex."""
+    from ..distributed.reading import split_epilogue
+    from ..errors import NapkinError
+
+    try:
+        return split_epilogue(ir.plain_reads(diagram))
+    except NapkinError as err:
+        why = err.messages[0].replace("cannot distribute this diagram: ", "")
+        raise NoFlexEquivalent(diagram.name, why) from None
+
+
+def _epilogue_lines(user: ir.Diagram, core: ir.Diagram, epi) -> list[str]:
+    """``epilogue(outs, _inputs)``: the user's outputs from flex's (the
+    attention, its lse, any other) with the function computed as the
+    reference computes it (codegen/reference.py's lines over a diagram of
+    that one box), in float32 (float64 for float64 attention outputs), then
+    in the output's dtype; prepare()'s _run returns it."""
+    from ..codegen.emit import reference_inputs
+    from ..codegen.reference import reference_lines
+
+    o = user.tensor(epi.output)
+    states = [n for n in (o.name for o in core.outputs) if isinstance(core.tensor(n), ir.Let)
+              and any(isinstance(x, ir.TensorRef) and x.name == n for x in ir.walk(epi.expr))]
+    inputs = [ir.Input(n, core.tensor(n).axes, "fp32") for n in states] + [user.tensor(n) for n in epi.reads]
+    held = {w for t in inputs + [o] for w in ir.axis_wires(t.axes)}
+    e = ir.Diagram(f"{user.name}_epilogue", tuple(w for w in user.wires if w.name in held), tuple(inputs),
+                   (ir.Let(o.name, o.axes, o.dtype, epi.expr),), (ir.Output(o.name),))
+    symbolic = [w.name for w in e.wires if w.size is None]
+    shape = ", ".join(" * ".join(f'_sz["{w}"]' if user.wire(w).size is None else str(user.wire(w).size)
+                                 for w in axis) for axis in o.axes)
+    dtype = ir.TORCH_NAMES.get(tiling.tensor_dtype(user, o.name), "float32")
+    names = [t.name for t in user.inputs]
+    body = [f"{n} = _inputs[{names.index(n)}]" for n in epi.reads] + reference_inputs(e) + reference_lines(e)
+    return [
+        "",
+        "",
+        "def epilogue(outs, _inputs):",
+        f'    """{epi.output} = {expr_text(epi.expr)}: the diagram\'s output from flex_attention\'s',
+        '    (OUTPUTS from FLEX_OUTPUTS), in torch, as napkin\'s reference computes it."""',
+        f"    {', '.join(c.name for c in core.outputs)}, = outs",
+        f"    _sz = {_size_exprs(user, symbolic)}",
+        "    _c = torch.float64 if " + " or ".join(f"{n}.dtype == torch.float64" for n in states) +
+        " else torch.float32",
+    ] + ["    " + line for line in body] + [
+        f"    {o.name} = {o.name}.reshape({shape}).to(torch.{dtype})",
+        f"    return ({', '.join(t.name for t in user.outputs)},)",
+    ]
 
 
 def attention_roles(diagram: ir.Diagram) -> Roles:
@@ -375,7 +444,7 @@ def _to_flex(name: str, axes, roles: Roles, last: str, kv: bool) -> str:
     return text
 
 
-def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str]:
+def _module(d, an, roles, scale, score_text, mask_text, side, sizes, epilogue: bool = False) -> list[str]:
     names = [t.name for t in d.inputs]
     q, k, v = an.q.name, an.k.name, an.value.name
     lines = [
@@ -485,7 +554,8 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes) -> list[str
         "    def _run():",
         "        _out, _aux = _attend(_q, _k, _v, score_mod=_score_mod, block_mask=_block_mask, scale=SCALE,",
         "                             enable_gqa=ENABLE_GQA, return_aux=_flex.AuxRequest(lse=True))",
-        "        return finish(_out, _aux.lse, _k.shape[1])",
+        "        return " + ("epilogue(finish(_out, _aux.lse, _k.shape[1]), _inputs)" if epilogue else
+                            "finish(_out, _aux.lse, _k.shape[1])"),
         "",
         "    return _run",
         "",
