@@ -257,7 +257,6 @@ def test_a_sink_is_flex_attention_then_its_function_and_sdpa_only_a_speed_refere
     diagram with A and L as outputs, as the distributed wrappers split it), and the module's
     epilogue() the sink's O = A * sigmoid(L - sink) from them (its numerics: the test above).
     SDPA returns no lse: it is a speed reference, never "the same function"."""
-    from napkin.bench import baselines
     src = flex.emit(napkin.load(EXAMPLES / "attention_sink.ncd"))
     assert src.epilogue == "O = A * sigmoid(L - sink)" and src.outputs == ("O",) and src.causal
     assert "OUTPUTS = ('O',)" in src.text and "FLEX_OUTPUTS = ('A', 'L')" in src.text
