@@ -17,6 +17,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ from napkin.cost import collectives as C
 from napkin.errors import NapkinError
 from spawn import run_ranks
 
+REPO = Path(__file__).resolve().parent.parent
 WORLD, N, DEADLINE_S = 4, 37, 400
 TEXT = """diagram sinkd
 wire b, h, q, x
@@ -215,3 +219,20 @@ def test_functions_the_wrappers_cannot_apply_after_the_merge_are_refused(output,
     src = src.replace("O[b, h, q, d] =", "T[b, h, q, d] = A * 2\nO[b, h, q, d] =")
     with pytest.raises(NapkinError, match=message):
         roles(napkin.load_text(src, "sinkd.ncd"))
+
+
+@pytest.mark.parametrize("runner, mesh", [("run_ring_attention.py", "ring"), ("run_attention_2d.py", "2x2")])
+def test_the_torchrun_demos_take_a_sink(tmp_path, runner, mesh):
+    """examples/run_*.py --diagram FILE with a sink: its error against the float64 reference.
+    The demo gathered the output along the merged A's query axis and compared it with A (the
+    reference's first output), and crashed on the sink's O: the diagram's outputs now, both
+    sides."""
+    path = tmp_path / "sink.ncd"
+    path.write_text(text(mesh, "causal", "fp32"))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          str(REPO / "examples" / runner), "--diagram", str(path), "--tokens", "53",
+                          "--timeout", "60"], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = [float(v) for v in re.findall(r"max \|(?:O|dQ) - reference\| *= (\S+)", run.stdout)]
+    assert len(errors) == 2 and all(e < 1e-5 for e in errors), run.stdout

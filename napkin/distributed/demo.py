@@ -38,6 +38,7 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
 
     import napkin
     from napkin.distributed import Attention2D, CommCounter, EagerLocal, RingAttention, predicted_comm
+    from napkin.distributed.common import results
 
     a = _args(default_diagram, argv)
     cuda = torch.cuda.is_available()
@@ -98,7 +99,11 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
         out = fn(*mine, q_len=a.tokens, timeout=a.timeout, **where, **side)
         outs = out if isinstance(out, tuple) else (out,)
         torch.autograd.backward([o for o in outs], [torch.ones_like(o).nan_to_num(0.0) for o in outs])
-    o_full = fn.gather(outs[0].detach(), place, a.tokens, r.out_axis, timeout=a.timeout)
+    # the diagram's first output along the query wire (a sink's O, not the merged A, where r.epilogue)
+    user = (r.epilogue.diagram if r.epilogue is not None else r.diagram).outputs[0].name
+    user_axes = (r.epilogue.diagram if r.epilogue is not None else r.diagram).tensor(user).axes
+    o_axis = next(i for i, axis in enumerate(user_axes) if r.query in axis)
+    o_full = fn.gather(outs[0].detach(), place, a.tokens, o_axis, timeout=a.timeout)
     dq_full = fn.gather(mine[0].grad, place, a.tokens, r.token_axis[0], timeout=a.timeout)
 
     # single-process float64 reference on the whole sequence
@@ -106,8 +111,10 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     pos = torch.arange(a.tokens)
     ref_o, ref_lse = EagerLocal(r)(*leaves, q_pos=pos, x_pos=pos, q_len=a.tokens, x_len=a.tokens,
                                    **{n: full[n] for n in r.side})
-    ref_outs = [ref_o] + ([ref_lse] if len(outs) > 1 else [])
+    ref = results(r, ref_o, ref_lse, {n: full[n] for n in r.side})   # the diagram's outputs, in order
+    ref_outs = list(ref) if isinstance(ref, tuple) else [ref]
     torch.autograd.backward(ref_outs, [torch.ones_like(t) for t in ref_outs])
+    ref_o = ref_outs[0]
 
     hq = full[r.tokens[0]].numel() // (a.batch * a.tokens * full[r.tokens[0]].shape[-1])
     hkv = full[r.tokens[1]].numel() // (a.batch * a.tokens * full[r.tokens[1]].shape[-1])
