@@ -77,11 +77,17 @@ def sink_torch(q, k, v, sink, causal):
 PLUS = "A * sigmoid(L - sink) + sink * L"    # reads L outside the sigmoid: -inf on padding rows
 
 
+LSE_OUT = "lse output"   # the sink's diagram with an output lse = logsumexp[x](S) beside O
+
+
 def run_case(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)") -> dict:
     import torch.distributed as dist
 
     from napkin.distributed import Attention2D, CommCounter, RingAttention, new_grid
-    d = napkin.load_text(text(mesh, mask, dt, output), "sinkd.ncd")
+    src = text(mesh, mask, dt, "A * sigmoid(L - sink)" if output == LSE_OUT else output)
+    if output == LSE_OUT:
+        src = src.replace("out O", "lse[b, h, q] = logsumexp[x](S)\nout O, lse")
+    d = napkin.load_text(src, "sinkd.ncd")
     dtype = torch.float64 if dt == "fp64" else torch.float32
     g = torch.Generator().manual_seed(5)
     full = [torch.randn(2, 2, N, 16, generator=g, dtype=dtype) for _ in range(3)] + \
@@ -96,20 +102,35 @@ def run_case(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)
         where = {"grid": place}
     local = [fn.shard(t, place, N, 2).clone().requires_grad_() for t in full[:3]]
     sink = full[3].clone().requires_grad_()
+    row_weight = torch.randn(2, 2, N, generator=g, dtype=torch.float64)
     with CommCounter() as cc:
         out = fn(*local, **where, q_len=N, sink=sink, timeout=30.0)
-        (out.double() * fn.shard(weight, place, N, 2)).sum().backward()
+        out, lse = out if isinstance(out, tuple) else (out, None)
+        loss = (out.double() * fn.shard(weight, place, N, 2)).sum()
+        if lse is not None:   # padding rows' lse is -inf, their weight 0: left out, not 0 * -inf
+            loss = loss + torch.where(fn.shard(row_weight, place, N, 2) != 0,
+                                      lse.double() * fn.shard(row_weight, place, N, 2), 0.0).sum()
+        loss.backward()
     counted = {ph: cc.total(ph)[0] for ph in C.PHASES}
     got = [fn.gather(out.detach(), place, N, 2)] + [fn.gather(t.grad, place, N, 2) for t in local]
     sink_grad = sink.grad.clone()
     dist.all_reduce(sink_grad)    # each rank's rows' part, as a data-parallel all-reduce adds them
     xs = [t.double().requires_grad_() for t in full]
     want = sink_torch(*xs, mask == "causal")
+    scores = xs[0] @ xs[1].transpose(-1, -2) * 0.25
+    if mask == "causal":
+        scores = scores.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
     if output == PLUS:
-        want = want + xs[3].reshape(1, -1, 1, 1) * (xs[0] @ xs[1].transpose(-1, -2) * 0.25).logsumexp(-1, True)
-    (want * weight).sum().backward()
-    errors = [(a.double() - b).abs().max().item() for a, b in zip(got + [sink_grad], [want.detach()] +
-                                                                    [x.grad for x in xs])]
+        want = want + xs[3].reshape(1, -1, 1, 1) * scores.logsumexp(-1, True)
+    wanted = (want * weight).sum()
+    if output == LSE_OUT:
+        got.append(fn.gather(lse.detach(), place, N, 2))
+        wanted = wanted + (scores.logsumexp(-1) * row_weight).sum()
+    wanted.backward()
+    exact = [want.detach()] + [x.grad for x in xs[:3]]
+    if output == LSE_OUT:
+        exact.append(scores.logsumexp(-1).detach())
+    errors = [(a.double() - b).abs().max().item() for a, b in zip(got + [sink_grad], exact + [xs[3].grad])]
     return {"errors": errors, "counted": counted}
 
 
@@ -144,6 +165,10 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
         results["plus"] = run_case("ring", "full", "fp64", PLUS)
     except Exception as err:
         results["plus"] = f"{type(err).__name__}: {err}"
+    try:
+        results["lse"] = run_case("2x2", "causal", "fp64", LSE_OUT)
+    except Exception as err:
+        results["lse"] = f"{type(err).__name__}: {err}"
     try:
         results["tree"] = run_tree()
     except Exception as err:
@@ -205,6 +230,22 @@ def test_the_attention_is_distributed_and_the_function_applied_after_the_merge()
     assert (r.value, r.lse, r.outputs, r.side) == ("A", "L", ("A", "L"), ("sink",))
     assert r.epilogue.output == "O" and r.epilogue.only == ("sink",)
     assert [o.name for o in r.epilogue.diagram.outputs] == ["O"]
+
+
+def test_an_lse_output_beside_the_sink_is_the_lse_the_function_reads(suite):
+    """O = A * sigmoid(L - sink) beside an output lse = logsumexp[x](S): one lse, the output's
+    (the split made a second, row_lse, and the roles refused "two log-sum-exp outputs").  On the
+    2 x 2 grid, causal: O, lse and every gradient through both (lse's weighted too) match."""
+    for rank, results in enumerate(suite):
+        got = results["lse"]
+        assert isinstance(got, dict), f"rank {rank}: {got}"
+        assert all(e < 1e-12 for e in got["errors"]), f"rank {rank}: O, dQ, dK, dV, lse, dsink {got['errors']}"
+    from napkin.distributed.reading import roles
+    src = text("ring", "causal", "fp32").replace("out O", "lse[b, h, q] = logsumexp[x](S)\nout O, lse")
+    r = roles(napkin.load_text(src.replace("hold Q, K, V, sink, O", "hold Q, K, V, sink, O, lse"), "sinkd.ncd"))
+    assert (r.value, r.lse, r.outputs) == ("A", "lse", ("A", "lse"))
+    assert [o.name for o in r.epilogue.diagram.outputs] == ["O", "lse"]
+    assert "sigmoid(lse - sink)" in str(napkin.printer.expr_text(r.epilogue.expr))
 
 
 @pytest.mark.parametrize("output, message", [

@@ -269,6 +269,10 @@ def split_epilogue(d: ir.Diagram) -> tuple[ir.Diagram, Optional[Epilogue]]:
         return d, None   # no softmax attention in it (max[x](S), a ratio of sums): refused as before
     taken = {t.name for t in d.inputs + d.lets} | {w.name for w in d.wires} | {d.name}
     boxes: dict = {}     # (kind, inlined expression) -> box name
+    for o in d.outputs:  # an lse output F also reads is the one lse (two would be refused)
+        e = _inline(d, lets[o.name].expr) if o.name in lets else None
+        if isinstance(e, ir.Reduce) and e.op == "logsumexp":
+            boxes[("row_lse", e)] = o.name
 
     def box(kind: str, e: ir.Expr, written: Optional[str]) -> ir.TensorRef:
         key = (kind, _inline(d, e))
