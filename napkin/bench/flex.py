@@ -314,14 +314,12 @@ def emit(diagram: ir.Diagram) -> FlexSource:
     score_text = py(body) if body != SCORE else None
     mask_text = " & ".join(py(p) for p in preds) if preds else None   # comparisons come parenthesised
     side = tuple(t.name for t in diagram.inputs if t.name in py.side)   # diagram order
-    lines = _module(diagram, an, roles, scale, score_text, mask_text, side, py.sizes, epi is not None)
-    if epi is not None:   # OUTPUTS: the diagram's; FLEX_OUTPUTS: what finish() returns
-        at = lines.index(f"OUTPUTS = {tuple(o.name for o in diagram.outputs)!r}")
-        lines[at:at + 1] = [f"OUTPUTS = {tuple(o.name for o in user.outputs)!r}",
-                            f"FLEX_OUTPUTS = {tuple(o.name for o in diagram.outputs)!r}"]
+    outs = tuple(o.name for o in user.outputs)
+    lines = _module(diagram, an, roles, scale, score_text, mask_text, side, py.sizes,
+                    outs if epi is not None else None)
+    if epi is not None:
         lines += _epilogue_lines(user, diagram, epi)
     mask = " and ".join(expr_text(p) for p in preds) if preds else None
-    outs = tuple(o.name for o in user.outputs)
     causal, causal_part = _causal_flags(preds, roles)
     return FlexSource(diagram.name, "\n".join(lines) + "\n", scale, roles.gqa, score_text is not None,
                       mask, causal, causal_part, side, outs,
@@ -444,7 +442,10 @@ def _to_flex(name: str, axes, roles: Roles, last: str, kv: bool) -> str:
     return text
 
 
-def _module(d, an, roles, scale, score_text, mask_text, side, sizes, epilogue: bool = False) -> list[str]:
+def _module(d, an, roles, scale, score_text, mask_text, side, sizes,
+            epilogue: Optional[tuple[str, ...]] = None) -> list[str]:
+    """The module's lines; ``epilogue``: the diagram's outputs when flex
+    computes others (FLEX_OUTPUTS, d's) and epilogue() makes them."""
     names = [t.name for t in d.inputs]
     q, k, v = an.q.name, an.k.name, an.value.name
     lines = [
@@ -462,7 +463,8 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes, epilogue: b
         "",
         f"DIAGRAM = {d.name!r}",
         f"INPUTS = {tuple(names)!r}",
-        f"OUTPUTS = {tuple(o.name for o in d.outputs)!r}",
+        f"OUTPUTS = {epilogue or tuple(o.name for o in d.outputs)!r}",
+    ] + ([f"FLEX_OUTPUTS = {tuple(o.name for o in d.outputs)!r}"] if epilogue else []) + [
         f"SCALE = {scale!r}",
         f"ENABLE_GQA = {roles.gqa!r}",
         "_compiled = None  # torch.compile(flex_attention), made on first use",

@@ -396,12 +396,17 @@ def epilogue_lines(t: Training) -> list[str]:
         # contiguous, as the torch op's fake says (a T[n, m]'s gradient came out a transposed view)
         tail.append(f'{EPI_GRAD}{name} = {EPI_GRAD}{name}.reshape(_shape("{name}", _sz)).to('
                     f'{name}.dtype if _like else torch.float32).contiguous() '
-                    f'if _need[{[x.name for x in d.inputs].index(name)}] else None')
+                    f'if _need[{_input_index(d, name)}] else None')
     if epi.slope is not None:   # an argument of the products below, in dC's dtype
         tail.append(f'_grad_{out.name} = {EPI_DR}.reshape(_shape("{out.name}", _sz)).to(_dc)')
     # only where a gradient is asked (the sum it may read is launched so); the side inputs' None else
     nothing = [f"{EPI_GRAD}{name} = None" for name, _ in epi.sides]
     return nothing + ["if any(_need):"] + ["    " + line for line in head + body + tail]
+
+
+def _input_index(d: ir.Diagram, name: str) -> int:
+    """Input ``name``'s position among d's inputs: its parameter's, and its flag's in ``_need``."""
+    return [t.name for t in d.inputs].index(name)
 
 
 def _renamed(e: ir.Expr) -> ir.Expr:
@@ -494,8 +499,8 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "state": list(b.state), "grad_names": list(b.grads),
         "grid_batch": " * ".join(f'_sz["{w}"]' for w in b.batch) or "1",
         "kv_batch": " * ".join(f'_sz["{w}"]' for w in b.kernel("dkdv").batch) or "1",
-        "sides": [{"tensor": s.tensor, "buffer": s.buffer, "index": list(b.diagram.inputs).index(
-            b.diagram.tensor(s.tensor)), "shape": _side_shape(s, b.row),
+        "sides": [{"tensor": s.tensor, "buffer": s.buffer, "index": _input_index(b.diagram, s.tensor),
+                   "shape": _side_shape(s, b.row),
             # the partial sums' leading axes summed away; none (a side input over every wire of the tile): as is
             "partial_sum": f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else ""} for s in
             b.kernel("dq").sides],
@@ -517,7 +522,8 @@ def _row_grads(b) -> list:
         own = ir.axis_wires(b.diagram.tensor(tensor).axes)
         summed = tuple(i for i, w in enumerate(stored) if w not in own)
         kept = [w for w in stored if w in own]
-        text = f"{state}.reshape([{', '.join(f'_sz[{w!r}]' for w in stored)}])".replace("'", '"')
+        shape = ", ".join(f'_sz["{w}"]' for w in stored)
+        text = f"{state}.reshape([{shape}])"
         if summed:
             text += f".sum(dim={summed})"
         elif state in dict(b.aliases):   # dO itself (a residual's dT = dO): the op may not return an input
@@ -526,7 +532,7 @@ def _row_grads(b) -> list:
         if perm != tuple(range(len(perm))):
             text += f".permute{perm}"
         out.append({"tensor": tensor, "state": state, "side": tensor in sides, "expr": text,
-                    "index": list(b.diagram.inputs).index(b.diagram.tensor(tensor))})
+                    "index": _input_index(b.diagram, tensor)})
     return out
 
 
@@ -565,7 +571,7 @@ def _contraction_context(t: Training) -> dict:
             cond, dtype, index = "any(_need)", "torch.float32", None
         else:
             target = buffer[len("_grad_"):]
-            index = [x.name for x in t.forward.diagram.inputs].index(target)
+            index = _input_index(t.forward.diagram, target)
             cond, dtype = f"_need[{index}]", f"{target}.dtype if _like else torch.float32"
         launches.append({
             "kernel": c["kernel"], "buffer": buffer, "cond": cond, "dtype": dtype, "before": [],
@@ -588,7 +594,7 @@ def _contraction_context(t: Training) -> dict:
     # names them in (sum[k](X * W) with W declared first swapped dW and dX)
     by_index = {g["index"]: g["buffer"] for g in launches if g["index"] is not None}
     for name, _ in t.epilogue.sides if t.epilogue is not None else ():
-        by_index[[x.name for x in d.inputs].index(name)] = EPI_GRAD + name
+        by_index[_input_index(d, name)] = EPI_GRAD + name
     returns = [by_index.get(i, "None") for i in range(len(d.inputs))]
     # NAME_backward's given blocks pairwise, as the forward's launch checks them: its launches tile
     # them two at a time, and block_m=65536, block_k=32 given failed in Triton

@@ -145,12 +145,11 @@ def results(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor], side: Opti
     epilogue (reading.Epilogue: a sink's A * sigmoid(L - sink)), its output is
     computed here from the merged rows, ``side`` the side inputs and ``real``
     which local rows are real (padding rows get 0)."""
+    got = tuple(out if name == r.value else lse for name in r.outputs)
     if r.epilogue is not None:
-        got = dict(zip(r.outputs, (out if name == r.value else lse for name in r.outputs)))
-        got[r.epilogue.output] = epilogue(r, out, lse, side or {}, real)
-        got = tuple(got[o.name] for o in r.epilogue.diagram.outputs)
-    else:
-        got = tuple(out if name == r.value else lse for name in r.outputs)
+        by_name = dict(zip(r.outputs, got))
+        by_name[r.epilogue.output] = epilogue(r, out, lse, side or {}, real)
+        got = tuple(by_name[o.name] for o in r.written.outputs)
     return got[0] if len(got) == 1 else got
 
 
@@ -186,7 +185,7 @@ def epilogue(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor], side: dic
     o = Evaluator(env, layouts, acc, out.device).run(epi.expr, ir.axis_wires(user.axes))
     o = o.reshape(_stored_shape(o, user))
     if pad:
-        at = next(i for i, a in enumerate(user.axes) if r.query in a)
+        at = r.query_axis(epi.output)
         o = torch.where(real.to(o.device).view([1] * at + [-1] + [1] * (o.dim() - at - 1)), o,
                         torch.zeros((), dtype=o.dtype, device=o.device))
     return o.to(out.dtype)

@@ -100,10 +100,8 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
         outs = out if isinstance(out, tuple) else (out,)
         torch.autograd.backward([o for o in outs], [torch.ones_like(o).nan_to_num(0.0) for o in outs])
     # the diagram's first output along the query wire (a sink's O, not the merged A, where r.epilogue)
-    user = (r.epilogue.diagram if r.epilogue is not None else r.diagram).outputs[0].name
-    user_axes = (r.epilogue.diagram if r.epilogue is not None else r.diagram).tensor(user).axes
-    o_axis = next(i for i, axis in enumerate(user_axes) if r.query in axis)
-    o_full = fn.gather(outs[0].detach(), place, a.tokens, o_axis, timeout=a.timeout)
+    o_full = fn.gather(outs[0].detach(), place, a.tokens, r.query_axis(r.written.outputs[0].name),
+                       timeout=a.timeout)
     dq_full = fn.gather(mine[0].grad, place, a.tokens, r.token_axis[0], timeout=a.timeout)
 
     # single-process float64 reference on the whole sequence

@@ -122,6 +122,16 @@ class Roles:
         return self.token_wire[index] == self.query
 
     @property
+    def written(self) -> ir.Diagram:
+        """The diagram as written: its outputs are what the wrappers return
+        (``diagram`` has A and L where the epilogue's output is)."""
+        return self.epilogue.diagram if self.epilogue is not None else self.diagram
+
+    def query_axis(self, output: str) -> int:
+        """The stored dimension of the query wire in one of ``written``'s outputs."""
+        return next(i for i, axis in enumerate(self.written.tensor(output).axes) if self.query in axis)
+
+    @property
     def double_ring(self) -> Optional[tuple[int, int]]:
         """(nodes, GPUs per node) when the diagram's ring spans several nodes
         (its nodes level splits it): ring.py runs it as a double ring."""
@@ -255,24 +265,19 @@ def split_epilogue(d: ir.Diagram) -> tuple[ir.Diagram, Optional[Epilogue]]:
     those two outputs; the boxes F reads stay the diagram's (named as the
     user wrote them, or ``attention`` / ``row_lse``)."""
     lets = {t.name: t for t in d.lets}
-    funcs = []
-    for o in d.outputs:
-        e = _inline(d, lets[o.name].expr) if o.name in lets else None
-        if e is not None and not (isinstance(e, ir.Reduce) and e.op in ("sum", "logsumexp")):
-            funcs.append(o.name)
+    inlined = {o.name: _inline(d, lets[o.name].expr) for o in d.outputs if o.name in lets}
+    funcs = [n for n, e in inlined.items() if not (isinstance(e, ir.Reduce) and e.op in ("sum", "logsumexp"))]
     if len(funcs) != 1:
         return d, None   # none, or several: _roles refuses them as before
     name = funcs[0]
     if not any(isinstance(n, ir.Reduce) and n.op == "sum" and len(n.wires) == 1 and any(
             isinstance(m, ir.Normalize) and m.op == "softmax" for m in ir.walk(n.body))
-            for n in ir.walk(_inline(d, lets[name].expr))):
+            for n in ir.walk(inlined[name])):
         return d, None   # no softmax attention in it (max[x](S), a ratio of sums): refused as before
     taken = {t.name for t in d.inputs + d.lets} | {w.name for w in d.wires} | {d.name}
-    boxes: dict = {}     # (kind, inlined expression) -> box name
-    for o in d.outputs:  # an lse output F also reads is the one lse (two would be refused)
-        e = _inline(d, lets[o.name].expr) if o.name in lets else None
-        if isinstance(e, ir.Reduce) and e.op == "logsumexp":
-            boxes[("row_lse", e)] = o.name
+    # (kind, inlined expression) -> box name; an lse output F also reads is the one lse (two would
+    # be refused)
+    boxes: dict = {("row_lse", e): n for n, e in inlined.items() if isinstance(e, ir.Reduce) and e.op == "logsumexp"}
 
     def box(kind: str, e: ir.Expr, written: Optional[str]) -> ir.TensorRef:
         key = (kind, _inline(d, e))
