@@ -1556,65 +1556,66 @@ def _gqa_bwd_dkdv_kernel(
         if not _POS_x:
             _fhi = tl.where(_col0 + _BLOCK_x <= _size_x, _size_q // _BLOCK_q, 0)  # whole row blocks; a ragged key block has none
             _fhi = tl.maximum(tl.minimum(_fhi, _hi), _lo)
-    for _outer in range(_size_g):  # the g that share these keys
-        _o = _outer
-        _i_g = _o
-        # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
-        for _rb in range(_lo, _fhi):
-            _row0 = _rb * _BLOCK_q
-            _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _it in range(_lo * _size_g, _fhi * _size_g):  # (row block, g) pairs
+        _rb = _it // _size_g
+        _i_g = _it % _size_g
+        _row0 = _rb * _BLOCK_q
+        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+        _idx_q = _offs_q
+        if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+            _Q = _tma_Q.load([_i_b.to(tl.int32), _i_hk.to(tl.int32), _i_g, _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+        else:
+            _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_hk, _INT64) * _st_Q_hk + _ix(_i_g, _INT64) * _st_Q_g + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d)
+        _lse = tl.sum(tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_hk, _INT64) * _st_lse_hk + _ix(_i_g, _INT64) * _st_lse_g + _ix(_offs_q[None, :, None], _INT64) * _st_lse_q), 2)  # one value a thread: backward_emit._step_load
+        if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+            _dO = _tma_dO.load([_i_b.to(tl.int32), _i_hk.to(tl.int32), _i_g, _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+        else:
+            _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_hk, _INT64) * _st_dO_hk + _ix(_i_g, _INT64) * _st_dO_g + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d)
+        _delta = tl.sum(tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_hk, _INT64) * _st_delta_hk + _ix(_i_g, _INT64) * _st_delta_g + _ix(_offs_q[None, :, None], _INT64) * _st_delta_q), 2)  # one value a thread: backward_emit._step_load
+        _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
+        _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
+        _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
+        _P = tl.exp2(_qk * 0.12751743082459868 - _lse2)
+        _dS = _P * (_dP - _delta)
+        _acc_K += tl.dot(_operand_grad(_dS, 0.08838834764831845, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+        _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
+    for _it in range(_fhi * _size_g, _hi * _size_g):  # (row block, g) pairs
+        _rb = _it // _size_g
+        _i_g = _it % _size_g
+        _row0 = _rb * _BLOCK_q
+        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+        _ok_q = _offs_q < _size_q
+        if _POS_q:  # the global index of each row, given by the launcher
+            _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
+            _gok_q = _ok_q & (_idx_q >= 0) & (_idx_q < _len_q)
+            # a dead tile (no real q, or a bound of the mask false at every pair): no load, no step
+            _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
+            _live = _row_last >= 0  # some real q
+        else:
             _idx_q = _offs_q
+            _gok_q = _ok_q
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _Q = _tma_Q.load([_i_b.to(tl.int32), _i_hk.to(tl.int32), _i_g, _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_hk, _INT64) * _st_Q_hk + _ix(_i_g, _INT64) * _st_Q_g + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d)
-            _lse = tl.sum(tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_hk, _INT64) * _st_lse_hk + _ix(_i_g, _INT64) * _st_lse_g + _ix(_offs_q[None, :, None], _INT64) * _st_lse_q), 2)  # one value a thread: backward_emit._step_load
+                _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_hk, _INT64) * _st_Q_hk + _ix(_i_g, _INT64) * _st_Q_g + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+            _lse = tl.sum(tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_hk, _INT64) * _st_lse_hk + _ix(_i_g, _INT64) * _st_lse_g + _ix(_offs_q[None, :, None], _INT64) * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
                 _dO = _tma_dO.load([_i_b.to(tl.int32), _i_hk.to(tl.int32), _i_g, _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
             else:
-                _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_hk, _INT64) * _st_dO_hk + _ix(_i_g, _INT64) * _st_dO_g + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d)
-            _delta = tl.sum(tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_hk, _INT64) * _st_delta_hk + _ix(_i_g, _INT64) * _st_delta_g + _ix(_offs_q[None, :, None], _INT64) * _st_delta_q), 2)  # one value a thread: backward_emit._step_load
+                _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_hk, _INT64) * _st_dO_hk + _ix(_i_g, _INT64) * _st_dO_g + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+            _delta = tl.sum(tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_hk, _INT64) * _st_delta_hk + _ix(_i_g, _INT64) * _st_delta_g + _ix(_offs_q[None, :, None], _INT64) * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
             _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
             _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
             _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(_qk * 0.12751743082459868 - _lse2)
             _dS = _P * (_dP - _delta)
-            _acc_K += tl.dot(_operand_grad(_dS, 0.08838834764831845, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-            _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
-        # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
-        for _rb in range(_fhi, _hi):
-            _row0 = _rb * _BLOCK_q
-            _offs_q = _row0 + tl.arange(0, _BLOCK_q)
-            _ok_q = _offs_q < _size_q
-            if _POS_q:  # the global index of each row, given by the launcher
-                _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
-                _gok_q = _ok_q & (_idx_q >= 0) & (_idx_q < _len_q)
-                # a dead tile (no real q, or a bound of the mask false at every pair): no load, no step
-                _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
-                _live = _row_last >= 0  # some real q
-            else:
-                _idx_q = _offs_q
-                _gok_q = _ok_q
-                _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
-            if _live:
-                if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                    _Q = _tma_Q.load([_i_b.to(tl.int32), _i_hk.to(tl.int32), _i_g, _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
-                else:
-                    _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_hk, _INT64) * _st_Q_hk + _ix(_i_g, _INT64) * _st_Q_g + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
-                _lse = tl.sum(tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_hk, _INT64) * _st_lse_hk + _ix(_i_g, _INT64) * _st_lse_g + _ix(_offs_q[None, :, None], _INT64) * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
-                if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                    _dO = _tma_dO.load([_i_b.to(tl.int32), _i_hk.to(tl.int32), _i_g, _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
-                else:
-                    _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_hk, _INT64) * _st_dO_hk + _ix(_i_g, _INT64) * _st_dO_g + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
-                _delta = tl.sum(tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_hk, _INT64) * _st_delta_hk + _ix(_i_g, _INT64) * _st_delta_g + _ix(_offs_q[None, :, None], _INT64) * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
-                _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
-                _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
-                _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
-                _P = tl.exp2(_qk * 0.12751743082459868 - _lse2)
-                _dS = _P * (_dP - _delta)
-                _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
-                _acc_K += tl.dot(_operand_grad(tl.where(_ok, _dS, 0.0), 0.08838834764831845, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-                _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+            _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
+            _acc_K += tl.dot(_operand_grad(tl.where(_ok, _dS, 0.0), 0.08838834764831845, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
 
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
         _tma__grad_K.store([_i_b.to(tl.int32), _i_hk.to(tl.int32), _col0, 0], _scaled_grad(_acc_K, 0.08838834764831845, Q.dtype.element_ty).to(_grad_K.dtype.element_ty).reshape(1, 1, _BLOCK_x, _BLOCK_d))

@@ -170,6 +170,20 @@ def test_mqa_sums_dk_dv_over_all_query_heads(folder):
     assert dk.shape == inputs[1].shape == (1, 1, 40, 128)
 
 
+def test_keys_shared_by_two_query_wires(folder):
+    """K and V lack two of Q's wires (g and r): dK/dV's flat loop over (row block, g, r)
+    decodes both from one index; causal, so it walks all three segments."""
+    text = (REPO / "examples" / "gqa.ncd").read_text().replace("wire d = 128", "wire d = 16")
+    text = text.replace("wire b, hk, g, q, x", "wire b, hk, g, r, q, x").replace("(hk g)", "hk, g, r")
+    text = text.replace("hk, g, q", "hk, g, r, q").replace("g by 1", "g by 1, r by 1")
+    text = text.replace("sum[d](Q * K) * |d|^-0.5", "where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)")
+    m = compile_text(text, "two_shared", folder)
+    assert "(row block, g, r) pairs" in Path(m.__file__).read_text()
+    inputs, (dq, dk, dv) = check(m, {"b": 2, "hk": 2, "g": 3, "r": 2, "q": 45, "x": 37}, torch.float32,
+                                 label="g and r")
+    assert dk.shape == inputs[1].shape == (2, 2, 37, 16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["attention", "causal", "gqa", "alibi", "l2_attention", "matmul"])
 def test_bf16_on_gpu(name, folder):

@@ -43,7 +43,7 @@ from .weights import fits
 from .scale import LOG2E, factor, log2_scale
 
 # Names the kernels define themselves; loads of user inputs never take them.
-FIXED_NAMES = {"_pid", "_batch", "_row0", "_col0", "_lo", "_hi", "_rb", "_start", "_outer", "_o", "_ok", "_qk",
+FIXED_NAMES = {"_pid", "_batch", "_row0", "_col0", "_lo", "_hi", "_rb", "_start", "_it", "_o", "_ok", "_qk",
                "_need", "_t", "_row_first", "_row_last", "_col_first", "_col_last", "_live", "_flo", "_fhi",
                "_scale", "_ds_rows"}
 
