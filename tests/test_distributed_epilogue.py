@@ -59,6 +59,7 @@ schedule on h100 {{
 MESH = {"ring": "group q across 4, x across 4", "2x2": "group q across 2, x across 2"}
 SCORE = {"full": "sum[d](Q * K) * |d|^-0.5", "causal": "where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)"}
 CASES = [(mesh, mask, dt) for mesh in MESH for mask in SCORE for dt in ("fp64", "fp32")]
+GATE_CASES = [("ring", "causal", "fp32"), ("2x2", "causal", "fp64"), ("2x2", "full", "fp32")]
 
 
 def text(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)") -> str:
@@ -78,6 +79,12 @@ PLUS = "A * sigmoid(L - sink) + sink * L"    # reads L outside the sigmoid: -inf
 
 
 LSE_OUT = "lse output"   # the sink's diagram with an output lse = logsumexp[x](S) beside O
+GATE = "A * sigmoid(L - sink) * sigmoid(G)"   # and a gate G[b, h, q, d]: each rank's own rows
+
+
+def with_gate(src: str) -> str:
+    return src.replace("in sink[h]", "in G[b, h, q, d] : {}\nin sink[h]".format(
+        "fp64" if "Q[b, h, q, d] : fp64" in src else "fp32")).replace("hold Q, K, V, sink, O", "hold Q, K, V, G, sink, O")
 
 
 def run_case(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)") -> dict:
@@ -87,6 +94,8 @@ def run_case(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)
     src = text(mesh, mask, dt, "A * sigmoid(L - sink)" if output == LSE_OUT else output)
     if output == LSE_OUT:
         src = src.replace("out O", "lse[b, h, q] = logsumexp[x](S)\nout O, lse")
+    if output == GATE:
+        src = with_gate(src)
     d = napkin.load_text(src, "sinkd.ncd")
     dtype = torch.float64 if dt == "fp64" else torch.float32
     g = torch.Generator().manual_seed(5)
@@ -103,8 +112,15 @@ def run_case(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)
     local = [fn.shard(t, place, N, 2).clone().requires_grad_() for t in full[:3]]
     sink = full[3].clone().requires_grad_()
     row_weight = torch.randn(2, 2, N, generator=g, dtype=torch.float64)
+    gate = torch.randn(2, 2, N, 16, generator=g, dtype=dtype)
+    rows = {}
+    if output == GATE:   # its padding rows hold NaN: what a caller leaves there must not reach dG
+        mine = fn.shard(gate, place, N, 2).clone()
+        part = place.part if mesh == "2x2" else dist.get_rank()
+        mine[:, :, fn.layouts(WORLD, N)[0].positions(part) >= N] = float("nan")
+        rows = {"G": mine.requires_grad_()}
     with CommCounter() as cc:
-        out = fn(*local, **where, q_len=N, sink=sink, timeout=30.0)
+        out = fn(*local, **where, q_len=N, sink=sink, timeout=30.0, **rows)
         out, lse = out if isinstance(out, tuple) else (out, None)
         loss = (out.double() * fn.shard(weight, place, N, 2)).sum()
         if lse is not None:   # padding rows' lse is -inf, their weight 0: left out, not 0 * -inf
@@ -112,7 +128,7 @@ def run_case(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)
                                       lse.double() * fn.shard(row_weight, place, N, 2), 0.0).sum()
         loss.backward()
     counted = {ph: cc.total(ph)[0] for ph in C.PHASES}
-    got = [fn.gather(out.detach(), place, N, 2)] + [fn.gather(t.grad, place, N, 2) for t in local]
+    got = [fn.gather(out.detach(), place, N, 2)] + [fn.gather(t.grad, place, N, 2) for t in local + list(rows.values())]
     sink_grad = sink.grad.clone()
     dist.all_reduce(sink_grad)    # each rank's rows' part, as a data-parallel all-reduce adds them
     xs = [t.double().requires_grad_() for t in full]
@@ -122,30 +138,52 @@ def run_case(mesh: str, mask: str, dt: str, output: str = "A * sigmoid(L - sink)
         scores = scores.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
     if output == PLUS:
         want = want + xs[3].reshape(1, -1, 1, 1) * scores.logsumexp(-1, True)
+    if output == GATE:
+        xs.append(gate.double().requires_grad_())
+        want = want * torch.sigmoid(xs[4])
     wanted = (want * weight).sum()
     if output == LSE_OUT:
         got.append(fn.gather(lse.detach(), place, N, 2))
         wanted = wanted + (scores.logsumexp(-1) * row_weight).sum()
     wanted.backward()
-    exact = [want.detach()] + [x.grad for x in xs[:3]]
+    exact = [want.detach()] + [x.grad for x in xs[:3] + xs[4:]]
     if output == LSE_OUT:
         exact.append(scores.logsumexp(-1).detach())
     errors = [(a.double() - b).abs().max().item() for a, b in zip(got + [sink_grad], exact + [xs[3].grad])]
     return {"errors": errors, "counted": counted}
 
 
-def run_tree() -> list[float]:
+def run_tree(output: str = "A * sigmoid(L - sink)") -> list[float]:
     """Decoding (the queries whole, the keys over the 4 ranks, a butterfly merge): forward only."""
     from napkin.distributed import TreeAttention
-    d = napkin.load_text(TEXT.format(dt="fp64", score=SCORE["full"], mesh="group x across 4",
-                                     output="A * sigmoid(L - sink)"), "sinkd.ncd")
+    src = TEXT.format(dt="fp64", score=SCORE["full"], mesh="group x across 4", output=output)
+    d = napkin.load_text(with_gate(src) if output == GATE else src, "sinkd.ncd")
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 2, n, 16, generator=g, dtype=torch.float64) for n in (3, N, N))
     sink = torch.randn(2, generator=g, dtype=torch.float64)
+    gate = torch.randn(2, 2, 3, 16, generator=g, dtype=torch.float64)
+    rows = {"G": gate} if output == GATE else {}    # whole, as the queries
     fn = TreeAttention(d)
     out = fn(q, fn.shard(k, None, N, 2), fn.shard(v, None, N, 2), group=None, q_len=3, x_len=N, sink=sink,
-             timeout=30.0)
-    return [(out - sink_torch(q, k, v, sink, False)).abs().max().item()]
+             timeout=30.0, **rows)
+    want = sink_torch(q, k, v, sink, False) * (torch.sigmoid(gate) if rows else 1)
+    return [(out - want).abs().max().item()]
+
+
+def run_whole_gate() -> str:
+    """The gate passed whole to Ring Attention (37 rows where each rank holds 10): refused alike on
+    every rank by the handshake, before any collective of the attention."""
+    from napkin.distributed import RingAttention
+    d = napkin.load_text(with_gate(text("ring", "full", "fp64", GATE)), "sinkd.ncd")
+    fn = RingAttention(d)
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(2, 2, N, 16, generator=g, dtype=torch.float64) for _ in range(4)]
+    try:
+        fn(*(fn.shard(t, None, N, 2) for t in full[:3]), group=None, q_len=N, timeout=30.0,
+           sink=torch.zeros(2, dtype=torch.float64), G=full[3])
+    except ValueError as err:
+        return str(err)
+    return "no error"
 
 
 def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
@@ -169,10 +207,16 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
         results["lse"] = run_case("2x2", "causal", "fp64", LSE_OUT)
     except Exception as err:
         results["lse"] = f"{type(err).__name__}: {err}"
-    try:
-        results["tree"] = run_tree()
-    except Exception as err:
-        results["tree"] = f"{type(err).__name__}: {err}"
+    for case in GATE_CASES:
+        try:
+            results["gate-" + "-".join(case)] = run_case(*case, GATE)
+        except Exception as err:
+            results["gate-" + "-".join(case)] = f"{type(err).__name__}: {err}"
+    for key, run in (("tree", run_tree), ("tree-gate", lambda: run_tree(GATE)), ("whole-gate", run_whole_gate)):
+        try:
+            results[key] = run()
+        except Exception as err:
+            results[key] = f"{type(err).__name__}: {err}"
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
@@ -248,8 +292,56 @@ def test_an_lse_output_beside_the_sink_is_the_lse_the_function_reads(suite):
     assert "sigmoid(lse - sink)" in str(napkin.printer.expr_text(r.epilogue.expr))
 
 
+@pytest.mark.parametrize("case", GATE_CASES, ids="-".join)
+def test_a_gate_along_the_query_wire_across_devices(suite, case):
+    """O = A * sigmoid(L - sink) * sigmoid(G), G[b, h, q, d] a token input the attention does
+    not read: each rank passes its own rows of it, laid out as its queries, and gets their
+    gradient; output, dQ, dK, dV, dG and dsink match float64 torch."""
+    tol = 1e-12 if case[2] == "fp64" else 1e-5
+    for rank, results in enumerate(suite):
+        got = results["gate-" + "-".join(case)]
+        assert isinstance(got, dict), f"rank {rank}: {got}"
+        assert len(got["errors"]) == 6
+        assert all(e < tol for e in got["errors"]), f"rank {rank}: O, dQ, dK, dV, dG, dsink {got['errors']}"
+
+
+@pytest.mark.parametrize("case", GATE_CASES, ids="-".join)
+def test_the_gate_is_never_sent(suite, case):
+    """The wrappers send what they send for the sink alone: the cost pass's bytes (of the diagram
+    without the gate) are the busiest rank's, counted."""
+    c = analyse(napkin.load_text(with_gate(text(*case, GATE)), "sinkd.ncd"), {"b": 2, "h": 2, "q": N, "x": N}).devices
+    plain = analyse(napkin.load_text(text(*case), "sinkd.ncd"), {"b": 2, "h": 2, "q": N, "x": N}).devices
+    assert (c.handshake_bytes, c.bytes_sent, c.backward_bytes) == \
+        (plain.handshake_bytes, plain.bytes_sent, plain.backward_bytes)
+    cost = {"check": c.handshake_bytes, "forward": c.bytes_sent, "backward": c.backward_bytes or 0}
+    for ph in C.PHASES:
+        assert cost[ph] == max(results["gate-" + "-".join(case)]["counted"][ph] for results in suite), ph
+
+
+def test_a_gate_when_decoding_is_passed_whole_as_the_queries(suite):
+    for rank, results in enumerate(suite):
+        got = results["tree-gate"]
+        assert isinstance(got, list) and got[0] < 1e-12, f"rank {rank}: {got}"
+
+
+def test_a_gate_passed_whole_to_the_ring_is_refused_by_the_handshake(suite):
+    for rank, results in enumerate(suite):
+        assert results["whole-gate"] == (
+            "G holds 37 rows along q on each device, but 37 tokens in the zigzag layout over 4 devices need 10 "
+            "(padding included); cut full tensors with napkin.distributed shard helpers"), f"rank {rank}"
+
+
+def test_the_gate_leaves_the_distributed_diagram():
+    from napkin.distributed.reading import roles
+    r = roles(napkin.load_text(with_gate(text("2x2", "causal", "fp32", GATE)), "sinkd.ncd"))
+    assert (r.tokens, r.side, r.rows, r.row_axis) == (("Q", "K", "V"), ("sink",), ("G",), (2,))
+    assert [t.name for t in r.diagram.inputs] == ["Q", "K", "V", "sink"]
+    assert "G" not in r.diagram.level("hbm").holds
+    assert r.epilogue.reads == ("sink", "G") and set(r.epilogue.only) == {"sink", "G"}
+
+
 @pytest.mark.parametrize("output, message", [
-    ("A * sigmoid(L - sink) * G", r"output O reads G, which is split across devices, outside its sums"),
+    ("A * sigmoid(L - sink) + Q", r"output O reads Q, which is split across devices, outside its sums"),
     ("A * sigmoid(L - sink) * (q + 1)", r"output O reads the index of wire q outside its sums"),
     ("A * sigmoid(L - sink) / |q|", r"output O reads \|q\| outside its sums"),
     ("A * sigmoid(L - sink) + T", r"output O is a function of box T, which is neither softmax attention"),
@@ -262,14 +354,16 @@ def test_functions_the_wrappers_cannot_apply_after_the_merge_are_refused(output,
         roles(napkin.load_text(src, "sinkd.ncd"))
 
 
-@pytest.mark.parametrize("runner, mesh", [("run_ring_attention.py", "ring"), ("run_attention_2d.py", "2x2")])
-def test_the_torchrun_demos_take_a_sink(tmp_path, runner, mesh):
+@pytest.mark.parametrize("runner, mesh, output", [("run_ring_attention.py", "ring", "A * sigmoid(L - sink)"),
+                                                   ("run_attention_2d.py", "2x2", "A * sigmoid(L - sink)"),
+                                                   ("run_attention_2d.py", "2x2", GATE)])
+def test_the_torchrun_demos_take_a_sink(tmp_path, runner, mesh, output):
     """examples/run_*.py --diagram FILE with a sink: its error against the float64 reference.
     The demo gathered the output along the merged A's query axis and compared it with A (the
     reference's first output), and crashed on the sink's O: the diagram's outputs now, both
-    sides."""
+    sides.  With a gate, each rank's rows of it."""
     path = tmp_path / "sink.ncd"
-    path.write_text(text(mesh, "causal", "fp32"))
+    path.write_text(with_gate(text(mesh, "causal", "fp32", output)) if output == GATE else text(mesh, "causal", "fp32"))
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                           str(REPO / "examples" / runner), "--diagram", str(path), "--tokens", "53",
@@ -277,3 +371,12 @@ def test_the_torchrun_demos_take_a_sink(tmp_path, runner, mesh):
     assert run.returncode == 0, run.stderr[-3000:]
     errors = [float(v) for v in re.findall(r"max \|(?:O|dQ) - reference\| *= (\S+)", run.stdout)]
     assert len(errors) == 2 and all(e < 1e-5 for e in errors), run.stdout
+
+
+def test_the_generated_launcher_takes_the_gate_and_returns_the_written_output():
+    """NAME_distributed takes the gate by name beside the sink, and its docstring names the
+    diagram's output O (it named the A and L that merge)."""
+    from napkin.distributed.emit import distributed_source
+    src = distributed_source(napkin.load_text(with_gate(text("2x2", "causal", "fp32", GATE)), "sinkd.ncd"))
+    assert "def sinkd_distributed(Q, K, V, mesh, *, q_len, x_len=None, timeout=300.0, sink, G):" in src
+    assert "rows\n    of O; differentiable.\n    G: this rank's rows of it, laid out as the queries'." in src

@@ -32,7 +32,7 @@ import torch
 from .. import ir
 from . import groups as G
 from .commcount import phase
-from .common import handshake, results, save_and_show, saved_state, split_side, upstream_rows
+from .common import attention_side, handshake, results, save_and_show, saved_state, split_side, upstream_rows
 from .layouts import TokenLayout
 from .local import Roles, default_backward, default_local, roles
 from .merging import merge_softmax, merge_sum
@@ -84,9 +84,9 @@ class Attention2D:
             raise ValueError(f"the diagram asks for a {self.grid_shape[0]} x {self.grid_shape[1]} grid, "
                              f"got {g.rows} x {g.cols}")
         side = split_side(self.roles, side)
-        whole, side = side, (self.roles.epilogue.detached(side) if self.roles.epilogue else side)
+        whole, side = side, attention_side(self.roles, side)
         ql, xl = self.layouts(g.parts, q_len, x_len)
-        handshake(self.roles, "attention2d", tokens, side, ql, xl, (g.row_group, g.col_group), timeout,
+        handshake(self.roles, "attention2d", tokens, whole, ql, xl, (g.row_group, g.col_group), timeout,
                   lambda p: f"device {divmod(p, g.cols)}")
         outs = _Function.apply(_Call(self, g, ql, xl, timeout, side), *tokens)
         return results(self.roles, outs[0], outs[1] if len(outs) > 1 else None, whole,

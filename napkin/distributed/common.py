@@ -18,13 +18,22 @@ SCHEME_CODES = {"attention2d": 1, "ring": 2, "burst": 3, "tree": 4, "ring2": 5, 
 
 
 def split_side(r: Roles, side: dict) -> dict:
-    missing = [n for n in r.side if n not in side]
-    extra = [n for n in side if n not in r.side]
+    """The keyword inputs in order: the side inputs, then the row inputs (Roles.rows)."""
+    names = r.side + r.rows
+    missing = [n for n in names if n not in side]
+    extra = [n for n in side if n not in names]
     if missing or extra:
-        raise ValueError(f"side inputs: expected {', '.join(r.side) or 'none'}"
+        raise ValueError(f"side inputs: expected {', '.join(names) or 'none'}"
                          + (f"; missing {', '.join(missing)}" if missing else "")
                          + (f"; unexpected {', '.join(extra)}" if extra else ""))
-    return {n: side[n] for n in r.side}
+    return {n: side[n] for n in names}
+
+
+def attention_side(r: Roles, side: dict) -> dict:
+    """The side inputs the attention takes: those the epilogue alone reads detached (the
+    attention never reads them; their gradient is the epilogue's, by autograd), no row input."""
+    only = r.epilogue.only if r.epilogue is not None else ()
+    return {n: (side[n].detach() if n in only else side[n]) for n in r.side}
 
 
 def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict, q_lay: TokenLayout,
@@ -36,15 +45,15 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
         # every rank of a correct program passes the same count; a wrong count
         # is caught here before any collective, and the peers time out
         raise ValueError(f"expected {len(r.tokens)} token inputs ({', '.join(r.tokens)}), got {len(tokens)}")
-    tensors = list(tokens) + [side[n] for n in r.side]
-    names = list(r.tokens) + list(r.side)
+    tensors = list(tokens) + [side[n] for n in r.side + r.rows]
+    names = list(r.tokens) + list(r.side) + list(r.rows)
     # the token layout and the diagram itself too: ranks that disagree on either compute
     # another function together (a zigzag rank beside a contiguous one) without a shape to differ
     head = [SCHEME_CODES[scheme], q_lay.length, x_lay.length, KINDS.index(q_lay.kind) + 1,
             zlib.crc32(to_text(r.diagram).encode()) & 0x7FFFFFFF]
     with phase("check"):
         # side inputs are passed whole, so every rank's values must agree too
-        prints = [-1] * len(tokens) + [G.fingerprint(side[n]) for n in r.side]
+        prints = [-1] * len(tokens) + [G.fingerprint(side[n]) for n in r.side] + [-1] * len(r.rows)
         table = G.exchange_meta(G.describe(head, tensors, prints), group_seq, timeout, tokens[0].device)
     first = table[0]
     for part in range(1, table.shape[0]):
@@ -64,7 +73,7 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
                 raise ValueError(f"side input {name} holds other values on {where(part)} than on {where(0)} "
                                  f"(a crc32 of its bytes differs): side inputs are passed whole, the same on "
                                  f"every device")
-    decls = {t.name: t for t in r.diagram.inputs}
+    decls = {t.name: t for t in r.written.inputs}   # a row input is the written diagram's alone
     for k, name in enumerate(names):
         nd = len(G.shape_at(first, k))
         if nd != len(decls[name].axes):
@@ -79,10 +88,11 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
         # since requires_grad is part of the handshake)
         raise ValueError(f"side input(s) {', '.join(grads)} require gradients, which the distributed wrappers "
                          f"do not compute (their .grad would stay empty): pass them detached")
-    for k, name in enumerate(r.tokens):
-        wire = r.token_wire[k]
+    rows = [(k, name, r.token_wire[k], r.token_axis[k]) for k, name in enumerate(r.tokens)]
+    rows += [(len(r.tokens) + len(r.side) + k, name, r.query, r.row_axis[k]) for k, name in enumerate(r.rows)]
+    for k, name, wire, axis in rows:
         lay = q_lay if wire == r.query else x_lay
-        got = G.shape_at(first, k)[r.token_axis[k]]
+        got = G.shape_at(first, k)[axis]
         if got != lay.rows:
             raise ValueError(
                 f"{name} holds {got} rows along {wire} on each device, but {lay.length} tokens in the "
@@ -174,13 +184,21 @@ def epilogue(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor], side: dic
         if lse is not None:
             lse = torch.where(keep.view(shape[:lse.dim()]), lse,
                               torch.zeros((), dtype=lse.dtype, device=lse.device))
-    named = [(r.value, out)] + ([(r.lse, lse)] if r.lse is not None else []) + [(n, side[n]) for n in epi.reads]
-    pairs = [(t, d.tensor(n), {}) for n, t in named]
+    reads = {n: side[n] for n in epi.reads}
+    if pad:   # a row input's padding rows too: what they hold is the caller's
+        for n, axis in zip(r.rows, r.row_axis):
+            t = reads[n]
+            reads[n] = torch.where(real.to(t.device).view([1] * axis + [-1] + [1] * (t.dim() - axis - 1)), t,
+                                   torch.zeros((), dtype=t.dtype, device=t.device))
+    named = [(r.value, out)] + ([(r.lse, lse)] if r.lse is not None else []) + list(reads.items())
+    # A and L are the split diagram's boxes; a row input is the written diagram's alone
+    decl = {n: d.tensor(n) or r.written.tensor(n) for n, _ in named}
+    pairs = [(t, decl[n], {}) for n, t in named]
     sizes = {w.name: w.size for w in d.wires if w.size is not None}
     _bind(pairs, sizes)
     acc = accumulator_dtype(*(t for _, t in named))
-    env = {n: _unflatten(t, d.tensor(n), sizes, {}).to(acc) for n, t in named}
-    layouts = {n: ir.axis_wires(d.tensor(n).axes) for n, _ in named}
+    env = {n: _unflatten(t, decl[n], sizes, {}).to(acc) for n, t in named}
+    layouts = {n: ir.axis_wires(decl[n].axes) for n, _ in named}
     user = epi.diagram.tensor(epi.output)
     o = Evaluator(env, layouts, acc, out.device).run(epi.expr, ir.axis_wires(user.axes))
     o = o.reshape(_stored_shape(o, user))

@@ -93,6 +93,8 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     mine = [fn.shard(full[n], place, a.tokens, r.token_axis[k]).to(device, dtype).requires_grad_(True)
             for k, n in enumerate(r.tokens)]
     side = {n: full[n].to(device, dtype) for n in r.side}
+    side.update((n, fn.shard(full[n], place, a.tokens, axis).to(device, dtype))   # a gate: its rows, as Q's
+                for n, axis in zip(r.rows, r.row_axis))
 
     gpus_per_node = (per_node[0] * per_node[1] if scheme == "attention2d" else per_node[0]) if per_node else None
     with CommCounter(gpus_per_node=gpus_per_node) as cc:
@@ -109,7 +111,7 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     pos = torch.arange(a.tokens)
     ref_o, ref_lse = EagerLocal(r)(*leaves, q_pos=pos, x_pos=pos, q_len=a.tokens, x_len=a.tokens,
                                    **{n: full[n] for n in r.side})
-    ref = results(r, ref_o, ref_lse, {n: full[n] for n in r.side})   # the diagram's outputs, in order
+    ref = results(r, ref_o, ref_lse, {n: full[n] for n in r.side + r.rows})   # the diagram's outputs, in order
     ref_outs = list(ref) if isinstance(ref, tuple) else [ref]
     torch.autograd.backward(ref_outs, [torch.ones_like(t) for t in ref_outs])
     ref_o = ref_outs[0]

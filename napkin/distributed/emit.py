@@ -44,7 +44,8 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
         kind = ("Ring Attention (double ring)", "RingAttention", "zigzag",
                 ", {} nodes x {} GPUs".format(*r.double_ring))
     group = scheme != "attention2d"
-    side = list(r.side)
+    outs = ", ".join(o.name for o in r.written.outputs)   # a sink's O, not the A and L that merge
+    side = list(r.side) + list(r.rows)
     _refuse_parameters(diagram, "group" if group else "mesh", side)
     ctx = dict(
         title=kind[0],
@@ -64,12 +65,13 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
         grid_note=kind[3],
         lengths_doc=(f"q_len, x_len: the number of queries and the length of the key/value\n"
                      f"    cache (x_len is required); each rank holds its contiguous share of the\n"
-                     f"    cache, padded, and every query.  Returns the whole {', '.join(r.outputs)} on\n"
+                     f"    cache, padded, and every query.  Returns the whole {outs} on\n"
                      f"    every rank; forward only (inputs that require gradients are refused)."
                      if scheme == "tree" else
                      f"q_len, x_len: the true sequence lengths (x_len defaults to q_len); each\n"
                      f"    rank's inputs hold their padded share of rows.  Returns this rank's rows\n"
-                     f"    of {', '.join(r.outputs)}; differentiable."),
+                     f"    of {outs}; differentiable."
+                     + "".join(f"\n    {n}: this rank's rows of it, laid out as the queries'." for n in r.rows)),
         side_params="".join(f", {n}" for n in side),
         side_args="".join(f", {n}={n}" for n in side),
     )

@@ -117,6 +117,10 @@ class Roles:
     # the user's output that is a function of the attention and its lse (a sink), computed by the
     # wrappers after the merge; ``diagram`` then outputs that attention and lse in its place
     epilogue: Optional["Epilogue"] = None
+    # inputs that function alone reads along the query wire (a gate G[b, h, q, d]): each device
+    # passes its own rows, laid out as its queries; ``diagram`` has none of them
+    rows: tuple[str, ...] = ()
+    row_axis: tuple[int, ...] = ()      # the stored dimension of the query wire, per row input
 
     def is_query(self, index: int) -> bool:
         return self.token_wire[index] == self.query
@@ -252,11 +256,6 @@ class Epilogue:
     reads: tuple[str, ...]        # the inputs F reads
     only: tuple[str, ...] = ()    # of those, the ones no box of the attention reads: they may train
 
-    def detached(self, side: dict) -> dict:
-        """The side inputs for the attention: those F alone reads detached (the
-        attention never reads them; their gradient is F's, by autograd)."""
-        return {n: (t.detach() if n in self.only else t) for n, t in side.items()}
-
 
 def split_epilogue(d: ir.Diagram) -> tuple[ir.Diagram, Optional[Epilogue]]:
     """(the diagram to distribute, the epilogue or None): an output that is
@@ -329,13 +328,8 @@ def split_epilogue(d: ir.Diagram) -> tuple[ir.Diagram, Optional[Epilogue]]:
             new.append(ir.Let(bname, axes, "fp32" if kind == "row_lse" else None, e, o.loc))
     outputs = [bname for _, bname in sorted(boxes.items(), key=lambda kv: kv[0][0])]   # attention, row_lse
     outputs += [o.name for o in d.outputs if o.name != name and o.name not in outputs]
-    levels = tuple(dataclasses.replace(lv, holds=tuple(h for h in lv.holds if h != name),
-                                       hold_locs=tuple(loc for h, loc in zip(lv.holds, lv.hold_locs) if h != name))
-                   for lv in d.schedule.levels) if d.schedule is not None else ()
-    core = dataclasses.replace(d, lets=tuple(t for t in d.lets if t.name != name) + tuple(new),
-                               outputs=tuple(ir.Output(n) for n in outputs))
-    if d.schedule is not None:
-        core = dataclasses.replace(core, schedule=dataclasses.replace(d.schedule, levels=levels))
+    core = _unheld(dataclasses.replace(d, lets=tuple(t for t in d.lets if t.name != name) + tuple(new),
+                                       outputs=tuple(ir.Output(n) for n in outputs)), (name,))
     reads = tuple(dict.fromkeys(n.name for n in ir.walk(f) if isinstance(n, ir.TensorRef)
                                 and isinstance(d.tensor(n.name), ir.Input)))
     used = {n.name for t in core.lets for n in ir.walk(t.expr) if isinstance(n, ir.TensorRef)}
@@ -345,15 +339,38 @@ def split_epilogue(d: ir.Diagram) -> tuple[ir.Diagram, Optional[Epilogue]]:
 def _roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Roles:
     d, epilogue = split_epilogue(d)
     r = _core_roles(d, query, key)
-    if epilogue is not None:
-        bad = [n for n in epilogue.reads if n not in r.side]
-        if bad:
-            t = d.tensor(bad[0])
-            raise _refuse(f"output {epilogue.output} reads {bad[0]}, which is split across devices, outside its "
-                          "sums", t.loc, "the function the wrappers apply after the merge may read side inputs "
-                          "(along neither the query nor the key wire)")
-        r = dataclasses.replace(r, epilogue=epilogue)
-    return r
+    if epilogue is None:
+        return r
+    # F alone reads it along the query wire (a gate): each device's own rows, as its queries,
+    # and never sent; the attention does not read it, so its diagram drops it
+    at = {n: k for k, n in enumerate(r.tokens) if r.is_query(k) and n in epilogue.only}
+    if at:
+        d = _without_inputs(d, tuple(at))
+        r = dataclasses.replace(_core_roles(d, r.query, r.key), rows=tuple(at),
+                                row_axis=tuple(r.token_axis[k] for k in at.values()))
+    bad = [n for n in epilogue.reads if n not in r.side and n not in r.rows]
+    if bad:
+        t = epilogue.diagram.tensor(bad[0])
+        raise _refuse(f"output {epilogue.output} reads {bad[0]}, which is split across devices, outside its "
+                      "sums", t.loc, "the function the wrappers apply after the merge may read side inputs "
+                      "and inputs along the query wire that the attention itself does not read")
+    return dataclasses.replace(r, epilogue=epilogue)
+
+
+def _without_inputs(d: ir.Diagram, names: tuple[str, ...]) -> ir.Diagram:
+    """``d`` without the inputs ``names`` (which no box reads) and their holds."""
+    return _unheld(dataclasses.replace(d, inputs=tuple(t for t in d.inputs if t.name not in names)), names)
+
+
+def _unheld(d: ir.Diagram, names: tuple[str, ...]) -> ir.Diagram:
+    """``d`` with ``names`` held at no level of its schedule."""
+    if d.schedule is None:
+        return d
+    levels = tuple(dataclasses.replace(lv, holds=tuple(h for h in lv.holds if h not in names),
+                                       hold_locs=tuple(loc for h, loc in zip(lv.holds, lv.hold_locs)
+                                                       if h not in names))
+                   for lv in d.schedule.levels)
+    return dataclasses.replace(d, schedule=dataclasses.replace(d.schedule, levels=levels))
 
 
 def _core_roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Roles:

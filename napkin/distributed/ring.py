@@ -50,7 +50,7 @@ import torch
 from .. import ir
 from . import groups as G
 from .commcount import phase
-from .common import handshake, results, save_and_show, saved_state, split_side, upstream_rows
+from .common import attention_side, handshake, results, save_and_show, saved_state, split_side, upstream_rows
 from .layouts import TokenLayout
 from .local import Roles, default_backward, default_local, roles
 from .merging import merge
@@ -109,9 +109,9 @@ class RingAttention:
         if self.ring_size is not None and self.ring_size != ring.size:
             raise ValueError(f"the diagram asks for a ring of {self.ring_size}, got {ring.size} ranks")
         side = split_side(self.roles, side)
-        whole, side = side, (self.roles.epilogue.detached(side) if self.roles.epilogue else side)
+        whole, side = side, attention_side(self.roles, side)
         ql, xl = self.layouts(ring.size, q_len, x_len)
-        handshake(self.roles, self.scheme, tokens, side, ql, xl, (ring.group,), timeout,
+        handshake(self.roles, self.scheme, tokens, whole, ql, xl, (ring.group,), timeout,
                   lambda p: f"ring rank {p}")
         outs = _Function.apply(_Call(self, ring, ql, xl, timeout, side), *tokens)
         return results(self.roles, outs[0], outs[1] if len(outs) > 1 else None, whole,

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .. import ir
 from . import groups as G
 from .commcount import phase
-from .common import handshake, results, split_side
+from .common import attention_side, handshake, results, split_side
 from .layouts import TokenLayout
 from .local import EagerLocal, Roles, accumulator_dtype, roles
 from .merging import merge_softmax, merge_sum
@@ -78,7 +78,7 @@ class TreeAttention:
         r = self.roles
         with phase("forward"):
             out, lse = self.local(*tokens, q_pos=ql.positions(0), x_pos=xl.positions(tree.rank),
-                                  q_len=q_len, x_len=x_len, **side)
+                                  q_len=q_len, x_len=x_len, **attention_side(r, side))
             out, lse = butterfly(out, lse, tree, timeout)
         first_q = next(t for k, t in enumerate(tokens) if r.is_query(k))
         return results(r, out.to(first_q.dtype), lse, side)
