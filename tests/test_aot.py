@@ -185,6 +185,20 @@ def test_ptxas_resource_line_is_read():
         aot.parse_ptxas("ptxas fatal : nothing")
 
 
+def test_programs_per_sm_count_registers_by_the_warp_shared_memory_and_warps():
+    # sm_90: 64K registers, 228 KiB of shared memory (1 KiB of it kept per program), 64 warps
+    assert aot.programs_per_sm(90, 8, 255, 96 * 1024) == 1    # 8 warps x 8192 registers fill it
+    assert aot.programs_per_sm(90, 8, 128, 64 * 1024) == 2    # 4096 a warp: two programs
+    assert aot.programs_per_sm(90, 4, 224, 25 * 1024) == 2    # 7168 a warp: 9 warps, two programs
+    assert aot.programs_per_sm(90, 4, 102, 25 * 1024) == 4    # 102 x 32 = 3264 -> 3328: 19 warps
+    assert aot.programs_per_sm(90, 4, 40, 100 * 1024) == 2    # shared memory: 101 KiB twice in 228
+    assert aot.programs_per_sm(90, 1, 16, 0) == 32             # the cap on programs
+    assert aot.programs_per_sm(80, 4, 64, 80 * 1024) == 2      # A100: 164 KiB
+    assert aot.programs_per_sm(75, 4, 64, 0) is None           # a target without limits here
+    r = aot.KernelReport("_k", 90, 4, 2, 25 * 1024, 102, 0, 0, 0, 0, 48, 36, 0)
+    assert r.per_sm == 4 and r.row()[aot.HEADER.index("per SM")] == "4"
+
+
 def test_sass_counts_read_each_fp32_family():
     sass = """
         /*0100*/                   FFMA R203, R105, 0.18033687770366668701, -R121.reuse ;  /* 0x3e38aa3b69cb7823 */

@@ -91,16 +91,42 @@ class KernelReport:
     def spills(self) -> bool:
         return self.spill_stores > 0 or self.spill_loads > 0
 
+    @property
+    def per_sm(self) -> Optional[int]:
+        """How many of its programs one SM holds at once (occupancy), or None for a target
+        not in SM_LIMITS."""
+        return programs_per_sm(self.arch, self.num_warps, self.registers, self.shared)
+
     def row(self) -> list[str]:
         return [self.kernel, f"sm_{self.arch}", str(self.num_warps), str(self.num_stages),
                 f"{self.shared / 1024:.1f}", str(self.registers),
                 f"{self.spill_stores}/{self.spill_loads}" if self.spills else "0",
+                "?" if self.per_sm is None else str(self.per_sm),
                 str(self.wgmma), str(self.mma), str(self.cp_async), str(self.tma)] \
             + [str(getattr(self, k)) for k in SASS_OPS]
 
 
-HEADER = ["kernel", "target", "warps", "stages", "smem KiB", "regs", "spill st/ld B",
+HEADER = ["kernel", "target", "warps", "stages", "smem KiB", "regs", "spill st/ld B", "per SM",
           "wgmma", "mma.sync", "cp.async", "TMA"] + list(SASS_OPS.values())
+
+# What one SM offers its programs, by compute capability x 10 (CUDA's occupancy tables):
+# registers, shared memory (bytes, the most a program may have plus what the driver keeps per
+# program), warps, programs.  Registers go to warps in blocks of 256.
+SM_LIMITS = {80: (65536, 167936, 1024, 64, 32), 86: (65536, 102400, 1024, 48, 16),
+             89: (65536, 102400, 1024, 48, 24), 90: (65536, 233472, 1024, 64, 32)}
+
+
+def programs_per_sm(arch: int, warps: int, registers: int, shared: int) -> Optional[int]:
+    """Resident programs per SM: the least that registers, shared memory and warps allow.
+    At 8 warps a program of 129 to 255 registers a thread has an SM to itself; at 4 warps,
+    one of 128 shares it with three others (where shared memory allows)."""
+    if arch not in SM_LIMITS or warps <= 0:
+        return None
+    regs, smem, reserved, max_warps, max_programs = SM_LIMITS[arch]
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = (regs // per_warp) // warps
+    by_smem = smem // (shared + reserved) if shared else max_programs
+    return max(0, min(by_regs, by_smem, max_warps // warps, max_programs))
 
 
 # --------------------------------------------------------------------------

@@ -538,7 +538,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
             if k.role == "dq":
                 loop += [f"for _start in range({seg['lo']}, {seg['hi']}, {names.block(col)}):"]
             elif k.outer:  # dK/dV of keys the outer wires share (GQA's g): one flat loop over both
-                # A loop over g around each segment's loop held 30 to 120 more registers a program
+                # A loop over g around each segment's loop held 30 to 145 more registers a program
                 # (bench.aot, sm_90) and spilled causal GQA's at head dim 128; flat, none spill.
                 n = " * ".join(names.size(w) for w in k.outer)
                 n = f"({n})" if len(k.outer) > 1 else n
