@@ -96,7 +96,8 @@ class GradRule:
     layouts   placeholder -> its wires, for every placeholder the rule uses.
     forward, rows, tile, input_grads: (name, expression) bindings, in order.
     saved     forward values the backward reads; grads_in: ("dO"[, "dlse"]).
-    raw       the raw contraction R stands for (None: the tile starts at S).
+    raw       the raw contraction R stands for, or several added up (MLA's score): each
+              pair's inputs take dR (None: the tile starts at S).
     bound     placeholder -> the diagram's name for it (S, O, lse), from grad_plan.
     """
 
@@ -466,22 +467,25 @@ def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, sco
     if raw is not None:
         if score is None or input_layouts is None:
             raise ValueError("a raw contraction needs the score expression and the input layouts")
-        body = raw.body if isinstance(raw, ir.Reduce) else None
-        if not (raw.op == "sum" and isinstance(body, ir.Binary) and body.op == "*"
-                and all(isinstance(t, ir.TensorRef) for t in (body.lhs, body.rhs))):
-            raise ValueError("the raw score must be a contraction sum[w](A * B) of two inputs")
-        moved = next((t for t in (body.lhs, body.rhs) if t.wires is not None), None)
-        if moved is not None:   # one along its own wires written out is plain by now (ir.plain_reads)
-            # placed at the read, not the output's box, and not "must be a contraction of two
-            # inputs", which it is
-            raise NoGrad(f"the score's contraction reads {expr_text(moved)}, input {moved.name} along other "
-                         "wires than its own; the backward takes the contraction's inputs read along their "
-                         "declared wires", moved.loc)
+        pairs = []
+        for part in _terms(raw):
+            body = part.body if isinstance(part, ir.Reduce) else None
+            if not (isinstance(part, ir.Reduce) and part.op == "sum" and isinstance(body, ir.Binary)
+                    and body.op == "*" and all(isinstance(t, ir.TensorRef) for t in (body.lhs, body.rhs))):
+                raise ValueError("the raw score must be a contraction sum[w](A * B) of two inputs")
+            moved = next((t for t in (body.lhs, body.rhs) if t.wires is not None), None)
+            if moved is not None:   # one along its own wires written out is plain by now (ir.plain_reads)
+                # placed at the read, not the output's box, and not "must be a contraction of two
+                # inputs", which it is
+                raise NoGrad(f"the score's contraction reads {expr_text(moved)}, input {moved.name} along other "
+                             "wires than its own; the backward takes the contraction's inputs read along their "
+                             "declared wires", moved.loc)
+            pairs.append((body.lhs, body.rhs))
         tile.append(("dR", _mul(_ref("dS"), diff(s_of_r, _ref("R")))))
-        # R = sum[w](A * B): dA sums dR * B over the wires of R that A lacks, and alike for B.
+        # R = sum[w](A * B) (+ ...): dA sums dR * B over the wires of R that A lacks, and alike for B.
         grads = [(this.name, _sum(tuple(x for x in w.score if x not in input_layouts[this.name]),
                                   ir.Binary("*", _ref("dR"), other)))
-                 for this, other in ((body.lhs, body.rhs), (body.rhs, body.lhs))] + grads
+                 for a, b in pairs for this, other in ((a, b), (b, a))] + grads
     own_grads = {name for name, _ in grads}   # the kernels' own: Q and K (with a raw score), V
     twice = [t for t, _, _, _ in row_grads if t in own_grads]
     if twice:   # (a residual + Q): the kernels keep one accumulator per input, as for K = V
@@ -612,11 +616,24 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
         raise NoGrad(f"expected one score box contracting inputs (like sum[d](Q * K)); found {names}",
                      found[1][0].loc if found else where)
     let, raws = found[0]
-    if len(raws) != 1:
+    if len(raws) == 1:
+        return let, raws[0]
+    # several contractions added up (MLA's sum[c](Qc * Kc) + sum[r](Qr * Kr)): R is their sum,
+    # and each pair's inputs take dR as one contraction's would
+    total = next((n for n in ir.walk(let.expr) if isinstance(n, ir.Binary) and n.op == "+"
+                  and len(_terms(n)) == len(raws) and all(r in _terms(n) for r in raws)), None)
+    if total is None:
         raise NoGrad(f"the box {let.name} holds {len(raws)} sums over inputs; the backward takes one score, a "
-                     "contraction like sum[d](Q * K) in a box of its own or written inside one normaliser",
-                     raws[1].loc)
-    return let, raws[0]
+                     "contraction like sum[d](Q * K), or contractions added up (sum[c](Qc * Kc) + "
+                     "sum[r](Qr * Kr)), in a box of its own or written inside one normaliser", raws[1].loc)
+    return let, total
+
+
+def _terms(e: ir.Expr) -> list:
+    """The terms of a chain of + (one term where ``e`` is no sum)."""
+    if isinstance(e, ir.Binary) and e.op == "+":
+        return _terms(e.lhs) + _terms(e.rhs)
+    return [e]
 
 
 def _grown_to_normaliser(diagram: ir.Diagram, box: ir.Let) -> ir.Let:

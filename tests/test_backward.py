@@ -184,6 +184,97 @@ def test_keys_shared_by_two_query_wires(folder):
     assert dk.shape == inputs[1].shape == (2, 2, 37, 16)
 
 
+MLA_TEXT = """diagram mla_small
+wire b, h, q, x
+wire c = 32
+wire r = 16
+wire e = 24
+in Qc[b, h, q, c] : {dt}
+in Kc[b, h, x, c] : {dt}
+in Qr[b, h, q, r] : {dt}
+in Kr[b, h, x, r] : {dt}
+in V[b, h, x, e] : {dt}
+in tau[h] : fp32
+S[b, h, q, x] = where(x <= q, (sum[c](Qc * Kc) + sum[r](Qr * Kr)) * tau, -inf)
+O[b, h, q, e] = sum[x](softmax[x](S) * V)
+lse[b, h, q] = logsumexp[x](S)
+out O, lse
+"""
+
+
+@pytest.mark.parametrize("dt", ["fp32", "fp16"])
+def test_a_score_of_two_contractions_trains(dt, folder):
+    """MLA's score, sum[c](Qc * Kc) + sum[r](Qr * Kr): each pair gets its own gradient from the
+    one dR (it was refused: 'holds 2 sums over inputs'), tau its own through the summed score.
+    Against float64 torch written with the parts concatenated, as MLA's reference does; ragged
+    sizes, causal, fp32 and fp16, the output's and the lse's gradients both."""
+    m = compile_text(MLA_TEXT.format(dt=dt), f"mla_small_{dt}", folder)
+    dtype = torch.float32 if dt == "fp32" else torch.float16
+    g = torch.Generator().manual_seed(11)
+    nq, nx = (45, 37) if dt == "fp32" else (37, 50)
+    shapes = [(2, 2, nq, 32), (2, 2, nx, 32), (2, 2, nq, 16), (2, 2, nx, 16), (2, 2, nx, 24)]
+    ins = [torch.randn(*sh, generator=g).to(dtype).requires_grad_() for sh in shapes]
+    tau = (torch.rand(2, generator=g) * 0.3 + 0.1).requires_grad_()
+    out, lse = m.mla_small(*ins, tau, block_q=16, block_x=16)
+    w_o, w_l = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    ((out.double() * w_o).sum() + (lse.double() * w_l).sum()).backward()
+    xs = [t.detach().double().requires_grad_() for t in ins + [tau]]
+    q, k = torch.cat([xs[0], xs[2]], -1), torch.cat([xs[1], xs[3]], -1)
+    s = (q @ k.transpose(-1, -2)) * xs[5].view(1, -1, 1, 1)
+    s = s.masked_fill(torch.ones(nq, nx, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    o, l = s.softmax(-1) @ xs[4], s.logsumexp(-1)
+    ((o * w_o.double()).sum() + (l * w_l.double()).sum()).backward()
+    tol = 1e-5 if dt == "fp32" else 3e-3
+    for name, a, e in [("O", out, o), ("lse", lse, l)] + [
+            (n, t.grad, x.grad) for n, t, x in zip(("Qc", "Kc", "Qr", "Kr", "V", "tau"), ins + [tau], xs)]:
+        err = ((a.double() - e).norm() / e.norm()).item()
+        assert err < tol, f"{dt} {name}: relative error {err:.3g}"
+
+
+def test_a_rotary_key_shared_by_the_heads_passes_expanded(folder):
+    """DeepSeek's k_pe is one per token: passed as k_pe.expand(...) (stride 0 along h) the kernels
+    read it for every head, and autograd sums the heads' dKr into k_pe's gradient."""
+    m = compile_text(MLA_TEXT.format(dt="fp32"), "mla_small_fp32", folder)
+    g = torch.Generator().manual_seed(12)
+    n = 41
+    qc, kc, qr, v = (torch.randn(2, 3, n, w, generator=g).requires_grad_() for w in (32, 32, 16, 24))
+    k_pe = torch.randn(2, 1, n, 16, generator=g).requires_grad_()
+    tau = torch.full((3,), 0.2)
+    out, _ = m.mla_small(qc, kc, qr, k_pe.expand(2, 3, n, 16), v, tau, block_q=16, block_x=16)
+    w_o = torch.randn(out.shape, generator=g)
+    (out * w_o).sum().backward()
+    xs = [t.detach().double().requires_grad_() for t in (qc, kc, qr, k_pe, v)]
+    s = (torch.cat([xs[0], xs[2]], -1) @ torch.cat([xs[1], xs[3].expand(2, 3, n, 16)], -1).transpose(-1, -2)) * 0.2
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    o = s.softmax(-1) @ xs[4]
+    (o * w_o.double()).sum().backward()
+    assert ((out.double() - o).norm() / o.norm()).item() < 1e-5
+    for name, t, x in zip(("Qc", "Kc", "Qr", "k_pe", "V"), (qc, kc, qr, k_pe, v), xs):
+        assert t.grad.shape == x.grad.shape
+        assert ((t.grad.double() - x.grad).norm() / x.grad.norm()).item() < 1e-5, name
+
+
+@pytest.mark.parametrize("score, message", [
+    ("(sum[c](Qc * Kc) + sum[c](Qc * K2)) * 0.2",
+     r"input Qc: it is the query of two contractions: declare two inputs"),
+    ("sum[c](Qc * Kc) * sum[r](Qr * Kr) * 0.01",
+     r"holds 2 sums over inputs; the backward takes one score, a contraction like sum\[d\]\(Q \* K\), or "
+     r"contractions added up"),
+    ("(sum[c](Qc * Kc) + sum[r](Qr * Kr)) * tau",
+     r"inputs Kr and V: they must share their batch wires \(a key part shared by the heads, as MLA's rotary key: "
+     r"declare Kr along them too and pass it expanded"),
+])
+def test_contractions_the_backward_cannot_take_apart_are_refused(score, message):
+    text = MLA_TEXT.format(dt="fp32").replace("in V[b, h, x, e] : fp32", "in V[b, h, x, e] : fp32\nin K2[b, h, x, c] : fp32")
+    text = text.replace("(sum[c](Qc * Kc) + sum[r](Qr * Kr)) * tau", score)
+    if "tau" in score:   # the rotary key declared once for every head
+        text = text.replace("in Kr[b, h, x, r]", "in Kr[b, x, r]")
+    from napkin.codegen import lower as L
+    from napkin.codegen import training
+    t = training.prepare(L.lower(napkin.load_text(text, "mla_small.ncd")))
+    assert t.backward is None and re.search(message, t.reason), t.reason
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["attention", "causal", "gqa", "alibi", "l2_attention", "matmul"])
 def test_bf16_on_gpu(name, folder):
@@ -1095,8 +1186,9 @@ def test_dkdv_kernel_computes_transposed_tiles(name):
     source = _kernel_source(text, dkdv.name)
     k, q = dkdv.dots[0].lhs.var, dkdv.dots[0].rhs.var
     assert f"_qk = tl.dot({k}, tl.trans({q})" in source or f"_qk = tl.dot({k}.to(" in source
-    accumulations = [line.strip() for line in source.splitlines() if "+= tl.dot(" in line]
-    assert len(accumulations) >= len(dkdv.grads) == 2
+    accumulations = [line.strip() for line in source.splitlines() if "+= tl.dot(" in line
+                     and line.strip().startswith("_acc_")]   # not the scores' second contraction (MLA)
+    assert len(accumulations) >= len(dkdv.grads) == len(b.ks) + 1
     assert not any("tl.trans(" in line for line in accumulations), accumulations
     assert f"_ok = _ok_{b.col}[:, None] & _gok_{b.row}[None, :]" in source
     for ld in dkdv.loads:

@@ -172,6 +172,9 @@ class BackwardPlan:
     # float inputs napkin emits no gradient for, and why (with the diagram's line and column):
     # a call that wants one is refused, the others train
     ungradable: tuple[tuple[str, str], ...] = ()
+    # every contraction's Q and K when the score adds up several (MLA's); q and k are the first
+    qs: tuple[str, ...] = ()
+    ks: tuple[str, ...] = ()
 
     def kernel(self, role: str) -> Optional[Kernel]:
         return next((k for k in self.kernels if k.role == role), None)
@@ -205,33 +208,41 @@ class _Builder:
 
     def build(self) -> BackwardPlan:
         d, f, rule = self.d, self.f, self.rule
-        if len(f.dots) != 1:
-            raise refuse(f"diagram {d.name}", "its scores hold more than one contraction", d.loc)
-        dot = f.dots[0]
-        self.q, self.k, self.v = dot.lhs.tensor, dot.rhs.tensor, rule.value
-        roles = {"query": self.q, "key": self.k, "value": self.v}
-        for one, other in (("query", "key"), ("key", "value"), ("query", "value")):
-            if roles[one] == roles[other]:
+        # the score's contractions (one, or several added up: MLA's) as (Q_i, K_i) pairs
+        self.pairs = tuple((dot.lhs.tensor, dot.rhs.tensor) for dot in f.dots)
+        self.qs, self.ks = tuple(q for q, _ in self.pairs), tuple(k for _, k in self.pairs)
+        self.q, self.k, self.v = self.qs[0], self.ks[0], rule.value
+        roles = [(n, "query") for n in self.qs] + [(n, "key") for n in self.ks] + [(self.v, "value")]
+        for i, (name, one) in enumerate(roles):
+            other = next((r for n, r in roles[i + 1:] if n == name), None)
+            if other is not None:
                 # its gradient is the sum of two paths, each with its own kernel's accumulator;
                 # the kernels keep one per input (the dK of K = V lost its score path)
-                name = roles[one]
-                raise refuse(f"input {name}", f"it is both the {one} and the {other}: declare two inputs "
+                what = f"both the {one} and the {other}" if other != one else f"the {one} of two contractions"
+                raise refuse(f"input {name}", f"it is {what}: declare two inputs "
                              "and pass the same tensor to both (autograd adds their gradients)", d.tensor(name).loc)
         valued = [a.value for a in f.accums if a.value is not None]
         if not valued or any(ld.tensor != self.v for ld in valued):
             raise refuse(f"diagram {d.name}", f"its weights must contract with {self.v} alone", d.loc)
-        self.fv, self.fq = valued[0].cols, dot.wire
-        for name in (self.q, self.k, self.v):
+        self.fv, self.fq = valued[0].cols, tuple(dot.wire for dot in f.dots)
+        for name in self.qs + self.ks + (self.v,):
             t = d.tensor(name)
             if any(isinstance(n, ir.TensorRef) and n.name == name and n.wires is not None
                    and tuple(n.wires) != ir.axis_wires(t.axes) for let in d.lets for n in ir.walk(let.expr)):
                 raise refuse(f"input {name}", "it is read along other wires than its own", t.loc)
-        qw, kw, vw = (set(ir.axis_wires(d.tensor(n).axes)) for n in (self.q, self.k, self.v))
-        if not set(self.batch) <= qw:
-            missing = ", ".join(w for w in self.batch if w not in qw)
-            raise refuse(f"input {self.q}", f"it lacks the batch wire(s) {missing} of the scores", d.tensor(self.q).loc)
-        if kw & set(self.batch) != vw & set(self.batch):
-            raise refuse(f"inputs {self.k} and {self.v}", "they must share their batch wires", d.tensor(self.v).loc)
+        kw, vw = (set(ir.axis_wires(d.tensor(n).axes)) for n in (self.k, self.v))
+        for q in self.qs:
+            qw = set(ir.axis_wires(d.tensor(q).axes))
+            if not set(self.batch) <= qw:
+                missing = ", ".join(w for w in self.batch if w not in qw)
+                raise refuse(f"input {q}", f"it lacks the batch wire(s) {missing} of the scores", d.tensor(q).loc)
+        for k in self.ks:
+            if set(ir.axis_wires(d.tensor(k).axes)) & set(self.batch) != vw & set(self.batch):
+                shared = "" if k == self.k else (
+                    f" (a key part shared by the heads, as MLA's rotary key: declare {k} along them too and "
+                    "pass it expanded, k.expand(...), which reads the same memory; autograd sums its gradient)")
+                raise refuse(f"inputs {k} and {self.v}", f"they must share their batch wires{shared}",
+                             d.tensor(k if shared else self.v).loc)
         self.kv_batch = tuple(w for w in self.batch if w in kw)
         self.outer = tuple(w for w in self.batch if w not in kw)
         self.axes = self.layouts()
@@ -243,15 +254,15 @@ class _Builder:
         grads = dict(rule.input_grads)
         self.state = self.state_names()
         kernels = [k for k in (self.rows_kernel(), self.dkdv_kernel(grads), self.dq_kernel(grads)) if k]
-        dims = tuple(w.name for w in d.wires if w.name in {self.fq, self.fv})
+        dims = tuple(w.name for w in d.wires if w.name in set(self.fq) | {self.fv})
         floats = [t.name for t in d.inputs if t.dtype in ir.FLOAT_DTYPES]
-        grad_names = tuple(n for n in floats if n in (self.q, self.k, self.v) or n in {s.tensor for s in self.sides}
+        grad_names = tuple(n for n in floats if n in self.qs + self.ks + (self.v,) or n in {s.tensor for s in self.sides}
                            or n in dict(rule.row_grads))
         rows = self.rule.rows
         return BackwardPlan(self.bd, f, rule, self.row, self.col, self.batch, dims, self.q, self.k, self.v,
                             self.state, self.row_inputs, tuple(n for n, e in rows if not _alias(e)),
                             tuple((n, e.name) for n, e in rows if _alias(e)), grad_names, tuple(kernels),
-                            tuple(self.axes.items()), tuple(self.ungradable))
+                            tuple(self.axes.items()), tuple(self.ungradable), self.qs, self.ks)
 
     # ---- the stored layout of every backward tensor ----
     def layouts(self) -> dict:
@@ -289,7 +300,7 @@ class _Builder:
         gradient is refused (a fixed temperature need not stop training)."""
         out = []
         for t in self.d.inputs:
-            if t.name in (self.q, self.k, self.v) or t.dtype not in ir.FLOAT_DTYPES:
+            if t.name in self.qs + self.ks + (self.v,) or t.dtype not in ir.FLOAT_DTYPES:
                 continue
             try:
                 side = self.side_input(t, tile.get("S"))
@@ -436,12 +447,12 @@ class _Builder:
                       tuple(loads.loads), tuple(lines), (), tuple(reduces), (), (), stores, tuple(subst.items()))
 
     def dkdv_kernel(self, grads: dict) -> Kernel:
-        targets = [self.grad(n, grads[n], "dkdv") for n in (self.k, self.v)]
+        targets = [self.grad(n, grads[n], "dkdv") for n in self.ks + (self.v,)]
         return self.loop_kernel("dkdv", self.col, self.row, self.kv_batch, self.outer, targets, [])
 
     def dq_kernel(self, grads: dict) -> Kernel:
-        target = self.grad(self.q, grads[self.q], "dq")
-        return self.loop_kernel("dq", self.row, self.col, self.batch, (), [target], self.sides)
+        targets = [self.grad(q, grads[q], "dq") for q in self.qs]
+        return self.loop_kernel("dq", self.row, self.col, self.batch, (), targets, self.sides)
 
     def grad(self, name: str, e, role: str):
         """(input, tile name, operand ref, store rows, store cols) of sum[w](tile * operand)."""
@@ -504,9 +515,10 @@ class _Builder:
             return self._load(loads, ref, "step" if loop_wire in ws or set(outer) & set(ws) else "pre", tile_axes)
 
         subst, dots, lines = {}, [], []
-        if "R" in need:
-            q, k = load(ir.TensorRef(self.q)), load(ir.TensorRef(self.k))
-            dots.append(Dot("_qk", *((q, k) if grid_wire == self.row else (k, q))))
+        if "R" in need:   # the score's contractions, each added into _qk (backward_emit._tile_lines)
+            for qn, kn in self.pairs:
+                q, k = load(ir.TensorRef(qn)), load(ir.TensorRef(kn))
+                dots.append(Dot("_qk", *((q, k) if grid_wire == self.row else (k, q))))
             subst[ir.TensorRef("R")] = "_qk"
         row_lines = []
         for name in order:
@@ -655,7 +667,7 @@ class _Builder:
         ws = self._read(ref)
         row, col = self.row, self.col
         tile = tile or (row, col)
-        feats = [w for w in ws if w in (self.fq, self.fv)]
+        feats = [w for w in ws if w in self.fq + (self.fv,)]
         if row in ws and col in ws:
             rows, cols = tile
         elif (row in ws or col in ws) and feats:

@@ -193,12 +193,15 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
     and no bounds masks (_ok): every row and key of its tile is real."""
     lines = _row_lines(plan, names, k, "step")
     d = plan.diagram
+    scores = 0
     for dot in k.dots:
         dt = product_dt(plan, dot.lhs.tensor, dot.rhs.tensor)
         lhs, rhs = dot.lhs.var, dot.rhs.var
         if dot.var == "_qk":  # the scores, taken as the forward's are (E.dot_operands: in the wider dtype)
             lhs, rhs = E.dot_operands(lhs, d.tensor(dot.lhs.tensor).dtype, rhs, d.tensor(dot.rhs.tensor).dtype)
-            lines.append(f"{dot.var} = {_dot(lhs, f'tl.trans({rhs})', plan)}")
+            # several contractions (MLA's) add up in one tile, as the forward's do
+            lines.append(f"{dot.var} {'+=' if scores else '='} {_dot(lhs, f'tl.trans({rhs})', plan)}")
+            scores += 1
         else:
             lines.append(f"{dot.var} = {_dot(f'{lhs}.to({dt})', f'tl.trans({rhs}.to({dt}))', plan, dt)}")
     for var, e in k.lines:

@@ -141,7 +141,8 @@ def held_terms(plan: BackwardPlan, k: Kernel) -> list[tuple[str, str]]:
     """What one dK/dV or dQ program holds in float32, as a sum of tiles (two
     wires each: the row wire, the key wire or a feature wire): its
     accumulators, its product tiles, the float32 operands: see HELD_FP32."""
-    terms = [(k.grid_wire, g.cols) for g in k.grads] + [(k.grid_wire, k.loop_wire)] * len(k.dots)
+    # a tile per product; the score's contractions (several for MLA's) add into one
+    terms = [(k.grid_wire, g.cols) for g in k.grads] + [(k.grid_wire, k.loop_wire)] * len({d.var for d in k.dots})
     return terms + [(ld.rows, ld.cols) for ld in wide_operands(plan, k) if ld.rows and ld.cols]
 
 

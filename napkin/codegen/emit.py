@@ -528,14 +528,17 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     parts = environment().get_template("attention_parts.py.jinja").make_module(vars=ctx)
     # its header's rows' global indices and real-rows mask only where the merge
     # reads them (its stores mask with _ok): else no positions parameters either
-    body = str(parts.merge_body())
+    # and the offsets of the feature wires it reads (a score's wire alone, MLA's c and r: none)
+    bare = str(parts.merge_body(True, True, ()))
+    only = tuple(w["wire"] for w in ctx["dims"] if reads(bare, w["offs"]) or reads(bare, w["ok"]))
+    body = str(parts.merge_body(True, True, only))
     gok = reads(body, ctx["row"]["gok"])
     if not gok:
-        body = str(parts.merge_body(True, False))
+        body = str(parts.merge_body(True, False, only))
     idx = gok or reads(body, ctx["row"]["idx"])
     if not idx:
-        body = str(parts.merge_body(False, False))
-    ctx["merge_rows"] = (idx, gok)
+        body = str(parts.merge_body(False, False, only))
+    ctx["merge_rows"] = (idx, gok, only)
     ctx["merge_params"], merge = merge_launch(f"_{d.name}_merge", body, params, positional, keywords, extra)
     ctx["merge_no_specialize"] = ", ".join(f'"{s}"' for s in sizes if s in ctx["merge_params"])
     ctx["launch"] += (f"\nif math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
