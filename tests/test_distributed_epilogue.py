@@ -354,16 +354,27 @@ def test_functions_the_wrappers_cannot_apply_after_the_merge_are_refused(output,
         roles(napkin.load_text(src, "sinkd.ncd"))
 
 
+MLA_MESH = (REPO / "examples" / "mla.ncd").read_text().replace("wire c = 128", "wire c = 32").replace(
+    "wire r = 64", "wire r = 16").replace("wire e = 128", "wire e = 24").replace(": fp16", ": fp32").replace(
+    "  accumulate fp32", "  accumulate fp32\n  level devices { group q across 4\n    stream x across 4 }").replace(
+    "q by 128", "q by 16").replace("x by 64", "x by 16")
+MLA = "mla"   # examples/mla.ncd, small, over a ring of 4: two query parts, two key parts, V narrower
+
+
 @pytest.mark.parametrize("runner, mesh, output", [("run_ring_attention.py", "ring", "A * sigmoid(L - sink)"),
                                                    ("run_attention_2d.py", "2x2", "A * sigmoid(L - sink)"),
-                                                   ("run_attention_2d.py", "2x2", GATE)])
+                                                   ("run_attention_2d.py", "2x2", GATE),
+                                                   ("run_ring_attention.py", "ring", MLA)])
 def test_the_torchrun_demos_take_a_sink(tmp_path, runner, mesh, output):
     """examples/run_*.py --diagram FILE with a sink: its error against the float64 reference.
     The demo gathered the output along the merged A's query axis and compared it with A (the
     reference's first output), and crashed on the sink's O: the diagram's outputs now, both
-    sides.  With a gate, each rank's rows of it."""
+    sides.  With a gate, each rank's rows of it.  Every rank's bytes are the predicted ones:
+    the demo predicted from Q's width alone (MLA's ring: 43008 B forward where 53760 went)
+    until it took the cost pass's reading of the diagram (cost.devices.moved)."""
     path = tmp_path / "sink.ncd"
-    path.write_text(with_gate(text(mesh, "causal", "fp32", output)) if output == GATE else text(mesh, "causal", "fp32"))
+    path.write_text(MLA_MESH if output == MLA else
+                    with_gate(text(mesh, "causal", "fp32", output)) if output == GATE else text(mesh, "causal", "fp32"))
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                           str(REPO / "examples" / runner), "--diagram", str(path), "--tokens", "53",
@@ -371,6 +382,8 @@ def test_the_torchrun_demos_take_a_sink(tmp_path, runner, mesh, output):
     assert run.returncode == 0, run.stderr[-3000:]
     errors = [float(v) for v in re.findall(r"max \|(?:O|dQ) - reference\| *= (\S+)", run.stdout)]
     assert len(errors) == 2 and all(e < 1e-5 for e in errors), run.stdout
+    ranks = re.findall(r"^ +\d+ +(\d+) \( *(\d+)\) +(\d+) \( *(\d+)\)", run.stdout, re.MULTILINE)
+    assert len(ranks) == 4 and all(f == fp and b == bp for f, fp, b, bp in ranks), run.stdout
 
 
 def test_the_generated_launcher_takes_the_gate_and_returns_the_written_output():

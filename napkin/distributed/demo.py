@@ -13,10 +13,13 @@ the whole sequence in one process (no layout, no merge).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 
 import torch
+
+from napkin.cost import collectives as C
 
 
 def _args(default_diagram: str, argv=None):
@@ -37,7 +40,7 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     import torch.distributed as dist
 
     import napkin
-    from napkin.distributed import Attention2D, CommCounter, EagerLocal, RingAttention, predicted_comm
+    from napkin.distributed import Attention2D, CommCounter, EagerLocal, RingAttention
     from napkin.distributed.common import results
 
     a = _args(default_diagram, argv)
@@ -78,15 +81,16 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
 
     # the same full inputs on every rank, from the seed
     gen = torch.Generator().manual_seed(a.seed)
-    sizes = {w.name: w.size for w in diagram.wires if w.size is not None}
+    fixed = {w.name: w.size for w in diagram.wires if w.size is not None}
+    sizes = {w.name: (a.tokens if w.name in (r.query, r.key) else a.batch if w.name == "b" else 2 if w.name == "g"
+                      else a.heads // 2 if w.name == "hk" else fixed.get(w.name, a.heads)) for w in diagram.wires}
     full = {}
     for t in diagram.inputs:
         shape = []
         for axis in t.axes:
             n = 1
             for w in axis:
-                n *= (a.tokens if w in (r.query, r.key) else a.batch if w == "b"
-                      else 2 if w == "g" else a.heads // 2 if w == "hk" else sizes.get(w, a.heads))
+                n *= sizes[w]
             shape.append(n)
         full[t.name] = torch.randn(shape, generator=gen, dtype=torch.float64)
     dtype = getattr(torch, a.dtype)
@@ -116,13 +120,8 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     torch.autograd.backward(ref_outs, [torch.ones_like(t) for t in ref_outs])
     ref_o = ref_outs[0]
 
-    hq = full[r.tokens[0]].numel() // (a.batch * a.tokens * full[r.tokens[0]].shape[-1])
-    hkv = full[r.tokens[1]].numel() // (a.batch * a.tokens * full[r.tokens[1]].shape[-1])
-    pred_sizes = dict(b=a.batch, hq=hq, hkv=hkv, d=full[r.tokens[0]].shape[-1], q=a.tokens)
-    dname = a.dtype.replace("float", "fp")
     sent = [cc.total("forward")[0], cc.total("backward")[0]]
-    predicted = [predicted_comm(scheme, grid, pred_sizes, dname, ph, r.family)[rank][0]
-                 for ph in ("forward", "backward")]
+    predicted = [C.rank_bytes(scheme, grid, _moved(r, sizes, a.dtype), ph)[rank][0] for ph in ("forward", "backward")]
     report = [None] * world
     dist.all_gather_object(report, (rank, sent, predicted, cc.links()))
     if rank == 0:
@@ -144,13 +143,24 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     dist.destroy_process_group()
 
 
+def _moved(r, sizes: dict, dtype: str):
+    """What the wrappers move per row (the cost pass's reading of the diagram: each token input's
+    own width, so MLA's two query parts or a value wider than the keys count right), every
+    tensor in the run's ``dtype``, to which the demo casts them all."""
+    from napkin.cost.devices import moved
+
+    e = C.ELEMENT_BYTES[dtype.replace("float", "fp")]
+    m = moved(r.diagram, r, sizes)
+    return dataclasses.replace(m, query=tuple((w, e) for w, _ in m.query), keys=tuple((w, e) for w, _ in m.keys),
+                               out_bytes=e, state=C.state_bytes(dtype.replace("float", "fp")))
+
+
 def decode_main(default_diagram: str, argv=None) -> None:
     """Decoding: a few queries against a key/value cache split over the
     ranks (TreeAttention), forward only."""
     import torch.distributed as dist
 
     import napkin
-    from napkin.cost import collectives as C
     from napkin.distributed import CommCounter, EagerLocal, TreeAttention
 
     ap = argparse.ArgumentParser(description="decoding across devices, against a float64 reference")
