@@ -113,14 +113,18 @@ def sum_normalised():
     return compile_on_paper(SUM_NORMALISED, "--head-dim", "128")
 
 
+def fit_without_spilling(reports) -> None:
+    for r in reports:
+        assert not r.spills, f"{r.kernel} spills {r.spill_stores} B / loads {r.spill_loads} B per thread"
+        assert r.shared <= H100_SMEM
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stem", SUM_NORMALISED)
 def test_sum_normaliser_backward_kernels_do_not_spill(sum_normalised, stem):
     reports = {r.kernel: r for r in sum_normalised[stem]}
     assert set(reports) >= {f"_{stem}_bwd_{k}_kernel" for k in ("rows", "dkdv", "dq")}
-    for r in reports.values():
-        assert not r.spills, f"{r.kernel} spills {r.spill_stores} B / loads {r.spill_loads} B per thread"
-        assert r.shared <= H100_SMEM
+    fit_without_spilling(reports.values())
     for k in ("dkdv", "dq"):
         assert reports[f"_{stem}_bwd_{k}_kernel"].wgmma > 0, f"{stem}'s {k} kernel runs without wgmma"
 
@@ -141,9 +145,17 @@ def shared_keys():
 def test_shared_key_backward_kernels_do_not_spill(shared_keys, stem):
     reports = {r.kernel: r for r in shared_keys[stem]}
     assert f"_{stem}_bwd_dkdv_kernel" in reports
-    for r in reports.values():
-        assert not r.spills, f"{r.kernel} spills {r.spill_stores} B / loads {r.spill_loads} B per thread"
-        assert r.shared <= H100_SMEM
+    fit_without_spilling(reports.values())
+
+
+@pytest.mark.slow
+def test_mla_trains_on_warpgroup_mma_without_spilling():
+    """Multi-head latent attention at its own sizes (128 + 64 wide scores, 128 wide values):
+    both contractions of the score in every kernel, on wgmma, no spill."""
+    reports = {r.kernel: r for r in compile_on_paper(["mla"])["mla"]}
+    assert set(reports) == {f"_mla{k}_kernel" for k in ("", "_bwd_rows", "_bwd_dkdv", "_bwd_dq")}
+    fit_without_spilling(reports.values())
+    assert all(reports[f"_mla{k}_kernel"].wgmma > 0 for k in ("", "_bwd_dkdv", "_bwd_dq"))
 
 
 @pytest.mark.slow
