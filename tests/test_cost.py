@@ -258,6 +258,26 @@ def test_bound_shapes():
     assert (s.kind, s.rows, s.inner, s.cols) == ("matmul", ("m",), ("k",), ("n",))
 
 
+def test_a_score_of_two_contractions_is_bounded_as_one_over_both_widths():
+    """MLA's score sum[c](Qc * Kc) + sum[r](Qr * Kr) is one contraction over the parts side by
+    side: its bound is the same diagram's with Q and K of width c + r = 192.  The second part
+    was left out (r in no term: 1.28 GB against 1.98 GB at b=1, h=16, q=x=8192, below what the
+    concatenated form must move)."""
+    sizes = {"b": 1, "h": 16, "q": 8192, "x": 8192}
+    text = (REPO / "examples" / "mla.ncd").read_text()
+    cat = text.replace("wire c = 128", "wire d = 192").replace("wire r = 64\n", "").replace(
+        "in Qc[b, h, q, c]", "in Q[b, h, q, d]").replace("in Kc[b, h, x, c]", "in K[b, h, x, d]").replace(
+        "in Qr[b, h, q, r] : fp16\n", "").replace("in Kr[b, h, x, r] : fp16\n", "").replace(
+        "(sum[c](Qc * Kc) + sum[r](Qr * Kr)) * (|c| + |r|)^-0.5", "sum[d](Q * K) * |d|^-0.5").replace(
+        "hold Qc, Kc, Qr, Kr, V", "hold Q, K, V")
+    mla = napkin.load_text(text, "mla.ncd")
+    s = bounds.bound_shape(mla)
+    assert (s.kind, s.inner, s.more_inner, s.value) == ("attention", ("c",), (("r",),), ("e",))
+    a, b = analyse(mla, sizes).bound, analyse(napkin.load_text(cat, "cat.ncd"), sizes).bound
+    assert a.kind == b.kind == "attention" and a.bytes == b.bytes
+    assert "b*h*q*r" in a.formula and "b*h*q*r^2*x" in a.formula
+
+
 def test_row_sums_of_the_scores_keep_the_attention_bound_and_the_compulsory_one_counts_each_dtype(tmp_path, capsys):
     """L2's sum[x](S * S), a third contraction, sent it to the compulsory
     bound, ten times looser than attention's at q = x = 16384 (schedule/bound

@@ -10,6 +10,8 @@ The general form is H* = sum_t alpha_t * M^(-beta_t) (background section 1):
   none below the matmul's compulsory traffic (_matmul).
 * attention-like, S = sum[d](Q * K) feeding O = sum[x](P * V):
       H* = batch * (rows*d + rows*dv + x*(d + dv)^2 * rows / M)   (beta = 1)
+  A score adding several contractions of inputs (MLA's sum[c](Qc * Kc) +
+  sum[r](Qr * Kr)) is one over the parts side by side: d = c + r.
   which is 2qd + 4xqd^2/M per head when dv = d.  The last term is the K and V
   re-reads: a program holding g query rows (its Q tile and O accumulator,
   g*(d + dv) <= M) reads all x*(d + dv) keys and values once per g rows.
@@ -48,6 +50,9 @@ class BoundShape:
     inner: tuple[str, ...] = ()     # k (matmul) / d (attention)
     cols: tuple[str, ...] = ()      # c (matmul) / x (attention)
     value: tuple[str, ...] = ()     # dv (attention)
+    # attention's other score contractions, added to the first (MLA's sum[r](Qr * Kr) beside
+    # sum[c](Qc * Kc)): each one's wires, so d = |c| + |r|, as the parts written as one wire
+    more_inner: tuple[tuple[str, ...], ...] = ()
     dtype: str = "fp16"             # the operands' element type
     # the fixed terms' dtypes: a matmul's output; attention's Q and O (then its scores', for the
     # two-matmul form); None for an output that is not written (a box a later box reads)
@@ -133,12 +138,19 @@ def bound_shape(diagram: ir.Diagram) -> BoundShape:
             if xs & wa:            # the key side is the one carrying x
                 a, b, wa, wb = b, a, wb, wa
             ds = set(n1.wires)
-            batch = (wa & wb) - ds
-            return BoundShape("attention", _ordered(diagram, batch), _ordered(diagram, wa - batch - ds),
+            # the score box's other contractions of two inputs add into the score (MLA's parts)
+            more = [(n, f) for let, n, f in cons[1:] if let is let1 and n is not n2
+                    and not any(_feeds(diagram, let1, x) for x in f)]
+            parts = [set(n.wires) for n, _ in more]
+            wide = set().union(ds, *parts)
+            batch = (wa & wb) - wide
+            operands = (a, b, v) + tuple(x for _, f in more for x in f)
+            return BoundShape("attention", _ordered(diagram, batch), _ordered(diagram, wa - batch - wide),
                               _ordered(diagram, ds), _ordered(diagram, xs),
-                              _ordered(diagram, wv - batch - xs), dtype=_operand_dtype(diagram, (a, b, v)),
+                              _ordered(diagram, wv - batch - xs), dtype=_operand_dtype(diagram, operands),
                               fixed=(_operand_dtype(diagram, (a,)), _written(diagram, let2.name),
-                                     tiling.tensor_dtype(diagram, let1.name)))
+                                     tiling.tensor_dtype(diagram, let1.name)),
+                              more_inner=tuple(_ordered(diagram, p) for p in parts))
     return BoundShape("compulsory", dtype=_operand_dtype(diagram, [let.expr for let in diagram.lets]))
 
 
@@ -176,6 +188,8 @@ def bound_formula(shape: BoundShape, wire_sym, compulsory: Poly) -> str:
     if shape.kind == "attention":
         b, r, d, x, dv = (_sym(w, wire_sym) for w in
                           (shape.batch, shape.rows, shape.inner, shape.cols, shape.value))
+        for part in shape.more_inner:
+            d = d + _sym(part, wire_sym)
         dd = d + dv
         return f"{b * r * dd} + ({b * x * r * dd * dd})/M"
     return str(compulsory)
@@ -240,6 +254,8 @@ def bound_bytes(shape: BoundShape, sizes: dict[str, int], capacity_bytes: float,
     parts = ("batch", "rows", "inner", "cols", "value")
     b, r, d, x, dv = (_prod(sizes, getattr(shape, k)) for k in parts)
     B, R, D, X, DV = (_sym(getattr(shape, k), wire_sym) for k in parts)
+    for part in shape.more_inner:   # the score's other contractions: d is their widths' sum
+        d, D = d + _prod(sizes, part), D + _sym(part, wire_sym)
     width = [ir.DTYPE_BYTES[t] if t is not None else 0 for t in shape.fixed]
     if shape.kind == "matmul":
         t = _matmul((b, r, d, x), (B, R, D, X), m, eb, width[0])
