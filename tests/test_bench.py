@@ -67,7 +67,7 @@ def _flex_vs_reference(d, sizes=SIZES, seed=0):
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["attention", "causal", "softcap", "alibi", "document_mask", "gqa",
-                                  "attention_sink"])
+                                  "attention_sink", "mla"])
 def test_flex_matches_the_reference(name):
     d = _fp32((EXAMPLES / f"{name}.ncd").read_text())
     errors = _flex_vs_reference(d)
@@ -269,6 +269,23 @@ def test_a_sink_is_flex_attention_then_its_function_and_sdpa_only_a_speed_refere
     with pytest.raises(flex.NoFlexEquivalent, match=r"output O reads the index of wire q outside its sums"):
         flex.emit(napkin.load_text((EXAMPLES / "attention_sink.ncd").read_text().replace(
             "sigmoid(L - sink)", "sigmoid(L - sink) * (q + 1)")))
+
+
+def test_mla_is_flex_and_sdpa_on_its_parts_side_by_side():
+    """examples/mla.ncd's score adds two contractions: flex_attention and SDPA take Q and K with
+    the parts concatenated (192 wide, V 128), which is the same function (its numerics: the test
+    above); the FLOPs count the 192 and the 128; the backward's kinds differentiate both query
+    parts (dQ) and both key parts with V (dK/dV).  'not an attention: no single contraction'
+    before."""
+    d = napkin.load(EXAMPLES / "mla.ncd")
+    src = flex.emit(d)
+    assert "torch.cat([Qc, Qr], -1)" in src.text and "torch.cat([Kc, Kr], -1)" in src.text
+    assert src.causal and src.scale == pytest.approx(192 ** -0.5)
+    shape = flex.attention_shape(d, {"b": 1, "h": 2, "q": 64, "x": 64})
+    assert (shape["dim"], shape["value_dim"], shape["queries"], shape["keys"], shape["operands"]) == \
+        (192, 128, ["Qc", "Qr"], ["Kc", "Kr"], ["Qc", "Qr", "Kc", "Kr", "V"])
+    assert results.attention_flops(shape, True)["fwd"] == 2 * 2 * 64 * 64 * (192 + 128) * 0.5
+    assert all(b.equivalent for b in baselines.sdpa_baselines(flex.load(d), shape, "cpu"))
 
 
 def test_attention_shape_of_softmax_and_other_normalisers():
@@ -982,6 +999,23 @@ def test_the_backward_tuning_call_times_gradients_of_the_options_given(tmp_path)
         want = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], upstream)
         for a, b in zip(call(block_q=32, block_x=16, num_warps=4, num_stages=2), want):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_backward_tuning_call_of_mla_takes_every_part(tmp_path):
+    """MLA's dQ kernel writes both query parts' gradients and its dK/dV kernel both key parts'
+    and V's: the tuning calls ask for all of them (the kinds named Q alone, K and V)."""
+    import inspect
+
+    text = (EXAMPLES / "mla.ncd").read_text().replace("wire c = 128", "wire c = 32").replace(
+        "wire r = 64", "wire r = 16").replace("wire e = 128", "wire e = 24")
+    d = napkin.load_text(text, "mla.ncd")
+    module, _ = harness.compile_module(d, text, "mla.ncd", tmp_path)
+    sizes = {"b": 1, "h": 2, "q": 37, "x": 37}
+    inputs = [t.float() for t in reference.example_inputs(d, sizes, seed=3)]
+    accepted = set(inspect.signature(getattr(module, d.name)).parameters)
+    for kind, wrt in (("bwd", ["Qc", "Qr"]), ("bwd_kv", ["Kc", "Kr", "V"])):
+        got = harness.backward_call(d, module, inputs, sizes, accepted, kind)(block_q=16, block_x=16)
+        assert [g.shape for g in got] == [inputs[[t.name for t in d.inputs].index(n)].shape for n in wrt]
 
 
 # --------------------------------------------------------------------------

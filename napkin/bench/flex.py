@@ -134,7 +134,7 @@ class _Py:
 
     def tensor(self, ref: ir.TensorRef) -> str:
         t = self.d.tensor(ref.name)
-        if t.name in (self.an.q.name, self.an.k.name, self.an.value.name):
+        if t.name in {x.name for q, k, _ in self.an.parts for x in (q, k)} | {self.an.value.name}:
             self.an.refuse(f"the score reads {t.name} outside the contraction")
         if t.name not in self.side:
             self.side.append(t.name)
@@ -396,13 +396,16 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
     full = {w.name: w.size for w in diagram.wires if w.size is not None}
     full.update(sizes)
     heads = math.prod(full[w] for w in roles.head) if roles.head else 1
+    queries, keys = [q.name for q, _, _ in an.parts], [k.name for _, k, _ in an.parts]
     return {"batch": full[roles.batch] if roles.batch else 1, "heads": heads,
             "kv_heads": full[roles.kv_head] if roles.kv_head else 1,
             "q_len": full[roles.row], "kv_len": full[roles.key],
-            "dim": full[roles.dim], "value_dim": full[roles.vdim],
+            # the score's parts side by side (MLA's c + r), as flex and SDPA take them
+            "dim": sum(full[w] for w in (roles.dim,) + roles.more_dims), "value_dim": full[roles.vdim],
             # FLOPs are halved only for exactly causal masks (the usual convention)
             "causal": causal, "causal_part": causal_part,
-            "operands": [an.q.name, an.k.name, an.value.name]}
+            # what the backward differentiates: the query parts, the key parts, V
+            "queries": queries, "keys": keys, "operands": queries + keys + [an.value.name]}
 
 
 def _kept_pairs(diagram: ir.Diagram) -> list:
@@ -442,12 +445,21 @@ def _to_flex(name: str, axes, roles: Roles, last: str, kv: bool) -> str:
     return text
 
 
+def _side_by_side(an, roles: Roles, kv: bool) -> str:
+    """Q (or K) in flex's layout: the score's one contraction's, or its parts' (MLA's Qc and
+    Qr) concatenated along the feature dim, whose product is the parts' products added up."""
+    parts = [_to_flex(t.name, t.axes, roles, w, kv) for t, w in ((k if kv else q, w) for q, k, w in an.parts)]
+    return parts[0] if len(parts) == 1 else f"torch.cat([{', '.join(parts)}], -1)"
+
+
 def _module(d, an, roles, scale, score_text, mask_text, side, sizes,
             epilogue: Optional[tuple[str, ...]] = None) -> list[str]:
     """The module's lines; ``epilogue``: the diagram's outputs when flex
     computes others (FLEX_OUTPUTS, d's) and epilogue() makes them."""
     names = [t.name for t in d.inputs]
     q, k, v = an.q.name, an.k.name, an.value.name
+    if len(an.parts) > 1:   # MLA's parts, side by side
+        q, k = (f"[{', '.join(t.name for t in ts)}]" for ts in zip(*((p[0], p[1]) for p in an.parts)))
     lines = [
         f'"""FlexAttention equivalent of the napkin diagram `{d.name}`.',
         "",
@@ -524,8 +536,8 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes,
     lines += [
         f"def arrange({params}):",
         '    """(q, k, v) in the (B, H, L, E) layout flex_attention and SDPA take."""',
-        f"    return ({_to_flex(q, an.q.axes, roles, roles.dim, kv=False)}, "
-        f"{_to_flex(k, an.k.axes, roles, roles.dim, kv=True)}, {_to_flex(v, an.value.axes, roles, roles.vdim, kv=True)})",
+        f"    return ({_side_by_side(an, roles, kv=False)}, {_side_by_side(an, roles, kv=True)}, "
+        f"{_to_flex(v, an.value.axes, roles, roles.vdim, kv=True)})",
         "",
         "",
         "def finish(out, lse=None, kv_heads=1):",

@@ -772,9 +772,10 @@ def backward_call(d: ir.Diagram, module, inputs, sizes, accepted, kind: str):
     that failed there would fail the candidate)."""
     import torch
 
-    q_name, k_name, v_name = flex.attention_shape(d, sizes)["operands"]
+    shape = flex.attention_shape(d, sizes)
     names = [t.name for t in d.inputs]
-    need = sum(1 << names.index(n) for n in {"bwd": (q_name,), "bwd_kv": (k_name, v_name)}[kind])
+    v_name = shape["operands"][-1]
+    need = sum(1 << names.index(n) for n in {"bwd": shape["queries"], "bwd_kv": shape["keys"] + [v_name]}[kind])
     grads_of = getattr(module, f"_{d.name}_grads")
     with torch.no_grad():
         outs = getattr(torch.ops.napkin, module._FWD_OP)(*inputs, *(None for _ in module._OPTIONS))

@@ -95,6 +95,9 @@ class Roles:
     head: Optional[ir.Axis]       # the query heads, kv-major: ("h",), ("hk", "g") for GQA, or None (H = 1)
     kv_head: Optional[str]        # the head wire K and V carry: head[0], or None (multi-query, or no heads)
     apart: bool = False           # Q holds hk and g as two axes, Q[b, hk, g, q, d], not one (hk g)
+    # the score's other contractions' wires, added to dim's (MLA's r beside c): flex and SDPA take
+    # the parts side by side, one (c + r)-wide Q and K
+    more_dims: tuple[str, ...] = ()
 
     @property
     def gqa(self) -> bool:
@@ -158,10 +161,15 @@ class Analysis:
                 and isinstance(n.body, ir.Binary) and n.body.op == "*"
                 and all(isinstance(t, ir.TensorRef) and isinstance(d.tensor(t.name), ir.Input)
                         for t in (n.body.lhs, n.body.rhs))}
-        if len(raws) != 1:
-            self.refuse("not an attention: no single contraction sum[d](Q * K) of two inputs")
-        raw = raws.pop()
-        operands = {raw.body.lhs.name, raw.body.rhs.name}
+        if len(raws) > 1:   # contractions added up into one score (MLA's parts): their sum
+            raw = next((n for n in nodes if isinstance(n, ir.Binary) and n.op == "+"
+                        and len(_terms(n)) == len(raws) and set(_terms(n)) == raws), None)
+        else:
+            raw = raws.pop() if raws else None
+        if raw is None:
+            self.refuse("not an attention: no single contraction sum[d](Q * K) of two inputs, nor "
+                        "contractions added up into one score")
+        operands = {t.name for part in _terms(raw) for t in (part.body.lhs, part.body.rhs)}
         found = {(f.name, n.wires[0]) for n in nodes if isinstance(n, ir.Reduce) and n.op == "sum"
                  and len(n.wires) == 1 and n != raw for f in product_factors(n.body)
                  if isinstance(f, ir.TensorRef) and f.name not in operands
@@ -188,25 +196,39 @@ class Analysis:
         return soft[0].body, self.d.tensor(rest[0].name)
 
     def _contraction(self, score: ir.Expr):
-        raws = [n for n in ir.walk(score) if isinstance(n, (ir.Reduce, ir.Normalize))]
-        if len({r for r in raws}) != 1 or not isinstance(raws[0], ir.Reduce):
-            self.refuse("the score must hold exactly one contraction sum[d](Q * K) and no other reduction")
-        raw = raws[0]
-        body = raw.body
-        ok = (raw.op == "sum" and len(raw.wires) == 1 and isinstance(body, ir.Binary) and body.op == "*"
-              and all(isinstance(t, ir.TensorRef) and t.wires is None
-                      and isinstance(self.d.tensor(t.name), ir.Input) for t in (body.lhs, body.rhs)))
-        if not ok:
-            self.refuse("the score's contraction is not sum[d](Q * K) of two inputs")
-        a, b = (self.d.tensor(t.name) for t in (body.lhs, body.rhs))
-        with_key = [t for t in (a, b) if self.key in ir.axis_wires(t.axes)]
-        if len(with_key) != 1:
-            self.refuse(f"exactly one side of the contraction must carry the key wire {self.key}")
-        k = with_key[0]
-        return raw, (b if k is a else a), k
+        """(the score's contraction, Q, K); several contractions added up (MLA's
+        sum[c](Qc * Kc) + sum[r](Qr * Kr)) are their sum, Q and K the first's, and
+        ``self.parts`` holds every (Q, K, wire)."""
+        raws = list(dict.fromkeys(n for n in ir.walk(score) if isinstance(n, (ir.Reduce, ir.Normalize))))
+        raw = raws[0] if len(raws) == 1 else next(
+            (n for n in ir.walk(score) if isinstance(n, ir.Binary) and n.op == "+"
+             and len(_terms(n)) == len(raws) and set(_terms(n)) == set(raws)), None)
+        if raw is None or not all(isinstance(r, ir.Reduce) for r in raws):
+            self.refuse("the score must hold exactly one contraction sum[d](Q * K), or contractions added up, "
+                        "and no other reduction")
+        self.parts = []
+        for part in _terms(raw):
+            body = part.body
+            ok = (part.op == "sum" and len(part.wires) == 1 and isinstance(body, ir.Binary) and body.op == "*"
+                  and all(isinstance(t, ir.TensorRef) and t.wires is None
+                          and isinstance(self.d.tensor(t.name), ir.Input) for t in (body.lhs, body.rhs)))
+            if not ok:
+                self.refuse("the score's contraction is not sum[d](Q * K) of two inputs")
+            a, b = (self.d.tensor(t.name) for t in (body.lhs, body.rhs))
+            with_key = [t for t in (a, b) if self.key in ir.axis_wires(t.axes)]
+            if len(with_key) != 1:
+                self.refuse(f"exactly one side of the contraction must carry the key wire {self.key}")
+            k = with_key[0]
+            self.parts.append((b if k is a else a, k, part.wires[0]))
+        return raw, self.parts[0][0], self.parts[0][1]
 
     def _roles(self) -> Roles:
-        dim, key = self.raw.wires[0], self.key
+        dim, key = self.parts[0][2], self.key
+        for q, k, w in self.parts[1:]:   # the other parts: laid out as the first, their own wire last
+            for t, first in ((q, self.q), (k, self.k)):
+                if [a for a in t.axes if a != (w,)] != [a for a in first.axes if a != (dim,)]:
+                    self.refuse(f"{t.name}{layout(t.axes)} is not laid out as {first.name}{layout(first.axes)} "
+                                f"with {w} for {dim}: flex and SDPA take the score's parts side by side")
         kw = set(ir.axis_wires(self.k.axes))
         row, gqa, shared = [], [], []
         for axis in self.q.axes:
@@ -240,7 +262,7 @@ class Analysis:
         vw = [w for w in ir.axis_wires(self.value.axes) if w not in (batch, key, kv_head)]
         if len(vw) != 1:
             self.refuse(f"{self.value.name}{layout(self.value.axes)} is not a (batch, heads, keys, dim) layout")
-        roles = Roles(row[0], key, dim, vw[0], batch, head, kv_head, apart)
+        roles = Roles(row[0], key, dim, vw[0], batch, head, kv_head, apart, tuple(w for _, _, w in self.parts[1:]))
         kv = [w for w in (batch, kv_head) if w is not None]
         for t, last in ((self.k, dim), (self.value, vw[0])):
             want = {(w,) for w in kv + [key, last]}
@@ -261,6 +283,13 @@ class Analysis:
                            if not tiled else "both: which is the queries? (tile the heads by 1, or write "
                            "grouped heads as one axis (hk g))"))
         return tiled + [w for w in row if w not in tiled]
+
+
+def _terms(e: ir.Expr) -> list:
+    """The terms of a chain of + (one term where ``e`` is no sum)."""
+    if isinstance(e, ir.Binary) and e.op == "+":
+        return _terms(e.lhs) + _terms(e.rhs)
+    return [e]
 
 
 def layout(axes) -> str:
