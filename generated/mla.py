@@ -8,7 +8,7 @@ Do not edit: regenerate with `napkin compile examples/mla.ncd`.
 cost summary:
     flops: contractions 2*b*c*h*q*x + 2*b*e*h*q*x + 2*b*h*q*r*x; exp b*h*q*x + b*h*q
     hbm/smem traffic: 2*b*c*h*q*x/g_q + 2*b*e*h*q*x/g_q + 2*b*h*q*r*x/g_q + 2*b*c*h*q + 2*b*e*h*q + 2*b*h*q*r + 4*b*h*q bytes
-    lower bound (attention, M = 232kB of smem / 2 B): b*c*h*q + b*e*h*q + (2*b*c*e*h*q*x + b*c^2*h*q*x + b*e^2*h*q*x)/M elements
+    lower bound (attention, M = 232kB of smem / 2 B): b*c*h*q + b*e*h*q + b*h*q*r + (2*b*c*e*h*q*x + 2*b*c*h*q*r*x + b*c^2*h*q*x + 2*b*e*h*q*r*x + b*e^2*h*q*x + b*h*q*r^2*x)/M elements
 
 mla(Qc, Kc, Qr, Kr, V) -> O, lse
     in  Qc[b, h, q, c] : fp16
