@@ -2,7 +2,7 @@
 # The benchmark a session with a lent H100 (or H200) runs, in stages that each
 # fit one 10-minute device command.  Usage, from the repository root:
 #
-#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|sweep|ncu|tma|decode|aot|all]   (default: all)
+#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|aot|all]   (default: all)
 #
 # Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
 # comes back), else bench/results; copy them into bench/results/ and commit
@@ -85,6 +85,13 @@ stage_others() {
     "${TARGET[@]}" "${TUNE[@]}"
 }
 
+stage_extras() {
+  # Variants built since the GPU runs (2026-12-02), FlexAttention-expressible: the gpt-oss
+  # attention sink (causal GQA: its dK/dV no longer spills) and multi-head latent attention
+  # (a 128 + 64 wide score, no padding to 256 where flex and SDPA take the parts concatenated).
+  "${BENCH[@]}" examples/attention_sink.ncd examples/mla.ncd "${TARGET[@]}" --group 4 "${TUNE[@]}"
+}
+
 stage_sweep() {
   # The FlashAttention papers' grid for plain and causal attention: lengths
   # 1K-16K, head dims 64 and 128, bf16 and fp16; configs from the cache when
@@ -150,7 +157,7 @@ stage_aot() {
 
 stage="${1:-all}"
 case "$stage" in
-  env|test|benchtest|main|variants|misses|others|sweep|ncu|tma|decode|aot) "stage_$stage" ;;
-  all) for s in env test aot main variants others benchtest sweep ncu tma decode; do "stage_$s"; done ;;
-  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|sweep|ncu|tma|decode|aot|all]" >&2; exit 2 ;;
+  env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|aot) "stage_$stage" ;;
+  all) for s in env test aot main variants others extras benchtest sweep ncu tma decode; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|aot|all]" >&2; exit 2 ;;
 esac

@@ -2031,6 +2031,7 @@ def run_stage_recorded(tmp_path, stage: str) -> list[list[str]]:
     ("variants", ["sliding_window", "softcap", "alibi", "document_mask", "gqa"], [16384]),
     ("misses", ["attention", "document_mask", "sliding_window"], [16384]),
     ("others", ["sigmoid_attention", "l2_attention", "relu2_attention"], [16384]),
+    ("extras", ["attention_sink", "mla"], [16384]),
     ("sweep", ["attention", "causal"], [1024, 2048, 4096, 8192, 16384])])
 def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, seqlens):
     """Each run_h100.sh stage's bench command, as the stage builds it (PYTHON
@@ -2045,7 +2046,7 @@ def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, 
     assert harness.parse_list(args.seqlen, "seqlen") == seqlens
     assert harness.parse_list(args.head_dim, "head-dim") == ([64, 128] if stage == "sweep" else [128])
     assert args.autotune == (stage != "sweep")
-    if stage == "variants":
+    if stage in ("variants", "extras"):
         assert args.group == 4
 
 
