@@ -468,7 +468,7 @@ def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, sco
         if score is None or input_layouts is None:
             raise ValueError("a raw contraction needs the score expression and the input layouts")
         pairs = []
-        for part in _terms(raw):
+        for part in ir.terms(raw):
             body = part.body if isinstance(part, ir.Reduce) else None
             if not (isinstance(part, ir.Reduce) and part.op == "sum" and isinstance(body, ir.Binary)
                     and body.op == "*" and all(isinstance(t, ir.TensorRef) for t in (body.lhs, body.rhs))):
@@ -620,20 +620,12 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
         return let, raws[0]
     # several contractions added up (MLA's sum[c](Qc * Kc) + sum[r](Qr * Kr)): R is their sum,
     # and each pair's inputs take dR as one contraction's would
-    total = next((n for n in ir.walk(let.expr) if isinstance(n, ir.Binary) and n.op == "+"
-                  and len(_terms(n)) == len(raws) and all(r in _terms(n) for r in raws)), None)
+    total = ir.sum_of(let.expr, raws)
     if total is None:
         raise NoGrad(f"the box {let.name} holds {len(raws)} sums over inputs; the backward takes one score, a "
                      "contraction like sum[d](Q * K), or contractions added up (sum[c](Qc * Kc) + "
                      "sum[r](Qr * Kr)), in a box of its own or written inside one normaliser", raws[1].loc)
     return let, total
-
-
-def _terms(e: ir.Expr) -> list:
-    """The terms of a chain of + (one term where ``e`` is no sum)."""
-    if isinstance(e, ir.Binary) and e.op == "+":
-        return _terms(e.lhs) + _terms(e.rhs)
-    return [e]
 
 
 def _grown_to_normaliser(diagram: ir.Diagram, box: ir.Let) -> ir.Let:

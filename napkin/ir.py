@@ -470,6 +470,21 @@ def plain_reads(d: "Diagram") -> "Diagram":
     return d if lets == d.lets else replace(d, lets=lets)
 
 
+def terms(e: Expr) -> list:
+    """The terms of a chain of + (one term where ``e`` is no sum)."""
+    if isinstance(e, Binary) and e.op == "+":
+        return terms(e.lhs) + terms(e.rhs)
+    return [e]
+
+
+def sum_of(expr: Expr, parts) -> Optional[Expr]:
+    """The node of ``expr`` that adds up exactly ``parts`` (each once, any order), or None:
+    a score of several contractions (MLA's sum[c](Qc * Kc) + sum[r](Qr * Kr)) as one."""
+    parts = list(parts)
+    return next((n for n in walk(expr) if isinstance(n, Binary) and n.op == "+"
+                 and len(terms(n)) == len(parts) and all(p in terms(n) for p in parts)), None)
+
+
 def walk(expr: Expr):
     """Yield every node of an expression tree, parents before children."""
     yield expr

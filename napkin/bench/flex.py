@@ -459,7 +459,8 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes,
     names = [t.name for t in d.inputs]
     q, k, v = an.q.name, an.k.name, an.value.name
     if len(an.parts) > 1:   # MLA's parts, side by side
-        q, k = (f"[{', '.join(t.name for t in ts)}]" for ts in zip(*((p[0], p[1]) for p in an.parts)))
+        q = "[" + ", ".join(qp.name for qp, _, _ in an.parts) + "]"
+        k = "[" + ", ".join(kp.name for _, kp, _ in an.parts) + "]"
     lines = [
         f'"""FlexAttention equivalent of the napkin diagram `{d.name}`.',
         "",

@@ -162,14 +162,13 @@ class Analysis:
                 and all(isinstance(t, ir.TensorRef) and isinstance(d.tensor(t.name), ir.Input)
                         for t in (n.body.lhs, n.body.rhs))}
         if len(raws) > 1:   # contractions added up into one score (MLA's parts): their sum
-            raw = next((n for n in nodes if isinstance(n, ir.Binary) and n.op == "+"
-                        and len(_terms(n)) == len(raws) and set(_terms(n)) == raws), None)
+            raw = next((s for e in exprs if (s := ir.sum_of(e, raws)) is not None), None)
         else:
             raw = raws.pop() if raws else None
         if raw is None:
             self.refuse("not an attention: no single contraction sum[d](Q * K) of two inputs, nor "
                         "contractions added up into one score")
-        operands = {t.name for part in _terms(raw) for t in (part.body.lhs, part.body.rhs)}
+        operands = {t.name for part in ir.terms(raw) for t in (part.body.lhs, part.body.rhs)}
         found = {(f.name, n.wires[0]) for n in nodes if isinstance(n, ir.Reduce) and n.op == "sum"
                  and len(n.wires) == 1 and n != raw for f in product_factors(n.body)
                  if isinstance(f, ir.TensorRef) and f.name not in operands
@@ -200,14 +199,12 @@ class Analysis:
         sum[c](Qc * Kc) + sum[r](Qr * Kr)) are their sum, Q and K the first's, and
         ``self.parts`` holds every (Q, K, wire)."""
         raws = list(dict.fromkeys(n for n in ir.walk(score) if isinstance(n, (ir.Reduce, ir.Normalize))))
-        raw = raws[0] if len(raws) == 1 else next(
-            (n for n in ir.walk(score) if isinstance(n, ir.Binary) and n.op == "+"
-             and len(_terms(n)) == len(raws) and set(_terms(n)) == set(raws)), None)
+        raw = raws[0] if len(raws) == 1 else ir.sum_of(score, raws)
         if raw is None or not all(isinstance(r, ir.Reduce) for r in raws):
             self.refuse("the score must hold exactly one contraction sum[d](Q * K), or contractions added up, "
                         "and no other reduction")
         self.parts = []
-        for part in _terms(raw):
+        for part in ir.terms(raw):
             body = part.body
             ok = (part.op == "sum" and len(part.wires) == 1 and isinstance(body, ir.Binary) and body.op == "*"
                   and all(isinstance(t, ir.TensorRef) and t.wires is None
@@ -283,13 +280,6 @@ class Analysis:
                            if not tiled else "both: which is the queries? (tile the heads by 1, or write "
                            "grouped heads as one axis (hk g))"))
         return tiled + [w for w in row if w not in tiled]
-
-
-def _terms(e: ir.Expr) -> list:
-    """The terms of a chain of + (one term where ``e`` is no sum)."""
-    if isinstance(e, ir.Binary) and e.op == "+":
-        return _terms(e.lhs) + _terms(e.rhs)
-    return [e]
 
 
 def layout(axes) -> str:

@@ -159,8 +159,8 @@ class BackwardPlan:
     col: str
     batch: tuple[str, ...]
     dims: tuple[str, ...]               # padded feature wires, declaration order
-    q: str                              # the row-side factor of the score (Q)
-    k: str                              # the streamed factor (K)
+    qs: tuple[str, ...]                 # the row-side factor of each of the score's contractions (Q;
+    ks: tuple[str, ...]                 # several added up for MLA's), and the streamed one (K)
     v: str
     state: tuple[str, ...]              # what the main kernels read besides the inputs (dO, lse, delta)
     row_inputs: tuple[str, ...]         # what the rows kernel reads (dO, O, dlse)
@@ -172,9 +172,15 @@ class BackwardPlan:
     # float inputs napkin emits no gradient for, and why (with the diagram's line and column):
     # a call that wants one is refused, the others train
     ungradable: tuple[tuple[str, str], ...] = ()
-    # every contraction's Q and K when the score adds up several (MLA's); q and k are the first
-    qs: tuple[str, ...] = ()
-    ks: tuple[str, ...] = ()
+
+    @property
+    def q(self) -> str:
+        """Q: the first contraction's row-side factor (its dtype is the kernels')."""
+        return self.qs[0]
+
+    @property
+    def k(self) -> str:
+        return self.ks[0]
 
     def kernel(self, role: str) -> Optional[Kernel]:
         return next((k for k in self.kernels if k.role == role), None)
@@ -259,10 +265,10 @@ class _Builder:
         grad_names = tuple(n for n in floats if n in self.qs + self.ks + (self.v,) or n in {s.tensor for s in self.sides}
                            or n in dict(rule.row_grads))
         rows = self.rule.rows
-        return BackwardPlan(self.bd, f, rule, self.row, self.col, self.batch, dims, self.q, self.k, self.v,
+        return BackwardPlan(self.bd, f, rule, self.row, self.col, self.batch, dims, self.qs, self.ks, self.v,
                             self.state, self.row_inputs, tuple(n for n, e in rows if not _alias(e)),
                             tuple((n, e.name) for n, e in rows if _alias(e)), grad_names, tuple(kernels),
-                            tuple(self.axes.items()), tuple(self.ungradable), self.qs, self.ks)
+                            tuple(self.axes.items()), tuple(self.ungradable))
 
     # ---- the stored layout of every backward tensor ----
     def layouts(self) -> dict:

@@ -176,20 +176,17 @@ def epilogue(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor], side: dic
 
     epi, d = r.epilogue, r.diagram
     pad = real is not None and not bool(real.all())
-    if pad:
-        shape = [1] * out.dim()
-        shape[r.out_axis] = real.numel()
-        keep = real.to(out.device).view(shape)
-        out = torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
-        if lse is not None:
-            lse = torch.where(keep.view(shape[:lse.dim()]), lse,
-                              torch.zeros((), dtype=lse.dtype, device=lse.device))
+
+    def kept(t: torch.Tensor, axis: int) -> torch.Tensor:   # 0 on the padding rows along ``axis``
+        shape = [1] * t.dim()
+        shape[axis] = real.numel()
+        return torch.where(real.to(t.device).view(shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
     reads = {n: side[n] for n in epi.reads}
-    if pad:   # a row input's padding rows too: what they hold is the caller's
-        for n, axis in zip(r.rows, r.row_axis):
-            t = reads[n]
-            reads[n] = torch.where(real.to(t.device).view([1] * axis + [-1] + [1] * (t.dim() - axis - 1)), t,
-                                   torch.zeros((), dtype=t.dtype, device=t.device))
+    if pad:   # lse shares O's query axis; a row input's padding rows hold what the caller left there
+        out = kept(out, r.out_axis)
+        lse = kept(lse, r.out_axis) if lse is not None else None
+        reads.update((n, kept(reads[n], axis)) for n, axis in zip(r.rows, r.row_axis))
     named = [(r.value, out)] + ([(r.lse, lse)] if r.lse is not None else []) + list(reads.items())
     # A and L are the split diagram's boxes; a row input is the written diagram's alone
     decl = {n: d.tensor(n) or r.written.tensor(n) for n, _ in named}
@@ -203,9 +200,7 @@ def epilogue(r: Roles, out: torch.Tensor, lse: Optional[torch.Tensor], side: dic
     o = Evaluator(env, layouts, acc, out.device).run(epi.expr, ir.axis_wires(user.axes))
     o = o.reshape(_stored_shape(o, user))
     if pad:
-        at = r.query_axis(epi.output)
-        o = torch.where(real.to(o.device).view([1] * at + [-1] + [1] * (o.dim() - at - 1)), o,
-                        torch.zeros((), dtype=o.dtype, device=o.device))
+        o = kept(o, r.query_axis(epi.output))
     return o.to(out.dtype)
 
 
