@@ -88,8 +88,10 @@ stage_others() {
 stage_extras() {
   # Variants built since the GPU runs (2026-12-02), FlexAttention-expressible: the gpt-oss
   # attention sink (causal GQA: its dK/dV no longer spills) and multi-head latent attention
-  # (a 128 + 64 wide score, no padding to 256 where flex and SDPA take the parts concatenated).
-  "${BENCH[@]}" examples/attention_sink.ncd examples/mla.ncd "${TARGET[@]}" --group 4 "${TUNE[@]}"
+  # (a 128 + 64 wide score, no padding to 256 where flex and SDPA take the parts concatenated);
+  # Llama 4's chunked attention (causal within chunks of 8192: two at 16K; --group is for GQA alone).
+  "${BENCH[@]}" examples/attention_sink.ncd examples/mla.ncd examples/chunked_attention.ncd "${TARGET[@]}" \
+    --group 4 "${TUNE[@]}"
 }
 
 stage_sweep() {

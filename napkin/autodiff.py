@@ -166,8 +166,8 @@ def _d(e: ir.Expr, wrt: ir.Expr) -> ir.Expr:
 
 
 def _d_binary(e: ir.Binary, wrt) -> ir.Expr:
-    if e.op not in ir.ARITH_OPS:
-        return ZERO  # comparisons and logic are piecewise constant
+    if e.op not in ir.ARITH_OPS or e.op in ("//", "%"):
+        return ZERO  # comparisons, logic, floor division and remainder: of whole numbers (the checker's rule)
     a, b = e.lhs, e.rhs
     da, db = _d(a, wrt), _d(b, wrt)
     if e.op == "+":
@@ -352,10 +352,10 @@ def _fold(op: str, x, y) -> Optional[ir.Num]:
             r = x - y
         elif op == "*":
             r = x * y
-        elif op == "/":
+        elif op in ("/", "//", "%"):
             if y == 0:
                 return None
-            r = x / y
+            r = x / y if op == "/" else x // y if op == "//" else x % y
         else:
             if (x == 0 and y < 0) or (x < 0 and not float(y).is_integer()):
                 return None

@@ -334,6 +334,8 @@ class _Checker:
                 self.err(f"'{e.op}' needs numbers, not a boolean", e.loc, _KIND_HINT[_NUM])
             elif e.op in ("/", "^"):
                 self.check_constant(e)
+            elif e.op in ("//", "%"):
+                self.check_floor_division(e)
         elif e.op in ir.LOGIC_OPS:
             result, wrong = _BOOL, _NUM in kinds
             if wrong:
@@ -347,6 +349,41 @@ class _Checker:
             if wrong:
                 self.err(f"'{e.op}' compares numbers, not booleans", e.loc, "== and != compare booleans")
         return lw | rw, _ANY if wrong else result
+
+    def check_floor_division(self, e: ir.Binary) -> None:
+        """``a // b`` and ``a % b`` are index arithmetic: whole numbers divided
+        by a positive whole constant or a wire's size, so they are the same
+        floor and remainder in Python, torch and the kernels (Triton's // and
+        % truncate towards zero, which the kernels correct for a negative
+        numerator) and never divide by zero."""
+        fixed = {w.name: w.size for w in self.d.wires if w.size is not None and w.size >= 1}
+        if not self.whole(e.lhs):
+            self.err(f"'{e.op}' divides whole numbers, and {_show(e.lhs)} may not be one", e.lhs.loc,
+                     "its left side is index arithmetic: wire indices, sizes, whole numbers, integer inputs, "
+                     "combined by + - * // % and max, min, abs, where")
+        divisor = ir.fold_constant(e.rhs, fixed)
+        if isinstance(e.rhs, ir.WireSize) and divisor is None:
+            return
+        if divisor is None or not float(divisor).is_integer() or divisor < 1:
+            self.err(f"'{e.op}' needs a positive whole divisor, not {_show(e.rhs)}", e.rhs.loc,
+                     f"divide by a whole number (q {e.op} 128) or a wire's size (q {e.op} |c|)")
+
+    def whole(self, e: ir.Expr) -> bool:
+        """Whether ``e`` is a whole number wherever it is read (check_floor_division)."""
+        if isinstance(e, ir.Num):
+            return math.isfinite(e.value) and float(e.value).is_integer()
+        if isinstance(e, (ir.WireIndex, ir.WireSize)):
+            return True
+        if isinstance(e, ir.TensorRef):
+            t = self.d.tensor(e.name)   # (None: an unknown name, reported already)
+            return t is None or isinstance(t, ir.Input) and t.dtype in ("int32", "int64")
+        if isinstance(e, ir.Unary):
+            return e.op == "-" and self.whole(e.operand)
+        if isinstance(e, ir.Binary):
+            return e.op in ("+", "-", "*", "//", "%") and self.whole(e.lhs) and self.whole(e.rhs)
+        if isinstance(e, ir.Call) and e.fn in ("max", "min", "abs", "where"):
+            return all(self.whole(a) for a in (e.args[1:] if e.fn == "where" else e.args))
+        return False
 
     def check_constant(self, e: ir.Binary) -> None:
         """A division or power of numbers (and fixed sizes) with no real value:

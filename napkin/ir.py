@@ -160,7 +160,7 @@ class Normalize:
 Expr = Union[Num, WireIndex, WireSize, TensorRef, Unary, Binary, Call, Reduce, Normalize]
 
 UNARY_OPS = ("-", "not")
-ARITH_OPS = ("+", "-", "*", "/", "^")
+ARITH_OPS = ("+", "-", "*", "/", "//", "%", "^")
 COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
 LOGIC_OPS = ("and", "or")
 BINARY_OPS = ARITH_OPS + COMPARE_OPS + LOGIC_OPS
@@ -349,7 +349,7 @@ def fold_constant(e: "Expr", fixed: Mapping[str, int], calls: Mapping[str, Calla
             return None
         try:
             v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
-                 "^": lambda: power(a, b)}[e.op]()
+                 "//": lambda: a // b, "%": lambda: a % b, "^": lambda: power(a, b)}[e.op]()
         except (ZeroDivisionError, OverflowError):
             return None
         return None if isinstance(v, complex) else v

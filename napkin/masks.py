@@ -189,7 +189,8 @@ class _Masked:
         if a is not None and b is not None:
             try:
                 v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b,
-                     "/": lambda: a / b, "^": lambda: ir.power(a, b)}[op]()
+                     "/": lambda: a / b, "//": lambda: a // b,
+                     "%": lambda: a % b, "^": lambda: ir.power(a, b)}[op]()
             except (ZeroDivisionError, OverflowError, ValueError):
                 return None
             return None if isinstance(v, complex) or math.isnan(v) else float(v)
@@ -243,7 +244,10 @@ class _Masked:
 
 # --------------------------------------------------------------------------
 # Affine forms: {wire: coeff} for indices, {"|w|": coeff} for sizes still
-# symbolic, {"": const}.
+# symbolic, {"": const}, and {"w//n": coeff} for an index floor-divided by a
+# whole constant n >= 2 (a chunk's number: x // 128 == q // 128 keeps the
+# pairs of one chunk), which every function below takes as one more
+# non-decreasing term of its index.
 # --------------------------------------------------------------------------
 
 Affine = dict
@@ -260,6 +264,14 @@ def affine(e: ir.Expr, sizes: Mapping[str, int] = {}) -> Optional[Affine]:
     if isinstance(e, ir.Unary) and e.op == "-":
         a = affine(e.operand, sizes)
         return None if a is None else _scale(a, -1)
+    if isinstance(e, ir.Binary) and e.op == "//":
+        a, n = affine(e.lhs, sizes), ir.fold_constant(e.rhs, sizes)
+        if a is None or n is None or len(a) != 1 or not float(n).is_integer() or n < 1:
+            return None
+        ((key, coeff),), n = a.items(), int(n)
+        if n == 1 or key == "":
+            return a if n == 1 else {"": a[""] // n} if a[""] // n else {}
+        return {floor_key(key, n): 1} if coeff == 1 and not key.startswith("|") and "//" not in key else None
     if isinstance(e, ir.Binary) and e.op in ("+", "-", "*"):
         a, b = affine(e.lhs, sizes), affine(e.rhs, sizes)
         if a is None or b is None:
@@ -272,6 +284,27 @@ def affine(e: ir.Expr, sizes: Mapping[str, int] = {}) -> Optional[Affine]:
             return None
         return _add(a, _scale(b, -1) if e.op == "-" else b)
     return None
+
+
+def floor_key(wire: str, n: int) -> str:
+    """The affine form's key of ``wire // n``."""
+    return f"{wire}//{n}"
+
+
+def floor_of(key: str) -> Optional[tuple[str, int]]:
+    """(wire, n) of a ``wire // n`` key, else None."""
+    if "//" not in key:
+        return None
+    wire, n = key.split("//")
+    return wire, int(n)
+
+
+def _index_term(key: str) -> tuple[str, int]:
+    """(wire, n) of an index key: ``w`` is (w, 1), ``w//n`` is (w, n); the
+    size and constant keys are ("", 1)."""
+    if key == "" or key.startswith("|"):
+        return "", 1
+    return floor_of(key) or (key, 1)
 
 
 def _scale(a: Affine, k) -> Affine:
@@ -297,10 +330,11 @@ def _range_of(form: Affine, ranges, sizes) -> Optional[tuple[float, float]]:
                 return None
             lo, hi = lo + c * sizes[wire], hi + c * sizes[wire]
         else:
-            if key not in ranges:
+            wire, n = _index_term(key)
+            if wire not in ranges:
                 return None
-            start, stop = ranges[key]
-            a, b = c * start, c * (stop - 1)
+            start, stop = ranges[wire]
+            a, b = c * (start // n), c * ((stop - 1) // n)
             lo, hi = lo + min(a, b), hi + max(a, b)
     return lo, hi
 
@@ -358,16 +392,31 @@ def _truth(e: ir.Expr, ranges, sizes) -> Optional[bool]:
 class Bound:
     """One affine conjunct solved for the streamed index c:
 
-    lower: c >= row_coeff * r + rest;   upper: c <= row_coeff * r + rest.
+    lower: c >= row_coeff * (r // step) + rest;   upper: c <= row_coeff * (r // step) + rest.
     ``rest`` is an affine form over symbolic sizes and a constant (ints).
-    Over a block of rows [r0, r1], a lower bound is smallest at r0 when
-    row_coeff > 0 (else at r1); an upper bound is largest at r1 when
-    row_coeff > 0 (else at r0).
+    ``step`` is 1 (r itself) or a chunk's length (x // 128 == q // 128 is
+    c >= 128 * (r // 128) and c <= 128 * (r // 128) + 127).  r // step does
+    not decrease with r, so over a block of rows [r0, r1] a lower bound is
+    smallest at r0 when row_coeff > 0 (else at r1); an upper bound is
+    largest at r1 when row_coeff > 0 (else at r0).
     """
 
     kind: str
     row_coeff: int
     rest: tuple[tuple[str, int], ...]
+    step: int = 1
+
+    def value(self, r: int, sizes: Mapping[str, int]) -> int:
+        """The bound at row r: row_coeff * (r // step) + rest."""
+        return self.row_coeff * (r // self.step) + _rest_value(self.rest, sizes)
+
+    def first_row(self, t: int) -> int:
+        """The least row r with r // step >= t (t >= 0)."""
+        return t * self.step
+
+    def last_row(self, u: int) -> int:
+        """The greatest row r with r // step <= u (u >= 0)."""
+        return u * self.step + self.step - 1
 
     def at_row(self) -> str:
         """Which end of the row block gives the loosest bound: "first" or "last"."""
@@ -457,20 +506,26 @@ def _solve(form: Affine, row: str, col: str) -> Optional[Bound]:
     if any(not float(v).is_integer() for v in form.values()):
         return None
     form = {k: int(v) for k, v in form.items()}
-    if any(abs(v) >= _BOUND_LIMIT for v in form.values()):
+    cols = [k for k in form if _index_term(k)[0] == col]
+    rows = [k for k in form if _index_term(k)[0] == row]
+    if len(cols) != 1 or len(rows) > 1 or form[cols[0]] not in (1, -1):
+        return None
+    if any(_index_term(k)[0] not in ("", row, col) for k in form):
+        return None   # another index
+    # cc * (c // n) + cr * (r // step) + rest <= 0, every term a whole number
+    cc, n = form[cols[0]], _index_term(cols[0])[1]
+    cr, step = (form[rows[0]], _index_term(rows[0])[1]) if rows else (0, 1)
+    rest = {k: v for k, v in form.items() if k not in (*rows, *cols)}
+    if cc == 1:   # c // n <= -cr * (r // step) - rest: c <= n * (that) + n - 1
+        cr, rest = -n * cr, {k: -n * v for k, v in rest.items()}
+        rest[""] = rest.get("", 0) + n - 1
+        kind = "upper"
+    else:         # c // n >= cr * (r // step) + rest: c >= n * (that)
+        cr, rest = n * cr, {k: n * v for k, v in rest.items()}
+        kind = "lower"
+    if any(abs(v) >= _BOUND_LIMIT for v in (cr, *rest.values())):
         return None   # no bound within any real length; the kernels' int32 block arithmetic could not hold it
-    cc = form.get(col, 0)
-    if cc not in (1, -1):
-        return None
-    others = [k for k in form if k not in ("", row, col) and not k.startswith("|")]
-    if others:
-        return None
-    # cc*c + cr*r + rest <= 0
-    cr = form.get(row, 0)
-    rest = {k: v for k, v in form.items() if k not in (row, col)}
-    if cc == 1:   # c <= -cr*r - rest
-        return Bound("upper", -cr, tuple(sorted((k, -v) for k, v in rest.items())))
-    return Bound("lower", cr, tuple(sorted(rest.items())))  # c >= cr*r + rest
+    return Bound(kind, cr, tuple(sorted((k, v) for k, v in rest.items() if v)), step if cr else 1)
 
 
 def _rest_value(rest, sizes) -> int:
@@ -498,7 +553,7 @@ def _col_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int, col_siz
     for b in bounds:
         loosest_first = b.at_row() == "first"
         r = first if loosest_first != tightest else last
-        value = b.row_coeff * r + _rest_value(b.rest, sizes)
+        value = b.value(r, sizes)
         if b.kind == "lower":
             start = max(start, value)
         else:
@@ -553,22 +608,22 @@ def row_block_range(bounds: tuple[Bound, ...], col_block: int, row_size: int, co
     lo, hi = 0, nblocks
     for b in bounds:
         a, c = b.row_coeff, _rest_value(b.rest, sizes)
-        if b.kind == "upper":          # visited iff a * r + c >= j * bc
+        if b.kind == "upper":          # visited iff a * s + c >= j * bc, s = r // step
             need = col_block * block_col - c
-        else:                          # visited iff a * r + c <= (j + 1) * bc - 1
+        else:                          # visited iff a * s + c <= (j + 1) * bc - 1
             need = c - min((col_block + 1) * block_col, col_size) + 1
-            a = -a                     # the same as -a * r - c >= -(j + 1) * bc + 1
-        # now: visited iff a * r >= need, r the bound's row of the block
+            a = -a                     # the same as -a * s - c >= -(j + 1) * bc + 1
+        # now: visited iff a * s >= need, r the bound's row of the block
         if a == 0:
             if need > 0:
                 return 0, 0
-        elif a > 0:                    # r >= ceil(need / a): r is the block's last row
-            t = (max(need, 0) + a - 1) // a
+        elif a > 0:                    # s >= ceil(need / a): r is the block's last row
+            t = b.first_row((max(need, 0) + a - 1) // a)
             lo = max(lo, nblocks if t >= row_size else t // block_row)
-        else:                          # r <= floor(-need / |a|): r is the block's first row
+        else:                          # s <= floor(-need / |a|): r is the block's first row
             if need > 0:
                 return 0, 0
-            hi = min(hi, (-need) // (-a) // block_row + 1)
+            hi = min(hi, b.last_row((-need) // (-a)) // block_row + 1)
     return lo, max(lo, hi)
 
 
@@ -683,10 +738,10 @@ def full_row_blocks(bounds: tuple[Bound, ...], col_block: int, row_size: int, co
         if a == 0:
             hi = 0 if need > 0 else hi
         elif a > 0:
-            t = (max(need, 0) + a - 1) // a       # the first row that satisfies it
+            t = b.first_row((max(need, 0) + a - 1) // a)       # the first row that satisfies it
             lo = max(lo, (t + block_row - 1) // block_row)
         else:
-            hi = 0 if need > 0 else min(hi, (max(-need, 0) // -a + 1) // block_row)
+            hi = 0 if need > 0 else min(hi, (b.last_row(max(-need, 0) // -a) + 1) // block_row)
     lo = min(max(lo, vlo), vhi)
     return lo, max(min(hi, vhi), lo)
 
@@ -729,7 +784,7 @@ def tile_live(bounds: tuple[Bound, ...], rows, cols, sizes: Mapping[str, int] = 
         return False
     at = {"first": min(rows), "last": max(rows)}
     for b in bounds:
-        value = b.row_coeff * at[b.at_row()] + _rest_value(b.rest, sizes)
+        value = b.value(at[b.at_row()], sizes)
         if (min(cols) > value) if b.kind == "upper" else (max(cols) < value):
             return False
     return True

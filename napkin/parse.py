@@ -109,7 +109,7 @@ def _loc_of(meta_or_token) -> ir.Loc:
 # --------------------------------------------------------------------------
 
 _WORDS = {"NAME": "a name", "NUMBER": "a number", "COMPARE": "a comparison",
-          "ADD_OP": "'+' or '-'", "MUL_OP": "'*' or '/'", "$END": "the end of the file"}
+          "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/', '//' or '%'", "$END": "the end of the file"}
 
 # Sets of terminals that a hint names with one phrase, so that it reads
 # "expected an expression" rather than listing seven tokens.  Each applies

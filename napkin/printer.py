@@ -45,6 +45,8 @@ _BINARY = {
     "-": (_ADD, _ADD, _MUL),
     "*": (_MUL, _MUL, _NEG),
     "/": (_MUL, _MUL, _NEG),
+    "//": (_MUL, _MUL, _NEG),
+    "%": (_MUL, _MUL, _NEG),
     "^": (_POW, _ATOM, _NEG),
 }
 

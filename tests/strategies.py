@@ -137,8 +137,14 @@ def _bias_terms(draw, bounded_only: bool) -> tuple[list[tuple[str, ir.Expr]], li
     return terms, inputs
 
 
-def _mask_atom(draw) -> ir.Expr:
-    kind = draw(st.sampled_from(("causal", "strict", "window", "key_from", "key_below", "not_diag")))
+def _mask_atom(draw, floors: bool) -> ir.Expr:
+    kind = draw(st.sampled_from(("causal", "strict", "window", "key_from", "key_below", "not_diag")
+                                + (("chunk", "dilated") if floors else ())))
+    if kind == "chunk":  # one chunk (==) or block-causal (<=): bounds on the row's chunk (masks.Bound.step)
+        n = _n(draw(st.sampled_from((4, 16, 50))))
+        return _b(draw(st.sampled_from(("==", "<="))), _b("//", X_IDX, n), _b("//", Q_IDX, n))
+    if kind == "dilated":  # every other (or third) key: no bound, a remainder of a negative numerator too
+        return _b("==", _b("%", _b("-", Q_IDX, X_IDX), _n(draw(st.sampled_from((2, 3))))), _n(0))
     if kind == "causal":
         return _b("<=", X_IDX, Q_IDX)
     if kind == "strict":  # query 0 sees nothing: a fully masked row
@@ -153,14 +159,14 @@ def _mask_atom(draw) -> ir.Expr:
     return _b("!=", X_IDX, Q_IDX)
 
 
-def _mask(draw, depth: int = 0) -> ir.Expr:
+def _mask(draw, floors: bool, depth: int = 0) -> ir.Expr:
     """A boolean over q and x: comparisons joined by and / or / not."""
     shape = draw(st.sampled_from(("atom", "atom", "and", "or", "not")) if depth < 2 else st.just("atom"))
     if shape == "atom":
-        return _mask_atom(draw)
+        return _mask_atom(draw, floors)
     if shape == "not":
-        return ir.Unary("not", _mask(draw, depth + 1))
-    return _b(shape, _mask(draw, depth + 1), _mask(draw, depth + 1))
+        return ir.Unary("not", _mask(draw, floors, depth + 1))
+    return _b(shape, _mask(draw, floors, depth + 1), _mask(draw, floors, depth + 1))
 
 
 # a(s) for the general normaliser sum[x](a1(S) * V) / b(sum[x](a2(S))).
@@ -183,7 +189,7 @@ _DENOMINATORS = {
 
 
 @st.composite
-def attention_diagrams(draw) -> ir.Diagram:
+def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     """A valid attention diagram: S (scores), a normaliser, O, maybe lse.
 
     Wires b, h, q, x (keys), d (head dim); inputs Q[b, h, q, d], K and
@@ -199,6 +205,9 @@ def attention_diagrams(draw) -> ir.Diagram:
     Schedule: ``schedule on h100``, accumulate fp32, inputs and outputs held
     in hbm; in smem ``group b by 1, h by 1, q by BLOCK_Q``,
     ``stream x by BLOCK_X`` (blocks 16, 32 or 64) holding the intermediates.
+
+    ``floors``: masks may also take chunks (``x // 16 == q // 16``) and
+    remainders (``(q - x) % 2 == 0``).
     """
     normaliser = draw(st.sampled_from(("softmax", "sigmoid", "general")))
     doc_mask = draw(st.booleans())
@@ -217,7 +226,7 @@ def attention_diagrams(draw) -> ir.Diagram:
 
     masks = []
     if draw(st.booleans()):
-        masks.append(_mask(draw))
+        masks.append(_mask(draw, floors))
     if doc_mask:  # packed sequences: a query sees only keys of its own document
         inputs.append(ir.Input("doc", _axes("b", "x"), "int32"))
         masks.append(_b("==", _t("doc", ("b", "q")), _t("doc")))

@@ -124,7 +124,8 @@ class _Eval:
 
 
 # IR operator -> torch function name, where they differ.
-_TORCH_OPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "^": "pow", "<": "lt", "<=": "le",
+_TORCH_OPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "//": "floor_divide", "%": "remainder",
+              "^": "pow", "<": "lt", "<=": "le",
               ">": "gt", ">=": "ge", "==": "eq", "!=": "ne", "and": "logical_and",
               "or": "logical_or", "max": "maximum", "min": "minimum"}
 

@@ -26,8 +26,6 @@ from napkin import autotune, tunecache
 from napkin.bench import baselines, checks, flex, harness, reference, results
 from napkin.errors import NapkinError
 
-torch = pytest.importorskip("torch")
-
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 SIZES = {"b": 2, "h": 2, "q": 40, "x": 40, "hk": 2, "g": 2}
@@ -81,6 +79,22 @@ def test_flex_sliding_window_with_a_window_shorter_than_the_sequence():
     assert max(_flex_vs_reference(d)) < 1e-5
     src = flex.emit(d)
     assert src.mask == "x <= q and q - x < 8" and not src.causal and src.causal_part
+
+
+@pytest.mark.parametrize("mask", ["x <= q and x // 8 == q // 8", "(x - 3) // 8 <= q // 8",
+                                  "(q - x) // 5 == (x - q) // 5", "x <= q and (x - q) % 3 == 0"])
+def test_flex_chunked_masks_floor_as_the_reference(mask):
+    """// is floor division in the mask_mod (torch's // on its index tensors) as in the reference,
+    % its remainder, negative numerators included; chunks of 8 keep a visible share of a tiny
+    sequence."""
+    text = (EXAMPLES / "chunked_attention.ncd").read_text().replace("x <= q and x // 8192 == q // 8192", mask)
+    d = _fp32(text)
+    assert max(_flex_vs_reference(d)) < 1e-5
+    assert flex.emit(d).mask == mask
+    inputs = reference.example_inputs(d, SIZES, seed=1)
+    n = SIZES["q"]
+    want = sum(1 for q in range(n) for x in range(n) if eval(mask, {"q": q, "x": x})) / n ** 2
+    assert 0 < want < 1 and flex.load(d).visible(*inputs, rows=7) == pytest.approx(want, abs=1e-12)
 
 
 def test_flex_takes_an_input_read_along_its_own_wires_written_out():
@@ -2031,7 +2045,7 @@ def run_stage_recorded(tmp_path, stage: str) -> list[list[str]]:
     ("variants", ["sliding_window", "softcap", "alibi", "document_mask", "gqa"], [16384]),
     ("misses", ["attention", "document_mask", "sliding_window"], [16384]),
     ("others", ["sigmoid_attention", "l2_attention", "relu2_attention"], [16384]),
-    ("extras", ["attention_sink", "mla"], [16384]),
+    ("extras", ["attention_sink", "mla", "chunked_attention"], [16384]),
     ("sweep", ["attention", "causal"], [1024, 2048, 4096, 8192, 16384])])
 def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, seqlens):
     """Each run_h100.sh stage's bench command, as the stage builds it (PYTHON

@@ -39,6 +39,10 @@ def _pred(src: str) -> ir.Expr:
 AFFINE = ["x <= q", "x <= q and q - x < 5", "x <= q and q - x < 40", "x <= q + |x| - |q|", "x >= q",
           "x == q", "x <= 2 * q", "x >= q - 3 and x <= q + 7", "x + q <= 50", "x >= 20 - q and x < 30",
           "x >= 9"]
+# chunks (x // n, q // n: a non-decreasing term of an index, masks.Bound.step)
+FLOORED = ["x // 8 == q // 8", "x <= q and x // 8 == q // 8", "x // 5 <= q // 5", "x // 4 >= q // 4",
+           "x // 8 == q // 8 and q - x < 5", "x >= q // 4 * 4", "x <= q // 3", "x // 3 < q // 7 + 2",
+           "x // 6 == q", "x == q // 3", "x // 4 > q - 20", "x < 2 * (q // 5) + 1"]
 SHAPES = [(37, 100), (100, 37), (64, 64), (1, 1), (23, 9)]
 BLOCKS = [(16, 16), (8, 4), (4, 8), (3, 5)]
 TRUE = ir.Binary("<=", ir.Num(0), ir.Num(1))  # classify_block's stand-in for "no mask"
@@ -53,7 +57,7 @@ def _is_full(pred, r0, r1, c0, c1, nq, nx, whole_rows):
 
 
 def _cases():
-    for src, (nq, nx), (br, bc) in itertools.product(AFFINE + [None], SHAPES, BLOCKS):
+    for src, (nq, nx), (br, bc) in itertools.product(AFFINE + FLOORED + [None], SHAPES, BLOCKS):
         yield src, nq, nx, br, bc
 
 
@@ -103,6 +107,45 @@ def test_a_start_past_the_last_column_visits_no_block():
         forward = masks.visited_blocks(bounds, nq, nx, br, bc)
         assert set(forward) == live, (nq, nx, br, bc)
         assert set(masks.visited_blocks_by_column(bounds, nq, nx, br, bc)) == live, (nq, nx, br, bc)
+
+
+def _keeps(src: str, q: int, x: int) -> bool:
+    """The mask at one pair, by Python's own arithmetic (// floors)."""
+    return eval(src, {"q": q, "x": x})
+
+
+@pytest.mark.parametrize("src", FLOORED)
+def test_chunked_masks_visit_exactly_the_blocks_with_a_kept_pair(src):
+    """Each floored mask is a conjunction of bounds (exact_bounds), so the forward's loop and
+    the dK/dV kernel's visit exactly the blocks holding a pair the mask keeps, by brute force
+    over every pair, and a block is full exactly when it keeps every pair inside the edges."""
+    pred = _pred(src)
+    assert masks.exact_bounds(pred, "q", "x") is not None
+    for (nq, nx), (br, bc) in itertools.product(SHAPES + [(70, 70)], BLOCKS + [(5, 3)]):
+        bounds = masks.exact_bounds(pred, "q", "x")
+        tiles = {(i, j): [_keeps(src, q, x) for q in range(i * br, min(i * br + br, nq))
+                          for x in range(j * bc, min(j * bc + bc, nx))]
+                 for i in range(-(-nq // br)) for j in range(-(-nx // bc))}
+        live = {ij for ij, kept in tiles.items() if any(kept)}
+        assert set(masks.visited_blocks(bounds, nq, nx, br, bc)) == live, (src, nq, nx, br, bc)
+        assert sorted(masks.visited_blocks_by_column(bounds, nq, nx, br, bc)) == sorted(live)
+        full = {(i, j) for (i, j), kept in tiles.items() if all(kept) and (j + 1) * bc <= nx}
+        assert {(i, j) for i, j, f in masks.split_blocks(bounds, nq, nx, br, bc) if f} == full
+        whole = {(i, j) for i, j in full if (i + 1) * br <= nq}
+        assert {(i, j) for i, j, f in masks.split_blocks(bounds, nq, nx, br, bc, whole_rows=True) if f} == whole
+        assert {(i, j) for i, j, f in masks.split_blocks_by_column(bounds, nq, nx, br, bc) if f} == whole
+
+
+def test_a_chunk_is_two_bounds_on_the_chunk_of_the_row():
+    """x // 128 == q // 128 keeps x in [128 * (q // 128), 128 * (q // 128) + 127]; a chunk
+    length of a fixed wire folds; a symbolic one, an index not alone under //, or a floored
+    index beside itself in one comparison gives no bound (every block visited, the mask applied)."""
+    assert masks.exact_bounds(_pred("x // 128 == q // 128"), "q", "x") == (
+        masks.Bound("upper", 128, (("", 127),), 128), masks.Bound("lower", 128, (), 128))
+    assert masks.exact_bounds(_pred("x // |d| == q // |d|"), "q", "x", {"d": 16}) == (
+        masks.Bound("upper", 16, (("", 15),), 16), masks.Bound("lower", 16, (), 16))
+    for src in ["x // |h| == q // |h|", "x // 8 <= (q + 3) // 8", "x // 8 == q // 8 + q", "x + x // 2 <= q"]:
+        assert masks.exact_bounds(_pred(src), "q", "x") is None, src
 
 
 def test_small_cases_by_hand():
@@ -202,10 +245,19 @@ def _unmasked_loads(**watch):
         interpreter.InterpreterBuilder.create_load = original
 
 
-def _full_bounds(diagram, sizes):
+def _split(diagram, sizes, br, bc, whole_rows=False, by_column=False):
+    """masks.split_blocks (by_column: split_blocks_by_column) of the diagram's
+    full bounds; a mask with none (a remainder is not a bound) runs every
+    visited block masked."""
     plan = L.lower(diagram)
     all_sizes = {w.name: w.size for w in diagram.wires if w.size is not None} | sizes
-    return plan.full, all_sizes
+    nq, nx = sizes["q"], sizes["x"]
+    if plan.full is None:
+        visit = masks.visited_blocks_by_column if by_column else masks.visited_blocks
+        return [(i, j, False) for i, j in visit(plan.bounds, nq, nx, br, bc, all_sizes)]
+    if by_column:
+        return masks.split_blocks_by_column(plan.full, nq, nx, br, bc, all_sizes)
+    return masks.split_blocks(plan.full, nq, nx, br, bc, all_sizes, whole_rows)
 
 
 WINDOW = "q - x < 256"
@@ -226,6 +278,9 @@ CASES = [  # (example, text edits, sizes, which loops have full blocks): every s
     ("decode", (), {"q": 37, "x": 52}, "fwd bwd"),                # ... and exactly one
     ("gqa", (), {"q": 37, "x": 53}, "fwd bwd"),
     ("gqa", (CAUSAL_GQA,), {"q": 70, "x": 45}, "fwd bwd"),
+    ("sliding_window", ((WINDOW, "x // 48 == q // 48"),), {"q": 100, "x": 100}, "fwd bwd"),  # chunked causal
+    ("sliding_window", (("x <= q and " + WINDOW, "x // 48 == q // 48"),), {"q": 90, "x": 100}, "fwd bwd"),
+    ("sliding_window", ((WINDOW, "q - x < 40 and (x - q) % 3 == 0"),), {"q": 100, "x": 90}, ""),  # dilated: no full
 ]
 
 
@@ -240,8 +295,7 @@ def test_forward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case,
     name, edits, sizes, has_full = case
     m, diagram = _module(name, folder, *edits)
     sizes = {"b": 1, "h": 1, "hk": 1, "g": 2, **sizes}
-    bounds, all_sizes = _full_bounds(diagram, sizes)
-    split = masks.split_blocks(bounds, sizes["q"], sizes["x"], FWD["block_q"], FWD["block_x"], all_sizes)
+    split = _split(diagram, sizes, FWD["block_q"], FWD["block_x"])
     for dtype in (torch.float32, torch.float16):
         inputs = m.example_inputs(sizes, dtype=dtype, seed=3)
         k = inputs[[t.name for t in diagram.inputs].index("K")]
@@ -259,7 +313,6 @@ def test_backward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case
     name, edits, sizes, has_full = case
     m, diagram = _module(name, folder, *edits)
     sizes = {"b": 1, "h": 1, "hk": 1, "g": 2, **sizes}
-    bounds, all_sizes = _full_bounds(diagram, sizes)
     br, bc = BWD["block_q"], BWD["block_x"]
     inputs = m.example_inputs(sizes, dtype=torch.float32, seed=5)
     xs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
@@ -274,10 +327,8 @@ def test_backward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case
     rows_reversed, keys_reversed = heaviest_first(L.lower(diagram).bounds)
     with _unmasked_loads(Q=(q, 2, br, keys_reversed), K=(k, 2, bc, rows_reversed)) as seen:
         loss.backward()
-    dq_full = {(i, j) for i, j, full in masks.split_blocks(bounds, sizes["q"], sizes["x"], br, bc, all_sizes, True)
-               if full}
-    dkdv_full = {(j, i) for i, j, full in masks.split_blocks_by_column(bounds, sizes["q"], sizes["x"], br, bc,
-                                                                       all_sizes) if full}
+    dq_full = {(i, j) for i, j, full in _split(diagram, sizes, br, bc, whole_rows=True) if full}
+    dkdv_full = {(j, i) for i, j, full in _split(diagram, sizes, br, bc, by_column=True) if full}
     assert seen["K"] == dq_full and seen["Q"] == dkdv_full
     assert bool(dq_full) == bool(dkdv_full) == ("bwd" in has_full)
     exact = tb.gradients(m.reference, [t.double() for t in inputs])

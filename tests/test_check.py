@@ -932,3 +932,40 @@ def test_an_unknown_name_of_the_other_kind_says_so():
     assert [(d.message, where(d), d.hint) for d in errors(text)] == [
         ("unknown tensor 'q' in hold", (5, 29), "q is a wire, not a tensor"),
         ("unknown wire 'Q' in level smem", (6, 21), "Q is a tensor, not a wire")]
+
+
+# ---- floor division: index arithmetic ----------------------------------------------
+
+CHUNK = HEAD + "in doc[b, x] : int32\nin tau[h] : fp32\nS[b, h, q, x] = where({mask}, sum[d](Q * K), -inf)\nout S\n"
+
+
+@pytest.mark.parametrize("mask", ["x // 128 == q // 128", "(q - x) // 7 < 3", "x // |d| == q // |x|",
+                                  "doc // 2 == doc[b, q] // 2", "max(q, 3) // 4 == -x // 4 * 2",
+                                  "(q - x) % 4 == 0", "doc % |x| == q % 3 % 2"])
+def test_floor_division_of_index_arithmetic_passes(mask):
+    assert errors(CHUNK.format(mask=mask)) == []
+
+
+@pytest.mark.parametrize("mask, snippet, message", [
+    ("x // 128 == tau // 128", "tau // 128",
+     "'//' divides whole numbers, and tau may not be one"),
+    ("x // 2.5 == q // 2", "2.5",
+     "'//' needs a positive whole divisor, not 2.5"),
+    ("x // 0 == q", "0 ==",
+     "'//' needs a positive whole divisor, not 0"),
+    ("x // (|d| - 64) == q", "|d| - 64)",
+     "'//' needs a positive whole divisor, not |d| - 64"),
+    ("x // q == 1", "q ==",
+     "'//' needs a positive whole divisor, not q"),
+    ("(x / 2) // 3 == q", "x / 2)",
+     "'//' divides whole numbers, and x / 2 may not be one"),
+    ("tau % 2 == 1", "tau %", "'%' divides whole numbers, and tau may not be one"),
+    ("x % -4 == q", "-4", "'%' needs a positive whole divisor, not -4"),
+])
+def test_floor_division_of_anything_else_is_refused_where_written(mask, snippet, message):
+    """a // b is floor(a / b) (a % b its remainder) of whole numbers by a positive whole divisor:
+    Python, torch and the kernels (whose // and % truncate, corrected for a negative numerator)
+    then agree, and nothing divides by zero."""
+    text = CHUNK.format(mask=mask)
+    d = one(text)
+    assert (d.message, where(d)) == (message, pos(text, snippet))

@@ -711,3 +711,62 @@ def test_a_value_without_a_feature_wire_says_so_in_the_backward_refusal(tmp_path
     assert m._NO_BACKWARD == ("napkin has no backward for diagram rel: the value V has no feature wire (a wire "
                               "the scores lack, as d of V[b, h, x, d]): the backward takes sum[x](softmax[x](S) "
                               "* V) with one; give V a wire of size 1 (line 8, column 14 of the diagram)")
+
+
+# --------------------------------------------------------------------------
+# Floor division in the kernels: Triton's // truncates towards zero on the
+# GPU (the interpreter's numpy floors), so a numerator that can be negative
+# is divided as a non-negative one.  Checked here under truncation itself.
+# --------------------------------------------------------------------------
+
+class _Truncating(int):
+    """An int whose // truncates towards zero and whose % takes the dividend's
+    sign, as compiled Triton's do."""
+
+    def _wrap(f):
+        return lambda a, b: _Truncating(f(int(a), int(b)))
+
+    __add__, __radd__ = _wrap(int.__add__), _wrap(int.__radd__)
+    __sub__, __rsub__ = _wrap(int.__sub__), _wrap(int.__rsub__)
+    __mul__, __rmul__ = _wrap(int.__mul__), _wrap(int.__rmul__)
+    __floordiv__ = _wrap(lambda a, b: abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1))
+    __rfloordiv__ = _wrap(lambda a, b: abs(b) // abs(a) * (1 if (a < 0) == (b < 0) else -1))
+    __mod__ = _wrap(lambda a, b: abs(a) % abs(b) * (1 if a >= 0 else -1))
+
+    def __neg__(self):
+        return _Truncating(-int(self))
+
+
+class _TL:
+    """The few tl functions index arithmetic renders to, on scalars."""
+    int64 = "int64"
+
+    class PropagateNan:
+        ALL = "all"
+
+    @staticmethod
+    def where(c, a, b):
+        return a if c else b
+
+    @staticmethod
+    def cast(v, dtype):
+        return v
+
+    @staticmethod
+    def maximum(a, b, propagate_nan=None):
+        return max(a, b)
+
+
+@pytest.mark.parametrize("text", ["(q - x - 3) // 7", "(x - q) // 24 * 24", "-x // 4", "q // 5 - x // 3",
+                                  "(q - 2 * x) // |c|", "max(q - x, 0 - x) // 3", "(q - x) % 3", "(x - q - 2) % |c| * 2",
+                                  "-x % 4 + q % 5", "(q % 7 - x) % 4", "(q - x) % 6 // 4"])
+def test_floor_division_floors_where_triton_truncates(text):
+    from napkin.codegen.exprs import Ctx, triton
+    d = parse(f"diagram t\nwire q, x\nwire c = 6\nin A[q, x] : fp32\nS[q, x] = where({text} == 0, A, -inf)\nout S")
+    e = d.lets[0].expr.args[0].lhs
+    code = triton(e, Ctx(index={"q": "q", "x": "x"}, size={}, fixed={"c": 6}))
+    for q in range(0, 40):
+        for x in range(0, 40):
+            want = eval(text.replace("|c|", "6"), {"q": q, "x": x, "max": max})
+            got = eval(code, {"tl": _TL, "q": _Truncating(q), "x": _Truncating(x)})
+            assert got == want, (code, q, x)

@@ -394,6 +394,8 @@ def _blocks_loaded(m, inputs, tensor_index, block_x, reversed_rows=False, **opts
 
 
 @pytest.mark.parametrize("name, replace", [("causal", None), ("sliding_window", ("q - x < 256", "q - x < 40")),
+                                           ("sliding_window", ("q - x < 256", "x // 24 == q // 24")),
+                                           ("sliding_window", ("x <= q and q - x < 256", "x // 24 <= q // 24")),
                                            ("relu2_attention", None), ("masked", None)])
 def test_kernel_visits_exactly_the_blocks_masks_lists(name, replace):
     m = compile_text(MASKED, "masked") if name == "masked" else example(name, *([replace] if replace else []))

@@ -35,6 +35,7 @@ LSE = ("out O\n", "lse[b, h, q] = logsumexp[x](S)\nout O, lse\n")
 CASES = {
     "causal": ("causal", ()),
     "sliding_window": ("sliding_window", (("q - x < 256", "q - x < 9"), LSE)),
+    "chunked": ("chunked_attention", (("x // 8192 == q // 8192", "x // 8 == q // 8"), LSE)),
     "alibi": ("alibi", (LSE,)),
     "document_mask": ("document_mask", (LSE,)),
     "sigmoid": ("sigmoid_attention", ()),
@@ -163,7 +164,7 @@ def test_partial_states_at_global_positions_merge_to_the_reference(tmp, name, nq
         assert_close(lse, ref[1], f"{name} lse")
 
 
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "document_mask"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document_mask", "chunked"])
 def test_query_positions_alone_keep_exact_block_bounds(tmp, name):
     """Only the queries at positions (keys whole): the loop bounds come from
     each block's least and greatest query position, and skip nothing needed."""
@@ -307,7 +308,8 @@ def backward_parts(name: str, tmp: Path, nq: int, nx: int, qparts, xparts=None):
     return got, want
 
 
-BACKWARD = [("causal", 45, 40), ("alibi", 37, 37), ("gqa_causal", 45, 40), ("document_mask", 37, 37)]
+BACKWARD = [("causal", 45, 40), ("alibi", 37, 37), ("gqa_causal", 45, 40), ("document_mask", 37, 37),
+            ("chunked", 45, 40)]
 
 
 @pytest.mark.parametrize("name, nq, nx", BACKWARD, ids=[f"{n}-q{a}-x{b}" for n, a, b in BACKWARD])

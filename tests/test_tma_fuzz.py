@@ -169,7 +169,9 @@ def _tf_permute(draw, axes, head):
 @st.composite
 def tma_fuzz_diagrams(draw) -> ir.Diagram:
     """An attention_diagrams() variant, rewritten as the module docstring says."""
-    d = draw(attention_diagrams())
+    # (masks without chunks or remainders: a descriptor does not read the mask, and with them the
+    # draws shifted to a dozen cases of keys at positions, where no descriptor applies)
+    d = draw(attention_diagrams(floors=False))
     # head dims, padded or not; symbolic ones get a size at the call
     d = dataclasses.replace(d, wires=tuple(
         ir.Wire("d", draw(st.one_of(st.none(), st.sampled_from(TF_HEADS)))) if w.name == "d" else

@@ -166,7 +166,7 @@ def _apply(torch, e, a):
     op = e.op if isinstance(e, ir.Binary) else e.fn
     table = {
         "+": lambda: a[0] + a[1], "-": lambda: a[0] - a[1], "*": lambda: a[0] * a[1],
-        "/": lambda: a[0] / a[1], "^": lambda: torch.pow(a[0], a[1]),
+        "/": lambda: a[0] / a[1], "//": lambda: a[0] // a[1], "%": lambda: a[0] % a[1], "^": lambda: torch.pow(a[0], a[1]),
         "<": lambda: a[0] < a[1], "<=": lambda: a[0] <= a[1], ">": lambda: a[0] > a[1],
         ">=": lambda: a[0] >= a[1], "==": lambda: a[0] == a[1], "!=": lambda: a[0] != a[1],
         "and": lambda: torch.logical_and(a[0], a[1]), "or": lambda: torch.logical_or(a[0], a[1]),

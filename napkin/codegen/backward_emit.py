@@ -313,12 +313,10 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
         if a == 0:
             lines.append("_hi = tl.where(_need > 0, 0, _hi)")
         elif a > 0:
-            t = f"(tl.maximum(_need, 0) + {a - 1}) // {a}" if a != 1 else "tl.maximum(_need, 0)"
-            lines.append(f"_t = {t}  # the first row reaching it; rows past the end: no block")
+            lines.append(f"_t = {_first_row(b, a)}  # the first row reaching it; rows past the end: no block")
             lines.append(f"_lo = tl.maximum(_lo, tl.where(_t >= {nq}, tl.cdiv({nq}, {br}), _t // {br}))")
         else:
-            div = "" if a == -1 else f" // {-a}"
-            lines.append(f"_hi = tl.where(_need > 0, 0, tl.minimum(_hi, tl.maximum(-_need, 0){div} // {br} + 1))")
+            lines.append(f"_hi = tl.where(_need > 0, 0, tl.minimum(_hi, {_last_row(b, a)} // {br} + 1))")
     lines.append("_hi = tl.maximum(_lo, _hi)")
     lines[indent:] = ["    " + line for line in lines[indent:]]
     return "\n".join(lines + _full_dkdv(plan, names) + _ranges_dkdv(plan, names))
@@ -375,16 +373,28 @@ def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
         if a == 0:
             inner.append("_fhi = tl.where(_need > 0, 0, _fhi)")
         elif a > 0:
-            t = f"(tl.maximum(_need, 0) + {a - 1}) // {a}" if a != 1 else "tl.maximum(_need, 0)"
-            inner.append(f"_t = {t}  # the first row meeting it")
+            inner.append(f"_t = {_first_row(b, a)}  # the first row meeting it")
             inner.append(f"_flo = tl.maximum(_flo, tl.cdiv(_t, {br}))")
         else:
-            div = "" if a == -1 else f" // {-a}"
-            inner.append(f"_fhi = tl.where(_need > 0, 0, tl.minimum(_fhi, (tl.maximum(-_need, 0){div} + 1) // {br}))")
+            inner.append(f"_fhi = tl.where(_need > 0, 0, tl.minimum(_fhi, ({_last_row(b, a)} + 1) // {br}))")
     if lower:
         inner.append("_flo = tl.minimum(tl.maximum(_flo, _lo), _hi)")
     inner.append(f"_fhi = tl.maximum(tl.minimum(_fhi, _hi), {first})")
     return lines + ["        " + line for line in inner]
+
+
+def _first_row(b, a: int) -> str:
+    """The least row r with a * (r // step) >= _need (a > 0): masks.Bound.first_row
+    of ceil(_need / a), the numerator clamped non-negative (Triton's // truncates)."""
+    t = f"(tl.maximum(_need, 0) + {a - 1}) // {a}" if a != 1 else "tl.maximum(_need, 0)"
+    return t if b.step == 1 else f"{t if a == 1 else f'({t})'} * {b.step}"
+
+
+def _last_row(b, a: int) -> str:
+    """The greatest row r with a * (r // step) >= _need (a < 0, _need <= 0):
+    masks.Bound.last_row of floor(-_need / |a|)."""
+    u = "tl.maximum(-_need, 0)" + ("" if a == -1 else f" // {-a}")
+    return u if b.step == 1 else f"({u} * {b.step} + {b.step - 1})"
 
 
 def _bounds_dq(plan: BackwardPlan, names: E._Names) -> str:
@@ -400,8 +410,8 @@ def _bounds_dq(plan: BackwardPlan, names: E._Names) -> str:
 
 
 def _affine_text(b, row: str, size=None) -> str:
-    """row_coeff * row + rest; sizes as |w| (comments) or rendered by ``size``."""
-    terms = [] if b.row_coeff == 0 else [row if b.row_coeff == 1 else f"{b.row_coeff} * {row}"]
+    """row_coeff * (row // step) + rest; sizes as |w| (comments) or rendered by ``size``."""
+    terms = B.row_term(b, row)
     for key, v in b.rest:
         sz = key if size is None else size(key[1:-1]) if key else ""
         terms.append(str(v) if key == "" else sz if v == 1 else f"{v} * {sz}")

@@ -39,10 +39,16 @@ def _sum(terms: list[str]) -> str:
     return (" + ".join(terms) or "0").replace("+ -", "- ")
 
 
+def row_term(b: masks.Bound, r: str) -> list[str]:
+    """row_coeff * (r // step), no term when row_coeff is 0; ``r`` is a row
+    index (never negative: Triton's // truncates, Python's floors)."""
+    r = r if b.step == 1 else f"({r} // {b.step})"
+    return [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
+
+
 def affine(b: masks.Bound, r: str, size) -> str:
-    """row_coeff * r + rest, the sizes rendered by ``size``."""
-    terms = [] if b.row_coeff == 0 else [r if b.row_coeff == 1 else f"{b.row_coeff} * {r}"]
-    return _sum(terms + _rest_terms(b, size))
+    """row_coeff * (r // step) + rest, the sizes rendered by ``size``."""
+    return _sum(row_term(b, r) + _rest_terms(b, size))
 
 
 def rest(b: masks.Bound, size) -> str:

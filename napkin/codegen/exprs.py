@@ -27,7 +27,7 @@ from .lower import LogSumExp, SafeDiv, Var, decided
 from .products import fold_factors
 
 # Python operator precedence (higher binds tighter), for minimal parentheses.
-_PREC = {"|": 1, "&": 2, "cmp": 0, "+": 4, "-": 4, "*": 5, "/": 5, "neg": 6, "**": 7, "atom": 9}
+_PREC = {"|": 1, "&": 2, "cmp": 0, "+": 4, "-": 4, "*": 5, "/": 5, "//": 5, "%": 5, "neg": 6, "**": 7, "atom": 9}
 _COMPARE = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 
 
@@ -167,7 +167,21 @@ class _Render:
             a = (self.to_float(a), _PREC["atom"], "float")
         if kind == "int" and (op == "*" or self.big_constant(e)):
             a, b = self.widened(a, b)
+        if op == "//":
+            return self.floor_div(e, a, b)
+        if op == "%":
+            return self.remainder(e, a, b)
         return f"{self.wrap(a, p - 1)} {op} {self.wrap(b, p)}", p, kind
+
+    def floor_div(self, e: ir.Binary, a, b):
+        """a // b of whole numbers by a positive divisor (check_floor_division):
+        floor division, as Python and torch take it."""
+        return f"{self.wrap(a, _PREC['//'] - 1)} // {self.wrap(b, _PREC['//'])}", _PREC["//"], "int"
+
+    def remainder(self, e: ir.Binary, a, b):
+        """a % b of whole numbers by a positive divisor: in [0, b), as Python
+        and torch take it."""
+        return f"{self.wrap(a, _PREC['%'] - 1)} % {self.wrap(b, _PREC['%'])}", _PREC["%"], "int"
 
     def logic(self, e: ir.Binary, a, b):
         sym = self.AND if e.op == "and" else self.OR
@@ -277,6 +291,29 @@ class TritonRender(_Render):
     def where(self, c, a, b) -> str:
         return f"tl.where({c}, {a}, {b})"
 
+    def floor_div(self, e: ir.Binary, a, b):
+        """Triton's // truncates towards zero (compiled; the interpreter's
+        numpy floors): a numerator that can be negative (q - x) is divided
+        as a non-negative one, so both round down alike."""
+        plain = super().floor_div(e, a, b)
+        if non_negative(e.lhs, self.ctx.fixed):
+            return plain
+        n = self.wrap(a, _PREC["+"])
+        v = fold(e.rhs, self.ctx.fixed)
+        less = number(int(v) - 1) if v is not None else f"{self.wrap(b, _PREC['+'])} - 1"
+        return f"tl.where({n} >= 0, {plain[0]}, -(({less} - {n}) // {self.wrap(b, _PREC['//'])}))", \
+            _PREC["atom"], "int"
+
+    def remainder(self, e: ir.Binary, a, b):
+        """a - b * (a // b) where the numerator can be negative: Triton's %
+        takes the dividend's sign (compiled), Python's the divisor's."""
+        plain = super().remainder(e, a, b)
+        if non_negative(e.lhs, self.ctx.fixed):
+            return plain
+        floor = self.floor_div(ir.Binary("//", e.lhs, e.rhs, e.loc), a, b)
+        return f"{self.wrap(a, _PREC['+'] - 1)} - {self.wrap(b, _PREC['*'] - 1)} * {self.wrap(floor, _PREC['*'])}", \
+            _PREC["+"], "int"
+
     def logic(self, e: ir.Binary, a, b):
         """``and`` / ``or`` as a where when a side reads a tensor.  Triton's
         interpreter (3.9) keeps a loaded scalar's dtype on its comparison
@@ -323,6 +360,26 @@ class TritonRender(_Render):
         b = self.to_float(base) if base[2] != "float" else base[0]
         mag = f"tl.exp2({number(n)} * tl.log2(tl.abs({b})))"
         return mag if n % 2 == 0 else f"tl.where(({b}) < 0, -{mag}, {mag})"
+
+
+def non_negative(e, fixed: Mapping[str, int]) -> bool:
+    """Whether index arithmetic ``e`` is never negative, by its form: indices,
+    sizes and non-negative constants under + * // max abs, and any % (its
+    divisor is positive)."""
+    v = fold(e, fixed)
+    if v is not None:
+        return v >= 0
+    if isinstance(e, (ir.WireIndex, ir.WireSize)):
+        return True
+    if isinstance(e, ir.Binary) and e.op == "%":
+        return True    # a positive divisor's remainder (check_floor_division)
+    if isinstance(e, ir.Binary) and e.op in ("+", "*", "//"):
+        return non_negative(e.lhs, fixed) and non_negative(e.rhs, fixed)
+    if isinstance(e, ir.Call) and e.fn in ("max", "abs"):
+        return e.fn == "abs" or any(non_negative(a, fixed) for a in e.args)
+    if isinstance(e, ir.Call) and e.fn in ("min", "where"):
+        return all(non_negative(a, fixed) for a in (e.args[1:] if e.fn == "where" else e.args))
+    return False
 
 
 def _literal(code: str) -> bool:

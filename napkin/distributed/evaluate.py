@@ -40,6 +40,10 @@ def _binary(op: str, a, b):
         return a * b
     if op == "/":
         return a / b
+    if op == "//":
+        return a // b   # floor division (torch's and Python's); the checker keeps the divisor positive
+    if op == "%":
+        return a % b    # its remainder, of the divisor's sign (torch's and Python's)
     if op == "^":
         return torch.pow(a, b)
     if op == "and":
