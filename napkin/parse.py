@@ -560,7 +560,7 @@ class _Build(Transformer):
         name = str(fn)
         if name not in ir.FUNCTIONS:
             self._refuse(Diagnostic(f"unknown function {name!r}", _loc_of(fn),
-                                    hint="functions are " + ", ".join(ir.FUNCTIONS)))
+                                    hint=_INTEGER_HINTS.get(name, "functions are " + ", ".join(ir.FUNCTIONS))))
         elif len(args) != ir.FUNCTIONS[name]:
             self._refuse(Diagnostic(
                 f"{name} takes {ir.FUNCTIONS[name]} argument{'s' if ir.FUNCTIONS[name] > 1 else ''}, "
@@ -569,6 +569,16 @@ class _Build(Transformer):
 
     def size(self, meta, wire):
         return ir.WireSize(str(wire), _loc_of(meta))
+
+
+# Functions other languages have for what napkin writes with // and %: the hint
+# says how (floor(q / 128) in a mask is a chunk's number, q // 128).
+_FLOOR_HINT = "floor division is an operator: floor(q / 128) is q // 128, and the remainder q % 128"
+_INTEGER_HINTS = {"floor": _FLOOR_HINT, "floor_divide": _FLOOR_HINT, "div": _FLOOR_HINT, "trunc": _FLOOR_HINT,
+                  "ceil": "ceil(q / 128) is -(-q // 128): floor division is the operator //",
+                  "mod": "the remainder is an operator: mod(q, 128) is q % 128",
+                  "fmod": "the remainder is an operator: fmod(q, 128) is q % 128",
+                  "remainder": "the remainder is an operator: remainder(q, 128) is q % 128"}
 
 
 def _resolve(expr: ir.Expr, wires: set[str]) -> ir.Expr:

@@ -43,6 +43,9 @@ _VARIANTS = {
                    "S[b, hk, g, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)"),
     # a strict mask: query 0 sees no key at all (O = 0, lse = -inf, no NaN)
     "strict": ("causal", "where(x <= q,", "where(x < q,"),
+    # chunks of 4 (examples/chunked_attention.ncd's mask, shorter): a share's tiles across a chunk's
+    # edge are dead, decided from the positions by the chunk bounds
+    "chunked": ("causal", "where(x <= q,", "where(x <= q and x // 4 == q // 4,"),
 }
 
 
@@ -83,7 +86,7 @@ class Case:
 
     @property
     def causal(self) -> bool:
-        return self.diagram in ("causal", "gqa_causal", "alibi")
+        return self.diagram in ("causal", "gqa_causal", "alibi", "chunked")
 
     @property
     def family(self) -> str:
@@ -105,7 +108,8 @@ def cases() -> list[Case]:
                 Case(scheme, "sigmoid_attention", 13, 13), Case(scheme, "strict", 13, 13),
                 Case(scheme, "causal", 13, 13, "float32")]
     # float32: the forward runs the generated Triton kernel (interpreted here)
-    out += [Case("2x2", "gqa_causal", 13, 19, "float32"), Case("ring", "alibi", 13, 13, "float32")]
+    out += [Case("2x2", "gqa_causal", 13, 19, "float32"), Case("ring", "alibi", 13, 13, "float32"),
+            Case("ring", "chunked", 13, 13, "float32"), Case("2x2", "chunked", 13, 13, "float32")]
     return out
 
 
@@ -128,6 +132,8 @@ def reference(case: Case, q, k, v, slope=None):
         s = s.masked_fill(xi > qi, float("-inf"))
     if case.diagram == "strict":
         s = s.masked_fill(xi >= qi, float("-inf"))
+    if case.diagram == "chunked":
+        s = s.masked_fill(xi // 4 != qi // 4, float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.where(torch.isneginf(lse)[..., None], torch.zeros_like(s), torch.softmax(s, -1).nan_to_num(0.0))
     return p @ vv, lse

@@ -486,6 +486,16 @@ t.ncd:2:8: unknown function 'foo'
     S[b] = foo(a)
            ^^^
   hint: functions are exp, exp2, log, log2, sqrt, rsqrt, tanh, sigmoid, abs, relu, max, min, where"""),
+    "floor as a function": ("diagram a\nS[b] = where(floor(x / 64) == q // 64, 1, 0)\n", """\
+t.ncd:2:14: unknown function 'floor'
+    S[b] = where(floor(x / 64) == q // 64, 1, 0)
+                 ^^^^^
+  hint: floor division is an operator: floor(q / 128) is q // 128, and the remainder q % 128"""),
+    "mod as a function": ("diagram a\nS[b] = mod(x, 3)\n", """\
+t.ncd:2:8: unknown function 'mod'
+    S[b] = mod(x, 3)
+           ^^^
+  hint: the remainder is an operator: mod(q, 128) is q % 128"""),
     "wrong arity": ("diagram a\nS[b] = where(x < q, 1)\n", """\
 t.ncd:2:8: where takes 3 arguments, not 2
     S[b] = where(x < q, 1)
