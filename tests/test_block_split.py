@@ -247,8 +247,10 @@ def _unmasked_loads(**watch):
 
 def _split(diagram, sizes, br, bc, whole_rows=False, by_column=False):
     """masks.split_blocks (by_column: split_blocks_by_column) of the diagram's
-    full bounds; a mask with none (a remainder is not a bound) runs every
-    visited block masked."""
+    full bounds; a mask with none (a remainder is not a bound) finds its full
+    blocks with the ranges prepass at run time, and the cases here give it
+    none (a remainder keeps half the pairs of every tile): every visited block
+    masked."""
     plan = L.lower(diagram)
     all_sizes = {w.name: w.size for w in diagram.wires if w.size is not None} | sizes
     nq, nx = sizes["q"], sizes["x"]
@@ -281,6 +283,8 @@ CASES = [  # (example, text edits, sizes, which loops have full blocks): every s
     ("sliding_window", ((WINDOW, "x // 48 == q // 48"),), {"q": 100, "x": 100}, "fwd bwd"),  # chunked causal
     ("sliding_window", (("x <= q and " + WINDOW, "x // 48 == q // 48"),), {"q": 90, "x": 100}, "fwd bwd"),
     ("sliding_window", ((WINDOW, "q - x < 40 and (x - q) % 3 == 0"),), {"q": 100, "x": 90}, ""),  # dilated: no full
+    # whole float constants in index arithmetic: Triton's // of 48.0 was a float division (a crash)
+    ("sliding_window", ((WINDOW, "x // 48.0 == q // 48 and (q - x) % 2.0 == 0"),), {"q": 100, "x": 100}, ""),
 ]
 
 

@@ -156,6 +156,8 @@ class _Render:
         op = e.op
         if op == "^":
             return self.power(e)
+        if op in ("//", "%"):
+            e = integral(e)
         a, b = self.r(e.lhs), self.r(e.rhs)
         if op in ir.COMPARE_OPS:
             return f"{self.wrap(a, _PREC['+'] - 1)} {op} {self.wrap(b, _PREC['+'] - 1)}", _PREC["cmp"], "bool"
@@ -360,6 +362,22 @@ class TritonRender(_Render):
         b = self.to_float(base) if base[2] != "float" else base[0]
         mag = f"tl.exp2({number(n)} * tl.log2(tl.abs({b})))"
         return mag if n % 2 == 0 else f"tl.where(({b}) < 0, -{mag}, {mag})"
+
+
+def integral(e):
+    """Index arithmetic (the operands of // and %: whole numbers, the
+    checker's rule) with each whole float constant an int: 4.0 rendered
+    as written made Triton's // a float division ("unexpected type fp32")."""
+    if isinstance(e, ir.Num):
+        v = e.value
+        return ir.Num(int(v), e.loc) if isinstance(v, float) and math.isfinite(v) and v.is_integer() else e
+    if isinstance(e, ir.Unary):
+        return ir.Unary(e.op, integral(e.operand), e.loc)
+    if isinstance(e, ir.Binary):
+        return ir.Binary(e.op, integral(e.lhs), integral(e.rhs), e.loc)
+    if isinstance(e, ir.Call):
+        return ir.Call(e.fn, tuple(integral(a) for a in e.args), e.loc)
+    return e
 
 
 def non_negative(e, fixed: Mapping[str, int]) -> bool:
