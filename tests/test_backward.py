@@ -1976,3 +1976,43 @@ def test_grad_plan_finding_no_score_box_points_at_the_normaliser():
     with pytest.raises(gradrules.NoGrad, match="found none") as err:
         gradrules.grad_plan(napkin.load_text(text, "none.ncd"))
     assert (err.value.loc.line, err.value.loc.col) == (10, 24)
+
+
+COSINE = """diagram cosine
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp16
+in K[b, h, x, d] : fp16
+in V[b, h, x, d] : fp16
+in tau[h] : fp32
+in Qn[b, h, q] : fp32
+in Kn[b, h, x] : fp32
+S[b, h, q, x] = tau * sum[d](Q * K) / sqrt(Qn * Kn + 1e-6)
+O[b, h, q, d] : fp16 = sum[x](softmax[x](S) * V)
+out O
+"""
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16])
+def test_cosine_attention_with_its_norms_passed_in_trains(dt, folder):
+    """Cosine attention: the norms sum[d](Q * Q) and sum[d](K * K) are no score, so the kernel is
+    refused them (test_codegen) with the hint to compute them in torch and pass them in.  Done so,
+    autograd carries the kernel's gradients of Qn and Kn on to Q and K: every gradient against
+    float64 torch of the whole formula, on ragged sizes."""
+    m = compile_text(COSINE, "cosine", folder)
+    gen = torch.Generator().manual_seed(3)
+    Q, K, V = (torch.randn(2, 2, n, 16, generator=gen).to(dt) for n in (37, 45, 45))
+    tau = torch.tensor([4.0, 9.0])
+
+    def cosine(Q, K, V, tau, kernel):
+        Qn, Kn = (Q.float() * Q.float()).sum(-1), (K.float() * K.float()).sum(-1)
+        if kernel:
+            return m.cosine(Q, K, V, tau, Qn, Kn, block_q=16, block_x=16)
+        S = tau[:, None, None] * (Q @ K.transpose(-1, -2)) / torch.sqrt(Qn[..., :, None] * Kn[..., None, :] + 1e-6)
+        return torch.softmax(S, -1) @ V
+
+    got = gradients(lambda *t: cosine(*t, True), [Q, K, V, tau])
+    exact = gradients(lambda *t: cosine(*t, False), [Q.double(), K.double(), V.double(), tau.double()])
+    same = gradients(lambda *t: cosine(*t, False), [Q.float(), K.float(), V.float(), tau])
+    same = [s.to(g.dtype) for s, g in zip(same, got)]
+    assert_accurate(got, exact, same, "cosine", dt)

@@ -682,6 +682,18 @@ _RELATIVES_HEAD = ("diagram rel\nwire b, h, q, x\nwire d = 32\nin Q[b, h, q, d] 
 
 
 @pytest.mark.parametrize("body, at, message, hint", [
+    # cosine attention's norms: a contraction of one side alone ("exactly one factor must carry the
+    # streamed wire x" named no way out); its box computed in torch and passed in trains (test_backward)
+    ("Qn[b, h, q] = sum[d](Q * Q)\nC[b, h, q, x] = S / sqrt(Qn)\nO[b, h, q, d] = sum[x](softmax[x](C) * V)\n"
+     "out O\n", (8, 15),
+     "neither factor is along the streamed wire x; a kernel contracts d only in a score, one factor along x "
+     "(the keys) and one without it (the rows)",
+     "compute Qn in torch before the kernel and pass it in as an input: in Qn[b, h, q] : fp32"),
+    ("Kn[b, h, x] = sum[d](K * K)\nC[b, h, q, x] = S / sqrt(Kn)\nO[b, h, q, d] = sum[x](softmax[x](C) * V)\n"
+     "out O\n", (8, 15),
+     "both factors are along the streamed wire x; a kernel contracts d only in a score, one factor along x "
+     "(the keys) and one without it (the rows)",
+     "compute Kn in torch before the kernel and pass it in as an input: in Kn[b, h, x] : fp32"),
     # Y = sum[d](O): the streamed wire is d, so O's sum read as a score contraction
     ("O[b, h, q, d] = sum[x](softmax[x](S) * V)\nY[b, h, q] = sum[d](O)\nout Y\n", (8, 17),
      "an output reduces it again along d: a kernel streams the wire of its outputs' outermost reduction "

@@ -179,8 +179,25 @@ class _Attention:
         if col in read_wires(d, a):
             a, b = b, a
         if col in read_wires(d, a) or col not in read_wires(d, b):
-            raise unsupported(_show(c), f"exactly one factor must carry the streamed wire {col}", c.loc)
+            raise self.one_sided(c, both=col in read_wires(d, a))
         return a, b
+
+    def one_sided(self, c: ir.Reduce, both: bool):
+        """The refusal of a contraction of one side alone: sum[d](Q * Q) (a
+        query's norm, cosine attention's) reads no key, sum[d](K * K) only
+        keys; the kernel's contractions are scores, a side of rows against a
+        side of keys.  Its box can be computed before the kernel and passed
+        in, which the hint says with the box's own layout."""
+        from ..printer import layout_text
+
+        col, (w,) = self.col, c.wires or ("",)
+        which = f"both factors are along the streamed wire {col}" if both else \
+            f"neither factor is along the streamed wire {col}"
+        box = next((let for let in self.d.lets if any(n == c for n in ir.walk(let.expr))), None)
+        hint = None if box is None else (f"compute {box.name} in torch before the kernel and pass it in as "
+                                         f"an input: in {box.name}{layout_text(box.axes)} : fp32")
+        return unsupported(_show(c), f"{which}; a kernel contracts {w} only in a score, one factor along {col} "
+                           f"(the keys) and one without it (the rows)", c.loc, hint)
 
     def dot(self, c: ir.Reduce, sides, i: int, loads: _Loads) -> str:
         d = self.d
