@@ -345,21 +345,10 @@ def _fold(op: str, x, y) -> Optional[ir.Num]:
     """x op y for two constants, or None when it is not a plain finite-or-inf number."""
     if op not in ir.ARITH_OPS or isinstance(x, bool) or isinstance(y, bool):
         return None
+    if op == "^" and ((x == 0 and y < 0) or (x < 0 and not float(y).is_integer())):
+        return None   # (0.0 ^ -inf and (-2.0) ^ inf are numbers to Python: kept unfolded, as before)
     try:
-        if op == "+":
-            r = x + y
-        elif op == "-":
-            r = x - y
-        elif op == "*":
-            r = x * y
-        elif op in ("/", "//", "%"):
-            if y == 0:
-                return None
-            r = x / y if op == "/" else x // y if op == "//" else x % y
-        else:
-            if (x == 0 and y < 0) or (x < 0 and not float(y).is_integer()):
-                return None
-            r = ir.power(x, y)
+        r = ir.arith(op, x, y)   # x / 0, x // 0 and x % 0 raise
     except (OverflowError, ZeroDivisionError, ValueError):
         return None
     if isinstance(r, complex) or (isinstance(r, float) and math.isnan(r)):

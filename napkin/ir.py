@@ -348,8 +348,7 @@ def fold_constant(e: "Expr", fixed: Mapping[str, int], calls: Mapping[str, Calla
         if a is None or b is None:
             return None
         try:
-            v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
-                 "//": lambda: a // b, "%": lambda: a % b, "^": lambda: power(a, b)}[e.op]()
+            v = arith(e.op, a, b)
         except (ZeroDivisionError, OverflowError):
             return None
         return None if isinstance(v, complex) else v
@@ -362,6 +361,16 @@ def fold_constant(e: "Expr", fixed: Mapping[str, int], calls: Mapping[str, Calla
         except (ValueError, OverflowError, ZeroDivisionError):
             return None
     return None
+
+
+def arith(op: str, a, b):
+    """``a op b`` of two constants for an operator of ARITH_OPS, as every
+    folding pass computes it (``^`` through ``power``).  Raises as Python
+    does (1 / 0, 1 // 0)."""
+    if op == "^":
+        return power(a, b)
+    return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
+            "//": lambda: a // b, "%": lambda: a % b}[op]()
 
 
 def power(a, b):

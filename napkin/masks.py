@@ -188,9 +188,7 @@ class _Masked:
     def arith(op, a, b) -> Optional[float]:
         if a is not None and b is not None:
             try:
-                v = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b,
-                     "/": lambda: a / b, "//": lambda: a // b,
-                     "%": lambda: a % b, "^": lambda: ir.power(a, b)}[op]()
+                v = ir.arith(op, a, b)
             except (ZeroDivisionError, OverflowError, ValueError):
                 return None
             return None if isinstance(v, complex) or math.isnan(v) else float(v)

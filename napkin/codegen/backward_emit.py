@@ -304,11 +304,11 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
         a = b.row_coeff
         if b.kind == "upper":
             need = f"_col_first - {B.rest(b, names.length)}"
-            why = f"{col} <= {_affine_text(b, row)}: visited while that reaches the block's least {col}"
+            why = f"{B.text(b, col, row)}: visited while that reaches the block's least {col}"
         else:
             need = f"{B.rest(b, names.length)} - _col_last"
             a = -a
-            why = f"{col} >= {_affine_text(b, row)}: visited while that starts by the block's greatest {col}"
+            why = f"{B.text(b, col, row)}: visited while that starts by the block's greatest {col}"
         lines.append(f"_need = {need}  # {why}")
         if a == 0:
             lines.append("_hi = tl.where(_need > 0, 0, _hi)")
@@ -364,11 +364,11 @@ def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
         a = b.row_coeff
         if b.kind == "upper":
             need = f"_col0 + {bc} - 1 - {B.rest(b, names.size)}"
-            why = f"{col} <= {_affine_text(b, row)} at the block's last {col}"
+            why = f"{B.text(b, col, row)} at the block's last {col}"
         else:
             need = f"{B.rest(b, names.size)} - _col0"
             a = -a
-            why = f"{col} >= {_affine_text(b, row)} at the block's first {col}"
+            why = f"{B.text(b, col, row)} at the block's first {col}"
         inner.append(f"_need = {need}  # {why}, for every row")
         if a == 0:
             inner.append("_fhi = tl.where(_need > 0, 0, _fhi)")
@@ -407,15 +407,6 @@ def _bounds_dq(plan: BackwardPlan, names: E._Names) -> str:
     if R.applies(plan.forward):  # a data mask: the prepass's ranges at dQ's blocks
         text = "\n".join([text] + R.bounds_lines(names, plan.forward, plan.col))
     return text
-
-
-def _affine_text(b, row: str, size=None) -> str:
-    """row_coeff * (row // step) + rest; sizes as |w| (comments) or rendered by ``size``."""
-    terms = B.row_term(b, row)
-    for key, v in b.rest:
-        sz = key if size is None else size(key[1:-1]) if key else ""
-        terms.append(str(v) if key == "" else sz if v == 1 else f"{v} * {sz}")
-    return (" + ".join(terms) or "0").replace("+ -", "- ")
 
 
 def _decode_outer(names: E._Names, outer, n: str) -> list[str]:

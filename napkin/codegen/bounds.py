@@ -57,7 +57,7 @@ def rest(b: masks.Bound, size) -> str:
     return f"({_sum(_rest_terms(b, size))})"
 
 
-def _text(b: masks.Bound, col: str, row: str) -> str:
+def text(b: masks.Bound, col: str, row: str) -> str:
     """The bound as a comment reads it: ``x <= q + |x| - |q|``."""
     return f"{col} {'>=' if b.kind == 'lower' else '<='} {affine(b, row, lambda w: f'|{w}|')}"
 
@@ -109,7 +109,7 @@ def loop_bounds(names, plan, whole_rows: bool = False) -> str:
     for b in plan.bounds:
         r = "_row_first" if b.at_row() == "first" else "_row_last"
         value = affine(b, r, names.length)
-        why = f"{_text(b, col, row)}, loosest at the block's {b.at_row()} row"
+        why = f"{text(b, col, row)}, loosest at the block's {b.at_row()} row"
         if b.kind == "lower":
             lower = True
             lines.append(f"_lo = tl.maximum(_lo, {value})  # {why}")
@@ -175,7 +175,7 @@ def full_bounds(names, plan, whole_rows: bool, have: set) -> list[str]:
         for b in plan.full:
             tight_at = "last" if b.at_row() == "first" else "first"
             value = affine(b, "_row_last" if tight_at == "last" else row_first, names.length)
-            why = f"{_text(b, col, row)} at every row: tightest at the block's {tight_at}"
+            why = f"{text(b, col, row)} at every row: tightest at the block's {tight_at}"
             if b.kind == "lower":
                 inner.append(f"_flo = tl.maximum(_flo, {value})  # {why}")
             else:
@@ -213,6 +213,6 @@ def live(names, plan, loop: str) -> list[str]:
         value = affine(b, f"_row_{b.at_row()}", names.length)
         key = "first" if b.kind == "upper" else "last"
         test = f"_col_first <= {value}" if b.kind == "upper" else f"_col_last >= {value}"
-        lines.append(f"_live = _live & ({test})  # {_text(b, col, row)} somewhere: at the {least[key]} {col} "
+        lines.append(f"_live = _live & ({test})  # {text(b, col, row)} somewhere: at the {least[key]} {col} "
                      f"and the {least[b.at_row()]} {row}")
     return lines
