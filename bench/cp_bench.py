@@ -35,6 +35,7 @@ backward per rank (the slowest rank's median over the repeats).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -127,17 +128,19 @@ def _kept_below(iv, rows: np.ndarray, edges: np.ndarray) -> np.ndarray:
     return out
 
 
-def ring_work(mask: str, n: int, p: int) -> np.ndarray:
+def ring_work(mask: str, n: int, p: int, layout: str = "zigzag") -> np.ndarray:
     """W[a, b]: kept pairs between the queries rank a holds and the keys rank
-    b holds, zigzag layout (rank r holds chunks r and 2P-1-r)."""
+    b holds, zigzag layout (rank r holds chunks r and 2P-1-r) or contiguous
+    (rank r holds chunk r of P)."""
     iv = intervals(mask, n)
-    c = -(-n // (2 * p))
-    edges = np.minimum(np.arange(2 * p + 1) * c, n)
-    chunks = np.zeros((2 * p, 2 * p), dtype=np.int64)
-    for a in range(2 * p):
+    k = 2 * p if layout == "zigzag" else p
+    c = -(-n // k)
+    edges = np.minimum(np.arange(k + 1) * c, n)
+    chunks = np.zeros((k, k), dtype=np.int64)
+    for a in range(k):
         rows = np.arange(edges[a], edges[a + 1])
         chunks[a] = np.diff(_kept_below(iv, rows, edges)) if len(rows) else 0
-    own = [(r, 2 * p - 1 - r) for r in range(p)]
+    own = [(r, 2 * p - 1 - r) if layout == "zigzag" else (r,) for r in range(p)]
     return np.array([[sum(chunks[x, y] for x in own[a] for y in own[b]) for b in range(p)] for a in range(p)])
 
 
@@ -205,6 +208,7 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
             t = C.scheme_seconds(pl, m, links, fwd, bwd)
             rec[scheme] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3,
                            "MB": (C.traffic(pl, m, "forward")[0].sent + C.traffic(pl, m, "backward")[0].sent) / 1e6}
+        rec["short"] = short_ring(mask, n, gpus, g, m, links, secs)
         best = None
         for pl in PLAN.placements(gpus, g):
             if pl.scheme != "attention2d":
@@ -223,26 +227,48 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
     return out
 
 
+def short_ring(mask: str, n: int, gpus: int, per_node: int, m: C.Moved, links: C.Links, secs) -> dict:
+    """Ring Attention (Ring's backward) over contiguous shards, run for the
+    steps the mask reaches (napkin/distributed/reach.py, asked of the
+    wrapper itself: masks on document ids have no bound, so they run every
+    step)."""
+    import napkin
+    from napkin.distributed import RingAttention
+    w = ring_work(mask, n, gpus, "contiguous")
+    fn = RingAttention(napkin.load_text(diagram_text(mask, n), f"cp_{mask}.ncd"), layout="contiguous")
+    steps = fn.reach(gpus, n)
+    short = dataclasses.replace(m, layout="contiguous", reach=steps)
+    pl = C.Placement("ring", (gpus,), per_node)
+    work = [max(w[r, (r - s) % gpus] for r in range(gpus)) for s in range(steps)]
+    t = C.scheme_seconds(pl, short, links, [secs(x) for x in work], [secs(x, True) for x in work])
+    return {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "steps": steps,
+            "MB": (C.traffic(pl, short, "forward")[0].sent + C.traffic(pl, short, "backward")[0].sent) / 1e6,
+            "imbalance": w.sum(1).max() / (w.sum() / gpus)}
+
+
 def predict_markdown(records: list[dict]) -> str:
     lines = ["| GPUs | mask | kept | Ring ms | Ring MB | Burst ms | Burst MB | Double ring ms | Double burst ms "
-             "| best ATTENTION2D | A2D ms | A2D MB | zigzag max/mean work | cyclic max/mean work | best |",
-             "|" + "---|" * 15]
+             "| best ATTENTION2D | A2D ms | A2D MB | Short ring steps | Short ring ms | Short ring MB "
+             "| zigzag max/mean work | cyclic max/mean work | contiguous max/mean work | best |",
+             "|" + "---|" * 19]
 
     def ms(r, key):
         return f"{r[key]['ms']:.1f}" if key in r else "-"
 
     for r in records:
-        a = r["a2d"]
+        a, sh = r["a2d"], r["short"]
         # the two-level rings first: on a tie (the same terms summed in another
         # order) the one sending less across nodes wins, as in napkin plan
         cands = [(name, r[key]["ms"]) for name, key in (("Double ring", "ring2"), ("Double burst", "burst2"))
                  if key in r]
-        cands += [("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("A2D " + a["grid"], a["ms"])]
+        cands += [("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("A2D " + a["grid"], a["ms"]),
+                  ("Short ring", r["short"]["ms"])]
         best = min(cands, key=lambda kv: PLAN.rank_time(kv[1]))[0]
         lines.append(f"| {r['gpus']} | {r['mask']} | {r['density']:.3f} | {r['ring']['ms']:.1f} | "
                      f"{r['ring']['MB']:.0f} | {r['burst']['ms']:.1f} | {r['burst']['MB']:.0f} | {ms(r, 'ring2')} | "
                      f"{ms(r, 'burst2')} | {a['grid']} | "
-                     f"{a['ms']:.1f} | {a['MB']:.0f} | {r['ring_imbalance']:.2f} | {a['imbalance']:.3f} | {best} |")
+                     f"{a['ms']:.1f} | {a['MB']:.0f} | {sh['steps']} | {sh['ms']:.1f} | {sh['MB']:.0f} | "
+                     f"{r['ring_imbalance']:.2f} | {a['imbalance']:.3f} | {sh['imbalance']:.2f} | {best} |")
     return "\n".join(lines)
 
 

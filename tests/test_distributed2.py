@@ -10,12 +10,14 @@ ranks after a deadline, so nothing can hang.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -41,7 +43,18 @@ _MASKS = {
     "causal": "where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)",
     "strict": "where(x < q, sum[d](Q * K) * |d|^-0.5, -inf)",       # query 0 sees no key
     "decode": "where(x <= q + |x| - |q|, sum[d](Q * K) * |d|^-0.5, -inf)",
+    # masks that keep only nearby keys: a ring over contiguous shards stops early (reach.py)
+    "window": "where(x <= q and q - x < 3, sum[d](Q * K) * |d|^-0.5, -inf)",
+    "chunks": "where(x // 4 == q // 4, sum[d](Q * K) * |d|^-0.5, -inf)",
+    "causal_chunks": "where(x <= q and x // 8 == q // 8, sum[d](Q * K) * |d|^-0.5, -inf)",
 }
+
+
+def keeps(mask: str, qi, xi):
+    """What each mask of _MASKS keeps, written independently of napkin."""
+    return {"full": xi >= 0, "causal": xi <= qi, "strict": xi < qi,
+            "window": (xi <= qi) & (qi - xi < 3), "chunks": xi // 4 == qi // 4,
+            "causal_chunks": (xi <= qi) & (xi // 8 == qi // 8)}[mask]
 _PLAIN = "sum[d](Q * K) * |d|^-0.5"
 
 MESHES = {
@@ -103,11 +116,30 @@ class Case:
     n_x: int
     gqa: bool = False
     dtype: str = "float64"
+    layout: str = "zigzag"   # the ring's token layout
 
     @property
     def name(self) -> str:
         heads = "gqa" if self.gqa else "mha"
-        return f"{self.scheme}-{self.mesh}-{self.base}-{self.mask}-{heads}-q{self.n_q}-x{self.n_x}-{self.dtype}"
+        lay = "" if self.layout == "zigzag" else f"-{self.layout}"
+        return f"{self.scheme}-{self.mesh}-{self.base}-{self.mask}-{heads}-q{self.n_q}-x{self.n_x}-{self.dtype}{lay}"
+
+    def reach(self) -> Optional[int]:
+        """The ring steps that hold a kept pair, by brute force over every
+        pair of positions (None: not a flat ring)."""
+        if self.scheme not in ("ring", "burst"):
+            return None
+        from napkin.distributed.layouts import TokenLayout
+        ql, xl = TokenLayout(self.layout, self.parts, self.n_q), TokenLayout(self.layout, self.parts, self.n_x)
+        far = 0
+        for rank in range(self.parts):
+            qi = ql.positions(rank)[ql.positions(rank) < self.n_q][:, None]
+            for s in range(1, self.parts):
+                xi = xl.positions((rank - s) % self.parts)
+                xi = xi[xi < self.n_x][None, :]
+                if qi.numel() and xi.numel() and bool(keeps(self.mask, qi, xi + 0 * qi).any()):
+                    far = max(far, s)
+        return far + 1
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -180,6 +212,18 @@ def cases() -> list[Case]:
             Case("burst2", "ring-nodes-of-1", "attention", "causal", 13, 13),
             Case("ring", "ring-one-node", "attention", "causal", 13, 13),
             Case("attention2d", "2x2-nodes-of-1", "attention", "causal", 13, 19, True)]
+    # contiguous shards under masks of nearby keys: rings cut short (two steps, one, and all four
+    # for a causal mask), both backwards, the sum family, GQA, fp32 on the generated kernel, and
+    # a short ring counted on two nodes of two
+    out += [Case("ring", "ring", "attention", "window", 13, 13, layout="contiguous"),
+            Case("ring", "ring", "attention", "chunks", 16, 16, True, layout="contiguous"),
+            Case("ring", "ring", "attention", "causal", 10, 10, layout="contiguous"),
+            Case("burst", "ring", "attention", "window", 13, 13, True, layout="contiguous"),
+            Case("burst", "ring", "attention", "chunks", 13, 13, layout="contiguous"),
+            Case("burst", "ring", "sigmoid_attention", "causal_chunks", 16, 16, layout="contiguous"),
+            Case("ring", "ring", "attention", "causal_chunks", 13, 13, True, "float32", layout="contiguous"),
+            Case("ring", "flat-ring-2-nodes", "attention", "window", 16, 16, layout="contiguous"),
+            Case("burst", "flat-ring-2-nodes", "attention", "causal_chunks", 13, 13, layout="contiguous")]
     return out
 
 
@@ -192,12 +236,11 @@ def reference(case: Case, q, k, v):
     hq, hkv = q.shape[1], k.shape[1]
     kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if case.family == "sum":
-        return torch.sigmoid(s - math.log(k.shape[2])) @ vv, None
     qi = torch.arange(q.shape[2])[:, None]
     xi = torch.arange(k.shape[2])[None, :]
-    keep = {"full": xi >= 0, "causal": xi <= qi, "strict": xi < qi,
-            "decode": xi <= qi + k.shape[2] - q.shape[2]}[case.mask]
+    keep = keeps(case.mask, qi, xi) if case.mask != "decode" else xi <= qi + k.shape[2] - q.shape[2]
+    if case.family == "sum":
+        return (torch.sigmoid(s - math.log(k.shape[2])) * keep) @ vv, None
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.where(torch.isneginf(lse)[..., None], torch.zeros_like(s), torch.softmax(s, -1).nan_to_num(0.0))
@@ -242,7 +285,8 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
         if case.base == "flash_decoding":   # its generated kernel (packed rows, chunks), not the eager local
             fn.local = KernelLocal(fn.roles)
     else:
-        fn = RingAttention(diagram, backward="burst" if case.scheme.startswith("burst") else "kv")
+        fn = RingAttention(diagram, backward="burst" if case.scheme.startswith("burst") else "kv",
+                           layout=case.layout)
         assert fn.scheme == case.scheme, (fn.scheme, case.scheme)
         where = dict(group=place)
     train = case.scheme != "tree"
@@ -283,6 +327,9 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
     hq, hkv = case.heads
     sizes = dict(b=1, hq=hq, hkv=hkv, d=D, q=case.n_q, x=case.n_x)
     moved = C.Moved.attention(sizes, {"float64": "fp64", "float32": "fp32"}[case.dtype], case.family)
+    if case.scheme in C.RINGS:
+        moved = dataclasses.replace(moved, layout=case.layout, reach=case.reach())
+        res["reach"] = fn.reach(case.parts, case.n_q, case.n_x)
     part = place.part if case.scheme == "attention2d" else torch.distributed.get_rank(place)
     placement = C.Placement(case.scheme, case.grid, case.gpus_per_node, case.block)
     res["predicted"] = {ph: list(C.rank_bytes(case.scheme, case.grid, moved, ph)[part]) for ph in C.PHASES}
@@ -428,7 +475,12 @@ def test_counted_bytes_equal_the_model_on_every_rank(suite, case):
             assert got["links"] == got["predicted_links"], f"rank {rank}: within / across nodes"
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+# the cost pass prices a ring in its default (zigzag) layout: a diagram does not say how the
+# caller shards its tokens, so the contiguous cases are priced by the model alone (above)
+ZIGZAG = [c for c in CASES if c.layout == "zigzag"]
+
+
+@pytest.mark.parametrize("case", ZIGZAG, ids=[c.name for c in ZIGZAG])
 def test_cost_pass_equals_the_counter(suite, case):
     """The cost pass's per-device numbers (busiest device) are what the
     counter measures: handshake, forward, backward, and per link."""
@@ -439,6 +491,27 @@ def test_cost_pass_equals_the_counter(suite, case):
     if case.nodes_level:
         busiest = max(ran, key=lambda rg: (rg[1]["counted"]["forward"][0], -rg[0]))[1]
         assert [cost["within"], cost["across"]] == busiest["links"]["forward"]
+
+
+SHORT = [c for c in CASES if c.layout == "contiguous"]
+
+
+@pytest.mark.parametrize("case", SHORT, ids=[c.name for c in SHORT])
+def test_rings_over_contiguous_shards_run_the_steps_their_mask_reaches(suite, case):
+    """RingAttention.reach is the brute-force count of steps holding a kept
+    pair, on every rank; the blocks made reach - 1 passes (the counted
+    bytes equal the model's, test_counted_bytes_equal_the_model_on_every_rank),
+    and the outputs and gradients match float64 (the tests above)."""
+    want = case.reach()
+    for rank, got in _ran(suite, case):
+        assert got["reach"] == want, (rank, got["reach"], want)
+        if want == 1:       # chunks no wider than a shard: nothing moves after the handshake
+            assert got["counted"]["forward"] == [0, 0] and got["counted"]["backward"] == [0, 0], rank
+
+
+def test_short_rings_are_exercised():
+    """The contiguous cases cover a ring of one step, of two, and a full one."""
+    assert {c.reach() for c in SHORT} == {1, 2, 4}
 
 
 def _backward_sent(suite, case) -> int:
@@ -576,7 +649,7 @@ def test_cp_bench_masks_and_work_counts_are_exact():
     """bench/cp_bench.py: each mask's diagram keeps exactly the keys its
     intervals say (the eager local attention's lse over zero scores is
     log(kept keys)), and the per-device work counts equal a brute-force
-    count over the zigzag and cyclic layouts."""
+    count over the zigzag, contiguous and cyclic layouts."""
     import numpy as np
 
     from bench import cp_bench as B
@@ -594,10 +667,11 @@ def test_cp_bench_masks_and_work_counts_are_exact():
         zeros = torch.zeros(1, 1, n, 32, dtype=torch.float64)
         _, lse = EagerLocal(roles(d))(zeros, zeros, zeros, q_pos=pos, x_pos=pos, q_len=n, x_len=n, **side)
         assert torch.equal(torch.exp(lse[0, 0]).round().long(), torch.from_numpy(keep.sum(1))), mask
-        zig = TokenLayout("zigzag", p, n)
-        brute = [[keep[np.ix_(zig.positions(a).numpy(), zig.positions(b).numpy())].sum() for b in range(p)]
-                 for a in range(p)]
-        assert B.ring_work(mask, n, p).tolist() == brute, mask
+        for layout in ("zigzag", "contiguous"):
+            lay = TokenLayout(layout, p, n)
+            brute = [[keep[np.ix_(lay.positions(a).numpy(), lay.positions(b).numpy())].sum() for b in range(p)]
+                     for a in range(p)]
+            assert B.ring_work(mask, n, p, layout).tolist() == brute, (mask, layout)
         cyc = TokenLayout("cyclic", p, n)
         for rows, cols in ((2, 2), (1, 4), (4, 1)):
             qs = [np.concatenate([cyc.positions(i * cols + j).numpy() for j in range(cols)]) for i in range(rows)]
@@ -628,3 +702,4 @@ def test_double_ring_schedule_visits_every_block_once():
                 # new round, at the start of its previous round)
                 want = ring_origin(prev, s - 1, n, g) if s % g else ring_origin(prev, s - g, n, g)
                 assert seen[s] == want, (n, g, rank, s)
+

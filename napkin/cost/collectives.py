@@ -98,6 +98,9 @@ class Moved:
     row; out_bytes: O's element size as the caller sees it (dO travels so).
     stats: elements of lse per query row (0 for the sum family, which has no
     lse).  state: bytes per element of partial states and accumulators.
+    Ring schemes only: ``layout``, the token layout (None: zigzag, the
+    default), and ``reach``, the steps a flat ring runs where its mask lets
+    it stop early (napkin/distributed/reach.py; None: every step).
     """
 
     q_len: int
@@ -108,6 +111,8 @@ class Moved:
     out_bytes: int
     stats: int
     state: int
+    layout: Optional[str] = None
+    reach: Optional[int] = None
 
     @classmethod
     def attention(cls, sizes: Mapping[str, int], dtype: str, family: str = "softmax") -> "Moved":
@@ -138,11 +143,11 @@ class Moved:
         return (self.out + self.stats) * self.state
 
 
-def layout_rows(scheme: str, parts: int, length: int) -> int:
+def layout_rows(scheme: str, parts: int, length: int, layout: Optional[str] = None) -> int:
     """Rows every part holds, padding included: zigzag for the ring schemes
-    (2P chunks, two each), cyclic for ATTENTION2D, contiguous for the tree's
-    keys."""
-    if scheme in RINGS:
+    (2P chunks, two each) unless ``layout`` says otherwise, cyclic for
+    ATTENTION2D, contiguous for the tree's keys."""
+    if scheme in RINGS and layout in (None, "zigzag"):
         return 2 * ceil_div(length, 2 * parts)
     return ceil_div(length, parts)
 
@@ -161,7 +166,8 @@ class Term:
     fold and unfold go one way)."""
 
     what: str
-    group: str          # "row", "column", "ring", "inner", "outer", "home", "all", "fold", "unfold", "round K"
+    group: str          # "row", "column", "ring", "ring reversed", "inner", "outer", "home", "home K" (a short
+                        # ring's hop home, to part + K), "all", "fold", "unfold", "round K"
     kind: str
     steps: int
     nbytes: int
@@ -218,7 +224,10 @@ def terms(scheme: str, grid, moved: Moved, phase: str = "forward", part: int = 0
         n, g = grid if scheme in TWO_D else (1, grid[0])
         inner, outer = ("inner", "outer") if scheme in TWO_D else ("ring", "ring")
         p = n * g
-        nq, nx = layout_rows(scheme, p, m.q_len), layout_rows(scheme, p, m.x_len)
+        nq, nx = layout_rows(scheme, p, m.q_len, m.layout), layout_rows(scheme, p, m.x_len, m.layout)
+        s = ring_steps(scheme, grid, m)
+        if s < p:
+            return _short_ring_terms(scheme, p, s, nq, nx, m, phase)
         if scheme in ("ring", "ring2"):
             blocks, block = "K, V", nx * m.key_row
             acc, acc_block = "dK, dV", nx * sum(w for w, _ in m.keys) * m.state
@@ -264,6 +273,42 @@ def terms_by_part(scheme: str, grid, moved: Moved, phase: str) -> PartTerms:
     grid = _grid(scheme, grid)
     firsts, roles = _roles(scheme, parts_of(scheme, grid))
     return PartTerms(tuple(tuple(terms(scheme, grid, moved, phase, first)) for first in firsts), roles)
+
+
+def ring_steps(scheme: str, grid, moved: Moved) -> int:
+    """The steps a ring scheme runs: P, or ``moved.reach`` for a flat ring
+    its mask cuts short."""
+    grid = _grid(scheme, grid)
+    p = parts_of(scheme, grid)
+    if moved.reach is None or moved.reach == p:
+        return p
+    if scheme not in ("ring", "burst") or not 1 <= moved.reach <= p:
+        raise ValueError(f"a reach of {moved.reach} steps applies to a flat ring of at least as many ranks, "
+                         f"not {scheme} {grid}")
+    return moved.reach
+
+
+def _short_ring_terms(scheme: str, p: int, s: int, nq: int, nx: int, m: Moved, phase: str) -> list[Term]:
+    """A flat ring cut to s < P steps (napkin/distributed/ring.py): the
+    blocks make s - 1 passes; an accumulator's chain makes s - 1 and then
+    hops straight home, s - 1 devices back (group "home -K": to part - K).
+    BurstAttention's backward runs the ring the other way ("ring reversed",
+    home s - 1 devices ahead).  One step: nothing moves."""
+    if phase == "check":
+        return [Term("shapes", "all", "collective", p - 1, META_BYTES)]
+    if s == 1:
+        return []
+    if phase == "forward":
+        return [Term("K, V", "ring", "pass", s - 1, nx * m.key_row)]
+    if scheme == "ring":
+        way, home = "ring", f"home {-(s - 1)}"
+        blocks = Term("K, V", way, "pass", s - 1, nx * m.key_row)
+        acc, acc_block = "dK, dV", nx * sum(w for w, _ in m.keys) * m.state
+    else:
+        way, home = "ring reversed", f"home {s - 1}"
+        blocks = Term("Q, dO" + (", lse, delta" if m.stats else ""), way, "pass", s - 1, nq * m.backward_query_row)
+        acc, acc_block = "dQ", nq * sum(w for w, _ in m.query) * m.state
+    return [blocks, Term(acc, way, "pass", s - 1, acc_block), Term(acc, home, "pass", 1, acc_block)]
 
 
 def _roles(scheme: str, p: int) -> tuple[tuple[int, ...], list[int]]:
@@ -399,8 +444,11 @@ class Placement:
         """part -> the one part it sends to (receives from) in a pass group.
         A function, so that the cost pass can map it over every part."""
         p = self.parts
-        if group == "ring":
-            return (lambda q: (q + 1) % p) if sending else (lambda q: (q - 1) % p)
+        if group in ("ring", "ring reversed") or group.startswith("home "):
+            # the flat ring, the other way round, or a short ring's hop home (to part + K)
+            k = 1 if group == "ring" else -1 if group == "ring reversed" else int(group.split()[1])
+            k = k if sending else -k
+            return lambda q: (q + k) % p
         if group in ("inner", "outer", "home"):
             n, g = self.grid
             dn, dl = {"inner": (0, 1), "outer": (1, 0), "home": (1, 1)}[group]
@@ -584,7 +632,8 @@ def scheme_seconds(placement: Placement, moved: Moved, links: Links, forward_ste
     """Predicted seconds of one call.
 
     ``forward_steps`` / ``backward_steps``: compute seconds of the slowest
-    part at each step (P steps for the ring schemes, one step otherwise).
+    part at each step (P steps for the ring schemes, ``moved.reach`` for a
+    ring cut short, one step otherwise).
     ATTENTION2D and the tree do not overlap (communication, then compute:
     the paper's faster no-overlap variant).  The ring schemes overlap every
     step's compute with the pass that brings the next step's blocks and with
@@ -601,10 +650,10 @@ def scheme_seconds(placement: Placement, moved: Moved, links: Links, forward_ste
         fwd = fc + f_compute
         bwd = bc + b_compute if backward_steps is not None else 0.0
         return Timing(fwd, bwd, fc, bc, f_compute, b_compute)
-    n, g = placement.grid if scheme in TWO_D else (1, placement.grid[0])
+    n, g = placement.grid if scheme in TWO_D else (1, ring_steps(scheme, placement.grid, moved))
     p = n * g
     if len(forward_steps) != p or (backward_steps is not None and len(backward_steps) != p):
-        raise ValueError(f"a ring of {p} needs {p} compute steps")
+        raise ValueError(f"a ring of {p} steps needs {p} compute steps")
     fwd = _ring_seconds(n, g, forward_steps, _per_pass(placement, moved, "forward", fwd_comm))
     bwd = 0.0
     if backward_steps is not None:
@@ -614,10 +663,12 @@ def scheme_seconds(placement: Placement, moved: Moved, links: Links, forward_ste
 
 def _per_pass(placement: Placement, moved: Moved, phase: str, seconds: dict[str, float]) -> dict:
     """Seconds of one pass of each ring term, keyed (blocks or accumulators,
-    link group); a flat ring's passes are all "ring"."""
+    link group); a flat ring's passes are "ring" (either way round) but for
+    a short ring's hop "home"."""
     out = {}
     for t in terms(placement.scheme, placement.grid, moved, phase):
-        out[(t.what.startswith(("dK", "dQ")), t.group)] = seconds[f"{t.what} [{t.group}]"] / t.steps
+        group = "ring" if t.group == "ring reversed" else "home" if t.group.startswith("home") else t.group
+        out[(t.what.startswith(("dK", "dQ")), group)] = seconds[f"{t.what} [{t.group}]"] / t.steps
     return out
 
 
@@ -634,7 +685,7 @@ def _ring_seconds(n: int, g: int, steps: Sequence[float], per_pass: dict) -> flo
     inner_block = per_pass.get((False, "ring" if flat else "inner"), 0.0)
     inner_acc = per_pass.get((True, "ring" if flat else "inner"), 0.0)
     outer_block, outer_acc = per_pass.get((False, "outer"), 0.0), per_pass.get((True, "outer"), 0.0)
-    home = inner_acc if flat else per_pass.get((True, "home"), 0.0)
+    home = per_pass.get((True, "home"), inner_acc if flat else 0.0)
     total = 0.0
     for o in range(n):
         round_s = 0.0

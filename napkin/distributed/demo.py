@@ -33,6 +33,9 @@ def _args(default_diagram: str, argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backward", default="kv", choices=["kv", "burst"],
                     help="Ring Attention only: Ring's backward (K, V circulate) or BurstAttention's (Q, dO, ...)")
+    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous", "cyclic"],
+                    help="Ring Attention only: the token layout (contiguous lets a mask of nearby keys, a "
+                         "window or chunks, cut the ring short)")
     return ap.parse_args(argv)
 
 
@@ -56,7 +59,7 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     if scheme == "attention2d":
         fn = Attention2D(diagram)
     else:
-        fn = RingAttention(diagram, backward=a.backward)
+        fn = RingAttention(diagram, backward=a.backward, layout=a.layout)
         scheme = fn.scheme              # "ring", "burst", "ring2" or "burst2", as the byte model names them
     r = fn.roles
     per_node = fn.roles.per_node
@@ -121,7 +124,12 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     ref_o = ref_outs[0]
 
     sent = [cc.total("forward")[0], cc.total("backward")[0]]
-    predicted = [C.rank_bytes(scheme, grid, _moved(r, sizes, a.dtype), ph)[rank][0] for ph in ("forward", "backward")]
+    moved = _moved(r, sizes, a.dtype)
+    steps = None
+    if scheme != "attention2d":
+        steps = fn.reach(world, a.tokens)
+        moved = dataclasses.replace(moved, layout=a.layout, reach=steps)
+    predicted = [C.rank_bytes(scheme, grid, moved, ph)[rank][0] for ph in ("forward", "backward")]
     report = [None] * world
     dist.all_gather_object(report, (rank, sent, predicted, cc.links()))
     if rank == 0:
@@ -133,6 +141,8 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
                  "BurstAttention's backward"}[scheme]
         print(f"{title}: {a.diagram}, {world} ranks, grid {'x'.join(map(str, grid))}, "
               f"{a.tokens} tokens, {a.dtype}, backend {dist.get_backend()}")
+        if steps is not None:
+            print(f"{a.layout} layout: the ring runs {steps} of {world} steps")
         print(f"max |O - reference|   = {err_o:.3e}")
         print(f"max |dQ - reference|  = {err_dq:.3e}")
         print("rank  forward bytes sent (predicted)   backward bytes sent (predicted)"

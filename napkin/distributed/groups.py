@@ -152,7 +152,15 @@ class DoubleRing:
     n*G + l is GPU l of node n): ``inner`` runs round this node's G GPUs
     (NVLink), ``outer`` joins GPU l of every node (InfiniBand), and ``home``
     goes to the next GPU of the next node (the accumulators' last hop).  A
-    flat ring is the double ring of one node (N = 1, G = P)."""
+    flat ring is the double ring of one node (N = 1, G = P).
+
+    A flat ring may be cut short (``steps`` < P: the mask keeps no key more
+    than steps - 1 devices back, reach.py): its blocks make steps - 1
+    passes and ``home`` is then the hop straight back to where a block
+    started, steps - 1 devices behind.  ``direction`` -1 runs it the other
+    way (rank r receives from r + 1), as BurstAttention's backward needs:
+    there the query blocks travel, and a query block needs the keys behind
+    it."""
 
     nodes: int
     per_node: int
@@ -161,30 +169,52 @@ class DoubleRing:
     inner: Ring
     outer: Ring
     home: Ring
+    steps: Optional[int] = None     # a flat ring cut short: the steps it runs (None: all)
+    direction: int = 1
 
     @property
     def size(self) -> int:
         return self.nodes * self.per_node
 
+    @property
+    def round(self) -> int:
+        """Steps in a round (a flat ring: its only round)."""
+        return self.per_node if self.steps is None else self.steps
+
     def origin(self, step: int) -> int:
         """The group rank whose blocks this rank holds at ``step``."""
-        return ring_origin(self.rank, step, self.nodes, self.per_node)
+        return ring_origin(self.rank, step, self.nodes, self.per_node, self.direction)
 
 
-def ring_origin(rank: int, step: int, nodes: int, per_node: int) -> int:
+def ring_origin(rank: int, step: int, nodes: int, per_node: int, direction: int = 1) -> int:
     """The rank whose blocks ``rank`` holds at ``step`` of a double ring of
     ``nodes`` x ``per_node``: step o*G + i is step i of round o, and in round
     o a GPU works through the blocks of the node o before it (a flat ring,
-    one node: rank - step)."""
+    one node: rank - step; run the other way, rank + step)."""
     o, i = divmod(step, per_node)
     node, local = divmod(rank, per_node)
-    return (node - o) % nodes * per_node + (local - i) % per_node
+    return (node - o) % nodes * per_node + (local - direction * i) % per_node
 
 
-def as_double_ring(group=None, per_node: Optional[int] = None) -> DoubleRing:
+def as_double_ring(group=None, per_node: Optional[int] = None, steps: Optional[int] = None,
+                   direction: int = 1) -> DoubleRing:
     """The double ring over a process group (None: the default group) or a
-    1-D DeviceMesh, ``per_node`` GPUs per node (None: one node)."""
+    1-D DeviceMesh, ``per_node`` GPUs per node (None: one node).  ``steps``
+    and ``direction`` make a flat ring cut short or run the other way."""
     ring = as_ring(group)
+    if steps is not None or direction != 1:
+        steps = ring.size if steps is None else steps
+        if per_node not in (None, ring.size) or not 1 <= steps <= ring.size or direction not in (1, -1):
+            raise ValueError(f"a ring cut to {steps} steps, direction {direction}, must be a flat ring of "
+                             f"at least that many ranks (got {ring.size}, {per_node} per node)")
+        back = -direction * (steps - 1)
+
+        def at(k: int) -> int:
+            return dist.get_global_rank(ring.group, (ring.rank + k) % ring.size)
+
+        way = Ring(ring.size, ring.rank, ring.group, at(direction), at(-direction))
+        return DoubleRing(1, ring.size, ring.rank, ring.group, way, way,
+                          Ring(ring.size, ring.rank, ring.group, at(back), at(-back)), steps, direction)
     g = ring.size if per_node is None else per_node
     if g < 1 or ring.size % g:
         raise ValueError(f"a ring of {ring.size} ranks does not split into nodes of {g} GPUs")

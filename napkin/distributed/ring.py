@@ -36,6 +36,14 @@ the same block is added and the total hops to the next node (N-1 passes),
 and a last hop (next node, next GPU) brings each home: P passes, N across
 nodes.  A flat ring is the double ring of one node: the code is the same.
 
+Cut short (reach.py): when the mask keeps only keys near their queries (a
+sliding window, causal chunks) and the tokens are in the contiguous layout,
+a flat ring runs only the S steps whose blocks hold a kept pair (``reach``):
+the blocks make S - 1 passes, and an accumulator, once its chain of S
+devices ends, hops straight home (S - 1 devices back) instead of going on
+round.  BurstAttention's backward then runs the ring the other way, since a
+query block needs the keys behind it.  At S = P this is the ring above.
+
 Either way an accumulator pass is started as soon as the step's share is
 added and waited for only after the next step's computation, so it overlaps
 that computation; the local backward is the same as ATTENTION2D's, given the
@@ -54,6 +62,7 @@ from .common import attention_side, handshake, results, save_and_show, saved_sta
 from .layouts import TokenLayout
 from .local import Roles, default_backward, default_local, roles
 from .merging import merge
+from .reach import ring_reach
 
 
 class RingAttention:
@@ -63,7 +72,9 @@ class RingAttention:
     >>> O, lse = fn(q, k, v, group=None, q_len=N)      # None: the default group
 
     Each rank passes its own rows in the ring's layout (``shard``).
-    ``layout`` is "zigzag" (default), "cyclic" or "contiguous".
+    ``layout`` is "zigzag" (default), "cyclic" or "contiguous".  Under a
+    mask that keeps only nearby keys (a window, causal chunks), the
+    contiguous layout lets the ring stop after ``reach(...)`` steps.
     ``backward`` is "kv" (Ring's: K, V, dK, dV circulate) or "burst"
     (BurstAttention's: Q, dO, lse, delta, dQ circulate); the results are
     the same, the traffic is not (``napkin plan`` says which is cheaper).
@@ -82,6 +93,7 @@ class RingAttention:
         self.local_backward = local_backward or default_backward(self.local, self.roles)
         self.layout = layout
         self.backward = backward
+        self._reach: dict = {}
 
     @property
     def per_node(self) -> Optional[int]:
@@ -103,6 +115,17 @@ class RingAttention:
     def layouts(self, parts: int, q_len: int, x_len: Optional[int] = None) -> tuple[TokenLayout, TokenLayout]:
         return TokenLayout(self.layout, parts, q_len), TokenLayout(self.layout, parts, q_len if x_len is None else x_len)
 
+    def reach(self, parts: int, q_len: int, x_len: Optional[int] = None) -> int:
+        """The steps the ring runs over ``parts`` ranks: all of them, or
+        fewer where no rank's queries keep a key further back (reach.py).
+        A double ring always runs every step."""
+        if self.per_node is not None:
+            return parts
+        key = (parts, q_len, x_len)
+        if key not in self._reach:
+            self._reach[key] = ring_reach(self.roles, *self.layouts(parts, q_len, x_len))
+        return self._reach[key]
+
     def __call__(self, *tokens, group=None, q_len: int, x_len: Optional[int] = None,
                  timeout: float = G.DEFAULT_TIMEOUT, **side):
         ring = G.as_double_ring(group, self.per_node)
@@ -113,7 +136,12 @@ class RingAttention:
         ql, xl = self.layouts(ring.size, q_len, x_len)
         handshake(self.roles, self.scheme, tokens, whole, ql, xl, (ring.group,), timeout,
                   lambda p: f"ring rank {p}")
-        outs = _Function.apply(_Call(self, ring, ql, xl, timeout, side), *tokens)
+        steps = self.reach(ring.size, q_len, x_len)
+        query_ring = ring
+        if steps < ring.size:
+            ring = G.as_double_ring(group, steps=steps)
+            query_ring = G.as_double_ring(group, steps=steps, direction=-1)
+        outs = _Function.apply(_Call(self, ring, query_ring, ql, xl, timeout, side), *tokens)
         return results(self.roles, outs[0], outs[1] if len(outs) > 1 else None, whole,
                        ql.positions(ring.rank) < q_len)
 
@@ -130,8 +158,14 @@ class RingAttention:
 
 
 class _Call:
-    def __init__(self, fn: RingAttention, ring: G.DoubleRing, ql: TokenLayout, xl: TokenLayout, timeout, side):
-        self.fn, self.ring, self.ql, self.xl, self.timeout, self.side = fn, ring, ql, xl, timeout, side
+    """One call's schedule: ``ring`` carries the key blocks (the forward,
+    Ring's backward), ``query_ring`` the query blocks (BurstAttention's
+    backward); they differ only in a ring cut short."""
+
+    def __init__(self, fn: RingAttention, ring: G.DoubleRing, query_ring: G.DoubleRing, ql: TokenLayout,
+                 xl: TokenLayout, timeout, side):
+        self.fn, self.ring, self.query_ring = fn, ring, query_ring
+        self.ql, self.xl, self.timeout, self.side = ql, xl, timeout, side
         self.my_q = ql.positions(ring.rank)
 
     def x_pos(self, step: int) -> torch.Tensor:
@@ -181,19 +215,20 @@ class _Function(torch.autograd.Function):
 
 
 def _visit(ring: G.DoubleRing, blocks: list[torch.Tensor], timeout: float, what: str):
-    """Yield (step, the blocks held at that step) for the P steps of the
-    (double) ring.  Each pass is started before the step's computation (the
-    consumer's work between two yields) and waited for after it; a round's
-    outer pass is started before its first step and waited for after its
-    last, so it overlaps the whole round."""
-    n, g = ring.nodes, ring.per_node
+    """Yield (step, the blocks held at that step) for the steps of the
+    (double) ring (P, or fewer where it is cut short).  Each pass is started
+    before the step's computation (the consumer's work between two yields)
+    and waited for after it; a round's outer pass is started before its
+    first step and waited for after its last, so it overlaps the whole
+    round."""
+    n = ring.nodes
     for o in range(n):
         outer = G.RingPass(blocks, ring.outer, timeout, f"{what} (to the next node)",
                            first_tag=2 * G.MAX_TENSORS) if o < n - 1 else None
         held = blocks
-        for i in range(g):
-            inner = G.RingPass(held, ring.inner, timeout, what) if i < g - 1 else None
-            yield o * g + i, held
+        for i in range(ring.round):
+            inner = G.RingPass(held, ring.inner, timeout, what) if i < ring.round - 1 else None
+            yield o * ring.per_node + i, held
             if inner is not None:
                 held = inner.wait()
         if outer is not None:
@@ -211,7 +246,7 @@ class _Accumulators:
     to the same GPU of the next node; after the last round the ``home`` hop
     (next node, next GPU) brings every accumulator to the GPU its block
     lives on.  On a flat ring (one node) that is the plain ring's chain and
-    its last pass home."""
+    its last pass home; on a ring cut short, the hop straight home."""
 
     def __init__(self, ring: G.DoubleRing, timeout: float, what: str):
         self.ring, self.timeout, self.what = ring, timeout, what
@@ -223,12 +258,12 @@ class _Accumulators:
         ring = self.ring
         o, i = divmod(step, ring.per_node)
         acc = share if i == 0 else [a + b for a, b in zip(self.inner.wait(), share)]
-        if i < ring.per_node - 1:
+        if i < ring.round - 1:
             self.inner = G.RingPass(acc, ring.inner, self.timeout, self.what, first_tag=G.MAX_TENSORS)
             return
         if self.outer is not None:
             acc = [a + b for a, b in zip(self.outer.wait(), acc)]
-        if ring.size == 1:
+        if ring.nodes == 1 and ring.round == 1:     # one step: every block stayed home
             self.single = acc
             return
         last = o == ring.nodes - 1
@@ -237,7 +272,7 @@ class _Accumulators:
                                 first_tag=3 * G.MAX_TENSORS)
 
     def home(self) -> list[torch.Tensor]:
-        return self.single if self.ring.size == 1 else self.outer.wait()
+        return self.single if self.single is not None else self.outer.wait()
 
 
 def _backward_kv(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
@@ -261,7 +296,7 @@ def _backward_burst(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
     """BurstAttention's backward: the query side (Q, dO, lse, delta) and its
     accumulator dQ circulate; K, V stay and dK, dV accumulate locally.  At
     each step the device holds the query rows of ``ring.origin(step)``."""
-    r, ring = call.fn.roles, call.ring
+    r, ring = call.fn.roles, call.query_ring
     bundle = [t for k, t in enumerate(tokens) if r.is_query(k)] + [dO]
     if lse is not None:
         bundle += [lse, delta]

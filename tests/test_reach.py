@@ -1,0 +1,133 @@
+"""Ring Attention cut short (napkin/distributed/reach.py): the steps a mask
+of nearby keys reaches over the ring's layout, against every pair of
+positions; the byte model of a short ring; bench/cp_bench.py's short ring;
+and the torchrun demo running one.  The multi-process runs of short rings
+(outputs, gradients and bytes counted on every rank) are cases of
+test_distributed2.py's suite."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import napkin
+from napkin.cost import collectives as C
+from test_distributed2 import _PLAIN, REPO, diagram_text
+
+
+_REACH_MASKS = {   # predicate text -> what it keeps, written independently
+    "x <= q and q - x < 5": lambda q, x: x <= q and q - x < 5,
+    "q - x < 4 and x - q < 4": lambda q, x: abs(q - x) < 4,
+    "x // 6 == q // 6": lambda q, x: x // 6 == q // 6,
+    "x <= q and x // 7 == q // 7": lambda q, x: x <= q and x // 7 == q // 7,
+    "x <= q": lambda q, x: x <= q,
+    "x == q": lambda q, x: x == q,
+    "x >= q": lambda q, x: x >= q,
+    "x >= q and x - q < 3": lambda q, x: q <= x < q + 3,
+    "(q - x) % 2 == 0": lambda q, x: (q - x) % 2 == 0,      # no affine bound: every step
+}
+
+
+@pytest.mark.parametrize("pred", list(_REACH_MASKS), ids=list(_REACH_MASKS))
+def test_ring_reach_never_drops_a_kept_pair_and_is_exact_on_contiguous_shards(pred):
+    """reach.ring_reach against every pair of positions: never fewer steps
+    than some rank's kept pair needs (any layout), and exactly as many on
+    contiguous shards for masks with an affine bound, over ragged lengths."""
+    from napkin.distributed import RingAttention
+    from napkin.distributed.layouts import TokenLayout
+    text = diagram_text("attention", "full", "fp64", "ring").replace(_PLAIN, f"where({pred}, {_PLAIN}, -inf)", 1)
+    keep = _REACH_MASKS[pred]
+    for layout in ("contiguous", "zigzag", "cyclic"):
+        fn = RingAttention(napkin.load_text(text, "reach.ncd"), layout=layout)
+        for parts in (2, 3, 4, 5):
+            for n_q, n_x in ((13, 13), (16, 16), (29, 29), (11, 23)):
+                ql, xl = TokenLayout(layout, parts, n_q), TokenLayout(layout, parts, n_x)
+                far = 0
+                for rank in range(parts):
+                    mine = [int(q) for q in ql.positions(rank) if q < n_q]
+                    for s in range(1, parts):
+                        theirs = [int(x) for x in xl.positions((rank - s) % parts) if x < n_x]
+                        if any(keep(q, x) for q in mine for x in theirs):
+                            far = max(far, s)
+                got, want = fn.reach(parts, n_q, n_x), far + 1
+                where = (layout, parts, n_q, n_x)
+                assert got >= want, where
+                if layout == "contiguous" and "%" not in pred:
+                    assert got == want, where
+
+
+def test_a_ring_reaches_every_step_where_a_masked_pair_still_counts():
+    """S * S of a masked score is +inf, not nothing: the ring cannot skip its
+    masked steps (the kernels' own test, masks.value_when_masked)."""
+    from napkin.distributed import RingAttention
+    text = diagram_text("sigmoid_attention", "window", "fp64", "ring")
+    assert RingAttention(napkin.load_text(text, "w.ncd"), layout="contiguous").reach(4, 16) == 2
+    squared = text.replace("P[b, h, q, x] = sigmoid(S - log(|x|))", "P[b, h, q, x] = S * S")
+    assert squared != text
+    assert RingAttention(napkin.load_text(squared, "sq.ncd"), layout="contiguous").reach(4, 16) == 4
+
+
+def test_short_ring_model_counts_its_passes():
+    """The model of a ring cut to s steps: s - 1 block passes, s - 1
+    accumulator passes and one hop home; the other way round for Burst;
+    nothing at one step; and a double ring cannot be cut."""
+    m = dataclasses.replace(C.Moved.attention(dict(b=1, hq=4, hkv=2, d=8, q=64), "fp16"), layout="contiguous")
+    kv_block, acc_block = 16 * m.key_row, 16 * 2 * 2 * 8 * 4
+    for s in (1, 2, 3, 4):
+        short = dataclasses.replace(m, reach=s)
+        assert C.rank_bytes("ring", (4,), short, "forward") == [((s - 1) * kv_block,) * 2] * 4
+        want = (s - 1) * kv_block + (s - 1) * acc_block + (acc_block if s > 1 else 0)
+        assert C.rank_bytes("ring", (4,), short, "backward") == [(want, want)] * 4, s
+    assert C.rank_bytes("ring", (4,), dataclasses.replace(m, reach=4), "backward") == \
+        C.rank_bytes("ring", (4,), m, "backward")
+    groups = [t.group for t in C.terms("burst", (4,), dataclasses.replace(m, reach=3), "backward")]
+    assert groups == ["ring reversed", "ring reversed", "home 2"]
+    pl = C.Placement("burst", (4,), gpus_per_node=2)
+    assert [pl.peer(g, True)(1) for g in groups] == [0, 0, 3]
+    with pytest.raises(ValueError, match="flat ring"):
+        C.terms("ring2", (2, 2), dataclasses.replace(m, reach=2), "forward")
+
+
+def test_cp_bench_prices_the_short_ring_from_the_wrapper_and_the_model():
+    """bench/cp_bench.py's short ring: the steps the wrapper reaches (the
+    window of N/8 over 8 contiguous shards: 2), the bytes of the model at
+    that reach (one K, V pass forward; one pass, one chain pass and one hop
+    home backward), and all P steps for a mask on document ids."""
+    from bench import cp_bench as B
+    rec = {r["mask"]: r for r in B.predict(8, 8, masks=("sliding_window", "document"))}
+    short, ring = rec["sliding_window"]["short"], rec["sliding_window"]["ring"]
+    assert short["steps"] == 2 and rec["document"]["short"]["steps"] == 8
+    n = 8 * B.TOKENS_PER_GPU
+    m = dataclasses.replace(C.Moved.attention(dict(b=1, hq=B.HQ, hkv=B.HKV, d=B.D, q=n), "bf16"),
+                            layout="contiguous")
+    rows = n // 8
+    kv, acc = rows * m.key_row, rows * 2 * B.HKV * B.D * 4
+    assert short["MB"] * 1e6 == pytest.approx(kv + kv + 2 * acc)
+    assert short["MB"] < ring["MB"] / 4
+
+
+def test_the_ring_demo_runs_a_short_ring_under_torchrun(tmp_path):
+    """examples/run_ring_attention.py --layout contiguous on a window of 8
+    over 53 tokens (14 rows a rank): the ring runs 2 of 4 steps with
+    BurstAttention's backward (the ring the other way), matches the float64
+    reference, and every rank sent the bytes the model predicts at that
+    reach."""
+    text = (REPO / "examples" / "sliding_window.ncd").read_text()
+    assert "q - x < 256" in text
+    path = tmp_path / "window8.ncd"
+    path.write_text(text.replace("q - x < 256", "q - x < 8").replace(": bf16", ": fp32").replace(": fp16", ": fp32"))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          str(REPO / "examples" / "run_ring_attention.py"), "--diagram", str(path), "--tokens", "53",
+                          "--layout", "contiguous", "--backward", "burst", "--timeout", "60"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "contiguous layout: the ring runs 2 of 4 steps" in run.stdout, run.stdout
+    errors = [float(v) for v in re.findall(r"max \|(?:O|dQ) - reference\| *= (\S+)", run.stdout)]
+    assert len(errors) == 2 and all(e < 1e-5 for e in errors), run.stdout
+    ranks = re.findall(r"^ +\d+ +(\d+) \( *(\d+)\) +(\d+) \( *(\d+)\)", run.stdout, re.MULTILINE)
+    assert len(ranks) == 4 and all(f == fp and b == bp and int(f) > 0 for f, fp, b, bp in ranks), run.stdout
