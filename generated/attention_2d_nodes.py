@@ -2201,16 +2201,16 @@ schedule on h100 {
   }
 }
 """
-_DISTRIBUTED_CACHE = []
+_DISTRIBUTED_CACHE = {}
 
 
-def _distributed():
-    if not _DISTRIBUTED_CACHE:
+def _distributed(layout=None):
+    if layout not in _DISTRIBUTED_CACHE:
         import napkin
         from napkin.distributed import Attention2D
         diagram = napkin.load_text(_DISTRIBUTED_DIAGRAM, 'examples/attention_2d_nodes.ncd')
-        _DISTRIBUTED_CACHE.append(Attention2D(diagram))
-    return _DISTRIBUTED_CACHE[0]
+        _DISTRIBUTED_CACHE[layout] = Attention2D(diagram)
+    return _DISTRIBUTED_CACHE[layout]
 
 
 def attention_2d_nodes_distributed(Q, K, V, mesh, *, q_len, x_len=None, timeout=300.0):
@@ -2222,8 +2222,8 @@ def attention_2d_nodes_distributed(Q, K, V, mesh, *, q_len, x_len=None, timeout=
     of O, lse; differentiable.
     Every wait gives up after `timeout` s.
     """
-    return _distributed()(Q, K, V, grid=mesh, q_len=q_len, x_len=x_len,
-                          timeout=timeout)
+    return _distributed()(
+        Q, K, V, grid=mesh, q_len=q_len, x_len=x_len, timeout=timeout)
 
 
 def attention_2d_nodes_distributed_shard(full, mesh, length, dim):

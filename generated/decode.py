@@ -2308,16 +2308,16 @@ schedule on h100 {
   }
 }
 """
-_DISTRIBUTED_CACHE = []
+_DISTRIBUTED_CACHE = {}
 
 
-def _distributed():
-    if not _DISTRIBUTED_CACHE:
+def _distributed(layout=None):
+    if layout not in _DISTRIBUTED_CACHE:
         import napkin
         from napkin.distributed import TreeAttention
         diagram = napkin.load_text(_DISTRIBUTED_DIAGRAM, 'examples/decode.ncd')
-        _DISTRIBUTED_CACHE.append(TreeAttention(diagram))
-    return _DISTRIBUTED_CACHE[0]
+        _DISTRIBUTED_CACHE[layout] = TreeAttention(diagram)
+    return _DISTRIBUTED_CACHE[layout]
 
 
 def decode_distributed(Q, K, V, group=None, *, q_len, x_len=None, timeout=300.0):
@@ -2330,8 +2330,8 @@ def decode_distributed(Q, K, V, group=None, *, q_len, x_len=None, timeout=300.0)
     every rank; forward only (inputs that require gradients are refused).
     Every wait gives up after `timeout` s.
     """
-    return _distributed()(Q, K, V, group=group, q_len=q_len, x_len=x_len,
-                          timeout=timeout)
+    return _distributed()(
+        Q, K, V, group=group, q_len=q_len, x_len=x_len, timeout=timeout)
 
 
 def decode_distributed_shard(full, group, length, dim):

@@ -2203,36 +2203,39 @@ schedule on h100 {
   }
 }
 """
-_DISTRIBUTED_CACHE = []
+_DISTRIBUTED_CACHE = {}
 
 
-def _distributed():
-    if not _DISTRIBUTED_CACHE:
+def _distributed(layout=None):
+    if layout not in _DISTRIBUTED_CACHE:
         import napkin
         from napkin.distributed import RingAttention
         diagram = napkin.load_text(_DISTRIBUTED_DIAGRAM, 'examples/ring_attention.ncd')
-        _DISTRIBUTED_CACHE.append(RingAttention(diagram))
-    return _DISTRIBUTED_CACHE[0]
+        _DISTRIBUTED_CACHE[layout] = RingAttention(diagram, layout=layout)
+    return _DISTRIBUTED_CACHE[layout]
 
 
-def ring_attention_distributed(Q, K, V, group=None, *, q_len, x_len=None, timeout=300.0):
-    """Ring Attention of `ring_attention` on this rank's rows (zigzag layout, a ring of 4).
+def ring_attention_distributed(Q, K, V, group=None, *, q_len, x_len=None, timeout=300.0, layout="zigzag"):
+    """Ring Attention of `ring_attention` on this rank's rows (zigzag layout by default, a ring of 4).
 
     group: the ring's process group or 1-D DeviceMesh (None: the default group).
+    layout: "zigzag" (balances causal work) or "contiguous" (a mask of nearby
+    keys, a window or chunks, then cuts the ring short); pass the same to
+    _shard and _gather.
     q_len, x_len: the true sequence lengths (x_len defaults to q_len); each
     rank's inputs hold their padded share of rows.  Returns this rank's rows
     of O, lse; differentiable.
     Every wait gives up after `timeout` s.
     """
-    return _distributed()(Q, K, V, group=group, q_len=q_len, x_len=x_len,
-                          timeout=timeout)
+    return _distributed(layout)(
+        Q, K, V, group=group, q_len=q_len, x_len=x_len, timeout=timeout)
 
 
-def ring_attention_distributed_shard(full, group, length, dim):
-    """This rank's rows of a full tensor (zigzag layout, zero padding)."""
-    return _distributed().shard(full, group, length, dim)
+def ring_attention_distributed_shard(full, group, length, dim, layout="zigzag"):
+    """This rank's rows of a full tensor (zigzag layout by default, zero padding)."""
+    return _distributed(layout).shard(full, group, length, dim)
 
 
-def ring_attention_distributed_gather(rows, group, length, dim, timeout=300.0):
+def ring_attention_distributed_gather(rows, group, length, dim, timeout=300.0, layout="zigzag"):
     """The full tensor on every rank, from every rank's rows."""
-    return _distributed().gather(rows, group, length, dim, timeout)
+    return _distributed(layout).gather(rows, group, length, dim, timeout)

@@ -395,6 +395,26 @@ def emitted_double_ring() -> dict:
             "across": cc.links("forward")[1]}
 
 
+def emitted_short_ring() -> dict:
+    """The generated module's ring launcher with layout="contiguous" (its
+    shard and gather too) on a window of 3 over 13 tokens: the ring runs 2
+    of 4 steps, so the forward makes one K, V pass; O matches float64."""
+    from napkin.distributed import CommCounter
+    from napkin.distributed.emit import distributed_source
+    case = Case("ring", "ring", "attention", "window", 13, 13, layout="contiguous")
+    ns: dict = {}
+    exec(compile(distributed_source(napkin.load_text(case.text(), "short.ncd")), "<emitted>", "exec"), ns)
+    q, k, v, _, _ = _inputs(case)
+    name, lay = "attention_distributed", dict(layout="contiguous")
+    with CommCounter() as cc:
+        o, _ = ns[name](*(ns[name + "_shard"](t, None, 13, 2, **lay) for t in (q, k, v)), q_len=13,
+                        timeout=TIMEOUT, **lay)
+    ref, _ = reference(case, q, k, v)
+    rows = -(-13 // WORLD)
+    return {"o": max_error(ns[name + "_gather"](o, None, 13, 2, TIMEOUT, **lay), ref),
+            "forward": cc.total("forward")[0], "one_pass": rows * 2 * case.heads[1] * D * 8}
+
+
 def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -420,10 +440,11 @@ def _worker(rank: int, world: int, init: str, out_dir: str) -> None:
         except Exception as err:  # recorded, so one broken case does not hide the others
             results[case.name] = {"error": f"{type(err).__name__}: {err}"}
     results["errors"] = error_cases(places, rank)
-    try:
-        results["emitted"] = emitted_double_ring()
-    except Exception as err:
-        results["emitted"] = {"error": f"{type(err).__name__}: {err}"}
+    for key, run in (("emitted", emitted_double_ring), ("emitted_short", emitted_short_ring)):
+        try:
+            results[key] = run()
+        except Exception as err:
+            results[key] = {"error": f"{type(err).__name__}: {err}"}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     try:    # leave together, so no rank is torn down while a peer still talks to it
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT))
@@ -540,6 +561,13 @@ def test_emitted_function_runs_the_double_ring(suite):
         assert "error" not in got, f"rank {rank}: {got.get('error')}"
         assert got["scheme"] == "ring2" and got["o"] <= 1e-10, (rank, got)
         assert got["across"] > 0, rank
+
+
+def test_emitted_function_runs_a_short_ring_over_contiguous_shards(suite):
+    for rank, res in enumerate(suite):
+        got = res["emitted_short"]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["o"] <= 1e-10 and got["forward"] == got["one_pass"], (rank, got)
 
 
 def test_burst_backward_sends_less_for_multihead_and_more_for_grouped_query(suite):

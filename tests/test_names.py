@@ -301,7 +301,7 @@ def test_contraction_backward_parameter_avoids_inputs(a, b, tmp_path):
 # ---- the distributed launcher ----
 
 @pytest.mark.parametrize("example, old, new", [("ring_attention", "V", "timeout"), ("ring_attention", "K", "q_len"),
-                                               ("attention_2d", "Q", "mesh")])
+                                               ("attention_2d", "Q", "mesh"), ("ring_attention", "V", "layout")])
 def test_distributed_parameters_refused_with_a_location(example, old, new):
     """NAME_distributed(Q, K, V, mesh, *, q_len, x_len, timeout): an input of
     one of those names would be a duplicate parameter; its keywords are the
@@ -315,6 +315,15 @@ def test_distributed_parameters_refused_with_a_location(example, old, new):
     assert f"parameter named {new}" in msg and "rename the input" in msg
     line = next(i for i, s in enumerate(text.splitlines(), 1) if s.startswith(f"in {new}["))
     assert f"{example}.ncd:{line}:" in msg
+
+
+def test_only_a_rings_launcher_takes_layout():
+    """A ring's launcher has layout= (the caller's token layout); an
+    ATTENTION2D launcher has none, so an input may be named layout there."""
+    text = (Path(__file__).resolve().parent.parent / "examples" / "attention_2d.ncd").read_text()
+    text = re.sub(r"\bV\b", "layout", text)
+    src = emit_module(napkin.load_text(text, "a2d.ncd"), source_text=text, source_path="a2d.ncd")
+    assert "def attention_2d_distributed(Q, K, layout, mesh, *, q_len, x_len=None, timeout=300.0):" in src
 
 
 # ---- outputs: kernel parameters and launcher locals ----

@@ -44,9 +44,10 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
         kind = ("Ring Attention (double ring)", "RingAttention", "zigzag",
                 ", {} nodes x {} GPUs".format(*r.double_ring))
     group = scheme != "attention2d"
+    ring = scheme == "ring"
     outs = ", ".join(o.name for o in r.written.outputs)   # a sink's O, not the A and L that merge
     side = list(r.side) + list(r.rows)
-    _refuse_parameters(diagram, "group" if group else "mesh", side)
+    _refuse_parameters(diagram, "group" if group else "mesh", side, ring)
     ctx = dict(
         title=kind[0],
         cls=kind[1],
@@ -61,8 +62,16 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
         place_doc=(f"group: the {'ring' if scheme == 'ring' else 'tree'}'s process group or 1-D DeviceMesh "
                    "(None: the default group)." if group else
                    "mesh: a 2-D DeviceMesh (init_device_mesh(device, (R, C))) or a napkin Grid2D."),
-        layout=kind[2],
+        layout=kind[2] + (" layout by default" if ring else " layout"),
         grid_note=kind[3],
+        # a ring's token layout is the caller's choice (the same in the call, shard and gather):
+        # over contiguous shards a window or chunk mask cuts the ring short (reach.py)
+        layout_param=', layout="zigzag"' if ring else "",
+        layout_arg="layout" if ring else "",
+        layout_kw=", layout=layout" if ring else "",
+        layout_doc=('layout: "zigzag" (balances causal work) or "contiguous" (a mask of nearby\n'
+                    '    keys, a window or chunks, then cuts the ring short); pass the same to\n'
+                    '    _shard and _gather.\n    ' if ring else ""),
         lengths_doc=(f"q_len, x_len: the number of queries and the length of the key/value\n"
                      f"    cache (x_len is required); each rank holds its contiguous share of the\n"
                      f"    cache, padded, and every query.  Returns the whole {outs} on\n"
@@ -78,7 +87,8 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
     return _environment().get_template("distributed.py.jinja").render(**ctx)
 
 
-# NAME_distributed's own parameters besides the diagram's inputs (the template).
+# NAME_distributed's own parameters besides the diagram's inputs (the template);
+# a ring's launcher has layout= too.
 LAUNCHER_PARAMETERS = ("q_len", "x_len", "timeout")
 # The keywords side inputs travel beside: the schemes pass them on by name, as
 # **side, next to these (attention2d.py, ring.py, tree.py, local.py; a test
@@ -88,18 +98,19 @@ LAUNCHER_PARAMETERS = ("q_len", "x_len", "timeout")
 SIDE_KEYWORDS = ("self", "grid", "group", "mesh", "q_pos", "x_pos", "dO", "lse", "delta")
 
 
-def _refuse_parameters(diagram: ir.Diagram, place: str, side) -> None:
+def _refuse_parameters(diagram: ir.Diagram, place: str, side, ring: bool = False) -> None:
     """An input named like one of NAME_distributed's own parameters would be a
     duplicate parameter (the module would not import).  Those parameters are
     the launcher's documented keywords, the same for every diagram, so the
     input is the one to rename.  A side input is passed by name further in,
     so it may not take a name of SIDE_KEYWORDS either."""
+    own = (place,) + LAUNCHER_PARAMETERS + (("layout",) if ring else ())
     for t in diagram.inputs:
-        if t.name in LAUNCHER_PARAMETERS + (place,):
+        if t.name in own:
             raise NapkinError([Diagnostic(
                 f"napkin cannot emit a distributed launcher for input {t.name}: "
                 f"{diagram.name}_distributed has a parameter named {t.name}", t.loc,
-                f"rename the input (the launcher's own parameters are {', '.join((place,) + LAUNCHER_PARAMETERS)})")])
+                f"rename the input (the launcher's own parameters are {', '.join(own)})")])
         if t.name in side and t.name in SIDE_KEYWORDS:
             raise NapkinError([Diagnostic(
                 f"napkin cannot emit a distributed launcher for side input {t.name}: the distributed schemes "
