@@ -404,6 +404,11 @@ class Bound:
     rest: tuple[tuple[str, int], ...]
     step: int = 1
 
+    @property
+    def sizes_read(self) -> frozenset[str]:
+        """The wires whose sizes ``rest`` reads (``value`` needs them)."""
+        return frozenset(key[1:-1] for key, _ in self.rest if key)
+
     def value(self, r: int, sizes: Mapping[str, int]) -> int:
         """The bound at row r: row_coeff * (r // step) + rest."""
         return self.row_coeff * (r // self.step) + _rest_value(self.rest, sizes)

@@ -16,7 +16,11 @@ The candidates, for P devices (G per node):
   each node (DR * DC = G): DC = C keeps whole grid rows inside a node, so
   the row collectives (Q, the partial states) stay on NVLink;
 * with ``--forward`` (inference), decoding's tree (``tree``): queries on
-  every device, the keys split, states merged by a butterfly.
+  every device, the keys split, states merged by a butterfly;
+* where the mask keeps only nearby keys (a causal window, chunks), the flat
+  ring and its BurstAttention variant over contiguous shards, cut to the
+  steps the mask reaches (napkin/distributed/reach.py), run with
+  ``RingAttention(diagram, layout="contiguous")``.
 
 Each is costed with napkin/cost/collectives.py, the model the
 multi-process tests prove against the byte counter: bytes per device,
@@ -26,8 +30,11 @@ dimension forward (QK and PV; the mask's density from napkin/masks.py, at a
 128 x 128 block grid, partial blocks counted half), 2.5 times that backward,
 at FlashAttention-2's fraction of the dense peak (370 and 322 of 989 TFLOP/s
 on an H100, background section 4) for every GPU.  Every scheme's layout is
-taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings);
-bench/cp_bench.py counts the work of each device exactly instead.
+taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings, and
+contiguous shards for a ring cut short: a window's work is balanced there but
+for the first devices, a causal mask's is not, and such a ring never
+reaches fewer steps); bench/cp_bench.py counts the work of each device
+exactly instead.
 
 ``--emit OUT.ncd`` writes the diagram with the winner's mesh levels (a
 double ring as a nodes level over a devices level), with a nodes level
@@ -52,6 +59,7 @@ from .cost import collectives as C
 from .cost.analysis import bind_sizes
 from .cost.devices import moved, placement_of, unstated_gpus_per_node
 from .cost.profiles import get_profile, profile_names
+from .distributed.reach import ring_reach
 from .distributed.reading import roles
 from .errors import NapkinError
 from .files import why_not, write_atomic
@@ -83,6 +91,7 @@ class Option:
     backward_s: float
     comm_s: float                        # transfer time on the critical path's collectives (not overlap-aware)
     compute_s: float
+    reach: Optional[int] = None          # a flat ring over contiguous shards cut to this many steps
 
     @property
     def total_s(self) -> float:
@@ -102,8 +111,9 @@ class Option:
             n, g = self.grid
             return ("Double ring" if self.scheme == "ring2" else "Double ring + BurstAttention backward") + \
                 f" of {n} nodes x {g}"
+        short = f" over contiguous shards, {self.reach} of {self.grid[0]} steps" if self.reach else ""
         return {"ring": "Ring", "burst": "Ring + BurstAttention backward", "tree": "tree (decoding)"}[
-            self.scheme] + f" of {self.grid[0]}"
+            self.scheme] + f" of {self.grid[0]}" + short
 
 
 def placements(p: int, gpus_per_node: int, training: bool = True) -> list[C.Placement]:
@@ -182,6 +192,9 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     g = min(g, devices)
     pricing = Pricing.of(diagram, devices, sizes, profile, training)
     out = [pricing.option(pl, g) for pl in placements(devices, g, training)]
+    if pricing.reach < devices:
+        out += [pricing.option(pl, g, pricing.reach) for pl in placements(devices, g, training)
+                if pl.scheme in ("ring", "burst")]
     # times equal but for the order of their additions (one round of 16 or two
     # of 8) tie: the fewer bytes, then the fewer across nodes, decide
     out.sort(key=lambda o: (rank_time(o.total_s), o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
@@ -199,6 +212,7 @@ class Pricing:
     rate: float             # one device's dense peak for the tokens' dtype
     devices: int
     training: bool
+    reach: int              # the steps a flat ring over contiguous shards runs (devices: no shorter)
 
     @staticmethod
     def of(diagram: ir.Diagram, devices: int, sizes: Optional[dict], profile: Optional[str],
@@ -211,24 +225,27 @@ class Pricing:
         m = moved(diagram, r, bound)
         prof = get_profile(profile_of(diagram, profile))
         rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
-        return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound)), rate, devices, training)
+        return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound)), rate, devices, training,
+                       ring_reach(r, "contiguous", devices, m.q_len, m.x_len))
 
-    def option(self, pl: C.Placement, g: int) -> Option:
+    def option(self, pl: C.Placement, g: int, reach: Optional[int] = None) -> Option:
         """``pl`` costed (``g``: the GPUs a node it is labelled with where the
-        placement, a grid block, does not say)."""
+        placement, a grid block, does not say; ``reach``: a flat ring over
+        contiguous shards, cut to that many steps)."""
         flops, devices, rate = self.flops, self.devices, self.rate
-        steps = pl.parts if pl.scheme in C.RINGS else 1
+        m = self.moved if reach is None else dataclasses.replace(self.moved, layout="contiguous", reach=reach)
+        steps = reach or (pl.parts if pl.scheme in C.RINGS else 1)
         fwd = [flops / devices / steps / (rate * FWD_EFFICIENCY)] * steps
         bwd = [BWD_FLOP_FACTOR * flops / devices / steps / (rate * BWD_EFFICIENCY)] * steps \
             if self.training and pl.scheme != "tree" else None
-        t = C.scheme_seconds(pl, self.moved, self.links, fwd, bwd)
+        t = C.scheme_seconds(pl, m, self.links, fwd, bwd)
         phases = ("forward", "backward") if bwd is not None else ("forward",)
-        traffic = {ph: C.traffic(pl, self.moved, ph) for ph in phases}
+        traffic = {ph: C.traffic(pl, m, ph) for ph in phases}
         sent = {ph: max(x.sent for x in traffic[ph]) for ph in phases}
         across = max(sum(traffic[ph][k].sent_across for ph in phases) for k in range(pl.parts))
         return Option(pl.scheme, pl.grid, pl.block, pl.gpus_per_node or g, sent["forward"],
                       sent.get("backward", 0), across, t.forward_s, t.backward_s,
-                      t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s)
+                      t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s, reach)
 
 
 # --------------------------------------------------------------------------
@@ -325,6 +342,14 @@ def emitted_placement_note(option: Option, emitted: ir.Diagram, sizes: Optional[
     p = math.prod(option.grid)
     if p == 1:      # one device: no mesh, no links
         return None
+    if option.reach is not None:
+        # the layout is the caller's (how it shards the tokens), which no diagram says
+        full = Pricing.of(emitted, p, sizes, profile, training).option(
+            dataclasses.replace(placement_of(roles(emitted)), scheme=option.scheme), option.gpus_per_node)
+        return (f"napkin cost prices the emitted diagram's ring in its default zigzag layout, every step "
+                f"({(full.forward_bytes + full.backward_bytes) / 1e6:.2f} MB a device); this plan's runs "
+                f"{option.reach} of {p} steps over contiguous shards "
+                f"({(option.forward_bytes + option.backward_bytes) / 1e6:.2f} MB a device)")
     read = placement_of(roles(emitted))
     if option.scheme.startswith("burst"):   # the backward is the wrapper's choice, not the diagram's
         read = dataclasses.replace(read, scheme=read.scheme.replace("ring", "burst"))
@@ -421,8 +446,9 @@ def handler(args) -> int:
             write_atomic(Path(args.emit), text)
         except OSError as err:  # a folder that is a file, or missing, or not writable; --emit a folder
             raise NapkinError(f"cannot write {args.emit}: {why_not(err, Path(args.emit))}") from None
-        note = " (run it with RingAttention(diagram, backward='burst'))" \
-            if best.scheme in ("burst", "burst2") else ""
+        how = ([] if best.reach is None else ["layout='contiguous'"]) + \
+            (["backward='burst'"] if best.scheme in ("burst", "burst2") else [])
+        note = f" (run it with RingAttention(diagram, {', '.join(how)}))" if how else ""
         out = sys.stderr if args.json else sys.stdout   # --json: stdout holds the JSON alone
         print(f"wrote {args.emit}: {best.label}{note}", file=out)
         placement = emitted_placement_note(best, emitted, parse_pairs(args.sizes, "--size"), args.device,

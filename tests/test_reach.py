@@ -1,7 +1,7 @@
 """Ring Attention cut short (napkin/distributed/reach.py): the steps a mask
 of nearby keys reaches over the ring's layout, against every pair of
 positions; the byte model of a short ring; bench/cp_bench.py's short ring;
-and the torchrun demo running one.  The multi-process runs of short rings
+napkin plan's short-ring candidates; and the torchrun demo running one.  The multi-process runs of short rings
 (outputs, gradients and bytes counted on every rank) are cases of
 test_distributed2.py's suite."""
 from __future__ import annotations
@@ -131,3 +131,67 @@ def test_the_ring_demo_runs_a_short_ring_under_torchrun(tmp_path):
     assert len(errors) == 2 and all(e < 1e-5 for e in errors), run.stdout
     ranks = re.findall(r"^ +\d+ +(\d+) \( *(\d+)\) +(\d+) \( *(\d+)\)", run.stdout, re.MULTILINE)
     assert len(ranks) == 4 and all(f == fp and b == bp and int(f) > 0 for f, fp, b, bp in ranks), run.stdout
+
+
+def test_layout_spans_are_the_least_and_greatest_real_positions():
+    """reach.span (torch-free, for napkin plan) against TokenLayout.positions."""
+    from napkin.distributed.layouts import TokenLayout
+    from napkin.distributed.reach import span
+    for kind in ("contiguous", "zigzag", "cyclic"):
+        for parts in (1, 2, 3, 4, 7):
+            for length in (1, 2, 5, 13, 16, 29, 100):
+                lay = TokenLayout(kind, parts, length)
+                for part in range(parts):
+                    pos = [int(p) for p in lay.positions(part) if p < length]
+                    want = (min(pos), max(pos)) if pos else None
+                    assert span(kind, parts, length, part) == want, (kind, parts, length, part)
+
+
+def test_a_bound_on_another_wires_size_is_left_out_not_a_crash():
+    """q - x < |h| bounds the keys by a size the ring is not told: that bound
+    is dropped (never a kept pair lost), x <= q stays, and the ring runs
+    every step of a causal mask over contiguous shards."""
+    from napkin.distributed import RingAttention
+    text = diagram_text("attention", "full", "fp64", "ring").replace(
+        _PLAIN, f"where(x <= q and q - x < |h|, {_PLAIN}, -inf)", 1)
+    fn = RingAttention(napkin.load_text(text, "h.ncd"), layout="contiguous")
+    assert fn.reach(4, 16) == 4
+    window = RingAttention(napkin.load_text(text.replace("|h|", "3"), "w.ncd"), layout="contiguous")
+    assert window.reach(4, 16) == 2
+
+
+def test_plan_offers_short_rings_where_the_mask_reaches_few_steps():
+    """napkin plan: a window of 256 over 8 shards of 8192 tokens adds the
+    flat ring and its Burst variant over contiguous shards, 2 of 8 steps;
+    their bytes are the plain ring's passes cut to one (forward) and to one
+    block pass, one accumulator pass and one hop home (Ring's backward), and
+    one of them wins.  A causal mask adds none."""
+    from napkin import plan as P
+    sizes = dict(b=1, h=32, q=65536, x=65536)
+    options = P.plan(napkin.load("examples/sliding_window.ncd"), 8, sizes)
+    short = {o.scheme: o for o in options if o.reach is not None}
+    plain = {o.scheme: o for o in options if o.reach is None and o.scheme in ("ring", "burst")}
+    assert set(short) == {"ring", "burst"} and {o.reach for o in short.values()} == {2}
+    assert short["ring"].label == "Ring of 8 over contiguous shards, 2 of 8 steps"
+    kv = plain["ring"].forward_bytes // 7                       # one K, V pass of the plain ring's seven
+    acc = (plain["ring"].backward_bytes - 7 * kv) // 8          # one dK, dV pass of its eight
+    assert short["ring"].forward_bytes == kv and short["ring"].backward_bytes == kv + 2 * acc
+    assert options[0].reach == 2
+    causal = P.plan(napkin.load("examples/causal.ncd"), 8, sizes)
+    assert all(o.reach is None for o in causal)
+
+
+def test_plan_emits_a_short_ring_and_says_how_to_run_it(capsys, tmp_path):
+    from napkin.cli import main
+    out = tmp_path / "short.ncd"
+    argv = ["plan", "examples/chunked_attention.ncd", "--devices", "8", "-D", "b=1", "-D", "h=16",
+            "-D", "q=65536", "-D", "x=65536", "--forward", "--top", "1", "--emit", str(out)]
+    assert main(argv) == 0
+    got = capsys.readouterr().out
+    assert "1  Ring of 8 over contiguous shards, 1 of 8 steps" in got, got
+    assert (f"wrote {out}: Ring of 8 over contiguous shards, 1 of 8 steps "
+            "(run it with RingAttention(diagram, layout='contiguous'))") in got, got
+    assert "note: napkin cost prices the emitted diagram's ring in its default zigzag layout, every step" in got
+    from napkin.distributed import RingAttention
+    fn = RingAttention(napkin.load(str(out)), layout="contiguous")
+    assert fn.ring_size == 8 and fn.reach(8, 65536) == 1

@@ -20,14 +20,17 @@ masked score is +inf and that diagram's ring runs every step.  Masks on data
 (a document's ids) have no bound, so those rings run every step too.
 
 Every rank computes the same number from what the handshake has checked they
-agree on (diagram, lengths, layout), so all ranks run the same schedule.
+agree on (diagram, lengths, layout), so all ranks run the same schedule.  No
+torch: ``napkin plan`` prices a short ring with the same function (the
+layouts' spans are computed here from layouts.py's arithmetic, and the tests
+hold them to its positions).
 """
 from __future__ import annotations
 
+import bisect
 from typing import Optional
 
 from .. import masks
-from .layouts import TokenLayout
 from .reading import Roles, _inline
 
 
@@ -48,30 +51,70 @@ def mask_bounds(r: Roles) -> tuple[masks.Bound, ...]:
     return masks.stream_bounds(masks.mask_predicate(node), r.query, r.key, fixed)
 
 
-def _span(layout: TokenLayout, part: int) -> Optional[tuple[int, int]]:
-    """The least and greatest real (not padding) position of a part, or None."""
-    pos = layout.positions(part)
-    pos = pos[pos < layout.length]
-    return None if pos.numel() == 0 else (int(pos.min()), int(pos.max()))
+def span(kind: str, parts: int, length: int, part: int) -> Optional[tuple[int, int]]:
+    """The least and greatest real (not padding) position part ``part`` holds
+    in a layout (layouts.TokenLayout's kind, parts, length), or None."""
+    if kind == "contiguous":
+        rows = -(-length // parts)
+        first, last = part * rows, min((part + 1) * rows, length) - 1
+    elif kind == "cyclic":
+        first, last = part, part + (length - 1 - part) // parts * parts
+    else:                               # zigzag: chunks part and 2P-1-part of 2P
+        c = -(-length // (2 * parts))
+        first = part * c
+        second = (2 * parts - 1 - part) * c
+        last = min(second + c, length) - 1 if second < length else min(first + c, length) - 1
+    return (first, last) if first < length else None
 
 
-def ring_reach(r: Roles, ql: TokenLayout, xl: TokenLayout) -> int:
-    """The steps a flat ring of ``ql.parts`` ranks needs: 1 + the largest s
-    for which some rank's queries may keep a key of rank r - s."""
-    parts = ql.parts
-    bounds = mask_bounds(r) if parts > 1 else ()
+def ring_reach(r: Roles, kind: str, parts: int, q_len: int, x_len: int) -> int:
+    """The steps a flat ring of ``parts`` ranks needs, its tokens in the
+    ``kind`` layout: 1 + the largest s for which some rank's queries may
+    keep a key of rank r - s."""
+    sizes = {r.query: q_len, r.key: x_len}
+    # a bound on another wire's size (q - x < |w|) is left out: the ring knows only its lengths,
+    # and a bound fewer never drops a kept pair
+    bounds = tuple(b for b in mask_bounds(r) if b.sizes_read <= set(sizes)) if parts > 1 else ()
     if not bounds:
         return parts
-    sizes = {r.query: ql.length, r.key: xl.length}
-    rows = [_span(ql, p) for p in range(parts)]
-    cols = [_span(xl, p) for p in range(parts)]
+    rows = [span(kind, parts, q_len, p) for p in range(parts)]
+    cols = [span(kind, parts, x_len, p) for p in range(parts)]
+    if kind == "contiguous":
+        return _contiguous_reach(bounds, rows, cols, sizes)
     far = 0
-    for rank, span in enumerate(rows):
-        if span is None:
+    for rank, mine in enumerate(rows):
+        if mine is None:
             continue
         for s in range(parts - 1, far, -1):
             keys = cols[(rank - s) % parts]
-            if keys is not None and masks.tile_live(bounds, span, keys, sizes):
+            if keys is not None and masks.tile_live(bounds, mine, keys, sizes):
                 far = s
                 break
+    return far + 1
+
+
+def _contiguous_reach(bounds, rows, cols, sizes) -> int:
+    """ring_reach for contiguous shards in O(P log P) (the scan above is
+    O(P^2) where few steps are live: 10^9 tile tests for napkin plan at
+    32,768 devices).  The shards' least and greatest keys grow with the
+    rank, so the ranks tile_live keeps for one rank's queries are those
+    whose least key is at most every upper bound (a prefix) and whose
+    greatest is at least every lower bound (a suffix): an interval [j0, j1],
+    found by bisection.  The farthest step back is then the first of them
+    after the rank itself (reached the long way round) or else j0."""
+    parts = len(rows)
+    real = [c for c in cols if c is not None]          # parts 0 .. k-1 hold keys
+    firsts, lasts = [c[0] for c in real], [c[1] for c in real]
+    far = 0
+    for rank, mine in enumerate(rows):
+        if mine is None:
+            continue
+        at = {"first": mine[0], "last": mine[1]}
+        ups = [b.value(at[b.at_row()], sizes) for b in bounds if b.kind == "upper"]
+        lows = [b.value(at[b.at_row()], sizes) for b in bounds if b.kind == "lower"]
+        j1 = bisect.bisect_right(firsts, min(ups)) - 1 if ups else len(real) - 1
+        j0 = bisect.bisect_left(lasts, max(lows)) if lows else 0
+        if j0 > j1:
+            continue
+        far = max(far, rank + parts - max(j0, rank + 1) if j1 > rank else rank - j0)
     return far + 1

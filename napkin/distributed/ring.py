@@ -123,7 +123,7 @@ class RingAttention:
             return parts
         key = (parts, q_len, x_len)
         if key not in self._reach:
-            self._reach[key] = ring_reach(self.roles, *self.layouts(parts, q_len, x_len))
+            self._reach[key] = ring_reach(self.roles, self.layout, parts, q_len, q_len if x_len is None else x_len)
         return self._reach[key]
 
     def __call__(self, *tokens, group=None, q_len: int, x_len: Optional[int] = None,
