@@ -2220,8 +2220,8 @@ def ring_attention_distributed(Q, K, V, group=None, *, q_len, x_len=None, timeou
 
     group: the ring's process group or 1-D DeviceMesh (None: the default group).
     layout: "zigzag" (balances causal work) or "contiguous" (a mask of nearby
-    keys, a window or chunks, then cuts the ring short); pass the same to
-    _shard and _gather.
+    keys, a window or chunks, then cuts the ring short); the default is the
+    one the diagram names, else zigzag; pass the same to _shard and _gather.
     q_len, x_len: the true sequence lengths (x_len defaults to q_len); each
     rank's inputs hold their padded share of rows.  Returns this rank's rows
     of O, lse; differentiable.

@@ -679,6 +679,9 @@ class _Checker:
                 self.check_block(t, level)
             if t.chunk is not None:
                 self.check_chunk(level, t)
+            if t.layout is not None and t.layout not in ir.LAYOUTS:
+                self.err(f"unknown token layout '{t.layout}' for {t.wire}", t.layout_loc,
+                         _closest(t.layout, ir.LAYOUTS) or f"the layouts are {', '.join(ir.LAYOUTS)}")
 
     def _processors(self, upto: ir.Tile) -> tuple[int, int]:
         """The devices the schedule's across tiles make before ``upto`` and with

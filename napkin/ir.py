@@ -267,6 +267,10 @@ class Tile:
     states are merged.  The parser folds the pair into this one stream tile,
     so every pass that reads the schedule still sees one tile per wire;
     ``chunk_loc`` is where the group was written.
+
+    ``layout``: how an ``across`` tile deals the wire's tokens to the parts
+    (``stream x across 8 contiguous``): one of LAYOUTS, or None for the
+    scheme's default (napkin/distributed/layouts.py).
     """
 
     wire: str
@@ -276,6 +280,12 @@ class Tile:
     loc: Loc = _loc()
     chunk: Optional[int] = None
     chunk_loc: Loc = _loc()
+    layout: Optional[str] = None
+    layout_loc: Loc = _loc()
+
+
+# Token layouts an ``across`` tile may name (napkin/distributed/layouts.py's kinds).
+LAYOUTS = ("zigzag", "contiguous", "cyclic")
 
 
 @dataclass(frozen=True)

@@ -491,10 +491,10 @@ class _Build(Transformer):
         return int(value)
 
     def group(self, meta, *tiles):
-        return [ir.Tile(t.wire, "group", t.size, t.across, t.loc) for t in tiles]
+        return [dataclasses.replace(t, kind="group") for t in tiles]
 
     def stream(self, meta, *tiles):
-        return [ir.Tile(t.wire, "stream", t.size, t.across, t.loc) for t in tiles]
+        return [dataclasses.replace(t, kind="stream") for t in tiles]
 
     def hold(self, meta, *names):
         return [(str(n), _loc_of(n)) for n in names]
@@ -502,8 +502,11 @@ class _Build(Transformer):
     def tile_by(self, meta, wire, size):
         return ir.Tile(str(wire), "", self._whole(size, "a block size"), False, _loc_of(wire))
 
-    def tile_across(self, meta, wire, size):
-        return ir.Tile(str(wire), "", self._whole(size, "a device count"), True, _loc_of(wire))
+    def tile_across(self, meta, wire, size, layout=None):
+        # the layout word is checked where its level's meaning is known (check.py)
+        return ir.Tile(str(wire), "", self._whole(size, "a device count"), True, _loc_of(wire),
+                       layout=None if layout is None else str(layout),
+                       layout_loc=_loc_of(layout) if layout is not None else _loc_of(wire))
 
     # ---- expressions ----
     def or_(self, meta, lhs, rhs):

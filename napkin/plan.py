@@ -19,8 +19,9 @@ The candidates, for P devices (G per node):
   every device, the keys split, states merged by a butterfly;
 * where the mask keeps only nearby keys (a causal window, chunks), the flat
   ring and its BurstAttention variant over contiguous shards, cut to the
-  steps the mask reaches (napkin/distributed/reach.py), run with
-  ``RingAttention(diagram, layout="contiguous")``.
+  steps the mask reaches (napkin/distributed/reach.py); ``--emit`` writes
+  ``contiguous`` on its tiles, which the wrappers, the generated launcher
+  and napkin cost read.
 
 Each is costed with napkin/cost/collectives.py, the model the
 multi-process tests prove against the byte counter: bytes per device,
@@ -299,8 +300,11 @@ def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
     g = min(option.gpus_per_node, p)
     state = p > 1 and g != unstated_gpus_per_node(p)   # the nodes are to be written down
 
+    # a ring over contiguous shards cut short says so on its tiles (napkin cost then prices it so)
+    layout = "contiguous" if option.reach is not None else None
+
     def level(name, tiles, keep=False):
-        tiles = tuple(ir.Tile(w, kind, n, True) for w, kind, n in tiles if n > 1 or keep)
+        tiles = tuple(ir.Tile(w, kind, n, True, layout=layout) for w, kind, n in tiles if n > 1 or keep)
         return (ir.Level(name, None, tiles),) if tiles else ()
 
     def nodes(tiles):
@@ -342,18 +346,10 @@ def emitted_placement_note(option: Option, emitted: ir.Diagram, sizes: Optional[
     p = math.prod(option.grid)
     if p == 1:      # one device: no mesh, no links
         return None
-    if option.reach is not None:
-        # the layout is the caller's (how it shards the tokens), which no diagram says
-        full = Pricing.of(emitted, p, sizes, profile, training).option(
-            dataclasses.replace(placement_of(roles(emitted)), scheme=option.scheme), option.gpus_per_node)
-        return (f"napkin cost prices the emitted diagram's ring in its default zigzag layout, every step "
-                f"({(full.forward_bytes + full.backward_bytes) / 1e6:.2f} MB a device); this plan's runs "
-                f"{option.reach} of {p} steps over contiguous shards "
-                f"({(option.forward_bytes + option.backward_bytes) / 1e6:.2f} MB a device)")
     read = placement_of(roles(emitted))
     if option.scheme.startswith("burst"):   # the backward is the wrapper's choice, not the diagram's
         read = dataclasses.replace(read, scheme=read.scheme.replace("ring", "burst"))
-    cost = Pricing.of(emitted, p, sizes, profile, training).option(read, read.gpus_per_node or p)
+    cost = Pricing.of(emitted, p, sizes, profile, training).option(read, read.gpus_per_node or p, option.reach)
     if (rank_time(cost.forward_s), rank_time(cost.backward_s), cost.across_bytes) == \
             (rank_time(option.forward_s), rank_time(option.backward_s), option.across_bytes):
         return None
@@ -446,9 +442,8 @@ def handler(args) -> int:
             write_atomic(Path(args.emit), text)
         except OSError as err:  # a folder that is a file, or missing, or not writable; --emit a folder
             raise NapkinError(f"cannot write {args.emit}: {why_not(err, Path(args.emit))}") from None
-        how = ([] if best.reach is None else ["layout='contiguous'"]) + \
-            (["backward='burst'"] if best.scheme in ("burst", "burst2") else [])
-        note = f" (run it with RingAttention(diagram, {', '.join(how)}))" if how else ""
+        note = " (run it with RingAttention(diagram, backward='burst'))" \
+            if best.scheme in ("burst", "burst2") else ""
         out = sys.stderr if args.json else sys.stdout   # --json: stdout holds the JSON alone
         print(f"wrote {args.emit}: {best.label}{note}", file=out)
         placement = emitted_placement_note(best, emitted, parse_pairs(args.sizes, "--size"), args.device,

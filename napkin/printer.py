@@ -159,7 +159,8 @@ def _level(level: ir.Level) -> list[str]:
 
 
 def _tile(tile: ir.Tile) -> str:
-    return f"{tile.wire} {'across' if tile.across else 'by'} {_int(tile.size)}"
+    layout = f" {tile.layout}" if tile.layout else ""
+    return f"{tile.wire} {'across' if tile.across else 'by'} {_int(tile.size)}{layout}"
 
 
 def _capacity(nbytes: int) -> str:

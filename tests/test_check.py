@@ -969,3 +969,15 @@ def test_floor_division_of_anything_else_is_refused_where_written(mask, snippet,
     text = CHUNK.format(mask=mask)
     d = one(text)
     assert (d.message, where(d)) == (message, pos(text, snippet))
+
+
+def test_a_token_layout_word_is_one_of_three_and_points_at_itself():
+    text = HEAD + ATTENTION + ("schedule { level devices { group q across 4 contigous\n"
+                               "  stream x across 4 zigzag } }\n")
+    d = one(text)
+    assert (d.message, where(d), d.hint) == ("unknown token layout 'contigous' for q", pos(text, "contigous"),
+                                             "did you mean 'contiguous'?")
+    text = HEAD + ATTENTION + "schedule { level devices { group q across 4 rows } }\n"
+    assert one(text).hint == "the layouts are zigzag, contiguous, cyclic"
+    assert not errors(HEAD + ATTENTION + "schedule { level devices { group q across 4 cyclic\n"
+                                         "  stream x across 4 contiguous } }\n")   # the scheme's check: roles

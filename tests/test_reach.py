@@ -16,6 +16,7 @@ import pytest
 
 import napkin
 from napkin.cost import collectives as C
+from napkin.printer import to_text
 from test_distributed2 import _PLAIN, REPO, diagram_text
 
 
@@ -181,17 +182,86 @@ def test_plan_offers_short_rings_where_the_mask_reaches_few_steps():
     assert all(o.reach is None for o in causal)
 
 
-def test_plan_emits_a_short_ring_and_says_how_to_run_it(capsys, tmp_path):
+def test_plan_emits_a_short_ring_that_the_wrappers_and_napkin_cost_read(capsys, tmp_path):
+    """--emit writes the winner's tiles with 'contiguous': the wrapper made
+    from the emitted file runs 1 of 8 steps with no layout= given, and napkin
+    cost prices the emitted diagram as plan did (no note)."""
+    from napkin import plan as P
     from napkin.cli import main
+    from napkin.cost import analyse
     out = tmp_path / "short.ncd"
     argv = ["plan", "examples/chunked_attention.ncd", "--devices", "8", "-D", "b=1", "-D", "h=16",
             "-D", "q=65536", "-D", "x=65536", "--forward", "--top", "1", "--emit", str(out)]
     assert main(argv) == 0
     got = capsys.readouterr().out
     assert "1  Ring of 8 over contiguous shards, 1 of 8 steps" in got, got
-    assert (f"wrote {out}: Ring of 8 over contiguous shards, 1 of 8 steps "
-            "(run it with RingAttention(diagram, layout='contiguous'))") in got, got
-    assert "note: napkin cost prices the emitted diagram's ring in its default zigzag layout, every step" in got
+    assert f"wrote {out}: Ring of 8 over contiguous shards, 1 of 8 steps\n" in got and "note:" not in got, got
+    assert "group q across 8 contiguous" in out.read_text() and "stream x across 8 contiguous" in out.read_text()
     from napkin.distributed import RingAttention
-    fn = RingAttention(napkin.load(str(out)), layout="contiguous")
-    assert fn.ring_size == 8 and fn.reach(8, 65536) == 1
+    fn = RingAttention(napkin.load(str(out)))
+    assert fn.layout == "contiguous" and fn.reach(8, 65536) == 1
+    # a window over 8 shards, trained: every short option's emitted diagram costs as plan priced it
+    sizes = dict(b=1, h=32, q=65536, x=65536)
+    d = napkin.load("examples/sliding_window.ncd")
+    for option in (o for o in P.plan(d, 8, sizes) if o.reach is not None):
+        emitted = napkin.load_text(to_text(P.emit(d, option)), "emitted.ncd")
+        rep = analyse(emitted, sizes).devices
+        assert rep.ring_steps == 2 and rep.layout == "contiguous", option.label
+        assert rep.bytes_sent == option.forward_bytes, option.label
+        back = rep.burst_backward_bytes if option.scheme == "burst" else rep.backward_bytes
+        assert back == option.backward_bytes, option.label
+        assert P.emitted_placement_note(option, emitted, sizes) is None, option.label
+
+
+def _mesh(text: str, mesh: str) -> str:
+    """examples/sliding_window.ncd's schedule with ``mesh`` as its devices level."""
+    return text.replace("  level hbm", f"  level devices {{ {mesh} }}\n  level hbm", 1)
+
+
+@pytest.mark.parametrize("mesh, message, at, hint", [
+    ("group q across 2 contiguous, x across 2", "ATTENTION2D cannot lay q out contiguous: it deals tokens "
+     "cyclically", "contiguous", "write 'cyclic' or no layout"),
+    ("group x across 4 zigzag", "decoding's tree cannot lay x out zigzag: it deals tokens in contiguous shares",
+     "zigzag", "write 'contiguous' or no layout"),
+    ("group q across 4 contiguous\n    stream x across 4 zigzag", "x is laid out zigzag but q contiguous: the "
+     "mesh deals every split wire's tokens one way", "zigzag", "write 'contiguous' here too, or the layout once"),
+])
+def test_a_layout_the_scheme_cannot_run_is_refused_where_it_is_written(mesh, message, at, hint):
+    from napkin.cost import analyse
+    from napkin.distributed import roles
+    from napkin.errors import NapkinError
+    text = _mesh((REPO / "examples" / "sliding_window.ncd").read_text(), mesh)
+    with pytest.raises(NapkinError) as err:
+        roles(napkin.load_text(text, "bad.ncd"))
+    with pytest.raises(NapkinError, match=message):      # not the generic model's numbers
+        analyse(napkin.load_text(text, "bad.ncd"), dict(b=1, h=2, q=16, x=16))
+    d = err.value.diagnostics[0]
+    line, written = next((i, s) for i, s in enumerate(text.splitlines(), 1) if f" {at}" in s and "across" in s)
+    assert (d.message, d.loc.line, d.loc.col, d.hint) == (
+        f"cannot distribute this diagram: {message}", line, written.index(f" {at}") + 2, hint)
+
+
+def test_the_diagrams_layout_is_the_wrappers_launchers_and_costs_default():
+    """stream x across 4 contiguous: RingAttention and the generated launcher
+    default to it (layout= still overrides), napkin cost prices the ring cut
+    short, and zigzag written out prices as no layout does."""
+    from napkin.cost import analyse
+    from napkin.distributed import RingAttention
+    from napkin.distributed.emit import distributed_source
+    base = (REPO / "examples" / "sliding_window.ncd").read_text().replace("q - x < 256", "q - x < 3")
+    text = _mesh(base, "group q across 4\n    stream x across 4 contiguous")
+    d = napkin.load_text(text, "short.ncd")
+    assert RingAttention(d).layout == "contiguous" and RingAttention(d).reach(4, 16) == 2
+    assert RingAttention(d, layout="zigzag").reach(4, 16) == 4
+    src = distributed_source(d)
+    assert 'def sliding_window_distributed(Q, K, V, group=None, *, q_len, x_len=None, timeout=300.0, ' \
+           'layout="contiguous"):' in src
+    sizes = dict(b=1, h=2, q=16, x=16)
+    rep = analyse(d, sizes).devices
+    assert (rep.layout, rep.ring_steps) == ("contiguous", 2)
+    m = dataclasses.replace(C.Moved.attention(dict(b=1, hq=2, hkv=2, d=64, q=16), "fp16"), layout="contiguous")
+    assert rep.bytes_sent == 4 * m.key_row                       # one pass of 4 rows of K, V
+    plain = analyse(napkin.load_text(_mesh(base, "group q across 4\n    stream x across 4"), "z.ncd"), sizes)
+    zig = analyse(napkin.load_text(_mesh(base, "group q across 4 zigzag\n    stream x across 4"), "z.ncd"), sizes)
+    assert plain.devices.bytes_sent == zig.devices.bytes_sent == 3 * 4 * m.key_row
+    assert plain.devices.ring_steps is None and zig.devices.layout == "zigzag"

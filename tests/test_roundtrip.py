@@ -263,3 +263,12 @@ def test_drawn_diagrams_pass_the_checker(d):
     assert problems == [], "\n".join(p.format("<drawn>", text) for p in problems) + "\n" + text
     # and the printed text loads, the user's route in
     assert napkin.load_text(text) == d
+
+
+def test_a_tiles_token_layout_prints_after_its_count():
+    d = ir.Diagram("s", (), (), (), (), ir.Schedule(None, "fp32", False, (
+        ir.Level("devices", None, (ir.Tile("q", "group", 4, True, layout="contiguous"),
+                                   ir.Tile("x", "stream", 4, True, layout="contiguous")), ()),
+    )))
+    text = assert_round_trip(d)
+    assert "    group q across 4 contiguous\n    stream x across 4 contiguous\n" in text

@@ -407,6 +407,9 @@ def _idle_notes(c: "_Context", infos) -> list[str]:
 def _device_note(comm) -> str:
     """The device numbers the text table leaves out: handshake and backward."""
     out = f"devices: shape handshake {comm.handshake_bytes} B before the forward"
+    if comm.ring_steps is not None:
+        out = (f"devices: the ring runs {comm.ring_steps} of {comm.devices} steps over {comm.layout} shards "
+               f"(its mask keeps no key further back); shape handshake {comm.handshake_bytes} B before the forward")
     if comm.sent_across:
         out += f"; forward sends {comm.sent_within} B within nodes, {comm.sent_across} B across"
     if comm.backward_bytes is not None:

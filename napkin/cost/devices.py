@@ -7,8 +7,10 @@ multi-process tests check against the communication counter on every rank.
 The mesh levels pick the scheme:
 
   group q + group x          ATTENTION2D on an R x C grid (cyclic layout)
-  group q + stream x         Ring Attention (zigzag layout); the backward is
-                             costed both ways, Ring's (K, V circulate) and
+  group q + stream x         Ring Attention (zigzag layout, or the one the
+                             tiles name: a flat ring over contiguous shards
+                             runs the steps its mask reaches); the backward
+                             is costed both ways, Ring's (K, V circulate) and
                              BurstAttention's (Q, dO, lse, delta circulate)
   group x only               decoding: queries on every device, keys dealt
                              contiguously, states merged by a butterfly
@@ -30,11 +32,13 @@ need the same block, outputs merged by all-to-all.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir, tiling
+from ..distributed.reach import ring_reach
 from ..errors import NapkinError
 from . import collectives as C
 from .model import Kernel, contraction_factors, node_wires
@@ -86,6 +90,14 @@ class DeviceComm:
     backward_time_s: Optional[float] = None
     burst_backward_bytes: Optional[int] = None    # a ring's backward the BurstAttention way
     burst_backward_time_s: Optional[float] = None
+    layout: Optional[str] = None              # the token layout the mesh names (a ring's choice)
+    ring_steps: Optional[int] = None          # the steps a flat ring runs where its mask cuts it short
+
+
+def _across_tiles(diagram: ir.Diagram):
+    for name in ir.MESH_LEVELS:
+        level = diagram.level(name)
+        yield from (t for t in (level.tiles if level else ()) if t.across)
 
 
 def mesh_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
@@ -111,6 +123,10 @@ def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[di
     try:
         r = roles(diagram)
     except NapkinError:
+        if any(t.layout for t in _across_tiles(diagram)):
+            # a token layout is a choice among the wrappers' schemes: a diagram naming one
+            # means to run one, so their refusal (which says why) stands
+            raise
         return _generic(diagram, kernels, sizes, profile, wire_sym)
     return _scheme(diagram, r, sizes, profile)
 
@@ -238,6 +254,16 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) ->
     scheme = placement.scheme
     sym = moved(diagram, r, None)
     num = moved(diagram, r, sizes) if sizes is not None else None
+    reach = None
+    if scheme in C.RINGS and r.layout is not None:
+        # the ring's own layout; a flat ring over contiguous shards runs the steps its mask
+        # reaches, which only numbers tell (symbolic sizes: every step)
+        sym = dataclasses.replace(sym, layout=r.layout)
+        if num is not None:
+            num = dataclasses.replace(num, layout=r.layout)
+            if scheme == "ring":
+                reach = ring_reach(r, r.layout, placement.parts, num.q_len, num.x_len)
+                num, sym = (dataclasses.replace(m, reach=reach) for m in (num, sym))
     links = C.Links.of(profile)
     # the busiest part (the tree's parts differ when P is not a power of two)
     busiest = 0
@@ -260,7 +286,8 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) ->
     tiles = tuple((t.wire, t.kind, t.size) for t in mesh_tiles(diagram))
     link, key = _link_name(placement)
     steps = sum(t.steps for t in sym_terms)
-    common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node)
+    common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node, layout=r.layout,
+                  ring_steps=reach if reach is not None and reach < placement.parts else None)
     if num is None:
         return DeviceComm(placement.parts, tiles, tuple(rows), steps, None, None, link, profile[key], None,
                           **common)

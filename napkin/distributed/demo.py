@@ -33,9 +33,9 @@ def _args(default_diagram: str, argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backward", default="kv", choices=["kv", "burst"],
                     help="Ring Attention only: Ring's backward (K, V circulate) or BurstAttention's (Q, dO, ...)")
-    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous", "cyclic"],
-                    help="Ring Attention only: the token layout (contiguous lets a mask of nearby keys, a "
-                         "window or chunks, cut the ring short)")
+    ap.add_argument("--layout", default=None, choices=["zigzag", "contiguous", "cyclic"],
+                    help="Ring Attention only: the token layout (default: the diagram's, else zigzag; "
+                         "contiguous lets a mask of nearby keys, a window or chunks, cut the ring short)")
     return ap.parse_args(argv)
 
 
@@ -128,7 +128,7 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     steps = None
     if scheme != "attention2d":
         steps = fn.reach(world, a.tokens)
-        moved = dataclasses.replace(moved, layout=a.layout, reach=steps)
+        moved = dataclasses.replace(moved, layout=fn.layout, reach=steps)
     predicted = [C.rank_bytes(scheme, grid, moved, ph)[rank][0] for ph in ("forward", "backward")]
     report = [None] * world
     dist.all_gather_object(report, (rank, sent, predicted, cc.links()))
@@ -142,7 +142,7 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
         print(f"{title}: {a.diagram}, {world} ranks, grid {'x'.join(map(str, grid))}, "
               f"{a.tokens} tokens, {a.dtype}, backend {dist.get_backend()}")
         if steps is not None:
-            print(f"{a.layout} layout: the ring runs {steps} of {world} steps")
+            print(f"{fn.layout} layout: the ring runs {steps} of {world} steps")
         print(f"max |O - reference|   = {err_o:.3e}")
         print(f"max |dQ - reference|  = {err_dq:.3e}")
         print("rank  forward bytes sent (predicted)   backward bytes sent (predicted)"

@@ -62,16 +62,17 @@ def distributed_source(diagram: ir.Diagram, label: str = "") -> str:
         place_doc=(f"group: the {'ring' if scheme == 'ring' else 'tree'}'s process group or 1-D DeviceMesh "
                    "(None: the default group)." if group else
                    "mesh: a 2-D DeviceMesh (init_device_mesh(device, (R, C))) or a napkin Grid2D."),
-        layout=kind[2] + (" layout by default" if ring else " layout"),
+        layout=(r.layout or kind[2]) + (" layout by default" if ring else " layout"),
         grid_note=kind[3],
         # a ring's token layout is the caller's choice (the same in the call, shard and gather):
         # over contiguous shards a window or chunk mask cuts the ring short (reach.py)
-        layout_param=', layout="zigzag"' if ring else "",
+        layout_param=f', layout="{r.layout or "zigzag"}"' if ring else "",
         layout_arg="layout" if ring else "",
         layout_kw=", layout=layout" if ring else "",
         layout_doc=('layout: "zigzag" (balances causal work) or "contiguous" (a mask of nearby\n'
-                    '    keys, a window or chunks, then cuts the ring short); pass the same to\n'
-                    '    _shard and _gather.\n    ' if ring else ""),
+                    '    keys, a window or chunks, then cuts the ring short); the default is the\n'
+                    '    one the diagram names, else zigzag; pass the same to _shard and _gather.\n    '
+                    if ring else ""),
         lengths_doc=(f"q_len, x_len: the number of queries and the length of the key/value\n"
                      f"    cache (x_len is required); each rank holds its contiguous share of the\n"
                      f"    cache, padded, and every query.  Returns the whole {outs} on\n"

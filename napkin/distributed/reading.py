@@ -121,6 +121,8 @@ class Roles:
     # passes its own rows, laid out as its queries; ``diagram`` has none of them
     rows: tuple[str, ...] = ()
     row_axis: tuple[int, ...] = ()      # the stored dimension of the query wire, per row input
+    # the token layout the mesh levels name (stream x across 8 contiguous), None where they name none
+    layout: Optional[str] = None
 
     def is_query(self, index: int) -> bool:
         return self.token_wire[index] == self.query
@@ -177,6 +179,34 @@ def mesh_splits(d: ir.Diagram) -> tuple[Split, ...]:
             devices = t.size if name == "devices" else (old.devices if old else 1)
             found[t.wire] = Split(t.wire, t.kind, nodes, devices, old.loc if old else t.loc)
     return tuple(found.values())
+
+
+# The layouts each scheme can run: a ring any (zigzag by default); ATTENTION2D's grid rows and
+# columns are cyclic shares (layouts.py) and decoding's tree holds contiguous shares of the keys.
+_SCHEME_LAYOUTS = {"ring": ir.LAYOUTS, "attention2d": ("cyclic",), "tree": ("contiguous",)}
+_SCHEME_NAMES = {"ring": "Ring Attention", "attention2d": "ATTENTION2D", "tree": "decoding's tree"}
+
+
+def mesh_layout(d: ir.Diagram, scheme: Optional[str]) -> Optional[str]:
+    """The token layout the mesh levels' across tiles name, checked against
+    the scheme they make (None: they name none)."""
+    found: Optional[ir.Tile] = None
+    for name in ir.MESH_LEVELS:
+        level = d.level(name)
+        for t in level.tiles if level else ():
+            if not t.across or t.layout is None:
+                continue
+            allowed = _SCHEME_LAYOUTS.get(scheme, ir.LAYOUTS)
+            if t.layout not in allowed:
+                raise _refuse(f"{_SCHEME_NAMES[scheme]} cannot lay {t.wire} out {t.layout}: it deals tokens "
+                              f"{'cyclically' if allowed == ('cyclic',) else 'in contiguous shares'}",
+                              t.layout_loc, f"write '{allowed[0]}' or no layout")
+            if found is not None and found.layout != t.layout:
+                raise _refuse(f"{t.wire} is laid out {t.layout} but {found.wire} {found.layout}: the mesh deals "
+                              "every split wire's tokens one way", t.layout_loc,
+                              f"write '{found.layout}' here too, or the layout once")
+            found = found or t
+    return None if found is None else found.layout
 
 
 def has_nodes_level(d: ir.Diagram) -> bool:
@@ -470,4 +500,4 @@ def _core_roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Role
         raise _refuse(f"{value} must keep the query wire {query} as a dimension of its own", o.loc)
     return Roles(d, query, key, tuple(tokens), tuple(twire), tuple(taxis), tuple(side),
                  tuple(o.name for o in d.outputs), value, lse, family, score, out_axis, nvalue, scheme,
-                 per_node)
+                 per_node, layout=mesh_layout(d, scheme[0] if scheme else None))

@@ -72,8 +72,9 @@ class RingAttention:
     >>> O, lse = fn(q, k, v, group=None, q_len=N)      # None: the default group
 
     Each rank passes its own rows in the ring's layout (``shard``).
-    ``layout`` is "zigzag" (default), "cyclic" or "contiguous".  Under a
-    mask that keeps only nearby keys (a window, causal chunks), the
+    ``layout`` is "zigzag", "cyclic" or "contiguous": by default the one
+    the diagram's mesh names (``stream x across 8 contiguous``), else zigzag.
+    Under a mask that keeps only nearby keys (a window, causal chunks), the
     contiguous layout lets the ring stop after ``reach(...)`` steps.
     ``backward`` is "kv" (Ring's: K, V, dK, dV circulate) or "burst"
     (BurstAttention's: Q, dO, lse, delta, dQ circulate); the results are
@@ -85,13 +86,14 @@ class RingAttention:
 
     def __init__(self, diagram: ir.Diagram, *, local: Optional[Callable] = None,
                  local_backward: Optional[Callable] = None, query_wire: Optional[str] = None,
-                 key_wire: Optional[str] = None, layout: str = "zigzag", backward: str = "kv"):
+                 key_wire: Optional[str] = None, layout: Optional[str] = None, backward: str = "kv"):
         if backward not in ("kv", "burst"):
             raise ValueError(f"backward must be 'kv' (Ring's) or 'burst' (BurstAttention's), not {backward!r}")
         self.roles: Roles = roles(diagram, query_wire, key_wire)
         self.local = local or default_local(self.roles)
         self.local_backward = local_backward or default_backward(self.local, self.roles)
-        self.layout = layout
+        # the caller's layout, else the one the diagram's mesh names, else zigzag
+        self.layout = layout or self.roles.layout or "zigzag"
         self.backward = backward
         self._reach: dict = {}
 
