@@ -1,7 +1,7 @@
 """Context parallelism over the masks of the Long-Context Attention Benchmark.
 
     python bench/cp_bench.py predict [--gpus 8,16,32,64,96] [--per-node 8]
-    python bench/cp_bench.py measure --devices 4 [--tokens 1024] [--repeats 3]
+    python bench/cp_bench.py measure --devices 4 [--tokens 1024] [--repeats 3] [--masks full,causal]
 
 The masks: full, causal, document (causal inside each document), sliding
 window (causal), prefix-LM (the prefix sees itself both ways, the rest is
@@ -14,8 +14,10 @@ N/8 followed by four answers of equal length.
 The schemes: Ring Attention (zigzag layout; Ring's backward), the same with
 BurstAttention's backward, both as a double ring with several nodes
 (``predict`` only: the steps follow napkin/distributed/groups.py's
-ring_origin), and ATTENTION2D on every grid (cyclic layout; with
-several nodes, every block of the grid a node can hold).
+ring_origin), ATTENTION2D on every grid (cyclic layout; with
+several nodes, every block of the grid a node can hold), and the short ring:
+Ring over contiguous shards, cut to the steps the mask reaches
+(napkin/distributed/reach.py).
 
 ``predict``: the benchmark's settings (8K tokens per GPU, 64 query heads, 8
 key/value heads, head dim 128, bf16, forward + backward) at 8 to 96 H100s,
@@ -277,12 +279,15 @@ def predict_markdown(records: list[dict]) -> str:
 # --------------------------------------------------------------------------
 
 def schemes_for(p: int) -> list[tuple[str, tuple[int, ...]]]:
-    out = [("ring", (p,)), ("burst", (p,))]
+    """Ring, Burst, the short ring (Ring over contiguous shards, cut to the
+    steps the mask reaches: "short") and ATTENTION2D on every grid."""
+    out = [("ring", (p,)), ("burst", (p,)), ("short", (p,))]
     out += [("attention2d", (r, p // r)) for r in range(1, p + 1) if p % r == 0]
     return out
 
 
-def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repeats: int) -> None:
+def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repeats: int,
+                    masks: tuple[str, ...] = MASKS) -> None:
     import torch
     import torch.distributed as dist
 
@@ -297,7 +302,7 @@ def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repe
     q, k, v = (torch.randn(1, h, n, d, generator=gen) for h in (hq, hkv, hkv))
     g_out = torch.randn(1, hq, n, d, generator=gen)
     results = []
-    for mask in MASKS:
+    for mask in masks:
         diagram = napkin.load_text(diagram_text(mask, n), f"cp_{mask}.ncd")
         side = {"doc": torch.from_numpy(doc_ids(mask, n)).to(torch.int32)[None]} \
             if mask in ("document", "shared_question") else {}
@@ -305,7 +310,8 @@ def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repe
             if scheme == "attention2d":
                 fn, where, place = Attention2D(diagram), {"grid": grids[shape]}, grids[shape]
             else:
-                fn = RingAttention(diagram, backward="kv" if scheme == "ring" else "burst")
+                fn = RingAttention(diagram, backward="burst" if scheme == "burst" else "kv",
+                                   layout="contiguous" if scheme == "short" else "zigzag")
                 where, place = {}, None
             mine = [fn.shard(t, place, n, 2) for t in (q, k, v)]
             dO = fn.shard(g_out, place, n, 2)
@@ -323,8 +329,12 @@ def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repe
             sizes = dict(b=1, hq=hq, hkv=hkv, d=d, q=n)
             m = C.Moved.attention(sizes, "fp32")
             part = place.part if scheme == "attention2d" else rank
-            predicted = [C.rank_bytes(scheme, shape, m, ph)[part][0] for ph in ("forward", "backward")]
-            results.append({"mask": mask, "scheme": scheme, "grid": list(shape), "rank": rank,
+            steps = fn.reach(world, n) if scheme == "short" else None
+            if steps is not None:
+                m = dataclasses.replace(m, layout="contiguous", reach=steps)
+            model = "ring" if scheme == "short" else scheme
+            predicted = [C.rank_bytes(model, shape, m, ph)[part][0] for ph in ("forward", "backward")]
+            results.append({"mask": mask, "scheme": scheme, "grid": list(shape), "rank": rank, "steps": steps,
                             "sent": [cc.total("forward")[0], cc.total("backward")[0]], "predicted": predicted,
                             "seconds": statistics.median(times)})
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -332,11 +342,11 @@ def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repe
     os._exit(0)
 
 
-def measure(p: int, n: int, repeats: int, deadline_s: float = 1800) -> list[dict]:
+def measure(p: int, n: int, repeats: int, deadline_s: float = 1800, masks: tuple[str, ...] = MASKS) -> list[dict]:
     import torch.multiprocessing as mp
     out = tempfile.mkdtemp(prefix="cp_bench_")
-    ctx = mp.start_processes(_measure_worker, args=(p, f"{out}/init", out, n, repeats), nprocs=p, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(_measure_worker, args=(p, f"{out}/init", out, n, repeats, tuple(masks)), nprocs=p,
+                             join=False, start_method="spawn")
     end = time.monotonic() + deadline_s
     try:
         while not ctx.join(timeout=2):
@@ -351,6 +361,7 @@ def measure(p: int, n: int, repeats: int, deadline_s: float = 1800) -> list[dict
     for k, first in enumerate(per_rank[0]):
         runs = [pr[k] for pr in per_rank]
         rows.append({"mask": first["mask"], "scheme": first["scheme"], "grid": first["grid"], "P": p,
+                     "steps": first["steps"],
                      "sent_max": [max(r["sent"][i] for r in runs) for i in (0, 1)],
                      "all_equal_prediction": all(r["sent"] == r["predicted"] for r in runs),
                      "seconds_max": max(r["seconds"] for r in runs),
@@ -362,7 +373,8 @@ def measure_markdown(rows: list[dict]) -> str:
     lines = ["| P | mask | scheme | fwd KB/rank | bwd KB/rank | counted = predicted | fwd+bwd ms (slowest rank) "
              "| fastest rank ms |", "|" + "---|" * 8]
     for r in rows:
-        name = {"ring": "Ring", "burst": "Burst"}.get(r["scheme"], "A2D " + "x".join(map(str, r["grid"])))
+        name = {"ring": "Ring", "burst": "Burst", "short": f"Short ring ({r['steps']} of {r['P']} steps)"}.get(
+            r["scheme"], "A2D " + "x".join(map(str, r["grid"])))
         lines.append(f"| {r['P']} | {r['mask']} | {name} | {r['sent_max'][0] / 1e3:.1f} | "
                      f"{r['sent_max'][1] / 1e3:.1f} | {'yes' if r['all_equal_prediction'] else 'NO'} | "
                      f"{r['seconds_max'] * 1e3:.1f} | {r['seconds_min'] * 1e3:.1f} |")
@@ -380,13 +392,18 @@ def main(argv=None) -> int:
     m.add_argument("--devices", type=int, default=4)
     m.add_argument("--tokens", type=int, default=1024)
     m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--masks", default=",".join(MASKS), help="comma-separated, of: " + ", ".join(MASKS))
     m.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.what == "predict":
         records = [r for g in (int(x) for x in args.gpus.split(",")) for r in predict(g, args.per_node)]
         print(json.dumps(records, indent=1) if args.json else predict_markdown(records))
     else:
-        rows = measure(args.devices, args.tokens, args.repeats)
+        masks = tuple(args.masks.split(","))
+        unknown = sorted(set(masks) - set(MASKS))
+        if unknown:
+            ap.error(f"unknown mask(s) {', '.join(unknown)}; expected some of {', '.join(MASKS)}")
+        rows = measure(args.devices, args.tokens, args.repeats, masks=masks)
         print(json.dumps(rows, indent=1) if args.json else measure_markdown(rows))
     return 0
 
