@@ -310,8 +310,9 @@ def format_text(r: CostReport) -> str:
     if r.devices:
         d = r.devices
         out.append("")
+        laid = f", tokens laid out {d.layout}" if d.layout else ""
         out.append(f"devices: {d.devices} ("
-                   + ", ".join(f"{k} {w} across {n}" for w, k, n in d.grid) + f"), link {d.link}")
+                   + ", ".join(f"{k} {w} across {n}" for w, k, n in d.grid) + f"), link {d.link}{laid}")
         rows = [[c.tensor, c.collective, str(c.group), c.dtype, c.formula, human(c.bytes_received, "B"),
                  human(c.bytes_sent, "B")] for c in d.rows]
         out += _table(["tensor", "collective", "group", "dtype", "received (symbolic bytes)", "received",
