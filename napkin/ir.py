@@ -284,8 +284,9 @@ class Tile:
     layout_loc: Loc = _loc()
 
 
-# Token layouts an ``across`` tile may name (napkin/distributed/layouts.py's kinds).
-LAYOUTS = ("zigzag", "contiguous", "cyclic")
+# Token layouts an ``across`` tile may name: napkin/distributed/layouts.py's kinds (its KINDS
+# is this tuple; the handshake codes a layout by its index here).
+LAYOUTS = ("cyclic", "zigzag", "contiguous")
 
 
 @dataclass(frozen=True)

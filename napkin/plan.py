@@ -192,10 +192,10 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
         raise NapkinError(f"{devices} devices do not fill nodes of {g} GPUs")
     g = min(g, devices)
     pricing = Pricing.of(diagram, devices, sizes, profile, training)
-    out = [pricing.option(pl, g) for pl in placements(devices, g, training)]
+    candidates = placements(devices, g, training)
+    out = [pricing.option(pl, g) for pl in candidates]
     if pricing.reach < devices:
-        out += [pricing.option(pl, g, pricing.reach) for pl in placements(devices, g, training)
-                if pl.scheme in ("ring", "burst")]
+        out += [pricing.option(pl, g, pricing.reach) for pl in candidates if pl.scheme in ("ring", "burst")]
     # times equal but for the order of their additions (one round of 16 or two
     # of 8) tie: the fewer bytes, then the fewer across nodes, decide
     out.sort(key=lambda o: (rank_time(o.total_s), o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))

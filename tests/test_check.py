@@ -978,6 +978,6 @@ def test_a_token_layout_word_is_one_of_three_and_points_at_itself():
     assert (d.message, where(d), d.hint) == ("unknown token layout 'contigous' for q", pos(text, "contigous"),
                                              "did you mean 'contiguous'?")
     text = HEAD + ATTENTION + "schedule { level devices { group q across 4 rows } }\n"
-    assert one(text).hint == "the layouts are zigzag, contiguous, cyclic"
+    assert one(text).hint == "the layouts are cyclic, zigzag, contiguous"
     assert not errors(HEAD + ATTENTION + "schedule { level devices { group q across 4 cyclic\n"
                                          "  stream x across 4 contiguous } }\n")   # the scheme's check: roles

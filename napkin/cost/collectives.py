@@ -226,8 +226,6 @@ def terms(scheme: str, grid, moved: Moved, phase: str = "forward", part: int = 0
         p = n * g
         nq, nx = layout_rows(scheme, p, m.q_len, m.layout), layout_rows(scheme, p, m.x_len, m.layout)
         s = ring_steps(scheme, grid, m)
-        if s < p:
-            return _short_ring_terms(scheme, p, s, nq, nx, m, phase)
         if scheme in ("ring", "ring2"):
             blocks, block = "K, V", nx * m.key_row
             acc, acc_block = "dK, dV", nx * sum(w for w, _ in m.keys) * m.state
@@ -236,6 +234,15 @@ def terms(scheme: str, grid, moved: Moved, phase: str = "forward", part: int = 0
             acc, acc_block = "dQ", nq * sum(w for w, _ in m.query) * m.state
         if phase == "check":
             out = [Term("shapes", "all", "collective", p - 1, META_BYTES)]
+        elif s < p:
+            # a flat ring cut to s steps (napkin/distributed/ring.py): the blocks make s - 1 passes;
+            # an accumulator's chain makes s - 1 and then hops straight home, s - 1 devices back
+            # ("home K": to part + K); BurstAttention's backward runs the ring the other way round
+            # ("ring reversed", home s - 1 devices ahead); one step moves nothing
+            way, home = ("ring", f"home {1 - s}") if scheme == "ring" else ("ring reversed", f"home {s - 1}")
+            out = [Term("K, V", "ring", "pass", s - 1, nx * m.key_row)] if phase == "forward" else [
+                Term(blocks, way, "pass", s - 1, block), Term(acc, way, "pass", s - 1, acc_block),
+                Term(acc, home, "pass", 1 if s > 1 else 0, acc_block)]
         elif phase == "forward":
             out = [Term("K, V", inner, "pass", n * (g - 1), nx * m.key_row),
                    Term("K, V", outer, "pass", n - 1, nx * m.key_row)]
@@ -286,29 +293,6 @@ def ring_steps(scheme: str, grid, moved: Moved) -> int:
         raise ValueError(f"a reach of {moved.reach} steps applies to a flat ring of at least as many ranks, "
                          f"not {scheme} {grid}")
     return moved.reach
-
-
-def _short_ring_terms(scheme: str, p: int, s: int, nq: int, nx: int, m: Moved, phase: str) -> list[Term]:
-    """A flat ring cut to s < P steps (napkin/distributed/ring.py): the
-    blocks make s - 1 passes; an accumulator's chain makes s - 1 and then
-    hops straight home, s - 1 devices back (group "home -K": to part - K).
-    BurstAttention's backward runs the ring the other way ("ring reversed",
-    home s - 1 devices ahead).  One step: nothing moves."""
-    if phase == "check":
-        return [Term("shapes", "all", "collective", p - 1, META_BYTES)]
-    if s == 1:
-        return []
-    if phase == "forward":
-        return [Term("K, V", "ring", "pass", s - 1, nx * m.key_row)]
-    if scheme == "ring":
-        way, home = "ring", f"home {-(s - 1)}"
-        blocks = Term("K, V", way, "pass", s - 1, nx * m.key_row)
-        acc, acc_block = "dK, dV", nx * sum(w for w, _ in m.keys) * m.state
-    else:
-        way, home = "ring reversed", f"home {s - 1}"
-        blocks = Term("Q, dO" + (", lse, delta" if m.stats else ""), way, "pass", s - 1, nq * m.backward_query_row)
-        acc, acc_block = "dQ", nq * sum(w for w, _ in m.query) * m.state
-    return [blocks, Term(acc, way, "pass", s - 1, acc_block), Term(acc, home, "pass", 1, acc_block)]
 
 
 def _roles(scheme: str, p: int) -> tuple[tuple[int, ...], list[int]]:

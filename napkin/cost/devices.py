@@ -94,15 +94,9 @@ class DeviceComm:
     ring_steps: Optional[int] = None          # the steps a flat ring runs where its mask cuts it short
 
 
-def _across_tiles(diagram: ir.Diagram):
-    for name in ir.MESH_LEVELS:
-        level = diagram.level(name)
-        yield from (t for t in (level.tiles if level else ()) if t.across)
-
-
 def mesh_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
     """The wires split across devices, one tile per wire with its parts over
-    both mesh levels (nodes x devices) multiplied."""
+    both mesh levels (nodes x devices) multiplied, and the layout either names."""
     found: dict[str, ir.Tile] = {}
     for name in ir.MESH_LEVELS:
         level = diagram.level(name)
@@ -110,7 +104,7 @@ def mesh_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
             if t.across:
                 old = found.get(t.wire)
                 found[t.wire] = ir.Tile(t.wire, t.kind, t.size * (old.size if old else 1), True,
-                                        old.loc if old else t.loc)
+                                        old.loc if old else t.loc, layout=t.layout or (old and old.layout))
     return tuple(found.values())
 
 
@@ -123,7 +117,7 @@ def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[di
     try:
         r = roles(diagram)
     except NapkinError:
-        if any(t.layout for t in _across_tiles(diagram)):
+        if any(t.layout for t in mesh_tiles(diagram)):
             # a token layout is a choice among the wrappers' schemes: a diagram naming one
             # means to run one, so their refusal (which says why) stands
             raise

@@ -202,19 +202,12 @@ def as_double_ring(group=None, per_node: Optional[int] = None, steps: Optional[i
     1-D DeviceMesh, ``per_node`` GPUs per node (None: one node).  ``steps``
     and ``direction`` make a flat ring cut short or run the other way."""
     ring = as_ring(group)
-    if steps is not None or direction != 1:
+    short = steps is not None or direction != 1
+    if short:
         steps = ring.size if steps is None else steps
         if per_node not in (None, ring.size) or not 1 <= steps <= ring.size or direction not in (1, -1):
             raise ValueError(f"a ring cut to {steps} steps, direction {direction}, must be a flat ring of "
                              f"at least that many ranks (got {ring.size}, {per_node} per node)")
-        back = -direction * (steps - 1)
-
-        def at(k: int) -> int:
-            return dist.get_global_rank(ring.group, (ring.rank + k) % ring.size)
-
-        way = Ring(ring.size, ring.rank, ring.group, at(direction), at(-direction))
-        return DoubleRing(1, ring.size, ring.rank, ring.group, way, way,
-                          Ring(ring.size, ring.rank, ring.group, at(back), at(-back)), steps, direction)
     g = ring.size if per_node is None else per_node
     if g < 1 or ring.size % g:
         raise ValueError(f"a ring of {ring.size} ranks does not split into nodes of {g} GPUs")
@@ -228,6 +221,9 @@ def as_double_ring(group=None, per_node: Optional[int] = None, steps: Optional[i
         return Ring(ring.size, ring.rank, ring.group, glob((node + dn) % n * g + (local + dl) % g),
                     glob((node - dn) % n * g + (local - dl) % g))
 
+    if short:   # one node: blocks go ``direction`` round it, accumulators hop home steps - 1 back
+        way = hop(0, direction)
+        return DoubleRing(1, g, ring.rank, ring.group, way, way, hop(0, -direction * (steps - 1)), steps, direction)
     return DoubleRing(n, g, ring.rank, ring.group, hop(0, 1), hop(1, 0), hop(1, 1))
 
 

@@ -27,7 +27,9 @@ from typing import Sequence
 
 import torch
 
-KINDS = ("cyclic", "zigzag", "contiguous")
+from .. import ir
+
+KINDS = ir.LAYOUTS     # the words a diagram's across tiles may name, one list
 
 
 def _ceil_div(a: int, b: int) -> int:
