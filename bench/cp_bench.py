@@ -77,6 +77,13 @@ def doc_ids(mask: str, n: int) -> np.ndarray:
     return np.searchsorted(cuts, np.arange(n), side="right")
 
 
+def side_inputs(mask: str, n: int) -> dict:
+    """The wrappers' side inputs: doc[b, x] for the masks on document ids."""
+    import torch
+    return {"doc": torch.from_numpy(doc_ids(mask, n)).to(torch.int32)[None]} \
+        if mask in ("document", "shared_question") else {}
+
+
 def score(mask: str, n: int) -> str:
     base = "sum[d](Q * K) * |d|^-0.5"
     cond = {"full": None, "causal": "x <= q", "document": "x <= q and doc[b, q] == doc",
@@ -232,13 +239,14 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
 def short_ring(mask: str, n: int, gpus: int, per_node: int, m: C.Moved, links: C.Links, secs) -> dict:
     """Ring Attention (Ring's backward) over contiguous shards, run for the
     steps the mask reaches (napkin/distributed/reach.py, asked of the
-    wrapper itself: masks on document ids have no bound, so they run every
-    step)."""
+    wrapper itself, given the document ids: the document mask reaches as
+    far back as a document straddles shards; the shared question's, read
+    by every answer, every step)."""
     import napkin
     from napkin.distributed import RingAttention
     w = ring_work(mask, n, gpus, "contiguous")
     fn = RingAttention(napkin.load_text(diagram_text(mask, n), f"cp_{mask}.ncd"), layout="contiguous")
-    steps = fn.reach(gpus, n)
+    steps = fn.reach(gpus, n, side=side_inputs(mask, n))
     short = dataclasses.replace(m, layout="contiguous", reach=steps)
     pl = C.Placement("ring", (gpus,), per_node)
     work = [max(w[r, (r - s) % gpus] for r in range(gpus)) for s in range(steps)]
@@ -304,8 +312,7 @@ def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repe
     results = []
     for mask in masks:
         diagram = napkin.load_text(diagram_text(mask, n), f"cp_{mask}.ncd")
-        side = {"doc": torch.from_numpy(doc_ids(mask, n)).to(torch.int32)[None]} \
-            if mask in ("document", "shared_question") else {}
+        side = side_inputs(mask, n)
         for scheme, shape in schemes_for(world):
             if scheme == "attention2d":
                 fn, where, place = Attention2D(diagram), {"grid": grids[shape]}, grids[shape]
@@ -329,7 +336,7 @@ def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repe
             sizes = dict(b=1, hq=hq, hkv=hkv, d=d, q=n)
             m = C.Moved.attention(sizes, "fp32")
             part = place.part if scheme == "attention2d" else rank
-            steps = fn.reach(world, n) if scheme == "short" else None
+            steps = fn.reach(world, n, side=side) if scheme == "short" else None
             if steps is not None:
                 m = dataclasses.replace(m, layout="contiguous", reach=steps)
             model = "ring" if scheme == "short" else scheme

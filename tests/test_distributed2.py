@@ -47,14 +47,31 @@ _MASKS = {
     "window": "where(x <= q and q - x < 3, sum[d](Q * K) * |d|^-0.5, -inf)",
     "chunks": "where(x // 4 == q // 4, sum[d](Q * K) * |d|^-0.5, -inf)",
     "causal_chunks": "where(x <= q and x // 8 == q // 8, sum[d](Q * K) * |d|^-0.5, -inf)",
+    # packed documents (examples/document_mask.ncd): a ring over contiguous shards reads the ids
+    "document": "where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)",
+    "causal_document": "where(x <= q and doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)",
 }
+# the document masks' document lengths: over 16 tokens on 4 ranks none straddles a shard (one
+# step); over 13, documents of 5 and 3 tokens straddle one boundary each (two steps, causal)
+_DOC_LENGTHS = {"document": (2, 2, 4, 1, 3, 4), "causal_document": (2, 5, 3, 3)}
+
+
+def doc_ids(mask: str) -> Optional[torch.Tensor]:
+    """doc[b, x] of a document mask (None for the others)."""
+    if mask not in _DOC_LENGTHS:
+        return None
+    lens = torch.tensor(_DOC_LENGTHS[mask])
+    return torch.repeat_interleave(torch.arange(len(lens)), lens).to(torch.int32)[None]
 
 
 def keeps(mask: str, qi, xi):
     """What each mask of _MASKS keeps, written independently of napkin."""
+    doc = doc_ids(mask)
+    same = (doc[0][qi] == doc[0][xi]) if doc is not None else None
     return {"full": xi >= 0, "causal": xi <= qi, "strict": xi < qi,
             "window": (xi <= qi) & (qi - xi < 3), "chunks": xi // 4 == qi // 4,
-            "causal_chunks": (xi <= qi) & (xi // 8 == qi // 8)}[mask]
+            "causal_chunks": (xi <= qi) & (xi // 8 == qi // 8),
+            "document": same, "causal_document": same & (xi <= qi) if same is not None else None}[mask]
 _PLAIN = "sum[d](Q * K) * |d|^-0.5"
 
 MESHES = {
@@ -142,6 +159,12 @@ class Case:
         return far + 1
 
     @property
+    def side(self) -> dict:
+        """The side inputs the wrappers take whole: a document mask's ids."""
+        doc = doc_ids(self.mask)
+        return {} if doc is None else {"doc": doc}
+
+    @property
     def heads(self) -> tuple[int, int]:
         return (4, 2) if self.gqa else (2, 2)
 
@@ -224,6 +247,11 @@ def cases() -> list[Case]:
             Case("ring", "ring", "attention", "causal_chunks", 13, 13, True, "float32", layout="contiguous"),
             Case("ring", "flat-ring-2-nodes", "attention", "window", 16, 16, layout="contiguous"),
             Case("burst", "flat-ring-2-nodes", "attention", "causal_chunks", 13, 13, layout="contiguous")]
+    # document masks over contiguous shards: the ring reads the ids (one step; two, causal, both
+    # backwards, the generated fp32 kernel reading doc at its positions)
+    out += [Case("ring", "ring", "document_mask", "document", 16, 16, layout="contiguous"),
+            Case("burst", "ring", "document_mask", "causal_document", 13, 13, layout="contiguous"),
+            Case("ring", "ring", "document_mask", "causal_document", 13, 13, False, "float32", layout="contiguous")]
     return out
 
 
@@ -292,6 +320,8 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
     train = case.scheme != "tree"
     leaves = [t.clone().requires_grad_(train) for t in (q, k, v)]
     ref_o, ref_lse = reference(case, *leaves)
+    if "lse" not in {o.name for o in diagram.outputs}:     # document_mask.ncd's: out O
+        ref_lse = None
     if train:
         torch.autograd.backward([ref_o] + ([ref_lse] if ref_lse is not None else []),
                                 [g_out] + ([g_lse] if ref_lse is not None else []))
@@ -305,7 +335,7 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
         mine = [shard(q, case.n_q).requires_grad_(True), shard(k, case.n_x).requires_grad_(True),
                 shard(v, case.n_x).requires_grad_(True)]
     with CommCounter(gpus_per_node=case.gpus_per_node) as cc:
-        out = fn(*mine, q_len=case.n_q, x_len=case.n_x, timeout=TIMEOUT, **where)
+        out = fn(*mine, q_len=case.n_q, x_len=case.n_x, timeout=TIMEOUT, **where, **case.side)
         o, lse = out if isinstance(out, tuple) else (out, None)
         if train:
             outs, grads = [o], [shard(g_out, case.n_q)]
@@ -329,7 +359,7 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
     moved = C.Moved.attention(sizes, {"float64": "fp64", "float32": "fp32"}[case.dtype], case.family)
     if case.scheme in C.RINGS:
         moved = dataclasses.replace(moved, layout=case.layout, reach=case.reach())
-        res["reach"] = fn.reach(case.parts, case.n_q, case.n_x)
+        res["reach"] = fn.reach(case.parts, case.n_q, case.n_x, side=case.side)
     part = place.part if case.scheme == "attention2d" else torch.distributed.get_rank(place)
     placement = C.Placement(case.scheme, case.grid, case.gpus_per_node, case.block)
     res["predicted"] = {ph: list(C.rank_bytes(case.scheme, case.grid, moved, ph)[part]) for ph in C.PHASES}
@@ -690,8 +720,7 @@ def test_cp_bench_masks_and_work_counts_are_exact():
             for q in range(n):
                 keep[q, lo[q]:hi[q]] = True
         d = napkin.load_text(B.diagram_text(mask, n), f"{mask}.ncd")
-        side = {"doc": torch.from_numpy(B.doc_ids(mask, n)).to(torch.int32)[None]} \
-            if mask in ("document", "shared_question") else {}
+        side = B.side_inputs(mask, n)
         zeros = torch.zeros(1, 1, n, 32, dtype=torch.float64)
         _, lse = EagerLocal(roles(d))(zeros, zeros, zeros, q_pos=pos, x_pos=pos, q_len=n, x_len=n, **side)
         assert torch.equal(torch.exp(lse[0, 0]).round().long(), torch.from_numpy(keep.sum(1))), mask

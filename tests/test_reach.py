@@ -97,12 +97,20 @@ def test_cp_bench_prices_the_short_ring_from_the_wrapper_and_the_model():
     """bench/cp_bench.py's short ring: the steps the wrapper reaches (the
     window of N/8 over 8 contiguous shards: 2), the bytes of the model at
     that reach (one K, V pass forward; one pass, one chain pass and one hop
-    home backward), and all P steps for a mask on document ids."""
+    home backward); the causal document mask reaches as far back as a
+    document straddles shards (counted here from its ids), and the shared
+    question, which every answer reads, every step."""
+    import numpy as np
+
     from bench import cp_bench as B
-    rec = {r["mask"]: r for r in B.predict(8, 8, masks=("sliding_window", "document"))}
+    rec = {r["mask"]: r for r in B.predict(8, 8, masks=("sliding_window", "document", "shared_question"))}
     short, ring = rec["sliding_window"]["short"], rec["sliding_window"]["ring"]
-    assert short["steps"] == 2 and rec["document"]["short"]["steps"] == 8
     n = 8 * B.TOKENS_PER_GPU
+    shard = np.arange(n) // (n // 8)
+    ids = B.doc_ids("document", n)
+    straddles = max(shard[ids == i].max() - shard[ids == i].min() for i in np.unique(ids))
+    assert short["steps"] == 2 and rec["document"]["short"]["steps"] == 1 + straddles == 3
+    assert rec["shared_question"]["short"]["steps"] == 8
     m = dataclasses.replace(C.Moved.attention(dict(b=1, hq=B.HQ, hkv=B.HKV, d=B.D, q=n), "bf16"),
                             layout="contiguous")
     rows = n // 8
@@ -265,3 +273,124 @@ def test_the_diagrams_layout_is_the_wrappers_launchers_and_costs_default():
     zig = analyse(napkin.load_text(_mesh(base, "group q across 4 zigzag\n    stream x across 4"), "z.ncd"), sizes)
     assert plain.devices.bytes_sent == zig.devices.bytes_sent == 3 * 4 * m.key_row
     assert plain.devices.ring_steps is None and zig.devices.layout == "zigzag"
+
+
+# ---- a reach from the ids: document masks ----------------------------------------------------
+
+_DOC = (REPO / "examples" / "document_mask.ncd").read_text()
+_DOC_SCORE = "where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)"
+_DOC_MASKS = {   # predicate text -> what it keeps besides equal ids, written independently
+    "doc[b, q] == doc": lambda q, x: True,
+    "x <= q and doc[b, q] == doc": lambda q, x: x <= q,
+    "doc == doc[b, q] and q - x < 6 and x <= q": lambda q, x: 0 <= q - x < 6,
+}
+
+
+def _doc_ring(pred: str, layout: str):
+    from napkin.distributed import RingAttention
+    assert _DOC_SCORE in _DOC
+    text = _mesh(_DOC.replace(_DOC_SCORE, _DOC_SCORE.replace("doc[b, q] == doc", pred)),
+                 "group q across 4\n    stream x across 4")
+    return RingAttention(napkin.load_text(text, "docs.ncd"), layout=layout)
+
+
+def _documents(gen, n: int, longest: int):
+    """Ids of packed documents of 1 .. longest tokens, in order."""
+    import torch
+    lens = torch.randint(1, longest + 1, (n,), generator=gen)
+    return torch.repeat_interleave(torch.arange(n), lens)[:n]
+
+
+@pytest.mark.parametrize("pred", list(_DOC_MASKS), ids=list(_DOC_MASKS))
+def test_a_document_mask_reaches_as_far_as_its_ids_say(pred):
+    """RingAttention.reach given the ids (side=) against every pair of
+    positions, two batch rows of fresh random documents over ragged lengths:
+    never fewer steps than a kept pair needs, in any layout, and exactly as
+    many on contiguous shards when each document's tokens are contiguous;
+    ids scattered at random still never lose a kept pair."""
+    import torch
+    from napkin.distributed.layouts import TokenLayout
+    keep = _DOC_MASKS[pred]
+    gen = torch.Generator().manual_seed(2026)
+    rings = {layout: _doc_ring(pred, layout) for layout in ("contiguous", "zigzag", "cyclic")}
+    seen = set()
+    for trial in range(12):
+        n = int(torch.randint(9, 41, (1,), generator=gen))
+        parts = 2 + trial % 4
+        scattered = trial % 3 == 2
+        rows = [torch.randint(0, 4, (n,), generator=gen) if scattered else _documents(gen, n, 2 + trial)
+                for _ in range(2)]
+        doc = torch.stack(rows).to(torch.int32)
+        for layout, fn in rings.items():
+            lay = TokenLayout(layout, parts, n)
+            real = [[int(p) for p in lay.positions(r) if p < n] for r in range(parts)]
+            far = max((s for r in range(parts) for s in range(1, parts)
+                       if any(keep(q, x) and doc[b, q] == doc[b, x]
+                              for b in range(2) for q in real[r] for x in real[(r - s) % parts])), default=0)
+            got = fn.reach(parts, n, n, side={"doc": doc})
+            where = (trial, layout, parts, n, doc.tolist())
+            assert far + 1 <= got <= parts, where
+            if layout == "contiguous" and not scattered:
+                assert got == far + 1, where
+                seen.add(got < parts)
+            # without the ids the ring cannot tell: the mask's bounds alone
+            assert fn.reach(parts, n, n) >= got, where
+    assert seen == {True, False}      # some rings cut short, some not
+
+
+def test_same_ids_reads_only_comparisons_of_one_input_at_query_and_key():
+    """reach.same_ids: the conjuncts doc[b, q] == doc[b, x] (either side,
+    either reading) with everything else equal; not a disjunction, not !=,
+    not two inputs, not ids at other batch wires, not a merged axis."""
+    from napkin.distributed import roles
+    from napkin.distributed.reach import SameIds, same_ids
+
+    def ids(pred: str, decl: str = "in doc[b, x] : int32", extra: str = ""):
+        text = _DOC.replace(_DOC_SCORE, _DOC_SCORE.replace("doc[b, q] == doc", pred))
+        text = text.replace("in doc[b, x] : int32", decl + extra)
+        return same_ids(roles(napkin.load_text(_mesh(text, "group q across 4\n    stream x across 4"), "i.ncd")))
+
+    want = (SameIds("doc", 1, ("b",)),)
+    assert ids("doc[b, q] == doc") == want
+    assert ids("doc[b, x] == doc[b, q] and x <= q") == want
+    assert ids("doc[b, q] != doc") == ()
+    assert ids("doc[b, q] == doc or x <= q") == ()
+    assert ids("doc[b, q] == other", extra="\nin other[b, x] : int32") == ()
+    assert ids("doc[q, b] == doc[x, b]", "in doc[x, b] : int32") == (SameIds("doc", 0, ("b",)),)
+    # ids per head as well: the batch wires are read alike on both sides
+    assert ids("doc[b, h, q] == doc", "in doc[b, h, x] : int32") == (SameIds("doc", 2, ("b", "h")),)
+
+
+def test_napkin_cost_says_the_ids_may_cut_a_contiguous_ring():
+    """The cost pass sees no data: it prices a document mask's ring at every
+    step and says the ids may cut it, only for Ring over contiguous shards."""
+    from napkin.cost import analyse
+    sizes = dict(b=1, h=2, q=64, x=64)
+    contiguous = analyse(napkin.load_text(_mesh(_DOC, "group q across 4\n    stream x across 4 contiguous"),
+                                          "c.ncd"), sizes)
+    assert contiguous.devices.ring_ids == ("doc",) and contiguous.devices.ring_steps is None
+    note = next(n for n in contiguous.notes if n.startswith("devices:"))
+    assert ("the ring may run fewer steps: its mask compares doc at the query and the key, and RingAttention "
+            "reads the values at each call to find how far back kept keys sit (priced here at 4 of 4 steps)") in note
+    zigzag = analyse(napkin.load_text(_mesh(_DOC, "group q across 4\n    stream x across 4"), "z.ncd"), sizes)
+    assert zigzag.devices.ring_ids == () and "may run fewer" not in " ".join(zigzag.notes)
+
+
+def test_the_ring_demo_reads_packed_documents_under_torchrun():
+    """examples/run_ring_attention.py on examples/document_ring.ncd (causal
+    packed documents, a ring of 4 over contiguous shards), 253 tokens: the
+    demo packs documents (integer inputs become sorted ids), the ring reads
+    them and runs fewer than 4 steps, matches the float64 reference, and
+    every rank sent the bytes the model predicts at that reach."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          str(REPO / "examples" / "run_ring_attention.py"), "--diagram",
+                          str(REPO / "examples" / "document_ring.ncd"), "--tokens", "253", "--timeout", "60"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = re.search(r"contiguous layout: the ring runs (\d) of 4 steps", run.stdout)
+    assert steps and 1 <= int(steps.group(1)) < 4, run.stdout
+    errors = [float(v) for v in re.findall(r"max \|(?:O|dQ) - reference\| *= (\S+)", run.stdout)]
+    assert len(errors) == 2 and all(e < 1e-5 for e in errors), run.stdout
+    ranks = re.findall(r"^ +\d+ +(\d+) \( *(\d+)\) +(\d+) \( *(\d+)\)", run.stdout, re.MULTILINE)
+    assert len(ranks) == 4 and all(f == fp and b == bp and int(f) > 0 for f, fp, b, bp in ranks), run.stdout

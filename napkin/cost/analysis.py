@@ -410,6 +410,10 @@ def _device_note(comm) -> str:
     if comm.ring_steps is not None:
         out = (f"devices: the ring runs {comm.ring_steps} of {comm.devices} steps over {comm.layout} shards "
                f"(its mask keeps no key further back); shape handshake {comm.handshake_bytes} B before the forward")
+    if comm.ring_ids:
+        out += (f"; the ring may run fewer steps: its mask compares {', '.join(comm.ring_ids)} at the query and the "
+                f"key, and RingAttention reads the values at each call to find how far back kept keys sit (priced "
+                f"here at {comm.ring_steps or comm.devices} of {comm.devices} steps)")
     if comm.sent_across:
         out += f"; forward sends {comm.sent_within} B within nodes, {comm.sent_across} B across"
     if comm.backward_bytes is not None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir, tiling
-from ..distributed.reach import ring_reach
+from ..distributed.reach import ring_reach, same_ids
 from ..errors import NapkinError
 from . import collectives as C
 from .model import Kernel, contraction_factors, node_wires
@@ -92,6 +92,9 @@ class DeviceComm:
     burst_backward_time_s: Optional[float] = None
     layout: Optional[str] = None              # the token layout the mesh names (a ring's choice)
     ring_steps: Optional[int] = None          # the steps a flat ring runs where its mask cuts it short
+    # inputs whose ids the mask compares at query and key (doc[b, q] == doc): on a flat ring over
+    # contiguous shards their values may cut it shorter still, at each call; priced at the steps above
+    ring_ids: tuple[str, ...] = ()
 
 
 def mesh_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
@@ -280,8 +283,10 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) ->
     tiles = tuple((t.wire, t.kind, t.size) for t in mesh_tiles(diagram))
     link, key = _link_name(placement)
     steps = sum(t.steps for t in sym_terms)
+    ids = tuple(dict.fromkeys(s.name for s in same_ids(r))) \
+        if scheme == "ring" and r.layout == "contiguous" and placement.parts > 1 else ()
     common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node, layout=r.layout,
-                  ring_steps=reach if reach is not None and reach < placement.parts else None)
+                  ring_steps=reach if reach is not None and reach < placement.parts else None, ring_ids=ids)
     if num is None:
         return DeviceComm(placement.parts, tiles, tuple(rows), steps, None, None, link, profile[key], None,
                           **common)

@@ -95,12 +95,16 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
             for w in axis:
                 n *= sizes[w]
             shape.append(n)
-        full[t.name] = torch.randn(shape, generator=gen, dtype=torch.float64)
+        full[t.name] = _input(t, shape, (r.query, r.key), a.tokens, gen)
     dtype = getattr(torch, a.dtype)
+
+    def cast(t):    # floats to the run's dtype; ids and flags keep theirs
+        return t.to(device, dtype) if t.is_floating_point() else t.to(device)
+
     mine = [fn.shard(full[n], place, a.tokens, r.token_axis[k]).to(device, dtype).requires_grad_(True)
             for k, n in enumerate(r.tokens)]
-    side = {n: full[n].to(device, dtype) for n in r.side}
-    side.update((n, fn.shard(full[n], place, a.tokens, axis).to(device, dtype))   # a gate: its rows, as Q's
+    side = {n: cast(full[n]) for n in r.side}
+    side.update((n, cast(fn.shard(full[n], place, a.tokens, axis)))   # a gate: its rows, as Q's
                 for n, axis in zip(r.rows, r.row_axis))
 
     gpus_per_node = (per_node[0] * per_node[1] if scheme == "attention2d" else per_node[0]) if per_node else None
@@ -127,7 +131,7 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     moved = _moved(r, sizes, a.dtype)
     steps = None
     if scheme != "attention2d":
-        steps = fn.reach(world, a.tokens)
+        steps = fn.reach(world, a.tokens, side={n: side[n] for n in r.side})
         moved = dataclasses.replace(moved, layout=fn.layout, reach=steps)
     predicted = [C.rank_bytes(scheme, grid, moved, ph)[rank][0] for ph in ("forward", "backward")]
     report = [None] * world
@@ -151,6 +155,20 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
             print(f"{rk:4d}  {s[0]:14d} ({p[0]:14d})   {s[1]:14d} ({p[1]:14d})"
                   + (f"   {links[0]} / {links[1]}" if gpus_per_node else ""))
     dist.destroy_process_group()
+
+
+def _input(t, shape: list, token_wires: tuple, tokens: int, gen) -> torch.Tensor:
+    """A full input from the seed: floats from a normal distribution; integers as ids of packed
+    documents (sorted along a token wire, about 64 tokens each, so a document mask keeps
+    something and a ring over contiguous shards reads how far they reach); bools at random."""
+    if t.dtype == "bool":
+        return torch.rand(shape, generator=gen) < 0.5
+    if t.dtype.startswith("int"):
+        ids = torch.randint(0, max(2, tokens // 64), shape, generator=gen)
+        wires = [axis[0] if len(axis) == 1 else None for axis in t.axes]
+        along = next((k for k, w in enumerate(wires) if w in token_wires), None)
+        return (ids.sort(dim=along).values if along is not None else ids).to(getattr(torch, t.dtype))
+    return torch.randn(shape, generator=gen, dtype=torch.float64)
 
 
 def _moved(r, sizes: dict, dtype: str):

@@ -16,8 +16,17 @@ of the two; that never drops a kept pair, and for the contiguous layout it
 is exact for one bound.  A bound applies only where a masked score provably
 contributes nothing (``masks.value_when_masked``, the kernels' own test): a
 softmax's exp(-inf) = 0, a sigmoid's sigmoid(-inf) = 0; ``S * S`` of a
-masked score is +inf and that diagram's ring runs every step.  Masks on data
-(a document's ids) have no bound, so those rings run every step too.
+masked score is +inf and that diagram's ring runs every step.
+
+A mask on data has no bound, but one conjunct of it has a test from the
+data: ``doc[b, q] == doc[b, x]`` of packed documents (``same_ids``) keeps
+no pair of two ranks whose queries' ids and keys' ids share no value at
+any batch index.  The caller (ring.py, which holds the ids whole on every
+rank) passes that test as ``meets``: a ring over contiguous shards then
+reaches as far back as a document straddles them, exactly where each
+document's tokens are contiguous (otherwise it may keep a step too many,
+never one too few).  ``napkin cost`` and ``napkin plan`` see no data, and
+price such rings at every step.
 
 Every rank computes the same number from what the handshake has checked they
 agree on (diagram, lengths, layout), so all ranks run the same schedule.  No
@@ -28,27 +37,74 @@ hold them to its positions).
 from __future__ import annotations
 
 import bisect
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
-from .. import masks
+from .. import ir, masks
 from .reading import Roles, _inline
 
+# meets(a, b): whether rank a's queries and rank b's keys may share an id (same_ids)
+Meets = Callable[[int, int], bool]
 
-def mask_bounds(r: Roles) -> tuple[masks.Bound, ...]:
-    """The mask's bounds on the key wire in terms of the query wire, where
-    a masked pair contributes nothing to the output; () where there is no
-    such mask."""
+
+def _kept(r: Roles) -> Optional[ir.Expr]:
+    """The predicate of the pairs the mask keeps, where a masked pair
+    contributes nothing to the output; None where there is no such mask."""
     d = r.diagram
-    fixed = {w.name: w.size for w in d.wires if w.size is not None}
     if r.family == "softmax":
         expr, nothing = r.score, float("-inf")        # exp(score) = 0
     else:
         summed = _inline(d, d.tensor(r.value).expr)
         expr, nothing = summed.body, 0.0              # a zero term of the sum
     node = masks.mask_node(expr)
-    if node is None or masks.value_when_masked(expr, node, fixed) != nothing:
-        return ()
-    return masks.stream_bounds(masks.mask_predicate(node), r.query, r.key, fixed)
+    if node is None or masks.value_when_masked(expr, node, _fixed(d)) != nothing:
+        return None
+    return masks.mask_predicate(node)
+
+
+def _fixed(d: ir.Diagram) -> dict[str, int]:
+    return {w.name: w.size for w in d.wires if w.size is not None}
+
+
+def mask_bounds(r: Roles) -> tuple[masks.Bound, ...]:
+    """The mask's bounds on the key wire in terms of the query wire, where
+    a masked pair contributes nothing to the output; () where there is no
+    such mask."""
+    pred = _kept(r)
+    return () if pred is None else masks.stream_bounds(pred, r.query, r.key, _fixed(r.diagram))
+
+
+@dataclass(frozen=True)
+class SameIds:
+    """A conjunct ``A[.., q, ..] == A[.., x, ..]`` of the kept predicate: a
+    side input read at the query and at the key, the same elsewhere."""
+    name: str        # the side input (passed whole to every rank)
+    axis: int        # its dimension the query and the key index
+    batch: tuple     # the wires of its other dimensions, in order
+
+
+def same_ids(r: Roles) -> tuple[SameIds, ...]:
+    """The kept predicate's conjuncts that compare ids at the query and at
+    the key.  Only a side input whose every stored dimension is one wire
+    (an id per token, not a merged ``(h q)``), read with the query and the
+    key at the same dimension and the same wires elsewhere."""
+    pred = _kept(r)
+    out = []
+    for c in masks.conjuncts(pred) if pred is not None else ():
+        if not (isinstance(c, ir.Binary) and c.op == "==" and isinstance(c.lhs, ir.TensorRef)
+                and isinstance(c.rhs, ir.TensorRef) and c.lhs.name == c.rhs.name and c.lhs.name in r.side):
+            continue
+        decl = r.diagram.tensor(c.lhs.name)
+        if any(len(axis) != 1 for axis in decl.axes):
+            continue
+        declared = ir.axis_wires(decl.axes)
+        a, b = (n.wires if n.wires is not None else declared for n in (c.lhs, c.rhs))
+        differ = [k for k in range(len(a)) if a[k] != b[k]]
+        if len(differ) == 1 and {a[differ[0]], b[differ[0]]} == {r.query, r.key} \
+                and not {r.query, r.key} & {a[k] for k in range(len(a)) if k != differ[0]}:
+            k = differ[0]
+            out.append(SameIds(c.lhs.name, k, a[:k] + a[k + 1:]))
+    return tuple(out)
 
 
 def span(kind: str, parts: int, length: int, part: int) -> Optional[tuple[int, int]]:
@@ -67,33 +123,35 @@ def span(kind: str, parts: int, length: int, part: int) -> Optional[tuple[int, i
     return (first, last) if first < length else None
 
 
-def ring_reach(r: Roles, kind: str, parts: int, q_len: int, x_len: int) -> int:
+def ring_reach(r: Roles, kind: str, parts: int, q_len: int, x_len: int, meets: Optional[Meets] = None) -> int:
     """The steps a flat ring of ``parts`` ranks needs, its tokens in the
     ``kind`` layout: 1 + the largest s for which some rank's queries may
-    keep a key of rank r - s."""
+    keep a key of rank r - s.  ``meets``: the data's test of a pair of
+    ranks (same_ids), None where the mask reads no ids."""
     sizes = {r.query: q_len, r.key: x_len}
     # a bound on another wire's size (q - x < |w|) is left out: the ring knows only its lengths,
     # and a bound fewer never drops a kept pair
-    bounds = tuple(b for b in mask_bounds(r) if b.sizes_read <= set(sizes)) if parts > 1 else ()
-    if not bounds:
+    bounds = tuple(b for b in mask_bounds(r) if b.sizes_read <= set(sizes))
+    if parts == 1 or (not bounds and meets is None):
         return parts
     rows = [span(kind, parts, q_len, p) for p in range(parts)]
     cols = [span(kind, parts, x_len, p) for p in range(parts)]
     if kind == "contiguous":
-        return _contiguous_reach(bounds, rows, cols, sizes)
+        return _contiguous_reach(bounds, rows, cols, sizes, meets)
     far = 0
     for rank, mine in enumerate(rows):
         if mine is None:
             continue
         for s in range(parts - 1, far, -1):
-            keys = cols[(rank - s) % parts]
-            if keys is not None and masks.tile_live(bounds, mine, keys, sizes):
+            src = (rank - s) % parts
+            if cols[src] is not None and masks.tile_live(bounds, mine, cols[src], sizes) \
+                    and (meets is None or meets(rank, src)):
                 far = s
                 break
     return far + 1
 
 
-def _contiguous_reach(bounds, rows, cols, sizes) -> int:
+def _contiguous_reach(bounds, rows, cols, sizes, meets: Optional[Meets] = None) -> int:
     """ring_reach for contiguous shards in O(P log P) (the scan above is
     O(P^2) where few steps are live: 10^9 tile tests for napkin plan at
     32,768 devices).  The shards' least and greatest keys grow with the
@@ -101,7 +159,8 @@ def _contiguous_reach(bounds, rows, cols, sizes) -> int:
     whose least key is at most every upper bound (a prefix) and whose
     greatest is at least every lower bound (a suffix): an interval [j0, j1],
     found by bisection.  The farthest step back is then the first of them
-    after the rank itself (reached the long way round) or else j0."""
+    after the rank itself (reached the long way round) or else j0; with
+    ``meets``, the farthest of them the data keeps (O(P^2) tests at worst)."""
     parts = len(rows)
     real = [c for c in cols if c is not None]          # parts 0 .. k-1 hold keys
     firsts, lasts = [c[0] for c in real], [c[1] for c in real]
@@ -116,5 +175,15 @@ def _contiguous_reach(bounds, rows, cols, sizes) -> int:
         j0 = bisect.bisect_left(lasts, max(lows)) if lows else 0
         if j0 > j1:
             continue
-        far = max(far, rank + parts - max(j0, rank + 1) if j1 > rank else rank - j0)
+        if meets is None:
+            far = max(far, rank + parts - max(j0, rank + 1) if j1 > rank else rank - j0)
+            continue
+        # farthest back first: the ranks after this one (the long way round), then j0 on
+        for j in [*range(max(j0, rank + 1), j1 + 1), *range(j0, min(rank, j1 + 1))]:
+            s = (rank - j) % parts
+            if s <= far:
+                break
+            if meets(rank, j):
+                far = s
+                break
     return far + 1

@@ -42,7 +42,9 @@ a flat ring runs only the S steps whose blocks hold a kept pair (``reach``):
 the blocks make S - 1 passes, and an accumulator, once its chain of S
 devices ends, hops straight home (S - 1 devices back) instead of going on
 round.  BurstAttention's backward then runs the ring the other way, since a
-query block needs the keys behind it.  At S = P this is the ring above.
+query block needs the keys behind it.  At S = P this is the ring above.  A
+document mask (``doc[b, q] == doc``) is cut by its ids, read at each call
+(``id_meets``): packed documents shorter than a shard reach a step or two.
 
 Either way an accumulator pass is started as soon as the step's share is
 added and waited for only after the next step's computation, so it overlaps
@@ -62,7 +64,7 @@ from .common import attention_side, handshake, results, save_and_show, saved_sta
 from .layouts import TokenLayout
 from .local import Roles, default_backward, default_local, roles
 from .merging import merge
-from .reach import ring_reach
+from .reach import Meets, SameIds, ring_reach, same_ids
 
 
 class RingAttention:
@@ -117,15 +119,22 @@ class RingAttention:
     def layouts(self, parts: int, q_len: int, x_len: Optional[int] = None) -> tuple[TokenLayout, TokenLayout]:
         return TokenLayout(self.layout, parts, q_len), TokenLayout(self.layout, parts, q_len if x_len is None else x_len)
 
-    def reach(self, parts: int, q_len: int, x_len: Optional[int] = None) -> int:
+    def reach(self, parts: int, q_len: int, x_len: Optional[int] = None, side: Optional[dict] = None) -> int:
         """The steps the ring runs over ``parts`` ranks: all of them, or
         fewer where no rank's queries keep a key further back (reach.py).
+        ``side``: the side inputs, whole; where the mask compares ids
+        (``doc[b, q] == doc``) their values are read too, at every call.
         A double ring always runs every step."""
         if self.per_node is not None:
             return parts
+        x_len = q_len if x_len is None else x_len
+        same = same_ids(self.roles) if side is not None else ()
+        if same:
+            ql, xl = self.layouts(parts, q_len, x_len)
+            return ring_reach(self.roles, self.layout, parts, q_len, x_len, id_meets(same, side, ql, xl))
         key = (parts, q_len, x_len)
         if key not in self._reach:
-            self._reach[key] = ring_reach(self.roles, self.layout, parts, q_len, q_len if x_len is None else x_len)
+            self._reach[key] = ring_reach(self.roles, self.layout, parts, q_len, x_len)
         return self._reach[key]
 
     def __call__(self, *tokens, group=None, q_len: int, x_len: Optional[int] = None,
@@ -138,7 +147,7 @@ class RingAttention:
         ql, xl = self.layouts(ring.size, q_len, x_len)
         handshake(self.roles, self.scheme, tokens, whole, ql, xl, (ring.group,), timeout,
                   lambda p: f"ring rank {p}")
-        steps = self.reach(ring.size, q_len, x_len)
+        steps = self.reach(ring.size, q_len, x_len, side)   # side inputs agree on every rank: one schedule
         query_ring = ring
         if steps < ring.size:
             ring = G.as_double_ring(group, steps=steps)
@@ -157,6 +166,27 @@ class RingAttention:
         lay = TokenLayout(self.layout, ring.size, length)
         x = G.all_gather_rows(local, dim, ring.group, timeout, "rows for gather (ring)")
         return lay.unshard(list(x.chunk(ring.size, dim)), dim)
+
+
+def id_meets(same: tuple[SameIds, ...], side: dict, ql: TokenLayout, xl: TokenLayout) -> Meets:
+    """reach.Meets from the ids themselves: whether rank a's queries and rank
+    b's keys share an id at some batch index, for every conjunct of
+    ``same``.  Each rank's ids become a sorted set once (O(N log N)); a
+    test is one ``isin`` of two of them."""
+    tables = []
+    for s in same:
+        ids = side[s.name].detach()
+        ids = ids.movedim(s.axis, -1).reshape(-1, ids.shape[s.axis])          # (batch, tokens)
+        # one integer per (batch index, id): the ids renumbered 0 .. U-1, offset by U a batch row
+        values, dense = torch.unique(ids, return_inverse=True)
+        keys = dense + torch.arange(ids.shape[0], device=ids.device)[:, None] * max(values.numel(), 1)
+
+        def sets(lay: TokenLayout) -> list:
+            pos = [lay.positions(p) for p in range(lay.parts)]
+            return [torch.unique(keys[:, p[p < lay.length].to(ids.device)]) for p in pos]
+
+        tables.append((sets(ql), sets(xl)))
+    return lambda a, b: all(bool(torch.isin(qs[a], xs[b]).any()) for qs, xs in tables)
 
 
 class _Call:
