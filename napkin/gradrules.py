@@ -613,7 +613,10 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
         names = ", ".join(let.name for let, _ in found) or "none"
         # none: at the first normaliser, where a score was looked for
         where = next((n.loc for n in normalisers(diagram)), ir.NOLOC)
-        raise NoGrad(f"expected one score box contracting inputs (like sum[d](Q * K)); found {names}",
+        two = "" if len(found) < 2 else (
+            " (several attention maps, such as the two of differential attention, are one box along a wire "
+            "of maps: S[b, h, g, q, x] with g = 2, as in examples/differential_attention.ncd)")
+        raise NoGrad(f"expected one score box contracting inputs (like sum[d](Q * K)); found {names}{two}",
                      found[1][0].loc if found else where)
     let, raws = found[0]
     if len(raws) == 1:

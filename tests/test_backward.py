@@ -275,6 +275,79 @@ def test_contractions_the_backward_cannot_take_apart_are_refused(score, message)
     assert t.backward is None and re.search(message, t.reason), t.reason
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_differential_attention_trains_with_its_value_passed_expanded(dtype, folder):
+    """examples/differential_attention.ncd as its comment runs it: Q and K
+    straight from a projection (each head's two halves), V passed expanded
+    along the maps' wire (stride 0), the maps combined in torch as
+    A1 - lam * A2; output and every gradient (V's summed over both maps by
+    autograd) against float64 torch written from the paper's formula, over
+    ragged lengths."""
+    m = example("differential_attention", folder)
+    gen = torch.Generator().manual_seed(31)
+    b, h, n, d, e = 2, 2, 45, 64, 128
+    q, k = (torch.randn(b, h, n, 2 * d, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(b, h, n, e, generator=gen).to(dtype).requires_grad_()
+    lam = torch.rand(h, generator=gen)
+    a = m.differential_attention(q, k, v.unsqueeze(2).expand(b, h, 2, n, e), block_q=16, block_x=16)
+    out = a[:, :, 0] - lam[:, None, None].to(dtype) * a[:, :, 1]
+    w = torch.randn(out.shape, generator=gen)
+    (out.float() * w).sum().backward()
+
+    def exact(q, k, v):
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        maps = []
+        for half in (slice(0, d), slice(d, 2 * d)):
+            s = q[..., half] @ k[..., half].transpose(-1, -2) / math.sqrt(d)
+            maps.append(s.masked_fill(~causal, float("-inf")).softmax(-1))
+        return (maps[0] - lam.double()[:, None, None] * maps[1]) @ v
+
+    xs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = exact(*xs)
+    (ref * w.double()).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+    for name, t, x in zip("QKV", (q, k, v), xs):
+        assert t.grad.shape == x.grad.shape, name
+        assert ((t.grad.double() - x.grad).norm() / x.grad.norm()).item() < tol, name
+
+
+def test_differential_attention_written_otherwise_is_refused_with_the_way_that_trains():
+    """Two score boxes, or V declared without the maps' wire: no backward,
+    and the reason names the layout that has one."""
+    from napkin.codegen import lower as L
+    from napkin.codegen import training
+    text = (REPO / "examples" / "differential_attention.ncd").read_text()
+    unexpanded = text.replace("in V[b, h, g, x, e]", "in V[b, h, x, e]")
+    t = training.prepare(L.lower(napkin.load_text(unexpanded, "d.ncd")))
+    assert t.backward is None and t.reason == (
+        "napkin has no backward for diagram differential_attention: napkin cannot emit a backward for inputs K "
+        "and V: they must share their batch wires: V lacks g, which K has (declare V along g too and pass it "
+        "expanded, v.unsqueeze(...).expand(...), which reads the same memory; autograd sums its gradient; "
+        "examples/differential_attention.ncd)")
+    assert t.reason_loc.line == next(i for i, s in enumerate(unexpanded.splitlines(), 1) if s.startswith("in V"))
+    two = """diagram two_maps
+wire b, h, q, x
+wire d = 16
+in Q1[b, h, q, d] : fp32
+in K1[b, h, x, d] : fp32
+in Q2[b, h, q, d] : fp32
+in K2[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+S1[b, h, q, x] = sum[d](Q1 * K1)
+S2[b, h, q, x] = sum[d](Q2 * K2)
+O1[b, h, q, d] = sum[x](softmax[x](S1) * V)
+O2[b, h, q, d] = sum[x](softmax[x](S2) * V)
+O[b, h, q, d] : fp32 = O1 - 0.5 * O2
+out O
+"""
+    t = training.prepare(L.lower(napkin.load_text(two, "two.ncd")))
+    assert t.backward is None and t.reason == (
+        "napkin has no backward for diagram two_maps: expected one score box contracting inputs (like "
+        "sum[d](Q * K)); found S1, S2 (several attention maps, such as the two of differential attention, are "
+        "one box along a wire of maps: S[b, h, g, q, x] with g = 2, as in examples/differential_attention.ncd)")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["attention", "causal", "gqa", "alibi", "l2_attention", "matmul"])
 def test_bf16_on_gpu(name, folder):

@@ -243,12 +243,22 @@ class _Builder:
                 missing = ", ".join(w for w in self.batch if w not in qw)
                 raise refuse(f"input {q}", f"it lacks the batch wire(s) {missing} of the scores", d.tensor(q).loc)
         for k in self.ks:
-            if set(ir.axis_wires(d.tensor(k).axes)) & set(self.batch) != vw & set(self.batch):
-                shared = "" if k == self.k else (
-                    f" (a key part shared by the heads, as MLA's rotary key: declare {k} along them too and "
-                    "pass it expanded, k.expand(...), which reads the same memory; autograd sums its gradient)")
-                raise refuse(f"inputs {k} and {self.v}", f"they must share their batch wires{shared}",
-                             d.tensor(k if shared else self.v).loc)
+            kb = set(ir.axis_wires(d.tensor(k).axes)) & set(self.batch)
+            if kb != vw & set(self.batch):
+                if k != self.k:
+                    raise refuse(f"inputs {k} and {self.v}", "they must share their batch wires (a key part shared "
+                                 f"by the heads, as MLA's rotary key: declare {k} along them too and pass it "
+                                 "expanded, k.expand(...), which reads the same memory; autograd sums its gradient)",
+                                 d.tensor(k).loc)
+                # one input read by every index of a wire the other has: differential attention's V,
+                # shared by its two maps (a GQA group's K and V, shared by its queries, lack the wire both)
+                lacks, other = (self.v, k) if kb - vw else (k, self.v)
+                wires = [w for w in self.batch if w in (kb ^ (vw & set(self.batch)))]
+                raise refuse(f"inputs {k} and {self.v}", f"they must share their batch wires: {lacks} lacks "
+                             f"{', '.join(wires)}, which {other} has (declare {lacks} along {', '.join(wires)} too "
+                             f"and pass it expanded, {lacks.lower()}.unsqueeze(...).expand(...), which reads the "
+                             "same memory; autograd sums its gradient; examples/differential_attention.ncd)",
+                             d.tensor(lacks).loc)
         self.kv_batch = tuple(w for w in self.batch if w in kw)
         self.outer = tuple(w for w in self.batch if w not in kw)
         self.axes = self.layouts()
