@@ -613,7 +613,8 @@ def _score_box(diagram: ir.Diagram, layouts) -> tuple:
         names = ", ".join(let.name for let, _ in found) or "none"
         # none: at the first normaliser, where a score was looked for
         where = next((n.loc for n in normalisers(diagram)), ir.NOLOC)
-        two = "" if len(found) < 2 else (
+        maps = [n for n in normalisers(diagram) if isinstance(n, ir.Normalize)]
+        two = "" if len(found) < 2 or len(maps) < 2 else (
             " (several attention maps, such as the two of differential attention, are one box along a wire "
             "of maps: S[b, h, g, q, x] with g = 2, as in examples/differential_attention.ncd)")
         raise NoGrad(f"expected one score box contracting inputs (like sum[d](Q * K)); found {names}{two}",

@@ -27,6 +27,7 @@ from napkin import masks
 from napkin.codegen import emit_module
 from napkin.errors import NapkinError
 from napkin.printer import to_text
+from example_sizes import sizes_for
 from strategies import attention_diagrams, drawn_sizes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,12 +132,6 @@ def check(m, sizes, dtype, seed=0, label="", **opts):
     exact = gradients(m.reference, [t.double() if t.is_floating_point() else t for t in inputs])
     assert_accurate(got, exact, gradients(m.reference, inputs), label, dtype)
     return inputs, got
-
-
-def sizes_for(name: str, q: int, x: int) -> dict:
-    if name == "document_mask":
-        x = q
-    return {"b": 2, "h": 2, "hk": 2, "g": 2, "q": q, "x": x, "m": q, "n": x, "k": q + x}
 
 
 # --------------------------------------------------------------------------

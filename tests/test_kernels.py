@@ -23,6 +23,7 @@ import napkin
 from napkin import masks
 from napkin.codegen import emit_module, lower, visited_blocks
 from napkin.printer import to_text
+from example_sizes import sizes_for
 from strategies import attention_diagrams, drawn_sizes, matmul_diagrams
 from spies import heaviest_first, program_block
 
@@ -118,12 +119,6 @@ def check(m, sizes, dtype, seed=0, label="", **opts):
 # --------------------------------------------------------------------------
 
 SEQ = [(37, 100), (100, 37), (1, 1)]
-
-
-def sizes_for(name: str, q: int, x: int) -> dict:
-    if name == "document_mask":
-        x = q  # doc is read along q and x
-    return {"b": 2, "h": 2, "hk": 2, "g": 2, "q": q, "x": x, "m": q, "n": x, "k": q + x}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 
+from example_sizes import sizes_for
 from napkin import tunecache
 from test_backward import REPO, assert_accurate, example, gradients, launcher
 
@@ -57,7 +58,7 @@ def both(m, inputs, **opts):
 
 
 def sizes(name: str, q: int = 45, x: int = 45) -> dict:
-    return {"b": 2, "h": 2, "hk": 2, "g": 2, "q": q, "x": q if name == "document_mask" else x}
+    return sizes_for(name, q, x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])

@@ -715,7 +715,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "tile_dims": H.tile_dims(d, (*train.forward.dims,
                                      *(train.backward.dims if train.backward is not None else ()))),
         "reference_returns": ", ".join(returns) if len(returns) > 1 else returns[0],
-        "launcher_doc": _launcher_doc(plan, ctx["options"], train.reason,
+        "launcher_doc": H.launcher_doc(plan, ctx["options"], train.reason,
                                       dict(train.backward.ungradable) if train.backward is not None else {}),
         "option_params": ", ".join(ctx["options"]), "single": len(d.outputs) == 1,
         # the whole-number options, as the torch op's schema takes them (tma has _tma_check)
@@ -726,80 +726,6 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
     })
     ctx.update(training.context(train, name=d.name, options=ctx["options"], source_hash=source_hash))
     return ctx
-
-
-def _launcher_doc(plan: L.Plan, options, no_backward: Optional[str] = None, ungradable=None) -> str:
-    d = plan.diagram
-    outs = ", ".join(o.name for o in d.outputs)
-    blocks = ", ".join(f"block_{w}={n}" for w, n in plan.blocks)
-    grads = ("Differentiable: when an input requires a\n"
-             f"gradient (or under torch.compile) this calls the torch op, whose backward\n"
-             f"runs the backward kernels (see {d.name}_backward)." if no_backward is None else
-             "Not differentiable: an input that requires a\n"
-             "gradient raises NotImplementedError with the reason (_NO_BACKWARD).")
-    if no_backward is None and ungradable:
-        grads += (f"  {', '.join(ungradable)} must not require a\ngradient: napkin has no kernel for "
-                  "it (NotImplementedError; _NO_GRADIENT says why).")
-    return (f'"""Run the kernel: {", ".join(t.name for t in d.inputs)} -> {outs}.\n\n'
-            f"Block sizes default to the schedule's ({blocks}); smaller ones\n"
-            "(e.g. 16 or 32) keep runs under TRITON_INTERPRET=1 fast.  num_warps and\n"
-            "num_stages go to Triton.  " + grads
-            + (_POSITIONS_DOC.format(row=plan.row, col=plan.col, chunk=_chunk_doc(d, plan.col))
-               if plan.family == "attention" else "")
-            + (_mask_cache_doc(plan) if plan.family == "attention" else "")
-            + (f"\nThe forward packs {plan.pack[0]} into the rows (group {plan.pack[0]} by {plan.pack[1]}): "
-               f"its block_{plan.row}\ncounts ({plan.pack[0]}, {plan.row}) pairs; the backward's counts "
-               f"rows of {plan.row}."
-               if plan.family == "attention" and plan.pack else "")
-            + '"""')
-
-
-def _mask_cache_doc(plan: L.AttentionPlan) -> str:
-    """The launcher's mask_cache= in words: what it keeps for this diagram."""
-    if not R.applies(plan):
-        return ("\nmask_cache: accepted (a dict or None) and left empty: this diagram's mask\n"
-                "reads no data, so it has no ranges prepass to keep.")
-    reads = ", ".join(R._tensors(plan)) or "no tensor"
-    return ("\nmask_cache={} (a dict of yours; default None: none kept) keeps the mask's\n"
-            "ranges prepass results (which blocks are live, which full; the mask reads\n"
-            f"{reads}) across calls, the forward's and, through autograd or\n"
-            f"{plan.diagram.name}_backward, the dK/dV and dQ kernels': later calls with the same\n"
-            "blocks, sizes, device and mask input shapes run no prepass, as a\n"
-            f"FlexAttention BlockMask is built once.  An entry serves the same {reads}\n"
-            "tensor objects, unwritten since (their version counters): a new batch's\n"
-            "tensor, or one written in place, runs the prepass again.  Writes the\n"
-            "counter does not see (through .data, outside torch, to inference tensors)\n"
-            "leave stale entries, which give wrong results.  Eager calls only\n"
-            "(not under torch.compile); with positions=/lengths= no prepass runs and\n"
-            "nothing is kept.")
-
-
-def _chunk_doc(d: ir.Diagram, col: str) -> str:
-    chunk = L.chunk_of(d)
-    return f"group {col} by {chunk}" if chunk is not None else "none"
-
-
-_POSITIONS_DOC = """
-
-Forward only: positions={{{row!r}: ..., {col!r}: ...}} gives the global index
-of each local row (int tensors; integer inputs are read there and hold
-the global length), lengths={{{row!r}: ..., {col!r}: ...}} the global sizes
-(needed with positions; {col} rows at positions >= it, or negative, are
-padding, and so are {row} rows, whose outputs are then unspecified; without positions a
-row's position is its offset, so lengths={{{col!r}: n}} alone makes the rows
-from n on padding), and
-out_dtype (e.g. torch.float32) the dtype of every float output.
-tma=True moves the qualifying tiles (one tiled wire and the head dim: Q,
-K, V, O; in training also dO, dQ, dK, dV) of the forward and, through
-autograd, of the dQ and dK/dV kernels through TMA descriptors on sm_90+ (or
-the interpreter), else the pointer code, silently (_tma_last, _tma_last_dq,
-_tma_last_dkdv say which and why); None (the default) takes each kernel's
-tuned config's choice, else off: untimed on a GPU so far.
-chunk=C (a power of two, whole blocks of {col}) gives each program one chunk
-of C {col} rows and merges the chunks' states in a second kernel
-(flash-decoding: for few rows of {row} against many of {col}); 0 streams
-the whole of {col} in one program; None takes the tuned config's, else the
-schedule's ({chunk}).  Forward only; training takes the tuned or schedule's."""
 
 
 def render(plan: L.Plan, **kw) -> str:
