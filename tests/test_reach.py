@@ -394,3 +394,21 @@ def test_the_ring_demo_reads_packed_documents_under_torchrun():
     assert len(errors) == 2 and all(e < 1e-5 for e in errors), run.stdout
     ranks = re.findall(r"^ +\d+ +(\d+) \( *(\d+)\) +(\d+) \( *(\d+)\)", run.stdout, re.MULTILINE)
     assert len(ranks) == 4 and all(f == fp and b == bp and int(f) > 0 for f, fp, b, bp in ranks), run.stdout
+
+
+def test_a_document_reach_is_read_once_per_set_of_ids(monkeypatch):
+    """RingAttention.reach keeps the reach of each set of id values (by a
+    crc32 of them, the handshake's own): the same ids again, even in another
+    tensor, read nothing; other ids are read, and their own reach returned."""
+    import torch
+    from napkin.distributed import ring as R
+    fn = _doc_ring("x <= q and doc[b, q] == doc", "contiguous")
+    read = []
+    real = R.id_meets
+    monkeypatch.setattr(R, "id_meets", lambda *a: read.append(1) or real(*a))
+    short = torch.repeat_interleave(torch.arange(8), 4)[None].to(torch.int32)    # 32 tokens, documents of 4
+    assert fn.reach(4, 32, side={"doc": short}) == 1 and len(read) == 1
+    assert fn.reach(4, 32, side={"doc": short.clone()}) == 1 and len(read) == 1
+    long = torch.repeat_interleave(torch.arange(2), 16)[None].to(torch.int32)    # documents of 16
+    assert fn.reach(4, 32, side={"doc": long}) == 2 and len(read) == 2
+    assert fn.reach(4, 32, side={"doc": short}) == 1 and len(read) == 2

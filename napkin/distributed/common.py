@@ -37,10 +37,11 @@ def attention_side(r: Roles, side: dict) -> dict:
 
 
 def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict, q_lay: TokenLayout,
-              x_lay: TokenLayout, group_seq: Sequence, timeout: float, where: callable) -> None:
+              x_lay: TokenLayout, group_seq: Sequence, timeout: float, where: callable) -> dict[str, int]:
     """Exchange every rank's shapes, dtypes and lengths; raise the same
     ValueError on every rank when they disagree or do not fit the layouts.
-    ``where(part)`` names a device in messages."""
+    ``where(part)`` names a device in messages.  Returns the side inputs'
+    fingerprints (a crc32 of each one's values, the same on every rank)."""
     if len(tokens) != len(r.tokens):
         # every rank of a correct program passes the same count; a wrong count
         # is caught here before any collective, and the peers time out
@@ -99,6 +100,7 @@ def handshake(r: Roles, scheme: str, tokens: Sequence[torch.Tensor], side: dict,
                 f"{lay.kind} layout over {lay.parts} devices need {lay.rows} (padding included); "
                 f"cut full tensors with napkin.distributed shard helpers")
     _check_side_lengths(r, first, len(r.tokens), {r.query: q_lay.length, r.key: x_lay.length})
+    return dict(zip(r.side, prints[len(tokens):]))
 
 
 def _check_side_lengths(r: Roles, first, offset: int, lengths: dict) -> None:

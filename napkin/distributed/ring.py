@@ -67,6 +67,9 @@ from .merging import merge
 from .reach import Meets, SameIds, ring_reach, same_ids
 
 
+_KEPT = 16   # reaches RingAttention keeps (RingAttention.reach)
+
+
 class RingAttention:
     """Ring Attention for one diagram.
 
@@ -119,22 +122,31 @@ class RingAttention:
     def layouts(self, parts: int, q_len: int, x_len: Optional[int] = None) -> tuple[TokenLayout, TokenLayout]:
         return TokenLayout(self.layout, parts, q_len), TokenLayout(self.layout, parts, q_len if x_len is None else x_len)
 
-    def reach(self, parts: int, q_len: int, x_len: Optional[int] = None, side: Optional[dict] = None) -> int:
+    def reach(self, parts: int, q_len: int, x_len: Optional[int] = None, side: Optional[dict] = None,
+              prints: Optional[dict] = None) -> int:
         """The steps the ring runs over ``parts`` ranks: all of them, or
         fewer where no rank's queries keep a key further back (reach.py).
         ``side``: the side inputs, whole; where the mask compares ids
-        (``doc[b, q] == doc``) their values are read too, at every call.
-        A double ring always runs every step."""
+        (``doc[b, q] == doc``) their values are read too.  Kept per set of
+        values (a crc32 of each, ``prints`` where the handshake has taken
+        them), so a model's layers read one batch's ids once.  A double
+        ring always runs every step."""
         if self.per_node is not None:
             return parts
         x_len = q_len if x_len is None else x_len
         same = same_ids(self.roles) if side is not None else ()
+        key: tuple = (parts, q_len, x_len)
         if same:
-            ql, xl = self.layouts(parts, q_len, x_len)
-            return ring_reach(self.roles, self.layout, parts, q_len, x_len, id_meets(same, side, ql, xl))
-        key = (parts, q_len, x_len)
+            prints = prints or {}
+            key += tuple((n, tuple(side[n].shape), str(side[n].dtype),
+                          prints[n] if n in prints else G.fingerprint(side[n]))
+                         for n in dict.fromkeys(s.name for s in same))
         if key not in self._reach:
-            self._reach[key] = ring_reach(self.roles, self.layout, parts, q_len, x_len)
+            if len(self._reach) >= _KEPT:       # a batch's ids each: keep the latest few
+                self._reach.pop(next(iter(self._reach)))
+            ql, xl = self.layouts(parts, q_len, x_len)
+            self._reach[key] = ring_reach(self.roles, self.layout, parts, q_len, x_len,
+                                          id_meets(same, side, ql, xl) if same else None)
         return self._reach[key]
 
     def __call__(self, *tokens, group=None, q_len: int, x_len: Optional[int] = None,
@@ -145,9 +157,9 @@ class RingAttention:
         side = split_side(self.roles, side)
         whole, side = side, attention_side(self.roles, side)
         ql, xl = self.layouts(ring.size, q_len, x_len)
-        handshake(self.roles, self.scheme, tokens, whole, ql, xl, (ring.group,), timeout,
-                  lambda p: f"ring rank {p}")
-        steps = self.reach(ring.size, q_len, x_len, side)   # side inputs agree on every rank: one schedule
+        prints = handshake(self.roles, self.scheme, tokens, whole, ql, xl, (ring.group,), timeout,
+                           lambda p: f"ring rank {p}")
+        steps = self.reach(ring.size, q_len, x_len, side, prints)   # side inputs agree on every rank
         query_ring = ring
         if steps < ring.size:
             ring = G.as_double_ring(group, steps=steps)
@@ -175,15 +187,17 @@ def id_meets(same: tuple[SameIds, ...], side: dict, ql: TokenLayout, xl: TokenLa
     test is one ``isin`` of two of them."""
     tables = []
     for s in same:
-        ids = side[s.name].detach()
+        # on the host: the sets are small (a shard's documents) and a device would wait on
+        # every test; the handshake has copied these values to the host already
+        ids = side[s.name].detach().cpu()
         ids = ids.movedim(s.axis, -1).reshape(-1, ids.shape[s.axis])          # (batch, tokens)
         # one integer per (batch index, id): the ids renumbered 0 .. U-1, offset by U a batch row
         values, dense = torch.unique(ids, return_inverse=True)
-        keys = dense + torch.arange(ids.shape[0], device=ids.device)[:, None] * max(values.numel(), 1)
+        keys = dense + torch.arange(ids.shape[0])[:, None] * max(values.numel(), 1)
 
         def sets(lay: TokenLayout) -> list:
             pos = [lay.positions(p) for p in range(lay.parts)]
-            return [torch.unique(keys[:, p[p < lay.length].to(ids.device)]) for p in pos]
+            return [torch.unique(keys[:, p[p < lay.length]]) for p in pos]
 
         tables.append((sets(ql), sets(xl)))
     return lambda a, b: all(bool(torch.isin(qs[a], xs[b]).any()) for qs, xs in tables)
