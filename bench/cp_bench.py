@@ -246,10 +246,13 @@ def short_ring(mask: str, n: int, gpus: int, per_node: int, m: C.Moved, links: C
     from napkin.distributed import RingAttention
     w = ring_work(mask, n, gpus, "contiguous")
     fn = RingAttention(napkin.load_text(diagram_text(mask, n), f"cp_{mask}.ncd"), layout="contiguous")
-    steps = fn.reach(gpus, n, side=side_inputs(mask, n))
-    short = dataclasses.replace(m, layout="contiguous", reach=steps)
+    back, ahead = fn.arms(gpus, n, side=side_inputs(mask, n))
+    steps = back + ahead
+    short = dataclasses.replace(m, layout="contiguous", reach=back, ahead=ahead)
     pl = C.Placement("ring", (gpus,), per_node)
-    work = [max(w[r, (r - s) % gpus] for r in range(gpus)) for s in range(steps)]
+    # step s of the usual way holds rank r - s's keys; step t of the other way rank r + t's
+    work = [max(w[r, (r - s) % gpus] for r in range(gpus)) for s in range(back)] + \
+        [max(w[r, (r + t) % gpus] for r in range(gpus)) for t in range(1, ahead + 1)]
     t = C.scheme_seconds(pl, short, links, [secs(x) for x in work], [secs(x, True) for x in work])
     return {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "steps": steps,
             "MB": (C.traffic(pl, short, "forward")[0].sent + C.traffic(pl, short, "backward")[0].sent) / 1e6,
@@ -336,9 +339,10 @@ def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repe
             sizes = dict(b=1, hq=hq, hkv=hkv, d=d, q=n)
             m = C.Moved.attention(sizes, "fp32")
             part = place.part if scheme == "attention2d" else rank
-            steps = fn.reach(world, n, side=side) if scheme == "short" else None
-            if steps is not None:
-                m = dataclasses.replace(m, layout="contiguous", reach=steps)
+            arms = fn.arms(world, n, side=side) if scheme == "short" else None
+            steps = sum(arms) if arms is not None else None
+            if arms is not None:
+                m = dataclasses.replace(m, layout="contiguous", reach=arms[0], ahead=arms[1])
             model = "ring" if scheme == "short" else scheme
             predicted = [C.rank_bytes(model, shape, m, ph)[part][0] for ph in ("forward", "backward")]
             results.append({"mask": mask, "scheme": scheme, "grid": list(shape), "rank": rank, "steps": steps,

@@ -60,7 +60,7 @@ from .cost import collectives as C
 from .cost.analysis import bind_sizes
 from .cost.devices import moved, placement_of, unstated_gpus_per_node
 from .cost.profiles import get_profile, profile_names
-from .distributed.reach import ring_reach
+from .distributed.reach import ring_arms
 from .distributed.reading import roles
 from .errors import NapkinError
 from .files import why_not, write_atomic
@@ -92,7 +92,13 @@ class Option:
     backward_s: float
     comm_s: float                        # transfer time on the critical path's collectives (not overlap-aware)
     compute_s: float
-    reach: Optional[int] = None          # a flat ring over contiguous shards cut to this many steps
+    # a flat ring over contiguous shards cut short: its steps the usual way round and the other way
+    arms: Optional[tuple[int, int]] = None
+
+    @property
+    def reach(self) -> Optional[int]:
+        """The steps a ring cut short runs, both ways together (None: not cut)."""
+        return sum(self.arms) if self.arms is not None else None
 
     @property
     def total_s(self) -> float:
@@ -113,6 +119,8 @@ class Option:
             return ("Double ring" if self.scheme == "ring2" else "Double ring + BurstAttention backward") + \
                 f" of {n} nodes x {g}"
         short = f" over contiguous shards, {self.reach} of {self.grid[0]} steps" if self.reach else ""
+        if self.arms is not None and self.arms[1]:
+            short += f" ({self.arms[0]} back, {self.arms[1]} ahead)"
         return {"ring": "Ring", "burst": "Ring + BurstAttention backward", "tree": "tree (decoding)"}[
             self.scheme] + f" of {self.grid[0]}" + short
 
@@ -194,8 +202,8 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     pricing = Pricing.of(diagram, devices, sizes, profile, training)
     candidates = placements(devices, g, training)
     out = [pricing.option(pl, g) for pl in candidates]
-    if pricing.reach < devices:
-        out += [pricing.option(pl, g, pricing.reach) for pl in candidates if pl.scheme in ("ring", "burst")]
+    if sum(pricing.arms) < devices:
+        out += [pricing.option(pl, g, pricing.arms) for pl in candidates if pl.scheme in ("ring", "burst")]
     # times equal but for the order of their additions (one round of 16 or two
     # of 8) tie: the fewer bytes, then the fewer across nodes, decide
     out.sort(key=lambda o: (rank_time(o.total_s), o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
@@ -213,7 +221,7 @@ class Pricing:
     rate: float             # one device's dense peak for the tokens' dtype
     devices: int
     training: bool
-    reach: int              # the steps a flat ring over contiguous shards runs (devices: no shorter)
+    arms: tuple[int, int]   # the steps a flat ring over contiguous shards runs each way (reach.ring_arms)
 
     @staticmethod
     def of(diagram: ir.Diagram, devices: int, sizes: Optional[dict], profile: Optional[str],
@@ -227,15 +235,16 @@ class Pricing:
         prof = get_profile(profile_of(diagram, profile))
         rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
         return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound)), rate, devices, training,
-                       ring_reach(r, "contiguous", devices, m.q_len, m.x_len))
+                       ring_arms(r, "contiguous", devices, m.q_len, m.x_len))
 
-    def option(self, pl: C.Placement, g: int, reach: Optional[int] = None) -> Option:
+    def option(self, pl: C.Placement, g: int, arms: Optional[tuple[int, int]] = None) -> Option:
         """``pl`` costed (``g``: the GPUs a node it is labelled with where the
-        placement, a grid block, does not say; ``reach``: a flat ring over
-        contiguous shards, cut to that many steps)."""
+        placement, a grid block, does not say; ``arms``: a flat ring over
+        contiguous shards, cut to that many steps back and ahead)."""
         flops, devices, rate = self.flops, self.devices, self.rate
-        m = self.moved if reach is None else dataclasses.replace(self.moved, layout="contiguous", reach=reach)
-        steps = reach or (pl.parts if pl.scheme in C.RINGS else 1)
+        m = self.moved if arms is None else \
+            dataclasses.replace(self.moved, layout="contiguous", reach=arms[0], ahead=arms[1])
+        steps = sum(arms) if arms is not None else (pl.parts if pl.scheme in C.RINGS else 1)
         fwd = [flops / devices / steps / (rate * FWD_EFFICIENCY)] * steps
         bwd = [BWD_FLOP_FACTOR * flops / devices / steps / (rate * BWD_EFFICIENCY)] * steps \
             if self.training and pl.scheme != "tree" else None
@@ -246,7 +255,7 @@ class Pricing:
         across = max(sum(traffic[ph][k].sent_across for ph in phases) for k in range(pl.parts))
         return Option(pl.scheme, pl.grid, pl.block, pl.gpus_per_node or g, sent["forward"],
                       sent.get("backward", 0), across, t.forward_s, t.backward_s,
-                      t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s, reach)
+                      t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s, arms)
 
 
 # --------------------------------------------------------------------------
@@ -349,7 +358,7 @@ def emitted_placement_note(option: Option, emitted: ir.Diagram, sizes: Optional[
     read = placement_of(roles(emitted))
     if option.scheme.startswith("burst"):   # the backward is the wrapper's choice, not the diagram's
         read = dataclasses.replace(read, scheme=read.scheme.replace("ring", "burst"))
-    cost = Pricing.of(emitted, p, sizes, profile, training).option(read, read.gpus_per_node or p, option.reach)
+    cost = Pricing.of(emitted, p, sizes, profile, training).option(read, read.gpus_per_node or p, option.arms)
     if (rank_time(cost.forward_s), rank_time(cost.backward_s), cost.across_bytes) == \
             (rank_time(option.forward_s), rank_time(option.backward_s), option.across_bytes):
         return None

@@ -50,10 +50,13 @@ _MASKS = {
     # packed documents (examples/document_mask.ncd): a ring over contiguous shards reads the ids
     "document": "where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)",
     "causal_document": "where(x <= q and doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)",
+    # keys on both sides of a query: a ring over contiguous shards runs both ways (reach.ring_arms)
+    "two_sided": "where(q - x < 3 and x - q < 3, sum[d](Q * K) * |d|^-0.5, -inf)",
+    "documents_across": "where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)",
 }
 # the document masks' document lengths: over 16 tokens on 4 ranks none straddles a shard (one
 # step); over 13, documents of 5 and 3 tokens straddle one boundary each (two steps, causal)
-_DOC_LENGTHS = {"document": (2, 2, 4, 1, 3, 4), "causal_document": (2, 5, 3, 3)}
+_DOC_LENGTHS = {"document": (2, 2, 4, 1, 3, 4), "causal_document": (2, 5, 3, 3), "documents_across": (2, 5, 3, 3)}
 
 
 def doc_ids(mask: str) -> Optional[torch.Tensor]:
@@ -71,7 +74,8 @@ def keeps(mask: str, qi, xi):
     return {"full": xi >= 0, "causal": xi <= qi, "strict": xi < qi,
             "window": (xi <= qi) & (qi - xi < 3), "chunks": xi // 4 == qi // 4,
             "causal_chunks": (xi <= qi) & (xi // 8 == qi // 8),
-            "document": same, "causal_document": same & (xi <= qi) if same is not None else None}[mask]
+            "document": same, "causal_document": same & (xi <= qi) if same is not None else None,
+            "two_sided": (qi - xi < 3) & (xi - qi < 3), "documents_across": same}[mask]
 _PLAIN = "sum[d](Q * K) * |d|^-0.5"
 
 MESHES = {
@@ -141,22 +145,44 @@ class Case:
         lay = "" if self.layout == "zigzag" else f"-{self.layout}"
         return f"{self.scheme}-{self.mesh}-{self.base}-{self.mask}-{heads}-q{self.n_q}-x{self.n_x}-{self.dtype}{lay}"
 
-    def reach(self) -> Optional[int]:
-        """The ring steps that hold a kept pair, by brute force over every
-        pair of positions (None: not a flat ring)."""
-        if self.scheme not in ("ring", "burst"):
-            return None
+    def live_offsets(self) -> set[int]:
+        """The s in 1 .. P-1 for which some rank's queries keep a key of rank
+        r - s (mod P), by brute force over every pair of positions."""
         from napkin.distributed.layouts import TokenLayout
         ql, xl = TokenLayout(self.layout, self.parts, self.n_q), TokenLayout(self.layout, self.parts, self.n_x)
-        far = 0
+        live = set()
         for rank in range(self.parts):
             qi = ql.positions(rank)[ql.positions(rank) < self.n_q][:, None]
             for s in range(1, self.parts):
                 xi = xl.positions((rank - s) % self.parts)
                 xi = xi[xi < self.n_x][None, :]
                 if qi.numel() and xi.numel() and bool(keeps(self.mask, qi, xi + 0 * qi).any()):
-                    far = max(far, s)
-        return far + 1
+                    live.add(s)
+        return live
+
+    def reach(self) -> Optional[int]:
+        """The steps a ring running one way needs: 1 + the farthest live
+        offset (None: not a flat ring)."""
+        if self.scheme not in ("ring", "burst"):
+            return None
+        return max(self.live_offsets(), default=0) + 1
+
+    def arms(self) -> Optional[tuple[int, int]]:
+        """(back, ahead) of a ring over contiguous shards: of every split
+        reaching each live offset s back (s < back) or the other way
+        (P - s <= ahead), the fewest steps, the other way round only where
+        that is fewer than one way (None: not a flat ring)."""
+        if self.scheme not in ("ring", "burst"):
+            return None
+        live, p = self.live_offsets(), self.parts
+        if self.layout != "contiguous":
+            return self.reach(), 0
+        best = (self.reach(), 0)
+        for back in range(1, p + 1):
+            for ahead in range(p):
+                if all(s < back or p - s <= ahead for s in live) and back + ahead < sum(best):
+                    best = (back, ahead)
+        return best
 
     @property
     def side(self) -> dict:
@@ -252,6 +278,12 @@ def cases() -> list[Case]:
     out += [Case("ring", "ring", "document_mask", "document", 16, 16, layout="contiguous"),
             Case("burst", "ring", "document_mask", "causal_document", 13, 13, layout="contiguous"),
             Case("ring", "ring", "document_mask", "causal_document", 13, 13, False, "float32", layout="contiguous")]
+    # keys on both sides: the ring runs both ways (a window: 2 steps back and 1 ahead of 4, both
+    # backwards, GQA; straddling documents without causality, on the generated fp32 kernel too)
+    out += [Case("ring", "ring", "attention", "two_sided", 16, 16, True, layout="contiguous"),
+            Case("burst", "ring", "attention", "two_sided", 13, 13, layout="contiguous"),
+            Case("burst", "ring", "document_mask", "documents_across", 13, 13, layout="contiguous"),
+            Case("ring", "ring", "document_mask", "documents_across", 13, 13, False, "float32", layout="contiguous")]
     return out
 
 
@@ -358,8 +390,10 @@ def run_case(case: Case, places: dict, rank: int) -> dict:
     sizes = dict(b=1, hq=hq, hkv=hkv, d=D, q=case.n_q, x=case.n_x)
     moved = C.Moved.attention(sizes, {"float64": "fp64", "float32": "fp32"}[case.dtype], case.family)
     if case.scheme in C.RINGS:
-        moved = dataclasses.replace(moved, layout=case.layout, reach=case.reach())
+        back, ahead = case.arms() or (None, 0)
+        moved = dataclasses.replace(moved, layout=case.layout, reach=back, ahead=ahead)
         res["reach"] = fn.reach(case.parts, case.n_q, case.n_x, side=case.side)
+        res["arms"] = list(fn.arms(case.parts, case.n_q, case.n_x, side=case.side))
     part = place.part if case.scheme == "attention2d" else torch.distributed.get_rank(place)
     placement = C.Placement(case.scheme, case.grid, case.gpus_per_node, case.block)
     res["predicted"] = {ph: list(C.rank_bytes(case.scheme, case.grid, moved, ph)[part]) for ph in C.PHASES}
@@ -553,16 +587,19 @@ def test_rings_over_contiguous_shards_run_the_steps_their_mask_reaches(suite, ca
     pair, on every rank; the blocks made reach - 1 passes (the counted
     bytes equal the model's, test_counted_bytes_equal_the_model_on_every_rank),
     and the outputs and gradients match float64 (the tests above)."""
-    want = case.reach()
+    want, arms = case.reach(), list(case.arms())
     for rank, got in _ran(suite, case):
         assert got["reach"] == want, (rank, got["reach"], want)
+        assert got["arms"] == arms, (rank, got["arms"], arms)
         if want == 1:       # chunks no wider than a shard: nothing moves after the handshake
             assert got["counted"]["forward"] == [0, 0] and got["counted"]["backward"] == [0, 0], rank
 
 
 def test_short_rings_are_exercised():
-    """The contiguous cases cover a ring of one step, of two, and a full one."""
+    """The contiguous cases cover a ring of one step, of two, and a full one,
+    and rings run both ways."""
     assert {c.reach() for c in SHORT} == {1, 2, 4}
+    assert {tuple(c.arms()) for c in SHORT if c.arms()[1]} == {(2, 1)}
 
 
 def _backward_sent(suite, case) -> int:

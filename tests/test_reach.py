@@ -47,18 +47,31 @@ def test_ring_reach_never_drops_a_kept_pair_and_is_exact_on_contiguous_shards(pr
         for parts in (2, 3, 4, 5):
             for n_q, n_x in ((13, 13), (16, 16), (29, 29), (11, 23)):
                 ql, xl = TokenLayout(layout, parts, n_q), TokenLayout(layout, parts, n_x)
-                far = 0
+                live = set()
                 for rank in range(parts):
                     mine = [int(q) for q in ql.positions(rank) if q < n_q]
                     for s in range(1, parts):
                         theirs = [int(x) for x in xl.positions((rank - s) % parts) if x < n_x]
                         if any(keep(q, x) for q in mine for x in theirs):
-                            far = max(far, s)
-                got, want = fn.reach(parts, n_q, n_x), far + 1
+                            live.add(s)
+                got, want = fn.reach(parts, n_q, n_x), max(live, default=0) + 1
                 where = (layout, parts, n_q, n_x)
                 assert got >= want, where
                 if layout == "contiguous" and "%" not in pred:
                     assert got == want, where
+                    assert fn.arms(parts, n_q, n_x) == _fewest_arms(live, parts, got), where
+                elif layout != "contiguous":
+                    assert fn.arms(parts, n_q, n_x) == (got, 0), where
+
+
+def _fewest_arms(live: set[int], parts: int, one_way: int) -> tuple[int, int]:
+    """(back, ahead) by brute force: of the splits that reach every live
+    offset s back (s < back) or the other way (parts - s <= ahead), the
+    fewest steps, where fewer than one way round."""
+    splits = [(b + a, a, b) for b in range(1, parts + 1) for a in range(parts)
+              if all(s < b or parts - s <= a for s in live)]
+    steps, ahead, back = min(splits)
+    return (back, ahead) if steps < one_way else (one_way, 0)
 
 
 def test_a_ring_reaches_every_step_where_a_masked_pair_still_counts():
@@ -91,6 +104,31 @@ def test_short_ring_model_counts_its_passes():
     assert [pl.peer(g, True)(1) for g in groups] == [0, 0, 3]
     with pytest.raises(ValueError, match="flat ring"):
         C.terms("ring2", (2, 2), dataclasses.replace(m, reach=2), "forward")
+
+
+def test_a_ring_both_ways_counts_each_arms_passes():
+    """2 steps back and 1 ahead of 4: one K, V pass each way forward; each
+    arm's backward makes one block pass, one accumulator pass and one hop
+    home, the ahead arm's the other way round (Ring's blocks from ahead,
+    Burst's query blocks to the ranks ahead); its time is the two arms one
+    after the other."""
+    m = dataclasses.replace(C.Moved.attention(dict(b=1, hq=4, hkv=2, d=8, q=64), "fp16"), layout="contiguous")
+    kv, acc = 16 * m.key_row, 16 * 2 * 2 * 8 * 4
+    both = dataclasses.replace(m, reach=2, ahead=1)
+    assert C.ring_steps("ring", (4,), both) == 3
+    assert C.rank_bytes("ring", (4,), both, "forward") == [(2 * kv,) * 2] * 4
+    assert C.rank_bytes("ring", (4,), both, "backward") == [(2 * kv + 4 * acc,) * 2] * 4
+    assert [t.group for t in C.terms("ring", (4,), both, "forward")] == ["ring", "ring reversed"]
+    assert [t.group for t in C.terms("ring", (4,), both, "backward")] == \
+        ["ring", "ring", "home -1", "ring reversed", "ring reversed", "home 1"]
+    assert [t.group for t in C.terms("burst", (4,), both, "backward")] == \
+        ["ring reversed", "ring reversed", "home 1", "ring", "ring", "home -1"]
+    links = C.Links(within=1e9, across=1e9)
+    pl = C.Placement("ring", (4,))
+    t = C.scheme_seconds(pl, both, links, [1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
+    assert t.forward_s == pytest.approx(3.0) and t.backward_s > 6.0    # the hops home are not hidden
+    with pytest.raises(ValueError, match="3 compute steps"):
+        C.scheme_seconds(pl, both, links, [1.0] * 4)
 
 
 def test_cp_bench_prices_the_short_ring_from_the_wrapper_and_the_model():
@@ -333,6 +371,10 @@ def test_a_document_mask_reaches_as_far_as_its_ids_say(pred):
             if layout == "contiguous" and not scattered:
                 assert got == far + 1, where
                 seen.add(got < parts)
+                live = {s for r in range(parts) for s in range(1, parts)
+                        if any(keep(q, x) and doc[b, q] == doc[b, x]
+                               for b in range(2) for q in real[r] for x in real[(r - s) % parts])}
+                assert fn.arms(parts, n, n, side={"doc": doc}) == _fewest_arms(live, parts, got), where
             # without the ids the ring cannot tell: the mask's bounds alone
             assert fn.reach(parts, n, n) >= got, where
     assert seen == {True, False}      # some rings cut short, some not
@@ -412,3 +454,34 @@ def test_a_document_reach_is_read_once_per_set_of_ids(monkeypatch):
     long = torch.repeat_interleave(torch.arange(2), 16)[None].to(torch.int32)    # documents of 16
     assert fn.reach(4, 32, side={"doc": long}) == 2 and len(read) == 2
     assert fn.reach(4, 32, side={"doc": short}) == 1 and len(read) == 2
+
+
+def test_cost_and_plan_price_a_ring_both_ways_for_keys_on_both_sides():
+    """A window |q - x| < 256 over 8 contiguous shards of 8192 tokens: napkin
+    cost says the ring runs 3 of 8 steps, 2 the usual way and 1 the other,
+    and prices two K, V passes forward; napkin plan offers it both ways, and
+    the diagram it emits costs what it priced."""
+    from napkin import plan as P
+    from napkin.cost import analyse
+    base = (REPO / "examples" / "sliding_window.ncd").read_text()
+    assert "x <= q and q - x < 256" in base
+    two = base.replace("x <= q and q - x < 256", "q - x < 256 and x - q < 256")
+    sizes = dict(b=1, h=32, q=65536, x=65536)
+    d = napkin.load_text(_mesh(two, "group q across 8\n    stream x across 8 contiguous"), "two.ncd")
+    rep = analyse(d, sizes)
+    assert (rep.devices.ring_steps, rep.devices.ring_ahead) == (3, 1)
+    note = next(n for n in rep.notes if n.startswith("devices:"))
+    assert note.startswith("devices: the ring runs 3 of 8 steps over contiguous shards (2 the usual way round "
+                           "and 1 the other: its mask keeps keys on both sides of its queries, none further)"), note
+    m = dataclasses.replace(C.Moved.attention(dict(b=1, hq=32, hkv=32, d=64, q=65536), "fp16"), layout="contiguous")
+    assert rep.devices.bytes_sent == 2 * 8192 * m.key_row
+    options = P.plan(napkin.load_text(two, "two.ncd"), 8, sizes)
+    short = [o for o in options if o.arms is not None]
+    assert {o.arms for o in short} == {(2, 1)} and {o.scheme for o in short} == {"ring", "burst"}
+    assert short[0].label.endswith("over contiguous shards, 3 of 8 steps (2 back, 1 ahead)"), short[0].label
+    for option in short:
+        emitted = napkin.load_text(to_text(P.emit(napkin.load_text(two, "two.ncd"), option)), "emitted.ncd")
+        back = analyse(emitted, sizes).devices
+        assert back.bytes_sent == option.forward_bytes, option.label
+        assert (back.burst_backward_bytes if option.scheme == "burst" else back.backward_bytes) == \
+            option.backward_bytes, option.label

@@ -408,8 +408,11 @@ def _device_note(comm) -> str:
     """The device numbers the text table leaves out: handshake and backward."""
     out = f"devices: shape handshake {comm.handshake_bytes} B before the forward"
     if comm.ring_steps is not None:
+        why = ("its mask keeps no key further back" if not comm.ring_ahead else
+               f"{comm.ring_steps - comm.ring_ahead} the usual way round and {comm.ring_ahead} the other: its mask "
+               "keeps keys on both sides of its queries, none further")
         out = (f"devices: the ring runs {comm.ring_steps} of {comm.devices} steps over {comm.layout} shards "
-               f"(its mask keeps no key further back); shape handshake {comm.handshake_bytes} B before the forward")
+               f"({why}); shape handshake {comm.handshake_bytes} B before the forward")
     if comm.ring_ids:
         out += (f"; the ring may run fewer steps: its mask compares {', '.join(comm.ring_ids)} at the query and the "
                 f"key, and RingAttention reads the values at each call to find how far back kept keys sit (priced "

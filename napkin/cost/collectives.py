@@ -99,8 +99,10 @@ class Moved:
     stats: elements of lse per query row (0 for the sum family, which has no
     lse).  state: bytes per element of partial states and accumulators.
     Ring schemes only: ``layout``, the token layout (None: zigzag, the
-    default), and ``reach``, the steps a flat ring runs where its mask lets
-    it stop early (napkin/distributed/reach.py; None: every step).
+    default), ``reach``, the steps a flat ring runs where its mask lets
+    it stop early (napkin/distributed/reach.py; None: every step), and
+    ``ahead``, the steps it then runs the other way round (reach.ring_arms:
+    a mask keeping keys on both sides of its queries; 0: none).
     """
 
     q_len: int
@@ -113,6 +115,7 @@ class Moved:
     state: int
     layout: Optional[str] = None
     reach: Optional[int] = None
+    ahead: int = 0
 
     @classmethod
     def attention(cls, sizes: Mapping[str, int], dtype: str, family: str = "softmax") -> "Moved":
@@ -225,7 +228,7 @@ def terms(scheme: str, grid, moved: Moved, phase: str = "forward", part: int = 0
         inner, outer = ("inner", "outer") if scheme in TWO_D else ("ring", "ring")
         p = n * g
         nq, nx = layout_rows(scheme, p, m.q_len, m.layout), layout_rows(scheme, p, m.x_len, m.layout)
-        s = ring_steps(scheme, grid, m)
+        s = ring_steps(scheme, grid, m) - m.ahead      # the steps the usual way round
         if scheme in ("ring", "ring2"):
             blocks, block = "K, V", nx * m.key_row
             acc, acc_block = "dK, dV", nx * sum(w for w, _ in m.keys) * m.state
@@ -239,10 +242,18 @@ def terms(scheme: str, grid, moved: Moved, phase: str = "forward", part: int = 0
             # an accumulator's chain makes s - 1 and then hops straight home, s - 1 devices back
             # ("home K": to part + K); BurstAttention's backward runs the ring the other way round
             # ("ring reversed", home s - 1 devices ahead); one step moves nothing
-            way, home = ("ring", f"home {1 - s}") if scheme == "ring" else ("ring reversed", f"home {s - 1}")
-            out = [Term("K, V", "ring", "pass", s - 1, nx * m.key_row)] if phase == "forward" else [
-                Term(blocks, way, "pass", s - 1, block), Term(acc, way, "pass", s - 1, acc_block),
-                Term(acc, home, "pass", 1 if s > 1 else 0, acc_block)]
+            # ("ring reversed", home s - 1 devices ahead); one step moves nothing.  A ring run both
+            # ways then runs ``ahead`` more steps the other way round, its accumulators home ahead the
+            # other way too (its first step, the device's own block, is the first arm's: its chains
+            # start at zero and make the same passes)
+            out = []
+            for steps, turn in ((s, 1), (m.ahead + 1, -1)):
+                way = ("ring" if (scheme == "ring") == (turn == 1) else "ring reversed")
+                home = f"home {turn * (1 - steps) if scheme == 'ring' else turn * (steps - 1)}"
+                key_way = "ring" if turn == 1 else "ring reversed"
+                out += [Term("K, V", key_way, "pass", steps - 1, nx * m.key_row)] if phase == "forward" else [
+                    Term(blocks, way, "pass", steps - 1, block), Term(acc, way, "pass", steps - 1, acc_block),
+                    Term(acc, home, "pass", 1 if steps > 1 else 0, acc_block)]
         elif phase == "forward":
             out = [Term("K, V", inner, "pass", n * (g - 1), nx * m.key_row),
                    Term("K, V", outer, "pass", n - 1, nx * m.key_row)]
@@ -283,16 +294,17 @@ def terms_by_part(scheme: str, grid, moved: Moved, phase: str) -> PartTerms:
 
 
 def ring_steps(scheme: str, grid, moved: Moved) -> int:
-    """The steps a ring scheme runs: P, or ``moved.reach`` for a flat ring
-    its mask cuts short."""
+    """The steps a ring scheme runs: P, or ``moved.reach`` (and
+    ``moved.ahead`` the other way) for a flat ring its mask cuts short."""
     grid = _grid(scheme, grid)
     p = parts_of(scheme, grid)
-    if moved.reach is None or moved.reach == p:
+    if (moved.reach is None or moved.reach == p) and not moved.ahead:
         return p
-    if scheme not in ("ring", "burst") or not 1 <= moved.reach <= p:
-        raise ValueError(f"a reach of {moved.reach} steps applies to a flat ring of at least as many ranks, "
-                         f"not {scheme} {grid}")
-    return moved.reach
+    back = p if moved.reach is None else moved.reach
+    if scheme not in ("ring", "burst") or not 1 <= back <= p or not 0 <= moved.ahead <= p - back:
+        raise ValueError(f"a reach of {back} steps ({moved.ahead} the other way) applies to a flat ring of at "
+                         f"least as many ranks, not {scheme} {grid}")
+    return back + moved.ahead
 
 
 def _roles(scheme: str, p: int) -> tuple[tuple[int, ...], list[int]]:
@@ -638,10 +650,17 @@ def scheme_seconds(placement: Placement, moved: Moved, links: Links, forward_ste
     p = n * g
     if len(forward_steps) != p or (backward_steps is not None and len(backward_steps) != p):
         raise ValueError(f"a ring of {p} steps needs {p} compute steps")
-    fwd = _ring_seconds(n, g, forward_steps, _per_pass(placement, moved, "forward", fwd_comm))
-    bwd = 0.0
-    if backward_steps is not None:
-        bwd = _ring_seconds(n, g, backward_steps, _per_pass(placement, moved, "backward", bwd_comm))
+    def seconds(steps, phase, comm) -> float:
+        pp = _per_pass(placement, moved, phase, comm)
+        if not moved.ahead:
+            return _ring_seconds(n, g, steps, pp)
+        # a ring run both ways (one node) runs its arms one after the other, the second's first
+        # step computing nothing
+        back = g - moved.ahead
+        return _ring_seconds(1, back, steps[:back], pp) + _ring_seconds(1, moved.ahead + 1, [0.0, *steps[back:]], pp)
+
+    fwd = seconds(forward_steps, "forward", fwd_comm)
+    bwd = seconds(backward_steps, "backward", bwd_comm) if backward_steps is not None else 0.0
     return Timing(fwd, bwd, fc, bc, f_compute, b_compute)
 
 

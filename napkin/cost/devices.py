@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir, tiling
-from ..distributed.reach import ring_reach, same_ids
+from ..distributed.reach import ring_arms, same_ids
 from ..errors import NapkinError
 from . import collectives as C
 from .model import Kernel, contraction_factors, node_wires
@@ -92,6 +92,7 @@ class DeviceComm:
     burst_backward_time_s: Optional[float] = None
     layout: Optional[str] = None              # the token layout the mesh names (a ring's choice)
     ring_steps: Optional[int] = None          # the steps a flat ring runs where its mask cuts it short
+    ring_ahead: int = 0                       # of those, the steps the other way round (reach.ring_arms)
     # inputs whose ids the mask compares at query and key (doc[b, q] == doc): on a flat ring over
     # contiguous shards their values may cut it shorter still, at each call; priced at the steps above
     ring_ids: tuple[str, ...] = ()
@@ -259,8 +260,9 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) ->
         if num is not None:
             num = dataclasses.replace(num, layout=r.layout)
             if scheme == "ring":
-                reach = ring_reach(r, r.layout, placement.parts, num.q_len, num.x_len)
-                num, sym = (dataclasses.replace(m, reach=reach) for m in (num, sym))
+                back, ahead = ring_arms(r, r.layout, placement.parts, num.q_len, num.x_len)
+                num, sym = (dataclasses.replace(m, reach=back, ahead=ahead) for m in (num, sym))
+                reach = back + ahead
     links = C.Links.of(profile)
     # the busiest part (the tree's parts differ when P is not a power of two)
     busiest = 0
@@ -286,7 +288,8 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) ->
     ids = tuple(dict.fromkeys(s.name for s in same_ids(r))) \
         if scheme == "ring" and r.layout == "contiguous" and placement.parts > 1 else ()
     common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node, layout=r.layout,
-                  ring_steps=reach if reach is not None and reach < placement.parts else None, ring_ids=ids)
+                  ring_steps=reach if reach is not None and reach < placement.parts else None,
+                  ring_ahead=num.ahead if num is not None else 0, ring_ids=ids)
     if num is None:
         return DeviceComm(placement.parts, tiles, tuple(rows), steps, None, None, link, profile[key], None,
                           **common)

@@ -131,8 +131,9 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     moved = _moved(r, sizes, a.dtype)
     steps = None
     if scheme != "attention2d":
-        steps = fn.reach(world, a.tokens, side={n: side[n] for n in r.side})
-        moved = dataclasses.replace(moved, layout=fn.layout, reach=steps)
+        back, ahead = fn.arms(world, a.tokens, side={n: side[n] for n in r.side})
+        moved = dataclasses.replace(moved, layout=fn.layout, reach=back, ahead=ahead)
+        steps = back + ahead
     predicted = [C.rank_bytes(scheme, grid, moved, ph)[rank][0] for ph in ("forward", "backward")]
     report = [None] * world
     dist.all_gather_object(report, (rank, sent, predicted, cc.links()))
@@ -146,7 +147,8 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
         print(f"{title}: {a.diagram}, {world} ranks, grid {'x'.join(map(str, grid))}, "
               f"{a.tokens} tokens, {a.dtype}, backend {dist.get_backend()}")
         if steps is not None:
-            print(f"{fn.layout} layout: the ring runs {steps} of {world} steps")
+            both = f" ({back} the usual way round, {ahead} the other)" if ahead else ""
+            print(f"{fn.layout} layout: the ring runs {steps} of {world} steps{both}")
         print(f"max |O - reference|   = {err_o:.3e}")
         print(f"max |dQ - reference|  = {err_dq:.3e}")
         print("rank  forward bytes sent (predicted)   backward bytes sent (predicted)"

@@ -162,19 +162,13 @@ def _contiguous_reach(bounds, rows, cols, sizes, meets: Optional[Meets] = None) 
     after the rank itself (reached the long way round) or else j0; with
     ``meets``, the farthest of them the data keeps (O(P^2) tests at worst)."""
     parts = len(rows)
-    real = [c for c in cols if c is not None]          # parts 0 .. k-1 hold keys
-    firsts, lasts = [c[0] for c in real], [c[1] for c in real]
+    ends = _ends(cols)
     far = 0
     for rank, mine in enumerate(rows):
-        if mine is None:
+        live = _key_interval(bounds, mine, ends, sizes)
+        if live is None:
             continue
-        at = {"first": mine[0], "last": mine[1]}
-        ups = [b.value(at[b.at_row()], sizes) for b in bounds if b.kind == "upper"]
-        lows = [b.value(at[b.at_row()], sizes) for b in bounds if b.kind == "lower"]
-        j1 = bisect.bisect_right(firsts, min(ups)) - 1 if ups else len(real) - 1
-        j0 = bisect.bisect_left(lasts, max(lows)) if lows else 0
-        if j0 > j1:
-            continue
+        j0, j1 = live
         if meets is None:
             far = max(far, rank + parts - max(j0, rank + 1) if j1 > rank else rank - j0)
             continue
@@ -187,3 +181,91 @@ def _contiguous_reach(bounds, rows, cols, sizes, meets: Optional[Meets] = None) 
                 far = s
                 break
     return far + 1
+
+
+# --------------------------------------------------------------------------
+# Both ways round.  A mask that keeps keys on both sides of a query (a window
+# |q - x| < W, documents without causality) needs, over contiguous shards,
+# the few ranks just before a rank and the few just after it.  One way round,
+# the ones after are reached only the long way: every step.  Sent both ways,
+# K and V make ``back`` - 1 passes the usual way (from behind) and ``ahead``
+# passes the other way (from ahead): 1 + 2k steps for a window of k shards a
+# side, not P.
+# --------------------------------------------------------------------------
+
+def ring_arms(r: Roles, kind: str, parts: int, q_len: int, x_len: int, meets: Optional[Meets] = None,
+              one: Optional[int] = None) -> tuple[int, int]:
+    """(back, ahead): the ring's steps the usual way, its own block
+    included (ring_reach's count where it runs one way), and its steps the
+    other way, 0 where one way is as few steps in all.  Only contiguous
+    shards run both ways: a zigzag or cyclic rank's neighbours on both
+    sides hold keys it needs under any mask.  ``one``: ring_reach's count,
+    where the caller has it."""
+    one = ring_reach(r, kind, parts, q_len, x_len, meets) if one is None else one
+    if kind != "contiguous" or one <= 2:
+        return one, 0
+    live = sorted(_contiguous_offsets(r, parts, q_len, x_len, meets))
+    best = (one, 0)
+    # back steps b reach offsets 1 .. b - 1 (rank r - d at offset d); the other way, a steps reach
+    # offsets P - a .. P - 1: every live offset must be one or the other, so b is one of 1 and
+    # (each live offset) + 1, and a is P - (the first live offset b does not reach)
+    for i, b in enumerate([1] + [d + 1 for d in live]):
+        a = parts - live[i] if i < len(live) else 0
+        if b + a < sum(best):
+            best = (b, a)
+    return best
+
+
+def _contiguous_offsets(r: Roles, parts: int, q_len: int, x_len: int, meets: Optional[Meets]) -> set[int]:
+    """The offsets d in 1 .. P-1 for which some rank's queries may keep a key
+    of rank r - d (mod P), contiguous shards: each rank's live key ranks are
+    an interval (_key_interval); without ``meets`` each interval's offsets
+    are at most two runs, marked in O(P) in all."""
+    sizes = {r.query: q_len, r.key: x_len}
+    bounds = tuple(b for b in mask_bounds(r) if b.sizes_read <= set(sizes))
+    rows = [span("contiguous", parts, q_len, p) for p in range(parts)]
+    ends = _ends([span("contiguous", parts, x_len, p) for p in range(parts)])
+    marks = [0] * (parts + 1)                   # a difference array over offsets
+    found: set[int] = set()
+    for rank, mine in enumerate(rows):
+        live = _key_interval(bounds, mine, ends, sizes)
+        if live is None:
+            continue
+        j0, j1 = live
+        if meets is not None:
+            found.update(d for d in ((rank - j) % parts for j in range(j0, j1 + 1) if j != rank)
+                         if d not in found and meets(rank, (rank - d) % parts))
+            continue
+        for lo, hi in ((j0, min(j1, rank - 1)), (max(j0, rank + 1), j1)):
+            if lo <= hi:        # ranks lo .. hi: offsets (rank - hi) .. (rank - lo), mod P
+                first, last = (rank - hi) % parts, (rank - lo) % parts
+                marks[first] += 1
+                marks[last + 1] -= 1
+    run = 0
+    for d in range(1, parts):
+        run += marks[d]
+        if run > 0:
+            found.add(d)
+    return found
+
+
+def _ends(cols) -> tuple[list[int], list[int]]:
+    """The least and greatest key of each contiguous shard that holds any
+    (parts 0 .. k-1), ascending both."""
+    real = [c for c in cols if c is not None]
+    return [c[0] for c in real], [c[1] for c in real]
+
+
+def _key_interval(bounds, mine, ends, sizes) -> Optional[tuple[int, int]]:
+    """The ranks [j0, j1] whose contiguous keys tile_live keeps for queries
+    spanning ``mine`` (None: none, or no queries), by bisection over the
+    shards' ``ends`` (_contiguous_reach's docstring says why an interval)."""
+    if mine is None:
+        return None
+    firsts, lasts = ends
+    at = {"first": mine[0], "last": mine[1]}
+    ups = [b.value(at[b.at_row()], sizes) for b in bounds if b.kind == "upper"]
+    lows = [b.value(at[b.at_row()], sizes) for b in bounds if b.kind == "lower"]
+    j1 = bisect.bisect_right(firsts, min(ups)) - 1 if ups else len(firsts) - 1
+    j0 = bisect.bisect_left(lasts, max(lows)) if lows else 0
+    return (j0, j1) if j0 <= j1 else None

@@ -43,8 +43,12 @@ the blocks make S - 1 passes, and an accumulator, once its chain of S
 devices ends, hops straight home (S - 1 devices back) instead of going on
 round.  BurstAttention's backward then runs the ring the other way, since a
 query block needs the keys behind it.  At S = P this is the ring above.  A
-document mask (``doc[b, q] == doc``) is cut by its ids, read at each call
-(``id_meets``): packed documents shorter than a shard reach a step or two.
+document mask (``doc[b, q] == doc``) is cut by its ids (``id_meets``):
+packed documents shorter than a shard reach a step or two.  A mask keeping
+keys on both sides of a query (a window |q - x| < W) runs two such arms
+(``arms``, ``_Arm``): ``back`` steps the usual way, then ``ahead`` steps the
+other way round, whose first step (the device's own block) computes
+nothing.
 
 Either way an accumulator pass is started as soon as the step's share is
 added and waited for only after the next step's computation, so it overlaps
@@ -62,9 +66,9 @@ from . import groups as G
 from .commcount import phase
 from .common import attention_side, handshake, results, save_and_show, saved_state, split_side, upstream_rows
 from .layouts import TokenLayout
-from .local import Roles, default_backward, default_local, roles
+from .local import Roles, accumulator_dtype, default_backward, default_local, roles
 from .merging import merge
-from .reach import Meets, SameIds, ring_reach, same_ids
+from .reach import Meets, SameIds, ring_arms, ring_reach, same_ids
 
 
 _KEPT = 16   # reaches RingAttention keeps (RingAttention.reach)
@@ -124,15 +128,27 @@ class RingAttention:
 
     def reach(self, parts: int, q_len: int, x_len: Optional[int] = None, side: Optional[dict] = None,
               prints: Optional[dict] = None) -> int:
-        """The steps the ring runs over ``parts`` ranks: all of them, or
-        fewer where no rank's queries keep a key further back (reach.py).
-        ``side``: the side inputs, whole; where the mask compares ids
-        (``doc[b, q] == doc``) their values are read too.  Kept per set of
-        values (a crc32 of each, ``prints`` where the handshake has taken
-        them), so a model's layers read one batch's ids once.  A double
-        ring always runs every step."""
+        """The steps a ring running one way needs over ``parts`` ranks: all
+        of them, or fewer where no rank's queries keep a key further back
+        (reach.py).  ``side``: the side inputs, whole; where the mask
+        compares ids (``doc[b, q] == doc``) their values are read too.  Kept
+        per set of values (a crc32 of each, ``prints`` where the handshake
+        has taken them), so a model's layers read one batch's ids once.  A
+        double ring always runs every step."""
+        return self._steps(parts, q_len, x_len, side, prints)[0]
+
+    def arms(self, parts: int, q_len: int, x_len: Optional[int] = None, side: Optional[dict] = None,
+             prints: Optional[dict] = None) -> tuple[int, int]:
+        """The steps the ring runs: (back, ahead), ``back`` the usual way
+        (its own block included) and ``ahead`` the other way, where a mask
+        keeps keys on both sides of its queries (a window |q - x| < W) and
+        both ways are fewer steps in all (reach.ring_arms); (reach, 0)
+        otherwise.  ``side``, ``prints``: as ``reach``."""
+        return self._steps(parts, q_len, x_len, side, prints)[1]
+
+    def _steps(self, parts, q_len, x_len, side, prints) -> tuple[int, tuple[int, int]]:
         if self.per_node is not None:
-            return parts
+            return parts, (parts, 0)
         x_len = q_len if x_len is None else x_len
         same = same_ids(self.roles) if side is not None else ()
         key: tuple = (parts, q_len, x_len)
@@ -145,8 +161,9 @@ class RingAttention:
             if len(self._reach) >= _KEPT:       # a batch's ids each: keep the latest few
                 self._reach.pop(next(iter(self._reach)))
             ql, xl = self.layouts(parts, q_len, x_len)
-            self._reach[key] = ring_reach(self.roles, self.layout, parts, q_len, x_len,
-                                          id_meets(same, side, ql, xl) if same else None)
+            meets = id_meets(same, side, ql, xl) if same else None
+            one = ring_reach(self.roles, self.layout, parts, q_len, x_len, meets)
+            self._reach[key] = one, ring_arms(self.roles, self.layout, parts, q_len, x_len, meets, one)
         return self._reach[key]
 
     def __call__(self, *tokens, group=None, q_len: int, x_len: Optional[int] = None,
@@ -159,12 +176,16 @@ class RingAttention:
         ql, xl = self.layouts(ring.size, q_len, x_len)
         prints = handshake(self.roles, self.scheme, tokens, whole, ql, xl, (ring.group,), timeout,
                            lambda p: f"ring rank {p}")
-        steps = self.reach(ring.size, q_len, x_len, side, prints)   # side inputs agree on every rank
-        query_ring = ring
-        if steps < ring.size:
-            ring = G.as_double_ring(group, steps=steps)
-            query_ring = G.as_double_ring(group, steps=steps, direction=-1)
-        outs = _Function.apply(_Call(self, ring, query_ring, ql, xl, timeout, side), *tokens)
+        back, ahead = self.arms(ring.size, q_len, x_len, side, prints)   # side inputs agree on every rank
+        arms = [_Arm(ring, ring)]
+        if back + ahead < ring.size:
+            # the key blocks come from behind (their queries' blocks go the other way, Burst's),
+            # then from ahead
+            arms = [_Arm(G.as_double_ring(group, steps=back), G.as_double_ring(group, steps=back, direction=-1))]
+            if ahead:
+                arms.append(_Arm(G.as_double_ring(group, steps=ahead + 1, direction=-1),
+                                 G.as_double_ring(group, steps=ahead + 1), own=False))
+        outs = _Function.apply(_Call(self, arms, ql, xl, timeout, side), *tokens)
         return results(self.roles, outs[0], outs[1] if len(outs) > 1 else None, whole,
                        ql.positions(ring.rank) < q_len)
 
@@ -203,21 +224,33 @@ def id_meets(same: tuple[SameIds, ...], side: dict, ql: TokenLayout, xl: TokenLa
     return lambda a, b: all(bool(torch.isin(qs[a], xs[b]).any()) for qs, xs in tables)
 
 
+class _Arm:
+    """One way round: ``ring`` carries the key blocks (the forward, Ring's
+    backward), ``query_ring`` the query blocks (BurstAttention's backward);
+    they differ only in a ring cut short.  ``own`` False: the arm's first
+    step, the device's own blocks, was the other arm's (nothing computed;
+    its accumulators start at zero)."""
+
+    def __init__(self, ring: G.DoubleRing, query_ring: G.DoubleRing, own: bool = True):
+        self.ring, self.query_ring, self.own = ring, query_ring, own
+
+    def computes(self, step: int) -> bool:
+        return self.own or step > 0
+
+
 class _Call:
-    """One call's schedule: ``ring`` carries the key blocks (the forward,
-    Ring's backward), ``query_ring`` the query blocks (BurstAttention's
-    backward); they differ only in a ring cut short."""
+    """One call's schedule: its arms (one; two where the ring runs both
+    ways), the layouts and the side inputs."""
 
-    def __init__(self, fn: RingAttention, ring: G.DoubleRing, query_ring: G.DoubleRing, ql: TokenLayout,
-                 xl: TokenLayout, timeout, side):
-        self.fn, self.ring, self.query_ring = fn, ring, query_ring
+    def __init__(self, fn: RingAttention, arms: list[_Arm], ql: TokenLayout, xl: TokenLayout, timeout, side):
+        self.fn, self.arms = fn, arms
         self.ql, self.xl, self.timeout, self.side = ql, xl, timeout, side
-        self.my_q = ql.positions(ring.rank)
+        self.my_q = ql.positions(arms[0].ring.rank)
 
-    def x_pos(self, step: int) -> torch.Tensor:
-        """Positions of the keys held at ``step`` (a flat ring: those of rank
-        r - step)."""
-        return self.xl.positions(self.ring.origin(step))
+    def x_pos(self, arm: _Arm, step: int) -> torch.Tensor:
+        """Positions of the keys held at ``step`` of ``arm`` (a flat ring:
+        those of rank r - step, or r + step the other way)."""
+        return self.xl.positions(arm.ring.origin(step))
 
     def lens(self):
         return dict(q_len=self.ql.length, x_len=self.xl.length)
@@ -232,18 +265,21 @@ def _assemble(r: Roles, tokens, keys):
 class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tokens):
-        r, ring = call.fn.roles, call.ring
+        r = call.fn.roles
         keys = [t for k, t in enumerate(tokens) if not r.is_query(k)]
         names = ", ".join(n for k, n in enumerate(r.tokens) if not r.is_query(k))
         out = lse = None
         with phase("forward"):
-            for step, held in _visit(ring, keys, call.timeout, names):
-                o, l = call.fn.local(*_assemble(r, tokens, held), q_pos=call.my_q, x_pos=call.x_pos(step),
-                                     **call.lens(), **call.side)
-                if out is None:
-                    out, lse = o, l
-                else:
-                    out, lse = merge([out, o], None if l is None else [lse, l])
+            for arm in call.arms:
+                for step, held in _visit(arm.ring, keys, call.timeout, names):
+                    if not arm.computes(step):
+                        continue
+                    o, l = call.fn.local(*_assemble(r, tokens, held), q_pos=call.my_q, x_pos=call.x_pos(arm, step),
+                                         **call.lens(), **call.side)
+                    if out is None:
+                        out, lse = o, l
+                    else:
+                        out, lse = merge([out, o], None if l is None else [lse, l])
         return save_and_show(ctx, call, tokens, out, lse)
 
     @staticmethod
@@ -321,20 +357,35 @@ class _Accumulators:
         return self.single if self.single is not None else self.outer.wait()
 
 
+def _zeros(blocks, tokens) -> list[torch.Tensor]:
+    """An accumulator's start where an arm computes nothing at its first step."""
+    return [torch.zeros_like(t, dtype=accumulator_dtype(*tokens)) for t in blocks]
+
+
+def _added(total, share):
+    return share if total is None else [a + b for a, b in zip(total, share)]
+
+
 def _backward_kv(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
-    """Ring's backward: K, V and their accumulators dK, dV circulate."""
-    r, ring = call.fn.roles, call.ring
+    """Ring's backward: K, V and their accumulators dK, dV circulate, arm
+    after arm, each accumulator home before the next arm starts."""
+    r = call.fn.roles
     keys = [t for k, t in enumerate(tokens) if not r.is_query(k)]
     knames = ", ".join(nm for k, nm in enumerate(r.tokens) if not r.is_query(k))
-    dq = None
-    acc = _Accumulators(ring, call.timeout, f"gradients of {knames}")
-    for step, held in _visit(ring, keys, call.timeout, knames):
-        parts = call.fn.local_backward(*_assemble(r, tokens, held), q_pos=call.my_q, x_pos=call.x_pos(step),
-                                       **call.lens(), dO=dO, lse=lse, delta=delta, **call.side)
-        pq = [p for k, p in enumerate(parts) if r.is_query(k)]
-        dq = pq if dq is None else [a + b for a, b in zip(dq, pq)]
-        acc.add(step, [p for k, p in enumerate(parts) if not r.is_query(k)])
-    iq, ik = iter(dq), iter(acc.home())
+    dq = dk = None
+    for arm in call.arms:
+        acc = _Accumulators(arm.ring, call.timeout, f"gradients of {knames}")
+        for step, held in _visit(arm.ring, keys, call.timeout, knames):
+            if not arm.computes(step):
+                acc.add(step, _zeros(held, tokens))
+                continue
+            parts = call.fn.local_backward(*_assemble(r, tokens, held), q_pos=call.my_q,
+                                           x_pos=call.x_pos(arm, step), **call.lens(), dO=dO, lse=lse,
+                                           delta=delta, **call.side)
+            dq = _added(dq, [p for k, p in enumerate(parts) if r.is_query(k)])
+            acc.add(step, [p for k, p in enumerate(parts) if not r.is_query(k)])
+        dk = _added(dk, acc.home())
+    iq, ik = iter(dq), iter(dk)
     return [next(iq) if r.is_query(k) else next(ik) for k in range(len(tokens))]
 
 
@@ -342,25 +393,30 @@ def _backward_burst(call: _Call, tokens, dO, lse, delta) -> list[torch.Tensor]:
     """BurstAttention's backward: the query side (Q, dO, lse, delta) and its
     accumulator dQ circulate; K, V stay and dK, dV accumulate locally.  At
     each step the device holds the query rows of ``ring.origin(step)``."""
-    r, ring = call.fn.roles, call.query_ring
+    r = call.fn.roles
     bundle = [t for k, t in enumerate(tokens) if r.is_query(k)] + [dO]
     if lse is not None:
         bundle += [lse, delta]
     nq = len(bundle) - (3 if lse is not None else 1)
     qnames = ", ".join(nm for k, nm in enumerate(r.tokens) if r.is_query(k))
     what = f"{qnames}, dO" + (", lse, delta" if lse is not None else "")
-    my_x = call.xl.positions(ring.rank)
-    dkeys = None
-    acc = _Accumulators(ring, call.timeout, f"gradients of {qnames}")
-    for step, held in _visit(ring, bundle, call.timeout, what):
-        it = iter(held[:nq])
-        args = [next(it) if r.is_query(k) else t for k, t in enumerate(tokens)]
-        parts = call.fn.local_backward(*args, q_pos=call.ql.positions(ring.origin(step)), x_pos=my_x,
-                                       **call.lens(), dO=held[nq],
-                                       lse=held[nq + 1] if lse is not None else None,
-                                       delta=held[nq + 2] if lse is not None else None, **call.side)
-        pk = [p for k, p in enumerate(parts) if not r.is_query(k)]
-        dkeys = pk if dkeys is None else [a + b for a, b in zip(dkeys, pk)]
-        acc.add(step, [p for k, p in enumerate(parts) if r.is_query(k)])
-    iq, ik = iter(acc.home()), iter(dkeys)
+    my_x = call.xl.positions(call.arms[0].ring.rank)
+    dkeys = dq = None
+    for arm in call.arms:
+        ring = arm.query_ring
+        acc = _Accumulators(ring, call.timeout, f"gradients of {qnames}")
+        for step, held in _visit(ring, bundle, call.timeout, what):
+            if not arm.computes(step):
+                acc.add(step, _zeros(held[:nq], tokens))
+                continue
+            it = iter(held[:nq])
+            args = [next(it) if r.is_query(k) else t for k, t in enumerate(tokens)]
+            parts = call.fn.local_backward(*args, q_pos=call.ql.positions(ring.origin(step)), x_pos=my_x,
+                                           **call.lens(), dO=held[nq],
+                                           lse=held[nq + 1] if lse is not None else None,
+                                           delta=held[nq + 2] if lse is not None else None, **call.side)
+            dkeys = _added(dkeys, [p for k, p in enumerate(parts) if not r.is_query(k)])
+            acc.add(step, [p for k, p in enumerate(parts) if r.is_query(k)])
+        dq = _added(dq, acc.home())
+    iq, ik = iter(dq), iter(dkeys)
     return [next(iq) if r.is_query(k) else next(ik) for k in range(len(tokens))]
