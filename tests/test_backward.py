@@ -344,7 +344,8 @@ out O
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["attention", "causal", "gqa", "alibi", "l2_attention", "matmul"])
+@pytest.mark.parametrize("name", ["attention", "causal", "gqa", "alibi", "l2_attention", "matmul",
+                                  "differential_attention", "document_ring"])
 def test_bf16_on_gpu(name, folder):
     m = example(name, folder)
     inputs = [t.cuda() for t in m.example_inputs(sizes_for(name, 200, 333), dtype=torch.bfloat16)]
