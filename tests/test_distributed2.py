@@ -67,6 +67,17 @@ def doc_ids(mask: str) -> Optional[torch.Tensor]:
     return torch.repeat_interleave(torch.arange(len(lens)), lens).to(torch.int32)[None]
 
 
+def fewest_arms(live: set[int], parts: int, one_way: int) -> tuple[int, int]:
+    """(back, ahead) by brute force: of the splits that reach every live
+    offset s back (s < back) or the other way (parts - s <= ahead), the
+    fewest steps (of equal ones, the fewest back), where fewer than one way
+    round."""
+    splits = [(b + a, b, a) for b in range(1, parts + 1) for a in range(parts)
+              if all(s < b or parts - s <= a for s in live)]
+    steps, back, ahead = min(splits)
+    return (back, ahead) if steps < one_way else (one_way, 0)
+
+
 def keeps(mask: str, qi, xi):
     """What each mask of _MASKS keeps, written independently of napkin."""
     doc = doc_ids(mask)
@@ -174,15 +185,9 @@ class Case:
         that is fewer than one way (None: not a flat ring)."""
         if self.scheme not in ("ring", "burst"):
             return None
-        live, p = self.live_offsets(), self.parts
         if self.layout != "contiguous":
             return self.reach(), 0
-        best = (self.reach(), 0)
-        for back in range(1, p + 1):
-            for ahead in range(p):
-                if all(s < back or p - s <= ahead for s in live) and back + ahead < sum(best):
-                    best = (back, ahead)
-        return best
+        return fewest_arms(self.live_offsets(), self.parts, self.reach())
 
     @property
     def side(self) -> dict:

@@ -17,7 +17,7 @@ import pytest
 import napkin
 from napkin.cost import collectives as C
 from napkin.printer import to_text
-from test_distributed2 import _PLAIN, REPO, diagram_text
+from test_distributed2 import _PLAIN, REPO, diagram_text, fewest_arms
 
 
 _REACH_MASKS = {   # predicate text -> what it keeps, written independently
@@ -35,9 +35,11 @@ _REACH_MASKS = {   # predicate text -> what it keeps, written independently
 
 @pytest.mark.parametrize("pred", list(_REACH_MASKS), ids=list(_REACH_MASKS))
 def test_ring_reach_never_drops_a_kept_pair_and_is_exact_on_contiguous_shards(pred):
-    """reach.ring_reach against every pair of positions: never fewer steps
-    than some rank's kept pair needs (any layout), and exactly as many on
-    contiguous shards for masks with an affine bound, over ragged lengths."""
+    """RingAttention.reach and .arms (reach.ring_schedule) against every
+    pair of positions: never fewer steps than some rank's kept pair needs
+    (any layout), and exactly as many on contiguous shards for masks with an
+    affine bound, over ragged lengths; both ways round, the fewest steps of
+    any split."""
     from napkin.distributed import RingAttention
     from napkin.distributed.layouts import TokenLayout
     text = diagram_text("attention", "full", "fp64", "ring").replace(_PLAIN, f"where({pred}, {_PLAIN}, -inf)", 1)
@@ -59,19 +61,9 @@ def test_ring_reach_never_drops_a_kept_pair_and_is_exact_on_contiguous_shards(pr
                 assert got >= want, where
                 if layout == "contiguous" and "%" not in pred:
                     assert got == want, where
-                    assert fn.arms(parts, n_q, n_x) == _fewest_arms(live, parts, got), where
+                    assert fn.arms(parts, n_q, n_x) == fewest_arms(live, parts, got), where
                 elif layout != "contiguous":
                     assert fn.arms(parts, n_q, n_x) == (got, 0), where
-
-
-def _fewest_arms(live: set[int], parts: int, one_way: int) -> tuple[int, int]:
-    """(back, ahead) by brute force: of the splits that reach every live
-    offset s back (s < back) or the other way (parts - s <= ahead), the
-    fewest steps, where fewer than one way round."""
-    splits = [(b + a, a, b) for b in range(1, parts + 1) for a in range(parts)
-              if all(s < b or parts - s <= a for s in live)]
-    steps, ahead, back = min(splits)
-    return (back, ahead) if steps < one_way else (one_way, 0)
 
 
 def test_a_ring_reaches_every_step_where_a_masked_pair_still_counts():
@@ -374,7 +366,7 @@ def test_a_document_mask_reaches_as_far_as_its_ids_say(pred):
                 live = {s for r in range(parts) for s in range(1, parts)
                         if any(keep(q, x) and doc[b, q] == doc[b, x]
                                for b in range(2) for q in real[r] for x in real[(r - s) % parts])}
-                assert fn.arms(parts, n, n, side={"doc": doc}) == _fewest_arms(live, parts, got), where
+                assert fn.arms(parts, n, n, side={"doc": doc}) == fewest_arms(live, parts, got), where
             # without the ids the ring cannot tell: the mask's bounds alone
             assert fn.reach(parts, n, n) >= got, where
     assert seen == {True, False}      # some rings cut short, some not

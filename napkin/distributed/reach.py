@@ -4,7 +4,7 @@ At step s of a flat ring, rank r holds the keys of rank r - s.  Under a mask
 that keeps only keys near their query (a sliding window, causal chunks) and
 tokens in the contiguous layout, rank r's queries keep no key of rank r - s
 once s passes a few: every pair of those steps is masked, contributes
-nothing, and the blocks need not travel that far.  ``ring_reach`` is the
+nothing, and the blocks need not travel that far.  The reach is the
 number of steps that can hold a kept pair, 1 + the largest such s over every
 rank; the ring runs that many steps and its blocks make one pass fewer
 (chunks of 8192 tokens over shards of 8192: one step, nothing moves).
@@ -123,22 +123,54 @@ def span(kind: str, parts: int, length: int, part: int) -> Optional[tuple[int, i
     return (first, last) if first < length else None
 
 
-def ring_reach(r: Roles, kind: str, parts: int, q_len: int, x_len: int, meets: Optional[Meets] = None) -> int:
-    """The steps a flat ring of ``parts`` ranks needs, its tokens in the
-    ``kind`` layout: 1 + the largest s for which some rank's queries may
-    keep a key of rank r - s.  ``meets``: the data's test of a pair of
-    ranks (same_ids), None where the mask reads no ids."""
+def ring_arms(r: Roles, kind: str, parts: int, q_len: int, x_len: int, meets: Optional[Meets] = None
+              ) -> tuple[int, int]:
+    """(back, ahead): the steps the ring runs (ring_schedule)."""
+    return ring_schedule(r, kind, parts, q_len, x_len, meets)[1]
+
+
+def ring_schedule(r: Roles, kind: str, parts: int, q_len: int, x_len: int, meets: Optional[Meets] = None
+                  ) -> tuple[int, tuple[int, int]]:
+    """(one way, (back, ahead)): the steps a flat ring of ``parts`` ranks,
+    its tokens in the ``kind`` layout, needs running one way (1 + the
+    largest s for which some rank's queries may keep a key of rank r - s),
+    and the steps it runs: ``back`` the usual way (its own block included)
+    and ``ahead`` the other way, 0 where one way is as few steps in all.
+    Only contiguous shards run both ways: a zigzag or cyclic rank's
+    neighbours on both sides hold keys it needs under any mask.  ``meets``:
+    the data's test of a pair of ranks (same_ids), None where the mask
+    reads no ids."""
     sizes = {r.query: q_len, r.key: x_len}
     # a bound on another wire's size (q - x < |w|) is left out: the ring knows only its lengths,
     # and a bound fewer never drops a kept pair
     bounds = tuple(b for b in mask_bounds(r) if b.sizes_read <= set(sizes))
     if parts == 1 or (not bounds and meets is None):
-        return parts
+        return parts, (parts, 0)
     rows = [span(kind, parts, q_len, p) for p in range(parts)]
     cols = [span(kind, parts, x_len, p) for p in range(parts)]
-    if kind == "contiguous":
-        return _contiguous_reach(bounds, rows, cols, sizes, meets)
-    far = 0
+    if kind != "contiguous":
+        one = _farthest(bounds, rows, cols, sizes, meets) + 1
+        return one, (one, 0)
+    live = sorted(_contiguous_offsets(bounds, rows, cols, sizes, meets))
+    one = (live[-1] if live else 0) + 1
+    best = (one, 0)
+    # back steps b reach offsets 1 .. b - 1 (rank r - d at offset d); the other way, a steps reach
+    # offsets P - a .. P - 1: every live offset must be one or the other, so b is one of 1 and
+    # (each live offset) + 1, and a is P - (the first live offset b does not reach); of equal
+    # totals the first, the fewest back
+    for i, b in enumerate([1] + [d + 1 for d in live]):
+        a = parts - live[i] if i < len(live) else 0
+        if b + a < sum(best):
+            best = (b, a)
+    return one, best
+
+
+def _farthest(bounds, rows, cols, sizes, meets: Optional[Meets]) -> int:
+    """The largest s for which some rank's queries may keep a key of rank
+    r - s, any layout, scanning each rank's steps from the farthest down
+    (O(P^2) at worst, but it stops at the first live one and no rank
+    looks below what another found)."""
+    parts, far = len(rows), 0
     for rank, mine in enumerate(rows):
         if mine is None:
             continue
@@ -148,44 +180,12 @@ def ring_reach(r: Roles, kind: str, parts: int, q_len: int, x_len: int, meets: O
                     and (meets is None or meets(rank, src)):
                 far = s
                 break
-    return far + 1
-
-
-def _contiguous_reach(bounds, rows, cols, sizes, meets: Optional[Meets] = None) -> int:
-    """ring_reach for contiguous shards in O(P log P) (the scan above is
-    O(P^2) where few steps are live: 10^9 tile tests for napkin plan at
-    32,768 devices).  The shards' least and greatest keys grow with the
-    rank, so the ranks tile_live keeps for one rank's queries are those
-    whose least key is at most every upper bound (a prefix) and whose
-    greatest is at least every lower bound (a suffix): an interval [j0, j1],
-    found by bisection.  The farthest step back is then the first of them
-    after the rank itself (reached the long way round) or else j0; with
-    ``meets``, the farthest of them the data keeps (O(P^2) tests at worst)."""
-    parts = len(rows)
-    ends = _ends(cols)
-    far = 0
-    for rank, mine in enumerate(rows):
-        live = _key_interval(bounds, mine, ends, sizes)
-        if live is None:
-            continue
-        j0, j1 = live
-        if meets is None:
-            far = max(far, rank + parts - max(j0, rank + 1) if j1 > rank else rank - j0)
-            continue
-        # farthest back first: the ranks after this one (the long way round), then j0 on
-        for j in [*range(max(j0, rank + 1), j1 + 1), *range(j0, min(rank, j1 + 1))]:
-            s = (rank - j) % parts
-            if s <= far:
-                break
-            if meets(rank, j):
-                far = s
-                break
-    return far + 1
+    return far
 
 
 # --------------------------------------------------------------------------
-# Both ways round.  A mask that keeps keys on both sides of a query (a window
-# |q - x| < W, documents without causality) needs, over contiguous shards,
+# Contiguous shards, and both ways round.  A mask that keeps keys on both
+# sides of a query (a window |q - x| < W, documents without causality) needs
 # the few ranks just before a rank and the few just after it.  One way round,
 # the ones after are reached only the long way: every step.  Sent both ways,
 # K and V make ``back`` - 1 passes the usual way (from behind) and ``ahead``
@@ -193,39 +193,17 @@ def _contiguous_reach(bounds, rows, cols, sizes, meets: Optional[Meets] = None) 
 # side, not P.
 # --------------------------------------------------------------------------
 
-def ring_arms(r: Roles, kind: str, parts: int, q_len: int, x_len: int, meets: Optional[Meets] = None,
-              one: Optional[int] = None) -> tuple[int, int]:
-    """(back, ahead): the ring's steps the usual way, its own block
-    included (ring_reach's count where it runs one way), and its steps the
-    other way, 0 where one way is as few steps in all.  Only contiguous
-    shards run both ways: a zigzag or cyclic rank's neighbours on both
-    sides hold keys it needs under any mask.  ``one``: ring_reach's count,
-    where the caller has it."""
-    one = ring_reach(r, kind, parts, q_len, x_len, meets) if one is None else one
-    if kind != "contiguous" or one <= 2:
-        return one, 0
-    live = sorted(_contiguous_offsets(r, parts, q_len, x_len, meets))
-    best = (one, 0)
-    # back steps b reach offsets 1 .. b - 1 (rank r - d at offset d); the other way, a steps reach
-    # offsets P - a .. P - 1: every live offset must be one or the other, so b is one of 1 and
-    # (each live offset) + 1, and a is P - (the first live offset b does not reach)
-    for i, b in enumerate([1] + [d + 1 for d in live]):
-        a = parts - live[i] if i < len(live) else 0
-        if b + a < sum(best):
-            best = (b, a)
-    return best
-
-
-def _contiguous_offsets(r: Roles, parts: int, q_len: int, x_len: int, meets: Optional[Meets]) -> set[int]:
+def _contiguous_offsets(bounds, rows, cols, sizes, meets: Optional[Meets]) -> set[int]:
     """The offsets d in 1 .. P-1 for which some rank's queries may keep a key
-    of rank r - d (mod P), contiguous shards: each rank's live key ranks are
-    an interval (_key_interval); without ``meets`` each interval's offsets
-    are at most two runs, marked in O(P) in all."""
-    sizes = {r.query: q_len, r.key: x_len}
-    bounds = tuple(b for b in mask_bounds(r) if b.sizes_read <= set(sizes))
-    rows = [span("contiguous", parts, q_len, p) for p in range(parts)]
-    ends = _ends([span("contiguous", parts, x_len, p) for p in range(parts)])
-    marks = [0] * (parts + 1)                   # a difference array over offsets
+    of rank r - d (mod P), contiguous shards, in O(P log P) (the scan of
+    _farthest is O(P^2) where few steps are live: 10^9 tile tests for napkin
+    plan at 32,768 devices).  Each rank's live key ranks are an interval
+    (_key_interval), whose offsets are at most two runs, marked in a
+    difference array; with ``meets`` each rank of the interval is tested
+    (O(P^2) tests at worst)."""
+    parts = len(rows)
+    ends = _ends(cols)
+    marks = [0] * (parts + 1)
     found: set[int] = set()
     for rank, mine in enumerate(rows):
         live = _key_interval(bounds, mine, ends, sizes)
@@ -258,8 +236,11 @@ def _ends(cols) -> tuple[list[int], list[int]]:
 
 def _key_interval(bounds, mine, ends, sizes) -> Optional[tuple[int, int]]:
     """The ranks [j0, j1] whose contiguous keys tile_live keeps for queries
-    spanning ``mine`` (None: none, or no queries), by bisection over the
-    shards' ``ends`` (_contiguous_reach's docstring says why an interval)."""
+    spanning ``mine`` (None: none, or no queries).  The shards' least and
+    greatest keys grow with the rank, so those ranks are the ones whose
+    least key is at most every upper bound (a prefix) and whose greatest is
+    at least every lower bound (a suffix): an interval, found by bisection
+    over the shards' ``ends``."""
     if mine is None:
         return None
     firsts, lasts = ends

@@ -68,7 +68,7 @@ from .common import attention_side, handshake, results, save_and_show, saved_sta
 from .layouts import TokenLayout
 from .local import Roles, accumulator_dtype, default_backward, default_local, roles
 from .merging import merge
-from .reach import Meets, SameIds, ring_arms, ring_reach, same_ids
+from .reach import Meets, SameIds, ring_schedule, same_ids
 
 
 _KEPT = 16   # reaches RingAttention keeps (RingAttention.reach)
@@ -142,7 +142,7 @@ class RingAttention:
         """The steps the ring runs: (back, ahead), ``back`` the usual way
         (its own block included) and ``ahead`` the other way, where a mask
         keeps keys on both sides of its queries (a window |q - x| < W) and
-        both ways are fewer steps in all (reach.ring_arms); (reach, 0)
+        both ways are fewer steps in all (reach.ring_schedule); (reach, 0)
         otherwise.  ``side``, ``prints``: as ``reach``."""
         return self._steps(parts, q_len, x_len, side, prints)[1]
 
@@ -162,8 +162,7 @@ class RingAttention:
                 self._reach.pop(next(iter(self._reach)))
             ql, xl = self.layouts(parts, q_len, x_len)
             meets = id_meets(same, side, ql, xl) if same else None
-            one = ring_reach(self.roles, self.layout, parts, q_len, x_len, meets)
-            self._reach[key] = one, ring_arms(self.roles, self.layout, parts, q_len, x_len, meets, one)
+            self._reach[key] = ring_schedule(self.roles, self.layout, parts, q_len, x_len, meets)
         return self._reach[key]
 
     def __call__(self, *tokens, group=None, q_len: int, x_len: Optional[int] = None,
