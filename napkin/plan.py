@@ -3,6 +3,7 @@ devices, ranked by predicted time.
 
     napkin plan examples/gqa.ncd --devices 16 -D b=1 -D hk=8 -D g=4 -D q=32768 -D x=32768
     napkin plan FILE --devices 64 --gpus-per-node 8 --device h100 ... [--forward] [--emit OUT.ncd]
+    napkin plan examples/document_ring.ncd --devices 8 -D b=1 -D h=16 -D q=65536 -D x=65536 --docs 4096
 
 The candidates, for P devices (G per node):
 
@@ -21,7 +22,11 @@ The candidates, for P devices (G per node):
   ring and its BurstAttention variant over contiguous shards, cut to the
   steps the mask reaches (napkin/distributed/reach.py); ``--emit`` writes
   ``contiguous`` on its tiles, which the wrappers, the generated launcher
-  and napkin cost read.
+  and napkin cost read;
+* with ``--docs LENGTHS``, a mask comparing ids (``doc[b, q] == doc``) is
+  priced on packed documents of those lengths (napkin/documents.py): its
+  compute is the pairs they keep, and the flat ring over contiguous shards
+  runs the steps RingAttention would read from such ids.
 
 Each is costed with napkin/cost/collectives.py, the model the
 multi-process tests prove against the byte counter: bytes per device,
@@ -60,8 +65,9 @@ from .cost import collectives as C
 from .cost.analysis import bind_sizes
 from .cost.devices import moved, placement_of, unstated_gpus_per_node
 from .cost.profiles import get_profile, profile_names
-from .distributed.reach import ring_arms
+from .distributed.reach import mask_bounds, ring_arms, same_ids
 from .distributed.reading import roles
+from .documents import Documents, add_docs_option, covered, id_wire, kept_pairs, ring_meets
 from .errors import NapkinError
 from .files import why_not, write_atomic
 from .sizes import positive_int
@@ -151,14 +157,21 @@ def placements(p: int, gpus_per_node: int, training: bool = True) -> list[C.Plac
     return out
 
 
-def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
+def density(diagram: ir.Diagram, r, sizes: dict[str, int], docs: Optional[Documents] = None) -> float:
     """The fraction of query-key pairs the mask keeps, at a block grid (1 for
-    an unmasked diagram and for a mask that reads data; partial blocks count half)."""
+    an unmasked diagram and for a mask that reads data; partial blocks count
+    half).  ``docs``: a mask comparing ids keeps, exactly, the pairs of each
+    document within its affine bounds (documents.kept_pairs)."""
     body = r.score if r.score is not None else diagram.tensor(r.value).expr
     node = masks.mask_node(body)
     if node is None:
         return 1.0
     pred = masks.mask_predicate(node)
+    same = same_ids(r) if docs is not None else ()
+    if same:
+        kept = kept_pairs(docs, mask_bounds(r), sizes[r.query], sizes[r.key], sizes,
+                          covered(docs, diagram, same[0], sizes))
+        return kept / (sizes[r.query] * sizes[r.key])
     if any(isinstance(n, ir.TensorRef) for n in ir.walk(pred)):
         # a mask of data (document ids): which pairs it keeps is known only at run time;
         # counted dense, as napkin cost counts it (every block read "partial", it was priced at half)
@@ -185,9 +198,11 @@ def forward_flops(m: C.Moved, keep: float) -> float:
 
 
 def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_per_node: Optional[int] = None,
-         profile: Optional[str] = None, training: bool = True) -> list[Option]:
+         profile: Optional[str] = None, training: bool = True, docs: Optional[Documents] = None) -> list[Option]:
     """Every option, best (least predicted time, then fewest bytes, then fewest
-    across nodes) first."""
+    across nodes) first.  ``docs``: a mask comparing ids (doc[b, q] == doc)
+    read on documents of these lengths: the pairs it keeps set the compute,
+    and the flat ring over contiguous shards runs the steps they leave."""
     if devices < 1:
         raise NapkinError(f"--devices must be at least 1, not {devices}")
     if devices > MAX_DEVICES:
@@ -199,7 +214,7 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     if devices > g and devices % g:
         raise NapkinError(f"{devices} devices do not fill nodes of {g} GPUs")
     g = min(g, devices)
-    pricing = Pricing.of(diagram, devices, sizes, profile, training)
+    pricing = Pricing.of(diagram, devices, sizes, profile, training, docs)
     candidates = placements(devices, g, training)
     out = [pricing.option(pl, g) for pl in candidates]
     if sum(pricing.arms) < devices:
@@ -225,7 +240,7 @@ class Pricing:
 
     @staticmethod
     def of(diagram: ir.Diagram, devices: int, sizes: Optional[dict], profile: Optional[str],
-           training: bool) -> "Pricing":
+           training: bool, docs: Optional[Documents] = None) -> "Pricing":
         r = _roles(diagram)
         bound = bind_sizes(diagram, sizes)
         missing = sorted({w for n in r.tokens for w in ir.axis_wires(diagram.tensor(n).axes)} - set(bound))
@@ -234,8 +249,17 @@ class Pricing:
         m = moved(diagram, r, bound)
         prof = get_profile(profile_of(diagram, profile))
         rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
-        return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound)), rate, devices, training,
-                       ring_arms(r, "contiguous", devices, m.q_len, m.x_len))
+        meets = None
+        if docs is not None:
+            same = same_ids(r)
+            if not same:
+                raise NapkinError(f"--docs: diagram {diagram.name}'s mask compares no ids at the query and the key "
+                                  "(doc[b, q] == doc): document lengths change nothing napkin plan prices")
+            if id_wire(diagram, same[0]) not in bound:
+                raise NapkinError(f"give the size of {id_wire(diagram, same[0])} (-D WIRE=N): --docs covers it")
+            meets = ring_meets(docs, "contiguous", devices, m.q_len, m.x_len, covered(docs, diagram, same[0], bound))
+        return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound, docs)), rate, devices,
+                       training, ring_arms(r, "contiguous", devices, m.q_len, m.x_len, meets))
 
     def option(self, pl: C.Placement, g: int, arms: Optional[tuple[int, int]] = None) -> Option:
         """``pl`` costed (``g``: the GPUs a node it is labelled with where the
@@ -345,7 +369,8 @@ def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
 
 
 def emitted_placement_note(option: Option, emitted: ir.Diagram, sizes: Optional[dict] = None,
-                           profile: Optional[str] = None, training: bool = True) -> Optional[str]:
+                           profile: Optional[str] = None, training: bool = True,
+                           docs: Optional[Documents] = None) -> Optional[str]:
     """What ``napkin cost`` makes of the emitted diagram where it prices other
     links than this plan did (mesh_levels: the two layouts a diagram cannot
     place on nodes), else None.  Priced, not compared by shape: a flat ring
@@ -358,7 +383,8 @@ def emitted_placement_note(option: Option, emitted: ir.Diagram, sizes: Optional[
     read = placement_of(roles(emitted))
     if option.scheme.startswith("burst"):   # the backward is the wrapper's choice, not the diagram's
         read = dataclasses.replace(read, scheme=read.scheme.replace("ring", "burst"))
-    cost = Pricing.of(emitted, p, sizes, profile, training).option(read, read.gpus_per_node or p, option.arms)
+    cost = Pricing.of(emitted, p, sizes, profile, training, docs).option(read, read.gpus_per_node or p,
+                                                                         option.arms)
     if (rank_time(cost.forward_s), rank_time(cost.backward_s), cost.across_bytes) == \
             (rank_time(option.forward_s), rank_time(option.backward_s), option.across_bytes):
         return None
@@ -417,6 +443,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--top", type=positive_int, default=10, metavar="N", help="how many options to print (default 10)")
     p.add_argument("--json", action="store_true", help="print every option as JSON")
     p.add_argument("--emit", default=None, metavar="OUT.ncd", help="write the diagram with the best option")
+    add_docs_option(p)
     p.set_defaults(func=handler)
 
 
@@ -430,9 +457,10 @@ def handler(args) -> int:
         raise NapkinError(f"--emit {args.emit} is the diagram itself, which the emitted one would replace; "
                           "write it to another file", filename=args.file)
     diagram = napkin.load(args.file)
+    docs = Documents.parse(args.docs) if args.docs is not None else None
     try:
         options = plan(diagram, args.devices, parse_pairs(args.sizes, "--size"), args.gpus_per_node, args.device,
-                       training=not args.forward)
+                       training=not args.forward, docs=docs)
     except NapkinError as err:
         raise err.with_source(args.file, napkin.read_source(args.file)) from None
     if args.json:
@@ -456,7 +484,7 @@ def handler(args) -> int:
         out = sys.stderr if args.json else sys.stdout   # --json: stdout holds the JSON alone
         print(f"wrote {args.emit}: {best.label}{note}", file=out)
         placement = emitted_placement_note(best, emitted, parse_pairs(args.sizes, "--size"), args.device,
-                                           training=not args.forward)
+                                           training=not args.forward, docs=docs)
         if placement:
             print(f"note: {placement}", file=out)
     return 0

@@ -51,7 +51,9 @@ exact.
   Autograd carries the dict to the backward through a context variable
   (templates/attention.py.jinja): the torch ops' schemas take no Python
   object.
-* The cost pass cannot know the data: it counts these diagrams dense.
+* The cost pass cannot know the data: it counts these diagrams dense, or,
+  given document lengths (``--docs``), the blocks this prepass finds on
+  them (napkin/documents.py; tests/test_documents.py holds the two equal).
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ import functools
 import math
 from typing import Mapping, Optional
 
-from .. import ir, masks, tiling
+from .. import documents, ir, masks, tiling
+from ..documents import Documents
 from ..errors import Diagnostic, NapkinError
 from ..printer import expr_text
 from . import bounds as bounds_mod
@@ -141,7 +142,7 @@ def _launches_poly(diagram: ir.Diagram) -> Poly:
 
 
 def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str, int],
-             pack: Optional[packing.Packing] = None) -> Optional[Visited]:
+             pack: Optional[packing.Packing] = None, docs: Optional[Documents] = None) -> Optional[Visited]:
     """The (row block, step) pairs a masked kernel visits (napkin/masks.py),
     or None when it visits every pair.  ``sizes`` are the real ones: with
     packed rows the row blocks are the launch's blocks of (g, q) pairs, each
@@ -150,12 +151,23 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
     Whether a kernel may skip at all is the code generator's decision (a
     masked score must contribute nothing downstream: exp(-inf) = 0 does,
     S * S does not), so its plan is asked first; for a schedule it cannot
-    emit, a kernel whose mask bounds the streamed wire skips."""
+    emit, a kernel whose mask bounds the streamed wire skips.  With
+    ``docs`` a kernel whose launch runs the ranges prepass visits the blocks
+    it finds live on those documents (documents.row_spans)."""
     groups, stream = kernel_tiling(kernel, tiles)
     if not kernel.skips or stream is None or device_tiles(diagram):
         return None
     col, step = stream
     decided = _codegen_bounds(diagram)
+    ids = kernel_ids(diagram) if docs is not None else None
+    if ids is not None and decided[0] in groups and col == decided_col(diagram):
+        row, found = decided
+        length = documents.covered(docs, diagram, ids, sizes)
+        if pack is not None:
+            rows, block, cycle = sizes[pack.wire] * sizes[pack.row], pack.block, sizes[pack.row]
+        else:
+            rows, block, cycle = sizes[row], groups[row], None
+        return Visited(row, documents.row_spans(docs, found, rows, sizes[col], block, step, sizes, length, cycle))
     if decided is not None:
         row, found = decided
         if not found or row not in groups or col != decided_col(diagram):
@@ -215,21 +227,26 @@ def decided_col(diagram: ir.Diagram) -> Optional[str]:
 # --------------------------------------------------------------------------
 
 def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
-            profile: Optional[str] = None) -> CostReport:
+            profile: Optional[str] = None, docs: Optional[Documents] = None) -> CostReport:
     """The cost report for ``diagram`` (checked) at the given wire sizes.
 
     Symbolic wires missing from ``sizes`` leave the numeric fields None; the
-    formulas are always there.
+    formulas are always there.  ``docs``: the lengths of the documents a mask
+    comparing ids at the query and the key reads (napkin/documents.py), so
+    that the blocks the kernels skip and the steps the ring runs are counted
+    on them rather than every one (NapkinError where nothing priced reads ids).
     """
     launch = launch_schedule(diagram) if diagram.schedule is None else None
     written = diagram
     diagram = launch or diagram
-    c = _Context(diagram, resolve_profile(diagram, profile), bind_sizes(diagram, sizes))
+    c = _Context(diagram, resolve_profile(diagram, profile), bind_sizes(diagram, sizes), docs)
     transfers, totals = _transfers(c)
     flops = _flops(c)
     bound = _lower_bound(c, totals)
     footprints = _footprints(c)
-    comm = communication(diagram, c.kernels, c.full, c.prof, c.wire_sym)
+    comm = communication(diagram, c.kernels, c.full, c.prof, c.wire_sym, docs)
+    if docs is not None:
+        _check_documents(c, comm)
     notes = []
     if launch is not None:
         notes.append(f"diagram {written.name} has no schedule: priced as its untuned launch runs "
@@ -260,7 +277,7 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     if c.packs and not c.known:
         notes.append(f"the formulas count the packed launch (|{c.pack.wire}| > 1), which loads its rows' "
                      f"positions; with |{c.pack.wire}| = 1 it is the ordinary launch, without them")
-    prepass = _prepass_note(diagram)
+    prepass = _prepass_note(diagram, c.docs if c.known else None, c.bound)
     if prepass:
         notes.append(prepass)
     if any(k.two_pass for k in c.kernels):
@@ -321,17 +338,80 @@ def _below_bound_note(c: "_Context", flops: Flops, bound: LowerBound) -> str:
                                             "the schedule moves less than the bound's model allows for")
 
 
-def _prepass_note(diagram: ir.Diagram) -> Optional[str]:
-    """Where the kernels find their blocks with a ranges prepass (a mask that
-    reads data, or whose comparisons bound no wire by an affine function of
-    the other with coefficient 1): the counts are every block's, and the
-    prepass's launches and traffic are not in them (a mask that skips nothing,
-    x != q, moves a little more than counted)."""
+def kernel_ids(diagram: ir.Diagram) -> Optional[documents.SameIds]:
+    """The conjunct comparing ids at the query and the key (doc[b, q] == doc)
+    of a single-device kernel that finds its blocks with the ranges prepass:
+    the one ``docs`` prices (the first, where there are several; any other
+    conjunct that reads data is counted as keeping every pair)."""
     from ..codegen import ranges
 
     plan = _plan(diagram)
     if plan is None or device_tiles(diagram) or not ranges.applies(plan):
         return None
+    same = _plan_ids(plan)
+    return same[0] if same else None
+
+
+def _plan_ids(plan) -> tuple[documents.SameIds, ...]:
+    """The id conjuncts of a kernel plan's mask, the ids any integer input."""
+    names = [t.name for t in plan.diagram.inputs if t.dtype not in ir.FLOAT_DTYPES]
+    return documents.id_conjuncts(plan.diagram, plan.skip, plan.row, plan.col, names)
+
+
+def _check_documents(c: "_Context", comm) -> None:
+    """--docs where nothing priced reads ids is a mistake to say, not to drop."""
+    if not c.known:
+        missing = ", ".join(w.name for w in c.d.wires if w.name not in c.bound)
+        raise NapkinError(f"--docs counts blocks at given sizes: give {missing} too (--size WIRE=N)")
+    if kernel_ids(c.d) is not None or (comm is not None and comm.ring_documents):
+        return
+    if not _mask_ids(c.d):
+        why = "its mask has no conjunct comparing ids at the query and the key (doc[b, q] == doc)"
+    elif comm is not None:
+        why = {"ring2": "a double ring runs every step, whatever the ids",
+               "attention2d": "ATTENTION2D's devices compute their whole blocks, whatever the ids",
+               "tree": "decoding's devices compute their whole shards, whatever the ids"}.get(
+                   comm.scheme, "its devices' shares are priced whole, whatever the ids")
+    else:
+        why = "its kernels visit every block whatever the ids (no ranges prepass finds them)"
+    raise NapkinError(f"--docs: document lengths change nothing napkin prices for diagram {c.d.name}: {why}")
+
+
+def _mask_ids(diagram: ir.Diagram) -> bool:
+    """Whether the mask has a conjunct comparing ids at the query and the key,
+    priced or not: the ring's roles across devices, the kernel's plan on one."""
+    if device_tiles(diagram):
+        from ..distributed.reach import same_ids
+        from ..distributed.reading import roles
+        try:
+            return bool(same_ids(roles(diagram)))
+        except NapkinError:   # no scheme the wrappers run
+            return False
+    plan = _plan(diagram)
+    return plan is not None and bool(_plan_ids(plan))
+
+
+def _prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: Mapping[str, int] = {}
+                  ) -> Optional[str]:
+    """Where the kernels find their blocks with a ranges prepass (a mask that
+    reads data, or whose comparisons bound no wire by an affine function of
+    the other with coefficient 1): the counts are every block's, and the
+    prepass's launches and traffic are not in them (a mask that skips nothing,
+    x != q, moves a little more than counted).  With ``docs`` (and sizes)
+    the counts are the blocks the prepass finds on those documents."""
+    from ..codegen import ranges
+
+    plan = _plan(diagram)
+    if plan is None or device_tiles(diagram) or not ranges.applies(plan):
+        return None
+    ids = kernel_ids(diagram) if docs is not None else None
+    if ids is not None:
+        wire = documents.id_wire(diagram, ids)
+        return (f"the counts are the blocks the ranges prepass finds live when {ids.name} holds "
+                f"--docs' {docs.describe(sizes[wire])} in every batch row, each document's tokens contiguous "
+                "(two more kernels "
+                "at each launch, their traffic not counted, nor the 16 B of ranges each row block reads; "
+                f"steps whose blocks are all kept read no {ids.name}, which the counts still load)")
     # a part the formula bounds (x <= q beside doc[b, q] == doc) still skips in the counts
     counted = (": the counts are the blocks its formula part bounds" if plan.bounds else
                " bounds no block by formula: the counts are every block's")
@@ -411,8 +491,17 @@ def _device_note(comm) -> str:
         why = ("its mask keeps no key further back" if not comm.ring_ahead else
                f"{comm.ring_steps - comm.ring_ahead} the usual way round and {comm.ring_ahead} the other: its mask "
                "keeps keys on both sides of its queries, none further")
+        if comm.ring_documents:
+            why = (f"on --docs' {comm.ring_documents} no rank's queries share a document with keys further "
+                   "back" if not comm.ring_ahead else
+                   f"{comm.ring_steps - comm.ring_ahead} the usual way round and {comm.ring_ahead} the other: on "
+                   f"--docs' {comm.ring_documents} no document reaches further")
         out = (f"devices: the ring runs {comm.ring_steps} of {comm.devices} steps over {comm.layout} shards "
                f"({why}); shape handshake {comm.handshake_bytes} B before the forward")
+    elif comm.ring_documents:
+        out = (f"devices: on --docs' {comm.ring_documents} the ring still runs every step: some rank's queries "
+               f"share a document with keys {comm.devices - 1} steps back; shape handshake "
+               f"{comm.handshake_bytes} B before the forward")
     if comm.ring_ids:
         out += (f"; the ring may run fewer steps: its mask compares {', '.join(comm.ring_ids)} at the query and the "
                 f"key, and RingAttention reads the values at each call to find how far back kept keys sit (priced "
@@ -431,8 +520,9 @@ class _Context:
     (one table per kernel launch on the busiest device), the kernels, the
     tiling, and the visited steps of each kernel in each launch."""
 
-    def __init__(self, diagram: ir.Diagram, prof: Profile, bound: dict[str, int]):
-        self.d, self.prof, self.bound = diagram, prof, bound
+    def __init__(self, diagram: ir.Diagram, prof: Profile, bound: dict[str, int],
+                 docs: Optional[Documents] = None):
+        self.d, self.prof, self.bound, self.docs = diagram, prof, bound, docs
         self.known = all(w.name in bound for w in diagram.wires)
         self.full = bound if self.known else None
         # packed rows (packing.py): the kernels see the re-viewed sizes and blocks; the
@@ -449,7 +539,7 @@ class _Context:
         self.packs = self.pack is not None and (not self.known or self.pack.packs(self.real[0]))
         if self.packs:
             self.kernels = [self.pack.with_positions(k) if self.pack.row in k.wires else k for k in self.kernels]
-        self.visits = {k.index: [_visited(diagram, k, self.tiles, s, self.pack) for s in self.real]
+        self.visits = {k.index: [_visited(diagram, k, self.tiles, s, self.pack, docs) for s in self.real]
                        for k in self.kernels}
         self.working_set = 0   # the largest one-step L2 working set seen (bytes)
         # chunks of the streamed wire (chunks.py): how many each launch runs, and
@@ -509,7 +599,7 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
     wire are loaded once per chunk; at the hbm boundary it stores its state,
     and the merge kernel (its own index) loads the states, the tiles its
     finalise reads, and stores the outputs."""
-    visits = c.visits[k.index] if hbm else [_visited(c.d, k, tl, s, c.pack) for s in c.real]
+    visits = c.visits[k.index] if hbm else [_visited(c.d, k, tl, s, c.pack, c.docs) for s in c.real]
     counts = c.counts[k.index]
     ch = c.chunks if c.chunked and c.chunks.kernel == k.index else None
     wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from .. import ir, masks, tiling
+from ..documents import column_spans
 from ..errors import Diagnostic, NapkinError
 from . import model
 from .model import TRANSCENDENTAL, clip
@@ -146,7 +147,7 @@ GRAD_DTYPES = ("input", "float32")
 
 
 def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None, *,
-                  given: bool = False, grad_dtype: str = "input") -> BackwardCost:
+                  given: bool = False, grad_dtype: str = "input", docs=None) -> BackwardCost:
     """The backward kernels' transfers and FLOPs at the given sizes (every
     symbolic wire bound), for the launch with no options: the dK/dV kernel
     at its own default tile (backward_hold.dkdv_default_tile), dQ at the
@@ -156,7 +157,9 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     they are.  ``grad_dtype``: what the gradient buffers hold, as the
     module's grad_dtype= takes it: "input" (the autograd op's launch, the
     default) or "float32" (NAME_backward's default).  NapkinError when the
-    code generator has no backward for the diagram, with its reason."""
+    code generator has no backward for the diagram, with its reason.
+    ``docs``: a mask comparing ids visits the blocks the ranges prepass
+    finds on those documents (napkin/documents.py), in every kernel."""
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"grad_dtype must be one of {GRAD_DTYPES}, not {grad_dtype!r}")
     from ..codegen import lower, training
@@ -180,11 +183,12 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     t = training.prepare(lower.lower(d))
     if t.reason is not None:
         raise NapkinError([Diagnostic(t.reason, t.reason_loc)])
-    forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile) if t.saved \
-        else analyse(d, bound, profile)
+    forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile, docs) if t.saved \
+        else analyse(d, bound, profile, docs)
     prof = resolve_profile(d, profile)
     if t.backward is not None:
-        moves, flops, kernels, dram, working_set = _attention(t.backward, bound, given, grad_dtype, prof)
+        on = _on_documents(d, docs, bound)
+        moves, flops, kernels, dram, working_set = _attention(t.backward, bound, given, grad_dtype, prof, on)
     else:
         moves, flops, kernels, dram, working_set = _contraction(d, t, bound, profile, grad_dtype)
     # the forward's roofline (analysis._roofline): the largest of the four times,
@@ -212,9 +216,22 @@ def _single_device(d: ir.Diagram) -> ir.Diagram:
 # Attention: the three kernels of backward.py.
 # --------------------------------------------------------------------------
 
-def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
+def _on_documents(d: ir.Diagram, docs, sizes: dict) -> Optional[tuple]:
+    """(docs, the tokens the ids cover) where the kernels' blocks are the
+    ranges prepass's on ``docs`` (analysis.kernel_ids), else None."""
+    from ..documents import covered
+    from .analysis import kernel_ids
+
+    ids = kernel_ids(d) if docs is not None else None
+    return None if ids is None else (docs, covered(docs, d, ids, sizes))
+
+
+def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=None) -> tuple:
     """(moves, (contraction, other, exp FLOPs), kernels, DRAM bytes per kernel,
-    the largest one-step L2 working set)."""
+    the largest one-step L2 working set).  ``on_documents``: (docs, tokens)
+    where the blocks are the ranges prepass's on them (_on_documents)."""
+    from ..documents import row_spans
+
     from ..codegen.backward_hold import DEFAULT_TILE
 
     d, f = b.diagram, b.forward
@@ -227,8 +244,15 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
     batch_all = math.prod(sizes[w] for w in b.batch)
 
     @functools.lru_cache(maxsize=None)
+    def doc_spans(br: int, bc: int) -> tuple:
+        """Per row block, the key blocks the ranges prepass finds live on the documents."""
+        return row_spans(on_documents[0], tuple(f.bounds), nr, nc, br, bc, sizes, on_documents[1])
+
+    @functools.lru_cache(maxsize=None)
     def visited(br: int, bc: int) -> list:
         """The (row block, key block) pairs a kernel at these blocks visits: the forward's."""
+        if on_documents is not None:
+            return [(i, j) for i, (lo, hi) in enumerate(doc_spans(br, bc)) for j in range(lo, hi)]
         return masks.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
 
     for k in b.kernels:
@@ -251,7 +275,8 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
             return math.prod(sizes[w] for w in wires if w not in {row, col} | set(b.batch))
 
         reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof,
-                                         _spans(b, k, br, bc, sizes, len(pairs) == nblocks[row] * nblocks[col]))
+                                         _spans(b, k, br, bc, sizes, len(pairs) == nblocks[row] * nblocks[col],
+                                                doc_spans if on_documents is not None else None))
         working_set = max(working_set, ws_bytes)
         first = len(moves)
         dram = 0
@@ -310,16 +335,22 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof) -> tuple:
     return moves, (cf, of, ef), kernels, drams, working_set
 
 
-def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool) -> Optional[model.Visited]:
+def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, doc_spans=None) -> Optional[model.Visited]:
     """The steps each program of a masked backward kernel reads (the forward's
     masked-loop rule, model.Visited), by the formulas its loops run: dQ's row
     block over the key blocks the forward's loop visits (model.visited_spans),
     dK/dV's key block over the row blocks that visit it (masks.row_block_range).
     A kernel that visits every pair (``dense``), or has no step loop (rows),
-    gets None: every program reads the whole stream."""
+    gets None: every program reads the whole stream.  ``doc_spans(br, bc)``:
+    the ranges prepass's spans on --docs' documents instead of the formulas'."""
     if k.role == "rows" or dense:
         return None
     nr, nc, bounds = sizes[b.row], sizes[b.col], b.forward.bounds
+    if doc_spans is not None:   # the prepass's (by column: the same live pairs seen from the keys)
+        spans = doc_spans(br, bc)
+        if k.grid_wire == b.col:
+            spans = column_spans(spans, -(-nc // bc))
+        return model.Visited(k.grid_wire, spans)
     if k.grid_wire == b.col:
         spans = tuple(masks.row_block_range(bounds, j, nr, nc, br, bc, sizes) for j in range(-(-nc // bc)))
     else:

@@ -39,6 +39,7 @@ from typing import Optional
 
 from .. import ir, tiling
 from ..distributed.reach import ring_arms, same_ids
+from ..documents import Documents, covered, ring_meets
 from ..errors import NapkinError
 from . import collectives as C
 from .model import Kernel, contraction_factors, node_wires
@@ -96,6 +97,8 @@ class DeviceComm:
     # inputs whose ids the mask compares at query and key (doc[b, q] == doc): on a flat ring over
     # contiguous shards their values may cut it shorter still, at each call; priced at the steps above
     ring_ids: tuple[str, ...] = ()
+    # the documents (--docs, in words) the steps above were counted on, where they were
+    ring_documents: str = ""
 
 
 def mesh_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
@@ -113,8 +116,10 @@ def mesh_tiles(diagram: ir.Diagram) -> tuple[ir.Tile, ...]:
 
 
 def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[dict[str, int]],
-                  profile, wire_sym) -> Optional[DeviceComm]:
-    """Per-device communication, or None without a mesh level."""
+                  profile, wire_sym, docs: Optional[Documents] = None) -> Optional[DeviceComm]:
+    """Per-device communication, or None without a mesh level.  ``docs``: a
+    ring whose mask compares ids runs the steps they leave on those
+    documents (napkin/documents.py)."""
     if not mesh_tiles(diagram):
         return None
     from ..distributed.reading import roles
@@ -126,7 +131,7 @@ def communication(diagram: ir.Diagram, kernels: list[Kernel], sizes: Optional[di
             # means to run one, so their refusal (which says why) stands
             raise
         return _generic(diagram, kernels, sizes, profile, wire_sym)
-    return _scheme(diagram, r, sizes, profile)
+    return _scheme(diagram, r, sizes, profile, docs)
 
 
 # --------------------------------------------------------------------------
@@ -247,20 +252,28 @@ def _link_name(placement: C.Placement) -> tuple[str, str]:
     return f"NVLink within nodes of {g}, InfiniBand across", "infiniband_bandwidth"
 
 
-def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) -> DeviceComm:
+def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile,
+            docs: Optional[Documents] = None) -> DeviceComm:
     placement = placement_of(r)
     scheme = placement.scheme
     sym = moved(diagram, r, None)
     num = moved(diagram, r, sizes) if sizes is not None else None
-    reach = None
-    if scheme in C.RINGS and r.layout is not None:
-        # the ring's own layout; a flat ring over contiguous shards runs the steps its mask
-        # reaches, which only numbers tell (symbolic sizes: every step)
-        sym = dataclasses.replace(sym, layout=r.layout)
+    reach, meets, counted_on = None, None, ""
+    same = same_ids(r) if docs is not None and scheme == "ring" else ()
+    if same and num is not None:   # the first conjunct's ids on the documents (any other: meeting)
+        length = covered(docs, diagram, same[0], sizes)
+        meets = ring_meets(docs, r.layout or "zigzag", placement.parts, num.q_len, num.x_len, length)
+        counted_on = docs.describe(length)
+    # RingAttention's layout: the mesh's, else zigzag, which runs every step but on documents
+    layout = r.layout or ("zigzag" if meets is not None else None)
+    if scheme in C.RINGS and layout is not None:
+        # the ring's own layout; a flat ring runs the steps its mask reaches, which only
+        # numbers tell (symbolic sizes: every step)
+        sym = dataclasses.replace(sym, layout=layout)
         if num is not None:
-            num = dataclasses.replace(num, layout=r.layout)
+            num = dataclasses.replace(num, layout=layout)
             if scheme == "ring":
-                back, ahead = ring_arms(r, r.layout, placement.parts, num.q_len, num.x_len)
+                back, ahead = ring_arms(r, layout, placement.parts, num.q_len, num.x_len, meets)
                 num, sym = (dataclasses.replace(m, reach=back, ahead=ahead) for m in (num, sym))
                 reach = back + ahead
     links = C.Links.of(profile)
@@ -286,10 +299,11 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile) ->
     link, key = _link_name(placement)
     steps = sum(t.steps for t in sym_terms)
     ids = tuple(dict.fromkeys(s.name for s in same_ids(r))) \
-        if scheme == "ring" and r.layout == "contiguous" and placement.parts > 1 else ()
+        if scheme == "ring" and r.layout == "contiguous" and placement.parts > 1 and meets is None else ()
     common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node, layout=r.layout,
                   ring_steps=reach if reach is not None and reach < placement.parts else None,
-                  ring_ahead=num.ahead if num is not None else 0, ring_ids=ids)
+                  ring_ahead=num.ahead if num is not None else 0, ring_ids=ids,
+                  ring_documents=counted_on if meets is not None and scheme == "ring" else "")
     if num is None:
         return DeviceComm(placement.parts, tiles, tuple(rows), steps, None, None, link, profile[key], None,
                           **common)

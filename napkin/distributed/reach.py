@@ -25,8 +25,9 @@ any batch index.  The caller (ring.py, which holds the ids whole on every
 rank) passes that test as ``meets``: a ring over contiguous shards then
 reaches as far back as a document straddles them, exactly where each
 document's tokens are contiguous (otherwise it may keep a step too many,
-never one too few).  ``napkin cost`` and ``napkin plan`` see no data, and
-price such rings at every step.
+never one too few).  ``napkin cost`` and ``napkin plan`` see no data and
+price such rings at every step, or, given document lengths (``--docs``),
+with napkin/documents.py's ``ring_meets`` on them.
 
 Every rank computes the same number from what the handshake has checked they
 agree on (diagram, lengths, layout), so all ranks run the same schedule.  No
@@ -37,10 +38,10 @@ hold them to its positions).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .. import ir, masks
+from ..documents import SameIds, id_conjuncts
 from .reading import Roles, _inline
 
 # meets(a, b): whether rank a's queries and rank b's keys may share an id (same_ids)
@@ -74,37 +75,10 @@ def mask_bounds(r: Roles) -> tuple[masks.Bound, ...]:
     return () if pred is None else masks.stream_bounds(pred, r.query, r.key, _fixed(r.diagram))
 
 
-@dataclass(frozen=True)
-class SameIds:
-    """A conjunct ``A[.., q, ..] == A[.., x, ..]`` of the kept predicate: a
-    side input read at the query and at the key, the same elsewhere."""
-    name: str        # the side input (passed whole to every rank)
-    axis: int        # its dimension the query and the key index
-    batch: tuple     # the wires of its other dimensions, in order
-
-
 def same_ids(r: Roles) -> tuple[SameIds, ...]:
-    """The kept predicate's conjuncts that compare ids at the query and at
-    the key.  Only a side input whose every stored dimension is one wire
-    (an id per token, not a merged ``(h q)``), read with the query and the
-    key at the same dimension and the same wires elsewhere."""
-    pred = _kept(r)
-    out = []
-    for c in masks.conjuncts(pred) if pred is not None else ():
-        if not (isinstance(c, ir.Binary) and c.op == "==" and isinstance(c.lhs, ir.TensorRef)
-                and isinstance(c.rhs, ir.TensorRef) and c.lhs.name == c.rhs.name and c.lhs.name in r.side):
-            continue
-        decl = r.diagram.tensor(c.lhs.name)
-        if any(len(axis) != 1 for axis in decl.axes):
-            continue
-        declared = ir.axis_wires(decl.axes)
-        a, b = (n.wires if n.wires is not None else declared for n in (c.lhs, c.rhs))
-        differ = [k for k in range(len(a)) if a[k] != b[k]]
-        if len(differ) == 1 and {a[differ[0]], b[differ[0]]} == {r.query, r.key} \
-                and not {r.query, r.key} & {a[k] for k in range(len(a)) if k != differ[0]}:
-            k = differ[0]
-            out.append(SameIds(c.lhs.name, k, a[:k] + a[k + 1:]))
-    return tuple(out)
+    """The kept predicate's conjuncts that compare ids of a side input at
+    the query and at the key (documents.id_conjuncts)."""
+    return id_conjuncts(r.diagram, _kept(r), r.query, r.key, r.side)
 
 
 def span(kind: str, parts: int, length: int, part: int) -> Optional[tuple[int, int]]:

@@ -1,0 +1,290 @@
+"""Document masks priced on document lengths: ``--docs`` of napkin cost and napkin plan.
+
+A mask that compares ids at the query and at the key, ``doc[b, q] == doc``
+of packed sequences, has no formula for the blocks it keeps: the kernels
+find them at run time with the ranges prepass (codegen/ranges.py), and Ring
+Attention reads the ids at each call to cut its steps (distributed/ring.py).
+Without the data the cost pass can only count every block and every step.
+Given the documents' lengths (the same in every batch row, each document's
+tokens contiguous, as packing lays them out) it counts what the kernels and
+the ring will do on such ids:
+
+* ``id_conjuncts``: the conjuncts ``A[.., q, ..] == A[.., x, ..]`` of a
+  mask's predicate (one input read at the query and at the key, the same
+  elsewhere); distributed/reach.py's ``same_ids`` is this one over a ring's
+  roles.
+* ``row_spans``: per row block, the [first, stop) key blocks the prepass
+  finds live (first to last block holding a kept pair), the mask's affine
+  conjuncts (``x <= q``, a window) included, which the kernels' loop then
+  visits; ``column_spans`` the same seen from the key blocks (dK/dV).
+* ``ring_meets``: whether two ranks' token shards share a document, the
+  test RingAttention makes from the ids (ring.id_meets), for
+  reach.ring_schedule; ``kept_pairs``, the pairs the mask keeps (napkin
+  plan's compute).
+
+The spans are exact where every row keeps some key (causal, windows and
+bidirectional documents keep their diagonal): a row block's live keys are
+then one run from its first row's first kept key to its last row's last,
+and each document's part of the block is bounded as a block of rows is
+(masks.stream_range).  tests/test_documents.py holds them to the prepass's
+own numbers and to the bytes the kernels move.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from . import ir, masks
+from .errors import NapkinError
+
+
+@dataclass(frozen=True)
+class SameIds:
+    """A conjunct ``A[.., q, ..] == A[.., x, ..]`` of a mask's predicate:
+    an input read at the query and at the key, the same elsewhere."""
+    name: str        # the input holding the ids
+    axis: int        # its dimension the query and the key index
+    batch: tuple     # the wires of its other dimensions, in order
+
+
+def id_conjuncts(diagram: ir.Diagram, pred: Optional[ir.Expr], query: str, key: str,
+                 names: Sequence[str]) -> tuple[SameIds, ...]:
+    """The conjuncts of ``pred`` comparing ids of an input in ``names`` at
+    the query and at the key.  Only an input whose every stored dimension is
+    one wire (an id per token, not a merged ``(h q)``), read with the query
+    and the key at the same dimension and the same wires elsewhere."""
+    out = []
+    for c in masks.conjuncts(pred) if pred is not None else ():
+        if not (isinstance(c, ir.Binary) and c.op == "==" and isinstance(c.lhs, ir.TensorRef)
+                and isinstance(c.rhs, ir.TensorRef) and c.lhs.name == c.rhs.name and c.lhs.name in names):
+            continue
+        decl = diagram.tensor(c.lhs.name)
+        if any(len(axis) != 1 for axis in decl.axes):
+            continue
+        declared = ir.axis_wires(decl.axes)
+        a, b = (n.wires if n.wires is not None else declared for n in (c.lhs, c.rhs))
+        differ = [k for k in range(len(a)) if a[k] != b[k]]
+        if len(differ) == 1 and {a[differ[0]], b[differ[0]]} == {query, key} \
+                and not {query, key} & {a[k] for k in range(len(a)) if k != differ[0]}:
+            k = differ[0]
+            out.append(SameIds(c.lhs.name, k, a[:k] + a[k + 1:]))
+    return tuple(out)
+
+
+def id_wire(diagram: ir.Diagram, same: SameIds) -> str:
+    """The wire the ids input is declared along at the compared dimension:
+    the tokens the documents cover."""
+    return ir.axis_wires(diagram.tensor(same.name).axes)[same.axis]
+
+
+def covered(docs: "Documents", diagram: ir.Diagram, same: SameIds, sizes) -> int:
+    """The tokens the ids cover (|wire| of id_wire), the documents' lengths
+    checked against it: a NapkinError naming the wire where they differ."""
+    wire = id_wire(diagram, same)
+    docs.starts(sizes[wire], wire=wire)
+    return sizes[wire]
+
+
+# --------------------------------------------------------------------------
+# The lengths.
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents, the same in every batch row: ``lengths`` in order,
+    or documents of ``every`` tokens each, the last cut where the tokens end."""
+    lengths: tuple[int, ...] = ()
+    every: Optional[int] = None
+
+    @staticmethod
+    def parse(text: str, flag: str = "--docs") -> "Documents":
+        """``512`` (documents of 512 tokens) or ``1000,3000,4192`` (their
+        lengths in order, adding up to the tokens)."""
+        items = [t.strip() for t in text.split(",")]
+        for t in items:
+            if not t.isdigit() or int(t) <= 0:
+                raise NapkinError(f"{flag}: {t!r} is not a positive whole number of tokens "
+                                  f"(give a length, 512, or the lengths in order, 1000,3000,4192)")
+        values = tuple(int(t) for t in items)
+        return Documents(every=values[0]) if len(values) == 1 else Documents(lengths=values)
+
+    def starts(self, n: int, flag: str = "--docs", wire: str = "") -> list[int]:
+        """Each document's first position, then ``n``: document k holds
+        [starts[k], starts[k + 1])."""
+        if self.every is not None:
+            return list(range(0, n, self.every)) + [n]
+        total = sum(self.lengths)
+        if total != n:
+            where = f"|{wire}| = {n}" if wire else f"{n}"
+            raise NapkinError(f"{flag}: the lengths add up to {total:,} tokens, but the ids cover {where}")
+        out = [0]
+        for length in self.lengths:
+            out.append(out[-1] + length)
+        return out
+
+    def describe(self, n: int) -> str:
+        """In words, for notes: '16 documents of 512 tokens'."""
+        if self.every is not None:
+            count, last = -(-n // self.every), n % self.every
+            if count == 1:
+                return f"1 document of {n} tokens"
+            cut = f", the last of {last}" if last else ""
+            return f"{count} documents of {self.every} tokens{cut}"
+        shown = ", ".join(str(x) for x in self.lengths[:6]) + (", ..." if len(self.lengths) > 6 else "")
+        return f"{len(self.lengths)} documents of {shown} tokens"
+
+
+def add_docs_option(parser) -> None:
+    """--docs, napkin cost's and napkin plan's (Documents.parse reads it)."""
+    parser.add_argument(
+        "--docs", default=None, metavar="LENGTHS",
+        help="a mask comparing ids (doc[b, q] == doc) read on packed documents of these lengths, the same in "
+             "every batch row: N (each N tokens, the last cut short) or N1,N2,... (in order, adding up to the "
+             "tokens); counts the blocks the kernels and the steps the ring keep")
+
+
+# --------------------------------------------------------------------------
+# The blocks the ranges prepass keeps.
+# --------------------------------------------------------------------------
+
+def _key_range(starts: list[int], bounds, first: int, stop: int, cols: int, sizes) -> Optional[tuple[int, int]]:
+    """[lo, hi) of the keys some row of positions [first, stop) keeps: per
+    document the rows hold, the keys of that document within the affine
+    bounds of those rows."""
+    lo, hi = cols, 0
+    k = bisect.bisect_right(starts, first) - 1
+    while k < len(starts) - 1 and starts[k] < stop:
+        a, b = max(first, starts[k]), min(stop, starts[k + 1])
+        start, end = masks.stream_range(bounds, a, b, cols, sizes)
+        start, end = max(start, starts[k]), min(end, starts[k + 1], cols)
+        if start < end:
+            lo, hi = min(lo, start), max(hi, end)
+        k += 1
+    return (lo, hi) if lo < hi else None
+
+
+def _rows_of_block(i: int, block: int, rows: int, cycle: Optional[int]) -> list[tuple[int, int]]:
+    """The row positions of row block ``i`` as runs [first, stop): the rows'
+    own, or with packed rows (``cycle`` = |q|, rows (g, q) at position q)
+    the one or two runs of q its (g, q) pairs cover."""
+    r0, r1 = i * block, min((i + 1) * block, rows)
+    if cycle is None:
+        return [(r0, r1)]
+    if r1 - r0 >= cycle:
+        return [(0, cycle)]
+    a, b = r0 % cycle, (r1 - 1) % cycle + 1
+    return [(a, b)] if r0 // cycle == (r1 - 1) // cycle else [(a, cycle), (0, b)]
+
+
+def row_spans(docs: Documents, bounds, row_size: int, col_size: int, block_row: int, block_col: int,
+              sizes, ids_length: int, cycle: Optional[int] = None) -> tuple[tuple[int, int], ...]:
+    """Per row block, the [first, stop) key blocks from its first to its last
+    live one ((0, 0) for none): what the ranges prepass writes and the
+    kernels' loop visits.  ``bounds``: the mask's affine conjuncts
+    (masks.Bound); ``ids_length``: the tokens the ids cover; ``cycle``:
+    packed rows, |q| rows a head (``row_size`` = |g||q|)."""
+    from .cost.model import MAX_ROW_BLOCKS, too_many
+
+    too_many(-(-row_size // block_row), MAX_ROW_BLOCKS, "a masked loop's row blocks")
+    starts = docs.starts(ids_length)
+    out = []
+    for i in range(-(-row_size // block_row)):
+        found = [r for a, b in _rows_of_block(i, block_row, row_size, cycle)
+                 if (r := _key_range(starts, bounds, a, b, col_size, sizes)) is not None]
+        if not found:
+            out.append((0, 0))
+            continue
+        lo, hi = min(r[0] for r in found), max(r[1] for r in found)
+        out.append((lo // block_col, -(-hi // block_col)))
+    return tuple(out)
+
+
+def column_spans(spans: Sequence[tuple[int, int]], col_blocks: int) -> tuple[tuple[int, int], ...]:
+    """Per key block, the [first, stop) row blocks whose span holds it (the
+    dK/dV kernels' loop, the prepass run by column): the first and the last
+    row block covering each key block, each found once by skipping the key
+    blocks already claimed (a pointer per block, path-halved)."""
+    def firsts(order) -> list[Optional[int]]:
+        got: list[Optional[int]] = [None] * col_blocks
+        nxt = list(range(col_blocks + 1))
+
+        def find(j: int) -> int:
+            while nxt[j] != j:
+                nxt[j] = nxt[nxt[j]]
+                j = nxt[j]
+            return j
+        for i in order:
+            a, b = spans[i]
+            j = find(min(a, col_blocks))
+            while j < min(b, col_blocks):
+                got[j] = i
+                nxt[j] = j + 1
+                j = find(j + 1)
+        return got
+    lo = firsts(range(len(spans)))
+    hi = firsts(range(len(spans) - 1, -1, -1))
+    return tuple((a, b + 1) if a is not None else (0, 0) for a, b in zip(lo, hi))
+
+
+def kept_pairs(docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_length: int) -> int:
+    """The query-key pairs the mask keeps on these documents: per query, the
+    keys of its document within its affine bounds (napkin plan's density,
+    whose compute the pairs price)."""
+    from .cost.model import MAX_ROW_BLOCKS, too_many
+
+    starts = docs.starts(ids_length)
+    if not bounds:   # each document's tokens see each other: the squares, clipped to the keys
+        return sum((min(b, q_len) - a) * (min(b, x_len) - a)
+                   for a, b in zip(starts, starts[1:]) if a < min(q_len, x_len))
+    too_many(q_len, MAX_ROW_BLOCKS, "the rows of a document mask with bounds")
+    total, k = 0, 0
+    for q in range(q_len):
+        while starts[k + 1] <= q:
+            k += 1
+        start, stop = masks.stream_range(bounds, q, q + 1, x_len, sizes)
+        total += max(0, min(stop, starts[k + 1], x_len) - max(start, starts[k]))
+    return total
+
+
+# --------------------------------------------------------------------------
+# The ring: which ranks' shards share a document.
+# --------------------------------------------------------------------------
+
+def _part_runs(kind: str, parts: int, length: int, part: int) -> list[tuple[int, int]]:
+    """The positions a part holds, as runs [first, stop), in layouts.py's
+    arithmetic (contiguous shards, or zigzag's two chunks of 2P); not cyclic."""
+    if kind == "contiguous":
+        rows = -(-length // parts)
+        runs = [(part * rows, (part + 1) * rows)]
+    else:
+        c = -(-length // (2 * parts))
+        runs = [(part * c, (part + 1) * c), ((2 * parts - 1 - part) * c, (2 * parts - part) * c)]
+    return [(a, min(b, length)) for a, b in runs if a < length]
+
+
+def _documents_of_parts(starts: list[int], kind: str, parts: int, length: int) -> list[set[int]]:
+    """The documents each part's tokens (positions below ``length``) meet."""
+    out: list[set[int]] = [set() for _ in range(parts)]
+    if kind == "cyclic":   # part p holds p, p + P, ...: a document of P tokens or more meets every part
+        for k in range(len(starts) - 1):
+            a, b = starts[k], min(starts[k + 1], length)
+            for pos in range(a, min(b, a + parts)):
+                out[pos % parts].add(k)
+        return out
+    for p in range(parts):
+        for a, b in _part_runs(kind, parts, length, p):
+            first = bisect.bisect_right(starts, a) - 1
+            last = bisect.bisect_right(starts, b - 1) - 1
+            out[p].update(range(first, last + 1))
+    return out
+
+
+def ring_meets(docs: Documents, kind: str, parts: int, q_len: int, x_len: int, ids_length: int
+               ) -> Callable[[int, int], bool]:
+    """reach.Meets on these documents: whether rank a's queries and rank b's
+    keys share a document, in the ``kind`` token layout."""
+    starts = docs.starts(ids_length)
+    queries = _documents_of_parts(starts, kind, parts, q_len)
+    keys = _documents_of_parts(starts, kind, parts, x_len)
+    return lambda a, b: not queries[a].isdisjoint(keys[b])

@@ -1,0 +1,343 @@
+"""--docs: document masks priced on document lengths (napkin/documents.py).
+
+A mask comparing ids at the query and the key has its blocks found at run
+time (the ranges prepass) and its ring cut at run time (RingAttention reading
+the ids).  Given the documents' lengths, napkin cost and napkin plan count
+what those do.  Checked here against what runs, not against a second copy
+of the arithmetic:
+
+* the spans per row block (and per key block, dK/dV's) against the ranges
+  prepass kernel's own output on ids built from the lengths, ragged sizes,
+  several masks (documents alone, causal, a window, both ways) and blocks;
+* the bytes the cost pass predicts on the documents against the bytes the
+  kernels move (napkin.bytecount), forward, backward and a packed launch;
+* a ring's meets against ring.id_meets on the same ids in every layout, and
+  the steps napkin cost and napkin plan price against RingAttention.arms;
+* the kept pairs napkin plan's compute uses against a brute force;
+* the option's refusals, with their exact words.
+"""
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import napkin
+from napkin import documents as D
+from napkin.bytecount import ByteCounter
+from napkin.cost import analyse, with_blocks
+from napkin.cost.analysis import _plan
+from napkin.cost.backward import backward_cost
+from napkin.errors import NapkinError
+from test_backward import compile_text
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = (REPO / "examples" / "document_mask.ncd").read_text()
+SCORE = "where(doc[b, q] == doc,"
+MASKS = {
+    "documents": DOC,
+    "causal": DOC.replace(SCORE, "where(x <= q and doc[b, q] == doc,"),
+    "window": DOC.replace(SCORE, "where(x <= q and q - x < 24 and doc[b, q] == doc,"),
+    "both_ways": DOC.replace(SCORE, "where(q - x < 20 and x - q < 20 and doc[b, q] == doc,"),
+}
+# a packed launch: 4 query heads of a key/value head beside 4 queries in one 16-row block
+PACKED = """diagram packed_documents
+wire b, hk, g, q, x
+wire d = 32
+in Q[b, (hk g), q, d] : fp16
+in K[b, hk, x, d] : fp16
+in V[b, hk, x, d] : fp16
+in doc[b, x] : int32
+S[b, hk, g, q, x] = where(x <= q and doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)
+P[b, hk, g, q, x] = softmax[x](S)
+O[b, (hk g), q, d] : fp16 = sum[x](P * V)
+out O
+schedule on h100 {
+  accumulate fp32
+  level hbm { hold Q, K, V, doc, O }
+  level smem {
+    group b by 1, hk by 1, g by 4, q by 4
+    stream x by 16
+    hold S, P
+  }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("documents")
+
+
+def _ids(docs: D.Documents, n: int, rows: int = 1) -> torch.Tensor:
+    """[rows, n] int32 ids, the same documents in every row."""
+    starts = docs.starts(n)
+    ids = torch.zeros(n, dtype=torch.int32)
+    for k, (a, b) in enumerate(zip(starts, starts[1:])):
+        ids[a:b] = k
+    return ids.repeat(rows, 1)
+
+
+def _random_docs(n: int, seed: int) -> D.Documents:
+    """Fresh random lengths adding up to n: a few long, some of a token or two."""
+    rnd = random.Random(seed)
+    out, left = [], n
+    while left:
+        take = min(left, rnd.choice([1, 2, rnd.randint(3, 40), rnd.randint(1, n)]))
+        out.append(take)
+        left -= take
+    return D.Documents(lengths=tuple(out)) if len(out) > 1 else D.Documents(every=n)
+
+
+DOCS = [D.Documents(every=32), D.Documents(every=9), D.Documents(lengths=(50, 1, 30, 2)),
+        _random_docs(83, 1), _random_docs(83, 2)]
+
+
+# --------------------------------------------------------------------------
+# The spans against the prepass.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_spans_are_the_prepass_ranges(folder, mask):
+    """row_spans = the prepass's [lo, hi) per row block; column_spans = its
+    [lo, hi) per key block when run by column (dK/dV's), on ragged sizes."""
+    m = compile_text(MASKS[mask], f"documents_{mask}", folder)
+    plan = _plan(napkin.load_text(MASKS[mask], "m.ncd"))
+    n = 83
+    for docs in DOCS:
+        if docs.lengths and sum(docs.lengths) != n:
+            docs = D.Documents(lengths=docs.lengths + (n - sum(docs.lengths),))
+        doc = _ids(docs, n, rows=2)
+        sz = {"b": 2, "h": 1, "q": n, "x": n, "d": 64}
+        for br, bc in [(16, 16), (16, 32), (32, 8)]:
+            spans = D.row_spans(docs, tuple(plan.bounds), n, n, br, bc, sz, n)
+            got, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, False, False, True)
+            assert [tuple(r[:2]) for r in got[1].tolist()] == list(spans), (mask, docs, br, bc)
+            cols, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, True, True, True)
+            assert [tuple(r[:2]) for r in cols[0].tolist()] == list(D.column_spans(spans, -(-n // bc))), \
+                (mask, docs, br, bc)
+
+
+def test_column_spans_of_spans_with_gaps():
+    """column_spans takes the first and last row block holding each key block,
+    whatever order the spans come in; a key block no row block holds is (0, 0)."""
+    spans = ((2, 4), (0, 1), (0, 0), (3, 6), (1, 2))
+    want = []
+    for j in range(7):
+        rows = [i for i, (a, b) in enumerate(spans) if a <= j < b]
+        want.append((rows[0], rows[-1] + 1) if rows else (0, 0))
+    assert D.column_spans(spans, 7) == tuple(want)
+
+
+# --------------------------------------------------------------------------
+# The bytes against what the kernels move.
+# --------------------------------------------------------------------------
+
+def _without_ids(counts: dict) -> dict:
+    """The ids' bytes apart (a step whose blocks are all kept loads none; the
+    prepass loads them too) and the prepass's own buffers."""
+    return {k: v for k, v in counts.items() if k not in ("doc", "_ranges", "_parts")}
+
+
+def _predicted(transfers) -> tuple[dict, dict]:
+    loads, stores = defaultdict(int), defaultdict(int)
+    for t in transfers:
+        (loads if t.direction == "load" else stores)[t.tensor] += t.bytes
+    return _without_ids(loads), _without_ids(stores)
+
+
+@pytest.mark.parametrize("mask", ["documents", "causal", "both_ways"])
+def test_predicted_bytes_are_the_bytes_moved(folder, mask):
+    """The forward at given blocks, and the backward's three kernels (the
+    training forward too), on documents that are not the blocks' multiples."""
+    text = MASKS[mask]
+    m = compile_text(text, f"documents_{mask}", folder)
+    d = napkin.load_text(text, "m.ncd")
+    n, docs = 90, D.Documents(lengths=(37, 5, 48))
+    sizes = {"b": 1, "h": 2, "q": n, "x": n}
+    q, k, v, _ = m.example_inputs(sizes, dtype=torch.float16, seed=3)
+    inputs = (q, k, v, _ids(docs, n))
+    blocks = {"q": 32, "x": 16}
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        m.document_mask(*inputs, block_q=32, block_x=16)
+    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == \
+        _predicted(analyse(with_blocks(d, blocks), sizes, docs=docs).transfers)
+    # every block would load K 3 x 6 times a head: these documents leave fewer
+    dense = _predicted(analyse(with_blocks(d, blocks), sizes).transfers)[0]["K"]
+    assert bc.loads["K"] < dense
+
+    back = backward_cost(with_blocks(d, blocks), sizes, given=True, docs=docs)
+    options = tuple({"block_q": 32, "block_x": 16}.get(o) for o in m._OPTIONS)
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        outs, saved = m._document_mask_forward(*inputs, *options, True)
+    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == _predicted(back.forward.transfers)
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        m._document_mask_grads(inputs, (*outs, *saved), grads, options, None)
+    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == \
+        (_without_ids(back.by_tensor("load")), _without_ids(back.by_tensor("store")))
+
+
+def test_packed_rows_on_documents(folder):
+    """A packed launch (4 heads x 4 queries a block): each block of (g, q)
+    rows is live where some row's document meets the key block."""
+    m = compile_text(PACKED, "documents_packed", folder)
+    d = napkin.load_text(PACKED, "p.ncd")
+    n, docs = 45, D.Documents(lengths=(7, 20, 1, 17))
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": n, "x": n}
+    q, k, v, _ = m.example_inputs(sizes, dtype=torch.float16, seed=4)
+    inputs = (q, k, v, _ids(docs, n))
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        m.packed_documents(*inputs)
+    report = analyse(d, sizes, docs=docs)
+    loads, stores = _predicted(report.transfers)
+    # the prepass reads the packed rows' positions (int64, one per (g, q)) once too: not counted
+    loads["_pos_q"] += 4 * n * 8
+    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == (loads, stores)
+    assert _predicted(report.transfers)[0]["K"] < _predicted(analyse(d, sizes).transfers)[0]["K"]
+
+
+# --------------------------------------------------------------------------
+# The ring.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag", "cyclic"])
+def test_ring_meets_are_id_meets(kind):
+    """ring_meets on lengths = ring.id_meets on the ids they make, every pair
+    of ranks, ragged lengths, rings of 2 to 8."""
+    from napkin.distributed.layouts import TokenLayout
+    from napkin.distributed.reach import SameIds
+    from napkin.distributed.ring import id_meets
+
+    for seed, (parts, n) in enumerate([(2, 37), (3, 100), (4, 64), (8, 203)]):
+        for docs in (_random_docs(n, seed), D.Documents(every=5), D.Documents(every=n)):
+            got = D.ring_meets(docs, kind, parts, n, n, n)
+            want = id_meets((SameIds("doc", 1, ("b",)),), {"doc": _ids(docs, n)},
+                            TokenLayout(kind, parts, n), TokenLayout(kind, parts, n))
+            assert [[got(a, b) for b in range(parts)] for a in range(parts)] == \
+                [[want(a, b) for b in range(parts)] for a in range(parts)], (kind, parts, docs)
+
+
+RING = (REPO / "examples" / "document_ring.ncd").read_text()
+
+
+@pytest.mark.parametrize("score", ["x <= q and doc[b, q] == doc", "doc[b, q] == doc"])
+def test_cost_and_plan_run_the_steps_ring_attention_runs(score):
+    """The steps napkin cost and napkin plan price on documents are the ones
+    RingAttention runs on the same ids (both ways round without causality)."""
+    from napkin.distributed.ring import RingAttention
+    from napkin.plan import plan
+
+    text = RING.replace("x <= q and doc[b, q] == doc", score)
+    text = text.replace("across 4", "across 8")
+    d = napkin.load_text(text, "r.ncd")
+    ring = RingAttention(d)
+    n = 8000
+    sizes = {"b": 1, "h": 2, "q": n, "x": n}
+    seen = set()
+    for docs in (D.Documents(every=1000), D.Documents(every=1500), D.Documents(lengths=(900, 3000, 2100, 2000)),
+                 D.Documents(every=n), _random_docs(n, 7)):
+        back, ahead = ring.arms(8, n, n, side={"doc": _ids(docs, n)})
+        comm = analyse(d, sizes, docs=docs).devices
+        assert ((comm.ring_steps or 8), comm.ring_ahead) == (back + ahead, ahead)
+        cut = [o for o in plan(d, 8, sizes, docs=docs) if o.arms is not None]
+        assert [o.arms for o in cut] == ([(back, ahead)] * 2 if back + ahead < 8 else [])
+        seen.add((back, ahead))
+    # the documents make the ring run different steps (both ways round without causality)
+    assert len(seen) >= 4 and any(a for _, a in seen) == ("x <= q" not in score)
+
+
+# --------------------------------------------------------------------------
+# The pairs napkin plan's compute counts.
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_kept_pairs_are_counted_pairs(mask):
+    from napkin.distributed.reach import mask_bounds
+    from napkin.distributed.reading import roles
+
+    text = MASKS[mask].replace("  level hbm", "  level devices { group q across 2\n    stream x across 2 }\n"
+                                              "  level hbm", 1)
+    r = roles(napkin.load_text(text, "m.ncd"))
+    for n in (1, 77, 130):
+        for docs in (_random_docs(n, n), D.Documents(every=16)):
+            ids = _ids(docs, n)[0]
+            pos = torch.arange(n)
+            keep = ids[:, None] == ids[None, :]
+            keep &= {"documents": torch.ones(n, n, dtype=torch.bool), "causal": pos[None, :] <= pos[:, None],
+                     "window": (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 24),
+                     "both_ways": (pos[:, None] - pos[None, :]).abs() < 20}[mask]
+            sizes = {"b": 1, "h": 1, "q": n, "x": n, "d": 64}
+            assert D.kept_pairs(docs, mask_bounds(r), n, n, sizes, n) == int(keep.sum()), (mask, n, docs)
+
+
+# --------------------------------------------------------------------------
+# The option's words.
+# --------------------------------------------------------------------------
+
+def test_documents_parse_and_describe():
+    assert D.Documents.parse("512") == D.Documents(every=512)
+    assert D.Documents.parse("3, 4,5") == D.Documents(lengths=(3, 4, 5))
+    assert D.Documents(every=512).describe(8192) == "16 documents of 512 tokens"
+    assert D.Documents(every=500).describe(1200) == "3 documents of 500 tokens, the last of 200"
+    assert D.Documents(every=4096).describe(100) == "1 document of 100 tokens"
+    assert D.Documents(lengths=tuple(range(1, 9))).describe(36) == "8 documents of 1, 2, 3, 4, 5, 6, ... tokens"
+    assert D.Documents(every=3).starts(7) == [0, 3, 6, 7]
+    for bad in ("0", "x", "3,,4", "-2", ""):
+        with pytest.raises(NapkinError) as err:
+            D.Documents.parse(bad)
+        item = bad if bad in ("0", "x", "-2") else ""
+        assert str(err.value) == (f"napkin: --docs: {item!r} is not a positive whole number of tokens (give a length, 512, "
+                                  "or the lengths in order, 1000,3000,4192)")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["examples/document_mask.ncd", "-D", "b=1", "-D", "h=2", "-D", "q=300", "-D", "x=300", "--docs", "100,100"],
+     "--docs: the lengths add up to 200 tokens, but the ids cover |x| = 300"),
+    (["examples/document_mask.ncd", "--docs", "64"],
+     "--docs counts blocks at given sizes: give b, h, q, x too (--size WIRE=N)"),
+    (["examples/causal.ncd", "-D", "b=1", "-D", "h=2", "-D", "q=300", "-D", "x=300", "--docs", "64"],
+     "--docs: document lengths change nothing napkin prices for diagram causal: its mask has no conjunct "
+     "comparing ids at the query and the key (doc[b, q] == doc)"),
+    (["examples/document_mask.ncd", "-D", "b=1", "-D", "h=2", "-D", "q=300", "-D", "x=300", "--docs", "64",
+      "--dtypes", "fp32"], "--docs prices the schedule or a tile search; --dtypes prints another report"),
+])
+def test_cost_refuses_documents_it_cannot_use(capsys, args, message):
+    from napkin.cli import main
+
+    import os
+    here = os.getcwd()
+    os.chdir(REPO)
+    try:
+        assert main(["cost", *args]) == 1
+    finally:
+        os.chdir(here)
+    assert capsys.readouterr().err.strip() == f"{args[0]}: {message}"
+
+
+def test_attention2d_prices_no_documents(tmp_path):
+    """ATTENTION2D's devices run their whole blocks: --docs would change nothing, and says why."""
+    text = RING.replace("    group q across 4\n    stream x across 4 contiguous", "    group q across 2, x across 2")
+    d = napkin.load_text(text, "a2d.ncd")
+    with pytest.raises(NapkinError) as err:
+        analyse(d, {"b": 1, "h": 2, "q": 256, "x": 256}, docs=D.Documents(every=64))
+    assert str(err.value) == ("napkin: --docs: document lengths change nothing napkin prices for diagram "
+                              "document_ring: ATTENTION2D's devices compute their whole blocks, whatever the ids")
+
+
+def test_cost_note_and_counts_on_documents():
+    """16 documents of 512 over 8192 tokens: each row block of 128 keeps the
+    8 key blocks of its document, 1024 programs x 8 steps; the note says so."""
+    d = napkin.load(REPO / "examples" / "document_mask.ncd")
+    sizes = {"b": 1, "h": 16, "q": 8192, "x": 8192}
+    report = analyse(d, sizes, docs=D.Documents(every=512))
+    dense = analyse(d, sizes)
+    k = {t.tensor: t.bytes for t in report.transfers if t.direction == "load"}["K"]
+    k_dense = {t.tensor: t.bytes for t in dense.transfers if t.direction == "load"}["K"]
+    assert (k, k_dense) == (16 * 64 * 8 * 64 * 64 * 2, 16 * 64 * 128 * 64 * 64 * 2)
+    assert any(n.startswith("the counts are the blocks the ranges prepass finds live when doc holds --docs' 16 "
+                            "documents of 512 tokens in every batch row") for n in report.notes)
+    assert report.roofline.estimate_s < dense.roofline.estimate_s / 4
