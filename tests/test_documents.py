@@ -341,3 +341,25 @@ def test_cost_note_and_counts_on_documents():
     assert any(n.startswith("the counts are the blocks the ranges prepass finds live when doc holds --docs' 16 "
                             "documents of 512 tokens in every batch row") for n in report.notes)
     assert report.roofline.estimate_s < dense.roofline.estimate_s / 4
+
+
+def test_report_and_render_count_on_documents(tmp_path, capsys):
+    """napkin report and napkin render take --docs as napkin cost does: the
+    report's note and transfers are the documents', the picture's edges too."""
+    from napkin.cli import main
+
+    path = str(REPO / "examples" / "document_mask.ncd")
+    sizes = ["-D", "b=1", "-D", "h=16", "-D", "q=8192", "-D", "x=8192"]
+    assert main(["report", path, *sizes, "--docs", "512", "-o", str(tmp_path / "docs.html")]) == 0
+    assert main(["report", path, *sizes, "-o", str(tmp_path / "dense.html")]) == 0
+    docs, dense = ((tmp_path / f"{n}.html").read_text() for n in ("docs", "dense"))
+    assert "16 documents of 512 tokens" in docs and "documents of" not in dense
+    k_row = '<td>K</td><td>load</td><td>fp16</td><td><code>b*d*h*q*x/g_q</code></td><td class="num">{}</td>'
+    assert k_row.format("33.6M") in docs and k_row.format("537M") in dense
+    assert main(["render", path, *sizes, "--docs", "512", "-o", str(tmp_path / "p.dot")]) == 0
+    assert main(["render", path, *sizes, "-o", str(tmp_path / "q.dot")]) == 0
+    assert (tmp_path / "p.dot").read_text() != (tmp_path / "q.dot").read_text()
+    capsys.readouterr()
+    assert main(["render", path, "--docs", "512", "--no-costs", "-o", str(tmp_path / "r.dot")]) == 1
+    assert capsys.readouterr().err.strip() == \
+        "napkin: --docs prices the byte counts on the edges, which --no-costs leaves off: give one"

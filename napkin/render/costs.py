@@ -133,14 +133,15 @@ def check_profile(profile: Optional[str]) -> None:
     cost.get_profile(profile)
 
 
-def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = None):
+def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = None, docs=None):
     """(report, None) from the cost pass at ``default_sizes``, or (None, why not).
 
     The user's errors propagate (a bad profile name; a refusal that stays
     with every wire the user did not size at 1).  A refusal at sizes napkin chose (a
     wire it has no default for takes OTHER_SIZE: twenty of them make a launch
     grid past what the cost pass walks) and any other failure only cost the
-    picture its byte labels: the reason says which sizes to give.
+    picture its byte labels: the reason says which sizes to give.  ``docs``:
+    a document mask's counts on those documents (cost.analyse's).
     """
     from .. import located
     from ..errors import NapkinError
@@ -151,13 +152,13 @@ def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = No
     chosen = default_sizes(diagram, sizes)
     check_profile(profile)
     try:
-        return cost.analyse(diagram, chosen, profile), None
+        return cost.analyse(diagram, chosen, profile, docs), None
     except NapkinError as err:
         guessed = sorted(set(chosen) - set(sizes or {}))
         if not guessed:   # the user's, shown at its place in the file (it said <input>)
             raise located(err, diagram) from None
         try:   # at 1 for every guessed wire: a refusal that stays is the given sizes'
-            cost.analyse(diagram, {**chosen, **dict.fromkeys(guessed, 1)}, profile)
+            cost.analyse(diagram, {**chosen, **dict.fromkeys(guessed, 1)}, profile, docs)
         except NapkinError:
             raise located(err, diagram) from None
         first = str(err).splitlines()[0].removeprefix("napkin: ")
