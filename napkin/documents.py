@@ -123,6 +123,21 @@ class Documents:
             out.append(out[-1] + length)
         return out
 
+    def cut(self, n: int, flag: str = "--docs") -> list[int]:
+        """starts() of the first ``n`` tokens: the documents up to there, the
+        last cut short (napkin bench's shorter runs and checks)."""
+        if self.every is not None or sum(self.lengths) == n:
+            return self.starts(n, flag)
+        if sum(self.lengths) < n:
+            raise NapkinError(f"{flag}: the lengths add up to {sum(self.lengths):,} tokens, fewer than the {n:,} "
+                              "a run holds")
+        out = [0]
+        for length in self.lengths:
+            if out[-1] + length >= n:
+                break
+            out.append(out[-1] + length)
+        return out + [n]
+
     def describe(self, n: int) -> str:
         """In words, for notes: '16 documents of 512 tokens'."""
         if self.every is not None:

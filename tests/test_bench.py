@@ -2397,3 +2397,30 @@ def test_a_baseline_that_failed_forward_points_its_backward_cell_at_the_same_not
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[-1] == "n/a [1]" and cells[-2] == ""      # sdpa-cudnn (failed fwd); sdpa-flash (fwd only)
     assert md.count("1. sdpa-cudnn on causal:") == 1 and "2. " not in md
+
+
+def test_bench_runs_on_the_documents_it_is_given(tmp_path, capsys):
+    """--docs 20 over 50 tokens: the ids are documents of 20, 20 and 10
+    (the last cut), so the mask keeps (400 + 400 + 100) / 2500 of the pairs,
+    which the row's FLOPs count; the check ran on those ids too (ok). A
+    diagram with no integer input is refused before anything runs; lengths
+    that cover fewer tokens than a run holds are too."""
+    from napkin.cli import main
+    from napkin.documents import Documents
+
+    doc = EXAMPLES / "document_mask.ncd"
+    assert main(["bench", str(doc), "--seqlen", "50", "--no-backward", "--docs", "20", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())["rows"]
+    assert row["visible"] == pytest.approx(900 / 2500) and row["check"]["ok"]
+    ids = reference.example_inputs(napkin.load(doc), {"b": 2, "h": 1, "q": 50, "x": 50}, docs=Documents(every=20))[3]
+    assert ids.tolist() == [[0] * 20 + [1] * 20 + [2] * 10] * 2
+    ids = reference.example_inputs(napkin.load(doc), {"b": 1, "h": 1, "q": 7, "x": 7},
+                                   docs=Documents(lengths=(3, 2, 9)))[3]
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 2]]   # cut at 7 tokens
+    capsys.readouterr()
+    assert main(["bench", str(EXAMPLES / "causal.ncd"), "--seqlen", "50", "--docs", "20",
+                 "--out", str(tmp_path / "c")]) == 1
+    assert f"{EXAMPLES / 'causal.ncd'}: --docs: diagram causal has no integer input to hold document ids" \
+        in capsys.readouterr().err
+    assert main(["bench", str(doc), "--seqlen", "50", "--docs", "20,20", "--out", str(tmp_path / "d")]) == 1
+    assert "--docs: the lengths add up to 40 tokens, fewer than the 50 a run holds" in capsys.readouterr().err

@@ -75,17 +75,18 @@ def relative_error(got, want) -> float:
     return max_abs_error(got, want) / scale_of(want)
 
 
-def check(module, diagram, impls: list, sizes: dict, dtype: str, device: str, backward: bool) -> dict:
+def check(module, diagram, impls: list, sizes: dict, dtype: str, device: str, backward: bool, docs=None) -> dict:
     """The point's check record: the sizes checked at, the tolerance, and per
     implementation its forward errors (``errors``) and, with ``backward``, its
     gradients' relative errors (``backward.errors``); "error" in either says
     why that pass is not timed.  ``ok`` is napkin's forward, and its backward
     when one was checked, being right: a backward napkin refuses to build (a
     diagram it cannot train: NapkinError, NotImplementedError) is reported,
-    not counted wrong; any other exception is a crash, counted."""
+    not counted wrong; any other exception is a crash, counted.  ``docs``:
+    the ids of those documents (reference.example_inputs), cut at the check's lengths."""
     roles = flex.attention_roles(diagram)
     small = check_sizes(diagram, roles, sizes)
-    inputs = reference.example_inputs(diagram, small, device=device, seed=0)
+    inputs = reference.example_inputs(diagram, small, device=device, seed=0, docs=docs)
     wide = [t.double() if t.is_floating_point() else t for t in inputs]
     want = module.reference(*wide)
     want = want if isinstance(want, tuple) else (want,)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Optional
 
 from .. import autotune, ir, tunecache
+from ..documents import Documents
 from ..errors import NapkinError
 from ..files import why_not
 from ..sizes import parse_pairs, positive_int
@@ -115,6 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="with --autotune: the seconds the whole run may take, which the default tuning budget "
                         f"shares out (default: ${TIME_LIMIT_ENV}, else {RUN_S})")
+    p.add_argument("--docs", metavar="LENGTHS", help="integer inputs hold the ids of packed documents of these "
+                   "lengths, the same in every row: N, or N1,N2,... cut at each length (default: about 4 random)")
     p.add_argument("--reps", type=positive_int, help="CPU smoke: timed repetitions (default 2)")
     p.add_argument("--out", default="bench/results", metavar="DIR",
                    help="where the JSON and markdown go (default bench/results)")
@@ -199,7 +202,8 @@ def run(args, prog: str) -> int:
     dtypes = parse_list(args.dtype, "dtype", str) or preset["dtype"]
     head_dims = parse_list(args.head_dim, "head-dim") or preset["head_dim"] or [None]
     grid = {"seqlens": seqlens, "batch": parse_list(args.batch, "batch"), "heads": parse_list(args.heads, "heads"),
-            "group": args.group or preset["group"], "extra": parse_pairs(args.size, "--size"), "preset": preset}
+            "group": args.group or preset["group"], "extra": parse_pairs(args.size, "--size"), "preset": preset,
+            "docs": Documents.parse(args.docs) if args.docs is not None else None}
     reps = args.reps or preset["reps"] or 2
     device = "cuda" if cuda else "cpu"
     if args.autotune and not cuda:   # a run's record says "no tuning" per row; say so once, up front
@@ -455,8 +459,12 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
         flex_module, flex_why = flex.load(base[0]), None
     except flex.NoFlexEquivalent as err:
         flex_module, flex_why = None, err.why
+    if grid["docs"] is not None and not any(t.dtype in ("int32", "int64") for t in diagram.inputs):
+        raise NapkinError(f"--docs: diagram {diagram.name} has no integer input to hold document ids",
+                          filename=str(path))
     ctx = {"path": path, "diagram": base[0], "module": module, "digest": digest, "dtype": dtype,
-           "flex": flex_module, "flex_why": flex_why, "device": device, "reps": reps, "args": args}
+           "flex": flex_module, "flex_why": flex_why, "device": device, "reps": reps, "args": args,
+           "docs": grid["docs"]}
     rows = []
     check_extra_sizes(base[0], grid["extra"], str(path))
     for sizes in point_sizes(base[0], roles, grid):
@@ -540,7 +548,8 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     impls += baselines.sdpa_baselines(ctx["flex"], shape, device)
 
     clock.append(time.monotonic())
-    check = checks.check(module, d, impls, sizes, dtype, device, backward=not ctx["args"].no_backward)
+    check = checks.check(module, d, impls, sizes, dtype, device, backward=not ctx["args"].no_backward,
+                         docs=ctx["docs"])
     if overlap.applies(module, device) and not ctx["args"].no_backward and check["ok"]:
         impls.insert(1, overlap.baseline(module, _napkin_prepare(launcher, cached)))  # its forward is napkin's
     clock.append(time.monotonic())
@@ -548,7 +557,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
     if ctx["flex"] is None:
         out.append(_result("flex", "fwd", False, "FlexAttention", error=f"no FlexAttention equivalent: "
                                                                        f"{ctx['flex_why']}"))
-    full = reference.example_inputs(d, sizes, device=device, seed=0)
+    full = reference.example_inputs(d, sizes, device=device, seed=0, docs=ctx["docs"])
     # The diagram's FLOPs: x0.5 for an exact causal mask (the usual
     # convention), x the pairs any other mask keeps on these inputs (counted
     # with FlexAttention's mask_mod: a window of 256 in 16K keeps 1.6%, and
@@ -681,7 +690,7 @@ def _choose_config(ctx: dict, sizes: dict, launcher, kind: str = "",
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         capacity = getattr(props, "shared_memory_per_block_optin", None)
         configs, _ = autotune.candidates(d, sizes, kind=kind, lead=untuned(d, sizes, kind), capacity=capacity)
-        inputs = reference.example_inputs(d, sizes, device=device, seed=0)
+        inputs = reference.example_inputs(d, sizes, device=device, seed=0, docs=ctx["docs"])
         call = backward_call(d, ctx["module"], inputs, sizes, accepted, kind) if kind else \
             (lambda **options: launcher(*inputs, **{k: v for k, v in options.items() if k in accepted}))
         tuned = autotune.autotune(call, configs, _cuda_ms, cache=cache, key=key, budget_s=ctx.get("tune_budget"),

@@ -39,12 +39,14 @@ def _shape(axes, sizes) -> list[int]:
     return [math.prod(sizes[w] for w in axis) for axis in axes]
 
 
-def example_inputs(diagram: ir.Diagram, sizes: Mapping[str, int], dtype=None, device="cpu", seed=0):
+def example_inputs(diagram: ir.Diagram, sizes: Mapping[str, int], dtype=None, device="cpu", seed=0, docs=None):
     """Inputs in the diagram's order.  Float tensors: standard normal, in the
     declared dtype (or ``dtype`` for the fp16/bf16 ones, the attention
     operands); an integer input is read as document ids, non-decreasing along
-    its last axis so each document is one contiguous run; bool is random.
-    Deterministic in ``seed``."""
+    its last axis so each document is one contiguous run (about 4 of random
+    lengths, or with ``docs``, napkin/documents.py's, the ids of those
+    documents cut at the axis's length, the same in every row); bool is
+    random.  Deterministic in ``seed``."""
     import torch
 
     full = full_sizes(diagram, sizes)
@@ -52,7 +54,11 @@ def example_inputs(diagram: ir.Diagram, sizes: Mapping[str, int], dtype=None, de
     out = []
     for t in diagram.inputs:
         shape = _shape(t.axes, full)
-        if t.dtype in ("int32", "int64"):
+        if t.dtype in ("int32", "int64") and docs is not None:
+            bounds = docs.cut(shape[-1])
+            ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(bounds).diff())
+            value = ids.expand(shape).to(getattr(torch, ir.TORCH_NAMES[t.dtype])).contiguous()
+        elif t.dtype in ("int32", "int64"):
             starts = torch.rand(shape, generator=gen) < 4.0 / max(shape[-1], 1)
             value = torch.cumsum(starts.to(torch.int64), dim=-1).to(getattr(torch, ir.TORCH_NAMES[t.dtype]))
         elif t.dtype == "bool":
