@@ -19,8 +19,9 @@ the ring will do on such ids:
   visits; ``column_spans`` the same seen from the key blocks (dK/dV).
 * ``ring_meets``: whether two ranks' token shards share a document, the
   test RingAttention makes from the ids (ring.id_meets), for
-  reach.ring_schedule; ``kept_pairs``, the pairs the mask keeps (napkin
-  plan's compute).
+  reach.ring_schedule; ``kept_pairs``, the pairs the mask keeps, and
+  ``shard_pairs``, those between two contiguous shards (napkin plan's
+  compute).
 
 The spans are exact where every row keeps some key (causal, windows and
 bidirectional documents keep their diagonal): a row block's live keys are
@@ -242,24 +243,50 @@ def column_spans(spans: Sequence[tuple[int, int]], col_blocks: int) -> tuple[tup
     return tuple((a, b + 1) if a is not None else (0, 0) for a, b in zip(lo, hi))
 
 
+def row_intervals(docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_length: int):
+    """(lo, hi) numpy arrays: query q keeps the keys [lo[q], hi[q]), those of
+    its document within its affine bounds (lo = hi: none).  Each bound is
+    evaluated on every row at once (masks.Bound.value takes arrays)."""
+    import numpy as np
+
+    starts = np.array(docs.starts(ids_length), dtype=np.int64)
+    q = np.arange(q_len, dtype=np.int64)
+    k = np.minimum(np.searchsorted(starts, q, side="right") - 1, len(starts) - 2)
+    lo, hi = starts[k], np.minimum(starts[k + 1], x_len)
+    hi = np.where(q < ids_length, hi, lo)     # a row past the ids: no document, no key
+    for b in bounds:
+        value = b.value(q, sizes)
+        if b.kind == "lower":
+            lo = np.maximum(lo, value)
+        else:
+            hi = np.minimum(hi, value + 1)
+    return lo, np.maximum(hi, lo)
+
+
 def kept_pairs(docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_length: int) -> int:
     """The query-key pairs the mask keeps on these documents: per query, the
-    keys of its document within its affine bounds (napkin plan's density,
-    whose compute the pairs price)."""
-    from .cost.model import MAX_ROW_BLOCKS, too_many
+    keys of its document within its affine bounds (napkin plan's compute)."""
+    lo, hi = row_intervals(docs, bounds, q_len, x_len, sizes, ids_length)
+    return int((hi - lo).sum())
 
-    starts = docs.starts(ids_length)
-    if not bounds:   # each document's tokens see each other: the squares, clipped to the keys
-        return sum((min(b, q_len) - a) * (min(b, x_len) - a)
-                   for a, b in zip(starts, starts[1:]) if a < min(q_len, x_len))
-    too_many(q_len, MAX_ROW_BLOCKS, "the rows of a document mask with bounds")
-    total, k = 0, 0
-    for q in range(q_len):
-        while starts[k + 1] <= q:
-            k += 1
-        start, stop = masks.stream_range(bounds, q, q + 1, x_len, sizes)
-        total += max(0, min(stop, starts[k + 1], x_len) - max(start, starts[k]))
-    return total
+
+def shard_pairs(docs: Documents, bounds, parts: int, q_len: int, x_len: int, sizes, ids_length: int
+                ) -> tuple[tuple[int, ...], ...]:
+    """W[a][b]: the pairs the mask keeps between the queries of contiguous
+    shard a and the keys of shard b (rank a's work at the ring step that
+    brings it rank b's keys): what napkin plan prices a ring over contiguous
+    shards by, whose busiest rank a document's length decides."""
+    import numpy as np
+
+    lo, hi = row_intervals(docs, bounds, q_len, x_len, sizes, ids_length)
+    rows, cols = -(-q_len // parts), -(-x_len // parts)
+    edges = np.minimum(np.arange(parts + 1, dtype=np.int64) * cols, x_len)
+    out = []
+    for a in range(parts):
+        l, h = lo[a * rows:(a + 1) * rows, None], hi[a * rows:(a + 1) * rows, None]
+        below = np.clip(edges[None, :] - l, 0, h - l).sum(0)       # kept keys before each edge
+        out.append(tuple(int(v) for v in np.diff(below)))
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------

@@ -26,7 +26,9 @@ The candidates, for P devices (G per node):
 * with ``--docs LENGTHS``, a mask comparing ids (``doc[b, q] == doc``) is
   priced on packed documents of those lengths (napkin/documents.py): its
   compute is the pairs they keep, and the flat ring over contiguous shards
-  runs the steps RingAttention would read from such ids.
+  runs the steps RingAttention would read from such ids, each step timed at
+  its busiest rank (documents.shard_pairs: a long document's shards work
+  while the others wait).
 
 Each is costed with napkin/cost/collectives.py, the model the
 multi-process tests prove against the byte counter: bytes per device,
@@ -39,8 +41,8 @@ on an H100, background section 4) for every GPU.  Every scheme's layout is
 taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings, and
 contiguous shards for a ring cut short: a window's work is balanced there but
 for the first devices, a causal mask's is not, and such a ring never
-reaches fewer steps); bench/cp_bench.py counts the work of each device
-exactly instead.
+reaches fewer steps; documents are the exception, counted per rank as
+above); bench/cp_bench.py counts the work of each device exactly instead.
 
 ``--emit OUT.ncd`` writes the diagram with the winner's mesh levels (a
 double ring as a nodes level over a devices level), with a nodes level
@@ -67,7 +69,7 @@ from .cost.devices import moved, placement_of, unstated_gpus_per_node
 from .cost.profiles import get_profile, profile_names
 from .distributed.reach import mask_bounds, ring_arms, same_ids
 from .distributed.reading import roles
-from .documents import Documents, add_docs_option, covered, id_wire, kept_pairs, ring_meets
+from .documents import Documents, add_docs_option, covered, id_wire, kept_pairs, ring_meets, shard_pairs
 from .errors import NapkinError
 from .files import why_not, write_atomic
 from .sizes import positive_int
@@ -237,6 +239,9 @@ class Pricing:
     devices: int
     training: bool
     arms: tuple[int, int]   # the steps a flat ring over contiguous shards runs each way (reach.ring_arms)
+    # on --docs' documents: the pairs each contiguous shard's queries keep of each shard's keys
+    # (documents.shard_pairs), which price that ring's steps at its busiest rank; else None
+    shards: Optional[tuple[tuple[int, ...], ...]] = None
 
     @staticmethod
     def of(diagram: ir.Diagram, devices: int, sizes: Optional[dict], profile: Optional[str],
@@ -249,7 +254,7 @@ class Pricing:
         m = moved(diagram, r, bound)
         prof = get_profile(profile_of(diagram, profile))
         rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
-        meets = None
+        meets = shards = None
         if docs is not None:
             same = same_ids(r)
             if not same:
@@ -257,9 +262,16 @@ class Pricing:
                                   "(doc[b, q] == doc): document lengths change nothing napkin plan prices")
             if id_wire(diagram, same[0]) not in bound:
                 raise NapkinError(f"give the size of {id_wire(diagram, same[0])} (-D WIRE=N): --docs covers it")
-            meets = ring_meets(docs, "contiguous", devices, m.q_len, m.x_len, covered(docs, diagram, same[0], bound))
+            length = covered(docs, diagram, same[0], bound)
+            meets = ring_meets(docs, "contiguous", devices, m.q_len, m.x_len, length)
+            shards = shard_pairs(docs, mask_bounds(r), devices, m.q_len, m.x_len, bound, length)
         return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound, docs)), rate, devices,
-                       training, ring_arms(r, "contiguous", devices, m.q_len, m.x_len, meets))
+                       training, ring_arms(r, "contiguous", devices, m.q_len, m.x_len, meets), shards)
+
+    @property
+    def pairs(self) -> int:
+        """The pairs kept, all shards together (those ``flops`` counts)."""
+        return sum(map(sum, self.shards))
 
     def option(self, pl: C.Placement, g: int, arms: Optional[tuple[int, int]] = None) -> Option:
         """``pl`` costed (``g``: the GPUs a node it is labelled with where the
@@ -269,8 +281,16 @@ class Pricing:
         m = self.moved if arms is None else \
             dataclasses.replace(self.moved, layout="contiguous", reach=arms[0], ahead=arms[1])
         steps = sum(arms) if arms is not None else (pl.parts if pl.scheme in C.RINGS else 1)
-        fwd = [flops / devices / steps / (rate * FWD_EFFICIENCY)] * steps
-        bwd = [BWD_FLOP_FACTOR * flops / devices / steps / (rate * BWD_EFFICIENCY)] * steps \
+        work = [flops / devices / steps] * steps
+        if arms is not None and self.shards is not None:
+            # each step at its busiest rank: step s of the usual way holds rank r - s's keys, step t
+            # of the other way rank r + t's (a long document's shards work while the others wait)
+            per_pair = flops / self.pairs
+            w, p = self.shards, devices
+            work = [per_pair * max(w[r][(r - s) % p] for r in range(p)) for s in range(arms[0])] + \
+                [per_pair * max(w[r][(r + t) % p] for r in range(p)) for t in range(1, arms[1] + 1)]
+        fwd = [x / (rate * FWD_EFFICIENCY) for x in work]
+        bwd = [BWD_FLOP_FACTOR * x / (rate * BWD_EFFICIENCY) for x in work] \
             if self.training and pl.scheme != "tree" else None
         t = C.scheme_seconds(pl, m, self.links, fwd, bwd)
         phases = ("forward", "backward") if bwd is not None else ("forward",)

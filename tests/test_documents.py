@@ -363,3 +363,55 @@ def test_report_and_render_count_on_documents(tmp_path, capsys):
     assert main(["render", path, "--docs", "512", "--no-costs", "-o", str(tmp_path / "r.dot")]) == 1
     assert capsys.readouterr().err.strip() == \
         "napkin: --docs prices the byte counts on the edges, which --no-costs leaves off: give one"
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_shard_pairs_are_counted_pairs(mask):
+    """shard_pairs[a][b] = the kept pairs between contiguous shard a's
+    queries and shard b's keys, counted from the whole mask (ragged shards)."""
+    from napkin.distributed.reach import mask_bounds
+    from napkin.distributed.reading import roles
+
+    text = MASKS[mask].replace("  level hbm", "  level devices { group q across 2\n    stream x across 2 }\n"
+                                              "  level hbm", 1)
+    r = roles(napkin.load_text(text, "m.ncd"))
+    n, parts = 101, 4
+    rows = -(-n // parts)
+    for docs in (_random_docs(n, 3), D.Documents(every=30)):
+        ids, pos = _ids(docs, n)[0], torch.arange(n)
+        keep = ids[:, None] == ids[None, :]
+        keep &= {"documents": torch.ones(n, n, dtype=torch.bool), "causal": pos[None, :] <= pos[:, None],
+                 "window": (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 24),
+                 "both_ways": (pos[:, None] - pos[None, :]).abs() < 20}[mask]
+        want = tuple(tuple(int(keep[a * rows:(a + 1) * rows, b * rows:(b + 1) * rows].sum()) for b in range(parts))
+                     for a in range(parts))
+        assert D.shard_pairs(docs, mask_bounds(r), parts, n, n, {"q": n, "x": n}, n) == want, (mask, docs)
+
+
+def test_plan_prices_a_cut_ring_at_its_busiest_rank():
+    """Over contiguous shards a long document's ranks do more work than the
+    rest, and each step waits for the busiest: documents that fill every
+    shard alike price as the even split did; one long document (30,000 of
+    65,536 tokens over 8 shards) makes the cut ring slower than Ring, where
+    the even split ranked it first (its bytes fewer, its compute equal)."""
+    import dataclasses
+
+    from napkin.plan import Pricing, placements, plan
+
+    d = napkin.load(REPO / "examples" / "document_ring.ncd")
+    sizes = {"b": 1, "h": 16, "q": 65536, "x": 65536}
+    rings = [pl for pl in placements(8, 8, True) if pl.scheme in ("ring", "burst")]
+    even = Pricing.of(d, 8, sizes, None, True, D.Documents(every=4096))
+    assert sum(even.arms) == 1
+    for pl in rings:
+        assert even.option(pl, 8, even.arms) == dataclasses.replace(even, shards=None).option(pl, 8, even.arms)
+    docs = D.Documents(lengths=(9000, 30000, 2000, 24536))
+    skewed = Pricing.of(d, 8, sizes, None, True, docs)
+    w = skewed.shards
+    busiest = sum(max(w[r][(r - s) % 8] for r in range(8)) for s in range(skewed.arms[0]))
+    for pl in rings:
+        cut, flat = skewed.option(pl, 8, skewed.arms), dataclasses.replace(skewed, shards=None).option(
+            pl, 8, skewed.arms)
+        assert cut.compute_s == pytest.approx(flat.compute_s * busiest / (skewed.pairs / 8))
+    ranked = [o.label for o in plan(d, 8, sizes, docs=docs)]
+    assert ranked.index("Ring of 8") < ranked.index("Ring of 8 over contiguous shards, 4 of 8 steps")
