@@ -28,7 +28,7 @@ import torch
 import napkin
 from napkin import documents as D
 from napkin.bytecount import ByteCounter
-from napkin.cost import analyse, with_blocks
+from napkin.cost import analyse, from_json, with_blocks
 from napkin.cost.analysis import _plan
 from napkin.cost.backward import backward_cost
 from napkin.errors import NapkinError
@@ -241,8 +241,10 @@ def test_cost_and_plan_run_the_steps_ring_attention_runs(score):
     for docs in (D.Documents(every=1000), D.Documents(every=1500), D.Documents(lengths=(900, 3000, 2100, 2000)),
                  D.Documents(every=n), _random_docs(n, 7)):
         back, ahead = ring.arms(8, n, n, side={"doc": _ids(docs, n)})
-        comm = analyse(d, sizes, docs=docs).devices
+        report = analyse(d, sizes, docs=docs)
+        comm = report.devices
         assert ((comm.ring_steps or 8), comm.ring_ahead) == (back + ahead, ahead)
+        assert comm.ring_documents == docs.describe(n) and from_json(report.to_json()) == report
         cut = [o for o in plan(d, 8, sizes, docs=docs) if o.arms is not None]
         assert [o.arms for o in cut] == ([(back, ahead)] * 2 if back + ahead < 8 else [])
         seen.add((back, ahead))
