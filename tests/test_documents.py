@@ -256,6 +256,15 @@ def test_cost_and_plan_run_the_steps_ring_attention_runs(score):
 # The pairs napkin plan's compute counts.
 # --------------------------------------------------------------------------
 
+def _kept(mask: str, docs: D.Documents, n: int) -> torch.Tensor:
+    """[n, n] bool: the pairs MASKS[mask] keeps on these documents, evaluated pair by pair."""
+    ids, pos = _ids(docs, n)[0], torch.arange(n)
+    q, x = pos[:, None], pos[None, :]
+    affine = {"documents": torch.ones(n, n, dtype=torch.bool), "causal": x <= q,
+              "window": (x <= q) & (q - x < 24), "both_ways": (q - x < 20) & (x - q < 20)}[mask]
+    return (ids[:, None] == ids[None, :]) & affine
+
+
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_kept_pairs_are_counted_pairs(mask):
     from napkin.distributed.reach import mask_bounds
@@ -266,14 +275,9 @@ def test_kept_pairs_are_counted_pairs(mask):
     r = roles(napkin.load_text(text, "m.ncd"))
     for n in (1, 77, 130):
         for docs in (_random_docs(n, n), D.Documents(every=16)):
-            ids = _ids(docs, n)[0]
-            pos = torch.arange(n)
-            keep = ids[:, None] == ids[None, :]
-            keep &= {"documents": torch.ones(n, n, dtype=torch.bool), "causal": pos[None, :] <= pos[:, None],
-                     "window": (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 24),
-                     "both_ways": (pos[:, None] - pos[None, :]).abs() < 20}[mask]
             sizes = {"b": 1, "h": 1, "q": n, "x": n, "d": 64}
-            assert D.kept_pairs(docs, mask_bounds(r), n, n, sizes, n) == int(keep.sum()), (mask, n, docs)
+            assert D.kept_pairs(docs, mask_bounds(r), n, n, sizes, n) == int(_kept(mask, docs, n).sum()), \
+                (mask, n, docs)
 
 
 # --------------------------------------------------------------------------
@@ -380,11 +384,7 @@ def test_shard_pairs_are_counted_pairs(mask):
     n, parts = 101, 4
     rows = -(-n // parts)
     for docs in (_random_docs(n, 3), D.Documents(every=30)):
-        ids, pos = _ids(docs, n)[0], torch.arange(n)
-        keep = ids[:, None] == ids[None, :]
-        keep &= {"documents": torch.ones(n, n, dtype=torch.bool), "causal": pos[None, :] <= pos[:, None],
-                 "window": (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 24),
-                 "both_ways": (pos[:, None] - pos[None, :]).abs() < 20}[mask]
+        keep = _kept(mask, docs, n)
         want = tuple(tuple(int(keep[a * rows:(a + 1) * rows, b * rows:(b + 1) * rows].sum()) for b in range(parts))
                      for a in range(parts))
         assert D.shard_pairs(docs, mask_bounds(r), parts, n, n, {"q": n, "x": n}, n) == want, (mask, docs)
