@@ -200,6 +200,32 @@ def test_packed_rows_on_documents(folder):
     assert _predicted(report.transfers)[0]["K"] < _predicted(analyse(d, sizes).transfers)[0]["K"]
 
 
+def test_chunks_of_packed_rows_on_documents(folder):
+    """flash_decoding's chunked launch (chunks of 32 keys, 4 heads x 4
+    queries a block) with a causal document mask: each chunk visits its own
+    part of the spans, and the merge reads every chunk's state."""
+    text = (REPO / "examples" / "flash_decoding.ncd").read_text()
+    for old, new in [("in V[b, hk, x, d] : bf16", "in V[b, hk, x, d] : bf16\nin doc[b, x] : int32"),
+                     ("where(x <= q + |x| - |q|,", "where(x <= q + |x| - |q| and doc[b, q] == doc,"),
+                     ("hold Q, K, V, O, lse", "hold Q, K, V, doc, O, lse"), ("group x by 1024", "group x by 32"),
+                     ("stream x by 64", "stream x by 16"), ("wire d = 128", "wire d = 32")]:
+        assert old in text
+        text = text.replace(old, new)
+    m = compile_text(text, "documents_chunks", folder)
+    d = napkin.load_text(text, "c.ncd")
+    n, docs = 70, D.Documents(lengths=(37, 5, 28))
+    sizes = {"b": 1, "hk": 2, "g": 4, "q": n, "x": n}
+    q, k, v, _ = m.example_inputs(sizes, dtype=torch.float16, seed=5)
+    inputs = (q, k, v, _ids(docs, n))
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        m.flash_decoding(*inputs)
+    loads, stores = _predicted(analyse(d, sizes, docs=docs).transfers)
+    assert loads["K"] < _predicted(analyse(d, sizes).transfers)[0]["K"]
+    # the positions of the packed rows: the prepass reads them too, not counted
+    assert bc.loads.pop("_pos_q") > loads.pop("_pos_q")
+    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == (loads, stores)
+
+
 # --------------------------------------------------------------------------
 # The ring.
 # --------------------------------------------------------------------------
