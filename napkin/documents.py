@@ -152,7 +152,7 @@ class Documents:
 
 
 def add_docs_option(parser) -> None:
-    """--docs, napkin cost's and napkin plan's (Documents.parse reads it)."""
+    """--docs of napkin cost, plan, report and render (Documents.parse reads it)."""
     parser.add_argument(
         "--docs", default=None, metavar="LENGTHS",
         help="a mask comparing ids (doc[b, q] == doc) read on packed documents of these lengths, the same in "

@@ -2424,3 +2424,45 @@ def test_bench_runs_on_the_documents_it_is_given(tmp_path, capsys):
         in capsys.readouterr().err
     assert main(["bench", str(doc), "--seqlen", "50", "--docs", "20,20", "--out", str(tmp_path / "d")]) == 1
     assert "--docs: the lengths add up to 40 tokens, fewer than the 50 a run holds" in capsys.readouterr().err
+
+
+def test_each_gpu_row_carries_the_cost_pass_prediction(tmp_path, monkeypatch):
+    """predicted.py: on a profiled GPU a row holds the cost pass's roofline
+    estimate for its forward (at the timed launch's blocks) and backward,
+    on --docs' documents where the ids are those, else counted dense, and
+    the markdown sets napkin's time beside it; a CPU smoke run holds none."""
+    from napkin.bench import predicted
+    from napkin.cli import main
+    from napkin.cost import analyse, with_blocks
+    from napkin.cost.backward import backward_cost
+    from napkin.documents import Documents
+
+    assert [predicted.profile_for(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
+                                               "cpu", "NVIDIA L4")] == ["h100", "h200", "a100", None, None]
+    doc = napkin.load(EXAMPLES / "document_mask.ncd")
+    sizes = {"b": 1, "h": 16, "q": 8192, "x": 8192}
+    docs = Documents(every=512)
+    got = predicted.predict(doc, sizes, "NVIDIA H100 80GB HBM3", {"block_q": 64, "block_x": 32}, docs)
+    assert got == {"profile": "h100",
+                   "fwd_ms": analyse(with_blocks(doc, {"q": 64, "x": 32}), sizes, "h100", docs).roofline.estimate_s * 1e3,
+                   "bwd_ms": backward_cost(doc, sizes, "h100", docs=docs).time_s * 1e3, "blocks": "documents"}
+    assert predicted.predict(doc, sizes, "NVIDIA H100", None)["blocks"] == "every"
+    assert predicted.predict(doc, sizes, "NVIDIA H100", None)["fwd_ms"] > 4 * got["fwd_ms"]
+    causal = napkin.load(EXAMPLES / "causal.ncd")
+    assert predicted.predict(causal, {"b": 1, "h": 2, "q": 64, "x": 64}, "NVIDIA H200", None, docs, False)["blocks"] \
+        == "formula"
+    assert predicted.predict(doc, sizes, "cpu", None) is None
+
+    assert main(["bench", str(EXAMPLES / "document_mask.ncd"), "--seqlen", "48", "--no-backward", "--docs", "16",
+                 "--out", str(tmp_path / "cpu")]) == 0
+    (row,) = json.loads(next((tmp_path / "cpu").glob("cpu-*.json")).read_text())["rows"]
+    assert row["predicted"] is None
+    monkeypatch.setattr(tunecache, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert main(["bench", str(EXAMPLES / "document_mask.ncd"), "--seqlen", "48", "--no-backward", "--docs", "16",
+                 "--out", str(tmp_path / "gpu")]) == 0
+    (row,) = json.loads(next((tmp_path / "gpu").glob("cpu-*.json")).read_text())["rows"]
+    assert row["predicted"]["profile"] == "h100" and row["predicted"]["blocks"] == "documents"
+    assert row["predicted"]["bwd_ms"] is None and row["predicted"]["fwd_ms"] > 0
+    md = next((tmp_path / "gpu").glob("cpu-*.md")).read_text()
+    assert "## The cost pass's roofline estimate against napkin's time" in md
+    assert "| document_mask | float16 | 48 | fwd | h100 |" in md

@@ -323,13 +323,18 @@ def _inputs(case: Case):
     return q, k, v, g_out, g_lse
 
 
-def _cost(case: Case) -> dict:
-    """What the cost pass says one device sends (its busiest device)."""
-    d = napkin.load_text(case.text(), f"{case.name}.ncd")
+def _cost(case: Case, docs=None) -> dict:
+    """What the cost pass says one device sends (its busiest device).  With
+    ``docs`` (napkin/documents.py), the ring laid out as the case runs it,
+    priced on those documents."""
+    text = case.text()
+    if docs is not None:
+        text = text.replace("stream x across 4\n", f"stream x across 4 {case.layout}\n")
+    d = napkin.load_text(text, f"{case.name}.ncd")
     hq, hkv = case.heads
     sizes = {"b": 1, "q": case.n_q, "x": case.n_x}
     sizes.update({"hk": hkv, "g": hq // hkv} if d.wire("hk") else {"h": hq})
-    c = analyse(d, sizes).devices
+    c = analyse(d, sizes, docs=docs).devices
     back = c.burst_backward_bytes if case.scheme.startswith("burst") else c.backward_bytes
     return {"check": c.handshake_bytes, "forward": c.bytes_sent, "backward": back or 0,
             "within": c.sent_within, "across": c.sent_across}
@@ -584,6 +589,23 @@ def test_cost_pass_equals_the_counter(suite, case):
 
 
 SHORT = [c for c in CASES if c.layout == "contiguous"]
+DOCUMENT_RINGS = [c for c in SHORT if c.mask in _DOC_LENGTHS]
+
+
+@pytest.mark.parametrize("case", DOCUMENT_RINGS, ids=[c.name for c in DOCUMENT_RINGS])
+def test_cost_pass_on_the_documents_equals_the_counter(suite, case):
+    """napkin cost --docs of the lengths the ranks' ids were made from prices
+    the steps RingAttention read from those ids (both ways round without
+    causality): handshake, forward and backward are the counter's, busiest
+    device, where without the lengths it prices every step."""
+    from napkin.documents import Documents
+
+    docs = Documents(lengths=_DOC_LENGTHS[case.mask])
+    cost, dense = _cost(case, docs), _cost(case)
+    ran = list(_ran(suite, case))
+    for ph in C.PHASES:
+        assert cost[ph] == max(got["counted"][ph][0] for _, got in ran), ph
+    assert cost["forward"] < dense["forward"]
 
 
 @pytest.mark.parametrize("case", SHORT, ids=[c.name for c in SHORT])

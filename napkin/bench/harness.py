@@ -49,7 +49,7 @@ from ..documents import Documents
 from ..errors import NapkinError
 from ..files import why_not
 from ..sizes import parse_pairs, positive_int
-from . import baselines, checks, flex, overlap, ranges_prepass, reference, results
+from . import baselines, checks, flex, overlap, predicted, ranges_prepass, reference, results
 from .checks import TOLERANCE, full_size_check
 from .timing import DO_BENCH, cuda_ms as _cuda_ms, ms as _ms, result as _result
 from .timing import time_backward as _time_backward, time_forward as _time_forward
@@ -612,7 +612,8 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         "causal": shape["causal"], "flops": flops, "visible": visible, "config": config, "config_source": source,
         "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning, "tma": tma, "bwd_tma": bwd_tma,
         "check": check, "results": out, "ratios": results.ratios(out), "seconds": seconds,
-        "prepass": prepass,
+        "prepass": prepass, "predicted": predicted.predict(d, sizes, tunecache.device_name(device), config,
+                                                           ctx["docs"], not ctx["args"].no_backward),
         # napkin's timed calls reused the prepass results (a warm mask_cache): the prepass is outside
         # its timed region, as Flex's create_block_mask is outside Flex's; None: no prepass
         "mask_cache": True if cached else None,

@@ -220,6 +220,7 @@ def markdown(data: dict) -> str:
                   "diagram's function, so never checked against the reference.", ""]
     lines += _tuning_lines(data["rows"])
     lines += _prepass_lines(data["rows"])
+    lines += _predicted_lines(data["rows"])
     if notes:
         lines += ["Notes:", ""] + [f"{i + 1}. {n}" for i, n in enumerate(notes)] + [""]
     return "\n".join(lines)
@@ -268,6 +269,34 @@ def _prepass_lines(rows: list[dict]) -> list[str]:
                                                                            if row.get("prepass")) \
         else "part of napkin's times above"
     return _table(f"## Ranges prepass (timed alone; {where})", head, body)
+
+
+def _predicted_lines(rows: list[dict]) -> list[str]:
+    """A table of the cost pass's roofline estimate (predicted.py) beside
+    napkin's measured time, per pass: measured over predicted is how far
+    from its roofline napkin's kernel runs."""
+    body = []
+    for row in rows:
+        pred = row.get("predicted")
+        if not pred:
+            continue
+        napkin = {r["pass"]: r.get("ms") for r in row["results"] if r["impl"] == "napkin"}
+        for p in PASSES:
+            if pred.get("error"):
+                body.append([row["diagram"], row["dtype"], str(row["shape"]["q_len"]), p, pred["profile"], "", "",
+                             "", pred["error"]])
+                break
+            if pred.get(f"{p}_ms") is None or p not in napkin:
+                continue
+            ms = napkin[p]
+            body.append([row["diagram"], row["dtype"], str(row["shape"]["q_len"]), p, pred["profile"],
+                         _num(pred[f"{p}_ms"], 4), _num(ms, 4),
+                         f"{ms / pred[f'{p}_ms']:.2f}x" if ms and pred[f"{p}_ms"] else "?", pred["blocks"]])
+    if not body:
+        return []
+    head = ["diagram", "dtype", "N", "pass", "profile", "predicted ms", "napkin ms", "measured / predicted",
+            "blocks counted"]
+    return _table("## The cost pass's roofline estimate against napkin's time", head, body)
 
 
 def _table(title: str, head: list[str], body: list[list[str]]) -> list[str]:
