@@ -50,7 +50,7 @@ stage_benchtest() {
 }
 
 # Tuning budgets: each --autotune run shares its time among the kernels it
-# tunes (forward, dQ, dK/dV per diagram; napkin/bench/harness.py, TuneShare),
+# tunes (forward, dQ, dK/dV per diagram; napkin/bench/budget.py, TuneShare),
 # again before each grid point: one 10-minute command (RUN_S) unless
 # $NAPKIN_BENCH_SECONDS says less, as bench/device.sh does for a stage given
 # its share (`main:270`).  A run must therefore be ONE bench command per

@@ -23,7 +23,7 @@ import torch
 
 import napkin
 from napkin import autotune, tunecache
-from napkin.bench import baselines, checks, flex, harness, reference, results
+from napkin.bench import baselines, budget, checks, flex, harness, reference, results
 from napkin.errors import NapkinError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -891,11 +891,11 @@ def test_autotune_budget_never_ends_without_a_timed_config():
 
 def test_tune_budget_default_shares_a_ten_minute_command():
     # main: two diagrams, one point each, three kernels each
-    main = harness.tune_budget(2, 3)
-    assert main == (harness.RUN_S - harness.STARTUP_S - 2 * harness.POINT_S) // 6
-    assert harness.STARTUP_S + 2 * harness.POINT_S + 6 * main <= harness.RUN_S
-    assert harness.tune_budget(5, 3) >= harness.MIN_TUNE_S
-    assert harness.tune_budget(1, 1) > main
+    main = budget.tune_budget(2, 3)
+    assert main == (budget.RUN_S - budget.STARTUP_S - 2 * budget.POINT_S) // 6
+    assert budget.STARTUP_S + 2 * budget.POINT_S + 6 * main <= budget.RUN_S
+    assert budget.tune_budget(5, 3) >= budget.MIN_TUNE_S
+    assert budget.tune_budget(1, 1) > main
 
 
 def test_tune_share_gives_each_point_what_the_time_limit_leaves():
@@ -903,42 +903,42 @@ def test_tune_share_gives_each_point_what_the_time_limit_leaves():
     2 points) / 6; the time it does not use goes to the second, and a point that ran long takes from it
     (never below MIN_TUNE_S).  A fixed --tune-budget is every point's."""
     now = [0.0]
-    share = harness.TuneShare(300, 2, 3, clock=lambda: now[0])
+    share = budget.TuneShare(300, 2, 3, clock=lambda: now[0])
     first = share.next()
-    assert first == (300 - harness.STARTUP_S - 2 * harness.POINT_S) // 6 == 39
+    assert first == (300 - budget.STARTUP_S - 2 * budget.POINT_S) // 6 == 39
     now[0] = 100.0                                   # the first point took 100 s of its 15 + 25 + 6 * 39
-    assert share.next() == (300 - 100 - harness.POINT_S) // 3 == 58
-    late = harness.TuneShare(300, 2, 3, clock=lambda: now[0])
+    assert share.next() == (300 - 100 - budget.POINT_S) // 3 == 58
+    late = budget.TuneShare(300, 2, 3, clock=lambda: now[0])
     now[0] += 280.0
     late.next()
-    assert late.next() == harness.MIN_TUNE_S
-    fixed = harness.TuneShare(300, 2, 3, fixed=7.5, clock=lambda: now[0])
+    assert late.next() == budget.MIN_TUNE_S
+    fixed = budget.TuneShare(300, 2, 3, fixed=7.5, clock=lambda: now[0])
     assert fixed.next() == fixed.next() == 7.5
 
 
 def test_tune_share_skips_the_points_of_a_variant_that_failed():
     now = [0.0]
-    share = harness.TuneShare(600, 4, 3, clock=lambda: now[0])
+    share = budget.TuneShare(600, 4, 3, clock=lambda: now[0])
     share.next()
     share.passed(2)            # the first variant (2 points) failed after its first point
-    assert share.next() == (600 - harness.POINT_S * 2) // 6
+    assert share.next() == (600 - budget.POINT_S * 2) // 6
     share.passed(1)            # never goes back
     assert share.done == 3
 
 
 def test_time_limit_reads_the_flag_then_the_environment(monkeypatch):
     parse = harness.build_parser().parse_args
-    monkeypatch.delenv(harness.TIME_LIMIT_ENV, raising=False)
-    assert harness.time_limit(parse(["a.ncd"])) == harness.RUN_S
-    monkeypatch.setenv(harness.TIME_LIMIT_ENV, "250")
-    assert harness.time_limit(parse(["a.ncd"])) == 250.0
-    assert harness.time_limit(parse(["a.ncd", "--time-limit", "90"])) == 90.0
-    monkeypatch.setenv(harness.TIME_LIMIT_ENV, "soon")
+    monkeypatch.delenv(budget.TIME_LIMIT_ENV, raising=False)
+    assert budget.time_limit(parse(["a.ncd"])) == budget.RUN_S
+    monkeypatch.setenv(budget.TIME_LIMIT_ENV, "250")
+    assert budget.time_limit(parse(["a.ncd"])) == 250.0
+    assert budget.time_limit(parse(["a.ncd", "--time-limit", "90"])) == 90.0
+    monkeypatch.setenv(budget.TIME_LIMIT_ENV, "soon")
     with pytest.raises(NapkinError) as err:
-        harness.time_limit(parse(["a.ncd"]))
+        budget.time_limit(parse(["a.ncd"]))
     assert str(err.value).endswith("$NAPKIN_BENCH_SECONDS expects a positive number of seconds, not 'soon'")
     with pytest.raises(NapkinError) as err:
-        harness.time_limit(parse(["a.ncd", "--time-limit", "0"]))
+        budget.time_limit(parse(["a.ncd", "--time-limit", "0"]))
     assert str(err.value).endswith("--time-limit expects a positive number of seconds, not 0.0")
 
 
@@ -1698,7 +1698,7 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
     argv = ["bench", str(EXAMPLES / "causal.ncd"), "--seqlen", "1000", "--batch", "2", "--heads", "4",
             "--dtype", "bfloat16", "--head-dim", "128", "--out", str(tmp_path / "out")]
     # 10 s a kernel (MIN_TUNE_S): the benchtest stage has 120 s for collection, three tunings and two runs
-    assert main(argv + ["--autotune", "--tune-budget", str(harness.MIN_TUNE_S)]) == 0
+    assert main(argv + ["--autotune", "--tune-budget", str(budget.MIN_TUNE_S)]) == 0
     assert main([a if a != "1000" else "1024" for a in argv]) == 0   # a new length, same bucket
     # the second run of the day gets the "-2" name
     paths = sorted((tmp_path / "out").glob("*.json"), key=lambda p: (len(p.name), p.name))
@@ -1725,7 +1725,7 @@ def test_napkin_bench_on_the_gpu_checks_times_and_reuses_tuned_configs(tmp_path,
     # how each tuning went is recorded, the second run's from the cache entries
     tuning = first["rows"][0]["tuning"]
     assert set(tuning) == {"fwd", "dq", "dkdv"}
-    assert all(t["timed"] >= 1 and t["budget_s"] == harness.MIN_TUNE_S for t in tuning.values())
+    assert all(t["timed"] >= 1 and t["budget_s"] == budget.MIN_TUNE_S for t in tuning.values())
     assert all(len(t["trials"]) == t["timed"] + t["failed"] for t in tuning.values())
     assert all(t["from_cache"] and t["timed"] == tuning[k]["timed"] for k, t in second["rows"][0]["tuning"].items())
     entries = json.loads((tmp_path / "cache" / "autotune.json").read_text())["entries"]
