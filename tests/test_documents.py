@@ -274,6 +274,12 @@ def test_cost_and_plan_run_the_steps_ring_attention_runs(score):
         cut = [o for o in plan(d, 8, sizes, docs=docs) if o.arms is not None]
         assert [o.arms for o in cut] == ([(back, ahead)] * 2 if back + ahead < 8 else [])
         seen.add((back, ahead))
+    # a ring that names no layout runs zigzag, and the cost pass says so on documents
+    zigzag = napkin.load_text(text.replace("across 8 contiguous", "across 8"), "z.ncd")
+    docs = D.Documents(every=500)
+    comm = analyse(zigzag, sizes, docs=docs).devices
+    assert (comm.layout, comm.ring_steps or 8) == ("zigzag", sum(RingAttention(zigzag).arms(8, n, n, side={
+        "doc": _ids(docs, n)})))
     # the documents make the ring run different steps (both ways round without causality)
     assert len(seen) >= 4 and any(a for _, a in seen) == ("x <= q" not in score)
 

@@ -300,7 +300,7 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile,
     steps = sum(t.steps for t in sym_terms)
     ids = tuple(dict.fromkeys(s.name for s in same_ids(r))) \
         if scheme == "ring" and r.layout == "contiguous" and placement.parts > 1 and meets is None else ()
-    common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node, layout=r.layout,
+    common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node, layout=layout if meets else r.layout,
                   ring_steps=reach if reach is not None and reach < placement.parts else None,
                   ring_ahead=num.ahead if num is not None else 0, ring_ids=ids,
                   ring_documents=counted_on if meets is not None and scheme == "ring" else "")
