@@ -395,9 +395,10 @@ def test_same_ids_reads_only_comparisons_of_one_input_at_query_and_key():
     assert ids("doc[b, h, q] == doc", "in doc[b, h, x] : int32") == (SameIds("doc", 2, ("b", "h")),)
 
 
-def test_napkin_cost_says_the_ids_may_cut_a_contiguous_ring():
+def test_napkin_cost_says_the_ids_may_cut_a_ring():
     """The cost pass sees no data: it prices a document mask's ring at every
-    step and says the ids may cut it, only for Ring over contiguous shards."""
+    step and says the ids may cut it (RingAttention reads them in any
+    layout), and how to price them on documents."""
     from napkin.cost import analyse
     sizes = dict(b=1, h=2, q=64, x=64)
     contiguous = analyse(napkin.load_text(_mesh(_DOC, "group q across 4\n    stream x across 4 contiguous"),
@@ -405,9 +406,12 @@ def test_napkin_cost_says_the_ids_may_cut_a_contiguous_ring():
     assert contiguous.devices.ring_ids == ("doc",) and contiguous.devices.ring_steps is None
     note = next(n for n in contiguous.notes if n.startswith("devices:"))
     assert ("the ring may run fewer steps: its mask compares doc at the query and the key, and RingAttention "
-            "reads the values at each call to find how far back kept keys sit (priced here at 4 of 4 steps)") in note
+            "reads the values at each call to find how far back kept keys sit (priced here at 4 of 4 steps; "
+            "--docs LENGTHS prices them on packed documents)") in note
     zigzag = analyse(napkin.load_text(_mesh(_DOC, "group q across 4\n    stream x across 4"), "z.ncd"), sizes)
-    assert zigzag.devices.ring_ids == () and "may run fewer" not in " ".join(zigzag.notes)
+    assert zigzag.devices.ring_ids == ("doc",) and "may run fewer" in " ".join(zigzag.notes)
+    grid = analyse(napkin.load_text(_mesh(_DOC, "group q across 2\n    group x across 2"), "g.ncd"), sizes)
+    assert grid.devices.ring_ids == () and "may run fewer" not in " ".join(grid.notes)
 
 
 def test_the_ring_demo_reads_packed_documents_under_torchrun():

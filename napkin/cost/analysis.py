@@ -415,9 +415,10 @@ def _prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: 
     # a part the formula bounds (x <= q beside doc[b, q] == doc) still skips in the counts
     counted = (": the counts are the blocks its formula part bounds" if plan.bounds else
                " bounds no block by formula: the counts are every block's")
+    hint = "; --docs LENGTHS counts them on packed documents" if _plan_ids(plan) else ""
     return (f"the mask {expr_text(plan.skip)}{counted} (an upper "
             "bound of the main kernel's tiles), while the kernels skip blocks with a ranges prepass at each launch "
-            "(two more kernels, their traffic not counted, nor the 16 B of ranges each row block reads)")
+            f"(two more kernels, their traffic not counted, nor the 16 B of ranges each row block reads){hint}")
 
 
 def _blocks_note(c: "_Context") -> Optional[str]:
@@ -505,7 +506,8 @@ def _device_note(comm) -> str:
     if comm.ring_ids:
         out += (f"; the ring may run fewer steps: its mask compares {', '.join(comm.ring_ids)} at the query and the "
                 f"key, and RingAttention reads the values at each call to find how far back kept keys sit (priced "
-                f"here at {comm.ring_steps or comm.devices} of {comm.devices} steps)")
+                f"here at {comm.ring_steps or comm.devices} of {comm.devices} steps; --docs LENGTHS prices them on "
+                "packed documents)")
     if comm.sent_across:
         out += f"; forward sends {comm.sent_within} B within nodes, {comm.sent_across} B across"
     if comm.backward_bytes is not None:

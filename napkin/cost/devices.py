@@ -94,8 +94,8 @@ class DeviceComm:
     layout: Optional[str] = None              # the token layout the mesh names (a ring's choice)
     ring_steps: Optional[int] = None          # the steps a flat ring runs where its mask cuts it short
     ring_ahead: int = 0                       # of those, the steps the other way round (reach.ring_arms)
-    # inputs whose ids the mask compares at query and key (doc[b, q] == doc): on a flat ring over
-    # contiguous shards their values may cut it shorter still, at each call; priced at the steps above
+    # inputs whose ids the mask compares at query and key (doc[b, q] == doc): on a flat ring their
+    # values may cut it shorter still, at each call; priced at the steps above (--docs: on documents)
     ring_ids: tuple[str, ...] = ()
     # the documents (--docs, in words) the steps above were counted on, where they were
     ring_documents: str = ""
@@ -298,8 +298,9 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile,
     tiles = tuple((t.wire, t.kind, t.size) for t in mesh_tiles(diagram))
     link, key = _link_name(placement)
     steps = sum(t.steps for t in sym_terms)
+    # RingAttention reads them at each call in any layout (zigzag's documents may fit its chunks)
     ids = tuple(dict.fromkeys(s.name for s in same_ids(r))) \
-        if scheme == "ring" and r.layout == "contiguous" and placement.parts > 1 and meets is None else ()
+        if scheme == "ring" and placement.parts > 1 and meets is None else ()
     common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node, layout=layout if meets else r.layout,
                   ring_steps=reach if reach is not None and reach < placement.parts else None,
                   ring_ahead=num.ahead if num is not None else 0, ring_ids=ids,
