@@ -61,8 +61,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     show_traceback = "--traceback" in argv[:cut]
     argv = [a for i, a in enumerate(argv) if i >= cut or a != "--traceback"]
-    with _terminable():
-        return _run(argv, show_traceback)
+    with _terminable() as received:
+        status = _run(argv, show_traceback)
+    # a SIGTERM whose exception something swallowed (raised inside a finalizer, Python prints
+    # "Exception ignored" and goes on) still ends as one: the run's cleanup has happened either way
+    return 143 if received else status
 
 
 class _Terminated(BaseException):
@@ -74,15 +77,19 @@ class _Terminated(BaseException):
 
 @contextlib.contextmanager
 def _terminable():
+    """SIGTERM raises _Terminated inside the block; yields the list of the
+    signals received, so a caller sees one even where the exception was lost."""
+    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():   # signals reach the main thread only
-        yield
+        yield received
         return
 
     def stop(signum, frame):
+        received.append(signum)
         raise _Terminated()
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        yield
+        yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
 

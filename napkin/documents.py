@@ -1,4 +1,4 @@
-"""Document masks priced on document lengths: ``--docs`` of napkin cost and napkin plan.
+"""Document masks priced on document lengths: ``--docs`` of napkin cost, plan, report and render.
 
 A mask that compares ids at the query and at the key, ``doc[b, q] == doc``
 of packed sequences, has no formula for the blocks it keeps: the kernels
