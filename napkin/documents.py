@@ -19,16 +19,18 @@ the ring will do on such ids:
   visits; ``column_spans`` the same seen from the key blocks (dK/dV).
 * ``ring_meets``: whether two ranks' token shards share a document, the
   test RingAttention makes from the ids (ring.id_meets), for
-  reach.ring_schedule; ``kept_pairs``, the pairs the mask keeps, and
-  ``shard_pairs``, those between two contiguous shards (napkin plan's
-  compute).
+  reach.ring_schedule; ``ShardPairs``, the pairs the mask keeps, in all
+  and per device in each scheme's token layout (napkin plan times each
+  step at its busiest device).
 
-The spans are exact where every row keeps some key (causal, windows and
-bidirectional documents keep their diagonal): a row block's live keys are
-then one run from its first row's first kept key to its last row's last,
-and each document's part of the block is bounded as a block of rows is
-(masks.stream_range).  tests/test_documents.py holds them to the prepass's
-own numbers and to the bytes the kernels move.
+The spans are exact where the mask's other conjuncts are all bounds the
+kernels' loops read (masks.stream_bounds: x against q plus a constant or a
+chunk's floor, as causal masks, windows and chunks are), rows that keep
+nothing included: a row block's live keys are then one run per document,
+bounded as a block of rows is (masks.stream_range).  Any other conjunct
+(``2 * x <= q``, an ``or``) is left out, so the spans are an upper bound of
+the blocks the prepass, which evaluates it, finds.  tests/test_documents.py
+holds them to the prepass's own numbers and to the bytes the kernels move.
 """
 from __future__ import annotations
 
@@ -263,30 +265,106 @@ def row_intervals(docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_le
     return lo, np.maximum(hi, lo)
 
 
-def kept_pairs(docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_length: int) -> int:
-    """The query-key pairs the mask keeps on these documents: per query, the
-    keys of its document within its affine bounds (napkin plan's compute)."""
-    lo, hi = row_intervals(docs, bounds, q_len, x_len, sizes, ids_length)
-    return int((hi - lo).sum())
+class ShardPairs:
+    """The pairs a mask keeps on documents, counted per device in each
+    scheme's token layout (napkin plan: a step of a scheme waits for its
+    busiest device, and a long document's devices work while the others
+    wait).  Built once from the rows' kept intervals (row_intervals); each
+    count is O(rows + P) or O(rows log rows + P^2) numpy, never a P x P
+    table held at once, so 8,192 devices cost seconds, not minutes."""
 
+    def __init__(self, docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_length: int):
+        import numpy as np
 
-def shard_pairs(docs: Documents, bounds, parts: int, q_len: int, x_len: int, sizes, ids_length: int
-                ) -> tuple[tuple[int, ...], ...]:
-    """W[a][b]: the pairs the mask keeps between the queries of contiguous
-    shard a and the keys of shard b (rank a's work at the ring step that
-    brings it rank b's keys): what napkin plan prices a ring over contiguous
-    shards by, whose busiest rank a document's length decides."""
-    import numpy as np
+        self.q_len, self.x_len = q_len, x_len
+        self.lo, self.hi = row_intervals(docs, bounds, q_len, x_len, sizes, ids_length)
+        self.total = int((self.hi - self.lo).sum())
+        self._np = np
+        self._memo: dict = {}    # each count once: plan prices several options on one
 
-    lo, hi = row_intervals(docs, bounds, q_len, x_len, sizes, ids_length)
-    rows, cols = -(-q_len // parts), -(-x_len // parts)
-    edges = np.minimum(np.arange(parts + 1, dtype=np.int64) * cols, x_len)
-    out = []
-    for a in range(parts):
-        l, h = lo[a * rows:(a + 1) * rows, None], hi[a * rows:(a + 1) * rows, None]
-        below = np.clip(edges[None, :] - l, 0, h - l).sum(0)       # kept keys before each edge
-        out.append(tuple(int(v) for v in np.diff(below)))
-    return tuple(out)
+    # -- the keys some rows keep, in runs of positions or by residue ----------
+    def _below(self, rows, edges):
+        """F(E) at each edge: the kept pairs of ``rows`` whose key is below E
+        (sum over rows of |[lo, hi) & [0, E)|), from the sorted ends and
+        their prefix sums: rows with lo < E add E - lo, those with hi < E
+        give back E - hi."""
+        np = self._np
+        out = np.zeros(len(edges), dtype=np.int64)
+        for ends, sign in ((self.lo[rows], 1), (self.hi[rows], -1)):
+            ends = np.sort(ends)
+            prefix = np.concatenate([[0], np.cumsum(ends)])
+            n = np.searchsorted(ends, edges, side="left")
+            out += sign * (n * edges - prefix[n])
+        return out
+
+    def _by_residue(self, rows, m: int, group=None, groups: int = 1):
+        """[g, j]: the kept pairs of the rows in group g (``group``, one per
+        row of ``rows``; all in group 0 without it) whose key is j modulo m.
+        Each row's L = hi - lo keys hold L // m of every residue and one
+        more of the L % m residues from lo's on: a difference array per
+        group, the wrapping ones split in two."""
+        np = self._np
+        lo, length = self.lo[rows], self.hi[rows] - self.lo[rows]
+        group = np.zeros(len(rows), dtype=np.int64) if group is None else group
+        first = lo % m
+        stop = first + length % m
+        wraps = stop > m
+        diff = np.zeros((groups, m + 1), dtype=np.int64)
+        np.add.at(diff, (group, first), 1)
+        np.add.at(diff, (group, np.where(wraps, m, stop)), -1)
+        np.add.at(diff, (group[wraps], 0), 1)
+        np.add.at(diff, (group[wraps], stop[wraps] - m), -1)
+        base = np.bincount(group, weights=length // m, minlength=groups).astype(np.int64)
+        return np.cumsum(diff[:, :m], axis=1) + base[:, None]
+
+    def _query_rows(self, kind: str, parts: int, part: int):
+        np = self._np
+        if kind == "cyclic":
+            return np.arange(part, self.q_len, parts)
+        runs = _part_runs(kind, parts, self.q_len, part)
+        return np.concatenate([np.arange(a, b) for a, b in runs]) if runs else np.zeros(0, dtype=np.int64)
+
+    def _key_parts(self, rows, kind: str, parts: int):
+        """W[b]: the pairs ``rows`` keep with part b's keys, in the layout."""
+        np = self._np
+        if kind == "cyclic":
+            return self._by_residue(rows, parts)[0]
+        # contiguous shards are runs of `size` keys; zigzag's parts hold chunks b and 2P - 1 - b
+        runs = parts if kind == "contiguous" else 2 * parts
+        size = -(-self.x_len // runs)
+        edges = np.minimum(np.arange(runs + 1, dtype=np.int64) * size, self.x_len)
+        per_run = np.diff(self._below(rows, edges))
+        return per_run if kind == "contiguous" else per_run[:parts] + per_run[::-1][:parts]
+
+    # -- per scheme ------------------------------------------------------------
+    def ring_steps(self, kind: str, parts: int) -> tuple[int, ...]:
+        """steps[s]: the most pairs any rank a keeps at the ring step that
+        brings it rank (a - s)'s keys (s = 0: its own; the other way round,
+        step t brings rank a + t's, which is steps[P - t])."""
+        if ("ring", kind, parts) in self._memo:
+            return self._memo["ring", kind, parts]
+        np = self._np
+        out = np.zeros(parts, dtype=np.int64)
+        offsets = np.arange(parts)
+        for a in range(parts):
+            w = self._key_parts(self._query_rows(kind, parts, a), kind, parts)
+            np.maximum(out, w[(a - offsets) % parts], out=out)
+        return self._memo.setdefault(("ring", kind, parts), tuple(int(v) for v in out))
+
+    def grid_busiest(self, rows: int, cols: int) -> int:
+        """ATTENTION2D on an R x C grid: device (i, j) holds part iC + j of the
+        P = RC cyclic parts and computes the queries of its grid row's parts
+        (positions t with (t mod P) // C = i) against the keys of its
+        column's (t = j modulo C); the most pairs any device keeps."""
+        if ("grid", rows, cols) not in self._memo:
+            t = self._np.arange(self.q_len)
+            self._memo["grid", rows, cols] = int(self._by_residue(t, cols, (t % (rows * cols)) // cols, rows).max())
+        return self._memo["grid", rows, cols]
+
+    def tree_busiest(self, parts: int) -> int:
+        """Decoding's tree: every query on every device, the keys in
+        contiguous shards; the most pairs any device keeps."""
+        return int(self._key_parts(self._np.arange(self.q_len), "contiguous", parts).max())
 
 
 # --------------------------------------------------------------------------

@@ -25,10 +25,12 @@ The candidates, for P devices (G per node):
   and napkin cost read;
 * with ``--docs LENGTHS``, a mask comparing ids (``doc[b, q] == doc``) is
   priced on packed documents of those lengths (napkin/documents.py): its
-  compute is the pairs they keep, and the flat ring over contiguous shards
-  runs the steps RingAttention would read from such ids, each step timed at
-  its busiest rank (documents.shard_pairs: a long document's shards work
-  while the others wait).
+  compute is the pairs they keep, each scheme's counted in its own token
+  layout at its busiest device (documents.ShardPairs: a long document's
+  devices work while the others wait), and each flat ring, zigzag or over
+  contiguous shards, runs the steps RingAttention would read from such ids
+  (napkin cost counts the same), each step timed at its busiest rank.  A
+  double ring, which runs every step, still splits them evenly.
 
 Each is costed with napkin/cost/collectives.py, the model the
 multi-process tests prove against the byte counter: bytes per device,
@@ -41,7 +43,7 @@ on an H100, background section 4) for every GPU.  Every scheme's layout is
 taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings, and
 contiguous shards for a ring cut short: a window's work is balanced there but
 for the first devices, a causal mask's is not, and such a ring never
-reaches fewer steps; documents are the exception, counted per rank as
+reaches fewer steps; documents are the exception, counted per device as
 above); bench/cp_bench.py counts the work of each device exactly instead.
 
 ``--emit OUT.ncd`` writes the diagram with the winner's mesh levels (a
@@ -69,7 +71,7 @@ from .cost.devices import moved, placement_of, unstated_gpus_per_node
 from .cost.profiles import get_profile, profile_names
 from .distributed.reach import mask_bounds, ring_arms, same_ids
 from .distributed.reading import roles
-from .documents import Documents, add_docs_option, covered, id_wire, kept_pairs, ring_meets, shard_pairs
+from .documents import Documents, ShardPairs, add_docs_option, covered, id_wire, ring_meets
 from .errors import NapkinError
 from .files import why_not, write_atomic
 from .sizes import positive_int
@@ -100,8 +102,11 @@ class Option:
     backward_s: float
     comm_s: float                        # transfer time on the critical path's collectives (not overlap-aware)
     compute_s: float
-    # a flat ring over contiguous shards cut short: its steps the usual way round and the other way
+    # a flat ring cut short: its steps the usual way round and the other way
     arms: Optional[tuple[int, int]] = None
+    # the token layout its tiles name: "contiguous" for a ring cut short by its mask's reach (the
+    # launcher and napkin cost read it); None for the scheme's own (a ring's zigzag)
+    layout: Optional[str] = None
 
     @property
     def reach(self) -> Optional[int]:
@@ -126,7 +131,9 @@ class Option:
             n, g = self.grid
             return ("Double ring" if self.scheme == "ring2" else "Double ring + BurstAttention backward") + \
                 f" of {n} nodes x {g}"
-        short = f" over contiguous shards, {self.reach} of {self.grid[0]} steps" if self.reach else ""
+        short = f", {self.reach} of {self.grid[0]} steps on the documents" if self.reach else ""
+        if self.layout == "contiguous":
+            short = f" over contiguous shards, {self.reach} of {self.grid[0]} steps"
         if self.arms is not None and self.arms[1]:
             short += f" ({self.arms[0]} back, {self.arms[1]} ahead)"
         return {"ring": "Ring", "burst": "Ring + BurstAttention backward", "tree": "tree (decoding)"}[
@@ -159,21 +166,15 @@ def placements(p: int, gpus_per_node: int, training: bool = True) -> list[C.Plac
     return out
 
 
-def density(diagram: ir.Diagram, r, sizes: dict[str, int], docs: Optional[Documents] = None) -> float:
+def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
     """The fraction of query-key pairs the mask keeps, at a block grid (1 for
     an unmasked diagram and for a mask that reads data; partial blocks count
-    half).  ``docs``: a mask comparing ids keeps, exactly, the pairs of each
-    document within its affine bounds (documents.kept_pairs)."""
+    half; on --docs' documents Pricing counts the pairs, documents.ShardPairs)."""
     body = r.score if r.score is not None else diagram.tensor(r.value).expr
     node = masks.mask_node(body)
     if node is None:
         return 1.0
     pred = masks.mask_predicate(node)
-    same = same_ids(r) if docs is not None else ()
-    if same:
-        kept = kept_pairs(docs, mask_bounds(r), sizes[r.query], sizes[r.key], sizes,
-                          covered(docs, diagram, same[0], sizes))
-        return kept / (sizes[r.query] * sizes[r.key])
     if any(isinstance(n, ir.TensorRef) for n in ir.walk(pred)):
         # a mask of data (document ids): which pairs it keeps is known only at run time;
         # counted dense, as napkin cost counts it (every block read "partial", it was priced at half)
@@ -204,7 +205,7 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     """Every option, best (least predicted time, then fewest bytes, then fewest
     across nodes) first.  ``docs``: a mask comparing ids (doc[b, q] == doc)
     read on documents of these lengths: the pairs it keeps set the compute,
-    and the flat ring over contiguous shards runs the steps they leave."""
+    each scheme's busiest device and each flat ring's steps on them."""
     if devices < 1:
         raise NapkinError(f"--devices must be at least 1, not {devices}")
     if devices > MAX_DEVICES:
@@ -220,7 +221,7 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     candidates = placements(devices, g, training)
     out = [pricing.option(pl, g) for pl in candidates]
     if sum(pricing.arms) < devices:
-        out += [pricing.option(pl, g, pricing.arms) for pl in candidates if pl.scheme in ("ring", "burst")]
+        out += [pricing.option(pl, g, cut=True) for pl in candidates if pl.scheme in ("ring", "burst")]
     # times equal but for the order of their additions (one round of 16 or two
     # of 8) tie: the fewer bytes, then the fewer across nodes, decide
     out.sort(key=lambda o: (rank_time(o.total_s), o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
@@ -239,9 +240,10 @@ class Pricing:
     devices: int
     training: bool
     arms: tuple[int, int]   # the steps a flat ring over contiguous shards runs each way (reach.ring_arms)
-    # on --docs' documents: the pairs each contiguous shard's queries keep of each shard's keys
-    # (documents.shard_pairs), which price that ring's steps at its busiest rank; else None
-    shards: Optional[tuple[tuple[int, ...], ...]] = None
+    # on --docs' documents: the pairs each scheme's devices keep (documents.ShardPairs), which
+    # price every step at its busiest device, and the steps the zigzag ring runs; else None
+    kept: Optional[ShardPairs] = dataclasses.field(default=None, compare=False)
+    zigzag_arms: Optional[tuple[int, int]] = None
 
     @staticmethod
     def of(diagram: ir.Diagram, devices: int, sizes: Optional[dict], profile: Optional[str],
@@ -254,43 +256,36 @@ class Pricing:
         m = moved(diagram, r, bound)
         prof = get_profile(profile_of(diagram, profile))
         rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
-        meets = shards = None
-        if docs is not None:
-            same = same_ids(r)
-            if not same:
-                raise NapkinError(f"--docs: diagram {diagram.name}'s mask compares no ids at the query and the key "
-                                  "(doc[b, q] == doc): document lengths change nothing napkin plan prices")
-            if id_wire(diagram, same[0]) not in bound:
-                raise NapkinError(f"give the size of {id_wire(diagram, same[0])} (-D WIRE=N): --docs covers it")
-            length = covered(docs, diagram, same[0], bound)
-            meets = ring_meets(docs, "contiguous", devices, m.q_len, m.x_len, length)
-            shards = shard_pairs(docs, mask_bounds(r), devices, m.q_len, m.x_len, bound, length)
-        return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound, docs)), rate, devices,
-                       training, ring_arms(r, "contiguous", devices, m.q_len, m.x_len, meets), shards)
+        if docs is None:
+            return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound)), rate, devices,
+                           training, ring_arms(r, "contiguous", devices, m.q_len, m.x_len))
+        same = same_ids(r)
+        if not same:
+            raise NapkinError(f"--docs: diagram {diagram.name}'s mask compares no ids at the query and the key "
+                              "(doc[b, q] == doc): document lengths change nothing napkin plan prices")
+        if id_wire(diagram, same[0]) not in bound:
+            raise NapkinError(f"give the size of {id_wire(diagram, same[0])} (-D WIRE=N): --docs covers it")
+        length = covered(docs, diagram, same[0], bound)
+        kept = ShardPairs(docs, mask_bounds(r), m.q_len, m.x_len, bound, length)
+        arms = {kind: ring_arms(r, kind, devices, m.q_len, m.x_len,
+                                ring_meets(docs, kind, devices, m.q_len, m.x_len, length))
+                for kind in ("contiguous", "zigzag")}
+        return Pricing(m, C.Links.of(prof), forward_flops(m, kept.total / (m.q_len * m.x_len)), rate, devices,
+                       training, arms["contiguous"], kept, arms["zigzag"])
 
-    @property
-    def pairs(self) -> int:
-        """The pairs kept, all shards together (those ``flops`` counts)."""
-        return sum(map(sum, self.shards))
-
-    def option(self, pl: C.Placement, g: int, arms: Optional[tuple[int, int]] = None) -> Option:
+    def option(self, pl: C.Placement, g: int, cut: bool = False) -> Option:
         """``pl`` costed (``g``: the GPUs a node it is labelled with where the
-        placement, a grid block, does not say; ``arms``: a flat ring over
-        contiguous shards, cut to that many steps back and ahead)."""
-        flops, devices, rate = self.flops, self.devices, self.rate
+        placement, a grid block, does not say; ``cut``: the flat ring over
+        contiguous shards, cut to the steps its mask reaches, ``arms``)."""
+        arms, layout = (self.arms, "contiguous") if cut else (None, None)
+        if not cut and pl.scheme in ("ring", "burst") and self.zigzag_arms is not None \
+                and sum(self.zigzag_arms) < self.devices:
+            arms = self.zigzag_arms     # the ring RingAttention runs on these ids, in its own zigzag
         m = self.moved if arms is None else \
-            dataclasses.replace(self.moved, layout="contiguous", reach=arms[0], ahead=arms[1])
-        steps = sum(arms) if arms is not None else (pl.parts if pl.scheme in C.RINGS else 1)
-        work = [flops / devices / steps] * steps
-        if arms is not None and self.shards is not None:
-            # each step at its busiest rank: step s of the usual way holds rank r - s's keys, step t
-            # of the other way rank r + t's (a long document's shards work while the others wait)
-            per_pair = flops / self.pairs
-            w, p = self.shards, devices
-            work = [per_pair * max(w[r][(r - s) % p] for r in range(p)) for s in range(arms[0])] + \
-                [per_pair * max(w[r][(r + t) % p] for r in range(p)) for t in range(1, arms[1] + 1)]
-        fwd = [x / (rate * FWD_EFFICIENCY) for x in work]
-        bwd = [BWD_FLOP_FACTOR * x / (rate * BWD_EFFICIENCY) for x in work] \
+            dataclasses.replace(self.moved, layout=layout or "zigzag", reach=arms[0], ahead=arms[1])
+        work = self._work(pl, arms, layout or "zigzag")
+        fwd = [x / (self.rate * FWD_EFFICIENCY) for x in work]
+        bwd = [BWD_FLOP_FACTOR * x / (self.rate * BWD_EFFICIENCY) for x in work] \
             if self.training and pl.scheme != "tree" else None
         t = C.scheme_seconds(pl, m, self.links, fwd, bwd)
         phases = ("forward", "backward") if bwd is not None else ("forward",)
@@ -299,7 +294,25 @@ class Pricing:
         across = max(sum(traffic[ph][k].sent_across for ph in phases) for k in range(pl.parts))
         return Option(pl.scheme, pl.grid, pl.block, pl.gpus_per_node or g, sent["forward"],
                       sent.get("backward", 0), across, t.forward_s, t.backward_s,
-                      t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s, arms)
+                      t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s, arms,
+                      layout)
+
+    def _work(self, pl: C.Placement, arms: Optional[tuple[int, int]], layout: str) -> list[float]:
+        """The forward FLOPs of each step (its busiest device's): an even split
+        of ``flops``, or on documents the pairs the busiest device keeps."""
+        p = self.devices
+        steps = sum(arms) if arms is not None else (pl.parts if pl.scheme in C.RINGS else 1)
+        if self.kept is None or pl.scheme not in ("ring", "burst", "attention2d", "tree"):
+            return [self.flops / p / steps] * steps     # (a double ring: even, every step)
+        per_pair = self.flops / self.kept.total if self.kept.total else 0.0
+        if pl.scheme == "attention2d":
+            return [per_pair * self.kept.grid_busiest(*pl.grid)]
+        if pl.scheme == "tree":
+            return [per_pair * self.kept.tree_busiest(p)]
+        # step s of the usual way brings rank r - s's keys, step t of the other way rank r + t's
+        w = self.kept.ring_steps(layout, p)
+        back, ahead = arms if arms is not None else (p, 0)
+        return [per_pair * w[s] for s in range(back)] + [per_pair * w[p - t] for t in range(1, ahead + 1)]
 
 
 # --------------------------------------------------------------------------
@@ -354,7 +367,7 @@ def mesh_levels(option: Option, query: str, key: str) -> tuple[ir.Level, ...]:
     state = p > 1 and g != unstated_gpus_per_node(p)   # the nodes are to be written down
 
     # a ring over contiguous shards cut short says so on its tiles (napkin cost then prices it so)
-    layout = "contiguous" if option.reach is not None else None
+    layout = option.layout
 
     def level(name, tiles, keep=False):
         tiles = tuple(ir.Tile(w, kind, n, True, layout=layout) for w, kind, n in tiles if n > 1 or keep)
@@ -404,7 +417,7 @@ def emitted_placement_note(option: Option, emitted: ir.Diagram, sizes: Optional[
     if option.scheme.startswith("burst"):   # the backward is the wrapper's choice, not the diagram's
         read = dataclasses.replace(read, scheme=read.scheme.replace("ring", "burst"))
     cost = Pricing.of(emitted, p, sizes, profile, training, docs).option(read, read.gpus_per_node or p,
-                                                                         option.arms)
+                                                                         cut=option.layout == "contiguous")
     if (rank_time(cost.forward_s), rank_time(cost.backward_s), cost.across_bytes) == \
             (rank_time(option.forward_s), rank_time(option.backward_s), option.across_bytes):
         return None

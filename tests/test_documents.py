@@ -13,11 +13,15 @@ of the arithmetic:
   kernels move (napkin.bytecount), forward, backward and a packed launch;
 * a ring's meets against ring.id_meets on the same ids in every layout, and
   the steps napkin cost and napkin plan price against RingAttention.arms;
-* the kept pairs napkin plan's compute uses against a brute force;
+* the kept pairs napkin plan's compute uses, per device in every scheme's
+  token layout (the positions distributed/layouts.py gives each rank),
+  against a brute force; plan's zigzag ring cut by the documents against
+  napkin cost's and RingAttention's steps;
 * the option's refusals, with their exact words.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import defaultdict
 from pathlib import Path
@@ -119,6 +123,27 @@ def test_spans_are_the_prepass_ranges(folder, mask):
             cols, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, True, True, True)
             assert [tuple(r[:2]) for r in cols[0].tolist()] == list(D.column_spans(spans, -(-n // bc))), \
                 (mask, docs, br, bc)
+
+
+@pytest.mark.parametrize("score, exact", [("x < q", True), ("x > q and x - q < 5", True), ("2 * x <= q", False)])
+def test_spans_where_rows_keep_nothing_or_a_conjunct_bounds_no_loop(folder, score, exact):
+    """Rows that keep nothing (a document's first row under x < q, its last
+    under x > q) leave the spans exact.  A conjunct the kernels' loops cannot
+    read as a bound (2 * x <= q: x's coefficient is 2) is not counted: the
+    prepass evaluates it and finds fewer blocks, inside the spans."""
+    text = DOC.replace(SCORE, f"where({score} and doc[b, q] == doc,")
+    m = compile_text(text, f"documents_keep_{len(score)}", folder)
+    plan = _plan(napkin.load_text(text, "m.ncd"))
+    n, sz, differ = 83, {"b": 1, "h": 1, "q": 83, "x": 83, "d": 64}, 0
+    for docs in (D.Documents(every=9), D.Documents(lengths=(50, 1, 30, 2)), _random_docs(n, 1)):
+        doc = _ids(docs, n)
+        for br, bc in [(16, 16), (32, 8)]:
+            spans = D.row_spans(docs, tuple(plan.bounds), n, n, br, bc, sz, n)
+            got, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, False, False, True)
+            found = [tuple(r[:2]) for r in got[0].tolist()]
+            assert all(a == b or (a[0] == a[1] or b[0] <= a[0] <= a[1] <= b[1]) for a, b in zip(found, spans))
+            differ += found != list(spans)
+    assert (differ == 0) == exact, differ
 
 
 def test_column_spans_of_spans_with_gaps():
@@ -255,7 +280,8 @@ def test_cost_and_plan_run_the_steps_ring_attention_runs(score):
     """The steps napkin cost and napkin plan price on documents are the ones
     RingAttention runs on the same ids (both ways round without causality)."""
     from napkin.distributed.ring import RingAttention
-    from napkin.plan import plan
+    from napkin.plan import emit, plan
+    from napkin.printer import to_text
 
     text = RING.replace("x <= q and doc[b, q] == doc", score)
     text = text.replace("across 4", "across 8")
@@ -271,15 +297,23 @@ def test_cost_and_plan_run_the_steps_ring_attention_runs(score):
         comm = report.devices
         assert ((comm.ring_steps or 8), comm.ring_ahead) == (back + ahead, ahead)
         assert comm.ring_documents == docs.describe(n) and from_json(report.to_json()) == report
-        cut = [o for o in plan(d, 8, sizes, docs=docs) if o.arms is not None]
+        cut = [o for o in plan(d, 8, sizes, docs=docs) if o.layout == "contiguous"]
         assert [o.arms for o in cut] == ([(back, ahead)] * 2 if back + ahead < 8 else [])
         seen.add((back, ahead))
     # a ring that names no layout runs zigzag, and the cost pass says so on documents
     zigzag = napkin.load_text(text.replace("across 8 contiguous", "across 8"), "z.ncd")
-    docs = D.Documents(every=500)
-    comm = analyse(zigzag, sizes, docs=docs).devices
-    assert (comm.layout, comm.ring_steps or 8) == ("zigzag", sum(RingAttention(zigzag).arms(8, n, n, side={
-        "doc": _ids(docs, n)})))
+    for docs in (D.Documents(every=500), D.Documents(every=1000), _random_docs(n, 7)):
+        steps = RingAttention(zigzag).arms(8, n, n, side={"doc": _ids(docs, n)})
+        comm = analyse(zigzag, sizes, docs=docs).devices
+        assert (comm.layout, comm.ring_steps or 8) == ("zigzag", sum(steps))
+        # plan's Ring (zigzag: the layout it emits no word for) runs those steps too, and napkin
+        # cost prices the diagram it emits as plan did
+        rings = [o for o in plan(zigzag, 8, sizes, docs=docs) if o.scheme in ("ring", "burst") and not o.layout]
+        assert [o.arms for o in rings] == [steps if sum(steps) < 8 else None] * 2, docs
+        for o in rings:
+            comm = analyse(napkin.load_text(to_text(emit(zigzag, o)), "e.ncd"), sizes, docs=docs).devices
+            back = comm.burst_backward_time_s if o.scheme == "burst" else comm.backward_time_s
+            assert comm.time_s + back == pytest.approx(o.comm_s, rel=1e-9), (o.label, docs)
     # the documents make the ring run different steps (both ways round without causality)
     assert len(seen) >= 4 and any(a for _, a in seen) == ("x <= q" not in score)
 
@@ -308,8 +342,8 @@ def test_kept_pairs_are_counted_pairs(mask):
     for n in (1, 77, 130):
         for docs in (_random_docs(n, n), D.Documents(every=16)):
             sizes = {"b": 1, "h": 1, "q": n, "x": n, "d": 64}
-            assert D.kept_pairs(docs, mask_bounds(r), n, n, sizes, n) == int(_kept(mask, docs, n).sum()), \
-                (mask, n, docs)
+            got = D.ShardPairs(docs, mask_bounds(r), n, n, sizes, n).total
+            assert got == int(_kept(mask, docs, n).sum()), (mask, n, docs)
 
 
 # --------------------------------------------------------------------------
@@ -403,49 +437,80 @@ def test_report_and_render_count_on_documents(tmp_path, capsys):
         "napkin: --docs prices the byte counts on the edges, which --no-costs leaves off: give one"
 
 
+def _shard_pairs(keep: torch.Tensor, rows: list, cols: list) -> list[list[int]]:
+    """W[a][b]: the pairs ``keep`` holds between positions rows[a] and cols[b]."""
+    return [[int(keep[r][:, c].sum()) for c in cols] for r in rows]
+
+
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_shard_pairs_are_counted_pairs(mask):
-    """shard_pairs[a][b] = the kept pairs between contiguous shard a's
-    queries and shard b's keys, counted from the whole mask (ragged shards)."""
+    """ShardPairs' busiest device of each scheme = the most pairs the whole
+    mask keeps between the positions distributed/layouts.py gives a device
+    (ragged shards): each ring step in the contiguous, zigzag and cyclic
+    layouts, ATTENTION2D's grid rows and columns of cyclic parts, the tree's
+    contiguous keys."""
+    from napkin.distributed.layouts import TokenLayout
     from napkin.distributed.reach import mask_bounds
     from napkin.distributed.reading import roles
 
     text = MASKS[mask].replace("  level hbm", "  level devices { group q across 2\n    stream x across 2 }\n"
                                               "  level hbm", 1)
     r = roles(napkin.load_text(text, "m.ncd"))
-    n, parts = 101, 4
-    rows = -(-n // parts)
+    n = 101
+
+    def parts(kind, p):
+        return [pos[pos < n] for pos in (TokenLayout(kind, p, n).positions(a) for a in range(p))]
     for docs in (_random_docs(n, 3), D.Documents(every=30)):
         keep = _kept(mask, docs, n)
-        want = tuple(tuple(int(keep[a * rows:(a + 1) * rows, b * rows:(b + 1) * rows].sum()) for b in range(parts))
-                     for a in range(parts))
-        assert D.shard_pairs(docs, mask_bounds(r), parts, n, n, {"q": n, "x": n}, n) == want, (mask, docs)
+        got = D.ShardPairs(docs, mask_bounds(r), n, n, {"q": n, "x": n}, n)
+        assert got.total == int(keep.sum())
+        for kind in ("contiguous", "zigzag", "cyclic"):
+            for p in (1, 3, 4, 7):
+                w = _shard_pairs(keep, parts(kind, p), parts(kind, p))
+                assert got.ring_steps(kind, p) == tuple(max(w[a][(a - s) % p] for a in range(p)) for s in range(p)), \
+                    (mask, docs, kind, p)
+        for rows, cols in ((1, 4), (2, 2), (3, 2), (2, 3)):
+            cyc = parts("cyclic", rows * cols)
+            mine = [torch.cat([cyc[i * cols + j] for j in range(cols)]) for i in range(rows)]
+            theirs = [torch.cat([cyc[i * cols + j] for i in range(rows)]) for j in range(cols)]
+            assert got.grid_busiest(rows, cols) == max(map(max, _shard_pairs(keep, mine, theirs))), (rows, cols)
+        for p in (1, 2, 5):
+            assert got.tree_busiest(p) == max(_shard_pairs(keep, [torch.arange(n)], parts("contiguous", p))[0])
 
 
-def test_plan_prices_a_cut_ring_at_its_busiest_rank():
-    """Over contiguous shards a long document's ranks do more work than the
-    rest, and each step waits for the busiest: documents that fill every
-    shard alike price as the even split did; one long document (30,000 of
-    65,536 tokens over 8 shards) makes the cut ring slower than Ring, where
-    the even split ranked it first (its bytes fewer, its compute equal)."""
-    import dataclasses
-
+def test_plan_prices_each_scheme_at_its_busiest_device():
+    """Each scheme's steps wait for their busiest device.  Documents that fill
+    every shard alike price as the even split did; one long document (30,000
+    of 65,536 tokens over 8) loads some ranks of both rings, contiguous and
+    zigzag, at some step, where ATTENTION2D's cyclic parts share it out: the
+    grid now ranks first, where the even split put Ring there."""
+    from napkin.cost import collectives as C
     from napkin.plan import Pricing, placements, plan
 
     d = napkin.load(REPO / "examples" / "document_ring.ncd")
     sizes = {"b": 1, "h": 16, "q": 65536, "x": 65536}
-    rings = [pl for pl in placements(8, 8, True) if pl.scheme in ("ring", "burst")]
+    candidates = placements(8, 8, True)
+    rings = [pl for pl in candidates if pl.scheme in ("ring", "burst")]
     even = Pricing.of(d, 8, sizes, None, True, D.Documents(every=4096))
-    assert sum(even.arms) == 1
+    assert sum(even.arms) == sum(even.zigzag_arms) == 1
+    flat = dataclasses.replace(even, kept=None)
     for pl in rings:
-        assert even.option(pl, 8, even.arms) == dataclasses.replace(even, shards=None).option(pl, 8, even.arms)
+        assert even.option(pl, 8, cut=True) == flat.option(pl, 8, cut=True)
     docs = D.Documents(lengths=(9000, 30000, 2000, 24536))
     skewed = Pricing.of(d, 8, sizes, None, True, docs)
-    w = skewed.shards
-    busiest = sum(max(w[r][(r - s) % 8] for r in range(8)) for s in range(skewed.arms[0]))
-    for pl in rings:
-        cut, flat = skewed.option(pl, 8, skewed.arms), dataclasses.replace(skewed, shards=None).option(
-            pl, 8, skewed.arms)
-        assert cut.compute_s == pytest.approx(flat.compute_s * busiest / (skewed.pairs / 8))
+    flat = dataclasses.replace(skewed, kept=None)
+    per_device = skewed.kept.total / 8
+    for pl in candidates:
+        for cut in (False, True) if pl.scheme in ("ring", "burst") else (False,):
+            steps = skewed.kept.ring_steps("contiguous" if cut else "zigzag", 8)
+            busiest = sum(steps[:skewed.arms[0]]) if cut else sum(steps) if pl.scheme in C.RINGS else \
+                skewed.kept.grid_busiest(*pl.grid)
+            assert skewed.option(pl, 8, cut).compute_s == pytest.approx(
+                flat.option(pl, 8, cut).compute_s * busiest / per_device), (pl, cut)
+            # the rings' busiest steps hold over 2x the mean, the grids' within 0.1% of it
+            assert busiest / per_device > 2 if pl.scheme in C.RINGS else busiest / per_device < 1.001
     ranked = [o.label for o in plan(d, 8, sizes, docs=docs)]
-    assert ranked.index("Ring of 8") < ranked.index("Ring of 8 over contiguous shards, 4 of 8 steps")
+    assert ranked[0] == "ATTENTION2D 2x4"
+    assert ranked.index("Ring of 8 over contiguous shards, 4 of 8 steps") < ranked.index("Ring of 8")
+    evenly = [flat.option(pl, 8) for pl in candidates if pl.scheme in ("ring", "attention2d")]
+    assert min(evenly, key=lambda o: o.total_s).scheme == "ring"
