@@ -309,11 +309,12 @@ class ShardPairs:
         first = lo % m
         stop = first + length % m
         wraps = stop > m
-        diff = np.zeros((groups, m + 1), dtype=np.int64)
-        np.add.at(diff, (group, first), 1)
-        np.add.at(diff, (group, np.where(wraps, m, stop)), -1)
-        np.add.at(diff, (group[wraps], 0), 1)
-        np.add.at(diff, (group[wraps], stop[wraps] - m), -1)
+        width = m + 1
+
+        def count(g, j):        # how many (group, residue) pairs fall at each cell
+            return np.bincount(g * width + j, minlength=groups * width).reshape(groups, width)
+        diff = count(group, first) - count(group, np.where(wraps, m, stop)) \
+            + count(group[wraps], np.zeros(int(wraps.sum()), dtype=np.int64)) - count(group[wraps], stop[wraps] - m)
         base = np.bincount(group, weights=length // m, minlength=groups).astype(np.int64)
         return np.cumsum(diff[:, :m], axis=1) + base[:, None]
 
