@@ -338,19 +338,24 @@ class ShardPairs:
         return per_run if kind == "contiguous" else per_run[:parts] + per_run[::-1][:parts]
 
     # -- per scheme ------------------------------------------------------------
-    def ring_steps(self, kind: str, parts: int) -> tuple[int, ...]:
-        """steps[s]: the most pairs any rank a keeps at the ring step that
-        brings it rank (a - s)'s keys (s = 0: its own; the other way round,
-        step t brings rank a + t's, which is steps[P - t])."""
-        if ("ring", kind, parts) in self._memo:
-            return self._memo["ring", kind, parts]
+    def ring_steps(self, kind: str, parts: int, nodes: int = 1) -> tuple[int, ...]:
+        """steps[s]: the most pairs any rank keeps at step s of the ring, the
+        keys it holds then those of rank ``origin(a, s)``: a flat ring's a - s
+        (s = 0: its own; the other way round, step t brings rank a + t's,
+        which is steps[P - t]); a double ring of ``nodes`` x P / nodes works
+        through the node o before it in round o (distributed/groups.py's
+        ring_origin, which the tests hold this to)."""
+        if ("ring", kind, parts, nodes) in self._memo:
+            return self._memo["ring", kind, parts, nodes]
         np = self._np
         out = np.zeros(parts, dtype=np.int64)
-        offsets = np.arange(parts)
+        per_node = parts // nodes
+        o, i = np.divmod(np.arange(parts), per_node)
         for a in range(parts):
             w = self._key_parts(self._query_rows(kind, parts, a), kind, parts)
-            np.maximum(out, w[(a - offsets) % parts], out=out)
-        return self._memo.setdefault(("ring", kind, parts), tuple(int(v) for v in out))
+            node, local = divmod(a, per_node)
+            np.maximum(out, w[(node - o) % nodes * per_node + (local - i) % per_node], out=out)
+        return self._memo.setdefault(("ring", kind, parts, nodes), tuple(int(v) for v in out))
 
     def grid_busiest(self, rows: int, cols: int) -> int:
         """ATTENTION2D on an R x C grid: device (i, j) holds part iC + j of the

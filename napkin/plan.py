@@ -29,8 +29,8 @@ The candidates, for P devices (G per node):
   layout at its busiest device (documents.ShardPairs: a long document's
   devices work while the others wait), and each flat ring, zigzag or over
   contiguous shards, runs the steps RingAttention would read from such ids
-  (napkin cost counts the same), each step timed at its busiest rank.  A
-  double ring, which runs every step, still splits them evenly.
+  (napkin cost counts the same), each step timed at its busiest rank (a
+  double ring's too, which runs every step of its rounds).
 
 Each is costed with napkin/cost/collectives.py, the model the
 multi-process tests prove against the byte counter: bytes per device,
@@ -302,13 +302,15 @@ class Pricing:
         of ``flops``, or on documents the pairs the busiest device keeps."""
         p = self.devices
         steps = sum(arms) if arms is not None else (pl.parts if pl.scheme in C.RINGS else 1)
-        if self.kept is None or pl.scheme not in ("ring", "burst", "attention2d", "tree"):
-            return [self.flops / p / steps] * steps     # (a double ring: even, every step)
+        if self.kept is None:
+            return [self.flops / p / steps] * steps
         per_pair = self.flops / self.kept.total if self.kept.total else 0.0
         if pl.scheme == "attention2d":
             return [per_pair * self.kept.grid_busiest(*pl.grid)]
         if pl.scheme == "tree":
             return [per_pair * self.kept.tree_busiest(p)]
+        if pl.scheme in ("ring2", "burst2"):    # zigzag over all P, every step of every round
+            return [per_pair * w for w in self.kept.ring_steps("zigzag", p, pl.grid[0])]
         # step s of the usual way brings rank r - s's keys, step t of the other way rank r + t's
         w = self.kept.ring_steps(layout, p)
         back, ahead = arms if arms is not None else (p, 0)

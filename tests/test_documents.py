@@ -447,8 +447,10 @@ def test_shard_pairs_are_counted_pairs(mask):
     """ShardPairs' busiest device of each scheme = the most pairs the whole
     mask keeps between the positions distributed/layouts.py gives a device
     (ragged shards): each ring step in the contiguous, zigzag and cyclic
-    layouts, ATTENTION2D's grid rows and columns of cyclic parts, the tree's
-    contiguous keys."""
+    layouts and each step of a double ring (the blocks groups.ring_origin
+    says a rank holds), ATTENTION2D's grid rows and columns of cyclic parts,
+    the tree's contiguous keys."""
+    from napkin.distributed.groups import ring_origin
     from napkin.distributed.layouts import TokenLayout
     from napkin.distributed.reach import mask_bounds
     from napkin.distributed.reading import roles
@@ -469,6 +471,10 @@ def test_shard_pairs_are_counted_pairs(mask):
                 w = _shard_pairs(keep, parts(kind, p), parts(kind, p))
                 assert got.ring_steps(kind, p) == tuple(max(w[a][(a - s) % p] for a in range(p)) for s in range(p)), \
                     (mask, docs, kind, p)
+        for p, nodes in ((4, 2), (6, 3), (6, 2), (8, 4)):
+            w = _shard_pairs(keep, parts("zigzag", p), parts("zigzag", p))
+            assert got.ring_steps("zigzag", p, nodes) == tuple(
+                max(w[a][ring_origin(a, s, nodes, p // nodes)] for a in range(p)) for s in range(p)), (p, nodes)
         for rows, cols in ((1, 4), (2, 2), (3, 2), (2, 3)):
             cyc = parts("cyclic", rows * cols)
             mine = [torch.cat([cyc[i * cols + j] for j in range(cols)]) for i in range(rows)]
@@ -509,6 +515,12 @@ def test_plan_prices_each_scheme_at_its_busiest_device():
                 flat.option(pl, 8, cut).compute_s * busiest / per_device), (pl, cut)
             # the rings' busiest steps hold over 2x the mean, the grids' within 0.1% of it
             assert busiest / per_device > 2 if pl.scheme in C.RINGS else busiest / per_device < 1.001
+    # a double ring of 2 nodes x 4 works through its blocks in rounds, each step at its busiest rank
+    for pl in placements(8, 4, True):
+        if pl.scheme in ("ring2", "burst2"):
+            busiest = sum(skewed.kept.ring_steps("zigzag", 8, 2))
+            assert busiest / per_device > 2
+            assert skewed.option(pl, 4).compute_s == pytest.approx(flat.option(pl, 4).compute_s * busiest / per_device)
     ranked = [o.label for o in plan(d, 8, sizes, docs=docs)]
     assert ranked[0] == "ATTENTION2D 2x4"
     assert ranked.index("Ring of 8 over contiguous shards, 4 of 8 steps") < ranked.index("Ring of 8")
