@@ -30,7 +30,9 @@ The candidates, for P devices (G per node):
   devices work while the others wait), and each flat ring, zigzag or over
   contiguous shards, runs the steps RingAttention would read from such ids
   (napkin cost counts the same), each step timed at its busiest rank (a
-  double ring's too, which runs every step of its rounds).
+  double ring's too, which runs every step of its rounds); and the flat
+  ring over cyclic shards joins the candidates, as it deals every long
+  document out evenly (``--emit`` writes ``cyclic`` on its tiles).
 
 Each is costed with napkin/cost/collectives.py, the model the
 multi-process tests prove against the byte counter: bytes per device,
@@ -104,8 +106,9 @@ class Option:
     compute_s: float
     # a flat ring cut short: its steps the usual way round and the other way
     arms: Optional[tuple[int, int]] = None
-    # the token layout its tiles name: "contiguous" for a ring cut short by its mask's reach (the
-    # launcher and napkin cost read it); None for the scheme's own (a ring's zigzag)
+    # the token layout its tiles name (the launcher and napkin cost read it): "contiguous" for a
+    # ring cut short by its mask's reach, "cyclic" for a ring that shares documents out evenly
+    # (--docs); None for the scheme's own (a ring's zigzag)
     layout: Optional[str] = None
 
     @property
@@ -134,6 +137,8 @@ class Option:
         short = f", {self.reach} of {self.grid[0]} steps on the documents" if self.reach else ""
         if self.layout == "contiguous":
             short = f" over contiguous shards, {self.reach} of {self.grid[0]} steps"
+        elif self.layout == "cyclic":
+            short = " over cyclic shards" + short
         if self.arms is not None and self.arms[1]:
             short += f" ({self.arms[0]} back, {self.arms[1]} ahead)"
         return {"ring": "Ring", "burst": "Ring + BurstAttention backward", "tree": "tree (decoding)"}[
@@ -220,8 +225,13 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
     pricing = Pricing.of(diagram, devices, sizes, profile, training, docs)
     candidates = placements(devices, g, training)
     out = [pricing.option(pl, g) for pl in candidates]
+    rings = [pl for pl in candidates if pl.scheme in ("ring", "burst")]
     if sum(pricing.arms) < devices:
-        out += [pricing.option(pl, g, cut=True) for pl in candidates if pl.scheme in ("ring", "burst")]
+        out += [pricing.option(pl, g, "contiguous") for pl in rings]
+    if pricing.kept is not None:
+        # on documents the layout decides the busiest rank: cyclic shares every long document out
+        # evenly, where zigzag and contiguous shards leave it to a few ranks
+        out += [pricing.option(pl, g, "cyclic") for pl in rings]
     # times equal but for the order of their additions (one round of 16 or two
     # of 8) tie: the fewer bytes, then the fewer across nodes, decide
     out.sort(key=lambda o: (rank_time(o.total_s), o.forward_bytes + o.backward_bytes, o.across_bytes, o.label))
@@ -241,9 +251,11 @@ class Pricing:
     training: bool
     arms: tuple[int, int]   # the steps a flat ring over contiguous shards runs each way (reach.ring_arms)
     # on --docs' documents: the pairs each scheme's devices keep (documents.ShardPairs), which
-    # price every step at its busiest device, and the steps the zigzag ring runs; else None
+    # price every step at its busiest device, and the steps a flat ring runs on them in the zigzag
+    # and cyclic layouts (its ids cut it in any); else None
     kept: Optional[ShardPairs] = dataclasses.field(default=None, compare=False)
     zigzag_arms: Optional[tuple[int, int]] = None
+    cyclic_arms: Optional[tuple[int, int]] = None
 
     @staticmethod
     def of(diagram: ir.Diagram, devices: int, sizes: Optional[dict], profile: Optional[str],
@@ -269,20 +281,24 @@ class Pricing:
         kept = ShardPairs(docs, mask_bounds(r), m.q_len, m.x_len, bound, length)
         arms = {kind: ring_arms(r, kind, devices, m.q_len, m.x_len,
                                 ring_meets(docs, kind, devices, m.q_len, m.x_len, length))
-                for kind in ("contiguous", "zigzag")}
+                for kind in ("contiguous", "zigzag", "cyclic")}
         return Pricing(m, C.Links.of(prof), forward_flops(m, kept.total / (m.q_len * m.x_len)), rate, devices,
-                       training, arms["contiguous"], kept, arms["zigzag"])
+                       training, arms["contiguous"], kept, arms["zigzag"], arms["cyclic"])
 
-    def option(self, pl: C.Placement, g: int, cut: bool = False) -> Option:
+    def option(self, pl: C.Placement, g: int, layout: Optional[str] = None) -> Option:
         """``pl`` costed (``g``: the GPUs a node it is labelled with where the
-        placement, a grid block, does not say; ``cut``: the flat ring over
-        contiguous shards, cut to the steps its mask reaches, ``arms``)."""
-        arms, layout = (self.arms, "contiguous") if cut else (None, None)
-        if not cut and pl.scheme in ("ring", "burst") and self.zigzag_arms is not None \
-                and sum(self.zigzag_arms) < self.devices:
-            arms = self.zigzag_arms     # the ring RingAttention runs on these ids, in its own zigzag
+        placement, a grid block, does not say).  ``layout``, a flat ring's
+        tokens named on its tiles: "contiguous", the ring cut to the steps
+        its mask reaches (``arms``); "cyclic" (--docs only); None, the
+        scheme's own (zigzag for a ring, cut where --docs' ids allow)."""
+        arms = {"contiguous": self.arms, "cyclic": self.cyclic_arms, None: self.zigzag_arms}[layout] \
+            if pl.scheme in ("ring", "burst") else None
+        if layout is None and arms is not None and sum(arms) == self.devices:
+            arms = None     # the zigzag ring of every step: the even bytes, priced as without --docs
         m = self.moved if arms is None else \
             dataclasses.replace(self.moved, layout=layout or "zigzag", reach=arms[0], ahead=arms[1])
+        if layout == "cyclic" and sum(arms) == self.devices:
+            arms = None     # (labelled as not cut)
         work = self._work(pl, arms, layout or "zigzag")
         fwd = [x / (self.rate * FWD_EFFICIENCY) for x in work]
         bwd = [BWD_FLOP_FACTOR * x / (self.rate * BWD_EFFICIENCY) for x in work] \
@@ -419,7 +435,7 @@ def emitted_placement_note(option: Option, emitted: ir.Diagram, sizes: Optional[
     if option.scheme.startswith("burst"):   # the backward is the wrapper's choice, not the diagram's
         read = dataclasses.replace(read, scheme=read.scheme.replace("ring", "burst"))
     cost = Pricing.of(emitted, p, sizes, profile, training, docs).option(read, read.gpus_per_node or p,
-                                                                         cut=option.layout == "contiguous")
+                                                                         option.layout)
     if (rank_time(cost.forward_s), rank_time(cost.backward_s), cost.across_bytes) == \
             (rank_time(option.forward_s), rank_time(option.backward_s), option.across_bytes):
         return None
