@@ -338,24 +338,32 @@ class ShardPairs:
         return per_run if kind == "contiguous" else per_run[:parts] + per_run[::-1][:parts]
 
     # -- per scheme ------------------------------------------------------------
-    def ring_steps(self, kind: str, parts: int, nodes: int = 1) -> tuple[int, ...]:
+    def ring_steps(self, kind: str, parts: int, nodes: int = 1, queries: bool = False) -> tuple[int, ...]:
         """steps[s]: the most pairs any rank keeps at step s of the ring, the
-        keys it holds then those of rank ``origin(a, s)``: a flat ring's a - s
-        (s = 0: its own; the other way round, step t brings rank a + t's,
-        which is steps[P - t]); a double ring of ``nodes`` x P / nodes works
-        through the node o before it in round o (distributed/groups.py's
-        ring_origin, which the tests hold this to)."""
-        if ("ring", kind, parts, nodes) in self._memo:
-            return self._memo["ring", kind, parts, nodes]
+        blocks it holds then those of rank ``origin(r, s)``: a flat ring's
+        r - s (s = 0: its own; the other way round, step t brings rank r +
+        t's, which is steps[P - t]); a double ring of ``nodes`` x P / nodes
+        works through the node o before it in round o (distributed/groups.py's
+        ring_origin, which the tests hold this to).  The key blocks travel
+        (rank r's queries against origin's keys), or with ``queries`` the
+        query blocks (BurstAttention's backward over the whole ring: rank r's
+        keys against origin's queries)."""
+        key = ("ring", kind, parts, nodes, queries)
+        if key in self._memo:
+            return self._memo[key]
         np = self._np
         out = np.zeros(parts, dtype=np.int64)
         per_node = parts // nodes
-        o, i = np.divmod(np.arange(parts), per_node)
+        o, i = np.divmod(np.arange(parts), per_node)     # step s = o * per_node + i
         for a in range(parts):
             w = self._key_parts(self._query_rows(kind, parts, a), kind, parts)
             node, local = divmod(a, per_node)
-            np.maximum(out, w[(node - o) % nodes * per_node + (local - i) % per_node], out=out)
-        return self._memo.setdefault(("ring", kind, parts, nodes), tuple(int(v) for v in out))
+            if not queries:     # step s: rank a holds the keys of origin(a, s)
+                np.maximum(out, w[(node - o) % nodes * per_node + (local - i) % per_node], out=out)
+            else:               # rank b holds a's queries at the step s with origin(b, s) = a
+                at = (o - node) % nodes * per_node + (i - local) % per_node    # (o, i) as rank b
+                out[at] = np.maximum(out[at], w)
+        return self._memo.setdefault(key, tuple(int(v) for v in out))
 
     def grid_busiest(self, rows: int, cols: int) -> int:
         """ATTENTION2D on an R x C grid: device (i, j) holds part iC + j of the

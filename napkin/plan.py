@@ -300,8 +300,12 @@ class Pricing:
         if layout == "cyclic" and sum(arms) == self.devices:
             arms = None     # (labelled as not cut)
         work = self._work(pl, arms, layout or "zigzag")
+        # BurstAttention's backward over the whole ring sends the query blocks the keys' way round
+        # (ring.py): rank r's keys meet origin's queries; cut short, they go the other way, r + s's
+        back = self._work(pl, arms, layout or "zigzag", queries=True) \
+            if pl.scheme in ("burst", "burst2") and arms is None else work
         fwd = [x / (self.rate * FWD_EFFICIENCY) for x in work]
-        bwd = [BWD_FLOP_FACTOR * x / (self.rate * BWD_EFFICIENCY) for x in work] \
+        bwd = [BWD_FLOP_FACTOR * x / (self.rate * BWD_EFFICIENCY) for x in back] \
             if self.training and pl.scheme != "tree" else None
         t = C.scheme_seconds(pl, m, self.links, fwd, bwd)
         phases = ("forward", "backward") if bwd is not None else ("forward",)
@@ -313,9 +317,11 @@ class Pricing:
                       t.forward_comm_s + t.backward_comm_s, t.forward_compute_s + t.backward_compute_s, arms,
                       layout)
 
-    def _work(self, pl: C.Placement, arms: Optional[tuple[int, int]], layout: str) -> list[float]:
+    def _work(self, pl: C.Placement, arms: Optional[tuple[int, int]], layout: str,
+              queries: bool = False) -> list[float]:
         """The forward FLOPs of each step (its busiest device's): an even split
-        of ``flops``, or on documents the pairs the busiest device keeps."""
+        of ``flops``, or on documents the pairs the busiest device keeps
+        (``queries``: with the query blocks travelling, ShardPairs.ring_steps)."""
         p = self.devices
         steps = sum(arms) if arms is not None else (pl.parts if pl.scheme in C.RINGS else 1)
         if self.kept is None:
@@ -326,9 +332,9 @@ class Pricing:
         if pl.scheme == "tree":
             return [per_pair * self.kept.tree_busiest(p)]
         if pl.scheme in ("ring2", "burst2"):    # zigzag over all P, every step of every round
-            return [per_pair * w for w in self.kept.ring_steps("zigzag", p, pl.grid[0])]
+            return [per_pair * w for w in self.kept.ring_steps("zigzag", p, pl.grid[0], queries)]
         # step s of the usual way brings rank r - s's keys, step t of the other way rank r + t's
-        w = self.kept.ring_steps(layout, p)
+        w = self.kept.ring_steps(layout, p, queries=queries)
         back, ahead = arms if arms is not None else (p, 0)
         return [per_pair * w[s] for s in range(back)] + [per_pair * w[p - t] for t in range(1, ahead + 1)]
 

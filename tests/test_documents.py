@@ -474,10 +474,13 @@ def test_shard_pairs_are_counted_pairs(mask):
                 w = _shard_pairs(keep, parts(kind, p), parts(kind, p))
                 assert got.ring_steps(kind, p) == tuple(max(w[a][(a - s) % p] for a in range(p)) for s in range(p)), \
                     (mask, docs, kind, p)
-        for p, nodes in ((4, 2), (6, 3), (6, 2), (8, 4)):
+        for p, nodes in ((4, 1), (4, 2), (6, 3), (6, 2), (8, 4)):
             w = _shard_pairs(keep, parts("zigzag", p), parts("zigzag", p))
             assert got.ring_steps("zigzag", p, nodes) == tuple(
                 max(w[a][ring_origin(a, s, nodes, p // nodes)] for a in range(p)) for s in range(p)), (p, nodes)
+            # BurstAttention's backward: rank b's keys against the query blocks of origin(b, s)
+            assert got.ring_steps("zigzag", p, nodes, queries=True) == tuple(
+                max(w[ring_origin(b, s, nodes, p // nodes)][b] for b in range(p)) for s in range(p)), (p, nodes)
         for rows, cols in ((1, 4), (2, 2), (3, 2), (2, 3)):
             cyc = parts("cyclic", rows * cols)
             mine = [torch.cat([cyc[i * cols + j] for j in range(cols)]) for i in range(rows)]
