@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))
 from napkin import plan as PLAN  # noqa: E402
 from napkin.cost import collectives as C  # noqa: E402
 from napkin.cost.profiles import get_profile  # noqa: E402
+from napkin.documents import ShardPairs  # noqa: E402
 from napkin.distributed.groups import ring_origin  # noqa: E402
 
 MASKS = ("full", "causal", "document", "sliding_window", "prefix_lm", "shared_question")
@@ -128,49 +129,19 @@ def intervals(mask: str, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(zero, np.where(in_answer, question, q + 1)), (np.where(in_answer, start, q + 1), q + 1)]
 
 
-def _kept_below(iv, rows: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """sum over ``rows`` of the kept keys < e, for every edge e."""
-    out = np.zeros(len(edges), dtype=np.int64)
-    for lo, hi in iv:
-        l, h = lo[rows][:, None], hi[rows][:, None]
-        out += np.clip(edges[None, :] - l, 0, h - l).sum(0)
-    return out
-
-
 def ring_work(mask: str, n: int, p: int, layout: str = "zigzag") -> np.ndarray:
     """W[a, b]: kept pairs between the queries rank a holds and the keys rank
     b holds, zigzag layout (rank r holds chunks r and 2P-1-r) or contiguous
-    (rank r holds chunk r of P)."""
-    iv = intervals(mask, n)
-    k = 2 * p if layout == "zigzag" else p
-    c = -(-n // k)
-    edges = np.minimum(np.arange(k + 1) * c, n)
-    chunks = np.zeros((k, k), dtype=np.int64)
-    for a in range(k):
-        rows = np.arange(edges[a], edges[a + 1])
-        chunks[a] = np.diff(_kept_below(iv, rows, edges)) if len(rows) else 0
-    own = [(r, 2 * p - 1 - r) if layout == "zigzag" else (r,) for r in range(p)]
-    return np.array([[sum(chunks[x, y] for x in own[a] for y in own[b]) for b in range(p)] for a in range(p)])
+    (rank r holds chunk r of P): napkin.documents.ShardPairs, which napkin
+    plan prices documents by."""
+    return ShardPairs(n, n, intervals(mask, n)).part_pairs(layout, p)
 
 
-def grid_work(mask: str, n: int, rows: int, cols: int, block: int = 1 << 16) -> np.ndarray:
+def grid_work(mask: str, n: int, rows: int, cols: int) -> np.ndarray:
     """W[i, j]: kept pairs of grid device (i, j), cyclic layout (token t on
     part t mod P: row i holds queries with t mod P in [iC, iC + C), column j
     keys with x mod C == j)."""
-    p = rows * cols
-    iv = intervals(mask, n)
-    out = np.zeros((rows, cols), dtype=np.int64)
-    j = np.arange(cols, dtype=np.int64)[None, :]
-    for s in range(0, n, block):
-        q = np.arange(s, min(s + block, n))
-        i = (q % p) // cols
-        counts = np.zeros((len(q), cols), dtype=np.int64)
-        for lo, hi in iv:
-            l, h = lo[q][:, None], hi[q][:, None]
-            counts += np.maximum(-((j - h) // cols) - (-((j - l) // cols)), 0)
-        for r in range(rows):
-            out[r] += counts[i == r].sum(0)
-    return out
+    return ShardPairs(n, n, intervals(mask, n)).grid_pairs(rows, cols)
 
 
 # --------------------------------------------------------------------------

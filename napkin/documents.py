@@ -266,21 +266,29 @@ def row_intervals(docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_le
 
 
 class ShardPairs:
-    """The pairs a mask keeps on documents, counted per device in each
-    scheme's token layout (napkin plan: a step of a scheme waits for its
+    """The pairs a mask keeps, counted per device in each scheme's token
+    layout (napkin plan on documents: a step of a scheme waits for its
     busiest device, and a long document's devices work while the others
-    wait).  Built once from the rows' kept intervals (row_intervals); each
-    count is O(rows + P) or O(rows log rows + P^2) numpy, never a P x P
-    table held at once, so 8,192 devices cost seconds, not minutes."""
+    wait; bench/cp_bench.py on the LCA benchmark's masks).  Built from the
+    keys each query row keeps, a union of disjoint intervals [lo, hi) given
+    as (lo, hi) arrays, one pair per interval (``on_documents``: one, by
+    row_intervals).  Each count is O(rows + P) or O(rows log rows + P^2)
+    numpy; ring_steps holds no P x P table, so 8,192 devices cost seconds."""
 
-    def __init__(self, docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_length: int):
+    def __init__(self, q_len: int, x_len: int, intervals):
         import numpy as np
 
         self.q_len, self.x_len = q_len, x_len
-        self.lo, self.hi = row_intervals(docs, bounds, q_len, x_len, sizes, ids_length)
-        self.total = int((self.hi - self.lo).sum())
+        self.intervals = tuple((np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64))
+                               for lo, hi in intervals)
+        self.total = int(sum((hi - lo).sum() for lo, hi in self.intervals))
         self._np = np
         self._memo: dict = {}    # each count once: plan prices several options on one
+
+    @staticmethod
+    def on_documents(docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_length: int) -> "ShardPairs":
+        """The pairs a document mask keeps on these documents (row_intervals)."""
+        return ShardPairs(q_len, x_len, [row_intervals(docs, bounds, q_len, x_len, sizes, ids_length)])
 
     # -- the keys some rows keep, in runs of positions or by residue ----------
     def _below(self, rows, edges):
@@ -290,11 +298,12 @@ class ShardPairs:
         give back E - hi."""
         np = self._np
         out = np.zeros(len(edges), dtype=np.int64)
-        for ends, sign in ((self.lo[rows], 1), (self.hi[rows], -1)):
-            ends = np.sort(ends)
-            prefix = np.concatenate([[0], np.cumsum(ends)])
-            n = np.searchsorted(ends, edges, side="left")
-            out += sign * (n * edges - prefix[n])
+        for lo, hi in self.intervals:
+            for ends, sign in ((lo[rows], 1), (hi[rows], -1)):
+                ends = np.sort(ends)
+                prefix = np.concatenate([[0], np.cumsum(ends)])
+                n = np.searchsorted(ends, edges, side="left")
+                out += sign * (n * edges - prefix[n])
         return out
 
     def _by_residue(self, rows, m: int, group=None, groups: int = 1):
@@ -303,9 +312,12 @@ class ShardPairs:
         Each row's L = hi - lo keys hold L // m of every residue and one
         more of the L % m residues from lo's on: a difference array per
         group, the wrapping ones split in two."""
+        return sum(self._residues(lo[rows], hi[rows], m, group, groups) for lo, hi in self.intervals)
+
+    def _residues(self, lo, hi, m: int, group, groups: int):
         np = self._np
-        lo, length = self.lo[rows], self.hi[rows] - self.lo[rows]
-        group = np.zeros(len(rows), dtype=np.int64) if group is None else group
+        length = hi - lo
+        group = np.zeros(len(lo), dtype=np.int64) if group is None else group
         first = lo % m
         stop = first + length % m
         wraps = stop > m
@@ -365,14 +377,24 @@ class ShardPairs:
                 out[at] = np.maximum(out[at], w)
         return self._memo.setdefault(key, tuple(int(v) for v in out))
 
+    def part_pairs(self, kind: str, parts: int):
+        """W[a, b]: the pairs rank a's queries keep with rank b's keys, both in
+        the ``kind`` layout (a P x P table: for reports on a few ranks)."""
+        return self._np.array([self._key_parts(self._query_rows(kind, parts, a), kind, parts)
+                               for a in range(parts)])
+
+    def grid_pairs(self, rows: int, cols: int):
+        """ATTENTION2D on an R x C grid, [i, j]: the pairs device (i, j) keeps.
+        It holds part iC + j of the P = RC cyclic parts and computes the
+        queries of its grid row's parts (positions t with (t mod P) // C = i)
+        against the keys of its column's (t = j modulo C)."""
+        t = self._np.arange(self.q_len)
+        return self._by_residue(t, cols, (t % (rows * cols)) // cols, rows)
+
     def grid_busiest(self, rows: int, cols: int) -> int:
-        """ATTENTION2D on an R x C grid: device (i, j) holds part iC + j of the
-        P = RC cyclic parts and computes the queries of its grid row's parts
-        (positions t with (t mod P) // C = i) against the keys of its
-        column's (t = j modulo C); the most pairs any device keeps."""
+        """The most pairs any device of the R x C grid keeps (grid_pairs)."""
         if ("grid", rows, cols) not in self._memo:
-            t = self._np.arange(self.q_len)
-            self._memo["grid", rows, cols] = int(self._by_residue(t, cols, (t % (rows * cols)) // cols, rows).max())
+            self._memo["grid", rows, cols] = int(self.grid_pairs(rows, cols).max())
         return self._memo["grid", rows, cols]
 
     def tree_busiest(self, parts: int) -> int:

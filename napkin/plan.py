@@ -278,7 +278,7 @@ class Pricing:
         if id_wire(diagram, same[0]) not in bound:
             raise NapkinError(f"give the size of {id_wire(diagram, same[0])} (-D WIRE=N): --docs covers it")
         length = covered(docs, diagram, same[0], bound)
-        kept = ShardPairs(docs, mask_bounds(r), m.q_len, m.x_len, bound, length)
+        kept = ShardPairs.on_documents(docs, mask_bounds(r), m.q_len, m.x_len, bound, length)
         arms = {kind: ring_arms(r, kind, devices, m.q_len, m.x_len,
                                 ring_meets(docs, kind, devices, m.q_len, m.x_len, length))
                 for kind in ("contiguous", "zigzag", "cyclic")}

@@ -798,7 +798,7 @@ def test_cp_bench_masks_and_work_counts_are_exact():
             qs = [np.concatenate([cyc.positions(i * cols + j).numpy() for j in range(cols)]) for i in range(rows)]
             xs = [np.concatenate([cyc.positions(i * cols + j).numpy() for i in range(rows)]) for j in range(cols)]
             brute = [[keep[np.ix_(qs[i], xs[j])].sum() for j in range(cols)] for i in range(rows)]
-            assert B.grid_work(mask, n, rows, cols, block=16).tolist() == brute, (mask, rows, cols)
+            assert B.grid_work(mask, n, rows, cols).tolist() == brute, (mask, rows, cols)
 
 
 def test_double_ring_schedule_visits_every_block_once():

@@ -345,7 +345,7 @@ def test_kept_pairs_are_counted_pairs(mask):
     for n in (1, 77, 130):
         for docs in (_random_docs(n, n), D.Documents(every=16)):
             sizes = {"b": 1, "h": 1, "q": n, "x": n, "d": 64}
-            got = D.ShardPairs(docs, mask_bounds(r), n, n, sizes, n).total
+            got = D.ShardPairs.on_documents(docs, mask_bounds(r), n, n, sizes, n).total
             assert got == int(_kept(mask, docs, n).sum()), (mask, n, docs)
 
 
@@ -467,7 +467,7 @@ def test_shard_pairs_are_counted_pairs(mask):
         return [pos[pos < n] for pos in (TokenLayout(kind, p, n).positions(a) for a in range(p))]
     for docs in (_random_docs(n, 3), D.Documents(every=30)):
         keep = _kept(mask, docs, n)
-        got = D.ShardPairs(docs, mask_bounds(r), n, n, {"q": n, "x": n}, n)
+        got = D.ShardPairs.on_documents(docs, mask_bounds(r), n, n, {"q": n, "x": n}, n)
         assert got.total == int(keep.sum())
         for kind in ("contiguous", "zigzag", "cyclic"):
             for p in (1, 3, 4, 7):
