@@ -14,7 +14,8 @@ N/8 followed by four answers of equal length.
 The schemes: Ring Attention (zigzag layout; Ring's backward), the same with
 BurstAttention's backward, both as a double ring with several nodes
 (``predict`` only: the steps follow napkin/distributed/groups.py's
-ring_origin), ATTENTION2D on every grid (cyclic layout; with
+ring_origin), Ring over cyclic shards (``predict`` only: the same passes,
+every document dealt out evenly), ATTENTION2D on every grid (cyclic layout; with
 several nodes, every block of the grid a node can hold), and the short ring:
 Ring over contiguous shards, cut to the steps the mask reaches
 (napkin/distributed/reach.py).
@@ -131,9 +132,9 @@ def intervals(mask: str, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def ring_work(mask: str, n: int, p: int, layout: str = "zigzag") -> np.ndarray:
     """W[a, b]: kept pairs between the queries rank a holds and the keys rank
-    b holds, zigzag layout (rank r holds chunks r and 2P-1-r) or contiguous
-    (rank r holds chunk r of P): napkin.documents.ShardPairs, which napkin
-    plan prices documents by."""
+    b holds, zigzag layout (rank r holds chunks r and 2P-1-r), contiguous
+    (rank r holds chunk r of P) or cyclic (token t on rank t mod P):
+    napkin.documents.ShardPairs, which napkin plan prices documents by."""
     return ShardPairs(n, n, intervals(mask, n)).part_pairs(layout, p)
 
 
@@ -188,6 +189,13 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
             t = C.scheme_seconds(pl, m, links, fwd, bwd)
             rec[scheme] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3,
                            "MB": (C.traffic(pl, m, "forward")[0].sent + C.traffic(pl, m, "backward")[0].sent) / 1e6}
+        # Ring over cyclic shards: the same passes, each long document dealt out evenly
+        wc = ring_work(mask, n, gpus, "cyclic")
+        steps = [max(wc[r, (r - s) % gpus] for r in range(gpus)) for s in range(gpus)]
+        t = C.scheme_seconds(C.Placement("ring", (gpus,), g), m, links, [secs(x) for x in steps],
+                             [secs(x, True) for x in steps])
+        rec["cyclic"] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "MB": rec["ring"]["MB"],
+                         "imbalance": wc.sum(1).max() / (total / gpus)}
         rec["short"] = short_ring(mask, n, gpus, g, m, links, secs)
         best = None
         for pl in PLAN.placements(gpus, g):
@@ -232,9 +240,9 @@ def short_ring(mask: str, n: int, gpus: int, per_node: int, m: C.Moved, links: C
 
 def predict_markdown(records: list[dict]) -> str:
     lines = ["| GPUs | mask | kept | Ring ms | Ring MB | Burst ms | Burst MB | Double ring ms | Double burst ms "
-             "| best ATTENTION2D | A2D ms | A2D MB | Short ring steps | Short ring ms | Short ring MB "
+             "| Cyclic ring ms | best ATTENTION2D | A2D ms | A2D MB | Short ring steps | Short ring ms | Short ring MB "
              "| zigzag max/mean work | cyclic max/mean work | contiguous max/mean work | best |",
-             "|" + "---|" * 19]
+             "|" + "---|" * 20]
 
     def ms(r, key):
         return f"{r[key]['ms']:.1f}" if key in r else "-"
@@ -245,12 +253,12 @@ def predict_markdown(records: list[dict]) -> str:
         # order) the one sending less across nodes wins, as in napkin plan
         cands = [(name, r[key]["ms"]) for name, key in (("Double ring", "ring2"), ("Double burst", "burst2"))
                  if key in r]
-        cands += [("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("A2D " + a["grid"], a["ms"]),
-                  ("Short ring", r["short"]["ms"])]
+        cands += [("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("Cyclic ring", r["cyclic"]["ms"]),
+                  ("A2D " + a["grid"], a["ms"]), ("Short ring", r["short"]["ms"])]
         best = min(cands, key=lambda kv: PLAN.rank_time(kv[1]))[0]
         lines.append(f"| {r['gpus']} | {r['mask']} | {r['density']:.3f} | {r['ring']['ms']:.1f} | "
                      f"{r['ring']['MB']:.0f} | {r['burst']['ms']:.1f} | {r['burst']['MB']:.0f} | {ms(r, 'ring2')} | "
-                     f"{ms(r, 'burst2')} | {a['grid']} | "
+                     f"{ms(r, 'burst2')} | {ms(r, 'cyclic')} | {a['grid']} | "
                      f"{a['ms']:.1f} | {a['MB']:.0f} | {sh['steps']} | {sh['ms']:.1f} | {sh['MB']:.0f} | "
                      f"{r['ring_imbalance']:.2f} | {a['imbalance']:.3f} | {sh['imbalance']:.2f} | {best} |")
     return "\n".join(lines)
