@@ -373,7 +373,7 @@ class ShardPairs:
             if not queries:     # step s: rank a holds the keys of origin(a, s)
                 np.maximum(out, w[(node - o) % nodes * per_node + (local - i) % per_node], out=out)
             else:               # rank b holds a's queries at the step s with origin(b, s) = a
-                at = (o - node) % nodes * per_node + (i - local) % per_node    # (o, i) as rank b
+                at = (o - node) % nodes * per_node + (i - local) % per_node    # read (o, i) as rank b: its step
                 out[at] = np.maximum(out[at], w)
         return self._memo.setdefault(key, tuple(int(v) for v in out))
 

@@ -297,7 +297,7 @@ class Pricing:
             arms = None     # the zigzag ring of every step: the even bytes, priced as without --docs
         m = self.moved if arms is None else \
             dataclasses.replace(self.moved, layout=layout or "zigzag", reach=arms[0], ahead=arms[1])
-        if layout == "cyclic" and sum(arms) == self.devices:
+        if layout == "cyclic" and arms is not None and sum(arms) == self.devices:
             arms = None     # (labelled as not cut)
         work = self._work(pl, arms, layout or "zigzag")
         # BurstAttention's backward over the whole ring sends the query blocks the keys' way round
