@@ -270,6 +270,12 @@ def test_ring_meets_are_id_meets(kind):
                             TokenLayout(kind, parts, n), TokenLayout(kind, parts, n))
             assert [[got(a, b) for b in range(parts)] for a in range(parts)] == \
                 [[want(a, b) for b in range(parts)] for a in range(parts)], (kind, parts, docs)
+            # over contiguous shards, the ranks each rank meets as one run (what reach marks at once)
+            for a in range(parts if kind == "contiguous" else 0):
+                met = [b for b in range(parts) if want(a, b)]
+                assert got.ranks(a) == ((met[0], met[-1]) if met else None), (parts, docs, a)
+                assert met == list(range(met[0], met[-1] + 1)) if met else True
+            assert (got.ranks is None) == (kind != "contiguous")
 
 
 RING = (REPO / "examples" / "document_ring.ncd").read_text()

@@ -174,7 +174,9 @@ def _contiguous_offsets(bounds, rows, cols, sizes, meets: Optional[Meets]) -> se
     plan at 32,768 devices).  Each rank's live key ranks are an interval
     (_key_interval), whose offsets are at most two runs, marked in a
     difference array; with ``meets`` each rank of the interval is tested
-    (O(P^2) tests at worst)."""
+    (O(P^2) tests at worst), or, where meets knows the ranks each rank meets
+    as a run (``meets.ranks``: documents over contiguous shards), the two
+    runs' overlap is marked."""
     parts = len(rows)
     ends = _ends(cols)
     marks = [0] * (parts + 1)
@@ -184,7 +186,13 @@ def _contiguous_offsets(bounds, rows, cols, sizes, meets: Optional[Meets]) -> se
         if live is None:
             continue
         j0, j1 = live
-        if meets is not None:
+        if meets is not None and getattr(meets, "ranks", None) is not None:
+            # the ranks it meets as a run (documents.RingMeets): marked below like the bounds' ranks
+            met = meets.ranks(rank)
+            if met is None or max(j0, met[0]) > min(j1, met[1]):
+                continue
+            j0, j1 = max(j0, met[0]), min(j1, met[1])
+        elif meets is not None:
             found.update(d for d in ((rank - j) % parts for j in range(j0, j1 + 1) if j != rank)
                          if d not in found and meets(rank, (rank - d) % parts))
             continue
