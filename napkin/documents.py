@@ -453,9 +453,11 @@ class RingMeets:
 
     def __init__(self, queries: list[set[int]], keys: list[set[int]], contiguous: bool):
         self._queries, self._keys = queries, keys
-        self.ranks = self._ranks if contiguous else None
-        real = [k for k in keys if k]       # contiguous: the key parts holding tokens, a prefix
-        self._first, self._last = [min(k) for k in real], [max(k) for k in real]
+        self.ranks = None
+        if contiguous:
+            real = [k for k in keys if k]       # the key parts holding tokens, a prefix
+            self._first, self._last = [min(k) for k in real], [max(k) for k in real]
+            self.ranks = self._ranks
 
     def __call__(self, a: int, b: int) -> bool:
         return not self._queries[a].isdisjoint(self._keys[b])

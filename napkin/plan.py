@@ -293,12 +293,10 @@ class Pricing:
         scheme's own (zigzag for a ring, cut where --docs' ids allow)."""
         arms = {"contiguous": self.arms, "cyclic": self.cyclic_arms, None: self.zigzag_arms}[layout] \
             if pl.scheme in ("ring", "burst") else None
-        if layout is None and arms is not None and sum(arms) == self.devices:
-            arms = None     # the zigzag ring of every step: the even bytes, priced as without --docs
+        if arms is not None and sum(arms) == self.devices:
+            arms = None     # every step: the bytes of the ring in any layout, as without --docs
         m = self.moved if arms is None else \
             dataclasses.replace(self.moved, layout=layout or "zigzag", reach=arms[0], ahead=arms[1])
-        if layout == "cyclic" and arms is not None and sum(arms) == self.devices:
-            arms = None     # (labelled as not cut)
         work = self._work(pl, arms, layout or "zigzag")
         # BurstAttention's backward over the whole ring sends the query blocks the keys' way round
         # (ring.py): rank r's keys meet origin's queries; cut short, they go the other way, r + s's
