@@ -57,7 +57,6 @@ from napkin import plan as PLAN  # noqa: E402
 from napkin.cost import collectives as C  # noqa: E402
 from napkin.cost.profiles import get_profile  # noqa: E402
 from napkin.documents import ShardPairs  # noqa: E402
-from napkin.distributed.groups import ring_origin  # noqa: E402
 
 MASKS = ("full", "causal", "document", "sliding_window", "prefix_lm", "shared_question")
 MASK_DOCS = (0.30, 0.05, 0.15, 0.02, 0.22, 0.08, 0.18)     # document lengths, fractions of N
@@ -130,21 +129,6 @@ def intervals(mask: str, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(zero, np.where(in_answer, question, q + 1)), (np.where(in_answer, start, q + 1), q + 1)]
 
 
-def ring_work(mask: str, n: int, p: int, layout: str = "zigzag") -> np.ndarray:
-    """W[a, b]: kept pairs between the queries rank a holds and the keys rank
-    b holds, zigzag layout (rank r holds chunks r and 2P-1-r), contiguous
-    (rank r holds chunk r of P) or cyclic (token t on rank t mod P):
-    napkin.documents.ShardPairs, which napkin plan prices documents by."""
-    return ShardPairs(n, n, intervals(mask, n)).part_pairs(layout, p)
-
-
-def grid_work(mask: str, n: int, rows: int, cols: int) -> np.ndarray:
-    """W[i, j]: kept pairs of grid device (i, j), cyclic layout (token t on
-    part t mod P: row i holds queries with t mod P in [iC, iC + C), column j
-    keys with x mod C == j)."""
-    return ShardPairs(n, n, intervals(mask, n)).grid_pairs(rows, cols)
-
-
 # --------------------------------------------------------------------------
 # Predicted times at the benchmark's settings.
 # --------------------------------------------------------------------------
@@ -169,7 +153,8 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
     g = min(per_node, gpus)
     out = []
     for mask in masks:
-        w = ring_work(mask, n, gpus)
+        pairs = ShardPairs(n, n, intervals(mask, n))   # each device's work, any layout and step
+        w = pairs.part_pairs("zigzag", gpus)
         total = int(w.sum())
         rec = {"gpus": gpus, "mask": mask, "density": total / n / n, "ring_imbalance": w.sum(1).max() / (total / gpus)}
         for scheme in ("ring", "burst", "ring2", "burst2"):
@@ -179,30 +164,27 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
                 pl = C.Placement(scheme, (gpus // g, g))
             else:
                 pl = C.Placement(scheme, (gpus,), g)
-            origin = [[ring_origin(r, s, *(pl.grid if scheme.endswith("2") else (1, gpus))) for s in range(gpus)]
-                      for r in range(gpus)]
-            fwd = [secs(max(w[r, origin[r][s]] for r in range(gpus))) for s in range(gpus)]
-            if scheme.startswith("ring"):       # queries stay, key blocks visit
-                bwd = [secs(max(w[r, origin[r][s]] for r in range(gpus)), True) for s in range(gpus)]
-            else:                                # keys stay, query blocks visit
-                bwd = [secs(max(w[origin[r][s], r] for r in range(gpus)), True) for s in range(gpus)]
+            # each step at its busiest rank, in groups.ring_origin's order: Ring's backward sends the
+            # key blocks round again, Burst's the query blocks
+            nodes = pl.grid[0] if scheme.endswith("2") else 1
+            fwd = [secs(x) for x in pairs.ring_steps("zigzag", gpus, nodes)]
+            bwd = [secs(x, True) for x in pairs.ring_steps("zigzag", gpus, nodes, queries=scheme.startswith("burst"))]
             t = C.scheme_seconds(pl, m, links, fwd, bwd)
             rec[scheme] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3,
                            "MB": (C.traffic(pl, m, "forward")[0].sent + C.traffic(pl, m, "backward")[0].sent) / 1e6}
         # Ring over cyclic shards: the same passes, each long document dealt out evenly
-        wc = ring_work(mask, n, gpus, "cyclic")
-        steps = [max(wc[r, (r - s) % gpus] for r in range(gpus)) for s in range(gpus)]
+        steps = pairs.ring_steps("cyclic", gpus)
         t = C.scheme_seconds(C.Placement("ring", (gpus,), g), m, links, [secs(x) for x in steps],
                              [secs(x, True) for x in steps])
         rec["cyclic"] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "MB": rec["ring"]["MB"],
-                         "imbalance": wc.sum(1).max() / (total / gpus)}
-        rec["short"] = short_ring(mask, n, gpus, g, m, links, secs)
+                         "imbalance": pairs.part_pairs("cyclic", gpus).sum(1).max() / (total / gpus)}
+        rec["short"] = short_ring(mask, pairs, gpus, g, m, links, secs)
         best = None
         for pl in PLAN.placements(gpus, g):
             if pl.scheme != "attention2d":
                 continue
             r, c = pl.grid
-            w2 = grid_work(mask, n, r, c)
+            w2 = pairs.grid_pairs(r, c)
             t = C.scheme_seconds(pl, m, links, [secs(w2.max())], [secs(w2.max(), True)])
             traffic = max(a.sent + b.sent for a, b in zip(C.traffic(pl, m, "forward"), C.traffic(pl, m, "backward")))
             cand = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "MB": traffic / 1e6,
@@ -215,7 +197,7 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
     return out
 
 
-def short_ring(mask: str, n: int, gpus: int, per_node: int, m: C.Moved, links: C.Links, secs) -> dict:
+def short_ring(mask: str, pairs: ShardPairs, gpus: int, per_node: int, m: C.Moved, links: C.Links, secs) -> dict:
     """Ring Attention (Ring's backward) over contiguous shards, run for the
     steps the mask reaches (napkin/distributed/reach.py, asked of the
     wrapper itself, given the document ids: the document mask reaches as
@@ -223,15 +205,16 @@ def short_ring(mask: str, n: int, gpus: int, per_node: int, m: C.Moved, links: C
     by every answer, every step)."""
     import napkin
     from napkin.distributed import RingAttention
-    w = ring_work(mask, n, gpus, "contiguous")
+    n = pairs.q_len
+    w = pairs.part_pairs("contiguous", gpus)
     fn = RingAttention(napkin.load_text(diagram_text(mask, n), f"cp_{mask}.ncd"), layout="contiguous")
     back, ahead = fn.arms(gpus, n, side=side_inputs(mask, n))
     steps = back + ahead
     short = dataclasses.replace(m, layout="contiguous", reach=back, ahead=ahead)
     pl = C.Placement("ring", (gpus,), per_node)
     # step s of the usual way holds rank r - s's keys; step t of the other way rank r + t's
-    work = [max(w[r, (r - s) % gpus] for r in range(gpus)) for s in range(back)] + \
-        [max(w[r, (r + t) % gpus] for r in range(gpus)) for t in range(1, ahead + 1)]
+    most = pairs.ring_steps("contiguous", gpus)
+    work = list(most[:back]) + [most[gpus - t] for t in range(1, ahead + 1)]
     t = C.scheme_seconds(pl, short, links, [secs(x) for x in work], [secs(x, True) for x in work])
     return {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "steps": steps,
             "MB": (C.traffic(pl, short, "forward")[0].sent + C.traffic(pl, short, "backward")[0].sent) / 1e6,

@@ -778,12 +778,14 @@ def test_checker_accepts_a_nodes_level_and_refuses_mixed_kinds():
 def test_cp_bench_masks_and_work_counts_are_exact():
     """bench/cp_bench.py: each mask's diagram keeps exactly the keys its
     intervals say (the eager local attention's lse over zero scores is
-    log(kept keys)), and the per-device work counts equal a brute-force
-    count over the zigzag, contiguous and cyclic layouts."""
+    log(kept keys)), and the per-device work counts it prices by
+    (documents.ShardPairs over those intervals) equal a brute-force count
+    over the zigzag, contiguous and cyclic layouts."""
     import numpy as np
 
     from bench import cp_bench as B
     from napkin.distributed import EagerLocal, TokenLayout, roles
+    from napkin.documents import ShardPairs
     n, p = 48, 4
     pos = torch.arange(n)
     for mask in B.MASKS:
@@ -796,17 +798,18 @@ def test_cp_bench_masks_and_work_counts_are_exact():
         zeros = torch.zeros(1, 1, n, 32, dtype=torch.float64)
         _, lse = EagerLocal(roles(d))(zeros, zeros, zeros, q_pos=pos, x_pos=pos, q_len=n, x_len=n, **side)
         assert torch.equal(torch.exp(lse[0, 0]).round().long(), torch.from_numpy(keep.sum(1))), mask
+        pairs = ShardPairs(n, n, B.intervals(mask, n))     # the counts cp_bench prices by
         for layout in ("zigzag", "contiguous"):
             lay = TokenLayout(layout, p, n)
             brute = [[keep[np.ix_(lay.positions(a).numpy(), lay.positions(b).numpy())].sum() for b in range(p)]
                      for a in range(p)]
-            assert B.ring_work(mask, n, p, layout).tolist() == brute, (mask, layout)
+            assert pairs.part_pairs(layout, p).tolist() == brute, (mask, layout)
         cyc = TokenLayout("cyclic", p, n)
         for rows, cols in ((2, 2), (1, 4), (4, 1)):
             qs = [np.concatenate([cyc.positions(i * cols + j).numpy() for j in range(cols)]) for i in range(rows)]
             xs = [np.concatenate([cyc.positions(i * cols + j).numpy() for i in range(rows)]) for j in range(cols)]
             brute = [[keep[np.ix_(qs[i], xs[j])].sum() for j in range(cols)] for i in range(rows)]
-            assert B.grid_work(mask, n, rows, cols).tolist() == brute, (mask, rows, cols)
+            assert pairs.grid_pairs(rows, cols).tolist() == brute, (mask, rows, cols)
 
 
 def test_double_ring_schedule_visits_every_block_once():
