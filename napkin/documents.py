@@ -17,8 +17,8 @@ the ring will do on such ids:
   finds live (first to last block holding a kept pair), the mask's affine
   conjuncts (``x <= q``, a window) included, which the kernels' loop then
   visits; ``column_spans`` the same seen from the key blocks (dK/dV).
-* ``ring_meets``: whether two ranks' token shards share a document, the
-  test RingAttention makes from the ids (ring.id_meets), for
+* ``ring_meets``: whether two chunks of a ring's token shards share a
+  document, the test RingAttention makes from the ids (ring.id_meets), for
   reach.ring_schedule; ``ShardPairs``, the pairs the mask keeps, in all
   and per device in each scheme's token layout (napkin plan times each
   step at its busiest device).
@@ -411,7 +411,7 @@ class ShardPairs:
 
 
 # --------------------------------------------------------------------------
-# The ring: which ranks' shards share a document.
+# The ring: which chunks of its shards share a document.
 # --------------------------------------------------------------------------
 
 def _part_runs(kind: str, parts: int, length: int, part: int) -> list[tuple[int, int]]:
@@ -426,56 +426,72 @@ def _part_runs(kind: str, parts: int, length: int, part: int) -> list[tuple[int,
     return [(a, min(b, length)) for a, b in runs if a < length]
 
 
-def _documents_of_parts(starts: list[int], kind: str, parts: int, length: int) -> list[set[int]]:
-    """The documents each part's tokens (positions below ``length``) meet."""
+def layout_chunks(kind: str, parts: int, length: int) -> list[tuple[int, int, int]]:
+    """A contiguous or zigzag layout as runs of consecutive positions, in
+    token order: (the part holding it, first, stop), the runs holding real
+    tokens (a prefix: padding is at the end).  Contiguous shards are P runs,
+    zigzag's 2P chunks (chunk m on part m, or 2P - 1 - m from P on); these
+    are the units reach.py tests pairs of.  Not cyclic."""
+    runs = parts if kind == "contiguous" else 2 * parts
+    size = -(-length // runs)
+    return [(m if m < parts else 2 * parts - 1 - m, m * size, min((m + 1) * size, length))
+            for m in range(runs) if m * size < length]
+
+
+def _cyclic_documents(starts: list[int], parts: int, length: int) -> list[set[int]]:
+    """The documents each cyclic part's tokens (positions below ``length``)
+    meet: part p holds p, p + P, ..., so a document of P tokens or more meets
+    every part."""
     out: list[set[int]] = [set() for _ in range(parts)]
-    if kind == "cyclic":   # part p holds p, p + P, ...: a document of P tokens or more meets every part
-        for k in range(len(starts) - 1):
-            a, b = starts[k], min(starts[k + 1], length)
-            for pos in range(a, min(b, a + parts)):
-                out[pos % parts].add(k)
-        return out
-    for p in range(parts):
-        for a, b in _part_runs(kind, parts, length, p):
-            first = bisect.bisect_right(starts, a) - 1
-            last = bisect.bisect_right(starts, b - 1) - 1
-            out[p].update(range(first, last + 1))
+    for k in range(len(starts) - 1):
+        a, b = starts[k], min(starts[k + 1], length)
+        for pos in range(a, min(b, a + parts)):
+            out[pos % parts].add(k)
     return out
 
 
 class RingMeets:
-    """reach.Meets on documents: whether rank a's queries and rank b's keys
-    share a document (``meets(a, b)``).  Over contiguous shards each rank's
-    documents are a run of them, so the ranks whose keys meet a rank's
-    queries are a run too (``ranks``), which lets reach._contiguous_offsets
-    mark them at once rather than test every pair (at 8,192 devices those
-    tests were most of napkin plan --docs' time, cProfile: 12.5 of 16.4 s)."""
+    """reach.Meets on documents: whether unit u's queries and unit v's keys
+    share a document (``meets(u, v)``).  The units are reach.py's: a
+    contiguous or zigzag layout's chunks (layout_chunks), cyclic's ranks.  A
+    chunk's tokens are consecutive, so its documents are a run [first,
+    last]: two chunks meet where their runs overlap, and the key chunks
+    meeting a query chunk are a run of them too (``run``), which lets
+    reach._chunk_offsets mark them at once rather than test every pair (at
+    8,192 devices those tests were most of napkin plan --docs' time,
+    cProfile: 12.5 of 16.4 s).  A cyclic rank's documents are a set."""
 
-    def __init__(self, queries: list[set[int]], keys: list[set[int]], contiguous: bool):
+    def __init__(self, queries: list, keys: list, chunks: bool):
         self._queries, self._keys = queries, keys
-        self.ranks = None
-        if contiguous:
-            real = [k for k in keys if k]       # the key parts holding tokens, a prefix
-            self._first, self._last = [min(k) for k in real], [max(k) for k in real]
-            self.ranks = self._ranks
+        self.run = None
+        if chunks:
+            self._first, self._last = [k[0] for k in keys], [k[1] for k in keys]
+            self.run = self._run
 
-    def __call__(self, a: int, b: int) -> bool:
-        return not self._queries[a].isdisjoint(self._keys[b])
+    def __call__(self, u: int, v: int) -> bool:
+        if self.run is None:
+            return not self._queries[u].isdisjoint(self._keys[v])
+        (a, b), (c, d) = self._queries[u], self._keys[v]
+        return a <= d and c <= b
 
-    def _ranks(self, a: int) -> Optional[tuple[int, int]]:
-        """[j0, j1]: the key ranks meeting rank a's queries (None: none).  Their
-        first and last documents grow with the rank: those ending at or after
-        a's first document and starting at or before its last."""
-        if not self._queries[a]:
-            return None
-        j0 = bisect.bisect_left(self._last, min(self._queries[a]))
-        j1 = bisect.bisect_right(self._first, max(self._queries[a])) - 1
+    def _run(self, u: int) -> Optional[tuple[int, int]]:
+        """[j0, j1]: the key chunks meeting chunk u's queries (None: none).
+        Their first and last documents grow with the chunk: those ending at
+        or after u's first document and starting at or before its last."""
+        first, last = self._queries[u]
+        j0 = bisect.bisect_left(self._last, first)
+        j1 = bisect.bisect_right(self._first, last) - 1
         return (j0, j1) if j0 <= j1 else None
 
 
 def ring_meets(docs: Documents, kind: str, parts: int, q_len: int, x_len: int, ids_length: int) -> RingMeets:
-    """reach.Meets on these documents: whether rank a's queries and rank b's
-    keys share a document, in the ``kind`` token layout."""
+    """reach.Meets on these documents: whether unit u's queries and unit v's
+    keys share a document, in the ``kind`` token layout (RingMeets)."""
     starts = docs.starts(ids_length)
-    return RingMeets(_documents_of_parts(starts, kind, parts, q_len), _documents_of_parts(starts, kind, parts, x_len),
-                     kind == "contiguous")
+    if kind == "cyclic":
+        return RingMeets(_cyclic_documents(starts, parts, q_len), _cyclic_documents(starts, parts, x_len), False)
+
+    def runs(length: int) -> list[tuple[int, int]]:
+        return [(bisect.bisect_right(starts, a) - 1, bisect.bisect_right(starts, b - 1) - 1)
+                for _, a, b in layout_chunks(kind, parts, length)]
+    return RingMeets(runs(q_len), runs(x_len), True)

@@ -22,7 +22,8 @@ The candidates, for P devices (G per node):
   ring and its BurstAttention variant over contiguous shards, cut to the
   steps the mask reaches (napkin/distributed/reach.py); ``--emit`` writes
   ``contiguous`` on its tiles, which the wrappers, the generated launcher
-  and napkin cost read;
+  and napkin cost read.  The zigzag ring is cut too, a few steps each way
+  round (its ranks' late chunks need the ranks ahead);
 * with ``--docs LENGTHS``, a mask comparing ids (``doc[b, q] == doc``) is
   priced on packed documents of those lengths (napkin/documents.py): its
   compute is the pairs they keep, each scheme's counted in its own token
@@ -134,7 +135,7 @@ class Option:
             n, g = self.grid
             return ("Double ring" if self.scheme == "ring2" else "Double ring + BurstAttention backward") + \
                 f" of {n} nodes x {g}"
-        short = f", {self.reach} of {self.grid[0]} steps on the documents" if self.reach else ""
+        short = f", {self.reach} of {self.grid[0]} steps" if self.reach else ""
         if self.layout == "contiguous":
             short = f" over contiguous shards, {self.reach} of {self.grid[0]} steps"
         elif self.layout == "cyclic":
@@ -251,9 +252,10 @@ class Pricing:
     training: bool
     arms: tuple[int, int]   # the steps a flat ring over contiguous shards runs each way (reach.ring_arms)
     # on --docs' documents: the pairs each scheme's devices keep (documents.ShardPairs), which
-    # price every step at its busiest device, and the steps a flat ring runs on them in the zigzag
-    # and cyclic layouts (its ids cut it in any); else None
+    # price every step at its busiest device; else None
     kept: Optional[ShardPairs] = dataclasses.field(default=None, compare=False)
+    # the steps a flat ring runs each way in the zigzag layout (its mask's and, on --docs, its ids'),
+    # and in the cyclic one (--docs only: no mask cuts it)
     zigzag_arms: Optional[tuple[int, int]] = None
     cyclic_arms: Optional[tuple[int, int]] = None
 
@@ -270,7 +272,8 @@ class Pricing:
         rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
         if docs is None:
             return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound)), rate, devices,
-                           training, ring_arms(r, "contiguous", devices, m.q_len, m.x_len))
+                           training, ring_arms(r, "contiguous", devices, m.q_len, m.x_len),
+                           zigzag_arms=ring_arms(r, "zigzag", devices, m.q_len, m.x_len))
         same = same_ids(r)
         if not same:
             raise NapkinError(f"--docs: diagram {diagram.name}'s mask compares no ids at the query and the key "
@@ -290,7 +293,8 @@ class Pricing:
         placement, a grid block, does not say).  ``layout``, a flat ring's
         tokens named on its tiles: "contiguous", the ring cut to the steps
         its mask reaches (``arms``); "cyclic" (--docs only); None, the
-        scheme's own (zigzag for a ring, cut where --docs' ids allow)."""
+        scheme's own (zigzag for a ring, cut where its mask or --docs' ids
+        allow)."""
         arms = {"contiguous": self.arms, "cyclic": self.cyclic_arms, None: self.zigzag_arms}[layout] \
             if pl.scheme in ("ring", "burst") else None
         if arms is not None and sum(arms) == self.devices:

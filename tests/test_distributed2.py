@@ -53,10 +53,16 @@ _MASKS = {
     # keys on both sides of a query: a ring over contiguous shards runs both ways (reach.ring_arms)
     "two_sided": "where(q - x < 3 and x - q < 3, sum[d](Q * K) * |d|^-0.5, -inf)",
     "documents_across": "where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)",
+    # documents over zigzag shards: a rank's early chunk reads the rank behind, its late one the rank
+    # ahead (both ways round, causal or not)
+    "zigzag_document": "where(x <= q and doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)",
+    "zigzag_documents": "where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)",
 }
 # the document masks' document lengths: over 16 tokens on 4 ranks none straddles a shard (one
 # step); over 13, documents of 5 and 3 tokens straddle one boundary each (two steps, causal)
-_DOC_LENGTHS = {"document": (2, 2, 4, 1, 3, 4), "causal_document": (2, 5, 3, 3), "documents_across": (2, 5, 3, 3)}
+_DOC_LENGTHS = {"document": (2, 2, 4, 1, 3, 4), "causal_document": (2, 5, 3, 3), "documents_across": (2, 5, 3, 3),
+                # over 13 zigzag tokens (chunks of 2, on ranks 0 1 2 3 3 2 1): 2 steps back, 1 ahead
+                "zigzag_document": (3, 3, 4, 3), "zigzag_documents": (3, 3, 4, 3)}
 
 
 def doc_ids(mask: str) -> Optional[torch.Tensor]:
@@ -86,7 +92,8 @@ def keeps(mask: str, qi, xi):
             "window": (xi <= qi) & (qi - xi < 3), "chunks": xi // 4 == qi // 4,
             "causal_chunks": (xi <= qi) & (xi // 8 == qi // 8),
             "document": same, "causal_document": same & (xi <= qi) if same is not None else None,
-            "two_sided": (qi - xi < 3) & (xi - qi < 3), "documents_across": same}[mask]
+            "two_sided": (qi - xi < 3) & (xi - qi < 3), "documents_across": same,
+            "zigzag_document": same & (xi <= qi) if same is not None else None, "zigzag_documents": same}[mask]
 _PLAIN = "sum[d](Q * K) * |d|^-0.5"
 
 MESHES = {
@@ -179,13 +186,14 @@ class Case:
         return max(self.live_offsets(), default=0) + 1
 
     def arms(self) -> Optional[tuple[int, int]]:
-        """(back, ahead) of a ring over contiguous shards: of every split
-        reaching each live offset s back (s < back) or the other way
+        """(back, ahead) of a ring over contiguous or zigzag shards: of every
+        split reaching each live offset s back (s < back) or the other way
         (P - s <= ahead), the fewest steps, the other way round only where
-        that is fewer than one way (None: not a flat ring)."""
+        that is fewer than one way; over cyclic shards one way (None: not a
+        flat ring)."""
         if self.scheme not in ("ring", "burst"):
             return None
-        if self.layout != "contiguous":
+        if self.layout == "cyclic":
             return self.reach(), 0
         return fewest_arms(self.live_offsets(), self.parts, self.reach())
 
@@ -293,6 +301,17 @@ def cases() -> list[Case]:
             Case("burst", "ring", "attention", "two_sided", 13, 13, layout="contiguous"),
             Case("burst", "ring", "document_mask", "documents_across", 13, 13, layout="contiguous"),
             Case("ring", "ring", "document_mask", "documents_across", 13, 13, False, "float32", layout="contiguous")]
+    # zigzag shards under masks of nearby keys and documents: a rank's late chunk needs the ranks
+    # ahead, so the ring runs both ways (2 steps back, 1 ahead of 4): both backwards, GQA, the
+    # generated fp32 kernel, two nodes of two
+    out += [Case("ring", "ring", "attention", "window", 13, 13),
+            Case("burst", "ring", "attention", "window", 13, 13, True),
+            Case("ring", "ring", "attention", "chunks", 16, 16, True, "float32"),
+            Case("burst", "ring", "attention", "two_sided", 16, 16),
+            Case("ring", "flat-ring-2-nodes", "attention", "window", 16, 16),
+            Case("ring", "ring", "document_mask", "zigzag_document", 13, 13),
+            Case("burst", "ring", "document_mask", "zigzag_document", 13, 13),
+            Case("ring", "ring", "document_mask", "zigzag_documents", 13, 13, False, "float32")]
     return out
 
 
@@ -575,8 +594,9 @@ def test_counted_bytes_equal_the_model_on_every_rank(suite, case):
 
 
 # the cost pass prices a ring in its default (zigzag) layout: a diagram does not say how the
-# caller shards its tokens, so the contiguous cases are priced by the model alone (above)
-ZIGZAG = [c for c in CASES if c.layout == "zigzag"]
+# caller shards its tokens, so the contiguous cases are priced by the model alone (above); a
+# document mask's steps need the documents (DOCUMENT_RINGS, below)
+ZIGZAG = [c for c in CASES if c.layout == "zigzag" and c.mask not in _DOC_LENGTHS]
 
 
 @pytest.mark.parametrize("case", ZIGZAG, ids=[c.name for c in ZIGZAG])
@@ -592,8 +612,11 @@ def test_cost_pass_equals_the_counter(suite, case):
         assert [cost["within"], cost["across"]] == busiest["links"]["forward"]
 
 
-SHORT = [c for c in CASES if c.layout == "contiguous"]
-DOCUMENT_RINGS = [c for c in CASES if c.layout != "zigzag" and c.mask in _DOC_LENGTHS]
+# rings a mask may cut: over contiguous shards, and over zigzag ones under masks that keep nearby
+# keys or documents
+SHORT = [c for c in CASES if c.layout == "contiguous" or
+         (c.layout == "zigzag" and c.scheme in ("ring", "burst") and c.mask not in ("full", "causal", "strict"))]
+DOCUMENT_RINGS = [c for c in CASES if c.mask in _DOC_LENGTHS]
 
 
 @pytest.mark.parametrize("case", DOCUMENT_RINGS, ids=[c.name for c in DOCUMENT_RINGS])
@@ -617,7 +640,7 @@ def test_cost_pass_on_the_documents_equals_the_counter(suite, case):
 
 
 @pytest.mark.parametrize("case", SHORT, ids=[c.name for c in SHORT])
-def test_rings_over_contiguous_shards_run_the_steps_their_mask_reaches(suite, case):
+def test_rings_cut_short_run_the_steps_their_mask_reaches(suite, case):
     """RingAttention.reach is the brute-force count of steps holding a kept
     pair, on every rank; the blocks made reach - 1 passes (the counted
     bytes equal the model's, test_counted_bytes_equal_the_model_on_every_rank),
@@ -632,9 +655,15 @@ def test_rings_over_contiguous_shards_run_the_steps_their_mask_reaches(suite, ca
 
 def test_short_rings_are_exercised():
     """The contiguous cases cover a ring of one step, of two, and a full one,
-    and rings run both ways."""
-    assert {c.reach() for c in SHORT} == {1, 2, 4}
-    assert {tuple(c.arms()) for c in SHORT if c.arms()[1]} == {(2, 1)}
+    and rings run both ways; every zigzag case runs both ways, 3 steps of 4,
+    Ring's and Burst's backwards, windows and documents."""
+    contiguous = [c for c in SHORT if c.layout == "contiguous"]
+    assert {c.reach() for c in contiguous} == {1, 2, 4}
+    assert {tuple(c.arms()) for c in contiguous if c.arms()[1]} == {(2, 1)}
+    zigzag = [c for c in SHORT if c.layout == "zigzag"]
+    assert {tuple(c.arms()) for c in zigzag} == {(2, 1)}
+    assert {(c.scheme, c.mask in _DOC_LENGTHS) for c in zigzag} == {(s, d) for s in ("ring", "burst")
+                                                                   for d in (False, True)}
 
 
 def _backward_sent(suite, case) -> int:

@@ -257,25 +257,40 @@ def test_chunks_of_packed_rows_on_documents(folder):
 
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag", "cyclic"])
 def test_ring_meets_are_id_meets(kind):
-    """ring_meets on lengths = ring.id_meets on the ids they make, every pair
-    of ranks, ragged lengths, rings of 2 to 8."""
+    """ring_meets on lengths = ring.id_meets on the ids they make = whether
+    the units' positions share a document, counted one by one, every pair
+    of units (a contiguous or zigzag layout's chunks, cyclic's ranks),
+    ragged lengths, rings of 2 to 8, one batch row and two."""
     from napkin.distributed.layouts import TokenLayout
     from napkin.distributed.reach import SameIds
-    from napkin.distributed.ring import id_meets
+    from napkin.distributed.ring import _units, id_meets
 
     for seed, (parts, n) in enumerate([(2, 37), (3, 100), (4, 64), (8, 203)]):
         for docs in (_random_docs(n, seed), D.Documents(every=5), D.Documents(every=n)):
+            lay = TokenLayout(kind, parts, n)
+            units = [u.tolist() for u in _units(lay)]
+            assert sorted(p for u in units for p in u) == list(range(n))
+            ids = _ids(docs, n)
+            doc = ids[0].tolist()
+            brute = [[bool({doc[p] for p in a} & {doc[p] for p in b}) for b in units] for a in units]
             got = D.ring_meets(docs, kind, parts, n, n, n)
-            want = id_meets((SameIds("doc", 1, ("b",)),), {"doc": _ids(docs, n)},
-                            TokenLayout(kind, parts, n), TokenLayout(kind, parts, n))
-            assert [[got(a, b) for b in range(parts)] for a in range(parts)] == \
-                [[want(a, b) for b in range(parts)] for a in range(parts)], (kind, parts, docs)
-            # over contiguous shards, the ranks each rank meets as one run (what reach marks at once)
-            for a in range(parts if kind == "contiguous" else 0):
-                met = [b for b in range(parts) if want(a, b)]
-                assert got.ranks(a) == ((met[0], met[-1]) if met else None), (parts, docs, a)
+            want = id_meets((SameIds("doc", 1, ("b",)),), {"doc": ids}, lay, lay)
+            pairs = range(len(units))
+            assert [[got(a, b) for b in pairs] for a in pairs] == brute, (kind, parts, docs)
+            assert [[want(a, b) for b in pairs] for a in pairs] == brute, (kind, parts, docs)
+            # a second batch row of other documents: a pair meets where either row's ids meet
+            other = torch.flip(ids, [1])
+            rows = id_meets((SameIds("doc", 1, ("b",)),), {"doc": torch.cat([ids, other])}, lay, lay)
+            back = other[0].tolist()
+            flipped = [[bool({back[p] for p in a} & {back[p] for p in b}) for b in units] for a in units]
+            assert [[rows(a, b) for b in pairs] for a in pairs] == \
+                [[x or y for x, y in zip(r, f)] for r, f in zip(brute, flipped)], (kind, parts, docs)
+            # chunks: the key chunks each chunk meets as one run (what reach marks at once)
+            for a in (pairs if kind != "cyclic" else ()):
+                met = [b for b in pairs if brute[a][b]]
+                assert got.run(a) == ((met[0], met[-1]) if met else None), (parts, docs, a)
                 assert met == list(range(met[0], met[-1] + 1)) if met else True
-            assert (got.ranks is None) == (kind != "contiguous")
+            assert (got.run is None) == (kind == "cyclic")
 
 
 RING = (REPO / "examples" / "document_ring.ncd").read_text()

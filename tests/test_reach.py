@@ -34,12 +34,12 @@ _REACH_MASKS = {   # predicate text -> what it keeps, written independently
 
 
 @pytest.mark.parametrize("pred", list(_REACH_MASKS), ids=list(_REACH_MASKS))
-def test_ring_reach_never_drops_a_kept_pair_and_is_exact_on_contiguous_shards(pred):
+def test_ring_reach_never_drops_a_kept_pair_and_is_exact_on_contiguous_and_zigzag_shards(pred):
     """RingAttention.reach and .arms (reach.ring_schedule) against every
     pair of positions: never fewer steps than some rank's kept pair needs
-    (any layout), and exactly as many on contiguous shards for masks with an
-    affine bound, over ragged lengths; both ways round, the fewest steps of
-    any split."""
+    (any layout), and exactly as many on contiguous and zigzag shards for
+    masks with an affine bound, over ragged lengths; both ways round, the
+    fewest steps of any split (cyclic shards run one way)."""
     from napkin.distributed import RingAttention
     from napkin.distributed.layouts import TokenLayout
     text = diagram_text("attention", "full", "fp64", "ring").replace(_PLAIN, f"where({pred}, {_PLAIN}, -inf)", 1)
@@ -59,10 +59,10 @@ def test_ring_reach_never_drops_a_kept_pair_and_is_exact_on_contiguous_shards(pr
                 got, want = fn.reach(parts, n_q, n_x), max(live, default=0) + 1
                 where = (layout, parts, n_q, n_x)
                 assert got >= want, where
-                if layout == "contiguous" and "%" not in pred:
+                if layout != "cyclic" and "%" not in pred:
                     assert got == want, where
                     assert fn.arms(parts, n_q, n_x) == fewest_arms(live, parts, got), where
-                elif layout != "contiguous":
+                else:
                     assert fn.arms(parts, n_q, n_x) == (got, 0), where
 
 
@@ -210,18 +210,29 @@ def test_plan_offers_short_rings_where_the_mask_reaches_few_steps():
     flat ring and its Burst variant over contiguous shards, 2 of 8 steps;
     their bytes are the plain ring's passes cut to one (forward) and to one
     block pass, one accumulator pass and one hop home (Ring's backward), and
-    one of them wins.  A causal mask adds none."""
+    one of them wins.  The zigzag ring is cut too, 2 steps back and 1 ahead
+    (a rank's late chunk needs the rank ahead): one K, V pass each way, and
+    each way's backward a block pass, an accumulator pass and a hop home.  A
+    causal mask cuts none."""
     from napkin import plan as P
     sizes = dict(b=1, h=32, q=65536, x=65536)
     options = P.plan(napkin.load("examples/sliding_window.ncd"), 8, sizes)
-    short = {o.scheme: o for o in options if o.reach is not None}
-    plain = {o.scheme: o for o in options if o.reach is None and o.scheme in ("ring", "burst")}
-    assert set(short) == {"ring", "burst"} and {o.reach for o in short.values()} == {2}
-    assert short["ring"].label == "Ring of 8 over contiguous shards, 2 of 8 steps"
-    kv = plain["ring"].forward_bytes // 7                       # one K, V pass of the plain ring's seven
-    acc = (plain["ring"].backward_bytes - 7 * kv) // 8          # one dK, dV pass of its eight
-    assert short["ring"].forward_bytes == kv and short["ring"].backward_bytes == kv + 2 * acc
-    assert options[0].reach == 2
+    short = {(o.scheme, o.layout): o for o in options if o.reach is not None}
+    assert set(short) == {(s, lay) for s in ("ring", "burst") for lay in ("contiguous", None)}
+    assert [short[s, "contiguous"].arms for s in ("ring", "burst")] == [(2, 0)] * 2
+    assert [short[s, None].arms for s in ("ring", "burst")] == [(2, 1)] * 2
+    assert short["ring", "contiguous"].label == "Ring of 8 over contiguous shards, 2 of 8 steps"
+    assert short["ring", None].label == "Ring of 8, 3 of 8 steps (2 back, 1 ahead)"
+    # the plain ring's bytes, priced as before: every step
+    whole = P.Pricing.of(napkin.load("examples/sliding_window.ncd"), 8, sizes, None, True)
+    plain = dataclasses.replace(whole, zigzag_arms=None).option(C.Placement("ring", (8,), 8), 8)
+    assert plain.reach is None
+    kv = plain.forward_bytes // 7                       # one K, V pass of the plain ring's seven
+    acc = (plain.backward_bytes - 7 * kv) // 8          # one dK, dV pass of its eight
+    cut, zig = short["ring", "contiguous"], short["ring", None]
+    assert cut.forward_bytes == kv and cut.backward_bytes == kv + 2 * acc
+    assert zig.forward_bytes == 2 * kv and zig.backward_bytes == 2 * kv + 4 * acc
+    assert options[0].reach == 2 and options[0].layout == "contiguous"
     causal = P.plan(napkin.load("examples/causal.ncd"), 8, sizes)
     assert all(o.reach is None for o in causal)
 
@@ -244,13 +255,15 @@ def test_plan_emits_a_short_ring_that_the_wrappers_and_napkin_cost_read(capsys, 
     from napkin.distributed import RingAttention
     fn = RingAttention(napkin.load(str(out)))
     assert fn.layout == "contiguous" and fn.reach(8, 65536) == 1
-    # a window over 8 shards, trained: every short option's emitted diagram costs as plan priced it
+    # a window over 8 shards, trained: every short option's emitted diagram costs as plan priced it,
+    # the zigzag ring's (which names no layout: RingAttention's own) both ways round
     sizes = dict(b=1, h=32, q=65536, x=65536)
     d = napkin.load("examples/sliding_window.ncd")
     for option in (o for o in P.plan(d, 8, sizes) if o.reach is not None):
         emitted = napkin.load_text(to_text(P.emit(d, option)), "emitted.ncd")
         rep = analyse(emitted, sizes).devices
-        assert rep.ring_steps == 2 and rep.layout == "contiguous", option.label
+        assert (rep.ring_steps, rep.ring_ahead) == (option.reach, option.arms[1]), option.label
+        assert rep.layout == (option.layout or "zigzag"), option.label
         assert rep.bytes_sent == option.forward_bytes, option.label
         back = rep.burst_backward_bytes if option.scheme == "burst" else rep.backward_bytes
         assert back == option.backward_bytes, option.label
@@ -288,7 +301,8 @@ def test_a_layout_the_scheme_cannot_run_is_refused_where_it_is_written(mesh, mes
 def test_the_diagrams_layout_is_the_wrappers_launchers_and_costs_default():
     """stream x across 4 contiguous: RingAttention and the generated launcher
     default to it (layout= still overrides), napkin cost prices the ring cut
-    short, and zigzag written out prices as no layout does."""
+    short, and zigzag written out prices as no layout does: cut both ways
+    round, as RingAttention runs it."""
     from napkin.cost import analyse
     from napkin.distributed import RingAttention
     from napkin.distributed.emit import distributed_source
@@ -307,8 +321,12 @@ def test_the_diagrams_layout_is_the_wrappers_launchers_and_costs_default():
     assert rep.bytes_sent == 4 * m.key_row                       # one pass of 4 rows of K, V
     plain = analyse(napkin.load_text(_mesh(base, "group q across 4\n    stream x across 4"), "z.ncd"), sizes)
     zig = analyse(napkin.load_text(_mesh(base, "group q across 4 zigzag\n    stream x across 4"), "z.ncd"), sizes)
-    assert plain.devices.bytes_sent == zig.devices.bytes_sent == 3 * 4 * m.key_row
-    assert plain.devices.ring_steps is None and zig.devices.layout == "zigzag"
+    # zigzag, named or not: 2 steps back and 1 ahead (a late chunk needs the rank ahead), one pass
+    # of 4 rows each way
+    assert plain.devices == zig.devices
+    assert (zig.devices.layout, zig.devices.ring_steps, zig.devices.ring_ahead) == ("zigzag", 3, 1)
+    assert zig.devices.bytes_sent == 2 * 4 * m.key_row
+    assert RingAttention(d, layout="zigzag").arms(4, 16) == (2, 1)
 
 
 # ---- a reach from the ids: document masks ----------------------------------------------------

@@ -489,9 +489,11 @@ def _device_note(comm) -> str:
     """The device numbers the text table leaves out: handshake and backward."""
     out = f"devices: shape handshake {comm.handshake_bytes} B before the forward"
     if comm.ring_steps is not None:
+        both = ("a zigzag rank's late chunk keeps keys of the ranks ahead of it" if comm.layout == "zigzag"
+                else "its mask keeps keys on both sides of its queries")
         why = ("its mask keeps no key further back" if not comm.ring_ahead else
-               f"{comm.ring_steps - comm.ring_ahead} the usual way round and {comm.ring_ahead} the other: its mask "
-               "keeps keys on both sides of its queries, none further")
+               f"{comm.ring_steps - comm.ring_ahead} the usual way round and {comm.ring_ahead} the other: "
+               f"{both}, none further")
         if comm.ring_documents:
             why = (f"on --docs' {comm.ring_documents} no rank's queries share a document with keys further "
                    "back" if not comm.ring_ahead else

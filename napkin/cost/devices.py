@@ -264,8 +264,9 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile,
         length = covered(docs, diagram, same[0], sizes)
         meets = ring_meets(docs, r.layout or "zigzag", placement.parts, num.q_len, num.x_len, length)
         counted_on = docs.describe(length)
-    # RingAttention's layout: the mesh's, else zigzag, which runs every step but on documents
-    layout = r.layout or ("zigzag" if meets is not None else None)
+    # RingAttention's layout: the mesh's, else zigzag (a flat ring's cut by its mask or its documents
+    # either way round; a double ring's never)
+    layout = r.layout or ("zigzag" if scheme == "ring" else None)
     if scheme in C.RINGS and layout is not None:
         # the ring's own layout; a flat ring runs the steps its mask reaches, which only
         # numbers tell (symbolic sizes: every step)
@@ -301,8 +302,10 @@ def _scheme(diagram: ir.Diagram, r, sizes: Optional[dict[str, int]], profile,
     # RingAttention reads them at each call in any layout (zigzag's documents may fit its chunks)
     ids = tuple(dict.fromkeys(s.name for s in same_ids(r))) \
         if scheme == "ring" and placement.parts > 1 and meets is None else ()
-    common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node, layout=layout if meets else r.layout,
-                  ring_steps=reach if reach is not None and reach < placement.parts else None,
+    cut = reach is not None and reach < placement.parts
+    common = dict(scheme=scheme, gpus_per_node=placement.gpus_per_node,
+                  layout=layout if meets or cut else r.layout,
+                  ring_steps=reach if cut else None,
                   ring_ahead=num.ahead if num is not None else 0, ring_ids=ids,
                   ring_documents=counted_on if meets is not None and scheme == "ring" else "")
     if num is None:

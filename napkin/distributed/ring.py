@@ -48,7 +48,9 @@ packed documents shorter than a shard reach a step or two.  A mask keeping
 keys on both sides of a query (a window |q - x| < W) runs two such arms
 (``arms``, ``_Arm``): ``back`` steps the usual way, then ``ahead`` steps the
 other way round, whose first step (the device's own block) computes
-nothing.
+nothing.  So does a zigzag ring under a mask of nearby keys or documents: a
+rank's early chunk needs the ranks behind it, its late chunk (2P - 1 - r of
+2P) the ranks ahead of it.
 
 Either way an accumulator pass is started as soon as the step's share is
 added and waited for only after the next step's computation, so it overlaps
@@ -68,6 +70,7 @@ from .common import attention_side, handshake, results, save_and_show, saved_sta
 from .layouts import TokenLayout
 from .local import Roles, accumulator_dtype, default_backward, default_local, roles
 from .merging import merge
+from ..documents import layout_chunks
 from .reach import Meets, SameIds, ring_schedule, same_ids
 
 
@@ -83,8 +86,9 @@ class RingAttention:
     Each rank passes its own rows in the ring's layout (``shard``).
     ``layout`` is "zigzag", "cyclic" or "contiguous": by default the one
     the diagram's mesh names (``stream x across 8 contiguous``), else zigzag.
-    Under a mask that keeps only nearby keys (a window, causal chunks), the
-    contiguous layout lets the ring stop after ``reach(...)`` steps.
+    Under a mask that keeps only nearby keys (a window, causal chunks) or
+    packed documents, a contiguous or zigzag ring stops after ``arms(...)``
+    steps (both ways round where that is fewer).
     ``backward`` is "kv" (Ring's: K, V, dK, dV circulate) or "burst"
     (BurstAttention's: Q, dO, lse, delta, dQ circulate); the results are
     the same, the traffic is not (``napkin plan`` says which is cheaper).
@@ -201,26 +205,49 @@ class RingAttention:
 
 
 def id_meets(same: tuple[SameIds, ...], side: dict, ql: TokenLayout, xl: TokenLayout) -> Meets:
-    """reach.Meets from the ids themselves: whether rank a's queries and rank
-    b's keys share an id at some batch index, for every conjunct of
-    ``same``.  Each rank's ids become a sorted set once (O(N log N)); a
-    test is one ``isin`` of two of them."""
-    tables = []
+    """reach.Meets from the ids themselves: whether unit u's queries and unit
+    v's keys share an id at some batch index, for every conjunct of ``same``
+    (the units are reach.py's: a contiguous or zigzag layout's chunks,
+    documents.layout_chunks, or cyclic's ranks).  Each unit's ids become a
+    set once (O(N log N)), and one join of the sets on the ids answers every
+    pair: its size is the (query unit, key unit) pairs each id joins, a few
+    an id for packed documents."""
+    met = torch.ones(len(_units(ql)), len(_units(xl)), dtype=torch.bool)
     for s in same:
         # on the host: the sets are small (a shard's documents) and a device would wait on
-        # every test; the handshake has copied these values to the host already
+        # them; the handshake has copied these values to the host already
         ids = side[s.name].detach().cpu()
         ids = ids.movedim(s.axis, -1).reshape(-1, ids.shape[s.axis])          # (batch, tokens)
         # one integer per (batch index, id): the ids renumbered 0 .. U-1, offset by U a batch row
         values, dense = torch.unique(ids, return_inverse=True)
         keys = dense + torch.arange(ids.shape[0])[:, None] * max(values.numel(), 1)
+        (qu, qk), (xu, xk) = (_unit_ids(keys, lay) for lay in (ql, xl))
+        order = torch.argsort(xk)
+        xu, xk = xu[order], xk[order]
+        # each query (unit, id) against the key units holding that id: a run of the sorted keys
+        lo, hi = torch.searchsorted(xk, qk), torch.searchsorted(xk, qk, right=True)
+        n = hi - lo
+        at = torch.arange(int(n.sum())) + torch.repeat_interleave(lo - (torch.cumsum(n, 0) - n), n)
+        both = torch.zeros_like(met)
+        both[torch.repeat_interleave(qu, n), xu[at]] = True
+        met &= both
+    table = met.tolist()
+    return lambda u, v: table[u][v]
 
-        def sets(lay: TokenLayout) -> list:
-            pos = [lay.positions(p) for p in range(lay.parts)]
-            return [torch.unique(keys[:, p[p < lay.length]]) for p in pos]
 
-        tables.append((sets(ql), sets(xl)))
-    return lambda a, b: all(bool(torch.isin(qs[a], xs[b]).any()) for qs, xs in tables)
+def _units(lay: TokenLayout) -> list[torch.Tensor]:
+    """The positions of each of reach.py's units: a contiguous or zigzag
+    layout's chunks, a cyclic layout's ranks (real tokens only)."""
+    if lay.kind == "cyclic":
+        return [p[p < lay.length] for p in (lay.positions(r) for r in range(lay.parts))]
+    return [torch.arange(a, b) for _, a, b in layout_chunks(lay.kind, lay.parts, lay.length)]
+
+
+def _unit_ids(keys: torch.Tensor, lay: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit, id) for every id each unit holds, once: two flat tensors."""
+    sets = [torch.unique(keys[:, p]) for p in _units(lay)]
+    units = torch.cat([torch.full((len(u),), k, dtype=torch.int64) for k, u in enumerate(sets)])
+    return units, torch.cat(sets)
 
 
 class _Arm:
