@@ -11,8 +11,10 @@ this script's choices, scaled with the sequence length N: documents of
 MASK_DOCS fractions of N, a window of N/8, a prefix of N/4, a question of
 N/8 followed by four answers of equal length.
 
-The schemes: Ring Attention (zigzag layout; Ring's backward), the same with
-BurstAttention's backward, both as a double ring with several nodes
+The schemes: Ring Attention (zigzag layout; Ring's backward; run for the
+steps the mask and the ids reach, both ways round, as RingAttention cuts
+it), the same with BurstAttention's backward, both as a double ring with
+several nodes
 (``predict`` only: the steps follow napkin/distributed/groups.py's
 ring_origin), Ring over cyclic shards (``predict`` only: the same passes,
 every document dealt out evenly), ATTENTION2D on every grid (cyclic layout; with
@@ -157,6 +159,7 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
         w = pairs.part_pairs("zigzag", gpus)
         total = int(w.sum())
         rec = {"gpus": gpus, "mask": mask, "density": total / n / n, "ring_imbalance": w.sum(1).max() / (total / gpus)}
+        zigzag = ring_arms(mask, n, gpus, "zigzag")
         for scheme in ("ring", "burst", "ring2", "burst2"):
             if scheme.endswith("2"):
                 if g >= gpus:                    # one node: the double ring is the ring
@@ -164,21 +167,23 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
                 pl = C.Placement(scheme, (gpus // g, g))
             else:
                 pl = C.Placement(scheme, (gpus,), g)
+            if not scheme.endswith("2") and sum(zigzag) < gpus:     # the wrapper cuts its flat ring
+                rec[scheme] = cut_ring(pairs, zigzag, "zigzag", scheme, gpus, g, m, links, secs)
+                continue
             # each step at its busiest rank, in groups.ring_origin's order: Ring's backward sends the
             # key blocks round again, Burst's the query blocks
             nodes = pl.grid[0] if scheme.endswith("2") else 1
             fwd = [secs(x) for x in pairs.ring_steps("zigzag", gpus, nodes)]
             bwd = [secs(x, True) for x in pairs.ring_steps("zigzag", gpus, nodes, queries=scheme.startswith("burst"))]
             t = C.scheme_seconds(pl, m, links, fwd, bwd)
-            rec[scheme] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3,
+            rec[scheme] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "steps": gpus,
                            "MB": (C.traffic(pl, m, "forward")[0].sent + C.traffic(pl, m, "backward")[0].sent) / 1e6}
-        # Ring over cyclic shards: the same passes, each long document dealt out evenly
-        steps = pairs.ring_steps("cyclic", gpus)
-        t = C.scheme_seconds(C.Placement("ring", (gpus,), g), m, links, [secs(x) for x in steps],
-                             [secs(x, True) for x in steps])
-        rec["cyclic"] = {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "MB": rec["ring"]["MB"],
-                         "imbalance": pairs.part_pairs("cyclic", gpus).sum(1).max() / (total / gpus)}
-        rec["short"] = short_ring(mask, pairs, gpus, g, m, links, secs)
+        # Ring over cyclic shards: each long document dealt out evenly (a document of P tokens or
+        # more meets every rank: every step, as the wrapper says)
+        rec["cyclic"] = cut_ring(pairs, ring_arms(mask, n, gpus, "cyclic"), "cyclic", "ring", gpus, g, m, links, secs)
+        # the short ring: over contiguous shards, cut to the steps the mask reaches
+        rec["short"] = cut_ring(pairs, ring_arms(mask, n, gpus, "contiguous"), "contiguous", "ring", gpus, g, m,
+                                links, secs)
         best = None
         for pl in PLAN.placements(gpus, g):
             if pl.scheme != "attention2d":
@@ -197,35 +202,41 @@ def predict(gpus: int, per_node: int, masks=MASKS, profile: str = "h100") -> lis
     return out
 
 
-def short_ring(mask: str, pairs: ShardPairs, gpus: int, per_node: int, m: C.Moved, links: C.Links, secs) -> dict:
-    """Ring Attention (Ring's backward) over contiguous shards, run for the
-    steps the mask reaches (napkin/distributed/reach.py, asked of the
-    wrapper itself, given the document ids: the document mask reaches as
-    far back as a document straddles shards; the shared question's, read
-    by every answer, every step)."""
+def ring_arms(mask: str, n: int, gpus: int, layout: str) -> tuple[int, int]:
+    """The steps RingAttention runs each way over ``layout`` shards
+    (napkin/distributed/reach.py, asked of the wrapper itself, given the
+    document ids: a document mask reaches as far as a document straddles
+    shards; the shared question's, read by every answer, every step)."""
     import napkin
     from napkin.distributed import RingAttention
-    n = pairs.q_len
-    w = pairs.part_pairs("contiguous", gpus)
-    fn = RingAttention(napkin.load_text(diagram_text(mask, n), f"cp_{mask}.ncd"), layout="contiguous")
-    back, ahead = fn.arms(gpus, n, side=side_inputs(mask, n))
-    steps = back + ahead
-    short = dataclasses.replace(m, layout="contiguous", reach=back, ahead=ahead)
-    pl = C.Placement("ring", (gpus,), per_node)
+    fn = RingAttention(napkin.load_text(diagram_text(mask, n), f"cp_{mask}.ncd"), layout=layout)
+    return fn.arms(gpus, n, side=side_inputs(mask, n))
+
+
+def cut_ring(pairs: ShardPairs, arms: tuple[int, int], layout: str, scheme: str, gpus: int, per_node: int,
+             m: C.Moved, links: C.Links, secs) -> dict:
+    """Ring Attention (``scheme``: Ring's or Burst's backward) over ``layout``
+    shards run for ``arms`` steps (back, ahead), each step at its busiest
+    rank; cut short, Burst's query blocks go the keys' steps the other way
+    round, meeting the same pairs."""
+    back, ahead = arms
+    cut = dataclasses.replace(m, layout=layout, reach=back, ahead=ahead)
+    pl = C.Placement(scheme, (gpus,), per_node)
     # step s of the usual way holds rank r - s's keys; step t of the other way rank r + t's
-    most = pairs.ring_steps("contiguous", gpus)
+    most = pairs.ring_steps(layout, gpus)
     work = list(most[:back]) + [most[gpus - t] for t in range(1, ahead + 1)]
-    t = C.scheme_seconds(pl, short, links, [secs(x) for x in work], [secs(x, True) for x in work])
-    return {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "steps": steps,
-            "MB": (C.traffic(pl, short, "forward")[0].sent + C.traffic(pl, short, "backward")[0].sent) / 1e6,
+    t = C.scheme_seconds(pl, cut, links, [secs(x) for x in work], [secs(x, True) for x in work])
+    w = pairs.part_pairs(layout, gpus)
+    return {"ms": t.total_s * 1e3, "fwd_ms": t.forward_s * 1e3, "steps": back + ahead,
+            "MB": (C.traffic(pl, cut, "forward")[0].sent + C.traffic(pl, cut, "backward")[0].sent) / 1e6,
             "imbalance": w.sum(1).max() / (w.sum() / gpus)}
 
 
 def predict_markdown(records: list[dict]) -> str:
-    lines = ["| GPUs | mask | kept | Ring ms | Ring MB | Burst ms | Burst MB | Double ring ms | Double burst ms "
-             "| Cyclic ring ms | best ATTENTION2D | A2D ms | A2D MB | Short ring steps | Short ring ms | Short ring MB "
-             "| zigzag max/mean work | cyclic max/mean work | contiguous max/mean work | best |",
-             "|" + "---|" * 20]
+    lines = ["| GPUs | mask | kept | Ring steps | Ring ms | Ring MB | Burst ms | Burst MB | Double ring ms "
+             "| Double burst ms | Cyclic ring ms | best ATTENTION2D | A2D ms | A2D MB | Short ring steps | Short ring ms "
+             "| Short ring MB | zigzag max/mean work | cyclic max/mean work | contiguous max/mean work | best |",
+             "|" + "---|" * 21]
 
     def ms(r, key):
         return f"{r[key]['ms']:.1f}" if key in r else "-"
@@ -239,7 +250,7 @@ def predict_markdown(records: list[dict]) -> str:
         cands += [("Ring", r["ring"]["ms"]), ("Burst", r["burst"]["ms"]), ("Cyclic ring", r["cyclic"]["ms"]),
                   ("A2D " + a["grid"], a["ms"]), ("Short ring", r["short"]["ms"])]
         best = min(cands, key=lambda kv: PLAN.rank_time(kv[1]))[0]
-        lines.append(f"| {r['gpus']} | {r['mask']} | {r['density']:.3f} | {r['ring']['ms']:.1f} | "
+        lines.append(f"| {r['gpus']} | {r['mask']} | {r['density']:.3f} | {r['ring']['steps']} | {r['ring']['ms']:.1f} | "
                      f"{r['ring']['MB']:.0f} | {r['burst']['ms']:.1f} | {r['burst']['MB']:.0f} | {ms(r, 'ring2')} | "
                      f"{ms(r, 'burst2')} | {ms(r, 'cyclic')} | {a['grid']} | "
                      f"{a['ms']:.1f} | {a['MB']:.0f} | {sh['steps']} | {sh['ms']:.1f} | {sh['MB']:.0f} | "
@@ -301,10 +312,11 @@ def _measure_worker(rank: int, world: int, init: str, out_dir: str, n: int, repe
             sizes = dict(b=1, hq=hq, hkv=hkv, d=d, q=n)
             m = C.Moved.attention(sizes, "fp32")
             part = place.part if scheme == "attention2d" else rank
-            arms = fn.arms(world, n, side=side) if scheme == "short" else None
+            # the flat rings run the steps the wrapper reads from the mask and the ids
+            arms = fn.arms(world, n, side=side) if scheme in ("ring", "burst", "short") else None
             steps = sum(arms) if arms is not None else None
             if arms is not None:
-                m = dataclasses.replace(m, layout="contiguous", reach=arms[0], ahead=arms[1])
+                m = dataclasses.replace(m, layout=fn.layout, reach=arms[0], ahead=arms[1])
             model = "ring" if scheme == "short" else scheme
             predicted = [C.rank_bytes(model, shape, m, ph)[part][0] for ph in ("forward", "backward")]
             results.append({"mask": mask, "scheme": scheme, "grid": list(shape), "rank": rank, "steps": steps,
@@ -346,8 +358,9 @@ def measure_markdown(rows: list[dict]) -> str:
     lines = ["| P | mask | scheme | fwd KB/rank | bwd KB/rank | counted = predicted | fwd+bwd ms (slowest rank) "
              "| fastest rank ms |", "|" + "---|" * 8]
     for r in rows:
-        name = {"ring": "Ring", "burst": "Burst", "short": f"Short ring ({r['steps']} of {r['P']} steps)"}.get(
-            r["scheme"], "A2D " + "x".join(map(str, r["grid"])))
+        cut = f" ({r['steps']} of {r['P']} steps)" if r["scheme"] == "short" or (r["steps"] or r["P"]) < r["P"] else ""
+        name = {"ring": "Ring", "burst": "Burst", "short": "Short ring"}.get(
+            r["scheme"], "A2D " + "x".join(map(str, r["grid"]))) + cut
         lines.append(f"| {r['P']} | {r['mask']} | {name} | {r['sent_max'][0] / 1e3:.1f} | "
                      f"{r['sent_max'][1] / 1e3:.1f} | {'yes' if r['all_equal_prediction'] else 'NO'} | "
                      f"{r['seconds_max'] * 1e3:.1f} | {r['seconds_min'] * 1e3:.1f} |")

@@ -129,7 +129,8 @@ def test_cp_bench_prices_the_short_ring_from_the_wrapper_and_the_model():
     that reach (one K, V pass forward; one pass, one chain pass and one hop
     home backward); the causal document mask reaches as far back as a
     document straddles shards (counted here from its ids), and the shared
-    question, which every answer reads, every step."""
+    question, which every answer reads, every step.  Zigzag Ring and Burst
+    run the steps the wrapper cuts them to, both ways round."""
     import numpy as np
 
     from bench import cp_bench as B
@@ -146,7 +147,16 @@ def test_cp_bench_prices_the_short_ring_from_the_wrapper_and_the_model():
     rows = n // 8
     kv, acc = rows * m.key_row, rows * 2 * B.HKV * B.D * 4
     assert short["MB"] * 1e6 == pytest.approx(kv + kv + 2 * acc)
-    assert short["MB"] < ring["MB"] / 4
+    assert short["MB"] < ring["MB"] / 2
+    # zigzag Ring and Burst run the steps the wrapper cuts them to: the window of N/8 spans two
+    # chunks of N/16 each way, 3 steps back and 2 ahead, four K, V passes forward (two each way),
+    # where the cyclic ring (every step) sends Ring's seven
+    assert ring["steps"] == rec["sliding_window"]["burst"]["steps"] == 5
+    pl, cut = C.Placement("ring", (8,), 8), dataclasses.replace(m, layout="zigzag", reach=3, ahead=2)
+    sent = [C.traffic(pl, cut, ph)[0].sent for ph in ("forward", "backward")]
+    assert sent[0] == 4 * kv and ring["MB"] * 1e6 == pytest.approx(sum(sent))
+    assert ring["MB"] < rec["sliding_window"]["cyclic"]["MB"] and rec["document"]["ring"]["steps"] == 8
+    assert "| Ring steps |" in B.predict_markdown(list(rec.values()))
     # the ring over cyclic shards: Ring's bytes, every step balanced (the zigzag ring's busiest
     # device does 1.9x the mean work under the document mask), so faster than Ring and ATTENTION2D
     doc = rec["document"]
