@@ -50,7 +50,8 @@ from .. import ir, masks
 from ..documents import SameIds, id_conjuncts, layout_chunks
 from .reading import Roles, _inline
 
-# meets(a, b): whether rank a's queries and rank b's keys may share an id (same_ids)
+# meets(u, v): whether unit u's queries and unit v's keys may share an id (same_ids); the units are
+# a contiguous or zigzag layout's chunks (documents.layout_chunks), a cyclic layout's ranks
 Meets = Callable[[int, int], bool]
 
 

@@ -64,13 +64,13 @@ from typing import Callable, Optional
 import torch
 
 from .. import ir
+from ..documents import layout_chunks
 from . import groups as G
 from .commcount import phase
 from .common import attention_side, handshake, results, save_and_show, saved_state, split_side, upstream_rows
 from .layouts import TokenLayout
 from .local import Roles, accumulator_dtype, default_backward, default_local, roles
 from .merging import merge
-from ..documents import layout_chunks
 from .reach import Meets, SameIds, ring_schedule, same_ids
 
 
@@ -212,7 +212,8 @@ def id_meets(same: tuple[SameIds, ...], side: dict, ql: TokenLayout, xl: TokenLa
     set once (O(N log N)), and one join of the sets on the ids answers every
     pair: its size is the (query unit, key unit) pairs each id joins, a few
     an id for packed documents."""
-    met = torch.ones(len(_units(ql)), len(_units(xl)), dtype=torch.bool)
+    units = _units(ql), _units(xl)
+    met = torch.ones(len(units[0]), len(units[1]), dtype=torch.bool)
     for s in same:
         # on the host: the sets are small (a shard's documents) and a device would wait on
         # them; the handshake has copied these values to the host already
@@ -221,7 +222,7 @@ def id_meets(same: tuple[SameIds, ...], side: dict, ql: TokenLayout, xl: TokenLa
         # one integer per (batch index, id): the ids renumbered 0 .. U-1, offset by U a batch row
         values, dense = torch.unique(ids, return_inverse=True)
         keys = dense + torch.arange(ids.shape[0])[:, None] * max(values.numel(), 1)
-        (qu, qk), (xu, xk) = (_unit_ids(keys, lay) for lay in (ql, xl))
+        (qu, qk), (xu, xk) = (_unit_ids(keys, pos) for pos in units)
         order = torch.argsort(xk)
         xu, xk = xu[order], xk[order]
         # each query (unit, id) against the key units holding that id: a run of the sorted keys
@@ -243,9 +244,10 @@ def _units(lay: TokenLayout) -> list[torch.Tensor]:
     return [torch.arange(a, b) for _, a, b in layout_chunks(lay.kind, lay.parts, lay.length)]
 
 
-def _unit_ids(keys: torch.Tensor, lay: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unit, id) for every id each unit holds, once: two flat tensors."""
-    sets = [torch.unique(keys[:, p]) for p in _units(lay)]
+def _unit_ids(keys: torch.Tensor, units: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit, id) for every id each unit (its positions) holds, once: two
+    flat tensors."""
+    sets = [torch.unique(keys[:, p]) for p in units]
     units = torch.cat([torch.full((len(u),), k, dtype=torch.int64) for k, u in enumerate(sets)])
     return units, torch.cat(sets)
 
