@@ -556,3 +556,45 @@ def test_plan_prices_each_scheme_at_its_busiest_device():
     assert ranked.index("Ring of 8 over contiguous shards, 4 of 8 steps") < ranked.index("Ring of 8")
     evenly = [flat.option(pl, 8) for pl in candidates if pl.scheme in ("ring", "attention2d")]
     assert min(evenly, key=lambda o: o.total_s).scheme == "ring"
+
+
+def test_tile_work_counts_tiles_one_by_one():
+    """bench/tile_work.py (the pairs a kernel computes, tile by tile, beside
+    the pairs kept) against a count of every pair and every tile, for rings
+    in the three layouts and every ATTENTION2D grid, causal documents of
+    fresh random lengths, ragged tiles; its kept pairs are ShardPairs'."""
+    import numpy as np
+
+    from bench import tile_work as T
+    from napkin.distributed.layouts import TokenLayout
+
+    def brute(rows, keys, lo, hi, bq, bx):
+        keep = (keys[None, :] >= lo[rows][:, None]) & (keys[None, :] < hi[rows][:, None])
+        nq, nk = -(-len(rows) // bq), -(-len(keys) // bx)
+        pad = np.zeros((nq * bq, nk * bx), dtype=bool)
+        pad[:len(rows), :len(keys)] = keep
+        live = pad.reshape(nq, bq, nk, bx).any(axis=(1, 3))
+        real = np.zeros_like(pad)
+        real[:len(rows), :len(keys)] = True
+        return int(keep.sum()), int((np.repeat(np.repeat(live, bq, 0), bx, 1) & real).sum())
+
+    for seed, (n, parts, bq, bx) in enumerate([(203, 4, 8, 4), (97, 3, 4, 8), (64, 2, 16, 16)]):
+        docs = _random_docs(n, seed + 11)
+        lengths = list(docs.lengths) if docs.lengths else [n]
+        lo, hi = T.causal_documents(lengths)
+        pairs = D.ShardPairs(n, n, [(lo, hi)])
+        for kind in T.LAYOUTS:
+            lay = TokenLayout(kind, parts, n)
+            pos = [p[p < n].numpy() for p in (lay.positions(d) for d in range(parts))]
+            want = np.array([[brute(r, k, lo, hi, bq, bx) for k in pos] for r in pos]).sum(1)
+            kept, computed = T.device_work(lo, hi, kind, parts, bq, bx)
+            assert kept.tolist() == want[:, 0].tolist() == pairs.part_pairs(kind, parts).sum(1).tolist()
+            assert computed.tolist() == want[:, 1].tolist(), (kind, n, parts)
+            assert (computed >= kept).all()
+        for r in (1, parts):
+            c = parts // r
+            t = np.arange(n)
+            want = [brute(t[(t % parts) // c == i], t[t % c == j], lo, hi, bq, bx) for i in range(r) for j in range(c)]
+            kept, computed = T.grid_work(lo, hi, r, c, bq, bx)
+            assert kept.tolist() == [k for k, _ in want] == pairs.grid_pairs(r, c).ravel().tolist()
+            assert computed.tolist() == [w for _, w in want]
