@@ -302,12 +302,13 @@ def cases() -> list[Case]:
             Case("burst", "ring", "document_mask", "documents_across", 13, 13, layout="contiguous"),
             Case("ring", "ring", "document_mask", "documents_across", 13, 13, False, "float32", layout="contiguous")]
     # zigzag shards under masks of nearby keys and documents: a rank's late chunk needs the ranks
-    # ahead, so the ring runs both ways (2 steps back, 1 ahead of 4): both backwards, GQA, the
-    # generated fp32 kernel, two nodes of two
+    # ahead, so the ring runs both ways (2 steps back, 1 ahead of 4): both backwards, GQA, the sum
+    # family, the generated fp32 kernel, two nodes of two
     out += [Case("ring", "ring", "attention", "window", 13, 13),
             Case("burst", "ring", "attention", "window", 13, 13, True),
             Case("ring", "ring", "attention", "chunks", 16, 16, True, "float32"),
             Case("burst", "ring", "attention", "two_sided", 16, 16),
+            Case("burst", "ring", "sigmoid_attention", "window", 13, 13),
             Case("ring", "flat-ring-2-nodes", "attention", "window", 16, 16),
             Case("ring", "ring", "document_mask", "zigzag_document", 13, 13),
             Case("burst", "ring", "document_mask", "zigzag_document", 13, 13),
