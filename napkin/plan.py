@@ -39,15 +39,17 @@ Each is costed with napkin/cost/collectives.py, the model the
 multi-process tests prove against the byte counter: bytes per device,
 split by link, and time = transfers at NVLink / InfiniBand bandwidth
 (profiles.toml) plus compute.  Compute: 4 FLOPs per query-key pair per head
-dimension forward (QK and PV; the mask's density from napkin/masks.py, at a
-128 x 128 block grid, partial blocks counted half), 2.5 times that backward,
-at FlashAttention-2's fraction of the dense peak (370 and 322 of 989 TFLOP/s
-on an H100, background section 4) for every GPU.  Every scheme's layout is
-taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings, and
-contiguous shards for a ring cut short: a window's work is balanced there but
-for the first devices, a causal mask's is not, and such a ring never
-reaches fewer steps; documents are the exception, counted per device as
-above); bench/cp_bench.py counts the work of each device exactly instead.
+dimension forward (QK and PV; the pairs a mask of bounds keeps counted row by
+row, ``bound_pairs``; any other mask's density from napkin/masks.py at a 128
+x 128 block grid, partial blocks counted half), 2.5 times that backward, at
+FlashAttention-2's fraction of the dense peak (370 and 322 of 989 TFLOP/s on
+an H100, background section 4) for every GPU.  Every scheme's layout is
+taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings),
+but for a ring its mask of bounds cuts short, whose steps are timed at their
+busiest rank (``BoundPairs``: the own block holds most of a window's pairs,
+and a zigzag ring's steps fall on different ranks), and for documents,
+counted per device as above; bench/cp_bench.py counts the work of each
+device exactly instead.
 
 ``--emit OUT.ncd`` writes the diagram with the winner's mesh levels (a
 double ring as a nodes level over a devices level), with a nodes level
@@ -74,7 +76,7 @@ from .cost.devices import moved, placement_of, unstated_gpus_per_node
 from .cost.profiles import get_profile, profile_names
 from .distributed.reach import mask_bounds, ring_arms, same_ids
 from .distributed.reading import roles
-from .documents import Documents, ShardPairs, add_docs_option, covered, id_wire, ring_meets
+from .documents import Documents, ShardPairs, add_docs_option, covered, id_wire, ring_meets, ring_steps_at
 from .errors import NapkinError
 from .files import why_not, write_atomic
 from .sizes import positive_int
@@ -88,6 +90,7 @@ FWD_EFFICIENCY = 370 / 989.4     # FlashAttention-2 forward, d128, H100 (backgro
 BWD_EFFICIENCY = 322 / 989.4     # and backward
 BWD_FLOP_FACTOR = 2.5            # backward FLOPs / forward FLOPs (background section 1)
 DENSITY_BLOCKS = 128             # blocks per side when measuring a mask's density
+CUT_RANKS = 512                  # ranks counted for a ring cut short (BoundPairs)
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,11 @@ def placements(p: int, gpus_per_node: int, training: bool = True) -> list[C.Plac
 
 
 def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
-    """The fraction of query-key pairs the mask keeps, at a block grid (1 for
-    an unmasked diagram and for a mask that reads data; partial blocks count
-    half; on --docs' documents Pricing counts the pairs, documents.ShardPairs)."""
+    """The fraction of query-key pairs the mask keeps: counted exactly where
+    the mask is a conjunction of bounds on the key (bound_pairs), else at a
+    block grid (partial blocks count half); 1 for an unmasked diagram and for
+    a mask that reads data (on --docs' documents Pricing counts the pairs,
+    documents.ShardPairs)."""
     body = r.score if r.score is not None else diagram.tensor(r.value).expr
     node = masks.mask_node(body)
     if node is None:
@@ -186,6 +191,12 @@ def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
         # counted dense, as napkin cost counts it (every block read "partial", it was priced at half)
         return 1.0
     nq, nx = sizes[r.query], sizes[r.key]
+    bounds = _bounds(diagram, r, sizes)
+    if bounds is not None:
+        # a conjunction of bounds on the key (causal, windows, chunks): the pairs counted row by
+        # row; a block grid of 128 x 128 would count a window narrower than its blocks at half
+        # of each diagonal block (256 tokens of 2^23: 250 times too many)
+        return bound_pairs(bounds, nq, nx, sizes) / (nq * nx)
     bq, bx = min(DENSITY_BLOCKS, nq), min(DENSITY_BLOCKS, nx)
     edges_q = [nq * i // bq for i in range(bq + 1)]
     edges_x = [nx * j // bx for j in range(bx + 1)]
@@ -197,6 +208,56 @@ def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
             area = (edges_q[i + 1] - edges_q[i]) * (edges_x[j + 1] - edges_x[j])
             kept += area * {masks.BlockClass.FULL: 1.0, masks.BlockClass.PARTIAL: 0.5}.get(cls, 0.0)
     return kept / (nq * nx)
+
+
+def _bounds(diagram: ir.Diagram, r, sizes: dict[str, int]) -> Optional[tuple]:
+    """The bounds on the key whose conjunction is the mask, where it is one
+    (masks.exact_bounds); None where it reads data or another conjunct."""
+    body = r.score if r.score is not None else diagram.tensor(r.value).expr
+    node = masks.mask_node(body)
+    return None if node is None else masks.exact_bounds(masks.mask_predicate(node), r.query, r.key, sizes)
+
+
+class BoundPairs:
+    """The pairs a mask of bounds keeps at the steps of a ring cut short,
+    its busiest rank's (documents.ring_steps_at; at most CUT_RANKS ranks
+    counted, the rest alike), each once."""
+
+    def __init__(self, bounds: tuple, q_len: int, x_len: int, sizes: dict[str, int]):
+        self.bounds, self.q_len, self.x_len, self.sizes = bounds, q_len, x_len, sizes
+        self._memo: dict = {}
+
+    def keeps(self, q):
+        import numpy as np
+
+        lo, hi = np.zeros_like(q), np.full_like(q, self.x_len)
+        for b in self.bounds:
+            if b.kind == "lower":
+                lo = np.maximum(lo, b.value(q, self.sizes))
+            else:
+                hi = np.minimum(hi, b.value(q, self.sizes) + 1)
+        return [(lo, np.maximum(hi, lo))]
+
+    def steps(self, kind: str, parts: int, offsets: tuple) -> tuple[int, ...]:
+        key = (kind, parts, offsets)
+        if key not in self._memo:
+            self._memo[key] = ring_steps_at(self.keeps, kind, parts, self.q_len, self.x_len, offsets, CUT_RANKS)
+        return self._memo[key]
+
+
+def bound_pairs(bounds: tuple, q_len: int, x_len: int, sizes: dict[str, int], chunk: int = 1 << 22) -> int:
+    """The (query, key) pairs a conjunction of bounds on the key keeps: each
+    row's keys from its greatest lower bound to its least upper one, clipped
+    to [0, x_len), summed a chunk of rows at a time (numpy, O(rows): a second
+    for 2^28 rows)."""
+    import numpy as np
+
+    pairs = BoundPairs(bounds, q_len, x_len, sizes)
+    total = 0
+    for start in range(0, q_len, chunk):
+        (lo, hi), = pairs.keeps(np.arange(start, min(start + chunk, q_len), dtype=np.int64))
+        total += int((hi - lo).sum())
+    return total
 
 
 def forward_flops(m: C.Moved, keep: float) -> float:
@@ -258,6 +319,9 @@ class Pricing:
     # and in the cyclic one (--docs only: no mask cuts it)
     zigzag_arms: Optional[tuple[int, int]] = None
     cyclic_arms: Optional[tuple[int, int]] = None
+    # without --docs, where a mask of bounds (exactly) cuts a ring short: the pairs it keeps, which
+    # time the cut ring's steps at their busiest rank (a zigzag ring's steps fall on different ranks)
+    cut: Optional["BoundPairs"] = dataclasses.field(default=None, compare=False)
 
     @staticmethod
     def of(diagram: ir.Diagram, devices: int, sizes: Optional[dict], profile: Optional[str],
@@ -271,9 +335,13 @@ class Pricing:
         prof = get_profile(profile_of(diagram, profile))
         rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
         if docs is None:
+            arms = {kind: ring_arms(r, kind, devices, m.q_len, m.x_len) for kind in ("contiguous", "zigzag")}
+            bounds = _bounds(diagram, r, bound)
+            # a ring its mask of bounds cuts short is timed at each step's busiest rank
+            cut = BoundPairs(bounds, m.q_len, m.x_len, bound) \
+                if bounds and min(sum(a) for a in arms.values()) < devices else None
             return Pricing(m, C.Links.of(prof), forward_flops(m, density(diagram, r, bound)), rate, devices,
-                           training, ring_arms(r, "contiguous", devices, m.q_len, m.x_len),
-                           zigzag_arms=ring_arms(r, "zigzag", devices, m.q_len, m.x_len))
+                           training, arms["contiguous"], zigzag_arms=arms["zigzag"], cut=cut)
         same = same_ids(r)
         if not same:
             raise NapkinError(f"--docs: diagram {diagram.name}'s mask compares no ids at the query and the key "
@@ -322,23 +390,34 @@ class Pricing:
     def _work(self, pl: C.Placement, arms: Optional[tuple[int, int]], layout: str,
               queries: bool = False) -> list[float]:
         """The forward FLOPs of each step (its busiest device's): an even split
-        of ``flops``, or on documents the pairs the busiest device keeps
-        (``queries``: with the query blocks travelling, ShardPairs.ring_steps)."""
+        of ``flops``, or on documents, and for a ring cut short, the pairs the
+        busiest device keeps (``queries``: with the query blocks travelling,
+        ShardPairs.ring_steps)."""
         p = self.devices
         steps = sum(arms) if arms is not None else (pl.parts if pl.scheme in C.RINGS else 1)
-        if self.kept is None:
+        if self.kept is None and arms is not None and self.cut is not None:
+            # the flops of a kept pair (density counted the pairs exactly: a mask of bounds)
+            per_pair = forward_flops(self.moved, 1.0) / (self.moved.q_len * self.moved.x_len)
+            back, ahead = arms
+            offsets = tuple(range(back)) + tuple(p - t for t in range(1, ahead + 1))
+            return [per_pair * w for w in self.cut.steps(layout, p, offsets)]
+        pairs = self.kept
+        if pairs is None:
             return [self.flops / p / steps] * steps
-        per_pair = self.flops / self.kept.total if self.kept.total else 0.0
+        per_pair = self.flops / pairs.total if pairs.total else 0.0
         if pl.scheme == "attention2d":
-            return [per_pair * self.kept.grid_busiest(*pl.grid)]
+            return [per_pair * pairs.grid_busiest(*pl.grid)]
         if pl.scheme == "tree":
-            return [per_pair * self.kept.tree_busiest(p)]
+            return [per_pair * pairs.tree_busiest(p)]
         if pl.scheme in ("ring2", "burst2"):    # zigzag over all P, every step of every round
-            return [per_pair * w for w in self.kept.ring_steps("zigzag", p, pl.grid[0], queries)]
-        # step s of the usual way brings rank r - s's keys, step t of the other way rank r + t's
-        w = self.kept.ring_steps(layout, p, queries=queries)
-        back, ahead = arms if arms is not None else (p, 0)
-        return [per_pair * w[s] for s in range(back)] + [per_pair * w[p - t] for t in range(1, ahead + 1)]
+            return [per_pair * w for w in pairs.ring_steps("zigzag", p, pl.grid[0], queries)]
+        if arms is None:
+            return [per_pair * w for w in pairs.ring_steps(layout, p, queries=queries)]
+        # cut short: step s of the usual way brings rank r - s's keys, step t of the other way
+        # rank r + t's (offset P - t)
+        back, ahead = arms
+        offsets = list(range(back)) + [p - t for t in range(1, ahead + 1)]
+        return [per_pair * w for w in pairs.ring_steps_at(layout, p, offsets)]
 
 
 # --------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def test_forward_only_plan_offers_the_tree_and_no_burst():
 
 def test_mask_density():
     r = roles(load("causal"))
-    assert P.density(load("causal"), r, dict(b=1, h=1, q=4096, x=4096)) == pytest.approx(0.5, abs=0.005)
+    assert P.density(load("causal"), r, dict(b=1, h=1, q=4096, x=4096)) == (4096 * 4097 // 2) / 4096 ** 2
     assert P.density(load("attention"), roles(load("attention")), dict(b=1, h=1, q=64, x=64)) == 1.0
     # document ids are data: dense, as napkin cost counts them (every block was "partial": half)
     doc = load("document_mask")
@@ -353,3 +353,61 @@ def test_plan_emits_a_ring_of_more_than_1024_devices_that_checks():
     assert best.scheme in ("ring", "burst") and best.grid == (1025,)
     d = napkin.load_text(to_text(P.emit(load("attention"), best)), "emitted.ncd")
     assert analyse(d, sizes).devices.devices == 1025
+
+
+_BOUNDED = {   # predicate text -> what it keeps, written independently
+    "x <= q and q - x < 5": lambda q, x: x <= q and q - x < 5,
+    "q - x < 4 and x - q < 4": lambda q, x: abs(q - x) < 4,
+    "x // 6 == q // 6": lambda q, x: x // 6 == q // 6,
+    "x >= q and x - q < 3": lambda q, x: q <= x < q + 3,
+    "x <= q and x // 7 == q // 7": lambda q, x: x <= q and x // 7 == q // 7,
+}
+
+
+@pytest.mark.parametrize("pred", list(_BOUNDED), ids=list(_BOUNDED))
+def test_a_mask_of_bounds_is_counted_pair_by_pair(pred):
+    """density() of a conjunction of bounds is the pairs it keeps, counted
+    one by one, ragged and cross sizes too (a block grid counted a window
+    narrower than its blocks at half of each diagonal block)."""
+    from test_distributed2 import _PLAIN, diagram_text
+    d = napkin.load_text(diagram_text("attention", "full", "fp64", "ring")
+                         .replace(_PLAIN, f"where({pred}, {_PLAIN}, -inf)", 1), "b.ncd")
+    keep = _BOUNDED[pred]
+    for nq, nx in ((13, 13), (29, 29), (11, 23), (40, 7)):
+        want = sum(keep(q, x) for q in range(nq) for x in range(nx)) / (nq * nx)
+        assert P.density(d, roles(d), dict(b=1, h=2, d=16, q=nq, x=nx)) == want, (nq, nx)
+
+
+def test_plan_prices_a_window_per_device_whatever_the_devices(monkeypatch):
+    """8192 tokens a GPU under a window of 256: every scheme's time and bytes
+    a device are the same on 8 GPUs as on 256 (they were 32x apart when the
+    density was counted on a block grid of 128 x 128); a ring the window cuts
+    short is timed at each step's busiest rank, counted on a sample of the
+    ranks where there are many, as on all of them."""
+    from napkin.documents import ShardPairs
+    d = napkin.load("examples/sliding_window.ncd")
+
+    def table(p):
+        sizes = dict(b=1, h=32, q=8192 * p, x=8192 * p)
+        return {(o.scheme, o.layout, o.arms): (round(o.total_s, 12), o.forward_bytes, o.backward_bytes)
+                for o in P.plan(d, p, sizes) if o.scheme in ("ring", "burst")}
+    small, large = table(8), table(256)
+    assert small == {k: v for k, v in large.items() if k in small} and len(small) == 4
+    # the cut rings' steps: the busiest rank's pairs, counted over every rank of the window
+    p, n = 64, 64 * 512
+    sizes = dict(b=1, h=32, q=n, x=n)
+    pricing = P.Pricing.of(d, p, sizes, None, True)
+    lo = [max(0, q - 255) for q in range(n)]
+    pairs = ShardPairs(n, n, [(lo, [q + 1 for q in range(n)])])
+    for layout, arms in (("contiguous", pricing.arms), ("zigzag", pricing.zigzag_arms)):
+        back, ahead = arms
+        assert back + ahead < p, layout
+        steps = pairs.ring_steps(layout, p)
+        want = [steps[s] for s in range(back)] + [steps[p - t] for t in range(1, ahead + 1)]
+        per_pair = P.forward_flops(pricing.moved, 1.0) / n ** 2
+        work = pricing._work(C.Placement("ring", (p,), 8), arms, layout)
+        assert work == pytest.approx([per_pair * w for w in want], rel=1e-12), layout
+        monkeypatch.setattr(P, "CUT_RANKS", 16)       # 4 + 4 at the ends, 8 spread: the same maxima
+        sampled = P.Pricing.of(d, p, sizes, None, True)._work(C.Placement("ring", (p,), 8), arms, layout)
+        assert sampled == work, layout
+        monkeypatch.undo()
