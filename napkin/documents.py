@@ -384,15 +384,6 @@ class ShardPairs:
                 self._memo["ring", kind, parts, n, qs] = tuple(int(v) for v in out)
         return self._memo[key]
 
-    def ring_steps_at(self, kind: str, parts: int, offsets) -> tuple[int, ...]:
-        """ring_steps at the steps holding the keys of rank r - d, for each
-        offset d (mod P): a ring cut short (ring_steps_at below, every rank)."""
-        key = ("at", kind, parts, tuple(offsets))
-        if key not in self._memo:
-            self._memo[key] = ring_steps_at(lambda q: [(lo[q], hi[q]) for lo, hi in self.intervals], kind, parts,
-                                            self.q_len, self.x_len, offsets)
-        return self._memo[key]
-
     def part_pairs(self, kind: str, parts: int):
         """W[a, b]: the pairs rank a's queries keep with rank b's keys, both in
         the ``kind`` layout (a P x P table: for reports on a few ranks)."""
@@ -421,15 +412,15 @@ class ShardPairs:
 
 def ring_steps_at(keeps, kind: str, parts: int, q_len: int, x_len: int, offsets,
                   most: Optional[int] = None) -> tuple[int, ...]:
-    """The most pairs any rank keeps at the flat ring's steps holding the
-    keys of rank r - d, for each offset d (mod P), in the ``kind`` layout:
-    a ring cut short.  ``keeps(q)``: the [lo, hi) arrays of the keys rows
-    ``q`` keep (a union, one pair an interval).  Each offset is one pass
-    over the rows, every rank at once (numpy), where ShardPairs.ring_steps
-    pays O(P^2) for every step.  ``most``: count at most that many ranks,
+    """ShardPairs.ring_steps at the flat ring's steps holding the keys of
+    rank r - d, for each offset d (mod P), in the ``kind`` layout (a ring
+    cut short), where the rows' kept keys come from ``keeps(q)`` (the
+    [lo, hi) arrays of rows ``q``, a union, one pair an interval) rather
+    than arrays over every row.  ``most``: count at most that many ranks,
     the first and last quarter of them and the rest spread evenly, where
     there are more (napkin plan at 32,768 devices of 8,192 tokens: 2^28
-    rows); a mask of bounds treats every rank alike but near the ends."""
+    rows); a mask of bounds treats every rank alike but near the ends.
+    O(ranks counted x (rows a rank log rows + P))."""
     import numpy as np
 
     ranks = np.arange(parts)
@@ -437,37 +428,17 @@ def ring_steps_at(keeps, kind: str, parts: int, q_len: int, x_len: int, offsets,
         edge = most // 4
         ranks = np.unique(np.concatenate([ranks[:edge], ranks[-edge:],
                                           np.linspace(0, parts - 1, most - 2 * edge).round().astype(np.int64)]))
-    rows = [np.arange(p, q_len, parts) if kind == "cyclic" else
-            np.concatenate([np.arange(a, b) for a, b in _part_runs(kind, parts, q_len, p)] or [np.zeros(0, int)])
-            for p in ranks]
-    owner = np.repeat(np.arange(len(ranks)), [len(r) for r in rows])
-    q = np.concatenate(rows).astype(np.int64)
-    intervals = keeps(q)
-    out = []
-    for d in offsets:
-        src = (ranks[owner] - d) % parts
-        kept = sum(_keys_in_part(lo, hi, src, kind, parts, x_len) for lo, hi in intervals)
-        out.append(int(np.bincount(owner, weights=kept, minlength=len(ranks)).max()) if len(q) else 0)
+    out = [0] * len(offsets)
+    for a in ranks:
+        rows = np.arange(a, q_len, parts) if kind == "cyclic" else \
+            np.concatenate([np.arange(lo, hi) for lo, hi in _part_runs(kind, parts, q_len, int(a))] or
+                           [np.zeros(0, dtype=np.int64)])
+        # the rank's rows as a ShardPairs of their own: its pairs with every part's keys
+        mine = ShardPairs(len(rows), x_len, keeps(rows.astype(np.int64)))
+        w = mine._key_parts(np.arange(len(rows)), kind, parts)
+        for i, d in enumerate(offsets):
+            out[i] = max(out[i], int(w[(a - d) % parts]))
     return tuple(out)
-
-
-def _keys_in_part(lo, hi, part, kind: str, parts: int, x_len: int):
-    """Per row, how many of its keys [lo, hi) rank ``part`` (one per row)
-    holds: the overlap with its runs of consecutive keys (layouts.py's
-    arithmetic), or, cyclic, the keys of its residue."""
-    import numpy as np
-
-    if kind == "cyclic":
-        def below(e):       # keys x < e with x = part (mod P)
-            return np.maximum(0, -(-(e - part) // parts))
-        return below(hi) - below(lo)
-    if kind == "contiguous":
-        size = -(-x_len // parts)
-        runs = [part * size]
-    else:
-        size = -(-x_len // (2 * parts))
-        runs = [part * size, (2 * parts - 1 - part) * size]
-    return sum(np.maximum(0, np.minimum(hi, np.minimum(a + size, x_len)) - np.maximum(lo, a)) for a in runs)
 
 
 # --------------------------------------------------------------------------

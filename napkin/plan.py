@@ -411,13 +411,10 @@ class Pricing:
             return [per_pair * pairs.tree_busiest(p)]
         if pl.scheme in ("ring2", "burst2"):    # zigzag over all P, every step of every round
             return [per_pair * w for w in pairs.ring_steps("zigzag", p, pl.grid[0], queries)]
-        if arms is None:
-            return [per_pair * w for w in pairs.ring_steps(layout, p, queries=queries)]
-        # cut short: step s of the usual way brings rank r - s's keys, step t of the other way
-        # rank r + t's (offset P - t)
-        back, ahead = arms
-        offsets = list(range(back)) + [p - t for t in range(1, ahead + 1)]
-        return [per_pair * w for w in pairs.ring_steps_at(layout, p, offsets)]
+        # step s of the usual way brings rank r - s's keys, step t of the other way rank r + t's
+        w = pairs.ring_steps(layout, p, queries=queries)
+        back, ahead = arms if arms is not None else (p, 0)
+        return [per_pair * w[s] for s in range(back)] + [per_pair * w[p - t] for t in range(1, ahead + 1)]
 
 
 # --------------------------------------------------------------------------
