@@ -247,8 +247,7 @@ def column_spans(spans: Sequence[tuple[int, int]], col_blocks: int) -> tuple[tup
 
 def row_intervals(docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_length: int):
     """(lo, hi) numpy arrays: query q keeps the keys [lo[q], hi[q]), those of
-    its document within its affine bounds (lo = hi: none).  Each bound is
-    evaluated on every row at once (masks.Bound.value takes arrays)."""
+    its document within its affine bounds (lo = hi: none; bound_interval)."""
     import numpy as np
 
     starts = np.array(docs.starts(ids_length), dtype=np.int64)
@@ -256,6 +255,16 @@ def row_intervals(docs: Documents, bounds, q_len: int, x_len: int, sizes, ids_le
     k = np.minimum(np.searchsorted(starts, q, side="right") - 1, len(starts) - 2)
     lo, hi = starts[k], np.minimum(starts[k + 1], x_len)
     hi = np.where(q < ids_length, hi, lo)     # a row past the ids: no document, no key
+    return bound_interval(bounds, q, lo, hi, sizes)
+
+
+def bound_interval(bounds, q, lo, hi, sizes):
+    """(lo, hi) arrays: rows ``q``'s keys [lo, hi) narrowed by a conjunction
+    of affine bounds on the key (masks.Bound: a lower bound raises lo, an
+    upper one lowers hi), hi never below lo.  Each bound is evaluated on every
+    row at once (masks.Bound.value takes arrays)."""
+    import numpy as np
+
     for b in bounds:
         value = b.value(q, sizes)
         if b.kind == "lower":
@@ -337,8 +346,10 @@ class ShardPairs:
         runs = _part_runs(kind, parts, self.q_len, part)
         return np.concatenate([np.arange(a, b) for a, b in runs]) if runs else np.zeros(0, dtype=np.int64)
 
-    def _key_parts(self, rows, kind: str, parts: int):
-        """W[b]: the pairs ``rows`` keep with part b's keys, in the layout."""
+    def key_parts(self, rows, kind: str, parts: int):
+        """W[b]: the pairs ``rows`` (indices into this count's rows) keep with
+        part b's keys, in the ``kind`` layout of ``parts`` (a rank's row of
+        part_pairs; ring_steps_at counts a rank at a time with it)."""
         np = self._np
         if kind == "cyclic":
             return self._by_residue(rows, parts)[0]
@@ -369,7 +380,7 @@ class ShardPairs:
             outs = {(n, qs): np.zeros(parts, dtype=np.int64) for n in shapes for qs in (False, True)}
             steps = {n: np.divmod(np.arange(parts), parts // n) for n in shapes}    # s = o * per_node + i
             for a in range(parts):
-                w = self._key_parts(self._query_rows(kind, parts, a), kind, parts)
+                w = self.key_parts(self._query_rows(kind, parts, a), kind, parts)
                 for n in shapes:
                     per_node, (o, i) = parts // n, steps[n]
                     node, local = divmod(a, per_node)
@@ -387,7 +398,7 @@ class ShardPairs:
     def part_pairs(self, kind: str, parts: int):
         """W[a, b]: the pairs rank a's queries keep with rank b's keys, both in
         the ``kind`` layout (a P x P table: for reports on a few ranks)."""
-        return self._np.array([self._key_parts(self._query_rows(kind, parts, a), kind, parts)
+        return self._np.array([self.key_parts(self._query_rows(kind, parts, a), kind, parts)
                                for a in range(parts)])
 
     def grid_pairs(self, rows: int, cols: int):
@@ -407,7 +418,7 @@ class ShardPairs:
     def tree_busiest(self, parts: int) -> int:
         """Decoding's tree: every query on every device, the keys in
         contiguous shards; the most pairs any device keeps."""
-        return int(self._key_parts(self._np.arange(self.q_len), "contiguous", parts).max())
+        return int(self.key_parts(self._np.arange(self.q_len), "contiguous", parts).max())
 
 
 def ring_steps_at(keeps, kind: str, parts: int, q_len: int, x_len: int, offsets,
@@ -435,7 +446,7 @@ def ring_steps_at(keeps, kind: str, parts: int, q_len: int, x_len: int, offsets,
                            [np.zeros(0, dtype=np.int64)])
         # the rank's rows as a ShardPairs of their own: its pairs with every part's keys
         mine = ShardPairs(len(rows), x_len, keeps(rows.astype(np.int64)))
-        w = mine._key_parts(np.arange(len(rows)), kind, parts)
+        w = mine.key_parts(np.arange(len(rows)), kind, parts)
         for i, d in enumerate(offsets):
             out[i] = max(out[i], int(w[(a - d) % parts]))
     return tuple(out)

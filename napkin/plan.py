@@ -76,7 +76,8 @@ from .cost.devices import moved, placement_of, unstated_gpus_per_node
 from .cost.profiles import get_profile, profile_names
 from .distributed.reach import mask_bounds, ring_arms, same_ids
 from .distributed.reading import roles
-from .documents import Documents, ShardPairs, add_docs_option, covered, id_wire, ring_meets, ring_steps_at
+from .documents import (Documents, ShardPairs, add_docs_option, bound_interval, covered, id_wire, ring_meets,
+                        ring_steps_at)
 from .errors import NapkinError
 from .files import why_not, write_atomic
 from .sizes import positive_int
@@ -181,21 +182,19 @@ def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
     block grid (partial blocks count half); 1 for an unmasked diagram and for
     a mask that reads data (on --docs' documents Pricing counts the pairs,
     documents.ShardPairs)."""
-    body = r.score if r.score is not None else diagram.tensor(r.value).expr
-    node = masks.mask_node(body)
-    if node is None:
+    pred = _predicate(diagram, r)
+    if pred is None:
         return 1.0
-    pred = masks.mask_predicate(node)
     if any(isinstance(n, ir.TensorRef) for n in ir.walk(pred)):
         # a mask of data (document ids): which pairs it keeps is known only at run time;
         # counted dense, as napkin cost counts it (every block read "partial", it was priced at half)
         return 1.0
     nq, nx = sizes[r.query], sizes[r.key]
-    bounds = _bounds(diagram, r, sizes)
+    bounds = _bounds(pred, r, sizes)
     if bounds is not None:
         # a conjunction of bounds on the key (causal, windows, chunks): the pairs counted row by
         # row; a block grid of 128 x 128 would count a window narrower than its blocks at half
-        # of each diagonal block (256 tokens of 2^23: 250 times too many)
+        # of each diagonal block (256 tokens of 2^23: 255 times too many)
         return bound_pairs(bounds, nq, nx, sizes) / (nq * nx)
     bq, bx = min(DENSITY_BLOCKS, nq), min(DENSITY_BLOCKS, nx)
     edges_q = [nq * i // bq for i in range(bq + 1)]
@@ -210,12 +209,17 @@ def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
     return kept / (nq * nx)
 
 
-def _bounds(diagram: ir.Diagram, r, sizes: dict[str, int]) -> Optional[tuple]:
-    """The bounds on the key whose conjunction is the mask, where it is one
-    (masks.exact_bounds); None where it reads data or another conjunct."""
+def _predicate(diagram: ir.Diagram, r) -> Optional[ir.Expr]:
+    """The mask's predicate on the scores (True keeps a pair); None unmasked."""
     body = r.score if r.score is not None else diagram.tensor(r.value).expr
     node = masks.mask_node(body)
-    return None if node is None else masks.exact_bounds(masks.mask_predicate(node), r.query, r.key, sizes)
+    return None if node is None else masks.mask_predicate(node)
+
+
+def _bounds(pred: Optional[ir.Expr], r, sizes: dict[str, int]) -> Optional[tuple]:
+    """The bounds on the key whose conjunction is the mask ``pred``, where it
+    is one (masks.exact_bounds); None where it reads data or another conjunct."""
+    return None if pred is None else masks.exact_bounds(pred, r.query, r.key, sizes)
 
 
 class BoundPairs:
@@ -230,13 +234,7 @@ class BoundPairs:
     def keeps(self, q):
         import numpy as np
 
-        lo, hi = np.zeros_like(q), np.full_like(q, self.x_len)
-        for b in self.bounds:
-            if b.kind == "lower":
-                lo = np.maximum(lo, b.value(q, self.sizes))
-            else:
-                hi = np.minimum(hi, b.value(q, self.sizes) + 1)
-        return [(lo, np.maximum(hi, lo))]
+        return [bound_interval(self.bounds, q, np.zeros_like(q), np.full_like(q, self.x_len), self.sizes)]
 
     def steps(self, kind: str, parts: int, offsets: tuple) -> tuple[int, ...]:
         key = (kind, parts, offsets)
@@ -336,7 +334,7 @@ class Pricing:
         rate, _ = prof.contraction_rate(diagram.tensor(r.tokens[0]).dtype)
         if docs is None:
             arms = {kind: ring_arms(r, kind, devices, m.q_len, m.x_len) for kind in ("contiguous", "zigzag")}
-            bounds = _bounds(diagram, r, bound)
+            bounds = _bounds(_predicate(diagram, r), r, bound)
             # a ring its mask of bounds cuts short is timed at each step's busiest rank
             cut = BoundPairs(bounds, m.q_len, m.x_len, bound) \
                 if bounds and min(sum(a) for a in arms.values()) < devices else None
