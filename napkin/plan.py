@@ -39,15 +39,16 @@ Each is costed with napkin/cost/collectives.py, the model the
 multi-process tests prove against the byte counter: bytes per device,
 split by link, and time = transfers at NVLink / InfiniBand bandwidth
 (profiles.toml) plus compute.  Compute: 4 FLOPs per query-key pair per head
-dimension forward (QK and PV; the pairs a mask of bounds keeps counted row by
-row, ``bound_pairs``; any other mask's density from napkin/masks.py at a 128
+dimension forward (QK and PV; the pairs a mask of bounds keeps counted exactly,
+in closed form, napkin/pairs.py; any other mask's density from napkin/masks.py at a 128
 x 128 block grid, partial blocks counted half), 2.5 times that backward, at
 FlashAttention-2's fraction of the dense peak (370 and 322 of 989 TFLOP/s on
 an H100, background section 4) for every GPU.  Every scheme's layout is
 taken to balance the work (cyclic for ATTENTION2D, zigzag for the rings),
 but for a ring its mask of bounds cuts short, whose steps are timed at their
-busiest rank (``BoundPairs``: the own block holds most of a window's pairs,
-and a zigzag ring's steps fall on different ranks), and for documents,
+busiest rank (``BoundPairs``, every rank counted in closed form: the own
+block holds most of a window's pairs, and a zigzag ring's steps fall on
+different ranks), and for documents,
 counted per device as above; bench/cp_bench.py counts the work of each
 device exactly instead.
 
@@ -69,7 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from . import ir, masks
+from . import ir, masks, pairs
 from .cost import collectives as C
 from .cost.analysis import bind_sizes
 from .cost.devices import moved, placement_of, unstated_gpus_per_node
@@ -91,7 +92,8 @@ FWD_EFFICIENCY = 370 / 989.4     # FlashAttention-2 forward, d128, H100 (backgro
 BWD_EFFICIENCY = 322 / 989.4     # and backward
 BWD_FLOP_FACTOR = 2.5            # backward FLOPs / forward FLOPs (background section 1)
 DENSITY_BLOCKS = 128             # blocks per side when measuring a mask's density
-CUT_RANKS = 512                  # ranks counted for a ring cut short (BoundPairs)
+EXACT_RANK_STEPS = 1 << 20      # a ring cut short: every rank counted at every step up to this many
+CUT_RANKS = 512                  # ranks counted beyond (BoundPairs)
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def placements(p: int, gpus_per_node: int, training: bool = True) -> list[C.Plac
 
 def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
     """The fraction of query-key pairs the mask keeps: counted exactly where
-    the mask is a conjunction of bounds on the key (bound_pairs), else at a
+    the mask is a conjunction of bounds on the key (pairs.kept), else at a
     block grid (partial blocks count half); 1 for an unmasked diagram and for
     a mask that reads data (on --docs' documents Pricing counts the pairs,
     documents.ShardPairs)."""
@@ -195,7 +197,7 @@ def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
         # a conjunction of bounds on the key (causal, windows, chunks): the pairs counted row by
         # row; a block grid of 128 x 128 would count a window narrower than its blocks at half
         # of each diagonal block (256 tokens of 2^23: 255 times too many)
-        return bound_pairs(bounds, nq, nx, sizes) / (nq * nx)
+        return pairs.kept(bounds, sizes, nq, nx) / (nq * nx)
     bq, bx = min(DENSITY_BLOCKS, nq), min(DENSITY_BLOCKS, nx)
     edges_q = [nq * i // bq for i in range(bq + 1)]
     edges_x = [nx * j // bx for j in range(bx + 1)]
@@ -224,8 +226,11 @@ def _bounds(pred: Optional[ir.Expr], r, sizes: dict[str, int]) -> Optional[tuple
 
 class BoundPairs:
     """The pairs a mask of bounds keeps at the steps of a ring cut short,
-    its busiest rank's (documents.ring_steps_at; at most CUT_RANKS ranks
-    counted, the rest alike), each once."""
+    its busiest rank's, each once: counted in closed form over every rank
+    (pairs.ring_steps) where the steps times the ranks are at most
+    EXACT_RANK_STEPS, else over at most CUT_RANKS ranks, a pass over their
+    rows (documents.ring_steps_at: the first and last quarter and the rest
+    spread evenly, a window's or a chunk's interior ranks alike)."""
 
     def __init__(self, bounds: tuple, q_len: int, x_len: int, sizes: dict[str, int]):
         self.bounds, self.q_len, self.x_len, self.sizes = bounds, q_len, x_len, sizes
@@ -239,23 +244,12 @@ class BoundPairs:
     def steps(self, kind: str, parts: int, offsets: tuple) -> tuple[int, ...]:
         key = (kind, parts, offsets)
         if key not in self._memo:
-            self._memo[key] = ring_steps_at(self.keeps, kind, parts, self.q_len, self.x_len, offsets, CUT_RANKS)
+            if len(offsets) * parts <= EXACT_RANK_STEPS:
+                steps = pairs.ring_steps(self.bounds, self.sizes, kind, parts, self.q_len, self.x_len, offsets)
+            else:
+                steps = ring_steps_at(self.keeps, kind, parts, self.q_len, self.x_len, offsets, CUT_RANKS)
+            self._memo[key] = steps
         return self._memo[key]
-
-
-def bound_pairs(bounds: tuple, q_len: int, x_len: int, sizes: dict[str, int], chunk: int = 1 << 22) -> int:
-    """The (query, key) pairs a conjunction of bounds on the key keeps: each
-    row's keys from its greatest lower bound to its least upper one, clipped
-    to [0, x_len), summed a chunk of rows at a time (numpy, O(rows): a second
-    for 2^28 rows)."""
-    import numpy as np
-
-    pairs = BoundPairs(bounds, q_len, x_len, sizes)
-    total = 0
-    for start in range(0, q_len, chunk):
-        (lo, hi), = pairs.keeps(np.arange(start, min(start + chunk, q_len), dtype=np.int64))
-        total += int((hi - lo).sum())
-    return total
 
 
 def forward_flops(m: C.Moved, keep: float) -> float:

@@ -382,8 +382,8 @@ def test_plan_prices_a_window_per_device_whatever_the_devices(monkeypatch):
     """8192 tokens a GPU under a window of 256: every scheme's time and bytes
     a device are the same on 8 GPUs as on 256 (they were 32x apart when the
     density was counted on a block grid of 128 x 128); a ring the window cuts
-    short is timed at each step's busiest rank, counted on a sample of the
-    ranks where there are many, as on all of them."""
+    short is timed at each step's busiest rank: every rank counted in closed
+    form, or past EXACT_RANK_STEPS a sample of the ranks, row by row, alike."""
     from napkin.documents import ShardPairs
     d = napkin.load("examples/sliding_window.ncd")
 
@@ -407,7 +407,8 @@ def test_plan_prices_a_window_per_device_whatever_the_devices(monkeypatch):
         per_pair = P.forward_flops(pricing.moved, 1.0) / n ** 2
         work = pricing._work(C.Placement("ring", (p,), 8), arms, layout)
         assert work == pytest.approx([per_pair * w for w in want], rel=1e-12), layout
-        monkeypatch.setattr(P, "CUT_RANKS", 16)       # 4 + 4 at the ends, 8 spread: the same maxima
+        monkeypatch.setattr(P, "EXACT_RANK_STEPS", 0)   # the sampled path: 4 + 4 ranks at the ends, 8 spread
+        monkeypatch.setattr(P, "CUT_RANKS", 16)
         sampled = P.Pricing.of(d, p, sizes, None, True)._work(C.Placement("ring", (p,), 8), arms, layout)
         assert sampled == work, layout
         monkeypatch.undo()
