@@ -2,7 +2,7 @@
 
 source:  examples/differential_attention.ncd
 napkin:  0.1.0
-sha256:  a1e294095883e015ad3db1efb736176e8da1c7bed034e5caa2d132f10352a408
+sha256:  f1bb8e8c994a774b27a0b9f6a9e297b974e8eebd854430335aa82b49748f4d8d
 Do not edit: regenerate with `napkin compile examples/differential_attention.ncd`.
 
 cost summary:
@@ -13,7 +13,7 @@ cost summary:
 differential_attention(Q, K, V) -> A
     in  Q[b, h, q, (g d)] : fp16
     in  K[b, h, x, (g d)] : fp16
-    in  V[b, h, g, x, e] : fp16
+    in  V[b, h, x, e] : fp16
     out A[b, h, g, q, e] : fp16
 
 Inputs declared with the same float dtype must share one dtype at a call
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 NAPKIN_VERSION = "0.1.0"
-SOURCE_HASH = "a1e294095883e015ad3db1efb736176e8da1c7bed034e5caa2d132f10352a408"
+SOURCE_HASH = "f1bb8e8c994a774b27a0b9f6a9e297b974e8eebd854430335aa82b49748f4d8d"
 INPUTS = ("Q", "K", "V")
 OUTPUTS = ("A",)
 # Each wire's fixed size, or None when it is bound from tensor shapes at call time.
@@ -44,7 +44,7 @@ WIRES = {"b": None, "h": None, "q": None, "x": None, "g": 2, "d": 64, "e": 128}
 _LAYOUTS = {
     "Q": (("b",), ("h",), ("q",), ("g", "d")),
     "K": (("b",), ("h",), ("x",), ("g", "d")),
-    "V": (("b",), ("h",), ("g",), ("x",), ("e",)),
+    "V": (("b",), ("h",), ("x",), ("e",)),
     "A": (("b",), ("h",), ("g",), ("q",), ("e",)),
 }
 # Declared element types; outputs without one follow the diagram's rule.
@@ -64,7 +64,7 @@ _BACKWARD_LAYOUTS = {
     "lse": (("b",), ("h",), ("g",), ("q",)),
     "_grad_Q": (("b",), ("h",), ("q",), ("g", "d")),
     "_grad_K": (("b",), ("h",), ("x",), ("g", "d")),
-    "_grad_V": (("b",), ("h",), ("g",), ("x",), ("e",)),
+    "_grad_V": (("g",), ("b",), ("h",), ("x",), ("e",)),
 }
 
 _TORCH_DTYPES = {
@@ -442,7 +442,7 @@ import os as _autotune_os
 import torch as _autotune_torch
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
-_AUTOTUNE_HASH = "a1e294095883e015ad3db1efb736176e8da1c7bed034e5caa2d132f10352a408"
+_AUTOTUNE_HASH = "f1bb8e8c994a774b27a0b9f6a9e297b974e8eebd854430335aa82b49748f4d8d"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
 # The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
 # its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
@@ -849,7 +849,7 @@ def _check_positions(positions, lengths, sizes, device, tensors):
 # wire whose block is the box's extent there, or None (extent 1: one
 # program index).  A module that trains has one each for dQ and dK/dV too
 # (_TMA_DESCS_DQ, _TMA_DESCS_DKDV, beside their kernels).
-_TMA_DESCS = (("_tma_Q", "Q", (None, None, "q", None, "d")), ("_tma_K", "K", (None, None, "x", None, "d")), ("_tma_V", "V", (None, None, None, "x", "e")), ("_tma_A", "A", (None, None, None, "q", "e")))
+_TMA_DESCS = (("_tma_Q", "Q", (None, None, "q", None, "d")), ("_tma_K", "K", (None, None, "x", None, "d")), ("_tma_V", "V", (None, None, "x", "e")), ("_tma_A", "A", (None, None, None, "q", "e")))
 # How the forward's last launch moved its tiles (for tests and benchmarks): used, and why not.
 _tma_last = {"used": False, "why": "tma not requested"}
 
@@ -993,7 +993,6 @@ def _differential_attention_kernel(
     _st_K_d,
     _st_V_b,
     _st_V_h,
-    _st_V_g,
     _st_V_x,
     _st_V_e,
     _st_A_b,
@@ -1092,9 +1091,9 @@ def _differential_attention_kernel(
         else:
             _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_i_g, _INT64) * _st_K_g + _ix(_offs_d[None, :], _INT64) * _st_K_d)
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-            _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _i_g.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_e)
+            _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_e)
         else:
-            _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_i_g, _INT64) * _st_V_g + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e)
+            _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         # online softmax state _m, log2 units: the exponent is _qk * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
         # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
@@ -1129,9 +1128,9 @@ def _differential_attention_kernel(
             else:
                 _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_i_g, _INT64) * _st_K_g + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _i_g.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_e)
+                _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_e)
             else:
-                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_i_g, _INT64) * _st_V_g + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e, mask=_ok_x[:, None], other=0.0)
+                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             # online softmax state _m, log2 units: the exponent is _s * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
             # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
@@ -1335,7 +1334,7 @@ def _differential_attention_forward(Q, K, V, block_q, block_x, num_warps, num_st
         _differential_attention_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
             _differential_attention_merge[_grid[:2]](
-                *(_args[3:5] + _args[6:8] + _args[24:33]),
+                *(_args[3:5] + _args[6:8] + _args[23:32]),
                 _BLOCK_q=_br, _BLOCK_e=128, _INT64=_int64_offsets(Q, K, V, A, _saved_lse), _SAVE=_save, _tma_A=_tma["_tma_A"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
                 num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
             )
@@ -1452,7 +1451,7 @@ def _differential_attention_bwd_rows_kernel(
 
 # The dK/dV kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
 # moved its tiles.
-_TMA_DESCS_DKDV = (("_tma_K", "K", (None, None, "x", None, "d")), ("_tma_V", "V", (None, None, None, "x", "e")), ("_tma_Q", "Q", (None, None, "q", None, "d")), ("_tma_dO", "dO", (None, None, None, "q", "e")), ("_tma__grad_K", "_grad_K", (None, None, "x", None, "d")), ("_tma__grad_V", "_grad_V", (None, None, None, "x", "e")))
+_TMA_DESCS_DKDV = (("_tma_K", "K", (None, None, "x", None, "d")), ("_tma_V", "V", (None, None, "x", "e")), ("_tma_Q", "Q", (None, None, "q", None, "d")), ("_tma_dO", "dO", (None, None, None, "q", "e")), ("_tma__grad_K", "_grad_K", (None, None, "x", None, "d")), ("_tma__grad_V", "_grad_V", (None, None, None, "x", "e")))
 _tma_last_dkdv = {"used": False, "why": "tma not requested"}
 
 
@@ -1477,7 +1476,6 @@ def _differential_attention_bwd_dkdv_kernel(
     _st_K_d,
     _st_V_b,
     _st_V_h,
-    _st_V_g,
     _st_V_x,
     _st_V_e,
     _st_Q_b,
@@ -1503,9 +1501,9 @@ def _differential_attention_bwd_dkdv_kernel(
     _st__grad_K_x,
     _st__grad_K_g,
     _st__grad_K_d,
+    _st__grad_V_g,
     _st__grad_V_b,
     _st__grad_V_h,
-    _st__grad_V_g,
     _st__grad_V_x,
     _st__grad_V_e,
     _BLOCK_q: tl.constexpr,
@@ -1553,9 +1551,9 @@ def _differential_attention_bwd_dkdv_kernel(
     else:
         _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_i_g, _INT64) * _st_K_g + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
     if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-        _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _i_g.to(tl.int32), _col0, 0]).reshape(_BLOCK_x, _BLOCK_e)
+        _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0]).reshape(_BLOCK_x, _BLOCK_e)
     else:
-        _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_i_g, _INT64) * _st_V_g + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e, mask=_ok_x[:, None], other=0.0)
+        _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e, mask=_ok_x[:, None], other=0.0)
     _acc_K = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
     _acc_V = tl.zeros([_BLOCK_x, _BLOCK_e], tl.float32)
 
@@ -1686,14 +1684,14 @@ def _differential_attention_bwd_dkdv_kernel(
     else:
         tl.store(_grad_K + _ix(_i_b, _INT64) * _st__grad_K_b + _ix(_i_h, _INT64) * _st__grad_K_h + _ix(_offs_x[:, None], _INT64) * _st__grad_K_x + _ix(_i_g, _INT64) * _st__grad_K_g + _ix(_offs_d[None, :], _INT64) * _st__grad_K_d, _scaled_grad(_acc_K, 0.125, Q.dtype.element_ty).to(_grad_K.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
     if _TMA:  # its TMA descriptor (tma=): rows past an edge are not written
-        _tma__grad_V.store([_i_b.to(tl.int32), _i_h.to(tl.int32), _i_g.to(tl.int32), _col0, 0], _acc_V.to(_grad_V.dtype.element_ty).reshape(1, 1, 1, _BLOCK_x, _BLOCK_e))
+        _tma__grad_V.store([_i_g.to(tl.int32), _i_b.to(tl.int32), _i_h.to(tl.int32), _col0, 0], _acc_V.to(_grad_V.dtype.element_ty).reshape(1, 1, 1, _BLOCK_x, _BLOCK_e))
     else:
-        tl.store(_grad_V + _ix(_i_b, _INT64) * _st__grad_V_b + _ix(_i_h, _INT64) * _st__grad_V_h + _ix(_i_g, _INT64) * _st__grad_V_g + _ix(_offs_x[:, None], _INT64) * _st__grad_V_x + _ix(_offs_e[None, :], _INT64) * _st__grad_V_e, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
+        tl.store(_grad_V + _ix(_i_g, _INT64) * _st__grad_V_g + _ix(_i_b, _INT64) * _st__grad_V_b + _ix(_i_h, _INT64) * _st__grad_V_h + _ix(_offs_x[:, None], _INT64) * _st__grad_V_x + _ix(_offs_e[None, :], _INT64) * _st__grad_V_e, _acc_V.to(_grad_V.dtype.element_ty), mask=(tl.arange(0, _BLOCK_x)[:, None] < _size_x - _col0))
 
 
 # The dQ kernel's TMA descriptors (as the forward's _TMA_DESCS) and how its last launch
 # moved its tiles.
-_TMA_DESCS_DQ = (("_tma_Q", "Q", (None, None, "q", None, "d")), ("_tma_dO", "dO", (None, None, None, "q", "e")), ("_tma_K", "K", (None, None, "x", None, "d")), ("_tma_V", "V", (None, None, None, "x", "e")), ("_tma__grad_Q", "_grad_Q", (None, None, "q", None, "d")))
+_TMA_DESCS_DQ = (("_tma_Q", "Q", (None, None, "q", None, "d")), ("_tma_dO", "dO", (None, None, None, "q", "e")), ("_tma_K", "K", (None, None, "x", None, "d")), ("_tma_V", "V", (None, None, "x", "e")), ("_tma__grad_Q", "_grad_Q", (None, None, "q", None, "d")))
 _tma_last_dq = {"used": False, "why": "tma not requested"}
 
 
@@ -1735,7 +1733,6 @@ def _differential_attention_bwd_dq_kernel(
     _st_K_d,
     _st_V_b,
     _st_V_h,
-    _st_V_g,
     _st_V_x,
     _st_V_e,
     _st__grad_Q_b,
@@ -1823,9 +1820,9 @@ def _differential_attention_bwd_dq_kernel(
         else:
             _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_i_g, _INT64) * _st_K_g + _ix(_offs_d[None, :], _INT64) * _st_K_d)
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-            _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _i_g.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_e)
+            _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_e)
         else:
-            _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_i_g, _INT64) * _st_V_g + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e)
+            _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e)
         _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
         _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
         _P = tl.exp2(_qk * 0.18033688011112042 - _lse2)
@@ -1853,9 +1850,9 @@ def _differential_attention_bwd_dq_kernel(
             else:
                 _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_i_g, _INT64) * _st_K_g + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
             if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _i_g.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_e)
+                _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_e)
             else:
-                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_i_g, _INT64) * _st_V_g + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e, mask=_ok_x[:, None], other=0.0)
+                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_e[None, :], _INT64) * _st_V_e, mask=_ok_x[:, None], other=0.0)
             _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
             _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
             _P = tl.exp2(tl.where(_idx_x[None, :] <= _idx_q[:, None], _qk, float("-inf")) * 0.18033688011112042 - _lse2)
@@ -1979,7 +1976,7 @@ def _differential_attention_backward(Q, K, V, dO, lse, delta, _o, need, position
     # store rounds it to the buffer's dtype (round to nearest even, as torch's .to would).
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=Q.dtype if _like else torch.float32, device=_dev)
     _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=K.dtype if _like else torch.float32, device=_dev)
-    _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
+    _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=torch.float32, device=_dev)
     _side = _bwd_stream_fork(_dev)  # before dK/dV is queued: dQ must not wait for it
     try:
         _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"] * _sz["g"]))
@@ -2023,6 +2020,8 @@ def _differential_attention_backward(Q, K, V, dO, lse, delta, _o, need, position
             _tma_last_dq.update(used=False, why=_NOT_LAUNCHED)
     finally:  # joined even when a launch raised: nothing may free what the second stream still writes
         _bwd_stream_join(_dev, _side)
+    # V lacks g: each dK/dV program stored its share of the gradient along them (float32), summed here
+    _grad_V = _grad_V.sum(dim=(0,)).to(V.dtype if _like else torch.float32) if _need[2] else None
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, )
 
 
@@ -2078,7 +2077,7 @@ def _op_names(base):
         n += 1
 
 
-_FWD_OP, _BWD_OP, _INF_OP = _op_names("differential_attention_a1e29409")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("differential_attention_f1bb8e8c")
 _SAVED = ("_saved_lse", )
 
 
@@ -2235,7 +2234,7 @@ def reference(Q, K, V):
     V = V.to(_c)
     S = _where((torch.arange(_sz["x"], device=_dev)[None, :] <= torch.arange(_sz["q"], device=_dev)[:, None])[None, None, :, :, None], (torch.einsum("abcef,abdef->abcde", Q, K) * 0.125), float("-inf")).permute(0, 1, 4, 2, 3)
     P = _softmax(S, 4)
-    A = torch.einsum("abecd,abedg->abceg", P, V).permute(0, 1, 3, 2, 4)
+    A = torch.einsum("abecd,abdg->abceg", P, V).permute(0, 1, 3, 2, 4)
     return A.reshape(_shape("A", _sz)).to(_out_dtype("A", _cls))
 
 

@@ -226,27 +226,32 @@ def test_a_score_of_two_contractions_trains(dt, folder):
         assert err < tol, f"{dt} {name}: relative error {err:.3g}"
 
 
-def test_a_rotary_key_shared_by_the_heads_passes_expanded(folder):
-    """DeepSeek's k_pe is one per token: passed as k_pe.expand(...) (stride 0 along h) the kernels
-    read it for every head, and autograd sums the heads' dKr into k_pe's gradient."""
-    m = compile_text(MLA_TEXT.format(dt="fp32"), "mla_small_fp32", folder)
-    g = torch.Generator().manual_seed(12)
+def test_a_rotary_key_shared_by_the_heads_is_declared_once_or_passed_expanded(folder):
+    """DeepSeek's k_pe is one per token.  Declared so, Kr[b, x, r], every
+    head reads it and the dK/dV programs' shares of its gradient (one a head)
+    are summed by the launcher; declared per head and passed as
+    k_pe.expand(...) (stride 0 along h), autograd sums the heads' dKr."""
+    once = compile_text(MLA_TEXT.format(dt="fp32").replace("in Kr[b, h, x, r]", "in Kr[b, x, r]"),
+                        "mla_small_kr_once", folder)
+    per_head = compile_text(MLA_TEXT.format(dt="fp32"), "mla_small_fp32", folder)
     n = 41
-    qc, kc, qr, v = (torch.randn(2, 3, n, w, generator=g).requires_grad_() for w in (32, 32, 16, 24))
-    k_pe = torch.randn(2, 1, n, 16, generator=g).requires_grad_()
-    tau = torch.full((3,), 0.2)
-    out, _ = m.mla_small(qc, kc, qr, k_pe.expand(2, 3, n, 16), v, tau, block_q=16, block_x=16)
-    w_o = torch.randn(out.shape, generator=g)
-    (out * w_o).sum().backward()
-    xs = [t.detach().double().requires_grad_() for t in (qc, kc, qr, k_pe, v)]
-    s = (torch.cat([xs[0], xs[2]], -1) @ torch.cat([xs[1], xs[3].expand(2, 3, n, 16)], -1).transpose(-1, -2)) * 0.2
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).tril().logical_not(), float("-inf"))
-    o = s.softmax(-1) @ xs[4]
-    (o * w_o.double()).sum().backward()
-    assert ((out.double() - o).norm() / o.norm()).item() < 1e-5
-    for name, t, x in zip(("Qc", "Kc", "Qr", "k_pe", "V"), (qc, kc, qr, k_pe, v), xs):
-        assert t.grad.shape == x.grad.shape
-        assert ((t.grad.double() - x.grad).norm() / x.grad.norm()).item() < 1e-5, name
+    for m, widen in ((once, lambda t: t[:, 0]), (per_head, lambda t: t.expand(2, 3, n, 16))):
+        g = torch.Generator().manual_seed(12)
+        qc, kc, qr, v = (torch.randn(2, 3, n, w, generator=g).requires_grad_() for w in (32, 32, 16, 24))
+        k_pe = torch.randn(2, 1, n, 16, generator=g).requires_grad_()
+        tau = torch.full((3,), 0.2)
+        out, _ = m.mla_small(qc, kc, qr, widen(k_pe), v, tau, block_q=16, block_x=16)
+        w_o = torch.randn(out.shape, generator=g)
+        (out * w_o).sum().backward()
+        xs = [t.detach().double().requires_grad_() for t in (qc, kc, qr, k_pe, v)]
+        s = (torch.cat([xs[0], xs[2]], -1) @ torch.cat([xs[1], xs[3].expand(2, 3, n, 16)], -1).transpose(-1, -2))
+        s = (s * 0.2).masked_fill(torch.ones(n, n, dtype=torch.bool).tril().logical_not(), float("-inf"))
+        o = s.softmax(-1) @ xs[4]
+        (o * w_o.double()).sum().backward()
+        assert ((out.double() - o).norm() / o.norm()).item() < 1e-5
+        for name, t, x in zip(("Qc", "Kc", "Qr", "k_pe", "V"), (qc, kc, qr, k_pe, v), xs):
+            assert t.grad.shape == x.grad.shape
+            assert ((t.grad.double() - x.grad).norm() / x.grad.norm()).item() < 1e-5, name
 
 
 @pytest.mark.parametrize("score, message", [
@@ -256,14 +261,14 @@ def test_a_rotary_key_shared_by_the_heads_passes_expanded(folder):
      r"holds 2 sums over inputs; the backward takes one score, a contraction like sum\[d\]\(Q \* K\), or "
      r"contractions added up"),
     ("(sum[c](Qc * Kc) + sum[r](Qr * Kr)) * tau",
-     r"inputs Kr and V: they must share their batch wires \(a key part shared by the heads, as MLA's rotary key: "
-     r"declare Kr along them too and pass it expanded"),
+     r"inputs Kc and Kr: Kc lacks h, which Kr has: the dK/dV kernel runs a program for each index of Kc's "
+     r"batch wires \(declare Kc along h too and pass it expanded"),
 ])
 def test_contractions_the_backward_cannot_take_apart_are_refused(score, message):
     text = MLA_TEXT.format(dt="fp32").replace("in V[b, h, x, e] : fp32", "in V[b, h, x, e] : fp32\nin K2[b, h, x, c] : fp32")
     text = text.replace("(sum[c](Qc * Kc) + sum[r](Qr * Kr)) * tau", score)
-    if "tau" in score:   # the rotary key declared once for every head
-        text = text.replace("in Kr[b, h, x, r]", "in Kr[b, x, r]")
+    if "tau" in score:   # the key without position declared once for every head, its rotary part per head
+        text = text.replace("in Kc[b, h, x, c]", "in Kc[b, x, c]")
     from napkin.codegen import lower as L
     from napkin.codegen import training
     t = training.prepare(L.lower(napkin.load_text(text, "mla_small.ncd")))
@@ -271,56 +276,62 @@ def test_contractions_the_backward_cannot_take_apart_are_refused(score, message)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_differential_attention_trains_with_its_value_passed_expanded(dtype, folder):
+def test_differential_attention_trains_with_its_value_shared_by_the_maps(dtype, folder):
     """examples/differential_attention.ncd as its comment runs it: Q and K
-    straight from a projection (each head's two halves), V passed expanded
-    along the maps' wire (stride 0), the maps combined in torch as
-    A1 - lam * A2; output and every gradient (V's summed over both maps by
-    autograd) against float64 torch written from the paper's formula, over
-    ragged lengths."""
-    m = example("differential_attention", folder)
-    gen = torch.Generator().manual_seed(31)
+    straight from a projection (each head's two halves), V declared without
+    the maps' wire (each dK/dV program stores its map's share of dV, the
+    launcher sums them), the maps combined in torch as A1 - lam * A2; and V
+    declared along g and passed expanded (stride 0; autograd sums dV), as
+    before.  Output and every gradient against float64 torch written from
+    the paper's formula, over ragged lengths."""
+    shared = example("differential_attention", folder)
+    along_g = example("differential_attention", folder, ("in V[b, h, x, e]", "in V[b, h, g, x, e]"))
     b, h, n, d, e = 2, 2, 45, 64, 128
-    q, k = (torch.randn(b, h, n, 2 * d, generator=gen).to(dtype).requires_grad_() for _ in range(2))
-    v = torch.randn(b, h, n, e, generator=gen).to(dtype).requires_grad_()
-    lam = torch.rand(h, generator=gen)
-    a = m.differential_attention(q, k, v.unsqueeze(2).expand(b, h, 2, n, e), block_q=16, block_x=16)
-    out = a[:, :, 0] - lam[:, None, None].to(dtype) * a[:, :, 1]
-    w = torch.randn(out.shape, generator=gen)
-    (out.float() * w).sum().backward()
+    for m, widen in ((shared, lambda v: v), (along_g, lambda v: v.unsqueeze(2).expand(b, h, 2, n, e))):
+        gen = torch.Generator().manual_seed(31)
+        q, k = (torch.randn(b, h, n, 2 * d, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+        v = torch.randn(b, h, n, e, generator=gen).to(dtype).requires_grad_()
+        lam = torch.rand(h, generator=gen)
+        a = m.differential_attention(q, k, widen(v), block_q=16, block_x=16)
+        out = a[:, :, 0] - lam[:, None, None].to(dtype) * a[:, :, 1]
+        w = torch.randn(out.shape, generator=gen)
+        (out.float() * w).sum().backward()
 
-    def exact(q, k, v):
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        maps = []
-        for half in (slice(0, d), slice(d, 2 * d)):
-            s = q[..., half] @ k[..., half].transpose(-1, -2) / math.sqrt(d)
-            maps.append(s.masked_fill(~causal, float("-inf")).softmax(-1))
-        return (maps[0] - lam.double()[:, None, None] * maps[1]) @ v
+        def exact(q, k, v):
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            maps = []
+            for half in (slice(0, d), slice(d, 2 * d)):
+                s = q[..., half] @ k[..., half].transpose(-1, -2) / math.sqrt(d)
+                maps.append(s.masked_fill(~causal, float("-inf")).softmax(-1))
+            return (maps[0] - lam.double()[:, None, None] * maps[1]) @ v
 
-    xs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = exact(*xs)
-    (ref * w.double()).sum().backward()
-    tol = 1e-5 if dtype == torch.float32 else 3e-3
-    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
-    for name, t, x in zip("QKV", (q, k, v), xs):
-        assert t.grad.shape == x.grad.shape, name
-        assert ((t.grad.double() - x.grad).norm() / x.grad.norm()).item() < tol, name
+        xs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = exact(*xs)
+        (ref * w.double()).sum().backward()
+        tol = 1e-5 if dtype == torch.float32 else 3e-3
+        assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+        for name, t, x in zip("QKV", (q, k, v), xs):
+            assert t.grad.shape == x.grad.shape and t.grad.dtype == dtype, name
+            assert ((t.grad.double() - x.grad).norm() / x.grad.norm()).item() < tol, name
 
 
 def test_differential_attention_written_otherwise_is_refused_with_the_way_that_trains():
-    """Two score boxes, or V declared without the maps' wire: no backward,
-    and the reason names the layout that has one."""
+    """Two score boxes: no backward, and the reason names the layout that has
+    one.  K declared without the maps' wire that V has: refused, as the dK/dV
+    kernel runs a program per index of K's batch wires."""
     from napkin.codegen import lower as L
     from napkin.codegen import training
     text = (REPO / "examples" / "differential_attention.ncd").read_text()
-    unexpanded = text.replace("in V[b, h, g, x, e]", "in V[b, h, x, e]")
-    t = training.prepare(L.lower(napkin.load_text(unexpanded, "d.ncd")))
+    assert training.prepare(L.lower(napkin.load_text(text, "d.ncd"))).backward is not None
+    narrow = text.replace("in V[b, h, x, e]", "in V[b, h, g, x, e]").replace(
+        "in K[b, h, x, (g d)]", "in K[b, h, x, d]")
+    t = training.prepare(L.lower(napkin.load_text(narrow, "d.ncd")))
     assert t.backward is None and t.reason == (
         "napkin has no backward for diagram differential_attention: napkin cannot emit a backward for inputs K "
-        "and V: they must share their batch wires: V lacks g, which K has (declare V along g too and pass it "
-        "expanded, v.unsqueeze(...).expand(...), which reads the same memory; autograd sums its gradient; "
-        "examples/differential_attention.ncd)")
-    assert t.reason_loc.line == next(i for i, s in enumerate(unexpanded.splitlines(), 1) if s.startswith("in V"))
+        "and V: K lacks g, which V has: the dK/dV kernel runs a program for each index of K's batch wires "
+        "(declare K along g too and pass it expanded, k.unsqueeze(...).expand(...), which reads the same "
+        "memory; autograd sums its gradient)")
+    assert t.reason_loc.line == next(i for i, s in enumerate(narrow.splitlines(), 1) if s.startswith("in K"))
     two = """diagram two_maps
 wire b, h, q, x
 wire d = 16

@@ -172,6 +172,9 @@ class BackwardPlan:
     # float inputs napkin emits no gradient for, and why (with the diagram's line and column):
     # a call that wants one is refused, the others train
     ungradable: tuple[tuple[str, str], ...] = ()
+    # key-side inputs that lack batch wires K has (differential attention's V), and those wires: their
+    # gradients are stored along the wires first, a share per dK/dV program, and summed by the launcher
+    shared: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def q(self) -> str:
@@ -242,23 +245,24 @@ class _Builder:
             if not set(self.batch) <= qw:
                 missing = ", ".join(w for w in self.batch if w not in qw)
                 raise refuse(f"input {q}", f"it lacks the batch wire(s) {missing} of the scores", d.tensor(q).loc)
-        for k in self.ks:
-            kb = set(ir.axis_wires(d.tensor(k).axes)) & set(self.batch)
-            if kb != vw & set(self.batch):
-                if k != self.k:
-                    raise refuse(f"inputs {k} and {self.v}", "they must share their batch wires (a key part shared "
-                                 f"by the heads, as MLA's rotary key: declare {k} along them too and pass it "
-                                 "expanded, k.expand(...), which reads the same memory; autograd sums its gradient)",
-                                 d.tensor(k).loc)
-                # one input read by every index of a wire the other has: differential attention's V,
-                # shared by its two maps (a GQA group's K and V, shared by its queries, lack the wire both)
-                lacks, other = (self.v, k) if kb - vw else (k, self.v)
-                wires = [w for w in self.batch if w in (kb ^ (vw & set(self.batch)))]
-                raise refuse(f"inputs {k} and {self.v}", f"they must share their batch wires: {lacks} lacks "
-                             f"{', '.join(wires)}, which {other} has (declare {lacks} along {', '.join(wires)} too "
-                             f"and pass it expanded, {lacks.lower()}.unsqueeze(...).expand(...), which reads the "
-                             "same memory; autograd sums its gradient; examples/differential_attention.ncd)",
-                             d.tensor(lacks).loc)
+        # an input of the key side (V, or a key part such as MLA's rotary key) that lacks batch wires K
+        # has is read by every index of them: differential attention's V, shared by its two maps.  Each
+        # dK/dV program (one per index of K's batch wires) writes its own share of that input's
+        # gradient; the launcher sums the shares (``shared``).  K lacking wires the other has would
+        # need a loop over them inside the program, which the kernel has for the queries only (GQA).
+        kb = set(ir.axis_wires(d.tensor(self.k).axes)) & set(self.batch)
+        self.shared = {}
+        for name in dict.fromkeys(self.ks[1:] + (self.v,)):
+            nb = set(ir.axis_wires(d.tensor(name).axes)) & set(self.batch)
+            if nb - kb:
+                wires = [w for w in self.batch if w in nb - kb]
+                raise refuse(f"inputs {self.k} and {name}", f"{self.k} lacks {', '.join(wires)}, which {name} has: "
+                             f"the dK/dV kernel runs a program for each index of {self.k}'s batch wires (declare "
+                             f"{self.k} along {', '.join(wires)} too and pass it expanded, "
+                             f"{self.k.lower()}.unsqueeze(...).expand(...), which reads the same memory; autograd "
+                             "sums its gradient)", d.tensor(self.k).loc)
+            if kb - nb:
+                self.shared[name] = tuple(w for w in self.batch if w in kb - nb)
         self.kv_batch = tuple(w for w in self.batch if w in kw)
         self.outer = tuple(w for w in self.batch if w not in kw)
         self.axes = self.layouts()
@@ -278,7 +282,7 @@ class _Builder:
         return BackwardPlan(self.bd, f, rule, self.row, self.col, self.batch, dims, self.qs, self.ks, self.v,
                             self.state, self.row_inputs, tuple(n for n, e in rows if not _alias(e)),
                             tuple((n, e.name) for n, e in rows if _alias(e)), grad_names, tuple(kernels),
-                            tuple(self.axes.items()), tuple(self.ungradable))
+                            tuple(self.axes.items()), tuple(self.ungradable), tuple(self.shared.items()))
 
     # ---- the stored layout of every backward tensor ----
     def layouts(self) -> dict:
@@ -305,7 +309,9 @@ class _Builder:
                 axes[name] = out_axes if self.fv in wires else row_axes
         for t in d.inputs:
             if t.dtype in ir.FLOAT_DTYPES:
-                axes[f"_grad_{t.name}"] = t.axes
+                # a shared input's gradient is stored along the wires it lacks too (first), one share a
+                # dK/dV program, and summed over them by the launcher
+                axes[f"_grad_{t.name}"] = tuple((w,) for w in self.shared.get(t.name, ())) + t.axes
         return axes
 
     # ---- side inputs ----
@@ -472,7 +478,8 @@ class _Builder:
 
     def grad(self, name: str, e, role: str):
         """(input, tile name, operand ref, store rows, store cols) of sum[w](tile * operand)."""
-        want = (self.col,) if role == "dq" else tuple(sorted((self.row,) + self.outer))
+        # dK/dV: a shared input's gradient sums over the wires it lacks too, one share a program
+        want = (self.col,) if role == "dq" else tuple(sorted((self.row,) + self.outer + self.shared.get(name, ())))
         ok = (isinstance(e, ir.Reduce) and e.op == "sum" and tuple(sorted(e.wires)) == want
               and isinstance(e.body, ir.Binary) and e.body.op == "*")
         if ok:

@@ -21,7 +21,9 @@ every tile each program loads and stores:
   autograd op's launch (what training and ``napkin bench`` run); "float32"
   is NAME_backward's default (what the distributed wrappers call, adding
   the gradients up).  A side input's partial sums and the row state are
-  float32 either way.
+  float32 either way, and so are the shares of a key-side input that lacks
+  batch wires K has (differential attention's V: one share a dK/dV program,
+  summed by the launcher in torch, a pass this model does not count).
 
 Packed rows (napkin/cost/packing.py: ``group g by 4`` beside ``q by 4``)
 are a forward launch only: the backward kernels run g as a batch wire, one
@@ -292,7 +294,9 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
             dram += round(n * reach.get(ld, 1.0)) * ir.DTYPE_BYTES[moves[-1].dtype]
         for g in k.grads:   # one store per element, in the buffer's dtype (the template's _grad_X)
             wires = ir.axis_wires(d.tensor(g.buffer).axes)
-            dtype = _dtype(b, g.tensor) if grad_dtype == "input" else "fp32"
+            # a shared input's (differential attention's V) shares are float32 whatever grad_dtype says:
+            # the launcher sums them, then rounds once
+            dtype = _dtype(b, g.tensor) if grad_dtype == "input" and g.tensor not in dict(b.shared) else "fp32"
             moves.append(Move(k.role, g.buffer, "store", dtype, sizes[g.rows] * batch * feat(wires)))
         for s in k.sides:
             if s.has_col:
