@@ -193,7 +193,8 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     """A valid attention diagram: S (scores), a normaliser, O, maybe lse.
 
     Wires b, h, q, x (keys), d (head dim); inputs Q[b, h, q, d], K and
-    V[b, h, x, d] in one dtype (fp16 or fp32) plus whatever bias or mask
+    V[b, h, x, d] (a quarter of the time V[b, x, d], shared by the heads)
+    in one dtype (fp16 or fp32) plus whatever bias or mask
     tensors the scores read (slope[h], bias[..., q, x], doc[b, x] : int32).
     Boxes: ``S`` always; then one normaliser:
 
@@ -214,9 +215,12 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     sizes = draw(_wire_sizes(equal_seq=doc_mask))
     dtype = draw(st.sampled_from(ATTENTION_DTYPES))
     wires = tuple(ir.Wire(name, sizes[name]) for name in ("b", "h", "q", "x", "d"))
+    # V shared by the heads now and then (as differential attention's by its maps): every head
+    # reads it, and the backward sums the heads' shares of its gradient
+    shared_v = draw(st.sampled_from((False, False, False, True)))
     inputs = [ir.Input("Q", _axes("b", "h", "q", "d"), dtype),
               ir.Input("K", _axes("b", "h", "x", "d"), dtype),
-              ir.Input("V", _axes("b", "h", "x", "d"), dtype)]
+              ir.Input("V", _axes("b", "x", "d") if shared_v else _axes("b", "h", "x", "d"), dtype)]
 
     score = _scaled_scores(draw)
     terms, extra = _bias_terms(draw, bounded_only=normaliser == "general")

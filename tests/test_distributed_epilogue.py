@@ -386,6 +386,35 @@ def test_the_torchrun_demos_take_a_sink(tmp_path, runner, mesh, output):
     assert len(ranks) == 4 and all(f == fp and b == bp for f, fp, b, bp in ranks), run.stdout
 
 
+DIFFERENTIAL = (REPO / "examples" / "differential_attention.ncd").read_text().replace(
+    "wire d = 64", "wire d = 16").replace("wire e = 128", "wire e = 16").replace(": fp16", ": fp32").replace(
+    "q by 128", "q by 16").replace("x by 64", "x by 16")
+
+
+@pytest.mark.parametrize("runner, mesh, ranks, backward", [
+    ("run_ring_attention.py", "group q across 2\n    stream x across 2", 2, "kv"),
+    ("run_ring_attention.py", "group q across 2\n    stream x across 2", 2, "burst"),
+    ("run_attention_2d.py", "group q across 2, x across 2", 4, None)])
+def test_the_torchrun_demos_train_a_value_shared_by_the_maps(tmp_path, runner, mesh, ranks, backward):
+    """examples/differential_attention.ncd (V declared without the maps' wire g: each dK/dV
+    program stores its map's share of dV, the launcher sums them) over a ring, both backwards,
+    and a 2 x 2 grid: the output and the gradients of Q, K and V against the float64 reference,
+    on ragged tokens, and every rank's bytes the predicted ones."""
+    assert "in V[b, h, x, e]" in DIFFERENTIAL
+    path = tmp_path / "differential.ncd"
+    path.write_text(DIFFERENTIAL.replace("  accumulate fp32", f"  accumulate fp32\n  level devices {{\n    {mesh}\n  }}"))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    extra = ["--backward", backward] if backward else []
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                          str(REPO / "examples" / runner), "--diagram", str(path), "--tokens", "37", "--heads", "2",
+                          "--timeout", "60", *extra], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = dict(re.findall(r"max \|(O|dQ|dK|dV) - reference\| *= (\S+)", run.stdout))
+    assert set(errors) == {"O", "dQ", "dK", "dV"} and all(float(e) < 1e-5 for e in errors.values()), run.stdout
+    sent = re.findall(r"^ +\d+ +(\d+) \( *(\d+)\) +(\d+) \( *(\d+)\)", run.stdout, re.MULTILINE)
+    assert len(sent) == ranks and all(f == fp and b == bp for f, fp, b, bp in sent), run.stdout
+
+
 def test_the_generated_launcher_takes_the_gate_and_returns_the_written_output():
     """NAME_distributed takes the gate by name beside the sink, and its docstring names the
     diagram's output O (it named the A and L that merge)."""

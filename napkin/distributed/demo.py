@@ -115,7 +115,8 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     # the diagram's first output along the query wire (a sink's O, not the merged A, where r.epilogue)
     o_full = fn.gather(outs[0].detach(), place, a.tokens, r.query_axis(r.written.outputs[0].name),
                        timeout=a.timeout)
-    dq_full = fn.gather(mine[0].grad, place, a.tokens, r.token_axis[0], timeout=a.timeout)
+    # every token input's gradient, gathered whole (the first is Q's, the rest K's and V's parts)
+    grads_full = [fn.gather(t.grad, place, a.tokens, r.token_axis[k], timeout=a.timeout) for k, t in enumerate(mine)]
 
     # single-process float64 reference on the whole sequence
     leaves = [full[n].clone().requires_grad_(True) for n in r.tokens]
@@ -139,7 +140,7 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
     dist.all_gather_object(report, (rank, sent, predicted, cc.links()))
     if rank == 0:
         err_o = (o_full.cpu().double() - ref_o.detach()).abs().max().item()
-        err_dq = (dq_full.cpu().double() - leaves[0].grad).abs().max().item()
+        errs = [(g.cpu().double() - leaf.grad).abs().max().item() for g, leaf in zip(grads_full, leaves)]
         title = {"attention2d": "ATTENTION2D", "ring": "Ring Attention",
                  "burst": "Ring Attention with BurstAttention's backward",
                  "ring2": "Ring Attention, double ring", "burst2": "Ring Attention, double ring, "
@@ -150,7 +151,9 @@ def main(scheme: str, default_diagram: str, argv=None) -> None:
             both = f" ({back} the usual way round, {ahead} the other)" if ahead else ""
             print(f"{fn.layout} layout: the ring runs {steps} of {world} steps{both}")
         print(f"max |O - reference|   = {err_o:.3e}")
-        print(f"max |dQ - reference|  = {err_dq:.3e}")
+        print(f"max |dQ - reference|  = {errs[0]:.3e}")
+        for name, err in zip(r.tokens[1:], errs[1:]):    # the key side's, each named as the diagram names it
+            print(f"max |d{name} - reference| = {err:.3e}")
         print("rank  forward bytes sent (predicted)   backward bytes sent (predicted)"
               + ("   sent within / across nodes (all phases)" if gpus_per_node else ""))
         for rk, (s, p, links) in enumerate((x[1], x[2], x[3]) for x in report):
