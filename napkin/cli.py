@@ -279,6 +279,12 @@ def cmd_demo(args) -> int:
     device = "cuda" if cuda else "cpu"
 
     import napkin
+    from napkin.interpreter import problem
+
+    message = problem()   # Triton 3.6's interpreter on NumPy 2.4: say what to install, before any kernel fails
+    if message:
+        print(f"napkin demo: {message}", file=sys.stderr)
+        return 1
 
     diagram = napkin.load(path)
     sizes = _demo_sizes(diagram, requested, path)

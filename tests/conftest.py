@@ -6,6 +6,9 @@
 * ``--update-golden`` rewrites golden files instead of comparing with them;
   tests read it through the ``update_golden`` fixture.
 * markers: ``gpu`` (skipped unless CUDA is available) and ``slow``.
+* without a GPU, the run stops at once, with what to install, where
+  Triton's interpreter cannot run a kernel here (napkin/interpreter.py:
+  Triton 3.6 on NumPy 2.4).
 * the repository root goes on ``sys.path`` so ``import generated.X`` works
   whatever folder pytest was started from.
 * under CI (the ``CI`` environment variable set, as CI services and
@@ -56,6 +59,13 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    if not CUDA:
+        # Triton 3.6's interpreter on NumPy 2.4 fails every kernel with a message naming neither
+        # (napkin/interpreter.py): stop here with the remedy rather than fail hundreds of tests
+        from napkin.interpreter import problem
+        message = problem()
+        if message:
+            raise pytest.UsageError(message)
 
 
 def pytest_collection_modifyitems(config, items):
