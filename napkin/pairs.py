@@ -78,14 +78,14 @@ def _affine_runs(bounds, sizes, q0, q1, k0, k1) -> np.ndarray:
             lowers.append((a, c))
         else:
             uppers.append((a, c + 1))
-    # the count is affine between consecutive breakpoints: cut the rows at the floor of each
-    # crossing and the row after it, so that no crossing lies strictly inside a piece
+    # the count is affine between consecutive crossings of the lines: cut the rows at the row
+    # after each crossing t, floor(t) + 1, so that a piece's rows [a, c) lie all at or before t
+    # (c - 1 <= t) or all after it, and the count is one affine function on each piece
     cuts = [q0, q1]
     for (a1, c1), (a2, c2) in itertools.combinations(uppers + lowers, 2):
         if a1 != a2:
             num, den = (c2 - c1, a1 - a2) if a1 > a2 else (c1 - c2, a2 - a1)
-            at = num // den
-            cuts += [np.clip(at, q0, q1), np.clip(at + 1, q0, q1)]
+            cuts.append(np.clip(num // den + 1, q0, q1))
     cuts = np.sort(np.stack(cuts, axis=1), axis=1)
     first, stop = cuts[:, :-1], cuts[:, 1:]
 

@@ -118,3 +118,23 @@ def test_layout_runs_are_the_layouts_positions():
                 assert got == [r for r in _part_runs(kind, parts, length, p) if r[1] > r[0]], (kind, parts, p)
     with pytest.raises(ValueError, match="cyclic"):
         pairs.layout_runs("cyclic", 4, 16)
+
+
+def test_random_conjunctions_of_bounds_are_counted_pair_by_pair():
+    """Drawn conjunctions of one to four bounds, each lower or upper, its
+    row coefficient -3..3, its step 1..5 and a constant -20..20 (so crossings
+    fall inside, outside and between rows), over drawn rectangles: every
+    count equals the pairs where every bound holds, each pair tested."""
+    rng = random.Random(2026)
+    for trial in range(300):
+        bounds = tuple(Bound(rng.choice(("lower", "upper")), rng.randint(-3, 3), (("", rng.randint(-20, 20)),),
+                             rng.choice((1, 1, 2, 3, 5))) for _ in range(rng.randint(1, 4)))
+        nq, nx = rng.randint(1, 30), rng.randint(1, 30)
+        kept = np.array([[all((x >= b.value(q, {})) if b.kind == "lower" else (x <= b.value(q, {})) for b in bounds)
+                          for x in range(nx)] for q in range(nq)], dtype=np.int64)
+        rects = []
+        for _ in range(20):
+            a, b, c, d = rng.randrange(nq + 1), rng.randrange(nq + 1), rng.randrange(nx + 1), rng.randrange(nx + 1)
+            rects.append((min(a, b), max(a, b), min(c, d), max(c, d)))
+        got = pairs.rect_pairs(bounds, {}, *(np.array(v) for v in zip(*rects)))
+        assert [int(g) for g in got] == [int(kept[a:b, c:d].sum()) for a, b, c, d in rects], (trial, bounds)
