@@ -239,7 +239,7 @@ class _Builder:
             if any(isinstance(n, ir.TensorRef) and n.name == name and n.wires is not None
                    and tuple(n.wires) != ir.axis_wires(t.axes) for let in d.lets for n in ir.walk(let.expr)):
                 raise refuse(f"input {name}", "it is read along other wires than its own", t.loc)
-        kw, vw = (set(ir.axis_wires(d.tensor(n).axes)) for n in (self.k, self.v))
+        kw = set(ir.axis_wires(d.tensor(self.k).axes))
         for q in self.qs:
             qw = set(ir.axis_wires(d.tensor(q).axes))
             if not set(self.batch) <= qw:
@@ -250,7 +250,7 @@ class _Builder:
         # dK/dV program (one per index of K's batch wires) writes its own share of that input's
         # gradient; the launcher sums the shares (``shared``).  K lacking wires the other has would
         # need a loop over them inside the program, which the kernel has for the queries only (GQA).
-        kb = set(ir.axis_wires(d.tensor(self.k).axes)) & set(self.batch)
+        kb = kw & set(self.batch)
         self.shared = {}
         for name in dict.fromkeys(self.ks[1:] + (self.v,)):
             nb = set(ir.axis_wires(d.tensor(name).axes)) & set(self.batch)

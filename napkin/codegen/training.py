@@ -484,7 +484,12 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
     if "dlse" in b.row_inputs + b.state and "dlse" not in grads:
         raise AssertionError("dlse is read but lse is no output")
     return {
-        "family": "attention", "bw": b, "row": b.row, "col": b.col, "shared": [{"name": n, "wires": ", ".join(w), "dims": repr(tuple(range(len(w))))} for n, w in b.shared],
+        "family": "attention", "bw": b, "row": b.row, "col": b.col,
+        # each gradient buffer's dtype: the input's under grad_dtype="input", else float32; a shared
+        # input's shares (one a dK/dV program, summed after the kernels) float32 either way
+        "grad_dtypes": {n: "torch.float32" if n in dict(b.shared) else f"{n}.dtype if _like else torch.float32"
+                        for n in b.qs + b.ks + (b.v,)},
+        "shared": [{"name": n, "wires": ", ".join(w), "dims": repr(tuple(range(len(w))))} for n, w in b.shared],
         # NAME_backward's given blocks, as the forward's launch checks them (a given block_x=32768 at
         # head dim 64 failed in Triton); tuned ones passed the same test in the lookup
         "tile_check": H.tile_fits(b.row, b.col, "_br", "_bc", GIVEN),
