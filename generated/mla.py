@@ -2,7 +2,7 @@
 
 source:  examples/mla.ncd
 napkin:  0.1.0
-sha256:  d18a0f9e5f4bc97710cdf4bdaa21afdeed085af3b5b22dce99a285183171d172
+sha256:  75b9a37185edc14347631090fa3dd9a699187372c813c4f98043a75cc307f315
 Do not edit: regenerate with `napkin compile examples/mla.ncd`.
 
 cost summary:
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 NAPKIN_VERSION = "0.1.0"
-SOURCE_HASH = "d18a0f9e5f4bc97710cdf4bdaa21afdeed085af3b5b22dce99a285183171d172"
+SOURCE_HASH = "75b9a37185edc14347631090fa3dd9a699187372c813c4f98043a75cc307f315"
 INPUTS = ("Qc", "Kc", "Qr", "Kr", "V")
 OUTPUTS = ("O", "lse")
 # Each wire's fixed size, or None when it is bound from tensor shapes at call time.
@@ -448,7 +448,7 @@ import os as _autotune_os
 import torch as _autotune_torch
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
-_AUTOTUNE_HASH = "d18a0f9e5f4bc97710cdf4bdaa21afdeed085af3b5b22dce99a285183171d172"
+_AUTOTUNE_HASH = "75b9a37185edc14347631090fa3dd9a699187372c813c4f98043a75cc307f315"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
 # The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
 # its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
@@ -2180,7 +2180,7 @@ def _op_names(base):
         n += 1
 
 
-_FWD_OP, _BWD_OP, _INF_OP = _op_names("mla_d18a0f9e")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("mla_75b9a371")
 _SAVED = ()
 
 

@@ -6,9 +6,9 @@ lo the greatest lower bound, hi the least upper bound plus one.  A bound of
 step s reads q // s, so it is constant on each run of s rows; on a run of rows
 where every bound is affine in q, the count max(0, hi - lo) clipped to a range
 of keys is the least of some lines less the greatest of others, clipped at 0:
-a concave piecewise-linear function.  Between two of its breakpoints (where two
-of the lines cross) it is affine, so its sum over the integers there is an
-arithmetic series: n (first + last) / 2, an integer.  So a rectangle of rows
+piecewise linear.  Between two of its breakpoints (where two of the lines
+cross) it is affine, so its sum over the integers there is an arithmetic
+series: n (first + last) / 2, an integer.  So a rectangle of rows
 and keys costs a few dozen array elements whatever its size, and numpy counts
 a batch of rectangles at once.
 
