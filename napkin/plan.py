@@ -194,8 +194,8 @@ def density(diagram: ir.Diagram, r, sizes: dict[str, int]) -> float:
     nq, nx = sizes[r.query], sizes[r.key]
     bounds = _bounds(pred, r, sizes)
     if bounds is not None:
-        # a conjunction of bounds on the key (causal, windows, chunks): the pairs counted row by
-        # row; a block grid of 128 x 128 would count a window narrower than its blocks at half
+        # a conjunction of bounds on the key (causal, windows, chunks): the pairs counted exactly,
+        # in closed form; a block grid of 128 x 128 would count a window narrower than its blocks at half
         # of each diagonal block (256 tokens of 2^23: 255 times too many)
         return pairs.kept(bounds, sizes, nq, nx) / (nq * nx)
     bq, bx = min(DENSITY_BLOCKS, nq), min(DENSITY_BLOCKS, nx)
