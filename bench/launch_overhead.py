@@ -10,7 +10,7 @@ A decode step's kernels take microseconds on an H100 (an 8K cache of 8 kv
 heads, d 128, bf16, is 33.5 MB: 10 us at 3.35 TB/s), so this part of a
 launch can be what a step costs when it is not captured in a CUDA graph.
 
-    python bench/launch_overhead.py [--calls 2000] [--out DIR] [--triton] [NAME ...]
+    python bench/launch_overhead.py [--calls 2000] [--out DIR] [--triton] [--backward] [NAME ...]
 
 NAME: generated modules (default: flash_decoding, attention, causal, gqa,
 sliding_window, alibi), called on decode-shaped inputs (one query row per head
@@ -18,6 +18,13 @@ against a 4K cache) on the CPU (under TRITON_INTERPRET=1, the stubs run no
 kernel) or on the GPU when there is one.  Prints a table and, with --out,
 writes launch-overhead-DEVICE-DATE.md there.  The times are this machine's
 Python: compare them with each other, and on another machine measure again.
+
+--backward times a training step's backward instead: torch.autograd.grad
+through the module's torch op (autograd's engine, the op's dispatch, the
+row-values launcher and the dQ and dK/dV launchers), on small training-shaped
+inputs (TRAIN_SIZES) whose float inputs require gradients.  A short
+backward's kernels wait for all of this before the first of them starts
+(docs/bench.md, "The host's time per launch").
 """
 from __future__ import annotations
 
@@ -39,6 +46,9 @@ sys.path.insert(0, str(REPO))
 DEFAULT = ("flash_decoding", "attention", "causal", "gqa", "sliding_window", "alibi")
 # decode-shaped sizes: every symbolic wire a diagram may have
 SIZES = {"b": 1, "h": 8, "hk": 8, "g": 4, "q": 1, "x": 4096, "d": 128}
+# --backward: a short training shape (the host's work does not grow with it; on the CPU
+# larger stubbed outputs would time the allocator's page mapping instead)
+TRAIN_SIZES = {**SIZES, "q": 256, "x": 256}
 
 
 class Stub:
@@ -92,26 +102,44 @@ def hopper(module):
         module._check_device = check
 
 
-def measure(name: str, calls: int, device: str, triton: bool = False) -> dict:
-    """Microseconds per call of the module's launcher (forward, no gradient),
-    median of 5 runs of ``calls`` calls, and the kernels each call launches:
-    kernels stubbed, or with ``triton`` Triton's own launch path (hopper)."""
+def measure(name: str, calls: int, device: str, triton: bool = False, backward: bool = False) -> dict:
+    """Microseconds per call of the module's launcher (forward, no gradient;
+    with ``backward`` its backward through autograd), median of 5 runs of
+    ``calls`` calls, and the kernels each call launches: kernels stubbed, or
+    with ``triton`` Triton's own launch path (hopper)."""
     import torch
 
     module = importlib.import_module(f"generated.{name}")
-    sizes = {w: SIZES[w] for w, n in module.WIRES.items() if n is None}
+    table = TRAIN_SIZES if backward else SIZES
+    sizes = {w: table[w] for w, n in module.WIRES.items() if n is None}
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     inputs = module.example_inputs(sizes, dtype=dtype, device=device, seed=0)
     launch = getattr(module, name)
-    with torch.no_grad(), (hopper if triton else stubbed)(module) as launches:
+    with contextlib.ExitStack() as stack:
+        launches = stack.enter_context((hopper if triton else stubbed)(module))
+        if backward:
+            leaves = [t.requires_grad_() for t in inputs if t.is_floating_point()]
+            out = launch(*inputs)
+            out = out[0] if isinstance(out, tuple) else out
+            upstream = torch.randn_like(out)
+            launches()   # the forward's launches: not counted below
+
+            def call():
+                torch.autograd.grad(out, leaves, upstream, retain_graph=True)
+        else:
+            stack.enter_context(torch.no_grad())
+
+            def call():
+                launch(*inputs)
+        before = launches()
         for _ in range(50):
-            launch(*inputs)
-        counts = launches()
+            call()
+        counts = {k: v - before.get(k, 0) for k, v in launches().items()}
         runs = []
         for _ in range(5):
             t0 = time.perf_counter()
             for _ in range(calls):
-                launch(*inputs)
+                call()
             runs.append((time.perf_counter() - t0) / calls * 1e6)
     runs.sort()
     per_call = {k: v // 50 for k, v in counts.items() if v}
@@ -119,9 +147,11 @@ def measure(name: str, calls: int, device: str, triton: bool = False) -> dict:
             "sizes": ", ".join(f"{w}={n}" for w, n in sizes.items())}
 
 
-def markdown(rows: list[dict], device: str, command: str, triton: bool = False) -> str:
+def markdown(rows: list[dict], device: str, command: str, triton: bool = False, backward: bool = False) -> str:
     what = ("Triton's launch path included up to its C launcher (kernels compiled for sm_90, not run)"
             if triton else "every Triton kernel stubbed (Triton's own launch not included)")
+    if backward:
+        what = "the backward through torch.autograd.grad (the forward run once before); " + what
     lines = [f"# Host time per launch ({device}, {datetime.date.today().isoformat()})", "",
              f"Command: `{command}`", "",
              f"Python {platform.python_version()} on {platform.processor() or platform.machine()}; "
@@ -138,6 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("names", nargs="*", default=list(DEFAULT))
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--out", default=None, help="folder for launch-overhead-DEVICE-DATE.md")
+    p.add_argument("--backward", action="store_true",
+                   help="time the backward through autograd (row values, dQ and dK/dV launchers) instead")
     p.add_argument("--triton", action="store_true",
                    help="CPU only: Triton's launch path too, the kernels compiled for sm_90 and not run "
                         "(binder, cache key, lookup; not the C launcher)")
@@ -152,15 +184,15 @@ def main(argv=None) -> int:
     if not cuda and not args.triton:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = "cuda" if cuda else "cpu"
-    rows = [measure(n, args.calls, device, args.triton) for n in args.names]
+    rows = [measure(n, args.calls, device, args.triton, args.backward) for n in args.names]
     label = torch.cuda.get_device_name() if cuda else "cpu"
     text = markdown(rows, label, "python bench/launch_overhead.py " + " ".join(argv if argv is not None
-                                                                               else sys.argv[1:]), args.triton)
+                                                                               else sys.argv[1:]), args.triton, args.backward)
     print(text)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        kind = "-triton" if args.triton else ""
+        kind = ("-backward" if args.backward else "") + ("-triton" if args.triton else "")
         stem = f"launch-overhead{kind}-{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}-{datetime.date.today()}"
         (out / f"{stem}.md").write_text(text)
         print(f"wrote {out / stem}.md")

@@ -146,6 +146,9 @@ stage_decode() {
   # stage's limit stops it (a point a write) or exits 1 on a failed check,
   # either of which skipped it under set -e.
   "$PYTHON" bench/launch_overhead.py --out "$OUT_DIR"
+  # and a training step's backward through autograd (three launchers, autograd's engine): the host
+  # work a short backward's kernels wait for (the sliding window's, docs/bench.md)
+  "$PYTHON" bench/launch_overhead.py --backward --out "$OUT_DIR"
   "$PYTHON" bench/decode.py --out "$OUT_DIR"
 }
 

@@ -29,6 +29,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.autograd import forward_ad as _autograd_forward_ad   # read by _refuse_tangents every launch
 
 NAPKIN_VERSION = "0.1.0"
 SOURCE_HASH = "4e5ea5dfaf56e76dc0772630433801ba3f4cf16c10b023686d1621b92668d16d"
@@ -203,10 +204,10 @@ def _on_inputs_device(launch):
     device, so the first tensor argument names it."""
     @functools.wraps(launch)
     def run(*args, **kwargs):
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        if device is None or device.type != "cuda":
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or not first.is_cuda:   # is_cuda: no device object built (every launch runs this)
             return launch(*args, **kwargs)
-        with torch.cuda.device(device):
+        with torch.cuda.device(first.device):
             return launch(*args, **kwargs)
     return run
 
@@ -326,9 +327,21 @@ def _int64_offsets(*tensors):
     it they stay int32, as Triton passes strides (a row offset times a row
     stride wrapped negative: a [b, s, h, d] view at s = 2^19, h = 32, d = 128
     read outside the tensor).  The whole span counts, batch wires too: those
-    indices are int64 already, so this errs only towards the wide path."""
-    return any(t is not None and t.numel() > 0
-               and sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) >= 2 ** 31 for t in tensors)
+    indices are int64 already, so this errs only towards the wide path.
+    A contiguous tensor's span is its numel - 1: one C call instead of a
+    generator over its dimensions (this runs for every launch)."""
+    for t in tensors:
+        if t is None:
+            continue
+        n = t.numel()
+        if n == 0:
+            continue
+        if t.is_contiguous():
+            if n > 2 ** 31:
+                return True
+        elif sum((k - 1) * abs(s) for k, s in zip(t.shape, t.stride())) >= 2 ** 31:
+            return True
+    return False
 
 
 def _wider(outputs, inputs):
@@ -357,11 +370,12 @@ def _autocast(tensors):
     input take the autocast dtype (as a matmul's operands would), so mixed
     dtypes from autocast layers meet one kernel dtype; others keep theirs."""
     floats = [(n, t) for n, t in zip(INPUTS, tensors) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    # only devices with an autocast (torch raises for "meta", whose tensors trace shapes)
-    if not floats or floats[0][1].device.type not in ("cpu", "cuda") \
-            or not torch.is_autocast_enabled(floats[0][1].device.type):
+    # only devices with an autocast (torch raises for "meta", whose tensors trace shapes); is_cuda
+    # and is_cpu rather than .device.type, which builds a device object every launch
+    kind = None if not floats else "cuda" if floats[0][1].is_cuda else "cpu" if floats[0][1].is_cpu else None
+    if kind is None or not torch.is_autocast_enabled(kind):
         return tensors
-    dtype = torch.get_autocast_dtype(floats[0][1].device.type)
+    dtype = torch.get_autocast_dtype(kind)
     main = _DTYPES[floats[0][0]]
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and _DTYPES[n] == main
                  else t for n, t in zip(INPUTS, tensors))
@@ -386,8 +400,8 @@ def _differentiable(tensors):
 def _traced(tensors):
     if _dispatch_mode() is not None:
         return True
-    return any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or type(t) not in _PLAIN_TENSORS)
-               for t in tensors)
+    # the type first, then is_meta: t.device builds a device object, and this runs every launch
+    return any(isinstance(t, torch.Tensor) and (type(t) not in _PLAIN_TENSORS or t.is_meta) for t in tensors)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -399,12 +413,10 @@ except ImportError:   # a torch without it: subclasses and meta still route
 
 
 def _refuse_tangents(tensors):
-    from torch.autograd import forward_ad
-
-    if getattr(forward_ad, "_current_level", -1) < 0:   # no dual level open: the common case, one read
+    if getattr(_autograd_forward_ad, "_current_level", -1) < 0:   # no dual level open: the common case, one read
         return
     for name, t in zip(INPUTS, tensors):
-        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+        if isinstance(t, torch.Tensor) and _autograd_forward_ad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(f"input {name} carries a forward-mode tangent, and napkin's kernels have no "
                                       "forward-mode derivative (jvp): use reverse mode (backward)")
 
@@ -541,6 +553,8 @@ def _autotune_config(entry, widths=()):
 def _whole(value):
     """An integer option as a Python int when it is a whole number of any
     type (numpy's too: __index__), else as given (the checks refuse it)."""
+    if value is None or type(value) is int:   # the common cases, without a raised and caught TypeError
+        return value
     if isinstance(value, bool) or (isinstance(value, _autotune_torch.Tensor)
                                    and (value.dtype == _autotune_torch.bool or value.dim())):
         return value   # True, tensor(True) and tensor([16]) are no whole numbers (operator.index takes them)
@@ -1072,10 +1086,13 @@ def _(A, B, block_m, block_n, block_k, num_warps, num_stages):
     return _outs[0]
 
 
-@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=(), schema="(Tensor A, Tensor B, Tensor _out0, Tensor _grad0, int? block_m, int? block_n, int? block_k, int? num_warps, int? num_stages, int need) -> Tensor[]")
-def _matmul_bwd_op(A, B, _out0, _grad0, block_m, block_n, block_k, num_warps, num_stages, need):
+def _matmul_bwd_impl(A, B, _out0, _grad0, block_m, block_n, block_k, num_warps, num_stages, need):
+    """The backward op's body: what the op runs, and what an eager backward calls directly."""
     _g = _matmul_grads((A, B,), (_out0, ), (_grad0, ), (block_m, block_n, block_k, num_warps, num_stages), need)
     return [_as_grad(_g[0], A, need >> 0 & 1), _as_grad(_g[1], B, need >> 1 & 1), ]
+
+
+_matmul_bwd_op = torch.library.custom_op("napkin::" + _BWD_OP, _matmul_bwd_impl, mutates_args=(), schema="(Tensor A, Tensor B, Tensor _out0, Tensor _grad0, int? block_m, int? block_n, int? block_k, int? num_warps, int? num_stages, int need) -> Tensor[]")
 
 
 @_matmul_bwd_op.register_fake
@@ -1103,7 +1120,14 @@ def _matmul_autograd_backward(ctx, *grads):
     ins, outs = saved[:2], saved[2:]
     need = sum(1 << i for i in range(2) if ctx.needs_input_grad[i])
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads[:1], outs)]
-    got = iter(_matmul_bwd_op(*ins, *outs, *grads, *ctx.options, need))
+    # Eager and building no graph (autograd runs a backward without create_graph under no_grad): the
+    # op's body directly, without custom_op's Python dispatch layers, host time a short backward's
+    # kernels wait for (bench/launch_overhead.py --backward).  Traced (torch.compile, fake tensors, a
+    # dispatch mode) or with create_graph: through the op, which a trace sees as one call and whose
+    # own backward refuses a second derivative.
+    op = _matmul_bwd_op if torch.is_grad_enabled() or torch.compiler.is_compiling() \
+        or _traced((*ins, *outs, *grads)) else _matmul_bwd_impl
+    got = iter(op(*ins, *outs, *grads, *ctx.options, need))
     result = [next(got) if f else None for f in (True, True, )]
     return (*(g if need >> i & 1 else None for i, g in enumerate(result)), *(None for _ in ctx.options))
 

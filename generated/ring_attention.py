@@ -33,6 +33,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.autograd import forward_ad as _autograd_forward_ad   # read by _refuse_tangents every launch
 
 NAPKIN_VERSION = "0.1.0"
 SOURCE_HASH = "60bd48513bcd2502c048ee33443a7c9022bcfebfa90c4b77d527a55da77d1eac"
@@ -212,10 +213,10 @@ def _on_inputs_device(launch):
     device, so the first tensor argument names it."""
     @functools.wraps(launch)
     def run(*args, **kwargs):
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        if device is None or device.type != "cuda":
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or not first.is_cuda:   # is_cuda: no device object built (every launch runs this)
             return launch(*args, **kwargs)
-        with torch.cuda.device(device):
+        with torch.cuda.device(first.device):
             return launch(*args, **kwargs)
     return run
 
@@ -335,9 +336,21 @@ def _int64_offsets(*tensors):
     it they stay int32, as Triton passes strides (a row offset times a row
     stride wrapped negative: a [b, s, h, d] view at s = 2^19, h = 32, d = 128
     read outside the tensor).  The whole span counts, batch wires too: those
-    indices are int64 already, so this errs only towards the wide path."""
-    return any(t is not None and t.numel() > 0
-               and sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) >= 2 ** 31 for t in tensors)
+    indices are int64 already, so this errs only towards the wide path.
+    A contiguous tensor's span is its numel - 1: one C call instead of a
+    generator over its dimensions (this runs for every launch)."""
+    for t in tensors:
+        if t is None:
+            continue
+        n = t.numel()
+        if n == 0:
+            continue
+        if t.is_contiguous():
+            if n > 2 ** 31:
+                return True
+        elif sum((k - 1) * abs(s) for k, s in zip(t.shape, t.stride())) >= 2 ** 31:
+            return True
+    return False
 
 
 def _wider(outputs, inputs):
@@ -366,11 +379,12 @@ def _autocast(tensors):
     input take the autocast dtype (as a matmul's operands would), so mixed
     dtypes from autocast layers meet one kernel dtype; others keep theirs."""
     floats = [(n, t) for n, t in zip(INPUTS, tensors) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    # only devices with an autocast (torch raises for "meta", whose tensors trace shapes)
-    if not floats or floats[0][1].device.type not in ("cpu", "cuda") \
-            or not torch.is_autocast_enabled(floats[0][1].device.type):
+    # only devices with an autocast (torch raises for "meta", whose tensors trace shapes); is_cuda
+    # and is_cpu rather than .device.type, which builds a device object every launch
+    kind = None if not floats else "cuda" if floats[0][1].is_cuda else "cpu" if floats[0][1].is_cpu else None
+    if kind is None or not torch.is_autocast_enabled(kind):
         return tensors
-    dtype = torch.get_autocast_dtype(floats[0][1].device.type)
+    dtype = torch.get_autocast_dtype(kind)
     main = _DTYPES[floats[0][0]]
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and _DTYPES[n] == main
                  else t for n, t in zip(INPUTS, tensors))
@@ -395,8 +409,8 @@ def _differentiable(tensors):
 def _traced(tensors):
     if _dispatch_mode() is not None:
         return True
-    return any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or type(t) not in _PLAIN_TENSORS)
-               for t in tensors)
+    # the type first, then is_meta: t.device builds a device object, and this runs every launch
+    return any(isinstance(t, torch.Tensor) and (type(t) not in _PLAIN_TENSORS or t.is_meta) for t in tensors)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -408,12 +422,10 @@ except ImportError:   # a torch without it: subclasses and meta still route
 
 
 def _refuse_tangents(tensors):
-    from torch.autograd import forward_ad
-
-    if getattr(forward_ad, "_current_level", -1) < 0:   # no dual level open: the common case, one read
+    if getattr(_autograd_forward_ad, "_current_level", -1) < 0:   # no dual level open: the common case, one read
         return
     for name, t in zip(INPUTS, tensors):
-        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+        if isinstance(t, torch.Tensor) and _autograd_forward_ad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(f"input {name} carries a forward-mode tangent, and napkin's kernels have no "
                                       "forward-mode derivative (jvp): use reverse mode (backward)")
 
@@ -550,6 +562,8 @@ def _autotune_config(entry, widths=()):
 def _whole(value):
     """An integer option as a Python int when it is a whole number of any
     type (numpy's too: __index__), else as given (the checks refuse it)."""
+    if value is None or type(value) is int:   # the common cases, without a raised and caught TypeError
+        return value
     if isinstance(value, bool) or (isinstance(value, _autotune_torch.Tensor)
                                    and (value.dtype == _autotune_torch.bool or value.dim())):
         return value   # True, tensor(True) and tensor([16]) are no whole numbers (operator.index takes them)
@@ -789,6 +803,8 @@ def _int_lengths(lengths):
 def _positions(positions, lengths, sizes, device, tensors):
     """The kernel's position arguments, checked; without positions and
     lengths, the rows' own offsets and the local sizes."""
+    if positions is None and lengths is None:   # the common call: nothing to check or pad
+        return _position_args(None, None, sizes)
     lengths = _int_lengths(lengths)
     positions = _padded(positions, lengths, sizes, device)
     _check_positions(positions, lengths, sizes, device, tensors)
@@ -1760,11 +1776,13 @@ def _ring_attention_bwd_dq_kernel(
 
 
 @_on_inputs_device
-def _ring_attention_preprocess(Q, K, V, dO, O, dlse, _o, positions=None):
+def _ring_attention_preprocess(Q, K, V, dO, O, dlse, _o, positions=None, _bound=None):
     """(delta): the backward's per-row values."""
-    # inputs read at global positions (document ids) hold the global rows: they bind no size
-    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
-    _check_device(_dev)
+    if _bound is None:   # else _grads bound the inputs once for this launcher and the backward's
+        # inputs read at global positions (document ids) hold the global rows: they bind no size
+        _bound = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
+        _check_device(_bound[2])
+    _sz, _cls, _dev = _bound
     if dlse is None:
         dlse = torch.zeros(_shape("dlse", _sz), dtype=torch.float32, device=_dev)
     _check_state({"dO": dO, "O": O, "dlse": dlse}, _sz, _dev)
@@ -1819,14 +1837,17 @@ def _bwd_stream_join(device, side):
 
 @_on_inputs_device
 def _ring_attention_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=None,
-        grad_dtype="float32", mask_cache=None):
+        grad_dtype="float32", mask_cache=None, _bound=None):
     """The gradient of each input (float32 or the input's dtype: grad_dtype,
     see _in_input_dtype; or None), from the state; rows at global positions
     as the forward's (_positions); mask_cache: the launcher's (a data mask's
-    prepass results kept across calls)."""
+    prepass results kept across calls); _bound: _bind's answer for these
+    inputs, when the caller has it (_grads)."""
     _like = _in_input_dtype(grad_dtype)
-    _sz, _cls, _dev = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
-    _check_device(_dev)
+    if _bound is None:
+        _bound = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
+        _check_device(_bound[2])
+    _sz, _cls, _dev = _bound
     _check_state({"dO": dO, "lse": lse, "delta": delta}, _sz, _dev)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     # Options not given come from the backward's own tuned configs, never the
@@ -1948,10 +1969,14 @@ def _ring_attention_grads(_ins, _outs, _grads, _o, need):
     Q, K, V, = _ins
     O, lse = _outs
     dO, dlse = _grads
-    delta, = _ring_attention_preprocess(Q, K, V, dO, O, dlse, _o)
+    # One bind for both launchers: a short backward's kernels wait for all of this host work
+    # (bench/launch_overhead.py --backward)
+    _bound = _bind((Q, K, V,), kernel=True)
+    _check_device(_bound[2])
+    delta, = _ring_attention_preprocess(Q, K, V, dO, O, dlse, _o, _bound=_bound)
     # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
     return _ring_attention_backward(Q, K, V, dO, lse, delta, _o, need, grad_dtype="input",
-                         mask_cache=_MASK_CACHE.get())
+                         mask_cache=_MASK_CACHE.get(), _bound=_bound)
 
 
 # ---------------------------------------------------------------------------
@@ -2006,10 +2031,13 @@ def _(Q, K, V, block_q, block_x, num_warps, num_stages, tma, out_dtype, chunk):
     return tuple(_outs)
 
 
-@torch.library.custom_op("napkin::" + _BWD_OP, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor _out0, Tensor _out1, Tensor _grad0, Tensor _grad1, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma, int need) -> Tensor[]")
-def _ring_attention_bwd_op(Q, K, V, _out0, _out1, _grad0, _grad1, block_q, block_x, num_warps, num_stages, tma, need):
+def _ring_attention_bwd_impl(Q, K, V, _out0, _out1, _grad0, _grad1, block_q, block_x, num_warps, num_stages, tma, need):
+    """The backward op's body: what the op runs, and what an eager backward calls directly."""
     _g = _ring_attention_grads((Q, K, V,), (_out0, _out1, ), (_grad0, _grad1, ), (block_q, block_x, num_warps, num_stages, tma), need)
     return [_as_grad(_g[0], Q, need >> 0 & 1), _as_grad(_g[1], K, need >> 1 & 1), _as_grad(_g[2], V, need >> 2 & 1), ]
+
+
+_ring_attention_bwd_op = torch.library.custom_op("napkin::" + _BWD_OP, _ring_attention_bwd_impl, mutates_args=(), schema="(Tensor Q, Tensor K, Tensor V, Tensor _out0, Tensor _out1, Tensor _grad0, Tensor _grad1, int? block_q, int? block_x, int? num_warps, int? num_stages, int? tma, int need) -> Tensor[]")
 
 
 @_ring_attention_bwd_op.register_fake
@@ -2038,8 +2066,15 @@ def _ring_attention_autograd_backward(ctx, *grads):
     ins, outs = saved[:3], saved[3:]
     need = sum(1 << i for i in range(3) if ctx.needs_input_grad[i])
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads[:2], outs)]
+    # Eager and building no graph (autograd runs a backward without create_graph under no_grad): the
+    # op's body directly, without custom_op's Python dispatch layers, host time a short backward's
+    # kernels wait for (bench/launch_overhead.py --backward).  Traced (torch.compile, fake tensors, a
+    # dispatch mode) or with create_graph: through the op, which a trace sees as one call and whose
+    # own backward refuses a second derivative.
+    op = _ring_attention_bwd_op if torch.is_grad_enabled() or torch.compiler.is_compiling() \
+        or _traced((*ins, *outs, *grads)) else _ring_attention_bwd_impl
     with _mask_cache_scope(ctx.mask_cache):
-        got = iter(_ring_attention_bwd_op(*ins, *outs, *grads, *ctx.options, need))
+        got = iter(op(*ins, *outs, *grads, *ctx.options, need))
     result = [next(got) if f else None for f in (True, True, True, )]
     return (*(g if need >> i & 1 else None for i, g in enumerate(result)), *(None for _ in ctx.options))
 

@@ -2107,6 +2107,11 @@ def test_launch_overhead_times_the_launcher_with_every_kernel_stubbed_and_puts_t
     assert rows[1]["launches"] == {"_attention_kernel": 1}
     assert all(r["us"] > 0 for r in rows)
     assert (fd._flash_decoding_kernel, fd._flash_decoding_merge) == (kernel, merge)
+    # --backward: autograd's backward, the three backward launchers once each, the forward's not counted
+    back = bench.measure("attention", 5, "cpu", backward=True)
+    assert back["launches"] == {"_attention_bwd_rows_kernel": 1, "_attention_bwd_dkdv_kernel": 1,
+                                "_attention_bwd_dq_kernel": 1}
+    assert back["sizes"] == "b=1, h=8, q=256, x=256" and back["us"] > 0
     assert bench.main(["--calls", "5", "--out", str(tmp_path), "gqa"]) == 0
     (path,) = tmp_path.glob("launch-overhead-cpu-*.md")
     assert "| gqa | b=1, hk=8, g=4, q=1, x=4096 | _gqa_kernel x1 |" in path.read_text()
@@ -2118,6 +2123,7 @@ def test_run_h100_decode_stage_runs_the_host_time_then_the_decode_bench(tmp_path
     launch_overhead.py first (decode.py may run to the stage's limit)."""
     calls = run_stage_recorded(tmp_path, "decode")
     assert calls == [["bench/launch_overhead.py", "--out", str(tmp_path / "out")],
+                     ["bench/launch_overhead.py", "--backward", "--out", str(tmp_path / "out")],
                      ["bench/decode.py", "--out", str(tmp_path / "out")]]
     assert all((REPO / c[0]).is_file() for c in calls)
 

@@ -10,6 +10,7 @@ bf16 runs only on a GPU (the interpreter's bf16 tl.dot is wrong).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import zlib
 from pathlib import Path
@@ -687,6 +688,20 @@ def _spread(rows: int, stride: int, cols: int, dtype, gen):
     t = big.as_strided((rows, cols), (stride, 1))
     t.copy_(torch.randn(rows, cols, generator=gen).to(dtype))
     return t
+
+
+def test_a_contiguous_tensors_span_is_its_element_count_less_one():
+    """_int64_offsets takes a contiguous tensor's span from numel alone (a
+    fast path: it runs for every launch): 2^31 elements span 2^31 - 1 and stay
+    int32, one more needs int64; a strided view still sums its dimensions.
+    Meta tensors: the sizes without the memory."""
+    m = example("matmul")
+    meta = functools.partial(torch.empty, device="meta")
+    assert not m._int64_offsets(meta(1 << 31), meta(0), None)
+    assert m._int64_offsets(meta((1 << 31) + 1))
+    assert m._int64_offsets(meta(1 << 30, 4)[:, 0])                 # 2^30 rows of stride 4: span 2^32 - 4
+    assert not m._int64_offsets(meta(1 << 29, 4)[:, 0])             # span 2^31 - 4
+    assert m._int64_offsets(meta(1 << 16, 1 << 16).t())               # transposed: the same 2^32 - 1
 
 
 @pytest.mark.parametrize("rows", [64, 65])

@@ -282,6 +282,25 @@ def test_second_derivatives_are_refused_in_words(causal):
         g.sum().backward()
 
 
+def test_an_eager_backward_runs_the_ops_body_directly_and_a_graph_building_one_the_op(causal, monkeypatch):
+    """Eager without create_graph, autograd's backward calls the backward op's
+    body itself, skipping custom_op's Python dispatch (host time a short
+    backward's kernels wait for); with create_graph it goes through the op,
+    whose own backward refuses a second derivative.  The op keeps the body it
+    was made with, so a stand-in body counts the direct calls alone; both
+    paths give the same gradients."""
+    body, direct = causal._causal_bwd_impl, []
+    monkeypatch.setattr(causal, "_causal_bwd_impl", lambda *a: direct.append(1) or body(*a))
+    q, k, v = causal.example_inputs({"b": 1, "h": 2, "q": 23, "x": 23}, dtype=torch.float32)
+    o, _ = causal.causal(q.requires_grad_(), k.requires_grad_(), v, **BLOCKS)
+    up = torch.randn_like(o)
+    eager = torch.autograd.grad(o, (q, k), up, retain_graph=True)
+    assert direct == [1]
+    through_op = torch.autograd.grad(o, (q, k), up, retain_graph=True, create_graph=True)
+    assert direct == [1]
+    assert all(torch.equal(a, b) for a, b in zip(eager, through_op))
+
+
 def test_fake_tensors_and_make_fx_take_the_ops_fake_without_a_gradient_too(causal):
     """FakeTensorMode and make_fx on inputs wanting no gradient launched Triton on tensors without data
     ("Attempted to set the storage of a tensor on device meta", "Cannot access data pointer")."""
