@@ -2199,13 +2199,30 @@ def test_the_committed_gpu_records_fit_the_schema_and_render_as_committed():
     """bench/results/ holds what GPU sessions measured: each record fits the schema, is no smoke run,
     and its markdown is what results.markdown renders from its JSON (the tables in the docs quote
     them)."""
-    records = sorted(p for p in (REPO / "bench" / "results").glob("*.json") if not p.name.startswith("autotune-"))
+    records = sorted(p for p in (REPO / "bench" / "results").glob("*.json")
+                     if not p.name.startswith(("autotune-", "decode-")))
     assert records
     for path in records:
         data = json.loads(path.read_text())
         results.validate(data)
         assert not data["smoke"] and data["device"]["kind"] == "cuda", path.name
         assert path.with_suffix(".md").read_text() == results.markdown(data), path.name
+
+
+def test_the_committed_decode_records_are_gpu_runs_that_passed_their_checks_and_render_as_committed():
+    """bench/decode.py's records (their own layout, not napkin bench's): no
+    smoke run, every napkin and flex row checked ok against float64 before it
+    was timed, and the markdown is decode.py's rendering of the JSON."""
+    spec = importlib.util.spec_from_file_location("napkin_decode_bench", REPO / "bench" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    records = sorted((REPO / "bench" / "results").glob("decode-*.json"))
+    assert records
+    for path in records:
+        data = json.loads(path.read_text())
+        assert not data["smoke"] and data["rows"], path.name
+        assert all(r["ok"] for r in data["rows"] if r["impl"] != "sdpa"), path.name
+        assert path.with_suffix(".md").read_text() == decode.markdown(data), path.name
 
 
 # --------------------------------------------------------------------------
