@@ -2068,13 +2068,20 @@ def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, 
 # bench/decode.py: the chunked (flash-decoding) forward's benchmark
 # --------------------------------------------------------------------------
 
+def _bench_script(stem: str):
+    """bench/STEM.py loaded as a fresh module (a script, not a package module:
+    each test gets its own copy to patch)."""
+    spec = importlib.util.spec_from_file_location(f"napkin_bench_{stem}", REPO / "bench" / f"{stem}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_decode_bench_checks_every_chunk_before_timing_and_writes_its_record(tmp_path):
     """The CPU smoke of bench/decode.py (run_h100.sh's decode stage on a GPU):
     each chunk length is checked against the float64 reference, the record
     names the device and date; a chunk the cache does not fill runs whole."""
-    spec = importlib.util.spec_from_file_location("napkin_decode_bench", REPO / "bench" / "decode.py")
-    decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decode)
+    decode = _bench_script("decode")
     assert decode.main(["--cache", "100", "--chunks", "0,32,256", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("decode-cpu-*.json")
     data = json.loads(path.read_text())
@@ -2097,9 +2104,7 @@ def test_launch_overhead_times_the_launcher_with_every_kernel_stubbed_and_puts_t
     """Each timed call launches exactly the module's kernels (the chunked
     decode: its kernel and the merge), none of them runs, and the modules get
     their kernels back afterwards (other tests share them)."""
-    spec = importlib.util.spec_from_file_location("napkin_launch_bench", REPO / "bench" / "launch_overhead.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_script("launch_overhead")
     import generated.flash_decoding as fd
     kernel, merge = fd._flash_decoding_kernel, fd._flash_decoding_merge
     rows = [bench.measure(name, 20, "cpu") for name in ("flash_decoding", "attention")]
@@ -2153,9 +2158,7 @@ def test_decode_graph_timing_warms_up_captures_checks_the_replay_and_reports_fai
     captured reported in its row rather than stopping the stage."""
     import contextlib
 
-    spec = importlib.util.spec_from_file_location("napkin_decode_graph", REPO / "bench" / "decode.py")
-    decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decode)
+    decode = _bench_script("decode")
 
     class Stream:
         def wait_stream(self, other):
@@ -2213,9 +2216,7 @@ def test_the_committed_decode_records_are_gpu_runs_that_passed_their_checks_and_
     """bench/decode.py's records (their own layout, not napkin bench's): no
     smoke run, every napkin and flex row checked ok against float64 before it
     was timed, and the markdown is decode.py's rendering of the JSON."""
-    spec = importlib.util.spec_from_file_location("napkin_decode_bench", REPO / "bench" / "decode.py")
-    decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decode)
+    decode = _bench_script("decode")
     records = sorted((REPO / "bench" / "results").glob("decode-*.json"))
     assert records
     for path in records:
