@@ -1351,8 +1351,8 @@ def _differential_attention_forward(Q, K, V, block_q, block_x, num_warps, num_st
         if _chunk:  # the chunks' states, merged into the outputs
             _differential_attention_merge[_grid[:2]](
                 *(_args[3:5] + _args[6:8] + _args[23:32]),
-                _BLOCK_q=_br, _BLOCK_e=128, _INT64=_int64_offsets(Q, K, V, A, _saved_lse), _SAVE=_save, _tma_A=_tma["_tma_A"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
-                num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
+                _BLOCK_q=_meta["_BLOCK_q"], _BLOCK_e=_meta["_BLOCK_e"], _INT64=_meta["_INT64"], _SAVE=_meta["_SAVE"], _tma_A=_meta["_tma_A"], _TMA=_meta["_TMA"], _part=_meta["_part"], _n_chunks=_meta["_n_chunks"],
+                num_warps=_meta["num_warps"], num_stages=_meta["num_stages"], enable_fp_fusion=_meta["enable_fp_fusion"],
             )
     return (A,), (_saved_lse,)
 # ---------------------------------------------------------------------------

@@ -1360,8 +1360,8 @@ def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, t
         if _chunk:  # the chunks' states, merged into the outputs
             _relu2_attention_merge[_grid[:2]](
                 *(_args[3:6] + _args[7:9] + _args[22:33]),
-                _BLOCK_q=_br, _BLOCK_d=64, _INT64=_int64_offsets(Q, K, V, O, _saved_N0, _saved_Z0), _SAVE=_save, _tma_O=_tma["_tma_O"], _TMA=_tma["_TMA"], _part=_part, _n_chunks=_n_chunks,
-                num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
+                _BLOCK_q=_meta["_BLOCK_q"], _BLOCK_d=_meta["_BLOCK_d"], _INT64=_meta["_INT64"], _SAVE=_meta["_SAVE"], _tma_O=_meta["_tma_O"], _TMA=_meta["_TMA"], _part=_meta["_part"], _n_chunks=_meta["_n_chunks"],
+                num_warps=_meta["num_warps"], num_stages=_meta["num_stages"], enable_fp_fusion=_meta["enable_fp_fusion"],
             )
     return (O,), (_saved_N0, _saved_Z0,)
 # ---------------------------------------------------------------------------

@@ -522,9 +522,13 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         "local_params": "".join(f", {o}=None" for o in H.LAUNCH_OPTIONS),
     }
     # the merge kernel takes what its body reads (chunks.merge_launch), rendered from the template
-    keywords = dict(arg.split("=", 1) for arg in block_args if not arg.startswith("**"))
-    keywords.update({p: f'_pos["{p}"]' for w in (row, col) for p in (f"_pos_{w}", f"_len_{w}", f"_POS_{w}")})
-    keywords.update({p: f'_tma["{p}"]' for p in (q.split(":")[0] for q in tma.params())})
+    # each read back from the kernel's _meta, so no expression (_int64_offsets's
+    # walk over the tensors, say) is worked out a second time for the merge
+    named = [arg.split("=", 1)[0] for arg in block_args if not arg.startswith("**")]
+    named += [p for w in (row, col) for p in (f"_pos_{w}", f"_len_{w}", f"_POS_{w}")]
+    named += [q.split(":")[0] for q in tma.params()]
+    keywords = {p: f'_meta["{p}"]' for p in named}
+    extra = [f'{arg.split("=", 1)[0]}=_meta["{arg.split("=", 1)[0]}"]' for arg in extra]
     parts = environment().get_template("attention_parts.py.jinja").make_module(vars=ctx)
     # its header's rows' global indices and real-rows mask only where the merge
     # reads them (its stores mask with _ok): else no positions parameters either
