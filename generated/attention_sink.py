@@ -211,6 +211,13 @@ def _check_device(device):
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
 
 
+def _bind_for_launch(tensors, free=()):
+    """_bind's answer for a launcher's inputs, on a device its kernels can run on."""
+    bound = _bind(tensors, kernel=True, free=free)
+    _check_device(bound[2])
+    return bound
+
+
 def _on_inputs_device(launch):
     """Run a launcher with its tensors' CUDA device current.  Triton launches on
     the current device and its current stream, not on the tensors' (torch's own
@@ -1352,8 +1359,7 @@ def _attention_sink_forward(Q, K, V, sink, block_q, block_x, num_warps, num_stag
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
-    _sz, _cls, _dev = _bind((Q, K, V, sink), kernel=True, free=_global_dims(positions))
-    _check_device(_dev)
+    _sz, _cls, _dev = _bind_for_launch((Q, K, V, sink), free=_global_dims(positions))
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
@@ -1945,8 +1951,7 @@ def _attention_sink_preprocess(Q, K, V, sink, dO, lse, N0, _o, positions=None, _
     """(lseg, delta, dT0): the backward's per-row values."""
     if _bound is None:   # else _grads bound the inputs once for this launcher and the backward's
         # inputs read at global positions (document ids) hold the global rows: they bind no size
-        _bound = _bind((Q, K, V, sink,), kernel=True, free=_global_dims(positions))
-        _check_device(_bound[2])
+        _bound = _bind_for_launch((Q, K, V, sink,), free=_global_dims(positions))
     _sz, _cls, _dev = _bound
     _check_state({"dO": dO, "lse": lse, "N0": N0}, _sz, _dev)
     # dP = dO V takes dO in Q's dtype: the row values read the same dO (a wider one, the
@@ -2013,8 +2018,7 @@ def _attention_sink_backward(Q, K, V, sink, dO, delta, lseg, dT0, _o, need, posi
     inputs, when the caller has it (_grads)."""
     _like = _in_input_dtype(grad_dtype)
     if _bound is None:
-        _bound = _bind((Q, K, V, sink,), kernel=True, free=_global_dims(positions))
-        _check_device(_bound[2])
+        _bound = _bind_for_launch((Q, K, V, sink,), free=_global_dims(positions))
     _sz, _cls, _dev = _bound
     _check_state({"dO": dO, "delta": delta, "lseg": lseg, "dT0": dT0}, _sz, _dev)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V, sink,))
@@ -2142,8 +2146,7 @@ def _attention_sink_grads(_ins, _outs, _grads, _o, need):
     dO, = _grads
     # One bind for both launchers: a short backward's kernels wait for all of this host work
     # (bench/launch_overhead.py --backward)
-    _bound = _bind((Q, K, V, sink,), kernel=True)
-    _check_device(_bound[2])
+    _bound = _bind_for_launch((Q, K, V, sink,))
     lseg, delta, dT0, = _attention_sink_preprocess(Q, K, V, sink, dO, lse, N0, _o, _bound=_bound)
     # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
     return _attention_sink_backward(Q, K, V, sink, dO, delta, lseg, dT0, _o, need, grad_dtype="input",

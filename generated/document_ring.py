@@ -208,6 +208,13 @@ def _check_device(device):
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
 
 
+def _bind_for_launch(tensors, free=()):
+    """_bind's answer for a launcher's inputs, on a device its kernels can run on."""
+    bound = _bind(tensors, kernel=True, free=free)
+    _check_device(bound[2])
+    return bound
+
+
 def _on_inputs_device(launch):
     """Run a launcher with its tensors' CUDA device current.  Triton launches on
     the current device and its current stream, not on the tensors' (torch's own
@@ -1546,8 +1553,7 @@ def _document_ring_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
-    _sz, _cls, _dev = _bind((Q, K, V, doc), kernel=True, free=_global_dims(positions))
-    _check_device(_dev)
+    _sz, _cls, _dev = _bind_for_launch((Q, K, V, doc), free=_global_dims(positions))
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")
@@ -2135,8 +2141,7 @@ def _document_ring_preprocess(Q, K, V, doc, dO, O, dlse, _o, positions=None, _bo
     """(delta): the backward's per-row values."""
     if _bound is None:   # else _grads bound the inputs once for this launcher and the backward's
         # inputs read at global positions (document ids) hold the global rows: they bind no size
-        _bound = _bind((Q, K, V, doc,), kernel=True, free=_global_dims(positions))
-        _check_device(_bound[2])
+        _bound = _bind_for_launch((Q, K, V, doc,), free=_global_dims(positions))
     _sz, _cls, _dev = _bound
     if dlse is None:
         dlse = torch.zeros(_shape("dlse", _sz), dtype=torch.float32, device=_dev)
@@ -2200,8 +2205,7 @@ def _document_ring_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
     inputs, when the caller has it (_grads)."""
     _like = _in_input_dtype(grad_dtype)
     if _bound is None:
-        _bound = _bind((Q, K, V, doc,), kernel=True, free=_global_dims(positions))
-        _check_device(_bound[2])
+        _bound = _bind_for_launch((Q, K, V, doc,), free=_global_dims(positions))
     _sz, _cls, _dev = _bound
     _check_state({"dO": dO, "lse": lse, "delta": delta}, _sz, _dev)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V, doc,))
@@ -2330,8 +2334,7 @@ def _document_ring_grads(_ins, _outs, _grads, _o, need):
     dO, dlse = _grads
     # One bind for both launchers: a short backward's kernels wait for all of this host work
     # (bench/launch_overhead.py --backward)
-    _bound = _bind((Q, K, V, doc,), kernel=True)
-    _check_device(_bound[2])
+    _bound = _bind_for_launch((Q, K, V, doc,))
     delta, = _document_ring_preprocess(Q, K, V, doc, dO, O, dlse, _o, _bound=_bound)
     # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
     return _document_ring_backward(Q, K, V, doc, dO, lse, delta, _o, need, grad_dtype="input",

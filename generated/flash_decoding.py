@@ -205,6 +205,13 @@ def _check_device(device):
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
 
 
+def _bind_for_launch(tensors, free=()):
+    """_bind's answer for a launcher's inputs, on a device its kernels can run on."""
+    bound = _bind(tensors, kernel=True, free=free)
+    _check_device(bound[2])
+    return bound
+
+
 def _on_inputs_device(launch):
     """Run a launcher with its tensors' CUDA device current.  Triton launches on
     the current device and its current stream, not on the tensors' (torch's own
@@ -1376,8 +1383,7 @@ def _flash_decoding_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tm
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
-    _sz, _cls, _dev = _bind((Q, K, V), kernel=True, free=_global_dims(positions))
-    _check_device(_dev)
+    _sz, _cls, _dev = _bind_for_launch((Q, K, V), free=_global_dims(positions))
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
     _real = _sz  # packed rows of g and q (_pack): the kernels see the packed sizes
     (Q, K, V,), positions, lengths, _sz = _pack((Q, K, V,), _sz, positions, lengths, _dev)
@@ -1948,8 +1954,7 @@ def _flash_decoding_preprocess(Q, K, V, dO, O, dlse, _o, positions=None, _bound=
     """(delta): the backward's per-row values."""
     if _bound is None:   # else _grads bound the inputs once for this launcher and the backward's
         # inputs read at global positions (document ids) hold the global rows: they bind no size
-        _bound = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
-        _check_device(_bound[2])
+        _bound = _bind_for_launch((Q, K, V,), free=_global_dims(positions))
     _sz, _cls, _dev = _bound
     if dlse is None:
         dlse = torch.zeros(_shape("dlse", _sz), dtype=torch.float32, device=_dev)
@@ -2013,8 +2018,7 @@ def _flash_decoding_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, 
     inputs, when the caller has it (_grads)."""
     _like = _in_input_dtype(grad_dtype)
     if _bound is None:
-        _bound = _bind((Q, K, V,), kernel=True, free=_global_dims(positions))
-        _check_device(_bound[2])
+        _bound = _bind_for_launch((Q, K, V,), free=_global_dims(positions))
     _sz, _cls, _dev = _bound
     _check_state({"dO": dO, "lse": lse, "delta": delta}, _sz, _dev)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
@@ -2139,8 +2143,7 @@ def _flash_decoding_grads(_ins, _outs, _grads, _o, need):
     dO, dlse = _grads
     # One bind for both launchers: a short backward's kernels wait for all of this host work
     # (bench/launch_overhead.py --backward)
-    _bound = _bind((Q, K, V,), kernel=True)
-    _check_device(_bound[2])
+    _bound = _bind_for_launch((Q, K, V,))
     delta, = _flash_decoding_preprocess(Q, K, V, dO, O, dlse, _o, _bound=_bound)
     # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
     return _flash_decoding_backward(Q, K, V, dO, lse, delta, _o, need, grad_dtype="input",

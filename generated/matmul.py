@@ -196,6 +196,13 @@ def _check_device(device):
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
 
 
+def _bind_for_launch(tensors, free=()):
+    """_bind's answer for a launcher's inputs, on a device its kernels can run on."""
+    bound = _bind(tensors, kernel=True, free=free)
+    _check_device(bound[2])
+    return bound
+
+
 def _on_inputs_device(launch):
     """Run a launcher with its tensors' CUDA device current.  Triton launches on
     the current device and its current stream, not on the tensors' (torch's own
@@ -805,8 +812,7 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
-    _sz, _cls, _dev = _bind((A, B), kernel=True)
-    _check_device(_dev)
+    _sz, _cls, _dev = _bind_for_launch((A, B))
     _opts = _autotune_fill({"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}, _sz, _dev, _cls)
     _br = _block_size(_opts["block_m"], "m", "block_m")
     _bc = _block_size(_opts["block_n"], "n", "block_n")
@@ -983,8 +989,7 @@ def _matmul_bwd_B_kernel(
 @_on_inputs_device
 def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
     _like = _in_input_dtype(grad_dtype)
-    _sz, _cls, _dev = _bind((A, B,), kernel=True)
-    _check_device(_dev)
+    _sz, _cls, _dev = _bind_for_launch((A, B,))
     _check_state({"_grad_C": _grad_C}, _sz, _dev, {"_grad_C": "dC"})
     # tl.dot takes one dtype: a float32 dC meets 16-bit operands.  An output declared fp64 beside
     # narrower inputs is summed in float32 by the forward too: its dC, as float64, met float32 operands
