@@ -466,7 +466,11 @@ _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
 # its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
 # a tile too, and past 2^20 elements Triton refuses it (_autotune_config, _tile_fits).
 _AUTOTUNE_DIMS = (("d", 64),)
-_autotune_memo = {}   # (device, dtypes, bucket, kind) -> (the cache file's path and stamp when read, config or None)
+_autotune_memo = {}   # (device, dtypes, sizes, kind) -> (the cache file's path and stamp when read, config or None)
+# The memo's sizes: the wires' own, not their bucket (6 us a lookup saved, three lookups a backward);
+# a decode loop's growing cache makes an entry per length, so the memo is cleared past _AUTOTUNE_MEMO
+_autotune_sizes = _autotune_operator.itemgetter(*_AUTOTUNE_WIRES) if _AUTOTUNE_WIRES else (lambda sizes: ())
+_AUTOTUNE_MEMO = 4096
 _autotune_paths = {}  # ($NAPKIN_CACHE, $HOME) -> the cache file's path
 
 
@@ -530,9 +534,9 @@ def _autotune_widths(sizes):
 
 def _autotune_lookup(sizes, device, classes, kind=""):
     """The cached config (a dict of launcher options) for these sizes on this
-    device, or None.  Remembered per shape bucket until the cache file
-    changes: a launch pays one stat of the file, not a read."""
-    memo = (device, tuple(classes.items()), _autotune_bucket(sizes, _AUTOTUNE_WIRES), kind)
+    device, or None.  Remembered per shape until the cache file changes: a
+    launch pays one stat of the file, not a read."""
+    memo = (device, tuple(classes.items()), _autotune_sizes(sizes), kind)
     path = _autotune_cache_path()
     try:
         st = _autotune_os.stat(path)
@@ -544,6 +548,8 @@ def _autotune_lookup(sizes, device, classes, kind=""):
         return seen[1]
     key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), classes, sizes, _AUTOTUNE_WIRES, kind)
     config = _autotune_config(_autotune_read(path).get(key), _autotune_widths(sizes)) if stamp[1] is not None else None
+    if len(_autotune_memo) >= _AUTOTUNE_MEMO:
+        _autotune_memo.clear()
     _autotune_memo[memo] = (stamp, config)
     return config
 

@@ -187,6 +187,25 @@ def test_the_remembered_autotune_lookup_sees_a_new_file_and_a_new_cache_dir(modu
     assert m._autotune_lookup(dict(sizes, x=9), dev, f16) is None                 # another
 
 
+def test_the_autotune_memo_is_bounded_and_answers_alike_after_it_is_cleared(modules, monkeypatch, tmp_path):
+    """The memo is keyed by the sizes themselves (a decode loop makes one entry
+    per cache length): it is cleared when full, and the next lookup reads the
+    file again, to the same answer."""
+    from napkin import tunecache
+
+    m = modules["attention"]
+    sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
+    key = tunecache.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float16"}, sizes, ("b", "h", "q", "x"))
+    (tmp_path / "autotune.json").write_text(json.dumps(
+        {"schema": tunecache.SCHEMA, "entries": {key: {"config": {"block_q": 32}}}}))
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(m, "_AUTOTUNE_MEMO", 3)
+    dev, f16 = torch.device("cpu"), {"fp16": torch.float16}
+    answers = [m._autotune_lookup(dict(sizes, x=x), dev, f16) for x in (5, 6, 7, 8, 9, 7)]
+    assert answers == [{"block_q": 32}] * 4 + [None, {"block_q": 32}]
+    assert len(m._autotune_memo) <= 3
+
+
 # --------------------------------------------------------------------------
 # The device a launch runs on.  Triton launches on the current CUDA device;
 # each launcher makes its tensors' device current first.
