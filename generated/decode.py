@@ -1094,7 +1094,7 @@ def _decode_kernel(
     if not _POS_x:
         _hi = tl.minimum(_hi, _row_last - 1 * _len_q + _len_x + 1)  # x <= q - 1 * |q| + |x|, loosest at the block's last row
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
-    # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
+    # tile and it lies inside the edges (visits.full_blocks): they skip the mask and bound arithmetic.
     _fhi = _lo  # keys at global positions: none known full
     if not _POS_x:
         _row_first = _row0
@@ -1595,7 +1595,7 @@ def _decode_bwd_dkdv_kernel(
         _lo = tl.maximum(_lo, tl.where(_t >= _size_q, tl.cdiv(_size_q, _BLOCK_q), _t // _BLOCK_q))
         _hi = tl.maximum(_lo, _hi)
     # Of those, the full row blocks [_flo, _fhi): every row and key of the tile real and the mask
-    # true at every pair (masks.full_row_blocks): they skip the mask and bound arithmetic.
+    # true at every pair (visits.full_row_blocks): they skip the mask and bound arithmetic.
     _flo = _lo
     _fhi = _lo  # rows or keys at global positions: none known full
     if not _POS_q:
@@ -1831,7 +1831,7 @@ def _decode_bwd_dq_kernel(
     if not _POS_x:
         _hi = tl.minimum(_hi, _row_last - 1 * _len_q + _len_x + 1)  # x <= q - 1 * |q| + |x|, loosest at the block's last row
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
-    # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
+    # tile and it lies inside the edges (visits.full_blocks): they skip the mask and bound arithmetic.
     _fhi = _lo  # rows or keys at global positions: none known full
     if not _POS_q:
         if not _POS_x:

@@ -1093,7 +1093,7 @@ def _l2_attention_kernel(
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
-    # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
+    # tile and it lies inside the edges (visits.full_blocks): they skip the mask and bound arithmetic.
     _fhi = _lo  # keys at global positions: none known full
     if not _POS_x:
         _fhi = _size_x // _BLOCK_x * _BLOCK_x  # no mask: every block but a ragged last one
@@ -1583,7 +1583,7 @@ def _l2_attention_bwd_dkdv_kernel(
         _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
         _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block
     # Of those, the full row blocks [_flo, _fhi): every row and key of the tile real and the mask
-    # true at every pair (masks.full_row_blocks): they skip the mask and bound arithmetic.
+    # true at every pair (visits.full_row_blocks): they skip the mask and bound arithmetic.
     _fhi = _lo  # rows or keys at global positions: none known full
     if not _POS_q:
         if not _POS_x:
@@ -1756,7 +1756,7 @@ def _l2_attention_bwd_dq_kernel(
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
-    # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
+    # tile and it lies inside the edges (visits.full_blocks): they skip the mask and bound arithmetic.
     _fhi = _lo  # rows or keys at global positions: none known full
     if not _POS_q:
         if not _POS_x:

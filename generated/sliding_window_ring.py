@@ -1093,7 +1093,7 @@ def _sliding_window_ring_kernel(
         _hi = tl.where(_lo >= _size_x, 0, _hi)  # starts past the last x: no block
         _lo = _lo // _BLOCK_x * _BLOCK_x
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
-    # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
+    # tile and it lies inside the edges (visits.full_blocks): they skip the mask and bound arithmetic.
     _flo = _lo
     _fhi = _lo  # keys at global positions: none known full
     if not _POS_x:
@@ -1609,7 +1609,7 @@ def _sliding_window_ring_bwd_dkdv_kernel(
     _lo = 0
     _hi = tl.cdiv(_size_q, _BLOCK_q)
     _col_first = _col0
-    _col_last = tl.minimum(_col0 + _BLOCK_x, _size_x) - 1  # the block's last real one (masks.row_block_range)
+    _col_last = tl.minimum(_col0 + _BLOCK_x, _size_x) - 1  # the block's last real one (visits.row_block_range)
     if _POS_x:  # keys at global positions: the least and greatest real one
         _col_first = tl.min(tl.where(_ok_x, _idx_x, 4611686018427387904), 0)
         _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
@@ -1622,7 +1622,7 @@ def _sliding_window_ring_bwd_dkdv_kernel(
         _hi = tl.where(_need > 0, 0, tl.minimum(_hi, tl.maximum(-_need, 0) // _BLOCK_q + 1))
         _hi = tl.maximum(_lo, _hi)
     # Of those, the full row blocks [_flo, _fhi): every row and key of the tile real and the mask
-    # true at every pair (masks.full_row_blocks): they skip the mask and bound arithmetic.
+    # true at every pair (visits.full_row_blocks): they skip the mask and bound arithmetic.
     _flo = _lo
     _fhi = _lo  # rows or keys at global positions: none known full
     if not _POS_q:
@@ -1855,7 +1855,7 @@ def _sliding_window_ring_bwd_dq_kernel(
         _hi = tl.where(_lo >= _size_x, 0, _hi)  # starts past the last x: no block
         _lo = _lo // _BLOCK_x * _BLOCK_x
     # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
-    # tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic.
+    # tile and it lies inside the edges (visits.full_blocks): they skip the mask and bound arithmetic.
     _flo = _lo
     _fhi = _lo  # rows or keys at global positions: none known full
     if not _POS_q:

@@ -27,7 +27,7 @@ The spans are exact where the mask's other conjuncts are all bounds the
 kernels' loops read (masks.stream_bounds: x against q plus a constant or a
 chunk's floor, as causal masks, windows and chunks are), rows that keep
 nothing included: a row block's live keys are then one run per document,
-bounded as a block of rows is (masks.stream_range).  Any other conjunct
+bounded as a block of rows is (visits.stream_range).  Any other conjunct
 (``2 * x <= q``, an ``or``) is left out, so the spans are an upper bound of
 the blocks the prepass, which evaluates it, finds.  tests/test_documents.py
 holds them to the prepass's own numbers and to the bytes the kernels move.
@@ -38,7 +38,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from . import ir, masks
+from . import ir, masks, visits
 from .errors import NapkinError
 
 
@@ -174,7 +174,7 @@ def _key_range(starts: list[int], bounds, first: int, stop: int, cols: int, size
     k = bisect.bisect_right(starts, first) - 1
     while k < len(starts) - 1 and starts[k] < stop:
         a, b = max(first, starts[k]), min(stop, starts[k + 1])
-        start, end = masks.stream_range(bounds, a, b, cols, sizes)
+        start, end = visits.stream_range(bounds, a, b, cols, sizes)
         start, end = max(start, starts[k]), min(end, starts[k + 1], cols)
         if start < end:
             lo, hi = min(lo, start), max(hi, end)

@@ -12,18 +12,13 @@ sides need, so the kernel and the cost pass agree on what is visited:
   by interval arithmetic over affine comparisons (``and``/``or``/``not``
   combine; anything data-dependent, like ``doc[b, q] == doc``, is PARTIAL).
 * ``stream_bounds(pred, row, col, sizes)``: the affine conjuncts of ``pred``
-  that bound the streamed wire ``col`` in terms of the row wire.  The kernel's
-  loop runs over ``[start rounded down to a block, stop)`` computed from them
-  (codegen renders the very same formula in Triton), and
-* ``visited_blocks(...)`` lists the (row block, col block) pairs that loop
-  visits, computed in Python with the same formula: this is exactly what the
-  kernel loads.
-* ``full_blocks(...)`` / ``full_row_blocks(...)``: which of those blocks are
-  FULL (the mask true on the whole tile, inside the ragged edges), one
-  interval per row (or key) block, which the kernels run without the mask.
-* ``tile_live(...)`` / ``live_blocks(...)``: with rows at global positions
-  (the distributed wrappers' shares), which tiles the kernels load and
-  compute, decided per tile from the positions' least and greatest.
+  that bound the streamed wire ``col`` in terms of the row wire, as
+  ``Bound``s.  The kernel's loop runs over ``[start rounded down to a block,
+  stop)`` computed from them (codegen renders the very same formula in
+  Triton); ``exact_bounds`` gives them only when they are the whole mask
+  (then blocks can be known FULL).
+* which blocks those bounds make a loop visit, which are full and which
+  live: ``napkin/visits.py``, in Python, with the same formulas.
 
 Ranges are half-open ``(start, stop)`` like Python's ``range``.
 """
@@ -411,7 +406,7 @@ class Bound:
 
     def value(self, r: int, sizes: Mapping[str, int]) -> int:
         """The bound at row r: row_coeff * (r // step) + rest."""
-        return self.row_coeff * (r // self.step) + _rest_value(self.rest, sizes)
+        return self.row_coeff * (r // self.step) + rest_value(self.rest, sizes)
 
     def first_row(self, t: int) -> int:
         """The least row r with r // step >= t (t >= 0)."""
@@ -531,135 +526,12 @@ def _solve(form: Affine, row: str, col: str) -> Optional[Bound]:
     return Bound(kind, cr, tuple(sorted((k, v) for k, v in rest.items() if v)), step if cr else 1)
 
 
-def _rest_value(rest, sizes) -> int:
+def rest_value(rest, sizes) -> int:
     total = 0
     for key, v in rest:
         total += v if key == "" else v * sizes[key[1:-1]]
     return total
 
-
-def stream_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int,
-                 col_size: int, sizes: Mapping[str, int]) -> tuple[int, int]:
-    """[start, stop) of the streamed index for rows [row_start, row_stop)
-    (already clipped to the row size), before rounding start to a block.
-    The kernel computes exactly this (see codegen's rendering of Bound)."""
-    return _col_range(bounds, row_start, row_stop, col_size, sizes, tightest=False)
-
-
-def _col_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int, col_size: int,
-               sizes: Mapping[str, int], tightest: bool) -> tuple[int, int]:
-    """[start, stop) of the streamed indices meeting every bound at the rows'
-    loosest end (some row of the block keeps them: the visited range) or at
-    their tightest end (every row keeps them: the full range)."""
-    first, last = row_start, row_stop - 1
-    start, stop = 0, col_size
-    for b in bounds:
-        loosest_first = b.at_row() == "first"
-        r = first if loosest_first != tightest else last
-        value = b.value(r, sizes)
-        if b.kind == "lower":
-            start = max(start, value)
-        else:
-            stop = min(stop, value + 1)
-    if not tightest and start >= col_size:
-        # past the last column: no block (rounded down, start fell in a ragged last block
-        # whose every pair is masked: a window with more rows than columns visited it)
-        return 0, 0
-    return start, stop
-
-
-def visited_blocks(bounds: tuple[Bound, ...], row_size: int, col_size: int,
-                   block_row: int, block_col: int,
-                   sizes: Mapping[str, int] = {}) -> list[tuple[int, int]]:
-    """(row block, col block) pairs the kernel's loop visits, in order.  With
-    no bounds that is every pair; ``sizes`` binds the ``|w|`` in the bounds."""
-    out = []
-    for i in range(-(-row_size // block_row)):
-        row_start = i * block_row
-        start, stop = stream_range(bounds, row_start, min(row_start + block_row, row_size),
-                                   col_size, sizes)
-        first = (start // block_col) * block_col
-        out.extend((i, j // block_col) for j in range(first, stop, block_col))
-    return out
-
-
-# --------------------------------------------------------------------------
-# The same visited set seen from a block of the streamed wire: the backward
-# pass's dK/dV kernel gives each program a block j of the streamed wire and
-# loops over row blocks, and must visit exactly the (row block, j) pairs the
-# forward visits (visited_blocks), no more (it would add masked work) and no
-# fewer (it would drop gradient).
-#
-# The forward visits (i, j) iff  start_i // bc <= j  and  j * bc < stop_i,
-# with start_i the largest lower bound (and 0) and stop_i the smallest upper
-# bound plus one (and the column size).  Split per bound, each condition is
-# monotone in the row that bound is evaluated at (a block's first or last
-# row, both non-decreasing in i), so each bound keeps a half-line of row
-# blocks and the visited rows of column block j are one interval [lo, hi).
-# Every division below has a non-negative numerator (clamped first) and a
-# positive divisor, so floor division means the same in Python and Triton.
-# --------------------------------------------------------------------------
-
-def row_block_range(bounds: tuple[Bound, ...], col_block: int, row_size: int, col_size: int,
-                    block_row: int, block_col: int, sizes: Mapping[str, int] = {}) -> tuple[int, int]:
-    """[lo, hi) of the row blocks whose forward loop visits column block
-    ``col_block``; the code generator renders this same formula in Triton.
-    A lower bound is met by the block's last real column (a ragged last
-    block's ends at ``col_size``), as the forward visits no block once its
-    start passes the last column."""
-    nblocks = -(-row_size // block_row)
-    lo, hi = 0, nblocks
-    for b in bounds:
-        a, c = b.row_coeff, _rest_value(b.rest, sizes)
-        if b.kind == "upper":          # visited iff a * s + c >= j * bc, s = r // step
-            need = col_block * block_col - c
-        else:                          # visited iff a * s + c <= (j + 1) * bc - 1
-            need = c - min((col_block + 1) * block_col, col_size) + 1
-            a = -a                     # the same as -a * s - c >= -(j + 1) * bc + 1
-        # now: visited iff a * s >= need, r the bound's row of the block
-        if a == 0:
-            if need > 0:
-                return 0, 0
-        elif a > 0:                    # s >= ceil(need / a): r is the block's last row
-            t = b.first_row((max(need, 0) + a - 1) // a)
-            lo = max(lo, nblocks if t >= row_size else t // block_row)
-        else:                          # s <= floor(-need / |a|): r is the block's first row
-            if need > 0:
-                return 0, 0
-            hi = min(hi, b.last_row((-need) // (-a)) // block_row + 1)
-    return lo, max(lo, hi)
-
-
-def visited_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size: int,
-                             block_row: int, block_col: int,
-                             sizes: Mapping[str, int] = {}) -> list[tuple[int, int]]:
-    """(row block, col block) pairs the backward's column-major loop visits,
-    column block by column block; as a set it equals ``visited_blocks``."""
-    out = []
-    for j in range(-(-col_size // block_col)):
-        lo, hi = row_block_range(bounds, j, row_size, col_size, block_row, block_col, sizes)
-        out.extend((i, j) for i in range(lo, hi))
-    return out
-
-
-# --------------------------------------------------------------------------
-# Full blocks.  A visited block is FULL when every (row, column) pair of its
-# tile satisfies every conjunct of the mask and lies inside the ragged edges;
-# the kernels run full blocks through a copy of their step with the mask
-# taken as true and no bounds masks on the loop wire, which removes the mask
-# and bound arithmetic from them.  Partial blocks keep the masked step.
-#
-# Full blocks are known only when the mask is exactly a conjunction of
-# affine bounds (``exact_bounds``); with no mask at all that is the empty
-# conjunction, and every block inside the edges is full.  Each bound then
-# holds on the whole tile iff it holds at the tile's TIGHTEST row (the other
-# end from the loosest one ``stream_range`` uses) and its tightest column,
-# so for one block of the rows the full blocks of the loop wire are one
-# interval, which splits the visited interval into partial blocks before,
-# full blocks, and partial blocks after.  The same Python formula is
-# rendered in Triton by the code generator (bounds.full_bounds and
-# backward_emit._bounds_dkdv), as stream_range and row_block_range are.
-# --------------------------------------------------------------------------
 
 def exact_bounds(pred: Optional[ir.Expr], row: str, col: str,
                  sizes: Mapping[str, int] = {}) -> Optional[tuple[Bound, ...]]:
@@ -676,137 +548,3 @@ def exact_bounds(pred: Optional[ir.Expr], row: str, col: str,
             return None
         out += got
     return tuple(out)
-
-
-def full_range(bounds: tuple[Bound, ...], row_start: int, row_stop: int,
-               col_size: int, sizes: Mapping[str, int]) -> tuple[int, int]:
-    """[start, stop) of the streamed indices inside [0, col_size) at which
-    every bound holds for every row of [row_start, row_stop)."""
-    return _col_range(bounds, row_start, row_stop, col_size, sizes, tightest=True)
-
-
-def full_blocks(bounds: tuple[Bound, ...], row_block: int, row_size: int, col_size: int,
-                block_row: int, block_col: int, sizes: Mapping[str, int] = {},
-                whole_rows: bool = False) -> tuple[int, int]:
-    """[lo, hi): the starts (block multiples, step block_col) of the full
-    blocks row block ``row_block`` visits, clamped into its visited
-    [start // block_col * block_col, stop) so that the loops [start, lo),
-    [lo, hi), [hi, stop) visit exactly its visited blocks.  ``whole_rows``
-    (the backward, whose tiles sum over rows): a ragged row block has none."""
-    r0 = row_block * block_row
-    r1 = min(r0 + block_row, row_size)
-    vstart, vstop = stream_range(bounds, r0, r1, col_size, sizes)
-    fstart, fstop = full_range(bounds, r0, r1, col_size, sizes)
-    lo = vstart // block_col * block_col
-    if any(b.kind == "lower" for b in bounds):
-        lo = min(max(-(-fstart // block_col) * block_col, lo), vstop)
-    hi = max(min(max(fstop, 0) // block_col * block_col, vstop), lo)
-    if whole_rows and r0 + block_row > row_size:
-        hi = lo
-    return lo, hi
-
-
-def split_blocks(bounds: tuple[Bound, ...], row_size: int, col_size: int, block_row: int, block_col: int,
-                 sizes: Mapping[str, int] = {}, whole_rows: bool = False) -> list[tuple[int, int, bool]]:
-    """(row block, col block, full) for each block the forward (or dQ) loops
-    visit, in their order: partial blocks before, full blocks, partial
-    blocks after.  As pairs this is ``visited_blocks``, order included."""
-    out = []
-    for i in range(-(-row_size // block_row)):
-        row_start = i * block_row
-        start, stop = stream_range(bounds, row_start, min(row_start + block_row, row_size), col_size, sizes)
-        lo, hi = full_blocks(bounds, i, row_size, col_size, block_row, block_col, sizes, whole_rows)
-        for a, b, full in ((start // block_col * block_col, lo, False), (lo, hi, True), (hi, stop, False)):
-            out.extend((i, j // block_col, full) for j in range(a, b, block_col))
-    return out
-
-
-def full_row_blocks(bounds: tuple[Bound, ...], col_block: int, row_size: int, col_size: int,
-                    block_row: int, block_col: int, sizes: Mapping[str, int] = {}) -> tuple[int, int]:
-    """[lo, hi) of the row blocks whose tile with column block ``col_block``
-    is full (every row and column inside the edges, every bound true at
-    every pair), clamped into row_block_range's [lo, hi) as full_blocks is.
-
-    Each bound, written ``a * r >= need`` for every row r of the block and
-    the column that binds it hardest (the block's last column for an upper
-    bound, its first for a lower one), keeps a half-line of row blocks:
-    a > 0 binds at the block's first row, a < 0 at its last.  Numerators
-    are clamped non-negative before dividing (Triton's // truncates)."""
-    vlo, vhi = row_block_range(bounds, col_block, row_size, col_size, block_row, block_col, sizes)
-    c0, c1 = col_block * block_col, (col_block + 1) * block_col - 1
-    lo, hi = 0, (row_size // block_row if c1 < col_size else 0)
-    for b in bounds:
-        a, c = b.row_coeff, _rest_value(b.rest, sizes)
-        a, need = (a, c1 - c) if b.kind == "upper" else (-a, c - c0)
-        if a == 0:
-            hi = 0 if need > 0 else hi
-        elif a > 0:
-            t = b.first_row((max(need, 0) + a - 1) // a)       # the first row that satisfies it
-            lo = max(lo, (t + block_row - 1) // block_row)
-        else:
-            hi = 0 if need > 0 else min(hi, (b.last_row(max(-need, 0) // -a) + 1) // block_row)
-    lo = min(max(lo, vlo), vhi)
-    return lo, max(min(hi, vhi), lo)
-
-
-def split_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size: int, block_row: int,
-                           block_col: int, sizes: Mapping[str, int] = {}) -> list[tuple[int, int, bool]]:
-    """(row block, col block, full) in the dK/dV kernel's loop order; as
-    pairs this is ``visited_blocks_by_column``."""
-    out = []
-    for j in range(-(-col_size // block_col)):
-        vlo, vhi = row_block_range(bounds, j, row_size, col_size, block_row, block_col, sizes)
-        lo, hi = full_row_blocks(bounds, j, row_size, col_size, block_row, block_col, sizes)
-        for a, b, full in ((vlo, lo, False), (lo, hi, True), (hi, vhi, False)):
-            out.extend((i, j, full) for i in range(a, b))
-    return out
-
-
-# --------------------------------------------------------------------------
-# Tiles at global positions.  The launcher's positions= put each local row
-# of the row wire and of the streamed wire at a global index (the
-# distributed wrappers' zigzag or cyclic shares): a block of local rows is
-# then any set of indices, known to the kernel only once it loads them.  A
-# tile is dead when no pair of it can survive the mask: it has no real row
-# or no real key (indices >= the global length are padding), or one bound
-# is false at every pair.  A bound is monotone in the row and in the key,
-# so it is false at every pair iff false at its loosest pair: the least key
-# for an upper bound (the greatest for a lower one) and the row at_row()
-# names.  The kernels render this test term for term (codegen/bounds.py
-# live) and load and compute only live tiles.  It is exact for one bound;
-# with several (a window) a tile whose indices are not contiguous may meet
-# each bound at some pair but all of them at none, and is kept.
-# --------------------------------------------------------------------------
-
-def tile_live(bounds: tuple[Bound, ...], rows, cols, sizes: Mapping[str, int] = {}) -> bool:
-    """Whether a tile whose real rows and keys sit at the global indices
-    ``rows`` and ``cols`` may hold a pair that survives the mask;
-    ``sizes`` binds the ``|w|`` in the bounds (the global lengths)."""
-    rows, cols = list(rows), list(cols)
-    if not rows or not cols:
-        return False
-    at = {"first": min(rows), "last": max(rows)}
-    for b in bounds:
-        value = b.value(at[b.at_row()], sizes)
-        if (min(cols) > value) if b.kind == "upper" else (max(cols) < value):
-            return False
-    return True
-
-
-def live_blocks(bounds: tuple[Bound, ...], row_pos, col_pos, row_len: int, col_len: int,
-                block_row: int, block_col: int, sizes: Mapping[str, int] = {}) -> set[tuple[int, int]]:
-    """The (row block, col block) pairs of local blocks whose tile
-    ``tile_live`` keeps: ``row_pos`` / ``col_pos`` give the global index of
-    each local row (indices >= ``row_len`` / ``col_len`` are padding)."""
-    row_pos, col_pos = [int(p) for p in row_pos], [int(p) for p in col_pos]
-
-    def real(pos, n, block, i):
-        return [p for p in pos[i * block:(i + 1) * block] if p < n]
-
-    out = set()
-    for i in range(-(-len(row_pos) // block_row)):
-        rows = real(row_pos, row_len, block_row, i)
-        for j in range(-(-len(col_pos) // block_col)):
-            if tile_live(bounds, rows, real(col_pos, col_len, block_col, j), sizes):
-                out.add((i, j))
-    return out

@@ -40,7 +40,7 @@ multi-process tests prove against the byte counter: bytes per device,
 split by link, and time = transfers at NVLink / InfiniBand bandwidth
 (profiles.toml) plus compute.  Compute: 4 FLOPs per query-key pair per head
 dimension forward (QK and PV; the pairs a mask of bounds keeps counted exactly,
-in closed form, napkin/pairs.py; any other mask's density from napkin/masks.py at a 128
+in closed form, napkin/pairs.py; any other mask's density from napkin/visits.py at a 128
 x 128 block grid, partial blocks counted half), 2.5 times that backward, at
 FlashAttention-2's fraction of the dense peak (370 and 322 of 989 TFLOP/s on
 an H100, background section 4) for every GPU.  Every scheme's layout is

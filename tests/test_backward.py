@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import napkin
-from napkin import masks
+from napkin import masks, visits
 from napkin.codegen import emit_module
 from napkin.errors import NapkinError
 from napkin.printer import to_text
@@ -1119,7 +1119,7 @@ def test_gradients_are_bitwise_reproducible(folder):
 
 
 def test_column_loop_visits_exactly_the_forward_blocks():
-    """masks.row_block_range, which the dK/dV kernel renders, against the
+    """visits.row_block_range, which the dK/dV kernel renders, against the
     forward's visited set for random affine masks and ragged sizes."""
     gen = torch.Generator().manual_seed(0)
 
@@ -1132,8 +1132,8 @@ def test_column_loop_visits_exactly_the_forward_blocks():
                                    (("", draw(list(range(-60, 61)))),), draw([1, 1, 1, 3, 8]))
                        for _ in range(draw([0, 1, 2, 3])))
         nr, nc, br, bc = draw(list(range(1, 90))), draw(list(range(1, 90))), draw([16, 32]), draw([16, 32])
-        forward = masks.visited_blocks(bounds, nr, nc, br, bc)
-        backward = masks.visited_blocks_by_column(bounds, nr, nc, br, bc)
+        forward = visits.visited_blocks(bounds, nr, nc, br, bc)
+        backward = visits.visited_blocks_by_column(bounds, nr, nc, br, bc)
         assert sorted(backward) == sorted(forward) and len(set(backward)) == len(backward), (bounds, nr, nc, br, bc)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import napkin
-from napkin import ir, masks
+from napkin import ir, masks, visits
 from napkin.codegen import emit_module, lower as L
 from napkin.parse import parse
 from spies import heaviest_first, program_block
@@ -68,9 +68,9 @@ def test_full_blocks_are_exactly_the_blocks_classify_calls_full(whole_rows):
         sizes = {"q": nq, "x": nx}
         bounds = masks.exact_bounds(_pred(src) if src else None, "q", "x", sizes)
         assert bounds == masks.stream_bounds(pred, "q", "x", sizes) if src else bounds == ()
-        split = masks.split_blocks(bounds, nq, nx, br, bc, sizes, whole_rows)
+        split = visits.split_blocks(bounds, nq, nx, br, bc, sizes, whole_rows)
         # the same blocks as the loop visits today, in the same order
-        assert [(i, j) for i, j, _ in split] == masks.visited_blocks(bounds, nq, nx, br, bc, sizes), src
+        assert [(i, j) for i, j, _ in split] == visits.visited_blocks(bounds, nq, nx, br, bc, sizes), src
         for i, j, full in split:
             want = _is_full(pred, i * br, i * br + br, j * bc, j * bc + bc, nq, nx, whole_rows)
             assert full == want, (src, nq, nx, br, bc, i, j)
@@ -85,8 +85,8 @@ def test_full_row_blocks_of_the_dkdv_loop_by_brute_force():
         pred = _pred(src) if src else TRUE
         sizes = {"q": nq, "x": nx}
         bounds = masks.exact_bounds(_pred(src) if src else None, "q", "x", sizes)
-        split = masks.split_blocks_by_column(bounds, nq, nx, br, bc, sizes)
-        assert [(i, j) for i, j, _ in split] == masks.visited_blocks_by_column(bounds, nq, nx, br, bc, sizes)
+        split = visits.split_blocks_by_column(bounds, nq, nx, br, bc, sizes)
+        assert [(i, j) for i, j, _ in split] == visits.visited_blocks_by_column(bounds, nq, nx, br, bc, sizes)
         for i, j, full in split:
             assert full == _is_full(pred, i * br, i * br + br, j * bc, j * bc + bc, nq, nx, True), \
                 (src, nq, nx, br, bc, i, j)
@@ -104,9 +104,9 @@ def test_a_start_past_the_last_column_visits_no_block():
         live = {(i, j) for i in range(-(-nq // br)) for j in range(-(-nx // bc))
                 if any(x <= q and q - x < 32 for q in range(i * br, min(i * br + br, nq))
                        for x in range(j * bc, min(j * bc + bc, nx)))}
-        forward = masks.visited_blocks(bounds, nq, nx, br, bc)
+        forward = visits.visited_blocks(bounds, nq, nx, br, bc)
         assert set(forward) == live, (nq, nx, br, bc)
-        assert set(masks.visited_blocks_by_column(bounds, nq, nx, br, bc)) == live, (nq, nx, br, bc)
+        assert set(visits.visited_blocks_by_column(bounds, nq, nx, br, bc)) == live, (nq, nx, br, bc)
 
 
 def _keeps(src: str, q: int, x: int) -> bool:
@@ -127,13 +127,13 @@ def test_chunked_masks_visit_exactly_the_blocks_with_a_kept_pair(src):
                           for x in range(j * bc, min(j * bc + bc, nx))]
                  for i in range(-(-nq // br)) for j in range(-(-nx // bc))}
         live = {ij for ij, kept in tiles.items() if any(kept)}
-        assert set(masks.visited_blocks(bounds, nq, nx, br, bc)) == live, (src, nq, nx, br, bc)
-        assert sorted(masks.visited_blocks_by_column(bounds, nq, nx, br, bc)) == sorted(live)
+        assert set(visits.visited_blocks(bounds, nq, nx, br, bc)) == live, (src, nq, nx, br, bc)
+        assert sorted(visits.visited_blocks_by_column(bounds, nq, nx, br, bc)) == sorted(live)
         full = {(i, j) for (i, j), kept in tiles.items() if all(kept) and (j + 1) * bc <= nx}
-        assert {(i, j) for i, j, f in masks.split_blocks(bounds, nq, nx, br, bc) if f} == full
+        assert {(i, j) for i, j, f in visits.split_blocks(bounds, nq, nx, br, bc) if f} == full
         whole = {(i, j) for i, j in full if (i + 1) * br <= nq}
-        assert {(i, j) for i, j, f in masks.split_blocks(bounds, nq, nx, br, bc, whole_rows=True) if f} == whole
-        assert {(i, j) for i, j, f in masks.split_blocks_by_column(bounds, nq, nx, br, bc) if f} == whole
+        assert {(i, j) for i, j, f in visits.split_blocks(bounds, nq, nx, br, bc, whole_rows=True) if f} == whole
+        assert {(i, j) for i, j, f in visits.split_blocks_by_column(bounds, nq, nx, br, bc) if f} == whole
 
 
 def test_a_chunk_is_two_bounds_on_the_chunk_of_the_row():
@@ -151,20 +151,20 @@ def test_a_chunk_is_two_bounds_on_the_chunk_of_the_row():
 def test_small_cases_by_hand():
     causal = masks.exact_bounds(_pred("x <= q"), "q", "x")
     # rows 32..63 against 16-key blocks: keys 0..31 are full, 32..47 and 48..63 the diagonal
-    assert masks.full_blocks(causal, 1, 100, 100, 32, 16) == (0, 32)
-    assert masks.split_blocks(causal, 64, 64, 32, 16)[-4:] == [(1, 0, True), (1, 1, True), (1, 2, False),
+    assert visits.full_blocks(causal, 1, 100, 100, 32, 16) == (0, 32)
+    assert visits.split_blocks(causal, 64, 64, 32, 16)[-4:] == [(1, 0, True), (1, 1, True), (1, 2, False),
                                                                (1, 3, False)]
     # no mask: every block but the ragged last one is full
-    assert masks.split_blocks((), 10, 40, 16, 16) == [(0, 0, True), (0, 1, True), (0, 2, False)]
+    assert visits.split_blocks((), 10, 40, 16, 16) == [(0, 0, True), (0, 1, True), (0, 2, False)]
     # a window of 60 over 16-key blocks: rows 96..127 visit keys 32..127, of which only 80..95 are full
     window = masks.exact_bounds(_pred("x <= q and q - x < 60"), "q", "x")
-    assert [f for i, _, f in masks.split_blocks(window, 128, 128, 32, 16) if i == 3] == \
+    assert [f for i, _, f in visits.split_blocks(window, 128, 128, 32, 16) if i == 3] == \
         [False, False, False, True, False, False]
     # a window narrower than a block of rows has no full block
     narrow = masks.exact_bounds(_pred("x <= q and q - x < 20"), "q", "x")
-    assert not any(f for *_, f in masks.split_blocks(narrow, 128, 128, 32, 16))
+    assert not any(f for *_, f in visits.split_blocks(narrow, 128, 128, 32, 16))
     # dK/dV of causal: per key block, the diagonal row blocks first, then full ones, the ragged rows last
-    assert masks.split_blocks_by_column(causal, 70, 64, 16, 16)[:5] == \
+    assert visits.split_blocks_by_column(causal, 70, 64, 16, 16)[:5] == \
         [(0, 0, False), (1, 0, True), (2, 0, True), (3, 0, True), (4, 0, False)]
 
 
@@ -246,7 +246,7 @@ def _unmasked_loads(**watch):
 
 
 def _split(diagram, sizes, br, bc, whole_rows=False, by_column=False):
-    """masks.split_blocks (by_column: split_blocks_by_column) of the diagram's
+    """visits.split_blocks (by_column: split_blocks_by_column) of the diagram's
     full bounds; a mask with none (a remainder is not a bound) finds its full
     blocks with the ranges prepass at run time, and the cases here give it
     none (a remainder keeps half the pairs of every tile): every visited block
@@ -255,11 +255,11 @@ def _split(diagram, sizes, br, bc, whole_rows=False, by_column=False):
     all_sizes = {w.name: w.size for w in diagram.wires if w.size is not None} | sizes
     nq, nx = sizes["q"], sizes["x"]
     if plan.full is None:
-        visit = masks.visited_blocks_by_column if by_column else masks.visited_blocks
+        visit = visits.visited_blocks_by_column if by_column else visits.visited_blocks
         return [(i, j, False) for i, j in visit(plan.bounds, nq, nx, br, bc, all_sizes)]
     if by_column:
-        return masks.split_blocks_by_column(plan.full, nq, nx, br, bc, all_sizes)
-    return masks.split_blocks(plan.full, nq, nx, br, bc, all_sizes, whole_rows)
+        return visits.split_blocks_by_column(plan.full, nq, nx, br, bc, all_sizes)
+    return visits.split_blocks(plan.full, nq, nx, br, bc, all_sizes, whole_rows)
 
 
 WINDOW = "q - x < 256"
@@ -477,7 +477,7 @@ def test_work_grows_only_where_later_blocks_visit_at_least_as_many(src):
             continue
         for (nq, nx), (br, bc) in itertools.product(SHAPES, BLOCKS):
             sizes = {"q": nq, "x": nx}
-            pairs = masks.visited_blocks(bounds, nq, nx, br, bc, sizes)
+            pairs = visits.visited_blocks(bounds, nq, nx, br, bc, sizes)
             n = -(-(nq if axis == 0 else nx) // (br if axis == 0 else bc))
             counts = [_per_block(pairs, axis).get(i, 0) for i in range(n)]
             whole = counts[:-1] if (nq if axis == 0 else nx) % (br if axis == 0 else bc) else counts

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import napkin
-from napkin import ir, masks
+from napkin import ir, masks, visits
 from napkin.codegen import emit_module, lower as L, source_label, write_module
 from napkin.errors import NapkinError
 from napkin.parse import parse
@@ -564,19 +564,19 @@ def test_stream_bounds_and_visited_blocks():
     window = _pred("x <= q and q - x < 40")
     bounds = masks.stream_bounds(window, "q", "x")
     assert {(b.kind, b.row_coeff, b.rest) for b in bounds} == {("upper", 1, ()), ("lower", 1, (("", -39),))}
-    visited = masks.visited_blocks(bounds, 100, 100, 32, 16)
+    visited = visits.visited_blocks(bounds, 100, 100, 32, 16)
     # every block with an unmasked (q, x) pair is visited, and nothing else for this window
     needed = {(i // 32, j // 16) for i in range(100) for j in range(100) if j <= i and i - j < 40}
     assert set(visited) == needed and len(visited) == len(needed)
-    assert masks.visited_blocks((), 40, 40, 32, 16) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert visits.visited_blocks((), 40, 40, 32, 16) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     shifted = masks.stream_bounds(_pred("x <= q + |x| - |q|"), "q", "x")
-    assert masks.visited_blocks(shifted, 2, 64, 16, 16, {"q": 2, "x": 64}) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert visits.visited_blocks(shifted, 2, 64, 16, 16, {"q": 2, "x": 64}) == [(0, 0), (0, 1), (0, 2), (0, 3)]
     # 20 queries against 40 keys: rows 0..15 see keys up to 35, rows 16..19 up to 39
-    assert masks.visited_blocks(shifted, 20, 40, 16, 16, {"q": 20, "x": 40}) == \
+    assert visits.visited_blocks(shifted, 20, 40, 16, 16, {"q": 20, "x": 40}) == \
         [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
-    assert masks.visited_blocks(shifted, 20, 64, 16, 16, {"q": 20, "x": 64}) == \
+    assert visits.visited_blocks(shifted, 20, 64, 16, 16, {"q": 20, "x": 64}) == \
         [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
-    assert masks.visited_blocks(masks.stream_bounds(_pred("x >= 40"), "q", "x"), 16, 64, 16, 16) == [(0, 2), (0, 3)]
+    assert visits.visited_blocks(masks.stream_bounds(_pred("x >= 40"), "q", "x"), 16, 64, 16, 16) == [(0, 2), (0, 3)]
 
 
 # --------------------------------------------------------------------------

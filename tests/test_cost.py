@@ -162,10 +162,10 @@ def test_visited_steps_are_exactly_the_blocks_with_a_live_score(name, n, bq, bx)
     want = {(i, j) for i in range(math.ceil(n / bq)) for j in range(math.ceil(n / bx))
             if live[i * bq:(i + 1) * bq, j * bx:(j + 1) * bx].any()}
     assert v.row == "q" and set(v.pairs) == want
-    # and the spans are what masks.visited_blocks lists, pair for pair
-    from napkin import masks
+    # and the spans are what visits.visited_blocks lists, pair for pair
+    from napkin import masks, visits
     bounds_ = masks.stream_bounds(masks.mask_predicate(masks.mask_node(d.tensor("S").expr)), "q", "x", sizes)
-    assert sorted(v.pairs) == sorted(masks.visited_blocks(bounds_, n, n, bq, bx, sizes))
+    assert sorted(v.pairs) == sorted(visits.visited_blocks(bounds_, n, n, bq, bx, sizes))
 
 
 def test_document_mask_is_counted_dense():

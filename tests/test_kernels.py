@@ -358,7 +358,7 @@ def test_a_plus_inf_score_gives_lse_plus_inf_as_the_reference():
 
 
 # --------------------------------------------------------------------------
-# Masks skip whole blocks: the kernel visits exactly masks.visited_blocks.
+# Masks skip whole blocks: the kernel visits exactly visits.visited_blocks.
 # --------------------------------------------------------------------------
 
 def _blocks_loaded(m, inputs, tensor_index, block_x, reversed_rows=False, **opts):

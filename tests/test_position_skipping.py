@@ -10,7 +10,7 @@ kernels on every (query part, key part) pair:
 
 1. brute force: the key blocks each program loads (a spy on the
    interpreter's loads, padding-only tiles included) in the forward, dQ and
-   dK/dV kernels are exactly masks.live_blocks, which holds every tile with a
+   dK/dV kernels are exactly visits.live_blocks, which holds every tile with a
    real pair the mask keeps (the definition, evaluated pair by pair) and,
    for a mask with one bound, nothing else (with two, a window, a tile it
    adds meets each bound at some pair); one layout puts tiles right at a
@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import napkin
-from napkin import masks
+from napkin import masks, visits
 from napkin.codegen import lower as L
 from napkin.distributed.layouts import TokenLayout, take_rows
 
@@ -198,7 +198,7 @@ def test_each_kernel_loads_exactly_the_live_tiles(folder, name, qkind, xkind, n_
         q, k, v = shard(m, full, qpos, xpos, nq, nx)
         positions = {"q": qpos, "x": xpos}
         want = definition(pred, qpos, xpos, nq, nx)
-        live = masks.live_blocks(bounds, qpos, xpos, nq, nx, BLOCK, BLOCK, lengths)
+        live = visits.live_blocks(bounds, qpos, xpos, nq, nx, BLOCK, BLOCK, lengths)
         assert want <= live  # nothing a real pair needs is skipped
         if len(bounds) == 1:
             assert live == want, (qpos.tolist(), xpos.tolist())
@@ -207,7 +207,7 @@ def test_each_kernel_loads_exactly_the_live_tiles(folder, name, qkind, xkind, n_
                 rows = [int(p) for p in qpos[i * BLOCK:(i + 1) * BLOCK] if p < nq]
                 cols = [int(p) for p in xpos[j * BLOCK:(j + 1) * BLOCK] if p < nx]
                 for b in bounds:
-                    assert masks.tile_live((b,), rows, cols, lengths)
+                    assert visits.tile_live((b,), rows, cols, lengths)
         edges += len(at_edge(bounds, qpos, xpos, nq, nx, lengths))
         with loaded_blocks(K=(k, _dim(m, "K", "x"), BLOCK, rows_rev)) as seen:
             launcher(q, k, v, positions=positions, lengths=lengths, out_dtype=torch.float32, **BLOCKS)
@@ -230,7 +230,7 @@ def test_each_kernel_loads_exactly_the_live_tiles(folder, name, qkind, xkind, n_
 
 def at_edge(bounds, qpos, xpos, nq: int, nx: int, sizes) -> list:
     """(row block, key block, bound) where the bound holds with equality at
-    the tile's loosest pair (masks.tile_live's test, one step from failing)."""
+    the tile's loosest pair (visits.tile_live's test, one step from failing)."""
     out = []
     for i, j in itertools.product(range(-(-len(qpos) // BLOCK)), range(-(-len(xpos) // BLOCK))):
         rows = [int(p) for p in qpos[i * BLOCK:(i + 1) * BLOCK] if p < nq]
@@ -268,7 +268,7 @@ def test_positions_on_one_wire(folder, name, wire):
         xpos = pos if wire == "x" else torch.arange(nx)
         q, k, v = shard(m, full, qpos, xpos, nq, nx)
         opts = dict(positions={wire: pos}, lengths={wire: nq if wire == "q" else nx}, **BLOCKS)
-        live = masks.live_blocks(plan.bounds, qpos, xpos, nq, nx, BLOCK, BLOCK, {"q": nq, "x": nx})
+        live = visits.live_blocks(plan.bounds, qpos, xpos, nq, nx, BLOCK, BLOCK, {"q": nq, "x": nx})
         want = definition(plan.skip, qpos, xpos, nq, nx)
         rows = [torch.randn(q.shape[:-1] + (16,)), torch.zeros(q.shape[:-1]), torch.zeros(q.shape[:-1])]
         loads = []
@@ -427,7 +427,7 @@ def test_document_mask_skips_padding_and_its_affine_conjuncts_only(folder, name)
         # makes sure the spies are not fooled by that, as CI's allocator once did
         doc, k, v, q = back_to_back(*shard(m, full, qpos, xpos, n, n)[::-1])
         opts = dict(positions={"q": qpos, "x": xpos}, lengths={"q": n, "x": n}, **BLOCKS)
-        live = masks.live_blocks(plan.bounds, qpos, xpos, n, n, BLOCK, BLOCK, {"q": n, "x": n})
+        live = visits.live_blocks(plan.bounds, qpos, xpos, n, n, BLOCK, BLOCK, {"q": n, "x": n})
         if not plan.bounds:  # padding alone skips: every tile with a real row and key
             blocks = [{i // BLOCK for i in (pos < n).nonzero()[:, 0].tolist()} for pos in (qpos, xpos)]
             assert live == set(itertools.product(*blocks))

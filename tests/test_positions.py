@@ -192,7 +192,7 @@ def test_sigmoid_reads_the_global_length(tmp):
 
 def test_default_path_is_unchanged(tmp):
     """No options: the same outputs as identity positions, and K, V loaded
-    for exactly the blocks masks.visited_blocks lists.  Row positions keep
+    for exactly the blocks visits.visited_blocks lists.  Row positions keep
     those blocks (the causal bound from the block's largest position) and add
     8 bytes a row; key positions visit every block, loading each block's
     positions (8 more bytes a key), but K and V only for the live tiles: the

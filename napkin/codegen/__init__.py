@@ -204,7 +204,7 @@ def visited_blocks(diagram: ir.Diagram, sizes: dict, block_row: int | None = Non
     """For an attention diagram: the (row block, streamed block) pairs one
     program row of its kernel visits (exactly what it loads), for wire sizes
     ``sizes`` and optional block overrides; None for a contraction."""
-    from .. import masks
+    from .. import visits
     from . import lower
 
     plan = lower.lower(diagram)
@@ -215,4 +215,4 @@ def visited_blocks(diagram: ir.Diagram, sizes: dict, block_row: int | None = Non
     bc = block_col or blocks[plan.col]
     all_sizes = {w.name: w.size for w in diagram.wires if w.size is not None}
     all_sizes.update(sizes)
-    return masks.visited_blocks(plan.bounds, all_sizes[plan.row], all_sizes[plan.col], br, bc, all_sizes)
+    return visits.visited_blocks(plan.bounds, all_sizes[plan.row], all_sizes[plan.col], br, bc, all_sizes)

@@ -12,7 +12,7 @@ score tile from Q, K and the saved row state instead of storing it.
 * DKDV: one program per (block of the streamed wire x, index of each batch
   wire K and V have); loops over the batch wires they lack (the g query
   heads of a GQA group) and over exactly the row blocks whose forward loop
-  visits this block (masks.row_block_range), accumulating dK and dV.  Its
+  visits this block (visits.row_block_range), accumulating dK and dV.  Its
   tiles are transposed, [x, rows] (see ``Kernel``).
 * DQ: one program per (block of rows, batch index); loops over the x blocks
   the forward visits (the forward's own bounds), accumulating dQ and the

@@ -274,7 +274,7 @@ def _side_masks(plan: BackwardPlan, names: E._Names, s, full: bool = False) -> s
 
 def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
     """[_lo, _hi) of the row blocks whose forward loop visits this key block:
-    napkin.masks.row_block_range rendered in Triton, term for term, with the
+    napkin.visits.row_block_range rendered in Triton, term for term, with the
     block's least and greatest key (_col_first, _col_last: its first and
     nominal last offset, or the least and greatest real key at positions;
     padding keys alone visit nothing).  Rows at positions: a row block's
@@ -291,7 +291,7 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
         lines.append("_col_first = _col0")
     if "last" in need:
         lines.append(f"_col_last = tl.minimum(_col0 + {bc}, {names.size(col)}) - 1  # the block's last real one "
-                     "(masks.row_block_range)")
+                     "(visits.row_block_range)")
     lines.append(f"if _POS_{col}:  # keys at global positions: the least and greatest real one")
     lines += ["    " + line for line in B.extremes("col", col, f"_ok_{col}", need)]
     lines.append("    _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block")
@@ -344,7 +344,7 @@ def _dkdv_lower(plan: BackwardPlan) -> bool:
 
 def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
     """[_flo, _fhi) of the row blocks whose tile with this key block is full:
-    napkin.masks.full_row_blocks term for term.  None at global positions."""
+    napkin.visits.full_row_blocks term for term.  None at global positions."""
     if plan.forward.full is None:
         return []
     row, col = plan.row, plan.col
@@ -352,7 +352,7 @@ def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
     lower = _dkdv_lower(plan)
     first = "_flo" if lower else "_lo"
     lines = ["# Of those, the full row blocks [_flo, _fhi): every row and key of the tile real and the mask",
-             "# true at every pair (masks.full_row_blocks): they skip the mask and bound arithmetic."]
+             "# true at every pair (visits.full_row_blocks): they skip the mask and bound arithmetic."]
     lines += ["_flo = _lo"] if lower else []
     lines += ["_fhi = _lo  # rows or keys at global positions: none known full",
               f"if not _POS_{row}:", f"    if not _POS_{col}:"]
@@ -399,7 +399,7 @@ def _last_row(b, a: int) -> str:
 
 def _bounds_dq(plan: BackwardPlan, names: E._Names) -> str:
     """[_lo, _hi) of the key range this row block visits: the forward's own
-    bounds (bounds.loop_bounds, napkin.masks.stream_range), rows at positions
+    bounds (bounds.loop_bounds, napkin.visits.stream_range), rows at positions
     included, so dQ sees exactly the forward's blocks; the full ones among
     them as the forward's, but none in a ragged block of rows (the side
     gradients sum over rows)."""

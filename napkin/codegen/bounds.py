@@ -1,16 +1,16 @@
 """The mask's affine bounds (napkin/masks.py's ``Bound``) rendered in Triton.
 
-Each function here is one of masks.py's formulas written out term for term,
+Each function here is one of napkin/visits.py's formulas written out term for term,
 so a kernel visits exactly the blocks the Python side computes (the cost
 pass counts with it, the tests brute-force it):
 
 * ``loop_bounds``: the streamed range [_lo, _hi) of a block of rows
-  (masks.stream_range), then the full blocks [_flo, _fhi) among them
-  (``full_bounds``, masks.full_blocks): the forward's and the dQ kernel's.
+  (visits.stream_range), then the full blocks [_flo, _fhi) among them
+  (``full_bounds``, visits.full_blocks): the forward's and the dQ kernel's.
   Rows at global positions give the range from the least and greatest real
   row (exact: the bounds are monotone in the row index).
 * ``live``: for a tile whose loop-wire positions were just loaded, whether
-  some pair of it can survive the mask (masks.tile_live): the loads and the
+  some pair of it can survive the mask (visits.tile_live): the loads and the
   step of a dead tile are skipped.  Positions are known only once loaded,
   so this is decided per tile at run time, where the range decides it
   before the loop without positions.
@@ -20,7 +20,7 @@ from the ranges prepass at run time (ranges.py).
 
 ``extremes`` renders the least and greatest real global index of a block
 at positions, which both read.  The dK/dV kernel's row-block range is
-backward_emit._bounds_dkdv (masks.row_block_range).
+backward_emit._bounds_dkdv (visits.row_block_range).
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def extremes(side: str, wire: str, real: str, need) -> list[str]:
 
 def loop_bounds(names, plan, whole_rows: bool = False) -> str:
     """The streamed range [_lo, _hi) from the mask's affine bounds: the same
-    formula as napkin.masks.stream_range, so the kernel visits exactly
-    masks.visited_blocks; then the full blocks among them (full_bounds).
+    formula as napkin.visits.stream_range, so the kernel visits exactly
+    visits.visited_blocks; then the full blocks among them (full_bounds).
     With rows at positions a program of padding rows alone visits nothing;
     with keys at positions the range is every block and the loop tests each
     tile (``live``)."""
@@ -117,7 +117,7 @@ def loop_bounds(names, plan, whole_rows: bool = False) -> str:
             lines.append(f"_hi = tl.minimum(_hi, {value} + 1)  # {why}")
     if lower:
         # a start past the last key: no block (rounded down it fell in a ragged last block
-        # of masked pairs alone); masks.stream_range's (0, 0)
+        # of masked pairs alone); visits.stream_range's (0, 0)
         lines.append(f"_hi = tl.where(_lo >= {names.size(col)}, 0, _hi)  # starts past the last {col}: no block")
         lines.append(f"_lo = _lo // {names.block(col)} * {names.block(col)}")
     lines[indent:] = ["    " + line for line in lines[indent:]]
@@ -126,7 +126,7 @@ def loop_bounds(names, plan, whole_rows: bool = False) -> str:
 
 def full_bounds(names, plan, whole_rows: bool, have: set) -> list[str]:
     """[_flo, _fhi): the full blocks among the visited ones, the formula of
-    napkin.masks.full_blocks term for term (each bound at the block's
+    napkin.visits.full_blocks term for term (each bound at the block's
     tightest row).  None when keys sit at global positions: the partial
     loops then cover [_lo, _hi).  Rows at positions (packed rows, a device's
     share) bound the tile by their least and greatest real position, as
@@ -143,7 +143,7 @@ def full_bounds(names, plan, whole_rows: bool, have: set) -> list[str]:
     lower = any(b.kind == "lower" for b in plan.full)
     first = "_flo" if lower else "_lo"
     lines = ["# Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the",
-             "# tile and it lies inside the edges (masks.full_blocks): they skip the mask and bound arithmetic."]
+             "# tile and it lies inside the edges (visits.full_blocks): they skip the mask and bound arithmetic."]
     lines += ["_flo = _lo"] if lower else []
     if whole_rows:
         lines += ["_fhi = _lo  # rows or keys at global positions: none known full",
@@ -192,7 +192,7 @@ def full_bounds(names, plan, whole_rows: bool, have: set) -> list[str]:
 def live(names, plan, loop: str) -> list[str]:
     """Lines setting _live, for the tile just reached whose ``loop`` wire
     (the keys in the forward and dQ loops, the rows in dK/dV's) sits at
-    positions loaded this step: masks.tile_live term for term.  The tile is
+    positions loaded this step: visits.tile_live term for term.  The tile is
     dead when it has no real row of the loop wire (the other side's
     emptiness empties the whole range) or when one bound is false at every
     pair, which it is iff false at the pair where it is loosest: the least

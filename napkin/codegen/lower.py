@@ -165,7 +165,7 @@ class AttentionPlan:
     skip: Optional[object]             # the mask predicate when blocks may be skipped
     precision: str
     # the bounds whose conjunction is exactly the mask (() with no mask):
-    # blocks where all hold on the whole tile skip the mask (masks.full_blocks);
+    # blocks where all hold on the whole tile skip the mask (visits.full_blocks);
     # None when no block is known full (a non-affine conjunct, a mask that
     # cannot be skipped)
     full: Optional[tuple[masks.Bound, ...]] = None

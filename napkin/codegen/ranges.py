@@ -1,7 +1,7 @@
 """Block ranges of a mask that reads data, found by a prepass kernel.
 
 Affine masks (causal, a sliding window) give each program its visited blocks
-and its full ones by formula (bounds.py, masks.py).  A mask that reads data,
+and its full ones by formula (bounds.py, napkin/visits.py).  A mask that reads data,
 ``doc[b, q] == doc`` of packed documents or a bool mask input, has no such
 formula, and without this module every block would be visited, masked:
 about twice FlexAttention's work on a few contiguous documents.  For such a

@@ -143,7 +143,7 @@ def _launches_poly(diagram: ir.Diagram) -> Poly:
 
 def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str, int],
              pack: Optional[packing.Packing] = None, docs: Optional[Documents] = None) -> Optional[Visited]:
-    """The (row block, step) pairs a masked kernel visits (napkin/masks.py),
+    """The (row block, step) pairs a masked kernel visits (napkin/visits.py),
     or None when it visits every pair.  ``sizes`` are the real ones: with
     packed rows the row blocks are the launch's blocks of (g, q) pairs, each
     row masked at its own q (packing.py).

@@ -32,7 +32,7 @@ code generator's backward plan says so (g in its batch, B its row block),
 so this model counts them unpacked as they are; ``forward``, the training
 forward, is packed (analyse counts it so).
 
-The visited pairs are the forward's (napkin/masks.py): both backward loops
+The visited pairs are the forward's (napkin/visits.py): both backward loops
 skip exactly the blocks the forward skips.  Tiles are clipped at ragged
 edges and padded feature wires, so the counts are exact;
 tests/test_bytecount.py checks them against the bytes the interpreter
@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .. import ir, masks, tiling
+from .. import ir, visits, tiling
 from ..documents import column_spans
 from ..errors import Diagnostic, NapkinError
 from . import model
@@ -255,7 +255,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         """The (row block, key block) pairs a kernel at these blocks visits: the forward's."""
         if on_documents is not None:
             return [(i, j) for i, (lo, hi) in enumerate(doc_spans(br, bc)) for j in range(lo, hi)]
-        return masks.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
+        return visits.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
 
     for k in b.kernels:
         kernels.append(k.role)
@@ -343,7 +343,7 @@ def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, doc_spans=None) -> 
     """The steps each program of a masked backward kernel reads (the forward's
     masked-loop rule, model.Visited), by the formulas its loops run: dQ's row
     block over the key blocks the forward's loop visits (model.visited_spans),
-    dK/dV's key block over the row blocks that visit it (masks.row_block_range).
+    dK/dV's key block over the row blocks that visit it (visits.row_block_range).
     A kernel that visits every pair (``dense``), or has no step loop (rows),
     gets None: every program reads the whole stream.  ``doc_spans(br, bc)``:
     the ranges prepass's spans on --docs' documents instead of the formulas'."""
@@ -356,7 +356,7 @@ def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, doc_spans=None) -> 
             spans = column_spans(spans, -(-nc // bc))
         return model.Visited(k.grid_wire, spans)
     if k.grid_wire == b.col:
-        spans = tuple(masks.row_block_range(bounds, j, nr, nc, br, bc, sizes) for j in range(-(-nc // bc)))
+        spans = tuple(visits.row_block_range(bounds, j, nr, nc, br, bc, sizes) for j in range(-(-nc // bc)))
     else:
         spans = model.visited_spans(bounds, nr, nc, br, bc, sizes)
     return model.Visited(k.grid_wire, spans)

@@ -23,7 +23,7 @@ needs a statistic over that wire first (softmax written out) reads its
 streamed inputs twice: one pass for the statistics, one to write.
 
 Block skipping.  With an affine mask (causal, sliding window) the kernel
-skips the steps whose block is wholly masked; napkin/masks.py says which.
+skips the steps whose block is wholly masked; napkin/visits.py says which.
 Only kernels that store nothing along the streamed wire may skip.
 
 FLOPs, per box element as written: a contraction sum[k](A * B) costs 2 per
@@ -243,8 +243,8 @@ def too_many(count: int, limit: int, what: str) -> None:
 def visited_spans(bounds, row_size: int, col_size: int, block_row: int, block_col: int,
                   sizes) -> tuple[tuple[int, int], ...]:
     """Per row block, the [first, stop) steps the kernel's loop visits: the
-    range napkin/masks.py's stream_range gives, its start rounded down to a
-    block, exactly as masks.visited_blocks enumerates it (a test checks they
+    range napkin/visits.py's stream_range gives, its start rounded down to a
+    block, exactly as visits.visited_blocks enumerates it (a test checks they
     agree), without listing every pair."""
     too_many(-(-row_size // block_row), MAX_ROW_BLOCKS, "a masked loop's row blocks")
     return tuple(step_span(bounds, i * block_row, min((i + 1) * block_row, row_size), col_size, block_col, sizes)
@@ -254,9 +254,9 @@ def visited_spans(bounds, row_size: int, col_size: int, block_row: int, block_co
 def step_span(bounds, row_first: int, row_stop: int, col_size: int, block_col: int, sizes) -> tuple[int, int]:
     """[first, stop) of the steps the loop visits for rows [row_first,
     row_stop) (indices the mask sees: the rows' own, or their positions)."""
-    from .. import masks
+    from .. import visits
 
-    start, stop = masks.stream_range(bounds, row_first, row_stop, col_size, sizes)
+    start, stop = visits.stream_range(bounds, row_first, row_stop, col_size, sizes)
     first = start // block_col
     return first, max(first, -(-stop // block_col))
 

@@ -18,7 +18,7 @@ for the tuner, which counts a packed launch's programs by ``Packing.sizes``):
   (the launcher's ``lengths``), so every row is masked as its own query.
   With rows at positions the kernel visits, for a block, the key range of
   its least and greatest real position (napkin/codegen/bounds.py
-  loop_bounds: masks.stream_range over [least, greatest + 1)); full blocks
+  loop_bounds: visits.stream_range over [least, greatest + 1)); full blocks
   load what partial ones load, so only the range matters to the bytes;
 * the positions themselves are loaded: each program of the main kernel
   reads its block's, 8 bytes a row (``positions``, pseudo-tensor

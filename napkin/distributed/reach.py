@@ -13,7 +13,7 @@ its late chunk the ranks just after it: such a ring runs a few steps each
 way round (``ring_schedule``'s back and ahead).
 
 It is decided the way the kernels decide which tiles to load
-(``masks.tile_live``), run of consecutive positions against run (a
+(``visits.tile_live``), run of consecutive positions against run (a
 contiguous rank's shard, a zigzag rank's two chunks; a cyclic rank's span
 from its first position to its last): two runs may hold a kept pair unless
 one of the mask's affine bounds is false between their least and greatest
@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Optional
 
-from .. import ir, masks
+from .. import ir, masks, visits
 from ..documents import SameIds, id_conjuncts, layout_chunks
 from .reading import Roles, _inline
 
@@ -157,7 +157,7 @@ def _farthest(bounds, rows, cols, sizes, meets: Optional[Meets]) -> int:
             continue
         for s in range(parts - 1, far, -1):
             src = (rank - s) % parts
-            if cols[src] is not None and masks.tile_live(bounds, mine, cols[src], sizes) \
+            if cols[src] is not None and visits.tile_live(bounds, mine, cols[src], sizes) \
                     and (meets is None or meets(rank, src)):
                 far = s
                 break
