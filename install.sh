@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set napkin up for ${PYTHON:-python3}.    usage: ./install.sh [--test]
 #
-#   --test   also install the test tools (pytest, hypothesis)
+#   --test   also install the test tools (pytest, hypothesis, pytest-xdist)
 #
 # Safe to run again: it installs only what is missing and says one line.
 #

@@ -67,7 +67,7 @@ def test_pyproject_version_and_dependencies():
     assert napkin.__version__ == "0.1.0"
     names = {re.split(r"[<>=!~ \[]", dep)[0] for dep in project["dependencies"]}
     assert names == {"lark", "interegular", "jinja2", "torch", "triton", "numpy", "graphviz"}
-    assert set(project["optional-dependencies"]["test"]) == {"pytest", "hypothesis"}
+    assert set(project["optional-dependencies"]["test"]) == {"pytest", "hypothesis", "pytest-xdist"}
     # napkin reads its TOML files with tomllib (3.11); install.sh refuses what pyproject refuses
     assert project["requires-python"] == ">=3.11"
     assert "sys.exit(sys.version_info < (3, 11))" in (REPO / "install.sh").read_text()
@@ -85,7 +85,7 @@ def _readme_setup_commands() -> list[str]:
 
 def test_readme_opens_with_the_two_setup_commands():
     assert _readme_setup_commands() == ["./install.sh && napkin demo",
-                                        "./install.sh --test && python -m pytest -q"]
+                                        "./install.sh --test && python -m pytest -q -n 2 --dist loadfile"]
 
 
 def test_ci_runs_the_readmes_second_command():
