@@ -1547,6 +1547,44 @@ def test_flex_takes_multi_query_and_grouped_heads_written_apart(text, heads, kv_
     assert flex.emit(d).enable_gqa
 
 
+def _differential(old="", new=""):
+    return (EXAMPLES / "differential_attention.ncd").read_text().replace(old, new)
+
+
+# a bias per head and map: the score reads h and g, which flex's head h * |g| + g must give back
+_DIFF_BIAS = _differential("in V[b, h, x, e] : fp16", "in V[b, h, x, e] : fp16\nin bias[h, g] : fp32").replace(
+    "sum[d](Q * K) * |d|^-0.5", "sum[d](Q * K) * |d|^-0.5 + bias[h, g]").replace("hold Q, K, V,", "hold Q, K, V, bias,")
+
+
+@pytest.mark.parametrize("text", [_differential(), _DIFF_BIAS,
+                                  _differential("A[b, h, g, q, e]", "A[b, g, q, h, e]")],
+                         ids=["differential", "bias-per-head-and-map", "output-permuted"])
+def test_flex_takes_differential_attentions_maps_as_heads(text):
+    """Differential attention (Q[b, h, q, (g d)], K alike, V[b, h, x, e]: |g| softmax maps a head,
+    V shared by them) was refused ("axis (g d) has no place in flex's layout"), so napkin bench
+    could not run the bundled example: to flex and SDPA its maps are heads now, h * |g| + g, each
+    with its own keys and V repeated over g.  Checked against the float64 reference, a score that
+    reads h and g included; the heads the FLOPs count are h * |g|."""
+    d = _fp32(text)
+    sizes = {"b": 2, "h": 3, "q": 37, "x": 37}
+    assert max(_flex_vs_reference(d, sizes)) < 1e-5
+    shape = flex.attention_shape(d, sizes)
+    assert (shape["heads"], shape["kv_heads"], shape["dim"], shape["value_dim"]) == (6, 6, 64, 128)
+    src = flex.emit(d)
+    assert not src.enable_gqa and "V.unsqueeze(2).expand(-1, -1, 2, -1, -1).flatten(1, 2)" in src.text
+
+
+def test_differential_maps_of_no_fixed_size_or_beside_grouped_heads_are_refused():
+    with pytest.raises(flex.NoFlexEquivalent, match=r"Q\[b, h, q, \(g d\)\]: the maps wire g has no fixed size "
+                                                    r"\(declare wire g = N\)"):
+        flex.emit(napkin.load_text(_differential("wire g = 2", "wire g"), capacity=False))
+    grouped = _differential("in Q[b, h, q, (g d)]", "in Q[b, (h n), q, (g d)]").replace(
+        "A[b, h, g, q, e]", "A[b, (h n), g, q, e]").replace("wire g = 2", "wire g = 2\nwire n = 2").replace(
+        "S[b, h, g, q, x]", "S[b, (h n), g, q, x]").replace("P[b, h, g, q, x]", "P[b, (h n), g, q, x]")
+    with pytest.raises(flex.NoFlexEquivalent, match=r"holds maps \(g d\) beside grouped or multi-query heads"):
+        flex.emit(napkin.load_text(grouped, capacity=False))
+
+
 def test_two_query_wires_the_schedule_does_not_tell_apart_are_refused():
     """Q[b, h, q, d] beside K[b, x, d]: h or q could be the queries; the schedule's tiled wire says
     which.  Tiling neither leaves it open, and that is said rather than guessed."""
@@ -1573,6 +1611,24 @@ def test_napkin_bench_runs_multi_query_attention(tmp_path):
     assert row["sizes"] == {"b": 1, "h": 3, "q": 40, "x": 40}
     assert (row["shape"]["heads"], row["shape"]["kv_heads"]) == (3, 1)
     assert row["check"]["ok"] and set(row["check"]["backward"]["errors"]["napkin"]) == {"dQ", "dK", "dV"}
+    timed = {(r["impl"], r["pass"]) for r in row["results"] if r["ms"]}
+    assert {("napkin", "fwd"), ("napkin", "bwd"), ("flex", "fwd"), ("sdpa-math", "fwd")} <= timed
+
+
+@pytest.mark.slow
+def test_napkin_bench_runs_differential_attention(tmp_path):
+    """napkin bench on the bundled differential attention (refused before: no flex layout): --heads
+    sets h, flex and SDPA take h * |g| heads; napkin's forward and backward and flex's forward are
+    checked against float64 and timed."""
+    from napkin.cli import main
+
+    path = EXAMPLES / "differential_attention.ncd"
+    assert main(["bench", str(path), "--seqlen", "40", "--heads", "3", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())["rows"]
+    assert row["sizes"] == {"b": 1, "h": 3, "q": 40, "x": 40}
+    assert (row["shape"]["heads"], row["shape"]["kv_heads"], row["shape"]["value_dim"]) == (6, 6, 128)
+    assert row["check"]["ok"] and set(row["check"]["errors"]["flex"]) == {"A"}
+    assert set(row["check"]["backward"]["errors"]["napkin"]) == {"dQ", "dK", "dV"}
     timed = {(r["impl"], r["pass"]) for r in row["results"] if r["ms"]}
     assert {("napkin", "fwd"), ("napkin", "bwd"), ("flex", "fwd"), ("sdpa-math", "fwd")} <= timed
 

@@ -22,6 +22,8 @@ small self-contained module (``FlexSource.text``):
   or hk and g written apart, become ``enable_gqa=True``; there flex's ``h`` is
   the query head, so hk reads ``h // |g|`` and g reads ``h % |g|``.  Multi-query
   (K and V without a head wire) is enable_gqa with one kv head (roles.py).
+  Differential attention's maps, Q[b, h, q, (g d)] and K alike with V[b, h,
+  x, e], are |g| heads a head: flex's h is h * |g| + g, V repeated over g.
 * side tensors are captured by the mods and indexed with those names:
   ``slope[h]``, ``doc[b, q]`` -> ``doc[b, q_idx]``.
 
@@ -124,6 +126,10 @@ class _Py:
             return "_kv_idx"
         if wire == r.batch:
             return "_b"
+        if r.maps is not None and wire == r.maps:              # differential attention's map
+            return f"(_h % {r.maps_size})" if r.head else "_h"
+        if r.maps is not None and r.head is not None and wire == r.head[0]:
+            return f"(_h // {r.maps_size})"
         if r.head is not None and r.group is None and wire == r.head[0]:
             return "_h"     # one head wire, K's own or (multi-query) Q's alone
         if r.group is not None and wire == r.head[0]:
@@ -395,10 +401,11 @@ def attention_shape(diagram: ir.Diagram, sizes) -> dict:
     causal, causal_part = _causal_flags(_kept_pairs(diagram), roles)
     full = {w.name: w.size for w in diagram.wires if w.size is not None}
     full.update(sizes)
-    heads = math.prod(full[w] for w in roles.head) if roles.head else 1
+    # differential attention's maps are heads to flex and SDPA (each its own keys, V repeated)
+    heads = (math.prod(full[w] for w in roles.head) if roles.head else 1) * roles.maps_size
     queries, keys = [q.name for q, _, _ in an.parts], [k.name for _, k, _ in an.parts]
     return {"batch": full[roles.batch] if roles.batch else 1, "heads": heads,
-            "kv_heads": full[roles.kv_head] if roles.kv_head else 1,
+            "kv_heads": (full[roles.kv_head] if roles.kv_head else 1) * roles.maps_size,
             "q_len": full[roles.row], "kv_len": full[roles.key],
             # the score's parts side by side (MLA's c + r), as flex and SDPA take them
             "dim": sum(full[w] for w in (roles.dim,) + roles.more_dims), "value_dim": full[roles.vdim],
@@ -427,6 +434,8 @@ def _to_flex(name: str, axes, roles: Roles, last: str, kv: bool) -> str:
     """Python text taking tensor ``name``, laid out along ``axes``, to flex's
     (B, H, L, E): permuted to that order, GQA's apart hk and g flattened into
     one head dim, a missing batch or head dim (multi-query K and V) added."""
+    if roles.maps is not None:
+        return _maps_to_flex(name, axes, roles, last, kv)
     heads = ((roles.kv_head,) if roles.kv_head else ()) if kv else tuple(roles.head or ())
     together = len(heads) == 2 and not roles.apart   # Q[b, (hk g), q, d]: one axis already
     want = [(w,) for w in (roles.batch,) if w] + ([heads] if together else [(h,) for h in heads]) \
@@ -442,6 +451,33 @@ def _to_flex(name: str, axes, roles: Roles, last: str, kv: bool) -> str:
         text += ".unsqueeze(0)"
     if not heads:
         text += ".unsqueeze(1)"
+    return text
+
+
+def _maps_to_flex(name: str, axes, roles: Roles, last: str, kv: bool) -> str:
+    """_to_flex for differential attention's maps: Q's and K's (g d) axis
+    split, g put after the head and flattened with it (flex's head h * |g| +
+    g); V, which lacks g, repeated over it (a copy, made once by prepare)."""
+    g, size, axes = roles.maps, roles.maps_size, list(axes)
+    text = name
+    held = (g, last) in axes
+    if held:
+        at = axes.index((g, last))
+        text += f".unflatten({at}, ({size}, -1))"
+        axes[at:at + 1] = [(g,), (last,)]
+    head = [(roles.head[0],)] if roles.head else []
+    want = [(w,) for w in (roles.batch,) if w] + head + ([(g,)] if held else []) \
+        + [(roles.key if kv else roles.row,), (last,)]
+    perm = [axes.index(a) for a in want]
+    if perm != sorted(perm):
+        text += f".permute({', '.join(map(str, perm))})"
+    first = 1 if roles.batch else 0
+    if not held:
+        text += f".unsqueeze({first + len(head)}).expand({', '.join(['-1'] * (first + len(head)) + [str(size), '-1', '-1'])})"
+    if head:
+        text += f".flatten({first}, {first + 1})"
+    if roles.batch is None:
+        text += ".unsqueeze(0)"
     return text
 
 
@@ -637,15 +673,18 @@ def _outputs(d: ir.Diagram, an: Analysis, roles: Roles) -> str:
         # GQA's heads as the output holds them: (hk g) as one axis, or hk and g apart
         apart = roles.group is not None and roles.head not in let.axes
         heads = [(w,) for w in roles.head] if apart else [roles.head] if roles.head else []
+        heads += [(roles.maps,)] if roles.maps is not None else []   # flex's h * |g| + g
         have = [(roles.batch,)] if roles.batch else []
         have += heads + [(roles.row,)] + ([(last,)] if last else [])
         text = "out" if is_out else "lse"
         if roles.batch is None:
             text += ".squeeze(0)"
-        if roles.head is None:
+        if not heads:
             text += ".squeeze(0)"
         if apart:
             text += f".unflatten({1 if roles.batch else 0}, (kv_heads, -1))"
+        if roles.maps is not None and roles.head is not None:
+            text += f".unflatten({1 if roles.batch else 0}, (-1, {roles.maps_size}))"
         if sorted(let.axes) != sorted(have):
             raise NoFlexEquivalent(d.name, f"output {o.name}{layout(let.axes)} is not laid out along "
                                            f"{layout(have)}, as flex_attention returns it")

@@ -10,7 +10,10 @@ speed reference.  Heads come in three forms:
 * grouped-query heads, K/V carrying the kv heads hk and Q the query heads
   (hk g), as one axis ``Q[b, (hk g), q, d]`` or apart ``Q[b, hk, g, q, d]``;
 * multi-query, a head wire Q carries and K/V lack, ``K[b, x, d]``: one kv
-  head (FlexAttention's and SDPA's enable_gqa with H_kv = 1).
+  head (FlexAttention's and SDPA's enable_gqa with H_kv = 1);
+* maps: differential attention's |g| softmax maps per head, Q and K holding
+  their features as one axis (g d), V without g, ``Q[b, h, q, (g d)]``: to
+  flex, h * |g| heads, every one with its own keys and V repeated over g.
 
 When Q carries two wires K lacks (apart GQA, multi-query), the query row is
 the one the schedule tiles (``q by 128``), the other the heads.
@@ -98,6 +101,10 @@ class Roles:
     # the score's other contractions' wires, added to dim's (MLA's r beside c): flex and SDPA take
     # the parts side by side, one (c + r)-wide Q and K
     more_dims: tuple[str, ...] = ()
+    # differential attention's maps: g of Q's and K's (g dim) axis, V lacking it; flex's head is
+    # h * |g| + g (the head's maps adjacent), V repeated over g.  maps_size: |g|, fixed
+    maps: Optional[str] = None
+    maps_size: int = 1
 
     @property
     def gqa(self) -> bool:
@@ -227,9 +234,10 @@ class Analysis:
                     self.refuse(f"{t.name}{layout(t.axes)} is not laid out as {first.name}{layout(first.axes)} "
                                 f"with {w} for {dim}: flex and SDPA take the score's parts side by side")
         kw = set(ir.axis_wires(self.k.axes))
+        maps = self._maps(dim)
         row, gqa, shared = [], [], []
         for axis in self.q.axes:
-            if axis == (dim,):
+            if axis == (dim,) or (maps is not None and axis == (maps, dim)):
                 continue
             if len(axis) == 1 and axis[0] not in kw:
                 row.append(axis[0])
@@ -256,16 +264,35 @@ class Analysis:
             head = shared[-1] if shared else None
             kv_head = head[0] if head else None
         apart = apart and kv_head is not None
+        if maps is not None and (apart or gqa or (head is not None and head != (kv_head,))):
+            self.refuse(f"{self.q.name}{layout(self.q.axes)} holds maps ({maps} {dim}) beside grouped or "
+                        "multi-query heads: no flex layout takes both")
         vw = [w for w in ir.axis_wires(self.value.axes) if w not in (batch, key, kv_head)]
         if len(vw) != 1:
             self.refuse(f"{self.value.name}{layout(self.value.axes)} is not a (batch, heads, keys, dim) layout")
-        roles = Roles(row[0], key, dim, vw[0], batch, head, kv_head, apart, tuple(w for _, _, w in self.parts[1:]))
+        roles = Roles(row[0], key, dim, vw[0], batch, head, kv_head, apart, tuple(w for _, _, w in self.parts[1:]),
+                      maps, self.d.wire(maps).size if maps is not None else 1)
         kv = [w for w in (batch, kv_head) if w is not None]
-        for t, last in ((self.k, dim), (self.value, vw[0])):
-            want = {(w,) for w in kv + [key, last]}
+        for t, last in ((self.k, (maps, dim) if maps is not None else (dim,)), (self.value, (vw[0],))):
+            want = {(w,) for w in kv + [key]} | {last}
             if set(t.axes) != want or len(t.axes) != len(want):
                 self.refuse(f"{t.name}{layout(t.axes)} is not a (batch, heads, keys, dim) layout")
         return roles
+
+    def _maps(self, dim: str) -> Optional[str]:
+        """g when Q and K both hold their features as one axis (g dim), dim the
+        contracted wire, V lacking g and the score one contraction:
+        differential attention's maps (its outputs carry g).  A g of no fixed
+        size is refused: flex's heads are h * |g|, split again by it."""
+        held = [a for a in self.q.axes if len(a) == 2 and a[1] == dim]
+        if len(held) != 1 or held[0] not in self.k.axes or len(self.parts) > 1 \
+                or held[0][0] in ir.axis_wires(self.value.axes):
+            return None
+        g = held[0][0]
+        if self.d.wire(g).size is None:
+            self.refuse(f"{self.q.name}{layout(self.q.axes)}: the maps wire {g} has no fixed size "
+                        f"(declare wire {g} = N): flex's heads are split by it")
+        return g
 
     def _query_row(self, row: list) -> list:
         """[the query row, the query heads] of the two wires Q carries and K
