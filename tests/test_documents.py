@@ -598,3 +598,17 @@ def test_tile_work_counts_tiles_one_by_one():
             kept, computed = T.grid_work(lo, hi, r, c, bq, bx)
             assert kept.tolist() == [k for k, _ in want] == pairs.grid_pairs(r, c).ravel().tolist()
             assert computed.tolist() == [w for _, w in want]
+
+
+def test_counting_ends_below_edges_either_way_round_is_searchsorted():
+    """ShardPairs._below counts a rank's row ends below each edge searching whichever of the two
+    is shorter among the other (plan at 8192 ranks: 128 ends, 16K edges); both ways are
+    np.searchsorted(ends, edges), ties and repeats included."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        ends = np.sort(rng.integers(0, 60, rng.integers(0, 40)))
+        edges = np.sort(rng.integers(0, 70, rng.integers(1, 40)))
+        want = np.searchsorted(ends, edges, side="left")
+        assert (D._below_each(np, ends, edges) == want).all(), (ends, edges)
