@@ -274,6 +274,18 @@ def bound_interval(bounds, q, lo, hi, sizes):
     return lo, np.maximum(hi, lo)
 
 
+def _below_each(np, ends, edges):
+    """How many of the sorted ``ends`` lie below each of the sorted
+    ``edges`` (np.searchsorted(ends, edges)), searched the cheaper way round:
+    plan at thousands of ranks asks it of one rank's 128 rows at 16K edges,
+    where placing each end among the edges and counting them up is far
+    cheaper than searching each edge among the ends."""
+    if len(ends) >= len(edges):
+        return np.searchsorted(ends, edges, side="left")
+    at = np.searchsorted(edges, ends, side="right")    # an end lies below edges[k] for every k >= at
+    return np.cumsum(np.bincount(at, minlength=len(edges) + 1))[:len(edges)]
+
+
 class ShardPairs:
     """The pairs a mask keeps, counted per device in each scheme's token
     layout (napkin plan on documents: a step of a scheme waits for its
@@ -455,18 +467,6 @@ def ring_steps_at(keeps, kind: str, parts: int, q_len: int, x_len: int, offsets,
 # --------------------------------------------------------------------------
 # The ring: which chunks of its shards share a document.
 # --------------------------------------------------------------------------
-
-def _below_each(np, ends, edges):
-    """How many of the sorted ``ends`` lie below each of the sorted
-    ``edges`` (np.searchsorted(ends, edges)), searched the cheaper way round:
-    plan at thousands of ranks asks it of one rank's 128 rows at 16K edges,
-    where placing each end among the edges and counting them up is far
-    cheaper than searching each edge among the ends."""
-    if len(ends) >= len(edges):
-        return np.searchsorted(ends, edges, side="left")
-    at = np.searchsorted(edges, ends, side="right")    # an end lies below edges[k] for every k >= at
-    return np.cumsum(np.bincount(at, minlength=len(edges) + 1))[:len(edges)]
-
 
 def _part_runs(kind: str, parts: int, length: int, part: int) -> list[tuple[int, int]]:
     """The positions a part holds, as runs [first, stop), in layouts.py's

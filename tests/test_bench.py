@@ -1599,35 +1599,24 @@ def test_two_query_wires_the_schedule_does_not_tell_apart_are_refused():
 
 
 @pytest.mark.slow
-def test_napkin_bench_runs_multi_query_attention(tmp_path):
-    """napkin bench on a multi-query diagram: --heads sets the query heads, one kv head; napkin's forward
-    and backward and SDPA's speed reference (enable_gqa) are checked and timed."""
+@pytest.mark.parametrize("text, shape, out", [
+    (MQA, (3, 1, 16), "O"),                                                     # one kv head (enable_gqa)
+    ((EXAMPLES / "differential_attention.ncd").read_text(), (6, 6, 128), "A")],   # h * |g| heads to flex
+    ids=["multi-query", "differential"])
+def test_napkin_bench_runs_multi_query_and_differential_attention(tmp_path, text, shape, out):
+    """napkin bench on a multi-query diagram (--heads sets the query heads, one kv head) and on the
+    bundled differential attention (refused before: no flex layout; --heads sets h, flex and SDPA
+    take h * |g| heads): napkin's forward and backward, flex's forward and SDPA's speed reference
+    are checked against float64 and timed."""
     from napkin.cli import main
 
-    path = tmp_path / "mqa.ncd"
-    path.write_text(MQA)
+    path = tmp_path / "diagram.ncd"
+    path.write_text(text)
     assert main(["bench", str(path), "--seqlen", "40", "--heads", "3", "--out", str(tmp_path)]) == 0
     (row,) = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())["rows"]
     assert row["sizes"] == {"b": 1, "h": 3, "q": 40, "x": 40}
-    assert (row["shape"]["heads"], row["shape"]["kv_heads"]) == (3, 1)
-    assert row["check"]["ok"] and set(row["check"]["backward"]["errors"]["napkin"]) == {"dQ", "dK", "dV"}
-    timed = {(r["impl"], r["pass"]) for r in row["results"] if r["ms"]}
-    assert {("napkin", "fwd"), ("napkin", "bwd"), ("flex", "fwd"), ("sdpa-math", "fwd")} <= timed
-
-
-@pytest.mark.slow
-def test_napkin_bench_runs_differential_attention(tmp_path):
-    """napkin bench on the bundled differential attention (refused before: no flex layout): --heads
-    sets h, flex and SDPA take h * |g| heads; napkin's forward and backward and flex's forward are
-    checked against float64 and timed."""
-    from napkin.cli import main
-
-    path = EXAMPLES / "differential_attention.ncd"
-    assert main(["bench", str(path), "--seqlen", "40", "--heads", "3", "--out", str(tmp_path)]) == 0
-    (row,) = json.loads(next(tmp_path.glob("cpu-*.json")).read_text())["rows"]
-    assert row["sizes"] == {"b": 1, "h": 3, "q": 40, "x": 40}
-    assert (row["shape"]["heads"], row["shape"]["kv_heads"], row["shape"]["value_dim"]) == (6, 6, 128)
-    assert row["check"]["ok"] and set(row["check"]["errors"]["flex"]) == {"A"}
+    assert (row["shape"]["heads"], row["shape"]["kv_heads"], row["shape"]["value_dim"]) == shape
+    assert row["check"]["ok"] and set(row["check"]["errors"]["flex"]) == {out}
     assert set(row["check"]["backward"]["errors"]["napkin"]) == {"dQ", "dK", "dV"}
     timed = {(r["impl"], r["pass"]) for r in row["results"] if r["ms"]}
     assert {("napkin", "fwd"), ("napkin", "bwd"), ("flex", "fwd"), ("sdpa-math", "fwd")} <= timed

@@ -528,7 +528,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     named += [p for w in (row, col) for p in (f"_pos_{w}", f"_len_{w}", f"_POS_{w}")]
     named += [q.split(":")[0] for q in tma.params()]
     keywords = {p: f'_meta["{p}"]' for p in named}
-    extra = [f'{arg.split("=", 1)[0]}=_meta["{arg.split("=", 1)[0]}"]' for arg in extra]
+    options = [f'{k}=_meta["{k}"]' for k in (arg.split("=", 1)[0] for arg in extra)]
     parts = environment().get_template("attention_parts.py.jinja").make_module(vars=ctx)
     # its header's rows' global indices and real-rows mask only where the merge
     # reads them (its stores mask with _ok): else no positions parameters either
@@ -543,7 +543,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     if not idx:
         body = str(parts.merge_body(False, False, only))
     ctx["merge_rows"] = (idx, gok, only)
-    ctx["merge_params"], merge = merge_launch(f"_{d.name}_merge", body, params, positional, keywords, extra)
+    ctx["merge_params"], merge = merge_launch(f"_{d.name}_merge", body, params, positional, keywords, options)
     ctx["merge_no_specialize"] = ", ".join(f'"{s}"' for s in sizes if s in ctx["merge_params"])
     ctx["launch"] += (f"\nif math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
                       "    if _chunk:  # the chunks' states, merged into the outputs\n" + H.indent(merge, 8))
