@@ -205,9 +205,28 @@ def _check_device(device):
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
 
 
+# _bind's answers for launches, by the inputs' signatures: (free dimensions, then each input's
+# type, shape, dtype and device), everything _bind reads.  A decode loop's growing cache makes an
+# entry per length, so the memo is cleared past _BIND_MEMO_SIZE.  Answers are shared: read-only.
+_BIND_MEMO = {}
+_BIND_MEMO_SIZE = 4096
+
+
 def _bind_for_launch(tensors, free=()):
-    """_bind's answer for a launcher's inputs, on a device its kernels can run on."""
-    bound = _bind(tensors, kernel=True, free=free)
+    """_bind's answer for a launcher's inputs, on a device its kernels can run on.
+    Remembered per signature (_BIND_MEMO): only an answer is, never a refusal,
+    so a bad call is refused in _bind's words every time."""
+    try:
+        key = (frozenset(free), *[(type(t), t.shape, t.dtype, t.device) for t in tensors])
+    except AttributeError:   # not a tensor: _bind says so
+        key = None
+    bound = _BIND_MEMO.get(key)
+    if bound is None:
+        bound = _bind(tensors, kernel=True, free=free)
+        if key is not None:
+            if len(_BIND_MEMO) >= _BIND_MEMO_SIZE:
+                _BIND_MEMO.clear()
+            _BIND_MEMO[key] = bound
     _check_device(bound[2])
     return bound
 
@@ -457,6 +476,7 @@ def _refuse_tangents(tensors):
 import json as _autotune_json
 import operator as _autotune_operator
 import os as _autotune_os
+import threading as _autotune_threading
 
 import torch as _autotune_torch
 
@@ -474,6 +494,23 @@ _autotune_memo = {}   # (device, dtypes, sizes, kind) -> (the cache file's path 
 _autotune_sizes = _autotune_operator.itemgetter(*_AUTOTUNE_WIRES) if _AUTOTUNE_WIRES else (lambda sizes: ())
 _AUTOTUNE_MEMO = 4096
 _autotune_paths = {}  # ($NAPKIN_CACHE, $HOME) -> the cache file's path
+# A backward's lookups (rows, dQ, dK/dV) read the cache file's path and stamp once, under
+# `with _AUTOTUNE_ONCE:` (each read is two environment reads and a stat; a short backward's
+# kernels wait for the host).  Per thread; the outermost `with` holds it.
+_autotune_held = _autotune_threading.local()
+
+
+class _AutotuneOnce:
+    def __enter__(self):
+        _autotune_held.depth = getattr(_autotune_held, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _autotune_held.depth -= 1
+        if not _autotune_held.depth:
+            _autotune_held.stamp = None
+
+
+_AUTOTUNE_ONCE = _AutotuneOnce()
 
 
 def _autotune_cache_path():
@@ -534,17 +571,29 @@ def _autotune_widths(sizes):
     return tuple(n if n is not None else _dim_block(sizes[w]) for w, n in _AUTOTUNE_DIMS)
 
 
-def _autotune_lookup(sizes, device, classes, kind=""):
-    """The cached config (a dict of launcher options) for these sizes on this
-    device, or None.  Remembered per shape until the cache file changes: a
-    launch pays one stat of the file, not a read."""
-    memo = (device, tuple(classes.items()), _autotune_sizes(sizes), kind)
+def _autotune_stamp():
+    """(the cache file's path, its stamp now): under _AUTOTUNE_ONCE, the first one's."""
+    held = getattr(_autotune_held, "stamp", None)
+    if held is not None:
+        return held
     path = _autotune_cache_path()
     try:
         st = _autotune_os.stat(path)
         stamp = (path, st.st_mtime_ns, st.st_ino, st.st_size)   # the writer replaces the file: a new inode
     except OSError:
         stamp = (path, None)
+    if getattr(_autotune_held, "depth", 0):
+        _autotune_held.stamp = stamp
+    return stamp
+
+
+def _autotune_lookup(sizes, device, classes, kind=""):
+    """The cached config (a dict of launcher options) for these sizes on this
+    device, or None.  Remembered per shape until the cache file changes: a
+    launch pays one stat of the file, not a read."""
+    memo = (device, tuple(classes.items()), _autotune_sizes(sizes), kind)
+    stamp = _autotune_stamp()
+    path = stamp[0]
     seen = _autotune_memo.get(memo)
     if seen is not None and seen[0] == stamp:
         return seen[1]
@@ -2018,10 +2067,11 @@ def _gqa_grads(_ins, _outs, _grads, _o, need):
     # One bind for both launchers: a short backward's kernels wait for all of this host work
     # (bench/launch_overhead.py --backward)
     _bound = _bind_for_launch((Q, K, V,))
-    delta, = _gqa_preprocess(Q, K, V, dO, O, dlse, _o, _bound=_bound)
-    # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
-    return _gqa_backward(Q, K, V, dO, lse, delta, _o, need, grad_dtype="input",
-                         mask_cache=_MASK_CACHE.get(), _bound=_bound)
+    with _AUTOTUNE_ONCE:   # and one read of the tuned configs' file for the launchers' lookups
+        delta, = _gqa_preprocess(Q, K, V, dO, O, dlse, _o, _bound=_bound)
+        # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
+        return _gqa_backward(Q, K, V, dO, lse, delta, _o, need, grad_dtype="input",
+                             mask_cache=_MASK_CACHE.get(), _bound=_bound)
 
 
 # ---------------------------------------------------------------------------

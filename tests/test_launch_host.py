@@ -206,6 +206,101 @@ def test_the_autotune_memo_is_bounded_and_answers_alike_after_it_is_cleared(modu
     assert len(m._autotune_memo) <= 3
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_the_remembered_binding_answers_as_the_rounds_do_whatever_came_before(bound_modules, data):
+    """_bind_for_launch remembers _bind's answers by the inputs' signatures
+    (shape, dtype, device, type): a run of calls, consistent shapes and
+    nudged ones, repeats among them, each answers with the oracle's sizes or
+    raises its exact message, whatever was remembered before it."""
+    m = data.draw(st.sampled_from(bound_modules), label="module")
+    for _ in range(data.draw(st.integers(2, 5), label="calls")):
+        wire = {w: (n if n is not None else data.draw(st.integers(0, 3), label=w)) for w, n in m.WIRES.items()}
+        shapes = [[math.prod(wire[w] for w in axis) for axis in m._LAYOUTS[name]] for name in m.INPUTS]
+        if data.draw(st.booleans(), label="nudge"):
+            k = data.draw(st.integers(0, len(shapes) - 1), label="tensor")
+            i = data.draw(st.integers(0, len(shapes[k]) - 1), label="dim")
+            shapes[k][i] = data.draw(st.integers(0, 4), label="size")
+        expected = _oracle_bind(m, shapes)
+        for _ in range(2):   # the second call is answered from the memo
+            if isinstance(expected, dict):
+                sizes, _, device = m._bind_for_launch(_tensors(m, shapes))
+                assert (sizes, device) == (expected, torch.device("cpu"))
+            else:
+                with pytest.raises(expected[0]) as err:
+                    m._bind_for_launch(_tensors(m, shapes))
+                assert str(err.value) == expected[1]
+
+
+def test_the_remembered_binding_tells_dtypes_and_non_tensors_apart_and_is_bounded(modules, monkeypatch):
+    """The signature holds each input's dtype: the same shapes in float32
+    after float16 bind float32, and a mix the diagram's one dtype forbids is
+    refused even after both were remembered; a non-tensor is refused in
+    words; the memo is cleared when full."""
+    m = modules["attention"]
+    shapes = ([1, 2, 5, 64], [1, 2, 7, 64], [1, 2, 7, 64])
+    half = tuple(torch.empty(s, dtype=torch.float16) for s in shapes)
+    full = tuple(torch.empty(s, dtype=torch.float32) for s in shapes)
+    assert m._bind_for_launch(half)[1] == {"fp16": torch.float16}
+    assert m._bind_for_launch(full)[1] == {"fp16": torch.float32}
+    assert m._bind_for_launch(half)[1] == {"fp16": torch.float16}
+    with pytest.raises(TypeError, match="K has dtype torch.float32 but Q has torch.float16"):
+        m._bind_for_launch((half[0], full[1], half[2]))
+    with pytest.raises(TypeError, match="K must be a torch.Tensor, not list"):
+        m._bind_for_launch((half[0], [1.0], half[2]))
+    monkeypatch.setattr(m, "_BIND_MEMO", {})
+    monkeypatch.setattr(m, "_BIND_MEMO_SIZE", 2)
+    for x in (3, 4, 5, 6, 4):
+        tensors = tuple(torch.empty(s[:2] + [x if i else 5, 64], dtype=torch.float16) for i, s in enumerate(shapes))
+        assert m._bind_for_launch(tensors)[0]["x"] == x
+        assert len(m._BIND_MEMO) <= 2
+
+
+class _CountingOs:
+    """The generated module's ``os`` for the autotune lookups, counting stats."""
+
+    def __init__(self):
+        import os
+        self.environ, self.path, self._os, self.stats = os.environ, os.path, os, 0
+
+    def stat(self, path):
+        self.stats += 1
+        return self._os.stat(path)
+
+
+def test_a_backward_reads_the_tuned_configs_file_once_for_its_three_lookups(modules, monkeypatch, tmp_path):
+    """A training step's backward looks up three tuned configs (the rows
+    kernel's, dQ's, dK/dV's) under _AUTOTUNE_ONCE: one stat of the cache file
+    for the three, where a forward pays one a lookup.  A file rewritten
+    after the backward is seen by the next launch, and a backward that
+    raised leaves no stamp held."""
+    from napkin import tunecache
+
+    m = modules["attention"]
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    counting = _CountingOs()
+    monkeypatch.setattr(m, "_autotune_os", counting)
+    lookups, lookup = [], m._autotune_lookup
+    monkeypatch.setattr(m, "_autotune_lookup", lambda s, d, c, kind="": lookups.append(kind) or lookup(s, d, c, kind))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, generator=gen).requires_grad_() for s in ([1, 2, 5, 64], [1, 2, 7, 64], [1, 2, 7, 64]))
+    o, _ = m.attention(q, k, v, block_q=16, block_x=16)
+    assert (lookups, counting.stats) == ([""], 1)
+    o.sum().backward()
+    assert sorted(lookups[1:]) == ["bwd", "bwd", "bwd_kv"] and counting.stats == 2
+    assert getattr(m._autotune_held, "stamp", None) is None and m._autotune_held.depth == 0
+    sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
+    key = tunecache.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, ("b", "h", "q", "x"))
+    (tmp_path / "autotune.json").write_text(json.dumps(
+        {"schema": tunecache.SCHEMA, "entries": {key: {"config": {"block_q": 32}}}}))
+    assert m._autotune_lookup(sizes, torch.device("cpu"), {"fp16": torch.float32}) == {"block_q": 32}
+    with pytest.raises(RuntimeError, match="inside"):
+        with m._AUTOTUNE_ONCE:
+            assert m._autotune_stamp() is m._autotune_stamp()
+            raise RuntimeError("inside")
+    assert m._autotune_held.stamp is None and m._autotune_held.depth == 0
+
+
 # --------------------------------------------------------------------------
 # The device a launch runs on.  Triton launches on the current CUDA device;
 # each launcher makes its tensors' device current first.
