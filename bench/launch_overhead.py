@@ -33,6 +33,7 @@ import collections
 import contextlib
 import datetime
 import importlib
+import itertools
 import os
 import platform
 import re
@@ -102,11 +103,29 @@ def hopper(module):
         module._check_device = check
 
 
-def measure(name: str, calls: int, device: str, triton: bool = False, backward: bool = False) -> dict:
+# What a module remembers per signature (the forward's launch plans, the bindings, the tuned
+# configs looked up): --new-shapes clears them before each timed run, so every call is a first.
+MEMOS = ("_LAUNCH_PLANS", "_BIND_MEMO", "_autotune_memo")
+
+
+def growing(module, sizes: dict, dtype, device: str, calls: int) -> list[list]:
+    """Inputs for ``calls`` calls, the i-th with |x| + i keys: views of one
+    cache of |x| + ``calls`` rows narrowed along x, as a decode loop reads
+    its preallocated cache (the whole cache's strides, a new shape a step)."""
+    big = module.example_inputs(dict(sizes, x=sizes["x"] + calls), dtype=dtype, device=device, seed=0)
+    dims = {n: next((i for i, axis in enumerate(module._LAYOUTS[n]) if axis == ("x",)), None) for n in module.INPUTS}
+    return [[t if dims[n] is None else t.narrow(dims[n], 0, sizes["x"] + i) for n, t in zip(module.INPUTS, big)]
+            for i in range(calls)]
+
+
+def measure(name: str, calls: int, device: str, triton: bool = False, backward: bool = False,
+            new_shapes: bool = False) -> dict:
     """Microseconds per call of the module's launcher (forward, no gradient;
     with ``backward`` its backward through autograd), median of 5 runs of
     ``calls`` calls, and the kernels each call launches: kernels stubbed, or
-    with ``triton`` Triton's own launch path (hopper)."""
+    with ``triton`` Triton's own launch path (hopper).  ``new_shapes``: each
+    call of a run a new cache length (``growing``), nothing remembered from
+    the run before."""
     import torch
 
     module = importlib.import_module(f"generated.{name}")
@@ -115,9 +134,16 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     inputs = module.example_inputs(sizes, dtype=dtype, device=device, seed=0)
     launch = getattr(module, name)
+    fresh = growing(module, sizes, dtype, device, calls) if new_shapes else None
+    turn = iter(())
     with contextlib.ExitStack() as stack:
         launches = stack.enter_context((hopper if triton else stubbed)(module))
-        if backward:
+        if new_shapes:
+            stack.enter_context(torch.no_grad())
+
+            def call():
+                launch(*next(turn))
+        elif backward:
             leaves = [t.requires_grad_() for t in inputs if t.is_floating_point()]
             out = launch(*inputs)
             out = out[0] if isinstance(out, tuple) else out
@@ -132,11 +158,16 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
             def call():
                 launch(*inputs)
         before = launches()
+        turn = itertools.cycle(fresh or [None])   # the warm-up's 50 calls: round the lengths
         for _ in range(50):
             call()
         counts = {k: v - before.get(k, 0) for k, v in launches().items()}
         runs = []
         for _ in range(5):
+            if new_shapes:
+                for memo in MEMOS:
+                    getattr(module, memo, {}).clear()
+                turn = iter(fresh)
             t0 = time.perf_counter()
             for _ in range(calls):
                 call()
@@ -147,11 +178,14 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
             "sizes": ", ".join(f"{w}={n}" for w, n in sizes.items())}
 
 
-def markdown(rows: list[dict], device: str, command: str, triton: bool = False, backward: bool = False) -> str:
+def markdown(rows: list[dict], device: str, command: str, triton: bool = False, backward: bool = False,
+             new_shapes: bool = False) -> str:
     what = ("Triton's launch path included up to its C launcher (kernels compiled for sm_90, not run)"
             if triton else "every Triton kernel stubbed (Triton's own launch not included)")
     if backward:
         what = "the backward through torch.autograd.grad (the forward run once before); " + what
+    if new_shapes:
+        what = "each call a new cache length (one more key a call), nothing remembered across runs; " + what
     lines = [f"# Host time per launch ({device}, {datetime.date.today().isoformat()})", "",
              f"Command: `{command}`", "",
              f"Python {platform.python_version()} on {platform.processor() or platform.machine()}; "
@@ -173,7 +207,12 @@ def main(argv=None) -> int:
     p.add_argument("--triton", action="store_true",
                    help="CPU only: Triton's launch path too, the kernels compiled for sm_90 and not run "
                         "(binder, cache key, lookup; not the C launcher)")
+    p.add_argument("--new-shapes", action="store_true",
+                   help="forward only: every call a new length of the key cache (a decode loop's growing "
+                        "cache), so no call finds what an earlier one remembered")
     args = p.parse_args(argv)
+    if args.new_shapes and args.backward:
+        raise SystemExit("bench/launch_overhead.py: --new-shapes times the forward; leave out --backward")
     if args.triton and os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("bench/launch_overhead.py --triton: unset TRITON_INTERPRET (Triton must compile)")
     import torch
@@ -184,15 +223,17 @@ def main(argv=None) -> int:
     if not cuda and not args.triton:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = "cuda" if cuda else "cpu"
-    rows = [measure(n, args.calls, device, args.triton, args.backward) for n in args.names]
+    rows = [measure(n, args.calls, device, args.triton, args.backward, args.new_shapes) for n in args.names]
     label = torch.cuda.get_device_name() if cuda else "cpu"
     text = markdown(rows, label, "python bench/launch_overhead.py " + " ".join(argv if argv is not None
-                                                                               else sys.argv[1:]), args.triton, args.backward)
+                                                                               else sys.argv[1:]), args.triton, args.backward,
+                    args.new_shapes)
     print(text)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        kind = ("-backward" if args.backward else "") + ("-triton" if args.triton else "")
+        kind = ("-backward" if args.backward else "") + ("-new-shapes" if args.new_shapes else "") \
+            + ("-triton" if args.triton else "")
         stem = f"launch-overhead{kind}-{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}-{datetime.date.today()}"
         (out / f"{stem}.md").write_text(text)
         print(f"wrote {out / stem}.md")

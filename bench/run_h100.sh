@@ -149,6 +149,8 @@ stage_decode() {
   # and a training step's backward through autograd (three launchers, autograd's engine): the host
   # work a short backward's kernels wait for (the sliding window's, docs/bench.md)
   "$PYTHON" bench/launch_overhead.py --backward --out "$OUT_DIR"
+  # and a decode loop's growing cache, a new signature every call: the launch plans' miss path
+  "$PYTHON" bench/launch_overhead.py --new-shapes --out "$OUT_DIR"
   "$PYTHON" bench/decode.py --out "$OUT_DIR"
 }
 

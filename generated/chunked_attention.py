@@ -205,20 +205,27 @@ def _check_device(device):
 
 
 # _bind's answers for launches, by the inputs' signatures: (free dimensions, then each input's
-# type, shape, dtype and device), everything _bind reads.  A decode loop's growing cache makes an
-# entry per length, so the memo is cleared past _BIND_MEMO_SIZE.  Answers are shared: read-only.
+# type, shape, dtype and device), everything _bind reads.  Answers are shared: read-only.  A
+# decode loop's growing cache makes an entry per length, each a few objects the garbage collector
+# walks while they live: cleared past _BIND_MEMO_SIZE, as are the launch plans below (at 4096
+# entries each, a loop of 2,000 new lengths paid 210 us a launch against 114 without them, its
+# collections 12 times as many; at 64, 123-144 us: bench/launch_overhead.py's stubs, this machine).
 _BIND_MEMO = {}
-_BIND_MEMO_SIZE = 4096
+_BIND_MEMO_SIZE = 64
 
 
-def _bind_for_launch(tensors, free=()):
+def _bind_for_launch(tensors, free=(), remember=True):
     """_bind's answer for a launcher's inputs, on a device its kernels can run on.
     Remembered per signature (_BIND_MEMO): only an answer is, never a refusal,
-    so a bad call is refused in _bind's words every time."""
-    try:
-        key = (frozenset(free), *[(type(t), t.shape, t.dtype, t.device) for t in tensors])
-    except AttributeError:   # not a tensor: _bind says so
+    so a bad call is refused in _bind's words every time.  remember=False: a
+    launcher that keeps its own plans per signature (the attention forward's)."""
+    if not remember:
         key = None
+    else:
+        try:
+            key = (frozenset(free), *[(type(t), t.shape, t.dtype, t.device) for t in tensors])
+        except AttributeError:   # not a tensor: _bind says so
+            key = None
     bound = _BIND_MEMO.get(key)
     if bound is None:
         bound = _bind(tensors, kernel=True, free=free)
@@ -228,6 +235,46 @@ def _bind_for_launch(tensors, free=()):
             _BIND_MEMO[key] = bound
     _check_device(bound[2])
     return bound
+
+
+# Launch plans (napkin/codegen/launch_plan.py): what an attention forward launcher works out from a
+# call's signature alone, by signature, with the tuned configs' file stamp it was made under.  A
+# decode loop's growing cache makes a signature per length: cleared past _LAUNCH_PLANS_SIZE (above).
+_LAUNCH_PLANS = {}
+_LAUNCH_PLANS_SIZE = 64
+
+
+def _launch_key(tensors, options):
+    """A call's signature: each input's type, shape, strides, dtype and device,
+    the options and their types (16.0 and True hash as 16 and 1, and are
+    refused where those pass); None for an input without them (refused in words)."""
+    try:
+        return (*[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors], *options,
+                *map(type, options))
+    except (AttributeError, TypeError):
+        return None
+
+
+def _launch_plan(key):
+    """(the plan remembered for ``key`` or None, the tuned configs' stamp now)."""
+    if key is None:
+        return None, None
+    stamp = _autotune_stamp()
+    try:
+        seen = _LAUNCH_PLANS.get(key)
+    except TypeError:   # an option no dict key can be (a list): the launch refuses it in words
+        return None, None
+    return (seen[1] if seen is not None and seen[0] == stamp else None), stamp
+
+
+def _remember_launch(key, stamp, plan):
+    """Keep ``plan`` for ``key``, made under the tuned configs' ``stamp`` (None:
+    an option no dict key can be, which the lookup could not take)."""
+    if key is None or stamp is None:
+        return
+    if len(_LAUNCH_PLANS) >= _LAUNCH_PLANS_SIZE:
+        _LAUNCH_PLANS.clear()
+    _LAUNCH_PLANS[key] = (stamp, plan)
 
 
 def _on_inputs_device(launch):
@@ -1424,28 +1471,42 @@ def _chunked_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages,
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
-    _sz, _cls, _dev = _bind_for_launch((Q, K, V), free=_global_dims(positions))
-    _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
-    _br = _block_size(_opts["block_q"], "q", "block_q")
-    _bc = _block_size(_opts["block_x"], "x", "block_x")
-    _tile_fits((_br, _bc), ("block_q", "block_x"), (block_q is not None, block_x is not None), _sz)
-    _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
-    _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"], block_x is not None)
-    [O] = _allocate(_sz, _cls, _dev, out_dtype)
-    _saved_lse = torch.empty(_shape("_saved_lse", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
-    _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
-    _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 128), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
-    _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 128}, _dev, _pos, _tma_last)
-    _args = (
-        Q, K, V, O, _saved_lse,
-        _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-        *_wire_strides(Q, "Q", _sz),
-        *_wire_strides(K, "K", _sz),
-        *_wire_strides(V, "V", _sz),
-        *_wire_strides(O, "O", _sz),
-        *_wire_strides(_saved_lse, "_saved_lse", _sz),
-    )
-    _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=128, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _INT64=_int64_offsets(Q, K, V, O, _saved_lse), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
+    _key = _launch_key((Q, K, V,), (block_q, block_x, num_warps, num_stages, tma, _save, out_dtype, chunk,)) if positions is None and lengths is None else None  # the call's signature: None where it holds tensors of its own
+    with _AUTOTUNE_ONCE:  # one read of the tuned configs' file stamp, for the plan and the lookup
+        _plan, _stamp = _launch_plan(_key)
+        if _plan is not None:  # a signature seen before: its plan (codegen/launch_plan.py)
+            _dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _real, _tma_why = _plan
+            O, _saved_lse, = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]
+            _part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None
+            _args = (Q, K, V, O, _saved_lse, *_tail)
+            _meta = dict(_fixed, _part=_part)
+            _tma_last.update(used=False, why=_tma_why)
+        else:
+            _sz, _cls, _dev = _bind_for_launch((Q, K, V,), free=_global_dims(positions), remember=False)
+            _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
+            _br = _block_size(_opts["block_q"], "q", "block_q")
+            _bc = _block_size(_opts["block_x"], "x", "block_x")
+            _tile_fits((_br, _bc), ("block_q", "block_x"), (block_q is not None, block_x is not None), _sz)
+            _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
+            _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"], block_x is not None)
+            [O] = _allocate(_sz, _cls, _dev, out_dtype)
+            _saved_lse = torch.empty(_shape("_saved_lse", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
+            _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
+            _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 128), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
+            _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 128}, _dev, _pos, _tma_last)
+            _args = (
+                Q, K, V, O, _saved_lse,
+                _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+                *_wire_strides(Q, "Q", _sz),
+                *_wire_strides(K, "K", _sz),
+                *_wire_strides(V, "V", _sz),
+                *_wire_strides(O, "O", _sz),
+                *_wire_strides(_saved_lse, "_saved_lse", _sz),
+            )
+            _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=128, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _INT64=_int64_offsets(Q, K, V, O, _saved_lse), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
+            # not for positions or lengths (no key), nor TMA: descriptors are built on the tensors, each call
+            if _key is not None and not _meta.get("_TMA"):
+                _remember_launch(_key, _stamp, (_dev, None, [(t.shape, t.dtype) for t in (O, _saved_lse,)], _grid, _args[5:], {**_meta, "_part": None}, 0 if _part is None else _part.numel(), _chunk, None, _tma_last["why"]))
     if math.prod(_grid) > 0:
         _chunked_attention_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs

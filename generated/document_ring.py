@@ -209,20 +209,27 @@ def _check_device(device):
 
 
 # _bind's answers for launches, by the inputs' signatures: (free dimensions, then each input's
-# type, shape, dtype and device), everything _bind reads.  A decode loop's growing cache makes an
-# entry per length, so the memo is cleared past _BIND_MEMO_SIZE.  Answers are shared: read-only.
+# type, shape, dtype and device), everything _bind reads.  Answers are shared: read-only.  A
+# decode loop's growing cache makes an entry per length, each a few objects the garbage collector
+# walks while they live: cleared past _BIND_MEMO_SIZE, as are the launch plans below (at 4096
+# entries each, a loop of 2,000 new lengths paid 210 us a launch against 114 without them, its
+# collections 12 times as many; at 64, 123-144 us: bench/launch_overhead.py's stubs, this machine).
 _BIND_MEMO = {}
-_BIND_MEMO_SIZE = 4096
+_BIND_MEMO_SIZE = 64
 
 
-def _bind_for_launch(tensors, free=()):
+def _bind_for_launch(tensors, free=(), remember=True):
     """_bind's answer for a launcher's inputs, on a device its kernels can run on.
     Remembered per signature (_BIND_MEMO): only an answer is, never a refusal,
-    so a bad call is refused in _bind's words every time."""
-    try:
-        key = (frozenset(free), *[(type(t), t.shape, t.dtype, t.device) for t in tensors])
-    except AttributeError:   # not a tensor: _bind says so
+    so a bad call is refused in _bind's words every time.  remember=False: a
+    launcher that keeps its own plans per signature (the attention forward's)."""
+    if not remember:
         key = None
+    else:
+        try:
+            key = (frozenset(free), *[(type(t), t.shape, t.dtype, t.device) for t in tensors])
+        except AttributeError:   # not a tensor: _bind says so
+            key = None
     bound = _BIND_MEMO.get(key)
     if bound is None:
         bound = _bind(tensors, kernel=True, free=free)
@@ -232,6 +239,46 @@ def _bind_for_launch(tensors, free=()):
             _BIND_MEMO[key] = bound
     _check_device(bound[2])
     return bound
+
+
+# Launch plans (napkin/codegen/launch_plan.py): what an attention forward launcher works out from a
+# call's signature alone, by signature, with the tuned configs' file stamp it was made under.  A
+# decode loop's growing cache makes a signature per length: cleared past _LAUNCH_PLANS_SIZE (above).
+_LAUNCH_PLANS = {}
+_LAUNCH_PLANS_SIZE = 64
+
+
+def _launch_key(tensors, options):
+    """A call's signature: each input's type, shape, strides, dtype and device,
+    the options and their types (16.0 and True hash as 16 and 1, and are
+    refused where those pass); None for an input without them (refused in words)."""
+    try:
+        return (*[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors], *options,
+                *map(type, options))
+    except (AttributeError, TypeError):
+        return None
+
+
+def _launch_plan(key):
+    """(the plan remembered for ``key`` or None, the tuned configs' stamp now)."""
+    if key is None:
+        return None, None
+    stamp = _autotune_stamp()
+    try:
+        seen = _LAUNCH_PLANS.get(key)
+    except TypeError:   # an option no dict key can be (a list): the launch refuses it in words
+        return None, None
+    return (seen[1] if seen is not None and seen[0] == stamp else None), stamp
+
+
+def _remember_launch(key, stamp, plan):
+    """Keep ``plan`` for ``key``, made under the tuned configs' ``stamp`` (None:
+    an option no dict key can be, which the lookup could not take)."""
+    if key is None or stamp is None:
+        return
+    if len(_LAUNCH_PLANS) >= _LAUNCH_PLANS_SIZE:
+        _LAUNCH_PLANS.clear()
+    _LAUNCH_PLANS[key] = (stamp, plan)
 
 
 def _on_inputs_device(launch):
@@ -1609,7 +1656,7 @@ def _document_ring_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
-    _sz, _cls, _dev = _bind_for_launch((Q, K, V, doc), free=_global_dims(positions))
+    _sz, _cls, _dev = _bind_for_launch((Q, K, V, doc,), free=_global_dims(positions), remember=False)
     _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
     _br = _block_size(_opts["block_q"], "q", "block_q")
     _bc = _block_size(_opts["block_x"], "x", "block_x")

@@ -586,7 +586,7 @@ def test_runtime_snippet_reads_what_the_writer_stored(tmp_path, monkeypatch):
     monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
     source = tunecache.runtime_source("f00d", WIRES)
     imports = {line.split()[1] for line in source.splitlines() if line.startswith(("import ", "from "))}
-    assert imports <= {"json", "operator", "os", "torch"}, imports   # a generated module may import little
+    assert imports <= {"json", "operator", "os", "threading", "torch"}, imports   # a generated module may import little
     ns: dict = {}
     exec(compile(source, "<snippet>", "exec"), ns)
     assert ns["_autotune_lookup"](_sizes(1000), "cpu", T16) is None
@@ -2167,6 +2167,31 @@ def test_launch_overhead_times_the_launcher_with_every_kernel_stubbed_and_puts_t
     assert "| gqa | b=1, hk=8, g=4, q=1, x=4096 | _gqa_kernel x1 |" in path.read_text()
 
 
+def test_launch_overhead_new_shapes_gives_every_call_a_cache_length_of_its_own(tmp_path, monkeypatch):
+    """--new-shapes (a decode loop's growing cache): the i-th call's keys are
+    |x| + i rows of one cache, the whole cache's strides kept, so no two calls
+    share a signature; each timed run starts with the module's memos empty,
+    so every call of it takes the launcher's whole path (it makes a launch
+    plan; none is found)."""
+    bench = _bench_script("launch_overhead")
+    import generated.attention as m
+    calls = bench.growing(m, {"b": 1, "h": 2, "q": 1, "x": 40}, torch.float16, "cpu", 3)
+    assert [tuple(c[1].shape) for c in calls] == [(1, 2, 40, 64), (1, 2, 41, 64), (1, 2, 42, 64)]
+    assert calls[2][1].stride() == calls[0][1].stride() == (2 * 43 * 64, 43 * 64, 64, 1)
+    assert calls[0][0].shape == (1, 2, 1, 64)   # Q has no x
+    found = []
+    plan = m._launch_plan
+    monkeypatch.setattr(m, "_launch_plan", lambda key: found.append(plan(key)[0] is not None) or plan(key))
+    row = bench.measure("attention", 4, "cpu", new_shapes=True)
+    assert row["launches"] == {"_attention_kernel": 1} and row["us"] > 0
+    assert len(found) == 50 + 5 * 4 and not any(found[50:])   # the warm-up goes round the 4 lengths
+    assert bench.main(["--calls", "3", "--new-shapes", "--out", str(tmp_path), "gqa"]) == 0
+    (path,) = tmp_path.glob("launch-overhead-new-shapes-cpu-*.md")
+    assert "each call a new cache length" in path.read_text()
+    with pytest.raises(SystemExit, match="leave out --backward"):
+        bench.main(["--new-shapes", "--backward", "gqa"])
+
+
 def test_run_h100_decode_stage_runs_the_host_time_then_the_decode_bench(tmp_path):
     """run_h100.sh decode, PYTHON a stand-in that records its arguments: both
     scripts exist and write into the stage's output folder, the seconds of
@@ -2174,6 +2199,7 @@ def test_run_h100_decode_stage_runs_the_host_time_then_the_decode_bench(tmp_path
     calls = run_stage_recorded(tmp_path, "decode")
     assert calls == [["bench/launch_overhead.py", "--out", str(tmp_path / "out")],
                      ["bench/launch_overhead.py", "--backward", "--out", str(tmp_path / "out")],
+                     ["bench/launch_overhead.py", "--new-shapes", "--out", str(tmp_path / "out")],
                      ["bench/decode.py", "--out", str(tmp_path / "out")]]
     assert all((REPO / c[0]).is_file() for c in calls)
 

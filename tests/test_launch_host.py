@@ -1,8 +1,10 @@
 """The host side of a launch: what every call of a generated launcher does in
 Python before its kernels start.  A decode step's kernels take microseconds,
-so this path is kept short (the binding order worked out once, the autotune
-cache's key and path remembered, host arithmetic in plain Python); these tests
-hold the shortcuts to what they replace.  bench/launch_overhead.py measures it.
+so this path is kept short (the binding order worked out once, bindings and
+the autotune cache's key and path remembered, an attention forward's whole
+launch plan remembered per signature, host arithmetic in plain Python);
+these tests hold the shortcuts to what they replace.
+bench/launch_overhead.py measures it.
 """
 from __future__ import annotations
 
@@ -76,6 +78,18 @@ def _tensors(m, shapes):
                  for name, shape in zip(m.INPUTS, shapes))
 
 
+def _drawn_shapes(m, data, most: int, nudged: int) -> list[list[int]]:
+    """The inputs' shapes: each wire one size (0 to ``most``), drawn per wire;
+    sometimes one dimension nudged to another (0 to ``nudged``), or zero."""
+    wire = {w: (n if n is not None else data.draw(st.integers(0, most), label=w)) for w, n in m.WIRES.items()}
+    shapes = [[math.prod(wire[w] for w in axis) for axis in m._LAYOUTS[name]] for name in m.INPUTS]
+    if data.draw(st.booleans(), label="nudge"):
+        k = data.draw(st.integers(0, len(shapes) - 1), label="tensor")
+        i = data.draw(st.integers(0, len(shapes[k]) - 1), label="dim")
+        shapes[k][i] = data.draw(st.integers(0, nudged), label="size")
+    return shapes
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_the_planned_binding_binds_and_refuses_as_the_rounds_did(bound_modules, data):
@@ -83,12 +97,7 @@ def test_the_planned_binding_binds_and_refuses_as_the_rounds_did(bound_modules, 
     and sometimes not (one dimension nudged, or zero): the launcher's _bind
     returns the oracle's sizes or raises its exact message."""
     m = data.draw(st.sampled_from(bound_modules), label="module")
-    wire = {w: (n if n is not None else data.draw(st.integers(0, 6), label=w)) for w, n in m.WIRES.items()}
-    shapes = [[math.prod(wire[w] for w in axis) for axis in m._LAYOUTS[name]] for name in m.INPUTS]
-    if data.draw(st.booleans(), label="nudge"):
-        k = data.draw(st.integers(0, len(shapes) - 1), label="tensor")
-        i = data.draw(st.integers(0, len(shapes[k]) - 1), label="dim")
-        shapes[k][i] = data.draw(st.integers(0, 9), label="size")
+    shapes = _drawn_shapes(m, data, 6, 9)
     expected = _oracle_bind(m, shapes)
     if isinstance(expected, dict):
         assert m._bind(_tensors(m, shapes), kernel=True)[0] == expected
@@ -215,12 +224,7 @@ def test_the_remembered_binding_answers_as_the_rounds_do_whatever_came_before(bo
     raises its exact message, whatever was remembered before it."""
     m = data.draw(st.sampled_from(bound_modules), label="module")
     for _ in range(data.draw(st.integers(2, 5), label="calls")):
-        wire = {w: (n if n is not None else data.draw(st.integers(0, 3), label=w)) for w, n in m.WIRES.items()}
-        shapes = [[math.prod(wire[w] for w in axis) for axis in m._LAYOUTS[name]] for name in m.INPUTS]
-        if data.draw(st.booleans(), label="nudge"):
-            k = data.draw(st.integers(0, len(shapes) - 1), label="tensor")
-            i = data.draw(st.integers(0, len(shapes[k]) - 1), label="dim")
-            shapes[k][i] = data.draw(st.integers(0, 4), label="size")
+        shapes = _drawn_shapes(m, data, 3, 4)
         expected = _oracle_bind(m, shapes)
         for _ in range(2):   # the second call is answered from the memo
             if isinstance(expected, dict):
@@ -271,7 +275,7 @@ class _CountingOs:
 def test_a_backward_reads_the_tuned_configs_file_once_for_its_three_lookups(modules, monkeypatch, tmp_path):
     """A training step's backward looks up three tuned configs (the rows
     kernel's, dQ's, dK/dV's) under _AUTOTUNE_ONCE: one stat of the cache file
-    for the three, where a forward pays one a lookup.  A file rewritten
+    for the three.  A file rewritten
     after the backward is seen by the next launch, and a backward that
     raised leaves no stamp held."""
     from napkin import tunecache
@@ -285,9 +289,10 @@ def test_a_backward_reads_the_tuned_configs_file_once_for_its_three_lookups(modu
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(s, generator=gen).requires_grad_() for s in ([1, 2, 5, 64], [1, 2, 7, 64], [1, 2, 7, 64]))
     o, _ = m.attention(q, k, v, block_q=16, block_x=16)
-    assert (lookups, counting.stats) == ([""], 1)
+    assert lookups == [""]
+    before = counting.stats
     o.sum().backward()
-    assert sorted(lookups[1:]) == ["bwd", "bwd", "bwd_kv"] and counting.stats == 2
+    assert sorted(lookups[1:]) == ["bwd", "bwd", "bwd_kv"] and counting.stats == before + 1
     assert getattr(m._autotune_held, "stamp", None) is None and m._autotune_held.depth == 0
     sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
     key = tunecache.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, ("b", "h", "q", "x"))
@@ -299,6 +304,159 @@ def test_a_backward_reads_the_tuned_configs_file_once_for_its_three_lookups(modu
             assert m._autotune_stamp() is m._autotune_stamp()
             raise RuntimeError("inside")
     assert m._autotune_held.stamp is None and m._autotune_held.depth == 0
+
+
+# --------------------------------------------------------------------------
+# Launch plans (napkin/codegen/launch_plan.py): an attention forward launcher
+# remembers what it works out from a call's signature.  A launch from a plan
+# must be the launch the whole launcher makes: the kernels are stubbed and
+# record what they are given.
+# --------------------------------------------------------------------------
+
+class _Recorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, tuple(grid), args, kwargs))
+
+
+@contextlib.contextmanager
+def _recorded(m):
+    """Every Triton kernel the module launches from the host recording into a list."""
+    import re
+
+    log = []
+    kernels = {n: v for n, v in vars(m).items()
+               if re.fullmatch(r"_\w+_(kernel|merge)", n) and callable(getattr(v, "fn", None))}
+    try:
+        for n in kernels:
+            setattr(m, n, _Recorder(n, log))
+        yield log
+    finally:
+        for n, v in kernels.items():
+            setattr(m, n, v)
+
+
+def _seen(log, inputs):
+    """The launches with each tensor as its shape, strides, dtype and which
+    input's storage it views (None: the launcher's own), other values as they are."""
+    def norm(v):
+        if isinstance(v, torch.Tensor):
+            src = next((i for i, t in enumerate(inputs) if t.untyped_storage().data_ptr()
+                        == v.untyped_storage().data_ptr()), None)
+            return ("tensor", tuple(v.shape), v.stride(), v.dtype, src)
+        return v
+    return [(n, g, tuple(map(norm, a)), {k: norm(v) for k, v in kw.items()}) for n, g, a, kw in log]
+
+
+def _call(m, inputs, options):
+    """The launcher's outputs (shape, strides, dtype) and its launches, or the error it raised."""
+    launcher = getattr(m, m.__name__.rsplit(".", 1)[-1])
+    with _recorded(m) as log, torch.no_grad():
+        try:
+            out = launcher(*inputs, **options)
+        except (TypeError, ValueError) as err:
+            return type(err), str(err)
+    out = out if isinstance(out, tuple) else (out,)
+    return [(tuple(o.shape), o.stride(), o.dtype) for o in out], _seen(log, inputs)
+
+
+_PLANNED = ("attention", "gqa", "flash_decoding", "mla", "attention_sink", "sliding_window")
+
+
+@pytest.fixture(scope="module")
+def planned_modules():
+    return {n: importlib.import_module(f"generated.{n}") for n in _PLANNED + ("document_mask",)}
+
+
+def _inputs(m, data, dtype):
+    """Inputs of drawn sizes; sometimes one float input a transposed view (strides not its shape's)."""
+    sizes = {w: data.draw(st.integers(1, 3) if w in ("b", "h", "hk", "g") else st.integers(1, 40), label=w)
+             for w, n in m.WIRES.items() if n is None}
+    inputs = list(m.example_inputs(sizes, dtype=dtype, seed=data.draw(st.integers(0, 9), label="seed")))
+    k = data.draw(st.integers(0, len(inputs) - 1), label="view")
+    if inputs[k].is_floating_point() and inputs[k].dim() >= 3 and data.draw(st.booleans(), label="transposed"):
+        inputs[k] = inputs[k].transpose(1, 2).contiguous().transpose(1, 2)
+    return inputs
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_launch_from_its_plan_is_the_launch_the_whole_launcher_makes(planned_modules, data):
+    """Random calls (sizes, dtypes, a transposed input, blocks, warps,
+    chunks, out_dtype) of modules with plain, packed, chunked, saved and
+    two-part scores: each call's launches and outputs, made with the plans
+    remembered so far, equal those of the whole launcher with no plan; a
+    refusal is the same refusal.  The second call of a signature is made
+    from its plan."""
+    m = planned_modules[data.draw(st.sampled_from(_PLANNED), label="module")]
+    with pytest.MonkeyPatch.context() as monkeypatch:   # (a fixture's would last across the examples)
+        monkeypatch.setenv("NAPKIN_CACHE", "/nonexistent/napkin-test-cache")
+        _compare_plans(m, data, monkeypatch)
+
+
+def _compare_plans(m, data, monkeypatch):
+    whole = m._launch_plan
+    for _ in range(data.draw(st.integers(1, 3), label="calls")):
+        inputs = _inputs(m, data, data.draw(st.sampled_from([torch.float16, torch.float32]), label="dtype"))
+        options = {"block_q": data.draw(st.sampled_from([None, 16, 32]), label="block_q"),
+                   "block_x": data.draw(st.sampled_from([None, 16, 32]), label="block_x"),
+                   "num_warps": data.draw(st.sampled_from([None, 2, 4]), label="num_warps"),
+                   "chunk": data.draw(st.sampled_from([None, 0, 32, 48]), label="chunk"),
+                   "out_dtype": data.draw(st.sampled_from([None, torch.float32]), label="out_dtype")}
+        monkeypatch.setattr(m, "_launch_plan", lambda key: (None, None))
+        expected = _call(m, inputs, options)
+        monkeypatch.setattr(m, "_launch_plan", whole)
+        assert _call(m, inputs, options) == expected
+        key = m._launch_key(inputs, [options[o] for o in ("block_q", "block_x", "num_warps")]
+                            + [None, None, False, options["out_dtype"], options["chunk"]])
+        assert (whole(key)[0] is not None) == isinstance(expected[0], list)   # remembered unless refused
+        assert _call(m, inputs, options) == expected
+
+
+def test_a_plan_is_made_again_for_a_retuned_config_and_never_answers_a_refused_option(planned_modules,
+                                                                                        monkeypatch, tmp_path):
+    """A plan holds the tuned configs' file stamp: a rewritten file's config
+    is launched at once.  Options 16.0 and True hash as 16 and 1, and are
+    still refused after those were planned; a call with lengths= or tma=True,
+    and a diagram whose mask reads data, make no plan; the plans are
+    cleared when full."""
+    from napkin import tunecache
+
+    m = planned_modules["attention"]
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(m, "_LAUNCH_PLANS", {})
+    sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
+    inputs = m.example_inputs(sizes, dtype=torch.float32)
+    blocks = lambda seen: seen[1][0][3]["_BLOCK_q"]   # the first launch's keyword
+    assert blocks(_call(m, inputs, {})) == 128 and len(m._LAUNCH_PLANS) == 1
+    key = tunecache.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, ("b", "h", "q", "x"))
+    (tmp_path / "autotune.json").write_text(json.dumps(
+        {"schema": tunecache.SCHEMA, "entries": {key: {"config": {"block_q": 32}}}}))
+    assert blocks(_call(m, inputs, {})) == 32
+    assert blocks(_call(m, inputs, {"block_q": 16, "num_stages": 1})) == 16
+    assert _call(m, inputs, {"block_q": 16.0, "num_stages": 1}) == (
+        ValueError, "block_q must be a whole number or None, not 16.0")
+    assert _call(m, inputs, {"block_q": 16, "num_stages": True}) == (
+        ValueError, "num_stages must be a whole number or None, not True")
+    planned = len(m._LAUNCH_PLANS)
+    _call(m, inputs, {"lengths": {"x": 6}})
+    _call(m, inputs, {"tma": True})
+    assert m._tma_last["used"] and len(m._LAUNCH_PLANS) == planned
+    _call(m, inputs, {})
+    assert m._tma_last == {"used": False, "why": "tma not requested"}   # the plan's call says so again
+    d = planned_modules["document_mask"]
+    monkeypatch.setattr(d, "_LAUNCH_PLANS", {})
+    for _ in range(2):
+        _call(d, d.example_inputs(sizes, dtype=torch.float32), {})
+    assert d._LAUNCH_PLANS == {}
+    monkeypatch.setattr(m, "_LAUNCH_PLANS_SIZE", 2)
+    for x in (3, 4, 5, 6):
+        _call(m, m.example_inputs(dict(sizes, x=x), dtype=torch.float32), {})
+        assert len(m._LAUNCH_PLANS) <= 2
 
 
 # --------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from . import weights as W
 from .bounds import live, loop_bounds
 from .exprs import Ctx, number, triton
 from .kernel_names import stride
+from .launch_plan import forward_launch
 from .chunks import chunk_bounds, chunk_merge, chunk_state, chunk_store, merge_launch
 from .pysrc import NEG_INF, POS_INF, names_read, quote as _q, tuple_of as _tuple
 from .reference import reference_lines
@@ -545,8 +546,16 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     ctx["merge_rows"] = (idx, gok, only)
     ctx["merge_params"], merge = merge_launch(f"_{d.name}_merge", body, params, positional, keywords, options)
     ctx["merge_no_specialize"] = ", ".join(f'"{s}"' for s in sizes if s in ctx["merge_params"])
-    ctx["launch"] += (f"\nif math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
-                      "    if _chunk:  # the chunks' states, merged into the outputs\n" + H.indent(merge, 8))
+    tail = (f"if math.prod(_grid) > 0:\n    _{d.name}_kernel[_grid](*_args, **_meta)\n"
+            "    if _chunk:  # the chunks' states, merged into the outputs\n" + H.indent(merge, 8))
+    inputs = [t.name for t in d.inputs]
+    # no _BIND_MEMO entry: a signature seen before takes its launch plan, which holds the binding
+    bind = (f"_sz, _cls, _dev = _bind_for_launch(({', '.join(inputs)},), free=_global_dims(positions), "
+            "remember=False)")
+    # the kernel's tensors after the inputs, in its order (H.positional_args): outputs, saved state
+    ctx["launch"] = forward_launch(inputs, [o.name for o in d.outputs], opts + ["_save", "out_dtype", "chunk"],
+                                   bind + "\n" + ctx["launch"], tail, P.packed_inputs(plan), not R.applies(plan))
+    ctx["binds"] = True   # the launch block binds (after its plan lookup): the template does not
     return ctx
 
 

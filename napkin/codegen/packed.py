@@ -49,15 +49,28 @@ def ranges_on(plan: AttentionPlan, without_positions: str) -> tuple[str, str]:
     return UNPLACED, "_pos"
 
 
+def _packed(plan: AttentionPlan, names) -> tuple[str, ...]:
+    """Those of ``names`` (float tensors) along the row wire: _pack reshapes them, g into the rows."""
+    d = plan.diagram
+    return tuple(n for n in dict.fromkeys(names) if plan.row in ir.axis_wires(d.tensor(n).axes))
+
+
+def packed_inputs(plan: AttentionPlan) -> list[str]:
+    """The float inputs _pack reshapes (none without packed rows)."""
+    if plan.pack is None:
+        return []
+    return list(_packed(plan, [t.name for t in plan.diagram.inputs if t.dtype not in ir.INT_DTYPES]))
+
+
 def context(plan: AttentionPlan, saved) -> dict:
     """The template's packing helpers and the launcher's return through
     _unpack; nothing without packed rows."""
     if plan.pack is None:
         return {"pack": None}
-    d, row = plan.diagram, plan.row
+    d = plan.diagram
     floats = [t.name for t in d.inputs if t.dtype not in ir.INT_DTYPES] \
         + [o.name for o in d.outputs] + list(saved)
-    packed = tuple(n for n in dict.fromkeys(floats) if row in ir.axis_wires(d.tensor(n).axes))
+    packed = _packed(plan, floats)
     outs = [o.name for o in d.outputs if o.name not in saved]
     return {"pack": plan.pack, "packed": _tuple(_q(n) for n in packed),
             "pack_return": f"_unpack(({', '.join(outs)},), {_tuple(_q(n) for n in outs)}, _real), "

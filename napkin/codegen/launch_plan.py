@@ -1,0 +1,81 @@
+"""An attention forward launcher's plan: what it works out from a call's
+signature alone, remembered per signature.
+
+A decode step's kernels take microseconds, and before them the launcher's
+Python binds the inputs, reads the tuned config, picks blocks and chunks,
+and works out the grid, every stride and the constexpr flags: 65-130 us a
+call on the CPU here (bench/launch_overhead.py), 80-230 us on the H200's
+host.  All of it follows from the call's signature: each input's type,
+shape, strides, dtype and device, and the options (their types too: 16.0
+and True are refused where 16 and 1 pass, and they hash alike).  So the
+launcher keeps it per signature (the module's ``_LAUNCH_PLANS``, with the
+tuned configs' file stamp it was made under: a retuned config is read
+again).  A call whose signature it has seen allocates its outputs, builds
+its argument tuple and launches; the first call of a signature runs the
+launcher's whole code, which makes the plan.  Never planned: calls with
+positions or lengths (tensors of their own, checked each call), calls whose
+tiles move through TMA descriptors (built on the tensors themselves), and
+diagrams whose mask reads data (their ranges prepass reads the ids).
+
+A plan: the device; packed rows' input shapes (the launch reshapes the
+caller's tensors); each allocated tensor's shape and dtype (outputs, saved
+row state); the grid; the kernel's positional arguments after its tensors
+(sizes, strides); its keyword arguments but the chunks' state buffer
+``_part``, whose size it keeps; the chunk; packed rows' caller sizes
+(``_real``, which the return unpacks by); and why TMA was off (the
+``_tma_last`` record a call leaves).
+"""
+from __future__ import annotations
+
+from .launch import indent
+
+PLAN_FIELDS = "_dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _real, _tma_why"
+
+
+def forward_launch(inputs: list[str], allocated: list[str], options: list[str], work: str, tail: str,
+                   packed: list[str], planned: bool) -> str:
+    """The launch block of an attention forward launcher.  ``work``: the
+    launcher's whole code from the binding to ``_args`` and ``_meta``;
+    ``tail``: the launches; ``allocated``: the tensors ``work`` allocates,
+    as the kernel takes them after the inputs; ``options``: the launcher's
+    parameters besides the inputs that decide a launch; ``packed``: the
+    inputs packed rows reshape (none without them).  Without ``planned``
+    (a mask that reads data), ``work`` and ``tail`` as they are."""
+    if not planned:
+        return work + "\n" + tail
+    ins, outs = ", ".join(inputs) + ",", ", ".join(allocated) + ","
+    opts = ", ".join(options) + ","
+    key = (f"_key = _launch_key(({ins}), ({opts})) if positions is None and lengths is None else None  "
+           "# the call's signature: None where it holds tensors of its own")
+    fast = [
+        f"{PLAN_FIELDS} = _plan",
+        *(["if _views is not None:  # packed rows: as _pack reshaped them (it packs nothing at a group of 1)",
+           f"    {', '.join(packed)}, = [t.reshape(s) for t, s in zip(({', '.join(packed)},), _views)]"]
+          if packed else []),
+        f"{outs} = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]",
+        "_part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None",
+        f"_args = ({ins} {outs} *_tail)",
+        "_meta = dict(_fixed, _part=_part)",
+        "_tma_last.update(used=False, why=_tma_why)",
+    ]
+    # _pack hands back the caller's sizes, and tensors, when it packs nothing
+    views = f"None if _sz is _real else [t.shape for t in ({', '.join(packed)},)]" if packed else "None"
+    real = "_real" if packed else "None"
+    store = [
+        "# not for positions or lengths (no key), nor TMA: descriptors are built on the tensors, each call",
+        "if _key is not None and not _meta.get(\"_TMA\"):",
+        f"    _remember_launch(_key, _stamp, (_dev, {views}, [(t.shape, t.dtype) for t in ({outs})], _grid, "
+        f"_args[{len(inputs) + len(allocated)}:], {{**_meta, \"_part\": None}}, "
+        f"0 if _part is None else _part.numel(), _chunk, {real}, _tma_last[\"why\"]))",
+    ]
+    return "\n".join([
+        key,
+        "with _AUTOTUNE_ONCE:  # one read of the tuned configs' file stamp, for the plan and the lookup",
+        indent("\n".join([
+            "_plan, _stamp = _launch_plan(_key)",
+            "if _plan is not None:  # a signature seen before: its plan (codegen/launch_plan.py)",
+            indent("\n".join(fast)),
+            "else:",
+            indent(work + "\n" + "\n".join(store))])),
+        tail,
+    ])
