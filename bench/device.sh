@@ -32,7 +32,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # list: the device tool's KINDS.md), at the versions CI's install resolves
 # today; lark's strict mode needs interegular (without it every diagram fails
 # to parse).  torch, triton, numpy and jinja2 are on the image; graphviz only
-# draws pictures.  tests/test_bench.py keeps this list and pyproject's together.
+# draws pictures.  tests/test_bench_scripts.py keeps this list and pyproject's together.
 WHEELS=("lark==1.3.1" "interegular==0.3.3")
 
 fetch() {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,12 @@ def pytest_collection_modifyitems(config, items):
 def update_golden(request) -> bool:
     """True when the run was started with ``--update-golden``."""
     return bool(request.config.getoption("--update-golden"))
+
+
+@pytest.fixture
+def quiet_flex():
+    """Eager flex_attention's warning on every call that it is not compiled,
+    kept quiet: intended in tests/test_bench*.py, which use it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        yield

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import napkin
-from test_backward import FAST, check, compile_text, gradients
+from backward_helpers import FAST, check, compile_text, gradients
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -370,7 +370,7 @@ def chunked_modules(tmp_path_factory):
     folder, cache = tmp_path_factory.mktemp("chunked"), {}
 
     def get(stem: str, chunk: int, replace=()):
-        from test_backward import compile_text
+        from backward_helpers import compile_text
         text = chunked_text(stem, chunk, replace)
         key = f"chunked_{stem}_{chunk}_{len(replace)}"
         if key not in cache:

@@ -36,7 +36,7 @@ from napkin.cost import analyse, from_json, with_blocks
 from napkin.cost.analysis import _plan
 from napkin.cost.backward import backward_cost
 from napkin.errors import NapkinError
-from test_backward import compile_text
+from backward_helpers import compile_text
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "examples" / "document_mask.ncd").read_text()

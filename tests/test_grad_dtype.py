@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_backward import example
+from backward_helpers import example
 
 BLOCKS = {"block_q": 16, "block_x": 16, "block_m": 16, "block_n": 16, "block_k": 16}
 SIZES = {
@@ -159,7 +159,7 @@ def test_an_lse_output_beside_fp32_inputs_called_in_fp16_is_no_16_bit_saved_stat
     row state (layouts hunt).  An undeclared lse is the accumulator's fp32 at every call now
     (language.md); a declared fp32 one follows the inputs as declared outputs do, and training
     keeps its own float32 lse beside it."""
-    from test_backward import compile_text
+    from backward_helpers import compile_text
 
     text = ("diagram att32\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
             "in V[b, h, x, d] : fp32\nS[b, h, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)\n"
@@ -186,7 +186,7 @@ def test_a_weighted_sum_along_no_feature_wire_follows_the_inputs_as_o_does(folde
     """O[b, h, q] = sum[x](softmax[x](S) * v) has no feature wire but is no row statistic: an fp32
     diagram called with fp16 tensors returns it in fp16, as O[b, h, q, d]; the first rule for
     row state kept it fp32 (today5 hunt).  lse and a row max stay float32."""
-    from test_backward import compile_text
+    from backward_helpers import compile_text
 
     text = ("diagram vecv\nwire b, h, q, x\nwire d = 16\nin Q[b, h, q, d] : fp32\nin K[b, h, x, d] : fp32\n"
             "in v[b, h, x] : fp32\nS[b, h, q, x] = sum[d](Q * K) * |d|^-0.5\nO[b, h, q] = sum[x](softmax[x](S) * v)\n"

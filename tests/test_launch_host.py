@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import napkin
 from napkin.parse import parse
-from test_backward import compile_text
+from backward_helpers import compile_text
 
 
 def _oracle_bind(m, shapes, free=()):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_backward import assert_accurate, compile_text, gradients
+from backward_helpers import assert_accurate, compile_text, gradients
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "examples" / "document_mask.ncd").read_text()

@@ -39,7 +39,7 @@ from napkin import masks, visits
 from napkin.codegen import lower as L
 from napkin.distributed.layouts import TokenLayout, take_rows
 
-import test_backward as tb  # its compile_text and EPS
+import backward_helpers as tb  # its compile_text and EPS
 from spies import heaviest_first, program_block
 from test_positions import edited_example
 

@@ -28,7 +28,7 @@ from napkin.bytecount import ByteCounter
 from napkin.codegen import lower as L
 from napkin.codegen import ranges as R
 from napkin.codegen.kernel_names import internal_names
-from test_backward import assert_accurate, compile_text, gradients
+from backward_helpers import assert_accurate, compile_text, gradients
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "examples" / "document_mask.ncd").read_text()

@@ -23,7 +23,7 @@ import torch
 
 from example_sizes import sizes_for
 from napkin import tunecache
-from test_backward import REPO, assert_accurate, example, gradients, launcher
+from backward_helpers import REPO, assert_accurate, example, gradients, launcher
 
 KERNELS = ("_tma_last", "_tma_last_dq", "_tma_last_dkdv")
 USED = {"used": True, "why": None}

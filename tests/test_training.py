@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from test_backward import compile_text, gradients
+from backward_helpers import compile_text, gradients
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCKS = {"block_q": 16, "block_x": 16}
