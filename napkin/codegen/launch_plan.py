@@ -3,7 +3,7 @@ signature alone, remembered per signature.
 
 A decode step's kernels take microseconds, and before them the launcher's
 Python binds the inputs, reads the tuned config, picks blocks and chunks,
-and works out the grid, every stride and the constexpr flags: 65-130 us a
+and works out the grid, every stride and the constexpr flags: 75-160 us a
 call on the CPU here (bench/launch_overhead.py), 80-230 us on the H200's
 host.  All of it follows from the call's signature: each input's type,
 shape, strides, dtype and device, and the options (their types too: 16.0

@@ -1,0 +1,35 @@
+"""What the cost pass's test files share: the bundled examples, a printed
+formula evaluated exactly, and the CLI run in-process."""
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import napkin
+from napkin import ir
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((REPO / "examples").glob("*.ncd"))
+
+
+def load(name: str) -> ir.Diagram:
+    return napkin.load(REPO / "examples" / f"{name}.ncd")
+
+
+def sizes_for(d: ir.Diagram, n: int, heads: int = 2) -> dict[str, int]:
+    """n for every sequence-like symbolic wire, ``heads`` for head wires, 1 for b."""
+    small = {"b": 1, "h": heads, "hk": heads, "g": 2}
+    return {w.name: small.get(w.name, n) for w in d.wires if w.size is None}
+
+
+def evaluate(formula: str, env) -> Fraction:
+    """Evaluate a printed formula (a*b/c + ... with ^) exactly."""
+    expr = formula.replace("^", "**")
+    return Fraction(eval(expr, {"__builtins__": {}}, {k: Fraction(v) for k, v in env.items()}))
+
+
+def run_cli(*argv, capsys):
+    from napkin.cli import main
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
