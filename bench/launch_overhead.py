@@ -135,7 +135,6 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
     inputs = module.example_inputs(sizes, dtype=dtype, device=device, seed=0)
     launch = getattr(module, name)
     fresh = growing(module, sizes, dtype, device, calls) if new_shapes else None
-    turn = iter(())
     with contextlib.ExitStack() as stack:
         launches = stack.enter_context((hopper if triton else stubbed)(module))
         if new_shapes:
@@ -158,7 +157,8 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
             def call():
                 launch(*inputs)
         before = launches()
-        turn = itertools.cycle(fresh or [None])   # the warm-up's 50 calls: round the lengths
+        if new_shapes:
+            turn = itertools.cycle(fresh)   # the warm-up's 50 calls: round the lengths
         for _ in range(50):
             call()
         counts = {k: v - before.get(k, 0) for k, v in launches().items()}

@@ -205,46 +205,6 @@ def _check_device(device):
                          "TRITON_INTERPRET=1 (set before triton is first imported)")
 
 
-# _bind's answers for launches, by the inputs' signatures: (free dimensions, then each input's
-# type, shape, dtype and device), everything _bind reads.  Answers are shared: read-only.  A
-# decode loop's growing cache makes an entry per length, each a few objects the garbage collector
-# walks while they live: cleared past _BIND_MEMO_SIZE, as are the launch plans below (at 4096
-# entries each, a loop of 2,000 new lengths paid 210 us a launch against 114 without them, its
-# collections 12 times as many; at 64, 123-144 us: bench/launch_overhead.py's stubs, this machine).
-_BIND_MEMO = {}
-_BIND_MEMO_SIZE = 64
-
-
-def _bind_for_launch(tensors, free=(), remember=True):
-    """_bind's answer for a launcher's inputs, on a device its kernels can run on.
-    Remembered per signature (_BIND_MEMO): only an answer is, never a refusal,
-    so a bad call is refused in _bind's words every time.  remember=False: a
-    launcher that keeps its own plans per signature (the attention forward's)."""
-    if not remember:
-        key = None
-    else:
-        try:
-            key = (frozenset(free), *[(type(t), t.shape, t.dtype, t.device) for t in tensors])
-        except AttributeError:   # not a tensor: _bind says so
-            key = None
-    bound = _BIND_MEMO.get(key)
-    if bound is None:
-        bound = _bind(tensors, kernel=True, free=free)
-        if key is not None:
-            if len(_BIND_MEMO) >= _BIND_MEMO_SIZE:
-                _BIND_MEMO.clear()
-            _BIND_MEMO[key] = bound
-    _check_device(bound[2])
-    return bound
-
-
-# Launch plans (napkin/codegen/launch_plan.py): what an attention forward launcher works out from a
-# call's signature alone, by signature, with the tuned configs' file stamp it was made under.  A
-# decode loop's growing cache makes a signature per length: cleared past _LAUNCH_PLANS_SIZE (above).
-_LAUNCH_PLANS = {}
-_LAUNCH_PLANS_SIZE = 64
-
-
 def _launch_key(tensors, options):
     """A call's signature: each input's type, shape, strides, dtype and device,
     the options and their types (16.0 and True hash as 16 and 1, and are
@@ -254,6 +214,38 @@ def _launch_key(tensors, options):
                 *map(type, options))
     except (AttributeError, TypeError):
         return None
+
+
+# _bind's answers for launches, by the inputs' signatures (_launch_key's, the free dimensions its
+# option: everything _bind reads, and strides, which it does not).  Answers are shared: read-only.  A
+# decode loop's growing cache makes an entry per length, each a few objects the garbage collector
+# walks while they live (and a launch plan may hold a packed-rows positions tensor): cleared past
+# _BIND_MEMO_SIZE, as are the launch plans below (session 39's note has what the bound cost).
+_BIND_MEMO = {}
+_BIND_MEMO_SIZE = 64
+
+
+def _bind_for_launch(tensors, free=(), remember=True):
+    """_bind's answer for a launcher's inputs, on a device its kernels can run on.
+    Remembered per signature (_BIND_MEMO, _launch_key's with the free
+    dimensions as its option): only an answer is, never a refusal, so a bad
+    call is refused in _bind's words every time.  remember=False: a launcher
+    that keeps its own plans per signature (the attention forward's)."""
+    key = _launch_key(tensors, (frozenset(free),)) if remember else None
+    bound = _BIND_MEMO.get(key)
+    if bound is None:
+        bound = _bind(tensors, kernel=True, free=free)
+        if key is not None:
+            _memo_put(_BIND_MEMO, _BIND_MEMO_SIZE, key, bound)
+    _check_device(bound[2])
+    return bound
+
+
+# Launch plans (napkin/codegen/launch_plan.py): what an attention forward launcher works out from a
+# call's signature alone, by signature, with the tuned configs' file stamp it was made under.  A
+# decode loop's growing cache makes a signature per length: cleared past _LAUNCH_PLANS_SIZE (above).
+_LAUNCH_PLANS = {}
+_LAUNCH_PLANS_SIZE = 64
 
 
 def _launch_plan(key):
@@ -271,11 +263,8 @@ def _launch_plan(key):
 def _remember_launch(key, stamp, plan):
     """Keep ``plan`` for ``key``, made under the tuned configs' ``stamp`` (None:
     an option no dict key can be, which the lookup could not take)."""
-    if key is None or stamp is None:
-        return
-    if len(_LAUNCH_PLANS) >= _LAUNCH_PLANS_SIZE:
-        _LAUNCH_PLANS.clear()
-    _LAUNCH_PLANS[key] = (stamp, plan)
+    if key is not None and stamp is not None:
+        _memo_put(_LAUNCH_PLANS, _LAUNCH_PLANS_SIZE, key, (stamp, plan))
 
 
 def _on_inputs_device(launch):
@@ -560,6 +549,15 @@ class _AutotuneOnce:
 _AUTOTUNE_ONCE = _AutotuneOnce()
 
 
+def _memo_put(memo, limit, key, value):
+    """``memo[key] = value``, the memo cleared first when it holds ``limit``
+    entries (the tuned configs', and the module's bindings and launch plans:
+    a decode loop's growing cache makes an entry per length)."""
+    if len(memo) >= limit:
+        memo.clear()
+    memo[key] = value
+
+
 def _autotune_cache_path():
     """$NAPKIN_CACHE/autotune.json, else ~/.cache/napkin/autotune.json."""
     env = (_autotune_os.environ.get("NAPKIN_CACHE"), _autotune_os.environ.get("HOME"))
@@ -646,9 +644,7 @@ def _autotune_lookup(sizes, device, classes, kind=""):
         return seen[1]
     key = _autotune_key(_AUTOTUNE_HASH, _autotune_device_name(device), classes, sizes, _AUTOTUNE_WIRES, kind)
     config = _autotune_config(_autotune_read(path).get(key), _autotune_widths(sizes)) if stamp[1] is not None else None
-    if len(_autotune_memo) >= _AUTOTUNE_MEMO:
-        _autotune_memo.clear()
-    _autotune_memo[memo] = (stamp, config)
+    _memo_put(_autotune_memo, _AUTOTUNE_MEMO, memo, (stamp, config))
     return config
 
 
