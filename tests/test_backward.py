@@ -6,7 +6,8 @@ module's own eager ``reference``, on random inputs and random output
 gradients.  The accuracy rule is test_kernels.py's: on every entry, the
 kernel's error is at most twice the same-dtype reference's error (autograd
 through ``reference`` on the same 16- or 32-bit inputs) plus 4 ulps of the
-gradient's dtype times its scale.  Kernels run under TRITON_INTERPRET=1 with
+gradient's dtype and 4 float32 ulps (the P it recomputes, rounded its own
+way) times its scale.  Kernels run under TRITON_INTERPRET=1 with
 16-row blocks, so ragged sizes cross several blocks; bf16 only on a GPU.
 
 The rule's helpers are tests/backward_helpers.py.  Also: masks, side inputs
