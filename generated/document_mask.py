@@ -2213,6 +2213,16 @@ def _document_mask_bwd_dq_kernel(
 @_on_inputs_device
 def _document_mask_preprocess(Q, K, V, doc, dO, O, _o, positions=None, _bound=None):
     """(delta): the backward's per-row values."""
+    # The call's signature (None with positions, or an input not given: dlse=None), as the backward
+    # launcher's; its plan holds the rows kernel's launch (codegen/launch_plan.py)
+    _key = _launch_key((Q, K, V, doc, dO, O,), ("preprocess", *_o)) if positions is None else None
+    _plan, _stamp = _launch_plan(_key)
+    if _plan is not None:   # a signature seen before: allocate and launch
+        _dev, _allocs, _run = _plan
+        if dO.dtype.itemsize > Q.dtype.itemsize:   # as below
+            dO = dO.to(Q.dtype)
+        delta, = [torch.empty(s, dtype=torch.float32, device=_dev) for s in _allocs]
+        return _document_mask_preprocess_launch(Q, K, V, doc, dO, O, delta, _run)
     if _bound is None:   # else _grads bound the inputs once for this launcher and the backward's
         # inputs read at global positions (document ids) hold the global rows: they bind no size
         _bound = _bind_for_launch((Q, K, V, doc,), free=_global_dims(positions))
@@ -2226,16 +2236,22 @@ def _document_mask_preprocess(Q, K, V, doc, dO, O, _o, positions=None, _bound=No
     _br = _block_size(_opts["block_q"], "q", "block_q")
     delta = torch.empty(_shape("delta", _sz), dtype=torch.float32, device=_dev)
     _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
-    if math.prod(_grid) > 0:
-        _document_mask_bwd_rows_kernel[_grid](
-            dO, O, delta,
-            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-            *_wire_strides(dO, "dO", _sz),
-            *_wire_strides(O, "O", _sz),
-            *_wire_strides(delta, "delta", _sz),
-            _BLOCK_q=_br, _BLOCK_d=64, _INT64=_int64_offsets(dO, O, delta),
-            num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True,
-        )
+    # the launch: (grid, the positional arguments after its tensors, the keywords), or None
+    _run = (_grid, (
+        _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+        *_wire_strides(dO, "dO", _sz),
+        *_wire_strides(O, "O", _sz),
+        *_wire_strides(delta, "delta", _sz),
+    ), dict(_BLOCK_q=_br, _BLOCK_d=64, _INT64=_int64_offsets(dO, O, delta), num_warps=_opts["num_warps"] or 4, enable_fp_fusion=True)) \
+        if math.prod(_grid) > 0 else None
+    _remember_launch(_key, _stamp, (_dev, [t.shape for t in (delta,)], _run))
+    return _document_mask_preprocess_launch(Q, K, V, doc, dO, O, delta, _run)
+
+
+def _document_mask_preprocess_launch(Q, K, V, doc, dO, O, delta, _run):
+    """The rows kernel launched as _document_mask_preprocess worked it out (``_run``, or a plan's; None: no rows)."""
+    if _run is not None:
+        _document_mask_bwd_rows_kernel[_run[0]](dO, O, delta, *_run[1], **_run[2])
     return (delta,)
 
 
@@ -2323,14 +2339,16 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
     _grad_Q = torch.empty(_shape("_grad_Q", _sz), dtype=Q.dtype if _like else torch.float32, device=_dev)
     _grad_K = torch.empty(_shape("_grad_K", _sz), dtype=K.dtype if _like else torch.float32, device=_dev)
     _grad_V = torch.empty(_shape("_grad_V", _sz), dtype=V.dtype if _like else torch.float32, device=_dev)
-    _side = _bwd_stream_fork(_dev)  # before dK/dV is queued: dQ must not wait for it
+    # Each loop kernel's launch, worked out here and made in _document_mask_backward_launch: (grid,
+    # the positional arguments after its tensors, the keywords), or None when it does not run.
+    _runs = []
+    _side = _bwd_stream_fork(_dev)  # before anything of dK/dV's is queued: dQ's must not wait for it
     try:
         _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"]))
         if (_need[1] or _need[2]) and math.prod(_grid) > 0:
             _kv_rng, _kv_rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
-            _document_mask_bwd_dkdv_kernel[_grid](
-                K, doc, V, Q, lse, dO, delta, _grad_K, _grad_V,
+            _runs.append((_grid, (
                 _sz["b"], _sz["h"], _sz["q"], _sz["x"],
                 *_wire_strides(K, "K", _sz),
                 *_wire_strides(doc, "doc", _sz),
@@ -2341,33 +2359,46 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
                 *_wire_strides(delta, "delta", _sz),
                 *_wire_strides(_grad_K, "_grad_K", _sz),
                 *_wire_strides(_grad_V, "_grad_V", _sz),
-                _BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, _INT64=_int64_offsets(K, doc, V, Q, lse, dO, delta, _grad_K, _grad_V), **_pos, **_kv_tma, _ranges=_kv_rng, _RANGES=_kv_rng_on,
-                num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True,
-            )
+            ), dict(_BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, _INT64=_int64_offsets(K, doc, V, Q, lse, dO, delta, _grad_K, _grad_V), **_pos, **_kv_tma, _ranges=_kv_rng, _RANGES=_kv_rng_on, num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True)))
         else:   # this call's record, not the last launch's
+            _runs.append(None)
             _tma_last_dkdv.update(used=False, why=_NOT_LAUNCHED)
         _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
         if (_need[0]) and math.prod(_grid) > 0:
-            # not torch.cuda.stream(None): it would start CUDA even for CPU tensors
+            # dQ's prepass on dQ's stream (not torch.cuda.stream(None): it would start CUDA even for CPU tensors)
             with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
                 _rng, _rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
-                _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
-                _document_mask_bwd_dq_kernel[_grid](
-                    Q, doc, lse, dO, delta, K, V, _grad_Q,
-                    _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-                    *_wire_strides(Q, "Q", _sz),
-                    *_wire_strides(doc, "doc", _sz),
-                    *_wire_strides(lse, "lse", _sz),
-                    *_wire_strides(dO, "dO", _sz),
-                    *_wire_strides(delta, "delta", _sz),
-                    *_wire_strides(K, "K", _sz),
-                    *_wire_strides(V, "V", _sz),
-                    *_wire_strides(_grad_Q, "_grad_Q", _sz),
-                    _BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _INT64=_int64_offsets(Q, doc, lse, dO, delta, K, V, _grad_Q), **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on,
-                    num_warps=_warps, num_stages=_stages, enable_fp_fusion=True,
-                )
-        else:
+            _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
+            _runs.append((_grid, (
+                _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+                *_wire_strides(Q, "Q", _sz),
+                *_wire_strides(doc, "doc", _sz),
+                *_wire_strides(lse, "lse", _sz),
+                *_wire_strides(dO, "dO", _sz),
+                *_wire_strides(delta, "delta", _sz),
+                *_wire_strides(K, "K", _sz),
+                *_wire_strides(V, "V", _sz),
+                *_wire_strides(_grad_Q, "_grad_Q", _sz),
+            ), dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _INT64=_int64_offsets(Q, doc, lse, dO, delta, K, V, _grad_Q), **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_warps, num_stages=_stages, enable_fp_fusion=True)))
+        else:   # this call's record, not the last launch's
+            _runs.append(None)
             _tma_last_dq.update(used=False, why=_NOT_LAUNCHED)
+    except BaseException:   # joined: nothing may free what the second stream still writes
+        _bwd_stream_join(_dev, _side)
+        raise
+    return _document_mask_backward_launch(Q, K, V, doc, dO, lse, delta, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side)
+
+
+def _document_mask_backward_launch(Q, K, V, doc, dO, lse, delta, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side):
+    """The backward's loop kernels launched as _document_mask_backward worked them out (``_runs``, or a plan's),
+    dQ on ``_side`` (_bwd_stream_fork's, None: the caller's stream), then what the launcher adds up after them."""
+    try:
+        if _runs[0] is not None:
+            _document_mask_bwd_dkdv_kernel[_runs[0][0]](K, doc, V, Q, lse, dO, delta, _grad_K, _grad_V, *_runs[0][1], **_runs[0][2])
+        if _runs[1] is not None:
+            # not torch.cuda.stream(None): it would start CUDA even for CPU tensors
+            with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
+                _document_mask_bwd_dq_kernel[_runs[1][0]](Q, doc, lse, dO, delta, K, V, _grad_Q, *_runs[1][1], **_runs[1][2])
     finally:  # joined even when a launch raised: nothing may free what the second stream still writes
         _bwd_stream_join(_dev, _side)
     return (_grad_Q if _need[0] else None, _grad_K if _need[1] else None, _grad_V if _need[2] else None, None, )

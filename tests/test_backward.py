@@ -307,19 +307,27 @@ def emitted(name: str) -> str:
 
 def test_the_streams_fork_before_dkdv_and_join_before_dq_is_read():
     """Without CUDA the knob changes nothing (no stream to fork); the text
-    puts the fork before the dK/dV launch (dQ must not wait for it), the dQ
-    launch, its ranges prepass included, on the second stream, and the join
-    before anything reads what dQ wrote (the side gradients' sums)."""
+    puts the fork before anything of dK/dV's (its ranges prepass, its
+    launch: dQ must not wait for them), dQ's prepass and launch on the second
+    stream, a join when working the launches out raised, and the join before
+    anything reads what dQ wrote (the side gradients' sums)."""
     src = emitted("document_mask")
-    body = src.split("def _document_mask_backward(")[1].split("\ndef ")[0]
-    fork, dkdv = body.index("_side = _bwd_stream_fork(_dev)"), body.index("_document_mask_bwd_dkdv_kernel[_grid](")
-    stream = body.index("with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():")
-    dq = body.index("_document_mask_bwd_dq_kernel[_grid](")
-    assert fork < dkdv < stream < body.index("_rng, _rng_on = _document_mask_ranges_cached(mask_cache, ", stream) < dq \
-        < body.index("_bwd_stream_join(_dev, _side)") < body.index("return (")
+    work = src.split("def _document_mask_backward(")[1].split("\ndef ")[0]
+    launch = src.split("def _document_mask_backward_launch(")[1].split("\ndef ")[0]
+    stream = "with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():"
+    fork = work.index("_side = _bwd_stream_fork(_dev)")
+    assert fork < work.index("_kv_rng, _kv_rng_on = _document_mask_ranges_cached(mask_cache, ") \
+        < work.index(stream) < work.index("_rng, _rng_on = _document_mask_ranges_cached(mask_cache, ", work.index(stream)) \
+        < work.index("except BaseException:") < work.index("_bwd_stream_join(_dev, _side)") \
+        < work.index("return _document_mask_backward_launch(")
+    dkdv, dq = launch.index("_document_mask_bwd_dkdv_kernel["), launch.index("_document_mask_bwd_dq_kernel[")
+    assert dkdv < launch.index(stream) < dq < launch.index("_bwd_stream_join(_dev, _side)") < launch.index("return (")
     alibi = emitted("alibi")
-    body = alibi.split("def _alibi_backward(")[1].split("\ndef ")[0]
+    body = alibi.split("def _alibi_backward_launch(")[1].split("\ndef ")[0]
     assert body.index("_bwd_stream_join(_dev, _side)") < body.index("_grad_slope = _part_slope.sum(")
+    attention = emitted("attention")   # a plan's launch forks too
+    planned = attention.split("def _attention_backward(")[1].split("\ndef ")[0]
+    assert planned.index("_side = _bwd_stream_fork(_dev)") < planned.index("return _attention_backward_launch(")
     assert 'BACKWARD_OVERLAP = os.environ.get("NAPKIN_BACKWARD_OVERLAP", "") == "1"' in src
 
 

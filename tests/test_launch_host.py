@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import math
 from pathlib import Path
@@ -369,7 +370,8 @@ _PLANNED = ("attention", "gqa", "flash_decoding", "mla", "attention_sink", "slid
 
 @pytest.fixture(scope="module")
 def planned_modules():
-    return {n: importlib.import_module(f"generated.{n}") for n in _PLANNED + ("document_mask",)}
+    return {n: importlib.import_module(f"generated.{n}")
+            for n in _PLANNED + ("document_mask", "alibi", "l2_attention")}
 
 
 def _inputs(m, data, dtype):
@@ -457,6 +459,123 @@ def test_a_plan_is_made_again_for_a_retuned_config_and_never_answers_a_refused_o
     for x in (3, 4, 5, 6):
         _call(m, m.example_inputs(dict(sizes, x=x), dtype=torch.float32), {})
         assert len(m._LAUNCH_PLANS) <= 2
+
+
+# The backward launchers (NAME_backward, which autograd's backward calls) keep
+# plans too: the dQ and dK/dV launches, checked the same way.
+_BACKWARD_PLANNED = ("attention", "gqa", "mla", "attention_sink", "sliding_window", "l2_attention")
+
+
+def _state(m, inputs, dtype):
+    """The backward's other tensors (dO, the saved row state), shaped per the
+    inputs: dO in ``dtype``, the row state float32; random values (the
+    kernels are stubbed)."""
+    sz = m._bind_for_launch(tuple(inputs))[0]
+    names = list(inspect.signature(_launcher(m, "_backward")).parameters)[len(m.INPUTS):]
+    names = names[:names.index("need") - len(m._OPTIONS)]
+    return [torch.randn(m._shape(n, sz), dtype=dtype if n == "dO" else torch.float32) for n in names]
+
+
+def _launcher(m, suffix=""):
+    return getattr(m, m.__name__.rsplit(".", 1)[-1] + suffix)
+
+
+def _call_backward(m, tensors, options):
+    """NAME_backward's gradients (shape, strides, dtype, or None) and launches, or the error it raised."""
+    with _recorded(m) as log:
+        try:
+            out = _launcher(m, "_backward")(*tensors, **options)
+        except (TypeError, ValueError) as err:
+            return type(err), str(err)
+    return [None if g is None else (tuple(g.shape), g.stride(), g.dtype) for g in out], _seen(log, tensors)
+
+
+def _backward_options(m, data):
+    need = data.draw(st.sampled_from(["none", "mask", "flags"]), label="need kind")
+    n = len(m.INPUTS)
+    return {"block_q": data.draw(st.sampled_from([None, 16, 32]), label="block_q"),
+            "block_x": data.draw(st.sampled_from([None, 16, 32]), label="block_x"),
+            "num_warps": data.draw(st.sampled_from([None, 2, 4]), label="num_warps"),
+            "num_stages": data.draw(st.sampled_from([None, 1, 2]), label="num_stages"),
+            "need": None if need == "none" else data.draw(st.integers(0, (1 << n) - 1), label="mask")
+            if need == "mask" else tuple(data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="flags")),
+            "grad_dtype": data.draw(st.sampled_from(["float32", "input"]), label="grad_dtype")}
+
+
+def _backward_key(m, tensors, options):
+    return m._launch_key(tuple(tensors), ("backward", *[options.get(o) for o in m._OPTIONS],
+                                          options["need"], options["grad_dtype"]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_a_backward_launch_from_its_plan_is_the_one_the_whole_launcher_makes(planned_modules, data):
+    """Random direct calls of NAME_backward (sizes, dtypes, a transposed
+    input, blocks, warps, stages, need as a mask or flags, grad_dtype) of
+    modules with plain, grouped, two-part, sink and normalised scores: the
+    gradients' shapes, strides and dtypes and the launches, with the plans
+    remembered so far, equal the whole launcher's with no plan, refusals
+    too; the second call of a signature is made from its plan.  Calls may
+    reuse the tensors before them with other options."""
+    m = planned_modules[data.draw(st.sampled_from(_BACKWARD_PLANNED), label="module")]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("NAPKIN_CACHE", "/nonexistent/napkin-test-cache")
+        whole, tensors = m._launch_plan, None
+        for _ in range(data.draw(st.integers(1, 4), label="calls")):
+            # the tensors of the call before, sometimes, with other options: a key must tell them apart
+            if tensors is None or not data.draw(st.booleans(), label="same tensors"):
+                dtype = data.draw(st.sampled_from([torch.float16, torch.float32]), label="dtype")
+                inputs = _inputs(m, data, dtype)
+                tensors = inputs + _state(m, inputs, dtype)
+            options = _backward_options(m, data)
+            monkeypatch.setattr(m, "_launch_plan", lambda key: (None, None))
+            expected = _call_backward(m, tensors, options)
+            monkeypatch.setattr(m, "_launch_plan", whole)
+            assert _call_backward(m, tensors, options) == expected
+            planned = whole(_backward_key(m, tensors, options))[0] is not None
+            assert planned == isinstance(expected[0], list)   # remembered unless refused
+            assert _call_backward(m, tensors, options) == expected
+
+
+def test_a_backward_plan_follows_a_retuned_config_and_never_answers_a_refused_option(planned_modules,
+                                                                                     monkeypatch, tmp_path):
+    """As the forward's: a rewritten tuned-configs file is read at once;
+    16.0, True (as need or a block) are refused after 16 and 1 were planned;
+    tma=True and positions= make no plan; diagrams whose mask reads data or
+    whose side inputs add partial sums (ALiBi's slope) plan nothing."""
+    from napkin import tunecache
+
+    m = planned_modules["attention"]
+    monkeypatch.setenv("NAPKIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(m, "_LAUNCH_PLANS", {})
+    sizes = {"b": 1, "h": 2, "q": 5, "x": 7, "d": 64}
+    inputs = list(m.example_inputs(sizes, dtype=torch.float32))
+    tensors = inputs + _state(m, inputs, torch.float32)
+    dq_block = lambda seen: next(kw["_BLOCK_q"] for n, _, _, kw in seen[1] if n.endswith("_dq_kernel"))
+    assert dq_block(_call_backward(m, tensors, {})) == dq_block(_call_backward(m, tensors, {}))
+    assert len(m._LAUNCH_PLANS) == 1
+    key = tunecache.cache_key(m.SOURCE_HASH, "cpu", {"fp16": "float32"}, sizes, ("b", "h", "q", "x"), "bwd")
+    (tmp_path / "autotune.json").write_text(json.dumps(
+        {"schema": tunecache.SCHEMA, "entries": {key: {"config": {"block_q": 32, "block_x": 16}}}}))
+    assert dq_block(_call_backward(m, tensors, {})) == 32
+    assert dq_block(_call_backward(m, tensors, {"block_q": 16, "need": 1})) == 16
+    assert _call_backward(m, tensors, {"block_q": 16.0, "need": 1}) == (
+        ValueError, "block_q must be a whole number or None, not 16.0")
+    assert _call_backward(m, tensors, {"block_q": 16, "need": True})[0] is ValueError
+    planned = len(m._LAUNCH_PLANS)
+    _call_backward(m, tensors, {"tma": True})
+    assert m._tma_last_dq["used"] and len(m._LAUNCH_PLANS) == planned
+    _call_backward(m, tensors, {"positions": {"q": torch.arange(5), "x": torch.arange(7)}})
+    assert len(m._LAUNCH_PLANS) == planned
+    _call_backward(m, tensors, {})
+    assert m._tma_last_dq == {"used": False, "why": "tma not requested"}   # the plan's call says so again
+    for name in ("document_mask", "alibi"):
+        d = planned_modules[name]
+        monkeypatch.setattr(d, "_LAUNCH_PLANS", {})
+        ins = list(d.example_inputs(dict(sizes, x=5), dtype=torch.float32))   # doc is read along q and x
+        for _ in range(2):
+            assert isinstance(_call_backward(d, ins + _state(d, ins, torch.float32), {})[0], list)
+        assert d._LAUNCH_PLANS == {}, name
 
 
 # --------------------------------------------------------------------------

@@ -601,6 +601,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         "after": "\n".join(after), "grid_wire": k.grid_wire, "loop_wire": k.loop_wire,
         "batch": ", ".join(k.batch) or "none", "outer": ", ".join(k.outer), "sides": [s.tensor for s in k.sides],
         "args": _launch_args(plan, k, names, dims), "ranges_call": ranges_call,
+        **_launch_parts(plan, k, names, dims),
     }
 
 
@@ -659,3 +660,12 @@ def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
             blocks.append(f"_ranges={rng}, _RANGES={rng}_on")
     args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks)]
     return ",\n".join(args)
+
+
+def _launch_parts(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> dict:
+    """A loop kernel's launch in the three parts a backward launch plan keeps
+    apart (codegen/launch_plan.py): its tensors, named each call; the
+    positional arguments after them (sizes, strides) and the keyword ones
+    (blocks, flags, positions, TMA), which follow from the call's signature."""
+    head, *rest = _launch_args(plan, k, names, dims).split(",\n")
+    return {"tensors": head, "tail": ",\n".join(rest[:-1]), "keywords": rest[-1]}

@@ -38,6 +38,7 @@ from ..autodiff import ONE
 from ..errors import NapkinError
 from ..printer import expr_text, layout_text
 from . import launch as H
+from . import ranges as R
 from . import lower as L
 from .kernel_names import fresh_name
 
@@ -483,6 +484,10 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
     grads = [f"d{bound[n]}" if n in bound else "_" for n in user_outputs]
     if "dlse" in b.row_inputs + b.state and "dlse" not in grads:
         raise AssertionError("dlse is read but lse is no output")
+    # an input the rows read (sum[x](S * tau * V)'s tau) is a parameter already: listed again the
+    # preprocess was def _t_preprocess(Q, K, V, tau, dO, tau, ...), no valid module
+    row_inputs = [n for n in b.row_inputs if b.forward.diagram.tensor(n) is None or
+                  not isinstance(b.forward.diagram.tensor(n), ir.Input)]
     return {
         "family": "attention", "bw": b, "row": b.row, "col": b.col,
         # each gradient buffer's dtype: the input's under grad_dtype="input", else float32; a shared
@@ -496,10 +501,7 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "kernels": [kernel_context(b, k) for k in b.kernels],
         "unpack_outs": ", ".join(outs) + ("," if len(outs) == 1 else ""),
         "unpack_grads": ", ".join(grads) + ("," if len(grads) == 1 else ""),
-        # an input the rows read (sum[x](S * tau * V)'s tau) is a parameter already: listed again the
-        # preprocess was def _t_preprocess(Q, K, V, tau, dO, tau, ...), no valid module
-        "row_inputs": [n for n in b.row_inputs if b.forward.diagram.tensor(n) is None or
-                       not isinstance(b.forward.diagram.tensor(n), ir.Input)],
+        "row_inputs": row_inputs,
         "row_outputs": list(b.row_outputs), "aliases": list(b.aliases),
         "state": list(b.state), "grad_names": list(b.grads),
         "grid_batch": " * ".join(f'_sz["{w}"]' for w in b.batch) or "1",
@@ -510,7 +512,17 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
             "partial_sum": f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else ""} for s in
             b.kernel("dq").sides],
         "row_grads": _row_grads(b),
+        # a launch plan per signature (codegen/launch_plan.py), as the forward's: not with side
+        # inputs' partial sums (zeroed buffers of their own) nor a mask that reads data (its prepass)
+        "planned": not b.kernel("dq").sides and not R.applies(b.forward),
+        "grad_buffers": [f"_grad_{n}" for n in b.qs + b.ks + (b.v,)],
+        "launch_params": ", ".join([*(x.name for x in t.forward.diagram.inputs), *b.state,
+                                    *(f"_grad_{n}" for n in b.qs + b.ks + (b.v,)),
+                                    *(s.buffer for s in b.kernel("dq").sides),
+                                    "_need", "_like", "_sz", "_dev", "_runs", "_side"]),
         "optional": ["dlse"] if "dlse" in b.row_inputs else [],
+        "preprocess_params": ", ".join([*(x.name for x in t.forward.diagram.inputs), *row_inputs, *b.row_outputs,
+                                        "_run"]),
         "round_do": "dO" in b.row_inputs and rows_round_do(b),
     }
 
