@@ -2152,7 +2152,7 @@ def _attention_sink_backward(Q, K, V, sink, dO, delta, lseg, dT0, _o, need, posi
         if positions is None and lengths is None else None
     _plan, _stamp = _launch_plan(_key)
     if _plan is not None:   # a signature seen before: allocate and launch (codegen/launch_plan.py)
-        _sz, _dev, _need, _allocs, _runs, _whys = _plan
+        _sz, _dev, _need, _allocs, _zeroed, _runs, _whys = _plan
         _grad_Q, _grad_K, _grad_V, = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]
         _tma_last_dkdv.update(used=False, why=_whys[0])
         _tma_last_dq.update(used=False, why=_whys[1])
@@ -2249,7 +2249,8 @@ def _attention_sink_backward(Q, K, V, sink, dO, delta, lseg, dT0, _o, need, posi
         raise
     # Kept for the signature, unless a kernel moves its tiles through TMA (descriptors are built on the tensors)
     if _key is not None and not any(r is not None and r[2].get("_TMA") for r in _runs):
-        _remember_launch(_key, _stamp, (_sz, _dev, _need, [(t.shape, t.dtype) for t in (_grad_Q, _grad_K, _grad_V,)], _runs,
+        _remember_launch(_key, _stamp, (_sz, _dev, _need, [(t.shape, t.dtype) for t in (_grad_Q, _grad_K, _grad_V,)],
+                                        [], _runs,
                                         (_tma_last_dkdv["why"], _tma_last_dq["why"], )))
     return _attention_sink_backward_launch(Q, K, V, sink, dO, delta, lseg, dT0, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side)
 

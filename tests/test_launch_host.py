@@ -463,7 +463,7 @@ def test_a_plan_is_made_again_for_a_retuned_config_and_never_answers_a_refused_o
 
 # The backward launchers (NAME_backward, which autograd's backward calls) keep
 # plans too: the dQ and dK/dV launches, checked the same way.
-_BACKWARD_PLANNED = ("attention", "gqa", "mla", "attention_sink", "sliding_window", "l2_attention")
+_BACKWARD_PLANNED = ("attention", "gqa", "mla", "attention_sink", "sliding_window", "l2_attention", "alibi")
 
 
 def _state(m, inputs, dtype):
@@ -512,7 +512,8 @@ def _backward_key(m, tensors, options):
 def test_a_backward_launch_from_its_plan_is_the_one_the_whole_launcher_makes(planned_modules, data):
     """Random direct calls of NAME_backward (sizes, dtypes, a transposed
     input, blocks, warps, stages, need as a mask or flags, grad_dtype) of
-    modules with plain, grouped, two-part, sink and normalised scores: the
+    modules with plain, grouped, two-part, sink, normalised and ALiBi scores
+    (the slope's zeroed partial sums): the
     gradients' shapes, strides and dtypes and the launches, with the plans
     remembered so far, equal the whole launcher's with no plan, refusals
     too; the second call of a signature is made from its plan.  Calls may
@@ -541,8 +542,8 @@ def test_a_backward_plan_follows_a_retuned_config_and_never_answers_a_refused_op
                                                                                      monkeypatch, tmp_path):
     """As the forward's: a rewritten tuned-configs file is read at once;
     16.0, True (as need or a block) are refused after 16 and 1 were planned;
-    tma=True and positions= make no plan; diagrams whose mask reads data or
-    whose side inputs add partial sums (ALiBi's slope) plan nothing."""
+    tma=True and positions= make no plan; a diagram whose mask reads data
+    plans nothing."""
     from napkin import tunecache
 
     m = planned_modules["attention"]
@@ -569,13 +570,12 @@ def test_a_backward_plan_follows_a_retuned_config_and_never_answers_a_refused_op
     assert len(m._LAUNCH_PLANS) == planned
     _call_backward(m, tensors, {})
     assert m._tma_last_dq == {"used": False, "why": "tma not requested"}   # the plan's call says so again
-    for name in ("document_mask", "alibi"):
-        d = planned_modules[name]
-        monkeypatch.setattr(d, "_LAUNCH_PLANS", {})
-        ins = list(d.example_inputs(dict(sizes, x=5), dtype=torch.float32))   # doc is read along q and x
-        for _ in range(2):
-            assert isinstance(_call_backward(d, ins + _state(d, ins, torch.float32), {})[0], list)
-        assert d._LAUNCH_PLANS == {}, name
+    d = planned_modules["document_mask"]
+    monkeypatch.setattr(d, "_LAUNCH_PLANS", {})
+    ins = list(d.example_inputs(dict(sizes, x=5), dtype=torch.float32))   # doc is read along q and x
+    for _ in range(2):
+        assert isinstance(_call_backward(d, ins + _state(d, ins, torch.float32), {})[0], list)
+    assert d._LAUNCH_PLANS == {}
 
 
 # --------------------------------------------------------------------------

@@ -21,10 +21,10 @@ The backward's launchers keep plans the same way, in the same memo, under
 keys tagged "preprocess" and "backward" (templates/training.py.jinja: each
 works its launches out as (grid, the positional arguments after the
 kernel's tensors, the keywords) and hands them to a launch function that a
-plan's call goes to directly).  The rows kernel's is always kept; the dQ
-and dK/dV kernels' not for side inputs' partial sums (ALiBi's slope: zeroed
-buffers of their own) or a mask that reads data, nor with positions,
-lengths or TMA, as the forward's.
+plan's call goes to directly; side inputs' partial sums, ALiBi's slope's,
+zeroed again).  The rows kernel's is always kept; the dQ and dK/dV
+kernels' not for a mask that reads data, nor with positions, lengths or
+TMA, as the forward's.
 
 A plan: the device; packed rows' input shapes (the launch reshapes the
 caller's tensors); each allocated tensor's shape and dtype (outputs, saved
