@@ -1417,7 +1417,7 @@ def _causal_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save
     with _AUTOTUNE_ONCE:  # one read of the tuned configs' file stamp, for the plan and the lookup
         _plan, _stamp = _launch_plan(_key)
         if _plan is not None:  # a signature seen before: its plan (codegen/launch_plan.py)
-            _dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _real, _tma_why = _plan
+            _dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _real, _tma_why, _at = _plan
             O, lse, = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]
             _part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None
             _args = (Q, K, V, O, lse, *_tail)
@@ -1447,7 +1447,7 @@ def _causal_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma, _save
             _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _INT64=_int64_offsets(Q, K, V, O, lse), _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
             # not for positions or lengths (no key), nor TMA: descriptors are built on the tensors, each call
             if _key is not None and not _meta.get("_TMA"):
-                _remember_launch(_key, _stamp, (_dev, None, [(t.shape, t.dtype) for t in (O, lse,)], _grid, _args[5:], {**_meta, "_part": None}, 0 if _part is None else _part.numel(), _chunk, None, _tma_last["why"]))
+                _remember_launch(_key, _stamp, (_dev, None, [(t.shape, t.dtype) for t in (O, lse,)], _grid, _args[5:], {**_meta, "_part": None}, 0 if _part is None else _part.numel(), _chunk, None, _tma_last["why"], None))
     if math.prod(_grid) > 0:
         _causal_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
@@ -2055,7 +2055,7 @@ def _causal_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
         if positions is None and lengths is None else None
     _plan, _stamp = _launch_plan(_key)
     if _plan is not None:   # a signature seen before: allocate and launch (codegen/launch_plan.py)
-        _sz, _dev, _need, _allocs, _zeroed, _runs, _whys = _plan
+        _sz, _dev, _need, _allocs, _zeroed, _runs, _whys, _blocks = _plan
         _grad_Q, _grad_K, _grad_V, = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]
         _tma_last_dkdv.update(used=False, why=_whys[0])
         _tma_last_dq.update(used=False, why=_whys[1])
@@ -2153,8 +2153,10 @@ def _causal_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=
     # Kept for the signature, unless a kernel moves its tiles through TMA (descriptors are built on the tensors)
     if _key is not None and not any(r is not None and r[2].get("_TMA") for r in _runs):
         _remember_launch(_key, _stamp, (_sz, _dev, _need, [(t.shape, t.dtype) for t in (_grad_Q, _grad_K, _grad_V,)],
-                                        [], _runs,
-                                        (_tma_last_dkdv["why"], _tma_last_dq["why"], )))
+                                        [],
+                                        _runs,
+                                        (_tma_last_dkdv["why"], _tma_last_dq["why"], ),
+                                        None))
     return _causal_backward_launch(Q, K, V, dO, lse, delta, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side)
 
 

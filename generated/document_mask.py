@@ -1648,30 +1648,46 @@ def _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
-    _sz, _cls, _dev = _bind_for_launch((Q, K, V, doc,), free=_global_dims(positions), remember=False)
-    _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
-    _br = _block_size(_opts["block_q"], "q", "block_q")
-    _bc = _block_size(_opts["block_x"], "x", "block_x")
-    _tile_fits((_br, _bc), ("block_q", "block_x"), (block_q is not None, block_x is not None), _sz)
-    _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V, doc,))
-    _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"], block_x is not None)
-    [O] = _allocate(_sz, _cls, _dev, out_dtype)
-    _saved_lse = torch.empty(_shape("_saved_lse", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
-    _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
-    _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
-    _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
-    _rng, _rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
-    _args = (
-        Q, K, V, doc, O, _saved_lse,
-        _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-        *_wire_strides(Q, "Q", _sz),
-        *_wire_strides(K, "K", _sz),
-        *_wire_strides(V, "V", _sz),
-        *_wire_strides(doc, "doc", _sz),
-        *_wire_strides(O, "O", _sz),
-        *_wire_strides(_saved_lse, "_saved_lse", _sz),
-    )
-    _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, doc]), _INT64=_int64_offsets(Q, K, V, doc, O, _saved_lse), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
+    _key = _launch_key((Q, K, V, doc,), (block_q, block_x, num_warps, num_stages, tma, _save, out_dtype, chunk,)) if positions is None and lengths is None else None  # the call's signature: None where it holds tensors of its own
+    with _AUTOTUNE_ONCE:  # one read of the tuned configs' file stamp, for the plan and the lookup
+        _plan, _stamp = _launch_plan(_key)
+        if _plan is not None:  # a signature seen before: its plan (codegen/launch_plan.py)
+            _dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _real, _tma_why, _at = _plan
+            O, _saved_lse, = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]
+            _part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None
+            _args = (Q, K, V, doc, O, _saved_lse, *_tail)
+            _sz, _br, _bc = _at  # the mask reads data: its ranges at the plan's blocks
+            _rng, _rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+            _meta = dict(_fixed, _part=_part, _ranges=_rng, _RANGES=_rng_on)
+            _tma_last.update(used=False, why=_tma_why)
+        else:
+            _sz, _cls, _dev = _bind_for_launch((Q, K, V, doc,), free=_global_dims(positions), remember=False)
+            _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
+            _br = _block_size(_opts["block_q"], "q", "block_q")
+            _bc = _block_size(_opts["block_x"], "x", "block_x")
+            _tile_fits((_br, _bc), ("block_q", "block_x"), (block_q is not None, block_x is not None), _sz)
+            _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V, doc,))
+            _chunk, _n_chunks = _chunks(chunk, _opts["chunk"], _bc, _sz["x"], block_x is not None)
+            [O] = _allocate(_sz, _cls, _dev, out_dtype)
+            _saved_lse = torch.empty(_shape("_saved_lse", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
+            _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
+            _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
+            _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
+            _rng, _rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+            _args = (
+                Q, K, V, doc, O, _saved_lse,
+                _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+                *_wire_strides(Q, "Q", _sz),
+                *_wire_strides(K, "K", _sz),
+                *_wire_strides(V, "V", _sz),
+                *_wire_strides(doc, "doc", _sz),
+                *_wire_strides(O, "O", _sz),
+                *_wire_strides(_saved_lse, "_saved_lse", _sz),
+            )
+            _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, doc]), _INT64=_int64_offsets(Q, K, V, doc, O, _saved_lse), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
+            # not for positions or lengths (no key), nor TMA: descriptors are built on the tensors, each call
+            if _key is not None and not _meta.get("_TMA"):
+                _remember_launch(_key, _stamp, (_dev, None, [(t.shape, t.dtype) for t in (O, _saved_lse,)], _grid, _args[6:], {**_meta, "_part": None, "_ranges": None}, 0 if _part is None else _part.numel(), _chunk, None, _tma_last["why"], (_sz, _br, _bc)))
     if math.prod(_grid) > 0:
         _document_mask_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
@@ -2291,6 +2307,32 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
     prepass results kept across calls); _bound: _bind's answer for these
     inputs, when the caller has it (_grads)."""
     _like = _in_input_dtype(grad_dtype)
+    # The call's signature (None with positions or lengths: tensors of their own, checked each call).
+    # The stamp is read before the lookups below: a config retuned meanwhile leaves the plan stale, not wrong.
+    _key = _launch_key((Q, K, V, doc, dO, lse, delta,), ("backward", *_o, need, grad_dtype)) \
+        if positions is None and lengths is None else None
+    _plan, _stamp = _launch_plan(_key)
+    if _plan is not None:   # a signature seen before: allocate and launch (codegen/launch_plan.py)
+        _sz, _dev, _need, _allocs, _zeroed, _runs, _whys, _blocks = _plan
+        _grad_Q, _grad_K, _grad_V, = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]
+        _tma_last_dkdv.update(used=False, why=_whys[0])
+        _tma_last_dq.update(used=False, why=_whys[1])
+        _side = _bwd_stream_fork(_dev)  # before dK/dV is queued: dQ must not wait for it
+        # The mask reads data: its ranges again (the ids may differ), at the plan's blocks, each on its kernel's stream
+        _br, _bc, _kv_br, _kv_bc = _blocks
+        _runs = list(_runs)   # the plan's own list stays as it is
+        try:
+            if _runs[0] is not None:
+                _kv_rng, _kv_rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+                _runs[0] = (*_runs[0][:2], dict(_runs[0][2], _ranges=_kv_rng, _RANGES=_kv_rng_on))
+            if _runs[1] is not None:
+                with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
+                    _rng, _rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+                _runs[1] = (*_runs[1][:2], dict(_runs[1][2], _ranges=_rng, _RANGES=_rng_on))
+        except BaseException:   # joined: nothing may free what the second stream still writes
+            _bwd_stream_join(_dev, _side)
+            raise
+        return _document_mask_backward_launch(Q, K, V, doc, dO, lse, delta, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side)
     if _bound is None:
         _bound = _bind_for_launch((Q, K, V, doc,), free=_global_dims(positions))
     _sz, _cls, _dev = _bound
@@ -2386,6 +2428,14 @@ def _document_mask_backward(Q, K, V, doc, dO, lse, delta, _o, need, positions=No
     except BaseException:   # joined: nothing may free what the second stream still writes
         _bwd_stream_join(_dev, _side)
         raise
+    # Kept for the signature, unless a kernel moves its tiles through TMA (descriptors are built on the tensors)
+    if _key is not None and not any(r is not None and r[2].get("_TMA") for r in _runs):
+        _remember_launch(_key, _stamp, (_sz, _dev, _need, [(t.shape, t.dtype) for t in (_grad_Q, _grad_K, _grad_V,)],
+                                        [],
+                                        # not this call's ranges: a plan's call finds its own
+                                        [r if r is None else (*r[:2], dict(r[2], _ranges=None)) for r in _runs],
+                                        (_tma_last_dkdv["why"], _tma_last_dq["why"], ),
+                                        (_br, _bc, _kv_br, _kv_bc)))
     return _document_mask_backward_launch(Q, K, V, doc, dO, lse, delta, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side)
 
 
@@ -2434,9 +2484,9 @@ def _document_mask_grads(_ins, _outs, _grads, _o, need):
     Q, K, V, doc, = _ins
     O, lse = _outs
     dO, = _grads
-    # One bind for both launchers: a short backward's kernels wait for all of this host work
-    # (bench/launch_overhead.py --backward)
-    _bound = _bind_for_launch((Q, K, V, doc,))
+    # No bind here: a signature seen before binds nothing (each launcher's plan), and the first binds
+    # once for both (_BIND_MEMO); a short backward's kernels wait for this host work
+    _bound = None
     with _AUTOTUNE_ONCE:   # and one read of the tuned configs' file for the launchers' lookups
         delta, = _document_mask_preprocess(Q, K, V, doc, dO, O, _o, _bound=_bound)
         # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.

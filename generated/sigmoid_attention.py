@@ -1367,7 +1367,7 @@ def _sigmoid_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages,
     with _AUTOTUNE_ONCE:  # one read of the tuned configs' file stamp, for the plan and the lookup
         _plan, _stamp = _launch_plan(_key)
         if _plan is not None:  # a signature seen before: its plan (codegen/launch_plan.py)
-            _dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _real, _tma_why = _plan
+            _dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _real, _tma_why, _at = _plan
             O, = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]
             _part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None
             _args = (Q, K, V, O, *_tail)
@@ -1396,7 +1396,7 @@ def _sigmoid_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages,
             _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _INT64=_int64_offsets(Q, K, V, O), _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
             # not for positions or lengths (no key), nor TMA: descriptors are built on the tensors, each call
             if _key is not None and not _meta.get("_TMA"):
-                _remember_launch(_key, _stamp, (_dev, None, [(t.shape, t.dtype) for t in (O,)], _grid, _args[4:], {**_meta, "_part": None}, 0 if _part is None else _part.numel(), _chunk, None, _tma_last["why"]))
+                _remember_launch(_key, _stamp, (_dev, None, [(t.shape, t.dtype) for t in (O,)], _grid, _args[4:], {**_meta, "_part": None}, 0 if _part is None else _part.numel(), _chunk, None, _tma_last["why"], None))
     if math.prod(_grid) > 0:
         _sigmoid_attention_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
@@ -1828,7 +1828,7 @@ def _sigmoid_attention_backward(Q, K, V, dO, _o, need, positions=None, lengths=N
         if positions is None and lengths is None else None
     _plan, _stamp = _launch_plan(_key)
     if _plan is not None:   # a signature seen before: allocate and launch (codegen/launch_plan.py)
-        _sz, _dev, _need, _allocs, _zeroed, _runs, _whys = _plan
+        _sz, _dev, _need, _allocs, _zeroed, _runs, _whys, _blocks = _plan
         _grad_Q, _grad_K, _grad_V, = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]
         _tma_last_dkdv.update(used=False, why=_whys[0])
         _tma_last_dq.update(used=False, why=_whys[1])
@@ -1922,8 +1922,10 @@ def _sigmoid_attention_backward(Q, K, V, dO, _o, need, positions=None, lengths=N
     # Kept for the signature, unless a kernel moves its tiles through TMA (descriptors are built on the tensors)
     if _key is not None and not any(r is not None and r[2].get("_TMA") for r in _runs):
         _remember_launch(_key, _stamp, (_sz, _dev, _need, [(t.shape, t.dtype) for t in (_grad_Q, _grad_K, _grad_V,)],
-                                        [], _runs,
-                                        (_tma_last_dkdv["why"], _tma_last_dq["why"], )))
+                                        [],
+                                        _runs,
+                                        (_tma_last_dkdv["why"], _tma_last_dq["why"], ),
+                                        None))
     return _sigmoid_attention_backward_launch(Q, K, V, dO, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side)
 
 

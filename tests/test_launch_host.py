@@ -375,9 +375,13 @@ def planned_modules():
 
 
 def _inputs(m, data, dtype):
-    """Inputs of drawn sizes; sometimes one float input a transposed view (strides not its shape's)."""
+    """Inputs of drawn sizes; sometimes one float input a transposed view (strides not its shape's).
+    Wires a relabel ties (document ids read along q and x) get one size."""
     sizes = {w: data.draw(st.integers(1, 3) if w in ("b", "h", "hk", "g") else st.integers(1, 40), label=w)
              for w, n in m.WIRES.items() if n is None}
+    for _, declared, read in m._RELABELS:
+        if declared in sizes and read in sizes:
+            sizes[read] = sizes[declared]
     inputs = list(m.example_inputs(sizes, dtype=dtype, seed=data.draw(st.integers(0, 9), label="seed")))
     k = data.draw(st.integers(0, len(inputs) - 1), label="view")
     if inputs[k].is_floating_point() and inputs[k].dim() >= 3 and data.draw(st.booleans(), label="transposed"):
@@ -423,8 +427,8 @@ def test_a_plan_is_made_again_for_a_retuned_config_and_never_answers_a_refused_o
                                                                                         monkeypatch, tmp_path):
     """A plan holds the tuned configs' file stamp: a rewritten file's config
     is launched at once.  Options 16.0 and True hash as 16 and 1, and are
-    still refused after those were planned; a call with lengths= or tma=True,
-    and a diagram whose mask reads data, make no plan; the plans are
+    still refused after those were planned; a call with lengths= or tma=True
+    makes no plan, a diagram whose mask reads data one; the plans are
     cleared when full."""
     from napkin import tunecache
 
@@ -450,11 +454,11 @@ def test_a_plan_is_made_again_for_a_retuned_config_and_never_answers_a_refused_o
     assert m._tma_last["used"] and len(m._LAUNCH_PLANS) == planned
     _call(m, inputs, {})
     assert m._tma_last == {"used": False, "why": "tma not requested"}   # the plan's call says so again
-    d = planned_modules["document_mask"]
+    d = planned_modules["document_mask"]   # planned, its prepass run again each call (test_mask_cache.py)
     monkeypatch.setattr(d, "_LAUNCH_PLANS", {})
     for _ in range(2):
-        _call(d, d.example_inputs(sizes, dtype=torch.float32), {})
-    assert d._LAUNCH_PLANS == {}
+        assert isinstance(_call(d, d.example_inputs(dict(sizes, x=5), dtype=torch.float32), {})[0], list)
+    assert len(d._LAUNCH_PLANS) == 1
     monkeypatch.setattr(m, "_LAUNCH_PLANS_SIZE", 2)
     for x in (3, 4, 5, 6):
         _call(m, m.example_inputs(dict(sizes, x=x), dtype=torch.float32), {})
@@ -463,7 +467,8 @@ def test_a_plan_is_made_again_for_a_retuned_config_and_never_answers_a_refused_o
 
 # The backward launchers (NAME_backward, which autograd's backward calls) keep
 # plans too: the dQ and dK/dV launches, checked the same way.
-_BACKWARD_PLANNED = ("attention", "gqa", "mla", "attention_sink", "sliding_window", "l2_attention", "alibi")
+_BACKWARD_PLANNED = ("attention", "gqa", "mla", "attention_sink", "sliding_window", "l2_attention", "alibi",
+                     "document_mask")
 
 
 def _state(m, inputs, dtype):
@@ -512,8 +517,9 @@ def _backward_key(m, tensors, options):
 def test_a_backward_launch_from_its_plan_is_the_one_the_whole_launcher_makes(planned_modules, data):
     """Random direct calls of NAME_backward (sizes, dtypes, a transposed
     input, blocks, warps, stages, need as a mask or flags, grad_dtype) of
-    modules with plain, grouped, two-part, sink, normalised and ALiBi scores
-    (the slope's zeroed partial sums): the
+    modules with plain, grouped, two-part, sink, normalised, ALiBi (the
+    slope's zeroed partial sums) and document-id scores (ranges prepasses
+    run again): the
     gradients' shapes, strides and dtypes and the launches, with the plans
     remembered so far, equal the whole launcher's with no plan, refusals
     too; the second call of a signature is made from its plan.  Calls may
@@ -542,8 +548,8 @@ def test_a_backward_plan_follows_a_retuned_config_and_never_answers_a_refused_op
                                                                                      monkeypatch, tmp_path):
     """As the forward's: a rewritten tuned-configs file is read at once;
     16.0, True (as need or a block) are refused after 16 and 1 were planned;
-    tma=True and positions= make no plan; a diagram whose mask reads data
-    plans nothing."""
+    tma=True and positions= make no plan.  (A mask that reads data:
+    tests/test_mask_cache.py.)"""
     from napkin import tunecache
 
     m = planned_modules["attention"]
@@ -570,12 +576,6 @@ def test_a_backward_plan_follows_a_retuned_config_and_never_answers_a_refused_op
     assert len(m._LAUNCH_PLANS) == planned
     _call_backward(m, tensors, {})
     assert m._tma_last_dq == {"used": False, "why": "tma not requested"}   # the plan's call says so again
-    d = planned_modules["document_mask"]
-    monkeypatch.setattr(d, "_LAUNCH_PLANS", {})
-    ins = list(d.example_inputs(dict(sizes, x=5), dtype=torch.float32))   # doc is read along q and x
-    for _ in range(2):
-        assert isinstance(_call_backward(d, ins + _state(d, ins, torch.float32), {})[0], list)
-    assert d._LAUNCH_PLANS == {}
 
 
 # --------------------------------------------------------------------------

@@ -97,6 +97,33 @@ def test_warm_training_step_runs_no_prepass(doc_module, prepasses, dtype):
     assert_accurate(warm, exact, gradients(m.reference, inputs), f"warm cache, seed {seed}", dtype)
 
 
+def test_a_planned_launch_finds_each_calls_own_ranges(doc_module, prepasses, monkeypatch):
+    """The launchers keep a plan per signature (codegen/launch_plan.py); for a
+    mask that reads data, a plan's call runs its ranges prepasses again:
+    other ids of the same shape give that call's outputs and gradients, bit
+    for bit those of launchers that plan nothing, and the plans hold no
+    call's ranges."""
+    m = doc_module
+    (q, k, v, doc), seed = _inputs(m, 45, torch.float32)
+    other = torch.flip(doc.max() - doc, dims=[1]).contiguous()   # other documents, the same shape
+    assert not torch.equal(other, doc)
+    monkeypatch.setattr(m, "_LAUNCH_PLANS", {})
+    planned = [gradients(m.document_mask, (q, k, v, d), **BLOCKS) for d in (doc, other, doc)]
+    outputs = [m.document_mask(q, k, v, d, **BLOCKS) for d in (doc, other, doc)]
+    plans = [v for key, v in m._LAUNCH_PLANS.items() if "backward" in key]
+    assert len(plans) == 1 and all(r is None or r[2]["_ranges"] is None for r in plans[0][1][5]), seed
+    assert all(p[1][5]["_ranges"] is None for key, p in m._LAUNCH_PLANS.items()   # the forwards' (_fixed)
+               if "backward" not in key and "preprocess" not in key)
+    runs = len(prepasses)
+    monkeypatch.setattr(m, "_launch_plan", lambda key: (None, None))
+    whole = [gradients(m.document_mask, (q, k, v, d), **BLOCKS) for d in (doc, other)]
+    assert len(prepasses) - runs == (runs - 3) * 2 // 3   # a plan's call ran as many prepasses as a whole one
+    for got, want in zip(planned, whole + whole[:1]):
+        assert all(torch.equal(a, b) for a, b in zip(got, want) if a is not None), seed
+    for got, d in zip(outputs, (doc, other, doc)):
+        assert torch.equal(got, m.document_mask(q, k, v, d, **BLOCKS)), seed
+
+
 def test_forward_only_entry_serves_training_forward(doc_module, prepasses):
     """An inference call and a training call at the same blocks share the forward's entry."""
     m = doc_module

@@ -601,6 +601,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         "after": "\n".join(after), "grid_wire": k.grid_wire, "loop_wire": k.loop_wire,
         "batch": ", ".join(k.batch) or "none", "outer": ", ".join(k.outer), "sides": [s.tensor for s in k.sides],
         "args": _launch_args(plan, k, names, dims), "ranges_call": ranges_call,
+        "ranges_var": ("_kv_rng" if k.role == "dkdv" else "_rng") if ranges_call else "",
         **_launch_parts(plan, k, names, dims),
     }
 

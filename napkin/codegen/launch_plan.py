@@ -15,16 +15,18 @@ its argument tuple and launches; the first call of a signature runs the
 launcher's whole code, which makes the plan.  Never planned: calls with
 positions or lengths (tensors of their own, checked each call), calls whose
 tiles move through TMA descriptors (built on the tensors themselves), and
-diagrams whose mask reads data (their ranges prepass reads the ids).
+packed rows under a mask that reads data (its prepass reads the launch's
+positions).  A mask that reads data is otherwise planned, and a plan's call
+runs its ranges prepass again at the plan's blocks: the ids are data, not
+signature (mask_cache makes it a dict hit when the caller keeps one).
 
 The backward's launchers keep plans the same way, in the same memo, under
 keys tagged "preprocess" and "backward" (templates/training.py.jinja: each
 works its launches out as (grid, the positional arguments after the
 kernel's tensors, the keywords) and hands them to a launch function that a
 plan's call goes to directly; side inputs' partial sums, ALiBi's slope's,
-zeroed again).  The rows kernel's is always kept; the dQ and dK/dV
-kernels' not for a mask that reads data, nor with positions, lengths or
-TMA, as the forward's.
+zeroed again; a mask that reads data has its prepasses run again, as the
+forward's).  Not with positions, lengths or TMA, as the forward's.
 
 A plan: the device; packed rows' input shapes (the launch reshapes the
 caller's tensors); each allocated tensor's shape and dtype (outputs, saved
@@ -32,24 +34,28 @@ row state); the grid; the kernel's positional arguments after its tensors
 (sizes, strides); its keyword arguments but the chunks' state buffer
 ``_part``, whose size it keeps; the chunk; packed rows' caller sizes
 (``_real``, which the return unpacks by); and why TMA was off (the
-``_tma_last`` record a call leaves).
+``_tma_last`` record a call leaves); for a mask that reads data, the sizes
+and blocks its prepass takes.
 """
 from __future__ import annotations
 
 from .launch import indent
 
-PLAN_FIELDS = "_dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _real, _tma_why"
+PLAN_FIELDS = "_dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _real, _tma_why, _at"
 
 
 def forward_launch(inputs: list[str], allocated: list[str], options: list[str], work: str, tail: str,
-                   packed: list[str], planned: bool) -> str:
+                   packed: list[str], planned: bool, ranges: str = "") -> str:
     """The launch block of an attention forward launcher.  ``work``: the
     launcher's whole code from the binding to ``_args`` and ``_meta``;
     ``tail``: the launches; ``allocated``: the tensors ``work`` allocates,
     as the kernel takes them after the inputs; ``options``: the launcher's
     parameters besides the inputs that decide a launch; ``packed``: the
     inputs packed rows reshape (none without them).  Without ``planned``
-    (a mask that reads data), ``work`` and ``tail`` as they are."""
+    (a mask that reads data, with packed rows), ``work`` and ``tail`` as
+    they are.  ``ranges``: a mask that reads data, the line running its
+    ranges prepass (``_rng``, ``_rng_on`` at ``_sz``, ``_br``, ``_bc``),
+    which a plan's call runs again: the ids are data, not signature."""
     if not planned:
         return work + "\n" + tail
     ins, outs = ", ".join(inputs) + ",", ", ".join(allocated) + ","
@@ -64,18 +70,23 @@ def forward_launch(inputs: list[str], allocated: list[str], options: list[str], 
         f"{outs} = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]",
         "_part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None",
         f"_args = ({ins} {outs} *_tail)",
-        "_meta = dict(_fixed, _part=_part)",
+        *(["_sz, _br, _bc = _at  # the mask reads data: its ranges at the plan's blocks", ranges,
+           "_meta = dict(_fixed, _part=_part, _ranges=_rng, _RANGES=_rng_on)"] if ranges else
+          ["_meta = dict(_fixed, _part=_part)"]),
         "_tma_last.update(used=False, why=_tma_why)",
     ]
     # _pack hands back the caller's sizes, and tensors, when it packs nothing
     views = f"None if _sz is _real else [t.shape for t in ({', '.join(packed)},)]" if packed else "None"
     real = "_real" if packed else "None"
+    # a plan keeps no call's part buffer, nor its ranges (a plan's call finds its own)
+    cleared = '"_part": None, "_ranges": None' if ranges else '"_part": None'
+    at = "(_sz, _br, _bc)" if ranges else "None"
     store = [
         "# not for positions or lengths (no key), nor TMA: descriptors are built on the tensors, each call",
         "if _key is not None and not _meta.get(\"_TMA\"):",
         f"    _remember_launch(_key, _stamp, (_dev, {views}, [(t.shape, t.dtype) for t in ({outs})], _grid, "
-        f"_args[{len(inputs) + len(allocated)}:], {{**_meta, \"_part\": None}}, "
-        f"0 if _part is None else _part.numel(), _chunk, {real}, _tma_last[\"why\"]))",
+        f"_args[{len(inputs) + len(allocated)}:], {{**_meta, {cleared}}}, "
+        f"0 if _part is None else _part.numel(), _chunk, {real}, _tma_last[\"why\"], {at}))",
     ]
     return "\n".join([
         key,

@@ -512,9 +512,8 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
             "partial_sum": f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else ""} for s in
             b.kernel("dq").sides],
         "row_grads": _row_grads(b),
-        # a launch plan per signature (codegen/launch_plan.py), as the forward's: not for a mask
-        # that reads data (its prepass reads the ids each call)
-        "planned": not R.applies(b.forward),
+        # a mask that reads data: a launch plan's call runs its ranges prepasses again (mask_cache)
+        "ranges": R.applies(b.forward),
         "grad_buffers": [f"_grad_{n}" for n in b.qs + b.ks + (b.v,)],
         "launch_params": ", ".join([*(x.name for x in t.forward.diagram.inputs), *b.state,
                                     *(f"_grad_{n}" for n in b.qs + b.ks + (b.v,)),
