@@ -1895,7 +1895,7 @@ def _attention_2d_bwd_dq_kernel(
 
 
 @_on_inputs_device
-def _attention_2d_preprocess(Q, K, V, dO, O, dlse, _o, positions=None, _bound=None):
+def _attention_2d_preprocess(Q, K, V, dO, O, dlse, _o, positions=None):
     """(delta): the backward's per-row values."""
     # The call's signature (None with positions, or an input not given: dlse=None), as the backward
     # launcher's; its plan holds the rows kernel's launch (codegen/launch_plan.py)
@@ -1907,10 +1907,8 @@ def _attention_2d_preprocess(Q, K, V, dO, O, dlse, _o, positions=None, _bound=No
             dO = dO.to(Q.dtype)
         delta, = [torch.empty(s, dtype=torch.float32, device=_dev) for s in _allocs]
         return _attention_2d_preprocess_launch(Q, K, V, dO, O, dlse, delta, _run)
-    if _bound is None:   # else _grads bound the inputs once for this launcher and the backward's
-        # inputs read at global positions (document ids) hold the global rows: they bind no size
-        _bound = _bind_for_launch((Q, K, V,), free=_global_dims(positions))
-    _sz, _cls, _dev = _bound
+    # inputs read at global positions (document ids) hold the global rows: they bind no size
+    _sz, _cls, _dev = _bind_for_launch((Q, K, V,), free=_global_dims(positions))
     if dlse is None:
         dlse = torch.zeros(_shape("dlse", _sz), dtype=torch.float32, device=_dev)
     _check_state({"dO": dO, "O": O, "dlse": dlse}, _sz, _dev)
@@ -1971,12 +1969,11 @@ def _bwd_stream_join(device, side):
 
 @_on_inputs_device
 def _attention_2d_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, lengths=None,
-        grad_dtype="float32", mask_cache=None, _bound=None):
+        grad_dtype="float32", mask_cache=None):
     """The gradient of each input (float32 or the input's dtype: grad_dtype,
     see _in_input_dtype; or None), from the state; rows at global positions
     as the forward's (_positions); mask_cache: the launcher's (a data mask's
-    prepass results kept across calls); _bound: _bind's answer for these
-    inputs, when the caller has it (_grads)."""
+    prepass results kept across calls)."""
     _like = _in_input_dtype(grad_dtype)
     # The call's signature (None with positions or lengths: tensors of their own, checked each call).
     # The stamp is read before the lookups below: a config retuned meanwhile leaves the plan stale, not wrong.
@@ -1990,9 +1987,7 @@ def _attention_2d_backward(Q, K, V, dO, lse, delta, _o, need, positions=None, le
         _tma_last_dq.update(used=False, why=_whys[1])
         _side = _bwd_stream_fork(_dev)  # before dK/dV is queued: dQ must not wait for it
         return _attention_2d_backward_launch(Q, K, V, dO, lse, delta, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side)
-    if _bound is None:
-        _bound = _bind_for_launch((Q, K, V,), free=_global_dims(positions))
-    _sz, _cls, _dev = _bound
+    _sz, _cls, _dev = _bind_for_launch((Q, K, V,), free=_global_dims(positions))
     _check_state({"dO": dO, "lse": lse, "delta": delta}, _sz, _dev)
     _pos = _positions(positions, lengths, _sz, _dev, (Q, K, V,))
     # Options not given come from the backward's own tuned configs, never the
@@ -2134,14 +2129,13 @@ def _attention_2d_grads(_ins, _outs, _grads, _o, need):
     Q, K, V, = _ins
     O, lse = _outs
     dO, dlse = _grads
-    # No bind here: a signature seen before binds nothing (each launcher's plan), and the first binds
-    # once for both (_BIND_MEMO); a short backward's kernels wait for this host work
-    _bound = None
-    with _AUTOTUNE_ONCE:   # and one read of the tuned configs' file for the launchers' lookups
-        delta, = _attention_2d_preprocess(Q, K, V, dO, O, dlse, _o, _bound=_bound)
+    # A signature seen before binds nothing (each launcher's plan), the first binds once for both
+    # (_BIND_MEMO): a short backward's kernels wait for this host work (launch_overhead.py --backward)
+    with _AUTOTUNE_ONCE:   # one read of the tuned configs' file for the launchers' lookups
+        delta, = _attention_2d_preprocess(Q, K, V, dO, O, dlse, _o)
         # Autograd takes each gradient in its input's dtype: the kernels store it so, nothing casts after.
         return _attention_2d_backward(Q, K, V, dO, lse, delta, _o, need, grad_dtype="input",
-                             mask_cache=_MASK_CACHE.get(), _bound=_bound)
+                             mask_cache=_MASK_CACHE.get())
 
 
 # ---------------------------------------------------------------------------

@@ -365,7 +365,7 @@ def _call(m, inputs, options):
     return [(tuple(o.shape), o.stride(), o.dtype) for o in out], _seen(log, inputs)
 
 
-_PLANNED = ("attention", "gqa", "flash_decoding", "mla", "attention_sink", "sliding_window")
+_PLANNED = ("attention", "gqa", "flash_decoding", "mla", "attention_sink", "sliding_window", "document_mask")
 
 
 @pytest.fixture(scope="module")
