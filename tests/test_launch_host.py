@@ -353,12 +353,16 @@ def _seen(log, inputs):
     return [(n, g, tuple(map(norm, a)), {k: norm(v) for k, v in kw.items()}) for n, g, a, kw in log]
 
 
+def _launcher(m, suffix=""):
+    """The module's launcher named after it (``suffix``: "_backward", its backward's)."""
+    return getattr(m, m.__name__.rsplit(".", 1)[-1] + suffix)
+
+
 def _call(m, inputs, options):
     """The launcher's outputs (shape, strides, dtype) and its launches, or the error it raised."""
-    launcher = getattr(m, m.__name__.rsplit(".", 1)[-1])
     with _recorded(m) as log, torch.no_grad():
         try:
-            out = launcher(*inputs, **options)
+            out = _launcher(m)(*inputs, **options)
         except (TypeError, ValueError) as err:
             return type(err), str(err)
     out = out if isinstance(out, tuple) else (out,)
@@ -479,10 +483,6 @@ def _state(m, inputs, dtype):
     names = list(inspect.signature(_launcher(m, "_backward")).parameters)[len(m.INPUTS):]
     names = names[:names.index("need") - len(m._OPTIONS)]
     return [torch.randn(m._shape(n, sz), dtype=dtype if n == "dO" else torch.float32) for n in names]
-
-
-def _launcher(m, suffix=""):
-    return getattr(m, m.__name__.rsplit(".", 1)[-1] + suffix)
 
 
 def _call_backward(m, tensors, options):

@@ -462,9 +462,9 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         if R.applies(plan.forward):  # a data mask's ranges (ranges.py), unless rows sit at positions
             params += ["_ranges", "_RANGES: tl.constexpr"]
             on = R.WITHOUT_POSITIONS
-            ranges_call = R.launch(plan.forward, "_kv_rng", "_kv_br", "_kv_bc", True, True,
+            ranges_call = R.launch(plan.forward, _ranges_var(k), "_kv_br", "_kv_bc", True, True,
                                    on if _dkdv_ranges_usable(plan) else "False") if k.role == "dkdv" else \
-                R.launch(plan.forward, "_rng", "_br", "_bc", True, False, on)
+                R.launch(plan.forward, _ranges_var(k), "_br", "_bc", True, False, on)
     # dQ and dK/dV move their qualifying tiles through TMA descriptors under _TMA (codegen/tma.py):
     # each tile's first row is the program's (_row0 / _col0) or the step's (_start / _row0)
     tma = None if k.role == "rows" else \
@@ -600,8 +600,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         "pre_loads": pre, "init": "\n".join(init), "bounds": bounds, "body": "\n".join(body),
         "after": "\n".join(after), "grid_wire": k.grid_wire, "loop_wire": k.loop_wire,
         "batch": ", ".join(k.batch) or "none", "outer": ", ".join(k.outer), "sides": [s.tensor for s in k.sides],
-        "args": _launch_args(plan, k, names, dims), "ranges_call": ranges_call,
-        "ranges_var": ("_kv_rng" if k.role == "dkdv" else "_rng") if ranges_call else "",
+        "ranges_call": ranges_call, "ranges_var": _ranges_var(k) if ranges_call else "",
         **_launch_parts(plan, k, names, dims),
     }
 
@@ -638,7 +637,16 @@ def _rows_after_loop(names, rows: str, start: str) -> str:
     return f"(tl.arange(0, {names.block(rows)})[:, None] < {names.size(rows)} - {start})"  # & binds tighter than <
 
 
-def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
+def _ranges_var(k: Kernel) -> str:
+    """The launcher's name for a loop kernel's ranges (``_kv_rng`` / ``_rng``, and ``..._on``)."""
+    return "_kv_rng" if k.role == "dkdv" else "_rng"
+
+
+def _launch_parts(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> dict:
+    """A kernel's launch in the three parts a backward launch plan keeps apart
+    (codegen/launch_plan.py): its tensors, named each call; the positional
+    arguments after them (sizes, strides) and the keyword ones (blocks,
+    flags, positions, TMA), which follow from the call's signature."""
     d = plan.diagram
     tensors = _tensors(plan, k)
     sizes = [f'_sz["{w.name}"]' for w in d.wires if w.size is None]
@@ -657,16 +665,7 @@ def _launch_args(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> str:
     if k.role != "rows":
         blocks += ["**_pos", "**_kv_tma" if k.role == "dkdv" else "**_tma"]
         if R.applies(plan.forward):
-            rng = "_kv_rng" if k.role == "dkdv" else "_rng"
+            rng = _ranges_var(k)
             blocks.append(f"_ranges={rng}, _RANGES={rng}_on")
-    args = [", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides + [", ".join(blocks)]
-    return ",\n".join(args)
-
-
-def _launch_parts(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> dict:
-    """A loop kernel's launch in the three parts a backward launch plan keeps
-    apart (codegen/launch_plan.py): its tensors, named each call; the
-    positional arguments after them (sizes, strides) and the keyword ones
-    (blocks, flags, positions, TMA), which follow from the call's signature."""
-    head, *rest = _launch_args(plan, k, names, dims).split(",\n")
-    return {"tensors": head, "tail": ",\n".join(rest[:-1]), "keywords": rest[-1]}
+    return {"tensors": ", ".join(tensors), "tail": ",\n".join(([", ".join(sizes)] if sizes else []) + strides),
+            "keywords": ", ".join(blocks)}

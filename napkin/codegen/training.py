@@ -488,6 +488,8 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
     # preprocess was def _t_preprocess(Q, K, V, tau, dO, tau, ...), no valid module
     row_inputs = [n for n in b.row_inputs if b.forward.diagram.tensor(n) is None or
                   not isinstance(b.forward.diagram.tensor(n), ir.Input)]
+    inputs = [x.name for x in t.forward.diagram.inputs]
+    grad_buffers = [f"_grad_{n}" for n in b.qs + b.ks + (b.v,)]
     return {
         "family": "attention", "bw": b, "row": b.row, "col": b.col,
         # each gradient buffer's dtype: the input's under grad_dtype="input", else float32; a shared
@@ -514,14 +516,12 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "row_grads": _row_grads(b),
         # a mask that reads data: a launch plan's call runs its ranges prepasses again (mask_cache)
         "ranges": R.applies(b.forward),
-        "grad_buffers": [f"_grad_{n}" for n in b.qs + b.ks + (b.v,)],
-        "launch_params": ", ".join([*(x.name for x in t.forward.diagram.inputs), *b.state,
-                                    *(f"_grad_{n}" for n in b.qs + b.ks + (b.v,)),
-                                    *(s.buffer for s in b.kernel("dq").sides),
+        "grad_buffers": grad_buffers,
+        # the launch functions' parameters: what the work (or a plan) hands them
+        "launch_params": ", ".join([*inputs, *b.state, *grad_buffers, *(s.buffer for s in b.kernel("dq").sides),
                                     "_need", "_like", "_sz", "_dev", "_runs", "_side"]),
         "optional": ["dlse"] if "dlse" in b.row_inputs else [],
-        "preprocess_params": ", ".join([*(x.name for x in t.forward.diagram.inputs), *row_inputs, *b.row_outputs,
-                                        "_run"]),
+        "preprocess_params": ", ".join([*inputs, *row_inputs, *b.row_outputs, "_run"]),
         "round_do": "dO" in b.row_inputs and rows_round_do(b),
     }
 
