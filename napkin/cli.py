@@ -51,6 +51,9 @@ DEMO_OTHER_SIZE = 64  # any other symbolic wire
 # at an absolute 0.02 with the kernel exact to fp16.
 DEMO_TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3, "float64": 1e-6}
 
+# The declared dtypes the demo runs a diagram in (torch's names); others run in fp16.
+DEMO_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 user error, 2 bug)."""
@@ -292,11 +295,15 @@ def cmd_demo(args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="napkin-demo-") as tmp:
         module = _import_file(Path(write_module(path, Path(tmp))))
+        dtype, why = _demo_dtype(module, cuda, torch)
         print(f"{path}: diagram {diagram.name}, sizes "
               + ", ".join(f"{k}={v}" for k, v in sizes.items())
-              + f", on {'the GPU' if cuda else 'the CPU (Triton interpreter)'}")
+              + f", on {'the GPU' if cuda else 'the CPU (Triton interpreter)'}, "
+              + f"{str(dtype).replace('torch.', '')} inputs")
+        if why:
+            print(f"  ({why})")
         try:
-            ok = _run_and_compare(module, diagram, sizes, device, torch)
+            ok = _run_and_compare(module, diagram, sizes, device, torch, dtype)
         finally:
             sys.modules.pop(module.__name__, None)
 
@@ -349,35 +356,86 @@ def _import_file(path: Path):
     return module
 
 
-def _run_and_compare(module, diagram, sizes, device, torch) -> bool:
+def _demo_dtype(module, cuda: bool, torch):
+    """The dtype the demo's float inputs come in: the diagram's own, that of
+    its first input declared fp16, bf16 or fp32 (fp16 if none is), except
+    bf16 on the CPU, which runs as fp16 (the Triton interpreter's bf16
+    tl.dot is wrong).  Returns (dtype, why it is not the declared one, or
+    None)."""
+    declared = getattr(module, "_DTYPES", {})
+    main = next((declared[n] for n in getattr(module, "INPUTS", ()) if declared.get(n) in DEMO_DTYPES), None)
+    if main == "bf16" and not cuda:
+        return torch.float16, "a bf16 diagram runs in fp16 here: Triton's interpreter gets bf16 dots wrong"
+    return getattr(torch, DEMO_DTYPES.get(main, "float16")), None
+
+
+def _run_and_compare(module, diagram, sizes, device, torch, dtype) -> bool:
     """Run the launcher and the float64 reference on the same inputs; print
-    the max abs error of each output.  True when all are within tolerance."""
-    inputs = module.example_inputs(sizes, dtype=torch.float16, device=device, seed=0)
+    the max abs error of each output, then, for a module that trains, of
+    each float input's gradient through autograd (random output gradients,
+    the same for both).  True when all are within tolerance."""
+    inputs = module.example_inputs(sizes, dtype=dtype, device=device, seed=0)
     launcher = getattr(module, diagram.name)
-
-    def wide(t):
-        return t.double() if torch.is_tensor(t) and t.is_floating_point() else t
-
-    if isinstance(inputs, dict):
-        got = launcher(**inputs)
-        want = module.reference(**{k: wide(v) for k, v in inputs.items()})
+    trains = callable(getattr(module, f"{diagram.name}_backward", None))
+    by_name = isinstance(inputs, dict)
+    if by_name:
+        names, inputs = list(inputs), list(inputs.values())
     else:
-        got = launcher(*inputs)
-        want = module.reference(*[wide(v) for v in inputs])
-    got = got if isinstance(got, (tuple, list)) else (got,)
-    want = want if isinstance(want, (tuple, list)) else (want,)
+        names = list(getattr(module, "INPUTS", [f"input {i}" for i in range(len(inputs))]))
+
+    def prepared(t, wide):
+        if not (torch.is_tensor(t) and t.is_floating_point()):
+            return t
+        t = t.detach().double() if wide else t.detach().clone()
+        return t.requires_grad_(trains)
+
+    runs = []
+    for call, wide in ((launcher, False), (module.reference, True)):
+        args = [prepared(t, wide) for t in inputs]
+        outs = call(**dict(zip(names, args))) if by_name else call(*args)
+        runs.append((args, outs if isinstance(outs, (tuple, list)) else (outs,)))
+    (args, got), (wide_args, want) = runs
 
     from .bench.checks import max_abs_error, scale_of   # the benchmark's own comparison
 
+    results = [(out.name, g, w) for out, g, w in zip(diagram.outputs, got, want)]
+    if trains:
+        results += _gradients(names, args, got, wide_args, want, torch)
+    results = [(name, g.detach(), w.detach()) for name, g, w in results]
     ok = True
-    for out, g, w in zip(diagram.outputs, got, want):
+    for name, g, w in results:
         err = max_abs_error(g, w)   # (matching infinities exact: the -inf lse of a fully masked row)
         # The tolerance follows the dtype the kernel actually returned.
-        dtype = str(g.dtype).replace("torch.", "")
-        tol = DEMO_TOLERANCE.get(dtype, 2e-2)
+        kind = str(g.dtype).replace("torch.", "")
+        tol = DEMO_TOLERANCE.get(kind, 2e-2)
         scale = scale_of(w)
         good = err <= tol * scale
         ok = ok and good
-        print(f"  {out.name}{list(g.shape)} {dtype}: max abs error {err:.2e} vs float64 reference "
+        print(f"  {name}{list(g.shape)} {kind}: max abs error {err:.2e} vs float64 reference "
               f"({'ok' if good else 'TOO LARGE'}, tolerance {tol:g} x {scale:.3g})")
     return ok
+
+
+def _gradients(names, args, got, wide_args, want, torch):
+    """(name, kernel's gradient, reference's) of each float input, through
+    autograd from random gradients of the float outputs (fresh normal
+    values, seeded: the demo is reproducible)."""
+    gen = torch.Generator().manual_seed(1)
+    pairs = [(g, w) for g, w in zip(got, want) if torch.is_tensor(g) and g.requires_grad]
+    grads = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for _, w in pairs]
+    # A fully masked row's -inf lse has no gradient: its random one is zeroed.
+    grads = [torch.where(torch.isfinite(w.detach()), d.to(w.device), 0) for (_, w), d in zip(pairs, grads)]
+    wanted = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
+    if not pairs or not wanted:
+        return []
+    mine = torch.autograd.grad([g for g, _ in pairs], [args[i] for i in wanted],
+                               [d.to(g.dtype) for (g, _), d in zip(pairs, grads)], allow_unused=True)
+    theirs = torch.autograd.grad([w for _, w in pairs], [wide_args[i] for i in wanted], grads,
+                                 allow_unused=True)
+    return [(f"d{names[i]}", _zero_if_none(a, args[i], torch), _zero_if_none(b, wide_args[i], torch))
+            for i, a, b in zip(wanted, mine, theirs)]
+
+
+def _zero_if_none(grad, t, torch):
+    """An input no output depends on has no gradient: zeros, as torch fills .grad."""
+    return torch.zeros_like(t) if grad is None else grad

@@ -476,14 +476,50 @@ def scale(X):
 SCALE = "diagram scale\nwire r, n\nin X[r, n] : fp16\nY[r, n] : fp16 = 2 * X\ntotal[r] = sum[n](X)\nout Y, total\n"
 
 
-def _fake_passes(monkeypatch, error: float, calls: list):
+# A module that trains: the demo takes its declared dtype (fp32) and checks the
+# gradient autograd gives through it (off by GRAD_ERROR of dY) against the
+# float64 reference's.  scale_backward marks it as training, as a generated
+# module's NAME_backward does; the demo never calls it.
+FAKE_TRAINING_MODULE = """
+import torch
+
+INPUTS = ("X",)
+_DTYPES = {"X": "fp32", "Y": "fp32", "total": "fp32"}
+
+def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(sizes["r"], sizes["n"], generator=gen).to(dtype=dtype, device=device),)
+
+def reference(X):
+    assert X.dtype == torch.float64
+    return X * 2, X.sum(-1)
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X):
+        assert X.dtype == torch.float32
+        return X * 2, X.sum(-1)
+
+    @staticmethod
+    def backward(ctx, dY, dtotal):
+        return (2 + GRAD_ERROR) * dY + dtotal[:, None]
+
+def scale(X):
+    return _Scale.apply(X)
+
+def scale_backward(*args, **kwargs):
+    raise AssertionError("the demo trains through autograd")
+"""
+
+
+def _fake_passes(monkeypatch, error: float, calls: list, module: str = FAKE_MODULE):
     """Stand-ins for codegen.write_module and cost.summary_lines, so the demo's
     own work (sizes, import by path, float64 comparison, report) is tested
     whatever state the real passes are in."""
     def write_module(path, out_dir, claimed=None):
         target = Path(out_dir) / "scale.py"
         target.parent.mkdir(parents=True, exist_ok=True)  # as the real one does, once the diagram checks
-        target.write_text(FAKE_MODULE.replace("ERROR", repr(error)))
+        target.write_text(module.replace("GRAD_ERROR", repr(error)).replace("ERROR", repr(error)))
         calls.append(("write_module", Path(path).name))
         return target
 
@@ -509,7 +545,7 @@ def test_demo_compares_with_the_float64_reference(capsys, monkeypatch, tmp_path,
     import torch
 
     where = "the GPU" if torch.cuda.is_available() else "the CPU (Triton interpreter)"
-    assert lines[0] == f"scale.ncd: diagram scale, sizes r=64, n=100, on {where}"
+    assert lines[0] == f"scale.ncd: diagram scale, sizes r=64, n=100, on {where}, float16 inputs"
     verdict = "ok" if error == 0 else "TOO LARGE"
     assert lines[1].startswith("  Y[64, 100] float16: max abs error ")
     assert re.search(rf"vs float64 reference \({verdict}, tolerance 0.02 x [0-9.]+\)$", lines[1]), lines[1]
@@ -518,6 +554,41 @@ def test_demo_compares_with_the_float64_reference(capsys, monkeypatch, tmp_path,
     if code:
         assert err == "napkin demo: the kernel's outputs differ from the reference\n"
     assert "napkin_demo_scale" not in sys.modules  # the temporary module is dropped
+
+
+@pytest.mark.parametrize("error, code", [(0.0, 0), (0.5, 1)])
+def test_demo_checks_the_gradients_of_a_module_that_trains(capsys, monkeypatch, tmp_path, error, code):
+    (tmp_path / "scale.ncd").write_text(SCALE)
+    monkeypatch.chdir(tmp_path)
+    _fake_passes(monkeypatch, error, [], FAKE_TRAINING_MODULE)
+    got, out, err = run(capsys, "demo", "scale.ncd", "--size", "n=100")
+    assert got == code, err
+    lines = out.splitlines()
+    assert lines[0].endswith(", float32 inputs")   # the diagram's own dtype, not fp16
+    verdict = "ok" if error == 0 else "TOO LARGE"
+    assert [line.split(":")[0] for line in lines[1:4]] == ["  Y[64, 100] float32", "  total[64] float32",
+                                                           "  dX[64, 100] float32"]
+    assert all("(ok, tolerance 0.002 x " in line for line in lines[1:3]), lines
+    assert f"({verdict}, tolerance 0.002 x " in lines[3], lines[3]
+    assert lines[4:] == ["cost model:", "  hbm traffic: 1 byte"]
+    if code:
+        assert err == "napkin demo: the kernel's outputs differ from the reference\n"
+
+
+@pytest.mark.parametrize("declared, cuda, want, why", [
+    ("fp32", False, "float32", False), ("fp16", False, "float16", False), ("bf16", True, "bfloat16", False),
+    ("bf16", False, "float16", True), ("fp64", False, "float32", False)])
+def test_demo_runs_a_diagram_in_its_declared_dtype(declared, cuda, want, why):
+    """bf16 on the CPU runs as fp16 (the interpreter's bf16 dot is wrong) and says so; the first
+    float input the kernels take decides (not the integer ids before it; an fp64 Q leaves it to K)."""
+    import types
+
+    import torch
+
+    module = types.SimpleNamespace(INPUTS=("ids", "Q", "K"), _DTYPES={"ids": "int32", "Q": declared, "K": "fp32"})
+    dtype, note = cli._demo_dtype(module, cuda, torch)
+    assert dtype == getattr(torch, want)
+    assert (note is not None) == why
 
 
 @pytest.mark.slow
@@ -594,7 +665,9 @@ def test_napkin_demo_as_the_readme_runs_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"{REPO / 'examples' / 'attention.ncd'}: diagram attention, "
                                   "sizes b=1, h=2, q=200, x=200, on ")
-    assert proc.stdout.count("(ok, tolerance") == 2
+    # O and lse, then the gradients of Q, K and V through autograd
+    assert proc.stdout.count("(ok, tolerance") == 5
+    assert [line.split("[")[0] for line in proc.stdout.splitlines()[1:6]] == ["  O", "  lse", "  dQ", "  dK", "  dV"]
     assert "cost model:" in proc.stdout
 
 
