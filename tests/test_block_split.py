@@ -197,7 +197,7 @@ import contextlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 import backward_helpers as tb  # noqa: E402  (its compile_text / accuracy rule)
-import test_kernels as tk  # noqa: E402
+import kernel_helpers as tk  # noqa: E402
 
 FWD = {"block_q": 32, "block_x": 16}
 BWD = {"block_q": 16, "block_x": 16}

@@ -19,7 +19,7 @@ import torch
 from hypothesis import given
 
 import napkin
-import test_kernels as K
+import kernel_helpers as K
 from napkin.codegen import emit_module
 from napkin.errors import NapkinError
 from napkin.parse import parse
@@ -352,7 +352,7 @@ def test_the_merge_takes_exactly_the_kernel_parameters_it_reads(path):
     assert {"K", "V", "_BLOCK_x", "_CHUNK"}.isdisjoint(merge) and "_part" in merge   # the keys stay out
 
 
-@K._SETTINGS
+@K.SETTINGS
 @given(diagram=attention_diagrams())
 def test_random_merges_take_exactly_the_kernel_parameters_they_read(diagram):
     text = emit_module(diagram, source_text=to_text(diagram), source_path="drawn.ncd")
@@ -366,7 +366,7 @@ def test_random_merges_take_exactly_the_kernel_parameters_they_read(diagram):
 # mask the strategy draws, at its own blocks, one block per chunk.
 # --------------------------------------------------------------------------
 
-@K._SETTINGS
+@K.SETTINGS
 @given(diagram=attention_diagrams())
 def test_random_attention_diagrams_chunked(diagram):
     import zlib

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 import napkin
-import test_kernels as K
+import kernel_helpers as K
 from napkin.codegen import emit_module, lower
 from napkin.cost import analyse, model
 from napkin.errors import NapkinError

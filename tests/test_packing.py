@@ -22,7 +22,7 @@ import torch
 from hypothesis import assume, given
 
 import napkin
-import test_kernels as K
+import kernel_helpers as K
 from napkin import ir, tiling
 from napkin.codegen import lower
 from napkin.cost import packing
@@ -640,7 +640,7 @@ def packed_gqa(d: ir.Diagram, group: int = 4):
     return dataclasses.replace(d, wires=tuple(wires), inputs=tuple(inputs), lets=lets, schedule=schedule)
 
 
-@K._SETTINGS
+@K.SETTINGS
 @given(drawn=attention_diagrams())
 def test_random_attention_diagrams_packed(drawn):
     diagram = packed_gqa(drawn)
