@@ -369,9 +369,9 @@ def test_a_mask_of_bounds_is_counted_pair_by_pair(pred):
     """density() of a conjunction of bounds is the pairs it keeps, counted
     one by one, ragged and cross sizes too (a block grid counted a window
     narrower than its blocks at half of each diagonal block)."""
-    from test_distributed2 import _PLAIN, diagram_text
+    from ring_diagrams import PLAIN, diagram_text
     d = napkin.load_text(diagram_text("attention", "full", "fp64", "ring")
-                         .replace(_PLAIN, f"where({pred}, {_PLAIN}, -inf)", 1), "b.ncd")
+                         .replace(PLAIN, f"where({pred}, {PLAIN}, -inf)", 1), "b.ncd")
     keep = _BOUNDED[pred]
     for nq, nx in ((13, 13), (29, 29), (11, 23), (40, 7)):
         want = sum(keep(q, x) for q in range(nq) for x in range(nx)) / (nq * nx)

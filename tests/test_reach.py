@@ -17,7 +17,7 @@ import pytest
 import napkin
 from napkin.cost import collectives as C
 from napkin.printer import to_text
-from test_distributed2 import _PLAIN, REPO, diagram_text, fewest_arms
+from ring_diagrams import PLAIN, REPO, diagram_text, fewest_arms
 
 
 _REACH_MASKS = {   # predicate text -> what it keeps, written independently
@@ -42,7 +42,7 @@ def test_ring_reach_never_drops_a_kept_pair_and_is_exact_on_contiguous_and_zigza
     fewest steps of any split (cyclic shards run one way)."""
     from napkin.distributed import RingAttention
     from napkin.distributed.layouts import TokenLayout
-    text = diagram_text("attention", "full", "fp64", "ring").replace(_PLAIN, f"where({pred}, {_PLAIN}, -inf)", 1)
+    text = diagram_text("attention", "full", "fp64", "ring").replace(PLAIN, f"where({pred}, {PLAIN}, -inf)", 1)
     keep = _REACH_MASKS[pred]
     for layout in ("contiguous", "zigzag", "cyclic"):
         fn = RingAttention(napkin.load_text(text, "reach.ncd"), layout=layout)
@@ -208,7 +208,7 @@ def test_a_bound_on_another_wires_size_is_left_out_not_a_crash():
     every step of a causal mask over contiguous shards."""
     from napkin.distributed import RingAttention
     text = diagram_text("attention", "full", "fp64", "ring").replace(
-        _PLAIN, f"where(x <= q and q - x < |h|, {_PLAIN}, -inf)", 1)
+        PLAIN, f"where(x <= q and q - x < |h|, {PLAIN}, -inf)", 1)
     fn = RingAttention(napkin.load_text(text, "h.ncd"), layout="contiguous")
     assert fn.reach(4, 16) == 4
     window = RingAttention(napkin.load_text(text.replace("|h|", "3"), "w.ncd"), layout="contiguous")
