@@ -552,7 +552,11 @@ class _Build(Transformer):
         op_name, loc = str(op), _loc_of(meta)
         if op_name in ir.NORMALIZERS:
             if len(wires) != 1:
-                self._refuse(Diagnostic(f"{op_name} normalises along one wire, not {len(wires)}", loc))
+                joined = "".join(str(w) for w in wires)   # as a contraction over several wires is told (lower.py)
+                self._refuse(Diagnostic(f"{op_name} normalises along one wire, not {len(wires)}", loc,
+                                        hint=f"store ({' '.join(str(w) for w in wires)}) as one axis of each "
+                                             f"tensor that has them, declare it as one wire and write "
+                                             f"{op_name}[{joined}](...)" if len(wires) > 1 else None))
             return ir.Normalize(op_name, str(wires[0]) if wires else "", body, loc)
         if op_name not in ir.REDUCTIONS:
             self._refuse(Diagnostic(f"unknown reduction {op_name!r}", _loc_of(op),

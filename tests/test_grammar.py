@@ -508,7 +508,8 @@ t.ncd:2:8: unknown reduction 'softmx'
     "softmax over two wires": ("diagram a\nS[b] = softmax[x, q](S)\n", """\
 t.ncd:2:8: softmax normalises along one wire, not 2
     S[b] = softmax[x, q](S)
-           ^^^^^^^^^^^^^^^^"""),
+           ^^^^^^^^^^^^^^^^
+  hint: store (x q) as one axis of each tensor that has them, declare it as one wire and write softmax[xq](...)"""),
     "unknown unit": ("diagram a\nschedule { level smem capacity 2 KiBs {} }\n", """\
 t.ncd:2:34: unknown unit 'KiBs'
     schedule { level smem capacity 2 KiBs {} }
