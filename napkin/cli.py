@@ -413,6 +413,8 @@ def _run_and_compare(module, diagram, sizes, device, torch, dtype) -> bool:
         ok = ok and good
         print(f"  {name}{list(g.shape)} {kind}: max abs error {err:.2e} vs float64 reference "
               f"({'ok' if good else 'TOO LARGE'}, tolerance {tol:g} x {scale:.3g})")
+    if not trains and getattr(module, "_NO_BACKWARD", None):
+        print(f"  gradients not checked: {module._NO_BACKWARD}")
     return ok
 
 

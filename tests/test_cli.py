@@ -460,6 +460,8 @@ def test_demo_rejects_bad_arguments(capsys, monkeypatch, argv, message):
 FAKE_MODULE = """
 import torch
 
+_NO_BACKWARD = "no backward for scale: a reason"
+
 def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
     X = torch.randn(sizes["r"], sizes["n"], generator=gen)
@@ -550,7 +552,8 @@ def test_demo_compares_with_the_float64_reference(capsys, monkeypatch, tmp_path,
     assert lines[1].startswith("  Y[64, 100] float16: max abs error ")
     assert re.search(rf"vs float64 reference \({verdict}, tolerance 0.02 x [0-9.]+\)$", lines[1]), lines[1]
     assert lines[2].startswith("  total[64] float32: max abs error ")
-    assert lines[3:] == ["cost model:", "  hbm traffic: 1 byte"]
+    assert lines[3:] == ["  gradients not checked: no backward for scale: a reason", "cost model:",
+                         "  hbm traffic: 1 byte"]
     if code:
         assert err == "napkin demo: the kernel's outputs differ from the reference\n"
     assert "napkin_demo_scale" not in sys.modules  # the temporary module is dropped
