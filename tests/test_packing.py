@@ -462,6 +462,40 @@ def test_packed_row_blocks_of_documents_match_the_reference(g, q, block):
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), f"docs g{g} q{q}")
 
 
+def test_packed_rows_under_a_document_mask_are_launched_from_a_plan(monkeypatch):
+    """A plan (codegen/launch_plan.py) is kept for packed rows under a mask that reads data too: its
+    call runs the ranges prepass again at the packed launch's positions, which the plan holds.  Other
+    ids of the same shapes give, through the plan, the outputs of a launcher that plans nothing, bit
+    for bit; each call runs its own prepass, with mask_cache as without."""
+    m = K.compile_text(DOC, "packed_docs")
+    sizes = {"b": 2, "hk": 2, "g": 4, "q": 6, "x": 90}
+    Q, Kt, V, _, _ = m.example_inputs(sizes, dtype=torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))   # fresh ids each run
+    ids = [(torch.randint(0, n, (2, 6), generator=gen).sort(-1).values.int(),
+            torch.randint(0, n, (2, 90), generator=gen).sort(-1).values.int()) for n in (2, 5, 3)]
+    runs = []
+    real_ranges = m._packed_docs_ranges
+    monkeypatch.setattr(m, "_packed_docs_ranges", lambda *a, **kw: runs.append(a[8]) or real_ranges(*a, **kw))
+    monkeypatch.setattr(m, "_LAUNCH_PLANS", {})
+    real_plan = m._launch_plan
+    from_plans = []
+    monkeypatch.setattr(m, "_launch_plan", lambda key: from_plans.append(real_plan(key)[0] is not None)
+                        or real_plan(key))
+    for cache in (None, {}):
+        planned = [K.run(m, (Q, Kt, V, qd, kd), block_q=16, block_x=16, mask_cache=cache)[0] for qd, kd in ids]
+        assert len(m._LAUNCH_PLANS) == 1 and from_plans[-2:] == [True, True]
+        assert all(p[1][5]["_ranges"] is None for p in m._LAUNCH_PLANS.values())   # no call's ranges kept
+        assert runs[-3:] == [True] * 3   # a prepass each call (new ids: no cache hit)
+        monkeypatch.setattr(m, "_launch_plan", lambda key: (None, None))
+        whole = [K.run(m, (Q, Kt, V, qd, kd), block_q=16, block_x=16)[0] for qd, kd in ids]
+        monkeypatch.setattr(m, "_launch_plan", lambda key: from_plans.append(real_plan(key)[0] is not None)
+                            or real_plan(key))
+        for got, want, (qd, kd) in zip(planned, whole, ids):
+            assert torch.equal(got, want)
+            (exact,) = K.reference(m, (Q.double(), Kt.double(), V.double(), qd, kd))
+            assert (got.double() - exact).abs().max() < 1e-5
+
+
 def test_an_integer_input_that_holds_the_packed_wire_is_refused_at_the_group():
     """The launcher views only float tensors as packed rows; an integer input is read at each row's q
     with |g| = 1, so one holding g would give each packed head another head's ids: refused."""

@@ -553,12 +553,13 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     bind = (f"_sz, _cls, _dev = _bind_for_launch(({', '.join(inputs)},), free=_global_dims(positions), "
             "remember=False)")
     # the kernel's tensors after the inputs, in its order (H.positional_args): outputs, saved state
-    # a mask that reads data: planned but with packed rows (its prepass reads the launch's positions)
-    ranges = R.launch(plan, "_rng", "_br", "_bc", False, False, R.WITHOUT_POSITIONS) \
-        if R.applies(plan) and plan.pack is None else ""
+    # a mask that reads data: a plan's call (never one with positions or lengths) runs its prepass
+    # again; packed rows' prepass reads the launch's positions (each packed row's q), which the
+    # plan's keywords hold (_fixed: _pos_q, _len_q, _POS_q)
+    ranges = R.launch(plan, "_rng", "_br", "_bc", False, False, R.WITHOUT_POSITIONS,
+                      "_fixed" if plan.pack is not None else "") if R.applies(plan) else ""
     ctx["launch"] = forward_launch(inputs, [o.name for o in d.outputs], opts + ["_save", "out_dtype", "chunk"],
-                                   bind + "\n" + ctx["launch"], tail, P.packed_inputs(plan),
-                                   not R.applies(plan) or plan.pack is None, ranges)
+                                   bind + "\n" + ctx["launch"], tail, P.packed_inputs(plan), ranges)
     ctx["binds"] = True   # the launch block binds (after its plan lookup): the template does not
     return ctx
 

@@ -13,12 +13,13 @@ tuned configs' file stamp it was made under: a retuned config is read
 again).  A call whose signature it has seen allocates its outputs, builds
 its argument tuple and launches; the first call of a signature runs the
 launcher's whole code, which makes the plan.  Never planned: calls with
-positions or lengths (tensors of their own, checked each call), calls whose
-tiles move through TMA descriptors (built on the tensors themselves), and
-packed rows under a mask that reads data (its prepass reads the launch's
-positions).  A mask that reads data is otherwise planned, and a plan's call
-runs its ranges prepass again at the plan's blocks: the ids are data, not
-signature (mask_cache makes it a dict hit when the caller keeps one).
+positions or lengths (tensors of their own, checked each call) and calls
+whose tiles move through TMA descriptors (built on the tensors themselves).
+A mask that reads data is planned, and a plan's call runs its ranges
+prepass again at the plan's blocks: the ids are data, not signature
+(mask_cache makes it a dict hit when the caller keeps one).  Packed rows'
+prepass reads the launch's positions (each packed row's q), which the
+plan's keywords hold.
 
 The backward's launchers keep plans the same way, in the same memo, under
 keys tagged "preprocess" and "backward" (templates/training.py.jinja: each
@@ -45,19 +46,17 @@ PLAN_FIELDS = "_dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _re
 
 
 def forward_launch(inputs: list[str], allocated: list[str], options: list[str], work: str, tail: str,
-                   packed: list[str], planned: bool, ranges: str = "") -> str:
+                   packed: list[str], ranges: str = "") -> str:
     """The launch block of an attention forward launcher.  ``work``: the
     launcher's whole code from the binding to ``_args`` and ``_meta``;
     ``tail``: the launches; ``allocated``: the tensors ``work`` allocates,
     as the kernel takes them after the inputs; ``options``: the launcher's
     parameters besides the inputs that decide a launch; ``packed``: the
-    inputs packed rows reshape (none without them).  Without ``planned``
-    (a mask that reads data, with packed rows), ``work`` and ``tail`` as
-    they are.  ``ranges``: a mask that reads data, the line running its
-    ranges prepass (``_rng``, ``_rng_on`` at ``_sz``, ``_br``, ``_bc``),
-    which a plan's call runs again: the ids are data, not signature."""
-    if not planned:
-        return work + "\n" + tail
+    inputs packed rows reshape (none without them).  ``ranges``: a mask
+    that reads data, the line running its ranges prepass (``_rng``,
+    ``_rng_on`` at ``_sz``, ``_br``, ``_bc``; packed rows' positions from
+    the plan's keywords, ``_fixed``), which a plan's call runs again: the
+    ids are data, not signature."""
     ins, outs = ", ".join(inputs) + ",", ", ".join(allocated) + ","
     opts = ", ".join(options) + ","
     key = (f"_key = _launch_key(({ins}), ({opts})) if positions is None and lengths is None else None  "
