@@ -10,7 +10,7 @@ A decode step's kernels take microseconds on an H100 (an 8K cache of 8 kv
 heads, d 128, bf16, is 33.5 MB: 10 us at 3.35 TB/s), so this part of a
 launch can be what a step costs when it is not captured in a CUDA graph.
 
-    python bench/launch_overhead.py [--calls 2000] [--out DIR] [--triton] [--backward] [NAME ...]
+    python bench/launch_overhead.py [--calls 2000] [--out DIR] [--triton] [--backward | --new-shapes | --lengths] [NAME ...]
 
 NAME: generated modules (default: flash_decoding, attention, causal, gqa,
 sliding_window, alibi), called on decode-shaped inputs (one query row per head
@@ -119,13 +119,16 @@ def growing(module, sizes: dict, dtype, device: str, calls: int) -> list[list]:
 
 
 def measure(name: str, calls: int, device: str, triton: bool = False, backward: bool = False,
-            new_shapes: bool = False) -> dict:
+            new_shapes: bool = False, lengths: bool = False) -> dict:
     """Microseconds per call of the module's launcher (forward, no gradient;
     with ``backward`` its backward through autograd), median of 5 runs of
     ``calls`` calls, and the kernels each call launches: kernels stubbed, or
     with ``triton`` Triton's own launch path (hopper).  ``new_shapes``: each
     call of a run a new cache length (``growing``), nothing remembered from
-    the run before."""
+    the run before.  ``lengths``: each call the whole preallocated cache of
+    |x| + ``calls`` rows with ``lengths={"x": |x| + i}`` (a decode loop that
+    passes its cache's length instead of narrowing it), the memos kept, as
+    a loop keeps them."""
     import torch
 
     module = importlib.import_module(f"generated.{name}")
@@ -135,6 +138,9 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
     inputs = module.example_inputs(sizes, dtype=dtype, device=device, seed=0)
     launch = getattr(module, name)
     fresh = growing(module, sizes, dtype, device, calls) if new_shapes else None
+    if lengths:   # one cache for every call, its rows past the call's length padding
+        cache = module.example_inputs(dict(sizes, x=sizes["x"] + calls), dtype=dtype, device=device, seed=0)
+        fresh = [{"x": sizes["x"] + i} for i in range(calls)]
     with contextlib.ExitStack() as stack:
         launches = stack.enter_context((hopper if triton else stubbed)(module))
         if new_shapes:
@@ -142,6 +148,11 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
 
             def call():
                 launch(*next(turn))
+        elif lengths:
+            stack.enter_context(torch.no_grad())
+
+            def call():
+                launch(*cache, lengths=next(turn))
         elif backward:
             leaves = [t.requires_grad_() for t in inputs if t.is_floating_point()]
             out = launch(*inputs)
@@ -157,7 +168,7 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
             def call():
                 launch(*inputs)
         before = launches()
-        if new_shapes:
+        if new_shapes or lengths:
             turn = itertools.cycle(fresh)   # the warm-up's 50 calls: round the lengths
         for _ in range(50):
             call()
@@ -167,6 +178,7 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
             if new_shapes:
                 for memo in MEMOS:
                     getattr(module, memo, {}).clear()
+            if new_shapes or lengths:
                 turn = iter(fresh)
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -179,13 +191,15 @@ def measure(name: str, calls: int, device: str, triton: bool = False, backward: 
 
 
 def markdown(rows: list[dict], device: str, command: str, triton: bool = False, backward: bool = False,
-             new_shapes: bool = False) -> str:
+             new_shapes: bool = False, lengths: bool = False) -> str:
     what = ("Triton's launch path included up to its C launcher (kernels compiled for sm_90, not run)"
             if triton else "every Triton kernel stubbed (Triton's own launch not included)")
     if backward:
         what = "the backward through torch.autograd.grad (the forward run once before); " + what
     if new_shapes:
         what = "each call a new cache length (one more key a call), nothing remembered across runs; " + what
+    if lengths:
+        what = "each call one preallocated cache with lengths={'x': one more key a call}; " + what
     lines = [f"# Host time per launch ({device}, {datetime.date.today().isoformat()})", "",
              f"Command: `{command}`", "",
              f"Python {platform.python_version()} on {platform.processor() or platform.machine()}; "
@@ -210,9 +224,16 @@ def main(argv=None) -> int:
     p.add_argument("--new-shapes", action="store_true",
                    help="forward only: every call a new length of the key cache (a decode loop's growing "
                         "cache), so no call finds what an earlier one remembered")
+    p.add_argument("--lengths", action="store_true",
+                   help="forward only: every call the same preallocated cache with lengths={'x': n}, n one "
+                        "more each call (a decode loop that passes its cache's length)")
     args = p.parse_args(argv)
-    if args.new_shapes and args.backward:
-        raise SystemExit("bench/launch_overhead.py: --new-shapes times the forward; leave out --backward")
+    if (args.new_shapes or args.lengths) and args.backward:
+        raise SystemExit("bench/launch_overhead.py: --new-shapes and --lengths time the forward; "
+                         "leave out --backward")
+    if args.new_shapes and args.lengths:
+        raise SystemExit("bench/launch_overhead.py: --new-shapes narrows the cache, --lengths passes its "
+                         "length: one of them")
     if args.triton and os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("bench/launch_overhead.py --triton: unset TRITON_INTERPRET (Triton must compile)")
     import torch
@@ -223,17 +244,18 @@ def main(argv=None) -> int:
     if not cuda and not args.triton:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = "cuda" if cuda else "cpu"
-    rows = [measure(n, args.calls, device, args.triton, args.backward, args.new_shapes) for n in args.names]
+    rows = [measure(n, args.calls, device, args.triton, args.backward, args.new_shapes, args.lengths)
+            for n in args.names]
     label = torch.cuda.get_device_name() if cuda else "cpu"
     text = markdown(rows, label, "python bench/launch_overhead.py " + " ".join(argv if argv is not None
                                                                                else sys.argv[1:]), args.triton, args.backward,
-                    args.new_shapes)
+                    args.new_shapes, args.lengths)
     print(text)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         kind = ("-backward" if args.backward else "") + ("-new-shapes" if args.new_shapes else "") \
-            + ("-triton" if args.triton else "")
+            + ("-lengths" if args.lengths else "") + ("-triton" if args.triton else "")
         stem = f"launch-overhead{kind}-{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}-{datetime.date.today()}"
         (out / f"{stem}.md").write_text(text)
         print(f"wrote {out / stem}.md")

@@ -151,6 +151,8 @@ stage_decode() {
   "$PYTHON" bench/launch_overhead.py --backward --out "$OUT_DIR"
   # and a decode loop's growing cache, a new signature every call: the launch plans' miss path
   "$PYTHON" bench/launch_overhead.py --new-shapes --out "$OUT_DIR"
+  # and a decode loop passing its preallocated cache's length (lengths=): planned by which are short
+  "$PYTHON" bench/launch_overhead.py --lengths --out "$OUT_DIR"
   "$PYTHON" bench/decode.py --out "$OUT_DIR"
 }
 

@@ -845,6 +845,10 @@ def _scaled_grad(acc, c: tl.constexpr, dt: tl.constexpr):
 # local rows; integer and boolean inputs (ids, masks) are read at the global
 # positions, so they hold the global length along those wires.
 _POSITIONAL = ("q", "x")
+# (input, dimension) holding each positional wire as a dimension of its own: a plan's key reads the
+# wire's local size there (_lengths_key)
+_LENGTH_DIMS = {"q": (0, 2), "x": (1, 2)}
+_LENGTH_ARGS = {_w: f"_len_{_w}" for _w in _POSITIONAL}
 # (integer input, dimension, positional wires it is read along there, wires the dimension flattens)
 _GLOBAL_DIMS = ()
 
@@ -917,6 +921,31 @@ def _positions(positions, lengths, sizes, device, tensors):
     positions = _padded(positions, lengths, sizes, device)
     _check_positions(positions, lengths, sizes, device, tensors)
     return _position_args(positions, lengths, sizes)
+
+
+def _lengths_key(lengths, tensors):
+    """A call's lengths= as its launch plan's key takes it: for each wire,
+    whether the length is under the wire's local size (its rows from there
+    on padding, read at their own offsets: _padded).  () without lengths.
+    A plan's call passes the lengths themselves (_LENGTH_ARGS); all else in
+    its position arguments follows from the sizes and these flags.  None (no
+    plan: the whole launcher checks the call, and says what is wrong) unless
+    every length is a plain int of a positional wire an input holds as a
+    dimension of its own, within the diagram's size for a fixed wire."""
+    if lengths is None:
+        return ()
+    if type(lengths) is not dict:
+        return None
+    key = []
+    for w, n in lengths.items():
+        at = _LENGTH_DIMS.get(w)
+        if at is None or type(n) is not int or n < 0 or (WIRES[w] is not None and n != WIRES[w]):
+            return None
+        t = tensors[at[0]]
+        if not isinstance(t, torch.Tensor) or t.dim() <= at[1]:
+            return None
+        key.append((w, n < t.shape[at[1]]))
+    return tuple(sorted(key))
 
 
 def _position_args(positions, lengths, sizes):
@@ -1422,7 +1451,8 @@ def _l2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma,
     """Launch the forward kernel: ((outputs), (saved row state)).  The row
     state (what the backward reads that is not an output) is written only
     when _save is set."""
-    _key = _launch_key((Q, K, V,), (block_q, block_x, num_warps, num_stages, tma, _save, out_dtype, chunk,)) if positions is None and lengths is None else None  # the call's signature: None where it holds tensors of its own
+    _lk = _lengths_key(lengths, (Q, K, V,)) if positions is None else None  # lengths= alone: keyed by which are short
+    _key = _launch_key((Q, K, V,), (block_q, block_x, num_warps, num_stages, tma, _save, out_dtype, chunk, _lk)) if _lk is not None else None  # the call's signature: None where it holds tensors of its own
     with _AUTOTUNE_ONCE:  # one read of the tuned configs' file stamp, for the plan and the lookup
         _plan, _stamp = _launch_plan(_key)
         if _plan is not None:  # a signature seen before: its plan (codegen/launch_plan.py)
@@ -1431,6 +1461,8 @@ def _l2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma,
             _part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None
             _args = (Q, K, V, O, _saved_N0, _saved_Z0, *_tail)
             _meta = dict(_fixed, _part=_part)
+            if lengths:  # the call's own lengths (the plan's key holds only which are short)
+                _meta.update({_LENGTH_ARGS[_w]: _n for _w, _n in lengths.items()})
             _tma_last.update(used=False, why=_tma_why)
         else:
             _sz, _cls, _dev = _bind_for_launch((Q, K, V,), free=_global_dims(positions), remember=False)
@@ -1457,7 +1489,7 @@ def _l2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, tma,
                 *_wire_strides(_saved_Z0, "_saved_Z0", _sz),
             )
             _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _FIT_WEIGHTS=any(t.dtype == torch.float16 for t in (V,)), _SPLIT_WEIGHTS=_wider([O], [Q, K, V]), _INT64=_int64_offsets(Q, K, V, O, _saved_N0, _saved_Z0), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
-            # not for positions or lengths (no key), nor TMA: descriptors are built on the tensors, each call
+            # not for positions (no key), nor TMA: descriptors are built on the tensors, each call
             if _key is not None and not _meta.get("_TMA"):
                 _remember_launch(_key, _stamp, (_dev, None, [(t.shape, t.dtype) for t in (O, _saved_N0, _saved_Z0,)], _grid, _args[6:], {**_meta, "_part": None}, 0 if _part is None else _part.numel(), _chunk, None, _tma_last["why"], None))
     if math.prod(_grid) > 0:

@@ -386,6 +386,29 @@ def test_launch_overhead_new_shapes_gives_every_call_a_cache_length_of_its_own(t
         bench.main(["--new-shapes", "--backward", "gqa"])
 
 
+def test_launch_overhead_lengths_passes_one_cache_a_length_a_call(tmp_path, monkeypatch):
+    """--lengths (a decode loop over a preallocated cache): every call the same
+    cache of |x| + calls rows with lengths={'x': |x| + i}; the memos are kept,
+    so after the first call every call of a run is launched from one plan."""
+    bench = _bench_script("launch_overhead")
+    import generated.attention as m
+    found, seen = [], []
+    plan, launcher = m._launch_plan, m.attention
+    monkeypatch.setattr(m, "_LAUNCH_PLANS", {})
+    monkeypatch.setattr(m, "_launch_plan", lambda key: found.append(plan(key)[0] is not None) or plan(key))
+    monkeypatch.setattr(m, "attention", lambda *a, **kw: seen.append((a[1].shape[2], kw)) or launcher(*a, **kw))
+    row = bench.measure("attention", 4, "cpu", lengths=True)
+    assert row["launches"] == {"_attention_kernel": 1} and row["us"] > 0
+    assert len(found) == 50 + 5 * 4 and not found[0] and all(found[1:])
+    assert {n for n, _ in seen} == {4096 + 4}
+    assert [kw for _, kw in seen[-4:]] == [{"lengths": {"x": 4096 + i}} for i in range(4)]
+    assert bench.main(["--calls", "3", "--lengths", "--out", str(tmp_path), "gqa"]) == 0
+    (path,) = tmp_path.glob("launch-overhead-lengths-cpu-*.md")
+    assert "lengths={'x': one more key a call}" in path.read_text()
+    with pytest.raises(SystemExit, match="one of them"):
+        bench.main(["--new-shapes", "--lengths", "gqa"])
+
+
 def test_run_h100_decode_stage_runs_the_host_time_then_the_decode_bench(tmp_path):
     """run_h100.sh decode, PYTHON a stand-in that records its arguments: both
     scripts exist and write into the stage's output folder, the seconds of
@@ -394,6 +417,7 @@ def test_run_h100_decode_stage_runs_the_host_time_then_the_decode_bench(tmp_path
     assert calls == [["bench/launch_overhead.py", "--out", str(tmp_path / "out")],
                      ["bench/launch_overhead.py", "--backward", "--out", str(tmp_path / "out")],
                      ["bench/launch_overhead.py", "--new-shapes", "--out", str(tmp_path / "out")],
+                     ["bench/launch_overhead.py", "--lengths", "--out", str(tmp_path / "out")],
                      ["bench/decode.py", "--out", str(tmp_path / "out")]]
     assert all((REPO / c[0]).is_file() for c in calls)
 

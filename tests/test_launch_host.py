@@ -15,6 +15,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -408,6 +409,16 @@ def test_a_launch_from_its_plan_is_the_launch_the_whole_launcher_makes(planned_m
         _compare_plans(m, data, monkeypatch)
 
 
+# lengths= a plan takes (plain ints: its key holds which are under the local size, a plan's call
+# passes the lengths themselves) and ones the whole launcher refuses (a bool, a negative length, a
+# wire that is not positional) or takes unplanned (a NumPy integer)
+_LENGTHS = st.one_of(
+    st.none(), st.none(),
+    st.dictionaries(st.sampled_from(["q", "x"]), st.integers(0, 45), min_size=1),
+    st.sampled_from([{"x": True}, {"x": -1}, {"d": 3}, {"x": 2.0}, {}]),
+    st.integers(0, 45).map(lambda n: {"x": np.int64(n)}))
+
+
 def _compare_plans(m, data, monkeypatch):
     whole = m._launch_plan
     for _ in range(data.draw(st.integers(1, 3), label="calls")):
@@ -416,24 +427,35 @@ def _compare_plans(m, data, monkeypatch):
                    "block_x": data.draw(st.sampled_from([None, 16, 32]), label="block_x"),
                    "num_warps": data.draw(st.sampled_from([None, 2, 4]), label="num_warps"),
                    "chunk": data.draw(st.sampled_from([None, 0, 32, 48]), label="chunk"),
-                   "out_dtype": data.draw(st.sampled_from([None, torch.float32]), label="out_dtype")}
+                   "out_dtype": data.draw(st.sampled_from([None, torch.float32]), label="out_dtype"),
+                   "lengths": data.draw(_LENGTHS, label="lengths")}
         monkeypatch.setattr(m, "_launch_plan", lambda key: (None, None))
         expected = _call(m, inputs, options)
         monkeypatch.setattr(m, "_launch_plan", whole)
         assert _call(m, inputs, options) == expected
-        key = m._launch_key(inputs, [options[o] for o in ("block_q", "block_x", "num_warps")]
-                            + [None, None, False, options["out_dtype"], options["chunk"]])
-        assert (whole(key)[0] is not None) == isinstance(expected[0], list)   # remembered unless refused
+        lengths = m._lengths_key(options["lengths"], inputs)
+        key = None if lengths is None else m._launch_key(
+            inputs, [options[o] for o in ("block_q", "block_x", "num_warps")]
+            + [None, None, False, options["out_dtype"], options["chunk"], lengths])
+        planned = isinstance(expected[0], list) and type(options["lengths"]) in (type(None), dict) and all(
+            type(n) is int for n in (options["lengths"] or {}).values())
+        assert (key is not None and whole(key)[0] is not None) == planned   # remembered unless refused
         assert _call(m, inputs, options) == expected
+        if planned and options["lengths"]:   # other lengths through the same plan: each call's own
+            other = {w: data.draw(st.integers(0, 45), label=f"other {w}") for w in options["lengths"]}
+            monkeypatch.setattr(m, "_launch_plan", lambda key: (None, None))
+            expected = _call(m, inputs, dict(options, lengths=other))
+            monkeypatch.setattr(m, "_launch_plan", whole)
+            assert _call(m, inputs, dict(options, lengths=other)) == expected
 
 
 def test_a_plan_is_made_again_for_a_retuned_config_and_never_answers_a_refused_option(planned_modules,
                                                                                         monkeypatch, tmp_path):
     """A plan holds the tuned configs' file stamp: a rewritten file's config
     is launched at once.  Options 16.0 and True hash as 16 and 1, and are
-    still refused after those were planned; a call with lengths= or tma=True
-    makes no plan, a diagram whose mask reads data one; the plans are
-    cleared when full."""
+    still refused after those were planned; a call with lengths= makes one
+    (keyed by which lengths are short), one with tma=True none, a diagram
+    whose mask reads data one; the plans are cleared when full."""
     from napkin import tunecache
 
     m = planned_modules["attention"]
@@ -453,9 +475,11 @@ def test_a_plan_is_made_again_for_a_retuned_config_and_never_answers_a_refused_o
     assert _call(m, inputs, {"block_q": 16, "num_stages": True}) == (
         ValueError, "num_stages must be a whole number or None, not True")
     planned = len(m._LAUNCH_PLANS)
-    _call(m, inputs, {"lengths": {"x": 6}})
+    for n in (6, 5, 7, 9):   # short of the 7 keys, short, whole, past the end: two plans
+        _call(m, inputs, {"lengths": {"x": n}})
+    assert len(m._LAUNCH_PLANS) == planned + 2
     _call(m, inputs, {"tma": True})
-    assert m._tma_last["used"] and len(m._LAUNCH_PLANS) == planned
+    assert m._tma_last["used"] and len(m._LAUNCH_PLANS) == planned + 2
     _call(m, inputs, {})
     assert m._tma_last == {"used": False, "why": "tma not requested"}   # the plan's call says so again
     d = planned_modules["document_mask"]   # planned, its prepass run again each call (test_mask_cache.py)

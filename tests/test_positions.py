@@ -365,7 +365,7 @@ def test_padded_query_rows_add_nothing_whatever_they_hold(tmp, name, tma):
 
 
 @pytest.mark.parametrize("name", ["causal", "sigmoid", "gqa_causal"])
-def test_a_length_alone_makes_the_rows_past_it_padding(name, tmp):
+def test_a_length_alone_makes_the_rows_past_it_padding(name, tmp, monkeypatch):
     """lengths={'x': 10} on 37 key rows, no positions: a row's position is its offset, so the rows
     from 10 on are padding, as the docstring says; the kernels tested a row against the length only
     where positions were given, and counted all 37 (off by 1.4 from the first 10 keys)."""
@@ -373,13 +373,21 @@ def test_a_length_alone_makes_the_rows_past_it_padding(name, tmp):
     fn = getattr(m, {"sigmoid": "sigmoid_attention", "gqa_causal": "gqa"}.get(name, name))
     sizes = {"b": 1, "h": 2, "hk": 2, "g": 2, "q": 21, "x": 37}
     q, k, v = m.example_inputs({w: n for w, n in sizes.items() if w in m.WIRES}, dtype=torch.float32)
-    cut = [t.narrow(t.dim() - 2, 0, 10) for t in (k, v)]
-    got, want = fn(q, k, v, lengths={"x": 10}, **BLOCKS), fn(q, *cut, **BLOCKS)
-    got, want = (r if isinstance(r, tuple) else (r,) for r in (got, want))
-    ref = m.reference(q.double(), *(t.double() for t in cut))
-    for a, b, r in zip(got, want, ref if isinstance(ref, tuple) else (ref,)):
-        assert torch.equal(a, b)
-        assert_close(a.double(), r, f"{name} length alone")
+    monkeypatch.setattr(m, "_LAUNCH_PLANS", {})
+    real, hits = m._launch_plan, []
+    monkeypatch.setattr(m, "_launch_plan", lambda key: hits.append(real(key)[0] is not None) or real(key))
+    # a decode loop over one cache: the calls after the first short one are launched from its plan
+    # (keyed by whether the length is short, not by the length), the whole cache from a plan of its own
+    for n, planned in ((10, False), (3, True), (36, True), (37, False), (11, True)):
+        cut = [t.narrow(t.dim() - 2, 0, n) for t in (k, v)]
+        got = fn(q, k, v, lengths={"x": n}, **BLOCKS)
+        assert hits[-1] is planned, n
+        want = fn(q, *cut, **BLOCKS)
+        got, want = (r if isinstance(r, tuple) else (r,) for r in (got, want))
+        ref = m.reference(q.double(), *(t.double() for t in cut))
+        for a, b, r in zip(got, want, ref if isinstance(ref, tuple) else (ref,)):
+            assert torch.equal(a, b), n
+            assert_close(a.double(), r, f"{name} length {n} alone")
 
 
 def test_negative_positions_are_padding_and_never_read_below_an_input(tmp):

@@ -518,6 +518,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
                                      + [f"{o}=None" for o in H.LAUNCH_OPTIONS]),
         "options": opts,
         "positional": _tuple(_q(w) for w in (row, col)), "global_dims": _global_dims(d, (row, col)),
+        "length_dims": _length_dims(d, (row, col)),
         "bind_free": ", free=_global_dims(positions)",
         "local_args": "".join(f", {o}" for o in H.LAUNCH_OPTIONS),
         "local_params": "".join(f", {o}=None" for o in H.LAUNCH_OPTIONS),
@@ -589,6 +590,19 @@ def _wire_ctx(names: _Names, w: str) -> dict:
     return {"wire": w, "offs": f"_offs_{w}", "ok": f"_ok_{w}", "block": names.block(w), "size": names.size(w),
             "exact": names.exact(w), "idx": f"_idx_{w}", "gok": f"_gok_{w}", "pos": f"_pos_{w}",
             "len": f"_len_{w}", "flag": f"_POS_{w}"}
+
+
+def _length_dims(d: ir.Diagram, positional) -> str:
+    """``_LENGTH_DIMS``: for each positional wire some input holds as a
+    dimension of its own, (that input's index, the dimension): where a plan's
+    key reads the wire's local size before any binding (_lengths_key)."""
+    found = {}
+    for w in positional:
+        at = next(((i, k) for i, t in enumerate(d.inputs) for k, axis in enumerate(t.axes) if tuple(axis) == (w,)),
+                  None)
+        if at is not None:
+            found[w] = at
+    return "{" + ", ".join(f"{_q(w)}: {found[w]}" for w in positional if w in found) + "}"
 
 
 def _global_dims(d: ir.Diagram, positional) -> str:

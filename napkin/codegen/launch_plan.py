@@ -12,9 +12,15 @@ launcher keeps it per signature (the module's ``_LAUNCH_PLANS``, with the
 tuned configs' file stamp it was made under: a retuned config is read
 again).  A call whose signature it has seen allocates its outputs, builds
 its argument tuple and launches; the first call of a signature runs the
-launcher's whole code, which makes the plan.  Never planned: calls with
-positions or lengths (tensors of their own, checked each call) and calls
-whose tiles move through TMA descriptors (built on the tensors themselves).
+launcher's whole code, which makes the plan.  A call with lengths= alone
+(a decode loop over one preallocated cache) is planned by which lengths
+fall short of their wire's local size (those rows are padding, read at
+their own offsets): the key holds those flags, not the lengths, and a
+plan's call passes its own lengths (``_lengths_key``; plain ints only,
+anything else goes through the whole launcher, which checks it).  Never
+planned: calls with positions (tensors of their own, checked each call)
+and calls whose tiles move through TMA descriptors (built on the tensors
+themselves).
 A mask that reads data is planned, and a plan's call runs its ranges
 prepass again at the plan's blocks: the ids are data, not signature
 (mask_cache makes it a dict hit when the caller keeps one).  Packed rows'
@@ -27,7 +33,8 @@ works its launches out as (grid, the positional arguments after the
 kernel's tensors, the keywords) and hands them to a launch function that a
 plan's call goes to directly; side inputs' partial sums, ALiBi's slope's,
 zeroed again; a mask that reads data has its prepasses run again, as the
-forward's).  Not with positions, lengths or TMA, as the forward's.
+forward's).  Not with positions or TMA, as the forward's (a backward
+takes no lengths).
 
 A plan: the device; packed rows' input shapes (the launch reshapes the
 caller's tensors); each allocated tensor's shape and dtype (outputs, saved
@@ -59,7 +66,9 @@ def forward_launch(inputs: list[str], allocated: list[str], options: list[str], 
     ids are data, not signature."""
     ins, outs = ", ".join(inputs) + ",", ", ".join(allocated) + ","
     opts = ", ".join(options) + ","
-    key = (f"_key = _launch_key(({ins}), ({opts})) if positions is None and lengths is None else None  "
+    key = ("_lk = _lengths_key(lengths, (" + ins + ")) if positions is None else None  "
+           "# lengths= alone: keyed by which are short\n"
+           f"_key = _launch_key(({ins}), ({opts} _lk)) if _lk is not None else None  "
            "# the call's signature: None where it holds tensors of its own")
     fast = [
         f"{PLAN_FIELDS} = _plan",
@@ -72,6 +81,8 @@ def forward_launch(inputs: list[str], allocated: list[str], options: list[str], 
         *(["_sz, _br, _bc = _at  # the mask reads data: its ranges at the plan's blocks", ranges,
            "_meta = dict(_fixed, _part=_part, _ranges=_rng, _RANGES=_rng_on)"] if ranges else
           ["_meta = dict(_fixed, _part=_part)"]),
+        "if lengths:  # the call's own lengths (the plan's key holds only which are short)",
+        "    _meta.update({_LENGTH_ARGS[_w]: _n for _w, _n in lengths.items()})",
         "_tma_last.update(used=False, why=_tma_why)",
     ]
     # _pack hands back the caller's sizes, and tensors, when it packs nothing
@@ -81,7 +92,7 @@ def forward_launch(inputs: list[str], allocated: list[str], options: list[str], 
     cleared = '"_part": None, "_ranges": None' if ranges else '"_part": None'
     at = "(_sz, _br, _bc)" if ranges else "None"
     store = [
-        "# not for positions or lengths (no key), nor TMA: descriptors are built on the tensors, each call",
+        "# not for positions (no key), nor TMA: descriptors are built on the tensors, each call",
         "if _key is not None and not _meta.get(\"_TMA\"):",
         f"    _remember_launch(_key, _stamp, (_dev, {views}, [(t.shape, t.dtype) for t in ({outs})], _grid, "
         f"_args[{len(inputs) + len(allocated)}:], {{**_meta, {cleared}}}, "
