@@ -948,6 +948,23 @@ def _lengths_key(lengths, tensors):
     return tuple(sorted(key))
 
 
+def _streamed_cut(positions, lengths, sizes):
+    """Where the forward stops along the streamed wire: lengths= of it, a
+    whole number under its local size, when no positions place its rows
+    (so they sit at their own offsets, those from the length on padding).
+    The kernel takes the length as the wire's size, as for a cache narrowed
+    to it, and visits no block past it (with padding positions it visited
+    every block of the cache, loading their positions).  None otherwise, and
+    for anything _positions refuses: it says what is wrong."""
+    w = _POSITIONAL[1]
+    if not isinstance(lengths, dict) or not (positions is None or isinstance(positions, dict)):
+        return None
+    n = _whole(lengths.get(w))
+    if (positions or {}).get(w) is not None or type(n) is not int or not 0 <= n < sizes[w]:
+        return None
+    return n
+
+
 def _position_args(positions, lengths, sizes):
     """The kernel's position arguments, unchecked: a packed launch's own,
     which _pack made from positions it checked (so a decode step checks
@@ -1477,10 +1494,13 @@ def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, t
             _meta = dict(_fixed, _part=_part)
             if lengths:  # the call's own lengths (the plan's key holds only which are short)
                 _meta.update({_LENGTH_ARGS[_w]: _n for _w, _n in lengths.items()})
+                if ('x', True) in _lk:  # the kernel stops at this call's length (_streamed_cut)
+                    _args = (*_args[:9], lengths['x'], *_args[10:])
             _tma_last.update(used=False, why=_tma_why)
         else:
             _sz, _cls, _dev = _bind_for_launch((Q, K, V,), free=_global_dims(positions), remember=False)
             _opts = _autotune_fill({"block_q": block_q, "block_x": block_x, "num_warps": num_warps, "num_stages": num_stages, "tma": tma, "chunk": chunk}, _sz, _dev, _cls)
+            _cut = _streamed_cut(positions, lengths, _sz)
             _br = _block_size(_opts["block_q"], "q", "block_q")
             _bc = _block_size(_opts["block_x"], "x", "block_x")
             _tile_fits((_br, _bc), ("block_q", "block_x"), (block_q is not None, block_x is not None), _sz)
@@ -1492,9 +1512,11 @@ def _relu2_attention_forward(Q, K, V, block_q, block_x, num_warps, num_stages, t
             _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
             _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (1 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
             _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
+            if _cut is not None:
+                _pos.update(_pos_x=None, _POS_x=False)
             _args = (
                 Q, K, V, O, _saved_N0, _saved_Z0,
-                _sz["b"], _sz["h"], _sz["q"], _sz["x"],
+                _sz["b"], _sz["h"], _sz["q"], (_sz["x"] if _cut is None else _cut),
                 *_wire_strides(Q, "Q", _sz),
                 *_wire_strides(K, "K", _sz),
                 *_wire_strides(V, "V", _sz),

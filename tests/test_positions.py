@@ -41,6 +41,7 @@ CASES = {
     "sigmoid": ("sigmoid_attention", ()),
     "gqa_causal": ("gqa", (("S[b, hk, g, q, x] = sum[d](Q * K) * |d|^-0.5",
                             "S[b, hk, g, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)"),)),
+    "decode": ("flash_decoding", ()),   # packed rows and chunks
 }
 
 
@@ -388,6 +389,37 @@ def test_a_length_alone_makes_the_rows_past_it_padding(name, tmp, monkeypatch):
         for a, b, r in zip(got, want, ref if isinstance(ref, tuple) else (ref,)):
             assert torch.equal(a, b), n
             assert_close(a.double(), r, f"{name} length {n} alone")
+
+
+@pytest.mark.parametrize("name, q, chunk", [("causal", 21, None), ("decode", 5, 16)])
+def test_a_length_alone_stops_the_kernel_at_it(name, q, chunk, tmp, monkeypatch):
+    """lengths={'x': n} and no positions: the kernel takes n as the streamed wire's size, as for the
+    cache narrowed to n, so it loads no positions and no K or V past n (padding positions made it
+    walk every block of the cache, loading each one's positions), and gives the narrowed call's
+    outputs bit for bit, through a launch plan too; the chunked decode's chunks past n are empty."""
+    from napkin.bytecount import ByteCounter
+
+    m, _ = module(name, tmp)
+    fn = getattr(m, "flash_decoding" if name == "decode" else name)
+    sizes = {"b": 1, "h": 2, "hk": 2, "g": 4, "q": q, "x": 70}
+    inputs = m.example_inputs({w: n for w, n in sizes.items() if w in m.WIRES}, dtype=torch.float32)
+    opts = dict(BLOCKS, **({"chunk": chunk} if chunk else {}))
+    monkeypatch.setattr(m, "_LAUNCH_PLANS", {})
+    for i, n in enumerate((10, 33, 5)):   # the second and third from the plan the first made
+        cut = [t.narrow(t.dim() - 2, 0, n) if t.shape[-2] == 70 else t for t in inputs]
+        counts = []
+        for args, kw in ((inputs, {"lengths": {"x": n}}), (cut, {})):
+            with ByteCounter(tensors={"Q": inputs[0], "K": inputs[1], "V": inputs[2]}) as bc:
+                out = fn(*args, **kw, **opts)
+            counts.append(bc)
+        assert len(m._LAUNCH_PLANS) == 2 + i   # one for the lengths, one each narrowed shape
+        (lengths_bc, narrow_bc), got = counts, fn(*inputs, lengths={"x": n}, **opts)
+        for a, b in zip(got, out):
+            assert torch.equal(a, b), n
+        assert "_pos_x" not in lengths_bc.loads, n
+        assert (lengths_bc.loads["K"], lengths_bc.loads["V"]) == (narrow_bc.loads["K"], narrow_bc.loads["V"]), n
+        if chunk is None:   # the same loop, load for load (chunked: the empty chunks load their Q rows)
+            assert lengths_bc.load_calls == narrow_bc.load_calls, n
 
 
 def test_negative_positions_are_padding_and_never_read_below_an_input(tmp):

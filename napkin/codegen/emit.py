@@ -448,7 +448,9 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         H.tile_fits(row, col), f"_tma_check({T.OPTION})",
         f'_n_chunks = _chunks(chunk, None, _b_{col}, _sz["{col}"], block_{col} is not None)[1]',
         f"_fits((1, {batch}, _n_chunks if chunk is not None else 1))"]
-    launch = H.fill_options(opts + ["chunk"]) + P.launch_lines(plan, R.applies(plan)) + [
+    launch = H.fill_options(opts + ["chunk"]) + [
+        # the caller's lengths= of the streamed wire, where the kernel may stop (before _pack's positions)
+        "_cut = _streamed_cut(positions, lengths, _sz)"] + P.launch_lines(plan, R.applies(plan)) + [
         f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
         f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
         H.tile_fits(row, col, "_br", "_bc"),
@@ -470,6 +472,9 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     blocks = {row: "_br", col: "_bc", **{w: _dim_block_value(names, w) for w in plan.dims}}
     launch.append(tma.launch("_tma", f'_opts["{T.OPTION}"]', "_TMA_DESCS",
                              [x.name for x in d.inputs] + [o.name for o in d.outputs], blocks, "_tma_last"))
+    # the streamed wire cut at its length: no positions, the kernel's size its length (after the
+    # descriptors, refused for rows at positions: a descriptor would read the stale rows past it)
+    launch.append(f'if _cut is not None:\n    _pos.update(_pos_{col}=None, _POS_{col}=False)')
     if "_FIT_WEIGHTS" in flags:  # weights of no known bound, rounded to a float16 V
         values = sorted({a.value.tensor for a in plan.accums if a.value is not None})
         block_args.append(f"_FIT_WEIGHTS=any(t.dtype == torch.float16 for t in ({', '.join(values)},))")
@@ -493,7 +498,10 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
              H.FP_FUSION]
     # the kernel's positional arguments, worked out once: a chunked launch's merge takes a slice
     # of them (a decode step's launch is short enough for the host's time to show)
-    launch += ["_args = (\n    " + ",\n    ".join(H.positional_args(d, names.runtime)) + ",\n)",
+    cut = f'_sz["{col}"]'
+    args = [line.replace(cut, f"({cut} if _cut is None else _cut)") for line in H.positional_args(d, names.runtime)]
+    assert sum(cut in line for line in args) <= 1, args   # the sizes' line alone holds it
+    launch += ["_args = (\n    " + ",\n    ".join(args) + ",\n)",
                f"_meta = dict({', '.join(block_args + extra)})"]
     merged = {spec.var for spec in merge_loads(plan)}
     ctx = {
@@ -559,8 +567,11 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     # plan's keywords hold (_fixed: _pos_q, _len_q, _POS_q)
     ranges = R.launch(plan, "_rng", "_br", "_bc", False, False, R.WITHOUT_POSITIONS,
                       "_fixed" if plan.pack is not None else "") if R.applies(plan) else ""
+    # where _args holds the streamed wire's size, which a plan's call of a short length replaces
+    sized = H.size_wires(d, names.runtime)
+    cut_at = (len(inputs) + len(d.outputs) + sized.index(col), col) if col in sized else None
     ctx["launch"] = forward_launch(inputs, [o.name for o in d.outputs], opts + ["_save", "out_dtype", "chunk"],
-                                   bind + "\n" + ctx["launch"], tail, P.packed_inputs(plan), ranges)
+                                   bind + "\n" + ctx["launch"], tail, P.packed_inputs(plan), ranges, cut_at)
     ctx["binds"] = True   # the launch block binds (after its plan lookup): the template does not
     return ctx
 

@@ -17,7 +17,9 @@ launcher's whole code, which makes the plan.  A call with lengths= alone
 fall short of their wire's local size (those rows are padding, read at
 their own offsets): the key holds those flags, not the lengths, and a
 plan's call passes its own lengths (``_lengths_key``; plain ints only,
-anything else goes through the whole launcher, which checks it).  Never
+anything else goes through the whole launcher, which checks it), the
+streamed wire's also as the kernel's size of it (``_streamed_cut``: the
+kernel stops there, as for a cache narrowed to it).  Never
 planned: calls with positions (tensors of their own, checked each call)
 and calls whose tiles move through TMA descriptors (built on the tensors
 themselves).
@@ -53,7 +55,7 @@ PLAN_FIELDS = "_dev, _views, _allocs, _grid, _tail, _fixed, _part_n, _chunk, _re
 
 
 def forward_launch(inputs: list[str], allocated: list[str], options: list[str], work: str, tail: str,
-                   packed: list[str], ranges: str = "") -> str:
+                   packed: list[str], ranges: str = "", cut_at=None) -> str:
     """The launch block of an attention forward launcher.  ``work``: the
     launcher's whole code from the binding to ``_args`` and ``_meta``;
     ``tail``: the launches; ``allocated``: the tensors ``work`` allocates,
@@ -63,7 +65,9 @@ def forward_launch(inputs: list[str], allocated: list[str], options: list[str], 
     that reads data, the line running its ranges prepass (``_rng``,
     ``_rng_on`` at ``_sz``, ``_br``, ``_bc``; packed rows' positions from
     the plan's keywords, ``_fixed``), which a plan's call runs again: the
-    ids are data, not signature."""
+    ids are data, not signature.  ``cut_at``: (the index in ``_args`` of
+    the streamed wire's size, the wire), which a plan's call whose length
+    of it is short replaces with that length (``_streamed_cut``)."""
     ins, outs = ", ".join(inputs) + ",", ", ".join(allocated) + ","
     opts = ", ".join(options) + ","
     key = ("_lk = _lengths_key(lengths, (" + ins + ")) if positions is None else None  "
@@ -83,6 +87,9 @@ def forward_launch(inputs: list[str], allocated: list[str], options: list[str], 
           ["_meta = dict(_fixed, _part=_part)"]),
         "if lengths:  # the call's own lengths (the plan's key holds only which are short)",
         "    _meta.update({_LENGTH_ARGS[_w]: _n for _w, _n in lengths.items()})",
+        *([f"    if ({cut_at[1]!r}, True) in _lk:  # the kernel stops at this call's length (_streamed_cut)",
+           f"        _args = (*_args[:{cut_at[0]}], lengths[{cut_at[1]!r}], *_args[{cut_at[0] + 1}:])"]
+          if cut_at else []),
         "_tma_last.update(used=False, why=_tma_why)",
     ]
     # _pack hands back the caller's sizes, and tensors, when it packs nothing
