@@ -127,8 +127,8 @@ def test_tma_table_still_renders_the_old_studys_rows(capsys, tmp_path):
 def test_decode_stage_keeps_the_host_time_when_the_decode_bench_fails(tmp_path):
     """run_h100.sh decode under set -e: decode.py exits 1 on a failed check and
     runs until the stage's limit stops it, so launch_overhead.py, the stage's
-    other (seconds-long) script, comes first, forward, backward and new shapes; it was
-    never reached after it."""
+    other (seconds-long) script, comes first, forward, backward, new shapes and
+    lengths; it was never reached after it."""
     import shlex
     import subprocess
     from pathlib import Path
@@ -143,7 +143,7 @@ def test_decode_stage_keeps_the_host_time_when_the_decode_bench_fails(tmp_path):
     done = subprocess.run(["bash", str(repo / "bench" / "run_h100.sh"), "decode"], env=env, cwd=repo,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1   # the stage still says decode failed
-    assert log.read_text().split() == ["bench/launch_overhead.py"] * 3 + ["bench/decode.py"]
+    assert log.read_text().split() == ["bench/launch_overhead.py"] * 4 + ["bench/decode.py"]
 
 
 def test_tma_stage_keeps_the_python_path_that_holds_the_carried_wheels(tmp_path):
