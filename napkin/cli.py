@@ -51,8 +51,8 @@ DEMO_OTHER_SIZE = 64  # any other symbolic wire
 # at an absolute 0.02 with the kernel exact to fp16.
 DEMO_TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3, "float64": 1e-6}
 
-# The declared dtypes the demo runs a diagram in (torch's names); others run in fp16.
-DEMO_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+# The declared dtypes the demo runs a diagram in (the kernels' float inputs); others run in fp16.
+DEMO_DTYPES = ("fp16", "bf16", "fp32")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -295,7 +295,7 @@ def cmd_demo(args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="napkin-demo-") as tmp:
         module = _import_file(Path(write_module(path, Path(tmp))))
-        dtype, why = _demo_dtype(module, cuda, torch)
+        dtype, why = _demo_dtype(diagram, cuda, torch)
         print(f"{path}: diagram {diagram.name}, sizes "
               + ", ".join(f"{k}={v}" for k, v in sizes.items())
               + f", on {'the GPU' if cuda else 'the CPU (Triton interpreter)'}, "
@@ -356,17 +356,18 @@ def _import_file(path: Path):
     return module
 
 
-def _demo_dtype(module, cuda: bool, torch):
+def _demo_dtype(diagram, cuda: bool, torch):
     """The dtype the demo's float inputs come in: the diagram's own, that of
     its first input declared fp16, bf16 or fp32 (fp16 if none is), except
     bf16 on the CPU, which runs as fp16 (the Triton interpreter's bf16
     tl.dot is wrong).  Returns (dtype, why it is not the declared one, or
     None)."""
-    declared = getattr(module, "_DTYPES", {})
-    main = next((declared[n] for n in getattr(module, "INPUTS", ()) if declared.get(n) in DEMO_DTYPES), None)
+    from . import ir
+
+    main = next((t.dtype for t in diagram.inputs if t.dtype in DEMO_DTYPES), "fp16")
     if main == "bf16" and not cuda:
         return torch.float16, "a bf16 diagram runs in fp16 here: Triton's interpreter gets bf16 dots wrong"
-    return getattr(torch, DEMO_DTYPES.get(main, "float16")), None
+    return getattr(torch, ir.TORCH_NAMES[main]), None
 
 
 def _run_and_compare(module, diagram, sizes, device, torch, dtype) -> bool:

@@ -478,15 +478,14 @@ def scale(X):
 SCALE = "diagram scale\nwire r, n\nin X[r, n] : fp16\nY[r, n] : fp16 = 2 * X\ntotal[r] = sum[n](X)\nout Y, total\n"
 
 
-# A module that trains: the demo takes its declared dtype (fp32) and checks the
-# gradient autograd gives through it (off by GRAD_ERROR of dY) against the
-# float64 reference's.  scale_backward marks it as training, as a generated
-# module's NAME_backward does; the demo never calls it.
+# A module that trains: the demo takes its diagram's dtype (SCALE32's fp32) and
+# checks the gradient autograd gives through it (off by GRAD_ERROR of dY)
+# against the float64 reference's.  scale_backward marks it as training, as a
+# generated module's NAME_backward does; the demo never calls it.
 FAKE_TRAINING_MODULE = """
 import torch
 
 INPUTS = ("X",)
-_DTYPES = {"X": "fp32", "Y": "fp32", "total": "fp32"}
 
 def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -561,7 +560,7 @@ def test_demo_compares_with_the_float64_reference(capsys, monkeypatch, tmp_path,
 
 @pytest.mark.parametrize("error, code", [(0.0, 0), (0.5, 1)])
 def test_demo_checks_the_gradients_of_a_module_that_trains(capsys, monkeypatch, tmp_path, error, code):
-    (tmp_path / "scale.ncd").write_text(SCALE)
+    (tmp_path / "scale.ncd").write_text(SCALE.replace(": fp16", ": fp32"))
     monkeypatch.chdir(tmp_path)
     _fake_passes(monkeypatch, error, [], FAKE_TRAINING_MODULE)
     got, out, err = run(capsys, "demo", "scale.ncd", "--size", "n=100")
@@ -584,12 +583,11 @@ def test_demo_checks_the_gradients_of_a_module_that_trains(capsys, monkeypatch, 
 def test_demo_runs_a_diagram_in_its_declared_dtype(declared, cuda, want, why):
     """bf16 on the CPU runs as fp16 (the interpreter's bf16 dot is wrong) and says so; the first
     float input the kernels take decides (not the integer ids before it; an fp64 Q leaves it to K)."""
-    import types
-
     import torch
 
-    module = types.SimpleNamespace(INPUTS=("ids", "Q", "K"), _DTYPES={"ids": "int32", "Q": declared, "K": "fp32"})
-    dtype, note = cli._demo_dtype(module, cuda, torch)
+    diagram = napkin.load_text(f"diagram dt\nwire r, n\nin ids[r] : int32\nin Q[r, n] : {declared}\n"
+                               "in K[r, n] : fp32\nY[r, n] = Q * K + ids\nout Y\n", "dt.ncd")
+    dtype, note = cli._demo_dtype(diagram, cuda, torch)
     assert dtype == getattr(torch, want)
     assert (note is not None) == why
 

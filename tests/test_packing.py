@@ -477,10 +477,13 @@ def test_packed_rows_under_a_document_mask_are_launched_from_a_plan(monkeypatch)
     real_ranges = m._packed_docs_ranges
     monkeypatch.setattr(m, "_packed_docs_ranges", lambda *a, **kw: runs.append(a[8]) or real_ranges(*a, **kw))
     monkeypatch.setattr(m, "_LAUNCH_PLANS", {})
-    real_plan = m._launch_plan
-    from_plans = []
-    monkeypatch.setattr(m, "_launch_plan", lambda key: from_plans.append(real_plan(key)[0] is not None)
-                        or real_plan(key))
+    real_plan, from_plans = m._launch_plan, []
+
+    def spy(key):   # the plan lookup, recording whether it found one
+        from_plans.append(real_plan(key)[0] is not None)
+        return real_plan(key)
+
+    monkeypatch.setattr(m, "_launch_plan", spy)
     for cache in (None, {}):
         planned = [K.run(m, (Q, Kt, V, qd, kd), block_q=16, block_x=16, mask_cache=cache)[0] for qd, kd in ids]
         assert len(m._LAUNCH_PLANS) == 1 and from_plans[-2:] == [True, True]
@@ -488,8 +491,7 @@ def test_packed_rows_under_a_document_mask_are_launched_from_a_plan(monkeypatch)
         assert runs[-3:] == [True] * 3   # a prepass each call (new ids: no cache hit)
         monkeypatch.setattr(m, "_launch_plan", lambda key: (None, None))
         whole = [K.run(m, (Q, Kt, V, qd, kd), block_q=16, block_x=16)[0] for qd, kd in ids]
-        monkeypatch.setattr(m, "_launch_plan", lambda key: from_plans.append(real_plan(key)[0] is not None)
-                            or real_plan(key))
+        monkeypatch.setattr(m, "_launch_plan", spy)
         for got, want, (qd, kd) in zip(planned, whole, ids):
             assert torch.equal(got, want)
             (exact,) = K.reference(m, (Q.double(), Kt.double(), V.double(), qd, kd))
