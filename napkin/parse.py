@@ -248,6 +248,10 @@ def _dangling_operator(text: str, equal: Token) -> Optional[Diagnostic]:
     return None
 
 
+# C's logical operators, which a mask is often first written with
+_C_LOGIC = {"&": "and", "!": "not"}
+
+
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
     at = getattr(err, "pos_in_stream", None)
     if isinstance(err, UnexpectedToken):
@@ -289,6 +293,9 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
             hint = "a power is written with '^', as in x^2"
         elif str(tok) in _keywords() and "NAME" in expected:
             hint += f" ('{tok}' is a reserved word, so it cannot be a name)"
+        elif str(tok) == "|" and "OR" in expected and not re.match(r"\|\s*[A-Za-z_]\w*\s*\|", text[tok.start_pos:]):
+            # C's || or |, where an operator goes (2 |d| is a size missing its '*': left to the set)
+            hint = "napkin's logical operators are words: write 'or'"
         return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
         before = text[text.rfind("\n", 0, err.pos_in_stream) + 1:err.pos_in_stream]
@@ -299,8 +306,11 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
             ip = _parser().parse_interactive("")
             ip.parser_state = err.state.copy(deepcopy_values=False)
             expected = ip.accepts() or expected
+        hint = f"expected {_expected(expected)}" if expected else None
+        if err.char in _C_LOGIC and _C_LOGIC[err.char].upper() in expected:   # C's &&, & and ! ('!=' lexes)
+            hint = f"napkin's logical operators are words: write '{_C_LOGIC[err.char]}'"
         return Diagnostic(f"unexpected character {_character(err.char, before)}", ir.Loc(err.line, err.column),
-                          hint=f"expected {_expected(expected)}" if expected else None)
+                          hint=hint)
     if isinstance(err, UnexpectedEOF):  # pragma: no cover - LALR reports $END tokens
         return Diagnostic("unexpected end of file", ir.Loc(1, 1),
                           hint=f"expected {_expected(err.expected)}")

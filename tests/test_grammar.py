@@ -306,6 +306,33 @@ t.ncd:2:11: unexpected '*'
     S[b] = x ** 2
               ^
   hint: a power is written with '^', as in x^2"""),
+    # C's logical operators: the words are named, not the set (which an '&' does not reach)
+    "C's and": ("diagram a\nS[b] = where(x < n && x < 3, 1, 0)\n", """\
+t.ncd:2:20: unexpected character '&'
+    S[b] = where(x < n && x < 3, 1, 0)
+                       ^
+  hint: napkin's logical operators are words: write 'and'"""),
+    "C's or": ("diagram a\nS[b] = where(x < n || x < 3, 1, 0)\n", """\
+t.ncd:2:20: unexpected '|'
+    S[b] = where(x < n || x < 3, 1, 0)
+                       ^
+  hint: napkin's logical operators are words: write 'or'"""),
+    "C's not": ("diagram a\nS[b] = where(!(x < 3), 1, 0)\n", """\
+t.ncd:2:14: unexpected character '!'
+    S[b] = where(!(x < 3), 1, 0)
+                 ^
+  hint: napkin's logical operators are words: write 'not'"""),
+    # a '|' that opens a size is a missing operator, and a '!' where no expression goes is no 'not'
+    "size after an operand": ("diagram a\nS[b] = 2 |d|\n", """\
+t.ncd:2:10: unexpected '|'
+    S[b] = 2 |d|
+             ^
+  hint: expected a new statement or an operator"""),
+    "bang after a statement": ("diagram a\nS[b] = x !\n", """\
+t.ncd:2:10: unexpected character '!'
+    S[b] = x !
+             ^
+  hint: expected '(', '[', a new statement or an operator"""),
     "bad character": ("diagram a\nS[b] = a $ b\n", """\
 t.ncd:2:10: unexpected character '$'
     S[b] = a $ b
