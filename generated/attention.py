@@ -56,6 +56,8 @@ _DTYPES = {"Q": "fp16", "K": "fp16", "V": "fp16", "O": "fp16", "lse": "fp32"}
 _ACCUMULATED = ("lse",)
 # (tensor, declared wire, other wire it is read along): their sizes must agree.
 _RELABELS = ()
+# Integer inputs that are a length of a wire (x < n[b]): example_inputs draws them in 1..|wire|.
+_LENGTH_INPUTS = {}
 # Default block sizes, from the diagram's schedule.
 _BLOCKS = {"q": 128, "x": 64}
 # The dimensions of what only training moves: saved row state, gradients.
@@ -2385,9 +2387,10 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
 
     Inputs declared like the first float input get ``dtype`` (normal
     values); other float inputs keep their declared dtype, and one-wire ones
-    get ALiBi-like slopes 2^(-8 i / n); integer inputs get sorted random ids
-    along their last axis (document ids of packed sequences).  Sizes of
-    wires the diagram does not have are ignored."""
+    get ALiBi-like slopes 2^(-8 i / n); integer inputs that are a length
+    of a wire (_LENGTH_INPUTS) get random lengths 1..|wire|, other integer
+    inputs sorted random ids along their last axis (document ids of packed
+    sequences).  Sizes of wires the diagram does not have are ignored."""
     _sz = {}
     for w, n in WIRES.items():
         if n is None and w not in sizes:
@@ -2400,7 +2403,10 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
     out = []
     for name in INPUTS:
         shape, declared = _shape(name, _sz), _DTYPES[name]
-        if declared in ("int32", "int64"):
+        if name in _LENGTH_INPUTS:
+            top = _sz[_LENGTH_INPUTS[name]]
+            t = torch.randint(1, top + 1, shape, generator=gen).to(_TORCH_DTYPES[declared])
+        elif declared in ("int32", "int64"):
             top = max(1, (shape[-1] if shape else 1) // 16) + 1
             t = torch.randint(0, top, shape, generator=gen).sort(dim=-1).values.to(_TORCH_DTYPES[declared])
         elif declared == "bool":

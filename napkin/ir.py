@@ -446,6 +446,32 @@ def tie_relabels(d: "Diagram", sizes: dict) -> Optional[tuple[str, str, str, Loc
     return None
 
 
+def length_inputs(d: "Diagram") -> tuple[tuple[str, str], ...]:
+    """Each (integer input, wire) where the input is a length of the wire:
+    compared with an expression of the wire's index on the other side while
+    not read along that wire (``x < n[b]``, ``x <= q + n[b] - |q|``: n is a
+    length of x per b; ``doc[b, q] == doc`` compares ids, not a length).
+    Its values are the wire's positions, 0..|w|, where document ids are
+    small numbers: example_inputs draws each kind its own way.  First wire
+    found for each input, in the boxes' order."""
+    ints = {t.name: axis_wires(t.axes) for t in d.inputs if t.dtype in ("int32", "int64")}
+    out: dict[str, str] = {}
+
+    def reads(e: Expr) -> list[tuple[str, tuple[str, ...]]]:
+        return [(n.name, n.wires or ints[n.name]) for n in walk(e) if isinstance(n, TensorRef) and n.name in ints]
+
+    for let in d.lets:
+        for n in walk(let.expr):
+            if isinstance(n, Binary) and n.op in COMPARE_OPS:
+                for side, other in ((n.lhs, n.rhs), (n.rhs, n.lhs)):
+                    indices = [i.wire for i in walk(other) if isinstance(i, WireIndex)]
+                    for name, along in reads(side):
+                        w = next((w for w in indices if w not in along), None)
+                        if w is not None:
+                            out.setdefault(name, w)
+    return tuple(out.items())
+
+
 def children(expr: Expr) -> tuple:
     """The direct sub-expressions of a node, in source order."""
     if isinstance(expr, Unary):

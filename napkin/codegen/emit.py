@@ -749,6 +749,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "wires": "{" + ", ".join(f'"{w.name}": {w.size}' for w in d.wires) + "}",
         "layouts": layouts, "dtypes": dtypes, "accumulated": _tuple(_q(n) for n in accumulated),
         "relabels": _tuple(_tuple(_q(x) for x in r) for r in relabels), "blocks": blocks,
+        "length_inputs": "{" + ", ".join(f"{_q(n)}: {_q(w)}" for n, w in ir.length_inputs(d)) + "}",
         "input_params": ", ".join(t.name for t in d.inputs),
         "input_tuple": ", ".join(t.name for t in d.inputs) + ("," if len(d.inputs) == 1 else ""),
         "returns": ", ".join(o.name for o in d.outputs),
