@@ -910,13 +910,13 @@ def _ragged_decode_ranges_kernel(
             _offs_x = _col0 + tl.arange(0, _BLOCK_x)
             _ok_x = _offs_x < _size_x
         # the mask, as the masked step evaluates it; padding rows and columns count nowhere
-        _keep = _ok_q[:, None] & _ok_x[None, :] & (tl.where(_offs_x[None, :] < _n_1, _offs_x[None, :] <= _idx_q[:, None] + _n_1 - _len_q, False))
+        _keep = _gok_q[:, None] & _ok_x[None, :] & (tl.where(_offs_x[None, :] < _n_1, _offs_x[None, :] <= _idx_q[:, None] + _n_1 - _len_q, False))
         _any = tl.max(tl.where(_keep, 1, 0)) > 0
         # full: true at every real row, the block of x whole (its step drops the bounds masks)
         _whole = _col0 + _BLOCK_x <= _size_x
         if _WHOLE_ROWS:  # the backward sums over rows: a ragged block of them is never full
             _whole = _whole & (_row0 + _BLOCK_q <= _size_q)
-        _all = _whole & (tl.min(tl.where(_keep | ~_ok_q[:, None], 1, 0)) > 0)
+        _all = _whole & (tl.min(tl.where(_keep | ~_gok_q[:, None], 1, 0)) > 0)
         _lo = tl.minimum(_lo, tl.where(_any, _j, _steps))
         _hi = tl.where(_any, _j + 1, _hi)
         _lead = tl.where(_all & (_lead == _j - _first), _lead + 1, _lead)

@@ -19,7 +19,8 @@ import pytest
 import napkin
 from napkin import ir, tiling
 from napkin.cost import analyse, from_json, summary_lines, tune, with_blocks
-from napkin.cost import bounds, model, profiles
+from napkin.cost import bounds, model, packing, profiles
+from napkin.cost.devices import mesh_tiles as device_tiles
 from napkin.cost.analysis import _visited
 from napkin.cost.symbolic import Poly
 from napkin.errors import NapkinError
@@ -94,10 +95,15 @@ def brute_force(d: ir.Diagram, sizes: dict[str, int]) -> dict[tuple[int, str, st
     return out
 
 
-SINGLE_DEVICE = [p.stem for p in EXAMPLES if "devices" not in p.read_text()]
+SINGLE_DEVICE = [p.stem for p in EXAMPLES if not device_tiles(load(p.stem))]
+# brute_force walks the schedule's own groups; a launch that packs a batch wire beside the rows
+# (cost/packing.py) runs other programs, which test_bytecount counts against the kernels' bytes.
+# (This list was once the files without the word "devices", which also left out flash_decoding,
+# whose comment says "across devices".)
+UNPACKED = [n for n in SINGLE_DEVICE if packing.find(load(n)) is None]
 
 
-@pytest.mark.parametrize("name", SINGLE_DEVICE)
+@pytest.mark.parametrize("name", UNPACKED)
 @pytest.mark.parametrize("n", [64, 200, 333])
 def test_counts_match_a_brute_force_walk(name, n):
     d = load(name)
