@@ -393,6 +393,17 @@ def test_flex_visible_counts_the_pairs_a_mask_keeps():
     assert flex.load(plain).visible(*reference.example_inputs(plain, SIZES)) == 1.0
 
 
+def test_the_bench_draws_a_length_input_as_a_length():
+    """ragged_decode's n[b] (x < n[b]) is each sequence's cache length, 1..|x|: drawn as document ids
+    (small numbers) the bench timed near-empty attention, and its FLOP share was a few pairs."""
+    d = napkin.load(EXAMPLES / "ragged_decode.ncd")
+    sizes = {"b": 64, "hk": 1, "g": 1, "q": 1, "x": 300}
+    n = reference.example_inputs(d, sizes, seed=1)[3]
+    assert n.dtype == torch.int32 and n.min() >= 1 and n.max() <= 300
+    assert n.max() > 100 and len(set(n.tolist())) > 32
+    assert torch.equal(n, reference.example_inputs(d, sizes, seed=1)[3])   # the seed decides it
+
+
 def _softmax64(S, V):
     return torch.softmax(S, -1) @ V
 

@@ -42,19 +42,25 @@ def _shape(axes, sizes) -> list[int]:
 def example_inputs(diagram: ir.Diagram, sizes: Mapping[str, int], dtype=None, device="cpu", seed=0, docs=None):
     """Inputs in the diagram's order.  Float tensors: standard normal, in the
     declared dtype (or ``dtype`` for the fp16/bf16 ones, the attention
-    operands); an integer input is read as document ids, non-decreasing along
-    its last axis so each document is one contiguous run (about 4 of random
-    lengths, or with ``docs``, napkin/documents.py's, the ids of those
-    documents cut at the axis's length, the same in every row); bool is
-    random.  Deterministic in ``seed``."""
+    operands); an integer input that is a length of a wire (ir.length_inputs:
+    x < n[b]) is a random length 1..|wire|, as the generated module's
+    example_inputs draws it; any other integer input is read as document ids,
+    non-decreasing along its last axis so each document is one contiguous run
+    (about 4 of random lengths, or with ``docs``, napkin/documents.py's, the
+    ids of those documents cut at the axis's length, the same in every row);
+    bool is random.  Deterministic in ``seed``."""
     import torch
 
     full = full_sizes(diagram, sizes)
+    lengths = dict(ir.length_inputs(diagram))
     gen = torch.Generator().manual_seed(seed)
     out = []
     for t in diagram.inputs:
         shape = _shape(t.axes, full)
-        if t.dtype in ("int32", "int64") and docs is not None:
+        if t.name in lengths:
+            value = torch.randint(1, full[lengths[t.name]] + 1, shape, generator=gen)
+            value = value.to(getattr(torch, ir.TORCH_NAMES[t.dtype]))
+        elif t.dtype in ("int32", "int64") and docs is not None:
             bounds = docs.cut(shape[-1])
             ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(bounds).diff())
             value = ids.expand(shape).to(getattr(torch, ir.TORCH_NAMES[t.dtype])).contiguous()
