@@ -68,7 +68,8 @@ def test_example_inputs_draw_lengths_up_to_the_wire_and_ids_as_before():
 
 def _sdpa_rows(Q, Kc, Vc, n, g):
     """Each sequence alone, its cache cut at its length: SDPA in float64, with
-    the new tokens at the end of it (rows that see no key are None)."""
+    the new tokens at the end of it; (output, which rows see some key) each
+    (SDPA's rows that see none are NaN, napkin's lse -inf)."""
     out = []
     for i, length in enumerate(n.tolist()):
         q = Q.shape[2]
