@@ -2,7 +2,7 @@
 # The benchmark a session with a lent H100 (or H200) runs, in stages that each
 # fit one 10-minute device command.  Usage, from the repository root:
 #
-#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|aot|all]   (default: all)
+#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|ragged|aot|all]   (default: all)
 #
 # Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
 # comes back), else bench/results; copy them into bench/results/ and commit
@@ -156,6 +156,14 @@ stage_decode() {
   "$PYTHON" bench/decode.py --out "$OUT_DIR"
 }
 
+stage_ragged() {
+  # Decoding a batch of caches filled to their own lengths (examples/ragged_decode.ncd,
+  # bench/decode.py --ragged; never run on a GPU yet): napkin's ranges prepass skips each
+  # sequence's blocks past its length at every call; FlexAttention timed with its block
+  # mask built once (flex) and rebuilt each call (flex-step), as a loop whose lengths grow.
+  "$PYTHON" bench/decode.py --ragged --out "$OUT_DIR"
+}
+
 stage_aot() {
   # What the machine's own Triton makes of the kernels before anything is
   # timed (napkin.bench.aot: registers, spills, wgmma): ALiBi with its slope
@@ -166,7 +174,7 @@ stage_aot() {
 
 stage="${1:-all}"
 case "$stage" in
-  env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|aot) "stage_$stage" ;;
-  all) for s in env test aot main variants others extras benchtest sweep ncu tma decode; do "stage_$s"; done ;;
-  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|aot|all]" >&2; exit 2 ;;
+  env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|ragged|aot) "stage_$stage" ;;
+  all) for s in env test aot main variants others extras benchtest sweep ncu tma decode ragged; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|ragged|aot|all]" >&2; exit 2 ;;
 esac

@@ -335,6 +335,40 @@ def test_decode_bench_checks_every_chunk_before_timing_and_writes_its_record(tmp
     assert "| 1 | 3 | 100 | napkin | 32 |" in (tmp_path / path.name.replace(".json", ".md")).read_text()
 
 
+def test_ragged_decode_bench_checks_each_length_and_times_flex_with_its_mask_rebuilt(tmp_path, monkeypatch):
+    """bench/decode.py --ragged (run_h100.sh's ragged stage): examples/ragged_decode.ncd, each
+    sequence's cache length drawn in 1..|x| and recorded; napkin checked against float64 with
+    those lengths, Flex twice (its block mask built once, and inside each timed call), SDPA given
+    the lengths' mask, which must be right (it is a speed reference, but a wrong mask would time
+    a different attention)."""
+    from torch.nn.attention import flex_attention as F
+
+    decode = _bench_script("decode")
+    made, real = [], F.create_block_mask
+    monkeypatch.setattr(F, "create_block_mask", lambda *a, **k: made.append(k) or real(*a, **k))
+    assert decode.main(["--ragged", "--cache", "100", "--chunks", "0,32", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("decode-ragged-cpu-*.json")
+    data = json.loads(path.read_text())
+    assert data["diagram"] == "examples/ragged_decode.ncd"
+    (lengths,) = data["lengths"].values()
+    assert len(lengths) == 3 and all(1 <= n <= 100 for n in lengths) and len(set(lengths)) > 1
+    assert [(r["impl"], r["chunk"]) for r in data["rows"]] == [
+        ("napkin", 0), ("napkin", 32), ("napkin-unpacked", 0), ("napkin-unpacked", 32),
+        ("flex", None), ("flex-step", None), ("sdpa", None)]
+    assert all(r["ok"] and r["max_abs_error"] < 1e-5 for r in data["rows"][:4])
+    assert all(r["ok"] and r["max_abs_error"] < 1e-3 for r in data["rows"][4:6])
+    assert data["rows"][6]["max_abs_error"] < 1e-5
+    # flex's mask once, then flex-step's at its check and at every timed call; eager on the CPU
+    assert len(made) > 3 and all(k["_compile"] is False for k in made)
+    md = (tmp_path / path.name.replace(".json", ".md")).read_text()
+    assert md.startswith("# Ragged decode:") and f"3,3,100: {lengths}" in md
+
+
+def test_run_h100_ragged_stage_runs_the_ragged_decode_bench(tmp_path):
+    calls = run_stage_recorded(tmp_path, "ragged")
+    assert calls == [["bench/decode.py", "--ragged", "--out", str(tmp_path / "out")]]
+
+
 # --------------------------------------------------------------------------
 # bench/launch_overhead.py: the host's time per launch, kernels stubbed
 # --------------------------------------------------------------------------
