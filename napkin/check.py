@@ -376,7 +376,7 @@ class _Checker:
             return True
         if isinstance(e, ir.TensorRef):
             t = self.d.tensor(e.name)   # (None: an unknown name, reported already)
-            return t is None or isinstance(t, ir.Input) and t.dtype in ("int32", "int64")
+            return t is None or isinstance(t, ir.Input) and t.dtype in ir.NUMBER_INT_DTYPES
         if isinstance(e, ir.Unary):
             return e.op == "-" and self.whole(e.operand)
         if isinstance(e, ir.Binary):

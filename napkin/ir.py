@@ -60,6 +60,8 @@ DTYPE_BYTES = {
 }
 FLOAT_DTYPES = ("fp64", "fp32", "fp16", "bf16", "e4m3", "e5m2")
 INT_DTYPES = ("int64", "int32", "bool")
+# The integer dtypes that hold numbers (indices, document ids, lengths): bool holds truth values.
+NUMBER_INT_DTYPES = ("int64", "int32")
 # The torch dtype (its attribute name) of each dtype a tensor can be made in (not fp8, not tf32).
 TORCH_NAMES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
                "int64": "int64", "int32": "int32", "bool": "bool"}
@@ -454,7 +456,7 @@ def length_inputs(d: "Diagram") -> tuple[tuple[str, str], ...]:
     Its values are the wire's positions, 0..|w|, where document ids are
     small numbers: example_inputs draws each kind its own way.  First wire
     found for each input, in the boxes' order."""
-    ints = {t.name: axis_wires(t.axes) for t in d.inputs if t.dtype in ("int32", "int64")}
+    ints = {t.name: axis_wires(t.axes) for t in d.inputs if t.dtype in NUMBER_INT_DTYPES}
     out: dict[str, str] = {}
 
     def reads(e: Expr) -> list[tuple[str, tuple[str, ...]]]:

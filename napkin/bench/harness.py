@@ -393,7 +393,7 @@ def _bench_variant(path, dtype, head_dim, grid, device, args, reps, build) -> li
         flex_module, flex_why = flex.load(base[0]), None
     except flex.NoFlexEquivalent as err:
         flex_module, flex_why = None, err.why
-    if grid["docs"] is not None and not any(t.dtype in ("int32", "int64") for t in diagram.inputs):
+    if grid["docs"] is not None and not any(t.dtype in ir.NUMBER_INT_DTYPES for t in diagram.inputs):
         raise NapkinError(f"--docs: diagram {diagram.name} has no integer input to hold document ids",
                           filename=str(path))
     ctx = {"path": path, "diagram": base[0], "module": module, "digest": digest, "dtype": dtype,

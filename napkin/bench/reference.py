@@ -60,11 +60,11 @@ def example_inputs(diagram: ir.Diagram, sizes: Mapping[str, int], dtype=None, de
         if t.name in lengths:
             value = torch.randint(1, full[lengths[t.name]] + 1, shape, generator=gen)
             value = value.to(getattr(torch, ir.TORCH_NAMES[t.dtype]))
-        elif t.dtype in ("int32", "int64") and docs is not None:
+        elif t.dtype in ir.NUMBER_INT_DTYPES and docs is not None:
             bounds = docs.cut(shape[-1])
             ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(bounds).diff())
             value = ids.expand(shape).to(getattr(torch, ir.TORCH_NAMES[t.dtype])).contiguous()
-        elif t.dtype in ("int32", "int64"):
+        elif t.dtype in ir.NUMBER_INT_DTYPES:
             starts = torch.rand(shape, generator=gen) < 4.0 / max(shape[-1], 1)
             value = torch.cumsum(starts.to(torch.int64), dim=-1).to(getattr(torch, ir.TORCH_NAMES[t.dtype]))
         elif t.dtype == "bool":

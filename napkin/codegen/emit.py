@@ -148,7 +148,7 @@ def row_state_outputs(plan) -> tuple[str, ...]:
 
 
 def _kinds(d: ir.Diagram) -> dict[str, str]:
-    return {t.name: "int" if t.dtype in ("int32", "int64") else "bool" if t.dtype == "bool" else "float"
+    return {t.name: "int" if t.dtype in ir.NUMBER_INT_DTYPES else "bool" if t.dtype == "bool" else "float"
             for t in d.inputs}
 
 

@@ -60,7 +60,7 @@ class _Ref:
         self.d = d
         self.fixed = {w.name: w.size for w in d.wires if w.size is not None}
         self.letters = _letters(d)
-        self.kinds = {t.name: ("int" if t.dtype in ("int32", "int64") else "bool" if t.dtype == "bool" else "float")
+        self.kinds = {t.name: ("int" if t.dtype in ir.NUMBER_INT_DTYPES else "bool" if t.dtype == "bool" else "float")
                       for t in d.inputs}
         self.ctx = Ctx(index={}, size={w.name: f'_sz["{w.name}"]' for w in d.wires}, fixed=self.fixed)
 
