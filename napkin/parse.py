@@ -252,6 +252,28 @@ def _dangling_operator(text: str, equal: Token) -> Optional[Diagnostic]:
 _C_LOGIC = {"&": "and", "!": "not"}
 
 
+def _reads_tensor_at(text: str, at: int) -> bool:
+    """Whether ``at`` is inside the brackets of a tensor read in a box's
+    expression (``rel[h, q - x]``), not a declaration's axes or a
+    reduction's wires (``sum[d]``): the innermost '[' open before it follows
+    a name that is no reduction, after the statement's '='."""
+    depth = 0
+    for i in range(at - 1, -1, -1):
+        c = text[i]
+        if c == "]":
+            depth += 1
+        elif c == "[" and depth:
+            depth -= 1
+        elif c == "[":
+            name = re.search(r"([A-Za-z_]\w*)\s*$", text[:i])
+            line = text[text.rfind("\n", 0, i) + 1:i]
+            return (name is not None and name.group(1) not in ir.REDUCTIONS + ir.NORMALIZERS
+                    and re.search(r"(?<![=!<>])=(?!=)", line) is not None)
+        elif c == "\n" and not depth:
+            return False
+    return False
+
+
 def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
     at = getattr(err, "pos_in_stream", None)
     if isinstance(err, UnexpectedToken):
@@ -296,6 +318,10 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         elif str(tok) == "|" and "OR" in expected and not re.match(r"\|\s*[A-Za-z_]\w*\s*\|", text[tok.start_pos:]):
             # C's || or |, where an operator goes (2 |d| is a size missing its '*': left to the set)
             hint = "napkin's logical operators are words: write 'or'"
+        elif tok.type != "$END" and expected <= {"NAME", "COMMA", "RSQB"} and _reads_tensor_at(text, tok.start_pos):
+            # an index computed from wires (a relative-position table, T[h, q - x]) is a gather
+            hint = (f"{hint}: a tensor is read along wires, one name each; T[h, q - x] would be a "
+                    "gather, which napkin does not make: expand the table in torch and pass T[h, q, x]")
         return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
         before = text[text.rfind("\n", 0, err.pos_in_stream) + 1:err.pos_in_stream]

@@ -333,6 +333,30 @@ t.ncd:2:10: unexpected character '!'
     S[b] = x !
              ^
   hint: expected '(', '[', a new statement or an operator"""),
+    # an index computed from wires is a gather (a relative-position table): said so inside a
+    # tensor read of a box, not in a reduction's brackets nor on the box's own left side
+    "gather": ("diagram a\nS[q, x] = s + rel[q - x]\n", """\
+t.ncd:2:21: unexpected '-'
+    S[q, x] = s + rel[q - x]
+                        ^
+  hint: expected ',' or ']': a tensor is read along wires, one name each; T[h, q - x] would be a \
+gather, which napkin does not make: expand the table in torch and pass T[h, q, x]"""),
+    "gather by a number": ("diagram a\nS[q] = where(x < n[2 * b], 1, 0)\n", """\
+t.ncd:2:20: unexpected '2'
+    S[q] = where(x < n[2 * b], 1, 0)
+                       ^
+  hint: expected a name: a tensor is read along wires, one name each; T[h, q - x] would be a \
+gather, which napkin does not make: expand the table in torch and pass T[h, q, x]"""),
+    "reduction's wires": ("diagram a\nS[q] = sum[x - 1](s)\n", """\
+t.ncd:2:14: unexpected '-'
+    S[q] = sum[x - 1](s)
+                 ^
+  hint: expected ',' or ']'"""),
+    "box's own wires": ("diagram a\nS[q + 1] = s\n", """\
+t.ncd:2:5: unexpected '+'
+    S[q + 1] = s
+        ^
+  hint: expected ',' or ']'"""),
     "bad character": ("diagram a\nS[b] = a $ b\n", """\
 t.ncd:2:10: unexpected character '$'
     S[b] = a $ b
