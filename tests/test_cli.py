@@ -795,3 +795,15 @@ def test_a_sigterm_lost_in_a_finalizer_still_ends_the_run_as_one(monkeypatch):
     monkeypatch.setattr(cli, "_run", run)
     assert cli.main(["check", "x.ncd"]) == 143
     assert lost == ["_Terminated"]   # Python ignored it: without the record the run said 0
+
+
+def test_an_accumulator_other_than_fp32_is_refused_at_its_line(capsys, tmp_path):
+    """The refusal pointed at the schedule's first line, not at the accumulate statement that says bf16."""
+    src = tmp_path / "acc.ncd"
+    src.write_text((REPO / "examples" / "causal.ncd").read_text().replace("accumulate fp32", "accumulate bf16"))
+    code, _, err = run(capsys, "compile", str(src), "-o", str(tmp_path / "g"))
+    line = next(i for i, t in enumerate(src.read_text().splitlines(), 1) if "accumulate bf16" in t)
+    assert code == 1 and err == (
+        f"{src}:{line}:14: napkin cannot emit a kernel for diagram causal: napkin's kernels accumulate in fp32, "
+        "not bf16\n      accumulate bf16\n                 ^^^^\n  hint: write 'accumulate fp32'\n")
+    assert not (tmp_path / "g").exists() or not any((tmp_path / "g").iterdir())   # nothing half-written

@@ -391,7 +391,9 @@ def _check_dtypes(d: ir.Diagram) -> None:
                                       out.loc))
     acc = tiling.accumulator_dtype(d)
     if acc != "fp32":
-        loc = d.schedule.loc if d.schedule else d.loc
+        # at the accumulate line itself (it used to point at the schedule's first line)
+        loc = d.schedule.accumulate_loc if d.schedule and d.schedule.accumulate_loc != ir.NOLOC else \
+            d.schedule.loc if d.schedule else d.loc
         errors.append(unsupported(f"diagram {d.name}", f"napkin's kernels accumulate in fp32, not {acc}", loc,
                                   "write 'accumulate fp32'"))
     _refuse_all(errors)
