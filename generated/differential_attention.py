@@ -1505,9 +1505,9 @@ def _differential_attention_forward(Q, K, V, block_q, block_x, num_warps, num_st
             _saved_lse = torch.empty(_shape("_saved_lse", _sz) if _save else [0] * 4, dtype=torch.float32, device=_dev)
             _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"] * _sz["g"], _n_chunks))  # axis 2: the chunks of x (1: whole)
             _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 128), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
-            _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "A": A}, _sz, {"q": _br, "x": _bc, "d": 64, "e": 128}, _dev, _pos, _tma_last)
             if _cut is not None:
                 _pos.update(_pos_x=None, _POS_x=False)
+            _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "A": A}, (_sz if _cut is None else {**_sz, "x": _cut}), {"q": _br, "x": _bc, "d": 64, "e": 128}, _dev, _pos, _tma_last)
             _args = (
                 Q, K, V, A, _saved_lse,
                 _sz["b"], _sz["h"], _sz["q"], (_sz["x"] if _cut is None else _cut),

@@ -1726,9 +1726,9 @@ def _document_mask_forward(Q, K, V, doc, block_q, block_x, num_warps, num_stages
             _saved_lse = torch.empty(_shape("_saved_lse", _sz) if _save else [0] * 3, dtype=torch.float32, device=_dev)
             _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
             _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
-            _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
             if _cut is not None:
                 _pos.update(_pos_x=None, _POS_x=False)
+            _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, (_sz if _cut is None else {**_sz, "x": _cut}), {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
             _rng, _rng_on = _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _args = (
                 Q, K, V, doc, O, _saved_lse,

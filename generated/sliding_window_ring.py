@@ -1535,9 +1535,9 @@ def _sliding_window_ring_forward(Q, K, V, block_q, block_x, num_warps, num_stage
             [O, lse] = _allocate(_sz, _cls, _dev, out_dtype)
             _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"], _n_chunks))  # axis 2: the chunks of x (1: whole)
             _part = torch.empty(math.prod(_grid[1:]) * _sz["q"] * (2 + 64), dtype=torch.float32, device=_dev) if _chunk else None  # the chunks' states
-            _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
             if _cut is not None:
                 _pos.update(_pos_x=None, _POS_x=False)
+            _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, (_sz if _cut is None else {**_sz, "x": _cut}), {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
             _args = (
                 Q, K, V, O, lse,
                 _sz["b"], _sz["h"], _sz["q"], (_sz["x"] if _cut is None else _cut),

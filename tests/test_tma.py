@@ -195,6 +195,30 @@ def test_tma_falls_back_to_pointers_where_a_tensor_cannot_take_a_descriptor():
         run(Q, K, V, tma="yes")
 
 
+@pytest.mark.parametrize("name, chunk", [("causal", None), ("flash_decoding", None), ("flash_decoding", 32)])
+def test_tma_runs_under_a_length_of_the_keys_its_descriptors_ending_there(name, chunk):
+    """lengths={'x': n} alone (a decode loop over a preallocated cache): the kernel stops at n, and
+    the descriptors of K and V end at n too, so the rows past it read as zeros, as the masked
+    loads give them.  It fell back to pointers ("rows of x at global positions").  The rows past n
+    hold NaN here, a stale cache's worst: the outputs are bitwise the pointer call's and the call's
+    on the cache narrowed to n."""
+    m = module(name)
+    run = launcher(m)
+    sizes = {"b": 1, "h": 2, "hk": 2, "g": 4, "q": 3 if name == "flash_decoding" else 33, "x": 70}
+    Q, K, V = m.example_inputs({w: n for w, n in sizes.items() if w in m.WIRES}, dtype=torch.float16, seed=4)
+    opts = dict(block_q=16, block_x=16, **({"chunk": chunk} if chunk else {}))
+    K0, V0 = K, V
+    for n in (10, 33, 64):
+        K, V = K0.clone(), V0.clone()
+        K[..., n:, :], V[..., n:, :] = float("nan"), float("nan")
+        tma = outputs(run(Q, K, V, tma=True, lengths={"x": n}, **opts))
+        assert m._tma_last == {"used": True, "why": None}, (n, m._tma_last)
+        ptr = outputs(run(Q, K, V, tma=False, lengths={"x": n}, **opts))
+        cut = outputs(run(Q, K[..., :n, :], V[..., :n, :], tma=False, **opts))
+        for a, b, c in zip(tma, ptr, cut):
+            assert not torch.isnan(a).any() and torch.equal(a, b) and torch.equal(a, c), n
+
+
 def test_tma_not_ready_without_hopper_or_interpreter(monkeypatch):
     m = module("causal")
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -470,11 +470,13 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     block_args = [f"{br}=_br", f"{bc}=_bc"] + _wire_block_args(names, plan.dims)
     # descriptors when tma= asks and every tile can take one (_tma_args), else the pointer code
     blocks = {row: "_br", col: "_bc", **{w: _dim_block_value(names, w) for w in plan.dims}}
-    launch.append(tma.launch("_tma", f'_opts["{T.OPTION}"]', "_TMA_DESCS",
-                             [x.name for x in d.inputs] + [o.name for o in d.outputs], blocks, "_tma_last"))
-    # the streamed wire cut at its length: no positions, the kernel's size its length (after the
-    # descriptors, refused for rows at positions: a descriptor would read the stale rows past it)
+    # the streamed wire cut at its length: no positions, the kernel's size its length; a descriptor
+    # then ends at the length too, so the rows past it read as zeros, as the masked loads give them
+    # (it read the stale rows of the whole cache, so lengths= had turned TMA off)
     launch.append(f'if _cut is not None:\n    _pos.update(_pos_{col}=None, _POS_{col}=False)')
+    launch.append(tma.launch("_tma", f'_opts["{T.OPTION}"]', "_TMA_DESCS",
+                             [x.name for x in d.inputs] + [o.name for o in d.outputs], blocks, "_tma_last",
+                             sizes=f'(_sz if _cut is None else {{**_sz, "{col}": _cut}})'))
     if "_FIT_WEIGHTS" in flags:  # weights of no known bound, rounded to a float16 V
         values = sorted({a.value.tensor for a in plan.accums if a.value is not None})
         block_args.append(f"_FIT_WEIGHTS=any(t.dtype == torch.float16 for t in ({', '.join(values)},))")

@@ -127,16 +127,18 @@ class Tma:
                       for (t, box), p in self.descs.items())
 
     def launch(self, var: str, option: str, table: str, order, blocks: Mapping[str, str], last: str,
-               padded=()) -> str:
+               padded=(), sizes: str = "_sz") -> str:
         """The launcher's line: ``var`` = the kernel's descriptor arguments
         and _TMA for this call (``_tma_args``), over the tensors of its
         descriptors (in ``order``) and the blocks of their wires; ``padded``:
-        wires besides the keys whose padding rows must read as zeros."""
+        wires besides the keys whose padding rows must read as zeros;
+        ``sizes``: the wire sizes the descriptors span (the forward's keys
+        end at a lengths= cut)."""
         tensors = sorted({t for t, _ in self.descs}, key=list(order).index)
         args = "{" + ", ".join(f"{_q(t)}: {t}" for t in tensors) + "}"
         wires = "{" + ", ".join(f"{_q(w)}: {b}" for w, b in blocks.items()) + "}"
         extra = f", padded={_tuple(_q(w) for w in (self.plan.col, *padded))}" if padded else ""
-        return f"{var} = _tma_args({option}, {table}, {args}, _sz, {wires}, _dev, _pos, {last}{extra})"
+        return f"{var} = _tma_args({option}, {table}, {args}, {sizes}, {wires}, _dev, _pos, {last}{extra})"
 
 
 def load_code(var: str, ptr: str, mask: str, tma: Optional[str]) -> str:
