@@ -384,6 +384,11 @@ def _run_and_compare(module, diagram, sizes, device, torch, dtype) -> bool:
     else:
         names = list(getattr(module, "INPUTS", [f"input {i}" for i in range(len(inputs))]))
 
+    for name, wire in getattr(module, "_LENGTH_INPUTS", {}).items():   # x < n[b]: say what was drawn
+        drawn = inputs[names.index(name)].flatten().tolist()
+        shown = ", ".join(map(str, drawn[:8])) + (", ..." if len(drawn) > 8 else "")
+        print(f"  ({name}: lengths of {wire} drawn in 1..{sizes.get(wire) or module.WIRES[wire]}: {shown})")
+
     def prepared(t, wide):
         if not (torch.is_tensor(t) and t.is_floating_point()):
             return t

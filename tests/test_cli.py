@@ -627,6 +627,19 @@ def test_demo_runs_the_kernel_and_compares(capsys, monkeypatch):
             assert "(ok," in line
 
 
+def test_demo_says_the_lengths_it_drew(capsys, monkeypatch):
+    """A length input (x < n[b]) is drawn in 1..|x|, a value per sequence: the demo says which,
+    so its numbers can be read (at b = 1 a single length could be anything from 1 to |x|)."""
+    monkeypatch.chdir(REPO)
+    code, out, err = run(capsys, "demo", "examples/ragged_decode.ncd", "-D", "b=3", "-D", "q=1", "-D", "x=100")
+    assert code == 0, err
+    (line,) = [line for line in out.splitlines() if "lengths of" in line]
+    drawn = [int(v) for v in line.rsplit(": ", 1)[1].rstrip(")").split(", ")]
+    assert line.startswith("  (n: lengths of x drawn in 1..100: ") and len(drawn) == 3
+    assert all(1 <= v <= 100 for v in drawn)
+    assert "lengths of" not in run(capsys, "demo", "-D", "q=20", "-D", "x=20")[1]   # none without one
+
+
 # --------------------------------------------------------------------------
 # the real entry point, as a subprocess
 # --------------------------------------------------------------------------
