@@ -390,10 +390,9 @@ def _check_dtypes(d: ir.Diagram) -> None:
             errors.append(unsupported(f"output {out.name}", f"its dtype {dtype} has no Triton kernel path here",
                                       out.loc))
     acc = tiling.accumulator_dtype(d)
-    if acc != "fp32":
-        # at the accumulate line itself (it used to point at the schedule's first line)
-        loc = d.schedule.accumulate_loc if d.schedule and d.schedule.accumulate_loc != ir.NOLOC else \
-            d.schedule.loc if d.schedule else d.loc
+    if acc != "fp32":   # at the accumulate line itself (it pointed at the schedule's first line)
+        s = d.schedule
+        loc = s.accumulate_loc if s and s.accumulate_loc != ir.NOLOC else s.loc if s else d.loc
         errors.append(unsupported(f"diagram {d.name}", f"napkin's kernels accumulate in fp32, not {acc}", loc,
                                   "write 'accumulate fp32'"))
     _refuse_all(errors)
