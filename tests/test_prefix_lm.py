@@ -23,6 +23,7 @@ import napkin
 from napkin import ir
 from napkin.bench import flex, reference
 from napkin.bytecount import ByteCounter
+import backward_helpers as B
 import kernel_helpers as K
 
 PREFIXES = [0, 1, 63, 64, 70, 150, 200]    # none (causal), on and off the 64-key blocks, the whole sequence
@@ -86,17 +87,15 @@ def test_the_kernel_loads_exactly_the_live_key_blocks():
 
 
 def test_gradients_match_float64():
+    """backward_helpers' rule: the kernel's error at most twice float32 torch's, plus ulps."""
     m = K.example("prefix_lm")
     gen = torch.Generator().manual_seed(7)
     p = torch.tensor([0, 70, 130], dtype=torch.int32)
-    n = 130
-    leaves = [torch.randn(len(p), 1, n, 64, generator=gen, dtype=torch.float64) for _ in range(3)]
-    dO = torch.randn(len(p), 1, n, 64, generator=gen, dtype=torch.float64)
-    exact = torch.autograd.grad(m.reference(*[t.requires_grad_() for t in leaves], p), leaves, dO)
-    ours = [t.detach().float().requires_grad_() for t in leaves]
-    got = torch.autograd.grad(K.run(m, (*ours, p))[0], ours, dO.float())
-    for name, a, e in zip("QKV", got, exact):
-        assert (a.double() - e).abs().max().item() <= 1e-4 * max(1.0, e.abs().max().item()), name
+    Q, Kt, V = (torch.randn(len(p), 1, 130, 64, generator=gen) for _ in range(3))
+    got = B.gradients(m.prefix_lm, (Q, Kt, V, p), block_q=32, block_x=16)
+    exact = B.gradients(m.reference, (Q.double(), Kt.double(), V.double(), p))
+    same = B.gradients(m.reference, (Q, Kt, V, p))
+    B.assert_accurate(got, exact, same, "prefix_lm")
 
 
 @pytest.mark.usefixtures("quiet_flex")

@@ -316,7 +316,7 @@ def _tf_inputs(m, case: TmaCase, gen):
     inputs = list(m.example_inputs(sizes, dtype=dtype, seed=case.seed))
     for i, name in enumerate(m.INPUTS):
         wires = [w for axis in m._layout(name) for w in axis]
-        if m._DTYPES[name] in ("int32", "int64") and "x" in wires and inputs[i].dim():
+        if m._DTYPES[name] in ir.NUMBER_INT_DTYPES and "x" in wires and inputs[i].dim():
             dim = next(k for k, axis in enumerate(m._layout(name)) if "x" in axis)
             inputs[i] = inputs[i].sort(dim=dim).values.contiguous()
     return inputs
