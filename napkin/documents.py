@@ -182,40 +182,36 @@ def _key_range(starts: list[int], bounds, first: int, stop: int, cols: int, size
     return (lo, hi) if lo < hi else None
 
 
-def _rows_of_block(i: int, block: int, rows: int, cycle: Optional[int]) -> list[tuple[int, int]]:
-    """The row positions of row block ``i`` as runs [first, stop): the rows'
-    own, or with packed rows (``cycle`` = |q|, rows (g, q) at position q)
-    the one or two runs of q its (g, q) pairs cover."""
-    r0, r1 = i * block, min((i + 1) * block, rows)
-    if cycle is None:
-        return [(r0, r1)]
-    if r1 - r0 >= cycle:
-        return [(0, cycle)]
-    a, b = r0 % cycle, (r1 - 1) % cycle + 1
-    return [(a, b)] if r0 // cycle == (r1 - 1) // cycle else [(a, cycle), (0, b)]
-
-
 def row_spans(docs: Documents, bounds, row_size: int, col_size: int, block_row: int, block_col: int,
               sizes, ids_length: int, cycle: Optional[int] = None) -> tuple[tuple[int, int], ...]:
     """Per row block, the [first, stop) key blocks from its first to its last
     live one ((0, 0) for none): what the ranges prepass writes and the
-    kernels' loop visits.  ``bounds``: the mask's affine conjuncts
-    (masks.Bound); ``ids_length``: the tokens the ids cover; ``cycle``:
-    packed rows, |q| rows a head (``row_size`` = |g||q|)."""
+    kernels' loop visits, but for the dead run row_visits gives too.
+    ``bounds``: the mask's affine conjuncts (masks.Bound); ``ids_length``:
+    the tokens the ids cover; ``cycle``: packed rows, |q| rows a head
+    (``row_size`` = |g||q|)."""
+    return row_visits(docs, bounds, row_size, col_size, block_row, block_col, sizes, ids_length, cycle)[0]
+
+
+def row_visits(docs: Documents, bounds, row_size: int, col_size: int, block_row: int, block_col: int,
+               sizes, ids_length: int, cycle: Optional[int] = None):
+    """(spans, holes): row_spans' spans and, per row block, the longest run
+    of dead key blocks between two live ones ((0, 0) for none), which the
+    kernels step over.  Consecutive rows of contiguous documents meet one run
+    of keys; a block of packed rows (one per head at a few queries) may meet
+    two documents apart."""
     from .cost.model import MAX_ROW_BLOCKS, too_many
 
     too_many(-(-row_size // block_row), MAX_ROW_BLOCKS, "a masked loop's row blocks")
     starts = docs.starts(ids_length)
-    out = []
+    spans, holes = [], []
     for i in range(-(-row_size // block_row)):
-        found = [r for a, b in _rows_of_block(i, block_row, row_size, cycle)
+        found = [r for a, b in visits.rows_of_block(i, block_row, row_size, cycle)
                  if (r := _key_range(starts, bounds, a, b, col_size, sizes)) is not None]
-        if not found:
-            out.append((0, 0))
-            continue
-        lo, hi = min(r[0] for r in found), max(r[1] for r in found)
-        out.append((lo // block_col, -(-hi // block_col)))
-    return tuple(out)
+        blocks = sorted((a // block_col, -(-b // block_col)) for a, b in found)
+        spans.append((blocks[0][0], max(b for _, b in blocks)) if blocks else (0, 0))
+        holes.append(visits.longest_hole(blocks))
+    return tuple(spans), tuple(holes)
 
 
 def column_spans(spans: Sequence[tuple[int, int]], col_blocks: int) -> tuple[tuple[int, int], ...]:

@@ -533,6 +533,42 @@ def rest_value(rest, sizes) -> int:
     return total
 
 
+# An `or` of conjunctions past this many is left to the prepass alone: the
+# cost pass would walk every row block once per conjunction.
+MAX_DISJUNCTS = 16
+
+
+def disjunct_bounds(pred: ir.Expr, row: str, col: str,
+                    sizes: Mapping[str, int] = {}) -> Optional[tuple[tuple[Bound, ...], ...]]:
+    """``pred`` as an ``or`` of conjunctions of bounds on ``col`` (its
+    ``and``s distributed over its ``or``s), each conjunction's bounds
+    exactly it (exact_bounds' rule), or None when some comparison is no such
+    bound (an id, a tensor, another index) or there are more than
+    MAX_DISJUNCTS.  StreamingLLM's ``x <= q and (q - x < w or x < 4)`` is
+    ``(x <= q, x > q - w) or (x <= q, x < 4)``: a tile is live where some
+    conjunction holds on a pair of it, so its live blocks are the union of
+    the conjunctions' blocks (visits.prepass_visits)."""
+    out = []
+    for atoms in _dnf(pred):
+        found = []
+        for c in atoms:
+            got = _conjunct_bounds(c, row, col, sizes)
+            if got is None or None in got:
+                return None
+            found += got
+        out.append(tuple(found))
+    return tuple(out) if 0 < len(out) <= MAX_DISJUNCTS else None
+
+
+def _dnf(e: ir.Expr) -> list[tuple[ir.Expr, ...]]:
+    """The conjunctions whose ``or`` is ``e``; more than MAX_DISJUNCTS cut short (the caller refuses)."""
+    if isinstance(e, ir.Binary) and e.op == "or":
+        return (_dnf(e.lhs) + _dnf(e.rhs))[:MAX_DISJUNCTS + 1]
+    if isinstance(e, ir.Binary) and e.op == "and":
+        return [a + b for a in _dnf(e.lhs) for b in _dnf(e.rhs)][:MAX_DISJUNCTS + 1]
+    return [(e,)]
+
+
 def exact_bounds(pred: Optional[ir.Expr], row: str, col: str,
                  sizes: Mapping[str, int] = {}) -> Optional[tuple[Bound, ...]]:
     """The bounds whose conjunction is exactly ``pred`` (``()`` for no mask,

@@ -21,7 +21,7 @@ Ranges are half-open ``(start, stop)`` like Python's ``range``.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 from .masks import Bound, rest_value
 
@@ -281,3 +281,65 @@ def live_blocks(bounds: tuple[Bound, ...], row_pos, col_pos, row_len: int, col_l
             if tile_live(bounds, rows, real(col_pos, col_len, block_col, j), sizes):
                 out.add((i, j))
     return out
+
+
+# --------------------------------------------------------------------------
+# The blocks the ranges prepass keeps (a mask with no formula for its
+# blocks, codegen/ranges.py): per row block the span from the first live
+# block to the last, less the longest dead run between two live ones.
+# --------------------------------------------------------------------------
+
+def rows_of_block(i: int, block: int, rows: int, cycle: Optional[int]) -> list[tuple[int, int]]:
+    """The row positions of row block ``i`` as runs [first, stop): the rows'
+    own, or with packed rows (``cycle`` = |q|, rows (g, q) at position q)
+    the one or two runs of q its (g, q) pairs cover."""
+    r0, r1 = i * block, min((i + 1) * block, rows)
+    if cycle is None:
+        return [(r0, r1)]
+    if r1 - r0 >= cycle:
+        return [(0, cycle)]
+    a, b = r0 % cycle, (r1 - 1) % cycle + 1
+    return [(a, b)] if r0 // cycle == (r1 - 1) // cycle else [(a, cycle), (0, b)]
+
+
+def longest_hole(runs) -> tuple[int, int]:
+    """The first longest [g0, g1) of blocks between the [first, stop) runs
+    (sorted by first) that no run holds, as the prepass finds it; (0, 0) for none."""
+    best, reach = (0, 0), None
+    for a, b in runs:
+        if reach is not None and a - reach > best[1] - best[0]:
+            best = (reach, a)
+        reach = b if reach is None else max(reach, b)
+    return best
+
+
+def prepass_visits(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
+                   sizes: Mapping[str, int], cycle: Optional[int] = None):
+    """(spans, holes) per row block for a mask that is an ``or`` of
+    conjunctions of bounds (masks.disjunct_bounds): each conjunction's
+    blocks are the ones its loop would visit (stream_range), a tile live
+    where one of them is, and the kernels visit the span of them less the
+    longest dead run.  ``cycle``: packed rows, as documents.row_visits."""
+    spans, holes = [], []
+    for i in range(-(-row_size // block_row)):
+        runs = sorted((a // block_col, -(-b // block_col)) for first, stop in rows_of_block(i, block_row, row_size, cycle)
+                      for bounds in disjuncts
+                      for a, b in [stream_range(bounds, first, stop, col_size, sizes)] if a < b)
+        spans.append((runs[0][0], max(b for _, b in runs)) if runs else (0, 0))
+        holes.append(longest_hole(runs))
+    return tuple(spans), tuple(holes)
+
+
+def prepass_column_visits(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
+                          sizes: Mapping[str, int]):
+    """prepass_visits seen from the key blocks (the dK/dV kernel's loop, the
+    prepass run by column): per key block the row blocks of each
+    conjunction (row_block_range), their span and longest dead run."""
+    spans, holes = [], []
+    for j in range(-(-col_size // block_col)):
+        runs = sorted(r for bounds in disjuncts
+                      for r in [row_block_range(bounds, j, row_size, col_size, block_row, block_col, sizes)]
+                      if r[0] < r[1])
+        spans.append((runs[0][0], max(b for _, b in runs)) if runs else (0, 0))
+        holes.append(longest_hole(runs))
+    return tuple(spans), tuple(holes)

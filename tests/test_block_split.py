@@ -383,14 +383,17 @@ def test_causal_source_has_an_unmasked_loop_then_the_diagonal():
 def test_document_mask_loops_over_the_ranges_prepass():
     """A mask that reads data has no formula for its blocks: the ranges
     prepass (codegen/ranges.py) finds them, and the forward loops partial,
-    full, partial over what it found; the full step reads no ids."""
+    full, partial over what it found, each partial loop stepping over the
+    dead run inside its range (_sh blocks from _ga on); the full step reads no ids."""
     source = _emit("document_mask")
     assert "def _document_mask_ranges_kernel(" in source
     loops = _kernel_loops(source, "_document_mask_kernel")
-    assert set(loops) == {("_lo", "_flo"), ("_flo", "_fhi"), ("_fhi", "_hi")}
+    partial = [("_lo", "_flo - _sh"), ("_fhi", "_hi - _sh")]
+    assert set(loops) == {*partial, ("_flo", "_fhi")}
     full = loops[("_flo", "_fhi")]
-    assert "_doc" not in full and "mask=" not in full and "_ok" not in full
-    assert all("_doc == _doc_1" in loops[k] for k in [("_lo", "_flo"), ("_fhi", "_hi")])
+    assert "_doc" not in full and "mask=" not in full and "_ok" not in full and "_sh" not in full
+    assert all("_doc == _doc_1" in loops[k] for k in partial)
+    assert all(loops[k].startswith("_start = _iv + tl.where(_iv >= _ga, _sh, 0)\n") for k in partial)
 
 
 def test_attention_runs_all_but_the_ragged_last_block_unmasked(folder):

@@ -31,6 +31,7 @@ import torch
 
 import napkin
 from napkin import documents as D
+from napkin import visits
 from napkin.bytecount import ByteCounter
 from napkin.cost import analyse, from_json, with_blocks
 from napkin.cost.analysis import _plan
@@ -106,8 +107,9 @@ DOCS = [D.Documents(every=32), D.Documents(every=9), D.Documents(lengths=(50, 1,
 
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_spans_are_the_prepass_ranges(folder, mask):
-    """row_spans = the prepass's [lo, hi) per row block; column_spans = its
-    [lo, hi) per key block when run by column (dK/dV's), on ragged sizes."""
+    """row_visits = the prepass's [lo, hi) and dead run [g0, g1) per row
+    block (contiguous documents: none); column_spans = its [lo, hi) per key
+    block when run by column (dK/dV's), on ragged sizes."""
     m = compile_text(MASKS[mask], f"documents_{mask}", folder)
     plan = _plan(napkin.load_text(MASKS[mask], "m.ncd"))
     n = 83
@@ -117,9 +119,10 @@ def test_spans_are_the_prepass_ranges(folder, mask):
         doc = _ids(docs, n, rows=2)
         sz = {"b": 2, "h": 1, "q": n, "x": n, "d": 64}
         for br, bc in [(16, 16), (16, 32), (32, 8)]:
-            spans = D.row_spans(docs, tuple(plan.bounds), n, n, br, bc, sz, n)
+            spans, holes = D.row_visits(docs, tuple(plan.bounds), n, n, br, bc, sz, n)
             got, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, False, False, True)
             assert [tuple(r[:2]) for r in got[1].tolist()] == list(spans), (mask, docs, br, bc)
+            assert [tuple(r[4:]) for r in got[1].tolist()] == list(holes) == [(0, 0)] * len(spans)
             cols, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, True, True, True)
             assert [tuple(r[:2]) for r in cols[0].tolist()] == list(D.column_spans(spans, -(-n // bc))), \
                 (mask, docs, br, bc)
@@ -144,6 +147,17 @@ def test_spans_where_rows_keep_nothing_or_a_conjunct_bounds_no_loop(folder, scor
             assert all(a == b or (a[0] == a[1] or b[0] <= a[0] <= a[1] <= b[1]) for a, b in zip(found, spans))
             differ += found != list(spans)
     assert (differ == 0) == exact, differ
+
+
+def test_longest_hole_between_runs_of_blocks():
+    """The first longest run of blocks no run holds, runs sorted by first and
+    overlapping or touching ones joined, as the prepass's scan finds it."""
+    assert visits.longest_hole([]) == (0, 0)
+    assert visits.longest_hole([(2, 5)]) == (0, 0)
+    assert visits.longest_hole([(0, 1), (1, 3), (3, 4)]) == (0, 0)
+    assert visits.longest_hole([(0, 1), (4, 6), (5, 7), (9, 10)]) == (1, 4)
+    assert visits.longest_hole([(0, 8), (2, 3), (10, 11), (12, 15)]) == (8, 10)  # (2, 3) inside (0, 8)
+    assert visits.longest_hole([(0, 1), (3, 4), (6, 7)]) == (1, 3)  # a tie: the first
 
 
 def test_column_spans_of_spans_with_gaps():
@@ -228,7 +242,9 @@ def test_packed_rows_on_documents(folder):
 def test_chunks_of_packed_rows_on_documents(folder):
     """flash_decoding's chunked launch (chunks of 32 keys, 4 heads x 4
     queries a block) with a causal document mask: each chunk visits its own
-    part of the spans, and the merge reads every chunk's state."""
+    part of the spans, and the merge reads every chunk's state.  A block's
+    queries may sit in two documents apart: the kernels step over the dead
+    key blocks between (row_visits' holes; counted, K and V match)."""
     text = (REPO / "examples" / "flash_decoding.ncd").read_text()
     for old, new in [("in V[b, hk, x, d] : bf16", "in V[b, hk, x, d] : bf16\nin doc[b, x] : int32"),
                      ("where(x <= q + |x| - |q|,", "where(x <= q + |x| - |q| and doc[b, q] == doc,"),

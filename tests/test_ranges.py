@@ -57,6 +57,8 @@ schedule on h100 {
 # A mask of indices alone that is no conjunction of bounds (causal with 4 sink keys every
 # query sees): no formula either, so the prepass finds its blocks; it reads no tensor.
 SINKS = DOC.replace("where(doc[b, q] == doc,", "where(x <= q or x < 4,")
+# StreamingLLM's: 4 sink keys and a causal window of 24; the keys between are dead, one run a row
+STREAM = DOC.replace("where(doc[b, q] == doc,", "where(x <= q and (q - x < 24 or x < 4),")
 BLOCKS = {"block_q": 16, "block_x": 32}
 
 
@@ -81,6 +83,8 @@ def _ids(layout: str, n: int, gen) -> torch.Tensor:
         return torch.arange(n)
     if layout == "runs":         # documents that come back: 0 0 1 1 0 0 2 2 ...
         return (torch.arange(n) // 9) % 3
+    if layout == "apart":        # runs of 20 that come back 40 keys on: dead blocks between live ones
+        return (torch.arange(n) // 20) % 3
     raise ValueError(layout)
 
 
@@ -109,9 +113,11 @@ def _brute(pred, nr, nc, br, bc, whole_rows, by_col):
 
 def _check_ranges(got, live, full):
     """The prepass's numbers against the brute force: [lo, hi) the first and
-    last live block, [flo, fhi) a longest run of full blocks inside it."""
+    last live block, [flo, fhi) a longest run of full blocks inside it,
+    [g0, g1) a longest run of dead blocks between two live ones (none: [0, 0))."""
+    assert got.shape[-1] == 6
     for p in range(live.shape[0]):
-        lo, hi, flo, fhi = got[p].tolist()
+        lo, hi, flo, fhi, g0, g1 = got[p].tolist()
         idx = live[p].nonzero().flatten().tolist()
         assert (lo, hi) == ((idx[0], idx[-1] + 1) if idx else (0, 0)), p
         best, run = 0, 0
@@ -121,6 +127,12 @@ def _check_ranges(got, live, full):
         assert fhi - flo == best, p
         assert lo <= flo <= fhi <= hi, p
         assert bool(full[p, flo:fhi].all()), p
+        gap = max([b - a - 1 for a, b in zip(idx, idx[1:])], default=0)
+        assert g1 - g0 == gap, p
+        if gap:  # dead, with a live block each side
+            assert live[p, g0 - 1] and live[p, g1] and not live[p, g0:g1].any(), p
+        else:
+            assert (g0, g1) == (0, 0), p
 
 
 def test_only_masks_that_read_data_get_a_prepass():
@@ -164,7 +176,7 @@ def test_prepass_matches_brute_force(folder, whole_rows, by_col):
         doc = _doc(layouts, n, seed)
         sz = {"b": 2, "h": 3, "q": n, "x": n, "d": 64}
         got, on = m._document_mask_ranges(doc, sz, doc.device, br, bc, whole_rows, by_col, True)
-        assert on and tuple(got.shape) == (2, -(-n // (bc if by_col else br)), 4)  # per b, not per (b, h)
+        assert on and tuple(got.shape) == (2, -(-n // (bc if by_col else br)), 6)  # per b, not per (b, h)
         for b in range(2):
             pred = doc[b][:, None] == doc[b][None, :]
             _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col))
@@ -177,11 +189,13 @@ def test_chunks_of_the_scan_join_into_the_same_ranges(folder, per):
     chunks all full, none live, and one chunk for the whole row (100)."""
     m = _module(DOC, "ranges_doc", folder)
     n, br, bc = 91, 8, 8
-    doc = torch.stack([torch.arange(n) // 40, torch.arange(n) % 5, torch.zeros(n, dtype=torch.long)]).to(torch.int32)
+    doc = torch.stack([torch.arange(n) // 40, torch.arange(n) % 5, torch.zeros(n, dtype=torch.long),
+                       _ids("apart", n, None)]).to(torch.int32)
     for whole_rows, by_col in [(False, False), (True, False), (True, True)]:
-        got, _ = m._document_mask_ranges(doc, {"b": 3, "h": 1, "q": n, "x": n, "d": 64}, doc.device, br, bc,
+        got, _ = m._document_mask_ranges(doc, {"b": 4, "h": 1, "q": n, "x": n, "d": 64}, doc.device, br, bc,
                                          whole_rows, by_col, True, _per=per)
-        for b in range(3):
+        assert (got[3, :, 5] - got[3, :, 4]).max() == 5  # dead runs, across chunk edges at _per < 5
+        for b in range(4):
             pred = doc[b][:, None] == doc[b][None, :]
             _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col))
 
@@ -206,7 +220,8 @@ def _forward_check(m, fn, inputs, opts, label):
     assert err < 2e-5, f"{label}: {err}"
 
 
-@pytest.mark.parametrize("layouts", [("contiguous", "interleaved"), ("one", "each"), ("runs", "contiguous")])
+@pytest.mark.parametrize("layouts", [("contiguous", "interleaved"), ("one", "each"), ("runs", "contiguous"),
+                                     ("apart", "runs")])
 def test_document_mask_forward_matches_float64(folder, layouts):
     m = _module(DOC, "ranges_doc", folder)
     n = 75
@@ -265,7 +280,7 @@ def _grad_check(m, fn, inputs, opts, label, dtype=torch.float32, within=None):
 
 @pytest.mark.parametrize("layouts, dtype", [(("contiguous", "interleaved"), torch.float32),
                                             (("one", "each"), torch.float32),
-                                            (("runs", "contiguous"), torch.float16)], ids=["fp32a", "fp32b", "fp16"])
+                                            (("runs", "apart"), torch.float16)], ids=["fp32a", "fp32b", "fp16"])
 def test_document_mask_gradients_match_float64_autograd(folder, layouts, dtype):
     """dQ at its blocks (rows ragged: no full block in the last), dK/dV over
     the transposed ranges."""
@@ -335,3 +350,159 @@ def test_ids_named_like_the_prepass_variables(folder, name):
         q, k, v, _ = m.example_inputs({"b": 1, "h": 2, "q": n, "x": n}, dtype=torch.float32, seed=13)
         _forward_check(m, m.document_mask, (q, k, v, _doc(("contiguous",), n, 14)), BLOCKS, name)
         _grad_check(m, m.document_mask, (q, k, v, _doc(("runs",), n, 15)), BLOCKS, name)
+
+
+def test_the_dead_run_between_sinks_and_window_is_skipped(folder):
+    """StreamingLLM's mask (x <= q and (q - x < 24 or x < 4)) has one dead run
+    a row block, between the sink block and the window (a key block's rows
+    are one run: dK/dV has none to skip): the prepass finds it
+    (brute force, chunked scans too), the kernels step over it (K loaded
+    from the live blocks alone, forward, dQ and dK/dV's Q likewise) and agree
+    with the float64 reference, forward and gradients, at a ragged length."""
+    m = _module(STREAM, "ranges_stream", folder)
+    n, blk = 150, 16
+    rows = torch.arange(n)
+    pred = (rows[None, :] <= rows[:, None]) & ((rows[:, None] - rows[None, :] < 24) | (rows[None, :] < 4))
+    doc = torch.zeros(1, n, dtype=torch.int32)  # declared, unread by this mask
+    sz = {"b": 1, "h": 2, "q": n, "x": n, "d": 64}
+    for whole_rows, by_col in [(False, False), (True, False), (True, True)]:
+        live, full = _brute(pred, n, n, blk, blk, whole_rows, by_col)
+        for per in (1, 3, None):
+            got, _ = m._document_mask_ranges(sz, doc.device, blk, blk, whole_rows, by_col, True, _per=per)
+            _check_ranges(got[0], live, full)
+            # the last row blocks skip 5 blocks or more; a key block's live rows are one run (no dead one)
+            assert (got[0, :, 5] - got[0, :, 4]).max() == (0 if by_col else 6), per
+    live = _brute(pred, n, n, blk, blk, False, False)[0]
+    q, k, v, _ = m.example_inputs({"b": 1, "h": 2, "q": n, "x": n}, dtype=torch.float32, seed=17)
+    opts = {"block_q": blk, "block_x": blk}
+    # the bytes of the live tiles' loop operand, x 2 heads: its block's real rows (the last has 6) x d x 4 B
+    def tiles(axis):
+        return 2 * sum(min(blk, n - int(i) * blk) for i in live.nonzero()[:, axis]) * 64 * 4
+
+    assert _k_bytes(m, (q, k, v, doc), **opts) == tiles(1)
+    ranges, _ = m._document_mask_ranges(sz, doc.device, blk, blk, False, False, True)
+    spans = (ranges[0, :, 1] - ranges[0, :, 0]).sum().item()
+    assert spans > live.sum()  # without the skip: the dead blocks inside each span too
+    rows_in = [torch.randn(q.shape), torch.zeros(q.shape[:-1]), torch.zeros(q.shape[:-1])]
+    with ByteCounter(tensors={"K": k}) as bc:
+        m.document_mask_backward(q, k, v, doc, *rows_in, need=(True, False, False, False), **opts)
+    assert bc.loads["K"] == tiles(1), "dQ"
+    with ByteCounter(tensors={"Q": q}) as bc:
+        m.document_mask_backward(q, k, v, doc, *rows_in, need=(False, True, True, False), **opts)
+    assert bc.loads["Q"] == tiles(0), "dK/dV"
+    _forward_check(m, m.document_mask, (q, k, v, doc), BLOCKS, "stream")
+    _grad_check(m, m.document_mask, (q, k, v, doc), BLOCKS, "stream")
+
+
+GQA_DOC = """diagram gqa_doc
+wire b, hk, g, q, x
+wire d = 32
+in Q[b, (hk g), q, d] : fp32
+in K[b, hk, x, d] : fp32
+in V[b, hk, x, d] : fp32
+in doc[b, x] : int32
+S[b, hk, g, q, x] = where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)
+P[b, hk, g, q, x] = softmax[x](S)
+O[b, (hk g), q, d] : fp32 = sum[x](P * V)
+out O
+schedule on h100 {
+  accumulate fp32
+  level hbm { hold Q, K, V, doc, O }
+  level smem {
+    group b by 1, hk by 1, g by 1, q by 64
+    stream x by 32
+    hold S, P
+  }
+}
+"""
+
+
+def test_grouped_query_dkdv_steps_over_dead_row_blocks(folder):
+    """dK/dV of grouped-query attention loops over (row block, g) pairs in one
+    flat loop (backward_emit); documents of 40 keys that come back 80 keys on
+    leave each key block a dead run of row blocks, which that loop steps
+    over too: Q loaded from the live tiles alone, gradients against float64."""
+    m = _module(GQA_DOC, "ranges_gqa_doc", folder)
+    assert "_rb = _it // _size_g" in m.__loader__.get_data(m.__file__).decode()  # the flat loop is there
+    n, blk = 200, 16
+    doc = ((torch.arange(n) // 40) % 3).to(torch.int32)[None]
+    live = _brute(doc[0][:, None] == doc[0][None, :], n, n, blk, blk, True, True)[0]  # [key block, row block]
+    assert any((r.nonzero().flatten().diff() > 1).any() for r in live)  # dead runs between live rows
+    q, k, v, _ = m.example_inputs({"b": 1, "hk": 2, "g": 2, "q": n, "x": n}, dtype=torch.float32, seed=18)
+    opts = {"block_q": blk, "block_x": blk}
+    rows_in = [torch.randn(q.shape), torch.zeros(q.shape[:-1]), torch.zeros(q.shape[:-1])]
+    with ByteCounter(tensors={"Q": q}) as bc:
+        m.gqa_doc_backward(q, k, v, doc, *rows_in, need=(False, True, True, False), **opts)
+    # every (key block, hk) program loads g = 2 heads' rows of each live row block: x 2 hk x 2 g
+    assert bc.loads["Q"] == 4 * sum(min(blk, n - int(i) * blk) for i in live.nonzero()[:, 1]) * 32 * 4
+    _grad_check(m, m.gqa_doc, (q, k, v, doc), opts, "gqa doc")
+
+
+def _counted(counts: dict) -> dict:
+    """Bytes per tensor, less the declared ids this mask never reads and the prepass's own buffers."""
+    return {k: v for k, v in counts.items() if k not in ("doc", "_ranges", "_parts") and v}
+
+
+@pytest.mark.parametrize("key, mask", [("stream", "x <= q and (q - x < 24 or x < 4)"),
+                                       ("bands", "x < 20 or x > q + 30 or q - x == 7"),
+                                       ("sinks", "x <= q or x < 4")])
+def test_the_cost_pass_counts_what_an_or_of_bounds_moves(folder, key, mask):
+    """A mask of indices alone that is an or of bounds (StreamingLLM's, bands
+    apart, causal with sinks): the cost pass finds the prepass's blocks by
+    formula (visits.prepass_visits: each conjunction's blocks, their span
+    less the longest dead run), so its bytes are the kernels' (ByteCounter),
+    forward and the backward's kernels, at ragged sizes and blocks 32 x 16."""
+    from collections import defaultdict
+
+    from napkin.cost import analyse, with_blocks
+    from napkin.cost.backward import backward_cost
+
+    text = DOC.replace("where(doc[b, q] == doc,", f"where({mask},")
+    m = _module(text, f"ranges_or_{key}", folder)
+    d = napkin.load_text(text, "or.ncd")
+    n, blocks = 150, {"q": 32, "x": 16}
+    sizes = {"b": 1, "h": 2, "q": n, "x": n}
+    q, k, v, _ = m.example_inputs(sizes, dtype=torch.float16, seed=19)
+    inputs = (q, k, v, torch.zeros(1, n, dtype=torch.int32))
+
+    def predicted(transfers):
+        out = (defaultdict(int), defaultdict(int))
+        for t in transfers:
+            out[t.direction != "load"][t.tensor] += t.bytes
+        return tuple(_counted(c) for c in out)
+
+    report = analyse(with_blocks(d, blocks), sizes)
+    assert "is an or of bounds" in " ".join(report.notes)
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        m.document_mask(*inputs, block_q=32, block_x=16)
+    assert (_counted(bc.loads), _counted(bc.stores)) == predicted(report.transfers)
+    back = backward_cost(with_blocks(d, blocks), sizes, given=True)
+    options = tuple({"block_q": 32, "block_x": 16}.get(o) for o in m._OPTIONS)
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        outs, saved = m._document_mask_forward(*inputs, *options, True)
+    assert (_counted(bc.loads), _counted(bc.stores)) == predicted(back.forward.transfers)
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        m._document_mask_grads(inputs, (*outs, *saved), grads, options, None)
+    assert (_counted(bc.loads), _counted(bc.stores)) == \
+        (_counted(back.by_tensor("load")), _counted(back.by_tensor("store")))
+
+
+def test_which_masks_the_cost_pass_reads_as_an_or_of_bounds():
+    """ranges.index_disjuncts: the conjunctions of bounds of a prepass mask of
+    indices alone; None where a comparison is no bound (2 * x), a tensor is
+    read (ids), or the ors distribute to more than masks.MAX_DISJUNCTS."""
+    from napkin import masks
+
+    def disjuncts(mask):
+        return R.index_disjuncts(L.lower(napkin.load_text(DOC.replace("where(doc[b, q] == doc,", f"where({mask},"),
+                                                          "m.ncd")))
+
+    got = disjuncts("x <= q and (q - x < 24 or x < 4)")
+    assert [[b.kind for b in c] for c in got] == [["upper", "lower"], ["upper", "upper"]]
+    assert len(disjuncts("(x < 3 or x > 9) and (q - x < 5 or q + x > 70)")) == 4
+    assert disjuncts("x <= q or doc[b, q] == doc") is None
+    assert disjuncts("2 * x <= q or x < 4") is None
+    many = " or ".join(f"x == {i}" for i in range(masks.MAX_DISJUNCTS + 1))
+    assert disjuncts(many) is None and len(disjuncts(many.rsplit(" or ", 1)[0])) == masks.MAX_DISJUNCTS
+    assert disjuncts("x <= q and q - x < 24") is None  # a conjunction: no prepass, the loops' formula

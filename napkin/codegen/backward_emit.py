@@ -540,19 +540,24 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         for seg in E.segments(plan.forward, "_lo", "_hi", lower):
             loop += [seg["why"]] if seg["why"] else []
             if k.role == "dq":
-                loop += [f"for _start in range({seg['lo']}, {seg['hi']}, {names.block(col)}):"]
+                loop += E.loop_head(seg, "_start", names.block(col)).split("\n")
             elif k.outer:  # dK/dV of keys the outer wires share (GQA's g): one flat loop over both
                 # A loop over g around each segment's loop held 30 to 145 more registers a program
                 # (bench.aot, sm_90) and spilled causal GQA's at head dim 128; flat, none spill.
                 n = " * ".join(names.size(w) for w in k.outer)
                 n = f"({n})" if len(k.outer) > 1 else n
                 lo, hi = (b if b.isidentifier() else f"({b})" for b in (seg["lo"], seg["hi"]))
-                loop += [f"for _it in range({lo} * {n}, {hi} * {n}):"
-                         f"  # (row block, {', '.join(k.outer)}) pairs",
-                         f"    _rb = _it // {n}"] + _indent(_decode_outer(names, k.outer, n), 4) \
-                    + [f"    _row0 = _rb * {names.block(row)}"]
+                pairs = f"  # (row block, {', '.join(k.outer)}) pairs"
+                if seg["gap"]:
+                    opening = R.gap_loop("_rb", lo, hi, flat=n)
+                    opening[2] += pairs  # on its for line, after the dead run's two
+                else:
+                    opening = [f"for _it in range({lo} * {n}, {hi} * {n}):{pairs}", f"    _rb = _it // {n}"]
+                loop += opening + _indent(_decode_outer(names, k.outer, n), 4) + [f"    _row0 = _rb * {names.block(row)}"]
             else:
-                loop += [f"for _rb in range({seg['lo']}, {seg['hi']}):", f"    _row0 = _rb * {names.block(row)}"]
+                opening = R.gap_loop("_rb", seg["lo"], seg["hi"]) if seg["gap"] else \
+                    [f"for _rb in range({seg['lo']}, {seg['hi']}):"]
+                loop += opening + [f"    _row0 = _rb * {names.block(row)}"]
             loop += _indent(inner(seg["full"]), 4)
         body = loop
         for g in k.grads:

@@ -381,18 +381,27 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
     (the mask's far edge and the ragged end).  Without a lower bound the
     full blocks start the range (``_flo`` is ``lo``).  A mask that reads
     data (ranges.py) takes the three loops too: its run of full blocks,
-    found at run time, may start anywhere."""
+    found at run time, may start anywhere, and its partial loops step over
+    the dead run it found (``gap``: ranges.gap_loop)."""
     if plan.full is None and not R.applies(plan):
-        return [{"lo": lo, "hi": hi, "full": False, "why": ""}]
-    lower = lower or plan.full is None  # a data mask's ranges: the full run may start anywhere
+        return [{"lo": lo, "hi": hi, "full": False, "why": "", "gap": False}]
+    data = plan.full is None  # a data mask's ranges: the full run may start anywhere, a dead run lie between
+    lower = lower or data
     start = "_flo" if lower else lo
-    out = [{"lo": lo, "hi": "_flo", "full": False,
+    out = [{"lo": lo, "hi": "_flo", "full": False, "gap": data,
             "why": "# Partial blocks before the full ones: the mask cuts through them."}] if lower else []
     return out + [
-        {"lo": start, "hi": "_fhi", "full": True,
+        {"lo": start, "hi": "_fhi", "full": True, "gap": False,
          "why": "# Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks."},
-        {"lo": "_fhi", "hi": hi, "full": False,
+        {"lo": "_fhi", "hi": hi, "full": False, "gap": data,
          "why": "# Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped."}]
+
+
+def loop_head(seg: dict, var: str, step: str) -> str:
+    """A segment's loop header over its blocks, ``var`` (``_start``) each one's first offset."""
+    if seg["gap"]:
+        return "\n".join(R.gap_loop(var, seg["lo"], seg["hi"], step))
+    return f"for {var} in range({seg['lo']}, {seg['hi']}, {step}):"
 
 
 # A partial step at positions runs under ``if _live:`` (bounds.live); without
@@ -422,6 +431,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         seg["loads"] = [_load(d, names, ld, (col,) if seg["full"] else (), tma) for ld in step_loads
                         if not seg["full"] or reads(seg["step"], ld.var)]
         seg["pad"] = "" if seg["full"] else "    "  # a partial step sits under `if _live:`
+        seg["head"] = loop_head(seg, "_start", bc)
     accums = {a.var: a for a in plan.accums}
     finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums, tma)
     save_finalise, save_stores = _finalise(d, names, [o for o in plan.outputs if o.name in saved], kinds, accums)

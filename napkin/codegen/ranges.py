@@ -9,16 +9,19 @@ diagram (``applies``) the launcher first runs a small generated Triton
 kernel, the ranges prepass (templates/ranges.py.jinja).  It evaluates the
 whole mask predicate, every conjunct (the affine ones too) rendered from the
 IR as the masked step renders it, on each (row block, key block) tile,
-scanning the key blocks in chunks (scalars carried in each chunk's loop, six
+scanning the key blocks in chunks (scalars carried in each chunk's loop, eight
 int32 a chunk, no N^2 buffer; a merge kernel joins a row's chunks in order), and
-writes per (mask batch index, row block) four int32: [lo, hi) the blocks from
-the first to the last live one (some real pair true) and [flo, fhi) the
-longest run of full ones (true at every pair, the tile inside the edges).
+writes per (mask batch index, row block) six int32: [lo, hi) the blocks from
+the first to the last live one (some real pair true), [flo, fhi) the
+longest run of full ones (true at every pair, the tile inside the edges)
+and [g0, g1) the longest run of dead blocks between two live ones.
 The main kernels then loop partial [lo, flo), full [flo, fhi), partial
 [fhi, hi) (emit.segments), the full step generated with the mask taken as
-true.  A dead block inside [lo, hi) apart from the others is still visited,
-masked: correct, only not skipped; on contiguous documents the range is
-exact.
+true; the partial loop holding [g0, g1) steps over it (``gap_loop``).  One
+dead run is skipped, not every one: a sink-and-window mask (StreamingLLM's
+``x < 4 or q - x < w``) has exactly one, between the sinks and the window;
+a dead block elsewhere in [lo, hi) is still visited, masked: correct, only
+not skipped.  On contiguous documents the range is exact.
 
 * The prepass's grid spans only the batch wires the predicate reads
   (``doc[b, .]`` reads b, not h): its cost does not multiply by heads, and
@@ -57,7 +60,7 @@ exact.
 """
 from __future__ import annotations
 
-from .. import ir
+from .. import ir, masks
 from .exprs import triton
 from . import packed as P
 from .kernel_names import RANGES_NAMES, stride
@@ -84,6 +87,16 @@ def applies(plan: AttentionPlan) -> bool:
     return wires_of(d, plan.skip) <= {plan.row, plan.col, *plan.batch}
 
 
+def index_disjuncts(plan: AttentionPlan):
+    """For a prepass mask of indices and sizes alone (no tensor read), its
+    conjunctions of bounds (masks.disjunct_bounds), from which the cost pass
+    finds the prepass's blocks by formula (visits.prepass_visits); else None."""
+    if not applies(plan) or any(isinstance(n, ir.TensorRef) for n in ir.walk(plan.skip)):
+        return None
+    fixed = {w.name: w.size for w in plan.diagram.wires if w.size is not None}
+    return masks.disjunct_bounds(plan.skip, plan.row, plan.col, fixed)
+
+
 def batch_wires(plan: AttentionPlan) -> tuple[str, ...]:
     """The batch wires the predicate reads, in the kernel's order: the prepass's grid axis 1."""
     ws = wires_of(plan.diagram, plan.skip)
@@ -99,27 +112,47 @@ def _flat(names, wires) -> str:
 
 
 def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> list[str]:
-    """Lines after a kernel's affine bounds: with _RANGES, [_lo, _hi) and the
-    full run [_flo, _fhi) from the prepass's row of this program (``loop``:
-    the wire the kernel loops over; the forward and dQ loop in offsets of the
-    streamed wire, dK/dV in blocks of rows); else no block is known full.
-    ``usable`` False (a mask batch wire the kernel does not index per
-    program): always the latter."""
+    """Lines after a kernel's affine bounds: with _RANGES, [_lo, _hi), the
+    full run [_flo, _fhi) and the dead run [_g0, _g1) from the prepass's row
+    of this program (``loop``: the wire the kernel loops over; the forward
+    and dQ loop in offsets of the streamed wire, dK/dV in blocks of rows);
+    else no block is known full or dead.  ``usable`` False (a mask batch
+    wire the kernel does not index per program): always the latter."""
     row, col = plan.row, plan.col
-    none = ["_flo = _lo  # rows or keys at global positions: none known full", "_fhi = _lo"]
+    none = ["_flo = _lo  # rows or keys at global positions: none known full, none dead", "_fhi = _lo",
+            "_g0 = _lo", "_g1 = _lo"]
     if not usable:
         return ["_flo = _lo  # the mask reads a wire this kernel's outer loop walks: no ranges, none known full",
-                "_fhi = _lo"]
+                "_fhi = _lo", "_g0 = _lo", "_g1 = _lo"]
     grid = col if loop == row else row
     n = f"tl.cdiv({names.size(grid)}, {names.block(grid)})"
     unit = "" if loop == row else f" * {names.block(col)}"
-    return ["if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)",
-            f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid) * 4",
-            f"    _lo = tl.load(_rg){unit}",
-            f"    _hi = tl.load(_rg + 1){unit}",
-            f"    _flo = tl.load(_rg + 2){unit}",
-            f"    _fhi = tl.load(_rg + 3){unit}",
+    return ["if _RANGES:  # the mask reads data: the blocks the ranges prepass found live, full and dead (ranges.py)",
+            f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid) * 6",
+            *[f"    {v} = tl.load(_rg{f' + {i}' if i else ''}){unit}"
+              for i, v in enumerate(("_lo", "_hi", "_flo", "_fhi", "_g0", "_g1"))],
             "else:", *["    " + line for line in none]]
+
+
+def gap_loop(var: str, lo: str, hi: str, step: str = "", flat: str = "") -> list[str]:
+    """A partial segment's loop over [lo, hi) that steps over the dead run
+    [_g0, _g1) (bounds_lines), setting ``var`` (``_start`` in offsets with
+    ``step``, ``_rb`` in blocks) at each visited block.  The run is cut to
+    the range first: a flash-decoding chunk or the full run's edges may hold
+    part of it, or none (_sh 0: the loop is the plain one).  One induction
+    variable, shifted past the run, rather than a loop each side: the
+    partial step is the kernel's largest code and would be compiled twice.
+    ``flat``: dK/dV's loop over (row block, outer wires) pairs, ``flat``
+    of them a block; the line decoding the pair's block comes back as
+    ``var`` ("_rb = _it // n"), the caller decodes the rest."""
+    head = [f"_ga = tl.minimum(tl.maximum(_g0, {lo}), {hi})  # the dead run inside [{lo}, {hi}): stepped over",
+            f"_sh = tl.minimum(tl.maximum(_g1, {lo}), {hi}) - _ga"]
+    shift = f"tl.where({var} >= _ga, _sh, 0)"
+    if flat:
+        return head + [f"for _it in range({lo} * {flat}, ({hi} - _sh) * {flat}):",
+                       f"    {var} = _it // {flat}", f"    {var} = {var} + {shift}"]
+    return head + [f"for _iv in range({lo}, {hi} - _sh{f', {step}' if step else ''}):",
+                   f"    {var} = _iv + tl.where(_iv >= _ga, _sh, 0)"]
 
 
 # When a launcher runs the prepass: its call has no rows at global positions

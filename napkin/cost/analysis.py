@@ -24,7 +24,7 @@ import functools
 import math
 from typing import Mapping, Optional
 
-from .. import documents, ir, masks, tiling
+from .. import documents, ir, masks, tiling, visits
 from ..documents import Documents
 from ..errors import Diagnostic, NapkinError
 from ..printer import expr_text
@@ -159,15 +159,19 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
         return None
     col, step = stream
     decided = _codegen_bounds(diagram)
+    from ..codegen.ranges import index_disjuncts
+
     ids = kernel_ids(diagram) if docs is not None else None
-    if ids is not None and decided[0] in groups and col == decided_col(diagram):
+    # a mask of indices alone the prepass runs on: its blocks by formula, as an or of bounds
+    union = index_disjuncts(_plan(diagram)) if decided is not None and ids is None else None
+    if (ids or union) is not None and decided[0] in groups and col == decided_col(diagram):
         row, found = decided
+        rows, block, cycle = (sizes[pack.wire] * sizes[pack.row], pack.block, sizes[pack.row]) if pack is not None \
+            else (sizes[row], groups[row], None)
+        if union is not None:
+            return Visited(row, *visits.prepass_visits(union, rows, sizes[col], block, step, sizes, cycle))
         length = documents.covered(docs, diagram, ids, sizes)
-        if pack is not None:
-            rows, block, cycle = sizes[pack.wire] * sizes[pack.row], pack.block, sizes[pack.row]
-        else:
-            rows, block, cycle = sizes[row], groups[row], None
-        return Visited(row, documents.row_spans(docs, found, rows, sizes[col], block, step, sizes, length, cycle))
+        return Visited(row, *documents.row_visits(docs, found, rows, sizes[col], block, step, sizes, length, cycle))
     if decided is not None:
         row, found = decided
         if not found or row not in groups or col != decided_col(diagram):
@@ -395,30 +399,31 @@ def _prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: 
                   ) -> Optional[str]:
     """Where the kernels find their blocks with a ranges prepass (a mask that
     reads data, or whose comparisons bound no wire by an affine function of
-    the other with coefficient 1): the counts are every block's, and the
-    prepass's launches and traffic are not in them (a mask that skips nothing,
-    x != q, moves a little more than counted).  With ``docs`` (and sizes)
-    the counts are the blocks the prepass finds on those documents."""
+    the other with coefficient 1): the counts are every block's (the part
+    the formula bounds), the prepass's launches and traffic not in them;
+    with ``docs`` (and sizes) the blocks it finds on those documents, and
+    for an or of bounds of indices alone the blocks it finds, by formula."""
     from ..codegen import ranges
 
     plan = _plan(diagram)
     if plan is None or device_tiles(diagram) or not ranges.applies(plan):
         return None
+    cost = "two more kernels a launch, their traffic not counted, nor the 24 B of ranges each row block reads"
     ids = kernel_ids(diagram) if docs is not None else None
     if ids is not None:
         wire = documents.id_wire(diagram, ids)
         return (f"the counts are the blocks the ranges prepass finds live when {ids.name} holds "
                 f"--docs' {docs.describe(sizes[wire])} in every batch row, each document's tokens contiguous "
-                "(two more kernels "
-                "at each launch, their traffic not counted, nor the 16 B of ranges each row block reads; "
-                f"steps whose blocks are all kept read no {ids.name}, which the counts still load)")
+                f"({cost}; steps whose blocks are all kept read no {ids.name}, which the counts still load)")
+    if ranges.index_disjuncts(plan) is not None:
+        return (f"the mask {expr_text(plan.skip)} is an or of bounds: the counts are the blocks the kernels' ranges "
+                f"prepass finds live, the span of each row block's less its longest dead run ({cost})")
     # a part the formula bounds (x <= q beside doc[b, q] == doc) still skips in the counts
     counted = (": the counts are the blocks its formula part bounds" if plan.bounds else
                " bounds no block by formula: the counts are every block's")
     hint = "; --docs LENGTHS counts them on packed documents" if _plan_ids(plan) else ""
-    return (f"the mask {expr_text(plan.skip)}{counted} (an upper "
-            "bound of the main kernel's tiles), while the kernels skip blocks with a ranges prepass at each launch "
-            f"(two more kernels, their traffic not counted, nor the 16 B of ranges each row block reads){hint}")
+    return (f"the mask {expr_text(plan.skip)}{counted} (an upper bound of the main kernel's tiles), while the "
+            f"kernels skip blocks with a ranges prepass at each launch ({cost}){hint}")
 
 
 def _blocks_note(c: "_Context") -> Optional[str]:

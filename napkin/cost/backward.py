@@ -232,9 +232,9 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     """(moves, (contraction, other, exp FLOPs), kernels, DRAM bytes per kernel,
     the largest one-step L2 working set).  ``on_documents``: (docs, tokens)
     where the blocks are the ranges prepass's on them (_on_documents)."""
-    from ..documents import row_spans
-
     from ..codegen.backward_hold import DEFAULT_TILE
+    from ..codegen.ranges import index_disjuncts
+    from ..documents import row_visits
 
     d, f = b.diagram, b.forward
     blocks = dict(f.blocks)
@@ -245,16 +245,24 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     cf = of = ef = 0
     batch_all = math.prod(sizes[w] for w in b.batch)
 
+    union = index_disjuncts(f) if on_documents is None else None  # a mask of indices alone: an or of bounds
+
     @functools.lru_cache(maxsize=None)
-    def doc_spans(br: int, bc: int) -> tuple:
-        """Per row block, the key blocks the ranges prepass finds live on the documents."""
-        return row_spans(on_documents[0], tuple(f.bounds), nr, nc, br, bc, sizes, on_documents[1])
+    def prepass(br: int, bc: int, by_col: bool = False) -> model.Visited:
+        """The blocks the ranges prepass finds live, per row block (per key block
+        ``by_col``): on the documents, or the union's by formula."""
+        if union is not None:
+            found = (visits.prepass_column_visits if by_col else visits.prepass_visits)(union, nr, nc, br, bc, sizes)
+            return model.Visited(col if by_col else row, *found)
+        spans, holes = row_visits(on_documents[0], tuple(f.bounds), nr, nc, br, bc, sizes, on_documents[1])
+        # consecutive rows of contiguous documents meet one run of keys: no holes, by column neither
+        return model.Visited(col, column_spans(spans, -(-nc // bc))) if by_col else model.Visited(row, spans, holes)
 
     @functools.lru_cache(maxsize=None)
     def visited(br: int, bc: int) -> list:
         """The (row block, key block) pairs a kernel at these blocks visits: the forward's."""
-        if on_documents is not None:
-            return [(i, j) for i, (lo, hi) in enumerate(doc_spans(br, bc)) for j in range(lo, hi)]
+        if on_documents is not None or union is not None:
+            return sorted(prepass(br, bc).pairs)
         return visits.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
 
     for k in b.kernels:
@@ -278,7 +286,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
 
         reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof,
                                          _spans(b, k, br, bc, sizes, len(pairs) == nblocks[row] * nblocks[col],
-                                                doc_spans if on_documents is not None else None))
+                                                prepass if on_documents is not None or union is not None else None))
         working_set = max(working_set, ws_bytes)
         first = len(moves)
         dram = 0
@@ -339,22 +347,19 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     return moves, (cf, of, ef), kernels, drams, working_set
 
 
-def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, doc_spans=None) -> Optional[model.Visited]:
+def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, prepass=None) -> Optional[model.Visited]:
     """The steps each program of a masked backward kernel reads (the forward's
     masked-loop rule, model.Visited), by the formulas its loops run: dQ's row
     block over the key blocks the forward's loop visits (model.visited_spans),
     dK/dV's key block over the row blocks that visit it (visits.row_block_range).
     A kernel that visits every pair (``dense``), or has no step loop (rows),
-    gets None: every program reads the whole stream.  ``doc_spans(br, bc)``:
-    the ranges prepass's spans on --docs' documents instead of the formulas'."""
+    gets None: every program reads the whole stream.  ``prepass(br, bc, by_col)``:
+    the ranges prepass's blocks (on --docs' documents, or by formula) instead."""
     if k.role == "rows" or dense:
         return None
     nr, nc, bounds = sizes[b.row], sizes[b.col], b.forward.bounds
-    if doc_spans is not None:   # the prepass's (by column: the same live pairs seen from the keys)
-        spans = doc_spans(br, bc)
-        if k.grid_wire == b.col:
-            spans = column_spans(spans, -(-nc // bc))
-        return model.Visited(k.grid_wire, spans)
+    if prepass is not None:   # the prepass's (by column: the same live pairs seen from the keys)
+        return prepass(br, bc, k.grid_wire == b.col)
     if k.grid_wire == b.col:
         spans = tuple(visits.row_block_range(bounds, j, nr, nc, br, bc, sizes) for j in range(-(-nc // bc)))
     else:

@@ -210,19 +210,28 @@ class Visited:
     """The steps a masked kernel visits: for row block i of the grouped wire
     ``row`` the mask reads (with packed rows, block i of the launch's (g, q)
     pairs: packing.py), the steps ``spans[i] = (first, stop)`` along the
-    streamed wire (a contiguous range, as the kernel's loop runs)."""
+    streamed wire (a contiguous range, as the kernel's loop runs), less
+    ``holes[i] = (g0, g1)``, a run of dead steps inside it the loop steps
+    over (the ranges prepass's, ranges.py; (0, 0) or no holes at all: none)."""
 
     row: str
     spans: tuple[tuple[int, int], ...]
+    holes: tuple[tuple[int, int], ...] = ()
+
+    def parts(self, i: int) -> tuple[tuple[int, int], ...]:
+        """Row block i's visited steps as one or two [first, stop) runs."""
+        a, b = self.spans[i]
+        g0, g1 = self.holes[i] if self.holes else (0, 0)
+        return ((a, g0), (g1, b)) if a <= g0 < g1 <= b else ((a, b),)
 
     @property
     def pairs(self) -> frozenset:
         """Every visited (row block, step) pair."""
-        return frozenset((i, j) for i, (a, b) in enumerate(self.spans) for j in range(a, b))
+        return frozenset((i, j) for i in range(len(self.spans)) for a, b in self.parts(i) for j in range(a, b))
 
     @property
     def count(self) -> int:
-        return sum(max(0, b - a) for a, b in self.spans)
+        return sum(max(0, b - a) for i in range(len(self.spans)) for a, b in self.parts(i))
 
 
 # The pass walks the programs of a grid one by one (the visited spans of a
@@ -303,7 +312,8 @@ def count_access(access: Access, kernel: Kernel, tiles: Tiling, sizes: dict[str,
     r_extent = (lambda i: clip(sizes[row], rblock, i)) if row in access.wires else (lambda i: 1)
     if carries_s:
         chunk = stream[1]
-        pair_sum = sum(r_extent(i) * clipped_sum(sizes[s], chunk, a, b) for i, (a, b) in enumerate(visited.spans))
+        pair_sum = sum(r_extent(i) * clipped_sum(sizes[s], chunk, a, b)
+                       for i in range(len(visited.spans)) for a, b in visited.parts(i))
     else:
         pair_sum = sum(r_extent(i) for i in range(math.ceil(sizes[row] / rblock)))
     return count * pair_sum * passes
@@ -360,7 +370,7 @@ def visited_area(visited: Optional[Visited], kernel: Kernel, tiles: Tiling,
         return None
     row, s = visited.row, stream[0]
     area = sum(clip(sizes[row], groups[row], i) * clipped_sum(sizes[s], stream[1], a, b)
-               for i, (a, b) in enumerate(visited.spans))
+               for i in range(len(visited.spans)) for a, b in visited.parts(i))
     return row, s, area
 
 
@@ -580,39 +590,56 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
         return {a: 1.0 for a in shared}, step_bytes
     # Each program's steps [lo, hi) along the stream: its row block's span
     # when a masked loop skips steps, else one step standing for all of them
+    # (with a hole, two runs: [lo, g0) and [g1, hi), each wave's hull taken of each run)
     unit = lo, hi = np.zeros_like(linear), np.ones_like(linear)
+    runs = [unit]
     if visited is not None and chunks == 1 and visited.row in index and visited.spans:
         spans = np.array(visited.spans, dtype=np.int64).reshape(-1, 2)[index[visited.row]]
         lo, hi = spans[:, 0], np.maximum(spans[:, 1], spans[:, 0])
+        runs = [(lo, hi)]
+        if visited.holes:
+            holes = np.array(visited.holes, dtype=np.int64).reshape(-1, 2)[index[visited.row]]
+            g0, g1 = np.clip(holes[:, 0], lo, hi), np.clip(holes[:, 1], lo, hi)
+            g1 = np.maximum(g1, g0)
+            runs = [(lo, g0), (g1, hi)]
     # how many waves back a tile is still in L2 (0: only within its own wave)
     reach_back = int(l2_bytes // wave_bytes) if wave_bytes else 0
     n_waves = int(waves[-1]) + 1
     fractions = {}
     for acc in shared:
         along = stream is not None and stream[0] in acc.wires
-        a, b = (lo, hi) if along else unit
-        issued = int((b - a).sum())
+        parts = runs if along else [unit]
+        issued = sum(int((b - a).sum()) for a, b in parts)
         if not issued:
             fractions[acc] = 0.0
             continue
-        # the steps each wave reads of each tile: the hull of its programs' spans; an empty
-        # span (a program whose loop visits nothing, at whatever step it would start) reads
-        # nothing and must not stretch the hull
-        pairs, inverse = np.unique(tile_of[acc] * n_waves + waves, return_inverse=True)   # by tile, then wave
-        never = np.iinfo(np.int64).max
-        first_step = np.full(pairs.size, never, dtype=np.int64)
-        last_step = np.zeros(pairs.size, dtype=np.int64)
-        live = b > a
-        np.minimum.at(first_step, inverse, np.where(live, a, never))
-        np.maximum.at(last_step, inverse, np.where(live, b, 0))
-        read = np.maximum(last_step - first_step, 0)
-        # ... less what a wave at most reach_back before read of the same tile (still in L2)
-        tile, at = pairs // n_waves, pairs % n_waves
-        warm = np.zeros(pairs.size, dtype=bool)
-        warm[1:] = (tile[1:] == tile[:-1]) & (at[1:] - at[:-1] <= reach_back)
-        overlap = np.zeros(pairs.size, dtype=np.int64)
-        overlap[1:] = np.maximum(np.minimum(last_step[1:], last_step[:-1])
-                                 - np.maximum(first_step[1:], first_step[:-1]), 0)
-        fresh = read - np.where(warm, np.minimum(overlap, read), 0)
-        fractions[acc] = int(fresh.sum()) / issued
+        fractions[acc] = sum(_fresh_steps(tile_of[acc], waves, n_waves, reach_back, a, b) for a, b in parts) / issued
     return fractions, step_bytes
+
+
+def _fresh_steps(tile_of, waves, n_waves: int, reach_back: int, a, b) -> int:
+    """Steps of each tile the programs reading [a, b) (arrays, one per program)
+    fetch from DRAM: per tile and wave the hull of its programs' runs, less
+    what a recent wave read of the same tile (still in L2)."""
+    import numpy as np
+
+    # the steps each wave reads of each tile: the hull of its programs' spans; an empty
+    # span (a program whose loop visits nothing, at whatever step it would start) reads
+    # nothing and must not stretch the hull
+    pairs, inverse = np.unique(tile_of * n_waves + waves, return_inverse=True)   # by tile, then wave
+    never = np.iinfo(np.int64).max
+    first_step = np.full(pairs.size, never, dtype=np.int64)
+    last_step = np.zeros(pairs.size, dtype=np.int64)
+    live = b > a
+    np.minimum.at(first_step, inverse, np.where(live, a, never))
+    np.maximum.at(last_step, inverse, np.where(live, b, 0))
+    read = np.maximum(last_step - first_step, 0)
+    # ... less what a wave at most reach_back before read of the same tile (still in L2)
+    tile, at = pairs // n_waves, pairs % n_waves
+    warm = np.zeros(pairs.size, dtype=bool)
+    warm[1:] = (tile[1:] == tile[:-1]) & (at[1:] - at[:-1] <= reach_back)
+    overlap = np.zeros(pairs.size, dtype=np.int64)
+    overlap[1:] = np.maximum(np.minimum(last_step[1:], last_step[:-1])
+                             - np.maximum(first_step[1:], first_step[:-1]), 0)
+    fresh = read - np.where(warm, np.minimum(overlap, read), 0)
+    return int(fresh.sum())
