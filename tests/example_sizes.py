@@ -35,7 +35,11 @@ def sizes_for(name: str, q: int, x: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def masks_on_data(name: str) -> bool:
-    """Whether examples/NAME.ncd has an integer or bool input (ids, flags),
-    which only a mask reads: its kernels have a ranges prepass."""
-    return any(t.dtype in ir.INT_DTYPES for t in napkin.load(str(REPO / "examples" / f"{name}.ncd")).inputs)
+def has_prepass(name: str) -> bool:
+    """Whether examples/NAME.ncd's kernels run a ranges prepass (codegen/ranges.py):
+    a mask that reads ids or flags, or one of indices alone that no loop
+    formula covers (streaming_llm's or of bounds)."""
+    from napkin.codegen import lower, ranges
+
+    plan = lower.lower(napkin.load(str(REPO / "examples" / f"{name}.ncd")))
+    return plan.family == "attention" and ranges.applies(plan)

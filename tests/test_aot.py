@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import napkin
-from example_sizes import masks_on_data
+from example_sizes import has_prepass
 from napkin.bench import aot
 from napkin.cost import profiles
 
@@ -75,7 +75,7 @@ def test_forward_kernel_compiles_for_hopper_without_spilling(forwards, stem):
     [r], prepass = split(forwards[stem], stem)
     assert r.kernel == f"_{stem}_kernel"
     assert sorted(p.kernel for p in prepass) == \
-        ([f"_{stem}_merge_ranges_kernel", f"_{stem}_ranges_kernel"] if masks_on_data(stem) else [])
+        ([f"_{stem}_merge_ranges_kernel", f"_{stem}_ranges_kernel"] if has_prepass(stem) else [])
     for p in prepass:
         assert not p.spills, f"{p.kernel} spills {p.spill_stores} B / loads {p.spill_loads} B per thread"
     assert not r.spills, f"{r.kernel} spills {r.spill_stores} B / loads {r.spill_loads} B per thread"
