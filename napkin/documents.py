@@ -200,18 +200,14 @@ def row_visits(docs: Documents, bounds, row_size: int, col_size: int, block_row:
     kernels step over.  Consecutive rows of contiguous documents meet one run
     of keys; a block of packed rows (one per head at a few queries) may meet
     two documents apart."""
-    from .cost.model import MAX_ROW_BLOCKS, too_many
-
-    too_many(-(-row_size // block_row), MAX_ROW_BLOCKS, "a masked loop's row blocks")
     starts = docs.starts(ids_length)
-    spans, holes = [], []
-    for i in range(-(-row_size // block_row)):
-        found = [r for a, b in visits.rows_of_block(i, block_row, row_size, cycle)
-                 if (r := _key_range(starts, bounds, a, b, col_size, sizes)) is not None]
-        blocks = sorted((a // block_col, -(-b // block_col)) for a, b in found)
-        spans.append((blocks[0][0], max(b for _, b in blocks)) if blocks else (0, 0))
-        holes.append(visits.longest_hole(blocks))
-    return tuple(spans), tuple(holes)
+
+    def runs(i):
+        for a, b in visits.rows_of_block(i, block_row, row_size, cycle):
+            if (r := _key_range(starts, bounds, a, b, col_size, sizes)) is not None:
+                yield r[0] // block_col, -(-r[1] // block_col)
+
+    return visits.prepass_blocks(runs, -(-row_size // block_row))
 
 
 def column_spans(spans: Sequence[tuple[int, int]], col_blocks: int) -> tuple[tuple[int, int], ...]:

@@ -313,6 +313,21 @@ def longest_hole(runs) -> tuple[int, int]:
     return best
 
 
+def prepass_blocks(runs_of, count: int):
+    """(spans, holes) of ``count`` blocks, block i's live blocks of the other
+    wire the [first, stop) runs ``runs_of(i)`` hold: their span ((0, 0) for
+    none) and longest dead run, what the ranges prepass writes for it."""
+    from .cost.model import MAX_ROW_BLOCKS, too_many
+
+    too_many(count, MAX_ROW_BLOCKS, "a masked loop's row blocks")
+    spans, holes = [], []
+    for i in range(count):
+        runs = sorted(r for r in runs_of(i) if r[0] < r[1])
+        spans.append((runs[0][0], max(b for _, b in runs)) if runs else (0, 0))
+        holes.append(longest_hole(runs))
+    return tuple(spans), tuple(holes)
+
+
 def prepass_visits(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
                    sizes: Mapping[str, int], cycle: Optional[int] = None):
     """(spans, holes) per row block for a mask that is an ``or`` of
@@ -320,14 +335,14 @@ def prepass_visits(disjuncts, row_size: int, col_size: int, block_row: int, bloc
     blocks are the ones its loop would visit (stream_range), a tile live
     where one of them is, and the kernels visit the span of them less the
     longest dead run.  ``cycle``: packed rows, as documents.row_visits."""
-    spans, holes = [], []
-    for i in range(-(-row_size // block_row)):
-        runs = sorted((a // block_col, -(-b // block_col)) for first, stop in rows_of_block(i, block_row, row_size, cycle)
-                      for bounds in disjuncts
-                      for a, b in [stream_range(bounds, first, stop, col_size, sizes)] if a < b)
-        spans.append((runs[0][0], max(b for _, b in runs)) if runs else (0, 0))
-        holes.append(longest_hole(runs))
-    return tuple(spans), tuple(holes)
+
+    def runs(i):
+        for first, stop in rows_of_block(i, block_row, row_size, cycle):
+            for bounds in disjuncts:
+                a, b = stream_range(bounds, first, stop, col_size, sizes)
+                if a < b:
+                    yield a // block_col, -(-b // block_col)
+    return prepass_blocks(runs, -(-row_size // block_row))
 
 
 def prepass_column_visits(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
@@ -335,11 +350,5 @@ def prepass_column_visits(disjuncts, row_size: int, col_size: int, block_row: in
     """prepass_visits seen from the key blocks (the dK/dV kernel's loop, the
     prepass run by column): per key block the row blocks of each
     conjunction (row_block_range), their span and longest dead run."""
-    spans, holes = [], []
-    for j in range(-(-col_size // block_col)):
-        runs = sorted(r for bounds in disjuncts
-                      for r in [row_block_range(bounds, j, row_size, col_size, block_row, block_col, sizes)]
-                      if r[0] < r[1])
-        spans.append((runs[0][0], max(b for _, b in runs)) if runs else (0, 0))
-        holes.append(longest_hole(runs))
-    return tuple(spans), tuple(holes)
+    return prepass_blocks(lambda j: [row_block_range(bounds, j, row_size, col_size, block_row, block_col, sizes)
+                                     for bounds in disjuncts], -(-col_size // block_col))

@@ -164,7 +164,7 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
     ids = kernel_ids(diagram) if docs is not None else None
     # a mask of indices alone the prepass runs on: its blocks by formula, as an or of bounds
     union = index_disjuncts(_plan(diagram)) if decided is not None and ids is None else None
-    if (ids or union) is not None and decided[0] in groups and col == decided_col(diagram):
+    if (ids is not None or union is not None) and decided[0] in groups and col == decided_col(diagram):
         row, found = decided
         rows, block, cycle = (sizes[pack.wire] * sizes[pack.row], pack.block, sizes[pack.row]) if pack is not None \
             else (sizes[row], groups[row], None)
