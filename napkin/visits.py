@@ -328,27 +328,104 @@ def prepass_blocks(runs_of, count: int):
     return tuple(spans), tuple(holes)
 
 
+# An or of bounds is counted row by row (each row's keys are exact; a block's
+# loosest-row formula, stream_range, is not once a conjunction's bounds are
+# loosest at different ends or leave some rows empty), in numpy, this many
+# rows at a time; past MAX_OR_ROWS rows times conjunctions it refuses.
+_CHUNK = 1 << 18
+MAX_OR_ROWS = 1 << 27
+
+
 def prepass_visits(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
                    sizes: Mapping[str, int], cycle: Optional[int] = None):
     """(spans, holes) per row block for a mask that is an ``or`` of
-    conjunctions of bounds (masks.disjunct_bounds): each conjunction's
-    blocks are the ones its loop would visit (stream_range), a tile live
-    where one of them is, and the kernels visit the span of them less the
-    longest dead run.  ``cycle``: packed rows, as documents.row_visits."""
+    conjunctions of bounds (masks.disjunct_bounds): a (row block, key block)
+    tile is live where some conjunction holds on a real pair of it, as the
+    prepass tests it, and the kernels visit each row block's span of live
+    blocks less its longest dead run.  Each row's live keys are one run
+    [lo, hi] per conjunction (the bounds at that row), so the live blocks of
+    a row block are the union of its rows' runs.  ``cycle``: packed rows
+    (g, q), each at position q, as documents.row_visits."""
 
-    def runs(i):
-        for first, stop in rows_of_block(i, block_row, row_size, cycle):
-            for bounds in disjuncts:
-                a, b = stream_range(bounds, first, stop, col_size, sizes)
-                if a < b:
-                    yield a // block_col, -(-b // block_col)
-    return prepass_blocks(runs, -(-row_size // block_row))
+    np = _np()
+
+    def keys(bounds, rows):
+        pos = rows if cycle is None else rows % cycle
+        lo, hi = np.zeros_like(rows), np.full_like(rows, col_size - 1)
+        for b in bounds:
+            value = b.row_coeff * (pos // b.step) + rest_value(b.rest, sizes)
+            if b.kind == "lower":
+                lo = np.maximum(lo, value)
+            else:
+                hi = np.minimum(hi, value)
+        return lo, hi
+    return _union_blocks(disjuncts, keys, row_size, block_row, block_col)
 
 
 def prepass_column_visits(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
                           sizes: Mapping[str, int]):
     """prepass_visits seen from the key blocks (the dK/dV kernel's loop, the
-    prepass run by column): per key block the row blocks of each
-    conjunction (row_block_range), their span and longest dead run."""
-    return prepass_blocks(lambda j: [row_block_range(bounds, j, row_size, col_size, block_row, block_col, sizes)
-                                     for bounds in disjuncts], -(-col_size // block_col))
+    prepass run by column): each key's live rows are one run per
+    conjunction, each bound solved for the row (``c >= a * (r // s) + k``
+    keeps the rows with ``a * (r // s) <= c - k``: a half-line of them), and
+    a key block's live row blocks are the union of its keys' runs."""
+    np = _np()
+
+    def rows(bounds, cols):
+        lo, hi = np.zeros_like(cols), np.full_like(cols, row_size - 1)
+        for b in bounds:
+            a, s = b.row_coeff, b.step
+            need = cols - rest_value(b.rest, sizes)      # lower: a * t <= need; upper: a * t >= need
+            if b.kind == "upper":
+                a, need = -a, -need                      # the same as -a * t <= -need
+            if a > 0:                                    # t <= floor(need / a): rows up to that t's last
+                hi = np.minimum(hi, (need // a) * s + s - 1)
+            elif a < 0:                                  # t >= ceil(need / a) = -floor(need / -a)
+                lo = np.maximum(lo, -(need // -a) * s)
+            else:                                        # no row: kept everywhere or nowhere
+                hi = np.where(need >= 0, hi, -1)
+        return lo, hi
+    return _union_blocks(disjuncts, rows, col_size, block_col, block_row)
+
+
+def _np():
+    import numpy
+    return numpy
+
+
+def _union_blocks(disjuncts, runs_of_lines, lines: int, block: int, other_block: int):
+    """(spans, holes) per block of ``block`` lines: the union over its lines
+    and the conjunctions of each line's run [lo, hi] of the other wire
+    (``runs_of_lines(bounds, line indices)``, empty where lo > hi), in
+    blocks of ``other_block``.  Lines go ``_CHUNK`` (whole blocks) at a time:
+    each chunk's runs sorted by (block, start), merged where they meet."""
+    from .cost.model import too_many
+
+    np = _np()
+    count = -(-lines // block)
+    too_many(lines * len(disjuncts), MAX_OR_ROWS, "the rows of an or of bounds (once per conjunction)")
+    found: dict[int, list] = {}
+    chunk = max(_CHUNK // block, 1) * block
+    for first in range(0, lines, chunk):
+        idx = np.arange(first, min(first + chunk, lines), dtype=np.int64)
+        parts = []
+        for bounds in disjuncts:
+            lo, hi = runs_of_lines(bounds, idx)
+            keep = lo <= hi
+            parts.append((idx[keep] // block, lo[keep] // other_block, hi[keep] // other_block + 1))
+        blk, lo, hi = (np.concatenate(p) for p in zip(*parts))
+        if not len(blk):
+            continue
+        # one key per (block, position): a block's runs sort after every earlier block's
+        width = int(hi.max()) + 1
+        order = np.lexsort((lo, blk))
+        start, stop = blk[order] * width + lo[order], blk[order] * width + hi[order]
+        reach = np.maximum.accumulate(stop)
+        new = np.ones(len(start), dtype=bool)
+        new[1:] = start[1:] > reach[:-1]
+        heads = np.flatnonzero(new)
+        ends = reach[np.append(heads[1:], len(start)) - 1]
+        for b, a, z in zip((start[heads] // width).tolist(), (start[heads] % width).tolist(),
+                           (ends - (start[heads] // width) * width).tolist()):
+            found.setdefault(b, []).append((a, z))
+    return prepass_blocks(lambda i: found.get(i, ()), count)

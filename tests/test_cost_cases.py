@@ -301,9 +301,11 @@ def test_sizes_past_what_the_pass_walks_are_refused_in_words():
     # packed rows (flash_decoding, g q): their spans had no limit (2**40 rows: 2 GB and growing)
     with pytest.raises(NapkinError, match=r"a masked loop's blocks of packed rows one by one: 68,719,476,736 here"):
         analyse(load("flash_decoding"), {"b": 1, "hk": 1, "g": 1, "q": 2 ** 40, "x": 64})
-    # an or of bounds (streaming_llm), counted by the prepass's blocks (visits.prepass_blocks)
-    with pytest.raises(NapkinError, match=r"a masked loop's row blocks one by one: 7,812,500,000 here"):
-        analyse(load("streaming_llm"), big)
+    # an or of bounds (streaming_llm), counted row by row (visits.prepass_visits): its own limit
+    # on rows, below the row blocks' (2**27 rows are 2**20 row blocks of 128)
+    with pytest.raises(NapkinError, match=r"walks the rows of an or of bounds \(once per conjunction\) one by one: "
+                                          r"268,435,456 here, more than the 134,217,728 it takes"):
+        analyse(load("streaming_llm"), {"b": 1, "h": 1, "q": 2 ** 27, "x": 2 ** 27})
 
 
 LET_WINDOW = """diagram let_window

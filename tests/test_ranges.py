@@ -445,12 +445,15 @@ def _counted(counts: dict) -> dict:
 
 @pytest.mark.parametrize("key, mask", [("stream", "x <= q and (q - x < 24 or x < 4)"),
                                        ("bands", "x < 20 or x > q + 30 or q - x == 7"),
-                                       ("sinks", "x <= q or x < 4")])
+                                       ("sinks", "x <= q or x < 4"),
+                                       # two lower bounds loosest at opposite ends of a block:
+                                       # a block's loosest-row range holds a dead block
+                                       ("crossed", "(x >= q - 5 and x >= 100 - q) or x < 2")])
 def test_the_cost_pass_counts_what_an_or_of_bounds_moves(folder, key, mask):
     """A mask of indices alone that is an or of bounds (StreamingLLM's, bands
     apart, causal with sinks): the cost pass finds the prepass's blocks by
-    formula (visits.prepass_visits: each conjunction's blocks, their span
-    less the longest dead run), so its bytes are the kernels' (ByteCounter),
+    the rows' bounds (visits.prepass_visits: each row's keys per conjunction,
+    a block's span less its longest dead run), so its bytes are the kernels' (ByteCounter),
     forward and the backward's kernels, at ragged sizes and blocks 32 x 16."""
     from collections import defaultdict
 
@@ -506,3 +509,63 @@ def test_which_masks_the_cost_pass_reads_as_an_or_of_bounds():
     many = " or ".join(f"x == {i}" for i in range(masks.MAX_DISJUNCTS + 1))
     assert disjuncts(many) is None and len(disjuncts(many.rsplit(" or ", 1)[0])) == masks.MAX_DISJUNCTS
     assert disjuncts("x <= q and q - x < 24") is None  # a conjunction: no prepass, the loops' formula
+
+
+def _or_of_bounds(rng):
+    """A drawn or of one to four conjunctions of one to three bounds (row
+    coefficient -3..3, step 1, 2, 3 or 5, constant -30..60) and a Python
+    predicate of (row position, key) that is exactly it."""
+    from napkin.masks import Bound
+
+    disjuncts = tuple(tuple(Bound(rng.choice(("lower", "upper")), rng.randint(-3, 3), (("", rng.randint(-30, 60)),),
+                                  rng.choice((1, 1, 2, 3, 5))) for _ in range(rng.randint(1, 3)))
+                      for _ in range(rng.randint(1, 4)))
+
+    def keep(q, x):
+        return any(all((x >= b.value(q, {})) if b.kind == "lower" else (x <= b.value(q, {})) for b in c)
+                   for c in disjuncts)
+    return disjuncts, keep
+
+
+def _spans_and_holes(live):
+    """What the prepass writes for each row of a [blocks, blocks of the other
+    wire] liveness matrix: the span of its live blocks and the longest dead run."""
+    from napkin.visits import longest_hole
+
+    out = ([], [])
+    for row in live:
+        idx = row.nonzero().flatten().tolist()
+        out[0].append((idx[0], idx[-1] + 1) if idx else (0, 0))
+        out[1].append(longest_hole([(j, j + 1) for j in idx]))
+    return tuple(map(tuple, out))
+
+
+def test_an_or_of_bounds_is_counted_tile_by_tile(monkeypatch):
+    """visits.prepass_visits / prepass_column_visits (the cost pass's blocks
+    of an or of bounds) against every pair of drawn masks (_or_of_bounds),
+    sizes, blocks and packed rows: a tile is live where some pair is, as the
+    prepass tests it (_brute).  Chunks of 8 lines (rounded up to whole
+    blocks) run many chunks a call.  Each conjunction's loosest-row range (stream_range) is
+    looser than its tiles: some drawn masks (13 here) it counts a dead block live."""
+    import random
+
+    from napkin import visits
+
+    monkeypatch.setattr(visits, "_CHUNK", 8)
+    rng, loose = random.Random(45), 0
+    for trial in range(300):
+        disjuncts, keep = _or_of_bounds(rng)
+        nq, nx = rng.randint(1, 70), rng.randint(1, 70)
+        br, bc = rng.choice((1, 4, 8, 16)), rng.choice((1, 4, 8, 16))
+        cycle = rng.choice((None, None, max(nq // rng.randint(1, 3), 1)))
+        pred = torch.tensor([[keep(p if cycle is None else p % cycle, x) for x in range(nx)] for p in range(nq)])
+        rows = visits.prepass_visits(disjuncts, nq, nx, br, bc, {}, cycle)
+        assert rows == _spans_and_holes(_brute(pred, nq, nx, br, bc, False, False)[0]), (trial, disjuncts, cycle)
+        if cycle is None:
+            cols = visits.prepass_column_visits(disjuncts, nq, nx, br, bc, {})
+            assert cols == _spans_and_holes(_brute(pred, nq, nx, br, bc, False, True)[0]), (trial, disjuncts)
+            formula = visits.prepass_blocks(lambda i: [(a // bc, -(-b // bc)) for c in disjuncts for a, b in
+                                                       [visits.stream_range(c, i * br, min(i * br + br, nq), nx, {})]],
+                                            -(-nq // br))
+            loose += formula != rows
+    assert loose >= 2

@@ -90,7 +90,7 @@ def applies(plan: AttentionPlan) -> bool:
 def index_disjuncts(plan: AttentionPlan):
     """For a prepass mask of indices and sizes alone (no tensor read), its
     conjunctions of bounds (masks.disjunct_bounds), from which the cost pass
-    finds the prepass's blocks by formula (visits.prepass_visits); else None."""
+    finds the prepass's blocks row by row (visits.prepass_visits); else None."""
     if not applies(plan) or any(isinstance(n, ir.TensorRef) for n in ir.walk(plan.skip)):
         return None
     fixed = {w.name: w.size for w in plan.diagram.wires if w.size is not None}

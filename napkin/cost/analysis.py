@@ -162,7 +162,7 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
     from ..codegen.ranges import index_disjuncts
 
     ids = kernel_ids(diagram) if docs is not None else None
-    # a mask of indices alone the prepass runs on: its blocks by formula, as an or of bounds
+    # a mask of indices alone the prepass runs on: its blocks row by row, as an or of bounds
     union = index_disjuncts(_plan(diagram)) if decided is not None and ids is None else None
     if (ids is not None or union is not None) and decided[0] in groups and col == decided_col(diagram):
         row, found = decided
@@ -402,7 +402,7 @@ def _prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: 
     the other with coefficient 1): the counts are every block's (the part
     the formula bounds), the prepass's launches and traffic not in them;
     with ``docs`` (and sizes) the blocks it finds on those documents, and
-    for an or of bounds of indices alone the blocks it finds, by formula."""
+    for an or of bounds of indices alone the blocks it finds, row by row."""
     from ..codegen import ranges
 
     plan = _plan(diagram)

@@ -250,7 +250,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     @functools.lru_cache(maxsize=None)
     def prepass(br: int, bc: int, by_col: bool = False) -> model.Visited:
         """The blocks the ranges prepass finds live, per row block (per key block
-        ``by_col``): on the documents, or the union's by formula."""
+        ``by_col``): on the documents, or the union's, row by row (key by key)."""
         if union is not None:
             found = (visits.prepass_column_visits if by_col else visits.prepass_visits)(union, nr, nc, br, bc, sizes)
             return model.Visited(col if by_col else row, *found)
@@ -354,7 +354,7 @@ def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, prepass=None) -> Op
     dK/dV's key block over the row blocks that visit it (visits.row_block_range).
     A kernel that visits every pair (``dense``), or has no step loop (rows),
     gets None: every program reads the whole stream.  ``prepass(br, bc, by_col)``:
-    the ranges prepass's blocks (on --docs' documents, or by formula) instead."""
+    the ranges prepass's blocks (on --docs' documents, or an or of bounds') instead."""
     if k.role == "rows" or dense:
         return None
     nr, nc, bounds = sizes[b.row], sizes[b.col], b.forward.bounds
