@@ -2,7 +2,7 @@
 # The benchmark a session with a lent H100 (or H200) runs, in stages that each
 # fit one 10-minute device command.  Usage, from the repository root:
 #
-#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|ragged|aot|all]   (default: all)
+#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|extras|masks|sweep|ncu|tma|decode|ragged|aot|all]   (default: all)
 #
 # Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
 # comes back), else bench/results; copy them into bench/results/ and commit
@@ -94,6 +94,16 @@ stage_extras() {
     --group 4 "${TUNE[@]}"
 }
 
+stage_masks() {
+  # Masks built since the GPU runs, none timed on a GPU, FlexAttention-expressible: differential
+  # attention (its (g d) maps are heads to flex and SDPA), prefix-LM (kv_idx <= q_idx | kv_idx < p[b],
+  # prefixes drawn in 1..N), StreamingLLM's 1024-token window with 4 sinks (the prepass's dead run
+  # between sinks and window stepped over: 37,616 of the 264,192 causal pairs at 16K, by the cost
+  # pass); and the document mask again, whose partial loops step over a dead run since 2026-12-05.
+  "${BENCH[@]}" examples/differential_attention.ncd examples/prefix_lm.ncd examples/streaming_llm.ncd \
+    examples/document_mask.ncd "${TARGET[@]}" "${TUNE[@]}"
+}
+
 stage_sweep() {
   # The FlashAttention papers' grid for plain and causal attention: lengths
   # 1K-16K, head dims 64 and 128, bf16 and fp16; configs from the cache when
@@ -174,7 +184,7 @@ stage_aot() {
 
 stage="${1:-all}"
 case "$stage" in
-  env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|ragged|aot) "stage_$stage" ;;
-  all) for s in env test aot main variants others extras benchtest sweep ncu tma decode ragged; do "stage_$s"; done ;;
-  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|extras|sweep|ncu|tma|decode|ragged|aot|all]" >&2; exit 2 ;;
+  env|test|benchtest|main|variants|misses|others|extras|masks|sweep|ncu|tma|decode|ragged|aot) "stage_$stage" ;;
+  all) for s in env test aot main variants others extras masks benchtest sweep ncu tma decode ragged; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|extras|masks|sweep|ncu|tma|decode|ragged|aot|all]" >&2; exit 2 ;;
 esac
