@@ -19,6 +19,10 @@ sides need, so the kernel and the cost pass agree on what is visited:
   (then blocks can be known FULL).
 * which blocks those bounds make a loop visit, which are full and which
   live: ``napkin/visits.py``, in Python, with the same formulas.
+* ``disjunct_cuts(pred, row, col, sizes)``: a mask of indices alone that no
+  loop formula covers (an ``or``, ``!=``, ``2 * x <= q``) as an ``or`` of
+  conjunctions of ``Cut``s, which the cost pass counts row by row as the
+  ranges prepass finds them.
 
 Ranges are half-open ``(start, stop)`` like Python's ``range``.
 """
@@ -534,30 +538,70 @@ def rest_value(rest, sizes) -> int:
 
 
 # An `or` of conjunctions past this many is left to the prepass alone: the
-# cost pass would walk every row block once per conjunction.
+# cost pass would walk every row once per conjunction.
 MAX_DISJUNCTS = 16
 
 
-def disjunct_bounds(pred: ir.Expr, row: str, col: str,
-                    sizes: Mapping[str, int] = {}) -> Optional[tuple[tuple[Bound, ...], ...]]:
-    """``pred`` as an ``or`` of conjunctions of bounds on ``col`` (its
-    ``and``s distributed over its ``or``s), each conjunction's bounds
-    exactly it (exact_bounds' rule), or None when some comparison is no such
-    bound (an id, a tensor, another index) or there are more than
-    MAX_DISJUNCTS.  StreamingLLM's ``x <= q and (q - x < w or x < 4)`` is
-    ``(x <= q, x > q - w) or (x <= q, x < 4)``: a tile is live where some
-    conjunction holds on a pair of it, so its live blocks are the union of
-    the conjunctions' blocks (visits.prepass_visits)."""
+@dataclass(frozen=True)
+class Cut:
+    """One affine comparison of the row and key indices r and c, as the
+    cost pass counts a prepass mask by (visits.prepass_visits):
+
+        col_coeff * (c // col_step) + row_coeff * (r // row_step) + rest <= 0
+
+    A ``Bound`` is the kernels' loop formula, its key coefficient +-1; a cut
+    takes any whole coefficients (``2 * x <= q``), which no loop formula
+    renders but a row's kept keys (a key's kept rows) are still one run."""
+
+    col_coeff: int
+    col_step: int
+    row_coeff: int
+    row_step: int
+    rest: tuple[tuple[str, int], ...]
+
+
+def disjunct_cuts(pred: ir.Expr, row: str, col: str,
+                  sizes: Mapping[str, int] = {}) -> Optional[tuple[tuple[Cut, ...], ...]]:
+    """``pred`` as an ``or`` of conjunctions of cuts (its ``and``s
+    distributed over its ``or``s, ``!=`` as ``<`` or ``>``), or None when
+    some comparison is no cut (an id, a tensor, another index, a fraction)
+    or there are more than MAX_DISJUNCTS.  StreamingLLM's ``x <= q and
+    (q - x < w or x < 4)`` is ``(x <= q, x > q - w) or (x <= q, x < 4)``:
+    a tile is live where some conjunction holds on a pair of it, so its live
+    blocks are the union of the conjunctions' (visits.prepass_visits)."""
     out = []
     for atoms in _dnf(pred):
         found = []
         for c in atoms:
-            got = _conjunct_bounds(c, row, col, sizes)
-            if got is None or None in got:
+            got = _cuts(c, row, col, sizes)
+            if got is None:
                 return None
             found += got
         out.append(tuple(found))
     return tuple(out) if 0 < len(out) <= MAX_DISJUNCTS else None
+
+
+def _cuts(c: ir.Expr, row: str, col: str, sizes) -> Optional[list[Cut]]:
+    """One comparison as cuts (two for ``==``), None for anything else."""
+    if not (isinstance(c, ir.Binary) and c.op in ("<", "<=", ">", ">=", "==")):
+        return None
+    la, ra = affine(c.lhs, sizes), affine(c.rhs, sizes)
+    if la is None or ra is None:
+        return None
+    diff = _add(la, _scale(ra, -1))  # lhs - rhs
+    forms = {"<": [_add(diff, {"": 1})], "<=": [diff], ">": [_add(_scale(diff, -1), {"": 1})],
+             ">=": [_scale(diff, -1)], "==": [diff, _scale(diff, -1)]}[c.op]
+    out = []
+    for form in forms:           # each form <= 0
+        if any(not float(v).is_integer() for v in form.values()):
+            return None
+        terms = {w: [(k, int(v)) for k, v in form.items() if _index_term(k)[0] == w] for w in (row, col)}
+        if any(_index_term(k)[0] not in ("", row, col) for k in form) or max(map(len, terms.values())) > 1:
+            return None          # another index, or two terms of one (x + x // 4)
+        (ck, cc), (rk, rc) = (terms[w][0] if terms[w] else ("", 0) for w in (col, row))
+        rest = tuple(sorted((k, int(v)) for k, v in form.items() if k not in (ck, rk) or not k))
+        out.append(Cut(cc, _index_term(ck)[1], rc, _index_term(rk)[1], rest))
+    return out
 
 
 def _dnf(e: ir.Expr) -> list[tuple[ir.Expr, ...]]:
@@ -566,6 +610,8 @@ def _dnf(e: ir.Expr) -> list[tuple[ir.Expr, ...]]:
         return (_dnf(e.lhs) + _dnf(e.rhs))[:MAX_DISJUNCTS + 1]
     if isinstance(e, ir.Binary) and e.op == "and":
         return [a + b for a in _dnf(e.lhs) for b in _dnf(e.rhs)][:MAX_DISJUNCTS + 1]
+    if isinstance(e, ir.Binary) and e.op == "!=":
+        return [(replace(e, op="<"),), (replace(e, op=">"),)]
     return [(e,)]
 
 

@@ -328,10 +328,12 @@ def prepass_blocks(runs_of, count: int):
     return tuple(spans), tuple(holes)
 
 
-# An or of bounds is counted row by row (each row's keys are exact; a block's
-# loosest-row formula, stream_range, is not once a conjunction's bounds are
-# loosest at different ends or leave some rows empty), in numpy, this many
-# rows at a time; past MAX_OR_ROWS rows times conjunctions it refuses.
+# A mask of indices alone (an or of cuts) is counted row by row: each row's
+# kept keys are exact, where a conjunction's loop formula at a block's
+# loosest rows (stream_range) is not once its bounds are loosest at opposite
+# ends or leave some rows empty, and a cut with a key coefficient of 2 has no
+# loop formula.  In numpy, this many rows at a time; past MAX_OR_ROWS rows
+# times conjunctions it refuses.
 _CHUNK = 1 << 18
 MAX_OR_ROWS = 1 << 27
 
@@ -339,53 +341,49 @@ MAX_OR_ROWS = 1 << 27
 def prepass_visits(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
                    sizes: Mapping[str, int], cycle: Optional[int] = None):
     """(spans, holes) per row block for a mask that is an ``or`` of
-    conjunctions of bounds (masks.disjunct_bounds): a (row block, key block)
+    conjunctions of cuts (masks.disjunct_cuts): a (row block, key block)
     tile is live where some conjunction holds on a real pair of it, as the
     prepass tests it, and the kernels visit each row block's span of live
-    blocks less its longest dead run.  Each row's live keys are one run
-    [lo, hi] per conjunction (the bounds at that row), so the live blocks of
-    a row block are the union of its rows' runs.  ``cycle``: packed rows
-    (g, q), each at position q, as documents.row_visits."""
+    blocks less its longest dead run.  Each row's kept keys are one run per
+    conjunction (each cut solved for the key at that row), so the live
+    blocks of a row block are the union of its rows' runs.  ``cycle``:
+    packed rows (g, q), each at position q, as documents.row_visits."""
 
-    np = _np()
-
-    def keys(bounds, rows):
+    def keys(cuts, rows):
         pos = rows if cycle is None else rows % cycle
-        lo, hi = np.zeros_like(rows), np.full_like(rows, col_size - 1)
-        for b in bounds:
-            value = b.row_coeff * (pos // b.step) + rest_value(b.rest, sizes)
-            if b.kind == "lower":
-                lo = np.maximum(lo, value)
-            else:
-                hi = np.minimum(hi, value)
-        return lo, hi
+        return _kept(((c.col_coeff, c.col_step, c.row_coeff * (pos // c.row_step) + rest_value(c.rest, sizes))
+                      for c in cuts), rows, col_size)
     return _union_blocks(disjuncts, keys, row_size, block_row, block_col)
 
 
 def prepass_column_visits(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
                           sizes: Mapping[str, int]):
     """prepass_visits seen from the key blocks (the dK/dV kernel's loop, the
-    prepass run by column): each key's live rows are one run per
-    conjunction, each bound solved for the row (``c >= a * (r // s) + k``
-    keeps the rows with ``a * (r // s) <= c - k``: a half-line of them), and
-    a key block's live row blocks are the union of its keys' runs."""
-    np = _np()
+    prepass run by column): each key's kept rows are one run per
+    conjunction (each cut solved for the row at that key), and a key
+    block's live row blocks are the union of its keys' runs."""
 
-    def rows(bounds, cols):
-        lo, hi = np.zeros_like(cols), np.full_like(cols, row_size - 1)
-        for b in bounds:
-            a, s = b.row_coeff, b.step
-            need = cols - rest_value(b.rest, sizes)      # lower: a * t <= need; upper: a * t >= need
-            if b.kind == "upper":
-                a, need = -a, -need                      # the same as -a * t <= -need
-            if a > 0:                                    # t <= floor(need / a): rows up to that t's last
-                hi = np.minimum(hi, (need // a) * s + s - 1)
-            elif a < 0:                                  # t >= ceil(need / a) = -floor(need / -a)
-                lo = np.maximum(lo, -(need // -a) * s)
-            else:                                        # no row: kept everywhere or nowhere
-                hi = np.where(need >= 0, hi, -1)
-        return lo, hi
+    def rows(cuts, cols):
+        return _kept(((c.row_coeff, c.row_step, c.col_coeff * (cols // c.col_step) + rest_value(c.rest, sizes))
+                      for c in cuts), cols, row_size)
     return _union_blocks(disjuncts, rows, col_size, block_col, block_row)
+
+
+def _kept(terms, lines, size: int):
+    """[lo, hi] per line of the indices v in [0, size) that keep every
+    ``a * (v // n) + other <= 0`` (``terms``: (a, n, other) with ``other``
+    the rest of the cut at each line), empty where lo > hi."""
+    np = _np()
+    lo, hi = np.zeros_like(lines), np.full_like(lines, size - 1)
+    for a, n, other in terms:
+        m = -other                                   # a * (v // n) <= m
+        if a > 0:                                    # v // n <= floor(m / a): up to that block's last
+            hi = np.minimum(hi, (m // a) * n + n - 1)
+        elif a < 0:                                  # v // n >= ceil(m / a) = -floor(m / -a)
+            lo = np.maximum(lo, -(m // -a) * n)
+        else:                                        # no v: kept everywhere or nowhere
+            hi = np.where(m >= 0, hi, -1)
+    return lo, hi
 
 
 def _np():
@@ -396,21 +394,21 @@ def _np():
 def _union_blocks(disjuncts, runs_of_lines, lines: int, block: int, other_block: int):
     """(spans, holes) per block of ``block`` lines: the union over its lines
     and the conjunctions of each line's run [lo, hi] of the other wire
-    (``runs_of_lines(bounds, line indices)``, empty where lo > hi), in
+    (``runs_of_lines(cuts, line indices)``, empty where lo > hi), in
     blocks of ``other_block``.  Lines go ``_CHUNK`` (whole blocks) at a time:
     each chunk's runs sorted by (block, start), merged where they meet."""
     from .cost.model import too_many
 
     np = _np()
     count = -(-lines // block)
-    too_many(lines * len(disjuncts), MAX_OR_ROWS, "the rows of an or of bounds (once per conjunction)")
+    too_many(lines * len(disjuncts), MAX_OR_ROWS, "the rows of a mask of indices (once per conjunction)")
     found: dict[int, list] = {}
     chunk = max(_CHUNK // block, 1) * block
     for first in range(0, lines, chunk):
         idx = np.arange(first, min(first + chunk, lines), dtype=np.int64)
         parts = []
-        for bounds in disjuncts:
-            lo, hi = runs_of_lines(bounds, idx)
+        for cuts in disjuncts:
+            lo, hi = runs_of_lines(cuts, idx)
             keep = lo <= hi
             parts.append((idx[keep] // block, lo[keep] // other_block, hi[keep] // other_block + 1))
         blk, lo, hi = (np.concatenate(p) for p in zip(*parts))

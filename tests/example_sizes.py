@@ -38,7 +38,7 @@ def sizes_for(name: str, q: int, x: int) -> dict:
 def has_prepass(name: str) -> bool:
     """Whether examples/NAME.ncd's kernels run a ranges prepass (codegen/ranges.py):
     a mask that reads ids or flags, or one of indices alone that no loop
-    formula covers (streaming_llm's or of bounds)."""
+    formula covers (streaming_llm's or of cuts)."""
     from napkin.codegen import lower, ranges
 
     plan = lower.lower(napkin.load(str(REPO / "examples" / f"{name}.ncd")))

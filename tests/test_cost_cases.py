@@ -301,9 +301,9 @@ def test_sizes_past_what_the_pass_walks_are_refused_in_words():
     # packed rows (flash_decoding, g q): their spans had no limit (2**40 rows: 2 GB and growing)
     with pytest.raises(NapkinError, match=r"a masked loop's blocks of packed rows one by one: 68,719,476,736 here"):
         analyse(load("flash_decoding"), {"b": 1, "hk": 1, "g": 1, "q": 2 ** 40, "x": 64})
-    # an or of bounds (streaming_llm), counted row by row (visits.prepass_visits): its own limit
+    # a mask of indices alone (streaming_llm's or), counted row by row (visits.prepass_visits): its own limit
     # on rows, below the row blocks' (2**27 rows are 2**20 row blocks of 128)
-    with pytest.raises(NapkinError, match=r"walks the rows of an or of bounds \(once per conjunction\) one by one: "
+    with pytest.raises(NapkinError, match=r"walks the rows of a mask of indices \(once per conjunction\) one by one: "
                                           r"268,435,456 here, more than the 134,217,728 it takes"):
         analyse(load("streaming_llm"), {"b": 1, "h": 1, "q": 2 ** 27, "x": 2 ** 27})
 
@@ -351,15 +351,21 @@ def test_compare_says_dash_where_a_device_count_has_no_two_dimensional_grid(caps
 
 
 def test_a_mask_the_kernels_find_by_prepass_is_said_to_be_counted_dense():
-    """x * 2 <= q (a coefficient on the streamed index) and a data mask bound no block by formula: the
+    """x * q <= 9000 (no affine comparison) and a data mask bound no block by formula: the
     report counted every block with no word, while the kernels skip blocks with a ranges prepass
-    whose two launches and traffic it does not count."""
+    whose two launches and traffic it does not count.  x * 2 <= q (a coefficient on the streamed
+    index) has no loop formula either, but compares indices alone: counted as the prepass finds it."""
     causal = (REPO / "examples" / "causal.ncd").read_text()
     sizes = {"b": 1, "h": 1, "q": 512, "x": 512}
-    for text, says in ((causal.replace("where(x <= q, ", "where(x * 2 <= q, "), True),
-                       ((REPO / "examples" / "document_mask.ncd").read_text(), True), (causal, False)):
+    for text, says in ((causal.replace("where(x <= q, ", "where(x * q <= 9000, "), True),
+                       ((REPO / "examples" / "document_mask.ncd").read_text(), True), (causal, False),
+                       (causal.replace("where(x <= q, ", "where(x * 2 <= q, "), False)):
         notes = napkin.cost.analyse(napkin.load_text(text), sizes).notes
         assert any("bounds no block by formula" in n and "ranges prepass" in n for n in notes) == says
+    slope = napkin.cost.analyse(napkin.load_text(causal.replace("where(x <= q, ", "where(x * 2 <= q, ")), sizes)
+    assert any(n.startswith("the mask x * 2 <= q compares indices alone: the counts are the blocks the kernels' "
+                            "ranges prepass finds live") for n in slope.notes)
+    assert slope.hbm_bytes < napkin.cost.analyse(napkin.load_text(causal), sizes).hbm_bytes
     # a data mask beside a formula the counts bound (136 of 256 blocks at q = x = 1024, blocks 64) said
     # it bounded no block (novel2 hunt)
     both = (REPO / "examples" / "document_mask.ncd").read_text().replace(

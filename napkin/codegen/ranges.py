@@ -89,12 +89,12 @@ def applies(plan: AttentionPlan) -> bool:
 
 def index_disjuncts(plan: AttentionPlan):
     """For a prepass mask of indices and sizes alone (no tensor read), its
-    conjunctions of bounds (masks.disjunct_bounds), from which the cost pass
+    conjunctions of cuts (masks.disjunct_cuts), from which the cost pass
     finds the prepass's blocks row by row (visits.prepass_visits); else None."""
     if not applies(plan) or any(isinstance(n, ir.TensorRef) for n in ir.walk(plan.skip)):
         return None
     fixed = {w.name: w.size for w in plan.diagram.wires if w.size is not None}
-    return masks.disjunct_bounds(plan.skip, plan.row, plan.col, fixed)
+    return masks.disjunct_cuts(plan.skip, plan.row, plan.col, fixed)
 
 
 def batch_wires(plan: AttentionPlan) -> tuple[str, ...]:

@@ -162,7 +162,7 @@ def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str
     from ..codegen.ranges import index_disjuncts
 
     ids = kernel_ids(diagram) if docs is not None else None
-    # a mask of indices alone the prepass runs on: its blocks row by row, as an or of bounds
+    # a mask of indices alone the prepass runs on (an or of cuts): its blocks row by row
     union = index_disjuncts(_plan(diagram)) if decided is not None and ids is None else None
     if (ids is not None or union is not None) and decided[0] in groups and col == decided_col(diagram):
         row, found = decided
@@ -402,7 +402,7 @@ def _prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: 
     the other with coefficient 1): the counts are every block's (the part
     the formula bounds), the prepass's launches and traffic not in them;
     with ``docs`` (and sizes) the blocks it finds on those documents, and
-    for an or of bounds of indices alone the blocks it finds, row by row."""
+    for a mask of indices alone (an or of cuts) the blocks it finds, row by row."""
     from ..codegen import ranges
 
     plan = _plan(diagram)
@@ -416,7 +416,7 @@ def _prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: 
                 f"--docs' {docs.describe(sizes[wire])} in every batch row, each document's tokens contiguous "
                 f"({cost}; steps whose blocks are all kept read no {ids.name}, which the counts still load)")
     if ranges.index_disjuncts(plan) is not None:
-        return (f"the mask {expr_text(plan.skip)} is an or of bounds: the counts are the blocks the kernels' ranges "
+        return (f"the mask {expr_text(plan.skip)} compares indices alone: the counts are the blocks the kernels' ranges "
                 f"prepass finds live, the span of each row block's less its longest dead run ({cost})")
     # a part the formula bounds (x <= q beside doc[b, q] == doc) still skips in the counts
     counted = (": the counts are the blocks its formula part bounds" if plan.bounds else

@@ -245,7 +245,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     cf = of = ef = 0
     batch_all = math.prod(sizes[w] for w in b.batch)
 
-    union = index_disjuncts(f) if on_documents is None else None  # a mask of indices alone: an or of bounds
+    union = index_disjuncts(f) if on_documents is None else None  # a mask of indices alone: an or of cuts
 
     @functools.lru_cache(maxsize=None)
     def prepass(br: int, bc: int, by_col: bool = False) -> model.Visited:
@@ -354,7 +354,7 @@ def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, prepass=None) -> Op
     dK/dV's key block over the row blocks that visit it (visits.row_block_range).
     A kernel that visits every pair (``dense``), or has no step loop (rows),
     gets None: every program reads the whole stream.  ``prepass(br, bc, by_col)``:
-    the ranges prepass's blocks (on --docs' documents, or an or of bounds') instead."""
+    the ranges prepass's blocks (on --docs' documents, or a mask of indices') instead."""
     if k.role == "rows" or dense:
         return None
     nr, nc, bounds = sizes[b.row], sizes[b.col], b.forward.bounds
