@@ -605,13 +605,17 @@ def _cuts(c: ir.Expr, row: str, col: str, sizes) -> Optional[list[Cut]]:
 
 
 def _dnf(e: ir.Expr) -> list[tuple[ir.Expr, ...]]:
-    """The conjunctions whose ``or`` is ``e``; more than MAX_DISJUNCTS cut short (the caller refuses)."""
+    """The conjunctions whose ``or`` is ``e`` (``not`` pushed in by ``negate``); more than
+    MAX_DISJUNCTS cut short (the caller refuses)."""
     if isinstance(e, ir.Binary) and e.op == "or":
         return (_dnf(e.lhs) + _dnf(e.rhs))[:MAX_DISJUNCTS + 1]
     if isinstance(e, ir.Binary) and e.op == "and":
         return [a + b for a in _dnf(e.lhs) for b in _dnf(e.rhs)][:MAX_DISJUNCTS + 1]
     if isinstance(e, ir.Binary) and e.op == "!=":
         return [(replace(e, op="<"),), (replace(e, op=">"),)]
+    if isinstance(e, ir.Unary) and e.op == "not":
+        pushed = negate(e.operand)   # through and / or to flipped comparisons (not of a NaN-prone one stays)
+        return [(e,)] if isinstance(pushed, ir.Unary) else _dnf(pushed)
     return [(e,)]
 
 

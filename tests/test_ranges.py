@@ -518,6 +518,9 @@ def test_which_masks_the_cost_pass_reads_as_an_or_of_bounds():
     assert disjuncts("2 * x <= q and x > 0.5 * q") is None      # a fraction
     assert disjuncts("x + x // 4 <= q") is None                 # two terms of the key
     assert disjuncts("x * q <= 70") is None                     # no affine form
+    # a not pushed in (masks.negate): StreamingLLM's mask written as what it drops
+    assert disjuncts("x <= q and not (q - x >= 24 and x >= 4)") == got
+    assert disjuncts("x <= q and not (sqrt(q - x) > 2.5)") is None  # NaN-prone: its not is no flip
     many = " or ".join(f"x == {i}" for i in range(masks.MAX_DISJUNCTS + 1))
     assert disjuncts(many) is None and len(disjuncts(many.rsplit(" or ", 1)[0])) == masks.MAX_DISJUNCTS
     assert disjuncts("x <= q and q - x < 24") is None  # a conjunction: no prepass, the loops' formula
