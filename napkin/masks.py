@@ -486,15 +486,21 @@ def _conjunct_bounds(c: ir.Expr, row: str, col: str, sizes) -> Optional[list[Opt
     """One conjunct as bounds on ``col``: one entry per ``form <= 0`` it
     amounts to (two for ``==``), None where a form is not such a bound; None
     for anything but an affine comparison."""
+    forms = _forms(c, sizes)
+    return None if forms is None else [_solve(form, row, col) for form in forms]
+
+
+def _forms(c: ir.Expr, sizes) -> Optional[list[Affine]]:
+    """An affine comparison as the forms ``form <= 0`` it amounts to (two
+    for ``==``; integer ones: ``<`` is ``<= -1``), else None."""
     if not (isinstance(c, ir.Binary) and c.op in ("<", "<=", ">", ">=", "==")):
         return None
     la, ra = affine(c.lhs, sizes), affine(c.rhs, sizes)
     if la is None or ra is None:
         return None
     diff = _add(la, _scale(ra, -1))  # lhs - rhs
-    forms = {"<": [_add(diff, {"": 1})], "<=": [diff], ">": [_add(_scale(diff, -1), {"": 1})],
-             ">=": [_scale(diff, -1)], "==": [diff, _scale(diff, -1)]}[c.op]
-    return [_solve(form, row, col) for form in forms]  # each form <= 0
+    return {"<": [_add(diff, {"": 1})], "<=": [diff], ">": [_add(_scale(diff, -1), {"": 1})],
+            ">=": [_scale(diff, -1)], "==": [diff, _scale(diff, -1)]}[c.op]
 
 
 # A term of 2^30 or more is no bound a real sequence reaches (the mask's where
@@ -583,14 +589,9 @@ def disjunct_cuts(pred: ir.Expr, row: str, col: str,
 
 def _cuts(c: ir.Expr, row: str, col: str, sizes) -> Optional[list[Cut]]:
     """One comparison as cuts (two for ``==``), None for anything else."""
-    if not (isinstance(c, ir.Binary) and c.op in ("<", "<=", ">", ">=", "==")):
+    forms = _forms(c, sizes)
+    if forms is None:
         return None
-    la, ra = affine(c.lhs, sizes), affine(c.rhs, sizes)
-    if la is None or ra is None:
-        return None
-    diff = _add(la, _scale(ra, -1))  # lhs - rhs
-    forms = {"<": [_add(diff, {"": 1})], "<=": [diff], ">": [_add(_scale(diff, -1), {"": 1})],
-             ">=": [_scale(diff, -1)], "==": [diff, _scale(diff, -1)]}[c.op]
     out = []
     for form in forms:           # each form <= 0
         if any(not float(v).is_integer() for v in form.values()):

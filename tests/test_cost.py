@@ -21,7 +21,7 @@ from napkin import ir, tiling
 from napkin.cost import analyse, from_json, summary_lines, tune, with_blocks
 from napkin.cost import bounds, model, packing, profiles
 from napkin.cost.devices import mesh_tiles as device_tiles
-from napkin.cost.analysis import _visited
+from napkin.cost.masked import visited as _visited
 from napkin.cost.symbolic import Poly
 from napkin.errors import NapkinError
 

@@ -13,7 +13,7 @@ import napkin
 from napkin import ir, tiling
 from napkin.cost import analyse, from_json, summary_lines, tune, with_blocks
 from napkin.cost import model, packing, profiles
-from napkin.cost.analysis import _visited
+from napkin.cost.masked import visited as _visited
 from napkin.errors import NapkinError
 
 from cost_helpers import EXAMPLES, REPO, evaluate as _eval, load, run_cli, sizes_for

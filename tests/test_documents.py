@@ -34,7 +34,7 @@ from napkin import documents as D
 from napkin import visits
 from napkin.bytecount import ByteCounter
 from napkin.cost import analyse, from_json, with_blocks
-from napkin.cost.analysis import _plan
+from napkin.cost.masked import attention_plan as _plan
 from napkin.cost.backward import backward_cost
 from napkin.errors import NapkinError
 from backward_helpers import compile_text

@@ -32,7 +32,7 @@ def predict(diagram, sizes: dict, device_name: str, config: Optional[dict], docs
     "every" (a mask that reads ids priced dense: an upper bound) or
     "formula" (the mask's own bounds, or no mask)."""
     from ..cost import analyse, packing, with_blocks
-    from ..cost.analysis import kernel_ids
+    from ..cost.masked import kernel_ids
     from ..cost.backward import backward_cost
     from ..errors import NapkinError
 

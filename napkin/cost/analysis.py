@@ -1,11 +1,12 @@
 """``analyse(diagram, sizes, profile) -> CostReport``: the cost pass proper.
 
 It puts the pieces together: the kernels and what they move (model.py), the
-device level (devices.py), the lower bound (bounds.py), the footprints
-(napkin/tiling.py, shared with the checker), and a roofline on the chosen
-device profile.  It reads the IR and returns a report; it never changes the
-diagram.  ``with_blocks`` returns a new diagram with other block sizes (the
-tile search and the byte-count tests use it).
+blocks a masked kernel visits (masked.py), the device level (devices.py), the
+lower bound (bounds.py), the footprints (napkin/tiling.py, shared with the
+checker), and a roofline on the chosen device profile.  It reads the IR and
+returns a report; it never changes the diagram.  ``with_blocks`` returns a
+new diagram with other block sizes (the tile search and the byte-count tests
+use it).
 
 A launch that packs rows (packing.py: a batch wire grouped beside the row
 wire, grouped-query decoding) is counted as the launcher runs it: the
@@ -20,22 +21,20 @@ not counted (the device table counts what they send).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Mapping, Optional
 
-from .. import documents, ir, masks, tiling, visits
+from .. import ir, tiling
 from ..documents import Documents
 from ..errors import Diagnostic, NapkinError
-from ..printer import expr_text
 from . import bounds as bounds_mod
 from . import chunks as chunks_mod
 from . import packing
 from .devices import communication
 from .devices import mesh_tiles as device_tiles
-from .model import (Kernel, Tiling, Visited, access_fetches_poly, access_poly, chip_levels, count_access,
-                    dram_fractions, kernel_tiling, kernel_work, kernels, tiling_at, visited_area,
-                    visited_spans, work_numbers, work_polys)
+from .masked import attention_plan, kernel_ids, kernel_plan, mask_ids, prepass_note, visited
+from .model import (Kernel, Tiling, access_fetches_poly, access_poly, chip_levels, count_access, dram_fractions,
+                    kernel_tiling, kernel_work, kernels, tiling_at, visited_area, work_numbers, work_polys)
 from .profiles import Profile, get_profile
 from .report import (SCHEMA, BoundaryTotal, CostReport, Flops, Footprint, KernelInfo, LowerBound, Resident,
                      Roofline, Transfer)
@@ -141,91 +140,6 @@ def _launches_poly(diagram: ir.Diagram) -> Poly:
     return Poly.sym(f"P_{stream[0]}") if stream else Poly.const(1)
 
 
-def _visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str, int],
-             pack: Optional[packing.Packing] = None, docs: Optional[Documents] = None) -> Optional[Visited]:
-    """The (row block, step) pairs a masked kernel visits (napkin/visits.py),
-    or None when it visits every pair.  ``sizes`` are the real ones: with
-    packed rows the row blocks are the launch's blocks of (g, q) pairs, each
-    row masked at its own q (packing.py).
-
-    Whether a kernel may skip at all is the code generator's decision (a
-    masked score must contribute nothing downstream: exp(-inf) = 0 does,
-    S * S does not), so its plan is asked first; for a schedule it cannot
-    emit, a kernel whose mask bounds the streamed wire skips.  With
-    ``docs`` a kernel whose launch runs the ranges prepass visits the blocks
-    it finds live on those documents (documents.row_spans)."""
-    groups, stream = kernel_tiling(kernel, tiles)
-    if not kernel.skips or stream is None or device_tiles(diagram):
-        return None
-    col, step = stream
-    decided = _codegen_bounds(diagram)
-    from ..codegen.ranges import index_disjuncts
-
-    ids = kernel_ids(diagram) if docs is not None else None
-    # a mask of indices alone the prepass runs on (an or of cuts): its blocks row by row
-    union = index_disjuncts(_plan(diagram)) if decided is not None and ids is None else None
-    if (ids is not None or union is not None) and decided[0] in groups and col == decided_col(diagram):
-        row, found = decided
-        rows, block, cycle = (sizes[pack.wire] * sizes[pack.row], pack.block, sizes[pack.row]) if pack is not None \
-            else (sizes[row], groups[row], None)
-        if union is not None:
-            return Visited(row, *visits.prepass_visits(union, rows, sizes[col], block, step, sizes, cycle))
-        length = documents.covered(docs, diagram, ids, sizes)
-        return Visited(row, *documents.row_visits(docs, found, rows, sizes[col], block, step, sizes, length, cycle))
-    if decided is not None:
-        row, found = decided
-        if not found or row not in groups or col != decided_col(diagram):
-            return None
-        if pack is not None:
-            return Visited(row, pack.spans(found, sizes, col, step))
-        return Visited(row, visited_spans(found, sizes[row], sizes[col], groups[row], step, sizes))
-    box = next((b for b in kernel.boxes if masks.mask_node(diagram.tensor(b).expr) is not None), None)
-    if box is None:
-        return None
-    # masks composed on it through lets (W a window, S = where(x <= q, W,
-    # -inf)) join its own, as the kernels' and the backward's do
-    pred = masks.mask_predicate(masks.mask_node(masks.grown_score(diagram, diagram.tensor(box)).expr))
-    for row, block in groups.items():
-        found = masks.stream_bounds(pred, row, col, sizes)
-        if found:
-            return Visited(row, visited_spans(found, sizes[row], sizes[col], block, step, sizes))
-    return None
-
-
-@functools.lru_cache(maxsize=64)
-def _kernel_plan(diagram: ir.Diagram):
-    """The code generator's plan (attention or contraction), or None where it
-    refuses the schedule (the refusal is napkin compile's to report), cached
-    because the tile search analyses one diagram at many blocks."""
-    from ..codegen import lower
-
-    try:
-        return lower.lower(diagram)
-    except NapkinError:
-        return None
-
-
-def _plan(diagram: ir.Diagram):
-    """The code generator's attention plan, or None (not attention, or a
-    schedule it refuses): what lower.streamed_attention returns."""
-    plan = _kernel_plan(diagram)
-    return plan if plan is not None and plan.family == "attention" else None
-
-
-def _codegen_bounds(diagram: ir.Diagram):
-    """(row wire, loop bounds) from the generated kernel's plan: empty bounds
-    when it visits every block; None when there is no plan to ask."""
-    plan = _plan(diagram)
-    if plan is None:
-        return None
-    return plan.row, (tuple(plan.bounds) if plan.skip is not None else ())
-
-
-def decided_col(diagram: ir.Diagram) -> Optional[str]:
-    plan = _plan(diagram)
-    return plan.col if plan is not None else None
-
-
 # --------------------------------------------------------------------------
 # The pass.
 # --------------------------------------------------------------------------
@@ -281,7 +195,7 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     if c.packs and not c.known:
         notes.append(f"the formulas count the packed launch (|{c.pack.wire}| > 1), which loads its rows' "
                      f"positions; with |{c.pack.wire}| = 1 it is the ordinary launch, without them")
-    prepass = _prepass_note(diagram, c.docs if c.known else None, c.bound)
+    prepass = prepass_note(diagram, c.docs if c.known else None, c.bound)
     if prepass:
         notes.append(prepass)
     if any(k.two_pass for k in c.kernels):
@@ -307,7 +221,7 @@ def launch_schedule(diagram: ir.Diagram) -> Optional[ir.Diagram]:
     kernel, or the checker refuses the schedule so made."""
     from ..check import check
 
-    plan = _kernel_plan(diagram)
+    plan = kernel_plan(diagram)
     if plan is None or not plan.blocks:
         return None
     *groups, (stream, step) = plan.blocks
@@ -316,7 +230,7 @@ def launch_schedule(diagram: ir.Diagram) -> Optional[ir.Diagram]:
     holds = tuple(t.name for t in diagram.inputs) + tuple(o.name for o in diagram.outputs)
     levels = (ir.Level("hbm", holds=holds), ir.Level("smem", tiles=tiles))
     made = dataclasses.replace(diagram, schedule=ir.Schedule(levels=levels))
-    return made if not check(made) and _kernel_plan(made) is not None else None
+    return made if not check(made) and kernel_plan(made) is not None else None
 
 
 def _schedule_words(schedule: ir.Schedule) -> str:
@@ -342,26 +256,6 @@ def _below_bound_note(c: "_Context", flops: Flops, bound: LowerBound) -> str:
                                             "the schedule moves less than the bound's model allows for")
 
 
-def kernel_ids(diagram: ir.Diagram) -> Optional[documents.SameIds]:
-    """The conjunct comparing ids at the query and the key (doc[b, q] == doc)
-    of a single-device kernel that finds its blocks with the ranges prepass:
-    the one ``docs`` prices (the first, where there are several; any other
-    conjunct that reads data is counted as keeping every pair)."""
-    from ..codegen import ranges
-
-    plan = _plan(diagram)
-    if plan is None or device_tiles(diagram) or not ranges.applies(plan):
-        return None
-    same = _plan_ids(plan)
-    return same[0] if same else None
-
-
-def _plan_ids(plan) -> tuple[documents.SameIds, ...]:
-    """The id conjuncts of a kernel plan's mask, the ids any integer input."""
-    names = [t.name for t in plan.diagram.inputs if t.dtype not in ir.FLOAT_DTYPES]
-    return documents.id_conjuncts(plan.diagram, plan.skip, plan.row, plan.col, names)
-
-
 def _check_documents(c: "_Context", comm) -> None:
     """--docs where nothing priced reads ids is a mistake to say, not to drop."""
     if not c.known:
@@ -369,7 +263,7 @@ def _check_documents(c: "_Context", comm) -> None:
         raise NapkinError(f"--docs counts blocks at given sizes: give {missing} too (--size WIRE=N)")
     if kernel_ids(c.d) is not None or (comm is not None and comm.ring_documents):
         return
-    if not _mask_ids(c.d):
+    if not mask_ids(c.d):
         why = "its mask has no conjunct comparing ids at the query and the key (doc[b, q] == doc)"
     elif comm is not None:
         why = {"ring2": "a double ring runs every step, whatever the ids",
@@ -381,51 +275,6 @@ def _check_documents(c: "_Context", comm) -> None:
     raise NapkinError(f"--docs: document lengths change nothing napkin prices for diagram {c.d.name}: {why}")
 
 
-def _mask_ids(diagram: ir.Diagram) -> bool:
-    """Whether the mask has a conjunct comparing ids at the query and the key,
-    priced or not: the ring's roles across devices, the kernel's plan on one."""
-    if device_tiles(diagram):
-        from ..distributed.reach import same_ids
-        from ..distributed.reading import roles
-        try:
-            return bool(same_ids(roles(diagram)))
-        except NapkinError:   # no scheme the wrappers run
-            return False
-    plan = _plan(diagram)
-    return plan is not None and bool(_plan_ids(plan))
-
-
-def _prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: Mapping[str, int] = {}
-                  ) -> Optional[str]:
-    """Where the kernels find their blocks with a ranges prepass (a mask that
-    reads data, or whose comparisons bound no wire by an affine function of
-    the other with coefficient 1): the counts are every block's (the part
-    the formula bounds), the prepass's launches and traffic not in them;
-    with ``docs`` (and sizes) the blocks it finds on those documents, and
-    for a mask of indices alone (an or of cuts) the blocks it finds, row by row."""
-    from ..codegen import ranges
-
-    plan = _plan(diagram)
-    if plan is None or device_tiles(diagram) or not ranges.applies(plan):
-        return None
-    cost = "two more kernels a launch, their traffic not counted, nor the 24 B of ranges each row block reads"
-    ids = kernel_ids(diagram) if docs is not None else None
-    if ids is not None:
-        wire = documents.id_wire(diagram, ids)
-        return (f"the counts are the blocks the ranges prepass finds live when {ids.name} holds "
-                f"--docs' {docs.describe(sizes[wire])} in every batch row, each document's tokens contiguous "
-                f"({cost}; steps whose blocks are all kept read no {ids.name}, which the counts still load)")
-    if ranges.index_disjuncts(plan) is not None:
-        return (f"the mask {expr_text(plan.skip)} compares indices alone: the counts are the blocks the kernels' ranges "
-                f"prepass finds live, the span of each row block's less its longest dead run ({cost})")
-    # a part the formula bounds (x <= q beside doc[b, q] == doc) still skips in the counts
-    counted = (": the counts are the blocks its formula part bounds" if plan.bounds else
-               " bounds no block by formula: the counts are every block's")
-    hint = "; --docs LENGTHS counts them on packed documents" if _plan_ids(plan) else ""
-    return (f"the mask {expr_text(plan.skip)}{counted} (an upper bound of the main kernel's tiles), while the "
-            f"kernels skip blocks with a ranges prepass at each launch ({cost}){hint}")
-
-
 def _blocks_note(c: "_Context") -> Optional[str]:
     """A note naming the blocks the kernels' untuned launch runs where they
     differ from the kernel level's schedule, which this report prices as
@@ -434,7 +283,7 @@ def _blocks_note(c: "_Context") -> Optional[str]:
     16 runs 16, and a batch wire runs one program per index.  Where the
     sizes are known, a block that gives the same number of programs (or
     steps) is no difference."""
-    plan = _kernel_plan(c.d)
+    plan = kernel_plan(c.d)
     if plan is None:
         return None
     level = c.levels[0] if c.levels else "smem"
@@ -474,7 +323,7 @@ def _idle_notes(c: "_Context", infos) -> list[str]:
         if k.programs is None or k.stream is None or k.merges is not None or k.programs >= sms:
             continue
         x = k.stream[0]
-        if _plan(c.d) is None:   # a contraction (or no kernel): no chunks, no chunk= launch option
+        if attention_plan(c.d) is None:   # a contraction (or no kernel): no chunks, no chunk= launch option
             hint = "smaller blocks of the output's wires would give more programs" \
                 if bounds_mod.bound_shape(c.d).kind != "attention" else "smaller row blocks would give more programs"
         elif k.chunks is not None and k.chunks > 1:
@@ -548,7 +397,7 @@ class _Context:
         self.packs = self.pack is not None and (not self.known or self.pack.packs(self.real[0]))
         if self.packs:
             self.kernels = [self.pack.with_positions(k) if self.pack.row in k.wires else k for k in self.kernels]
-        self.visits = {k.index: [_visited(diagram, k, self.tiles, s, self.pack, docs) for s in self.real]
+        self.visits = {k.index: [visited(diagram, k, self.tiles, s, self.pack, docs) for s in self.real]
                        for k in self.kernels}
         self.working_set = 0   # the largest one-step L2 working set seen (bytes)
         # chunks of the streamed wire (chunks.py): how many each launch runs, and
@@ -608,7 +457,7 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
     wire are loaded once per chunk; at the hbm boundary it stores its state,
     and the merge kernel (its own index) loads the states, the tiles its
     finalise reads, and stores the outputs."""
-    visits = c.visits[k.index] if hbm else [_visited(c.d, k, tl, s, c.pack, c.docs) for s in c.real]
+    visits = c.visits[k.index] if hbm else [visited(c.d, k, tl, s, c.pack, c.docs) for s in c.real]
     counts = c.counts[k.index]
     ch = c.chunks if c.chunked and c.chunks.kernel == k.index else None
     wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]

@@ -220,9 +220,9 @@ def _single_device(d: ir.Diagram) -> ir.Diagram:
 
 def _on_documents(d: ir.Diagram, docs, sizes: dict) -> Optional[tuple]:
     """(docs, the tokens the ids cover) where the kernels' blocks are the
-    ranges prepass's on ``docs`` (analysis.kernel_ids), else None."""
+    ranges prepass's on ``docs`` (masked.kernel_ids), else None."""
     from ..documents import covered
-    from .analysis import kernel_ids
+    from .masked import kernel_ids
 
     ids = kernel_ids(d) if docs is not None else None
     return None if ids is None else (docs, covered(docs, d, ids, sizes))

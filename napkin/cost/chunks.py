@@ -138,7 +138,7 @@ def attention_plan(diagram: ir.Diagram):
     packs rows: packing.py); for a diagram it refuses for its dtypes alone
     (fp8), the plan of the same diagram in fp16 (the state is float32
     whatever the inputs, and the launch is the same)."""
-    from .analysis import _plan
+    from .masked import attention_plan as _plan
 
     plan = _plan(diagram)
     if plan is None:
