@@ -1010,19 +1010,44 @@ def _tensor_version(t):
     return None if t.is_inference() else t._version
 
 
+# A mask of indices alone (it reads no tensor) has ranges that follow from the key
+# alone, so a call given no mask_cache keeps them in the module's own dict (None: a
+# mask that reads tensors, whose values the caller's dict is there to vouch for).
+_STREAMING_LLM_RANGES_KEPT = {}
+_RANGES_KEPT_MAX = 64   # entries, then cleared: a loop over many shapes keeps no more
+
+
+def _ranges_stream(dev):
+    """The CUDA stream a launch enqueues on (None elsewhere): the module's own
+    entries are per stream, as another stream is not ordered after the writes."""
+    return torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
+
+
+def _ranges_capturing(dev):
+    """Whether a CUDA graph is being captured: an entry made then lives in the graph's pool."""
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _streaming_llm_ranges_cached(mask_cache, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on):
-    """_streaming_llm_ranges's (ranges, on), kept in the caller's mask_cache dict (None: run it).
+    """_streaming_llm_ranges's (ranges, on), kept in the caller's mask_cache dict (None: run it,
+    or for a mask of indices alone keep it in _STREAMING_LLM_RANGES_KEPT, per CUDA stream).
     The key is all the result depends on but the mask inputs' values: a launch at
     other blocks, another kernel's flags, other sizes, device or input shapes/dtypes
     gets its own entry.  The values are the stamp's (_mask_stamp): other tensor
     objects, or the same ones written in place since, run the prepass again and
     replace the entry.  Not kept when not _on (rows at the caller's global
     positions: no prepass)."""
-    if mask_cache is None or not _on:
+    _own = mask_cache is None and _STREAMING_LLM_RANGES_KEPT is not None and not _ranges_capturing(_dev)
+    if (mask_cache is None and not _own) or not _on:
         return _streaming_llm_ranges(_sz, _dev, _br, _bc, _whole_rows, _by_col, _on)
+    if _own:
+        mask_cache = _STREAMING_LLM_RANGES_KEPT
+        if len(mask_cache) >= _RANGES_KEPT_MAX:
+            mask_cache.clear()
     _masks = ()
     _key = ("_streaming_llm_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), tuple(sorted(_sz.items())), str(_dev),
-            tuple((tuple(_t.shape), str(_t.dtype)) for _t in _masks))
+            tuple((tuple(_t.shape), str(_t.dtype)) for _t in _masks),
+            _ranges_stream(_dev) if _own else None)
     _hit = mask_cache.get(_key)
     if _hit is None or not _mask_stamp_holds(_hit[1], _masks):
         _hit = mask_cache[_key] = (_streaming_llm_ranges(_sz, _dev, _br, _bc, _whole_rows, _by_col, _on), _mask_stamp(_masks))

@@ -338,3 +338,41 @@ def test_inference_tensors_are_kept_by_identity(doc_module, prepasses):
         first = m.document_mask(*inputs[:3], doc, **BLOCKS, mask_cache=cache)
         warm = m.document_mask(*inputs[:3], doc, **BLOCKS, mask_cache=cache)
     assert len(prepasses) == 1 and torch.equal(first, warm), seed
+
+
+STREAM = (REPO / "examples" / "streaming_llm.ncd").read_text().replace("q - x < 1024", "q - x < 24")
+
+
+def test_a_mask_of_indices_alone_keeps_its_ranges_without_a_dict(folder, monkeypatch):
+    """StreamingLLM's mask reads no tensor, so its ranges follow from the key
+    alone: with no mask_cache the module keeps them (_STREAMING_LLM_RANGES_KEPT),
+    and a loop's later calls, forward and training step, run no prepass; their
+    results are a cold call's bit for bit (and near float64's).  Other sizes
+    get their own entries, up to _RANGES_KEPT_MAX, then the dict starts again.
+    A mask that reads ids keeps nothing of its own: its ids may change."""
+    m = compile_text(STREAM, "mask_cache_stream", folder)
+    kept = m._STREAMING_LLM_RANGES_KEPT
+    kept.clear()
+    runs, real = [], m._streaming_llm_ranges
+    monkeypatch.setattr(m, "_streaming_llm_ranges", lambda *a, **k: runs.append(a[2:6]) or real(*a, **k))
+    seed = random.randrange(1 << 30)
+    inputs = m.example_inputs({"b": 1, "h": 2, "q": 70, "x": 70}, dtype=torch.float32, seed=seed)
+    first = m.streaming_llm(*inputs, **BLOCKS)
+    assert len(runs) == 1 and len(kept) == 1
+    again = m.streaming_llm(*inputs, **BLOCKS)
+    assert len(runs) == 1, "a mask of indices alone ran its prepass again"
+    kept.clear()
+    assert torch.equal(again, first) and torch.equal(m.streaming_llm(*inputs, **BLOCKS), first), seed
+    want = m.reference(*[t.double() for t in inputs])
+    assert (first.double() - want).abs().max().item() < 2e-5, seed
+    cold = gradients(m.streaming_llm, inputs, **BLOCKS)
+    assert len(runs) == 4 and len(kept) == 3          # the forward's entry, then dK/dV's and dQ's
+    warm = gradients(m.streaming_llm, inputs, **BLOCKS)
+    assert len(runs) == 4 and all(torch.equal(c, w) for c, w in zip(cold, warm)), seed
+    monkeypatch.setattr(m, "_RANGES_KEPT_MAX", 2)
+    kept.clear()
+    for n in (30, 40, 50):
+        m.streaming_llm(*m.example_inputs({"b": 1, "h": 1, "q": n, "x": n}, dtype=torch.float32, seed=seed), **BLOCKS)
+    assert len(runs) == 7 and len(kept) == 1          # cleared at the third size
+    d = compile_text(DOC, "mask_cache_doc", folder)
+    assert d._DOCUMENT_MASK_RANGES_KEPT is None

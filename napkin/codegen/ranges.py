@@ -51,6 +51,9 @@ not skipped.  On contiguous documents the range is exact.
   entry holds the mask input tensors weakly with their version counters: other
   tensor objects, or the same ones written in place, run the prepass again
   (writes past the counter, .data or inference tensors', go unseen).
+  A mask of indices alone (no tensor read) needs no dict: given none, the
+  launchers keep its ranges in the module's own (``_NAME_RANGES_KEPT``, per
+  CUDA stream, not while a graph is captured, cleared past 64 entries).
   Autograd carries the dict to the backward through a context variable
   (templates/attention.py.jinja): the torch ops' schemas take no Python
   object.
@@ -202,6 +205,7 @@ def render(plan: AttentionPlan) -> str:
     ctx = {
         "kernel": f"_{d.name}_ranges_kernel", "merge": f"_{d.name}_merge_ranges_kernel",
         "launcher": f"_{d.name}_ranges", "cached": f"_{d.name}_ranges_cached",
+        "kept": f"_{d.name.upper()}_RANGES_KEPT",
         "params": tensors + sizes + strides + ["_parts", "_per"]
         + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL", "_INT64")]
         + ([f"_pos_{row}", f"_len_{row}", f"_POS_{row}: tl.constexpr"] if placed else []),
