@@ -503,51 +503,6 @@ def _forms(c: ir.Expr, sizes) -> Optional[list[Affine]]:
             ">=": [_scale(diff, -1)], "==": [diff, _scale(diff, -1)]}[c.op]
 
 
-# A term of 2^30 or more is no bound a real sequence reaches (the mask's where
-# still applies it entry by entry): q - x < 99999999999999999999 rendered its
-# constant into the block bounds, a literal Triton refuses, and 2147483647
-# overflowed the bounds' int32 arithmetic (_row_last + c + 1).
-_BOUND_LIMIT = 2 ** 30
-
-
-def _solve(form: Affine, row: str, col: str) -> Optional[Bound]:
-    if any(not float(v).is_integer() for v in form.values()):
-        return None
-    form = {k: int(v) for k, v in form.items()}
-    cols = [k for k in form if _index_term(k)[0] == col]
-    rows = [k for k in form if _index_term(k)[0] == row]
-    if len(cols) != 1 or len(rows) > 1 or form[cols[0]] not in (1, -1):
-        return None
-    if any(_index_term(k)[0] not in ("", row, col) for k in form):
-        return None   # another index
-    # cc * (c // n) + cr * (r // step) + rest <= 0, every term a whole number
-    cc, n = form[cols[0]], _index_term(cols[0])[1]
-    cr, step = (form[rows[0]], _index_term(rows[0])[1]) if rows else (0, 1)
-    rest = {k: v for k, v in form.items() if k not in (*rows, *cols)}
-    if cc == 1:   # c // n <= -cr * (r // step) - rest: c <= n * (that) + n - 1
-        cr, rest = -n * cr, {k: -n * v for k, v in rest.items()}
-        rest[""] = rest.get("", 0) + n - 1
-        kind = "upper"
-    else:         # c // n >= cr * (r // step) + rest: c >= n * (that)
-        cr, rest = n * cr, {k: n * v for k, v in rest.items()}
-        kind = "lower"
-    if any(abs(v) >= _BOUND_LIMIT for v in (cr, *rest.values())):
-        return None   # no bound within any real length; the kernels' int32 block arithmetic could not hold it
-    return Bound(kind, cr, tuple(sorted((k, v) for k, v in rest.items() if v)), step if cr else 1)
-
-
-def rest_value(rest, sizes) -> int:
-    total = 0
-    for key, v in rest:
-        total += v if key == "" else v * sizes[key[1:-1]]
-    return total
-
-
-# An `or` of conjunctions past this many is left to the prepass alone: the
-# cost pass would walk every row once per conjunction.
-MAX_DISJUNCTS = 16
-
-
 @dataclass(frozen=True)
 class Cut:
     """One affine comparison of the row and key indices r and c, as the
@@ -564,6 +519,60 @@ class Cut:
     row_coeff: int
     row_step: int
     rest: tuple[tuple[str, int], ...]
+
+
+def _cut(form: Affine, row: str, col: str) -> Optional[Cut]:
+    """One ``form <= 0`` as a cut, None where a coefficient is no whole
+    number, another index is read, or a wire has two terms (x + x // 4)."""
+    if any(not float(v).is_integer() for v in form.values()):
+        return None
+    if any(_index_term(k)[0] not in ("", row, col) for k in form):
+        return None   # another index
+    terms = [[k for k in form if _index_term(k)[0] == w] for w in (col, row)]
+    if any(len(t) > 1 for t in terms):
+        return None
+    (ck, cc, cn), (rk, rc, rn) = ((t[0], int(form[t[0]]), _index_term(t[0])[1]) if t else (None, 0, 1)
+                                  for t in terms)
+    return Cut(cc, cn, rc, rn, tuple(sorted((k, int(v)) for k, v in form.items() if k not in (ck, rk))))
+
+
+# A term of 2^30 or more is no bound a real sequence reaches (the mask's where
+# still applies it entry by entry): q - x < 99999999999999999999 rendered its
+# constant into the block bounds, a literal Triton refuses, and 2147483647
+# overflowed the bounds' int32 arithmetic (_row_last + c + 1).
+_BOUND_LIMIT = 2 ** 30
+
+
+def _solve(form: Affine, row: str, col: str) -> Optional[Bound]:
+    """One ``form <= 0`` as a bound on ``col``: a cut whose key coefficient is
+    +-1, solved for the key; None for any other form."""
+    cut = _cut(form, row, col)
+    if cut is None or cut.col_coeff not in (1, -1):
+        return None
+    # cc * (c // n) + cr * (r // step) + rest <= 0, every term a whole number
+    n, cr, rest = cut.col_step, cut.row_coeff, dict(cut.rest)
+    if cut.col_coeff == 1:   # c // n <= -cr * (r // step) - rest: c <= n * (that) + n - 1
+        cr, rest = -n * cr, {k: -n * v for k, v in rest.items()}
+        rest[""] = rest.get("", 0) + n - 1
+        kind = "upper"
+    else:                    # c // n >= cr * (r // step) + rest: c >= n * (that)
+        cr, rest = n * cr, {k: n * v for k, v in rest.items()}
+        kind = "lower"
+    if any(abs(v) >= _BOUND_LIMIT for v in (cr, *rest.values())):
+        return None   # no bound within any real length; the kernels' int32 block arithmetic could not hold it
+    return Bound(kind, cr, tuple(sorted((k, v) for k, v in rest.items() if v)), cut.row_step if cr else 1)
+
+
+def rest_value(rest, sizes) -> int:
+    total = 0
+    for key, v in rest:
+        total += v if key == "" else v * sizes[key[1:-1]]
+    return total
+
+
+# An `or` of conjunctions past this many is left to the prepass alone: the
+# cost pass would walk every row once per conjunction.
+MAX_DISJUNCTS = 16
 
 
 def disjunct_cuts(pred: ir.Expr, row: str, col: str,
@@ -590,19 +599,8 @@ def disjunct_cuts(pred: ir.Expr, row: str, col: str,
 def _cuts(c: ir.Expr, row: str, col: str, sizes) -> Optional[list[Cut]]:
     """One comparison as cuts (two for ``==``), None for anything else."""
     forms = _forms(c, sizes)
-    if forms is None:
-        return None
-    out = []
-    for form in forms:           # each form <= 0
-        if any(not float(v).is_integer() for v in form.values()):
-            return None
-        terms = {w: [(k, int(v)) for k, v in form.items() if _index_term(k)[0] == w] for w in (row, col)}
-        if any(_index_term(k)[0] not in ("", row, col) for k in form) or max(map(len, terms.values())) > 1:
-            return None          # another index, or two terms of one (x + x // 4)
-        (ck, cc), (rk, rc) = (terms[w][0] if terms[w] else ("", 0) for w in (col, row))
-        rest = tuple(sorted((k, int(v)) for k, v in form.items() if k not in (ck, rk) or not k))
-        out.append(Cut(cc, _index_term(ck)[1], rc, _index_term(rk)[1], rest))
-    return out
+    cuts = None if forms is None else [_cut(form, row, col) for form in forms]
+    return None if cuts is None or None in cuts else cuts
 
 
 def _dnf(e: ir.Expr) -> list[tuple[ir.Expr, ...]]:

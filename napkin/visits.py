@@ -373,7 +373,8 @@ def _kept(terms, lines, size: int):
     """[lo, hi] per line of the indices v in [0, size) that keep every
     ``a * (v // n) + other <= 0`` (``terms``: (a, n, other) with ``other``
     the rest of the cut at each line), empty where lo > hi."""
-    np = _np()
+    import numpy as np
+
     lo, hi = np.zeros_like(lines), np.full_like(lines, size - 1)
     for a, n, other in terms:
         m = -other                                   # a * (v // n) <= m
@@ -386,20 +387,16 @@ def _kept(terms, lines, size: int):
     return lo, hi
 
 
-def _np():
-    import numpy
-    return numpy
-
-
 def _union_blocks(disjuncts, runs_of_lines, lines: int, block: int, other_block: int):
     """(spans, holes) per block of ``block`` lines: the union over its lines
     and the conjunctions of each line's run [lo, hi] of the other wire
     (``runs_of_lines(cuts, line indices)``, empty where lo > hi), in
     blocks of ``other_block``.  Lines go ``_CHUNK`` (whole blocks) at a time:
     each chunk's runs sorted by (block, start), merged where they meet."""
+    import numpy as np
+
     from .cost.model import too_many
 
-    np = _np()
     count = -(-lines // block)
     too_many(lines * len(disjuncts), MAX_OR_ROWS, "the rows of a mask of indices (once per conjunction)")
     found: dict[int, list] = {}
