@@ -63,6 +63,8 @@ not skipped.  On contiguous documents the range is exact.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from .. import ir, masks
 from .exprs import triton
 from . import packed as P
@@ -90,14 +92,27 @@ def applies(plan: AttentionPlan) -> bool:
     return wires_of(d, plan.skip) <= {plan.row, plan.col, *plan.batch}
 
 
-def index_disjuncts(plan: AttentionPlan):
+def index_disjuncts(plan: AttentionPlan, values: Mapping[str, int] = {}):
     """For a prepass mask of indices and sizes alone (no tensor read), its
     conjunctions of cuts (masks.disjunct_cuts), from which the cost pass
-    finds the prepass's blocks row by row (visits.prepass_visits); else None."""
-    if not applies(plan) or any(isinstance(n, ir.TensorRef) for n in ir.walk(plan.skip)):
+    finds the prepass's blocks row by row (visits.prepass_visits); else None.
+    ``values``: integer inputs read as these numbers at every index (cost's
+    --lengths: the prefix-LM's p[b] = 1024 in every batch row), which makes
+    a mask that reads only them one of indices alone."""
+    if not applies(plan):
+        return None
+    pred = _with_values(plan.skip, values)
+    if any(isinstance(n, ir.TensorRef) for n in ir.walk(pred)):
         return None
     fixed = {w.name: w.size for w in plan.diagram.wires if w.size is not None}
-    return masks.disjunct_cuts(plan.skip, plan.row, plan.col, fixed)
+    return masks.disjunct_cuts(pred, plan.row, plan.col, fixed)
+
+
+def _with_values(e: ir.Expr, values: Mapping[str, int]) -> ir.Expr:
+    """``e`` with each read of an input named in ``values`` replaced by its number."""
+    if isinstance(e, ir.TensorRef) and e.name in values:
+        return ir.Num(values[e.name], e.loc)
+    return ir.map_children(e, lambda child: _with_values(child, values))
 
 
 def batch_wires(plan: AttentionPlan) -> tuple[str, ...]:

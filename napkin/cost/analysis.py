@@ -32,6 +32,7 @@ from . import chunks as chunks_mod
 from . import packing
 from .devices import communication
 from .devices import mesh_tiles as device_tiles
+from .lengths import check_lengths, describe
 from .masked import attention_plan, kernel_ids, kernel_plan, mask_ids, prepass_note, visited
 from .model import (Kernel, Tiling, access_fetches_poly, access_poly, chip_levels, count_access, dram_fractions,
                     kernel_tiling, kernel_work, kernels, tiling_at, visited_area, work_numbers, work_polys)
@@ -145,7 +146,8 @@ def _launches_poly(diagram: ir.Diagram) -> Poly:
 # --------------------------------------------------------------------------
 
 def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
-            profile: Optional[str] = None, docs: Optional[Documents] = None) -> CostReport:
+            profile: Optional[str] = None, docs: Optional[Documents] = None,
+            lengths: Optional[Mapping[str, int]] = None) -> CostReport:
     """The cost report for ``diagram`` (checked) at the given wire sizes.
 
     Symbolic wires missing from ``sizes`` leave the numeric fields None; the
@@ -153,11 +155,19 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     comparing ids at the query and the key reads (napkin/documents.py), so
     that the blocks the kernels skip and the steps the ring runs are counted
     on them rather than every one (NapkinError where nothing priced reads ids).
+    ``lengths``: length inputs read as these values at every index
+    (napkin/cost/lengths.py), so that a mask reading only them is counted as
+    a mask of indices alone (NapkinError where no prepass mask reads them).
     """
     launch = launch_schedule(diagram) if diagram.schedule is None else None
     written = diagram
     diagram = launch or diagram
-    c = _Context(diagram, resolve_profile(diagram, profile), bind_sizes(diagram, sizes), docs)
+    if lengths:
+        if docs is not None:
+            raise NapkinError("--lengths and --docs together are not priced: the documents' blocks leave the "
+                              "lengths out; give one of them")
+        check_lengths(diagram, lengths)
+    c = _Context(diagram, resolve_profile(diagram, profile), bind_sizes(diagram, sizes), docs, lengths or {})
     transfers, totals = _transfers(c)
     flops = _flops(c)
     bound = _lower_bound(c, totals)
@@ -165,6 +175,8 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     comm = communication(diagram, c.kernels, c.full, c.prof, c.wire_sym, docs)
     if docs is not None:
         _check_documents(c, comm)
+    if lengths:
+        _check_lengths(c)
     notes = []
     if launch is not None:
         notes.append(f"diagram {written.name} has no schedule: priced as its untuned launch runs "
@@ -195,7 +207,7 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     if c.packs and not c.known:
         notes.append(f"the formulas count the packed launch (|{c.pack.wire}| > 1), which loads its rows' "
                      f"positions; with |{c.pack.wire}| = 1 it is the ordinary launch, without them")
-    prepass = prepass_note(diagram, c.docs if c.known else None, c.bound)
+    prepass = prepass_note(diagram, c.docs if c.known else None, c.bound, c.lengths)
     if prepass:
         notes.append(prepass)
     if any(k.two_pass for k in c.kernels):
@@ -273,6 +285,21 @@ def _check_documents(c: "_Context", comm) -> None:
     else:
         why = "its kernels visit every block whatever the ids (no ranges prepass finds them)"
     raise NapkinError(f"--docs: document lengths change nothing napkin prices for diagram {c.d.name}: {why}")
+
+
+def _check_lengths(c: "_Context") -> None:
+    """--lengths that change nothing priced are a mistake to say, not to drop."""
+    from ..codegen.ranges import index_disjuncts
+
+    if not c.known:
+        missing = ", ".join(w.name for w in c.d.wires if w.name not in c.bound)
+        raise NapkinError(f"--lengths counts blocks at given sizes: give {missing} too (--size WIRE=N)")
+    plan = attention_plan(c.d)
+    if plan is None or device_tiles(c.d) or index_disjuncts(plan, c.lengths) is None:
+        why = ("its devices' shares are priced whole, whatever the lengths" if device_tiles(c.d) else
+               "no ranges prepass of its kernels reads only these lengths and indices")
+        raise NapkinError(f"--lengths: {describe(c.lengths)} changes nothing napkin prices for diagram {c.d.name}: "
+                          f"{why}")
 
 
 def _blocks_note(c: "_Context") -> Optional[str]:
@@ -379,8 +406,8 @@ class _Context:
     tiling, and the visited steps of each kernel in each launch."""
 
     def __init__(self, diagram: ir.Diagram, prof: Profile, bound: dict[str, int],
-                 docs: Optional[Documents] = None):
-        self.d, self.prof, self.bound, self.docs = diagram, prof, bound, docs
+                 docs: Optional[Documents] = None, lengths: Mapping[str, int] = {}):
+        self.d, self.prof, self.bound, self.docs, self.lengths = diagram, prof, bound, docs, lengths
         self.known = all(w.name in bound for w in diagram.wires)
         self.full = bound if self.known else None
         # packed rows (packing.py): the kernels see the re-viewed sizes and blocks; the
@@ -397,7 +424,7 @@ class _Context:
         self.packs = self.pack is not None and (not self.known or self.pack.packs(self.real[0]))
         if self.packs:
             self.kernels = [self.pack.with_positions(k) if self.pack.row in k.wires else k for k in self.kernels]
-        self.visits = {k.index: [visited(diagram, k, self.tiles, s, self.pack, docs) for s in self.real]
+        self.visits = {k.index: [visited(diagram, k, self.tiles, s, self.pack, docs, lengths) for s in self.real]
                        for k in self.kernels}
         self.working_set = 0   # the largest one-step L2 working set seen (bytes)
         # chunks of the streamed wire (chunks.py): how many each launch runs, and
@@ -457,7 +484,7 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
     wire are loaded once per chunk; at the hbm boundary it stores its state,
     and the merge kernel (its own index) loads the states, the tiles its
     finalise reads, and stores the outputs."""
-    visits = c.visits[k.index] if hbm else [visited(c.d, k, tl, s, c.pack, c.docs) for s in c.real]
+    visits = c.visits[k.index] if hbm else [visited(c.d, k, tl, s, c.pack, c.docs, c.lengths) for s in c.real]
     counts = c.counts[k.index]
     ch = c.chunks if c.chunked and c.chunks.kernel == k.index else None
     wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]

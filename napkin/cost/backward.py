@@ -149,7 +149,7 @@ GRAD_DTYPES = ("input", "float32")
 
 
 def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None, *,
-                  given: bool = False, grad_dtype: str = "input", docs=None) -> BackwardCost:
+                  given: bool = False, grad_dtype: str = "input", docs=None, lengths=None) -> BackwardCost:
     """The backward kernels' transfers and FLOPs at the given sizes (every
     symbolic wire bound), for the launch with no options: the dK/dV kernel
     at its own default tile (backward_hold.dkdv_default_tile), dQ at the
@@ -161,7 +161,9 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     default) or "float32" (NAME_backward's default).  NapkinError when the
     code generator has no backward for the diagram, with its reason.
     ``docs``: a mask comparing ids visits the blocks the ranges prepass
-    finds on those documents (napkin/documents.py), in every kernel."""
+    finds on those documents (napkin/documents.py), in every kernel;
+    ``lengths`` (napkin/cost/lengths.py): length inputs read as these values,
+    which make a mask reading only them one of indices alone."""
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"grad_dtype must be one of {GRAD_DTYPES}, not {grad_dtype!r}")
     from ..codegen import lower, training
@@ -185,12 +187,13 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     t = training.prepare(lower.lower(d))
     if t.reason is not None:
         raise NapkinError([Diagnostic(t.reason, t.reason_loc)])
-    forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile, docs) if t.saved \
-        else analyse(d, bound, profile, docs)
+    forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile, docs, lengths) \
+        if t.saved else analyse(d, bound, profile, docs, lengths)
     prof = resolve_profile(d, profile)
     if t.backward is not None:
         on = _on_documents(d, docs, bound)
-        moves, flops, kernels, dram, working_set = _attention(t.backward, bound, given, grad_dtype, prof, on)
+        moves, flops, kernels, dram, working_set = _attention(t.backward, bound, given, grad_dtype, prof, on,
+                                                              lengths or {})
     else:
         moves, flops, kernels, dram, working_set = _contraction(d, t, bound, profile, grad_dtype)
     # the forward's roofline (analysis._roofline): the largest of the four times,
@@ -228,10 +231,11 @@ def _on_documents(d: ir.Diagram, docs, sizes: dict) -> Optional[tuple]:
     return None if ids is None else (docs, covered(docs, d, ids, sizes))
 
 
-def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=None) -> tuple:
+def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=None, lengths={}) -> tuple:
     """(moves, (contraction, other, exp FLOPs), kernels, DRAM bytes per kernel,
     the largest one-step L2 working set).  ``on_documents``: (docs, tokens)
-    where the blocks are the ranges prepass's on them (_on_documents)."""
+    where the blocks are the ranges prepass's on them (_on_documents); ``lengths``
+    the length inputs' values (--lengths)."""
     from ..codegen.backward_hold import DEFAULT_TILE
     from ..codegen.ranges import index_disjuncts
     from ..documents import row_visits
@@ -245,7 +249,8 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     cf = of = ef = 0
     batch_all = math.prod(sizes[w] for w in b.batch)
 
-    union = index_disjuncts(f) if on_documents is None else None  # a mask of indices alone: an or of cuts
+    # a mask of indices alone (the length inputs at their values): an or of cuts
+    union = index_disjuncts(f, lengths) if on_documents is None else None
 
     @functools.lru_cache(maxsize=None)
     def prepass(br: int, bc: int, by_col: bool = False) -> model.Visited:

@@ -6,6 +6,7 @@
     napkin cost examples/attention.ncd -D ... --dtypes fp32,fp16,e4m3
     napkin cost examples/causal.ncd -D ... --backward     (the training backward too)
     napkin cost examples/document_mask.ncd -D ... --docs 512   (the mask's blocks on those documents)
+    napkin cost examples/prefix_lm.ncd -D ... --lengths p=1024   (the mask's blocks at that prefix)
 
 Bad options (a wire the diagram lacks, a size that is not a positive whole
 number, an unknown device or dtype) are NapkinErrors: exit status 1.
@@ -17,6 +18,7 @@ import json
 
 from .. import ir
 from ..documents import Documents, add_docs_option
+from .lengths import add_lengths_option, parse_lengths
 from ..errors import NapkinError
 from ..sizes import parse_pairs, positive_int
 from .analysis import analyse
@@ -48,6 +50,7 @@ def register_cli(subparsers) -> None:
     mode.add_argument("--capacities", default=None, metavar="LIST",
                       help="compare shared-memory capacities in bytes, e.g. 65536,131072,262144")
     add_docs_option(p)
+    add_lengths_option(p)
     p.set_defaults(func=handler)
 
 
@@ -72,9 +75,11 @@ def handler(args) -> int:
     try:
         sizes = parse_pairs(args.sizes, "--size")
         docs = Documents.parse(args.docs) if args.docs is not None else None
-        if docs is not None and (args.dtypes is not None or args.capacities is not None):
-            raise NapkinError(f"--docs prices the schedule or a tile search; "
-                              f"{'--dtypes' if args.dtypes is not None else '--capacities'} prints another report")
+        lengths = parse_lengths(args.lengths)
+        for flag, given in (("--docs", docs), ("--lengths", lengths)):
+            if given is not None and (args.dtypes is not None or args.capacities is not None):
+                raise NapkinError(f"{flag} prices the schedule or a tile search; "
+                                  f"{'--dtypes' if args.dtypes is not None else '--capacities'} prints another report")
         if args.dtypes is not None:
             rows = dtype_table(diagram, sizes, args.device, _dtypes(args.dtypes))
             print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, "dtype"))
@@ -85,11 +90,11 @@ def handler(args) -> int:
             return 0
         if args.tune:
             results = tune(diagram, sizes, args.device, top=args.top or 5, objective=args.objective or "time",
-                           docs=docs)
+                           docs=docs, lengths=lengths)
             print(json.dumps(tune_dicts(results), indent=2) if args.json else format_tune(diagram, results))
             return 0
-        report = analyse(diagram, sizes, args.device, docs)
-        back = backward_cost(diagram, sizes, args.device, docs=docs) if args.backward else None
+        report = analyse(diagram, sizes, args.device, docs, lengths)
+        back = backward_cost(diagram, sizes, args.device, docs=docs, lengths=lengths) if args.backward else None
     except NapkinError as err:   # a place in the diagram shows its line and caret
         raise napkin.located(err, diagram) from None
     if back is None:

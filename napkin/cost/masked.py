@@ -28,11 +28,13 @@ from ..errors import NapkinError
 from ..printer import expr_text
 from . import packing
 from .devices import mesh_tiles as device_tiles
+from .lengths import describe
 from .model import Kernel, Tiling, Visited, kernel_tiling, visited_spans
 
 
 def visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str, int],
-             pack: Optional[packing.Packing] = None, docs: Optional[Documents] = None) -> Optional[Visited]:
+             pack: Optional[packing.Packing] = None, docs: Optional[Documents] = None,
+             lengths: Mapping[str, int] = {}) -> Optional[Visited]:
     """The (row block, step) pairs a masked kernel visits (napkin/visits.py),
     or None when it visits every pair.  ``sizes`` are the real ones: with
     packed rows the row blocks are the launch's blocks of (g, q) pairs, each
@@ -43,7 +45,9 @@ def visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str,
     S * S does not), so its plan is asked first; for a schedule it cannot
     emit, a kernel whose mask bounds the streamed wire skips.  With
     ``docs`` a kernel whose launch runs the ranges prepass visits the blocks
-    it finds live on those documents (documents.row_spans)."""
+    it finds live on those documents (documents.row_spans); with
+    ``lengths`` (cost's --lengths) a mask that reads only those inputs is
+    one of indices alone, counted as such."""
     groups, stream = kernel_tiling(kernel, tiles)
     if not kernel.skips or stream is None or device_tiles(diagram):
         return None
@@ -53,7 +57,7 @@ def visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str,
 
     ids = kernel_ids(diagram) if docs is not None else None
     # a mask of indices alone the prepass runs on (an or of cuts): its blocks row by row
-    union = index_disjuncts(attention_plan(diagram)) if decided is not None and ids is None else None
+    union = index_disjuncts(attention_plan(diagram), lengths) if decided is not None and ids is None else None
     if (ids is not None or union is not None) and decided[0] in groups and col == decided_col(diagram):
         row, found = decided
         rows, block, cycle = (sizes[pack.wire] * sizes[pack.row], pack.block, sizes[pack.row]) if pack is not None \
@@ -150,8 +154,8 @@ def mask_ids(diagram: ir.Diagram) -> bool:
     return plan is not None and bool(plan_ids(plan))
 
 
-def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: Mapping[str, int] = {}
-                  ) -> Optional[str]:
+def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: Mapping[str, int] = {},
+                 lengths: Mapping[str, int] = {}) -> Optional[str]:
     """Where the kernels find their blocks with a ranges prepass (a mask that
     reads data, or whose comparisons bound no wire by an affine function of
     the other with coefficient 1): the counts are every block's (the part
@@ -173,9 +177,23 @@ def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: M
     if ranges.index_disjuncts(plan) is not None:
         return (f"the mask {expr_text(plan.skip)} compares indices alone: the counts are the blocks the kernels' ranges "
                 f"prepass finds live, the span of each row block's less its longest dead run ({cost})")
+    read = sorted({n.name for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)} & set(lengths))
+    if read and ranges.index_disjuncts(plan, lengths) is not None:
+        given = describe({n: lengths[n] for n in read})
+        return (f"the counts are the blocks the kernels' ranges prepass finds live when {given} at every index "
+                f"(--lengths), the span of each row block's less its longest dead run ({cost})")
     # a part the formula bounds (x <= q beside doc[b, q] == doc) still skips in the counts
     counted = (": the counts are the blocks its formula part bounds" if plan.bounds else
                " bounds no block by formula: the counts are every block's")
-    hint = "; --docs LENGTHS counts them on packed documents" if plan_ids(plan) else ""
+    hint = "; --docs LENGTHS counts them on packed documents" if plan_ids(plan) else \
+        "; --lengths NAME=N counts them where the length input holds N" if _length_reads(plan) else ""
     return (f"the mask {expr_text(plan.skip)}{counted} (an upper bound of the main kernel's tiles), while the "
             f"kernels skip blocks with a ranges prepass at each launch ({cost}){hint}")
+
+
+def _length_reads(plan) -> bool:
+    """Whether every input the prepass mask reads is a length input (ir.length_inputs), so
+    that --lengths makes it a mask of indices alone."""
+    found = dict(ir.length_inputs(plan.diagram))
+    read = {n.name for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)}
+    return bool(read) and read <= set(found)

@@ -78,9 +78,10 @@ def _wire_choices(diagram: ir.Diagram, wire: str, sizes: Mapping[str, int]) -> l
 
 
 def tune(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None,
-         top: int = 5, objective: str = "time", docs=None) -> list[TuneResult]:
+         top: int = 5, objective: str = "time", docs=None, lengths=None) -> list[TuneResult]:
     """The ``top`` best block choices, best first (empty when nothing fits);
-    ``docs``: each choice priced on those documents (analyse's)."""
+    ``docs``: each choice priced on those documents, ``lengths`` at those
+    length inputs' values (analyse's)."""
     if objective not in ("time", "transfers"):
         raise NapkinError(f"unknown tuning objective {objective!r}: use 'time' or 'transfers'")
     prof = resolve_profile(diagram, profile)
@@ -96,7 +97,7 @@ def tune(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] =
         footprint = _fits(candidate, full, prof)
         if footprint is None:
             continue
-        r = analyse(candidate, full, prof.key, docs)
+        r = analyse(candidate, full, prof.key, docs, lengths)
         results.append(TuneResult(tuple(blocks.items()), r.roofline.estimate_s, r.hbm_bytes,
                                   r.roofline.bound, footprint))
     if not results:
