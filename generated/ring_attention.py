@@ -56,6 +56,9 @@ _DTYPES = {"Q": "bf16", "K": "bf16", "V": "bf16", "O": "bf16", "lse": "fp32"}
 _ACCUMULATED = ("lse",)
 # (tensor, declared wire, other wire it is read along): their sizes must agree.
 _RELABELS = ()
+# (tensor, declared wire, wire read at its blocks, step): keep[.., q // 64, ..] of keep[.., qb, ..]
+# holds ceil(|q| / 64) blocks along qb.
+_COARSE = ()
 # Integer inputs that are a length of a wire (x < n[b]): example_inputs draws them in 1..|wire|.
 _LENGTH_INPUTS = {}
 # Default block sizes, from the diagram's schedule.
@@ -195,6 +198,11 @@ def _bind(tensors, kernel, free=()):
         elif sizes[declared] != sizes[read]:
             raise ValueError(f"{name} is read along {read} as well as {declared}, so wires {read} "
                              f"({sizes[read]}) and {declared} ({sizes[declared]}) must have equal sizes")
+    for name, declared, read, step in _COARSE:
+        if read in sizes and sizes[declared] != -(-sizes[read] // step):
+            raise ValueError(f"{name} is read at {read} // {step}, so its wire {declared} must have size "
+                             f"ceil(|{read}| / {step}) = {-(-sizes[read] // step)} (|{read}| = {sizes[read]}), "
+                             f"not {sizes[declared]}")
     return sizes, {k: v[0] for k, v in classes.items()}, device[0]
 
 
@@ -2392,6 +2400,10 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
     inputs sorted random ids along their last axis (document ids of packed
     sequences).  Sizes of wires the diagram does not have are ignored."""
     _sz = {}
+    sizes = dict(sizes)
+    for _, declared, read, step in _COARSE:   # a coarse read's blocks follow from the wire's size
+        if declared not in sizes and WIRES[declared] is None and read in sizes:
+            sizes[declared] = -(-int(sizes[read]) // step)
     for w, n in WIRES.items():
         if n is None and w not in sizes:
             raise ValueError(f"example_inputs needs a size for wire {w}")

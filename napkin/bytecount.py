@@ -36,8 +36,13 @@ import numpy as np
 class ByteCounter:
     """A context manager summing the bytes of every interpreted global load and store."""
 
-    def __init__(self, tensors: Optional[Mapping[str, object]] = None):
+    def __init__(self, tensors: Optional[Mapping[str, object]] = None, distinct: bool = False):
+        """``distinct``: count each load or store call's distinct addresses once,
+        as a warp's lanes at one address are served once (a coarse read's
+        tile, keep[.., q // 64, ..], repeats each block's element along the
+        tile); else every lane whose mask is true."""
         self.names = dict(tensors or {})
+        self.distinct = distinct
         self.loads: dict[str, int] = defaultdict(int)     # bytes per tensor
         self.stores: dict[str, int] = defaultdict(int)
         self.load_calls = 0
@@ -125,6 +130,8 @@ class ByteCounter:
         addresses = np.asarray(ptrs.data)
         active = np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)
         live = addresses[active].astype(np.uint64)
+        if self.distinct:
+            live = np.unique(live)
         if live.size == 0:
             return
         size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)

@@ -318,12 +318,29 @@ class _Checker:
                      f"{e.name} is declared along {len(declared)}: {_layout(tuple((w,) for w in declared))}",
                      e.loc, "a relabel names one wire per declared wire, in order")
         else:
-            for old, new in zip(declared, e.wires):
+            for old, new, step in zip(declared, e.wires, ir.read_steps(e)):
                 a, b = self.d.wire(old), self.d.wire(new)
-                if a and b and a.size is not None and b.size is not None and a.size != b.size:
+                if step != 1:
+                    self.check_coarse(e, old, new, step)
+                elif a and b and a.size is not None and b.size is not None and a.size != b.size:
                     self.err(f"one wire given two sizes: {shown} reads {old} (= {a.size}) "
                              f"as {new} (= {b.size})", e.loc)
         return frozenset(e.wires), kind
+
+    def check_coarse(self, e: ir.TensorRef, old: str, new: str, step: int) -> None:
+        """``keep[.., q // 64, ..]`` of ``keep[.., qb, ..]``: qb holds the blocks of q,
+        ceil(|q| / 64) of them, on one device (the wrappers split no such read)."""
+        a, b = self.d.wire(old), self.d.wire(new)
+        if old == new:
+            self.err(f"{_show(e)} reads {e.name} at {new} // {step}, but {e.name} is declared along {new} itself",
+                     e.loc, f"declare {e.name} along a wire of the blocks of {new}, of size ceil(|{new}| / {step})")
+        elif a and b and a.size is not None and b.size is not None and a.size != -(-b.size // step):
+            self.err(f"{_show(e)} reads {old} at {new} // {step}, so {old} must have size ceil({b.size} / {step}) = "
+                     f"{-(-b.size // step)}, not {a.size}", e.loc)
+        mesh = [lv for lv in (self.d.schedule.levels if self.d.schedule else ()) if lv.name in ir.MESH_LEVELS]
+        if mesh:
+            self.err(f"{_show(e)} reads {e.name} at blocks of {new}, which napkin's distributed wrappers do not "
+                     f"split across devices", e.loc, f"drop level {mesh[0].name}, or pass {e.name} along {new}")
 
     def infer_binary(self, e: ir.Binary) -> tuple[frozenset, str]:
         (lw, lk), (rw, rk) = self.infer(e.lhs), self.infer(e.rhs)
@@ -490,8 +507,10 @@ class _Checker:
                 if isinstance(n, (ir.WireIndex, ir.WireSize)):
                     used.add(n.wire)
                 elif isinstance(n, ir.TensorRef) and n.wires is not None:
-                    for old, new in zip(ir.axis_wires(d.tensor(n.name).axes), n.wires):
-                        if old in tie and new in tie and root(old) != root(new):
+                    used.update(n.wires)
+                    for old, new, step in zip(ir.axis_wires(d.tensor(n.name).axes), n.wires, ir.read_steps(n)):
+                        # a coarse read ties no sizes: |qb| follows |q|, |q| is not told by |qb|
+                        if step == 1 and old in tie and new in tie and root(old) != root(new):
                             a, b = fixed.get(root(old)), fixed.get(root(new))
                             direct = d.wire(old).size is not None and d.wire(new).size is not None
                             if a and b and a[0] != b[0] and not direct:   # (both fixed: infer_ref's)

@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from . import __version__
+from . import __version__, ir
 from .errors import NapkinError
 from .sizes import parse_pairs
 
@@ -337,8 +337,12 @@ def _demo_sizes(diagram, requested: dict[str, int], path) -> dict[str, int]:
         if known[name].size is not None and known[name].size != value:
             raise NapkinError(f"--size {name}={value}: wire {name} is fixed at {known[name].size}",
                               filename=str(path))
-    return {w.name: requested.get(w.name, DEMO_SIZES.get(w.name, DEMO_OTHER_SIZE))
-            for w in diagram.wires if w.size is None}
+    sizes = {w.name: requested.get(w.name, DEMO_SIZES.get(w.name, DEMO_OTHER_SIZE))
+             for w in diagram.wires if w.size is None}
+    for _, declared, read, step, _ in ir.coarse_reads(diagram):   # keep[.., q // 64, ..]: qb follows q
+        if declared in sizes and declared not in requested:
+            sizes[declared] = -(-(sizes.get(read) or known[read].size) // step)
+    return sizes
 
 
 def _import_file(path: Path):

@@ -60,7 +60,8 @@ def id_conjuncts(diagram: ir.Diagram, pred: Optional[ir.Expr], query: str, key: 
     out = []
     for c in masks.conjuncts(pred) if pred is not None else ():
         if not (isinstance(c, ir.Binary) and c.op == "==" and isinstance(c.lhs, ir.TensorRef)
-                and isinstance(c.rhs, ir.TensorRef) and c.lhs.name == c.rhs.name and c.lhs.name in names):
+                and isinstance(c.rhs, ir.TensorRef) and c.lhs.name == c.rhs.name and c.lhs.name in names
+                and c.lhs.steps is None and c.rhs.steps is None):   # ids at blocks (doc[b, q // 64]): no tokens'
             continue
         decl = diagram.tensor(c.lhs.name)
         if any(len(axis) != 1 for axis in decl.axes):

@@ -102,11 +102,17 @@ class TensorRef:
     ``wires`` is None when the tensor is used along its own declared wires
     (``Q``), or a relabelling, one wire per declared wire in order
     (``doc[b, q]`` reads a tensor declared ``doc[b, x]`` along ``q``).
+    ``steps``: None, or one whole number per wire, the read's index at each
+    declared wire being that wire's index floor-divided by it: a coarse read
+    (``keep[b, h, q // 64, x // 64]`` of ``keep[b, h, qb, xb]``, each element
+    serving a 64 x 64 block of (q, x) pairs); 1 where a wire is read whole.
+    The read varies along ``wires`` all the same.
     """
 
     name: str
     wires: Optional[tuple[str, ...]] = None
     loc: Loc = _loc()
+    steps: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -425,9 +431,31 @@ def relabels(d: "Diagram") -> tuple[tuple[str, str, str, Loc], ...]:
         for let in d.lets:
             for n in walk(let.expr):
                 if isinstance(n, TensorRef) and n.name == t.name and n.wires is not None:
-                    for dw, rw in zip(declared, n.wires):
-                        if dw != rw:
+                    for dw, rw, step in zip(declared, n.wires, read_steps(n)):
+                        if dw != rw and step == 1:   # a coarse read's wires differ in size (coarse_reads)
                             out.setdefault((t.name, dw, rw), n.loc)
+    return tuple((*key, loc) for key, loc in out.items())
+
+
+def read_steps(ref: TensorRef) -> tuple[int, ...]:
+    """The step of each wire ``ref`` reads (1: the wire itself; TensorRef.steps)."""
+    return ref.steps if ref.steps is not None else (1,) * len(ref.wires or ())
+
+
+def coarse_reads(d: "Diagram") -> tuple[tuple[str, str, str, int, Loc], ...]:
+    """Each (input, declared wire, wire read along, step, where) an input is
+    read at blocks of a wire (``keep[b, h, q // 64, x // 64]`` of
+    ``keep[b, h, qb, xb]``: keep, qb, q, 64): the declared wire's size must
+    be ceil(|read| / step).  First occurrence of each, as ``relabels``."""
+    out: dict[tuple[str, str, str, int], Loc] = {}
+    for t in d.inputs:
+        declared = axis_wires(t.axes)
+        for let in d.lets:
+            for n in walk(let.expr):
+                if isinstance(n, TensorRef) and n.name == t.name and n.steps is not None:
+                    for dw, rw, step in zip(declared, n.wires, n.steps):
+                        if step != 1:
+                            out.setdefault((t.name, dw, rw, step), n.loc)
     return tuple((*key, loc) for key, loc in out.items())
 
 
@@ -445,6 +473,19 @@ def tie_relabels(d: "Diagram", sizes: dict) -> Optional[tuple[str, str, str, Loc
             for a, b in ((declared, read), (read, declared)):
                 if a in sizes and b not in sizes:
                     sizes[b], changed = sizes[a], True
+        for _, declared, read, step, _ in coarse_reads(d):   # the blocks of a sized wire: ceil(|read| / step)
+            if read in sizes and declared not in sizes:
+                sizes[declared], changed = -(-sizes[read] // step), True
+    return None
+
+
+def coarse_clash(d: "Diagram", sizes: Mapping[str, int]) -> Optional[tuple[str, Loc]]:
+    """(message, where) for the first coarse read whose declared wire is not
+    ceil(|read| / step) at these sizes, else None."""
+    for tensor, declared, read, step, loc in coarse_reads(d):
+        if declared in sizes and read in sizes and sizes[declared] != -(-sizes[read] // step):
+            return (f"{tensor} is read at {read} // {step}, so wire {declared} must have size ceil(|{read}| / "
+                    f"{step}) = {-(-sizes[read] // step)} (|{read}| = {sizes[read]}), not {sizes[declared]}", loc)
     return None
 
 
@@ -460,7 +501,9 @@ def length_inputs(d: "Diagram") -> tuple[tuple[str, str], ...]:
     out: dict[str, str] = {}
 
     def reads(e: Expr) -> list[tuple[str, tuple[str, ...]]]:
-        return [(n.name, n.wires or ints[n.name]) for n in walk(e) if isinstance(n, TensorRef) and n.name in ints]
+        # a read at blocks of a wire (n[b, q // 64]) holds no length of one token's: left out
+        return [(n.name, n.wires or ints[n.name]) for n in walk(e)
+                if isinstance(n, TensorRef) and n.name in ints and n.steps is None]
 
     for let in d.lets:
         for n in walk(let.expr):
@@ -552,7 +595,9 @@ def show(e: Expr) -> str:
     if isinstance(e, WireSize):
         return f"|{e.wire}|"
     if isinstance(e, TensorRef):
-        return e.name if e.wires is None else f"{e.name}[{', '.join(e.wires)}]"
+        if e.wires is None:
+            return e.name
+        return f"{e.name}[{', '.join(w if k == 1 else f'{w} // {k}' for w, k in zip(e.wires, read_steps(e)))}]"
     if isinstance(e, Unary):
         return f"{e.op}{' ' if e.op == 'not' else ''}{sub(e.operand)}"
     if isinstance(e, Binary):

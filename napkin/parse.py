@@ -303,6 +303,13 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
             what = f"unexpected {shown!r}"
             loc = ir.Loc(tok.line, tok.column, tok.end_line or tok.line,
                          tok.end_column or tok.column + len(str(tok)))
+        # inside the brackets of a read or a reduction the one operator is // (q // 64: a coarse
+        # read), and a reduction refuses it: say '//' in a read, nothing in a reduction
+        brackets = "MUL_OP" in expected and expected <= {"COMMA", "RSQB", "MUL_OP"}
+        in_read = tok.type != "$END" and expected <= {"NAME", "COMMA", "RSQB", "MUL_OP"} and \
+            _reads_tensor_at(text, tok.start_pos)
+        if brackets:
+            expected = expected - {"MUL_OP"} | ({"'//'"} if in_read else set())
         hint = f"expected {_expected(expected)}"
         # The usual slips, spelled out.
         if tok.type == "COMPARE" and "COMPARE" not in expected and "AND" in expected:
@@ -318,10 +325,11 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         elif str(tok) == "|" and "OR" in expected and not re.match(r"\|\s*[A-Za-z_]\w*\s*\|", text[tok.start_pos:]):
             # C's || or |, where an operator goes (2 |d| is a size missing its '*': left to the set)
             hint = "napkin's logical operators are words: write 'or'"
-        elif tok.type != "$END" and expected <= {"NAME", "COMMA", "RSQB"} and _reads_tensor_at(text, tok.start_pos):
+        elif in_read:
             # an index computed from wires (a relative-position table, T[h, q - x]) is a gather
-            hint = (f"{hint}: a tensor is read along wires, one name each; T[h, q - x] would be a "
-                    "gather, which napkin does not make: expand the table in torch and pass T[h, q, x]")
+            hint = (f"{hint}: a tensor is read along wires, one name each, or at a wire's blocks (q // 64); "
+                    "T[h, q - x] would be a gather, which napkin does not make: expand the table in torch and "
+                    "pass T[h, q, x]")
         return Diagnostic(what, loc, hint=hint)
     if isinstance(err, UnexpectedCharacters):
         before = text[text.rfind("\n", 0, err.pos_in_stream) + 1:err.pos_in_stream]
@@ -580,11 +588,36 @@ class _Build(Transformer):
         # Wire index or tensor: resolved in start(), once all wires are known.
         return ir.TensorRef(str(tok), None, _loc_of(tok))
 
-    def relabel(self, meta, name, *wires):
-        return ir.TensorRef(str(name), tuple(str(w) for w in wires), _loc_of(meta))
+    def wire_at(self, meta, tok):
+        return str(tok), 1, _loc_of(tok)
+
+    def wire_step(self, meta, tok, op, num):
+        """``q // 64``: the read's index is the wire's, floor-divided (a coarse read)."""
+        shown = f"{tok} {op} {num}"
+        if str(op) != "//":
+            self._refuse(Diagnostic(
+                f"an index in brackets is a wire or, in a tensor read, its blocks (q // 64), not {shown}",
+                _loc_of(meta),
+                hint="any other index computed from wires would be a gather, which napkin does not make: "
+                     "expand the table in torch and pass it along the wires"))
+            return str(tok), 1, _loc_of(tok)
+        step = self._number(num)
+        if not isinstance(step, int) or step < 1:
+            self._refuse(Diagnostic(f"the step of {shown} must be a positive whole number", _loc_of(num)))
+            return str(tok), 1, _loc_of(tok)
+        return str(tok), step, _loc_of(meta)
+
+    def relabel(self, meta, name, *indices):
+        steps = tuple(step for _, step, _ in indices)
+        return ir.TensorRef(str(name), tuple(w for w, _, _ in indices), _loc_of(meta),
+                            steps if any(s != 1 for s in steps) else None)
 
     def reduce(self, meta, op, *rest):
-        *wires, body = rest
+        *indices, body = rest
+        for w, step, where in indices:
+            if step != 1:   # the rule is shared with reads (the grammar's index)
+                self._refuse(Diagnostic(f"a reduction names whole wires, not {w} // {step}", where))
+        wires = [w for w, _, _ in indices]
         op_name, loc = str(op), _loc_of(meta)
         if op_name in ir.NORMALIZERS:
             if len(wires) != 1:

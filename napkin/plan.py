@@ -79,7 +79,7 @@ from .distributed.reach import mask_bounds, ring_arms, same_ids
 from .distributed.reading import roles
 from .documents import (Documents, ShardPairs, add_docs_option, bound_interval, covered, id_wire, ring_meets,
                         ring_steps_at)
-from .errors import NapkinError
+from .errors import Diagnostic, NapkinError
 from .files import why_not, write_atomic
 from .sizes import positive_int
 
@@ -275,6 +275,12 @@ def plan(diagram: ir.Diagram, devices: int, sizes: Optional[dict] = None, gpus_p
         raise NapkinError(f"--gpus-per-node must be at least 1, not {g}")
     if devices > g and devices % g:
         raise NapkinError(f"{devices} devices do not fill nodes of {g} GPUs")
+    coarse = ir.coarse_reads(diagram)
+    if coarse:   # the checker refuses a devices level beside such a read: no scheme would run
+        tensor, _, read, step, loc = coarse[0]
+        raise NapkinError([Diagnostic(
+            f"diagram {diagram.name} reads {tensor} at {read} // {step}, which napkin's distributed wrappers do "
+            "not split across devices: napkin plan has no scheme to offer", loc)])
     g = min(g, devices)
     pricing = Pricing.of(diagram, devices, sizes, profile, training, docs)
     candidates = placements(devices, g, training)

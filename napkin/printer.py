@@ -204,7 +204,7 @@ def _bare(expr: ir.Expr) -> str:
     if isinstance(expr, ir.WireSize):
         return f"|{expr.wire}|"
     if isinstance(expr, ir.TensorRef):
-        return expr.name if expr.wires is None else f"{expr.name}[{', '.join(expr.wires)}]"
+        return ir.show(expr)   # Q, doc[b, q], keep[b, h, q // 64, x // 64]
     if isinstance(expr, ir.Unary):
         if expr.op == "not":
             return "not " + _expr(expr.operand, _NOT)

@@ -65,7 +65,11 @@ class _Eval:
             wires = e.wires if e.wires is not None else declared
             if len(wires) != len(declared) or len(set(wires)) != len(wires):
                 raise ValueError(f"cannot read {e.name} {declared} along {wires}")
-            return self.env[e.name], tuple(wires)
+            t = self.env[e.name]
+            for i, (w, step) in enumerate(zip(wires, e.steps or ())):   # keep[.., q // 64, ..]: a row per q
+                if step != 1:
+                    t = t.index_select(i, torch.arange(self.size[w]) // step)
+            return t, tuple(wires)
         if isinstance(e, ir.Unary):
             t, w = self.run(e.operand)
             return (-t if e.op == "-" else torch.logical_not(t)), w
@@ -127,6 +131,8 @@ def diagram_sizes(diagram):
     if any(isinstance(n, ir.TensorRef) and n.wires for let in diagram.lets for n in ir.walk(let.expr)):
         sizes["x"] = sizes["q"]  # a relabelled read (doc[b, q]) needs |q| = |x|
     sizes.update({w.name: w.size for w in diagram.wires if w.size is not None})
+    for _, declared, read, step, _ in ir.coarse_reads(diagram):   # qb of keep[.., q // 64, ..]
+        sizes[declared] = -(-sizes[read] // step)
     return sizes
 
 

@@ -294,7 +294,7 @@ def test_device_sh_refuses_an_unknown_verb_and_run_without_out():
     ("misses", ["attention", "document_mask", "sliding_window"], [16384]),
     ("others", ["sigmoid_attention", "l2_attention", "relu2_attention"], [16384]),
     ("extras", ["attention_sink", "mla", "chunked_attention"], [16384]),
-    ("masks", ["differential_attention", "prefix_lm", "streaming_llm", "document_mask"], [16384]),
+    ("masks", ["differential_attention", "prefix_lm", "streaming_llm", "document_mask", "block_sparse"], [16384]),
     ("sweep", ["attention", "causal"], [1024, 2048, 4096, 8192, 16384])])
 def test_run_h100_stages_hand_the_bench_what_it_accepts(tmp_path, stage, files, seqlens):
     """Each run_h100.sh stage's bench command, as the stage builds it (PYTHON

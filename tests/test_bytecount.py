@@ -143,6 +143,7 @@ from napkin import ir  # noqa: E402
 from napkin.cost import analyse, packing, with_blocks  # noqa: E402
 from napkin.cost.cli import recast  # noqa: E402
 from napkin.cost.tune import searchable  # noqa: E402
+from cost_helpers import coarse_wires  # noqa: E402
 from napkin.errors import NapkinError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,7 +197,8 @@ def case_sizes(d: ir.Diagram, n1: int, n2: int) -> dict[str, int]:
     """n1 for the first sequence-like wire (q, m, k), n2 for the second (x, n);
     heads small; wires a relabel ties together get equal sizes."""
     small = {"b": 1, "h": 2, "hk": 2, "g": 2}
-    sizes = {w.name: small.get(w.name, n2 if w.name in ("x", "n") else n1) for w in d.wires if w.size is None}
+    sizes = {w.name: small.get(w.name, n2 if w.name in ("x", "n") else n1) for w in d.wires
+             if w.size is None and w.name not in coarse_wires(d)}
     for let in d.lets:
         for r in ir.walk(let.expr):
             if isinstance(r, ir.TensorRef) and r.wires:
@@ -237,11 +239,12 @@ def prepassed(module, d: ir.Diagram) -> bool:
 
 
 def one_document(module, inputs, sizes) -> list:
-    """The inputs with every id 0 and every length its wire's whole size
+    """The inputs with every id 0, every bool true and every length its wire's whole size
     (module._LENGTH_INPUTS: x < n[b]): every block live, as the cost pass counts."""
     lengths = module._LENGTH_INPUTS
     return [t if t.is_floating_point() else torch.full_like(t, sizes[lengths[n]]) if n in lengths
-            else torch.zeros_like(t) for n, t in zip(module.INPUTS, inputs)]
+            else torch.ones_like(t) if t.dtype == torch.bool else torch.zeros_like(t)   # a bool mask keeps all
+            for n, t in zip(module.INPUTS, inputs)]
 
 
 def assert_prepassed(module, counted, predicted) -> None:

@@ -78,11 +78,13 @@ def brute_force(d: ir.Diagram, sizes: dict[str, int]) -> dict[tuple[int, str, st
                     n = 1
                     for w in acc.wires:
                         if w in groups:
-                            n *= model.clip(sizes[w], groups[w], index[w])
+                            first, block = index[w] * groups[w], groups[w]
                         elif stream and w == stream[0]:
-                            n *= model.clip(sizes[w], stream[1], step)
+                            first, block = step * stream[1], stream[1]
                         else:
-                            n *= sizes[w]
+                            first, block = 0, sizes[w]
+                        # a coarse read (keep[.., q // 64, ..]) loads the distinct cells the tile meets
+                        n *= len({i // acc.step(w) for i in range(first, min(first + block, sizes[w]))})
                     return n
                 if stream and stream[0] in acc.wires:
                     for step in steps:

@@ -339,14 +339,14 @@ t.ncd:2:10: unexpected character '!'
 t.ncd:2:21: unexpected '-'
     S[q, x] = s + rel[q - x]
                         ^
-  hint: expected ',' or ']': a tensor is read along wires, one name each; T[h, q - x] would be a \
-gather, which napkin does not make: expand the table in torch and pass T[h, q, x]"""),
+  hint: expected ',', '//' or ']': a tensor is read along wires, one name each, or at a wire's blocks \
+(q // 64); T[h, q - x] would be a gather, which napkin does not make: expand the table in torch and pass T[h, q, x]"""),
     "gather by a number": ("diagram a\nS[q] = where(x < n[2 * b], 1, 0)\n", """\
 t.ncd:2:20: unexpected '2'
     S[q] = where(x < n[2 * b], 1, 0)
                        ^
-  hint: expected a name: a tensor is read along wires, one name each; T[h, q - x] would be a \
-gather, which napkin does not make: expand the table in torch and pass T[h, q, x]"""),
+  hint: expected a name: a tensor is read along wires, one name each, or at a wire's blocks (q // 64); \
+T[h, q - x] would be a gather, which napkin does not make: expand the table in torch and pass T[h, q, x]"""),
     "reduction's wires": ("diagram a\nS[q] = sum[x - 1](s)\n", """\
 t.ncd:2:14: unexpected '-'
     S[q] = sum[x - 1](s)

@@ -145,15 +145,18 @@ class _Py:
         if t.name not in self.side:
             self.side.append(t.name)
         wires = list(ref.wires if ref.wires is not None else ir.axis_wires(t.axes))
+        steps = list(ir.read_steps(ref)) if ref.wires is not None else [1] * len(wires)
         parts = []
         for axis in t.axes:
             read, wires = tuple(wires[:len(axis)]), wires[len(axis):]
-            if self.roles.group is not None and read == self.roles.head:
+            step, steps = tuple(steps[:len(axis)]), steps[len(axis):]
+            if self.roles.group is not None and read == self.roles.head and set(step) == {1}:
                 parts.append("_h")     # (hk g) flattened is exactly flex's query head
                 continue
-            text = self.index(read[0])
-            for w in read[1:]:         # row-major flattening
-                text = f"({text} * {self.size(w)} + {self.index(w)})"
+            at = [self.index(w) if k == 1 else f"({self.index(w)} // {k})" for w, k in zip(read, step)]
+            text = at[0]
+            for w, i in zip(axis[1:], at[1:]):   # row-major flattening, by the declared wires' sizes
+                text = f"({text} * {self.size(w)} + {i})"
             parts.append(text)
         return f"{t.name}[{', '.join(parts)}]"
 

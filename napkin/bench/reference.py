@@ -126,6 +126,9 @@ class _Eval:
             return torch.tensor(float(self.sizes[e.wire]), dtype=torch.float64), ()
         if isinstance(e, ir.TensorRef):
             value, wires = self.env[e.name]
+            for i, (w, step) in enumerate(zip(e.wires or (), e.steps or ())):   # keep[.., q // 64, ..]
+                if step != 1:
+                    value = value.index_select(i, torch.arange(self.sizes[w], device=value.device) // step)
             return value, tuple(e.wires) if e.wires is not None else wires
         if isinstance(e, ir.Reduce) and e.op == "sum" and isinstance(e.body, ir.Binary) and e.body.op == "*":
             return self._einsum(e)

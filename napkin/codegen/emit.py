@@ -153,12 +153,17 @@ def _kinds(d: ir.Diagram) -> dict[str, str]:
 
 
 def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob: bool = False,
-             unit: bool = False) -> str:
+             unit: bool = False, steps=()) -> str:
     declared = ir.axis_wires(d.tensor(tensor).axes)
-    # each index widened under the kernel's _INT64 (the launcher's _int64_offsets) before its stride
-    terms = [f"_ix({names.index(rw, rows, cols, glob, unit)}, _INT64) * {stride(tensor, dw)}"
-             for dw, rw in zip(declared, wires)]
+    # each index widened under the kernel's _INT64 (the launcher's _int64_offsets) before its stride;
+    # a coarse read's (keep[.., q // 64, ..]) floor-divided first, from the row's global position
+    terms = [f"_ix({_stepped(names.index(rw, rows, cols, glob, unit), step)}, _INT64) * {stride(tensor, dw)}"
+             for dw, rw, step in zip(declared, wires, steps or (1,) * len(wires))]
     return f"{tensor} + " + " + ".join(terms)
+
+
+def _stepped(index: str, step: int) -> str:
+    return index if step == 1 else f"({index}) // {step}"
 
 
 def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.Tma] = None,
@@ -175,9 +180,9 @@ def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.T
     glob = _kinds(d).get(ld.tensor) != "float"
     mask = names.mask(ld.rows, ld.cols, glob or drop_padding, inside, unit)
     other = "0" if glob else "0.0"
-    out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob, unit),
+    out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob, unit, ld.steps),
            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else "",
-           "tma": None if tma is None or glob or unit else tma.load(ld)}
+           "tma": None if tma is None or glob or unit or ld.steps else tma.load(ld)}
     out["code"] = T.load_code(out["var"], out["ptr"], out["mask"], out["tma"])
     return out
 
@@ -761,6 +766,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "wires": "{" + ", ".join(f'"{w.name}": {w.size}' for w in d.wires) + "}",
         "layouts": layouts, "dtypes": dtypes, "accumulated": _tuple(_q(n) for n in accumulated),
         "relabels": _tuple(_tuple(_q(x) for x in r) for r in relabels), "blocks": blocks,
+        "coarse": _tuple(f"({_q(t)}, {_q(dw)}, {_q(rw)}, {step})" for t, dw, rw, step, _ in ir.coarse_reads(d)),
         "length_inputs": "{" + ", ".join(f"{_q(n)}: {_q(w)}" for n, w in ir.length_inputs(d)) + "}",
         "input_params": ", ".join(t.name for t in d.inputs),
         "input_tuple": ", ".join(t.name for t in d.inputs) + ("," if len(d.inputs) == 1 else ""),

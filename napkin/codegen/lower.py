@@ -104,6 +104,7 @@ class Load:
     rows: Optional[str]
     cols: Optional[str]
     phase: str
+    steps: tuple[int, ...] = ()         # a coarse read's step per wire (ir.TensorRef.steps); () none
 
 
 @dataclass(frozen=True)
@@ -457,14 +458,19 @@ def lower(d: ir.Diagram) -> Plan:
 def _refuse_integer_operands(plan: Plan) -> Plan:
     """A tensor core product (tl.dot) takes float operands: an integer or bool
     input multiplied into one (Q : int32 in sum[d](Q * K), or the value V)
-    failed inside Triton at the call, or crashed the backward's emitter."""
+    failed inside Triton at the call, or crashed the backward's emitter; and
+    tiles, not a read at a wire's blocks (A[m // 2, k]: the matmul's loads
+    dropped the step)."""
     d = plan.diagram
     if plan.family == "attention":
         loads = [x for dot in plan.dots for x in (dot.lhs, dot.rhs)] + \
             [a.value for a in plan.accums if a.value is not None]
     else:
         loads = [plan.lhs, plan.rhs]
-    errors = []
+    errors = [unsupported(f"input {name}", "it is read at a wire's blocks and multiplied in a matrix product "
+                          "(tl.dot), whose operands napkin loads as tiles", d.tensor(name).loc,
+                          f"expand {name} in torch and pass it along the wires")
+              for name in dict.fromkeys(ld.tensor for ld in loads if ld.steps)]
     for name in dict.fromkeys(ld.tensor for ld in loads):   # each input once, in order
         t = d.tensor(name)
         if isinstance(t, ir.Input) and t.dtype not in ir.FLOAT_DTYPES:
@@ -718,8 +724,8 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
     dm, dn, dk = DEFAULT_BLOCK_MATMUL
     blocks = ((row, _block(_group_block(d, row), dm)), (col, _block(_group_block(d, col), dn)),
               (red, _block(_streamed(d), dk)))
-    lhs = Load("_a", a.name, read_wires(d, a), row, red, "step")
-    rhs = Load("_b", b.name, read_wires(d, b), red, col, "step")
+    lhs = Load("_a", a.name, read_wires(d, a), row, red, "step", a.steps or ())
+    rhs = Load("_b", b.name, read_wires(d, b), red, col, "step", b.steps or ())
     side = _Loads(d, "pre", {"_a", "_b", "_acc"})
     subst = {node: "_acc"}
     _finalise_leaves(d, expr, subst, side, row, col, {row, col} | set(batch), what=f"box {out.name}")
@@ -743,14 +749,15 @@ class _Loads:
         self.reserved = internal_names(d)
 
     def get(self, ref: ir.TensorRef, rows, cols, phase=None) -> Load:
-        wires = read_wires(self.d, ref)
+        wires, steps = read_wires(self.d, ref), ref.steps or ()
         phase = phase or self.phase
         for ld in self.loads:
-            if (ld.tensor, ld.wires, ld.rows, ld.cols, ld.phase) == (ref.name, wires, rows, cols, phase):
+            if (ld.tensor, ld.wires, ld.rows, ld.cols, ld.phase, ld.steps) == \
+                    (ref.name, wires, rows, cols, phase, steps):
                 return ld
         var = fresh_name(ref.name, self.taken, self.reserved)
         self.taken.add(var)
-        ld = Load(var, ref.name, wires, rows, cols, phase)
+        ld = Load(var, ref.name, wires, rows, cols, phase, steps)
         self.loads.append(ld)
         return ld
 

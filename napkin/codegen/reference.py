@@ -85,7 +85,11 @@ class _Ref:
         if isinstance(e, ir.WireIndex):
             return f'torch.arange(_sz["{e.wire}"], device=_dev)', (e.wire,)
         if isinstance(e, ir.TensorRef):
-            return e.name, self.wires_of_ref(e)
+            code, wires = e.name, self.wires_of_ref(e)
+            for i, (w, step) in enumerate(zip(wires, ir.read_steps(e))):
+                if step != 1:   # keep[.., q // 64, ..]: its blocks' rows, one per q
+                    code = f'{code}.index_select({i}, torch.arange(_sz["{w}"], device=_dev) // {step})'
+            return code, wires
         if isinstance(e, ir.Reduce):
             return self.reduce(e)
         if isinstance(e, ir.Normalize):

@@ -73,6 +73,9 @@ def bind_sizes(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]]) -> dict[
         raise NapkinError([Diagnostic(f"{tensor} is read along {read} as well as {declared}, so wires "
                                       f"{read} ({out[read]}) and {declared} ({out[declared]}) must "
                                       "have equal sizes", loc)])
+    coarse = ir.coarse_clash(diagram, out)
+    if coarse:
+        raise NapkinError([Diagnostic(*coarse)])
     return out
 
 
@@ -513,8 +516,9 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
         if ch is not None and acc.kind == "load" and ch.wire not in acc.wires:   # once per chunk
             poly, fetches = poly * ch.count_poly(c.wire_sym), fetches * ch.count_poly(c.wire_sym)
             issued = [i * n for i, n in zip(issued, counts)]
-        # the tensor as one device holds it (all of a wire streamed across devices)
-        size = math.prod(_device_extent(c.d, c.full, w) for w in acc.wires) if c.known else None
+        # the tensor as one device holds it (all of a wire streamed across devices; a coarse read's blocks)
+        size = math.prod(-(-_device_extent(c.d, c.full, w) // acc.step(w)) for w in acc.wires) \
+            if c.known else None
         row = (k.index, acc, poly, fetches, issued, reach, size)
         (merged if ch is not None and acc.kind == "store" else main).append(row)
     if ch is None or not hbm:

@@ -286,8 +286,8 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
             drams.append(0)   # not launched
             continue
 
-        def feat(wires) -> int:
-            return math.prod(sizes[w] for w in wires if w not in {row, col} | set(b.batch))
+        def feat(wires, step={}) -> int:
+            return math.prod(-(-sizes[w] // step.get(w, 1)) for w in wires if w not in {row, col} | set(b.batch))
 
         reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof,
                                          _spans(b, k, br, bc, sizes, len(pairs) == nblocks[row] * nblocks[col],
@@ -297,12 +297,17 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         dram = 0
         for ld in k.loads:
             ws = ld.wires
+            step = dict(zip(ws, ld.steps or (1,) * len(ws)))   # a coarse read's: the distinct cells a tile meets
             if ld.phase == "pre":
-                grid = sizes[k.grid_wire] if k.grid_wire in ws else nblocks[k.grid_wire]
-                n = grid * batch * feat(ws)
+                grid = nblocks[k.grid_wire]
+                if k.grid_wire in ws:
+                    gb = bc if k.grid_wire == col else br
+                    grid = model.coarse_sum(sizes[k.grid_wire], gb, step[k.grid_wire], 0, grid)
+                n = grid * batch * feat(ws, step)
             else:
-                n = sum((rows_of(i) if row in ws else 1) * (cols_of(j) if col in ws else 1) for i, j in pairs)
-                n *= batch * outer * feat(ws)
+                n = sum((model.coarse_cells(nr, br, i, step[row]) if row in ws else 1)
+                        * (model.coarse_cells(nc, bc, j, step[col]) if col in ws else 1) for i, j in pairs)
+                n *= batch * outer * feat(ws, step)
             moves.append(Move(k.role, ld.tensor, "load", _dtype(b, ld.tensor), n))
             dram += round(n * reach.get(ld, 1.0)) * ir.DTYPE_BYTES[moves[-1].dtype]
         for g in k.grads:   # one store per element, in the buffer's dtype (the template's _grad_X)
@@ -391,7 +396,9 @@ def _dram_fractions(b, k, br: int, bc: int, sizes: dict, prof,
         return {}, 0   # no program: nothing read
     stream = None if k.role == "rows" else (row, br) if k.grid_wire == col else (col, bc)
     accesses = {ld: model.Access(ld.tensor, tuple(w for w in ld.wires if w not in k.outer), "load",
-                                 _dtype(b, ld.tensor)) for ld in k.loads}
+                                 _dtype(b, ld.tensor),
+                                 tuple(st for w, st in zip(ld.wires, ld.steps) if w not in k.outer))
+                for ld in k.loads}
     kernel = model.Kernel(0, (), (), tuple(accesses.values()),
                           (k.grid_wire, *k.batch) + ((stream[0],) if stream else ()), False, False)
     tiles = model.Tiling("smem", ((k.grid_wire, block),) + tuple((w, 1) for w in k.batch), stream)

@@ -112,6 +112,12 @@ class Access:
     wires: tuple[str, ...]
     kind: str          # "load" or "store"
     dtype: str
+    # a coarse read's step per wire (keep[.., q // 64, ..]: ir.TensorRef.steps), () for none: a
+    # tile loads the distinct blocks its rows meet (coarse_cells), its lanes' repeats coalescing
+    steps: tuple[int, ...] = ()
+
+    def step(self, wire: str) -> int:
+        return self.steps[self.wires.index(wire)] if self.steps else 1
 
 
 @dataclass(frozen=True)
@@ -180,7 +186,8 @@ def kernels(diagram: ir.Diagram) -> list[Kernel]:
                     continue
                 w = ref_wires(diagram, r)
                 wires |= set(w)
-                loads.setdefault((r.name, w), Access(r.name, w, "load", tiling.tensor_dtype(diagram, r.name)))
+                loads.setdefault((r.name, w, r.steps), Access(r.name, w, "load", tiling.tensor_dtype(diagram, r.name),
+                                                               r.steps or ()))
         stores = tuple(n for n in boxes if n in g_mat)
         accesses = tuple(loads.values()) + tuple(
             Access(n, ir.axis_wires(lets[n].axes), "store", tiling.tensor_dtype(diagram, n)) for n in stores)
@@ -282,6 +289,42 @@ def clip(size: int, block: int, index: int) -> int:
     return max(0, min(block, size - index * block))
 
 
+def coarse_cells(size: int, block: int, index: int, step: int) -> int:
+    """The distinct ``// step`` indices block ``index`` of a wire meets: what a
+    tile of a coarse read (keep[.., q // 64, ..]) loads along it; ``clip`` at step 1."""
+    first, end = index * block, min((index + 1) * block, size)
+    return 0 if end <= first else (end - 1) // step - first // step + 1
+
+
+def coarse_sum(size: int, block: int, step: int, first: int, stop: int) -> int:
+    """sum(coarse_cells(size, block, j, step) for j in range(first, stop)) without
+    the loop: a whole block's cells repeat every step / gcd(block, step) blocks."""
+    if step == 1:
+        return clipped_sum(size, block, first, stop)
+    stop = min(stop, -(-size // block))
+    if stop <= first:
+        return 0
+    period = step // math.gcd(block, step)
+    pattern = [coarse_cells(period * block, block, k, step) for k in range(period)]
+    prefix = [0]
+    for c in pattern:
+        prefix.append(prefix[-1] + c)
+
+    def whole(m: int) -> int:   # blocks [0, m), all whole
+        return (m // period) * prefix[-1] + prefix[m % period]
+    wholes = size // block
+    total = whole(max(first, min(stop, wholes))) - whole(min(first, wholes))
+    if first <= wholes < stop and size % block:
+        total += coarse_cells(size, block, wholes, step)
+    return total
+
+
+def coarse_extent(block: int, step: int) -> int:
+    """The most distinct ``// step`` indices a whole block meets."""
+    period = step // math.gcd(block, step)
+    return max(coarse_cells(period * block, block, k, step) for k in range(period))
+
+
 def kernel_tiling(kernel: Kernel, tiles: Tiling) -> tuple[dict[str, int], Optional[tuple[str, int]]]:
     """The grid wires and the stream restricted to the kernel's wires."""
     groups = {w: b for w, b in tiles.groups if w in kernel.wires}
@@ -297,22 +340,26 @@ def count_access(access: Access, kernel: Kernel, tiles: Tiling, sizes: dict[str,
     s = stream[0] if stream else None
     carries_s = s is not None and s in access.wires
     passes = 2 if (kernel.two_pass and carries_s and access.kind == "load") else 1
+
+    def total(w: str, block: int) -> int:   # the elements every block of w loads, summed
+        return coarse_sum(sizes[w], block, access.step(w), 0, -(-sizes[w] // block))
     count = 1
     for w in access.wires:
         if w not in groups and w != s:
-            count *= sizes[w]
+            count *= -(-sizes[w] // access.step(w))
     row = visited.row if (visited is not None and kernel.skips) else None
     for w, block in groups.items():
         if w == row:
             continue
-        count *= sizes[w] if w in access.wires else math.ceil(sizes[w] / block)
+        count *= total(w, block) if w in access.wires else math.ceil(sizes[w] / block)
     if row is None:
-        return count * (sizes[s] if carries_s else 1) * passes
+        return count * (total(s, stream[1]) if carries_s else 1) * passes
     rblock = groups[row]
-    r_extent = (lambda i: clip(sizes[row], rblock, i)) if row in access.wires else (lambda i: 1)
+    r_extent = (lambda i: coarse_cells(sizes[row], rblock, i, access.step(row))) if row in access.wires \
+        else (lambda i: 1)
     if carries_s:
-        chunk = stream[1]
-        pair_sum = sum(r_extent(i) * clipped_sum(sizes[s], chunk, a, b)
+        chunk, step = stream[1], access.step(s)
+        pair_sum = sum(r_extent(i) * coarse_sum(sizes[s], chunk, step, a, b)
                        for i in range(len(visited.spans)) for a, b in visited.parts(i))
     else:
         pair_sum = sum(r_extent(i) for i in range(math.ceil(sizes[row] / rblock)))
@@ -327,6 +374,11 @@ def access_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym: Callabl
     poly = Poly.const(2 if (kernel.two_pass and s in access.wires and access.kind == "load") else 1)
     for w in access.wires:
         poly = poly * wire_sym(w)
+        step = access.step(w)
+        if step != 1:   # a coarse read: a block within one step loads one cell, a longer one a cell a step
+            block = groups.get(w, stream[1] if stream and w == s else None)
+            poly = poly / (Poly.const(step) if block is None or block > step else
+                           tile_sym(tiles, w, block) if w in groups else Poly.sym(f"s_{w}"))
     for w, block in groups.items():
         if w not in access.wires:
             poly = poly * wire_sym(w) / tile_sym(tiles, w, block)
@@ -359,6 +411,11 @@ def access_fetches_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym)
     for w, block in groups.items():
         if w not in access.wires:
             poly = poly * wire_sym(w) / tile_sym(tiles, w, block)
+    for w in access.wires:   # a coarse read's cell is met by each block within it
+        block = groups.get(w, stream[1] if stream and w == s else None)
+        if access.step(w) != 1 and block is not None and block < access.step(w):
+            poly = poly * Poly.const(access.step(w)) / (tile_sym(tiles, w, block) if w in groups
+                                                        else Poly.sym(f"s_{w}"))
     return poly
 
 
@@ -580,11 +637,13 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
         tile_of[acc] = key
         # one program's tile, a step's (shared loads) and the whole stream's (the footprint)
         extent = {w: groups[w] if w in groups else sizes[w] for w in acc.wires}
+        extent = {w: n if acc.step(w) == 1 else coarse_extent(n, acc.step(w)) for w, n in extent.items()}
         width = ir.DTYPE_BYTES[acc.dtype]
         tiles_in_first = np.unique(key[first]).size if acc in shared else int(first.sum())
         wave_bytes += tiles_in_first * math.prod(extent.values()) * width
         if acc in shared:
-            per_step = math.prod(stream[1] if stream and w == stream[0] else extent[w] for w in acc.wires)
+            per_step = math.prod((stream[1] if acc.step(w) == 1 else coarse_extent(stream[1], acc.step(w)))
+                                 if stream and w == stream[0] else extent[w] for w in acc.wires)
             step_bytes += tiles_in_first * per_step * width
     if step_bytes > l2_bytes:
         return {a: 1.0 for a in shared}, step_bytes
