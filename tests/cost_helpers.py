@@ -1,7 +1,9 @@
 """What the cost pass's test files share: the bundled examples, a printed
-formula evaluated exactly, and the CLI run in-process."""
+formula evaluated exactly, the CLI run in-process, and a report's bytes per
+tensor beside the ByteCounter's."""
 from __future__ import annotations
 
+from collections import defaultdict
 from fractions import Fraction
 from pathlib import Path
 
@@ -40,3 +42,18 @@ def run_cli(*argv, capsys):
     code = main(list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def predicted_bytes(transfers, *without) -> tuple[dict, dict]:
+    """A report's (loads, stores) bytes per tensor, as the ByteCounter keys
+    them, less the tensors ``without`` and the ranges prepass's own buffers
+    (the prepass's traffic is not counted, as the report's note says)."""
+    out = (defaultdict(int), defaultdict(int))
+    for t in transfers:
+        out[t.direction != "load"][t.tensor] += t.bytes
+    return tuple(without_tensors(c, *without) for c in out)
+
+
+def without_tensors(counts, *names) -> dict:
+    """Bytes per tensor less ``names``, the prepass's buffers and the zeros."""
+    return {k: v for k, v in counts.items() if k not in (*names, "_ranges", "_parts") and v}

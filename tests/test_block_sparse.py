@@ -22,14 +22,13 @@ FlexAttention's BlockMask) at |q| |x| / 4096 bools, where a dense mask takes
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
 
 import napkin
 import backward_helpers as B
 import kernel_helpers as K
+from cost_helpers import predicted_bytes, without_tensors
 from napkin.bytecount import ByteCounter
 from napkin.errors import NapkinError
 
@@ -174,13 +173,6 @@ def test_the_kernels_skip_the_blocks_keep_drops():
     assert bc.loads["K"] == (1 + 2 + 3 + 4) * 64 * 64 * 4   # causal: the blocks up to the diagonal
 
 
-def _predicted(transfers) -> tuple[dict, dict]:
-    out = (defaultdict(int), defaultdict(int))
-    for t in transfers:
-        out[t.direction != "load"][t.tensor] += t.bytes
-    return tuple(dict(c) for c in out)
-
-
 @pytest.mark.parametrize("n_q, n_x", [(100, 100), (150, 70)])
 def test_the_cost_pass_counts_the_cells_a_coarse_read_meets(n_q, n_x):
     """bias[h, q // 48, x // 48] at blocks 32 x 16 (a block meets one or two
@@ -211,12 +203,12 @@ def test_the_cost_pass_counts_the_cells_a_coarse_read_meets(n_q, n_x):
     report = analyse(d, sizes)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs)), distinct=True) as bc:
         m.coarse_bias(*inputs)
-    assert (dict(bc.loads), dict(bc.stores)) == _predicted(report.transfers)
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == predicted_bytes(report.transfers)
     back = backward_cost(d, sizes, given=True)
     options = tuple({"block_q": 32, "block_x": 16}.get(o) for o in m._OPTIONS)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs)), distinct=True) as bc:
         outs, saved = m._coarse_bias_forward(*inputs, *options, True)
-    assert (dict(bc.loads), dict(bc.stores)) == _predicted(back.forward.transfers)
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == predicted_bytes(back.forward.transfers)
     grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)) for o in outs]
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs)), distinct=True) as bc:
         m._coarse_bias_grads(inputs, (*outs, *saved), grads, options, None)

@@ -16,7 +16,6 @@ prepass finds live on it (napkin/cost/lengths.py).  Checked here:
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from napkin.cost import analyse, with_blocks
 from napkin.cost.backward import backward_cost
 from napkin.errors import NapkinError
 import kernel_helpers as K
+from cost_helpers import predicted_bytes, without_tensors
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,19 +38,6 @@ def _folder(tmp_path_factory):
 
 PREFIX = (K.REPO / "examples" / "prefix_lm.ncd").read_text()
 RAGGED = (K.REPO / "examples" / "ragged_decode.ncd").read_text().replace("bf16", "fp16")  # the interpreter's bf16 dot
-
-
-def _without(counts: dict, *names) -> dict:
-    """Bytes per tensor, less ``names`` (the length input: the prepass reads it too, and its
-    traffic is not counted, as the note says) and the prepass's own buffers."""
-    return {k: v for k, v in counts.items() if k not in (*names, "_ranges", "_parts") and v}
-
-
-def _predicted(transfers, *names) -> tuple[dict, dict]:
-    out = (defaultdict(int), defaultdict(int))
-    for t in transfers:
-        out[t.direction != "load"][t.tensor] += t.bytes
-    return tuple(_without(c, *names) for c in out)
 
 
 @pytest.mark.parametrize("prefix", [1, 37, 96, 149, 400])
@@ -69,7 +56,8 @@ def test_the_prefix_lm_counts_are_the_bytes_its_kernels_move(prefix):
     assert f"when p = {prefix} at every index (--lengths)" in " ".join(report.notes)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.prefix_lm(*inputs, block_q=32, block_x=16)
-    assert (_without(bc.loads, "p"), _without(bc.stores, "p")) == _predicted(report.transfers, "p")
+    assert (without_tensors(bc.loads, "p"), without_tensors(bc.stores, "p")) == \
+        predicted_bytes(report.transfers, "p")
     dense = analyse(with_blocks(d, blocks), sizes)
     # below dense unless it keeps every block
     assert (report_bytes(report, "K") < report_bytes(dense, "K")) == (prefix < n - 16)
@@ -78,12 +66,13 @@ def test_the_prefix_lm_counts_are_the_bytes_its_kernels_move(prefix):
     options = tuple({"block_q": 32, "block_x": 16}.get(o) for o in m._OPTIONS)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         outs, saved = m._prefix_lm_forward(*inputs, *options, True)
-    assert (_without(bc.loads, "p"), _without(bc.stores, "p")) == _predicted(back.forward.transfers, "p")
+    assert (without_tensors(bc.loads, "p"), without_tensors(bc.stores, "p")) == \
+        predicted_bytes(back.forward.transfers, "p")
     grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m._prefix_lm_grads(inputs, (*outs, *saved), grads, options, None)
-    assert (_without(bc.loads, "p"), _without(bc.stores, "p")) == \
-        (_without(back.by_tensor("load"), "p"), _without(back.by_tensor("store"), "p"))
+    assert (without_tensors(bc.loads, "p"), without_tensors(bc.stores, "p")) == \
+        (without_tensors(back.by_tensor("load"), "p"), without_tensors(back.by_tensor("store"), "p"))
 
 
 @pytest.mark.parametrize("length, chunk", [(1, None), (64, None), (65, 128), (299, 128), (300, 256)])
@@ -104,8 +93,8 @@ def test_ragged_decoding_counts_the_cache_up_to_the_length(length, chunk):
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.ragged_decode(*inputs, **({} if chunk is None else {"chunk": chunk}))
     # the packed rows' positions are read by the prepass too (uncounted, as the note says)
-    loads, stores = _without(bc.loads, "n", "_pos_q"), _without(bc.stores, "n")
-    want_loads, want_stores = _predicted(report.transfers, "n", "_pos_q")
+    loads, stores = without_tensors(bc.loads, "n", "_pos_q"), without_tensors(bc.stores, "n")
+    want_loads, want_stores = predicted_bytes(report.transfers, "n", "_pos_q")
     assert stores == want_stores and loads == want_loads
     assert 0 < report_bytes(report, "_pos_q") < bc.loads["_pos_q"]
     # the keys counted are the 64-key blocks up to the length, per sequence and kv head
