@@ -1064,15 +1064,15 @@ def _block_sparse_ranges_cached(mask_cache, keep, _sz, _dev, _br, _bc, _whole_ro
         return _block_sparse_ranges(keep, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on)
     if _own:
         mask_cache = _BLOCK_SPARSE_RANGES_KEPT
-        if len(mask_cache) >= _RANGES_KEPT_MAX:
-            mask_cache.clear()
     _masks = (keep,)
     _key = ("_block_sparse_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), tuple(sorted(_sz.items())), str(_dev),
             tuple((tuple(_t.shape), str(_t.dtype)) for _t in _masks),
             _ranges_stream(_dev) if _own else None)
     _hit = mask_cache.get(_key)
     if _hit is None or not _mask_stamp_holds(_hit[1], _masks):
-        _hit = mask_cache[_key] = (_block_sparse_ranges(keep, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on), _mask_stamp(_masks))
+        _hit = (_block_sparse_ranges(keep, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on), _mask_stamp(_masks))
+        # the module's own dict cleared past its bound as a new entry comes (a hit keeps it); the caller's is theirs
+        _memo_put(mask_cache, _RANGES_KEPT_MAX if _own else math.inf, _key, _hit)
     return _hit[0]
 
 # Rows at global positions.  positions={wire: int tensor} gives the global

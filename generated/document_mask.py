@@ -1061,15 +1061,15 @@ def _document_mask_ranges_cached(mask_cache, doc, _sz, _dev, _br, _bc, _whole_ro
         return _document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on)
     if _own:
         mask_cache = _DOCUMENT_MASK_RANGES_KEPT
-        if len(mask_cache) >= _RANGES_KEPT_MAX:
-            mask_cache.clear()
     _masks = (doc,)
     _key = ("_document_mask_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), tuple(sorted(_sz.items())), str(_dev),
             tuple((tuple(_t.shape), str(_t.dtype)) for _t in _masks),
             _ranges_stream(_dev) if _own else None)
     _hit = mask_cache.get(_key)
     if _hit is None or not _mask_stamp_holds(_hit[1], _masks):
-        _hit = mask_cache[_key] = (_document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on), _mask_stamp(_masks))
+        _hit = (_document_mask_ranges(doc, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on), _mask_stamp(_masks))
+        # the module's own dict cleared past its bound as a new entry comes (a hit keeps it); the caller's is theirs
+        _memo_put(mask_cache, _RANGES_KEPT_MAX if _own else math.inf, _key, _hit)
     return _hit[0]
 
 # Rows at global positions.  positions={wire: int tensor} gives the global

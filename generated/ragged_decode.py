@@ -1078,15 +1078,15 @@ def _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, _whole_rows
         return _ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _rows)
     if _own:
         mask_cache = _RAGGED_DECODE_RANGES_KEPT
-        if len(mask_cache) >= _RANGES_KEPT_MAX:
-            mask_cache.clear()
     _masks = (n,)
     _key = ("_ragged_decode_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), tuple(sorted(_sz.items())), str(_dev),
             None if _rows is None else int(_rows["_len_q"]), tuple((tuple(_t.shape), str(_t.dtype)) for _t in _masks),
             _ranges_stream(_dev) if _own else None)
     _hit = mask_cache.get(_key)
     if _hit is None or not _mask_stamp_holds(_hit[1], _masks):
-        _hit = mask_cache[_key] = (_ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _rows), _mask_stamp(_masks))
+        _hit = (_ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _rows), _mask_stamp(_masks))
+        # the module's own dict cleared past its bound as a new entry comes (a hit keeps it); the caller's is theirs
+        _memo_put(mask_cache, _RANGES_KEPT_MAX if _own else math.inf, _key, _hit)
     return _hit[0]
 
 # Rows at global positions.  positions={wire: int tensor} gives the global

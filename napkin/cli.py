@@ -328,7 +328,8 @@ def _find_demo_file(name: str) -> Path:
 
 
 def _demo_sizes(diagram, requested: dict[str, int], path) -> dict[str, int]:
-    """A size for every symbolic wire: the user's, else a small default."""
+    """A size for every symbolic wire: the user's, else a small default (a
+    coarse read's blocks, qb of keep[.., q // 64, ..], from their wire's)."""
     known = {w.name: w for w in diagram.wires}
     for name, value in requested.items():
         if name not in known:
@@ -337,12 +338,8 @@ def _demo_sizes(diagram, requested: dict[str, int], path) -> dict[str, int]:
         if known[name].size is not None and known[name].size != value:
             raise NapkinError(f"--size {name}={value}: wire {name} is fixed at {known[name].size}",
                               filename=str(path))
-    sizes = {w.name: requested.get(w.name, DEMO_SIZES.get(w.name, DEMO_OTHER_SIZE))
-             for w in diagram.wires if w.size is None}
-    for _, declared, read, step, _ in ir.coarse_reads(diagram):   # keep[.., q // 64, ..]: qb follows q
-        if declared in sizes and declared not in requested:
-            sizes[declared] = -(-(sizes.get(read) or known[read].size) // step)
-    return sizes
+    return ir.coarse_sizes(diagram, {w.name: requested.get(w.name, DEMO_SIZES.get(w.name, DEMO_OTHER_SIZE))
+                                     for w in diagram.wires if w.size is None}, requested)   # qb follows q
 
 
 def _import_file(path: Path):

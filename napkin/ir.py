@@ -426,15 +426,22 @@ def relabels(d: "Diagram") -> tuple[tuple[str, str, str, Loc], ...]:
     the two wires must have one size.  First occurrence of each, in the
     inputs' order, then the boxes'."""
     out: dict[tuple[str, str, str], Loc] = {}
+    for tensor, dw, rw, step, loc in _named_reads(d):
+        if dw != rw and step == 1:   # a coarse read's wires differ in size (coarse_reads)
+            out.setdefault((tensor, dw, rw), loc)
+    return tuple((*key, loc) for key, loc in out.items())
+
+
+def _named_reads(d: "Diagram"):
+    """(input, declared wire, wire read along, step, where) for each wire of each
+    read that names its wires, in the inputs' order, then the boxes'."""
     for t in d.inputs:
         declared = axis_wires(t.axes)
         for let in d.lets:
             for n in walk(let.expr):
                 if isinstance(n, TensorRef) and n.name == t.name and n.wires is not None:
                     for dw, rw, step in zip(declared, n.wires, read_steps(n)):
-                        if dw != rw and step == 1:   # a coarse read's wires differ in size (coarse_reads)
-                            out.setdefault((t.name, dw, rw), n.loc)
-    return tuple((*key, loc) for key, loc in out.items())
+                        yield t.name, dw, rw, step, n.loc
 
 
 def read_steps(ref: TensorRef) -> tuple[int, ...]:
@@ -448,15 +455,25 @@ def coarse_reads(d: "Diagram") -> tuple[tuple[str, str, str, int, Loc], ...]:
     ``keep[b, h, qb, xb]``: keep, qb, q, 64): the declared wire's size must
     be ceil(|read| / step).  First occurrence of each, as ``relabels``."""
     out: dict[tuple[str, str, str, int], Loc] = {}
-    for t in d.inputs:
-        declared = axis_wires(t.axes)
-        for let in d.lets:
-            for n in walk(let.expr):
-                if isinstance(n, TensorRef) and n.name == t.name and n.steps is not None:
-                    for dw, rw, step in zip(declared, n.wires, n.steps):
-                        if step != 1:
-                            out.setdefault((t.name, dw, rw, step), n.loc)
+    for tensor, dw, rw, step, loc in _named_reads(d):
+        if step != 1:
+            out.setdefault((tensor, dw, rw, step), loc)
     return tuple((*key, loc) for key, loc in out.items())
+
+
+def coarse_sizes(d: "Diagram", sizes: Mapping[str, int], given=None) -> dict[str, int]:
+    """``sizes`` with each symbolic wire a coarse read's blocks lie along (qb of
+    keep[.., q // 64, ..]) set to ceil(|q| / 64), |q| from ``sizes`` or the
+    diagram, unless ``given`` names it (default: every wire ``sizes`` holds).
+    The one rule napkin demo's, the bench's, the aot report's and the cost
+    pass's sizes follow; the launcher's _bind checks it."""
+    given = sizes if given is None else given
+    out = dict(sizes)
+    for _, declared, read, step, _ in coarse_reads(d):
+        n = out.get(read, d.wire(read).size)
+        if declared not in given and d.wire(declared).size is None and n is not None:
+            out[declared] = -(-n // step)
+    return out
 
 
 def tie_relabels(d: "Diagram", sizes: dict) -> Optional[tuple[str, str, str, Loc]]:
@@ -473,9 +490,10 @@ def tie_relabels(d: "Diagram", sizes: dict) -> Optional[tuple[str, str, str, Loc
             for a, b in ((declared, read), (read, declared)):
                 if a in sizes and b not in sizes:
                     sizes[b], changed = sizes[a], True
-        for _, declared, read, step, _ in coarse_reads(d):   # the blocks of a sized wire: ceil(|read| / step)
-            if read in sizes and declared not in sizes:
-                sizes[declared], changed = -(-sizes[read] // step), True
+        blocks = coarse_sizes(d, sizes)   # the blocks of a sized wire: ceil(|read| / step)
+        if blocks.keys() != sizes.keys():
+            sizes.update(blocks)
+            changed = True
     return None
 
 

@@ -317,12 +317,8 @@ def default_sizes(diagram: ir.Diagram, given: Mapping[str, int]) -> dict[str, in
     from ..autotune import tiled_wires
 
     tiled = set(tiled_wires(diagram))
-    sizes = {w.name: int(given.get(w.name, DEFAULT_SIZE if w.name in tiled else OTHER_SIZE))
-             for w in diagram.wires if w.size is None}
-    for _, declared, read, step, _ in ir.coarse_reads(diagram):   # keep[.., q // 64, ..]: qb follows q
-        if declared in sizes and declared not in given and read in sizes:
-            sizes[declared] = -(-sizes[read] // step)
-    return sizes
+    return ir.coarse_sizes(diagram, {w.name: int(given.get(w.name, DEFAULT_SIZE if w.name in tiled else OTHER_SIZE))
+                                     for w in diagram.wires if w.size is None}, given)   # qb follows q
 
 
 def table(reports: Sequence[KernelReport]) -> str:

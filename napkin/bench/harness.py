@@ -435,10 +435,7 @@ def point_sizes(diagram: ir.Diagram, roles, grid: dict) -> list[dict[str, int]]:
                         flag = "--batch" if w == roles.batch else "--heads"
                         raise NapkinError(f"{flag} asks {sizes[w]} of wire {w}, which diagram {diagram.name} "
                                           f"fixes at {fixed}")
-                sizes.update(grid["extra"])
-                for _, declared, read, step, _ in ir.coarse_reads(diagram):   # qb of keep[.., q // 64, ..]
-                    if declared not in sizes and read in sizes:
-                        sizes[declared] = -(-sizes[read] // step)
+                sizes = ir.coarse_sizes(diagram, {**sizes, **grid["extra"]})   # qb of keep[.., q // 64, ..]
                 missing = [w.name for w in diagram.wires if w.size is None and w.name not in sizes]
                 if missing:
                     hint = " (or --head-dim N)" if missing[0] in (roles.dim, roles.vdim) else ""

@@ -174,11 +174,11 @@ def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: M
         return (f"the counts are the blocks the ranges prepass finds live when {ids.name} holds "
                 f"--docs' {docs.describe(sizes[wire])} in every batch row, each document's tokens contiguous "
                 f"({cost}; steps whose blocks are all kept read no {ids.name}, which the counts still load)")
-    if ranges.index_disjuncts(plan) is not None:
-        return (f"the mask {expr_text(plan.skip)} compares indices alone: the counts are the blocks the kernels' ranges "
-                f"prepass finds live, the span of each row block's less its longest dead run ({cost})")
-    read = sorted({n.name for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)} & set(lengths))
-    if read and ranges.index_disjuncts(plan, lengths) is not None:
+    if ranges.index_disjuncts(plan, lengths) is not None:   # indices alone, the given lengths' values read
+        read = sorted({n.name for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)} & set(lengths))
+        if not read:
+            return (f"the mask {expr_text(plan.skip)} compares indices alone: the counts are the blocks the kernels' "
+                    f"ranges prepass finds live, the span of each row block's less its longest dead run ({cost})")
         given = describe({n: lengths[n] for n in read})
         return (f"the counts are the blocks the kernels' ranges prepass finds live when {given} at every index "
                 f"(--lengths), the span of each row block's less its longest dead run ({cost})")

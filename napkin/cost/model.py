@@ -374,11 +374,9 @@ def access_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym: Callabl
     poly = Poly.const(2 if (kernel.two_pass and s in access.wires and access.kind == "load") else 1)
     for w in access.wires:
         poly = poly * wire_sym(w)
-        step = access.step(w)
-        if step != 1:   # a coarse read: a block within one step loads one cell, a longer one a cell a step
-            block = groups.get(w, stream[1] if stream and w == s else None)
-            poly = poly / (Poly.const(step) if block is None or block > step else
-                           tile_sym(tiles, w, block) if w in groups else Poly.sym(f"s_{w}"))
+        step, block = access.step(w), _coarse_block(access, w, groups, stream, tiles)
+        if step != 1:   # a coarse read: a block within one cell loads one cell, a longer one a cell a step
+            poly = poly / (block[1] if block is not None and block[0] <= step else Poly.const(step))
     for w, block in groups.items():
         if w not in access.wires:
             poly = poly * wire_sym(w) / tile_sym(tiles, w, block)
@@ -412,11 +410,20 @@ def access_fetches_poly(access: Access, kernel: Kernel, tiles: Tiling, wire_sym)
         if w not in access.wires:
             poly = poly * wire_sym(w) / tile_sym(tiles, w, block)
     for w in access.wires:   # a coarse read's cell is met by each block within it
-        block = groups.get(w, stream[1] if stream and w == s else None)
-        if access.step(w) != 1 and block is not None and block < access.step(w):
-            poly = poly * Poly.const(access.step(w)) / (tile_sym(tiles, w, block) if w in groups
-                                                        else Poly.sym(f"s_{w}"))
+        block = _coarse_block(access, w, groups, stream, tiles)
+        if block is not None and block[0] < access.step(w):
+            poly = poly * Poly.const(access.step(w)) / block[1]
     return poly
+
+
+def _coarse_block(access: Access, w: str, groups: dict, stream, tiles: Tiling) -> Optional[tuple[int, Poly]]:
+    """(block, its symbol) along ``w`` for a coarse read: the grid's block
+    (``g_q``), else the stream's (``s_x``); None for a read of the wire
+    itself or a wire the kernel holds whole."""
+    block = groups.get(w, stream[1] if stream and w == stream[0] else None)
+    if access.step(w) == 1 or block is None:
+        return None
+    return block, tile_sym(tiles, w, block) if w in groups else Poly.sym(f"s_{w}")
 
 
 def visited_area(visited: Optional[Visited], kernel: Kernel, tiles: Tiling,
