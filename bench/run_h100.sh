@@ -97,11 +97,11 @@ stage_extras() {
 stage_masks() {
   # Masks built since the GPU runs, none timed on a GPU, FlexAttention-expressible: differential
   # attention (its (g d) maps are heads to flex and SDPA), prefix-LM (kv_idx <= q_idx | kv_idx < p[b],
-  # prefixes drawn in 1..N), StreamingLLM's 1024-token window with 4 sinks (the prepass's dead run
-  # between sinks and window stepped over: 37,616 of the 264,192 causal pairs at 16K, by the cost
-  # pass); the document mask again, whose partial loops step over a dead run since 2026-12-05; and
+  # prefixes drawn in 1..N), StreamingLLM's 1024-token window with 4 sinks (the dead blocks
+  # between sinks and window skipped: 37,616 of the 264,192 causal pairs at 16K, by the cost
+  # pass); the document mask again, whose partial loops walk a list of live blocks since 2026-12-06; and
   # block-sparse attention (a bool per 64 x 64 block, drawn at random, causal within: flex's mask_mod
-  # reads the same blocks).
+  # reads the same blocks; napkin's lists skip every dead block, as flex's kv_indices do).
   "${BENCH[@]}" examples/differential_attention.ncd examples/prefix_lm.ncd examples/streaming_llm.ncd \
     examples/document_mask.ncd examples/block_sparse.ncd "${TARGET[@]}" "${TUNE[@]}"
 }

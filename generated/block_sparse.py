@@ -862,6 +862,7 @@ def _block_sparse_ranges_kernel(
     _st_keep_qb,
     _st_keep_xb,
     _parts,
+    _tiles,
     _per,
     _BLOCK_q: tl.constexpr,
     _BLOCK_x: tl.constexpr,
@@ -896,8 +897,7 @@ def _block_sparse_ranges_kernel(
     _run = tl.full([], 0, tl.int32)  # full blocks ending at the current one
     _best = tl.full([], 0, tl.int32)  # the longest run so far, starting at _bstart
     _bstart = tl.full([], 0, tl.int32)
-    _gap = tl.full([], 0, tl.int32)  # the longest dead run between two live blocks, starting at _gat
-    _gat = tl.full([], 0, tl.int32)
+    _state = _tiles + (_mb * tl.num_programs(0) + _pid) * _steps  # this block's row of tile states
     for _j in range(_first, _last):
         if _BY_COL:
             _row0 = _j * _BLOCK_q
@@ -916,24 +916,20 @@ def _block_sparse_ranges_kernel(
         if _WHOLE_ROWS:  # the backward sums over rows: a ragged block of them is never full
             _whole = _whole & (_row0 + _BLOCK_q <= _size_q)
         _all = _whole & (tl.min(tl.where(_keep | ~_ok_q[:, None], 1, 0)) > 0)
-        _dead = tl.where(_any & (_hi > 0), _j - _hi, 0)  # live after an earlier live block: [_hi, _j) dead
-        _gat = tl.where(_dead > _gap, _hi, _gat)
-        _gap = tl.maximum(_gap, _dead)
+        tl.store(_state + _j, tl.where(_all, 2, tl.where(_any, 1, 0)).to(tl.int8))
         _lo = tl.minimum(_lo, tl.where(_any, _j, _steps))
         _hi = tl.where(_any, _j + 1, _hi)
         _lead = tl.where(_all & (_lead == _j - _first), _lead + 1, _lead)
         _run = tl.where(_all, _run + 1, 0)
         _bstart = tl.where(_run > _best, _j + 1 - _run, _bstart)
         _best = tl.maximum(_best, _run)
-    _out = _parts + ((_mb * tl.num_programs(0) + _pid) * tl.num_programs(2) + _chunk) * 8
+    _out = _parts + ((_mb * tl.num_programs(0) + _pid) * tl.num_programs(2) + _chunk) * 6
     tl.store(_out, _lo)
     tl.store(_out + 1, _hi)
     tl.store(_out + 2, _lead)
     tl.store(_out + 3, _run)  # the trailing run
     tl.store(_out + 4, _best)
     tl.store(_out + 5, _bstart)
-    tl.store(_out + 6, _gap)
-    tl.store(_out + 7, _gat)
 
 
 @triton.jit(do_not_specialize=["_steps", "_per", "_chunks"])
@@ -941,28 +937,18 @@ def _block_sparse_merge_ranges_kernel(_parts, _ranges, _steps, _per, _chunks):
     # One program per block (axis 0) and mask batch index (axis 1): its chunks joined in order.
     _pid = tl.program_id(0)
     _mb = tl.program_id(1).to(tl.int64)
-    _src = _parts + (_mb * tl.num_programs(0) + _pid) * _chunks * 8
+    _src = _parts + (_mb * tl.num_programs(0) + _pid) * _chunks * 6
     _lo = tl.full([], 0, tl.int32) + _steps
     _hi = tl.full([], 0, tl.int32)
     _run = tl.full([], 0, tl.int32)  # full blocks ending at the previous chunk's end
     _best = tl.full([], 0, tl.int32)
     _bstart = tl.full([], 0, tl.int32)
-    _gap = tl.full([], 0, tl.int32)  # the longest dead run between live blocks, from _gat
-    _gat = tl.full([], 0, tl.int32)
     for _c in range(0, _chunks):
-        _at = _src + _c * 8
+        _at = _src + _c * 6
         _start = _c * _per
         _n = tl.minimum(_per, _steps - _start)  # the chunk's blocks
         _lead = tl.load(_at + 2)
-        _clo = tl.load(_at)
-        # the dead run from the last live block before this chunk to its first live one
-        _dead = tl.where((_hi > 0) & (_clo < _steps), _clo - _hi, 0)
-        _gat = tl.where(_dead > _gap, _hi, _gat)
-        _gap = tl.maximum(_gap, _dead)
-        _dead = tl.load(_at + 6)  # the chunk's own, between two of its live blocks
-        _gat = tl.where(_dead > _gap, tl.load(_at + 7), _gat)
-        _gap = tl.maximum(_gap, _dead)
-        _lo = tl.minimum(_lo, _clo)
+        _lo = tl.minimum(_lo, tl.load(_at))
         _hi = tl.maximum(_hi, tl.load(_at + 1))
         _joined = _run + _lead  # the run carried in, continued by the chunk's leading one
         _bstart = tl.where(_joined > _best, _start + _lead - _joined, _bstart)
@@ -973,17 +959,15 @@ def _block_sparse_merge_ranges_kernel(_parts, _ranges, _steps, _per, _chunks):
         _run = tl.where(_lead == _n, _run + _n, tl.load(_at + 3))
     _lo = tl.minimum(_lo, _hi)  # no live block: the empty range [0, 0)
     _flo = tl.where(_best > 0, _bstart, _lo)
-    _out = _ranges + (_mb * tl.num_programs(0) + _pid) * 6
+    _out = _ranges + (_mb * tl.num_programs(0) + _pid) * 4
     tl.store(_out, _lo)
     tl.store(_out + 1, _hi)
     tl.store(_out + 2, _flo)
     tl.store(_out + 3, _flo + _best)
-    tl.store(_out + 4, _gat)  # none: [0, 0), which no loop's range holds
-    tl.store(_out + 5, _gat + _gap)
 
 
 def _block_sparse_ranges(keep, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _per=None):
-    """(ranges, on): the prepass's [lo, hi, flo, fhi, g0, g1) per (b, h, block of q, or of
+    """(ranges, on): the prepass's record (_ranges_listed) per (b, h, block of q, or of
     x when _by_col) in blocks of the other wire, at the launching kernel's blocks _br, _bc;
     a placeholder and False when not _on (rows at global positions: every block, tested per tile).
     _per: blocks a scan program takes (default about the square root of a row's blocks: as many
@@ -994,14 +978,16 @@ def _block_sparse_ranges(keep, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _
     _steps = _cdiv(_sz["q"] if _by_col else _sz["x"], _br if _by_col else _bc)
     _per = _per or max(4, math.isqrt(max(_steps - 1, 0)) + 1)
     _grid = _fits((_n, _sz["b"] * _sz["h"], _cdiv(_steps, _per)))
-    _parts = torch.empty((_grid[1], _n, _grid[2], 8), dtype=torch.int32, device=_dev)  # each chunk's eight
-    _ranges = torch.empty((_grid[1], _n, 6), dtype=torch.int32, device=_dev)  # every merge program writes its six
+    _parts = torch.empty((_grid[1], _n, _grid[2], 6), dtype=torch.int32, device=_dev)  # each chunk's six
+    _tiles = torch.empty((_grid[1], _n, _steps), dtype=torch.int8, device=_dev)  # each tile's state, by its scan step
+    _ranges = torch.empty((_grid[1], _n, 4), dtype=torch.int32, device=_dev)  # every merge program writes its four
     if math.prod(_grid) > 0:
         _block_sparse_ranges_kernel[_grid](
             keep,
             _sz["b"], _sz["h"], _sz["q"], _sz["x"], _sz["qb"], _sz["xb"],
             *_wire_strides(keep, "keep", _sz),
             _parts,
+            _tiles,
             _per,
             _BLOCK_q=_br, _BLOCK_x=_bc, _WHOLE_ROWS=_whole_rows, _BY_COL=_by_col,
             _INT64=_int64_offsets(keep),
@@ -1009,7 +995,20 @@ def _block_sparse_ranges(keep, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _
         )
     if _grid[0] * _grid[1] > 0:  # no chunk (an empty wire scanned) still writes its empty range
         _block_sparse_merge_ranges_kernel[_grid[:2]](_parts, _ranges, _steps, _per, _grid[2], num_warps=1)
-    return _ranges, True
+    return _ranges_listed(_ranges, _tiles), True
+
+
+def _ranges_listed(ranges, tiles):
+    """Each block's record as the kernels read it (ranges.bounds_lines), 2 S + 5 int32 for S
+    blocks of the other wire: [lo, hi, flo, fhi], then pos[0..S], pos[b] the live blocks
+    before b outside the full run [flo, fhi), then those blocks ascending (the rest of the
+    row, unread, after them).  torch's sort and scan on the states, as FlexAttention's
+    BlockMask orders its kv_indices: a kernel would walk each row's blocks one by one."""
+    _j = torch.arange(tiles.shape[-1], dtype=torch.int32, device=tiles.device)
+    _part = (tiles > 0) & ((_j < ranges[..., 2:3]) | (_j >= ranges[..., 3:4]))
+    _pos = torch.nn.functional.pad(torch.cumsum(_part, -1, dtype=torch.int32), (1, 0))
+    _list = torch.sort((~_part).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return torch.cat([ranges, _pos, _list], -1).contiguous()
 
 
 # A kept result holds a stamp of the mask inputs it was computed from: each
@@ -1475,19 +1474,19 @@ def _block_sparse_kernel(
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     if not _POS_x:
         _hi = tl.minimum(_hi, _row_last + 1)  # x <= q, loosest at the block's last row
-    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live, full and dead (ranges.py)
-        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_q, _BLOCK_q) + _pid) * 6
+    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
+        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_x, _BLOCK_x) + 5)
         _lo = tl.load(_rg) * _BLOCK_x
         _hi = tl.load(_rg + 1) * _BLOCK_x
         _flo = tl.load(_rg + 2) * _BLOCK_x
         _fhi = tl.load(_rg + 3) * _BLOCK_x
-        _g0 = tl.load(_rg + 4) * _BLOCK_x
-        _g1 = tl.load(_rg + 5) * _BLOCK_x
+        _rp = _rg + 4  # per block b, the live blocks outside the full run before b
+        _rl = _rp + tl.cdiv(_size_x, _BLOCK_x) + 1  # those blocks, ascending
     else:
-        _flo = _lo  # rows or keys at global positions: none known full, none dead
+        _flo = _lo  # rows or keys at global positions: none known full, no list
         _fhi = _lo
-        _g0 = _lo
-        _g1 = _lo
+        _rp = _ranges
+        _rl = _ranges
     if _CHUNK:  # one chunk of x per program (grid axis 2): the range cut to it
         _c0 = tl.program_id(2) * _CHUNK
         _lo = tl.maximum(_lo, _c0)
@@ -1495,10 +1494,10 @@ def _block_sparse_kernel(
         _flo = tl.minimum(tl.maximum(_flo, _lo), _hi)
         _fhi = tl.minimum(tl.maximum(_fhi, _lo), _hi)
     # Partial blocks before the full ones: the mask cuts through them.
-    _ga = tl.minimum(tl.maximum(_g0, _lo), _flo)  # the dead run inside [_lo, _flo): stepped over
-    _sh = tl.minimum(tl.maximum(_g1, _lo), _flo) - _ga
-    for _iv in range(_lo, _flo - _sh, _BLOCK_x):
-        _start = _iv + tl.where(_iv >= _ga, _sh, 0)
+    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _lo  # the list's part inside [_lo, _flo)
+    _pb = tl.load(_rp + tl.cdiv(_flo, _BLOCK_x)) if _RANGES else _flo
+    for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
+        _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows outside [0, |x|) are padding
@@ -1562,10 +1561,10 @@ def _block_sparse_kernel(
             _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
         _l = _l * _alpha + tl.sum(_p, 1)[:, None]
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
-    _ga = tl.minimum(tl.maximum(_g0, _fhi), _hi)  # the dead run inside [_fhi, _hi): stepped over
-    _sh = tl.minimum(tl.maximum(_g1, _fhi), _hi) - _ga
-    for _iv in range(_fhi, _hi - _sh, _BLOCK_x):
-        _start = _iv + tl.where(_iv >= _ga, _sh, 0)
+    _pa = tl.load(_rp + _fhi // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_fhi, _hi)
+    _pb = tl.load(_rp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _hi
+    for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
+        _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows outside [0, |x|) are padding
@@ -2054,24 +2053,24 @@ def _block_sparse_bwd_dkdv_kernel(
         _t = tl.maximum(_need, 0)  # the first row reaching it; rows past the end: no block
         _lo = tl.maximum(_lo, tl.where(_t >= _size_q, tl.cdiv(_size_q, _BLOCK_q), _t // _BLOCK_q))
         _hi = tl.maximum(_lo, _hi)
-    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live, full and dead (ranges.py)
-        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_x, _BLOCK_x) + _pid) * 6
+    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
+        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_x, _BLOCK_x) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_q, _BLOCK_q) + 5)
         _lo = tl.load(_rg)
         _hi = tl.load(_rg + 1)
         _flo = tl.load(_rg + 2)
         _fhi = tl.load(_rg + 3)
-        _g0 = tl.load(_rg + 4)
-        _g1 = tl.load(_rg + 5)
+        _rp = _rg + 4  # per block b, the live blocks outside the full run before b
+        _rl = _rp + tl.cdiv(_size_q, _BLOCK_q) + 1  # those blocks, ascending
     else:
-        _flo = _lo  # rows or keys at global positions: none known full, none dead
+        _flo = _lo  # rows or keys at global positions: none known full, no list
         _fhi = _lo
-        _g0 = _lo
-        _g1 = _lo
+        _rp = _ranges
+        _rl = _ranges
     # Partial blocks before the full ones: the mask cuts through them.
-    _ga = tl.minimum(tl.maximum(_g0, _lo), _flo)  # the dead run inside [_lo, _flo): stepped over
-    _sh = tl.minimum(tl.maximum(_g1, _lo), _flo) - _ga
-    for _iv in range(_lo, _flo - _sh):
-        _rb = _iv + tl.where(_iv >= _ga, _sh, 0)
+    _pa = tl.load(_rp + _lo) if _RANGES else _lo  # the list's part inside [_lo, _flo)
+    _pb = tl.load(_rp + _flo) if _RANGES else _flo
+    for _iv in range(_pa, _pb):
+        _rb = tl.load(_rl + _iv) if _RANGES else _iv
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _ok_q = _offs_q < _size_q
@@ -2131,10 +2130,10 @@ def _block_sparse_bwd_dkdv_kernel(
         _acc_K += tl.dot(_operand_grad(_dR, 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
-    _ga = tl.minimum(tl.maximum(_g0, _fhi), _hi)  # the dead run inside [_fhi, _hi): stepped over
-    _sh = tl.minimum(tl.maximum(_g1, _fhi), _hi) - _ga
-    for _iv in range(_fhi, _hi - _sh):
-        _rb = _iv + tl.where(_iv >= _ga, _sh, 0)
+    _pa = tl.load(_rp + _fhi) if _RANGES else _fhi  # the list's part inside [_fhi, _hi)
+    _pb = tl.load(_rp + _hi) if _RANGES else _hi
+    for _iv in range(_pa, _pb):
+        _rb = tl.load(_rl + _iv) if _RANGES else _iv
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _ok_q = _offs_q < _size_q
@@ -2293,24 +2292,24 @@ def _block_sparse_bwd_dq_kernel(
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     if not _POS_x:
         _hi = tl.minimum(_hi, _row_last + 1)  # x <= q, loosest at the block's last row
-    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live, full and dead (ranges.py)
-        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_q, _BLOCK_q) + _pid) * 6
+    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
+        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_x, _BLOCK_x) + 5)
         _lo = tl.load(_rg) * _BLOCK_x
         _hi = tl.load(_rg + 1) * _BLOCK_x
         _flo = tl.load(_rg + 2) * _BLOCK_x
         _fhi = tl.load(_rg + 3) * _BLOCK_x
-        _g0 = tl.load(_rg + 4) * _BLOCK_x
-        _g1 = tl.load(_rg + 5) * _BLOCK_x
+        _rp = _rg + 4  # per block b, the live blocks outside the full run before b
+        _rl = _rp + tl.cdiv(_size_x, _BLOCK_x) + 1  # those blocks, ascending
     else:
-        _flo = _lo  # rows or keys at global positions: none known full, none dead
+        _flo = _lo  # rows or keys at global positions: none known full, no list
         _fhi = _lo
-        _g0 = _lo
-        _g1 = _lo
+        _rp = _ranges
+        _rl = _ranges
     # Partial blocks before the full ones: the mask cuts through them.
-    _ga = tl.minimum(tl.maximum(_g0, _lo), _flo)  # the dead run inside [_lo, _flo): stepped over
-    _sh = tl.minimum(tl.maximum(_g1, _lo), _flo) - _ga
-    for _iv in range(_lo, _flo - _sh, _BLOCK_x):
-        _start = _iv + tl.where(_iv >= _ga, _sh, 0)
+    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _lo  # the list's part inside [_lo, _flo)
+    _pb = tl.load(_rp + tl.cdiv(_flo, _BLOCK_x)) if _RANGES else _flo
+    for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
+        _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows outside [0, |x|) are padding
@@ -2360,10 +2359,10 @@ def _block_sparse_bwd_dq_kernel(
         _dR = _dS
         _acc_Q += tl.dot(_operand_grad(_dR, 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
-    _ga = tl.minimum(tl.maximum(_g0, _fhi), _hi)  # the dead run inside [_fhi, _hi): stepped over
-    _sh = tl.minimum(tl.maximum(_g1, _fhi), _hi) - _ga
-    for _iv in range(_fhi, _hi - _sh, _BLOCK_x):
-        _start = _iv + tl.where(_iv >= _ga, _sh, 0)
+    _pa = tl.load(_rp + _fhi // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_fhi, _hi)
+    _pb = tl.load(_rp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _hi
+    for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
+        _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows outside [0, |x|) are padding

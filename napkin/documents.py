@@ -187,7 +187,7 @@ def row_spans(docs: Documents, bounds, row_size: int, col_size: int, block_row: 
               sizes, ids_length: int, cycle: Optional[int] = None) -> tuple[tuple[int, int], ...]:
     """Per row block, the [first, stop) key blocks from its first to its last
     live one ((0, 0) for none): what the ranges prepass writes and the
-    kernels' loop visits, but for the dead run row_visits gives too.
+    kernels' loop visits, but for the dead runs row_visits gives too.
     ``bounds``: the mask's affine conjuncts (masks.Bound); ``ids_length``:
     the tokens the ids cover; ``cycle``: packed rows, |q| rows a head
     (``row_size`` = |g||q|)."""
@@ -196,9 +196,9 @@ def row_spans(docs: Documents, bounds, row_size: int, col_size: int, block_row: 
 
 def row_visits(docs: Documents, bounds, row_size: int, col_size: int, block_row: int, block_col: int,
                sizes, ids_length: int, cycle: Optional[int] = None):
-    """(spans, holes): row_spans' spans and, per row block, the longest run
-    of dead key blocks between two live ones ((0, 0) for none), which the
-    kernels step over.  Consecutive rows of contiguous documents meet one run
+    """(spans, holes): row_spans' spans and, per row block, the runs of dead
+    key blocks between live ones (() for none), which the kernels' lists
+    leave out.  Consecutive rows of contiguous documents meet one run
     of keys; a block of packed rows (one per head at a few queries) may meet
     two documents apart."""
     starts = docs.starts(ids_length)

@@ -286,7 +286,8 @@ def live_blocks(bounds: tuple[Bound, ...], row_pos, col_pos, row_len: int, col_l
 # --------------------------------------------------------------------------
 # The blocks the ranges prepass keeps (a mask with no formula for its
 # blocks, codegen/ranges.py): per row block the span from the first live
-# block to the last, less the longest dead run between two live ones.
+# block to the last, less every dead run between two live ones (the kernels
+# walk the list of live blocks).
 # --------------------------------------------------------------------------
 
 def rows_of_block(i: int, block: int, rows: int, cycle: Optional[int]) -> list[tuple[int, int]]:
@@ -302,21 +303,21 @@ def rows_of_block(i: int, block: int, rows: int, cycle: Optional[int]) -> list[t
     return [(a, b)] if r0 // cycle == (r1 - 1) // cycle else [(a, cycle), (0, b)]
 
 
-def longest_hole(runs) -> tuple[int, int]:
-    """The first longest [g0, g1) of blocks between the [first, stop) runs
-    (sorted by first) that no run holds, as the prepass finds it; (0, 0) for none."""
-    best, reach = (0, 0), None
+def dead_runs(runs) -> tuple[tuple[int, int], ...]:
+    """Every [g0, g1) of blocks between the [first, stop) runs (sorted by
+    first) that no run holds, in order: the blocks the kernels' lists leave out."""
+    out, reach = [], None
     for a, b in runs:
-        if reach is not None and a - reach > best[1] - best[0]:
-            best = (reach, a)
+        if reach is not None and a > reach:
+            out.append((reach, a))
         reach = b if reach is None else max(reach, b)
-    return best
+    return tuple(out)
 
 
 def prepass_blocks(runs_of, count: int):
     """(spans, holes) of ``count`` blocks, block i's live blocks of the other
     wire the [first, stop) runs ``runs_of(i)`` hold: their span ((0, 0) for
-    none) and longest dead run, what the ranges prepass writes for it."""
+    none) and the dead runs inside it, what the ranges prepass lists for it."""
     from .cost.model import MAX_ROW_BLOCKS, too_many
 
     too_many(count, MAX_ROW_BLOCKS, "a masked loop's row blocks")
@@ -324,7 +325,7 @@ def prepass_blocks(runs_of, count: int):
     for i in range(count):
         runs = sorted(r for r in runs_of(i) if r[0] < r[1])
         spans.append((runs[0][0], max(b for _, b in runs)) if runs else (0, 0))
-        holes.append(longest_hole(runs))
+        holes.append(dead_runs(runs))
     return tuple(spans), tuple(holes)
 
 
@@ -343,8 +344,7 @@ def prepass_visits(disjuncts, row_size: int, col_size: int, block_row: int, bloc
     """(spans, holes) per row block for a mask that is an ``or`` of
     conjunctions of cuts (masks.disjunct_cuts): a (row block, key block)
     tile is live where some conjunction holds on a real pair of it, as the
-    prepass tests it, and the kernels visit each row block's span of live
-    blocks less its longest dead run.  Each row's kept keys are one run per
+    prepass tests it, and the kernels visit each row block's live blocks.  Each row's kept keys are one run per
     conjunction (each cut solved for the key at that row), so the live
     blocks of a row block are the union of its rows' runs.  ``cycle``:
     packed rows (g, q), each at position q, as documents.row_visits."""

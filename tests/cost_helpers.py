@@ -56,4 +56,4 @@ def predicted_bytes(transfers, *without) -> tuple[dict, dict]:
 
 def without_tensors(counts, *names) -> dict:
     """Bytes per tensor less ``names``, the prepass's buffers and the zeros."""
-    return {k: v for k, v in counts.items() if k not in (*names, "_ranges", "_parts") and v}
+    return {k: v for k, v in counts.items() if k not in (*names, "_ranges", "_parts", "_tiles") and v}

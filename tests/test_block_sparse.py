@@ -173,6 +173,46 @@ def test_the_kernels_skip_the_blocks_keep_drops():
     assert bc.loads["K"] == (1 + 2 + 3 + 4) * 64 * 64 * 4   # causal: the blocks up to the diagonal
 
 
+def test_the_kernels_visit_the_live_blocks_of_a_random_keep_alone():
+    """A random keep (about half the blocks of 64, causal within) at blocks
+    of 32 over a ragged 300 tokens leaves row blocks with several dead runs:
+    the forward and dQ load K, and dK/dV loads Q, from the live tiles alone,
+    each once (the prepass's lists), and the gradients match float64."""
+    m = K.example("block_sparse")
+    n, blk, sizes = 300, 32, {"b": 1, "h": 2, "q": 300, "x": 300}
+    Q, Kt, V, keep = m.example_inputs(sizes, dtype=torch.float32, seed=21)
+    keep.copy_(torch.rand(keep.shape, generator=torch.Generator().manual_seed(34)) < 0.5)
+    at = torch.arange(n)
+    pairs = keep[0][:, at // 64][:, :, at // 64] & (at[None, :] <= at[:, None])   # [h, q, x]
+    nb = -(-n // blk)
+    live = torch.zeros(2, nb, nb, dtype=torch.bool)
+    for i in range(nb):
+        for j in range(nb):
+            live[:, i, j] = pairs[:, i * blk:(i + 1) * blk, j * blk:(j + 1) * blk].flatten(1).any(1)
+    runs = [(r.nonzero().flatten().diff() > 1).sum().item() for r in live.flatten(0, 1)]
+    assert max(runs) >= 2   # a row block with two dead runs or more: one skipped run would not do
+
+    def tiles(axis):   # the bytes of the live tiles' operand along ``axis`` (1: keys, 0: rows), d of fp32
+        return sum(min(blk, n - int(t[1 + axis]) * blk) for t in live.nonzero()) * Q.shape[-1] * 4
+
+    opts = {"block_q": blk, "block_x": blk}
+    with ByteCounter(tensors={"K": Kt}) as bc:
+        m.block_sparse(Q, Kt, V, keep, **opts)
+    assert bc.loads["K"] == tiles(1), "forward"
+    rows_in = [torch.randn(Q.shape), torch.zeros(Q.shape[:-1]), torch.zeros(Q.shape[:-1])]
+    with ByteCounter(tensors={"K": Kt}) as bc:
+        m.block_sparse_backward(Q, Kt, V, keep, *rows_in, need=(True, False, False, False), **opts)
+    assert bc.loads["K"] == tiles(1), "dQ"
+    with ByteCounter(tensors={"Q": Q}) as bc:
+        m.block_sparse_backward(Q, Kt, V, keep, *rows_in, need=(False, True, True, False), **opts)
+    assert bc.loads["Q"] == tiles(0), "dK/dV"
+    inputs = (Q, Kt, V, keep)
+    got = B.gradients(lambda *xs: m.block_sparse(*xs, **opts), inputs)
+    wide = [t.double() if t.is_floating_point() else t for t in inputs]
+    B.assert_accurate(got[:3], B.gradients(m.reference, wide)[:3], B.gradients(m.reference, inputs)[:3],
+                      "block sparse, a random keep")
+
+
 @pytest.mark.parametrize("n_q, n_x", [(100, 100), (150, 70)])
 def test_the_cost_pass_counts_the_cells_a_coarse_read_meets(n_q, n_x):
     """bias[h, q // 48, x // 48] at blocks 32 x 16 (a block meets one or two

@@ -339,15 +339,17 @@ def test_backward_runs_exactly_the_full_blocks_unmasked_and_matches_float64(case
     tb.assert_accurate([x.grad for x in xs], exact, tb.gradients(m.reference, inputs), _ids(case))
 
 
-def _kernel_loops(source: str, kernel: str) -> dict:
-    """{(range start, range stop): loop body source} of a kernel's top-level loops."""
+def _kernel_loop_list(source: str, kernel: str) -> list:
+    """[((range start, range stop), loop body source)] of a kernel's loops, in order."""
     fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == kernel)
-    loops = {}
-    for node in ast.walk(fn):
-        if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and len(node.iter.args) >= 2:
-            key = tuple(ast.unparse(a) for a in node.iter.args[:2])
-            loops[key] = "\n".join(ast.unparse(s) for s in node.body)
-    return loops
+    return [(tuple(ast.unparse(a) for a in node.iter.args[:2]), "\n".join(ast.unparse(s) for s in node.body))
+            for node in ast.walk(fn)
+            if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and len(node.iter.args) >= 2]
+
+
+def _kernel_loops(source: str, kernel: str) -> dict:
+    """{(range start, range stop): loop body source} of a kernel's loops."""
+    return dict(_kernel_loop_list(source, kernel))
 
 
 def _emit(name: str) -> str:
@@ -383,17 +385,17 @@ def test_causal_source_has_an_unmasked_loop_then_the_diagonal():
 def test_document_mask_loops_over_the_ranges_prepass():
     """A mask that reads data has no formula for its blocks: the ranges
     prepass (codegen/ranges.py) finds them, and the forward loops partial,
-    full, partial over what it found, each partial loop stepping over the
-    dead run inside its range (_sh blocks from _ga on); the full step reads no ids."""
+    full, partial over what it found, each partial loop walking the list of
+    live blocks inside its range (from _pa to _pb); the full step reads no ids."""
     source = _emit("document_mask")
     assert "def _document_mask_ranges_kernel(" in source
-    loops = _kernel_loops(source, "_document_mask_kernel")
-    partial = [("_lo", "_flo - _sh"), ("_fhi", "_hi - _sh")]
-    assert set(loops) == {*partial, ("_flo", "_fhi")}
-    full = loops[("_flo", "_fhi")]
-    assert "_doc" not in full and "mask=" not in full and "_ok" not in full and "_sh" not in full
-    assert all("_doc == _doc_1" in loops[k] for k in partial)
-    assert all(loops[k].startswith("_start = _iv + tl.where(_iv >= _ga, _sh, 0)\n") for k in partial)
+    loops = _kernel_loop_list(source, "_document_mask_kernel")
+    assert [key for key, _ in loops] == [("_pa", "_pb"), ("_flo", "_fhi"), ("_pa", "_pb")]
+    partial = [body for key, body in loops if key == ("_pa", "_pb")]
+    full = dict(loops)[("_flo", "_fhi")]
+    assert "_doc" not in full and "mask=" not in full and "_ok" not in full and "_rl" not in full
+    assert all("_doc == _doc_1" in body for body in partial)
+    assert all(body.startswith("_start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv\n") for body in partial)
 
 
 def test_attention_runs_all_but_the_ragged_last_block_unmasked(folder):

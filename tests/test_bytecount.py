@@ -274,7 +274,7 @@ def without_ids(module, *counts) -> list[dict]:
     full block's step reads none: only the mask does), the ranges' (16
     bytes a block, written by the prepass, read by the kernel) and the
     prepass's own chunks (24 bytes a chunk, written by its scan, read by its merge)."""
-    ids = {n for n, dt in module._DTYPES.items() if dt in ir.INT_DTYPES} | {"_ranges", "_parts"}
+    ids = {n for n, dt in module._DTYPES.items() if dt in ir.INT_DTYPES} | {"_ranges", "_parts", "_tiles"}
     return [{k: v for k, v in c.items() if k not in ids} for c in counts]
 
 

@@ -120,7 +120,7 @@ def test_the_cli_prices_the_prefix_and_says_so(capsys):
     code, out, err = _cli(capsys, "cost", "examples/prefix_lm.ncd", *SIZES, "--lengths", "p=200")
     assert code == 0, err
     assert ("note: the counts are the blocks the kernels' ranges prepass finds live when p = 200 at every index "
-            "(--lengths), the span of each row block's less its longest dead run") in out
+            "(--lengths), every dead block skipped") in out
     code, dense, err = _cli(capsys, "cost", "examples/prefix_lm.ncd", *SIZES)
     assert "--lengths NAME=N counts them where the length input holds N" in dense
     backward = {}

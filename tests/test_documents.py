@@ -107,8 +107,9 @@ DOCS = [D.Documents(every=32), D.Documents(every=9), D.Documents(lengths=(50, 1,
 
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_spans_are_the_prepass_ranges(folder, mask):
-    """row_visits = the prepass's [lo, hi) and dead run [g0, g1) per row
-    block (contiguous documents: none); column_spans = its [lo, hi) per key
+    """row_visits = the prepass's [lo, hi) per row block and its list of
+    live blocks (contiguous documents: no dead run, the list the span less
+    the full run); column_spans = its [lo, hi) per key
     block when run by column (dK/dV's), on ragged sizes."""
     m = compile_text(MASKS[mask], f"documents_{mask}", folder)
     plan = _plan(napkin.load_text(MASKS[mask], "m.ncd"))
@@ -122,7 +123,10 @@ def test_spans_are_the_prepass_ranges(folder, mask):
             spans, holes = D.row_visits(docs, tuple(plan.bounds), n, n, br, bc, sz, n)
             got, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, False, False, True)
             assert [tuple(r[:2]) for r in got[1].tolist()] == list(spans), (mask, docs, br, bc)
-            assert [tuple(r[4:]) for r in got[1].tolist()] == list(holes) == [(0, 0)] * len(spans)
+            assert list(holes) == [()] * len(spans)
+            steps = -(-n // bc)
+            for (lo, hi, flo, fhi), listed in zip(got[1, :, :4].tolist(), got[1, :, 4 + steps].tolist()):
+                assert listed == hi - lo - (fhi - flo), (mask, docs, br, bc)
             cols, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, True, True, True)
             assert [tuple(r[:2]) for r in cols[0].tolist()] == list(D.column_spans(spans, -(-n // bc))), \
                 (mask, docs, br, bc)
@@ -149,15 +153,15 @@ def test_spans_where_rows_keep_nothing_or_a_conjunct_bounds_no_loop(folder, scor
     assert (differ == 0) == exact, differ
 
 
-def test_longest_hole_between_runs_of_blocks():
-    """The first longest run of blocks no run holds, runs sorted by first and
-    overlapping or touching ones joined, as the prepass's scan finds it."""
-    assert visits.longest_hole([]) == (0, 0)
-    assert visits.longest_hole([(2, 5)]) == (0, 0)
-    assert visits.longest_hole([(0, 1), (1, 3), (3, 4)]) == (0, 0)
-    assert visits.longest_hole([(0, 1), (4, 6), (5, 7), (9, 10)]) == (1, 4)
-    assert visits.longest_hole([(0, 8), (2, 3), (10, 11), (12, 15)]) == (8, 10)  # (2, 3) inside (0, 8)
-    assert visits.longest_hole([(0, 1), (3, 4), (6, 7)]) == (1, 3)  # a tie: the first
+def test_dead_runs_between_runs_of_blocks():
+    """Every run of blocks no run holds, in order, runs sorted by first and
+    overlapping or touching ones joined: what the prepass's lists leave out."""
+    assert visits.dead_runs([]) == ()
+    assert visits.dead_runs([(2, 5)]) == ()
+    assert visits.dead_runs([(0, 1), (1, 3), (3, 4)]) == ()
+    assert visits.dead_runs([(0, 1), (4, 6), (5, 7), (9, 10)]) == ((1, 4), (7, 9))
+    assert visits.dead_runs([(0, 8), (2, 3), (10, 11), (12, 15)]) == ((8, 10), (11, 12))  # (2, 3) inside (0, 8)
+    assert visits.dead_runs([(0, 1), (3, 4), (6, 7)]) == ((1, 3), (4, 6))
 
 
 def test_column_spans_of_spans_with_gaps():
@@ -178,7 +182,7 @@ def test_column_spans_of_spans_with_gaps():
 def _without_ids(counts: dict) -> dict:
     """The ids' bytes apart (a step whose blocks are all kept loads none; the
     prepass loads them too) and the prepass's own buffers."""
-    return {k: v for k, v in counts.items() if k not in ("doc", "_ranges", "_parts")}
+    return {k: v for k, v in counts.items() if k not in ("doc", "_ranges", "_parts", "_tiles")}
 
 
 def _predicted(transfers) -> tuple[dict, dict]:

@@ -112,12 +112,15 @@ def _brute(pred, nr, nc, br, bc, whole_rows, by_col):
 
 
 def _check_ranges(got, live, full):
-    """The prepass's numbers against the brute force: [lo, hi) the first and
-    last live block, [flo, fhi) a longest run of full blocks inside it,
-    [g0, g1) a longest run of dead blocks between two live ones (none: [0, 0))."""
-    assert got.shape[-1] == 6
+    """The prepass's record against the brute force: [lo, hi) the first and
+    last live block, [flo, fhi) a longest run of full blocks inside it, then
+    the prefix counts and the list of the live blocks outside that run,
+    ascending (what the kernels' partial loops walk)."""
+    steps = live.shape[1]
+    assert got.shape[-1] == 2 * steps + 5
     for p in range(live.shape[0]):
-        lo, hi, flo, fhi, g0, g1 = got[p].tolist()
+        lo, hi, flo, fhi = got[p, :4].tolist()
+        pos, listed = got[p, 4:steps + 5].tolist(), got[p, steps + 5:].tolist()
         idx = live[p].nonzero().flatten().tolist()
         assert (lo, hi) == ((idx[0], idx[-1] + 1) if idx else (0, 0)), p
         best, run = 0, 0
@@ -127,12 +130,9 @@ def _check_ranges(got, live, full):
         assert fhi - flo == best, p
         assert lo <= flo <= fhi <= hi, p
         assert bool(full[p, flo:fhi].all()), p
-        gap = max([b - a - 1 for a, b in zip(idx, idx[1:])], default=0)
-        assert g1 - g0 == gap, p
-        if gap:  # dead, with a live block each side
-            assert live[p, g0 - 1] and live[p, g1] and not live[p, g0:g1].any(), p
-        else:
-            assert (g0, g1) == (0, 0), p
+        outside = [j for j in idx if not flo <= j < fhi]
+        assert listed[:len(outside)] == outside, p
+        assert pos == [sum(j < b for j in outside) for b in range(steps + 1)], p
 
 
 def test_only_masks_that_read_data_get_a_prepass():
@@ -176,7 +176,8 @@ def test_prepass_matches_brute_force(folder, whole_rows, by_col):
         doc = _doc(layouts, n, seed)
         sz = {"b": 2, "h": 3, "q": n, "x": n, "d": 64}
         got, on = m._document_mask_ranges(doc, sz, doc.device, br, bc, whole_rows, by_col, True)
-        assert on and tuple(got.shape) == (2, -(-n // (bc if by_col else br)), 6)  # per b, not per (b, h)
+        steps = -(-n // (br if by_col else bc))
+        assert on and tuple(got.shape) == (2, -(-n // (bc if by_col else br)), 2 * steps + 5)  # per b, not per (b, h)
         for b in range(2):
             pred = doc[b][:, None] == doc[b][None, :]
             _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col))
@@ -194,7 +195,8 @@ def test_chunks_of_the_scan_join_into_the_same_ranges(folder, per):
     for whole_rows, by_col in [(False, False), (True, False), (True, True)]:
         got, _ = m._document_mask_ranges(doc, {"b": 4, "h": 1, "q": n, "x": n, "d": 64}, doc.device, br, bc,
                                          whole_rows, by_col, True, _per=per)
-        assert (got[3, :, 5] - got[3, :, 4]).max() == 5  # dead runs, across chunk edges at _per < 5
+        span, run, listed = got[3, :, 1] - got[3, :, 0], got[3, :, 3] - got[3, :, 2], got[3, :, 4 + -(-n // 8)]
+        assert (span - run - listed).max() == 5  # dead blocks inside a span, across chunk edges at _per < 5
         for b in range(4):
             pred = doc[b][:, None] == doc[b][None, :]
             _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col))
@@ -370,8 +372,10 @@ def test_the_dead_run_between_sinks_and_window_is_skipped(folder):
         for per in (1, 3, None):
             got, _ = m._document_mask_ranges(sz, doc.device, blk, blk, whole_rows, by_col, True, _per=per)
             _check_ranges(got[0], live, full)
-            # the last row blocks skip 5 blocks or more; a key block's live rows are one run (no dead one)
-            assert (got[0, :, 5] - got[0, :, 4]).max() == (0 if by_col else 6), per
+            # the last row blocks skip 6 blocks; a key block's live rows are one run (no dead one)
+            steps = got.shape[-1] // 2 - 2
+            span, run, listed = got[0, :, 1] - got[0, :, 0], got[0, :, 3] - got[0, :, 2], got[0, :, 4 + steps]
+            assert (span - run - listed).max() == (0 if by_col else 6), per
     live = _brute(pred, n, n, blk, blk, False, False)[0]
     q, k, v, _ = m.example_inputs({"b": 1, "h": 2, "q": n, "x": n}, dtype=torch.float32, seed=17)
     opts = {"block_q": blk, "block_x": blk}
@@ -440,7 +444,7 @@ def test_grouped_query_dkdv_steps_over_dead_row_blocks(folder):
 
 def _counted(counts: dict) -> dict:
     """Bytes per tensor, less the declared ids this mask never reads and the prepass's own buffers."""
-    return {k: v for k, v in counts.items() if k not in ("doc", "_ranges", "_parts") and v}
+    return {k: v for k, v in counts.items() if k not in ("doc", "_ranges", "_parts", "_tiles") and v}
 
 
 @pytest.mark.parametrize("key, mask", [("stream", "x <= q and (q - x < 24 or x < 4)"),
@@ -456,7 +460,7 @@ def test_the_cost_pass_counts_what_a_mask_of_indices_moves(folder, key, mask):
     """A mask of indices alone, an or of cuts (StreamingLLM's, bands apart,
     causal with sinks, bounds that cross, a slope of 2, a !=): the cost
     pass finds the prepass's blocks row by row (visits.prepass_visits: each
-    row's keys per conjunction, a block's span less its longest dead run),
+    row's keys per conjunction, a block's span less its dead runs),
     so its bytes are the kernels' (ByteCounter), forward and the backward's
     kernels, at ragged sizes and blocks 32 x 16."""
     from collections import defaultdict
@@ -546,14 +550,14 @@ def _or_of_cuts(rng):
 
 def _spans_and_holes(live):
     """What the prepass writes for each row of a [blocks, blocks of the other
-    wire] liveness matrix: the span of its live blocks and the longest dead run."""
-    from napkin.visits import longest_hole
+    wire] liveness matrix: the span of its live blocks and every dead run inside it."""
+    from napkin.visits import dead_runs
 
     out = ([], [])
     for row in live:
         idx = row.nonzero().flatten().tolist()
         out[0].append((idx[0], idx[-1] + 1) if idx else (0, 0))
-        out[1].append(longest_hole([(j, j + 1) for j in idx]))
+        out[1].append(dead_runs([(j, j + 1) for j in idx]))
     return tuple(map(tuple, out))
 
 

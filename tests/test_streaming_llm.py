@@ -87,8 +87,12 @@ def test_the_kernel_loads_the_live_key_blocks_the_cost_pass_counts():
             counted[t.tensor] += t.bytes
     loads = dict(bc.loads)
     # the prepass's own traffic, which the cost pass leaves out (its note says so): the main kernel
-    # reads 24 B of ranges a row block, the merge the scan's chunks
-    assert loads.pop("_ranges") == 24 * -(-N // 32) and loads.pop("_parts") > 0
+    # reads 16 B of ranges a row block, 8 B of prefix counts a partial loop (two a row block) and
+    # 4 B of list a block it visits masked; the merge reads the scan's chunks
+    rec, _ = m._streaming_llm_ranges({"b": 1, "h": 1, "q": N, "x": N, "d": 64}, Q.device, 32, 16, False, False, True)
+    listed = rec[..., 4 + -(-N // 16)].sum().item()
+    assert 0 < listed < live // 16
+    assert loads.pop("_ranges") == 32 * -(-N // 32) + 4 * listed and loads.pop("_parts") > 0
     assert dict(counted) == {k: v for k, v in loads.items() if v}
 
 

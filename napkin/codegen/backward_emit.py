@@ -533,9 +533,11 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
         if k.role == "dq":
             bounds = _bounds_dq(plan, names)
             lower = any(b.kind == "lower" for b in plan.forward.full or ())
+            usable = True
         else:
             bounds = _bounds_dkdv(plan, names)
             lower = _dkdv_lower(plan)
+            usable = _dkdv_ranges_usable(plan)  # else no list: its loops walk every block
         loop = []
         for seg in E.segments(plan.forward, "_lo", "_hi", lower):
             loop += [seg["why"]] if seg["why"] else []
@@ -548,14 +550,14 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
                 n = f"({n})" if len(k.outer) > 1 else n
                 lo, hi = (b if b.isidentifier() else f"({b})" for b in (seg["lo"], seg["hi"]))
                 pairs = f"  # (row block, {', '.join(k.outer)}) pairs"
-                if seg["gap"]:
-                    opening = R.gap_loop("_rb", lo, hi, flat=n)
-                    opening[2] += pairs  # on its for line, after the dead run's two
+                if seg["listed"] and usable:
+                    opening = R.list_loop("_rb", lo, hi, flat=n)
+                    opening[2] += pairs  # on its for line, after the list's two
                 else:
                     opening = [f"for _it in range({lo} * {n}, {hi} * {n}):{pairs}", f"    _rb = _it // {n}"]
                 loop += opening + _indent(_decode_outer(names, k.outer, n), 4) + [f"    _row0 = _rb * {names.block(row)}"]
             else:
-                opening = R.gap_loop("_rb", seg["lo"], seg["hi"]) if seg["gap"] else \
+                opening = R.list_loop("_rb", seg["lo"], seg["hi"]) if seg["listed"] and usable else \
                     [f"for _rb in range({seg['lo']}, {seg['hi']}):"]
                 loop += opening + [f"    _row0 = _rb * {names.block(row)}"]
             loop += _indent(inner(seg["full"]), 4)

@@ -386,26 +386,26 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
     (the mask's far edge and the ragged end).  Without a lower bound the
     full blocks start the range (``_flo`` is ``lo``).  A mask that reads
     data (ranges.py) takes the three loops too: its run of full blocks,
-    found at run time, may start anywhere, and its partial loops step over
-    the dead run it found (``gap``: ranges.gap_loop)."""
+    found at run time, may start anywhere, and its partial loops walk the
+    list of live blocks it found (``listed``: ranges.list_loop)."""
     if plan.full is None and not R.applies(plan):
-        return [{"lo": lo, "hi": hi, "full": False, "why": "", "gap": False}]
-    data = plan.full is None  # a data mask's ranges: the full run may start anywhere, a dead run lie between
+        return [{"lo": lo, "hi": hi, "full": False, "why": "", "listed": False}]
+    data = plan.full is None  # a data mask's ranges: the full run may start anywhere, dead blocks lie between
     lower = lower or data
     start = "_flo" if lower else lo
-    out = [{"lo": lo, "hi": "_flo", "full": False, "gap": data,
+    out = [{"lo": lo, "hi": "_flo", "full": False, "listed": data,
             "why": "# Partial blocks before the full ones: the mask cuts through them."}] if lower else []
     return out + [
-        {"lo": start, "hi": "_fhi", "full": True, "gap": False,
+        {"lo": start, "hi": "_fhi", "full": True, "listed": False,
          "why": "# Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks."},
-        {"lo": "_fhi", "hi": hi, "full": False, "gap": data,
+        {"lo": "_fhi", "hi": hi, "full": False, "listed": data,
          "why": "# Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped."}]
 
 
 def loop_head(seg: dict, var: str, step: str) -> str:
     """A segment's loop header over its blocks, ``var`` (``_start``) each one's first offset."""
-    if seg["gap"]:
-        return "\n".join(R.gap_loop(var, seg["lo"], seg["hi"], step))
+    if seg["listed"]:
+        return "\n".join(R.list_loop(var, seg["lo"], seg["hi"], step))
     return f"for {var} in range({seg['lo']}, {seg['hi']}, {step}):"
 
 

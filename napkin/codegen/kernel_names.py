@@ -21,8 +21,8 @@ KERNEL_HELPERS = frozenset({"_ix", "_tanh", "_sigmoid", "_relu", "_logsumexp", "
 # reading its ranges, define (ranges.py; templates/ranges.py.jinja).
 RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_run", "_best", "_bstart", "_keep",
                           "_any", "_all", "_whole", "_out", "_BY_COL", "_WHOLE_ROWS", "_chunk", "_first",
-                          "_last", "_lead", "_parts", "_per", "_gap", "_gat", "_dead", "_clo", "_g0", "_g1",
-                          "_ga", "_sh", "_iv"})
+                          "_last", "_lead", "_parts", "_per", "_tiles", "_state", "_rp", "_rl", "_pa", "_pb",
+                          "_iv"})
 
 
 def part(name: str) -> str:

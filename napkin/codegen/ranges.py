@@ -9,19 +9,23 @@ diagram (``applies``) the launcher first runs a small generated Triton
 kernel, the ranges prepass (templates/ranges.py.jinja).  It evaluates the
 whole mask predicate, every conjunct (the affine ones too) rendered from the
 IR as the masked step renders it, on each (row block, key block) tile,
-scanning the key blocks in chunks (scalars carried in each chunk's loop, eight
-int32 a chunk, no N^2 buffer; a merge kernel joins a row's chunks in order), and
-writes per (mask batch index, row block) six int32: [lo, hi) the blocks from
-the first to the last live one (some real pair true), [flo, fhi) the
-longest run of full ones (true at every pair, the tile inside the edges)
-and [g0, g1) the longest run of dead blocks between two live ones.
-The main kernels then loop partial [lo, flo), full [flo, fhi), partial
-[fhi, hi) (emit.segments), the full step generated with the mask taken as
-true; the partial loop holding [g0, g1) steps over it (``gap_loop``).  One
-dead run is skipped, not every one: a sink-and-window mask (StreamingLLM's
-``x < 4 or q - x < w``) has exactly one, between the sinks and the window;
-a dead block elsewhere in [lo, hi) is still visited, masked: correct, only
-not skipped.  On contiguous documents the range is exact.
+scanning the key blocks in chunks (scalars carried in each chunk's loop, six
+int32 a chunk; a merge kernel joins a row's chunks in order) and storing
+each tile's state (dead, live, full: one byte a tile).  Per (mask batch
+index, row block) it then writes a record of 2 S + 5 int32 (S the blocks
+of the other wire): [lo, hi) the blocks from the first to the last live one
+(some real pair true), [flo, fhi) the longest run of full ones (true at
+every pair, the tile inside the edges), the prefix counts pos[0..S] of the
+live blocks outside that run and the list of them, ascending, which torch
+compacts from the states (``_ranges_listed``, as FlexAttention's BlockMask
+lists kv_indices).  The main kernels then loop partial [lo, flo), full
+[flo, fhi), partial [fhi, hi) (emit.segments), the full step generated
+with the mask taken as true; a partial loop over blocks [a, b) walks the
+list from pos[a] to pos[b] (``list_loop``), so every dead block is skipped
+(a random block-sparse mask's too) and any cut of the range (a
+flash-decoding chunk, the full run's edges) finds its part of the list in
+two loads.  Full blocks outside the longest run are visited masked:
+correct, only not at the unmasked step's cost.
 
 * The prepass's grid spans only the batch wires the predicate reads
   (``doc[b, .]`` reads b, not h): its cost does not multiply by heads, and
@@ -130,47 +134,57 @@ def _flat(names, wires) -> str:
 
 
 def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> list[str]:
-    """Lines after a kernel's affine bounds: with _RANGES, [_lo, _hi), the
-    full run [_flo, _fhi) and the dead run [_g0, _g1) from the prepass's row
-    of this program (``loop``: the wire the kernel loops over; the forward
-    and dQ loop in offsets of the streamed wire, dK/dV in blocks of rows);
-    else no block is known full or dead.  ``usable`` False (a mask batch
-    wire the kernel does not index per program): always the latter."""
+    """Lines after a kernel's affine bounds: with _RANGES, [_lo, _hi) and
+    the full run [_flo, _fhi) from the prepass's record of this program
+    (``loop``: the wire the kernel loops over; the forward and dQ loop in
+    offsets of the streamed wire, dK/dV in blocks of rows), and _rp, _rl
+    its prefix counts and list of live blocks (list_loop); else no block is
+    known full and the lists go unread.  ``usable`` False (a mask batch wire
+    the kernel does not index per program): no ranges, and its loops must
+    not be list_loop's."""
     row, col = plan.row, plan.col
-    none = ["_flo = _lo  # rows or keys at global positions: none known full, none dead", "_fhi = _lo",
-            "_g0 = _lo", "_g1 = _lo"]
     if not usable:
         return ["_flo = _lo  # the mask reads a wire this kernel's outer loop walks: no ranges, none known full",
-                "_fhi = _lo", "_g0 = _lo", "_g1 = _lo"]
+                "_fhi = _lo"]
     grid = col if loop == row else row
     n = f"tl.cdiv({names.size(grid)}, {names.block(grid)})"
+    steps = f"tl.cdiv({names.size(loop)}, {names.block(loop)})"
     unit = "" if loop == row else f" * {names.block(col)}"
-    return ["if _RANGES:  # the mask reads data: the blocks the ranges prepass found live, full and dead (ranges.py)",
-            f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid) * 6",
+    # int64: the records of a per-head mask at long sequences pass 2**31 int32
+    return ["if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)",
+            f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid).to(tl.int64) * (2 * {steps} + 5)",
             *[f"    {v} = tl.load(_rg{f' + {i}' if i else ''}){unit}"
-              for i, v in enumerate(("_lo", "_hi", "_flo", "_fhi", "_g0", "_g1"))],
-            "else:", *["    " + line for line in none]]
+              for i, v in enumerate(("_lo", "_hi", "_flo", "_fhi"))],
+            "    _rp = _rg + 4  # per block b, the live blocks outside the full run before b",
+            f"    _rl = _rp + {steps} + 1  # those blocks, ascending",
+            "else:",
+            "    _flo = _lo  # rows or keys at global positions: none known full, no list",
+            "    _fhi = _lo",
+            "    _rp = _ranges",
+            "    _rl = _ranges"]
 
 
-def gap_loop(var: str, lo: str, hi: str, step: str = "", flat: str = "") -> list[str]:
-    """A partial segment's loop over [lo, hi) that steps over the dead run
-    [_g0, _g1) (bounds_lines), setting ``var`` (``_start`` in offsets with
-    ``step``, ``_rb`` in blocks) at each visited block.  The run is cut to
-    the range first: a flash-decoding chunk or the full run's edges may hold
-    part of it, or none (_sh 0: the loop is the plain one).  One induction
-    variable, shifted past the run, rather than a loop each side: the
-    partial step is the kernel's largest code and would be compiled twice.
-    ``flat``: dK/dV's loop over (row block, outer wires) pairs, ``flat``
-    of them a block; the line decoding the pair's block comes back as
-    ``var`` ("_rb = _it // n"), the caller decodes the rest."""
-    head = [f"_ga = tl.minimum(tl.maximum(_g0, {lo}), {hi})  # the dead run inside [{lo}, {hi}): stepped over",
-            f"_sh = tl.minimum(tl.maximum(_g1, {lo}), {hi}) - _ga"]
-    shift = f"tl.where({var} >= _ga, _sh, 0)"
+def list_loop(var: str, lo: str, hi: str, step: str = "", flat: str = "") -> list[str]:
+    """A partial segment's loop over the live blocks in [lo, hi): with
+    _RANGES, the list's entries pos[lo] to pos[hi] (bounds_lines), so dead
+    blocks are never visited; else every block of [lo, hi).  Sets ``var``
+    (``_start`` in offsets with ``step``, ``_rb`` in blocks) at each one.
+    _RANGES is a constexpr, so each launch compiles one of the two and the
+    partial step, the kernel's largest code, is written once.  ``flat``:
+    dK/dV's loop over (row block, outer wires) pairs, ``flat`` of them a
+    block; the line decoding the pair's block comes back as ``var``
+    ("_rb = _it // n"), the caller decodes the rest."""
+    if step:
+        first, last = f"{lo} // {step}", f"tl.cdiv({hi}, {step})"
+    else:
+        first, last = lo, hi
+    head = [f"_pa = tl.load(_rp + {first}) if _RANGES else {lo}  # the list's part inside [{lo}, {hi})",
+            f"_pb = tl.load(_rp + {last}) if _RANGES else {hi}"]
     if flat:
-        return head + [f"for _it in range({lo} * {flat}, ({hi} - _sh) * {flat}):",
-                       f"    {var} = _it // {flat}", f"    {var} = {var} + {shift}"]
-    return head + [f"for _iv in range({lo}, {hi} - _sh{f', {step}' if step else ''}):",
-                   f"    {var} = _iv + tl.where(_iv >= _ga, _sh, 0)"]
+        return head + [f"for _it in range(_pa * {flat}, _pb * {flat}):",
+                       f"    {var} = _it // {flat}", f"    {var} = tl.load(_rl + {var}) if _RANGES else {var}"]
+    return head + [f"for _iv in range(_pa, _pb{f', 1 if _RANGES else {step}' if step else ''}):",
+                   f"    {var} = tl.load(_rl + _iv){f' * {step}' if step else ''} if _RANGES else _iv"]
 
 
 # When a launcher runs the prepass: its call has no rows at global positions
@@ -221,7 +235,7 @@ def render(plan: AttentionPlan) -> str:
         "kernel": f"_{d.name}_ranges_kernel", "merge": f"_{d.name}_merge_ranges_kernel",
         "launcher": f"_{d.name}_ranges", "cached": f"_{d.name}_ranges_cached",
         "kept": f"_{d.name.upper()}_RANGES_KEPT",
-        "params": tensors + sizes + strides + ["_parts", "_per"]
+        "params": tensors + sizes + strides + ["_parts", "_tiles", "_per"]
         + [f"{b}: tl.constexpr" for b in (names.block(row), names.block(col), "_WHOLE_ROWS", "_BY_COL", "_INT64")]
         + ([f"_pos_{row}", f"_len_{row}", f"_POS_{row}: tl.constexpr"] if placed else []),
         "placed": bool(placed),

@@ -167,7 +167,7 @@ def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: M
     plan = attention_plan(diagram)
     if plan is None or device_tiles(diagram) or not ranges.applies(plan):
         return None
-    cost = "two more kernels a launch, their traffic not counted, nor the 24 B of ranges each row block reads"
+    cost = "two more kernels a launch, their traffic not counted, nor the ranges each row block reads (24 B, and 4 B a block it visits masked)"
     ids = kernel_ids(diagram) if docs is not None else None
     if ids is not None:
         wire = documents.id_wire(diagram, ids)
@@ -178,10 +178,10 @@ def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: M
         read = sorted({n.name for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)} & set(lengths))
         if not read:
             return (f"the mask {expr_text(plan.skip)} compares indices alone: the counts are the blocks the kernels' "
-                    f"ranges prepass finds live, the span of each row block's less its longest dead run ({cost})")
+                    f"ranges prepass finds live, every dead block skipped ({cost})")
         given = describe({n: lengths[n] for n in read})
         return (f"the counts are the blocks the kernels' ranges prepass finds live when {given} at every index "
-                f"(--lengths), the span of each row block's less its longest dead run ({cost})")
+                f"(--lengths), every dead block skipped ({cost})")
     # a part the formula bounds (x <= q beside doc[b, q] == doc) still skips in the counts
     counted = (": the counts are the blocks its formula part bounds" if plan.bounds else
                " bounds no block by formula: the counts are every block's")

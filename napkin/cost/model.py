@@ -218,18 +218,21 @@ class Visited:
     ``row`` the mask reads (with packed rows, block i of the launch's (g, q)
     pairs: packing.py), the steps ``spans[i] = (first, stop)`` along the
     streamed wire (a contiguous range, as the kernel's loop runs), less
-    ``holes[i] = (g0, g1)``, a run of dead steps inside it the loop steps
-    over (the ranges prepass's, ranges.py; (0, 0) or no holes at all: none)."""
+    ``holes[i]``, the runs (g0, g1) of dead steps inside it, in order, that
+    the loop's list leaves out (the ranges prepass's, ranges.py; () or no
+    holes at all: none)."""
 
     row: str
     spans: tuple[tuple[int, int], ...]
-    holes: tuple[tuple[int, int], ...] = ()
+    holes: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def parts(self, i: int) -> tuple[tuple[int, int], ...]:
-        """Row block i's visited steps as one or two [first, stop) runs."""
-        a, b = self.spans[i]
-        g0, g1 = self.holes[i] if self.holes else (0, 0)
-        return ((a, g0), (g1, b)) if a <= g0 < g1 <= b else ((a, b),)
+        """Row block i's visited steps as [first, stop) runs, one more than its holes."""
+        out, at = [], self.spans[i][0]
+        for g0, g1 in self.holes[i] if self.holes else ():
+            out.append((at, g0))
+            at = g1
+        return (*out, (at, self.spans[i][1]))
 
     @property
     def pairs(self) -> frozenset:
@@ -656,18 +659,21 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
         return {a: 1.0 for a in shared}, step_bytes
     # Each program's steps [lo, hi) along the stream: its row block's span
     # when a masked loop skips steps, else one step standing for all of them
-    # (with a hole, two runs: [lo, g0) and [g1, hi), each wave's hull taken of each run)
+    # (with holes, the runs between them: [lo, g0), [g1, g0'), .. [g1'', hi), each wave's hull taken of
+    # each k-th run; a row block with fewer holes pads with empty runs at its end)
     unit = lo, hi = np.zeros_like(linear), np.ones_like(linear)
     runs = [unit]
     if visited is not None and chunks == 1 and visited.row in index and visited.spans:
         spans = np.array(visited.spans, dtype=np.int64).reshape(-1, 2)[index[visited.row]]
         lo, hi = spans[:, 0], np.maximum(spans[:, 1], spans[:, 0])
         runs = [(lo, hi)]
-        if visited.holes:
-            holes = np.array(visited.holes, dtype=np.int64).reshape(-1, 2)[index[visited.row]]
-            g0, g1 = np.clip(holes[:, 0], lo, hi), np.clip(holes[:, 1], lo, hi)
-            g1 = np.maximum(g1, g0)
-            runs = [(lo, g0), (g1, hi)]
+        most = max(map(len, visited.holes), default=0)
+        if most:
+            holes = np.array([list(h) + [(b, b)] * (most - len(h)) for h, (_, b) in zip(visited.holes, visited.spans)],
+                             dtype=np.int64).reshape(-1, most, 2)[index[visited.row]]
+            g0, g1 = np.clip(holes[..., 0], lo[:, None], hi[:, None]), np.clip(holes[..., 1], lo[:, None], hi[:, None])
+            starts, stops = [lo, *g1.T], [*g0.T, hi]
+            runs = [(a, np.maximum(a, b)) for a, b in zip(starts, stops)]
     # how many waves back a tile is still in L2 (0: only within its own wave)
     reach_back = int(l2_bytes // wave_bytes) if wave_bytes else 0
     n_waves = int(waves[-1]) + 1
