@@ -893,10 +893,6 @@ def _block_sparse_ranges_kernel(
     _last = tl.minimum(_first + _per, _steps)
     _lo = tl.full([], 0, tl.int32) + _steps  # the first live block (none yet: _steps)
     _hi = tl.full([], 0, tl.int32)  # one past the last live block
-    _lead = tl.full([], 0, tl.int32)  # full blocks from _first on, unbroken
-    _run = tl.full([], 0, tl.int32)  # full blocks ending at the current one
-    _best = tl.full([], 0, tl.int32)  # the longest run so far, starting at _bstart
-    _bstart = tl.full([], 0, tl.int32)
     _state = _tiles + (_mb * tl.num_programs(0) + _pid) * _steps  # this block's row of tile states
     for _j in range(_first, _last):
         if _BY_COL:
@@ -919,51 +915,25 @@ def _block_sparse_ranges_kernel(
         tl.store(_state + _j, tl.where(_all, 2, tl.where(_any, 1, 0)).to(tl.int8))
         _lo = tl.minimum(_lo, tl.where(_any, _j, _steps))
         _hi = tl.where(_any, _j + 1, _hi)
-        _lead = tl.where(_all & (_lead == _j - _first), _lead + 1, _lead)
-        _run = tl.where(_all, _run + 1, 0)
-        _bstart = tl.where(_run > _best, _j + 1 - _run, _bstart)
-        _best = tl.maximum(_best, _run)
-    _out = _parts + ((_mb * tl.num_programs(0) + _pid) * tl.num_programs(2) + _chunk) * 6
+    _out = _parts + ((_mb * tl.num_programs(0) + _pid) * tl.num_programs(2) + _chunk) * 2
     tl.store(_out, _lo)
     tl.store(_out + 1, _hi)
-    tl.store(_out + 2, _lead)
-    tl.store(_out + 3, _run)  # the trailing run
-    tl.store(_out + 4, _best)
-    tl.store(_out + 5, _bstart)
 
 
-@triton.jit(do_not_specialize=["_steps", "_per", "_chunks"])
-def _block_sparse_merge_ranges_kernel(_parts, _ranges, _steps, _per, _chunks):
-    # One program per block (axis 0) and mask batch index (axis 1): its chunks joined in order.
+@triton.jit(do_not_specialize=["_steps", "_chunks"])
+def _block_sparse_merge_ranges_kernel(_parts, _ranges, _steps, _chunks):
+    # One program per block (axis 0) and mask batch index (axis 1): its chunks' [lo, hi) joined.
     _pid = tl.program_id(0)
     _mb = tl.program_id(1).to(tl.int64)
-    _src = _parts + (_mb * tl.num_programs(0) + _pid) * _chunks * 6
+    _src = _parts + (_mb * tl.num_programs(0) + _pid) * _chunks * 2
     _lo = tl.full([], 0, tl.int32) + _steps
     _hi = tl.full([], 0, tl.int32)
-    _run = tl.full([], 0, tl.int32)  # full blocks ending at the previous chunk's end
-    _best = tl.full([], 0, tl.int32)
-    _bstart = tl.full([], 0, tl.int32)
     for _c in range(0, _chunks):
-        _at = _src + _c * 6
-        _start = _c * _per
-        _n = tl.minimum(_per, _steps - _start)  # the chunk's blocks
-        _lead = tl.load(_at + 2)
-        _lo = tl.minimum(_lo, tl.load(_at))
-        _hi = tl.maximum(_hi, tl.load(_at + 1))
-        _joined = _run + _lead  # the run carried in, continued by the chunk's leading one
-        _bstart = tl.where(_joined > _best, _start + _lead - _joined, _bstart)
-        _best = tl.maximum(_best, _joined)
-        _inner = tl.load(_at + 4)
-        _bstart = tl.where(_inner > _best, tl.load(_at + 5), _bstart)
-        _best = tl.maximum(_best, _inner)
-        _run = tl.where(_lead == _n, _run + _n, tl.load(_at + 3))
-    _lo = tl.minimum(_lo, _hi)  # no live block: the empty range [0, 0)
-    _flo = tl.where(_best > 0, _bstart, _lo)
-    _out = _ranges + (_mb * tl.num_programs(0) + _pid) * 4
-    tl.store(_out, _lo)
+        _lo = tl.minimum(_lo, tl.load(_src + _c * 2))
+        _hi = tl.maximum(_hi, tl.load(_src + _c * 2 + 1))
+    _out = _ranges + (_mb * tl.num_programs(0) + _pid) * 2
+    tl.store(_out, tl.minimum(_lo, _hi))  # no live block: the empty range [0, 0)
     tl.store(_out + 1, _hi)
-    tl.store(_out + 2, _flo)
-    tl.store(_out + 3, _flo + _best)
 
 
 def _block_sparse_ranges(keep, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _per=None):
@@ -978,9 +948,9 @@ def _block_sparse_ranges(keep, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _
     _steps = _cdiv(_sz["q"] if _by_col else _sz["x"], _br if _by_col else _bc)
     _per = _per or max(4, math.isqrt(max(_steps - 1, 0)) + 1)
     _grid = _fits((_n, _sz["b"] * _sz["h"], _cdiv(_steps, _per)))
-    _parts = torch.empty((_grid[1], _n, _grid[2], 6), dtype=torch.int32, device=_dev)  # each chunk's six
+    _parts = torch.empty((_grid[1], _n, _grid[2], 2), dtype=torch.int32, device=_dev)  # each chunk's [lo, hi)
     _tiles = torch.empty((_grid[1], _n, _steps), dtype=torch.int8, device=_dev)  # each tile's state, by its scan step
-    _ranges = torch.empty((_grid[1], _n, 4), dtype=torch.int32, device=_dev)  # every merge program writes its four
+    _ranges = torch.empty((_grid[1], _n, 2), dtype=torch.int32, device=_dev)  # every merge program writes its two
     if math.prod(_grid) > 0:
         _block_sparse_ranges_kernel[_grid](
             keep,
@@ -994,21 +964,23 @@ def _block_sparse_ranges(keep, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _
             num_warps=8 if _br * _bc >= 8192 else 4, enable_fp_fusion=True,  # 8 warps: 32 pairs a thread on 128 x 64
         )
     if _grid[0] * _grid[1] > 0:  # no chunk (an empty wire scanned) still writes its empty range
-        _block_sparse_merge_ranges_kernel[_grid[:2]](_parts, _ranges, _steps, _per, _grid[2], num_warps=1)
+        _block_sparse_merge_ranges_kernel[_grid[:2]](_parts, _ranges, _steps, _grid[2], num_warps=1)
     return _ranges_listed(_ranges, _tiles), True
 
 
 def _ranges_listed(ranges, tiles):
-    """Each block's record as the kernels read it (ranges.bounds_lines), 2 S + 5 int32 for S
-    blocks of the other wire: [lo, hi, flo, fhi], then pos[0..S], pos[b] the live blocks
-    before b outside the full run [flo, fhi), then those blocks ascending (the rest of the
-    row, unread, after them).  torch's sort and scan on the states, as FlexAttention's
-    BlockMask orders its kv_indices: a kernel would walk each row's blocks one by one."""
-    _j = torch.arange(tiles.shape[-1], dtype=torch.int32, device=tiles.device)
-    _part = (tiles > 0) & ((_j < ranges[..., 2:3]) | (_j >= ranges[..., 3:4]))
-    _pos = torch.nn.functional.pad(torch.cumsum(_part, -1, dtype=torch.int32), (1, 0))
-    _list = torch.sort((~_part).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-    return torch.cat([ranges, _pos, _list], -1).contiguous()
+    """Each block's record as the kernels read it (ranges.bounds_lines), 4 S + 4 int32 for S
+    blocks of the other wire: [lo, hi), then for its partial blocks (live, not full) and then
+    for its full ones, the prefix counts pos[0..S] (pos[b]: those before block b) and the list
+    of them ascending (the rest of the row, unread, after it).  torch's scan and sort on the
+    states, as FlexAttention's BlockMask orders kv_indices and full_kv_indices: a kernel
+    would walk each row's blocks one by one."""
+    _parts = [ranges]
+    for _state in (1, 2):
+        _is = tiles == _state
+        _parts.append(torch.nn.functional.pad(torch.cumsum(_is, -1, dtype=torch.int32), (1, 0)))
+        _parts.append(torch.sort((~_is).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32))
+    return torch.cat(_parts, -1).contiguous()
 
 
 # A kept result holds a stamp of the mask inputs it was computed from: each
@@ -1475,68 +1447,31 @@ def _block_sparse_kernel(
     if not _POS_x:
         _hi = tl.minimum(_hi, _row_last + 1)  # x <= q, loosest at the block's last row
     if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_x, _BLOCK_x) + 5)
+        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (4 * tl.cdiv(_size_x, _BLOCK_x) + 4)
         _lo = tl.load(_rg) * _BLOCK_x
         _hi = tl.load(_rg + 1) * _BLOCK_x
-        _flo = tl.load(_rg + 2) * _BLOCK_x
-        _fhi = tl.load(_rg + 3) * _BLOCK_x
-        _rp = _rg + 4  # per block b, the live blocks outside the full run before b
+        _rp = _rg + 2  # per block b, the partial blocks before b
         _rl = _rp + tl.cdiv(_size_x, _BLOCK_x) + 1  # those blocks, ascending
-    else:
-        _flo = _lo  # rows or keys at global positions: none known full, no list
-        _fhi = _lo
+        _fp = _rl + tl.cdiv(_size_x, _BLOCK_x)  # likewise the full blocks
+        _fl = _fp + tl.cdiv(_size_x, _BLOCK_x) + 1
+    else:  # rows or keys at global positions: every block, tested per tile
         _rp = _ranges
         _rl = _ranges
+        _fp = _ranges
+        _fl = _ranges
+    _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
+    _fhi = _lo
     if _CHUNK:  # one chunk of x per program (grid axis 2): the range cut to it
         _c0 = tl.program_id(2) * _CHUNK
         _lo = tl.maximum(_lo, _c0)
         _hi = tl.minimum(_hi, _c0 + _CHUNK)
         _flo = tl.minimum(tl.maximum(_flo, _lo), _hi)
         _fhi = tl.minimum(tl.maximum(_fhi, _lo), _hi)
-    # Partial blocks before the full ones: the mask cuts through them.
-    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _lo  # the list's part inside [_lo, _flo)
-    _pb = tl.load(_rp + tl.cdiv(_flo, _BLOCK_x)) if _RANGES else _flo
+    # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
+    _pa = tl.load(_fp + _lo // _BLOCK_x) if _RANGES else _flo  # the list's part inside [_lo, _hi)
+    _pb = tl.load(_fp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _fhi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
-        _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
-        _offs_x = _start + tl.arange(0, _BLOCK_x)
-        _ok_x = _offs_x < _size_x
-        if _POS_x:  # global positions; rows outside [0, |x|) are padding
-            _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
-            _ok_x = _ok_x & (_idx_x >= 0) & (_idx_x < _len_x)
-            # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
-            _col_first = tl.min(tl.where(_ok_x, _idx_x, 4611686018427387904), 0)
-            _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
-            _live = _col_last >= 0  # some real x
-            _live = _live & (_col_first <= _row_last)  # x <= q somewhere: at the least x and the greatest q
-        else:
-            _idx_x = _offs_x
-            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
-        if _live:
-            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
-            else:
-                _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
-            _keep_1 = tl.load(keep + _ix(_i_b, _INT64) * _st_keep_b + _ix(_i_h, _INT64) * _st_keep_h + _ix((_idx_q[:, None]) // 64, _INT64) * _st_keep_qb + _ix((_idx_x[None, :]) // 64, _INT64) * _st_keep_xb, mask=_gok_q[:, None] & _ok_x[None, :], other=0)
-            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
-            else:
-                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
-            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            # online softmax state _m, log2 units: the exponent is _s * 0.18033688011112042 (the scale > 0 times log2(e), one constant); one
-            # FMA a score, the row max scaled once (max commutes with it); rescale by 2^(m_old - m_new)
-            _s = tl.where(_ok_x[None, :], tl.where(tl.where(_keep_1, _idx_x[None, :] <= _idx_q[:, None], False), _qk, float("-inf")), float("-inf"))
-            _m_new = tl.maximum(_m, tl.max(_s, 1)[:, None] * 0.18033688011112042)
-            _m_use = tl.where(_m_new == float("-inf"), 0.0, _m_new)  # all -inf so far: no NaN
-            _alpha = tl.exp2(_m - _m_use)
-            _p = tl.exp2(_s * 0.18033688011112042 - _m_use)
-            _m = _m_new
-            _w0 = (_p).to(_V.dtype)
-            _acc = _acc * _alpha + tl.dot(_w0, _V, input_precision="ieee")
-            if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
-                _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
-            _l = _l * _alpha + tl.sum(_p, 1)[:, None]
-    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
-    for _start in range(_flo, _fhi, _BLOCK_x):
+        _start = tl.load(_fl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _idx_x = _offs_x
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
@@ -1560,8 +1495,8 @@ def _block_sparse_kernel(
         if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
             _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
         _l = _l * _alpha + tl.sum(_p, 1)[:, None]
-    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
-    _pa = tl.load(_rp + _fhi // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_fhi, _hi)
+    # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
+    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_lo, _hi)
     _pb = tl.load(_rp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _hi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
@@ -2054,60 +1989,25 @@ def _block_sparse_bwd_dkdv_kernel(
         _lo = tl.maximum(_lo, tl.where(_t >= _size_q, tl.cdiv(_size_q, _BLOCK_q), _t // _BLOCK_q))
         _hi = tl.maximum(_lo, _hi)
     if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_x, _BLOCK_x) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_q, _BLOCK_q) + 5)
+        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_x, _BLOCK_x) + _pid).to(tl.int64) * (4 * tl.cdiv(_size_q, _BLOCK_q) + 4)
         _lo = tl.load(_rg)
         _hi = tl.load(_rg + 1)
-        _flo = tl.load(_rg + 2)
-        _fhi = tl.load(_rg + 3)
-        _rp = _rg + 4  # per block b, the live blocks outside the full run before b
+        _rp = _rg + 2  # per block b, the partial blocks before b
         _rl = _rp + tl.cdiv(_size_q, _BLOCK_q) + 1  # those blocks, ascending
-    else:
-        _flo = _lo  # rows or keys at global positions: none known full, no list
-        _fhi = _lo
+        _fp = _rl + tl.cdiv(_size_q, _BLOCK_q)  # likewise the full blocks
+        _fl = _fp + tl.cdiv(_size_q, _BLOCK_q) + 1
+    else:  # rows or keys at global positions: every block, tested per tile
         _rp = _ranges
         _rl = _ranges
-    # Partial blocks before the full ones: the mask cuts through them.
-    _pa = tl.load(_rp + _lo) if _RANGES else _lo  # the list's part inside [_lo, _flo)
-    _pb = tl.load(_rp + _flo) if _RANGES else _flo
+        _fp = _ranges
+        _fl = _ranges
+    _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
+    _fhi = _lo
+    # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
+    _pa = tl.load(_fp + _lo) if _RANGES else _flo  # the list's part inside [_lo, _hi)
+    _pb = tl.load(_fp + _hi) if _RANGES else _fhi
     for _iv in range(_pa, _pb):
-        _rb = tl.load(_rl + _iv) if _RANGES else _iv
-        _row0 = _rb * _BLOCK_q
-        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
-        _ok_q = _offs_q < _size_q
-        if _POS_q:  # the global index of each row, given by the launcher
-            _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
-            _gok_q = _ok_q & (_idx_q >= 0) & (_idx_q < _len_q)
-            # a dead tile (no real q, or a bound of the mask false at every pair): no load, no step
-            _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
-            _live = _row_last >= 0  # some real q
-            _live = _live & (_col_first <= _row_last)  # x <= q somewhere: at the least x and the greatest q
-        else:
-            _idx_q = _offs_q
-            _gok_q = _ok_q
-            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
-        if _live:
-            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
-            else:
-                _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
-            _keep_1 = tl.load(keep + _ix(_i_b, _INT64) * _st_keep_b + _ix(_i_h, _INT64) * _st_keep_h + _ix((_idx_q[None, :]) // 64, _INT64) * _st_keep_qb + _ix((_idx_x[:, None]) // 64, _INT64) * _st_keep_xb, mask=_ok_x[:, None] & _gok_q[None, :], other=0)
-            _lse = tl.sum(tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_h, _INT64) * _st_lse_h + _ix(_offs_q[None, :, None], _INT64) * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
-            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
-            else:
-                _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
-            _delta = tl.sum(tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_h, _INT64) * _st_delta_h + _ix(_offs_q[None, :, None], _INT64) * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
-            _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
-            _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
-            _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
-            _P = tl.exp2(tl.where(tl.where(_keep_1, _idx_x[:, None] <= _idx_q[None, :], False), _qk, float("-inf")) * 0.18033688011112042 - _lse2)
-            _dS = _P * (_dP - _delta)
-            _dR = tl.where(tl.where(_keep_1, _idx_x[:, None] <= _idx_q[None, :], False), _dS, 0)
-            _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
-            _acc_K += tl.dot(_operand_grad(tl.where(_ok, _dR, 0.0), 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
-            _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
-    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
-    for _rb in range(_flo, _fhi):
+        _rb = tl.load(_fl + _iv) if _RANGES else _iv
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _idx_q = _offs_q
@@ -2129,8 +2029,8 @@ def _block_sparse_bwd_dkdv_kernel(
         _dR = _dS
         _acc_K += tl.dot(_operand_grad(_dR, 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
-    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
-    _pa = tl.load(_rp + _fhi) if _RANGES else _fhi  # the list's part inside [_fhi, _hi)
+    # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
+    _pa = tl.load(_rp + _lo) if _RANGES else _fhi  # the list's part inside [_lo, _hi)
     _pb = tl.load(_rp + _hi) if _RANGES else _hi
     for _iv in range(_pa, _pb):
         _rb = tl.load(_rl + _iv) if _RANGES else _iv
@@ -2293,55 +2193,25 @@ def _block_sparse_bwd_dq_kernel(
     if not _POS_x:
         _hi = tl.minimum(_hi, _row_last + 1)  # x <= q, loosest at the block's last row
     if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_x, _BLOCK_x) + 5)
+        _rg = _ranges + (((_i_b) * _size_h + _i_h) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (4 * tl.cdiv(_size_x, _BLOCK_x) + 4)
         _lo = tl.load(_rg) * _BLOCK_x
         _hi = tl.load(_rg + 1) * _BLOCK_x
-        _flo = tl.load(_rg + 2) * _BLOCK_x
-        _fhi = tl.load(_rg + 3) * _BLOCK_x
-        _rp = _rg + 4  # per block b, the live blocks outside the full run before b
+        _rp = _rg + 2  # per block b, the partial blocks before b
         _rl = _rp + tl.cdiv(_size_x, _BLOCK_x) + 1  # those blocks, ascending
-    else:
-        _flo = _lo  # rows or keys at global positions: none known full, no list
-        _fhi = _lo
+        _fp = _rl + tl.cdiv(_size_x, _BLOCK_x)  # likewise the full blocks
+        _fl = _fp + tl.cdiv(_size_x, _BLOCK_x) + 1
+    else:  # rows or keys at global positions: every block, tested per tile
         _rp = _ranges
         _rl = _ranges
-    # Partial blocks before the full ones: the mask cuts through them.
-    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _lo  # the list's part inside [_lo, _flo)
-    _pb = tl.load(_rp + tl.cdiv(_flo, _BLOCK_x)) if _RANGES else _flo
+        _fp = _ranges
+        _fl = _ranges
+    _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
+    _fhi = _lo
+    # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
+    _pa = tl.load(_fp + _lo // _BLOCK_x) if _RANGES else _flo  # the list's part inside [_lo, _hi)
+    _pb = tl.load(_fp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _fhi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
-        _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
-        _offs_x = _start + tl.arange(0, _BLOCK_x)
-        _ok_x = _offs_x < _size_x
-        if _POS_x:  # global positions; rows outside [0, |x|) are padding
-            _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
-            _ok_x = _ok_x & (_idx_x >= 0) & (_idx_x < _len_x)
-            # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
-            _col_first = tl.min(tl.where(_ok_x, _idx_x, 4611686018427387904), 0)
-            _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
-            _live = _col_last >= 0  # some real x
-            _live = _live & (_col_first <= _row_last)  # x <= q somewhere: at the least x and the greatest q
-        else:
-            _idx_x = _offs_x
-            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
-        if _live:
-            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _K = _tma_K.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
-            else:
-                _K = tl.load(K + _ix(_i_b, _INT64) * _st_K_b + _ix(_i_h, _INT64) * _st_K_h + _ix(_offs_x[:, None], _INT64) * _st_K_x + _ix(_offs_d[None, :], _INT64) * _st_K_d, mask=_ok_x[:, None], other=0.0)
-            _keep_1 = tl.load(keep + _ix(_i_b, _INT64) * _st_keep_b + _ix(_i_h, _INT64) * _st_keep_h + _ix((_idx_q[:, None]) // 64, _INT64) * _st_keep_qb + _ix((_idx_x[None, :]) // 64, _INT64) * _st_keep_xb, mask=_gok_q[:, None] & _ok_x[None, :], other=0)
-            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
-                _V = _tma_V.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _start, 0]).reshape(_BLOCK_x, _BLOCK_d)
-            else:
-                _V = tl.load(V + _ix(_i_b, _INT64) * _st_V_b + _ix(_i_h, _INT64) * _st_V_h + _ix(_offs_x[:, None], _INT64) * _st_V_x + _ix(_offs_d[None, :], _INT64) * _st_V_d, mask=_ok_x[:, None], other=0.0)
-            _qk = tl.dot(_Q, tl.trans(_K), input_precision="ieee")
-            _dP = tl.dot(_dO.to(Q.dtype.element_ty), tl.trans(_V.to(Q.dtype.element_ty)), input_precision="ieee")
-            _P = tl.exp2(tl.where(tl.where(_keep_1, _idx_x[None, :] <= _idx_q[:, None], False), _qk, float("-inf")) * 0.18033688011112042 - _lse2)
-            _dS = _P * (_dP - _delta)
-            _dR = tl.where(tl.where(_keep_1, _idx_x[None, :] <= _idx_q[:, None], False), _dS, 0)
-            _ok = _gok_q[:, None] & _ok_x[None, :]  # padded rows and keys add nothing
-            _acc_Q += tl.dot(_operand_grad(tl.where(_ok, _dR, 0.0), 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
-    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
-    for _start in range(_flo, _fhi, _BLOCK_x):
+        _start = tl.load(_fl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _idx_x = _offs_x
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
@@ -2358,8 +2228,8 @@ def _block_sparse_bwd_dq_kernel(
         _dS = _P * (_dP - _delta)
         _dR = _dS
         _acc_Q += tl.dot(_operand_grad(_dR, 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
-    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
-    _pa = tl.load(_rp + _fhi // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_fhi, _hi)
+    # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
+    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_lo, _hi)
     _pb = tl.load(_rp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _hi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv

@@ -384,18 +384,18 @@ def test_causal_source_has_an_unmasked_loop_then_the_diagonal():
 
 def test_document_mask_loops_over_the_ranges_prepass():
     """A mask that reads data has no formula for its blocks: the ranges
-    prepass (codegen/ranges.py) finds them, and the forward loops partial,
-    full, partial over what it found, each partial loop walking the list of
-    live blocks inside its range (from _pa to _pb); the full step reads no ids."""
+    prepass (codegen/ranges.py) finds them, and the forward walks its two
+    lists (from _pa to _pb): the full blocks, with a step that reads no ids
+    and has no mask, then the partial ones, masked."""
     source = _emit("document_mask")
     assert "def _document_mask_ranges_kernel(" in source
     loops = _kernel_loop_list(source, "_document_mask_kernel")
-    assert [key for key, _ in loops] == [("_pa", "_pb"), ("_flo", "_fhi"), ("_pa", "_pb")]
-    partial = [body for key, body in loops if key == ("_pa", "_pb")]
-    full = dict(loops)[("_flo", "_fhi")]
-    assert "_doc" not in full and "mask=" not in full and "_ok" not in full and "_rl" not in full
-    assert all("_doc == _doc_1" in body for body in partial)
-    assert all(body.startswith("_start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv\n") for body in partial)
+    assert [key for key, _ in loops] == [("_pa", "_pb"), ("_pa", "_pb")]
+    full, partial = (body for _, body in loops)
+    assert full.startswith("_start = tl.load(_fl + _iv) * _BLOCK_x if _RANGES else _iv\n")
+    assert "_doc" not in full and "mask=" not in full and "_ok" not in full
+    assert partial.startswith("_start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv\n")
+    assert "_doc == _doc_1" in partial
 
 
 def test_attention_runs_all_but_the_ragged_last_block_unmasked(folder):

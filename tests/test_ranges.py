@@ -113,26 +113,27 @@ def _brute(pred, nr, nc, br, bc, whole_rows, by_col):
 
 def _check_ranges(got, live, full):
     """The prepass's record against the brute force: [lo, hi) the first and
-    last live block, [flo, fhi) a longest run of full blocks inside it, then
-    the prefix counts and the list of the live blocks outside that run,
-    ascending (what the kernels' partial loops walk)."""
+    last live block, then for the partial blocks (live, not full) and for
+    the full ones the prefix counts and the list, ascending (what the
+    kernels' two loops walk)."""
     steps = live.shape[1]
-    assert got.shape[-1] == 2 * steps + 5
+    assert got.shape[-1] == 4 * steps + 4
     for p in range(live.shape[0]):
-        lo, hi, flo, fhi = got[p, :4].tolist()
-        pos, listed = got[p, 4:steps + 5].tolist(), got[p, steps + 5:].tolist()
+        lo, hi = got[p, :2].tolist()
         idx = live[p].nonzero().flatten().tolist()
         assert (lo, hi) == ((idx[0], idx[-1] + 1) if idx else (0, 0)), p
-        best, run = 0, 0
-        for f in full[p].tolist():
-            run = run + 1 if f else 0
-            best = max(best, run)
-        assert fhi - flo == best, p
-        assert lo <= flo <= fhi <= hi, p
-        assert bool(full[p, flo:fhi].all()), p
-        outside = [j for j in idx if not flo <= j < fhi]
-        assert listed[:len(outside)] == outside, p
-        assert pos == [sum(j < b for j in outside) for b in range(steps + 1)], p
+        for k, want in enumerate((live[p] & ~full[p], full[p])):
+            at = 2 + k * (2 * steps + 1)
+            pos, listed = got[p, at:at + steps + 1].tolist(), got[p, at + steps + 1:at + 2 * steps + 1].tolist()
+            blocks = want.nonzero().flatten().tolist()
+            assert listed[:len(blocks)] == blocks, (p, k)
+            assert pos == [sum(j < b for j in blocks) for b in range(steps + 1)], (p, k)
+
+
+def _dead(got):
+    """Per block of a record: the dead blocks inside [lo, hi), which neither list holds."""
+    steps = (got.shape[-1] - 4) // 4
+    return got[..., 1] - got[..., 0] - got[..., 2 + steps] - got[..., 3 + 3 * steps]
 
 
 def test_only_masks_that_read_data_get_a_prepass():
@@ -177,7 +178,7 @@ def test_prepass_matches_brute_force(folder, whole_rows, by_col):
         sz = {"b": 2, "h": 3, "q": n, "x": n, "d": 64}
         got, on = m._document_mask_ranges(doc, sz, doc.device, br, bc, whole_rows, by_col, True)
         steps = -(-n // (br if by_col else bc))
-        assert on and tuple(got.shape) == (2, -(-n // (bc if by_col else br)), 2 * steps + 5)  # per b, not per (b, h)
+        assert on and tuple(got.shape) == (2, -(-n // (bc if by_col else br)), 4 * steps + 4)  # per b, not per (b, h)
         for b in range(2):
             pred = doc[b][:, None] == doc[b][None, :]
             _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col))
@@ -195,8 +196,7 @@ def test_chunks_of_the_scan_join_into_the_same_ranges(folder, per):
     for whole_rows, by_col in [(False, False), (True, False), (True, True)]:
         got, _ = m._document_mask_ranges(doc, {"b": 4, "h": 1, "q": n, "x": n, "d": 64}, doc.device, br, bc,
                                          whole_rows, by_col, True, _per=per)
-        span, run, listed = got[3, :, 1] - got[3, :, 0], got[3, :, 3] - got[3, :, 2], got[3, :, 4 + -(-n // 8)]
-        assert (span - run - listed).max() == 5  # dead blocks inside a span, across chunk edges at _per < 5
+        assert _dead(got[3]).max() == 5  # dead blocks inside a span, across chunk edges at _per < 5
         for b in range(4):
             pred = doc[b][:, None] == doc[b][None, :]
             _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col))
@@ -330,7 +330,7 @@ def test_backward_skips_dead_blocks(folder):
         assert bc.loads["Q"] == 2 * 8 * blocks * tile, ("dK/dV", blocks)
 
 
-@pytest.mark.parametrize("name", ["keep", "ranges", "rg", "run", "best", "steps", "mb", "j"])
+@pytest.mark.parametrize("name", ["keep", "ranges", "rg", "rl", "fp", "pa", "tiles", "steps", "mb", "j"])
 def test_ids_named_like_the_prepass_variables(folder, name):
     """The prepass's own variables (ranges.NAMES, in kernel_names.internal_names)
     never take a user's name: ids called ``keep`` load as ``_keep_1``; the
@@ -373,9 +373,7 @@ def test_the_dead_run_between_sinks_and_window_is_skipped(folder):
             got, _ = m._document_mask_ranges(sz, doc.device, blk, blk, whole_rows, by_col, True, _per=per)
             _check_ranges(got[0], live, full)
             # the last row blocks skip 6 blocks; a key block's live rows are one run (no dead one)
-            steps = got.shape[-1] // 2 - 2
-            span, run, listed = got[0, :, 1] - got[0, :, 0], got[0, :, 3] - got[0, :, 2], got[0, :, 4 + steps]
-            assert (span - run - listed).max() == (0 if by_col else 6), per
+            assert _dead(got[0]).max() == (0 if by_col else 6), per
     live = _brute(pred, n, n, blk, blk, False, False)[0]
     q, k, v, _ = m.example_inputs({"b": 1, "h": 2, "q": n, "x": n}, dtype=torch.float32, seed=17)
     opts = {"block_q": blk, "block_x": blk}

@@ -87,12 +87,13 @@ def test_the_kernel_loads_the_live_key_blocks_the_cost_pass_counts():
             counted[t.tensor] += t.bytes
     loads = dict(bc.loads)
     # the prepass's own traffic, which the cost pass leaves out (its note says so): the main kernel
-    # reads 16 B of ranges a row block, 8 B of prefix counts a partial loop (two a row block) and
-    # 4 B of list a block it visits masked; the merge reads the scan's chunks
+    # reads 8 B of ranges a row block, 8 B of prefix counts a loop (a full and a partial one) and
+    # 4 B of list a block it visits; the merge reads the scan's chunks
     rec, _ = m._streaming_llm_ranges({"b": 1, "h": 1, "q": N, "x": N, "d": 64}, Q.device, 32, 16, False, False, True)
-    listed = rec[..., 4 + -(-N // 16)].sum().item()
-    assert 0 < listed < live // 16
-    assert loads.pop("_ranges") == 32 * -(-N // 32) + 4 * listed and loads.pop("_parts") > 0
+    steps = -(-N // 16)
+    partial, full = rec[..., 2 + steps].sum().item(), rec[..., 3 + 3 * steps].sum().item()
+    assert partial > 0 and full > 0
+    assert loads.pop("_ranges") == 24 * -(-N // 32) + 4 * (partial + full) and loads.pop("_parts") > 0
     assert dict(counted) == {k: v for k, v in loads.items() if v}
 
 

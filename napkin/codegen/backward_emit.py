@@ -551,13 +551,13 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
                 lo, hi = (b if b.isidentifier() else f"({b})" for b in (seg["lo"], seg["hi"]))
                 pairs = f"  # (row block, {', '.join(k.outer)}) pairs"
                 if seg["listed"] and usable:
-                    opening = R.list_loop("_rb", lo, hi, flat=n)
+                    opening = R.list_loop("_rb", seg, flat=n)
                     opening[2] += pairs  # on its for line, after the list's two
                 else:
                     opening = [f"for _it in range({lo} * {n}, {hi} * {n}):{pairs}", f"    _rb = _it // {n}"]
                 loop += opening + _indent(_decode_outer(names, k.outer, n), 4) + [f"    _row0 = _rb * {names.block(row)}"]
             else:
-                opening = R.list_loop("_rb", seg["lo"], seg["hi"]) if seg["listed"] and usable else \
+                opening = R.list_loop("_rb", seg) if seg["listed"] and usable else \
                     [f"for _rb in range({seg['lo']}, {seg['hi']}):"]
                 loop += opening + [f"    _row0 = _rb * {names.block(row)}"]
             loop += _indent(inner(seg["full"]), 4)

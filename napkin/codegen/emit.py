@@ -385,27 +385,31 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
     can put some there), the full blocks [_flo, _fhi), partial blocks after
     (the mask's far edge and the ragged end).  Without a lower bound the
     full blocks start the range (``_flo`` is ``lo``).  A mask that reads
-    data (ranges.py) takes the three loops too: its run of full blocks,
-    found at run time, may start anywhere, and its partial loops walk the
-    list of live blocks it found (``listed``: ranges.list_loop)."""
+    data (ranges.py) takes two loops, each walking a list the prepass made
+    (``listed``: ranges.list_loop) over the whole [lo, hi) (``over``): its
+    full blocks, then its partial ones; without the ranges (rows at global
+    positions) the first is empty and the second visits every block."""
     if plan.full is None and not R.applies(plan):
-        return [{"lo": lo, "hi": hi, "full": False, "why": "", "listed": False}]
-    data = plan.full is None  # a data mask's ranges: the full run may start anywhere, dead blocks lie between
-    lower = lower or data
+        return [{"lo": lo, "hi": hi, "full": False, "why": "", "listed": None}]
+    if plan.full is None:  # a data mask: its full and partial blocks may lie anywhere in [lo, hi)
+        return [{"lo": "_flo", "hi": "_fhi", "full": True, "listed": ("_fp", "_fl"), "over": (lo, hi),
+                 "why": "# Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges."},
+                {"lo": "_fhi", "hi": hi, "full": False, "listed": ("_rp", "_rl"), "over": (lo, hi),
+                 "why": "# Partial blocks, the prepass's list; with positions every block, dead tiles skipped."}]
     start = "_flo" if lower else lo
-    out = [{"lo": lo, "hi": "_flo", "full": False, "listed": data,
+    out = [{"lo": lo, "hi": "_flo", "full": False, "listed": None,
             "why": "# Partial blocks before the full ones: the mask cuts through them."}] if lower else []
     return out + [
-        {"lo": start, "hi": "_fhi", "full": True, "listed": False,
+        {"lo": start, "hi": "_fhi", "full": True, "listed": None,
          "why": "# Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks."},
-        {"lo": "_fhi", "hi": hi, "full": False, "listed": data,
+        {"lo": "_fhi", "hi": hi, "full": False, "listed": None,
          "why": "# Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped."}]
 
 
 def loop_head(seg: dict, var: str, step: str) -> str:
     """A segment's loop header over its blocks, ``var`` (``_start``) each one's first offset."""
     if seg["listed"]:
-        return "\n".join(R.list_loop(var, seg["lo"], seg["hi"], step))
+        return "\n".join(R.list_loop(var, seg, step))
     return f"for {var} in range({seg['lo']}, {seg['hi']}, {step}):"
 
 

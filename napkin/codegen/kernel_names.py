@@ -19,10 +19,10 @@ KERNEL_HELPERS = frozenset({"_ix", "_tanh", "_sigmoid", "_relu", "_logsumexp", "
                             "_scaled_grad"})
 # What the ranges prepass of a mask that reads data, and the kernels' code
 # reading its ranges, define (ranges.py; templates/ranges.py.jinja).
-RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_run", "_best", "_bstart", "_keep",
+RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_keep",
                           "_any", "_all", "_whole", "_out", "_BY_COL", "_WHOLE_ROWS", "_chunk", "_first",
-                          "_last", "_lead", "_parts", "_per", "_tiles", "_state", "_rp", "_rl", "_pa", "_pb",
-                          "_iv"})
+                          "_last", "_parts", "_per", "_tiles", "_state", "_rp", "_rl", "_fp", "_fl", "_pa", "_pb",
+                          "_is", "_iv"})
 
 
 def part(name: str) -> str:

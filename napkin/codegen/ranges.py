@@ -9,23 +9,21 @@ diagram (``applies``) the launcher first runs a small generated Triton
 kernel, the ranges prepass (templates/ranges.py.jinja).  It evaluates the
 whole mask predicate, every conjunct (the affine ones too) rendered from the
 IR as the masked step renders it, on each (row block, key block) tile,
-scanning the key blocks in chunks (scalars carried in each chunk's loop, six
-int32 a chunk; a merge kernel joins a row's chunks in order) and storing
+scanning the key blocks in chunks (scalars carried in each chunk's loop, its
+[lo, hi) stored; a merge kernel joins a row's chunks) and storing
 each tile's state (dead, live, full: one byte a tile).  Per (mask batch
-index, row block) it then writes a record of 2 S + 5 int32 (S the blocks
+index, row block) it then writes a record of 4 S + 4 int32 (S the blocks
 of the other wire): [lo, hi) the blocks from the first to the last live one
-(some real pair true), [flo, fhi) the longest run of full ones (true at
-every pair, the tile inside the edges), the prefix counts pos[0..S] of the
-live blocks outside that run and the list of them, ascending, which torch
-compacts from the states (``_ranges_listed``, as FlexAttention's BlockMask
-lists kv_indices).  The main kernels then loop partial [lo, flo), full
-[flo, fhi), partial [fhi, hi) (emit.segments), the full step generated
-with the mask taken as true; a partial loop over blocks [a, b) walks the
-list from pos[a] to pos[b] (``list_loop``), so every dead block is skipped
-(a random block-sparse mask's too) and any cut of the range (a
-flash-decoding chunk, the full run's edges) finds its part of the list in
-two loads.  Full blocks outside the longest run are visited masked:
-correct, only not at the unmasked step's cost.
+(some real pair true), then for its partial blocks (live, not full) and
+its full ones (true at every pair, the tile inside the edges) the prefix
+counts pos[0..S] and the list, ascending, which torch compacts from the
+states (``_ranges_listed``, as FlexAttention's BlockMask lists kv_indices
+and full_kv_indices).  The main kernels then loop over the full list, the
+step generated with the mask taken as true, and over the partial list
+(emit.segments); a loop over blocks [a, b) walks its list from pos[a] to
+pos[b] (``list_loop``), so every dead block is skipped (a random
+block-sparse mask's too) and a cut of the range (a flash-decoding chunk)
+finds its part of the list in two loads.
 
 * The prepass's grid spans only the batch wires the predicate reads
   (``doc[b, .]`` reads b, not h): its cost does not multiply by heads, and
@@ -134,57 +132,60 @@ def _flat(names, wires) -> str:
 
 
 def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> list[str]:
-    """Lines after a kernel's affine bounds: with _RANGES, [_lo, _hi) and
-    the full run [_flo, _fhi) from the prepass's record of this program
-    (``loop``: the wire the kernel loops over; the forward and dQ loop in
-    offsets of the streamed wire, dK/dV in blocks of rows), and _rp, _rl
-    its prefix counts and list of live blocks (list_loop); else no block is
+    """Lines after a kernel's affine bounds: with _RANGES, [_lo, _hi) from
+    the prepass's record of this program (``loop``: the wire the kernel
+    loops over; the forward and dQ loop in offsets of the streamed wire,
+    dK/dV in blocks of rows), _rp, _rl the prefix counts and list of its
+    partial blocks and _fp, _fl of its full ones (list_loop); else none is
     known full and the lists go unread.  ``usable`` False (a mask batch wire
     the kernel does not index per program): no ranges, and its loops must
     not be list_loop's."""
     row, col = plan.row, plan.col
+    none = ["_flo = _lo  # no block known full: the partial loop takes [_lo, _hi)", "_fhi = _lo"]
     if not usable:
-        return ["_flo = _lo  # the mask reads a wire this kernel's outer loop walks: no ranges, none known full",
-                "_fhi = _lo"]
+        return ["# the mask reads a wire this kernel's outer loop walks: no ranges", *none]
     grid = col if loop == row else row
     n = f"tl.cdiv({names.size(grid)}, {names.block(grid)})"
     steps = f"tl.cdiv({names.size(loop)}, {names.block(loop)})"
     unit = "" if loop == row else f" * {names.block(col)}"
     # int64: the records of a per-head mask at long sequences pass 2**31 int32
     return ["if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)",
-            f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid).to(tl.int64) * (2 * {steps} + 5)",
-            *[f"    {v} = tl.load(_rg{f' + {i}' if i else ''}){unit}"
-              for i, v in enumerate(("_lo", "_hi", "_flo", "_fhi"))],
-            "    _rp = _rg + 4  # per block b, the live blocks outside the full run before b",
+            f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid).to(tl.int64) * (4 * {steps} + 4)",
+            f"    _lo = tl.load(_rg){unit}",
+            f"    _hi = tl.load(_rg + 1){unit}",
+            "    _rp = _rg + 2  # per block b, the partial blocks before b",
             f"    _rl = _rp + {steps} + 1  # those blocks, ascending",
-            "else:",
-            "    _flo = _lo  # rows or keys at global positions: none known full, no list",
-            "    _fhi = _lo",
+            f"    _fp = _rl + {steps}  # likewise the full blocks",
+            f"    _fl = _fp + {steps} + 1",
+            "else:  # rows or keys at global positions: every block, tested per tile",
             "    _rp = _ranges",
-            "    _rl = _ranges"]
+            "    _rl = _ranges",
+            "    _fp = _ranges",
+            "    _fl = _ranges",
+            *none]
 
 
-def list_loop(var: str, lo: str, hi: str, step: str = "", flat: str = "") -> list[str]:
-    """A partial segment's loop over the live blocks in [lo, hi): with
-    _RANGES, the list's entries pos[lo] to pos[hi] (bounds_lines), so dead
-    blocks are never visited; else every block of [lo, hi).  Sets ``var``
-    (``_start`` in offsets with ``step``, ``_rb`` in blocks) at each one.
-    _RANGES is a constexpr, so each launch compiles one of the two and the
-    partial step, the kernel's largest code, is written once.  ``flat``:
+def list_loop(var: str, seg: dict, step: str = "", flat: str = "") -> list[str]:
+    """A segment's loop: with _RANGES, over the entries of its list
+    (``seg["listed"]``: the prefix counts' and list's names, bounds_lines)
+    for the blocks in [seg["over"]), from pos[first] to pos[stop], so dead
+    blocks are never visited; else over [seg["lo"], seg["hi"]), every block.
+    Sets ``var`` (``_start`` in offsets with ``step``, ``_rb`` in blocks) at
+    each one.  _RANGES is a constexpr, so each launch compiles one of the
+    two and the step, the kernel's largest code, is written once.  ``flat``:
     dK/dV's loop over (row block, outer wires) pairs, ``flat`` of them a
     block; the line decoding the pair's block comes back as ``var``
     ("_rb = _it // n"), the caller decodes the rest."""
-    if step:
-        first, last = f"{lo} // {step}", f"tl.cdiv({hi}, {step})"
-    else:
-        first, last = lo, hi
-    head = [f"_pa = tl.load(_rp + {first}) if _RANGES else {lo}  # the list's part inside [{lo}, {hi})",
-            f"_pb = tl.load(_rp + {last}) if _RANGES else {hi}"]
+    pos, lst = seg["listed"]
+    lo, hi = seg["over"]
+    first, last = (f"{lo} // {step}", f"tl.cdiv({hi}, {step})") if step else (lo, hi)
+    head = [f"_pa = tl.load({pos} + {first}) if _RANGES else {seg['lo']}  # the list's part inside [{lo}, {hi})",
+            f"_pb = tl.load({pos} + {last}) if _RANGES else {seg['hi']}"]
     if flat:
         return head + [f"for _it in range(_pa * {flat}, _pb * {flat}):",
-                       f"    {var} = _it // {flat}", f"    {var} = tl.load(_rl + {var}) if _RANGES else {var}"]
+                       f"    {var} = _it // {flat}", f"    {var} = tl.load({lst} + {var}) if _RANGES else {var}"]
     return head + [f"for _iv in range(_pa, _pb{f', 1 if _RANGES else {step}' if step else ''}):",
-                   f"    {var} = tl.load(_rl + _iv){f' * {step}' if step else ''} if _RANGES else _iv"]
+                   f"    {var} = tl.load({lst} + _iv){f' * {step}' if step else ''} if _RANGES else _iv"]
 
 
 # When a launcher runs the prepass: its call has no rows at global positions

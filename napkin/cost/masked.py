@@ -167,7 +167,8 @@ def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: M
     plan = attention_plan(diagram)
     if plan is None or device_tiles(diagram) or not ranges.applies(plan):
         return None
-    cost = "two more kernels a launch, their traffic not counted, nor the ranges each row block reads (24 B, and 4 B a block it visits masked)"
+    cost = ("two more kernels a launch, their traffic not counted, nor the ranges each row block reads "
+            "(24 B, and 4 B a block it visits)")
     ids = kernel_ids(diagram) if docs is not None else None
     if ids is not None:
         wire = documents.id_wire(diagram, ids)
