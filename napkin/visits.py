@@ -344,8 +344,9 @@ def prepass_visits(disjuncts, row_size: int, col_size: int, block_row: int, bloc
     """(spans, holes) per row block for a mask that is an ``or`` of
     conjunctions of cuts (masks.disjunct_cuts): a (row block, key block)
     tile is live where some conjunction holds on a real pair of it, as the
-    prepass tests it, and the kernels visit each row block's live blocks.  Each row's kept keys are one run per
-    conjunction (each cut solved for the key at that row), so the live
+    prepass tests it, and the kernels visit each row block's live blocks.
+    Each row's kept keys are one run per conjunction (each cut solved for
+    the key at that row), so the live
     blocks of a row block are the union of its rows' runs.  ``cycle``:
     packed rows (g, q), each at position q, as documents.row_visits."""
 

@@ -54,6 +54,10 @@ def predicted_bytes(transfers, *without) -> tuple[dict, dict]:
     return tuple(without_tensors(c, *without) for c in out)
 
 
+# The ranges prepass's own buffers (codegen/ranges.py), whose traffic the cost pass leaves out.
+PREPASS_BUFFERS = ("_ranges", "_parts", "_tiles")
+
+
 def without_tensors(counts, *names) -> dict:
     """Bytes per tensor less ``names``, the prepass's buffers and the zeros."""
-    return {k: v for k, v in counts.items() if k not in (*names, "_ranges", "_parts", "_tiles") and v}
+    return {k: v for k, v in counts.items() if k not in (*names, *PREPASS_BUFFERS) and v}

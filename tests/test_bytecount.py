@@ -143,7 +143,7 @@ from napkin import ir  # noqa: E402
 from napkin.cost import analyse, packing, with_blocks  # noqa: E402
 from napkin.cost.cli import recast  # noqa: E402
 from napkin.cost.tune import searchable  # noqa: E402
-from cost_helpers import coarse_wires  # noqa: E402
+from cost_helpers import PREPASS_BUFFERS, coarse_wires  # noqa: E402
 from napkin.errors import NapkinError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -274,7 +274,7 @@ def without_ids(module, *counts) -> list[dict]:
     full block's step reads none: only the mask does), the ranges' (16
     bytes a block, written by the prepass, read by the kernel) and the
     prepass's own chunks (24 bytes a chunk, written by its scan, read by its merge)."""
-    ids = {n for n, dt in module._DTYPES.items() if dt in ir.INT_DTYPES} | {"_ranges", "_parts", "_tiles"}
+    ids = {n for n, dt in module._DTYPES.items() if dt in ir.INT_DTYPES} | set(PREPASS_BUFFERS)
     return [{k: v for k, v in c.items() if k not in ids} for c in counts]
 
 

@@ -38,6 +38,7 @@ from napkin.cost.masked import attention_plan as _plan
 from napkin.cost.backward import backward_cost
 from napkin.errors import NapkinError
 from backward_helpers import compile_text
+from cost_helpers import PREPASS_BUFFERS
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "examples" / "document_mask.ncd").read_text()
@@ -181,7 +182,7 @@ def test_column_spans_of_spans_with_gaps():
 def _without_ids(counts: dict) -> dict:
     """The ids' bytes apart (a step whose blocks are all kept loads none; the
     prepass loads them too) and the prepass's own buffers."""
-    return {k: v for k, v in counts.items() if k not in ("doc", "_ranges", "_parts", "_tiles")}
+    return {k: v for k, v in counts.items() if k not in ("doc", *PREPASS_BUFFERS)}
 
 
 def _predicted(transfers) -> tuple[dict, dict]:

@@ -29,6 +29,7 @@ from napkin.codegen import lower as L
 from napkin.codegen import ranges as R
 from napkin.codegen.kernel_names import internal_names
 from backward_helpers import assert_accurate, compile_text, gradients
+from cost_helpers import PREPASS_BUFFERS
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "examples" / "document_mask.ncd").read_text()
@@ -442,7 +443,7 @@ def test_grouped_query_dkdv_steps_over_dead_row_blocks(folder):
 
 def _counted(counts: dict) -> dict:
     """Bytes per tensor, less the declared ids this mask never reads and the prepass's own buffers."""
-    return {k: v for k, v in counts.items() if k not in ("doc", "_ranges", "_parts", "_tiles") and v}
+    return {k: v for k, v in counts.items() if k not in ("doc", *PREPASS_BUFFERS) and v}
 
 
 @pytest.mark.parametrize("key, mask", [("stream", "x <= q and (q - x < 24 or x < 4)"),

@@ -659,21 +659,20 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
         return {a: 1.0 for a in shared}, step_bytes
     # Each program's steps [lo, hi) along the stream: its row block's span
     # when a masked loop skips steps, else one step standing for all of them
-    # (with holes, the runs between them: [lo, g0), [g1, g0'), .. [g1'', hi), each wave's hull taken of
-    # each k-th run; a row block with fewer holes pads with empty runs at its end)
+    # (with holes, Visited.parts' runs between them, each wave's hull taken of each k-th run; a row
+    # block with fewer runs pads with empty ones at its end)
     unit = lo, hi = np.zeros_like(linear), np.ones_like(linear)
     runs = [unit]
     if visited is not None and chunks == 1 and visited.row in index and visited.spans:
         spans = np.array(visited.spans, dtype=np.int64).reshape(-1, 2)[index[visited.row]]
         lo, hi = spans[:, 0], np.maximum(spans[:, 1], spans[:, 0])
         runs = [(lo, hi)]
-        most = max(map(len, visited.holes), default=0)
-        if most:
-            holes = np.array([list(h) + [(b, b)] * (most - len(h)) for h, (_, b) in zip(visited.holes, visited.spans)],
-                             dtype=np.int64).reshape(-1, most, 2)[index[visited.row]]
-            g0, g1 = np.clip(holes[..., 0], lo[:, None], hi[:, None]), np.clip(holes[..., 1], lo[:, None], hi[:, None])
-            starts, stops = [lo, *g1.T], [*g0.T, hi]
-            runs = [(a, np.maximum(a, b)) for a, b in zip(starts, stops)]
+        if any(visited.holes):
+            parts = [visited.parts(i) for i in range(len(visited.spans))]
+            most = max(map(len, parts))
+            padded = [list(p) + [(p[-1][1], p[-1][1])] * (most - len(p)) for p in parts]
+            cut = np.array(padded, dtype=np.int64).reshape(-1, most, 2)[index[visited.row]]
+            runs = [(cut[:, k, 0], np.maximum(cut[:, k, 0], cut[:, k, 1])) for k in range(most)]
     # how many waves back a tile is still in L2 (0: only within its own wave)
     reach_back = int(l2_bytes // wave_bytes) if wave_bytes else 0
     n_waves = int(waves[-1]) + 1
