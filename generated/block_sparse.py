@@ -2,7 +2,7 @@
 
 source:  examples/block_sparse.ncd
 napkin:  0.1.0
-sha256:  da7ac570708a78961d0e53527717f56f1e1a8c281820f45eec6e4780ebdc2802
+sha256:  4b51e0898a2aa4b5bac471130a528e07f9232a96bee27985786e5f0af2507bf0
 Do not edit: regenerate with `napkin compile examples/block_sparse.ncd`.
 
 cost summary:
@@ -37,7 +37,7 @@ import triton.language as tl
 from torch.autograd import forward_ad as _autograd_forward_ad   # read by _refuse_tangents every launch
 
 NAPKIN_VERSION = "0.1.0"
-SOURCE_HASH = "da7ac570708a78961d0e53527717f56f1e1a8c281820f45eec6e4780ebdc2802"
+SOURCE_HASH = "4b51e0898a2aa4b5bac471130a528e07f9232a96bee27985786e5f0af2507bf0"
 INPUTS = ("Q", "K", "V", "keep")
 OUTPUTS = ("O",)
 # Each wire's fixed size, or None when it is bound from tensor shapes at call time.
@@ -529,7 +529,7 @@ import threading as _autotune_threading
 import torch as _autotune_torch
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
-_AUTOTUNE_HASH = "da7ac570708a78961d0e53527717f56f1e1a8c281820f45eec6e4780ebdc2802"
+_AUTOTUNE_HASH = "4b51e0898a2aa4b5bac471130a528e07f9232a96bee27985786e5f0af2507bf0"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x', 'qb', 'xb')
 # The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
 # its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
@@ -2548,7 +2548,7 @@ def _op_names(base):
         n += 1
 
 
-_FWD_OP, _BWD_OP, _INF_OP = _op_names("block_sparse_da7ac570")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("block_sparse_4b51e089")
 _SAVED = ("_saved_lse", )
 
 

@@ -2,7 +2,7 @@
 
 source:  examples/streaming_llm.ncd
 napkin:  0.1.0
-sha256:  6b42916aaf87f42c5b2e2255b53ace50db1c8cf15bed7ed422c325c3cb60e791
+sha256:  8d13353b7c025e3a4308c0d96aacba80997519396d071cc3d0f2a6d8c7bdb3cc
 Do not edit: regenerate with `napkin compile examples/streaming_llm.ncd`.
 
 cost summary:
@@ -36,7 +36,7 @@ import triton.language as tl
 from torch.autograd import forward_ad as _autograd_forward_ad   # read by _refuse_tangents every launch
 
 NAPKIN_VERSION = "0.1.0"
-SOURCE_HASH = "6b42916aaf87f42c5b2e2255b53ace50db1c8cf15bed7ed422c325c3cb60e791"
+SOURCE_HASH = "8d13353b7c025e3a4308c0d96aacba80997519396d071cc3d0f2a6d8c7bdb3cc"
 INPUTS = ("Q", "K", "V")
 OUTPUTS = ("O",)
 # Each wire's fixed size, or None when it is bound from tensor shapes at call time.
@@ -527,7 +527,7 @@ import threading as _autotune_threading
 import torch as _autotune_torch
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
-_AUTOTUNE_HASH = "6b42916aaf87f42c5b2e2255b53ace50db1c8cf15bed7ed422c325c3cb60e791"
+_AUTOTUNE_HASH = "8d13353b7c025e3a4308c0d96aacba80997519396d071cc3d0f2a6d8c7bdb3cc"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
 # The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
 # its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
@@ -2505,7 +2505,7 @@ def _op_names(base):
         n += 1
 
 
-_FWD_OP, _BWD_OP, _INF_OP = _op_names("streaming_llm_6b42916a")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("streaming_llm_8d13353b")
 _SAVED = ("_saved_lse", )
 
 
