@@ -2,12 +2,12 @@
 
 source:  examples/block_sparse.ncd
 napkin:  0.1.0
-sha256:  4b51e0898a2aa4b5bac471130a528e07f9232a96bee27985786e5f0af2507bf0
+sha256:  60aaa723b76c0bf33e0ac78c1482c5fa858be7106b74482956c5134e2ee27d1c
 Do not edit: regenerate with `napkin compile examples/block_sparse.ncd`.
 
 cost summary:
     flops: contractions 4*b*d*h*q*x; exp b*h*q*x
-    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + b*h*q*x/(64*s_x) bytes
+    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + 16*b*h*q*x/(g_q*p_x*s_x) + 23*b*h*q*x/(g_q*s_x) + b*h*q*x/(32*s_x) + 48*b*h*q/g_q bytes
     lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*h*q + (4*b*d^2*h*q*x)/M elements
 
 block_sparse(Q, K, V, keep) -> O
@@ -37,7 +37,7 @@ import triton.language as tl
 from torch.autograd import forward_ad as _autograd_forward_ad   # read by _refuse_tangents every launch
 
 NAPKIN_VERSION = "0.1.0"
-SOURCE_HASH = "4b51e0898a2aa4b5bac471130a528e07f9232a96bee27985786e5f0af2507bf0"
+SOURCE_HASH = "60aaa723b76c0bf33e0ac78c1482c5fa858be7106b74482956c5134e2ee27d1c"
 INPUTS = ("Q", "K", "V", "keep")
 OUTPUTS = ("O",)
 # Each wire's fixed size, or None when it is bound from tensor shapes at call time.
@@ -529,7 +529,7 @@ import threading as _autotune_threading
 import torch as _autotune_torch
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
-_AUTOTUNE_HASH = "4b51e0898a2aa4b5bac471130a528e07f9232a96bee27985786e5f0af2507bf0"
+_AUTOTUNE_HASH = "60aaa723b76c0bf33e0ac78c1482c5fa858be7106b74482956c5134e2ee27d1c"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x', 'qb', 'xb')
 # The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
 # its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
@@ -2548,7 +2548,7 @@ def _op_names(base):
         n += 1
 
 
-_FWD_OP, _BWD_OP, _INF_OP = _op_names("block_sparse_4b51e089")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("block_sparse_60aaa723")
 _SAVED = ("_saved_lse", )
 
 

@@ -7,7 +7,7 @@ Do not edit: regenerate with `napkin compile examples/document_mask.ncd`.
 
 cost summary:
     flops: contractions 4*b*d*h*q*x; exp b*h*q*x
-    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + 4*b*h*q*x/g_q + 4*b*h*q bytes
+    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + 4*b*h*q*x/(g_q*s_x) + 4*b*h*q*x/g_q + 4*b*h*q + 24*b*h*q/g_q + 16*b*q*x/(g_q*p_x*s_x) + 19*b*q*x/(g_q*s_x) + 4*b*q*x/(p_x*s_x) + 4*b*q*x/g_q + 24*b*q/g_q bytes
     lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*h*q + (4*b*d^2*h*q*x)/M elements
 
 document_mask(Q, K, V, doc) -> O

@@ -7,7 +7,7 @@ Do not edit: regenerate with `napkin compile examples/prefix_lm.ncd`.
 
 cost summary:
     flops: contractions 4*b*d*h*q*x; exp b*h*q*x
-    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + 4*b*h*q/g_q bytes
+    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + 4*b*h*q*x/(g_q*s_x) + 28*b*h*q/g_q + 20*b*q*x/(g_q*p_x*s_x) + 19*b*q*x/(g_q*s_x) + 24*b*q/g_q bytes
     lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*h*q + (4*b*d^2*h*q*x)/M elements
 
 prefix_lm(Q, K, V, p) -> O

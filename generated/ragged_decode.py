@@ -7,7 +7,7 @@ Do not edit: regenerate with `napkin compile examples/ragged_decode.ncd`.
 
 cost summary:
     flops: contractions 4*b*d*g*hk*q*x; exp b*g*hk*q*x + b*g*hk*q
-    hbm/smem traffic: 4*b*d*g*hk*q*x/(g_g*g_q) + 10*b*d*g*hk*q*x/c_x + 2*b*d*g*hk*q + 4*b*g*hk*q*x/(c_x*g_g*g_q) + 24*b*g*hk*q*x/c_x + 4*b*g*hk*q bytes
+    hbm/smem traffic: 4*b*d*g*hk*q*x/(g_g*g_q) + 10*b*d*g*hk*q*x/c_x + 2*b*d*g*hk*q + 28*b*g*hk*q*x/(c_x*g_g*g_q) + 4*b*g*hk*q*x/(g_g*g_q*s_x) + 24*b*g*hk*q*x/c_x + 4*b*g*hk*q + 20*b*g*q*x/(g_g*g_q*p_x*s_x) + 19*b*g*q*x/(g_g*g_q*s_x) + 8*b*g*q*x/(p_x*s_x) + 24*b*g*q/(g_g*g_q) bytes
     lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*g*hk*q + (4*b*d^2*g*hk*q*x)/M elements
 
 ragged_decode(Q, K, V, n) -> O, lse

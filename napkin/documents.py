@@ -211,6 +211,19 @@ def row_visits(docs: Documents, bounds, row_size: int, col_size: int, block_row:
     return visits.prepass_blocks(runs, -(-row_size // block_row))
 
 
+def row_full(docs: Documents, bounds, row_size: int, col_size: int, block_row: int, block_col: int,
+             sizes, ids_length: int, cycle: Optional[int] = None, whole_rows: bool = False):
+    """Per row block, the runs of key blocks the ranges prepass finds full on
+    these documents (visits.full_runs): each row's keys, its document's
+    within the affine bounds (row_intervals), every one of them kept."""
+    lo, hi = row_intervals(docs, bounds, cycle or row_size, col_size, sizes, ids_length)
+
+    def kept(rows):
+        pos = rows if cycle is None else rows % cycle
+        return lo[pos], hi[pos] - 1
+    return visits.full_runs(kept, row_size, block_row, block_col, col_size, whole_rows)
+
+
 def column_spans(spans: Sequence[tuple[int, int]], col_blocks: int) -> tuple[tuple[int, int], ...]:
     """Per key block, the [first, stop) row blocks whose span holds it (the
     dK/dV kernels' loop, the prepass run by column): the first and the last

@@ -349,12 +349,27 @@ def prepass_visits(disjuncts, row_size: int, col_size: int, block_row: int, bloc
     the key at that row), so the live
     blocks of a row block are the union of its rows' runs.  ``cycle``:
     packed rows (g, q), each at position q, as documents.row_visits."""
+    return _union_blocks(disjuncts, lambda cuts, rows: _row_keys(cuts, rows, col_size, sizes, cycle),
+                         row_size, block_row, block_col)
 
-    def keys(cuts, rows):
-        pos = rows if cycle is None else rows % cycle
-        return _kept(((c.col_coeff, c.col_step, c.row_coeff * (pos // c.row_step) + rest_value(c.rest, sizes))
-                      for c in cuts), rows, col_size)
-    return _union_blocks(disjuncts, keys, row_size, block_row, block_col)
+
+def prepass_full(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
+                 sizes: Mapping[str, int], cycle: Optional[int] = None, whole_rows: bool = False):
+    """Per row block, the runs of key blocks the prepass finds full for such a
+    mask (full_runs): each row's kept keys, one run per conjunction."""
+    import numpy as np
+
+    def kept(rows):
+        runs = [_row_keys(cuts, rows, col_size, sizes, cycle) for cuts in disjuncts]
+        return np.stack([lo for lo, _ in runs]), np.stack([hi for _, hi in runs])
+    return full_runs(kept, row_size, block_row, block_col, col_size, whole_rows)
+
+
+def _row_keys(cuts, rows, col_size: int, sizes: Mapping[str, int], cycle: Optional[int]):
+    """[lo, hi] per row of the keys one conjunction of cuts keeps, each row at its position."""
+    pos = rows if cycle is None else rows % cycle
+    return _kept(((c.col_coeff, c.col_step, c.row_coeff * (pos // c.row_step) + rest_value(c.rest, sizes))
+                  for c in cuts), rows, col_size)
 
 
 def prepass_column_visits(disjuncts, row_size: int, col_size: int, block_row: int, block_col: int,
@@ -425,3 +440,64 @@ def _union_blocks(disjuncts, runs_of_lines, lines: int, block: int, other_block:
                            (ends - (start[heads] // width) * width).tolist()):
             found.setdefault(b, []).append((a, z))
     return prepass_blocks(lambda i: found.get(i, ()), count)
+
+
+# The full blocks the prepass lists (its tile state 2): a (row block, key
+# block) tile every real row of which keeps every key, the key block whole
+# (inside |x|) and, for the backward (``whole_rows``), the row block whole.
+# Counted from each row's kept keys, as spans are: a row's runs merged, each
+# cut to the key blocks it holds whole, and a key block full where all of a
+# block's rows hold it (a sweep over the runs' ends, a count per row block).
+
+def full_runs(kept, rows: int, block_row: int, block_col: int, col_size: int, whole_rows: bool = False):
+    """Per row block, the [j0, j1) runs of key blocks full in it, in order.
+    ``kept(idx)``: (lo, hi) arrays [runs, len(idx)], row idx's kept keys
+    [lo, hi] inclusive (empty where lo > hi), its runs in any order."""
+    import numpy as np
+
+    count = -(-rows // block_row)
+    found: dict[int, list] = {}
+    whole_cols = col_size // block_col
+    chunk = max(_CHUNK // block_row, 1) * block_row
+    for first in range(0, rows, chunk):
+        idx = np.arange(first, min(first + chunk, rows), dtype=np.int64)
+        lo, hi = (np.atleast_2d(a) for a in kept(idx))
+        blk, j0, j1 = _whole_blocks(lo, hi, idx // block_row, block_col, whole_cols)
+        if not len(blk):
+            continue
+        # +1 at a run's first block, -1 past its last; a block is full where the count is its rows'
+        key = np.concatenate([blk, blk]) * (whole_cols + 1) + np.concatenate([j0, j1])
+        pos, delta = np.unique(key, return_inverse=True)
+        total = np.bincount(delta, weights=np.concatenate([np.ones(len(j0)), -np.ones(len(j1))]))
+        level = np.cumsum(total)   # each row block's deltas sum to 0: the count restarts at its first key
+        b, at = pos // (whole_cols + 1), pos % (whole_cols + 1)
+        lines = np.minimum(block_row, rows - b * block_row)
+        full = (level[:-1] == lines[:-1]) & (b[1:] == b[:-1])
+        if whole_rows:
+            full &= lines[:-1] == block_row
+        for i, a, z in zip(b[:-1][full].tolist(), at[:-1][full].tolist(), at[1:][full].tolist()):
+            found.setdefault(i, []).append((a, z))
+    return tuple(tuple(found.get(i, ())) for i in range(count))
+
+
+def _whole_blocks(lo, hi, blk, block_col: int, whole_cols: int):
+    """(row block, j0, j1) of each row's merged runs of kept keys, cut to the
+    whole key blocks [j0, j1) each holds (none dropped: j0 < j1)."""
+    import numpy as np
+
+    big = np.iinfo(np.int64).max // 4
+    lo = np.where(lo <= hi, lo, big)   # an empty run sorts last and merges with nothing
+    order = np.argsort(lo, axis=0, kind="stable")
+    lo, hi = np.take_along_axis(lo, order, 0), np.take_along_axis(hi, order, 0)
+    out = []
+    cur_lo, cur_hi = lo[0], hi[0]
+    for k in range(1, lo.shape[0]):   # runs in order of start: join those that touch
+        joins = (lo[k] != big) & (lo[k] <= cur_hi + 1)
+        out.append((cur_lo[~joins], cur_hi[~joins], blk[~joins]))
+        cur_lo = np.where(joins, cur_lo, lo[k])
+        cur_hi = np.where(joins, np.maximum(cur_hi, hi[k]), hi[k])
+    out.append((cur_lo, cur_hi, blk))
+    a, z, b = (np.concatenate(p) for p in zip(*out))
+    j0, j1 = -(-a // block_col), np.minimum((z + 1) // block_col, whole_cols)
+    keep = (a != big) & (j0 < j1)
+    return b[keep], j0[keep], j1[keep]

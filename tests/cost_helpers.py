@@ -44,20 +44,37 @@ def run_cli(*argv, capsys):
     return code, out.out, out.err
 
 
-def predicted_bytes(transfers, *without) -> tuple[dict, dict]:
+def predicted_bytes(report, *without) -> tuple[dict, dict]:
     """A report's (loads, stores) bytes per tensor, as the ByteCounter keys
-    them, less the tensors ``without`` and the ranges prepass's own buffers
-    (the prepass's traffic is not counted, as the report's note says)."""
+    them (triton_transfers), less the tensors ``without``."""
     out = (defaultdict(int), defaultdict(int))
-    for t in transfers:
+    for t in triton_transfers(report):
         out[t.direction != "load"][t.tensor] += t.bytes
     return tuple(without_tensors(c, *without) for c in out)
 
 
-# The ranges prepass's own buffers (codegen/ranges.py), whose traffic the cost pass leaves out.
-PREPASS_BUFFERS = ("_ranges", "_parts", "_tiles")
+def triton_transfers(report) -> list:
+    """A report's transfers but those of the ranges prepass's lists, which
+    torch's ops make (the ByteCounter sees Triton's loads and stores alone)."""
+    torch_made = {k.index for k in report.kernels if k.prepass_step == "lists"}
+    return [t for t in report.transfers if t.kernel not in torch_made]
+
+
+def backward_bytes(back, direction: str) -> dict:
+    """A backward cost's bytes per tensor in one direction, as the ByteCounter
+    sees them: the prepasses' lists (torch's) left out."""
+    out: dict = defaultdict(int)
+    for m in back.moves:
+        if m.direction == direction and not m.kernel.endswith("prepass lists"):
+            out[m.tensor] += m.bytes
+    return dict(out)
+
+
+def triton_launches(back) -> int:
+    """The backward's Triton launches: its kernels less the prepasses' lists."""
+    return sum(not k.endswith("prepass lists") for k in back.kernels)
 
 
 def without_tensors(counts, *names) -> dict:
-    """Bytes per tensor less ``names``, the prepass's buffers and the zeros."""
-    return {k: v for k, v in counts.items() if k not in (*names, *PREPASS_BUFFERS) and v}
+    """Bytes per tensor less ``names`` and the zeros."""
+    return {k: v for k, v in counts.items() if k not in names and v}

@@ -28,7 +28,7 @@ import torch
 import napkin
 import backward_helpers as B
 import kernel_helpers as K
-from cost_helpers import predicted_bytes, without_tensors
+from cost_helpers import backward_bytes, predicted_bytes, without_tensors
 from napkin.bytecount import ByteCounter
 from napkin.errors import NapkinError
 
@@ -243,17 +243,17 @@ def test_the_cost_pass_counts_the_cells_a_coarse_read_meets(n_q, n_x):
     report = analyse(d, sizes)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs)), distinct=True) as bc:
         m.coarse_bias(*inputs)
-    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == predicted_bytes(report.transfers)
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == predicted_bytes(report)
     back = backward_cost(d, sizes, given=True)
     options = tuple({"block_q": 32, "block_x": 16}.get(o) for o in m._OPTIONS)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs)), distinct=True) as bc:
         outs, saved = m._coarse_bias_forward(*inputs, *options, True)
-    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == predicted_bytes(back.forward.transfers)
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == predicted_bytes(back.forward)
     grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)) for o in outs]
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs)), distinct=True) as bc:
         m._coarse_bias_grads(inputs, (*outs, *saved), grads, options, None)
     moved = {k: v for k, v in bc.loads.items() if v}
-    assert moved == {k: v for k, v in back.by_tensor("load").items() if v}
+    assert moved == {k: v for k, v in backward_bytes(back, "load").items() if v}
     bias_bytes = {t.tensor: t.bytes for t in report.transfers}["bias"]
     # one cell a tile where its 32 rows and 16 keys sit within one 48-block, two where they cross
     cells = sum(len({i // 48 for i in range(r, min(r + 32, n_q))}) * len({j // 48 for j in range(c, min(c + 16, n_x))})

@@ -26,7 +26,7 @@ from napkin.cost import analyse, with_blocks
 from napkin.cost.backward import backward_cost
 from napkin.errors import NapkinError
 import kernel_helpers as K
-from cost_helpers import predicted_bytes, without_tensors
+from cost_helpers import backward_bytes, predicted_bytes, without_tensors
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,8 +56,8 @@ def test_the_prefix_lm_counts_are_the_bytes_its_kernels_move(prefix):
     assert f"when p = {prefix} at every index (--lengths)" in " ".join(report.notes)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.prefix_lm(*inputs, block_q=32, block_x=16)
-    assert (without_tensors(bc.loads, "p"), without_tensors(bc.stores, "p")) == \
-        predicted_bytes(report.transfers, "p")
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == \
+        predicted_bytes(report)
     dense = analyse(with_blocks(d, blocks), sizes)
     # below dense unless it keeps every block
     assert (report_bytes(report, "K") < report_bytes(dense, "K")) == (prefix < n - 16)
@@ -66,13 +66,13 @@ def test_the_prefix_lm_counts_are_the_bytes_its_kernels_move(prefix):
     options = tuple({"block_q": 32, "block_x": 16}.get(o) for o in m._OPTIONS)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         outs, saved = m._prefix_lm_forward(*inputs, *options, True)
-    assert (without_tensors(bc.loads, "p"), without_tensors(bc.stores, "p")) == \
-        predicted_bytes(back.forward.transfers, "p")
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == \
+        predicted_bytes(back.forward)
     grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m._prefix_lm_grads(inputs, (*outs, *saved), grads, options, None)
-    assert (without_tensors(bc.loads, "p"), without_tensors(bc.stores, "p")) == \
-        (without_tensors(back.by_tensor("load"), "p"), without_tensors(back.by_tensor("store"), "p"))
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == \
+        (without_tensors(backward_bytes(back, "load")), without_tensors(backward_bytes(back, "store")))
 
 
 @pytest.mark.parametrize("length, chunk", [(1, None), (64, None), (65, 128), (299, 128), (300, 256)])
@@ -92,11 +92,11 @@ def test_ragged_decoding_counts_the_cache_up_to_the_length(length, chunk):
     report = analyse(d, sizes, lengths={"n": length})
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.ragged_decode(*inputs, **({} if chunk is None else {"chunk": chunk}))
-    # the packed rows' positions are read by the prepass too (uncounted, as the note says)
-    loads, stores = without_tensors(bc.loads, "n", "_pos_q"), without_tensors(bc.stores, "n")
-    want_loads, want_stores = predicted_bytes(report.transfers, "n", "_pos_q")
+    # the packed rows' positions: the main kernel's reads and the prepass's scan's
+    loads, stores = without_tensors(bc.loads, "n"), without_tensors(bc.stores, "n")
+    want_loads, want_stores = predicted_bytes(report, "n")
     assert stores == want_stores and loads == want_loads
-    assert 0 < report_bytes(report, "_pos_q") < bc.loads["_pos_q"]
+    assert 0 < report_bytes(report, "_pos_q") == bc.loads["_pos_q"]
     # the keys counted are the 64-key blocks up to the length, per sequence and kv head
     assert want_loads["K"] == 3 * 2 * min(300, -(-length // 64) * 64) * 128 * 2
 

@@ -38,7 +38,7 @@ from napkin.cost.masked import attention_plan as _plan
 from napkin.cost.backward import backward_cost
 from napkin.errors import NapkinError
 from backward_helpers import compile_text
-from cost_helpers import PREPASS_BUFFERS
+from cost_helpers import backward_bytes, triton_transfers
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "examples" / "document_mask.ncd").read_text()
@@ -132,6 +132,38 @@ def test_spans_are_the_prepass_ranges(folder, mask):
                 (mask, docs, br, bc)
 
 
+def _full_lists(record, steps: int) -> list[tuple[int, ...]]:
+    """Each row block's full blocks, as the prepass's record lists them (ranges.bounds_lines)."""
+    out = []
+    for r in record.tolist():
+        pos = r[2 + 2 * steps + 1: 3 + 3 * steps + 1]
+        out.append(tuple(r[3 + 3 * steps + 1:][:pos[steps]]))
+    return out
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_full_blocks_are_the_prepass_s(folder, mask):
+    """row_full = the prepass's list of full blocks per row block, forward
+    (a ragged block of rows may be full) and backward (whole rows: never),
+    on random documents at ragged sizes: the blocks whose steps the cost
+    pass counts without the ids' loads."""
+    m = compile_text(MASKS[mask], f"documents_{mask}", folder)
+    plan = _plan(napkin.load_text(MASKS[mask], "m.ncd"))
+    n, seen = 83, 0
+    for docs in DOCS:
+        if docs.lengths and sum(docs.lengths) != n:
+            docs = D.Documents(lengths=docs.lengths + (n - sum(docs.lengths),))
+        doc = _ids(docs, n)
+        sz = {"b": 1, "h": 1, "q": n, "x": n, "d": 64}
+        for (br, bc), whole in [((16, 16), False), ((16, 8), True), ((32, 8), False), ((32, 16), True)]:
+            got, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, whole, False, True)
+            runs = D.row_full(docs, tuple(plan.bounds), n, n, br, bc, sz, n, whole_rows=whole)
+            want = [tuple(j for a, z in r for j in range(a, z)) for r in runs]
+            assert _full_lists(got[0], -(-n // bc)) == want, (mask, docs, br, bc, whole)
+            seen += sum(map(len, want))
+    assert seen > 0
+
+
 @pytest.mark.parametrize("score, exact", [("x < q", True), ("x > q and x - q < 5", True), ("2 * x <= q", False)])
 def test_spans_where_rows_keep_nothing_or_a_conjunct_bounds_no_loop(folder, score, exact):
     """Rows that keep nothing (a document's first row under x < q, its last
@@ -179,17 +211,12 @@ def test_column_spans_of_spans_with_gaps():
 # The bytes against what the kernels move.
 # --------------------------------------------------------------------------
 
-def _without_ids(counts: dict) -> dict:
-    """The ids' bytes apart (a step whose blocks are all kept loads none; the
-    prepass loads them too) and the prepass's own buffers."""
-    return {k: v for k, v in counts.items() if k not in ("doc", *PREPASS_BUFFERS)}
-
-
-def _predicted(transfers) -> tuple[dict, dict]:
+def _predicted(report) -> tuple[dict, dict]:
+    """A report's bytes per tensor, the prepass's buffers among them, its lists (torch's) apart."""
     loads, stores = defaultdict(int), defaultdict(int)
-    for t in transfers:
+    for t in triton_transfers(report):
         (loads if t.direction == "load" else stores)[t.tensor] += t.bytes
-    return _without_ids(loads), _without_ids(stores)
+    return dict(loads), dict(stores)
 
 
 @pytest.mark.parametrize("mask", ["documents", "causal", "both_ways"])
@@ -206,22 +233,22 @@ def test_predicted_bytes_are_the_bytes_moved(folder, mask):
     blocks = {"q": 32, "x": 16}
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.document_mask(*inputs, block_q=32, block_x=16)
-    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == \
-        _predicted(analyse(with_blocks(d, blocks), sizes, docs=docs).transfers)
+    assert (dict(bc.loads), dict(bc.stores)) == \
+        _predicted(analyse(with_blocks(d, blocks), sizes, docs=docs))
     # every block would load K 3 x 6 times a head: these documents leave fewer
-    dense = _predicted(analyse(with_blocks(d, blocks), sizes).transfers)[0]["K"]
+    dense = _predicted(analyse(with_blocks(d, blocks), sizes))[0]["K"]
     assert bc.loads["K"] < dense
 
     back = backward_cost(with_blocks(d, blocks), sizes, given=True, docs=docs)
     options = tuple({"block_q": 32, "block_x": 16}.get(o) for o in m._OPTIONS)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         outs, saved = m._document_mask_forward(*inputs, *options, True)
-    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == _predicted(back.forward.transfers)
+    assert (dict(bc.loads), dict(bc.stores)) == _predicted(back.forward)
     grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m._document_mask_grads(inputs, (*outs, *saved), grads, options, None)
-    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == \
-        (_without_ids(back.by_tensor("load")), _without_ids(back.by_tensor("store")))
+    assert (dict(bc.loads), dict(bc.stores)) == \
+        (dict(backward_bytes(back, "load")), dict(backward_bytes(back, "store")))
 
 
 def test_packed_rows_on_documents(folder):
@@ -236,11 +263,10 @@ def test_packed_rows_on_documents(folder):
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.packed_documents(*inputs)
     report = analyse(d, sizes, docs=docs)
-    loads, stores = _predicted(report.transfers)
-    # the prepass reads the packed rows' positions (int64, one per (g, q)) once too: not counted
-    loads["_pos_q"] += 4 * n * 8
-    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == (loads, stores)
-    assert _predicted(report.transfers)[0]["K"] < _predicted(analyse(d, sizes).transfers)[0]["K"]
+    loads, stores = _predicted(report)
+    # the packed rows' positions (int64, one per (g, q)): the prepass's scan reads them too, counted
+    assert (dict(bc.loads), dict(bc.stores)) == (loads, stores)
+    assert _predicted(report)[0]["K"] < _predicted(analyse(d, sizes))[0]["K"]
 
 
 def test_chunks_of_packed_rows_on_documents(folder):
@@ -264,11 +290,10 @@ def test_chunks_of_packed_rows_on_documents(folder):
     inputs = (q, k, v, _ids(docs, n))
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.flash_decoding(*inputs)
-    loads, stores = _predicted(analyse(d, sizes, docs=docs).transfers)
-    assert loads["K"] < _predicted(analyse(d, sizes).transfers)[0]["K"]
-    # the positions of the packed rows: the prepass reads them too, not counted
-    assert bc.loads.pop("_pos_q") > loads.pop("_pos_q")
-    assert (_without_ids(bc.loads), _without_ids(bc.stores)) == (loads, stores)
+    loads, stores = _predicted(analyse(d, sizes, docs=docs))
+    assert loads["K"] < _predicted(analyse(d, sizes))[0]["K"]
+    # the positions of the packed rows, the prepass's reads among them
+    assert (dict(bc.loads), dict(bc.stores)) == (loads, stores)
 
 
 # --------------------------------------------------------------------------

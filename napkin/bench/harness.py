@@ -547,7 +547,7 @@ def _bench_point(ctx: dict, sizes: dict[str, int]) -> dict:
         "bwd_config": bwd_config, "bwd_config_source": bwd_source, "tuning": tuning, "tma": tma, "bwd_tma": bwd_tma,
         "check": check, "results": out, "ratios": results.ratios(out), "seconds": seconds,
         "prepass": prepass, "predicted": predicted.predict(d, sizes, tunecache.device_name(device), config,
-                                                           ctx["docs"], not ctx["args"].no_backward),
+                                                           ctx["docs"], not ctx["args"].no_backward, bool(cached)),
         # napkin's timed calls reused the prepass results (a warm mask_cache): the prepass is outside
         # its timed region, as Flex's create_block_mask is outside Flex's; None: no prepass
         "mask_cache": True if cached else None,

@@ -26,11 +26,13 @@ def profile_for(device_name: str) -> Optional[str]:
 
 
 def predict(diagram, sizes: dict, device_name: str, config: Optional[dict], docs=None,
-            backward: bool = True) -> Optional[dict]:
+            backward: bool = True, mask_cache: bool = False) -> Optional[dict]:
     """{"profile", "fwd_ms", "bwd_ms", "blocks"} or {"profile", "error"}; None
     off the profiled GPUs.  ``blocks``: "documents" (priced on ``docs``),
     "every" (a mask that reads ids priced dense: an upper bound) or
-    "formula" (the mask's own bounds, or no mask)."""
+    "formula" (the mask's own bounds, or no mask).  ``mask_cache``: the timed
+    calls reused the ranges prepass's record (a warm mask_cache), so it is
+    priced without the prepass's kernels, as they ran."""
     from ..cost import analyse, packing, with_blocks
     from ..cost.masked import kernel_ids
     from ..cost.backward import backward_cost
@@ -44,13 +46,13 @@ def predict(diagram, sizes: dict, device_name: str, config: Optional[dict], docs
     blocks = {k[len("block_"):]: v for k, v in (config or {}).items() if k.startswith("block_")}
     priced = with_blocks(diagram, packing.schedule_blocks(diagram, blocks)) if blocks else diagram
     try:
-        fwd = analyse(priced, sizes, key, docs).roofline.estimate_s
+        fwd = analyse(priced, sizes, key, docs, mask_cache=mask_cache).roofline.estimate_s
     except NapkinError as err:   # a diagram the cost pass cannot price at these sizes: said, not fatal
         return {"profile": key, "error": str(err).splitlines()[0]}
     bwd = None
     if backward:
         try:
-            bwd = backward_cost(diagram, sizes, key, docs=docs).time_s
+            bwd = backward_cost(diagram, sizes, key, docs=docs, mask_cache=mask_cache).time_s
         except NapkinError:      # no backward napkin builds: the row's backward says why
             pass
     return {"profile": key, "fwd_ms": fwd * 1e3, "bwd_ms": None if bwd is None else bwd * 1e3,

@@ -439,6 +439,16 @@ def rows_held(plan: BackwardPlan, k: Kernel, lines: list[str], after: list[str])
     return out + [st.cols for st in k.stores if st.cols]
 
 
+def full_step_omits(plan: BackwardPlan, role: str) -> frozenset:
+    """(tensor, wires) of the step loads kernel ``role``'s full-block step
+    leaves out (what only the mask reads: a data mask's ids), as its inner()
+    writes it: the cost pass counts them at partial blocks alone."""
+    k = next(k for k in plan.kernels if k.role == role)
+    names = _BackwardNames(plan.diagram, plan.dims, (plan.row, plan.col), plan.row)
+    text = "\n".join(_tile_lines(plan, names, k, True))
+    return frozenset((ld.tensor, ld.wires) for ld in k.loads if ld.phase == "step" and not E.reads(text, ld.var))
+
+
 def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     """The template context of one backward kernel."""
     d = plan.diagram

@@ -182,7 +182,7 @@ def _mask_cache_doc(plan: L.AttentionPlan) -> str:
     if not R.applies(plan):
         return ("\nmask_cache: accepted (a dict or None) and left empty: this diagram's mask\n"
                 "reads no data, so it has no ranges prepass to keep.")
-    reads = ", ".join(R._tensors(plan)) or "no tensor"
+    reads = ", ".join(R.mask_tensors(plan)) or "no tensor"
     return ("\nmask_cache={} (a dict of yours; default None: none kept) keeps the mask's\n"
             "ranges prepass results (which blocks are live, which full; the mask reads\n"
             f"{reads}) across calls, the forward's and, through autograd or\n"

@@ -188,6 +188,20 @@ def list_loop(var: str, seg: dict, step: str = "", flat: str = "") -> list[str]:
                    f"    {var} = tl.load({lst} + _iv){f' * {step}' if step else ''} if _RANGES else _iv"]
 
 
+def full_step_omits(plan: AttentionPlan) -> frozenset:
+    """(tensor, wires) of the step loads the forward's full-block step leaves
+    out (what only the mask reads: a data mask's ids, emit.attention_context's
+    rule), which the cost pass counts at partial blocks alone; none where no
+    block is known full."""
+    from . import emit as E
+
+    if not applies(plan):
+        return frozenset()
+    names = E._Names(plan.diagram, plan.dims, (plan.row, plan.col), P.runtime(plan))
+    text = "\n".join(E._step(plan, names, full=True)[1])
+    return frozenset((ld.tensor, ld.wires) for ld in plan.loads if ld.phase == "step" and not E.reads(text, ld.var))
+
+
 # When a launcher runs the prepass: its call has no rows at global positions
 # (with them, integer inputs are read at those positions, which the prepass does not).
 WITHOUT_POSITIONS = "positions is None and lengths is None"
@@ -198,13 +212,15 @@ def launch(plan: AttentionPlan, var: str, br: str, bc: str, whole_rows: bool, by
     """The launcher's line running the prepass at the kernel's blocks: ``var``, ``var``_on.
     ``rows``: the launch's position arguments (packed rows: each row's q), else none."""
     d = plan.diagram
-    args = ", ".join(["mask_cache"] + _tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on]
+    args = ", ".join(["mask_cache"] + mask_tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on]
                      + [rows] * bool(rows))
     return (f"{var}, {var}_on = _{d.name}_ranges_cached({args})"
             "  # the mask reads data: its live and full blocks (mask_cache: kept across calls)")
 
 
-def _tensors(plan: AttentionPlan) -> list[str]:
+def mask_tensors(plan: AttentionPlan) -> list[str]:
+    """The inputs the mask reads, in declaration order: none for a mask of indices alone, whose
+    record the launchers keep across calls (the module's own dict)."""
     read = {n.name for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)}
     return [t.name for t in plan.diagram.inputs if t.name in read]
 
@@ -226,7 +242,7 @@ def render(plan: AttentionPlan) -> str:
     subst = dict(plan.step_subst)
     used = {subst[n] for n in refs}
     loads = [ld for ld in plan.loads if ld.var in used]
-    tensors = _tensors(plan)
+    tensors = mask_tensors(plan)
     sized = [w.name for w in d.wires if w.size is None or w.name in names.runtime]
     sizes = [f"_size_{w}" for w in sized]
     strides = [stride(t, w) for t in tensors for w in ir.axis_wires(d.tensor(t).axes)]

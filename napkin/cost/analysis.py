@@ -30,12 +30,14 @@ from ..errors import Diagnostic, NapkinError
 from . import bounds as bounds_mod
 from . import chunks as chunks_mod
 from . import packing
+from . import prepass as prepass_mod
 from .devices import communication
 from .devices import mesh_tiles as device_tiles
 from .lengths import check_lengths, describe
 from .masked import attention_plan, kernel_ids, kernel_plan, mask_ids, prepass_note, visited
 from .model import (Kernel, Tiling, access_fetches_poly, access_poly, chip_levels, count_access, dram_fractions,
-                    kernel_tiling, kernel_work, kernels, tiling_at, visited_area, work_numbers, work_polys)
+                    kernel_tiling, kernel_work, kernels, tile_sym, tiling_at, visited_area, work_numbers,
+                    work_polys)
 from .profiles import Profile, get_profile
 from .report import (SCHEMA, BoundaryTotal, CostReport, Flops, Footprint, KernelInfo, LowerBound, Resident,
                      Roofline, Transfer)
@@ -150,7 +152,7 @@ def _launches_poly(diagram: ir.Diagram) -> Poly:
 
 def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
             profile: Optional[str] = None, docs: Optional[Documents] = None,
-            lengths: Optional[Mapping[str, int]] = None) -> CostReport:
+            lengths: Optional[Mapping[str, int]] = None, mask_cache: bool = False) -> CostReport:
     """The cost report for ``diagram`` (checked) at the given wire sizes.
 
     Symbolic wires missing from ``sizes`` leave the numeric fields None; the
@@ -161,6 +163,9 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     ``lengths``: length inputs read as these values at every index
     (napkin/cost/lengths.py), so that a mask reading only them is counted as
     a mask of indices alone (NapkinError where no prepass mask reads them).
+    ``mask_cache``: the launch is given a warm mask_cache (the ranges
+    prepass's record kept from an earlier call, as a training step's layers
+    keep it): its prepass runs no kernel, and only the record's reads count.
     """
     launch = launch_schedule(diagram) if diagram.schedule is None else None
     written = diagram
@@ -170,7 +175,8 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
             raise NapkinError("--lengths and --docs together are not priced: the documents' blocks leave the "
                               "lengths out; give one of them")
         check_lengths(diagram, lengths)
-    c = _Context(diagram, resolve_profile(diagram, profile), bind_sizes(diagram, sizes), docs, lengths or {})
+    c = _Context(diagram, resolve_profile(diagram, profile), bind_sizes(diagram, sizes), docs, lengths or {},
+                 mask_cache)
     transfers, totals = _transfers(c)
     flops = _flops(c)
     bound = _lower_bound(c, totals)
@@ -350,7 +356,8 @@ def _idle_notes(c: "_Context", infos) -> list[str]:
     sms = int(c.prof["sm_count"])
     out = []
     for k in infos:
-        if k.programs is None or k.stream is None or k.merges is not None or k.programs >= sms:
+        if k.programs is None or k.stream is None or k.merges is not None or k.prepass_of is not None \
+                or k.programs >= sms:
             continue
         x = k.stream[0]
         if attention_plan(c.d) is None:   # a contraction (or no kernel): no chunks, no chunk= launch option
@@ -409,7 +416,7 @@ class _Context:
     tiling, and the visited steps of each kernel in each launch."""
 
     def __init__(self, diagram: ir.Diagram, prof: Profile, bound: dict[str, int],
-                 docs: Optional[Documents] = None, lengths: Mapping[str, int] = {}):
+                 docs: Optional[Documents] = None, lengths: Mapping[str, int] = {}, mask_cache: bool = False):
         self.d, self.prof, self.bound, self.docs, self.lengths = diagram, prof, bound, docs, lengths
         self.known = all(w.name in bound for w in diagram.wires)
         self.full = bound if self.known else None
@@ -440,6 +447,21 @@ class _Context:
         self.chunked = self.chunks is not None and (
             not self.known or any(n > 1 for n in self.counts[self.chunks.kernel]))
         self.merge_index = len(self.kernels)   # the merge kernel's index in the report
+        # the (tensor, wires) a full block's step does not load: what only a data mask reads
+        from ..codegen.ranges import full_step_omits
+        attention = attention_plan(diagram)
+        self.omits = full_step_omits(attention) if attention is not None else frozenset()
+        # a kernel whose mask reads data runs the ranges prepass at its blocks (prepass.py): its
+        # launch, and the index of its first step's kernel (three each: scan, merge, lists; none
+        # for a kept record, a mask of indices alone's or under mask_cache, whose reads alone count)
+        self.prepasses = []
+        at = len(self.kernels) + (1 if self.chunked else 0)
+        for k in self.kernels:
+            plan = prepass_mod.applies(diagram, k)
+            if plan is not None:
+                launch = prepass_mod.forward_launch(plan, k, self.tiles, mask_cache)
+                self.prepasses.append((k, launch, None if launch.kept else at))
+                at += 0 if launch.kept else len(prepass_mod.STEPS)
 
     def tiling(self, tiles: Tiling) -> Tiling:
         """A level's blocks as the launch runs them (packed rows: packing.py)."""
@@ -459,25 +481,69 @@ def _transfers(c: _Context) -> tuple[list[Transfer], list[BoundaryTotal]]:
         hbm = name.startswith("hbm/")
         loads, stores, dram = [0, 0], [0, 0], 0   # [elements, bytes]
         total_poly = Poly()
-        for k in c.kernels:
-            for row in _kernel_rows(c, k, tl, hbm):
-                kernel, acc, poly, fetches, issued, reach, size = row
-                eb = ir.DTYPE_BYTES[acc.dtype]
-                total_poly = total_poly + poly * eb
-                elements = None
-                if c.known:
-                    elements = sum(issued)
-                    dram += sum(round(n * f.get(acc, 1.0)) for n, f in zip(issued, reach)) * eb
-                    side = loads if acc.kind == "load" else stores
-                    side[0] += elements
-                    side[1] += elements * eb
-                transfers.append(Transfer(
-                    name, kernel, acc.tensor, acc.wires, acc.kind, acc.dtype, str(poly), str(fetches),
-                    elements, None if elements is None else elements * eb,
-                    None if elements is None else round(elements / size, 6) if size else 0.0))
+        rows = [row for k in c.kernels for row in _kernel_rows(c, k, tl, hbm)] + (_prepass_rows(c) if hbm else [])
+        for kernel, acc, poly, fetches, issued, reach, size in rows:
+            eb = prepass_mod.element_bytes(acc.dtype)
+            total_poly = total_poly + poly * eb
+            elements = None
+            if c.known:
+                elements = sum(issued)
+                dram += sum(round(n * f.get(acc, 1.0)) for n, f in zip(issued, reach)) * eb
+                side = loads if acc.kind == "load" else stores
+                side[0] += elements
+                side[1] += elements * eb
+            transfers.append(Transfer(
+                name, kernel, acc.tensor, acc.wires, acc.kind, acc.dtype, str(poly), str(fetches),
+                elements, None if elements is None else elements * eb,
+                None if elements is None else round(elements / size, 6) if size else 0.0))
         numbers = (*loads, *stores) if c.known else (None,) * 4
         totals.append(BoundaryTotal(name, str(total_poly), *numbers, dram if c.known and hbm else None))
     return transfers, totals
+
+
+def _prepass_rows(c: _Context) -> list[tuple]:
+    """The ranges prepasses' transfer rows at the hbm boundary, as _kernel_rows
+    writes them (prepass.py): each main kernel's reads of its record, then
+    the prepass's three steps, each its own kernel index."""
+    out = []
+    for k, launch, first in c.prepasses:
+        index = {step: first + i for i, step in enumerate(prepass_mod.STEPS)} if first is not None else {}
+        programs, visits, poly = _main_reads(c, k)
+        main = prepass_mod.record_reads(launch, poly, programs, visits, c.launches[0] if c.known else None)
+        scan, at = launch.kernel(), launch.tiles
+        wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]
+        # the scan's loads of the mask's inputs reach DRAM as any kernel's shared tiles do
+        reach = [dram_fractions(scan, at, s, wave, l2)[0] for s in c.launches] if c.known else [{}] * len(c.launches)
+        for r in [main] + prepass_mod.rows(launch, c.launches, c.wire_sym):
+            if r.step == "scan" and r.access.kind == "load":
+                size = math.prod(-(-_device_extent(c.d, c.full, w) // r.access.step(w)) for w in r.access.wires) \
+                    if c.known else None
+                fetches, rch = access_fetches_poly(r.access, scan, at, c.wire_sym), reach
+            else:   # a buffer: every byte reaches DRAM
+                size, rch = r.size, [{}] * len(c.launches)
+                fetches = Poly.const(2 if r.step == "lists" and r.access.kind == "load" else 1)
+            out.append((k.index if r.step == "main" else index[r.step], r.access, r.poly, fetches,
+                        list(r.elements) if c.known else [], rch, size))
+    return out
+
+
+def _main_reads(c: _Context, k: Kernel) -> tuple[list[int], list[int], Poly]:
+    """A kernel's programs and visited (program, step) pairs per launch, each
+    program reading its record's head and each pair its list entry, and those
+    reads' formula (whole blocks, every step visited, as the others)."""
+    groups, stream = kernel_tiling(k, c.tiles)
+    ch = c.chunks if c.chunked and c.chunks.kernel == k.index else None
+    programs, visits = [], []
+    for s, n, v in zip(c.launches, c.counts[k.index], c.visits[k.index]):
+        grid = math.prod(-(-s[w] // b) for w, b in groups.items())
+        programs.append(grid * n)
+        visits.append(grid * -(-s[stream[0]] // stream[1]) if v is None else
+                      math.prod(-(-s[w] // b) for w, b in groups.items() if w != v.row) * v.count)
+    grid = Poly.const(1)
+    for w, b in groups.items():
+        grid = grid * c.wire_sym(w) / tile_sym(c.tiles, w, b)
+    head = grid * prepass_mod.RECORD_HEAD * (ch.count_poly(c.wire_sym) if ch is not None else Poly.const(1))
+    return programs, visits, (head + grid * c.wire_sym(stream[0]) / Poly.sym(f"s_{stream[0]}")) * c.n_launch
 
 
 def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
@@ -512,7 +578,10 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
     for acc in k.accesses:
         poly = access_poly(acc, k, tl, c.wire_sym) * c.n_launch
         fetches = access_fetches_poly(acc, k, tl, c.wire_sym) * c.n_launch
-        issued = [count_access(acc, k, tl, s, v) for s, v in zip(c.launches, visits)] if c.known else []
+        # what only the mask reads, a full block's step does not load (ranges.full_step_omits)
+        partial = (acc.tensor, acc.wires) in c.omits
+        issued = [count_access(acc, k, tl, s, v.partial() if partial and v is not None else v)
+                  for s, v in zip(c.launches, visits)] if c.known else []
         if ch is not None and acc.kind == "load" and ch.wire not in acc.wires:   # once per chunk
             poly, fetches = poly * ch.count_poly(c.wire_sym), fetches * ch.count_poly(c.wire_sym)
             issued = [i * n for i, n in zip(issued, counts)]
@@ -569,7 +638,30 @@ def _kernel_infos(c: _Context) -> tuple[KernelInfo, ...]:
                                  for s, n in zip(c.launches, counts) if n > 1) if c.known else None
             infos.append(KernelInfo(c.merge_index, (), k.stores, tuple(groups.items()), None, merge_programs,
                                     None, None, False, chunk, n_chunks, merges=k.index, packed=packed))
-    return tuple(infos)
+    return tuple(infos) + _prepass_infos(c)
+
+
+def _prepass_infos(c: _Context) -> tuple[KernelInfo, ...]:
+    """The ranges prepasses' kernels (prepass.py): the scan (a program per mask
+    batch index, block and chunk, walking its chunk's blocks), the merge (one
+    per batch index and block), the lists (torch's ops: no grid)."""
+    P = prepass_mod
+    out = []
+    for k, launch, first in c.prepasses:
+        if launch.kept:
+            continue
+        n = P.counts(launch, c.launches[0]) if c.known else None
+        grid = tuple((w, 1) for w in launch.batch) + (launch.outer,)
+        # (stores, grid, stream, programs, steps a program walks, tiles visited) of each step
+        steps = {"scan": ((P.TILES, P.PARTS), grid, launch.inner, n and n.batch * n.blocks * n.chunks,
+                          n and min(P.per_chunk(n.steps), n.steps), n and n.tiles),
+                 "merge": ((P.RANGES,), grid, None, n and n.batch * n.blocks, n and n.chunks, None),
+                 "lists": ((P.RANGES,), (), None, None, None, None)}
+        for i, step in enumerate(P.STEPS):
+            stores, at, stream, programs, walked, tiles = steps[step]
+            out.append(KernelInfo(first + i, (), stores, at, stream, programs, walked, tiles, False,
+                                  prepass_of=k.index, prepass_step=step))
+    return tuple(out)
 
 
 def _flops(c: _Context) -> Flops:

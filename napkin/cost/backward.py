@@ -65,6 +65,7 @@ from .. import ir, visits, tiling
 from ..documents import column_spans
 from ..errors import Diagnostic, NapkinError
 from . import model
+from . import prepass as prepass_mod
 from .model import TRANSCENDENTAL, clip
 from .report import Roofline
 
@@ -81,7 +82,7 @@ class Move:
 
     @property
     def bytes(self) -> int:
-        return self.elements * ir.DTYPE_BYTES[self.dtype]
+        return self.elements * prepass_mod.element_bytes(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ GRAD_DTYPES = ("input", "float32")
 
 
 def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Optional[str] = None, *,
-                  given: bool = False, grad_dtype: str = "input", docs=None, lengths=None) -> BackwardCost:
+                  given: bool = False, grad_dtype: str = "input", docs=None, lengths=None,
+                  mask_cache: bool = False) -> BackwardCost:
     """The backward kernels' transfers and FLOPs at the given sizes (every
     symbolic wire bound), for the launch with no options: the dK/dV kernel
     at its own default tile (backward_hold.dkdv_default_tile), dQ at the
@@ -163,7 +165,8 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     ``docs``: a mask comparing ids visits the blocks the ranges prepass
     finds on those documents (napkin/documents.py), in every kernel;
     ``lengths`` (napkin/cost/lengths.py): length inputs read as these values,
-    which make a mask reading only them one of indices alone."""
+    which make a mask reading only them one of indices alone; ``mask_cache``:
+    every launch given a warm mask_cache (analyse's), no prepass kernel run."""
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"grad_dtype must be one of {GRAD_DTYPES}, not {grad_dtype!r}")
     from ..codegen import lower, training
@@ -187,13 +190,13 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     t = training.prepare(lower.lower(d))
     if t.reason is not None:
         raise NapkinError([Diagnostic(t.reason, t.reason_loc)])
-    forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile, docs, lengths) \
-        if t.saved else analyse(d, bound, profile, docs, lengths)
+    forward = analyse(dataclasses.replace(t.forward.diagram, name=d.name), bound, profile, docs, lengths,
+                      mask_cache) if t.saved else analyse(d, bound, profile, docs, lengths, mask_cache)
     prof = resolve_profile(d, profile)
     if t.backward is not None:
         on = _on_documents(d, docs, bound)
         moves, flops, kernels, dram, working_set = _attention(t.backward, bound, given, grad_dtype, prof, on,
-                                                              lengths or {})
+                                                              lengths or {}, mask_cache)
     else:
         moves, flops, kernels, dram, working_set = _contraction(d, t, bound, profile, grad_dtype)
     # the forward's roofline (analysis._roofline): the largest of the four times,
@@ -231,14 +234,16 @@ def _on_documents(d: ir.Diagram, docs, sizes: dict) -> Optional[tuple]:
     return None if ids is None else (docs, covered(docs, d, ids, sizes))
 
 
-def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=None, lengths={}) -> tuple:
+def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=None, lengths={},
+               mask_cache: bool = False) -> tuple:
     """(moves, (contraction, other, exp FLOPs), kernels, DRAM bytes per kernel,
     the largest one-step L2 working set).  ``on_documents``: (docs, tokens)
     where the blocks are the ranges prepass's on them (_on_documents); ``lengths``
     the length inputs' values (--lengths)."""
     from ..codegen.backward_hold import DEFAULT_TILE
     from ..codegen.ranges import index_disjuncts
-    from ..documents import row_visits
+    from ..codegen.backward_emit import full_step_omits
+    from ..documents import row_full, row_visits
 
     d, f = b.diagram, b.forward
     blocks = dict(f.blocks)
@@ -262,6 +267,19 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         spans, holes = row_visits(on_documents[0], tuple(f.bounds), nr, nc, br, bc, sizes, on_documents[1])
         # consecutive rows of contiguous documents meet one run of keys: no holes, by column neither
         return model.Visited(col, column_spans(spans, -(-nc // bc))) if by_col else model.Visited(row, spans, holes)
+
+    @functools.lru_cache(maxsize=None)
+    def full(br: int, bc: int) -> frozenset:
+        """The (row block, key block) pairs the backward's prepass finds full
+        (whole rows: a ragged row block has none), on the documents or the
+        union's; none known without them."""
+        if union is not None:
+            runs = visits.prepass_full(union, nr, nc, br, bc, sizes, whole_rows=True)
+        elif on_documents is not None:
+            runs = row_full(on_documents[0], tuple(f.bounds), nr, nc, br, bc, sizes, on_documents[1], whole_rows=True)
+        else:
+            return frozenset()
+        return frozenset((i, j) for i, rs in enumerate(runs) for a, z in rs for j in range(a, z))
 
     @functools.lru_cache(maxsize=None)
     def visited(br: int, bc: int) -> list:
@@ -289,6 +307,9 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         def feat(wires, step={}) -> int:
             return math.prod(-(-sizes[w] // step.get(w, 1)) for w in wires if w not in {row, col} | set(b.batch))
 
+        # what only the mask reads, a full block's step does not load (backward_emit.full_step_omits)
+        omits = full_step_omits(b, k.role) if k.role != "rows" else frozenset()
+        partial = [p for p in pairs if p not in full(br, bc)] if omits else pairs
         reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof,
                                          _spans(b, k, br, bc, sizes, len(pairs) == nblocks[row] * nblocks[col],
                                                 prepass if on_documents is not None or union is not None else None))
@@ -306,7 +327,8 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
                 n = grid * batch * feat(ws, step)
             else:
                 n = sum((model.coarse_cells(nr, br, i, step[row]) if row in ws else 1)
-                        * (model.coarse_cells(nc, bc, j, step[col]) if col in ws else 1) for i, j in pairs)
+                        * (model.coarse_cells(nc, bc, j, step[col]) if col in ws else 1)
+                        for i, j in (partial if (ld.tensor, ld.wires) in omits else pairs))
                 n *= batch * outer * feat(ws, step)
             moves.append(Move(k.role, ld.tensor, "load", _dtype(b, ld.tensor), n))
             dram += round(n * reach.get(ld, 1.0)) * ir.DTYPE_BYTES[moves[-1].dtype]
@@ -325,7 +347,22 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         for st in k.stores:
             n = nr * batch * (sizes[st.cols] if st.cols is not None else 1)
             moves.append(Move(k.role, st.tensor, "store", "fp32", n))
+        launch = _prepass_launch(b, k, br, bc, mask_cache)
+        if launch is not None:   # its record's head a program, an entry a visited pair (and group)
+            programs = nblocks[k.grid_wire] * batch
+            moves.append(Move(k.role, prepass_mod.RANGES, "load", "int32",
+                              prepass_mod.RECORD_HEAD * programs + len(pairs) * batch * outer))
+            dram += moves[-1].bytes
         drams.append(dram + sum(m.bytes for m in moves[first:] if m.direction == "store"))
+        if launch is not None and not launch.kept:   # the prepass's own steps, each a kernel of the report
+            for step in prepass_mod.STEPS:
+                made = [r for r in prepass_mod.rows(launch, [sizes], _const_sym) if r.step == step]
+                fractions = prepass_mod.reach(launch, sizes, int(prof["sm_count"]), prof["l2_bytes"])
+                kernels.append(f"{k.role} prepass {step}")
+                moves += [Move(kernels[-1], r.access.tensor, r.access.kind, r.access.dtype, r.elements[0])
+                          for r in made]
+                drams.append(sum(round(r.elements[0] * fractions.get(r.access, 1.0)) *
+                                 prepass_mod.element_bytes(r.access.dtype) for r in made))
         # FLOPs
         if k.role == "rows":
             per_row = nr * batch
@@ -355,6 +392,24 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
             o, x = _ops(s.expr, dict(k.subst), seen)
             of, ef = of + (o + 2) * area, ef + x * area
     return moves, (cf, of, ef), kernels, drams, working_set
+
+
+def _prepass_launch(b, k, br: int, bc: int, cached: bool = False) -> Optional[prepass_mod.Launch]:
+    """The ranges prepass a backward kernel's launch runs (prepass.py): dQ's by
+    row, dK/dV's by column where it indexes every mask batch wire, else None."""
+    from ..codegen.ranges import applies, batch_wires
+
+    if k.role not in ("dq", "dkdv") or not applies(b.forward):
+        return None
+    if k.role == "dkdv" and not set(batch_wires(b.forward)) <= set(k.batch):   # no ranges: every block
+        return None
+    return prepass_mod.backward_launch(b.forward, br, bc, k.role == "dkdv", cached)
+
+
+def _const_sym(wire: str):
+    """Any wire's symbol: the backward's moves keep numbers alone."""
+    from .symbolic import Poly
+    return Poly.sym(wire)
 
 
 def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, prepass=None) -> Optional[model.Visited]:

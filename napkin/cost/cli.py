@@ -51,6 +51,9 @@ def register_cli(subparsers) -> None:
                       help="compare shared-memory capacities in bytes, e.g. 65536,131072,262144")
     add_docs_option(p)
     add_lengths_option(p)
+    p.add_argument("--mask-cache", action="store_true",
+                   help="price launches given a warm mask_cache=: a data mask's ranges prepass kept from an earlier "
+                        "call, its record's reads alone counted")
     p.set_defaults(func=handler)
 
 
@@ -93,8 +96,9 @@ def handler(args) -> int:
                            docs=docs, lengths=lengths)
             print(json.dumps(tune_dicts(results), indent=2) if args.json else format_tune(diagram, results))
             return 0
-        report = analyse(diagram, sizes, args.device, docs, lengths)
-        back = backward_cost(diagram, sizes, args.device, docs=docs, lengths=lengths) if args.backward else None
+        report = analyse(diagram, sizes, args.device, docs, lengths, args.mask_cache)
+        back = backward_cost(diagram, sizes, args.device, docs=docs, lengths=lengths,
+                             mask_cache=args.mask_cache) if args.backward else None
     except NapkinError as err:   # a place in the diagram shows its line and caret
         raise napkin.located(err, diagram) from None
     if back is None:

@@ -53,7 +53,7 @@ def visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str,
         return None
     col, step = stream
     decided = codegen_bounds(diagram)
-    from ..codegen.ranges import index_disjuncts
+    from ..codegen.ranges import full_step_omits, index_disjuncts
 
     ids = kernel_ids(diagram) if docs is not None else None
     # a mask of indices alone the prepass runs on (an or of cuts): its blocks row by row
@@ -62,10 +62,15 @@ def visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str,
         row, found = decided
         rows, block, cycle = (sizes[pack.wire] * sizes[pack.row], pack.block, sizes[pack.row]) if pack is not None \
             else (sizes[row], groups[row], None)
+        # the full blocks, where the full step leaves out loads only the mask reads (ranges.full_step_omits)
+        omits = bool(full_step_omits(attention_plan(diagram)))
         if union is not None:
-            return Visited(row, *visits.prepass_visits(union, rows, sizes[col], block, step, sizes, cycle))
+            full = visits.prepass_full(union, rows, sizes[col], block, step, sizes, cycle) if omits else ()
+            return Visited(row, *visits.prepass_visits(union, rows, sizes[col], block, step, sizes, cycle), full)
         length = documents.covered(docs, diagram, ids, sizes)
-        return Visited(row, *documents.row_visits(docs, found, rows, sizes[col], block, step, sizes, length, cycle))
+        full = documents.row_full(docs, found, rows, sizes[col], block, step, sizes, length, cycle) if omits else ()
+        return Visited(row, *documents.row_visits(docs, found, rows, sizes[col], block, step, sizes, length, cycle),
+                       full)
     if decided is not None:
         row, found = decided
         if not found or row not in groups or col != decided_col(diagram):
@@ -159,7 +164,7 @@ def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: M
     """Where the kernels find their blocks with a ranges prepass (a mask that
     reads data, or whose comparisons bound no wire by an affine function of
     the other with coefficient 1): the counts are every block's (the part
-    the formula bounds), the prepass's launches and traffic not in them;
+    the formula bounds), the prepass's own kernels beside them;
     with ``docs`` (and sizes) the blocks it finds on those documents, and
     for a mask of indices alone (an or of cuts) the blocks it finds, row by row."""
     from ..codegen import ranges
@@ -167,14 +172,15 @@ def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: M
     plan = attention_plan(diagram)
     if plan is None or device_tiles(diagram) or not ranges.applies(plan):
         return None
-    cost = ("two more kernels a launch, their traffic not counted, nor the ranges each row block reads "
-            "(24 B, and 4 B a block it visits)")
+    cost = (f"the prepass's scan, merge and lists counted as kernels of their own, and each program's reads of its "
+            f"record, p_{plan.col} the blocks of {plan.col} a scan program takes, about their square root; the lists, "
+            "torch's cumsum and sort, a floor: a read of the states a list and the record's write")
     ids = kernel_ids(diagram) if docs is not None else None
     if ids is not None:
         wire = documents.id_wire(diagram, ids)
         return (f"the counts are the blocks the ranges prepass finds live when {ids.name} holds "
                 f"--docs' {docs.describe(sizes[wire])} in every batch row, each document's tokens contiguous "
-                f"({cost}; steps whose blocks are all kept read no {ids.name}, which the counts still load)")
+                f"({cost}; a full block's step reads no {ids.name}, and none is counted there)")
     if ranges.index_disjuncts(plan, lengths) is not None:   # indices alone, the given lengths' values read
         read = sorted({n.name for n in ir.walk(plan.skip) if isinstance(n, ir.TensorRef)} & set(lengths))
         if not read:

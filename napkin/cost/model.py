@@ -225,6 +225,24 @@ class Visited:
     row: str
     spans: tuple[tuple[int, int], ...]
     holes: tuple[tuple[tuple[int, int], ...], ...] = ()
+    # per row block, the runs of its visited steps known full (the prepass's full list), in order;
+    # () where none is known: a data mask's full step reads none of what only the mask reads
+    full: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def partial(self) -> "Visited":
+        """The steps that run the masked step: these less the full runs."""
+        if not self.full:
+            return self
+        holes = []
+        for i in range(len(self.spans)):
+            runs = []
+            for a, b in sorted((*(self.holes[i] if self.holes else ()), *self.full[i])):
+                if runs and a <= runs[-1][1]:
+                    runs[-1] = (runs[-1][0], max(runs[-1][1], b))
+                else:
+                    runs.append((a, b))
+            holes.append(tuple(runs))
+        return Visited(self.row, self.spans, tuple(holes))
 
     def parts(self, i: int) -> tuple[tuple[int, int], ...]:
         """Row block i's visited steps as [first, stop) runs, one more than its holes."""

@@ -136,6 +136,22 @@ class KernelInfo:
     # packed rows (napkin/cost/packing.py): (packed wire, row wire) when the
     # grid's row blocks are blocks of their pairs (the packed wire's block is 1)
     packed: Optional[tuple[str, str]] = None
+    # the ranges prepass of a data mask (napkin/cost/prepass.py): the kernel whose blocks
+    # it lists, and which step this is ("scan", "merge", "lists": torch's ops, a floor)
+    prepass_of: Optional[int] = None
+    prepass_step: Optional[str] = None
+
+
+def kernel_words(k: KernelInfo) -> str:
+    """What a kernel runs, for the tables: its boxes, or whose helper it is."""
+    from .prepass import step_text
+
+    merges, of = getattr(k, "merges", None), getattr(k, "prepass_of", None)   # a report read back from JSON
+    if merges is not None:
+        return f"merge of kernel {merges}'s chunks"
+    if of is not None:
+        return step_text(k.prepass_step, of)
+    return ", ".join(k.boxes)
 
 
 def grid_text(k: KernelInfo) -> str:
@@ -280,6 +296,13 @@ def format_text(r: CostReport) -> str:
             each = "" if k.chunks is None or k.programs is None else f", each folding {k.chunks} chunks' states"
             out.append(f"kernel {k.index} (merge of kernel {k.merges}'s chunks -> {', '.join(k.stores)}): "
                        f"grid {grid}{run}{each}")
+            continue
+        if k.prepass_of is not None:
+            run = "" if k.programs is None else f": {k.programs} programs" + (
+                "" if k.steps is None else f" x {k.steps} steps")
+            where = f", grid {grid}" + (f", {k.stream[0]} by {k.stream[1]}" if k.stream else "") \
+                if k.prepass_step != "lists" else ""
+            out.append(f"kernel {k.index} ({kernel_words(k)} -> {', '.join(k.stores)}){where}{run}")
             continue
         stream = f", stream {k.stream[0]} by {k.stream[1]}" if k.stream else ""
         if k.chunk is not None and k.stream:

@@ -68,9 +68,11 @@ def traffic_from(costs) -> Traffic:
         return Traffic()
     moves: dict = {}
     together: dict = {}
-    # a merge kernel's traffic (chunks of the streamed wire) is drawn on the kernel it merges
-    merged = {k.index: k.merges for k in getattr(costs, "kernels", ()) or ()
-              if getattr(k, "merges", None) is not None}
+    # a merge kernel's traffic (chunks of the streamed wire) is drawn on the kernel it merges,
+    # a ranges prepass's on the kernel whose blocks it lists
+    merged = {k.index: k.merges if getattr(k, "merges", None) is not None else k.prepass_of
+              for k in getattr(costs, "kernels", ()) or ()
+              if getattr(k, "merges", None) is not None or getattr(k, "prepass_of", None) is not None}
     for t in getattr(costs, "transfers", ()) or ():
         if t.bytes is None:
             continue

@@ -13,7 +13,7 @@ import html
 from typing import Optional
 
 from .. import ir
-from ..cost.report import grid_text
+from ..cost.report import grid_text, kernel_words
 from ..printer import to_text
 from .dot import format_bytes
 from .roofline import roofline_svg, seconds, si, time_bars_svg
@@ -90,10 +90,10 @@ def _kernels(costs) -> str:
     for k in costs.kernels:
         grid = grid_text(k)
         stream = f"{k.stream[0]} by {k.stream[1]}" if k.stream else "-"
-        chunk, chunks, merges = (getattr(k, f, None) for f in ("chunk", "chunks", "merges"))
+        chunk, chunks = (getattr(k, f, None) for f in ("chunk", "chunks"))
         if chunk is not None and k.stream:   # chunks of the streamed wire (napkin/cost/chunks.py)
             stream += f", in chunks of {chunk}" + (f" ({chunks})" if chunks is not None else "")
-        boxes = f"merge of kernel {merges}'s chunks" if merges is not None else ", ".join(k.boxes)
+        boxes = kernel_words(k)
         rows.append([str(k.index), _e(boxes), _e(", ".join(k.stores)), _e(grid), _e(stream),
                      _e(_count(k.programs)), _e(_count(k.steps)), _e(_count(k.visited_steps)),
                      "yes" if k.two_pass else "no"])
