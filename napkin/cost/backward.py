@@ -68,6 +68,7 @@ from . import model
 from . import prepass as prepass_mod
 from .model import TRANSCENDENTAL, clip
 from .report import Roofline
+from .symbolic import Poly
 
 
 @dataclass(frozen=True)
@@ -355,14 +356,15 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
             dram += moves[-1].bytes
         drams.append(dram + sum(m.bytes for m in moves[first:] if m.direction == "store"))
         if launch is not None and not launch.kept:   # the prepass's own steps, each a kernel of the report
+            made = prepass_mod.rows(launch, [sizes], Poly.sym)   # the formulas unused: numbers alone
+            fractions = prepass_mod.reach(launch, sizes, int(prof["sm_count"]), prof["l2_bytes"])
             for step in prepass_mod.STEPS:
-                made = [r for r in prepass_mod.rows(launch, [sizes], _const_sym) if r.step == step]
-                fractions = prepass_mod.reach(launch, sizes, int(prof["sm_count"]), prof["l2_bytes"])
                 kernels.append(f"{k.role} prepass {step}")
+                mine = [r for r in made if r.step == step]
                 moves += [Move(kernels[-1], r.access.tensor, r.access.kind, r.access.dtype, r.elements[0])
-                          for r in made]
+                          for r in mine]
                 drams.append(sum(round(r.elements[0] * fractions.get(r.access, 1.0)) *
-                                 prepass_mod.element_bytes(r.access.dtype) for r in made))
+                                 prepass_mod.element_bytes(r.access.dtype) for r in mine))
         # FLOPs
         if k.role == "rows":
             per_row = nr * batch
@@ -404,12 +406,6 @@ def _prepass_launch(b, k, br: int, bc: int, cached: bool = False) -> Optional[pr
     if k.role == "dkdv" and not set(batch_wires(b.forward)) <= set(k.batch):   # no ranges: every block
         return None
     return prepass_mod.backward_launch(b.forward, br, bc, k.role == "dkdv", cached)
-
-
-def _const_sym(wire: str):
-    """Any wire's symbol: the backward's moves keep numbers alone."""
-    from .symbolic import Poly
-    return Poly.sym(wire)
 
 
 def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, prepass=None) -> Optional[model.Visited]:
