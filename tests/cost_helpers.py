@@ -78,3 +78,50 @@ def triton_launches(back) -> int:
 def without_tensors(counts, *names) -> dict:
     """Bytes per tensor less ``names`` and the zeros."""
     return {k: v for k, v in counts.items() if k not in names and v}
+
+
+def doc_ids(docs, n: int, rows: int = 1):
+    """[rows, n] int32 ids of ``docs`` (napkin.documents.Documents) over n
+    tokens, the same documents in every row: what a document mask reads."""
+    import torch
+
+    starts = docs.starts(n)
+    ids = torch.zeros(n, dtype=torch.int32)
+    for k, (a, b) in enumerate(zip(starts, starts[1:])):
+        ids[a:b] = k
+    return ids.repeat(rows, 1)
+
+
+def full_lists(record, steps: int) -> list[tuple[int, ...]]:
+    """Each block's full blocks, as a ranges prepass's record ([blocks, 4 S + 4]
+    int32, S = ``steps``: ranges.bounds_lines) lists them."""
+    out = []
+    for r in record.tolist():
+        pos = r[2 + 2 * steps + 1: 3 + 3 * steps + 1]
+        out.append(tuple(r[3 + 3 * steps + 1:][:pos[steps]]))
+    return out
+
+
+# Grouped-query attention on documents, the query heads g of a key/value head: dK/dV's flat loop
+# over (row block, g) pairs walks the prepass's list (test_ranges, test_prepass_cost).
+GQA_DOC = """diagram gqa_doc
+wire b, hk, g, q, x
+wire d = 32
+in Q[b, (hk g), q, d] : fp32
+in K[b, hk, x, d] : fp32
+in V[b, hk, x, d] : fp32
+in doc[b, x] : int32
+S[b, hk, g, q, x] = where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)
+P[b, hk, g, q, x] = softmax[x](S)
+O[b, (hk g), q, d] : fp32 = sum[x](P * V)
+out O
+schedule on h100 {
+  accumulate fp32
+  level hbm { hold Q, K, V, doc, O }
+  level smem {
+    group b by 1, hk by 1, g by 1, q by 64
+    stream x by 32
+    hold S, P
+  }
+}
+"""

@@ -38,7 +38,7 @@ from napkin.cost.masked import attention_plan as _plan
 from napkin.cost.backward import backward_cost
 from napkin.errors import NapkinError
 from backward_helpers import compile_text
-from cost_helpers import backward_bytes, triton_transfers
+from cost_helpers import backward_bytes, doc_ids, full_lists, triton_transfers
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "examples" / "document_mask.ncd").read_text()
@@ -78,15 +78,6 @@ def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("documents")
 
 
-def _ids(docs: D.Documents, n: int, rows: int = 1) -> torch.Tensor:
-    """[rows, n] int32 ids, the same documents in every row."""
-    starts = docs.starts(n)
-    ids = torch.zeros(n, dtype=torch.int32)
-    for k, (a, b) in enumerate(zip(starts, starts[1:])):
-        ids[a:b] = k
-    return ids.repeat(rows, 1)
-
-
 def _random_docs(n: int, seed: int) -> D.Documents:
     """Fresh random lengths adding up to n: a few long, some of a token or two."""
     rnd = random.Random(seed)
@@ -117,7 +108,7 @@ def test_spans_are_the_prepass_ranges(folder, mask):
     for docs in DOCS:
         if docs.lengths and sum(docs.lengths) != n:
             docs = D.Documents(lengths=docs.lengths + (n - sum(docs.lengths),))
-        doc = _ids(docs, n, rows=2)
+        doc = doc_ids(docs, n, rows=2)
         sz = {"b": 2, "h": 1, "q": n, "x": n, "d": 64}
         for br, bc in [(16, 16), (16, 32), (32, 8)]:
             spans, holes = D.row_visits(docs, tuple(plan.bounds), n, n, br, bc, sz, n)
@@ -132,15 +123,6 @@ def test_spans_are_the_prepass_ranges(folder, mask):
                 (mask, docs, br, bc)
 
 
-def _full_lists(record, steps: int) -> list[tuple[int, ...]]:
-    """Each row block's full blocks, as the prepass's record lists them (ranges.bounds_lines)."""
-    out = []
-    for r in record.tolist():
-        pos = r[2 + 2 * steps + 1: 3 + 3 * steps + 1]
-        out.append(tuple(r[3 + 3 * steps + 1:][:pos[steps]]))
-    return out
-
-
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_full_blocks_are_the_prepass_s(folder, mask):
     """row_full = the prepass's list of full blocks per row block, forward
@@ -153,13 +135,13 @@ def test_full_blocks_are_the_prepass_s(folder, mask):
     for docs in DOCS:
         if docs.lengths and sum(docs.lengths) != n:
             docs = D.Documents(lengths=docs.lengths + (n - sum(docs.lengths),))
-        doc = _ids(docs, n)
+        doc = doc_ids(docs, n)
         sz = {"b": 1, "h": 1, "q": n, "x": n, "d": 64}
         for (br, bc), whole in [((16, 16), False), ((16, 8), True), ((32, 8), False), ((32, 16), True)]:
             got, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, whole, False, True)
             runs = D.row_full(docs, tuple(plan.bounds), n, n, br, bc, sz, n, whole_rows=whole)
             want = [tuple(j for a, z in r for j in range(a, z)) for r in runs]
-            assert _full_lists(got[0], -(-n // bc)) == want, (mask, docs, br, bc, whole)
+            assert full_lists(got[0], -(-n // bc)) == want, (mask, docs, br, bc, whole)
             seen += sum(map(len, want))
     assert seen > 0
 
@@ -175,7 +157,7 @@ def test_spans_where_rows_keep_nothing_or_a_conjunct_bounds_no_loop(folder, scor
     plan = _plan(napkin.load_text(text, "m.ncd"))
     n, sz, differ = 83, {"b": 1, "h": 1, "q": 83, "x": 83, "d": 64}, 0
     for docs in (D.Documents(every=9), D.Documents(lengths=(50, 1, 30, 2)), _random_docs(n, 1)):
-        doc = _ids(docs, n)
+        doc = doc_ids(docs, n)
         for br, bc in [(16, 16), (32, 8)]:
             spans = D.row_spans(docs, tuple(plan.bounds), n, n, br, bc, sz, n)
             got, _ = m._document_mask_ranges(doc, sz, doc.device, br, bc, False, False, True)
@@ -229,7 +211,7 @@ def test_predicted_bytes_are_the_bytes_moved(folder, mask):
     n, docs = 90, D.Documents(lengths=(37, 5, 48))
     sizes = {"b": 1, "h": 2, "q": n, "x": n}
     q, k, v, _ = m.example_inputs(sizes, dtype=torch.float16, seed=3)
-    inputs = (q, k, v, _ids(docs, n))
+    inputs = (q, k, v, doc_ids(docs, n))
     blocks = {"q": 32, "x": 16}
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.document_mask(*inputs, block_q=32, block_x=16)
@@ -259,7 +241,7 @@ def test_packed_rows_on_documents(folder):
     n, docs = 45, D.Documents(lengths=(7, 20, 1, 17))
     sizes = {"b": 1, "hk": 2, "g": 4, "q": n, "x": n}
     q, k, v, _ = m.example_inputs(sizes, dtype=torch.float16, seed=4)
-    inputs = (q, k, v, _ids(docs, n))
+    inputs = (q, k, v, doc_ids(docs, n))
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.packed_documents(*inputs)
     report = analyse(d, sizes, docs=docs)
@@ -287,7 +269,7 @@ def test_chunks_of_packed_rows_on_documents(folder):
     n, docs = 70, D.Documents(lengths=(37, 5, 28))
     sizes = {"b": 1, "hk": 2, "g": 4, "q": n, "x": n}
     q, k, v, _ = m.example_inputs(sizes, dtype=torch.float16, seed=5)
-    inputs = (q, k, v, _ids(docs, n))
+    inputs = (q, k, v, doc_ids(docs, n))
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.flash_decoding(*inputs)
     loads, stores = _predicted(analyse(d, sizes, docs=docs))
@@ -315,7 +297,7 @@ def test_ring_meets_are_id_meets(kind):
             lay = TokenLayout(kind, parts, n)
             units = [u.tolist() for u in _units(lay)]
             assert sorted(p for u in units for p in u) == list(range(n))
-            ids = _ids(docs, n)
+            ids = doc_ids(docs, n)
             doc = ids[0].tolist()
             brute = [[bool({doc[p] for p in a} & {doc[p] for p in b}) for b in units] for a in units]
             got = D.ring_meets(docs, kind, parts, n, n, n)
@@ -358,7 +340,7 @@ def test_cost_and_plan_run_the_steps_ring_attention_runs(score):
     seen = set()
     for docs in (D.Documents(every=1000), D.Documents(every=1500), D.Documents(lengths=(900, 3000, 2100, 2000)),
                  D.Documents(every=n), _random_docs(n, 7)):
-        back, ahead = ring.arms(8, n, n, side={"doc": _ids(docs, n)})
+        back, ahead = ring.arms(8, n, n, side={"doc": doc_ids(docs, n)})
         report = analyse(d, sizes, docs=docs)
         comm = report.devices
         assert ((comm.ring_steps or 8), comm.ring_ahead) == (back + ahead, ahead)
@@ -369,7 +351,7 @@ def test_cost_and_plan_run_the_steps_ring_attention_runs(score):
     # a ring that names no layout runs zigzag, and the cost pass says so on documents
     zigzag = napkin.load_text(text.replace("across 8 contiguous", "across 8"), "z.ncd")
     for docs in (D.Documents(every=500), D.Documents(every=1000), _random_docs(n, 7)):
-        steps = RingAttention(zigzag).arms(8, n, n, side={"doc": _ids(docs, n)})
+        steps = RingAttention(zigzag).arms(8, n, n, side={"doc": doc_ids(docs, n)})
         comm = analyse(zigzag, sizes, docs=docs).devices
         assert (comm.layout, comm.ring_steps or 8) == ("zigzag", sum(steps))
         # plan's Ring (zigzag: the layout it emits no word for) runs those steps too, and napkin
@@ -393,7 +375,7 @@ def test_cost_and_plan_run_the_steps_ring_attention_runs(score):
 
 def _kept(mask: str, docs: D.Documents, n: int) -> torch.Tensor:
     """[n, n] bool: the pairs MASKS[mask] keeps on these documents, evaluated pair by pair."""
-    ids, pos = _ids(docs, n)[0], torch.arange(n)
+    ids, pos = doc_ids(docs, n)[0], torch.arange(n)
     q, x = pos[:, None], pos[None, :]
     affine = {"documents": torch.ones(n, n, dtype=torch.bool), "causal": x <= q,
               "window": (x <= q) & (q - x < 24), "both_ways": (q - x < 20) & (x - q < 20)}[mask]

@@ -21,7 +21,7 @@ import generated.document_mask as m
 import generated.streaming_llm as sllm
 import napkin
 from backward_helpers import compile_text
-from cost_helpers import REPO, backward_bytes, load, run_cli, triton_transfers
+from cost_helpers import GQA_DOC, REPO, backward_bytes, doc_ids, full_lists, load, run_cli, triton_transfers
 from napkin import documents as D
 from napkin import visits
 from napkin.bytecount import ByteCounter
@@ -38,11 +38,7 @@ SIZES = {"b": 2, "h": 3, "q": N, "x": N}
 
 
 def _ids() -> torch.Tensor:
-    starts = DOCS.starts(N)
-    ids = torch.zeros(N, dtype=torch.int32)
-    for k, (a, b) in enumerate(zip(starts, starts[1:])):
-        ids[a:b] = k
-    return ids.repeat(SIZES["b"], 1)
+    return doc_ids(DOCS, N, SIZES["b"])
 
 
 def _prepass_alone(whole_rows: bool, by_col: bool):
@@ -154,37 +150,12 @@ def test_full_blocks_of_a_mask_of_indices_are_the_prepass_s(n, br, bc, whole):
     plan = attention_plan(load("streaming_llm"))
     sz = {"b": 1, "h": 1, "q": n, "x": n, "d": 64}
     record, on = sllm._streaming_llm_ranges(sz, torch.device("cpu"), br, bc, whole, False, True)
-    steps = -(-n // bc)
-    got = []
-    for r in record[0].tolist():
-        pos = r[2 + 2 * steps + 1: 3 + 3 * steps + 1]
-        got.append(tuple(r[3 + 3 * steps + 1:][:pos[steps]]))
+    got = full_lists(record[0], -(-n // bc))
     runs = visits.prepass_full(index_disjuncts(plan), n, n, br, bc, sz, whole_rows=whole)
     assert got == [tuple(j for a, z in r for j in range(a, z)) for r in runs]
     assert any(got)
 
 
-GQA_DOC = """diagram gqa_doc
-wire b, hk, g, q, x
-wire d = 32
-in Q[b, (hk g), q, d] : fp32
-in K[b, hk, x, d] : fp32
-in V[b, hk, x, d] : fp32
-in doc[b, x] : int32
-S[b, hk, g, q, x] = where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)
-P[b, hk, g, q, x] = softmax[x](S)
-O[b, (hk g), q, d] : fp32 = sum[x](P * V)
-out O
-schedule on h100 {
-  accumulate fp32
-  level hbm { hold Q, K, V, doc, O }
-  level smem {
-    group b by 1, hk by 1, g by 1, q by 64
-    stream x by 32
-    hold S, P
-  }
-}
-"""
 
 
 def test_grouped_query_launches_on_documents_count_every_byte(tmp_path):
@@ -196,10 +167,7 @@ def test_grouped_query_launches_on_documents_count_every_byte(tmp_path):
     mod = compile_text(GQA_DOC, "prepass_gqa_doc", tmp_path)
     d = napkin.load_text(GQA_DOC, "gqa_doc.ncd")
     n, docs = 100, D.Documents(lengths=(37, 5, 58))
-    starts = docs.starts(n)
-    ids = torch.zeros(1, n, dtype=torch.int32)
-    for k, (a, b) in enumerate(zip(starts, starts[1:])):
-        ids[0, a:b] = k
+    ids = doc_ids(docs, n)
     sizes = {"b": 1, "hk": 2, "g": 3, "q": n, "x": n}
     q, k, v, _ = mod.example_inputs(sizes, dtype=torch.float32, seed=3)
     inputs = (q, k, v, ids)

@@ -29,7 +29,7 @@ from napkin.codegen import lower as L
 from napkin.codegen import ranges as R
 from napkin.codegen.kernel_names import internal_names
 from backward_helpers import assert_accurate, compile_text, gradients
-from cost_helpers import backward_bytes, triton_transfers
+from cost_helpers import GQA_DOC, backward_bytes, triton_transfers
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "examples" / "document_mask.ncd").read_text()
@@ -397,27 +397,6 @@ def test_the_dead_run_between_sinks_and_window_is_skipped(folder):
     _grad_check(m, m.document_mask, (q, k, v, doc), BLOCKS, "stream")
 
 
-GQA_DOC = """diagram gqa_doc
-wire b, hk, g, q, x
-wire d = 32
-in Q[b, (hk g), q, d] : fp32
-in K[b, hk, x, d] : fp32
-in V[b, hk, x, d] : fp32
-in doc[b, x] : int32
-S[b, hk, g, q, x] = where(doc[b, q] == doc, sum[d](Q * K) * |d|^-0.5, -inf)
-P[b, hk, g, q, x] = softmax[x](S)
-O[b, (hk g), q, d] : fp32 = sum[x](P * V)
-out O
-schedule on h100 {
-  accumulate fp32
-  level hbm { hold Q, K, V, doc, O }
-  level smem {
-    group b by 1, hk by 1, g by 1, q by 64
-    stream x by 32
-    hold S, P
-  }
-}
-"""
 
 
 def test_grouped_query_dkdv_steps_over_dead_row_blocks(folder):

@@ -34,7 +34,8 @@ from . import prepass as prepass_mod
 from .devices import communication
 from .devices import mesh_tiles as device_tiles
 from .lengths import check_lengths, describe
-from .masked import attention_plan, kernel_ids, kernel_plan, mask_ids, prepass_note, visited
+from .masked import (attention_plan, full_step_omits, kernel_ids, kernel_plan, mask_ids, prepass_note,
+                     visited)
 from .model import (Kernel, Tiling, access_fetches_poly, access_poly, chip_levels, count_access, dram_fractions,
                     kernel_tiling, kernel_work, kernels, tile_sym, tiling_at, visited_area, work_numbers,
                     work_polys)
@@ -448,9 +449,7 @@ class _Context:
             not self.known or any(n > 1 for n in self.counts[self.chunks.kernel]))
         self.merge_index = len(self.kernels)   # the merge kernel's index in the report
         # the (tensor, wires) a full block's step does not load: what only a data mask reads
-        from ..codegen.ranges import full_step_omits
-        attention = attention_plan(diagram)
-        self.omits = full_step_omits(attention) if attention is not None else frozenset()
+        self.omits = full_step_omits(diagram)
         # a kernel whose mask reads data runs the ranges prepass at its blocks (prepass.py): its
         # launch, and the index of its first step's kernel (three each: scan, merge, lists; none
         # for a kept record, a mask of indices alone's or under mask_cache, whose reads alone count)
@@ -513,7 +512,7 @@ def _prepass_rows(c: _Context) -> list[tuple]:
         scan, at = launch.kernel(), launch.tiles
         wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]
         # the scan's loads of the mask's inputs reach DRAM as any kernel's shared tiles do
-        reach = [dram_fractions(scan, at, s, wave, l2)[0] for s in c.launches] if c.known else [{}] * len(c.launches)
+        reach = [prepass_mod.reach(launch, s, wave, l2) for s in c.launches] if c.known else [{}] * len(c.launches)
         for r in [main] + prepass_mod.rows(launch, c.launches, c.wire_sym):
             if r.step == "scan" and r.access.kind == "load":
                 size = math.prod(-(-_device_extent(c.d, c.full, w) // r.access.step(w)) for w in r.access.wires) \
@@ -578,7 +577,7 @@ def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:
     for acc in k.accesses:
         poly = access_poly(acc, k, tl, c.wire_sym) * c.n_launch
         fetches = access_fetches_poly(acc, k, tl, c.wire_sym) * c.n_launch
-        # what only the mask reads, a full block's step does not load (ranges.full_step_omits)
+        # what only the mask reads, a full block's step does not load (masked.full_step_omits)
         partial = (acc.tensor, acc.wires) in c.omits
         issued = [count_access(acc, k, tl, s, v.partial() if partial and v is not None else v)
                   for s, v in zip(c.launches, visits)] if c.known else []

@@ -53,7 +53,7 @@ def visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str,
         return None
     col, step = stream
     decided = codegen_bounds(diagram)
-    from ..codegen.ranges import full_step_omits, index_disjuncts
+    from ..codegen.ranges import index_disjuncts
 
     ids = kernel_ids(diagram) if docs is not None else None
     # a mask of indices alone the prepass runs on (an or of cuts): its blocks row by row
@@ -62,8 +62,8 @@ def visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str,
         row, found = decided
         rows, block, cycle = (sizes[pack.wire] * sizes[pack.row], pack.block, sizes[pack.row]) if pack is not None \
             else (sizes[row], groups[row], None)
-        # the full blocks, where the full step leaves out loads only the mask reads (ranges.full_step_omits)
-        omits = bool(full_step_omits(attention_plan(diagram)))
+        # the full blocks, where the full step leaves out loads only the mask reads
+        omits = bool(full_step_omits(diagram))
         if union is not None:
             full = visits.prepass_full(union, rows, sizes[col], block, step, sizes, cycle) if omits else ()
             return Visited(row, *visits.prepass_visits(union, rows, sizes[col], block, step, sizes, cycle), full)
@@ -109,6 +109,18 @@ def attention_plan(diagram: ir.Diagram):
     schedule it refuses): what lower.streamed_attention returns."""
     plan = kernel_plan(diagram)
     return plan if plan is not None and plan.family == "attention" else None
+
+
+@functools.lru_cache(maxsize=64)
+def full_step_omits(diagram: ir.Diagram) -> frozenset:
+    """(tensor, wires) of the loads the forward's full-block step leaves out
+    (ranges.full_step_omits: what only a data mask reads), asked of the code
+    generator once per diagram, as kernel_plan is: each analyse and each
+    visited() of it would render the step again."""
+    from ..codegen import ranges
+
+    plan = attention_plan(diagram)
+    return ranges.full_step_omits(plan) if plan is not None else frozenset()
 
 
 def codegen_bounds(diagram: ir.Diagram):
