@@ -7,7 +7,7 @@ Do not edit: regenerate with `napkin compile examples/prefix_lm.ncd`.
 
 cost summary:
     flops: contractions 4*b*d*h*q*x; exp b*h*q*x
-    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + 4*b*h*q*x/(g_q*s_x) + 28*b*h*q/g_q + 20*b*q*x/(g_q*p_x*s_x) + 19*b*q*x/(g_q*s_x) + 24*b*q/g_q bytes
+    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + 4*b*h*q*x/(g_q*s_x) + 20*b*h*q/g_q + 20*b*q*x/(g_q*p_x*s_x) + 11*b*q*x/(g_q*s_x) + 24*b*q/g_q bytes
     lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*h*q + (4*b*d^2*h*q*x)/M elements
 
 prefix_lm(Q, K, V, p) -> O
@@ -930,9 +930,10 @@ def _prefix_lm_merge_ranges_kernel(_parts, _ranges, _steps, _chunks):
     tl.store(_out + 1, _hi)
 
 
-def _prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _per=None):
+def _prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix=False, _per=None):
     """(ranges, on): the prepass's record (_ranges_listed) per (b, block of q, or of
-    x when _by_col) in blocks of the other wire, at the launching kernel's blocks _br, _bc;
+    x when _by_col) in blocks of the other wire, at the launching kernel's blocks _br, _bc,
+    with the lists' prefix counts when _prefix (a chunked launch);
     a placeholder and False when not _on (rows at global positions: every block, tested per tile).
     _per: blocks a scan program takes (default about the square root of a row's blocks: as many
     programs a row as steps each, and the merge's loop as long)."""
@@ -959,22 +960,25 @@ def _prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _per=No
         )
     if _grid[0] * _grid[1] > 0:  # no chunk (an empty wire scanned) still writes its empty range
         _prefix_lm_merge_ranges_kernel[_grid[:2]](_parts, _ranges, _steps, _grid[2], num_warps=1)
-    return _ranges_listed(_ranges, _tiles), True
+    return _ranges_listed(_ranges, _tiles, _prefix), True
 
 
-def _ranges_listed(ranges, tiles):
-    """Each block's record as the kernels read it (ranges.bounds_lines), 4 S + 4 int32 for S
-    blocks of the other wire: [lo, hi), then for its partial blocks (live, not full) and then
-    for its full ones, the prefix counts pos[0..S] (pos[b]: those before block b) and the list
-    of them ascending (the rest of the row, unread, after it).  torch's scan and sort on the
-    states, as FlexAttention's BlockMask orders kv_indices and full_kv_indices: a kernel
-    would walk each row's blocks one by one."""
-    _parts = [ranges]
+def _ranges_listed(ranges, tiles, prefix):
+    """Each block's record as the kernels read it (ranges.bounds_lines), 2 S + 4 int32 for S
+    blocks of the other wire: [lo, hi), the counts of its partial blocks (live, not full) and
+    of its full ones, then the two lists, each ascending (the rest of the row, unread, after
+    it), as FlexAttention's BlockMask holds kv_num_blocks and kv_indices.  With ``prefix`` (a
+    launch whose chunks cut the range) 2 S + 2 more: each list's prefix counts pos[0..S]
+    (pos[b]: its entries before block b), where a chunk's part of the list starts and stops.
+    torch's cumsum and sort on the states: a kernel would walk each row's blocks one by one."""
+    _counts, _lists, _prefix = [], [], []
     for _state in (1, 2):
         _is = tiles == _state
-        _parts.append(torch.nn.functional.pad(torch.cumsum(_is, -1, dtype=torch.int32), (1, 0)))
-        _parts.append(torch.sort((~_is).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32))
-    return torch.cat(_parts, -1).contiguous()
+        _counts.append(_is.sum(-1, dtype=torch.int32, keepdim=True))
+        _lists.append(torch.sort((~_is).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32))
+        if prefix:
+            _prefix.append(torch.nn.functional.pad(torch.cumsum(_is, -1, dtype=torch.int32), (1, 0)))
+    return torch.cat([ranges, *_counts, *_lists, *_prefix], -1).contiguous()
 
 
 # A kept result holds a stamp of the mask inputs it was computed from: each
@@ -1015,7 +1019,7 @@ def _ranges_capturing(dev):
     return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on):
+def _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix=False):
     """_prefix_lm_ranges's (ranges, on), kept in the caller's mask_cache dict (None: run it,
     or for a mask of indices alone keep it in _PREFIX_LM_RANGES_KEPT, per CUDA stream).
     The key is all the result depends on but the mask inputs' values: a launch at
@@ -1026,16 +1030,16 @@ def _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, _whole_rows, _b
     positions: no prepass)."""
     _own = mask_cache is None and _PREFIX_LM_RANGES_KEPT is not None and not _ranges_capturing(_dev)
     if (mask_cache is None and not _own) or not _on:
-        return _prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on)
+        return _prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix)
     if _own:
         mask_cache = _PREFIX_LM_RANGES_KEPT
     _masks = (p,)
-    _key = ("_prefix_lm_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), tuple(sorted(_sz.items())), str(_dev),
+    _key = ("_prefix_lm_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), bool(_prefix), tuple(sorted(_sz.items())), str(_dev),
             tuple((tuple(_t.shape), str(_t.dtype)) for _t in _masks),
             _ranges_stream(_dev) if _own else None)
     _hit = mask_cache.get(_key)
     if _hit is None or not _mask_stamp_holds(_hit[1], _masks):
-        _hit = (_prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on), _mask_stamp(_masks))
+        _hit = (_prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix), _mask_stamp(_masks))
         # the module's own dict cleared past its bound as a new entry comes (a hit keeps it); the caller's is theirs
         _memo_put(mask_cache, _RANGES_KEPT_MAX if _own else math.inf, _key, _hit)
     return _hit[0]
@@ -1434,18 +1438,22 @@ def _prefix_lm_kernel(
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (4 * tl.cdiv(_size_x, _BLOCK_x) + 4)
+        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * ((4 if _CHUNK else 2) * tl.cdiv(_size_x, _BLOCK_x) + (6 if _CHUNK else 4))
         _lo = tl.load(_rg) * _BLOCK_x
         _hi = tl.load(_rg + 1) * _BLOCK_x
-        _rp = _rg + 2  # per block b, the partial blocks before b
-        _rl = _rp + tl.cdiv(_size_x, _BLOCK_x) + 1  # those blocks, ascending
-        _fp = _rl + tl.cdiv(_size_x, _BLOCK_x)  # likewise the full blocks
-        _fl = _fp + tl.cdiv(_size_x, _BLOCK_x) + 1
+        _rp = _rg + 2  # the count of its partial blocks
+        _fp = _rg + 3  # of its full blocks
+        _rl = _rg + 4  # the partial blocks, ascending
+        _fl = _rl + tl.cdiv(_size_x, _BLOCK_x)  # the full blocks
+        _rq = _fl + tl.cdiv(_size_x, _BLOCK_x)  # with _CHUNK: per block b, the partial blocks before b
+        _fq = _rq + tl.cdiv(_size_x, _BLOCK_x) + 1  # and the full ones
     else:  # rows or keys at global positions: every block, tested per tile
         _rp = _ranges
         _rl = _ranges
         _fp = _ranges
         _fl = _ranges
+        _rq = _ranges
+        _fq = _ranges
     _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
     _fhi = _lo
     if _CHUNK:  # one chunk of x per program (grid axis 2): the range cut to it
@@ -1455,8 +1463,16 @@ def _prefix_lm_kernel(
         _flo = tl.minimum(tl.maximum(_flo, _lo), _hi)
         _fhi = tl.minimum(tl.maximum(_fhi, _lo), _hi)
     # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
-    _pa = tl.load(_fp + _lo // _BLOCK_x) if _RANGES else _flo  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_fp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _fhi
+    if _RANGES:
+        if _CHUNK:  # a chunk of the range: its part of the list
+            _pa = tl.load(_fq + _lo // _BLOCK_x)
+            _pb = tl.load(_fq + tl.cdiv(_hi, _BLOCK_x))
+        else:  # the whole list
+            _pa = 0
+            _pb = tl.load(_fp)
+    else:
+        _pa = _flo
+        _pb = _fhi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_fl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -1483,8 +1499,16 @@ def _prefix_lm_kernel(
             _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
         _l = _l * _alpha + tl.sum(_p, 1)[:, None]
     # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
-    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_rp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _hi
+    if _RANGES:
+        if _CHUNK:  # a chunk of the range: its part of the list
+            _pa = tl.load(_rq + _lo // _BLOCK_x)
+            _pb = tl.load(_rq + tl.cdiv(_hi, _BLOCK_x))
+        else:  # the whole list
+            _pa = 0
+            _pb = tl.load(_rp)
+    else:
+        _pa = _fhi
+        _pb = _hi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -1699,7 +1723,7 @@ def _prefix_lm_forward(Q, K, V, p, block_q, block_x, num_warps, num_stages, tma,
             _part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None
             _args = (Q, K, V, p, O, _saved_lse, *_tail)
             _sz, _br, _bc = _at  # the mask reads data: its ranges at the plan's blocks
-            _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+            _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None, _chunk != 0)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _meta = dict(_fixed, _part=_part, _ranges=_rng, _RANGES=_rng_on)
             if lengths:  # the call's own lengths (the plan's key holds only which are short)
                 _meta.update({_LENGTH_ARGS[_w]: _n for _w, _n in lengths.items()})
@@ -1722,7 +1746,7 @@ def _prefix_lm_forward(Q, K, V, p, block_q, block_x, num_warps, num_stages, tma,
             if _cut is not None:
                 _pos.update(_pos_x=None, _POS_x=False)
             _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, (_sz if _cut is None else {**_sz, "x": _cut}), {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
-            _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+            _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None, _chunk != 0)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _args = (
                 Q, K, V, p, O, _saved_lse,
                 _sz["b"], _sz["h"], _sz["q"], (_sz["x"] if _cut is None else _cut),
@@ -1960,13 +1984,13 @@ def _prefix_lm_bwd_dkdv_kernel(
         _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
         _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block
     if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + ((_i_b) * tl.cdiv(_size_x, _BLOCK_x) + _pid).to(tl.int64) * (4 * tl.cdiv(_size_q, _BLOCK_q) + 4)
+        _rg = _ranges + ((_i_b) * tl.cdiv(_size_x, _BLOCK_x) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_q, _BLOCK_q) + 4)
         _lo = tl.load(_rg)
         _hi = tl.load(_rg + 1)
-        _rp = _rg + 2  # per block b, the partial blocks before b
-        _rl = _rp + tl.cdiv(_size_q, _BLOCK_q) + 1  # those blocks, ascending
-        _fp = _rl + tl.cdiv(_size_q, _BLOCK_q)  # likewise the full blocks
-        _fl = _fp + tl.cdiv(_size_q, _BLOCK_q) + 1
+        _rp = _rg + 2  # the count of its partial blocks
+        _fp = _rg + 3  # of its full blocks
+        _rl = _rg + 4  # the partial blocks, ascending
+        _fl = _rl + tl.cdiv(_size_q, _BLOCK_q)  # the full blocks
     else:  # rows or keys at global positions: every block, tested per tile
         _rp = _ranges
         _rl = _ranges
@@ -1975,8 +1999,12 @@ def _prefix_lm_bwd_dkdv_kernel(
     _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
     _fhi = _lo
     # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
-    _pa = tl.load(_fp + _lo) if _RANGES else _flo  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_fp + _hi) if _RANGES else _fhi
+    if _RANGES:
+        _pa = 0  # the whole list
+        _pb = tl.load(_fp)
+    else:
+        _pa = _flo
+        _pb = _fhi
     for _iv in range(_pa, _pb):
         _rb = tl.load(_fl + _iv) if _RANGES else _iv
         _row0 = _rb * _BLOCK_q
@@ -2001,8 +2029,12 @@ def _prefix_lm_bwd_dkdv_kernel(
         _acc_K += tl.dot(_operand_grad(_dR, 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
-    _pa = tl.load(_rp + _lo) if _RANGES else _fhi  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_rp + _hi) if _RANGES else _hi
+    if _RANGES:
+        _pa = 0  # the whole list
+        _pb = tl.load(_rp)
+    else:
+        _pa = _fhi
+        _pb = _hi
     for _iv in range(_pa, _pb):
         _rb = tl.load(_rl + _iv) if _RANGES else _iv
         _row0 = _rb * _BLOCK_q
@@ -2155,13 +2187,13 @@ def _prefix_lm_bwd_dq_kernel(
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (4 * tl.cdiv(_size_x, _BLOCK_x) + 4)
+        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_x, _BLOCK_x) + 4)
         _lo = tl.load(_rg) * _BLOCK_x
         _hi = tl.load(_rg + 1) * _BLOCK_x
-        _rp = _rg + 2  # per block b, the partial blocks before b
-        _rl = _rp + tl.cdiv(_size_x, _BLOCK_x) + 1  # those blocks, ascending
-        _fp = _rl + tl.cdiv(_size_x, _BLOCK_x)  # likewise the full blocks
-        _fl = _fp + tl.cdiv(_size_x, _BLOCK_x) + 1
+        _rp = _rg + 2  # the count of its partial blocks
+        _fp = _rg + 3  # of its full blocks
+        _rl = _rg + 4  # the partial blocks, ascending
+        _fl = _rl + tl.cdiv(_size_x, _BLOCK_x)  # the full blocks
     else:  # rows or keys at global positions: every block, tested per tile
         _rp = _ranges
         _rl = _ranges
@@ -2170,8 +2202,12 @@ def _prefix_lm_bwd_dq_kernel(
     _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
     _fhi = _lo
     # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
-    _pa = tl.load(_fp + _lo // _BLOCK_x) if _RANGES else _flo  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_fp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _fhi
+    if _RANGES:
+        _pa = 0  # the whole list
+        _pb = tl.load(_fp)
+    else:
+        _pa = _flo
+        _pb = _fhi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_fl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -2191,8 +2227,12 @@ def _prefix_lm_bwd_dq_kernel(
         _dR = _dS
         _acc_Q += tl.dot(_operand_grad(_dR, 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
-    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_rp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _hi
+    if _RANGES:
+        _pa = 0  # the whole list
+        _pb = tl.load(_rp)
+    else:
+        _pa = _fhi
+        _pb = _hi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -2323,11 +2363,11 @@ def _prefix_lm_backward(Q, K, V, p, dO, lse, delta, _o, need, positions=None, le
         _runs = list(_runs)   # the plan's own list stays as it is
         try:
             if _runs[0] is not None:
-                _kv_rng, _kv_rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+                _kv_rng, _kv_rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
                 _runs[0] = (*_runs[0][:2], dict(_runs[0][2], _ranges=_kv_rng, _RANGES=_kv_rng_on))
             if _runs[1] is not None:
                 with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
-                    _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+                    _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
                 _runs[1] = (*_runs[1][:2], dict(_runs[1][2], _ranges=_rng, _RANGES=_rng_on))
         except BaseException:   # joined: nothing may free what the second stream still writes
             _bwd_stream_join(_dev, _side)
@@ -2386,7 +2426,7 @@ def _prefix_lm_backward(Q, K, V, p, dO, lse, delta, _o, need, positions=None, le
     try:
         _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"]))
         if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-            _kv_rng, _kv_rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+            _kv_rng, _kv_rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
             _runs.append((_grid, (
                 _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -2407,7 +2447,7 @@ def _prefix_lm_backward(Q, K, V, p, dO, lse, delta, _o, need, positions=None, le
         if (_need[0]) and math.prod(_grid) > 0:
             # dQ's prepass on dQ's stream (not torch.cuda.stream(None): it would start CUDA even for CPU tensors)
             with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
-                _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+                _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
             _runs.append((_grid, (
                 _sz["b"], _sz["h"], _sz["q"], _sz["x"],

@@ -7,7 +7,7 @@ Do not edit: regenerate with `napkin compile examples/ragged_decode.ncd`.
 
 cost summary:
     flops: contractions 4*b*d*g*hk*q*x; exp b*g*hk*q*x + b*g*hk*q
-    hbm/smem traffic: 4*b*d*g*hk*q*x/(g_g*g_q) + 10*b*d*g*hk*q*x/c_x + 2*b*d*g*hk*q + 28*b*g*hk*q*x/(c_x*g_g*g_q) + 4*b*g*hk*q*x/(g_g*g_q*s_x) + 24*b*g*hk*q*x/c_x + 4*b*g*hk*q + 20*b*g*q*x/(g_g*g_q*p_x*s_x) + 19*b*g*q*x/(g_g*g_q*s_x) + 8*b*g*q*x/(p_x*s_x) + 24*b*g*q/(g_g*g_q) bytes
+    hbm/smem traffic: 4*b*d*g*hk*q*x/(g_g*g_q) + 10*b*d*g*hk*q*x/c_x + 2*b*d*g*hk*q + 28*b*g*hk*q*x/(c_x*g_g*g_q) + 4*b*g*hk*q*x/(g_g*g_q*s_x) + 24*b*g*hk*q*x/c_x + 4*b*g*hk*q + 20*b*g*q*x/(g_g*g_q*p_x*s_x) + 19*b*g*q*x/(g_g*g_q*s_x) + 8*b*g*q*x/(p_x*s_x) + 32*b*g*q/(g_g*g_q) bytes
     lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*g*hk*q + (4*b*d^2*g*hk*q*x)/M elements
 
 ragged_decode(Q, K, V, n) -> O, lse
@@ -947,9 +947,10 @@ def _ragged_decode_merge_ranges_kernel(_parts, _ranges, _steps, _chunks):
     tl.store(_out + 1, _hi)
 
 
-def _ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _rows=None, _per=None):
+def _ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix=False, _rows=None, _per=None):
     """(ranges, on): the prepass's record (_ranges_listed) per (b, block of q, or of
-    x when _by_col) in blocks of the other wire, at the launching kernel's blocks _br, _bc;
+    x when _by_col) in blocks of the other wire, at the launching kernel's blocks _br, _bc,
+    with the lists' prefix counts when _prefix (a chunked launch);
     a placeholder and False when not _on (rows at global positions: every block, tested per tile).
     _per: blocks a scan program takes (default about the square root of a row's blocks: as many
     programs a row as steps each, and the merge's loop as long).    _rows: packed rows' position arguments (the launch's _pos: each row's q), else rows at their offsets."""
@@ -979,22 +980,25 @@ def _ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _ro
         )
     if _grid[0] * _grid[1] > 0:  # no chunk (an empty wire scanned) still writes its empty range
         _ragged_decode_merge_ranges_kernel[_grid[:2]](_parts, _ranges, _steps, _grid[2], num_warps=1)
-    return _ranges_listed(_ranges, _tiles), True
+    return _ranges_listed(_ranges, _tiles, _prefix), True
 
 
-def _ranges_listed(ranges, tiles):
-    """Each block's record as the kernels read it (ranges.bounds_lines), 4 S + 4 int32 for S
-    blocks of the other wire: [lo, hi), then for its partial blocks (live, not full) and then
-    for its full ones, the prefix counts pos[0..S] (pos[b]: those before block b) and the list
-    of them ascending (the rest of the row, unread, after it).  torch's scan and sort on the
-    states, as FlexAttention's BlockMask orders kv_indices and full_kv_indices: a kernel
-    would walk each row's blocks one by one."""
-    _parts = [ranges]
+def _ranges_listed(ranges, tiles, prefix):
+    """Each block's record as the kernels read it (ranges.bounds_lines), 2 S + 4 int32 for S
+    blocks of the other wire: [lo, hi), the counts of its partial blocks (live, not full) and
+    of its full ones, then the two lists, each ascending (the rest of the row, unread, after
+    it), as FlexAttention's BlockMask holds kv_num_blocks and kv_indices.  With ``prefix`` (a
+    launch whose chunks cut the range) 2 S + 2 more: each list's prefix counts pos[0..S]
+    (pos[b]: its entries before block b), where a chunk's part of the list starts and stops.
+    torch's cumsum and sort on the states: a kernel would walk each row's blocks one by one."""
+    _counts, _lists, _prefix = [], [], []
     for _state in (1, 2):
         _is = tiles == _state
-        _parts.append(torch.nn.functional.pad(torch.cumsum(_is, -1, dtype=torch.int32), (1, 0)))
-        _parts.append(torch.sort((~_is).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32))
-    return torch.cat(_parts, -1).contiguous()
+        _counts.append(_is.sum(-1, dtype=torch.int32, keepdim=True))
+        _lists.append(torch.sort((~_is).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32))
+        if prefix:
+            _prefix.append(torch.nn.functional.pad(torch.cumsum(_is, -1, dtype=torch.int32), (1, 0)))
+    return torch.cat([ranges, *_counts, *_lists, *_prefix], -1).contiguous()
 
 
 # A kept result holds a stamp of the mask inputs it was computed from: each
@@ -1035,7 +1039,7 @@ def _ranges_capturing(dev):
     return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _rows=None):
+def _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix=False, _rows=None):
     """_ragged_decode_ranges's (ranges, on), kept in the caller's mask_cache dict (None: run it,
     or for a mask of indices alone keep it in _RAGGED_DECODE_RANGES_KEPT, per CUDA stream).
     The key is all the result depends on but the mask inputs' values: a launch at
@@ -1046,16 +1050,16 @@ def _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, _whole_rows
     positions: no prepass)."""
     _own = mask_cache is None and _RAGGED_DECODE_RANGES_KEPT is not None and not _ranges_capturing(_dev)
     if (mask_cache is None and not _own) or not _on:
-        return _ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _rows)
+        return _ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix, _rows)
     if _own:
         mask_cache = _RAGGED_DECODE_RANGES_KEPT
     _masks = (n,)
-    _key = ("_ragged_decode_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), tuple(sorted(_sz.items())), str(_dev),
+    _key = ("_ragged_decode_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), bool(_prefix), tuple(sorted(_sz.items())), str(_dev),
             None if _rows is None else int(_rows["_len_q"]), tuple((tuple(_t.shape), str(_t.dtype)) for _t in _masks),
             _ranges_stream(_dev) if _own else None)
     _hit = mask_cache.get(_key)
     if _hit is None or not _mask_stamp_holds(_hit[1], _masks):
-        _hit = (_ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _rows), _mask_stamp(_masks))
+        _hit = (_ragged_decode_ranges(n, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix, _rows), _mask_stamp(_masks))
         # the module's own dict cleared past its bound as a new entry comes (a hit keeps it); the caller's is theirs
         _memo_put(mask_cache, _RANGES_KEPT_MAX if _own else math.inf, _key, _hit)
     return _hit[0]
@@ -1515,18 +1519,22 @@ def _ragged_decode_kernel(
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (4 * tl.cdiv(_size_x, _BLOCK_x) + 4)
+        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * ((4 if _CHUNK else 2) * tl.cdiv(_size_x, _BLOCK_x) + (6 if _CHUNK else 4))
         _lo = tl.load(_rg) * _BLOCK_x
         _hi = tl.load(_rg + 1) * _BLOCK_x
-        _rp = _rg + 2  # per block b, the partial blocks before b
-        _rl = _rp + tl.cdiv(_size_x, _BLOCK_x) + 1  # those blocks, ascending
-        _fp = _rl + tl.cdiv(_size_x, _BLOCK_x)  # likewise the full blocks
-        _fl = _fp + tl.cdiv(_size_x, _BLOCK_x) + 1
+        _rp = _rg + 2  # the count of its partial blocks
+        _fp = _rg + 3  # of its full blocks
+        _rl = _rg + 4  # the partial blocks, ascending
+        _fl = _rl + tl.cdiv(_size_x, _BLOCK_x)  # the full blocks
+        _rq = _fl + tl.cdiv(_size_x, _BLOCK_x)  # with _CHUNK: per block b, the partial blocks before b
+        _fq = _rq + tl.cdiv(_size_x, _BLOCK_x) + 1  # and the full ones
     else:  # rows or keys at global positions: every block, tested per tile
         _rp = _ranges
         _rl = _ranges
         _fp = _ranges
         _fl = _ranges
+        _rq = _ranges
+        _fq = _ranges
     _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
     _fhi = _lo
     if _CHUNK:  # one chunk of x per program (grid axis 2): the range cut to it
@@ -1536,8 +1544,16 @@ def _ragged_decode_kernel(
         _flo = tl.minimum(tl.maximum(_flo, _lo), _hi)
         _fhi = tl.minimum(tl.maximum(_fhi, _lo), _hi)
     # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
-    _pa = tl.load(_fp + _lo // _BLOCK_x) if _RANGES else _flo  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_fp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _fhi
+    if _RANGES:
+        if _CHUNK:  # a chunk of the range: its part of the list
+            _pa = tl.load(_fq + _lo // _BLOCK_x)
+            _pb = tl.load(_fq + tl.cdiv(_hi, _BLOCK_x))
+        else:  # the whole list
+            _pa = 0
+            _pb = tl.load(_fp)
+    else:
+        _pa = _flo
+        _pb = _fhi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_fl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -1564,8 +1580,16 @@ def _ragged_decode_kernel(
             _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
         _l = _l * _alpha + tl.sum(_p, 1)[:, None]
     # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
-    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_rp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _hi
+    if _RANGES:
+        if _CHUNK:  # a chunk of the range: its part of the list
+            _pa = tl.load(_rq + _lo // _BLOCK_x)
+            _pb = tl.load(_rq + tl.cdiv(_hi, _BLOCK_x))
+        else:  # the whole list
+            _pa = 0
+            _pb = tl.load(_rp)
+    else:
+        _pa = _fhi
+        _pb = _hi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -1786,7 +1810,7 @@ def _ragged_decode_forward(Q, K, V, n, block_q, block_x, num_warps, num_stages, 
             _part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None
             _args = (Q, K, V, n, O, lse, *_tail)
             _sz, _br, _bc = _at  # the mask reads data: its ranges at the plan's blocks
-            _rng, _rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None, _fixed)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+            _rng, _rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None, _chunk != 0, _fixed)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _meta = dict(_fixed, _part=_part, _ranges=_rng, _RANGES=_rng_on)
             if lengths:  # the call's own lengths (the plan's key holds only which are short)
                 _meta.update({_LENGTH_ARGS[_w]: _n for _w, _n in lengths.items()})
@@ -1811,7 +1835,7 @@ def _ragged_decode_forward(Q, K, V, n, block_q, block_x, num_warps, num_stages, 
             if _cut is not None:
                 _pos.update(_pos_x=None, _POS_x=False)
             _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, (_sz if _cut is None else {**_sz, "x": _cut}), {"q": _br, "x": _bc, "d": 128}, _dev, _pos, _tma_last)
-            _rng, _rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, False, False, _unplaced, _pos)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+            _rng, _rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, False, False, _unplaced, _chunk != 0, _pos)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _args = (
                 Q, K, V, n, O, lse,
                 _sz["b"], _sz["hk"], _sz["g"], _sz["q"], (_sz["x"] if _cut is None else _cut),
@@ -2067,13 +2091,13 @@ def _ragged_decode_bwd_dkdv_kernel(
         _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
         _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block
     if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + ((_i_b) * tl.cdiv(_size_x, _BLOCK_x) + _pid).to(tl.int64) * (4 * tl.cdiv(_size_q, _BLOCK_q) + 4)
+        _rg = _ranges + ((_i_b) * tl.cdiv(_size_x, _BLOCK_x) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_q, _BLOCK_q) + 4)
         _lo = tl.load(_rg)
         _hi = tl.load(_rg + 1)
-        _rp = _rg + 2  # per block b, the partial blocks before b
-        _rl = _rp + tl.cdiv(_size_q, _BLOCK_q) + 1  # those blocks, ascending
-        _fp = _rl + tl.cdiv(_size_q, _BLOCK_q)  # likewise the full blocks
-        _fl = _fp + tl.cdiv(_size_q, _BLOCK_q) + 1
+        _rp = _rg + 2  # the count of its partial blocks
+        _fp = _rg + 3  # of its full blocks
+        _rl = _rg + 4  # the partial blocks, ascending
+        _fl = _rl + tl.cdiv(_size_q, _BLOCK_q)  # the full blocks
     else:  # rows or keys at global positions: every block, tested per tile
         _rp = _ranges
         _rl = _ranges
@@ -2082,9 +2106,13 @@ def _ragged_decode_bwd_dkdv_kernel(
     _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
     _fhi = _lo
     # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
-    _pa = tl.load(_fp + _lo) if _RANGES else _flo  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_fp + _hi) if _RANGES else _fhi
-    for _it in range(_pa * _size_g, _pb * _size_g):  # (row block, g) pairs
+    if _RANGES:
+        _pa = 0  # the whole list
+        _pb = tl.load(_fp)  # (row block, g) pairs
+    else:
+        _pa = _flo
+        _pb = _fhi
+    for _it in range(_pa * _size_g, _pb * _size_g):
         _rb = _it // _size_g
         _rb = tl.load(_fl + _rb) if _RANGES else _rb
         _i_g = _it % _size_g
@@ -2110,9 +2138,13 @@ def _ragged_decode_bwd_dkdv_kernel(
         _acc_K += tl.dot(_operand_grad(_dR, 0.08838834764831845, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
-    _pa = tl.load(_rp + _lo) if _RANGES else _fhi  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_rp + _hi) if _RANGES else _hi
-    for _it in range(_pa * _size_g, _pb * _size_g):  # (row block, g) pairs
+    if _RANGES:
+        _pa = 0  # the whole list
+        _pb = tl.load(_rp)  # (row block, g) pairs
+    else:
+        _pa = _fhi
+        _pb = _hi
+    for _it in range(_pa * _size_g, _pb * _size_g):
         _rb = _it // _size_g
         _rb = tl.load(_rl + _rb) if _RANGES else _rb
         _i_g = _it % _size_g
@@ -2274,13 +2306,13 @@ def _ragged_decode_bwd_dq_kernel(
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
     if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (4 * tl.cdiv(_size_x, _BLOCK_x) + 4)
+        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_x, _BLOCK_x) + 4)
         _lo = tl.load(_rg) * _BLOCK_x
         _hi = tl.load(_rg + 1) * _BLOCK_x
-        _rp = _rg + 2  # per block b, the partial blocks before b
-        _rl = _rp + tl.cdiv(_size_x, _BLOCK_x) + 1  # those blocks, ascending
-        _fp = _rl + tl.cdiv(_size_x, _BLOCK_x)  # likewise the full blocks
-        _fl = _fp + tl.cdiv(_size_x, _BLOCK_x) + 1
+        _rp = _rg + 2  # the count of its partial blocks
+        _fp = _rg + 3  # of its full blocks
+        _rl = _rg + 4  # the partial blocks, ascending
+        _fl = _rl + tl.cdiv(_size_x, _BLOCK_x)  # the full blocks
     else:  # rows or keys at global positions: every block, tested per tile
         _rp = _ranges
         _rl = _ranges
@@ -2289,8 +2321,12 @@ def _ragged_decode_bwd_dq_kernel(
     _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
     _fhi = _lo
     # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
-    _pa = tl.load(_fp + _lo // _BLOCK_x) if _RANGES else _flo  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_fp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _fhi
+    if _RANGES:
+        _pa = 0  # the whole list
+        _pb = tl.load(_fp)
+    else:
+        _pa = _flo
+        _pb = _fhi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_fl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -2310,8 +2346,12 @@ def _ragged_decode_bwd_dq_kernel(
         _dR = _dS
         _acc_Q += tl.dot(_operand_grad(_dR, 0.08838834764831845, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
     # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
-    _pa = tl.load(_rp + _lo // _BLOCK_x) if _RANGES else _fhi  # the list's part inside [_lo, _hi)
-    _pb = tl.load(_rp + tl.cdiv(_hi, _BLOCK_x)) if _RANGES else _hi
+    if _RANGES:
+        _pa = 0  # the whole list
+        _pb = tl.load(_rp)
+    else:
+        _pa = _fhi
+        _pb = _hi
     for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
         _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
         _offs_x = _start + tl.arange(0, _BLOCK_x)
@@ -2445,11 +2485,11 @@ def _ragged_decode_backward(Q, K, V, n, dO, lse, delta, _o, need, positions=None
         _runs = list(_runs)   # the plan's own list stays as it is
         try:
             if _runs[0] is not None:
-                _kv_rng, _kv_rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+                _kv_rng, _kv_rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
                 _runs[0] = (*_runs[0][:2], dict(_runs[0][2], _ranges=_kv_rng, _RANGES=_kv_rng_on))
             if _runs[1] is not None:
                 with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
-                    _rng, _rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+                    _rng, _rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
                 _runs[1] = (*_runs[1][:2], dict(_runs[1][2], _ranges=_rng, _RANGES=_rng_on))
         except BaseException:   # joined: nothing may free what the second stream still writes
             _bwd_stream_join(_dev, _side)
@@ -2508,7 +2548,7 @@ def _ragged_decode_backward(Q, K, V, n, dO, lse, delta, _o, need, positions=None
     try:
         _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["hk"]))
         if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-            _kv_rng, _kv_rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+            _kv_rng, _kv_rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 128}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
             _runs.append((_grid, (
                 _sz["b"], _sz["hk"], _sz["g"], _sz["q"], _sz["x"],
@@ -2529,7 +2569,7 @@ def _ragged_decode_backward(Q, K, V, n, dO, lse, delta, _o, need, positions=None
         if (_need[0]) and math.prod(_grid) > 0:
             # dQ's prepass on dQ's stream (not torch.cuda.stream(None): it would start CUDA even for CPU tensors)
             with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
-                _rng, _rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
+                _rng, _rng_on = _ragged_decode_ranges_cached(mask_cache, n, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 128}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
             _runs.append((_grid, (
                 _sz["b"], _sz["hk"], _sz["g"], _sz["q"], _sz["x"],

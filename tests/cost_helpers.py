@@ -92,14 +92,23 @@ def doc_ids(docs, n: int, rows: int = 1):
     return ids.repeat(rows, 1)
 
 
-def full_lists(record, steps: int) -> list[tuple[int, ...]]:
-    """Each block's full blocks, as a ranges prepass's record ([blocks, 4 S + 4]
-    int32, S = ``steps``: ranges.bounds_lines) lists them."""
+def record_rows(record, steps: int) -> list[tuple]:
+    """Each block's (lo, hi, partial blocks, full blocks, prefix counts), as a
+    ranges prepass's record ([blocks, 2 S + 4] int32, S = ``steps``:
+    ranges.bounds_lines) holds them: [lo, hi), the two counts, the two lists,
+    and a chunked launch's ([blocks, 4 S + 6]) two lists' prefix counts
+    pos[0..S] (else None)."""
     out = []
     for r in record.tolist():
-        pos = r[2 + 2 * steps + 1: 3 + 3 * steps + 1]
-        out.append(tuple(r[3 + 3 * steps + 1:][:pos[steps]]))
+        assert len(r) in (2 * steps + 4, 4 * steps + 6), (len(r), steps)
+        prefix = (r[4 + 2 * steps:5 + 3 * steps], r[5 + 3 * steps:]) if len(r) > 2 * steps + 4 else None
+        out.append((r[0], r[1], tuple(r[4:4 + r[2]]), tuple(r[4 + steps:4 + steps + r[3]]), prefix))
     return out
+
+
+def full_lists(record, steps: int) -> list[tuple[int, ...]]:
+    """Each block's full blocks, as a ranges prepass's record lists them."""
+    return [full for _, _, _, full, _ in record_rows(record, steps)]
 
 
 # Grouped-query attention on documents, the query heads g of a key/value head: dK/dV's flat loop

@@ -61,7 +61,7 @@ def _by_tensor(rows) -> tuple[dict, dict]:
 def test_the_forward_prepass_is_counted_as_it_runs():
     """The scan's loads of the ids (a row block's once a chunk, the keys' every
     step) and its stores, the merge's: the report's prepass kernels, byte for
-    byte; the lists' record the size of the launcher's, 4 S + 4 int32 a block."""
+    byte; the lists' record the size of the launcher's, 2 S + 4 int32 a block."""
     report = analyse(with_blocks(load("document_mask"), BLOCKS), SIZES, docs=DOCS)
     steps = {k.index: k.prepass_step for k in report.kernels if k.prepass_of == 0}
     assert sorted(steps.values()) == sorted(P.STEPS)
@@ -72,7 +72,7 @@ def test_the_forward_prepass_is_counted_as_it_runs():
     lists = {(t.tensor, t.direction): t for t in report.transfers if steps.get(t.kernel) == "lists"}
     assert lists[("_ranges", "store")].elements == record.numel()
     row_blocks, key_blocks = math.ceil(N / 32), math.ceil(N / 16)
-    assert record.shape == (SIZES["b"], row_blocks, 4 * key_blocks + 4)
+    assert record.shape == (SIZES["b"], row_blocks, 2 * key_blocks + 4)
     assert lists[("_tiles", "load")].elements == 2 * SIZES["b"] * row_blocks * key_blocks
     # the ids scanned once per batch row (doc[b, q] reads no h): three heads share the scan
     assert {t.tensor for t in report.transfers if steps.get(t.kernel) == "scan" and t.direction == "load"} == {"doc"}
@@ -113,6 +113,38 @@ def test_a_warm_mask_cache_runs_no_prepass():
     cold = analyse(with_blocks(load("document_mask"), BLOCKS), SIZES, docs=DOCS)
     extra = sum(t.bytes for t in triton_transfers(cold)) - sum(t.bytes for t in kept.transfers)
     assert extra == sum(sum(c.values()) for c in _prepass_alone(False, False)[:2])
+
+
+def test_a_chunked_launch_reads_and_keeps_its_prefix_counts():
+    """A launch in chunks of the keys (chunk=, the schedule's chunk to the
+    cost pass) cuts each row's range: its record holds the lists' prefix
+    counts besides (4 S + 6 int32 a block, the launcher's with _prefix) and
+    each program reads [lo, hi) and its chunk's ends in both lists, as
+    counted, the main kernel's every tensor; unchunked, the record is
+    2 S + 4 and the lists' counts are read instead."""
+    text = (REPO / "examples" / "document_mask.ncd").read_text().replace("stream x by 64",
+                                                                        "group x by 64\n    stream x by 32")
+    report = analyse(with_blocks(napkin.load_text(text, "document_mask.ncd"), BLOCKS), SIZES, docs=DOCS)
+    doc = _ids()
+    q, k, v, _ = m.example_inputs(SIZES, dtype=torch.float16, seed=8)
+    cache: dict = {}
+    m.document_mask(q, k, v, doc, block_q=32, block_x=16, chunk=64, mask_cache=cache)   # the record, kept
+    (record, on), _ = next(iter(cache.values()))
+    assert on and record.shape == (SIZES["b"], math.ceil(N / 32), 4 * math.ceil(N / 16) + 6)
+    lists = {(t.tensor, t.direction): t for t in report.transfers
+             if t.kernel in {k.index for k in report.kernels if k.prepass_step == "lists"}}
+    assert lists[("_ranges", "store")].elements == record.numel()
+    with ByteCounter(tensors={"Q": q, "K": k, "V": v, "doc": doc}) as bc:
+        m.document_mask(q, k, v, doc, block_q=32, block_x=16, chunk=64, mask_cache=cache)
+    assert bc.launches == 2   # the chunks and their merge, no prepass
+    main = {k.index for k in report.kernels if k.prepass_of is None}
+    counted = _by_tensor((t.tensor, t.direction, t.bytes) for t in report.transfers if t.kernel in main)
+    assert counted == (dict(bc.loads), dict(bc.stores))
+    whole = analyse(with_blocks(load("document_mask"), BLOCKS), SIZES, docs=DOCS)
+    # 2 more int32 a program, 4 chunks of each row block's: the same visited blocks
+    programs = SIZES["b"] * SIZES["h"] * math.ceil(N / 32)
+    assert counted[0]["_ranges"] == sum(t.bytes for t in whole.transfers if t.tensor == "_ranges" and
+                                        t.kernel == 0) + 4 * programs * (6 * math.ceil(N / 64) - 4)
 
 
 def test_the_report_names_the_prepass_kernels(capsys):

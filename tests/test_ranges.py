@@ -29,7 +29,7 @@ from napkin.codegen import lower as L
 from napkin.codegen import ranges as R
 from napkin.codegen.kernel_names import internal_names
 from backward_helpers import assert_accurate, compile_text, gradients
-from cost_helpers import GQA_DOC, backward_bytes, triton_transfers
+from cost_helpers import GQA_DOC, backward_bytes, record_rows, triton_transfers
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "examples" / "document_mask.ncd").read_text()
@@ -112,29 +112,27 @@ def _brute(pred, nr, nc, br, bc, whole_rows, by_col):
     return live, full
 
 
-def _check_ranges(got, live, full):
+def _check_ranges(got, live, full, prefix: bool = False):
     """The prepass's record against the brute force: [lo, hi) the first and
-    last live block, then for the partial blocks (live, not full) and for
-    the full ones the prefix counts and the list, ascending (what the
-    kernels' two loops walk)."""
+    last live block, then the counts and the lists, ascending, of the
+    partial blocks (live, not full) and of the full ones (what the kernels'
+    two loops walk); with ``prefix`` (a chunked launch's) each list's
+    prefix counts pos[0..S] after them."""
     steps = live.shape[1]
-    assert got.shape[-1] == 4 * steps + 4
-    for p in range(live.shape[0]):
-        lo, hi = got[p, :2].tolist()
+    assert got.shape[-1] == (4 * steps + 6 if prefix else 2 * steps + 4)
+    for p, (lo, hi, partial, whole, pos) in enumerate(record_rows(got, steps)):
         idx = live[p].nonzero().flatten().tolist()
         assert (lo, hi) == ((idx[0], idx[-1] + 1) if idx else (0, 0)), p
-        for k, want in enumerate((live[p] & ~full[p], full[p])):
-            at = 2 + k * (2 * steps + 1)
-            pos, listed = got[p, at:at + steps + 1].tolist(), got[p, at + steps + 1:at + 2 * steps + 1].tolist()
+        for k, (want, listed) in enumerate(((live[p] & ~full[p], partial), (full[p], whole))):
             blocks = want.nonzero().flatten().tolist()
-            assert listed[:len(blocks)] == blocks, (p, k)
-            assert pos == [sum(j < b for j in blocks) for b in range(steps + 1)], (p, k)
+            assert list(listed) == blocks, (p, k)
+            if prefix:
+                assert pos[k] == [sum(j < b for j in blocks) for b in range(steps + 1)], (p, k)
 
 
 def _dead(got):
     """Per block of a record: the dead blocks inside [lo, hi), which neither list holds."""
-    steps = (got.shape[-1] - 4) // 4
-    return got[..., 1] - got[..., 0] - got[..., 2 + steps] - got[..., 3 + 3 * steps]
+    return got[..., 1] - got[..., 0] - got[..., 2] - got[..., 3]
 
 
 def test_only_masks_that_read_data_get_a_prepass():
@@ -170,19 +168,22 @@ def test_a_mask_of_indices_alone(folder):
     _grad_check(m, m.document_mask, (q, k, v, doc), BLOCKS, "sinks", within=1e-5)
 
 
-@pytest.mark.parametrize("whole_rows, by_col", [(False, False), (True, False), (True, True)])
-def test_prepass_matches_brute_force(folder, whole_rows, by_col):
+@pytest.mark.parametrize("whole_rows, by_col, prefix", [(False, False, False), (True, False, False),
+                                                        (True, True, False), (False, False, True)])
+def test_prepass_matches_brute_force(folder, whole_rows, by_col, prefix):
+    """The record of each document layout; ``prefix``: a chunked forward's, which holds the lists' prefix counts."""
     m = _module(DOC, "ranges_doc", folder)
     n, br, bc = 83, 16, 16
     for seed, layouts in enumerate([("contiguous", "interleaved"), ("runs", "each"), ("one", "contiguous")]):
         doc = _doc(layouts, n, seed)
         sz = {"b": 2, "h": 3, "q": n, "x": n, "d": 64}
-        got, on = m._document_mask_ranges(doc, sz, doc.device, br, bc, whole_rows, by_col, True)
+        got, on = m._document_mask_ranges(doc, sz, doc.device, br, bc, whole_rows, by_col, True, prefix)
         steps = -(-n // (br if by_col else bc))
-        assert on and tuple(got.shape) == (2, -(-n // (bc if by_col else br)), 4 * steps + 4)  # per b, not per (b, h)
+        width = 4 * steps + 6 if prefix else 2 * steps + 4
+        assert on and tuple(got.shape) == (2, -(-n // (bc if by_col else br)), width)  # per b, not per (b, h)
         for b in range(2):
             pred = doc[b][:, None] == doc[b][None, :]
-            _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col))
+            _check_ranges(got[b], *_brute(pred, n, n, br, bc, whole_rows, by_col), prefix)
 
 
 @pytest.mark.parametrize("per", [1, 2, 3, 100])

@@ -392,9 +392,9 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
     if plan.full is None and not R.applies(plan):
         return [{"lo": lo, "hi": hi, "full": False, "why": "", "listed": None}]
     if plan.full is None:  # a data mask: its full and partial blocks may lie anywhere in [lo, hi)
-        return [{"lo": "_flo", "hi": "_fhi", "full": True, "listed": ("_fp", "_fl"), "over": (lo, hi),
+        return [{"lo": "_flo", "hi": "_fhi", "full": True, "listed": ("_fp", "_fl", "_fq"), "over": (lo, hi),
                  "why": "# Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges."},
-                {"lo": "_fhi", "hi": hi, "full": False, "listed": ("_rp", "_rl"), "over": (lo, hi),
+                {"lo": "_fhi", "hi": hi, "full": False, "listed": ("_rp", "_rl", "_rq"), "over": (lo, hi),
                  "why": "# Partial blocks, the prepass's list; with positions every block, dead tiles skipped."}]
     start = "_flo" if lower else lo
     out = [{"lo": lo, "hi": "_flo", "full": False, "listed": None,
@@ -406,10 +406,10 @@ def segments(plan: L.AttentionPlan, lo: str, hi: str, lower: bool) -> list[dict]
          "why": "# Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped."}]
 
 
-def loop_head(seg: dict, var: str, step: str) -> str:
-    """A segment's loop header over its blocks, ``var`` (``_start``) each one's first offset."""
+def loop_head(seg: dict, var: str, step: str, cut: str = "") -> str:
+    """A segment's loop header, ``var`` (``_start``) each block's first offset; ``cut`` as R.list_loop's."""
     if seg["listed"]:
-        return "\n".join(R.list_loop(var, seg, step))
+        return "\n".join(R.list_loop(var, seg, step, cut=cut))
     return f"for {var} in range({seg['lo']}, {seg['hi']}, {step}):"
 
 
@@ -440,7 +440,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         seg["loads"] = [_load(d, names, ld, (col,) if seg["full"] else (), tma) for ld in step_loads
                         if not seg["full"] or reads(seg["step"], ld.var)]
         seg["pad"] = "" if seg["full"] else "    "  # a partial step sits under `if _live:`
-        seg["head"] = loop_head(seg, "_start", bc)
+        seg["head"] = loop_head(seg, "_start", bc, "_CHUNK")
     accums = {a.var: a for a in plan.accums}
     finalise, stores = _finalise(d, names, [o for o in plan.outputs if o.name not in saved], kinds, accums, tma)
     save_finalise, save_stores = _finalise(d, names, [o for o in plan.outputs if o.name in saved], kinds, accums)
@@ -511,9 +511,10 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     block_args += ["_part=_part", "_n_chunks=_n_chunks", "_CHUNK=_chunk", "**_pos", "**_tma"]
     bounds = loop_bounds(names, plan)
     if R.applies(plan):  # a data mask: the prepass's ranges, unless rows sit at global positions
-        bounds = "\n".join([bounds] + R.bounds_lines(names, plan, col))
+        bounds = "\n".join([bounds] + R.bounds_lines(names, plan, col, cut="_CHUNK"))
         params += ["_ranges", "_RANGES: tl.constexpr"]
-        launch.append(R.launch(plan, "_rng", "_br", "_bc", False, False, *P.ranges_on(plan, R.WITHOUT_POSITIONS)))
+        launch.append(R.launch(plan, "_rng", "_br", "_bc", False, False, *P.ranges_on(plan, R.WITHOUT_POSITIONS),
+                               prefix="_chunk != 0"))
         block_args += ["_ranges=_rng", "_RANGES=_rng_on"]
     extra = ['num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4)', 'num_stages=_opts["num_stages"] or 2',
              H.FP_FUSION]
@@ -587,7 +588,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     # again; packed rows' prepass reads the launch's positions (each packed row's q), which the
     # plan's keywords hold (_fixed: _pos_q, _len_q, _POS_q)
     ranges = R.launch(plan, "_rng", "_br", "_bc", False, False, R.WITHOUT_POSITIONS,
-                      "_fixed" if plan.pack is not None else "") if R.applies(plan) else ""
+                      "_fixed" if plan.pack is not None else "", "_chunk != 0") if R.applies(plan) else ""
     # where _args holds the streamed wire's size, which a plan's call of a short length replaces
     sized = H.size_wires(d, names.runtime)
     cut_at = (len(inputs) + len(d.outputs) + sized.index(col), col) if col in sized else None

@@ -22,7 +22,7 @@ KERNEL_HELPERS = frozenset({"_ix", "_tanh", "_sigmoid", "_relu", "_logsumexp", "
 RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_keep",
                           "_any", "_all", "_whole", "_out", "_BY_COL", "_WHOLE_ROWS", "_chunk", "_first",
                           "_last", "_parts", "_per", "_tiles", "_state", "_rp", "_rl", "_fp", "_fl", "_pa", "_pb",
-                          "_is", "_iv"})
+                          "_is", "_iv", "_rq", "_fq"})
 
 
 def part(name: str) -> str:

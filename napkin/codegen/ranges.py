@@ -12,18 +12,19 @@ IR as the masked step renders it, on each (row block, key block) tile,
 scanning the key blocks in chunks (scalars carried in each chunk's loop, its
 [lo, hi) stored; a merge kernel joins a row's chunks) and storing
 each tile's state (dead, live, full: one byte a tile).  Per (mask batch
-index, row block) it then writes a record of 4 S + 4 int32 (S the blocks
+index, row block) it then writes a record of 2 S + 4 int32 (S the blocks
 of the other wire): [lo, hi) the blocks from the first to the last live one
-(some real pair true), then for its partial blocks (live, not full) and
-its full ones (true at every pair, the tile inside the edges) the prefix
-counts pos[0..S] and the list, ascending, which torch compacts from the
-states (``_ranges_listed``, as FlexAttention's BlockMask lists kv_indices
-and full_kv_indices).  The main kernels then loop over the full list, the
-step generated with the mask taken as true, and over the partial list
-(emit.segments); a loop over blocks [a, b) walks its list from pos[a] to
-pos[b] (``list_loop``), so every dead block is skipped (a random
-block-sparse mask's too) and a cut of the range (a flash-decoding chunk)
-finds its part of the list in two loads.
+(some real pair true), the counts of its partial blocks (live, not full)
+and of its full ones (true at every pair, the tile inside the edges), then
+the two lists, ascending, which torch compacts from the states
+(``_ranges_listed``, as FlexAttention's BlockMask lists kv_num_blocks and
+kv_indices, full_kv_num_blocks and full_kv_indices).  The main kernels then
+loop over the full list, the step generated with the mask taken as true,
+and over the partial list (emit.segments), entry by entry (``list_loop``),
+so every dead block is skipped (a random block-sparse mask's too).  A cut
+of the range (a flash-decoding chunk) finds its part of each list in two
+loads: a chunked launch's record holds the lists' prefix counts besides,
+4 S + 6 int32, which the others go without.
 
 * The prepass's grid spans only the batch wires the predicate reads
   (``doc[b, .]`` reads b, not h): its cost does not multiply by heads, and
@@ -131,13 +132,15 @@ def _flat(names, wires) -> str:
     return code or "0"
 
 
-def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> list[str]:
+def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True, cut: str = "") -> list[str]:
     """Lines after a kernel's affine bounds: with _RANGES, [_lo, _hi) from
     the prepass's record of this program (``loop``: the wire the kernel
     loops over; the forward and dQ loop in offsets of the streamed wire,
-    dK/dV in blocks of rows), _rp, _rl the prefix counts and list of its
-    partial blocks and _fp, _fl of its full ones (list_loop); else none is
-    known full and the lists go unread.  ``usable`` False (a mask batch wire
+    dK/dV in blocks of rows), _rp, _rl the count and list of its partial
+    blocks and _fp, _fl of its full ones (list_loop); ``cut``, the constexpr
+    set where a chunk cuts the range (the forward's _CHUNK): then the record
+    holds the lists' prefix counts too, _rq and _fq.  Else none is known
+    full and the lists go unread.  ``usable`` False (a mask batch wire
     the kernel does not index per program): no ranges, and its loops must
     not be list_loop's."""
     row, col = plan.row, plan.col
@@ -148,39 +151,53 @@ def bounds_lines(names, plan: AttentionPlan, loop: str, usable: bool = True) -> 
     n = f"tl.cdiv({names.size(grid)}, {names.block(grid)})"
     steps = f"tl.cdiv({names.size(loop)}, {names.block(loop)})"
     unit = "" if loop == row else f" * {names.block(col)}"
+    width = f"((4 if {cut} else 2) * {steps} + (6 if {cut} else 4))" if cut else f"(2 * {steps} + 4)"
+    prefix = [f"    _rq = _fl + {steps}  # with {cut}: per block b, the partial blocks before b",
+              f"    _fq = _rq + {steps} + 1  # and the full ones"] if cut else []
     # int64: the records of a per-head mask at long sequences pass 2**31 int32
     return ["if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)",
-            f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid).to(tl.int64) * (4 * {steps} + 4)",
+            f"    _rg = _ranges + (({_flat(names, batch_wires(plan))}) * {n} + _pid).to(tl.int64) * {width}",
             f"    _lo = tl.load(_rg){unit}",
             f"    _hi = tl.load(_rg + 1){unit}",
-            "    _rp = _rg + 2  # per block b, the partial blocks before b",
-            f"    _rl = _rp + {steps} + 1  # those blocks, ascending",
-            f"    _fp = _rl + {steps}  # likewise the full blocks",
-            f"    _fl = _fp + {steps} + 1",
+            "    _rp = _rg + 2  # the count of its partial blocks",
+            "    _fp = _rg + 3  # of its full blocks",
+            "    _rl = _rg + 4  # the partial blocks, ascending",
+            f"    _fl = _rl + {steps}  # the full blocks",
+            *prefix,
             "else:  # rows or keys at global positions: every block, tested per tile",
-            "    _rp = _ranges",
-            "    _rl = _ranges",
-            "    _fp = _ranges",
-            "    _fl = _ranges",
+            *(f"    {v} = _ranges" for v in ("_rp", "_rl", "_fp", "_fl") + (("_rq", "_fq") if cut else ())),
             *none]
 
 
-def list_loop(var: str, seg: dict, step: str = "", flat: str = "") -> list[str]:
+def list_loop(var: str, seg: dict, step: str = "", flat: str = "", cut: str = "") -> list[str]:
     """A segment's loop: with _RANGES, over the entries of its list
-    (``seg["listed"]``: the prefix counts' and list's names, bounds_lines)
-    for the blocks in [seg["over"]), from pos[first] to pos[stop], so dead
-    blocks are never visited; else over [seg["lo"], seg["hi"]), every block.
-    Sets ``var`` (``_start`` in offsets with ``step``, ``_rb`` in blocks) at
-    each one.  _RANGES is a constexpr, so each launch compiles one of the
-    two and the step, the kernel's largest code, is written once.  ``flat``:
-    dK/dV's loop over (row block, outer wires) pairs, ``flat`` of them a
-    block; the line decoding the pair's block comes back as ``var``
-    ("_rb = _it // n"), the caller decodes the rest."""
-    pos, lst = seg["listed"]
-    lo, hi = seg["over"]
-    first, last = (f"{lo} // {step}", f"tl.cdiv({hi}, {step})") if step else (lo, hi)
-    head = [f"_pa = tl.load({pos} + {first}) if _RANGES else {seg['lo']}  # the list's part inside [{lo}, {hi})",
-            f"_pb = tl.load({pos} + {last}) if _RANGES else {seg['hi']}"]
+    (``seg["listed"]``: the count's, the list's and the prefix counts'
+    names, bounds_lines), all of them, so dead blocks are never visited;
+    else over [seg["lo"], seg["hi"]), every block.  Every entry of a list
+    lies in [seg["over"]), the range the loop takes: the prepass evaluates
+    the whole mask, the affine bounds that make the range too.  Only a
+    chunk's cut of the range (``cut``, a constexpr: the forward's _CHUNK)
+    takes part of the list, from pos[first] to pos[stop].  Sets ``var``
+    (``_start`` in offsets with ``step``, ``_rb`` in blocks) at each one.
+    _RANGES is a constexpr, so each launch compiles one of the two and the
+    step, the kernel's largest code, is written once.  ``flat``: dK/dV's
+    loop over (row block, outer wires) pairs, ``flat`` of them a block; the
+    line decoding the pair's block comes back as ``var`` ("_rb = _it // n"),
+    the caller decodes the rest."""
+    count, lst, pos = seg["listed"]
+    if cut:
+        lo, hi = seg["over"]
+        first, last = (f"{lo} // {step}", f"tl.cdiv({hi}, {step})") if step else (lo, hi)
+        listed = [f"if {cut}:  # a chunk of the range: its part of the list",
+                  f"    _pa = tl.load({pos} + {first})",
+                  f"    _pb = tl.load({pos} + {last})",
+                  "else:  # the whole list",
+                  "    _pa = 0",
+                  f"    _pb = tl.load({count})"]
+    else:
+        listed = ["_pa = 0  # the whole list", f"_pb = tl.load({count})"]
+    head = ["if _RANGES:", *("    " + line for line in listed),
+            "else:", f"    _pa = {seg['lo']}", f"    _pb = {seg['hi']}"]
     if flat:
         return head + [f"for _it in range(_pa * {flat}, _pb * {flat}):",
                        f"    {var} = _it // {flat}", f"    {var} = tl.load({lst} + {var}) if _RANGES else {var}"]
@@ -208,12 +225,13 @@ WITHOUT_POSITIONS = "positions is None and lengths is None"
 
 
 def launch(plan: AttentionPlan, var: str, br: str, bc: str, whole_rows: bool, by_col: bool, on: str,
-           rows: str = "") -> str:
+           rows: str = "", prefix: str = "False") -> str:
     """The launcher's line running the prepass at the kernel's blocks: ``var``, ``var``_on.
-    ``rows``: the launch's position arguments (packed rows: each row's q), else none."""
+    ``rows``: the launch's position arguments (packed rows: each row's q), else none;
+    ``prefix``: whether the launch is chunked (the record then holds the lists' prefix counts)."""
     d = plan.diagram
-    args = ", ".join(["mask_cache"] + mask_tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on]
-                     + [rows] * bool(rows))
+    args = ", ".join(["mask_cache"] + mask_tensors(plan) + ["_sz", "_dev", br, bc, str(whole_rows), str(by_col), on,
+                                                            prefix] + [rows] * bool(rows))
     return (f"{var}, {var}_on = _{d.name}_ranges_cached({args})"
             "  # the mask reads data: its live and full blocks (mask_cache: kept across calls)")
 

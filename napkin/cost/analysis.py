@@ -458,7 +458,10 @@ class _Context:
         for k in self.kernels:
             plan = prepass_mod.applies(diagram, k)
             if plan is not None:
-                launch = prepass_mod.forward_launch(plan, k, self.tiles, mask_cache)
+                # the chunk a chunked launch cuts the keys into (none where every launch runs whole)
+                chunk = self.chunks.length(kernel_tiling(k, self.tiles)[1][1]) \
+                    if self.chunked and self.chunks.kernel == k.index else 0
+                launch = prepass_mod.forward_launch(plan, k, self.tiles, mask_cache, chunk)
                 self.prepasses.append((k, launch, None if launch.kept else at))
                 at += 0 if launch.kept else len(prepass_mod.STEPS)
 
@@ -507,8 +510,8 @@ def _prepass_rows(c: _Context) -> list[tuple]:
     out = []
     for k, launch, first in c.prepasses:
         index = {step: first + i for i, step in enumerate(prepass_mod.STEPS)} if first is not None else {}
-        programs, visits, poly = _main_reads(c, k)
-        main = prepass_mod.record_reads(launch, poly, programs, visits, c.launches[0] if c.known else None)
+        elements, poly = _main_reads(c, k)
+        main = prepass_mod.record_reads(launch, poly, elements, c.launches[0] if c.known else None)
         scan, at = launch.kernel(), launch.tiles
         wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]
         # the scan's loads of the mask's inputs reach DRAM as any kernel's shared tiles do
@@ -526,23 +529,25 @@ def _prepass_rows(c: _Context) -> list[tuple]:
     return out
 
 
-def _main_reads(c: _Context, k: Kernel) -> tuple[list[int], list[int], Poly]:
-    """A kernel's programs and visited (program, step) pairs per launch, each
-    program reading its record's head and each pair its list entry, and those
-    reads' formula (whole blocks, every step visited, as the others)."""
+def _main_reads(c: _Context, k: Kernel) -> tuple[list[int], Poly]:
+    """The int32 a kernel reads of its record per launch: each program its
+    record's head (a chunked launch's, where its chunk's part of each list
+    starts and stops, prepass.CUT_RECORD_HEAD) and each visited (program,
+    step) pair its list entry; and those reads' formula (whole blocks,
+    every step visited, as the others)."""
     groups, stream = kernel_tiling(k, c.tiles)
     ch = c.chunks if c.chunked and c.chunks.kernel == k.index else None
-    programs, visits = [], []
+    out = []
     for s, n, v in zip(c.launches, c.counts[k.index], c.visits[k.index]):
         grid = math.prod(-(-s[w] // b) for w, b in groups.items())
-        programs.append(grid * n)
-        visits.append(grid * -(-s[stream[0]] // stream[1]) if v is None else
-                      math.prod(-(-s[w] // b) for w, b in groups.items() if w != v.row) * v.count)
+        head = prepass_mod.CUT_RECORD_HEAD if n > 1 else prepass_mod.RECORD_HEAD
+        out.append(head * grid * n + (grid * -(-s[stream[0]] // stream[1]) if v is None else
+                                      math.prod(-(-s[w] // b) for w, b in groups.items() if w != v.row) * v.count))
     grid = Poly.const(1)
     for w, b in groups.items():
         grid = grid * c.wire_sym(w) / tile_sym(c.tiles, w, b)
-    head = grid * prepass_mod.RECORD_HEAD * (ch.count_poly(c.wire_sym) if ch is not None else Poly.const(1))
-    return programs, visits, (head + grid * c.wire_sym(stream[0]) / Poly.sym(f"s_{stream[0]}")) * c.n_launch
+    head = grid * (prepass_mod.RECORD_HEAD if ch is None else prepass_mod.CUT_RECORD_HEAD * ch.count_poly(c.wire_sym))
+    return out, (head + grid * c.wire_sym(stream[0]) / Poly.sym(f"s_{stream[0]}")) * c.n_launch
 
 
 def _kernel_rows(c: _Context, k: Kernel, tl: Tiling, hbm: bool) -> list[tuple]:

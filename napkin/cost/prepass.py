@@ -15,14 +15,16 @@ blocks, so the report's bytes are every byte the launch moves:
 * the merge: one program per (mask batch index, block), loading its
   chunks' [lo, hi) and storing the joined one (``_ranges``, two int32);
 * the lists, in torch (``_ranges_listed``): at least a read of the states
-  for each of the two lists and the record's write, 4 S + 4 int32 a block
+  for each of the two lists and the record's write, 2 S + 4 int32 a block
+  (4 S + 6 for a chunked launch: the lists' prefix counts besides)
   (S the inner wire's blocks).  Torch's cumsum and sort make more passes
   than these, so this part is a floor; the byte counter, which sees Triton's
   loads and stores alone, does not count it;
-* the main kernel's reads of the record: six int32 a program ([lo, hi) and
-  where each list's part starts and stops) and one a visited block (its
-  list entry; dK/dV's flat loop over (row block, group) pairs reads it once
-  a pair).
+* the main kernel's reads of the record: four int32 a program ([lo, hi)
+  and the two lists' counts; six for a chunked launch's: [lo, hi) and where
+  its chunk's part of each list starts and stops) and one a visited block
+  (its list entry; dK/dV's flat loop over (row block, group) pairs reads it
+  once a pair).
 
 Only the mask batch wires the predicate reads index the prepass
 (ranges.batch_wires): ``doc[b, .]`` scans once per b, whatever the heads.
@@ -43,12 +45,19 @@ from .symbolic import Poly
 
 # The buffers, as the launcher names them (the byte counter files each under its parameter's name).
 TILES, PARTS, RANGES = "_tiles", "_parts", "_ranges"
-# int32 each program of the main kernel loads from its record before its loops: [lo, hi), and pos[a], pos[b]
-# of the two lists (ranges.bounds_lines, ranges.list_loop)
-RECORD_HEAD = 6
+# int32 each program of the main kernel loads from its record before its loops: [lo, hi) and the two
+# lists' counts (ranges.bounds_lines, ranges.list_loop); a chunked launch's: [lo, hi) and its
+# chunk's pos[first], pos[stop] in each list's prefix counts
+RECORD_HEAD, CUT_RECORD_HEAD = 4, 6
 STEPS = ("scan", "merge", "lists")
 # the tile states' dtype: a launcher's buffer, not a dtype a diagram may declare (ir.DTYPE_BYTES)
 STATE_DTYPE = "int8"
+
+
+def record_width(steps, cut: bool):
+    """int32 a block's record holds, for ``steps`` blocks of the other wire (an int or a Poly): [lo, hi),
+    two counts, two lists; with ``cut`` (a chunked launch) the lists' prefix counts, S + 1 each, too."""
+    return steps * 4 + 6 if cut else steps * 2 + 4
 
 
 def element_bytes(dtype: str) -> int:
@@ -73,6 +82,9 @@ class Launch:
     # a mask of indices alone: the launchers keep its record across calls (the module's own dict),
     # so a launch after the first runs no prepass and only the record's reads are counted
     kept: bool = False
+    # the chunk the main kernel's launch cuts the inner wire into (0: none); a launch of more than
+    # one chunk asks for the lists' prefix counts
+    chunk: int = 0
 
     def kernel(self) -> Kernel:
         """The scan, as the model's dense kernel over its own grid."""
@@ -81,11 +93,12 @@ class Launch:
         return Kernel(-1, (), (), self.loads, tuple(dict.fromkeys(wires)), two_pass=False, skips=False)
 
 
-def forward_launch(plan, kernel: Kernel, tiles: Tiling, cached: bool = False) -> Launch:
+def forward_launch(plan, kernel: Kernel, tiles: Tiling, cached: bool = False, chunk: int = 0) -> Launch:
     """The prepass a launch of ``kernel`` (the main kernel, its tiling
     ``tiles``) runs: by row at its blocks, loading the mask's inputs as the
     kernel reads them (packed rows' positions too: the scan reads each row's q).
-    ``cached``: the launch is given a warm mask_cache, so its record is kept."""
+    ``cached``: the launch is given a warm mask_cache, so its record is kept;
+    ``chunk``: the kernel's chunk of the streamed wire (0: none)."""
     from ..codegen.ranges import batch_wires
 
     groups, stream = kernel_tiling(kernel, tiles)
@@ -96,7 +109,7 @@ def forward_launch(plan, kernel: Kernel, tiles: Tiling, cached: bool = False) ->
     at = {w: b for w, b in tiles.groups if b == 1 and w != plan.row}
     at[plan.row] = row[1]
     return Launch(batch_wires(plan), row, stream, loads, Tiling(tiles.level, tuple(at.items()), stream, tiles.packed),
-                  plan.row, plan.col, False, cached or _kept(plan))
+                  plan.row, plan.col, False, cached or _kept(plan), chunk)
 
 
 def backward_launch(plan, br: int, bc: int, by_col: bool, cached: bool = False) -> Launch:
@@ -137,6 +150,12 @@ class Counts:
     blocks: int     # blocks of the outer wire
     steps: int      # blocks of the inner wire (S)
     chunks: int
+    cut: bool = False   # the main kernel's launch runs in chunks: its record holds prefix counts
+
+    @property
+    def record(self) -> int:
+        """The record's int32."""
+        return self.batch * self.blocks * record_width(self.steps, self.cut)
 
     @property
     def tiles(self) -> int:
@@ -146,8 +165,9 @@ class Counts:
 def counts(launch: Launch, sizes: dict[str, int]) -> Counts:
     (ow, ob), (iw, ib) = launch.outer, launch.inner
     steps = -(-sizes[iw] // ib)
+    # as the launcher's _chunks: a wire no longer than one chunk runs whole
     return Counts(math.prod(sizes[w] for w in launch.batch), -(-sizes[ow] // ob), steps,
-                  -(-steps // per_chunk(steps)))
+                  -(-steps // per_chunk(steps)), 0 < launch.chunk < sizes[iw])
 
 
 @dataclass(frozen=True)
@@ -193,14 +213,14 @@ def rows(launch: Launch, launches: list[dict[str, int]], wire_sym: Callable[[str
         return Row(step, Access(name, (*launch.batch, *(w for w, _ in (launch.outer, launch.inner))), kind, dtype),
                    poly * times, tuple(each(c) * times for c in n), size(n[0]) if n else None)
     tiles, parts = (lambda c: c.tiles), (lambda c: c.batch * c.blocks * c.chunks * 2)
-    joined, record = (lambda c: c.batch * c.blocks * 2), (lambda c: c.batch * c.blocks * (4 * c.steps + 4))
+    joined, record = (lambda c: c.batch * c.blocks * 2), (lambda c: c.record)
     return [scan_load(a) for a in launch.loads] + [
         buf("scan", TILES, "store", mb * blocks * steps, tiles, tiles),
         buf("scan", PARTS, "store", mb * blocks * chunks * 2, parts, parts),
         buf("merge", PARTS, "load", mb * blocks * chunks * 2, parts, parts),
         buf("merge", RANGES, "store", mb * blocks * 2, joined, joined),
         buf("lists", TILES, "load", mb * blocks * steps, tiles, tiles, times=2),   # one read a list
-        buf("lists", RANGES, "store", mb * blocks * (steps * 4 + 4), record, record)]
+        buf("lists", RANGES, "store", mb * blocks * record_width(steps, launch.chunk > 0), record, record)]
 
 
 def _symbols(launch: Launch, wire_sym: Callable[[str], Poly]) -> tuple[Poly, Poly, Poly]:
@@ -223,17 +243,17 @@ def reach(launch: Launch, sizes: dict[str, int], wave: int, l2_bytes: float) -> 
     return dram_fractions(launch.kernel(), launch.tiles, sizes, wave, l2_bytes)[0]
 
 
-def record_reads(launch: Launch, main_poly: Poly, main_programs: list[int], main_visits: list[int],
+def record_reads(launch: Launch, main_poly: Poly, main_elements: list[int],
                  sizes: Optional[dict[str, int]] = None) -> Row:
-    """The forward kernel's loads of the record: RECORD_HEAD int32 a program,
-    one a visited block (backward.py counts dK/dV's, whose flat loop reads
-    the entry once a (row block, group) pair).  ``main_poly``: its programs
-    times its steps and RECORD_HEAD, symbolic (every block visited);
+    """The forward kernel's loads of the record, ``main_elements`` int32 a
+    launch (analysis._main_reads: RECORD_HEAD a program, or CUT_RECORD_HEAD
+    for a chunked launch's, and an entry a visited block; backward.py counts
+    dK/dV's, whose flat loop reads the entry once a (row block, group)
+    pair).  ``main_poly``: the same, symbolic (every block visited);
     ``sizes``, the first launch's, give the record's size."""
     c = counts(launch, sizes) if sizes is not None else None
     return Row("main", Access(RANGES, (*launch.batch, *(w for w, _ in (launch.outer, launch.inner))), "load", "int32"),
-               main_poly, tuple(RECORD_HEAD * p + v for p, v in zip(main_programs, main_visits)),
-               c.batch * c.blocks * (4 * c.steps + 4) if c is not None else None)
+               main_poly, tuple(main_elements), c.record if c is not None else None)
 
 
 def applies(diagram: ir.Diagram, kernel: Kernel) -> Optional[object]:
