@@ -510,7 +510,7 @@ def _prepass_rows(c: _Context) -> list[tuple]:
     out = []
     for k, launch, first in c.prepasses:
         index = {step: first + i for i, step in enumerate(prepass_mod.STEPS)} if first is not None else {}
-        elements, poly = _main_reads(c, k)
+        elements, poly = _main_reads(c, k, launch)
         main = prepass_mod.record_reads(launch, poly, elements, c.launches[0] if c.known else None)
         scan, at = launch.kernel(), launch.tiles
         wave, l2 = int(c.prof["sm_count"]), c.prof["l2_bytes"]
@@ -529,24 +529,25 @@ def _prepass_rows(c: _Context) -> list[tuple]:
     return out
 
 
-def _main_reads(c: _Context, k: Kernel) -> tuple[list[int], Poly]:
+def _main_reads(c: _Context, k: Kernel, launch: prepass_mod.Launch) -> tuple[list[int], Poly]:
     """The int32 a kernel reads of its record per launch: each program its
-    record's head (a chunked launch's, where its chunk's part of each list
-    starts and stops, prepass.CUT_RECORD_HEAD) and each visited (program,
+    record's head (prepass.record_head: a chunked launch's says where its
+    chunk's part of each list starts and stops) and each visited (program,
     step) pair its list entry; and those reads' formula (whole blocks,
     every step visited, as the others)."""
     groups, stream = kernel_tiling(k, c.tiles)
-    ch = c.chunks if c.chunked and c.chunks.kernel == k.index else None
     out = []
     for s, n, v in zip(c.launches, c.counts[k.index], c.visits[k.index]):
         grid = math.prod(-(-s[w] // b) for w, b in groups.items())
-        head = prepass_mod.CUT_RECORD_HEAD if n > 1 else prepass_mod.RECORD_HEAD
+        head = prepass_mod.record_head(prepass_mod.counts(launch, s).cut)
         out.append(head * grid * n + (grid * -(-s[stream[0]] // stream[1]) if v is None else
                                       math.prod(-(-s[w] // b) for w, b in groups.items() if w != v.row) * v.count))
     grid = Poly.const(1)
     for w, b in groups.items():
         grid = grid * c.wire_sym(w) / tile_sym(c.tiles, w, b)
-    head = grid * (prepass_mod.RECORD_HEAD if ch is None else prepass_mod.CUT_RECORD_HEAD * ch.count_poly(c.wire_sym))
+    # launch.chunk is set where the launches are chunked (_Context), as the chunk formulas are
+    head = grid * prepass_mod.record_head(launch.chunk > 0) * \
+        (c.chunks.count_poly(c.wire_sym) if launch.chunk > 0 else Poly.const(1))
     return out, (head + grid * c.wire_sym(stream[0]) / Poly.sym(f"s_{stream[0]}")) * c.n_launch
 
 

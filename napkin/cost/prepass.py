@@ -60,6 +60,11 @@ def record_width(steps, cut: bool):
     return steps * 4 + 6 if cut else steps * 2 + 4
 
 
+def record_head(cut: bool) -> int:
+    """int32 each program of the main kernel reads of its record before its loops."""
+    return CUT_RECORD_HEAD if cut else RECORD_HEAD
+
+
 def element_bytes(dtype: str) -> int:
     """Bytes an element of ``dtype`` takes: a diagram's dtypes' and the prepass's tile states'."""
     return 1 if dtype == STATE_DTYPE else ir.DTYPE_BYTES[dtype]
@@ -246,8 +251,8 @@ def reach(launch: Launch, sizes: dict[str, int], wave: int, l2_bytes: float) -> 
 def record_reads(launch: Launch, main_poly: Poly, main_elements: list[int],
                  sizes: Optional[dict[str, int]] = None) -> Row:
     """The forward kernel's loads of the record, ``main_elements`` int32 a
-    launch (analysis._main_reads: RECORD_HEAD a program, or CUT_RECORD_HEAD
-    for a chunked launch's, and an entry a visited block; backward.py counts
+    launch (analysis._main_reads: record_head a program and an entry a
+    visited block; backward.py counts
     dK/dV's, whose flat loop reads the entry once a (row block, group)
     pair).  ``main_poly``: the same, symbolic (every block visited);
     ``sizes``, the first launch's, give the record's size."""
