@@ -312,6 +312,10 @@ class _Checker:
         shown = _show(e)
         if not self.check_wire_list(e.wires, e.loc, shown):
             self.poisoned = True
+        elif not declared:
+            self.poisoned = True
+            self.err(f"{shown} reads {e.name} along wires, but {e.name} is a scalar (declared along none)",
+                     e.loc, f"write {e.name} alone")
         elif len(e.wires) != len(declared):
             self.poisoned = True
             self.err(f"{shown} gives {len(e.wires)} wire{'s' if len(e.wires) != 1 else ''} but "

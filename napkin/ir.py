@@ -203,7 +203,7 @@ class Wire:
 
 @dataclass(frozen=True)
 class Input:
-    """An input tensor: ``in Q[b, h, q, d] : fp16``.
+    """An input tensor: ``in Q[b, h, q, d] : fp16``; with no axes a scalar, ``in t : fp32``.
 
     ``wire_locs``: where each wire of the layout is written, one per wire of
     ``axis_wires(axes)`` (a grouped axis ``(hk g)`` gives one per wire, so a

@@ -325,6 +325,11 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str) -> Diagnostic:
         elif str(tok) == "|" and "OR" in expected and not re.match(r"\|\s*[A-Za-z_]\w*\s*\|", text[tok.start_pos:]):
             # C's || or |, where an operator goes (2 |d| is a size missing its '*': left to the set)
             hint = "napkin's logical operators are words: write 'or'"
+        elif tok.type == "RSQB" and text[:tok.start_pos].rstrip().endswith("["):   # in t[] : fp32
+            line = text[text.rfind("\n", 0, tok.start_pos) + 1:tok.start_pos].lstrip()
+            hint = ("a scalar input is written without brackets: in t : fp32" if line.startswith("in ") else
+                    "a scalar is read by its name alone, without brackets" if "=" in line else
+                    f"{hint}: a box holds one wire at least; only an input may be a scalar (in t : fp32)")
         elif in_read:
             # an index computed from wires (a relative-position table, T[h, q - x]) is a gather
             hint = (f"{hint}: a tensor is read along wires, one name each, or at a wire's blocks (q // 64); "
@@ -446,6 +451,9 @@ class _Build(Transformer):
 
     def input_decl(self, meta, name, layout, dtype):
         return ir.Input(str(name), layout.axes, str(dtype), _loc_of(name), layout.locs, _loc_of(dtype))
+
+    def scalar_input(self, meta, name, dtype):
+        return ir.Input(str(name), (), str(dtype), _loc_of(name), (), _loc_of(dtype))
 
     def layout(self, meta, *axes):
         # each axis comes as (its wires, where each of them is written)

@@ -103,9 +103,9 @@ def _wires(wires: tuple[ir.Wire, ...]) -> list[str]:
 
 
 def layout_text(axes: tuple[ir.Axis, ...]) -> str:
-    """A layout as written: ``[b, (hk g), q]``."""
+    """A layout as written: ``[b, (hk g), q]``; a scalar's none (``in t : fp32``)."""
     if not axes:
-        raise ValueError("a layout needs at least one axis")
+        return ""
     return "[" + ", ".join(_axis(a) for a in axes) + "]"
 
 

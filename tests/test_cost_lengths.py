@@ -167,3 +167,26 @@ def test_lengths_need_the_sizes_and_a_mask_that_reads_them():
     with pytest.raises(NapkinError, match=r"--lengths: p = 5 changes nothing napkin prices for diagram prefix_lm: "
                                           r"no ranges prepass of its kernels reads only these lengths and indices"):
         analyse(both, {"b": 1, "h": 1, "q": 64, "x": 64}, lengths={"p": 5})
+
+
+def test_report_and_render_count_at_the_lengths(tmp_path, capsys):
+    """napkin report and napkin render take --lengths as napkin cost does (and as they take --docs):
+    the report's note and K's row are the prefix's, the picture's edges too; --no-costs refuses it."""
+    path = "examples/prefix_lm.ncd"
+    sizes = ["-D", "b=1", "-D", "h=16", "-D", "q=8192", "-D", "x=8192"]
+    for name, extra in (("prefix", ("--lengths", "p=1024")), ("dense", ())):
+        code, out, err = _cli(capsys, "report", path, *sizes, *extra, "-o", str(tmp_path / f"{name}.html"))
+        assert code == 0, err
+        code, out, err = _cli(capsys, "render", path, *sizes, *extra, "-o", str(tmp_path / f"{name}.dot"))
+        assert code == 0, err
+    prefix, dense = ((tmp_path / f"{n}.html").read_text() for n in ("prefix", "dense"))
+    assert "when p = 1024 at every index (--lengths)" in prefix and "p = 1024" not in dense
+    k_row = '<td>K</td><td>load</td><td>fp16</td><td><code>b*d*h*q*x/g_q</code></td><td class="num">{}</td>'
+    assert k_row.format("537M") in dense and k_row.format("537M") not in prefix
+    pictures = [(tmp_path / f"{n}.dot").read_text() for n in ("prefix", "dense")]
+    assert "HBM&#8594;SMEM: 1.07 GB" in pictures[1] and "HBM&#8594;SMEM: 1.07 GB" not in pictures[0]
+    code, out, err = _cli(capsys, "render", path, "--lengths", "p=5", "--no-costs", "-o", str(tmp_path / "r.dot"))
+    assert code == 1 and err.strip() == \
+        "napkin: --lengths prices the byte counts on the edges, which --no-costs leaves off: give one"
+    code, out, err = _cli(capsys, "report", "examples/causal.ncd", "--lengths", "p=5", "-o", str(tmp_path / "c.html"))
+    assert code == 1 and "--lengths p=5: diagram causal has no length input" in err, err

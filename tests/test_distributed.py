@@ -48,15 +48,19 @@ _VARIANTS = {
     # chunks of 4 (examples/chunked_attention.ncd's mask, shorter): a share's tiles across a chunk's
     # edge are dead, decided from the positions by the chunk bounds
     "chunked": ("causal", "where(x <= q,", "where(x <= q and x // 4 == q // 4,"),
+    # a scalar input (a learned temperature), passed whole to every rank as slope[h] is
+    "temperature": ("causal", "sum[d](Q * K) * |d|^-0.5", "sum[d](Q * K) * t"),
 }
+_DECLARED = {"temperature": ("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin t : fp32")}
 
 
 def diagram_text(name: str) -> str:
     base, old, new = _VARIANTS.get(name, (name, None, None))
     text = (REPO / "examples" / f"{base}.ncd").read_text()
-    if old is not None:
-        assert old in text
-        text = text.replace(old, new)
+    for a, b in ((old, new), _DECLARED.get(name, (None, None))):
+        if a is not None:
+            assert a in text
+            text = text.replace(a, b)
     for fixed in ("wire d = 64", "wire d = 128"):
         text = text.replace(fixed, f"wire d = {D}")
     return text
@@ -88,7 +92,7 @@ class Case:
 
     @property
     def causal(self) -> bool:
-        return self.diagram in ("causal", "gqa_causal", "alibi", "chunked")
+        return self.diagram in ("causal", "gqa_causal", "alibi", "chunked", "temperature")
 
     @property
     def family(self) -> str:
@@ -108,10 +112,11 @@ def cases() -> list[Case]:
     for scheme in ("2x2", "ring"):
         out += [Case(scheme, "attention", 13, 19), Case(scheme, "alibi", 13, 13),
                 Case(scheme, "sigmoid_attention", 13, 13), Case(scheme, "strict", 13, 13),
-                Case(scheme, "causal", 13, 13, "float32")]
+                Case(scheme, "causal", 13, 13, "float32"), Case(scheme, "temperature", 13, 13)]
     # float32: the forward runs the generated Triton kernel (interpreted here)
     out += [Case("2x2", "gqa_causal", 13, 19, "float32"), Case("ring", "alibi", 13, 13, "float32"),
-            Case("ring", "chunked", 13, 13, "float32"), Case("2x2", "chunked", 13, 13, "float32")]
+            Case("ring", "chunked", 13, 13, "float32"), Case("2x2", "chunked", 13, 13, "float32"),
+            Case("ring", "temperature", 13, 13, "float32")]
     return out
 
 
@@ -119,11 +124,11 @@ CASES = cases()
 CASE_IDS = [c.name for c in CASES]
 
 
-def reference(case: Case, q, k, v, slope=None):
+def reference(case: Case, q, k, v, slope=None, t=None):
     """Explicit float64 attention, independent of napkin."""
     hq, hkv = q.shape[1], k.shape[1]
     kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = q @ kk.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if t is None else t)
     qi = torch.arange(q.shape[2])[:, None]
     xi = torch.arange(k.shape[2])[None, :]
     if case.diagram == "sigmoid_attention":
@@ -150,7 +155,8 @@ def run_case(case: Case, grids: dict, rank: int) -> dict:
     v = torch.randn(1, hkv, case.n_x, D, generator=gen, dtype=torch.float64)
     g_out = torch.randn(1, hq, case.n_q, D, generator=gen, dtype=torch.float64)
     g_lse = torch.randn(1, hq, case.n_q, generator=gen, dtype=torch.float64)
-    side = {"slope": torch.tensor([0.5, 0.25], dtype=torch.float64)} if case.diagram == "alibi" else {}
+    side = {"alibi": {"slope": torch.tensor([0.5, 0.25], dtype=torch.float64)},
+            "temperature": {"t": torch.tensor(0.375, dtype=torch.float64)}}.get(case.diagram, {})
 
     # reference: float64 autograd
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]

@@ -158,7 +158,7 @@ class _Py:
             for w, i in zip(axis[1:], at[1:]):   # row-major flattening, by the declared wires' sizes
                 text = f"({text} * {self.size(w)} + {i})"
             parts.append(text)
-        return f"{t.name}[{', '.join(parts)}]"
+        return f"{t.name}[{', '.join(parts)}]" if parts else t.name   # a scalar input: the 0-d tensor
 
     def __call__(self, e: ir.Expr) -> str:
         if e == SCORE:

@@ -263,7 +263,7 @@ def _side_ptr(plan: BackwardPlan, names: E._Names, s) -> str:
     for w in s.wires:
         idx = names.index(w, plan.row if s.has_row else None, plan.col if s.has_col else None)
         terms.append(f"_ix({idx}, _INT64) * {stride(s.buffer, w)}")
-    return f"{s.buffer} + " + " + ".join(terms)
+    return f"{s.buffer} + " + " + ".join(terms) if terms else s.buffer
 
 
 def _side_masks(plan: BackwardPlan, names: E._Names, s, full: bool = False) -> str:

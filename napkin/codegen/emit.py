@@ -159,7 +159,7 @@ def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob:
     # a coarse read's (keep[.., q // 64, ..]) floor-divided first, from the row's global position
     terms = [f"_ix({_stepped(names.index(rw, rows, cols, glob, unit), step)}, _INT64) * {stride(tensor, dw)}"
              for dw, rw, step in zip(declared, wires, steps or (1,) * len(wires))]
-    return f"{tensor} + " + " + ".join(terms)
+    return f"{tensor} + " + " + ".join(terms) if terms else tensor   # a scalar input: its one element
 
 
 def _stepped(index: str, step: int) -> str:

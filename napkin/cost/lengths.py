@@ -2,7 +2,8 @@
 
 A length input is an integer input compared with an index of a wire it is
 not read along (ir.length_inputs): the prefix-LM's ``x < p[b]``, a ragged
-batch's cache lengths ``x < n[b]``.  Its mask reads data, so the kernels
+batch's cache lengths ``x < n[b]``, a window's width read as a scalar
+(``q - x < w``, examples/runtime_window.ncd).  Its mask reads data, so the kernels
 find their blocks with the ranges prepass at each launch and the cost pass,
 without the values, counts every block (an upper bound).  Given a value
 (the same at every index: every batch row's prefix is 1024 tokens, every

@@ -186,7 +186,7 @@ def _load(path):
 
 
 def render_file(path, out_path, sizes: Optional[dict] = None, profile: Optional[str] = None,
-                costs: bool = True, docs=None) -> Path:
+                costs: bool = True, docs=None, lengths=None) -> Path:
     """Load and check ``path``, draw it to ``out_path``; the path written.
 
     With ``costs`` the edges carry the bytes the cost pass predicts at
@@ -197,7 +197,7 @@ def render_file(path, out_path, sizes: Optional[dict] = None, profile: Optional[
     report = None
     given = _checked_sizes(diagram, sizes or {}, path)   # an unknown wire or device is refused either way
     if costs:   # (try_costs refuses an unknown device itself)
-        report, why = try_costs(diagram, given, profile, docs)
+        report, why = try_costs(diagram, given, profile, docs, lengths)
         if why is not None:
             print(f"napkin: {path}: drawn without byte counts: {why}", file=sys.stderr)
     else:
@@ -205,12 +205,14 @@ def render_file(path, out_path, sizes: Optional[dict] = None, profile: Optional[
     return draw(diagram, out_path, report, source=path)
 
 
-def write_report(path, out_path, sizes: Optional[dict] = None, profile: Optional[str] = None, docs=None) -> Path:
+def write_report(path, out_path, sizes: Optional[dict] = None, profile: Optional[str] = None, docs=None,
+                 lengths=None) -> Path:
     """Load ``path`` and write the one-page HTML report to ``out_path``
-    (``docs``: a document mask's costs on those documents, napkin/documents.py)."""
+    (``docs``: a document mask's costs on those documents, napkin/documents.py;
+    ``lengths``: length inputs at these values, napkin/cost/lengths.py)."""
     diagram = _load(path)
     given = _checked_sizes(diagram, sizes or {}, path)
-    report, why = try_costs(diagram, given, profile, docs)
+    report, why = try_costs(diagram, given, profile, docs, lengths)
     dot_text = to_dot(diagram, report)
     html = report_html(diagram, report, svg_text(dot_text), dot_text=dot_text,
                        sizes=default_sizes(diagram, given), why_no_costs=why,
@@ -259,12 +261,20 @@ def _common(p) -> None:
     p.add_argument("--device", "--profile", dest="device", default=None, metavar="NAME",
                    help="device profile for the costs (default: the diagram's)")
     add_docs_option(p)
+    from ..cost.lengths import add_lengths_option   # (the cost pass's own option, as cost takes it)
+    add_lengths_option(p)
 
 
 def _docs(args):
     from ..documents import Documents
 
     return Documents.parse(args.docs) if args.docs is not None else None
+
+
+def _lengths(args):
+    from ..cost.lengths import parse_lengths
+
+    return parse_lengths(args.lengths)
 
 
 def register_cli(subparsers) -> None:
@@ -295,10 +305,11 @@ def _not_the_diagram(out: Path, path: str) -> Path:
 def _cmd_render(args) -> int:
     out = _not_the_diagram(Path(args.out) if args.out else _default_out(args.file, ".svg"), args.file)
     _format_of(out)  # refuse a bad suffix before any work
-    if args.no_costs and args.docs is not None:   # the documents change only the counts
-        raise NapkinError("--docs prices the byte counts on the edges, which --no-costs leaves off: give one")
+    for flag, given in (("--docs", args.docs), ("--lengths", args.lengths)):
+        if args.no_costs and given is not None:   # the documents and the lengths change only the counts
+            raise NapkinError(f"{flag} prices the byte counts on the edges, which --no-costs leaves off: give one")
     written = render_file(args.file, out, parse_pairs(args.sizes, "--size"), args.device, costs=not args.no_costs,
-                          docs=_docs(args))
+                          docs=_docs(args), lengths=_lengths(args))
     print(f"wrote {written}")
     return 0
 
@@ -309,6 +320,7 @@ def _cmd_report(args) -> int:
     if out.suffix.lower() not in (".html", ".htm"):
         raise NapkinError(f"-o {out}: the report is an HTML page, so the name must end in .html or .htm",
                           filename=str(out))
-    written = write_report(args.file, out, parse_pairs(args.sizes, "--size"), args.device, _docs(args))
+    written = write_report(args.file, out, parse_pairs(args.sizes, "--size"), args.device, _docs(args),
+                           _lengths(args))
     print(f"wrote {written}")
     return 0

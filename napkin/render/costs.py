@@ -135,7 +135,7 @@ def check_profile(profile: Optional[str]) -> None:
     cost.get_profile(profile)
 
 
-def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = None, docs=None):
+def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = None, docs=None, lengths=None):
     """(report, None) from the cost pass at ``default_sizes``, or (None, why not).
 
     The user's errors propagate (a bad profile name; a refusal that stays
@@ -143,7 +143,8 @@ def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = No
     wire it has no default for takes OTHER_SIZE: twenty of them make a launch
     grid past what the cost pass walks) and any other failure only cost the
     picture its byte labels: the reason says which sizes to give.  ``docs``:
-    a document mask's counts on those documents (cost.analyse's).
+    a document mask's counts on those documents, ``lengths`` at those
+    length inputs' values (cost.analyse's).
     """
     from .. import located
     from ..errors import NapkinError
@@ -154,13 +155,13 @@ def try_costs(diagram, sizes: Optional[dict] = None, profile: Optional[str] = No
     chosen = default_sizes(diagram, sizes)
     check_profile(profile)
     try:
-        return cost.analyse(diagram, chosen, profile, docs), None
+        return cost.analyse(diagram, chosen, profile, docs, lengths), None
     except NapkinError as err:
         guessed = sorted(set(chosen) - set(sizes or {}))
         if not guessed:   # the user's, shown at its place in the file (it said <input>)
             raise located(err, diagram) from None
         try:   # at 1 for every guessed wire: a refusal that stays is the given sizes'
-            cost.analyse(diagram, {**chosen, **dict.fromkeys(guessed, 1)}, profile, docs)
+            cost.analyse(diagram, {**chosen, **dict.fromkeys(guessed, 1)}, profile, docs, lengths)
         except NapkinError:
             raise located(err, diagram) from None
         first = str(err).splitlines()[0].removeprefix("napkin: ")

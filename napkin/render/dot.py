@@ -447,7 +447,8 @@ class _Picture:
             self.wire_name(a[0]) if len(a) == 1 else "(" + " ".join(self.wire_name(w) for w in a) + ")"
             for a in wires_of_layout)
         out = " (out)" if name in self.outputs else ""
-        label = "<" + _table([f"<b>{_h(name)}</b>{_h(out)}", f"[{layout}] : {_h(dtype)}"]) + ">"
+        shape = f"[{layout}]" if wires_of_layout else "scalar"
+        label = "<" + _table([f"<b>{_h(name)}</b>{_h(out)}", f"{shape} : {_h(dtype)}"]) + ">"
         self.add_node(level, f"    {_q('t.' + name)} " + _attrs(
             shape="cylinder", style="filled", fillcolor=fill, label=label,
             penwidth="2.5" if out else None) + ";")
@@ -494,7 +495,7 @@ class _Picture:
             src = self.source(use.tensor)
             crossing = self.bytes_note(use.tensor, self.node_level(src), self.run_at, let.name)
             notes = self.broadcast_note(use.broadcast) + crossing
-            if use.kept:
+            if use.kept or not use.summed:   # a scalar keeps no wire: one black line
                 self.edge(src, box, use.kept, notes)
                 notes = []
             for wire in use.summed:
