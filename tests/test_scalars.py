@@ -246,3 +246,33 @@ def test_flex_reads_a_scalar_in_its_score_mod_and_mask_mod():
     src = flex.emit(d)
     assert src.mask == "x <= q and q - x < w"
     assert max(flex_vs_reference(d)) < 1e-5
+
+
+MATMUL = """diagram scaled_matmul
+wire m, n, k
+in A[m, k] : fp32
+in B[k, n] : fp32
+in alpha : fp32
+C[m, n] : fp32 = sum[k](A * B) * alpha
+out C
+schedule { level smem { group m by 32, n by 32
+stream k by 16 } }
+"""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_matrix_product_scaled_by_a_scalar_trains(dtype):
+    """A scalar in a matmul's epilogue: C = alpha A B against float64 torch, and dalpha, whose reference box
+    (a gradient along no wire) was emitted as torch.full((,), ...), no Python at all."""
+    m = K.compile_text(MATMUL, "scaled_matmul")
+    gen = torch.Generator().manual_seed(11)
+    A, Bm = torch.randn(37, 53, generator=gen).to(dtype), torch.randn(53, 45, generator=gen).to(dtype)
+    alpha = torch.tensor(-0.7, dtype=dtype)
+    C, = K.run(m, [A, Bm, alpha])
+    exact = alpha.double() * (A.double() @ Bm.double())
+    assert (C.double() - exact).abs().max() <= (2e-2 if dtype == torch.float16 else 1e-4) * exact.abs().max()
+    got = B.gradients(m.scaled_matmul, [A, Bm, alpha])
+    want = B.gradients(lambda a, b, s: s * (a @ b), [A.double(), Bm.double(), alpha.double()])
+    same = B.gradients(m.reference, [A, Bm, alpha])
+    assert got[2].shape == () and want[2] != 0
+    B.assert_accurate(got, want, same, "scaled matmul", dtype, rows=[1, 1, 37])

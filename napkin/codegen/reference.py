@@ -235,9 +235,9 @@ def reference_lines(d: ir.Diagram) -> list[str]:
     for let in d.lets:
         code, wires = r.expr(let.expr)
         target = ir.axis_wires(let.axes)
-        if not wires:  # a constant box: broadcast it to its layout
-            shape = ", ".join(f'_sz["{w}"]' for w in target)
-            code = f"torch.full(({shape},), {code}, dtype=_c, device=_dev)"
+        if not wires:  # a constant or a scalar input's box: broadcast to its layout (autograd through a scalar)
+            shape = "".join(f'_sz["{w}"], ' for w in target)
+            code = f"torch.zeros(({shape.rstrip(' ')}), dtype=_c, device=_dev) + ({code})"
         else:
             code = align(code, wires, target)
         lines.append(f"{let.name} = {code}")
