@@ -276,3 +276,43 @@ def test_a_matrix_product_scaled_by_a_scalar_trains(dtype):
     same = B.gradients(m.reference, [A, Bm, alpha])
     assert got[2].shape == () and want[2] != 0
     B.assert_accurate(got, want, same, "scaled matmul", dtype, rows=[1, 1, 37])
+
+
+FLAG = """diagram flag
+wire b, h, q, x
+wire d = 16
+in Q[b, h, q, d] : fp32
+in K[b, h, x, d] : fp32
+in V[b, h, x, d] : fp32
+in causal : bool
+in c : fp32
+S[b, h, q, x] = where(not causal or x <= q, c * tanh(sum[d](Q * K) * |d|^-0.5 / c), -inf)
+O[b, h, q, d] : fp32 = sum[x](softmax[x](S) * V)
+out O
+schedule { level smem { group b by 1, h by 1, q by 32
+stream x by 16 } }
+"""
+
+
+def test_a_bool_scalar_switches_the_mask_of_one_kernel_and_a_softcap_trains():
+    """causal, a bool read at run time: the same module is SDPA's causal attention and its full one; the
+    soft-cap c, a scalar too, gets its gradient (float64 autograd of the formula)."""
+    m = K.compile_text(FLAG, "flag")
+    gen = torch.Generator().manual_seed(2)
+    Q, Kt, V = (torch.randn(2, 2, 45, 16, generator=gen) for _ in range(3))
+    c = torch.tensor(1e4)   # far past every score: the cap leaves SDPA's attention
+    for causal in (True, False):
+        out, = K.run(m, [Q, Kt, V, torch.tensor(causal), c])
+        sdpa = torch.nn.functional.scaled_dot_product_attention(Q.double(), Kt.double(), V.double(), is_causal=causal)
+        assert (out.double() - sdpa).abs().max() < 1e-4, causal
+
+    def formula(q, k, v, cap):
+        s = cap * torch.tanh(q @ k.transpose(-1, -2) / 4 / cap)
+        return torch.softmax(s.masked_fill(torch.ones(45, 45, dtype=torch.bool).triu(1), -math.inf), -1) @ v
+
+    flag, cap = torch.tensor(True), torch.tensor(1.5)
+    got = B.gradients(lambda q, k, v, s: m.flag(q, k, v, flag, s, block_q=32, block_x=16), [Q, Kt, V, cap])
+    exact = B.gradients(formula, [Q.double(), Kt.double(), V.double(), cap.double()])
+    same = B.gradients(lambda q, k, v, s: m.reference(q, k, v, flag, s), [Q, Kt, V, cap])
+    assert exact[3] != 0
+    B.assert_accurate(got, exact, same, "flag", torch.float32, rows=[1, 1, 1, 2 * 2 * 45])
