@@ -208,6 +208,8 @@ def test_the_cost_pass_counts_a_scalar_as_the_kernels_load_it():
     loads, stores = predicted_bytes(report)
     assert without_tensors(bc.loads) == loads and without_tensors(bc.stores) == stores
     assert loads["t"] == 2 * 2 * math.ceil(n / 32) * 4   # one fp32 a program of the main kernel
+    # a scalar has one index: the note gives its value alone
+    assert "finds live when w = 20 (--lengths), every dead block skipped" in " ".join(report.notes)
 
 
 def test_a_width_given_at_run_time_is_priced_as_the_same_width_written_down():

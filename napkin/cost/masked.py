@@ -199,7 +199,9 @@ def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: M
             return (f"the mask {expr_text(plan.skip)} compares indices alone: the counts are the blocks the kernels' "
                     f"ranges prepass finds live, every dead block skipped ({cost})")
         given = describe({n: lengths[n] for n in read})
-        return (f"the counts are the blocks the kernels' ranges prepass finds live when {given} at every index "
+        # a scalar has one index: "at every index" is said of the others alone
+        every = " at every index" if any(plan.diagram.tensor(n).axes for n in read) else ""
+        return (f"the counts are the blocks the kernels' ranges prepass finds live when {given}{every} "
                 f"(--lengths), every dead block skipped ({cost})")
     # a part the formula bounds (x <= q beside doc[b, q] == doc) still skips in the counts
     counted = (": the counts are the blocks its formula part bounds" if plan.bounds else
