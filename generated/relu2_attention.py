@@ -153,8 +153,7 @@ def _bind(tensors, kernel, free=()):
         if not isinstance(t, torch.Tensor):
             scalar = not _LAYOUTS[name] and isinstance(t, (bool, int, float))
             raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}" + (
-                f": a scalar input is a 0-dimensional tensor, torch.tensor({t!r}, "
-                f"dtype={_TORCH_DTYPES.get(_DTYPES[name], torch.float32)}, device=...)" if scalar else ""))
+                f": a scalar input is a 0-dimensional tensor, torch.tensor({t!r}, device=...)" if scalar else ""))
         axes = _LAYOUTS[name]
         if t.dim() != len(axes):
             raise ValueError(f"{name} must have {len(axes)} dimensions {_layout_text(name) if axes else '(a scalar)'}, "

@@ -2,7 +2,7 @@
 
 source:  examples/runtime_window.ncd
 napkin:  0.1.0
-sha256:  67a730cdd6895ebdc51e3e933e9b78b478c5da3ab20e842b98d1dc413be64cf4
+sha256:  88e1fdc81e949a7445bc2d3a9518187cc71fdd41d0109c598e7bd14a6da9b660
 Do not edit: regenerate with `napkin compile examples/runtime_window.ncd`.
 
 cost summary:
@@ -38,7 +38,7 @@ import triton.language as tl
 from torch.autograd import forward_ad as _autograd_forward_ad   # read by _refuse_tangents every launch
 
 NAPKIN_VERSION = "0.1.0"
-SOURCE_HASH = "67a730cdd6895ebdc51e3e933e9b78b478c5da3ab20e842b98d1dc413be64cf4"
+SOURCE_HASH = "88e1fdc81e949a7445bc2d3a9518187cc71fdd41d0109c598e7bd14a6da9b660"
 INPUTS = ("Q", "K", "V", "t", "w")
 OUTPUTS = ("O",)
 # Each wire's fixed size, or None when it is bound from tensor shapes at call time.
@@ -156,8 +156,7 @@ def _bind(tensors, kernel, free=()):
         if not isinstance(t, torch.Tensor):
             scalar = not _LAYOUTS[name] and isinstance(t, (bool, int, float))
             raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}" + (
-                f": a scalar input is a 0-dimensional tensor, torch.tensor({t!r}, "
-                f"dtype={_TORCH_DTYPES.get(_DTYPES[name], torch.float32)}, device=...)" if scalar else ""))
+                f": a scalar input is a 0-dimensional tensor, torch.tensor({t!r}, device=...)" if scalar else ""))
         axes = _LAYOUTS[name]
         if t.dim() != len(axes):
             raise ValueError(f"{name} must have {len(axes)} dimensions {_layout_text(name) if axes else '(a scalar)'}, "
@@ -535,7 +534,7 @@ import threading as _autotune_threading
 import torch as _autotune_torch
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
-_AUTOTUNE_HASH = "67a730cdd6895ebdc51e3e933e9b78b478c5da3ab20e842b98d1dc413be64cf4"
+_AUTOTUNE_HASH = "88e1fdc81e949a7445bc2d3a9518187cc71fdd41d0109c598e7bd14a6da9b660"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
 # The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
 # its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
@@ -2608,7 +2607,7 @@ def _op_names(base):
         n += 1
 
 
-_FWD_OP, _BWD_OP, _INF_OP = _op_names("runtime_window_67a730cd")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("runtime_window_88e1fdc8")
 _SAVED = ("_saved_lse", )
 
 
