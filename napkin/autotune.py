@@ -328,6 +328,13 @@ def resident_blocks(diagram: ir.Diagram, sizes: Mapping[str, int], shape: Kernel
                                    for b in ranked if row in b))
     except (ImportError, NapkinError, IndexError):
         order = list(dict.fromkeys(r for r, _ in DEFAULT_BLOCKS_2))
+    # Rows too few for the fewest warps are pruned at every warp count (candidates) unless no
+    # block reaches them (decoding's 16 rows): a pick spent on them tries nothing.  The
+    # roofline ranks such blocks first where a compute-bound band is cut finer by them (a
+    # window of 1024 at 8K: 16 and 32 rows, while 64 and 256 went untried).
+    floor = MIN_ROWS_PER_WARP * min(WARPS)
+    if max(rows + order, default=0) >= floor:
+        order = [b for b in order if b >= floor]
     return rows + [b for b in order if b not in rows][:picks]
 
 

@@ -433,6 +433,24 @@ def test_forward_candidates_at_the_target_are_hopper_shaped(name):
     assert len(keep) < 30 and len(set(keep)) == len(keep)
 
 
+def test_a_compute_bound_band_tries_row_blocks_the_warps_can_fill():
+    """A window of 1024 at 8K is compute-bound, where the roofline ranks the finest tiles first (they
+    skip more of the band's edge): its two picks were 16 and 32 rows, which every warp count
+    prunes, so only the schedule's 128 ran.  The picks now skip rows no warp count fills."""
+    text = (EXAMPLES / "sliding_window.ncd").read_text().replace("q - x < 256", "q - x < 1024")
+    d = napkin.load_text(text, "window.ncd")
+    sizes = {"b": 1, "h": 16, "q": 8192, "x": 8192}
+    from napkin.cost import tune
+    assert tune(d, sizes, top=1)[0].block["q"] < autotune.MIN_ROWS_PER_WARP * min(autotune.WARPS)
+    keep, pruned = autotune.candidates(d, sizes, capacity=H100_SMEM)
+    assert {dict(c.blocks)["q"] for c in keep} == {64, 128, 256}
+    assert not any("rows each" in p.why for p in pruned if dict(p.config.blocks)["q"] < 64)
+    # decoding's 16 packed rows, short of every warp count, are still tried (with the warps they fill)
+    decode = napkin.load(EXAMPLES / "ragged_decode.ncd")
+    keep, _ = autotune.candidates(decode, {"b": 8, "hk": 8, "g": 4, "q": 1, "x": 8192})
+    assert keep and {dict(c.blocks)["q"] for c in keep} == {16}
+
+
 def test_register_estimate_prunes_what_would_spill_and_says_why():
     """float32 values a thread holds, against backward_hold.HELD_FP32: the
     forward's accumulator [128, 128] and score tile [128, 64] over 4 warps
