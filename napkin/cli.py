@@ -390,7 +390,8 @@ def _run_and_compare(module, diagram, sizes, device, torch, dtype) -> bool:
     for name, wire in getattr(module, "_LENGTH_INPUTS", {}).items():   # x < n[b]: say what was drawn
         drawn = inputs[names.index(name)].flatten().tolist()
         shown = ", ".join(map(str, drawn[:8])) + (", ..." if len(drawn) > 8 else "")
-        print(f"  ({name}: lengths of {wire} drawn in 1..{sizes.get(wire) or module.WIRES[wire]}: {shown})")
+        what = "a length" if len(drawn) == 1 else "lengths"   # a scalar's (a window's width), or b = 1
+        print(f"  ({name}: {what} of {wire} drawn in 1..{sizes.get(wire) or module.WIRES[wire]}: {shown})")
 
     def prepared(t, wide):
         if not (torch.is_tensor(t) and t.is_floating_point()):

@@ -638,6 +638,12 @@ def test_demo_says_the_lengths_it_drew(capsys, monkeypatch):
     assert line.startswith("  (n: lengths of x drawn in 1..100: ") and len(drawn) == 3
     assert all(1 <= v <= 100 for v in drawn)
     assert "lengths of" not in run(capsys, "demo", "-D", "q=20", "-D", "x=20")[1]   # none without one
+    # a scalar's one value (runtime_window's width) is "a length", and the demo passes, dt included
+    code, out, err = run(capsys, "demo", "examples/runtime_window.ncd", "-D", "q=20", "-D", "x=20")
+    assert code == 0, err
+    assert re.search(r"^  \(w: a length of q drawn in 1\.\.20: [0-9]+\)$", out, re.M), out
+    assert re.search(r"^  dt\[\] float32: max abs error .* \(ok, tolerance \(0\.002 \+ 4 float16 ulps x "
+                     r"sqrt\(40 rows summed\)\) x ", out, re.M), out
 
 
 # --------------------------------------------------------------------------
