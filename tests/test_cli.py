@@ -826,3 +826,18 @@ def test_an_accumulator_other_than_fp32_is_refused_at_its_line(capsys, tmp_path)
         f"{src}:{line}:14: napkin cannot emit a kernel for diagram causal: napkin's kernels accumulate in fp32, "
         "not bf16\n      accumulate bf16\n                 ^^^^\n  hint: write 'accumulate fp32'\n")
     assert not (tmp_path / "g").exists() or not any((tmp_path / "g").iterdir())   # nothing half-written
+
+
+def test_demo_checks_the_gradients_it_can_and_says_why_not_the_others(capsys, tmp_path):
+    """sigmoid(S + beta): beta is read past the score box, which the backward has no kernel for. The demo
+    passed it requiring a gradient and died on NotImplementedError as "internal error ... this is a bug";
+    it now checks dQ, dK and dV and gives the module's reason for beta."""
+    text = (REPO / "examples" / "sigmoid_attention.ncd").read_text()
+    text = text.replace("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin beta : fp32")
+    (tmp_path / "beta.ncd").write_text(text.replace("sigmoid(S - log(|x|))", "sigmoid(S + beta)"))
+    code, out, err = run(capsys, "demo", str(tmp_path / "beta.ncd"), "-D", "q=20", "-D", "x=20")
+    assert code == 0, err
+    checked = [line.split("[")[0].strip() for line in out.splitlines() if "max abs error" in line]
+    assert checked == ["O", "dQ", "dK", "dV"], out
+    assert "  dbeta not checked: napkin cannot emit a backward for input beta: its gradient would need the path " \
+           "past the score box" in out
