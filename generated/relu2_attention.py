@@ -450,6 +450,49 @@ def _allocate(sizes, classes, device, out_dtype=None):
                         ("fp16", "bf16", "fp32") else _out_dtype(name, classes), device=device) for name in OUTPUTS]
 
 
+# Inputs declared without a layout (in t : fp32).  A Python number passed for one becomes a
+# 0-dimensional tensor on the inputs' device, kept per (value, dtype, device): the same width
+# passed again is the same tensor, so mask_cache= finds its ranges again as it finds a tensor's.
+_SCALAR_INPUTS = tuple(i for i, n in enumerate(INPUTS) if not _LAYOUTS[n])
+_SCALARS_KEPT = {}
+
+
+def _scalar_inputs(tensors):
+    if not _SCALAR_INPUTS or all(isinstance(tensors[i], torch.Tensor) for i in _SCALAR_INPUTS):
+        return tensors
+    like = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    out = list(tensors)
+    for i in _SCALAR_INPUTS:
+        v, name = out[i], INPUTS[i]
+        if isinstance(v, torch.Tensor) or not isinstance(v, (bool, int, float)):
+            continue   # _bind says what is wrong with anything else
+        declared = _DTYPES[name]
+        if declared == "bool" or isinstance(v, bool):
+            if declared != "bool" or not isinstance(v, bool):
+                raise TypeError(f"{name} is declared {declared}: {v!r} is not one")
+            dtype = torch.bool
+        elif declared in ("int32", "int64"):
+            if not isinstance(v, int):
+                raise TypeError(f"{name} holds integers (declared {declared}): {v!r} is not one")
+            dtype = _TORCH_DTYPES[declared]
+        else:   # a float: the dtype of the tensors it shares its declared dtype with, as _bind wants
+            dtype = next((t.dtype for n, t in zip(INPUTS, tensors) if _DTYPES[n] == declared
+                          and isinstance(t, torch.Tensor) and t.is_floating_point()), torch.float32)
+        device = like.device if like is not None else torch.device("cpu")
+        if torch.compiler.is_compiling():   # no module state under a trace
+            out[i] = torch.tensor(v, dtype=dtype, device=device)
+            continue
+        # an inference tensor cannot be saved for a backward: one of each kind
+        key = (i, v, dtype, device, torch.is_inference_mode_enabled())
+        t = _SCALARS_KEPT.get(key)
+        if t is None:
+            if len(_SCALARS_KEPT) >= 64:
+                _SCALARS_KEPT.clear()
+            t = _SCALARS_KEPT[key] = torch.tensor(v, dtype=dtype, device=device)
+        out[i] = t
+    return tuple(out)
+
+
 def _autocast(tensors):
     """Under torch.autocast, the float inputs declared like the first float
     input take the autocast dtype (as a matmul's operands would), so mixed
@@ -1449,7 +1492,7 @@ def relu2_attention(Q, K, V, *, block_q=None, block_x=None, num_warps=None, num_
     schedule's (none).  Forward only; training takes the tuned or schedule's.
     mask_cache: accepted (a dict or None) and left empty: this diagram's mask
     reads no data, so it has no ranges prepass to keep."""
-    Q, K, V = _autocast((Q, K, V))
+    Q, K, V = _autocast(_scalar_inputs((Q, K, V)))
     _check_mask_cache(mask_cache)
     if _differentiable((Q, K, V)):
         block_q, block_x, num_warps, num_stages = _options_as_ints(("block_q", "block_x", "num_warps", "num_stages"), (block_q, block_x, num_warps, num_stages,))
@@ -2485,6 +2528,7 @@ def reference(Q, K, V):
 
     Any device; float16, bfloat16, float32 or float64 inputs.  Boxes are
     computed in float32 (the accumulator), or float64 when the inputs are."""
+    Q, K, V = _scalar_inputs((Q, K, V))
     _sz, _cls, _dev = _bind((Q, K, V), kernel=False)
     _c = torch.float64 if torch.float64 in _cls.values() else torch.float32
     Q = Q.to(_c)

@@ -2,7 +2,7 @@
 
 source:  examples/runtime_window.ncd
 napkin:  0.1.0
-sha256:  88e1fdc81e949a7445bc2d3a9518187cc71fdd41d0109c598e7bd14a6da9b660
+sha256:  b4897a2833ed50008d79919bee21ace65736b709b9e6b336eeedd7cea67f08e7
 Do not edit: regenerate with `napkin compile examples/runtime_window.ncd`.
 
 cost summary:
@@ -38,7 +38,7 @@ import triton.language as tl
 from torch.autograd import forward_ad as _autograd_forward_ad   # read by _refuse_tangents every launch
 
 NAPKIN_VERSION = "0.1.0"
-SOURCE_HASH = "88e1fdc81e949a7445bc2d3a9518187cc71fdd41d0109c598e7bd14a6da9b660"
+SOURCE_HASH = "b4897a2833ed50008d79919bee21ace65736b709b9e6b336eeedd7cea67f08e7"
 INPUTS = ("Q", "K", "V", "t", "w")
 OUTPUTS = ("O",)
 # Each wire's fixed size, or None when it is bound from tensor shapes at call time.
@@ -453,6 +453,49 @@ def _allocate(sizes, classes, device, out_dtype=None):
                         ("fp16", "bf16", "fp32") else _out_dtype(name, classes), device=device) for name in OUTPUTS]
 
 
+# Inputs declared without a layout (in t : fp32).  A Python number passed for one becomes a
+# 0-dimensional tensor on the inputs' device, kept per (value, dtype, device): the same width
+# passed again is the same tensor, so mask_cache= finds its ranges again as it finds a tensor's.
+_SCALAR_INPUTS = tuple(i for i, n in enumerate(INPUTS) if not _LAYOUTS[n])
+_SCALARS_KEPT = {}
+
+
+def _scalar_inputs(tensors):
+    if not _SCALAR_INPUTS or all(isinstance(tensors[i], torch.Tensor) for i in _SCALAR_INPUTS):
+        return tensors
+    like = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    out = list(tensors)
+    for i in _SCALAR_INPUTS:
+        v, name = out[i], INPUTS[i]
+        if isinstance(v, torch.Tensor) or not isinstance(v, (bool, int, float)):
+            continue   # _bind says what is wrong with anything else
+        declared = _DTYPES[name]
+        if declared == "bool" or isinstance(v, bool):
+            if declared != "bool" or not isinstance(v, bool):
+                raise TypeError(f"{name} is declared {declared}: {v!r} is not one")
+            dtype = torch.bool
+        elif declared in ("int32", "int64"):
+            if not isinstance(v, int):
+                raise TypeError(f"{name} holds integers (declared {declared}): {v!r} is not one")
+            dtype = _TORCH_DTYPES[declared]
+        else:   # a float: the dtype of the tensors it shares its declared dtype with, as _bind wants
+            dtype = next((t.dtype for n, t in zip(INPUTS, tensors) if _DTYPES[n] == declared
+                          and isinstance(t, torch.Tensor) and t.is_floating_point()), torch.float32)
+        device = like.device if like is not None else torch.device("cpu")
+        if torch.compiler.is_compiling():   # no module state under a trace
+            out[i] = torch.tensor(v, dtype=dtype, device=device)
+            continue
+        # an inference tensor cannot be saved for a backward: one of each kind
+        key = (i, v, dtype, device, torch.is_inference_mode_enabled())
+        t = _SCALARS_KEPT.get(key)
+        if t is None:
+            if len(_SCALARS_KEPT) >= 64:
+                _SCALARS_KEPT.clear()
+            t = _SCALARS_KEPT[key] = torch.tensor(v, dtype=dtype, device=device)
+        out[i] = t
+    return tuple(out)
+
+
 def _autocast(tensors):
     """Under torch.autocast, the float inputs declared like the first float
     input take the autocast dtype (as a matmul's operands would), so mixed
@@ -534,7 +577,7 @@ import threading as _autotune_threading
 import torch as _autotune_torch
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
-_AUTOTUNE_HASH = "88e1fdc81e949a7445bc2d3a9518187cc71fdd41d0109c598e7bd14a6da9b660"
+_AUTOTUNE_HASH = "b4897a2833ed50008d79919bee21ace65736b709b9e6b336eeedd7cea67f08e7"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
 # The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
 # its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
@@ -1680,7 +1723,7 @@ def runtime_window(Q, K, V, t, w, *, block_q=None, block_x=None, num_warps=None,
     leave stale entries, which give wrong results.  Eager calls only
     (not under torch.compile); with positions=/lengths= no prepass runs and
     nothing is kept."""
-    Q, K, V, t, w = _autocast((Q, K, V, t, w))
+    Q, K, V, t, w = _autocast(_scalar_inputs((Q, K, V, t, w)))
     _check_mask_cache(mask_cache)
     if _differentiable((Q, K, V, t, w)):
         block_q, block_x, num_warps, num_stages = _options_as_ints(("block_q", "block_x", "num_warps", "num_stages"), (block_q, block_x, num_warps, num_stages,))
@@ -2607,7 +2650,7 @@ def _op_names(base):
         n += 1
 
 
-_FWD_OP, _BWD_OP, _INF_OP = _op_names("runtime_window_88e1fdc8")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("runtime_window_b4897a28")
 _SAVED = ("_saved_lse", )
 
 
@@ -2767,6 +2810,7 @@ def reference(Q, K, V, t, w):
 
     Any device; float16, bfloat16, float32 or float64 inputs.  Boxes are
     computed in float32 (the accumulator), or float64 when the inputs are."""
+    Q, K, V, t, w = _scalar_inputs((Q, K, V, t, w))
     _sz, _cls, _dev = _bind((Q, K, V, t, w), kernel=False)
     _c = torch.float64 if torch.float64 in _cls.values() else torch.float32
     Q = Q.to(_c)

@@ -181,8 +181,10 @@ def run_case(case: Case, grids: dict, rank: int) -> dict:
     mine = [shard(q, case.n_q).requires_grad_(True), shard(k, case.n_x).requires_grad_(True),
             shard(v, case.n_x).requires_grad_(True)]
     side = {n: t.to(dtype) for n, t in side.items()}
+    # a scalar passes as a Python number too (split_side makes it a tensor on the tokens' device)
+    given = {n: float(t) for n, t in side.items()} if case.diagram == "temperature" and ring else side
     with CommCounter() as cc:
-        out = fn(*mine, q_len=case.n_q, x_len=case.n_x, timeout=30.0, **side, **where)
+        out = fn(*mine, q_len=case.n_q, x_len=case.n_x, timeout=30.0, **given, **where)
         o, lse = (out if isinstance(out, tuple) else (out, None))
         if lse is None and ref_lse is not None:   # the diagram does not output lse
             ref_lse_check = None

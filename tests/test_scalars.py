@@ -181,12 +181,41 @@ def test_the_launcher_names_a_scalars_shape_and_type():
     Q, Kt, V, t, w = _inputs(20, torch.float32, seed=1)
     with pytest.raises(ValueError, match=r"^t must have 0 dimensions \(a scalar\), but has 1 \(shape \(1,\)\)$"):
         m.scalars(Q, Kt, V, t.reshape(1), w)
-    with pytest.raises(TypeError, match=r"^w must be a torch.Tensor, not int: a scalar input is a 0-dimensional "
-                                        r"tensor, torch.tensor\(8, device=...\)$"):
-        m.scalars(Q, Kt, V, t, 8)
-    with pytest.raises(TypeError, match=r"^t must be a torch.Tensor, not float: a scalar input is a 0-dimensional "
-                                        r"tensor, torch.tensor\(0.5, device=...\)$"):
-        m.scalars(Q, Kt, V, 0.5, w)
+    with pytest.raises(TypeError, match=r"^w holds integers \(declared int32\): 8.0 is not one$"):
+        m.scalars(Q, Kt, V, t, 8.0)
+    with pytest.raises(TypeError, match=r"^w is declared int32: True is not one$"):
+        m.scalars(Q, Kt, V, t, True)
+    with pytest.raises(TypeError, match=r"^t must be a torch.Tensor, not str$"):
+        m.scalars(Q, Kt, V, "0.3", w)
+
+
+def test_a_python_number_passes_for_a_scalar_and_keeps_its_ranges():
+    """scalars(Q, K, V, 0.3, 7) is scalars(Q, K, V, tensor(0.3), tensor(7)), in the inputs' dtype (the fp32
+    class t shares with Q) on their device, the reference's too; the same width passed again is the same
+    0-d tensor, so mask_cache= keeps the prepass's ranges, where fresh tensors of one value run it again."""
+    m = K.compile_text(SCALARS, "scalars")
+    for dtype in (torch.float32, torch.float16):
+        Q, Kt, V, t, w = _inputs(45, dtype, seed=4)
+        got, = K.run(m, [Q, Kt, V, 0.3, 7])
+        assert torch.equal(got, K.run(m, [Q, Kt, V, t, w])[0])
+        assert torch.equal(m.reference(Q, Kt, V, 0.3, 7), m.reference(Q, Kt, V, t, w))
+    cache: dict = {}
+    Q, Kt, V, t, w = _inputs(45, torch.float32, seed=4)
+
+    def record():
+        (entry,) = cache.values()
+        return entry[0][0]
+
+    m.scalars(Q, Kt, V, 0.3, 7, mask_cache=cache)
+    first = record()
+    m.scalars(Q, Kt, V, 0.3, 7, mask_cache=cache)
+    assert record() is first                               # kept: the same tensor for 7
+    m.scalars(Q, Kt, V, 0.3, torch.tensor(7, dtype=torch.int32), mask_cache=cache)
+    assert record() is not first                           # another tensor of the same value: run again
+    # gradients reach the tensors beside a number, which has none to take
+    got = B.gradients(lambda q, k, v: m.scalars(q, k, v, 0.3, 7, block_q=32, block_x=16), [Q, Kt, V])
+    want = B.gradients(lambda q, k, v: m.scalars(q, k, v, t, w, block_q=32, block_x=16), [Q, Kt, V])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 # --------------------------------------------------------------------------

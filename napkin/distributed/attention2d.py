@@ -83,7 +83,7 @@ class Attention2D:
         if self.grid_shape is not None and self.grid_shape != (g.rows, g.cols):
             raise ValueError(f"the diagram asks for a {self.grid_shape[0]} x {self.grid_shape[1]} grid, "
                              f"got {g.rows} x {g.cols}")
-        side = split_side(self.roles, side)
+        side = split_side(self.roles, side, tokens)
         whole, side = side, attention_side(self.roles, side)
         ql, xl = self.layouts(g.parts, q_len, x_len)
         handshake(self.roles, "attention2d", tokens, whole, ql, xl, (g.row_group, g.col_group), timeout,

@@ -17,8 +17,10 @@ from .local import Roles
 SCHEME_CODES = {"attention2d": 1, "ring": 2, "burst": 3, "tree": 4, "ring2": 5, "burst2": 6}
 
 
-def split_side(r: Roles, side: dict) -> dict:
-    """The keyword inputs in order: the side inputs, then the row inputs (Roles.rows)."""
+def split_side(r: Roles, side: dict, tokens: Sequence[torch.Tensor] = ()) -> dict:
+    """The keyword inputs in order: the side inputs, then the row inputs (Roles.rows).  A
+    Python number given for a scalar input (in t : fp32) becomes a 0-dimensional tensor on
+    the tokens' device, as the single-device launchers take it: floats in the tokens' dtype."""
     names = r.side + r.rows
     missing = [n for n in names if n not in side]
     extra = [n for n in side if n not in names]
@@ -26,7 +28,24 @@ def split_side(r: Roles, side: dict) -> dict:
         raise ValueError(f"side inputs: expected {', '.join(names) or 'none'}"
                          + (f"; missing {', '.join(missing)}" if missing else "")
                          + (f"; unexpected {', '.join(extra)}" if extra else ""))
-    return {n: side[n] for n in names}
+    return {n: _scalar(r.diagram.tensor(n), side[n], tokens) for n in names}
+
+
+def _scalar(t, value, tokens):
+    if isinstance(value, torch.Tensor) or t.axes or not isinstance(value, (bool, int, float)):
+        return value
+    like = tokens[0] if tokens and isinstance(tokens[0], torch.Tensor) else None
+    if t.dtype == "bool" or isinstance(value, bool):
+        if t.dtype != "bool" or not isinstance(value, bool):
+            raise TypeError(f"side input {t.name} is declared {t.dtype}: {value!r} is not one")
+        dtype = torch.bool
+    elif t.dtype in ("int32", "int64"):
+        if not isinstance(value, int):
+            raise TypeError(f"side input {t.name} holds integers (declared {t.dtype}): {value!r} is not one")
+        dtype = getattr(torch, t.dtype)
+    else:
+        dtype = like.dtype if like is not None and like.is_floating_point() else torch.float32
+    return torch.tensor(value, dtype=dtype, device=like.device if like is not None else "cpu")
 
 
 def attention_side(r: Roles, side: dict) -> dict:

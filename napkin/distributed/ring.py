@@ -174,7 +174,7 @@ class RingAttention:
         ring = G.as_double_ring(group, self.per_node)
         if self.ring_size is not None and self.ring_size != ring.size:
             raise ValueError(f"the diagram asks for a ring of {self.ring_size}, got {ring.size} ranks")
-        side = split_side(self.roles, side)
+        side = split_side(self.roles, side, tokens)
         whole, side = side, attention_side(self.roles, side)
         ql, xl = self.layouts(ring.size, q_len, x_len)
         prints = handshake(self.roles, self.scheme, tokens, whole, ql, xl, (ring.group,), timeout,

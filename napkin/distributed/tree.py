@@ -69,7 +69,7 @@ class TreeAttention:
         tree = G.as_ring(group)
         if self.tree_size is not None and self.tree_size != tree.size:
             raise ValueError(f"the diagram asks for {self.tree_size} devices, got {tree.size} ranks")
-        side = split_side(self.roles, side)
+        side = split_side(self.roles, side, tokens)
         ql, xl = self.layouts(tree.size, q_len, x_len)
         handshake(self.roles, "tree", tokens, side, ql, xl, (tree.group,), timeout, lambda p: f"rank {p}")
         if torch.is_grad_enabled() and any(t.requires_grad for t in tokens):
