@@ -10,7 +10,11 @@ Checked here:
   temperature as its scale), on ragged sizes, fp32 and fp16; the gradients,
   the temperature's included, by tests/test_backward.py's rule; one compiled
   module at several widths (the whole width is causal attention);
-* the launcher names a scalar's shape and type in its refusals;
+* a bool scalar switches a mask (causal or not, against SDPA), a scalar
+  soft-cap and a matmul's scalar epilogue train;
+* the launcher takes a Python number for a scalar (kept one tensor per
+  value, so mask_cache= keeps a width's ranges) and names a scalar's shape
+  and type in its refusals;
 * the cost pass counts a scalar's loads as the kernels make them
   (ByteCounter), and prices a width given with ``--lengths`` as the same
   width written in the diagram;
