@@ -39,28 +39,28 @@ DEADLINE_S = 240
 # Diagrams: the shipped examples with a small head dim, and two variants.
 # --------------------------------------------------------------------------
 
+# each variant: its example, then the (old, new) replacements made in it
 _VARIANTS = {
     # grouped-query attention with a causal mask
-    "gqa_causal": ("gqa", "S[b, hk, g, q, x] = sum[d](Q * K) * |d|^-0.5",
-                   "S[b, hk, g, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)"),
+    "gqa_causal": ("gqa", ("S[b, hk, g, q, x] = sum[d](Q * K) * |d|^-0.5",
+                           "S[b, hk, g, q, x] = where(x <= q, sum[d](Q * K) * |d|^-0.5, -inf)")),
     # a strict mask: query 0 sees no key at all (O = 0, lse = -inf, no NaN)
-    "strict": ("causal", "where(x <= q,", "where(x < q,"),
+    "strict": ("causal", ("where(x <= q,", "where(x < q,")),
     # chunks of 4 (examples/chunked_attention.ncd's mask, shorter): a share's tiles across a chunk's
     # edge are dead, decided from the positions by the chunk bounds
-    "chunked": ("causal", "where(x <= q,", "where(x <= q and x // 4 == q // 4,"),
+    "chunked": ("causal", ("where(x <= q,", "where(x <= q and x // 4 == q // 4,")),
     # a scalar input (a learned temperature), passed whole to every rank as slope[h] is
-    "temperature": ("causal", "sum[d](Q * K) * |d|^-0.5", "sum[d](Q * K) * t"),
+    "temperature": ("causal", ("sum[d](Q * K) * |d|^-0.5", "sum[d](Q * K) * t"),
+                    ("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin t : fp32")),
 }
-_DECLARED = {"temperature": ("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin t : fp32")}
 
 
 def diagram_text(name: str) -> str:
-    base, old, new = _VARIANTS.get(name, (name, None, None))
+    base, *replace = _VARIANTS.get(name, (name,))
     text = (REPO / "examples" / f"{base}.ncd").read_text()
-    for a, b in ((old, new), _DECLARED.get(name, (None, None))):
-        if a is not None:
-            assert a in text
-            text = text.replace(a, b)
+    for old, new in replace:
+        assert old in text
+        text = text.replace(old, new)
     for fixed in ("wire d = 64", "wire d = 128"):
         text = text.replace(fixed, f"wire d = {D}")
     return text
