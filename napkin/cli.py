@@ -419,6 +419,11 @@ def _run_and_compare(module, diagram, sizes, device, torch, dtype) -> bool:
         rows = want[0].numel() // want[0].shape[-1] if want and want[0].dim() else 1
         results += [(name, g, w, max(1, rows // max(1, w.numel())))
                     for name, g, w in _gradients(names, args, got, wide_args, want, torch)]
+    # A gradient summing whole rows sums FlashAttention's delta = rowsum(dO * O), one rounding
+    # of the stored O a row in the inputs' dtype, which the reference does not make: the
+    # floor of tests/backward_helpers.py, 4 of those ulps a row, grown as the root of the rows
+    inputs_kind = str(dtype).replace("torch.", "")
+    ulp = DEMO_ULP.get(inputs_kind, DEMO_ULP["float16"])
     ok = True
     for name, g, w, summed in results:
         g, w = g.detach(), w.detach()
@@ -427,11 +432,7 @@ def _run_and_compare(module, diagram, sizes, device, torch, dtype) -> bool:
         kind = str(g.dtype).replace("torch.", "")
         tol = DEMO_TOLERANCE.get(kind, 2e-2)
         scale = scale_of(w)
-        # A gradient summing whole rows sums FlashAttention's delta = rowsum(dO * O), one rounding
-        # of the stored O a row in the inputs' dtype, which the reference does not make: the
-        # floor of tests/backward_helpers.py, 4 of those ulps a row, grown as the root of the rows
-        inputs_kind = str(dtype).replace("torch.", "")
-        floor = 4 * DEMO_ULP.get(inputs_kind, DEMO_ULP["float16"]) * summed ** 0.5 if summed > 1 else 0.0
+        floor = 4 * ulp * summed ** 0.5 if summed > 1 else 0.0
         good = err <= (tol + floor) * scale
         ok = ok and good
         shown = f"{tol:g} x {scale:.3g}" if not floor else \
