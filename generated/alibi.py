@@ -2328,6 +2328,7 @@ def alibi_preprocess(Q, K, V, slope, dO, O, *, block_q=None, num_warps=None,
     the inputs, the output gradient and the forward's saved state (dO, O).
     positions=: the forward's, when its rows were at global positions (inputs
     read there, such as document ids, hold the global length: they bind no size)."""
+    Q, K, V, slope, = _scalar_inputs((Q, K, V, slope,))
     return _alibi_preprocess(Q, K, V, slope, dO, O, (block_q, None, num_warps, None, None), positions)
 
 
@@ -2344,6 +2345,7 @@ def alibi_backward(Q, K, V, slope, dO, lse, delta, *, block_q=None, block_x=None
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
     tma, mask_cache: as the forward launcher's, for the dQ and dK/dV kernels."""
+    Q, K, V, slope, = _scalar_inputs((Q, K, V, slope,))
     return _alibi_backward(Q, K, V, slope, dO, lse, delta, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype, _check_mask_cache(mask_cache))
 

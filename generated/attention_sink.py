@@ -2385,6 +2385,7 @@ def attention_sink_preprocess(Q, K, V, sink, dO, lse, N0, *, block_q=None, num_w
     the inputs, the output gradient and the forward's saved state (dO, lse, N0).
     positions=: the forward's, when its rows were at global positions (inputs
     read there, such as document ids, hold the global length: they bind no size)."""
+    Q, K, V, sink, = _scalar_inputs((Q, K, V, sink,))
     return _attention_sink_preprocess(Q, K, V, sink, dO, lse, N0, (block_q, None, num_warps, None, None), positions)
 
 
@@ -2401,6 +2402,7 @@ def attention_sink_backward(Q, K, V, sink, dO, delta, lseg, dT0, *, block_q=None
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
     tma, mask_cache: as the forward launcher's, for the dQ and dK/dV kernels."""
+    Q, K, V, sink, = _scalar_inputs((Q, K, V, sink,))
     return _attention_sink_backward(Q, K, V, sink, dO, delta, lseg, dT0, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype, _check_mask_cache(mask_cache))
 

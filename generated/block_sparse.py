@@ -2584,6 +2584,7 @@ def block_sparse_preprocess(Q, K, V, keep, dO, O, *, block_q=None, num_warps=Non
     the inputs, the output gradient and the forward's saved state (dO, O).
     positions=: the forward's, when its rows were at global positions (inputs
     read there, such as document ids, hold the global length: they bind no size)."""
+    Q, K, V, keep, = _scalar_inputs((Q, K, V, keep,))
     return _block_sparse_preprocess(Q, K, V, keep, dO, O, (block_q, None, num_warps, None, None), positions)
 
 
@@ -2600,6 +2601,7 @@ def block_sparse_backward(Q, K, V, keep, dO, lse, delta, *, block_q=None, block_
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
     tma, mask_cache: as the forward launcher's, for the dQ and dK/dV kernels."""
+    Q, K, V, keep, = _scalar_inputs((Q, K, V, keep,))
     return _block_sparse_backward(Q, K, V, keep, dO, lse, delta, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype, _check_mask_cache(mask_cache))
 

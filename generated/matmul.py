@@ -1201,6 +1201,7 @@ def matmul_backward(A, B, dC, *, block_m=None, block_n=None, block_k=None, num_w
     of each input, float32 (None for those ``need`` leaves out: one flag per
     input, or a bit mask).  grad_dtype="input": each gradient in its input's
     dtype instead, stored so by the kernels (what autograd takes)."""
+    A, B, = _scalar_inputs((A, B,))
     return _matmul_backward(A, B, dC, (block_m, block_n, block_k, num_warps, num_stages), need, grad_dtype)
 
 

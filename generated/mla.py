@@ -2424,6 +2424,7 @@ def mla_preprocess(Qc, Kc, Qr, Kr, V, dO, O, dlse=None, *, block_q=None, num_war
     the inputs, the output gradient and the forward's saved state (dO, O, dlse); dlse defaults to zeros.
     positions=: the forward's, when its rows were at global positions (inputs
     read there, such as document ids, hold the global length: they bind no size)."""
+    Qc, Kc, Qr, Kr, V, = _scalar_inputs((Qc, Kc, Qr, Kr, V,))
     return _mla_preprocess(Qc, Kc, Qr, Kr, V, dO, O, dlse, (block_q, None, num_warps, None, None), positions)
 
 
@@ -2440,6 +2441,7 @@ def mla_backward(Qc, Kc, Qr, Kr, V, dO, lse, delta, *, block_q=None, block_x=Non
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
     tma, mask_cache: as the forward launcher's, for the dQ and dK/dV kernels."""
+    Qc, Kc, Qr, Kr, V, = _scalar_inputs((Qc, Kc, Qr, Kr, V,))
     return _mla_backward(Qc, Kc, Qr, Kr, V, dO, lse, delta, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype, _check_mask_cache(mask_cache))
 

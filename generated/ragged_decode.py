@@ -2665,6 +2665,7 @@ def ragged_decode_preprocess(Q, K, V, n, dO, O, dlse=None, *, block_q=None, num_
     the inputs, the output gradient and the forward's saved state (dO, O, dlse); dlse defaults to zeros.
     positions=: the forward's, when its rows were at global positions (inputs
     read there, such as document ids, hold the global length: they bind no size)."""
+    Q, K, V, n, = _scalar_inputs((Q, K, V, n,))
     return _ragged_decode_preprocess(Q, K, V, n, dO, O, dlse, (block_q, None, num_warps, None, None), positions)
 
 
@@ -2681,6 +2682,7 @@ def ragged_decode_backward(Q, K, V, n, dO, lse, delta, *, block_q=None, block_x=
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
     tma, mask_cache: as the forward launcher's, for the dQ and dK/dV kernels."""
+    Q, K, V, n, = _scalar_inputs((Q, K, V, n,))
     return _ragged_decode_backward(Q, K, V, n, dO, lse, delta, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype, _check_mask_cache(mask_cache))
 

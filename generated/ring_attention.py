@@ -2214,6 +2214,7 @@ def ring_attention_preprocess(Q, K, V, dO, O, dlse=None, *, block_q=None, num_wa
     the inputs, the output gradient and the forward's saved state (dO, O, dlse); dlse defaults to zeros.
     positions=: the forward's, when its rows were at global positions (inputs
     read there, such as document ids, hold the global length: they bind no size)."""
+    Q, K, V, = _scalar_inputs((Q, K, V,))
     return _ring_attention_preprocess(Q, K, V, dO, O, dlse, (block_q, None, num_warps, None, None), positions)
 
 
@@ -2230,6 +2231,7 @@ def ring_attention_backward(Q, K, V, dO, lse, delta, *, block_q=None, block_x=No
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
     tma, mask_cache: as the forward launcher's, for the dQ and dK/dV kernels."""
+    Q, K, V, = _scalar_inputs((Q, K, V,))
     return _ring_attention_backward(Q, K, V, dO, lse, delta, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype, _check_mask_cache(mask_cache))
 

@@ -2054,6 +2054,7 @@ def sigmoid_attention_preprocess(Q, K, V, *, block_q=None, num_warps=None,
         positions=None):
     """The backward's per-row values: none (an empty tuple); sigmoid_attention_backward
     reads the output gradient itself."""
+    Q, K, V, = _scalar_inputs((Q, K, V,))
     return _sigmoid_attention_preprocess(Q, K, V, (block_q, None, num_warps, None, None), positions)
 
 
@@ -2070,6 +2071,7 @@ def sigmoid_attention_backward(Q, K, V, dO, *, block_q=None, block_x=None, num_w
     gradient in its input's dtype instead, stored so by the kernels (what
     autograd takes); the float32 default suits callers that add gradients up.
     tma, mask_cache: as the forward launcher's, for the dQ and dK/dV kernels."""
+    Q, K, V, = _scalar_inputs((Q, K, V,))
     return _sigmoid_attention_backward(Q, K, V, dO, (block_q, block_x, num_warps, num_stages, tma), need,
                          positions, lengths, grad_dtype, _check_mask_cache(mask_cache))
 

@@ -222,6 +222,25 @@ def test_a_python_number_passes_for_a_scalar_and_keeps_its_ranges():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_the_public_backward_and_preprocess_take_python_numbers_too():
+    """scalars_preprocess and scalars_backward, the entries distributed attention calls, turn a number into
+    the launcher's 0-d tensor as well: the same delta and gradients, dt a 0-d tensor, dw none."""
+    text = SCALARS.replace("out O", "lse[b, h, q] = logsumexp[x](S)\nout O, lse").replace("hold Q, K, V, t, w, O",
+                                                                                        "hold Q, K, V, t, w, O, lse")
+    m = K.compile_text(text, "scalars_lse")
+    Q, Kt, V, t, w = _inputs(45, torch.float32, seed=6)
+    O, lse = m.scalars(Q, Kt, V, 0.3, 7, block_q=32, block_x=16)
+    dO = torch.randn(O.shape, generator=torch.Generator().manual_seed(7))
+    (delta,) = m.scalars_preprocess(Q, Kt, V, 0.3, 7, dO, O, block_q=32)
+    assert torch.equal(delta, m.scalars_preprocess(Q, Kt, V, t, w, dO, O, block_q=32)[0])
+    got = m.scalars_backward(Q, Kt, V, 0.3, 7, dO, lse, delta, block_q=32, block_x=16)
+    want = m.scalars_backward(Q, Kt, V, t, w, dO, lse, delta, block_q=32, block_x=16)
+    assert got[3].shape == () and got[4] is None and want[4] is None
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]))
+    with pytest.raises(TypeError, match=r"^w holds integers \(declared int32\): 7.5 is not one$"):
+        m.scalars_backward(Q, Kt, V, 0.3, 7.5, dO, lse, delta)
+
+
 # --------------------------------------------------------------------------
 # The cost pass, the picture, FlexAttention.
 # --------------------------------------------------------------------------
@@ -313,6 +332,10 @@ def test_a_matrix_product_scaled_by_a_scalar_trains(dtype):
     same = B.gradients(m.reference, [A, Bm, alpha])
     assert got[2].shape == () and want[2] != 0
     B.assert_accurate(got, want, same, "scaled matmul", dtype, rows=[1, 1, 37])
+    # its public backward takes the number as the launcher does
+    dC = torch.randn(C.shape, generator=gen).to(dtype)
+    by_number, by_tensor = (m.scaled_matmul_backward(A, Bm, s, dC) for s in (-0.7, alpha))
+    assert all(torch.equal(a, b) for a, b in zip(by_number, by_tensor))
 
 
 FLAG = """diagram flag
