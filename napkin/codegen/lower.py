@@ -684,11 +684,12 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
     out = d.outputs[0]
     let = d.tensor(out.name)
     expr = exprs[out.name]
-    reds = [n for n in nodes(expr) if isinstance(n, (ir.Reduce, ir.Normalize))]
+    # Y * sigmoid(Y), Y = sum[k](A * B) inlined, reads one sum twice: one node, one accumulator
+    reds = list(dict.fromkeys(n for n in nodes(expr) if isinstance(n, (ir.Reduce, ir.Normalize))))
     if len(reds) > 1 and all(isinstance(r, ir.Reduce) and r.op == "sum" and r.wires == (red,) for r in reds):
-        # relu(P) + P with P = sum[k](A * B) inlined: the sum is there, twice
-        raise unsupported(f"box {out.name}", f"its expression uses sum[{red}](...) {len(reds)} times (the boxes "
-                          "it reads are inlined); a contraction kernel's epilogue uses its one sum once", let.loc)
+        # sum[k](A * B) + sum[k](A * A): two products (one sum read twice is one: reds holds each once)
+        raise unsupported(f"box {out.name}", f"its expression uses {len(reds)} different sums over {red}; a "
+                          "contraction kernel computes one product, and its epilogue reads that sum", let.loc)
     if len(reds) == 1 and isinstance(reds[0], ir.Reduce) and reds[0].op == "sum" and len(reds[0].wires) > 1 \
             and red in reds[0].wires:
         # sum[k, j](A * B): one sum, so "needs one sum[k](A * B)" was no reason (contract hunt)

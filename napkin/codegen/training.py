@@ -231,15 +231,20 @@ def _contraction(plan: L.ContractionPlan) -> Training:
     epi = _epilogue(d, expr, plan.red, (a, b))
     if isinstance(epi, str):
         return _no(plan, f"its output {out.name} is {epi}", d.tensor(out.name).expr.loc)
-    c_wires = set(ir.axis_wires(d.tensor(out.name).axes))
+    out_axes = d.tensor(out.name).axes
+    # A factor without a batch wire of the output (nn.Linear's weight, shared by every b): its gradient
+    # product keeps those wires, one float32 partial per index, and torch sums them (_contraction_context)
+    shared: dict[str, tuple[ir.Axis, ...]] = {}
     for name in (a, b):
         t = d.tensor(name)
         if t.dtype not in ir.FLOAT_DTYPES:
             return _no(plan, f"{name} is not a float tensor", t.dtype_loc)
-        missing = (c_wires - {plan.row, plan.col}) - set(ir.axis_wires(t.axes))
+        missing = set(plan.batch) - set(ir.axis_wires(t.axes))
         if missing:
-            return _no(plan, f"{name} lacks the batch wire(s) {', '.join(sorted(missing))}: its gradient would "
-                             "sum over them too", t.loc)
+            shared[name] = tuple(axis for axis in out_axes if set(axis) & missing)
+            if any(not set(axis) <= missing for axis in shared[name]):
+                return _no(plan, f"{name} lacks the batch wire(s) {', '.join(sorted(missing))}, which the output "
+                                 "stores merged with others: its gradient cannot keep them apart", t.loc)
     if {plan.lhs.wires, plan.rhs.wires} != {ir.axis_wires(d.tensor(a).axes), ir.axis_wires(d.tensor(b).axes)}:
         # named, at the relabelled reference (A * A[n, k]): it named neither (contract hunt)
         ref = next((n for n in ir.walk(expr) if isinstance(n, ir.TensorRef) and n.name in (a, b)
@@ -268,7 +273,7 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         body = ir.Reduce("sum", (red,), ir.Binary("*", *factors))
         if epi.factor != ir.Num(1):   # dR = dC * f', f' a constant: on the gradient's epilogue, once a tile
             body = ir.Binary("*", body, epi.factor)
-        let = ir.Let(f"_grad_{target}", t.axes, "fp32", body)
+        let = ir.Let(f"_grad_{target}", shared.get(target, ()) + t.axes, "fp32", body)
         # dA keeps k (B's side), dB keeps k (A's side)
         g = ir.Diagram(f"{d.name}_bwd_{target}", d.wires, (grad_c, d.tensor(other)) if target == a
                        else (d.tensor(other), grad_c), (let,), (ir.Output(let.name),),
@@ -583,12 +588,19 @@ def _contraction_context(t: Training) -> dict:
         # forward's output tile) is 128 x 128, as the forward's launch: at 4 warps matmul's dA held 255
         # registers and spilled 12 B on Triton 3.6 (napkin.bench.aot, aot-sm90-2026-11-21-4.md)
         buffer = gd.outputs[0].name
+        value = buffer
         if buffer == EPI_SUM:   # the sum the epilogue's gradients read, float32, whenever a gradient is asked
             cond, dtype, index = "any(_need)", "torch.float32", None
         else:
             target = buffer[len("_grad_"):]
             index = _input_index(t.forward.diagram, target)
             cond, dtype = f"_need[{index}]", f"{target}.dtype if _like else torch.float32"
+            shared = len(gd.tensor(buffer).axes) - len(t.forward.diagram.tensor(target).axes)
+            if shared:   # a factor shared along batch wires: float32 partials, one per index, summed here
+                dims = ", ".join(str(i) for i in range(shared))
+                dtype = "torch.float32"
+                value = (f"({buffer}.sum(dim=({dims},)).to({target}.dtype if _like else torch.float32) "
+                         f"if {buffer} is not None else None)")
         launches.append({
             "kernel": c["kernel"], "buffer": buffer, "cond": cond, "dtype": dtype, "before": [],
             "what": "the sum the epilogue's gradients read" if index is None else f"d{target}",
@@ -597,7 +609,7 @@ def _contraction_context(t: Training) -> dict:
                     + (" * ".join(f'_sz["{w}"]' for w in g.batch) or "1") + ")",
             "args": ",\n".join([", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides
                                        + [", ".join(blocks)]),
-            "index": index,
+            "index": index, "value": value,
         })
     if t.epilogue is not None:   # after the sum it reads, before the products that read its dR
         launches[1 if t.epilogue.recompute else 0]["before"] = epilogue_lines(t)
@@ -608,7 +620,7 @@ def _contraction_context(t: Training) -> dict:
     param = fresh_name(f"d{out}", {x.name for x in d.inputs}, prefix="")
     # gradients come back in the inputs' order, whatever order the product
     # names them in (sum[k](X * W) with W declared first swapped dW and dX)
-    by_index = {g["index"]: g["buffer"] for g in launches if g["index"] is not None}
+    by_index = {g["index"]: g["value"] for g in launches if g["index"] is not None}
     for name, _ in t.epilogue.sides if t.epilogue is not None else ():
         by_index[_input_index(d, name)] = EPI_GRAD + name
     returns = [by_index.get(i, "None") for i in range(len(d.inputs))]
