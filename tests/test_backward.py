@@ -172,12 +172,18 @@ def test_a_rotary_key_shared_by_the_heads_is_declared_once_or_passed_expanded(fo
     ("(sum[c](Qc * Kc) + sum[r](Qr * Kr)) * tau",
      r"inputs Kc and Kr: Kc lacks h, which Kr has: the dK/dV kernel runs a program for each index of Kc's "
      r"batch wires \(declare Kc along h too and pass it expanded"),
+    # the query shared by every head: it named no way out
+    ("(sum[c](Qc * Kc) + sum[r](Qr * Kr)) * 0.2",
+     r"input Qc: it lacks the batch wire\(s\) h of the scores: the dQ kernel writes each row's gradient once "
+     r"\(declare Qc along h too and pass it expanded, qc.unsqueeze\(...\).expand\(...\)"),
 ])
 def test_contractions_the_backward_cannot_take_apart_are_refused(score, message):
     text = MLA_TEXT.format(dt="fp32").replace("in V[b, h, x, e] : fp32", "in V[b, h, x, e] : fp32\nin K2[b, h, x, c] : fp32")
     text = text.replace("(sum[c](Qc * Kc) + sum[r](Qr * Kr)) * tau", score)
     if "tau" in score:   # the key without position declared once for every head, its rotary part per head
         text = text.replace("in Kc[b, h, x, c]", "in Kc[b, x, c]")
+    elif score.endswith("sum[r](Qr * Kr)) * 0.2"):   # the query without position shared by every head
+        text = text.replace("in Qc[b, h, q, c]", "in Qc[b, q, c]")
     from napkin.codegen import lower as L
     from napkin.codegen import training
     t = training.prepare(L.lower(napkin.load_text(text, "mla_small.ncd")))

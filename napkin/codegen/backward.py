@@ -244,7 +244,10 @@ class _Builder:
             qw = set(ir.axis_wires(d.tensor(q).axes))
             if not set(self.batch) <= qw:
                 missing = ", ".join(w for w in self.batch if w not in qw)
-                raise refuse(f"input {q}", f"it lacks the batch wire(s) {missing} of the scores", d.tensor(q).loc)
+                raise refuse(f"input {q}", f"it lacks the batch wire(s) {missing} of the scores: the dQ kernel "
+                             f"writes each row's gradient once (declare {q} along {missing} too and pass it "
+                             f"expanded, {q.lower()}.unsqueeze(...).expand(...), which reads the same memory; "
+                             "autograd sums its gradient)", d.tensor(q).loc)
         # an input of the key side (V, or a key part such as MLA's rotary key) that lacks batch wires K
         # has is read by every index of them: differential attention's V, shared by its two maps.  Each
         # dK/dV program (one per index of K's batch wires) writes its own share of that input's
