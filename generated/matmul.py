@@ -1175,7 +1175,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(B, "B", _sz),
                 *_wire_strides(_grad_A, "_grad_A", _sz),
                 _BLOCK_m=_br, _BLOCK_k=_bc, _BLOCK_n=_bk, _INT64=_int64_offsets(_grad_C, B, _grad_A),
-                num_warps=_opts["num_warps"] or (8 if _bk * max(_br, _bc) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
+                num_warps=_opts["num_warps"] or (8 if max(_br * _bc, _bk * max(_br, _bc)) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     _grad_B = None
     if _need[1]:  # dB: one more contraction, each tile stored once from a float32 accumulator
@@ -1190,7 +1190,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(_grad_C, "_grad_C", _sz),
                 *_wire_strides(_grad_B, "_grad_B", _sz),
                 _BLOCK_k=_br, _BLOCK_n=_bc, _BLOCK_m=_bk, _INT64=_int64_offsets(A, _grad_C, _grad_B),
-                num_warps=_opts["num_warps"] or (8 if _bk * max(_br, _bc) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
+                num_warps=_opts["num_warps"] or (8 if max(_br * _bc, _bk * max(_br, _bc)) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     return (_grad_A, _grad_B, )
 

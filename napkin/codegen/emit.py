@@ -689,52 +689,6 @@ def _has_wire(d, e, wire, accums) -> bool:
 # Contraction.
 # --------------------------------------------------------------------------
 
-def contraction_context(plan: L.ContractionPlan) -> dict:
-    d = plan.diagram
-    names = _Names(d, plan.dims)
-    kinds = _kinds(d)
-    row, col, red = plan.row, plan.col, plan.red
-    dtypes = {t.name: t.dtype for t in d.inputs}
-    lhs, rhs = dot_operands(plan.lhs.var, dtypes[plan.lhs.tensor], plan.rhs.var, dtypes[plan.rhs.tensor])
-    step = f'_acc = tl.dot({lhs}, {rhs}, _acc, input_precision="{plan.precision}")'
-    finalise, stores = _finalise(d, names, plan.outputs, kinds, {})
-    blocks_list = [names.block(w) for w in (row, col, red)] + ["_INT64"]
-    params, sizes = _params(d, names, blocks_list)
-    opts = H.options(d, [row, col, red])
-    batch = " * ".join(f'_sz["{w}"]' for w in plan.batch) or "1"
-    pairs = ((row, col), (row, red), (red, col))
-    block_var = {row: "_br", col: "_bc", red: "_bk"}
-    launch = H.fill_options(opts) + [
-              f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
-              f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
-              f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
-              *(H.tile_fits(x, y, block_var[x], block_var[y]) for x, y in pairs),
-              f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
-              f'_grid = _fits((_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), {batch}))']
-    block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk",
-                  f"_INT64=_int64_offsets({', '.join([t.name for t in d.inputs] + [o.name for o in d.outputs])})"]
-    launch.append(H.launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
-                               ['num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4)',
-                                'num_stages=_opts["num_stages"] or 2', H.FP_FUSION]))
-    return {
-        "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
-        "decode": _decode(names, plan.batch, 2),
-        "row": _wire_ctx(names, row), "col": _wire_ctx(names, col), "red": _wire_ctx(names, red),
-        "pre_loads": [_load(d, names, ld) for ld in plan.loads],
-        "step_loads": [_load(d, names, ld) for ld in (plan.lhs, plan.rhs)],
-        "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
-        "step": step, "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
-        "check_options": H.option_checks(H.given_blocks([row, col, red]) + [
-            H.tile_fits(x, y) for x, y in pairs] + [
-            # the grid's limits (_fits): axis 1 the column blocks where a block is given (else the
-            # tuned blocks may differ), axis 2 the batch
-            f'_fits((1, _cdiv(_sz["{col}"], _b_{col}) if (block_{row}, block_{col}, block_{red}) != (None, None, None) '
-            f'else 1, {batch}))']),
-        "launcher_params": ", ".join([t.name for t in d.inputs] + ["*"] + [f"{o}=None" for o in opts]),
-        "options": opts,
-    }
-
-
 # --------------------------------------------------------------------------
 # The module.
 # --------------------------------------------------------------------------
@@ -754,6 +708,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
     if plan.family == "attention":
         ctx = attention_context(train.forward, train.saved)
     else:
+        from .contraction import contraction_context
         ctx = contraction_context(train.forward)
     tensors = list(d.inputs) + [d.tensor(o.name) for o in d.outputs]
     out_dtypes = {o.name: o.dtype for o in plan.outputs}

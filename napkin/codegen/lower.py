@@ -190,6 +190,9 @@ class ContractionPlan:
     loads: tuple[Load, ...]            # epilogue side inputs (pre)
     outputs: tuple[Output, ...]
     precision: str
+    # the sum's other wires (sum[k, j](A * B) streaming j: k), looped over index by index in each
+    # program around the stream loop; a weight shared by the batch: its gradient's batch wires
+    outer: tuple[str, ...] = ()
 
 
 Plan = Union[AttentionPlan, ContractionPlan]
@@ -572,10 +575,12 @@ def _red_wires(n) -> tuple[str, ...]:
 
 
 def _outer_reduced_wire(d, outs) -> Optional[str]:
+    """The wire streamed where the schedule streams none: the outermost reduction's; of a sum
+    over several wires its last (sum[k, j](A * B): j, innermost as written, k looped around it)."""
     for e in outs:
         for n in nodes(e):
             if isinstance(n, (ir.Reduce, ir.Normalize)):
-                return _red_wires(n)[0]
+                return _red_wires(n)[-1]
     return None
 
 
@@ -655,29 +660,6 @@ def packed_wire(d: ir.Diagram, batch, row: str) -> Optional[tuple[str, int]]:
 # CONTRACTION.
 # --------------------------------------------------------------------------
 
-def _several_wires(d: ir.Diagram, node: ir.Reduce) -> NapkinError:
-    """The refusal of sum[k, j](A * B), with the one-wire form as its hint:
-    the contracted wires stored as one axis (k j) of each factor, declared as
-    one wire."""
-    wires, joined = node.wires, "".join(node.wires)
-    while joined in {w.name for w in d.wires} | {t.name for t in (*d.inputs, *d.lets)} | {d.name}:
-        joined += "_"
-    grouped = f"({' '.join(wires)})"
-    factors = [n for n in (node.body.lhs, node.body.rhs) if isinstance(n, ir.TensorRef)] \
-        if isinstance(node.body, ir.Binary) and node.body.op == "*" else []
-    layouts = []
-    for ref in factors:
-        own = [w for w in read_wires(d, ref) if w not in wires]
-        first = next((i for i, w in enumerate(read_wires(d, ref)) if w in wires), len(own))
-        layouts.append(f"{ref.name}[{', '.join(own[:first] + [joined] + own[first:])}]")
-    body = " * ".join(f.name for f in factors) if len(factors) == 2 else "..."
-    where = f" ({', '.join(layouts)})" if len(layouts) == 2 else ""
-    return unsupported(_show(node), f"a contraction over several wires at once ({', '.join(wires)}) is not "
-                       "generated: a contraction kernel streams one wire", node.loc,
-                       f"store {grouped} as one axis of each factor, declare it as one wire{where} and "
-                       f"write sum[{joined}]({body})")
-
-
 def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
     if len(d.outputs) != 1:
         raise unsupported(f"diagram {d.name}", "a contraction kernel computes one output", d.outputs[1].loc)
@@ -686,15 +668,11 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
     expr = exprs[out.name]
     # Y * sigmoid(Y), Y = sum[k](A * B) inlined, reads one sum twice: one node, one accumulator
     reds = list(dict.fromkeys(n for n in nodes(expr) if isinstance(n, (ir.Reduce, ir.Normalize))))
-    if len(reds) > 1 and all(isinstance(r, ir.Reduce) and r.op == "sum" and r.wires == (red,) for r in reds):
+    if len(reds) > 1 and all(isinstance(r, ir.Reduce) and r.op == "sum" and red in r.wires for r in reds):
         # sum[k](A * B) + sum[k](A * A): two products (one sum read twice is one: reds holds each once)
         raise unsupported(f"box {out.name}", f"its expression uses {len(reds)} different sums over {red}; a "
                           "contraction kernel computes one product, and its epilogue reads that sum", let.loc)
-    if len(reds) == 1 and isinstance(reds[0], ir.Reduce) and reds[0].op == "sum" and len(reds[0].wires) > 1 \
-            and red in reds[0].wires:
-        # sum[k, j](A * B): one sum, so "needs one sum[k](A * B)" was no reason (contract hunt)
-        raise _several_wires(d, reds[0])
-    if len(reds) != 1 or not isinstance(reds[0], ir.Reduce) or reds[0].op != "sum" or reds[0].wires != (red,):
+    if len(reds) != 1 or not isinstance(reds[0], ir.Reduce) or reds[0].op != "sum" or red not in reds[0].wires:
         raise unsupported(f"box {out.name}", f"a kernel streaming {red} needs one sum[{red}](A * B) "
                           "(or an attention pattern)", let.loc)
     node = reds[0]
@@ -705,6 +683,8 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
         raise unsupported(f"sum[{red}](...)", "the streamed contraction must multiply two inputs, A * B", node.loc)
     out_wires = ir.axis_wires(let.axes)
     lw, rw = set(read_wires(d, body.lhs)), set(read_wires(d, body.rhs))
+    # sum[k, j](A * B) streaming j: each program loops over k index by index around its stream of j
+    outer = tuple(w.name for w in d.wires if w.name in node.wires and w.name != red)
     # The blocked wires: on each factor, the free wire the schedule groups by
     # more than 1, else the last free wire; any other output wire is a batch
     # wire (one program per index), broadcast over the factor that lacks it.
@@ -716,7 +696,7 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
     a, b = body.lhs, body.rhs
     tiled = {row, col, red}
     batch = tuple(w for w in (x.name for x in d.wires) if w in set(out_wires) - tiled)
-    for ref, allowed in ((a, {row, red}), (b, {col, red})):
+    for ref, allowed in ((a, {row, red, *outer}), (b, {col, red, *outer})):
         extra = set(read_wires(d, ref)) - allowed - set(batch)
         if extra:
             raise unsupported(f"{ref.name}", f"it has wire(s) {', '.join(sorted(extra))} that the output "
@@ -733,7 +713,7 @@ def _contraction(d: ir.Diagram, exprs, red: str) -> ContractionPlan:
     output = Output(out.name, let.axes, out_wires, tiling.tensor_dtype(d, out.name), expr, row, col,
                     tuple(subst.items()))
     return ContractionPlan(d, row, col, red, batch, blocks, (), lhs, rhs, tuple(side.loads), (output,),
-                           _precision(d))
+                           _precision(d), outer)
 
 
 def _precision(d: ir.Diagram) -> str:

@@ -231,20 +231,10 @@ def _contraction(plan: L.ContractionPlan) -> Training:
     epi = _epilogue(d, expr, plan.red, (a, b))
     if isinstance(epi, str):
         return _no(plan, f"its output {out.name} is {epi}", d.tensor(out.name).expr.loc)
-    out_axes = d.tensor(out.name).axes
-    # A factor without a batch wire of the output (nn.Linear's weight, shared by every b): its gradient
-    # product keeps those wires, one float32 partial per index, and torch sums them (_contraction_context)
-    shared: dict[str, tuple[ir.Axis, ...]] = {}
     for name in (a, b):
         t = d.tensor(name)
         if t.dtype not in ir.FLOAT_DTYPES:
             return _no(plan, f"{name} is not a float tensor", t.dtype_loc)
-        missing = set(plan.batch) - set(ir.axis_wires(t.axes))
-        if missing:
-            shared[name] = tuple(axis for axis in out_axes if set(axis) & missing)
-            if any(not set(axis) <= missing for axis in shared[name]):
-                return _no(plan, f"{name} lacks the batch wire(s) {', '.join(sorted(missing))}, which the output "
-                                 "stores merged with others: its gradient cannot keep them apart", t.loc)
     if {plan.lhs.wires, plan.rhs.wires} != {ir.axis_wires(d.tensor(a).axes), ir.axis_wires(d.tensor(b).axes)}:
         # named, at the relabelled reference (A * A[n, k]): it named neither (contract hunt)
         ref = next((n for n in ir.walk(expr) if isinstance(n, ir.TensorRef) and n.name in (a, b)
@@ -270,14 +260,17 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         t = d.tensor(target)
         factors = (ir.TensorRef(grad_c.name), ir.TensorRef(other)) if target == a else \
             (ir.TensorRef(other), ir.TensorRef(grad_c.name))
-        body = ir.Reduce("sum", (red,), ir.Binary("*", *factors))
+        # a factor without a batch wire of the output (nn.Linear's weight, shared by every b): its
+        # gradient sums over that wire too, each program looping over it (ContractionPlan.outer)
+        shared = tuple(w for w in plan.batch if w not in ir.axis_wires(t.axes))
+        body = ir.Reduce("sum", shared + (red,), ir.Binary("*", *factors))
         if epi.factor != ir.Num(1):   # dR = dC * f', f' a constant: on the gradient's epilogue, once a tile
             body = ir.Binary("*", body, epi.factor)
-        let = ir.Let(f"_grad_{target}", shared.get(target, ()) + t.axes, "fp32", body)
+        let = ir.Let(f"_grad_{target}", t.axes, "fp32", body)
         # dA keeps k (B's side), dB keeps k (A's side)
         g = ir.Diagram(f"{d.name}_bwd_{target}", d.wires, (grad_c, d.tensor(other)) if target == a
                        else (d.tensor(other), grad_c), (let,), (ir.Output(let.name),),
-                       _grad_schedule(d, plan, blocks, keep, plan.red, red))
+                       _grad_schedule(d, plan, blocks, keep, plan.red, red, shared))
         gplan = L.lower(g)
         if gplan.family != "contraction" or {gplan.row, gplan.col} != {keep, plan.red}:
             return _no(plan, f"the gradient of {target} does not lower to a matrix product")
@@ -286,9 +279,10 @@ def _contraction(plan: L.ContractionPlan) -> Training:
 
 
 def _grad_schedule(d: ir.Diagram, plan: L.ContractionPlan, blocks: dict, row: str, col: str,
-                   red: str) -> ir.Schedule:
-    """One product of the backward, tiled by the forward's blocks."""
-    tiles = [ir.Tile(w, "group", 1) for w in plan.batch] + [
+                   red: str, summed: tuple[str, ...] = ()) -> ir.Schedule:
+    """One product of the backward, tiled by the forward's blocks; the forward's batch wires
+    ``summed`` (a shared factor's gradient adds them up) are no program's."""
+    tiles = [ir.Tile(w, "group", 1) for w in plan.batch if w not in summed] + [
         ir.Tile(row, "group", blocks[row]), ir.Tile(col, "group", blocks[col]), ir.Tile(red, "stream", blocks[red])]
     return ir.Schedule(None, "fp32", d.schedule.tf32 if d.schedule else False,
                        (ir.Level("smem", None, tuple(tiles), ()),))
@@ -329,7 +323,7 @@ def _epilogue(d: ir.Diagram, expr: ir.Expr, red: str, factors: tuple[str, str]):
     product, an input read along other wires than its own, or a function
     napkin cannot differentiate."""
     raws = [n for n in ir.walk(expr) if isinstance(n, ir.Reduce)]
-    if not raws or raws[0].op != "sum" or raws[0].wires != (red,) or any(n != raws[0] for n in raws):
+    if not raws or raws[0].op != "sum" or red not in raws[0].wires or any(n != raws[0] for n in raws):
         return f"not a sum[{red}] of the two inputs"
     raw = raws[0]
     if expr == raw:
@@ -568,7 +562,8 @@ GIVEN = '_given["block_{}"]'
 
 
 def _contraction_context(t: Training) -> dict:
-    from .emit import contraction_context, environment
+    from .contraction import contraction_context
+    from .emit import environment
 
     kernels, launches = [], []
     template = environment().get_template("contraction_kernel.py.jinja")
@@ -586,30 +581,25 @@ def _contraction_context(t: Training) -> dict:
         blocks = [f"_BLOCK_{w}={v}" for v, w in wires.items()] + [f"_INT64=_int64_offsets({', '.join(tensors)})"]
         # 8 warps when a tile it loads per step (the streamed wire by either output wire: dC's, the
         # forward's output tile) is 128 x 128, as the forward's launch: at 4 warps matmul's dA held 255
-        # registers and spilled 12 B on Triton 3.6 (napkin.bench.aot, aot-sm90-2026-11-21-4.md)
+        # registers and spilled 12 B on Triton 3.6 (napkin.bench.aot, aot-sm90-2026-11-21-4.md); or when
+        # its accumulator is, as the forward's rule: the recomputed sum of a 128 x 128 forward at
+        # block 64 of k held 255 registers at 4 warps (napkin.bench.aot, Triton 3.9)
         buffer = gd.outputs[0].name
-        value = buffer
         if buffer == EPI_SUM:   # the sum the epilogue's gradients read, float32, whenever a gradient is asked
             cond, dtype, index = "any(_need)", "torch.float32", None
         else:
             target = buffer[len("_grad_"):]
             index = _input_index(t.forward.diagram, target)
             cond, dtype = f"_need[{index}]", f"{target}.dtype if _like else torch.float32"
-            shared = len(gd.tensor(buffer).axes) - len(t.forward.diagram.tensor(target).axes)
-            if shared:   # a factor shared along batch wires: float32 partials, one per index, summed here
-                dims = ", ".join(str(i) for i in range(shared))
-                dtype = "torch.float32"
-                value = (f"({buffer}.sum(dim=({dims},)).to({target}.dtype if _like else torch.float32) "
-                         f"if {buffer} is not None else None)")
         launches.append({
             "kernel": c["kernel"], "buffer": buffer, "cond": cond, "dtype": dtype, "before": [],
             "what": "the sum the epilogue's gradients read" if index is None else f"d{target}",
-            "warps": "(8 if _bk * max(_br, _bc) >= 128 * 128 else 4)", "blocks": block_line,
+            "warps": "(8 if max(_br * _bc, _bk * max(_br, _bc)) >= 128 * 128 else 4)", "blocks": block_line,
             "grid": '(_cdiv(_sz["' + g.row + '"], _br), _cdiv(_sz["' + g.col + '"], _bc), '
                     + (" * ".join(f'_sz["{w}"]' for w in g.batch) or "1") + ")",
             "args": ",\n".join([", ".join(tensors)] + ([", ".join(sizes)] if sizes else []) + strides
                                        + [", ".join(blocks)]),
-            "index": index, "value": value,
+            "index": index,
         })
     if t.epilogue is not None:   # after the sum it reads, before the products that read its dR
         launches[1 if t.epilogue.recompute else 0]["before"] = epilogue_lines(t)
@@ -620,7 +610,7 @@ def _contraction_context(t: Training) -> dict:
     param = fresh_name(f"d{out}", {x.name for x in d.inputs}, prefix="")
     # gradients come back in the inputs' order, whatever order the product
     # names them in (sum[k](X * W) with W declared first swapped dW and dX)
-    by_index = {g["index"]: g["value"] for g in launches if g["index"] is not None}
+    by_index = {g["index"]: g["buffer"] for g in launches if g["index"] is not None}
     for name, _ in t.epilogue.sides if t.epilogue is not None else ():
         by_index[_input_index(d, name)] = EPI_GRAD + name
     returns = [by_index.get(i, "None") for i in range(len(d.inputs))]

@@ -539,25 +539,15 @@ def _contraction(d: ir.Diagram, train, sizes: dict, profile, grad_dtype: str) ->
     moves, kernels, drams = [], [], []
     working_set = 0
     cf = of = ef = 0
-    summed = []
     for g in train.grads:
         gd = g.diagram
         r = analyse(gd, {w: s for w, s in sizes.items() if gd.wire(w) is not None}, profile)
         name = gd.outputs[0].name
         kernels.append(name)
-        target = name[len("_grad_"):]
         if name == training.EPI_SUM:    # the recomputed sum, float32 whatever grad_dtype says
             stored = "fp32"
         else:
-            stored = d.tensor(target).dtype if grad_dtype == "input" else "fp32"
-            if len(gd.tensor(name).axes) > len(d.tensor(target).axes):
-                # a factor shared along batch wires: float32 partials, one per index, that torch sums
-                # (training._contraction_context) into the gradient's dtype
-                partials = math.prod(sizes[w] for w in ir.axis_wires(gd.tensor(name).axes))
-                whole = math.prod(sizes[w] for w in ir.axis_wires(d.tensor(target).axes))
-                summed += [Move("partials summed (torch)", name, "load", "fp32", partials),
-                           Move("partials summed (torch)", f"d{target}", "store", stored, whole)]
-                stored = "fp32"
+            stored = d.tensor(name[len("_grad_"):]).dtype if grad_dtype == "input" else "fp32"
         mine = []
         for t in r.transfers:
             if t.boundary.startswith("hbm/"):
@@ -568,10 +558,6 @@ def _contraction(d: ir.Diagram, train, sizes: dict, profile, grad_dtype: str) ->
         moves += mine
         working_set = max(working_set, r.roofline.l2_working_set)
         cf, of, ef = cf + r.flops.contraction, of + r.flops.other, ef + r.flops.exp
-    if summed:   # one pass over the partials and the gradient they make
-        kernels.append(summed[0].kernel)
-        drams.append(sum(m.bytes for m in summed))
-        moves += summed
     if train.epilogue is not None:
         mine = _epilogue_moves(d, train.epilogue, sizes, grad_dtype)
         kernels.append(mine[0].kernel)

@@ -129,6 +129,10 @@ class Kernel:
     wires: tuple[str, ...]       # every wire the kernel's boxes touch
     two_pass: bool               # streamed inputs read twice (see module doc)
     skips: bool                  # may skip masked blocks
+    # the other wires of a sum over the streamed one (sum[b, m](X * dY) streaming m: b), which a
+    # program walks index by index around its stream (codegen's ContractionPlan.outer): a step
+    # holds one index of each
+    looped: tuple[str, ...] = ()
 
 
 def is_materialised(diagram: ir.Diagram, name: str) -> bool:
@@ -204,8 +208,11 @@ def _finish(diagram, index, boxes, stores, accesses, wires) -> Kernel:
     needs_stat = s is not None and any(
         (isinstance(node, ir.Reduce) and s in node.wires) or (isinstance(node, ir.Normalize) and node.wire == s)
         for n in boxes for node in ir.walk(diagram.tensor(n).expr))
+    looped = {w for n in boxes for node in ir.walk(diagram.tensor(n).expr)
+              if isinstance(node, ir.Reduce) and s in node.wires for w in node.wires if w != s}
     return Kernel(index, boxes, stores, accesses, wires,
-                  two_pass=stores_along and needs_stat, skips=s is not None and not stores_along)
+                  two_pass=stores_along and needs_stat, skips=s is not None and not stores_along,
+                  looped=tuple(w for w in wires if w in looped))
 
 
 # --------------------------------------------------------------------------
@@ -671,7 +678,8 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
         wave_bytes += tiles_in_first * math.prod(extent.values()) * width
         if acc in shared:
             per_step = math.prod((stream[1] if acc.step(w) == 1 else coarse_extent(stream[1], acc.step(w)))
-                                 if stream and w == stream[0] else extent[w] for w in acc.wires)
+                                 if stream and w == stream[0] else 1 if w in kernel.looped else extent[w]
+                                 for w in acc.wires)
             step_bytes += tiles_in_first * per_step * width
     if step_bytes > l2_bytes:
         return {a: 1.0 for a in shared}, step_bytes
