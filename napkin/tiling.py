@@ -239,11 +239,24 @@ def tensors_read(diagram: ir.Diagram) -> set[str]:
 # Footprints.
 # --------------------------------------------------------------------------
 
-def tile_elements(diagram: ir.Diagram, level_name: str, name: str, sizes: dict[str, int]) -> int:
-    """Elements of one tile of tensor ``name`` at a level; raises UnboundWire."""
+def looped_wires(diagram: ir.Diagram, level_name: str) -> set[str]:
+    """The wires a sum reduces beside one the level streams, which the level does not tile:
+    a program walks them index by index around its stream (sum[k, j](A * B) streaming j: k;
+    codegen's ContractionPlan.outer), so a tile holds one index of each."""
+    streamed = set(streamed_wires(diagram, level_name))
+    level = diagram.level(level_name)
+    tiled = {t.wire for t in level.tiles} if level is not None else set()
+    return {w for let in diagram.lets for n in ir.walk(let.expr) if isinstance(n, ir.Reduce)
+            and streamed & set(n.wires) for w in n.wires if w not in streamed and w not in tiled}
+
+
+def tile_elements(diagram: ir.Diagram, level_name: str, name: str, sizes: dict[str, int],
+                  looped: frozenset = frozenset()) -> int:
+    """Elements of one tile of tensor ``name`` at a level, one index of each ``looped`` wire;
+    raises UnboundWire."""
     count = 1
     for wire in ir.axis_wires(diagram.tensor(name).axes):
-        extent = tile_extent(diagram, level_name, wire, sizes)
+        extent = 1 if wire in looped else tile_extent(diagram, level_name, wire, sizes)
         if extent is None:
             raise UnboundWire(wire)
         count *= extent
@@ -263,6 +276,7 @@ def level_footprint(diagram: ir.Diagram, level_name: str,
     on_chip = is_on_chip(diagram, level_name)
     read = tensors_read(diagram)
     streamed = set(streamed_wires(diagram, level_name))
+    looped = frozenset(looped_wires(diagram, level_name)) if on_chip else frozenset()
     out = []
     for tensor in diagram.inputs + diagram.lets:
         name = tensor.name
@@ -274,6 +288,6 @@ def level_footprint(diagram: ir.Diagram, level_name: str,
             dtype = tensor_dtype(diagram, name)
         else:
             continue
-        elements = tile_elements(diagram, level_name, name, sizes)
+        elements = tile_elements(diagram, level_name, name, sizes, looped)
         out.append((name, elements, elements * ir.DTYPE_BYTES[dtype]))
     return out

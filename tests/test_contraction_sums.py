@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import napkin
+from napkin import tiling
 from backward_helpers import compile_text, gradients
 from napkin.bytecount import ByteCounter
 from napkin.cost import analyse, backward_cost
@@ -78,8 +79,12 @@ def test_a_sum_over_two_wires_moves_the_bytes_the_cost_pass_counts(tmp_path):
         want[t.direction == "store"][t.tensor] += t.bytes
     assert (dict(bc.loads), dict(bc.stores)) == (dict(want[0]), dict(want[1]))
     assert bc.launches == 1
-    # a step of the L2 model holds one k (model.dram_fractions), as a step of the loop does
+    # a step of the L2 model holds one k (model.dram_fractions), as a step of the loop does, and so
+    # does a tile in smem: 16 x 16 of A and of B, not 16 x |k| x 16 ("8.4MB DOES NOT FIT" at k = 512)
     assert [k.looped for k in kernels(d)] == [("k",)]
+    resident = {name: nbytes for name, _, nbytes in tiling.level_footprint(d, "smem", {"m": 37, "n": 29, "k": 3,
+                                                                                      "j": 45})}
+    assert resident == {"A": 16 * 16 * 4, "B": 16 * 16 * 4, "C": 16 * 16 * 4}
 
 
 def test_a_weight_shared_by_the_batch_takes_its_gradient_in_one_launch(tmp_path):
