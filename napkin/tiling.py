@@ -239,14 +239,16 @@ def tensors_read(diagram: ir.Diagram) -> set[str]:
 # Footprints.
 # --------------------------------------------------------------------------
 
-def looped_wires(diagram: ir.Diagram, level_name: str) -> set[str]:
+def looped_wires(diagram: ir.Diagram, level_name: str, boxes=None) -> set[str]:
     """The wires a sum reduces beside one the level streams, which the level does not tile:
     a program walks them index by index around its stream (sum[k, j](A * B) streaming j: k;
-    codegen's ContractionPlan.outer), so a tile holds one index of each."""
+    codegen's ContractionPlan.outer), so a tile, and a step of the L2 model, holds one index
+    of each.  ``boxes``: those of one kernel (cost/model.py), else every box."""
     streamed = set(streamed_wires(diagram, level_name))
     level = diagram.level(level_name)
     tiled = {t.wire for t in level.tiles} if level is not None else set()
-    return {w for let in diagram.lets for n in ir.walk(let.expr) if isinstance(n, ir.Reduce)
+    lets = diagram.lets if boxes is None else [diagram.tensor(n) for n in boxes]
+    return {w for let in lets for n in ir.walk(let.expr) if isinstance(n, ir.Reduce)
             and streamed & set(n.wires) for w in n.wires if w not in streamed and w not in tiled}
 
 

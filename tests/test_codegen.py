@@ -467,7 +467,7 @@ def test_a_contraction_over_two_wires_streams_the_last_and_loops_over_the_other(
     plan = L.lower(parse(text, "t.ncd"))
     assert (plan.red, plan.outer, plan.batch) == ("j", ("k",), ())
     source = emit_module(parse(text, "t.ncd"), source_text=text, source_path="t.ncd")
-    assert "for _o in range(_size_k):" in source and "_i_k = _o" in source
+    assert "for _o in range(_size_k):" in source and "_rest = _o\n        _i_k = _rest\n" in source
     streamed = L.lower(parse(text + "schedule { level smem { stream k by 16 } }\n", "t.ncd"))
     assert (streamed.red, streamed.outer) == ("k", ("j",))
 

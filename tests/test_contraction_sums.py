@@ -108,3 +108,18 @@ def test_a_weight_shared_by_the_batch_takes_its_gradient_in_one_launch(tmp_path)
         want[mv.direction == "store"][mv.tensor] += mv.bytes
     assert (dict(bc.loads), dict(bc.stores)) == (dict(want[0]), dict(want[1]))
     assert dict(bc.stores)["_grad_W"] == 4 * 45 * 29 and bc.launches == 2
+
+
+def test_a_weight_shared_by_two_batch_wires_loops_over_both(tmp_path):
+    """dW sums over b, h and m: the loop decodes two wires from one index (h innermost), so a
+    wrong split of it (one wire's indices twice, the other's never) shows in dW."""
+    text = LINEAR.replace("wire b, m, n, k", "wire b, h, m, n, k").replace("X[b, m, k]", "X[b, h, m, k]") \
+        .replace("Y[b, m, n]", "Y[b, h, m, n]").replace("group b by 1,", "group b by 1, h by 1,")
+    m = compile_text(text, "lin_two", tmp_path)
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(2, 3, 21, 45, generator=g), torch.randn(45, 29, generator=g)
+    dy = torch.randn(2, 3, 21, 29, generator=g)
+    dx, dw = m.lin_backward(x, w, dy)
+    want = torch.einsum("bhmk,bhmn->kn", x.double(), dy.double())
+    assert (dw.double() - want).abs().max() < 1e-5 * want.abs().max()
+    assert (dx.double() - dy.double() @ w.double().T).abs().max() < 1e-5 * dx.abs().max()

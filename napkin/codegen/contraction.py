@@ -64,14 +64,10 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
 
 def _outer(names: _Names, outer: tuple[str, ...]) -> Optional[dict]:
     """The loop of a program over the sum's other wires (ContractionPlan.outer), around its
-    stream: the count of its steps and each step's indices (innermost wire last); None
-    where the sum is over the streamed wire alone."""
+    stream: the count of its steps and each step's indices, decoded as the batch's are (the
+    loop's own index copied first: it may not be reassigned); None where the sum is over the
+    streamed wire alone."""
     if not outer:
         return None
-    lines, rest = [], "_o"
-    for w in reversed(outer[1:]):
-        lines += [f"_i_{w} = {rest} % {names.size(w)}", f"_rest = {rest} // {names.size(w)}"]
-        rest = "_rest"
-    lines.append(f"_i_{outer[0]} = {rest}")
     return {"wires": ", ".join(outer), "count": " * ".join(names.size(w) for w in outer),
-            "decode": "\n".join(lines)}
+            "decode": "_rest = _o\n" + _decode(names, outer, flat="_rest")}

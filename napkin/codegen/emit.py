@@ -218,17 +218,18 @@ def reference_inputs(d: ir.Diagram, dtype: str = "_c") -> list[str]:
     return lines
 
 
-def _decode(names: _Names, batch: tuple[str, ...], axis: Optional[int] = None) -> str:
+def _decode(names: _Names, batch: tuple[str, ...], axis: Optional[int] = None, flat: str = "_batch") -> str:
     """Per-wire batch indices from the flat program id (innermost wire last),
-    read from grid ``axis`` into ``_batch`` first where given (None: the
-    caller's template has read it)."""
+    read from grid ``axis`` into ``flat`` first where given (None: the
+    caller's template has read it).  ``flat``: the variable holding the flat
+    index (a contraction's loop over the sum's other wires decodes its own)."""
     if not batch:
         return "# (no batch wires: one program per block)"
-    lines = [] if axis is None else [f"_batch = tl.program_id({axis}).to(tl.int64)"]
+    lines = [] if axis is None else [f"{flat} = tl.program_id({axis}).to(tl.int64)"]
     for w in reversed(batch[1:]):
-        lines.append(f"_i_{w} = _batch % {names.size(w)}")
-        lines.append(f"_batch = _batch // {names.size(w)}")
-    lines.append(f"_i_{batch[0]} = _batch")
+        lines.append(f"_i_{w} = {flat} % {names.size(w)}")
+        lines.append(f"{flat} = {flat} // {names.size(w)}")
+    lines.append(f"_i_{batch[0]} = {flat}")
     return "\n".join(lines)
 
 

@@ -130,8 +130,8 @@ class Kernel:
     two_pass: bool               # streamed inputs read twice (see module doc)
     skips: bool                  # may skip masked blocks
     # the other wires of a sum over the streamed one (sum[b, m](X * dY) streaming m: b), which a
-    # program walks index by index around its stream (codegen's ContractionPlan.outer): a step
-    # holds one index of each
+    # program walks index by index around its stream (tiling.looped_wires): a step holds one
+    # index of each
     looped: tuple[str, ...] = ()
 
 
@@ -208,8 +208,7 @@ def _finish(diagram, index, boxes, stores, accesses, wires) -> Kernel:
     needs_stat = s is not None and any(
         (isinstance(node, ir.Reduce) and s in node.wires) or (isinstance(node, ir.Normalize) and node.wire == s)
         for n in boxes for node in ir.walk(diagram.tensor(n).expr))
-    looped = {w for n in boxes for node in ir.walk(diagram.tensor(n).expr)
-              if isinstance(node, ir.Reduce) and s in node.wires for w in node.wires if w != s}
+    looped = tiling.looped_wires(diagram, levels[0], boxes) if s is not None else set()
     return Kernel(index, boxes, stores, accesses, wires,
                   two_pass=stores_along and needs_stat, skips=s is not None and not stores_along,
                   looped=tuple(w for w in wires if w in looped))
