@@ -2,7 +2,7 @@
 # The benchmark a session with a lent H100 (or H200) runs, in stages that each
 # fit one 10-minute device command.  Usage, from the repository root:
 #
-#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|extras|masks|sweep|ncu|tma|decode|ragged|aot|all]   (default: all)
+#     bench/run_h100.sh [env|test|benchtest|main|variants|misses|others|extras|masks|sweep|ncu|tma|decode|ragged|matmul|aot|all]   (default: all)
 #
 # Results go to $NAPKIN_BENCH_OUT, else $OUT (the device tool's folder that
 # comes back), else bench/results; copy them into bench/results/ and commit
@@ -176,6 +176,13 @@ stage_ragged() {
   "$PYTHON" bench/decode.py --ragged --out "$OUT_DIR"
 }
 
+stage_matmul() {
+  # A contraction's program order (bench/matmul_order.py; never run on a GPU yet): examples/matmul.ncd
+  # forward and backward at 4K and 8K with its programs in the plain order and in groups of 4 and
+  # 8 row blocks, against torch.matmul, beside the L2 model's DRAM bytes for each (docs/cost.md).
+  "$PYTHON" bench/matmul_order.py --out "$OUT_DIR"
+}
+
 stage_aot() {
   # What the machine's own Triton makes of the kernels before anything is
   # timed (napkin.bench.aot: registers, spills, wgmma): ALiBi with its slope
@@ -186,7 +193,7 @@ stage_aot() {
 
 stage="${1:-all}"
 case "$stage" in
-  env|test|benchtest|main|variants|misses|others|extras|masks|sweep|ncu|tma|decode|ragged|aot) "stage_$stage" ;;
-  all) for s in env test aot main variants others extras masks benchtest sweep ncu tma decode ragged; do "stage_$s"; done ;;
-  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|extras|masks|sweep|ncu|tma|decode|ragged|aot|all]" >&2; exit 2 ;;
+  env|test|benchtest|main|variants|misses|others|extras|masks|sweep|ncu|tma|decode|ragged|matmul|aot) "stage_$stage" ;;
+  all) for s in env test aot main variants others extras masks benchtest sweep ncu tma decode ragged matmul; do "stage_$s"; done ;;
+  *) echo "usage: $0 [env|test|benchtest|main|variants|misses|others|extras|masks|sweep|ncu|tma|decode|ragged|matmul|aot|all]" >&2; exit 2 ;;
 esac

@@ -882,6 +882,11 @@ def _scaled_grad(acc, c: tl.constexpr, dt: tl.constexpr):
     return acc
 
 
+# Each contraction kernel's programs run in groups of this many row blocks (napkin.tiling.grouped_program);
+# a module-level name, so a benchmark may set another before a launch (each value compiles once).
+_GROUP_ROWS = 4
+
+
 @triton.jit(do_not_specialize=["_size_m", "_size_n", "_size_k"])
 def _matmul_kernel(
     A,
@@ -900,12 +905,21 @@ def _matmul_kernel(
     _BLOCK_n: tl.constexpr,
     _BLOCK_k: tl.constexpr,
     _INT64: tl.constexpr,
+    _GROUP: tl.constexpr,
 ):
     # Program ids: axis 0 a block of m, axis 1 a block of n, axis 2 the batch wires.
     # (no batch wires: one program per block)
-    _offs_m = tl.program_id(0) * _BLOCK_m + tl.arange(0, _BLOCK_m)
+    # Programs in groups of _GROUP blocks of m, each group walking every block of n
+    # (napkin.tiling.grouped_program): the launch runs axis 0 fastest, so the programs running at
+    # once share a few tiles of each factor in L2 (int32: fewer than 2**31 programs, each stores a tile).
+    _rows = tl.num_programs(0)
+    _in_group = _GROUP * tl.num_programs(1)
+    _linear = tl.program_id(1) * _rows + tl.program_id(0)
+    _first = _linear // _in_group * _GROUP
+    _size = tl.minimum(_rows - _first, _GROUP)  # the last group's: the blocks left
+    _offs_m = (_first + _linear % _in_group % _size) * _BLOCK_m + tl.arange(0, _BLOCK_m)
     _ok_m = _offs_m < _size_m
-    _offs_n = tl.program_id(1) * _BLOCK_n + tl.arange(0, _BLOCK_n)
+    _offs_n = (_linear % _in_group // _size) * _BLOCK_n + tl.arange(0, _BLOCK_n)
     _ok_n = _offs_n < _size_n
 
     # Tiles without k: loaded once per program.
@@ -983,7 +997,7 @@ def _matmul_forward(A, B, block_m, block_n, block_k, num_warps, num_stages, _sav
             *_wire_strides(A, "A", _sz),
             *_wire_strides(B, "B", _sz),
             *_wire_strides(C, "C", _sz),
-            _BLOCK_m=_br, _BLOCK_n=_bc, _BLOCK_k=_bk, _INT64=_int64_offsets(A, B, C), num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
+            _BLOCK_m=_br, _BLOCK_n=_bc, _BLOCK_k=_bk, _INT64=_int64_offsets(A, B, C), _GROUP=_GROUP_ROWS, num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True,
         )
     return (C,), ()
 # ---------------------------------------------------------------------------
@@ -1058,12 +1072,21 @@ def _matmul_bwd_A_kernel(
     _BLOCK_k: tl.constexpr,
     _BLOCK_n: tl.constexpr,
     _INT64: tl.constexpr,
+    _GROUP: tl.constexpr,
 ):
     # Program ids: axis 0 a block of m, axis 1 a block of k, axis 2 the batch wires.
     # (no batch wires: one program per block)
-    _offs_m = tl.program_id(0) * _BLOCK_m + tl.arange(0, _BLOCK_m)
+    # Programs in groups of _GROUP blocks of m, each group walking every block of k
+    # (napkin.tiling.grouped_program): the launch runs axis 0 fastest, so the programs running at
+    # once share a few tiles of each factor in L2 (int32: fewer than 2**31 programs, each stores a tile).
+    _rows = tl.num_programs(0)
+    _in_group = _GROUP * tl.num_programs(1)
+    _linear = tl.program_id(1) * _rows + tl.program_id(0)
+    _first = _linear // _in_group * _GROUP
+    _size = tl.minimum(_rows - _first, _GROUP)  # the last group's: the blocks left
+    _offs_m = (_first + _linear % _in_group % _size) * _BLOCK_m + tl.arange(0, _BLOCK_m)
     _ok_m = _offs_m < _size_m
-    _offs_k = tl.program_id(1) * _BLOCK_k + tl.arange(0, _BLOCK_k)
+    _offs_k = (_linear % _in_group // _size) * _BLOCK_k + tl.arange(0, _BLOCK_k)
     _ok_k = _offs_k < _size_k
 
     # Tiles without n: loaded once per program.
@@ -1108,12 +1131,21 @@ def _matmul_bwd_B_kernel(
     _BLOCK_n: tl.constexpr,
     _BLOCK_m: tl.constexpr,
     _INT64: tl.constexpr,
+    _GROUP: tl.constexpr,
 ):
     # Program ids: axis 0 a block of k, axis 1 a block of n, axis 2 the batch wires.
     # (no batch wires: one program per block)
-    _offs_k = tl.program_id(0) * _BLOCK_k + tl.arange(0, _BLOCK_k)
+    # Programs in groups of _GROUP blocks of k, each group walking every block of n
+    # (napkin.tiling.grouped_program): the launch runs axis 0 fastest, so the programs running at
+    # once share a few tiles of each factor in L2 (int32: fewer than 2**31 programs, each stores a tile).
+    _rows = tl.num_programs(0)
+    _in_group = _GROUP * tl.num_programs(1)
+    _linear = tl.program_id(1) * _rows + tl.program_id(0)
+    _first = _linear // _in_group * _GROUP
+    _size = tl.minimum(_rows - _first, _GROUP)  # the last group's: the blocks left
+    _offs_k = (_first + _linear % _in_group % _size) * _BLOCK_k + tl.arange(0, _BLOCK_k)
     _ok_k = _offs_k < _size_k
-    _offs_n = tl.program_id(1) * _BLOCK_n + tl.arange(0, _BLOCK_n)
+    _offs_n = (_linear % _in_group // _size) * _BLOCK_n + tl.arange(0, _BLOCK_n)
     _ok_n = _offs_n < _size_n
 
     # Tiles without m: loaded once per program.
@@ -1174,7 +1206,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(_grad_C, "_grad_C", _sz),
                 *_wire_strides(B, "B", _sz),
                 *_wire_strides(_grad_A, "_grad_A", _sz),
-                _BLOCK_m=_br, _BLOCK_k=_bc, _BLOCK_n=_bk, _INT64=_int64_offsets(_grad_C, B, _grad_A),
+                _BLOCK_m=_br, _BLOCK_k=_bc, _BLOCK_n=_bk, _INT64=_int64_offsets(_grad_C, B, _grad_A), _GROUP=_GROUP_ROWS,
                 num_warps=_opts["num_warps"] or (8 if max(_br * _bc, _bk * max(_br, _bc)) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     _grad_B = None
@@ -1189,7 +1221,7 @@ def _matmul_backward(A, B, _grad_C, _o, need, grad_dtype="float32"):
                 *_wire_strides(A, "A", _sz),
                 *_wire_strides(_grad_C, "_grad_C", _sz),
                 *_wire_strides(_grad_B, "_grad_B", _sz),
-                _BLOCK_k=_br, _BLOCK_n=_bc, _BLOCK_m=_bk, _INT64=_int64_offsets(A, _grad_C, _grad_B),
+                _BLOCK_k=_br, _BLOCK_n=_bc, _BLOCK_m=_bk, _INT64=_int64_offsets(A, _grad_C, _grad_B), _GROUP=_GROUP_ROWS,
                 num_warps=_opts["num_warps"] or (8 if max(_br * _bc, _bk * max(_br, _bc)) >= 128 * 128 else 4), num_stages=_stages, enable_fp_fusion=True,
             )
     return (_grad_A, _grad_B, )

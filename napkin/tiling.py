@@ -252,6 +252,32 @@ def looped_wires(diagram: ir.Diagram, level_name: str, boxes=None) -> set[str]:
             and streamed & set(n.wires) for w in n.wires if w not in streamed and w not in tiled}
 
 
+# A contraction kernel's programs in groups of this many row blocks (grouped_program).  4, not
+# Triton's tutorial's 8: the cost pass's L2 model (cost/model.py) finds 4 no worse than the plain
+# order on every case docs/cost.md lists, where 8 re-read the batch's factor on some (a group of
+# 8 spanned more waves than L2 holds); priced, not timed.
+GROUP_ROWS = 4
+
+
+def grouped_program(r, c, rows: int, cols: int, group: int = GROUP_ROWS):
+    """The (row block, column block) a contraction kernel's program (r, c) of a
+    rows x cols launch grid computes (templates/contraction_kernel.py.jinja renders
+    the same lines).  The launch runs grid axis 0 fastest, so its n-th program
+    is r + rows * c; programs are taken in groups of ``group`` row blocks, each
+    group walking every column block, its row blocks fastest: the programs
+    running at once share a few row tiles of one factor and column tiles of the
+    other, which L2 keeps, where the plain order had each wave read every row
+    tile.  A bijection (the last group holds the rows left); ints or numpy
+    arrays alike."""
+    import numpy as np
+
+    linear = c * rows + r
+    in_group = group * cols
+    first = linear // in_group * group
+    size = np.minimum(rows - first, group)   # the last group's: the rows left
+    return first + linear % in_group % size, linear % in_group // size
+
+
 def tile_elements(diagram: ir.Diagram, level_name: str, name: str, sizes: dict[str, int],
                   looped: frozenset = frozenset()) -> int:
     """Elements of one tile of tensor ``name`` at a level, one index of each ``looped`` wire;

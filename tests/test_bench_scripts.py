@@ -370,6 +370,11 @@ def test_run_h100_ragged_stage_runs_the_ragged_decode_bench(tmp_path):
     assert calls == [["bench/decode.py", "--ragged", "--out", str(tmp_path / "out")]]
 
 
+def test_run_h100_matmul_stage_runs_the_program_order_bench(tmp_path):
+    calls = run_stage_recorded(tmp_path, "matmul")
+    assert calls == [["bench/matmul_order.py", "--out", str(tmp_path / "out")]]
+
+
 # --------------------------------------------------------------------------
 # bench/launch_overhead.py: the host's time per launch, kernels stubbed
 # --------------------------------------------------------------------------
@@ -527,7 +532,7 @@ def test_the_committed_gpu_records_fit_the_schema_and_render_as_committed():
     and its markdown is what results.markdown renders from its JSON (the tables in the docs quote
     them)."""
     records = sorted(p for p in (REPO / "bench" / "results").glob("*.json")
-                     if not p.name.startswith(("autotune-", "decode-")))
+                     if not p.name.startswith(("autotune-", "decode-", "matmul-order-")))
     assert records
     for path in records:
         data = json.loads(path.read_text())
@@ -548,3 +553,28 @@ def test_the_committed_decode_records_are_gpu_runs_that_passed_their_checks_and_
         assert not data["smoke"] and data["rows"], path.name
         assert all(r["ok"] for r in data["rows"] if r["impl"] != "sdpa"), path.name
         assert path.with_suffix(".md").read_text() == decode.markdown(data), path.name
+
+
+# --------------------------------------------------------------------------
+# bench/matmul_order.py: a contraction's program order against torch.matmul
+# --------------------------------------------------------------------------
+
+def test_matmul_order_checks_each_order_before_timing_it_and_writes_its_record(tmp_path, monkeypatch):
+    """The CPU smoke: each group size's product and gradients checked against float64 and
+    timed, the model's DRAM bytes beside them, the record and its table written; a wrong
+    product stops it before any time is taken.  Committed records (a GPU's) are no smoke
+    and render as committed."""
+    bench = _bench_script("matmul_order")
+    assert bench.main(["--sizes", "40", "--groups", "0,4", "--reps", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("matmul-order-cpu-*.json")
+    data = json.loads(path.read_text())
+    assert [(r["impl"], r["group"]) for r in data["rows"]] == [("torch.matmul", None), ("napkin", 0), ("napkin", 4)]
+    assert all(max(r["errors"].values()) < 1e-5 and r["dram_forward"] > 0 for r in data["rows"][1:])
+    assert path.with_suffix(".md").read_text() == bench.markdown(data)
+    import generated.matmul as mm
+    monkeypatch.setattr(mm, "matmul", lambda a, b: (a @ b) * 1.01)
+    with pytest.raises(AssertionError, match="N=40, group 4: error"):
+        bench.measure(mm, 40, 4, torch.float32, "cpu", 1)
+    for record in (REPO / "bench" / "results").glob("matmul-order-*.json"):
+        committed = json.loads(record.read_text())
+        assert not committed["smoke"] and record.with_suffix(".md").read_text() == bench.markdown(committed)

@@ -2,15 +2,18 @@
 (templates/contraction.py.jinja) and the backward's dA, dB and recomputed sum
 (training.py, through templates/contraction_kernel.py.jinja).
 
-One program per (row block, column block, batch index); the sum's streamed
-wire in blocks, whole ones unmasked, then the ragged last; the sum's other
-wires (ContractionPlan.outer) looped over index by index around that stream;
-the epilogue f on the float32 accumulator, then one store.
+One program per (row block, column block, batch index), taken in groups of
+row blocks (tiling.grouped_program: the kernel's lines, the L2 model's
+order); the sum's streamed wire in blocks, whole ones unmasked, then the
+ragged last; the sum's other wires (ContractionPlan.outer) looped over index
+by index around that stream; the epilogue f on the float32 accumulator, then
+one store.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from .. import tiling
 from . import launch as H
 from . import lower as L
 from .emit import _decode, _finalise, _kinds, _load, _Names, _params, _wire_ctx, dot_operands
@@ -25,7 +28,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
     lhs, rhs = dot_operands(plan.lhs.var, dtypes[plan.lhs.tensor], plan.rhs.var, dtypes[plan.rhs.tensor])
     step = f'_acc = tl.dot({lhs}, {rhs}, _acc, input_precision="{plan.precision}")'
     finalise, stores = _finalise(d, names, plan.outputs, kinds, {})
-    blocks_list = [names.block(w) for w in (row, col, red)] + ["_INT64"]
+    blocks_list = [names.block(w) for w in (row, col, red)] + ["_INT64", "_GROUP"]
     params, sizes = _params(d, names, blocks_list)
     opts = H.options(d, [row, col, red])
     batch = " * ".join(f'_sz["{w}"]' for w in plan.batch) or "1"
@@ -39,12 +42,14 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
               f'_grid = _fits((_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), {batch}))']
     block_args = [f"{names.block(row)}=_br", f"{names.block(col)}=_bc", f"{names.block(red)}=_bk",
-                  f"_INT64=_int64_offsets({', '.join([t.name for t in d.inputs] + [o.name for o in d.outputs])})"]
+                  f"_INT64=_int64_offsets({', '.join([t.name for t in d.inputs] + [o.name for o in d.outputs])})",
+                  "_GROUP=_GROUP_ROWS"]
     launch.append(H.launch_call(d, f"_{d.name}_kernel", "_grid", block_args,
                                ['num_warps=_opts["num_warps"] or (8 if _br * _bc >= 128 * 128 else 4)',
                                 'num_stages=_opts["num_stages"] or 2', H.FP_FUSION]))
     return {
-        "kernel": f"_{d.name}_kernel", "params": params, "no_specialize": ", ".join(f'"{s}"' for s in sizes),
+        "kernel": f"_{d.name}_kernel", "group_rows": tiling.GROUP_ROWS, "params": params,
+        "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch, 2), "outer": _outer(names, plan.outer),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col), "red": _wire_ctx(names, red),
         "pre_loads": [_load(d, names, ld) for ld in plan.loads],

@@ -70,7 +70,9 @@ def internal_names(d: ir.Diagram) -> frozenset:
            # the backward's widened products' precision; the ranges merge kernel's locals
            "_WIDE", "_chunks", "_inner", "_joined", "_n", "_src",
            # the dQ kernel's per-row sum of dS (backward_emit.DS_ROWS)
-           "_ds_rows"} | KERNEL_HELPERS
+           "_ds_rows",
+           # a contraction kernel's grouped program order (tiling.grouped_program)
+           "_GROUP", "_rows", "_in_group", "_linear", "_size"} | KERNEL_HELPERS
     # (a side input called c0, k0 or WIDE was overwritten by these: wrong numbers or a crash)
     for sfx in suffixes:
         out |= {f"_{base}{sfx}" for base in ("s", "p", "m", "m_new", "m_use", "alpha", "qk", "acc", "l", "max",

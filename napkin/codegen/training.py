@@ -578,7 +578,8 @@ def _contraction_context(t: Training) -> dict:
         wires = {"_br": g.row, "_bc": g.col, "_bk": g.red}
         block_line = ", ".join(wires) + " = " + ", ".join(
             f'_block_size(_opts["block_{w}"], "{w}", "block_{w}")' for w in wires.values())
-        blocks = [f"_BLOCK_{w}={v}" for v, w in wires.items()] + [f"_INT64=_int64_offsets({', '.join(tensors)})"]
+        blocks = [f"_BLOCK_{w}={v}" for v, w in wires.items()] + [f"_INT64=_int64_offsets({', '.join(tensors)})",
+                                                                  "_GROUP=_GROUP_ROWS"]
         # 8 warps when a tile it loads per step (the streamed wire by either output wire: dC's, the
         # forward's output tile) is 128 x 128, as the forward's launch: at 4 warps matmul's dA held 255
         # registers and spilled 12 B on Triton 3.6 (napkin.bench.aot, aot-sm90-2026-11-21-4.md); or when

@@ -133,6 +133,10 @@ class Kernel:
     # program walks index by index around its stream (tiling.looped_wires): a step holds one
     # index of each
     looped: tuple[str, ...] = ()
+    # a contraction kernel's row and column wires (codegen's grid axes 0 and 1: the free wire of
+    # the product's first factor, then of its second), whose blocks its programs take in groups
+    # (tiling.grouped_program); () for any other kernel, whose grid axes launch_order gives
+    grouped: tuple[str, ...] = ()
 
 
 def is_materialised(diagram: ir.Diagram, name: str) -> bool:
@@ -211,7 +215,26 @@ def _finish(diagram, index, boxes, stores, accesses, wires) -> Kernel:
     looped = tiling.looped_wires(diagram, levels[0], boxes) if s is not None else set()
     return Kernel(index, boxes, stores, accesses, wires,
                   two_pass=stores_along and needs_stat, skips=s is not None and not stores_along,
-                  looped=tuple(w for w in wires if w in looped))
+                  looped=tuple(w for w in wires if w in looped),
+                  grouped=_grouped_axes(diagram, boxes, tiling_at(diagram, levels[0]), s) if s else ())
+
+
+def _grouped_axes(diagram, boxes, tiles: Tiling, s: str) -> tuple[str, ...]:
+    """(row, column) of a contraction kernel: a sum over the streamed wire of two
+    factors, each with one blocked grid wire the other lacks (the first factor's
+    is grid axis 0, as lower._contraction's row); () otherwise.  Attention kernels
+    block one wire (their rows), so this picks out the contraction family."""
+    blocked = {w for w, b in tiles.groups if b > 1}
+    if len(blocked) != 2:
+        return ()
+    for n in boxes:
+        for node in ir.walk(diagram.tensor(n).expr):
+            factors = contraction_factors(node, diagram) if isinstance(node, ir.Reduce) and s in node.wires else None
+            if factors:
+                own = [(node_wires(diagram, a) - node_wires(diagram, b)) & blocked for a, b in (factors, factors[::-1])]
+                if all(len(o) == 1 for o in own):
+                    return (*own[0], *own[1])
+    return ()
 
 
 # --------------------------------------------------------------------------
@@ -621,11 +644,12 @@ def work_polys(work: Work, wire_sym: Callable[[str], Poly]) -> dict[str, Poly]:
 # second pass is assumed to miss.  This is an estimate, used only for the roofline.
 # --------------------------------------------------------------------------
 
-def launch_order(groups: dict[str, int]) -> list[str]:
+def launch_order(groups: dict[str, int], grouped: tuple[str, ...] = ()) -> list[str]:
     """Grid wires, fastest-varying first, as the kernels launch them: the
-    blocked wires (grid axis 0, then 1) in schedule order, then the batch
+    blocked wires (grid axis 0, then 1) in schedule order, a contraction's
+    in its (row, column) order (``grouped``: Kernel.grouped), then the batch
     wires (block 1) flattened with the last one fastest."""
-    blocked = [w for w, b in groups.items() if b > 1]
+    blocked = list(grouped) or [w for w, b in groups.items() if b > 1]
     batch = [w for w, b in groups.items() if b == 1]
     return blocked + batch[::-1]
 
@@ -649,7 +673,7 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
     import numpy as np
 
     groups, stream = kernel_tiling(kernel, tiles)
-    order = launch_order(groups)
+    order = launch_order(groups, kernel.grouped)
     counts = [-(-sizes[w] // groups[w]) for w in order]   # whole numbers: a float ceil misstated 10^26 / 128
     carried = list(order)   # the wire that carries each grid axis
     if chunks > 1 and stream:
@@ -659,6 +683,9 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
     index, rest = {}, linear
     for w, n in zip(order, counts):
         index[w], rest = rest % n, rest // n
+    if kernel.grouped:   # the contraction's programs in groups of row blocks, as its kernel takes them
+        (row, col), (rows, cols) = order[:2], counts[:2]
+        index[row], index[col] = tiling.grouped_program(index[row], index[col], rows, cols, tiling.GROUP_ROWS)
     waves = linear // wave
     first = linear < wave
     shared = shared_loads(kernel, tiles, chunks)
