@@ -87,6 +87,20 @@ def test_a_sum_over_two_wires_moves_the_bytes_the_cost_pass_counts(tmp_path):
     assert resident == {"A": 16 * 16 * 4, "B": 16 * 16 * 4, "C": 16 * 16 * 4}
 
 
+def test_the_report_counts_each_index_of_a_looped_wire_as_more_steps():
+    """A program of sum[k, j](A * B) streaming j walks j's blocks once for each k: the report's
+    steps (and the (program, step) pairs) count them all, and say how (they counted j's alone)."""
+    from napkin.cost.report import format_text, from_json
+
+    d = napkin.load_text(TWO_WIRES.format(dt="fp32"))
+    report = analyse(d, {"m": 4096, "n": 4096, "k": 8, "j": 4096})
+    (info,) = report.kernels
+    assert (info.programs, info.steps, info.visited_steps, info.looped) == (256 * 256, 8 * 256, 256 * 256 * 8 * 256,
+                                                                           (("k", 8),))
+    assert from_json(report.to_json()).kernels[0].looped == (("k", 8),)
+    assert "stream j by 16: 65536 programs x 2048 steps (8 of k, each 256 of j)" in format_text(report)
+
+
 def test_a_weight_shared_by_the_batch_takes_its_gradient_in_one_launch(tmp_path):
     """dW = sum over b and m of X * dY: one product whose programs loop over b (it had no
     backward: "W lacks the batch wire(s) b").  Against float64 torch, and its bytes (the

@@ -625,7 +625,8 @@ def _kernel_infos(c: _Context) -> tuple[KernelInfo, ...]:
             grid = [math.prod(math.ceil(s[w] / b) for w, b in groups.items()) for s in c.launches]
             programs = sum(g * n for g, n in zip(grid, counts))
             if stream:
-                whole = math.ceil(c.launches[0][stream[0]] / stream[1])
+                # each index of a looped wire walks the stream's blocks again
+                whole = math.ceil(c.launches[0][stream[0]] / stream[1]) * math.prod(c.launches[0][w] for w in k.looped)
                 # a chunked program walks at most one chunk's blocks
                 steps = min(whole, ch.length(stream[1]) // stream[1]) if ch is not None and counts[0] > 1 else whole
                 v = c.visits[k.index][0] if c.visits[k.index] else None
@@ -637,7 +638,8 @@ def _kernel_infos(c: _Context) -> tuple[KernelInfo, ...]:
         # |g| = 1 packs nothing: the ordinary launch, at the packed block, on q
         packed = (c.pack.wire, c.pack.row) if c.packs and c.pack.row in groups else None
         infos.append(KernelInfo(k.index, k.boxes, stores, tuple(groups.items()), stream,
-                                programs, steps, visited_steps, k.two_pass, chunk, n_chunks, packed=packed))
+                                programs, steps, visited_steps, k.two_pass, chunk, n_chunks, packed=packed,
+                                looped=tuple((w, c.launches[0][w]) for w in k.looped) if c.known else ()))
         if ch is not None and c.chunked:   # the merge kernel: one program per (row block, batch index)
             merge_programs = sum(math.prod(math.ceil(s[w] / b) for w, b in groups.items())
                                  for s, n in zip(c.launches, counts) if n > 1) if c.known else None

@@ -124,7 +124,9 @@ class KernelInfo:
     grid: tuple[tuple[str, int], ...]   # wire, block
     stream: Optional[tuple[str, int]]
     programs: Optional[int]
-    steps: Optional[int]                # blocks of the streamed wire a program walks (one chunk's if chunked)
+    # the steps a program runs: blocks of the streamed wire (one chunk's if chunked), times each
+    # index of a wire it loops over around them (``looped``)
+    steps: Optional[int]
     visited_steps: Optional[int]        # (program, step) pairs run, after block skipping
     two_pass: bool
     # chunks of the streamed wire (napkin/cost/chunks.py): the chunk a launch
@@ -140,6 +142,8 @@ class KernelInfo:
     # it lists, and which step this is ("scan", "merge", "lists": torch's ops, a floor)
     prepass_of: Optional[int] = None
     prepass_step: Optional[str] = None
+    # the wires a program loops over around its stream (sum[k, j](A * B) streaming j: k), with sizes
+    looped: tuple[tuple[str, int], ...] = ()
 
 
 def kernel_words(k: KernelInfo) -> str:
@@ -314,6 +318,10 @@ def format_text(r: CostReport) -> str:
             run = f": {k.programs} programs"
             if k.steps is not None:
                 run += f" x {k.steps} steps"
+                loops = math.prod(n for _, n in k.looped)
+                if k.looped and loops and k.stream:
+                    run += (f" ({' x '.join(f'{n} of {w}' for w, n in k.looped)}, each {k.steps // loops} "
+                            f"of {k.stream[0]})")
                 if k.visited_steps is not None and k.visited_steps != k.programs * k.steps:
                     run += f", {k.visited_steps} (program, step) pairs visited" + (
                         ": each chunk its own steps" if k.chunk is not None else " after block skipping")
