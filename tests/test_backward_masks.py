@@ -321,6 +321,9 @@ MATMUL_EPILOGUES = {
 }
 
 
+# the padded lanes of an epilogue's tiles read 1.0: a divisor's made inf and NaN there, which
+# the interpreter warned of (dropped at the store, but a warning of a NaN hides real ones)
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize("case", sorted(MATMUL_EPILOGUES))
 def test_a_matmul_with_an_epilogue_trains(folder, case):
     """An epilogue of tensors, indices or a varying slope trains (it had no backward: 'whose

@@ -52,7 +52,9 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "no_specialize": ", ".join(f'"{s}"' for s in sizes),
         "decode": _decode(names, plan.batch, 2), "outer": _outer(names, plan.outer),
         "row": _wire_ctx(names, row), "col": _wire_ctx(names, col), "red": _wire_ctx(names, red),
-        "pre_loads": [_load(d, names, ld) for ld in plan.loads],
+        # an epilogue's float tiles read 1.0 past the edges: lanes the store drops, where a 0.0
+        # divisor (tanh(sum[k](A * B)) / bias) made inf and NaN (the interpreter warned of them)
+        "pre_loads": [_load(d, names, ld, pad="1.0") for ld in plan.loads],
         "step_loads": [_load(d, names, ld) for ld in (plan.lhs, plan.rhs)],
         "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
         "step": step, "finalise": finalise, "stores": stores, "launch": "\n".join(launch),

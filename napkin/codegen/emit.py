@@ -167,11 +167,12 @@ def _stepped(index: str, step: int) -> str:
 
 
 def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.Tma] = None,
-          drop_padding: bool = False, unit: bool = False) -> dict:
+          drop_padding: bool = False, unit: bool = False, pad: str = "0.0") -> dict:
     """A load's pointer and mask; ``inside``: wires in bounds (no mask);
     ``drop_padding``: rows at global positions past the length read as zeros
     (the mask an integer load takes), float loads too; ``unit``: the tile
-    with a trailing unit axis (_Names.index; pointers only).
+    with a trailing unit axis (_Names.index; pointers only); ``pad``: what a
+    float load's lanes past the edges read.
     ``tma``: the kernel's descriptors; "tma" is then the descriptor load of a
     qualifying tile (else None), taken when the kernel's constexpr _TMA is
     set.  "code": the statement(s), either way (tma.load_code)."""
@@ -179,7 +180,7 @@ def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.T
     # inputs) are read at the global positions; float inputs hold local rows
     glob = _kinds(d).get(ld.tensor) != "float"
     mask = names.mask(ld.rows, ld.cols, glob or drop_padding, inside, unit)
-    other = "0" if glob else "0.0"
+    other = "0" if glob else pad
     out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob, unit, ld.steps),
            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else "",
            "tma": None if tma is None or glob or unit or ld.steps else tma.load(ld)}
