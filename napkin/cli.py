@@ -44,6 +44,10 @@ DEMO_FILE = "examples/attention.ncd"
 DEMO_SIZES = {"b": 1, "h": 2, "q": 200, "x": 200, "hk": 2, "g": 2,
               "m": 200, "n": 200, "k": 200}
 DEMO_OTHER_SIZE = 64  # any other symbolic wire
+# ... but one the kernels take index by index: a wire grouped by 1 (a batch wire, one program
+# each) and a wire a sum loops over around its stream (sum[k, j](A * B) streaming j: k), which
+# multiply the interpreter's programs and steps: a 5-wire product at 64 x 200^3 ran for minutes
+DEMO_INDEXED_SIZE = 3
 
 # Max abs error (against a float64 reference) the demo accepts per output dtype,
 # times the output's scale, max(1, its largest |value|): rounding to fp16 alone is
@@ -340,7 +344,19 @@ def _demo_sizes(diagram, requested: dict[str, int], path) -> dict[str, int]:
         if known[name].size is not None and known[name].size != value:
             raise NapkinError(f"--size {name}={value}: wire {name} is fixed at {known[name].size}",
                               filename=str(path))
-    return ir.coarse_sizes(diagram, {w.name: requested.get(w.name, DEMO_SIZES.get(w.name, DEMO_OTHER_SIZE))
+    from . import tiling
+
+    levels = tiling.chip_levels(diagram)
+    looped = tiling.looped_wires(diagram, levels[0]) if levels else set()
+    by_one = {t.wire for t in diagram.level(levels[0]).tiles if t.kind == "group" and t.size == 1} \
+        if levels else set()
+
+    def default(w: str) -> int:   # the named sizes first, but a looped wire is small whatever its name
+        if w in looped or (w in by_one and w not in DEMO_SIZES):
+            return DEMO_INDEXED_SIZE
+        return DEMO_SIZES.get(w, DEMO_OTHER_SIZE)
+
+    return ir.coarse_sizes(diagram, {w.name: requested.get(w.name, default(w.name))
                                      for w in diagram.wires if w.size is None}, requested)   # qb follows q
 
 

@@ -435,6 +435,20 @@ def test_demo_default_sizes_are_small_and_cover_symbolic_wires():
     d = napkin.load(REPO / "examples" / "gqa.ncd")
     assert cli._demo_sizes(d, {}, "gqa.ncd") == {"b": 1, "hk": 2, "g": 2, "q": 200, "x": 200}
     assert cli._demo_sizes(d, {"q": 7}, "gqa.ncd")["q"] == 7
+    # a wire the kernels take index by index is small whatever its name: t grouped by 1 (one
+    # program each), k looped around the stream of j (sum[k, j]); a name the demo knows keeps
+    # its size where grouped by 1 (b), and any other wire is 64 (j)
+    looped = napkin.load_text("""diagram lin
+wire b, t, m, n, k, j
+in X[b, t, m, k, j] : fp32
+in W[k, j, n] : fp32
+Y[b, t, m, n] : fp32 = sum[k, j](X * W)
+out Y
+schedule { level smem { group b by 1, t by 1, m by 16, n by 16
+stream j by 16 } }
+""")
+    assert cli._demo_sizes(looped, {}, "lin.ncd") == {"b": 1, "t": 3, "m": 200, "n": 200, "k": 3, "j": 64}
+    assert cli._demo_sizes(looped, {"k": 5}, "lin.ncd")["k"] == 5
 
 
 def test_demo_finds_the_example_from_any_folder(monkeypatch, tmp_path):
