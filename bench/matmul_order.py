@@ -1,17 +1,25 @@
-"""A contraction kernel's program order, timed: generated/matmul.py (examples/matmul.ncd)
-forward and backward with its programs in one group (the plain order, row blocks
-fastest), in groups of 4 row blocks (napkin's default, tiling.GROUP_ROWS) and of 8
-(Triton's tutorial's), against torch.matmul; beside each, the bytes the cost pass's
-L2 model says reach DRAM in that order (docs/cost.md, "DRAM estimate").
+"""A matrix product's speed on a GPU: its program order, and its fp8 path.
+
+The order: generated/matmul.py (examples/matmul.ncd), forward and backward, with its
+programs in one group (the plain order, row blocks fastest), in groups of 4 row blocks
+(napkin's default, tiling.GROUP_ROWS) and of 8 (Triton's tutorial's), against
+torch.matmul; beside each, the bytes the cost pass's L2 model says reach DRAM in that
+order (docs/cost.md, "DRAM estimate").  TFLOP/s of 2 N^3 forward, 4 N^3 backward.
+
+--fp8: an e4m3 product with per-row and per-column scales and a bf16 output (FP8
+below: language.md's fp8_linear in 128 x 128 tiles by 64 of k), forward only, against
+torch._scaled_mm given the same scales (cuBLAS's fp8 GEMM; where this torch has none
+for the device, its row says why) and torch.matmul in bf16.
 
     python bench/matmul_order.py [--sizes 4096,8192] [--groups 0,4,8] [--out DIR]
+    python bench/matmul_order.py --fp8 [--sizes 4096,8192] [--out DIR]
 
-Sizes are m = n = k = N; group 0 is the plain order.  On a GPU: bf16, each result
-checked against torch.matmul before it is timed, triton.testing.do_bench medians
-(napkin.bench.timing), TFLOP/s of 2 N^3 forward and 4 N^3 backward (dA and dB).
-Without one, a smoke under TRITON_INTERPRET=1: fp32 at ragged sizes (default 150),
-checked the same way; its times are the interpreter's, not performance numbers.
-Writes matmul-order-DEVICE-DATE.json and .md under --out (default bench/results).
+Sizes are m = n = k = N; group 0 is the plain order.  On a GPU: bf16 (fp8 with
+--fp8), each result checked against float64 before it is timed, triton.testing.do_bench
+medians (napkin.bench.timing).  Without one, a smoke under TRITON_INTERPRET=1, fp32
+(e4m3 with --fp8) at ragged sizes (default 150), checked the same way; its times are
+the interpreter's, not performance numbers.  Writes matmul-order-DEVICE-DATE.json and
+.md (matmul-fp8-... with --fp8) under --out (default bench/results).
 """
 from __future__ import annotations
 
@@ -27,6 +35,22 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 PLAIN = 2 ** 30   # one group holds every row block: the plain order (tiling.grouped_program)
+
+FP8 = """diagram fp8_linear
+wire m, n, k
+in A[m, k] : e4m3
+in B[k, n] : e4m3
+in sa[m] : fp32
+in sb[n] : fp32
+C[m, n] : bf16 = sum[k](A * B) * sa * sb
+out C
+schedule on h100 {
+  accumulate fp32
+  level hbm { hold A, B, sa, sb, C }
+  level smem { group m by 128, n by 128
+    stream k by 64 }
+}
+"""
 
 
 def sizes_list(text: str) -> list[int]:
@@ -89,11 +113,53 @@ def torch_row(n: int, dtype, device: str, reps: int) -> dict:
             "backward_ms": timing.ms(lambda: torch.autograd.grad(c, (a, b), dc, retain_graph=True), device, reps)}
 
 
+def fp8_rows(n: int, device: str, reps: int, build: Path) -> list[dict]:
+    """The fp8 product at m = n = k = N: napkin's kernel, torch._scaled_mm and torch.matmul in bf16,
+    each of the first two checked against float64 of the same fp8 values first (each entry within
+    one bf16 unit of its own)."""
+    import torch
+    import napkin
+    from napkin.bench import harness, timing
+
+    m, _ = harness.compile_module(napkin.load_text(FP8, "fp8_linear.ncd"), FP8, "fp8_linear.ncd", build,
+                                  "napkin_matmul_fp8")
+    g = torch.Generator(device="cpu").manual_seed(n)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=torch.float8_e4m3fn)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=torch.float8_e4m3fn)
+    sa, sb = ((torch.rand(n, generator=g) + 0.5).to(device) for _ in range(2))
+    want = (a.double() @ b.double()) * sa.double()[:, None] * sb.double()
+
+    def checked(impl, fn) -> dict:
+        got = fn().double()
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        # napkin's: each entry within one bf16 unit of its own (an fp32 sum of exact products, rounded once)
+        if impl.startswith("napkin") and not ((got - want).abs() <= 2 ** -7 * want.abs() + 1e-30).all():
+            raise AssertionError(f"N={n}, {impl}: an entry is more than one bf16 unit off (max {error:.3g} "
+                                 "of the largest)")
+        if error > 2 ** -7:   # a baseline's, against the largest entry: it is not timed, and says so
+            return {"n": n, "impl": impl, "ms": None, "error": f"check failed: max error {error:.3g} of the largest"}
+        return {"n": n, "impl": impl, "ms": timing.ms(fn, device, reps), "relative_error": error}
+
+    rows = [checked("napkin fp8", lambda: m.fp8_linear(a, b, sa, sb))]
+    try:
+        bt = b.t().contiguous().t()   # column-major, as cuBLAS's fp8 GEMM takes its second factor
+        rows.append(checked("torch._scaled_mm", lambda: torch._scaled_mm(
+            a, bt, scale_a=sa[:, None].contiguous(), scale_b=sb[None, :].contiguous(), out_dtype=torch.bfloat16)))
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError) as err:
+        rows.append({"n": n, "impl": "torch._scaled_mm", "ms": None, "error": f"{type(err).__name__}: {err}"[:200]})
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    rows.append({"n": n, "impl": "torch.matmul bf16", "ms": timing.ms(lambda: a16 @ b16, device, reps)})
+    for r in rows:
+        r["tflops"] = 2 * n ** 3 / r["ms"] / 1e9 if r["ms"] else None
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=None, help="N for m = n = k (default 4096,8192; smoke 150)")
     p.add_argument("--groups", default="0,4,8", help="row blocks a group, 0 = the plain order (default 0,4,8)")
     p.add_argument("--reps", type=int, default=3, help="CPU smoke: calls timed (default 3)")
+    p.add_argument("--fp8", action="store_true", help="an e4m3 product against torch._scaled_mm instead")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = p.parse_args(argv)
 
@@ -110,7 +176,13 @@ def main(argv=None) -> int:
     sizes = sizes_list(args.sizes or ("150" if smoke else "4096,8192"))
     groups = [int(g) for g in args.groups.split(",")]
     rows = []
-    for n in sizes:
+    if args.fp8:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="napkin-fp8-") as build:
+            for n in sizes:
+                rows += fp8_rows(n, device, args.reps, Path(build))
+    for n in sizes if not args.fp8 else ():
         base = torch_row(n, dtype, device, args.reps)
         rows.append({**base, "impl": "torch.matmul"})
         for group in groups:
@@ -124,13 +196,15 @@ def main(argv=None) -> int:
     data = {"date": datetime.date.today().isoformat(), "smoke": smoke,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "command": "python bench/matmul_order.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "dtype": str(dtype).replace("torch.", ""),
+            "dtype": "float8_e4m3fn" if args.fp8 else str(dtype).replace("torch.", ""),
             "versions": {"torch": torch.__version__, "triton": triton.__version__},
             "timing": "CPU smoke under TRITON_INTERPRET=1: NOT a performance number" if smoke
             else "triton.testing.do_bench median", "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"matmul-order-{re.sub(r'[^a-z0-9]+', '-', data['device'].lower()).strip('-')}-{data['date']}"
+    data["fp8"] = args.fp8
+    kind = "fp8" if args.fp8 else "order"
+    stem = f"matmul-{kind}-{re.sub(r'[^a-z0-9]+', '-', data['device'].lower()).strip('-')}-{data['date']}"
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(data))
     print(markdown(data))
@@ -138,6 +212,17 @@ def main(argv=None) -> int:
 
 
 def markdown(data: dict) -> str:
+    if data.get("fp8"):
+        lines = [f"# An e4m3 product, scaled per row and column, bf16 out ({data['device']}, {data['date']})", "",
+                 f"`{data['command']}`; {data['timing']}; torch {data['versions']['torch']}, triton "
+                 f"{data['versions']['triton']}.", "", "| N | impl | ms | TFLOP/s | note |", "|---|---|---|---|---|"]
+        for r in data["rows"]:
+            ms = "" if r["ms"] is None else f"{r['ms']:.4g}"
+            tf = "" if r.get("tflops") is None else f"{r['tflops']:.4g}"
+            note = r.get("error") or ("" if "relative_error" not in r else
+                                     f"checked: max error {r['relative_error']:.2g} of the largest entry")
+            lines.append(f"| {r['n']} | {r['impl']} | {ms} | {tf} | {note} |")
+        return "\n".join(lines) + "\n"
     lines = [f"# A contraction's program order: examples/matmul.ncd against torch.matmul ({data['device']}, "
              f"{data['date']})", "", f"`{data['command']}`; {data['dtype']}; {data['timing']}; torch "
              f"{data['versions']['torch']}, triton {data['versions']['triton']}.  Group 0: the plain order.", "",

@@ -76,8 +76,11 @@ _BACKWARD_LAYOUTS = {
 _TORCH_DTYPES = {
     "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64,
     "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+    "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
 }
 _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+# an input declared fp8 (a matrix product's factor) may be either fp8 besides
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -97,11 +100,13 @@ def _check_dtype(name, t, declared, kernel, classes):
         if t.dtype != torch.bool:
             raise TypeError(f"{name} must hold booleans, not {t.dtype}")
     else:
-        allowed = _KERNEL_FLOATS if kernel else _KERNEL_FLOATS + (torch.float64,)
+        fp8 = declared in ("e4m3", "e5m2")
+        allowed = _KERNEL_FLOATS + (_FP8 if fp8 else ()) + (() if kernel else (torch.float64,))
         if t.dtype not in allowed:
             what = "the kernel takes float16, bfloat16 or float32 (reference() also takes float64)" if kernel \
                 else "reference() takes float16, bfloat16, float32 or float64"
-            raise TypeError(f"{name} has dtype {t.dtype}: {what}")
+            raise TypeError(f"{name} has dtype {t.dtype}: {what}" + (", or float8_e4m3fn or float8_e5m2 "
+                            f"(declared {declared})" if fp8 else ""))
         first = classes.setdefault(declared, (t.dtype, name))
         if first[0] != t.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but {first[1]} has {first[0]}: the diagram declares "

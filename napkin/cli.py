@@ -58,7 +58,7 @@ DEMO_TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3, "float64":
 DEMO_ULP = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23}
 
 # The declared dtypes the demo runs a diagram in (the kernels' float inputs); others run in fp16.
-DEMO_DTYPES = ("fp16", "bf16", "fp32")
+DEMO_DTYPES = ("fp16", "bf16", "fp32", "e4m3", "e5m2")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -370,9 +370,10 @@ def test_run_h100_ragged_stage_runs_the_ragged_decode_bench(tmp_path):
     assert calls == [["bench/decode.py", "--ragged", "--out", str(tmp_path / "out")]]
 
 
-def test_run_h100_matmul_stage_runs_the_program_order_bench(tmp_path):
+def test_run_h100_matmul_stage_runs_the_program_order_bench_then_the_fp8_one(tmp_path):
     calls = run_stage_recorded(tmp_path, "matmul")
-    assert calls == [["bench/matmul_order.py", "--out", str(tmp_path / "out")]]
+    assert calls == [["bench/matmul_order.py", "--out", str(tmp_path / "out")],
+                     ["bench/matmul_order.py", "--fp8", "--out", str(tmp_path / "out")]]
 
 
 # --------------------------------------------------------------------------
@@ -575,6 +576,23 @@ def test_matmul_order_checks_each_order_before_timing_it_and_writes_its_record(t
     monkeypatch.setattr(mm, "matmul", lambda a, b: (a @ b) * 1.01)
     with pytest.raises(AssertionError, match="N=40, group 4: error"):
         bench.measure(mm, 40, 4, torch.float32, "cpu", 1)
-    for record in (REPO / "bench" / "results").glob("matmul-order-*.json"):
+    for record in (REPO / "bench" / "results").glob("matmul-*.json"):
         committed = json.loads(record.read_text())
         assert not committed["smoke"] and record.with_suffix(".md").read_text() == bench.markdown(committed)
+
+
+def test_matmul_fp8_checks_napkins_product_against_float64_and_records_each_baseline(tmp_path, monkeypatch):
+    """--fp8's CPU smoke: the e4m3 product (its bf16 entries each within a unit of float64's)
+    timed beside torch's two baselines, each row checked or saying why not; a wrong napkin
+    product stops the run."""
+    bench = _bench_script("matmul_order")
+    assert bench.main(["--fp8", "--sizes", "40", "--reps", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("matmul-fp8-cpu-*.json")
+    data = json.loads(path.read_text())
+    assert [r["impl"] for r in data["rows"]] == ["napkin fp8", "torch._scaled_mm", "torch.matmul bf16"]
+    assert data["rows"][0]["relative_error"] < 2 ** -7 and data["rows"][0]["ms"] > 0
+    assert data["rows"][1]["ms"] is not None or data["rows"][1]["error"]
+    assert path.with_suffix(".md").read_text() == bench.markdown(data)
+    monkeypatch.setattr(bench, "FP8", bench.FP8.replace("* sa * sb", "* sa * sb * 1.01"))
+    with pytest.raises(AssertionError, match="N=40, napkin fp8: an entry is more than one bf16 unit off"):
+        bench.fp8_rows(40, "cpu", 1, tmp_path)

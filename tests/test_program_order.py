@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,7 +133,7 @@ def test_the_cost_model_walks_the_programs_in_the_kernels_order(monkeypatch):
     """Kernel.grouped names the kernel's grid axes 0 and 1 as codegen picks them (the first
     factor's free wire first, whatever the schedule's order), and the L2 model takes the
     grouped order: at 8192^3 in 128 x 128 tiles a wave of the plain order reads all of A."""
-    d = napkin.load("examples/matmul.ncd")
+    d = napkin.load(Path(__file__).resolve().parent.parent / "examples" / "matmul.ncd")
     assert [k.grouped for k in kernels(d)] == [("m", "n")]
     swapped = napkin.load_text(MATMUL.replace("group m by 16, n by 16", "group n by 16, m by 16"))
     assert [k.grouped for k in kernels(swapped)] == [("m", "n")]

@@ -34,6 +34,9 @@ DEFAULT_BLOCK_STREAM = 64
 DEFAULT_BLOCK_MATMUL = (64, 64, 32)
 MIN_DOT = tiling.MIN_DOT_BLOCK  # tl.dot's least block
 KERNEL_DTYPES = ("fp16", "bf16", "fp32")
+# What a matrix product's two factors may be besides (_refuse_fp8): tl.dot takes them at the
+# tensor cores' fp8 rate; nothing else a kernel computes reads them.
+FP8_DTYPES = ("e4m3", "e5m2")
 
 
 def unsupported(what: str, why: str, loc: ir.Loc = ir.NOLOC, hint: Optional[str] = None) -> NapkinError:
@@ -385,7 +388,7 @@ def _refuse_unfused(d: ir.Diagram) -> None:
 def _check_dtypes(d: ir.Diagram) -> None:
     errors = []
     for t in d.inputs:
-        if t.dtype not in KERNEL_DTYPES + ("fp64",) and t.dtype not in ir.INT_DTYPES:
+        if t.dtype not in KERNEL_DTYPES + FP8_DTYPES + ("fp64",) and t.dtype not in ir.INT_DTYPES:
             errors.append(unsupported(f"input {t.name}", f"its dtype {t.dtype} has no Triton kernel path here; "
                                       "kernels read fp16, bf16, fp32 or integer inputs", t.loc))
     for out in d.outputs:
@@ -428,6 +431,8 @@ def _dim_block(d: ir.Diagram, wire: str) -> Optional[int]:
 def lower(d: ir.Diagram) -> Plan:
     """The kernel plan for a checked diagram; NapkinError when napkin cannot
     emit a kernel for it (with a location and the reason)."""
+    from .operands import refuse_operands   # it reads this module's plans
+
     _refuse_unfused(d)
     _check_dtypes(d)
     _refuse_deep_chains(d)
@@ -450,38 +455,12 @@ def lower(d: ir.Diagram) -> Plan:
     nested = any(isinstance(m, ir.Reduce) for r in reductions for m in nodes(r.body))
     if nested:
         from .attention import lower_attention
-        return _refuse_integer_operands(_refuse_off_smem(_refuse_unsplit(lower_attention(d, exprs, col))))
+        return refuse_operands(_refuse_off_smem(_refuse_unsplit(lower_attention(d, exprs, col))))
     if tile is not None and tile.chunk is not None:
         raise unsupported(f"'group {col} by {tile.chunk}'", f"chunks of the streamed wire (programs merging "
                           f"partial states) are generated for attention kernels only; this diagram's kernel is a "
                           f"contraction over {col}", tile.chunk_loc, f"drop 'group {col} by {tile.chunk}'")
-    return _refuse_integer_operands(_refuse_off_smem(_refuse_unsplit(_contraction(d, exprs, col))))
-
-
-def _refuse_integer_operands(plan: Plan) -> Plan:
-    """A tensor core product (tl.dot) takes float operands: an integer or bool
-    input multiplied into one (Q : int32 in sum[d](Q * K), or the value V)
-    failed inside Triton at the call, or crashed the backward's emitter; and
-    tiles, not a read at a wire's blocks (A[m // 2, k]: the matmul's loads
-    dropped the step)."""
-    d = plan.diagram
-    if plan.family == "attention":
-        loads = [x for dot in plan.dots for x in (dot.lhs, dot.rhs)] + \
-            [a.value for a in plan.accums if a.value is not None]
-    else:
-        loads = [plan.lhs, plan.rhs]
-    errors = [unsupported(f"input {name}", "it is read at a wire's blocks and multiplied in a matrix product "
-                          "(tl.dot), whose operands napkin loads as tiles", d.tensor(name).loc,
-                          f"expand {name} in torch and pass it along the wires")
-              for name in dict.fromkeys(ld.tensor for ld in loads if ld.steps)]
-    for name in dict.fromkeys(ld.tensor for ld in loads):   # each input once, in order
-        t = d.tensor(name)
-        if isinstance(t, ir.Input) and t.dtype not in ir.FLOAT_DTYPES:
-            errors.append(unsupported(f"input {t.name}", f"it is {t.dtype}, and the kernels multiply it in a "
-                                      "matrix product (tl.dot), which takes float operands", t.loc,
-                                      f"declare {t.name} as a float tensor (fp16, bf16 or fp32) and pass one"))
-    _refuse_all(errors)
-    return plan
+    return refuse_operands(_refuse_off_smem(_refuse_unsplit(_contraction(d, exprs, col))))
 
 
 def streamed_attention(d: ir.Diagram) -> Optional[AttentionPlan]:

@@ -235,6 +235,10 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         t = d.tensor(name)
         if t.dtype not in ir.FLOAT_DTYPES:
             return _no(plan, f"{name} is not a float tensor", t.dtype_loc)
+        if t.dtype in L.FP8_DTYPES:   # its gradient, stored in fp8, saturated past 448 (e4m3)
+            return _no(plan, f"{name} is {t.dtype}, and an fp8 gradient needs scaling into its range, which "
+                       "napkin does not generate (the forward runs on inputs that require no gradient)",
+                       t.dtype_loc)
     if {plan.lhs.wires, plan.rhs.wires} != {ir.axis_wires(d.tensor(a).axes), ir.axis_wires(d.tensor(b).axes)}:
         # named, at the relabelled reference (A * A[n, k]): it named neither (contract hunt)
         ref = next((n for n in ir.walk(expr) if isinstance(n, ir.TensorRef) and n.name in (a, b)

@@ -1,0 +1,124 @@
+"""fp8 (e4m3, e5m2) factors of a matrix product: the forward kernel and its refusals.
+
+tl.dot multiplies an fp8 pair as it is (the tensor cores' fp8 rate on Hopper);
+mixed kinds meet in fp16, an fp8 factor beside a wider one in that one's dtype
+(each holds fp8 exactly).  Products of fp8 values are exact in float32, so the
+kernel is checked against float64 of the same fp8 values, on ragged sizes.
+Attention, an epilogue's fp8 tile and an fp8 gradient are refused in words.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import napkin
+from napkin.bytecount import ByteCounter
+from napkin.codegen import emit_module
+from napkin.cost import analyse
+from napkin.errors import NapkinError
+from backward_helpers import compile_text
+
+SCALED = """diagram f8
+wire m, n, k
+in A[m, k] : {a}
+in B[k, n] : {b}
+in sa[m] : fp32
+in sb[n] : fp32
+C[m, n] : {out} = sum[k](A * B) * sa * sb
+out C
+schedule {{ level smem {{ group m by 32, n by 16
+stream k by 32 }} }}
+"""
+
+REPO = Path(__file__).resolve().parent.parent
+_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "fp16": torch.float16}
+
+
+def _inputs(a: str, b: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(45, 71, generator=g) * 3).to(_TORCH[a]), (torch.randn(71, 37, generator=g) * 3).to(_TORCH[b]),
+            torch.rand(45, generator=g) + 0.5, torch.rand(37, generator=g) + 0.5]
+
+
+def _exact(a, b, sa, sb):
+    return (a.double() @ b.double()) * sa.double()[:, None] * sb.double()
+
+
+@pytest.mark.parametrize("a, b, cast", [("e4m3", "e4m3", None), ("e5m2", "e5m2", None),
+                                        ("e4m3", "e5m2", "_a.to(tl.float16), _b.to(tl.float16)"),
+                                        ("e4m3", "fp16", "_a.to(_b.dtype), _b")])
+def test_an_fp8_product_is_exact_to_float32(tmp_path, a, b, cast):
+    text = SCALED.format(a=a, b=b, out="fp32")
+    m = compile_text(text, f"f8_{a}_{b}", tmp_path)
+    source = emit_module(napkin.load_text(text), source_text=text, source_path="f8.ncd")
+    assert (f"tl.dot({cast}, _acc" in source) if cast else "tl.dot(_a, _b, _acc" in source
+    ins = _inputs(a, b, seed=1)
+    want = _exact(*ins)
+    got = m.f8(*ins)
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (m.reference(*ins).double() - want).abs().max() <= 1e-5 * want.abs().max()
+    # other blocks, and fp16 tensors where e4m3 is declared (the kernels take them as they are)
+    assert (m.f8(*ins, block_m=16, block_n=32, block_k=16).double() - want).abs().max() <= 1e-5 * want.abs().max()
+    wide = [t.to(torch.float16) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t for t in ins]
+    assert (m.f8(*wide).double() - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+def test_an_fp8_product_stores_bf16_and_moves_one_byte_an_element(tmp_path):
+    text = SCALED.format(a="e4m3", b="e4m3", out="bf16")
+    m = compile_text(text, "f8_bf16", tmp_path)
+    ins = _inputs("e4m3", "e4m3", seed=2)
+    want = _exact(*ins)
+    with ByteCounter(tensors=dict(zip(("A", "B", "sa", "sb"), ins))) as bc:
+        got = m.f8(*ins)
+    # each entry within one bf16 unit of its own (Triton's interpreter rounds float32 to bf16 toward zero)
+    assert got.dtype == torch.bfloat16 and ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-30).all()
+    moved = defaultdict(int), defaultdict(int)
+    for t in analyse(napkin.load_text(text), {"m": 45, "n": 37, "k": 71}).transfers:
+        moved[t.direction == "store"][t.tensor] += t.bytes
+    assert (dict(bc.loads), dict(bc.stores)) == (dict(moved[0]), dict(moved[1]))
+    assert bc.loads["A"] == 45 * 71 * 3   # one byte an element, read by each of the 3 column blocks
+
+
+def test_fp8_tensors_go_only_where_fp8_is_declared(tmp_path):
+    m = compile_text(SCALED.format(a="e4m3", b="fp16", out="fp32"), "f8_e4m3_fp16", tmp_path)
+    a, b, sa, sb = _inputs("e4m3", "e4m3", seed=3)
+    with pytest.raises(TypeError, match=r"^B has dtype torch.float8_e4m3fn: the kernel takes float16, bfloat16 "
+                                        r"or float32 \(reference\(\) also takes float64\)$"):
+        m.f8(a, b, sa, sb)
+    with pytest.raises(TypeError, match=r"^A has dtype torch.float64: the kernel takes float16, bfloat16 or "
+                                        r"float32 \(reference\(\) also takes float64\), or float8_e4m3fn or "
+                                        r"float8_e5m2 \(declared e4m3\)$"):
+        m.f8(a.double(), b.half(), sa, sb)
+
+
+def test_an_fp8_product_has_no_backward_and_says_why(tmp_path):
+    m = compile_text(SCALED.format(a="e4m3", b="e4m3", out="fp32"), "f8_e4m3_e4m3", tmp_path)
+    a, b, sa, sb = _inputs("e4m3", "e4m3", seed=4)
+    with pytest.raises(NotImplementedError, match=r"^napkin has no backward for diagram f8: A is e4m3, and an fp8 "
+                                                  r"gradient needs scaling into its range, which napkin does not "
+                                                  r"generate \(the forward runs on inputs that require no "
+                                                  r"gradient\) \(line 3, column 14 of the diagram\)$"):
+        m.f8(a, b, sa.requires_grad_(), sb)
+
+
+def _refusal(text: str) -> str:
+    with pytest.raises(NapkinError) as err:
+        emit_module(napkin.load_text(text, "x.ncd"), source_text=text, source_path="x.ncd")
+    return str(err.value)
+
+
+def test_fp8_outside_a_products_factors_is_refused_in_words():
+    side = SCALED.format(a="e4m3", b="e4m3", out="fp32").replace("in sb[n] : fp32", "in sb[n] : e4m3")
+    assert _refusal(side).splitlines()[0] == (
+        "x.ncd:6:4: napkin cannot emit a kernel for input sb: it is e4m3: only a matrix product's two factors "
+        "may be fp8 (an epilogue's arithmetic on an fp8 tile has no Triton path)")
+    first = _refusal((REPO / "examples" / "attention_fp8.ncd").read_text()).splitlines()
+    assert first[0].endswith("napkin cannot emit a kernel for input Q: it is e4m3: fp8 attention has no kernel "
+                             "path here (its P · V product would take P in fp8, which needs scaling into its "
+                             "range: not generated)")
+    assert "  hint: declare Q fp16 or bf16 (napkin cost prices the fp8 diagram)" in first
+    out = SCALED.format(a="e4m3", b="e4m3", out="e4m3")
+    assert "napkin cannot emit a kernel for output C: its dtype e4m3 has no Triton kernel path here" in _refusal(out)
