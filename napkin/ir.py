@@ -62,7 +62,7 @@ FLOAT_DTYPES = ("fp64", "fp32", "fp16", "bf16", "e4m3", "e5m2")
 INT_DTYPES = ("int64", "int32", "bool")
 # The integer dtypes that hold numbers (indices, document ids, lengths): bool holds truth values.
 NUMBER_INT_DTYPES = ("int64", "int32")
-# The torch dtype (its attribute name) of each dtype a tensor can be made in (not fp8, not tf32).
+# The torch dtype (its attribute name) of each dtype a tensor can be made in (not tf32).
 TORCH_NAMES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
                "int64": "int64", "int32": "int32", "bool": "bool",
                "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
