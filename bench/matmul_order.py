@@ -73,7 +73,7 @@ def predicted_dram(n: int, group: int) -> dict:
 
 
 def measure(mm, n: int, group: int, dtype, device: str, reps: int) -> dict:
-    """One row: the order's forward and backward checked against torch.matmul, then timed."""
+    """One row: the order's forward and backward checked against float64, then timed."""
     import torch
     from napkin.bench import timing
 
