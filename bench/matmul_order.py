@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -51,10 +50,6 @@ schedule on h100 {
     stream k by 64 }
 }
 """
-
-
-def sizes_list(text: str) -> list[int]:
-    return [int(s[:-1]) * 1024 if s.endswith("K") else int(s) for s in text.split(",") if s]
 
 
 def predicted_dram(n: int, group: int) -> dict:
@@ -86,11 +81,9 @@ def measure(mm, n: int, group: int, dtype, device: str, reps: int) -> dict:
         c = mm.matmul(a, b)
         want = a.detach().double() @ b.detach().double()
         da, db = torch.autograd.grad(c, (a, b), dc, retain_graph=True)
-        errors = {"C": (c.double() - want).abs().max().item() / want.abs().max().item(),
-                  "dA": (da.double() - dc.double() @ b.detach().double().T).abs().max().item(),
-                  "dB": (db.double() - a.detach().double().T @ dc.double()).abs().max().item()}
-        errors["dA"] /= (dc.double() @ b.detach().double().T).abs().max().item()
-        errors["dB"] /= (a.detach().double().T @ dc.double()).abs().max().item()
+        exact = {"C": want, "dA": dc.double() @ b.detach().double().T, "dB": a.detach().double().T @ dc.double()}
+        errors = {k: ((got.double() - exact[k]).abs().max() / exact[k].abs().max()).item()
+                  for k, got in (("C", c), ("dA", da), ("dB", db))}
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         bad = {k: v for k, v in errors.items() if not v <= tol}
         if bad:
@@ -170,10 +163,11 @@ def main(argv=None) -> int:
     import triton
 
     import generated.matmul as mm
+    from napkin.bench import harness, results
 
     smoke = not cuda
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    sizes = sizes_list(args.sizes or ("150" if smoke else "4096,8192"))
+    sizes = harness.parse_list(args.sizes or ("150" if smoke else "4096,8192"), "sizes")
     groups = [int(g) for g in args.groups.split(",")]
     rows = []
     if args.fp8:
@@ -204,7 +198,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data["fp8"] = args.fp8
     kind = "fp8" if args.fp8 else "order"
-    stem = f"matmul-{kind}-{re.sub(r'[^a-z0-9]+', '-', data['device'].lower()).strip('-')}-{data['date']}"
+    stem = f"matmul-{kind}-{results.slug(data['device'])}-{data['date']}"
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(data))
     print(markdown(data))

@@ -259,7 +259,7 @@ def looped_wires(diagram: ir.Diagram, level_name: str, boxes=None) -> set[str]:
 GROUP_ROWS = 4
 
 
-def grouped_program(r, c, rows: int, cols: int, group: int = GROUP_ROWS):
+def grouped_program(r, c, rows: int, cols: int, group: int):
     """The (row block, column block) a contraction kernel's program (r, c) of a
     rows x cols launch grid computes (templates/contraction_kernel.py.jinja renders
     the same lines).  The launch runs grid axis 0 fastest, so its n-th program

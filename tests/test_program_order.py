@@ -25,6 +25,7 @@ from napkin.codegen import emit_module
 from napkin.cost import analyse
 from napkin.cost.model import kernels
 from backward_helpers import compile_text, gradients
+from test_contraction_sums import LINEAR
 
 MATMUL = """diagram mmg
 wire m, n, k
@@ -36,15 +37,6 @@ schedule { level smem { group m by 16, n by 16
 stream k by 16 } }
 """
 
-LINEAR = """diagram ling
-wire b, m, n, k
-in X[b, m, k] : fp32
-in W[k, n] : fp32
-Y[b, m, n] : fp32 = sum[k](X * W)
-out Y
-schedule { level smem { group b by 1, m by 16, n by 16
-stream k by 16 } }
-"""
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
@@ -123,7 +115,7 @@ def test_a_shared_weights_gradient_groups_its_k_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(m, "_GROUP_ROWS", 2)
     g = torch.Generator().manual_seed(12)
     x, w, dy = torch.randn(3, 21, 45, generator=g), torch.randn(45, 37, generator=g), torch.randn(3, 21, 37, generator=g)
-    dx, dw = m.ling_backward(x, w, dy)
+    dx, dw = m.lin_backward(x, w, dy)
     want = torch.einsum("bmk,bmn->kn", x.double(), dy.double())
     assert (dw.double() - want).abs().max() < 1e-5 * want.abs().max()
     assert (dx.double() - dy.double() @ w.double().T).abs().max() < 1e-5 * dx.abs().max()

@@ -287,7 +287,7 @@ def dot_operands(lhs: str, lhs_dtype: str, rhs: str, rhs_dtype: str) -> tuple[st
     operand order, and an fp32 dC past 65504 inf in an fp16 matmul's dB."""
     if lhs_dtype == rhs_dtype:
         return lhs, rhs
-    fp8 = ("e4m3", "e5m2")   # an fp8 factor meets the other's dtype, each held exactly by fp16 and wider
+    fp8 = L.FP8_DTYPES   # an fp8 factor meets the other's dtype, each held exactly by fp16 and wider
     if lhs_dtype in fp8 and rhs_dtype in fp8:
         return f"{lhs}.to(tl.float16)", f"{rhs}.to(tl.float16)"
     if lhs_dtype in fp8 or rhs_dtype in fp8:

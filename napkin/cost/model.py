@@ -206,7 +206,8 @@ def kernels(diagram: ir.Diagram) -> list[Kernel]:
 
 def _finish(diagram, index, boxes, stores, accesses, wires) -> Kernel:
     levels = chip_levels(diagram)
-    stream = tiling_at(diagram, levels[0]).stream if levels else None
+    tiles = tiling_at(diagram, levels[0]) if levels else None
+    stream = tiles.stream if tiles else None
     s = stream[0] if stream and stream[0] in wires else None
     stores_along = s is not None and any(s in a.wires for a in accesses if a.kind == "store")
     needs_stat = s is not None and any(
@@ -216,7 +217,7 @@ def _finish(diagram, index, boxes, stores, accesses, wires) -> Kernel:
     return Kernel(index, boxes, stores, accesses, wires,
                   two_pass=stores_along and needs_stat, skips=s is not None and not stores_along,
                   looped=tuple(w for w in wires if w in looped),
-                  grouped=_grouped_axes(diagram, boxes, tiling_at(diagram, levels[0]), s) if s else ())
+                  grouped=_grouped_axes(diagram, boxes, tiles, s) if s else ())
 
 
 def _grouped_axes(diagram, boxes, tiles: Tiling, s: str) -> tuple[str, ...]:
