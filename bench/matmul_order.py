@@ -1,4 +1,4 @@
-"""A matrix product's speed on a GPU: its program order, and its fp8 path.
+"""A matrix product's speed on a GPU: its program order, and its fp8 and int8 paths.
 
 The order: generated/matmul.py (examples/matmul.ncd), forward and backward, with its
 programs in one group (the plain order, row blocks fastest), in groups of 4 row blocks
@@ -11,15 +11,21 @@ below: language.md's fp8_linear in 128 x 128 tiles by 64 of k), forward only, ag
 torch._scaled_mm given the same scales (cuBLAS's fp8 GEMM; where this torch has none
 for the device, its row says why) and torch.matmul in bf16.
 
+--int8: the same product of int8 factors (language.md's int8_linear: an int32 sum,
+then the scales), against torch._int_mm (cuBLAS's int8 GEMM) scaled in torch, and
+torch.matmul in bf16.
+
     python bench/matmul_order.py [--sizes 4096,8192] [--groups 0,4,8] [--out DIR]
     python bench/matmul_order.py --fp8 [--sizes 4096,8192] [--out DIR]
+    python bench/matmul_order.py --int8 [--sizes 4096,8192] [--out DIR]
 
-Sizes are m = n = k = N; group 0 is the plain order.  On a GPU: bf16 (fp8 with
---fp8), each result checked against float64 before it is timed, triton.testing.do_bench
-medians (napkin.bench.timing).  Without one, a smoke under TRITON_INTERPRET=1, fp32
-(e4m3 with --fp8) at ragged sizes (default 150), checked the same way; its times are
-the interpreter's, not performance numbers.  Writes matmul-order-DEVICE-DATE.json and
-.md (matmul-fp8-... with --fp8) under --out (default bench/results).
+Sizes are m = n = k = N; group 0 is the plain order.  On a GPU: bf16 (fp8 or int8
+with --fp8 or --int8), each result checked against float64 before it is timed,
+triton.testing.do_bench medians (napkin.bench.timing).  Without one, a smoke under
+TRITON_INTERPRET=1, fp32 (e4m3 or int8) at ragged sizes (default 150), checked the
+same way; its times are the interpreter's, not performance numbers.  Writes
+matmul-order-DEVICE-DATE.json and .md (matmul-fp8-... or matmul-int8-...) under --out
+(default bench/results).
 """
 from __future__ import annotations
 
@@ -50,6 +56,10 @@ schedule on h100 {
     stream k by 64 }
 }
 """
+
+# the same product of int8 factors: tl.dot's int8 path, an exact int32 sum
+INT8 = FP8.replace("diagram fp8_linear", "diagram int8_linear").replace(": e4m3", ": int8")
+BASELINE = {"fp8": "torch._scaled_mm", "int8": "torch._int_mm, scaled"}
 
 
 def predicted_dram(n: int, group: int) -> dict:
@@ -106,26 +116,29 @@ def torch_row(n: int, dtype, device: str, reps: int) -> dict:
             "backward_ms": timing.ms(lambda: torch.autograd.grad(c, (a, b), dc, retain_graph=True), device, reps)}
 
 
-def fp8_rows(n: int, device: str, reps: int, build: Path) -> list[dict]:
-    """The fp8 product at m = n = k = N: napkin's kernel, torch._scaled_mm and torch.matmul in bf16,
-    each of the first two checked against float64 of the same fp8 values first (each entry within
-    one bf16 unit of its own)."""
+def quantised_rows(kind: str, n: int, device: str, reps: int, build: Path) -> list[dict]:
+    """The ``kind`` ("fp8" or "int8") product at m = n = k = N: napkin's kernel, cuBLAS's
+    (BASELINE) and torch.matmul in bf16, each of the first two checked against float64 of the
+    same 8-bit values first (napkin's: each entry within one bf16 unit of its own)."""
     import torch
     import napkin
     from napkin.bench import harness, timing
 
-    m, _ = harness.compile_module(napkin.load_text(FP8, "fp8_linear.ncd"), FP8, "fp8_linear.ncd", build,
-                                  "napkin_matmul_fp8")
+    text, name = (FP8, "fp8_linear") if kind == "fp8" else (INT8, "int8_linear")
+    m, _ = harness.compile_module(napkin.load_text(text, f"{name}.ncd"), text, f"{name}.ncd", build,
+                                  f"napkin_matmul_{kind}")
     g = torch.Generator(device="cpu").manual_seed(n)
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=torch.float8_e4m3fn)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=torch.float8_e4m3fn)
+    if kind == "fp8":
+        a, b = (torch.randn(n, n, generator=g).to(device=device, dtype=torch.float8_e4m3fn) for _ in range(2))
+    else:
+        a, b = (torch.randint(-128, 128, (n, n), generator=g, dtype=torch.int8).to(device) for _ in range(2))
     sa, sb = ((torch.rand(n, generator=g) + 0.5).to(device) for _ in range(2))
     want = (a.double() @ b.double()) * sa.double()[:, None] * sb.double()
 
     def checked(impl, fn) -> dict:
         got = fn().double()
         error = ((got - want).abs().max() / want.abs().max()).item()
-        # napkin's: each entry within one bf16 unit of its own (an fp32 sum of exact products, rounded once)
+        # napkin's: each entry within one bf16 unit of its own (an exact sum, rounded once or twice)
         if impl.startswith("napkin") and not ((got - want).abs() <= 2 ** -7 * want.abs() + 1e-30).all():
             raise AssertionError(f"N={n}, {impl}: an entry is more than one bf16 unit off (max {error:.3g} "
                                  "of the largest)")
@@ -133,13 +146,16 @@ def fp8_rows(n: int, device: str, reps: int, build: Path) -> list[dict]:
             return {"n": n, "impl": impl, "ms": None, "error": f"check failed: max error {error:.3g} of the largest"}
         return {"n": n, "impl": impl, "ms": timing.ms(fn, device, reps), "relative_error": error}
 
-    rows = [checked("napkin fp8", lambda: m.fp8_linear(a, b, sa, sb))]
+    rows = [checked(f"napkin {kind}", lambda: getattr(m, name)(a, b, sa, sb))]
     try:
-        bt = b.t().contiguous().t()   # column-major, as cuBLAS's fp8 GEMM takes its second factor
-        rows.append(checked("torch._scaled_mm", lambda: torch._scaled_mm(
-            a, bt, scale_a=sa[:, None].contiguous(), scale_b=sb[None, :].contiguous(), out_dtype=torch.bfloat16)))
+        if kind == "fp8":
+            bt = b.t().contiguous().t()   # column-major, as cuBLAS's fp8 GEMM takes its second factor
+            rows.append(checked(BASELINE[kind], lambda: torch._scaled_mm(
+                a, bt, scale_a=sa[:, None].contiguous(), scale_b=sb[None, :].contiguous(), out_dtype=torch.bfloat16)))
+        else:   # the int32 product, then the scales as eager torch would apply them
+            rows.append(checked(BASELINE[kind], lambda: (torch._int_mm(a, b) * sa[:, None] * sb).to(torch.bfloat16)))
     except (RuntimeError, TypeError, AttributeError, NotImplementedError) as err:
-        rows.append({"n": n, "impl": "torch._scaled_mm", "ms": None, "error": f"{type(err).__name__}: {err}"[:200]})
+        rows.append({"n": n, "impl": BASELINE[kind], "ms": None, "error": f"{type(err).__name__}: {err}"[:200]})
     a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
     rows.append({"n": n, "impl": "torch.matmul bf16", "ms": timing.ms(lambda: a16 @ b16, device, reps)})
     for r in rows:
@@ -152,7 +168,9 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default=None, help="N for m = n = k (default 4096,8192; smoke 150)")
     p.add_argument("--groups", default="0,4,8", help="row blocks a group, 0 = the plain order (default 0,4,8)")
     p.add_argument("--reps", type=int, default=3, help="CPU smoke: calls timed (default 3)")
-    p.add_argument("--fp8", action="store_true", help="an e4m3 product against torch._scaled_mm instead")
+    kinds = p.add_mutually_exclusive_group()
+    kinds.add_argument("--fp8", action="store_true", help="an e4m3 product against torch._scaled_mm instead")
+    kinds.add_argument("--int8", action="store_true", help="an int8 product against torch._int_mm instead")
     p.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = p.parse_args(argv)
 
@@ -170,13 +188,14 @@ def main(argv=None) -> int:
     sizes = harness.parse_list(args.sizes or ("150" if smoke else "4096,8192"), "sizes")
     groups = [int(g) for g in args.groups.split(",")]
     rows = []
-    if args.fp8:
+    kind = "fp8" if args.fp8 else "int8" if args.int8 else "order"
+    if kind != "order":
         import tempfile
 
-        with tempfile.TemporaryDirectory(prefix="napkin-fp8-") as build:
+        with tempfile.TemporaryDirectory(prefix=f"napkin-{kind}-") as build:
             for n in sizes:
-                rows += fp8_rows(n, device, args.reps, Path(build))
-    for n in sizes if not args.fp8 else ():
+                rows += quantised_rows(kind, n, device, args.reps, Path(build))
+    for n in sizes if kind == "order" else ():
         base = torch_row(n, dtype, device, args.reps)
         rows.append({**base, "impl": "torch.matmul"})
         for group in groups:
@@ -190,14 +209,13 @@ def main(argv=None) -> int:
     data = {"date": datetime.date.today().isoformat(), "smoke": smoke,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "command": "python bench/matmul_order.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "dtype": "float8_e4m3fn" if args.fp8 else str(dtype).replace("torch.", ""),
+            "dtype": {"fp8": "float8_e4m3fn", "int8": "int8"}.get(kind, str(dtype).replace("torch.", "")),
             "versions": {"torch": torch.__version__, "triton": triton.__version__},
             "timing": "CPU smoke under TRITON_INTERPRET=1: NOT a performance number" if smoke
             else "triton.testing.do_bench median", "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data["fp8"] = args.fp8
-    kind = "fp8" if args.fp8 else "order"
+    data["kind"] = kind
     stem = f"matmul-{kind}-{results.slug(data['device'])}-{data['date']}"
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(data))
@@ -206,8 +224,9 @@ def main(argv=None) -> int:
 
 
 def markdown(data: dict) -> str:
-    if data.get("fp8"):
-        lines = [f"# An e4m3 product, scaled per row and column, bf16 out ({data['device']}, {data['date']})", "",
+    if data["kind"] != "order":
+        what = "An e4m3" if data["kind"] == "fp8" else "An int8"
+        lines = [f"# {what} product, scaled per row and column, bf16 out ({data['device']}, {data['date']})", "",
                  f"`{data['command']}`; {data['timing']}; torch {data['versions']['torch']}, triton "
                  f"{data['versions']['triton']}.", "", "| N | impl | ms | TFLOP/s | note |", "|---|---|---|---|---|"]
         for r in data["rows"]:

@@ -180,9 +180,11 @@ stage_matmul() {
   # A contraction's program order (bench/matmul_order.py; never run on a GPU yet): examples/matmul.ncd
   # forward and backward at 4K and 8K with its programs in the plain order and in groups of 4 and
   # 8 row blocks, against torch.matmul, beside the L2 model's DRAM bytes for each (docs/cost.md);
-  # then an e4m3 product scaled per row and column against torch._scaled_mm (cuBLAS's fp8 GEMM)
+  # then an e4m3 product scaled per row and column against torch._scaled_mm (cuBLAS's fp8 GEMM),
+  # and an int8 one against torch._int_mm (cuBLAS's int8 GEMM) scaled in torch
   "$PYTHON" bench/matmul_order.py --out "$OUT_DIR"
   "$PYTHON" bench/matmul_order.py --fp8 --out "$OUT_DIR"
+  "$PYTHON" bench/matmul_order.py --int8 --out "$OUT_DIR"
 }
 
 stage_aot() {

@@ -75,7 +75,7 @@ _BACKWARD_LAYOUTS = {
 _TORCH_DTYPES = {
     "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64,
     "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
-    "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
+    "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int8": torch.int8,
 }
 _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 # an input declared fp8 (a matrix product's factor) may be either fp8 besides
@@ -98,6 +98,9 @@ def _check_dtype(name, t, declared, kernel, classes):
     elif declared == "bool":
         if t.dtype != torch.bool:
             raise TypeError(f"{name} must hold booleans, not {t.dtype}")
+    elif declared == "int8":   # a matrix product's factor: tl.dot's int8 path takes int8 tiles alone
+        if t.dtype != torch.int8:
+            raise TypeError(f"{name} must be a torch.int8 tensor (declared int8), not {t.dtype}")
     else:
         fp8 = declared in ("e4m3", "e5m2")
         allowed = _KERNEL_FLOATS + (_FP8 if fp8 else ()) + (() if kernel else (torch.float64,))
@@ -2593,7 +2596,8 @@ def reference(Q, K, V):
     """The diagram in eager PyTorch, from the same IR as the kernel.
 
     Any device; float16, bfloat16, float32 or float64 inputs.  Boxes are
-    computed in float32 (the accumulator), or float64 when the inputs are."""
+    computed in float32 (the accumulator), or float64 when the inputs are or
+    the diagram has int8 factors."""
     Q, K, V = _scalar_inputs((Q, K, V))
     _sz, _cls, _dev = _bind((Q, K, V), kernel=False)
     _c = torch.float64 if torch.float64 in _cls.values() else torch.float32
@@ -2614,7 +2618,8 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
     get ALiBi-like slopes 2^(-8 i / n); integer inputs that are a length
     of a wire (_LENGTH_INPUTS) get random lengths 1..|wire|, other integer
     inputs sorted random ids along their last axis (document ids of packed
-    sequences).  Sizes of wires the diagram does not have are ignored."""
+    sequences), int8 ones (a product's quantised factors) values across
+    -128..127.  Sizes of wires the diagram does not have are ignored."""
     _sz = {}
     sizes = dict(sizes)
     for _, declared, read, step in _COARSE:   # a coarse read's blocks follow from the wire's size
@@ -2627,7 +2632,7 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
             raise ValueError(f"wire {w} is fixed at {n}, not {sizes[w]}")
         _sz[w] = int(sizes[w]) if n is None else n
     gen = torch.Generator().manual_seed(seed)
-    main = next((_DTYPES[n] for n in INPUTS if _DTYPES[n] not in ("int32", "int64", "bool")), None)
+    main = next((_DTYPES[n] for n in INPUTS if _DTYPES[n] not in ("int32", "int64", "bool", "int8")), None)
     out = []
     for name in INPUTS:
         shape, declared = _shape(name, _sz), _DTYPES[name]
@@ -2639,6 +2644,8 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
             t = torch.randint(0, top, shape, generator=gen).sort(dim=-1).values.to(_TORCH_DTYPES[declared])
         elif declared == "bool":
             t = torch.randint(0, 2, shape, generator=gen).bool()
+        elif declared == "int8":
+            t = torch.randint(-128, 128, shape, generator=gen).to(torch.int8)
         elif declared == main:
             t = torch.randn(shape, generator=gen).to(dtype)
         elif len(shape) == 1:

@@ -302,10 +302,12 @@ def cmd_demo(args) -> int:
     with tempfile.TemporaryDirectory(prefix="napkin-demo-") as tmp:
         module = _import_file(Path(write_module(path, Path(tmp))))
         dtype, why = _demo_dtype(diagram, cuda, torch)
+        int8 = ", ".join(t.name for t in diagram.inputs if t.dtype == "int8")   # a product's factors: drawn in int8
         print(f"{path}: diagram {diagram.name}, sizes "
               + ", ".join(f"{k}={v}" for k, v in sizes.items())
               + f", on {'the GPU' if cuda else 'the CPU (Triton interpreter)'}, "
-              + f"{str(dtype).replace('torch.', '')} inputs")
+              + f"{str(dtype).replace('torch.', '')} inputs"
+              + (f" ({int8}: int8)" if int8 else ""))
         if why:
             print(f"  ({why})")
         try:

@@ -43,7 +43,10 @@ def _locs() -> tuple:
 
 
 # --------------------------------------------------------------------------
-# Element types.  bytes per element; fp8 exists for the cost model only.
+# Element types.  bytes per element.  fp8 and int8 are a matrix product's
+# factors' (quantised values, multiplied at the tensor cores' 8-bit rates):
+# int8 holds numbers to multiply, not indices, so it is in neither integer
+# tuple below (the reference computes with it in float, as with fp8).
 # --------------------------------------------------------------------------
 
 DTYPE_BYTES = {
@@ -56,16 +59,19 @@ DTYPE_BYTES = {
     "e5m2": 1,
     "int64": 8,
     "int32": 4,
+    "int8": 1,
     "bool": 1,
 }
 FLOAT_DTYPES = ("fp64", "fp32", "fp16", "bf16", "e4m3", "e5m2")
+# The 8-bit dtypes only a matrix product's factor may take (codegen/operands.py).
+FACTOR_DTYPES = ("e4m3", "e5m2", "int8")
 INT_DTYPES = ("int64", "int32", "bool")
 # The integer dtypes that hold numbers (indices, document ids, lengths): bool holds truth values.
 NUMBER_INT_DTYPES = ("int64", "int32")
 # The torch dtype (its attribute name) of each dtype a tensor can be made in (not tf32).
 TORCH_NAMES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
                "int64": "int64", "int32": "int32", "bool": "bool",
-               "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+               "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2", "int8": "int8"}
 
 
 # --------------------------------------------------------------------------

@@ -126,6 +126,24 @@ def tensor_dtype(diagram: ir.Diagram, name: str) -> str:
     return accumulator_dtype(diagram)
 
 
+def dot_dtype(a: str, b: str) -> str:
+    """The dtype tl.dot multiplies two factors of declared dtypes ``a`` and
+    ``b`` in (codegen's emit.dot_operands; the cost pass's peak rate): one
+    dtype as it is; two different 8-bit ones (fp8, int8) in fp16, which holds
+    both exactly; an 8-bit factor in the other's dtype (fp16 and wider hold it
+    exactly); else the wider, and fp16 beside bf16, neither holding the
+    other, in fp32."""
+    if a == b:
+        return a
+    if a in ir.FACTOR_DTYPES and b in ir.FACTOR_DTYPES:
+        return "fp16"
+    if a in ir.FACTOR_DTYPES or b in ir.FACTOR_DTYPES:
+        return b if a in ir.FACTOR_DTYPES else a
+    if ir.DTYPE_BYTES[a] != ir.DTYPE_BYTES[b]:
+        return max(a, b, key=ir.DTYPE_BYTES.__getitem__)
+    return "fp32"
+
+
 def accumulator_dtype(diagram: ir.Diagram) -> str:
     return diagram.schedule.accumulate if diagram.schedule else "fp32"
 

@@ -370,10 +370,11 @@ def test_run_h100_ragged_stage_runs_the_ragged_decode_bench(tmp_path):
     assert calls == [["bench/decode.py", "--ragged", "--out", str(tmp_path / "out")]]
 
 
-def test_run_h100_matmul_stage_runs_the_program_order_bench_then_the_fp8_one(tmp_path):
+def test_run_h100_matmul_stage_runs_the_program_order_bench_then_the_fp8_and_int8_ones(tmp_path):
     calls = run_stage_recorded(tmp_path, "matmul")
     assert calls == [["bench/matmul_order.py", "--out", str(tmp_path / "out")],
-                     ["bench/matmul_order.py", "--fp8", "--out", str(tmp_path / "out")]]
+                     ["bench/matmul_order.py", "--fp8", "--out", str(tmp_path / "out")],
+                     ["bench/matmul_order.py", "--int8", "--out", str(tmp_path / "out")]]
 
 
 # --------------------------------------------------------------------------
@@ -595,4 +596,22 @@ def test_matmul_fp8_checks_napkins_product_against_float64_and_records_each_base
     assert path.with_suffix(".md").read_text() == bench.markdown(data)
     monkeypatch.setattr(bench, "FP8", bench.FP8.replace("* sa * sb", "* sa * sb * 1.01"))
     with pytest.raises(AssertionError, match="N=40, napkin fp8: an entry is more than one bf16 unit off"):
-        bench.fp8_rows(40, "cpu", 1, tmp_path)
+        bench.quantised_rows("fp8", 40, "cpu", 1, tmp_path)
+
+
+def test_matmul_int8_checks_napkins_product_against_float64_and_records_each_baseline(tmp_path, monkeypatch):
+    """--int8's CPU smoke: the int8 product (an int32 sum, then the scales; its bf16 entries
+    each within a unit of float64's) beside torch._int_mm scaled in torch and bf16 torch.matmul;
+    a wrong napkin product stops the run."""
+    bench = _bench_script("matmul_order")
+    assert bench.main(["--int8", "--sizes", "40", "--reps", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("matmul-int8-cpu-*.json")
+    data = json.loads(path.read_text())
+    assert [r["impl"] for r in data["rows"]] == ["napkin int8", "torch._int_mm, scaled", "torch.matmul bf16"]
+    assert data["rows"][0]["relative_error"] < 2 ** -7 and data["rows"][0]["ms"] > 0
+    assert data["rows"][1]["ms"] is not None or data["rows"][1]["error"]
+    assert data["dtype"] == "int8" and path.with_suffix(".md").read_text() == bench.markdown(data)
+    assert "An int8 product" in bench.markdown(data)
+    monkeypatch.setattr(bench, "INT8", bench.INT8.replace("* sa * sb", "* sa * sb * 1.01"))
+    with pytest.raises(AssertionError, match="N=40, napkin int8: an entry is more than one bf16 unit off"):
+        bench.quantised_rows("int8", 40, "cpu", 1, tmp_path)

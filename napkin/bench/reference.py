@@ -69,6 +69,8 @@ def example_inputs(diagram: ir.Diagram, sizes: Mapping[str, int], dtype=None, de
             value = torch.cumsum(starts.to(torch.int64), dim=-1).to(getattr(torch, ir.TORCH_NAMES[t.dtype]))
         elif t.dtype == "bool":
             value = torch.rand(shape, generator=gen) < 0.5
+        elif t.dtype == "int8":   # a product's quantised factor: the whole range
+            value = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
         else:
             want = ir.TORCH_NAMES.get(t.dtype, "float32")
             if dtype is not None and t.dtype in ("fp16", "bf16"):

@@ -6,14 +6,15 @@ One program per (row block, column block, batch index), taken in groups of
 row blocks (tiling.grouped_program: the kernel's lines, the L2 model's
 order); the sum's streamed wire in blocks, whole ones unmasked, then the
 ragged last; the sum's other wires (ContractionPlan.outer) looped over index
-by index around that stream; the epilogue f on the float32 accumulator, then
-one store.
+by index around that stream; the epilogue f on the float32 accumulator (an
+int8 pair's exact int32 one, made float32 unless every output is an
+integer), then one store.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from .. import tiling
+from .. import ir, tiling
 from . import launch as H
 from . import lower as L
 from .emit import _decode, _finalise, _kinds, _load, _Names, _params, _wire_ctx, dot_operands
@@ -28,6 +29,11 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
     lhs, rhs = dot_operands(plan.lhs.var, dtypes[plan.lhs.tensor], plan.rhs.var, dtypes[plan.rhs.tensor])
     step = f'_acc = tl.dot({lhs}, {rhs}, _acc, input_precision="{plan.precision}")'
     finalise, stores = _finalise(d, names, plan.outputs, kinds, {})
+    # an int8 pair sums exactly in int32 (tl.dot's integer path); the epilogue takes it as float32
+    # unless every output is an integer (C : int32 = sum[k](A * B) stores the exact sum)
+    integral = dtypes[plan.lhs.tensor] == dtypes[plan.rhs.tensor] == "int8"
+    if integral and any(tiling.tensor_dtype(d, o.name) not in ir.INT_DTYPES for o in d.outputs):
+        finalise = "_acc = _acc.to(tl.float32)\n" + finalise
     blocks_list = [names.block(w) for w in (row, col, red)] + ["_INT64", "_GROUP"]
     params, sizes = _params(d, names, blocks_list)
     opts = H.options(d, [row, col, red])
@@ -57,7 +63,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "pre_loads": [_load(d, names, ld, pad="1.0") for ld in plan.loads],
         "step_loads": [_load(d, names, ld) for ld in (plan.lhs, plan.rhs)],
         "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
-        "step": step, "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
+        "step": step, "acc_dtype": "tl.int32" if integral else "tl.float32", "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "check_options": H.option_checks(H.given_blocks([row, col, red]) + [
             H.tile_fits(x, y) for x, y in pairs] + [
             # the grid's limits (_fits): axis 1 the column blocks where a block is given (else the

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from .. import ir, masks
+from .. import ir, masks, tiling
 from . import launch as H
 from . import lower as L
 from . import packed as P
@@ -281,22 +281,21 @@ def known(plan: L.AttentionPlan) -> frozenset:
 
 
 def dot_operands(lhs: str, lhs_dtype: str, rhs: str, rhs_dtype: str) -> tuple[str, str]:
-    """tl.dot takes one dtype: two tiles of different dtypes meet in the wider
-    (fp16 by fp32 in fp32; fp16 by bf16, neither holding the other, in fp32).
-    Rounding the right one to the left one's dtype made the answer depend on
-    operand order, and an fp32 dC past 65504 inf in an fp16 matmul's dB."""
+    """tl.dot takes one dtype: two tiles of different dtypes meet in
+    tiling.dot_dtype's (fp16 by fp32 in fp32; fp16 by bf16 in fp32; an 8-bit
+    factor in the other's).  Rounding the right one to the left one's dtype
+    made the answer depend on operand order, and an fp32 dC past 65504 inf in
+    an fp16 matmul's dB.  A side converts to the other tile's runtime dtype
+    (a tensor declared fp16 may come as bf16)."""
+    meet = tiling.dot_dtype(lhs_dtype, rhs_dtype)
     if lhs_dtype == rhs_dtype:
         return lhs, rhs
-    fp8 = L.FP8_DTYPES   # an fp8 factor meets the other's dtype, each held exactly by fp16 and wider
-    if lhs_dtype in fp8 and rhs_dtype in fp8:
-        return f"{lhs}.to(tl.float16)", f"{rhs}.to(tl.float16)"
-    if lhs_dtype in fp8 or rhs_dtype in fp8:
-        return (f"{lhs}.to({rhs}.dtype)", rhs) if lhs_dtype in fp8 else (lhs, f"{rhs}.to({lhs}.dtype)")
-    if ir.DTYPE_BYTES[lhs_dtype] > ir.DTYPE_BYTES[rhs_dtype]:
+    if meet == lhs_dtype:
         return lhs, f"{rhs}.to({lhs}.dtype)"
-    if ir.DTYPE_BYTES[rhs_dtype] > ir.DTYPE_BYTES[lhs_dtype]:
+    if meet == rhs_dtype:
         return f"{lhs}.to({rhs}.dtype)", rhs
-    return f"{lhs}.to(tl.float32)", f"{rhs}.to(tl.float32)"
+    to = {"fp16": "tl.float16", "fp32": "tl.float32"}[meet]
+    return f"{lhs}.to({to})", f"{rhs}.to({to})"
 
 
 def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], list[str], list[str]]:
@@ -726,6 +725,9 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
     blocks = "{" + ", ".join(f'"{w}": {n}' for w, n in plan.blocks) + "}"
     accumulated = row_state_outputs(plan)
     ref_inputs = reference_inputs(d)
+    # what the reference computes in: float32 holds integers to 2**24 exactly, and an int8 sum passes it
+    ref_dtype = "torch.float64  # int8 factors: their sums are exact in float64" \
+        if any(t.dtype == "int8" for t in d.inputs) else "torch.float64 if torch.float64 in _cls.values() else torch.float32"
     returns = [f'{o.name}.reshape(_shape("{o.name}", _sz)).to(_out_dtype("{o.name}", _cls))' for o in d.outputs]
     ctx.update({
         "docstring": docstring, "version": version, "source_hash": source_hash, "name": d.name,
@@ -738,7 +740,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "input_params": ", ".join(t.name for t in d.inputs),
         "input_tuple": ", ".join(t.name for t in d.inputs) + ("," if len(d.inputs) == 1 else ""),
         "returns": ", ".join(o.name for o in d.outputs),
-        "reference_inputs": ref_inputs, "reference_body": reference_lines(d),
+        "reference_dtype": ref_dtype, "reference_inputs": ref_inputs, "reference_body": reference_lines(d),
         "autotune_wires": repr(tuple(w.name for w in d.wires if w.size is None)),
         # the feature wires the forward's and the backward's kernels hold whole beside a block
         "tile_dims": H.tile_dims(d, (*train.forward.dims,

@@ -34,8 +34,8 @@ DEFAULT_BLOCK_STREAM = 64
 DEFAULT_BLOCK_MATMUL = (64, 64, 32)
 MIN_DOT = tiling.MIN_DOT_BLOCK  # tl.dot's least block
 KERNEL_DTYPES = ("fp16", "bf16", "fp32")
-# What a matrix product's two factors may be besides (_refuse_fp8): tl.dot takes them at the
-# tensor cores' fp8 rate; nothing else a kernel computes reads them.
+# What a matrix product's two factors may be besides (operands.py: ir.FACTOR_DTYPES, fp8 and
+# int8): tl.dot takes them at the tensor cores' 8-bit rates; nothing else a kernel computes reads them.
 FP8_DTYPES = ("e4m3", "e5m2")
 
 
@@ -388,7 +388,7 @@ def _refuse_unfused(d: ir.Diagram) -> None:
 def _check_dtypes(d: ir.Diagram) -> None:
     errors = []
     for t in d.inputs:
-        if t.dtype not in KERNEL_DTYPES + FP8_DTYPES + ("fp64",) and t.dtype not in ir.INT_DTYPES:
+        if t.dtype not in KERNEL_DTYPES + ir.FACTOR_DTYPES + ("fp64",) and t.dtype not in ir.INT_DTYPES:
             errors.append(unsupported(f"input {t.name}", f"its dtype {t.dtype} has no Triton kernel path here; "
                                       "kernels read fp16, bf16, fp32 or integer inputs", t.loc))
     for out in d.outputs:

@@ -233,6 +233,10 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         return _no(plan, f"its output {out.name} is {epi}", d.tensor(out.name).expr.loc)
     for name in (a, b):
         t = d.tensor(name)
+        if t.dtype == "int8":   # torch keeps no gradient of an integer tensor; the scales' would need their own path
+            return _no(plan, f"{name} is int8, and napkin's matrix-product backward computes both factors' "
+                       "gradients, which an integer tensor has none of (the forward runs on inputs that "
+                       "require no gradient)", t.dtype_loc)
         if t.dtype not in ir.FLOAT_DTYPES:
             return _no(plan, f"{name} is not a float tensor", t.dtype_loc)
         if t.dtype in L.FP8_DTYPES:   # its gradient, stored in fp8, saturated past 448 (e4m3)

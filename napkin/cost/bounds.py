@@ -97,7 +97,15 @@ def _depends_on(diagram: ir.Diagram, name: str, target: str) -> bool:
 
 
 def _operand_dtype(diagram: ir.Diagram, exprs) -> str:
-    """The narrowest input dtype among the operands (what feeds the tensor cores)."""
+    """What feeds the tensor cores: a product's two factors (``exprs`` of two) in
+    the dtype tl.dot meets them in (tiling.dot_dtype: int8 by fp16 runs in fp16),
+    each its narrowest input's; else the narrowest input dtype among the operands."""
+    if len(exprs) == 2:
+        return tiling.dot_dtype(_narrowest(diagram, exprs[:1]), _narrowest(diagram, exprs[1:]))
+    return _narrowest(diagram, exprs)
+
+
+def _narrowest(diagram: ir.Diagram, exprs) -> str:
     names = [r.name for e in exprs for r in ir.walk(e) if isinstance(r, ir.TensorRef)
              and isinstance(diagram.tensor(r.name), ir.Input)]
     dtypes = [tiling.tensor_dtype(diagram, n) for n in names] or \

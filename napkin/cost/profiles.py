@@ -17,7 +17,7 @@ from ..tiling import PROFILES_TOML
 # Which peak rate a contraction runs at, by its operands' dtype.
 _PEAK_KEY = {"fp16": "peak_flops_fp16", "bf16": "peak_flops_bf16", "e4m3": "peak_flops_fp8",
              "e5m2": "peak_flops_fp8", "tf32": "peak_flops_tf32", "fp32": "peak_flops_fp32",
-             "fp64": "peak_flops_fp32"}
+             "fp64": "peak_flops_fp32", "int8": "peak_flops_int8"}
 
 RATE_KEYS = ("hbm_bandwidth", "peak_flops_fp16", "peak_flops_bf16", "peak_flops_tf32",
              "peak_flops_fp32", "exp_rate", "nvlink_bandwidth", "infiniband_bandwidth")
@@ -40,12 +40,13 @@ class Profile:
     def contraction_rate(self, dtype: str, tf32: bool = False) -> tuple[float, str]:
         """Peak FLOP/s for a contraction over ``dtype`` operands, and the figure's
         name.  fp32 uses tf32 tensor cores only when the schedule allows tf32; a
-        device without fp8 units runs fp8 operands at its fp16 rate (upcast)."""
+        profile without an fp8 or int8 figure prices those operands at its fp16
+        rate (upcast)."""
         key = _PEAK_KEY.get(dtype, "peak_flops_fp32")
         if dtype == "fp32" and tf32:
             key = "peak_flops_tf32"
         if key not in self.figures:
-            key = "peak_flops_fp16" if key == "peak_flops_fp8" else "peak_flops_fp32"
+            key = "peak_flops_fp16" if key in ("peak_flops_fp8", "peak_flops_int8") else "peak_flops_fp32"
         return self.figures[key], key
 
 

@@ -1,0 +1,204 @@
+"""int8 factors of a matrix product: the forward kernel, its cost and its refusals.
+
+An int8 pair goes to tl.dot as it is and sums in int32 (exact), made float32
+for an epilogue (per-row and per-column dequantising scales) or stored as it
+is where every output is an integer; an int8 factor beside a float meets it in
+that float's dtype (fp16 and wider hold -128..127 exactly), beside fp8 in
+fp16.  Checked against float64 of the same values on ragged sizes; the sum
+past 2**24 (where float32 is no longer exact) against torch's int64 product.
+Attention, an epilogue's int8 tile, an int8 output and the gradient are
+refused in words.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import napkin
+from napkin import tiling
+from napkin.bytecount import ByteCounter
+from napkin.codegen import emit_module
+from napkin.cost import analyse
+from napkin.cost.profiles import get_profile
+from napkin.errors import NapkinError
+from backward_helpers import compile_text
+
+SCALED = """diagram q8
+wire m, n, k
+in A[m, k] : {a}
+in B[k, n] : {b}
+in sa[m] : fp32
+in sb[n] : fp32
+C[m, n] : {out} = sum[k](A * B) * sa * sb
+out C
+schedule {{ level smem {{ group m by 32, n by 16
+stream k by 32 }} }}
+"""
+
+EXACT = """diagram q32
+wire m, n, k
+in A[m, k] : int8
+in B[k, n] : int8
+C[m, n] : int32 = sum[k](A * B)
+out C
+schedule { level smem { group m by 32, n by 16
+stream k by 32 } }
+"""
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _values(shape, dtype: str, g):
+    if dtype == "int8":
+        return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+    torch_dtype = {"fp16": torch.float16, "e4m3": torch.float8_e4m3fn}[dtype]
+    return (torch.randn(shape, generator=g) * 3).to(torch_dtype)
+
+
+def _inputs(a: str, b: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [_values((45, 71), a, g), _values((71, 37), b, g),
+            torch.rand(45, generator=g) / 64 + 2 ** -8, torch.rand(37, generator=g) / 64 + 2 ** -8]
+
+
+def _exact(a, b, sa, sb):
+    return (a.double() @ b.double()) * sa.double()[:, None] * sb.double()
+
+
+@pytest.mark.parametrize("a, b, dot, acc", [
+    ("int8", "int8", "tl.dot(_a, _b, _acc", "tl.int32"),
+    ("fp16", "int8", "tl.dot(_a, _b.to(_a.dtype), _acc", "tl.float32"),
+    ("int8", "e4m3", "tl.dot(_a.to(tl.float16), _b.to(tl.float16), _acc", "tl.float32")])
+def test_an_int8_product_is_exact_to_float32(tmp_path, a, b, dot, acc):
+    text = SCALED.format(a=a, b=b, out="fp32")
+    m = compile_text(text, f"q8_{a}_{b}", tmp_path)
+    source = emit_module(napkin.load_text(text), source_text=text, source_path="q8.ncd")
+    assert dot in source and f"_acc = tl.zeros([_BLOCK_m, _BLOCK_n], dtype={acc})" in source
+    # the int32 sum is made float32 before the scales, once
+    assert source.count("_acc = _acc.to(tl.float32)") == (acc == "tl.int32")
+    ins = _inputs(a, b, seed=1)
+    want = _exact(*ins)
+    scale = want.abs().max()
+    got = m.q8(*ins)
+    # int8 by int8: an exact int32 sum rounded once to float32, then two float32 products
+    tol = 4 * 2 ** -24 if acc == "tl.int32" else 1e-5
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= tol * scale
+    assert (m.reference(*ins).double() - want).abs().max() <= tol * scale
+    assert (m.q8(*ins, block_m=16, block_n=32, block_k=16).double() - want).abs().max() <= tol * scale
+
+
+def test_an_int32_output_holds_the_exact_sum_past_float32s_integers(tmp_path):
+    m = compile_text(EXACT, "q32", tmp_path)
+    g = torch.Generator().manual_seed(2)
+    # values near 127: sums of 2100 products near 3.4e7, past 2**24, where float32 skips odd integers
+    a = torch.randint(96, 128, (40, 2100), generator=g, dtype=torch.int8)
+    b = torch.randint(-128, -96, (2100, 19), generator=g, dtype=torch.int8)
+    want = a.long() @ b.long()
+    assert (want.float().long() != want).any()   # a float32 accumulator could not hold these
+    got = m.q32(a, b)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    ref = m.reference(a, b)   # in float64 (int8 factors), stored int32
+    assert ref.dtype == torch.int32 and torch.equal(ref.long(), want)
+    assert "_acc = _acc.to(tl.float32)" not in emit_module(napkin.load_text(EXACT), source_text=EXACT,
+                                                            source_path="q32.ncd")
+
+
+def test_an_int8_product_stores_bf16_and_moves_one_byte_an_element(tmp_path):
+    text = SCALED.format(a="int8", b="int8", out="bf16")
+    m = compile_text(text, "q8_bf16", tmp_path)
+    ins = _inputs("int8", "int8", seed=3)
+    want = _exact(*ins)
+    with ByteCounter(tensors=dict(zip(("A", "B", "sa", "sb"), ins))) as bc:
+        got = m.q8(*ins)
+    # each entry within one bf16 unit of its own (Triton's interpreter rounds float32 to bf16 toward zero)
+    assert got.dtype == torch.bfloat16 and ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-30).all()
+    moved = defaultdict(int), defaultdict(int)
+    for t in analyse(napkin.load_text(text), {"m": 45, "n": 37, "k": 71}).transfers:
+        moved[t.direction == "store"][t.tensor] += t.bytes
+    assert (dict(bc.loads), dict(bc.stores)) == (dict(moved[0]), dict(moved[1]))
+    assert bc.loads["A"] == 45 * 71 * 3   # one byte an element, read by each of the 3 column blocks
+
+
+def test_int8_inputs_take_int8_tensors_alone(tmp_path):
+    m = compile_text(SCALED.format(a="fp16", b="int8", out="fp32"), "q8_fp16_int8", tmp_path)
+    a, b, sa, sb = _inputs("fp16", "int8", seed=4)
+    with pytest.raises(TypeError, match=r"^B must be a torch.int8 tensor \(declared int8\), not torch.float16$"):
+        m.q8(a, b.half(), sa, sb)
+    with pytest.raises(TypeError, match=r"^A has dtype torch.int8: the kernel takes float16, bfloat16 or "
+                                        r"float32 \(reference\(\) also takes float64\)$"):
+        m.q8(b.t().contiguous()[:45], b, sa, sb)
+
+
+def test_an_int8_product_has_no_backward_and_says_why(tmp_path):
+    m = compile_text(SCALED.format(a="int8", b="int8", out="fp32"), "q8_int8_int8", tmp_path)
+    a, b, sa, sb = _inputs("int8", "int8", seed=5)
+    with pytest.raises(NotImplementedError, match=r"^napkin has no backward for diagram q8: A is int8, and "
+                                                  r"napkin's matrix-product backward computes both factors' "
+                                                  r"gradients, which an integer tensor has none of \(the forward "
+                                                  r"runs on inputs that require no gradient\) \(line 3, column 14 "
+                                                  r"of the diagram\)$"):
+        m.q8(a, b, sa.requires_grad_(), sb)
+
+
+def _refusal(text: str) -> str:
+    with pytest.raises(NapkinError) as err:
+        emit_module(napkin.load_text(text, "x.ncd"), source_text=text, source_path="x.ncd")
+    return str(err.value)
+
+
+def test_int8_outside_a_products_factors_is_refused_in_words():
+    side = SCALED.format(a="int8", b="int8", out="fp32").replace("in sb[n] : fp32", "in sb[n] : int8")
+    assert _refusal(side).splitlines()[0] == (
+        "x.ncd:6:4: napkin cannot emit a kernel for input sb: it is int8: only a matrix product's two factors "
+        "may be int8 (an epilogue's arithmetic on an int8 tile has no Triton path)")
+    attention = (REPO / "examples" / "attention.ncd").read_text()
+    first = _refusal(attention.replace("in Q[b, h, q, d] : fp16", "in Q[b, h, q, d] : int8")).splitlines()
+    assert first[0].endswith("napkin cannot emit a kernel for input Q: it is int8: int8 attention has no kernel "
+                             "path here (its P · V product would take P in int8, which needs scaling into its "
+                             "range: not generated)")
+    assert "  hint: declare Q fp16 or bf16 (napkin cost prices the int8 diagram)" in first
+    out = SCALED.format(a="int8", b="int8", out="int8")
+    assert "napkin cannot emit a kernel for output C: its dtype int8 has no Triton kernel path here" in _refusal(out)
+
+
+def test_tl_dots_dtype_prices_the_product():
+    """The cost pass's peak rate is the dtype tl.dot runs in: an int8 pair at the
+    int8 rate, int8 by fp16 at fp16's; a profile without an int8 figure upcasts."""
+    assert [tiling.dot_dtype(*p) for p in [("int8", "int8"), ("int8", "fp16"), ("bf16", "int8"),
+                                           ("int8", "e4m3"), ("fp16", "fp32"), ("fp16", "bf16")]] == \
+        ["int8", "fp16", "bf16", "fp16", "fp32", "fp32"]
+    sizes = {"m": 4096, "n": 4096, "k": 4096}
+    h100 = get_profile("h100")
+    for (a, b), rate in {("int8", "int8"): h100["peak_flops_int8"],
+                         ("fp16", "int8"): h100["peak_flops_fp16"]}.items():
+        report = analyse(napkin.load_text(SCALED.format(a=a, b=b, out="bf16")), sizes, profile="h100")
+        assert report.flops.contraction_dtype == tiling.dot_dtype(a, b)
+        assert report.roofline.contraction_rate == rate
+    cpu = get_profile("cpu")
+    assert "peak_flops_int8" not in cpu.figures
+    assert cpu.contraction_rate("int8") == (cpu["peak_flops_fp16"], "peak_flops_fp16")
+
+
+def test_the_demo_runs_an_int8_product_on_int8_values(tmp_path, capsys):
+    from napkin.cli import main
+
+    src = tmp_path / "q8.ncd"
+    src.write_text(SCALED.format(a="int8", b="int8", out="bf16"))
+    assert main(["demo", str(src), "-D", "m=40", "-D", "n=30", "-D", "k=50"]) == 0
+    out = capsys.readouterr().out
+    assert "float32 inputs (A, B: int8)" in out.splitlines()[0]
+    assert "C[40, 30] bfloat16: max abs error" in out and "(ok," in out
+
+
+def test_an_int8_mask_input_is_told_to_be_int32():
+    """int8 is a factor's dtype, not an index type: a length declared int8 is
+    refused with the hint to declare it int32, as napkin's ids and lengths are."""
+    text = (REPO / "examples" / "ragged_decode.ncd").read_text()
+    assert "in n[b] : int32" in text
+    first = _refusal(text.replace("in n[b] : int32", "in n[b] : int8")).splitlines()
+    assert first[0].endswith("napkin cannot emit a kernel for input n: it is int8: only a matrix product's two "
+                             "factors may be int8 (an epilogue's arithmetic on an int8 tile has no Triton path)")
+    assert "  hint: declare n int32 if it holds ids or lengths, else fp16 or bf16" in first
