@@ -224,6 +224,24 @@ def reduced_wires(expr: ir.Expr) -> set[str]:
 # tl.dot needs every matrix dimension >= 16: a block of rows smaller than this
 # is refused (check.py) unless packed rows make it up (packs_rows)
 MIN_DOT_BLOCK = 16
+# NVIDIA's 8-bit mma sums 32 at a time: Triton refuses a smaller block along an
+# 8-bit product's sum when it compiles for a GPU (its interpreter runs one)
+EIGHT_BIT_DOT_BLOCK = 32
+
+
+def least_block(diagram: ir.Diagram, wire: str) -> int:
+    """The least block tl.dot takes along ``wire``: EIGHT_BIT_DOT_BLOCK where a
+    product of two inputs meeting in 8 bits (dot_dtype: e4m3 by e4m3, int8 by
+    int8) sums over it; else MIN_DOT_BLOCK.  The code generator refuses a
+    schedule below it, the launcher a block option, the tile search skips it."""
+    for let in diagram.lets:
+        for n in ir.walk(let.expr):
+            if isinstance(n, ir.Reduce) and n.op == "sum" and wire in n.wires:
+                dtypes = [diagram.tensor(r.name).dtype for r in ir.walk(n.body)
+                          if isinstance(r, ir.TensorRef) and isinstance(diagram.tensor(r.name), ir.Input)]
+                if len(dtypes) == 2 and dot_dtype(*dtypes) in ir.FACTOR_DTYPES:
+                    return EIGHT_BIT_DOT_BLOCK
+    return MIN_DOT_BLOCK
 
 
 def packs_rows(diagram: ir.Diagram, packed: str, row: str) -> bool:

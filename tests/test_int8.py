@@ -21,7 +21,7 @@ import napkin
 from napkin import tiling
 from napkin.bytecount import ByteCounter
 from napkin.codegen import emit_module
-from napkin.cost import analyse
+from napkin.cost import analyse, tune
 from napkin.cost.profiles import get_profile
 from napkin.errors import NapkinError
 from backward_helpers import compile_text
@@ -87,7 +87,7 @@ def test_an_int8_product_is_exact_to_float32(tmp_path, a, b, dot, acc):
     tol = 4 * 2 ** -24 if acc == "tl.int32" else 1e-5
     assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= tol * scale
     assert (m.reference(*ins).double() - want).abs().max() <= tol * scale
-    assert (m.q8(*ins, block_m=16, block_n=32, block_k=16).double() - want).abs().max() <= tol * scale
+    assert (m.q8(*ins, block_m=16, block_n=32, block_k=32).double() - want).abs().max() <= tol * scale
 
 
 def test_an_int32_output_holds_the_exact_sum_past_float32s_integers(tmp_path):
@@ -202,3 +202,36 @@ def test_an_int8_mask_input_is_told_to_be_int32():
     assert first[0].endswith("napkin cannot emit a kernel for input n: it is int8: only a matrix product's two "
                              "factors may be int8 (an epilogue's arithmetic on an int8 tile has no Triton path)")
     assert "  hint: declare n int32 if it holds ids or lengths, else fp16 or bf16" in first
+
+
+def test_an_8_bit_products_sum_takes_32_a_step(tmp_path):
+    """NVIDIA's 8-bit mma sums 32 at a time: Triton refused a product of 8-bit
+    tiles with a block of 16 along its sum when compiling for sm_90
+    (napkin.bench.aot), though its interpreter ran it.  The schedule's block is
+    refused in words, a launch option at the call (and by the fakes' checks),
+    and the tile search starts at 32 there; a product meeting in fp16 keeps 16."""
+    text = SCALED.format(a="int8", b="int8", out="fp32").replace("stream k by 32", "stream k by 16")
+    assert _refusal(text).splitlines()[0] == (
+        "x.ncd:10:8: napkin cannot emit a kernel for 'stream k by 16': A and B are int8, and a product of "
+        "8-bit tiles sums at least 32 of k a step on NVIDIA GPUs (Triton refuses a smaller block when it "
+        "compiles for one)")
+    assert "  hint: write 'stream k by 32' or more" in _refusal(text).splitlines()
+    assert "A and B are e4m3" in _refusal(text.replace(": int8", ": e4m3"))
+    emit_module(napkin.load_text(text.replace("in A[m, k] : int8", "in A[m, k] : fp16")), source_text=text,
+                source_path="x.ncd")   # int8 by fp16 meets in fp16: 16 a step stands
+    m = compile_text(SCALED.format(a="int8", b="int8", out="fp32"), "q8_int8_int8", tmp_path)
+    ins = _inputs("int8", "int8", seed=6)
+    message = r"^block_k must be at least 32 here, not 16: a product of 8-bit tiles sums 32 of k a step on NVIDIA GPUs$"
+    with pytest.raises(ValueError, match=message):
+        m.q8(*ins, block_k=16)
+    with pytest.raises(ValueError, match=message):
+        m._q8_check_options({"m": 45, "n": 37, "k": 71}, block_m=None, block_n=None, block_k=16, num_warps=None,
+                             num_stages=None)
+    want = _exact(*ins)
+    assert (m.q8(*ins, block_k=64).double() - want).abs().max() <= 4 * 2 ** -24 * want.abs().max()
+    sizes = {"m": 4096, "n": 4096, "k": 4096}
+    assert tiling.least_block(napkin.load_text(text), "k") == 32 and tiling.least_block(napkin.load_text(text), "m") == 16
+    for a, least in (("int8", 32), ("fp16", 16)):
+        picks = tune(napkin.load_text(SCALED.format(a=a, b="int8" if a == "int8" else "fp16", out="bf16")),
+                     sizes, "h100", top=1000)
+        assert min(r.block["k"] for r in picks) == least

@@ -44,6 +44,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
               f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
               f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
               f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
+              *H.least_block(red, tiling.least_block(d, red), "_bk"),
               *(H.tile_fits(x, y, block_var[x], block_var[y]) for x, y in pairs),
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
               f'_grid = _fits((_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), {batch}))']
@@ -65,7 +66,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
         "step": step, "acc_dtype": "tl.int32" if integral else "tl.float32", "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
         "check_options": H.option_checks(H.given_blocks([row, col, red]) + [
-            H.tile_fits(x, y) for x, y in pairs] + [
+            *H.least_block(red, tiling.least_block(d, red))] + [H.tile_fits(x, y) for x, y in pairs] + [
             # the grid's limits (_fits): axis 1 the column blocks where a block is given (else the
             # tuned blocks may differ), axis 2 the batch
             f'_fits((1, _cdiv(_sz["{col}"], _b_{col}) if (block_{row}, block_{col}, block_{red}) != (None, None, None) '

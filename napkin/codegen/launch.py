@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import ir
+from .. import ir, tiling
 from . import lower as L
 from . import ranges as R
 from .pysrc import quote, tuple_of
@@ -57,6 +57,18 @@ def given_blocks(wires: list[str], option: str = "block_{}") -> list[str]:
     cached blocks (_autotune_fill), and one given none has nothing to refuse.
     ``option``: the option's value, a format of the wire's name."""
     return [f'_b_{w} = _block_size({option.format(w)}, "{w}", "block_{w}")' for w in wires]
+
+
+def least_block(wire: str, least: int, var: str = "") -> list[str]:
+    """The check that the block of ``wire`` (the variable ``var``; the fakes'
+    _b_wire by default) is at least ``least`` (tiling.least_block): none where
+    it is tl.dot's usual least, which _block_size checks already."""
+    if least <= tiling.MIN_DOT_BLOCK:
+        return []
+    var = var or f"_b_{wire}"
+    return [f"if {var} < {least}:   # an 8-bit product's sum (tiling.least_block)\n"
+            f'    raise ValueError(f"block_{wire} must be at least {least} here, not {{{var}}}: a product of '
+            f'8-bit tiles sums {least} of {wire} a step on NVIDIA GPUs")']
 
 
 def tile_fits(x: str, y: str, bx: str = "", by: str = "", given: str = "block_{}") -> str:

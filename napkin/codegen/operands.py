@@ -6,13 +6,13 @@ int8 ones only as a matrix product's factors.  Split from lower.py, which calls
 """
 from __future__ import annotations
 
-from .. import ir
+from .. import ir, tiling
 from .lower import Plan, _refuse_all, unsupported
 
 
 def refuse_operands(plan: Plan) -> Plan:
-    """``plan``, once its operands pass both checks below; else the NapkinError of the first."""
-    return _factor_only(_integer(plan))
+    """``plan``, once its operands pass the checks below; else the NapkinError of the first."""
+    return _eight_bit_sum(_factor_only(_integer(plan)))
 
 
 def _factor_only(plan: Plan) -> Plan:
@@ -44,6 +44,25 @@ def _factor_only(plan: Plan) -> Plan:
             errors.append(unsupported(f"input {t.name}", f"it is {t.dtype}: {why}", t.loc, hint))
     _refuse_all(errors)
     return plan
+
+
+def _eight_bit_sum(plan: Plan) -> Plan:
+    """A product of two 8-bit tiles (e4m3 by e4m3, int8 by int8) sums at least
+    32 of its wire a step (tiling.least_block): a schedule streaming 16 ran in
+    Triton's interpreter and failed to compile for a GPU."""
+    if plan.family == "attention":
+        return plan
+    d = plan.diagram
+    least, block = tiling.least_block(d, plan.red), dict(plan.blocks)[plan.red]
+    if block >= least:
+        return plan
+    tile = next((t for lv in d.schedule.levels for t in lv.tiles if t.wire == plan.red and t.kind == "stream"),
+                None) if d.schedule is not None else None
+    dtype = d.tensor(plan.lhs.tensor).dtype
+    raise unsupported(f"'stream {plan.red} by {block}'", f"{plan.lhs.tensor} and {plan.rhs.tensor} are {dtype}, "
+                      f"and a product of 8-bit tiles sums at least {least} of {plan.red} a step on NVIDIA GPUs "
+                      "(Triton refuses a smaller block when it compiles for one)",
+                      tile.loc if tile is not None else ir.NOLOC, f"write 'stream {plan.red} by {least}' or more")
 
 
 def _dot_loads(plan: Plan) -> list:

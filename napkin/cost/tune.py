@@ -68,12 +68,14 @@ def _choices(size: int) -> list[int]:
 
 
 def _wire_choices(diagram: ir.Diagram, wire: str, sizes: Mapping[str, int]) -> list[int]:
-    """The blocks tried for ``wire``: the Triton blocks covering it; for the
+    """The blocks tried for ``wire``: the Triton blocks covering it (from 32
+    along an 8-bit product's sum, tiling.least_block); for the
     row wire of packed rows, the groups giving those packed blocks of the
     |g||q| rows (the packed wire's group fixed)."""
     pack = packing.find(diagram)
     if pack is None or wire != pack.row:
-        return _choices(sizes[wire])
+        least = tiling.least_block(diagram, wire)   # 32 along an 8-bit product's sum
+        return [b for b in _choices(sizes[wire]) if b >= least] or [least]
     return sorted({max(1, b // pack.groups[0]) for b in _choices(sizes[pack.wire] * sizes[wire])})
 
 
