@@ -109,6 +109,12 @@ def _check_dtype(name, t, declared, kernel, classes):
                 else "reference() takes float16, bfloat16, float32 or float64"
             raise TypeError(f"{name} has dtype {t.dtype}: {what}" + (", or float8_e4m3fn or float8_e5m2 "
                             f"(declared {declared})" if fp8 else ""))
+        if t.dtype == torch.float8_e4m3fn and kernel and t.is_cuda and \
+                torch.cuda.get_device_capability(t.device) < (8, 9):   # Triton's compile refused it for sm_80
+            major, minor = torch.cuda.get_device_capability(t.device)
+            raise TypeError(f"{name} is float8_e4m3fn, which Triton compiles for GPUs of compute capability 8.9 "
+                            f"or newer, and this one is {major}.{minor}: pass it as float16 or float8_e5m2 "
+                            f"(declared {declared}, it takes either)")
         first = classes.setdefault(declared, (t.dtype, name))
         if first[0] != t.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but {first[1]} has {first[0]}: the diagram declares "

@@ -122,3 +122,27 @@ def test_fp8_outside_a_products_factors_is_refused_in_words():
     assert "  hint: declare Q fp16 or bf16 (napkin cost prices the fp8 diagram)" in first
     out = SCALED.format(a="e4m3", b="e4m3", out="e4m3")
     assert "napkin cannot emit a kernel for output C: its dtype e4m3 has no Triton kernel path here" in _refusal(out)
+
+
+def test_e4m3_on_a_gpu_older_than_sm_89_is_refused_in_words(tmp_path, monkeypatch):
+    """Triton compiles e4m3 for compute capability 8.9 and newer: for sm_80 its
+    compile failed ("type fp8e4nv not supported in this architecture",
+    napkin.bench.aot --arch 80), where e5m2 and float16 compile.  The launcher
+    says so before Triton does.  No GPU here: a CUDA tensor's three attributes
+    the check reads, and the capability, are stood in for."""
+    from types import SimpleNamespace
+
+    m = compile_text(SCALED.format(a="e4m3", b="e4m3", out="fp32"), "f8_e4m3_e4m3", tmp_path)
+    gpu = SimpleNamespace(dtype=torch.float8_e4m3fn, is_cuda=True, device="cuda:0")
+    for capability, refused in (((8, 0), True), ((8, 9), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        if refused:
+            with pytest.raises(TypeError, match=r"^A is float8_e4m3fn, which Triton compiles for GPUs of compute "
+                                                r"capability 8.9 or newer, and this one is 8.0: pass it as float16 "
+                                                r"or float8_e5m2 \(declared e4m3, it takes either\)$"):
+                m._check_dtype("A", gpu, "e4m3", True, {})
+        else:
+            m._check_dtype("A", gpu, "e4m3", True, {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    m._check_dtype("A", SimpleNamespace(dtype=torch.float8_e5m2, is_cuda=True, device="cuda:0"), "e4m3", True, {})
+    m._check_dtype("A", gpu, "e4m3", False, {})   # reference() runs it in torch
