@@ -1654,7 +1654,7 @@ def _check_state(tensors, sizes, device, shown=None):
 def _wanted(need):
     """Which inputs get a gradient: need is None (every float input), a bit
     mask over INPUTS, or one flag per input; integer inputs never do."""
-    floats = [_DTYPES[n] not in ("int32", "int64", "bool") for n in INPUTS]
+    floats = [_DTYPES[n] not in ("int32", "int64", "int8", "bool") for n in INPUTS]
     if need is None:
         return tuple(floats)
     # a bool is an int to Python (True would be the mask 1: dQ alone); a string iterates to truthy

@@ -473,6 +473,10 @@ def _gradients(names, args, got, wide_args, want, torch):
     grads = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for _, w in pairs]
     # A fully masked row's -inf lse has no gradient: its random one is zeroed.
     grads = [torch.where(torch.isfinite(w.detach()), d.to(w.device), 0) for (_, w), d in zip(pairs, grads)]
+    # the same for both: as the kernel's output dtype holds them (autograd hands the launcher's
+    # backward a gradient in its output's dtype; a bf16 output's beside float32 inputs differed
+    # from the reference's by a bf16 rounding, which the gradients then summed)
+    grads = [d.to(g.dtype).to(d.dtype) for (g, _), d in zip(pairs, grads)]
     wanted = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
     if not pairs or not wanted:
         return []

@@ -77,8 +77,8 @@ def test_an_int8_product_is_exact_to_float32(tmp_path, a, b, dot, acc):
     m = compile_text(text, f"q8_{a}_{b}", tmp_path)
     source = emit_module(napkin.load_text(text), source_text=text, source_path="q8.ncd")
     assert dot in source and f"_acc = tl.zeros([_BLOCK_m, _BLOCK_n], dtype={acc})" in source
-    # the int32 sum is made float32 before the scales, once
-    assert source.count("_acc = _acc.to(tl.float32)") == (acc == "tl.int32")
+    # the int32 sum is made float32 before the scales, in the forward and in the sum the scales' gradients read
+    assert source.count("_acc = _acc.to(tl.float32)") == (2 if acc == "tl.int32" else 0)   # and the backward's sum
     ins = _inputs(a, b, seed=1)
     want = _exact(*ins)
     scale = want.abs().max()
@@ -132,15 +132,30 @@ def test_int8_inputs_take_int8_tensors_alone(tmp_path):
         m.q8(b.t().contiguous()[:45], b, sa, sb)
 
 
-def test_an_int8_product_has_no_backward_and_says_why(tmp_path):
+def test_an_int8_products_scales_train_from_the_recomputed_int32_sum(tmp_path):
+    """An int8 factor has no gradient (torch keeps none of an integer tensor; need= is told
+    so in words); the dequantising scales train, their gradients from the sum recomputed
+    by one more int8 product, against float64 autograd.  A product with nothing else to
+    train has no backward, and says why."""
     m = compile_text(SCALED.format(a="int8", b="int8", out="fp32"), "q8_int8_int8", tmp_path)
     a, b, sa, sb = _inputs("int8", "int8", seed=5)
-    with pytest.raises(NotImplementedError, match=r"^napkin has no backward for diagram q8: A is int8, and "
-                                                  r"napkin's matrix-product backward computes both factors' "
-                                                  r"gradients, which an integer tensor has none of \(the forward "
-                                                  r"runs on inputs that require no gradient\) \(line 3, column 14 "
-                                                  r"of the diagram\)$"):
-        m.q8(a, b, sa.requires_grad_(), sb)
+    sa, sb = sa.requires_grad_(), sb.requires_grad_()
+    dc = torch.randn(45, 37, generator=torch.Generator().manual_seed(8))
+    got = torch.autograd.grad(m.q8(a, b, sa, sb), (sa, sb), dc)
+    sa64, sb64 = sa.detach().double().requires_grad_(), sb.detach().double().requires_grad_()
+    want = torch.autograd.grad(_exact(a, b, sa64, sb64), (sa64, sb64), dc.double())
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32 and (g.double() - w).abs().max() <= 1e-5 * w.abs().max()
+    assert m.q8_backward(a, b, sa, sb, dc, need=(False, False, True, False))[:2] == (None, None)
+    with pytest.raises(NotImplementedError, match=r"^napkin has no gradient for A: it is int8, an integer tensor, "
+                                                  r"which has no gradient \(line 3, column 14 of the diagram\)$"):
+        m.q8_backward(a, b, sa, sb, dc, need=(True, False, True, True))
+    with pytest.raises(ValueError, match=r"^block_k must be at least 32 here, not 16"):
+        m.q8_backward(a, b, sa, sb, dc, block_k=16)
+    with pytest.raises(NotImplementedError, match=r"^napkin has no backward for diagram q32: A is int8, an integer "
+                                                  r"tensor, which has no gradient \(the forward runs on inputs that "
+                                                  r"require no gradient\) \(line 3, column 14 of the diagram\)$"):
+        compile_text(EXACT, "q32", tmp_path).q32(a.float().requires_grad_(), b)
 
 
 def _refusal(text: str) -> str:
@@ -190,7 +205,8 @@ def test_the_demo_runs_an_int8_product_on_int8_values(tmp_path, capsys):
     assert main(["demo", str(src), "-D", "m=40", "-D", "n=30", "-D", "k=50"]) == 0
     out = capsys.readouterr().out
     assert "float32 inputs (A, B: int8)" in out.splitlines()[0]
-    assert "C[40, 30] bfloat16: max abs error" in out and "(ok," in out
+    assert "C[40, 30] bfloat16: max abs error" in out and "TOO LARGE" not in out
+    assert "dsa[40] float32: max abs error" in out and "(ok, tolerance 0.002 x" in out
 
 
 def test_an_int8_mask_input_is_told_to_be_int32():

@@ -747,7 +747,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
                                      *(train.backward.dims if train.backward is not None else ()))),
         "reference_returns": ", ".join(returns) if len(returns) > 1 else returns[0],
         "launcher_doc": H.launcher_doc(plan, ctx["options"], train.reason,
-                                      dict(train.backward.ungradable) if train.backward is not None else {}),
+                                      training.no_gradient(train)),
         "option_params": ", ".join(ctx["options"]), "single": len(d.outputs) == 1,
         # the whole-number options, as the torch op's schema takes them (tma has _tma_check)
         "int_options": ", ".join(o for o in ctx["options"] if o != "tma"),

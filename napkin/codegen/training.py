@@ -55,6 +55,8 @@ class Training:
     backward: Optional[object] = None  # backward.BackwardPlan
     grads: tuple[L.ContractionPlan, ...] = ()  # the matrix product's dA, dB (and its recomputed sum first)
     epilogue: Optional["Epilogue"] = None        # the matrix product's epilogue gradients, in torch
+    # a matrix product's 8-bit factors, which get no gradient, and why (attention's: backward.ungradable)
+    ungradable: tuple[tuple[str, str], ...] = ()
     reason: Optional[str] = None       # why there is no backward
     reason_loc: ir.Loc = ir.NOLOC      # and where in the diagram, when a place is to blame
 
@@ -70,6 +72,12 @@ def located_reason(t: Training) -> Optional[str]:
     from .backward import located
 
     return None if t.reason is None else located(t.reason, t.reason_loc)
+
+
+def no_gradient(t: Training) -> dict[str, str]:
+    """The float inputs napkin emits no gradient for, and why: attention's (backward.ungradable)
+    or a matrix product's 8-bit factors."""
+    return dict(t.backward.ungradable) if t.backward is not None else dict(t.ungradable)
 
 
 def prepare(plan: L.Plan) -> Training:
@@ -231,18 +239,19 @@ def _contraction(plan: L.ContractionPlan) -> Training:
     epi = _epilogue(d, expr, plan.red, (a, b))
     if isinstance(epi, str):
         return _no(plan, f"its output {out.name} is {epi}", d.tensor(out.name).expr.loc)
+    # 8-bit factors get no gradient (an fp8 one, stored in fp8, saturated past 448 (e4m3); torch keeps
+    # none of an integer tensor); the epilogue's float inputs (the dequantising scales) still train
+    from .backward import located
+
+    ungradable = {name: located(f"napkin has no gradient for {name}: it is {_no_factor_gradient(d.tensor(name))}",
+                                d.tensor(name).dtype_loc) for name in (a, b) if d.tensor(name).dtype in ir.FACTOR_DTYPES}
     for name in (a, b):
         t = d.tensor(name)
-        if t.dtype == "int8":   # torch keeps no gradient of an integer tensor; the scales' would need their own path
-            return _no(plan, f"{name} is int8, and napkin's matrix-product backward computes both factors' "
-                       "gradients, which an integer tensor has none of (the forward runs on inputs that "
-                       "require no gradient)", t.dtype_loc)
-        if t.dtype not in ir.FLOAT_DTYPES:
+        if t.dtype not in ir.FLOAT_DTYPES + ir.FACTOR_DTYPES:
             return _no(plan, f"{name} is not a float tensor", t.dtype_loc)
-        if t.dtype in L.FP8_DTYPES:   # its gradient, stored in fp8, saturated past 448 (e4m3)
-            return _no(plan, f"{name} is {t.dtype}, and an fp8 gradient needs scaling into its range, which "
-                       "napkin does not generate (the forward runs on inputs that require no gradient)",
-                       t.dtype_loc)
+    if len(ungradable) == 2 and not epi.sides:   # nothing left to train
+        return _no(plan, f"{a} is {_no_factor_gradient(d.tensor(a))} (the forward runs on inputs that require "
+                   "no gradient)", d.tensor(a).dtype_loc)
     if {plan.lhs.wires, plan.rhs.wires} != {ir.axis_wires(d.tensor(a).axes), ir.axis_wires(d.tensor(b).axes)}:
         # named, at the relabelled reference (A * A[n, k]): it named neither (contract hunt)
         ref = next((n for n in ir.walk(expr) if isinstance(n, ir.TensorRef) and n.name in (a, b)
@@ -265,6 +274,8 @@ def _contraction(plan: L.ContractionPlan) -> Training:
                        _grad_schedule(d, plan, blocks, plan.row, plan.col, plan.red))
         grads.append(L.lower(g))
     for target, other, keep, red in ((a, b, plan.row, plan.col), (b, a, plan.col, plan.row)):
+        if target in ungradable:
+            continue
         t = d.tensor(target)
         factors = (ir.TensorRef(grad_c.name), ir.TensorRef(other)) if target == a else \
             (ir.TensorRef(other), ir.TensorRef(grad_c.name))
@@ -283,7 +294,14 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         if gplan.family != "contraction" or {gplan.row, gplan.col} != {keep, plan.red}:
             return _no(plan, f"the gradient of {target} does not lower to a matrix product")
         grads.append(gplan)
-    return Training(plan, (), None, None, tuple(grads), epilogue=epi if epi.torch_part else None)
+    return Training(plan, (), None, None, tuple(grads), epilogue=epi if epi.torch_part else None,
+                    ungradable=tuple(ungradable.items()))
+
+
+def _no_factor_gradient(t: ir.Input) -> str:
+    """Why a matrix product's 8-bit factor ``t`` gets no gradient, after "A is"."""
+    return f"{t.dtype}, " + ("an integer tensor, which has no gradient" if t.dtype == "int8" else
+                             "and an fp8 gradient needs scaling into its range, which napkin does not generate")
 
 
 def _grad_schedule(d: ir.Diagram, plan: L.ContractionPlan, blocks: dict, row: str, col: str,
@@ -452,6 +470,9 @@ def backward_layouts(t: Training) -> str:
     for g in t.grads:
         for tensor in list(g.diagram.inputs) + [g.diagram.tensor(g.diagram.outputs[0].name)]:
             table.setdefault(tensor.name, tensor.axes)
+    if t.grads:   # a matrix product's dC, read by the epilogue's torch part where no product takes it
+        out = d.outputs[0].name
+        table.setdefault(f"_grad_{out}", d.tensor(out).axes)
     own = {x.name for x in d.inputs} | {o.name for o in d.outputs if o.name not in t.saved}  # in _LAYOUTS
     rows = [f'    "{n}": {_axes_repr(a)},\n' for n, a in table.items() if n not in own]
     return "{\n" + "".join(rows) + "}" if rows else "{}"
@@ -469,7 +490,7 @@ def context(t: Training, *, name: str, options: list[str], source_hash: str) -> 
         "name": name, "inputs": inputs, "outputs": user_outputs, "saved": list(t.saved),
         "floats": floats, "options": options, "op_base": f"{name}_{source_hash[:8]}",
         "reason": located_reason(t), "family": None, "kernels": [], "grad_kernels": [],
-        "ungradable": dict(t.backward.ungradable) if t.backward is not None else {},
+        "ungradable": no_gradient(t),
         "inference": isinstance(t.forward, L.AttentionPlan),   # its launcher takes out_dtype= and chunk=
     }
     if t.backward is not None:
@@ -610,8 +631,13 @@ def _contraction_context(t: Training) -> dict:
                                        + [", ".join(blocks)]),
             "index": index,
         })
+    after = []
     if t.epilogue is not None:   # after the sum it reads, before the products that read its dR
-        launches[1 if t.epilogue.recompute else 0]["before"] = epilogue_lines(t)
+        at = 1 if t.epilogue.recompute else 0
+        if at < len(launches):
+            launches[at]["before"] = epilogue_lines(t)
+        else:   # no product reads it: 8-bit factors, whose scales alone train
+            after = epilogue_lines(t)
     d = t.forward.diagram
     out = d.outputs[0].name
     # the public NAME_backward(A, B, dC) names C's gradient dC, unless an input
@@ -627,7 +653,8 @@ def _contraction_context(t: Training) -> dict:
     # them two at a time, and block_m=65536, block_k=32 given failed in Triton
     f = t.forward
     pairs = ((f.row, f.col), (f.row, f.red), (f.red, f.col))
-    checks = H.given_blocks([f.row, f.col, f.red], '_opts["block_{}"]') + [H.tile_fits(x, y, given=GIVEN)
-                                                                          for x, y in pairs]
-    return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "grad_out": f"_grad_{out}",
+    checks = H.given_blocks([f.row, f.col, f.red], '_opts["block_{}"]') + \
+        H.least_block(f.red, tiling.least_block(d, f.red)) + [H.tile_fits(x, y, given=GIVEN) for x, y in pairs]
+    return {"family": "contraction", "grad_kernels": kernels, "launches": launches, "after": after,
+            "grad_out": f"_grad_{out}",
             "grad_param": param, "returns": returns, "tile_checks": checks}
