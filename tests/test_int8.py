@@ -147,6 +147,11 @@ def test_an_int8_products_scales_train_from_the_recomputed_int32_sum(tmp_path):
     for g, w in zip(got, want):
         assert g.dtype == torch.float32 and (g.double() - w).abs().max() <= 1e-5 * w.abs().max()
     assert m.q8_backward(a, b, sa, sb, dc, need=(False, False, True, False))[:2] == (None, None)
+    # no gradient product follows the sum, so dR = dC * sa * sb, which only those read, is not computed;
+    # where one does (an fp16 factor trains), it is
+    sources = {pair: emit_module(napkin.load_text(SCALED.format(a=pair[0], b=pair[1], out="fp32")),
+                                 source_text="", source_path="q8.ncd") for pair in (("int8", "int8"), ("fp16", "int8"))}
+    assert "_epi_dR" not in sources["int8", "int8"] and "_epi_dR = " in sources["fp16", "int8"]
     with pytest.raises(NotImplementedError, match=r"^napkin has no gradient for A: it is int8, an integer tensor, "
                                                   r"which has no gradient \(line 3, column 14 of the diagram\)$"):
         m.q8_backward(a, b, sa, sb, dc, need=(True, False, True, True))
@@ -251,3 +256,23 @@ def test_an_8_bit_products_sum_takes_32_a_step(tmp_path):
         picks = tune(napkin.load_text(SCALED.format(a=a, b="int8" if a == "int8" else "fp16", out="bf16")),
                      sizes, "h100", top=1000)
         assert min(r.block["k"] for r in picks) == least
+
+
+def test_a_w8a16_layer_trains_its_activations_and_scale(tmp_path):
+    """int8 weights beside fp16 activations: dX is a product of dR and the int8 weights (met
+    in fp16, which holds them exactly), the scale's gradient reads the recomputed sum; the
+    weights get none.  Against float64 autograd of the same values, ragged sizes."""
+    text = SCALED.format(a="fp16", b="int8", out="fp16").replace("in sa[m] : fp32\n", "").replace(" * sa", "")
+    m = compile_text(text, "w8a16", tmp_path)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(45, 71, generator=g).half().requires_grad_()
+    w = torch.randint(-128, 128, (71, 37), generator=g, dtype=torch.int8)
+    s = (torch.rand(37, generator=g) / 64 + 2 ** -8).requires_grad_()
+    dc = torch.randn(45, 37, generator=g).half()
+    gx, gs = torch.autograd.grad(m.q8(x, w, s), (x, s), dc)
+    x64, s64 = x.detach().double().requires_grad_(), s.detach().double().requires_grad_()
+    wx, ws = torch.autograd.grad((x64 @ w.double()) * s64, (x64, s64), dc.double())
+    assert gx.dtype == torch.float16 and (gx.double() - wx).abs().max() <= 2 ** -9 * wx.abs().max()
+    assert gs.dtype == torch.float32 and (gs.double() - ws).abs().max() <= 1e-5 * ws.abs().max()
+    with pytest.raises(NotImplementedError, match=r"^napkin has no gradient for B: it is int8"):
+        m.q8_backward(x, w, s, dc, need=(True, True, True))

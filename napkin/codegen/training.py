@@ -393,12 +393,14 @@ def epilogue_lines(t: Training) -> list[str]:
     ins += [dataclasses.replace(d.tensor(n), name=EPI_PREFIX + n) for n in epi.reads]
     dc = ir.TensorRef(EPI_DC)
     lets = []
-    if epi.slope is not None:
+    # dR where a gradient product reads it (none where both factors are 8-bit: the scales alone train)
+    dr = epi.slope is not None and any(g.diagram.outputs[0].name != EPI_SUM for g in t.grads)
+    if dr:
         lets.append(ir.Let(EPI_DR, out.axes, "fp32", ir.Binary("*", dc, epi.slope)))
     outs = [x.name for x in lets]
     for name, deriv in epi.sides:
         # a bias's gradient is dR summed: relu(R + bias)'s where(R + bias > 0, 1, 0) once
-        body = ir.TensorRef(EPI_DR) if epi.slope is not None and deriv == epi.slope else \
+        body = ir.TensorRef(EPI_DR) if dr and deriv == epi.slope else \
             autodiff.simplify(ir.Binary("*", dc, deriv))
         lacking = tuple(w for w in c_wires if w not in ir.axis_wires(d.tensor(name).axes))
         if lacking:
@@ -423,7 +425,7 @@ def epilogue_lines(t: Training) -> list[str]:
         tail.append(f'{EPI_GRAD}{name} = {EPI_GRAD}{name}.reshape(_shape("{name}", _sz)).to('
                     f'{name}.dtype if _like else torch.float32).contiguous() '
                     f'if _need[{_input_index(d, name)}] else None')
-    if epi.slope is not None:   # an argument of the products below, in dC's dtype
+    if dr:   # an argument of the products below, in dC's dtype
         tail.append(f'_grad_{out.name} = {EPI_DR}.reshape(_shape("{out.name}", _sz)).to(_dc)')
     # only where a gradient is asked (the sum it may read is launched so); the side inputs' None else
     nothing = [f"{EPI_GRAD}{name} = None" for name, _ in epi.sides]
