@@ -251,7 +251,8 @@ def test_an_8_bit_products_sum_takes_32_a_step(tmp_path):
     want = _exact(*ins)
     assert (m.q8(*ins, block_k=64).double() - want).abs().max() <= 4 * 2 ** -24 * want.abs().max()
     sizes = {"m": 4096, "n": 4096, "k": 4096}
-    assert tiling.least_block(napkin.load_text(text), "k") == 32 and tiling.least_block(napkin.load_text(text), "m") == 16
+    scheduled = napkin.load_text(text)
+    assert (tiling.least_block(scheduled, "k"), tiling.least_block(scheduled, "m")) == (32, 16)
     for a, least in (("int8", 32), ("fp16", 16)):
         picks = tune(napkin.load_text(SCALED.format(a=a, b="int8" if a == "int8" else "fp16", out="bf16")),
                      sizes, "h100", top=1000)

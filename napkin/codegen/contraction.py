@@ -64,7 +64,8 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "pre_loads": [_load(d, names, ld, pad="1.0") for ld in plan.loads],
         "step_loads": [_load(d, names, ld) for ld in (plan.lhs, plan.rhs)],
         "full_loads": [_load(d, names, ld, inside=(red,)) for ld in (plan.lhs, plan.rhs)],
-        "step": step, "acc_dtype": "tl.int32" if integral else "tl.float32", "finalise": finalise, "stores": stores, "launch": "\n".join(launch),
+        "step": step, "acc_dtype": "tl.int32" if integral else "tl.float32", "finalise": finalise,
+        "stores": stores, "launch": "\n".join(launch),
         "check_options": H.option_checks(H.given_blocks([row, col, red]) + [
             *H.least_block(red, tiling.least_block(d, red))] + [H.tile_fits(x, y) for x, y in pairs] + [
             # the grid's limits (_fits): axis 1 the column blocks where a block is given (else the

@@ -34,9 +34,8 @@ DEFAULT_BLOCK_STREAM = 64
 DEFAULT_BLOCK_MATMUL = (64, 64, 32)
 MIN_DOT = tiling.MIN_DOT_BLOCK  # tl.dot's least block
 KERNEL_DTYPES = ("fp16", "bf16", "fp32")
-# What a matrix product's two factors may be besides (operands.py: ir.FACTOR_DTYPES, fp8 and
-# int8): tl.dot takes them at the tensor cores' 8-bit rates; nothing else a kernel computes reads them.
-FP8_DTYPES = ("e4m3", "e5m2")
+# A matrix product's two factors may also be fp8 or int8 (ir.FACTOR_DTYPES; refused elsewhere
+# by operands.py): tl.dot takes them at the tensor cores' 8-bit rates.
 
 
 def unsupported(what: str, why: str, loc: ir.Loc = ir.NOLOC, hint: Optional[str] = None) -> NapkinError:

@@ -243,8 +243,8 @@ def _contraction(plan: L.ContractionPlan) -> Training:
     # none of an integer tensor); the epilogue's float inputs (the dequantising scales) still train
     from .backward import located
 
-    ungradable = {name: located(f"napkin has no gradient for {name}: it is {_no_factor_gradient(d.tensor(name))}",
-                                d.tensor(name).dtype_loc) for name in (a, b) if d.tensor(name).dtype in ir.FACTOR_DTYPES}
+    ungradable = {t.name: located(f"napkin has no gradient for {t.name}: it is {_no_factor_gradient(t)}", t.dtype_loc)
+                  for t in (d.tensor(a), d.tensor(b)) if t.dtype in ir.FACTOR_DTYPES}
     for name in (a, b):
         t = d.tensor(name)
         if t.dtype not in ir.FLOAT_DTYPES + ir.FACTOR_DTYPES:
