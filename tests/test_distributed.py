@@ -679,3 +679,16 @@ def test_emitted_source_is_deterministic_and_only_for_device_levels():
     compile(a, "<emitted>", "exec")
     assert "def ring_attention_distributed(Q, K, V, group=None, *, q_len" in a
     assert distributed_source(load("attention")) == ""
+
+
+def test_a_matrix_products_epilogue_is_told_to_run_in_torch():
+    """A function of one sum and no softmax (a linear layer's tanh(sum[k](X * W) + bias)) was
+    refused with attention's hint about softmax and ratios of sums; it says what to do instead."""
+    text = ("diagram lg\nwire m, n, k\nin X[m, k] : fp16\nin W[k, n] : fp16\nin bias[n] : fp16\n"
+            "Y[m, n] : fp16 = tanh(sum[k](X * W) + bias)\nout Y\n")
+    with pytest.raises(NapkinError) as err:
+        roles(napkin.load_text(text, "lg.ncd"))
+    assert str(err.value).splitlines()[0] == "lg.ncd:6:1: cannot distribute this diagram: output Y is not a sum " \
+                                            "over the key wire"
+    assert "  hint: the wrappers apply a function after the merge to softmax attention alone: make sum[k](...) " \
+           "the output and apply the rest in torch" in str(err.value).splitlines()

@@ -413,10 +413,16 @@ def _core_roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Role
         other = next((n for n, e in inlined.items()
                       if not (isinstance(e, ir.Reduce) and e.op == "logsumexp")), None)
         if other is not None:
-            raise _refuse(f"output {other} is not a sum over the key wire", d.tensor(other).loc,
-                          "a merge of partial states is exact for O = sum[x](...) and for logsumexp[x] "
-                          "alone (not for a ratio of sums); a function of softmax attention and its logsumexp "
-                          "is applied after the merge")
+            sums_in = [n for n in ir.walk(inlined[other]) if isinstance(n, ir.Reduce) and n.op == "sum"] \
+                if inlined[other] is not None else []
+            softmax = any(isinstance(n, ir.Normalize) for e in inlined.values() if e is not None
+                          for n in ir.walk(e))
+            hint = ("a merge of partial states is exact for O = sum[x](...) and for logsumexp[x] alone (not for a "
+                    "ratio of sums); a function of softmax attention and its logsumexp is applied after the merge")
+            if len(sums_in) == 1 and not softmax:   # a matrix product's epilogue, f(sum[k](A * B)): no attention
+                hint = (f"the wrappers apply a function after the merge to softmax attention alone: make "
+                        f"sum[{', '.join(sums_in[0].wires)}](...) the output and apply the rest in torch")
+            raise _refuse(f"output {other} is not a sum over the key wire", d.tensor(other).loc, hint)
     dq, dk, scheme, per_node = _device_wires(d, inlined[sums[0]] if len(sums) == 1 else None)
     key = key or dk or ("x" if d.wire("x") else None)
     query = query or dq or ("q" if d.wire("q") else None) or _tiled_query(d, key)
