@@ -84,6 +84,8 @@ _KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 # an input declared fp8 (a matrix product's factor) may be either fp8 besides
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+# the declared dtypes that hold no float: never the main float class, never a gradient
+_NOT_FLOAT = ("int32", "int64", "int8", "bool")
 
 
 # ---------------------------------------------------------------------------
@@ -112,9 +114,10 @@ def _check_dtype(name, t, declared, kernel, classes):
                 else "reference() takes float16, bfloat16, float32 or float64"
             raise TypeError(f"{name} has dtype {t.dtype}: {what}" + (", or float8_e4m3fn or float8_e5m2 "
                             f"(declared {declared})" if fp8 else ""))
-        if t.dtype == torch.float8_e4m3fn and kernel and t.is_cuda and \
-                torch.cuda.get_device_capability(t.device) < (8, 9):   # Triton's compile refused it for sm_80
-            major, minor = torch.cuda.get_device_capability(t.device)
+        capability = torch.cuda.get_device_capability(t.device) \
+            if t.dtype == torch.float8_e4m3fn and kernel and t.is_cuda else None
+        if capability is not None and capability < (8, 9):   # Triton's compile refused it for sm_80
+            major, minor = capability
             raise TypeError(f"{name} is float8_e4m3fn, which Triton compiles for GPUs of compute capability 8.9 "
                             f"or newer, and this one is {major}.{minor}: pass it as float16 or float8_e5m2 "
                             f"(declared {declared}, it takes either)")
@@ -1861,7 +1864,7 @@ def _check_state(tensors, sizes, device, shown=None):
 def _wanted(need):
     """Which inputs get a gradient: need is None (every float input), a bit
     mask over INPUTS, or one flag per input; integer inputs never do."""
-    floats = [_DTYPES[n] not in ("int32", "int64", "int8", "bool") for n in INPUTS]
+    floats = [_DTYPES[n] not in _NOT_FLOAT for n in INPUTS]
     if need is None:
         return tuple(floats)
     # a bool is an int to Python (True would be the mask 1: dQ alone); a string iterates to truthy
@@ -2812,7 +2815,7 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
             raise ValueError(f"wire {w} is fixed at {n}, not {sizes[w]}")
         _sz[w] = int(sizes[w]) if n is None else n
     gen = torch.Generator().manual_seed(seed)
-    main = next((_DTYPES[n] for n in INPUTS if _DTYPES[n] not in ("int32", "int64", "bool", "int8")), None)
+    main = next((_DTYPES[n] for n in INPUTS if _DTYPES[n] not in _NOT_FLOAT), None)
     out = []
     for name in INPUTS:
         shape, declared = _shape(name, _sz), _DTYPES[name]

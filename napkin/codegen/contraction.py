@@ -34,6 +34,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
     integral = dtypes[plan.lhs.tensor] == dtypes[plan.rhs.tensor] == "int8"
     if integral and any(tiling.tensor_dtype(d, o.name) not in ir.INT_DTYPES for o in d.outputs):
         finalise = "_acc = _acc.to(tl.float32)\n" + finalise
+    least = tiling.least_block(d, red)   # 32 along an 8-bit product's sum
     blocks_list = [names.block(w) for w in (row, col, red)] + ["_INT64", "_GROUP"]
     params, sizes = _params(d, names, blocks_list)
     opts = H.options(d, [row, col, red])
@@ -44,7 +45,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
               f'_br = _block_size(_opts["block_{row}"], "{row}", "block_{row}")',
               f'_bc = _block_size(_opts["block_{col}"], "{col}", "block_{col}")',
               f'_bk = _block_size(_opts["block_{red}"], "{red}", "block_{red}")',
-              *H.least_block(red, tiling.least_block(d, red), "_bk"),
+              *H.least_block(red, least, "_bk"),
               *(H.tile_fits(x, y, block_var[x], block_var[y]) for x, y in pairs),
               f"[{', '.join(o.name for o in d.outputs)}] = _allocate(_sz, _cls, _dev)",
               f'_grid = _fits((_cdiv(_sz["{row}"], _br), _cdiv(_sz["{col}"], _bc), {batch}))']
@@ -67,7 +68,7 @@ def contraction_context(plan: L.ContractionPlan) -> dict:
         "step": step, "acc_dtype": "tl.int32" if integral else "tl.float32", "finalise": finalise,
         "stores": stores, "launch": "\n".join(launch),
         "check_options": H.option_checks(H.given_blocks([row, col, red]) + [
-            *H.least_block(red, tiling.least_block(d, red))] + [H.tile_fits(x, y) for x, y in pairs] + [
+            *H.least_block(red, least)] + [H.tile_fits(x, y) for x, y in pairs] + [
             # the grid's limits (_fits): axis 1 the column blocks where a block is given (else the
             # tuned blocks may differ), axis 2 the batch
             f'_fits((1, _cdiv(_sz["{col}"], _b_{col}) if (block_{row}, block_{col}, block_{red}) != (None, None, None) '

@@ -287,9 +287,9 @@ def dot_operands(lhs: str, lhs_dtype: str, rhs: str, rhs_dtype: str) -> tuple[st
     made the answer depend on operand order, and an fp32 dC past 65504 inf in
     an fp16 matmul's dB.  A side converts to the other tile's runtime dtype
     (a tensor declared fp16 may come as bf16)."""
-    meet = tiling.dot_dtype(lhs_dtype, rhs_dtype)
     if lhs_dtype == rhs_dtype:
         return lhs, rhs
+    meet = tiling.dot_dtype(lhs_dtype, rhs_dtype)
     if meet == lhs_dtype:
         return lhs, f"{rhs}.to({lhs}.dtype)"
     if meet == rhs_dtype:
