@@ -66,20 +66,39 @@ def test_an_fp8_product_is_exact_to_float32(tmp_path, a, b, cast):
     assert (m.f8(*wide).double() - want).abs().max() <= 1e-3 * want.abs().max()
 
 
-def test_an_fp8_product_stores_bf16_and_moves_one_byte_an_element(tmp_path):
-    text = SCALED.format(a="e4m3", b="e4m3", out="bf16")
-    m = compile_text(text, "f8_bf16", tmp_path)
-    ins = _inputs("e4m3", "e4m3", seed=2)
+def bf16_within_a_unit_moving_the_costed_bytes(text: str, call, ins) -> None:
+    """A scaled 8-bit product's (``text``, run by ``call`` on ``ins``, 45 x 37 by 71) bf16
+    output, each entry within one bf16 unit of float64's of the same values (Triton's
+    interpreter rounds float32 to bf16 toward zero), and the bytes it moved, tensor by
+    tensor, the cost pass's: one byte an 8-bit element.  test_int8 shares it."""
     want = _exact(*ins)
     with ByteCounter(tensors=dict(zip(("A", "B", "sa", "sb"), ins))) as bc:
-        got = m.f8(*ins)
-    # each entry within one bf16 unit of its own (Triton's interpreter rounds float32 to bf16 toward zero)
+        got = call(*ins)
     assert got.dtype == torch.bfloat16 and ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-30).all()
     moved = defaultdict(int), defaultdict(int)
     for t in analyse(napkin.load_text(text), {"m": 45, "n": 37, "k": 71}).transfers:
         moved[t.direction == "store"][t.tensor] += t.bytes
     assert (dict(bc.loads), dict(bc.stores)) == (dict(moved[0]), dict(moved[1]))
     assert bc.loads["A"] == 45 * 71 * 3   # one byte an element, read by each of the 3 column blocks
+
+
+def scales_train(call, ins, seed: int) -> None:
+    """The scales' gradients of a scaled 8-bit product (``call`` on ``ins``, fp32 output)
+    through autograd, against float64 autograd of the same values.  test_int8 shares it."""
+    a, b, sa, sb = ins
+    sa, sb = sa.detach().requires_grad_(), sb.detach().requires_grad_()
+    dc = torch.randn(45, 37, generator=torch.Generator().manual_seed(seed))
+    got = torch.autograd.grad(call(a, b, sa, sb), (sa, sb), dc)
+    sa64, sb64 = sa.detach().double().requires_grad_(), sb.detach().double().requires_grad_()
+    want = torch.autograd.grad(_exact(a, b, sa64, sb64), (sa64, sb64), dc.double())
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32 and (g.double() - w).abs().max() <= 1e-5 * w.abs().max()
+
+
+def test_an_fp8_product_stores_bf16_and_moves_one_byte_an_element(tmp_path):
+    text = SCALED.format(a="e4m3", b="e4m3", out="bf16")
+    bf16_within_a_unit_moving_the_costed_bytes(text, compile_text(text, "f8_bf16", tmp_path).f8,
+                                               _inputs("e4m3", "e4m3", seed=2))
 
 
 def test_fp8_tensors_go_only_where_fp8_is_declared(tmp_path):
@@ -99,13 +118,7 @@ def test_an_fp8_products_scales_train_and_its_factors_say_why_they_do_not(tmp_pa
     no factor gets one, in words; the dequantising scales do, from the recomputed sum."""
     m = compile_text(SCALED.format(a="e4m3", b="e4m3", out="fp32"), "f8_e4m3_e4m3", tmp_path)
     a, b, sa, sb = _inputs("e4m3", "e4m3", seed=4)
-    sa, sb = sa.requires_grad_(), sb.requires_grad_()
-    dc = torch.randn(45, 37, generator=torch.Generator().manual_seed(7))
-    got = torch.autograd.grad(m.f8(a, b, sa, sb), (sa, sb), dc)
-    sa64, sb64 = sa.detach().double().requires_grad_(), sb.detach().double().requires_grad_()
-    want = torch.autograd.grad(_exact(a, b, sa64, sb64), (sa64, sb64), dc.double())
-    for g, w in zip(got, want):
-        assert g.dtype == torch.float32 and (g.double() - w).abs().max() <= 1e-5 * w.abs().max()
+    scales_train(m.f8, (a, b, sa, sb), seed=7)
     with pytest.raises(NotImplementedError, match=r"^napkin has no gradient for A: it is e4m3, and an fp8 gradient "
                                                   r"needs scaling into its range, which napkin does not generate "
                                                   r"\(line 3, column 14 of the diagram\)$"):

@@ -11,32 +11,19 @@ refused in words.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from pathlib import Path
-
 import pytest
 import torch
 
 import napkin
 from napkin import tiling
-from napkin.bytecount import ByteCounter
 from napkin.codegen import emit_module
 from napkin.cost import analyse, tune
 from napkin.cost.profiles import get_profile
-from napkin.errors import NapkinError
 from backward_helpers import compile_text
+from test_fp8 import REPO, _exact, _refusal, bf16_within_a_unit_moving_the_costed_bytes, scales_train
+from test_fp8 import SCALED as FP8_SCALED
 
-SCALED = """diagram q8
-wire m, n, k
-in A[m, k] : {a}
-in B[k, n] : {b}
-in sa[m] : fp32
-in sb[n] : fp32
-C[m, n] : {out} = sum[k](A * B) * sa * sb
-out C
-schedule {{ level smem {{ group m by 32, n by 16
-stream k by 32 }} }}
-"""
+SCALED = FP8_SCALED.replace("diagram f8", "diagram q8")
 
 EXACT = """diagram q32
 wire m, n, k
@@ -47,8 +34,6 @@ out C
 schedule { level smem { group m by 32, n by 16
 stream k by 32 } }
 """
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _values(shape, dtype: str, g):
@@ -62,10 +47,6 @@ def _inputs(a: str, b: str, seed: int):
     g = torch.Generator().manual_seed(seed)
     return [_values((45, 71), a, g), _values((71, 37), b, g),
             torch.rand(45, generator=g) / 64 + 2 ** -8, torch.rand(37, generator=g) / 64 + 2 ** -8]
-
-
-def _exact(a, b, sa, sb):
-    return (a.double() @ b.double()) * sa.double()[:, None] * sb.double()
 
 
 @pytest.mark.parametrize("a, b, dot, acc", [
@@ -108,18 +89,8 @@ def test_an_int32_output_holds_the_exact_sum_past_float32s_integers(tmp_path):
 
 def test_an_int8_product_stores_bf16_and_moves_one_byte_an_element(tmp_path):
     text = SCALED.format(a="int8", b="int8", out="bf16")
-    m = compile_text(text, "q8_bf16", tmp_path)
-    ins = _inputs("int8", "int8", seed=3)
-    want = _exact(*ins)
-    with ByteCounter(tensors=dict(zip(("A", "B", "sa", "sb"), ins))) as bc:
-        got = m.q8(*ins)
-    # each entry within one bf16 unit of its own (Triton's interpreter rounds float32 to bf16 toward zero)
-    assert got.dtype == torch.bfloat16 and ((got.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-30).all()
-    moved = defaultdict(int), defaultdict(int)
-    for t in analyse(napkin.load_text(text), {"m": 45, "n": 37, "k": 71}).transfers:
-        moved[t.direction == "store"][t.tensor] += t.bytes
-    assert (dict(bc.loads), dict(bc.stores)) == (dict(moved[0]), dict(moved[1]))
-    assert bc.loads["A"] == 45 * 71 * 3   # one byte an element, read by each of the 3 column blocks
+    bf16_within_a_unit_moving_the_costed_bytes(text, compile_text(text, "q8_bf16", tmp_path).q8,
+                                               _inputs("int8", "int8", seed=3))
 
 
 def test_int8_inputs_take_int8_tensors_alone(tmp_path):
@@ -139,13 +110,8 @@ def test_an_int8_products_scales_train_from_the_recomputed_int32_sum(tmp_path):
     train has no backward, and says why."""
     m = compile_text(SCALED.format(a="int8", b="int8", out="fp32"), "q8_int8_int8", tmp_path)
     a, b, sa, sb = _inputs("int8", "int8", seed=5)
-    sa, sb = sa.requires_grad_(), sb.requires_grad_()
+    scales_train(m.q8, (a, b, sa, sb), seed=8)
     dc = torch.randn(45, 37, generator=torch.Generator().manual_seed(8))
-    got = torch.autograd.grad(m.q8(a, b, sa, sb), (sa, sb), dc)
-    sa64, sb64 = sa.detach().double().requires_grad_(), sb.detach().double().requires_grad_()
-    want = torch.autograd.grad(_exact(a, b, sa64, sb64), (sa64, sb64), dc.double())
-    for g, w in zip(got, want):
-        assert g.dtype == torch.float32 and (g.double() - w).abs().max() <= 1e-5 * w.abs().max()
     assert m.q8_backward(a, b, sa, sb, dc, need=(False, False, True, False))[:2] == (None, None)
     # no gradient product follows the sum, so dR = dC * sa * sb, which only those read, is not computed;
     # where one does (an fp16 factor trains), it is
@@ -161,12 +127,6 @@ def test_an_int8_products_scales_train_from_the_recomputed_int32_sum(tmp_path):
                                                   r"tensor, which has no gradient \(the forward runs on inputs that "
                                                   r"require no gradient\) \(line 3, column 14 of the diagram\)$"):
         compile_text(EXACT, "q32", tmp_path).q32(a.float().requires_grad_(), b)
-
-
-def _refusal(text: str) -> str:
-    with pytest.raises(NapkinError) as err:
-        emit_module(napkin.load_text(text, "x.ncd"), source_text=text, source_path="x.ncd")
-    return str(err.value)
 
 
 def test_int8_outside_a_products_factors_is_refused_in_words():
