@@ -17,7 +17,7 @@ import torch
 import napkin
 from napkin import tiling
 from napkin.codegen import emit_module
-from napkin.cost import analyse, tune
+from napkin.cost import analyse, backward_cost, tune
 from napkin.cost.profiles import get_profile
 from backward_helpers import compile_text
 from test_fp8 import REPO, _exact, _refusal, bf16_within_a_unit_moving_the_costed_bytes, scales_train
@@ -118,6 +118,11 @@ def test_an_int8_products_scales_train_from_the_recomputed_int32_sum(tmp_path):
     sources = {pair: emit_module(napkin.load_text(SCALED.format(a=pair[0], b=pair[1], out="fp32")),
                                  source_text="", source_path="q8.ncd") for pair in (("int8", "int8"), ("fp16", "int8"))}
     assert "_epi_dR" not in sources["int8", "int8"] and "_epi_dR = " in sources["fp16", "int8"]
+    # and the cost pass prices dR's store by the same rule
+    stored = {pair: {m.tensor for m in backward_cost(napkin.load_text(SCALED.format(a=pair[0], b=pair[1], out="fp32")),
+                                                       {"m": 45, "n": 37, "k": 71}).moves if m.direction == "store"}
+              for pair in sources}
+    assert "dR (C's)" not in stored["int8", "int8"] and "dR (C's)" in stored["fp16", "int8"]
     with pytest.raises(NotImplementedError, match=r"^napkin has no gradient for A: it is int8, an integer tensor, "
                                                   r"which has no gradient \(line 3, column 14 of the diagram\)$"):
         m.q8_backward(a, b, sa, sb, dc, need=(True, False, True, True))

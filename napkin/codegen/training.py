@@ -378,6 +378,13 @@ def _epilogue(d: ir.Diagram, expr: ir.Expr, red: str, factors: tuple[str, str]):
     return Epilogue(raw, ONE if varies else slope, slope if varies else None, sides, tuple(reads), recompute)
 
 
+def writes_dr(t: Training) -> bool:
+    """Whether the epilogue's torch part computes dR = dC * f': where the slope varies
+    and a gradient product reads it (none where both factors are 8-bit: the scales alone
+    train).  The cost pass prices its store by the same rule."""
+    return t.epilogue.slope is not None and any(g.diagram.outputs[0].name != EPI_SUM for g in t.grads)
+
+
 def epilogue_lines(t: Training) -> list[str]:
     """The backward's torch part for a matrix product's epilogue: from dC (and
     the recomputed sum), dR = dC * f' into dC's variable where the slope
@@ -393,8 +400,7 @@ def epilogue_lines(t: Training) -> list[str]:
     ins += [dataclasses.replace(d.tensor(n), name=EPI_PREFIX + n) for n in epi.reads]
     dc = ir.TensorRef(EPI_DC)
     lets = []
-    # dR where a gradient product reads it (none where both factors are 8-bit: the scales alone train)
-    dr = epi.slope is not None and any(g.diagram.outputs[0].name != EPI_SUM for g in t.grads)
+    dr = writes_dr(t)
     if dr:
         lets.append(ir.Let(EPI_DR, out.axes, "fp32", ir.Binary("*", dc, epi.slope)))
     outs = [x.name for x in lets]

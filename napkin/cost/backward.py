@@ -559,18 +559,20 @@ def _contraction(d: ir.Diagram, train, sizes: dict, profile, grad_dtype: str) ->
         working_set = max(working_set, r.roofline.l2_working_set)
         cf, of, ef = cf + r.flops.contraction, of + r.flops.other, ef + r.flops.exp
     if train.epilogue is not None:
-        mine = _epilogue_moves(d, train.epilogue, sizes, grad_dtype)
+        mine = _epilogue_moves(d, train, sizes, grad_dtype)
         kernels.append(mine[0].kernel)
         drams.append(sum(m.bytes for m in mine))
         moves += mine
     return moves, (cf, of, ef), kernels, drams, working_set
 
 
-def _epilogue_moves(d: ir.Diagram, epi, sizes: dict, grad_dtype: str) -> list[Move]:
+def _epilogue_moves(d: ir.Diagram, train, sizes: dict, grad_dtype: str) -> list[Move]:
     """The epilogue's torch part: dC (and the recomputed sum, and the inputs
-    f reads) in, dR (in dC's dtype) and each side input's gradient out."""
+    f reads) in, dR (in dC's dtype, where a product reads it) and each side
+    input's gradient out."""
     from ..codegen import training
 
+    epi = train.epilogue
     def elements(name: str) -> int:
         return math.prod(sizes[w] for w in ir.axis_wires(d.tensor(name).axes))
 
@@ -581,7 +583,7 @@ def _epilogue_moves(d: ir.Diagram, epi, sizes: dict, grad_dtype: str) -> list[Mo
     if epi.recompute:
         mine.append(Move(kernel, training.EPI_SUM, "load", "fp32", elements(out)))
     mine += [Move(kernel, n, "load", d.tensor(n).dtype, elements(n)) for n in epi.reads]
-    if epi.slope is not None:
+    if training.writes_dr(train):
         mine.append(Move(kernel, f"dR ({out}'s)", "store", dc, elements(out)))
     mine += [Move(kernel, f"_grad_{n}", "store", d.tensor(n).dtype if grad_dtype == "input" else "fp32",
                   elements(n)) for n, _ in epi.sides]
