@@ -59,6 +59,9 @@ _RELABELS = ()
 _COARSE = ()
 # Integer inputs that are a length of a wire (x < n[b]): example_inputs draws them in 1..|wire|.
 _LENGTH_INPUTS = {}
+# Float inputs that dequantise an int8 product's sum (tiling.int8_scales): example_inputs draws them
+# about 1/127, so the int8 factors stand for values in -1..1.
+_INT8_SCALES = ()
 # Default block sizes, from the diagram's schedule.
 _BLOCKS = {"q": 128, "x": 64}
 # The dimensions of what only training moves: saved row state, gradients.
@@ -344,12 +347,12 @@ def _tile_fits(blocks, options, given=(True, True), sizes=None):
     # [32768, 64] tile of K (head dim 64).  A plain loop first, the words only where it fails:
     # this runs every launch (the general form cost a microsecond more)
     top = max(blocks)
-    for w, n in _AUTOTUNE_DIMS:
-        if top * (n or _dim_block(sizes[w])) > 1 << 20:
+    for w, n, least in _AUTOTUNE_DIMS:
+        if top * (n or _dim_block(sizes[w], least)) > 1 << 20:
             break
     else:
         return
-    for (w, _), width in zip(_AUTOTUNE_DIMS, _autotune_widths(sizes)):
+    for (w, _, _), width in zip(_AUTOTUNE_DIMS, _autotune_widths(sizes)):
         for option, n, g in zip(options, blocks, given):
             if n * width > 1 << 20:
                 held = f"its size {sizes[w]} padded to {width}" if sizes[w] != width else f"{width} wide"
@@ -589,9 +592,10 @@ _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
 _AUTOTUNE_HASH = "b95cf286c396a852f0f1665f397dad92c5a95bb0e175c41015679110e637316a"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
 # The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
-# its padded block, or None: _dim_block of its size at the launch).  A block times one of these is
-# a tile too, and past 2^20 elements Triton refuses it (_autotune_config, _tile_fits).
-_AUTOTUNE_DIMS = (("d", 64),)
+# its padded block, or None: _dim_block of its size at the launch, and its least block: 32 along an
+# 8-bit product's sum, else 16).  A block times one of these is a tile too, and past 2^20 elements
+# Triton refuses it (_autotune_config, _tile_fits).
+_AUTOTUNE_DIMS = (("d", 64, 16),)
 _autotune_memo = {}   # (device, dtypes, sizes, kind) -> (the cache file's path and stamp when read, config or None)
 # The memo's sizes: the wires' own, not their bucket (about 6 us a call under timeit, and a backward
 # looks up three times);
@@ -675,14 +679,15 @@ def _autotune_read(path):
     return entries if isinstance(entries, dict) else {}
 
 
-def _dim_block(n):
-    """A feature wire's block: its size padded to a power of two, at least 16 (tl.dot's least)."""
-    return max(16, 1 << max(n - 1, 0).bit_length())
+def _dim_block(n, least=16):
+    """A feature wire's block: its size padded to a power of two, at least ``least`` (tl.dot's
+    least: 16, 32 along an 8-bit product's sum)."""
+    return max(least, 1 << max(n - 1, 0).bit_length())
 
 
 def _autotune_widths(sizes):
     """The blocks of the feature wires (_AUTOTUNE_DIMS) at these sizes, as the launches pass them."""
-    return tuple(n if n is not None else _dim_block(sizes[w]) for w, n in _AUTOTUNE_DIMS)
+    return tuple(n if n is not None else _dim_block(sizes[w], least) for w, n, least in _AUTOTUNE_DIMS)
 
 
 def _autotune_stamp():
@@ -2303,7 +2308,8 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
     of a wire (_LENGTH_INPUTS) get random lengths 1..|wire|, other integer
     inputs sorted random ids along their last axis (document ids of packed
     sequences), int8 ones (a product's quantised factors) values across
-    -128..127.  Sizes of wires the diagram does not have are ignored."""
+    -128..127, and the float scales of their sums (_INT8_SCALES) values in
+    0.5/127..1.5/127.  Sizes of wires the diagram does not have are ignored."""
     _sz = {}
     sizes = dict(sizes)
     for _, declared, read, step in _COARSE:   # a coarse read's blocks follow from the wire's size
@@ -2330,6 +2336,8 @@ def example_inputs(sizes, dtype=torch.float16, device="cpu", seed=0):
             t = torch.randint(0, 2, shape, generator=gen).bool()
         elif declared == "int8":
             t = torch.randint(-128, 128, shape, generator=gen).to(torch.int8)
+        elif name in _INT8_SCALES:
+            t = ((torch.rand(shape, generator=gen) + 0.5) / 127).to(_TORCH_DTYPES[declared])
         elif declared == main:
             t = torch.randn(shape, generator=gen).to(dtype)
         elif len(shape) == 1:

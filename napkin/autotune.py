@@ -206,10 +206,10 @@ class KernelShape:
 
 
 def _padded(diagram: ir.Diagram, wire: str, sizes: Mapping[str, int]) -> int:
-    """A feature wire's block: its size padded to a power of two, at least 16 (as the kernels pad)."""
-    from .codegen.lower import _dim_block, padded_block
+    """A feature wire's block as the kernels pad it (lower.feature_block: 32 along an 8-bit product's sum)."""
+    from .codegen.lower import feature_block
 
-    return _dim_block(diagram, wire) or padded_block(sizes[wire])
+    return feature_block(diagram, wire, sizes)
 
 
 @functools.lru_cache(maxsize=32)

@@ -144,6 +144,27 @@ def dot_dtype(a: str, b: str) -> str:
     return "fp32"
 
 
+def product_dtype(diagram: ir.Diagram, factors) -> str:
+    """The dtype a tensor core product of ``factors`` runs in: a factor read
+    from inputs is loaded in the narrowest of their dtypes, a computed one
+    (attention's P, a box) is cast to the other's; two meet in dot_dtype's.
+    The cost pass prices each product at its dtype's peak: SageAttention's
+    int8 Q . K at the int8 rate, its P . V at V's fp16.  With no input in
+    either, the narrowest float input."""
+    def narrowest(dtypes):
+        return min(dtypes, key=lambda t: (ir.DTYPE_BYTES[t], t))
+    loaded = []
+    for f in factors:
+        refs = [r for r in ir.walk(f) if isinstance(r, ir.TensorRef)]
+        if refs and all(isinstance(diagram.tensor(r.name), ir.Input) for r in refs):
+            loaded.append(narrowest(diagram.tensor(r.name).dtype for r in refs))
+    if len(loaded) == 2:
+        return dot_dtype(*loaded)
+    if loaded:
+        return loaded[0]
+    return narrowest([t.dtype for t in diagram.inputs if t.dtype in ir.FLOAT_DTYPES] or ["fp32"])
+
+
 def accumulator_dtype(diagram: ir.Diagram) -> str:
     return diagram.schedule.accumulate if diagram.schedule else "fp32"
 
@@ -229,6 +250,15 @@ MIN_DOT_BLOCK = 16
 EIGHT_BIT_DOT_BLOCK = 32
 
 
+def _product_meets_in(diagram: ir.Diagram, n: ir.Expr) -> Optional[str]:
+    """The dtype a sum of two inputs' product (``n``: sum[k](A * B)) meets in (dot_dtype), else None."""
+    if not (isinstance(n, ir.Reduce) and n.op == "sum"):
+        return None
+    dtypes = [diagram.tensor(r.name).dtype for r in ir.walk(n.body)
+              if isinstance(r, ir.TensorRef) and isinstance(diagram.tensor(r.name), ir.Input)]
+    return dot_dtype(*dtypes) if len(dtypes) == 2 else None
+
+
 def least_block(diagram: ir.Diagram, wire: str) -> int:
     """The least block tl.dot takes along ``wire``: EIGHT_BIT_DOT_BLOCK where a
     product of two inputs meeting in 8 bits (dot_dtype: e4m3 by e4m3, int8 by
@@ -236,12 +266,28 @@ def least_block(diagram: ir.Diagram, wire: str) -> int:
     schedule below it, the launcher a block option, the tile search skips it."""
     for let in diagram.lets:
         for n in ir.walk(let.expr):
-            if isinstance(n, ir.Reduce) and n.op == "sum" and wire in n.wires:
-                dtypes = [diagram.tensor(r.name).dtype for r in ir.walk(n.body)
-                          if isinstance(r, ir.TensorRef) and isinstance(diagram.tensor(r.name), ir.Input)]
-                if len(dtypes) == 2 and dot_dtype(*dtypes) in ir.FACTOR_DTYPES:
-                    return EIGHT_BIT_DOT_BLOCK
+            if isinstance(n, ir.Reduce) and wire in n.wires and _product_meets_in(diagram, n) in ir.FACTOR_DTYPES:
+                return EIGHT_BIT_DOT_BLOCK
     return MIN_DOT_BLOCK
+
+
+def int8_scales(diagram: ir.Diagram) -> tuple[str, ...]:
+    """The float inputs that multiply an int8 product's sum (sum[k](A * B) * sa * sb,
+    sum[d](Q * K) * sq * sk): its dequantising scales.  Example inputs draw them
+    about 1/127, a quantised -1..1: drawn normal as other floats, attention's
+    sum of 64 products of -128..127 reached 1e5, a one-hot softmax."""
+    def factors(e: ir.Expr) -> list:
+        return factors(e.lhs) + factors(e.rhs) if isinstance(e, ir.Binary) and e.op == "*" else [e]
+    out = []
+    for let in diagram.lets:
+        for n in ir.walk(let.expr):
+            if not (isinstance(n, ir.Binary) and n.op == "*"):
+                continue
+            fs = factors(n)
+            if any(_product_meets_in(diagram, f) == "int8" for f in fs):
+                out += [f.name for f in fs if isinstance(f, ir.TensorRef) and isinstance(diagram.tensor(f.name), ir.Input)
+                        and diagram.tensor(f.name).dtype in ir.FLOAT_DTYPES]
+    return tuple(dict.fromkeys(out))
 
 
 def packs_rows(diagram: ir.Diagram, packed: str, row: str) -> bool:

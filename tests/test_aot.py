@@ -160,6 +160,19 @@ def test_mla_trains_on_warpgroup_mma_without_spilling():
 
 
 @pytest.mark.slow
+def test_int8_scores_train_on_warpgroup_mma_without_spilling():
+    """SageAttention's int8 Q . K (examples/sage_attention.ncd, head dim 128): the
+    forward and both backward loops take the int8 tiles to tl.dot (an int32 sum),
+    dK/dV storing dV alone and dQ the scales' sums; every product kernel on
+    tensor cores, none spilling."""
+    reports = {r.kernel: r for r in compile_on_paper(["sage_attention"], "--head-dim", "128")["sage_attention"]}
+    assert set(reports) == {f"_sage_attention{k}_kernel" for k in ("", "_bwd_rows", "_bwd_dkdv", "_bwd_dq")}
+    fit_without_spilling(reports.values())
+    assert all(reports[f"_sage_attention{k}_kernel"].wgmma + reports[f"_sage_attention{k}_kernel"].mma > 0
+               for k in ("", "_bwd_dkdv", "_bwd_dq"))
+
+
+@pytest.mark.slow
 def test_matmul_pipelines_its_reduction_loop(forwards):
     # The sizes are not specialised, so a mask along the contiguous k would
     # make every load scalar: whole blocks of k run unmasked (emit.py).

@@ -242,12 +242,12 @@ def test_bench_counts_below_one_are_usage_errors(capsys, flag, value):
 
 def test_bench_points_at_the_users_line_of_a_diagram_it_cannot_compile(tmp_path, capsys):
     """A rewritten variant (here for float16) is re-printed text: its line 6
-    was reported as the file's, whose Q is declared on line 12."""
+    was reported as the file's, whose V (an fp8 value, refused) is declared on line 14."""
     from napkin.cli import main
 
     status = main(["bench", str(EXAMPLES / "attention_fp8.ncd"), "--no-backward", "--out", str(tmp_path)])
     err = capsys.readouterr().err
-    assert status == 1 and "attention_fp8.ncd:12:4: napkin cannot emit a kernel for input Q" in err, err
+    assert status == 1 and "attention_fp8.ncd:14:4: napkin cannot emit a kernel for input V" in err, err
 
 
 @pytest.mark.slow

@@ -732,7 +732,7 @@ def test_compile_errors_name_the_path_given_and_modules_not_depend_on_its_spelli
     src = tmp_path / "in" / "fp8.ncd"
     src.write_text((REPO / "examples" / "attention_fp8.ncd").read_text())
     code, _, err = run(capsys, "compile", str(src), "-o", str(tmp_path / "g"))
-    assert code == 1 and err.startswith(f"{src}:12:4: napkin cannot emit a kernel for input Q")
+    assert code == 1 and err.startswith(f"{src}:14:4: napkin cannot emit a kernel for input V")
     good = tmp_path / "in" / "causal.ncd"
     good.write_text((REPO / "examples" / "causal.ncd").read_text())
     monkeypatch.chdir(tmp_path / "w")

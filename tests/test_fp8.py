@@ -140,13 +140,14 @@ def _refusal(text: str) -> str:
 def test_fp8_outside_a_products_factors_is_refused_in_words():
     side = SCALED.format(a="e4m3", b="e4m3", out="fp32").replace("in sb[n] : fp32", "in sb[n] : e4m3")
     assert _refusal(side).splitlines()[0] == (
-        "x.ncd:6:4: napkin cannot emit a kernel for input sb: it is e4m3: only a matrix product's two factors "
-        "may be fp8 (an epilogue's arithmetic on an fp8 tile has no Triton path)")
+        "x.ncd:6:4: napkin cannot emit a kernel for input sb: it is e4m3: only the factors of a matrix "
+        "product or of attention's scores may be fp8 (an epilogue's arithmetic on an fp8 tile has no Triton "
+        "path)")
     first = _refusal((REPO / "examples" / "attention_fp8.ncd").read_text()).splitlines()
-    assert first[0].endswith("napkin cannot emit a kernel for input Q: it is e4m3: fp8 attention has no kernel "
-                             "path here (its P · V product would take P in fp8, which needs scaling into its "
-                             "range: not generated)")
-    assert "  hint: declare Q fp16 or bf16 (napkin cost prices the fp8 diagram)" in first
+    assert first[0] == ("x.ncd:14:4: napkin cannot emit a kernel for input V: it is e4m3: "
+                        "an fp8 value has no kernel path here (attention's P · V product would take P in fp8, which "
+                        "needs scaling into its range: not generated; fp8 Q and K are taken)")
+    assert "  hint: declare V fp16 or bf16 (napkin cost prices the fp8 diagram)" in first
     out = SCALED.format(a="e4m3", b="e4m3", out="e4m3")
     assert "napkin cannot emit a kernel for output C: its dtype e4m3 has no Triton kernel path here" in _refusal(out)
 

@@ -137,14 +137,15 @@ def test_an_int8_products_scales_train_from_the_recomputed_int32_sum(tmp_path):
 def test_int8_outside_a_products_factors_is_refused_in_words():
     side = SCALED.format(a="int8", b="int8", out="fp32").replace("in sb[n] : fp32", "in sb[n] : int8")
     assert _refusal(side).splitlines()[0] == (
-        "x.ncd:6:4: napkin cannot emit a kernel for input sb: it is int8: only a matrix product's two factors "
-        "may be int8 (an epilogue's arithmetic on an int8 tile has no Triton path)")
+        "x.ncd:6:4: napkin cannot emit a kernel for input sb: it is int8: only the factors of a matrix "
+        "product or of attention's scores may be int8 (an epilogue's arithmetic on an int8 tile has no Triton "
+        "path)")
     attention = (REPO / "examples" / "attention.ncd").read_text()
-    first = _refusal(attention.replace("in Q[b, h, q, d] : fp16", "in Q[b, h, q, d] : int8")).splitlines()
-    assert first[0].endswith("napkin cannot emit a kernel for input Q: it is int8: int8 attention has no kernel "
-                             "path here (its P · V product would take P in int8, which needs scaling into its "
-                             "range: not generated)")
-    assert "  hint: declare Q fp16 or bf16 (napkin cost prices the int8 diagram)" in first
+    first = _refusal(attention.replace("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : int8")).splitlines()
+    assert first[0].endswith("napkin cannot emit a kernel for input V: it is int8: an int8 value has no kernel "
+                             "path here (attention's P · V product would take P in int8, which needs scaling into "
+                             "its range: not generated; int8 Q and K are taken)")
+    assert "  hint: declare V fp16 or bf16 (napkin cost prices the int8 diagram)" in first
     out = SCALED.format(a="int8", b="int8", out="int8")
     assert "napkin cannot emit a kernel for output C: its dtype int8 has no Triton kernel path here" in _refusal(out)
 
@@ -185,8 +186,9 @@ def test_an_int8_mask_input_is_told_to_be_int32():
     text = (REPO / "examples" / "ragged_decode.ncd").read_text()
     assert "in n[b] : int32" in text
     first = _refusal(text.replace("in n[b] : int32", "in n[b] : int8")).splitlines()
-    assert first[0].endswith("napkin cannot emit a kernel for input n: it is int8: only a matrix product's two "
-                             "factors may be int8 (an epilogue's arithmetic on an int8 tile has no Triton path)")
+    assert first[0].endswith("napkin cannot emit a kernel for input n: it is int8: only the factors of a matrix "
+                             "product or of attention's scores may be int8 (an epilogue's arithmetic on an int8 "
+                             "tile has no Triton path)")
     assert "  hint: declare n int32 if it holds ids or lengths, else fp16 or bf16" in first
 
 

@@ -228,7 +228,10 @@ def compile_diagram(diagram: ir.Diagram, text: str, path: str, sizes: Mapping[st
         inputs = reference.example_inputs(diagram, sizes, dtype=dtype, device="cpu", seed=0)
         trains = backward and hasattr(module, f"{diagram.name}_backward")
         if trains:
-            inputs = [t.requires_grad_(True) if t.is_floating_point() else t for t in inputs]
+            # not the inputs napkin has no gradient for (8-bit factors): the launcher refuses them
+            skip = getattr(module, "_NO_GRADIENT", {})
+            inputs = [t.requires_grad_(True) if t.is_floating_point() and x.name not in skip else t
+                      for x, t in zip(diagram.inputs, inputs)]
         # The launcher refuses CPU tensors outside the interpreter; here they
         # only stand for the GPU's (their shapes, strides and alignment).
         module._check_device = lambda device: None

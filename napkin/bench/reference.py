@@ -48,11 +48,13 @@ def example_inputs(diagram: ir.Diagram, sizes: Mapping[str, int], dtype=None, de
     non-decreasing along its last axis so each document is one contiguous run
     (about 4 of random lengths, or with ``docs``, napkin/documents.py's, the
     ids of those documents cut at the axis's length, the same in every row);
-    bool is random.  Deterministic in ``seed``."""
+    bool is random; int8 across -128..127, and the float scales of int8 sums
+    (tiling.int8_scales) about 1/127.  Deterministic in ``seed``."""
     import torch
 
     full = full_sizes(diagram, sizes)
     lengths = dict(ir.length_inputs(diagram))
+    scales = tiling.int8_scales(diagram)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for t in diagram.inputs:
@@ -71,6 +73,8 @@ def example_inputs(diagram: ir.Diagram, sizes: Mapping[str, int], dtype=None, de
             value = torch.rand(shape, generator=gen) < 0.5
         elif t.dtype == "int8":   # a product's quantised factor: the whole range
             value = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+        elif t.name in scales:    # its scale: about 1/127, the factors standing for -1..1
+            value = ((torch.rand(shape, generator=gen) + 0.5) / 127).to(getattr(torch, ir.TORCH_NAMES[t.dtype]))
         else:
             want = ir.TORCH_NAMES.get(t.dtype, "float32")
             if dtype is not None and t.dtype in ("fp16", "bf16"):

@@ -58,6 +58,13 @@ def located(message: str, loc: ir.Loc) -> str:
     return message if loc.line <= 0 else f"{message} (line {loc.line}, column {loc.col} of the diagram)"
 
 
+def eight_bit_reason(t: ir.Input) -> str:
+    """Why an 8-bit factor ``t`` (a matrix product's, attention's Q or K) gets
+    no gradient, after "A is"."""
+    return f"{t.dtype}, " + ("an integer tensor, which has no gradient" if t.dtype == "int8" else
+                             "and an fp8 gradient needs scaling into its range, which napkin does not generate")
+
+
 # --------------------------------------------------------------------------
 # The plan.
 # --------------------------------------------------------------------------
@@ -178,8 +185,21 @@ class BackwardPlan:
 
     @property
     def q(self) -> str:
-        """Q: the first contraction's row-side factor (its dtype is the kernels')."""
+        """Q: the first contraction's row-side factor."""
         return self.qs[0]
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        """Q, K and V that get a gradient from the loop kernels, as they
+        store them: all but 8-bit score factors."""
+        return tuple(n for n in self.qs + self.ks + (self.v,) if n not in dict(self.ungradable))
+
+    @property
+    def typed(self) -> str:
+        """The input whose dtype the kernels' products take: Q's, or V's where
+        Q is 8-bit (SageAttention's int8 Q and K beside a float V: dP = dO V
+        and dV = P^T dO are V's products)."""
+        return self.v if self.diagram.tensor(self.q).dtype in ir.FACTOR_DTYPES else self.q
 
     @property
     def k(self) -> str:
@@ -187,6 +207,12 @@ class BackwardPlan:
 
     def kernel(self, role: str) -> Optional[Kernel]:
         return next((k for k in self.kernels if k.role == role), None)
+
+    @property
+    def sides(self) -> tuple:
+        """The side inputs' gradients, which the dQ kernel sums (none without one)."""
+        dq = self.kernel("dq")
+        return dq.sides if dq is not None else ()
 
 
 # --------------------------------------------------------------------------
@@ -273,9 +299,17 @@ class _Builder:
         tile = dict(rule.tile)
         self.tile_names = [n for n, _ in rule.tile]
         self.ungradable: list[tuple[str, str]] = []
+        # 8-bit score factors (SageAttention's int8 Q and K) get no gradient: torch keeps none of an
+        # integer tensor, and an fp8 one needs scaling into its range; V and the scales still train
+        for name in dict.fromkeys(self.qs + self.ks):
+            t = d.tensor(name)
+            if t.dtype in ir.FACTOR_DTYPES:
+                self.ungradable.append((name, located(f"napkin has no gradient for {name}: it is "
+                                                      f"{eight_bit_reason(t)}", t.dtype_loc)))
         self.sides = self.side_inputs(tile)
         grads = dict(rule.input_grads)
         self.state = self.state_names()
+        # V is a float (codegen/operands.py refuses an 8-bit one): dK/dV always has a gradient to take
         kernels = [k for k in (self.rows_kernel(), self.dkdv_kernel(grads), self.dq_kernel(grads)) if k]
         dims = tuple(w.name for w in d.wires if w.name in set(self.fq) | {self.fv})
         floats = [t.name for t in d.inputs if t.dtype in ir.FLOAT_DTYPES]
@@ -471,12 +505,19 @@ class _Builder:
         return Kernel("rows", f"_{self.d.name}_bwd_rows_kernel", self.row, None, self.batch, (),
                       tuple(loads.loads), tuple(lines), (), tuple(reduces), (), (), stores, tuple(subst.items()))
 
+    def trained(self, names) -> list[str]:
+        """``names`` but the ungradable (8-bit score factors)."""
+        return [n for n in names if n not in dict(self.ungradable)]
+
     def dkdv_kernel(self, grads: dict) -> Kernel:
-        targets = [self.grad(n, grads[n], "dkdv") for n in self.ks + (self.v,)]
+        targets = [self.grad(n, grads[n], "dkdv") for n in self.trained(self.ks + (self.v,))]
         return self.loop_kernel("dkdv", self.col, self.row, self.kv_batch, self.outer, targets, [])
 
-    def dq_kernel(self, grads: dict) -> Kernel:
-        targets = [self.grad(q, grads[q], "dq") for q in self.qs]
+    def dq_kernel(self, grads: dict) -> Optional[Kernel]:
+        """The dQ kernel, None where it has nothing to compute (8-bit Q and no side input)."""
+        targets = [self.grad(q, grads[q], "dq") for q in self.trained(self.qs)]
+        if not targets and not self.sides:
+            return None
         return self.loop_kernel("dq", self.row, self.col, self.batch, (), targets, self.sides)
 
     def grad(self, name: str, e, role: str):

@@ -125,7 +125,7 @@ def _tensors(plan: BackwardPlan, k: Kernel) -> list[str]:
     (an unnormalised sum[x](S * V) has a dQ that never reads Q)."""
     out = []
     for name in [ld.tensor for ld in k.loads] + [g.buffer for g in k.grads] + [s.buffer for s in k.sides] \
-            + [st.tensor for st in k.stores] + ([plan.q] if k.role != "rows" else []):
+            + [st.tensor for st in k.stores] + ([plan.typed] if k.role != "rows" else []):
         if name not in out:
             out.append(name)
     return out
@@ -200,7 +200,8 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
         if dot.var == "_qk":  # the scores, taken as the forward's are (E.dot_operands: in the wider dtype)
             lhs, rhs = E.dot_operands(lhs, d.tensor(dot.lhs.tensor).dtype, rhs, d.tensor(dot.rhs.tensor).dtype)
             # several contractions (MLA's) add up in one tile, as the forward's do
-            lines.append(f"{dot.var} {'+=' if scores else '='} {_dot(lhs, f'tl.trans({rhs})', plan)}")
+            exact = E.as_float(d.tensor(dot.lhs.tensor).dtype, d.tensor(dot.rhs.tensor).dtype)
+            lines.append(f"{dot.var} {'+=' if scores else '='} {_dot(lhs, f'tl.trans({rhs})', plan)}{exact}")
             scores += 1
         else:
             lines.append(f"{dot.var} = {_dot(f'{lhs}.to({dt})', f'tl.trans({rhs}.to({dt}))', plan, dt)}")
@@ -599,7 +600,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     def block(w):  # a block of the held tiles, as the launcher knows it
         if w in (row, col):
             return {row: "_kv_br", col: "_kv_bc"}[w] if k.role == "dkdv" else {row: "_br", col: "_bc"}[w]
-        return str(L._dim_block(d, w)) if w in names.fixed else f'_dim_block(_sz["{w}"])'
+        return E._dim_block_value(names, w)
 
     if k.role in DEFAULT_TILE:  # what one program holds in float32 (held_terms): see HELD_FP32
         held = " + ".join(f"{block(a)} * {block(b)}" for a, b in held_terms(plan, k))

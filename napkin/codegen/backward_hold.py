@@ -26,7 +26,7 @@ def product_dt(plan: BackwardPlan, *tensors: str) -> str:
     the kernel dtype as softmax's dP and P, and gN_i multiplies elementwise."""
     narrow = {"dO", "O"} | {n for n, src in plan.aliases if src in ("dO", "O")}
     wide = {n for n, _ in plan.axes if n not in narrow and not n.startswith("_grad_")}
-    return "tl.float32" if wide & set(tensors) or wider_input(plan, *tensors) else f"{plan.q}.dtype.element_ty"
+    return "tl.float32" if wide & set(tensors) or wider_input(plan, *tensors) else f"{plan.typed}.dtype.element_ty"
 
 
 def rows_round_do(plan: BackwardPlan) -> bool:
@@ -52,7 +52,7 @@ def wider_input(plan: BackwardPlan, *tensors: str) -> bool:
     near 2048 was all dQ had (0.22 off on a largest 0.6).  dO keeps the
     kernel's dtype, as FlashAttention's does: only the user's inputs count."""
     inputs = {t.name: t for t in plan.forward.diagram.inputs}
-    kernel = ir.DTYPE_BYTES[inputs[plan.q].dtype]
+    kernel = ir.DTYPE_BYTES[inputs[plan.typed].dtype]
     return any(n in inputs and ir.DTYPE_BYTES[inputs[n].dtype] > kernel for n in tensors)
 
 
@@ -79,7 +79,7 @@ def wide_precision(plan: BackwardPlan) -> str:
     whose operand tiles, a head dim deep, spilled every such kernel on sm_90
     (napkin.bench.aot: L2 attention's dK/dV 7 KB a thread, dQ 11 KB).
     float32 inputs keep "ieee", as the kernels' other products."""
-    return f'"tf32" if {plan.q}.dtype in (torch.float16, torch.bfloat16) else "ieee"'
+    return f'"tf32" if {plan.typed}.dtype in (torch.float16, torch.bfloat16) else "ieee"'
 
 
 # The default tiles of the dK/dV and rows kernels (templates/training.py.jinja)
@@ -120,7 +120,7 @@ HELD_FP32 = 160
 
 def feature_block(plan: BackwardPlan, w: str, sizes) -> int:
     """The block a feature wire takes (its padded size): fixed, or from ``sizes``."""
-    return L._dim_block(plan.diagram, w) or L.padded_block(sizes[w])
+    return L.feature_block(plan.diagram, w, sizes)
 
 
 def wide_operands(plan: BackwardPlan, k: Kernel) -> list:

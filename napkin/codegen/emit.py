@@ -242,7 +242,10 @@ def _params(d: ir.Diagram, names: _Names, blocks: list[str]) -> tuple[list[str],
 
 
 def _dim_block_value(names: _Names, w: str) -> str:
-    return str(L._dim_block(names.d, w)) if w in names.fixed else f'_dim_block(_sz["{w}"])'
+    if w in names.fixed:
+        return str(L._dim_block(names.d, w))
+    least = tiling.least_block(names.d, w)
+    return f'_dim_block(_sz["{w}"])' if least == L.MIN_DOT else f'_dim_block(_sz["{w}"], {least})'
 
 
 def _wire_block_args(names: _Names, dims) -> list[str]:
@@ -298,6 +301,13 @@ def dot_operands(lhs: str, lhs_dtype: str, rhs: str, rhs_dtype: str) -> tuple[st
     return f"{lhs}.to({to})", f"{rhs}.to({to})"
 
 
+def as_float(a: str, b: str) -> str:
+    """What follows a score product of factors declared ``a`` and ``b``: an
+    int8 pair's exact int32 sum (tl.dot's integer path) made float32, as the
+    softmax and the scales take it; else nothing."""
+    return ".to(tl.float32)" if tiling.dot_dtype(a, b) == "int8" else ""
+
+
 def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], list[str], list[str]]:
     """(init, step lines, the constexpr flags they read) of the streamed loop.  The step of
     a full block (``full``) is the same text generated with the mask taken
@@ -318,7 +328,8 @@ def _step(plan: L.AttentionPlan, names: _Names, full: bool) -> tuple[list[str], 
     dtypes = {t.name: t.dtype for t in d.inputs}
     for dot in plan.dots:
         lhs, rhs = dot_operands(dot.lhs.var, dtypes[dot.lhs.tensor], dot.rhs.var, dtypes[dot.rhs.tensor])
-        lines.append(f'{dot.var} = tl.dot({lhs}, tl.trans({rhs}), input_precision="{plan.precision}")')
+        lines.append(f'{dot.var} = tl.dot({lhs}, tl.trans({rhs}), input_precision="{plan.precision}")'
+                     + as_float(dtypes[dot.lhs.tensor], dtypes[dot.rhs.tensor]))
     # each exponent as c * t (scale.py): t is what the step computes, c * log2(e) one constant
     tiles = {e: var for var, e in plan.tiles}
     factored, opened = plan_exponents(
@@ -506,7 +517,8 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
         values = sorted({a.value.tensor for a in plan.accums if a.value is not None})
         block_args.append(f"_FIT_WEIGHTS=any(t.dtype == torch.float16 for t in ({', '.join(values)},))")
     if "_SPLIT_WEIGHTS" in flags:  # only outputs that use a weighted sum of V decide it (not lse, say)
-        inputs = ", ".join(t.name for t in d.inputs)
+        # not 8-bit score factors: an fp16 O beside e4m3 Q and K keeps fp16 weights, as beside fp16 ones
+        inputs = ", ".join(t.name for t in d.inputs if t.dtype not in ir.FACTOR_DTYPES)
         valued = {a.var for a in plan.accums if a.value is not None}
         outputs = ", ".join(o.name for o in plan.outputs if o.name not in saved
                             and any(isinstance(n, L.Var) and n.name in valued for n in L.nodes(o.expr)))
@@ -737,6 +749,7 @@ def module_context(plan: L.Plan, *, docstring: str, version: str, source_hash: s
         "relabels": _tuple(_tuple(_q(x) for x in r) for r in relabels), "blocks": blocks,
         "coarse": _tuple(f"({_q(t)}, {_q(dw)}, {_q(rw)}, {step})" for t, dw, rw, step, _ in ir.coarse_reads(d)),
         "length_inputs": "{" + ", ".join(f"{_q(n)}: {_q(w)}" for n, w in ir.length_inputs(d)) + "}",
+        "int8_scales": _tuple(_q(n) for n in tiling.int8_scales(d)),
         "input_params": ", ".join(t.name for t in d.inputs),
         "input_tuple": ", ".join(t.name for t in d.inputs) + ("," if len(d.inputs) == 1 else ""),
         "returns": ", ".join(o.name for o in d.outputs),

@@ -85,9 +85,11 @@ def tile_dims(d: ir.Diagram, dims) -> str:
     """_AUTOTUNE_DIMS (templates/autotune.py.jinja): each feature wire of ``dims``
     (those the kernels hold whole, forward and backward) in declaration order,
     with the block the launches pass as its _BLOCK_<wire> where the diagram
-    fixes it, else None (_dim_block of its size at the launch)."""
+    fixes it, else None (_dim_block of its size at the launch), and its least
+    block (tiling.least_block)."""
     held = set(dims)
-    return tuple_of(tuple_of([quote(w.name), str(L._dim_block(d, w.name))]) for w in d.wires if w.name in held)
+    return tuple_of(tuple_of([quote(w.name), str(L._dim_block(d, w.name)), str(tiling.least_block(d, w.name))])
+                    for w in d.wires if w.name in held)
 
 
 def fill_options(opts: list[str]) -> list[str]:

@@ -410,17 +410,23 @@ def _block(tile: Optional[ir.Tile], default: int) -> int:
     return max(size, MIN_DOT)
 
 
-def padded_block(n: int) -> int:
+def padded_block(n: int, least: int = MIN_DOT) -> int:
     """A feature wire's block in the kernels: its size padded to a power of
-    two, at least MIN_DOT (tl.dot's least); the launchers' _dim_block at run time."""
-    return max(MIN_DOT, 1 << max(int(n) - 1, 0).bit_length())
+    two, at least ``least`` (tl.dot's: MIN_DOT, or 32 along an 8-bit
+    product's sum, tiling.least_block); the launchers' _dim_block at run time."""
+    return max(least, 1 << max(int(n) - 1, 0).bit_length())
 
 
 def _dim_block(d: ir.Diagram, wire: str) -> Optional[int]:
     w = d.wire(wire)
     if w is None or w.size is None:
         return None
-    return padded_block(w.size)
+    return padded_block(w.size, tiling.least_block(d, wire))
+
+
+def feature_block(d: ir.Diagram, wire: str, sizes) -> int:
+    """A feature wire's block: fixed by the diagram, else at its size in ``sizes``."""
+    return _dim_block(d, wire) or padded_block(sizes[wire], tiling.least_block(d, wire))
 
 
 # --------------------------------------------------------------------------

@@ -16,28 +16,30 @@ def refuse_operands(plan: Plan) -> Plan:
 
 
 def _factor_only(plan: Plan) -> Plan:
-    """fp8 (e4m3, e5m2) and int8 inputs only as a matrix product's two
-    factors, which tl.dot multiplies as they are (a pair of one kind at the
-    tensor cores' 8-bit rate, an int8 pair into an int32 sum); mixed kinds
-    meet in fp16, which holds both exactly.  Attention's second product takes
-    P in V's dtype, and P in 8 bits needs scaling into its range
-    (FlashAttention-3's way, SageAttention's for int8), which napkin does not
-    generate; an epilogue's arithmetic on an 8-bit tile has no Triton path.
-    `napkin cost` prices both."""
+    """fp8 (e4m3, e5m2) and int8 inputs only as the factors of a matrix
+    product or of attention's scores, which tl.dot multiplies as they are (a
+    pair of one kind at the tensor cores' 8-bit rate, an int8 pair into an
+    int32 sum); mixed kinds meet in fp16, which holds both exactly.
+    Attention's second product takes P in V's dtype, and P in 8 bits needs
+    scaling into its range (FlashAttention-3's way), which napkin does not
+    generate: an 8-bit V is refused, 8-bit Q and K beside a float V
+    (SageAttention's) are not.  An epilogue's arithmetic on an 8-bit tile has
+    no Triton path.  `napkin cost` prices all of them."""
     d = plan.diagram
-    factors = set() if plan.family == "attention" else {plan.lhs.tensor, plan.rhs.tensor}
+    factors = {x.tensor for dot in plan.dots for x in (dot.lhs, dot.rhs)} if plan.family == "attention" \
+        else {plan.lhs.tensor, plan.rhs.tensor}
     operands = {ld.tensor for ld in _dot_loads(plan)}
     errors = []
     for t in d.inputs:
         if t.dtype in ir.FACTOR_DTYPES and t.name not in factors:
             kind = "int8" if t.dtype == "int8" else "fp8"
-            if t.name in operands:   # attention's Q, K or V
-                why = (f"{kind} attention has no kernel path here (its P · V product would take P in {kind}, "
-                       "which needs scaling into its range: not generated)")
+            if t.name in operands:   # attention's V
+                why = (f"an {kind} value has no kernel path here (attention's P · V product would take P in "
+                       f"{kind}, which needs scaling into its range: not generated; {kind} Q and K are taken)")
                 hint = f"declare {t.name} fp16 or bf16 (napkin cost prices the {kind} diagram)"
             else:
-                why = (f"only a matrix product's two factors may be {kind} (an epilogue's arithmetic on an "
-                       f"{kind} tile has no Triton path)")
+                why = (f"only the factors of a matrix product or of attention's scores may be {kind} (an "
+                       f"epilogue's arithmetic on an {kind} tile has no Triton path)")
                 # an int8 mask input is most likely ids or lengths, napkin's int32
                 hint = (f"declare {t.name} int32 if it holds ids or lengths, else fp16 or bf16" if kind == "int8"
                         else f"declare {t.name} fp16 or bf16 (napkin cost prices the {kind} diagram)")

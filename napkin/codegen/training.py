@@ -241,16 +241,16 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         return _no(plan, f"its output {out.name} is {epi}", d.tensor(out.name).expr.loc)
     # 8-bit factors get no gradient (an fp8 one, stored in fp8, saturated past 448 (e4m3); torch keeps
     # none of an integer tensor); the epilogue's float inputs (the dequantising scales) still train
-    from .backward import located
+    from .backward import eight_bit_reason, located
 
-    ungradable = {t.name: located(f"napkin has no gradient for {t.name}: it is {_no_factor_gradient(t)}", t.dtype_loc)
+    ungradable = {t.name: located(f"napkin has no gradient for {t.name}: it is {eight_bit_reason(t)}", t.dtype_loc)
                   for t in (d.tensor(a), d.tensor(b)) if t.dtype in ir.FACTOR_DTYPES}
     for name in (a, b):
         t = d.tensor(name)
         if t.dtype not in ir.FLOAT_DTYPES + ir.FACTOR_DTYPES:
             return _no(plan, f"{name} is not a float tensor", t.dtype_loc)
     if len(ungradable) == 2 and not epi.sides:   # nothing left to train
-        return _no(plan, f"{a} is {_no_factor_gradient(d.tensor(a))} (the forward runs on inputs that require "
+        return _no(plan, f"{a} is {eight_bit_reason(d.tensor(a))} (the forward runs on inputs that require "
                    "no gradient)", d.tensor(a).dtype_loc)
     if {plan.lhs.wires, plan.rhs.wires} != {ir.axis_wires(d.tensor(a).axes), ir.axis_wires(d.tensor(b).axes)}:
         # named, at the relabelled reference (A * A[n, k]): it named neither (contract hunt)
@@ -296,12 +296,6 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         grads.append(gplan)
     return Training(plan, (), None, None, tuple(grads), epilogue=epi if epi.torch_part else None,
                     ungradable=tuple(ungradable.items()))
-
-
-def _no_factor_gradient(t: ir.Input) -> str:
-    """Why a matrix product's 8-bit factor ``t`` gets no gradient, after "A is"."""
-    return f"{t.dtype}, " + ("an integer tensor, which has no gradient" if t.dtype == "int8" else
-                             "and an fp8 gradient needs scaling into its range, which napkin does not generate")
 
 
 def _grad_schedule(d: ir.Diagram, plan: L.ContractionPlan, blocks: dict, row: str, col: str,
@@ -525,13 +519,13 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
     row_inputs = [n for n in b.row_inputs if b.forward.diagram.tensor(n) is None or
                   not isinstance(b.forward.diagram.tensor(n), ir.Input)]
     inputs = [x.name for x in t.forward.diagram.inputs]
-    grad_buffers = [f"_grad_{n}" for n in b.qs + b.ks + (b.v,)]
+    grad_buffers = [f"_grad_{n}" for n in b.trained]
     return {
         "family": "attention", "bw": b, "row": b.row, "col": b.col,
         # each gradient buffer's dtype: the input's under grad_dtype="input", else float32; a shared
         # input's shares (one a dK/dV program, summed after the kernels) float32 either way
         "grad_dtypes": {n: "torch.float32" if n in dict(b.shared) else f"{n}.dtype if _like else torch.float32"
-                        for n in b.qs + b.ks + (b.v,)},
+                        for n in b.trained},
         "shared": [{"name": n, "wires": ", ".join(w), "dims": repr(tuple(range(len(w))))} for n, w in b.shared],
         # NAME_backward's given blocks, as the forward's launch checks them (a given block_x=32768 at
         # head dim 64 failed in Triton); tuned ones passed the same test in the lookup
@@ -548,13 +542,13 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
                    "shape": _side_shape(s, b.row),
             # the partial sums' leading axes summed away; none (a side input over every wire of the tile): as is
             "partial_sum": f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else ""} for s in
-            b.kernel("dq").sides],
+            b.sides],
         "row_grads": _row_grads(b),
         # a mask that reads data: a launch plan's call runs its ranges prepasses again (mask_cache)
         "ranges": R.applies(b.forward),
         "grad_buffers": grad_buffers,
         # the launch functions' parameters: what the work (or a plan) hands them
-        "launch_params": ", ".join([*inputs, *b.state, *grad_buffers, *(s.buffer for s in b.kernel("dq").sides),
+        "launch_params": ", ".join([*inputs, *b.state, *grad_buffers, *(s.buffer for s in b.sides),
                                     "_need", "_like", "_sz", "_dev", "_runs", "_side"]),
         "optional": ["dlse"] if "dlse" in b.row_inputs else [],
         "preprocess_params": ", ".join([*inputs, *row_inputs, *b.row_outputs, "_run"]),
@@ -568,7 +562,7 @@ def _row_grads(b) -> list:
     lacks, put in its wires' order, shaped as it.  ``side``: it is also a side
     input of the scores, whose dQ-kernel part the launcher adds to this."""
     out, axes = [], dict(b.axes)
-    sides = {s.tensor for s in b.kernel("dq").sides}
+    sides = {s.tensor for s in b.sides}
     for tensor, state in b.rule.row_grads:
         stored = [w for a in axes[state] for w in a]
         own = ir.axis_wires(b.diagram.tensor(tensor).axes)

@@ -36,9 +36,9 @@ from .devices import mesh_tiles as device_tiles
 from .lengths import check_lengths, describe
 from .masked import (attention_plan, full_step_omits, kernel_ids, kernel_plan, mask_ids, prepass_note,
                      visited)
-from .model import (Kernel, Tiling, access_fetches_poly, access_poly, chip_levels, count_access, dram_fractions,
-                    kernel_tiling, kernel_work, kernels, tile_sym, tiling_at, visited_area, work_numbers,
-                    work_polys)
+from .model import (Kernel, Tiling, access_fetches_poly, access_poly, chip_levels, contraction_numbers,
+                    count_access, dram_fractions, kernel_tiling, kernel_work, kernels, tile_sym, tiling_at,
+                    visited_area, work_numbers, work_polys)
 from .profiles import Profile, get_profile
 from .report import (SCHEMA, BoundaryTotal, CostReport, Flops, Footprint, KernelInfo, LowerBound, Resident,
                      Roofline, Transfer)
@@ -674,6 +674,7 @@ def _prepass_infos(c: _Context) -> tuple[KernelInfo, ...]:
 def _flops(c: _Context) -> Flops:
     fl = {"contraction": 0, "other": 0, "exp": 0}
     fl_poly = {"contraction": Poly(), "other": Poly(), "exp": Poly()}
+    parts: dict[str, int] = {}
     dense_area = skipped_area = 0
     for k in c.kernels:
         work = kernel_work(c.d, k)
@@ -683,12 +684,15 @@ def _flops(c: _Context) -> Flops:
             area = visited_area(v, k, c.tiles, s)
             for cat, n in work_numbers(work, s, area).items():
                 fl[cat] += n
+            for dtype, n in contraction_numbers(work, s, area).items():
+                parts[dtype] = parts.get(dtype, 0) + n
             if area is not None:
                 dense_area += s[area[0]] * s[area[1]]
                 skipped_area += s[area[0]] * s[area[1]] - area[2]
     numbers = (fl["contraction"], fl["other"], fl["exp"]) if c.known else (None,) * 3
     return Flops(str(fl_poly["contraction"]), str(fl_poly["other"]), str(fl_poly["exp"]), *numbers,
-                 bounds_mod.bound_shape(c.d).dtype, (skipped_area / dense_area) if dense_area else None)
+                 bounds_mod.bound_shape(c.d).dtype, (skipped_area / dense_area) if dense_area else None,
+                 tuple(sorted(parts.items())) if c.known else None)
 
 
 def _footprints(c: _Context) -> tuple[Footprint, ...]:
@@ -748,10 +752,13 @@ def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> O
     if not c.known:
         return None
     prof = c.prof
-    rate, _ = prof.contraction_rate(flops.contraction_dtype, c.d.schedule.tf32 if c.d.schedule else False)
+    tf32 = c.d.schedule.tf32 if c.d.schedule else False
+    compute = sum(n / prof.contraction_rate(dtype, tf32)[0] for dtype, n in flops.contraction_parts)
+    # the peak the mix runs at: each product at its own dtype's (one dtype: that dtype's peak)
+    rate = flops.contraction / compute if compute else prof.contraction_rate(flops.contraction_dtype, tf32)[0]
     dram = totals[0].dram_bytes if totals else 0
     issued = totals[0].load_bytes + totals[0].store_bytes if totals else 0
-    parts = {"compute": flops.contraction / rate, "exp": flops.exp / prof["exp_rate"],
+    parts = {"compute": compute, "exp": flops.exp / prof["exp_rate"],
              "other": flops.other / prof["peak_flops_fp32"], "bandwidth": dram / prof["hbm_bandwidth"]}
     which = max(parts, key=lambda key: (parts[key], key))
     t_comm = comm.time_s if comm else 0.0

@@ -196,15 +196,18 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     prof = resolve_profile(d, profile)
     if t.backward is not None:
         on = _on_documents(d, docs, bound)
-        moves, flops, kernels, dram, working_set = _attention(t.backward, bound, given, grad_dtype, prof, on,
-                                                              lengths or {}, mask_cache)
+        moves, (products, *rest), kernels, dram, working_set = _attention(t.backward, bound, given, grad_dtype, prof,
+                                                                          on, lengths or {}, mask_cache)
     else:
-        moves, flops, kernels, dram, working_set = _contraction(d, t, bound, profile, grad_dtype)
-    # the forward's roofline (analysis._roofline): the largest of the four times,
-    # the bytes at DRAM's estimate, the issued bytes' time beside it
-    rate, _ = prof.contraction_rate(forward.flops.contraction_dtype, d.schedule.tf32 if d.schedule else False)
+        moves, (products, *rest), kernels, dram, working_set = _contraction(d, t, bound, profile, grad_dtype)
+    flops = (sum(products.values()), *rest)
+    # the forward's roofline (analysis._roofline): the largest of the four times, each product at its
+    # dtype's peak, the bytes at DRAM's estimate, the issued bytes' time beside it
+    tf32 = d.schedule.tf32 if d.schedule else False
+    compute = sum(n / prof.contraction_rate(dtype, tf32)[0] for dtype, n in products.items())
+    rate = flops[0] / compute if compute else prof.contraction_rate(forward.flops.contraction_dtype, tf32)[0]
     issued, reach = sum(m.bytes for m in moves), sum(dram)
-    parts = {"compute": flops[0] / rate, "exp": flops[2] / prof["exp_rate"],
+    parts = {"compute": compute, "exp": flops[2] / prof["exp_rate"],
              "other": flops[1] / prof["peak_flops_fp32"], "bandwidth": reach / prof["hbm_bandwidth"]}
     which = max(parts, key=lambda key: (parts[key], key))
     roofline = Roofline(prof.key, rate, parts["compute"], parts["exp"], parts["other"], parts["bandwidth"],
@@ -252,7 +255,15 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     nr, nc = sizes[row], sizes[col]
     moves, kernels, drams = [], [], []
     working_set = 0
-    cf = of = ef = 0
+    of = ef = 0
+    parts: dict[str, int] = {}   # the products' FLOPs by the dtype each runs in
+
+    def product(dtype: str, n: int) -> None:
+        parts[dtype] = parts.get(dtype, 0) + n
+    # the recomputed scores in the forward's dtype (int8 Q . K at the int8 rate); the others in the
+    # kernels' dtype (BackwardPlan.typed: V's beside 8-bit Q and K)
+    fd = b.forward.diagram
+    kernel_dtype = fd.tensor(b.typed).dtype
     batch_all = math.prod(sizes[w] for w in b.batch)
 
     # a mask of indices alone (the length inputs at their values): an or of cuts
@@ -379,9 +390,11 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
                 of, ef = of + o * per_row, ef + x * per_row
             continue
         for dot in k.dots:
-            cf += 2 * _dot_width(b, dot, sizes) * area
+            dtype = tiling.dot_dtype(fd.tensor(dot.lhs.tensor).dtype, fd.tensor(dot.rhs.tensor).dtype) \
+                if dot.var == "_qk" else kernel_dtype
+            product(dtype, 2 * _dot_width(b, dot, sizes) * area)
         for g in k.grads:
-            cf += 2 * sizes[g.cols] * area
+            product(kernel_dtype, 2 * sizes[g.cols] * area)
             of += area                                       # the ragged-edge where
         # the step's lines and the sides' partials are one loop body: a subtree written
         # twice (softcap's tanh, once in P and twice in dR) is computed once (the
@@ -393,7 +406,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         for s in k.sides:
             o, x = _ops(s.expr, dict(k.subst), seen)
             of, ef = of + (o + 2) * area, ef + x * area
-    return moves, (cf, of, ef), kernels, drams, working_set
+    return moves, (parts, of, ef), kernels, drams, working_set
 
 
 def _prepass_launch(b, k, br: int, bc: int, cached: bool = False) -> Optional[prepass_mod.Launch]:
@@ -538,7 +551,8 @@ def _contraction(d: ir.Diagram, train, sizes: dict, profile, grad_dtype: str) ->
 
     moves, kernels, drams = [], [], []
     working_set = 0
-    cf = of = ef = 0
+    of = ef = 0
+    parts: dict[str, int] = {}   # the products' FLOPs by the dtype each runs in
     for g in train.grads:
         gd = g.diagram
         r = analyse(gd, {w: s for w, s in sizes.items() if gd.wire(w) is not None}, profile)
@@ -557,13 +571,15 @@ def _contraction(d: ir.Diagram, train, sizes: dict, profile, grad_dtype: str) ->
         drams.append(total.dram_bytes - (total.load_bytes + total.store_bytes) + sum(m.bytes for m in mine))
         moves += mine
         working_set = max(working_set, r.roofline.l2_working_set)
-        cf, of, ef = cf + r.flops.contraction, of + r.flops.other, ef + r.flops.exp
+        of, ef = of + r.flops.other, ef + r.flops.exp
+        for dtype, n in r.flops.contraction_parts:
+            parts[dtype] = parts.get(dtype, 0) + n
     if train.epilogue is not None:
         mine = _epilogue_moves(d, train, sizes, grad_dtype)
         kernels.append(mine[0].kernel)
         drams.append(sum(m.bytes for m in mine))
         moves += mine
-    return moves, (cf, of, ef), kernels, drams, working_set
+    return moves, (parts, of, ef), kernels, drams, working_set
 
 
 def _epilogue_moves(d: ir.Diagram, train, sizes: dict, grad_dtype: str) -> list[Move]:

@@ -495,10 +495,11 @@ def visited_area(visited: Optional[Visited], kernel: Kernel, tiles: Tiling,
 
 @dataclass(frozen=True)
 class Work:
-    """Operations as (category, wires, multiplier) items; category is
-    "contraction", "other" or "exp"."""
+    """Operations as (category, wires, multiplier, dtype) items; category is
+    "contraction", "other" or "exp"; dtype the one a contraction's tensor
+    core product runs in (tiling.product_dtype), None for the others."""
 
-    items: tuple[tuple[str, frozenset, int], ...]
+    items: tuple[tuple[str, frozenset, int, Optional[str]], ...]
 
 
 def node_wires(diagram: ir.Diagram, e: ir.Expr) -> frozenset:
@@ -528,7 +529,10 @@ def contraction_factors(e: ir.Expr, diagram: ir.Diagram):
 
 
 def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
-    items: list[tuple[str, frozenset, int]] = []
+    items: list[tuple[str, frozenset, int, Optional[str]]] = []
+
+    def add(*counted: tuple[str, frozenset, int], dtype: Optional[str] = None) -> None:
+        items.extend((*c, dtype) for c in counted)
     softmaxed = {(n.wire, n.body) for b in kernel.boxes for n in ir.walk(diagram.tensor(b).expr)
                  if isinstance(n, ir.Normalize)}
     # elementwise subtrees already counted: one written twice in the kernel's
@@ -560,7 +564,7 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
             reduced.add(key)
         factors = contraction_factors(e, diagram)
         if factors:
-            items.append(("contraction", node_wires(diagram, e.body), 2))
+            add(("contraction", node_wires(diagram, e.body), 2), dtype=tiling.product_dtype(diagram, factors))
             visit(factors[0])
             visit(factors[1])
             return
@@ -568,22 +572,22 @@ def kernel_work(diagram: ir.Diagram, kernel: Kernel) -> Work:
             body = node_wires(diagram, e.body)
             if e.op == "logsumexp":
                 if not (len(e.wires) == 1 and (e.wires[0], e.body) in softmaxed):
-                    items.extend([("other", body, 3), ("exp", body, 1)])
-                items.extend([("exp", wires, 1), ("other", wires, 1)])   # log(l) + m
+                    add(("other", body, 3), ("exp", body, 1))
+                add(("exp", wires, 1), ("other", wires, 1))   # log(l) + m
             else:
-                items.append(("other", body, 1))
+                add(("other", body, 1))
             visit(e.body)
             return
         if isinstance(e, ir.Normalize):
-            items.extend([("other", wires, 4), ("exp", wires, 1)])
+            add(("other", wires, 4), ("exp", wires, 1))
             visit(e.body)
             return
         if isinstance(e, ir.Call) and e.fn in TRANSCENDENTAL:
-            items.append(("exp", wires, 1))
+            add(("exp", wires, 1))
             if e.fn == "sigmoid":
-                items.append(("other", wires, _SIGMOID_EXTRA))
+                add(("other", wires, _SIGMOID_EXTRA))
         else:
-            items.append(("other", wires, 1))
+            add(("other", wires, 1))
         for child in (e.operand,) if isinstance(e, ir.Unary) else \
                 (e.lhs, e.rhs) if isinstance(e, ir.Binary) else e.args:
             visit(child)
@@ -604,20 +608,33 @@ def _read_through(e: ir.Expr, boxes: dict[str, tuple]) -> ir.Expr:
 def work_numbers(work: Work, sizes: dict[str, int], area: Optional[tuple[str, str, int]]) -> dict[str, int]:
     """Operations per category; items over both masked wires count the visited area only."""
     out = {"contraction": 0, "other": 0, "exp": 0}
-    for cat, wires, mult in work.items:
-        n = mult
-        if area is not None and area[0] in wires and area[1] in wires:
-            n *= area[2]
-            wires = wires - {area[0], area[1]}
-        for w in wires:
-            n *= sizes[w]
-        out[cat] += n
+    for cat, wires, mult, _ in work.items:
+        out[cat] += _count(wires, mult, sizes, area)
     return out
+
+
+def contraction_numbers(work: Work, sizes: dict[str, int], area: Optional[tuple[str, str, int]]) -> dict[str, int]:
+    """The contractions' operations per dtype their products run in (each at its own peak rate)."""
+    out: dict[str, int] = {}
+    for cat, wires, mult, dtype in work.items:
+        if cat == "contraction":
+            out[dtype] = out.get(dtype, 0) + _count(wires, mult, sizes, area)
+    return out
+
+
+def _count(wires: frozenset, mult: int, sizes: dict[str, int], area: Optional[tuple[str, str, int]]) -> int:
+    n = mult
+    if area is not None and area[0] in wires and area[1] in wires:
+        n *= area[2]
+        wires = wires - {area[0], area[1]}
+    for w in wires:
+        n *= sizes[w]
+    return n
 
 
 def work_polys(work: Work, wire_sym: Callable[[str], Poly]) -> dict[str, Poly]:
     out = {"contraction": Poly(), "other": Poly(), "exp": Poly()}
-    for cat, wires, mult in work.items:
+    for cat, wires, mult, _ in work.items:
         p = Poly.const(mult)
         for w in sorted(wires):
             p = p * wire_sym(w)

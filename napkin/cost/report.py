@@ -74,6 +74,9 @@ class Flops:
     exp: Optional[int]
     contraction_dtype: str
     skipped_fraction: Optional[float]  # share of the dense (row, step) area skipped by masks
+    # the contractions' FLOPs by the dtype each product runs in (tiling.product_dtype), each priced at
+    # its own peak: SageAttention's int8 Q . K and fp16 P . V; None where sizes are unknown
+    contraction_parts: Optional[tuple[tuple[str, int], ...]] = None
 
 
 @dataclass(frozen=True)
@@ -360,7 +363,9 @@ def format_text(r: CostReport) -> str:
         out.append(f"  {f.level}: {used} of {cap}{status} ({tiles})")
     fl = r.flops
     out.append("")
-    out.append(f"flops: contraction {human(fl.contraction)} ({fl.contraction_formula}, {fl.contraction_dtype}), "
+    parts = fl.contraction_dtype if len(fl.contraction_parts or ()) < 2 else \
+        "; ".join(f"{human(n)} {dtype}" for dtype, n in fl.contraction_parts)
+    out.append(f"flops: contraction {human(fl.contraction)} ({fl.contraction_formula}, {parts}), "
                f"other {human(fl.other)}, exp {human(fl.exp)} ({fl.exp_formula})")
     if fl.skipped_fraction:
         out.append(f"  block skipping drops {fl.skipped_fraction:.1%} of the (row, step) area")
