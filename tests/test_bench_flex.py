@@ -30,8 +30,9 @@ pytestmark = pytest.mark.usefixtures("quiet_flex")   # eager flex warns on every
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["attention", "causal", "softcap", "alibi", "document_mask", "gqa",
-                                  "attention_sink", "mla"])
+                                  "attention_sink", "mla", "sage_attention"])
 def test_flex_matches_the_reference(name):
+    """sage_attention: its int8 Q and K go to flex in V's dtype (flex_attention takes one)."""
     d = _fp32((EXAMPLES / f"{name}.ncd").read_text())
     errors = _flex_vs_reference(d)
     assert max(errors) < 1e-5, errors
