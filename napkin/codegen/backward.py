@@ -505,17 +505,17 @@ class _Builder:
         return Kernel("rows", f"_{self.d.name}_bwd_rows_kernel", self.row, None, self.batch, (),
                       tuple(loads.loads), tuple(lines), (), tuple(reduces), (), (), stores, tuple(subst.items()))
 
-    def trained(self, names) -> list[str]:
+    def gradable(self, names) -> list[str]:
         """``names`` but the ungradable (8-bit score factors)."""
         return [n for n in names if n not in dict(self.ungradable)]
 
     def dkdv_kernel(self, grads: dict) -> Kernel:
-        targets = [self.grad(n, grads[n], "dkdv") for n in self.trained(self.ks + (self.v,))]
+        targets = [self.grad(n, grads[n], "dkdv") for n in self.gradable(self.ks + (self.v,))]
         return self.loop_kernel("dkdv", self.col, self.row, self.kv_batch, self.outer, targets, [])
 
     def dq_kernel(self, grads: dict) -> Optional[Kernel]:
         """The dQ kernel, None where it has nothing to compute (8-bit Q and no side input)."""
-        targets = [self.grad(q, grads[q], "dq") for q in self.trained(self.qs)]
+        targets = [self.grad(q, grads[q], "dq") for q in self.gradable(self.qs)]
         if not targets and not self.sides:
             return None
         return self.loop_kernel("dq", self.row, self.col, self.batch, (), targets, self.sides)
