@@ -119,6 +119,34 @@ def test_fp8_scores_beside_an_fp16_value(tmp_path):
     assert backward_cost(napkin.load_text(tau), {"b": 1, "h": 2, "q": 256, "x": 256}).kernels == ("rows", "dkdv", "dq")
 
 
+def test_int8_scores_with_a_scale_per_block_as_sageattention_quantises(tmp_path):
+    """One scale per 128 queries and per 64 keys (SageAttention's blocks), read at the
+    wires' blocks (sq[b, h, q // 128]); sizes ragged to both.  The scales read so get no
+    gradient (a float input read along other wires: refused in words), V does."""
+    text = SAGE.replace("wire b, h, q, x", "wire b, h, q, x, qb, xb") \
+        .replace("in sq[b, h, q] : fp32", "in sq[b, h, qb] : fp32").replace("in sk[b, h, x] : fp32", "in sk[b, h, xb] : fp32") \
+        .replace("* sq * sk *", "* sq[b, h, q // 128] * sk[b, h, x // 64] *")
+    m = compile_text(text, "sage_blocks", tmp_path)
+    g = torch.Generator().manual_seed(6)
+
+    def per_block(n, block):
+        x = torch.randn(1, 2, n, 64, generator=g)
+        pad = -n % block
+        scale = torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(1, 2, -1, block * 64).abs().amax(-1) / 127
+        rows = scale.repeat_interleave(block, -1)[..., :n]
+        return torch.round(x / rows[..., None]).to(torch.int8), scale, rows
+    q, sq, q_rows = per_block(200, 128)
+    k, sk, k_rows = per_block(150, 64)
+    v = torch.randn(1, 2, 150, 64, generator=g).half()
+    o = m.sage_attention(q, k, v, sq, sk)[0]
+    want, _ = _attention64(q.double() * q_rows.double()[..., None], k.double() * k_rows.double()[..., None],
+                           v.double(), 64 ** -0.5)
+    assert sq.shape == (1, 2, 2) and sk.shape == (1, 2, 3)
+    assert (o.double() - want).abs().max() <= 2 ** -10 * want.abs().max()
+    reasons = m._NO_GRADIENT
+    assert set(reasons) == {"Q", "K", "sq", "sk"} and "read along other wires" in reasons["sq"]
+
+
 def test_int8_q_beside_an_fp16_k_meets_it_in_fp16(tmp_path):
     """int8 by fp16 multiplies in fp16, which holds -128..127 exactly (W8A16's rule, tiling.dot_dtype)."""
     text = SAGE.replace("in K[b, h, x, d] : int8", "in K[b, h, x, d] : fp16").replace(" * sk", "") \
