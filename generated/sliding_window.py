@@ -103,7 +103,7 @@ def _check_dtype(name, t, declared, kernel, classes):
     elif declared == "bool":
         if t.dtype != torch.bool:
             raise TypeError(f"{name} must hold booleans, not {t.dtype}")
-    elif declared == "int8":   # a matrix product's factor: tl.dot's int8 path takes int8 tiles alone
+    elif declared == "int8":   # a product's factor (a matmul's, attention's Q or K): tl.dot's int8 path takes int8 alone
         if t.dtype != torch.int8:
             raise TypeError(f"{name} must be a torch.int8 tensor (declared int8), not {t.dtype}")
     else:
