@@ -193,7 +193,8 @@ def test_the_cost_pass_prices_each_product_at_its_dtypes_rate():
     assert r.roofline.contraction_s == pytest.approx(one / h100["peak_flops_int8"] + one / h100["peak_flops_fp16"])
     # the dK/dV kernel recomputes the scores and takes dV; the dQ kernel recomputes them and takes dP for dS
     back = backward_cost(napkin.load_text(SAGE), sizes, "h100")
-    assert back.contraction_flops == 4 * one
+    assert back.contraction_flops == 4 * one and back.contraction_parts == (("fp16", 2 * one), ("int8", 2 * one))
+    assert "  flops: 2.2T in contractions (1.1T fp16; 1.1T int8), 86G other" in back.lines()[-2]
     assert back.roofline.contraction_s == pytest.approx(2 * one / h100["peak_flops_int8"]
                                                         + 2 * one / h100["peak_flops_fp16"])
     plain = analyse(napkin.load_text(ATTENTION), sizes, "h100")

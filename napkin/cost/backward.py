@@ -97,6 +97,8 @@ class BackwardCost:
     forward: object               # the training forward's CostReport
     dram: tuple[int, ...]         # per kernel, of its moves' bytes those that reach DRAM (the estimate)
     roofline: Roofline            # of the backward kernels together, on the profile
+    # the contraction FLOPs by the dtype each product runs in, each priced at its own peak
+    contraction_parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def time_s(self) -> float:
@@ -135,7 +137,9 @@ class BackwardCost:
                        + (f" ({human(reach, 'B')} reach DRAM: re-reads hit L2)" if reach != loads else "")
                        + f", stores {human(stores, 'B')}")
         issued = self.load_bytes + self.store_bytes
-        out.append(f"  flops: {human(self.contraction_flops)} in contractions, {human(self.other_flops)} other, "
+        parts = "" if len(self.contraction_parts) < 2 else \
+            " (" + "; ".join(f"{human(n)} {dtype}" for dtype, n in self.contraction_parts) + ")"
+        out.append(f"  flops: {human(self.contraction_flops)} in contractions{parts}, {human(self.other_flops)} other, "
                    f"{human(self.exp_flops)} exp; hbm traffic {human(issued, 'B')}"
                    + (f", of which reach DRAM {human(self.dram_bytes, 'B')}" if self.dram_bytes != issued else ""))
         rf = self.roofline
@@ -213,7 +217,8 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     roofline = Roofline(prof.key, rate, parts["compute"], parts["exp"], parts["other"], parts["bandwidth"],
                         issued / prof["hbm_bandwidth"], working_set, 0.0, parts[which], which,
                         sum(flops) / reach if reach else 0.0)
-    return BackwardCost(d.name, tuple(kernels), tuple(moves), *flops, forward, tuple(dram), roofline)
+    return BackwardCost(d.name, tuple(kernels), tuple(moves), *flops, forward, tuple(dram), roofline,
+                        tuple(sorted(products.items())))
 
 
 def _single_device(d: ir.Diagram) -> ir.Diagram:
