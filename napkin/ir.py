@@ -593,6 +593,13 @@ def terms(e: Expr) -> list:
     return [e]
 
 
+def factors(e: Expr) -> list:
+    """The factors of a chain of * (one factor where ``e`` is no product)."""
+    if isinstance(e, Binary) and e.op == "*":
+        return factors(e.lhs) + factors(e.rhs)
+    return [e]
+
+
 def sum_of(expr: Expr, parts) -> Optional[Expr]:
     """The node of ``expr`` that adds up exactly ``parts`` (each once, any order), or None:
     a score of several contractions (MLA's sum[c](Qc * Kc) + sum[r](Qr * Kr)) as one."""

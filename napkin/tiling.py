@@ -276,14 +276,12 @@ def int8_scales(diagram: ir.Diagram) -> tuple[str, ...]:
     sum[d](Q * K) * sq * sk): its dequantising scales.  Example inputs draw them
     about 1/127, a quantised -1..1: drawn normal as other floats, attention's
     sum of 64 products of -128..127 reached 1e5, a one-hot softmax."""
-    def factors(e: ir.Expr) -> list:
-        return factors(e.lhs) + factors(e.rhs) if isinstance(e, ir.Binary) and e.op == "*" else [e]
     out = []
     for let in diagram.lets:
         for n in ir.walk(let.expr):
             if not (isinstance(n, ir.Binary) and n.op == "*"):
                 continue
-            fs = factors(n)
+            fs = ir.factors(n)
             if any(_product_meets_in(diagram, f) == "int8" for f in fs):
                 out += [f.name for f in fs if isinstance(f, ir.TensorRef) and isinstance(diagram.tensor(f.name), ir.Input)
                         and diagram.tensor(f.name).dtype in ir.FLOAT_DTYPES]

@@ -65,6 +65,11 @@ def eight_bit_reason(t: ir.Input) -> str:
                              "and an fp8 gradient needs scaling into its range, which napkin does not generate")
 
 
+def no_eight_bit_gradient(t: ir.Input) -> str:
+    """The generated module's _NO_GRADIENT entry for an 8-bit factor ``t``, located."""
+    return located(f"napkin has no gradient for {t.name}: it is {eight_bit_reason(t)}", t.dtype_loc)
+
+
 # --------------------------------------------------------------------------
 # The plan.
 # --------------------------------------------------------------------------
@@ -304,8 +309,7 @@ class _Builder:
         for name in dict.fromkeys(self.qs + self.ks):
             t = d.tensor(name)
             if t.dtype in ir.FACTOR_DTYPES:
-                self.ungradable.append((name, located(f"napkin has no gradient for {name}: it is "
-                                                      f"{eight_bit_reason(t)}", t.dtype_loc)))
+                self.ungradable.append((name, no_eight_bit_gradient(t)))
         self.sides = self.side_inputs(tile)
         grads = dict(rule.input_grads)
         self.state = self.state_names()

@@ -172,7 +172,7 @@ class _Ref:
         return tuple(w.name for w in self.d.wires if w.name in seen)
 
     def reduce(self, e: ir.Reduce) -> tuple[str, tuple[str, ...]]:
-        factors = list(_product_factors(e.body)) if e.op == "sum" else []
+        factors = ir.factors(e.body) if e.op == "sum" else []
         tensors = [f for f in factors if fold(f, self.fixed) is None]
         if len(tensors) >= 2 and all(self.kind(f) == "float" and not isinstance(f, ir.WireIndex) for f in tensors):
             return self.einsum(e, factors)
@@ -217,14 +217,6 @@ class _Leaf:
 
     def __init__(self, i):
         self.i = i
-
-
-def _product_factors(e):
-    if isinstance(e, ir.Binary) and e.op == "*":
-        yield from _product_factors(e.lhs)
-        yield from _product_factors(e.rhs)
-    else:
-        yield e
 
 
 def reference_lines(d: ir.Diagram) -> list[str]:

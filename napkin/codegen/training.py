@@ -241,10 +241,9 @@ def _contraction(plan: L.ContractionPlan) -> Training:
         return _no(plan, f"its output {out.name} is {epi}", d.tensor(out.name).expr.loc)
     # 8-bit factors get no gradient (an fp8 one, stored in fp8, saturated past 448 (e4m3); torch keeps
     # none of an integer tensor); the epilogue's float inputs (the dequantising scales) still train
-    from .backward import eight_bit_reason, located
+    from .backward import eight_bit_reason, no_eight_bit_gradient
 
-    ungradable = {t.name: located(f"napkin has no gradient for {t.name}: it is {eight_bit_reason(t)}", t.dtype_loc)
-                  for t in (d.tensor(a), d.tensor(b)) if t.dtype in ir.FACTOR_DTYPES}
+    ungradable = {t.name: no_eight_bit_gradient(t) for t in (d.tensor(a), d.tensor(b)) if t.dtype in ir.FACTOR_DTYPES}
     for name in (a, b):
         t = d.tensor(name)
         if t.dtype not in ir.FLOAT_DTYPES + ir.FACTOR_DTYPES:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Mapping, Optional
 
 from .. import ir, tiling
@@ -674,7 +675,7 @@ def _prepass_infos(c: _Context) -> tuple[KernelInfo, ...]:
 def _flops(c: _Context) -> Flops:
     fl = {"contraction": 0, "other": 0, "exp": 0}
     fl_poly = {"contraction": Poly(), "other": Poly(), "exp": Poly()}
-    parts: dict[str, int] = {}
+    parts: Counter = Counter()   # the contractions' FLOPs by dtype
     dense_area = skipped_area = 0
     for k in c.kernels:
         work = kernel_work(c.d, k)
@@ -684,8 +685,7 @@ def _flops(c: _Context) -> Flops:
             area = visited_area(v, k, c.tiles, s)
             for cat, n in work_numbers(work, s, area).items():
                 fl[cat] += n
-            for dtype, n in contraction_numbers(work, s, area).items():
-                parts[dtype] = parts.get(dtype, 0) + n
+            parts.update(contraction_numbers(work, s, area))
             if area is not None:
                 dense_area += s[area[0]] * s[area[1]]
                 skipped_area += s[area[0]] * s[area[1]] - area[2]
@@ -752,10 +752,9 @@ def _roofline(c: _Context, flops: Flops, totals: list[BoundaryTotal], comm) -> O
     if not c.known:
         return None
     prof = c.prof
-    tf32 = c.d.schedule.tf32 if c.d.schedule else False
-    compute = sum(n / prof.contraction_rate(dtype, tf32)[0] for dtype, n in flops.contraction_parts)
-    # the peak the mix runs at: each product at its own dtype's (one dtype: that dtype's peak)
-    rate = flops.contraction / compute if compute else prof.contraction_rate(flops.contraction_dtype, tf32)[0]
+    # each product at its own dtype's peak; rate the peak the mix runs at (one dtype: that dtype's)
+    compute, rate = prof.contraction_time(flops.contraction_parts, flops.contraction_dtype,
+                                          c.d.schedule.tf32 if c.d.schedule else False)
     dram = totals[0].dram_bytes if totals else 0
     issued = totals[0].load_bytes + totals[0].store_bytes if totals else 0
     parts = {"compute": compute, "exp": flops.exp / prof["exp_rate"],

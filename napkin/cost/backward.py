@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -207,9 +208,8 @@ def backward_cost(diagram: ir.Diagram, sizes: Mapping[str, int], profile: Option
     flops = (sum(products.values()), *rest)
     # the forward's roofline (analysis._roofline): the largest of the four times, each product at its
     # dtype's peak, the bytes at DRAM's estimate, the issued bytes' time beside it
-    tf32 = d.schedule.tf32 if d.schedule else False
-    compute = sum(n / prof.contraction_rate(dtype, tf32)[0] for dtype, n in products.items())
-    rate = flops[0] / compute if compute else prof.contraction_rate(forward.flops.contraction_dtype, tf32)[0]
+    compute, rate = prof.contraction_time(products.items(), forward.flops.contraction_dtype,
+                                          d.schedule.tf32 if d.schedule else False)
     issued, reach = sum(m.bytes for m in moves), sum(dram)
     parts = {"compute": compute, "exp": flops[2] / prof["exp_rate"],
              "other": flops[1] / prof["peak_flops_fp32"], "bandwidth": reach / prof["hbm_bandwidth"]}
@@ -261,10 +261,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     moves, kernels, drams = [], [], []
     working_set = 0
     of = ef = 0
-    parts: dict[str, int] = {}   # the products' FLOPs by the dtype each runs in
-
-    def product(dtype: str, n: int) -> None:
-        parts[dtype] = parts.get(dtype, 0) + n
+    parts: Counter = Counter()   # the products' FLOPs by the dtype each runs in
     # the recomputed scores in the forward's dtype (int8 Q . K at the int8 rate); the others in the
     # kernels' dtype (BackwardPlan.typed: V's beside 8-bit Q and K)
     fd = b.forward.diagram
@@ -397,9 +394,9 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         for dot in k.dots:
             dtype = tiling.dot_dtype(fd.tensor(dot.lhs.tensor).dtype, fd.tensor(dot.rhs.tensor).dtype) \
                 if dot.var == "_qk" else kernel_dtype
-            product(dtype, 2 * _dot_width(b, dot, sizes) * area)
+            parts[dtype] += 2 * _dot_width(b, dot, sizes) * area
         for g in k.grads:
-            product(kernel_dtype, 2 * sizes[g.cols] * area)
+            parts[kernel_dtype] += 2 * sizes[g.cols] * area
             of += area                                       # the ragged-edge where
         # the step's lines and the sides' partials are one loop body: a subtree written
         # twice (softcap's tanh, once in P and twice in dR) is computed once (the
@@ -557,7 +554,7 @@ def _contraction(d: ir.Diagram, train, sizes: dict, profile, grad_dtype: str) ->
     moves, kernels, drams = [], [], []
     working_set = 0
     of = ef = 0
-    parts: dict[str, int] = {}   # the products' FLOPs by the dtype each runs in
+    parts: Counter = Counter()   # the products' FLOPs by the dtype each runs in
     for g in train.grads:
         gd = g.diagram
         r = analyse(gd, {w: s for w, s in sizes.items() if gd.wire(w) is not None}, profile)
@@ -577,8 +574,7 @@ def _contraction(d: ir.Diagram, train, sizes: dict, profile, grad_dtype: str) ->
         moves += mine
         working_set = max(working_set, r.roofline.l2_working_set)
         of, ef = of + r.flops.other, ef + r.flops.exp
-        for dtype, n in r.flops.contraction_parts:
-            parts[dtype] = parts.get(dtype, 0) + n
+        parts.update(dict(r.flops.contraction_parts))
     if train.epilogue is not None:
         mine = _epilogue_moves(d, train, sizes, grad_dtype)
         kernels.append(mine[0].kernel)

@@ -37,6 +37,7 @@ log).  The online softmax's rescaling is not counted.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -615,10 +616,10 @@ def work_numbers(work: Work, sizes: dict[str, int], area: Optional[tuple[str, st
 
 def contraction_numbers(work: Work, sizes: dict[str, int], area: Optional[tuple[str, str, int]]) -> dict[str, int]:
     """The contractions' operations per dtype their products run in (each at its own peak rate)."""
-    out: dict[str, int] = {}
+    out: Counter = Counter()
     for cat, wires, mult, dtype in work.items:
         if cat == "contraction":
-            out[dtype] = out.get(dtype, 0) + _count(wires, mult, sizes, area)
+            out[dtype] += _count(wires, mult, sizes, area)
     return out
 
 

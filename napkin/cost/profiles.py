@@ -49,6 +49,13 @@ class Profile:
             key = "peak_flops_fp16" if key in ("peak_flops_fp8", "peak_flops_int8") else "peak_flops_fp32"
         return self.figures[key], key
 
+    def contraction_time(self, parts, dtype: str, tf32: bool = False) -> tuple[float, float]:
+        """(seconds, the FLOP/s they average) for contraction FLOPs by dtype (``parts``:
+        (dtype, FLOPs) pairs), each at its own peak; with none, 0 s at ``dtype``'s peak."""
+        seconds = sum(n / self.contraction_rate(t, tf32)[0] for t, n in parts)
+        total = sum(n for _, n in parts)
+        return seconds, total / seconds if seconds else self.contraction_rate(dtype, tf32)[0]
+
 
 @functools.lru_cache(maxsize=1)
 def _table() -> dict:

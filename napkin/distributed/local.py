@@ -55,7 +55,7 @@ from .. import ir
 from ..files import write_atomic
 from .evaluate import Evaluator
 from .merging import partial_weight
-from .reading import Roles, _factors, _map, roles
+from .reading import Roles, _map, roles
 
 __all__ = ["EagerLocal", "KernelLocal", "Roles", "autograd_backward", "default_backward", "default_local", "roles",
            "accumulator_dtype"]
@@ -103,7 +103,7 @@ class EagerLocal:
                 return ir.TensorRef(alias)
             valid = ir.TensorRef(_XVALID)
             if isinstance(n, ir.Reduce) and r.key in n.wires:
-                facs = _factors(n.body)
+                facs = ir.factors(n.body)
                 if n.op == "sum" and len(facs) > 1:
                     # mask one factor along the key wire, so the sum stays a
                     # product (one einsum, nothing of size q*x*d is built);

@@ -80,12 +80,6 @@ def _wires(d: ir.Diagram, e: ir.Expr) -> set[str]:
     return out
 
 
-def _factors(e: ir.Expr) -> list:
-    if isinstance(e, ir.Binary) and e.op == "*":
-        return _factors(e.lhs) + _factors(e.rhs)
-    return [e]
-
-
 def _touches(e: ir.Expr, wire: str) -> bool:
     """Does e reduce or normalise along ``wire`` anywhere?"""
     return any((isinstance(n, ir.Reduce) and wire in n.wires) or (isinstance(n, ir.Normalize) and n.wire == wire)
@@ -451,7 +445,7 @@ def _core_roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Role
     norms = [n for n in ir.walk(body) if isinstance(n, ir.Normalize)]
     if norms:
         soft = norms[0]
-        facs = _factors(body)
+        facs = ir.factors(body)
         if (soft.op != "softmax" or soft.wire != key or sum(f == soft for f in facs) != 1
                 or any(_touches(f, key) for f in facs if f != soft) or _touches(soft.body, key)):
             raise _refuse(f"{value} must be sum[{key}](softmax[{key}](S) * ...) with S free of reductions "
