@@ -117,6 +117,9 @@ class GradRule:
     # (input, its row value dT_i): an input the output's row function F reads (a sink, a gate)
     # gets dT_i = sum_f(dO * dF/dT) from the rows, summed in torch over the row wires it lacks
     row_grads: tuple[tuple[str, str], ...] = ()
+    # (input, the wires F reads it along, their steps or None): its own wires, or others (a
+    # relabelling; blocks of a wire, tau[h // 2], whose dT_i the launcher sums by blocks too)
+    row_reads: tuple[tuple[str, tuple[str, ...], Optional[tuple[int, ...]]], ...] = ()
 
     def layout(self, name: str) -> tuple[str, ...]:
         return dict(self.layouts)[name]
@@ -430,21 +433,26 @@ def _row_grads(w: _Wires, output: ir.Expr, input_layouts) -> list:
     names = dict.fromkeys(n.name for n in ir.walk(output)
                           if isinstance(n, ir.TensorRef) and n.name in input_layouts and not is_placeholder(n.name))
     for name in names:
-        own = tuple(input_layouts[name])
-        if any(isinstance(n, ir.TensorRef) and n.name == name and n.wires is not None and tuple(n.wires) != own
-               for n in ir.walk(output)):
+        refs = [n for n in ir.walk(output) if isinstance(n, ir.TensorRef) and n.name == name]
+        reads = {ir.read_along(n, input_layouts[name]) for n in refs}
+        if len(reads) > 1:   # read two ways: two partials, not emitted
             continue
-        feat = tuple(f for f in w.feat if f in own)
-        if not set(own) <= set(w.row) | set(w.feat) or feat not in ((), w.feat):
+        (along, steps), = reads   # its own wires, or others (tau[h // 2]: dT_i along h, summed by pairs)
+        feat = tuple(f for f in w.feat if f in along)
+        if not set(along) <= set(w.row) | set(w.feat) or feat not in ((), w.feat):
             continue
+        plain, written = _ref(name), output
+        for r in refs:   # every way it is written one node to differentiate by
+            written = substitute(written, r, plain)
         try:
-            dt = _complement(simplify(diff(output, _ref(name))))
+            dt = _complement(simplify(diff(written, plain)))
         except ValueError:
             continue
         if dt == ZERO:
             continue
+        dt = substitute(dt, plain, refs[0])
         row_sum = _row_sum(w.feat, dO, dt, _row_values(w, input_layouts))
-        out.append((name, f"dT{len(out)}", _mul(dO, dt) if feat else row_sum, w.row + feat))
+        out.append((name, f"dT{len(out)}", _mul(dO, dt) if feat else row_sum, w.row + feat, along, steps))
     return out
 
 
@@ -453,7 +461,7 @@ def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, sco
     """The parts every rule shares: lse, S from R, dR, input gradients, layouts;
     and the row gradients of the inputs an ``epilogue`` F over the row values reads."""
     row_grads = _row_grads(w, epilogue, input_layouts) if epilogue is not None and input_layouts else []
-    rows = list(rows) + [(n, e) for _, n, e, _ in row_grads]
+    rows = list(rows) + [(n, e) for _, n, e, _, _, _ in row_grads]
     if lse_grad:
         if kind == "sums":  # softmax folded dlse into delta already
             forward = forward + [("lse", ir.Reduce("logsumexp", (w.key,), _ref("S")))]
@@ -487,7 +495,7 @@ def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, sco
                                   ir.Binary("*", _ref("dR"), other)))
                  for a, b in pairs for this, other in ((a, b), (b, a))] + grads
     own_grads = {name for name, _ in grads}   # the kernels' own: Q and K (with a raw score), V
-    twice = [t for t, _, _, _ in row_grads if t in own_grads]
+    twice = [t for t, *_ in row_grads if t in own_grads]
     if twice:   # (a residual + Q): the kernels keep one accumulator per input, as for K = V
         raise NoGrad(f"the output reads {twice[0]} outside the attention too: its gradient would have two paths; "
                      "declare another input for that read and pass the same tensor to both (autograd adds "
@@ -496,7 +504,7 @@ def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, sco
     tile = tuple((n, simplify(e)) for n, e in tile)
     used = {node.name for _, e in forward + list(rows + tile) + grads for node in ir.walk(e)
             if isinstance(node, ir.TensorRef)} | {n for n, _ in forward + list(rows + tile)}
-    own = {n: wires for _, n, _, wires in row_grads}
+    own = {n: wires for _, n, _, wires, _, _ in row_grads}
     layouts = tuple((n, own.get(n) or w.of(n)) for n in sorted(used) if is_placeholder(n))
     # saved: forward values the backward reads and does not recompute itself (P is recomputed).
     rebound = {n for n, _ in rows + tile}
@@ -504,7 +512,8 @@ def _assemble(kind, w: _Wires, value, lse_grad, forward, rows, tile, ds, dv, sco
                   if n not in rebound and any(_contains(e, _ref(n)) for _, e in rows + tile))
     return GradRule(kind, w.key, value, lse_grad, layouts, tuple(forward), saved,
                     ("dO", "dlse") if lse_grad else ("dO",), rows, tile, tuple(grads), raw,
-                    row_grads=tuple((t, n) for t, n, _, _ in row_grads))
+                    row_grads=tuple((t, n) for t, n, *_ in row_grads),
+                    row_reads=tuple((t, along, steps) for t, _, _, _, along, steps in row_grads))
 
 
 # --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 
 @dataclass(frozen=True)
@@ -454,6 +454,14 @@ def _named_reads(d: "Diagram"):
 def read_steps(ref: TensorRef) -> tuple[int, ...]:
     """The step of each wire ``ref`` reads (1: the wire itself; TensorRef.steps)."""
     return ref.steps if ref.steps is not None else (1,) * len(ref.wires or ())
+
+
+def read_along(ref: TensorRef, own: Sequence[str]) -> tuple[tuple[str, ...], Optional[tuple[int, ...]]]:
+    """The wires ``ref`` reads its tensor (declared along ``own``) along, one
+    per declared wire, and their steps: None where each is read whole (its
+    own wires, or a relabelling)."""
+    steps = read_steps(ref)
+    return tuple(ref.wires or own), (steps if any(st != 1 for st in steps) else None)
 
 
 def coarse_reads(d: "Diagram") -> tuple[tuple[str, str, str, int, Loc], ...]:

@@ -121,8 +121,9 @@ def test_fp8_scores_beside_an_fp16_value(tmp_path):
 
 def test_int8_scores_with_a_scale_per_block_as_sageattention_quantises(tmp_path):
     """One scale per 128 queries and per 64 keys (SageAttention's blocks), read at the
-    wires' blocks (sq[b, h, q // 128]); sizes ragged to both.  The scales read so get no
-    gradient (a float input read along other wires: refused in words), V does."""
+    wires' blocks (sq[b, h, q // 128]); sizes ragged to both.  The scales read so train:
+    each one's gradient is the sum of its block's rows' (or keys') partials, the last
+    block short."""
     text = SAGE.replace("wire b, h, q, x", "wire b, h, q, x, qb, xb") \
         .replace("in sq[b, h, q] : fp32", "in sq[b, h, qb] : fp32").replace("in sk[b, h, x] : fp32", "in sk[b, h, xb] : fp32") \
         .replace("* sq * sk *", "* sq[b, h, q // 128] * sk[b, h, x // 64] *")
@@ -135,16 +136,22 @@ def test_int8_scores_with_a_scale_per_block_as_sageattention_quantises(tmp_path)
         scale = torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(1, 2, -1, block * 64).abs().amax(-1) / 127
         rows = scale.repeat_interleave(block, -1)[..., :n]
         return torch.round(x / rows[..., None]).to(torch.int8), scale, rows
-    q, sq, q_rows = per_block(200, 128)
-    k, sk, k_rows = per_block(150, 64)
+    q, sq, _ = per_block(200, 128)
+    k, sk, _ = per_block(150, 64)
     v = torch.randn(1, 2, 150, 64, generator=g).half()
+    v, sq, sk = (t.requires_grad_() for t in (v, sq, sk))
     o = m.sage_attention(q, k, v, sq, sk)[0]
-    want, _ = _attention64(q.double() * q_rows.double()[..., None], k.double() * k_rows.double()[..., None],
-                           v.double(), 64 ** -0.5)
+    v64, sq64, sk64 = (t.detach().double().requires_grad_() for t in (v, sq, sk))
+    q_rows, k_rows = sq64.repeat_interleave(128, -1)[..., :200], sk64.repeat_interleave(64, -1)[..., :150]
+    want, _ = _attention64(q.double() * q_rows[..., None], k.double() * k_rows[..., None], v64, 64 ** -0.5)
     assert sq.shape == (1, 2, 2) and sk.shape == (1, 2, 3)
     assert (o.double() - want).abs().max() <= 2 ** -10 * want.abs().max()
-    reasons = m._NO_GRADIENT
-    assert set(reasons) == {"Q", "K", "sq", "sk"} and "read along other wires" in reasons["sq"]
+    do = torch.randn(o.shape, generator=g).half()
+    got = torch.autograd.grad(o, (v, sq, sk), do)
+    expected = torch.autograd.grad(want, (v64, sq64, sk64), do.double())
+    for name, a, b in zip(("dV", "dsq", "dsk"), got, expected):
+        assert a.shape == b.shape and (a.double() - b).abs().max() <= 2e-3 * b.abs().max(), name
+    assert set(m._NO_GRADIENT) == {"Q", "K"}
 
 
 def test_int8_q_beside_an_fp16_k_meets_it_in_fp16(tmp_path):
@@ -215,3 +222,21 @@ def test_example_inputs_draw_the_int8_scales_about_one_over_127(tmp_path):
         assert q.dtype == torch.int8 and q.min() < -100 and q.max() > 100
         assert sq.dtype == torch.float32 and 0.5 / 127 <= sq.min() and sq.max() <= 1.5 / 127
         assert v.dtype == torch.float16 and v.std() > 0.5
+
+
+def test_a_devices_level_refuses_8_bit_token_inputs_in_words():
+    """Ring Attention or ATTENTION2D over int8 Q and K: the wrappers shard, circulate and
+    train float token inputs; int8 Q and K were taken for side inputs, passed whole
+    beside their split scales.  Refused at the input, with what to do."""
+    ring = (REPO / "examples" / "ring_attention.ncd").read_text()
+    for old, new in (("in Q[b, h, q, d] : bf16", "in Q[b, h, q, d] : int8"),
+                     ("in K[b, h, x, d] : bf16", "in K[b, h, x, d] : int8\nin sq[b, h, q] : fp32\nin sk[b, h, x] : fp32"),
+                     ("sum[d](Q * K) * |d|^-0.5", "sum[d](Q * K) * sq * sk * |d|^-0.5"),
+                     ("hold Q, K, V, O, lse", "hold Q, K, V, sq, sk, O, lse")):
+        assert old in ring
+        ring = ring.replace(old, new)
+    with pytest.raises(napkin.NapkinError) as err:
+        emit_module(napkin.load_text(ring, "ring8.ncd"), source_text=ring, source_path="ring8.ncd")
+    assert str(err.value).splitlines()[0] == (
+        "ring8.ncd:11:4: cannot distribute this diagram: input Q is int8 along the query wire q: the distributed "
+        "wrappers carry float token inputs only, each with a gradient, and an int8 score factor has none")

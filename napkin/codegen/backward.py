@@ -122,6 +122,9 @@ class SideGrad:
     # P * dS/dT, summed per row beside dS itself where delta's error can be taken out (see
     # side_input); None where it cannot (T along the keys; a logsumexp output's dlse; sums rules)
     centre: Optional[object] = None
+    # a read at a wire's blocks (sq[b, h, q // 128]): each wire's step, the partial stored along the
+    # read wires and summed by blocks of it in torch; None where T is read whole along its wires
+    steps: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -379,30 +382,37 @@ class _Builder:
         a mask's condition), or a refusal saying why napkin emits none."""
         refs = [n for _, e in self.rule.tile for n in ir.walk(e)
                 if isinstance(n, ir.TensorRef) and n.name == t.name]
+        # read past the score box (sum[x](S * tau * V): O = N0 * tau): the rows' dT_i is that
+        # path's gradient where the output's row function has one (row_grads), else none is emitted
+        past = [n for n, e in self.rule.forward + self.rule.rows
+                if any(isinstance(x, ir.TensorRef) and x.name == t.name for x in ir.walk(e))]
         if not refs:
             if t.name in dict(self.rule.row_grads):
                 return None   # read by the output's row function alone: the rows' dT_i is its gradient
-            # read past the score box only (sum[x](S * tau * V): O = N0 * tau), a gradient no
-            # kernel computes: refused, where its .grad was silently zero
-            past = [n for n, e in self.rule.forward + self.rule.rows
-                    if any(isinstance(x, ir.TensorRef) and x.name == t.name for x in ir.walk(e))]
-            if past:
+            if past:   # a gradient no kernel computes: refused, where its .grad was silently zero
                 raise refuse(f"input {t.name}", f"its gradient would go through {', '.join(past)} past the "
                              "score box, which napkin does not emit; an input the score box alone reads "
                              "gets one", t.loc)
             return None
-        own = ir.axis_wires(t.axes)
-        if any(r.wires is not None and tuple(r.wires) != own for r in refs):
-            raise refuse(f"input {t.name}", "a float input read along other wires gets no gradient here", t.loc)
+        # the wires the tiles read t along (its own, or a relabelling: dt along the read wires is
+        # dt along its own) and their steps, at a wire's blocks; one wire twice the checker refuses
+        reads = {ir.read_along(r, ir.axis_wires(t.axes)) for r in refs}
+        if len(reads) > 1:   # two partials, each along its own wires
+            shown = " and ".join(sorted(expr_text(ir.TensorRef(t.name, w, steps=st)) for w, st in reads))
+            raise refuse(f"input {t.name}", f"it is read as {shown}: a float input read two ways gets no "
+                         "gradient here (declare one input per read and pass the same tensor to each)", t.loc)
+        (own, steps), = reads
         # Its gradient is dS * dS/dt: whole only when the score box is the one
         # forward tile that reads t.  dR = dS * dS/dR may read it too (a
         # temperature multiplying the contraction): that is S's derivative.
-        # tau[x] for a tau declared [x] is tau: one node to differentiate by (as written it
-        # was another, and its gradient silently 0)
+        # Every way the tiles write the one read (tau, tau[x] of tau[x], sq[b, h, q // 128])
+        # is one node to differentiate by (as written it was another, and its gradient silently 0)
         plain = ir.TensorRef(t.name)
 
-        def canon(e, written=ir.TensorRef(t.name, own)):
-            return autodiff.substitute(e, written, plain)
+        def canon(e):
+            for r in refs:
+                e = autodiff.substitute(e, r, plain)
+            return e
         elsewhere = sorted(n for n, e in self.rule.tile
                            if n not in ("S", "dR") and _contains(canon(e), plain))
         if s_expr is None:
@@ -411,10 +421,16 @@ class _Builder:
             raise refuse(f"input {t.name}", "its gradient would need the path past the score box (the "
                          f"backward's {', '.join(elsewhere)} read it), which napkin does not emit; "
                          "an input the score box alone reads gets one", t.loc)
+        if past and t.name not in dict(self.rule.row_grads):   # the output's function reads it too
+            raise refuse(f"input {t.name}", f"its gradient would also go through {', '.join(past)} past the "
+                         "score box, which napkin does not emit for this read; an input the score box alone "
+                         "reads gets one", t.loc)
         try:
             deriv = autodiff.diff(canon(s_expr), plain)
         except ValueError as err:
             raise refuse(f"input {t.name}", str(err), t.loc) from None
+        # the derivative's own reads of t are the tiles' read, not t along its declared wires
+        deriv = autodiff.substitute(deriv, plain, refs[0])
         extra = tuple(["_blocks"] if self.row not in own else []) + tuple(w for w in self.batch if w not in own)
         bad = set(own) - set(self.batch) - {self.row, self.col}
         if bad:
@@ -426,7 +442,7 @@ class _Builder:
             # is flat in t, its term 0
             expr = ir.Call("where", (ir.Binary("==", ir.TensorRef("S"), ir.Num(-math.inf)), ir.Num(0), expr))
         return SideGrad(t.name, joined("part", t.name), expr, own, extra, self.row in own, self.col in own,
-                        self.centre(deriv, own))
+                        self.centre(deriv, own), steps)
 
     def centre(self, deriv, own) -> Optional[ir.Expr]:
         """P * dS/dT, for the rows' correction of a softmax side gradient.
@@ -493,8 +509,10 @@ class _Builder:
             return None
         loads = _Loads(self.bd, "pre", self.taken({f"_{n}" for n, _ in rule.rows}))
         subst, reduces, lines = {}, [], []
-        for n in used:
-            subst[ir.TensorRef(n)] = self._load(loads, ir.TensorRef(n), "pre").var
+        # each read as written: an input the output's function reads at blocks (tau[h // 2]) or
+        # along other wires is loaded so (keyed on the bare name, it had no variable)
+        for ref in dict.fromkeys(n for _, e in rule.rows for n in ir.walk(e) if isinstance(n, ir.TensorRef)):
+            subst[ref] = self._load(loads, ref, "pre").var
         for name, e in computed:
             for node in nodes(e):
                 if isinstance(node, ir.Reduce) and node not in subst:

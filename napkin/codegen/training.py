@@ -513,6 +513,7 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
     grads = [f"d{bound[n]}" if n in bound else "_" for n in user_outputs]
     if "dlse" in b.row_inputs + b.state and "dlse" not in grads:
         raise AssertionError("dlse is read but lse is no output")
+    row_grads = _row_grads(b)
     # an input the rows read (sum[x](S * tau * V)'s tau) is a parameter already: listed again the
     # preprocess was def _t_preprocess(Q, K, V, tau, dO, tau, ...), no valid module
     row_inputs = [n for n in b.row_inputs if b.forward.diagram.tensor(n) is None or
@@ -538,11 +539,10 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "grid_batch": " * ".join(f'_sz["{w}"]' for w in b.batch) or "1",
         "kv_batch": " * ".join(f'_sz["{w}"]' for w in b.kernel("dkdv").batch) or "1",
         "sides": [{"tensor": s.tensor, "buffer": s.buffer, "index": _input_index(b.diagram, s.tensor),
-                   "shape": _side_shape(s, b.row),
-            # the partial sums' leading axes summed away; none (a side input over every wire of the tile): as is
-            "partial_sum": f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else ""} for s in
-            b.sides],
-        "row_grads": _row_grads(b),
+                   "shape": _side_shape(s, b.row), "sum": _side_sum(s)} for s in b.sides],
+        "row_grads": row_grads,
+        # a gradient read at blocks of a wire is summed by them: the helper, where one is
+        "by_blocks": any(s.steps for s in b.sides) or any(r["steps"] for r in row_grads),
         # a mask that reads data: a launch plan's call runs its ranges prepasses again (mask_cache)
         "ranges": R.applies(b.forward),
         "grad_buffers": grad_buffers,
@@ -562,9 +562,10 @@ def _row_grads(b) -> list:
     input of the scores, whose dQ-kernel part the launcher adds to this."""
     out, axes = [], dict(b.axes)
     sides = {s.tensor for s in b.sides}
+    reads = {t: (along, steps) for t, along, steps in b.rule.row_reads}
     for tensor, state in b.rule.row_grads:
         stored = [w for a in axes[state] for w in a]
-        own = ir.axis_wires(b.diagram.tensor(tensor).axes)
+        own, steps = reads[tensor]   # the wires the row function reads it along
         summed = tuple(i for i, w in enumerate(stored) if w not in own)
         kept = [w for w in stored if w in own]
         shape = ", ".join(f'_sz["{w}"]' for w in stored)
@@ -576,9 +577,19 @@ def _row_grads(b) -> list:
         perm = tuple(kept.index(w) for w in own)
         if perm != tuple(range(len(perm))):
             text += f".permute{perm}"
+        if steps:
+            text = f"_by_blocks({text}, {steps!r})"
         out.append({"tensor": tensor, "state": state, "side": tensor in sides, "expr": text,
-                    "index": _input_index(b.diagram, tensor)})
+                    "index": _input_index(b.diagram, tensor), "steps": steps})
     return out
+
+
+def _side_sum(s) -> str:
+    """A side input's gradient from its dQ-kernel partial: summed over the
+    buffer's leading axes (row blocks, batch wires it lacks) and, read at
+    blocks of a wire, by those blocks."""
+    text = s.buffer + (f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else "")
+    return f"_by_blocks({text}, {s.steps!r})" if s.steps else text
 
 
 def _side_shape(s, row: str) -> str:

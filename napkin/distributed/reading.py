@@ -468,6 +468,16 @@ def _core_roles(d: ir.Diagram, query: Optional[str], key: Optional[str]) -> Role
     for t in d.inputs:
         wires = ir.axis_wires(t.axes)
         split = [w for w in (query, key) if w in wires]
+        if split and t.dtype in ir.FACTOR_DTYPES:
+            # an 8-bit score factor (SageAttention's Q and K) is a token input with no gradient: the
+            # wrappers' shards, ring and backward carry float tokens that all train; taken as a side
+            # input it was passed whole beside its split scales
+            kind = "int8" if t.dtype == "int8" else "fp8"
+            raise _refuse(f"input {t.name} is {t.dtype} along the {'query' if split[0] == query else 'key'} "
+                          f"wire {split[0]}: the distributed wrappers carry float token inputs only, each "
+                          f"with a gradient, and an {kind} score factor has none", t.loc,
+                          f"run the {kind} kernel on each device's tokens (napkin compile without the "
+                          "devices level), or declare the token inputs fp16 or bf16")
         if not split or t.dtype not in ir.FLOAT_DTYPES:
             side.append(t.name)
             continue
