@@ -121,11 +121,15 @@ def _bias_terms(draw, bounded_only: bool) -> tuple[list[tuple[str, ir.Expr]], li
     normalisers that shrug off large scores (softmax subtracts its max,
     sigmoid saturates): ``bounded_only`` leaves it out.
     """
-    menu = ["rel_bias", "distance"] + ([] if bounded_only else ["alibi"])
+    menu = ["rel_bias", "distance", "tile_bias"] + ([] if bounded_only else ["alibi"])
     chosen = draw(st.lists(st.sampled_from(menu), unique=True, max_size=2))
     terms, inputs = [], []
     for kind in chosen:
-        if kind == "alibi":
+        if kind == "tile_bias":   # one bias per block of queries and keys, read at the wires' blocks
+            steps = (draw(st.sampled_from((2, 3, 16, 40))), draw(st.sampled_from((2, 3, 16, 40))))
+            inputs.append(ir.Input("tb", _axes("qb", "xb"), "fp32"))
+            terms.append(("+", ir.TensorRef("tb", ("q", "x"), steps=steps)))
+        elif kind == "alibi":
             inputs.append(ir.Input("slope", _axes("h"), "fp32"))
             terms.append(("+", _b("*", _t("slope"), _b("-", X_IDX, Q_IDX))))
         elif kind == "rel_bias":
@@ -195,7 +199,8 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     Wires b, h, q, x (keys), d (head dim); inputs Q[b, h, q, d], K and
     V[b, h, x, d] (a quarter of the time V[b, x, d], shared by the heads)
     in one dtype (fp16 or fp32) plus whatever bias or mask
-    tensors the scores read (slope[h], bias[..., q, x], doc[b, x] : int32).
+    tensors the scores read (slope[h], bias[..., q, x], a bias per tile read at
+    the wires' blocks tb[q // s, x // t] of tb[qb, xb], doc[b, x] : int32).
     Boxes: ``S`` always; then one normaliser:
 
     * softmax: ``P = softmax[x](S)``, ``O = sum[x](P * V)``, optionally
@@ -237,6 +242,9 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     if masks:
         cond = masks[0] if len(masks) == 1 else _b("and", masks[0], masks[1])
         score = _call("where", cond, score, NEG_INF)
+
+    if any(t.name == "tb" for t in inputs):   # the tile bias's blocks: ceil(|q| / step), from |q| at the call
+        wires += (ir.Wire("qb"), ir.Wire("xb"))
 
     qkx = _axes("b", "h", "q", "x")
     out_dtype = draw(st.sampled_from((dtype, None)))
@@ -405,10 +413,13 @@ def drawn_sizes(diagram: ir.Diagram, seed: int) -> dict[str, int]:
     pick = {"b": (1, 2), "h": (1, 2), "q": (1, 33, 50), "x": (1, 33, 50), "d": (16, 32),
             "m": (1, 40, 70), "n": (1, 40, 70), "k": (1, 40, 70)}
     sizes = {}
+    blocks = {declared for _, declared, _, _, _ in ir.coarse_reads(diagram)}
     for w in diagram.wires:
+        if w.name in blocks and w.size is None:
+            continue   # a coarse read's blocks: from the wire read, below
         choices = pick.get(w.name, (8,))
         sizes[w.name] = w.size if w.size is not None else choices[int(torch.randint(len(choices), (1,),
                                                                                       generator=gen))]
     if any(t.name == "doc" for t in diagram.inputs):
         sizes["x"] = sizes["q"]
-    return sizes
+    return ir.coarse_sizes(diagram, sizes)

@@ -445,6 +445,11 @@ QKV = "in Q[b, h, q, d] : fp16\nin K[b, h, x, d] : fp16\nin V[b, h, x, d] : fp16
      FLASH, "keeps the streamed wire x"),
     (QKV + "S[b, h, q, x] = sum[d](Q * K * K)\nO[b, h, q, d] = sum[x](S * V)\nout O", FLASH,
      "sum[w](A * B) of two inputs"),
+    # a per-dimension scale is one side's: the hint says which and how
+    (QKV + "in s[h, d] : fp32\nS[b, h, q, x] = sum[d](Q * K * s)\nO[b, h, q, d] = sum[x](S * V)\nout O", FLASH,
+     "sum[w](A * B) of two inputs\n    S[b, h, q, x] = sum[d](Q * K * s)\n                    ^^^^^^^^^^^^^^^^^\n"
+     "  hint: multiply s into Q in torch before the call and pass Q * s as Q (the same scores; the tiles "
+     "multiply two factors)"),
     # a matmul with two sums was told it had none (one sum read twice is one product: it trains)
     ("in A[b, q, d] : fp32\nin B[b, d, x] : fp32\nC[b, q, x] = relu(sum[d](A * B)) + sum[d](A * A)\nout C", "",
      "box C: its expression uses 2 different sums over d"),

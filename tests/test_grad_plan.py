@@ -383,7 +383,7 @@ def _drawn_sizes(diagram):
     sizes.update(fixed)
     if any(i.name == "doc" for i in diagram.inputs):
         sizes["x"] = sizes["q"] = fixed.get("q", 6)
-    return sizes
+    return ir.coarse_sizes(diagram, sizes)   # a tile bias's blocks (tb[h, q // 3, x // 16])
 
 
 @settings(max_examples=40, deadline=None, derandomize=True,

@@ -696,3 +696,22 @@ def test_random_attention_diagrams_packed(drawn):
     block = dict(plan.blocks)["q"]
     assert grids[0][:2] == (-(-sizes["g"] * sizes["q"] // block), sizes["b"] * sizes["hk"]), (sizes, grids)
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), text)
+
+
+def test_a_float_read_at_blocks_of_the_rows_indexes_each_rows_own_query():
+    """tb[q // 3, x // 16] beside 4 heads packed into the rows: a row's q is its position
+    (the packed row index runs over |g| |q|), so the read floor-divides the position.  It
+    divided the packed index: every head past the first read another block's bias.  Found by test_random_attention_diagrams_packed once the strategy drew such a bias."""
+    text = (K.REPO / "examples" / "gqa.ncd").read_text()
+    for old, new in (("wire b, hk, g, q, x", "wire b, hk, g, q, x, qb, xb"), ("wire d = 128", "wire d = 16"),
+                     ("in V[b, hk, x, d] : fp16", "in V[b, hk, x, d] : fp16\nin tb[qb, xb] : fp32"),
+                     ("* |d|^-0.5", "* |d|^-0.5 + tb[q // 3, x // 16]"), ("hold Q, K, V, O", "hold Q, K, V, tb, O"),
+                     ("g by 1, q by 128", "g by 4, q by 16")):
+        assert old in text
+        text = text.replace(old, new)
+    diagram = napkin.load_text(text, "packed_tile_bias.ncd")
+    assert lower.lower(diagram).pack == ("g", 4)
+    m = K.compile_text(text, "packed_tile_bias", diagram)
+    inputs = m.example_inputs({"b": 1, "hk": 1, "g": 4, "q": 20, "x": 37}, dtype=torch.float32, seed=1)
+    assert inputs[3].shape == (7, 3)
+    K.assert_accurate(K.run(m, inputs), K.reference(m, inputs, torch.float64), K.reference(m, inputs), "packed")

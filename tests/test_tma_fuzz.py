@@ -189,8 +189,9 @@ def tma_fuzz_diagrams(draw) -> ir.Diagram:
         d = _tf_bool_mask(d, draw(st.sampled_from((bq, ("q", "x"), ("x", "q"), ("b", "x"), bq))))
     head = ("d", "e")
     # (doc[b, q] relabels doc's axes in order: doc keeps its layout)
-    inputs = tuple(dataclasses.replace(t, axes=_tf_permute(draw, t.axes, head)) if t.name not in ("slope", "doc")
-                   else t for t in d.inputs)
+    # (a read at blocks, tb[q // 3, x // 16], names its wires in tb's declared order: tb keeps it too)
+    inputs = tuple(dataclasses.replace(t, axes=_tf_permute(draw, t.axes, head))
+                   if t.name not in ("slope", "doc", "tb") else t for t in d.inputs)
     lets = tuple(dataclasses.replace(t, axes=_tf_permute(draw, t.axes, head)) if t.name in ("O", "lse") else t
                  for t in d.lets)
     d = dataclasses.replace(d, inputs=inputs, lets=lets)
@@ -230,13 +231,17 @@ def tma_fuzz_cases(draw) -> TmaCase:
     d = draw(tma_fuzz_diagrams())
     text = to_text(d)
     sizes = {}
+    blocks = {declared for _, declared, _, _, _ in ir.coarse_reads(d)}   # a tile bias's qb, xb: below
     for w in d.wires:
+        if w.name in blocks and w.size is None:
+            continue
         pick = {"b": (1, 2), "h": (1, 2, 3), "hk": (1, 2), "g": (1, 2, 3), "q": TF_SEQ, "x": TF_SEQ,
                 "d": TF_HEADS, "e": TF_HEADS}[w.name]
         sizes[w.name] = w.size if w.size is not None else draw(st.sampled_from(pick))
     names = {t.name for t in d.inputs}
     if "doc" in names or "K" not in names:
         sizes["x"] = sizes["q"]   # doc[b, q] reads the keys' ids along q; Q[.., x, ..] the queries along x
+    sizes = ir.coarse_sizes(d, sizes)
     views = {t.name: draw(st.sampled_from(_TF_FIT)) for t in d.inputs if t.dtype not in ("int32", "bool")}
     if draw(st.integers(0, 3)) == 0:
         views[draw(st.sampled_from(sorted(views)))] = draw(st.sampled_from(_TF_UNFIT))

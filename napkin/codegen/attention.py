@@ -172,7 +172,8 @@ class _Attention:
                               f"of its outputs' outermost reduction ({col} here) and ends there", c.loc,
                               "output this result and reduce it in torch")
         if not ok:
-            raise unsupported(_show(c), "a score contraction must be sum[w](A * B) of two inputs", c.loc)
+            raise unsupported(_show(c), "a score contraction must be sum[w](A * B) of two inputs", c.loc,
+                              self.fold_hint(c))
         if len(c.wires) != 1:
             raise unsupported(_show(c), "a score contraction joins one wire", c.loc)
         a, b = body.lhs, body.rhs
@@ -181,6 +182,24 @@ class _Attention:
         if col in read_wires(d, a) or col not in read_wires(d, b):
             raise self.one_sided(c, both=col in read_wires(d, a))
         return a, b
+
+    def fold_hint(self, c: ir.Reduce) -> Optional[str]:
+        """What to do with a third factor of the contraction read along neither the
+        rows nor the keys (a per-dimension scale, sum[d](Q * K * s)): it is one
+        side's, multiplied into it before the call; the tiles take two factors."""
+        parts = ir.factors(c.body)
+        if len(parts) < 3 or not all(isinstance(f, ir.TensorRef) for f in parts):
+            return None
+        # the rows' factor is the widest without the key wire; a narrower one rides on it
+        rows = [f for f in parts if self.col not in read_wires(self.d, f)]
+        widest = max((len(read_wires(self.d, f)) for f in rows), default=0)
+        extra = [f for f in rows if len(read_wires(self.d, f)) < widest]
+        if not extra:
+            return None
+        into = _show(next(f for f in rows if len(read_wires(self.d, f)) == widest))
+        shown = " * ".join(_show(f) for f in extra)
+        return (f"multiply {shown} into {into} in torch before the call and pass {into} * {shown} as {into} "
+                "(the same scores; the tiles multiply two factors)")
 
     def one_sided(self, c: ir.Reduce, both: bool):
         """The refusal of a contraction of one side alone: sum[d](Q * Q) (a

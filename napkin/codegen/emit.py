@@ -181,7 +181,10 @@ def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.T
     glob = _kinds(d).get(ld.tensor) != "float"
     mask = names.mask(ld.rows, ld.cols, glob or drop_padding, inside, unit)
     other = "0" if glob else pad
-    out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, glob, unit, ld.steps),
+    # a read at a wire's blocks indexes by the row's position, whatever its dtype: packed rows (g, q)
+    # hold q in their positions, and the tensor (tb[qb, xb]) is laid out along no row wire
+    at = glob or bool(ld.steps)
+    out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, at, unit, ld.steps),
            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else "",
            "tma": None if tma is None or glob or unit or ld.steps else tma.load(ld)}
     out["code"] = T.load_code(out["var"], out["ptr"], out["mask"], out["tma"])
