@@ -210,6 +210,12 @@ def _bind(tensors, kernel, free=()):
         whence = "the diagram" if source[w] is None else \
             f"{INPUTS[source[w][0]]} dimension {source[w][1]} ({' '.join(_LAYOUTS[INPUTS[source[w][0]]][source[w][1]])})"
         raise ValueError(f"{what} has size {n}, but wire {w} has size {sizes[w]} from {whence}")
+    for name, declared, read, step in _COARSE:
+        dim = _LAYOUTS[name].index((declared,)) if (declared,) in _LAYOUTS[name] else None
+        if dim is not None and (name, dim) in free and declared not in sizes:
+            # read at the rows' global positions: its dimension holds the global length's blocks
+            sizes[declared], source[declared] = tensors[INPUTS.index(name)].shape[dim], (INPUTS.index(name), dim)
+    unbound = [w for w in unbound if w not in sizes]
     if unbound:
         raise ValueError(f"cannot tell the sizes of wires {', '.join(unbound)} from the input shapes")
     for name, declared, read in _RELABELS:
@@ -221,6 +227,8 @@ def _bind(tensors, kernel, free=()):
             raise ValueError(f"{name} is read along {read} as well as {declared}, so wires {read} "
                              f"({sizes[read]}) and {declared} ({sizes[declared]}) must have equal sizes")
     for name, declared, read, step in _COARSE:
+        if (declared,) in _LAYOUTS[name] and (name, _LAYOUTS[name].index((declared,))) in free:
+            continue   # the global length's blocks (above)
         if read in sizes and sizes[declared] != -(-sizes[read] // step):
             raise ValueError(f"{name} is read at {read} // {step}, so its wire {declared} must have size "
                              f"ceil(|{read}| / {step}) = {-(-sizes[read] // step)} (|{read}| = {sizes[read]}), "
@@ -961,7 +969,7 @@ def _mask_cache_set(mask_cache):
 def _global_dims(positions):
     """The (input, dimension) pairs holding global rows: not bound from shapes."""
     given = set(positions) if isinstance(positions, dict) else set()   # another type: _padded says so
-    return {(name, dim) for name, dim, wires, _ in _GLOBAL_DIMS if given & set(wires)}
+    return {(name, dim) for name, dim, wires, _, _ in _GLOBAL_DIMS if given & set(wires)}
 
 
 def _padded(positions, lengths, sizes, device):
@@ -1073,17 +1081,18 @@ def _check_positions(positions, lengths, sizes, device, tensors):
                                  f"one per row of {w} (a negative one marks a padding row)")
             if p.device != device:
                 raise ValueError(f"positions[{w!r}] is on {p.device}, the inputs on {device}")
-    for name, dim, wires, flat in _GLOBAL_DIMS:
+    for name, dim, wires, flat, step in _GLOBAL_DIMS:
         if not set(wires) & set(positions):
             continue
         if flat > 1:
             raise ValueError(f"{name} flattens {' and '.join(wires)} with other wires in dimension {dim}: "
                              "it cannot be read at positions")
-        need = max(lengths[w] if w in positions else sizes[w] for w in wires)
+        need = -(-max(lengths[w] if w in positions else sizes[w] for w in wires) // step)
         have = tensors[INPUTS.index(name)].shape[dim]
         if have < need:
+            whole = "rows (the global length)" if step == 1 else f"blocks of {step} (the global length's)"
             raise ValueError(f"{name} is read at global positions along dimension {dim}: it must hold {need} "
-                             f"rows (the global length), not {have}")
+                             f"{whole}, not {have}")
 
 
 # TMA descriptors (napkin/codegen/tma.py): the launcher's tma= option, for

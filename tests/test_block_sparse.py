@@ -123,6 +123,34 @@ def test_the_launcher_refuses_a_keep_of_the_wrong_size():
         m.block_sparse(Q, Kt, V, keep[:, :, :2])
 
 
+@pytest.mark.parametrize("name", ["block_sparse", "coarse_bias"])
+def test_rows_at_global_positions_read_the_blocks_of_their_positions(name):
+    """A shard of the queries (rows 50..129 of 130) at their global positions reads keep /
+    bias at the blocks of those positions, which hold the global length's blocks: the
+    shard's output is the whole call's rows, bit for bit.  keep and bias bound no size
+    then (an internal KeyError 'qb' before), and one short of the global blocks is refused."""
+    m = K.example("block_sparse") if name == "block_sparse" else K.compile_text(BIAS, "coarse_bias")
+    fn = getattr(m, name)
+    inputs = m.example_inputs({"b": 1, "h": 2, "q": 130, "x": 70}, dtype=torch.float32, seed=4)
+    Q, Kt, V, blocks = inputs
+    opts = {"block_q": 32, "block_x": 16}
+    whole = fn(*inputs, **opts)
+    whole = whole[0] if isinstance(whole, tuple) else whole
+    at = {"positions": {"q": torch.arange(50, 130)}, "lengths": {"q": 130}}
+    shard = fn(Q[:, :, 50:].contiguous(), Kt, V, blocks, **at, **opts)
+    shard = shard[0] if isinstance(shard, tuple) else shard
+    assert torch.equal(shard, whole[:, :, 50:])
+    tensor, dim, step = ("keep", 2, 64) if name == "block_sparse" else ("bias", 1, 48)
+    short = blocks.narrow(dim, 0, 2)   # ceil(130 / 64) = ceil(130 / 48) = 3 blocks hold the global length
+    with pytest.raises(ValueError, match=rf"^{tensor} is read at global positions along dimension {dim}: it must "
+                                         rf"hold 3 blocks of {step} \(the global length's\), not 2$"):
+        fn(Q[:, :, 50:].contiguous(), Kt, V, short, **at, **opts)
+    if name == "coarse_bias":   # its gradient would sum the shard's rows by local blocks: refused
+        with pytest.raises(NotImplementedError, match="napkin has no gradient for bias with positions for q"):
+            m.coarse_bias_backward(Q[:, :, 50:].contiguous(), Kt, V, blocks, torch.randn(1, 2, 80, 32),
+                                   torch.zeros(1, 2, 80), torch.zeros(1, 2, 80), **at)
+
+
 def _expanded(keep, steps, n_q, n_x):
     """keep[..., q // s, x // s] at every (q, x): what SDPA and the reference see."""
     iq, ix = torch.arange(n_q) // steps[0], torch.arange(n_x) // steps[1]

@@ -179,11 +179,12 @@ def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.T
     # integer and boolean inputs (ids, masks: the distributed wrappers' side
     # inputs) are read at the global positions; float inputs hold local rows
     glob = _kinds(d).get(ld.tensor) != "float"
-    mask = names.mask(ld.rows, ld.cols, glob or drop_padding, inside, unit)
-    other = "0" if glob else pad
     # a read at a wire's blocks indexes by the row's position, whatever its dtype: packed rows (g, q)
-    # hold q in their positions, and the tensor (tb[qb, xb]) is laid out along no row wire
+    # hold q in their positions, and the tensor (tb[qb, xb]) is laid out along no row wire; rows at
+    # padding positions (negative) read nothing of it
     at = glob or bool(ld.steps)
+    mask = names.mask(ld.rows, ld.cols, at or drop_padding, inside, unit)
+    other = "0" if glob else pad
     out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, at, unit, ld.steps),
            "mask": f", mask={' & '.join(mask)}, other={other}" if mask else "",
            "tma": None if tma is None or glob or unit or ld.steps else tma.load(ld)}
@@ -661,8 +662,10 @@ def _length_dims(d: ir.Diagram, positional) -> str:
 
 def _global_dims(d: ir.Diagram, positional) -> str:
     """``_GLOBAL_DIMS``: (input, dimension, positional wires it is read along
-    there, number of wires the dimension flattens) for the integer and
-    boolean inputs, which are read at global positions; the launcher refuses
+    there, number of wires the dimension flattens, step) for the integer and
+    boolean inputs, which are read at global positions, and any input read
+    at blocks of a positional wire (step: the block, 1 elsewhere; such a
+    dimension holds the global length's blocks); the launcher refuses
     positions for a dimension that flattens such a wire with others (its
     global extent would mix two lengths)."""
     reads: dict = {}
@@ -670,16 +673,17 @@ def _global_dims(d: ir.Diagram, positional) -> str:
         for n in ir.walk(let.expr):
             if isinstance(n, ir.TensorRef) and isinstance(d.tensor(n.name), ir.Input):
                 declared = ir.axis_wires(d.tensor(n.name).axes)
-                for dw, rw in zip(declared, n.wires if n.wires is not None else declared):
-                    reads.setdefault((n.name, dw), set()).add(rw)
+                for dw, rw, step in zip(declared, n.wires if n.wires is not None else declared, ir.read_steps(n)
+                                        if n.wires is not None else (1,) * len(declared)):
+                    reads.setdefault((n.name, dw), set()).add((rw, step))
     rows = []
     for t in d.inputs:
-        if t.dtype in ir.FLOAT_DTYPES:
-            continue
         for i, axis in enumerate(t.axes):
-            ws = [w for w in positional if any(w in reads.get((t.name, dw), ()) for dw in axis)]
-            if ws:
-                rows.append(f'("{t.name}", {i}, {_tuple(_q(w) for w in ws)}, {len(axis)})')
+            read = {r for dw in axis for r in reads.get((t.name, dw), ())}
+            ws = [w for w in positional if any(rw == w for rw, _ in read)]
+            step = max((st for rw, st in read if rw in ws), default=1)
+            if ws and (t.dtype not in ir.FLOAT_DTYPES or step > 1):
+                rows.append(f'("{t.name}", {i}, {_tuple(_q(w) for w in ws)}, {len(axis)}, {step})')
     return _tuple(rows)
 
 

@@ -543,6 +543,11 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "row_grads": row_grads,
         # a gradient read at blocks of a wire is summed by them: the helper, where one is
         "by_blocks": any(s.steps for s in b.sides) or any(r["steps"] for r in row_grads),
+        # (input, positional wire) where that gradient sums by blocks of the wire: refused with positions
+        "blocked_reads": sorted({(s.tensor, w) for s in b.sides if s.steps for w, st in zip(s.wires, s.steps)
+                                 if st > 1 and w in (b.row, b.col)}
+                                | {(r["tensor"], w) for r in row_grads if r["steps"]
+                                   for w, st in zip(r["along"], r["steps"]) if st > 1 and w in (b.row, b.col)}),
         # a mask that reads data: a launch plan's call runs its ranges prepasses again (mask_cache)
         "ranges": R.applies(b.forward),
         "grad_buffers": grad_buffers,
@@ -580,7 +585,7 @@ def _row_grads(b) -> list:
         if steps:
             text = f"_by_blocks({text}, {steps!r})"
         out.append({"tensor": tensor, "state": state, "side": tensor in sides, "expr": text,
-                    "index": _input_index(b.diagram, tensor), "steps": steps})
+                    "index": _input_index(b.diagram, tensor), "steps": steps, "along": own})
     return out
 
 
