@@ -601,6 +601,13 @@ def terms(e: Expr) -> list:
     return [e]
 
 
+def product_factors(d: "Diagram") -> frozenset:
+    """The names of tensors read as a factor of some sum of products (sum[d](Q * K),
+    sum[x](P * V)): the kernels' tiled operands."""
+    return frozenset(f.name for let in d.lets for n in walk(let.expr)
+                     if isinstance(n, Reduce) and n.op == "sum" for f in factors(n.body) if isinstance(f, TensorRef))
+
+
 def factors(e: Expr) -> list:
     """The factors of a chain of * (one factor where ``e`` is no product)."""
     if isinstance(e, Binary) and e.op == "*":

@@ -698,20 +698,25 @@ def test_random_attention_diagrams_packed(drawn):
     K.assert_accurate(out, K.reference(m, inputs, torch.float64), K.reference(m, inputs), text)
 
 
-def test_a_float_read_at_blocks_of_the_rows_indexes_each_rows_own_query():
-    """tb[q // 3, x // 16] beside 4 heads packed into the rows: a row's q is its position
-    (the packed row index runs over |g| |q|), so the read floor-divides the position.  It
-    divided the packed index: every head past the first read another block's bias.  Found by test_random_attention_diagrams_packed once the strategy drew such a bias."""
+@pytest.mark.parametrize("tensor, read", [("tb[qb, xb]", "tb[q // 3, x // 16]"), ("bx[x]", "bx[q] * bx")])
+def test_a_float_read_along_the_rows_from_another_wire_indexes_each_rows_own_query(tensor, read):
+    """tb[q // 3, x // 16], or bx[q] of bx[x] (|q| = |x|), beside 4 heads packed into the
+    rows: a row's q is its position (the packed row index runs over |g| |q|), so the read
+    takes the position.  It took the packed index: every head past the first read another
+    block's bias, and bx ran past its end (NaN).  Found by test_random_attention_diagrams_packed
+    once the strategy drew a bias per tile."""
+    name = tensor[:tensor.index("[")]
     text = (K.REPO / "examples" / "gqa.ncd").read_text()
-    for old, new in (("wire b, hk, g, q, x", "wire b, hk, g, q, x, qb, xb"), ("wire d = 128", "wire d = 16"),
-                     ("in V[b, hk, x, d] : fp16", "in V[b, hk, x, d] : fp16\nin tb[qb, xb] : fp32"),
-                     ("* |d|^-0.5", "* |d|^-0.5 + tb[q // 3, x // 16]"), ("hold Q, K, V, O", "hold Q, K, V, tb, O"),
+    for old, new in (("wire b, hk, g, q, x", "wire b, hk, g, q, x" + (", qb, xb" if name == "tb" else "")),
+                     ("wire d = 128", "wire d = 16"),
+                     ("in V[b, hk, x, d] : fp16", f"in V[b, hk, x, d] : fp16\nin {tensor} : fp32"),
+                     ("* |d|^-0.5", f"* |d|^-0.5 + {read}"), ("hold Q, K, V, O", f"hold Q, K, V, {name}, O"),
                      ("g by 1, q by 128", "g by 4, q by 16")):
         assert old in text
         text = text.replace(old, new)
-    diagram = napkin.load_text(text, "packed_tile_bias.ncd")
+    diagram = napkin.load_text(text, f"packed_{name}.ncd")
     assert lower.lower(diagram).pack == ("g", 4)
-    m = K.compile_text(text, "packed_tile_bias", diagram)
-    inputs = m.example_inputs({"b": 1, "hk": 1, "g": 4, "q": 20, "x": 37}, dtype=torch.float32, seed=1)
-    assert inputs[3].shape == (7, 3)
+    m = K.compile_text(text, f"packed_{name}", diagram)
+    inputs = m.example_inputs({"b": 1, "hk": 1, "g": 4, "q": 20, "x": 20 if name == "bx" else 37},
+                              dtype=torch.float32, seed=1)
     K.assert_accurate(K.run(m, inputs), K.reference(m, inputs, torch.float64), K.reference(m, inputs), "packed")

@@ -179,10 +179,14 @@ def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.T
     # integer and boolean inputs (ids, masks: the distributed wrappers' side
     # inputs) are read at the global positions; float inputs hold local rows
     glob = _kinds(d).get(ld.tensor) != "float"
-    # a read at a wire's blocks indexes by the row's position, whatever its dtype: packed rows (g, q)
-    # hold q in their positions, and the tensor (tb[qb, xb]) is laid out along no row wire; rows at
-    # padding positions (negative) read nothing of it
-    at = glob or bool(ld.steps)
+    # a side tile read at a wire's blocks (tb[q // 3, x // 16]) or along another wire than its own
+    # (bx[q] of bx[x]) indexes by the row's position, whatever its dtype: packed rows (g, q) hold q in
+    # their positions, and the tensor is not laid out along the rows (read at the packed row index it
+    # ran past its end); rows at padding positions (negative) read nothing of it.  A product's operand
+    # read along another wire (Q[b, h, x, d], keys from the queries) holds local rows: as before.
+    at = glob or bool(ld.steps) or (
+        tuple(ld.wires) != ir.axis_wires(d.tensor(ld.tensor).axes) and ld.tensor not in ir.product_factors(d)
+        and bool(set(ld.wires) & set(names.positional)))
     mask = names.mask(ld.rows, ld.cols, at or drop_padding, inside, unit)
     other = "0" if glob else pad
     out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, at, unit, ld.steps),
@@ -663,9 +667,10 @@ def _length_dims(d: ir.Diagram, positional) -> str:
 def _global_dims(d: ir.Diagram, positional) -> str:
     """``_GLOBAL_DIMS``: (input, dimension, positional wires it is read along
     there, number of wires the dimension flattens, step) for the integer and
-    boolean inputs, which are read at global positions, and any input read
-    at blocks of a positional wire (step: the block, 1 elsewhere; such a
-    dimension holds the global length's blocks); the launcher refuses
+    boolean inputs, which are read at global positions, and any side input
+    read along a positional wire it is not declared along, or at its blocks
+    (step: the block, 1 elsewhere; such a dimension holds the global
+    length's blocks; _load reads them at positions); the launcher refuses
     positions for a dimension that flattens such a wire with others (its
     global extent would mix two lengths)."""
     reads: dict = {}
@@ -677,12 +682,14 @@ def _global_dims(d: ir.Diagram, positional) -> str:
                                         if n.wires is not None else (1,) * len(declared)):
                     reads.setdefault((n.name, dw), set()).add((rw, step))
     rows = []
+    factors = ir.product_factors(d)
     for t in d.inputs:
         for i, axis in enumerate(t.axes):
             read = {r for dw in axis for r in reads.get((t.name, dw), ())}
             ws = [w for w in positional if any(rw == w for rw, _ in read)]
             step = max((st for rw, st in read if rw in ws), default=1)
-            if ws and (t.dtype not in ir.FLOAT_DTYPES or step > 1):
+            moved = any(rw in ws and rw not in axis for rw, _ in read) and t.name not in factors   # _load's rule
+            if ws and (t.dtype not in ir.FLOAT_DTYPES or step > 1 or moved):
                 rows.append(f'("{t.name}", {i}, {_tuple(_q(w) for w in ws)}, {len(axis)}, {step})')
     return _tuple(rows)
 
