@@ -212,10 +212,12 @@ def _bind(tensors, kernel, free=()):
         whence = "the diagram" if source[w] is None else \
             f"{INPUTS[source[w][0]]} dimension {source[w][1]} ({' '.join(_LAYOUTS[INPUTS[source[w][0]]][source[w][1]])})"
         raise ValueError(f"{what} has size {n}, but wire {w} has size {sizes[w]} from {whence}")
-    for name, declared, read, step in _COARSE:
-        dim = _LAYOUTS[name].index((declared,)) if (declared,) in _LAYOUTS[name] else None
-        if dim is not None and (name, dim) in free and declared not in sizes:
-            # read at the rows' global positions: its dimension holds the global length's blocks
+    # a read at blocks of a wire whose rows sit at global positions: its dimension holds the global
+    # length's blocks, which bind the blocks' wire (and need no check against the local |read|)
+    held = {(name, declared): _LAYOUTS[name].index((declared,)) for name, declared, _, _ in _COARSE
+            if (declared,) in _LAYOUTS[name] and (name, _LAYOUTS[name].index((declared,))) in free}
+    for (name, declared), dim in held.items():
+        if declared not in sizes:
             sizes[declared], source[declared] = tensors[INPUTS.index(name)].shape[dim], (INPUTS.index(name), dim)
     unbound = [w for w in unbound if w not in sizes]
     if unbound:
@@ -229,8 +231,8 @@ def _bind(tensors, kernel, free=()):
             raise ValueError(f"{name} is read along {read} as well as {declared}, so wires {read} "
                              f"({sizes[read]}) and {declared} ({sizes[declared]}) must have equal sizes")
     for name, declared, read, step in _COARSE:
-        if (declared,) in _LAYOUTS[name] and (name, _LAYOUTS[name].index((declared,))) in free:
-            continue   # the global length's blocks (above)
+        if (name, declared) in held:
+            continue
         if read in sizes and sizes[declared] != -(-sizes[read] // step):
             raise ValueError(f"{name} is read at {read} // {step}, so its wire {declared} must have size "
                              f"ceil(|{read}| / {step}) = {-(-sizes[read] // step)} (|{read}| = {sizes[read]}), "

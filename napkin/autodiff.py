@@ -141,6 +141,17 @@ def _div(x, y):
 # diff
 # --------------------------------------------------------------------------
 
+def diff_read(expr: ir.Expr, refs) -> ir.Expr:
+    """d expr / dT for an input T read one way, written as any of ``refs`` (tau, tau[x]
+    of a tau declared [x], sq[b, h, q // 128]): each made one node to differentiate by
+    (as written they were several, and a derivative by one of them silently missed the
+    rest), the derivative reading T as ``refs[0]`` does."""
+    plain = ir.TensorRef(refs[0].name)
+    for r in refs:
+        expr = substitute(expr, r, plain)
+    return substitute(diff(expr, plain), plain, refs[0])
+
+
 def diff(expr: ir.Expr, wrt: ir.Expr) -> ir.Expr:
     """d expr / d wrt for an elementwise ``expr`` (see the module docstring)."""
     return simplify(_d(expr, wrt))

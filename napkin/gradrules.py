@@ -34,7 +34,7 @@ from typing import Mapping, Optional, Sequence
 
 from . import ir, masks
 from .printer import expr_text
-from .autodiff import ONE, ZERO, _add, _contains, _map, _mul, _neg, _sub, diff, simplify, substitute
+from .autodiff import ONE, ZERO, _add, _contains, _map, _mul, _neg, _sub, diff, diff_read, simplify, substitute
 
 NEG_INF = ir.Num(float("-inf"))
 
@@ -441,16 +441,12 @@ def _row_grads(w: _Wires, output: ir.Expr, input_layouts) -> list:
         feat = tuple(f for f in w.feat if f in along)
         if not set(along) <= set(w.row) | set(w.feat) or feat not in ((), w.feat):
             continue
-        plain, written = _ref(name), output
-        for r in refs:   # every way it is written one node to differentiate by
-            written = substitute(written, r, plain)
         try:
-            dt = _complement(simplify(diff(written, plain)))
+            dt = _complement(simplify(diff_read(output, refs)))
         except ValueError:
             continue
         if dt == ZERO:
             continue
-        dt = substitute(dt, plain, refs[0])
         row_sum = _row_sum(w.feat, dO, dt, _row_values(w, input_layouts))
         out.append((name, f"dT{len(out)}", _mul(dO, dt) if feat else row_sum, w.row + feat, along, steps))
     return out

@@ -405,8 +405,7 @@ class _Builder:
         # Its gradient is dS * dS/dt: whole only when the score box is the one
         # forward tile that reads t.  dR = dS * dS/dR may read it too (a
         # temperature multiplying the contraction): that is S's derivative.
-        # Every way the tiles write the one read (tau, tau[x] of tau[x], sq[b, h, q // 128])
-        # is one node to differentiate by (as written it was another, and its gradient silently 0)
+        # every way the tiles write the one read is one node (autodiff.diff_read)
         plain = ir.TensorRef(t.name)
 
         def canon(e):
@@ -426,11 +425,9 @@ class _Builder:
                          "score box, which napkin does not emit for this read; an input the score box alone "
                          "reads gets one", t.loc)
         try:
-            deriv = autodiff.diff(canon(s_expr), plain)
+            deriv = autodiff.diff_read(s_expr, refs)
         except ValueError as err:
             raise refuse(f"input {t.name}", str(err), t.loc) from None
-        # the derivative's own reads of t are the tiles' read, not t along its declared wires
-        deriv = autodiff.substitute(deriv, plain, refs[0])
         extra = tuple(["_blocks"] if self.row not in own else []) + tuple(w for w in self.batch if w not in own)
         bad = set(own) - set(self.batch) - {self.row, self.col}
         if bad:

@@ -152,6 +152,15 @@ def _kinds(d: ir.Diagram) -> dict[str, str]:
             for t in d.inputs}
 
 
+def _read_elsewhere(d: ir.Diagram, tensor: str, wires, steps) -> bool:
+    """Whether a read of side tensor ``tensor`` along ``wires`` (at ``steps``) is not along
+    its own wires: at a wire's blocks, or relabelled, not as a product's operand.  Such a
+    read along a positional wire is at the rows' positions (_load), and that dimension
+    holds the global length (_global_dims)."""
+    return any(st != 1 for st in steps or ()) or (
+        tuple(wires) != ir.axis_wires(d.tensor(tensor).axes) and tensor not in ir.product_factors(d))
+
+
 def _pointer(d: ir.Diagram, names: _Names, tensor: str, wires, rows, cols, glob: bool = False,
              unit: bool = False, steps=()) -> str:
     declared = ir.axis_wires(d.tensor(tensor).axes)
@@ -184,9 +193,8 @@ def _load(d: ir.Diagram, names: _Names, ld: L.Load, inside=(), tma: Optional[T.T
     # their positions, and the tensor is not laid out along the rows (read at the packed row index it
     # ran past its end); rows at padding positions (negative) read nothing of it.  A product's operand
     # read along another wire (Q[b, h, x, d], keys from the queries) holds local rows: as before.
-    at = glob or bool(ld.steps) or (
-        tuple(ld.wires) != ir.axis_wires(d.tensor(ld.tensor).axes) and ld.tensor not in ir.product_factors(d)
-        and bool(set(ld.wires) & set(names.positional)))
+    at = glob or bool(ld.steps) or (_read_elsewhere(d, ld.tensor, ld.wires, ld.steps)
+                                    and bool(set(ld.wires) & set(names.positional)))
     mask = names.mask(ld.rows, ld.cols, at or drop_padding, inside, unit)
     other = "0" if glob else pad
     out = {"var": ld.var, "ptr": _pointer(d, names, ld.tensor, ld.wires, ld.rows, ld.cols, at, unit, ld.steps),
@@ -673,23 +681,23 @@ def _global_dims(d: ir.Diagram, positional) -> str:
     length's blocks; _load reads them at positions); the launcher refuses
     positions for a dimension that flattens such a wire with others (its
     global extent would mix two lengths)."""
-    reads: dict = {}
+    reads: dict = {}   # (input, declared wire) -> {(wire read, step, read elsewhere)}
     for let in d.lets:
         for n in ir.walk(let.expr):
             if isinstance(n, ir.TensorRef) and isinstance(d.tensor(n.name), ir.Input):
                 declared = ir.axis_wires(d.tensor(n.name).axes)
-                for dw, rw, step in zip(declared, n.wires if n.wires is not None else declared, ir.read_steps(n)
-                                        if n.wires is not None else (1,) * len(declared)):
-                    reads.setdefault((n.name, dw), set()).add((rw, step))
+                wires, steps = n.wires or declared, ir.read_steps(n) if n.wires else (1,) * len(declared)
+                elsewhere = _read_elsewhere(d, n.name, wires, steps)
+                for dw, rw, step in zip(declared, wires, steps):
+                    reads.setdefault((n.name, dw), set()).add((rw, step, elsewhere))
     rows = []
-    factors = ir.product_factors(d)
     for t in d.inputs:
         for i, axis in enumerate(t.axes):
             read = {r for dw in axis for r in reads.get((t.name, dw), ())}
-            ws = [w for w in positional if any(rw == w for rw, _ in read)]
-            step = max((st for rw, st in read if rw in ws), default=1)
-            moved = any(rw in ws and rw not in axis for rw, _ in read) and t.name not in factors   # _load's rule
-            if ws and (t.dtype not in ir.FLOAT_DTYPES or step > 1 or moved):
+            ws = [w for w in positional if any(rw == w for rw, _, _ in read)]
+            step = max((st for rw, st, _ in read if rw in ws), default=1)
+            at = t.dtype not in ir.FLOAT_DTYPES or any(rw in ws and e for rw, _, e in read)   # _load's rule
+            if ws and at:
                 rows.append(f'("{t.name}", {i}, {_tuple(_q(w) for w in ws)}, {len(axis)}, {step})')
     return _tuple(rows)
 

@@ -514,6 +514,9 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
     if "dlse" in b.row_inputs + b.state and "dlse" not in grads:
         raise AssertionError("dlse is read but lse is no output")
     row_grads = _row_grads(b)
+    # (input, wires read, steps) of each gradient summed by blocks: a side input's dQ part, a row gradient
+    blocked = [(s.tensor, s.wires, s.steps) for s in b.sides if s.steps] + \
+        [(r["tensor"], r["along"], r["steps"]) for r in row_grads if r["steps"]]
     # an input the rows read (sum[x](S * tau * V)'s tau) is a parameter already: listed again the
     # preprocess was def _t_preprocess(Q, K, V, tau, dO, tau, ...), no valid module
     row_inputs = [n for n in b.row_inputs if b.forward.diagram.tensor(n) is None or
@@ -542,12 +545,10 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
                    "shape": _side_shape(s, b.row), "sum": _side_sum(s)} for s in b.sides],
         "row_grads": row_grads,
         # a gradient read at blocks of a wire is summed by them: the helper, where one is
-        "by_blocks": any(s.steps for s in b.sides) or any(r["steps"] for r in row_grads),
+        "by_blocks": bool(blocked),
         # (input, positional wire) where that gradient sums by blocks of the wire: refused with positions
-        "blocked_reads": sorted({(s.tensor, w) for s in b.sides if s.steps for w, st in zip(s.wires, s.steps)
-                                 if st > 1 and w in (b.row, b.col)}
-                                | {(r["tensor"], w) for r in row_grads if r["steps"]
-                                   for w, st in zip(r["along"], r["steps"]) if st > 1 and w in (b.row, b.col)}),
+        "blocked_reads": sorted({(n, w) for n, wires, steps in blocked for w, st in zip(wires, steps)
+                                 if st > 1 and w in (b.row, b.col)}),
         # a mask that reads data: a launch plan's call runs its ranges prepasses again (mask_cache)
         "ranges": R.applies(b.forward),
         "grad_buffers": grad_buffers,
