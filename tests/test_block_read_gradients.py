@@ -9,6 +9,8 @@ not differentiate are refused in words.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -97,6 +99,71 @@ def test_a_bias_per_tile_trains_on_ragged_blocks(tmp_path, dtype):
     want = gradients(attention, [t.double() for t in inputs])[3]
     # the same random output weights as check's kernel call (gradients' seed), so the same dB
     assert (got[3].double() - want).abs().max() <= 2e-3 * want.abs().max()
+
+
+def _tiles(sq: int, sx: int) -> str:
+    """A bias per sq x sx tile, B[h, q // sq, x // sx] (a step of 1 reads the wire whole)."""
+    read = f"B[h, {'q' if sq == 1 else f'q // {sq}'}, {'x' if sx == 1 else f'x // {sx}'}]"
+    held = f"B[h, {'q' if sq == 1 else 'qb'}, {'x' if sx == 1 else 'xb'}]"
+    coarse = "".join(f", {w}" for w, st in (("qb", sq), ("xb", sx)) if st > 1)
+    return _variant(("wire b, h, q, x", f"wire b, h, q, x{coarse}"),
+                    ("in V[b, h, x, d] : fp16", f"in V[b, h, x, d] : fp16\nin {held} : fp32"),
+                    ("* |d|^-0.5", f"* |d|^-0.5 + {read}"), ("hold Q, K, V, O", "hold Q, K, V, B, O"))
+
+
+@pytest.mark.parametrize("steps, blocks, stored", [
+    ((64, 32), (16, 16), (7, 5)),     # each 16 x 16 tile inside one block: a float a tile
+    ((8, 4), (16, 32), (13, 20)),     # each tile holds whole blocks: a float a block
+    ((8, 64), (32, 16), (13, 5)),     # one of each
+    ((3, 5), (16, 16), (100, 77)),    # neither divides: a float a score, summed in torch
+    ((1, 16), (16, 32), (100, 5)),    # along q whole: a row a score, the keys by blocks
+])
+def test_the_dq_kernel_sums_a_tile_bias_inside_the_tile(tmp_path, monkeypatch, steps, blocks, stored):
+    """The partial of a bias read at blocks of both the rows and the keys is summed
+    inside each tile by the granules its blocks allow (_granule): the buffer the
+    launcher zeroes is ``stored`` entries along q and x, not one per score (at 16K
+    tokens and 16 heads that was 17 GB of float32); the gradient as float64 autograd's."""
+    sq, sx = steps
+    m = compile_text(_tiles(sq, sx), f"tiles_{sq}_{sx}", tmp_path)
+    sizes = {"b": 2, "h": 2, "q": 100, "x": 77}
+    zeroed = []
+
+    def spy(*shape, **kw):
+        t = real(*shape, **kw)
+        zeroed.append(tuple(t.shape))
+        return t
+    real = torch.zeros
+    monkeypatch.setattr(torch, "zeros", spy)
+    inputs, got = _check(m, sizes, torch.float32, seed=11, rows=[1, 1, 1, 2 * sq * sx],
+                         block_q=blocks[0], block_x=blocks[1])
+    monkeypatch.undo()
+    assert (sizes["b"], sizes["h"], *stored) in zeroed
+    assert max(math.prod(z) for z in zeroed) == sizes["b"] * sizes["h"] * math.prod(stored)
+    # a second call of the signature launches from the plan, at the plan's blocks: the same bits
+    again = gradients(launcher(m), inputs, block_q=blocks[0], block_x=blocks[1])
+    assert all(torch.equal(a, b) for a, b in zip(again, got))
+
+    def attention(q, k, v, bias):
+        tiles = bias.repeat_interleave(sq, 1)[:, :100].repeat_interleave(sx, 2)[:, :, :77]
+        return _by_hand(q, k, v, lambda r: r * 64 ** -0.5 + tiles)
+    want = gradients(attention, [t.double() for t in inputs])[3]
+    assert (got[3].double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_a_key_block_bias_is_summed_inside_the_tile(tmp_path):
+    """B[h, x // 8] (a bias per block of keys, every row alike): the dQ kernel sums
+    each tile's rows and its keys by blocks of 8, one float a block and row block."""
+    text = _variant(("wire b, h, q, x", "wire b, h, q, x, xb"),
+                    ("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin B[h, xb] : fp32"),
+                    ("* |d|^-0.5", "* |d|^-0.5 + B[h, x // 8]"), ("hold Q, K, V, O", "hold Q, K, V, B, O"))
+    m = compile_text(text, "key_blocks", tmp_path)
+    assert "_tile_sum" in m.__dict__
+    inputs, got = _check(m, {"b": 1, "h": 3, "q": 41, "x": 70}, torch.float32, seed=12, rows=[1, 1, 1, 41 * 8],
+                         block_q=16, block_x=32)
+    want = gradients(lambda *xs: _by_hand(*xs[:3], lambda r: r * 64 ** -0.5
+                                          + xs[3].repeat_interleave(8, 1)[:, None, :70]),
+                     [t.double() for t in inputs])[3]
+    assert (got[3].double() - want).abs().max() <= 1e-4 * want.abs().max()
 
 
 def test_a_bias_read_transposed_trains(tmp_path):

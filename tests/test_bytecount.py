@@ -694,3 +694,37 @@ def test_backward_bytes_of_an_lse_output_declared_fp16(tmp_path):
         assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
     finally:
         sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.parametrize("steps", [(64, 32), (8, 4), (3, 5), (256, 128)])
+def test_backward_bytes_of_a_bias_summed_inside_the_tile(tmp_path, steps):
+    """B[h, q // sq, x // sx]: the dQ kernel stores a granule of each tile's partial
+    (backward_emit.tiled_reads), and the cost pass counts those stores, not one a score."""
+    from napkin.codegen import emit_module
+    from test_block_read_gradients import _tiles
+
+    text = _tiles(*steps).replace("diagram attention", "diagram tiles")
+    path = tmp_path / "tiles.py"
+    path.write_text(emit_module(napkin.load_text(text, "tiles.ncd"), source_text=text, source_path="tiles.ncd"))
+    spec = importlib.util.spec_from_file_location("napkin_counted_tiles", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        d = napkin.load_text(text, "tiles.ncd")
+        sizes = {"b": 2, "h": 2, "q": 150, "x": 77}
+        inputs = module.example_inputs(sizes, dtype=torch.float16)
+        none = (None,) * len(module._OPTIONS)
+        outs, saved = module._tiles_forward(*inputs, *none, True)
+        grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
+        with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+            module._tiles_grads(inputs, (*outs, *saved), grads, none, None)
+        predicted = backward_cost(d, sizes)
+        assert dict(bc.stores) == predicted.by_tensor("store")
+        # B's lanes each load (the interpreter counts them); the cost pass counts the distinct cells
+        # a tile meets, which the GPU's cache serves the repeats of
+        loads = predicted.by_tensor("load")
+        assert {n: v for n, v in bc.loads.items() if n != "B"} == {n: v for n, v in loads.items() if n != "B"}
+        assert bc.stores["_part_B"] < 4 * 2 * 2 * 150 * 77 or steps == (3, 5)
+    finally:
+        sys.modules.pop(spec.name, None)

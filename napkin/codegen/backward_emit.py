@@ -242,6 +242,11 @@ def _tile_lines(plan: BackwardPlan, names: E._Names, k: Kernel, full: bool = Fal
         if not s.has_col:
             value = f"tl.sum({value}, 1)[:, None]"
         if s.has_col:
+            tiles = dict(tiled_reads(plan, s))
+            if tiles:   # summed inside the tile by blocks of the read (_tile_sum), stored once a block
+                gr, gc = (granule(s, w) if w in tiles else "1" for w in (plan.row, plan.col))
+                value = f"_tile_sum({value}, {names.block(plan.row) if s.has_row else 1}, " \
+                        f"{names.block(plan.col)}, {gr}, {gc})"
             lines += [f"if _NEED_{s.tensor}:",
                       f"    tl.store({_side_ptr(plan, names, s)}, {value}{_side_masks(plan, names, s, full)})"]
         else:
@@ -256,20 +261,56 @@ def _row_lines(plan: BackwardPlan, names: E._Names, k: Kernel, phase: str) -> li
     return [f"{var} = {triton(e, _ctx(plan, names, k))}" for var, e, at in k.row_lines if at == phase]
 
 
+def tiled_reads(plan: BackwardPlan, s) -> tuple[tuple[str, int], ...]:
+    """(wire, step) of the tile's wires a side input stored per step (one
+    along the keys) is read at blocks of (B[h, q // 64, x // 32]): the dQ
+    kernel sums its partial inside the tile by ``granule`` entries of each,
+    so that the buffer is not one float per score (17 GB at 16K tokens and 16
+    heads) but one per granule; the launcher sums the granules by blocks."""
+    if not s.has_col or not s.steps:
+        return ()
+    return tuple((w, st) for w, st in zip(s.wires, s.steps)
+                 if st > 1 and (w == plan.col or (w == plan.row and s.has_row)))
+
+
+def granule_size(step: int, block: int) -> int:
+    """The launcher's _granule (templates/training.py.jinja), for the cost
+    pass: how many entries of a tile's wire one entry of the partial sums."""
+    return block if step % block == 0 else step if block % step == 0 else 1
+
+
+def granule(s, w: str) -> str:
+    """The dQ kernel's constexpr: how many entries of w one entry of s's partial sums."""
+    return joined("G", s.tensor, w)
+
+
 def _side_ptr(plan: BackwardPlan, names: E._Names, s) -> str:
     terms = []
     for w in s.extra:
         terms.append(f"_ix(_pid, _INT64) * {stride(s.buffer, w)}" if w == "_blocks"
                      else f"_ix(_i_{w}, _INT64) * {stride(s.buffer, w)}")
+    tiles = dict(tiled_reads(plan, s))
     for w in s.wires:
         idx = names.index(w, plan.row if s.has_row else None, plan.col if s.has_col else None)
+        if w in tiles:   # the granules the tile covers (_coarse)
+            idx = f"_coarse(_offs_{w}, {names.block(w)}, {granule(s, w)}){names.axis(w == plan.row)}"
         terms.append(f"_ix({idx}, _INT64) * {stride(s.buffer, w)}")
     return f"{s.buffer} + " + " + ".join(terms) if terms else s.buffer
 
 
 def _side_masks(plan: BackwardPlan, names: E._Names, s, full: bool = False) -> str:
     inside = (plan.row, plan.col) if full else ()
-    parts = names.mask(plan.row if s.has_row else None, plan.col if s.has_col else None, inside=inside)
+    tiles = dict(tiled_reads(plan, s))
+    parts = []
+    for w, on in ((plan.row, s.has_row), (plan.col, s.has_col)):
+        if not on or w in inside:
+            continue
+        if w in tiles:   # a granule is real where it holds a real entry
+            g = granule(s, w)
+            parts.append(f"(_coarse(_offs_{w}, {names.block(w)}, {g}) < tl.cdiv({names.size(w)}, {g}))"
+                         f"{names.axis(w == plan.row)}")
+        else:
+            parts += names.mask(w if w == plan.row else None, w if w == plan.col else None)
     return f", mask={' & '.join(parts)}" if parts else ""
 
 
@@ -459,7 +500,8 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     dims = [w for w in plan.dims if any(w in (ld.cols, ld.rows) for ld in k.loads)
             or any(w == g.cols for g in k.grads) or any(w == st.cols for st in k.stores)]
     blocks = [names.block(row)] + ([names.block(col)] if k.role != "rows" else []) \
-        + [names.block(w) for w in dims] + [f"_NEED_{s.tensor}" for s in k.sides]
+        + [names.block(w) for w in dims] + [f"_NEED_{s.tensor}" for s in k.sides] \
+        + [granule(s, w) for s in k.sides for w, _ in tiled_reads(plan, s)]
     if _wide(plan, k):
         blocks.append("_WIDE")
     blocks.append("_INT64")
@@ -677,6 +719,8 @@ def _launch_parts(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> dict:
     # _need has a flag per input, integer ones included (_wanted): the input's own position
     inputs = [t.name for t in plan.diagram.inputs]
     blocks += [f"_NEED_{s.tensor}=_need[{inputs.index(s.tensor)}]" for s in k.sides]
+    blocks += [f"{granule(s, w)}=_granule({st}, {'_br' if w == plan.row else '_bc'})"
+               for s in k.sides for w, st in tiled_reads(plan, s)]
     if _wide(plan, k):
         blocks.append(f"_WIDE={wide_precision(plan)}")
     blocks.append(f"_INT64=_int64_offsets({', '.join(tensors)})")

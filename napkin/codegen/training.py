@@ -502,7 +502,7 @@ def context(t: Training, *, name: str, options: list[str], source_hash: str) -> 
 
 
 def _attention_context(t: Training, user_outputs: list[str]) -> dict:
-    from .backward_emit import kernel_context
+    from .backward_emit import kernel_context, tiled_reads
     from .backward_hold import rows_round_do
 
     b, rule = t.backward, t.rule
@@ -542,7 +542,9 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "grid_batch": " * ".join(f'_sz["{w}"]' for w in b.batch) or "1",
         "kv_batch": " * ".join(f'_sz["{w}"]' for w in b.kernel("dkdv").batch) or "1",
         "sides": [{"tensor": s.tensor, "buffer": s.buffer, "index": _input_index(b.diagram, s.tensor),
-                   "shape": _side_shape(s, b.row), "sum": _side_sum(s)} for s in b.sides],
+                   "shape": _side_shape(b, s), "sum": _side_sum(b, s)} for s in b.sides],
+        # a side input read at blocks of the tile's wires, its partial summed inside the tile (_tile_sum)
+        "tiled": any(tiled_reads(b, s) for s in b.sides),
         "row_grads": row_grads,
         # a gradient read at blocks of a wire is summed by them: the helper, where one is
         "by_blocks": bool(blocked),
@@ -554,7 +556,8 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "grad_buffers": grad_buffers,
         # the launch functions' parameters: what the work (or a plan) hands them
         "launch_params": ", ".join([*inputs, *b.state, *grad_buffers, *(s.buffer for s in b.sides),
-                                    "_need", "_like", "_sz", "_dev", "_runs", "_side"]),
+                                    "_need", "_like", "_sz", "_dev", "_runs", "_side"]
+                                   + (["_br", "_bc"] if any(tiled_reads(b, s) for s in b.sides) else [])),
         "optional": ["dlse"] if "dlse" in b.row_inputs else [],
         "preprocess_params": ", ".join([*inputs, *row_inputs, *b.row_outputs, "_run"]),
         "round_do": "dO" in b.row_inputs and rows_round_do(b),
@@ -590,17 +593,29 @@ def _row_grads(b) -> list:
     return out
 
 
-def _side_sum(s) -> str:
+def _granules(b, s) -> dict:
+    """Each wire of s's read the dQ kernel sums by granules: the launcher's _granule of it."""
+    from .backward_emit import tiled_reads
+    return {w: f"_granule({st}, {'_br' if w == b.row else '_bc'})" for w, st in tiled_reads(b, s)}
+
+
+def _side_sum(b, s) -> str:
     """A side input's gradient from its dQ-kernel partial: summed over the
     buffer's leading axes (row blocks, batch wires it lacks) and, read at
-    blocks of a wire, by those blocks."""
+    blocks of a wire, by those blocks (of granules, where the kernel summed
+    granules of the wire)."""
     text = s.buffer + (f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else "")
-    return f"_by_blocks({text}, {s.steps!r})" if s.steps else text
+    if not s.steps:
+        return text
+    grans = _granules(b, s)
+    steps = [f"{st} // {grans[w]}" if w in grans else str(st) for w, st in zip(s.wires, s.steps)]
+    return f"_by_blocks({text}, ({', '.join(steps)}{',' if len(steps) == 1 else ''}))"
 
 
-def _side_shape(s, row: str) -> str:
-    parts = [f'_cdiv(_sz["{row}"], _br)' if w == "_blocks" else f'_sz["{w}"]' for w in s.extra]
-    parts += [f'_sz["{w}"]' for w in s.wires]
+def _side_shape(b, s) -> str:
+    grans = _granules(b, s)
+    parts = [f'_cdiv(_sz["{b.row}"], _br)' if w == "_blocks" else f'_sz["{w}"]' for w in s.extra]
+    parts += [f'_cdiv(_sz["{w}"], {grans[w]})' if w in grans else f'_sz["{w}"]' for w in s.wires]
     return "[" + ", ".join(parts) + "]"
 
 

@@ -251,7 +251,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     the length inputs' values (--lengths)."""
     from ..codegen.backward_hold import DEFAULT_TILE
     from ..codegen.ranges import index_disjuncts
-    from ..codegen.backward_emit import full_step_omits
+    from ..codegen.backward_emit import full_step_omits, granule_size, tiled_reads
     from ..documents import row_full, row_visits
 
     d, f = b.diagram, b.forward
@@ -353,8 +353,11 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
             dtype = _dtype(b, g.tensor) if grad_dtype == "input" and g.tensor not in dict(b.shared) else "fp32"
             moves.append(Move(k.role, g.buffer, "store", dtype, sizes[g.rows] * batch * feat(wires)))
         for s in k.sides:
-            if s.has_col:
-                n = sum((rows_of(i) if s.has_row else 1) * cols_of(j) for i, j in pairs) * batch
+            if s.has_col:   # a float an entry, or a granule of a read at blocks (summed inside the tile)
+                tiles = dict(tiled_reads(b, s))
+                gr, gc = (granule_size(tiles[w], blk) if w in tiles else 1 for w, blk in ((row, br), (col, bc)))
+                n = sum((model.coarse_cells(nr, br, i, gr) if s.has_row else 1) * model.coarse_cells(nc, bc, j, gc)
+                        for i, j in pairs) * batch
             else:
                 n = (nr if s.has_row else nblocks[row]) * batch
             moves.append(Move(k.role, s.buffer, "store", "fp32", n))
