@@ -719,14 +719,20 @@ class _Form:
             flat = [f for f in others if isinstance(f, ir.TensorRef) and f.wires is None
                     and self.key in (self.layouts.get(f.name) or ())
                     and set(self.layouts[f.name]) < set(self.score_wires)]
-            if flat and len(others) < len(rest):   # V[b, h, x]: read as a gate by the rule below
+            if flat and not vs and len(others) < len(rest):   # V[b, h, x]: read as a gate by the rule below
                 raise NoGrad(f"the value {flat[0].name} has no feature wire (a wire the scores lack, as d of "
                              f"V[b, h, x, d]): the backward takes sum[{self.key}](softmax[{self.key}](S) * V) "
                              f"with one; give {flat[0].name} a wire of size 1", e.loc)
             if others and len(others) < len(rest):   # softmax(S) * G: a gate, not another score
+                # one along the keys and not the rows (gate[b, h, x]) scales V's rows: the same output
+                # with V * gate as the value, whose gradient autograd takes through that product
+                fold = f" ({flat[0].name} lies along {self.key} and not the rows: multiply it into " \
+                       f"{vs[0].name} in torch and pass {vs[0].name} * {flat[0].name} as {vs[0].name}, the same " \
+                       f"output; autograd takes {flat[0].name}'s gradient through that product)" \
+                    if vs and len(flat) == len(others) == 1 else ""
                 raise NoGrad(f"the weights of the sum along {self.key} multiply softmax by "
                              f"{' * '.join(expr_text(f) for f in others)}; the backward takes the softmax "
-                             f"weights alone, sum[{self.key}](softmax[{self.key}](S) * V)", e.loc)
+                             f"weights alone, sum[{self.key}](softmax[{self.key}](S) * V){fold}", e.loc)
             if any(isinstance(n, ir.Normalize) for n in reduced):
                 raise NoGrad("softmax must normalise the score box itself: sum[x](softmax[x](S) * V)", e.loc)
             raise NoGrad("the weights inside a sum along the key wire must be elementwise in the scores", e.loc)
