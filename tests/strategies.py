@@ -121,14 +121,18 @@ def _bias_terms(draw, bounded_only: bool) -> tuple[list[tuple[str, ir.Expr]], li
     normalisers that shrug off large scores (softmax subtracts its max,
     sigmoid saturates): ``bounded_only`` leaves it out.
     """
-    menu = ["rel_bias", "distance", "tile_bias"] + ([] if bounded_only else ["alibi"])
+    menu = ["rel_bias", "distance", "tile_bias", "key_blocks"] + ([] if bounded_only else ["alibi"])
     chosen = draw(st.lists(st.sampled_from(menu), unique=True, max_size=2))
     terms, inputs = [], []
     for kind in chosen:
         if kind == "tile_bias":   # one bias per block of queries and keys, read at the wires' blocks
-            steps = (draw(st.sampled_from((2, 3, 16, 40))), draw(st.sampled_from((2, 3, 16, 40))))
+            # (64: a block of 16 to 64 lies inside one of the bias's, which the dQ kernel sums whole)
+            steps = (draw(st.sampled_from((2, 3, 16, 40, 64))), draw(st.sampled_from((2, 3, 16, 40, 64))))
             inputs.append(ir.Input("tb", _axes("qb", "xb"), "fp32"))
             terms.append(("+", ir.TensorRef("tb", ("q", "x"), steps=steps)))
+        elif kind == "key_blocks":   # one bias per block of keys, every row and head alike
+            inputs.append(ir.Input("kb", _axes("kx"), "fp32"))
+            terms.append(("+", ir.TensorRef("kb", ("x",), steps=(draw(st.sampled_from((4, 7, 32))),))))
         elif kind == "alibi":
             inputs.append(ir.Input("slope", _axes("h"), "fp32"))
             terms.append(("+", _b("*", _t("slope"), _b("-", X_IDX, Q_IDX))))
@@ -200,7 +204,8 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     V[b, h, x, d] (a quarter of the time V[b, x, d], shared by the heads)
     in one dtype (fp16 or fp32) plus whatever bias or mask
     tensors the scores read (slope[h], bias[..., q, x], a bias per tile read at
-    the wires' blocks tb[q // s, x // t] of tb[qb, xb], doc[b, x] : int32).
+    the wires' blocks tb[q // s, x // t] of tb[qb, xb], a bias per block of keys
+    kb[x // t] of kb[kx], doc[b, x] : int32).
     Boxes: ``S`` always; then one normaliser:
 
     * softmax: ``P = softmax[x](S)``, ``O = sum[x](P * V)``, optionally
@@ -245,6 +250,8 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
 
     if any(t.name == "tb" for t in inputs):   # the tile bias's blocks: ceil(|q| / step), from |q| at the call
         wires += (ir.Wire("qb"), ir.Wire("xb"))
+    if any(t.name == "kb" for t in inputs):   # the key bias's blocks, as the tile bias's
+        wires += (ir.Wire("kx"),)
 
     qkx = _axes("b", "h", "q", "x")
     out_dtype = draw(st.sampled_from((dtype, None)))

@@ -189,9 +189,9 @@ def tma_fuzz_diagrams(draw) -> ir.Diagram:
         d = _tf_bool_mask(d, draw(st.sampled_from((bq, ("q", "x"), ("x", "q"), ("b", "x"), bq))))
     head = ("d", "e")
     # (doc[b, q] relabels doc's axes in order: doc keeps its layout)
-    # (a read at blocks, tb[q // 3, x // 16], names its wires in tb's declared order: tb keeps it too)
+    # (a read at blocks, tb[q // 3, x // 16] or kb[x // 4], names its wires in the declared order: kept too)
     inputs = tuple(dataclasses.replace(t, axes=_tf_permute(draw, t.axes, head))
-                   if t.name not in ("slope", "doc", "tb") else t for t in d.inputs)
+                   if t.name not in ("slope", "doc", "tb", "kb") else t for t in d.inputs)
     lets = tuple(dataclasses.replace(t, axes=_tf_permute(draw, t.axes, head)) if t.name in ("O", "lse") else t
                  for t in d.lets)
     d = dataclasses.replace(d, inputs=inputs, lets=lets)
@@ -261,8 +261,8 @@ def tma_fuzz_cases(draw) -> TmaCase:
     if mode != "forward" and draw(st.integers(0, 3)) == 0:
         floats = sorted(views)
         need = tuple(sorted(draw(st.lists(st.sampled_from(floats), min_size=1, max_size=len(floats), unique=True))))
-    if positions and "tb" in views:   # a gradient summed by blocks of the wire: refused with positions
-        need = tuple(n for n in (need or sorted(views)) if n != "tb")
+    if positions and {"tb", "kb"} & set(views):   # a gradient summed by blocks of the wire: refused with positions
+        need = tuple(n for n in (need or sorted(views)) if n not in ("tb", "kb"))
     return TmaCase(text, sizes, d.inputs[0].dtype, views, grads, mode, opts, positions,
                    draw(st.integers(0, 2 ** 16)), need)
 
