@@ -115,12 +115,13 @@ def _tiles(sq: int, sx: int) -> str:
     ((64, 32), (16, 16), (7, 5)),     # each 16 x 16 tile inside one block: a float a tile
     ((8, 4), (16, 32), (13, 20)),     # each tile holds whole blocks: a float a block
     ((8, 64), (32, 16), (13, 5)),     # one of each
-    ((3, 5), (16, 16), (100, 77)),    # neither divides: a float a score, summed in torch
+    ((40, 48), (16, 32), (13, 5)),    # neither divides: granules of their gcd, 8 rows and 16 keys
+    ((3, 5), (16, 16), (100, 77)),    # coprime: a float a score, summed in torch
     ((1, 16), (16, 32), (100, 5)),    # along q whole: a row a score, the keys by blocks
 ])
 def test_the_dq_kernel_sums_a_tile_bias_inside_the_tile(tmp_path, monkeypatch, steps, blocks, stored):
     """The partial of a bias read at blocks of both the rows and the keys is summed
-    inside each tile by the granules its blocks allow (_granule): the buffer the
+    inside each tile by granules of the step and block's gcd (_granule): the buffer the
     launcher zeroes is ``stored`` entries along q and x, not one per score (at 16K
     tokens and 16 heads that was 17 GB of float32); the gradient as float64 autograd's."""
     sq, sx = steps

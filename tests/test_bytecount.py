@@ -696,7 +696,7 @@ def test_backward_bytes_of_an_lse_output_declared_fp16(tmp_path):
         sys.modules.pop(spec.name, None)
 
 
-@pytest.mark.parametrize("steps", [(64, 32), (8, 4), (3, 5), (256, 128)])
+@pytest.mark.parametrize("steps", [(64, 32), (8, 4), (3, 5), (256, 128), (40, 48)])
 def test_backward_bytes_of_a_bias_summed_inside_the_tile(tmp_path, steps):
     """B[h, q // sq, x // sx]: the dQ kernel stores a granule of each tile's partial
     (backward_emit.tiled_reads), and the cost pass counts those stores, not one a score."""

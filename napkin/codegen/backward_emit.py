@@ -31,6 +31,7 @@ from the prepass (ranges.py), at dQ's and dK/dV's own blocks.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from .. import ir, masks
@@ -265,7 +266,7 @@ def tiled_reads(plan: BackwardPlan, s) -> tuple[tuple[str, int], ...]:
     """(wire, step) of the tile's wires a side input stored per step (one
     along the keys) is read at blocks of (B[h, q // 64, x // 32]): the dQ
     kernel sums its partial inside the tile by ``granule`` entries of each,
-    so that the buffer is not one float per score (17 GB at 16K tokens and 16
+    so that the buffer is not one float per score (16 GiB at 16K tokens and 16
     heads) but one per granule; the launcher sums the granules by blocks."""
     if not s.has_col or not s.steps:
         return ()
@@ -276,7 +277,7 @@ def tiled_reads(plan: BackwardPlan, s) -> tuple[tuple[str, int], ...]:
 def granule_size(step: int, block: int) -> int:
     """The launcher's _granule (templates/training.py.jinja), for the cost
     pass: how many entries of a tile's wire one entry of the partial sums."""
-    return block if step % block == 0 else step if block % step == 0 else 1
+    return math.gcd(step, block)
 
 
 def granule(s, w: str) -> str:
