@@ -575,16 +575,14 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes,
     mods = f"make_mods({''.join(f'_inputs[{names.index(s)}], ' for s in side)}_sizes)"
     arranged = (f"({_side_by_side(an, roles, kv=False)}, {_side_by_side(an, roles, kv=True)}, "
                 f"{_to_flex(v, an.value.axes, roles, roles.vdim, kv=True)})")
-    if any(x.dtype in ir.FACTOR_DTYPES for part in an.parts for x in part[:2]):
-        # flex_attention takes one dtype: 8-bit q and k in v's, which holds them exactly (the fp16
-        # attention an 8-bit kernel is measured against)
-        lines += [f"def arrange({params}):",
-                  '    """(q, k, v) in the (B, H, L, E) layout flex_attention and SDPA take, q and k in v\'s dtype."""',
-                  f"    _q, _k, _v = {arranged}", "    return _q.to(_v.dtype), _k.to(_v.dtype), _v", "", ""]
-    else:
-        lines += [f"def arrange({params}):",
-                  '    """(q, k, v) in the (B, H, L, E) layout flex_attention and SDPA take."""',
-                  f"    return {arranged}", "", ""]
+    # flex_attention takes one dtype: 8-bit q and k in v's, which holds them exactly (the fp16
+    # attention an 8-bit kernel is measured against)
+    eight = any(x.dtype in ir.FACTOR_DTYPES for part in an.parts for x in part[:2])
+    body = [f"    _q, _k, _v = {arranged}", "    return _q.to(_v.dtype), _k.to(_v.dtype), _v"] if eight \
+        else [f"    return {arranged}"]
+    lines += [f"def arrange({params}):",
+              '    """(q, k, v) in the (B, H, L, E) layout flex_attention and SDPA take'
+              + (', q and k in v\'s dtype."""' if eight else '."""'), *body, "", ""]
     lines += [
         "def finish(out, lse=None, kv_heads=1):",
         '    """(B, H, L, E) out and (B, H, L) lse back in the diagram\'s layouts, dtypes',
