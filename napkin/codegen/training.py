@@ -523,6 +523,7 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
                   not isinstance(b.forward.diagram.tensor(n), ir.Input)]
     inputs = [x.name for x in t.forward.diagram.inputs]
     grad_buffers = [f"_grad_{n}" for n in b.trained]
+    tiled = any(tiled_reads(b, s) for s in b.sides)
     return {
         "family": "attention", "bw": b, "row": b.row, "col": b.col,
         # each gradient buffer's dtype: the input's under grad_dtype="input", else float32; a shared
@@ -544,7 +545,7 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "sides": [{"tensor": s.tensor, "buffer": s.buffer, "index": _input_index(b.diagram, s.tensor),
                    "shape": _side_shape(b, s), "sum": _side_sum(b, s)} for s in b.sides],
         # a side input read at blocks of the tile's wires, its partial summed inside the tile (_tile_sum)
-        "tiled": any(tiled_reads(b, s) for s in b.sides),
+        "tiled": tiled,
         "row_grads": row_grads,
         # a gradient read at blocks of a wire is summed by them: the helper, where one is
         "by_blocks": bool(blocked),
@@ -557,7 +558,7 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         # the launch functions' parameters: what the work (or a plan) hands them
         "launch_params": ", ".join([*inputs, *b.state, *grad_buffers, *(s.buffer for s in b.sides),
                                     "_need", "_like", "_sz", "_dev", "_runs", "_side"]
-                                   + (["_br", "_bc"] if any(tiled_reads(b, s) for s in b.sides) else [])),
+                                   + (["_br", "_bc"] if tiled else [])),   # the granules follow from them
         "optional": ["dlse"] if "dlse" in b.row_inputs else [],
         "preprocess_params": ", ".join([*inputs, *row_inputs, *b.row_outputs, "_run"]),
         "round_do": "dO" in b.row_inputs and rows_round_do(b),
