@@ -362,13 +362,34 @@ def tile_elements(diagram: ir.Diagram, level_name: str, name: str, sizes: dict[s
                   looped: frozenset = frozenset()) -> int:
     """Elements of one tile of tensor ``name`` at a level, one index of each ``looped`` wire;
     raises UnboundWire."""
+    # a wire the tensor is read at blocks of another along (B[h, q // 64, x // 64] of B[h, qb, xb]):
+    # a tile holds the blocks a tile of the read wire meets, not the whole declared wire
+    coarse: dict[str, list] = {}
+    for tensor, declared, read, step, _ in ir.coarse_reads(diagram):
+        if tensor == name:
+            coarse.setdefault(declared, []).append((read, step))
     count = 1
     for wire in ir.axis_wires(diagram.tensor(name).axes):
         extent = 1 if wire in looped else tile_extent(diagram, level_name, wire, sizes)
+        if wire in coarse and wire not in looped:
+            met = []
+            for read, step in coarse[wire]:
+                block = tile_extent(diagram, level_name, read, sizes)
+                if block is None:
+                    raise UnboundWire(read)
+                met.append(coarse_cells(block, step))
+            extent = max(met) if extent is None else min(extent, max(met))
         if extent is None:
             raise UnboundWire(wire)
         count *= extent
     return count
+
+
+def coarse_cells(block: int, step: int) -> int:
+    """The most blocks of ``step`` a tile of ``block`` entries meets, the tiles
+    starting at multiples of ``block``: 2 for 128 at 64, 4 for 128 at 40."""
+    period = step // math.gcd(block, step)   # the tiles' offsets modulo step repeat after these many
+    return max(((k + 1) * block - 1) // step - k * block // step + 1 for k in range(period))
 
 
 def level_footprint(diagram: ir.Diagram, level_name: str,

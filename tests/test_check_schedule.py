@@ -299,6 +299,25 @@ def test_level_footprint_of_flash_attention():
     assert hbm == {"Q": 2 * 10 * 64, "K": 2 * 20 * 64, "V": 2 * 20 * 64, "O": 2 * 10 * 64, "lse": 20}
 
 
+def test_a_tensor_read_at_blocks_holds_the_blocks_a_tile_meets():
+    """B[h, q // 64, x // 40] of B[h, qb, xb]: a 128 x 64 tile meets 2 x 3 of B's blocks (the
+    tiles start at multiples of 64 along x: 40 blocks of 64 meet 2 or 3 of 40's, never more).  The
+    footprint counted all of qb and xb at smem: 262 kB of a 16K-token bias, 'DOES NOT FIT' in
+    napkin cost, for a tile of 8 bytes."""
+    text = (Path(__file__).resolve().parent.parent / "examples" / "attention.ncd").read_text()
+    text = text.replace("wire b, h, q, x", "wire b, h, q, x, qb, xb") \
+        .replace("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin B[h, qb, xb] : fp32") \
+        .replace("* |d|^-0.5", "* |d|^-0.5 + B[h, q // 64, x // 40]").replace("hold Q, K, V, O", "hold Q, K, V, B, O")
+    d = napkin.load_text(text)
+    assert tiling.coarse_cells(128, 64) == 2 and tiling.coarse_cells(64, 40) == 3
+    sizes = {"b": 1, "h": 16, "q": 16384, "x": 16384, "qb": 256, "xb": 410}
+    smem = {n: e for n, e, _ in tiling.level_footprint(d, "smem", sizes)}
+    assert smem["B"] == 2 * 3
+    assert {n: e for n, e, _ in tiling.level_footprint(d, "hbm", sizes)}["B"] == 16 * 256 * 410
+    # a wire read at blocks longer than the whole declared wire holds that wire
+    assert {n: e for n, e, _ in tiling.level_footprint(d, "smem", dict(sizes, qb=1, xb=2))}["B"] == 1 * 2
+
+
 def test_an_inner_levels_block_is_no_larger_than_the_enclosing_one():
     """regs' group q by 256 inside smem's q by 128 checked clean, and the cost pass then costed a
     256-row register tile no program has (more bytes into smem than out of it: costpaper hunt)."""
