@@ -5,6 +5,7 @@ docstring)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import zlib
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 import napkin
+from napkin import ir
 from napkin.codegen import emit_module
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,12 +115,26 @@ def assert_accurate(kernel, exact, same, label="", dtype=None, rows=None):
             f"{label}: gradient {i}: kernel error {err_k:.3g} vs reference error {err_r:.3g} (scale {scale:.3g})"
 
 
-def check(m, sizes, dtype, seed=0, label="", **opts):
+def check(m, sizes, dtype, seed=0, label="", rows=None, **opts):
     inputs = m.example_inputs(sizes, dtype=dtype, seed=seed)
     fn = launcher(m)
     names = fn.__code__.co_varnames[:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
     opts = {k: v for k, v in {**FAST, **opts}.items() if k in names}
     got = gradients(fn, inputs, **opts)
     exact = gradients(m.reference, [t.double() if t.is_floating_point() else t for t in inputs])
-    assert_accurate(got, exact, gradients(m.reference, inputs), label, dtype)
+    assert_accurate(got, exact, gradients(m.reference, inputs), label, dtype, rows)
     return inputs, got
+
+
+def block_rows(d, sizes) -> list:
+    """assert_accurate's ``rows`` for the inputs read at blocks of the row wire q
+    (examples/tile_bias.ncd's B[h, q // 64, x // 64]): an entry adds up a block of
+    rows of dS, of each batch wire the input lacks; 1 for the others (a side input
+    along the keys has no row correction: backward._Builder.centre)."""
+    out = []
+    for t in d.inputs:
+        steps = [step for name, _, read, step, _ in ir.coarse_reads(d) if name == t.name and read == "q"]
+        held = {w for a in t.axes for w in a}
+        lacked = math.prod(sizes[w] for w in ("b", "h") if w in sizes and w not in held)
+        out.append(min(steps[0], sizes["q"]) * lacked if steps else 1)
+    return out

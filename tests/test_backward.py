@@ -34,8 +34,8 @@ from napkin.printer import to_text
 from example_sizes import sizes_for
 from strategies import attention_diagrams, drawn_sizes
 
-from backward_helpers import (EXAMPLES, FAST, REPO, assert_accurate, check, compile_text, example, gradients,
-                              launcher)
+from backward_helpers import (EXAMPLES, FAST, REPO, assert_accurate, block_rows, check, compile_text, example,
+                              gradients, launcher)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,9 @@ def folder(tmp_path_factory):
 def test_example_gradients_match_float64_autograd(name, dtype, folder):
     m = example(name, folder)
     q, x = (37, 50) if dtype == torch.float32 else (50, 21)   # ragged both ways across the two
-    check(m, sizes_for(name, q, x), dtype, label=f"{name} {dtype} q={q} x={x}")
+    sizes = sizes_for(name, q, x)
+    rows = block_rows(napkin.load(REPO / "examples" / f"{name}.ncd"), sizes)
+    check(m, sizes, dtype, label=f"{name} {dtype} q={q} x={x}", rows=rows)
 
 
 def test_single_row_and_key(folder):

@@ -16,7 +16,7 @@ from .. import ir
 # and kernels call by name: a kernel variable of that name would shadow the
 # helper, and the call would fail or read a tile.
 KERNEL_HELPERS = frozenset({"_ix", "_tanh", "_sigmoid", "_relu", "_logsumexp", "_safe_div", "_operand_grad",
-                            "_scaled_grad"})
+                            "_scaled_grad", "_tile_sum", "_coarse"})   # the last two: training.py.jinja's
 # What the ranges prepass of a mask that reads data, and the kernels' code
 # reading its ranges, define (ranges.py; templates/ranges.py.jinja).
 RANGES_NAMES = frozenset({"_ranges", "_RANGES", "_rg", "_mb", "_steps", "_j", "_keep",
@@ -87,6 +87,7 @@ def internal_names(d: ir.Diagram) -> frozenset:
         # the forward's TMA descriptor parameters (_tma_Q; _tma_Q_1 for a second tile of Q)
         out |= {f"{joined('tma', t)}_{i}" for i in range(1, 4)}
         out |= {stride(t, w) for w in wires}
+        out |= {joined("G", t, w) for w in wires}   # a side partial's granules (backward_emit.granule)
     # napkin's own tensors (training's saved row state _saved_lse, the gradient
     # buffers _grad_Q) are kernel parameters: a box called saved_lse must not
     # overwrite the pointer the lse is stored through
