@@ -2436,8 +2436,8 @@ def _prefix_lm_backward(Q, K, V, p, dO, lse, delta, _o, need, positions=None, le
         _tma_last_dkdv.update(used=False, why=_whys[0])
         _tma_last_dq.update(used=False, why=_whys[1])
         _side = _bwd_stream_fork(_dev)  # before dK/dV is queued: dQ must not wait for it
-        # The mask reads data: its ranges again (the ids may differ), at the plan's blocks, each on its kernel's stream
         _br, _bc, _kv_br, _kv_bc = _blocks
+        # The mask reads data: its ranges again (the ids may differ), at the plan's blocks, each on its kernel's stream
         _runs = list(_runs)   # the plan's own list stays as it is
         try:
             if _runs[0] is not None:

@@ -359,25 +359,25 @@ def grouped_program(r, c, rows: int, cols: int, group: int):
 
 
 def tile_elements(diagram: ir.Diagram, level_name: str, name: str, sizes: dict[str, int],
-                  looped: frozenset = frozenset()) -> int:
+                  looped: frozenset = frozenset(), coarse=None) -> int:
     """Elements of one tile of tensor ``name`` at a level, one index of each ``looped`` wire;
-    raises UnboundWire."""
+    raises UnboundWire.  ``coarse``: ir.coarse_reads(diagram), when the caller has it."""
     # a wire the tensor is read at blocks of another along (B[h, q // 64, x // 64] of B[h, qb, xb]):
     # a tile holds the blocks a tile of the read wire meets, not the whole declared wire
-    coarse: dict[str, list] = {}
-    for tensor, declared, read, step, _ in ir.coarse_reads(diagram):
+    reads: dict[str, list] = {}
+    for tensor, declared, read, step, _ in ir.coarse_reads(diagram) if coarse is None else coarse:
         if tensor == name:
-            coarse.setdefault(declared, []).append((read, step))
+            reads.setdefault(declared, []).append((read, step))
     count = 1
     for wire in ir.axis_wires(diagram.tensor(name).axes):
         extent = 1 if wire in looped else tile_extent(diagram, level_name, wire, sizes)
-        if wire in coarse and wire not in looped:
+        if wire in reads and wire not in looped:
             met = []
-            for read, step in coarse[wire]:
+            for read, step in reads[wire]:
                 block = tile_extent(diagram, level_name, read, sizes)
                 if block is None:
                     raise UnboundWire(read)
-                met.append(coarse_cells(block, step))
+                met.append(coarse_extent(block, step))
             extent = max(met) if extent is None else min(extent, max(met))
         if extent is None:
             raise UnboundWire(wire)
@@ -385,7 +385,7 @@ def tile_elements(diagram: ir.Diagram, level_name: str, name: str, sizes: dict[s
     return count
 
 
-def coarse_cells(block: int, step: int) -> int:
+def coarse_extent(block: int, step: int) -> int:
     """The most blocks of ``step`` a tile of ``block`` entries meets, the tiles
     starting at multiples of ``block``: 2 for 128 at 64, 4 for 128 at 40."""
     period = step // math.gcd(block, step)   # the tiles' offsets modulo step repeat after these many
@@ -406,6 +406,7 @@ def level_footprint(diagram: ir.Diagram, level_name: str,
     read = tensors_read(diagram)
     streamed = set(streamed_wires(diagram, level_name))
     looped = frozenset(looped_wires(diagram, level_name)) if on_chip else frozenset()
+    coarse = ir.coarse_reads(diagram)
     out = []
     for tensor in diagram.inputs + diagram.lets:
         name = tensor.name
@@ -417,6 +418,6 @@ def level_footprint(diagram: ir.Diagram, level_name: str,
             dtype = tensor_dtype(diagram, name)
         else:
             continue
-        elements = tile_elements(diagram, level_name, name, sizes, looped)
+        elements = tile_elements(diagram, level_name, name, sizes, looped, coarse)
         out.append((name, elements, elements * ir.DTYPE_BYTES[dtype]))
     return out

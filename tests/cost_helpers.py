@@ -75,6 +75,14 @@ def triton_launches(back) -> int:
     return sum(not k.endswith("prepass lists") for k in back.kernels)
 
 
+def gathered_reads(d: ir.Diagram) -> set[str]:
+    """The float tensors read at a wire's blocks (tile_bias's B[h, q // 64, x // 64]): the
+    kernel loads one a lane of the score tile, which the interpreter counts, where the cost
+    pass counts the distinct cells a tile meets, the repeats served by the cache.  The
+    counted-bytes tests leave their loads out."""
+    return {n for n, *_ in ir.coarse_reads(d) if d.tensor(n).dtype in ir.FLOAT_DTYPES}
+
+
 def without_tensors(counts, *names) -> dict:
     """Bytes per tensor less ``names`` and the zeros."""
     return {k: v for k, v in counts.items() if k not in names and v}

@@ -143,7 +143,8 @@ from napkin import ir  # noqa: E402
 from napkin.cost import analyse, packing, with_blocks  # noqa: E402
 from napkin.cost.cli import recast  # noqa: E402
 from napkin.cost.tune import searchable  # noqa: E402
-from cost_helpers import backward_bytes, coarse_wires, triton_launches, triton_transfers  # noqa: E402
+from cost_helpers import (backward_bytes, coarse_wires, gathered_reads, triton_launches,  # noqa: E402
+                          triton_transfers)
 from napkin.errors import NapkinError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -317,12 +318,8 @@ def test_counted_bytes_equal_predicted_bytes(compiled, path, case):
 
 
 def gathered(d: ir.Diagram, loads: dict) -> dict:
-    """Loads less those of a float tensor read at blocks (tile_bias's B[h, q // 64, x // 64]):
-    the kernel loads it a lane of the score tile each, which the interpreter counts, where
-    the cost pass counts the distinct cells a tile meets, the repeats served by the cache
-    (tests/test_bytecount_random.py leaves them out alike)."""
-    floats = {n for n, *_ in ir.coarse_reads(d) if d.tensor(n).dtype in ir.FLOAT_DTYPES}
-    return {n: v for n, v in loads.items() if n not in floats}
+    """Loads less those of a float tensor read at blocks (cost_helpers.gathered_reads)."""
+    return {n: v for n, v in loads.items() if n not in gathered_reads(d)}
 
 
 @pytest.mark.parametrize("name", ["attention", "causal", "matmul", "alibi"])
@@ -710,31 +707,20 @@ def test_backward_bytes_of_an_lse_output_declared_fp16(tmp_path):
 def test_backward_bytes_of_a_bias_summed_inside_the_tile(tmp_path, steps):
     """B[h, q // sq, x // sx]: the dQ kernel stores a granule of each tile's partial
     (backward_emit.tiled_reads), and the cost pass counts those stores, not one a score."""
-    from napkin.codegen import emit_module
+    from backward_helpers import compile_text
     from test_block_read_gradients import _tiles
 
     text = _tiles(*steps).replace("diagram attention", "diagram tiles")
-    path = tmp_path / "tiles.py"
-    path.write_text(emit_module(napkin.load_text(text, "tiles.ncd"), source_text=text, source_path="tiles.ncd"))
-    spec = importlib.util.spec_from_file_location("napkin_counted_tiles", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        d = napkin.load_text(text, "tiles.ncd")
-        sizes = {"b": 2, "h": 2, "q": 150, "x": 77}
-        inputs = module.example_inputs(sizes, dtype=torch.float16)
-        none = (None,) * len(module._OPTIONS)
-        outs, saved = module._tiles_forward(*inputs, *none, True)
-        grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
-        with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
-            module._tiles_grads(inputs, (*outs, *saved), grads, none, None)
-        predicted = backward_cost(d, sizes)
-        assert dict(bc.stores) == predicted.by_tensor("store")
-        # B's lanes each load (the interpreter counts them); the cost pass counts the distinct cells
-        # a tile meets, which the GPU's cache serves the repeats of
-        loads = predicted.by_tensor("load")
-        assert {n: v for n, v in bc.loads.items() if n != "B"} == {n: v for n, v in loads.items() if n != "B"}
-        assert bc.stores["_part_B"] < 4 * 2 * 2 * 150 * 77 or steps == (3, 5)
-    finally:
-        sys.modules.pop(spec.name, None)
+    module = compile_text(text, f"counted_tiles_{steps[0]}_{steps[1]}", tmp_path)
+    d = napkin.load_text(text, "tiles.ncd")
+    sizes = {"b": 2, "h": 2, "q": 150, "x": 77}
+    inputs = module.example_inputs(sizes, dtype=torch.float16)
+    none = (None,) * len(module._OPTIONS)
+    outs, saved = module._tiles_forward(*inputs, *none, True)
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
+    with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+        module._tiles_grads(inputs, (*outs, *saved), grads, none, None)
+    predicted = backward_cost(d, sizes)
+    assert dict(bc.stores) == predicted.by_tensor("store")
+    assert gathered(d, bc.loads) == gathered(d, predicted.by_tensor("load"))
+    assert bc.stores["_part_B"] < 4 * 2 * 2 * 150 * 77 or steps == (3, 5)

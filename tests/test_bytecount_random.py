@@ -35,26 +35,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 
 from backward_helpers import compile_text  # noqa: E402
-from cost_helpers import triton_launches, triton_transfers, without_tensors  # noqa: E402
-from napkin import ir  # noqa: E402
+from cost_helpers import gathered_reads, predicted_bytes, triton_launches, without_tensors  # noqa: E402
 from napkin.bytecount import ByteCounter  # noqa: E402
 from napkin.cost import analyse  # noqa: E402
 from napkin.cost.backward import backward_cost  # noqa: E402
 from napkin.printer import to_text  # noqa: E402
 from strategies import attention_diagrams, drawn_sizes  # noqa: E402
-
-
-def _split(transfers) -> tuple[dict, dict]:
-    loads, stores = {}, {}
-    for t in transfers:
-        table = loads if t.direction == "load" else stores
-        table[t.tensor] = table.get(t.tensor, 0) + t.bytes
-    return loads, stores
-
-
-def _without(counts: dict, names) -> dict:
-    """The counts less ``names`` and the zeros (a tensor the cost pass lists at 0 bytes)."""
-    return without_tensors(counts, *names)
 
 
 @settings(max_examples=12, deadline=None, database=None,
@@ -70,7 +56,7 @@ def test_counted_bytes_equal_the_cost_pass_on_random_diagrams(diagram, tmp_path_
     sizes = drawn_sizes(diagram, zlib.crc32(key.encode()))
     dtype = {"fp16": torch.float16, "fp32": torch.float32}[diagram.inputs[0].dtype]
     inputs = m.example_inputs(sizes, dtype=dtype, seed=2)
-    coarse = {name for name, *_ in ir.coarse_reads(diagram)}
+    coarse = gathered_reads(diagram)
     none = (None,) * len(m._OPTIONS)
     forward = getattr(m, f"_{diagram.name}_forward")
     backward = getattr(m, f"_{diagram.name}_grads")
@@ -81,17 +67,17 @@ def test_counted_bytes_equal_the_cost_pass_on_random_diagrams(diagram, tmp_path_
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         outs, saved = forward(*inputs, *none, True)
     cost = backward_cost(diagram, sizes)
-    loads, stores = _split(triton_transfers(cost.forward))
-    assert _without(bc.loads, coarse) == _without(loads, coarse), text
-    assert _without(bc.stores, ()) == _without(stores, ()), text
+    loads, stores = predicted_bytes(cost.forward, *coarse)
+    assert without_tensors(bc.loads, *coarse) == loads, text
+    assert without_tensors(bc.stores) == stores, text
     grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
     if kept:
         backward(inputs, (*outs, *saved), grads, none, None)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         backward(inputs, (*outs, *saved), grads, none, None)
     assert bc.launches == triton_launches(cost), text
-    assert _without(bc.loads, coarse) == _without(cost.by_tensor("load"), coarse), text
-    assert _without(bc.stores, ()) == _without(cost.by_tensor("store"), ()), text
+    assert without_tensors(bc.loads, *coarse) == without_tensors(cost.by_tensor("load"), *coarse), text
+    assert without_tensors(bc.stores) == without_tensors(cost.by_tensor("store")), text
 
 
 def test_the_forward_bytes_are_the_analysis_ones():
@@ -102,5 +88,4 @@ def test_the_forward_bytes_are_the_analysis_ones():
 
     d = napkin.load(Path(__file__).resolve().parent.parent / "examples" / "causal.ncd")
     sizes = {"b": 1, "h": 2, "q": 70, "x": 70}
-    assert _split(triton_transfers(backward_cost(d, sizes).forward)) == \
-        _split(triton_transfers(analyse(d, sizes)))
+    assert predicted_bytes(backward_cost(d, sizes).forward) == predicted_bytes(analyse(d, sizes))

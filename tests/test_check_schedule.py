@@ -309,7 +309,7 @@ def test_a_tensor_read_at_blocks_holds_the_blocks_a_tile_meets():
         .replace("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin B[h, qb, xb] : fp32") \
         .replace("* |d|^-0.5", "* |d|^-0.5 + B[h, q // 64, x // 40]").replace("hold Q, K, V, O", "hold Q, K, V, B, O")
     d = napkin.load_text(text)
-    assert tiling.coarse_cells(128, 64) == 2 and tiling.coarse_cells(64, 40) == 3
+    assert tiling.coarse_extent(128, 64) == 2 and tiling.coarse_extent(64, 40) == 3
     sizes = {"b": 1, "h": 16, "q": 16384, "x": 16384, "qb": 256, "xb": 410}
     smem = {n: e for n, e, _ in tiling.level_footprint(d, "smem", sizes)}
     assert smem["B"] == 2 * 3

@@ -285,6 +285,17 @@ def granule(s, w: str) -> str:
     return joined("G", s.tensor, w)
 
 
+def granule_of(plan: BackwardPlan, s) -> dict[str, str]:
+    """Each wire s's dQ partial is summed by granules of: the launcher's value of the
+    granule (_granule of the read's step and the dQ kernel's block of the wire)."""
+    return {w: f"_granule({st}, {'_br' if w == plan.row else '_bc'})" for w, st in tiled_reads(plan, s)}
+
+
+def _granules_met(names: E._Names, s, w: str) -> str:
+    """The granules of w a tile covers, a vector (_coarse)."""
+    return f"_coarse(_offs_{w}, {names.block(w)}, {granule(s, w)})"
+
+
 def _side_ptr(plan: BackwardPlan, names: E._Names, s) -> str:
     terms = []
     for w in s.extra:
@@ -294,7 +305,7 @@ def _side_ptr(plan: BackwardPlan, names: E._Names, s) -> str:
     for w in s.wires:
         idx = names.index(w, plan.row if s.has_row else None, plan.col if s.has_col else None)
         if w in tiles:   # the granules the tile covers (_coarse)
-            idx = f"_coarse(_offs_{w}, {names.block(w)}, {granule(s, w)}){names.axis(w == plan.row)}"
+            idx = f"{_granules_met(names, s, w)}{names.axis(w == plan.row)}"
         terms.append(f"_ix({idx}, _INT64) * {stride(s.buffer, w)}")
     return f"{s.buffer} + " + " + ".join(terms) if terms else s.buffer
 
@@ -307,8 +318,7 @@ def _side_masks(plan: BackwardPlan, names: E._Names, s, full: bool = False) -> s
         if not on or w in inside:
             continue
         if w in tiles:   # a granule is real where it holds a real entry
-            g = granule(s, w)
-            parts.append(f"(_coarse(_offs_{w}, {names.block(w)}, {g}) < tl.cdiv({names.size(w)}, {g}))"
+            parts.append(f"({_granules_met(names, s, w)} < tl.cdiv({names.size(w)}, {granule(s, w)}))"
                          f"{names.axis(w == plan.row)}")
         else:
             parts += names.mask(w if w == plan.row else None, w if w == plan.col else None)
@@ -720,8 +730,7 @@ def _launch_parts(plan: BackwardPlan, k: Kernel, names: E._Names, dims) -> dict:
     # _need has a flag per input, integer ones included (_wanted): the input's own position
     inputs = [t.name for t in plan.diagram.inputs]
     blocks += [f"_NEED_{s.tensor}=_need[{inputs.index(s.tensor)}]" for s in k.sides]
-    blocks += [f"{granule(s, w)}=_granule({st}, {'_br' if w == plan.row else '_bc'})"
-               for s in k.sides for w, st in tiled_reads(plan, s)]
+    blocks += [f"{granule(s, w)}={value}" for s in k.sides for w, value in granule_of(plan, s).items()]
     if _wide(plan, k):
         blocks.append(f"_WIDE={wide_precision(plan)}")
     blocks.append(f"_INT64=_int64_offsets({', '.join(tensors)})")

@@ -29,6 +29,11 @@ def product_dt(plan: BackwardPlan, *tensors: str) -> str:
     return "tl.float32" if wide & set(tensors) or wider_input(plan, *tensors) else f"{plan.typed}.dtype.element_ty"
 
 
+def do_names(plan: BackwardPlan) -> set[str]:
+    """dO and the names the plan gives it (dN0 = dO: an alias)."""
+    return {"dO"} | {n for n, src in plan.aliases if src == "dO"}
+
+
 def rows_round_do(plan: BackwardPlan) -> bool:
     """Whether the row values must read dO rounded to Q's dtype: the dQ
     kernel's products of dO (dP = dO V) are taken in the kernel dtype, and
@@ -37,7 +42,7 @@ def rows_round_do(plan: BackwardPlan) -> bool:
     rounding, which dS = P (dP - delta) kept: a per-query temperature's
     gradient was 0.27 off at peaked scores (novel3 hunt).  Both rounded,
     they cancel as in exact arithmetic."""
-    dO = {"dO"} | {n for n, src in plan.aliases if src == "dO"}
+    dO = do_names(plan)
     dq = plan.kernel("dq")
     dts = [product_dt(plan, dot.lhs.tensor, dot.rhs.tensor) for dot in (dq.dots if dq else ())
            if {dot.lhs.tensor, dot.rhs.tensor} & dO]

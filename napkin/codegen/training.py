@@ -594,12 +594,6 @@ def _row_grads(b) -> list:
     return out
 
 
-def _granules(b, s) -> dict:
-    """Each wire of s's read the dQ kernel sums by granules: the launcher's _granule of it."""
-    from .backward_emit import tiled_reads
-    return {w: f"_granule({st}, {'_br' if w == b.row else '_bc'})" for w, st in tiled_reads(b, s)}
-
-
 def _side_sum(b, s) -> str:
     """A side input's gradient from its dQ-kernel partial: summed over the
     buffer's leading axes (row blocks, batch wires it lacks) and, read at
@@ -608,13 +602,15 @@ def _side_sum(b, s) -> str:
     text = s.buffer + (f".sum(dim={tuple(range(len(s.extra)))})" if s.extra else "")
     if not s.steps:
         return text
-    grans = _granules(b, s)
+    from .backward_emit import granule_of
+    grans = granule_of(b, s)
     steps = [f"{st} // {grans[w]}" if w in grans else str(st) for w, st in zip(s.wires, s.steps)]
     return f"_by_blocks({text}, ({', '.join(steps)}{',' if len(steps) == 1 else ''}))"
 
 
 def _side_shape(b, s) -> str:
-    grans = _granules(b, s)
+    from .backward_emit import granule_of
+    grans = granule_of(b, s)
     parts = [f'_cdiv(_sz["{b.row}"], _br)' if w == "_blocks" else f'_sz["{w}"]' for w in s.extra]
     parts += [f'_cdiv(_sz["{w}"], {grans[w]})' if w in grans else f'_sz["{w}"]' for w in s.wires]
     return "[" + ", ".join(parts) + "]"

@@ -249,7 +249,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     the largest one-step L2 working set).  ``on_documents``: (docs, tokens)
     where the blocks are the ranges prepass's on them (_on_documents); ``lengths``
     the length inputs' values (--lengths)."""
-    from ..codegen.backward_hold import DEFAULT_TILE, rows_round_do
+    from ..codegen.backward_hold import DEFAULT_TILE, do_names, rows_round_do
     from ..codegen.ranges import index_disjuncts
     from ..codegen.backward_emit import full_step_omits, granule_size, tiled_reads
     from ..documents import row_full, row_visits
@@ -266,7 +266,8 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
     # kernels' dtype (BackwardPlan.typed: V's beside 8-bit Q and K)
     fd = b.forward.diagram
     kernel_dtype = fd.tensor(b.typed).dtype
-    round_do, typed = rows_round_do(b), kernel_dtype
+    # the rows kernel reads dO rounded to the products' dtype where the launcher rounds a wider one
+    rounded_do = do_names(b) if rows_round_do(b) else set()
     batch_all = math.prod(sizes[w] for w in b.batch)
 
     # a mask of indices alone (the length inputs at their values): an or of cuts
@@ -346,9 +347,8 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
                         for i, j in (partial if (ld.tensor, ld.wires) in omits else pairs))
                 n *= batch * outer * feat(ws, step)
             dtype = _dtype(b, ld.tensor)
-            if k.role == "rows" and round_do and dict(b.aliases).get(ld.tensor, ld.tensor) == "dO" \
-                    and ir.DTYPE_BYTES[dtype] > ir.DTYPE_BYTES[typed]:
-                dtype = typed   # the launcher rounds a wider dO to the products' dtype first (rows_round_do)
+            if k.role == "rows" and ld.tensor in rounded_do and ir.DTYPE_BYTES[dtype] > ir.DTYPE_BYTES[kernel_dtype]:
+                dtype = kernel_dtype
             moves.append(Move(k.role, ld.tensor, "load", dtype, n))
             dram += round(n * reach.get(ld, 1.0)) * ir.DTYPE_BYTES[moves[-1].dtype]
         for g in k.grads:   # one store per element, in the buffer's dtype (the template's _grad_X)

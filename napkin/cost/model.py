@@ -371,12 +371,6 @@ def coarse_sum(size: int, block: int, step: int, first: int, stop: int) -> int:
     return total
 
 
-def coarse_extent(block: int, step: int) -> int:
-    """The most distinct ``// step`` indices a whole block meets."""
-    period = step // math.gcd(block, step)
-    return max(coarse_cells(period * block, block, k, step) for k in range(period))
-
-
 def kernel_tiling(kernel: Kernel, tiles: Tiling) -> tuple[dict[str, int], Optional[tuple[str, int]]]:
     """The grid wires and the stream restricted to the kernel's wires."""
     groups = {w: b for w, b in tiles.groups if w in kernel.wires}
@@ -717,12 +711,12 @@ def dram_fractions(kernel: Kernel, tiles: Tiling, sizes: dict[str, int], wave: i
         tile_of[acc] = key
         # one program's tile, a step's (shared loads) and the whole stream's (the footprint)
         extent = {w: groups[w] if w in groups else sizes[w] for w in acc.wires}
-        extent = {w: n if acc.step(w) == 1 else coarse_extent(n, acc.step(w)) for w, n in extent.items()}
+        extent = {w: n if acc.step(w) == 1 else tiling.coarse_extent(n, acc.step(w)) for w, n in extent.items()}
         width = ir.DTYPE_BYTES[acc.dtype]
         tiles_in_first = np.unique(key[first]).size if acc in shared else int(first.sum())
         wave_bytes += tiles_in_first * math.prod(extent.values()) * width
         if acc in shared:
-            per_step = math.prod((stream[1] if acc.step(w) == 1 else coarse_extent(stream[1], acc.step(w)))
+            per_step = math.prod((stream[1] if acc.step(w) == 1 else tiling.coarse_extent(stream[1], acc.step(w)))
                                  if stream and w == stream[0] else 1 if w in kernel.looped else extent[w]
                                  for w in acc.wires)
             step_bytes += tiles_in_first * per_step * width
