@@ -16,6 +16,9 @@ Everything here is pure and deterministic, as there.
                                dA_i = gN_i dP when each gN_i = dF/dN_i is
                                per row, else sum_f(dN_i * V)
     (c) lse = logsumexp[x](S) next to either:  dS += P * dlse
+    A gate on the value, sum[x](a(S) * V * gate) with gate along x and V's
+    wires alone, is either form with the value V * gate (``value_gate``).
+    napkin/gradform.py takes the output apart into these pieces.
 A rule's expressions are ordinary IR over the diagram's inputs plus fixed
 placeholder names (``PLACEHOLDERS``, ``is_placeholder``), each with its wires
 in ``GradRule.layouts``, so the backward code generator
@@ -33,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
 from . import ir, masks
+from .gradform import Form, NoGrad, check_gate, factors as _factors, product as _product
 from .printer import expr_text
 from .autodiff import ONE, ZERO, _add, _contains, _map, _mul, _neg, _sub, diff, diff_read, simplify, substitute
 
@@ -44,15 +48,6 @@ def normalisers(diagram: ir.Diagram) -> list:
     a score is normalised (grad_plan's, and training's boxing of an inline one)."""
     return [n for let in diagram.lets for n in ir.walk(let.expr)
             if isinstance(n, ir.Normalize) or (isinstance(n, ir.Reduce) and n.op == "logsumexp")]
-
-
-class NoGrad(ValueError):
-    """grad_plan's refusal: why a diagram has no backward, and where in it (a
-    ValueError still, for callers of the rule builders)."""
-
-    def __init__(self, message: str, loc: ir.Loc = ir.NOLOC):
-        super().__init__(message)
-        self.loc = loc
 
 
 # --------------------------------------------------------------------------
@@ -120,6 +115,10 @@ class GradRule:
     # (input, the wires F reads it along, their steps or None): its own wires, or others (a
     # relabelling; blocks of a wire, tau[h // 2], whose dT_i the launcher sums by blocks too)
     row_reads: tuple[tuple[str, tuple[str, ...], Optional[tuple[int, ...]]], ...] = ()
+    # an input along the key wire and V's wires alone that multiplies V in every contraction
+    # (sum[x](P * V * gate)): the rule's value is V * gate, which the launcher forms in torch
+    # (forward: the kernel's own product; the rows and tiles are the ungated rule's)
+    value_gate: Optional[str] = None
 
     def layout(self, name: str) -> tuple[str, ...]:
         return dict(self.layouts)[name]
@@ -570,7 +569,7 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
     if attention is None:
         raise NoGrad("no attention output: nothing contracts the scores with a value tensor",
                      diagram.outputs[0].loc if diagram.outputs else ir.NOLOC)
-    form = _Form(score_wires, layouts)
+    form = Form(score_wires, layouts)
     at = lets[attention[0]].expr.loc
     try:
         output = form.visit(attention[1])
@@ -578,6 +577,8 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
         raise NoGrad(str(err), err.loc if err.loc.line else at) from None
     if form.v is None:
         raise NoGrad(f"output {attention[0]} contracts no value tensor with the scores", at)
+    if form.gate is not None:
+        check_gate(form, score_let, at)
     if lse_name is not None and lse_wire != form.key:
         raise NoGrad(f"logsumexp is along {lse_wire} but the attention sums along {form.key}", lse_at)
     common = dict(value=form.v, lse_grad=lse_name is not None, score=score_let.expr, raw=raw,
@@ -598,6 +599,10 @@ def grad_plan(diagram: ir.Diagram) -> GradRule:
     except ValueError as err:   # the rule builders' own (wires of the score and V): at the output's box
         raise NoGrad(str(err), at) from None
     bound = [("S", score_let.name), ("O", attention[0])] + ([("lse", lse_name)] if lse_name else [])
+    if form.gate is not None:   # the forward's sums take V * gate: the saved ones (an epilogue's N0) too
+        gated = ir.Binary("*", _ref(form.v), _ref(form.gate))
+        rule = replace(rule, value_gate=form.gate,
+                       forward=tuple((n, substitute(e, _ref(form.v), gated)) for n, e in rule.forward))
     return replace(rule, bound=tuple(bound))
 
 
@@ -668,127 +673,3 @@ def _grown_to_normaliser(diagram: ir.Diagram, box: ir.Let) -> ir.Let:
         if normalised(r.name):
             return grown
     return box
-
-
-class _Form:
-    """Walks an inlined attention output and takes it apart into form (a) or (b).
-
-    Each ``sum[x](...)`` becomes a placeholder times the factors of its body
-    that do not depend on x (they are constant along the sum, so they come
-    out of it: ``sum[x](S / sqrt(Z) * V)`` = ``N / sqrt(Z)``).  A body with V
-    is a contraction N_i = sum[x](a_i(S) * V), one without is a row sum Z_j.
-    """
-
-    def __init__(self, score_wires, layouts):
-        self.score_wires, self.layouts = score_wires, layouts
-        self.key = self.v = None
-        self.softmax = False
-        self.lse = None          # where the output reads logsumexp[key](S), if it does
-        self.nums, self.sums = [], []
-
-    def visit(self, e: ir.Expr) -> ir.Expr:
-        if isinstance(e, ir.Normalize):
-            raise NoGrad("softmax must be used as sum[x](softmax[x](S) * V)", e.loc)
-        if not isinstance(e, ir.Reduce):
-            return _map(e, self.visit)
-        if e.op == "logsumexp" and e.body == _ref("S") and len(e.wires) == 1 and self.key in (None, e.wires[0]):
-            # the row's lse read by the output (a sink's sigmoid(lse - sink)): softmax's own row state
-            self.key, self.lse = e.wires[0], e.loc
-            return _ref("lse")
-        if e.op != "sum" or len(e.wires) != 1 or (self.key not in (None, e.wires[0])):
-            raise NoGrad(f"{e.op}[{', '.join(e.wires)}] is not a sum along the key wire", e.loc)
-        self.key = e.wires[0]
-        keyed, const = [], []
-        for factor, power in _factors(e.body):
-            (keyed if self._keyed(factor) else const).append((factor, power))
-        relabelled = [f for f, _ in keyed if isinstance(f, ir.TensorRef) and f.wires is not None
-                      and f.name in self.layouts]
-        if relabelled:   # else its weight reads as "softmax must normalise the score box itself"
-            f = relabelled[0]
-            raise NoGrad(f"the sum along {self.key} reads {f.name} relabelled ({f.name}[{', '.join(f.wires)}]); "
-                             "the backward takes a value tensor along its own wires", f.loc)
-        vs = [f for f, p in keyed if isinstance(f, ir.TensorRef) and self._is_value(f)]
-        if len(vs) > 1 or any(isinstance(f, ir.TensorRef) and self._is_value(f) and p < 0 for f, p in keyed):
-            raise NoGrad("a contraction must multiply by the value tensor once", e.loc)
-        rest = [(f, p) for f, p in keyed if not (vs and f == vs[0])]
-        weight = _product(rest)
-        reduced = [n for n in ir.walk(weight) if isinstance(n, (ir.Reduce, ir.Normalize))]
-        if reduced and not self._is_softmax(weight):
-            others = [f for f, _ in rest if not isinstance(f, ir.Normalize)]
-            # along the keys and short of a score wire (the queries'), as V[b, h, x]; a gate has them all
-            flat = [f for f in others if isinstance(f, ir.TensorRef) and f.wires is None
-                    and self.key in (self.layouts.get(f.name) or ())
-                    and set(self.layouts[f.name]) < set(self.score_wires)]
-            if flat and not vs and len(others) < len(rest):   # V[b, h, x]: read as a gate by the rule below
-                raise NoGrad(f"the value {flat[0].name} has no feature wire (a wire the scores lack, as d of "
-                             f"V[b, h, x, d]): the backward takes sum[{self.key}](softmax[{self.key}](S) * V) "
-                             f"with one; give {flat[0].name} a wire of size 1", e.loc)
-            if others and len(others) < len(rest):   # softmax(S) * G: a gate, not another score
-                # one along the keys and not the rows (gate[b, h, x]) scales V's rows: the same output
-                # with V * gate as the value, whose gradient autograd takes through that product
-                fold = f" ({flat[0].name} lies along {self.key} and not the rows: multiply it into " \
-                       f"{vs[0].name} in torch and pass {vs[0].name} * {flat[0].name} as {vs[0].name}, the same " \
-                       f"output; autograd takes {flat[0].name}'s gradient through that product)" \
-                    if vs and len(flat) == len(others) == 1 else ""
-                raise NoGrad(f"the weights of the sum along {self.key} multiply softmax by "
-                             f"{' * '.join(expr_text(f) for f in others)}; the backward takes the softmax "
-                             f"weights alone, sum[{self.key}](softmax[{self.key}](S) * V){fold}", e.loc)
-            if any(isinstance(n, ir.Normalize) for n in reduced):
-                raise NoGrad("softmax must normalise the score box itself: sum[x](softmax[x](S) * V)", e.loc)
-            raise NoGrad("the weights inside a sum along the key wire must be elementwise in the scores", e.loc)
-        if vs:
-            if self.v not in (None, vs[0].name):
-                raise NoGrad(f"two value tensors, {self.v} and {vs[0].name}", vs[0].loc)
-            self.v = vs[0].name
-            if self._is_softmax(weight):
-                self.softmax = True
-            table, prefix = self.nums, "N"
-        else:
-            if self._is_softmax(weight):
-                raise NoGrad("softmax must be used as sum[x](softmax[x](S) * V)", e.loc)
-            table, prefix = self.sums, "Z"
-        if weight not in table:
-            table.append(weight)
-        held = _ref(f"{prefix}{table.index(weight)}")
-        outside = [(self.visit(f), p) for f, p in const]
-        return _product([(held, 1)] + outside) if outside else held
-
-    def _is_softmax(self, e) -> bool:
-        return isinstance(e, ir.Normalize) and e.wire == self.key and e.body == _ref("S")
-
-    def _is_value(self, t: ir.TensorRef) -> bool:
-        """V: an input along the key wire that also has a wire the scores lack (d)."""
-        wires = self.layouts.get(t.name)
-        return (t.wires is None and wires is not None and self.key in wires
-                and any(w not in self.score_wires for w in wires))
-
-    def _keyed(self, e: ir.Expr) -> bool:
-        """Does e vary along the key wire?  A sum over it does not."""
-        if isinstance(e, ir.TensorRef):
-            wires = e.wires or self.layouts.get(e.name) or self.score_wires  # S is along the scores' wires
-            return self.key in wires
-        if isinstance(e, ir.WireIndex):
-            return e.wire == self.key
-        if isinstance(e, ir.Reduce) and self.key in e.wires:
-            return False
-        return any(self._keyed(c) for c in ir.children(e))
-
-
-def _factors(e: ir.Expr, power: int = 1) -> list:
-    """A product/quotient as [(factor, +1 or -1)]."""
-    if isinstance(e, ir.Binary) and e.op in ("*", "/"):
-        return _factors(e.lhs, power) + _factors(e.rhs, power if e.op == "*" else -power)
-    if isinstance(e, ir.Unary) and e.op == "-":
-        return [(ir.Num(-1), 1)] + _factors(e.operand, power)
-    return [(e, power)]
-
-
-def _product(factors) -> ir.Expr:
-    num = [f for f, p in factors if p > 0]
-    den = [f for f, p in factors if p < 0]
-    out = num[0] if num else ONE
-    for f in num[1:]:
-        out = ir.Binary("*", out, f)
-    for f in den:
-        out = ir.Binary("/", out, f)
-    return simplify(out)

@@ -62,17 +62,18 @@ def triton_transfers(report) -> list:
 
 def backward_bytes(back, direction: str) -> dict:
     """A backward cost's bytes per tensor in one direction, as the ByteCounter
-    sees them: the prepasses' lists (torch's) left out."""
+    sees them: torch's left out (the prepasses' lists, a gated value's product
+    and gradients)."""
     out: dict = defaultdict(int)
     for m in back.moves:
-        if m.direction == direction and not m.kernel.endswith("prepass lists"):
+        if m.direction == direction and not m.kernel.endswith(("prepass lists", "(torch)")):
             out[m.tensor] += m.bytes
     return dict(out)
 
 
 def triton_launches(back) -> int:
     """The backward's Triton launches: its kernels less the prepasses' lists."""
-    return sum(not k.endswith("prepass lists") for k in back.kernels)
+    return sum(not k.endswith(("prepass lists", "(torch)")) for k in back.kernels)
 
 
 def gathered_reads(d: ir.Diagram) -> set[str]:

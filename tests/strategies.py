@@ -205,7 +205,8 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     in one dtype (fp16 or fp32) plus whatever bias or mask
     tensors the scores read (slope[h], bias[..., q, x], a bias per tile read at
     the wires' blocks tb[q // s, x // t] of tb[qb, xb], a bias per block of keys
-    kb[x // t] of kb[kx], doc[b, x] : int32).
+    kb[x // t] of kb[kx], doc[b, x] : int32), and a quarter of the time a gate
+    on the value, vg along x and some of V's other wires (sum[x](P * V * vg)).
     Boxes: ``S`` always; then one normaliser:
 
     * softmax: ``P = softmax[x](S)``, ``O = sum[x](P * V)``, optionally
@@ -253,6 +254,13 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     if any(t.name == "kb" for t in inputs):   # the key bias's blocks, as the tile bias's
         wires += (ir.Wire("kx"),)
 
+    # a gate on the value now and then, sum[x](P * V * vg): along the keys and V's wires alone
+    value = _t("V")
+    if draw(st.sampled_from((False, False, False, True))):
+        vg = draw(st.sampled_from((("x",), ("b", "x"), ("x", "b")) + (() if shared_v else (("b", "h", "x"), ("x", "h")))))
+        inputs.append(ir.Input("vg", _axes(*vg), draw(st.sampled_from((dtype, "fp32")))))
+        value = _b("*", value, _t("vg"))
+
     qkx = _axes("b", "h", "q", "x")
     out_dtype = draw(st.sampled_from((dtype, None)))
     lets = [ir.Let("S", qkx, None, score)]
@@ -260,7 +268,7 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     if normaliser == "softmax":
         lets.append(ir.Let("P", qkx, None, ir.Normalize("softmax", "x", _t("S"))))
         lets.append(ir.Let("O", _axes("b", "h", "q", "d"), out_dtype,
-                           ir.Reduce("sum", ("x",), _b("*", _t("P"), _t("V")))))
+                           ir.Reduce("sum", ("x",), _b("*", _t("P"), value))))
         if draw(st.booleans()):
             lets.append(ir.Let("lse", _axes("b", "h", "q"), None, ir.Reduce("logsumexp", ("x",), _t("S"))))
             outputs.append("lse")
@@ -273,7 +281,7 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
             arg = _b("+", arg, _n(draw(st.sampled_from((-2, -1.5, 1)))))
         lets.append(ir.Let("P", qkx, None, _call("sigmoid", arg)))
         lets.append(ir.Let("O", _axes("b", "h", "q", "d"), out_dtype,
-                           ir.Reduce("sum", ("x",), _b("*", _t("P"), _t("V")))))
+                           ir.Reduce("sum", ("x",), _b("*", _t("P"), value))))
     else:
         usable = [k for k, (_, zero_at_inf, _) in _WEIGHTS.items() if zero_at_inf or not masks]
         a1 = draw(st.sampled_from(usable))
@@ -283,7 +291,7 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
         denominators = [k for k, (_, needs_positive) in _DENOMINATORS.items()
                         if not needs_positive or (_WEIGHTS[a2][2] and not masks)]
         b = _DENOMINATORS[draw(st.sampled_from(denominators))][0]
-        num = ir.Reduce("sum", ("x",), _b("*", _WEIGHTS[a1][0](_t("S")), _t("V")))
+        num = ir.Reduce("sum", ("x",), _b("*", _WEIGHTS[a1][0](_t("S")), value))
         den = b(ir.Reduce("sum", ("x",), _WEIGHTS[a2][0](_t("S"))))
         lets.append(ir.Let("O", _axes("b", "h", "q", "d"), out_dtype, _b("/", num, den)))
 

@@ -194,23 +194,6 @@ def test_a_gate_on_the_softmax_weights_is_named_in_the_refusal():
         gradrules.grad_plan(napkin.load_text(text))
 
 
-def test_a_gate_along_the_keys_alone_is_refused_with_the_way_that_trains():
-    """sum[x](P * V * gate) with gate[b, h, x]: it was taken for a value without a feature
-    wire ("give gate a wire of size 1", which trains nothing either); it is a gate whose
-    product with V is the value, which the hint says."""
-    from napkin import gradrules
-
-    text = (REPO / "examples" / "attention.ncd").read_text()
-    text = text.replace("in V[b, h, x, d] : fp16", "in V[b, h, x, d] : fp16\nin gate[b, h, x] : fp16")
-    text = text.replace("sum[x](P * V)", "sum[x](P * V * gate)")
-    with pytest.raises(ValueError) as e:
-        gradrules.grad_plan(napkin.load_text(text))
-    assert str(e.value).startswith(
-        "the weights of the sum along x multiply softmax by gate; the backward takes the softmax weights alone, "
-        "sum[x](softmax[x](S) * V) (gate lies along x and not the rows: multiply it into V in torch and pass "
-        "V * gate as V, the same output; autograd takes gate's gradient through that product)")
-
-
 def test_a_logsumexp_output_scaled_is_named_in_the_refusal():
     """lse = logsumexp[x](S) * 2 was refused as a second attention output."""
     from napkin import gradrules

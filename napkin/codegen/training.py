@@ -223,6 +223,12 @@ def _attention(plan: L.AttentionPlan) -> Training:
         aug = dataclasses.replace(d, lets=d.lets + tuple(lets),
                                   outputs=d.outputs + tuple(ir.Output(n) for n in saved))
         forward = L.lower(aug)
+    if rule.value_gate is not None:   # formed in torch, which takes a tensor's wires one an axis
+        grouped = [n for n in (rule.value, rule.value_gate) if any(len(a) > 1 for a in d.tensor(n).axes)]
+        if grouped:
+            return _no(plan, f"input {grouped[0]} has a grouped axis ({layout_text(d.tensor(grouped[0]).axes)}), and "
+                       f"the backward forms {rule.value} * {rule.value_gate} in torch, one wire an axis",
+                       d.tensor(grouped[0]).loc)
     back = lower_backward(d, plan, rule, saved_axes)
     return Training(forward, tuple(saved), rule, back)
 
@@ -562,7 +568,25 @@ def _attention_context(t: Training, user_outputs: list[str]) -> dict:
         "optional": ["dlse"] if "dlse" in b.row_inputs else [],
         "preprocess_params": ", ".join([*inputs, *row_inputs, *b.row_outputs, "_run"]),
         "round_do": "dO" in b.row_inputs and rows_round_do(b),
+        "gate": _gate_context(b) if b.gate else None,
     }
+
+
+def _gate_context(b) -> dict:
+    """The launcher's torch around the kernels of a gated value (BackwardPlan.gate):
+    the gate put along V's axes (its own permuted to their order, None where it
+    lacks one of V's wires), and dgate's sum of dW * V over those wires, put
+    back in the gate's order."""
+    d = b.forward.diagram
+    vw, gw = ir.axis_wires(d.tensor(b.v).axes), ir.axis_wires(d.tensor(b.gate).axes)
+    order = [w for w in vw if w in gw]
+    perm, back = tuple(gw.index(w) for w in order), tuple(order.index(w) for w in gw)
+    view = (f".permute{perm}" if perm != tuple(range(len(gw))) else "") + \
+        "[" + ", ".join(":" if w in gw else "None" for w in vw) + "]"
+    summed = tuple(i for i, w in enumerate(vw) if w not in gw)
+    total = f".sum(dim={summed})" + (f".permute{back}" if back != tuple(range(len(gw))) else "")
+    return {"name": b.gate, "value": b.v, "view": view, "sum": total,
+            "iv": _input_index(d, b.v), "ig": _input_index(d, b.gate)}
 
 
 def _row_grads(b) -> list:

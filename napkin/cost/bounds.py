@@ -133,11 +133,15 @@ def bound_shape(diagram: ir.Diagram) -> BoundShape:
         # move no value and are left out; two different value tensors keep the compulsory bound.
         (let1, n1, (a, b)) = cons[0]
         values = []
-        for let2, node, (p, v) in cons[1:]:
-            if not _feeds(diagram, let1, p):
-                p, v = v, p
-            if _feeds(diagram, let1, p) and not _feeds(diagram, let1, v):
-                values.append((let2, node, p, v))
+        score = set(ir.axis_wires(let1.axes))
+        for let2, node, _ in cons[1:]:
+            # the product's factors the score feeds, and the value: the one other with a wire the
+            # scores lack; a gate on it (sum[x](P * V * gate), gate[b, h, x]) moves x a head, as a bias
+            factors = _flat_product(node.body)
+            p = [f for f in factors if _feeds(diagram, let1, f)]
+            v = [f for f in factors if not _feeds(diagram, let1, f) and not node_wires(diagram, f) <= score]
+            if p and len(v) == 1:
+                values.append((let2, node, p[0], v[0]))
         names = {r.name for _, _, _, v in values for r in ir.walk(v) if isinstance(r, ir.TensorRef)}
         (let2, n2, p, v) = values[0] if values and len(names) == 1 else (None, None, None, None)
         if n2 is not None:
@@ -167,6 +171,13 @@ def _written(diagram: ir.Diagram, name: str) -> Optional[str]:
     output, else None (nothing written: a box Y = O * 2 is the output, and
     the compulsory floor counts Y; O at its fp32 was once charged)."""
     return tiling.tensor_dtype(diagram, name) if name in {o.name for o in diagram.outputs} else None
+
+
+def _flat_product(e: ir.Expr) -> list:
+    """The factors of a product, ((P * V) * gate) as [P, V, gate]."""
+    if isinstance(e, ir.Binary) and e.op == "*":
+        return _flat_product(e.lhs) + _flat_product(e.rhs)
+    return [e]
 
 
 def _feeds(diagram: ir.Diagram, let: ir.Let, expr: ir.Expr) -> bool:
