@@ -640,26 +640,18 @@ def test_a_window_composed_through_lets_skips_the_blocks_of_the_whole_window(tmp
     cost pass predicts them, and the output matches a float64 torch of its own (ragged lengths).  The
     third writes the causal part negated, where(x > q, -inf, ...): under a bare `not` it had no affine
     bounds, so its kernel ran a ranges prepass at every launch and the cost pass counted every block."""
-    from napkin.codegen import emit_module
+    from backward_helpers import compile_text
 
     counts = {}
     for key, score in SCORES.items():
         text = NESTED.replace("NAME", f"window_{key}").replace("SCORE", score)
         d = napkin.load_text(text, f"window_{key}.ncd")
-        path = tmp_path / f"window_{key}.py"
-        path.write_text(emit_module(d, source_text=text, source_path=f"window_{key}.ncd"))
-        spec = importlib.util.spec_from_file_location(f"napkin_counted_window_{key}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        try:
-            spec.loader.exec_module(module)
-            sizes = {"b": 1, "h": 2, "q": 200, "x": 190}
-            inputs = module.example_inputs(sizes, dtype=torch.float32)
-            with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
-                out = getattr(module, d.name)(*inputs)
-            out = out[0] if isinstance(out, tuple) else out
-        finally:
-            sys.modules.pop(spec.name, None)
+        module = compile_text(text, f"counted_window_{key}", tmp_path)
+        sizes = {"b": 1, "h": 2, "q": 200, "x": 190}
+        inputs = module.example_inputs(sizes, dtype=torch.float32)
+        with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+            out = getattr(module, d.name)(*inputs)
+        out = out[0] if isinstance(out, tuple) else out
         counts[key] = (dict(bc.loads), dict(bc.stores))
         assert counts[key] == predicted(recast(d, "fp32"), sizes, {"q": 32, "x": 16}), key
         Q, K, V = (t.double() for t in inputs)
@@ -676,31 +668,23 @@ def test_a_window_composed_through_lets_skips_the_blocks_of_the_whole_window(tmp
 def test_backward_bytes_of_an_lse_output_declared_fp16(tmp_path):
     """An fp16 lse output: the backward reads its float32 twin (_saved_lse) and autograd hands dlse
     over in fp16; the cost pass had the two dtypes swapped (lse 1200 B predicted, 2400 counted)."""
-    from napkin.codegen import emit_module
+    from backward_helpers import compile_text
 
     text = (REPO / "examples" / "causal.ncd").read_text().replace("wire d = 64", "wire d = 32") \
         .replace("lse[b, h, q] = logsumexp[x](S)", "lse[b, h, q] : fp16 = logsumexp[x](S)")
     assert "lse[b, h, q] : fp16" in text
-    path = tmp_path / "lse16.py"
-    path.write_text(emit_module(napkin.load_text(text, "lse16.ncd"), source_text=text, source_path="lse16.ncd"))
-    spec = importlib.util.spec_from_file_location("napkin_counted_lse16", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        d = napkin.load_text(text, "lse16.ncd")
-        sizes = {"b": 2, "h": 2, "q": 50, "x": 37}
-        inputs = module.example_inputs(sizes, dtype=torch.float16)
-        none = (None,) * len(module._OPTIONS)
-        outs, saved = module._causal_forward(*inputs, *none, True)
-        assert outs[1].dtype == torch.float16 and saved[0].dtype == torch.float32
-        grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
-        with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
-            module._causal_grads(inputs, (*outs, *saved), grads, none, None)
-        predicted = backward_cost(d, sizes)
-        assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
-    finally:
-        sys.modules.pop(spec.name, None)
+    module = compile_text(text, "counted_lse16", tmp_path)
+    d = napkin.load_text(text, "lse16.ncd")
+    sizes = {"b": 2, "h": 2, "q": 50, "x": 37}
+    inputs = module.example_inputs(sizes, dtype=torch.float16)
+    none = (None,) * len(module._OPTIONS)
+    outs, saved = module._causal_forward(*inputs, *none, True)
+    assert outs[1].dtype == torch.float16 and saved[0].dtype == torch.float32
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
+    with ByteCounter(tensors=dict(zip(module.INPUTS, inputs))) as bc:
+        module._causal_grads(inputs, (*outs, *saved), grads, none, None)
+    predicted = backward_cost(d, sizes)
+    assert (dict(bc.loads), dict(bc.stores)) == (predicted.by_tensor("load"), predicted.by_tensor("store"))
 
 
 @pytest.mark.parametrize("steps", [(64, 32), (8, 4), (3, 5), (256, 128), (40, 48)])

@@ -205,3 +205,18 @@ def test_the_lower_bound_takes_v_as_the_value():
     plain = text.replace("sum[x](P * V * gate)", "sum[x](P * V)")
     assert bounds.bound_shape(napkin.load_text(text)) == bounds.bound_shape(napkin.load_text(plain))
     assert bounds.bound_shape(napkin.load_text(text)).value == ("d",)
+
+
+def test_a_gated_training_step_under_torch_compile(folder):
+    """One graph, no break, and the eager gradients (aot_eager): the backward op runs the
+    launcher's torch around the kernels inside its opaque body."""
+    m, _ = gated(folder)
+    ins = m.example_inputs({"b": 1, "h": 2, "q": 19, "x": 23}, dtype=torch.float32, seed=8)
+
+    def step(q, k, v, gate):
+        return m.gated(q, k, v, gate, **FAST).square().sum()
+    explain = torch._dynamo.explain(step)(*ins)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    got = gradients(torch.compile(step, fullgraph=True, backend="aot_eager"), ins)
+    for k, e in zip(got, gradients(step, ins)):
+        assert torch.allclose(k, e, atol=1e-6)
