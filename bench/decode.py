@@ -50,16 +50,6 @@ UNPACKED = ("g by 4, q by 4", "g by 1, q by 16")   # the schedule's packed rows 
 HKV, GROUP, HEAD_DIM = 8, 4, 128
 
 
-def sizes_list(text: str) -> list[int]:
-    out = []
-    for item in text.split(","):
-        m = re.fullmatch(r"(\d+)([kK]?)", item.strip())
-        if not m:
-            raise SystemExit(f"bench/decode.py: {item!r} is not a size such as 4096 or 32K")
-        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", default=None, help="cache lengths |x| (default 8K,32K,128K; smoke 300)")
@@ -81,13 +71,20 @@ def main(argv=None) -> int:
     import napkin
     from napkin.bench import flex, harness
     from napkin.bench.checks import max_abs_error
+    from napkin.errors import NapkinError
 
     smoke = not cuda
-    caches = sizes_list(args.cache or ("300" if smoke else "8K,32K,128K"))
-    queries = sizes_list(args.queries or ("3" if smoke else "1,4"))
+    def sizes_list(text: str, what: str, least: int = 1) -> list[int]:
+        try:
+            return harness.parse_list(text, what, least=least)
+        except NapkinError as err:
+            raise SystemExit(f"bench/decode.py: {err.messages[0]}") from None
+
+    caches = sizes_list(args.cache or ("300" if smoke else "8K,32K,128K"), "cache")
+    queries = sizes_list(args.queries or ("3" if smoke else "1,4"), "queries")
     batches = sizes_list(args.batch or {(True, False): "1", (False, False): "1,8", (True, True): "3",
-                                        (False, True): "8"}[smoke, args.ragged])
-    chunks = sizes_list(args.chunks or ("0,64" if smoke else "0,512,1024,2048,4096"))
+                                        (False, True): "8"}[smoke, args.ragged], "batch")
+    chunks = sizes_list(args.chunks or ("0,64" if smoke else "0,512,1024,2048,4096"), "chunks", least=0)
     dtype, device = (torch.float32, "cpu") if smoke else (torch.bfloat16, "cuda")
     hkv, group = (2, 2) if smoke else (HKV, GROUP)
     opts = {"block_q": 16, "block_x": 16} if smoke else {}

@@ -336,6 +336,18 @@ def test_decode_bench_checks_every_chunk_before_timing_and_writes_its_record(tmp
     assert "| 1 | 3 | 100 | napkin | 32 |" in (tmp_path / path.name.replace(".json", ".md")).read_text()
 
 
+def test_decode_bench_reads_sizes_as_napkin_bench_does():
+    """harness.parse_list, the chunks taking 0 (no chunking): a size it cannot read is refused in
+    words before anything runs."""
+    decode = _bench_script("decode")
+    with pytest.raises(SystemExit) as e:
+        decode.main(["--cache", "32M"])
+    assert str(e.value) == "bench/decode.py: --cache expects positive whole numbers (1K = 1024), not '32M'"
+    with pytest.raises(SystemExit) as e:
+        decode.main(["--cache", "100", "--chunks", "0,-64"])
+    assert str(e.value) == "bench/decode.py: --chunks expects whole numbers (1K = 1024), not '-64'"
+
+
 def test_ragged_decode_bench_checks_each_length_and_times_flex_with_its_mask_rebuilt(tmp_path, monkeypatch):
     """bench/decode.py --ragged (run_h100.sh's ragged stage): examples/ragged_decode.ncd, each
     sequence's cache length drawn in 1..|x| and recorded; napkin checked against float64 with

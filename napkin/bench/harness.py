@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_list(text: Optional[str], what: str, kind=int) -> Optional[list]:
-    """"1K,4K,16384" -> [1024, 4096, 16384]; None stays None."""
+def parse_list(text: Optional[str], what: str, kind=int, least: int = 1) -> Optional[list]:
+    """"1K,4K,16384" -> [1024, 4096, 16384]; None stays None.  ``least``: the
+    smallest number taken (bench/decode.py's chunk 0 is no chunking)."""
     if text is None:
         return None
     out = []
@@ -157,8 +158,9 @@ def parse_list(text: Optional[str], what: str, kind=int) -> Optional[list]:
         if kind is int:
             scale = 1024 if item[-1:] in "kK" and item[:-1].isdigit() else 1
             digits = item[:-1] if scale > 1 else item
-            if not digits.isdigit() or int(digits) <= 0:
-                raise NapkinError(f"--{what} expects positive whole numbers (1K = 1024), not {item!r}")
+            if not digits.isdigit() or int(digits) < least:
+                raise NapkinError(f"--{what} expects {'positive ' if least > 0 else ''}whole numbers (1K = 1024), "
+                                  f"not {item!r}")
             out.append(int(digits) * scale)
         else:
             if item not in TOLERANCE:
