@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import __version__, ir
-from .errors import NapkinError
+from .errors import Diagnostic, NapkinError
 from .sizes import parse_pairs
 
 # Modules that may add subcommands through register_cli(subparsers).
@@ -358,7 +358,15 @@ def _demo_sizes(diagram, requested: dict[str, int], path) -> dict[str, int]:
             return DEMO_INDEXED_SIZE
         return DEMO_SIZES.get(w, DEMO_OTHER_SIZE)
 
-    return ir.coarse_sizes(diagram, {w.name: requested.get(w.name, default(w.name))
+    # a relabel ties two wires (doc[b, q] of doc[b, x]): one given, the other takes its size, not a default
+    tied = dict(requested)
+    clash = ir.tie_relabels(diagram, tied)
+    if clash:
+        tensor, declared, read, loc = clash
+        raise NapkinError([Diagnostic(f"--size: {tensor} is read along {read} as well as {declared}, so wires "
+                                      f"{read} ({tied[read]}) and {declared} ({tied[declared]}) must have equal "
+                                      "sizes", loc)], filename=str(path), source=path.read_text())
+    return ir.coarse_sizes(diagram, {w.name: tied.get(w.name, default(w.name))
                                      for w in diagram.wires if w.size is None}, requested)   # qb follows q
 
 

@@ -17,6 +17,7 @@ import pytest
 
 import napkin
 from napkin import cli
+from napkin.errors import NapkinError
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.ncd"))
@@ -449,6 +450,21 @@ stream j by 16 } }
 """)
     assert cli._demo_sizes(looped, {}, "lin.ncd") == {"b": 1, "t": 3, "m": 200, "n": 200, "k": 3, "j": 64}
     assert cli._demo_sizes(looped, {"k": 5}, "lin.ncd")["k"] == 5
+
+
+def test_demo_sizes_tie_the_wires_a_relabel_reads_one_tensor_along():
+    """doc[b, q] of doc[b, x]: q and x are one size.  --size q=90 left x at its default 200, and
+    the module's example_inputs raised ValueError, reported as an internal error (a bug); now x
+    takes q's size, and two unequal sizes are refused at the relabel."""
+    path = REPO / "examples" / "document_mask.ncd"
+    d = napkin.load(path)
+    assert cli._demo_sizes(d, {"q": 90}, path) == {"b": 1, "h": 2, "q": 90, "x": 90}
+    assert cli._demo_sizes(d, {"x": 33}, path)["q"] == 33
+    with pytest.raises(NapkinError) as e:
+        cli._demo_sizes(d, {"q": 90, "x": 80}, path)
+    assert e.value.messages == ["--size: doc is read along q as well as x, so wires q (90) and x (80) must have "
+                                "equal sizes"]
+    assert e.value.diagnostics[0].loc.line == 13
 
 
 def test_demo_finds_the_example_from_any_folder(monkeypatch, tmp_path):
