@@ -585,8 +585,11 @@ def _gate_context(b) -> dict:
         "[" + ", ".join(":" if w in gw else "None" for w in vw) + "]"
     summed = tuple(i for i, w in enumerate(vw) if w not in gw)
     total = f".sum(dim={summed})" + (f".permute{back}" if back != tuple(range(len(gw))) else "")
-    return {"name": b.gate, "value": b.v, "view": view, "sum": total,
-            "iv": _input_index(d, b.v), "ig": _input_index(d, b.gate)}
+    inputs = [t.name for t in d.inputs]
+    # the kernels' arguments: the product in V's place
+    args = ", ".join(f"({n}.to(torch.float32) * _g).to({n}.dtype)" if n == b.v else n for n in inputs)
+    return {"name": b.gate, "value": b.v, "view": view, "sum": total, "args": args,
+            "iv": inputs.index(b.v), "ig": inputs.index(b.gate)}
 
 
 def _row_grads(b) -> list:

@@ -427,15 +427,15 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
 def _gate_moves(b, sizes: dict, grad_dtype: str) -> list[Move]:
     """A gated value's torch around the kernels (training._gate_context), one
     pass over what each op reads and writes: V * gate formed in V's dtype, then
-    dV = dW * gate and dgate = sum(dW * V) from the kernels' dW.  Eager torch
-    makes float32 temporaries besides, which are not counted."""
+    dgate = sum(dW * V) and dV = dW * gate, each reading the kernels' dW.  Eager
+    torch makes float32 temporaries besides, which are not counted."""
     d = b.forward.diagram
     kernel, v, g = "value gate (torch)", b.v, b.gate
     nv, ng = (math.prod(sizes[w] for w in ir.axis_wires(d.tensor(n).axes)) for n in (v, g))
     grad = (lambda n: d.tensor(n).dtype) if grad_dtype == "input" else (lambda n: "fp32")
     return [Move(kernel, v, "load", d.tensor(v).dtype, 2 * nv), Move(kernel, g, "load", d.tensor(g).dtype, 2 * ng),
             Move(kernel, f"{v} * {g}", "store", d.tensor(v).dtype, nv),
-            Move(kernel, f"_grad_{v}", "load", grad(v), nv),
+            Move(kernel, f"_grad_{v}", "load", grad(v), 2 * nv),
             Move(kernel, f"_grad_{v}", "store", grad(v), nv), Move(kernel, f"_grad_{g}", "store", grad(g), ng)]
 
 
