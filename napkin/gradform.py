@@ -166,9 +166,10 @@ def factors(e: ir.Expr, power: int = 1) -> list:
     return [(e, power)]
 
 
-def product(factors) -> ir.Expr:
-    num = [f for f, p in factors if p > 0]
-    den = [f for f, p in factors if p < 0]
+def product(parts) -> ir.Expr:
+    """[(factor, +1 or -1)] back to a product/quotient, simplified."""
+    num = [f for f, p in parts if p > 0]
+    den = [f for f, p in parts if p < 0]
     out = num[0] if num else ONE
     for f in num[1:]:
         out = ir.Binary("*", out, f)
@@ -179,7 +180,7 @@ def product(factors) -> ir.Expr:
 
 def check_gate(form: Form, score_let: ir.Let, at: ir.Loc) -> None:
     """A gate folded into the value is read nowhere else: its gradient is then
-    the value path's alone (sum_d(dV' * V), dV' the ungated rule's dV)."""
+    the value path's alone (sum_d(dW * V), dW the ungated rule's dV)."""
     gate, v = form.gate, form.v
     if form.ungated:
         raise NoGrad(f"{gate} scales {v} in one contraction along {form.key} and not another: the backward "
