@@ -220,3 +220,16 @@ def test_a_gated_training_step_under_torch_compile(folder):
     got = gradients(torch.compile(step, fullgraph=True, backend="aot_eager"), ins)
     for k, e in zip(got, gradients(step, ins)):
         assert torch.allclose(k, e, atol=1e-6)
+
+
+def test_napkin_bench_takes_a_gated_value_for_v():
+    """napkin bench refused the diagram ("not an attention: no single value input contracted
+    along the key wire": V and the gate both were): the value is V, whose wires the gate's lie
+    within, so the bench has SDPA's sizes; Flex has no gate on the value and says so."""
+    from napkin.bench import flex
+
+    d = napkin.load_text(GATED.format(dtype="fp16", gate="gate[x, h]", weights=SOFTMAX, read="gate"))
+    shape = flex.attention_shape(d, SIZES)
+    assert (shape["value_dim"], shape["kv_len"], shape["operands"]) == (16, 53, ["Q", "K", "V"])
+    with pytest.raises(flex.NoFlexEquivalent, match="output O must be sum"):
+        flex.emit(d)

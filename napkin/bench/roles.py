@@ -180,6 +180,9 @@ class Analysis:
                  and len(n.wires) == 1 and n != raw for f in product_factors(n.body)
                  if isinstance(f, ir.TensorRef) and f.name not in operands
                  and isinstance(d.tensor(f.name), ir.Input) and n.wires[0] in ir.axis_wires(d.tensor(f.name).axes)}
+        if len(found) > 1:   # a gate on the value (sum[x](P * V * gate)): its wires are all V's
+            wires = {n: set(ir.axis_wires(d.tensor(n).axes)) for n, _ in found}
+            found = {(n, w) for n, w in found if not any(m != n and wires[n] <= wires[m] for m, _ in found)}
         if len(found) != 1:
             self.refuse("not an attention: no single value input contracted along the key wire")
         value, self.key = found.pop()
