@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import ir, masks, tiling
-from ..codegen.pysrc import names_read
+from ..codegen.pysrc import along, names_read
 from ..printer import expr_text
 from .roles import Analysis, NoFlexEquivalent, Roles, const, is_neg_inf, layout, replace
 
@@ -573,6 +573,8 @@ def _module(d, an, roles, scale, score_text, mask_text, side, sizes,
     # prepare() and visible() take the inputs as *_inputs and never bind a
     # diagram name (an input called q or compiled would rebind their own)
     mods = f"make_mods({''.join(f'_inputs[{names.index(s)}], ' for s in side)}_sizes)"
+    if an.gate is not None:   # flex has no gate on the value: V * gate is its V
+        v = f"({v} * {an.gate.name}{along(ir.axis_wires(an.gate.axes), ir.axis_wires(an.value.axes))}).to({v}.dtype)"
     arranged = (f"({_side_by_side(an, roles, kv=False)}, {_side_by_side(an, roles, kv=True)}, "
                 f"{_to_flex(v, an.value.axes, roles, roles.vdim, kv=True)})")
     # flex_attention takes one dtype: 8-bit q and k in v's, which holds them exactly (the fp16

@@ -124,6 +124,7 @@ class Analysis:
         # K[b, h, x, d] of K[b, h, x, d] is K: the score's contraction was refused as "not sum[d](Q * K)
         # of two inputs" for it
         self.d = ir.plain_reads(d)
+        self.gate = None   # a gate on the value, sum[x](softmax[x](S) * V * gate): an input, or None
 
     def refuse(self, why: str):
         raise NoFlexEquivalent(self.d.name, why)
@@ -199,10 +200,17 @@ class Analysis:
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
             self.refuse(f"output {name} = {shown} is not softmax attention sum[{e.wires[0]}]"
                         f"(softmax[{e.wires[0]}](S) * V), and flex_attention only normalises with softmax")
-        if len(rest) != 1 or not isinstance(rest[0], ir.TensorRef) or rest[0].wires is not None \
-                or not isinstance(self.d.tensor(rest[0].name), ir.Input):
+        if not rest or len(rest) > 2 or not all(isinstance(f, ir.TensorRef) and f.wires is None
+                                                and isinstance(self.d.tensor(f.name), ir.Input) for f in rest):
             self.refuse(f"output {name} must be sum[x](softmax[x](S) * V) with V an input read along its own wires")
-        return soft[0].body, self.d.tensor(rest[0].name)
+        ts = sorted((self.d.tensor(f.name) for f in rest), key=lambda t: -len(t.axes))
+        if len(ts) == 2:   # sum[x](P * V * gate): the gate along the keys and V's wires alone, one an axis
+            v, g = (ir.axis_wires(t.axes) for t in ts)
+            if not (e.wires[0] in g and set(g) <= set(v)) or len(v) + len(g) != len(ts[0].axes) + len(ts[1].axes):
+                self.refuse(f"output {name} must be sum[x](softmax[x](S) * V), or V times a gate along {e.wires[0]} "
+                            "and V's wires, each an input read along its own wires, one wire an axis")
+            self.gate = ts[1]
+        return soft[0].body, ts[0]
 
     def _contraction(self, score: ir.Expr):
         """(the score's contraction, Q, K); several contractions added up (MLA's

@@ -31,3 +31,13 @@ def names_read(code: str) -> frozenset[str]:
     merge kernel takes, so a name in a comment or a string must not count."""
     tree = ast.parse(textwrap.dedent(code))
     return frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
+
+
+def along(wires, target) -> str:
+    """Indexing that puts a tensor laid out along ``wires`` along ``target``'s
+    (a superset): its own axes permuted to their order there, None where it
+    lacks one (gate[x, h] along V[b, h, x, d]: ``.permute(1, 0)[None, :, :, None]``)."""
+    order = [w for w in target if w in wires]
+    perm = tuple(list(wires).index(w) for w in order)
+    return (f".permute{perm}" if perm != tuple(range(len(perm))) else "") + \
+        "[" + ", ".join(":" if w in wires else "None" for w in target) + "]"

@@ -41,6 +41,7 @@ from . import launch as H
 from . import ranges as R
 from . import lower as L
 from .kernel_names import fresh_name
+from .pysrc import along
 
 SAVED_PREFIX = "_saved_"
 # The backward launchers' keyword options (templates/training.py.jinja).
@@ -580,15 +581,13 @@ def _gate_context(b) -> dict:
     d = b.forward.diagram
     vw, gw = ir.axis_wires(d.tensor(b.v).axes), ir.axis_wires(d.tensor(b.gate).axes)
     order = [w for w in vw if w in gw]
-    perm, back = tuple(gw.index(w) for w in order), tuple(order.index(w) for w in gw)
-    view = (f".permute{perm}" if perm != tuple(range(len(gw))) else "") + \
-        "[" + ", ".join(":" if w in gw else "None" for w in vw) + "]"
+    back = tuple(order.index(w) for w in gw)
     summed = tuple(i for i, w in enumerate(vw) if w not in gw)
     total = f".sum(dim={summed})" + (f".permute{back}" if back != tuple(range(len(gw))) else "")
     inputs = [t.name for t in d.inputs]
     # the kernels' arguments: the product in V's place
     args = ", ".join(f"({n}.to(torch.float32) * _g).to({n}.dtype)" if n == b.v else n for n in inputs)
-    return {"name": b.gate, "value": b.v, "view": view, "sum": total, "args": args,
+    return {"name": b.gate, "value": b.v, "view": along(gw, vw), "sum": total, "args": args,
             "iv": inputs.index(b.v), "ig": inputs.index(b.gate)}
 
 
