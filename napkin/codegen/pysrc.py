@@ -1,6 +1,7 @@
 """Python source as the emitters write and read it: the one spelling of a
-quoted name and of a tuple (a 1-tuple keeps its comma), and the names a
-piece of generated code reads.  Its own module because emit.py, tma.py and
+quoted name and of a tuple (a 1-tuple keeps its comma), of a tensor put
+along another's wires (``along``), and the names a piece of generated code
+reads.  Its own module because emit.py, tma.py and
 chunks.py need it and emit imports them.  Names are plain identifiers by
 then (the checker refuses any other), so quoting needs no escaping."""
 
