@@ -60,20 +60,24 @@ def triton_transfers(report) -> list:
     return [t for t in report.transfers if t.kernel not in torch_made]
 
 
+# the backward's kernels torch's ops make, which the ByteCounter does not see
+TORCH_MADE = ("prepass lists", "(torch)")
+
+
 def backward_bytes(back, direction: str) -> dict:
     """A backward cost's bytes per tensor in one direction, as the ByteCounter
     sees them: torch's left out (the prepasses' lists, a gated value's product
     and gradients)."""
     out: dict = defaultdict(int)
     for m in back.moves:
-        if m.direction == direction and not m.kernel.endswith(("prepass lists", "(torch)")):
+        if m.direction == direction and not m.kernel.endswith(TORCH_MADE):
             out[m.tensor] += m.bytes
     return dict(out)
 
 
 def triton_launches(back) -> int:
-    """The backward's Triton launches: its kernels less the prepasses' lists."""
-    return sum(not k.endswith(("prepass lists", "(torch)")) for k in back.kernels)
+    """The backward's Triton launches: its kernels less torch's."""
+    return sum(not k.endswith(TORCH_MADE) for k in back.kernels)
 
 
 def gathered_reads(d: ir.Diagram) -> set[str]:

@@ -69,10 +69,11 @@ def replace(e: ir.Expr, old: ir.Expr, new: ir.Expr) -> ir.Expr:
     return new if e == old else rebuild(e, lambda c: replace(c, old, new))
 
 
-def product_factors(e: ir.Expr) -> list:
-    if isinstance(e, ir.Binary) and e.op == "*":
-        return product_factors(e.lhs) + product_factors(e.rhs)
-    return [e]
+def gates(t: ir.Input, v: ir.Input, key: str) -> bool:
+    """Whether input t, multiplied into v in a sum along ``key``, is a gate on that
+    value (sum[x](P * V * gate)): along the key and v's wires alone."""
+    wires = set(ir.axis_wires(t.axes))
+    return key in wires and wires <= set(ir.axis_wires(v.axes))
 
 
 def is_neg_inf(e: ir.Expr) -> bool:
@@ -178,12 +179,12 @@ class Analysis:
                         "contractions added up into one score")
         operands = {t.name for part in ir.terms(raw) for t in (part.body.lhs, part.body.rhs)}
         found = {(f.name, n.wires[0]) for n in nodes if isinstance(n, ir.Reduce) and n.op == "sum"
-                 and len(n.wires) == 1 and n != raw for f in product_factors(n.body)
+                 and len(n.wires) == 1 and n != raw for f in ir.factors(n.body)
                  if isinstance(f, ir.TensorRef) and f.name not in operands
                  and isinstance(d.tensor(f.name), ir.Input) and n.wires[0] in ir.axis_wires(d.tensor(f.name).axes)}
         if len(found) > 1:   # a gate on the value (sum[x](P * V * gate)): its wires are all V's
-            wires = {n: set(ir.axis_wires(d.tensor(n).axes)) for n, _ in found}
-            found = {(n, w) for n, w in found if not any(m != n and wires[n] <= wires[m] for m, _ in found)}
+            found = {(n, w) for n, w in found
+                     if not any(m != n and gates(d.tensor(n), d.tensor(m), w) for m, _ in found)}
         if len(found) != 1:
             self.refuse("not an attention: no single value input contracted along the key wire")
         value, self.key = found.pop()
@@ -192,7 +193,7 @@ class Analysis:
         return self._roles()
 
     def _softmax_times_value(self, name: str, e: ir.Reduce):
-        factors = product_factors(e.body)
+        factors = ir.factors(e.body)
         soft = [f for f in factors if isinstance(f, ir.Normalize)]
         rest = [f for f in factors if not isinstance(f, ir.Normalize)]
         if len(soft) != 1 or soft[0].op != "softmax" or soft[0].wire != e.wires[0]:
@@ -205,8 +206,7 @@ class Analysis:
             self.refuse(f"output {name} must be sum[x](softmax[x](S) * V) with V an input read along its own wires")
         ts = sorted((self.d.tensor(f.name) for f in rest), key=lambda t: -len(t.axes))
         if len(ts) == 2:   # sum[x](P * V * gate): the gate along the keys and V's wires alone, one an axis
-            v, g = (ir.axis_wires(t.axes) for t in ts)
-            if not (e.wires[0] in g and set(g) <= set(v)) or len(v) + len(g) != len(ts[0].axes) + len(ts[1].axes):
+            if not gates(ts[1], ts[0], e.wires[0]) or any(len(a) > 1 for t in ts for a in t.axes):
                 self.refuse(f"output {name} must be sum[x](softmax[x](S) * V), or V times a gate along {e.wires[0]} "
                             "and V's wires, each an input read along its own wires, one wire an axis")
             self.gate = ts[1]

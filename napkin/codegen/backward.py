@@ -190,7 +190,10 @@ class BackwardPlan:
     # key-side inputs that lack batch wires K has (differential attention's V), and those wires: their
     # gradients are stored along the wires first, a share per dK/dV program, and summed by the launcher
     shared: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    gate: Optional[str] = None   # a gate on the value: the kernels' V is V * gate (training._gate_context)
+
+    @property
+    def gate(self) -> Optional[str]:   # a gate on the value: the kernels' V is V * gate (GradRule.value_gate)
+        return self.rule.value_gate
 
     @property
     def q(self) -> str:
@@ -327,8 +330,7 @@ class _Builder:
         return BackwardPlan(self.bd, f, rule, self.row, self.col, self.batch, dims, self.qs, self.ks, self.v,
                             self.state, self.row_inputs, tuple(n for n, e in rows if not _alias(e)),
                             tuple((n, e.name) for n, e in rows if _alias(e)), grad_names, tuple(kernels),
-                            tuple(self.axes.items()), tuple(self.ungradable), tuple(self.shared.items()),
-                            rule.value_gate)
+                            tuple(self.axes.items()), tuple(self.ungradable), tuple(self.shared.items()))
 
     # ---- the stored layout of every backward tensor ----
     def layouts(self) -> dict:

@@ -1,6 +1,7 @@
 """Python source as the emitters write and read it: the one spelling of a
 quoted name and of a tuple (a 1-tuple keeps its comma), of a tensor put
-along another's wires (``along``), and the names a piece of generated code
+along another's wires and summed back to its own (``along``, ``summed_to``),
+and the names a piece of generated code
 reads.  Its own module because emit.py, tma.py and
 chunks.py need it and emit imports them.  Names are plain identifiers by
 then (the checker refuses any other), so quoting needs no escaping."""
@@ -42,3 +43,13 @@ def along(wires, target) -> str:
     perm = tuple(list(wires).index(w) for w in order)
     return (f".permute{perm}" if perm != tuple(range(len(perm))) else "") + \
         "[" + ", ".join(":" if w in wires else "None" for w in target) + "]"
+
+
+def summed_to(wires, target) -> str:
+    """What takes a tensor laid out along ``wires`` to ``target``'s (a subset):
+    summed over the wires target lacks, the rest permuted to target's order
+    (dgate[b, x, h] of dW * V along V[b, h, x, d]: ``.sum(dim=(3,)).permute(0, 2, 1)``)."""
+    summed = tuple(i for i, w in enumerate(wires) if w not in target)
+    kept = [w for w in wires if w in target]
+    perm = tuple(kept.index(w) for w in target)
+    return (f".sum(dim={summed})" if summed else "") + (f".permute{perm}" if perm != tuple(range(len(perm))) else "")

@@ -41,7 +41,7 @@ from . import launch as H
 from . import ranges as R
 from . import lower as L
 from .kernel_names import fresh_name
-from .pysrc import along
+from .pysrc import along, summed_to
 
 SAVED_PREFIX = "_saved_"
 # The backward launchers' keyword options (templates/training.py.jinja).
@@ -580,14 +580,10 @@ def _gate_context(b) -> dict:
     back in the gate's order."""
     d = b.forward.diagram
     vw, gw = ir.axis_wires(d.tensor(b.v).axes), ir.axis_wires(d.tensor(b.gate).axes)
-    order = [w for w in vw if w in gw]
-    back = tuple(order.index(w) for w in gw)
-    summed = tuple(i for i, w in enumerate(vw) if w not in gw)
-    total = f".sum(dim={summed})" + (f".permute{back}" if back != tuple(range(len(gw))) else "")
     inputs = [t.name for t in d.inputs]
     # the kernels' arguments: the product in V's place
     args = ", ".join(f"({n}.to(torch.float32) * _g).to({n}.dtype)" if n == b.v else n for n in inputs)
-    return {"name": b.gate, "value": b.v, "view": along(gw, vw), "sum": total, "args": args,
+    return {"name": b.gate, "value": b.v, "view": along(gw, vw), "sum": summed_to(vw, gw), "args": args,
             "iv": inputs.index(b.v), "ig": inputs.index(b.gate)}
 
 
@@ -602,17 +598,11 @@ def _row_grads(b) -> list:
     for tensor, state in b.rule.row_grads:
         stored = [w for a in axes[state] for w in a]
         own, steps = reads[tensor]   # the wires the row function reads it along
-        summed = tuple(i for i, w in enumerate(stored) if w not in own)
-        kept = [w for w in stored if w in own]
         shape = ", ".join(f'_sz["{w}"]' for w in stored)
         text = f"{state}.reshape([{shape}])"
-        if summed:
-            text += f".sum(dim={summed})"
-        elif state in dict(b.aliases):   # dO itself (a residual's dT = dO): the op may not return an input
-            text += ".clone()"
-        perm = tuple(kept.index(w) for w in own)
-        if perm != tuple(range(len(perm))):
-            text += f".permute{perm}"
+        if set(stored) <= set(own) and state in dict(b.aliases):
+            text += ".clone()"   # dO itself (a residual's dT = dO), nothing summed: the op may not return an input
+        text += summed_to(stored, own)
         if steps:
             text = f"_by_blocks({text}, {steps!r})"
         out.append({"tensor": tensor, "state": state, "side": tensor in sides, "expr": text,

@@ -137,7 +137,7 @@ def bound_shape(diagram: ir.Diagram) -> BoundShape:
         for let2, node, _ in cons[1:]:
             # the product's factors the score feeds, and the value: the one other with a wire the
             # scores lack; a gate on it (sum[x](P * V * gate), gate[b, h, x]) moves x a head, as a bias
-            factors = _flat_product(node.body)
+            factors = ir.factors(node.body)   # ((P * V) * gate) as [P, V, gate]
             p = [f for f in factors if _feeds(diagram, let1, f)]
             v = [f for f in factors if not _feeds(diagram, let1, f) and not node_wires(diagram, f) <= score]
             if p and len(v) == 1:
@@ -171,13 +171,6 @@ def _written(diagram: ir.Diagram, name: str) -> Optional[str]:
     output, else None (nothing written: a box Y = O * 2 is the output, and
     the compulsory floor counts Y; O at its fp32 was once charged)."""
     return tiling.tensor_dtype(diagram, name) if name in {o.name for o in diagram.outputs} else None
-
-
-def _flat_product(e: ir.Expr) -> list:
-    """The factors of a product, ((P * V) * gate) as [P, V, gate]."""
-    if isinstance(e, ir.Binary) and e.op == "*":
-        return _flat_product(e.lhs) + _flat_product(e.rhs)
-    return [e]
 
 
 def _feeds(diagram: ir.Diagram, let: ir.Let, expr: ir.Expr) -> bool:
