@@ -12,8 +12,8 @@ what packing buys.
 
 --ragged: examples/ragged_decode.ncd instead, a batch whose caches are filled
 to their own lengths n[b] (the module's example_inputs draws them in 1..|x|,
-seed 0; each point's lengths are in the record).  napkin's ranges prepass
-finds each chunk's live blocks at every call, so a call's lengths may be any;
+seed 0; each point's lengths are in the record).  napkin's loops read each
+sequence's length at every call (no prepass), so a call's lengths may be any;
 FlexAttention's block mask is built from the lengths, so it is timed twice:
 "flex", the mask built once outside the timed call (a step whose lengths did
 not change), and "flex-step", the mask rebuilt inside it (create_block_mask

@@ -170,8 +170,8 @@ stage_decode() {
 
 stage_ragged() {
   # Decoding a batch of caches filled to their own lengths (examples/ragged_decode.ncd,
-  # bench/decode.py --ragged; never run on a GPU yet): napkin's ranges prepass skips each
-  # sequence's blocks past its length at every call; FlexAttention timed with its block
+  # bench/decode.py --ragged; never run on a GPU yet): napkin's loops stop at each
+  # sequence's length, read at every call; FlexAttention timed with its block
   # mask built once (flex) and rebuilt each call (flex-step), as a loop whose lengths grow.
   "$PYTHON" bench/decode.py --ragged --out "$OUT_DIR"
 }

@@ -11,9 +11,11 @@ sides need, so the kernel and the cost pass agree on what is visited:
 * ``classify_block(pred, ranges, sizes)``: EMPTY / PARTIAL / FULL for a block,
   by interval arithmetic over affine comparisons (``and``/``or``/``not``
   combine; anything data-dependent, like ``doc[b, q] == doc``, is PARTIAL).
-* ``stream_bounds(pred, row, col, sizes)``: the affine conjuncts of ``pred``
+* ``stream_bounds(pred, row, col, sizes, data)``: the affine conjuncts of ``pred``
   that bound the streamed wire ``col`` in terms of the row wire, as
-  ``Bound``s.  The kernel's loop runs over ``[start rounded down to a block,
+  ``Bound``s; with ``data``, terms that read those length inputs too, which
+  the kernels load at run time and the Python side reads at given values
+  (``at_values``: cost's --lengths) or leaves out.  The kernel's loop runs over ``[start rounded down to a block,
   stop)`` computed from them (codegen renders the very same formula in
   Triton); ``exact_bounds`` gives them only when they are the whole mask
   (then blocks can be known FULL).
@@ -244,14 +246,25 @@ class _Masked:
 # symbolic, {"": const}, and {"w//n": coeff} for an index floor-divided by a
 # whole constant n >= 2 (a chunk's number: x // 128 == q // 128 keeps the
 # pairs of one chunk), which every function below takes as one more
-# non-decreasing term of its index.
+# non-decreasing term of its index.  With ``data`` named, {"@n": coeff} for a
+# read of such an input: a length the kernel loads once per program (n[b] of
+# x < n[b], a scalar w of q - x < w), a term its loop bounds read at run time
+# as they read a size (``length_key``).
 # --------------------------------------------------------------------------
 
 Affine = dict
 
 
-def affine(e: ir.Expr, sizes: Mapping[str, int] = {}) -> Optional[Affine]:
-    """``e`` as an affine form over wire indices and symbolic sizes, or None."""
+def length_key(name: str) -> str:
+    """The affine form's key of a read of length input ``name``."""
+    return f"@{name}"
+
+
+def affine(e: ir.Expr, sizes: Mapping[str, int] = {}, data: frozenset = frozenset()) -> Optional[Affine]:
+    """``e`` as an affine form over wire indices and symbolic sizes, or None;
+    reads of the inputs named in ``data`` are terms of their own (length_key)."""
+    if isinstance(e, ir.TensorRef) and e.name in data and e.steps is None:
+        return {length_key(e.name): 1}
     if isinstance(e, ir.Num):
         return None if math.isinf(e.value) else {"": e.value}
     if isinstance(e, ir.WireIndex):
@@ -259,18 +272,18 @@ def affine(e: ir.Expr, sizes: Mapping[str, int] = {}) -> Optional[Affine]:
     if isinstance(e, ir.WireSize):
         return {"": sizes[e.wire]} if e.wire in sizes else {f"|{e.wire}|": 1}
     if isinstance(e, ir.Unary) and e.op == "-":
-        a = affine(e.operand, sizes)
+        a = affine(e.operand, sizes, data)
         return None if a is None else _scale(a, -1)
     if isinstance(e, ir.Binary) and e.op == "//":
-        a, n = affine(e.lhs, sizes), ir.fold_constant(e.rhs, sizes)
+        a, n = affine(e.lhs, sizes, data), ir.fold_constant(e.rhs, sizes)
         if a is None or n is None or len(a) != 1 or not float(n).is_integer() or n < 1:
             return None
         ((key, coeff),), n = a.items(), int(n)
         if n == 1 or key == "":
             return a if n == 1 else {"": a[""] // n} if a[""] // n else {}
-        return {floor_key(key, n): 1} if coeff == 1 and not key.startswith("|") and "//" not in key else None
+        return {floor_key(key, n): 1} if coeff == 1 and not key.startswith(("|", "@")) and "//" not in key else None
     if isinstance(e, ir.Binary) and e.op in ("+", "-", "*"):
-        a, b = affine(e.lhs, sizes), affine(e.rhs, sizes)
+        a, b = affine(e.lhs, sizes, data), affine(e.rhs, sizes, data)
         if a is None or b is None:
             return None
         if e.op == "*":
@@ -298,8 +311,8 @@ def floor_of(key: str) -> Optional[tuple[str, int]]:
 
 def _index_term(key: str) -> tuple[str, int]:
     """(wire, n) of an index key: ``w`` is (w, 1), ``w//n`` is (w, n); the
-    size and constant keys are ("", 1)."""
-    if key == "" or key.startswith("|"):
+    size, length and constant keys are ("", 1)."""
+    if key == "" or key.startswith(("|", "@")):
         return "", 1
     return floor_of(key) or (key, 1)
 
@@ -390,7 +403,8 @@ class Bound:
     """One affine conjunct solved for the streamed index c:
 
     lower: c >= row_coeff * (r // step) + rest;   upper: c <= row_coeff * (r // step) + rest.
-    ``rest`` is an affine form over symbolic sizes and a constant (ints).
+    ``rest`` is an affine form over symbolic sizes, lengths (``@n``: the
+    kernel's load of a length input, ``lengths_read``) and a constant (ints).
     ``step`` is 1 (r itself) or a chunk's length (x // 128 == q // 128 is
     c >= 128 * (r // 128) and c <= 128 * (r // 128) + 127).  r // step does
     not decrease with r, so over a block of rows [r0, r1] a lower bound is
@@ -406,7 +420,12 @@ class Bound:
     @property
     def sizes_read(self) -> frozenset[str]:
         """The wires whose sizes ``rest`` reads (``value`` needs them)."""
-        return frozenset(key[1:-1] for key, _ in self.rest if key)
+        return frozenset(key[1:-1] for key, _ in self.rest if key.startswith("|"))
+
+    @property
+    def lengths_read(self) -> frozenset[str]:
+        """The length inputs ``rest`` reads: known at run time alone (``at_values``)."""
+        return frozenset(key[1:] for key, _ in self.rest if key.startswith("@"))
 
     def value(self, r: int, sizes: Mapping[str, int]) -> int:
         """The bound at row r: row_coeff * (r // step) + rest."""
@@ -472,30 +491,32 @@ def _conjuncts(e: ir.Expr):
 
 
 def stream_bounds(pred: ir.Expr, row: str, col: str,
-                  sizes: Mapping[str, int] = {}) -> tuple[Bound, ...]:
+                  sizes: Mapping[str, int] = {}, data: frozenset = frozenset()) -> tuple[Bound, ...]:
     """The conjuncts of ``pred`` that bound index ``col`` by an integer affine
     function of index ``row`` (coefficient of col +-1, integer coefficients,
-    no other index).  ``sizes`` are the fixed wire sizes folded to numbers."""
+    no other index).  ``sizes`` are the fixed wire sizes folded to numbers;
+    ``data``: the length inputs a bound may read (affine)."""
     bounds = []
     for c in _conjuncts(pred):
-        bounds += [b for b in _conjunct_bounds(c, row, col, sizes) or () if b is not None]
+        bounds += [b for b in _conjunct_bounds(c, row, col, sizes, data) or () if b is not None]
     return tuple(bounds)
 
 
-def _conjunct_bounds(c: ir.Expr, row: str, col: str, sizes) -> Optional[list[Optional[Bound]]]:
+def _conjunct_bounds(c: ir.Expr, row: str, col: str, sizes,
+                     data: frozenset = frozenset()) -> Optional[list[Optional[Bound]]]:
     """One conjunct as bounds on ``col``: one entry per ``form <= 0`` it
     amounts to (two for ``==``), None where a form is not such a bound; None
     for anything but an affine comparison."""
-    forms = _forms(c, sizes)
+    forms = _forms(c, sizes, data)
     return None if forms is None else [_solve(form, row, col) for form in forms]
 
 
-def _forms(c: ir.Expr, sizes) -> Optional[list[Affine]]:
+def _forms(c: ir.Expr, sizes, data: frozenset = frozenset()) -> Optional[list[Affine]]:
     """An affine comparison as the forms ``form <= 0`` it amounts to (two
     for ``==``; integer ones: ``<`` is ``<= -1``), else None."""
     if not (isinstance(c, ir.Binary) and c.op in ("<", "<=", ">", ">=", "==")):
         return None
-    la, ra = affine(c.lhs, sizes), affine(c.rhs, sizes)
+    la, ra = affine(c.lhs, sizes, data), affine(c.rhs, sizes, data)
     if la is None or ra is None:
         return None
     diff = _add(la, _scale(ra, -1))  # lhs - rhs
@@ -564,10 +585,31 @@ def _solve(form: Affine, row: str, col: str) -> Optional[Bound]:
 
 
 def rest_value(rest, sizes) -> int:
+    """``rest`` at these sizes; a length's term has no value here (``at_values`` gives it one)."""
     total = 0
     for key, v in rest:
+        if key.startswith("@"):
+            raise ValueError(f"the bound reads the length {key[1:]}, known at run time alone (masks.at_values)")
         total += v if key == "" else v * sizes[key[1:-1]]
     return total
+
+
+def at_values(bounds: tuple[Bound, ...], values: Mapping[str, int]) -> tuple[Bound, ...]:
+    """The bounds as the Python side counts them (the cost pass, visits):
+    a length given in ``values`` (cost's --lengths) read as that number at
+    every index; a bound reading one not given dropped, so what is counted
+    is an upper bound of what the kernel visits (its loop is at most the
+    others' range)."""
+    out = []
+    for b in bounds:
+        if not b.lengths_read:
+            out.append(b)
+        elif b.lengths_read <= set(values):
+            rest = dict(b.rest)
+            for name in b.lengths_read:
+                rest[""] = rest.get("", 0) + rest.pop(length_key(name)) * values[name]
+            out.append(replace(b, rest=tuple(sorted((k, v) for k, v in rest.items() if v))))
+    return tuple(out)
 
 
 # An `or` of conjunctions past this many is left to the prepass alone: the
@@ -619,16 +661,17 @@ def _dnf(e: ir.Expr) -> list[tuple[ir.Expr, ...]]:
 
 
 def exact_bounds(pred: Optional[ir.Expr], row: str, col: str,
-                 sizes: Mapping[str, int] = {}) -> Optional[tuple[Bound, ...]]:
+                 sizes: Mapping[str, int] = {}, data: frozenset = frozenset()) -> Optional[tuple[Bound, ...]]:
     """The bounds whose conjunction is exactly ``pred`` (``()`` for no mask,
     pred None), or None when a conjunct is anything else (a document mask's
     ``doc[b, q] == doc``, an ``or``, another index): then no block is known
-    full.  In ``stream_bounds`` order, so the same bounds as the loop's."""
+    full.  In ``stream_bounds`` order, so the same bounds as the loop's.
+    ``data`` as stream_bounds'."""
     if pred is None:
         return ()
     out = []
     for c in _conjuncts(pred):
-        got = _conjunct_bounds(c, row, col, sizes)
+        got = _conjunct_bounds(c, row, col, sizes, data)
         if got is None or None in got:
             return None
         out += got

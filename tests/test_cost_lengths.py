@@ -101,6 +101,45 @@ def test_ragged_decoding_counts_the_cache_up_to_the_length(length, chunk):
     assert want_loads["K"] == 3 * 2 * min(300, -(-length // 64) * 64) * 128 * 2
 
 
+WINDOW = (K.REPO / "examples" / "runtime_window.ncd").read_text().replace("d = 64", "d = 32")
+
+
+@pytest.mark.parametrize("width", [1, 16, 37, 150, 2 ** 31 - 1])
+def test_the_runtime_window_counts_are_the_bytes_its_kernels_move(width):
+    """w = width: the loops' bounds read it (no prepass), so the counts at --lengths w=width are the
+    blocks they visit, forward and backward, tensor by tensor; without a value the window's bound is
+    left out: causal's blocks, an upper bound, and the note says which."""
+    m = K.compile_text(WINDOW, "lengths_window")
+    d = napkin.load_text(WINDOW, "runtime_window.ncd")
+    n, blocks = 150, {"q": 32, "x": 16}
+    sizes = {"b": 2, "h": 2, "q": n, "x": n}
+    q, k, v, t, _ = m.example_inputs(sizes, dtype=torch.float16, seed=width % 1000)
+    inputs = (q, k, v, t, torch.tensor(width, dtype=torch.int32))
+    report = analyse(with_blocks(d, blocks), sizes, lengths={"w": width})
+    notes = " ".join(report.notes)
+    assert (f"the kernels' loops are bounded by w at run time, each program loading it (no ranges prepass): "
+            f"the counts are the blocks they visit when w = {width} (--lengths)") in notes
+    assert "prepass finds" not in notes
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        m.runtime_window(*inputs, block_q=32, block_x=16)
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == predicted_bytes(report)
+    assert bc.launches == 1
+    causal = analyse(with_blocks(d, blocks), sizes)
+    assert "the counts leave out the bounds that read w (an upper bound" in " ".join(causal.notes)
+    assert (report_bytes(report, "K") < report_bytes(causal, "K")) == (width < n - 16)
+
+    back = backward_cost(with_blocks(d, blocks), sizes, given=True, lengths={"w": width})
+    options = tuple({"block_q": 32, "block_x": 16}.get(o) for o in m._OPTIONS)
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        outs, saved = m._runtime_window_forward(*inputs, *options, True)
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == predicted_bytes(back.forward)
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(0)).to(o.dtype) for o in outs]
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        m._runtime_window_grads(inputs, (*outs, *saved), grads, options, None)
+    assert (without_tensors(bc.loads), without_tensors(bc.stores)) == \
+        (without_tensors(backward_bytes(back, "load")), without_tensors(backward_bytes(back, "store")))
+
+
 def report_bytes(report, tensor: str) -> int:
     return sum(t.bytes for t in report.transfers if t.tensor == tensor)
 

@@ -13,8 +13,10 @@ Checked here:
 * a bool scalar switches a mask (causal or not, against SDPA), a scalar
   soft-cap and a matmul's scalar epilogue train;
 * the launcher takes a Python number for a scalar (kept one tensor per
-  value, so mask_cache= keeps a width's ranges) and names a scalar's shape
-  and type in its refusals;
+  value, so mask_cache= keeps a width's ranges where a prepass finds them:
+  the window and sinks of SINKS; the window alone has its loops bounded by
+  w, no prepass, and leaves the dict empty) and names a scalar's shape and
+  type in its refusals;
 * the cost pass counts a scalar's loads as the kernels make them
   (ByteCounter), and prices a width given with ``--lengths`` as the same
   width written in the diagram;
@@ -70,6 +72,9 @@ schedule on h100 {
   }
 }
 """
+# StreamingLLM's window beside its sink tokens: w in an ``or``, so a ranges prepass finds the blocks
+SINKS = SCALARS.replace("x <= q and q - x < w", "x <= q and (q - x < w or x < 4)").replace("diagram scalars",
+                                                                                       "diagram sinks")
 
 
 def _error(text: str) -> str:
@@ -196,8 +201,13 @@ def test_the_launcher_names_a_scalars_shape_and_type():
 def test_a_python_number_passes_for_a_scalar_and_keeps_its_ranges():
     """scalars(Q, K, V, 0.3, 7) is scalars(Q, K, V, tensor(0.3), tensor(7)), in the inputs' dtype (the fp32
     class t shares with Q) on their device, the reference's too; the same width passed again is the same
-    0-d tensor, so mask_cache= keeps the prepass's ranges, where fresh tensors of one value run it again."""
+    0-d tensor, so mask_cache= keeps the prepass's ranges (SINKS'), where fresh tensors of one value run it
+    again.  The window alone runs no prepass (its loops read w) and leaves the dict empty."""
     m = K.compile_text(SCALARS, "scalars")
+    empty: dict = {}
+    m.scalars(*_inputs(45, torch.float32, seed=4)[:3], 0.3, 7, mask_cache=empty)
+    assert empty == {}
+    m = K.compile_text(SINKS, "sinks")
     for dtype in (torch.float32, torch.float16):
         Q, Kt, V, t, w = _inputs(45, dtype, seed=4)
         got, = K.run(m, [Q, Kt, V, 0.3, 7])
@@ -210,15 +220,15 @@ def test_a_python_number_passes_for_a_scalar_and_keeps_its_ranges():
         (entry,) = cache.values()
         return entry[0][0]
 
-    m.scalars(Q, Kt, V, 0.3, 7, mask_cache=cache)
+    m.sinks(Q, Kt, V, 0.3, 7, mask_cache=cache)
     first = record()
-    m.scalars(Q, Kt, V, 0.3, 7, mask_cache=cache)
+    m.sinks(Q, Kt, V, 0.3, 7, mask_cache=cache)
     assert record() is first                               # kept: the same tensor for 7
-    m.scalars(Q, Kt, V, 0.3, torch.tensor(7, dtype=torch.int32), mask_cache=cache)
+    m.sinks(Q, Kt, V, 0.3, torch.tensor(7, dtype=torch.int32), mask_cache=cache)
     assert record() is not first                           # another tensor of the same value: run again
     # gradients reach the tensors beside a number, which has none to take
-    got = B.gradients(lambda q, k, v: m.scalars(q, k, v, 0.3, 7, block_q=32, block_x=16), [Q, Kt, V])
-    want = B.gradients(lambda q, k, v: m.scalars(q, k, v, t, w, block_q=32, block_x=16), [Q, Kt, V])
+    got = B.gradients(lambda q, k, v: m.sinks(q, k, v, 0.3, 7, block_q=32, block_x=16), [Q, Kt, V])
+    want = B.gradients(lambda q, k, v: m.sinks(q, k, v, t, w, block_q=32, block_x=16), [Q, Kt, V])
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -246,8 +256,9 @@ def test_the_public_backward_and_preprocess_take_python_numbers_too():
 # --------------------------------------------------------------------------
 
 def test_the_cost_pass_counts_a_scalar_as_the_kernels_load_it():
-    """Every tensor's bytes, the scalars' and the prepass's included, against the ByteCounter's at
-    a width given as --lengths would give it: each program loads t and w once."""
+    """Every tensor's bytes, the scalars' included, against the ByteCounter's at a width given as
+    --lengths would give it: each program loads t and w once; the loops read w (no prepass, one
+    launch), and SINKS' prepass (w in an or) is counted with its own kernels."""
     from napkin.cost import analyse
 
     m = K.compile_text(SCALARS, "scalars")
@@ -260,13 +271,22 @@ def test_the_cost_pass_counts_a_scalar_as_the_kernels_load_it():
     loads, stores = predicted_bytes(report)
     assert without_tensors(bc.loads) == loads and without_tensors(bc.stores) == stores
     assert loads["t"] == 2 * 2 * math.ceil(n / 32) * 4   # one fp32 a program of the main kernel
+    assert bc.launches == 1
     # a scalar has one index: the note gives its value alone
+    assert "the counts are the blocks they visit when w = 20 (--lengths)" in " ".join(report.notes)
+    m = K.compile_text(SINKS, "sinks")
+    report = analyse(napkin.load_text(SINKS, "sinks.ncd"), {"b": 2, "h": 2, "q": n, "x": n}, lengths={"w": w})
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs)), distinct=False) as bc:
+        m.sinks(*inputs)
+    loads, stores = predicted_bytes(report)
+    assert without_tensors(bc.loads) == loads and without_tensors(bc.stores) == stores
+    assert bc.launches == 3   # the prepass's scan and merge, then the kernel
     assert "finds live when w = 20 (--lengths), every dead block skipped" in " ".join(report.notes)
 
 
 def test_a_width_given_at_run_time_is_priced_as_the_same_width_written_down():
     """--lengths w=256 against the diagram with 256 written in: the same blocks visited, so the same
-    FLOPs and the same bytes of Q, K and V; the data mask adds only its prepass and record."""
+    FLOPs and the same bytes of Q, K and V (the loops read w: no prepass, no record)."""
     from napkin.cost import analyse
 
     sizes = {"b": 1, "h": 4, "q": 4096, "x": 4096}
@@ -274,9 +294,9 @@ def test_a_width_given_at_run_time_is_priced_as_the_same_width_written_down():
     fixed = analyse(napkin.load_text(SCALARS.replace("q - x < w", "q - x < 256"), "fixed.ncd"), sizes)
     assert data.flops.contraction == fixed.flops.contraction
     assert data.flops.skipped_fraction == fixed.flops.skipped_fraction
-    bytes_of = [{(t.kernel, t.tensor): t.bytes for t in r.transfers if t.tensor in {"Q", "K", "V", "O"}}
+    bytes_of = [{(t.kernel, t.tensor, t.direction): t.bytes for t in r.transfers if t.tensor != "w"}
                 for r in (data, fixed)]
-    assert bytes_of[0] == bytes_of[1]
+    assert bytes_of[0] == bytes_of[1]   # every transfer but w's own loads
     unpriced = analyse(napkin.load_text(SCALARS, "scalars.ncd"), sizes)   # every block under the diagonal
     assert unpriced.flops.contraction > data.flops.contraction
 

@@ -72,6 +72,7 @@ class _Attention:
                 if isinstance(n, ir.Reduce) and col in n.wires and len(n.wires) > 1:
                     raise _not_col_alone(n, col)
         sides = [self.sides(c) for c in contractions]
+        self.key = sides[0][1]   # the first contraction's key: the dK/dV kernel's programs index its wires
         self.row = row = self.row_wire(contractions[0], sides[0])
         self.score_wires = frozenset().union(*(wires_of(d, c) for c in contractions))
         order = [w.name for w in d.wires]
@@ -438,8 +439,35 @@ class _Attention:
             if masks.value_when_masked(body, node, fixed) != want:
                 return None, (), None
         pred = masks.mask_predicate(node)
+        # a mask whose every conjunct is a bound once its lengths are read (x < n[b], q - x < w):
+        # the loops' bounds load them, no prepass (see lengths())
+        exact = masks.exact_bounds(pred, self.row, self.col, fixed, self.lengths(pred))
+        if exact is not None and any(b.lengths_read for b in exact):
+            return pred, exact, exact
         return (pred, masks.stream_bounds(pred, self.row, self.col, fixed),
                 masks.exact_bounds(pred, self.row, self.col, fixed))
+
+    def lengths(self, pred) -> frozenset:
+        """The integer inputs the mask's bounds may read at run time (masks.affine's data):
+        those it reads whole (no coarse step) along their own wires, every one a batch wire the
+        key has, so every kernel's program has one index of each and loads the value once
+        (the forward and dQ index every batch wire, dK/dV the key's; a value per g of GQA's
+        would vary in dK/dV's loop over g).  Any other keeps the ranges prepass."""
+        d = self.d
+        on = set(self.batch) & set(read_wires(d, self.key))
+        out = set()
+        bad = set()
+        for n in ir.walk(pred):
+            if not isinstance(n, ir.TensorRef):
+                continue
+            t = d.tensor(n.name)
+            own = ir.axis_wires(t.axes) if isinstance(t, ir.Input) else ()
+            if (isinstance(t, ir.Input) and t.dtype in ir.NUMBER_INT_DTYPES and n.steps is None
+                    and (n.wires is None or tuple(n.wires) == own) and set(own) <= on):
+                out.add(n.name)
+            else:
+                bad.add(n.name)
+        return frozenset(out - bad)
 
 
 def _finish(e):

@@ -30,13 +30,32 @@ from .. import masks
 _NONE_LEAST = 2 ** 62
 
 
+# A bound that reads a length input (masks.length_key) is computed in int64 from the length's
+# load and clipped before it meets int32 block arithmetic: a length is data, and w = 2**31 - 1
+# for "no window" is a fair value, whose q + w wraps in int32.  Clipping to [-2**30, 2**30] keeps
+# every comparison with an index below 2**29 (as the constants' _BOUND_LIMIT presumes) as it was.
+_CLIP = 2 ** 30
+
+
+def _term(key: str, size) -> str:
+    """One key of a rest: a size ``|w|`` by ``size(w)``, a length ``@n`` by ``size("@n")``
+    (the emitter's _Names: its load's variable, widened to int64)."""
+    return f"{size(key)}.to(tl.int64)" if key.startswith("@") else size(key[1:-1])
+
+
 def _rest_terms(b: masks.Bound, size) -> list[str]:
-    return [str(v) if key == "" else size(key[1:-1]) if v == 1 else f"{v} * {size(key[1:-1])}"
+    return [str(v) if key == "" else _term(key, size) if v == 1 else
+            f"-{_term(key, size)}" if v == -1 and key.startswith("@") else f"{v} * {_term(key, size)}"
             for key, v in b.rest]
 
 
 def _sum(terms: list[str]) -> str:
     return (" + ".join(terms) or "0").replace("+ -", "- ")
+
+
+def _clipped(b: masks.Bound, value: str) -> str:
+    """``value`` as int32, clipped to [-_CLIP, _CLIP] where the bound reads a length (_CLIP)."""
+    return f"tl.minimum(tl.maximum({value}, {-_CLIP}), {_CLIP}).to(tl.int32)" if b.lengths_read else value
 
 
 def row_term(b: masks.Bound, r: str) -> list[str]:
@@ -47,19 +66,24 @@ def row_term(b: masks.Bound, r: str) -> list[str]:
 
 
 def affine(b: masks.Bound, r: str, size) -> str:
-    """row_coeff * (r // step) + rest, the sizes rendered by ``size``."""
-    return _sum(row_term(b, r) + _rest_terms(b, size))
+    """row_coeff * (r // step) + rest, the sizes rendered by ``size`` (clipped: _CLIP)."""
+    return _clipped(b, _sum(row_term(b, r) + _rest_terms(b, size)))
 
 
 def rest(b: masks.Bound, size) -> str:
     """The bound's terms without the row, in parentheses: ``(|x| - |q|)``
-    with the sizes rendered by ``size``."""
-    return f"({_sum(_rest_terms(b, size))})"
+    with the sizes rendered by ``size`` (clipped: _CLIP)."""
+    return f"({_clipped(b, _sum(_rest_terms(b, size)))})"
 
 
 def text(b: masks.Bound, col: str, row: str) -> str:
-    """The bound as a comment reads it: ``x <= q + |x| - |q|``."""
-    return f"{col} {'>=' if b.kind == 'lower' else '<='} {affine(b, row, lambda w: f'|{w}|')}"
+    """The bound as a comment reads it: ``x <= q + |x| - |q|``, ``x <= n - 1``."""
+    def term(key, v):
+        name = key[1:] if key.startswith("@") else key
+        return str(v) if key == "" else name if v == 1 else f"-{name}" if v == -1 and name != key \
+            else f"{v} * {name}"
+    terms = [term(key, v) for key, v in sorted(b.rest, key=lambda kv: kv[0] == "")]   # the constant last
+    return f"{col} {'>=' if b.kind == 'lower' else '<='} {_sum(row_term(b, row) + terms)}"
 
 
 def ends(bounds, side: str) -> set:

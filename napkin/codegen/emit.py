@@ -77,8 +77,23 @@ class _Names:
         # wires the kernel takes its size of at run time even when the diagram
         # fixes it: packed rows (L.packed_wire) launch with |g| = 1 and |g||q| rows
         self.runtime = frozenset(runtime)
+        # the length inputs the mask's bounds read (masks.length_key): the variable of each one's
+        # load before the loop (set_lengths), which the bounds render in place of a size
+        self.read_lengths: dict[str, str] = {}
+
+    def set_lengths(self, bounds, loads) -> None:
+        """Name the loads of the lengths ``bounds`` read: each one's load before the loop
+        (phase "pre": it has neither tile wire), which the masked step reads too."""
+        for name in sorted({n for b in bounds or () for n in b.lengths_read}):
+            var = next((ld.var for ld in loads if ld.tensor == name and ld.phase == "pre"), None)
+            if var is None:
+                raise AssertionError(f"the bounds read the length {name}, which the kernel does not load "
+                                     "before its loop")
+            self.read_lengths[masks.length_key(name)] = var
 
     def size(self, w: str) -> str:
+        if w in self.read_lengths:
+            return self.read_lengths[w]
         return str(self.fixed[w]) if w in self.fixed and w not in self.runtime else f"_size_{w}"
 
     def block(self, w: str) -> str:
@@ -93,7 +108,7 @@ class _Names:
         (a fixed one's own size, whatever the launch's rows)."""
         if w in self.fixed:
             return str(self.fixed[w])
-        return f"_len_{w}" if w in self.positional else self.size(w)
+        return f"_len_{w}" if w in self.positional else self.size(w)   # size: a length's load too
 
     def index(self, w: str, rows: Optional[str], cols: Optional[str], glob: bool = False,
               unit: bool = False) -> str:
@@ -459,6 +474,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     constexpr _SAVE is set, so the plain forward moves exactly what it did."""
     d = plan.diagram
     names = _Names(d, plan.dims, (plan.row, plan.col), P.runtime(plan))
+    names.set_lengths(plan.bounds, plan.loads)
     kinds = _kinds(d)
     row, col = plan.row, plan.col
     br, bc = names.block(row), names.block(col)

@@ -194,8 +194,11 @@ def launcher_doc(plan: L.Plan, options, no_backward: Optional[str] = None, ungra
 def _mask_cache_doc(plan: L.AttentionPlan) -> str:
     """The launcher's mask_cache= in words: what it keeps for this diagram."""
     if not R.applies(plan):
+        read = sorted({n for b in plan.bounds for n in b.lengths_read})
+        why = (f"reads {', '.join(read)}, which the kernels' loop bounds load once a\nprogram" if read
+               else "reads no data")
         return ("\nmask_cache: accepted (a dict or None) and left empty: this diagram's mask\n"
-                "reads no data, so it has no ranges prepass to keep.")
+                f"{why}, so it has no ranges prepass to keep.")
     reads = ", ".join(R.mask_tensors(plan)) or "no tensor"
     return ("\nmask_cache={} (a dict of yours; default None: none kept) keeps the mask's\n"
             "ranges prepass results (which blocks are live, which full; the mask reads\n"

@@ -1,7 +1,10 @@
 """Block ranges of a mask that reads data, found by a prepass kernel.
 
 Affine masks (causal, a sliding window) give each program its visited blocks
-and its full ones by formula (bounds.py, napkin/visits.py).  A mask that reads data,
+and its full ones by formula (bounds.py, napkin/visits.py), and so does a
+mask whose every conjunct is such a bound once its length inputs are read
+(``x < n[b]``, ``q - x < w``: the loops load the lengths; lower's plan has
+them in its bounds, attention.py's ``lengths``).  A mask that reads data,
 ``doc[b, q] == doc`` of packed documents or a bool mask input, has no such
 formula, and without this module every block would be visited, masked:
 about twice FlexAttention's work on a few contiguous documents.  For such a

@@ -35,7 +35,7 @@ from . import prepass as prepass_mod
 from .devices import communication
 from .devices import mesh_tiles as device_tiles
 from .lengths import check_lengths, describe
-from .masked import (attention_plan, full_step_omits, kernel_ids, kernel_plan, mask_ids, prepass_note,
+from .masked import (attention_plan, full_step_omits, kernel_ids, kernel_plan, mask_ids, prepass_note, lengths_note,
                      visited)
 from .model import (Kernel, Tiling, access_fetches_poly, access_poly, chip_levels, contraction_numbers,
                     count_access, dram_fractions, kernel_tiling, kernel_work, kernels, tile_sym, tiling_at,
@@ -221,6 +221,9 @@ def analyse(diagram: ir.Diagram, sizes: Optional[Mapping[str, int]] = None,
     prepass = prepass_note(diagram, c.docs if c.known else None, c.bound, c.lengths)
     if prepass:
         notes.append(prepass)
+    loop_lengths = lengths_note(diagram, c.lengths if c.known else {})
+    if loop_lengths:
+        notes.append(loop_lengths)
     if any(k.two_pass for k in c.kernels):
         notes.append("a kernel writes a normalised tensor along its streamed wire: "
                      "it reads its streamed inputs twice (statistics, then values)")
@@ -306,9 +309,11 @@ def _check_lengths(c: "_Context") -> None:
         missing = ", ".join(w.name for w in c.d.wires if w.name not in c.bound)
         raise NapkinError(f"--lengths counts blocks at given sizes: give {missing} too (--size WIRE=N)")
     plan = attention_plan(c.d)
-    if plan is None or device_tiles(c.d) or index_disjuncts(plan, c.lengths) is None:
+    looped = {n for b in plan.bounds for n in b.lengths_read} if plan is not None and plan.skip is not None else set()
+    if plan is None or device_tiles(c.d) or (index_disjuncts(plan, c.lengths) is None
+                                             and not set(c.lengths) & looped):
         why = ("its devices' shares are priced whole, whatever the lengths" if device_tiles(c.d) else
-               "no ranges prepass of its kernels reads only these lengths and indices")
+               "no ranges prepass of its kernels reads only these lengths and indices, nor does a loop bound")
         raise NapkinError(f"--lengths: {describe(c.lengths)} changes nothing napkin prices for diagram {c.d.name}: "
                           f"{why}")
 

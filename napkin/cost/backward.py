@@ -62,7 +62,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .. import ir, visits, tiling
+from .. import ir, masks, visits, tiling
 from ..documents import column_spans
 from ..errors import Diagnostic, NapkinError
 from . import model
@@ -272,6 +272,8 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
 
     # a mask of indices alone (the length inputs at their values): an or of cuts
     union = index_disjuncts(f, lengths) if on_documents is None else None
+    # the loops' bounds, a length they read at run time at its given value, else left out (masks.at_values)
+    bounds = masks.at_values(f.bounds, lengths)
 
     @functools.lru_cache(maxsize=None)
     def prepass(br: int, bc: int, by_col: bool = False) -> model.Visited:
@@ -280,7 +282,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         if union is not None:
             found = (visits.prepass_column_visits if by_col else visits.prepass_visits)(union, nr, nc, br, bc, sizes)
             return model.Visited(col if by_col else row, *found)
-        spans, holes = row_visits(on_documents[0], tuple(f.bounds), nr, nc, br, bc, sizes, on_documents[1])
+        spans, holes = row_visits(on_documents[0], bounds, nr, nc, br, bc, sizes, on_documents[1])
         # consecutive rows of contiguous documents meet one run of keys: no holes, by column neither
         return model.Visited(col, column_spans(spans, -(-nc // bc))) if by_col else model.Visited(row, spans, holes)
 
@@ -292,7 +294,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         if union is not None:
             runs = visits.prepass_full(union, nr, nc, br, bc, sizes, whole_rows=True)
         elif on_documents is not None:
-            runs = row_full(on_documents[0], tuple(f.bounds), nr, nc, br, bc, sizes, on_documents[1], whole_rows=True)
+            runs = row_full(on_documents[0], bounds, nr, nc, br, bc, sizes, on_documents[1], whole_rows=True)
         else:
             return frozenset()
         return frozenset((i, j) for i, rs in enumerate(runs) for a, z in rs for j in range(a, z))
@@ -302,7 +304,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         """The (row block, key block) pairs a kernel at these blocks visits: the forward's."""
         if on_documents is not None or union is not None:
             return sorted(prepass(br, bc).pairs)
-        return visits.visited_blocks(f.bounds, nr, nc, br, bc, sizes) if nr and nc else []
+        return visits.visited_blocks(bounds, nr, nc, br, bc, sizes) if nr and nc else []
 
     for k in b.kernels:
         kernels.append(k.role)
@@ -327,7 +329,7 @@ def _attention(b, sizes: dict, given: bool, grad_dtype: str, prof, on_documents=
         omits = full_step_omits(b, k.role) if k.role != "rows" else frozenset()
         partial = [p for p in pairs if p not in full(br, bc)] if omits else pairs
         reach, ws_bytes = _dram_fractions(b, k, br, bc, sizes, prof,
-                                         _spans(b, k, br, bc, sizes, len(pairs) == nblocks[row] * nblocks[col],
+                                         _spans(b, k, br, bc, sizes, len(pairs) == nblocks[row] * nblocks[col], bounds,
                                                 prepass if on_documents is not None or union is not None else None))
         working_set = max(working_set, ws_bytes)
         first = len(moves)
@@ -451,17 +453,18 @@ def _prepass_launch(b, k, br: int, bc: int, cached: bool = False) -> Optional[pr
     return prepass_mod.backward_launch(b.forward, br, bc, k.role == "dkdv", cached)
 
 
-def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, prepass=None) -> Optional[model.Visited]:
+def _spans(b, k, br: int, bc: int, sizes: dict, dense: bool, bounds, prepass=None) -> Optional[model.Visited]:
     """The steps each program of a masked backward kernel reads (the forward's
     masked-loop rule, model.Visited), by the formulas its loops run: dQ's row
     block over the key blocks the forward's loop visits (model.visited_spans),
     dK/dV's key block over the row blocks that visit it (visits.row_block_range).
     A kernel that visits every pair (``dense``), or has no step loop (rows),
-    gets None: every program reads the whole stream.  ``prepass(br, bc, by_col)``:
+    gets None: every program reads the whole stream.  ``bounds``: the forward's, at the
+    lengths' values (masks.at_values).  ``prepass(br, bc, by_col)``:
     the ranges prepass's blocks (on --docs' documents, or a mask of indices') instead."""
     if k.role == "rows" or dense:
         return None
-    nr, nc, bounds = sizes[b.row], sizes[b.col], b.forward.bounds
+    nr, nc = sizes[b.row], sizes[b.col]
     if prepass is not None:   # the prepass's (by column: the same live pairs seen from the keys)
         return prepass(br, bc, k.grid_wire == b.col)
     if k.grid_wire == b.col:

@@ -3,9 +3,13 @@
 A length input is an integer input compared with an index of a wire it is
 not read along (ir.length_inputs): the prefix-LM's ``x < p[b]``, a ragged
 batch's cache lengths ``x < n[b]``, a window's width read as a scalar
-(``q - x < w``, examples/runtime_window.ncd).  Its mask reads data, so the kernels
-find their blocks with the ranges prepass at each launch and the cost pass,
-without the values, counts every block (an upper bound).  Given a value
+(``q - x < w``, examples/runtime_window.ncd).  Its mask reads data.  Where
+every conjunct is a bound once the length is read (``x < n[b]``, ``q - x <
+w``) the kernels' loops read it and the cost pass, without the value,
+leaves those bounds out (masks.at_values: an upper bound); given a value it
+counts the blocks the loops' formulas visit then.  Any other such mask
+(the prefix-LM's ``or``) is found by the ranges prepass at each launch and
+counted, without the values, as every block (an upper bound); given a value
 (the same at every index: every batch row's prefix is 1024 tokens, every
 cache holds 3000 keys) the mask compares indices alone, and the cost pass
 counts the blocks the prepass finds live on it, row by row

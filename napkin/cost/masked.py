@@ -53,6 +53,8 @@ def visited(diagram: ir.Diagram, kernel: Kernel, tiles: Tiling, sizes: dict[str,
         return None
     col, step = stream
     decided = codegen_bounds(diagram)
+    if decided is not None:   # a length the loops read (x < n[b]) at its given value, else left out
+        decided = decided[0], masks.at_values(decided[1], lengths)
     from ..codegen.ranges import index_disjuncts
 
     ids = kernel_ids(diagram) if docs is not None else None
@@ -210,6 +212,26 @@ def prepass_note(diagram: ir.Diagram, docs: Optional[Documents] = None, sizes: M
         "; --lengths NAME=N counts them where the length input holds N" if _length_reads(plan) else ""
     return (f"the mask {expr_text(plan.skip)}{counted} (an upper bound of the main kernel's tiles), while the "
             f"kernels skip blocks with a ranges prepass at each launch ({cost}){hint}")
+
+
+def lengths_note(diagram: ir.Diagram, lengths: Mapping[str, int] = {}) -> Optional[str]:
+    """Where the kernels' loop bounds read a length input (x < n[b], q - x < w: no prepass, each
+    program loads it): what the counts take it to be, the --lengths value or no bound at all."""
+    plan = attention_plan(diagram)
+    if plan is None or device_tiles(diagram) or plan.skip is None:
+        return None
+    read = sorted({n for b in plan.bounds for n in b.lengths_read})
+    if not read:
+        return None
+    names = ", ".join(read)
+    loop = f"the kernels' loops are bounded by {names} at run time, each program loading it (no ranges prepass)"
+    given = {n: lengths[n] for n in read if n in lengths}
+    if len(given) == len(read):
+        every = " at every index" if any(plan.diagram.tensor(n).axes for n in read) else ""
+        return f"{loop}: the counts are the blocks they visit when {describe(given)}{every} (--lengths)"
+    unknown = ", ".join(n for n in read if n not in given)
+    return (f"{loop}: the counts leave out the bounds that read {unknown} (an upper bound of the blocks "
+            f"visited); --lengths NAME=N counts them where the length input holds N")
 
 
 def _length_reads(plan) -> bool:
