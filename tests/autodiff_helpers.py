@@ -138,10 +138,13 @@ def diagram_sizes(diagram):
 
 def random_inputs(diagram, sizes, g):
     env, layouts = {}, {}
+    lengths = dict(ir.length_inputs(diagram))
     for inp in diagram.inputs:
         wires = ir.axis_wires(inp.axes)
         shape = [sizes[w] for w in wires]
-        if inp.dtype in ir.INT_DTYPES:  # document ids: non-decreasing small integers
+        if inp.name in lengths:   # a length of a wire (x < n[b]): 1..|wire|, as example_inputs draws it
+            env[inp.name] = torch.randint(1, sizes[lengths[inp.name]] + 1, shape, generator=g).to(F64)
+        elif inp.dtype in ir.INT_DTYPES:  # document ids: non-decreasing small integers
             env[inp.name] = torch.randint(0, 2, shape, generator=g).sort(-1).values.to(F64)
         elif inp.name == "slope":
             env[inp.name] = torch.rand(shape, generator=g, dtype=F64)

@@ -70,7 +70,7 @@ def _axes(*wires: str) -> tuple[ir.Axis, ...]:
 
 
 Q_IDX, X_IDX = ir.WireIndex("q"), ir.WireIndex("x")
-D_SIZE, X_SIZE = ir.WireSize("d"), ir.WireSize("x")
+D_SIZE, X_SIZE, Q_SIZE = ir.WireSize("d"), ir.WireSize("x"), ir.WireSize("q")
 NEG_INF = _n(float("-inf"))
 
 
@@ -207,6 +207,8 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     the wires' blocks tb[q // s, x // t] of tb[qb, xb], a bias per block of keys
     kb[x // t] of kb[kx], doc[b, x] : int32), and a quarter of the time a gate
     on the value, vg along x and some of V's other wires (sum[x](P * V * vg)).
+    Half the time a length bound joins the mask (``x < n[b]``, ``q - x < w``
+    of a scalar w, or ``x <= q + n[b] - |q|``): the loops read it.
     Boxes: ``S`` always; then one normaliser:
 
     * softmax: ``P = softmax[x](S)``, ``O = sum[x](P * V)``, optionally
@@ -245,8 +247,19 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     if doc_mask:  # packed sequences: a query sees only keys of its own document
         inputs.append(ir.Input("doc", _axes("b", "x"), "int32"))
         masks.append(_b("==", _t("doc", ("b", "q")), _t("doc")))
+    # a length input the loops' bounds read (codegen/attention.py's lengths): a cache's, a window's
+    length = draw(st.sampled_from((None, None, None, "n", "w", "end")))
+    if length in ("n", "end"):
+        inputs.append(ir.Input("n", _axes("b"), "int32"))
+        masks.append(_b("<", X_IDX, _t("n")) if length == "n" else
+                     _b("<=", X_IDX, _b("-", _b("+", Q_IDX, _t("n")), Q_SIZE)))
+    elif length == "w":
+        inputs.append(ir.Input("w", (), "int32"))
+        masks.append(_b("<", _b("-", Q_IDX, X_IDX), _t("w")))
     if masks:
-        cond = masks[0] if len(masks) == 1 else _b("and", masks[0], masks[1])
+        cond = masks[0]
+        for m in masks[1:]:
+            cond = _b("and", cond, m)
         score = _call("where", cond, score, NEG_INF)
 
     if any(t.name == "tb" for t in inputs):   # the tile bias's blocks: ceil(|q| / step), from |q| at the call

@@ -15,6 +15,8 @@ out, each for its reason:
 * diagrams with a document mask: its ranges prepass (kept across calls or
   not, its lists in torch) is test_bytecount.py's to count, on the bundled
   document examples (assert_prepassed);
+* a length input (x < n[b], q - x < w) is filled with one value, given to
+  the cost pass as --lengths gives it;
 * masks with a remainder (``(q - x) % 2 == 0``): the cost pass takes every
   tile a remainder cuts for live, which only a tile of one row and one key
   (q = 1 beside |x| = 33 at blocks of 32: key 32 alone, q - x even) is not;
@@ -36,6 +38,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 
 from backward_helpers import compile_text  # noqa: E402
 from cost_helpers import backward_bytes, gathered_reads, predicted_bytes, triton_launches, without_tensors  # noqa: E402
+from napkin import ir  # noqa: E402
 from napkin.bytecount import ByteCounter  # noqa: E402
 from napkin.cost import analyse  # noqa: E402
 from napkin.cost.backward import backward_cost  # noqa: E402
@@ -56,6 +59,9 @@ def test_counted_bytes_equal_the_cost_pass_on_random_diagrams(diagram, tmp_path_
     sizes = drawn_sizes(diagram, zlib.crc32(key.encode()))
     dtype = {"fp16": torch.float16, "fp32": torch.float32}[diagram.inputs[0].dtype]
     inputs = m.example_inputs(sizes, dtype=dtype, seed=2)
+    # each length input at one value, about half its wire, the cost pass told (--lengths)
+    lengths = {n: max(1, sizes[w] // 2 + 3) for n, w in ir.length_inputs(diagram)}
+    inputs = [torch.full_like(t, lengths[n]) if n in lengths else t for n, t in zip(m.INPUTS, inputs)]
     coarse = gathered_reads(diagram)
     none = (None,) * len(m._OPTIONS)
     forward = getattr(m, f"_{diagram.name}_forward")
@@ -66,7 +72,7 @@ def test_counted_bytes_equal_the_cost_pass_on_random_diagrams(diagram, tmp_path_
         forward(*inputs, *none, True)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         outs, saved = forward(*inputs, *none, True)
-    cost = backward_cost(diagram, sizes)
+    cost = backward_cost(diagram, sizes, lengths=lengths or None)
     loads, stores = predicted_bytes(cost.forward, *coarse)
     assert without_tensors(bc.loads, *coarse) == loads, text
     assert without_tensors(bc.stores) == stores, text

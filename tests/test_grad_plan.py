@@ -47,9 +47,18 @@ def run_plan(rule, env, layouts, sizes=None):
     for name, e in rule.forward:
         ev(name, e)
     forward = {name: vals[name] for name, _ in rule.forward}
+    gate = rule.value_gate
+    if gate is not None:   # as the launcher: the rows and tiles take V * gate for V, and dV = dW * gate
+        raw = vals[rule.value]
+        vals[rule.value] = evaluate(ir.Binary("*", ir.TensorRef(rule.value), ir.TensorRef(gate)), vals, lay,
+                                    lay[rule.value], sizes)
     for name, e in rule.rows + rule.tile:
         ev(name, e)
     grads = {name: evaluate(e, vals, lay, layouts[name], sizes) for name, e in rule.input_grads}
+    if gate is not None:
+        vals[rule.value], vals["_dW"] = raw, grads[rule.value]
+        grads[rule.value] = evaluate(ir.Binary("*", ir.TensorRef("_dW"), ir.TensorRef(gate)), vals,
+                                     {**lay, "_dW": lay[rule.value]}, layouts[rule.value], sizes)
     return forward, vals, grads
 
 
