@@ -17,8 +17,9 @@ range [_lo, _hi) and full blocks come from the same formulas as causal's
   0, 1, on and off the blocks, past every key, negative and at int32's ends
   (the clip), per batch row;
 * one launch a call: the prepass's kernels are gone;
-* the Python side (masks.at_values): a length given is a constant, one
-  not given drops its bound.
+* the Python side (masks.at_values, napkin.codegen.visited_blocks'
+  lengths=): a length given is a constant, the blocks the kernel loads;
+  one not given drops its bound.
 """
 from __future__ import annotations
 
@@ -151,6 +152,25 @@ def test_one_launch_a_call():
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.runtime_window(*inputs, block_q=16, block_x=16)
     assert bc.launches == 1
+
+
+def test_visited_blocks_take_the_lengths_the_kernel_reads():
+    """napkin.codegen.visited_blocks with lengths= is the runtime window's blocks at that width (the
+    diagram with it written in), without them causal's; the kernel's K loads are those blocks'."""
+    from napkin.codegen import visited_blocks
+
+    text = (K.REPO / "examples" / "runtime_window.ncd").read_text()
+    d = napkin.load_text(text, "runtime_window.ncd")
+    fixed = napkin.load_text(text.replace("q - x < w", "q - x < 20"), "fixed.ncd")
+    sizes = {"b": 1, "h": 1, "q": 70, "x": 70}
+    got = visited_blocks(d, sizes, 16, 16, lengths={"w": 20})
+    assert got == visited_blocks(fixed, sizes, 16, 16)
+    assert set(got) < set(visited_blocks(d, sizes, 16, 16)) == {(i, j) for i in range(5) for j in range(i + 1)}
+    m = K.example("runtime_window", ("fp16", "fp32"), ("d = 64", "d = 16"))
+    inputs = (*m.example_inputs(sizes, dtype=torch.float32, seed=5)[:-1], torch.tensor(20, dtype=torch.int32))
+    with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
+        m.runtime_window(*inputs, block_q=16, block_x=16)
+    assert bc.loads["K"] == sum(min(16, 70 - 16 * j) for _, j in got) * 16 * 4
 
 
 def test_at_values_reads_a_given_length_and_drops_an_unknown_one():

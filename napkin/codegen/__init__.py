@@ -200,11 +200,13 @@ def write_module(path, out_dir="generated", claimed: Optional[dict] = None) -> P
 
 
 def visited_blocks(diagram: ir.Diagram, sizes: dict, block_row: int | None = None,
-                   block_col: int | None = None) -> list[tuple[int, int]] | None:
+                   block_col: int | None = None, lengths: dict | None = None) -> list[tuple[int, int]] | None:
     """For an attention diagram: the (row block, streamed block) pairs one
     program row of its kernel visits (exactly what it loads), for wire sizes
-    ``sizes`` and optional block overrides; None for a contraction."""
-    from .. import visits
+    ``sizes`` and optional block overrides; None for a contraction.  A length
+    input the loops read (x < n[b]) is taken at its value in ``lengths``; one
+    not given leaves its bound out (the kernel then visits at most these)."""
+    from .. import masks, visits
     from . import lower
 
     plan = lower.lower(diagram)
@@ -215,4 +217,5 @@ def visited_blocks(diagram: ir.Diagram, sizes: dict, block_row: int | None = Non
     bc = block_col or blocks[plan.col]
     all_sizes = {w.name: w.size for w in diagram.wires if w.size is not None}
     all_sizes.update(sizes)
-    return visits.visited_blocks(plan.bounds, all_sizes[plan.row], all_sizes[plan.col], br, bc, all_sizes)
+    bounds = masks.at_values(plan.bounds, lengths or {})
+    return visits.visited_blocks(bounds, all_sizes[plan.row], all_sizes[plan.col], br, bc, all_sizes)

@@ -509,7 +509,7 @@ def kernel_context(plan: BackwardPlan, k: Kernel) -> dict:
     # the rows kernel is elementwise in the rows' own state: no positions
     names = _BackwardNames(d, plan.dims, () if k.role == "rows" else (row, col), row)
     if k.role != "rows":   # the lengths the loops' bounds read, from their loads before the loop
-        names.set_lengths(plan.forward.bounds, k.loads)
+        names.read_lengths = B.length_vars(plan.forward.bounds, k.loads)
     dims = [w for w in plan.dims if any(w in (ld.cols, ld.rows) for ld in k.loads)
             or any(w == g.cols for g in k.grads) or any(w == st.cols for st in k.stores)]
     blocks = [names.block(row)] + ([names.block(col)] if k.role != "rows" else []) \

@@ -37,6 +37,19 @@ _NONE_LEAST = 2 ** 62
 _CLIP = 2 ** 30
 
 
+def length_vars(bounds, loads) -> dict[str, str]:
+    """{``@n``: variable} for the lengths ``bounds`` read: each one's load before the loop
+    (phase "pre": it has neither tile wire), which the masked step reads too, and which the
+    emitter's _Names renders in place of a size (emit._Names.read_lengths)."""
+    out = {}
+    for name in sorted({n for b in bounds or () for n in b.lengths_read}):
+        var = next((ld.var for ld in loads if ld.tensor == name and ld.phase == "pre"), None)
+        if var is None:
+            raise AssertionError(f"the bounds read the length {name}, which the kernel does not load before its loop")
+        out[masks.length_key(name)] = var
+    return out
+
+
 def _term(key: str, size) -> str:
     """One key of a rest: a size ``|w|`` by ``size(w)``, a length ``@n`` by ``size("@n")``
     (the emitter's _Names: its load's variable, widened to int64)."""

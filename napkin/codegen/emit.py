@@ -35,7 +35,7 @@ from . import packed as P
 from . import ranges as R
 from . import tma as T
 from . import weights as W
-from .bounds import live, loop_bounds
+from .bounds import length_vars, live, loop_bounds
 from .exprs import Ctx, number, triton
 from .kernel_names import stride
 from .launch_plan import forward_launch
@@ -78,18 +78,8 @@ class _Names:
         # fixes it: packed rows (L.packed_wire) launch with |g| = 1 and |g||q| rows
         self.runtime = frozenset(runtime)
         # the length inputs the mask's bounds read (masks.length_key): the variable of each one's
-        # load before the loop (set_lengths), which the bounds render in place of a size
+        # load before the loop (bounds.length_vars), which the bounds render in place of a size
         self.read_lengths: dict[str, str] = {}
-
-    def set_lengths(self, bounds, loads) -> None:
-        """Name the loads of the lengths ``bounds`` read: each one's load before the loop
-        (phase "pre": it has neither tile wire), which the masked step reads too."""
-        for name in sorted({n for b in bounds or () for n in b.lengths_read}):
-            var = next((ld.var for ld in loads if ld.tensor == name and ld.phase == "pre"), None)
-            if var is None:
-                raise AssertionError(f"the bounds read the length {name}, which the kernel does not load "
-                                     "before its loop")
-            self.read_lengths[masks.length_key(name)] = var
 
     def size(self, w: str) -> str:
         if w in self.read_lengths:
@@ -474,7 +464,7 @@ def attention_context(plan: L.AttentionPlan, saved: tuple[str, ...] = ()) -> dic
     constexpr _SAVE is set, so the plain forward moves exactly what it did."""
     d = plan.diagram
     names = _Names(d, plan.dims, (plan.row, plan.col), P.runtime(plan))
-    names.set_lengths(plan.bounds, plan.loads)
+    names.read_lengths = length_vars(plan.bounds, plan.loads)
     kinds = _kinds(d)
     row, col = plan.row, plan.col
     br, bc = names.block(row), names.block(col)
