@@ -243,7 +243,8 @@ def prepassed(module, d: ir.Diagram) -> bool:
 def looped(module, d: ir.Diagram) -> bool:
     """A mask whose loop bounds read a length input (x < n[b], q - x < w): no prepass; the cost
     pass, without the value, leaves those bounds out (masks.at_values)."""
-    return not prepassed(module, d) and any(b.lengths_read for b in lower.lower(d).bounds)
+    plan = lower.lower(d)
+    return plan.family == "attention" and not prepassed(module, d) and any(b.lengths_read for b in plan.bounds)
 
 
 def reads_data(module, d: ir.Diagram) -> bool:
