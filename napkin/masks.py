@@ -594,6 +594,11 @@ def rest_value(rest, sizes) -> int:
     return total
 
 
+def lengths_read(bounds) -> tuple[str, ...]:
+    """The length inputs any of ``bounds`` reads (Bound.lengths_read), sorted."""
+    return tuple(sorted({n for b in bounds or () for n in b.lengths_read}))
+
+
 def at_values(bounds: tuple[Bound, ...], values: Mapping[str, int]) -> tuple[Bound, ...]:
     """The bounds as the Python side counts them (the cost pass, visits):
     a length given in ``values`` (cost's --lengths) read as that number at

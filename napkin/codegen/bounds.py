@@ -42,7 +42,7 @@ def length_vars(bounds, loads) -> dict[str, str]:
     (phase "pre": it has neither tile wire), which the masked step reads too, and which the
     emitter's _Names renders in place of a size (emit._Names.read_lengths)."""
     out = {}
-    for name in sorted({n for b in bounds or () for n in b.lengths_read}):
+    for name in masks.lengths_read(bounds):
         var = next((ld.var for ld in loads if ld.tensor == name and ld.phase == "pre"), None)
         if var is None:
             raise AssertionError(f"the bounds read the length {name}, which the kernel does not load before its loop")

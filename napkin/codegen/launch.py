@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import ir, tiling
+from .. import ir, masks, tiling
 from . import lower as L
 from . import ranges as R
 from .pysrc import quote, tuple_of
@@ -194,7 +194,7 @@ def launcher_doc(plan: L.Plan, options, no_backward: Optional[str] = None, ungra
 def _mask_cache_doc(plan: L.AttentionPlan) -> str:
     """The launcher's mask_cache= in words: what it keeps for this diagram."""
     if not R.applies(plan):
-        read = sorted({n for b in plan.bounds for n in b.lengths_read})
+        read = masks.lengths_read(plan.bounds)
         why = (f"reads {', '.join(read)}, which the kernels' loop bounds load once a\nprogram" if read
                else "reads no data")
         return ("\nmask_cache: accepted (a dict or None) and left empty: this diagram's mask\n"

@@ -25,7 +25,7 @@ import math
 from collections import Counter
 from typing import Mapping, Optional
 
-from .. import ir, tiling
+from .. import ir, masks, tiling
 from ..documents import Documents
 from ..errors import Diagnostic, NapkinError
 from . import bounds as bounds_mod
@@ -35,7 +35,7 @@ from . import prepass as prepass_mod
 from .devices import communication
 from .devices import mesh_tiles as device_tiles
 from .lengths import check_lengths, describe
-from .masked import (attention_plan, full_step_omits, kernel_ids, kernel_plan, mask_ids, prepass_note, lengths_note,
+from .masked import (attention_plan, full_step_omits, kernel_ids, kernel_plan, lengths_note, mask_ids, prepass_note,
                      visited)
 from .model import (Kernel, Tiling, access_fetches_poly, access_poly, chip_levels, contraction_numbers,
                     count_access, dram_fractions, kernel_tiling, kernel_work, kernels, tile_sym, tiling_at,
@@ -309,7 +309,7 @@ def _check_lengths(c: "_Context") -> None:
         missing = ", ".join(w.name for w in c.d.wires if w.name not in c.bound)
         raise NapkinError(f"--lengths counts blocks at given sizes: give {missing} too (--size WIRE=N)")
     plan = attention_plan(c.d)
-    looped = {n for b in plan.bounds for n in b.lengths_read} if plan is not None and plan.skip is not None else set()
+    looped = set(masks.lengths_read(plan.bounds)) if plan is not None and plan.skip is not None else set()
     if plan is None or device_tiles(c.d) or (index_disjuncts(plan, c.lengths) is None
                                              and not set(c.lengths) & looped):
         why = ("its devices' shares are priced whole, whatever the lengths" if device_tiles(c.d) else

@@ -220,7 +220,7 @@ def lengths_note(diagram: ir.Diagram, lengths: Mapping[str, int] = {}) -> Option
     plan = attention_plan(diagram)
     if plan is None or device_tiles(diagram) or plan.skip is None:
         return None
-    read = sorted({n for b in plan.bounds for n in b.lengths_read})
+    read = masks.lengths_read(plan.bounds)
     if not read:
         return None
     names = ", ".join(read)
