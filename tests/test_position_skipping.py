@@ -17,7 +17,8 @@ kernels on every (query part, key part) pair:
    bound's edge, so an off-by-one shows; positions on one wire alone, and
    blocks of padding alone, are checked the same way;
 2. outputs and gradients merged over the parts match float64 autograd of
-   the module's reference, fp32 and fp16, on ragged sizes;
+   the module's reference, fp32 and fp16, on ragged sizes (a window whose
+   width is read at run time among them: its loops' bounds load it);
 3. a document mask has no affine bound: only padding skips; combined with
    a causal bound, the bound skips.
 
@@ -53,6 +54,8 @@ CASES = {  # name: (example, edits); d shrunk to 16, an lse output where missing
     "window9": ("sliding_window", ((WINDOW, "q - x < 9"), LSE)),
     "window3": ("sliding_window", ((WINDOW, "q - x < 3"), LSE)),   # narrower than a cyclic stride of 4
     "decode": ("decode", ()),
+    # the width a scalar read at run time: the loops' bounds read it (no prepass), at positions the live test too
+    "runtime": ("runtime_window", (LSE,)),
     "document": ("document_mask", (LSE,)),
     "document_causal": ("document_mask", (("where(doc[b, q] == doc,", "where(x <= q and doc[b, q] == doc,"), LSE)),
 }
@@ -377,7 +380,8 @@ def assert_close(got, exact, same, dtype, label):
     assert err <= 2 * ref + 8 * tb.EPS[dtype] * scale, f"{label}: error {err:.3g} (reference {ref:.3g})"
 
 
-NUMERIC = [(name, kind, dtype, nq, nx) for name, nq, nx in (("causal", 45, 40), ("window9", 45, 45), ("decode", 7, 45))
+NUMERIC = [(name, kind, dtype, nq, nx) for name, nq, nx in (("causal", 45, 40), ("window9", 45, 45), ("decode", 7, 45),
+                                                             ("runtime", 45, 45))
            for kind in ("zigzag", "cyclic") for dtype in (torch.float32, torch.float16)]
 
 
