@@ -1,15 +1,19 @@
 """napkin cost --lengths: a length input read as one value at every index.
 
-A mask that reads a length input (the prefix-LM's ``x <= q or x < p[b]``,
-ragged decoding's ``x < n[b]``) finds its blocks with the ranges prepass, so
-without the values the cost pass counts every block.  With ``--lengths
-p=N`` the mask compares indices alone and the counts are the blocks the
-prepass finds live on it (napkin/cost/lengths.py).  Checked here:
+A mask that reads a length input in an ``or`` (the prefix-LM's ``x <= q or
+x < p[b]``) finds its blocks with the ranges prepass, so without the values
+the cost pass counts every block; with ``--lengths p=N`` the mask compares
+indices alone and the counts are the blocks the prepass finds live on it
+(napkin/cost/lengths.py).  A mask of length bounds joined by ``and``
+(ragged decoding's ``x < n[b]``, the runtime window's ``q - x < w``) has
+its loops bounded by the length, and ``--lengths`` gives the cost pass its
+value (masks.at_values).  Checked here:
 
 * the bytes the kernels move (napkin.bytecount) with the input filled with
   that value equal the counted ones, tensor by tensor, for the prefix-LM's
-  forward and its backward's kernels and for ragged decoding's chunked,
-  packed forward, at ragged sizes and several values;
+  forward and its backward's kernels, for ragged decoding's chunked,
+  packed forward and for the runtime window's forward and backward, at
+  ragged sizes and several values;
 * that the counts drop below the dense ones, and the note says what they are;
 * that the option refuses, in words, what it cannot price.
 """
