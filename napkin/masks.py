@@ -11,14 +11,15 @@ sides need, so the kernel and the cost pass agree on what is visited:
 * ``classify_block(pred, ranges, sizes)``: EMPTY / PARTIAL / FULL for a block,
   by interval arithmetic over affine comparisons (``and``/``or``/``not``
   combine; anything data-dependent, like ``doc[b, q] == doc``, is PARTIAL).
-* ``stream_bounds(pred, row, col, sizes, data)``: the affine conjuncts of ``pred``
+* ``stream_bounds(pred, row, col, sizes)``: the affine conjuncts of ``pred``
   that bound the streamed wire ``col`` in terms of the row wire, as
-  ``Bound``s; with ``data``, terms that read those length inputs too, which
-  the kernels load at run time and the Python side reads at given values
-  (``at_values``: cost's --lengths) or leaves out.  The kernel's loop runs over ``[start rounded down to a block,
+  ``Bound``s.  The kernel's loop runs over ``[start rounded down to a block,
   stop)`` computed from them (codegen renders the very same formula in
   Triton); ``exact_bounds`` gives them only when they are the whole mask
-  (then blocks can be known FULL).
+  (then blocks can be known FULL), and with ``data`` takes terms that read
+  those length inputs too, which the kernels load at run time and the
+  Python side reads at given values (``at_values``: cost's --lengths) or
+  leaves out.
 * which blocks those bounds make a loop visit, which are full and which
   live: ``napkin/visits.py``, in Python, with the same formulas.
 * ``disjunct_cuts(pred, row, col, sizes)``: a mask of indices alone that no
@@ -491,14 +492,13 @@ def _conjuncts(e: ir.Expr):
 
 
 def stream_bounds(pred: ir.Expr, row: str, col: str,
-                  sizes: Mapping[str, int] = {}, data: frozenset = frozenset()) -> tuple[Bound, ...]:
+                  sizes: Mapping[str, int] = {}) -> tuple[Bound, ...]:
     """The conjuncts of ``pred`` that bound index ``col`` by an integer affine
     function of index ``row`` (coefficient of col +-1, integer coefficients,
-    no other index).  ``sizes`` are the fixed wire sizes folded to numbers;
-    ``data``: the length inputs a bound may read (affine)."""
+    no other index).  ``sizes`` are the fixed wire sizes folded to numbers."""
     bounds = []
     for c in _conjuncts(pred):
-        bounds += [b for b in _conjunct_bounds(c, row, col, sizes, data) or () if b is not None]
+        bounds += [b for b in _conjunct_bounds(c, row, col, sizes) or () if b is not None]
     return tuple(bounds)
 
 
@@ -671,7 +671,8 @@ def exact_bounds(pred: Optional[ir.Expr], row: str, col: str,
     pred None), or None when a conjunct is anything else (a document mask's
     ``doc[b, q] == doc``, an ``or``, another index): then no block is known
     full.  In ``stream_bounds`` order, so the same bounds as the loop's.
-    ``data`` as stream_bounds'."""
+    ``data``: the length inputs a bound may read (affine: their reads are
+    terms of their own)."""
     if pred is None:
         return ()
     out = []

@@ -440,12 +440,12 @@ class _Attention:
                 return None, (), None
         pred = masks.mask_predicate(node)
         # a mask whose every conjunct is a bound once its lengths are read (x < n[b], q - x < w):
-        # the loops' bounds load them, no prepass (see lengths())
+        # the loops' bounds load them, no prepass (see lengths()).  Reading no length, these are
+        # the exact bounds without them (None stays None: a length only adds bounds)
         exact = masks.exact_bounds(pred, self.row, self.col, fixed, self.lengths(pred))
-        if exact is not None and any(b.lengths_read for b in exact):
+        if exact is not None and masks.lengths_read(exact):
             return pred, exact, exact
-        return (pred, masks.stream_bounds(pred, self.row, self.col, fixed),
-                masks.exact_bounds(pred, self.row, self.col, fixed))
+        return pred, masks.stream_bounds(pred, self.row, self.col, fixed), exact
 
     def lengths(self, pred) -> frozenset:
         """The integer inputs the mask's bounds may read at run time (masks.affine's data):
