@@ -2,12 +2,12 @@
 
 source:  examples/prefix_lm.ncd
 napkin:  0.1.0
-sha256:  c2c734f4f505da5673b35fd26b34ff3993bdf66b4dab2ed276acb194269d3ee0
+sha256:  0b656299167462f9933a5044a338413334c1464350d9028f3a7d8ff0a2bb6f55
 Do not edit: regenerate with `napkin compile examples/prefix_lm.ncd`.
 
 cost summary:
     flops: contractions 4*b*d*h*q*x; exp b*h*q*x
-    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + 4*b*h*q*x/(g_q*s_x) + 20*b*h*q/g_q + 20*b*q*x/(g_q*p_x*s_x) + 11*b*q*x/(g_q*s_x) + 24*b*q/g_q bytes
+    hbm/smem traffic: 4*b*d*h*q*x/g_q + 4*b*d*h*q + 4*b*h*q/g_q bytes
     lower bound (attention, M = 232kB of smem / 2 B): 2*b*d*h*q + (4*b*d^2*h*q*x)/M elements
 
 prefix_lm(Q, K, V, p) -> O
@@ -29,7 +29,6 @@ import contextvars
 import functools
 import math
 import os
-import weakref
 
 import torch
 import triton
@@ -37,7 +36,7 @@ import triton.language as tl
 from torch.autograd import forward_ad as _autograd_forward_ad   # read by _refuse_tangents every launch
 
 NAPKIN_VERSION = "0.1.0"
-SOURCE_HASH = "c2c734f4f505da5673b35fd26b34ff3993bdf66b4dab2ed276acb194269d3ee0"
+SOURCE_HASH = "0b656299167462f9933a5044a338413334c1464350d9028f3a7d8ff0a2bb6f55"
 INPUTS = ("Q", "K", "V", "p")
 OUTPUTS = ("O",)
 # Each wire's fixed size, or None when it is bound from tensor shapes at call time.
@@ -604,7 +603,7 @@ import threading as _autotune_threading
 import torch as _autotune_torch
 
 _AUTOTUNE_SCHEMA = "napkin-autotune/2"   # /2: keys name the inputs' dtypes
-_AUTOTUNE_HASH = "c2c734f4f505da5673b35fd26b34ff3993bdf66b4dab2ed276acb194269d3ee0"
+_AUTOTUNE_HASH = "0b656299167462f9933a5044a338413334c1464350d9028f3a7d8ff0a2bb6f55"
 _AUTOTUNE_WIRES = ('b', 'h', 'q', 'x')
 # The feature wires the kernels hold whole beside a block (Q's [q, d], K's [x, d] tiles): (wire,
 # its padded block, or None: _dim_block of its size at the launch, and its least block: 32 along an
@@ -924,202 +923,6 @@ def _scaled_grad(acc, c: tl.constexpr, dt: tl.constexpr):
         acc = acc * c
     return acc
 
-
-@triton.jit(do_not_specialize=["_size_b", "_size_h", "_size_q", "_size_x", "_per"])
-def _prefix_lm_ranges_kernel(
-    p,
-    _size_b,
-    _size_h,
-    _size_q,
-    _size_x,
-    _st_p_b,
-    _parts,
-    _tiles,
-    _per,
-    _BLOCK_q: tl.constexpr,
-    _BLOCK_x: tl.constexpr,
-    _WHOLE_ROWS: tl.constexpr,
-    _BY_COL: tl.constexpr,
-    _INT64: tl.constexpr,
-):
-    # Program ids: axis 0 a block of q (x with _BY_COL), axis 1 one index of b,
-    # axis 2 a chunk of _per blocks of the other wire.
-    _pid = tl.program_id(0)
-    _batch = tl.program_id(1).to(tl.int64)
-    _chunk = tl.program_id(2)
-    _mb = _batch
-    _i_b = _batch
-    if _BY_COL:  # a block of x, scanning the blocks of q
-        _steps = tl.cdiv(_size_q, _BLOCK_q)
-        _col0 = _pid * _BLOCK_x
-        _offs_x = _col0 + tl.arange(0, _BLOCK_x)
-        _ok_x = _offs_x < _size_x
-    else:  # a block of q, scanning the blocks of x
-        _steps = tl.cdiv(_size_x, _BLOCK_x)
-        _row0 = _pid * _BLOCK_q
-        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
-        _ok_q = _offs_q < _size_q
-        _p_1 = tl.load(p + _ix(_i_b, _INT64) * _st_p_b)
-    _first = _chunk * _per
-    _last = tl.minimum(_first + _per, _steps)
-    _lo = tl.full([], 0, tl.int32) + _steps  # the first live block (none yet: _steps)
-    _hi = tl.full([], 0, tl.int32)  # one past the last live block
-    _state = _tiles + (_mb * tl.num_programs(0) + _pid) * _steps  # this block's row of tile states
-    for _j in range(_first, _last):
-        if _BY_COL:
-            _row0 = _j * _BLOCK_q
-            _offs_q = _row0 + tl.arange(0, _BLOCK_q)
-            _ok_q = _offs_q < _size_q
-            _p_1 = tl.load(p + _ix(_i_b, _INT64) * _st_p_b)
-        else:
-            _col0 = _j * _BLOCK_x
-            _offs_x = _col0 + tl.arange(0, _BLOCK_x)
-            _ok_x = _offs_x < _size_x
-        # the mask, as the masked step evaluates it; padding rows and columns count nowhere
-        _keep = _ok_q[:, None] & _ok_x[None, :] & (tl.where(_offs_x[None, :] <= _offs_q[:, None], True, _offs_x[None, :] < _p_1))
-        _any = tl.max(tl.where(_keep, 1, 0)) > 0
-        # full: true at every real row, the block of x whole (its step drops the bounds masks)
-        _whole = _col0 + _BLOCK_x <= _size_x
-        if _WHOLE_ROWS:  # the backward sums over rows: a ragged block of them is never full
-            _whole = _whole & (_row0 + _BLOCK_q <= _size_q)
-        _all = _whole & (tl.min(tl.where(_keep | ~_ok_q[:, None], 1, 0)) > 0)
-        tl.store(_state + _j, tl.where(_all, 2, tl.where(_any, 1, 0)).to(tl.int8))
-        _lo = tl.minimum(_lo, tl.where(_any, _j, _steps))
-        _hi = tl.where(_any, _j + 1, _hi)
-    _out = _parts + ((_mb * tl.num_programs(0) + _pid) * tl.num_programs(2) + _chunk) * 2
-    tl.store(_out, _lo)
-    tl.store(_out + 1, _hi)
-
-
-@triton.jit(do_not_specialize=["_steps", "_chunks"])
-def _prefix_lm_merge_ranges_kernel(_parts, _ranges, _steps, _chunks):
-    # One program per block (axis 0) and mask batch index (axis 1): its chunks' [lo, hi) joined.
-    _pid = tl.program_id(0)
-    _mb = tl.program_id(1).to(tl.int64)
-    _src = _parts + (_mb * tl.num_programs(0) + _pid) * _chunks * 2
-    _lo = tl.full([], 0, tl.int32) + _steps
-    _hi = tl.full([], 0, tl.int32)
-    for _c in range(0, _chunks):
-        _lo = tl.minimum(_lo, tl.load(_src + _c * 2))
-        _hi = tl.maximum(_hi, tl.load(_src + _c * 2 + 1))
-    _out = _ranges + (_mb * tl.num_programs(0) + _pid) * 2
-    tl.store(_out, tl.minimum(_lo, _hi))  # no live block: the empty range [0, 0)
-    tl.store(_out + 1, _hi)
-
-
-def _prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix=False, _per=None):
-    """(ranges, on): the prepass's record (_ranges_listed) per (b, block of q, or of
-    x when _by_col) in blocks of the other wire, at the launching kernel's blocks _br, _bc,
-    with the lists' prefix counts when _prefix (a chunked launch);
-    a placeholder and False when not _on (rows at global positions: every block, tested per tile).
-    _per: blocks a scan program takes (default about the square root of a row's blocks: as many
-    programs a row as steps each, and the merge's loop as long)."""
-    if not _on:
-        return torch.zeros(6, dtype=torch.int32, device=_dev), False
-    _n = _cdiv(_sz["x"] if _by_col else _sz["q"], _bc if _by_col else _br)
-    _steps = _cdiv(_sz["q"] if _by_col else _sz["x"], _br if _by_col else _bc)
-    _per = _per or max(4, math.isqrt(max(_steps - 1, 0)) + 1)
-    _grid = _fits((_n, _sz["b"], _cdiv(_steps, _per)))
-    _parts = torch.empty((_grid[1], _n, _grid[2], 2), dtype=torch.int32, device=_dev)  # each chunk's [lo, hi)
-    _tiles = torch.empty((_grid[1], _n, _steps), dtype=torch.int8, device=_dev)  # each tile's state, by its scan step
-    _ranges = torch.empty((_grid[1], _n, 2), dtype=torch.int32, device=_dev)  # every merge program writes its two
-    if math.prod(_grid) > 0:
-        _prefix_lm_ranges_kernel[_grid](
-            p,
-            _sz["b"], _sz["h"], _sz["q"], _sz["x"],
-            *_wire_strides(p, "p", _sz),
-            _parts,
-            _tiles,
-            _per,
-            _BLOCK_q=_br, _BLOCK_x=_bc, _WHOLE_ROWS=_whole_rows, _BY_COL=_by_col,
-            _INT64=_int64_offsets(p),
-            num_warps=8 if _br * _bc >= 8192 else 4, enable_fp_fusion=True,  # 8 warps: 32 pairs a thread on 128 x 64
-        )
-    if _grid[0] * _grid[1] > 0:  # no chunk (an empty wire scanned) still writes its empty range
-        _prefix_lm_merge_ranges_kernel[_grid[:2]](_parts, _ranges, _steps, _grid[2], num_warps=1)
-    return _ranges_listed(_ranges, _tiles, _prefix), True
-
-
-def _ranges_listed(ranges, tiles, prefix):
-    """Each block's record as the kernels read it (ranges.bounds_lines), 2 S + 4 int32 for S
-    blocks of the other wire: [lo, hi), the counts of its partial blocks (live, not full) and
-    of its full ones, then the two lists, each ascending (the rest of the row, unread, after
-    it), as FlexAttention's BlockMask holds kv_num_blocks and kv_indices.  With ``prefix`` (a
-    launch whose chunks cut the range) 2 S + 2 more: each list's prefix counts pos[0..S]
-    (pos[b]: its entries before block b), where a chunk's part of the list starts and stops.
-    torch's cumsum and sort on the states: a kernel would walk each row's blocks one by one."""
-    _counts, _lists, _prefix = [], [], []
-    for _state in (1, 2):
-        _is = tiles == _state
-        _counts.append(_is.sum(-1, dtype=torch.int32, keepdim=True))
-        _lists.append(torch.sort((~_is).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32))
-        if prefix:
-            _prefix.append(torch.nn.functional.pad(torch.cumsum(_is, -1, dtype=torch.int32), (1, 0)))
-    return torch.cat([ranges, *_counts, *_lists, *_prefix], -1).contiguous()
-
-
-# A kept result holds a stamp of the mask inputs it was computed from: each
-# tensor itself, held weakly (the dict must not keep a batch's ids alive), and
-# its version counter, which every in-place write through torch bumps.  A call
-# whose mask inputs are other tensor objects, or the same ones written since,
-# runs the prepass again and replaces the entry, so a reused dict follows a
-# buffer refilled in place (doc.copy_(next_ids)) or a new batch's tensor.  Not
-# seen: writes that bypass the counter (through .data, or from outside torch),
-# and inference tensors' writes (they keep no counter).
-def _mask_stamp(tensors):
-    return tuple((weakref.ref(_t), _tensor_version(_t)) for _t in tensors)
-
-
-def _mask_stamp_holds(stamp, tensors):  # as many as the stamp's: the entry's key counts the tensors
-    return all(_ref() is _t and _seen == _tensor_version(_t) for (_ref, _seen), _t in zip(stamp, tensors))
-
-
-def _tensor_version(t):
-    return None if t.is_inference() else t._version
-
-
-# A mask of indices alone (it reads no tensor) has ranges that follow from the key
-# alone, so a call given no mask_cache keeps them in the module's own dict (None: a
-# mask that reads tensors, whose values the caller's dict is there to vouch for).
-_PREFIX_LM_RANGES_KEPT = None
-_RANGES_KEPT_MAX = 64   # entries, then cleared: a loop over many shapes keeps no more
-
-
-def _ranges_stream(dev):
-    """The CUDA stream a launch enqueues on (None elsewhere): the module's own
-    entries are per stream, as another stream is not ordered after the writes."""
-    return torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
-
-
-def _ranges_capturing(dev):
-    """Whether a CUDA graph is being captured: an entry made then lives in the graph's pool."""
-    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix=False):
-    """_prefix_lm_ranges's (ranges, on), kept in the caller's mask_cache dict (None: run it,
-    or for a mask of indices alone keep it in _PREFIX_LM_RANGES_KEPT, per CUDA stream).
-    The key is all the result depends on but the mask inputs' values: a launch at
-    other blocks, another kernel's flags, other sizes, device or input shapes/dtypes
-    gets its own entry.  The values are the stamp's (_mask_stamp): other tensor
-    objects, or the same ones written in place since, run the prepass again and
-    replace the entry.  Not kept when not _on (rows at the caller's global
-    positions: no prepass)."""
-    _own = mask_cache is None and _PREFIX_LM_RANGES_KEPT is not None and not _ranges_capturing(_dev)
-    if (mask_cache is None and not _own) or not _on:
-        return _prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix)
-    if _own:
-        mask_cache = _PREFIX_LM_RANGES_KEPT
-    _masks = (p,)
-    _key = ("_prefix_lm_ranges", int(_br), int(_bc), bool(_whole_rows), bool(_by_col), bool(_prefix), tuple(sorted(_sz.items())), str(_dev),
-            tuple((tuple(_t.shape), str(_t.dtype)) for _t in _masks),
-            _ranges_stream(_dev) if _own else None)
-    _hit = mask_cache.get(_key)
-    if _hit is None or not _mask_stamp_holds(_hit[1], _masks):
-        _hit = (_prefix_lm_ranges(p, _sz, _dev, _br, _bc, _whole_rows, _by_col, _on, _prefix), _mask_stamp(_masks))
-        # the module's own dict cleared past its bound as a new entry comes (a hit keeps it); the caller's is theirs
-        _memo_put(mask_cache, _RANGES_KEPT_MAX if _own else math.inf, _key, _hit)
-    return _hit[0]
 
 # Rows at global positions.  positions={wire: int tensor} gives the global
 # index of each local row of the row wire or the streamed wire (what the
@@ -1476,11 +1279,9 @@ def _prefix_lm_kernel(
     _part,
     _n_chunks,
     _CHUNK: tl.constexpr,
-    _ranges,
-    _RANGES: tl.constexpr,
 ):
     # Program ids: axis 0 is a block of q, axis 1 one index of each batch wire.
-    _pid = tl.program_id(0)
+    _pid = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first (masks.program_order)
     _batch = tl.program_id(1).to(tl.int64)
     _i_h = _batch % _size_h
     _batch = _batch // _size_h
@@ -1510,49 +1311,31 @@ def _prefix_lm_kernel(
     _l = tl.zeros([_BLOCK_q, 1], tl.float32)
 
     # The blocks of x this program visits: [_lo, _hi).
-    _lo = 0  # the mask has no affine bound: every block
+    _lo = 0
     _hi = _size_x
+    _row_last = tl.minimum(_row0 + _BLOCK_q, _size_q) - 1
     if _POS_q:  # rows at global positions: the least and greatest real one
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
-    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * ((4 if _CHUNK else 2) * tl.cdiv(_size_x, _BLOCK_x) + (6 if _CHUNK else 4))
-        _lo = tl.load(_rg) * _BLOCK_x
-        _hi = tl.load(_rg + 1) * _BLOCK_x
-        _rp = _rg + 2  # the count of its partial blocks
-        _fp = _rg + 3  # of its full blocks
-        _rl = _rg + 4  # the partial blocks, ascending
-        _fl = _rl + tl.cdiv(_size_x, _BLOCK_x)  # the full blocks
-        _rq = _fl + tl.cdiv(_size_x, _BLOCK_x)  # with _CHUNK: per block b, the partial blocks before b
-        _fq = _rq + tl.cdiv(_size_x, _BLOCK_x) + 1  # and the full ones
-    else:  # rows or keys at global positions: every block, tested per tile
-        _rp = _ranges
-        _rl = _ranges
-        _fp = _ranges
-        _fl = _ranges
-        _rq = _ranges
-        _fq = _ranges
-    _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
-    _fhi = _lo
+    if not _POS_x:
+        _hi = tl.minimum(_hi, tl.maximum(_row_last, tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32)) + 1)  # x <= max(q, p - 1), loosest at the block's last row
+    # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
+    # tile and it lies inside the edges (visits.full_blocks): they skip the mask and bound arithmetic.
+    _fhi = _lo  # keys at global positions: none known full
+    if not _POS_x:
+        _row_first = _row0
+        if _POS_q:
+            _row_first = tl.min(tl.where(_gok_q, _idx_q, 4611686018427387904), 0)
+        _fhi = _size_x
+        _fhi = tl.minimum(_fhi, tl.maximum(_row_first, tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32)) + 1)  # x <= max(q, p - 1) at every row: tightest at the block's first
+        _fhi = tl.maximum(tl.minimum(tl.maximum(_fhi, 0) // _BLOCK_x * _BLOCK_x, _hi), _lo)
     if _CHUNK:  # one chunk of x per program (grid axis 2): the range cut to it
         _c0 = tl.program_id(2) * _CHUNK
         _lo = tl.maximum(_lo, _c0)
         _hi = tl.minimum(_hi, _c0 + _CHUNK)
-        _flo = tl.minimum(tl.maximum(_flo, _lo), _hi)
         _fhi = tl.minimum(tl.maximum(_fhi, _lo), _hi)
-    # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
-    if _RANGES:
-        if _CHUNK:  # a chunk of the range: its part of the list
-            _pa = tl.load(_fq + _lo // _BLOCK_x)
-            _pb = tl.load(_fq + tl.cdiv(_hi, _BLOCK_x))
-        else:  # the whole list
-            _pa = 0
-            _pb = tl.load(_fp)
-    else:
-        _pa = _flo
-        _pb = _fhi
-    for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
-        _start = tl.load(_fl + _iv) * _BLOCK_x if _RANGES else _iv
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _start in range(_lo, _fhi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _idx_x = _offs_x
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
@@ -1576,27 +1359,18 @@ def _prefix_lm_kernel(
         if _SPLIT_WEIGHTS:  # weights rounded to V's 16-bit dtype: add back what rounding lost
             _acc += tl.dot((_p - _w0.to(tl.float32)).to(_V.dtype), _V, input_precision="ieee")
         _l = _l * _alpha + tl.sum(_p, 1)[:, None]
-    # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
-    if _RANGES:
-        if _CHUNK:  # a chunk of the range: its part of the list
-            _pa = tl.load(_rq + _lo // _BLOCK_x)
-            _pb = tl.load(_rq + tl.cdiv(_hi, _BLOCK_x))
-        else:  # the whole list
-            _pa = 0
-            _pb = tl.load(_rp)
-    else:
-        _pa = _fhi
-        _pb = _hi
-    for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
-        _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
+    for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows outside [0, |x|) are padding
             _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
             _ok_x = _ok_x & (_idx_x >= 0) & (_idx_x < _len_x)
             # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
+            _col_first = tl.min(tl.where(_ok_x, _idx_x, 4611686018427387904), 0)
             _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
             _live = _col_last >= 0  # some real x
+            _live = _live & (_col_first <= tl.maximum(_row_last, tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32)))  # x <= max(q, p - 1) somewhere: at the least x and the greatest q
         else:
             _idx_x = _offs_x
             _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
@@ -1734,18 +1508,9 @@ def prefix_lm(Q, K, V, p, *, block_q=None, block_x=None, num_warps=None, num_sta
     (flash-decoding: for few rows of q against many of x); 0 streams
     the whole of x in one program; None takes the tuned config's, else the
     schedule's (none).  Forward only; training takes the tuned or schedule's.
-    mask_cache={} (a dict of yours; default None: none kept) keeps the mask's
-    ranges prepass results (which blocks are live, which full; the mask reads
-    p) across calls, the forward's and, through autograd or
-    prefix_lm_backward, the dK/dV and dQ kernels': later calls with the same
-    blocks, sizes, device and mask input shapes run no prepass, as a
-    FlexAttention BlockMask is built once.  An entry serves the same p
-    tensor objects, unwritten since (their version counters): a new batch's
-    tensor, or one written in place, runs the prepass again.  Writes the
-    counter does not see (through .data, outside torch, to inference tensors)
-    leave stale entries, which give wrong results.  Eager calls only
-    (not under torch.compile); with positions=/lengths= no prepass runs and
-    nothing is kept."""
+    mask_cache: accepted (a dict or None) and left empty: this diagram's mask
+    reads p, which the kernels' loop bounds load once a
+    program, so it has no ranges prepass to keep."""
     Q, K, V, p = _autocast(_scalar_inputs((Q, K, V, p)))
     _check_mask_cache(mask_cache)
     if _differentiable((Q, K, V, p)):
@@ -1800,9 +1565,7 @@ def _prefix_lm_forward(Q, K, V, p, block_q, block_x, num_warps, num_stages, tma,
             O, _saved_lse, = [torch.empty(s, dtype=t, device=_dev) for s, t in _allocs]
             _part = torch.empty(_part_n, dtype=torch.float32, device=_dev) if _part_n else None
             _args = (Q, K, V, p, O, _saved_lse, *_tail)
-            _sz, _br, _bc = _at  # the mask reads data: its ranges at the plan's blocks
-            _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None, _chunk != 0)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
-            _meta = dict(_fixed, _part=_part, _ranges=_rng, _RANGES=_rng_on)
+            _meta = dict(_fixed, _part=_part)
             if lengths:  # the call's own lengths (the plan's key holds only which are short)
                 _meta.update({_LENGTH_ARGS[_w]: _n for _w, _n in lengths.items()})
                 if ('x', True) in _lk:  # the kernel stops at this call's length (_streamed_cut)
@@ -1824,7 +1587,6 @@ def _prefix_lm_forward(Q, K, V, p, block_q, block_x, num_warps, num_stages, tma,
             if _cut is not None:
                 _pos.update(_pos_x=None, _POS_x=False)
             _tma = _tma_args(_opts["tma"], _TMA_DESCS, {"Q": Q, "K": K, "V": V, "O": O}, (_sz if _cut is None else {**_sz, "x": _cut}), {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last)
-            _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, False, False, positions is None and lengths is None, _chunk != 0)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _args = (
                 Q, K, V, p, O, _saved_lse,
                 _sz["b"], _sz["h"], _sz["q"], (_sz["x"] if _cut is None else _cut),
@@ -1835,10 +1597,10 @@ def _prefix_lm_forward(Q, K, V, p, block_q, block_x, num_warps, num_stages, tma,
                 *_wire_strides(O, "O", _sz),
                 *_wire_strides(_saved_lse, "_saved_lse", _sz),
             )
-            _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, p]), _INT64=_int64_offsets(Q, K, V, p, O, _saved_lse), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
+            _meta = dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _SPLIT_WEIGHTS=_wider([O], [Q, K, V, p]), _INT64=_int64_offsets(Q, K, V, p, O, _saved_lse), _SAVE=_save, _part=_part, _n_chunks=_n_chunks, _CHUNK=_chunk, **_pos, **_tma, num_warps=_opts["num_warps"] or (8 if _br >= 128 else 4), num_stages=_opts["num_stages"] or 2, enable_fp_fusion=True)
             # not for positions (no key), nor TMA: descriptors are built on the tensors, each call
             if _key is not None and not _meta.get("_TMA"):
-                _remember_launch(_key, _stamp, (_dev, None, [(t.shape, t.dtype) for t in (O, _saved_lse,)], _grid, _args[6:], {**_meta, "_part": None, "_ranges": None}, 0 if _part is None else _part.numel(), _chunk, None, _tma_last["why"], (_sz, _br, _bc)))
+                _remember_launch(_key, _stamp, (_dev, None, [(t.shape, t.dtype) for t in (O, _saved_lse,)], _grid, _args[6:], {**_meta, "_part": None}, 0 if _part is None else _part.numel(), _chunk, None, _tma_last["why"], None))
     if math.prod(_grid) > 0:
         _prefix_lm_kernel[_grid](*_args, **_meta)
         if _chunk:  # the chunks' states, merged into the outputs
@@ -2015,8 +1777,6 @@ def _prefix_lm_bwd_dkdv_kernel(
     _len_x,
     _POS_q: tl.constexpr,
     _POS_x: tl.constexpr,
-    _ranges,
-    _RANGES: tl.constexpr,
     _tma_K,
     _tma_V,
     _tma_Q,
@@ -2056,35 +1816,85 @@ def _prefix_lm_bwd_dkdv_kernel(
     _acc_V = tl.zeros([_BLOCK_x, _BLOCK_d], tl.float32)
 
     # The blocks of q this program visits: [_lo, _hi).
-    _lo = 0  # the mask has no affine bound: every block
+    _lo = 0
     _hi = tl.cdiv(_size_q, _BLOCK_q)
+    _col_first = _col0
     if _POS_x:  # keys at global positions: the least and greatest real one
+        _col_first = tl.min(tl.where(_ok_x, _idx_x, 4611686018427387904), 0)
         _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
         _hi = tl.where(_col_last < 0, 0, _hi)  # padding keys alone: no block
-    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + ((_i_b) * tl.cdiv(_size_x, _BLOCK_x) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_q, _BLOCK_q) + 4)
-        _lo = tl.load(_rg)
-        _hi = tl.load(_rg + 1)
-        _rp = _rg + 2  # the count of its partial blocks
-        _fp = _rg + 3  # of its full blocks
-        _rl = _rg + 4  # the partial blocks, ascending
-        _fl = _rl + tl.cdiv(_size_q, _BLOCK_q)  # the full blocks
-    else:  # rows or keys at global positions: every block, tested per tile
-        _rp = _ranges
-        _rl = _ranges
-        _fp = _ranges
-        _fl = _ranges
-    _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
-    _fhi = _lo
-    # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
-    if _RANGES:
-        _pa = 0  # the whole list
-        _pb = tl.load(_fp)
-    else:
-        _pa = _flo
-        _pb = _fhi
-    for _iv in range(_pa, _pb):
-        _rb = tl.load(_fl + _iv) if _RANGES else _iv
+    if not _POS_q:
+        _ulo = tl.cdiv(_size_q, _BLOCK_q)  # x <= max(q, p - 1): the row blocks some part lets through, none yet
+        _uhi = 0
+        _need = _col_first - (0)  # x <= q: visited while that reaches the block's least x
+        _t = tl.maximum(_need, 0)
+        _ulo = tl.minimum(_ulo, tl.where(_t >= _size_q, tl.cdiv(_size_q, _BLOCK_q), _t // _BLOCK_q))
+        _uhi = tl.cdiv(_size_q, _BLOCK_q)
+        _need = _col_first - (tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32))  # x <= p - 1: visited while that reaches the block's least x
+        _ulo = tl.where(_need > 0, _ulo, 0)
+        _uhi = tl.where(_need > 0, _uhi, tl.cdiv(_size_q, _BLOCK_q))
+        _lo = tl.maximum(_lo, _ulo)
+        _hi = tl.minimum(_hi, _uhi)
+        _hi = tl.maximum(_lo, _hi)
+    # Of those, the full row blocks [_flo, _fhi): every row and key of the tile real and the mask
+    # true at every pair (visits.full_row_blocks): they skip the mask and bound arithmetic.
+    _flo = _lo
+    _fhi = _lo  # rows or keys at global positions: none known full
+    if not _POS_q:
+        if not _POS_x:
+            _flo = 0
+            _fhi = tl.where(_col0 + _BLOCK_x <= _size_x, _size_q // _BLOCK_q, 0)  # whole row blocks; a ragged key block has none
+            _ulo = tl.cdiv(_size_q, _BLOCK_q)  # x <= max(q, p - 1): the row blocks some part lets through, none yet
+            _uhi = 0
+            _need = _col0 + _BLOCK_x - 1 - (0)  # x <= q at the block's last x, for every row
+            _t = tl.maximum(_need, 0)
+            _ulo = tl.minimum(_ulo, tl.cdiv(_t, _BLOCK_q))
+            _uhi = tl.cdiv(_size_q, _BLOCK_q)
+            _need = _col0 + _BLOCK_x - 1 - (tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32))  # x <= p - 1 at the block's last x, for every row
+            _ulo = tl.where(_need > 0, _ulo, 0)
+            _uhi = tl.where(_need > 0, _uhi, tl.cdiv(_size_q, _BLOCK_q))
+            _flo = tl.maximum(_flo, _ulo)
+            _fhi = tl.minimum(_fhi, _uhi)
+            _flo = tl.minimum(tl.maximum(_flo, _lo), _hi)
+            _fhi = tl.maximum(tl.minimum(_fhi, _hi), _flo)
+    # Partial blocks before the full ones: the mask cuts through them.
+    for _rb in range(_lo, _flo):
+        _row0 = _rb * _BLOCK_q
+        _offs_q = _row0 + tl.arange(0, _BLOCK_q)
+        _ok_q = _offs_q < _size_q
+        if _POS_q:  # the global index of each row, given by the launcher
+            _idx_q = tl.load(_pos_q + _offs_q, mask=_ok_q, other=0)
+            _gok_q = _ok_q & (_idx_q >= 0) & (_idx_q < _len_q)
+            # a dead tile (no real q, or a bound of the mask false at every pair): no load, no step
+            _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
+            _live = _row_last >= 0  # some real q
+            _live = _live & (_col_first <= tl.maximum(_row_last, tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32)))  # x <= max(q, p - 1) somewhere: at the least x and the greatest q
+        else:
+            _idx_q = _offs_q
+            _gok_q = _ok_q
+            _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
+        if _live:
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+                _Q = _tma_Q.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+            else:
+                _Q = tl.load(Q + _ix(_i_b, _INT64) * _st_Q_b + _ix(_i_h, _INT64) * _st_Q_h + _ix(_offs_q[:, None], _INT64) * _st_Q_q + _ix(_offs_d[None, :], _INT64) * _st_Q_d, mask=_gok_q[:, None], other=0.0)
+            _lse = tl.sum(tl.load(lse + _ix(_i_b, _INT64) * _st_lse_b + _ix(_i_h, _INT64) * _st_lse_h + _ix(_offs_q[None, :, None], _INT64) * _st_lse_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+            if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
+                _dO = _tma_dO.load([_i_b.to(tl.int32), _i_h.to(tl.int32), _row0, 0]).reshape(_BLOCK_q, _BLOCK_d)
+            else:
+                _dO = tl.load(dO + _ix(_i_b, _INT64) * _st_dO_b + _ix(_i_h, _INT64) * _st_dO_h + _ix(_offs_q[:, None], _INT64) * _st_dO_q + _ix(_offs_d[None, :], _INT64) * _st_dO_d, mask=_gok_q[:, None], other=0.0)
+            _delta = tl.sum(tl.load(delta + _ix(_i_b, _INT64) * _st_delta_b + _ix(_i_h, _INT64) * _st_delta_h + _ix(_offs_q[None, :, None], _INT64) * _st_delta_q, mask=_gok_q[None, :, None], other=0.0), 2)  # one value a thread: backward_emit._step_load
+            _lse2 = tl.where(_lse == float("-inf"), 0, _lse) * 1.4426950408889634
+            _qk = tl.dot(_K, tl.trans(_Q), input_precision="ieee")
+            _dP = tl.dot(_V.to(Q.dtype.element_ty), tl.trans(_dO.to(Q.dtype.element_ty)), input_precision="ieee")
+            _P = tl.exp2(tl.where(tl.where(_idx_x[:, None] <= _idx_q[None, :], True, _idx_x[:, None] < _p_1), _qk, float("-inf")) * 0.18033688011112042 - _lse2)
+            _dS = _P * (_dP - _delta)
+            _dR = tl.where(tl.where(_idx_x[:, None] <= _idx_q[None, :], True, _idx_x[:, None] < _p_1), _dS, 0)
+            _ok = _ok_x[:, None] & _gok_q[None, :]  # padded rows and keys add nothing
+            _acc_K += tl.dot(_operand_grad(tl.where(_ok, _dR, 0.0), 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
+            _acc_V += tl.dot(tl.where(_ok, _P, 0.0).to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _rb in range(_flo, _fhi):
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _idx_q = _offs_q
@@ -2106,15 +1916,8 @@ def _prefix_lm_bwd_dkdv_kernel(
         _dR = _dS
         _acc_K += tl.dot(_operand_grad(_dR, 0.125, Q.dtype.element_ty), _Q.to(Q.dtype.element_ty), input_precision="ieee")
         _acc_V += tl.dot(_P.to(Q.dtype.element_ty), _dO.to(Q.dtype.element_ty), input_precision="ieee")
-    # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
-    if _RANGES:
-        _pa = 0  # the whole list
-        _pb = tl.load(_rp)
-    else:
-        _pa = _fhi
-        _pb = _hi
-    for _iv in range(_pa, _pb):
-        _rb = tl.load(_rl + _iv) if _RANGES else _iv
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
+    for _rb in range(_fhi, _hi):
         _row0 = _rb * _BLOCK_q
         _offs_q = _row0 + tl.arange(0, _BLOCK_q)
         _ok_q = _offs_q < _size_q
@@ -2124,6 +1927,7 @@ def _prefix_lm_bwd_dkdv_kernel(
             # a dead tile (no real q, or a bound of the mask false at every pair): no load, no step
             _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
             _live = _row_last >= 0  # some real q
+            _live = _live & (_col_first <= tl.maximum(_row_last, tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32)))  # x <= max(q, p - 1) somewhere: at the least x and the greatest q
         else:
             _idx_q = _offs_q
             _gok_q = _ok_q
@@ -2216,8 +2020,6 @@ def _prefix_lm_bwd_dq_kernel(
     _len_x,
     _POS_q: tl.constexpr,
     _POS_x: tl.constexpr,
-    _ranges,
-    _RANGES: tl.constexpr,
     _tma_Q,
     _tma_dO,
     _tma_K,
@@ -2227,7 +2029,7 @@ def _prefix_lm_bwd_dq_kernel(
 ):
     # dQ: one program per block of q, batch index (b, h);
     # it loops over the blocks of x the forward visits.
-    _pid = tl.program_id(0)
+    _pid = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first (masks.program_order)
     _batch = tl.program_id(1).to(tl.int64)
     _i_h = _batch % _size_h
     _batch = _batch // _size_h
@@ -2259,35 +2061,25 @@ def _prefix_lm_bwd_dq_kernel(
     _acc_Q = tl.zeros([_BLOCK_q, _BLOCK_d], tl.float32)
 
     # The blocks of x this program visits: [_lo, _hi).
-    _lo = 0  # the mask has no affine bound: every block
+    _lo = 0
     _hi = _size_x
+    _row_last = tl.minimum(_row0 + _BLOCK_q, _size_q) - 1
     if _POS_q:  # rows at global positions: the least and greatest real one
         _row_last = tl.max(tl.where(_gok_q, _idx_q, -1), 0)
         _hi = tl.where(_row_last < 0, 0, _hi)  # padding rows alone: no block
-    if _RANGES:  # the mask reads data: the blocks the ranges prepass found live and full (ranges.py)
-        _rg = _ranges + ((_i_b) * tl.cdiv(_size_q, _BLOCK_q) + _pid).to(tl.int64) * (2 * tl.cdiv(_size_x, _BLOCK_x) + 4)
-        _lo = tl.load(_rg) * _BLOCK_x
-        _hi = tl.load(_rg + 1) * _BLOCK_x
-        _rp = _rg + 2  # the count of its partial blocks
-        _fp = _rg + 3  # of its full blocks
-        _rl = _rg + 4  # the partial blocks, ascending
-        _fl = _rl + tl.cdiv(_size_x, _BLOCK_x)  # the full blocks
-    else:  # rows or keys at global positions: every block, tested per tile
-        _rp = _ranges
-        _rl = _ranges
-        _fp = _ranges
-        _fl = _ranges
-    _flo = _lo  # no block known full: the partial loop takes [_lo, _hi)
-    _fhi = _lo
-    # Full blocks, the prepass's list: the mask holds on the whole tile, inside the edges.
-    if _RANGES:
-        _pa = 0  # the whole list
-        _pb = tl.load(_fp)
-    else:
-        _pa = _flo
-        _pb = _fhi
-    for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
-        _start = tl.load(_fl + _iv) * _BLOCK_x if _RANGES else _iv
+    if not _POS_x:
+        _hi = tl.minimum(_hi, tl.maximum(_row_last, tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32)) + 1)  # x <= max(q, p - 1), loosest at the block's last row
+    # Of those, the full blocks [_flo, _fhi): the mask holds at every (row, column) pair of the
+    # tile and it lies inside the edges (visits.full_blocks): they skip the mask and bound arithmetic.
+    _fhi = _lo  # rows or keys at global positions: none known full
+    if not _POS_q:
+        if not _POS_x:
+            _fhi = _size_x
+            _fhi = tl.minimum(_fhi, tl.maximum(_row0, tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32)) + 1)  # x <= max(q, p - 1) at every row: tightest at the block's first
+            _fhi = tl.maximum(tl.minimum(tl.maximum(_fhi, 0) // _BLOCK_x * _BLOCK_x, _hi), _lo)
+            _fhi = tl.where(_row0 + _BLOCK_q <= _size_q, _fhi, _lo)  # summed over rows: a ragged block of them has none
+    # Full blocks: the mask holds on the whole tile, inside the edges: no mask, no bounds masks.
+    for _start in range(_lo, _fhi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _idx_x = _offs_x
         if _TMA:  # its TMA descriptor (tma=): rows past an edge read as zeros
@@ -2304,23 +2096,18 @@ def _prefix_lm_bwd_dq_kernel(
         _dS = _P * (_dP - _delta)
         _dR = _dS
         _acc_Q += tl.dot(_operand_grad(_dR, 0.125, Q.dtype.element_ty), _K.to(Q.dtype.element_ty), input_precision="ieee")
-    # Partial blocks, the prepass's list; with positions every block, dead tiles skipped.
-    if _RANGES:
-        _pa = 0  # the whole list
-        _pb = tl.load(_rp)
-    else:
-        _pa = _fhi
-        _pb = _hi
-    for _iv in range(_pa, _pb, 1 if _RANGES else _BLOCK_x):
-        _start = tl.load(_rl + _iv) * _BLOCK_x if _RANGES else _iv
+    # Partial blocks after: the mask's edge, the ragged end; with positions every block, dead tiles skipped.
+    for _start in range(_fhi, _hi, _BLOCK_x):
         _offs_x = _start + tl.arange(0, _BLOCK_x)
         _ok_x = _offs_x < _size_x
         if _POS_x:  # global positions; rows outside [0, |x|) are padding
             _idx_x = tl.load(_pos_x + _offs_x, mask=_ok_x, other=0)
             _ok_x = _ok_x & (_idx_x >= 0) & (_idx_x < _len_x)
             # a dead tile (no real x, or a bound of the mask false at every pair): no load, no step
+            _col_first = tl.min(tl.where(_ok_x, _idx_x, 4611686018427387904), 0)
             _col_last = tl.max(tl.where(_ok_x, _idx_x, -1), 0)
             _live = _col_last >= 0  # some real x
+            _live = _live & (_col_first <= tl.maximum(_row_last, tl.minimum(tl.maximum(-1 + _p_1.to(tl.int64), -1073741824), 1073741824).to(tl.int32)))  # x <= max(q, p - 1) somewhere: at the least x and the greatest q
         else:
             _idx_x = _offs_x
             _live: tl.constexpr = True  # no positions on this wire: the loop's range does the skipping
@@ -2436,20 +2223,6 @@ def _prefix_lm_backward(Q, K, V, p, dO, lse, delta, _o, need, positions=None, le
         _tma_last_dkdv.update(used=False, why=_whys[0])
         _tma_last_dq.update(used=False, why=_whys[1])
         _side = _bwd_stream_fork(_dev)  # before dK/dV is queued: dQ must not wait for it
-        _br, _bc, _kv_br, _kv_bc = _blocks
-        # The mask reads data: its ranges again (the ids may differ), at the plan's blocks, each on its kernel's stream
-        _runs = list(_runs)   # the plan's own list stays as it is
-        try:
-            if _runs[0] is not None:
-                _kv_rng, _kv_rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
-                _runs[0] = (*_runs[0][:2], dict(_runs[0][2], _ranges=_kv_rng, _RANGES=_kv_rng_on))
-            if _runs[1] is not None:
-                with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
-                    _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
-                _runs[1] = (*_runs[1][:2], dict(_runs[1][2], _ranges=_rng, _RANGES=_rng_on))
-        except BaseException:   # joined: nothing may free what the second stream still writes
-            _bwd_stream_join(_dev, _side)
-            raise
         return _prefix_lm_backward_launch(Q, K, V, p, dO, lse, delta, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side)
     _sz, _cls, _dev = _bind_for_launch((Q, K, V, p,), free=_global_dims(positions))
     _check_state({"dO": dO, "lse": lse, "delta": delta}, _sz, _dev)
@@ -2504,7 +2277,6 @@ def _prefix_lm_backward(Q, K, V, p, dO, lse, delta, _o, need, positions=None, le
     try:
         _grid = _fits((_cdiv(_sz["x"], _kv_bc), _sz["b"] * _sz["h"]))
         if (_need[1] or _need[2]) and math.prod(_grid) > 0:
-            _kv_rng, _kv_rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _kv_br, _kv_bc, True, True, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _kv_tma = _tma_args(_kv_opts["tma"], _TMA_DESCS_DKDV, {"K": K, "V": V, "Q": Q, "dO": dO, "_grad_K": _grad_K, "_grad_V": _grad_V}, _sz, {"q": _kv_br, "x": _kv_bc, "d": 64}, _dev, _pos, _tma_last_dkdv, padded=("x", "q"))
             _runs.append((_grid, (
                 _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -2517,15 +2289,12 @@ def _prefix_lm_backward(Q, K, V, p, dO, lse, delta, _o, need, positions=None, le
                 *_wire_strides(delta, "delta", _sz),
                 *_wire_strides(_grad_K, "_grad_K", _sz),
                 *_wire_strides(_grad_V, "_grad_V", _sz),
-            ), dict(_BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, _INT64=_int64_offsets(K, p, V, Q, lse, dO, delta, _grad_K, _grad_V), **_pos, **_kv_tma, _ranges=_kv_rng, _RANGES=_kv_rng_on, num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True)))
+            ), dict(_BLOCK_q=_kv_br, _BLOCK_x=_kv_bc, _BLOCK_d=64, _INT64=_int64_offsets(K, p, V, Q, lse, dO, delta, _grad_K, _grad_V), **_pos, **_kv_tma, num_warps=_kv_warps, num_stages=_kv_stages, enable_fp_fusion=True)))
         else:   # this call's record, not the last launch's
             _runs.append(None)
             _tma_last_dkdv.update(used=False, why=_NOT_LAUNCHED)
         _grid = _fits((_cdiv(_sz["q"], _br), _sz["b"] * _sz["h"]))
         if (_need[0]) and math.prod(_grid) > 0:
-            # dQ's prepass on dQ's stream (not torch.cuda.stream(None): it would start CUDA even for CPU tensors)
-            with torch.cuda.stream(_side) if _side is not None else contextlib.nullcontext():
-                _rng, _rng_on = _prefix_lm_ranges_cached(mask_cache, p, _sz, _dev, _br, _bc, True, False, positions is None and lengths is None, False)  # the mask reads data: its live and full blocks (mask_cache: kept across calls)
             _tma = _tma_args(_opts["tma"], _TMA_DESCS_DQ, {"Q": Q, "dO": dO, "K": K, "V": V, "_grad_Q": _grad_Q}, _sz, {"q": _br, "x": _bc, "d": 64}, _dev, _pos, _tma_last_dq, padded=("x", "q"))
             _runs.append((_grid, (
                 _sz["b"], _sz["h"], _sz["q"], _sz["x"],
@@ -2537,7 +2306,7 @@ def _prefix_lm_backward(Q, K, V, p, dO, lse, delta, _o, need, positions=None, le
                 *_wire_strides(K, "K", _sz),
                 *_wire_strides(V, "V", _sz),
                 *_wire_strides(_grad_Q, "_grad_Q", _sz),
-            ), dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _INT64=_int64_offsets(Q, p, lse, dO, delta, K, V, _grad_Q), **_pos, **_tma, _ranges=_rng, _RANGES=_rng_on, num_warps=_warps, num_stages=_stages, enable_fp_fusion=True)))
+            ), dict(_BLOCK_q=_br, _BLOCK_x=_bc, _BLOCK_d=64, _INT64=_int64_offsets(Q, p, lse, dO, delta, K, V, _grad_Q), **_pos, **_tma, num_warps=_warps, num_stages=_stages, enable_fp_fusion=True)))
         else:   # this call's record, not the last launch's
             _runs.append(None)
             _tma_last_dq.update(used=False, why=_NOT_LAUNCHED)
@@ -2548,10 +2317,9 @@ def _prefix_lm_backward(Q, K, V, p, dO, lse, delta, _o, need, positions=None, le
     if _key is not None and not any(r is not None and r[2].get("_TMA") for r in _runs):
         _remember_launch(_key, _stamp, (_sz, _dev, _need, [(t.shape, t.dtype) for t in (_grad_Q, _grad_K, _grad_V,)],
                                         [],
-                                        # not this call's ranges: a plan's call finds its own
-                                        [r if r is None else (*r[:2], dict(r[2], _ranges=None)) for r in _runs],
+                                        _runs,
                                         (_tma_last_dkdv["why"], _tma_last_dq["why"], ),
-                                        (_br, _bc, _kv_br, _kv_bc)))
+                                        None))
     return _prefix_lm_backward_launch(Q, K, V, p, dO, lse, delta, _grad_Q, _grad_K, _grad_V, _need, _like, _sz, _dev, _runs, _side)
 
 
@@ -2627,7 +2395,7 @@ def _op_names(base):
         n += 1
 
 
-_FWD_OP, _BWD_OP, _INF_OP = _op_names("prefix_lm_c2c734f4")
+_FWD_OP, _BWD_OP, _INF_OP = _op_names("prefix_lm_0b656299")
 _SAVED = ("_saved_lse", )
 
 

@@ -417,20 +417,40 @@ class Bound:
     row_coeff: int
     rest: tuple[tuple[str, int], ...]
     step: int = 1
+    # An ``or`` of bounds of one kind (``_union``): the bound is the greatest of its
+    # parts' values (an upper one; the least, a lower one).  Every part's row_coeff
+    # has one sign or is 0, and a part reading the row comes first, so row_coeff's
+    # sign and at_row() are the union's: the max of non-decreasing forms does not
+    # decrease, and a block's loosest and tightest rows are every part's.
+    alts: tuple["Bound", ...] = ()
+
+    @property
+    def parts(self) -> tuple["Bound", ...]:
+        """The forms whose greatest (upper) or least (lower) value is the bound: itself alone,
+        or for an ``or`` each disjunct's (``alts``), each with no alts of its own."""
+        return (replace(self, alts=()), *self.alts) if self.alts else (self,)
 
     @property
     def sizes_read(self) -> frozenset[str]:
         """The wires whose sizes ``rest`` reads (``value`` needs them)."""
-        return frozenset(key[1:-1] for key, _ in self.rest if key.startswith("|"))
+        return frozenset(key[1:-1] for p in self.parts for key, _ in p.rest if key.startswith("|"))
 
     @property
     def lengths_read(self) -> frozenset[str]:
         """The length inputs ``rest`` reads: known at run time alone (``at_values``)."""
-        return frozenset(key[1:] for key, _ in self.rest if key.startswith("@"))
+        return frozenset(key[1:] for p in self.parts for key, _ in p.rest if key.startswith("@"))
 
-    def value(self, r: int, sizes: Mapping[str, int]) -> int:
-        """The bound at row r: row_coeff * (r // step) + rest."""
-        return self.row_coeff * (r // self.step) + rest_value(self.rest, sizes)
+    def value(self, r, sizes: Mapping[str, int]):
+        """The bound at row r: row_coeff * (r // step) + rest, of a union its parts'
+        greatest (upper) or least (lower); ``r`` an int or a numpy array of rows."""
+        if not self.alts:
+            return self.row_coeff * (r // self.step) + rest_value(self.rest, sizes)
+        values = [p.value(r, sizes) for p in self.parts]
+        if all(isinstance(v, int) for v in values):
+            return (max if self.kind == "upper" else min)(values)
+        import numpy as np   # a row array (documents.bound_interval, pairs)
+
+        return (np.maximum if self.kind == "upper" else np.minimum).reduce(np.stack(np.broadcast_arrays(*values)))
 
     def first_row(self, t: int) -> int:
         """The least row r with r // step >= t (t >= 0)."""
@@ -483,10 +503,11 @@ def conjuncts(e: ir.Expr) -> tuple[ir.Expr, ...]:
     return tuple(_conjuncts(e))
 
 
-def _conjuncts(e: ir.Expr):
-    if isinstance(e, ir.Binary) and e.op == "and":
-        yield from _conjuncts(e.lhs)
-        yield from _conjuncts(e.rhs)
+def _conjuncts(e: ir.Expr, op: str = "and"):
+    """The operands of ``e``'s top-level chain of ``op`` (``and``; ``or``: its disjuncts)."""
+    if isinstance(e, ir.Binary) and e.op == op:
+        yield from _conjuncts(e.lhs, op)
+        yield from _conjuncts(e.rhs, op)
     else:
         yield e
 
@@ -505,10 +526,37 @@ def stream_bounds(pred: ir.Expr, row: str, col: str,
 def _conjunct_bounds(c: ir.Expr, row: str, col: str, sizes,
                      data: frozenset = frozenset()) -> Optional[list[Optional[Bound]]]:
     """One conjunct as bounds on ``col``: one entry per ``form <= 0`` it
-    amounts to (two for ``==``), None where a form is not such a bound; None
-    for anything but an affine comparison."""
+    amounts to (two for ``==``), None where a form is not such a bound; an
+    ``or`` of bounds of one kind is one bound (``_union``); None for anything
+    else."""
+    if isinstance(c, ir.Binary) and c.op == "or":
+        return [_union(c, row, col, sizes, data)]
     forms = _forms(c, sizes, data)
     return None if forms is None else [_solve(form, row, col) for form in forms]
+
+
+def _union(c: ir.Expr, row: str, col: str, sizes, data: frozenset) -> Optional[Bound]:
+    """An ``or`` whose every disjunct is one bound, all upper (or all lower), their
+    row coefficients of one sign or 0, as one bound: ``c <= f1(r) or c <= f2(r)`` is
+    ``c <= max(f1(r), f2(r))`` (Bound.alts), exact.  The prefix-LM's ``x <= q or
+    x < p[b]`` is ``x <= max(q, p - 1)``: one interval of keys per row, which the
+    loops bound by formula.  Of one sign so that the greatest of the forms is
+    monotone in the row as each is (a block's loosest and tightest rows are every
+    form's, and dK/dV's rows meeting the union are one run: the union of runs that
+    all end, or all start, at an end of the rows).  None for any other ``or``
+    (StreamingLLM's ``q - x < w or x < 4`` mixes a lower and an upper bound: two
+    intervals, the ranges prepass's)."""
+    parts = []
+    for d in _conjuncts(c, "or"):
+        got = _conjunct_bounds(d, row, col, sizes, data)
+        if got is None or len(got) != 1 or got[0] is None:
+            return None
+        if got[0] not in parts:
+            parts.append(got[0])
+    if len({p.kind for p in parts}) != 1 or len({(p.row_coeff > 0) - (p.row_coeff < 0) for p in parts} - {0}) > 1:
+        return None
+    parts.sort(key=lambda p: p.row_coeff == 0)   # a part reading the row first: row_coeff and at_row() are the union's
+    return replace(parts[0], alts=tuple(parts[1:]))
 
 
 def _forms(c: ir.Expr, sizes, data: frozenset = frozenset()) -> Optional[list[Affine]]:
@@ -610,11 +658,19 @@ def at_values(bounds: tuple[Bound, ...], values: Mapping[str, int]) -> tuple[Bou
         if not b.lengths_read:
             out.append(b)
         elif b.lengths_read <= set(values):
-            rest = dict(b.rest)
-            for name in b.lengths_read:
-                rest[""] = rest.get("", 0) + rest.pop(length_key(name)) * values[name]
-            out.append(replace(b, rest=tuple(sorted((k, v) for k, v in rest.items() if v))))
+            # a union's parts each (one part dropped would make it tighter, no upper bound:
+            # without every length the whole union goes)
+            read = [_read_at(p, values) for p in b.parts]
+            out.append(replace(read[0], alts=tuple(read[1:])))
     return tuple(out)
+
+
+def _read_at(b: Bound, values: Mapping[str, int]) -> Bound:
+    """One part with each length it reads replaced by its value."""
+    rest = dict(b.rest)
+    for name in b.lengths_read:
+        rest[""] = rest.get("", 0) + rest.pop(length_key(name)) * values[name]
+    return replace(b, rest=tuple(sorted((k, v) for k, v in rest.items() if v)))
 
 
 # An `or` of conjunctions past this many is left to the prepass alone: the

@@ -40,7 +40,7 @@ def rect_pairs(bounds: Sequence[Bound], sizes: Mapping[str, int], q0, q1, k0, k1
     q1, k1 = np.maximum(q1, q0), np.maximum(k1, k0)
     # a bound of step s > 1 is constant on each run of s rows, so the rows are cut at the
     # multiples of the steps' gcd (those of every step among them)
-    steps = [b.step for b in bounds if b.step > 1 and b.row_coeff != 0]
+    steps = [p.step for b in bounds for p in b.parts if p.step > 1 and p.row_coeff != 0]
     if not steps:
         return _batched(bounds, sizes, q0, q1, k0, k1)
     g = math.gcd(*steps)
@@ -66,32 +66,36 @@ def _affine_runs(bounds, sizes, q0, q1, k0, k1) -> np.ndarray:
     """rect_pairs where no bound's q // step changes within [q0, q1)."""
     n = len(q0)
     # each line A q + B: A one int for every rectangle, B an array (a stepped bound's value is
-    # read at its run's first row)
-    uppers = [(0, k1)]
-    lowers = [(0, k0)]
+    # read at its run's first row); a bound is a group of lines, one a form of it (a union,
+    # masks._union, is the greatest of its upper lines or the least of its lower ones)
+    uppers = [[(0, k1)]]
+    lowers = [[(0, k0)]]
     for b in bounds:
-        if b.step > 1 and b.row_coeff != 0:
-            a, c = 0, np.broadcast_to(np.asarray(b.value(q0, sizes), dtype=np.int64), (n,))
-        else:
-            a, c = b.row_coeff, np.full(n, b.value(0, sizes), dtype=np.int64)
-        if b.kind == "lower":
-            lowers.append((a, c))
-        else:
-            uppers.append((a, c + 1))
+        group = []
+        for p in b.parts:
+            if p.step > 1 and p.row_coeff != 0:
+                a, c = 0, np.broadcast_to(np.asarray(p.value(q0, sizes), dtype=np.int64), (n,))
+            else:
+                a, c = p.row_coeff, np.full(n, p.value(0, sizes), dtype=np.int64)
+            group.append((a, c) if b.kind == "lower" else (a, c + 1))
+        (lowers if b.kind == "lower" else uppers).append(group)
     # the count is affine between consecutive crossings of the lines: cut the rows at the row
     # after each crossing t, floor(t) + 1, so that a piece's rows [a, c) lie all at or before t
     # (c - 1 <= t) or all after it, and the count is one affine function on each piece
     cuts = [q0, q1]
-    for (a1, c1), (a2, c2) in itertools.combinations(uppers + lowers, 2):
+    for (a1, c1), (a2, c2) in itertools.combinations([line for g in uppers + lowers for line in g], 2):
         if a1 != a2:
             num, den = (c2 - c1, a1 - a2) if a1 > a2 else (c1 - c2, a2 - a1)
             cuts.append(np.clip(num // den + 1, q0, q1))
     cuts = np.sort(np.stack(cuts, axis=1), axis=1)
     first, stop = cuts[:, :-1], cuts[:, 1:]
 
+    def lines(group, q, pick):
+        return pick(np.stack([a * q + c[:, None] for a, c in group]), axis=0)
+
     def count(q):
-        hi = np.min(np.stack([a * q + c[:, None] for a, c in uppers]), axis=0)
-        lo = np.max(np.stack([a * q + c[:, None] for a, c in lowers]), axis=0)
+        hi = np.min(np.stack([lines(g, q, np.max) for g in uppers]), axis=0)
+        lo = np.max(np.stack([lines(g, q, np.min) for g in lowers]), axis=0)
         return np.maximum(hi - lo, 0)
 
     rows = stop - first

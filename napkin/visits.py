@@ -98,24 +98,41 @@ def row_block_range(bounds: tuple[Bound, ...], col_block: int, row_size: int, co
     nblocks = -(-row_size // block_row)
     lo, hi = 0, nblocks
     for b in bounds:
-        a, c = b.row_coeff, rest_value(b.rest, sizes)
-        if b.kind == "upper":          # visited iff a * s + c >= j * bc, s = r // step
-            need = col_block * block_col - c
-        else:                          # visited iff a * s + c <= (j + 1) * bc - 1
-            need = c - min((col_block + 1) * block_col, col_size) + 1
-            a = -a                     # the same as -a * s - c >= -(j + 1) * bc + 1
-        # now: visited iff a * s >= need, r the bound's row of the block
-        if a == 0:
-            if need > 0:
-                return 0, 0
-        elif a > 0:                    # s >= ceil(need / a): r is the block's last row
-            t = b.first_row((max(need, 0) + a - 1) // a)
-            lo = max(lo, nblocks if t >= row_size else t // block_row)
-        else:                          # s <= floor(-need / |a|): r is the block's first row
-            if need > 0:
-                return 0, 0
-            hi = min(hi, b.last_row((-need) // (-a)) // block_row + 1)
+        if b.alts:   # a union (masks._union): the row blocks meeting some part, one run
+            ulo, uhi = nblocks, 0
+            for p in b.parts:
+                span = _visiting_rows(p, col_block, row_size, col_size, block_row, block_col, sizes)
+                if span is not None:
+                    ulo, uhi = min(ulo, span[0]), max(uhi, span[1])
+            lo, hi = max(lo, ulo), min(hi, uhi)
+            continue
+        span = _visiting_rows(b, col_block, row_size, col_size, block_row, block_col, sizes)
+        if span is None:
+            return 0, 0
+        lo, hi = max(lo, span[0]), min(hi, span[1])
     return lo, max(lo, hi)
+
+
+def _visiting_rows(b: Bound, col_block: int, row_size: int, col_size: int, block_row: int, block_col: int,
+                   sizes: Mapping[str, int]) -> Optional[tuple[int, int]]:
+    """[lo, hi) of the row blocks whose loop the one form ``b`` lets visit column
+    block ``col_block`` (a half-line of them: [lo, all) or [0, hi)); None for none."""
+    nblocks = -(-row_size // block_row)
+    a, c = b.row_coeff, rest_value(b.rest, sizes)
+    if b.kind == "upper":          # visited iff a * s + c >= j * bc, s = r // step
+        need = col_block * block_col - c
+    else:                          # visited iff a * s + c <= (j + 1) * bc - 1
+        need = c - min((col_block + 1) * block_col, col_size) + 1
+        a = -a                     # the same as -a * s - c >= -(j + 1) * bc + 1
+    # now: visited iff a * s >= need, r the bound's row of the block
+    if a == 0:
+        return None if need > 0 else (0, nblocks)
+    if a > 0:                      # s >= ceil(need / a): r is the block's last row
+        t = b.first_row((max(need, 0) + a - 1) // a)
+        return nblocks if t >= row_size else t // block_row, nblocks
+    if need > 0:                   # s <= floor(-need / |a|): r is the block's first row
+        return None
+    return 0, b.last_row((-need) // (-a)) // block_row + 1
 
 
 def visited_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size: int,
@@ -205,17 +222,27 @@ def full_row_blocks(bounds: tuple[Bound, ...], col_block: int, row_size: int, co
     are clamped non-negative before dividing (Triton's // truncates)."""
     vlo, vhi = row_block_range(bounds, col_block, row_size, col_size, block_row, block_col, sizes)
     c0, c1 = col_block * block_col, (col_block + 1) * block_col - 1
+    nblocks = -(-row_size // block_row)
     lo, hi = 0, (row_size // block_row if c1 < col_size else 0)
     for b in bounds:
-        a, c = b.row_coeff, rest_value(b.rest, sizes)
-        a, need = (a, c1 - c) if b.kind == "upper" else (-a, c - c0)
-        if a == 0:
-            hi = 0 if need > 0 else hi
-        elif a > 0:
-            t = b.first_row((max(need, 0) + a - 1) // a)       # the first row that satisfies it
-            lo = max(lo, (t + block_row - 1) // block_row)
-        else:
-            hi = 0 if need > 0 else min(hi, (b.last_row(max(-need, 0) // -a) + 1) // block_row)
+        # a union (masks._union) holds at every pair where some part does at every
+        # pair: its parts' runs are one, which is their union
+        ulo, uhi = (nblocks, 0) if b.alts else (0, nblocks)
+        for p in b.parts:
+            a, c = p.row_coeff, rest_value(p.rest, sizes)
+            a, need = (a, c1 - c) if p.kind == "upper" else (-a, c - c0)
+            if a == 0:
+                span = None if need > 0 else (0, nblocks)
+            elif a > 0:
+                t = p.first_row((max(need, 0) + a - 1) // a)       # the first row that satisfies it
+                span = ((t + block_row - 1) // block_row, nblocks)
+            else:
+                span = None if need > 0 else (0, (p.last_row(max(-need, 0) // -a) + 1) // block_row)
+            if b.alts:
+                ulo, uhi = (ulo, uhi) if span is None else (min(ulo, span[0]), max(uhi, span[1]))
+            else:
+                ulo, uhi = (0, 0) if span is None else span
+        lo, hi = max(lo, ulo), min(hi, uhi)
     lo = min(max(lo, vlo), vhi)
     return lo, max(min(hi, vhi), lo)
 

@@ -38,11 +38,15 @@ def _pred(src: str) -> ir.Expr:
 
 AFFINE = ["x <= q", "x <= q and q - x < 5", "x <= q and q - x < 40", "x <= q + |x| - |q|", "x >= q",
           "x == q", "x <= 2 * q", "x >= q - 3 and x <= q + 7", "x + q <= 50", "x >= 20 - q and x < 30",
-          "x >= 9"]
+          "x >= 9",
+          # an or of bounds of one kind is one bound, their greatest (least) (masks._union)
+          "x <= q or x < 20", "x <= q - 30 or x < 12 or x <= 2 * q - 70", "x >= q - 3 or x >= 40",
+          "(x <= q or x < 20) and q - x < 30", "x < 2 or x + q <= 50"]
 # chunks (x // n, q // n: a non-decreasing term of an index, masks.Bound.step)
 FLOORED = ["x // 8 == q // 8", "x <= q and x // 8 == q // 8", "x // 5 <= q // 5", "x // 4 >= q // 4",
            "x // 8 == q // 8 and q - x < 5", "x >= q // 4 * 4", "x <= q // 3", "x // 3 < q // 7 + 2",
-           "x // 6 == q", "x == q // 3", "x // 4 > q - 20", "x < 2 * (q // 5) + 1"]
+           "x // 6 == q", "x == q // 3", "x // 4 > q - 20", "x < 2 * (q // 5) + 1",
+           "x // 8 <= q // 8 or x < 12", "x <= q // 3 or x <= q - 25"]
 SHAPES = [(37, 100), (100, 37), (64, 64), (1, 1), (23, 9)]
 BLOCKS = [(16, 16), (8, 4), (4, 8), (3, 5)]
 TRUE = ir.Binary("<=", ir.Num(0), ir.Num(1))  # classify_block's stand-in for "no mask"
@@ -283,6 +287,9 @@ CASES = [  # (example, text edits, sizes, which loops have full blocks): every s
     ("sliding_window", ((WINDOW, "x // 48 == q // 48"),), {"q": 100, "x": 100}, "fwd bwd"),  # chunked causal
     ("sliding_window", (("x <= q and " + WINDOW, "x // 48 == q // 48"),), {"q": 90, "x": 100}, "fwd bwd"),
     ("sliding_window", ((WINDOW, "q - x < 40 and (x - q) % 3 == 0"),), {"q": 100, "x": 90}, ""),  # dilated: no full
+    # a prefix of 40 seen by every row (a prefix-LM's): x <= max(q, 39), one bound (masks._union)
+    ("causal", (("x <= q", "x <= q or x < 40"),), {"q": 100, "x": 100}, "fwd bwd"),
+    ("causal", (("x <= q", "x <= q or x < 48"),), {"q": 70, "x": 90}, "fwd bwd"),
     # whole float constants in index arithmetic: Triton's // of 48.0 was a float division (a crash)
     ("sliding_window", ((WINDOW, "x // 48.0 == q // 48 and (q - x) % 2.0 == 0"),), {"q": 100, "x": 100}, ""),
 ]

@@ -1,17 +1,19 @@
 """napkin cost --lengths: a length input read as one value at every index.
 
-A mask that reads a length input in an ``or`` (the prefix-LM's ``x <= q or
-x < p[b]``) finds its blocks with the ranges prepass, so without the values
-the cost pass counts every block; with ``--lengths p=N`` the mask compares
-indices alone and the counts are the blocks the prepass finds live on it
-(napkin/cost/lengths.py).  A mask of length bounds joined by ``and``
-(ragged decoding's ``x < n[b]``, the runtime window's ``q - x < w``) has
-its loops bounded by the length, and ``--lengths`` gives the cost pass its
-value (masks.at_values).  Checked here:
+A mask of length bounds (ragged decoding's ``x < n[b]``, the runtime
+window's ``q - x < w``, the prefix-LM's ``x <= q or x < p[b]``, one bound
+``x <= max(q, p - 1)``) has its loops bounded by the length, and
+``--lengths`` gives the cost pass its value (masks.at_values).  One that
+reads a length in an ``or`` that is no bound (sinks read at run time beside
+a window: ``x <= q and (q - x < 48 or x < p[b])``) finds its blocks with the
+ranges prepass, so without the values the cost pass counts every block;
+with ``--lengths p=N`` the mask compares indices alone and the counts are
+the blocks the prepass finds live on it (napkin/cost/lengths.py).  Checked
+here:
 
 * the bytes the kernels move (napkin.bytecount) with the input filled with
   that value equal the counted ones, tensor by tensor, for the prefix-LM's
-  forward and its backward's kernels, for ragged decoding's chunked,
+  and the sinks' forward and backward's kernels, for ragged decoding's chunked,
   packed forward and for the runtime window's forward and backward, at
   ragged sizes and several values;
 * that the counts drop below the dense ones, and the note says what they are;
@@ -44,26 +46,37 @@ PREFIX = (K.REPO / "examples" / "prefix_lm.ncd").read_text()
 RAGGED = (K.REPO / "examples" / "ragged_decode.ncd").read_text().replace("bf16", "fp16")  # the interpreter's bf16 dot
 
 
-@pytest.mark.parametrize("prefix", [1, 37, 96, 149, 400])
-def test_the_prefix_lm_counts_are_the_bytes_its_kernels_move(prefix):
+# attention sinks whose count is read at run time beside a causal window: an or of a lower and an
+# upper bound (two runs of keys a row), so the ranges prepass, which --lengths prices as it finds
+SINKS = "x <= q and (q - x < 48 or x < p[b])"
+
+
+@pytest.mark.parametrize("mask, prefix", [*((None, p) for p in (1, 37, 96, 149, 400)),
+                                          *((SINKS, p) for p in (1, 37, 149))])
+def test_the_prefix_lm_counts_are_the_bytes_its_kernels_move(mask, prefix):
     """p[b] = prefix in every batch row: on and off the 16-key blocks, inside
     the first row block, the last key, past every key.  Forward, training
-    forward and the backward's kernels, at 150 tokens, blocks 32 x 16."""
-    m = K.compile_text(PREFIX.replace("d = 64", "d = 32"), "lengths_prefix")
-    d = napkin.load_text(PREFIX.replace("d = 64", "d = 32"), "prefix_lm.ncd")
+    forward and the backward's kernels, at 150 tokens, blocks 32 x 16.  The
+    prefix-LM's loops read p (its or is one bound); the sinks' prepass finds
+    the blocks (a launch's prepass kernels counted too)."""
+    text = PREFIX.replace("d = 64", "d = 32")
+    text = text if mask is None else text.replace("x <= q or x < p[b]", mask)
+    m = K.compile_text(text, "lengths_prefix" if mask is None else "lengths_sinks")
+    d = napkin.load_text(text, "prefix_lm.ncd")
     n, blocks = 150, {"q": 32, "x": 16}
     sizes = {"b": 2, "h": 2, "q": n, "x": n}
     q, k, v, _ = m.example_inputs(sizes, dtype=torch.float16, seed=prefix)
     inputs = (q, k, v, torch.full((2,), prefix, dtype=torch.int32))
     lengths = {"p": prefix}
     report = analyse(with_blocks(d, blocks), sizes, lengths=lengths)
-    assert f"when p = {prefix} at every index (--lengths)" in " ".join(report.notes)
+    what = "they visit" if mask is None else "the kernels' ranges prepass finds live"
+    assert f"the counts are the blocks {what} when p = {prefix} at every index (--lengths)" in " ".join(report.notes)
     with ByteCounter(tensors=dict(zip(m.INPUTS, inputs))) as bc:
         m.prefix_lm(*inputs, block_q=32, block_x=16)
     assert (without_tensors(bc.loads), without_tensors(bc.stores)) == \
         predicted_bytes(report)
     dense = analyse(with_blocks(d, blocks), sizes)
-    # below dense unless it keeps every block
+    # below dense unless it keeps every block (dense: the causal triangle, every block of it)
     assert (report_bytes(report, "K") < report_bytes(dense, "K")) == (prefix < n - 16)
 
     back = backward_cost(with_blocks(d, blocks), sizes, given=True, lengths=lengths)
@@ -162,8 +175,8 @@ SIZES = ("-D", "b=2", "-D", "h=4", "-D", "q=1000", "-D", "x=1000")
 def test_the_cli_prices_the_prefix_and_says_so(capsys):
     code, out, err = _cli(capsys, "cost", "examples/prefix_lm.ncd", *SIZES, "--lengths", "p=200")
     assert code == 0, err
-    assert ("note: the counts are the blocks the kernels' ranges prepass finds live when p = 200 at every index "
-            "(--lengths), every dead block skipped") in out
+    assert ("note: the kernels' loops are bounded by p at run time, each program loading it (no ranges prepass): "
+            "the counts are the blocks they visit when p = 200 at every index (--lengths)") in out
     code, dense, err = _cli(capsys, "cost", "examples/prefix_lm.ncd", *SIZES)
     assert "--lengths NAME=N counts them where the length input holds N" in dense
     backward = {}

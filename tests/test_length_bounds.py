@@ -10,8 +10,9 @@ range [_lo, _hi) and full blocks come from the same formulas as causal's
 (codegen/bounds.py, clipped in int64).  Checked here:
 
 * which masks take it (plan.bounds read the length, ``ranges.applies``
-  false, no prepass kernel in the module) and which keep the prepass: an
-  ``or``, a length along a wire the key lacks (dK/dV loops over GQA's g),
+  false, no prepass kernel in the module; an ``or`` of bounds of one kind
+  is one, ``x <= max(q, n - 1)``) and which keep the prepass: an ``or`` of
+  a lower and an upper bound, a length along a wire the key lacks (dK/dV loops over GQA's g),
   a coarse read;
 * forward and every gradient against float64 on ragged sizes, lengths of
   0, 1, on and off the blocks, past every key, negative and at int32's ends
@@ -84,6 +85,8 @@ def _plan(text: str):
     ("x <= q and x < n[b] and q - x < w", {"n", "w"}, ""),
     ("n[b] > x", {"n"}, ""),                       # either side
     ("x >= q - w + 1", {"w"}, ""),                 # a lower bound alone
+    ("x <= q or x < n[b]", {"n"}, ""),             # a prefix-LM's or: x <= max(q, n - 1), one bound
+    ("(x <= q or x < n[b]) and q - x < w", {"n", "w"}, ""),
 ])
 def test_a_mask_of_length_bounds_runs_no_prepass(mask, read, extra):
     plan = _plan(_text(mask, extra))
@@ -95,7 +98,7 @@ def test_a_mask_of_length_bounds_runs_no_prepass(mask, read, extra):
 
 
 @pytest.mark.parametrize("mask, extra", [
-    ("x <= q or x < n[b]", ""),                                  # an or: no loop formula covers it
+    ("x <= q and (q - x < w or x < n[b])", ""),                  # an or of a lower and an upper bound: two runs
     ("x < n[b] and doc[b, q] == doc", "in doc[b, x] : int32"),   # a conjunct of ids beside it
 ])
 def test_a_mask_that_reads_more_keeps_the_prepass(mask, extra):

@@ -1,14 +1,15 @@
 """Prefix-LM attention (examples/prefix_lm.ncd): the first p[b] tokens of
 each sequence see each other both ways, the rest is causal; p is an int
 input, a length of x (ir.length_inputs), and the mask an `or` of a static
-part and a data part.
+part and a data part: one bound, x <= max(q, p - 1), which the loops read
+(masks._union; tests/test_union_bounds.py).
 
 * the kernel against torch's scaled_dot_product_attention given the same
   mask as a bool tensor, in float64, and against the float64 reference, at
   prefixes on and off the blocks, none (causal) and the whole sequence, on a
   length that is no multiple of a block;
-* the ranges prepass loads exactly the live key blocks, the union of the
-  causal triangle and the prefix's square (napkin.bytecount);
+* the kernel loads exactly the live key blocks, the union of the causal
+  triangle and the prefix's square, in one launch (napkin.bytecount);
 * gradients against float64's autograd;
 * FlexAttention's equivalent takes the mask as the reference computes it.
 """
@@ -72,7 +73,7 @@ def test_the_kernel_loads_exactly_the_live_key_blocks():
     Q, Kt, V, p = _inputs(torch.float32, h=1, seed=3)
     with ByteCounter(tensors={"K": Kt}) as bc:
         m.prefix_lm(Q, Kt, V, p, block_q=64, block_x=64)
-    assert bc.launches > 0
+    assert bc.launches == 1   # no ranges prepass: the loops' bound reads p
     blocks = math.ceil(N / 64)
     live = 0   # keys loaded: every 64-key block some row of a 64-row block sees, the last cut at N
     for prefix in PREFIXES:

@@ -57,7 +57,9 @@ schedule on h100 {
 """
 # A mask of indices alone that is no conjunction of bounds (causal with 4 sink keys every
 # query sees): no formula either, so the prepass finds its blocks; it reads no tensor.
-SINKS = DOC.replace("where(doc[b, q] == doc,", "where(x <= q or x < 4,")
+# the keys at and after the row and 4 sinks: an or of a lower and an upper bound, two runs a row (an
+# or of bounds of one kind, x <= q or x < 4, is one bound: the loops', tests/test_union_bounds.py)
+SINKS = DOC.replace("where(doc[b, q] == doc,", "where(x >= q or x < 4,")
 # StreamingLLM's: 4 sink keys and a causal window of 24; the keys between are dead, one run a row
 STREAM = DOC.replace("where(doc[b, q] == doc,", "where(x <= q and (q - x < 24 or x < 4),")
 BLOCKS = {"block_q": 16, "block_x": 32}
@@ -149,12 +151,12 @@ def test_only_masks_that_read_data_get_a_prepass():
 
 
 def test_a_mask_of_indices_alone(folder):
-    """x <= q or x < 4: the prepass reads no tensor and has no batch wire;
+    """x >= q or x < 4: the prepass reads no tensor and has no batch wire;
     its ranges are the brute force's, and the kernels agree with the
     reference (forward and gradients)."""
     m = _module(SINKS, "ranges_sinks", folder)
     n, rows = 70, torch.arange(70)
-    pred = (rows[None, :] <= rows[:, None]) | (rows[None, :] < 4)
+    pred = (rows[None, :] >= rows[:, None]) | (rows[None, :] < 4)
     doc = torch.zeros(2, n, dtype=torch.int32)  # declared, unread by this mask
     for whole_rows, by_col in [(False, False), (True, False), (True, True)]:
         got, _ = m._document_mask_ranges({"b": 2, "h": 1, "q": n, "x": n, "d": 64}, doc.device,
@@ -428,7 +430,7 @@ def _counted(counts: dict) -> dict:
 
 @pytest.mark.parametrize("key, mask", [("stream", "x <= q and (q - x < 24 or x < 4)"),
                                        ("bands", "x < 20 or x > q + 30 or q - x == 7"),
-                                       ("sinks", "x <= q or x < 4"),
+                                       ("sinks", "x >= q or x < 4"),
                                        # two lower bounds loosest at opposite ends of a block:
                                        # a block's loosest-row range holds a dead block
                                        ("crossed", "(x >= q - 5 and x >= 100 - q) or x < 2"),

@@ -353,15 +353,12 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
     lines.append(f"if not _POS_{row}:")
     indent = len(lines)
     # |w| as the expressions read it: the global length when keys sit at positions
+    every = f"tl.cdiv({nq}, {br})"
     for b in bounds:
-        a = b.row_coeff
-        if b.kind == "upper":
-            need = f"_col_first - {B.rest(b, names.length)}"
-            why = f"{B.text(b, col, row)}: visited while that reaches the block's least {col}"
-        else:
-            need = f"{B.rest(b, names.length)} - _col_last"
-            a = -a
-            why = f"{B.text(b, col, row)}: visited while that starts by the block's greatest {col}"
+        if b.alts:
+            lines += _union_rows(b, row, col, every, "_lo", "_hi", _visit_part(names, nq, br, every))
+            continue
+        a, need, why = _visit_need(b, names, row, col)
         lines.append(f"_need = {need}  # {why}")
         if a == 0:
             lines.append("_hi = tl.where(_need > 0, 0, _hi)")
@@ -373,6 +370,44 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
     lines.append("_hi = tl.maximum(_lo, _hi)")
     lines[indent:] = ["    " + line for line in lines[indent:]]
     return "\n".join(lines + _full_dkdv(plan, names) + _ranges_dkdv(plan, names))
+
+
+def _visit_need(b, names, row: str, col: str) -> tuple[int, str, str]:
+    """(a, _need, why) of one form: visits.row_block_range's ``a * (r // step) >= need``."""
+    if b.kind == "upper":
+        return (b.row_coeff, f"_col_first - {B.rest(b, names.length)}",
+                f"{B.text(b, col, row)}: visited while that reaches the block's least {col}")
+    return (-b.row_coeff, f"{B.rest(b, names.length)} - _col_last",
+            f"{B.text(b, col, row)}: visited while that starts by the block's greatest {col}")
+
+
+def _visit_part(names, nq: str, br: str, every: str):
+    """One form of a union for _union_rows: (its _need, why) and the lines folding its
+    run of row blocks into [_ulo, _uhi) (visits._visiting_rows)."""
+    def part(p, row, col):
+        a, need, why = _visit_need(p, names, row, col)
+        if a == 0:
+            fold = ["_ulo = tl.where(_need > 0, _ulo, 0)", f"_uhi = tl.where(_need > 0, _uhi, {every})"]
+        elif a > 0:
+            fold = [f"_t = {_first_row(p, a)}",
+                    f"_ulo = tl.minimum(_ulo, tl.where(_t >= {nq}, {every}, _t // {br}))", f"_uhi = {every}"]
+        else:
+            fold = ["_ulo = tl.where(_need > 0, _ulo, 0)",
+                    f"_uhi = tl.where(_need > 0, _uhi, tl.maximum(_uhi, {_last_row(p, a)} // {br} + 1))"]
+        return need, why, fold
+    return part
+
+
+def _union_rows(b, row: str, col: str, every: str, lo: str, hi: str, part) -> list[str]:
+    """A union's (masks._union) run of row blocks, the union of its parts' runs (each all
+    of the rows from one on, or up to one, or all or none: their union is one run), met
+    with [lo, hi): visits.row_block_range and full_row_blocks' union, term for term."""
+    lines = [f"_ulo = {every}  # {B.text(b, col, row)}: the row blocks some part lets through, none yet",
+             "_uhi = 0"]
+    for p in b.parts:
+        need, why, fold = part(p, row, col)
+        lines += [f"_need = {need}  # {why}", *fold]
+    return lines + [f"{lo} = tl.maximum({lo}, _ulo)", f"{hi} = tl.minimum({hi}, _uhi)"]
 
 
 def _ranges_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
@@ -413,15 +448,25 @@ def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
     inner.append(f"_fhi = tl.where(_col0 + {bc} <= {names.size(col)}, {nq} // {br}, 0)"
                  "  # whole row blocks; a ragged key block has none")
 
-    for b in plan.forward.full:
-        a = b.row_coeff
-        if b.kind == "upper":
-            need = f"_col0 + {bc} - 1 - {B.rest(b, names.size)}"
-            why = f"{B.text(b, col, row)} at the block's last {col}"
+    every = f"tl.cdiv({nq}, {br})"
+
+    def part(p, row, col):   # one form of a union (visits.full_row_blocks)
+        a, need, why = _full_need(p, names, row, col, bc)
+        if a == 0:
+            fold = ["_ulo = tl.where(_need > 0, _ulo, 0)", f"_uhi = tl.where(_need > 0, _uhi, {every})"]
+        elif a > 0:
+            fold = [f"_t = {_first_row(p, a)}", f"_ulo = tl.minimum(_ulo, tl.cdiv(_t, {br}))", f"_uhi = {every}"]
         else:
-            need = f"{B.rest(b, names.size)} - _col0"
-            a = -a
-            why = f"{B.text(b, col, row)} at the block's first {col}"
+            fold = ["_ulo = tl.where(_need > 0, _ulo, 0)",
+                    f"_uhi = tl.where(_need > 0, _uhi, tl.maximum(_uhi, ({_last_row(p, a)} + 1) // {br}))"]
+        return need, f"{why}, for every row", fold
+
+    for b in plan.forward.full:
+        if b.alts:
+            union = _union_rows(b, row, col, every, "_flo", "_fhi", part)
+            inner += union if lower else [line for line in union if not line.startswith("_flo =")]
+            continue
+        a, need, why = _full_need(b, names, row, col, bc)
         inner.append(f"_need = {need}  # {why}, for every row")
         if a == 0:
             inner.append("_fhi = tl.where(_need > 0, 0, _fhi)")
@@ -434,6 +479,14 @@ def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
         inner.append("_flo = tl.minimum(tl.maximum(_flo, _lo), _hi)")
     inner.append(f"_fhi = tl.maximum(tl.minimum(_fhi, _hi), {first})")
     return lines + ["        " + line for line in inner]
+
+
+def _full_need(b, names, row: str, col: str, bc: str) -> tuple[int, str, str]:
+    """(a, _need, why) of one form: visits.full_row_blocks' ``a * (r // step) >= need``."""
+    if b.kind == "upper":
+        return (b.row_coeff, f"_col0 + {bc} - 1 - {B.rest(b, names.size)}",
+                f"{B.text(b, col, row)} at the block's last {col}")
+    return -b.row_coeff, f"{B.rest(b, names.size)} - _col0", f"{B.text(b, col, row)} at the block's first {col}"
 
 
 def _first_row(b, a: int) -> str:

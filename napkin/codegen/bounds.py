@@ -79,8 +79,15 @@ def row_term(b: masks.Bound, r: str) -> list[str]:
 
 
 def affine(b: masks.Bound, r: str, size) -> str:
-    """row_coeff * (r // step) + rest, the sizes rendered by ``size`` (clipped: _CLIP)."""
-    return _clipped(b, _sum(row_term(b, r) + _rest_terms(b, size)))
+    """row_coeff * (r // step) + rest, the sizes rendered by ``size`` (clipped: _CLIP); of a
+    union (masks.Bound.alts) its parts' greatest (upper) or least (lower), each at ``r``:
+    the rows' end that is loosest or tightest for one part is for every part."""
+    values = [_clipped(p, _sum(row_term(p, r) + _rest_terms(p, size))) for p in b.parts]
+    pick = "tl.maximum" if b.kind == "upper" else "tl.minimum"
+    out = values[0]
+    for v in values[1:]:
+        out = f"{pick}({out}, {v})"
+    return out
 
 
 def rest(b: masks.Bound, size) -> str:
@@ -90,13 +97,19 @@ def rest(b: masks.Bound, size) -> str:
 
 
 def text(b: masks.Bound, col: str, row: str) -> str:
-    """The bound as a comment reads it: ``x <= q + |x| - |q|``, ``x <= n - 1``."""
+    """The bound as a comment reads it: ``x <= q + |x| - |q|``, ``x <= n - 1``, a union's
+    ``x <= max(q, p - 1)``."""
     def term(key, v):
         name = key[1:] if key.startswith("@") else key
         return str(v) if key == "" else name if v == 1 else f"-{name}" if v == -1 and name != key \
             else f"{v} * {name}"
-    terms = [term(key, v) for key, v in sorted(b.rest, key=lambda kv: kv[0] == "")]   # the constant last
-    return f"{col} {'>=' if b.kind == 'lower' else '<='} {_sum(row_term(b, row) + terms)}"
+
+    def form(p):
+        terms = [term(key, v) for key, v in sorted(p.rest, key=lambda kv: kv[0] == "")]   # the constant last
+        return _sum(row_term(p, row) + terms)
+    forms = ", ".join(form(p) for p in b.parts)
+    return f"{col} {'>=' if b.kind == 'lower' else '<='} " + \
+        (f"{'max' if b.kind == 'upper' else 'min'}({forms})" if b.alts else forms)
 
 
 def ends(bounds, side: str) -> set:
