@@ -207,8 +207,9 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
     the wires' blocks tb[q // s, x // t] of tb[qb, xb], a bias per block of keys
     kb[x // t] of kb[kx], doc[b, x] : int32), and a quarter of the time a gate
     on the value, vg along x and some of V's other wires (sum[x](P * V * vg)).
-    Half the time a length bound joins the mask (``x < n[b]``, ``q - x < w``
-    of a scalar w, or ``x <= q + n[b] - |q|``): the loops read it.
+    About half the time a length bound joins the mask (``x < n[b]``, ``q - x < w``
+    of a scalar w, ``x <= q + n[b] - |q|``, or a prefix-LM's ``x <= q or
+    x < n[b]``): the loops read it.
     Boxes: ``S`` always; then one normaliser:
 
     * softmax: ``P = softmax[x](S)``, ``O = sum[x](P * V)``, optionally
@@ -248,10 +249,12 @@ def attention_diagrams(draw, floors: bool = True) -> ir.Diagram:
         inputs.append(ir.Input("doc", _axes("b", "x"), "int32"))
         masks.append(_b("==", _t("doc", ("b", "q")), _t("doc")))
     # a length input the loops' bounds read (codegen/attention.py's lengths): a cache's, a window's
-    length = draw(st.sampled_from((None, None, None, "n", "w", "end")))
-    if length in ("n", "end"):
+    # or a prefix-LM's, x <= q or x < n[b]: one bound, x <= max(q, n - 1) (masks._union)
+    length = draw(st.sampled_from((None, None, None, "n", "w", "end", "prefix")))
+    if length in ("n", "end", "prefix"):
         inputs.append(ir.Input("n", _axes("b"), "int32"))
         masks.append(_b("<", X_IDX, _t("n")) if length == "n" else
+                     _b("or", _b("<=", X_IDX, Q_IDX), _b("<", X_IDX, _t("n"))) if length == "prefix" else
                      _b("<=", X_IDX, _b("-", _b("+", Q_IDX, _t("n")), Q_SIZE)))
     elif length == "w":
         inputs.append(ir.Input("w", (), "int32"))

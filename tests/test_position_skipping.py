@@ -56,6 +56,9 @@ CASES = {  # name: (example, edits); d shrunk to 16, an lse output where missing
     "decode": ("decode", ()),
     # the width a scalar read at run time: the loops' bounds read it (no prepass), at positions the live test too
     "runtime": ("runtime_window", (LSE,)),
+    # an or of two upper bounds, one bound x <= max(q, 19) (masks._union); the prefix-LM's reads p[b]
+    "prefix20": ("causal", (("x <= q", "x <= q or x < 20"),)),
+    "prefix": ("prefix_lm", (LSE,)),
     "document": ("document_mask", (LSE,)),
     "document_causal": ("document_mask", (("where(doc[b, q] == doc,", "where(x <= q and doc[b, q] == doc,"), LSE)),
 }
@@ -181,7 +184,8 @@ def parts(kind: str, n_parts: int, n: int) -> list[torch.Tensor]:
 BRUTE = [(name, kind, kind, p, nq, nx) for name in ("causal", "window9", "window3") for kind in ("zigzag", "cyclic")
          for p, nq, nx in ((4, 100, 100), (2, 64, 64))] \
     + [("decode", kind, kind, 2, 40, 70) for kind in ("zigzag", "cyclic")] \
-    + [(name, "zigzag", "cyclic", 4, 100, 100) for name in ("causal", "window9", "window3", "decode")]
+    + [(name, "zigzag", "cyclic", 4, 100, 100) for name in ("causal", "window9", "window3", "decode")] \
+    + [("prefix20", kind, kind, 4, 100, 100) for kind in ("zigzag", "cyclic")]
 
 
 @pytest.mark.parametrize("name, qkind, xkind, n_parts, nq, nx", BRUTE,
@@ -381,7 +385,7 @@ def assert_close(got, exact, same, dtype, label):
 
 
 NUMERIC = [(name, kind, dtype, nq, nx) for name, nq, nx in (("causal", 45, 40), ("window9", 45, 45), ("decode", 7, 45),
-                                                             ("runtime", 45, 45))
+                                                             ("runtime", 45, 45), ("prefix", 45, 45))
            for kind in ("zigzag", "cyclic") for dtype in (torch.float32, torch.float16)]
 
 

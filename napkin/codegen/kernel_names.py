@@ -64,6 +64,8 @@ def internal_names(d: ir.Diagram) -> frozenset:
     suffixes = [""] + [str(i) for i in range(16)]
     out = {"_pid", "_batch", "_row0", "_col0", "_start", "_lo", "_hi", "_flo", "_fhi", "_row_first",
            "_row_last", "_col_first", "_col_last", "_live", "_rb", "_it", "_o", "_ok", "_need", "_grid",
+           # a union bound's run of row blocks (backward_emit._union_rows)
+           "_ulo", "_uhi",
            "_opts", "_pos", "_SAVE", "_SPLIT_WEIGHTS", "_FIT_WEIGHTS", "_INT64", "_a", "_b", "_full", "_TMA", "_tma",
            # chunks (flash-decoding): the chunk's start and size, its partial state, the merge's own
            "_c0", "_CHUNK", "_part", "_n_chunks", "_W", "_at", "_c", "_m_c", "_beta", "_v",

@@ -103,7 +103,7 @@ def index_disjuncts(plan: AttentionPlan, values: Mapping[str, int] = {}):
     conjunctions of cuts (masks.disjunct_cuts), from which the cost pass
     finds the prepass's blocks row by row (visits.prepass_visits); else None.
     ``values``: integer inputs read as these numbers at every index (cost's
-    --lengths: the prefix-LM's p[b] = 1024 in every batch row), which makes
+    --lengths: s[b] = 4 sinks in every batch row beside a window), which makes
     a mask that reads only them one of indices alone."""
     if not applies(plan):
         return None

@@ -5,10 +5,12 @@ not read along (ir.length_inputs): the prefix-LM's ``x < p[b]``, a ragged
 batch's cache lengths ``x < n[b]``, a window's width read as a scalar
 (``q - x < w``, examples/runtime_window.ncd).  Its mask reads data.  Where
 every conjunct is a bound once the length is read (``x < n[b]``, ``q - x <
-w``) the kernels' loops read it and the cost pass, without the value,
+w``, the prefix-LM's ``x <= q or x < p[b]``, one bound ``x <= max(q, p - 1)``)
+the kernels' loops read it and the cost pass, without the value,
 leaves those bounds out (masks.at_values: an upper bound); given a value it
 counts the blocks the loops' formulas visit then.  Any other such mask
-(the prefix-LM's ``or``) is found by the ranges prepass at each launch and
+(sinks read at run time beside a window, ``x <= q and (q - x < 1024 or
+x < s[b])``: two runs of keys a row) is found by the ranges prepass at each launch and
 counted, without the values, as every block (an upper bound); given a value
 (the same at every index: every batch row's prefix is 1024 tokens, every
 cache holds 3000 keys) the mask compares indices alone, and the cost pass
@@ -33,7 +35,7 @@ __all__ = ["add_lengths_option", "parse_lengths", "check_lengths", "describe"]
 def add_lengths_option(p) -> None:
     p.add_argument("--lengths", action="append", default=None, metavar="NAME=N",
                    help="a length input read as N at every index (p[b] = N for a prefix-LM's x < p[b]; "
-                        "repeatable): counts the blocks the kernels' ranges prepass finds live on it")
+                        "repeatable): counts the blocks the kernels visit when it holds N")
 
 
 def parse_lengths(items: Optional[Iterable[str]]) -> Optional[dict[str, int]]:
