@@ -13,9 +13,11 @@ sides need, so the kernel and the cost pass agree on what is visited:
   combine; anything data-dependent, like ``doc[b, q] == doc``, is PARTIAL).
 * ``stream_bounds(pred, row, col, sizes)``: the affine conjuncts of ``pred``
   that bound the streamed wire ``col`` in terms of the row wire, as
-  ``Bound``s.  The kernel's loop runs over ``[start rounded down to a block,
-  stop)`` computed from them (codegen renders the very same formula in
-  Triton); ``exact_bounds`` gives them only when they are the whole mask
+  ``Bound``s (an ``or`` of bounds of one kind is one, the greatest of its
+  forms: the prefix-LM's ``x <= max(q, p - 1)``, ``Bound.alts``).  The
+  kernel's loop runs over ``[start rounded down to a block, stop)``
+  computed from them (codegen renders the very same formula in Triton);
+  ``exact_bounds`` gives them only when they are the whole mask
   (then blocks can be known FULL), and with ``data`` takes terms that read
   those length inputs too, which the kernels load at run time and the
   Python side reads at given values (``at_values``: cost's --lengths) or
@@ -23,7 +25,8 @@ sides need, so the kernel and the cost pass agree on what is visited:
 * which blocks those bounds make a loop visit, which are full and which
   live: ``napkin/visits.py``, in Python, with the same formulas.
 * ``disjunct_cuts(pred, row, col, sizes)``: a mask of indices alone that no
-  loop formula covers (an ``or``, ``!=``, ``2 * x <= q``) as an ``or`` of
+  loop formula covers (an ``or`` of a lower and an upper bound, ``!=``,
+  ``2 * x <= q``) as an ``or`` of
   conjunctions of ``Cut``s, which the cost pass counts row by row as the
   ranges prepass finds them.
 
