@@ -48,6 +48,8 @@ MASKS = {
     "causal": DOC.replace(SCORE, "where(x <= q and doc[b, q] == doc,"),
     "window": DOC.replace(SCORE, "where(x <= q and q - x < 24 and doc[b, q] == doc,"),
     "both_ways": DOC.replace(SCORE, "where(q - x < 20 and x - q < 20 and doc[b, q] == doc,"),
+    # an or of two upper bounds beside the ids: one bound, x <= max(q, 39) (masks._union)
+    "prefix": DOC.replace(SCORE, "where((x <= q or x < 40) and doc[b, q] == doc,"),
 }
 # a packed launch: 4 query heads of a key/value head beside 4 queries in one 16-row block
 PACKED = """diagram packed_documents
@@ -200,7 +202,7 @@ def _predicted(report) -> tuple[dict, dict]:
     return dict(loads), dict(stores)
 
 
-@pytest.mark.parametrize("mask", ["documents", "causal", "both_ways"])
+@pytest.mark.parametrize("mask", ["documents", "causal", "both_ways", "prefix"])
 def test_predicted_bytes_are_the_bytes_moved(folder, mask):
     """The forward at given blocks, and the backward's three kernels (the
     training forward too), on documents that are not the blocks' multiples."""
@@ -377,7 +379,8 @@ def _kept(mask: str, docs: D.Documents, n: int) -> torch.Tensor:
     ids, pos = doc_ids(docs, n)[0], torch.arange(n)
     q, x = pos[:, None], pos[None, :]
     affine = {"documents": torch.ones(n, n, dtype=torch.bool), "causal": x <= q,
-              "window": (x <= q) & (q - x < 24), "both_ways": (q - x < 20) & (x - q < 20)}[mask]
+              "window": (x <= q) & (q - x < 24), "both_ways": (q - x < 20) & (x - q < 20),
+              "prefix": (x <= q) | (x < 40)}[mask]
     return (ids[:, None] == ids[None, :]) & affine
 
 

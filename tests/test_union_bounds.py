@@ -183,3 +183,21 @@ def test_prefix_lm_forward_and_gradients_against_float64(p, qx):
     exact = BH.gradients(m.reference, (q.double(), k.double(), v.double(), n))
     same = BH.gradients(m.reference, (q, k, v, n))
     BH.assert_accurate(got, exact, same, f"prefix {p}")
+
+
+def test_a_union_beside_ids_bounds_the_prepass_s_loops():
+    """(x <= q or x < 20) and doc[b, q] == doc: the ranges prepass finds the ids' blocks and
+    the loops are cut by the union too (masks.stream_bounds); forward and gradients against
+    float64 on documents off the blocks (test_documents.py counts its bytes and spans)."""
+    text = (K.REPO / "examples" / "document_mask.ncd").read_text().replace(
+        "where(doc[b, q] == doc,", "where((x <= q or x < 20) and doc[b, q] == doc,").replace("d = 64", "d = 16")
+    plan = lower.lower(napkin.load_text(text, "doc_prefix.ncd"))
+    assert ranges.applies(plan) and [B.text(b, "x", "q") for b in plan.bounds] == ["x <= max(q, 19)"]
+    m = K.compile_text(text, "union_doc_prefix")
+    q, k, v, _ = m.example_inputs({"b": 2, "h": 1, "q": 70, "x": 70}, dtype=torch.float32, seed=4)
+    doc = torch.tensor([[0] * 30 + [1] * 7 + [2] * 33, [0] * 12 + [1] * 58], dtype=torch.int32)
+    (out,) = K.run(m, (q, k, v, doc))
+    K.assert_accurate((out,), K.reference(m, (q, k, v, doc), torch.float64), K.reference(m, (q, k, v, doc)))
+    got = BH.gradients(m.document_mask, (q, k, v, doc), block_q=16, block_x=16)
+    exact = BH.gradients(m.reference, (q.double(), k.double(), v.double(), doc))
+    BH.assert_accurate(got, exact, BH.gradients(m.reference, (q, k, v, doc)), "doc prefix")
