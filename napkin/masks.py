@@ -35,6 +35,7 @@ Ranges are half-open ``(start, stop)`` like Python's ``range``.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
@@ -453,7 +454,7 @@ class Bound:
             return (max if self.kind == "upper" else min)(values)
         import numpy as np   # a row array (documents.bound_interval, pairs)
 
-        return (np.maximum if self.kind == "upper" else np.minimum).reduce(np.stack(np.broadcast_arrays(*values)))
+        return functools.reduce(np.maximum if self.kind == "upper" else np.minimum, values)
 
     def first_row(self, t: int) -> int:
         """The least row r with r // step >= t (t >= 0)."""

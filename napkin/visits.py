@@ -98,19 +98,20 @@ def row_block_range(bounds: tuple[Bound, ...], col_block: int, row_size: int, co
     nblocks = -(-row_size // block_row)
     lo, hi = 0, nblocks
     for b in bounds:
-        if b.alts:   # a union (masks._union): the row blocks meeting some part, one run
-            ulo, uhi = nblocks, 0
-            for p in b.parts:
-                span = _visiting_rows(p, col_block, row_size, col_size, block_row, block_col, sizes)
-                if span is not None:
-                    ulo, uhi = min(ulo, span[0]), max(uhi, span[1])
-            lo, hi = max(lo, ulo), min(hi, uhi)
-            continue
-        span = _visiting_rows(b, col_block, row_size, col_size, block_row, block_col, sizes)
+        span = _some_form([_visiting_rows(p, col_block, row_size, col_size, block_row, block_col, sizes)
+                           for p in b.parts])
         if span is None:
             return 0, 0
         lo, hi = max(lo, span[0]), min(hi, span[1])
     return lo, max(lo, hi)
+
+
+def _some_form(spans: list) -> Optional[tuple[int, int]]:
+    """The run of row blocks where some form of a bound holds: the union of the forms'
+    runs (one form's is its own), each [lo, all) or [0, hi) (a union's forms slope one
+    way, masks._union, so the union is one run); None where no form has any."""
+    spans = [s for s in spans if s is not None]
+    return (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
 
 
 def _visiting_rows(b: Bound, col_block: int, row_size: int, col_size: int, block_row: int, block_col: int,
@@ -225,26 +226,25 @@ def full_row_blocks(bounds: tuple[Bound, ...], col_block: int, row_size: int, co
     nblocks = -(-row_size // block_row)
     lo, hi = 0, (row_size // block_row if c1 < col_size else 0)
     for b in bounds:
-        # a union (masks._union) holds at every pair where some part does at every
-        # pair: its parts' runs are one, which is their union
-        ulo, uhi = (nblocks, 0) if b.alts else (0, nblocks)
-        for p in b.parts:
-            a, c = p.row_coeff, rest_value(p.rest, sizes)
-            a, need = (a, c1 - c) if p.kind == "upper" else (-a, c - c0)
-            if a == 0:
-                span = None if need > 0 else (0, nblocks)
-            elif a > 0:
-                t = p.first_row((max(need, 0) + a - 1) // a)       # the first row that satisfies it
-                span = ((t + block_row - 1) // block_row, nblocks)
-            else:
-                span = None if need > 0 else (0, (p.last_row(max(-need, 0) // -a) + 1) // block_row)
-            if b.alts:
-                ulo, uhi = (ulo, uhi) if span is None else (min(ulo, span[0]), max(uhi, span[1]))
-            else:
-                ulo, uhi = (0, 0) if span is None else span
-        lo, hi = max(lo, ulo), min(hi, uhi)
+        # a union (masks._union) holds at every pair where some form does at every pair
+        span = _some_form([_full_rows(p, c0, c1, nblocks, block_row, sizes) for p in b.parts])
+        lo, hi = (max(lo, span[0]), min(hi, span[1])) if span is not None else (lo, 0)
     lo = min(max(lo, vlo), vhi)
     return lo, max(min(hi, vhi), lo)
+
+
+def _full_rows(b: Bound, c0: int, c1: int, nblocks: int, block_row: int,
+               sizes: Mapping[str, int]) -> Optional[tuple[int, int]]:
+    """[lo, hi) of the row blocks at every row of which the one form ``b`` holds for
+    every key of [c0, c1] (a half-line of them); None for none."""
+    a, c = b.row_coeff, rest_value(b.rest, sizes)
+    a, need = (a, c1 - c) if b.kind == "upper" else (-a, c - c0)
+    if a == 0:
+        return None if need > 0 else (0, nblocks)
+    if a > 0:
+        t = b.first_row((max(need, 0) + a - 1) // a)       # the first row that satisfies it
+        return (t + block_row - 1) // block_row, nblocks
+    return None if need > 0 else (0, (b.last_row(max(-need, 0) // -a) + 1) // block_row)
 
 
 def split_blocks_by_column(bounds: tuple[Bound, ...], row_size: int, col_size: int, block_row: int,

@@ -356,7 +356,9 @@ def _bounds_dkdv(plan: BackwardPlan, names: E._Names) -> str:
     every = f"tl.cdiv({nq}, {br})"
     for b in bounds:
         if b.alts:
-            lines += _union_rows(b, row, col, every, "_lo", "_hi", _visit_part(names, nq, br, every))
+            lines += _union_rows(b, B.text(b, col, row), every, "_lo", "_hi",
+                                 lambda p: _visit_need(p, names, row, col),
+                                 f"tl.where(_t >= {nq}, {every}, _t // {br})", "{last} // " + br + " + 1")
             continue
         a, need, why = _visit_need(b, names, row, col)
         lines.append(f"_need = {need}  # {why}")
@@ -381,33 +383,26 @@ def _visit_need(b, names, row: str, col: str) -> tuple[int, str, str]:
             f"{B.text(b, col, row)}: visited while that starts by the block's greatest {col}")
 
 
-def _visit_part(names, nq: str, br: str, every: str):
-    """One form of a union for _union_rows: (its _need, why) and the lines folding its
-    run of row blocks into [_ulo, _uhi) (visits._visiting_rows)."""
-    def part(p, row, col):
-        a, need, why = _visit_need(p, names, row, col)
-        if a == 0:
-            fold = ["_ulo = tl.where(_need > 0, _ulo, 0)", f"_uhi = tl.where(_need > 0, _uhi, {every})"]
-        elif a > 0:
-            fold = [f"_t = {_first_row(p, a)}",
-                    f"_ulo = tl.minimum(_ulo, tl.where(_t >= {nq}, {every}, _t // {br}))", f"_uhi = {every}"]
-        else:
-            fold = ["_ulo = tl.where(_need > 0, _ulo, 0)",
-                    f"_uhi = tl.where(_need > 0, _uhi, tl.maximum(_uhi, {_last_row(p, a)} // {br} + 1))"]
-        return need, why, fold
-    return part
-
-
-def _union_rows(b, row: str, col: str, every: str, lo: str, hi: str, part) -> list[str]:
-    """A union's (masks._union) run of row blocks, the union of its parts' runs (each all
+def _union_rows(b, text: str, every: str, lo: Optional[str], hi: str, need_of, start: str, stop: str) -> list[str]:
+    """A union's (masks._union) run of row blocks, the union of its forms' runs (each all
     of the rows from one on, or up to one, or all or none: their union is one run), met
-    with [lo, hi): visits.row_block_range and full_row_blocks' union, term for term."""
-    lines = [f"_ulo = {every}  # {B.text(b, col, row)}: the row blocks some part lets through, none yet",
-             "_uhi = 0"]
+    with [lo, hi) (no ``lo`` where no bound can raise it; ``text``, the bound's, for the
+    comment): visits.row_block_range and full_row_blocks' union (visits._some_form),
+    term for term.  ``need_of``: a form's
+    (a, _need, why); a form with a > 0 runs from ``start`` (of _t, its first row), one
+    with a < 0 up to ``stop`` (of ``{last}``, its last row)."""
+    lines = [f"_ulo = {every}  # {text}: the row blocks some part lets through, none yet", "_uhi = 0"]
     for p in b.parts:
-        need, why, fold = part(p, row, col)
-        lines += [f"_need = {need}  # {why}", *fold]
-    return lines + [f"{lo} = tl.maximum({lo}, _ulo)", f"{hi} = tl.minimum({hi}, _uhi)"]
+        a, need, why = need_of(p)
+        lines.append(f"_need = {need}  # {why}")
+        if a == 0:
+            lines += ["_ulo = tl.where(_need > 0, _ulo, 0)", f"_uhi = tl.where(_need > 0, _uhi, {every})"]
+        elif a > 0:
+            lines += [f"_t = {_first_row(p, a)}", f"_ulo = tl.minimum(_ulo, {start})", f"_uhi = {every}"]
+        else:
+            lines += ["_ulo = tl.where(_need > 0, _ulo, 0)",
+                      f"_uhi = tl.where(_need > 0, _uhi, tl.maximum(_uhi, {stop.format(last=_last_row(p, a))}))"]
+    return lines + ([f"{lo} = tl.maximum({lo}, _ulo)"] if lo else []) + [f"{hi} = tl.minimum({hi}, _uhi)"]
 
 
 def _ranges_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
@@ -450,21 +445,14 @@ def _full_dkdv(plan: BackwardPlan, names: E._Names) -> list[str]:
 
     every = f"tl.cdiv({nq}, {br})"
 
-    def part(p, row, col):   # one form of a union (visits.full_row_blocks)
+    def need_of(p):
         a, need, why = _full_need(p, names, row, col, bc)
-        if a == 0:
-            fold = ["_ulo = tl.where(_need > 0, _ulo, 0)", f"_uhi = tl.where(_need > 0, _uhi, {every})"]
-        elif a > 0:
-            fold = [f"_t = {_first_row(p, a)}", f"_ulo = tl.minimum(_ulo, tl.cdiv(_t, {br}))", f"_uhi = {every}"]
-        else:
-            fold = ["_ulo = tl.where(_need > 0, _ulo, 0)",
-                    f"_uhi = tl.where(_need > 0, _uhi, tl.maximum(_uhi, ({_last_row(p, a)} + 1) // {br}))"]
-        return need, f"{why}, for every row", fold
+        return a, need, f"{why}, for every row"
 
     for b in plan.forward.full:
         if b.alts:
-            union = _union_rows(b, row, col, every, "_flo", "_fhi", part)
-            inner += union if lower else [line for line in union if not line.startswith("_flo =")]
+            inner += _union_rows(b, B.text(b, col, row), every, "_flo" if lower else None, "_fhi", need_of,
+                                 f"tl.cdiv(_t, {br})", "({last} + 1) // " + br)
             continue
         a, need, why = _full_need(b, names, row, col, bc)
         inner.append(f"_need = {need}  # {why}, for every row")
